@@ -1,0 +1,29 @@
+# Two commands do all set-up on a fresh machine:
+#   make demo   - create .venv, install, train a small model with async checkpoints (run it twice: it resumes)
+#   make test   - create .venv, install, run the test suite
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test install bench clean
+
+$(STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -c constraints.txt -e ".[xla,gcs,s3,dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	PJRT_DEVICE=CPU $(PY) examples/train.py $(ARGS)
+
+test: $(STAMP)
+	PJRT_DEVICE=CPU $(PY) -m pytest -q -ra $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	PJRT_DEVICE=CPU $(PY) benchmarks/bench_save.py $(ARGS)
+
+clean:
+	rm -rf checkpoints

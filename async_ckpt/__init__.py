@@ -1,0 +1,44 @@
+"""async_ckpt: asynchronous checkpointing for PyTorch and PyTorch/XLA.
+
+``CheckpointManager.save_async`` blocks only while host copies are made (one batched transfer
+into reused host buffers), then writes a DCP checkpoint through fsspec in the background and
+commits it atomically.
+"""
+
+from .errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    InvalidStateDictError,
+    InvalidStepError,
+    StagingBudgetError,
+    StateDictMismatchError,
+    StepNotFoundError,
+    StorageError,
+    UnsafeCheckpointError,
+)
+from .manager import CheckpointManager
+from .policies import CheckpointInfo, EveryNSteps, KeepAll, KeepLatest, RetentionPolicy, SavePolicy
+from .stats import SaveStats
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointInfo",
+    "CheckpointManager",
+    "CorruptCheckpointError",
+    "EveryNSteps",
+    "InvalidStateDictError",
+    "InvalidStepError",
+    "KeepAll",
+    "KeepLatest",
+    "RetentionPolicy",
+    "SavePolicy",
+    "SaveStats",
+    "StagingBudgetError",
+    "StateDictMismatchError",
+    "StepNotFoundError",
+    "StorageError",
+    "UnsafeCheckpointError",
+    "__version__",
+]

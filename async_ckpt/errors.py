@@ -1,0 +1,54 @@
+"""Typed errors raised by async_ckpt. Every error is a :class:`CheckpointError`."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+
+class CheckpointError(RuntimeError):
+    """Base class for every error async_ckpt raises.
+
+    Background failures are re-raised as ``CheckpointError`` (with ``step`` set and the
+    original exception chained as ``__cause__``) at the next ``save``/``save_async``/
+    ``join``/``close``.
+    """
+
+    def __init__(self, message: str, *, step: Optional[int] = None) -> None:
+        super().__init__(message)
+        self.step = step
+
+
+class InvalidStepError(CheckpointError, ValueError):
+    """A step that is not a non-negative integer."""
+
+
+class InvalidStateDictError(CheckpointError, TypeError):
+    """A state dict that is not a mapping, or holds a leaf that cannot be saved."""
+
+
+class StepNotFoundError(CheckpointError, FileNotFoundError):
+    """Restore of a step that has no committed checkpoint."""
+
+
+class StateDictMismatchError(CheckpointError, ValueError):
+    """Restore into a state dict whose keys, shapes or dtypes do not match the checkpoint."""
+
+
+class CorruptCheckpointError(CheckpointError):
+    """A committed checkpoint whose files fail verification (size, checksum, manifest)."""
+
+    def __init__(self, message: str, *, step: Optional[int] = None, path: Optional[str] = None) -> None:
+        super().__init__(message, step=step)
+        self.path = path
+
+
+class StorageError(CheckpointError, OSError):
+    """The storage backend refused an operation (permissions, no space, unreachable)."""
+
+
+class StagingBudgetError(CheckpointError, MemoryError):
+    """A state dict needs more host staging memory than the configured budget allows."""
+
+
+class UnsafeCheckpointError(CheckpointError):
+    """Checkpoint metadata that tries to load something outside the allowed classes."""

@@ -1,0 +1,112 @@
+"""State dict -> staging plan: a template of the nested structure plus a flat list of tensors.
+
+The plan walks the user's state dict once, validates every leaf and records where each tensor
+sits. Non-tensor leaves are copied at the call (through pickle, which also proves that they can
+be saved), so a later mutation by the training loop cannot leak into the checkpoint.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, List
+
+import torch
+
+from ..errors import InvalidStateDictError
+
+_IMMUTABLE = (int, float, bool, str, bytes, complex, type(None), torch.dtype, torch.device, torch.Size)
+
+
+@dataclass(frozen=True)
+class _Slot:
+    """Placeholder for the i-th tensor of a plan inside the template."""
+
+    index: int
+
+
+@dataclass
+class StagingPlan:
+    """The result of :func:`make_plan`: what to copy and how to put it back together."""
+
+    template: Any
+    tensors: List[torch.Tensor] = field(default_factory=list)
+    keys: List[str] = field(default_factory=list)
+    #: dotted paths of dict entries whose key is an int (e.g. ``optim.state.0``): DCP's flat
+    #: names turn keys into strings, and restore needs to know which ones to turn back.
+    int_keys: List[str] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors)
+
+    def build(self, host_tensors: List[torch.Tensor]) -> Any:
+        """The template with every slot replaced by the matching host tensor."""
+        return _fill(self.template, host_tensors)
+
+
+def make_plan(state_dict: Any) -> StagingPlan:
+    """Flatten ``state_dict`` into a :class:`StagingPlan`, validating every leaf.
+
+    Raises :class:`InvalidStateDictError` for a state dict that is not a mapping, a key that
+    is not a string (or an int below the top level), or a leaf that cannot be pickled.
+    """
+    if not isinstance(state_dict, Mapping):
+        raise InvalidStateDictError(
+            f"state_dict must be a mapping (e.g. a dict), got {type(state_dict).__name__}"
+        )
+    plan = StagingPlan(template=None)
+    out = {}
+    for key, value in state_dict.items():
+        if not isinstance(key, str):
+            raise InvalidStateDictError(
+                f"top-level state_dict keys must be strings, got {key!r} ({type(key).__name__})"
+            )
+        out[key] = _walk(value, key, plan)
+    plan.template = out
+    return plan
+
+
+def _walk(value: Any, path: str, plan: StagingPlan) -> Any:
+    if isinstance(value, torch.Tensor):
+        if value.is_sparse or value.layout != torch.strided:
+            raise InvalidStateDictError(f"{path}: only strided (dense) tensors can be saved, got {value.layout}")
+        plan.tensors.append(value.detach())
+        plan.keys.append(path)
+        return _Slot(len(plan.tensors) - 1)
+    if isinstance(value, Mapping):
+        out = {}
+        for k, v in value.items():
+            if not isinstance(k, (str, int)) or isinstance(k, bool):
+                raise InvalidStateDictError(
+                    f"{path}: nested keys must be strings or ints, got {k!r} ({type(k).__name__})"
+                )
+            if isinstance(k, int):
+                plan.int_keys.append(f"{path}.{k}")
+            out[k] = _walk(v, f"{path}.{k}", plan)
+        return out
+    if isinstance(value, list):
+        return [_walk(v, f"{path}.{i}", plan) for i, v in enumerate(value)]
+    if type(value) is tuple:
+        return tuple(_walk(v, f"{path}.{i}", plan) for i, v in enumerate(value))
+    if isinstance(value, _IMMUTABLE):
+        return value
+    try:
+        return pickle.loads(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
+    except Exception as exc:  # lambdas, open files, locks, ...
+        raise InvalidStateDictError(
+            f"{path}: a {type(value).__name__} cannot be saved in a checkpoint ({exc})"
+        ) from exc
+
+
+def _fill(template: Any, host: List[torch.Tensor]) -> Any:
+    if isinstance(template, _Slot):
+        return host[template.index]
+    if isinstance(template, dict):
+        return {k: _fill(v, host) for k, v in template.items()}
+    if isinstance(template, list):
+        return [_fill(v, host) for v in template]
+    if type(template) is tuple:
+        return tuple(_fill(v, host) for v in template)
+    return template

@@ -1,0 +1,184 @@
+"""The blocking part of a save: turn a state dict into a host snapshot, as fast as possible.
+
+``Stager.stage`` plans the state dict, groups tensors that share storage (tied weights, views)
+so each storage is copied once, takes reusable buffers from the pool, and runs one batched
+transfer per device type. When it returns, the snapshot owns host copies of every tensor and
+the training loop may mutate its tensors freely.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from .backends import CudaTransfer, copy_cpu, xla_batched_to_cpu, xla_host_views, xla_sync
+from .plan import StagingPlan, make_plan
+from .pool import HostBufferPool, Lease
+
+
+@dataclass
+class HostSnapshot:
+    """Host copies of one state dict. Owns its pooled buffers until :meth:`release`."""
+
+    state_dict: Dict[str, Any]
+    nbytes: int
+    num_tensors: int
+    stage_seconds: float
+    int_keys: List[str] = field(default_factory=list)
+    leases: List[Lease] = field(default_factory=list)
+
+    def release(self) -> None:
+        """Give the buffers back to the pool. The snapshot must not be read afterwards."""
+        for lease in self.leases:
+            lease.release()
+        self.leases = []
+
+
+@dataclass
+class _Unit:
+    """One contiguous run of bytes to copy; several tensors may be views into it."""
+
+    src: torch.Tensor  # the source to copy (a tensor, or a uint8 view of a storage span)
+    nbytes: int
+    members: List[Tuple[int, torch.Tensor]]  # (plan index, source tensor)
+    span_start: int = -1  # byte offset in the storage for span units; -1 for simple units
+
+
+def _storage_units(idx_tensors: List[Tuple[int, torch.Tensor]]) -> List[_Unit]:
+    """Group CPU/CUDA tensors by storage; a storage shared by several tensors is copied once."""
+    groups: Dict[Tuple[torch.device, int], List[Tuple[int, torch.Tensor]]] = {}
+    units: List[_Unit] = []
+    for i, t in idx_tensors:
+        if t.numel() == 0:
+            units.append(_Unit(t, 0, [(i, t)]))
+            continue
+        groups.setdefault((t.device, t.untyped_storage().data_ptr()), []).append((i, t))
+    for members in groups.values():
+        first = members[0][1]
+        same_view = all(
+            t.storage_offset() == first.storage_offset() and t.size() == first.size()
+            and t.stride() == first.stride() and t.dtype == first.dtype
+            for _, t in members
+        )
+        if same_view and first.is_contiguous():
+            units.append(_Unit(first, first.numel() * first.element_size(), members))
+            continue
+        lo = min(t.storage_offset() * t.element_size() for _, t in members)
+        hi = max(
+            (t.storage_offset() + sum((s - 1) * st for s, st in zip(t.size(), t.stride())) + 1) * t.element_size()
+            for _, t in members
+        )
+        if any((t.storage_offset() * t.element_size() - lo) % t.element_size() for _, t in members):
+            # Mixed dtypes at odd offsets: copy each tensor on its own (still one batch).
+            for i, t in members:
+                c = t if t.is_contiguous() else None
+                if c is None:
+                    units.extend(_storage_units([(i, t.contiguous())]))  # rare: non-aligned strided view
+                else:
+                    units.append(_Unit(t, t.numel() * t.element_size(), [(i, t)]))
+            continue
+        span = torch.empty(0, dtype=torch.uint8, device=first.device).set_(
+            first.untyped_storage(), lo, (hi - lo,), (1,)
+        )
+        units.append(_Unit(span, hi - lo, members, span_start=lo))
+    return units
+
+
+def _views_on(buf: torch.Tensor, unit: _Unit, host: List[Optional[torch.Tensor]]) -> torch.Tensor:
+    """Fill ``host`` with the member tensors of ``unit`` as views of ``buf``; return the copy target."""
+    if unit.span_start < 0:
+        i0, t0 = unit.members[0]
+        dst = buf.view(t0.dtype).view(t0.shape) if unit.nbytes else torch.empty(t0.shape, dtype=t0.dtype)
+        for i, _ in unit.members:
+            host[i] = dst
+        return dst
+    storage = buf.untyped_storage()
+    for i, t in unit.members:
+        off = (t.storage_offset() * t.element_size() - unit.span_start) // t.element_size()
+        host[i] = torch.empty(0, dtype=t.dtype).set_(storage, off, t.size(), t.stride())
+    return buf
+
+
+class Stager:
+    """Makes :class:`HostSnapshot` objects from state dicts using one :class:`HostBufferPool`."""
+
+    def __init__(self, pool: Optional[HostBufferPool] = None) -> None:
+        self.pool = pool if pool is not None else HostBufferPool()
+        self._cuda: Optional[CudaTransfer] = None
+
+    def stage(self, state_dict: Any, plan: Optional[StagingPlan] = None) -> HostSnapshot:
+        t0 = time.perf_counter()
+        plan = plan if plan is not None else make_plan(state_dict)
+        host: List[Optional[torch.Tensor]] = [None] * len(plan.tensors)
+        by_type: Dict[str, List[Tuple[int, torch.Tensor]]] = {}
+        for i, t in enumerate(plan.tensors):
+            by_type.setdefault(t.device.type, []).append((i, t))
+        leases: List[Lease] = []
+        try:
+            if "xla" in by_type:
+                self._stage_xla(by_type.pop("xla"), host, leases)
+            local = [it for kind in ("cpu", "cuda") for it in by_type.pop(kind, [])]
+            if by_type:
+                kinds = ", ".join(sorted(by_type))
+                raise NotImplementedError(f"staging tensors on device type(s) {kinds} is not supported")
+            if local:
+                self._stage_local(local, host, leases)
+        except BaseException:
+            for lease in leases:
+                lease.release()
+            raise
+        snap_sd = plan.build(host)  # type: ignore[arg-type]
+        return HostSnapshot(
+            state_dict=snap_sd,
+            nbytes=plan.nbytes,
+            num_tensors=len(plan.tensors),
+            stage_seconds=time.perf_counter() - t0,
+            int_keys=plan.int_keys,
+            leases=leases,
+        )
+
+    def _stage_local(self, items, host, leases) -> None:
+        units = _storage_units(items)
+        pinned = any(u.src.device.type == "cuda" for u in units) and torch.cuda.is_available()
+        lease = self.pool.acquire([u.nbytes for u in units], pinned=pinned)
+        leases.append(lease)
+        cpu_d, cpu_s, cuda_d, cuda_s = [], [], [], []
+        for buf, unit in zip(lease.buffers, units):
+            dst = _views_on(buf, unit, host)
+            if unit.nbytes == 0:
+                continue
+            if unit.src.device.type == "cuda":
+                cuda_d.append(dst)
+                cuda_s.append(unit.src)
+            else:
+                cpu_d.append(dst)
+                cpu_s.append(unit.src)
+        if cuda_d:
+            if self._cuda is None:
+                self._cuda = CudaTransfer()
+            self._cuda.copy(cuda_d, cuda_s)
+        copy_cpu(cpu_d, cpu_s)
+
+    def _stage_xla(self, items, host, leases) -> None:
+        xla_sync()
+        # Deduplicate tensors that are the same object (tied parameters).
+        uniq: Dict[int, int] = {}
+        srcs: List[torch.Tensor] = []
+        for _, t in items:
+            if id(t) not in uniq:
+                uniq[id(t)] = len(srcs)
+                srcs.append(t)
+        views = xla_host_views(srcs)
+        if views is not None:
+            # Zero-copy view of the PJRT host buffer, then one batched copy into pooled buffers.
+            view_items = [(k, v) for k, v in enumerate(views)]
+            tmp: List[Optional[torch.Tensor]] = [None] * len(views)
+            self._stage_local(view_items, tmp, leases)
+            staged = tmp
+        else:
+            staged = xla_batched_to_cpu(srcs)  # fresh host tensors; the seed's parallel path
+        for i, t in items:
+            host[i] = staged[uniq[id(t)]]

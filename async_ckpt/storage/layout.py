@@ -1,0 +1,163 @@
+"""Where a step lives, how it is committed, and which steps count as committed.
+
+Commit protocols (Orbax calls them ATOMIC_RENAME and COMMIT_FILE):
+
+* ``rename`` (POSIX paths): the step is written under ``.tmp-<step>-<token>/`` (data files,
+  then ``manifest.json``, then the ``COMMITTED`` marker, each fsynced), then renamed to
+  ``<step>/`` in one atomic ``rename`` and the parent directory is fsynced.
+* ``marker`` (object stores, which have no rename): the step is written in place under
+  ``<step>/`` and the ``COMMITTED`` marker, written last, alone decides that it exists.
+
+Either way, a step is listed only when its marker exists; restore then checks that the marker
+vouches for the manifest and the manifest for every file.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Iterable, List, Optional, Set
+
+from ..errors import CorruptCheckpointError, StepNotFoundError
+from .fs import Storage
+from .manifest import MANIFEST_NAME, MARKER_NAME, Manifest, check_marker, marker_bytes
+
+_STEP_RE = re.compile(r"^\d+$")
+_TMP_RE = re.compile(r"^\.tmp-(\d+)-[0-9a-f]+$")
+_TRASH_RE = re.compile(r"^\.trash-(\d+)-[0-9a-f]+$")
+
+COMMIT_MODES = ("auto", "rename", "marker")
+
+
+@dataclass
+class StepTarget:
+    """Where the files of one step being written go."""
+
+    step: int
+    path: str  # directory the data files are written into
+    final: str  # directory of the committed step
+
+
+class CheckpointLayout:
+    """Step directories under one root, and the commit protocol for them."""
+
+    def __init__(self, storage: Storage, commit_mode: str = "auto") -> None:
+        if commit_mode not in COMMIT_MODES:
+            raise ValueError(f"commit_mode must be one of {COMMIT_MODES}, got {commit_mode!r}")
+        if commit_mode == "rename" and not storage.is_local:
+            raise ValueError(f"commit_mode='rename' needs a POSIX path; {storage.url!r} has no atomic rename")
+        self.storage = storage
+        self.mode = ("rename" if storage.is_local else "marker") if commit_mode == "auto" else commit_mode
+
+    # ---- names -------------------------------------------------------------------------------
+    def step_dir(self, step: int) -> str:
+        return self.storage.join(str(step))
+
+    def marker_path(self, step: int) -> str:
+        return self.storage.join(str(step), MARKER_NAME)
+
+    # ---- writing -----------------------------------------------------------------------------
+    def begin(self, step: int, token: Optional[str] = None) -> StepTarget:
+        """Prepare an empty place to write ``step`` into. ``token`` must match across ranks."""
+        final = self.step_dir(step)
+        if self.mode == "rename":
+            path = self.storage.join(f".tmp-{step}-{token or uuid.uuid4().hex[:12]}")
+        else:
+            path = final
+            if self.storage.exists(final):
+                self.delete(step)  # re-saving a step replaces it: unmark first, then clear
+        self.storage.makedirs(path)
+        return StepTarget(step, path, final)
+
+    def commit(self, target: StepTarget, manifest: Manifest) -> None:
+        """Write the manifest, then the marker, then (rename mode) move the step into place."""
+        st = self.storage
+        mbytes = manifest.to_json()
+        st.write_bytes(f"{target.path}/{MANIFEST_NAME}", mbytes)
+        st.write_bytes(f"{target.path}/{MARKER_NAME}", marker_bytes(target.step, mbytes))
+        if self.mode != "rename":
+            return
+        st.fsync_dir(target.path)
+        trash = None
+        if st.exists(target.final):
+            trash = st.join(f".trash-{target.step}-{uuid.uuid4().hex[:12]}")
+            st.rm(f"{target.final}/{MARKER_NAME}", recursive=False)
+            st.rename(target.final, trash)
+        st.rename(target.path, target.final)
+        st.fsync_dir(st.root)
+        if trash is not None:
+            st.rm(trash)
+
+    def abort(self, target: StepTarget) -> None:
+        """Best-effort removal of a step that failed before its commit."""
+        try:
+            if self.mode == "marker":
+                self.storage.rm(f"{target.path}/{MARKER_NAME}", recursive=False)
+            self.storage.rm(target.path)
+        except Exception:
+            pass
+
+    def delete(self, step: int) -> None:
+        """Remove a step: its marker first, so a half-deleted step never looks committed."""
+        self.storage.rm(self.marker_path(step), recursive=False)
+        self.storage.rm(self.step_dir(step))
+
+    # ---- reading -----------------------------------------------------------------------------
+    def committed_steps(self) -> List[int]:
+        """Steps whose commit marker exists, ascending."""
+        st = self.storage
+        st.invalidate_cache()
+        if st.is_local:
+            import os
+
+            try:
+                names = os.listdir(st.root)
+            except FileNotFoundError:
+                return []
+            return sorted(int(n) for n in names
+                          if _STEP_RE.match(n) and os.path.exists(os.path.join(st.root, n, MARKER_NAME)))
+        try:
+            found = st.retry.call(lambda: st.fs.glob(st.join("*", MARKER_NAME)), f"list {st.root}")
+        except FileNotFoundError:
+            return []
+        steps = []
+        for p in found:
+            parts = p.rstrip("/").split("/")
+            if len(parts) >= 2 and _STEP_RE.match(parts[-2]):
+                steps.append(int(parts[-2]))
+        return sorted(set(steps))
+
+    def read_manifest(self, step: int) -> Manifest:
+        """The manifest of a committed step, checked against its marker."""
+        where = self.step_dir(step)
+        try:
+            marker = self.storage.read_bytes(self.marker_path(step))
+        except FileNotFoundError:
+            raise StepNotFoundError(f"no committed checkpoint for step {step} under {self.storage.url}",
+                                    step=step) from None
+        try:
+            mbytes = self.storage.read_bytes(f"{where}/{MANIFEST_NAME}")
+        except FileNotFoundError:
+            raise CorruptCheckpointError(f"step {step}: {MANIFEST_NAME} is missing", step=step,
+                                         path=f"{where}/{MANIFEST_NAME}") from None
+        check_marker(marker, mbytes, where=f"step {step}")
+        m = Manifest.from_json(mbytes, where=f"step {step} {MANIFEST_NAME}")
+        if m.step != step:
+            raise CorruptCheckpointError(f"step {step}: manifest says step {m.step}", step=step, path=where)
+        return m
+
+    def incomplete(self, exclude: Iterable[str] = ()) -> List[str]:
+        """Paths of steps that never committed (temp dirs, unmarked step dirs, leftover trash)."""
+        skip: Set[str] = set(exclude)
+        out = []
+        for e in self.storage.listdir(self.storage.root):
+            name = e["name"]
+            path = self.storage.join(name)
+            if path in skip or e.get("type") != "directory":
+                continue
+            if _TMP_RE.match(name) or _TRASH_RE.match(name):
+                out.append(path)
+            elif _STEP_RE.match(name) and not self.storage.exists(f"{path}/{MARKER_NAME}"):
+                out.append(path)
+        return out

@@ -1,0 +1,112 @@
+"""The JSON manifest of a step and its commit marker. No pickle in our own metadata."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any, Dict, Optional
+
+import crc32c as _crc32c
+
+from ..errors import CorruptCheckpointError
+
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+MARKER_NAME = "COMMITTED"
+
+
+def crc32c(data: Any, value: int = 0) -> int:
+    """CRC32C of a bytes-like object, continuing from ``value``."""
+    return _crc32c.crc32c(data, value)
+
+
+@dataclass
+class FileRecord:
+    size: int
+    crc32c: int
+
+
+@dataclass
+class Manifest:
+    """What a committed step holds. Written after the data, before the commit marker."""
+
+    step: int
+    commit_time: float
+    files: Dict[str, FileRecord]
+    metrics: Dict[str, float] = field(default_factory=dict)
+    nbytes: int = 0
+    num_tensors: int = 0
+    world_size: int = 1
+    format_version: int = FORMAT_VERSION
+    extra: Dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> bytes:
+        d = asdict(self)
+        return json.dumps(d, indent=1, sort_keys=True, allow_nan=True).encode()
+
+    @staticmethod
+    def from_json(data: bytes, *, where: str = "manifest") -> "Manifest":
+        try:
+            d = json.loads(data)
+            files = {k: FileRecord(int(v["size"]), int(v["crc32c"])) for k, v in d["files"].items()}
+            m = Manifest(
+                step=int(d["step"]),
+                commit_time=float(d["commit_time"]),
+                files=files,
+                metrics={k: float(v) for k, v in (d.get("metrics") or {}).items()},
+                nbytes=int(d.get("nbytes", 0)),
+                num_tensors=int(d.get("num_tensors", 0)),
+                world_size=int(d.get("world_size", 1)),
+                format_version=int(d.get("format_version", FORMAT_VERSION)),
+                extra=dict(d.get("extra") or {}),
+            )
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise CorruptCheckpointError(f"{where}: not a valid async_ckpt manifest ({exc})", path=where) from exc
+        if m.format_version > FORMAT_VERSION:
+            raise CorruptCheckpointError(
+                f"{where}: format version {m.format_version} is newer than this async_ckpt understands "
+                f"({FORMAT_VERSION}); upgrade async_ckpt", path=where
+            )
+        return m
+
+
+def check_metrics(metrics: Optional[Dict[str, Any]]) -> Dict[str, float]:
+    """Validate ``metrics=``: a mapping of names to real numbers."""
+    if metrics is None:
+        return {}
+    if not isinstance(metrics, dict):
+        raise TypeError(f"metrics must be a dict of str -> float, got {type(metrics).__name__}")
+    out = {}
+    for k, v in metrics.items():
+        if not isinstance(k, str):
+            raise TypeError(f"metrics keys must be strings, got {k!r}")
+        try:
+            fv = float(v)
+        except (TypeError, ValueError):
+            raise TypeError(f"metrics[{k!r}] must be a number, got {type(v).__name__}") from None
+        if math.isnan(fv):
+            raise ValueError(f"metrics[{k!r}] is NaN")
+        out[k] = fv
+    return out
+
+
+def marker_bytes(step: int, manifest: bytes) -> bytes:
+    return json.dumps(
+        {"format_version": FORMAT_VERSION, "step": step, "manifest_size": len(manifest),
+         "manifest_crc32c": crc32c(manifest)}, sort_keys=True
+    ).encode()
+
+
+def check_marker(marker: bytes, manifest: bytes, *, where: str) -> None:
+    """Raise :class:`CorruptCheckpointError` unless ``marker`` vouches for exactly ``manifest``."""
+    try:
+        d = json.loads(marker)
+        size, crc = int(d["manifest_size"]), int(d["manifest_crc32c"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CorruptCheckpointError(f"{where}: commit marker is unreadable ({exc})", path=where) from exc
+    if size != len(manifest) or crc != crc32c(manifest):
+        raise CorruptCheckpointError(
+            f"{where}: manifest does not match its commit marker (size {len(manifest)} vs {size}, "
+            f"crc32c {crc32c(manifest):#010x} vs {crc:#010x})", path=where
+        )

@@ -1,0 +1,117 @@
+"""The background writer: a bounded queue of save jobs run in order on one worker thread.
+
+At most ``max_pending`` jobs are in flight (staged but not yet committed); ``wait_for_slot``
+blocks the caller until one is free. A job that fails does not stop the worker: its error is
+kept and re-raised to the training thread at the next ``raise_if_failed`` (every
+``save``/``save_async``/``join``/``close`` calls it), and its slot is released, so training
+never hangs on a failed save.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from concurrent.futures import Future
+from typing import Any, Callable, List, Optional, Tuple
+
+from .errors import CheckpointError
+
+_STOP = object()
+
+
+class AsyncWriter:
+    """Runs submitted jobs one after another on a daemon thread."""
+
+    def __init__(self, max_pending: int = 1, name: str = "async-ckpt-writer") -> None:
+        if not isinstance(max_pending, int) or max_pending < 1:
+            raise ValueError(f"max_pending_async must be an int >= 1, got {max_pending!r}")
+        self.max_pending = max_pending
+        self._slots = threading.BoundedSemaphore(max_pending)
+        self._queue: "queue.Queue[Any]" = queue.Queue()
+        self._errors: List[Tuple[Optional[int], BaseException]] = []
+        self._lock = threading.Lock()
+        self._pending = 0
+        self._idle = threading.Condition(self._lock)
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    # ---- training-thread side ----------------------------------------------------------------
+    def wait_for_slot(self, timeout: Optional[float] = None) -> None:
+        """Block until fewer than ``max_pending`` jobs are in flight. Raises earlier failures."""
+        self.raise_if_failed()
+        if not self._slots.acquire(timeout=timeout):
+            raise CheckpointError(f"timed out after {timeout}s waiting for a free save slot")
+        try:
+            self.raise_if_failed()
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def release_slot(self) -> None:
+        """Give back a slot taken by :meth:`wait_for_slot` when no job will be submitted."""
+        self._slots.release()
+
+    def submit(self, fn: Callable[[], Any], *, step: Optional[int] = None) -> "Future[Any]":
+        """Queue ``fn`` (the caller holds a slot, which the job releases when it ends)."""
+        if self._closed:
+            self._slots.release()
+            raise CheckpointError("the checkpoint writer is closed", step=step)
+        fut: "Future[Any]" = Future()
+        with self._lock:
+            self._pending += 1
+        self._queue.put((fn, step, fut))
+        return fut
+
+    def raise_if_failed(self) -> None:
+        """Raise the first background failure as a :class:`CheckpointError` (once)."""
+        with self._lock:
+            if not self._errors:
+                return
+            errors, self._errors = self._errors, []
+        step, exc = errors[0]
+        more = f" (and {len(errors) - 1} more failed save(s): steps {[s for s, _ in errors[1:]]})" if len(errors) > 1 else ""
+        if isinstance(exc, CheckpointError) and exc.step == step:
+            raise exc
+        raise CheckpointError(
+            f"background save of step {step} failed: {type(exc).__name__}: {exc}{more}", step=step
+        ) from exc
+
+    def join(self, timeout: Optional[float] = None) -> None:
+        """Wait until every queued job has finished, then raise any failure."""
+        with self._idle:
+            if not self._idle.wait_for(lambda: self._pending == 0, timeout=timeout):
+                raise CheckpointError(f"timed out after {timeout}s waiting for pending saves")
+        self.raise_if_failed()
+
+    @property
+    def pending(self) -> int:
+        with self._lock:
+            return self._pending
+
+    def close(self, timeout: Optional[float] = None) -> None:
+        """Finish queued jobs, stop the worker thread, and raise any failure."""
+        if not self._closed:
+            self._closed = True
+            self._queue.put(_STOP)
+            self._thread.join(timeout)
+        self.raise_if_failed()
+
+    # ---- worker side -------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is _STOP:
+                return
+            fn, step, fut = item
+            try:
+                fut.set_result(fn())
+            except BaseException as exc:  # noqa: BLE001 - surfaced to the training thread
+                with self._lock:
+                    self._errors.append((step, exc))
+                fut.set_exception(exc)
+            finally:
+                self._slots.release()
+                with self._idle:
+                    self._pending -= 1
+                    self._idle.notify_all()
