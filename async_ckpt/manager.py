@@ -29,7 +29,7 @@ from .errors import (
 )
 from .policies import CheckpointInfo, EveryNSteps, KeepAll, KeepLatest, RetentionPolicy, SavePolicy
 from .staging import HostBufferPool, HostSnapshot, Stager, make_plan
-from .stats import SaveStats
+from .stats import SaveStats, StatsLog
 from .storage import CheckpointLayout, Manifest, Storage, StepTarget
 from .storage.dcp_io import METADATA_NAME, FsspecStorageReader, load_metadata, load_state_dict, save_state_dict
 from .writer import AsyncWriter
@@ -91,6 +91,9 @@ class CheckpointManager:
         verify: check checksums on restore (sizes are always checked).
         keep_incomplete: keep steps that never committed instead of cleaning them up.
         on_saved: called with the :class:`SaveStats` of each committed save (writer thread).
+        stats_log: append each save's :class:`SaveStats` as a JSON line to a file under the root:
+            ``True`` for ``<path>/save_stats.jsonl``, or a path relative to ``path`` (see
+            :class:`async_ckpt.stats.StatsLog`; on object stores the file is rewritten per save).
     """
 
     def __init__(
@@ -111,6 +114,7 @@ class CheckpointManager:
         verify: bool = True,
         keep_incomplete: bool = False,
         on_saved: Optional[Callable[[SaveStats], None]] = None,
+        stats_log: Any = None,
     ) -> None:
         if max_to_keep is not None and (not isinstance(max_to_keep, int) or max_to_keep < 0):
             raise ValueError(f"max_to_keep must be an int >= 0 or None, got {max_to_keep!r}")
@@ -125,6 +129,7 @@ class CheckpointManager:
         self.verify = verify
         self.write_threads = write_threads
         self.on_saved = on_saved
+        self._stats_log = StatsLog.from_option(self.storage, stats_log)
         self.stager = Stager(HostBufferPool(memory_budget_bytes))
         self.stats: Deque[SaveStats] = collections.deque(maxlen=1000)
         self._writer = AsyncWriter(max_pending_async)
@@ -212,10 +217,13 @@ class CheckpointManager:
                 self._inflight.pop(step, None)
         stats.write_s, stats.commit_s, stats.durable_s = tc - tw, td - tc, td - t0
         stats.files = len(files)
+        stats.commit_time = manifest.commit_time
         with self._lock:
             if self._infos is not None:
                 self._infos[step] = CheckpointInfo(step, manifest.commit_time, dict(metrics), snap.nbytes)
         self.stats.append(stats)
+        if self._stats_log is not None:
+            self._stats_log.append(stats, self.process_group)
         log.info("async_ckpt: saved %s", stats.summary())
         if self.on_saved is not None:
             self.on_saved(stats)
