@@ -1,0 +1,110 @@
+"""Staging: buffer reuse, the memory budget, storage dedup, and snapshot isolation."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from async_ckpt import StagingBudgetError
+from async_ckpt.staging import HostBufferPool, Stager, make_plan
+
+from .conftest import assert_bitwise_equal
+
+
+def test_steady_state_saves_allocate_nothing():
+    sd = {"a": torch.randn(1000), "b": {"c": torch.randn(20, 30)}, "n": 3}
+    st = Stager()
+    for i in range(5):
+        snap = st.stage(sd)
+        assert_bitwise_equal(snap.state_dict, sd)
+        snap.release()
+        if i == 0:
+            allocs, nbytes = st.pool.allocations, st.pool.allocated_bytes
+    assert st.pool.allocations == allocs == 2
+    assert st.pool.allocated_bytes == nbytes == (1000 + 600) * 4
+
+
+def test_snapshot_is_isolated_from_later_mutation():
+    t = torch.arange(100, dtype=torch.float64)
+    groups = [{"lr": 0.1, "params": [0]}]
+    snap = Stager().stage({"t": t, "groups": groups})
+    t.mul_(-1)
+    groups[0]["lr"] = 99.0
+    assert torch.equal(snap.state_dict["t"], torch.arange(100, dtype=torch.float64))
+    assert snap.state_dict["groups"][0]["lr"] == 0.1
+
+
+def test_tied_weights_and_views_share_one_host_storage():
+    base = torch.randn(10, 4)
+    sd = {"w": base, "tied": base, "row": base[3], "col": base[:, 2], "t": base.t()}
+    st = Stager()
+    snap = st.stage(sd)
+    host = snap.state_dict
+    assert st.pool.allocations == 1, "one storage -> one host buffer"
+    ptrs = {v.untyped_storage().data_ptr() for v in host.values()}
+    assert len(ptrs) == 1
+    for k in sd:
+        assert_bitwise_equal(host[k], sd[k], k)
+        assert host[k].stride() == sd[k].stride()
+    snap.release()
+
+
+def test_budget_refuses_oversized_state_dict():
+    st = Stager(HostBufferPool(budget_bytes=1000))
+    with pytest.raises(StagingBudgetError, match="budget"):
+        st.stage({"x": torch.zeros(1000)})  # 4000 bytes
+
+
+def test_budget_waits_for_release_then_reuses():
+    pool = HostBufferPool(budget_bytes=4096)
+    st = Stager(pool)
+    sd = {"x": torch.ones(1024)}  # exactly the budget
+    first = st.stage(sd)
+    done = threading.Event()
+    result = {}
+
+    def second():
+        result["snap"] = st.stage({"x": torch.full((1024,), 2.0)})
+        done.set()
+
+    th = threading.Thread(target=second)
+    th.start()
+    assert not done.wait(0.3), "second save must wait until the first releases its buffers"
+    first.release()
+    assert done.wait(10)
+    assert torch.equal(result["snap"].state_dict["x"], torch.full((1024,), 2.0))
+    assert pool.allocated_bytes <= 4096 and pool.allocations == 1
+    result["snap"].release()
+
+
+def test_budget_evicts_unneeded_sizes():
+    pool = HostBufferPool(budget_bytes=8000)
+    st = Stager(pool)
+    st.stage({"x": torch.ones(1500)}).release()  # 6000 bytes, now free
+    snap = st.stage({"y": torch.ones(1000)})  # needs 4000 fresh: evicts the unused 6000
+    assert pool.allocated_bytes == 4000
+    snap.release()
+
+
+def test_plan_rejects_bad_keys_and_leaves():
+    from async_ckpt import InvalidStateDictError
+
+    with pytest.raises(InvalidStateDictError, match="top-level"):
+        make_plan({1: torch.ones(1)})
+    with pytest.raises(InvalidStateDictError, match=r"a\.\(1, 2\)|nested keys"):
+        make_plan({"a": {(1, 2): 3}})
+    with pytest.raises(InvalidStateDictError, match="strided"):
+        make_plan({"s": torch.ones(2, 2).to_sparse()})
+
+
+def test_many_small_tensors_round_trip():
+    sd = {f"p{i}": torch.full((8,), float(i)) for i in range(2000)}
+    st = Stager()
+    snap = st.stage(sd)
+    assert_bitwise_equal(snap.state_dict, sd)
+    snap.release()
+    snap = st.stage(sd)
+    assert st.pool.allocations == 2000
+    snap.release()
