@@ -42,7 +42,8 @@ class CudaTransfer:
             # The side stream must see every kernel already queued on the training stream.
             stream.wait_stream(torch.cuda.current_stream(dev))
             with torch.cuda.stream(stream):
-                torch._foreach_copy_([dsts[i] for i in idx], [srcs[i] for i in idx], non_blocking=True)
+                for i in idx:  # every copy is queued before anything is waited on
+                    dsts[i].copy_(srcs[i], non_blocking=True)
                 ev = torch.cuda.Event()
                 ev.record(stream)
             events.append(ev)
