@@ -1,0 +1,356 @@
+"""The ``async-ckpt`` command, run as a subprocess on real checkpoint directories (one of them
+damaged), plus in-process runs on ``memory://`` and the save statistics log."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import fsspec
+import pytest
+import torch
+
+from async_ckpt import CheckpointManager, SaveStats
+from async_ckpt.cli import main
+from async_ckpt.stats import StatsLog, read_stats_log
+
+from .conftest import assert_bitwise_equal, clone_tree, make_state
+
+STEPS = (10, 20, 30)
+
+
+def _state(step: int):
+    model, opt = make_state(seed=step)
+    return {"model": model.state_dict(), "optim": opt.state_dict(), "step": step,
+            "extra": {"table": torch.arange(12, dtype=torch.int16).reshape(3, 4)}}
+
+
+@pytest.fixture(scope="module")
+def good_dir(tmp_path_factory):
+    """A checkpoint root with three committed steps; returns (root, {step: saved state})."""
+    root = str(tmp_path_factory.mktemp("cli") / "ckpt")
+    saved = {}
+    with CheckpointManager(root, stats_log=True) as mgr:
+        for s in STEPS:
+            sd = _state(s)
+            saved[s] = clone_tree(sd)
+            mgr.save(s, sd, metrics={"loss": 1.0 / s})
+    return root, saved
+
+
+@pytest.fixture
+def damaged_dir(good_dir, tmp_path):
+    """A copy of ``good_dir`` with step 20's data flipped by one byte, step 30's manifest removed,
+    an unfinished ``.tmp-`` save and an unmarked step directory."""
+    root = str(tmp_path / "damaged")
+    shutil.copytree(good_dir[0], root)
+    distcp = sorted(f for f in os.listdir(f"{root}/20") if f.endswith(".distcp"))[0]
+    p = f"{root}/20/{distcp}"
+    data = bytearray(open(p, "rb").read())
+    data[len(data) // 2] ^= 0x01
+    open(p, "wb").write(bytes(data))
+    os.unlink(f"{root}/30/manifest.json")
+    os.makedirs(f"{root}/.tmp-40-0123456789ab")
+    os.makedirs(f"{root}/50")
+    open(f"{root}/50/__0_0.distcp", "wb").write(b"x" * 10)
+    return root, distcp
+
+
+def run_cli(*args: str, console_script: bool = False):
+    exe = os.path.join(os.path.dirname(sys.executable), "async-ckpt")
+    cmd = [exe, *args] if console_script and os.path.exists(exe) else [sys.executable, "-m", "async_ckpt", *args]
+    env = {**os.environ, "PJRT_DEVICE": "CPU"}
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+
+
+def _no_traceback(proc):
+    assert "Traceback" not in proc.stderr, proc.stderr
+
+
+# ---- subprocess: the real command on real directories ------------------------------------------
+
+def test_ls_marks_damaged_and_incomplete_steps(damaged_dir):
+    root, _ = damaged_dir
+    proc = run_cli("ls", root, console_script=True)
+    assert proc.returncode == 0, proc.stderr
+    _no_traceback(proc)
+    table = proc.stdout.split("\n\n")[0].splitlines()
+    assert table[0].split() == ["STEP", "COMMITTED", "SIZE", "FILES", "STATUS", "METRICS"]
+    lines = {ln.split()[0]: ln for ln in table[1:]}
+    assert set(lines) == {"10", "20", "30", "40", "50"}
+    assert " ok " in lines["10"] and "loss=0.1" in lines["10"]
+    # A flipped byte keeps the size: only `verify` (checksums) can tell step 20 is damaged.
+    assert " ok " in lines["20"]
+    assert "DAMAGED" in lines["30"]
+    assert "INCOMPLETE" in lines["40"] and "INCOMPLETE" in lines["50"]
+    assert "manifest is missing" in proc.stdout or "manifest.json" in proc.stdout
+    assert "3 committed (1 damaged), 2 incomplete" in proc.stdout
+
+
+def test_verify_all_finds_the_flipped_byte_and_exits_1(damaged_dir):
+    root, distcp = damaged_dir
+    proc = run_cli("verify", root, "--all")
+    _no_traceback(proc)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    out = proc.stdout
+    assert out.startswith("step 10: ok (")
+    assert "step 20: DAMAGED" in out and f"{distcp}: checksum mismatch" in out
+    assert "step 30: DAMAGED" in out and "manifest" in out.split("step 30: DAMAGED", 1)[1]
+    assert proc.stderr.strip().splitlines()[-1] == "2 of 3 step(s) damaged: 20, 30"
+
+
+def test_missing_step_is_one_line_error_exit_2(good_dir):
+    root, _ = good_dir
+    proc = run_cli("show", root, "7")
+    assert proc.returncode == 2
+    _no_traceback(proc)
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "step 7" in lines[0] and "10, 20, 30" in lines[0], proc.stderr
+
+
+def test_export_pt_is_bitwise_equal(good_dir, tmp_path):
+    root, saved = good_dir
+    out = str(tmp_path / "step20.pt")
+    proc = run_cli("export", root, "20", out)
+    assert proc.returncode == 0, proc.stderr
+    assert "exported step 20" in proc.stdout
+    got = torch.load(out, weights_only=True)
+    assert_bitwise_equal(saved[20], got)  # optimizer state keyed by int, lists stay lists
+
+
+# ---- in process (the same entry point, without the interpreter start-up) ----------------------
+
+def test_verify_json_and_good_step(damaged_dir, capsys):
+    root, distcp = damaged_dir
+    assert main(["verify", root, "--all", "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    by_step = {r["step"]: r for r in report["steps"]}
+    assert report["ok"] is False and set(by_step) == {10, 20, 30}
+    assert by_step[10]["ok"] is True and by_step[10]["problems"] == []
+    assert any(distcp in p and "checksum mismatch" in p for p in by_step[20]["problems"]), by_step[20]
+    assert main(["verify", root, "10"]) == 0
+    assert capsys.readouterr().out.startswith("step 10: ok (")
+
+
+def test_show_prints_keys_shapes_dtypes(good_dir, capsys):
+    root, saved = good_dir
+    assert main(["show", root]) == 0  # the newest step
+    out = capsys.readouterr().out
+    assert out.startswith("step 30 ")
+    assert "loss=0.03333" in out
+    rows = {ln.split()[0]: ln.split() for ln in out.splitlines()[2:] if ln.strip()}
+    w = saved[30]["model"]["0.weight"]
+    assert rows["0.weight"][1:3] == ["float32", f"[{w.shape[0]},"]
+    assert rows["table"][1] == "int16" and "[3, 4]" in " ".join(rows["table"])
+    assert "model/" in rows and "optim/" in rows and "exp_avg_sq" in rows
+    assert main(["ls", os.path.join(root, "does-not-exist")]) == 2
+    assert capsys.readouterr().err.startswith("async-ckpt: error: no such checkpoint directory")
+
+
+def test_export_safetensors_of_the_model(good_dir, tmp_path, capsys):
+    from safetensors.torch import load_file
+
+    root, saved = good_dir
+    out = str(tmp_path / "model.safetensors")
+    assert main(["export", root, "latest", out, "--key", "model"]) == 0
+    assert_bitwise_equal(dict(saved[30]["model"]), load_file(out))
+
+
+def test_prune_local(good_dir, tmp_path, capsys):
+    root = str(tmp_path / "prune")
+    shutil.copytree(good_dir[0], root)
+    assert main(["prune", root, "--keep-last", "1"]) == 0
+    assert "1 kept, 2 deleted" in capsys.readouterr().out
+    assert sorted(int(n) for n in os.listdir(root) if n.isdigit()) == [30]
+
+
+
+@pytest.fixture
+def mem_root():
+    url = f"memory://cli-test-{os.getpid()}-{id(object())}/run"
+    saved = {}
+    with CheckpointManager(url) as mgr:
+        for s in range(0, 60, 10):
+            sd = {"w": torch.randn(8, 3, dtype=torch.float64), "nested": {"b": torch.arange(5)}, "lr": 0.5 + s}
+            saved[s] = clone_tree(sd)
+            mgr.save(s, sd, metrics={"acc": s / 100})
+    yield url, saved
+    fs = fsspec.filesystem("memory")
+    fs.rm(url.split("://", 1)[1].split("/")[0], recursive=True)
+
+
+def test_memory_url_ls_show_verify_json(mem_root, capsys):
+    url, _ = mem_root
+    assert main(["ls", url, "--json"]) == 0
+    listing = json.loads(capsys.readouterr().out)
+    assert [e["step"] for e in listing["steps"]] == [0, 10, 20, 30, 40, 50]
+    assert all(e["status"] == "ok" for e in listing["steps"])
+    assert listing["steps"][2]["metrics"] == {"acc": 0.2}
+    assert main(["show", url, "40", "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    entries = {e["key"]: e for e in shown["entries"]}
+    assert entries["w"]["dtype"] == "float64" and entries["w"]["shape"] == [8, 3] and entries["w"]["bytes"] == 192
+    assert entries["nested.b"]["path"] == ["nested", "b"] and entries["nested.b"]["dtype"] == "int64"
+    assert entries["lr"]["kind"] == "object"
+    assert main(["verify", url, "--all"]) == 0
+    assert capsys.readouterr().out.count(": ok (") == 6
+
+
+def test_memory_url_damage_export_prune(mem_root, capsys, tmp_path):
+    url, saved = mem_root
+    fs, root = fsspec.core.url_to_fs(url)
+    name = next(p for p in fs.ls(f"{root}/30", detail=False) if p.endswith(".distcp"))
+    data = bytearray(fs.cat_file(name))
+    data[-100] ^= 0xFF
+    fs.pipe_file(name, bytes(data))
+    assert main(["verify", url, "30", "--progress"]) == 1
+    out, err = capsys.readouterr()
+    assert "DAMAGED" in out and "checksum mismatch" in out
+    assert "1 of 1 step(s) damaged: 30" in err
+    # export reads through the same verification: a damaged step is an error, exit 1, one line
+    assert main(["export", url, "30", str(tmp_path / "x.pt")]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "checksum mismatch" in err
+    assert not (tmp_path / "x.pt").exists()
+    # a good step exports to another fsspec URL
+    out_url = url.rsplit("/", 1)[0] + "/export/s40.pt"
+    assert main(["export", url, "40", out_url]) == 0
+    capsys.readouterr()
+    with fsspec.open(out_url, "rb") as f:
+        assert_bitwise_equal(saved[40], torch.load(f, weights_only=True))
+    # prune: dry run deletes nothing; the real run keeps the newest and every 20th step
+    assert main(["prune", url, "--keep-last", "1", "--keep-every", "20", "--dry-run", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan == {"path": url, "dry_run": True, "kept": [0, 20, 40, 50], "deleted": [10, 30],
+                    "skipped_damaged": {}}
+    assert main(["ls", url, "--json"]) == 0
+    assert len(json.loads(capsys.readouterr().out)["steps"]) == 6
+    assert main(["prune", url, "--keep-last", "1", "--keep-every", "20"]) == 0
+    capsys.readouterr()
+    assert CheckpointManager(url, keep_incomplete=True).all_steps() == [0, 20, 40, 50]
+
+
+def test_export_errors_are_one_line(mem_root, capsys, tmp_path):
+    url, _ = mem_root
+    cases = [
+        (["export", url, "10", str(tmp_path / "a.safetensors")], "safetensors holds tensors only"),
+        (["export", url, "10", str(tmp_path / "a.bin")], "OUT must end in .pt"),
+        (["export", url, "10", str(tmp_path / "a.pt"), "--key", "nope"], "no entry 'nope'"),
+        (["export", url, "x", str(tmp_path / "a.pt")], "STEP must be a non-negative integer"),
+        (["verify", url, "10", "--all"], "not both"),
+        (["prune", url, "--keep-last", "0"], "--keep-last must be >= 1"),
+    ]
+    for argv, message in cases:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith("async-ckpt: error: ") and message in err and err.count("\n") == 1, (argv, err)
+    assert main(["export", url, "10", str(tmp_path / "b.safetensors"), "--key", "nested"]) == 0
+    from safetensors.torch import load_file
+
+    assert load_file(str(tmp_path / "b.safetensors"))["b"].tolist() == [0, 1, 2, 3, 4]
+
+
+def test_empty_root_and_bad_usage(tmp_path, capsys):
+    os.makedirs(tmp_path / "empty")
+    assert main(["ls", str(tmp_path / "empty")]) == 0
+    assert "no checkpoints under" in capsys.readouterr().out
+    assert main(["verify", str(tmp_path / "empty")]) == 2
+    assert "no committed checkpoint" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        main(["prune", str(tmp_path)])  # --keep-last is required: argparse's usage error
+    assert exc.value.code == 2
+
+
+def test_damaged_marker_shows_in_ls_and_prune_leaves_it(tmp_path, capsys):
+    root = str(tmp_path / "c")
+    with CheckpointManager(root) as mgr:
+        for s in (1, 2, 3):
+            mgr.save(s, {"x": torch.full((4,), float(s))})
+    with open(f"{root}/2/manifest.json", "ab") as f:
+        f.write(b" ")  # no longer what the marker vouches for
+    assert main(["ls", root, "--json"]) == 0
+    st = {e["step"]: e for e in json.loads(capsys.readouterr().out)["steps"]}
+    assert st[2]["status"] == "damaged" and "marker" in st[2]["problem"]
+    assert main(["prune", root, "--keep-last", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "skip (damaged)" in out
+    assert sorted(n for n in os.listdir(root) if n.isdigit()) == ["2", "3"]
+
+
+# ---- save statistics ---------------------------------------------------------------------------
+
+def test_stats_log_local_appends_across_managers(good_dir, tmp_path):
+    root, _ = good_dir
+    records = read_stats_log(os.path.join(root, "save_stats.jsonl"))
+    assert [r.step for r in records] == list(STEPS)
+    for r in records:
+        assert r.nbytes > 0 and r.files >= 2 and r.num_tensors > 0
+        assert r.blocking_s >= r.stage_s >= 0 and r.write_s > 0 and r.durable_s is not None
+        assert r.commit_time is not None
+    # a second manager on the same root appends; a custom relative path works too
+    root2 = str(tmp_path / "r2")
+    for k in range(2):
+        with CheckpointManager(root2, stats_log="logs/stats.jsonl") as mgr:
+            mgr.save(k, {"x": torch.ones(3)})
+            assert mgr.last_stats.step == k
+    assert [r.step for r in read_stats_log(f"{root2}/logs/stats.jsonl")] == [0, 1]
+    assert CheckpointManager(root2).all_steps() == [0, 1]  # the log's folder is not a step
+
+
+def test_stats_log_object_store_rewrites_whole_file():
+    url = f"memory://stats-{os.getpid()}/run"
+    seen = []
+    for k in range(2):
+        with CheckpointManager(url, stats_log=True, on_saved=seen.append) as mgr:
+            mgr.save(2 * k, {"x": torch.ones(3)})
+            mgr.save(2 * k + 1, {"x": torch.ones(3)})
+    records = read_stats_log(url + "/save_stats.jsonl")
+    assert [r.step for r in records] == [0, 1, 2, 3]
+    assert [r.to_dict() for r in records] == [s.to_dict() for s in seen]
+    fsspec.filesystem("memory").rm(f"stats-{os.getpid()}", recursive=True)
+
+
+def test_stats_log_rejects_bad_paths(tmp_path):
+    for bad in ("/abs/path.jsonl", "../up.jsonl", "12/stats.jsonl", ".tmp-1-ab/x", "", "s3://b/x"):
+        with pytest.raises(ValueError):
+            CheckpointManager(str(tmp_path / "r"), stats_log=bad)
+    with pytest.raises(TypeError):
+        CheckpointManager(str(tmp_path / "r"), stats_log=3)
+
+
+def test_save_stats_roundtrip_and_truncated_log(tmp_path):
+    s = SaveStats(step=7, nbytes=2_000_000, num_tensors=3, files=2, blocking_s=0.01, stage_s=0.004,
+                  write_s=0.5, durable_s=0.6, commit_time=1.5, extra={"k": 1})
+    d = s.to_dict()
+    assert d["host_copy_gbps"] == pytest.approx(0.5) and d["write_gbps"] == pytest.approx(0.004)
+    assert SaveStats.from_dict(json.loads(s.to_json())) == s
+    assert "write 0.500s (0.00 GB/s)" in s.summary()
+    p = tmp_path / "log.jsonl"
+    p.write_text(s.to_json() + "\n" + s.to_json()[:20])  # a crash mid-write leaves half a line
+    assert [r.step for r in read_stats_log(str(p))] == [7]
+    p.write_text("{}\n" + s.to_json() + "\n")
+    with pytest.raises(ValueError, match="log.jsonl:1"):
+        read_stats_log(str(p))
+
+
+def test_stats_log_failure_never_fails_the_save(tmp_path):
+    import logging
+
+    records = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append
+    logger = logging.getLogger("async_ckpt")
+    logger.addHandler(handler)
+    root = str(tmp_path / "r")
+    try:
+        with CheckpointManager(root, stats_log="stats.jsonl") as mgr:
+            os.makedirs(f"{root}/stats.jsonl")  # now the log cannot be opened as a file
+            mgr.save(1, {"x": torch.ones(2)})
+    finally:
+        logger.removeHandler(handler)
+    assert mgr.all_steps() == [1]
+    assert any("could not write the stats log" in r.getMessage() for r in records)
+    assert isinstance(StatsLog.from_option(mgr.storage, None), type(None))
