@@ -17,7 +17,23 @@ from .errors import (
     UnsafeCheckpointError,
 )
 from .manager import CheckpointManager
-from .policies import CheckpointInfo, EveryNSteps, KeepAll, KeepLatest, RetentionPolicy, SavePolicy
+from .policies import (
+    AnyOf,
+    AtSteps,
+    CheckpointInfo,
+    Continuous,
+    EveryNSteps,
+    EveryTSeconds,
+    KeepAll,
+    KeepBest,
+    KeepEveryNSteps,
+    KeepLatest,
+    KeepTimeInterval,
+    OnPreemption,
+    RetentionPolicy,
+    SaveContext,
+    SavePolicy,
+)
 from .stats import SaveStats
 
 __version__ = "0.1.0"
@@ -40,5 +56,14 @@ __all__ = [
     "StepNotFoundError",
     "StorageError",
     "UnsafeCheckpointError",
+    "AnyOf",
+    "AtSteps",
+    "Continuous",
+    "EveryTSeconds",
+    "KeepBest",
+    "KeepEveryNSteps",
+    "KeepTimeInterval",
+    "OnPreemption",
+    "SaveContext",
     "__version__",
 ]

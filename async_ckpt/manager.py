@@ -27,7 +27,22 @@ from .errors import (
     StateDictMismatchError,
     StepNotFoundError,
 )
-from .policies import CheckpointInfo, EveryNSteps, KeepAll, KeepLatest, RetentionPolicy, SavePolicy
+from .policies import (
+    CheckpointInfo,
+    EveryNSteps,
+    KeepAll,
+    KeepBest,
+    KeepLatest,
+    RetentionPolicy,
+    SaveContext,
+    SavePolicy,
+    apply_retention,
+    as_retention_policy,
+    as_save_policy,
+    best_checkpoint,
+    decide_save,
+)
+from .preemption import PreemptionTracker, PreemptionWatcher
 from .staging import HostBufferPool, HostSnapshot, Stager, make_plan
 from .stats import SaveStats, StatsLog
 from .storage import CheckpointLayout, Manifest, Storage, StepTarget
@@ -82,6 +97,15 @@ class CheckpointManager:
             (ignored if ``retention``).
         max_pending_async: saves that may be in flight at once; the next one waits for a slot.
         process_group: process group for multi-process saves (default: the default group).
+        chkpt_on_preemption: detect preemption (off by default: no signal handler is installed
+            unless asked). After a preemption signal, the next ``save``/``save_async`` takes a
+            checkpoint whatever the save policy says and :meth:`reached_preemption` turns True.
+            Must be set from the main thread (it installs a signal handler). See docs/policies.md.
+        preemption_signals: signals that mean "preempted" (default ``(signal.SIGTERM,)``; add
+            ``signal.SIGUSR1`` for SLURM's ``--signal``). Handlers that were installed before are
+            still called.
+        preemption_sync: ``"auto"`` (torch_xla's preemption sync point on TPU, signals
+            elsewhere), ``"signal"``, or ``"xla"`` (the sync point, also on PJRT CPU).
         storage_options: passed to fsspec (credentials, endpoint, project, ...).
         save_policy: an object with ``should_save(step) -> bool``; overrides ``save_interval``.
         retention: an object with ``keep(checkpoints) -> set[int]``; overrides ``max_to_keep``.
@@ -115,13 +139,27 @@ class CheckpointManager:
         keep_incomplete: bool = False,
         on_saved: Optional[Callable[[SaveStats], None]] = None,
         stats_log: Any = None,
+        preemption_signals: Optional[Sequence[int]] = None,
+        preemption_sync: str = "auto",
     ) -> None:
         if max_to_keep is not None and (not isinstance(max_to_keep, int) or max_to_keep < 0):
             raise ValueError(f"max_to_keep must be an int >= 0 or None, got {max_to_keep!r}")
-        self.save_policy: SavePolicy = save_policy if save_policy is not None else EveryNSteps(save_interval)
+        self.save_policy: SavePolicy = as_save_policy(save_policy) if save_policy is not None else EveryNSteps(save_interval)
         self.retention: RetentionPolicy = (
-            retention if retention is not None else (KeepLatest(max_to_keep) if max_to_keep else KeepAll())
+            as_retention_policy(retention) if retention is not None
+            else (KeepLatest(max_to_keep) if max_to_keep else KeepAll())
         )
+        self._preemption: Optional[PreemptionTracker] = None
+        if chkpt_on_preemption:  # validated now, installed once everything else is set up
+            import signal as _signal
+
+            self._preemption = PreemptionTracker(PreemptionWatcher(
+                (_signal.SIGTERM,) if preemption_signals is None else tuple(preemption_signals), preemption_sync))
+            if preemption_signals is not None and self._preemption.watcher.sync == "xla":
+                raise ValueError("preemption_signals cannot be combined with torch_xla's preemption sync point "
+                                 "(it handles SIGTERM itself); pass preemption_sync='signal' to use signals")
+        elif preemption_signals is not None:
+            raise ValueError("preemption_signals needs chkpt_on_preemption=True")
         self.storage = Storage(path, storage_options)
         self.layout = CheckpointLayout(self.storage, commit_mode)
         self.process_group = process_group
@@ -138,15 +176,141 @@ class CheckpointManager:
         self._inflight: Dict[int, str] = {}  # step -> directory being written
         self._infos: Optional[Dict[int, CheckpointInfo]] = None
         self._closed = False
+        self._clock: Callable[[], float] = time.time  # wall clock of decisions and manifests' commit_time
+        self._start_time = self._clock()
+        self._last_save_time: Optional[float] = None
+        self._last_save_step: Optional[int] = None
+        self._top_step: Optional[int] = None  # highest committed step (cached; see _highest_committed)
+        self._top_known = False
+        self._rollback_to: Optional[int] = None  # restored step below the highest: saves above it roll back
         self._check_writable()
         if not keep_incomplete:
             self._in_background(self._cleanup_incomplete)
+        if self._preemption is not None:
+            try:
+                self._preemption.watcher.install()
+            except BaseException:
+                self._writer.close()
+                self._deleter.shutdown(wait=False)
+                raise
         _live_managers.add(self)
 
     # ---- policy ------------------------------------------------------------------------------
     def should_save(self, step: int) -> bool:
-        """Whether the save policy wants a checkpoint at ``step``."""
-        return bool(self.save_policy.should_save(_check_step(step)))
+        """Whether a checkpoint is due at ``step``: the save policy wants one, or a preemption
+        was detected and its checkpoint is not taken yet."""
+        step = _check_step(step)
+        preempt = self._preemption.due(step) if self._preemption is not None else False
+        return preempt or self._policy_wants(step, preempt)
+
+    def _save_context(self, preempted: bool) -> SaveContext:
+        return SaveContext(now=self._clock(), start_time=self._start_time, last_save_time=self._last_save_time,
+                           last_save_step=self._last_save_step, save_in_flight=self._writer.pending > 0,
+                           preempted=preempted)
+
+    def _policy_wants(self, step: int, preempted: bool = False) -> bool:
+        return decide_save(self.save_policy, step, self._save_context(preempted))
+
+    def _decide(self, step: int, force: bool) -> "tuple[bool, bool]":
+        """(take this save, it is the preemption checkpoint). Training thread."""
+        preempt = self._preemption.due(step) if self._preemption is not None else False
+        return (force or preempt or self._policy_wants(step, preempt)), preempt
+
+    def _taken(self, step: int, preempt: bool) -> None:
+        """Record a save that was just taken (staged and queued). Training thread."""
+        self._last_save_time = self._clock()
+        self._last_save_step = step
+        if preempt and self._preemption is not None:
+            self._preemption.mark_saved(step)
+
+    def reached_preemption(self, step: int) -> bool:
+        """True once a preemption was detected and its checkpoint was taken (or is due) at or
+        before ``step``: the loop should then :meth:`join` (the checkpoint becomes durable) and exit.
+
+        Call it every step after ``save``/``save_async`` (torch_xla's loop shape). If the signal
+        arrives after this step's save decision, it answers False once more, so the next step's
+        save takes the checkpoint before the loop is told to stop. Always False unless the manager
+        was created with ``chkpt_on_preemption=True``.
+        """
+        step = _check_step(step)
+        return self._preemption is not None and self._preemption.reached(step)
+
+    def trigger_preemption(self) -> None:
+        """Act as if a preemption signal arrived (for schedulers that announce it another way)."""
+        if self._preemption is None:
+            raise CheckpointError("trigger_preemption() needs chkpt_on_preemption=True")
+        self._preemption.watcher.trigger()
+
+    # ---- rollback ----------------------------------------------------------------------------
+    def _highest_committed(self) -> Optional[int]:
+        with self._lock:
+            if self._top_known:
+                return self._top_step
+        steps = self.layout.committed_steps()
+        with self._lock:
+            if not self._top_known:
+                self._top_step, self._top_known = (steps[-1] if steps else None), True
+            return self._top_step
+
+    def _note_committed(self, step: int) -> None:
+        with self._lock:
+            if self._top_known:
+                self._top_step = step if self._top_step is None else max(self._top_step, step)
+
+    def _note_restored(self, step: int) -> int:
+        top = self._highest_committed()
+        self._rollback_to = step if top is not None and step < top else None
+        return step
+
+    def _check_rollback(self, step: int) -> bool:
+        """Whether saving ``step`` rolls back (steps above it get deleted first); raise if that
+        was not asked for by restoring an older step. Training thread."""
+        top = self._highest_committed()
+        if top is None or step >= top:
+            self._rollback_to = None  # back at (or past) the top: nothing to roll back
+            return False
+        if self._rollback_to is None:
+            raise InvalidStepError(
+                f"step {step} is lower than the highest committed step {top} under {self.storage.url}; "
+                f"to roll back, restore(<older step>) first (saving then deletes the steps above the "
+                f"saved one), or save to another directory", step=step)
+        if step < self._rollback_to:
+            raise InvalidStepError(
+                f"step {step} is lower than the restored step {self._rollback_to} (rolling back from "
+                f"{top}); save steps >= {self._rollback_to}", step=step)
+        return True
+
+    def _drop_superseded(self, step: int) -> None:
+        """Rollback, writer thread, before ``step`` is written: delete the committed steps above
+        it (markers first, so none of them can be picked as the latest any more)."""
+        above = [s for s in self.layout.committed_steps() if s > step]
+        for s in above:
+            self.storage.rm(self.layout.marker_path(s), recursive=False)
+        with self._lock:
+            self._infos = None  # re-read from the manifests at the next retention pass
+            self._top_known = False  # listed again at the next save
+            if self._rollback_to is not None and self._rollback_to <= step:
+                self._rollback_to = None
+        for s in above:
+            self.storage.rm(self.layout.step_dir(s))
+            log.warning("async_ckpt: deleted step %d: rolled back to step %d", s, step)
+
+    def best_step(self, metric: Optional[str] = None, mode: Optional[str] = None) -> Optional[int]:
+        """The committed step with the best value of ``metric`` (ties: the earliest commit).
+
+        ``metric``/``mode`` default to those of the retention's :class:`KeepBest` (a ``KeepBest``
+        inside ``AnyOf`` counts); ``mode`` is ``"min"`` otherwise. None when no committed step
+        has the metric.
+        """
+        best = _find_keep_best(self.retention)
+        if metric is None:
+            if best is None:
+                raise ValueError("best_step() needs metric= (the retention policy has no KeepBest)")
+            metric = best.metric
+        if mode is None:
+            mode = best.mode if best is not None and best.metric == metric else "min"
+        found = best_checkpoint(list(self._checkpoint_infos().values()), metric, mode)
+        return None if found is None else found.step
 
     # ---- saving ------------------------------------------------------------------------------
     def save_async(self, step: int, state_dict: Mapping[str, Any], force: bool = False,
@@ -171,8 +335,10 @@ class CheckpointManager:
 
         metrics = check_metrics(metrics)
         self._writer.raise_if_failed()
-        if not force and not self.save_policy.should_save(step):
+        take, preempt = self._decide(step, force)
+        if not take:
             return False
+        supersede = self._check_rollback(step)
         t0 = time.perf_counter()
         plan = make_plan(state_dict)  # validates before anything is taken or written
         self._writer.wait_for_slot()
@@ -185,16 +351,20 @@ class CheckpointManager:
         t2 = time.perf_counter()
         stats = SaveStats(step=step, nbytes=snap.nbytes, num_tensors=snap.num_tensors,
                           queue_wait_s=t1 - t0, stage_s=t2 - t1, blocking_s=t2 - t0)
-        self._writer.submit(lambda: self._persist(step, snap, metrics, stats, t0), step=step)
+        self._writer.submit(lambda: self._persist(step, snap, metrics, stats, t0, supersede), step=step)
+        self._taken(step, preempt)
         if wait:
             self._writer.join()
         return True
 
-    def _persist(self, step: int, snap: HostSnapshot, metrics: Dict[str, float], stats: SaveStats, t0: float) -> None:
+    def _persist(self, step: int, snap: HostSnapshot, metrics: Dict[str, float], stats: SaveStats, t0: float,
+                 supersede: bool = False) -> None:
         """Writer thread: data files, then manifest and marker, then retention."""
         target: Optional[StepTarget] = None
         try:
             tw = time.perf_counter()
+            if supersede:
+                self._drop_superseded(step)
             target = self.layout.begin(step)
             with self._lock:
                 self._inflight[step] = target.path
@@ -202,11 +372,12 @@ class CheckpointManager:
                                     threads=self.write_threads, process_group=self.process_group)
             snap.release()  # buffers go back to the pool as soon as the data is written
             tc = time.perf_counter()
-            manifest = Manifest(step=step, commit_time=time.time(), files=files, metrics=metrics,
+            manifest = Manifest(step=step, commit_time=self._clock(), files=files, metrics=metrics,
                                 nbytes=snap.nbytes, num_tensors=snap.num_tensors, world_size=1,
                                 extra={"int_keys": snap.int_keys} if snap.int_keys else {})
             self.layout.commit(target, manifest)
             td = time.perf_counter()
+            self._note_committed(step)
         except BaseException:
             snap.release()
             if target is not None:
@@ -264,7 +435,7 @@ class CheckpointManager:
             if not infos:
                 return
             ordered = sorted(infos.values(), key=lambda c: (c.commit_time, c.step))
-            keep = set(self.retention.keep(ordered))
+            keep = apply_retention(self.retention, ordered)
             keep.add(ordered[-1].step)  # the newest commit is never deleted
             keep.add(max(infos))  # nor the highest step
             with self._lock:
@@ -330,7 +501,7 @@ class CheckpointManager:
                     f"no committed checkpoint for step {step} under {self.storage.url} "
                     f"(committed: {steps if len(steps) <= 20 else steps[-20:]})", step=step)
             self._restore_step(step, state_dict, verify, allow_pickle)
-            return step
+            return self._note_restored(step)
         if not steps:
             raise StepNotFoundError(f"no committed checkpoint under {self.storage.url}")
         errors = []
@@ -341,7 +512,7 @@ class CheckpointManager:
                 warnings.warn(f"async_ckpt: skipping damaged step {s}: {exc}", RuntimeWarning, stacklevel=2)
                 errors.append(exc)
                 continue
-            return s
+            return self._note_restored(s)
         raise CorruptCheckpointError(
             f"no committed step under {self.storage.url} passed verification; newest error: {errors[0]}",
             step=steps[-1]) from errors[0]
@@ -380,6 +551,8 @@ class CheckpointManager:
             return
         self._closed = True
         _live_managers.discard(self)
+        if self._preemption is not None:
+            self._preemption.watcher.uninstall()
         try:
             self._writer.close()
         finally:
@@ -413,6 +586,14 @@ class CheckpointManager:
 
             if not os.access(self.storage.root, os.W_OK):
                 raise StorageError(f"checkpoint path {self.storage.url!r} is not writable")
+
+
+def _find_keep_best(policy: Any) -> Optional[KeepBest]:
+    """The :class:`KeepBest` in a retention policy (searched inside ``AnyOf``), if exactly one."""
+    if isinstance(policy, KeepBest):
+        return policy
+    found = [p for p in getattr(policy, "policies", ()) if isinstance(p, KeepBest)]
+    return found[0] if len(found) == 1 else None
 
 
 def _prepare_target(state_dict: Dict[str, Any], metadata: Any, step: int, int_keys: Set[str]) -> List[tuple]:

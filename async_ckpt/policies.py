@@ -1,15 +1,64 @@
-"""Save-decision and retention policies: small objects with one method each.
+"""Save-decision and retention policies: small objects with one method each, composable.
 
-A *save policy* answers ``should_save(step) -> bool``. A *retention policy* answers
-``keep(checkpoints) -> set of steps`` given every committed checkpoint (oldest commit first);
-the manager deletes the rest, except that the newest committed step and any step still being
-written are never deleted, whatever a policy says.
+A *save policy* answers ``should_save(step) -> bool``. Policies that need to know more than the
+step (the time of the previous save, whether a save is still being written, whether the job is
+being preempted) set the class attribute ``uses_context = True`` and take a second argument,
+``should_save(step, context)``, a :class:`SaveContext` the manager fills in. A plain callable
+``fn(step) -> bool`` is accepted wherever a save policy is.
+
+A *retention policy* answers ``keep(checkpoints) -> set of steps`` given every committed
+checkpoint (oldest commit first, as :class:`CheckpointInfo` read from the manifests); the manager
+deletes the rest, except that the newest committed step, the highest step and any step still
+being written are never deleted, whatever a policy says. A plain callable
+``fn(checkpoints) -> iterable of steps`` is accepted wherever a retention policy is.
+
+Retention policies see only what the manifests hold (step, commit time, metrics, size), so a
+new manager on the same directory makes the same decisions as the one before a restart.
 """
 
 from __future__ import annotations
 
+import math
+import time
 from dataclasses import dataclass, field
-from typing import Dict, Protocol, Sequence, Set, runtime_checkable
+from typing import (
+    Any,
+    Callable,
+    Dict,
+    FrozenSet,
+    Iterable,
+    List,
+    Optional,
+    Protocol,
+    Sequence,
+    Set,
+    Tuple,
+    Union,
+    runtime_checkable,
+)
+
+__all__ = [
+    "AnyOf",
+    "AtSteps",
+    "CheckpointInfo",
+    "Continuous",
+    "EveryNSteps",
+    "EveryTSeconds",
+    "KeepAll",
+    "KeepBest",
+    "KeepEveryNSteps",
+    "KeepLatest",
+    "KeepTimeInterval",
+    "OnPreemption",
+    "RetentionPolicy",
+    "SaveContext",
+    "SavePolicy",
+    "as_retention_policy",
+    "apply_retention",
+    "as_save_policy",
+    "best_checkpoint",
+    "decide_save",
+]
 
 
 @dataclass(frozen=True)
@@ -20,6 +69,27 @@ class CheckpointInfo:
     commit_time: float
     metrics: Dict[str, float] = field(default_factory=dict)
     nbytes: int = 0
+
+
+@dataclass(frozen=True)
+class SaveContext:
+    """What the manager knows when it asks a save policy (``uses_context = True``) for a decision.
+
+    Attributes:
+        now: wall-clock time of the decision (``time.time()``).
+        start_time: when the manager was created.
+        last_save_time: when this manager last took a save (forced ones included), or None.
+        last_save_step: the step of that save, or None.
+        save_in_flight: a save has been taken and is not yet committed.
+        preempted: a preemption was detected and its checkpoint is not taken yet.
+    """
+
+    now: float
+    start_time: float
+    last_save_time: Optional[float] = None
+    last_save_step: Optional[int] = None
+    save_in_flight: bool = False
+    preempted: bool = False
 
 
 @runtime_checkable
@@ -34,6 +104,30 @@ class RetentionPolicy(Protocol):
         """The steps to keep, given every committed checkpoint in commit order."""
 
 
+SavePolicyLike = Union[SavePolicy, Callable[[int], bool]]
+RetentionPolicyLike = Union[RetentionPolicy, Callable[[Sequence[CheckpointInfo]], Iterable[int]]]
+
+
+def _check_int(name: str, value: Any, minimum: int = 1) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+def _check_seconds(name: str, value: Any, allow_zero: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number of seconds, got {type(value).__name__}")
+    v = float(value)
+    if math.isnan(v) or math.isinf(v) or v < 0 or (v == 0 and not allow_zero):
+        raise ValueError(f"{name} must be a finite number of seconds {'>= 0' if allow_zero else '> 0'}, got {value!r}")
+    return v
+
+
+def _commit_order(checkpoints: Sequence[CheckpointInfo]) -> List[CheckpointInfo]:
+    return sorted(checkpoints, key=lambda c: (c.commit_time, c.step))
+
+
+# ---- save policies ------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class EveryNSteps:
     """Save when ``step % n == 0`` (torch_xla's ``save_interval``)."""
@@ -48,6 +142,126 @@ class EveryNSteps:
         return step % self.n == 0
 
 
+class AtSteps:
+    """Save at exactly the given steps."""
+
+    def __init__(self, steps: Iterable[int]) -> None:
+        if isinstance(steps, (str, bytes)) or not isinstance(steps, Iterable):
+            raise TypeError(f"AtSteps needs an iterable of steps, got {type(steps).__name__}")
+        self.steps: FrozenSet[int] = frozenset(_check_int("AtSteps step", s, 0) for s in steps)
+
+    def should_save(self, step: int) -> bool:
+        return step in self.steps
+
+    def __repr__(self) -> str:
+        return f"AtSteps({sorted(self.steps)})"
+
+
+class EveryTSeconds:
+    """Save at most once per ``seconds`` of wall-clock time.
+
+    A save is due when ``seconds`` have passed since the previous save this manager took
+    (forced and preemption saves included) or, before the first one, since the manager was
+    created: the first save of a run comes ``seconds`` into it, not at its first step. Combine
+    with :class:`AtSteps` (``AnyOf([AtSteps([0]), EveryTSeconds(600)])``) to also save at once.
+    Used outside a manager (no context), it keeps its own clock from its construction.
+    """
+
+    uses_context = True
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = _check_seconds("EveryTSeconds seconds", seconds)
+        self._own_last = time.time()
+
+    def should_save(self, step: int, context: Optional[SaveContext] = None) -> bool:
+        if context is None:
+            now = time.time()
+            if now - self._own_last >= self.seconds:
+                self._own_last = now
+                return True
+            return False
+        ref = context.last_save_time if context.last_save_time is not None else context.start_time
+        return context.now - ref >= self.seconds
+
+    def __repr__(self) -> str:
+        return f"EveryTSeconds({self.seconds:g})"
+
+
+class Continuous:
+    """Save whenever no save is in flight (and at least ``min_interval_s`` after the last one).
+
+    Checkpoints as often as the storage allows without ever making training wait for a slot.
+    Used outside a manager (no context) it always says yes.
+    """
+
+    uses_context = True
+
+    def __init__(self, min_interval_s: float = 0.0) -> None:
+        self.min_interval_s = _check_seconds("Continuous min_interval_s", min_interval_s, allow_zero=True)
+
+    def should_save(self, step: int, context: Optional[SaveContext] = None) -> bool:
+        if context is None:
+            return True
+        if context.save_in_flight:
+            return False
+        if self.min_interval_s and context.last_save_time is not None:
+            return context.now - context.last_save_time >= self.min_interval_s
+        return True
+
+    def __repr__(self) -> str:
+        return f"Continuous(min_interval_s={self.min_interval_s:g})"
+
+
+class OnPreemption:
+    """Save when a preemption was detected (needs ``chkpt_on_preemption=True`` on the manager).
+
+    A manager with preemption enabled already saves on preemption whatever its policy; this
+    policy is for saving *only* then: ``save_policy=OnPreemption()``.
+    """
+
+    uses_context = True
+
+    def should_save(self, step: int, context: Optional[SaveContext] = None) -> bool:
+        return bool(context is not None and context.preempted)
+
+    def __repr__(self) -> str:
+        return "OnPreemption()"
+
+
+def decide_save(policy: SavePolicyLike, step: int, context: Optional[SaveContext] = None) -> bool:
+    """Ask a save policy (object or callable) for its decision, passing ``context`` if it wants one."""
+    if getattr(policy, "uses_context", False):
+        return bool(policy.should_save(step, context))  # type: ignore[call-arg]
+    should = getattr(policy, "should_save", None)
+    if should is not None:
+        return bool(should(step))
+    return bool(policy(step))  # type: ignore[operator]
+
+
+class _CallableSave:
+    """A plain ``fn(step) -> bool`` used as a save policy."""
+
+    def __init__(self, fn: Callable[[int], bool]) -> None:
+        self.fn = fn
+
+    def should_save(self, step: int) -> bool:
+        return bool(self.fn(step))
+
+    def __repr__(self) -> str:
+        return f"save_policy({getattr(self.fn, '__name__', repr(self.fn))})"
+
+
+def as_save_policy(policy: Any) -> SavePolicy:
+    """Validate a save policy: an object with ``should_save``, or a callable ``fn(step) -> bool``
+    (wrapped, so the result always has ``should_save``)."""
+    if callable(getattr(policy, "should_save", None)):
+        return policy
+    if callable(policy):
+        return _CallableSave(policy)
+    raise TypeError(f"a save policy needs a should_save(step) method or must be callable, got {type(policy).__name__}")
+
+
+# ---- retention policies -------------------------------------------------------------------------
 @dataclass(frozen=True)
 class KeepAll:
     """Never delete anything."""
@@ -67,5 +281,177 @@ class KeepLatest:
             raise ValueError(f"KeepLatest needs n >= 1, got {self.n!r}")
 
     def keep(self, checkpoints: Sequence[CheckpointInfo]) -> Set[int]:
-        ordered = sorted(checkpoints, key=lambda c: (c.commit_time, c.step))
+        ordered = _commit_order(checkpoints)
         return {c.step for c in ordered[-self.n:]}
+
+
+@dataclass(frozen=True)
+class KeepEveryNSteps:
+    """Keep every checkpoint whose step is a multiple of ``n``, forever (Orbax's ``keep_period``)."""
+
+    n: int
+
+    def __post_init__(self) -> None:
+        _check_int("KeepEveryNSteps n", self.n)
+
+    def keep(self, checkpoints: Sequence[CheckpointInfo]) -> Set[int]:
+        return {c.step for c in checkpoints if c.step % self.n == 0}
+
+
+@dataclass(frozen=True)
+class KeepTimeInterval:
+    """Keep one checkpoint per ``seconds`` of commit time (Orbax's ``keep_time_interval``).
+
+    Walking the checkpoints oldest commit first, the first one is kept, then each one committed
+    at least ``seconds`` after the last kept one. Deleting a checkpoint this policy does not keep
+    never changes which ones it keeps, so its decisions are stable as checkpoints come and go.
+    """
+
+    seconds: float
+
+    def __post_init__(self) -> None:
+        _check_seconds("KeepTimeInterval seconds", self.seconds)
+
+    def keep(self, checkpoints: Sequence[CheckpointInfo]) -> Set[int]:
+        kept: Set[int] = set()
+        last: Optional[float] = None
+        for c in _commit_order(checkpoints):
+            if last is None or c.commit_time - last >= self.seconds:
+                kept.add(c.step)
+                last = c.commit_time
+        return kept
+
+
+_MODES = ("min", "max")
+_MISSING = ("keep", "drop")
+
+
+@dataclass(frozen=True)
+class KeepBest:
+    """Keep the ``n`` checkpoints with the best value of ``metric`` (Lightning's ``save_top_k``).
+
+    Args:
+        n: how many to keep.
+        metric: a key of the ``metrics=`` given to ``save``/``save_async``.
+        mode: ``"min"`` (a loss) or ``"max"`` (an accuracy).
+        missing: checkpoints saved without this metric are all kept (``"keep"``, the default)
+            or are left to the other policies (``"drop"``).
+
+    Ties go to the checkpoint committed first, so a new checkpoint that is only as good as a
+    kept one never displaces it.
+    """
+
+    n: int
+    metric: str
+    mode: str = "min"
+    missing: str = "keep"
+
+    def __post_init__(self) -> None:
+        _check_int("KeepBest n", self.n)
+        if not isinstance(self.metric, str) or not self.metric:
+            raise TypeError(f"KeepBest metric must be a non-empty string, got {self.metric!r}")
+        if self.mode not in _MODES:
+            raise ValueError(f"KeepBest mode must be one of {_MODES}, got {self.mode!r}")
+        if self.missing not in _MISSING:
+            raise ValueError(f"KeepBest missing must be one of {_MISSING}, got {self.missing!r}")
+
+    def ranked(self, checkpoints: Sequence[CheckpointInfo]) -> List[CheckpointInfo]:
+        """Checkpoints that have the metric, best first."""
+        return _rank(checkpoints, self.metric, self.mode)
+
+    def keep(self, checkpoints: Sequence[CheckpointInfo]) -> Set[int]:
+        kept = {c.step for c in self.ranked(checkpoints)[: self.n]}
+        if self.missing == "keep":
+            kept |= {c.step for c in checkpoints if self.metric not in c.metrics}
+        return kept
+
+
+def _rank(checkpoints: Sequence[CheckpointInfo], metric: str, mode: str) -> List[CheckpointInfo]:
+    sign = 1.0 if mode == "min" else -1.0
+    have = [c for c in checkpoints if metric in c.metrics]
+    return sorted(have, key=lambda c: (sign * c.metrics[metric], c.commit_time, c.step))
+
+
+def best_checkpoint(checkpoints: Sequence[CheckpointInfo], metric: str, mode: str = "min") -> Optional[CheckpointInfo]:
+    """The checkpoint with the best ``metric`` (ties: the earliest commit), or None if none has it."""
+    if mode not in _MODES:
+        raise ValueError(f"mode must be one of {_MODES}, got {mode!r}")
+    ranked = _rank(checkpoints, metric, mode)
+    return ranked[0] if ranked else None
+
+
+class _CallableRetention:
+    """A plain ``fn(checkpoints) -> iterable of steps`` used as a retention policy."""
+
+    def __init__(self, fn: Callable[[Sequence[CheckpointInfo]], Iterable[int]]) -> None:
+        self.fn = fn
+
+    def keep(self, checkpoints: Sequence[CheckpointInfo]) -> Set[int]:
+        return _steps_from(self.fn(checkpoints), self.fn)
+
+    def __repr__(self) -> str:
+        return f"retention({getattr(self.fn, '__name__', repr(self.fn))})"
+
+
+def _steps_from(result: Any, who: Any) -> Set[int]:
+    if isinstance(result, (str, bytes)) or not isinstance(result, Iterable):
+        raise TypeError(f"retention policy {who!r} must return an iterable of steps, got {type(result).__name__}")
+    out = set()
+    for s in result:
+        if isinstance(s, bool) or not isinstance(s, int):
+            raise TypeError(f"retention policy {who!r} returned a non-integer step {s!r}")
+        out.add(s)
+    return out
+
+
+def as_retention_policy(policy: Any) -> RetentionPolicy:
+    """Validate a retention policy: an object with ``keep`` or a callable ``fn(checkpoints)``."""
+    if callable(getattr(policy, "keep", None)):
+        return policy
+    if callable(policy):
+        return _CallableRetention(policy)
+    raise TypeError(f"a retention policy needs a keep(checkpoints) method or must be callable, got {type(policy).__name__}")
+
+
+def apply_retention(policy: RetentionPolicy, checkpoints: Sequence[CheckpointInfo]) -> Set[int]:
+    """Run a retention policy and check what it returns (a set of ints)."""
+    return _steps_from(policy.keep(checkpoints), policy)
+
+
+# ---- composition --------------------------------------------------------------------------------
+class AnyOf:
+    """Union of policies.
+
+    As a save policy: save when any member wants to. As a retention policy: keep every step any
+    member keeps (``AnyOf([KeepBest(3, "loss"), KeepLatest(2)])`` keeps the best 3 and the
+    latest 2). Members may be policy objects or plain callables.
+    """
+
+    uses_context = True
+
+    def __init__(self, policies: Sequence[Any]) -> None:
+        if isinstance(policies, (str, bytes)) or not isinstance(policies, Iterable):
+            raise TypeError(f"AnyOf needs a list of policies, got {type(policies).__name__}")
+        self.policies: Tuple[Any, ...] = tuple(policies)
+        if not self.policies:
+            raise ValueError("AnyOf needs at least one policy")
+        for p in self.policies:
+            if not (callable(p) or callable(getattr(p, "should_save", None)) or callable(getattr(p, "keep", None))):
+                raise TypeError(f"AnyOf member {p!r} is neither a save policy, a retention policy nor callable")
+
+    def should_save(self, step: int, context: Optional[SaveContext] = None) -> bool:
+        for p in self.policies:
+            if callable(getattr(p, "keep", None)) and not callable(getattr(p, "should_save", None)):
+                raise TypeError(f"AnyOf used as a save policy holds a retention policy {p!r}")
+        return any(decide_save(p, step, context) for p in self.policies)  # stops at the first yes
+
+    def keep(self, checkpoints: Sequence[CheckpointInfo]) -> Set[int]:
+        kept: Set[int] = set()
+        for p in self.policies:
+            if callable(getattr(p, "should_save", None)) and not callable(getattr(p, "keep", None)):
+                raise TypeError(f"AnyOf used as a retention policy holds a save policy {p!r}")
+            kept |= apply_retention(as_retention_policy(p), checkpoints)
+        return kept
+
+    def __repr__(self) -> str:
+        return f"AnyOf({list(self.policies)!r})"

@@ -1,0 +1,479 @@
+"""Save-decision and retention policies, on their own and through CheckpointManager."""
+
+from __future__ import annotations
+
+import tempfile
+import threading
+import uuid
+
+import pytest
+import torch
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from async_ckpt import (
+    AnyOf,
+    AtSteps,
+    CheckpointInfo,
+    CheckpointManager,
+    Continuous,
+    EveryNSteps,
+    EveryTSeconds,
+    InvalidStepError,
+    KeepAll,
+    KeepBest,
+    KeepEveryNSteps,
+    KeepLatest,
+    KeepTimeInterval,
+    OnPreemption,
+    SaveContext,
+)
+from async_ckpt.policies import apply_retention, as_retention_policy, decide_save
+
+from .conftest import assert_bitwise_equal
+
+
+class FakeClock:
+    """A wall clock the test moves by hand (manifests' commit_time and save decisions use it)."""
+
+    def __init__(self, t: float = 1_000_000.0) -> None:
+        self.t = t
+        self._lock = threading.Lock()
+
+    def __call__(self) -> float:
+        with self._lock:
+            return self.t
+
+    def advance(self, dt: float) -> None:
+        with self._lock:
+            self.t += dt
+
+
+def ctx(now=100.0, start=0.0, last=None, last_step=None, in_flight=False, preempted=False):
+    return SaveContext(now=now, start_time=start, last_save_time=last, last_save_step=last_step,
+                       save_in_flight=in_flight, preempted=preempted)
+
+
+def infos(*rows):
+    """rows: (step, commit_time) or (step, commit_time, metrics)."""
+    return [CheckpointInfo(r[0], float(r[1]), dict(r[2]) if len(r) > 2 else {}) for r in rows]
+
+
+def state(step: int):
+    return {"w": torch.arange(64, dtype=torch.float32) * step, "b": torch.full((3,), step, dtype=torch.int64),
+            "meta": {"step": step}}
+
+
+def zeros_state():
+    return {"w": torch.zeros(64), "b": torch.zeros(3, dtype=torch.int64), "meta": {"step": -1}}
+
+
+def drain(mgr: CheckpointManager) -> None:
+    """Wait until every retention pass queued so far has run (the deleter runs tasks in order)."""
+    mgr.join()
+    mgr._deleter.submit(lambda: None).result()
+
+
+# ---- save policies --------------------------------------------------------------------------------
+def test_every_n_steps_and_at_steps():
+    p = EveryNSteps(5)
+    assert [s for s in range(12) if p.should_save(s)] == [0, 5, 10]
+    a = AtSteps([3, 7, 7, 100])
+    assert [s for s in range(12) if a.should_save(s)] == [3, 7]
+    with pytest.raises(ValueError, match="int >= 1"):
+        EveryNSteps(0)
+    with pytest.raises(ValueError, match="AtSteps step"):
+        AtSteps([1, -2])
+    with pytest.raises(ValueError, match="AtSteps step"):
+        AtSteps([1.5])
+    with pytest.raises(TypeError, match="iterable"):
+        AtSteps(5)
+
+
+def test_every_t_seconds_measures_from_the_last_save_or_the_start():
+    p = EveryTSeconds(60)
+    assert not p.should_save(1, ctx(now=59, start=0))
+    assert p.should_save(1, ctx(now=60, start=0))  # first save: T after the manager started
+    assert not p.should_save(9, ctx(now=1000, start=0, last=990, last_step=8))
+    assert p.should_save(9, ctx(now=1050, start=0, last=990, last_step=8))
+    with pytest.raises(ValueError, match="seconds"):
+        EveryTSeconds(0)
+    with pytest.raises(TypeError, match="seconds"):
+        EveryTSeconds("60")
+
+
+def test_continuous_saves_only_when_nothing_is_in_flight():
+    p = Continuous()
+    assert p.should_save(3, ctx(in_flight=False))
+    assert not p.should_save(3, ctx(in_flight=True))
+    q = Continuous(min_interval_s=10)
+    assert not q.should_save(3, ctx(now=105, last=100))
+    assert q.should_save(3, ctx(now=110, last=100))
+    assert q.should_save(3, ctx(now=1, last=None))
+
+
+def test_on_preemption_any_of_and_callables():
+    assert not OnPreemption().should_save(4, ctx())
+    assert OnPreemption().should_save(4, ctx(preempted=True))
+    assert not OnPreemption().should_save(4)  # outside a manager: never
+    p = AnyOf([EveryNSteps(10), AtSteps([3]), lambda s: s == 7, OnPreemption()])
+    assert [s for s in range(12) if decide_save(p, s, ctx())] == [0, 3, 7, 10]
+    assert decide_save(p, 5, ctx(preempted=True))
+    with pytest.raises(ValueError, match="at least one"):
+        AnyOf([])
+    with pytest.raises(TypeError, match="neither"):
+        AnyOf([3])
+    with pytest.raises(TypeError, match="retention policy"):
+        AnyOf([EveryNSteps(2), KeepLatest(1)]).should_save(2, ctx())
+    with pytest.raises(TypeError, match="save policy"):
+        AnyOf([EveryNSteps(2), KeepLatest(1)]).keep(infos((1, 1)))
+
+
+# ---- retention policies ---------------------------------------------------------------------------
+def test_keep_latest_is_by_commit_order_not_step():
+    cps = infos((30, 1), (10, 2), (20, 3))
+    assert KeepLatest(2).keep(cps) == {10, 20}
+    assert KeepAll().keep(cps) == {10, 20, 30}
+    with pytest.raises(ValueError):
+        KeepLatest(0)
+
+
+def test_keep_every_n_steps():
+    cps = infos(*[(s, s) for s in (0, 250, 500, 999, 1000, 1500, 2000)])
+    assert KeepEveryNSteps(1000).keep(cps) == {0, 1000, 2000}
+    with pytest.raises(ValueError):
+        KeepEveryNSteps(0)
+
+
+def test_keep_time_interval_walk():
+    times = [0, 30, 59, 61, 100, 125, 200, 201]
+    cps = infos(*[(i, t) for i, t in enumerate(times)])
+    kept = KeepTimeInterval(60).keep(cps)
+    assert kept == {0, 3, 5, 6}  # t = 0, 61, 125 (>= 61+60), 200 (>= 125+60)
+    # deleting what it did not keep never changes what it keeps
+    survivors = [c for c in cps if c.step in kept]
+    assert KeepTimeInterval(60).keep(survivors) == kept
+
+
+def test_keep_best_min_max_missing_and_ties():
+    cps = infos((1, 1, {"loss": 0.5}), (2, 2, {"loss": 0.3}), (3, 3, {}), (4, 4, {"loss": 0.3}),
+                (5, 5, {"loss": 0.9, "acc": 0.7}), (6, 6, {"acc": 0.9}))
+    assert KeepBest(2, "loss").keep(cps) == {2, 4, 3, 6}  # ties: earlier commit first; missing kept
+    assert KeepBest(1, "loss").keep(cps) == {2, 3, 6}  # step 4 ties step 2 but came later
+    assert KeepBest(1, "loss", missing="drop").keep(cps) == {2}
+    assert KeepBest(1, "acc", mode="max", missing="drop").keep(cps) == {6}
+    assert KeepBest(5, "loss", mode="max", missing="drop").keep(cps) == {1, 2, 4, 5}
+    with pytest.raises(ValueError, match="mode"):
+        KeepBest(1, "loss", mode="best")
+    with pytest.raises(ValueError, match="missing"):
+        KeepBest(1, "loss", missing="maybe")
+    with pytest.raises(TypeError, match="metric"):
+        KeepBest(1, "")
+
+
+def test_any_of_union_and_callable_retention():
+    cps = infos(*[(s, s, {"loss": 10.0 - s % 7}) for s in range(1, 15)])
+    best3_latest2 = AnyOf([KeepBest(3, "loss"), KeepLatest(2)])
+    # loss = 10 - s % 7: smallest at s % 7 == 6 -> steps 6, 13 (4.0), then s % 7 == 5 -> step 5 (5.0)
+    assert best3_latest2.keep(cps) == {6, 13, 5, 14, 13}
+    even = as_retention_policy(lambda checkpoints: [c.step for c in checkpoints if c.step % 2 == 0])
+    assert apply_retention(even, cps) == set(range(2, 15, 2))
+    assert AnyOf([lambda c: {1}, KeepLatest(1)]).keep(cps) == {1, 14}
+    with pytest.raises(TypeError, match="non-integer"):
+        apply_retention(as_retention_policy(lambda c: ["3"]), cps)
+    with pytest.raises(TypeError, match="iterable"):
+        apply_retention(as_retention_policy(lambda c: 3), cps)
+    with pytest.raises(TypeError, match="keep"):
+        as_retention_policy(42)
+
+
+# ---- through the manager --------------------------------------------------------------------------
+def test_manager_rejects_bad_policies(ckpt_dir):
+    with pytest.raises(TypeError, match="save policy"):
+        CheckpointManager(ckpt_dir, save_policy=5)
+    with pytest.raises(TypeError, match="retention policy"):
+        CheckpointManager(ckpt_dir, retention="latest")
+
+
+def test_force_always_saves_and_callable_save_policy(ckpt_dir):
+    with CheckpointManager(ckpt_dir, save_policy=lambda s: s in (2, 5)) as mgr:
+        took = [s for s in range(7) if mgr.save_async(s, state(s))]
+        assert took == [2, 5]
+        assert mgr.save(6, state(6), force=True)
+        assert mgr.all_steps() == [2, 5, 6]
+    with CheckpointManager(ckpt_dir, save_policy=OnPreemption()) as mgr:
+        assert not mgr.should_save(7)  # preemption is off: OnPreemption never fires
+        assert not mgr.save(7, state(7))
+        assert mgr.save(7, state(7), force=True)
+
+
+def test_every_t_seconds_through_the_manager(ckpt_dir):
+    clock = FakeClock()
+    mgr = CheckpointManager(ckpt_dir, save_policy=EveryTSeconds(60))
+    mgr._clock, mgr._start_time = clock, clock()
+    took = []
+    for step in range(12):
+        clock.advance(25)  # a step takes 25 s
+        if mgr.save_async(step, state(step)):
+            took.append(step)
+    mgr.close()
+    # saves at 75 s (step 2: first one >= 60 after start), then 150 s (step 5), 225 s (step 8), 300 s (step 11)
+    assert took == [2, 5, 8, 11]
+
+
+def test_continuous_saves_when_the_previous_one_committed(ckpt_dir, monkeypatch):
+    import async_ckpt.manager as manager_mod
+
+    real = manager_mod.save_state_dict
+    gate = threading.Event()
+
+    def gated(*a, **k):
+        gate.wait(30)
+        return real(*a, **k)
+
+    monkeypatch.setattr(manager_mod, "save_state_dict", gated)
+    mgr = CheckpointManager(ckpt_dir, save_policy=Continuous(), max_pending_async=2)
+    assert mgr.save_async(0, state(0))
+    assert not mgr.save_async(1, state(1))  # step 0 still in flight: no second save queued
+    assert not mgr.should_save(2)
+    gate.set()
+    mgr.join()
+    assert mgr.save_async(3, state(3))
+    mgr.close()
+    assert CheckpointManager(ckpt_dir).all_steps() == [0, 3]
+
+
+def test_keep_best_with_metrics_best_step_and_metrics(ckpt_dir):
+    losses = {1: 0.9, 2: 0.4, 3: 0.6, 4: 0.2, 5: 0.8, 6: 0.7}
+    with CheckpointManager(ckpt_dir, retention=AnyOf([KeepBest(2, "loss"), KeepLatest(1)])) as mgr:
+        for s, loss in losses.items():
+            mgr.save(s, state(s), metrics={"loss": loss, "acc": 1 - loss})
+        drain(mgr)
+        assert mgr.all_steps() == [2, 4, 6]
+        assert mgr.best_step() == 4
+        assert mgr.best_step("acc", "max") == 4
+        assert mgr.best_step("acc") == 6  # another metric: mode "min" unless given
+        assert mgr.best_step("nope") is None
+        assert mgr.metrics(4) == {"loss": 0.2, "acc": pytest.approx(0.8)}
+    target = zeros_state()
+    CheckpointManager(ckpt_dir).restore(4, target)
+    assert_bitwise_equal(state(4), target)
+    with pytest.raises(ValueError, match="metric"):
+        CheckpointManager(ckpt_dir).best_step()
+
+
+def test_recipe_keep_every_1000_plus_latest(ckpt_dir):
+    with CheckpointManager(ckpt_dir, save_interval=250,
+                           retention=AnyOf([KeepEveryNSteps(1000), KeepLatest(2)])) as mgr:
+        for s in range(0, 3001, 50):
+            mgr.save(s, state(s))
+        drain(mgr)
+        assert mgr.all_steps() == [0, 1000, 2000, 2750, 3000]
+
+
+def test_keep_time_interval_through_the_manager_and_after_restart(ckpt_dir):
+    clock = FakeClock()
+    policy = AnyOf([KeepTimeInterval(3600), KeepLatest(1)])
+    mgr = CheckpointManager(ckpt_dir, retention=policy)
+    mgr._clock = clock
+    for s in range(6):
+        clock.advance(1500)  # commits at 1500, 3000, 4500, 6000, 7500, 9000 s
+        mgr.save(s, state(s))
+    drain(mgr)
+    assert mgr.all_steps() == [0, 3, 5]  # 1500, 6000 (>= 1500 + 3600), latest
+    mgr.close()
+    mgr = CheckpointManager(ckpt_dir, retention=policy)  # decisions come from the manifests
+    mgr._clock = clock
+    clock.advance(1500)
+    mgr.save(6, state(6))  # 10500: 5 (9000) is not 3600 after 6000, so it goes
+    drain(mgr)
+    assert mgr.all_steps() == [0, 3, 6]
+    mgr.close()
+
+
+def _run(root, clock, policy, plan):
+    """Save ``plan`` ((step, dt, metrics) or "restart") into ``root``; return all_steps after each."""
+    seen = []
+    mgr = CheckpointManager(root, retention=policy)
+    mgr._clock = clock
+    for item in plan:
+        if item == "restart":
+            mgr.close()
+            mgr = CheckpointManager(root, retention=policy)
+            mgr._clock = clock
+            continue
+        step, dt, metrics = item
+        clock.advance(dt)
+        mgr.save(step, state(step), metrics=metrics)
+        drain(mgr)
+        seen.append(mgr.all_steps())
+    mgr.close()
+    return seen
+
+
+def test_restart_makes_the_same_decisions(tmp_path):
+    policy = AnyOf([KeepBest(2, "loss"), KeepLatest(2), KeepTimeInterval(100)])
+    saves = [(s, 40, {"loss": float((s * 37) % 11)} if s % 3 else None) for s in range(1, 16)]
+    plain = _run(str(tmp_path / "a"), FakeClock(), policy, saves)
+    with_restarts = _run(str(tmp_path / "b"), FakeClock(), policy,
+                         saves[:4] + ["restart"] + saves[4:9] + ["restart", "restart"] + saves[9:])
+    assert plain == with_restarts
+
+
+def test_retention_runs_on_the_deleter_thread_and_keeps_the_newest(ckpt_dir):
+    threads = []
+
+    def keep_nothing(checkpoints):
+        threads.append(threading.current_thread().name)
+        return set()
+
+    with CheckpointManager(ckpt_dir, retention=keep_nothing) as mgr:
+        for s in range(4):
+            mgr.save(s, state(s))
+            drain(mgr)
+            assert mgr.all_steps() == [s]  # the newest commit is never deleted
+    assert threads and all(t.startswith("async-ckpt-delete") for t in threads)
+
+
+def test_retention_never_deletes_a_step_being_written(ckpt_dir):
+    mgr = CheckpointManager(ckpt_dir)
+    for s in (1, 2):
+        mgr.save(s, state(s))
+    drain(mgr)
+    mgr.retention = as_retention_policy(lambda c: set())
+    with mgr._lock:
+        mgr._inflight[1] = "re-save of step 1 in progress"
+    mgr._apply_retention()
+    assert mgr.all_steps() == [1, 2]
+    with mgr._lock:
+        del mgr._inflight[1]
+    mgr._apply_retention()
+    assert mgr.all_steps() == [2]
+    mgr.close()
+
+
+# ---- rollback -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("scheme", ["file", "memory"])
+def test_rollback_after_restoring_an_older_step(tmp_path, scheme):
+    root = str(tmp_path / "ckpt") if scheme == "file" else f"memory://rollback-{uuid.uuid4().hex}"
+    with CheckpointManager(root) as mgr:
+        for s in range(1, 6):
+            mgr.save(s, state(s))
+    mgr = CheckpointManager(root)
+    with pytest.raises(InvalidStepError, match="lower than the highest committed step 5"):
+        mgr.save(2, state(2))  # no restore: a restarted loop counting from 0 must not wipe the run
+    target = zeros_state()
+    assert mgr.restore(3, target) == 3
+    assert_bitwise_equal(state(3), target)
+    with pytest.raises(InvalidStepError, match="lower than the restored step 3"):
+        mgr.save(2, state(2))
+    new4 = {"w": torch.full((64,), -4.0), "b": torch.full((3,), -4, dtype=torch.int64), "meta": {"step": 44}}
+    assert mgr.save(4, new4)  # the new timeline: steps above 4 (old 5) are deleted, old 4 replaced
+    assert mgr.all_steps() == [1, 2, 3, 4]
+    mgr.save(5, state(50))
+    mgr.close()
+    again = CheckpointManager(root)
+    target = zeros_state()
+    assert again.restore(None, target) == 5
+    assert_bitwise_equal(state(50), target)
+    target = zeros_state()
+    again.restore(4, target)
+    assert_bitwise_equal(new4, target)
+    again.close()
+
+
+def test_resaving_the_latest_step_is_not_a_rollback(ckpt_dir):
+    with CheckpointManager(ckpt_dir) as mgr:
+        mgr.save(1, state(1))
+        mgr.save(2, state(2))
+        mgr.save(2, state(20))
+        assert mgr.all_steps() == [1, 2]
+
+
+# ---- property test --------------------------------------------------------------------------------
+POLICIES = [
+    ("latest2", lambda: KeepLatest(2)),
+    ("best2", lambda: KeepBest(2, "loss")),
+    ("best1max-drop", lambda: KeepBest(1, "acc", mode="max", missing="drop")),
+    ("every3", lambda: KeepEveryNSteps(3)),
+    ("time10", lambda: KeepTimeInterval(10)),
+    ("best2+latest1", lambda: AnyOf([KeepBest(2, "loss"), KeepLatest(1)])),
+    ("all", lambda: KeepAll()),
+    ("even", lambda: (lambda cps: {c.step for c in cps if c.step % 2 == 0})),
+]
+
+op = st.one_of(
+    st.tuples(st.just("save"), st.integers(1, 3), st.integers(0, 8),
+              st.one_of(st.none(), st.fixed_dictionaries({"loss": st.integers(0, 5)}),
+                        st.fixed_dictionaries({"acc": st.integers(0, 5)}))),
+    st.tuples(st.just("restart"), st.integers(0, len(POLICIES) - 1)),
+    st.tuples(st.just("rollback"), st.integers(0, 100), st.integers(1, 3)),
+)
+
+
+def _model_retention(policy, model):
+    """What the manager must keep: the policy, plus the newest commit and the highest step."""
+    ordered = sorted(model.values(), key=lambda c: (c.commit_time, c.step))
+    keep = apply_retention(as_retention_policy(policy), ordered)
+    keep.add(ordered[-1].step)
+    keep.add(max(model))
+    return {s: c for s, c in model.items() if s in keep}
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scheme=st.sampled_from(["file", "memory"]), first=st.integers(0, len(POLICIES) - 1),
+       ops=st.lists(op, min_size=1, max_size=10))
+def test_property_random_saves_restarts_and_policies(scheme, first, ops):
+    clock = FakeClock()
+    with tempfile.TemporaryDirectory() as tmp:
+        root = f"{tmp}/ckpt" if scheme == "file" else f"memory://prop-{uuid.uuid4().hex}"
+        policy = POLICIES[first][1]()
+        mgr = CheckpointManager(root, retention=policy)
+        mgr._clock = clock
+        model = {}  # step -> CheckpointInfo, what must be on storage
+        data = {}  # step -> the value its tensors hold
+        next_step = 0
+        try:
+            for o in ops:
+                if o[0] == "restart":
+                    mgr.close()
+                    policy = POLICIES[o[1]][1]()
+                    mgr = CheckpointManager(root, retention=policy)
+                    mgr._clock = clock
+                    assert mgr.all_steps() == sorted(model)
+                    event("restart")
+                    continue
+                if o[0] == "rollback":
+                    older = sorted(model)[:-1]
+                    if not older:
+                        continue
+                    r = older[o[1] % len(older)]
+                    target = zeros_state()
+                    assert mgr.restore(r, target) == r
+                    assert torch.equal(target["w"], state(data[r])["w"])
+                    step = r + o[2]
+                    event("rollback" if step < max(model) else "restore older, save above the top")
+                    # the save below deletes every committed step above it first
+                    model = {s: c for s, c in model.items() if s <= step}
+                else:
+                    step = next_step + o[1]
+                dt, metrics = (o[2], o[3]) if o[0] == "save" else (1, None)
+                clock.advance(dt)
+                value = len(data) + 1000 * step
+                mgr.save(step, state(value), metrics=None if metrics is None else {k: float(v) for k, v in metrics.items()})
+                drain(mgr)
+                data[step] = value
+                model[step] = CheckpointInfo(step, clock(), {k: float(v) for k, v in (metrics or {}).items()})
+                model = _model_retention(policy, model)
+                next_step = step
+                steps = mgr.all_steps()
+                assert steps == sorted(model), (POLICIES, ops)
+                assert step in steps  # the newest commit survives
+                assert mgr.latest_step() == step
+            # whatever survived holds what was saved at that step
+            for s in mgr.all_steps()[-2:]:
+                target = zeros_state()
+                mgr.restore(s, target)
+                assert_bitwise_equal(state(data[s]), target)
+        finally:
+            mgr.close()
