@@ -142,7 +142,7 @@ def _step_entry(storage: Storage, layout: CheckpointLayout, name: str) -> Dict[s
     disk = sum(int(e.get("size") or 0) for e in listing.values() if e.get("type") != "directory")
     m = _TMP_RE.match(name) or _TRASH_RE.match(name)
     if m:
-        what = "an unfinished save" if name.startswith(".tmp-") else "a replaced step being deleted"
+        what = "a save in progress or one that never finished" if name.startswith(".tmp-") else "a replaced step being deleted"
         return {"step": int(m.group(1)), "name": name, "status": "incomplete", "commit_time": None,
                 "bytes": disk, "files": len(listing), "metrics": {}, "problem": f"{name}: {what}"}
     step = int(name)
@@ -150,7 +150,7 @@ def _step_entry(storage: Storage, layout: CheckpointLayout, name: str) -> Dict[s
                              "files": len(listing), "metrics": {}, "problem": None}
     if MARKER_NAME not in listing:
         entry["status"] = "incomplete"
-        entry["problem"] = "no COMMITTED marker (a save that never finished, or not written by async_ckpt)"
+        entry["problem"] = "no COMMITTED marker (a save in progress or one that never finished, or not written by async_ckpt)"
         return entry
     try:
         man = layout.read_manifest(step)
@@ -239,11 +239,40 @@ def _leaves(metadata: Any) -> List[Dict[str, Any]]:
     return out
 
 
+_MAX_VALUE_BYTES = 64 * 1024
+
+
+def _read_values(storage: Storage, where: str, metadata: Any, leaves: List[Dict[str, Any]]) -> None:
+    """Add ``value`` (a short repr) to the small non-tensor leaves, read by byte range."""
+    import io
+
+    import torch
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    by_file: Dict[str, List[Tuple[Dict[str, Any], Any]]] = {}
+    for leaf in leaves:
+        info = (metadata.storage_data or {}).get(MetadataIndex(leaf["key"]))
+        if leaf["kind"] == "object" and info is not None and info.length <= _MAX_VALUE_BYTES:
+            by_file.setdefault(info.relative_path, []).append((leaf, info))
+    for name, items in by_file.items():
+        with storage.fs.open(f"{where}/{name}", "rb") as f:
+            for leaf, info in sorted(items, key=lambda x: x[1].offset):
+                f.seek(info.offset)
+                try:  # weights_only: plain values and torch types only, never arbitrary classes
+                    value = torch.load(io.BytesIO(f.read(info.length)), weights_only=True)
+                    text = repr(value)
+                except Exception as exc:
+                    text = f"<not shown: {type(exc).__name__}>"
+                leaf["value"] = text if len(text) <= 60 else text[:57] + "..."
+
+
 def cmd_show(args: argparse.Namespace) -> int:
     storage, layout = _open(args)
     step = _parse_step(args.step, layout)
     man, metadata = _read_metadata(storage, layout, step)
     leaves = _leaves(metadata)
+    if args.values:
+        _read_values(storage, layout.step_dir(step), metadata, leaves)
     tensors = [x for x in leaves if x["kind"] == "tensor"]
     if args.json:
         _print_json({"step": step, "commit_time": man.commit_time, "metrics": man.metrics,
@@ -291,7 +320,7 @@ def cmd_show(args: argparse.Namespace) -> int:
                 note = f"{v['shards']} shards" if v["shards"] > 1 else ""
                 rows.append([f"{pad}{name}", v["dtype"], shape, human_bytes(v["bytes"]), note])
             else:
-                rows.append([f"{pad}{name}", "object", "", human_bytes(v["bytes"]), "pickled value"])
+                rows.append([f"{pad}{name}", "object", "", human_bytes(v["bytes"]), v.get("value", "pickled value")])
 
     walk(tree, 0)
     print(_table(["KEY", "DTYPE", "SHAPE", "SIZE", ""], rows, right=(3,)))
@@ -638,6 +667,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("show", parents=[common], help="the tree of keys of a step, with shapes, dtypes, sizes")
     s.add_argument("step", metavar="STEP", nargs="?", help="a step, or 'latest' (default)")
+    s.add_argument("--values", action="store_true",
+                   help="also read and print small non-tensor values (learning rates, step counters)")
     s.set_defaults(fn=cmd_show)
 
     s = sub.add_parser("verify", parents=[common], help="check every file's checksum; exit 1 on damage")

@@ -146,6 +146,12 @@ def test_show_prints_keys_shapes_dtypes(good_dir, capsys):
     assert rows["0.weight"][1:3] == ["float32", f"[{w.shape[0]},"]
     assert rows["table"][1] == "int16" and "[3, 4]" in " ".join(rows["table"])
     assert "model/" in rows and "optim/" in rows and "exp_avg_sq" in rows
+    assert rows["lr"][-2:] == ["pickled", "value"]  # values are read only with --values
+    assert main(["show", root, "20", "--values", "--json"]) == 0
+    entries = {e["key"]: e for e in json.loads(capsys.readouterr().out)["entries"]}
+    assert entries["step"]["value"] == "20" and entries["optim.param_groups.0.lr"]["value"] == "0.001"
+    assert entries["optim.param_groups.0.betas"]["value"] == "(0.9, 0.999)"
+    assert "value" not in entries["model.0.weight"]
     assert main(["ls", os.path.join(root, "does-not-exist")]) == 2
     assert capsys.readouterr().err.startswith("async-ckpt: error: no such checkpoint directory")
 
