@@ -48,6 +48,7 @@ from .stats import SaveStats, StatsLog
 from .storage import CheckpointLayout, Manifest, Storage, StepTarget
 from .storage.dcp_io import METADATA_NAME, FsspecStorageReader, load_metadata, load_state_dict, save_state_dict
 from .writer import AsyncWriter
+from . import distributed as _dist
 
 log = logging.getLogger("async_ckpt")
 
@@ -160,6 +161,10 @@ class CheckpointManager:
                                  "(it handles SIGTERM itself); pass preemption_sync='signal' to use signals")
         elif preemption_signals is not None:
             raise ValueError("preemption_signals needs chkpt_on_preemption=True")
+        # Collective: every rank creates the checkpoint group, first, before anything that
+        # could fail on one rank only (None in a single process).
+        self._dist = _dist.checkpoint_group(process_group)
+        self._condemned: Set[int] = set()  # dropped by retention, deletion pending on rank 0
         self.storage = Storage(path, storage_options)
         self.layout = CheckpointLayout(self.storage, commit_mode)
         self.process_group = process_group
@@ -184,8 +189,13 @@ class CheckpointManager:
         self._top_known = False
         self._rollback_to: Optional[int] = None  # restored step below the highest: saves above it roll back
         self._check_writable()
-        if not keep_incomplete:
+        if not keep_incomplete and self._dist is None:
             self._in_background(self._cleanup_incomplete)
+        elif not keep_incomplete and self._dist.is_coordinator:
+            # Multi-process: only rank 0 cleans up, on its writer thread, before its first save
+            # opens a step (so a step another rank is writing is never mistaken for debris).
+            self._writer.wait_for_slot()
+            self._writer.submit(self._cleanup_incomplete)
         if self._preemption is not None:
             try:
                 self._preemption.watcher.install()
@@ -334,6 +344,8 @@ class CheckpointManager:
         from .storage.manifest import check_metrics
 
         metrics = check_metrics(metrics)
+        if self._dist is not None:
+            return _dist.save(self, step, state_dict, force, metrics, wait)
         self._writer.raise_if_failed()
         take, preempt = self._decide(step, force)
         if not take:
@@ -369,7 +381,8 @@ class CheckpointManager:
             with self._lock:
                 self._inflight[step] = target.path
             files = save_state_dict(self.storage, target.path, snap.state_dict,
-                                    threads=self.write_threads, process_group=self.process_group)
+                                    threads=self.write_threads, process_group=self.process_group,
+                                    planner=_dist.save_planner_for(snap.state_dict))
             snap.release()  # buffers go back to the pool as soon as the data is written
             tc = time.perf_counter()
             manifest = Manifest(step=step, commit_time=self._clock(), files=files, metrics=metrics,
@@ -466,7 +479,11 @@ class CheckpointManager:
     # ---- listing -----------------------------------------------------------------------------
     def all_steps(self) -> List[int]:
         """Committed steps, ascending."""
-        return self.layout.committed_steps()
+        steps = self.layout.committed_steps()
+        if self._condemned:  # multi-process: dropped by retention on every rank, not yet deleted
+            with self._lock:
+                steps = [s for s in steps if s not in self._condemned]
+        return steps
 
     def latest_step(self) -> Optional[int]:
         """The highest committed step, or None when there is none."""
@@ -493,6 +510,8 @@ class CheckpointManager:
         if not self._closed:
             self._writer.join()  # pending saves land first (and their errors surface)
         verify = self.verify if verify is None else verify
+        if self._dist is not None:
+            return _dist.restore(self, None if step is None else _check_step(step), state_dict, verify, allow_pickle)
         steps = self.all_steps()
         if step is not None:
             step = _check_step(step)
@@ -533,7 +552,8 @@ class CheckpointManager:
         try:
             load_state_dict(self.storage, path, state_dict, files=manifest.files, verify=verify,
                             threads=self.write_threads, allow_pickle=allow_pickle, metadata=metadata,
-                            process_group=self.process_group)
+                            process_group=self.process_group,
+                            planner=_dist.load_planner_for(state_dict, allow_pickle))
         except BaseException as exc:
             _remove_added(state_dict, added)
             if isinstance(exc, CorruptCheckpointError):

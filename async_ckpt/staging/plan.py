@@ -26,6 +26,38 @@ class _Slot:
     index: int
 
 
+@dataclass(frozen=True)
+class _DSlot(_Slot):
+    """Placeholder for a DTensor: the i-th tensor is its local shard; ``spec`` rebuilds it."""
+
+    spec: Any = None
+
+
+try:
+    from torch.distributed.tensor import DTensor as _DTensorType
+except Exception:  # torch built without distributed
+    _DTensorType = None
+
+
+def _is_dtensor(value: Any) -> bool:
+    return _DTensorType is not None and isinstance(value, _DTensorType)
+
+
+def _host_dtensor(local: torch.Tensor, spec: Any) -> Any:
+    """A DTensor over ``local`` (a host copy of a shard) with the original mesh and placements.
+
+    DCP then writes only this rank's chunk, with the global shape and offsets of the original.
+    """
+    from torch.distributed.tensor import DTensor
+
+    if spec.mesh.device_type == local.device.type:
+        return DTensor.from_local(local, spec.mesh, spec.placements, run_check=False,
+                                  shape=spec.shape, stride=spec.stride)
+    # A CUDA/XLA mesh: from_local would move the host copy back to the device; the private
+    # constructor keeps it where it is (DCP only reads the spec and the local tensor).
+    return DTensor(local, spec, requires_grad=False)
+
+
 @dataclass
 class StagingPlan:
     """The result of :func:`make_plan`: what to copy and how to put it back together."""
@@ -69,6 +101,14 @@ def make_plan(state_dict: Any) -> StagingPlan:
 
 
 def _walk(value: Any, path: str, plan: StagingPlan) -> Any:
+    if _is_dtensor(value):
+        # Stage only this rank's shard; the spec (mesh, placements, global shape) is kept.
+        local = value.to_local().detach()
+        if local.is_sparse or local.layout != torch.strided:
+            raise InvalidStateDictError(f"{path}: only strided (dense) tensors can be saved, got {local.layout}")
+        plan.tensors.append(local)
+        plan.keys.append(path)
+        return _DSlot(len(plan.tensors) - 1, value._spec)
     if isinstance(value, torch.Tensor):
         if value.is_sparse or value.layout != torch.strided:
             raise InvalidStateDictError(f"{path}: only strided (dense) tensors can be saved, got {value.layout}")
@@ -101,6 +141,8 @@ def _walk(value: Any, path: str, plan: StagingPlan) -> Any:
 
 
 def _fill(template: Any, host: List[torch.Tensor]) -> Any:
+    if isinstance(template, _DSlot):
+        return _host_dtensor(host[template.index], template.spec)
     if isinstance(template, _Slot):
         return host[template.index]
     if isinstance(template, dict):

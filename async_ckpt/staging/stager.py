@@ -164,6 +164,23 @@ class Stager:
 
     def _stage_xla(self, items, host, leases) -> None:
         xla_sync()
+        from ..distributed import is_xla_sharded, stage_xla_shards
+
+        sharded = [(i, t) for i, t in items if is_xla_sharded(t)]
+        if sharded:
+            # SPMD: host copies of this process's shards (one replica each), not the global tensor.
+            ids: Dict[int, int] = {}
+            srcs_sh: List[torch.Tensor] = []
+            for _, t in sharded:
+                if id(t) not in ids:
+                    ids[id(t)] = len(srcs_sh)
+                    srcs_sh.append(t)
+            shards = stage_xla_shards(srcs_sh)
+            for i, t in sharded:
+                host[i] = shards[ids[id(t)]]
+            items = [(i, t) for i, t in items if host[i] is None]
+            if not items:
+                return
         # Deduplicate tensors that are the same object (tied parameters).
         uniq: Dict[int, int] = {}
         srcs: List[torch.Tensor] = []

@@ -333,20 +333,26 @@ class FsspecStorageReader(StorageReader):
 
 
 def save_state_dict(storage: Storage, path: str, state_dict: Dict[str, Any], *, threads: int = 8,
-                    process_group: Any = None) -> Dict[str, FileRecord]:
-    """Write ``state_dict`` (host tensors) as a DCP checkpoint under ``path``; return file records."""
+                    process_group: Any = None, planner: Optional[SavePlanner] = None) -> Dict[str, FileRecord]:
+    """Write ``state_dict`` (host tensors) as a DCP checkpoint under ``path``; return file records.
+
+    ``planner`` defaults to DCP's ``DefaultSavePlanner`` (torch_xla's for staged SPMD shards).
+    """
     writer = FsspecStorageWriter(storage, path, threads=threads)
-    dcp.save(state_dict, storage_writer=writer, planner=DefaultSavePlanner(), process_group=process_group,
+    planner = planner if planner is not None else DefaultSavePlanner()
+    dcp.save(state_dict, storage_writer=writer, planner=planner, process_group=process_group,
              no_dist=not _distributed())
     return writer.files
 
 
 def load_state_dict(storage: Storage, path: str, state_dict: Dict[str, Any], *, files: Optional[Dict[str, FileRecord]],
                     verify: bool = True, threads: int = 8, allow_pickle: bool = False,
-                    metadata: Optional[Metadata] = None, process_group: Any = None) -> None:
-    """Load a DCP checkpoint under ``path`` into ``state_dict`` in place."""
+                    metadata: Optional[Metadata] = None, process_group: Any = None,
+                    planner: Optional[LoadPlanner] = None) -> None:
+    """Load a DCP checkpoint under ``path`` into ``state_dict`` in place (``planner``: see save)."""
     reader = FsspecStorageReader(storage, path, files=files, verify=verify, threads=threads, metadata=metadata)
-    dcp.load(state_dict, storage_reader=reader, planner=_SafeLoadPlanner(allow_pickle), process_group=process_group,
+    planner = planner if planner is not None else _SafeLoadPlanner(allow_pickle)
+    dcp.load(state_dict, storage_reader=reader, planner=planner, process_group=process_group,
              no_dist=not _distributed())
 
 

@@ -1,0 +1,254 @@
+"""Worker script for tests/test_distributed.py, launched with torchrun (gloo, CPU, FSDP2).
+
+    torchrun --standalone --nproc-per-node 4 tests/dist_worker.py save   <root> <ref.pt>
+    torchrun --standalone --nproc-per-node 2 tests/dist_worker.py restore <root> <ref.pt>
+
+``save`` runs several checks in one launch (a torchrun start costs 6-16 s): sharded async saves
+from every rank, retention agreed by every rank with deletions by rank 0 only, a rank that
+fails mid-write, a rank that fails to stage, a save that works again afterwards, and a restore
+at the same world size. ``restore`` loads the 4-rank checkpoint into a 2-rank job. Every
+comparison is bitwise against the full state dict written to ``ref.pt``. Each rank prints
+``RANK <r> OK`` at the end; any failed check raises (non-zero exit).
+"""
+
+from __future__ import annotations
+
+import errno
+import glob
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from async_ckpt import CheckpointError, CheckpointManager, InvalidStateDictError  # noqa: E402
+from async_ckpt.storage.dcp_io import load_metadata  # noqa: E402
+
+
+def build(seed: int):
+    torch.manual_seed(seed)
+    # Odd sizes: FSDP2 shards dim 0 unevenly (50 rows over 4 ranks: 13/13/12/12; 7 rows: 2/2/2/1).
+    model = torch.nn.Sequential(torch.nn.Linear(37, 50), torch.nn.ReLU(), torch.nn.Linear(50, 7))
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+    return model, optim
+
+
+def train(model, optim, steps: int, rank: int) -> None:
+    g = torch.Generator().manual_seed(1000 + rank)
+    for _ in range(steps):
+        loss = model(torch.randn(8, 37, generator=g)).square().mean()
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+
+
+def state(model, optim, step: int):
+    msd, osd = get_state_dict(model, optim)
+    # "extra.replicated" is the same on every rank (DDP-like): DCP must write it once.
+    return {"model": msd, "optim": osd,
+            "extra": {"replicated": torch.arange(1000, dtype=torch.float32) + step, "step": step}}
+
+
+def full(model, optim):
+    msd, osd = get_state_dict(model, optim, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {"model": msd, "optim": osd}
+
+
+def bitwise_equal(a, b, path="root"):
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, path
+        assert torch.equal(a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8)), \
+            f"{path}: bytes differ"
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and set(a) == set(b), f"{path}: keys {sorted(map(str, a))} vs {sorted(map(str, b))}"
+        for k in a:
+            bitwise_equal(a[k], b[k], f"{path}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            bitwise_equal(x, y, f"{path}.{i}")
+    else:
+        assert a == b, f"{path}: {a!r} != {b!r}"
+
+
+def agree(value, what: str):
+    """Assert that every rank computed the same ``value``."""
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    assert all(v == out[0] for v in out), f"{what} differs across ranks: {out}"
+    return out
+
+
+def expect_error(fn, cls, *needles):
+    try:
+        fn()
+    except cls as exc:
+        for n in needles:
+            assert n in str(exc), f"{n!r} not in {exc}"
+        return exc
+    raise AssertionError(f"expected {cls.__name__}")
+
+
+def scenario_save(root: str, ref_path: str) -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    # Debris from a crashed run: rank 0 (only) removes it when the manager starts.
+    if rank == 0:
+        os.makedirs(os.path.join(root, ".tmp-99-0123456789ab"), exist_ok=True)
+    dist.barrier()
+    model, optim = build(seed=0)
+    mgr = CheckpointManager(root, max_to_keep=2)
+    deletes = []
+    real_delete = mgr.layout.delete
+    mgr.layout.delete = lambda step: (deletes.append(step), real_delete(step))[1]
+
+    # 1. sharded async saves of steps 1..3, each rank staging only its own shards.
+    from torch.distributed.tensor import DTensor
+
+    def nbytes(tree, local: bool) -> int:
+        if isinstance(tree, dict):
+            return sum(nbytes(v, local) for v in tree.values())
+        if isinstance(tree, list):
+            return sum(nbytes(v, local) for v in tree)
+        if isinstance(tree, torch.Tensor):
+            t = tree.to_local() if local and isinstance(tree, DTensor) else tree
+            return t.numel() * t.element_size()
+        return 0
+
+    for step in (1, 2, 3):
+        train(model, optim, 1, rank)
+        assert mgr.save_async(step, state(model, optim, step))
+        assert mgr._writer.pending <= 1
+    mgr.join()
+    sd3 = state(model, optim, 3)
+    # Each rank staged its own shards only (plus the small replicated entries).
+    assert mgr.last_stats.nbytes == nbytes(sd3, local=True) < nbytes(sd3, local=False), mgr.last_stats.nbytes
+    assert not os.path.exists(os.path.join(root, ".tmp-99-0123456789ab")), "debris not cleaned up"
+    agree(mgr.all_steps(), "all_steps")
+    assert mgr.all_steps() == [2, 3], mgr.all_steps()
+    assert mgr.latest_step() == 3
+
+    # The committed step holds every rank's files, once, in DCP's sharded format.
+    step_dir = os.path.join(root, "3")
+    with open(os.path.join(step_dir, "manifest.json")) as f:
+        manifest = json.load(f)
+    assert manifest["world_size"] == world, manifest["world_size"]
+    names = set(manifest["files"])
+    for r in range(world):
+        assert any(n.startswith(f"__{r}_") for n in names), f"rank {r} wrote no file: {sorted(names)}"
+    assert names == {os.path.basename(p) for p in glob.glob(os.path.join(step_dir, "*"))
+                     if os.path.basename(p) not in ("manifest.json", "COMMITTED")} | {".metadata"}
+    with open(os.path.join(step_dir, ".metadata"), "rb") as f:
+        md = load_metadata(f.read())
+    assert len(md.state_dict_metadata["model.0.weight"].chunks) == world  # one shard per rank
+    assert len(md.state_dict_metadata["extra.replicated"].chunks) == 1  # replicated: written once
+    assert sum(1 for idx in md.storage_data if idx.fqn == "extra.replicated") == 1
+
+    # 2. a rank fails mid-write: nothing is committed, every rank raises, older steps stay.
+    if rank == 1:
+        real_open = mgr.storage.open_write
+
+        def failing_open(path, *args, **kwargs):
+            if "/.tmp-4-" in path or path.endswith("/4") or "/4/" in path:
+                raise OSError(errno.ENOSPC, "No space left on device (injected on rank 1)", path)
+            return real_open(path, *args, **kwargs)
+
+        mgr.storage.open_write = failing_open
+    train(model, optim, 1, rank)
+    exc = expect_error(lambda: mgr.save(4, state(model, optim, 4)), CheckpointError, "rank 1", "No space left")
+    assert exc.step == 4, exc.step
+    if rank == 1:
+        mgr.storage.open_write = real_open
+    dist.barrier()
+    agree(mgr.all_steps(), "all_steps after a failed save")
+    assert mgr.all_steps() == [2, 3], mgr.all_steps()
+    assert not glob.glob(os.path.join(root, ".tmp-4-*")) and not os.path.exists(os.path.join(root, "4"))
+
+    # 3. a rank fails to stage (an unsaveable leaf): it raises at once; the others raise too.
+    sd = state(model, optim, 5)
+    if rank == 2:
+        sd["extra"]["bad"] = lambda: None
+        expect_error(lambda: mgr.save(5, sd), InvalidStateDictError, "bad")
+    else:
+        expect_error(lambda: mgr.save(5, sd), CheckpointError, "rank 2")
+    dist.barrier()
+    assert mgr.all_steps() == [2, 3], mgr.all_steps()
+
+    # 4. the protocol is still in step on every rank: the next save commits.
+    assert mgr.save(6, state(model, optim, 6), metrics={"loss": 0.5})
+    agree(mgr.all_steps(), "all_steps after recovery")
+    assert mgr.all_steps() == [3, 6], mgr.all_steps()
+    assert mgr.metrics(6) == {"loss": 0.5}
+    ref = full(model, optim)
+    if rank == 0:
+        torch.save(ref, ref_path)
+    mgr.close()
+    counts = [None] * world
+    dist.all_gather_object(counts, sorted(deletes))
+    assert counts[0] == [1, 2], counts  # retention dropped steps 1 and 2 ...
+    assert all(c == [] for c in counts[1:]), counts  # ... deleted by rank 0 only
+
+    # 5. restore at the same world size into a fresh model (different init), bitwise.
+    model2, optim2 = build(seed=1)
+    mgr2 = CheckpointManager(root)
+    sd2 = state(model2, optim2, 0)
+    assert mgr2.restore(None, sd2) == 6
+    set_state_dict(model2, optim2, model_state_dict=sd2["model"], optim_state_dict=sd2["optim"])
+    got = full(model2, optim2)  # the full tensors land on rank 0 (empty elsewhere)
+    if rank == 0:
+        assert got["model"] and got["optim"]["state"]
+        bitwise_equal(got, ref)
+    assert torch.equal(sd2["extra"]["replicated"], torch.arange(1000, dtype=torch.float32) + 6)
+    assert sd2["extra"]["step"] == 6
+    # A step that does not exist is an error on every rank, not a hang.
+    from async_ckpt import StepNotFoundError
+
+    expect_error(lambda: mgr2.restore(5, sd2), StepNotFoundError, "step 5")
+    mgr2.close()
+
+
+def scenario_restore(root: str, ref_path: str) -> None:
+    """Restore the 4-rank checkpoint with this job's world size (DCP reshards), bitwise."""
+    model, optim = build(seed=2)
+    mgr = CheckpointManager(root)
+    assert mgr.all_steps() == [3, 6], mgr.all_steps()
+    sd = state(model, optim, 0)
+    assert mgr.restore(None, sd) == 6
+    set_state_dict(model, optim, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    got = full(model, optim)  # collective; the full tensors land on rank 0
+    if dist.get_rank() == 0:
+        bitwise_equal(got, torch.load(ref_path, weights_only=True))
+    # and an older step too, by number
+    assert mgr.restore(3, sd) == 3
+    mgr.close()
+
+
+def main() -> None:
+    import time
+
+    import faulthandler
+
+    # A hang is a failure: dump every thread's stack and exit instead of waiting forever.
+    faulthandler.dump_traceback_later(float(os.environ.get("DIST_WORKER_TIMEOUT", "100")), exit=True)
+    t0 = time.time()
+    dist.init_process_group("gloo")
+    try:
+        what, root, ref = sys.argv[1], sys.argv[2], sys.argv[3]
+        {"save": scenario_save, "restore": scenario_restore}[what](root, ref)
+        dist.barrier()
+        print(f"RANK {dist.get_rank()} OK ({time.time() - t0:.1f} s after init)", flush=True)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,127 @@
+"""Multi-process checkpoints on CPU: real torchrun jobs (gloo, FSDP2) and XLA SPMD on PJRT CPU.
+
+One module fixture launches everything once (a torchrun start costs 6-16 s, more on a loaded
+machine): a 4-rank job that saves and runs the failure checks (tests/dist_worker.py ``save``),
+then a 2-rank job that restores its checkpoint (``restore``); an SPMD job with 4 virtual XLA
+devices runs at the same time (tests/spmd_worker.py). The tests below read their outcomes, and
+restore the 4-rank checkpoint in this process, without any process group.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from async_ckpt import CheckpointManager
+from async_ckpt.distributed import checkpoint_group
+
+
+
+def assert_bitwise_equal(a, b, path="root"):
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, path
+        assert torch.equal(a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8)), path
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and set(a) == set(b), f"{path}: {sorted(map(str, a))} vs {sorted(map(str, b))}"
+        for k in a:
+            assert_bitwise_equal(a[k], b[k], f"{path}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_bitwise_equal(x, y, f"{path}.{i}")
+    else:
+        assert a == b, f"{path}: {a!r} != {b!r}"
+
+pytestmark = pytest.mark.slow
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TIMEOUT = 240  # per job; the workers dump their stacks and exit after DIST_WORKER_TIMEOUT
+
+
+def _env(**extra: str) -> dict:
+    env = dict(os.environ)
+    env.update({"OMP_NUM_THREADS": "1", "PJRT_DEVICE": "CPU", "DIST_WORKER_TIMEOUT": "180",
+                "PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), env.get("PYTHONPATH", "")])})
+    env.update(extra)
+    return env
+
+
+def _torchrun(nproc: int, *args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           os.path.join(HERE, "dist_worker.py"), *args]
+    return subprocess.run(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=TIMEOUT)
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory):
+    base = tmp_path_factory.mktemp("dist")
+    root, ref = str(base / "ckpt"), str(base / "ref.pt")
+    spmd = subprocess.Popen([sys.executable, os.path.join(HERE, "spmd_worker.py"), str(base / "spmd")],
+                            env=_env(CPU_NUM_DEVICES="4"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    try:
+        save = _torchrun(4, "save", root, ref)
+        restore = _torchrun(2, "restore", root, ref) if save.returncode == 0 else None
+        spmd_out, _ = spmd.communicate(timeout=TIMEOUT)
+    finally:
+        if spmd.poll() is None:
+            spmd.kill()
+            spmd.wait()
+    for name, out in (("save", save.stdout), ("restore", restore.stdout if restore else ""), ("spmd", spmd_out)):
+        (base / f"{name}.log").write_text(out or "")  # for a post-mortem
+    return {"root": root, "ref": ref, "save": save, "restore": restore,
+            "spmd": (spmd.returncode, spmd_out)}
+
+
+def _ok(proc: subprocess.CompletedProcess, ranks: int) -> None:
+    key = [ln for ln in proc.stdout.splitlines() if "Error" in ln or "RANK" in ln or "Timeout" in ln]
+    tail = "\n".join(key[-40:]) + "\n----\n" + proc.stdout[-3000:]
+    assert proc.returncode == 0, f"exit {proc.returncode}:\n{tail}"
+    for r in range(ranks):
+        assert f"RANK {r} OK" in proc.stdout, f"rank {r} did not finish:\n{tail}"
+
+
+def test_four_ranks_save_commit_retention_and_rank_failures(jobs):
+    """4 ranks: sharded async saves, one commit, retention agreed, a failed write and a failed
+    staging on one rank raise on every rank and commit nothing, and the next save commits."""
+    _ok(jobs["save"], 4)
+
+
+def test_restore_with_two_ranks_reshards_bitwise(jobs):
+    assert jobs["restore"] is not None, "the 4-rank save job failed"
+    _ok(jobs["restore"], 2)
+
+
+def test_restore_in_one_process_without_process_group(jobs):
+    """The 4-rank checkpoint loads into a plain (unsharded) model and optimizer, bitwise."""
+    _ok(jobs["save"], 4)
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Linear(37, 50), torch.nn.ReLU(), torch.nn.Linear(50, 7))
+    optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+    msd, osd = get_state_dict(model, optim)
+    sd = {"model": msd, "optim": osd, "extra": {"replicated": torch.zeros(1000), "step": 0}}
+    with CheckpointManager(jobs["root"]) as mgr:
+        assert mgr.all_steps() == [3, 6]
+        assert mgr.restore(None, sd) == 6
+    set_state_dict(model, optim, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    got = dict(zip(("model", "optim"), get_state_dict(model, optim)))
+    ref = torch.load(jobs["ref"], weights_only=True)
+    assert_bitwise_equal(got, ref)
+    assert torch.equal(sd["extra"]["replicated"], torch.arange(1000, dtype=torch.float32) + 6)
+    assert sd["extra"]["step"] == 6
+
+
+def test_xla_spmd_local_shards_restore_into_another_mesh(jobs):
+    rc, out = jobs["spmd"]
+    assert rc == 0 and "SPMD OK" in out, out[-6000:]
+
+
+def test_single_process_has_no_checkpoint_group():
+    assert checkpoint_group() is None
