@@ -45,7 +45,7 @@ from .policies import (
 from .preemption import PreemptionTracker, PreemptionWatcher
 from .staging import HostBufferPool, HostSnapshot, Stager, make_plan
 from .stats import SaveStats, StatsLog
-from .storage import CheckpointLayout, Manifest, Storage, StepTarget
+from .storage import CheckpointLayout, Manifest, RetryPolicy, Storage, StepTarget
 from .storage.dcp_io import METADATA_NAME, FsspecStorageReader, load_metadata, load_state_dict, save_state_dict
 from .writer import AsyncWriter
 from . import distributed as _dist
@@ -115,6 +115,7 @@ class CheckpointManager:
         commit_mode: ``"auto"`` (rename on POSIX, marker on object stores), ``"rename"``, ``"marker"``.
         verify: check checksums on restore (sizes are always checked).
         keep_incomplete: keep steps that never committed instead of cleaning them up.
+        retry: backoff for transient storage errors (default: ``RetryPolicy()``, 5 attempts).
         on_saved: called with the :class:`SaveStats` of each committed save (writer thread).
         stats_log: append each save's :class:`SaveStats` as a JSON line to a file under the root:
             ``True`` for ``<path>/save_stats.jsonl``, or a path relative to ``path`` (see
@@ -138,6 +139,7 @@ class CheckpointManager:
         commit_mode: str = "auto",
         verify: bool = True,
         keep_incomplete: bool = False,
+        retry: Optional[RetryPolicy] = None,
         on_saved: Optional[Callable[[SaveStats], None]] = None,
         stats_log: Any = None,
         preemption_signals: Optional[Sequence[int]] = None,
@@ -165,7 +167,7 @@ class CheckpointManager:
         # could fail on one rank only (None in a single process).
         self._dist = _dist.checkpoint_group(process_group)
         self._condemned: Set[int] = set()  # dropped by retention, deletion pending on rank 0
-        self.storage = Storage(path, storage_options)
+        self.storage = Storage(path, storage_options, retry=retry)
         self.layout = CheckpointLayout(self.storage, commit_mode)
         self.process_group = process_group
         self.chkpt_on_preemption = chkpt_on_preemption
@@ -178,8 +180,11 @@ class CheckpointManager:
         self._writer = AsyncWriter(max_pending_async)
         self._deleter = ThreadPoolExecutor(1, thread_name_prefix="async-ckpt-delete")
         self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
         self._inflight: Dict[int, str] = {}  # step -> directory being written
+        self._deleting: Set[int] = set()  # steps whose files a deletion is removing right now
         self._infos: Optional[Dict[int, CheckpointInfo]] = None
+        self._commit_gen = 0  # bumped by every commit, so a stale listing is never cached
         self._closed = False
         self._clock: Callable[[], float] = time.time  # wall clock of decisions and manifests' commit_time
         self._start_time = self._clock()
@@ -189,6 +194,8 @@ class CheckpointManager:
         self._top_known = False
         self._rollback_to: Optional[int] = None  # restored step below the highest: saves above it roll back
         self._check_writable()
+        if self._dist is None or self._dist.is_coordinator:
+            self._recover_commits()
         if not keep_incomplete and self._dist is None:
             self._in_background(self._cleanup_incomplete)
         elif not keep_incomplete and self._dist.is_coordinator:
@@ -377,6 +384,9 @@ class CheckpointManager:
             tw = time.perf_counter()
             if supersede:
                 self._drop_superseded(step)
+            with self._changed:  # claimed before anything is written; waits out a deletion of it
+                self._changed.wait_for(lambda: step not in self._deleting)
+                self._inflight[step] = ""
             target = self.layout.begin(step)
             with self._lock:
                 self._inflight[step] = target.path
@@ -391,6 +401,10 @@ class CheckpointManager:
             self.layout.commit(target, manifest)
             td = time.perf_counter()
             self._note_committed(step)
+            with self._lock:  # recorded while still in flight: retention never sees a gap
+                self._commit_gen += 1
+                if self._infos is not None:
+                    self._infos[step] = CheckpointInfo(step, manifest.commit_time, dict(metrics), snap.nbytes)
         except BaseException:
             snap.release()
             if target is not None:
@@ -402,9 +416,6 @@ class CheckpointManager:
         stats.write_s, stats.commit_s, stats.durable_s = tc - tw, td - tc, td - t0
         stats.files = len(files)
         stats.commit_time = manifest.commit_time
-        with self._lock:
-            if self._infos is not None:
-                self._infos[step] = CheckpointInfo(step, manifest.commit_time, dict(metrics), snap.nbytes)
         self.stats.append(stats)
         if self._stats_log is not None:
             self._stats_log.append(stats, self.process_group)
@@ -427,9 +438,18 @@ class CheckpointManager:
 
     # ---- retention ---------------------------------------------------------------------------
     def _checkpoint_infos(self) -> Dict[int, CheckpointInfo]:
-        with self._lock:
-            if self._infos is not None:
-                return dict(self._infos)
+        while True:
+            with self._lock:
+                if self._infos is not None:
+                    return dict(self._infos)
+                gen = self._commit_gen
+            infos = self._read_infos()
+            with self._lock:
+                if self._commit_gen == gen:  # no commit raced the listing
+                    self._infos = dict(infos)
+                    return infos
+
+    def _read_infos(self) -> Dict[int, CheckpointInfo]:
         infos: Dict[int, CheckpointInfo] = {}
         for step in self.layout.committed_steps():
             try:
@@ -438,9 +458,23 @@ class CheckpointManager:
                 log.warning("async_ckpt: ignoring step %d for retention: %s", step, exc)
                 continue
             infos[step] = CheckpointInfo(step, m.commit_time, dict(m.metrics), m.nbytes)
-        with self._lock:
-            self._infos = dict(infos)
         return infos
+
+    def _claim_for_delete(self, step: int, info: Optional[CheckpointInfo] = None) -> bool:
+        """Reserve ``step`` for deletion unless a save of it is in flight (or, with ``info``,
+        unless it was re-committed since ``info`` was read). Release with :meth:`_release_delete`."""
+        with self._lock:
+            if step in self._inflight or step in self._deleting:
+                return False
+            if info is not None and (self._infos is None or self._infos.get(step) is not info):
+                return False
+            self._deleting.add(step)
+            return True
+
+    def _release_delete(self, step: int) -> None:
+        with self._changed:
+            self._deleting.discard(step)
+            self._changed.notify_all()
 
     def _apply_retention(self) -> None:
         try:
@@ -454,25 +488,42 @@ class CheckpointManager:
             with self._lock:
                 keep |= set(self._inflight)
             for info in ordered:
-                if info.step not in keep:
+                if info.step in keep or not self._claim_for_delete(info.step, info):
+                    continue
+                try:
                     self.layout.delete(info.step)
                     with self._lock:
                         if self._infos is not None:
                             self._infos.pop(info.step, None)
-                    log.info("async_ckpt: deleted step %d (retention)", info.step)
+                finally:
+                    self._release_delete(info.step)
+                log.info("async_ckpt: deleted step %d (retention)", info.step)
         except Exception as exc:  # deletion is best effort and must never break training
             log.warning("async_ckpt: retention failed: %s", exc)
+
+    def _recover_commits(self) -> None:
+        """Finish rename commits a crash interrupted (see ``CheckpointLayout.recover``)."""
+        try:
+            for step in self.layout.recover():
+                log.warning("async_ckpt: completed the commit of step %d, which a crash had interrupted", step)
+        except Exception as exc:
+            log.warning("async_ckpt: recovery of interrupted commits failed: %s", exc)
 
     def _cleanup_incomplete(self) -> None:
         try:
             with self._lock:
                 busy = set(self._inflight.values())
             for path in self.layout.incomplete(exclude=busy):
-                with self._lock:
-                    if path in self._inflight.values():
-                        continue
-                log.info("async_ckpt: removing incomplete checkpoint %s", path)
-                self.storage.rm(path)
+                step = self.layout.step_of(path)
+                if step is None or not self._claim_for_delete(step):
+                    continue  # a save of this step started meanwhile: its directory is not ours
+                try:
+                    if self.storage.exists(self.layout.marker_path(step)) and path == self.layout.step_dir(step):
+                        continue  # committed since it was listed
+                    log.info("async_ckpt: removing incomplete checkpoint %s", path)
+                    self.storage.rm(path)
+                finally:
+                    self._release_delete(step)
         except Exception as exc:
             log.warning("async_ckpt: cleanup of incomplete checkpoints failed: %s", exc)
 

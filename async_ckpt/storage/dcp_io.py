@@ -17,15 +17,18 @@ DCP's own fsspec writer/reader is the I/O path:
 from __future__ import annotations
 
 import dataclasses
+import enum
+import errno
 import io
 import pickle
 import warnings
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch.futures import Future
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import _StorageInfo, _StoragePrefix
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
@@ -58,11 +61,16 @@ class _ChecksumStream:
         self._f = f
         self.size = 0
         self.crc = 0
+        self.error: Optional[BaseException] = None  # torch.save hides it behind a RuntimeError
 
     def write(self, b: Any) -> int:
         mv = memoryview(b).cast("B")
         self.crc = crc32c(mv, self.crc)
-        self._f.write(mv)
+        try:
+            self._f.write(mv)
+        except BaseException as exc:
+            self.error = exc
+            raise
         self.size += mv.nbytes
         return mv.nbytes
 
@@ -131,6 +139,12 @@ class FsspecStorageWriter(StorageWriter):
         buckets = _balance(plan.items, planner, self.threads)
 
         def write_file(k: int, items: List[Any]) -> Tuple[str, FileRecord, List[WriteResult]]:
+            # A file is streamed, so a transient failure mid-file is retried by rewriting the
+            # whole file (the host snapshot is immutable until the step commits).
+            where = f"{self.path}/{prefix}{k}.distcp"
+            return self.storage.retry.call(lambda: write_file_once(k, items), f"write {where}")
+
+        def write_file_once(k: int, items: List[Any]) -> Tuple[str, FileRecord, List[WriteResult]]:
             name = f"{prefix}{k}.distcp"
             results = []
             with self.storage.open_write(f"{self.path}/{name}") as f:
@@ -146,10 +160,23 @@ class FsspecStorageWriter(StorageWriter):
                             t = t.cpu()
                         if t.untyped_storage().nbytes() != t.numel() * t.element_size():
                             t = t.clone()  # torch.save writes whole storages: keep only this view
-                        torch.save(t, stream)
+                        try:
+                            torch.save(t, stream)
+                        except RuntimeError:
+                            if stream.error is not None:  # the storage's own error decides retrying
+                                raise stream.error
+                            raise
                     length = stream.tell() - offset
                     results.append(WriteResult(index=item.index, size_in_bytes=length,
                                                storage_data=_StorageInfo(name, offset, length)))
+            # A silently short write (a full or flaky disk, a FUSE mount) fails the attempt with
+            # EIO, which is transient, so the file is redone. gs:// and s3:// need no check:
+            # their uploads are length-checked by the service.
+            stored = stream.size if getattr(self.storage, "is_object_store", False) else \
+                self.storage.size(f"{self.path}/{name}")
+            if stored != stream.size:
+                raise OSError(errno.EIO, f"short write: {stream.size} bytes written, storage holds {stored}",
+                              f"{self.path}/{name}")
             return name, FileRecord(stream.size, stream.crc), results
 
         fut: Future = Future()
@@ -188,13 +215,20 @@ class FsspecStorageWriter(StorageWriter):
 _SAFE_BUILTINS = {"set", "frozenset", "dict", "list", "tuple", "slice", "bytearray", "complex", "int", "float"}
 
 
+def _plain_data_class(obj: Any) -> bool:
+    """A dataclass, enum or named tuple: calling it only builds a record (DCP's metadata types),
+    unlike the other classes of those modules (writers, readers, executors)."""
+    return isinstance(obj, type) and (dataclasses.is_dataclass(obj) or issubclass(obj, enum.Enum)
+                                      or (issubclass(obj, tuple) and hasattr(obj, "_fields")))
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     """Allows only DCP's metadata classes, torch's dtypes/sizes and plain containers."""
 
     def find_class(self, module: str, name: str) -> Any:
         if module.startswith("torch.distributed.checkpoint.") or module == "torch.distributed.checkpoint":
             obj = pickle.Unpickler.find_class(self, module, name)
-            if isinstance(obj, type):
+            if _plain_data_class(obj):
                 return obj
         elif module == "torch":
             obj = getattr(torch, name, None)
@@ -208,7 +242,7 @@ class _MetadataUnpickler(pickle.Unpickler):
             return pickle.Unpickler.find_class(self, module, name)
         elif module == "torch.distributed._shard.sharded_tensor.metadata" or module == "torch.distributed.tensor._dtensor_spec":
             obj = pickle.Unpickler.find_class(self, module, name)
-            if isinstance(obj, type):
+            if _plain_data_class(obj):
                 return obj
         raise UnsafeCheckpointError(
             f"checkpoint metadata refers to {module}.{name}, which is not an allowed DCP metadata "
@@ -237,14 +271,20 @@ class _SafeLoadPlanner(DefaultLoadPlanner):
         super().__init__()
         self.allow_pickle = allow_pickle
 
-    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+    def decode_bytes(self, read_item: Any, value: io.BytesIO) -> Any:
+        """Deserialise one non-tensor item without touching the state dict."""
         try:
-            obj = torch.load(value, weights_only=not self.allow_pickle)
+            return torch.load(value, weights_only=not self.allow_pickle)
         except pickle.UnpicklingError as exc:
             raise UnsafeCheckpointError(
                 f"{read_item.dest_index.fqn}: refusing to unpickle an object outside torch's safe set "
                 f"({exc}); pass allow_pickle=True to restore if you trust this checkpoint"
             ) from exc
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        self.set_bytes(read_item, self.decode_bytes(read_item, value))
+
+    def set_bytes(self, read_item: Any, obj: Any) -> None:
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
         else:
@@ -306,6 +346,16 @@ class FsspecStorageReader(StorageReader):
         names = list(per_file)
         with ThreadPoolExecutor(max(1, min(self.threads, len(names))), thread_name_prefix="async-ckpt-read") as pool:
             blobs = dict(zip(names, pool.map(self.read_file, names)))
+        # Non-tensor items are decoded before anything is applied, so that an unsafe or
+        # undecodable object fails the restore with the caller's state dict untouched.
+        decoded: Dict[int, Any] = {}
+        if hasattr(planner, "decode_bytes"):
+            for name, reqs in per_file.items():
+                for req in reqs:
+                    if req.type == LoadItemType.BYTE_IO:
+                        info = self.storage_data[req.storage_index]
+                        decoded[id(req)] = planner.decode_bytes(
+                            req, io.BytesIO(memoryview(blobs[name])[info.offset: info.offset + info.length]))
         # Everything is read and verified: only now touch the caller's state dict.
         for name, reqs in per_file.items():
             blob = memoryview(blobs.pop(name))
@@ -313,7 +363,10 @@ class FsspecStorageReader(StorageReader):
                 info = self.storage_data[req.storage_index]
                 chunk = io.BytesIO(blob[info.offset: info.offset + info.length])
                 if req.type == LoadItemType.BYTE_IO:
-                    planner.load_bytes(req, chunk)
+                    if id(req) in decoded:
+                        planner.set_bytes(req, decoded[id(req)])
+                    else:
+                        planner.load_bytes(req, chunk)
                     continue
                 tensor = torch.load(chunk, map_location="cpu", weights_only=True)
                 tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
@@ -340,8 +393,8 @@ def save_state_dict(storage: Storage, path: str, state_dict: Dict[str, Any], *, 
     """
     writer = FsspecStorageWriter(storage, path, threads=threads)
     planner = planner if planner is not None else DefaultSavePlanner()
-    dcp.save(state_dict, storage_writer=writer, planner=planner, process_group=process_group,
-             no_dist=not _distributed())
+    _call_dcp(lambda: dcp.save(state_dict, storage_writer=writer, planner=planner,
+                               process_group=process_group, no_dist=not _distributed()))
     return writer.files
 
 
@@ -352,8 +405,30 @@ def load_state_dict(storage: Storage, path: str, state_dict: Dict[str, Any], *, 
     """Load a DCP checkpoint under ``path`` into ``state_dict`` in place (``planner``: see save)."""
     reader = FsspecStorageReader(storage, path, files=files, verify=verify, threads=threads, metadata=metadata)
     planner = planner if planner is not None else _SafeLoadPlanner(allow_pickle)
-    dcp.load(state_dict, storage_reader=reader, planner=planner, process_group=process_group,
-             no_dist=not _distributed())
+    _call_dcp(lambda: dcp.load(state_dict, storage_reader=reader, planner=planner,
+                               process_group=process_group, no_dist=not _distributed()))
+
+
+def _call_dcp(fn: Callable[[], Any]) -> Any:
+    """Run a DCP call; re-raise the error a ``CheckpointException`` wraps (this rank's, else the first).
+
+    DCP wraps every failure in a ``CheckpointException`` (a ``BaseException``), which would hide
+    our typed errors (``CorruptCheckpointError``, ``StorageError``, ...) from callers.
+    """
+    try:
+        return fn()
+    except CheckpointException as exc:
+        failures = getattr(exc, "failures", None) or {}
+        rank = _rank()
+        wrapped = failures.get(rank) if rank in failures else next(iter(failures.values()), None)
+        inner = wrapped[0] if isinstance(wrapped, tuple) and wrapped else None
+        if not isinstance(inner, Exception):
+            raise
+    raise inner  # outside the handler: keeps the inner error's own cause and context
+
+
+def _rank() -> int:
+    return torch.distributed.get_rank() if _distributed() else 0
 
 
 def _distributed() -> bool:

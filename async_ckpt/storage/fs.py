@@ -124,6 +124,16 @@ class Storage:
     def read_bytes(self, path: str) -> bytes:
         return self.retry.call(lambda: self.fs.cat_file(path), f"read {path}")
 
+    def size(self, path: str) -> int:
+        """Size in bytes of the file at ``path`` as the storage reports it."""
+        if self.is_local:
+            return os.path.getsize(path)
+        try:
+            self.fs.invalidate_cache(path)  # never answer from a listing cached before the write
+        except Exception:
+            pass
+        return int(self.retry.call(lambda: self.fs.size(path), f"stat {path}"))
+
     def exists(self, path: str) -> bool:
         return bool(self.retry.call(lambda: self.fs.exists(path), f"stat {path}"))
 

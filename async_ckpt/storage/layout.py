@@ -57,6 +57,15 @@ class CheckpointLayout:
     def marker_path(self, step: int) -> str:
         return self.storage.join(str(step), MARKER_NAME)
 
+    @staticmethod
+    def step_of(path: str) -> Optional[int]:
+        """The step a step, temp or trash directory belongs to (None for other names)."""
+        name = path.rstrip("/").rsplit("/", 1)[-1]
+        if _STEP_RE.match(name):
+            return int(name)
+        m = _TMP_RE.match(name) or _TRASH_RE.match(name)
+        return int(m.group(1)) if m else None
+
     # ---- writing -----------------------------------------------------------------------------
     def begin(self, step: int, token: Optional[str] = None) -> StepTarget:
         """Prepare an empty place to write ``step`` into. ``token`` must match across ranks."""
@@ -75,10 +84,13 @@ class CheckpointLayout:
         st = self.storage
         mbytes = manifest.to_json()
         st.write_bytes(f"{target.path}/{MANIFEST_NAME}", mbytes)
-        st.write_bytes(f"{target.path}/{MARKER_NAME}", marker_bytes(target.step, mbytes))
         if self.mode != "rename":
+            st.fsync_dir(target.path)  # marker mode on a POSIX path: entries durable before the marker
+        st.write_bytes(f"{target.path}/{MARKER_NAME}", marker_bytes(target.step, mbytes))
+        st.fsync_dir(target.path)  # (no-op on object stores)
+        if self.mode != "rename":
+            st.fsync_dir(st.root)
             return
-        st.fsync_dir(target.path)
         trash = None
         if st.exists(target.final):
             trash = st.join(f".trash-{target.step}-{uuid.uuid4().hex[:12]}")
@@ -88,6 +100,38 @@ class CheckpointLayout:
         st.fsync_dir(st.root)
         if trash is not None:
             st.rm(trash)
+
+    def recover(self) -> List[int]:
+        """Finish rename commits that a crash interrupted; return the steps put in place.
+
+        A ``.tmp-<step>-*`` directory whose marker vouches for its manifest was completely
+        written (the marker is written and fsynced last); if no committed ``<step>/`` exists
+        (a crash between unmarking the old copy and the final rename of a re-save), it is
+        renamed into place. Rename mode only, and only while no save of this root is running.
+        """
+        if self.mode != "rename":
+            return []
+        st = self.storage
+        done = []
+        for e in st.listdir(st.root):
+            m = _TMP_RE.match(e["name"])
+            if not m or e.get("type") != "directory":
+                continue
+            step, tmp = int(m.group(1)), st.join(e["name"])
+            if st.exists(self.marker_path(step)):
+                continue  # a committed copy exists: this one is stale and gets cleaned up
+            try:
+                check_marker(st.read_bytes(f"{tmp}/{MARKER_NAME}"), st.read_bytes(f"{tmp}/{MANIFEST_NAME}"),
+                             where=tmp, step=step)
+                final = self.step_dir(step)
+                if st.exists(final):
+                    st.rename(final, st.join(f".trash-{step}-{uuid.uuid4().hex[:12]}"))
+                st.rename(tmp, final)
+                st.fsync_dir(st.root)
+            except (OSError, CorruptCheckpointError):
+                continue  # never completed (or cannot be moved): left to the cleanup
+            done.append(step)
+        return done
 
     def abort(self, target: StepTarget) -> None:
         """Best-effort removal of a step that failed before its commit."""
@@ -136,15 +180,19 @@ class CheckpointLayout:
         except FileNotFoundError:
             raise StepNotFoundError(f"no committed checkpoint for step {step} under {self.storage.url}",
                                     step=step) from None
+        mpath = f"{where}/{MANIFEST_NAME}"
         try:
-            mbytes = self.storage.read_bytes(f"{where}/{MANIFEST_NAME}")
+            mbytes = self.storage.read_bytes(mpath)
         except FileNotFoundError:
-            raise CorruptCheckpointError(f"step {step}: {MANIFEST_NAME} is missing", step=step,
-                                         path=f"{where}/{MANIFEST_NAME}") from None
-        check_marker(marker, mbytes, where=f"step {step}")
-        m = Manifest.from_json(mbytes, where=f"step {step} {MANIFEST_NAME}")
+            raise CorruptCheckpointError(f"step {step}: {mpath}: manifest is missing", step=step,
+                                         path=mpath) from None
+        try:
+            check_marker(marker, mbytes, where=where, step=step)
+            m = Manifest.from_json(mbytes, where=mpath)
+        except CorruptCheckpointError as exc:
+            raise CorruptCheckpointError(f"step {step}: {exc}", step=step, path=exc.path) from exc
         if m.step != step:
-            raise CorruptCheckpointError(f"step {step}: manifest says step {m.step}", step=step, path=where)
+            raise CorruptCheckpointError(f"step {step}: {mpath}: manifest says step {m.step}", step=step, path=mpath)
         return m
 
     def incomplete(self, exclude: Iterable[str] = ()) -> List[str]:

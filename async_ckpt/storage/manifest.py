@@ -98,15 +98,24 @@ def marker_bytes(step: int, manifest: bytes) -> bytes:
     ).encode()
 
 
-def check_marker(marker: bytes, manifest: bytes, *, where: str) -> None:
-    """Raise :class:`CorruptCheckpointError` unless ``marker`` vouches for exactly ``manifest``."""
+def check_marker(marker: bytes, manifest: bytes, *, where: str, step: Optional[int] = None) -> None:
+    """Raise :class:`CorruptCheckpointError` unless ``marker`` vouches for exactly ``manifest``.
+
+    ``where`` is the step directory; errors name the file at fault inside it.
+    """
+    mpath, kpath = f"{where}/{MANIFEST_NAME}", f"{where}/{MARKER_NAME}"
     try:
         d = json.loads(marker)
         size, crc = int(d["manifest_size"]), int(d["manifest_crc32c"])
-    except (ValueError, KeyError, TypeError) as exc:
-        raise CorruptCheckpointError(f"{where}: commit marker is unreadable ({exc})", path=where) from exc
+        marked_step = d.get("step")
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise CorruptCheckpointError(f"{kpath}: commit marker is unreadable ({exc})", step=step,
+                                     path=kpath) from exc
+    if step is not None and marked_step is not None and marked_step != step:
+        raise CorruptCheckpointError(f"{kpath}: commit marker is for step {marked_step}, not {step}", step=step,
+                                     path=kpath)
     if size != len(manifest) or crc != crc32c(manifest):
         raise CorruptCheckpointError(
-            f"{where}: manifest does not match its commit marker (size {len(manifest)} vs {size}, "
-            f"crc32c {crc32c(manifest):#010x} vs {crc:#010x})", path=where
+            f"{mpath}: manifest does not match its commit marker (size {len(manifest)} vs {size}, "
+            f"crc32c {crc32c(manifest):#010x} vs {crc:#010x})", step=step, path=mpath
         )

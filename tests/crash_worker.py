@@ -1,0 +1,162 @@
+"""Crash-trial worker for tests/test_crash.py: a fork server for "training" processes.
+
+Importing torch costs seconds, so this process imports torch and async_ckpt once and then, for
+each trial read from stdin (one JSON object a line), forks a child that resumes from the
+newest committed step and saves every step with ``save_async`` until it is SIGKILLed. The
+server itself sleeps the trial's delay, sends SIGKILL, reaps the child and answers one JSON
+line on stdout with what the child reported through a pipe before it died:
+
+    {"status": "killed", "committed": [...], "started": [...], "resumed": step|null,
+     "resume_ok": bool|null, "error": str|null}
+
+The state saved at step ``s`` is :func:`make_state` ``(s)``: deterministic, so the parent can
+recompute exactly what must come back. Run ``python crash_worker.py`` and write
+``{"dir": ..., "mode": "rename"|"marker", "delay": 0.4, "replay": false}`` lines.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+import traceback
+from typing import Any, Dict, List, Optional
+
+import torch
+
+MAX_TO_KEEP = 3
+
+
+def make_state(step: int) -> Dict[str, Any]:
+    """The state a training run holds at ``step``: several dtypes, nesting, non-tensor leaves."""
+    g = torch.Generator().manual_seed(1000 + step)
+    return {
+        "model": {
+            "w": torch.randn(192, 256, generator=g),
+            "b": torch.arange(256, dtype=torch.float64) * step,
+            "emb": torch.randn(64, 96, generator=g).to(torch.bfloat16),
+        },
+        "optim": {
+            "m": torch.randint(-(2**40), 2**40, (96, 128), generator=g, dtype=torch.int64),
+            "mask": torch.rand(333, generator=g) > 0.5,
+            "lr": 0.001 * (step + 1),
+        },
+        "step": step,
+    }
+
+
+def empty_like_state() -> Dict[str, Any]:
+    """A restore target with the right structure and different contents."""
+    s = make_state(0)
+    for part in ("model", "optim"):
+        for k, v in s[part].items():
+            if isinstance(v, torch.Tensor):
+                s[part][k] = torch.zeros_like(v)
+    s["optim"]["lr"] = -1.0
+    s["step"] = -1
+    return s
+
+
+def states_equal(a: Any, b: Any) -> bool:
+    """Bitwise equality of nested state (tensors compared byte for byte)."""
+    if isinstance(a, torch.Tensor):
+        return (isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
+                and torch.equal(a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8)))
+    if isinstance(a, dict):
+        return isinstance(b, dict) and set(a) == set(b) and all(states_equal(a[k], b[k]) for k in a)
+    return type(a) is type(b) and a == b
+
+
+def _child(spec: Dict[str, Any], w: int) -> None:
+    """The training process: resume (or roll back), then save every step until killed."""
+    from async_ckpt import CheckpointManager
+
+    def report(*fields: Any) -> None:
+        os.write(w, (" ".join(map(str, fields)) + "\n").encode())  # < PIPE_BUF: atomic
+
+    try:
+        torch.set_num_threads(1)
+        mgr = CheckpointManager(spec["dir"], max_to_keep=MAX_TO_KEEP, commit_mode=spec["mode"],
+                                on_saved=lambda st: report("c", st.step))
+        steps = mgr.all_steps()
+        start = 0
+        if steps:
+            target = empty_like_state()
+            # replay: roll back to an older step and train on from there (re-saving steps that
+            # exist, after the rollback deleted the ones above); else resume from the newest.
+            got = mgr.restore(steps[max(0, len(steps) - 3)] if spec.get("replay") else None, target)
+            report("r", got, int(states_equal(target, make_state(got))))
+            start = got + 1
+        for step in range(start, start + 100000):
+            report("s", step)
+            mgr.save_async(step, make_state(step))
+    except BaseException:
+        report("e", json.dumps(traceback.format_exc()))
+        os._exit(3)
+    os._exit(0)
+
+
+def _trial(spec: Dict[str, Any]) -> Dict[str, Any]:
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child
+        os.close(r)
+        try:
+            _child(spec, w)
+        finally:
+            os._exit(4)
+    os.close(w)
+    time.sleep(float(spec["delay"]))
+    os.kill(pid, signal.SIGKILL)
+    _, status = os.waitpid(pid, 0)
+    chunks = []
+    while True:
+        b = os.read(r, 1 << 16)
+        if not b:
+            break
+        chunks.append(b)
+    os.close(r)
+    out: Dict[str, Any] = {"committed": [], "started": [], "resumed": None, "resume_ok": None, "error": None}
+    for line in b"".join(chunks).decode().splitlines():
+        kind, _, rest = line.partition(" ")
+        if kind == "c":
+            out["committed"].append(int(rest))
+        elif kind == "s":
+            out["started"].append(int(rest))
+        elif kind == "r":
+            step, ok = rest.split()
+            out["resumed"], out["resume_ok"] = int(step), bool(int(ok))
+        elif kind == "e":
+            out["error"] = json.loads(rest)
+    killed = os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+    out["status"] = "killed" if killed else f"exited {os.waitstatus_to_exitcode(status)}"
+    return out
+
+
+def main() -> None:
+    # Import everything a child needs before forking, so that a trial costs a fork, not an
+    # import: one throwaway save and restore pulls in whatever the save path imports lazily.
+    # Single-threaded ops, and every thread joined again, so that forking stays safe.
+    import tempfile
+
+    from async_ckpt import CheckpointManager
+
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as d:
+        mgr = CheckpointManager(d)
+        state = make_state(0)
+        mgr.save(0, state)
+        mgr.restore(0, state)
+        mgr.close()
+
+    print(json.dumps({"ready": os.getpid()}), flush=True)
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        print(json.dumps(_trial(json.loads(line))), flush=True)
+
+
+if __name__ == "__main__":
+    main()
