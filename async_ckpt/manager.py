@@ -120,6 +120,9 @@ class CheckpointManager:
         stats_log: append each save's :class:`SaveStats` as a JSON line to a file under the root:
             ``True`` for ``<path>/save_stats.jsonl``, or a path relative to ``path`` (see
             :class:`async_ckpt.stats.StatsLog`; on object stores the file is rewritten per save).
+        lazy: default of ``save_async(..., lazy=)``: return once the host copies are issued;
+            a guard waits for them right before an optimizer step or module forward would
+            change the tensors (see :meth:`save_async` and docs/design.md).
     """
 
     def __init__(
@@ -144,6 +147,7 @@ class CheckpointManager:
         stats_log: Any = None,
         preemption_signals: Optional[Sequence[int]] = None,
         preemption_sync: str = "auto",
+        lazy: bool = False,
     ) -> None:
         if max_to_keep is not None and (not isinstance(max_to_keep, int) or max_to_keep < 0):
             raise ValueError(f"max_to_keep must be an int >= 0 or None, got {max_to_keep!r}")
@@ -178,6 +182,10 @@ class CheckpointManager:
         self.stager = Stager(HostBufferPool(memory_budget_bytes))
         self.stats: Deque[SaveStats] = collections.deque(maxlen=1000)
         self._writer = AsyncWriter(max_pending_async)
+        if not isinstance(lazy, bool):
+            raise TypeError(f"lazy must be a bool, got {lazy!r}")
+        self.lazy = lazy
+        self._lazy_pending: List[Any] = []  # PendingCopies of this manager's lazy saves
         self._deleter = ThreadPoolExecutor(1, thread_name_prefix="async-ckpt-delete")
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
@@ -331,21 +339,40 @@ class CheckpointManager:
 
     # ---- saving ------------------------------------------------------------------------------
     def save_async(self, step: int, state_dict: Mapping[str, Any], force: bool = False,
-                   metrics: Optional[Dict[str, float]] = None) -> bool:
+                   metrics: Optional[Dict[str, float]] = None, *, lazy: Optional[bool] = None) -> bool:
         """Snapshot ``state_dict`` to host memory and write it in the background.
 
         Returns once host copies of every tensor exist (the training loop may then mutate its
         tensors freely); returns ``False`` without doing anything when no save is due and
         ``force`` is not set. Raises the error of an earlier failed background save.
+
+        With ``lazy=True`` (default: the manager's ``lazy``) it returns once the copies are
+        *issued*: they run in the background, and a guard waits for the outstanding copies of
+        exactly the tensors about to change, right before ``optimizer.step()`` (params and
+        optimizer state) or a module's forward (its buffers). Other in-place writes must come
+        after :meth:`wait_for_staging`; one that bumps ``_version`` before its copy finished
+        makes that save fail with ``TornSnapshotError`` (never a torn checkpoint). Single
+        process only; multi-process saves stage eagerly.
         """
-        return self._save(step, state_dict, force, metrics, wait=False)
+        return self._save(step, state_dict, force, metrics, wait=False, lazy=self.lazy if lazy is None else lazy)
+
+    def wait_for_staging(self) -> None:
+        """Wait until the host copies of every lazy save of this manager are done (cheap when
+        none is outstanding). Call it before mutating saved tensors outside ``optimizer.step()``."""
+        pending, self._lazy_pending = self._lazy_pending, []
+        for pc in pending:
+            pc.wait_all()
+        from .staging.lazy import settle_hooks
+
+        settle_hooks()
 
     def save(self, step: int, state_dict: Mapping[str, Any], force: bool = False,
              metrics: Optional[Dict[str, float]] = None) -> bool:
         """Like :meth:`save_async`, but returns only once the step is committed."""
         return self._save(step, state_dict, force, metrics, wait=True)
 
-    def _save(self, step: Any, state_dict: Mapping[str, Any], force: bool, metrics: Any, wait: bool) -> bool:
+    def _save(self, step: Any, state_dict: Mapping[str, Any], force: bool, metrics: Any, wait: bool,
+              lazy: bool = False) -> bool:
         self._check_open()
         step = _check_step(step)
         from .storage.manifest import check_metrics
@@ -360,10 +387,16 @@ class CheckpointManager:
         supersede = self._check_rollback(step)
         t0 = time.perf_counter()
         plan = make_plan(state_dict)  # validates before anything is taken or written
+        if self._lazy_pending:
+            self.wait_for_staging()  # earlier lazy copies finish and are sealed (their writers wait for it)
         self._writer.wait_for_slot()
         t1 = time.perf_counter()
         try:
-            snap = self.stager.stage(state_dict, plan)
+            snap = self.stager.stage(state_dict, plan, lazy=True) if lazy and not wait else \
+                self.stager.stage(state_dict, plan)
+            if snap.pending is not None:
+                snap.pending.step = step
+                self._lazy_pending.append(snap.pending)
         except BaseException:
             self._writer.release_slot()
             raise
@@ -381,6 +414,7 @@ class CheckpointManager:
         """Writer thread: data files, then manifest and marker, then retention."""
         target: Optional[StepTarget] = None
         try:
+            snap.wait_copied()  # lazy: every host copy done and unchanged (else TornSnapshotError)
             tw = time.perf_counter()
             if supersede:
                 self._drop_superseded(step)
@@ -559,6 +593,7 @@ class CheckpointManager:
         if not isinstance(state_dict, Mapping):
             raise InvalidStateDictError(f"state_dict must be a mapping, got {type(state_dict).__name__}")
         if not self._closed:
+            self.wait_for_staging()
             self._writer.join()  # pending saves land first (and their errors surface)
         verify = self.verify if verify is None else verify
         if self._dist is not None:
@@ -614,6 +649,7 @@ class CheckpointManager:
     # ---- lifecycle ---------------------------------------------------------------------------
     def join(self) -> None:
         """Wait for every pending save to commit; raise the first background failure."""
+        self.wait_for_staging()
         self._writer.join()
 
     def close(self) -> None:
@@ -625,6 +661,7 @@ class CheckpointManager:
         if self._preemption is not None:
             self._preemption.watcher.uninstall()
         try:
+            self.wait_for_staging()  # lazy saves' writers wait for their copies to be sealed
             self._writer.close()
         finally:
             self._deleter.shutdown(wait=True)

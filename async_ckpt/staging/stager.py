@@ -29,9 +29,19 @@ class HostSnapshot:
     stage_seconds: float
     int_keys: List[str] = field(default_factory=list)
     leases: List[Lease] = field(default_factory=list)
+    #: lazy stage only: the copies still in flight (``async_ckpt.staging.lazy.PendingCopies``)
+    pending: Optional[Any] = None
+
+    def wait_copied(self) -> None:
+        """Lazy snapshots: wait until every host copy is done; raise
+        :class:`~async_ckpt.staging.lazy.TornSnapshotError` if a source changed first."""
+        if self.pending is not None:
+            self.pending.result()
 
     def release(self) -> None:
         """Give the buffers back to the pool. The snapshot must not be read afterwards."""
+        if self.pending is not None:
+            self.pending.wait_all()  # never hand out a buffer a lazy copy still writes into
         for lease in self.leases:
             lease.release()
         self.leases = []
@@ -109,7 +119,13 @@ class Stager:
         self.pool = pool if pool is not None else HostBufferPool()
         self._cuda: Optional[CudaTransfer] = None
 
-    def stage(self, state_dict: Any, plan: Optional[StagingPlan] = None) -> HostSnapshot:
+    def stage(self, state_dict: Any, plan: Optional[StagingPlan] = None, *, lazy: bool = False) -> HostSnapshot:
+        """Host copies of ``state_dict``. ``lazy=True`` returns once the copies are issued:
+        ``snapshot.pending`` tracks them and the guard in :mod:`.lazy` protects the sources."""
+        if lazy:
+            from .lazy import stage_lazy
+
+            return stage_lazy(self, state_dict, plan)
         t0 = time.perf_counter()
         plan = plan if plan is not None else make_plan(state_dict)
         host: List[Optional[torch.Tensor]] = [None] * len(plan.tensors)

@@ -1,0 +1,621 @@
+"""Lazy snapshots: issue the host copies, return at once, wait only before a mutation.
+
+Parameters and optimizer state do not change during forward and backward, so the copy to host
+can run while they do; training only has to wait right before something writes the tensors.
+``Stager.stage(..., lazy=True)`` builds a :class:`~async_ckpt.staging.stager.HostSnapshot`
+whose copies are still in flight and whose ``pending`` field is a :class:`PendingCopies`.
+
+How the copies run
+    CPU: on one background thread (:class:`_Copier`), one batched ``torch._foreach_copy_`` per
+    chunk of about :data:`CHUNK_BYTES`, in an order learned from what the guard had to wait
+    for last time (small tensors first: they hold BatchNorm statistics and step counters).
+    CUDA: ``non_blocking`` copies on a side stream, one event per chunk; waiting for a chunk
+    makes the *current stream* wait on its event (no host stall).
+    XLA (PJRT CPU): after ``torch_xla.sync()`` device buffers are immutable and a DLPack view
+    holds the current buffer, so the snapshot at the call costs O(number of tensors); the
+    bytes are copied in the background like CPU tensors. When buffer donation is enabled
+    (``_xla_set_enable_alias_with_buffer_donor_config``) the optimizer guard also waits for
+    every outstanding XLA copy before any optimizer step, so a donated buffer is never read.
+    XLA without host views (TPU, sharded SPMD tensors): staged eagerly (see docs/design.md).
+
+The guard (process-wide, installed while lazy copies are outstanding)
+    * an optimizer step pre-hook (``torch.optim.optimizer.register_optimizer_step_pre_hook``):
+      before ``optimizer.step()`` it waits for exactly the outstanding chunks that hold that
+      optimizer's parameters or state tensors (matched by storage ``data_ptr``);
+    * a module forward pre-hook (``register_module_forward_pre_hook``): before a module runs,
+      it waits for the chunks holding that module's own buffers (BatchNorm updates its running
+      statistics in forward *without* bumping ``_version``).
+    * a safety net for everything else: each source tensor's ``_version`` is recorded at the
+      call and compared again when its chunk is *sealed*: on the thread that called
+      ``save_async``, between two of its ops, after the copy completed (the next hook call,
+      ``wait_for_staging``, ``save_async``, ``join`` or ``close``). An in-place op bumps
+      ``_version`` only when it *ends*, so a check on the copier thread could miss a write still
+      in progress; between two ops of the training thread none is. If the version changed, the
+      save fails with :class:`TornSnapshotError` instead of writing a torn checkpoint (also
+      when the write came after the copy but before the seal: the safe side). The writer
+      waits for the seal before writing.
+    Mutations that neither a hook nor ``_version`` sees (``.data``, ``torch.no_grad`` writes
+    through ``.data``, foreign kernels) are *not* detected: call
+    ``CheckpointManager.wait_for_staging()`` before such writes.
+"""
+
+from __future__ import annotations
+
+import math
+import queue
+import threading
+import time
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple
+
+import torch
+
+from ..errors import CheckpointError
+
+CHUNK_BYTES = 8 * 2**20  # copies are grouped into batches of about this size (one wait unit)
+
+_Key = Tuple[bool, int]  # (is_cuda, storage data_ptr)
+
+
+class TornSnapshotError(CheckpointError):
+    """A tensor of a lazy snapshot was modified before its host copy completed.
+
+    Raised by the background save (and re-raised at the next ``save_async``/``join``), never
+    silently written. Call ``CheckpointManager.wait_for_staging()`` before mutating tensors by
+    hand while a lazy save is staging, or save with ``lazy=False``.
+    """
+
+
+def storage_key(t: torch.Tensor) -> Optional[_Key]:
+    """The key the guard matches tensors by: (is CUDA, storage data_ptr); None if it has none."""
+    try:
+        return (t.is_cuda, t.untyped_storage().data_ptr())
+    except Exception:  # XLA, meta, sparse, ...
+        return None
+
+
+def _version(t: torch.Tensor) -> int:
+    try:
+        return t._version
+    except Exception:  # inference tensors have no version counter
+        return -1
+
+
+class _Chunk:
+    """One batched copy and the user tensors it reads."""
+
+    __slots__ = ("dsts", "srcs", "members", "versions", "keys", "nbytes", "xla", "done", "fenced",
+                 "sealed", "event", "device", "lock", "error", "torn")
+
+    def __init__(self, xla: bool = False) -> None:
+        self.dsts: List[torch.Tensor] = []
+        self.srcs: List[torch.Tensor] = []
+        self.members: List[Tuple[str, torch.Tensor]] = []  # (name, user tensor) for the version check
+        self.versions: List[int] = []
+        self.keys: Set[_Key] = set()
+        self.nbytes = 0
+        self.xla = xla
+        self.done = threading.Event()  # the bytes are in the host buffers
+        self.fenced = False  # CUDA: the training stream waits for the copy (later work is ordered after it)
+        self.sealed = False  # the version check has run
+        self.event: Any = None  # CUDA event recorded after the copy
+        self.device: Any = None
+        self.lock = threading.Lock()
+        self.error: Optional[BaseException] = None
+        self.torn: List[str] = []
+
+    def seal(self) -> None:
+        """Compare the recorded versions with the current ones (once).
+
+        Sound only on the thread that mutates the tensors, between two of its ops, after the
+        copy completed (or was fenced): then every write that thread made since the call has
+        bumped ``_version`` already, so an unchanged version proves the copy is exact. A write
+        made after the copy completed but before the seal is reported too (safe side).
+        """
+        with self.lock:
+            if self.sealed:
+                return
+            self.sealed = True
+            for (name, t), v in zip(self.members, self.versions):
+                if v >= 0 and _version(t) != v:
+                    self.torn.append(name)
+            self.members = []  # checked: the user's tensors are not needed for it any more
+
+
+class PendingCopies:
+    """The completion handle of a lazy snapshot.
+
+    Training thread: ``wait(keys)`` fences the chunks that hold any of ``keys`` (and seals
+    them); ``wait_all()`` waits for every copy and seals everything. Writer thread:
+    ``result()`` waits until every chunk is sealed and raises :class:`TornSnapshotError` (or
+    the copy's own error) if the snapshot is not exact.
+    """
+
+    def __init__(self, chunks: List[_Chunk], cuda: bool) -> None:
+        self.chunks = chunks
+        self.cuda = cuda
+        self.owner = threading.get_ident()  # the thread that called save_async
+        self.nbytes = sum(c.nbytes for c in chunks)
+        self.by_key: Dict[_Key, List[_Chunk]] = {}
+        for c in chunks:
+            for k in c.keys:
+                self.by_key.setdefault(k, []).append(c)
+        self.has_xla = any(c.xla for c in chunks)
+        self.finished = threading.Event()  # every copy has run
+        self.sealed = threading.Event()  # every chunk has been version-checked
+        self._pos = 0  # chunks before it are sealed
+        self.waited_s = 0.0  # time the training thread spent waiting in the guard
+        self.step: Optional[int] = None
+        if not chunks:
+            self.finished.set()
+            self.sealed.set()
+
+    @property
+    def done(self) -> bool:
+        return self.sealed.is_set()
+
+    def seal_ready(self) -> None:
+        """Seal the chunks whose copies have completed (owner thread, between ops; cheap)."""
+        if self.sealed.is_set() or threading.get_ident() != self.owner:
+            return
+        self._advance()
+
+    def _advance(self) -> None:
+        chunks, n = self.chunks, len(self.chunks)
+        while self._pos < n:
+            c = chunks[self._pos]
+            if not c.sealed:
+                if not (c.done.is_set() or c.fenced):
+                    return
+                c.seal()
+            self._pos += 1
+        self.sealed.set()
+        _untrack(self)
+
+    def _fence(self, chunks: Iterable[_Chunk]) -> None:
+        t0 = time.perf_counter()
+        for c in chunks:
+            if c.sealed:
+                continue
+            if not c.done.is_set():
+                if c.event is not None and c.error is None:
+                    # CUDA: order the training stream after the copy; no host stall.
+                    torch.cuda.current_stream(c.device).wait_event(c.event)
+                    c.fenced = True
+                else:
+                    c.done.wait()
+            c.seal()  # before the mutation the caller is about to make
+        self.waited_s += time.perf_counter() - t0
+
+    def wait(self, keys: Iterable[_Key]) -> None:
+        """Make it safe to mutate the tensors whose storage keys are ``keys``."""
+        if self.sealed.is_set():
+            return
+        found: List[_Chunk] = []
+        for k in keys:
+            cs = self.by_key.get(k)
+            if cs:
+                found.extend(cs)
+        if found:
+            self._fence(found)
+        self.seal_ready()
+
+    def wait_xla(self) -> None:
+        if self.has_xla and not self.sealed.is_set():
+            self._fence([c for c in self.chunks if c.xla])
+
+    def wait_all(self) -> None:
+        """Training thread: wait until every copy has finished, and seal them all."""
+        if self.sealed.is_set():
+            return
+        t0 = time.perf_counter()
+        self.finished.wait()
+        self._advance()
+        self.waited_s += time.perf_counter() - t0
+
+    def result(self) -> None:
+        """Wait until every copy is done and sealed (by the training thread: the next hook,
+        ``save_async``, ``wait_for_staging``, ``join`` or ``close``); raise if a copy failed or a
+        source changed before it was copied."""
+        if threading.get_ident() == self.owner:
+            self.wait_all()
+        self.sealed.wait()
+        for c in self.chunks:
+            if c.error is not None:
+                raise CheckpointError(f"lazy host copy failed: {type(c.error).__name__}: {c.error}",
+                                      step=self.step) from c.error
+        torn = [n for c in self.chunks for n in c.torn]
+        if torn:
+            names = ", ".join(torn[:10]) + (f" (and {len(torn) - 10} more)" if len(torn) > 10 else "")
+            raise TornSnapshotError(
+                f"lazy save of step {self.step}: tensor(s) {names} were modified in place after "
+                f"save_async(..., lazy=True) returned and before their host copy was confirmed, by "
+                f"something the guard does not see (not optimizer.step() nor a module's forward); "
+                f"the checkpoint was not written. Call manager.wait_for_staging() before mutating "
+                f"tensors by hand, or save with lazy=False", step=self.step)
+
+
+# ---- the background copier -----------------------------------------------------------------
+class _Copier:
+    """One daemon thread that runs CPU chunk copies and completes CUDA chunks, FIFO."""
+
+    def __init__(self) -> None:
+        self._queue: "queue.Queue[PendingCopies]" = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="async-ckpt-lazy-copy", daemon=True)
+        self._thread.start()
+
+    def submit(self, pc: Any) -> None:
+        self._queue.put(pc)
+
+    def _run(self) -> None:
+        while True:
+            pc = self._queue.get()
+            if isinstance(pc, threading.Event):  # hold_copies(): a barrier
+                pc.wait()
+                continue
+            try:
+                for c in pc.chunks:
+                    try:
+                        if c.event is not None:
+                            c.event.synchronize()
+                        elif c.dsts:
+                            with torch.no_grad():
+                                torch._foreach_copy_(c.dsts, c.srcs)
+                    except BaseException as exc:  # noqa: BLE001 - reported by result()
+                        c.error = exc
+                    c.dsts, c.srcs = [], []  # copied: drop the references to the user's tensors
+                    c.done.set()
+            finally:
+                pc.finished.set()
+
+
+_copier: Optional[_Copier] = None
+_copier_lock = threading.Lock()
+
+
+def _get_copier() -> _Copier:
+    global _copier
+    with _copier_lock:
+        if _copier is None:
+            _copier = _Copier()
+        return _copier
+
+
+class hold_copies:
+    """Context manager that stops lazy copies from progressing until it exits (or until
+    ``release_after`` seconds passed): lets tests and debugging force the copies to still be in
+    flight when the training loop mutates tensors. Copies queued before it enter still run."""
+
+    def __init__(self, release_after: Optional[float] = None) -> None:
+        self._barrier = threading.Event()
+        self._timer = threading.Timer(release_after, self._barrier.set) if release_after is not None else None
+
+    def release(self) -> None:
+        self._barrier.set()
+
+    def __enter__(self) -> "hold_copies":
+        _get_copier().submit(self._barrier)
+        if self._timer is not None:
+            self._timer.daemon = True
+            self._timer.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._barrier.set()
+        if self._timer is not None:
+            self._timer.cancel()
+
+
+# ---- the guard -----------------------------------------------------------------------------
+_active: Tuple[PendingCopies, ...] = ()  # outstanding lazy snapshots (copy-on-write)
+_active_lock = threading.Lock()
+_opt_handle: Any = None
+_fwd_handle: Any = None
+_need_rank: Dict[_Key, int] = {}  # order in which the guard needed each storage (learned order)
+_need_counter = 0
+
+
+def _untrack(pc: PendingCopies) -> None:
+    global _active
+    with _active_lock:
+        _active = tuple(p for p in _active if p is not pc)
+
+
+def _note_needed(keys: Iterable[_Key]) -> None:
+    global _need_counter
+    _need_counter += 1
+    if len(_need_rank) > 1_000_000:  # bounded: storages come and go
+        _need_rank.clear()
+    for k in keys:
+        _need_rank.setdefault(k, _need_counter)
+
+
+def _donation_enabled() -> bool:
+    try:
+        import torch_xla
+
+        return bool(torch_xla._XLAC._xla_get_enable_alias_with_buffer_donor_config())
+    except Exception:
+        return False
+
+
+def _optimizer_pre_hook(optimizer: Any, args: Any, kwargs: Any) -> None:
+    active = _active
+    if not active:
+        _remove_forward_hook()
+        return
+    keys: Set[_Key] = set()
+    xla = False
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            k = storage_key(p)
+            if k is None:
+                xla = xla or p.device.type == "xla"
+            else:
+                keys.add(k)
+    for st in optimizer.state.values():
+        if isinstance(st, dict):
+            for v in st.values():
+                if isinstance(v, torch.Tensor):
+                    k = storage_key(v)
+                    if k is not None:
+                        keys.add(k)
+    _note_needed(keys)
+    donation = xla and _donation_enabled()
+    for pc in active:
+        pc.wait(keys)
+        if donation:
+            pc.wait_xla()
+
+
+def _forward_pre_hook(module: torch.nn.Module, args: Any) -> None:
+    active = _active
+    if not active:
+        return
+    bufs = module._buffers
+    keys = [k for k in (storage_key(b) for b in bufs.values() if b is not None) if k is not None] if bufs else ()
+    if keys:
+        _note_needed(keys)
+        for pc in active:
+            pc.wait(keys)
+    else:
+        for pc in active:
+            pc.seal_ready()
+
+
+def _remove_forward_hook() -> None:
+    """Drop the forward hook (it costs every module call a Python call). Only from the
+    training thread, never from inside a forward pre-hook (the hook dict is being iterated)."""
+    global _fwd_handle
+    if _fwd_handle is not None and not _active:
+        _fwd_handle.remove()
+        _fwd_handle = None
+
+
+def track(pc: PendingCopies) -> None:
+    """Guard ``pc`` until its copies complete. Training thread."""
+    global _active, _opt_handle, _fwd_handle
+    if pc.finished.is_set():
+        return
+    with _active_lock:
+        _active = _active + (pc,)
+    if _opt_handle is None:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        _opt_handle = register_optimizer_step_pre_hook(_optimizer_pre_hook)
+    if _fwd_handle is None:
+        from torch.nn.modules.module import register_module_forward_pre_hook
+
+        _fwd_handle = register_module_forward_pre_hook(_forward_pre_hook)
+
+
+def settle_hooks() -> None:
+    """Remove the forward hook if nothing is outstanding (call at safe points: training thread)."""
+    _remove_forward_hook()
+
+
+def outstanding() -> Tuple[PendingCopies, ...]:
+    return _active
+
+
+# ---- staging -------------------------------------------------------------------------------
+def order_units(units: Sequence[Any]) -> List[Any]:
+    """Big units in the order the guard needed them last time; unknown ones keep their order."""
+    if not _need_rank:
+        return list(units)
+    inf = math.inf
+
+    def rank(u: Any) -> float:
+        k = storage_key(u.members[0][1])
+        return _need_rank.get(k, inf) if k is not None else inf
+
+    return sorted(units, key=rank)  # stable
+
+
+def build_chunks(pairs: Sequence[Tuple[torch.Tensor, torch.Tensor, List[Tuple[str, torch.Tensor]], bool]],
+                 chunk_bytes: Optional[int] = None) -> List[_Chunk]:
+    """Group ``(dst, src, members, xla)`` copies, in order, into chunks of about ``chunk_bytes``
+    (never mixing CPU and CUDA sources, or XLA views and plain tensors)."""
+    chunk_bytes = CHUNK_BYTES if chunk_bytes is None else chunk_bytes
+    chunks: List[_Chunk] = []
+    cur: Optional[_Chunk] = None
+    for dst, src, members, xla in pairs:
+        kind = (src.is_cuda, src.device, xla)
+        if cur is None or cur.nbytes >= chunk_bytes or (cur.srcs and (cur.srcs[0].is_cuda, cur.srcs[0].device, cur.xla) != kind):
+            cur = _Chunk(xla=xla)
+            chunks.append(cur)
+        cur.dsts.append(dst)
+        cur.srcs.append(src)
+        cur.nbytes += dst.numel() * dst.element_size()
+        for name, t in members:
+            if not xla:
+                cur.members.append((name, t))
+                cur.versions.append(_version(t))
+            k = storage_key(t) if not xla else None
+            if k is not None:
+                cur.keys.add(k)
+    return chunks
+
+
+def start(chunks: List[_Chunk], cuda_streams: Any = None) -> PendingCopies:
+    """Issue the copies of ``chunks``: CUDA ones now on side streams (one event each), CPU ones
+    on the background copier. Returns the handle (already tracked by the guard)."""
+    cuda = any(c.srcs and c.srcs[0].is_cuda for c in chunks)
+    if cuda:
+        waited: Set[Any] = set()
+        for c in chunks:
+            if not (c.srcs and c.srcs[0].is_cuda):
+                continue
+            dev = c.srcs[0].device
+            stream = cuda_streams(dev)
+            if dev not in waited:
+                # The side stream must see every kernel already queued on the training stream.
+                stream.wait_stream(torch.cuda.current_stream(dev))
+                waited.add(dev)
+            with torch.cuda.stream(stream), torch.no_grad():
+                torch._foreach_copy_(c.dsts, c.srcs, non_blocking=True)
+                ev = torch.cuda.Event()
+                ev.record(stream)
+            c.event, c.device = ev, dev
+    pc = PendingCopies(chunks, cuda)
+    track(pc)
+    _get_copier().submit(pc)
+    return pc
+
+
+def stage_lazy(stager: Any, state_dict: Any, plan: Any = None) -> Any:
+    """``Stager.stage(..., lazy=True)``: a snapshot whose copies are still in flight.
+
+    Buffers come from the stager's pool exactly as for an eager stage; the snapshot's
+    ``pending`` is the :class:`PendingCopies` handle. Its buffers must not be read (or
+    released) before ``snapshot.wait_copied()`` returns.
+    """
+    from .backends import xla_host_views, xla_sync
+    from .plan import make_plan
+    from . import stager as _stager
+    from .stager import HostSnapshot, _storage_units, _views_on
+
+    SMALL_TENSOR_BYTES, _ALIGN = _slab_params(_stager)
+
+    t0 = time.perf_counter()
+    plan = plan if plan is not None else make_plan(state_dict)
+    host: List[Optional[torch.Tensor]] = [None] * len(plan.tensors)
+    by_type: Dict[str, List[Tuple[int, torch.Tensor]]] = {}
+    for i, t in enumerate(plan.tensors):
+        by_type.setdefault(t.device.type, []).append((i, t))
+    leases: List[Any] = []
+    pairs: List[Tuple[torch.Tensor, torch.Tensor, List[Tuple[str, torch.Tensor]], bool]] = []
+    names = plan.keys if len(plan.keys) == len(plan.tensors) else [str(i) for i in range(len(plan.tensors))]
+    try:
+        if "xla" in by_type:
+            _lazy_xla(stager, by_type.pop("xla"), host, leases, pairs, names, xla_sync, xla_host_views)
+        local = [it for kind in ("cpu", "cuda") for it in by_type.pop(kind, [])]
+        if by_type:
+            kinds = ", ".join(sorted(by_type))
+            raise NotImplementedError(f"staging tensors on device type(s) {kinds} is not supported")
+        if local:
+            _lazy_local(stager, local, host, leases, pairs, names, False,
+                        SMALL_TENSOR_BYTES, _ALIGN, _storage_units, _views_on)
+    except BaseException:
+        for lease in leases:
+            lease.release()
+        raise
+    # XLA views and small tensors (slab) first, then big tensors in the learned order.
+    pending = start(build_chunks(pairs), _cuda_stream_fn(stager))
+    snap = HostSnapshot(
+        state_dict=plan.build(host),  # type: ignore[arg-type]
+        nbytes=plan.nbytes,
+        num_tensors=len(plan.tensors),
+        stage_seconds=time.perf_counter() - t0,
+        int_keys=plan.int_keys,
+        leases=leases,
+    )
+    snap.pending = pending
+    return snap
+
+
+def _slab_params(stager_mod: Any) -> Tuple[int, int]:
+    """The eager stager's slab layout (small tensors share one buffer); none if it has no slab."""
+    return getattr(stager_mod, "SMALL_TENSOR_BYTES", 0), getattr(stager_mod, "_ALIGN", 64)
+
+
+def _cuda_stream_fn(stager: Any) -> Any:
+    def stream(dev: torch.device) -> Any:
+        if stager._cuda is None:
+            from .backends import CudaTransfer
+
+            stager._cuda = CudaTransfer()
+        return stager._cuda._stream(dev)
+
+    return stream
+
+
+def _lazy_local(stager, items, host, leases, pairs, names, xla, small_bytes, align, storage_units, views_on) -> None:
+    """The buffer layout of ``Stager._stage_local`` (pooled buffers, one slab for small
+    tensors), but the (dst, src) pairs are returned instead of copied."""
+    units = storage_units(items)
+    pinned = torch.cuda.is_available() and any(u.src.is_cuda for u in units)
+    big = [u for u in units if u.nbytes > small_bytes or u.span_start >= 0 or u.nbytes == 0]
+    small = [u for u in units if 0 < u.nbytes <= small_bytes and u.span_start < 0]
+    offsets = []
+    slab_bytes = 0
+    for u in small:
+        offsets.append(slab_bytes)
+        slab_bytes += (u.nbytes + align - 1) // align * align
+    sizes = [u.nbytes for u in big] + ([slab_bytes] if small else [])
+    lease = stager.pool.acquire(sizes, pinned=pinned)
+    leases.append(lease)
+
+    def members(unit: Any) -> List[Tuple[str, torch.Tensor]]:
+        return [(names[i] if not xla else str(i), t) for i, t in unit.members]
+
+    if small:
+        slab = lease.buffers[-1]
+        sig = tuple((u.members[0][1].dtype, u.members[0][1].shape) for u in small)
+        cached = getattr(slab, "_async_ckpt_views", None)
+        if cached is not None and cached[0] == sig:
+            views = cached[1]
+        else:
+            views = [slab[off: off + u.nbytes].view(dt).view(shape)
+                     for off, u, (dt, shape) in zip(offsets, small, sig)]
+            slab._async_ckpt_views = (sig, views)
+        for dst, unit in zip(views, small):
+            for i, _ in unit.members:
+                host[i] = dst
+            pairs.append((dst, unit.src, members(unit), xla))
+    bufs = dict(zip(map(id, big), lease.buffers))
+    for unit in order_units(big):
+        dst = views_on(bufs[id(unit)], unit, host)
+        if unit.nbytes:
+            pairs.append((dst, unit.src, members(unit), xla))
+
+
+def _lazy_xla(stager, items, host, leases, pairs, names, xla_sync, xla_host_views) -> None:
+    """PJRT CPU: zero-copy views of the (immutable) device buffers taken now, O(#tensors);
+    their bytes are copied in the background. Anything else is staged eagerly."""
+    from . import stager as _stager
+    from .stager import _storage_units, _views_on
+
+    SMALL_TENSOR_BYTES, _ALIGN = _slab_params(_stager)
+    xla_sync()
+    try:
+        from ..distributed import is_xla_sharded
+    except Exception:  # pragma: no cover
+        def is_xla_sharded(t: torch.Tensor) -> bool:
+            return False
+    views = None
+    uniq: Dict[int, int] = {}
+    srcs: List[torch.Tensor] = []
+    if not any(is_xla_sharded(t) for _, t in items):
+        for _, t in items:
+            if id(t) not in uniq:
+                uniq[id(t)] = len(srcs)
+                srcs.append(t)
+        views = xla_host_views(srcs)
+    if views is None:  # TPU/GPU buffers, SPMD shards: no host view to hold; stage them now
+        stager._stage_xla(items, host, leases)
+        return
+    tmp: List[Optional[torch.Tensor]] = [None] * len(views)
+    _lazy_local(stager, list(enumerate(views)), tmp, leases, pairs, names, True,
+                SMALL_TENSOR_BYTES, _ALIGN, _storage_units, _views_on)
+    for i, t in items:
+        host[i] = tmp[uniq[id(t)]]
