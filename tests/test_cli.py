@@ -360,3 +360,16 @@ def test_stats_log_failure_never_fails_the_save(tmp_path):
     assert mgr.all_steps() == [1]
     assert any("could not write the stats log" in r.getMessage() for r in records)
     assert isinstance(StatsLog.from_option(mgr.storage, None), type(None))
+
+
+def test_storage_options_reach_fsspec(mem_root, capsys):
+    from async_ckpt.cli import _parse_options
+
+    assert _parse_options(["a=1", "b=x", 'c={"k": [2]}', "d=a=b"]) == {"a": 1, "b": "x", "c": {"k": [2]}, "d": "a=b"}
+    url, _ = mem_root
+    # a URL fsspec cannot open is a one-line error, not a traceback
+    code = main(["ls", "nosuchprotocol://bucket/run"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("async-ckpt: error: ") and err.count("\n") == 1, err
+    assert main(["ls", url, "-o", "bad"]) == 2
+    assert "KEY=VALUE" in capsys.readouterr().err
