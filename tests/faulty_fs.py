@@ -15,8 +15,9 @@ Faults are rules added with :meth:`FaultyFileSystem.inject`::
 ``op`` is one of ``write`` (streamed ``open(..., "wb")`` files and ``pipe_file``), ``read``,
 ``rm``, ``ls``, ``mkdir``; ``pattern`` is an ``fnmatch`` pattern on the file's base name;
 ``kind`` is ``reset`` (ConnectionResetError), ``timeout`` (TimeoutError), ``eio``
-(OSError EIO), ``enospc``, ``eacces``, or ``truncate`` (writes only: the data is cut short
-and success is reported). ``times=None`` means always. Every injected fault is appended to
+(OSError EIO), ``http503`` (an error with ``.status = 503``, transient), ``enospc``,
+``eacces``, ``http403`` (permanent), or ``truncate`` (writes only: the data is cut short and
+success is reported). ``times=None`` means always. Every injected fault is appended to
 ``fs.hits`` as ``(op, path, kind)``.
 """
 
@@ -31,7 +32,7 @@ from typing import Any, List, Optional, Tuple
 import fsspec
 from fsspec.spec import AbstractFileSystem
 
-KINDS = ("reset", "timeout", "eio", "enospc", "eacces", "truncate")
+KINDS = ("reset", "timeout", "eio", "http503", "enospc", "eacces", "http403", "truncate")
 OPS = ("write", "read", "rm", "ls", "mkdir")
 
 
@@ -44,7 +45,19 @@ class Fault:
     after_bytes: int = 0  # writes: fail once this many bytes of the file went through
 
 
+class HTTPError(Exception):
+    """What an object-store client raises for an HTTP error status (``.status``)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"{status} {message}")
+        self.status = status
+
+
 def _error(kind: str, path: str) -> BaseException:
+    if kind == "http503":
+        return HTTPError(503, f"injected: Service Unavailable ({path})")
+    if kind == "http403":
+        return HTTPError(403, f"injected: Forbidden ({path})")
     if kind == "reset":
         return ConnectionResetError(errno.ECONNRESET, "injected: connection reset by peer", path)
     if kind == "timeout":

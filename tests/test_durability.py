@@ -144,7 +144,7 @@ def _error_chain(exc: BaseException) -> str:
 
 # ---- fault injection -----------------------------------------------------------------------
 
-@pytest.mark.parametrize("kind", ["reset", "timeout", "eio"])
+@pytest.mark.parametrize("kind", ["reset", "timeout", "eio", "http503"])
 @pytest.mark.parametrize("name", ["*.distcp", METADATA_NAME, MANIFEST_NAME, MARKER_NAME])
 def test_transient_write_failure_is_retried_and_committed(faulty, kind, name):
     mgr, fs, root = faulty
@@ -190,7 +190,8 @@ def test_write_failing_always_surfaces_at_next_call_and_commits_nothing(faulty):
     assert mgr.all_steps() == [1, 4]
 
 
-@pytest.mark.parametrize("kind,text", [("enospc", "No space left on device"), ("eacces", "Permission denied")])
+@pytest.mark.parametrize("kind,text", [("enospc", "No space left on device"), ("eacces", "Permission denied"),
+                                       ("http403", "403 injected: Forbidden")])
 def test_permanent_error_fails_at_once(faulty, kind, text):
     mgr, fs, root = faulty
     fs.inject("write", "*.distcp", kind)
@@ -198,7 +199,9 @@ def test_permanent_error_fails_at_once(faulty, kind, text):
     with pytest.raises(CheckpointError) as ei:
         mgr.join()
     chain = _error_chain(ei.value)
-    assert ei.value.step == 2 and text in chain and "StorageError" in chain, chain
+    assert ei.value.step == 2 and text in chain, chain
+    if kind != "http403":  # OS errors become a StorageError; a client's HTTP error is kept as is
+        assert "StorageError" in chain, chain
     assert "__0_0.distcp" in chain  # names the file
     assert len(fs.hits) == 1, "a permanent error must not be retried"
     assert mgr.all_steps() == [1]
