@@ -1,4 +1,5 @@
-"""The ``async-ckpt`` command: look into, verify, prune and export checkpoint directories.
+"""The ``async-ckpt`` command: look into, verify, prune and export checkpoint directories, and read
+the save statistics log.
 
 Every subcommand takes a checkpoint root (a local path or any fsspec URL), prints a readable
 table, and with ``--json`` prints one JSON document instead. Nothing here writes to the
@@ -645,6 +646,37 @@ def _write_out(out: str, write: Any) -> None:
             write(f)
 
 
+# ---- stats -----------------------------------------------------------------------------------
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    from .stats import DEFAULT_STATS_LOG, _check_relpath, read_stats_log
+
+    storage, _ = _open(args)
+    path = storage.join(_check_relpath(args.log or DEFAULT_STATS_LOG))
+    if not storage.exists(path):
+        raise FileNotFoundError(f"no stats log at {storage.url_of(path)} (create the manager with stats_log=True)")
+    records = read_stats_log(storage.url_of(path), _parse_options(args.storage_option))
+    if args.last is not None:
+        records = records[-args.last:] if args.last > 0 else []
+    if args.json:
+        _print_json({"path": args.path, "saves": [r.to_dict() for r in records]})
+        return EXIT_OK
+    if not records:
+        print("no saves logged")
+        return EXIT_OK
+    rows = [[r.step, _fmt_time(r.commit_time), human_bytes(r.nbytes), r.files, f"{r.blocking_s * 1e3:.1f}",
+             f"{r.queue_wait_s * 1e3:.1f}", f"{r.stage_s * 1e3:.1f}", f"{r.host_copy_gbps:.2f}", f"{r.write_s:.3f}",
+             f"{r.write_gbps:.2f}", f"{r.commit_s:.3f}", "-" if r.durable_s is None else f"{r.durable_s:.3f}"]
+            for r in records]
+    print(_table(["STEP", "COMMITTED", "DATA", "FILES", "BLOCKED_MS", "SLOT_WAIT_MS", "COPY_MS", "COPY_GB/S",
+                  "WRITE_S", "WRITE_GB/S", "COMMIT_S", "DURABLE_S"], rows, right=tuple(i for i in range(12) if i != 1)))
+    blocked = sorted(r.blocking_s for r in records)
+    worst = max(records, key=lambda r: r.blocking_s)
+    print(f"\n{len(records)} saves; blocked median {blocked[len(blocked) // 2] * 1e3:.1f} ms, "
+          f"max {worst.blocking_s * 1e3:.1f} ms (step {worst.step})")
+    return EXIT_OK
+
+
 # ---- entry point -----------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
@@ -693,6 +725,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--allow-pickle", action="store_true",
                    help="unpickle non-tensor entries outside torch's safe set (only for trusted checkpoints)")
     s.set_defaults(fn=cmd_export)
+    s = sub.add_parser("stats", parents=[common], help="the save statistics log (stats_log=True), as a table")
+    s.add_argument("--log", metavar="RELPATH", help="the log's path under PATH (default: save_stats.jsonl)")
+    s.add_argument("--last", type=int, metavar="N", help="only the N most recent saves")
+    s.set_defaults(fn=cmd_stats)
     return p
 
 

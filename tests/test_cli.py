@@ -373,3 +373,19 @@ def test_storage_options_reach_fsspec(mem_root, capsys):
     assert code == 2 and err.startswith("async-ckpt: error: ") and err.count("\n") == 1, err
     assert main(["ls", url, "-o", "bad"]) == 2
     assert "KEY=VALUE" in capsys.readouterr().err
+
+
+def test_stats_command(good_dir, tmp_path, capsys):
+    root, _ = good_dir
+    assert main(["stats", root]) == 0
+    out = capsys.readouterr().out
+    table = out.split("\n\n")[0].splitlines()
+    assert table[0].split()[:5] == ["STEP", "COMMITTED", "DATA", "FILES", "BLOCKED_MS"]
+    assert [ln.split()[0] for ln in table[1:]] == [str(s) for s in STEPS]
+    assert "3 saves; blocked median" in out
+    assert main(["stats", root, "--last", "1", "--json"]) == 0
+    saves = json.loads(capsys.readouterr().out)["saves"]
+    assert len(saves) == 1 and saves[0]["step"] == STEPS[-1] and saves[0]["nbytes"] > 0
+    os.makedirs(tmp_path / "nolog")
+    assert main(["stats", str(tmp_path / "nolog")]) == 2
+    assert "stats_log=True" in capsys.readouterr().err
