@@ -689,6 +689,7 @@ class CheckpointManager:
             self.storage.makedirs(self.storage.root)
         except (OSError, StorageError) as exc:
             raise StorageError(f"checkpoint path {self.storage.url!r} cannot be written: {exc}") from exc
+        self.storage.check_writable()  # object stores: probe object (missing bucket, bad credentials)
         if self.storage.is_local:
             import os
 

@@ -81,3 +81,6 @@ def assert_bitwise_equal(a, b, path="root"):
             assert_bitwise_equal(x, y, f"{path}.{i}")
     else:
         assert a == b, f"{path}: {a!r} != {b!r}"
+
+# Real GCS/S3 servers on loopback for the cloud tests (fixtures gcs_bucket, s3_bucket, ...).
+pytest_plugins = ["tests.storage_servers"]

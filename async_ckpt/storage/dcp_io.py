@@ -21,7 +21,10 @@ import enum
 import errno
 import io
 import pickle
+import struct
+import sys
 import warnings
+import zipfile
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -45,7 +48,7 @@ from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint._traverse import set_element
 
 from ..errors import CorruptCheckpointError, UnsafeCheckpointError
-from .fs import Storage
+from .fs import READ_RANGE_BYTES, Storage
 from .manifest import FileRecord, crc32c
 
 METADATA_NAME = ".metadata"
@@ -96,10 +99,20 @@ def _item_bytes(planner: SavePlanner, item: Any) -> int:
 MIN_FILE_BYTES = 16 * 2**20  # below this, more files cost more than they parallelise
 
 
-def _balance(items: List[Any], planner: SavePlanner, buckets: int) -> List[List[Any]]:
-    """Greedy size balancing of write items over at most ``buckets`` files."""
+MAX_FILES = 4096  # per rank and checkpoint, whatever ``max_file_bytes`` asks for
+
+
+def _balance(items: List[Any], planner: SavePlanner, buckets: int,
+             max_file_bytes: Optional[int] = None) -> List[List[Any]]:
+    """Greedy size balancing of write items over at most ``buckets`` files.
+
+    With ``max_file_bytes`` (object stores) there are more files, about that size each, so
+    that they upload as many concurrent single-request objects; threads stay ``buckets``.
+    """
     total = sum(_item_bytes(planner, it) for it in items)
     buckets = min(buckets, max(1, -(-total // MIN_FILE_BYTES)))
+    if max_file_bytes:
+        buckets = max(buckets, min(MAX_FILES, len(items), -(-total // max_file_bytes)))
     out: List[List[Any]] = [[] for _ in range(max(1, buckets))]
     loads = [0] * len(out)
     for item in sorted(items, key=lambda it: -_item_bytes(planner, it)):
@@ -136,7 +149,7 @@ class FsspecStorageWriter(StorageWriter):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
         prefix = plan.storage_data.prefix
-        buckets = _balance(plan.items, planner, self.threads)
+        buckets = _balance(plan.items, planner, self.threads, self.storage.max_file_bytes)
 
         def write_file(k: int, items: List[Any]) -> Tuple[str, FileRecord, List[WriteResult]]:
             # A file is streamed, so a transient failure mid-file is retried by rewriting the
@@ -147,7 +160,8 @@ class FsspecStorageWriter(StorageWriter):
         def write_file_once(k: int, items: List[Any]) -> Tuple[str, FileRecord, List[WriteResult]]:
             name = f"{prefix}{k}.distcp"
             results = []
-            with self.storage.open_write(f"{self.path}/{name}") as f:
+            size_hint = sum(_item_bytes(planner, it) for it in items)
+            with self.storage.open_write(f"{self.path}/{name}", size_hint=size_hint) as f:
                 stream = _ChecksumStream(f)
                 for item in items:
                     data = planner.resolve_data(item)
@@ -183,7 +197,7 @@ class FsspecStorageWriter(StorageWriter):
         if len(buckets) == 1:
             outs = [write_file(0, buckets[0])]
         else:
-            with ThreadPoolExecutor(len(buckets), thread_name_prefix="async-ckpt-io") as pool:
+            with ThreadPoolExecutor(min(self.threads, len(buckets)), thread_name_prefix="async-ckpt-io") as pool:
                 outs = list(pool.map(lambda kv: write_file(*kv), enumerate(buckets)))
         all_results: List[WriteResult] = []
         for name, rec, results in outs:
@@ -238,6 +252,8 @@ class _MetadataUnpickler(pickle.Unpickler):
             return pickle.Unpickler.find_class(self, module, name)
         elif module == "builtins" and name in _SAFE_BUILTINS:
             return pickle.Unpickler.find_class(self, module, name)
+        elif module == "pathlib" and name in ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"):
+            return pickle.Unpickler.find_class(self, module, name)  # DCP's own writer stores the checkpoint_id path
         elif module == "collections" and name == "OrderedDict":
             return pickle.Unpickler.find_class(self, module, name)
         elif module == "torch.distributed._shard.sharded_tensor.metadata" or module == "torch.distributed.tensor._dtensor_spec":
@@ -325,6 +341,53 @@ class FsspecStorageReader(StorageReader):
                     path=where)
         return data
 
+    def _read_files(self, names: List[str], pool: ThreadPoolExecutor) -> Dict[str, Any]:
+        """Read and verify ``names`` concurrently; a big file as concurrent ranged reads.
+
+        A file of at most ``2 * READ_RANGE_BYTES`` is one whole-object read (one request). A
+        bigger one whose size the manifest gives is read into one preallocated buffer in
+        ranges of about ``READ_RANGE_BYTES``, on the pool; the last range asks for one byte more
+        than the manifest says, so a longer file is caught as well as a shorter one.
+        """
+        records = self.files or {}
+        split = {n: records[n].size for n in names if n in records and records[n].size > 2 * READ_RANGE_BYTES}
+        whole = [n for n in names if n not in split]
+        bufs = {n: bytearray(size + 1) for n, size in split.items()}
+        tasks = []
+        for n, size in split.items():
+            starts = list(range(0, size, READ_RANGE_BYTES))
+            if len(starts) > 1 and size - starts[-1] < READ_RANGE_BYTES // 2:
+                starts.pop()  # no small tail request: the last range takes the remainder
+            ends = starts[1:] + [size + 1]
+            tasks += [(n, a, b) for a, b in zip(starts, ends)]
+
+        def read_range(task: Tuple[str, int, int]) -> int:
+            n, start, end = task
+            where = f"{self.path}/{n}"
+            try:
+                return self.storage.read_into(where, start, memoryview(bufs[n])[start:end])
+            except FileNotFoundError:
+                raise CorruptCheckpointError(f"{where}: file is missing", path=where) from None
+
+        futs = [pool.submit(read_range, t) for t in tasks] + [pool.submit(self.read_file, n) for n in whole]
+        results = [f.result() for f in futs]  # re-raises the first failure
+        out: Dict[str, Any] = dict(zip(whole, results[len(tasks):]))
+        got_bytes: Dict[str, int] = {n: 0 for n in split}
+        for (n, _a, _b), got in zip(tasks, results):
+            got_bytes[n] += got
+        for n, size in split.items():
+            where = f"{self.path}/{n}"
+            if got_bytes[n] != size:
+                got = f"more than {size}" if got_bytes[n] > size else str(got_bytes[n])
+                raise CorruptCheckpointError(f"{where}: size is {got} bytes, manifest says {size}", path=where)
+            data = memoryview(bufs[n])[:size]
+            if self.verify and crc32c(data) != records[n].crc32c:
+                raise CorruptCheckpointError(
+                    f"{where}: checksum mismatch (crc32c {crc32c(data):#010x}, manifest says "
+                    f"{records[n].crc32c:#010x})", path=where)
+            out[n] = data
+        return out
+
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if self._metadata is None:
             self._metadata = load_metadata(self.read_file(METADATA_NAME), where=f"{self.path}/{METADATA_NAME}")
@@ -344,8 +407,8 @@ class FsspecStorageReader(StorageReader):
         for item in plan.items:
             per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
         names = list(per_file)
-        with ThreadPoolExecutor(max(1, min(self.threads, len(names))), thread_name_prefix="async-ckpt-read") as pool:
-            blobs = dict(zip(names, pool.map(self.read_file, names)))
+        with ThreadPoolExecutor(self.threads, thread_name_prefix="async-ckpt-read") as pool:
+            blobs = self._read_files(names, pool)
         # Non-tensor items are decoded before anything is applied, so that an unsafe or
         # undecodable object fails the restore with the caller's state dict untouched.
         decoded: Dict[int, Any] = {}
@@ -368,9 +431,14 @@ class FsspecStorageReader(StorageReader):
                     else:
                         planner.load_bytes(req, chunk)
                     continue
+                target = planner.resolve_tensor(req).detach()
+                raw = _stored_bytes(blob[info.offset: info.offset + info.length], req, target)
+                if raw is not None:  # one copy, straight from the read buffer into the target
+                    target.copy_(raw)
+                    planner.commit_tensor(req, target)
+                    continue
                 tensor = torch.load(chunk, map_location="cpu", weights_only=True)
                 tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
-                target = planner.resolve_tensor(req).detach()
                 if target.size() != tensor.size():
                     raise CorruptCheckpointError(
                         f"{req.storage_index.fqn}: stored shape {tuple(tensor.size())} != expected {tuple(target.size())}")
@@ -383,6 +451,102 @@ class FsspecStorageReader(StorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
         return True
+
+
+class _ViewReader(io.RawIOBase):
+    """Seekable read-only file over a memoryview (zipfile reads only the directory of it)."""
+
+    def __init__(self, mv: memoryview) -> None:
+        super().__init__()
+        self._mv, self._pos = mv, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        self._pos = max(0, offset if whence == 0 else (self._pos + offset if whence == 1 else len(self._mv) + offset))
+        return self._pos
+
+    def read(self, n: int = -1) -> bytes:
+        end = len(self._mv) if n is None or n < 0 else min(len(self._mv), self._pos + n)
+        out = bytes(self._mv[self._pos:end])
+        self._pos = end
+        return out
+
+
+try:  # "FloatStorage" -> torch.float32, as torch.save names storages in data.pkl
+    from torch.storage import _dtype_to_storage_type_map
+
+    _STORAGE_DTYPES = {v: k for k, v in _dtype_to_storage_type_map().items()}
+except Exception:  # pragma: no cover - a torch without it: always fall back to torch.load
+    _STORAGE_DTYPES = {}
+
+
+class _TensorDescUnpickler(pickle.Unpickler):
+    """Reads a single-tensor ``data.pkl`` as ``(dtype, storage_offset, size, stride)``; refuses
+    anything else (nothing is constructed, no code runs)."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "torch._utils" and name == "_rebuild_tensor_v2":
+            return lambda storage, offset, size, stride, *rest: (storage, offset, tuple(size), tuple(stride))
+        if module == "torch" and name in _STORAGE_DTYPES:
+            return _STORAGE_DTYPES[name]
+        if module == "collections" and name == "OrderedDict":
+            return lambda *a: None
+        raise pickle.UnpicklingError(f"{module}.{name}")
+
+    def persistent_load(self, pid: Any) -> Any:
+        if isinstance(pid, tuple) and len(pid) >= 2 and pid[0] == "storage" and isinstance(pid[1], torch.dtype):
+            return pid[1]
+        raise pickle.UnpicklingError(f"persistent id {pid!r}")
+
+
+def _stored_bytes(item: memoryview, req: Any, target: torch.Tensor) -> Optional[torch.Tensor]:
+    """The raw data of a ``torch.save``-serialised tensor ``item``, viewed as ``target``'s dtype
+    and shape without a copy; ``None`` unless the item is the plain case (one little-endian,
+    uncompressed storage of exactly ``target``'s size, read whole), where ``torch.load`` is used.
+    """
+    nbytes = target.numel() * target.element_size()
+    if nbytes == 0 or any(req.storage_offsets) or list(req.lengths) != list(target.size()):
+        return None
+    try:
+        with zipfile.ZipFile(_ViewReader(item)) as zf:
+            infos = zf.infolist()
+            data = [i for i in infos if i.filename.rsplit("/", 2)[-2:-1] == ["data"]]
+            order = [i for i in infos if i.filename.endswith("/byteorder")]
+            pkl = [i for i in infos if i.filename.endswith("/data.pkl")]
+            if len(data) != 1 or len(pkl) != 1 or data[0].compress_type != zipfile.ZIP_STORED \
+                    or data[0].file_size != nbytes:
+                return None
+            if order and zf.read(order[0]) != b"little" or sys.byteorder != "little":
+                return None
+            desc = _TensorDescUnpickler(io.BytesIO(zf.read(pkl[0]))).load()
+            contiguous, acc = [], 1
+            for d in reversed(target.shape):
+                contiguous.insert(0, acc)
+                acc *= d
+            if desc != (target.dtype, 0, tuple(target.shape), tuple(contiguous)):
+                return None  # a view, a strided layout or another dtype: torch.load handles it
+            off = data[0].header_offset
+            if bytes(item[off:off + 4]) != b"PK\x03\x04":
+                return None
+            name_len, extra_len = struct.unpack_from("<HH", item, off + 26)
+            start = off + 30 + name_len + extra_len
+            if start + nbytes > len(item):
+                return None
+    except (zipfile.BadZipFile, ValueError, struct.error, pickle.UnpicklingError, EOFError, TypeError,
+            AttributeError, IndexError):
+        return None
+    with warnings.catch_warnings():  # a read-only buffer (bytes) is fine: it is only copied from
+        warnings.simplefilter("ignore", UserWarning)
+        raw = torch.frombuffer(item, dtype=torch.uint8, count=nbytes, offset=start)
+    return raw.view(target.dtype).view(target.shape)
 
 
 def save_state_dict(storage: Storage, path: str, state_dict: Dict[str, Any], *, threads: int = 8,
@@ -404,6 +568,7 @@ def load_state_dict(storage: Storage, path: str, state_dict: Dict[str, Any], *, 
                     planner: Optional[LoadPlanner] = None) -> None:
     """Load a DCP checkpoint under ``path`` into ``state_dict`` in place (``planner``: see save)."""
     reader = FsspecStorageReader(storage, path, files=files, verify=verify, threads=threads, metadata=metadata)
+    reader.read_metadata()  # read (and check) it here: DCP swallows errors from read_metadata
     planner = planner if planner is not None else _SafeLoadPlanner(allow_pickle)
     _call_dcp(lambda: dcp.load(state_dict, storage_reader=reader, planner=planner,
                                process_group=process_group, no_dist=not _distributed()))

@@ -18,6 +18,19 @@ from ..errors import StorageError
 from .retry import RetryPolicy
 
 DEFAULT_BLOCK_SIZE = 64 * 2**20  # upload chunk for object stores; gcsfs's 5 MiB is far too small
+# Object stores: a data file up to this size is serialised in memory and uploaded in one call
+# (``pipe_file``: one request on GCS below 50 MiB, one PUT on S3 below 100 MiB, and a whole-file
+# retry is possible); a bigger one streams through ``open()`` in DEFAULT_BLOCK_SIZE chunks.
+PIPE_MAX_BYTES = 256 * 2**20
+# Object stores: the writer aims for data files of about this size, so one checkpoint becomes
+# many objects uploaded concurrently (each a single request) rather than a few long streams.
+OBJECT_FILE_BYTES = 32 * 2**20
+# Reads: files bigger than this are fetched as concurrent ranged reads of this size.
+READ_RANGE_BYTES = 32 * 2**20
+
+# fsspec protocols of object stores: no directories, no atomic rename.
+_OBJECT_STORE_PROTOCOLS = {"gs", "gcs", "s3", "s3a", "az", "abfs", "abfss", "adl", "oss", "oci", "cos", "tos",
+                           "r2", "b2"}
 
 
 class Storage:
@@ -43,6 +56,12 @@ class Storage:
         self.url = url
         self.fs = fs
         self.is_local = isinstance(fs, LocalFileSystem)
+        protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+        #: gs://, s3://, ...: no directories (``makedirs`` never creates a bucket), data files
+        #: uploaded whole with ``pipe_file`` when they fit in ``pipe_max_bytes``.
+        self.is_object_store = any(p in _OBJECT_STORE_PROTOCOLS for p in protocols)
+        self.pipe_max_bytes = PIPE_MAX_BYTES
+        self.max_file_bytes: Optional[int] = OBJECT_FILE_BYTES if self.is_object_store else None
         self.root = os.path.abspath(root) if self.is_local else root.rstrip("/")
         self.block_size = block_size
         self.retry = retry if retry is not None else RetryPolicy()
@@ -59,12 +78,41 @@ class Storage:
 
     # ---- writes ------------------------------------------------------------------------------
     def makedirs(self, path: str) -> None:
+        if self.is_object_store:
+            return  # no directories; and gcsfs/s3fs makedirs would silently create a missing bucket
         self.retry.call(lambda: self.fs.makedirs(path, exist_ok=True), f"mkdir {path}")
 
+    def check_writable(self) -> None:
+        """Object stores: write and delete a small probe object under the root, so that a
+        missing bucket or wrong credentials fail now with a clear :class:`StorageError`."""
+        if not self.is_object_store:
+            return
+        probe = self.join(f".async_ckpt-probe-{os.getpid()}-{id(self):x}")
+        try:
+            self.write_bytes(probe, b"async_ckpt write probe\n")
+            self.retry.call(lambda: self.fs.rm_file(probe), f"delete {probe}")
+        except FileNotFoundError as exc:
+            raise StorageError(f"checkpoint path {self.url!r} cannot be written: the bucket does not exist "
+                               f"(or is not visible with these credentials): {exc}") from exc
+        except (OSError, StorageError) as exc:
+            cause = exc.__cause__ if isinstance(exc, StorageError) and exc.__cause__ is not None else exc
+            raise StorageError(f"checkpoint path {self.url!r} cannot be written ({type(cause).__name__}: {cause}); "
+                               "check the credentials, endpoint and bucket in storage_options") from exc
+
     @contextmanager
-    def open_write(self, path: str) -> Iterator[Any]:
-        """A binary file opened for writing; durable (flushed, fsynced or uploaded) on exit."""
-        if self.is_local:
+    def open_write(self, path: str, size_hint: Optional[int] = None) -> Iterator[Any]:
+        """A binary file opened for writing; durable (flushed, fsynced or uploaded) on exit.
+
+        On object stores a file whose ``size_hint`` is at most ``pipe_max_bytes`` is buffered in
+        memory and uploaded in one ``pipe_file`` call on exit; otherwise it streams in
+        ``block_size`` chunks (resumable/multipart upload), completed on exit. Either way
+        nothing is visible under ``path`` unless the block exits normally.
+        """
+        if self.is_object_store and size_hint is not None and size_hint <= self.pipe_max_bytes:
+            buf = _BufferFile(size_hint)
+            yield buf
+            self.fs.pipe_file(path, buf.getvalue())
+        elif self.is_local:
             f = open(path, "wb")
             try:
                 yield f
@@ -124,6 +172,21 @@ class Storage:
     def read_bytes(self, path: str) -> bytes:
         return self.retry.call(lambda: self.fs.cat_file(path), f"read {path}")
 
+    def read_into(self, path: str, start: int, out: memoryview) -> int:
+        """Read ``path[start:start+len(out)]`` into ``out``; return the bytes read (short at EOF)."""
+
+        def _do() -> int:
+            if self.is_local:
+                with open(path, "rb") as f:
+                    f.seek(start)
+                    return f.readinto(out)  # type: ignore[arg-type]
+            data = self.fs.cat_file(path, start=start, end=start + len(out))
+            n = min(len(data), len(out))
+            out[:n] = memoryview(data)[:n]
+            return len(data)
+
+        return self.retry.call(_do, f"read {path}[{start}:{start + len(out)}]")
+
     def size(self, path: str) -> int:
         """Size in bytes of the file at ``path`` as the storage reports it."""
         if self.is_local:
@@ -158,6 +221,34 @@ class Storage:
             self.fs.invalidate_cache()
         except Exception:
             pass
+
+
+class _BufferFile:
+    """A write-only in-memory file backed by one ``bytearray`` (no copy when it is uploaded)."""
+
+    def __init__(self, size_hint: int) -> None:
+        self._buf = bytearray(max(0, size_hint) + 65536)  # torch.save adds headers beyond the raw bytes
+        self._n = 0
+        self.closed = False
+
+    def write(self, b: Any) -> int:
+        mv = memoryview(b).cast("B")
+        end = self._n + mv.nbytes
+        if end > len(self._buf):
+            self._buf.extend(bytes(max(end - len(self._buf), len(self._buf) // 4)))
+        self._buf[self._n:end] = mv
+        self._n = end
+        return mv.nbytes
+
+    def tell(self) -> int:
+        return self._n
+
+    def flush(self) -> None:
+        pass
+
+    def getvalue(self) -> bytearray:
+        del self._buf[self._n:]  # truncate in place
+        return self._buf
 
 
 def _discard(f: Any) -> None:

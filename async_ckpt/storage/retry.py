@@ -32,8 +32,38 @@ def is_transient(exc: BaseException) -> bool:
             return False
         return exc.errno in _TRANSIENT_ERRNO
     name = type(exc).__name__
-    return name in {"ClientConnectionError", "ServerDisconnectedError", "ClientPayloadError", "ReadTimeoutError",
-                    "ConnectTimeoutError", "EndpointConnectionError", "RemoteDisconnected", "IncompleteRead"}
+    if name in {"ClientConnectionError", "ServerDisconnectedError", "ClientPayloadError", "ReadTimeoutError",
+                "ConnectTimeoutError", "EndpointConnectionError", "RemoteDisconnected", "IncompleteRead"}:
+        return True
+    return _is_transient_cloud(exc)
+
+
+# Base classes (by name, so that neither aiohttp nor botocore need be imported) whose every
+# subclass is a network-level failure: aiohttp's connection errors (gcsfs, s3fs), botocore's
+# and requests' ConnectionError / HTTPClientError, whatever their errno.
+_TRANSIENT_BASES = {("aiohttp.client_exceptions", "ClientConnectionError"),
+                    ("aiohttp.client_exceptions", "ClientPayloadError"),
+                    ("botocore.exceptions", "ConnectionError"), ("botocore.exceptions", "HTTPClientError"),
+                    ("requests.exceptions", "ConnectionError"), ("requests.exceptions", "Timeout")}
+
+
+def _is_transient_cloud(exc: BaseException) -> bool:
+    """gcsfs/s3fs errors: network failures by class; HTTP status of a botocore ``ClientError``
+    (s3fs chains it as ``__cause__`` of the ``OSError`` it raises)."""
+    for e in (exc, exc.__cause__):
+        if e is None:
+            continue
+        if any((c.__module__, c.__name__) in _TRANSIENT_BASES for c in type(e).__mro__):
+            return True
+        response = getattr(e, "response", None)
+        if isinstance(response, dict):
+            status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
+            code = (response.get("Error") or {}).get("Code")
+            if code in ("SlowDown", "RequestTimeout", "InternalError", "ServiceUnavailable", "Throttling"):
+                return True
+            if isinstance(status, int):
+                return status in (408, 429) or 500 <= status < 600
+    return False
 
 
 @dataclass
