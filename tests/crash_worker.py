@@ -11,7 +11,8 @@ line on stdout with what the child reported through a pipe before it died:
 
 The state saved at step ``s`` is :func:`make_state` ``(s)``: deterministic, so the parent can
 recompute exactly what must come back. Run ``python crash_worker.py`` and write
-``{"dir": ..., "mode": "rename"|"marker", "delay": 0.4, "replay": false}`` lines.
+``{"dir": ..., "mode": "rename"|"marker", "delay": 0.4, "replay": false}`` lines (``dir`` may be
+a ``faulty://`` URL: the fsspec code path of object stores, over local files, without faults).
 """
 
 from __future__ import annotations
@@ -142,6 +143,8 @@ def main() -> None:
     import tempfile
 
     from async_ckpt import CheckpointManager
+
+    import faulty_fs  # noqa: F401  (registers faulty://, for trials on the fsspec code path)
 
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as d:
