@@ -63,14 +63,19 @@ def _table(headers: Sequence[str], rows: Iterable[Sequence[Any]], right: Sequenc
     return "\n".join([line(headers)] + [line(r) for r in rows])
 
 
-def _json_default(o: Any) -> Any:
+def _strict(o: Any) -> Any:
+    """Non-finite floats (an ``inf`` metric) as strings: the output stays strict JSON."""
     if isinstance(o, float) and not math.isfinite(o):
         return str(o)
-    raise TypeError(f"not JSON serialisable: {type(o).__name__}")
+    if isinstance(o, dict):
+        return {k: _strict(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return [_strict(v) for v in o]
+    return o
 
 
 def _print_json(obj: Any) -> None:
-    print(json.dumps(obj, indent=2, sort_keys=True, default=_json_default))
+    print(json.dumps(_strict(obj), indent=2, sort_keys=True, allow_nan=False))
 
 
 def _progress(total: int, desc: str, enabled: Optional[bool]) -> Any:
@@ -584,7 +589,6 @@ def flatten(tree: Any, prefix: str = "") -> Dict[str, Any]:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    import fsspec
     import torch
 
     out = args.out
