@@ -49,10 +49,13 @@ __all__ = ["CheckpointGroup", "checkpoint_group", "dcp_failure", "save_planner_f
 class CheckpointGroup:
     """A gloo process group used only for checkpoint coordination, and this rank's place in it."""
 
-    def __init__(self, group: Any) -> None:
+    def __init__(self, group: Any, control: Any = None) -> None:
         import torch.distributed as dist
 
         self.group = group
+        #: a second gloo group for the training thread's agreements (the writer thread owns
+        #: ``group`` while saves are pending; two threads must never share one group).
+        self.control = control
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
 
@@ -67,6 +70,14 @@ class CheckpointGroup:
         box = [obj if self.rank == 0 else None]
         dist.broadcast_object_list(box, group=self.group, group_src=0)
         return box[0]
+
+    def agree(self, flags: Sequence[bool]) -> List[bool]:
+        """Rank 0's ``flags`` on every rank (training thread, over ``control``)."""
+        import torch.distributed as dist
+
+        t = torch.tensor([bool(f) for f in flags], dtype=torch.uint8)
+        dist.broadcast(t, group=self.control, group_src=0)
+        return [bool(v) for v in t.tolist()]
 
     def all_gather(self, obj: Any) -> List[Any]:
         """Every rank's ``obj``, indexed by group rank."""
@@ -93,13 +104,16 @@ def checkpoint_group(process_group: Any = None) -> Optional[CheckpointGroup]:
     size = dist.get_world_size() if ranks is None else len(ranks)
     if size <= 1:
         return None
-    if ranks is None:
-        group = dist.new_group(backend="gloo")
-    else:  # a subgroup: only its members take part in creating ours
-        group = dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True)
+    def make() -> Any:
+        if ranks is None:
+            return dist.new_group(backend="gloo")
+        # a subgroup: only its members take part in creating ours
+        return dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True)
+
+    group, control = make(), make()
     if group is None or group == dist.GroupMember.NON_GROUP_MEMBER:
         raise ValueError("CheckpointManager was created on a rank outside its process_group")
-    return CheckpointGroup(group)
+    return CheckpointGroup(group, control)
 
 
 # ---- errors across ranks -------------------------------------------------------------------
@@ -170,8 +184,8 @@ def save(mgr: "CheckpointManager", step: int, state_dict: Any, force: bool, metr
          wait: bool) -> bool:
     """Training thread of every rank: stage this rank's shards, queue the collective write.
 
-    Must be called on every rank with the same ``step`` (and ``force``): the save policy is
-    evaluated on each rank and must agree. A rank whose staging fails raises at once and still
+    Must be called on every rank with the same ``step``; rank 0's decision (policy, ``force``,
+    preemption) is taken by every rank. A rank whose staging fails raises at once and still
     queues its part of the protocol, so the other ranks raise too instead of waiting for it.
     """
     from .staging import make_plan
@@ -179,8 +193,18 @@ def save(mgr: "CheckpointManager", step: int, state_dict: Any, force: bool, metr
 
     w = mgr._writer
     w.raise_if_failed()
-    if not force and not mgr.save_policy.should_save(step):
+    decide = getattr(mgr, "_decide", None)
+    if decide is not None:
+        take, preempt = decide(step, force)
+    else:
+        take, preempt = bool(force or mgr.save_policy.should_save(step)), False
+    # Rank 0 decides for everyone: time-based policies, preemption signals and "nothing in
+    # flight" conditions can answer differently per rank, and a save on some ranks only would
+    # leave the others waiting in the protocol.
+    take, preempt = mgr._dist.agree([take, preempt])  # type: ignore[union-attr]
+    if not take:
         return False
+    taken = getattr(mgr, "_taken", None)
     t0 = time.perf_counter()
     w.wait_for_slot()
     t1 = time.perf_counter()
@@ -191,6 +215,8 @@ def save(mgr: "CheckpointManager", step: int, state_dict: Any, force: bool, metr
         # (bind exc now: Python unbinds the name at the end of the except block)
         w.submit(lambda e=exc: persist(mgr, step, None, metrics, None, t0, local_error=e), step=step)
         raise
+    if taken is not None:
+        taken(step, preempt)
     t2 = time.perf_counter()
     stats = SaveStats(step=step, nbytes=snap.nbytes, num_tensors=snap.num_tensors,
                       queue_wait_s=t1 - t0, stage_s=t2 - t1, blocking_s=t2 - t0)
@@ -321,6 +347,9 @@ def persist(mgr: "CheckpointManager", step: int, snap: Optional["HostSnapshot"],
         with mgr._lock:
             mgr._condemned.discard(step)
             mgr._condemned.update(drops)
+        note = getattr(mgr, "_note_committed", None)
+        if note is not None:
+            note(step)
     except _StagingAlreadyReported:
         return
     finally:

@@ -215,6 +215,17 @@ def scenario_save(root: str, ref_path: str) -> None:
     expect_error(lambda: mgr2.restore(5, sd2), StepNotFoundError, "step 5")
     mgr2.close()
 
+    # 6. a save policy that answers differently per rank: rank 0's decision holds everywhere.
+    class RankPolicy:
+        def should_save(self, step: int) -> bool:
+            return (rank == 0) == (step % 2 == 1)  # rank 0: odd steps; the others: even steps
+
+    with CheckpointManager(root + "_policy", save_policy=RankPolicy()) as mgr3:
+        small = {"x": torch.full((4,), float(rank))}
+        assert mgr3.save(7, small) is True
+        assert mgr3.save(8, small) is False
+        assert mgr3.all_steps() == [7]
+
 
 def scenario_restore(root: str, ref_path: str) -> None:
     """Restore the 4-rank checkpoint with this job's world size (DCP reshards), bitwise."""

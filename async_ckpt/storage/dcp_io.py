@@ -194,7 +194,9 @@ class FsspecStorageWriter(StorageWriter):
             return name, FileRecord(stream.size, stream.crc), results
 
         fut: Future = Future()
-        if len(buckets) == 1:
+        if not buckets:  # nothing to write on this rank (e.g. every item de-duplicated to another)
+            outs = []
+        elif len(buckets) == 1:
             outs = [write_file(0, buckets[0])]
         else:
             with ThreadPoolExecutor(min(self.threads, len(buckets)), thread_name_prefix="async-ckpt-io") as pool:
