@@ -143,6 +143,7 @@ class PendingCopies:
         self.finished = threading.Event()  # every copy has run
         self.sealed = threading.Event()  # every chunk has been version-checked
         self._pos = 0  # chunks before it are sealed
+        self._seal_lock = threading.Lock()
         self.waited_s = 0.0  # time the training thread spent waiting in the guard
         self.step: Optional[int] = None
         if not chunks:
@@ -160,14 +161,15 @@ class PendingCopies:
         self._advance()
 
     def _advance(self) -> None:
-        chunks, n = self.chunks, len(self.chunks)
-        while self._pos < n:
-            c = chunks[self._pos]
-            if not c.sealed:
-                if not (c.done.is_set() or c.fenced):
-                    return
-                c.seal()
-            self._pos += 1
+        with self._seal_lock:
+            chunks, n = self.chunks, len(self.chunks)
+            while self._pos < n:
+                c = chunks[self._pos]
+                if not c.sealed:
+                    if not (c.done.is_set() or c.fenced):
+                        return
+                    c.seal()
+                self._pos += 1
         self.sealed.set()
         _untrack(self)
 
