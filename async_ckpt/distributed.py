@@ -104,6 +104,7 @@ def checkpoint_group(process_group: Any = None) -> Optional[CheckpointGroup]:
     size = dist.get_world_size() if ranks is None else len(ranks)
     if size <= 1:
         return None
+
     def make() -> Any:
         if ranks is None:
             return dist.new_group(backend="gloo")
@@ -134,11 +135,10 @@ def dcp_failure(exc: BaseException) -> BaseException:
         return exc
     ours = [(r, e) for r, e in failures if isinstance(e, CheckpointError)]
     rank, err = (ours or failures)[0]
-    if not getattr(err, "_async_ckpt_rank_noted", False):
-        try:
-            err._async_ckpt_rank = rank  # type: ignore[attr-defined]
-        except Exception:
-            pass
+    try:
+        err._async_ckpt_rank = rank  # type: ignore[attr-defined]  # for the message: who failed
+    except Exception:
+        pass
     return err
 
 
