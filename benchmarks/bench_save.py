@@ -222,9 +222,9 @@ class Runner:
     """Runs one method: warm-up, then ``reps`` timed saves; returns the samples."""
 
     def __init__(self, reps: int, warmup: int, log: Callable[[str], None], budget_s: float = 0.0,
-                 min_reps: int = 3) -> None:
+                 min_reps: int = 3, deadline: Optional[float] = None) -> None:
         self.reps, self.warmup, self.log = reps, warmup, log
-        self.budget_s, self.min_reps = budget_s, min(min_reps, reps)
+        self.budget_s, self.min_reps, self.deadline = budget_s, min(min_reps, reps), deadline
 
     def run(self, name: str, label: str, fn: Callable[[int], Dict[str, float]],
             after: Optional[Callable[[int], None]] = None) -> Dict[str, Any]:
@@ -236,9 +236,10 @@ class Runner:
                 after(i)
             if i >= self.warmup:
                 samples.append(s)
-                # --method-budget: a very slow method stops after min_reps (its n is reported)
-                if (self.budget_s and len(samples) >= self.min_reps
-                        and time.perf_counter() - t_start > self.budget_s):
+                # --method-budget / --deadline: stop after min_reps (its n is reported)
+                if len(samples) >= self.min_reps and (
+                        (self.budget_s and time.perf_counter() - t_start > self.budget_s)
+                        or (self.deadline is not None and time.time() > self.deadline)):
                     break
         out: Dict[str, Any] = {"samples": samples, "n": len(samples)}
         for key in samples[0]:
@@ -302,14 +303,29 @@ def bench_raw(r: Runner, label: str, sd: Any, root: str) -> Dict[str, Any]:
         rmtree(d)
 
 
-def bench_async_ckpt(r: Runner, label: str, sd: Any, root: str, name: str = OURS) -> Dict[str, Any]:
+def bench_async_ckpt(r: Runner, label: str, sd: Any, root: str, name: str = OURS,
+                     paired_floor: bool = False) -> Dict[str, Any]:
+    """``paired_floor``: also time the floor copy right before each save (same moment, same
+    machine state), so that the ratio to the floor is immune to load that changes over minutes."""
     from async_ckpt import CheckpointManager
 
     d = os.path.join(root, "async_ckpt")
     mgr = CheckpointManager(d, max_to_keep=0)
+    src = tensors_of(sd) if paired_floor else []
+    dst = [torch.empty_like(t) for t in src]
 
     def once(i: int) -> Dict[str, float]:
+        floor = None
+        if dst:
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                for a, b in zip(dst, src):
+                    a.copy_(b)
+            floor = time.perf_counter() - t0
         s = _timed_pair(lambda: mgr.save_async(i, sd), lambda _: mgr.join())
+        if floor is not None:
+            s["paired_floor_s"] = floor
+            s["paired_ratio"] = s["blocking_s"] / floor
         st = mgr.last_stats
         assert st is not None and st.step == i, "async_ckpt did not record the save"
         s.update(stage_s=st.stage_s, queue_wait_s=st.queue_wait_s,
@@ -323,7 +339,7 @@ def bench_async_ckpt(r: Runner, label: str, sd: Any, root: str, name: str = OURS
         return out
     finally:
         mgr.close()
-        del mgr
+        del mgr, dst
         rmtree(d)
 
 
@@ -484,7 +500,7 @@ def run(args: argparse.Namespace, report: Dict[str, Any], checkpoint: Callable[[
     log = (lambda s: None) if args.quiet else (lambda s: print(s, flush=True))
     sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
     root = tempfile.mkdtemp(prefix="bench_save_", dir=args.dir)
-    runner = Runner(args.reps, args.warmup, log, budget_s=args.method_budget)
+    runner = Runner(args.reps, args.warmup, log, budget_s=args.method_budget, deadline=_deadline(args.deadline))
     xla = None
     if not args.skip_xla:
         try:
@@ -514,6 +530,7 @@ def run(args: argparse.Namespace, report: Dict[str, Any], checkpoint: Callable[[
     log(f"bench_save: {report['machine']}\nwriting under {root}")
 
     deadline = _deadline(args.deadline)
+    rss_label = _rss_label(sizes) if args.rss_size == "auto" else parse_size(args.rss_size)[0]
     skipped: List[str] = report.setdefault("skipped", [])
 
     def record(res: Dict[str, Any], name: str, bench: Callable[[], Optional[Dict[str, Any]]]) -> None:
@@ -538,8 +555,8 @@ def run(args: argparse.Namespace, report: Dict[str, Any], checkpoint: Callable[[
             report["results"][label] = res
             record(res, FLOOR, lambda: bench_floor(runner, label, sd))
             record(res, RAW, lambda: bench_raw(runner, label, sd, root))
-            record(res, OURS, lambda: bench_async_ckpt(runner, label, sd, root))
-            if label == args.rss_size or (args.rss_size == "auto" and label == _rss_label(sizes)):
+            record(res, OURS, lambda: bench_async_ckpt(runner, label, sd, root, paired_floor=True))
+            if label == rss_label:
                 record(res, "RSS check", lambda: report.__setitem__(
                     "rss", dict(bench_rss(sd, root, args.rss_saves, log), size=label)))
             record(res, DCP, lambda: bench_dcp(runner, label, sd, root, cached=False))
@@ -615,6 +632,8 @@ def ratios(report: Dict[str, Any]) -> List[Dict[str, Any]]:
         info = report["sizes"][label]
         if not info["small_tensors"] and info["bytes"] >= 256 * MiB:
             add("CPU blocking / floor", label, _get(res, OURS), _get(res, FLOOR), 1.2)
+            add("CPU blocking / floor, paired (median of per-save ratios)", label,
+                _get(res, OURS, "paired_ratio"), 1.0, 1.2)
             add("CPU blocking / dcp.async_save (default)", label, _get(res, OURS), _get(res, DCP), 0.3)
         add("durable / raw write+fsync", label, _get(res, OURS, "durable_s"), _get(res, RAW, "durable_s"), 1.3)
         if X_OURS in res:
@@ -627,6 +646,12 @@ def ratios(report: Dict[str, Any]) -> List[Dict[str, Any]]:
             if ours is not None and floor is not None:
                 v = (ours - floor) / info["small_tensors"] * 1e6
                 out.append({"name": "per-tensor overhead (blocking - floor) / tensors", "size": label,
+                            "value": v, "target": 20.0, "unit": "us", "pass": v <= 20.0})
+            samples = res.get(OURS, {}).get("samples", [])
+            diffs = [x["blocking_s"] - x["paired_floor_s"] for x in samples if "paired_floor_s" in x]
+            if diffs:
+                v = statistics.median(diffs) / info["small_tensors"] * 1e6
+                out.append({"name": "per-tensor overhead, paired (median of per-save differences)", "size": label,
                             "value": v, "target": 20.0, "unit": "us", "pass": v <= 20.0})
     rss = report.get("rss")
     if rss:
@@ -656,14 +681,16 @@ def markdown(report: Dict[str, Any]) -> str:
             n = f" (n={r['n']})" if r and r.get("n", 0) < report["config"]["reps"] else ""
             cells += [_ms(r.get("blocking_s")) + n, _ms(r.get("durable_s")) + (n if r.get("durable_s") else "")]
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
-    bd = ["", "| async_ckpt breakdown (medians) | plan + slot wait | host copy (stage) | background write | commit | files |",
-          "| --- | --- | --- | --- | --- | --- |"]
+    bd = ["", "| async_ckpt breakdown (medians) | plan + slot wait | host copy (stage) | floor right before (paired) "
+          "| background write | commit | files |",
+          "| --- | --- | --- | --- | --- | --- | --- |"]
     for lb in labels:
         for m in (OURS, X_OURS):
             r = report["results"][lb].get(m)
             if r:
                 bd.append(f"| {lb} {'XLA' if m == X_OURS else 'CPU'} | {_ms(r.get('queue_wait_s'))} | "
-                          f"{_ms(r.get('stage_s'))} | {_ms(r.get('write_s'))} | {_ms(r.get('commit_s'))} | "
+                          f"{_ms(r.get('stage_s'))} | {_ms(r.get('paired_floor_s'))} | {_ms(r.get('write_s'))} | "
+                          f"{_ms(r.get('commit_s'))} | "
                           f"{int(r.get('files', 0))} |")
     rt = ["", "| target | size | measured | target | result |", "| --- | --- | --- | --- | --- |"]
     for x in report["ratios"]:
@@ -708,8 +735,10 @@ def chart(report: Dict[str, Any], path: str) -> None:
     dense = [lb for lb in report["results"] if not report["sizes"][lb]["small_tensors"]]
     small = [lb for lb in report["results"] if report["sizes"][lb]["small_tensors"]]
     ncols = 2 + bool(small)
-    fig, axes = plt.subplots(1, ncols, figsize=(6.2 * ncols, 5.2))
+    fig, axes = plt.subplots(1, ncols, figsize=(6.2 * ncols, 6.4))
     methods = CPU_METHODS + XLA_METHODS
+    cmap = plt.get_cmap("tab20")
+    color = {m: cmap(i * 2 % 20 + (i * 2 >= 20)) for i, m in enumerate(methods)}
     for ax, key, title in ((axes[0], "blocking_s", "blocking time (training stalled)"),
                            (axes[1], "durable_s", "time to durable (written + fsynced)")):
         for i, m in enumerate(methods):
@@ -719,20 +748,21 @@ def chart(report: Dict[str, Any], path: str) -> None:
                 continue
             xs, ys = zip(*sorted(pts))
             ax.plot(xs, ys, marker="o", linestyle="--" if m in XLA_METHODS else "-",
-                    linewidth=2.6 if m in (OURS, X_OURS) else 1.4, label=m, color=f"C{i % 10}")
+                    linewidth=2.6 if m in (OURS, X_OURS) else 1.4, label=m, color=color[m])
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xlabel("state dict size (MiB, fp32)")
         ax.set_ylabel("seconds (median)")
         ax.set_title(title)
         ax.grid(True, which="both", alpha=0.3)
-    axes[0].legend(fontsize=7, loc="upper left")
+    handles, names = axes[0].get_legend_handles_labels()
+    fig.legend(handles, names, loc="lower center", ncol=4, fontsize=8, frameon=False)
     if small:
         ax = axes[2]
         lb = small[0]
         names = [m for m in methods if report["results"][lb].get(m, {}).get("blocking_s") is not None]
         vals = [report["results"][lb][m]["blocking_s"] for m in names]
-        ax.barh(range(len(names)), vals, color=[f"C{methods.index(m) % 10}" for m in names])
+        ax.barh(range(len(names)), vals, color=[color[m] for m in names])
         ax.set_yticks(range(len(names)))
         ax.set_yticklabels(names, fontsize=7)
         ax.set_xscale("log")
@@ -742,7 +772,7 @@ def chart(report: Dict[str, Any], path: str) -> None:
     m = report["machine"]
     fig.suptitle(f"async_ckpt bench_save — {m.get('nproc')} cores ({m.get('cpu', '?')}), "
                  f"{m.get('mem_total_gib', '?')} GiB RAM, shared/noisy; {report['started']}", fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.12, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
@@ -780,6 +810,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if not [parse_size(s) for s in args.sizes.split(",") if s.strip()]:
             p.error("--sizes is empty")
         _deadline(args.deadline)
+        if args.rss_size != "auto":
+            parse_size(args.rss_size)
     except ValueError as exc:
         p.error(str(exc))
     if args.dir:
