@@ -112,7 +112,7 @@ def _walk(value: Any, path: str, plan: StagingPlan) -> Any:
     if isinstance(value, torch.Tensor):
         if value.is_sparse or value.layout != torch.strided:
             raise InvalidStateDictError(f"{path}: only strided (dense) tensors can be saved, got {value.layout}")
-        plan.tensors.append(value.detach())
+        plan.tensors.append(value.detach() if value.requires_grad else value)
         plan.keys.append(path)
         return _Slot(len(plan.tensors) - 1)
     if isinstance(value, Mapping):

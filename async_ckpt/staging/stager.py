@@ -57,24 +57,39 @@ class _Unit:
     span_start: int = -1  # byte offset in the storage for span units; -1 for simple units
 
 
+SMALL_TENSOR_BYTES = 64 * 1024  # tensors up to this size share one pooled slab
+_ALIGN = 64
+
+
 def _storage_units(idx_tensors: List[Tuple[int, torch.Tensor]]) -> List[_Unit]:
     """Group CPU/CUDA tensors by storage; a storage shared by several tensors is copied once."""
-    groups: Dict[Tuple[torch.device, int], List[Tuple[int, torch.Tensor]]] = {}
+    groups: Dict[Tuple[bool, int], List[Tuple[int, torch.Tensor]]] = {}
     units: List[_Unit] = []
     for i, t in idx_tensors:
-        if t.numel() == 0:
+        if t.nbytes == 0:
             units.append(_Unit(t, 0, [(i, t)]))
             continue
-        groups.setdefault((t.device, t.untyped_storage().data_ptr()), []).append((i, t))
+        key = (t.is_cuda, t.untyped_storage().data_ptr())
+        g = groups.get(key)
+        if g is None:
+            groups[key] = [(i, t)]
+        else:
+            g.append((i, t))
     for members in groups.values():
         first = members[0][1]
-        same_view = all(
-            t.storage_offset() == first.storage_offset() and t.size() == first.size()
-            and t.stride() == first.stride() and t.dtype == first.dtype
-            for _, t in members
-        )
+        if len(members) == 1:  # the common case: a tensor alone on its storage
+            if first.is_contiguous():
+                units.append(_Unit(first, first.nbytes, members))
+                continue
+            same_view = False
+        else:
+            same_view = all(
+                t.storage_offset() == first.storage_offset() and t.size() == first.size()
+                and t.stride() == first.stride() and t.dtype == first.dtype
+                for _, t in members
+            )
         if same_view and first.is_contiguous():
-            units.append(_Unit(first, first.numel() * first.element_size(), members))
+            units.append(_Unit(first, first.nbytes, members))
             continue
         lo = min(t.storage_offset() * t.element_size() for _, t in members)
         hi = max(
@@ -101,7 +116,15 @@ def _views_on(buf: torch.Tensor, unit: _Unit, host: List[Optional[torch.Tensor]]
     """Fill ``host`` with the member tensors of ``unit`` as views of ``buf``; return the copy target."""
     if unit.span_start < 0:
         i0, t0 = unit.members[0]
-        dst = buf.view(t0.dtype).view(t0.shape) if unit.nbytes else torch.empty(t0.shape, dtype=t0.dtype)
+        if not unit.nbytes:
+            dst = torch.empty(t0.shape, dtype=t0.dtype)
+        else:
+            cached = getattr(buf, "_async_ckpt_view", None)
+            if cached is not None and cached.dtype == t0.dtype and cached.shape == t0.shape:
+                dst = cached
+            else:
+                dst = buf.view(t0.dtype).view(t0.shape)
+                buf._async_ckpt_view = dst
         for i, _ in unit.members:
             host[i] = dst
         return dst
@@ -158,25 +181,48 @@ class Stager:
 
     def _stage_local(self, items, host, leases) -> None:
         units = _storage_units(items)
-        pinned = any(u.src.device.type == "cuda" for u in units) and torch.cuda.is_available()
-        lease = self.pool.acquire([u.nbytes for u in units], pinned=pinned)
+        pinned = torch.cuda.is_available() and any(u.src.is_cuda for u in units)
+        # Small tensors are coalesced into one slab: one pooled buffer instead of thousands.
+        big = [u for u in units if u.nbytes > SMALL_TENSOR_BYTES or u.span_start >= 0 or u.nbytes == 0]
+        small = [u for u in units if 0 < u.nbytes <= SMALL_TENSOR_BYTES and u.span_start < 0]
+        offsets = []
+        slab_bytes = 0
+        for u in small:
+            offsets.append(slab_bytes)
+            slab_bytes += (u.nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
+        sizes = [u.nbytes for u in big] + ([slab_bytes] if small else [])
+        lease = self.pool.acquire(sizes, pinned=pinned)
         leases.append(lease)
         cpu_d, cpu_s, cuda_d, cuda_s = [], [], [], []
-        for buf, unit in zip(lease.buffers, units):
+        for buf, unit in zip(lease.buffers, big):
             dst = _views_on(buf, unit, host)
             if unit.nbytes == 0:
                 continue
-            if unit.src.device.type == "cuda":
-                cuda_d.append(dst)
-                cuda_s.append(unit.src)
+            (cuda_d if unit.src.is_cuda else cpu_d).append(dst)
+            (cuda_s if unit.src.is_cuda else cpu_s).append(unit.src)
+        if small:
+            slab = lease.buffers[-1]
+            # Creating thousands of views costs more than copying the bytes: a slab remembers the
+            # views it handed out, and the next save with the same layout reuses them.
+            sig = tuple((u.members[0][1].dtype, u.members[0][1].shape) for u in small)
+            cached = getattr(slab, "_async_ckpt_views", None)
+            if cached is not None and cached[0] == sig:
+                views = cached[1]
             else:
-                cpu_d.append(dst)
-                cpu_s.append(unit.src)
-        if cuda_d:
-            if self._cuda is None:
-                self._cuda = CudaTransfer()
-            self._cuda.copy(cuda_d, cuda_s)
-        copy_cpu(cpu_d, cpu_s)
+                views = [slab[off: off + u.nbytes].view(dt).view(shape)
+                         for off, u, (dt, shape) in zip(offsets, small, sig)]
+                slab._async_ckpt_views = (sig, views)
+            for dst, unit in zip(views, small):
+                for i, _ in unit.members:
+                    host[i] = dst
+                (cuda_d if unit.src.is_cuda else cpu_d).append(dst)
+                (cuda_s if unit.src.is_cuda else cpu_s).append(unit.src)
+        with torch.no_grad():
+            if cuda_d:
+                if self._cuda is None:
+                    self._cuda = CudaTransfer()
+                self._cuda.copy(cuda_d, cuda_s)
+            copy_cpu(cpu_d, cpu_s)
 
     def _stage_xla(self, items, host, leases) -> None:
         xla_sync()
