@@ -9,6 +9,7 @@ restore the 4-rank checkpoint in this process, without any process group.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -61,21 +62,25 @@ def _torchrun(nproc: int, *args: str) -> subprocess.CompletedProcess:
 def jobs(tmp_path_factory):
     base = tmp_path_factory.mktemp("dist")
     root, ref = str(base / "ckpt"), str(base / "ref.pt")
-    spmd = subprocess.Popen([sys.executable, os.path.join(HERE, "spmd_worker.py"), str(base / "spmd")],
-                            env=_env(CPU_NUM_DEVICES="4"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+    spmd = None
+    if importlib.util.find_spec("torch_xla") is not None:
+        spmd = subprocess.Popen([sys.executable, os.path.join(HERE, "spmd_worker.py"), str(base / "spmd")],
+                                env=_env(CPU_NUM_DEVICES="4"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True)
+    spmd_out = None
     try:
         save = _torchrun(4, "save", root, ref)
         restore = _torchrun(2, "restore", root, ref) if save.returncode == 0 else None
-        spmd_out, _ = spmd.communicate(timeout=TIMEOUT)
+        if spmd is not None:
+            spmd_out, _ = spmd.communicate(timeout=TIMEOUT)
     finally:
-        if spmd.poll() is None:
+        if spmd is not None and spmd.poll() is None:
             spmd.kill()
             spmd.wait()
     for name, out in (("save", save.stdout), ("restore", restore.stdout if restore else ""), ("spmd", spmd_out)):
         (base / f"{name}.log").write_text(out or "")  # for a post-mortem
     return {"root": root, "ref": ref, "save": save, "restore": restore,
-            "spmd": (spmd.returncode, spmd_out)}
+            "spmd": None if spmd is None else (spmd.returncode, spmd_out)}
 
 
 def _ok(proc: subprocess.CompletedProcess, ranks: int) -> None:
@@ -119,6 +124,8 @@ def test_restore_in_one_process_without_process_group(jobs):
 
 
 def test_xla_spmd_local_shards_restore_into_another_mesh(jobs):
+    if jobs["spmd"] is None:
+        pytest.skip("torch_xla is not installed")
     rc, out = jobs["spmd"]
     assert rc == 0 and "SPMD OK" in out, out[-6000:]
 
