@@ -78,7 +78,8 @@ def timed(fn: Callable[[], Any]) -> float:
     return time.perf_counter() - t
 
 
-def bench_server(kind: str, opts: Dict[str, Any], sd: Dict[str, torch.Tensor], threads: int) -> List[Dict[str, Any]]:
+def bench_server(kind: str, opts: Dict[str, Any], sd: Dict[str, torch.Tensor], threads: int,
+                 file_mib: int = 0) -> List[Dict[str, Any]]:
     proto = "gs" if kind == "gcs" else "s3"
     fs = fsspec.filesystem(proto, **opts)
     bucket = f"bench-{uuid.uuid4().hex[:8]}"
@@ -107,13 +108,16 @@ def bench_server(kind: str, opts: Dict[str, Any], sd: Dict[str, torch.Tensor], t
 
     # async_ckpt's writer/reader
     st = Storage(f"{proto}://{bucket}/ours", opts)
+    if file_mib:
+        st.max_file_bytes = file_mib * MiB
     files: Dict[str, Any] = {}
 
     def ours_save() -> None:
         files.update(save_state_dict(st, st.join("0"), sd, threads=threads))
 
     row(f"async_ckpt ({threads} threads)", "upload", timed(ours_save))
-    target = {k: torch.empty_like(v) for k, v in sd.items()}
+    # Restore into initialised tensors, as into a freshly built model (not untouched pages).
+    target = {k: torch.zeros_like(v) for k, v in sd.items()}
     row(f"async_ckpt ({threads} threads, crc)", "restore",
         timed(lambda: load_state_dict(st, st.join("0"), target, files=files, threads=threads)))
     assert all(torch.equal(target[k], sd[k]) for k in sd), "restore is not bitwise equal"
@@ -125,7 +129,7 @@ def bench_server(kind: str, opts: Dict[str, Any], sd: Dict[str, torch.Tensor], t
         w = FsspecWriter(url, thread_count=tc, **opts)
         row(f"DCP FsspecWriter (thread_count={tc})", "upload", timed(lambda: dcp.save(sd, storage_writer=w, no_dist=True)))
         if tc == 1:
-            target = {k: torch.empty_like(v) for k, v in sd.items()}
+            target = {k: torch.zeros_like(v) for k, v in sd.items()}
             r = FsspecReader(url, **opts)
             row("dcp.load FsspecReader", "restore", timed(lambda: dcp.load(target, storage_reader=r, no_dist=True)))
         clear(f"dcp{tc}")
@@ -137,6 +141,7 @@ def main() -> None:
     ap.add_argument("--mib", type=int, default=512, help="state dict size in MiB")
     ap.add_argument("--servers", default="gcs,s3", help="comma-separated: gcs, s3")
     ap.add_argument("--threads", type=int, default=8, help="async_ckpt write/read threads (the manager's default)")
+    ap.add_argument("--file-mib", type=int, default=0, help="async_ckpt object size (default: Storage's)")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
     args = ap.parse_args()
     sd = make_state(args.mib)
@@ -144,7 +149,7 @@ def main() -> None:
     for kind in [s.strip() for s in args.servers.split(",") if s.strip()]:
         srv: Any = FakeGCSServer().start() if kind == "gcs" else MotoProcess()
         try:
-            rows += bench_server(kind, srv.storage_options(), sd, args.threads)
+            rows += bench_server(kind, srv.storage_options(), sd, args.threads, args.file_mib)
         finally:
             srv.stop()
 

@@ -26,7 +26,7 @@ from .storage_servers import Bucket, FakeGCSServer, MotoS3Server
 MiB = 2**20
 
 
-def big_state(seed: int, mib: int = 12) -> Dict[str, Any]:
+def big_state(seed: int, mib: int = 8) -> Dict[str, Any]:
     """Model + Adam state plus ``mib`` MiB of extra tensors (several data objects per step)."""
     model, opt = make_state(seed)
     g = torch.Generator().manual_seed(seed)

@@ -23,8 +23,9 @@ DEFAULT_BLOCK_SIZE = 64 * 2**20  # upload chunk for object stores; gcsfs's 5 MiB
 # retry is possible); a bigger one streams through ``open()`` in DEFAULT_BLOCK_SIZE chunks.
 PIPE_MAX_BYTES = 256 * 2**20
 # Object stores: the writer aims for data files of about this size, so one checkpoint becomes
-# many objects uploaded concurrently (each a single request) rather than a few long streams.
-OBJECT_FILE_BYTES = 32 * 2**20
+# many objects uploaded concurrently (each a single request) rather than a few long streams;
+# 8-16 MiB is the request size both GCS and S3 recommend for parallel transfers.
+OBJECT_FILE_BYTES = 16 * 2**20
 # Reads: files bigger than this are fetched as concurrent ranged reads of this size.
 READ_RANGE_BYTES = 32 * 2**20
 
