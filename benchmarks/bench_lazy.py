@@ -185,6 +185,7 @@ def main() -> None:
     ap.add_argument("--depth", type=int, default=5)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--rounds", type=int, default=2, help="runs per configuration, interleaved; the fastest counts")
     ap.add_argument("--xla-tensors", default="8,64,512")
     ap.add_argument("--xla-mib", default="32,256")
     ap.add_argument("--skip-xla", action="store_true")
@@ -208,11 +209,21 @@ def main() -> None:
                 return json.loads(line[7:])
         return {"config": name, "error": (p.stderr or p.stdout).strip().splitlines()[-1:] or ["failed"]}
 
-    results = [child(c) for c in args.configs.split(",")]
+    names = args.configs.split(",")
+    runs: Dict[str, List[Any]] = {c: [] for c in names}
+    for _ in range(args.rounds):  # interleaved, so a noisy minute hits every configuration alike
+        for c in names:
+            runs[c].append(child(c))
+    results = []
+    for c in names:
+        ok = [r for r in runs[c] if "loop_s" in r]
+        results.append(min(ok, key=lambda r: r["loop_s"]) if ok else runs[c][0])
+        if ok:
+            results[-1]["all_loop_s"] = [r["loop_s"] for r in ok]
     base = next((r["loop_s"] for r in results if r.get("config") == "none" and "loop_s" in r), None)
     print(f"\nCPU loop: MLP {args.depth}x{args.width}, Adam, batch {args.batch}, {args.steps} steps, "
           f"save every {args.every}; state {results[0].get('state_mib', 0):.0f} MiB; torch {torch.__version__}, "
-          f"{os.cpu_count()} CPUs")
+          f"{os.cpu_count()} CPUs; fastest of {args.rounds} interleaved runs")
     print(f"| method | loop s | overhead s | overhead % | per-save stall median s | max s | guard wait s |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for r in results:
@@ -242,7 +253,7 @@ def main() -> None:
     os.makedirs(os.path.join(ROOT, "benchmarks", "results"), exist_ok=True)
     path = os.path.join(ROOT, "benchmarks", "results", f"bench_lazy_{time.strftime('%Y%m%d-%H%M%S')}.json")
     with open(path, "w") as f:
-        json.dump({"args": vars(args), "cpu": results, "xla": xla, "host": platform.node(),
+        json.dump({"args": vars(args), "cpu": results, "cpu_runs": runs, "xla": xla, "host": platform.node(),
                    "torch": torch.__version__}, f, indent=1)
     print(f"\nwrote {path}")
 

@@ -84,7 +84,7 @@ class _Chunk:
     """One batched copy and the user tensors it reads."""
 
     __slots__ = ("dsts", "srcs", "members", "versions", "keys", "nbytes", "xla", "done", "fenced",
-                 "sealed", "event", "device", "lock", "error", "torn")
+                 "sealed", "event", "device", "lock", "error", "torn", "claimed")
 
     def __init__(self, xla: bool = False) -> None:
         self.dsts: List[torch.Tensor] = []
@@ -96,12 +96,34 @@ class _Chunk:
         self.xla = xla
         self.done = threading.Event()  # the bytes are in the host buffers
         self.fenced = False  # CUDA: the training stream waits for the copy (later work is ordered after it)
+        self.claimed = False  # CPU: a thread (copier or training) has taken this copy
         self.sealed = False  # the version check has run
         self.event: Any = None  # CUDA event recorded after the copy
         self.device: Any = None
         self.lock = threading.Lock()
         self.error: Optional[BaseException] = None
         self.torn: List[str] = []
+
+    def claim(self) -> bool:
+        """Take this CPU copy for the calling thread (False if another thread has it)."""
+        with self.lock:
+            if self.claimed:
+                return False
+            self.claimed = True
+            return True
+
+    def run(self) -> None:
+        """Do the copy (the caller claimed it, or it is a CUDA chunk) and mark it done."""
+        try:
+            if self.event is not None:
+                self.event.synchronize()
+            elif self.dsts:
+                with torch.no_grad():
+                    torch._foreach_copy_(self.dsts, self.srcs)
+        except BaseException as exc:  # noqa: BLE001 - reported by result()
+            self.error = exc
+        self.dsts, self.srcs = [], []  # copied: drop the references to the user's tensors
+        self.done.set()
 
     def seal(self) -> None:
         """Compare the recorded versions with the current ones (once).
@@ -183,6 +205,8 @@ class PendingCopies:
                     # CUDA: order the training stream after the copy; no host stall.
                     torch.cuda.current_stream(c.device).wait_event(c.event)
                     c.fenced = True
+                elif c.event is None and c.claim():
+                    c.run()  # not started yet: copy it here, beside the copier (work stealing)
                 else:
                     c.done.wait()
             c.seal()  # before the mutation the caller is about to make
@@ -256,16 +280,10 @@ class _Copier:
                 continue
             try:
                 for c in pc.chunks:
-                    try:
-                        if c.event is not None:
-                            c.event.synchronize()
-                        elif c.dsts:
-                            with torch.no_grad():
-                                torch._foreach_copy_(c.dsts, c.srcs)
-                    except BaseException as exc:  # noqa: BLE001 - reported by result()
-                        c.error = exc
-                    c.dsts, c.srcs = [], []  # copied: drop the references to the user's tensors
-                    c.done.set()
+                    if c.event is not None or c.claim():  # else the training thread took it
+                        c.run()
+                for c in pc.chunks:
+                    c.done.wait()  # stolen copies finish on the training thread
             finally:
                 pc.finished.set()
 
