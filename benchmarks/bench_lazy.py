@@ -92,7 +92,8 @@ def run_cpu(config: str, steps: int, every: int, width: int, depth: int, batch: 
         dist.init_process_group("gloo", rank=0, world_size=1)
         from torch_xla.experimental.distributed_checkpoint import CheckpointManager as XlaCM
 
-        xla_mgr = XlaCM(root, every, max_to_keep=2, process_group=dist.new_group(backend="gloo"))
+        xla_mgr = XlaCM(root, every, max_to_keep=2, process_group=dist.new_group(backend="gloo"),
+                        chkpt_on_preemption=False)  # its default needs IP discovery (TPU only)
 
     for i in range(3):  # warm-up (and a first save, so buffers/pools/threads exist)
         train_step(i)
