@@ -426,12 +426,11 @@ class FsspecStorageReader(StorageReader):
             blob = memoryview(blobs.pop(name))
             for req in sorted(reqs, key=lambda r: self.storage_data[r.storage_index].offset):
                 info = self.storage_data[req.storage_index]
-                chunk = io.BytesIO(blob[info.offset: info.offset + info.length])
                 if req.type == LoadItemType.BYTE_IO:
                     if id(req) in decoded:
                         planner.set_bytes(req, decoded[id(req)])
                     else:
-                        planner.load_bytes(req, chunk)
+                        planner.load_bytes(req, io.BytesIO(blob[info.offset: info.offset + info.length]))
                     continue
                 target = planner.resolve_tensor(req).detach()
                 raw = _stored_bytes(blob[info.offset: info.offset + info.length], req, target)
@@ -439,6 +438,7 @@ class FsspecStorageReader(StorageReader):
                     target.copy_(raw)
                     planner.commit_tensor(req, target)
                     continue
+                chunk = io.BytesIO(blob[info.offset: info.offset + info.length])  # (a copy)
                 tensor = torch.load(chunk, map_location="cpu", weights_only=True)
                 tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
                 if target.size() != tensor.size():
