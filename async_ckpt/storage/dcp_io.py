@@ -422,6 +422,10 @@ class FsspecStorageReader(StorageReader):
                         decoded[id(req)] = planner.decode_bytes(
                             req, io.BytesIO(memoryview(blobs[name])[info.offset: info.offset + info.length]))
         # Everything is read and verified: only now touch the caller's state dict.
+        copies: List[Tuple[Any, torch.Tensor, torch.Tensor]] = []
+        # DCP's default planner writes into the caller's own tensors and does nothing on commit,
+        # so its copies may run together; other planners (torch_xla's) get resolve, copy, commit.
+        batch = type(planner) in (_SafeLoadPlanner, DefaultLoadPlanner)
         for name, reqs in per_file.items():
             blob = memoryview(blobs.pop(name))
             for req in sorted(reqs, key=lambda r: self.storage_data[r.storage_index].offset):
@@ -435,8 +439,11 @@ class FsspecStorageReader(StorageReader):
                 target = planner.resolve_tensor(req).detach()
                 raw = _stored_bytes(blob[info.offset: info.offset + info.length], req, target)
                 if raw is not None:  # one copy, straight from the read buffer into the target
-                    target.copy_(raw)
-                    planner.commit_tensor(req, target)
+                    if batch:
+                        copies.append((req, target, raw))
+                    else:
+                        target.copy_(raw)
+                        planner.commit_tensor(req, target)
                     continue
                 chunk = io.BytesIO(blob[info.offset: info.offset + info.length])  # (a copy)
                 tensor = torch.load(chunk, map_location="cpu", weights_only=True)
@@ -445,6 +452,11 @@ class FsspecStorageReader(StorageReader):
                     raise CorruptCheckpointError(
                         f"{req.storage_index.fqn}: stored shape {tuple(tensor.size())} != expected {tuple(target.size())}")
                 target.copy_(tensor)
+                planner.commit_tensor(req, target)
+        if copies:  # large copies, spread over threads (torch releases the GIL while copying)
+            with ThreadPoolExecutor(min(4, len(copies)), thread_name_prefix="async-ckpt-copy") as pool:
+                list(pool.map(lambda c: c[1].copy_(c[2]), copies))
+            for req, target, _ in copies:
                 planner.commit_tensor(req, target)
         fut: Future = Future()
         fut.set_result(None)
