@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import errno
 import fnmatch
+import re
 import threading
 from dataclasses import dataclass
 from typing import Any, List, Optional, Tuple
@@ -100,7 +101,9 @@ class FaultyFileSystem(AbstractFileSystem):
 
     def _take(self, op: str, path: str, *, kinds: Tuple[str, ...] = KINDS, nbytes: Optional[int] = None) -> Optional[Fault]:
         """The first matching fault that is still armed (and consume one use of it)."""
-        name = path.rstrip("/").rsplit("/", 1)[-1]
+        # A file written under a temporary name and renamed into place (the commit marker) is
+        # matched by its final name: a fault on "COMMITTED" hits the write of its temporary.
+        name = re.sub(r"\.tmp-\d+-[0-9a-f]+$", "", path.rstrip("/").rsplit("/", 1)[-1])
         with self._lock:
             for f in self.faults:
                 if f.op != op or f.kind not in kinds or not fnmatch.fnmatch(name, f.pattern):
@@ -181,6 +184,11 @@ class FaultyFileSystem(AbstractFileSystem):
 
     def rm_file(self, path: str) -> None:
         self.rm(path)
+
+    def mv(self, path1: str, path2: str, recursive: bool = False, maxdepth: Any = None, **kwargs: Any) -> None:
+        """Rename through the wrapped filesystem (atomic on a local target), fault-injectable."""
+        self._maybe_fail("mv", path1)
+        self.target.mv(self._t(path1), self._t(path2), recursive=recursive, maxdepth=maxdepth, **kwargs)
 
     def exists(self, path: str, **kwargs: Any) -> bool:
         return self.target.exists(self._t(path))

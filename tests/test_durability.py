@@ -33,7 +33,7 @@ from async_ckpt import (
 )
 from async_ckpt.storage import Manifest, RetryPolicy
 from async_ckpt.storage.dcp_io import METADATA_NAME, save_state_dict
-from async_ckpt.storage.manifest import MANIFEST_NAME, MARKER_NAME, crc32c, marker_bytes
+from async_ckpt.storage.manifest import MANIFEST_NAME, MARKER_NAME, PENDING_NAME, crc32c, marker_bytes
 
 try:
     from tests.faulty_fs import FaultyFileSystem  # noqa: F401  (registers faulty://)
@@ -520,6 +520,9 @@ def test_startup_cleans_incomplete_steps_unless_kept(tmp_path):
         os.makedirs(os.path.join(root, name))
         open(os.path.join(root, name, "__0_0.distcp"), "wb").write(b"partial")
     open(os.path.join(root, ".tmp-3-0123456789ab", MANIFEST_NAME), "wb").write(b"{}")  # no marker: incomplete
+    open(os.path.join(root, "4", PENDING_NAME), "wb").write(b"")  # a marker-mode save that died midway
+    os.makedirs(os.path.join(root, "5"))  # not ours (e.g. torch_xla's manager): never touched
+    open(os.path.join(root, "5", ".metadata"), "wb").write(b"foreign")
     digest = tree_digest(root)
 
     kept = CheckpointManager(root, keep_incomplete=True)
@@ -530,7 +533,7 @@ def test_startup_cleans_incomplete_steps_unless_kept(tmp_path):
     mgr = CheckpointManager(root)
     assert mgr.all_steps() == [1, 2]  # never listed, even before the cleanup ran
     mgr.close()  # waits for the background cleanup
-    assert sorted(os.listdir(root)) == ["1", "2"]
+    assert sorted(os.listdir(root)) == ["1", "2", "5"]
     assert_bitwise(restored(CheckpointManager(root), 2)[1], state(2))
 
 
@@ -547,6 +550,7 @@ def test_startup_completes_an_interrupted_rename_commit(tmp_path, old_copy):
     if old_copy:  # re-save of step 3 interrupted after the old copy lost its marker
         os.makedirs(os.path.join(root, "3"))
         open(os.path.join(root, "3", "__0_0.distcp"), "wb").write(b"old")
+        open(os.path.join(root, "3", PENDING_NAME), "wb").write(b"")  # unmarking leaves the sentinel
     mgr = CheckpointManager(root)
     assert mgr.all_steps() == [1, 3]
     got, t = restored(mgr, None)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import os
+import uuid
 from contextlib import contextmanager
 from typing import Any, Dict, Iterator, List, Optional
 
@@ -144,6 +145,19 @@ class Storage:
                 self.fs.pipe_file(path, data)
 
         self.retry.call(_do, f"write {path}")
+
+    def write_bytes_atomic(self, path: str, data: bytes) -> None:
+        """Write a small file that is either wholly there or not at all, even if the process
+        dies mid-write: one PUT on object stores; elsewhere a temporary name, then a rename."""
+        if self.is_object_store:
+            self.write_bytes(path, data)
+            return
+        tmp = f"{path}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.write_bytes(tmp, data)
+        if self.is_local:
+            os.replace(tmp, path)
+        else:
+            self.retry.call(lambda: self.fs.mv(tmp, path), f"rename {tmp}")
 
     def fsync_dir(self, path: str) -> None:
         if self.is_local:

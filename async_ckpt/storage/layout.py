@@ -21,7 +21,7 @@ from typing import Iterable, List, Optional, Set
 
 from ..errors import CorruptCheckpointError, StepNotFoundError
 from .fs import Storage
-from .manifest import MANIFEST_NAME, MARKER_NAME, Manifest, check_marker, marker_bytes
+from .manifest import MANIFEST_NAME, MARKER_NAME, PENDING_NAME, Manifest, check_marker, marker_bytes
 
 _STEP_RE = re.compile(r"^\d+$")
 _TMP_RE = re.compile(r"^\.tmp-(\d+)-[0-9a-f]+$")
@@ -77,6 +77,10 @@ class CheckpointLayout:
             if self.storage.exists(final):
                 self.delete(step)  # re-saving a step replaces it: unmark first, then clear
         self.storage.makedirs(path)
+        if self.mode != "rename":
+            # Before any data: marks the unmarked <step>/ as ours, so that cleanup may remove it
+            # if this save never commits (a foreign directory without it is never touched).
+            self.storage.write_bytes(f"{path}/{PENDING_NAME}", b"")
         return StepTarget(step, path, final)
 
     def commit(self, target: StepTarget, manifest: Manifest) -> None:
@@ -86,14 +90,19 @@ class CheckpointLayout:
         st.write_bytes(f"{target.path}/{MANIFEST_NAME}", mbytes)
         if self.mode != "rename":
             st.fsync_dir(target.path)  # marker mode on a POSIX path: entries durable before the marker
-        st.write_bytes(f"{target.path}/{MARKER_NAME}", marker_bytes(target.step, mbytes))
+        st.write_bytes_atomic(f"{target.path}/{MARKER_NAME}", marker_bytes(target.step, mbytes))
         st.fsync_dir(target.path)  # (no-op on object stores)
         if self.mode != "rename":
             st.fsync_dir(st.root)
+            try:
+                st.rm(f"{target.path}/{PENDING_NAME}", recursive=False)  # tidy; the marker decides
+            except Exception:
+                pass
             return
         trash = None
         if st.exists(target.final):
             trash = st.join(f".trash-{target.step}-{uuid.uuid4().hex[:12]}")
+            st.write_bytes(f"{target.final}/{PENDING_NAME}", b"")  # unmarked, but recognisably ours
             st.rm(f"{target.final}/{MARKER_NAME}", recursive=False)
             st.rename(target.final, trash)
         st.rename(target.path, target.final)
@@ -125,6 +134,8 @@ class CheckpointLayout:
                              where=tmp, step=step)
                 final = self.step_dir(step)
                 if st.exists(final):
+                    if not self.is_ours_incomplete(final):
+                        continue  # a foreign directory holds the name: leave both alone
                     st.rename(final, st.join(f".trash-{step}-{uuid.uuid4().hex[:12]}"))
                 st.rename(tmp, final)
                 st.fsync_dir(st.root)
@@ -143,9 +154,31 @@ class CheckpointLayout:
             pass
 
     def delete(self, step: int) -> None:
-        """Remove a step: its marker first, so a half-deleted step never looks committed."""
+        """Remove a step: its marker first, so a half-deleted step never looks committed.
+
+        The pending sentinel goes in before the marker goes out, so a deletion cut short leaves
+        a directory that the startup cleanup recognises as ours and removes.
+        """
+        try:
+            self.storage.write_bytes(f"{self.step_dir(step)}/{PENDING_NAME}", b"")
+        except FileNotFoundError:
+            return  # already gone
         self.storage.rm(self.marker_path(step), recursive=False)
         self.storage.rm(self.step_dir(step))
+
+    def is_ours_incomplete(self, path: str) -> bool:
+        """An unmarked step directory that async_ckpt wrote (sentinel or manifest), or an empty one.
+
+        A step-numbered directory with neither marker nor sentinel (e.g. a checkpoint written by
+        torch_xla's manager or plain ``dcp.save``) is not ours: it is never listed, restored or
+        removed.
+        """
+        if self.storage.exists(f"{path}/{PENDING_NAME}") or self.storage.exists(f"{path}/{MANIFEST_NAME}"):
+            return True
+        try:
+            return not self.storage.listdir(path)
+        except OSError:
+            return False
 
     # ---- reading -----------------------------------------------------------------------------
     def committed_steps(self) -> List[int]:
@@ -206,6 +239,7 @@ class CheckpointLayout:
                 continue
             if _TMP_RE.match(name) or _TRASH_RE.match(name):
                 out.append(path)
-            elif _STEP_RE.match(name) and not self.storage.exists(f"{path}/{MARKER_NAME}"):
+            elif (_STEP_RE.match(name) and not self.storage.exists(f"{path}/{MARKER_NAME}")
+                  and self.is_ours_incomplete(path)):
                 out.append(path)
         return out

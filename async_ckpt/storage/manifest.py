@@ -14,6 +14,7 @@ from ..errors import CorruptCheckpointError
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 MARKER_NAME = "COMMITTED"
+PENDING_NAME = ".async_ckpt_pending"  # in an unmarked <step>/ that async_ckpt is writing or deleting
 
 
 def crc32c(data: Any, value: int = 0) -> int:
