@@ -97,6 +97,8 @@ class CheckpointManager:
         max_to_keep: keep the N most recently committed steps; 0 or None keeps all
             (ignored if ``retention``).
         max_pending_async: saves that may be in flight at once; the next one waits for a slot.
+        num_of_threads: torch_xla's name for ``write_threads`` (kept so that positional
+            arguments match torch_xla's ``CheckpointManager``).
         process_group: process group for multi-process saves (default: the default group).
         chkpt_on_preemption: detect preemption (off by default: no signal handler is installed
             unless asked). After a preemption signal, the next ``save``/``save_async`` takes a
@@ -131,6 +133,7 @@ class CheckpointManager:
         save_interval: int = 1,
         max_to_keep: Optional[int] = 0,
         max_pending_async: int = 1,
+        num_of_threads: Optional[int] = None,
         process_group: Any = None,
         chkpt_on_preemption: bool = False,
         *,
@@ -149,6 +152,10 @@ class CheckpointManager:
         preemption_sync: str = "auto",
         lazy: bool = False,
     ) -> None:
+        if num_of_threads is not None:  # torch_xla's name for the writer's thread count
+            if not isinstance(num_of_threads, int) or isinstance(num_of_threads, bool) or num_of_threads < 1:
+                raise ValueError(f"num_of_threads must be an int >= 1, got {num_of_threads!r}")
+            write_threads = num_of_threads
         if max_to_keep is not None and (not isinstance(max_to_keep, int) or max_to_keep < 0):
             raise ValueError(f"max_to_keep must be an int >= 0 or None, got {max_to_keep!r}")
         self.save_policy: SavePolicy = as_save_policy(save_policy) if save_policy is not None else EveryNSteps(save_interval)
@@ -711,7 +718,6 @@ def _prepare_target(state_dict: Dict[str, Any], metadata: Any, step: int, int_ke
     Returns the paths added, so that a failed restore can take them out again.
     """
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-    from torch.distributed.checkpoint._traverse import set_element
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     flat, _ = flatten_state_dict(state_dict)
@@ -740,13 +746,33 @@ def _prepare_target(state_dict: Dict[str, Any], metadata: Any, step: int, int_ke
     for k, m in md.items():
         if k in flat or k not in mappings:
             continue
-        path = _typed_path(mappings[k], int_keys)
-        if isinstance(m, TensorStorageMetadata):
-            set_element(state_dict, path, torch.empty(tuple(m.size), dtype=m.properties.dtype))
-        else:
-            set_element(state_dict, path, None)
-        added.append(path)
+        value = torch.empty(tuple(m.size), dtype=m.properties.dtype) if isinstance(m, TensorStorageMetadata) else None
+        added.extend(_insert(state_dict, mappings[k], _typed_path(mappings[k], int_keys), value))
     return added
+
+
+def _insert(root: Dict[str, Any], raw: Sequence[Any], typed: Sequence[Any], value: Any) -> List[tuple]:
+    """Set ``root[typed[0]][typed[1]]... = value``, creating missing containers: a list where
+    DCP's path has a list index next (an int in ``raw``), a dict otherwise (also for dict keys
+    that were ints, which ``typed`` restores). Returns the paths it created, outermost first."""
+    created: List[tuple] = []
+    cur: Any = root
+    for i, key in enumerate(typed):
+        last = i == len(typed) - 1
+        fresh = value if last else ([] if isinstance(raw[i + 1], int) else {})
+        if isinstance(cur, list):
+            while len(cur) <= key:
+                cur.append(None)
+            if last or cur[key] is None:
+                if cur[key] is None:
+                    created.append(tuple(typed[: i + 1]))
+                cur[key] = fresh
+        elif last or key not in cur:
+            if key not in cur:
+                created.append(tuple(typed[: i + 1]))
+            cur[key] = fresh
+        cur = cur[key]
+    return created
 
 
 def _typed_path(path: Sequence[Any], int_keys: Set[str]) -> tuple:
@@ -760,7 +786,8 @@ def _typed_path(path: Sequence[Any], int_keys: Set[str]) -> tuple:
 
 
 def _remove_added(state_dict: Dict[str, Any], added: List[tuple]) -> None:
-    for path in reversed(added):
+    """Undo :func:`_insert`: innermost first, so the containers it created go too."""
+    for path in sorted(set(added), key=len, reverse=True):
         cur: Any = state_dict
         try:
             for p in path[:-1]:

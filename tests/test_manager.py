@@ -273,3 +273,56 @@ def test_max_pending_async_bounds_in_flight_saves(ckpt_dir, monkeypatch):
     assert not third.is_alive()
     mgr.close()
     assert CheckpointManager(ckpt_dir).all_steps() == [0, 1, 2]
+
+
+def test_foreign_dcp_checkpoints_in_the_root_are_never_removed(ckpt_dir):
+    """A root holding checkpoints of torch_xla's manager / plain dcp.save (numbered directories
+    without our marker) is not ours to clean: they are not listed, and never deleted."""
+    sd = {"w": torch.arange(6.0)}
+    dcp.save(sd, checkpoint_id=os.path.join(ckpt_dir, "100"), no_dist=True)
+    before = sorted(os.listdir(os.path.join(ckpt_dir, "100")))
+    with CheckpointManager(ckpt_dir) as mgr:
+        assert mgr.all_steps() == []
+        mgr.save(200, {"w": torch.ones(6)})
+    with CheckpointManager(ckpt_dir, commit_mode="marker") as mgr:
+        mgr.save(300, {"w": torch.ones(6)})
+    assert sorted(os.listdir(os.path.join(ckpt_dir, "100"))) == before
+    assert CheckpointManager(ckpt_dir).all_steps() == [200, 300]
+    target = {"w": torch.zeros(6)}
+    dcp.load(target, checkpoint_id=os.path.join(ckpt_dir, "100"), no_dist=True)
+    assert torch.equal(target["w"], sd["w"])
+
+
+def test_restore_into_an_empty_target_rebuilds_int_keyed_dicts(ckpt_dir):
+    model, opt = make_state(0)
+    saved = {"optim": opt.state_dict(), "lst": [torch.ones(2), {"a": torch.zeros(1)}]}
+    with CheckpointManager(ckpt_dir) as mgr:
+        mgr.save(0, saved)
+    target = {}
+    CheckpointManager(ckpt_dir).restore(0, target)
+    assert isinstance(target["optim"]["state"], dict) and sorted(target["optim"]["state"]) == [0, 1, 2, 3]
+    assert isinstance(target["lst"], list)
+    assert_bitwise_equal(saved, target)
+
+
+def test_failed_restore_takes_out_what_it_added(ckpt_dir):
+    model, opt = make_state(0)
+    with CheckpointManager(ckpt_dir) as mgr:
+        mgr.save(0, {"optim": opt.state_dict()})
+    # damage a data file so the load fails after the target was prepared
+    step_dir = os.path.join(ckpt_dir, "0")
+    data = [f for f in os.listdir(step_dir) if f.endswith(".distcp")][0]
+    with open(os.path.join(step_dir, data), "r+b") as f:
+        f.seek(-1, 2)
+        b = f.read(1)
+        f.seek(-1, 2)
+        f.write(bytes([b[0] ^ 0xFF]))
+    m2, _ = make_state(3)
+    opt2 = torch.optim.Adam(m2.parameters())
+    target = {"optim": opt2.state_dict()}
+    before = clone_tree(target)
+    from async_ckpt import CorruptCheckpointError
+
+    with pytest.raises(CorruptCheckpointError):
+        CheckpointManager(ckpt_dir).restore(0, target)
+    assert_bitwise_equal(before, target)
