@@ -511,10 +511,7 @@ def stage_lazy(stager: Any, state_dict: Any, plan: Any = None) -> Any:
     """
     from .backends import xla_host_views, xla_sync
     from .plan import make_plan
-    from . import stager as _stager
-    from .stager import HostSnapshot, _storage_units, _views_on
-
-    SMALL_TENSOR_BYTES, _ALIGN = _slab_params(_stager)
+    from .stager import HostSnapshot
 
     t0 = time.perf_counter()
     plan = plan if plan is not None else make_plan(state_dict)
@@ -533,8 +530,7 @@ def stage_lazy(stager: Any, state_dict: Any, plan: Any = None) -> Any:
             kinds = ", ".join(sorted(by_type))
             raise NotImplementedError(f"staging tensors on device type(s) {kinds} is not supported")
         if local:
-            _lazy_local(stager, local, host, leases, pairs, names, False,
-                        SMALL_TENSOR_BYTES, _ALIGN, _storage_units, _views_on)
+            _lazy_local(stager, local, host, leases, pairs, names, False)
     except BaseException:
         for lease in leases:
             lease.release()
@@ -553,11 +549,6 @@ def stage_lazy(stager: Any, state_dict: Any, plan: Any = None) -> Any:
     return snap
 
 
-def _slab_params(stager_mod: Any) -> Tuple[int, int]:
-    """The eager stager's slab layout (small tensors share one buffer); none if it has no slab."""
-    return getattr(stager_mod, "SMALL_TENSOR_BYTES", 0), getattr(stager_mod, "_ALIGN", 64)
-
-
 def _cuda_stream_fn(stager: Any) -> Any:
     def stream(dev: torch.device) -> Any:
         if stager._cuda is None:
@@ -569,53 +560,18 @@ def _cuda_stream_fn(stager: Any) -> Any:
     return stream
 
 
-def _lazy_local(stager, items, host, leases, pairs, names, xla, small_bytes, align, storage_units, views_on) -> None:
-    """The buffer layout of ``Stager._stage_local`` (pooled buffers, one slab for small
-    tensors), but the (dst, src) pairs are returned instead of copied."""
-    units = storage_units(items)
-    pinned = torch.cuda.is_available() and any(u.src.is_cuda for u in units)
-    big = [u for u in units if u.nbytes > small_bytes or u.span_start >= 0 or u.nbytes == 0]
-    small = [u for u in units if 0 < u.nbytes <= small_bytes and u.span_start < 0]
-    offsets = []
-    slab_bytes = 0
-    for u in small:
-        offsets.append(slab_bytes)
-        slab_bytes += (u.nbytes + align - 1) // align * align
-    sizes = [u.nbytes for u in big] + ([slab_bytes] if small else [])
-    lease = stager.pool.acquire(sizes, pinned=pinned)
-    leases.append(lease)
+def _lazy_local(stager, items, host, leases, pairs, names, xla) -> None:
+    """The eager stager's buffer layout (:func:`~.stager.lay_out`), but the (dst, src) pairs
+    are returned instead of copied; big tensors in the order the guard needed them last time."""
+    from .stager import lay_out
 
-    def members(unit: Any) -> List[Tuple[str, torch.Tensor]]:
-        return [(names[i] if not xla else str(i), t) for i, t in unit.members]
-
-    if small:
-        slab = lease.buffers[-1]
-        sig = tuple((u.members[0][1].dtype, u.members[0][1].shape) for u in small)
-        cached = getattr(slab, "_async_ckpt_views", None)
-        if cached is not None and cached[0] == sig:
-            views = cached[1]
-        else:
-            views = [slab[off: off + u.nbytes].view(dt).view(shape)
-                     for off, u, (dt, shape) in zip(offsets, small, sig)]
-            slab._async_ckpt_views = (sig, views)
-        for dst, unit in zip(views, small):
-            for i, _ in unit.members:
-                host[i] = dst
-            pairs.append((dst, unit.src, members(unit), xla))
-    bufs = dict(zip(map(id, big), lease.buffers))
-    for unit in order_units(big):
-        dst = views_on(bufs[id(unit)], unit, host)
-        if unit.nbytes:
-            pairs.append((dst, unit.src, members(unit), xla))
+    for dst, unit in lay_out(stager.pool, items, host, leases, order=order_units):
+        pairs.append((dst, unit.src, [(names[i] if not xla else str(i), t) for i, t in unit.members], xla))
 
 
 def _lazy_xla(stager, items, host, leases, pairs, names, xla_sync, xla_host_views) -> None:
     """PJRT CPU: zero-copy views of the (immutable) device buffers taken now, O(#tensors);
     their bytes are copied in the background. Anything else is staged eagerly."""
-    from . import stager as _stager
-    from .stager import _storage_units, _views_on
-
-    SMALL_TENSOR_BYTES, _ALIGN = _slab_params(_stager)
     xla_sync()
     try:
         from ..distributed import is_xla_sharded
@@ -635,7 +591,6 @@ def _lazy_xla(stager, items, host, leases, pairs, names, xla_sync, xla_host_view
         stager._stage_xla(items, host, leases)
         return
     tmp: List[Optional[torch.Tensor]] = [None] * len(views)
-    _lazy_local(stager, list(enumerate(views)), tmp, leases, pairs, names, True,
-                SMALL_TENSOR_BYTES, _ALIGN, _storage_units, _views_on)
+    _lazy_local(stager, list(enumerate(views)), tmp, leases, pairs, names, True)
     for i, t in items:
         host[i] = tmp[uniq[id(t)]]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -135,6 +135,49 @@ def _views_on(buf: torch.Tensor, unit: _Unit, host: List[Optional[torch.Tensor]]
     return buf
 
 
+def lay_out(pool: HostBufferPool, items: List[Tuple[int, torch.Tensor]], host: List[Optional[torch.Tensor]],
+            leases: List[Lease], order: Optional[Callable[[List[_Unit]], List[_Unit]]] = None
+            ) -> List[Tuple[torch.Tensor, _Unit]]:
+    """Pooled host buffers for CPU/CUDA ``items``: fills ``host`` with the host tensors and
+    returns the (destination, unit) copies still to make — small units (one shared slab) first,
+    then the big ones (in ``order(big)`` when given). Shared by the eager and lazy stagers."""
+    units = _storage_units(items)
+    pinned = torch.cuda.is_available() and any(u.src.is_cuda for u in units)
+    # Small tensors are coalesced into one slab: one pooled buffer instead of thousands.
+    big = [u for u in units if u.nbytes > SMALL_TENSOR_BYTES or u.span_start >= 0 or u.nbytes == 0]
+    small = [u for u in units if 0 < u.nbytes <= SMALL_TENSOR_BYTES and u.span_start < 0]
+    offsets = []
+    slab_bytes = 0
+    for u in small:
+        offsets.append(slab_bytes)
+        slab_bytes += (u.nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
+    lease = pool.acquire([u.nbytes for u in big] + ([slab_bytes] if small else []), pinned=pinned)
+    leases.append(lease)
+    copies: List[Tuple[torch.Tensor, _Unit]] = []
+    if small:
+        slab = lease.buffers[-1]
+        # Creating thousands of views costs more than copying the bytes: a slab remembers the
+        # views it handed out, and the next save with the same layout reuses them.
+        sig = tuple((u.members[0][1].dtype, u.members[0][1].shape) for u in small)
+        cached = getattr(slab, "_async_ckpt_views", None)
+        if cached is not None and cached[0] == sig:
+            views = cached[1]
+        else:
+            views = [slab[off: off + u.nbytes].view(dt).view(shape)
+                     for off, u, (dt, shape) in zip(offsets, small, sig)]
+            slab._async_ckpt_views = (sig, views)
+        for dst, unit in zip(views, small):
+            for i, _ in unit.members:
+                host[i] = dst
+            copies.append((dst, unit))
+    bufs = {id(u): b for u, b in zip(big, lease.buffers)}
+    for unit in (order(big) if order is not None else big):
+        dst = _views_on(bufs[id(unit)], unit, host)
+        if unit.nbytes:
+            copies.append((dst, unit))
+    return copies
+
+
 class Stager:
     """Makes :class:`HostSnapshot` objects from state dicts using one :class:`HostBufferPool`."""
 
@@ -180,43 +223,10 @@ class Stager:
         )
 
     def _stage_local(self, items, host, leases) -> None:
-        units = _storage_units(items)
-        pinned = torch.cuda.is_available() and any(u.src.is_cuda for u in units)
-        # Small tensors are coalesced into one slab: one pooled buffer instead of thousands.
-        big = [u for u in units if u.nbytes > SMALL_TENSOR_BYTES or u.span_start >= 0 or u.nbytes == 0]
-        small = [u for u in units if 0 < u.nbytes <= SMALL_TENSOR_BYTES and u.span_start < 0]
-        offsets = []
-        slab_bytes = 0
-        for u in small:
-            offsets.append(slab_bytes)
-            slab_bytes += (u.nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
-        sizes = [u.nbytes for u in big] + ([slab_bytes] if small else [])
-        lease = self.pool.acquire(sizes, pinned=pinned)
-        leases.append(lease)
         cpu_d, cpu_s, cuda_d, cuda_s = [], [], [], []
-        for buf, unit in zip(lease.buffers, big):
-            dst = _views_on(buf, unit, host)
-            if unit.nbytes == 0:
-                continue
+        for dst, unit in lay_out(self.pool, items, host, leases):
             (cuda_d if unit.src.is_cuda else cpu_d).append(dst)
             (cuda_s if unit.src.is_cuda else cpu_s).append(unit.src)
-        if small:
-            slab = lease.buffers[-1]
-            # Creating thousands of views costs more than copying the bytes: a slab remembers the
-            # views it handed out, and the next save with the same layout reuses them.
-            sig = tuple((u.members[0][1].dtype, u.members[0][1].shape) for u in small)
-            cached = getattr(slab, "_async_ckpt_views", None)
-            if cached is not None and cached[0] == sig:
-                views = cached[1]
-            else:
-                views = [slab[off: off + u.nbytes].view(dt).view(shape)
-                         for off, u, (dt, shape) in zip(offsets, small, sig)]
-                slab._async_ckpt_views = (sig, views)
-            for dst, unit in zip(views, small):
-                for i, _ in unit.members:
-                    host[i] = dst
-                (cuda_d if unit.src.is_cuda else cpu_d).append(dst)
-                (cuda_s if unit.src.is_cuda else cpu_s).append(unit.src)
         with torch.no_grad():
             if cuda_d:
                 if self._cuda is None:
