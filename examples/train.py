@@ -101,9 +101,9 @@ def main(argv=None) -> int:
                 torch_xla.sync()
             if mgr.should_save(step):
                 loss_value = float(loss.detach().cpu())
+                state = {"model": model.state_dict(), "optim": optim.state_dict()}
                 t0 = time.perf_counter()
-                mgr.save_async(step, {"model": model.state_dict(), "optim": optim.state_dict()},
-                               metrics={"loss": loss_value})
+                mgr.save_async(step, state, metrics={"loss": loss_value})
                 ms = (time.perf_counter() - t0) * 1e3
                 print(f"step {step:5d}  loss {loss_value:.4f}  save_async blocked {ms:7.2f} ms")
         mgr.close()
