@@ -516,9 +516,7 @@ def stage_lazy(stager: Any, state_dict: Any, plan: Any = None) -> Any:
     t0 = time.perf_counter()
     plan = plan if plan is not None else make_plan(state_dict)
     host: List[Optional[torch.Tensor]] = [None] * len(plan.tensors)
-    by_type: Dict[str, List[Tuple[int, torch.Tensor]]] = {}
-    for i, t in enumerate(plan.tensors):
-        by_type.setdefault(t.device.type, []).append((i, t))
+    by_type = plan.by_device_type()
     leases: List[Any] = []
     pairs: List[Tuple[torch.Tensor, torch.Tensor, List[Tuple[str, torch.Tensor]], bool]] = []
     names = plan.keys if len(plan.keys) == len(plan.tensors) else [str(i) for i in range(len(plan.tensors))]
@@ -578,14 +576,11 @@ def _lazy_xla(stager, items, host, leases, pairs, names, xla_sync, xla_host_view
     except Exception:  # pragma: no cover
         def is_xla_sharded(t: torch.Tensor) -> bool:
             return False
+    from .stager import _unique
+
     views = None
-    uniq: Dict[int, int] = {}
-    srcs: List[torch.Tensor] = []
+    srcs, uniq = _unique(items)
     if not any(is_xla_sharded(t) for _, t in items):
-        for _, t in items:
-            if id(t) not in uniq:
-                uniq[id(t)] = len(srcs)
-                srcs.append(t)
         views = xla_host_views(srcs)
     if views is None:  # TPU/GPU buffers, SPMD shards: no host view to hold; stage them now
         stager._stage_xla(items, host, leases)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pickle
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, List
+from typing import Any, Dict, List, Tuple
 
 import torch
 
@@ -72,6 +72,13 @@ class StagingPlan:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors)
+
+    def by_device_type(self) -> Dict[str, List[Tuple[int, torch.Tensor]]]:
+        """``(index, tensor)`` pairs grouped by device type (``"cpu"``, ``"cuda"``, ``"xla"``)."""
+        out: Dict[str, List[Tuple[int, torch.Tensor]]] = {}
+        for i, t in enumerate(self.tensors):
+            out.setdefault(t.device.type, []).append((i, t))
+        return out
 
     def build(self, host_tensors: List[torch.Tensor]) -> Any:
         """The template with every slot replaced by the matching host tensor."""

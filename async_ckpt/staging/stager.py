@@ -178,6 +178,17 @@ def lay_out(pool: HostBufferPool, items: List[Tuple[int, torch.Tensor]], host: L
     return copies
 
 
+def _unique(items: List[Tuple[int, torch.Tensor]]) -> Tuple[List[torch.Tensor], Dict[int, int]]:
+    """The distinct tensor objects of ``items`` and, by ``id``, each one's index among them."""
+    index: Dict[int, int] = {}
+    srcs: List[torch.Tensor] = []
+    for _, t in items:
+        if id(t) not in index:
+            index[id(t)] = len(srcs)
+            srcs.append(t)
+    return srcs, index
+
+
 class Stager:
     """Makes :class:`HostSnapshot` objects from state dicts using one :class:`HostBufferPool`."""
 
@@ -195,9 +206,7 @@ class Stager:
         t0 = time.perf_counter()
         plan = plan if plan is not None else make_plan(state_dict)
         host: List[Optional[torch.Tensor]] = [None] * len(plan.tensors)
-        by_type: Dict[str, List[Tuple[int, torch.Tensor]]] = {}
-        for i, t in enumerate(plan.tensors):
-            by_type.setdefault(t.device.type, []).append((i, t))
+        by_type = plan.by_device_type()
         leases: List[Lease] = []
         try:
             if "xla" in by_type:
@@ -241,25 +250,14 @@ class Stager:
         sharded = [(i, t) for i, t in items if is_xla_sharded(t)]
         if sharded:
             # SPMD: host copies of this process's shards (one replica each), not the global tensor.
-            ids: Dict[int, int] = {}
-            srcs_sh: List[torch.Tensor] = []
-            for _, t in sharded:
-                if id(t) not in ids:
-                    ids[id(t)] = len(srcs_sh)
-                    srcs_sh.append(t)
+            srcs_sh, ids = _unique(sharded)
             shards = stage_xla_shards(srcs_sh)
             for i, t in sharded:
                 host[i] = shards[ids[id(t)]]
             items = [(i, t) for i, t in items if host[i] is None]
             if not items:
                 return
-        # Deduplicate tensors that are the same object (tied parameters).
-        uniq: Dict[int, int] = {}
-        srcs: List[torch.Tensor] = []
-        for _, t in items:
-            if id(t) not in uniq:
-                uniq[id(t)] = len(srcs)
-                srcs.append(t)
+        srcs, uniq = _unique(items)  # tied parameters: the same tensor object, staged once
         views = xla_host_views(srcs)
         if views is not None:
             # Zero-copy view of the PJRT host buffer, then one batched copy into pooled buffers.
