@@ -482,12 +482,7 @@ def _restore_one(mgr: "CheckpointManager", cg: CheckpointGroup, step: int, state
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
             raise
         local = exc
-    outcomes = cg.all_gather(None if local is None else _describe(cg.rank, local))
-    try:
-        _raise_gathered(outcomes, step, "restore checks", local)
-    except BaseException:
-        _remove_added(state_dict, added)
-        raise
+    _agree_or_undo(cg, step, "restore checks", local, state_dict, added)
     assert manifest is not None
     try:
         reader = FsspecStorageReader(mgr.storage, path, files=manifest.files, verify=verify,
@@ -498,9 +493,16 @@ def _restore_one(mgr: "CheckpointManager", cg: CheckpointGroup, step: int, state
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
             raise
         local = exc
+    _agree_or_undo(cg, step, "restore", local, state_dict, added)
+
+
+def _agree_or_undo(cg: Any, step: int, what: str, local: Optional[BaseException],
+                   state_dict: Dict[str, Any], added: List[tuple]) -> None:
+    """Every rank learns every rank's outcome of ``what``; on any failure, all raise and take
+    out the entries this restore added to ``state_dict``."""
     outcomes = cg.all_gather(None if local is None else _describe(cg.rank, local))
     try:
-        _raise_gathered(outcomes, step, "restore", local)
+        _raise_gathered(outcomes, step, what, local)
     except BaseException:
         _remove_added(state_dict, added)
         raise
