@@ -20,22 +20,7 @@ import torch
 from async_ckpt import CheckpointManager
 from async_ckpt.distributed import checkpoint_group
 
-
-
-def assert_bitwise_equal(a, b, path="root"):
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, path
-        assert torch.equal(a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8)), path
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and set(a) == set(b), f"{path}: {sorted(map(str, a))} vs {sorted(map(str, b))}"
-        for k in a:
-            assert_bitwise_equal(a[k], b[k], f"{path}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_bitwise_equal(x, y, f"{path}.{i}")
-    else:
-        assert a == b, f"{path}: {a!r} != {b!r}"
+from .conftest import assert_bitwise_equal
 
 pytestmark = pytest.mark.slow
 
