@@ -1,0 +1,168 @@
+"""The DCP write path without DCP's per-item costs: template records and planner-free metadata.
+
+Both are only worth having if their output is exactly what torch.save / dcp.save produce, so
+every test here compares against the real thing.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from async_ckpt.storage import dcp_io, records
+from async_ckpt.storage.fs import Storage
+from async_ckpt.storage.records import RecordTemplates
+
+from .conftest import assert_bitwise_equal
+
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int8,
+          torch.uint8, torch.bool, torch.complex64, torch.float8_e4m3fn]
+SHAPES = [(), (1,), (7,), (3, 5), (2, 1, 4), (1024,)]
+
+
+def _torch_save(t: torch.Tensor) -> bytes:
+    buf = io.BytesIO()
+    torch.save(t, buf)
+    return buf.getvalue()
+
+
+def _random(shape, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    n = max(1, int(torch.Size(shape).numel())) * dtype.itemsize
+    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g).view(dtype).reshape(shape)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_record_is_torch_save_byte_for_byte(dtype):
+    tpl = RecordTemplates()
+    for shape in SHAPES:
+        for seed in range(3):  # several contents per template: the patched fields must follow the data
+            t = _random(shape, dtype, seed)
+            parts = tpl.parts(t)
+            assert parts is not None, (dtype, shape)
+            got = b"".join(bytes(p) for p in parts)
+            assert got == _torch_save(t), (dtype, shape, seed)
+            back = torch.load(io.BytesIO(got))
+            assert back.dtype == dtype and back.shape == t.shape
+            assert_bitwise_equal(back, t)
+
+
+def test_ineligible_tensors_are_left_to_torch_save():
+    tpl = RecordTemplates(max_bytes=4096)
+    base = torch.randn(8, 8)
+    assert tpl.parts(base) is not None
+    assert tpl.parts(base.t()) is None  # not contiguous
+    assert tpl.parts(torch.randn(8, 8, requires_grad=True)) is None  # torch.save records requires_grad
+    assert tpl.parts(torch.empty(0, 8)) is None
+    assert tpl.parts(torch.randn(2048)) is None  # larger than max_bytes
+    assert tpl.parts(torch.randn(8, 8).to_sparse()) is None
+    assert tpl.parts(torch.randn(8, 8, dtype=torch.complex64).conj()) is None
+    assert tpl.parts(torch.nn.Parameter(torch.randn(8, 8), requires_grad=False)) is None  # a subclass
+
+
+def test_a_template_that_fails_its_check_falls_back_to_torch_save(monkeypatch, tmp_path):
+    """If torch ever changes how it derives serialization_id, templates switch themselves off."""
+    monkeypatch.setattr(records, "_hash_combine", lambda seed, value: seed + value)
+    tpl = RecordTemplates()
+    assert tpl.parts(torch.randn(16)) is None
+    monkeypatch.setattr(dcp_io, "_RECORDS", tpl)
+    sd = {"w": torch.randn(16), "b": torch.randn(3)}
+    storage = Storage(str(tmp_path))
+    storage.makedirs(str(tmp_path / "s"))
+    dcp_io.save_state_dict(storage, str(tmp_path / "s"), sd)
+    out = {"w": torch.zeros(16), "b": torch.zeros(3)}
+    dcp.load(out, checkpoint_id=str(tmp_path / "s"), no_dist=True)
+    assert_bitwise_equal(out, sd)
+
+
+def _state():
+    g = torch.Generator().manual_seed(0)
+    return {
+        "model": {"w": torch.randn(3, 4, generator=g), "b": torch.randn(4, generator=g).to(torch.bfloat16),
+                  "big": torch.randn(700, 700, generator=g), "empty": torch.empty(0, 3),
+                  "scalar": torch.tensor(2.5), "transposed": torch.randn(4, 3, generator=g).t(),
+                  "view": torch.arange(100.0)[10:20]},
+        "optim": {"state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.randn(5, generator=g)}},
+                  "param_groups": [{"lr": 0.1, "params": [0], "betas": (0.9, 0.99)}]},
+        "step": 7, "name": "run-1", "extra": None,
+        "lst": [torch.ones(2), torch.zeros(3, dtype=torch.int64)],
+    }
+
+
+def _zeros_like_tree(x):
+    if isinstance(x, torch.Tensor):
+        return torch.zeros_like(x)
+    if isinstance(x, dict):
+        return {k: _zeros_like_tree(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_zeros_like_tree(v) for v in x]
+    return x
+
+
+def test_planner_free_save_matches_dcp_save(tmp_path):
+    """Our single-process save writes what dcp.save (DCP's own planner and writer) writes."""
+    sd = _state()
+    ours, theirs = str(tmp_path / "ours"), str(tmp_path / "theirs")
+    storage = Storage(str(tmp_path))
+    storage.makedirs(ours)
+    files = dcp_io._save_local(storage, ours, sd, threads=4)
+    assert files is not None, "a plain state dict must take the fast path"
+    dcp.save(sd, checkpoint_id=theirs, no_dist=True)
+
+    def meta(d):
+        with open(os.path.join(d, ".metadata"), "rb") as f:
+            return pickle.load(f)
+
+    m_ours, m_theirs = meta(ours), meta(theirs)
+    assert m_ours.state_dict_metadata == m_theirs.state_dict_metadata
+    assert m_ours.planner_data == m_theirs.planner_data
+    assert set(m_ours.storage_data) == set(m_theirs.storage_data)
+
+    def item(d, info):
+        with open(os.path.join(d, info.relative_path), "rb") as f:
+            f.seek(info.offset)
+            return f.read(info.length)
+
+    for index, info in m_theirs.storage_data.items():  # every item: torch.save's bytes, ours too
+        assert item(ours, m_ours.storage_data[index]) == item(theirs, info), index.fqn
+
+    # and plain dcp.load reads ours back, bitwise
+    out = _zeros_like_tree(sd)
+    out["step"], out["name"], out["optim"]["param_groups"] = 0, "", [{"lr": 0.0, "params": [0], "betas": (0, 0)}]
+    dcp.load(out, checkpoint_id=ours, no_dist=True)
+    assert_bitwise_equal(out, sd)
+    assert out["step"] == 7 and out["name"] == "run-1" and out["optim"]["param_groups"] == sd["optim"]["param_groups"]
+
+
+def test_many_small_tensors_round_trip_through_the_manager(tmp_path):
+    """10,000 small tensors (the case the template path exists for), restored bitwise."""
+    from async_ckpt import CheckpointManager
+
+    g = torch.Generator().manual_seed(1)
+    sd = {f"layer{i}": torch.randn(64, generator=g) for i in range(10_000)}
+    with CheckpointManager(str(tmp_path / "ck"), 1) as mgr:
+        mgr.save(1, sd)
+    out = {k: torch.zeros(64) for k in sd}
+    with CheckpointManager(str(tmp_path / "ck"), 1) as mgr:
+        mgr.restore(1, out)
+    assert_bitwise_equal(out, sd)
+    out2 = {k: torch.zeros(64) for k in sd}
+    dcp.load(out2, checkpoint_id=str(tmp_path / "ck" / "1"), no_dist=True)
+    assert_bitwise_equal(out2, sd)
+
+
+def test_stateful_values_take_dcp_path(tmp_path):
+    """A value with state_dict()/load_state_dict() is DCP's Stateful: dcp.save calls it, so do we."""
+    model = torch.nn.Linear(3, 2)
+    storage = Storage(str(tmp_path))
+    storage.makedirs(str(tmp_path / "s"))
+    assert dcp_io._save_local(storage, str(tmp_path / "s"), {"model": model}, threads=2) is None
+    dcp_io.save_state_dict(storage, str(tmp_path / "s"), {"model": model})
+    other = torch.nn.Linear(3, 2)
+    dcp.load({"model": other}, checkpoint_id=str(tmp_path / "s"), no_dist=True)
+    assert_bitwise_equal(other.state_dict(), model.state_dict())
