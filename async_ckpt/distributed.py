@@ -285,6 +285,7 @@ def persist(mgr: "CheckpointManager", step: int, snap: Optional["HostSnapshot"],
             raise _StagingAlreadyReported()  # raised to this rank's training thread already
         _raise_gathered(outcomes, step, "staging", local_error)
         assert snap is not None
+        snap.drop_sources()
 
         # 3. DCP writes every rank's shards (its own collectives spread any write error).
         write_error: Optional[BaseException] = None
@@ -537,6 +538,19 @@ def has_xla_shards(state_dict: Any) -> bool:
     """Whether a host snapshot holds staged XLA SPMD shards (torch_xla's ``_CpuShards``)."""
     cls = _cpu_shards_type()
     return cls is not None and any(isinstance(v, cls) for v in _leaves(state_dict))
+
+
+def xla_spmd_active() -> bool:
+    """Whether torch_xla runs in SPMD mode (``xr.use_spmd()``); only then can a tensor be sharded.
+
+    Checked once per save, so that a state dict of many tensors skips the per-tensor query.
+    """
+    try:
+        import torch_xla.runtime as xr
+
+        return bool(xr.is_spmd())
+    except Exception:
+        return False
 
 
 def is_xla_sharded(t: torch.Tensor) -> bool:

@@ -44,6 +44,7 @@ from .policies import (
 )
 from .preemption import PreemptionTracker, PreemptionWatcher
 from .staging import HostBufferPool, HostSnapshot, Stager, make_plan
+from .staging.gc_pause import gc_paused
 from .stats import SaveStats, StatsLog
 from .storage import CheckpointLayout, Manifest, RetryPolicy, Storage, StepTarget
 from .storage.dcp_io import METADATA_NAME, FsspecStorageReader, load_metadata, load_state_dict, save_state_dict
@@ -393,7 +394,8 @@ class CheckpointManager:
             return False
         supersede = self._check_rollback(step)
         t0 = time.perf_counter()
-        plan = make_plan(state_dict)  # validates before anything is taken or written
+        with gc_paused():
+            plan = make_plan(state_dict)  # validates before anything is taken or written
         if self._lazy_pending:
             self.wait_for_staging()  # earlier lazy copies finish and are sealed (their writers wait for it)
         self._writer.wait_for_slot()
@@ -421,6 +423,7 @@ class CheckpointManager:
         """Writer thread: data files, then manifest and marker, then retention."""
         target: Optional[StepTarget] = None
         try:
+            snap.drop_sources()  # here, not in the stall: releasing device-buffer views costs
             snap.wait_copied()  # lazy: every host copy done and unchanged (else TornSnapshotError)
             tw = time.perf_counter()
             if supersede:

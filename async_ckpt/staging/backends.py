@@ -67,20 +67,32 @@ def xla_host_views(tensors: Sequence[torch.Tensor]) -> Optional[List[torch.Tenso
     the values at the time it was taken.
     """
     try:
-        from torch.utils.dlpack import from_dlpack
-        from torch_xla.utils.dlpack import to_dlpack
+        import torch_xla
 
+        # The raw bindings: the Python wrappers' checks cost as much as the conversions.
+        to_dlpack, from_dlpack = torch_xla._XLAC._to_dlpack, torch._C._from_dlpack
         views = [from_dlpack(to_dlpack(t)) for t in tensors]
     except Exception:
         return None
-    if any(v.device.type != "cpu" for v in views):
+    if not all(v.is_cpu for v in views):
         return None
     return views
 
 
-def xla_sync() -> None:
-    """Materialise pending XLA computations so device buffers hold the current values."""
+def xla_sync(tensors: Optional[Sequence[torch.Tensor]] = None) -> None:
+    """Materialise pending XLA computations so device buffers hold the current values.
+
+    With ``tensors``, only if one of them has a pending computation: ``torch_xla.sync()``
+    walks every live XLA tensor (25-35 ms with 10,000 of them) even when there is nothing to
+    run, while the check costs under 1 µs a tensor. A training loop that already calls
+    ``torch_xla.sync()`` each step then pays nothing here.
+    """
     import torch_xla
+
+    if tensors is not None:
+        check = getattr(torch_xla._XLAC, "_check_tensor_need_materialization", None)
+        if check is not None and not any(check(list(tensors))):
+            return
 
     sync = getattr(torch_xla, "sync", None)
     if sync is not None:

@@ -77,7 +77,8 @@ class StagingPlan:
         """``(index, tensor)`` pairs grouped by device type (``"cpu"``, ``"cuda"``, ``"xla"``)."""
         out: Dict[str, List[Tuple[int, torch.Tensor]]] = {}
         for i, t in enumerate(self.tensors):
-            out.setdefault(t.device.type, []).append((i, t))
+            kind = "cpu" if t.is_cpu else "cuda" if t.is_cuda else t.device.type
+            out.setdefault(kind, []).append((i, t))
         return out
 
     def build(self, host_tensors: List[torch.Tensor]) -> Any:
@@ -108,6 +109,10 @@ def make_plan(state_dict: Any) -> StagingPlan:
 
 
 def _walk(value: Any, path: str, plan: StagingPlan) -> Any:
+    if type(value) is torch.Tensor and value.layout == torch.strided:  # the common case, first
+        plan.tensors.append(value.detach() if value.requires_grad else value)
+        plan.keys.append(path)
+        return _Slot(len(plan.tensors) - 1)
     if _is_dtensor(value):
         # Stage only this rank's shard; the spec (mesh, placements, global shape) is kept.
         local = value.to_local().detach()

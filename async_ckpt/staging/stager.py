@@ -14,6 +14,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from .gc_pause import gc_paused
 from .backends import CudaTransfer, copy_cpu, xla_batched_to_cpu, xla_host_views, xla_sync
 from .plan import StagingPlan, make_plan
 from .pool import HostBufferPool, Lease
@@ -31,6 +32,13 @@ class HostSnapshot:
     leases: List[Lease] = field(default_factory=list)
     #: lazy stage only: the copies still in flight (``async_ckpt.staging.lazy.PendingCopies``)
     pending: Optional[Any] = None
+    #: zero-copy views of XLA device buffers the copies were read from: releasing 10,000 of
+    #: them takes ~25 ms, so the writer thread drops them (:meth:`drop_sources`), not the stall
+    sources: Optional[List[torch.Tensor]] = None
+
+    def drop_sources(self) -> None:
+        """Release the device-buffer views the host copies were made from (copies are done)."""
+        self.sources = None
 
     def wait_copied(self) -> None:
         """Lazy snapshots: wait until every host copy is done; raise
@@ -199,18 +207,23 @@ class Stager:
     def stage(self, state_dict: Any, plan: Optional[StagingPlan] = None, *, lazy: bool = False) -> HostSnapshot:
         """Host copies of ``state_dict``. ``lazy=True`` returns once the copies are issued:
         ``snapshot.pending`` tracks them and the guard in :mod:`.lazy` protects the sources."""
-        if lazy:
-            from .lazy import stage_lazy
+        with gc_paused():  # a full collection inside the stall would cost more than the copies
+            if lazy:
+                from .lazy import stage_lazy
 
-            return stage_lazy(self, state_dict, plan)
+                return stage_lazy(self, state_dict, plan)
+            return self._stage(state_dict, plan)
+
+    def _stage(self, state_dict: Any, plan: Optional[StagingPlan]) -> HostSnapshot:
         t0 = time.perf_counter()
         plan = plan if plan is not None else make_plan(state_dict)
         host: List[Optional[torch.Tensor]] = [None] * len(plan.tensors)
         by_type = plan.by_device_type()
         leases: List[Lease] = []
+        sources = None
         try:
             if "xla" in by_type:
-                self._stage_xla(by_type.pop("xla"), host, leases)
+                sources = self._stage_xla(by_type.pop("xla"), host, leases)
             local = [it for kind in ("cpu", "cuda") for it in by_type.pop(kind, [])]
             if by_type:
                 kinds = ", ".join(sorted(by_type))
@@ -229,6 +242,7 @@ class Stager:
             stage_seconds=time.perf_counter() - t0,
             int_keys=plan.int_keys,
             leases=leases,
+            sources=sources,
         )
 
     def _stage_local(self, items, host, leases) -> None:
@@ -243,11 +257,12 @@ class Stager:
                 self._cuda.copy(cuda_d, cuda_s)
             copy_cpu(cpu_d, cpu_s)
 
-    def _stage_xla(self, items, host, leases) -> None:
-        xla_sync()
-        from ..distributed import is_xla_sharded, stage_xla_shards
+    def _stage_xla(self, items, host, leases) -> Optional[List[torch.Tensor]]:
+        """Stage XLA tensors into ``host``; return the DLPack views used, if any (see ``sources``)."""
+        xla_sync([t for _, t in items])
+        from ..distributed import is_xla_sharded, stage_xla_shards, xla_spmd_active
 
-        sharded = [(i, t) for i, t in items if is_xla_sharded(t)]
+        sharded = [(i, t) for i, t in items if is_xla_sharded(t)] if xla_spmd_active() else []
         if sharded:
             # SPMD: host copies of this process's shards (one replica each), not the global tensor.
             srcs_sh, ids = _unique(sharded)
@@ -256,7 +271,7 @@ class Stager:
                 host[i] = shards[ids[id(t)]]
             items = [(i, t) for i, t in items if host[i] is None]
             if not items:
-                return
+                return None
         srcs, uniq = _unique(items)  # tied parameters: the same tensor object, staged once
         views = xla_host_views(srcs)
         if views is not None:
@@ -269,3 +284,4 @@ class Stager:
             staged = xla_batched_to_cpu(srcs)  # fresh host tensors; the seed's parallel path
         for i, t in items:
             host[i] = staged[uniq[id(t)]]
+        return views
