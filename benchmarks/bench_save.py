@@ -231,6 +231,9 @@ class Runner:
         samples: List[Dict[str, float]] = []
         t_start = time.perf_counter()
         for i in range(self.warmup + self.reps):
+            # Every method starts each sample with no garbage pending, as timeit does: otherwise
+            # a full collection owed by one method's allocations lands in whichever runs next.
+            gc.collect()
             s = fn(i)
             if after is not None:
                 after(i)

@@ -166,3 +166,41 @@ def test_stateful_values_take_dcp_path(tmp_path):
     other = torch.nn.Linear(3, 2)
     dcp.load({"model": other}, checkpoint_id=str(tmp_path / "s"), no_dist=True)
     assert_bitwise_equal(other.state_dict(), model.state_dict())
+
+
+def test_repeated_layout_reuses_metadata_and_stays_exact(tmp_path):
+    """Steady-state saves reuse the last layout's .metadata; every step still loads bitwise,
+    including when an object's pickle changes length or the layout itself changes."""
+    storage = Storage(str(tmp_path))
+    g = torch.Generator().manual_seed(3)
+
+    def state(step, shape=(64,), extra=None, name="adam"):
+        sd = {"w": {f"p{i}": torch.randn(shape, generator=g) for i in range(50)}, "step": step,
+              "opt": [torch.randn(3, generator=g), name]}
+        if extra is not None:
+            sd["extra"] = extra
+        return sd
+
+    cases = [("a", state(10)), ("b", state(11)),  # same layout: cached .metadata
+             ("c", state(12, name="adam" * 100)),  # an object's pickle is longer: offsets move
+             ("d", state(12, shape=(8, 8))),  # new shapes
+             ("e", state(13, extra=torch.ones(2)))]  # a new key
+    metas = {}
+    for name, sd in cases:
+        d = str(tmp_path / name)
+        storage.makedirs(d)
+        dcp_io._save_local(storage, d, sd, threads=2)
+        with open(os.path.join(d, ".metadata"), "rb") as f:
+            metas[name] = f.read()
+        out = _zeros_like_tree(sd)
+        out["step"] = 0
+        dcp.load(out, checkpoint_id=d, no_dist=True)
+        assert_bitwise_equal(out, sd)
+        reference = str(tmp_path / (name + "-dcp"))
+        dcp.save(sd, checkpoint_id=reference, no_dist=True)
+        with open(os.path.join(reference, ".metadata"), "rb") as f:
+            theirs = pickle.load(f)
+        ours = pickle.loads(metas[name])
+        assert ours.state_dict_metadata == theirs.state_dict_metadata and ours.planner_data == theirs.planner_data
+    assert metas["a"] == metas["b"]
+    assert metas["c"] != metas["a"] and metas["d"] != metas["a"] and metas["e"] != metas["d"]

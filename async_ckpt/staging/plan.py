@@ -77,7 +77,7 @@ class StagingPlan:
         """``(index, tensor)`` pairs grouped by device type (``"cpu"``, ``"cuda"``, ``"xla"``)."""
         out: Dict[str, List[Tuple[int, torch.Tensor]]] = {}
         for i, t in enumerate(self.tensors):
-            kind = "cpu" if t.is_cpu else "cuda" if t.is_cuda else t.device.type
+            kind = "cpu" if t.is_cpu else "cuda" if t.is_cuda else "xla" if t.is_xla else t.device.type
             out.setdefault(kind, []).append((i, t))
         return out
 

@@ -152,13 +152,22 @@ def lay_out(pool: HostBufferPool, items: List[Tuple[int, torch.Tensor]], host: L
     units = _storage_units(items)
     pinned = torch.cuda.is_available() and any(u.src.is_cuda for u in units)
     # Small tensors are coalesced into one slab: one pooled buffer instead of thousands.
-    big = [u for u in units if u.nbytes > SMALL_TENSOR_BYTES or u.span_start >= 0 or u.nbytes == 0]
-    small = [u for u in units if 0 < u.nbytes <= SMALL_TENSOR_BYTES and u.span_start < 0]
-    offsets = []
+    big: List[_Unit] = []
+    small: List[_Unit] = []
+    offsets: List[int] = []
+    sig_parts: List[Any] = []  # (dtype, shape) of each small unit: the slab's layout signature
     slab_bytes = 0
-    for u in small:
-        offsets.append(slab_bytes)
-        slab_bytes += (u.nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
+    for u in units:  # one pass: this loop runs once per tensor
+        n = u.nbytes
+        if 0 < n <= SMALL_TENSOR_BYTES and u.span_start < 0:
+            small.append(u)
+            offsets.append(slab_bytes)
+            slab_bytes += (n + _ALIGN - 1) // _ALIGN * _ALIGN
+            t0 = u.members[0][1]
+            sig_parts.append(t0.dtype)
+            sig_parts.append(t0.shape)
+        else:
+            big.append(u)
     lease = pool.acquire([u.nbytes for u in big] + ([slab_bytes] if small else []), pinned=pinned)
     leases.append(lease)
     copies: List[Tuple[torch.Tensor, _Unit]] = []
@@ -166,13 +175,13 @@ def lay_out(pool: HostBufferPool, items: List[Tuple[int, torch.Tensor]], host: L
         slab = lease.buffers[-1]
         # Creating thousands of views costs more than copying the bytes: a slab remembers the
         # views it handed out, and the next save with the same layout reuses them.
-        sig = tuple((u.members[0][1].dtype, u.members[0][1].shape) for u in small)
+        sig = sig_parts
         cached = getattr(slab, "_async_ckpt_views", None)
         if cached is not None and cached[0] == sig:
             views = cached[1]
         else:
-            views = [slab[off: off + u.nbytes].view(dt).view(shape)
-                     for off, u, (dt, shape) in zip(offsets, small, sig)]
+            views = [slab[off: off + u.nbytes].view(u.members[0][1].dtype).view(u.members[0][1].shape)
+                     for off, u in zip(offsets, small)]
             slab._async_ckpt_views = (sig, views)
         for dst, unit in zip(views, small):
             for i, _ in unit.members:
@@ -259,7 +268,8 @@ class Stager:
 
     def _stage_xla(self, items, host, leases) -> Optional[List[torch.Tensor]]:
         """Stage XLA tensors into ``host``; return the DLPack views used, if any (see ``sources``)."""
-        xla_sync([t for _, t in items])
+        xts = [t for _, t in items]
+        xla_sync(xts)
         from ..distributed import is_xla_sharded, stage_xla_shards, xla_spmd_active
 
         sharded = [(i, t) for i, t in items if is_xla_sharded(t)] if xla_spmd_active() else []
@@ -272,16 +282,15 @@ class Stager:
             items = [(i, t) for i, t in items if host[i] is None]
             if not items:
                 return None
-        srcs, uniq = _unique(items)  # tied parameters: the same tensor object, staged once
-        views = xla_host_views(srcs)
+        views = xla_host_views(xts if len(xts) == len(items) else [t for _, t in items])
         if views is not None:
-            # Zero-copy view of the PJRT host buffer, then one batched copy into pooled buffers.
-            view_items = [(k, v) for k, v in enumerate(views)]
-            tmp: List[Optional[torch.Tensor]] = [None] * len(views)
-            self._stage_local(view_items, tmp, leases)
-            staged = tmp
-        else:
-            staged = xla_batched_to_cpu(srcs)  # fresh host tensors; the seed's parallel path
+            # Zero-copy views of the PJRT host buffers, then one batched copy into pooled
+            # buffers. A tensor listed twice (tied parameters) gives two views of one buffer,
+            # which the storage grouping of ``lay_out`` copies once and hands out as one tensor.
+            self._stage_local([(i, v) for (i, _), v in zip(items, views)], host, leases)
+            return views
+        srcs, uniq = _unique(items)  # tied parameters: the same tensor object, staged once
+        staged = xla_batched_to_cpu(srcs)  # fresh host tensors; the seed's parallel path
         for i, t in items:
             host[i] = staged[uniq[id(t)]]
-        return views
+        return None

@@ -23,6 +23,7 @@ import io
 import pickle
 import struct
 import sys
+import threading
 import warnings
 import zipfile
 from concurrent.futures import ThreadPoolExecutor
@@ -193,34 +194,34 @@ def _write_item(stream: _RecordStream, data: Any) -> None:
         raise
 
 
-# One item to write: its DCP index and a callable returning the data (a tensor or a BytesIO).
-_Job = Tuple[MetadataIndex, Callable[[], Any]]
+# One file's items, each a callable returning the data (a tensor or a BytesIO).
+_Jobs = List[Callable[[], Any]]
 
 
-def _write_files(storage: Storage, path: str, prefix: str, buckets: List[List[_Job]], hints: List[int],
-                 threads: int) -> Tuple[Dict[str, FileRecord], List[WriteResult]]:
-    """Write each bucket as one ``<prefix><k>.distcp`` file, concurrently; return records and results.
+def _write_files(storage: Storage, path: str, prefix: str, buckets: List[_Jobs], hints: List[int],
+                 threads: int) -> List[Tuple[str, FileRecord, List[int]]]:
+    """Write each bucket as one ``<prefix><k>.distcp`` file, concurrently.
 
-    ``hints[k]`` is about the data size of bucket ``k`` (lets small files upload in one request).
+    Returns, per file, its name, its record and the length of each item in order (items are
+    contiguous, so offsets follow). ``hints[k]`` is about the data size of bucket ``k`` (lets
+    small files upload in one request).
     """
 
-    def write_file(k: int, jobs: List[_Job]) -> Tuple[str, FileRecord, List[WriteResult]]:
+    def write_file(k: int, jobs: _Jobs) -> Tuple[str, FileRecord, List[int]]:
         # A file is streamed, so a transient failure mid-file is retried by rewriting the
         # whole file (the host snapshot is immutable until the step commits).
         where = f"{path}/{prefix}{k}.distcp"
         return storage.retry.call(lambda: write_file_once(k, jobs), f"write {where}")
 
-    def write_file_once(k: int, jobs: List[_Job]) -> Tuple[str, FileRecord, List[WriteResult]]:
+    def write_file_once(k: int, jobs: _Jobs) -> Tuple[str, FileRecord, List[int]]:
         name = f"{prefix}{k}.distcp"
-        results = []
+        lengths = []
         with storage.open_write(f"{path}/{name}", size_hint=hints[k]) as f:
             stream = _RecordStream(f)
-            for index, resolve in jobs:
+            for resolve in jobs:
                 offset = stream.tell()
                 _write_item(stream, resolve())
-                length = stream.tell() - offset
-                results.append(WriteResult(index=index, size_in_bytes=length,
-                                           storage_data=_StorageInfo(name, offset, length)))
+                lengths.append(stream.tell() - offset)
             stream.flush_pending()
         # A silently short write (a full or flaky disk, a FUSE mount) fails the attempt with
         # EIO, which is transient, so the file is redone. gs:// and s3:// need no check:
@@ -229,21 +230,28 @@ def _write_files(storage: Storage, path: str, prefix: str, buckets: List[List[_J
         if stored != stream.size:
             raise OSError(errno.EIO, f"short write: {stream.size} bytes written, storage holds {stored}",
                           f"{path}/{name}")
-        return name, FileRecord(stream.size, stream.crc), results
+        return name, FileRecord(stream.size, stream.crc), lengths
 
     if not buckets:  # nothing to write on this rank (e.g. every item de-duplicated to another)
-        outs = []
-    elif len(buckets) == 1:
-        outs = [write_file(0, buckets[0])]
-    else:
-        with ThreadPoolExecutor(min(threads, len(buckets)), thread_name_prefix="async-ckpt-io") as pool:
-            outs = list(pool.map(lambda kv: write_file(*kv), enumerate(buckets)))
+        return []
+    if len(buckets) == 1:
+        return [write_file(0, buckets[0])]
+    with ThreadPoolExecutor(min(threads, len(buckets)), thread_name_prefix="async-ckpt-io") as pool:
+        return list(pool.map(lambda kv: write_file(*kv), enumerate(buckets)))
+
+
+def _results(buckets: List[List[MetadataIndex]], outs: List[Tuple[str, FileRecord, List[int]]]
+             ) -> Tuple[Dict[str, FileRecord], Dict[MetadataIndex, _StorageInfo]]:
+    """File records and DCP's ``storage_data`` (where each item sits) from :func:`_write_files`."""
     files: Dict[str, FileRecord] = {}
-    results: List[WriteResult] = []
-    for name, rec, res in outs:
+    where: Dict[MetadataIndex, _StorageInfo] = {}
+    for indices, (name, rec, lengths) in zip(buckets, outs):
         files[name] = rec
-        results.extend(res)
-    return files, results
+        offset = 0
+        for index, length in zip(indices, lengths):
+            where[index] = _StorageInfo(name, offset, length)
+            offset += length
+    return files, where
 
 
 class FsspecStorageWriter(StorageWriter):
@@ -274,12 +282,14 @@ class FsspecStorageWriter(StorageWriter):
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
         buckets = _balance(plan.items, lambda it: _item_bytes(planner, it), self.threads,
                            self.storage.max_file_bytes)
-        jobs = [[(item.index, lambda item=item: planner.resolve_data(item)) for item in bucket] for bucket in buckets]
+        jobs = [[lambda item=item: planner.resolve_data(item) for item in bucket] for bucket in buckets]
         hints = [sum(_item_bytes(planner, item) for item in bucket) for bucket in buckets]
-        fut: Future = Future()
-        files, results = _write_files(self.storage, self.path, plan.storage_data.prefix, jobs, hints, self.threads)
+        outs = _write_files(self.storage, self.path, plan.storage_data.prefix, jobs, hints, self.threads)
+        files, where = _results([[item.index for item in bucket] for bucket in buckets], outs)
         self.files.update(files)
-        fut.set_result(results)
+        fut: Future = Future()
+        fut.set_result([WriteResult(index=index, size_in_bytes=info.length, storage_data=info)
+                        for index, info in where.items()])
         return fut
 
     def finish(self, metadata: Metadata, results: List[List[WriteResult]]) -> None:
@@ -293,7 +303,9 @@ class FsspecStorageWriter(StorageWriter):
         self.files[METADATA_NAME] = FileRecord(len(data), crc32c(data))
 
     def storage_meta(self) -> Optional[StorageMeta]:
-        return StorageMeta(checkpoint_id=self.path, save_id="")
+        # No checkpoint_id: the path written to is a temporary directory renamed at commit,
+        # and a step directory may be copied or exported; the id would be stale either way.
+        return StorageMeta(checkpoint_id=None, save_id="")
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
@@ -665,6 +677,25 @@ def _metadata_index(fqn: str, offset: torch.Size, index: int) -> MetadataIndex:
     return idx
 
 
+@dataclasses.dataclass
+class _Layout:
+    """What one state dict layout writes: reused while the next saves have the same layout."""
+
+    key: Tuple[Any, ...]  # (threads, max_file_bytes): what else decides the bucketing
+    fqns: List[str]
+    sig: List[Any]  # per item: dtype, shape, requires_grad, pinned for tensors; None for objects
+    mappings: Dict[str, Any]
+    buckets: List[List[int]]  # item positions, per file
+    hints: List[int]
+    lengths: List[List[int]]  # per file, each item's length as written
+    metadata: bytes  # the pickled .metadata for exactly these lengths
+    files_meta: FileRecord
+
+
+_layout_lock = threading.Lock()
+_last_layout: Optional[_Layout] = None
+
+
 def _save_local(storage: Storage, path: str, state_dict: Dict[str, Any], *,
                 threads: int) -> Optional[Dict[str, FileRecord]]:
     """Single-process save of plain tensors and objects, without DCP's planning machinery.
@@ -676,41 +707,36 @@ def _save_local(storage: Storage, path: str, state_dict: Dict[str, Any], *,
     a state dict of many small tensors. Equal objects inside the metadata (dtypes' properties,
     shapes, zero offsets) are shared, so its pickle is smaller and quicker.
 
+    A training loop saves the same layout again and again, so the last layout is remembered:
+    when the keys, dtypes and shapes are unchanged and every item comes out at the same length,
+    the file assignment and the pickled ``.metadata`` are reused rather than rebuilt.
+
     Returns ``None`` (the caller then uses ``dcp.save``) for anything DCP's planner treats
     specially: DTensors, ShardedTensors, tensor subclasses and ``Stateful`` values.
     """
+    global _last_layout
     for value in state_dict.values():  # what dcp.save's _stateful_to_state_dict would call
         if not isinstance(value, torch.Tensor) and callable(getattr(value, "state_dict", None)) \
                 and callable(getattr(value, "load_state_dict", None)):
             return None
     flat, mappings = flatten_state_dict(state_dict)
-    sizes: Dict[Tuple[int, ...], torch.Size] = {}
-    props: Dict[Tuple[Any, ...], TensorProperties] = {}
-    chunks: Dict[torch.Size, ChunkStorageMetadata] = {}
-    md: Dict[str, Any] = {}
-    items: List[Tuple[MetadataIndex, Any, int]] = []
+    objs = list(flat.values())
+    sig: List[Any] = []
     tensor_type = torch.Tensor
-    for fqn, obj in flat.items():
+    for obj in objs:
         if type(obj) is tensor_type:
-            shape = obj.shape
-            size = sizes.get(shape)
-            if size is None:
-                size = sizes[shape] = torch.Size(shape)
-            chunk = chunks.get(size)
-            if chunk is None:
-                zeros = sizes.setdefault((0,) * len(size), torch.Size((0,) * len(size)))
-                chunk = chunks[size] = ChunkStorageMetadata(offsets=zeros, sizes=size)
-            pkey = (obj.dtype, obj.requires_grad, obj.is_pinned() if obj.is_cpu else False)
-            prop = props.get(pkey)
-            if prop is None:
-                prop = props[pkey] = TensorProperties.create_from_tensor(obj)
-            md[fqn] = TensorStorageMetadata(properties=prop, size=size, chunks=[chunk])
-            items.append((_metadata_index(fqn, chunk.offsets, 0), obj, obj.numel() * obj.element_size()))
+            sig += (obj.dtype, obj.shape, obj.requires_grad, obj.is_cpu and obj.is_pinned())
         elif isinstance(obj, torch.Tensor) or hasattr(obj, "__create_write_items__"):
             return None  # DTensor, ShardedTensor, a subclass: DCP's planner knows them
         else:
-            md[fqn] = BytesStorageMetadata()
-            items.append((MetadataIndex(fqn), obj, 1024))
+            sig.append(None)
+    key = (threads, storage.max_file_bytes)
+    fqns = list(flat)
+    with _layout_lock:
+        layout = _last_layout
+    if layout is not None and not (layout.key == key and layout.fqns == fqns and layout.sig == sig
+                                   and layout.mappings == mappings):
+        layout = None
 
     def resolve(obj: Any) -> Any:
         if isinstance(obj, torch.Tensor):
@@ -719,16 +745,62 @@ def _save_local(storage: Storage, path: str, state_dict: Dict[str, Any], *,
         torch.save(obj, buf)
         return buf
 
-    buckets = _balance(items, lambda it: it[2], threads, storage.max_file_bytes)
-    jobs = [[(index, lambda obj=obj: resolve(obj)) for index, obj, _ in bucket] for bucket in buckets]
-    hints = [sum(it[2] for it in bucket) for bucket in buckets]
-    files, results = _write_files(storage, path, "__0_", jobs, hints, threads)
-    metadata = Metadata(state_dict_metadata=md, planner_data=mappings,
-                        storage_data={wr.index: wr.storage_data for wr in results},
-                        storage_meta=StorageMeta(checkpoint_id=path, save_id=""))
+    def job(obj: Any) -> Callable[[], Any]:
+        return (lambda: obj) if isinstance(obj, torch.Tensor) else (lambda: resolve(obj))
+
+    if layout is not None:
+        outs = _write_files(storage, path, "__0_", [[job(objs[k]) for k in b] for b in layout.buckets],
+                            layout.hints, threads)
+        if [lengths for _, _, lengths in outs] == layout.lengths:  # same bytes where .metadata says
+            storage.write_bytes(f"{path}/{METADATA_NAME}", layout.metadata)
+            files = {name: rec for name, rec, _ in outs}
+            files[METADATA_NAME] = layout.files_meta
+            return files
+        # An object's pickle changed length: same files, new .metadata (built below).
+        buckets = layout.buckets
+    else:
+        sizes = [o.numel() * o.element_size() if isinstance(o, torch.Tensor) else 1024 for o in objs]
+        buckets = _balance(list(range(len(objs))), sizes.__getitem__, threads, storage.max_file_bytes)
+        outs = None
+
+    sizes_: Dict[torch.Size, torch.Size] = {}
+    props: Dict[Tuple[Any, ...], TensorProperties] = {}
+    chunks: Dict[torch.Size, ChunkStorageMetadata] = {}
+    md: Dict[str, Any] = {}
+    indices: List[MetadataIndex] = []
+    for fqn, obj in zip(fqns, objs):
+        if isinstance(obj, torch.Tensor):
+            size = sizes_.get(obj.shape)
+            if size is None:
+                size = sizes_[obj.shape] = torch.Size(obj.shape)
+            chunk = chunks.get(size)
+            if chunk is None:
+                zeros = sizes_.setdefault(torch.Size((0,) * len(size)), torch.Size((0,) * len(size)))
+                chunk = chunks[size] = ChunkStorageMetadata(offsets=zeros, sizes=size)
+            pkey = (obj.dtype, obj.requires_grad, obj.is_cpu and obj.is_pinned())
+            prop = props.get(pkey)
+            if prop is None:
+                prop = props[pkey] = TensorProperties.create_from_tensor(obj)
+            md[fqn] = TensorStorageMetadata(properties=prop, size=size, chunks=[chunk])
+            indices.append(_metadata_index(fqn, chunk.offsets, 0))
+        else:
+            md[fqn] = BytesStorageMetadata()
+            indices.append(MetadataIndex(fqn))
+    if outs is None:
+        hints = [sum(objs[k].numel() * objs[k].element_size() if isinstance(objs[k], torch.Tensor) else 1024
+                     for k in b) for b in buckets]
+        outs = _write_files(storage, path, "__0_", [[job(objs[k]) for k in b] for b in buckets], hints, threads)
+    else:
+        hints = layout.hints  # type: ignore[union-attr]
+    files, where = _results([[indices[k] for k in b] for b in buckets], outs)
+    metadata = Metadata(state_dict_metadata=md, planner_data=mappings, storage_data=where,
+                        storage_meta=StorageMeta(checkpoint_id=None, save_id=""))
     data = pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)  # DCP's own format
     storage.write_bytes(f"{path}/{METADATA_NAME}", data)
     files[METADATA_NAME] = FileRecord(len(data), crc32c(data))
+    with _layout_lock:
+        _last_layout = _Layout(key, fqns, sig, mappings, buckets, hints,
+                               [lengths for _, _, lengths in outs], data, files[METADATA_NAME])
     return files
 
 
