@@ -156,6 +156,15 @@ class _RecordStream(_ChecksumStream):
             self.flush_pending()
         return n
 
+    def write_record(self, head: bytes, data: Any, tail: Any) -> None:
+        """Append a small templated record (see :mod:`.records`) without per-part overhead."""
+        pending = self._pending
+        pending += head
+        pending += data
+        pending += tail
+        if len(pending) >= _COALESCE_BYTES:
+            self.flush_pending()
+
     def tell(self) -> int:
         return self.size + len(self._pending)
 
@@ -170,8 +179,7 @@ def _write_item(stream: _RecordStream, data: Any) -> None:
     if type(data) is torch.Tensor and data.is_cpu:  # the common case first: a staged host tensor
         parts = _RECORDS.parts(data)
         if parts is not None:  # torch.save's exact bytes, from a template
-            for part in parts:
-                stream.write(part)
+            stream.write_record(*parts)
             return
     if isinstance(data, io.BytesIO):
         stream.write(data.getbuffer())
@@ -181,8 +189,7 @@ def _write_item(stream: _RecordStream, data: Any) -> None:
         t = t.cpu()
     parts = _RECORDS.parts(t)
     if parts is not None:  # torch.save's exact bytes, from a template
-        for part in parts:
-            stream.write(part)
+        stream.write_record(*parts)
         return
     if t.untyped_storage().nbytes() != t.numel() * t.element_size():
         t = t.clone()  # torch.save writes whole storages: keep only this view
