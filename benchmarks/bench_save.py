@@ -69,6 +69,7 @@ KiB, MiB, GiB = 2**10, 2**20, 2**30
 FLOOR = "floor (copy_ into allocated)"
 RAW = "raw write+fsync"
 OURS = "async_ckpt save_async"
+OURS_LAZY = "async_ckpt save_async (lazy)"
 DCP = "dcp.async_save (default)"
 DCP_CACHED = "dcp.async_save (cached stager)"
 TSAVE = "torch.save (sync, fsync)"
@@ -78,7 +79,7 @@ X_DLPACK = "xla: dlpack view + copy_"
 X_OURS = "xla: async_ckpt save_async"
 X_TXLA_MGR = "xla: torch_xla CheckpointManager"
 
-CPU_METHODS = [FLOOR, RAW, OURS, DCP, DCP_CACHED, TSAVE]
+CPU_METHODS = [FLOOR, RAW, OURS, OURS_LAZY, DCP, DCP_CACHED, TSAVE]
 XLA_METHODS = [X_EACH, X_BATCHED, X_DLPACK, X_OURS, X_TXLA_MGR]
 
 
@@ -307,13 +308,14 @@ def bench_raw(r: Runner, label: str, sd: Any, root: str) -> Dict[str, Any]:
 
 
 def bench_async_ckpt(r: Runner, label: str, sd: Any, root: str, name: str = OURS,
-                     paired_floor: bool = False) -> Dict[str, Any]:
+                     paired_floor: bool = False, lazy: bool = False) -> Dict[str, Any]:
     """``paired_floor``: also time the floor copy right before each save (same moment, same
-    machine state), so that the ratio to the floor is immune to load that changes over minutes."""
+    machine state), so that the ratio to the floor is immune to load that changes over minutes.
+    ``lazy``: ``save_async`` returns once the copies are issued (they finish in the background)."""
     from async_ckpt import CheckpointManager
 
     d = os.path.join(root, "async_ckpt")
-    mgr = CheckpointManager(d, max_to_keep=0)
+    mgr = CheckpointManager(d, max_to_keep=0, lazy=lazy)
     src = tensors_of(sd) if paired_floor else []
     dst = [torch.empty_like(t) for t in src]
 
@@ -559,6 +561,7 @@ def run(args: argparse.Namespace, report: Dict[str, Any], checkpoint: Callable[[
             record(res, FLOOR, lambda: bench_floor(runner, label, sd))
             record(res, RAW, lambda: bench_raw(runner, label, sd, root))
             record(res, OURS, lambda: bench_async_ckpt(runner, label, sd, root, paired_floor=True))
+            record(res, OURS_LAZY, lambda: bench_async_ckpt(runner, label, sd, root, name=OURS_LAZY, lazy=True))
             if label == rss_label:
                 record(res, "RSS check", lambda: report.__setitem__(
                     "rss", dict(bench_rss(sd, root, args.rss_saves, log), size=label)))
@@ -638,6 +641,8 @@ def ratios(report: Dict[str, Any]) -> List[Dict[str, Any]]:
             add("CPU blocking / floor, paired (median of per-save ratios)", label,
                 _get(res, OURS, "paired_ratio"), 1.0, 1.2)
             add("CPU blocking / dcp.async_save (default)", label, _get(res, OURS), _get(res, DCP), 0.3)
+            add("CPU blocking, lazy=True / dcp.async_save (default)", label, _get(res, OURS_LAZY),
+                _get(res, DCP), 0.3)
         add("durable / raw write+fsync", label, _get(res, OURS, "durable_s"), _get(res, RAW, "durable_s"), 1.3)
         if X_OURS in res:
             add("XLA blocking / batched _xla_get_cpu_tensors", label, _get(res, X_OURS), _get(res, X_BATCHED), 1.0)

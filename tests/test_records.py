@@ -204,3 +204,31 @@ def test_repeated_layout_reuses_metadata_and_stays_exact(tmp_path):
         assert ours.state_dict_metadata == theirs.state_dict_metadata and ours.planner_data == theirs.planner_data
     assert metas["a"] == metas["b"]
     assert metas["c"] != metas["a"] and metas["d"] != metas["a"] and metas["e"] != metas["d"]
+
+
+def test_one_rank_process_group_takes_the_fast_path(tmp_path):
+    """`torchrun --nproc_per_node=1` initialises torch.distributed with one rank: that is still
+    a single-process save, and must not fall back to DCP's planner (10x slower for many tensors)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(f"""
+        import torch, torch.distributed as dist
+        from async_ckpt import CheckpointManager
+        from async_ckpt.storage import dcp_io
+        dist.init_process_group("gloo", store=dist.FileStore({str(tmp_path / 'store')!r}, 1), rank=0, world_size=1)
+        sd = {{f"p{{i}}": torch.randn(16) for i in range(20)}}
+        with CheckpointManager({str(tmp_path / 'ck')!r}) as mgr:
+            mgr.save(1, sd)
+        assert dcp_io._last_layout is not None, "the planner-free path was not taken"
+        out = {{k: torch.zeros(16) for k in sd}}
+        with CheckpointManager({str(tmp_path / 'ck')!r}) as mgr:
+            mgr.restore(1, out)
+        assert all(torch.equal(out[k].view(torch.int32), sd[k].view(torch.int32)) for k in sd)
+        dist.destroy_process_group()
+        print("OK")
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]

@@ -55,7 +55,7 @@ class HostSnapshot:
         self.leases = []
 
 
-@dataclass
+@dataclass(slots=True)
 class _Unit:
     """One contiguous run of bytes to copy; several tensors may be views into it."""
 
@@ -71,6 +71,23 @@ _ALIGN = 64
 
 def _storage_units(idx_tensors: List[Tuple[int, torch.Tensor]]) -> List[_Unit]:
     """Group CPU/CUDA tensors by storage; a storage shared by several tensors is copied once."""
+    # The common case first: every tensor on its own storage (no ties, no views of one
+    # another), so no grouping is needed. CPU and CUDA pointers cannot coincide (UVA).
+    ptrs = [t.untyped_storage().data_ptr() for _, t in idx_tensors]
+    if len(set(ptrs)) == len(ptrs):
+        units: List[_Unit] = []
+        for item in idx_tensors:
+            t = item[1]
+            n = t.nbytes
+            if n and t.is_contiguous():
+                units.append(_Unit(t, n, [item]))
+            else:
+                units.extend(_grouped_units([item]))
+        return units
+    return _grouped_units(idx_tensors)
+
+
+def _grouped_units(idx_tensors: List[Tuple[int, torch.Tensor]]) -> List[_Unit]:
     groups: Dict[Tuple[bool, int], List[Tuple[int, torch.Tensor]]] = {}
     units: List[_Unit] = []
     for i, t in idx_tensors:
@@ -109,7 +126,7 @@ def _storage_units(idx_tensors: List[Tuple[int, torch.Tensor]]) -> List[_Unit]:
             for i, t in members:
                 c = t if t.is_contiguous() else None
                 if c is None:
-                    units.extend(_storage_units([(i, t.contiguous())]))  # rare: non-aligned strided view
+                    units.extend(_grouped_units([(i, t.contiguous())]))  # rare: non-aligned strided view
                 else:
                     units.append(_Unit(t, t.numel() * t.element_size(), [(i, t)]))
             continue

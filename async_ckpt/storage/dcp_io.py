@@ -662,7 +662,7 @@ def save_state_dict(storage: Storage, path: str, state_dict: Dict[str, Any], *, 
 
     ``planner`` defaults to DCP's ``DefaultSavePlanner`` (torch_xla's for staged SPMD shards).
     """
-    if planner is None and not _distributed():
+    if planner is None and _world_size(process_group) == 1:  # e.g. `torchrun --nproc_per_node=1` too
         files = _save_local(storage, path, state_dict, threads=threads)
         if files is not None:
             return files
@@ -843,6 +843,13 @@ def _call_dcp(fn: Callable[[], Any]) -> Any:
 
 def _rank() -> int:
     return torch.distributed.get_rank() if _distributed() else 0
+
+
+def _world_size(process_group: Any = None) -> int:
+    """Ranks taking part in a save: 1 without ``torch.distributed``, else the group's size."""
+    import torch.distributed as dist
+
+    return dist.get_world_size(process_group) if _distributed() else 1
 
 
 def _distributed() -> bool:
