@@ -2,7 +2,10 @@
 
 One run, the same transformer-like fp32 state dicts for every method (default 256 MiB, 1 GiB,
 2 GiB, and 10,000 small tensors of 4 KiB). Each method gets warm-up saves first, then the
-median of ``--reps`` (>= 5 by default) steady-state saves is reported.
+median of ``--reps`` (>= 5 by default) steady-state saves is reported. Every sample of every
+method starts after ``gc.collect()``, so no method pays for another's garbage.
+The torch_xla manager runs last for each size: it initialises a 1-rank gloo group, which the
+later sizes' async_ckpt saves then see (they must, and do, still take the single-process path).
 
 CPU tensors:
 
@@ -10,7 +13,8 @@ CPU tensors:
 * ``raw write+fsync``: the same tensor bytes written to one file and fsynced, in the same
   directory as the checkpoints (the disk's ceiling for "durable");
 * ``async_ckpt``: ``CheckpointManager.save_async`` (blocking) then ``join`` (durable), with the
-  per-phase breakdown from ``mgr.last_stats``;
+  per-phase breakdown from ``mgr.last_stats``; and ``async_ckpt (lazy)``: the same with
+  ``lazy=True`` (``save_async`` returns once the copies are issued);
 * ``dcp.async_save``: default (a fresh ``DefaultStager`` per call), and ``dcp.async_save (cached
   stager)``: one ``DefaultStager`` reused across saves (its storages are cached and reused;
   pinned when CUDA exists, synchronous staging so that "blocking" means "snapshot taken");

@@ -19,18 +19,24 @@ from ..errors import InvalidStateDictError
 _IMMUTABLE = (int, float, bool, str, bytes, complex, type(None), torch.dtype, torch.device, torch.Size)
 
 
-@dataclass(frozen=True)
 class _Slot:
-    """Placeholder for the i-th tensor of a plan inside the template."""
+    """Placeholder for the i-th tensor of a plan inside the template (one per tensor per save:
+    a plain slotted class, cheaper to create than a dataclass)."""
 
-    index: int
+    __slots__ = ("index",)
+
+    def __init__(self, index: int) -> None:
+        self.index = index
 
 
-@dataclass(frozen=True)
 class _DSlot(_Slot):
     """Placeholder for a DTensor: the i-th tensor is its local shard; ``spec`` rebuilds it."""
 
-    spec: Any = None
+    __slots__ = ("spec",)
+
+    def __init__(self, index: int, spec: Any = None) -> None:
+        super().__init__(index)
+        self.spec = spec
 
 
 try:
@@ -129,14 +135,25 @@ def _walk(value: Any, path: str, plan: StagingPlan) -> Any:
         return _Slot(len(plan.tensors) - 1)
     if isinstance(value, Mapping):
         out = {}
+        tensors, keys = plan.tensors, plan.keys
+        prefix = path + "."
         for k, v in value.items():
-            if not isinstance(k, (str, int)) or isinstance(k, bool):
+            if type(k) is str:
+                sub = prefix + k
+            elif isinstance(k, bool) or not isinstance(k, (str, int)):
                 raise InvalidStateDictError(
                     f"{path}: nested keys must be strings or ints, got {k!r} ({type(k).__name__})"
                 )
-            if isinstance(k, int):
-                plan.int_keys.append(f"{path}.{k}")
-            out[k] = _walk(v, f"{path}.{k}", plan)
+            else:
+                sub = f"{prefix}{k}"
+                if isinstance(k, int):
+                    plan.int_keys.append(sub)
+            if type(v) is torch.Tensor and v.layout == torch.strided:  # inlined common case
+                tensors.append(v.detach() if v.requires_grad else v)
+                keys.append(sub)
+                out[k] = _Slot(len(tensors) - 1)
+            else:
+                out[k] = _walk(v, sub, plan)
         return out
     if isinstance(value, list):
         return [_walk(v, f"{path}.{i}", plan) for i, v in enumerate(value)]
