@@ -232,3 +232,30 @@ def test_one_rank_process_group_takes_the_fast_path(tmp_path):
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_writing_a_checkpoint_leaves_the_global_rng_alone(tmp_path):
+    """Templates are built from random probes: a private generator, never the training run's."""
+    storage = Storage(str(tmp_path))
+    sd = {"w": torch.ones(17, 3), "b": torch.zeros(5, dtype=torch.float64), "h": torch.ones(9, dtype=torch.bfloat16)}
+    torch.manual_seed(1234)
+    expected = torch.rand(4)
+    torch.manual_seed(1234)
+    storage.makedirs(str(tmp_path / "s"))
+    dcp_io.save_state_dict(storage, str(tmp_path / "s"), sd)  # new (dtype, shape) keys: builds templates
+    assert torch.equal(torch.rand(4), expected)
+
+
+def test_size_one_dimension_strides_are_written_as_torch_save_does():
+    """is_contiguous() ignores the stride of a size-1 dimension; torch.save records it."""
+    tpl = RecordTemplates()
+    odd = torch.arange(3.0).as_strided((3, 1), (1, 7))
+    assert odd.is_contiguous()
+    first = tpl.parts(odd)  # the first tensor of its key may even be this one
+    plain = torch.arange(3.0).reshape(3, 1)
+    assert tpl.parts(plain) is not None, "a plain tensor of the same key must use the template"
+    for t in (odd, plain):
+        parts = tpl.parts(t)
+        got = None if parts is None else b"".join(bytes(p) for p in parts)
+        assert got is None or got == _torch_save(t)
+    assert first is None

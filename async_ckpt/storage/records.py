@@ -56,10 +56,11 @@ def _positions(raw: bytes, value: int, lo: int) -> List[int]:
 class _Template:
     """One (dtype, shape)'s archive with the data-dependent fields located."""
 
-    __slots__ = ("head", "data_crc_at", "tail", "tail_base", "sid_prefix_crc", "sid_at", "sid_crc_at",
+    __slots__ = ("strides", "head", "data_crc_at", "tail", "tail_base", "sid_prefix_crc", "sid_at", "sid_crc_at",
                  "crc_before", "crc_after", "nbytes")
 
-    def __init__(self, raw: bytes, nbytes: int) -> None:
+    def __init__(self, raw: bytes, nbytes: int, strides: Tuple[int, ...]) -> None:
+        self.strides = strides  # the (contiguous) strides the archive's pickle records
         zf = zipfile.ZipFile(io.BytesIO(raw))
         infos = zf.infolist()
         names = [i.filename for i in infos]
@@ -147,8 +148,10 @@ class RecordTemplates:
             if not self._eligible(t):
                 return None
             tpl = self._build(t)
+        # The exact strides, not is_contiguous(): that ignores the stride of a size-1 dimension,
+        # which torch.save records.
         if tpl is None or type(t) is not torch.Tensor or not t.is_cpu or t.requires_grad \
-                or t.layout != torch.strided or not t.is_contiguous() or t.is_conj() or t.is_neg():
+                or t.layout != torch.strided or t.stride() != tpl.strides or t.is_conj() or t.is_neg():
             return None
         data = (ctypes.c_char * tpl.nbytes).from_address(t.data_ptr())
         head, tail = tpl.render(data)
@@ -163,9 +166,16 @@ class RecordTemplates:
         key = (t.dtype, tuple(t.shape))
         try:
             nbytes = t.numel() * t.element_size()
-            probe = torch.randint(0, 256, (nbytes,), dtype=torch.uint8).view(t.dtype).reshape(t.shape)
-            tpl = _Template(_torch_save_bytes(probe), nbytes)
-            check = t.detach().clone()
+            # Random contents from a private generator: the global RNG (the training run's) must
+            # not move because a checkpoint was written. Contiguous by construction.
+            gen = torch.Generator().manual_seed(nbytes)
+
+            def sample() -> torch.Tensor:
+                raw = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen)
+                return raw.view(t.dtype).reshape(t.shape)
+
+            probe, check = sample(), sample()
+            tpl = _Template(_torch_save_bytes(probe), nbytes, probe.stride())
             head, tail = tpl.render(_bytes_of(check))
             if head + bytes(_bytes_of(check)) + tail != _torch_save_bytes(check):
                 tpl = None
