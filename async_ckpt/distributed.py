@@ -540,17 +540,19 @@ def has_xla_shards(state_dict: Any) -> bool:
     return cls is not None and any(isinstance(v, cls) for v in _leaves(state_dict))
 
 
-def xla_spmd_active() -> bool:
-    """Whether torch_xla runs in SPMD mode (``xr.use_spmd()``); only then can a tensor be sharded.
+def xla_sharded(items: List[Tuple[int, torch.Tensor]]) -> List[Tuple[int, torch.Tensor]]:
+    """The ``(index, tensor)`` pairs whose tensor is SPMD-sharded (see :func:`is_xla_sharded`).
 
-    Checked once per save, so that a state dict of many tensors skips the per-tensor query.
+    Only SPMD mode (``xr.use_spmd()``) can shard a tensor: outside it, a state dict of many
+    tensors skips the per-tensor query altogether.
     """
     try:
         import torch_xla.runtime as xr
 
-        return bool(xr.is_spmd())
+        spmd = bool(xr.is_spmd())
     except Exception:
-        return False
+        spmd = False
+    return [(i, t) for i, t in items if is_xla_sharded(t)] if spmd else []
 
 
 def is_xla_sharded(t: torch.Tensor) -> bool:

@@ -28,6 +28,7 @@ from torch.distributed.fsdp import fully_shard
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from async_ckpt import CheckpointError, CheckpointManager, InvalidStateDictError  # noqa: E402
 from async_ckpt.storage.dcp_io import load_metadata  # noqa: E402
+from tests.tree import assert_bitwise_equal  # noqa: E402
 
 
 def build(seed: int):
@@ -64,21 +65,6 @@ def full(model, optim):
     return {"model": msd, "optim": osd}
 
 
-def bitwise_equal(a, b, path="root"):
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, path
-        assert torch.equal(a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8)), \
-            f"{path}: bytes differ"
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and set(a) == set(b), f"{path}: keys {sorted(map(str, a))} vs {sorted(map(str, b))}"
-        for k in a:
-            bitwise_equal(a[k], b[k], f"{path}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b)):
-            bitwise_equal(x, y, f"{path}.{i}")
-    else:
-        assert a == b, f"{path}: {a!r} != {b!r}"
 
 
 def agree(value, what: str):
@@ -206,7 +192,7 @@ def scenario_save(root: str, ref_path: str) -> None:
     got = full(model2, optim2)  # the full tensors land on rank 0 (empty elsewhere)
     if rank == 0:
         assert got["model"] and got["optim"]["state"]
-        bitwise_equal(got, ref)
+        assert_bitwise_equal(got, ref)
     assert torch.equal(sd2["extra"]["replicated"], torch.arange(1000, dtype=torch.float32) + 6)
     assert sd2["extra"]["step"] == 6
     # A step that does not exist is an error on every rank, not a hang.
@@ -237,7 +223,7 @@ def scenario_restore(root: str, ref_path: str) -> None:
     set_state_dict(model, optim, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
     got = full(model, optim)  # collective; the full tensors land on rank 0
     if dist.get_rank() == 0:
-        bitwise_equal(got, torch.load(ref_path, weights_only=True))
+        assert_bitwise_equal(got, torch.load(ref_path, weights_only=True))
     # and an older step too, by number
     assert mgr.restore(3, sd) == 3
     mgr.close()

@@ -35,6 +35,8 @@ from async_ckpt.storage import Manifest, RetryPolicy
 from async_ckpt.storage.dcp_io import METADATA_NAME, save_state_dict
 from async_ckpt.storage.manifest import MANIFEST_NAME, MARKER_NAME, PENDING_NAME, crc32c, marker_bytes
 
+from .tree import assert_bitwise_equal, clone_tree
+
 try:
     from tests.faulty_fs import FaultyFileSystem  # noqa: F401  (registers faulty://)
 except ImportError:  # tests/ is not a package: pytest put it on sys.path
@@ -67,31 +69,6 @@ def template() -> dict:
     return s
 
 
-def clone(x):
-    if isinstance(x, torch.Tensor):
-        return x.clone()
-    if isinstance(x, dict):
-        return {k: clone(v) for k, v in x.items()}
-    if isinstance(x, list):
-        return [clone(v) for v in x]
-    return x
-
-
-def assert_bitwise(a, b, path="state"):
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, path
-        assert torch.equal(a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8)), \
-            f"{path}: bytes differ"
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and set(a) == set(b), f"{path}: keys {sorted(a)} vs {sorted(b)}"
-        for k in a:
-            assert_bitwise(a[k], b[k], f"{path}.{k}")
-    elif isinstance(a, list):
-        assert isinstance(b, list) and len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_bitwise(x, y, f"{path}.{i}")
-    else:
-        assert type(a) is type(b) and a == b, f"{path}: {a!r} != {b!r}"
 
 
 def restored(mgr: CheckpointManager, step) -> dict:
@@ -156,7 +133,7 @@ def test_transient_write_failure_is_retried_and_committed(faulty, kind, name):
     assert mgr.all_steps() == [1, 2]
     got, t = restored(mgr, 2)
     assert got == 2
-    assert_bitwise(t, state(2))
+    assert_bitwise_equal(t, state(2))
 
 
 def test_transient_read_failure_is_retried(faulty):
@@ -165,7 +142,7 @@ def test_transient_read_failure_is_retried(faulty):
     fs.inject("read", MANIFEST_NAME, "timeout", times=1)
     got, t = restored(mgr, 1)
     assert got == 1 and len(fs.hits) == 2
-    assert_bitwise(t, state(1))
+    assert_bitwise_equal(t, state(1))
 
 
 def test_write_failing_always_surfaces_at_next_call_and_commits_nothing(faulty):
@@ -183,7 +160,7 @@ def test_write_failing_always_surfaces_at_next_call_and_commits_nothing(faulty):
     assert tree_digest(os.path.join(root, "1")) == before
     got, t = restored(mgr, None)
     assert got == 1
-    assert_bitwise(t, state(1))
+    assert_bitwise_equal(t, state(1))
     # The error is raised once; once storage recovers, saving works again.
     fs.clear()
     mgr.save(4, state(4))
@@ -206,7 +183,7 @@ def test_permanent_error_fails_at_once(faulty, kind, text):
     assert len(fs.hits) == 1, "a permanent error must not be retried"
     assert mgr.all_steps() == [1]
     assert not os.path.exists(os.path.join(root, "2"))
-    assert_bitwise(restored(mgr, 1)[1], state(1))
+    assert_bitwise_equal(restored(mgr, 1)[1], state(1))
 
 
 def test_permanent_error_on_commit_marker_leaves_step_uncommitted(faulty):
@@ -223,7 +200,7 @@ def test_truncated_data_write_is_detected_and_redone(faulty):
     fs.inject("write", "*.distcp", "truncate", times=1)
     mgr.save(2, state(2))
     assert [h[2] for h in fs.hits] == ["truncate"]
-    assert_bitwise(restored(mgr, 2)[1], state(2))
+    assert_bitwise_equal(restored(mgr, 2)[1], state(2))
 
 
 def test_truncated_data_write_always_fails_the_step(faulty):
@@ -246,15 +223,15 @@ def test_truncated_small_file_is_detected_on_restore(faulty, name, problem):
     mgr.save(2, state(2))
     assert mgr.all_steps() == [1, 2]
     t = template()
-    before = clone(t)
+    before = clone_tree(t)
     with pytest.raises(CorruptCheckpointError, match=problem) as ei:
         mgr.restore(2, t)
     assert ei.value.step == 2 and ei.value.path.endswith(name), (ei.value.path, name)
-    assert_bitwise(t, before)
+    assert_bitwise_equal(t, before)
     with pytest.warns(RuntimeWarning, match="skipping damaged step 2"):
         got, t = restored(mgr, None)
     assert got == 1
-    assert_bitwise(t, state(1))
+    assert_bitwise_equal(t, state(1))
 
 
 def test_half_finished_deletion_never_looks_committed(tmp_path):
@@ -350,12 +327,12 @@ def test_damage_is_detected_and_restore_none_falls_back(tmp_path, mode, case):
 
     t = template()
     del t["optim"]["betas"]  # an entry restore would add: it must be taken out again on failure
-    before = clone(t)
+    before = clone_tree(t)
     with pytest.raises(CorruptCheckpointError, match=problem) as ei:
         mgr.restore(2, t)
     assert ei.value.step == 2
     assert os.path.basename(named) in str(ei.value) and ei.value.path == named, (str(ei.value), ei.value.path)
-    assert_bitwise(t, before)  # the state dict passed in is untouched
+    assert_bitwise_equal(t, before)  # the state dict passed in is untouched
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -363,7 +340,7 @@ def test_damage_is_detected_and_restore_none_falls_back(tmp_path, mode, case):
     skipped = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning) and "skipping" in str(w.message)]
     assert got == 1
     assert len(skipped) == 1 and "skipping damaged step 2" in skipped[0] and os.path.basename(named) in skipped[0]
-    assert_bitwise(t, state(1))
+    assert_bitwise_equal(t, state(1))
     mgr.close()
 
 
@@ -376,11 +353,11 @@ def test_every_step_damaged_raises(tmp_path, mode):
     for s in (1, 2):
         _flip(_data_file(os.path.join(root, str(s))))
     t = template()
-    before = clone(t)
+    before = clone_tree(t)
     with pytest.warns(RuntimeWarning, match="skipping damaged step"):
         with pytest.raises(CorruptCheckpointError, match="no committed step .* passed verification"):
             mgr.restore(None, t)
-    assert_bitwise(t, before)
+    assert_bitwise_equal(t, before)
     mgr.close()
 
 
@@ -410,13 +387,13 @@ def test_missing_marker_means_not_committed(tmp_path, mode):
     os.remove(os.path.join(root, "2", MARKER_NAME))
     assert mgr.all_steps() == [1] and mgr.latest_step() == 1
     t = template()
-    before = clone(t)
+    before = clone_tree(t)
     with pytest.raises(StepNotFoundError, match="step 2"):
         mgr.restore(2, t)
-    assert_bitwise(t, before)
+    assert_bitwise_equal(t, before)
     got, t = restored(mgr, None)
     assert got == 1
-    assert_bitwise(t, state(1))
+    assert_bitwise_equal(t, state(1))
     mgr.close()
     # Kept with keep_incomplete=True; otherwise removed by the startup cleanup.
     CheckpointManager(root, commit_mode=mode, keep_incomplete=True).close()
@@ -454,12 +431,12 @@ def test_malicious_metadata_does_not_run(tmp_path, resign):
         rewrite_manifest(d, lambda m: m.files.__setitem__(METADATA_NAME, type(m.files[METADATA_NAME])(
             len(payload), crc32c(payload))))
     t = template()
-    before = clone(t)
+    before = clone_tree(t)
     expected = UnsafeCheckpointError if resign else CorruptCheckpointError
     with pytest.raises(expected, match="system|checksum|size"):
         mgr.restore(2, t)
     assert not pwned.exists(), "unpickling the metadata ran code"
-    assert_bitwise(t, before)
+    assert_bitwise_equal(t, before)
     if resign:
         # A tampered checkpoint is a security problem, not damage: restore(None) does not
         # quietly fall back over it either.
@@ -499,11 +476,11 @@ def test_malicious_object_in_data_is_not_unpickled_and_state_untouched(tmp_path)
     assert not pwned.exists()
     mgr = CheckpointManager(root)
     t = {"w": torch.zeros(10), "z": torch.zeros(4), "evil": None}
-    before = clone(t)
+    before = clone_tree(t)
     with pytest.raises(UnsafeCheckpointError, match="evil"):
         mgr.restore(5, t)
     assert not pwned.exists(), "restoring ran code"
-    assert_bitwise(t, before)
+    assert_bitwise_equal(t, before)
     mgr.close()
 
 
@@ -534,7 +511,7 @@ def test_startup_cleans_incomplete_steps_unless_kept(tmp_path):
     assert mgr.all_steps() == [1, 2]  # never listed, even before the cleanup ran
     mgr.close()  # waits for the background cleanup
     assert sorted(os.listdir(root)) == ["1", "2", "5"]
-    assert_bitwise(restored(CheckpointManager(root), 2)[1], state(2))
+    assert_bitwise_equal(restored(CheckpointManager(root), 2)[1], state(2))
 
 
 @pytest.mark.parametrize("old_copy", [False, True])
@@ -555,7 +532,7 @@ def test_startup_completes_an_interrupted_rename_commit(tmp_path, old_copy):
     assert mgr.all_steps() == [1, 3]
     got, t = restored(mgr, None)
     assert got == 3
-    assert_bitwise(t, state(3))
+    assert_bitwise_equal(t, state(3))
     mgr.close()
     assert sorted(os.listdir(root)) == ["1", "3"]
 
@@ -605,19 +582,19 @@ def test_bad_input_raises_typed_errors_and_never_damages_committed(tmp_path):
     # Mismatches name the keys, shapes and dtypes involved; the target is left untouched.
     t = template()
     t["model"]["extra"] = torch.zeros(3)
-    before = clone(t)
+    before = clone_tree(t)
     raises(StateDictMismatchError, lambda: mgr.restore(1, t), "model.extra")
-    assert_bitwise(t, before)
+    assert_bitwise_equal(t, before)
     t = template()
     t["model"]["w"] = torch.zeros(64, 47)
-    before = clone(t)
+    before = clone_tree(t)
     raises(StateDictMismatchError, lambda: mgr.restore(1, t), "model.w", "(64, 47)", "(64, 48)")
-    assert_bitwise(t, before)
+    assert_bitwise_equal(t, before)
     t = template()
     t["optim"]["m"] = t["optim"]["m"].to(torch.int32)
-    before = clone(t)
+    before = clone_tree(t)
     raises(StateDictMismatchError, lambda: mgr.restore(1, t), "optim.m", "int32", "int64")
-    assert_bitwise(t, before)
+    assert_bitwise_equal(t, before)
 
     # An unwritable location fails at construction with a typed error.
     blocker = tmp_path / "a_file"
@@ -626,6 +603,6 @@ def test_bad_input_raises_typed_errors_and_never_damages_committed(tmp_path):
 
     assert tree_digest(root) == digest, "a bad call changed a committed checkpoint"
     assert mgr.all_steps() == [1]
-    assert_bitwise(restored(mgr, 1)[1], state(1))
+    assert_bitwise_equal(restored(mgr, 1)[1], state(1))
     mgr.save(2, state(2))  # the manager still works
     mgr.close()

@@ -571,12 +571,12 @@ def _lazy_xla(stager, items, host, leases, pairs, names, xla_sync, xla_host_view
     """PJRT CPU: zero-copy views of the (immutable) device buffers taken now, O(#tensors);
     their bytes are copied in the background. Anything else is staged eagerly."""
     xla_sync([t for _, t in items])
-    from ..distributed import is_xla_sharded, xla_spmd_active
+    from ..distributed import xla_sharded
     from .stager import _unique
 
     views = None
     srcs, uniq = _unique(items)
-    if not xla_spmd_active() or not any(is_xla_sharded(t) for _, t in items):
+    if not xla_sharded(items):
         views = xla_host_views(srcs)
     if views is None:  # TPU/GPU buffers, SPMD shards: no host view to hold; stage them now
         stager._stage_xla(items, host, leases)

@@ -285,11 +285,10 @@ class Stager:
 
     def _stage_xla(self, items, host, leases) -> Optional[List[torch.Tensor]]:
         """Stage XLA tensors into ``host``; return the DLPack views used, if any (see ``sources``)."""
-        xts = [t for _, t in items]
-        xla_sync(xts)
-        from ..distributed import is_xla_sharded, stage_xla_shards, xla_spmd_active
+        xla_sync([t for _, t in items])
+        from ..distributed import stage_xla_shards, xla_sharded
 
-        sharded = [(i, t) for i, t in items if is_xla_sharded(t)] if xla_spmd_active() else []
+        sharded = xla_sharded(items)
         if sharded:
             # SPMD: host copies of this process's shards (one replica each), not the global tensor.
             srcs_sh, ids = _unique(sharded)
@@ -299,7 +298,7 @@ class Stager:
             items = [(i, t) for i, t in items if host[i] is None]
             if not items:
                 return None
-        views = xla_host_views(xts if len(xts) == len(items) else [t for _, t in items])
+        views = xla_host_views([t for _, t in items])
         if views is not None:
             # Zero-copy views of the PJRT host buffers, then one batched copy into pooled
             # buffers. A tensor listed twice (tied parameters) gives two views of one buffer,

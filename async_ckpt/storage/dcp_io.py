@@ -68,40 +68,7 @@ METADATA_NAME = ".metadata"
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 
-class _ChecksumStream:
-    """Write-through stream that counts bytes and computes CRC32C as data passes."""
-
-    def __init__(self, f: Any) -> None:
-        self._f = f
-        self.size = 0
-        self.crc = 0
-        self.error: Optional[BaseException] = None  # torch.save hides it behind a RuntimeError
-
-    def write(self, b: Any) -> int:
-        mv = memoryview(b).cast("B")
-        self.crc = crc32c(mv, self.crc)
-        try:
-            self._f.write(mv)
-        except BaseException as exc:
-            self.error = exc
-            raise
-        self.size += mv.nbytes
-        return mv.nbytes
-
-    def tell(self) -> int:
-        return self.size
-
-    def flush(self) -> None:
-        pass
-
-    def writable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return False
-
-
-def _item_bytes(planner: SavePlanner, item: Any) -> int:
+def _item_bytes(item: Any) -> int:
     if item.type == WriteItemType.BYTE_IO:
         return 1024
     return item.tensor_data.size.numel() * item.tensor_data.properties.dtype.itemsize if item.tensor_data else 0
@@ -113,24 +80,23 @@ MIN_FILE_BYTES = 16 * 2**20  # below this, more files cost more than they parall
 MAX_FILES = 4096  # per rank and checkpoint, whatever ``max_file_bytes`` asks for
 
 
-def _balance(items: List[Any], size_of: Callable[[Any], int], buckets: int,
+def _balance(items: List[Any], sizes: List[int], buckets: int,
              max_file_bytes: Optional[int] = None) -> List[List[Any]]:
-    """Greedy size balancing of write items over at most ``buckets`` files.
+    """Greedy size balancing of write items (``sizes[i]`` bytes each) over at most ``buckets`` files.
 
     With ``max_file_bytes`` (object stores) there are more files, about that size each, so
     that they upload as many concurrent single-request objects; threads stay ``buckets``.
     """
-    sizes = {id(it): size_of(it) for it in items}
-    total = sum(sizes.values())
+    total = sum(sizes)
     buckets = min(buckets, max(1, -(-total // MIN_FILE_BYTES)))
     if max_file_bytes:
         buckets = max(buckets, min(MAX_FILES, len(items), -(-total // max_file_bytes)))
     out: List[List[Any]] = [[] for _ in range(max(1, buckets))]
     loads = [0] * len(out)
-    for item in sorted(items, key=lambda it: -sizes[id(it)]):
+    for i in sorted(range(len(items)), key=lambda i: -sizes[i]):
         k = loads.index(min(loads))
-        out[k].append(item)
-        loads[k] += sizes[id(item)]
+        out[k].append(items[i])
+        loads[k] += sizes[i]
     return [b for b in out if b]
 
 
@@ -139,18 +105,33 @@ _RECORDS = RecordTemplates()  # shared by every save in the process: templates d
 _COALESCE_BYTES = 4 * 2**20  # small records are gathered into writes of about this size
 
 
-class _RecordStream(_ChecksumStream):
-    """A checksummed stream that gathers small writes into large ones (fewer syscalls/requests)."""
+class _RecordStream:
+    """Write-through stream that counts bytes and computes CRC32C as data passes, gathering
+    small writes into large ones (fewer syscalls/requests)."""
 
     def __init__(self, f: Any) -> None:
-        super().__init__(f)
+        self._f = f
+        self.size = 0  # bytes passed on to ``f``
+        self.crc = 0
+        self.error: Optional[BaseException] = None  # torch.save hides it behind a RuntimeError
         self._pending = bytearray()
+
+    def _write_through(self, b: Any) -> int:
+        mv = memoryview(b).cast("B")
+        self.crc = crc32c(mv, self.crc)
+        try:
+            self._f.write(mv)
+        except BaseException as exc:
+            self.error = exc
+            raise
+        self.size += mv.nbytes
+        return mv.nbytes
 
     def write(self, b: Any) -> int:
         n = memoryview(b).nbytes
         if n >= 65536:
             self.flush_pending()
-            return super().write(b)
+            return self._write_through(b)
         self._pending += b  # no cast: a memoryview cast costs more than the copy of a small record
         if len(self._pending) >= _COALESCE_BYTES:
             self.flush_pending()
@@ -171,21 +152,25 @@ class _RecordStream(_ChecksumStream):
     def flush_pending(self) -> None:
         if self._pending:
             data, self._pending = self._pending, bytearray()
-            super().write(data)
+            self._write_through(data)
+
+    def flush(self) -> None:
+        pass
+
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return False
 
 
 def _write_item(stream: _RecordStream, data: Any) -> None:
     """Append one DCP item: a ``BytesIO``'s bytes, or a tensor as ``torch.save`` writes it."""
-    if type(data) is torch.Tensor and data.is_cpu:  # the common case first: a staged host tensor
-        parts = _RECORDS.parts(data)
-        if parts is not None:  # torch.save's exact bytes, from a template
-            stream.write_record(*parts)
-            return
     if isinstance(data, io.BytesIO):
         stream.write(data.getbuffer())
         return
-    t = data.detach()
-    if t.device.type != "cpu":
+    t = data.detach() if data.requires_grad else data
+    if not t.is_cpu:
         t = t.cpu()
     parts = _RECORDS.parts(t)
     if parts is not None:  # torch.save's exact bytes, from a template
@@ -287,10 +272,10 @@ class FsspecStorageWriter(StorageWriter):
         return [dataclasses.replace(p, storage_data=_StoragePrefix(f"__{i}_")) for i, p in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
-        buckets = _balance(plan.items, lambda it: _item_bytes(planner, it), self.threads,
+        buckets = _balance(plan.items, [_item_bytes(it) for it in plan.items], self.threads,
                            self.storage.max_file_bytes)
         jobs = [[lambda item=item: planner.resolve_data(item) for item in bucket] for bucket in buckets]
-        hints = [sum(_item_bytes(planner, item) for item in bucket) for bucket in buckets]
+        hints = [sum(_item_bytes(item) for item in bucket) for bucket in buckets]
         outs = _write_files(self.storage, self.path, plan.storage_data.prefix, jobs, hints, self.threads)
         files, where = _results([[item.index for item in bucket] for bucket in buckets], outs)
         self.files.update(files)
@@ -745,15 +730,13 @@ def _save_local(storage: Storage, path: str, state_dict: Dict[str, Any], *,
                                    and layout.mappings == mappings):
         layout = None
 
-    def resolve(obj: Any) -> Any:
-        if isinstance(obj, torch.Tensor):
-            return obj
+    def serialised(obj: Any) -> io.BytesIO:
         buf = io.BytesIO()  # what DefaultSavePlanner.resolve_data does with a non-tensor
         torch.save(obj, buf)
         return buf
 
     def job(obj: Any) -> Callable[[], Any]:
-        return (lambda: obj) if isinstance(obj, torch.Tensor) else (lambda: resolve(obj))
+        return (lambda: obj) if isinstance(obj, torch.Tensor) else (lambda: serialised(obj))
 
     if layout is not None:
         outs = _write_files(storage, path, "__0_", [[job(objs[k]) for k in b] for b in layout.buckets],
@@ -764,10 +747,11 @@ def _save_local(storage: Storage, path: str, state_dict: Dict[str, Any], *,
             files[METADATA_NAME] = layout.files_meta
             return files
         # An object's pickle changed length: same files, new .metadata (built below).
-        buckets = layout.buckets
+        buckets, hints = layout.buckets, layout.hints
     else:
         sizes = [o.numel() * o.element_size() if isinstance(o, torch.Tensor) else 1024 for o in objs]
-        buckets = _balance(list(range(len(objs))), sizes.__getitem__, threads, storage.max_file_bytes)
+        buckets = _balance(list(range(len(objs))), sizes, threads, storage.max_file_bytes)
+        hints = [sum(sizes[k] for k in b) for b in buckets]
         outs = None
 
     sizes_: Dict[torch.Size, torch.Size] = {}
@@ -794,11 +778,7 @@ def _save_local(storage: Storage, path: str, state_dict: Dict[str, Any], *,
             md[fqn] = BytesStorageMetadata()
             indices.append(MetadataIndex(fqn))
     if outs is None:
-        hints = [sum(objs[k].numel() * objs[k].element_size() if isinstance(objs[k], torch.Tensor) else 1024
-                     for k in b) for b in buckets]
         outs = _write_files(storage, path, "__0_", [[job(objs[k]) for k in b] for b in buckets], hints, threads)
-    else:
-        hints = layout.hints  # type: ignore[union-attr]
     files, where = _results([[indices[k] for k in b] for b in buckets], outs)
     metadata = Metadata(state_dict_metadata=md, planner_data=mappings, storage_data=where,
                         storage_meta=StorageMeta(checkpoint_id=None, save_id=""))

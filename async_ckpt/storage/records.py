@@ -56,7 +56,7 @@ def _positions(raw: bytes, value: int, lo: int) -> List[int]:
 class _Template:
     """One (dtype, shape)'s archive with the data-dependent fields located."""
 
-    __slots__ = ("strides", "head", "data_crc_at", "tail", "tail_base", "sid_prefix_crc", "sid_at", "sid_crc_at",
+    __slots__ = ("strides", "head", "data_crc_at", "tail", "sid_prefix_crc", "sid_at", "sid_crc_at",
                  "crc_before", "crc_after", "nbytes")
 
     def __init__(self, raw: bytes, nbytes: int, strides: Tuple[int, ...]) -> None:
