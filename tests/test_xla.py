@@ -77,24 +77,3 @@ def test_xla_tied_parameters_staged_once(xla_device):
     assert snap.state_dict["a"] is snap.state_dict["b"]
     snap.release()
 
-
-def test_xla_sync_only_when_a_staged_tensor_has_pending_work(xla_device, monkeypatch):
-    """torch_xla.sync() walks every live tensor: it runs only if one of ours is not materialised."""
-    import torch_xla
-
-    calls = []
-    real_sync = torch_xla.sync
-    monkeypatch.setattr(torch_xla, "sync", lambda *a, **k: (calls.append(1), real_sync(*a, **k))[1])
-    a = torch.arange(32, dtype=torch.float32).to(xla_device)
-    b = torch.ones(8).to(xla_device)
-    real_sync()
-    st = Stager()
-    snap = st.stage({"a": a, "b": b})  # both materialised: no sync
-    assert calls == []
-    assert_bitwise_equal(snap.state_dict, {"a": torch.arange(32, dtype=torch.float32), "b": torch.ones(8)})
-    snap.release()
-    b.mul_(5)  # now one of them has pending IR
-    snap = st.stage({"a": a, "b": b})
-    assert calls == [1]
-    assert_bitwise_equal(snap.state_dict, {"a": torch.arange(32, dtype=torch.float32), "b": torch.full((8,), 5.0)})
-    snap.release()

@@ -79,20 +79,15 @@ def xla_host_views(tensors: Sequence[torch.Tensor]) -> Optional[List[torch.Tenso
     return views
 
 
-def xla_sync(tensors: Optional[Sequence[torch.Tensor]] = None) -> None:
+def xla_sync() -> None:
     """Materialise pending XLA computations so device buffers hold the current values.
 
-    With ``tensors``, only if one of them has a pending computation: ``torch_xla.sync()``
-    walks every live XLA tensor (25-35 ms with 10,000 of them) even when there is nothing to
-    run, while the check costs under 1 µs a tensor. A training loop that already calls
-    ``torch_xla.sync()`` each step then pays nothing here.
+    Always called, even when ``_check_tensor_need_materialization`` says no tensor has pending
+    work: skipping it then made one CI run abort inside ``_to_dlpack`` right after the user's
+    own asynchronous ``torch_xla.sync()`` (most likely a data handle whose buffer did not exist
+    yet). ``torch_xla.sync()`` orders the views after that execution.
     """
     import torch_xla
-
-    if tensors is not None:
-        check = getattr(torch_xla._XLAC, "_check_tensor_need_materialization", None)
-        if check is not None and not any(check(list(tensors))):
-            return
 
     sync = getattr(torch_xla, "sync", None)
     if sync is not None:
