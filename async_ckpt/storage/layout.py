@@ -164,7 +164,13 @@ class CheckpointLayout:
         except FileNotFoundError:
             return  # already gone
         self.storage.rm(self.marker_path(step), recursive=False)
-        self.storage.rm(self.step_dir(step))
+        d = self.step_dir(step)
+        # Everything but the sentinel first: a recursive delete may take it before the data,
+        # and a kill then left data that cleanup could not recognise (found by the crash trials).
+        for e in self.storage.listdir(d):
+            if e["name"] != PENDING_NAME:
+                self.storage.rm(f"{d}/{e['name']}")
+        self.storage.rm(d)
 
     def is_ours_incomplete(self, path: str) -> bool:
         """An unmarked step directory that async_ckpt wrote (sentinel or manifest), or an empty one.
