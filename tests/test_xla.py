@@ -77,3 +77,33 @@ def test_xla_tied_parameters_staged_once(xla_device):
     assert snap.state_dict["a"] is snap.state_dict["b"]
     snap.release()
 
+
+
+_RACE = r"""
+import torch, torch_xla
+from async_ckpt.staging import Stager
+dev = torch_xla.device()
+xs = [torch.randn(1 << 20).to(dev) for _ in range(16)]
+torch_xla.sync()
+st = Stager()
+for rep in range(40):
+    xs = [x * 1.0001 + 1 for x in xs]
+    torch_xla.sync()  # asynchronous: the outputs may not exist yet when the stage starts
+    snap = st.stage({str(i): x for i, x in enumerate(xs)})
+    for i, x in enumerate(xs):
+        assert torch.equal(snap.state_dict[str(i)], x.cpu()), (rep, i)
+    snap.release()
+print("RACE-OK")
+"""
+
+
+def test_xla_stage_right_after_async_sync_does_not_abort(xla_device):
+    """A training loop's ``torch_xla.sync()`` returns before the execution finishes; a DLPack
+    view of an output taken then aborted the process. Run in a subprocess: an abort is fatal."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PJRT_DEVICE="CPU")
+    proc = subprocess.run([sys.executable, "-c", _RACE], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "RACE-OK" in proc.stdout, proc.stderr[-2000:]

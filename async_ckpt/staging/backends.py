@@ -79,23 +79,32 @@ def xla_host_views(tensors: Sequence[torch.Tensor]) -> Optional[List[torch.Tenso
     return views
 
 
-def xla_sync() -> None:
-    """Materialise pending XLA computations so device buffers hold the current values.
+def xla_sync(tensors: Optional[Sequence[torch.Tensor]] = None) -> None:
+    """Materialise pending XLA computations and wait until every device buffer exists.
 
-    Always called, even when ``_check_tensor_need_materialization`` says no tensor has pending
-    work: skipping it then made one CI run abort inside ``_to_dlpack`` right after the user's
-    own asynchronous ``torch_xla.sync()`` (most likely a data handle whose buffer did not exist
-    yet). ``torch_xla.sync()`` orders the views after that execution.
+    With ``tensors``, ``torch_xla.sync()`` runs only if one of them has a pending computation:
+    it walks every live XLA tensor (15-35 ms with 10,000 of them) even when there is nothing to
+    run, while the check costs under 1 us a tensor.
+
+    The wait is unconditional. ``torch_xla.sync()`` only launches an execution: until it
+    finishes, its outputs are handles without a PJRT buffer, and ``_to_dlpack`` on one aborts
+    the whole process (``Check failed: pjrt_buffer != nullptr``). A training loop's own
+    ``torch_xla.sync()`` right before ``save_async`` leaves exactly that behind. (A second
+    ``sync()`` happens to wait for the first one, which is why an unconditional sync never
+    aborted; the explicit wait does not rely on it and costs ~10 us when nothing runs.)
     """
     import torch_xla
 
-    sync = getattr(torch_xla, "sync", None)
-    if sync is not None:
-        sync()
-    else:  # older torch_xla
-        import torch_xla.core.xla_model as xm
+    check = getattr(torch_xla._XLAC, "_check_tensor_need_materialization", None)
+    if tensors is None or check is None or any(check(list(tensors))):
+        sync = getattr(torch_xla, "sync", None)
+        if sync is not None:
+            sync()
+        else:  # older torch_xla
+            import torch_xla.core.xla_model as xm
 
-        xm.mark_step()
+            xm.mark_step()
+    torch_xla._XLAC._xla_wait_device_ops([])
 
 
 def xla_batched_to_cpu(tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:

@@ -570,7 +570,7 @@ def _lazy_local(stager, items, host, leases, pairs, names, xla) -> None:
 def _lazy_xla(stager, items, host, leases, pairs, names, xla_sync, xla_host_views) -> None:
     """PJRT CPU: zero-copy views of the (immutable) device buffers taken now, O(#tensors);
     their bytes are copied in the background. Anything else is staged eagerly."""
-    xla_sync()
+    xla_sync([t for _, t in items])
     from ..distributed import xla_sharded
     from .stager import _unique
 

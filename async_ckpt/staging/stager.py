@@ -285,7 +285,7 @@ class Stager:
 
     def _stage_xla(self, items, host, leases) -> Optional[List[torch.Tensor]]:
         """Stage XLA tensors into ``host``; return the DLPack views used, if any (see ``sources``)."""
-        xla_sync()
+        xla_sync([t for _, t in items])
         from ..distributed import stage_xla_shards, xla_sharded
 
         sharded = xla_sharded(items)
