@@ -259,3 +259,34 @@ def test_size_one_dimension_strides_are_written_as_torch_save_does():
         got = None if parts is None else b"".join(bytes(p) for p in parts)
         assert got is None or got == _torch_save(t)
     assert first is None
+
+
+def _flatten_cases():
+    t = [torch.full((2,), float(i)) for i in range(8)]
+    return [
+        {"model": {"a": t[0], "b": {"c": t[1]}}, "step": 3},
+        {"optim": {"state": {0: {"exp_avg": t[2], "step": t[3]}, 1: {}},
+                   "param_groups": [{"lr": 0.1, "params": [0, 1]}]}},
+        {"lists": [t[4], [t[5], 7], {"x": t[6]}], "ints": [1, 2, 3], "tup": (t[7], 1), "none": None},
+        {"empty": {}, "nested": {"empty_list": [], "s": "text"}, 5: t[0]},
+        {"a.b": t[0], "a": {"b": t[1]}},  # duplicated flattened key: DCP raises
+        {"a": [t[0]], "a.0": t[1]},  # the same through a list
+    ]
+
+
+@pytest.mark.parametrize("case", range(len(_flatten_cases())))
+def test_flatten_matches_dcp(case):
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    sd = _flatten_cases()[case]
+    try:
+        expected = flatten_state_dict(sd)
+    except ValueError as exc:
+        with pytest.raises(ValueError, match="duplicated flatten key"):
+            dcp_io._flatten(sd)
+        assert "duplicated" in str(exc)
+        return
+    flat, mappings = dcp_io._flatten(sd)
+    assert list(flat) == list(expected[0]), "same keys, same order"
+    assert all(flat[k] is expected[0][k] for k in flat), "the same objects"
+    assert mappings == expected[1] and list(mappings) == list(expected[1])

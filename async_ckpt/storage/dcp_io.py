@@ -27,6 +27,7 @@ import threading
 import warnings
 import zipfile
 from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Mapping
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -55,7 +56,8 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.distributed._shard._utils import narrow_tensor_by_index
-from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint._traverse import set_element, traverse_state_dict
+from torch.distributed.checkpoint import _version as _dcp_version
 
 from ..errors import CorruptCheckpointError, UnsafeCheckpointError
 from .fs import READ_RANGE_BYTES, Storage
@@ -164,18 +166,27 @@ class _RecordStream:
         return False
 
 
-def _write_item(stream: _RecordStream, data: Any) -> None:
-    """Append one DCP item: a ``BytesIO``'s bytes, or a tensor as ``torch.save`` writes it."""
+def _write_item(stream: _RecordStream, data: Any) -> int:
+    """Append one DCP item: a ``BytesIO``'s bytes, or a tensor as ``torch.save`` writes it.
+    Returns its length."""
+    if type(data) is torch.Tensor:  # the common case: straight into the pending buffer
+        pending = stream._pending
+        n = _RECORDS.append(pending, data)
+        if n >= 0:
+            if len(pending) >= _COALESCE_BYTES:
+                stream.flush_pending()
+            return n
+    start = stream.tell()
     if isinstance(data, io.BytesIO):
         stream.write(data.getbuffer())
-        return
+        return stream.tell() - start
     t = data.detach() if data.requires_grad else data
     if not t.is_cpu:
         t = t.cpu()
     parts = _RECORDS.parts(t)
     if parts is not None:  # torch.save's exact bytes, from a template
         stream.write_record(*parts)
-        return
+        return stream.tell() - start
     if t.untyped_storage().nbytes() != t.numel() * t.element_size():
         t = t.clone()  # torch.save writes whole storages: keep only this view
     try:
@@ -184,6 +195,7 @@ def _write_item(stream: _RecordStream, data: Any) -> None:
         if stream.error is not None:  # the storage's own error decides retrying
             raise stream.error
         raise
+    return stream.tell() - start
 
 
 # One file's items, each a callable returning the data (a tensor or a BytesIO).
@@ -211,9 +223,7 @@ def _write_files(storage: Storage, path: str, prefix: str, buckets: List[_Jobs],
         with storage.open_write(f"{path}/{name}", size_hint=hints[k]) as f:
             stream = _RecordStream(f)
             for resolve in jobs:
-                offset = stream.tell()
-                _write_item(stream, resolve())
-                lengths.append(stream.tell() - offset)
+                lengths.append(_write_item(stream, resolve()))
             stream.flush_pending()
         # A silently short write (a full or flaky disk, a FUSE mount) fails the attempt with
         # EIO, which is transient, so the file is redone. gs:// and s3:// need no check:
@@ -669,6 +679,48 @@ def _metadata_index(fqn: str, offset: torch.Size, index: int) -> MetadataIndex:
     return idx
 
 
+def _flatten(state_dict: Dict[str, Any]) -> Tuple[Dict[str, Any], Dict[str, Tuple[Any, ...]]]:
+    """``flatten_state_dict(state_dict)``: the same keys in the same order, values, mappings and
+    errors, at ~1 µs per entry instead of ~8: nested mappings and their leaves are walked here;
+    lists (whose flattening depends on what they hold) are handed to DCP's own traversal."""
+    if _dcp_version._derived_version == "2_3":  # DCP's pre-2.4 layout: its own code only
+        return flatten_state_dict(state_dict)
+    flat: Dict[str, Any] = {}
+    mappings: Dict[str, Tuple[Any, ...]] = {}
+    tensor = torch.Tensor
+
+    def put(fqn: str, path: Tuple[Any, ...], value: Any) -> None:
+        if fqn in flat:
+            raise ValueError(f"duplicated flatten key {fqn}")
+        flat[fqn] = value
+        mappings[fqn] = path
+
+    def walk(path: Tuple[Any, ...], prefix: str, mapping: Any) -> None:
+        for k, v in mapping.items():
+            ks = str(k)
+            if type(v) is tensor:  # the common case first: a terminal leaf
+                fqn = prefix + ks
+                if fqn in flat:
+                    raise ValueError(f"duplicated flatten key {fqn}")
+                flat[fqn] = v
+                mappings[fqn] = path + (ks,)
+            elif isinstance(v, Mapping):
+                walk(path + (ks,), prefix + ks + ".", v)
+            elif isinstance(v, list):
+                base = path + (ks,)
+
+                def visit(sub: Tuple[Any, ...], value: Any, base: Tuple[Any, ...] = base) -> None:
+                    full = base + sub[1:]
+                    put(".".join(map(str, full)), full, value)
+
+                traverse_state_dict({"": v}, visit)
+            else:  # anything else is a leaf, a tuple included
+                put(prefix + ks, path + (ks,), v)
+
+    walk((), "", state_dict)
+    return flat, mappings
+
+
 @dataclasses.dataclass
 class _Layout:
     """What one state dict layout writes: reused while the next saves have the same layout."""
@@ -711,7 +763,7 @@ def _save_local(storage: Storage, path: str, state_dict: Dict[str, Any], *,
         if not isinstance(value, torch.Tensor) and callable(getattr(value, "state_dict", None)) \
                 and callable(getattr(value, "load_state_dict", None)):
             return None
-    flat, mappings = flatten_state_dict(state_dict)
+    flat, mappings = _flatten(state_dict)
     objs = list(flat.values())
     sig: List[Any] = []
     tensor_type = torch.Tensor

@@ -57,7 +57,7 @@ class _Template:
     """One (dtype, shape)'s archive with the data-dependent fields located."""
 
     __slots__ = ("strides", "head", "data_crc_at", "tail", "sid_prefix_crc", "sid_at", "sid_crc_at",
-                 "crc_before", "crc_after", "nbytes")
+                 "crc_before", "crc_after", "nbytes", "length", "ctype")
 
     def __init__(self, raw: bytes, nbytes: int, strides: Tuple[int, ...]) -> None:
         self.strides = strides  # the (contiguous) strides the archive's pickle records
@@ -93,25 +93,37 @@ class _Template:
         self.head = raw[:start]
         self.tail = raw[end:]
         self.nbytes = nbytes
+        self.length = len(raw)
+        self.ctype = ctypes.c_char * nbytes  # the data as a buffer, straight from its address
 
-    def render(self, data: Any) -> Tuple[bytes, bytes]:
-        """(head, tail) of the archive whose ``data/0`` holds ``data``."""
+    def append_to(self, out: bytearray, data: Any) -> int:
+        """Append the archive whose ``data/0`` holds ``data`` to ``out``; return its length."""
         crc = zlib.crc32(data)
         combined = _hash_combine(self.crc_before, crc)
         for c in self.crc_after:
             combined = _hash_combine(combined, c)
         digits = b"%020d" % combined
-        tail = bytearray(self.tail)
-        pack = _pack_u32
         sid_crc = zlib.crc32(digits, self.sid_prefix_crc)
+        out += self.head
+        out += data
+        at = len(out)
+        out += self.tail
+        pack = _pack_u32
         p0, p1 = self.data_crc_at
-        pack(tail, p0, crc)
-        pack(tail, p1, crc)
-        tail[self.sid_at:self.sid_at + 20] = digits
+        pack(out, at + p0, crc)
+        pack(out, at + p1, crc)
+        sid = at + self.sid_at
+        out[sid:sid + 20] = digits
         p0, p1 = self.sid_crc_at
-        pack(tail, p0, sid_crc)
-        pack(tail, p1, sid_crc)
-        return self.head, tail
+        pack(out, at + p0, sid_crc)
+        pack(out, at + p1, sid_crc)
+        return self.length
+
+    def render(self, data: Any) -> Tuple[bytes, bytes]:
+        """(head, tail) of the archive whose ``data/0`` holds ``data``."""
+        out = bytearray()
+        self.append_to(out, data)
+        return self.head, out[len(self.head) + self.nbytes:]
 
 
 _pack_u32 = struct.Struct("<I").pack_into
@@ -142,7 +154,8 @@ class RecordTemplates:
         self._templates: Dict[Tuple[torch.dtype, Tuple[int, ...]], Optional[_Template]] = {}
         self._lock = threading.Lock()
 
-    def parts(self, t: torch.Tensor) -> Optional[List[Any]]:
+    def template(self, t: torch.Tensor) -> Optional[_Template]:
+        """The checked template for ``t``, or ``None`` when ``t`` must go through ``torch.save``."""
         tpl = self._templates.get((t.dtype, t.shape), False)
         if tpl is False:
             if not self._eligible(t):
@@ -153,7 +166,22 @@ class RecordTemplates:
         if tpl is None or type(t) is not torch.Tensor or not t.is_cpu or t.requires_grad \
                 or t.layout != torch.strided or t.stride() != tpl.strides or t.is_conj() or t.is_neg():
             return None
-        data = (ctypes.c_char * tpl.nbytes).from_address(t.data_ptr())
+        return tpl
+
+    def append(self, out: bytearray, t: torch.Tensor) -> int:
+        """Append ``torch.save(t)``'s bytes to ``out`` and return their length; ``-1`` (nothing
+        appended) when ``t`` is not eligible."""
+        tpl = self.template(t)
+        if tpl is None:
+            return -1
+        return tpl.append_to(out, tpl.ctype.from_address(t.data_ptr()))
+
+    def parts(self, t: torch.Tensor) -> Optional[List[Any]]:
+        """``torch.save(t)``'s bytes as ``[head, data, tail]`` (``data`` aliases ``t``), or ``None``."""
+        tpl = self.template(t)
+        if tpl is None:
+            return None
+        data = tpl.ctype.from_address(t.data_ptr())
         head, tail = tpl.render(data)
         return [head, data, tail]
 
