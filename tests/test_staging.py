@@ -108,3 +108,56 @@ def test_many_small_tensors_round_trip():
     snap = st.stage(sd)
     assert st.pool.allocations == 1, "small tensors share one pooled slab"
     snap.release()
+
+
+def _mixed_state(seed: int, small_shape=(32, 8), n_small: int = 50):
+    g = torch.Generator().manual_seed(seed)
+    sd = {"small": {f"p{i}": torch.randn(*small_shape, generator=g) for i in range(n_small)},
+          "big": torch.randn(300, 300, generator=g), "ints": torch.randint(0, 100, (70_000,), generator=g),
+          "half": torch.randn(9, generator=g).half(), "step": seed}
+    return sd
+
+
+def test_remembered_layout_is_reused_and_stays_exact(monkeypatch):
+    """The second save of a layout skips lay_out; every save, including ones whose layout changed
+    or whose first snapshot is still held (the other slab of a pair), restores bit for bit."""
+    from async_ckpt.staging import stager as stager_mod
+
+    calls = []
+    real = stager_mod.lay_out
+    monkeypatch.setattr(stager_mod, "lay_out", lambda *a, **k: calls.append(1) or real(*a, **k))
+    st = Stager()
+    sd = _mixed_state(0)
+    st.stage(sd).release()
+    assert len(calls) == 1
+    s1 = st.stage(sd)
+    assert len(calls) == 1, "an unchanged layout is redone from memory"
+    expected1 = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in sd.items()}
+    expected1["small"] = {k: v.clone() for k, v in sd["small"].items()}
+    assert_bitwise_equal(s1.state_dict, expected1)
+    for v in sd["small"].values():  # s1 is still held: the next save must use other buffers
+        v.add_(1.0)
+    sd["big"].mul_(-1.0)
+    s2 = st.stage(sd)
+    assert len(calls) == 1
+    assert_bitwise_equal(s1.state_dict, expected1)
+    assert_bitwise_equal(s2.state_dict, sd)
+    assert s2.state_dict["small"]["p0"].data_ptr() != s1.state_dict["small"]["p0"].data_ptr()
+    s1.release(), s2.release()
+    s3 = st.stage(sd)  # back to the first pair of buffers: their views are cached
+    assert_bitwise_equal(s3.state_dict, sd)
+    s3.release()
+    # A changed shape, a tie, a non-contiguous view: lay_out decides again, and all stay exact.
+    for change in ("shape", "tie", "view"):
+        sd2 = _mixed_state(1, small_shape=(16, 16) if change == "shape" else (32, 8))
+        if change == "tie":
+            sd2["small"]["p1"] = sd2["small"]["p0"]
+        if change == "view":
+            sd2["small"]["p2"] = sd2["big"][:, :8]
+        before = len(calls)
+        snap = st.stage(sd2)
+        assert len(calls) == before + 1
+        assert_bitwise_equal(snap.state_dict, sd2)
+        if change == "tie":
+            assert snap.state_dict["small"]["p1"] is snap.state_dict["small"]["p0"]
+        snap.release()

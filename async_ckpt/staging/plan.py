@@ -10,6 +10,7 @@ from __future__ import annotations
 import pickle
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Any, Dict, List, Tuple
 
 import torch
@@ -77,12 +78,17 @@ class StagingPlan:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors)
+        return sum(map(attrgetter("nbytes"), self.tensors))
 
     def by_device_type(self) -> Dict[str, List[Tuple[int, torch.Tensor]]]:
         """``(index, tensor)`` pairs grouped by device type (``"cpu"``, ``"cuda"``, ``"xla"``)."""
+        ts = self.tensors
+        if ts:  # one device type throughout (the usual case): decided in C-level loops
+            for kind, attr in (("cpu", "is_cpu"), ("xla", "is_xla"), ("cuda", "is_cuda")):
+                if all(map(attrgetter(attr), ts)):
+                    return {kind: list(enumerate(ts))}
         out: Dict[str, List[Tuple[int, torch.Tensor]]] = {}
-        for i, t in enumerate(self.tensors):
+        for i, t in enumerate(ts):
             kind = "cpu" if t.is_cpu else "cuda" if t.is_cuda else "xla" if t.is_xla else t.device.type
             out.setdefault(kind, []).append((i, t))
         return out
