@@ -290,3 +290,50 @@ def test_flatten_matches_dcp(case):
     assert list(flat) == list(expected[0]), "same keys, same order"
     assert all(flat[k] is expected[0][k] for k in flat), "the same objects"
     assert mappings == expected[1] and list(mappings) == list(expected[1])
+
+
+def test_files_of_small_items_are_produced_in_turns(tmp_path, monkeypatch):
+    """Files of small items are produced one after another (each file's fsync then overlaps the
+    next file's production); files of big items are still written concurrently."""
+    import threading
+    import time
+
+    order = []
+    real = dcp_io._write_item
+
+    def traced(stream, data):
+        order.append((stream, getattr(data, "nbytes", 0)))  # the stream itself: ids get reused
+        if getattr(data, "nbytes", 0) > 64 * 1024:
+            time.sleep(0.01)  # big items: give the other threads a chance to interleave
+        return real(stream, data)
+
+    monkeypatch.setattr(dcp_io, "_write_item", traced)
+    monkeypatch.setattr(dcp_io, "MIN_FILE_BYTES", 64 * 1024)  # four files of this little data
+    storage = Storage(str(tmp_path))
+    small = {f"p{i}": torch.full((64,), float(i)) for i in range(2000)}
+    storage.makedirs(str(tmp_path / "small"))
+    dcp_io._save_local(storage, str(tmp_path / "small"), small, threads=4)
+    streams = [id(s) for s, _ in order]
+    runs = 1 + sum(a != b for a, b in zip(streams, streams[1:]))
+    assert len(set(streams)) == 4 and runs == 4, "each small-item file is produced in one go"
+
+    order.clear()
+    big = {f"b{i}": torch.full((64 * 1024,), float(i)) for i in range(8)}
+    storage.makedirs(str(tmp_path / "big"))
+    barrier = threading.Barrier(4, timeout=10)
+    seen = set()
+
+    def racing(stream, data):
+        if id(stream) not in seen:
+            seen.add(id(stream))
+            barrier.wait()  # would time out if big files were produced one at a time
+        return real(stream, data)
+
+    monkeypatch.setattr(dcp_io, "_write_item", racing)
+    dcp_io._save_local(storage, str(tmp_path / "big"), big, threads=4)
+    out = {k: torch.zeros_like(v) for k, v in big.items()}
+    dcp.load(out, checkpoint_id=str(tmp_path / "big"), no_dist=True)
+    assert_bitwise_equal(out, big)
+    out = {k: torch.zeros_like(v) for k, v in small.items()}
+    dcp.load(out, checkpoint_id=str(tmp_path / "small"), no_dist=True)
+    assert_bitwise_equal(out, small)

@@ -16,6 +16,7 @@ DCP's own fsspec writer/reader is the I/O path:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import errno
@@ -105,6 +106,7 @@ def _balance(items: List[Any], sizes: List[int], buckets: int,
 _RECORDS = RecordTemplates()  # shared by every save in the process: templates depend on torch only
 
 _COALESCE_BYTES = 4 * 2**20  # small records are gathered into writes of about this size
+_SMALL_ITEM_BYTES = 64 * 2**10  # files whose items average up to this are produced in turns
 
 
 class _RecordStream:
@@ -217,14 +219,21 @@ def _write_files(storage: Storage, path: str, prefix: str, buckets: List[_Jobs],
         where = f"{path}/{prefix}{k}.distcp"
         return storage.retry.call(lambda: write_file_once(k, jobs), f"write {where}")
 
+    # Files of small items are produced one at a time: that is Python work, which the GIL
+    # serialises anyway, and taking turns lets each file's fsync (or upload) run while the
+    # next one is produced, instead of every file finishing production, then all syncing.
+    produce_small = threading.Lock()
+
     def write_file_once(k: int, jobs: _Jobs) -> Tuple[str, FileRecord, List[int]]:
         name = f"{prefix}{k}.distcp"
         lengths = []
+        small = hints[k] <= _SMALL_ITEM_BYTES * len(jobs)
         with storage.open_write(f"{path}/{name}", size_hint=hints[k]) as f:
             stream = _RecordStream(f)
-            for resolve in jobs:
-                lengths.append(_write_item(stream, resolve()))
-            stream.flush_pending()
+            with produce_small if small else contextlib.nullcontext():
+                for resolve in jobs:
+                    lengths.append(_write_item(stream, resolve()))
+                stream.flush_pending()
         # A silently short write (a full or flaky disk, a FUSE mount) fails the attempt with
         # EIO, which is transient, so the file is redone. gs:// and s3:// need no check:
         # their uploads are length-checked by the service.
