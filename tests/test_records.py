@@ -294,7 +294,7 @@ def test_flatten_matches_dcp(case):
 
 def test_files_of_small_items_are_produced_in_turns(tmp_path, monkeypatch):
     """Files of small items are produced one after another (each file's fsync then overlaps the
-    next file's production); files of big items are still written concurrently."""
+    next file's production); big items are still written concurrently, also in mixed files."""
     import threading
     import time
 
@@ -318,15 +318,17 @@ def test_files_of_small_items_are_produced_in_turns(tmp_path, monkeypatch):
     assert len(set(streams)) == 4 and runs == 4, "each small-item file is produced in one go"
 
     order.clear()
-    big = {f"b{i}": torch.full((64 * 1024,), float(i)) for i in range(8)}
+    # Files mixing one big tensor with many small ones: the big writes still run concurrently.
+    big = {f"b{i}": torch.full((64 * 1024,), float(i)) for i in range(4)}
+    big.update({f"s{i}": torch.full((64,), float(i)) for i in range(400)})
     storage.makedirs(str(tmp_path / "big"))
     barrier = threading.Barrier(4, timeout=10)
     seen = set()
 
     def racing(stream, data):
-        if id(stream) not in seen:
+        if data.nbytes > 64 * 1024 and id(stream) not in seen:
             seen.add(id(stream))
-            barrier.wait()  # would time out if big files were produced one at a time
+            barrier.wait()  # would time out if the big writes took turns
         return real(stream, data)
 
     monkeypatch.setattr(dcp_io, "_write_item", racing)

@@ -16,7 +16,6 @@ DCP's own fsspec writer/reader is the I/O path:
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import enum
 import errno
@@ -200,6 +199,13 @@ def _write_item(stream: _RecordStream, data: Any) -> int:
     return stream.tell() - start
 
 
+def _item_nbytes(data: Any) -> int:
+    """About how many bytes an item (a tensor or a BytesIO) adds to its file."""
+    if isinstance(data, torch.Tensor):
+        return data.nbytes
+    return data.getbuffer().nbytes if isinstance(data, io.BytesIO) else 0
+
+
 # One file's items, each a callable returning the data (a tensor or a BytesIO).
 _Jobs = List[Callable[[], Any]]
 
@@ -219,21 +225,34 @@ def _write_files(storage: Storage, path: str, prefix: str, buckets: List[_Jobs],
         where = f"{path}/{prefix}{k}.distcp"
         return storage.retry.call(lambda: write_file_once(k, jobs), f"write {where}")
 
-    # Files of small items are produced one at a time: that is Python work, which the GIL
-    # serialises anyway, and taking turns lets each file's fsync (or upload) run while the
+    # Runs of small items are produced by one file at a time: that is Python work, which the
+    # GIL serialises anyway, and taking turns lets each file's fsync (or upload) run while the
     # next one is produced, instead of every file finishing production, then all syncing.
+    # Big items are written outside the lock, so their I/O still runs concurrently.
     produce_small = threading.Lock()
 
     def write_file_once(k: int, jobs: _Jobs) -> Tuple[str, FileRecord, List[int]]:
         name = f"{prefix}{k}.distcp"
         lengths = []
-        small = hints[k] <= _SMALL_ITEM_BYTES * len(jobs)
         with storage.open_write(f"{path}/{name}", size_hint=hints[k]) as f:
             stream = _RecordStream(f)
-            with produce_small if small else contextlib.nullcontext():
+            held = False
+            try:
                 for resolve in jobs:
-                    lengths.append(_write_item(stream, resolve()))
+                    data = resolve()
+                    small = _item_nbytes(data) <= _SMALL_ITEM_BYTES
+                    if small != held:
+                        if small:
+                            produce_small.acquire()
+                        else:
+                            stream.flush_pending()  # the small records before it, still in turn
+                            produce_small.release()
+                        held = small
+                    lengths.append(_write_item(stream, data))
                 stream.flush_pending()
+            finally:
+                if held:
+                    produce_small.release()
         # A silently short write (a full or flaky disk, a FUSE mount) fails the attempt with
         # EIO, which is transient, so the file is redone. gs:// and s3:// need no check:
         # their uploads are length-checked by the service.
