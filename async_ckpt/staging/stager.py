@@ -137,19 +137,33 @@ def _grouped_units(idx_tensors: List[Tuple[int, torch.Tensor]]) -> List[_Unit]:
     return units
 
 
+def _whole_view(buf: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """``buf`` (a flat uint8 buffer of ``t``'s size) viewed as ``t``'s dtype and shape; the
+    view is kept on the buffer and reused while the next save has the same dtype and shape."""
+    cached = getattr(buf, "_async_ckpt_view", None)
+    if cached is not None and cached.dtype == t.dtype and cached.shape == t.shape:
+        return cached
+    view = buf._async_ckpt_view = buf.view(t.dtype).view(t.shape)
+    return view
+
+
+def _slab_views(slab: torch.Tensor, sig: List[Any], offsets: List[int], ts: List[torch.Tensor]) -> List[torch.Tensor]:
+    """Views of ``slab`` at ``offsets`` shaped like ``ts``. Creating thousands of views costs
+    more than copying their bytes, so the slab remembers them under ``sig`` (the layout's
+    signature) and the next save with an equal signature reuses them."""
+    cached = getattr(slab, "_async_ckpt_views", None)
+    if cached is not None and (cached[0] is sig or cached[0] == sig):
+        return cached[1]
+    views = [slab[off: off + t.nbytes].view(t.dtype).view(t.shape) for off, t in zip(offsets, ts)]
+    slab._async_ckpt_views = (sig, views)
+    return views
+
+
 def _views_on(buf: torch.Tensor, unit: _Unit, host: List[Optional[torch.Tensor]]) -> torch.Tensor:
     """Fill ``host`` with the member tensors of ``unit`` as views of ``buf``; return the copy target."""
     if unit.span_start < 0:
         i0, t0 = unit.members[0]
-        if not unit.nbytes:
-            dst = torch.empty(t0.shape, dtype=t0.dtype)
-        else:
-            cached = getattr(buf, "_async_ckpt_view", None)
-            if cached is not None and cached.dtype == t0.dtype and cached.shape == t0.shape:
-                dst = cached
-            else:
-                dst = buf.view(t0.dtype).view(t0.shape)
-                buf._async_ckpt_view = dst
+        dst = _whole_view(buf, t0) if unit.nbytes else torch.empty(t0.shape, dtype=t0.dtype)
         for i, _ in unit.members:
             host[i] = dst
         return dst
@@ -189,17 +203,7 @@ def lay_out(pool: HostBufferPool, items: List[Tuple[int, torch.Tensor]], host: L
     leases.append(lease)
     copies: List[Tuple[torch.Tensor, _Unit]] = []
     if small:
-        slab = lease.buffers[-1]
-        # Creating thousands of views costs more than copying the bytes: a slab remembers the
-        # views it handed out, and the next save with the same layout reuses them.
-        sig = sig_parts
-        cached = getattr(slab, "_async_ckpt_views", None)
-        if cached is not None and cached[0] == sig:
-            views = cached[1]
-        else:
-            views = [slab[off: off + u.nbytes].view(u.members[0][1].dtype).view(u.members[0][1].shape)
-                     for off, u in zip(offsets, small)]
-            slab._async_ckpt_views = (sig, views)
+        views = _slab_views(lease.buffers[-1], sig_parts, offsets, [u.members[0][1] for u in small])
         for dst, unit in zip(views, small):
             for i, _ in unit.members:
                 host[i] = dst
@@ -266,22 +270,8 @@ def _redo(memo: _Remembered, pool: HostBufferPool, items: List[Tuple[int, torch.
     order, ns = memo.order, memo.n_small
     dsts: List[torch.Tensor] = []
     if ns:
-        slab = lease.buffers[-1]
-        cached = getattr(slab, "_async_ckpt_views", None)
-        if cached is not None and (cached[0] is memo.slab_sig or cached[0] == memo.slab_sig):
-            dsts = list(cached[1])
-        else:  # the other slab of a double-buffered pair, first time round
-            for off, p in zip(memo.offsets, order):
-                t = ts[p]
-                dsts.append(slab[off: off + t.nbytes].view(t.dtype).view(t.shape))
-            slab._async_ckpt_views = (memo.slab_sig, list(dsts))
-    for buf, p in zip(lease.buffers, order[ns:]):
-        t = ts[p]
-        v = getattr(buf, "_async_ckpt_view", None)
-        if v is None or v.dtype != t.dtype or v.shape != t.shape:
-            v = buf.view(t.dtype).view(t.shape)
-            buf._async_ckpt_view = v
-        dsts.append(v)
+        dsts += _slab_views(lease.buffers[-1], memo.slab_sig, memo.offsets, [ts[p] for p in order[:ns]])
+    dsts += [_whole_view(buf, ts[p]) for buf, p in zip(lease.buffers, order[ns:])]
     for p, d in zip(order, dsts):
         host[items[p][0]] = d
     return dsts, [ts[p] for p in order]

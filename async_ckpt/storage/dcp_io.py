@@ -105,7 +105,7 @@ def _balance(items: List[Any], sizes: List[int], buckets: int,
 _RECORDS = RecordTemplates()  # shared by every save in the process: templates depend on torch only
 
 _COALESCE_BYTES = 4 * 2**20  # small records are gathered into writes of about this size
-_SMALL_ITEM_BYTES = 64 * 2**10  # files whose items average up to this are produced in turns
+_SMALL_ITEM_BYTES = 64 * 2**10  # runs of items up to this size are produced one file at a time
 
 
 class _RecordStream:
@@ -140,14 +140,14 @@ class _RecordStream:
             self.flush_pending()
         return n
 
-    def write_record(self, head: bytes, data: Any, tail: Any) -> None:
-        """Append a small templated record (see :mod:`.records`) without per-part overhead."""
+    def append_record(self, t: torch.Tensor) -> int:
+        """Append ``torch.save(t)``'s bytes from a template (see :mod:`.records`) straight into
+        the pending buffer; return their length, or ``-1`` (nothing written) if ``t`` has none."""
         pending = self._pending
-        pending += head
-        pending += data
-        pending += tail
-        if len(pending) >= _COALESCE_BYTES:
+        n = _RECORDS.append(pending, t)
+        if n >= 0 and len(pending) >= _COALESCE_BYTES:
             self.flush_pending()
+        return n
 
     def tell(self) -> int:
         return self.size + len(self._pending)
@@ -170,12 +170,9 @@ class _RecordStream:
 def _write_item(stream: _RecordStream, data: Any) -> int:
     """Append one DCP item: a ``BytesIO``'s bytes, or a tensor as ``torch.save`` writes it.
     Returns its length."""
-    if type(data) is torch.Tensor:  # the common case: straight into the pending buffer
-        pending = stream._pending
-        n = _RECORDS.append(pending, data)
+    if type(data) is torch.Tensor:  # the common case: a staged host tensor
+        n = stream.append_record(data)
         if n >= 0:
-            if len(pending) >= _COALESCE_BYTES:
-                stream.flush_pending()
             return n
     start = stream.tell()
     if isinstance(data, io.BytesIO):
@@ -184,10 +181,10 @@ def _write_item(stream: _RecordStream, data: Any) -> int:
     t = data.detach() if data.requires_grad else data
     if not t.is_cpu:
         t = t.cpu()
-    parts = _RECORDS.parts(t)
-    if parts is not None:  # torch.save's exact bytes, from a template
-        stream.write_record(*parts)
-        return stream.tell() - start
+    if t is not data and type(t) is torch.Tensor:  # now a plain host tensor: a template may fit
+        n = stream.append_record(t)
+        if n >= 0:
+            return n
     if t.untyped_storage().nbytes() != t.numel() * t.element_size():
         t = t.clone()  # torch.save writes whole storages: keep only this view
     try:

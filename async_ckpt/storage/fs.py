@@ -292,20 +292,11 @@ class _WritebackFile:
             _sync_file_range(self._f.fileno(), self._started, self._written - self._started)
         self._started = self._written
 
-    def tell(self) -> int:
-        return self._f.tell()
-
     def flush(self) -> None:
         self._f.flush()
 
     def fileno(self) -> int:
         return self._f.fileno()
-
-    def writable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return False
 
 
 class _BufferFile:

@@ -119,12 +119,6 @@ class _Template:
         pack(out, at + p1, sid_crc)
         return self.length
 
-    def render(self, data: Any) -> Tuple[bytes, bytes]:
-        """(head, tail) of the archive whose ``data/0`` holds ``data``."""
-        out = bytearray()
-        self.append_to(out, data)
-        return self.head, out[len(self.head) + self.nbytes:]
-
 
 _pack_u32 = struct.Struct("<I").pack_into
 
@@ -143,10 +137,10 @@ def _bytes_of(t: torch.Tensor) -> memoryview:
 class RecordTemplates:
     """Produces ``torch.save(t)``'s bytes for small contiguous CPU tensors from cached templates.
 
-    Thread-safe. :meth:`parts` returns the buffers to write in order, or ``None`` when the
-    tensor is not eligible (empty or larger than ``max_bytes``, not a contiguous CPU tensor, or
-    its template failed the check); the caller then uses ``torch.save``. The data buffer
-    aliases the tensor's memory: keep the tensor alive until the buffers are written.
+    Thread-safe. :meth:`append` appends the bytes to a buffer and returns their length, or
+    ``-1`` when the tensor is not eligible (empty or larger than ``max_bytes``, not a
+    contiguous CPU tensor, or its template failed the check); the caller then uses
+    ``torch.save``.
     """
 
     def __init__(self, max_bytes: int = TEMPLATE_MAX_BYTES) -> None:
@@ -176,15 +170,6 @@ class RecordTemplates:
             return -1
         return tpl.append_to(out, tpl.ctype.from_address(t.data_ptr()))
 
-    def parts(self, t: torch.Tensor) -> Optional[List[Any]]:
-        """``torch.save(t)``'s bytes as ``[head, data, tail]`` (``data`` aliases ``t``), or ``None``."""
-        tpl = self.template(t)
-        if tpl is None:
-            return None
-        data = tpl.ctype.from_address(t.data_ptr())
-        head, tail = tpl.render(data)
-        return [head, data, tail]
-
     def _eligible(self, t: torch.Tensor) -> bool:
         nbytes = t.numel() * t.element_size()
         return 0 < nbytes <= self.max_bytes and type(t) is torch.Tensor and t.layout == torch.strided \
@@ -204,8 +189,9 @@ class RecordTemplates:
 
             probe, check = sample(), sample()
             tpl = _Template(_torch_save_bytes(probe), nbytes, probe.stride())
-            head, tail = tpl.render(_bytes_of(check))
-            if head + bytes(_bytes_of(check)) + tail != _torch_save_bytes(check):
+            out = bytearray()
+            tpl.append_to(out, _bytes_of(check))
+            if out != _torch_save_bytes(check):
                 tpl = None
         except Exception:  # an unusual dtype or a changed archive layout: use torch.save
             tpl = None
