@@ -203,20 +203,17 @@ def _item_nbytes(data: Any) -> int:
     return data.getbuffer().nbytes if isinstance(data, io.BytesIO) else 0
 
 
-# One file's items, each a callable returning the data (a tensor or a BytesIO).
-_Jobs = List[Callable[[], Any]]
-
-
-def _write_files(storage: Storage, path: str, prefix: str, buckets: List[_Jobs], hints: List[int],
-                 threads: int) -> List[Tuple[str, FileRecord, List[int]]]:
-    """Write each bucket as one ``<prefix><k>.distcp`` file, concurrently.
+def _write_files(storage: Storage, path: str, prefix: str, buckets: List[List[Any]], hints: List[int],
+                 threads: int, resolve: Callable[[Any], Any]) -> List[Tuple[str, FileRecord, List[int]]]:
+    """Write each bucket as one ``<prefix><k>.distcp`` file, concurrently; ``resolve(item)``
+    gives an item's data (a tensor or a BytesIO).
 
     Returns, per file, its name, its record and the length of each item in order (items are
     contiguous, so offsets follow). ``hints[k]`` is about the data size of bucket ``k`` (lets
     small files upload in one request).
     """
 
-    def write_file(k: int, jobs: _Jobs) -> Tuple[str, FileRecord, List[int]]:
+    def write_file(k: int, jobs: List[Any]) -> Tuple[str, FileRecord, List[int]]:
         # A file is streamed, so a transient failure mid-file is retried by rewriting the
         # whole file (the host snapshot is immutable until the step commits).
         where = f"{path}/{prefix}{k}.distcp"
@@ -228,15 +225,15 @@ def _write_files(storage: Storage, path: str, prefix: str, buckets: List[_Jobs],
     # Big items are written outside the lock, so their I/O still runs concurrently.
     produce_small = threading.Lock()
 
-    def write_file_once(k: int, jobs: _Jobs) -> Tuple[str, FileRecord, List[int]]:
+    def write_file_once(k: int, jobs: List[Any]) -> Tuple[str, FileRecord, List[int]]:
         name = f"{prefix}{k}.distcp"
         lengths = []
         with storage.open_write(f"{path}/{name}", size_hint=hints[k]) as f:
             stream = _RecordStream(f)
             held = False
             try:
-                for resolve in jobs:
-                    data = resolve()
+                for job in jobs:
+                    data = resolve(job)
                     small = _item_nbytes(data) <= _SMALL_ITEM_BYTES
                     if small != held:
                         if small:
@@ -309,9 +306,9 @@ class FsspecStorageWriter(StorageWriter):
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
         buckets = _balance(plan.items, [_item_bytes(it) for it in plan.items], self.threads,
                            self.storage.max_file_bytes)
-        jobs = [[lambda item=item: planner.resolve_data(item) for item in bucket] for bucket in buckets]
         hints = [sum(_item_bytes(item) for item in bucket) for bucket in buckets]
-        outs = _write_files(self.storage, self.path, plan.storage_data.prefix, jobs, hints, self.threads)
+        outs = _write_files(self.storage, self.path, plan.storage_data.prefix, buckets, hints, self.threads,
+                            planner.resolve_data)
         files, where = _results([[item.index for item in bucket] for bucket in buckets], outs)
         self.files.update(files)
         fut: Future = Future()
@@ -704,10 +701,14 @@ def _metadata_index(fqn: str, offset: torch.Size, index: int) -> MetadataIndex:
     return idx
 
 
-def _flatten(state_dict: Dict[str, Any]) -> Tuple[Dict[str, Any], Dict[str, Tuple[Any, ...]]]:
+def _flatten(state_dict: Dict[str, Any], reuse: Optional[Dict[str, Tuple[Any, ...]]] = None
+             ) -> Tuple[Dict[str, Any], Dict[str, Tuple[Any, ...]]]:
     """``flatten_state_dict(state_dict)``: the same keys in the same order, values, mappings and
     errors, at ~1 µs per entry instead of ~8: nested mappings and their leaves are walked here;
-    lists (whose flattening depends on what they hold) are handed to DCP's own traversal."""
+    lists (whose flattening depends on what they hold) are handed to DCP's own traversal.
+
+    ``reuse``: an earlier result's mappings; a path equal to the one there is taken from it, so
+    the new tuples die at once instead of living as long as the result."""
     if _dcp_version._derived_version == "2_3":  # DCP's pre-2.4 layout: its own code only
         return flatten_state_dict(state_dict)
     flat: Dict[str, Any] = {}
@@ -728,7 +729,12 @@ def _flatten(state_dict: Dict[str, Any]) -> Tuple[Dict[str, Any], Dict[str, Tupl
                 if fqn in flat:
                     raise ValueError(f"duplicated flatten key {fqn}")
                 flat[fqn] = v
-                mappings[fqn] = path + (ks,)
+                full = path + (ks,)
+                if reuse is not None:
+                    old = reuse.get(fqn)
+                    if old == full:
+                        full = old
+                mappings[fqn] = full
             elif isinstance(v, Mapping):
                 walk(path + (ks,), prefix + ks + ".", v)
             elif isinstance(v, list):
@@ -765,6 +771,50 @@ _layout_lock = threading.Lock()
 _last_layout: Optional[_Layout] = None
 
 
+def _signature(objs: List[Any]) -> Optional[List[Any]]:
+    """What decides a layout besides the keys: per tensor its dtype, shape, ``requires_grad``
+    and pinning (four entries), ``None`` per other object; ``None`` if DCP's planner must run."""
+    sig: List[Any] = []
+    tensor_type = torch.Tensor
+    for obj in objs:
+        if type(obj) is tensor_type:
+            sig += (obj.dtype, obj.shape, obj.requires_grad, obj.is_cpu and obj.is_pinned())
+        elif isinstance(obj, torch.Tensor) or hasattr(obj, "__create_write_items__"):
+            return None
+        else:
+            sig.append(None)
+    return sig
+
+
+def _has_signature(objs: List[Any], sig: List[Any]) -> bool:
+    """``_signature(objs) == sig``, without keeping a new ``torch.Size`` per tensor alive."""
+    k, n = 0, len(sig)
+    tensor_type = torch.Tensor
+    for obj in objs:
+        if k >= n:
+            return False
+        if type(obj) is tensor_type:
+            if sig[k] is None or sig[k] != obj.dtype or sig[k + 1] != obj.shape \
+                    or sig[k + 2] != obj.requires_grad or sig[k + 3] != (obj.is_cpu and obj.is_pinned()):
+                return False
+            k += 4
+        else:
+            if sig[k] is not None or isinstance(obj, tensor_type) or hasattr(obj, "__create_write_items__"):
+                return False
+            k += 1
+    return k == n
+
+
+def _local_data(obj: Any) -> Any:
+    """An item's data as ``DefaultSavePlanner.resolve_data`` gives it: tensors as they are,
+    anything else ``torch.save``-d into a ``BytesIO``."""
+    if isinstance(obj, torch.Tensor):
+        return obj
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf
+
+
 def _save_local(storage: Storage, path: str, state_dict: Dict[str, Any], *,
                 threads: int) -> Optional[Dict[str, FileRecord]]:
     """Single-process save of plain tensors and objects, without DCP's planning machinery.
@@ -788,36 +838,26 @@ def _save_local(storage: Storage, path: str, state_dict: Dict[str, Any], *,
         if not isinstance(value, torch.Tensor) and callable(getattr(value, "state_dict", None)) \
                 and callable(getattr(value, "load_state_dict", None)):
             return None
-    flat, mappings = _flatten(state_dict)
-    objs = list(flat.values())
-    sig: List[Any] = []
-    tensor_type = torch.Tensor
-    for obj in objs:
-        if type(obj) is tensor_type:
-            sig += (obj.dtype, obj.shape, obj.requires_grad, obj.is_cpu and obj.is_pinned())
-        elif isinstance(obj, torch.Tensor) or hasattr(obj, "__create_write_items__"):
-            return None  # DTensor, ShardedTensor, a subclass: DCP's planner knows them
-        else:
-            sig.append(None)
-    key = (threads, storage.max_file_bytes)
-    fqns = list(flat)
+    # Nothing per item outlives this save except what the layout keeps: objects alive through a
+    # long write are promoted to the collector's oldest generation, and tens of thousands of them
+    # per save trigger a full collection (~150 ms with torch imported, GIL held) every save or two.
     with _layout_lock:
         layout = _last_layout
-    if layout is not None and not (layout.key == key and layout.fqns == fqns and layout.sig == sig
-                                   and layout.mappings == mappings):
+    flat, mappings = _flatten(state_dict, reuse=layout.mappings if layout is not None else None)
+    objs = list(flat.values())
+    key = (threads, storage.max_file_bytes)
+    fqns = list(flat)
+    sig: Optional[List[Any]] = None
+    if layout is None or not (layout.key == key and layout.fqns == fqns and layout.mappings == mappings
+                              and _has_signature(objs, layout.sig)):
         layout = None
-
-    def serialised(obj: Any) -> io.BytesIO:
-        buf = io.BytesIO()  # what DefaultSavePlanner.resolve_data does with a non-tensor
-        torch.save(obj, buf)
-        return buf
-
-    def job(obj: Any) -> Callable[[], Any]:
-        return (lambda: obj) if isinstance(obj, torch.Tensor) else (lambda: serialised(obj))
+        sig = _signature(objs)
+        if sig is None:
+            return None  # DTensor, ShardedTensor, a subclass: DCP's planner knows them
 
     if layout is not None:
-        outs = _write_files(storage, path, "__0_", [[job(objs[k]) for k in b] for b in layout.buckets],
-                            layout.hints, threads)
+        outs = _write_files(storage, path, "__0_", [[objs[k] for k in b] for b in layout.buckets],
+                            layout.hints, threads, _local_data)
         if [lengths for _, _, lengths in outs] == layout.lengths:  # same bytes where .metadata says
             storage.write_bytes(f"{path}/{METADATA_NAME}", layout.metadata)
             files = {name: rec for name, rec, _ in outs}
@@ -855,13 +895,16 @@ def _save_local(storage: Storage, path: str, state_dict: Dict[str, Any], *,
             md[fqn] = BytesStorageMetadata()
             indices.append(MetadataIndex(fqn))
     if outs is None:
-        outs = _write_files(storage, path, "__0_", [[job(objs[k]) for k in b] for b in buckets], hints, threads)
+        outs = _write_files(storage, path, "__0_", [[objs[k] for k in b] for b in buckets], hints, threads,
+                            _local_data)
     files, where = _results([[indices[k] for k in b] for b in buckets], outs)
     metadata = Metadata(state_dict_metadata=md, planner_data=mappings, storage_data=where,
                         storage_meta=StorageMeta(checkpoint_id=None, save_id=""))
     data = pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)  # DCP's own format
     storage.write_bytes(f"{path}/{METADATA_NAME}", data)
     files[METADATA_NAME] = FileRecord(len(data), crc32c(data))
+    if sig is None:  # the files were written with the last layout; only .metadata is new
+        sig = layout.sig if layout is not None else _signature(objs)
     with _layout_lock:
         _last_layout = _Layout(key, fqns, sig, mappings, buckets, hints,
                                [lengths for _, _, lengths in outs], data, files[METADATA_NAME])
