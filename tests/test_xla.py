@@ -83,7 +83,8 @@ _RACE = r"""
 import torch, torch_xla
 from async_ckpt.staging import Stager
 dev = torch_xla.device()
-xs = [torch.randn(1 << 20).to(dev) for _ in range(16)]
+# big tensors (DLPack views) and small ones (read by buffer address)
+xs = [torch.randn(1 << 20).to(dev) for _ in range(16)] + [torch.randn(256).to(dev) for _ in range(200)]
 torch_xla.sync()
 st = Stager()
 for rep in range(40):

@@ -9,6 +9,7 @@ the training loop may mutate its tensors freely.
 from __future__ import annotations
 
 import time
+from operator import attrgetter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -18,6 +19,8 @@ from .gc_pause import gc_paused
 from .backends import CudaTransfer, copy_cpu, xla_batched_to_cpu, xla_host_views, xla_sync
 from .plan import StagingPlan, make_plan
 from .pool import HostBufferPool, Lease
+from .views import slab_views, whole_view
+from .xla_gather import XlaGather
 
 
 @dataclass
@@ -64,6 +67,8 @@ class _Unit:
     members: List[Tuple[int, torch.Tensor]]  # (plan index, source tensor)
     span_start: int = -1  # byte offset in the storage for span units; -1 for simple units
 
+
+_nbytes = attrgetter("nbytes")
 
 SMALL_TENSOR_BYTES = 64 * 1024  # tensors up to this size share one pooled slab
 _ALIGN = 64
@@ -137,33 +142,11 @@ def _grouped_units(idx_tensors: List[Tuple[int, torch.Tensor]]) -> List[_Unit]:
     return units
 
 
-def _whole_view(buf: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    """``buf`` (a flat uint8 buffer of ``t``'s size) viewed as ``t``'s dtype and shape; the
-    view is kept on the buffer and reused while the next save has the same dtype and shape."""
-    cached = getattr(buf, "_async_ckpt_view", None)
-    if cached is not None and cached.dtype == t.dtype and cached.shape == t.shape:
-        return cached
-    view = buf._async_ckpt_view = buf.view(t.dtype).view(t.shape)
-    return view
-
-
-def _slab_views(slab: torch.Tensor, sig: List[Any], offsets: List[int], ts: List[torch.Tensor]) -> List[torch.Tensor]:
-    """Views of ``slab`` at ``offsets`` shaped like ``ts``. Creating thousands of views costs
-    more than copying their bytes, so the slab remembers them under ``sig`` (the layout's
-    signature) and the next save with an equal signature reuses them."""
-    cached = getattr(slab, "_async_ckpt_views", None)
-    if cached is not None and (cached[0] is sig or cached[0] == sig):
-        return cached[1]
-    views = [slab[off: off + t.nbytes].view(t.dtype).view(t.shape) for off, t in zip(offsets, ts)]
-    slab._async_ckpt_views = (sig, views)
-    return views
-
-
 def _views_on(buf: torch.Tensor, unit: _Unit, host: List[Optional[torch.Tensor]]) -> torch.Tensor:
     """Fill ``host`` with the member tensors of ``unit`` as views of ``buf``; return the copy target."""
     if unit.span_start < 0:
         i0, t0 = unit.members[0]
-        dst = _whole_view(buf, t0) if unit.nbytes else torch.empty(t0.shape, dtype=t0.dtype)
+        dst = whole_view(buf, t0) if unit.nbytes else torch.empty(t0.shape, dtype=t0.dtype)
         for i, _ in unit.members:
             host[i] = dst
         return dst
@@ -203,7 +186,7 @@ def lay_out(pool: HostBufferPool, items: List[Tuple[int, torch.Tensor]], host: L
     leases.append(lease)
     copies: List[Tuple[torch.Tensor, _Unit]] = []
     if small:
-        views = _slab_views(lease.buffers[-1], sig_parts, offsets, [u.members[0][1] for u in small])
+        views = slab_views(lease.buffers[-1], sig_parts, offsets, [u.members[0][1] for u in small])
         for dst, unit in zip(views, small):
             for i, _ in unit.members:
                 host[i] = dst
@@ -270,8 +253,8 @@ def _redo(memo: _Remembered, pool: HostBufferPool, items: List[Tuple[int, torch.
     order, ns = memo.order, memo.n_small
     dsts: List[torch.Tensor] = []
     if ns:
-        dsts += _slab_views(lease.buffers[-1], memo.slab_sig, memo.offsets, [ts[p] for p in order[:ns]])
-    dsts += [_whole_view(buf, ts[p]) for buf, p in zip(lease.buffers, order[ns:])]
+        dsts += slab_views(lease.buffers[-1], memo.slab_sig, memo.offsets, [ts[p] for p in order[:ns]])
+    dsts += [whole_view(buf, ts[p]) for buf, p in zip(lease.buffers, order[ns:])]
     for p, d in zip(order, dsts):
         host[items[p][0]] = d
     return dsts, [ts[p] for p in order]
@@ -295,6 +278,7 @@ class Stager:
         self.pool = pool if pool is not None else HostBufferPool()
         self._cuda: Optional[CudaTransfer] = None
         self._memo: Dict[str, Optional[_Remembered]] = {}  # the last simple layout, per source
+        self._xla_gather: Optional[XlaGather] = None
 
     def stage(self, state_dict: Any, plan: Optional[StagingPlan] = None, *, lazy: bool = False) -> HostSnapshot:
         """Host copies of ``state_dict``. ``lazy=True`` returns once the copies are issued:
@@ -328,9 +312,13 @@ class Stager:
                 lease.release()
             raise
         snap_sd = plan.build(host)  # type: ignore[arg-type]
+        try:
+            nbytes = sum(map(_nbytes, host))  # the host copies' sizes: cheaper to read than XLA's
+        except AttributeError:  # SPMD: a set of local shards stands for the global tensor
+            nbytes = plan.nbytes
         return HostSnapshot(
             state_dict=snap_sd,
-            nbytes=plan.nbytes,
+            nbytes=nbytes,
             num_tensors=len(plan.tensors),
             stage_seconds=time.perf_counter() - t0,
             int_keys=plan.int_keys,
@@ -381,6 +369,12 @@ class Stager:
             items = [(i, t) for i, t in items if host[i] is None]
             if not items:
                 return None
+        # Small tensors by buffer address, one gather per size; the others through DLPack.
+        if self._xla_gather is None:
+            self._xla_gather = XlaGather(SMALL_TENSOR_BYTES)
+        items = self._xla_gather.stage(self.pool, items, host, leases)
+        if not items:
+            return None
         views = xla_host_views([t for _, t in items])
         if views is not None:
             # Zero-copy views of the PJRT host buffers, then one batched copy into pooled
