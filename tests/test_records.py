@@ -63,6 +63,26 @@ def test_record_is_torch_save_byte_for_byte(dtype):
             assert_bitwise_equal(back, t)
 
 
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_batched_records_are_torch_save_byte_for_byte(dtype):
+    """A batch renders exactly what torch.save writes, record for record: tensors scattered
+    in memory, in one slab out of order, a partly filled batch buffer reused."""
+    tpl = RecordTemplates()
+    for shape in SHAPES:
+        ts = [_random(shape, dtype, seed) for seed in range(37)]
+        slab = torch.stack([t.reshape(-1).view(torch.uint8) for t in ts])  # neighbours, then reversed
+        in_slab = [slab[k].view(dtype).reshape(shape) for k in range(len(ts))][::-1]
+        t0 = tpl.template(ts[0])
+        assert t0 is not None and all(tpl.template(t) is t0 for t in ts + in_slab)
+        batch = records.RecordBatch(t0, 16)
+        # A view is written as its own record (as DCP writes a clone of it): the same bytes as
+        # the standalone tensor it was made from.
+        for group, same_as in ((ts, ts), (in_slab, ts[::-1])):
+            got = b"".join(bytes(batch.render(group[k: k + 16])) for k in range(0, len(group), 16))
+            assert got == b"".join(_torch_save(t) for t in same_as), (dtype, shape)
+
+
 def test_ineligible_tensors_are_left_to_torch_save():
     tpl = RecordTemplates(max_bytes=4096)
     base = torch.randn(8, 8)
@@ -309,15 +329,27 @@ def test_files_of_small_items_are_produced_in_turns(tmp_path, monkeypatch):
     import time
 
     order = []
-    real = dcp_io._write_item
+    real, real_run = dcp_io._write_item, dcp_io._RecordStream.append_records
+
+    def on_item(hook):  # items are written one by one, or as runs of templated records
+        def item(stream, data):
+            hook(stream, data)
+            return real(stream, data)
+
+        def run(stream, tpl, ts):
+            for t in ts:
+                hook(stream, t)
+            return real_run(stream, tpl, ts)
+
+        monkeypatch.setattr(dcp_io, "_write_item", item)
+        monkeypatch.setattr(dcp_io._RecordStream, "append_records", run)
 
     def traced(stream, data):
         order.append((stream, getattr(data, "nbytes", 0)))  # the stream itself: ids get reused
         if getattr(data, "nbytes", 0) > 64 * 1024:
             time.sleep(0.01)  # big items: give the other threads a chance to interleave
-        return real(stream, data)
 
-    monkeypatch.setattr(dcp_io, "_write_item", traced)
+    on_item(traced)
     monkeypatch.setattr(dcp_io, "MIN_FILE_BYTES", 64 * 1024)  # four files of this little data
     storage = Storage(str(tmp_path))
     small = {f"p{i}": torch.full((64,), float(i)) for i in range(2000)}
@@ -339,9 +371,8 @@ def test_files_of_small_items_are_produced_in_turns(tmp_path, monkeypatch):
         if data.nbytes > 64 * 1024 and id(stream) not in seen:
             seen.add(id(stream))
             barrier.wait()  # would time out if the big writes took turns
-        return real(stream, data)
 
-    monkeypatch.setattr(dcp_io, "_write_item", racing)
+    on_item(racing)
     dcp_io._save_local(storage, str(tmp_path / "big"), big, threads=4)
     out = {k: torch.zeros_like(v) for k, v in big.items()}
     dcp.load(out, checkpoint_id=str(tmp_path / "big"), no_dist=True)

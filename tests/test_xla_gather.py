@@ -8,7 +8,7 @@ import torch
 from async_ckpt.staging import Stager
 from async_ckpt.staging import stager as stager_mod
 from async_ckpt.staging import xla_gather
-from async_ckpt.staging.xla_gather import gather_rows, host_bytes
+from async_ckpt.addresses import gather_rows, host_bytes
 
 from .conftest import assert_bitwise_equal
 

@@ -62,7 +62,7 @@ from torch.distributed.checkpoint import _version as _dcp_version
 from ..errors import CorruptCheckpointError, UnsafeCheckpointError
 from .fs import READ_RANGE_BYTES, Storage
 from .manifest import FileRecord, crc32c
-from .records import RecordTemplates
+from .records import RecordBatch, RecordTemplates
 
 METADATA_NAME = ".metadata"
 
@@ -106,6 +106,7 @@ _RECORDS = RecordTemplates()  # shared by every save in the process: templates d
 
 _COALESCE_BYTES = 4 * 2**20  # small records are gathered into writes of about this size
 _SMALL_ITEM_BYTES = 64 * 2**10  # runs of items up to this size are produced one file at a time
+_BATCH_MIN = 16  # runs of at least this many records of one template are rendered together
 
 
 class _RecordStream:
@@ -148,6 +149,22 @@ class _RecordStream:
         if n >= 0 and len(pending) >= _COALESCE_BYTES:
             self.flush_pending()
         return n
+
+    def append_records(self, tpl: Any, ts: List[torch.Tensor]) -> None:
+        """Append the records of ``ts``, every one eligible for template ``tpl`` (see
+        :meth:`RecordTemplates.template`): short runs one by one, long ones in batches."""
+        if len(ts) < _BATCH_MIN:
+            for t in ts:
+                tpl.append_to(self._pending, tpl.ctype.from_address(t.data_ptr()))
+            if len(self._pending) >= _COALESCE_BYTES:
+                self.flush_pending()
+            return
+        size = max(1, min(len(ts), _COALESCE_BYTES // tpl.length))
+        batch = RecordBatch(tpl, size)
+        for k in range(0, len(ts), size):
+            self._pending += batch.render(ts[k: k + size])
+            if len(self._pending) >= _COALESCE_BYTES:
+                self.flush_pending()
 
     def tell(self) -> int:
         return self.size + len(self._pending)
@@ -231,9 +248,19 @@ def _write_files(storage: Storage, path: str, prefix: str, buckets: List[List[An
         with storage.open_write(f"{path}/{name}", size_hint=hints[k]) as f:
             stream = _RecordStream(f)
             held = False
+            run: List[torch.Tensor] = []  # consecutive tensors of one record template
+            run_tpl = None
             try:
                 for job in jobs:
                     data = resolve(job)
+                    tpl = _RECORDS.template(data) if type(data) is torch.Tensor else None
+                    if tpl is not None and tpl is run_tpl:
+                        run.append(data)
+                        continue
+                    if run:
+                        stream.append_records(run_tpl, run)
+                        lengths += [run_tpl.length] * len(run)
+                    run, run_tpl = [], None
                     small = _item_nbytes(data) <= _SMALL_ITEM_BYTES
                     if small != held:
                         if small:
@@ -242,7 +269,13 @@ def _write_files(storage: Storage, path: str, prefix: str, buckets: List[List[An
                             stream.flush_pending()  # the small records before it, still in turn
                             produce_small.release()
                         held = small
-                    lengths.append(_write_item(stream, data))
+                    if tpl is not None:
+                        run, run_tpl = [data], tpl
+                    else:
+                        lengths.append(_write_item(stream, data))
+                if run:
+                    stream.append_records(run_tpl, run)
+                    lengths += [run_tpl.length] * len(run)
                 stream.flush_pending()
             finally:
                 if held:

@@ -26,6 +26,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from ..addresses import gather_rows, host_bytes
+
 _U64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B9
 
@@ -121,6 +123,71 @@ class _Template:
 
 
 _pack_u32 = struct.Struct("<I").pack_into
+
+
+class RecordBatch:
+    """Renders many records of one template at once, into one reused buffer.
+
+    :meth:`_Template.append_to` costs ~8 us of Python per record. Here the records' fixed parts
+    are written once per batch buffer, the data of all tensors is copied by one gather (by
+    address, as :mod:`async_ckpt.staging.xla_gather` does), the ``serialization_id`` arithmetic
+    runs on arrays, and only the two CRC-32s remain a call per record. The bytes are those of
+    :meth:`_Template.append_to`, record for record (tests compare them).
+    """
+
+    def __init__(self, tpl: "_Template", size: int) -> None:
+        import numpy as np
+
+        self.tpl = tpl
+        self.size = size
+        head, n = len(tpl.head), tpl.nbytes
+        self.at = head + n  # where a record's tail starts
+        self.chunk = np.empty((size, tpl.length), np.uint8)
+        self.chunk[:, :head] = np.frombuffer(tpl.head, np.uint8)
+        self.chunk[:, self.at:] = np.frombuffer(tpl.tail, np.uint8)
+        self.data = torch.from_numpy(self.chunk)[:, head:self.at]  # each record's data/0
+        self.flat = memoryview(self.chunk.reshape(-1))
+
+    def render(self, ts: List[torch.Tensor]) -> memoryview:
+        """The records of ``ts`` (at most ``size``, each eligible for the template), concatenated."""
+        import numpy as np
+
+        tpl, b, n, length, at = self.tpl, len(ts), self.tpl.nbytes, self.tpl.length, self.at
+        addrs = [t.data_ptr() for t in ts]
+        lo = min(addrs)
+        where = torch.tensor(addrs, dtype=torch.int64)
+        where -= lo
+        with torch.no_grad():
+            gather_rows(host_bytes(lo, max(addrs) + n - lo), where, n, self.data[:b])
+        flat, crc32 = self.flat, zlib.crc32
+        start = at - n
+        crcs = np.array([crc32(flat[k * length + start: k * length + at]) for k in range(b)], np.uint64)
+        combined = _hash_combine_np(np.uint64(tpl.crc_before), crcs)
+        for c in tpl.crc_after:
+            combined = _hash_combine_np(combined, np.uint64(c))
+        digits = np.empty((b, 20), np.uint8)  # "%020d" of each, as ASCII
+        for j in range(19, -1, -1):
+            digits[:, j] = combined % np.uint64(10) + np.uint64(48)
+            combined //= np.uint64(10)
+        dflat, prefix = memoryview(digits.reshape(-1)), tpl.sid_prefix_crc
+        sid_crcs = np.array([crc32(dflat[k * 20: k * 20 + 20], prefix) for k in range(b)], np.uint32)
+        chunk = self.chunk
+        c4 = crcs.astype("<u4").view(np.uint8).reshape(b, 4)
+        for p in tpl.data_crc_at:
+            chunk[:b, at + p: at + p + 4] = c4
+        sid = at + tpl.sid_at
+        chunk[:b, sid: sid + 20] = digits
+        s4 = sid_crcs.astype("<u4").view(np.uint8).reshape(b, 4)
+        for p in tpl.sid_crc_at:
+            chunk[:b, at + p: at + p + 4] = s4
+        return flat[: b * length]
+
+
+def _hash_combine_np(seed: Any, value: Any) -> Any:
+    """:func:`_hash_combine` on NumPy ``uint64`` arrays (which wrap modulo 2**64 like ``size_t``)."""
+    import numpy as np
+
+    return seed ^ (value + np.uint64(_GOLDEN) + (seed << np.uint64(6)) + (seed >> np.uint64(2)))
 
 
 def _torch_save_bytes(t: torch.Tensor) -> bytes:
