@@ -10,6 +10,10 @@ from __future__ import annotations
 
 import torch
 
+#: The most elements one unfolded range may have (its ``numel`` must fit in int64): windows
+#: far apart (the main heap and an mmap'd file, ~2**45 bytes) are gathered range by range.
+MAX_UNFOLDED = 2**62
+
 
 class _AddressRange:
     """``[addr, addr + nbytes)`` as a NumPy array interface (not owned, nothing allocated)."""
@@ -27,7 +31,32 @@ def host_bytes(addr: int, nbytes: int) -> torch.Tensor:
     return torch.from_numpy(np.asarray(_AddressRange(addr, nbytes)))
 
 
-def gather_rows(base: torch.Tensor, starts: torch.Tensor, nbytes: int, out: torch.Tensor) -> None:
-    """Copy the ``nbytes`` bytes at each offset ``starts[k]`` of ``base`` into ``out[k]``:
-    one ``index_select`` over every ``nbytes``-byte window of ``base`` (a view, no copy)."""
-    torch.index_select(base.unfold(0, nbytes, 1), 0, starts, out=out)
+def _windows(lo: int, hi: int, nbytes: int) -> torch.Tensor:
+    """Every ``nbytes``-byte window of ``[lo, hi)``, as rows (a view, no copy)."""
+    return host_bytes(lo, hi - lo).unfold(0, nbytes, 1)
+
+
+def gather(addrs: torch.Tensor, nbytes: int, out: torch.Tensor) -> None:
+    """Copy the ``nbytes`` bytes at each address ``addrs[k]`` (int64) into ``out[k]``.
+
+    One ``index_select`` over every ``nbytes``-byte window of ``[lowest, highest end)``; where
+    that range unfolded would have too many elements (:data:`MAX_UNFOLDED`), the addresses are
+    sorted and split into ranges that fit, one ``index_select`` each.
+    """
+    lo = int(addrs.min())
+    hi = int(addrs.max()) + nbytes
+    if (hi - lo) * nbytes < MAX_UNFOLDED:
+        torch.index_select(_windows(lo, hi, nbytes), 0, addrs - lo, out=out)
+        return
+    order = torch.argsort(addrs)
+    ordered = addrs.index_select(0, order).tolist()
+    extent = max(nbytes, MAX_UNFOLDED // nbytes - 1)  # the widest range that fits
+    start = 0
+    for k in range(1, len(ordered) + 1):
+        if k == len(ordered) or ordered[k] + nbytes - ordered[start] > extent:
+            idx = order[start:k]
+            first = ordered[start]
+            part = torch.index_select(_windows(first, ordered[k - 1] + nbytes, nbytes), 0,
+                                      addrs.index_select(0, idx) - first)
+            out.index_copy_(0, idx, part)
+            start = k

@@ -354,7 +354,10 @@ def test_files_of_small_items_are_produced_in_turns(tmp_path, monkeypatch):
     storage = Storage(str(tmp_path))
     small = {f"p{i}": torch.full((64,), float(i)) for i in range(2000)}
     storage.makedirs(str(tmp_path / "small"))
-    dcp_io._save_local(storage, str(tmp_path / "small"), small, threads=4)
+    # Item by item (no templates, so no batched runs): an interleaving would show.
+    with monkeypatch.context() as m:
+        m.setattr(dcp_io, "_RECORDS", RecordTemplates(max_bytes=0))
+        dcp_io._save_local(storage, str(tmp_path / "small"), small, threads=4)
     streams = [id(s) for s, _ in order]
     runs = 1 + sum(a != b for a, b in zip(streams, streams[1:]))
     assert len(set(streams)) == 4 and runs == 4, "each small-item file is produced in one go"
@@ -412,3 +415,20 @@ def test_a_repeated_save_keeps_nothing_per_item_alive_while_writing(tmp_path, mo
     got = {"model": {k: torch.zeros(16) for k in sd["model"]}, "step": 0}
     dcp.load(got, checkpoint_id=str(tmp_path / "2"))
     assert_bitwise_equal(got, sd)
+
+
+def test_tensors_far_apart_in_memory_are_written(tmp_path):
+    """Same-shape tensors in the main heap and in an mmap'd file lie ~2**45 bytes apart; one
+    gather over that whole range would not fit in int64 (found in review: the save failed)."""
+    src = {f"w{i}": torch.randn(256, 256) for i in range(12)}
+    torch.save(src, tmp_path / "w.pt")
+    sd = {**torch.load(tmp_path / "w.pt", mmap=True), **{f"opt{i}": torch.randn(256, 256) for i in range(12)}}
+    addrs = [t.data_ptr() for t in sd.values()]
+    storage = Storage(str(tmp_path))
+    storage.makedirs(str(tmp_path / "s"))
+    dcp_io.save_state_dict(storage, str(tmp_path / "s"), sd)
+    out = {k: torch.zeros_like(v) for k, v in sd.items()}
+    dcp.load(out, checkpoint_id=str(tmp_path / "s"), no_dist=True)
+    assert_bitwise_equal(out, sd)
+    if (max(addrs) - min(addrs)) * 256 * 256 * 4 < 2**63:
+        pytest.skip("the mmap'd tensors were placed close to the heap ones: nothing far apart")

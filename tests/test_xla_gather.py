@@ -8,26 +8,8 @@ import torch
 from async_ckpt.staging import Stager
 from async_ckpt.staging import stager as stager_mod
 from async_ckpt.staging import xla_gather
-from async_ckpt.addresses import gather_rows, host_bytes
 
 from .conftest import assert_bitwise_equal
-
-
-def test_gather_rows_reads_exactly_the_windows_asked_for():
-    """The primitive, on ordinary host memory: rows at arbitrary (unaligned) offsets of one
-    range, each equal to the slice it names; nothing else is written."""
-    g = torch.Generator().manual_seed(0)
-    src = torch.randint(0, 256, (1 << 16,), dtype=torch.uint8, generator=g)
-    base = host_bytes(src.data_ptr() + 3, src.numel() - 3)  # an unaligned start
-    assert base.data_ptr() == src.data_ptr() + 3 and base.numel() == src.numel() - 3
-    for n in (1, 3, 8, 100, 4096):
-        starts = torch.randint(0, base.numel() - n, (257,), generator=g)
-        out = torch.full((257 + 1, n), 7, dtype=torch.uint8)  # one extra row that must stay untouched
-        gather_rows(base, starts, n, out[:257])
-        for k in range(257):
-            s = int(starts[k]) + 3
-            assert torch.equal(out[k], src[s: s + n]), (n, k)
-        assert bool((out[257] == 7).all())
 
 
 xla = pytest.mark.xla
@@ -135,7 +117,7 @@ def test_failed_check_falls_back_to_dlpack(xla_device, monkeypatch):
     tensors take the DLPack path and nothing is read by address."""
     sd = _mixed_state(xla_device, seed=3)
     monkeypatch.setattr(xla_gather, "_probe_ok", lambda t, addr: False)
-    monkeypatch.setattr(xla_gather, "gather_rows", lambda *a: pytest.fail("read by address after a failed check"))
+    monkeypatch.setattr(xla_gather, "gather", lambda *a: pytest.fail("read by address after a failed check"))
     snap = Stager().stage(sd)
     assert_bitwise_equal(snap.state_dict, _expected(sd))
     snap.release()
@@ -155,7 +137,7 @@ def test_probe_checks_address_and_layout(xla_device):
 @xla
 def test_without_the_binding_everything_goes_through_dlpack(xla_device, monkeypatch):
     monkeypatch.setattr(xla_gather, "_buffer_address_of", lambda: None)
-    monkeypatch.setattr(xla_gather, "gather_rows", lambda *a: pytest.fail("no addresses to read"))
+    monkeypatch.setattr(xla_gather, "gather", lambda *a: pytest.fail("no addresses to read"))
     sd = _mixed_state(xla_device, seed=4)
     snap = Stager().stage(sd)
     assert_bitwise_equal(snap.state_dict, _expected(sd))

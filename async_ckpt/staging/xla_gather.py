@@ -23,7 +23,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from ..addresses import gather_rows, host_bytes
+from ..addresses import gather
 from .pool import HostBufferPool, Lease
 from .views import slab_views
 
@@ -123,16 +123,16 @@ class XlaGather:
         if not all(_probe_ok(ts[p], by_pos[p]) for p in layout.probes):
             return items
         lease = pool.acquire([layout.slab_bytes])
-        leases.append(lease)
         slab = lease.buffers[0]
         where = torch.tensor(addrs, dtype=torch.int64)  # in layout.small order
-        lo = int(where.min())
-        hi = int(where.max()) + layout.groups[-1][0]  # groups are sorted: the last is the largest
-        base = host_bytes(lo, hi - lo)
-        with torch.no_grad():
-            for n, ranks, start in layout.groups:
-                starts = where.index_select(0, ranks) - lo
-                gather_rows(base, starts, n, slab[start: start + n * ranks.numel()].view(ranks.numel(), n))
+        try:
+            with torch.no_grad():
+                for n, ranks, start in layout.groups:
+                    gather(where.index_select(0, ranks), n, slab[start: start + n * ranks.numel()].view(-1, n))
+        except Exception:  # e.g. NumPy missing: the DLPack path still works
+            lease.release()
+            return items
+        leases.append(lease)
         views = slab_views(slab, layout.sig, layout.offsets, [ts[p] for p in layout.order])
         for p, v in zip(layout.order, views):
             host[items[p][0]] = v

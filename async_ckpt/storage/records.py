@@ -26,7 +26,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from ..addresses import gather_rows, host_bytes
+from ..addresses import gather
 
 _U64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B9
@@ -153,12 +153,8 @@ class RecordBatch:
         import numpy as np
 
         tpl, b, n, length, at = self.tpl, len(ts), self.tpl.nbytes, self.tpl.length, self.at
-        addrs = [t.data_ptr() for t in ts]
-        lo = min(addrs)
-        where = torch.tensor(addrs, dtype=torch.int64)
-        where -= lo
         with torch.no_grad():
-            gather_rows(host_bytes(lo, max(addrs) + n - lo), where, n, self.data[:b])
+            gather(torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64), n, self.data[:b])
         flat, crc32 = self.flat, zlib.crc32
         start = at - n
         crcs = np.array([crc32(flat[k * length + start: k * length + at]) for k in range(b)], np.uint64)
