@@ -142,6 +142,7 @@ def _walk(value: Any, path: str, plan: StagingPlan) -> Any:
     if isinstance(value, Mapping):
         out = {}
         tensors, keys = plan.tensors, plan.keys
+        tensor_type, strided, slot = torch.Tensor, torch.strided, _Slot
         prefix = path + "."
         for k, v in value.items():
             if type(k) is str:
@@ -154,10 +155,10 @@ def _walk(value: Any, path: str, plan: StagingPlan) -> Any:
                 sub = f"{prefix}{k}"
                 if isinstance(k, int):
                     plan.int_keys.append(sub)
-            if type(v) is torch.Tensor and v.layout == torch.strided:  # inlined common case
+            if type(v) is tensor_type and v.layout is strided:  # inlined common case
+                out[k] = slot(len(tensors))
                 tensors.append(v.detach() if v.requires_grad else v)
                 keys.append(sub)
-                out[k] = _Slot(len(tensors) - 1)
             else:
                 out[k] = _walk(v, sub, plan)
         return out
@@ -180,8 +181,8 @@ def _fill(template: Any, host: List[torch.Tensor]) -> Any:
         return _host_dtensor(host[template.index], template.spec)
     if isinstance(template, _Slot):
         return host[template.index]
-    if isinstance(template, dict):
-        return {k: _fill(v, host) for k, v in template.items()}
+    if isinstance(template, dict):  # plain slots inline: one call per tensor saved
+        return {k: host[v.index] if type(v) is _Slot else _fill(v, host) for k, v in template.items()}
     if isinstance(template, list):
         return [_fill(v, host) for v in template]
     if type(template) is tuple:

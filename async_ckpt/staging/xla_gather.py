@@ -19,6 +19,7 @@ read, a failed check, two tensors on one buffer (tied) — leaves the tensors to
 
 from __future__ import annotations
 
+from operator import attrgetter
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -28,15 +29,17 @@ from .pool import HostBufferPool, Lease
 from .views import slab_views
 
 _ALIGN = 64
+_dtype, _shape = attrgetter("dtype"), attrgetter("shape")
 
 
 class _Layout:
     """Where each small tensor of one state dict layout goes in the slab (one per layout)."""
 
-    __slots__ = ("sig", "small", "rest", "groups", "slab_bytes", "order", "offsets", "probes")
+    __slots__ = ("dtypes", "shapes", "small", "rest", "groups", "slab_bytes", "order", "offsets", "probes")
 
-    def __init__(self, sig: List[Any], sizes: List[int], small_max: int) -> None:
-        self.sig = sig  # per item (dtype, shape): what decides the layout
+    def __init__(self, dtypes: List[torch.dtype], shapes: List[torch.Size], sizes: List[int], small_max: int) -> None:
+        self.dtypes = dtypes  # per item: what decides the layout (two lists compare faster than pairs)
+        self.shapes = shapes
         self.small = [p for p, n in enumerate(sizes) if 0 < n <= small_max]
         smallset = set(self.small)
         self.rest = [p for p in range(len(sizes)) if p not in smallset]
@@ -57,8 +60,9 @@ class _Layout:
         self.slab_bytes = off
         first: Dict[Any, int] = {}
         for p in self.small:
-            first.setdefault(sig[p], p)
-        self.probes = list(first.values())  # one tensor per (dtype, shape), checked every save
+            first.setdefault((dtypes[p], shapes[p]), p)
+        # One tensor per (dtype, shape), checked every save: (its position, its rank in small).
+        self.probes = [(p, rank[p]) for p in first.values()]
 
 
 def _buffer_address_of() -> Optional[Any]:
@@ -106,10 +110,10 @@ class XlaGather:
         if address_of is None or not items:
             return items
         ts = [t for _, t in items]
-        sig = [(t.dtype, t.shape) for t in ts]
+        dtypes, shapes = list(map(_dtype, ts)), list(map(_shape, ts))
         layout = self._layout
-        if layout is None or layout.sig != sig:
-            layout = self._layout = _Layout(sig, [t.nbytes for t in ts], self.small_max)
+        if layout is None or layout.shapes != shapes or layout.dtypes != dtypes:
+            layout = self._layout = _Layout(dtypes, shapes, [t.nbytes for t in ts], self.small_max)
         if not layout.small:
             return items
         small = [ts[p] for p in layout.small]
@@ -119,8 +123,7 @@ class XlaGather:
             return items
         if len(set(addrs)) != len(addrs):
             return items  # tied tensors: the DLPack path copies a shared buffer once
-        by_pos = dict(zip(layout.small, addrs))
-        if not all(_probe_ok(ts[p], by_pos[p]) for p in layout.probes):
+        if not all(_probe_ok(ts[p], addrs[k]) for p, k in layout.probes):
             return items
         lease = pool.acquire([layout.slab_bytes])
         slab = lease.buffers[0]
@@ -133,7 +136,7 @@ class XlaGather:
             lease.release()
             return items
         leases.append(lease)
-        views = slab_views(slab, layout.sig, layout.offsets, [ts[p] for p in layout.order])
+        views = slab_views(slab, layout, layout.offsets, [ts[p] for p in layout.order])
         for p, v in zip(layout.order, views):
             host[items[p][0]] = v
         return [items[p] for p in layout.rest]
