@@ -355,7 +355,8 @@ class CheckpointManager:
         ``force`` is not set. Raises the error of an earlier failed background save.
 
         With ``lazy=True`` (default: the manager's ``lazy``) it returns once the copies are
-        *issued*: they run in the background, and a guard waits for the outstanding copies of
+        *issued* (tensors up to 64 KiB are already copied: cheaper than guarding them): the
+        others run in the background, and a guard waits for the outstanding copies of
         exactly the tensors about to change, right before ``optimizer.step()`` (params and
         optimizer state) or a module's forward (its buffers). Other in-place writes must come
         after :meth:`wait_for_staging`; one that bumps ``_version`` before its copy finished

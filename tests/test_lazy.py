@@ -184,18 +184,38 @@ def test_guard_waits_only_for_the_stepping_optimizers_tensors(ckpt_dir):
 def test_batchnorm_forward_is_guarded(ckpt_dir):
     """BatchNorm updates its running statistics without bumping ``_version``: only the forward
     pre-hook keeps them exact."""
-    bn = torch.nn.BatchNorm1d(1000)
+    bn = torch.nn.BatchNorm1d(20000)  # 78 KiB statistics: copied lazily (small ones are not)
     sd = bn.state_dict()
     ref = clone_tree(sd)
     with CheckpointManager(ckpt_dir, lazy=True) as mgr:
         with hold_copies(release_after=0.02):
             mgr.save_async(1, sd)
-            bn(torch.randn(8, 1000))
+            bn(torch.randn(8, 20000))
         mgr.join()
         target = clone_tree(bn.state_dict())
         mgr.restore(1, target)
         assert_bitwise_equal(target, ref)
     assert not torch.equal(bn.running_mean, ref["running_mean"])  # the forward did change them
+
+
+def test_small_tensors_are_copied_before_a_lazy_save_returns(ckpt_dir):
+    """Tensors up to 64 KiB are copied at the call (cheaper than guarding them): a mutation
+    nothing sees right after ``save_async`` neither tears the save nor reaches the checkpoint,
+    while a big tensor's copy is still held back."""
+    small, big = torch.randn(1000), torch.randn(100000)
+    sd = {"small": small, "big": big}
+    ref = clone_tree(sd)
+    with CheckpointManager(ckpt_dir, lazy=True) as mgr:
+        with hold_copies(release_after=0.05):
+            mgr.save_async(1, sd)
+            pending = mgr._lazy_pending[-1]
+            assert not pending.done, "the big tensor's copy is still held"
+            with torch.no_grad():
+                small.add_(1.0)  # unseen by the guard: fine, its copy was already made
+        mgr.join()
+        target = clone_tree(sd)
+        mgr.restore(1, target)
+        assert_bitwise_equal(target, ref)
 
 
 def test_manual_wait_then_mutate(ckpt_dir):

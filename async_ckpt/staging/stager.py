@@ -326,6 +326,13 @@ class Stager:
             sources=sources,
         )
 
+    @property
+    def xla_gather(self) -> XlaGather:
+        """Stages small XLA tensors by buffer address (eager and lazy stages alike)."""
+        if self._xla_gather is None:
+            self._xla_gather = XlaGather(SMALL_TENSOR_BYTES)
+        return self._xla_gather
+
     def _stage_local(self, items, host, leases, cuda: bool = True, source: str = "local") -> None:
         """Copy CPU/CUDA ``items`` into pooled buffers. ``cuda=False``: none of them is on CUDA.
         ``source`` names the caller, which keeps a layout of its own in ``self._memo``."""
@@ -370,9 +377,7 @@ class Stager:
             if not items:
                 return None
         # Small tensors by buffer address, one gather per size; the others through DLPack.
-        if self._xla_gather is None:
-            self._xla_gather = XlaGather(SMALL_TENSOR_BYTES)
-        items = self._xla_gather.stage(self.pool, items, host, leases)
+        items = self.xla_gather.stage(self.pool, items, host, leases)
         if not items:
             return None
         views = xla_host_views([t for _, t in items])
