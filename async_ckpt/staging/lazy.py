@@ -595,8 +595,7 @@ def _lazy_xla(stager, items, host, leases, pairs, names, xla_sync, xla_host_view
         items = stager.xla_gather.stage(stager.pool, items, host, leases)
         if not items:
             return
-    srcs, uniq = _unique(items)
-    if not xla_sharded(items):
+        srcs, uniq = _unique(items)
         views = xla_host_views(srcs)
     if views is None:  # TPU/GPU buffers, SPMD shards: no host view to hold; stage them now
         stager._stage_xla(items, host, leases)

@@ -82,13 +82,7 @@ def _probe_ok(t: torch.Tensor, addr: int) -> bool:
         v = torch._C._from_dlpack(torch_xla._XLAC._to_dlpack(t))
     except Exception:
         return False
-    if not v.is_cpu or v.data_ptr() != addr or v.shape != t.shape or v.dtype != t.dtype:
-        return False
-    expected, acc = [], 1
-    for s in reversed(v.shape):
-        expected.append(acc)
-        acc *= s
-    return all(s == 1 or st == e for s, st, e in zip(v.shape, v.stride(), reversed(expected)))
+    return v.is_cpu and v.data_ptr() == addr and v.shape == t.shape and v.dtype == t.dtype and v.is_contiguous()
 
 
 class XlaGather:

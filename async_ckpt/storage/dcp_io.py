@@ -20,6 +20,8 @@ import dataclasses
 import enum
 import errno
 import io
+import itertools
+import operator
 import pickle
 import struct
 import sys
@@ -28,7 +30,7 @@ import warnings
 import zipfile
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Mapping
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torch.futures import Future
@@ -804,38 +806,38 @@ _layout_lock = threading.Lock()
 _last_layout: Optional[_Layout] = None
 
 
-def _signature(objs: List[Any]) -> Optional[List[Any]]:
+_NEEDS_PLANNER = object()  # a signature entry: DCP's planner must handle this object
+
+
+def _signature_entries(objs: List[Any]) -> Iterator[Any]:
     """What decides a layout besides the keys: per tensor its dtype, shape, ``requires_grad``
-    and pinning (four entries), ``None`` per other object; ``None`` if DCP's planner must run."""
-    sig: List[Any] = []
+    and pinning (four entries), ``None`` per other object; :data:`_NEEDS_PLANNER` (and the end)
+    at the first DTensor, ShardedTensor or tensor subclass."""
     tensor_type = torch.Tensor
     for obj in objs:
         if type(obj) is tensor_type:
-            sig += (obj.dtype, obj.shape, obj.requires_grad, obj.is_cpu and obj.is_pinned())
+            yield obj.dtype
+            yield obj.shape
+            yield obj.requires_grad
+            yield obj.is_cpu and obj.is_pinned()
         elif isinstance(obj, torch.Tensor) or hasattr(obj, "__create_write_items__"):
-            return None
+            yield _NEEDS_PLANNER
+            return
         else:
-            sig.append(None)
-    return sig
+            yield None
+
+
+def _signature(objs: List[Any]) -> Optional[List[Any]]:
+    """The signature of ``objs`` (see :func:`_signature_entries`); ``None`` if DCP's planner must run."""
+    sig = list(_signature_entries(objs))
+    return None if sig and sig[-1] is _NEEDS_PLANNER else sig
 
 
 def _has_signature(objs: List[Any], sig: List[Any]) -> bool:
-    """``_signature(objs) == sig``, without keeping a new ``torch.Size`` per tensor alive."""
-    k, n = 0, len(sig)
-    tensor_type = torch.Tensor
-    for obj in objs:
-        if k >= n:
-            return False
-        if type(obj) is tensor_type:
-            if sig[k] is None or sig[k] != obj.dtype or sig[k + 1] != obj.shape \
-                    or sig[k + 2] != obj.requires_grad or sig[k + 3] != (obj.is_cpu and obj.is_pinned()):
-                return False
-            k += 4
-        else:
-            if sig[k] is not None or isinstance(obj, tensor_type) or hasattr(obj, "__create_write_items__"):
-                return False
-            k += 1
-    return k == n
+    """``_signature(objs) == sig``, entry by entry, without keeping a new ``torch.Size`` per
+    tensor alive."""
+    pairs = itertools.zip_longest(_signature_entries(objs), sig, fillvalue=object())  # unequal to all
+    return all(itertools.starmap(operator.eq, pairs))
 
 
 def _local_data(obj: Any) -> Any:
@@ -937,7 +939,7 @@ def _save_local(storage: Storage, path: str, state_dict: Dict[str, Any], *,
     storage.write_bytes(f"{path}/{METADATA_NAME}", data)
     files[METADATA_NAME] = FileRecord(len(data), crc32c(data))
     if sig is None:  # the files were written with the last layout; only .metadata is new
-        sig = layout.sig if layout is not None else _signature(objs)
+        sig = layout.sig
     with _layout_lock:
         _last_layout = _Layout(key, fqns, sig, mappings, buckets, hints,
                                [lengths for _, _, lengths in outs], data, files[METADATA_NAME])

@@ -34,8 +34,8 @@ _GOLDEN = 0x9E3779B9
 TEMPLATE_MAX_BYTES = 1 << 20  # larger tensors: torch.save's fixed cost is noise next to the data
 
 
-def _hash_combine(seed: int, value: int) -> int:
-    """``c10::hash_combine`` on 64-bit ``size_t``."""
+def _hash_combine(seed: Any, value: Any) -> Any:
+    """``c10::hash_combine`` on 64-bit ``size_t``: Python ints, or NumPy ``uint64`` values."""
     return (seed ^ ((value + _GOLDEN + (seed << 6) + (seed >> 2)) & _U64)) & _U64
 
 
@@ -130,7 +130,7 @@ class RecordBatch:
 
     :meth:`_Template.append_to` costs ~8 us of Python per record. Here the records' fixed parts
     are written once per batch buffer, the data of all tensors is copied by one gather (by
-    address, as :mod:`async_ckpt.staging.xla_gather` does), the ``serialization_id`` arithmetic
+    address, see :mod:`async_ckpt.addresses`), the ``serialization_id`` arithmetic
     runs on arrays, and only the two CRC-32s remain a call per record. The bytes are those of
     :meth:`_Template.append_to`, record for record (tests compare them).
     """
@@ -158,9 +158,9 @@ class RecordBatch:
         flat, crc32 = self.flat, zlib.crc32
         start = at - n
         crcs = np.array([crc32(flat[k * length + start: k * length + at]) for k in range(b)], np.uint64)
-        combined = _hash_combine_np(np.uint64(tpl.crc_before), crcs)
+        combined = _hash_combine(np.uint64(tpl.crc_before), crcs)  # uint64 arrays wrap like size_t
         for c in tpl.crc_after:
-            combined = _hash_combine_np(combined, np.uint64(c))
+            combined = _hash_combine(combined, np.uint64(c))
         digits = np.empty((b, 20), np.uint8)  # "%020d" of each, as ASCII
         for j in range(19, -1, -1):
             digits[:, j] = combined % np.uint64(10) + np.uint64(48)
@@ -177,13 +177,6 @@ class RecordBatch:
         for p in tpl.sid_crc_at:
             chunk[:b, at + p: at + p + 4] = s4
         return flat[: b * length]
-
-
-def _hash_combine_np(seed: Any, value: Any) -> Any:
-    """:func:`_hash_combine` on NumPy ``uint64`` arrays (which wrap modulo 2**64 like ``size_t``)."""
-    import numpy as np
-
-    return seed ^ (value + np.uint64(_GOLDEN) + (seed << np.uint64(6)) + (seed >> np.uint64(2)))
 
 
 def _torch_save_bytes(t: torch.Tensor) -> bytes:
