@@ -188,7 +188,6 @@ def save(mgr: "CheckpointManager", step: int, state_dict: Any, force: bool, metr
     preemption) is taken by every rank. A rank whose staging fails raises at once and still
     queues its part of the protocol, so the other ranks raise too instead of waiting for it.
     """
-    from .staging import make_plan
     from .stats import SaveStats
 
     w = mgr._writer
@@ -209,7 +208,7 @@ def save(mgr: "CheckpointManager", step: int, state_dict: Any, force: bool, metr
     w.wait_for_slot()
     t1 = time.perf_counter()
     try:
-        plan = make_plan(state_dict)
+        plan = mgr.stager.plan(state_dict)
         snap = mgr.stager.stage(state_dict, plan)
     except BaseException as exc:
         # (bind exc now: Python unbinds the name at the end of the except block)

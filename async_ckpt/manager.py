@@ -43,7 +43,7 @@ from .policies import (
     decide_save,
 )
 from .preemption import PreemptionTracker, PreemptionWatcher
-from .staging import HostBufferPool, HostSnapshot, Stager, make_plan
+from .staging import HostBufferPool, HostSnapshot, Stager
 from .staging.gc_pause import gc_paused
 from .stats import SaveStats, StatsLog
 from .storage import CheckpointLayout, Manifest, RetryPolicy, Storage, StepTarget
@@ -396,7 +396,7 @@ class CheckpointManager:
         supersede = self._check_rollback(step)
         t0 = time.perf_counter()
         with gc_paused():
-            plan = make_plan(state_dict)  # validates before anything is taken or written
+            plan = self.stager.plan(state_dict)  # validates before anything is taken or written
         if self._lazy_pending:
             self.wait_for_staging()  # earlier lazy copies finish and are sealed (their writers wait for it)
         self._writer.wait_for_slot()

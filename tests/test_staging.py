@@ -6,8 +6,10 @@ import threading
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from async_ckpt import StagingBudgetError
+from async_ckpt import InvalidStateDictError, StagingBudgetError
 from async_ckpt.staging import HostBufferPool, Stager, make_plan
 
 from .conftest import assert_bitwise_equal
@@ -161,3 +163,83 @@ def test_remembered_layout_is_reused_and_stays_exact(monkeypatch):
         if change == "tie":
             assert snap.state_dict["small"]["p1"] is snap.state_dict["small"]["p0"]
         snap.release()
+
+
+def _same_plan(a, b):
+    """Two plans that stage the same tensors under the same names into the same structure."""
+    assert a.keys == b.keys and a.int_keys == b.int_keys
+    assert len(a.tensors) == len(b.tensors)
+    for x, y in zip(a.tensors, b.tensors):
+        assert x is y or (x.data_ptr() == y.data_ptr() and not x.requires_grad and not y.requires_grad)
+    idx = list(range(len(a.tensors)))
+    assert a.build(idx) == b.build(idx)  # slots by position: same structure, same slot indices
+
+
+def test_plan_memo_reuses_a_tensor_mapping_and_gives_the_same_plan():
+    from async_ckpt.staging.plan import PlanMemo
+
+    memo = PlanMemo()
+    model = {f"layer{i}.w": torch.randn(3) for i in range(40)}
+    sd = {"model": model, "step": 1}
+    first = make_plan(sd, memo)
+    second = make_plan({"model": dict(model), "step": 2}, memo)
+    assert second.template["model"] is first.template["model"], "the memo was not used"
+    _same_plan(second, make_plan({"model": model, "step": 2}))
+    assert second.build(list(range(40)))["step"] == 2
+
+    # Each change below must be seen: the plan equals a plan made without the memo.
+    grads = {k: v.clone().requires_grad_() for k, v in model.items()}
+    changed = [
+        {"model": {**model, "layer3.w": 7}, "step": 3},  # a value is no longer a tensor
+        {"model": {**model, "extra": torch.ones(2)}, "step": 3},  # a key more
+        {"model": dict(reversed(list(model.items()))), "step": 3},  # same keys, other order
+        {"first": torch.ones(1), "model": model, "step": 3},  # its tensors start later
+        {"model": grads, "step": 3},  # tensors that require grad are staged detached
+        {"model": {**model, "layer3.w": torch.nn.Parameter(torch.ones(3))}, "step": 3},  # a subclass
+        model,  # the same tensors at the top level
+    ]
+    for sd2 in changed:
+        make_plan(sd, memo)
+        _same_plan(make_plan(sd2, memo), make_plan(sd2))
+        _same_plan(make_plan(sd2, memo), make_plan(sd2))  # and again, from the memo of sd2
+    make_plan(sd, memo)
+    with pytest.raises(InvalidStateDictError, match="strided"):
+        make_plan({"model": {**model, "layer3.w": torch.ones(2, 2).to_sparse()}, "step": 4}, memo)
+    make_plan(model, memo)  # the top level itself remembered
+    with pytest.raises(InvalidStateDictError, match="top-level"):
+        make_plan({**model, 5: torch.ones(1)}, memo)
+
+
+_keys = st.sampled_from(["a", "b", "c", 0, 1])
+
+
+def _leaves():
+    return st.one_of(
+        st.tuples(st.integers(1, 3), st.booleans()).map(lambda nr: torch.randn(nr[0]).requires_grad_(nr[1])),
+        st.integers(0, 2),
+        st.just(None),
+    )
+
+
+_trees = st.recursive(
+    _leaves(),
+    lambda inner: st.one_of(st.dictionaries(_keys, inner, max_size=4), st.lists(inner, max_size=3)),
+    max_leaves=12,
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.dictionaries(st.sampled_from(["a", "b", "c"]), _trees, max_size=3), min_size=2, max_size=5))
+def test_plan_memo_never_changes_a_plan(state_dicts):
+    """Whatever came before, a plan made with the memo equals one made without it."""
+    from async_ckpt.staging.plan import PlanMemo
+
+    memo = PlanMemo()
+    for sd in state_dicts + state_dicts[:1]:  # the first again: some mappings hit the memo
+        try:
+            expected = make_plan(sd)
+        except InvalidStateDictError:
+            with pytest.raises(InvalidStateDictError):
+                make_plan(sd, memo)
+            continue
+        _same_plan(make_plan(sd, memo), expected)

@@ -510,11 +510,10 @@ def stage_lazy(stager: Any, state_dict: Any, plan: Any = None) -> Any:
     released) before ``snapshot.wait_copied()`` returns.
     """
     from .backends import xla_host_views, xla_sync
-    from .plan import make_plan
     from .stager import HostSnapshot
 
     t0 = time.perf_counter()
-    plan = plan if plan is not None else make_plan(state_dict)
+    plan = plan if plan is not None else stager.plan(state_dict)
     host: List[Optional[torch.Tensor]] = [None] * len(plan.tensors)
     by_type = plan.by_device_type()
     leases: List[Any] = []

@@ -11,7 +11,7 @@ import pickle
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from operator import attrgetter
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -98,29 +98,119 @@ class StagingPlan:
         return _fill(self.template, host_tensors)
 
 
-def make_plan(state_dict: Any) -> StagingPlan:
+class _Seen:
+    """One mapping of the last plan whose values were all plain strided tensors under string
+    keys: where its tensors started in the plan, its keys, their dotted paths, its template."""
+
+    __slots__ = ("start", "keys", "paths", "template")
+
+    def __init__(self, start: int, keys: List[Any], paths: List[str], template: Dict[Any, _Slot]) -> None:
+        self.start, self.keys, self.paths, self.template = start, keys, paths, template
+
+
+class PlanMemo:
+    """What :func:`make_plan` learned from the last state dict, to plan the next one faster.
+
+    A training loop saves the same structure every time (``model.state_dict()`` is a new dict
+    of new tensor objects, but with the same keys). For a mapping whose values were all plain
+    tensors, the next plan compares its keys as one list and checks its values in C-level
+    loops instead of visiting them one by one in Python: with 10,000 tensors, ~21 -> ~8 ms.
+    Anything else -- other keys, a value that is not a plain strided tensor, tensors before
+    it that moved its start -- is walked as without a memo, and remembered afresh. Holds
+    keys and templates only, never tensors. One per :class:`~.stager.Stager`. Entries never change
+    once made, so concurrent plans stay correct; they only remember less.
+    """
+
+    __slots__ = ("seen",)
+
+    def __init__(self) -> None:
+        self.seen: Dict[str, _Seen] = {}
+
+
+def make_plan(state_dict: Any, memo: Optional[PlanMemo] = None) -> StagingPlan:
     """Flatten ``state_dict`` into a :class:`StagingPlan`, validating every leaf.
 
     Raises :class:`InvalidStateDictError` for a state dict that is not a mapping, a key that
     is not a string (or an int below the top level), or a leaf that cannot be pickled.
+    ``memo`` (kept from one call to the next) makes repeated plans of one structure faster;
+    the plan is the same with or without it.
     """
     if not isinstance(state_dict, Mapping):
         raise InvalidStateDictError(
             f"state_dict must be a mapping (e.g. a dict), got {type(state_dict).__name__}"
         )
     plan = StagingPlan(template=None)
-    out = {}
-    for key, value in state_dict.items():
-        if not isinstance(key, str):
-            raise InvalidStateDictError(
-                f"top-level state_dict keys must be strings, got {key!r} ({type(key).__name__})"
-            )
-        out[key] = _walk(value, key, plan)
-    plan.template = out
+    seen: Optional[Dict[str, _Seen]] = {} if memo is not None else None
+    plan.template = _walk_mapping(state_dict, "", plan, memo.seen if memo is not None else None, seen)
+    if memo is not None:
+        memo.seen = seen  # type: ignore[assignment]  # only what this state dict still has
     return plan
 
 
-def _walk(value: Any, path: str, plan: StagingPlan) -> Any:
+_type, _layout, _requires_grad = type, attrgetter("layout"), attrgetter("requires_grad")
+
+
+def _plain_tensors(vals: List[Any]) -> Optional[List[torch.Tensor]]:
+    """``vals`` ready for the plan if every one is a plain strided tensor (detached where it
+    requires grad), else ``None``. C-level loops: no Python code runs per value."""
+    if set(map(_type, vals)) != {torch.Tensor} or set(map(_layout, vals)) != {torch.strided}:
+        return None
+    if any(map(_requires_grad, vals)):
+        return [v.detach() if v.requires_grad else v for v in vals]
+    return vals
+
+
+def _walk_mapping(value: Mapping, path: str, plan: StagingPlan, old: Optional[Dict[str, _Seen]],
+                  new: Optional[Dict[str, _Seen]]) -> Dict[Any, Any]:
+    """The template of one mapping (``path`` "" is the state dict itself, whose keys must be
+    strings); with ``old``/``new``, reuses and records :class:`_Seen` entries."""
+    tensors, keys = plan.tensors, plan.keys
+    if old is not None:
+        e = old.get(path)
+        if e is not None and e.start == len(tensors) and list(value.keys()) == e.keys:
+            vals = _plain_tensors(list(value.values()))
+            if vals is not None:
+                tensors += vals
+                keys += e.paths
+                new[path] = e  # type: ignore[index]
+                return e.template
+    out: Dict[Any, Any] = {}
+    start = len(tensors)
+    plain = True  # every value a plain strided tensor under a string key (see _Seen)
+    tensor_type, strided, slot = torch.Tensor, torch.strided, _Slot
+    prefix = path + "." if path else ""
+    for k, v in value.items():
+        if type(k) is str:
+            sub = prefix + k
+        elif not path:
+            if not isinstance(k, str):
+                raise InvalidStateDictError(
+                    f"top-level state_dict keys must be strings, got {k!r} ({type(k).__name__})"
+                )
+            sub, plain = k, False  # a str subclass (an enum, say): named as it is
+        elif isinstance(k, bool) or not isinstance(k, (str, int)):
+            raise InvalidStateDictError(
+                f"{path}: nested keys must be strings or ints, got {k!r} ({type(k).__name__})"
+            )
+        else:
+            sub = f"{prefix}{k}"
+            plain = False
+            if isinstance(k, int):
+                plan.int_keys.append(sub)
+        if type(v) is tensor_type and v.layout is strided:  # inlined common case
+            out[k] = slot(len(tensors))
+            tensors.append(v.detach() if v.requires_grad else v)
+            keys.append(sub)
+        else:
+            plain = False
+            out[k] = _walk(v, sub, plan, old, new)
+    if new is not None and plain and out:
+        new[path] = _Seen(start, list(value.keys()), keys[start:], out)
+    return out
+
+
+def _walk(value: Any, path: str, plan: StagingPlan, old: Optional[Dict[str, _Seen]] = None,
+          new: Optional[Dict[str, _Seen]] = None) -> Any:
     if type(value) is torch.Tensor and value.layout == torch.strided:  # the common case, first
         plan.tensors.append(value.detach() if value.requires_grad else value)
         plan.keys.append(path)
@@ -140,32 +230,11 @@ def _walk(value: Any, path: str, plan: StagingPlan) -> Any:
         plan.keys.append(path)
         return _Slot(len(plan.tensors) - 1)
     if isinstance(value, Mapping):
-        out = {}
-        tensors, keys = plan.tensors, plan.keys
-        tensor_type, strided, slot = torch.Tensor, torch.strided, _Slot
-        prefix = path + "."
-        for k, v in value.items():
-            if type(k) is str:
-                sub = prefix + k
-            elif isinstance(k, bool) or not isinstance(k, (str, int)):
-                raise InvalidStateDictError(
-                    f"{path}: nested keys must be strings or ints, got {k!r} ({type(k).__name__})"
-                )
-            else:
-                sub = f"{prefix}{k}"
-                if isinstance(k, int):
-                    plan.int_keys.append(sub)
-            if type(v) is tensor_type and v.layout is strided:  # inlined common case
-                out[k] = slot(len(tensors))
-                tensors.append(v.detach() if v.requires_grad else v)
-                keys.append(sub)
-            else:
-                out[k] = _walk(v, sub, plan)
-        return out
+        return _walk_mapping(value, path, plan, old, new)
     if isinstance(value, list):
-        return [_walk(v, f"{path}.{i}", plan) for i, v in enumerate(value)]
+        return [_walk(v, f"{path}.{i}", plan, old, new) for i, v in enumerate(value)]
     if type(value) is tuple:
-        return tuple(_walk(v, f"{path}.{i}", plan) for i, v in enumerate(value))
+        return tuple(_walk(v, f"{path}.{i}", plan, old, new) for i, v in enumerate(value))
     if isinstance(value, _IMMUTABLE):
         return value
     try:
