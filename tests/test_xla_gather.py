@@ -142,3 +142,69 @@ def test_without_the_binding_everything_goes_through_dlpack(xla_device, monkeypa
     snap = Stager().stage(sd)
     assert_bitwise_equal(snap.state_dict, _expected(sd))
     snap.release()
+
+
+def _checked(monkeypatch):
+    """Record how many tensors each pending-work check covers."""
+    import torch_xla
+
+    sizes = []
+    real = torch_xla._XLAC._check_tensor_need_materialization
+    monkeypatch.setattr(torch_xla._XLAC, "_check_tensor_need_materialization",
+                        lambda ts: sizes.append(len(ts)) or real(ts))
+    return sizes
+
+
+@xla
+def test_pending_work_on_small_tensors_is_synced_before_they_are_read(xla_device, monkeypatch):
+    """Small tensors are read by address before any pending-work check; one with pending work
+    has no buffer to read, so the stage syncs everything and reads again, then keeps syncing
+    first until a sync finds nothing pending."""
+    import torch_xla
+
+    cpu = {f"s{i}": torch.arange(16, dtype=torch.float32) + i for i in range(30)}
+    cpu["big"] = torch.arange(40_000, dtype=torch.float32)
+    sd = {k: v.to(xla_device) for k, v in cpu.items()}
+    torch_xla.sync()
+    st = Stager()
+    st.stage(sd).release()
+    checked = _checked(monkeypatch)
+    for rep in range(3):
+        for k in ("s0", "s17", "big"):  # pending in-place work, not synced
+            sd[k].mul_(2).add_(rep)
+            cpu[k].mul_(2).add_(rep)
+        snap = st.stage(sd)
+        assert_bitwise_equal(snap.state_dict, cpu)  # integers in float32: exact on both sides
+        snap.release()
+        assert st.xla_gather.sync_first, "pending work seen: the next save syncs first"
+    checked.clear()
+    snap = st.stage(sd)  # nothing pending now: the sync-first save finds none and stops it
+    assert_bitwise_equal(snap.state_dict, cpu)
+    snap.release()
+    assert checked == [31] and not st.xla_gather.sync_first
+    checked.clear()
+    snap = st.stage(sd)
+    assert_bitwise_equal(snap.state_dict, cpu)
+    snap.release()
+    assert checked == [1], "only the big tensor is checked for pending work"
+
+
+@xla
+def test_pending_work_on_a_big_tensor_is_still_synced(xla_device, monkeypatch):
+    import torch_xla
+
+    cpu = {f"s{i}": torch.arange(16, dtype=torch.float32) * i for i in range(30)}
+    cpu["big"] = torch.arange(40_000, dtype=torch.float32)
+    sd = {k: v.to(xla_device) for k, v in cpu.items()}
+    torch_xla.sync()
+    st = Stager()
+    st.stage(sd).release()
+    sd["big"].add_(3)  # pending; every small tensor ready
+    cpu["big"].add_(3)
+    checked = _checked(monkeypatch)
+    for lazy in (False, True):
+        snap = st.stage(sd, lazy=lazy)
+        snap.wait_copied()
+        assert_bitwise_equal(snap.state_dict, cpu)
+        snap.release()
+    assert checked[0] == 1 and not st.xla_gather.sync_first

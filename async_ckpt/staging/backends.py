@@ -79,7 +79,15 @@ def xla_host_views(tensors: Sequence[torch.Tensor]) -> Optional[List[torch.Tenso
     return views
 
 
-def xla_sync(tensors: Optional[Sequence[torch.Tensor]] = None) -> None:
+def xla_wait() -> None:
+    """Wait until every XLA execution already launched has finished (its outputs have their
+    PJRT buffers). ~10 us when nothing runs; see :func:`xla_sync` for why it is needed."""
+    import torch_xla
+
+    torch_xla._XLAC._xla_wait_device_ops([])
+
+
+def xla_sync(tensors: Optional[Sequence[torch.Tensor]] = None) -> bool:
     """Materialise pending XLA computations and wait until every device buffer exists.
 
     With ``tensors``, ``torch_xla.sync()`` runs only if one of them has a pending computation:
@@ -92,11 +100,14 @@ def xla_sync(tensors: Optional[Sequence[torch.Tensor]] = None) -> None:
     ``torch_xla.sync()`` right before ``save_async`` leaves exactly that behind. (A second
     ``sync()`` happens to wait for the first one, which is why an unconditional sync never
     aborted; the explicit wait does not rely on it and costs ~10 us when nothing runs.)
+
+    Returns whether it ran ``torch_xla.sync()``.
     """
     import torch_xla
 
     check = getattr(torch_xla._XLAC, "_check_tensor_need_materialization", None)
-    if tensors is None or check is None or any(check(list(tensors))):
+    synced = tensors is None or check is None or any(check(list(tensors)))
+    if synced:
         sync = getattr(torch_xla, "sync", None)
         if sync is not None:
             sync()
@@ -104,7 +115,8 @@ def xla_sync(tensors: Optional[Sequence[torch.Tensor]] = None) -> None:
             import torch_xla.core.xla_model as xm
 
             xm.mark_step()
-    torch_xla._XLAC._xla_wait_device_ops([])
+    xla_wait()
+    return synced
 
 
 def xla_batched_to_cpu(tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:

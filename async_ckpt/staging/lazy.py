@@ -509,7 +509,7 @@ def stage_lazy(stager: Any, state_dict: Any, plan: Any = None) -> Any:
     ``pending`` is the :class:`PendingCopies` handle. Its buffers must not be read (or
     released) before ``snapshot.wait_copied()`` returns.
     """
-    from .backends import xla_host_views, xla_sync
+    from .backends import xla_host_views
     from .stager import HostSnapshot
 
     t0 = time.perf_counter()
@@ -521,7 +521,7 @@ def stage_lazy(stager: Any, state_dict: Any, plan: Any = None) -> Any:
     names = plan.keys if len(plan.keys) == len(plan.tensors) else [str(i) for i in range(len(plan.tensors))]
     try:
         if "xla" in by_type:
-            _lazy_xla(stager, by_type.pop("xla"), host, leases, pairs, names, xla_sync, xla_host_views)
+            _lazy_xla(stager, by_type.pop("xla"), host, leases, pairs, names, xla_host_views)
         local = [it for kind in ("cpu", "cuda") for it in by_type.pop(kind, [])]
         if by_type:
             kinds = ", ".join(sorted(by_type))
@@ -581,17 +581,19 @@ def _lazy_local(stager, items, host, leases, pairs, names, xla) -> None:
             copy_cpu(now_d, now_s)
 
 
-def _lazy_xla(stager, items, host, leases, pairs, names, xla_sync, xla_host_views) -> None:
+def _lazy_xla(stager, items, host, leases, pairs, names, xla_host_views) -> None:
     """PJRT CPU: zero-copy views of the (immutable) device buffers taken now, O(#tensors);
     their bytes are copied in the background. Anything else is staged eagerly."""
-    xla_sync([t for _, t in items])
     from ..distributed import xla_sharded
+    from .backends import xla_wait
     from .stager import _unique
 
+    xla_wait()
     views = None
     if not xla_sharded(items):
-        # Small tensors: copied now by buffer address (as the eager stage does), not tracked.
-        items = stager.xla_gather.stage(stager.pool, items, host, leases)
+        # Small tensors: copied now by buffer address (as the eager stage does), not tracked;
+        # the others synced if they need it.
+        items = stager.xla_small_first(items, host, leases)
         if not items:
             return
         srcs, uniq = _unique(items)

@@ -16,11 +16,11 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from .gc_pause import gc_paused
-from .backends import CudaTransfer, copy_cpu, xla_batched_to_cpu, xla_host_views, xla_sync
+from .backends import CudaTransfer, copy_cpu, xla_batched_to_cpu, xla_host_views, xla_sync, xla_wait
 from .plan import PlanMemo, StagingPlan, make_plan
 from .pool import HostBufferPool, Lease
 from .views import slab_views, whole_view
-from .xla_gather import XlaGather
+from .xla_gather import XlaGather, XlaPendingWork
 
 
 @dataclass
@@ -367,13 +367,32 @@ class Stager:
                 self._cuda.copy(cuda_d, cuda_s)
             copy_cpu(cpu_d, cpu_s)
 
+    def xla_small_first(self, items, host, leases):
+        """Small XLA tensors by buffer address, before any pending-work check (see
+        :mod:`.xla_gather`); the rest, returned, are synced if they need it. When a small one
+        has pending work, everything is synced and the gather runs again; later saves then sync
+        first, until a sync finds nothing pending."""
+        gather = self.xla_gather
+        if gather.sync_first:
+            gather.sync_first = xla_sync([t for _, t in items])
+            return gather.stage(self.pool, items, host, leases)
+        try:
+            rest = gather.stage(self.pool, items, host, leases, synced=False)
+        except XlaPendingWork:
+            xla_sync([t for _, t in items])
+            return gather.stage(self.pool, items, host, leases)
+        if rest:
+            xla_sync([t for _, t in rest])
+        return rest
+
     def _stage_xla(self, items, host, leases) -> Optional[List[torch.Tensor]]:
         """Stage XLA tensors into ``host``; return the DLPack views used, if any (see ``sources``)."""
-        xla_sync([t for _, t in items])
         from ..distributed import stage_xla_shards, xla_sharded
 
+        xla_wait()
         sharded = xla_sharded(items)
         if sharded:
+            xla_sync([t for _, t in items])
             # SPMD: host copies of this process's shards (one replica each), not the global tensor.
             srcs_sh, ids = _unique(sharded)
             shards = stage_xla_shards(srcs_sh)
@@ -382,8 +401,10 @@ class Stager:
             items = [(i, t) for i, t in items if host[i] is None]
             if not items:
                 return None
-        # Small tensors by buffer address, one gather per size; the others through DLPack.
-        items = self.xla_gather.stage(self.pool, items, host, leases)
+            items = self.xla_gather.stage(self.pool, items, host, leases)
+        else:
+            # Small tensors by buffer address, one gather per size; the others through DLPack.
+            items = self.xla_small_first(items, host, leases)
         if not items:
             return None
         views = xla_host_views([t for _, t in items])

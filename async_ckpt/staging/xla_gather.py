@@ -10,7 +10,11 @@ then lie inside one address range ``[lowest, highest end)``. For each distinct s
 start at the buffers' addresses and writes them as consecutive rows of a pooled slab. The
 range is only a view: nothing outside the buffers is read, nothing is allocated.
 
-When: only after :func:`~.backends.xla_sync` (every buffer exists), and only when, in this
+When: after :func:`~.backends.xla_wait` (every launched execution has its output buffers).
+The pending-work check of :func:`~.backends.xla_sync` is not needed first: reading the address
+of a tensor with pending work fails (it has no buffer yet), and :meth:`XlaGather.stage` then
+raises :class:`XlaPendingWork` so the caller syncs and tries again. That saves a pass over
+every tensor (~0.8 us each) in the usual case, where nothing is pending. And only when, in this
 save, a DLPack view of one tensor of each (dtype, shape) is a host tensor that starts at the
 address given and is row-major. That proves the addresses are host memory (not a GPU's) and
 that the layout is the one assumed. Anything else — no such binding, an address that cannot be
@@ -85,6 +89,11 @@ def _probe_ok(t: torch.Tensor, addr: int) -> bool:
     return v.is_cpu and v.data_ptr() == addr and v.shape == t.shape and v.dtype == t.dtype and v.is_contiguous()
 
 
+class XlaPendingWork(Exception):
+    """A small tensor's buffer address could not be read before a sync: it may have pending
+    work. The caller runs :func:`~.backends.xla_sync` and calls :meth:`XlaGather.stage` again."""
+
+
 class XlaGather:
     """Stages the small tensors of XLA state dicts by address (see the module docstring).
 
@@ -95,11 +104,17 @@ class XlaGather:
         self.small_max = small_max
         self._layout: Optional[_Layout] = None
         self._address_of = _buffer_address_of()
+        #: the last try before a sync hit pending work: sync first until a sync finds none
+        #: (a state dict with XLA views, for one, always has some)
+        self.sync_first = False
 
     def stage(self, pool: HostBufferPool, items: List[Tuple[int, torch.Tensor]],
-              host: List[Optional[torch.Tensor]], leases: List[Lease]) -> List[Tuple[int, torch.Tensor]]:
+              host: List[Optional[torch.Tensor]], leases: List[Lease], synced: bool = True
+              ) -> List[Tuple[int, torch.Tensor]]:
         """Copy the small tensors of ``items`` into a pooled slab and put their host views in
-        ``host``; return the items left to the caller (all of them if this path does not apply)."""
+        ``host``; return the items left to the caller (all of them if this path does not apply).
+        ``synced=False``: pending work has not been checked for; an address that cannot be read
+        raises :class:`XlaPendingWork` (nothing copied, nothing held) instead of giving up."""
         address_of = self._address_of
         if address_of is None or not items:
             return items
@@ -108,12 +123,16 @@ class XlaGather:
         layout = self._layout
         if layout is None or layout.shapes != shapes or layout.dtypes != dtypes:
             layout = self._layout = _Layout(dtypes, shapes, [t.nbytes for t in ts], self.small_max)
+            self.sync_first = False
         if not layout.small:
             return items
         small = [ts[p] for p in layout.small]
         try:
             addrs = list(map(address_of, small))
         except Exception:
+            if not synced:
+                self.sync_first = True
+                raise XlaPendingWork() from None
             return items
         if len(set(addrs)) != len(addrs):
             return items  # tied tensors: the DLPack path copies a shared buffer once
