@@ -175,6 +175,27 @@ def _same_plan(a, b):
     assert a.build(idx) == b.build(idx)  # slots by position: same structure, same slot indices
 
 
+def _rebuilds(sd, plan):
+    """The plan, filled with its own tensors, is ``sd`` again: plain dicts and lists, the same
+    tensors (or their detached aliases) in the same places, the same other leaves."""
+
+    def same(a, b):
+        if isinstance(a, torch.Tensor):
+            assert isinstance(b, torch.Tensor) and (a is b or (a.data_ptr() == b.data_ptr() and not b.requires_grad))
+        elif isinstance(a, dict):
+            assert type(b) is dict and list(a) == list(b)
+            for k in a:
+                same(a[k], b[k])
+        elif isinstance(a, (list, tuple)):
+            assert type(b) is type(a) and len(a) == len(b)
+            for x, y in zip(a, b):
+                same(x, y)
+        else:
+            assert a == b
+
+    same(sd, plan.build(plan.tensors))
+
+
 def test_plan_memo_reuses_a_tensor_mapping_and_gives_the_same_plan():
     from async_ckpt.staging.plan import PlanMemo
 
@@ -198,10 +219,13 @@ def test_plan_memo_reuses_a_tensor_mapping_and_gives_the_same_plan():
         {"model": {**model, "layer3.w": torch.nn.Parameter(torch.ones(3))}, "step": 3},  # a subclass
         model,  # the same tensors at the top level
     ]
+    _rebuilds({"model": model, "step": 2}, second)
     for sd2 in changed:
         make_plan(sd, memo)
         _same_plan(make_plan(sd2, memo), make_plan(sd2))
-        _same_plan(make_plan(sd2, memo), make_plan(sd2))  # and again, from the memo of sd2
+        again = make_plan(sd2, memo)  # and again, from the memo of sd2
+        _same_plan(again, make_plan(sd2))
+        _rebuilds(sd2, again)
     make_plan(sd, memo)
     with pytest.raises(InvalidStateDictError, match="strided"):
         make_plan({"model": {**model, "layer3.w": torch.ones(2, 2).to_sparse()}, "step": 4}, memo)
@@ -242,4 +266,6 @@ def test_plan_memo_never_changes_a_plan(state_dicts):
             with pytest.raises(InvalidStateDictError):
                 make_plan(sd, memo)
             continue
-        _same_plan(make_plan(sd, memo), expected)
+        got = make_plan(sd, memo)
+        _same_plan(got, expected)
+        _rebuilds(sd, got)

@@ -98,13 +98,20 @@ class StagingPlan:
         return _fill(self.template, host_tensors)
 
 
+class _Run(dict):
+    """The template of a mapping whose values are all plain slots ``start, start + 1, ...``
+    in key order: filled by one ``dict(zip(...))`` instead of a Python step per key."""
+
+    __slots__ = ("start",)
+
+
 class _Seen:
     """One mapping of the last plan whose values were all plain strided tensors under string
     keys: where its tensors started in the plan, its keys, their dotted paths, its template."""
 
     __slots__ = ("start", "keys", "paths", "template")
 
-    def __init__(self, start: int, keys: List[Any], paths: List[str], template: Dict[Any, _Slot]) -> None:
+    def __init__(self, start: int, keys: List[Any], paths: List[str], template: _Run) -> None:
         self.start, self.keys, self.paths, self.template = start, keys, paths, template
 
 
@@ -204,8 +211,12 @@ def _walk_mapping(value: Mapping, path: str, plan: StagingPlan, old: Optional[Di
         else:
             plain = False
             out[k] = _walk(v, sub, plan, old, new)
-    if new is not None and plain and out:
-        new[path] = _Seen(start, list(value.keys()), keys[start:], out)
+    if plain and out:
+        run = _Run(out)
+        run.start = start
+        if new is not None:
+            new[path] = _Seen(start, list(value.keys()), keys[start:], run)
+        return run
     return out
 
 
@@ -246,6 +257,8 @@ def _walk(value: Any, path: str, plan: StagingPlan, old: Optional[Dict[str, _See
 
 
 def _fill(template: Any, host: List[torch.Tensor]) -> Any:
+    if type(template) is _Run:
+        return dict(zip(template, host[template.start: template.start + len(template)]))
     if isinstance(template, _DSlot):
         return _host_dtensor(host[template.index], template.spec)
     if isinstance(template, _Slot):
