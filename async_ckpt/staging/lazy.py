@@ -510,7 +510,7 @@ def stage_lazy(stager: Any, state_dict: Any, plan: Any = None) -> Any:
     released) before ``snapshot.wait_copied()`` returns.
     """
     from .backends import xla_host_views
-    from .stager import HostSnapshot
+    from .stager import HostSnapshot, snapshot_nbytes
 
     t0 = time.perf_counter()
     plan = plan if plan is not None else stager.plan(state_dict)
@@ -536,7 +536,7 @@ def stage_lazy(stager: Any, state_dict: Any, plan: Any = None) -> Any:
     pending = start(build_chunks(pairs), _cuda_stream_fn(stager))
     snap = HostSnapshot(
         state_dict=plan.build(host),  # type: ignore[arg-type]
-        nbytes=plan.nbytes,
+        nbytes=snapshot_nbytes(host, plan),
         num_tensors=len(plan.tensors),
         stage_seconds=time.perf_counter() - t0,
         int_keys=plan.int_keys,

@@ -260,6 +260,14 @@ def _redo(memo: _Remembered, pool: HostBufferPool, items: List[Tuple[int, torch.
     return dsts, [ts[p] for p in order]
 
 
+def snapshot_nbytes(host: List[Any], plan: StagingPlan) -> int:
+    """The bytes a snapshot holds, from its host tensors: cheaper to read than XLA tensors."""
+    try:
+        return sum(map(_nbytes, host))
+    except AttributeError:  # SPMD: a set of local shards stands for the global tensor
+        return plan.nbytes
+
+
 def _unique(items: List[Tuple[int, torch.Tensor]]) -> Tuple[List[torch.Tensor], Dict[int, int]]:
     """The distinct tensor objects of ``items`` and, by ``id``, each one's index among them."""
     index: Dict[int, int] = {}
@@ -318,13 +326,9 @@ class Stager:
                 lease.release()
             raise
         snap_sd = plan.build(host)  # type: ignore[arg-type]
-        try:
-            nbytes = sum(map(_nbytes, host))  # the host copies' sizes: cheaper to read than XLA's
-        except AttributeError:  # SPMD: a set of local shards stands for the global tensor
-            nbytes = plan.nbytes
         return HostSnapshot(
             state_dict=snap_sd,
-            nbytes=nbytes,
+            nbytes=snapshot_nbytes(host, plan),
             num_tensors=len(plan.tensors),
             stage_seconds=time.perf_counter() - t0,
             int_keys=plan.int_keys,
