@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import threading
 
 import pytest
@@ -168,6 +169,7 @@ def test_remembered_layout_is_reused_and_stays_exact(monkeypatch):
 def _same_plan(a, b):
     """Two plans that stage the same tensors under the same names into the same structure."""
     assert a.keys == b.keys and a.int_keys == b.int_keys
+    assert [type(k) for k in a.keys] == [type(k) for k in b.keys]
     assert len(a.tensors) == len(b.tensors)
     for x, y in zip(a.tensors, b.tensors):
         assert x is y or (x.data_ptr() == y.data_ptr() and not x.requires_grad and not y.requires_grad)
@@ -234,7 +236,32 @@ def test_plan_memo_reuses_a_tensor_mapping_and_gives_the_same_plan():
         make_plan({**model, 5: torch.ones(1)}, memo)
 
 
-_keys = st.sampled_from(["a", "b", "c", 0, 1])
+class _Key(str, enum.Enum):
+    """A str subclass: equal to its value, named differently (``K.A``) by the plan."""
+
+    A = "a"
+
+
+def test_plan_memo_tells_a_str_subclass_key_from_a_plain_one():
+    from async_ckpt.staging.plan import PlanMemo
+
+    t = torch.ones(2)
+    for sd, sd2 in (({"m": {"a": t}}, {"m": {_Key.A: t}}), ({"a": t}, {_Key.A: t})):
+        memo = PlanMemo()
+        make_plan(sd, memo)
+        _same_plan(make_plan(sd2, memo), make_plan(sd2))
+        _same_plan(make_plan(sd, memo), make_plan(sd))  # and back
+
+
+def test_an_empty_key_below_the_top_is_an_ordinary_key():
+    t, u = torch.ones(1), torch.zeros(1)
+    plan = make_plan({"": {"x": {0: t}}, "x": {"0": u}})
+    assert plan.keys == [".x.0", "x.0"] and plan.int_keys == [".x.0"]
+    plan = make_plan({"": {0: t}})  # int keys are allowed below the top, also under ""
+    assert plan.keys == [".0"] and plan.int_keys == [".0"]
+
+
+_keys = st.sampled_from(["a", "b", "", _Key.A, 0, 1])
 
 
 def _leaves():
@@ -253,7 +280,7 @@ _trees = st.recursive(
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.lists(st.dictionaries(st.sampled_from(["a", "b", "c"]), _trees, max_size=3), min_size=2, max_size=5))
+@given(st.lists(st.dictionaries(st.sampled_from(["a", "b", "", _Key.A]), _trees, max_size=3), min_size=2, max_size=5))
 def test_plan_memo_never_changes_a_plan(state_dicts):
     """Whatever came before, a plan made with the memo equals one made without it."""
     from async_ckpt.staging.plan import PlanMemo

@@ -131,7 +131,7 @@ class PlanMemo:
     __slots__ = ("seen",)
 
     def __init__(self) -> None:
-        self.seen: Dict[str, _Seen] = {}
+        self.seen: Dict[Optional[str], _Seen] = {}  # by path; None: the state dict itself
 
 
 def make_plan(state_dict: Any, memo: Optional[PlanMemo] = None) -> StagingPlan:
@@ -147,8 +147,8 @@ def make_plan(state_dict: Any, memo: Optional[PlanMemo] = None) -> StagingPlan:
             f"state_dict must be a mapping (e.g. a dict), got {type(state_dict).__name__}"
         )
     plan = StagingPlan(template=None)
-    seen: Optional[Dict[str, _Seen]] = {} if memo is not None else None
-    plan.template = _walk_mapping(state_dict, "", plan, memo.seen if memo is not None else None, seen)
+    seen: Optional[Dict[Optional[str], _Seen]] = {} if memo is not None else None
+    plan.template = _walk_mapping(state_dict, None, plan, memo.seen if memo is not None else None, seen)
     if memo is not None:
         memo.seen = seen  # type: ignore[assignment]  # only what this state dict still has
     return plan
@@ -167,14 +167,17 @@ def _plain_tensors(vals: List[Any]) -> Optional[List[torch.Tensor]]:
     return vals
 
 
-def _walk_mapping(value: Mapping, path: str, plan: StagingPlan, old: Optional[Dict[str, _Seen]],
-                  new: Optional[Dict[str, _Seen]]) -> Dict[Any, Any]:
-    """The template of one mapping (``path`` "" is the state dict itself, whose keys must be
+def _walk_mapping(value: Mapping, path: Optional[str], plan: StagingPlan, old: Optional[Dict[Optional[str], _Seen]],
+                  new: Optional[Dict[Optional[str], _Seen]]) -> Dict[Any, Any]:
+    """The template of one mapping (``path`` None: the state dict itself, whose keys must be
     strings); with ``old``/``new``, reuses and records :class:`_Seen` entries."""
     tensors, keys = plan.tensors, plan.keys
     if old is not None:
         e = old.get(path)
-        if e is not None and e.start == len(tensors) and list(value.keys()) == e.keys:
+        ks = list(value.keys()) if e is not None and e.start == len(tensors) else None
+        # Equal keys of exactly type str: a str subclass (an enum) equals its value, but is named
+        # differently (see the walk below).
+        if ks is not None and ks == e.keys and set(map(_type, ks)) == {str}:
             vals = _plain_tensors(list(value.values()))
             if vals is not None:
                 tensors += vals
@@ -185,11 +188,12 @@ def _walk_mapping(value: Mapping, path: str, plan: StagingPlan, old: Optional[Di
     start = len(tensors)
     plain = True  # every value a plain strided tensor under a string key (see _Seen)
     tensor_type, strided, slot = torch.Tensor, torch.strided, _Slot
-    prefix = path + "." if path else ""
+    top = path is None
+    prefix = "" if top else path + "."  # type: ignore[operator]
     for k, v in value.items():
         if type(k) is str:
             sub = prefix + k
-        elif not path:
+        elif top:
             if not isinstance(k, str):
                 raise InvalidStateDictError(
                     f"top-level state_dict keys must be strings, got {k!r} ({type(k).__name__})"
@@ -211,7 +215,7 @@ def _walk_mapping(value: Mapping, path: str, plan: StagingPlan, old: Optional[Di
         else:
             plain = False
             out[k] = _walk(v, sub, plan, old, new)
-    if plain and out:
+    if plain and out and len(out) == len(tensors) - start:  # (a Mapping that yields a key twice: no)
         run = _Run(out)
         run.start = start
         if new is not None:
@@ -220,8 +224,8 @@ def _walk_mapping(value: Mapping, path: str, plan: StagingPlan, old: Optional[Di
     return out
 
 
-def _walk(value: Any, path: str, plan: StagingPlan, old: Optional[Dict[str, _Seen]] = None,
-          new: Optional[Dict[str, _Seen]] = None) -> Any:
+def _walk(value: Any, path: str, plan: StagingPlan, old: Optional[Dict[Optional[str], _Seen]] = None,
+          new: Optional[Dict[Optional[str], _Seen]] = None) -> Any:
     if type(value) is torch.Tensor and value.layout == torch.strided:  # the common case, first
         plan.tensors.append(value.detach() if value.requires_grad else value)
         plan.keys.append(path)
