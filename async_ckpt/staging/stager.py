@@ -377,17 +377,17 @@ class Stager:
         has pending work, everything is synced and the gather runs again; later saves then sync
         first, until a sync finds nothing pending."""
         gather = self.xla_gather
-        if gather.sync_first:
-            gather.sync_first = xla_sync([t for _, t in items])
-            return gather.stage(self.pool, items, host, leases)
-        try:
-            rest = gather.stage(self.pool, items, host, leases, synced=False)
-        except XlaPendingWork:
-            xla_sync([t for _, t in items])
-            return gather.stage(self.pool, items, host, leases)
-        if rest:
-            xla_sync([t for _, t in rest])
-        return rest
+        if not gather.sync_first:
+            try:
+                rest = gather.stage(self.pool, items, host, leases, synced=False)
+            except XlaPendingWork:
+                pass
+            else:
+                if rest:
+                    xla_sync([t for _, t in rest])
+                return rest
+        gather.sync_first = xla_sync([t for _, t in items])
+        return gather.stage(self.pool, items, host, leases)
 
     def _stage_xla(self, items, host, leases) -> Optional[List[torch.Tensor]]:
         """Stage XLA tensors into ``host``; return the DLPack views used, if any (see ``sources``)."""

@@ -104,8 +104,8 @@ class XlaGather:
         self.small_max = small_max
         self._layout: Optional[_Layout] = None
         self._address_of = _buffer_address_of()
-        #: the last try before a sync hit pending work: sync first until a sync finds none
-        #: (a state dict with XLA views, for one, always has some)
+        #: kept by the caller (``Stager.xla_small_first``): the last save found pending work, so
+        #: sync before reading until a sync finds none (XLA views, for one, always have some)
         self.sync_first = False
 
     def stage(self, pool: HostBufferPool, items: List[Tuple[int, torch.Tensor]],
@@ -123,7 +123,6 @@ class XlaGather:
         layout = self._layout
         if layout is None or layout.shapes != shapes or layout.dtypes != dtypes:
             layout = self._layout = _Layout(dtypes, shapes, [t.nbytes for t in ts], self.small_max)
-            self.sync_first = False
         if not layout.small:
             return items
         small = [ts[p] for p in layout.small]
@@ -131,7 +130,6 @@ class XlaGather:
             addrs = list(map(address_of, small))
         except Exception:
             if not synced:
-                self.sync_first = True
                 raise XlaPendingWork() from None
             return items
         if len(set(addrs)) != len(addrs):
