@@ -190,20 +190,28 @@ def save(mgr: "CheckpointManager", step: int, state_dict: Any, force: bool, metr
     """
     from .stats import SaveStats
 
+    from .errors import LeaseHeldError
+
     w = mgr._writer
     w.raise_if_failed()
-    decide = getattr(mgr, "_decide", None)
-    if decide is not None:
-        take, preempt = decide(step, force)
-    else:
-        take, preempt = bool(force or mgr.save_policy.should_save(step)), False
+    take, preempt = mgr._decide(step, force)
     # Rank 0 decides for everyone: time-based policies, preemption signals and "nothing in
     # flight" conditions can answer differently per rank, and a save on some ranks only would
-    # leave the others waiting in the protocol.
-    take, preempt = mgr._dist.agree([take, preempt])  # type: ignore[union-attr]
+    # leave the others waiting in the protocol. Rank 0 also takes the root's writer lease.
+    lease_error: Optional[BaseException] = None
+    if take and mgr._dist.is_coordinator:  # type: ignore[union-attr]
+        try:
+            mgr._become_writer()
+            mgr._warn_if_lower(step)
+        except LeaseHeldError as exc:
+            lease_error = exc
+    take, preempt, lease_ok = mgr._dist.agree([take, preempt, lease_error is None])  # type: ignore[union-attr]
     if not take:
         return False
-    taken = getattr(mgr, "_taken", None)
+    if not lease_ok:
+        if lease_error is not None:
+            raise lease_error
+        raise LeaseHeldError(f"rank 0 could not take the writer lease of {mgr.storage.url}; see rank 0's error")
     t0 = time.perf_counter()
     w.wait_for_slot()
     t1 = time.perf_counter()
@@ -214,8 +222,7 @@ def save(mgr: "CheckpointManager", step: int, state_dict: Any, force: bool, metr
         # (bind exc now: Python unbinds the name at the end of the except block)
         w.submit(lambda e=exc: persist(mgr, step, None, metrics, None, t0, local_error=e), step=step)
         raise
-    if taken is not None:
-        taken(step, preempt)
+    mgr._taken(step, preempt)
     t2 = time.perf_counter()
     stats = SaveStats(step=step, nbytes=snap.nbytes, num_tensors=snap.num_tensors,
                       queue_wait_s=t1 - t0, stage_s=t2 - t1, blocking_s=t2 - t0)
@@ -249,16 +256,17 @@ def persist(mgr: "CheckpointManager", step: int, snap: Optional["HostSnapshot"],
 
     cg: CheckpointGroup = mgr._dist  # type: ignore[assignment]
     target: Optional[StepTarget] = None
-    committed = False
+    committed = claimed = False
     try:
         tw = time.perf_counter()
         # 1. rank 0 opens the step; everyone learns where (or why not).
         opened: Any = None
         if cg.is_coordinator:
             try:
+                mgr.catalog.begin_write(step)
+                claimed = True
                 target = mgr.layout.begin(step, uuid.uuid4().hex[:12])
-                with mgr._lock:
-                    mgr._inflight[step] = target.path
+                mgr.catalog.set_path(step, target.path)
                 opened = ("ok", target.path, target.final)
             except BaseException as exc:  # noqa: BLE001 - reported to every rank
                 opened = ("err",) + _describe(0, exc)
@@ -322,20 +330,21 @@ def persist(mgr: "CheckpointManager", step: int, snap: Optional["HostSnapshot"],
                             raise CheckpointError(f"step {step}: file {name} was written by two ranks", step=step)
                         merged[name] = FileRecord(size, crc)
                 int_keys = sorted({k for r in results for k in r.int_keys})
-                manifest = Manifest(step=step, commit_time=time.time(), files=merged, metrics=metrics,
+                mgr._check_lease()
+                manifest = Manifest(step=step, commit_time=mgr.catalog.next_commit_time(), files=merged, metrics=metrics,
                                     nbytes=sum(r.nbytes for r in results),
                                     num_tensors=sum(r.num_tensors for r in results),
                                     world_size=cg.world_size,
                                     extra={"int_keys": int_keys} if int_keys else {})
                 mgr.layout.commit(target, manifest)
                 committed = True
-                with mgr._lock:
-                    mgr._inflight.pop(step, None)
-                    if mgr._infos is not None:
-                        from .policies import CheckpointInfo
+                from .policies import CheckpointInfo
 
-                        mgr._infos[step] = CheckpointInfo(step, manifest.commit_time, dict(metrics), manifest.nbytes)
-                drops = _retention_drops(mgr)
+                mgr.catalog.record_commit(CheckpointInfo(step, manifest.commit_time, dict(metrics), manifest.nbytes))
+                mgr.catalog.end_write(step)
+                claimed = False
+                # decided (markers gone) before any rank's save()/join() returns
+                drops = mgr._apply_retention()
                 done = ("ok", manifest.commit_time, len(merged), drops)
             except BaseException as exc:  # noqa: BLE001
                 done = ("err",) + _describe(0, exc)
@@ -344,79 +353,40 @@ def persist(mgr: "CheckpointManager", step: int, snap: Optional["HostSnapshot"],
             raise _rebuild(done[1], f"step {step}: commit failed: {done[2]}", step)
         td = time.perf_counter()
         _, commit_time, nfiles, drops = done
-        with mgr._lock:
-            mgr._condemned.discard(step)
-            mgr._condemned.update(drops)
-        note = getattr(mgr, "_note_committed", None)
-        if note is not None:
-            note(step)
     except _StagingAlreadyReported:
         return
     finally:
         if cg.is_coordinator:
-            with mgr._lock:
-                mgr._inflight.pop(step, None)
+            if claimed:
+                mgr.catalog.end_write(step)
             if target is not None and not committed:
                 mgr.layout.abort(target)
-    if cg.is_coordinator and drops:
-        mgr._in_background(lambda: _delete(mgr, drops))
     if stats is None:
         return
     stats.write_s, stats.commit_s, stats.durable_s = tc - tw, td - tc, td - t0
     stats.files = len(files)
-    if hasattr(stats, "commit_time"):
-        stats.commit_time = commit_time
-    mgr.stats.append(stats)
-    stats_log = getattr(mgr, "_stats_log", None)
-    if stats_log is not None and cg.is_coordinator:
-        try:
-            stats_log.append(stats, None)
-        except Exception as exc:  # statistics must never fail a committed save
-            log.warning("async_ckpt: could not append save statistics: %s", exc)
-    log.info("async_ckpt: rank %d saved %s", cg.rank, stats.summary())
-    if mgr.on_saved is not None:
-        mgr.on_saved(stats)
+    stats.commit_time = commit_time
+    mgr._after_commit(stats)
 
 
 class _StagingAlreadyReported(Exception):
     """Internal: this rank's staging failed and was raised to its caller; end the job quietly."""
 
 
-def _retention_drops(mgr: "CheckpointManager") -> List[int]:
-    """Rank 0: the committed steps retention drops now (the same rule as the single-process path)."""
-    try:
-        infos = mgr._checkpoint_infos()
-        with mgr._lock:
-            for s in mgr._condemned:
-                infos.pop(s, None)
-        if not infos:
-            return []
-        ordered = sorted(infos.values(), key=lambda c: (c.commit_time, c.step))
-        keep = set(mgr.retention.keep(ordered))
-        keep.add(ordered[-1].step)
-        keep.add(max(infos))
-        with mgr._lock:
-            keep |= set(mgr._inflight)
-        return [c.step for c in ordered if c.step not in keep]
-    except Exception as exc:  # retention is best effort and must never break training
-        log.warning("async_ckpt: retention failed: %s", exc)
-        return []
-
-
-def _delete(mgr: "CheckpointManager", steps: List[int]) -> None:
-    """Rank 0's deleter thread: remove the steps every rank already stopped listing."""
-    for s in steps:
-        with mgr._lock:
-            if s not in mgr._condemned:  # committed again since it was dropped
-                continue
+def delete(mgr: "CheckpointManager", step: int) -> None:
+    """Every rank (after ``join``): rank 0 deletes ``step`` under the writer lease; every rank
+    learns the outcome."""
+    cg: CheckpointGroup = mgr._dist  # type: ignore[assignment]
+    outcome: Optional[Tuple[str, str]] = None
+    if cg.is_coordinator:
         try:
-            mgr.layout.delete(s)
-            with mgr._lock:
-                if mgr._infos is not None:
-                    mgr._infos.pop(s, None)
-            log.info("async_ckpt: deleted step %d (retention)", s)
-        except Exception as exc:
-            log.warning("async_ckpt: could not delete step %d: %s", s, exc)
+            mgr._become_writer()
+            mgr._delete_now(step)
+        except BaseException as exc:  # noqa: BLE001 - reported to every rank
+            outcome = _describe(0, exc)
+    outcome = cg.broadcast(outcome)
+    if outcome is not None:
+        raise _rebuild(outcome[0], f"step {step}: delete failed: {outcome[1]}", step)
 
 
 # ---- listing and restoring -----------------------------------------------------------------
@@ -432,17 +402,18 @@ def restore(mgr: "CheckpointManager", step: Optional[int], state_dict: Dict[str,
     import warnings
 
     cg: CheckpointGroup = mgr._dist  # type: ignore[assignment]
-    steps: List[int] = cg.broadcast(mgr.all_steps() if cg.is_coordinator else None)
+    steps: List[int] = cg.broadcast(mgr.catalog.steps_newest_first() if cg.is_coordinator else None)
     if step is not None:
         if step not in steps:
+            listed = sorted(steps)
             raise StepNotFoundError(
                 f"no committed checkpoint for step {step} under {mgr.storage.url} "
-                f"(committed: {steps if len(steps) <= 20 else steps[-20:]})", step=step)
+                f"(committed: {listed if len(listed) <= 20 else listed[-20:]})", step=step)
         candidates = [step]
     else:
         if not steps:
             raise StepNotFoundError(f"no committed checkpoint under {mgr.storage.url}")
-        candidates = list(reversed(steps))
+        candidates = list(steps)
     errors: List[CheckpointError] = []
     for s in candidates:
         try:
@@ -456,12 +427,12 @@ def restore(mgr: "CheckpointManager", step: Optional[int], state_dict: Dict[str,
         return s
     raise CorruptCheckpointError(
         f"no committed step under {mgr.storage.url} passed verification; newest error: {errors[0]}",
-        step=steps[-1]) from errors[0]
+        step=steps[0]) from errors[0]
 
 
 def _restore_one(mgr: "CheckpointManager", cg: CheckpointGroup, step: int, state_dict: Dict[str, Any],
                  verify: bool, allow_pickle: bool) -> None:
-    from .manager import _prepare_target, _remove_added
+    from .manager import _prepare_target
     import torch.distributed.checkpoint as dcp
 
     from .storage.dcp_io import METADATA_NAME, FsspecStorageReader, _SafeLoadPlanner
@@ -471,7 +442,7 @@ def _restore_one(mgr: "CheckpointManager", cg: CheckpointGroup, step: int, state
     manifest = metadata = None
     path = mgr.layout.step_dir(step)
     try:
-        manifest = mgr.layout.read_manifest(step)
+        path, manifest = mgr.layout.open_step(step)
         if METADATA_NAME not in manifest.files:
             raise CorruptCheckpointError(f"step {step}: manifest lists no {METADATA_NAME}", step=step, path=path)
         reader = FsspecStorageReader(mgr.storage, path, files=manifest.files, verify=verify,
@@ -500,6 +471,8 @@ def _agree_or_undo(cg: Any, step: int, what: str, local: Optional[BaseException]
                    state_dict: Dict[str, Any], added: List[tuple]) -> None:
     """Every rank learns every rank's outcome of ``what``; on any failure, all raise and take
     out the entries this restore added to ``state_dict``."""
+    from .manager import _remove_added
+
     outcomes = cg.all_gather(None if local is None else _describe(cg.rank, local))
     try:
         _raise_gathered(outcomes, step, what, local)

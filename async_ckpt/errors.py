@@ -52,3 +52,11 @@ class StagingBudgetError(CheckpointError, MemoryError):
 
 class UnsafeCheckpointError(CheckpointError):
     """Checkpoint metadata that tries to load something outside the allowed classes."""
+
+
+class LeaseHeldError(CheckpointError):
+    """Another live writer holds the checkpoint root's writer lease (``holder`` names it)."""
+
+    def __init__(self, message: str, *, holder: Optional[str] = None) -> None:
+        super().__init__(message)
+        self.holder = holder

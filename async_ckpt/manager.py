@@ -10,6 +10,7 @@ import atexit
 import collections
 import logging
 import operator
+import os
 import threading
 import time
 import warnings
@@ -36,7 +37,6 @@ from .policies import (
     RetentionPolicy,
     SaveContext,
     SavePolicy,
-    apply_retention,
     as_retention_policy,
     as_save_policy,
     best_checkpoint,
@@ -45,9 +45,12 @@ from .policies import (
 from .preemption import PreemptionTracker, PreemptionWatcher
 from .staging import HostBufferPool, HostSnapshot, Stager
 from .staging.gc_pause import gc_paused
+from .lifecycle import StepCatalog
 from .stats import SaveStats, StatsLog
 from .storage import CheckpointLayout, Manifest, RetryPolicy, Storage, StepTarget
-from .storage.dcp_io import METADATA_NAME, FsspecStorageReader, load_metadata, load_state_dict, save_state_dict
+from .storage.lease import writer_lease
+from .storage.manifest import MARKER_NAME
+from .storage.dcp_io import METADATA_NAME, FsspecStorageReader, load_state_dict, save_state_dict
 from .writer import AsyncWriter
 from . import distributed as _dist
 
@@ -58,6 +61,8 @@ _live_managers: "weakref.WeakSet[CheckpointManager]" = weakref.WeakSet()
 
 def _finish_pending_saves_at_exit() -> None:
     for mgr in list(_live_managers):
+        if mgr._forked:
+            continue  # a forked child's copy: its parent finishes the saves
         try:
             mgr.close()
         except Exception as exc:  # the interpreter is exiting: report, do not raise
@@ -70,6 +75,30 @@ try:
     threading._register_atexit(_finish_pending_saves_at_exit)  # type: ignore[attr-defined]
 except (AttributeError, RuntimeError):  # pragma: no cover
     atexit.register(_finish_pending_saves_at_exit)
+
+
+def _mark_forked_in_child() -> None:
+    """After ``os.fork()``, in the child: every inherited manager refuses to be used (its writer
+    threads were not copied) and forgets the parent's writer lease."""
+    for mgr in list(_live_managers):
+        mgr._forked = True
+        if mgr._lease is not None:
+            mgr._lease.forget()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_mark_forked_in_child)
+
+
+def _stop_threads(writer: AsyncWriter, deleter: ThreadPoolExecutor, lease: Any) -> None:
+    """Finalizer of a manager that was garbage-collected without ``close()``."""
+    try:
+        writer.close()
+    except Exception as exc:
+        log.error("async_ckpt: an unclosed CheckpointManager had a failed save: %s", exc)
+    deleter.shutdown(wait=False)
+    if lease is not None:
+        lease.release()
 
 
 def _check_step(step: Any) -> int:
@@ -95,8 +124,8 @@ class CheckpointManager:
         path: checkpoint root: a local path or an fsspec URL (``file://``, ``memory://``,
             ``gs://``, ``s3://``, ...). Each step is a DCP checkpoint in ``<path>/<step>/``.
         save_interval: save when ``step % save_interval == 0`` (ignored if ``save_policy``).
-        max_to_keep: keep the N most recently committed steps; 0 or None keeps all
-            (ignored if ``retention``).
+        max_to_keep: keep the N most recently committed steps (commit order, as torch_xla);
+            0 or None keeps all (ignored if ``retention``).
         max_pending_async: saves that may be in flight at once; the next one waits for a slot.
         num_of_threads: torch_xla's name for ``write_threads`` (kept so that positional
             arguments match torch_xla's ``CheckpointManager``).
@@ -126,6 +155,14 @@ class CheckpointManager:
         lazy: default of ``save_async(..., lazy=)``: return once the host copies are issued;
             a guard waits for them right before an optimizer step or module forward would
             change the tensors (see :meth:`save_async` and docs/design.md).
+        lease_timeout: seconds the first save waits for the root's writer lease when another
+            live writer holds it (default 0: raise :class:`LeaseHeldError` at once).
+
+    Commit order is the order: :meth:`latest_step` and ``restore(None)`` mean the most recently
+    committed step, retention drops the oldest commits, and any step may be saved in any order
+    (a re-save replaces a step atomically). One live writer per root: a manager takes the root's
+    writer lease at its first save, so managers that only list and restore never interfere with
+    a writer, and never delete, rename or clean up anything.
     """
 
     def __init__(
@@ -152,6 +189,7 @@ class CheckpointManager:
         preemption_signals: Optional[Sequence[int]] = None,
         preemption_sync: str = "auto",
         lazy: bool = False,
+        lease_timeout: float = 0.0,
     ) -> None:
         if num_of_threads is not None:  # torch_xla's name for the writer's thread count
             if not isinstance(num_of_threads, int) or isinstance(num_of_threads, bool) or num_of_threads < 1:
@@ -178,14 +216,19 @@ class CheckpointManager:
         # Collective: every rank creates the checkpoint group, first, before anything that
         # could fail on one rank only (None in a single process).
         self._dist = _dist.checkpoint_group(process_group)
-        self._condemned: Set[int] = set()  # dropped by retention, deletion pending on rank 0
         self.storage = Storage(path, storage_options, retry=retry)
         self.layout = CheckpointLayout(self.storage, commit_mode)
         self.process_group = process_group
         self.chkpt_on_preemption = chkpt_on_preemption
         self.verify = verify
+        if not isinstance(write_threads, int) or isinstance(write_threads, bool) or write_threads < 1:
+            raise ValueError(f"write_threads must be an int >= 1, got {write_threads!r}")
         self.write_threads = write_threads
         self.on_saved = on_saved
+        if not isinstance(lease_timeout, (int, float)) or isinstance(lease_timeout, bool) or lease_timeout < 0:
+            raise ValueError(f"lease_timeout must be a number of seconds >= 0, got {lease_timeout!r}")
+        self.lease_timeout = float(lease_timeout)
+        self._keep_incomplete = keep_incomplete
         self._stats_log = StatsLog.from_option(self.storage, stats_log)
         self.stager = Stager(HostBufferPool(memory_budget_bytes))
         self.stats: Deque[SaveStats] = collections.deque(maxlen=1000)
@@ -195,30 +238,19 @@ class CheckpointManager:
         self.lazy = lazy
         self._lazy_pending: List[Any] = []  # PendingCopies of this manager's lazy saves
         self._deleter = ThreadPoolExecutor(1, thread_name_prefix="async-ckpt-delete")
-        self._lock = threading.Lock()
-        self._changed = threading.Condition(self._lock)
-        self._inflight: Dict[int, str] = {}  # step -> directory being written
-        self._deleting: Set[int] = set()  # steps whose files a deletion is removing right now
-        self._infos: Optional[Dict[int, CheckpointInfo]] = None
-        self._commit_gen = 0  # bumped by every commit, so a stale listing is never cached
         self._closed = False
+        self._forked = False
+        self._pid = os.getpid()
         self._clock: Callable[[], float] = time.time  # wall clock of decisions and manifests' commit_time
+        self.catalog = StepCatalog(self.layout, lambda: self._clock())
+        # Taken at the first save (or delete): until then this manager only reads.
+        self._lease = writer_lease(self.storage) if self._dist is None or self._dist.is_coordinator else None
         self._start_time = self._clock()
         self._last_save_time: Optional[float] = None
         self._last_save_step: Optional[int] = None
-        self._top_step: Optional[int] = None  # highest committed step (cached; see _highest_committed)
-        self._top_known = False
-        self._rollback_to: Optional[int] = None  # restored step below the highest: saves above it roll back
+        self._restored: Optional[int] = None  # the step this manager last restored
+        self._warned_lower = False
         self._check_writable()
-        if self._dist is None or self._dist.is_coordinator:
-            self._recover_commits()
-        if not keep_incomplete and self._dist is None:
-            self._in_background(self._cleanup_incomplete)
-        elif not keep_incomplete and self._dist.is_coordinator:
-            # Multi-process: only rank 0 cleans up, on its writer thread, before its first save
-            # opens a step (so a step another rank is writing is never mistaken for debris).
-            self._writer.wait_for_slot()
-            self._writer.submit(self._cleanup_incomplete)
         if self._preemption is not None:
             try:
                 self._preemption.watcher.install()
@@ -226,8 +258,10 @@ class CheckpointManager:
                 self._writer.close()
                 self._deleter.shutdown(wait=False)
                 raise
+        # An unclosed manager that is garbage-collected stops its threads (it has no pending
+        # work then: a queued save holds a reference to it).
+        self._finalizer = weakref.finalize(self, _stop_threads, self._writer, self._deleter, self._lease)
         _live_managers.add(self)
-
     # ---- policy ------------------------------------------------------------------------------
     def should_save(self, step: int) -> bool:
         """Whether a checkpoint is due at ``step``: the save policy wants one, or a preemption
@@ -274,59 +308,32 @@ class CheckpointManager:
             raise CheckpointError("trigger_preemption() needs chkpt_on_preemption=True")
         self._preemption.watcher.trigger()
 
-    # ---- rollback ----------------------------------------------------------------------------
-    def _highest_committed(self) -> Optional[int]:
-        with self._lock:
-            if self._top_known:
-                return self._top_step
+    # ---- the writer lease --------------------------------------------------------------------
+    def _become_writer(self) -> None:
+        """Take the root's writer lease before the first write (training thread); then settle
+        what a dead writer left: finish interrupted commits, clean up incomplete steps."""
+        if self._lease is None or self._lease.held:
+            return
+        self._lease.acquire(self.lease_timeout)
+        self.catalog.enable_cache()
+        self.catalog.forget()
+        self._recover_commits()
+        if not self._keep_incomplete:
+            self._in_background(self._cleanup_incomplete)
+
+    def _warn_if_lower(self, step: int) -> None:
+        """One warning when a save goes below the highest committed step without a restore."""
+        if self._warned_lower or (self._restored is not None and self._restored <= step):
+            return
         steps = self.layout.committed_steps()
-        with self._lock:
-            if not self._top_known:
-                self._top_step, self._top_known = (steps[-1] if steps else None), True
-            return self._top_step
-
-    def _note_committed(self, step: int) -> None:
-        with self._lock:
-            if self._top_known:
-                self._top_step = step if self._top_step is None else max(self._top_step, step)
-
-    def _note_restored(self, step: int) -> int:
-        top = self._highest_committed()
-        self._rollback_to = step if top is not None and step < top else None
-        return step
-
-    def _check_rollback(self, step: int) -> bool:
-        """Whether saving ``step`` rolls back (steps above it get deleted first); raise if that
-        was not asked for by restoring an older step. Training thread."""
-        top = self._highest_committed()
-        if top is None or step >= top:
-            self._rollback_to = None  # back at (or past) the top: nothing to roll back
-            return False
-        if self._rollback_to is None:
-            raise InvalidStepError(
-                f"step {step} is lower than the highest committed step {top} under {self.storage.url}; "
-                f"to roll back, restore(<older step>) first (saving then deletes the steps above the "
-                f"saved one), or save to another directory", step=step)
-        if step < self._rollback_to:
-            raise InvalidStepError(
-                f"step {step} is lower than the restored step {self._rollback_to} (rolling back from "
-                f"{top}); save steps >= {self._rollback_to}", step=step)
-        return True
-
-    def _drop_superseded(self, step: int) -> None:
-        """Rollback, writer thread, before ``step`` is written: delete the committed steps above
-        it (markers first, so none of them can be picked as the latest any more)."""
-        above = [s for s in self.layout.committed_steps() if s > step]
-        for s in above:
-            self.storage.rm(self.layout.marker_path(s), recursive=False)
-        with self._lock:
-            self._infos = None  # re-read from the manifests at the next retention pass
-            self._top_known = False  # listed again at the next save
-            if self._rollback_to is not None and self._rollback_to <= step:
-                self._rollback_to = None
-        for s in above:
-            self.storage.rm(self.layout.step_dir(s))
-            log.warning("async_ckpt: deleted step %d: rolled back to step %d", s, step)
+        if steps and step < steps[-1]:
+            self._warned_lower = True
+            log.warning(
+                "async_ckpt: saving step %d under %s, which already holds committed steps up to %d "
+                "(an earlier run?). Commit order decides: step %d becomes the latest step, and "
+                "retention by commit order will delete the older run's steps as this run goes on. "
+                "Restore a step first to continue from it, or save to another directory.",
+                step, self.storage.url, steps[-1], step)
 
     def best_step(self, metric: Optional[str] = None, mode: Optional[str] = None) -> Optional[int]:
         """The committed step with the best value of ``metric`` (ties: the earliest commit).
@@ -342,7 +349,7 @@ class CheckpointManager:
             metric = best.metric
         if mode is None:
             mode = best.mode if best is not None and best.metric == metric else "min"
-        found = best_checkpoint(list(self._checkpoint_infos().values()), metric, mode)
+        found = best_checkpoint(self.catalog.in_commit_order(), metric, mode)
         return None if found is None else found.step
 
     # ---- saving ------------------------------------------------------------------------------
@@ -393,7 +400,8 @@ class CheckpointManager:
         take, preempt = self._decide(step, force)
         if not take:
             return False
-        supersede = self._check_rollback(step)
+        self._become_writer()
+        self._warn_if_lower(step)
         t0 = time.perf_counter()
         with gc_paused():
             plan = self.stager.plan(state_dict)  # validates before anything is taken or written
@@ -413,61 +421,70 @@ class CheckpointManager:
         t2 = time.perf_counter()
         stats = SaveStats(step=step, nbytes=snap.nbytes, num_tensors=snap.num_tensors,
                           queue_wait_s=t1 - t0, stage_s=t2 - t1, blocking_s=t2 - t0)
-        self._writer.submit(lambda: self._persist(step, snap, metrics, stats, t0, supersede), step=step)
+        self._writer.submit(lambda: self._persist(step, snap, metrics, stats, t0), step=step)
         self._taken(step, preempt)
         if wait:
             self._writer.join()
         return True
 
-    def _persist(self, step: int, snap: HostSnapshot, metrics: Dict[str, float], stats: SaveStats, t0: float,
-                 supersede: bool = False) -> None:
-        """Writer thread: data files, then manifest and marker, then retention."""
+    def _persist(self, step: int, snap: HostSnapshot, metrics: Dict[str, float], stats: SaveStats,
+                 t0: float) -> None:
+        """Writer thread: data files, then manifest and marker, then retention's decision."""
         target: Optional[StepTarget] = None
+        claimed = False
         try:
             snap.drop_sources()  # here, not in the stall: releasing device-buffer views costs
             snap.wait_copied()  # lazy: every host copy done and unchanged (else TornSnapshotError)
             tw = time.perf_counter()
-            if supersede:
-                self._drop_superseded(step)
-            with self._changed:  # claimed before anything is written; waits out a deletion of it
-                self._changed.wait_for(lambda: step not in self._deleting)
-                self._inflight[step] = ""
+            self.catalog.begin_write(step)  # claimed before anything is written; waits out a deletion
+            claimed = True
             target = self.layout.begin(step)
-            with self._lock:
-                self._inflight[step] = target.path
+            self.catalog.set_path(step, target.path)
             files = save_state_dict(self.storage, target.path, snap.state_dict,
                                     threads=self.write_threads, process_group=self.process_group,
                                     planner=_dist.save_planner_for(snap.state_dict))
             snap.release()  # buffers go back to the pool as soon as the data is written
             tc = time.perf_counter()
-            manifest = Manifest(step=step, commit_time=self._clock(), files=files, metrics=metrics,
-                                nbytes=snap.nbytes, num_tensors=snap.num_tensors, world_size=1,
+            self._check_lease()
+            manifest = Manifest(step=step, commit_time=self.catalog.next_commit_time(), files=files,
+                                metrics=metrics, nbytes=snap.nbytes, num_tensors=snap.num_tensors, world_size=1,
                                 extra={"int_keys": snap.int_keys} if snap.int_keys else {})
             self.layout.commit(target, manifest)
             td = time.perf_counter()
-            self._note_committed(step)
-            with self._lock:  # recorded while still in flight: retention never sees a gap
-                self._commit_gen += 1
-                if self._infos is not None:
-                    self._infos[step] = CheckpointInfo(step, manifest.commit_time, dict(metrics), snap.nbytes)
+            self.catalog.record_commit(CheckpointInfo(step, manifest.commit_time, dict(metrics), snap.nbytes))
         except BaseException:
             snap.release()
             if target is not None:
                 self.layout.abort(target)
             raise
         finally:
-            with self._lock:
-                self._inflight.pop(step, None)
+            if claimed:
+                self.catalog.end_write(step)
+        self._apply_retention()  # decided and visible before save()/join() return
         stats.write_s, stats.commit_s, stats.durable_s = tc - tw, td - tc, td - t0
         stats.files = len(files)
         stats.commit_time = manifest.commit_time
+        self._after_commit(stats)
+
+    def _after_commit(self, stats: SaveStats) -> None:
+        """Statistics and the user's callback: neither can fail a committed save."""
         self.stats.append(stats)
-        if self._stats_log is not None:
-            self._stats_log.append(stats, self.process_group)
+        if self._stats_log is not None and (self._dist is None or self._dist.is_coordinator):
+            try:
+                self._stats_log.append(stats, None)
+            except Exception as exc:
+                log.warning("async_ckpt: could not append save statistics: %s", exc)
         log.info("async_ckpt: saved %s", stats.summary())
         if self.on_saved is not None:
-            self.on_saved(stats)
-        self._in_background(self._apply_retention)
+            try:
+                self.on_saved(stats)
+            except Exception:
+                log.exception("async_ckpt: the on_saved callback raised for step %d (the step is committed)",
+                              stats.step)
+
+    def _check_lease(self) -> None:
+        if self._lease is not None:
+            self._lease.check()
 
     def _in_background(self, fn: Callable[[], None]) -> None:
         """Run deletions off the writer thread, so they never delay the next save."""
@@ -482,72 +499,35 @@ class CheckpointManager:
         return self.stats[-1] if self.stats else None
 
     # ---- retention ---------------------------------------------------------------------------
-    def _checkpoint_infos(self) -> Dict[int, CheckpointInfo]:
-        while True:
-            with self._lock:
-                if self._infos is not None:
-                    return dict(self._infos)
-                gen = self._commit_gen
-            infos = self._read_infos()
-            with self._lock:
-                if self._commit_gen == gen:  # no commit raced the listing
-                    self._infos = dict(infos)
-                    return infos
-
-    def _read_infos(self) -> Dict[int, CheckpointInfo]:
-        infos: Dict[int, CheckpointInfo] = {}
-        for step in self.layout.committed_steps():
-            try:
-                m = self.layout.read_manifest(step)
-            except CheckpointError as exc:
-                log.warning("async_ckpt: ignoring step %d for retention: %s", step, exc)
-                continue
-            infos[step] = CheckpointInfo(step, m.commit_time, dict(m.metrics), m.nbytes)
-        return infos
-
-    def _claim_for_delete(self, step: int, info: Optional[CheckpointInfo] = None) -> bool:
-        """Reserve ``step`` for deletion unless a save of it is in flight (or, with ``info``,
-        unless it was re-committed since ``info`` was read). Release with :meth:`_release_delete`."""
-        with self._lock:
-            if step in self._inflight or step in self._deleting:
-                return False
-            if info is not None and (self._infos is None or self._infos.get(step) is not info):
-                return False
-            self._deleting.add(step)
-            return True
-
-    def _release_delete(self, step: int) -> None:
-        with self._changed:
-            self._deleting.discard(step)
-            self._changed.notify_all()
-
-    def _apply_retention(self) -> None:
+    def _apply_retention(self) -> List[int]:
+        """Writer thread, right after a commit: the steps retention drops stop being committed
+        now (their markers go); their files are deleted in the background. Returns them."""
         try:
-            infos = self._checkpoint_infos()
-            if not infos:
-                return
-            ordered = sorted(infos.values(), key=lambda c: (c.commit_time, c.step))
-            keep = apply_retention(self.retention, ordered)
-            keep.add(ordered[-1].step)  # the newest commit is never deleted
-            keep.add(max(infos))  # nor the highest step
-            with self._lock:
-                keep |= set(self._inflight)
-            for info in ordered:
-                if info.step in keep or not self._claim_for_delete(info.step, info):
-                    continue
-                try:
-                    self.layout.delete(info.step)
-                    with self._lock:
-                        if self._infos is not None:
-                            self._infos.pop(info.step, None)
-                finally:
-                    self._release_delete(info.step)
-                log.info("async_ckpt: deleted step %d (retention)", info.step)
-        except Exception as exc:  # deletion is best effort and must never break training
+            drops = self.catalog.drops(self.retention)
+        except Exception as exc:  # a failing policy must never break training
             log.warning("async_ckpt: retention failed: %s", exc)
+            return []
+        dropped = []
+        for s in drops:
+            try:
+                paths = self.catalog.condemn(s)
+            except Exception as exc:
+                log.warning("async_ckpt: could not delete step %d: %s", s, exc)
+                continue
+            if paths:
+                dropped.append(s)
+                log.info("async_ckpt: deleted step %d (retention)", s)
+                self._in_background(lambda s=s, paths=paths: self._remove(s, paths))
+        return dropped
+
+    def _remove(self, step: int, paths: List[str]) -> None:
+        try:
+            self.catalog.remove(step, paths)
+        except Exception as exc:  # the step is already unmarked: cleanup finishes it later
+            log.warning("async_ckpt: could not remove the files of step %d: %s", step, exc)
 
     def _recover_commits(self) -> None:
-        """Finish rename commits a crash interrupted (see ``CheckpointLayout.recover``)."""
+        """Finish commits a crash interrupted (see ``CheckpointLayout.recover``)."""
         try:
             for step in self.layout.recover():
                 log.warning("async_ckpt: completed the commit of step %d, which a crash had interrupted", step)
@@ -555,35 +535,71 @@ class CheckpointManager:
             log.warning("async_ckpt: recovery of interrupted commits failed: %s", exc)
 
     def _cleanup_incomplete(self) -> None:
+        """Remove what never committed (a dead writer's debris). Holder of the lease only."""
         try:
-            with self._lock:
-                busy = set(self._inflight.values())
+            busy = self.catalog.busy_paths()
             for path in self.layout.incomplete(exclude=busy):
                 step = self.layout.step_of(path)
-                if step is None or not self._claim_for_delete(step):
+                if step is None or not self.catalog.claim_delete(step):
                     continue  # a save of this step started meanwhile: its directory is not ours
                 try:
-                    if self.storage.exists(self.layout.marker_path(step)) and path == self.layout.step_dir(step):
+                    trash = path.rstrip("/").rsplit("/", 1)[-1].startswith(".trash-")
+                    if not trash and self.storage.exists(f"{path}/{MARKER_NAME}"):
                         continue  # committed since it was listed
                     log.info("async_ckpt: removing incomplete checkpoint %s", path)
-                    self.storage.rm(path)
+                    self.layout.remove(self.layout.condemn_dir(path))
                 finally:
-                    self._release_delete(step)
+                    self.catalog.release_delete(step)
         except Exception as exc:
             log.warning("async_ckpt: cleanup of incomplete checkpoints failed: %s", exc)
 
+    def delete(self, step: int) -> None:
+        """Delete a committed step (an explicit user action): it is no longer listed or
+        restorable when this returns, and its files are gone.
+
+        Waits for pending saves first and takes the root's writer lease (:class:`LeaseHeldError`
+        while another writer holds it). Raises :class:`StepNotFoundError` for a step that is not
+        committed. Multi-process: call it on every rank; rank 0 deletes.
+        """
+        self._check_open()
+        step = _check_step(step)
+        self.join()
+        if self._dist is not None:
+            _dist.delete(self, step)
+            return
+        self._become_writer()
+        self._delete_now(step)
+
+    def _delete_now(self, step: int) -> None:
+        if step not in self.layout.committed_steps():
+            raise StepNotFoundError(f"no committed checkpoint for step {step} under {self.storage.url}", step=step)
+        paths = self.catalog.condemn(step)
+        self.catalog.remove(step, paths)
+        log.info("async_ckpt: deleted step %d (delete())", step)
+
     # ---- listing -----------------------------------------------------------------------------
     def all_steps(self) -> List[int]:
-        """Committed steps, ascending."""
-        steps = self.layout.committed_steps()
-        if self._condemned:  # multi-process: dropped by retention on every rank, not yet deleted
-            with self._lock:
-                steps = [s for s in steps if s not in self._condemned]
-        return steps
+        """Committed steps, ascending (as torch_xla's manager lists them). The order that counts
+        is commit order: see :meth:`steps_in_commit_order` and :meth:`latest_step`."""
+        self._check_process()
+        return self.layout.committed_steps()
+
+    def steps_in_commit_order(self) -> List[int]:
+        """Committed steps, oldest commit first (the order retention sees them in)."""
+        self._check_process()
+        return [c.step for c in self.catalog.in_commit_order()]
 
     def latest_step(self) -> Optional[int]:
-        """The highest committed step, or None when there is none."""
-        steps = self.all_steps()
+        """The most recently committed step, or None when there is none.
+
+        In a run whose steps only go up this is also the highest step. After a deliberate roll
+        back (restore 10, train on, save 11 and 12) it is 12, not an abandoned higher step.
+        """
+        self._check_process()
+        latest = self.catalog.latest()
+        if latest is not None:
+            return latest
+        steps = self.layout.committed_steps()  # only steps whose manifests do not read
         return steps[-1] if steps else None
 
     def metrics(self, step: int) -> Dict[str, float]:
@@ -595,12 +611,13 @@ class CheckpointManager:
                 allow_pickle: bool = False) -> int:
         """Load a committed step into ``state_dict`` in place and return the step.
 
-        ``step=None`` picks the newest committed step; if it fails verification, the next older
-        one that verifies is used, with a warning naming the skipped step. A named step that is
-        damaged raises :class:`CorruptCheckpointError`. Entries the checkpoint has but
-        ``state_dict`` lacks (e.g. a fresh optimizer's empty ``state``) are added. On failure
-        ``state_dict`` is left as it was.
+        ``step=None`` picks the most recently committed step (see :meth:`latest_step`); if it
+        fails verification, the next older commit that verifies is used, with a warning naming
+        the skipped step. A named step that is damaged raises :class:`CorruptCheckpointError`.
+        Entries the checkpoint has but ``state_dict`` lacks (e.g. a fresh optimizer's empty
+        ``state``) are added. On failure ``state_dict`` is left as it was.
         """
+        self._check_process()
         if not isinstance(state_dict, Mapping):
             raise InvalidStateDictError(f"state_dict must be a mapping, got {type(state_dict).__name__}")
         if not self._closed:
@@ -608,20 +625,22 @@ class CheckpointManager:
             self._writer.join()  # pending saves land first (and their errors surface)
         verify = self.verify if verify is None else verify
         if self._dist is not None:
-            return _dist.restore(self, None if step is None else _check_step(step), state_dict, verify, allow_pickle)
-        steps = self.all_steps()
+            s = _dist.restore(self, None if step is None else _check_step(step), state_dict, verify, allow_pickle)
+            return self._note_restored(s)
+        steps = self.catalog.steps_newest_first()
         if step is not None:
             step = _check_step(step)
             if step not in steps:
+                listed = sorted(steps)
                 raise StepNotFoundError(
                     f"no committed checkpoint for step {step} under {self.storage.url} "
-                    f"(committed: {steps if len(steps) <= 20 else steps[-20:]})", step=step)
+                    f"(committed: {listed if len(listed) <= 20 else listed[-20:]})", step=step)
             self._restore_step(step, state_dict, verify, allow_pickle)
             return self._note_restored(step)
         if not steps:
             raise StepNotFoundError(f"no committed checkpoint under {self.storage.url}")
         errors = []
-        for s in reversed(steps):
+        for s in steps:
             try:
                 self._restore_step(s, state_dict, verify, allow_pickle)
             except CorruptCheckpointError as exc:
@@ -631,11 +650,14 @@ class CheckpointManager:
             return self._note_restored(s)
         raise CorruptCheckpointError(
             f"no committed step under {self.storage.url} passed verification; newest error: {errors[0]}",
-            step=steps[-1]) from errors[0]
+            step=steps[0]) from errors[0]
+
+    def _note_restored(self, step: int) -> int:
+        self._restored = step
+        return step
 
     def _restore_step(self, step: int, state_dict: Dict[str, Any], verify: bool, allow_pickle: bool) -> None:
-        manifest = self.layout.read_manifest(step)
-        path = self.layout.step_dir(step)
+        path, manifest = self.layout.open_step(step)
         if METADATA_NAME not in manifest.files:
             raise CorruptCheckpointError(f"step {step}: manifest lists no {METADATA_NAME}", step=step, path=path)
         reader = FsspecStorageReader(self.storage, path, files=manifest.files, verify=verify,
@@ -659,14 +681,18 @@ class CheckpointManager:
 
     # ---- lifecycle ---------------------------------------------------------------------------
     def join(self) -> None:
-        """Wait for every pending save to commit; raise the first background failure."""
+        """Wait for every pending save to commit (and retention's decision after it); raise the
+        first background failure."""
+        self._check_process()
         self.wait_for_staging()
         self._writer.join()
 
     def close(self) -> None:
-        """Finish pending saves and deletions, stop the background threads, raise failures."""
+        """Finish pending saves and deletions, stop the background threads, release the writer
+        lease, raise failures."""
         if self._closed:
             return
+        self._check_process()
         self._closed = True
         _live_managers.discard(self)
         if self._preemption is not None:
@@ -676,6 +702,9 @@ class CheckpointManager:
             self._writer.close()
         finally:
             self._deleter.shutdown(wait=True)
+            if self._lease is not None:
+                self._lease.release()
+            self._finalizer.detach()
 
     def __enter__(self) -> "CheckpointManager":
         return self
@@ -689,7 +718,15 @@ class CheckpointManager:
             except Exception as close_exc:  # do not mask the original exception
                 log.error("async_ckpt: pending save failed while handling another error: %s", close_exc)
 
+    def _check_process(self) -> None:
+        if self._forked:
+            raise CheckpointError(
+                f"this CheckpointManager ({self.storage.url}) was created in process {self._pid} and is "
+                f"used in a forked child (pid {os.getpid()}): its writer threads do not exist here, so "
+                f"saves would never be written. Create a new CheckpointManager in the child.")
+
     def _check_open(self) -> None:
+        self._check_process()
         if self._closed:
             raise CheckpointError("this CheckpointManager is closed")
 
@@ -702,8 +739,6 @@ class CheckpointManager:
             raise StorageError(f"checkpoint path {self.storage.url!r} cannot be written: {exc}") from exc
         self.storage.check_writable()  # object stores: probe object (missing bucket, bad credentials)
         if self.storage.is_local:
-            import os
-
             if not os.access(self.storage.root, os.W_OK):
                 raise StorageError(f"checkpoint path {self.storage.url!r} is not writable")
 

@@ -111,6 +111,9 @@ class AsyncWriter:
                     self._errors.append((step, exc))
                 fut.set_exception(exc)
             finally:
+                # Drop the job before waiting for the next one: it references its manager,
+                # which must stay collectable while this thread idles.
+                del item, fn, fut
                 self._slots.release()
                 with self._idle:
                     self._pending -= 1

@@ -48,6 +48,11 @@ def make_state(step: int) -> Dict[str, Any]:
     }
 
 
+def resave_value(step: int, i: int) -> int:
+    """The state (as a :func:`make_state` seed) of the ``i``-th re-save of ``step``."""
+    return step + 1000 * (1 + i % 2)
+
+
 def empty_like_state() -> Dict[str, Any]:
     """A restore target with the right structure and different contents."""
     s = make_state(0)
@@ -79,6 +84,14 @@ def _child(spec: Dict[str, Any], w: int) -> None:
 
     try:
         torch.set_num_threads(1)
+        if spec.get("resave") is not None:
+            # re-save one existing step over and over, alternating two states, until killed
+            k = int(spec["resave"])
+            mgr = CheckpointManager(spec["dir"], commit_mode=spec["mode"])
+            for i in range(100000):
+                report("s", i)
+                mgr.save(k, make_state(resave_value(k, i)))
+                report("c", i)
         mgr = CheckpointManager(spec["dir"], max_to_keep=MAX_TO_KEEP, commit_mode=spec["mode"],
                                 on_saved=lambda st: report("c", st.step))
         steps = mgr.all_steps()
@@ -86,7 +99,7 @@ def _child(spec: Dict[str, Any], w: int) -> None:
         if steps:
             target = empty_like_state()
             # replay: roll back to an older step and train on from there (re-saving steps that
-            # exist, after the rollback deleted the ones above); else resume from the newest.
+            # exist: each re-save replaces its step atomically); else resume from the newest.
             got = mgr.restore(steps[max(0, len(steps) - 3)] if spec.get("replay") else None, target)
             report("r", got, int(states_equal(target, make_state(got))))
             start = got + 1

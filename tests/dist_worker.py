@@ -94,8 +94,8 @@ def scenario_save(root: str, ref_path: str) -> None:
     model, optim = build(seed=0)
     mgr = CheckpointManager(root, max_to_keep=2)
     deletes = []
-    real_delete = mgr.layout.delete
-    mgr.layout.delete = lambda step: (deletes.append(step), real_delete(step))[1]
+    real_delete = mgr.layout.condemn
+    mgr.layout.condemn = lambda step: (deletes.append(step), real_delete(step))[1]
 
     # 1. sharded async saves of steps 1..3, each rank staging only its own shards.
     from torch.distributed.tensor import DTensor
@@ -226,6 +226,46 @@ def scenario_restore(root: str, ref_path: str) -> None:
         assert_bitwise_equal(got, torch.load(ref_path, weights_only=True))
     # and an older step too, by number
     assert mgr.restore(3, sd) == 3
+    mgr.close()
+    dropin_checks(root + "_dropin")
+
+
+def dropin_checks(root: str) -> None:
+    """torch_xla's max_to_keep scenario with 2 ranks: commit order, retention visible on every
+    rank when save()/join() return, across a restart; delete() by rank 0 for everyone."""
+    from async_ckpt import StepNotFoundError
+
+    rank = dist.get_rank()
+
+    def sd(v: float):
+        return {"x": torch.full((16,), float(v)), "mine": {f"r{rank}": torch.full((4,), float(rank))}}
+
+    def expect(steps, order=None):
+        agree(mgr.all_steps(), "all_steps")
+        assert set(mgr.all_steps()) == set(steps), (mgr.all_steps(), steps)
+        if order is not None:
+            assert mgr.steps_in_commit_order() == order, (mgr.steps_in_commit_order(), order)
+
+    mgr = CheckpointManager(root, save_interval=10, max_to_keep=2)
+    assert mgr.save(10, sd(10)) and mgr.save(20, sd(20))
+    expect({10, 20})
+    assert mgr.save(30, sd(30))
+    expect({20, 30})
+    assert mgr.save(10, sd(11))  # a lower step: accepted; the oldest commit goes
+    expect({30, 10}, [30, 10])
+    assert mgr.latest_step() == 10
+    mgr.close()
+    mgr = CheckpointManager(root, save_interval=10, max_to_keep=2)
+    assert mgr.save(20, sd(21))
+    expect({20, 10}, [10, 20])
+    assert mgr.save_async(30, sd(31))
+    mgr.join()
+    expect({20, 30}, [20, 30])
+    t = sd(0)
+    assert mgr.restore(None, t) == 30 and torch.equal(t["x"], torch.full((16,), 31.0))
+    mgr.delete(20)
+    expect({30})
+    expect_error(lambda: mgr.delete(20), StepNotFoundError, "step 20")
     mgr.close()
 
 

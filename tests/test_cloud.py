@@ -124,14 +124,18 @@ def test_marker_decides_and_cleanup_removes_incomplete(bucket: Bucket) -> None:
         assert mgr.all_steps() == [1]  # only the marker makes a step exist
         assert mgr.latest_step() == 1
     assert any(n.startswith("run/7/") for n in objects(bucket))
-    with manager(bucket) as mgr:  # default: incomplete steps are cleaned up in the background
+    with manager(bucket) as mgr:  # a manager that has not saved holds no lease: it removes nothing
         pass
+    assert any(n.startswith("run/7/") for n in objects(bucket))
+    with manager(bucket) as mgr:  # default: the first save cleans incomplete steps up in the background
+        mgr.save(2, sd)
     names = objects(bucket)
     assert not any(n.startswith("run/7/") for n in names), names
-    assert "run/1/COMMITTED" in names
+    assert "run/1/COMMITTED" in names and "run/2/COMMITTED" in names
+    assert not any(".async_ckpt.lease" in n for n in names), names  # released at close
     with manager(bucket) as mgr:
         out = zeros_like_tree(sd)
-        assert mgr.restore(None, out) == 1
+        assert mgr.restore(None, out) == 2
     assert_bitwise_equal(out, sd)
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import warnings
@@ -35,28 +36,34 @@ from async_ckpt import CheckpointManager
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from crash_worker import MAX_TO_KEEP, empty_like_state, make_state, states_equal  # noqa: E402
+from crash_worker import MAX_TO_KEEP, empty_like_state, make_state, resave_value, states_equal  # noqa: E402
 import faulty_fs  # noqa: E402,F401  (registers faulty://)
 
 TRIALS = 36
 
 
+_COPY = re.compile(r"^(\d+)$|^(\d+)\.[0-9a-f]{12}$|^\.tmp-(\d+)-[0-9a-f]+$")  # dirs that can hold a commit
+
+
 def _disk_view(root: str):
-    names = sorted(os.listdir(root)) if os.path.isdir(root) else []
-    marked = sorted(int(n) for n in names if n.isdigit() and os.path.exists(os.path.join(root, n, "COMMITTED")))
-    return names, marked
+    """(entries but the lease files, committed steps, names of the directories holding them)."""
+    names = sorted(n for n in os.listdir(root) if not n.startswith(".async_ckpt.")) if os.path.isdir(root) else []
+    copies = [n for n in names if _COPY.match(n) and os.path.exists(os.path.join(root, n, "COMMITTED"))]
+    marked = sorted({int(next(g for g in _COPY.match(n).groups() if g)) for n in copies})
+    return names, marked, copies
 
 
 def _local(root: str) -> str:
     return root[len("faulty://"):] if root.startswith("faulty://") else root
 
 
-def _verify(root: str, mode: str, floor: int, what: str, rng: random.Random) -> int:
-    """Checks after a kill; returns the newest committed step."""
+def _verify(root: str, mode: str, newest: "set[int]", floor: int, what: str, rng: random.Random) -> int:
+    """Checks after a kill; returns the newest committed step, which must be one of ``newest``
+    (the last commit the killed process reported, or a step it started after that) and >= floor."""
     mgr = CheckpointManager(root, commit_mode=mode, keep_incomplete=True)
     try:
         steps = mgr.all_steps()
-        names, marked = _disk_view(_local(root))
+        names, marked, _ = _disk_view(_local(root))
         assert steps == marked, f"{what}: listed {steps}, but committed on disk: {marked} ({names})"
         assert steps, f"{what}: nothing committed"
         with warnings.catch_warnings(record=True) as caught:
@@ -65,7 +72,8 @@ def _verify(root: str, mode: str, floor: int, what: str, rng: random.Random) -> 
             got = mgr.restore(None, target)
         skipped = [str(w.message) for w in caught if "skipping damaged" in str(w.message)]
         assert not skipped, f"{what}: restore(None) skipped damaged steps: {skipped}"
-        assert got == steps[-1], f"{what}: restore(None) gave {got}, newest committed is {steps[-1]}"
+        assert got == mgr.latest_step(), f"{what}: restore(None) gave {got}, latest is {mgr.latest_step()}"
+        assert got in newest, f"{what}: the newest commit is {got}, expected one of {sorted(newest)[:5]}..."
         assert got >= floor, f"{what}: newest committed step {got} < {floor}, which had committed: a step was lost"
         assert states_equal(target, make_state(got)), f"{what}: step {got} restored with wrong contents"
         for s in steps[:-1]:  # every listed step verifies; one of them (at random) is restored
@@ -125,24 +133,70 @@ def test_sigkill_at_random_moments_never_loses_a_committed_step(fork_server, tmp
         commits.append(len(out["committed"]))
         assert out["status"] == "killed", f"{what}: the training process did not survive to be killed: {out['error']}"
         assert out["resume_ok"] in (None, True), f"{what}: the process resumed step {out['resumed']} with wrong contents"
-        floor = max(out["committed"], default=-1)
-        if out["resumed"] is not None:
-            floor = max(floor, out["resumed"])
-        if not replay and latest[kind] is not None:
-            floor = max(floor, latest[kind])  # a plain resume never goes below the previous newest
+        # The newest commit after the kill: the last one reported, or a step started after it
+        # (committed, killed before it was reported); with no commit reported in this trial, the
+        # previous newest or a step this trial started. A replay re-saves existing steps.
+        last = out["committed"][-1] if out["committed"] else latest[kind]
+        after = out["started"][out["started"].index(last):] if last in out["started"] else out["started"]
+        newest = set(after) | ({last} if last is not None else set())
+        floor = -1 if replay else max(out["committed"] + [latest[kind] if latest[kind] is not None else -1])
         if latest[kind] is None and not out["committed"]:
-            names, marked = _disk_view(_local(root))
-            assert not marked, f"{what}: {marked} committed but the process never reported a commit"
-            continue  # killed before the first commit: nothing to restore yet
-        latest[kind] = _verify(root, mode, floor, what, rng)
+            names, marked, _ = _disk_view(_local(root))
+            assert not marked or set(marked) <= set(out["started"]), f"{what}: {marked} committed, never started"
+            if not marked:
+                continue  # killed before the first commit: nothing to restore yet
+        latest[kind] = _verify(root, mode, newest, floor, what, rng)
         if (i // 3) % 2 == 0:  # clean up now; otherwise the next process's startup cleanup does it
             mgr = CheckpointManager(root, commit_mode=mode, max_to_keep=MAX_TO_KEEP)
+            mgr._become_writer()  # what a first save does: take the lease, recover, clean up
             mgr.close()  # waits for the background cleanup
-            names, marked = _disk_view(_local(root))
-            assert names == sorted(str(s) for s in marked), f"{what}: debris left after cleanup: {names}"
+            names, marked, copies = _disk_view(_local(root))
+            assert names == sorted(copies) and len(copies) == len(marked), f"{what}: debris after cleanup: {names}"
             assert mgr.layout.incomplete() == []
-            assert mgr.all_steps() == marked and marked[-1] == latest[kind], f"{what}: cleanup changed {marked}"
+            assert mgr.all_steps() == marked and mgr.latest_step() == latest[kind], f"{what}: cleanup changed {marked}"
     print("\n".join(log))
     print(f"crash trials: {len(log)} kills; {sum(commits)} steps committed by the killed processes, "
           f"{sum(1 for c in commits if c)} trials with at least one commit; newest steps {latest}")
     assert len(log) == TRIALS
+
+
+@pytest.mark.parametrize("kind", ["rename", "marker", "fsspec"])
+def test_sigkill_during_resaves_of_a_step_never_loses_it(fork_server, tmp_path, kind):
+    """A process re-saves an existing step over and over (two states, alternating) and is
+    SIGKILLed at a random moment: the step is still committed and holds the state of the last
+    re-save it reported, or of the one after it; the other steps are untouched."""
+    master = int(os.environ.get("ASYNC_CKPT_CRASH_SEED", random.SystemRandom().randrange(2**31)))
+    print(f"re-save trials: ASYNC_CKPT_CRASH_SEED={master}")
+    mode = "rename" if kind == "rename" else "marker"
+    root = "faulty://" + str(tmp_path / "fsspec") if kind == "fsspec" else str(tmp_path / kind)
+    with CheckpointManager(root, commit_mode=mode) as mgr:
+        for s in (1, 2):
+            mgr.save(s, make_state(s))
+    allowed = {2}
+    commits = 0
+    for i in range(10):
+        rng = random.Random(master * 1000 + i)
+        delay = round(rng.uniform(0.05, 0.7), 4)
+        out = fork_server({"dir": root, "mode": mode, "delay": delay, "resave": 2})
+        what = f"re-save trial {i} (seed {master * 1000 + i}, {kind}, delay {delay}s)"
+        assert out["status"] == "killed", f"{what}: {out['error']}"
+        if out["committed"]:
+            last = out["committed"][-1]
+            allowed = {resave_value(2, last), resave_value(2, last + 1)}
+            commits += len(out["committed"])
+        else:
+            allowed = allowed | {resave_value(2, 0)}
+        mgr = CheckpointManager(root, commit_mode=mode, keep_incomplete=True)
+        try:
+            assert mgr.all_steps() == [1, 2], f"{what}: listed {mgr.all_steps()}"
+            t = empty_like_state()
+            assert mgr.restore(2, t) == 2
+            got = [v for v in sorted(allowed) if states_equal(t, make_state(v))]
+            assert got, f"{what}: step 2 holds none of the states {sorted(allowed)}"
+            allowed = set(got)
+            t = empty_like_state()
+            mgr.restore(1, t)
+            assert states_equal(t, make_state(1)), f"{what}: step 1 changed"
+        finally:
+            mgr.close()
+    print(f"re-save trials ({kind}): 10 kills, {commits} re-saves committed")

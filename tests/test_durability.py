@@ -19,6 +19,8 @@ import time
 import warnings
 
 import pytest
+
+from async_ckpt.storage.lease import LOCK_NAME
 import torch
 
 from async_ckpt import (
@@ -235,6 +237,11 @@ def test_truncated_small_file_is_detected_on_restore(faulty, name, problem):
     assert_bitwise_equal(t, state(1))
 
 
+def _names(root):
+    """The root's entries, without the writer lease's lock file."""
+    return sorted(n for n in os.listdir(root) if n != LOCK_NAME)
+
+
 def test_half_finished_deletion_never_looks_committed(tmp_path):
     """Retention removes the marker first: when removing the data then fails, the step is gone
     from the listing, and the next startup cleans up what is left."""
@@ -252,8 +259,10 @@ def test_half_finished_deletion_never_looks_committed(tmp_path):
     assert mgr2.all_steps() == [2]
     got, t = restored(mgr2, None)
     assert got == 2
-    mgr2.close()  # waits for the startup cleanup
-    assert sorted(os.listdir(root)) == ["2"]
+    assert os.path.isdir(os.path.join(root, "1"))  # a manager that only restores deletes nothing
+    mgr2.save(3, state(3))  # the first save takes the writer lease and cleans up
+    mgr2.close()  # waits for the cleanup
+    assert sorted(os.listdir(root)) == ["2", "3"]
 
 
 # ---- damage on disk ------------------------------------------------------------------------
@@ -397,10 +406,16 @@ def test_missing_marker_means_not_committed(tmp_path, mode):
     assert_bitwise_equal(t, state(1))
     mgr.close()
     # Kept with keep_incomplete=True; otherwise removed by the startup cleanup.
-    CheckpointManager(root, commit_mode=mode, keep_incomplete=True).close()
+    kept = CheckpointManager(root, commit_mode=mode, keep_incomplete=True)
+    kept.save(3, state(3))
+    kept.close()
     assert os.path.isdir(os.path.join(root, "2"))
     CheckpointManager(root, commit_mode=mode).close()
-    assert sorted(os.listdir(root)) == ["1"]
+    assert os.path.isdir(os.path.join(root, "2"))  # a manager that never saved deletes nothing
+    mgr = CheckpointManager(root, commit_mode=mode)
+    mgr.save(4, state(4))  # the first save takes the writer lease and cleans up
+    mgr.close()
+    assert _names(root) == ["1", "3", "4"]
 
 
 # ---- metadata safety -----------------------------------------------------------------------
@@ -510,8 +525,10 @@ def test_startup_cleans_incomplete_steps_unless_kept(tmp_path):
 
     mgr = CheckpointManager(root)
     assert mgr.all_steps() == [1, 2]  # never listed, even before the cleanup ran
+    assert tree_digest(root) == digest  # a manager that has not saved yet touches nothing
+    mgr.save(6, state(6))  # the first save takes the writer lease, then cleans up
     mgr.close()  # waits for the background cleanup
-    assert sorted(os.listdir(root)) == ["1", "2", "5"]
+    assert _names(root) == ["1", "2", "5", "6"]
     assert_bitwise_equal(restored(CheckpointManager(root), 2)[1], state(2))
 
 
@@ -530,12 +547,14 @@ def test_startup_completes_an_interrupted_rename_commit(tmp_path, old_copy):
         open(os.path.join(root, "3", "__0_0.distcp"), "wb").write(b"old")
         open(os.path.join(root, "3", PENDING_NAME), "wb").write(b"")  # unmarking leaves the sentinel
     mgr = CheckpointManager(root)
-    assert mgr.all_steps() == [1, 3]
+    assert mgr.all_steps() == [1, 3]  # the finished copy counts before anything is moved
     got, t = restored(mgr, None)
     assert got == 3
     assert_bitwise_equal(t, state(3))
+    mgr.save(4, state(4))  # the first save takes the writer lease and completes the commit
     mgr.close()
-    assert sorted(os.listdir(root)) == ["1", "3"]
+    assert _names(root) == ["1", "3", "4"]
+    assert_bitwise_equal(restored(CheckpointManager(root), 3)[1], state(3))
 
 
 def test_failed_save_does_not_block_later_saves_or_touch_committed(tmp_path):

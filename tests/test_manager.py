@@ -7,6 +7,8 @@ import threading
 import uuid
 
 import pytest
+
+from async_ckpt.storage.lease import LOCK_NAME
 import torch
 import torch.distributed.checkpoint as dcp
 
@@ -146,8 +148,12 @@ def test_incomplete_step_is_invisible_and_cleaned(ckpt_dir):
     mgr = CheckpointManager(ckpt_dir)
     assert mgr.all_steps() == [1]
     assert mgr.latest_step() == 1
+    mgr.restore(None, {"model": make_state(1)[0].state_dict()})
+    # a manager that only lists and restores never deletes anything (it holds no writer lease)
+    assert sorted(n for n in os.listdir(ckpt_dir) if n != LOCK_NAME) == [".tmp-2-abcdef012345", "1", "3"]
+    mgr.save(4, {"model": model.state_dict()})  # the first save takes the lease and cleans up
     mgr.close()  # waits for the background cleanup
-    assert sorted(os.listdir(ckpt_dir)) == ["1"]
+    assert sorted(n for n in os.listdir(ckpt_dir) if n != LOCK_NAME) == ["1", "4"]
 
 
 def test_failing_writer_surfaces_error_and_does_not_hang(ckpt_dir, monkeypatch):

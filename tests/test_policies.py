@@ -19,7 +19,6 @@ from async_ckpt import (
     Continuous,
     EveryNSteps,
     EveryTSeconds,
-    InvalidStepError,
     KeepAll,
     KeepBest,
     KeepEveryNSteps,
@@ -320,7 +319,7 @@ def test_restart_makes_the_same_decisions(tmp_path):
     assert plain == with_restarts
 
 
-def test_retention_runs_on_the_deleter_thread_and_keeps_the_newest(ckpt_dir):
+def test_retention_is_decided_before_save_returns_and_keeps_the_newest(ckpt_dir):
     threads = []
 
     def keep_nothing(checkpoints):
@@ -330,9 +329,9 @@ def test_retention_runs_on_the_deleter_thread_and_keeps_the_newest(ckpt_dir):
     with CheckpointManager(ckpt_dir, retention=keep_nothing) as mgr:
         for s in range(4):
             mgr.save(s, state(s))
-            drain(mgr)
-            assert mgr.all_steps() == [s]  # the newest commit is never deleted
-    assert threads and all(t.startswith("async-ckpt-delete") for t in threads)
+            assert mgr.all_steps() == [s]  # visible at once; the newest commit is never deleted
+    # decided on the writer thread (never the training thread), right after the commit
+    assert threads and all(t.startswith("async-ckpt-writer") for t in threads)
 
 
 def test_retention_never_deletes_a_step_being_written(ckpt_dir):
@@ -341,53 +340,13 @@ def test_retention_never_deletes_a_step_being_written(ckpt_dir):
         mgr.save(s, state(s))
     drain(mgr)
     mgr.retention = as_retention_policy(lambda c: set())
-    with mgr._lock:
-        mgr._inflight[1] = "re-save of step 1 in progress"
+    mgr.catalog.begin_write(1)  # a re-save of step 1 in progress
     mgr._apply_retention()
     assert mgr.all_steps() == [1, 2]
-    with mgr._lock:
-        del mgr._inflight[1]
+    mgr.catalog.end_write(1)
     mgr._apply_retention()
     assert mgr.all_steps() == [2]
     mgr.close()
-
-
-# ---- rollback -------------------------------------------------------------------------------------
-@pytest.mark.parametrize("scheme", ["file", "memory"])
-def test_rollback_after_restoring_an_older_step(tmp_path, scheme):
-    root = str(tmp_path / "ckpt") if scheme == "file" else f"memory://rollback-{uuid.uuid4().hex}"
-    with CheckpointManager(root) as mgr:
-        for s in range(1, 6):
-            mgr.save(s, state(s))
-    mgr = CheckpointManager(root)
-    with pytest.raises(InvalidStepError, match="lower than the highest committed step 5"):
-        mgr.save(2, state(2))  # no restore: a restarted loop counting from 0 must not wipe the run
-    target = zeros_state()
-    assert mgr.restore(3, target) == 3
-    assert_bitwise_equal(state(3), target)
-    with pytest.raises(InvalidStepError, match="lower than the restored step 3"):
-        mgr.save(2, state(2))
-    new4 = {"w": torch.full((64,), -4.0), "b": torch.full((3,), -4, dtype=torch.int64), "meta": {"step": 44}}
-    assert mgr.save(4, new4)  # the new timeline: steps above 4 (old 5) are deleted, old 4 replaced
-    assert mgr.all_steps() == [1, 2, 3, 4]
-    mgr.save(5, state(50))
-    mgr.close()
-    again = CheckpointManager(root)
-    target = zeros_state()
-    assert again.restore(None, target) == 5
-    assert_bitwise_equal(state(50), target)
-    target = zeros_state()
-    again.restore(4, target)
-    assert_bitwise_equal(new4, target)
-    again.close()
-
-
-def test_resaving_the_latest_step_is_not_a_rollback(ckpt_dir):
-    with CheckpointManager(ckpt_dir) as mgr:
-        mgr.save(1, state(1))
-        mgr.save(2, state(2))
-        mgr.save(2, state(20))
-        assert mgr.all_steps() == [1, 2]
 
 
 # ---- property test --------------------------------------------------------------------------------
@@ -408,15 +367,15 @@ op = st.one_of(
                         st.fixed_dictionaries({"acc": st.integers(0, 5)}))),
     st.tuples(st.just("restart"), st.integers(0, len(POLICIES) - 1)),
     st.tuples(st.just("rollback"), st.integers(0, 100), st.integers(1, 3)),
+    st.tuples(st.just("lower"), st.integers(0, 100)),
 )
 
 
 def _model_retention(policy, model):
-    """What the manager must keep: the policy, plus the newest commit and the highest step."""
+    """What the manager must keep: the policy, plus the newest commit."""
     ordered = sorted(model.values(), key=lambda c: (c.commit_time, c.step))
     keep = apply_retention(as_retention_policy(policy), ordered)
     keep.add(ordered[-1].step)
-    keep.add(max(model))
     return {s: c for s, c in model.items() if s in keep}
 
 
@@ -453,8 +412,10 @@ def test_property_random_saves_restarts_and_policies(scheme, first, ops):
                     assert torch.equal(target["w"], state(data[r])["w"])
                     step = r + o[2]
                     event("rollback" if step < max(model) else "restore older, save above the top")
-                    # the save below deletes every committed step above it first
-                    model = {s: c for s, c in model.items() if s <= step}
+                    # nothing is deleted because of it: commit order decides what retention drops
+                elif o[0] == "lower":
+                    step = o[1] % (max(model) + 1) if model else o[1]  # any step, without a restore
+                    event("save below the top" if model and step < max(model) else "lower: not below")
                 else:
                     step = next_step + o[1]
                 dt, metrics = (o[2], o[3]) if o[0] == "save" else (1, None)
@@ -463,13 +424,17 @@ def test_property_random_saves_restarts_and_policies(scheme, first, ops):
                 mgr.save(step, state(value), metrics=None if metrics is None else {k: float(v) for k, v in metrics.items()})
                 drain(mgr)
                 data[step] = value
-                model[step] = CheckpointInfo(step, clock(), {k: float(v) for k, v in (metrics or {}).items()})
+                newest = max((c.commit_time for c in model.values()), default=float("-inf"))
+                t = clock() if clock() > newest else newest + 1e-6  # commit times never go back
+                model[step] = CheckpointInfo(step, t, {k: float(v) for k, v in (metrics or {}).items()})
                 model = _model_retention(policy, model)
                 next_step = step
                 steps = mgr.all_steps()
                 assert steps == sorted(model), (POLICIES, ops)
                 assert step in steps  # the newest commit survives
                 assert mgr.latest_step() == step
+                assert mgr.steps_in_commit_order() == [c.step for c in sorted(
+                    model.values(), key=lambda c: (c.commit_time, c.step))]
             # whatever survived holds what was saved at that step
             for s in mgr.all_steps()[-2:]:
                 target = zeros_state()

@@ -4,12 +4,19 @@ Commit protocols (Orbax calls them ATOMIC_RENAME and COMMIT_FILE):
 
 * ``rename`` (POSIX paths): the step is written under ``.tmp-<step>-<token>/`` (data files,
   then ``manifest.json``, then the ``COMMITTED`` marker, each fsynced), then renamed to
-  ``<step>/`` in one atomic ``rename`` and the parent directory is fsynced.
+  ``<step>/`` (an older copy of the step is first renamed out of the way) and the parent
+  directory is fsynced.
 * ``marker`` (object stores, which have no rename): the step is written in place under
-  ``<step>/`` and the ``COMMITTED`` marker, written last, alone decides that it exists.
+  ``<step>/`` and the ``COMMITTED`` marker, written last, alone decides that it exists. A
+  re-save of a step that already has a directory is written beside it, under
+  ``<step>.<token>/``, and the older copy is removed only once the new one is committed.
 
-Either way, a step is listed only when its marker exists; restore then checks that the marker
-vouches for the manifest and the manifest for every file.
+A step is committed when one of its directories (``<step>/``, ``<step>.<token>/`` or a
+finished ``.tmp-<step>-<token>/`` whose final rename a crash interrupted) holds a marker. When
+a crash leaves two committed copies of one step, the one with the later commit time in its
+manifest is the step; the other is cleaned up by the next writer. So a re-save interrupted at
+any point leaves the old or the new copy restorable, never neither. Restore then checks that
+the marker vouches for the manifest and the manifest for every file.
 """
 
 from __future__ import annotations
@@ -17,17 +24,22 @@ from __future__ import annotations
 import re
 import uuid
 from dataclasses import dataclass
-from typing import Iterable, List, Optional, Set
+from typing import Dict, Iterable, List, Optional, Set, Tuple
 
 from ..errors import CorruptCheckpointError, StepNotFoundError
 from .fs import Storage
 from .manifest import MANIFEST_NAME, MARKER_NAME, PENDING_NAME, Manifest, check_marker, marker_bytes
 
 _STEP_RE = re.compile(r"^\d+$")
+_VER_RE = re.compile(r"^(\d+)\.[0-9a-f]{12}$")
 _TMP_RE = re.compile(r"^\.tmp-(\d+)-[0-9a-f]+$")
 _TRASH_RE = re.compile(r"^\.trash-(\d+)-[0-9a-f]+$")
 
 COMMIT_MODES = ("auto", "rename", "marker")
+
+
+def _token() -> str:
+    return uuid.uuid4().hex[:12]
 
 
 @dataclass
@@ -36,7 +48,7 @@ class StepTarget:
 
     step: int
     path: str  # directory the data files are written into
-    final: str  # directory of the committed step
+    final: str  # directory of the committed step (the same as ``path`` in marker mode)
 
 
 class CheckpointLayout:
@@ -52,6 +64,7 @@ class CheckpointLayout:
 
     # ---- names -------------------------------------------------------------------------------
     def step_dir(self, step: int) -> str:
+        """The canonical directory of ``step`` (``<root>/<step>``)."""
         return self.storage.join(str(step))
 
     def marker_path(self, step: int) -> str:
@@ -59,32 +72,107 @@ class CheckpointLayout:
 
     @staticmethod
     def step_of(path: str) -> Optional[int]:
-        """The step a step, temp or trash directory belongs to (None for other names)."""
+        """The step a step, re-save, temp or trash directory belongs to (None for other names)."""
         name = path.rstrip("/").rsplit("/", 1)[-1]
         if _STEP_RE.match(name):
             return int(name)
-        m = _TMP_RE.match(name) or _TRASH_RE.match(name)
+        m = _VER_RE.match(name) or _TMP_RE.match(name) or _TRASH_RE.match(name)
         return int(m.group(1)) if m else None
+
+    # ---- listing -----------------------------------------------------------------------------
+    def _dir_names(self) -> List[str]:
+        st = self.storage
+        st.invalidate_cache()
+        try:
+            return [e["name"] for e in st.listdir(st.root) if e.get("type") == "directory"]
+        except FileNotFoundError:
+            return []
+
+    def _marked(self) -> Dict[int, List[str]]:
+        """step -> names of its directories that hold a commit marker (canonical name first)."""
+        st = self.storage
+        out: Dict[int, List[str]] = {}
+        if st.is_local:
+            import os
+
+            try:
+                names = os.listdir(st.root)
+            except FileNotFoundError:
+                return {}
+            for n in names:
+                step = _committable_step(n)
+                if step is not None and os.path.exists(os.path.join(st.root, n, MARKER_NAME)):
+                    out.setdefault(step, []).append(n)
+        else:
+            try:
+                found = st.retry.call(lambda: st.fs.glob(st.join("*", MARKER_NAME)), f"list {st.root}")
+            except FileNotFoundError:
+                return {}
+            for p in found:
+                parts = p.rstrip("/").split("/")
+                if len(parts) < 2:
+                    continue
+                step = _committable_step(parts[-2])
+                if step is not None and parts[-2] not in out.get(step, []):
+                    out.setdefault(step, []).append(parts[-2])
+        for names in out.values():
+            names.sort(key=lambda n: (not _STEP_RE.match(n), n))
+        return out
+
+    def _commit_time(self, name: str) -> float:
+        try:
+            return Manifest.from_json(self.storage.read_bytes(self.storage.join(name, MANIFEST_NAME))).commit_time
+        except Exception:
+            return float("-inf")
+
+    def _choose(self, names: List[str]) -> Tuple[str, List[str]]:
+        """(the committed copy that counts, the superseded ones) among one step's marked dirs."""
+        if len(names) == 1:
+            return names[0], []
+        # The latest commit wins; on a tie, the copy that is not the canonical directory (a
+        # re-save written beside it).
+        ranked = sorted(names, key=lambda n: (self._commit_time(n), not _STEP_RE.match(n)))
+        return ranked[-1], ranked[:-1]
+
+    def locations(self) -> Dict[int, str]:
+        """step -> the directory (path) holding its committed copy, for every committed step."""
+        return {step: self.storage.join(self._choose(names)[0]) for step, names in self._marked().items()}
+
+    def committed_steps(self) -> List[int]:
+        """Steps with a committed copy, ascending."""
+        return sorted(self._marked())
+
+    def locate(self, step: int) -> str:
+        """The directory of ``step``'s committed copy; :class:`StepNotFoundError` if none."""
+        names = self._marked().get(step)
+        if not names:
+            raise StepNotFoundError(f"no committed checkpoint for step {step} under {self.storage.url}", step=step)
+        return self.storage.join(self._choose(names)[0])
 
     # ---- writing -----------------------------------------------------------------------------
     def begin(self, step: int, token: Optional[str] = None) -> StepTarget:
-        """Prepare an empty place to write ``step`` into. ``token`` must match across ranks."""
+        """Prepare an empty place to write ``step`` into. ``token`` must match across ranks.
+
+        Nothing committed is touched: an existing copy of the step stays restorable until the
+        new one is committed.
+        """
         final = self.step_dir(step)
+        token = token or _token()
         if self.mode == "rename":
-            path = self.storage.join(f".tmp-{step}-{token or uuid.uuid4().hex[:12]}")
+            path = self.storage.join(f".tmp-{step}-{token}")
         else:
-            path = final
-            if self.storage.exists(final):
-                self.delete(step)  # re-saving a step replaces it: unmark first, then clear
+            path = final if not self.storage.exists(final) else self.storage.join(f"{step}.{token}")
+            final = path
         self.storage.makedirs(path)
         if self.mode != "rename":
-            # Before any data: marks the unmarked <step>/ as ours, so that cleanup may remove it
-            # if this save never commits (a foreign directory without it is never touched).
+            # Before any data: marks the unmarked directory as ours, so that cleanup may remove
+            # it if this save never commits (a foreign directory without it is never touched).
             self.storage.write_bytes(f"{path}/{PENDING_NAME}", b"")
         return StepTarget(step, path, final)
 
     def commit(self, target: StepTarget, manifest: Manifest) -> None:
-        """Write the manifest, then the marker, then (rename mode) move the step into place."""
+        """Write the manifest, then the marker; then put the step in place and retire any
+        older copy of it (rename mode: one rename; marker mode: the older copy is removed)."""
         st = self.storage
         mbytes = manifest.to_json()
         st.write_bytes(f"{target.path}/{MANIFEST_NAME}", mbytes)
@@ -98,79 +186,103 @@ class CheckpointLayout:
                 st.rm(f"{target.path}/{PENDING_NAME}", recursive=False)  # tidy; the marker decides
             except Exception:
                 pass
+            here = target.path.rstrip("/").rsplit("/", 1)[-1]
+            for name in self._marked().get(target.step, []):
+                if name != here:
+                    self.remove(self.condemn_dir(st.join(name)))
             return
         trash = None
         if st.exists(target.final):
-            trash = st.join(f".trash-{target.step}-{uuid.uuid4().hex[:12]}")
-            st.write_bytes(f"{target.final}/{PENDING_NAME}", b"")  # unmarked, but recognisably ours
-            st.rm(f"{target.final}/{MARKER_NAME}", recursive=False)
+            # The old copy keeps its marker until it is out of the way: a crash between the two
+            # renames leaves the new copy committed under its temporary name (see ``locate``).
+            trash = st.join(f".trash-{target.step}-{_token()}")
             st.rename(target.final, trash)
         st.rename(target.path, target.final)
         st.fsync_dir(st.root)
         if trash is not None:
-            st.rm(trash)
+            self.remove(self.condemn_dir(trash))
 
     def recover(self) -> List[int]:
-        """Finish rename commits that a crash interrupted; return the steps put in place.
+        """Settle what a crashed writer left: return the steps whose committed copy moved.
 
-        A ``.tmp-<step>-*`` directory whose marker vouches for its manifest was completely
-        written (the marker is written and fsynced last); if no committed ``<step>/`` exists
-        (a crash between unmarking the old copy and the final rename of a re-save), it is
-        renamed into place. Rename mode only, and only while no save of this root is running.
+        Rename mode: a finished ``.tmp-<step>-*`` (its marker vouches for its manifest) that is
+        the step's newest committed copy is renamed into ``<step>/``. Both modes: superseded
+        committed copies of a step are unmarked (then cleaned up as incomplete). Only for the
+        holder of the writer lease.
         """
-        if self.mode != "rename":
-            return []
         st = self.storage
         done = []
-        for e in st.listdir(st.root):
-            m = _TMP_RE.match(e["name"])
-            if not m or e.get("type") != "directory":
-                continue
-            step, tmp = int(m.group(1)), st.join(e["name"])
-            if st.exists(self.marker_path(step)):
-                continue  # a committed copy exists: this one is stale and gets cleaned up
+        for step, names in sorted(self._marked().items()):
             try:
-                check_marker(st.read_bytes(f"{tmp}/{MARKER_NAME}"), st.read_bytes(f"{tmp}/{MANIFEST_NAME}"),
-                             where=tmp, step=step)
-                final = self.step_dir(step)
-                if st.exists(final):
-                    if not self.is_ours_incomplete(final):
-                        continue  # a foreign directory holds the name: leave both alone
-                    st.rename(final, st.join(f".trash-{step}-{uuid.uuid4().hex[:12]}"))
-                st.rename(tmp, final)
-                st.fsync_dir(st.root)
+                winner, losers = self._choose(names)
+                if self.mode == "rename" and _TMP_RE.match(winner):
+                    tmp = st.join(winner)
+                    check_marker(st.read_bytes(f"{tmp}/{MARKER_NAME}"), st.read_bytes(f"{tmp}/{MANIFEST_NAME}"),
+                                 where=tmp, step=step)
+                    final = self.step_dir(step)
+                    if st.exists(final):
+                        if str(step) not in losers and not self.is_ours_incomplete(final):
+                            continue  # a foreign directory holds the name: leave both alone
+                        st.rename(final, st.join(f".trash-{step}-{_token()}"))
+                        losers = [n for n in losers if n != str(step)]
+                    st.rename(tmp, final)
+                    st.fsync_dir(st.root)
+                    done.append(step)
+                for name in losers:
+                    self.condemn_dir(st.join(name))
             except (OSError, CorruptCheckpointError):
                 continue  # never completed (or cannot be moved): left to the cleanup
-            done.append(step)
         return done
 
     def abort(self, target: StepTarget) -> None:
         """Best-effort removal of a step that failed before its commit."""
         try:
-            if self.mode == "marker":
-                self.storage.rm(f"{target.path}/{MARKER_NAME}", recursive=False)
+            self.storage.rm(f"{target.path}/{MARKER_NAME}", recursive=False)
+        except Exception:
+            pass
+        try:
             self.storage.rm(target.path)
         except Exception:
             pass
 
-    def delete(self, step: int) -> None:
-        """Remove a step: its marker first, so a half-deleted step never looks committed.
+    def condemn(self, step: int) -> List[str]:
+        """Make ``step`` no longer committed (every copy unmarked); return its directories, whose
+        files :meth:`remove` deletes. Fast: one sentinel write and one marker removal per copy."""
+        return [self.condemn_dir(self.storage.join(n)) for n in self._marked().get(step, [])]
 
-        The pending sentinel goes in before the marker goes out, so a deletion cut short leaves
-        a directory that the startup cleanup recognises as ours and removes.
-        """
+    def condemn_dir(self, path: str) -> str:
+        """Unmark one step directory. The pending sentinel goes in before the marker goes out, so
+        a deletion cut short leaves a directory the startup cleanup recognises as ours."""
         try:
-            self.storage.write_bytes(f"{self.step_dir(step)}/{PENDING_NAME}", b"")
+            self.storage.write_bytes(f"{path}/{PENDING_NAME}", b"")
         except FileNotFoundError:
-            return  # already gone
-        self.storage.rm(self.marker_path(step), recursive=False)
-        d = self.step_dir(step)
-        # Everything but the sentinel first: a recursive delete may take it before the data,
-        # and a kill then left data that cleanup could not recognise (found by the crash trials).
-        for e in self.storage.listdir(d):
+            return path  # already gone
+        try:
+            self.storage.rm(f"{path}/{MARKER_NAME}", recursive=False)
+        except FileNotFoundError:
+            pass
+        return path
+
+    def remove(self, path: str) -> None:
+        """Delete an unmarked step directory: everything but the sentinel first (a recursive
+        delete may take the sentinel before the data, and a kill then left data that cleanup
+        could not recognise), then the directory. A directory that holds a marker is committed
+        and left alone."""
+        if self.storage.exists(f"{path}/{MARKER_NAME}"):
+            return
+        try:
+            entries = self.storage.listdir(path)
+        except FileNotFoundError:
+            return
+        for e in entries:
             if e["name"] != PENDING_NAME:
-                self.storage.rm(f"{d}/{e['name']}")
-        self.storage.rm(d)
+                self.storage.rm(f"{path}/{e['name']}")
+        self.storage.rm(path)
+
+    def delete(self, step: int) -> None:
+        """Remove every copy of a step: markers first, so a half-deleted step never looks committed."""
+        for path in self.condemn(step):
+            self.remove(path)
 
     def is_ours_incomplete(self, path: str) -> bool:
         """An unmarked step directory that async_ckpt wrote (sentinel or manifest), or an empty one.
@@ -187,35 +299,15 @@ class CheckpointLayout:
             return False
 
     # ---- reading -----------------------------------------------------------------------------
-    def committed_steps(self) -> List[int]:
-        """Steps whose commit marker exists, ascending."""
-        st = self.storage
-        st.invalidate_cache()
-        if st.is_local:
-            import os
-
-            try:
-                names = os.listdir(st.root)
-            except FileNotFoundError:
-                return []
-            return sorted(int(n) for n in names
-                          if _STEP_RE.match(n) and os.path.exists(os.path.join(st.root, n, MARKER_NAME)))
-        try:
-            found = st.retry.call(lambda: st.fs.glob(st.join("*", MARKER_NAME)), f"list {st.root}")
-        except FileNotFoundError:
-            return []
-        steps = []
-        for p in found:
-            parts = p.rstrip("/").split("/")
-            if len(parts) >= 2 and _STEP_RE.match(parts[-2]):
-                steps.append(int(parts[-2]))
-        return sorted(set(steps))
-
     def read_manifest(self, step: int) -> Manifest:
         """The manifest of a committed step, checked against its marker."""
-        where = self.step_dir(step)
+        return self.open_step(step)[1]
+
+    def open_step(self, step: int) -> Tuple[str, Manifest]:
+        """(directory, manifest) of a committed step, the manifest checked against its marker."""
+        where = self.locate(step)
         try:
-            marker = self.storage.read_bytes(self.marker_path(step))
+            marker = self.storage.read_bytes(f"{where}/{MARKER_NAME}")
         except FileNotFoundError:
             raise StepNotFoundError(f"no committed checkpoint for step {step} under {self.storage.url}",
                                     step=step) from None
@@ -232,20 +324,29 @@ class CheckpointLayout:
             raise CorruptCheckpointError(f"step {step}: {exc}", step=step, path=exc.path) from exc
         if m.step != step:
             raise CorruptCheckpointError(f"step {step}: {mpath}: manifest says step {m.step}", step=step, path=mpath)
-        return m
+        return where, m
 
     def incomplete(self, exclude: Iterable[str] = ()) -> List[str]:
         """Paths of steps that never committed (temp dirs, unmarked step dirs, leftover trash)."""
         skip: Set[str] = set(exclude)
         out = []
-        for e in self.storage.listdir(self.storage.root):
-            name = e["name"]
+        for name in self._dir_names():
             path = self.storage.join(name)
-            if path in skip or e.get("type") != "directory":
+            if path in skip:
                 continue
-            if _TMP_RE.match(name) or _TRASH_RE.match(name):
+            if _TRASH_RE.match(name):
                 out.append(path)
-            elif (_STEP_RE.match(name) and not self.storage.exists(f"{path}/{MARKER_NAME}")
-                  and self.is_ours_incomplete(path)):
+            elif _TMP_RE.match(name) and not self.storage.exists(f"{path}/{MARKER_NAME}"):
+                out.append(path)
+            elif ((_STEP_RE.match(name) or _VER_RE.match(name))
+                  and not self.storage.exists(f"{path}/{MARKER_NAME}") and self.is_ours_incomplete(path)):
                 out.append(path)
         return out
+
+
+def _committable_step(name: str) -> Optional[int]:
+    """The step of a directory name that can hold a committed copy (not trash)."""
+    if _STEP_RE.match(name):
+        return int(name)
+    m = _VER_RE.match(name) or _TMP_RE.match(name)
+    return int(m.group(1)) if m else None

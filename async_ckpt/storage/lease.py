@@ -1,0 +1,242 @@
+"""The writer lease: one live writer per checkpoint root.
+
+Only the holder of the lease writes, commits, deletes, recovers or cleans up under a root. A
+manager takes it at its first save (or explicit ``delete``), not at construction, so managers
+that only list and restore (an evaluation job, a dashboard, the CLI's read commands) never get
+in a writer's way. Two implementations behind one small protocol:
+
+* :class:`PosixLease`: an advisory ``flock`` on ``<root>/.async_ckpt.lock``. The kernel drops
+  it when the holder dies, so a dead writer's lease is free at once.
+* :class:`ObjectStoreLease`: a JSON object ``<root>/.async_ckpt.lease`` with the holder's
+  name, a random token and an expiry, renewed by a heartbeat thread. A lease whose expiry passed
+  (or whose holder is a dead process on this host) is free.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from typing import Any, Dict, Optional, Protocol
+
+from ..errors import LeaseHeldError
+from .fs import Storage
+
+log = logging.getLogger("async_ckpt")
+
+LOCK_NAME = ".async_ckpt.lock"
+LEASE_NAME = ".async_ckpt.lease"
+
+
+def _me() -> Dict[str, Any]:
+    return {"host": socket.gethostname(), "pid": os.getpid()}
+
+
+def _describe(info: Optional[Dict[str, Any]]) -> str:
+    if not info:
+        return "another process"
+    return f"pid {info.get('pid', '?')} on {info.get('host', '?')}"
+
+
+class WriterLease(Protocol):
+    """What the manager needs of a lease."""
+
+    @property
+    def held(self) -> bool: ...
+
+    def acquire(self, timeout: float = 0.0) -> None:
+        """Take the lease, waiting up to ``timeout`` seconds; :class:`LeaseHeldError` if another
+        live writer keeps it."""
+
+    def check(self) -> None:
+        """Raise :class:`LeaseHeldError` if the lease was lost since it was taken."""
+
+    def release(self) -> None:
+        """Give the lease up (a no-op when not held)."""
+
+
+class PosixLease:
+    """``flock`` on a lock file in the root (advisory: every async_ckpt writer takes it)."""
+
+    def __init__(self, root: str) -> None:
+        self.path = os.path.join(root, LOCK_NAME)
+        self._fd: Optional[int] = None
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def acquire(self, timeout: float = 0.0) -> None:
+        import fcntl
+
+        if self._fd is not None:
+            return
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        deadline = time.monotonic() + max(0.0, timeout)
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    holder = self._read_holder(fd)
+                    os.close(fd)
+                    raise LeaseHeldError(
+                        f"{os.path.dirname(self.path)!r} has a live writer ({_describe(holder)} holds "
+                        f"{self.path}); only one writer per checkpoint root is allowed. Open it read-only "
+                        f"(list/restore only), write elsewhere, or pass lease_timeout= to wait",
+                        holder=_describe(holder)) from None
+                time.sleep(0.05)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(_me()).encode(), 0)
+        self._fd = fd
+
+    @staticmethod
+    def _read_holder(fd: int) -> Optional[Dict[str, Any]]:
+        try:
+            return json.loads(os.pread(fd, 4096, 0) or b"null")
+        except (OSError, ValueError):
+            return None
+
+    def check(self) -> None:
+        return None  # a flock is never lost while its descriptor is open
+
+    def release(self) -> None:
+        import fcntl
+
+        fd, self._fd = self._fd, None
+        if fd is None:
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        finally:
+            os.close(fd)
+
+    def forget(self) -> None:
+        """In a forked child: drop this copy of the descriptor without unlocking the parent's lock
+        (``flock`` locks belong to the open file description the parent still uses)."""
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
+
+
+class ObjectStoreLease:
+    """A lease object with an expiry, renewed by a heartbeat thread, for stores without locks."""
+
+    def __init__(self, storage: Storage, ttl_s: float = 30.0) -> None:
+        if ttl_s <= 0:
+            raise ValueError(f"lease ttl must be > 0, got {ttl_s!r}")
+        self.storage = storage
+        self.path = storage.join(LEASE_NAME)
+        self.ttl_s = ttl_s
+        self.token = uuid.uuid4().hex
+        self._held = False
+        self._lost: Optional[str] = None
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    @property
+    def held(self) -> bool:
+        return self._held
+
+    def _read(self) -> Optional[Dict[str, Any]]:
+        try:
+            d = json.loads(self.storage.read_bytes(self.path))
+            return d if isinstance(d, dict) else None
+        except FileNotFoundError:
+            return None
+        except ValueError:
+            return None  # unreadable: treated as free (a torn write of a dead writer)
+
+    def _free(self, cur: Optional[Dict[str, Any]]) -> bool:
+        if cur is None or cur.get("token") == self.token:
+            return True
+        try:
+            if float(cur.get("expires", 0)) < time.time():
+                return True
+        except (TypeError, ValueError):
+            return True
+        if cur.get("host") == socket.gethostname() and isinstance(cur.get("pid"), int):
+            try:
+                os.kill(cur["pid"], 0)
+            except ProcessLookupError:
+                return True  # its holder died on this host
+            except PermissionError:
+                pass
+        return False
+
+    def _write(self) -> None:
+        self.storage.write_bytes(self.path, json.dumps(
+            {**_me(), "token": self.token, "expires": time.time() + self.ttl_s}).encode())
+
+    def acquire(self, timeout: float = 0.0) -> None:
+        if self._held:
+            return
+        deadline = time.monotonic() + max(0.0, timeout)
+        while True:
+            cur = self._read()
+            if self._free(cur):
+                self._write()
+                time.sleep(0.05)  # a writer that raced us wrote after our read: its object wins
+                after = self._read()
+                if after is not None and after.get("token") == self.token:
+                    break
+                cur = after
+            if time.monotonic() >= deadline:
+                left = ""
+                try:
+                    left = f", expires in {max(0.0, float(cur['expires']) - time.time()):.0f} s" if cur else ""
+                except (KeyError, TypeError, ValueError):
+                    pass
+                raise LeaseHeldError(
+                    f"{self.storage.url!r} has a live writer ({_describe(cur)} holds {self.path}{left}); "
+                    f"only one writer per checkpoint root is allowed. Open it read-only (list/restore "
+                    f"only), write elsewhere, or pass lease_timeout= to wait", holder=_describe(cur))
+            time.sleep(min(1.0, max(0.05, deadline - time.monotonic())))
+        self._held, self._lost = True, None
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._heartbeat, name="async-ckpt-lease", daemon=True)
+        self._thread.start()
+
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(self.ttl_s / 3):
+            try:
+                cur = self._read()
+                if cur is not None and cur.get("token") != self.token:
+                    self._lost = f"the writer lease was taken over by {_describe(cur)}"
+                    log.error("async_ckpt: %s; this manager's next commit fails", self._lost)
+                    return
+                self._write()
+            except Exception as exc:  # a transient error: the next beat tries again
+                log.warning("async_ckpt: could not renew the writer lease: %s", exc)
+
+    def check(self) -> None:
+        if self._lost is not None:
+            raise LeaseHeldError(f"{self.storage.url!r}: {self._lost}")
+
+    def release(self) -> None:
+        if not self._held:
+            return
+        self._held = False
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
+        try:
+            cur = self._read()
+            if cur is not None and cur.get("token") == self.token:
+                self.storage.rm(self.path, recursive=False)
+        except Exception as exc:
+            log.warning("async_ckpt: could not release the writer lease: %s", exc)
+
+    def forget(self) -> None:
+        """In a forked child: stop pretending to hold the parent's lease."""
+        self._held = False
+
+
+def writer_lease(storage: Storage) -> "PosixLease | ObjectStoreLease":
+    """The lease kind for a storage: ``flock`` on POSIX paths, a lease object elsewhere."""
+    return PosixLease(storage.root) if storage.is_local else ObjectStoreLease(storage)

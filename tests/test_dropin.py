@@ -1,0 +1,251 @@
+"""The torch_xla drop-in contract, behaviour for behaviour.
+
+Each scenario of torch_xla's own manager tests (``CheckpointManagerTest`` in pytorch/xla's
+``test/spmd/test_xla_distributed_checkpoint.py``) that applies off TPU, run against async_ckpt
+with a CPU and an XLA state dict, plus the rules behind them: commit order is the order,
+retention is visible when ``save``/``join`` return, any step may be saved in any order, and a
+committed step is deleted only by retention or an explicit ``delete``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import uuid
+
+import pytest
+import torch
+
+from async_ckpt import CheckpointManager, StepNotFoundError
+
+from .conftest import assert_bitwise_equal
+
+
+def sd(value: float):
+    return {"w": torch.full((32,), float(value)), "b": torch.arange(4) + int(value)}
+
+
+def zeros():
+    return {"w": torch.zeros(32), "b": torch.zeros(4, dtype=torch.int64)}
+
+
+@pytest.fixture(params=["file", "memory"])
+def root(request, tmp_path):
+    return str(tmp_path / "ckpt") if request.param == "file" else f"memory://dropin-{uuid.uuid4().hex}"
+
+
+# ---- torch_xla's CheckpointManagerTest ------------------------------------------------------
+
+def test_manager_checkpointing(root):
+    mgr = CheckpointManager(root, save_interval=10, chkpt_on_preemption=False)
+    assert mgr.save(0, sd(7))
+    target = zeros()
+    mgr.restore(0, target)
+    assert_bitwise_equal(target, sd(7))
+    mgr.close()
+
+
+def test_manager_step_tracking(root):
+    mgr = CheckpointManager(root, save_interval=10, chkpt_on_preemption=False)
+    assert mgr.all_steps() == []
+    for step in range(1, 10):
+        assert mgr.save(step, sd(step)) is False
+        assert mgr.all_steps() == []
+    saved = set()
+    for step in range(0, 100, 10):
+        assert mgr.save(step, sd(step)) is True
+        saved.add(step)
+        assert set(mgr.all_steps()) == saved
+    mgr.close()
+
+
+def test_manager_max_to_keep_by_commit_order_across_restart(root):
+    mgr = CheckpointManager(root, save_interval=10, max_to_keep=2, chkpt_on_preemption=False)
+    assert mgr.all_steps() == []
+    assert mgr.save(10, sd(10)) and set(mgr.all_steps()) == {10}
+    assert mgr.save(20, sd(20)) and set(mgr.all_steps()) == {10, 20}
+    assert mgr.save(30, sd(30)) and set(mgr.all_steps()) == {20, 30}  # at once, no waiting
+    assert mgr.save(10, sd(11)) and set(mgr.all_steps()) == {30, 10}  # the oldest *commit* went
+    assert mgr.latest_step() == 10 and mgr.steps_in_commit_order() == [30, 10]
+    mgr.close()
+    mgr = CheckpointManager(root, save_interval=10, max_to_keep=2, chkpt_on_preemption=False)
+    assert mgr.save(20, sd(21)) and set(mgr.all_steps()) == {20, 10}
+    assert mgr.steps_in_commit_order() == [10, 20]
+    for step, value in ((10, 11), (20, 21)):
+        target = zeros()
+        mgr.restore(step, target)
+        assert_bitwise_equal(target, sd(value))
+    mgr.close()
+
+
+def test_manager_async_and_join_see_retention(root):
+    mgr = CheckpointManager(root, save_interval=10, max_to_keep=2)
+    gate = threading.Event()
+    real_begin = mgr.layout.begin
+
+    def held_begin(step, token=None):
+        gate.wait(30)
+        return real_begin(step, token)
+
+    mgr.layout.begin = held_begin
+    assert mgr.save_async(10, sd(10))
+    assert mgr.all_steps() == []  # nothing is listed before it commits
+    gate.set()
+    mgr.join()
+    assert set(mgr.all_steps()) == {10}
+    for step in (20, 30):
+        assert mgr.save_async(step, sd(step))
+    mgr.join()
+    assert set(mgr.all_steps()) == {20, 30}  # retention applied before join() returned
+    mgr.close()
+
+
+def test_manager_async_step_tracking(root):
+    mgr = CheckpointManager(root, save_interval=10, max_pending_async=2)
+    for step in range(1, 10):
+        assert mgr.save_async(step, sd(step)) is False
+    saved = set()
+    for step in range(0, 100, 10):
+        assert mgr.save_async(step, sd(step)) is True
+        saved.add(step)
+    mgr.join()
+    assert set(mgr.all_steps()) == saved
+    target = zeros()
+    mgr.restore(0, target)
+    assert_bitwise_equal(target, sd(0))
+    mgr.close()
+
+
+def test_xla_state_dict_max_to_keep(tmp_path, xla_device):
+    mgr = CheckpointManager(str(tmp_path / "x"), save_interval=10, max_to_keep=2)
+    for step in (10, 20, 30, 10):
+        t = {"w": torch.full((64,), float(step), device=xla_device)}
+        assert mgr.save_async(step, t)
+    mgr.join()
+    assert mgr.steps_in_commit_order() == [30, 10]
+    target = {"w": torch.zeros(64, device=xla_device)}
+    assert mgr.restore(None, target) == 10
+    assert torch.equal(target["w"].cpu(), torch.full((64,), 10.0))
+    mgr.close()
+
+
+# ---- commit order, rolling back, lower steps ------------------------------------------------
+
+def test_rollback_resumes_at_the_newest_commit_and_deletes_nothing(root):
+    with CheckpointManager(root) as mgr:
+        for s in (10, 20, 30):
+            mgr.save(s, sd(s))
+    mgr = CheckpointManager(root)
+    target = zeros()
+    assert mgr.restore(10, target) == 10  # look at step 10, or roll back to it
+    mgr.save(11, sd(11))
+    assert mgr.all_steps() == [10, 11, 20, 30]  # saving after a restore deletes nothing
+    mgr.save(12, sd(12))
+    assert mgr.latest_step() == 12  # the newest commit, not the abandoned higher step
+    mgr.close()
+    again = CheckpointManager(root)
+    target = zeros()
+    assert again.restore(None, target) == 12
+    assert_bitwise_equal(target, sd(12))
+    target = zeros()
+    again.restore(30, target)
+    assert_bitwise_equal(target, sd(30))  # the old timeline is still there
+    again.close()
+
+
+def test_saving_below_the_top_warns_once_and_is_allowed(root, caplog):
+    with CheckpointManager(root) as mgr:
+        for s in (10, 20, 30):
+            mgr.save(s, sd(s))
+    mgr = CheckpointManager(root, max_to_keep=3)
+    with caplog.at_level(logging.WARNING, logger="async_ckpt"):
+        assert mgr.save(0, sd(0))  # a new run started in an old run's directory
+        assert mgr.save(1, sd(1))
+    lower = [r.getMessage() for r in caplog.records if "already holds committed steps" in r.getMessage()]
+    assert len(lower) == 1, lower
+    assert "step 0" in lower[0] and "up to 30" in lower[0] and "retention by commit order" in lower[0]
+    assert mgr.all_steps() == [0, 1, 30]  # the old run's oldest commits went first
+    assert mgr.latest_step() == 1
+    mgr.close()
+
+
+def test_restoring_first_silences_the_lower_step_warning(root, caplog):
+    with CheckpointManager(root) as mgr:
+        for s in (10, 20, 30):
+            mgr.save(s, sd(s))
+    mgr = CheckpointManager(root)
+    mgr.restore(10, zeros())
+    with caplog.at_level(logging.WARNING, logger="async_ckpt"):
+        mgr.save(11, sd(11))
+    assert not [r for r in caplog.records if "already holds committed steps" in r.getMessage()]
+    mgr.close()
+
+
+def test_commit_order_survives_a_clock_that_goes_back(root):
+    mgr = CheckpointManager(root, max_to_keep=2)
+    now = [1000.0]
+    mgr._clock = lambda: now[0]
+    mgr.save(1, sd(1))
+    now[0] = 500.0  # the wall clock stepped back
+    mgr.save(2, sd(2))
+    mgr.save(3, sd(3))
+    assert mgr.steps_in_commit_order() == [2, 3] and mgr.latest_step() == 3
+    mgr.close()
+
+
+def test_keep_best_and_custom_policies_see_commit_order(root):
+    seen = []
+
+    def policy(checkpoints):
+        seen.append([c.step for c in checkpoints])
+        return {c.step for c in checkpoints}
+
+    with CheckpointManager(root, retention=policy) as mgr:
+        for s in (5, 3, 9, 1):
+            mgr.save(s, sd(s))
+    assert seen[-1] == [5, 3, 9, 1]
+
+
+# ---- explicit deletion ----------------------------------------------------------------------
+
+def test_delete_removes_a_step_and_only_that_step(root):
+    mgr = CheckpointManager(root)
+    for s in (1, 2, 3):
+        mgr.save(s, sd(s))
+    mgr.delete(2)
+    assert mgr.all_steps() == [1, 3]
+    with pytest.raises(StepNotFoundError, match="step 2"):
+        mgr.restore(2, zeros())
+    with pytest.raises(StepNotFoundError, match="step 7"):
+        mgr.delete(7)
+    mgr.delete(3)  # even the newest: an explicit action
+    assert mgr.latest_step() == 1
+    mgr.close()
+    assert CheckpointManager(root).all_steps() == [1]
+
+
+# ---- re-saving a step -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode", ["rename", "marker"])
+def test_resave_replaces_a_step_and_keeps_the_old_copy_until_committed(tmp_path, mode):
+    root = str(tmp_path / "ckpt")
+    mgr = CheckpointManager(root, commit_mode=mode)
+    mgr.save(5, sd(5))
+    seen = {}
+    real_commit = mgr.layout.commit
+
+    def commit_and_look(target, manifest):
+        target_ = zeros()
+        seen["before"] = CheckpointManager(root).restore(5, target_)  # a reader mid re-save
+        seen["value"] = target_
+        real_commit(target, manifest)
+
+    mgr.layout.commit = commit_and_look
+    mgr.save(5, sd(55))
+    assert seen["before"] == 5
+    assert_bitwise_equal(seen["value"], sd(5))  # the old copy is intact until the new one commits
+    target = zeros()
+    mgr.restore(5, target)
+    assert_bitwise_equal(target, sd(55))
+    assert mgr.all_steps() == [5]
+    mgr.close()

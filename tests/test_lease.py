@@ -1,0 +1,260 @@
+"""One live writer per root, and managers that only read never get in its way.
+
+Also: a manager used in a forked child fails clearly, a raising ``on_saved`` never fails a
+committed save, and a garbage-collected manager stops its threads.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import uuid
+
+import pytest
+import torch
+
+from async_ckpt import CheckpointManager, LeaseHeldError
+from async_ckpt.storage import Storage
+from async_ckpt.storage.lease import LEASE_NAME, ObjectStoreLease
+
+from .conftest import assert_bitwise_equal
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def sd(v: float):
+    return {"w": torch.full((256,), float(v)), "meta": {"step": int(v)}}
+
+
+def zeros():
+    return {"w": torch.zeros(256), "meta": {"step": -1}}
+
+
+@pytest.fixture(params=["file", "memory"])
+def root(request, tmp_path):
+    return str(tmp_path / "ckpt") if request.param == "file" else f"memory://lease-{uuid.uuid4().hex}"
+
+
+def test_a_second_writer_is_refused_naming_the_holder(root):
+    a = CheckpointManager(root)
+    a.save(1, sd(1))
+    b = CheckpointManager(root)  # constructing, listing and restoring need no lease
+    assert b.all_steps() == [1]
+    b.restore(1, zeros())
+    with pytest.raises(LeaseHeldError, match=f"pid {os.getpid()}") as ei:
+        b.save(2, sd(2))
+    assert ei.value.holder and str(os.getpid()) in ei.value.holder
+    with pytest.raises(LeaseHeldError):
+        b.delete(1)
+    assert b.all_steps() == [1]
+    a.close()  # releases the lease
+    assert b.save(2, sd(2))
+    assert b.all_steps() == [1, 2]
+    b.close()
+
+
+def test_lease_timeout_waits_for_the_holder(root):
+    a = CheckpointManager(root)
+    a.save(1, sd(1))
+    threading.Timer(0.3, a.close).start()
+    b = CheckpointManager(root, lease_timeout=20)
+    assert b.save(2, sd(2))
+    b.close()
+
+
+def test_a_reader_never_touches_a_live_writers_files(root, tmp_path):
+    writer = CheckpointManager(root, max_to_keep=2)
+    writer.save(1, sd(1))
+    st = Storage(root)
+    # what looks like debris to a reader: a writer's step in flight (temp and unmarked dirs)
+    for name in (".tmp-2-0123456789ab", "3"):
+        st.makedirs(st.join(name))
+        st.write_bytes(st.join(name, "__0_0.distcp"), b"being written")
+        st.write_bytes(st.join(name, ".async_ckpt_pending"), b"")
+    before = sorted(e["name"] for e in st.listdir(st.root))
+    for _ in range(3):
+        r = CheckpointManager(root)
+        r.restore(None, zeros())
+        r.close()
+    assert sorted(e["name"] for e in st.listdir(st.root)) == before
+    writer.close()
+
+
+def test_an_expired_object_store_lease_is_taken_over():
+    url = f"memory://lease-{uuid.uuid4().hex}"
+    st = Storage(url)
+    st.makedirs(st.root)
+    st.write_bytes(st.join(LEASE_NAME), json.dumps(
+        {"host": "elsewhere", "pid": 1, "token": "t", "expires": time.time() - 1}).encode())
+    mgr = CheckpointManager(url)
+    assert mgr.save(1, sd(1))  # the dead writer's lease expired
+    mgr.close()
+    assert not st.exists(st.join(LEASE_NAME))  # released at close
+
+
+def test_a_live_object_store_lease_is_refused_with_its_expiry():
+    url = f"memory://lease-{uuid.uuid4().hex}"
+    st = Storage(url)
+    st.makedirs(st.root)
+    st.write_bytes(st.join(LEASE_NAME), json.dumps(
+        {"host": "elsewhere", "pid": 1, "token": "t", "expires": time.time() + 600}).encode())
+    mgr = CheckpointManager(url)
+    with pytest.raises(LeaseHeldError, match="pid 1 on elsewhere.*expires in"):
+        mgr.save(1, sd(1))
+    assert mgr.all_steps() == []
+    mgr.close()
+
+
+def test_a_dead_local_holder_of_an_object_store_lease_is_taken_over():
+    url = f"memory://lease-{uuid.uuid4().hex}"
+    st = Storage(url)
+    st.makedirs(st.root)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()
+    import socket
+
+    st.write_bytes(st.join(LEASE_NAME), json.dumps(
+        {"host": socket.gethostname(), "pid": int(dead), "token": "t", "expires": time.time() + 600}).encode())
+    mgr = CheckpointManager(url)
+    assert mgr.save(1, sd(1))
+    mgr.close()
+
+
+def test_the_object_store_lease_heartbeat_renews_and_detects_a_takeover():
+    st = Storage(f"memory://lease-{uuid.uuid4().hex}")
+    st.makedirs(st.root)
+    lease = ObjectStoreLease(st, ttl_s=0.3)
+    lease.acquire()
+    first = json.loads(st.read_bytes(lease.path))["expires"]
+    time.sleep(0.5)
+    assert json.loads(st.read_bytes(lease.path))["expires"] > first  # renewed
+    st.write_bytes(lease.path, json.dumps({"host": "h", "pid": 2, "token": "other",
+                                           "expires": time.time() + 60}).encode())
+    time.sleep(0.4)
+    with pytest.raises(LeaseHeldError, match="taken over"):
+        lease.check()
+    lease.release()
+    assert json.loads(st.read_bytes(lease.path))["token"] == "other"  # not ours: left alone
+
+
+_READER = textwrap.dedent("""
+    import os, sys, time
+    sys.path.insert(0, sys.argv[3])
+    from async_ckpt import CheckpointManager
+    root, stop = sys.argv[1], sys.argv[2]
+    n = 0
+    while not os.path.exists(stop):
+        m = CheckpointManager(root, commit_mode=sys.argv[4])
+        m.all_steps()
+        m.close()
+        n += 1
+    print(n)
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["rename", "marker"])
+def test_readers_opening_a_live_root_never_fail_its_writer(tmp_path, mode):
+    """Issue 17's first case: process B opens and closes managers on A's root while A saves
+    (max_to_keep=2): no save of A fails and every committed step restores."""
+    root, stop = str(tmp_path / "ckpt"), str(tmp_path / "stop")
+    os.makedirs(root)
+    reader = subprocess.Popen([sys.executable, "-c", _READER, root, stop, os.path.dirname(HERE), mode],
+                              stdout=subprocess.PIPE, text=True, env={**os.environ, "PJRT_DEVICE": "CPU"})
+    try:
+        time.sleep(2.0)  # the reader is looping (torch imported)
+        mgr = CheckpointManager(root, max_to_keep=2, commit_mode=mode)
+        failed = 0
+        for step in range(200):
+            try:
+                mgr.save(step, sd(step))
+            except Exception:
+                failed += 1
+        mgr.close()
+    finally:
+        open(stop, "w").close()
+        out, _ = reader.communicate(timeout=60)
+    assert int(out.strip()) > 0  # the reader really ran alongside
+    assert failed == 0
+    check = CheckpointManager(root)
+    assert check.all_steps() == [198, 199]
+    for s in check.all_steps():
+        t = zeros()
+        check.restore(s, t)
+        assert_bitwise_equal(t, sd(s))
+    check.close()
+
+
+# ---- fork, on_saved, garbage collection -----------------------------------------------------
+
+_FORK = textwrap.dedent("""
+    import os, signal, sys
+    sys.path.insert(0, sys.argv[2])
+    import torch
+    from async_ckpt import CheckpointError, CheckpointManager
+    mgr = CheckpointManager(sys.argv[1])
+    mgr.save(1, {"w": torch.ones(4)})
+    pid = os.fork()
+    if pid == 0:
+        signal.alarm(20)  # a hang is a failure
+        codes = []
+        for call in (lambda: mgr.save_async(2, {"w": torch.ones(4)}), lambda: mgr.save(3, {"w": torch.ones(4)}),
+                     lambda: mgr.restore(1, {"w": torch.zeros(4)}), mgr.join, mgr.close):
+            try:
+                call()
+                codes.append("ok")
+            except CheckpointError as exc:
+                codes.append("forked" if "forked child" in str(exc) else "other")
+        print(",".join(codes), flush=True)
+        os._exit(0)
+    os.waitpid(pid, 0)
+    mgr.save(4, {"w": torch.ones(4)})  # the parent goes on
+    print(mgr.all_steps(), flush=True)
+    mgr.close()
+""")
+
+
+def test_a_manager_used_in_a_forked_child_raises(tmp_path):
+    out = subprocess.run([sys.executable, "-c", _FORK, str(tmp_path / "ckpt"), os.path.dirname(HERE)],
+                         capture_output=True, text=True, timeout=120, env={**os.environ, "PJRT_DEVICE": "CPU"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.split()
+    assert lines[0] == "forked,forked,forked,forked,forked", out.stdout
+    assert "[1," in out.stdout and "4]" in out.stdout
+
+
+def test_a_raising_on_saved_does_not_fail_the_save_or_stop_retention(root, caplog):
+    def boom(stats):
+        raise RuntimeError("callback bug")
+
+    mgr = CheckpointManager(root, max_to_keep=1, on_saved=boom)
+    with caplog.at_level(logging.ERROR, logger="async_ckpt"):
+        assert mgr.save(1, sd(1))
+        assert mgr.save(2, sd(2))
+        mgr.join()
+    assert mgr.all_steps() == [2]  # committed, and retention ran
+    assert [r for r in caplog.records if "on_saved" in r.getMessage() and r.levelno == logging.ERROR]
+    mgr.close()
+
+
+def test_an_unclosed_manager_stops_its_threads_when_collected(tmp_path):
+    gc.collect()
+    before = {t.ident for t in threading.enumerate()}
+    mgr = CheckpointManager(str(tmp_path / "ckpt"))
+    mgr.save(1, sd(1))
+    del mgr
+    gc.collect()
+    deadline = time.time() + 10
+    while time.time() < deadline:
+        extra = [t for t in threading.enumerate() if t.ident not in before and t.name.startswith("async-ckpt")]
+        if not extra:
+            break
+        time.sleep(0.05)
+    assert not extra, [t.name for t in extra]
