@@ -34,6 +34,11 @@ The guard (process-wide, installed while lazy copies are outstanding)
       save fails with :class:`TornSnapshotError` instead of writing a torn checkpoint (also
       when the write came after the copy but before the seal: the safe side). The writer
       waits for the seal before writing.
+    * freed or swapped storage: each source's storage (data pointer, size, and that the user's
+      tensor still points at it) is recorded at the call and checked right before a CPU copy
+      reads it (and again after), and for CUDA copies at the seal. A storage freed or resized
+      (``untyped_storage().resize_(0)``, as FSDP does with unsharded parameters) or replaced
+      (``set_()``) is not read, and the save fails with :class:`TornSnapshotError`.
     Mutations that neither a hook nor ``_version`` sees (``.data``, ``torch.no_grad`` writes
     through ``.data``, foreign kernels) are *not* detected: call
     ``CheckpointManager.wait_for_staging()`` before such writes.
@@ -84,7 +89,7 @@ class _Chunk:
     """One batched copy and the user tensors it reads."""
 
     __slots__ = ("dsts", "srcs", "members", "versions", "keys", "nbytes", "xla", "done", "fenced",
-                 "sealed", "event", "device", "lock", "error", "torn", "claimed")
+                 "sealed", "event", "device", "lock", "error", "torn", "claimed", "storages", "freed")
 
     def __init__(self, xla: bool = False) -> None:
         self.dsts: List[torch.Tensor] = []
@@ -103,6 +108,10 @@ class _Chunk:
         self.lock = threading.Lock()
         self.error: Optional[BaseException] = None
         self.torn: List[str] = []
+        #: (name, tensor, storage data_ptr, storage nbytes) of every source and user tensor,
+        #: recorded at the call and compared before (and after) the copy reads them
+        self.storages: List[Tuple[str, torch.Tensor, int, int]] = []
+        self.freed: List[str] = []  # tensors whose storage was freed, resized or replaced
 
     def claim(self) -> bool:
         """Take this CPU copy for the calling thread (False if another thread has it)."""
@@ -112,17 +121,45 @@ class _Chunk:
             self.claimed = True
             return True
 
+    def storage_changed(self) -> List[str]:
+        """Names of the tensors whose storage is no longer the one recorded at the call: freed
+        or resized (``untyped_storage().resize_()``, as FSDP does with unsharded parameters:
+        data pointer or size differ) or replaced (``set_()``: the tensor points elsewhere)."""
+        bad: List[str] = []
+        for name, t, ptr, nbytes in self.storages:
+            try:
+                s = t.untyped_storage()
+                same = s.data_ptr() == ptr and s.nbytes() == nbytes
+            except Exception:  # noqa: BLE001 - no storage to read from any more
+                same = False
+            if not same and name not in bad:
+                bad.append(name)
+        return bad
+
     def run(self) -> None:
-        """Do the copy (the caller claimed it, or it is a CUDA chunk) and mark it done."""
+        """Do the copy (the caller claimed it, or it is a CUDA chunk) and mark it done.
+
+        CPU: the sources' storages are checked right before the copy and again after it. A
+        storage freed, resized or replaced since the call is not read (reading it would touch
+        freed memory); one that changed during the copy may have been read while freed. Either
+        way the chunk records the tensors in ``freed`` and the snapshot fails with
+        :class:`TornSnapshotError`. (A free that races with the copy itself is not prevented:
+        call ``CheckpointManager.wait_for_staging()`` before freeing saved storages.)"""
         try:
             if self.event is not None:
                 self.event.synchronize()
             elif self.dsts:
-                with torch.no_grad():
-                    torch._foreach_copy_(self.dsts, self.srcs)
+                bad = self.storage_changed()
+                if not bad:
+                    with torch.no_grad():
+                        torch._foreach_copy_(self.dsts, self.srcs)
+                    bad = self.storage_changed()
+                self.freed.extend(bad)
         except BaseException as exc:  # noqa: BLE001 - reported by result()
             self.error = exc
         self.dsts, self.srcs = [], []  # copied: drop the references to the user's tensors
+        if self.event is None:
+            self.storages = []
         self.done.set()
 
     def seal(self) -> None:
@@ -137,6 +174,11 @@ class _Chunk:
             if self.sealed:
                 return
             self.sealed = True
+            if self.storages:
+                # CUDA: the copy ran on a side stream, unordered with the training stream that
+                # may have freed the storage since the call (its memory may have been reused).
+                self.freed.extend(n for n in self.storage_changed() if n not in self.freed)
+                self.storages = []
             for (name, t), v in zip(self.members, self.versions):
                 if v >= 0 and _version(t) != v:
                     self.torn.append(name)
@@ -249,15 +291,27 @@ class PendingCopies:
             if c.error is not None:
                 raise CheckpointError(f"lazy host copy failed: {type(c.error).__name__}: {c.error}",
                                       step=self.step) from c.error
+        freed = [n for c in self.chunks for n in c.freed]
+        if freed:
+            raise TornSnapshotError(
+                f"lazy save of step {self.step}: the storage of tensor(s) {_names(freed)} was freed, "
+                f"resized or replaced (untyped_storage().resize_(), set_()) after "
+                f"save_async(..., lazy=True) returned and before their host copy ran; the copy was "
+                f"not made and the checkpoint was not written. Call manager.wait_for_staging() "
+                f"before freeing or swapping saved tensors' storage, or save with lazy=False",
+                step=self.step)
         torn = [n for c in self.chunks for n in c.torn]
         if torn:
-            names = ", ".join(torn[:10]) + (f" (and {len(torn) - 10} more)" if len(torn) > 10 else "")
             raise TornSnapshotError(
-                f"lazy save of step {self.step}: tensor(s) {names} were modified in place after "
+                f"lazy save of step {self.step}: tensor(s) {_names(torn)} were modified in place after "
                 f"save_async(..., lazy=True) returned and before their host copy was confirmed, by "
                 f"something the guard does not see (not optimizer.step() nor a module's forward); "
                 f"the checkpoint was not written. Call manager.wait_for_staging() before mutating "
                 f"tensors by hand, or save with lazy=False", step=self.step)
+
+
+def _names(names: List[str]) -> str:
+    return ", ".join(names[:10]) + (f" (and {len(names) - 10} more)" if len(names) > 10 else "")
 
 
 # ---- the background copier -----------------------------------------------------------------
@@ -466,14 +520,30 @@ def build_chunks(pairs: Sequence[Tuple[torch.Tensor, torch.Tensor, List[Tuple[st
         cur.dsts.append(dst)
         cur.srcs.append(src)
         cur.nbytes += dst.numel() * dst.element_size()
+        if xla:  # our own views of immutable device buffers: nothing to guard
+            continue
+        src_seen = False
         for name, t in members:
-            if not xla:
-                cur.members.append((name, t))
-                cur.versions.append(_version(t))
-            k = storage_key(t) if not xla else None
-            if k is not None:
-                cur.keys.add(k)
+            cur.members.append((name, t))
+            cur.versions.append(_version(t))
+            s = _storage_of(t)
+            if s is not None:
+                ptr = s.data_ptr()
+                cur.keys.add((t.is_cuda, ptr))
+                cur.storages.append((name, t, ptr, s.nbytes()))
+                src_seen = src_seen or t is src
+        if not src_seen and members:  # a span of a shared storage: check the span view too
+            s = _storage_of(src)
+            if s is not None:
+                cur.storages.append((members[0][0], src, s.data_ptr(), s.nbytes()))
     return chunks
+
+
+def _storage_of(t: torch.Tensor) -> Any:
+    try:
+        return t.untyped_storage()
+    except Exception:  # meta, sparse, ...
+        return None
 
 
 def start(chunks: List[_Chunk], cuda_streams: Any = None) -> PendingCopies:

@@ -1,30 +1,80 @@
-"""Reusable host buffers for staging, bounded by a memory budget.
+"""Reusable host buffers for staging, bounded by what the saves need.
 
 Fresh host memory is the enemy of a fast snapshot: a new allocation must be page-faulted in,
-which costs more than the copy itself. The pool hands out flat ``uint8`` buffers keyed by size
-(and pinning), takes them back when the writer is done, and hands the same buffers out again on
-the next save — so in steady state a save allocates nothing.
+which costs more than the copy itself. The pool hands out flat ``uint8`` buffers (pinned for
+CUDA sources), takes them back when the writer is done, and hands the same buffers out again
+on the next save — so in steady state a save allocates nothing, and an unchanged state dict
+gets the very same buffers (same data pointers, same cached views) every time.
+
+How much it keeps
+    * Reuse is by size class, not exact size: a request of ``n`` bytes takes a free buffer of
+      ``n`` to ``n + n/16`` bytes (it gets a view of exactly ``n`` bytes). A request that
+      outgrew a free buffer (a tensor growing from save to save) is allocated ``n/16`` larger,
+      so the next saves of that tensor fit in it.
+    * When nothing is leased any more (every snapshot released), the free buffers that no
+      lease used since the previous such moment are dropped: after the usual one-save-at-a-time
+      cycle the pool holds exactly the buffers of the last save.
+    * Without a budget, an acquire that must allocate first drops free buffers it does not
+      use (least recently used first) while the pool would hold more than ``1.1 x`` the most
+      bytes requested by leases out at once (or by the ones out after this request) plus
+      64 KiB; a release does the same while other leases stay out (several saves in flight).
+    Pinned buffers follow the same rules; dropping them also empties the CUDA caching host
+    allocator, which would otherwise keep their pinned memory.
 """
 
 from __future__ import annotations
 
 import threading
-from collections import defaultdict
-from typing import Dict, List, Optional, Sequence, Tuple
+from bisect import bisect_left
+from collections import deque
+from typing import Deque, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from ..errors import StagingBudgetError
 
-_Key = Tuple[int, bool]  # (nbytes, pinned)
+_HEADROOM = 16  # a buffer may be up to 1/_HEADROOM larger than the request it serves
+_BOUND = 1.1  # without a budget: held bytes <= _BOUND x the peak leased bytes + _SLACK
+_SLACK = 64 * 1024
+
+
+def _max_capacity(n: int) -> int:
+    """The largest buffer a request of ``n`` bytes may take."""
+    return n + n // _HEADROOM
+
+
+class _Block:
+    """One pooled allocation and the view of it handed out last (kept: it carries the views
+    cached by :mod:`.views`, reused while the requests keep their size)."""
+
+    __slots__ = ("tensor", "capacity", "pinned", "used", "epoch", "view", "n")
+
+    def __init__(self, tensor: torch.Tensor, pinned: bool) -> None:
+        self.tensor = tensor
+        self.capacity = tensor.numel()
+        self.pinned = pinned
+        self.used = 0  # the acquire that last took it (least recently used is dropped first)
+        self.epoch = 0  # the pool's epoch when last taken
+        self.view = tensor
+        self.n = self.capacity  # the bytes asked for when last taken (the view's size)
+
+    def buffer(self, n: int) -> torch.Tensor:
+        """The block as a buffer of exactly ``n`` bytes (the same tensor as last time if the
+        size did not change)."""
+        if n != self.n:
+            self.view = self.tensor if n == self.capacity else self.tensor[:n]
+            self.n = n
+        return self.view
 
 
 class Lease:
     """Buffers taken from a pool for one snapshot; give them back with :meth:`release`."""
 
-    def __init__(self, pool: "HostBufferPool", buffers: List[torch.Tensor], pinned: bool) -> None:
+    def __init__(self, pool: "HostBufferPool", blocks: List[_Block], buffers: List[torch.Tensor],
+                 pinned: bool) -> None:
         self._pool = pool
-        self.buffers = buffers
+        self._blocks = blocks
+        self.buffers = buffers  # one per requested size, of exactly that many bytes
         self.pinned = pinned
         self._released = False
 
@@ -36,7 +86,7 @@ class Lease:
         """Return the buffers to the pool (idempotent)."""
         if not self._released:
             self._released = True
-            self._pool._give_back(self.buffers, self.pinned)
+            self._pool._give_back(self._blocks)
 
 
 class HostBufferPool:
@@ -45,19 +95,105 @@ class HostBufferPool:
     ``budget_bytes`` bounds the bytes the pool may hold (free and leased). A request that fits
     the budget but not what is free right now waits for leases to be released (back-pressure
     from the writer); a request larger than the whole budget raises
-    :class:`~async_ckpt.errors.StagingBudgetError` at once. ``None`` means no bound.
+    :class:`~async_ckpt.errors.StagingBudgetError` at once. ``None``: no fixed bound, the pool
+    keeps what recent saves used (see the module docstring).
+
+    ``allocated_bytes`` is what the pool holds (free and leased buffers, at their allocated
+    size), ``leased_bytes`` the part of it leased out, ``allocations`` the fresh allocations
+    made so far (flat in steady state).
     """
 
     def __init__(self, budget_bytes: Optional[int] = None) -> None:
         if budget_bytes is not None and budget_bytes < 0:
             raise ValueError(f"budget_bytes must be >= 0 or None, got {budget_bytes}")
         self.budget_bytes = budget_bytes
-        self._free: Dict[_Key, List[torch.Tensor]] = defaultdict(list)
+        self._free: Dict[Tuple[int, bool], Deque[_Block]] = {}  # (capacity, pinned) -> FIFO
+        # sorted capacities, per pinning, of the free lists (entries whose list emptied are
+        # dropped lazily, by the searches that meet them: a steady-state pop stays O(1))
+        self._caps: Dict[bool, List[int]] = {False: [], True: []}
         self._cond = threading.Condition()
         self.allocated_bytes = 0  # free + leased
         self.leased_bytes = 0
         self.allocations = 0  # fresh allocations so far (flat in steady state)
+        self._requested = 0  # bytes the leases out asked for (leased_bytes less the headroom)
+        self._acquires = 0
+        self._epoch = 0  # advances each time nothing is leased any more
+        self._blocks = 0  # blocks held, free and leased
+        self._in_epoch = 0  # blocks taken in this epoch
+        self._free_requested = 0  # sum of ``n`` over the free blocks
+        self._peak = 0  # the most _requested at once (since the last quiescent moment)
 
+    # ---- free-list bookkeeping (callers hold self._cond) ---------------------------------------
+    def _put(self, blk: _Block) -> None:
+        key = (blk.capacity, blk.pinned)
+        dq = self._free.get(key)
+        if dq is None:
+            dq = self._free[key] = deque()
+            caps = self._caps[blk.pinned]
+            i = bisect_left(caps, blk.capacity)
+            if i == len(caps) or caps[i] != blk.capacity:
+                caps.insert(i, blk.capacity)
+        dq.append(blk)
+        self._free_requested += blk.n
+
+    def _pop(self, key: Tuple[int, bool]) -> _Block:
+        dq = self._free[key]
+        blk = dq.popleft()
+        if not dq:
+            del self._free[key]
+        self._free_requested -= blk.n
+        return blk
+
+    def _free_cap(self, pinned: bool, lo: int, hi: int) -> Optional[int]:
+        """The smallest capacity in ``[lo, hi]`` with a free block, or None."""
+        caps = self._caps[pinned]
+        i = bisect_left(caps, lo)
+        while i < len(caps) and caps[i] <= hi:
+            if (caps[i], pinned) in self._free:
+                return caps[i]
+            del caps[i]  # its free list emptied since
+        return None
+
+    def _take(self, n: int, pinned: bool) -> Optional[_Block]:
+        """A free block that can serve ``n`` bytes (the exact size first), or None."""
+        if (n, pinned) in self._free:
+            return self._pop((n, pinned))
+        cap = self._free_cap(pinned, n, _max_capacity(n))
+        return None if cap is None else self._pop((cap, pinned))
+
+    def _outgrew(self, n: int, pinned: bool) -> bool:
+        """Whether a free block is a little too small for ``n`` (a tensor that grew)."""
+        return n > 1 and self._free_cap(pinned, n // 2, n - 1) is not None
+
+    def _drop_lru(self, excess: int, keep_epoch: Optional[int] = None) -> None:
+        """Drop free blocks, least recently used first, until ``excess`` bytes are gone
+        (with ``keep_epoch``: every free block last used before that epoch, regardless)."""
+        blocks = [b for dq in self._free.values() for b in dq]
+        if keep_epoch is None:
+            blocks.sort(key=lambda b: b.used)
+        pinned = False
+        for b in blocks:
+            if keep_epoch is not None:
+                if b.epoch >= keep_epoch:
+                    continue
+            elif excess <= 0:
+                break
+            key = (b.capacity, b.pinned)
+            self._free[key].remove(b)
+            if not self._free[key]:
+                del self._free[key]
+            self.allocated_bytes -= b.capacity
+            self._free_requested -= b.n
+            self._blocks -= 1
+            excess -= b.capacity
+            pinned = pinned or b.pinned
+        if pinned:
+            _empty_host_cache()
+
+    def _target(self, leased: int) -> float:
+        return _BOUND * max(self._peak, leased) + _SLACK
+
+    # ---- the API --------------------------------------------------------------------------------
     def acquire(self, sizes: Sequence[int], *, pinned: bool = False, timeout: Optional[float] = None) -> Lease:
         """Buffers of exactly ``sizes`` bytes each, reusing free ones where possible."""
         total = sum(sizes)
@@ -68,52 +204,76 @@ class HostBufferPool:
             )
         with self._cond:
             while True:
-                need: Dict[_Key, int] = defaultdict(int)
-                for n in sizes:
-                    need[(n, pinned)] += 1
-                missing = sum(
-                    n * max(0, cnt - len(self._free.get((n, p), ()))) for (n, p), cnt in need.items()
-                )
-                if self.budget_bytes is None or self.allocated_bytes + missing <= self.budget_bytes:
+                blocks = [self._take(n, pinned) for n in sizes]
+                fresh = [i for i, b in enumerate(blocks) if b is None]
+                caps = {i: (_max_capacity(sizes[i]) if self._outgrew(sizes[i], pinned) else sizes[i]) for i in fresh}
+                missing = sum(caps.values())
+                if self.budget_bytes is None:
+                    over = self.allocated_bytes + missing - self._target(self._requested + total)
+                    if fresh and over > 0:
+                        self._drop_lru(int(over) + 1)  # every free block left is unneeded here
                     break
-                self._evict_unneeded(need, self.allocated_bytes + missing - self.budget_bytes)
-                if self.allocated_bytes + missing <= self.budget_bytes:
+                exact = sum(sizes[i] for i in fresh)
+                if self.allocated_bytes + exact > self.budget_bytes:
+                    self._drop_lru(self.allocated_bytes + exact - self.budget_bytes)
+                if self.allocated_bytes + exact <= self.budget_bytes:
+                    if self.allocated_bytes + missing > self.budget_bytes:
+                        caps = {i: sizes[i] for i in fresh}  # no room for growth headroom
                     break
+                for b in reversed([b for b in blocks if b is not None]):  # back, in their order
+                    self._put(b)
+                    dq = self._free[(b.capacity, b.pinned)]
+                    dq.rotate(1)  # it was appended last; it was taken first
                 if not self._cond.wait(timeout):
                     raise StagingBudgetError(
-                        f"timed out after {timeout}s waiting for {missing / 2**20:.1f} MiB of host staging memory"
+                        f"timed out after {timeout}s waiting for {exact / 2**20:.1f} MiB of host staging memory"
                     )
+            self._acquires += 1
             buffers = []
-            for n in sizes:
-                free = self._free.get((n, pinned))
-                if free:
-                    buffers.append(free.pop())
-                else:
-                    buffers.append(torch.empty(n, dtype=torch.uint8, pin_memory=pinned))
-                    self.allocated_bytes += n
+            for i, n in enumerate(sizes):
+                blk = blocks[i]
+                if blk is None:
+                    blk = blocks[i] = _Block(torch.empty(caps[i], dtype=torch.uint8, pin_memory=pinned), pinned)
+                    self.allocated_bytes += blk.capacity
                     self.allocations += 1
-            self.leased_bytes += total
-        return Lease(self, buffers, pinned)
+                    self._blocks += 1
+                if blk.epoch != self._epoch or blk.used == 0:
+                    self._in_epoch += 1
+                blk.used, blk.epoch = self._acquires, self._epoch
+                self.leased_bytes += blk.capacity
+                buffers.append(blk.buffer(n))
+            self._requested += total
+            self._peak = max(self._peak, self._requested)
+        return Lease(self, blocks, buffers, pinned)  # type: ignore[arg-type]
 
-    def _evict_unneeded(self, need: Dict[_Key, int], excess: int) -> None:
-        for key, free in list(self._free.items()):
-            keep = need.get(key, 0)
-            while len(free) > keep and excess > 0:
-                buf = free.pop()
-                self.allocated_bytes -= buf.numel()
-                excess -= buf.numel()
-
-    def _give_back(self, buffers: List[torch.Tensor], pinned: bool) -> None:
+    def _give_back(self, blocks: List[_Block]) -> None:
         with self._cond:
-            for b in buffers:
-                self._free[(b.numel(), pinned)].append(b)
-                self.leased_bytes -= b.numel()
+            for b in blocks:
+                self._put(b)
+                self.leased_bytes -= b.capacity
+                self._requested -= b.n
+            if self.leased_bytes == 0:
+                # Quiescent: keep only what was used since the last quiescent moment.
+                if self._in_epoch < self._blocks:
+                    self._drop_lru(0, keep_epoch=self._epoch)
+                self._peak = self._free_requested
+                self._epoch += 1
+                self._in_epoch = 0
+            elif self.budget_bytes is None and self.allocated_bytes > self._target(0):
+                self._drop_lru(int(self.allocated_bytes - self._target(0)) + 1)
             self._cond.notify_all()
 
     def clear(self) -> None:
         """Drop every free buffer (leased ones stay with their snapshots)."""
         with self._cond:
-            for free in self._free.values():
-                for b in free:
-                    self.allocated_bytes -= b.numel()
-            self._free.clear()
+            self._drop_lru(0, keep_epoch=self._epoch + 1)
+
+
+def _empty_host_cache() -> None:
+    """Return cached, unused pinned host memory to the system (dropped pinned buffers land in
+    torch's caching host allocator, not back with the OS)."""
+    try:
+        if torch.cuda.is_initialized():
+            torch._C._host_emptyCache()
+    except Exception:  # noqa: BLE001 - no CUDA, or an older torch: nothing cached to return
+        pass
