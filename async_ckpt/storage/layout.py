@@ -10,6 +10,10 @@ Commit protocols (Orbax calls them ATOMIC_RENAME and COMMIT_FILE):
 
 Either way, a step is listed only when its marker exists; restore then checks that the marker
 vouches for the manifest and the manifest for every file.
+
+On local paths a step, temp or trash directory that is a symbolic link is *foreign*: it is
+never listed as committed, restored, recovered, cleaned up or deleted (deleting "through" it
+would remove whatever it points to), and writing a step whose directory is a link is refused.
 """
 
 from __future__ import annotations
@@ -17,10 +21,10 @@ from __future__ import annotations
 import re
 import uuid
 from dataclasses import dataclass
-from typing import Iterable, List, Optional, Set
+from typing import Dict, Iterable, List, Optional, Set, Tuple
 
-from ..errors import CorruptCheckpointError, StepNotFoundError
-from .fs import Storage
+from ..errors import CorruptCheckpointError, StepNotFoundError, StorageError
+from .fs import MISSING, Storage
 from .manifest import MANIFEST_NAME, MARKER_NAME, PENDING_NAME, Manifest, check_marker, marker_bytes
 
 _STEP_RE = re.compile(r"^\d+$")
@@ -70,6 +74,7 @@ class CheckpointLayout:
     def begin(self, step: int, token: Optional[str] = None) -> StepTarget:
         """Prepare an empty place to write ``step`` into. ``token`` must match across ranks."""
         final = self.step_dir(step)
+        self._refuse_link(final, f"write step {step}")
         if self.mode == "rename":
             path = self.storage.join(f".tmp-{step}-{token or uuid.uuid4().hex[:12]}")
         else:
@@ -100,6 +105,7 @@ class CheckpointLayout:
                 pass
             return
         trash = None
+        self._refuse_link(target.final, f"commit step {target.step}")
         if st.exists(target.final):
             trash = st.join(f".trash-{target.step}-{uuid.uuid4().hex[:12]}")
             st.write_bytes(f"{target.final}/{PENDING_NAME}", b"")  # unmarked, but recognisably ours
@@ -127,6 +133,8 @@ class CheckpointLayout:
             if not m or e.get("type") != "directory":
                 continue
             step, tmp = int(m.group(1)), st.join(e["name"])
+            if st.is_link(tmp) or st.is_link(self.step_dir(step)):
+                continue  # foreign: never moved, never written through
             if st.exists(self.marker_path(step)):
                 continue  # a committed copy exists: this one is stale and gets cleaned up
             try:
@@ -157,8 +165,10 @@ class CheckpointLayout:
         """Remove a step: its marker first, so a half-deleted step never looks committed.
 
         The pending sentinel goes in before the marker goes out, so a deletion cut short leaves
-        a directory that the startup cleanup recognises as ours and removes.
+        a directory that the startup cleanup recognises as ours and removes. A step directory
+        that is a symbolic link raises :class:`StorageError`: nothing is deleted through it.
         """
+        self._refuse_link(self.step_dir(step), f"delete step {step}")
         try:
             self.storage.write_bytes(f"{self.step_dir(step)}/{PENDING_NAME}", b"")
         except FileNotFoundError:
@@ -177,8 +187,10 @@ class CheckpointLayout:
 
         A step-numbered directory with neither marker nor sentinel (e.g. a checkpoint written by
         torch_xla's manager or plain ``dcp.save``) is not ours: it is never listed, restored or
-        removed.
+        removed. A symbolic link is never ours.
         """
+        if self.storage.is_link(path):
+            return False
         if self.storage.exists(f"{path}/{PENDING_NAME}") or self.storage.exists(f"{path}/{MANIFEST_NAME}"):
             return True
         try:
@@ -186,9 +198,18 @@ class CheckpointLayout:
         except OSError:
             return False
 
+    def _refuse_link(self, path: str, what: str) -> None:
+        if self.storage.is_link(path):
+            raise StorageError(f"refusing to {what}: {path} is a symbolic link (a foreign directory; async_ckpt "
+                               "never writes or deletes through one)")
+
+    def is_foreign_link(self, name: str) -> bool:
+        """Whether the entry ``name`` under the root is a symbolic link (always False on object stores)."""
+        return self.storage.is_link(self.storage.join(name))
+
     # ---- reading -----------------------------------------------------------------------------
     def committed_steps(self) -> List[int]:
-        """Steps whose commit marker exists, ascending."""
+        """Steps whose commit marker exists, ascending (never a step directory that is a link)."""
         st = self.storage
         st.invalidate_cache()
         if st.is_local:
@@ -199,7 +220,8 @@ class CheckpointLayout:
             except FileNotFoundError:
                 return []
             return sorted(int(n) for n in names
-                          if _STEP_RE.match(n) and os.path.exists(os.path.join(st.root, n, MARKER_NAME)))
+                          if _STEP_RE.match(n) and not os.path.islink(os.path.join(st.root, n))
+                          and os.path.exists(os.path.join(st.root, n, MARKER_NAME)))
         try:
             found = st.retry.call(lambda: st.fs.glob(st.join("*", MARKER_NAME)), f"list {st.root}")
         except FileNotFoundError:
@@ -212,16 +234,33 @@ class CheckpointLayout:
         return sorted(set(steps))
 
     def read_manifest(self, step: int) -> Manifest:
-        """The manifest of a committed step, checked against its marker."""
+        """The manifest of a committed step, checked against its marker.
+
+        A marker or manifest that is a directory, or a link leading out of the step directory,
+        is damage (:class:`CorruptCheckpointError`); a step directory that is a link is not a
+        committed step (:class:`StepNotFoundError`).
+        """
         where = self.step_dir(step)
+        kpath = self.marker_path(step)
+        st = self.storage
+        problem = st.file_problem(kpath, where)
+        if st.is_link(where) or problem == MISSING:
+            raise StepNotFoundError(f"no committed checkpoint for step {step} under {st.url}", step=step)
+        if problem is not None:
+            raise CorruptCheckpointError(f"step {step}: {kpath}: commit marker {problem}", step=step, path=kpath)
         try:
-            marker = self.storage.read_bytes(self.marker_path(step))
+            marker = st.read_bytes(kpath)
         except FileNotFoundError:
-            raise StepNotFoundError(f"no committed checkpoint for step {step} under {self.storage.url}",
+            raise StepNotFoundError(f"no committed checkpoint for step {step} under {st.url}",
                                     step=step) from None
         mpath = f"{where}/{MANIFEST_NAME}"
+        problem = st.file_problem(mpath, where)
+        if problem is not None:
+            if problem == MISSING:
+                problem = "manifest is missing"
+            raise CorruptCheckpointError(f"step {step}: {mpath}: {problem}", step=step, path=mpath)
         try:
-            mbytes = self.storage.read_bytes(mpath)
+            mbytes = st.read_bytes(mpath)
         except FileNotFoundError:
             raise CorruptCheckpointError(f"step {step}: {mpath}: manifest is missing", step=step,
                                          path=mpath) from None
@@ -234,14 +273,53 @@ class CheckpointLayout:
             raise CorruptCheckpointError(f"step {step}: {mpath}: manifest says step {m.step}", step=step, path=mpath)
         return m
 
+    def check_step(self, step: int) -> Tuple[Manifest, Dict[str, str]]:
+        """A cheap check of a committed step that reads no data: the marker must vouch for the
+        manifest (else :class:`CorruptCheckpointError`, as :meth:`read_manifest`), and every
+        file the manifest lists must be a regular file inside the step directory with the size
+        the manifest gives. Returns the manifest and, per file that fails, what is wrong (an
+        empty dict: the step passed).
+
+        A step that passes can still fail checks that read contents (checksums, DCP
+        metadata); one that fails is damaged whatever its contents.
+        """
+        man = self.read_manifest(step)
+        st = self.storage
+        where = self.step_dir(step)
+        listed: Optional[Dict[str, Dict]] = None
+        if not st.is_local:  # one listing gives every size
+            listed = {e["name"]: e for e in st.listdir(where)}
+        problems: Dict[str, str] = {}
+        for name, rec in sorted(man.files.items()):
+            path = f"{where}/{name}"
+            if listed is not None:
+                e = listed.get(name)
+                if e is None:
+                    problems[name] = MISSING
+                    continue
+                if e.get("type") == "directory":
+                    problems[name] = "is a directory, not a file"
+                    continue
+                size = int(e["size"]) if e.get("size") is not None else st.size(path)
+            else:
+                problem = st.file_problem(path, where)
+                if problem is not None:
+                    problems[name] = problem
+                    continue
+                size = st.size(path)
+            if size != rec.size:
+                problems[name] = f"size is {size} bytes, manifest says {rec.size}"
+        return man, problems
+
     def incomplete(self, exclude: Iterable[str] = ()) -> List[str]:
-        """Paths of steps that never committed (temp dirs, unmarked step dirs, leftover trash)."""
+        """Paths of steps that never committed (temp dirs, unmarked step dirs, leftover trash);
+        never a symbolic link."""
         skip: Set[str] = set(exclude)
         out = []
         for e in self.storage.listdir(self.storage.root):
             name = e["name"]
             path = self.storage.join(name)
-            if path in skip or e.get("type") != "directory":
+            if path in skip or e.get("type") != "directory" or e.get("islink") or self.storage.is_link(path):
                 continue
             if _TMP_RE.match(name) or _TRASH_RE.match(name):
                 out.append(path)
