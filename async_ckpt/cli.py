@@ -3,7 +3,8 @@ the save statistics log.
 
 Every subcommand takes a checkpoint root (a local path or any fsspec URL), prints a readable
 table, and with ``--json`` prints one JSON document instead. Nothing here writes to the
-checkpoint root except ``prune`` (and ``prune --dry-run`` does not). Exit codes: 0 success,
+checkpoint root except ``prune`` (and ``prune --dry-run`` does not); nothing here follows a
+step directory that is a symbolic link (it is listed as foreign and left alone). Exit codes: 0 success,
 1 a damaged checkpoint was found (``verify``) or read, 2 any other error (bad arguments, no
 such step or path, storage errors). Expected errors print one line on stderr, no traceback.
 """
@@ -22,7 +23,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 from .errors import CheckpointError, CorruptCheckpointError, StepNotFoundError
 from .storage.fs import Storage
 from .storage.layout import _STEP_RE, _TMP_RE, _TRASH_RE, CheckpointLayout
-from .storage.manifest import MARKER_NAME, Manifest
+from .storage.manifest import MARKER_NAME, Manifest, shown
 
 EXIT_OK, EXIT_DAMAGED, EXIT_ERROR = 0, 1, 2
 _CHUNK = 8 * 2**20
@@ -53,7 +54,7 @@ def _fmt_metrics(metrics: Dict[str, float]) -> str:
 
 
 def _table(headers: Sequence[str], rows: Iterable[Sequence[Any]], right: Sequence[int] = ()) -> str:
-    rows = [[str(c) for c in r] for r in rows]
+    rows = [[_cell(c) for c in r] for r in rows]
     widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(headers)]
 
     def line(cells: Sequence[str]) -> str:
@@ -61,6 +62,13 @@ def _table(headers: Sequence[str], rows: Iterable[Sequence[Any]], right: Sequenc
         return "  ".join(out).rstrip()
 
     return "\n".join([line(headers)] + [line(r) for r in rows])
+
+
+def _cell(c: Any) -> str:
+    """A table cell: names and values read from a checkpoint may hold control characters
+    (terminal escape codes); those are shown ``repr``-escaped."""
+    text = str(c)
+    return text if text.isprintable() else repr(text)[1:-1]
 
 
 def _strict(o: Any) -> Any:
@@ -131,7 +139,7 @@ def _parse_step(text: Optional[str], layout: CheckpointLayout) -> int:
     if not text.isdigit():
         raise ValueError(f"STEP must be a non-negative integer or 'latest', got {text!r}")
     step = int(text)
-    if not layout.storage.exists(layout.marker_path(step)):
+    if layout.is_foreign_link(str(step)) or not layout.storage.exists(layout.marker_path(step)):
         steps = layout.committed_steps()
         shown = steps if len(steps) <= 20 else ["..."] + steps[-20:]
         raise StepNotFoundError(f"no committed checkpoint for step {step} under {layout.storage.url} "
@@ -142,8 +150,20 @@ def _parse_step(text: Optional[str], layout: CheckpointLayout) -> int:
 # ---- ls --------------------------------------------------------------------------------------
 
 def _step_entry(storage: Storage, layout: CheckpointLayout, name: str) -> Dict[str, Any]:
-    """What ``ls`` reports for one directory under the root."""
+    """What ``ls`` reports for one directory under the root (read only, contents never read).
+
+    ``listed``: committed, and :meth:`CheckpointLayout.check_step` passes (the marker vouches
+    for the manifest; every file it lists is a regular file in the step directory, of the
+    listed size); ``damaged``: committed, but that check fails; ``incomplete``: never
+    committed; ``foreign``: a symbolic link, never followed.
+    """
     path = storage.join(name)
+    step_of = CheckpointLayout.step_of(name)
+    if layout.is_foreign_link(name):
+        return {"step": step_of, "name": name, "status": "foreign", "commit_time": None, "bytes": None,
+                "files": None, "metrics": {},
+                "problem": f"{name} is a symbolic link (to {os.path.realpath(path)!r}); async_ckpt never lists, "
+                           "restores or deletes through one"}
     listing = {e["name"]: e for e in storage.listdir(path)}
     disk = sum(int(e.get("size") or 0) for e in listing.values() if e.get("type") != "directory")
     m = _TMP_RE.match(name) or _TRASH_RE.match(name)
@@ -152,27 +172,21 @@ def _step_entry(storage: Storage, layout: CheckpointLayout, name: str) -> Dict[s
         return {"step": int(m.group(1)), "name": name, "status": "incomplete", "commit_time": None,
                 "bytes": disk, "files": len(listing), "metrics": {}, "problem": f"{name}: {what}"}
     step = int(name)
-    entry: Dict[str, Any] = {"step": step, "name": name, "status": "ok", "commit_time": None, "bytes": disk,
+    entry: Dict[str, Any] = {"step": step, "name": name, "status": "listed", "commit_time": None, "bytes": disk,
                              "files": len(listing), "metrics": {}, "problem": None}
     if MARKER_NAME not in listing:
         entry["status"] = "incomplete"
         entry["problem"] = "no COMMITTED marker (a save in progress or one that never finished, or not written by async_ckpt)"
         return entry
     try:
-        man = layout.read_manifest(step)
+        man, bad = layout.check_step(step)
     except CheckpointError as exc:
         entry.update(status="damaged", problem=str(exc))
         return entry
+    problems = [f"{shown(n)}: {what}" for n, what in bad.items()]
     entry.update(commit_time=man.commit_time, metrics=dict(man.metrics), files=len(man.files),
                  bytes=sum(r.size for r in man.files.values()), nbytes=man.nbytes,
                  num_tensors=man.num_tensors, world_size=man.world_size)
-    problems = []
-    for fname, rec in sorted(man.files.items()):
-        e = listing.get(fname)
-        if e is None:
-            problems.append(f"{fname} is missing")
-        elif e.get("size") is not None and int(e["size"]) != rec.size:
-            problems.append(f"{fname} is {e['size']} bytes, manifest says {rec.size}")
     if problems:
         entry.update(status="damaged", problem="; ".join(problems))
     return entry
@@ -181,7 +195,7 @@ def _step_entry(storage: Storage, layout: CheckpointLayout, name: str) -> Dict[s
 def cmd_ls(args: argparse.Namespace) -> int:
     storage, layout = _open(args)
     names = [e["name"] for e in storage.listdir(storage.root)
-             if e.get("type") == "directory"
+             if (e.get("type") == "directory" or e.get("islink"))
              and (_STEP_RE.match(e["name"]) or _TMP_RE.match(e["name"]) or _TRASH_RE.match(e["name"]))]
     with ThreadPoolExecutor(max(1, min(16, len(names)))) as pool:
         entries = list(pool.map(lambda n: _step_entry(storage, layout, n), names))
@@ -194,16 +208,19 @@ def cmd_ls(args: argparse.Namespace) -> int:
         return EXIT_OK
     rows = []
     for e in entries:
-        status = e["status"] if e["status"] == "ok" else e["status"].upper()
-        rows.append([e["step"], _fmt_time(e["commit_time"]), human_bytes(e["bytes"]), e["files"], status,
-                     _fmt_metrics(e["metrics"])])
+        status = e["status"] if e["status"] == "listed" else e["status"].upper()
+        rows.append([e["step"], _fmt_time(e["commit_time"]), human_bytes(e["bytes"]),
+                     "-" if e["files"] is None else e["files"], status, _fmt_metrics(e["metrics"])])
     print(_table(["STEP", "COMMITTED", "SIZE", "FILES", "STATUS", "METRICS"], rows, right=(0, 2, 3)))
-    ok = [e for e in entries if e["status"] == "ok"]
-    bad = [e for e in entries if e["status"] != "ok"]
+    ok = [e for e in entries if e["status"] == "listed"]
+    bad = [e for e in entries if e["status"] != "listed"]
     ndamaged = sum(e["status"] == "damaged" for e in entries)
+    nforeign = sum(e["status"] == "foreign" for e in entries)
     print(f"\n{len(ok) + ndamaged} committed ({ndamaged} damaged), "
-          f"{sum(e['status'] == 'incomplete' for e in entries)} incomplete; "
-          f"{human_bytes(sum(e['bytes'] for e in entries))} in all")
+          f"{sum(e['status'] == 'incomplete' for e in entries)} incomplete"
+          + (f", {nforeign} foreign" if nforeign else "")
+          + f"; {human_bytes(sum(e['bytes'] or 0 for e in entries))} in all"
+          + ("; contents not read (run verify for checksums)" if ok else ""))
     for e in bad:
         print(f"  step {e['step']} ({e['name']}): {e['status']}: {e['problem']}")
     return EXIT_OK
@@ -261,6 +278,11 @@ def _read_values(storage: Storage, where: str, metadata: Any, leaves: List[Dict[
         if leaf["kind"] == "object" and info is not None and info.length <= _MAX_VALUE_BYTES:
             by_file.setdefault(info.relative_path, []).append((leaf, info))
     for name, items in by_file.items():
+        problem = storage.file_problem(f"{where}/{name}", where)  # names were checked with the metadata
+        if problem is not None:
+            for leaf, _ in items:
+                leaf["value"] = f"<not shown: {name} {problem}>"
+            continue
         with storage.fs.open(f"{where}/{name}", "rb") as f:
             for leaf, info in sorted(items, key=lambda x: x[1].offset):
                 f.seek(info.offset)
@@ -342,7 +364,7 @@ def _verify_step(storage: Storage, layout: CheckpointLayout, step: int, bar: Any
 
     res: Dict[str, Any] = {"step": step, "ok": False, "files": 0, "bytes": 0, "problems": []}
     try:
-        man = layout.read_manifest(step)
+        man, bad = layout.check_step(step)  # what ls checks: verify reports all of it, and more
     except CheckpointError as exc:
         res["problems"].append(str(exc))
         return res
@@ -350,7 +372,10 @@ def _verify_step(storage: Storage, layout: CheckpointLayout, step: int, bar: Any
     where = layout.step_dir(step)
     meta_bytes: Optional[bytes] = None
     for name, rec in sorted(man.files.items()):
-        bar.set_description(f"step {step} {name}")
+        if name in bad:
+            res["problems"].append(f"{shown(name)}: {bad[name]}")
+            continue
+        bar.set_description(f"step {step} {shown(name)}")
         size = crc = 0
         try:
             with storage.fs.open(f"{where}/{name}", "rb") as f:
@@ -386,12 +411,17 @@ def _verify_step(storage: Storage, layout: CheckpointLayout, step: int, bar: Any
         except CheckpointError as exc:
             res["problems"].append(str(exc))
         else:  # every byte range the metadata points at must lie inside a listed file
-            for idx, info in (md.storage_data or {}).items():
-                rec = man.files.get(info.relative_path)
-                if rec is None:
-                    res["problems"].append(f"{idx.fqn}: stored in {info.relative_path}, which the manifest lacks")
-                elif info.offset + info.length > rec.size:
-                    res["problems"].append(f"{idx.fqn}: byte range ends past the end of {info.relative_path}")
+            try:
+                for idx, info in (md.storage_data or {}).items():
+                    rec = man.files.get(info.relative_path)
+                    if rec is None:
+                        res["problems"].append(f"{shown(idx.fqn)}: stored in {shown(info.relative_path)}, "
+                                               "which the manifest lacks")
+                    elif info.offset < 0 or info.length < 0 or info.offset + info.length > rec.size:
+                        res["problems"].append(f"{shown(idx.fqn)}: byte range ends past the end of "
+                                               f"{shown(info.relative_path)}")
+            except (AttributeError, TypeError) as exc:
+                res["problems"].append(f"{METADATA_NAME}: storage data is malformed ({shown(exc)})")
     res["ok"] = not res["problems"]
     return res
 
@@ -454,17 +484,37 @@ def cmd_prune(args: argparse.Namespace) -> int:
     policy = _retention(args.keep_last, args.keep_every)
     infos: List[CheckpointInfo] = []
     unreadable: Dict[int, str] = {}
+    sizes: Dict[int, int] = {}
     for step in layout.committed_steps():
-        try:
-            m = layout.read_manifest(step)
+        try:  # damaged steps (marker, manifest, a file missing or of the wrong size) are left alone
+            m, bad = layout.check_step(step)
         except CheckpointError as exc:
             unreadable[step] = str(exc)
             continue
+        if bad:
+            unreadable[step] = "; ".join(f"{shown(n)}: {what}" for n, what in bad.items())
+            continue
         infos.append(CheckpointInfo(step, m.commit_time, dict(m.metrics), m.nbytes))
+        sizes[step] = sum(r.size for r in m.files.values())
     ordered = sorted(infos, key=lambda c: (c.commit_time, c.step))
+    # The step always kept is the newest commit that verifies in full (checksums, metadata):
+    # newer ones that fail are damaged, left alone and never count as the newest kept. With
+    # none that verifies, nothing is deleted.
+    anchor = None
+    for c in reversed(ordered):
+        bar = _progress(sizes[c.step], f"verify step {c.step}", None)
+        try:
+            res = _verify_step(storage, layout, c.step, bar)
+        finally:
+            bar.close()
+        if res["ok"]:
+            anchor = c
+            break
+        unreadable[c.step] = "; ".join(res["problems"])
+    ordered = [c for c in ordered if c.step not in unreadable] if anchor is not None else []
     keep = set(policy.keep(ordered)) if ordered else set()
-    if ordered:  # the same guarantees as the manager's retention
-        keep.add(ordered[-1].step)
+    if anchor is not None:  # the same guarantees as the manager's retention, among intact steps
+        keep.add(anchor.step)
         keep.add(max(c.step for c in ordered))
     doomed = [c.step for c in ordered if c.step not in keep]
     deleted: List[int] = []
@@ -760,7 +810,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def _error(exc: BaseException) -> None:
-    msg = " ".join(str(exc).split()) or type(exc).__name__
+    msg = _cell(" ".join(str(exc).split()) or type(exc).__name__)  # no control characters on the terminal
     print(f"async-ckpt: error: {msg}", file=sys.stderr)
 
 

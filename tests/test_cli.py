@@ -81,9 +81,10 @@ def test_ls_marks_damaged_and_incomplete_steps(damaged_dir):
     assert table[0].split() == ["STEP", "COMMITTED", "SIZE", "FILES", "STATUS", "METRICS"]
     lines = {ln.split()[0]: ln for ln in table[1:]}
     assert set(lines) == {"10", "20", "30", "40", "50"}
-    assert " ok " in lines["10"] and "loss=0.1" in lines["10"]
-    # A flipped byte keeps the size: only `verify` (checksums) can tell step 20 is damaged.
-    assert " ok " in lines["20"]
+    assert " listed " in lines["10"] and "loss=0.1" in lines["10"]
+    # A flipped byte keeps the size: only `verify` (checksums) can tell step 20 is damaged, so
+    # ls says "listed" (its cheap checks pass), never "ok".
+    assert " listed " in lines["20"] and " ok " not in proc.stdout
     assert "DAMAGED" in lines["30"]
     assert "INCOMPLETE" in lines["40"] and "INCOMPLETE" in lines["50"]
     assert "manifest is missing" in proc.stdout or "manifest.json" in proc.stdout
@@ -193,7 +194,7 @@ def test_memory_url_ls_show_verify_json(mem_root, capsys):
     assert main(["ls", url, "--json"]) == 0
     listing = json.loads(capsys.readouterr().out)
     assert [e["step"] for e in listing["steps"]] == [0, 10, 20, 30, 40, 50]
-    assert all(e["status"] == "ok" for e in listing["steps"])
+    assert all(e["status"] == "listed" for e in listing["steps"])
     assert listing["steps"][2]["metrics"] == {"acc": 0.2}
     assert main(["show", url, "40", "--json"]) == 0
     shown = json.loads(capsys.readouterr().out)
