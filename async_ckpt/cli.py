@@ -162,8 +162,8 @@ def _step_entry(storage: Storage, layout: CheckpointLayout, name: str) -> Dict[s
     if layout.is_foreign_link(name):
         return {"step": step_of, "name": name, "status": "foreign", "commit_time": None, "bytes": None,
                 "files": None, "metrics": {},
-                "problem": f"{name} is a symbolic link (to {os.path.realpath(path)!r}); async_ckpt never lists, "
-                           "restores or deletes through one"}
+                "problem": f"{name} is a symbolic link (to {os.path.realpath(path)!r}); async_ckpt never reads, "
+                           "restores or deletes through it"}
     listing = {e["name"]: e for e in storage.listdir(path)}
     disk = sum(int(e.get("size") or 0) for e in listing.values() if e.get("type") != "directory")
     m = _TMP_RE.match(name) or _TRASH_RE.match(name)
