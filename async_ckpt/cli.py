@@ -3,7 +3,8 @@ the save statistics log.
 
 Every subcommand takes a checkpoint root (a local path or any fsspec URL), prints a readable
 table, and with ``--json`` prints one JSON document instead. Nothing here writes to the
-checkpoint root except ``prune`` (and ``prune --dry-run`` does not). Exit codes: 0 success,
+checkpoint root except ``prune`` (and ``prune --dry-run`` does not); nothing here follows a
+step directory that is a symbolic link (it is listed as foreign and left alone). Exit codes: 0 success,
 1 a damaged checkpoint was found (``verify``) or read, 2 any other error (bad arguments, no
 such step or path, storage errors). Expected errors print one line on stderr, no traceback.
 """
@@ -21,8 +22,10 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from .errors import CheckpointError, CorruptCheckpointError, StepNotFoundError
 from .storage.fs import Storage
-from .storage.layout import _STEP_RE, _TMP_RE, _TRASH_RE, CheckpointLayout
-from .storage.manifest import MARKER_NAME, Manifest
+from .storage.lease import writer_lease
+from .lifecycle.catalog import StepCatalog
+from .storage.layout import _STEP_RE, _TMP_RE, _TRASH_RE, _VER_RE, CheckpointLayout
+from .storage.manifest import MARKER_NAME, Manifest, shown
 
 EXIT_OK, EXIT_DAMAGED, EXIT_ERROR = 0, 1, 2
 _CHUNK = 8 * 2**20
@@ -53,7 +56,7 @@ def _fmt_metrics(metrics: Dict[str, float]) -> str:
 
 
 def _table(headers: Sequence[str], rows: Iterable[Sequence[Any]], right: Sequence[int] = ()) -> str:
-    rows = [[str(c) for c in r] for r in rows]
+    rows = [[_cell(c) for c in r] for r in rows]
     widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(headers)]
 
     def line(cells: Sequence[str]) -> str:
@@ -61,6 +64,13 @@ def _table(headers: Sequence[str], rows: Iterable[Sequence[Any]], right: Sequenc
         return "  ".join(out).rstrip()
 
     return "\n".join([line(headers)] + [line(r) for r in rows])
+
+
+def _cell(c: Any) -> str:
+    """A table cell: names and values read from a checkpoint may hold control characters
+    (terminal escape codes); those are shown ``repr``-escaped."""
+    text = str(c)
+    return text if text.isprintable() else repr(text)[1:-1]
 
 
 def _strict(o: Any) -> Any:
@@ -122,17 +132,20 @@ def _open(args: argparse.Namespace) -> Tuple[Storage, CheckpointLayout]:
 
 
 def _parse_step(text: Optional[str], layout: CheckpointLayout) -> int:
-    """An explicit step, or the newest committed one for ``None``/``latest``."""
+    """An explicit step, or the most recently committed one for ``None``/``latest``."""
     if text is None or text == "latest":
-        steps = layout.committed_steps()
-        if not steps:
-            raise StepNotFoundError(f"no committed checkpoint under {layout.storage.url}")
-        return steps[-1]
+        latest = StepCatalog(layout, time.time).latest()
+        if latest is None:
+            steps = layout.committed_steps()  # none whose manifest reads: the highest, to report it
+            if not steps:
+                raise StepNotFoundError(f"no committed checkpoint under {layout.storage.url}")
+            return steps[-1]
+        return latest
     if not text.isdigit():
         raise ValueError(f"STEP must be a non-negative integer or 'latest', got {text!r}")
     step = int(text)
-    if not layout.storage.exists(layout.marker_path(step)):
-        steps = layout.committed_steps()
+    steps = layout.committed_steps()
+    if step not in steps:
         shown = steps if len(steps) <= 20 else ["..."] + steps[-20:]
         raise StepNotFoundError(f"no committed checkpoint for step {step} under {layout.storage.url} "
                                 f"(committed: {', '.join(map(str, shown)) or 'none'})", step=step)
@@ -141,38 +154,52 @@ def _parse_step(text: Optional[str], layout: CheckpointLayout) -> int:
 
 # ---- ls --------------------------------------------------------------------------------------
 
-def _step_entry(storage: Storage, layout: CheckpointLayout, name: str) -> Dict[str, Any]:
-    """What ``ls`` reports for one directory under the root."""
+def _step_entry(storage: Storage, layout: CheckpointLayout, name: str, locations: Dict[int, str]) -> Dict[str, Any]:
+    """What ``ls`` reports for one directory under the root (read only, contents never read).
+
+    ``listed``: committed, and :meth:`CheckpointLayout.check_step` passes (the marker vouches
+    for the manifest; every file it lists is a regular file in the step directory, of the
+    listed size); ``damaged``: committed, but that check fails; ``superseded``: an older
+    committed copy of a step that a newer copy replaced (a crash interrupted the re-save; the
+    next writer removes it); ``incomplete``: never committed; ``foreign``: a symbolic link,
+    never followed.
+    """
     path = storage.join(name)
+    step_of = CheckpointLayout.step_of(name)
+    if layout.is_foreign_link(name):
+        return {"step": step_of, "name": name, "status": "foreign", "commit_time": None, "bytes": None,
+                "files": None, "metrics": {},
+                "problem": f"{name} is a symbolic link (to {os.path.realpath(path)!r}); async_ckpt never reads, "
+                           "restores or deletes through it"}
     listing = {e["name"]: e for e in storage.listdir(path)}
     disk = sum(int(e.get("size") or 0) for e in listing.values() if e.get("type") != "directory")
-    m = _TMP_RE.match(name) or _TRASH_RE.match(name)
+    current = step_of is not None and locations.get(step_of) == path
+    if not current and MARKER_NAME in listing and not _TRASH_RE.match(name):
+        return {"step": step_of, "name": name, "status": "superseded", "commit_time": None, "bytes": disk,
+                "files": len(listing), "metrics": {},
+                "problem": f"an older committed copy of step {step_of} (the current one is "
+                           f"{shown(locations.get(step_of, '?').rsplit('/', 1)[-1])}); the next writer removes it"}
+    m = (_TMP_RE.match(name) or _TRASH_RE.match(name)) if not current else None
     if m:
         what = "a save in progress or one that never finished" if name.startswith(".tmp-") else "a replaced step being deleted"
         return {"step": int(m.group(1)), "name": name, "status": "incomplete", "commit_time": None,
                 "bytes": disk, "files": len(listing), "metrics": {}, "problem": f"{name}: {what}"}
-    step = int(name)
-    entry: Dict[str, Any] = {"step": step, "name": name, "status": "ok", "commit_time": None, "bytes": disk,
+    step = int(step_of) if step_of is not None else -1
+    entry: Dict[str, Any] = {"step": step, "name": name, "status": "listed", "commit_time": None, "bytes": disk,
                              "files": len(listing), "metrics": {}, "problem": None}
     if MARKER_NAME not in listing:
         entry["status"] = "incomplete"
         entry["problem"] = "no COMMITTED marker (a save in progress or one that never finished, or not written by async_ckpt)"
         return entry
     try:
-        man = layout.read_manifest(step)
+        man, bad = layout.check_step(step)
     except CheckpointError as exc:
         entry.update(status="damaged", problem=str(exc))
         return entry
+    problems = [f"{shown(n)}: {what}" for n, what in bad.items()]
     entry.update(commit_time=man.commit_time, metrics=dict(man.metrics), files=len(man.files),
                  bytes=sum(r.size for r in man.files.values()), nbytes=man.nbytes,
                  num_tensors=man.num_tensors, world_size=man.world_size)
-    problems = []
-    for fname, rec in sorted(man.files.items()):
-        e = listing.get(fname)
-        if e is None:
-            problems.append(f"{fname} is missing")
-        elif e.get("size") is not None and int(e["size"]) != rec.size:
-            problems.append(f"{fname} is {e['size']} bytes, manifest says {rec.size}")
     if problems:
         entry.update(status="damaged", problem="; ".join(problems))
     return entry
@@ -181,29 +208,46 @@ def _step_entry(storage: Storage, layout: CheckpointLayout, name: str) -> Dict[s
 def cmd_ls(args: argparse.Namespace) -> int:
     storage, layout = _open(args)
     names = [e["name"] for e in storage.listdir(storage.root)
-             if e.get("type") == "directory"
-             and (_STEP_RE.match(e["name"]) or _TMP_RE.match(e["name"]) or _TRASH_RE.match(e["name"]))]
+             if (e.get("type") == "directory" or e.get("islink"))
+             and (_STEP_RE.match(e["name"]) or _VER_RE.match(e["name"]) or _TMP_RE.match(e["name"])
+                  or _TRASH_RE.match(e["name"]))]
+    locations = layout.locations()
     with ThreadPoolExecutor(max(1, min(16, len(names)))) as pool:
-        entries = list(pool.map(lambda n: _step_entry(storage, layout, n), names))
+        entries = list(pool.map(lambda n: _step_entry(storage, layout, n, locations), names))
     entries.sort(key=lambda e: (e["step"], e["name"]))
+    # Commit order is the order: 1 is the oldest commit; the newest is the latest step.
+    timed = sorted((e for e in entries if e["status"] in ("listed", "damaged") and e["commit_time"] is not None),
+                   key=lambda e: (e["commit_time"], e["step"]))
+    for i, e in enumerate(timed, 1):
+        e["commit_order"] = i
+    latest = timed[-1]["step"] if timed else None
     if args.json:
-        _print_json({"path": args.path, "steps": entries})
+        _print_json({"path": args.path, "steps": entries, "latest": latest,
+                     "commit_order": [e["step"] for e in timed]})
         return EXIT_OK
     if not entries:
         print(f"no checkpoints under {args.path}")
         return EXIT_OK
     rows = []
     for e in entries:
-        status = e["status"] if e["status"] == "ok" else e["status"].upper()
-        rows.append([e["step"], _fmt_time(e["commit_time"]), human_bytes(e["bytes"]), e["files"], status,
-                     _fmt_metrics(e["metrics"])])
-    print(_table(["STEP", "COMMITTED", "SIZE", "FILES", "STATUS", "METRICS"], rows, right=(0, 2, 3)))
-    ok = [e for e in entries if e["status"] == "ok"]
-    bad = [e for e in entries if e["status"] != "ok"]
+        status = e["status"] if e["status"] == "listed" else e["status"].upper()
+        order = e.get("commit_order")
+        rows.append([e["step"], "-" if order is None else f"{order}{' latest' if e['step'] == latest and order == len(timed) else ''}",
+                     _fmt_time(e["commit_time"]), human_bytes(e["bytes"]),
+                     "-" if e["files"] is None else e["files"], status, _fmt_metrics(e["metrics"])])
+    print(_table(["STEP", "ORDER", "COMMITTED", "SIZE", "FILES", "STATUS", "METRICS"], rows, right=(0, 3, 4)))
+    ok = [e for e in entries if e["status"] == "listed"]
+    bad = [e for e in entries if e["status"] != "listed"]
     ndamaged = sum(e["status"] == "damaged" for e in entries)
+    nforeign = sum(e["status"] == "foreign" for e in entries)
     print(f"\n{len(ok) + ndamaged} committed ({ndamaged} damaged), "
-          f"{sum(e['status'] == 'incomplete' for e in entries)} incomplete; "
-          f"{human_bytes(sum(e['bytes'] for e in entries))} in all")
+          f"{sum(e['status'] == 'incomplete' for e in entries)} incomplete"
+          + (f", {nforeign} foreign" if nforeign else "")
+          + f"; {human_bytes(sum(e['bytes'] or 0 for e in entries))} in all"
+          + ("; contents not read (run verify for checksums)" if ok else ""))
+    if timed:
+        print(f"commit order (oldest first): {', '.join(str(e['step']) for e in timed)}; "
+              f"latest (the newest commit): {latest}")
     for e in bad:
         print(f"  step {e['step']} ({e['name']}): {e['status']}: {e['problem']}")
     return EXIT_OK
@@ -217,7 +261,7 @@ def _read_metadata(storage: Storage, layout: CheckpointLayout, step: int) -> Tup
     man = layout.read_manifest(step)
     if METADATA_NAME not in man.files:
         raise CorruptCheckpointError(f"step {step}: manifest lists no {METADATA_NAME}", step=step)
-    reader = FsspecStorageReader(storage, layout.step_dir(step), files=man.files, verify=True)
+    reader = FsspecStorageReader(storage, layout.locate(step), files=man.files, verify=True)
     return man, reader.read_metadata()
 
 
@@ -261,6 +305,11 @@ def _read_values(storage: Storage, where: str, metadata: Any, leaves: List[Dict[
         if leaf["kind"] == "object" and info is not None and info.length <= _MAX_VALUE_BYTES:
             by_file.setdefault(info.relative_path, []).append((leaf, info))
     for name, items in by_file.items():
+        problem = storage.file_problem(f"{where}/{name}", where)  # names were checked with the metadata
+        if problem is not None:
+            for leaf, _ in items:
+                leaf["value"] = f"<not shown: {name} {problem}>"
+            continue
         with storage.fs.open(f"{where}/{name}", "rb") as f:
             for leaf, info in sorted(items, key=lambda x: x[1].offset):
                 f.seek(info.offset)
@@ -278,7 +327,7 @@ def cmd_show(args: argparse.Namespace) -> int:
     man, metadata = _read_metadata(storage, layout, step)
     leaves = _leaves(metadata)
     if args.values:
-        _read_values(storage, layout.step_dir(step), metadata, leaves)
+        _read_values(storage, layout.locate(step), metadata, leaves)
     tensors = [x for x in leaves if x["kind"] == "tensor"]
     if args.json:
         _print_json({"step": step, "commit_time": man.commit_time, "metrics": man.metrics,
@@ -342,15 +391,18 @@ def _verify_step(storage: Storage, layout: CheckpointLayout, step: int, bar: Any
 
     res: Dict[str, Any] = {"step": step, "ok": False, "files": 0, "bytes": 0, "problems": []}
     try:
-        man = layout.read_manifest(step)
+        man, bad = layout.check_step(step)  # what ls checks: verify reports all of it, and more
     except CheckpointError as exc:
         res["problems"].append(str(exc))
         return res
     res["files"] = len(man.files)
-    where = layout.step_dir(step)
+    where = layout.locate(step)
     meta_bytes: Optional[bytes] = None
     for name, rec in sorted(man.files.items()):
-        bar.set_description(f"step {step} {name}")
+        if name in bad:
+            res["problems"].append(f"{shown(name)}: {bad[name]}")
+            continue
+        bar.set_description(f"step {step} {shown(name)}")
         size = crc = 0
         try:
             with storage.fs.open(f"{where}/{name}", "rb") as f:
@@ -386,12 +438,17 @@ def _verify_step(storage: Storage, layout: CheckpointLayout, step: int, bar: Any
         except CheckpointError as exc:
             res["problems"].append(str(exc))
         else:  # every byte range the metadata points at must lie inside a listed file
-            for idx, info in (md.storage_data or {}).items():
-                rec = man.files.get(info.relative_path)
-                if rec is None:
-                    res["problems"].append(f"{idx.fqn}: stored in {info.relative_path}, which the manifest lacks")
-                elif info.offset + info.length > rec.size:
-                    res["problems"].append(f"{idx.fqn}: byte range ends past the end of {info.relative_path}")
+            try:
+                for idx, info in (md.storage_data or {}).items():
+                    rec = man.files.get(info.relative_path)
+                    if rec is None:
+                        res["problems"].append(f"{shown(idx.fqn)}: stored in {shown(info.relative_path)}, "
+                                               "which the manifest lacks")
+                    elif info.offset < 0 or info.length < 0 or info.offset + info.length > rec.size:
+                        res["problems"].append(f"{shown(idx.fqn)}: byte range ends past the end of "
+                                               f"{shown(info.relative_path)}")
+            except (AttributeError, TypeError) as exc:
+                res["problems"].append(f"{METADATA_NAME}: storage data is malformed ({shown(exc)})")
     res["ok"] = not res["problems"]
     return res
 
@@ -454,24 +511,48 @@ def cmd_prune(args: argparse.Namespace) -> int:
     policy = _retention(args.keep_last, args.keep_every)
     infos: List[CheckpointInfo] = []
     unreadable: Dict[int, str] = {}
+    sizes: Dict[int, int] = {}
     for step in layout.committed_steps():
-        try:
-            m = layout.read_manifest(step)
+        try:  # damaged steps (marker, manifest, a file missing or of the wrong size) are left alone
+            m, bad = layout.check_step(step)
         except CheckpointError as exc:
             unreadable[step] = str(exc)
             continue
+        if bad:
+            unreadable[step] = "; ".join(f"{shown(n)}: {what}" for n, what in bad.items())
+            continue
         infos.append(CheckpointInfo(step, m.commit_time, dict(m.metrics), m.nbytes))
+        sizes[step] = sum(r.size for r in m.files.values())
     ordered = sorted(infos, key=lambda c: (c.commit_time, c.step))
+    # The step always kept is the newest commit that verifies in full (checksums, metadata):
+    # newer ones that fail are damaged, left alone and never count as the newest kept. With
+    # none that verifies, nothing is deleted.
+    anchor = None
+    for c in reversed(ordered):
+        bar = _progress(sizes[c.step], f"verify step {c.step}", None)
+        try:
+            res = _verify_step(storage, layout, c.step, bar)
+        finally:
+            bar.close()
+        if res["ok"]:
+            anchor = c
+            break
+        unreadable[c.step] = "; ".join(res["problems"])
+    ordered = [c for c in ordered if c.step not in unreadable] if anchor is not None else []
     keep = set(policy.keep(ordered)) if ordered else set()
-    if ordered:  # the same guarantees as the manager's retention
-        keep.add(ordered[-1].step)
-        keep.add(max(c.step for c in ordered))
+    if anchor is not None:  # the same guarantee as the manager's retention, among intact steps
+        keep.add(anchor.step)
     doomed = [c.step for c in ordered if c.step not in keep]
     deleted: List[int] = []
-    if not args.dry_run:
-        for s in doomed:
-            layout.delete(s)
-            deleted.append(s)
+    if not args.dry_run and doomed:
+        lease = writer_lease(storage)
+        lease.acquire(0.0)  # LeaseHeldError while a training job writes here: nothing is deleted
+        try:
+            for s in doomed:
+                layout.delete(s)
+                deleted.append(s)
+        finally:
+            lease.release()
     kept = sorted(keep & {c.step for c in ordered})
     if args.json:
         _print_json({"path": args.path, "dry_run": args.dry_run, "kept": kept,
@@ -527,7 +608,7 @@ def load_step(path: str, step: Optional[int] = None, *, key: Optional[str] = Non
             else:
                 dst[k] = {}
                 dst = dst[k]
-    load_state_dict(storage, layout.step_dir(step), target, files=man.files, verify=verify,
+    load_state_dict(storage, layout.locate(step), target, files=man.files, verify=verify,
                     allow_pickle=allow_pickle, metadata=metadata)
     out: Any = target
     for k in parts:
@@ -760,7 +841,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def _error(exc: BaseException) -> None:
-    msg = " ".join(str(exc).split()) or type(exc).__name__
+    msg = _cell(" ".join(str(exc).split()) or type(exc).__name__)  # no control characters on the terminal
     print(f"async-ckpt: error: {msg}", file=sys.stderr)
 
 

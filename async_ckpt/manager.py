@@ -195,6 +195,8 @@ class CheckpointManager:
             if not isinstance(num_of_threads, int) or isinstance(num_of_threads, bool) or num_of_threads < 1:
                 raise ValueError(f"num_of_threads must be an int >= 1, got {num_of_threads!r}")
             write_threads = num_of_threads
+        if not isinstance(write_threads, int) or isinstance(write_threads, bool) or write_threads < 1:
+            raise ValueError(f"write_threads must be an int >= 1, got {write_threads!r}")
         if max_to_keep is not None and (not isinstance(max_to_keep, int) or max_to_keep < 0):
             raise ValueError(f"max_to_keep must be an int >= 0 or None, got {max_to_keep!r}")
         self.save_policy: SavePolicy = as_save_policy(save_policy) if save_policy is not None else EveryNSteps(save_interval)

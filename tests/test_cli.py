@@ -78,12 +78,14 @@ def test_ls_marks_damaged_and_incomplete_steps(damaged_dir):
     assert proc.returncode == 0, proc.stderr
     _no_traceback(proc)
     table = proc.stdout.split("\n\n")[0].splitlines()
-    assert table[0].split() == ["STEP", "COMMITTED", "SIZE", "FILES", "STATUS", "METRICS"]
+    assert table[0].split() == ["STEP", "ORDER", "COMMITTED", "SIZE", "FILES", "STATUS", "METRICS"]
     lines = {ln.split()[0]: ln for ln in table[1:]}
+    assert lines["10"].split()[1] == "1" and lines["40"].split()[1] == "-"  # commit order, oldest first
     assert set(lines) == {"10", "20", "30", "40", "50"}
-    assert " ok " in lines["10"] and "loss=0.1" in lines["10"]
-    # A flipped byte keeps the size: only `verify` (checksums) can tell step 20 is damaged.
-    assert " ok " in lines["20"]
+    assert " listed " in lines["10"] and "loss=0.1" in lines["10"]
+    # A flipped byte keeps the size: only `verify` (checksums) can tell step 20 is damaged, so
+    # ls says "listed" (its cheap checks pass), never "ok".
+    assert " listed " in lines["20"] and " ok " not in proc.stdout
     assert "DAMAGED" in lines["30"]
     assert "INCOMPLETE" in lines["40"] and "INCOMPLETE" in lines["50"]
     assert "manifest is missing" in proc.stdout or "manifest.json" in proc.stdout
@@ -193,7 +195,7 @@ def test_memory_url_ls_show_verify_json(mem_root, capsys):
     assert main(["ls", url, "--json"]) == 0
     listing = json.loads(capsys.readouterr().out)
     assert [e["step"] for e in listing["steps"]] == [0, 10, 20, 30, 40, 50]
-    assert all(e["status"] == "ok" for e in listing["steps"])
+    assert all(e["status"] == "listed" for e in listing["steps"])
     assert listing["steps"][2]["metrics"] == {"acc": 0.2}
     assert main(["show", url, "40", "--json"]) == 0
     shown = json.loads(capsys.readouterr().out)
@@ -389,3 +391,21 @@ def test_stats_command(good_dir, tmp_path, capsys):
     os.makedirs(tmp_path / "nolog")
     assert main(["stats", str(tmp_path / "nolog")]) == 2
     assert "stats_log=True" in capsys.readouterr().err
+
+
+def test_ls_shows_commit_order_and_prune_refuses_under_a_live_writer(tmp_path, capsys):
+    root = str(tmp_path / "ckpt")
+    mgr = CheckpointManager(root)
+    for s in (30, 10, 20):  # any order: commit order decides
+        mgr.save(s, {"w": torch.full((4,), float(s))})
+    assert main(["ls", root, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["commit_order"] == [30, 10, 20] and out["latest"] == 20
+    assert main(["ls", root]) == 0
+    assert "latest (the newest commit): 20" in capsys.readouterr().out
+    assert main(["prune", root, "--keep-last", "1"]) == 2  # the training job holds the lease
+    assert "live writer" in capsys.readouterr().err
+    assert mgr.all_steps() == [10, 20, 30]
+    mgr.close()
+    assert main(["prune", root, "--keep-last", "1"]) == 0
+    assert CheckpointManager(root).all_steps() == [20]  # the newest commit, not the highest step

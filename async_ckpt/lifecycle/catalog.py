@@ -84,11 +84,12 @@ class StepCatalog:
         return ordered[-1].step if ordered else None
 
     def steps_newest_first(self) -> List[int]:
-        """Committed steps, newest commit first; steps whose manifest does not read come last
-        (highest first), so a restore still tries them and reports why they fail."""
+        """Committed steps, newest commit first, after the steps whose manifest does not read
+        (highest first): their commit time is unknown, so a restore tries them first and
+        reports why it skips them."""
         order = [c.step for c in reversed(self.in_commit_order())]
         seen = set(order)
-        return order + [s for s in reversed(self.layout.committed_steps()) if s not in seen]
+        return [s for s in reversed(self.layout.committed_steps()) if s not in seen] + order
 
     # ---- writing -----------------------------------------------------------------------------
     def begin_write(self, step: int) -> None:

@@ -61,9 +61,9 @@ from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint._traverse import set_element, traverse_state_dict
 from torch.distributed.checkpoint import _version as _dcp_version
 
-from ..errors import CorruptCheckpointError, UnsafeCheckpointError
+from ..errors import CorruptCheckpointError, StorageError, UnsafeCheckpointError
 from .fs import READ_RANGE_BYTES, Storage
-from .manifest import FileRecord, crc32c
+from .manifest import FileRecord, check_file_name, crc32c, shown
 from .records import RecordBatch, RecordTemplates
 
 METADATA_NAME = ".metadata"
@@ -408,7 +408,7 @@ class _MetadataUnpickler(pickle.Unpickler):
             if _plain_data_class(obj):
                 return obj
         raise UnsafeCheckpointError(
-            f"checkpoint metadata refers to {module}.{name}, which is not an allowed DCP metadata "
+            f"checkpoint metadata refers to {shown(f'{module}.{name}')}, which is not an allowed DCP metadata "
             "class; refusing to load it (it could run code)"
         )
 
@@ -420,7 +420,7 @@ def load_metadata(data: bytes, *, where: str = METADATA_NAME) -> Metadata:
     except UnsafeCheckpointError:
         raise
     except Exception as exc:
-        raise CorruptCheckpointError(f"{where}: DCP metadata is unreadable ({type(exc).__name__}: {exc})",
+        raise CorruptCheckpointError(f"{where}: DCP metadata is unreadable ({type(exc).__name__}: {shown(exc)})",
                                      path=where) from exc
     if not isinstance(md, Metadata):
         raise CorruptCheckpointError(f"{where}: not DCP metadata (got {type(md).__name__})", path=where)
@@ -440,8 +440,8 @@ class _SafeLoadPlanner(DefaultLoadPlanner):
             return torch.load(value, weights_only=not self.allow_pickle)
         except pickle.UnpicklingError as exc:
             raise UnsafeCheckpointError(
-                f"{read_item.dest_index.fqn}: refusing to unpickle an object outside torch's safe set "
-                f"({exc}); pass allow_pickle=True to restore if you trust this checkpoint"
+                f"{shown(read_item.dest_index.fqn)}: refusing to unpickle an object outside torch's safe set "
+                f"({shown(exc)}); pass allow_pickle=True to restore if you trust this checkpoint"
             ) from exc
 
     def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
@@ -455,7 +455,13 @@ class _SafeLoadPlanner(DefaultLoadPlanner):
 
 
 class FsspecStorageReader(StorageReader):
-    """DCP ``StorageReader``: whole files read concurrently, verified, then deserialised."""
+    """DCP ``StorageReader``: whole files read concurrently, verified, then deserialised.
+
+    With ``files`` (the manifest's records) only files it lists are read, each checked against
+    its size (and, with ``verify``, its CRC32C). Every name read must be a plain file name inside
+    ``path`` (never ``../x``, an absolute path, or a link leading out); anything else, and a
+    directory where a file should be, is a :class:`CorruptCheckpointError`.
+    """
 
     def __init__(self, storage: Storage, path: str, *, files: Optional[Dict[str, FileRecord]] = None,
                  verify: bool = True, threads: int = 8, metadata: Optional[Metadata] = None) -> None:
@@ -471,12 +477,28 @@ class FsspecStorageReader(StorageReader):
     def reset(self, checkpoint_id: Any = None) -> None:
         pass
 
-    def read_file(self, name: str) -> bytes:
+    def _checked_path(self, name: str) -> str:
+        """``path/name``, once ``name`` is known safe to read (see the class docstring)."""
+        check_file_name(name, where=f"{self.path}/{METADATA_NAME}")
         where = f"{self.path}/{name}"
+        if self.files is not None and name not in self.files:
+            raise CorruptCheckpointError(f"{where}: not listed in the manifest; refusing to read it unchecked",
+                                         path=where)
+        problem = self.storage.file_problem(where, self.path)
+        if problem is not None:
+            raise CorruptCheckpointError(f"{where}: {problem}", path=where)
+        return where
+
+    def read_file(self, name: str) -> bytes:
+        where = self._checked_path(name)
         try:
             data = self.storage.read_bytes(where)
         except FileNotFoundError:
             raise CorruptCheckpointError(f"{where}: file is missing", path=where) from None
+        except StorageError as exc:
+            if isinstance(exc.__cause__, (IsADirectoryError, NotADirectoryError)):
+                raise CorruptCheckpointError(f"{where}: is not a readable file ({exc.__cause__})", path=where) from exc
+            raise
         rec = (self.files or {}).get(name)
         if rec is not None:
             if len(data) != rec.size:
@@ -498,6 +520,8 @@ class FsspecStorageReader(StorageReader):
         """
         records = self.files or {}
         split = {n: records[n].size for n in names if n in records and records[n].size > 2 * READ_RANGE_BYTES}
+        for n in split:
+            self._checked_path(n)
         whole = [n for n in names if n not in split]
         bufs = {n: bytearray(size + 1) for n, size in split.items()}
         tasks = []
@@ -536,9 +560,52 @@ class FsspecStorageReader(StorageReader):
         return out
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """``.metadata``, read and checked (once; a ``metadata`` given to the constructor is
+        taken as checked): see :meth:`check_metadata`."""
         if self._metadata is None:
-            self._metadata = load_metadata(self.read_file(METADATA_NAME), where=f"{self.path}/{METADATA_NAME}")
+            md = load_metadata(self.read_file(METADATA_NAME), where=f"{self.path}/{METADATA_NAME}")
+            self.check_metadata(md)
+            self._metadata = md
         return self._metadata
+
+    def check_metadata(self, md: Metadata) -> None:
+        """Raise :class:`CorruptCheckpointError` unless every file ``md`` points at is a plain
+        file name that the manifest lists (with ``files``), and every item's byte range lies
+        inside it. Files the manifest lists that no item points at are read and checked too,
+        so that every listed file is checked by a restore."""
+        where = f"{self.path}/{METADATA_NAME}"
+        data = md.storage_data if md.storage_data is not None else {}
+        ends: Dict[str, int] = {}
+        first: Dict[str, str] = {}  # a key stored in each file, for messages
+        try:
+            for idx, info in data.items():
+                rel, offset, length = info.relative_path, info.offset, info.length
+                if not isinstance(offset, int) or not isinstance(length, int) or offset < 0 or length < 0:
+                    raise CorruptCheckpointError(f"{where}: {shown(idx.fqn)}: invalid byte range "
+                                                 f"{shown(offset)}+{shown(length)}", path=where)
+                end = offset + length
+                old = ends.get(rel)
+                if old is None:
+                    check_file_name(rel, where=where)
+                    first[rel] = idx.fqn
+                if old is None or end > old:
+                    ends[rel] = end
+        except (AttributeError, TypeError) as exc:
+            raise CorruptCheckpointError(f"{where}: storage data is malformed ({shown(exc)})", path=where) from exc
+        if self.files is None:
+            return
+        for rel, end in ends.items():
+            rec = self.files.get(rel)
+            if rec is None:
+                raise CorruptCheckpointError(f"{where}: {shown(first[rel])} is stored in {rel}, which the manifest "
+                                             "does not list; refusing to read it unchecked", path=where)
+            if end > rec.size:
+                raise CorruptCheckpointError(f"{self.path}/{rel}: manifest says {rec.size} bytes, but an item "
+                                             f"{METADATA_NAME} places in it ends at byte {end}",
+                                             path=f"{self.path}/{rel}")
+        for name in sorted(self.files):
+            if name != METADATA_NAME and name not in ends:
+                self.read_file(name)  # referenced by no item: still checked (size, checksum)
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.storage_data = metadata.storage_data
@@ -595,7 +662,8 @@ class FsspecStorageReader(StorageReader):
                 tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
                 if target.size() != tensor.size():
                     raise CorruptCheckpointError(
-                        f"{req.storage_index.fqn}: stored shape {tuple(tensor.size())} != expected {tuple(target.size())}")
+                        f"{shown(req.storage_index.fqn)}: stored shape {tuple(tensor.size())} != expected "
+                        f"{tuple(target.size())}")
                 target.copy_(tensor)
                 planner.commit_tensor(req, target)
         if copies:  # large copies, spread over threads (torch releases the GIL while copying)

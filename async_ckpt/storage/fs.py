@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import stat
 import sys
 import uuid
 from contextlib import contextmanager
@@ -31,6 +32,8 @@ PIPE_MAX_BYTES = 256 * 2**20
 OBJECT_FILE_BYTES = 16 * 2**20
 # Reads: files bigger than this are fetched as concurrent ranged reads of this size.
 READ_RANGE_BYTES = 32 * 2**20
+
+MISSING = "file is missing"  # what :meth:`Storage.file_problem` says of a file that is not there
 
 # fsspec protocols of object stores: no directories, no atomic rename.
 _OBJECT_STORE_PROTOCOLS = {"gs", "gcs", "s3", "s3a", "az", "abfs", "abfss", "adl", "oss", "oci", "cos", "tos",
@@ -177,7 +180,14 @@ class Storage:
         os.rename(src, dst)
 
     def rm(self, path: str, recursive: bool = True) -> None:
-        """Remove a file or tree; a missing path is not an error."""
+        """Remove a file or tree; a missing path is not an error.
+
+        Local paths: never through a symbolic link. A link at ``path`` itself is removed, not
+        what it points to (trees are removed with ``shutil.rmtree``, which does the same for
+        links inside them); a link between the root and ``path`` raises :class:`StorageError`.
+        """
+        if self.is_local:
+            self._check_no_link_above(path)
 
         def _do() -> None:
             try:
@@ -186,6 +196,52 @@ class Storage:
                 pass
 
         self.retry.call(_do, f"delete {path}")
+
+    def is_link(self, path: str) -> bool:
+        """Whether ``path`` is a symbolic link (local paths; object stores have none)."""
+        return self.is_local and os.path.islink(path)
+
+    def _check_no_link_above(self, path: str) -> None:
+        """Raise :class:`StorageError` if a directory between the root and ``path`` is a link."""
+        rel = os.path.relpath(os.path.abspath(path), self.root)
+        if rel == os.curdir or rel == os.pardir or rel.startswith(os.pardir + os.sep):
+            return  # not below the root (the root itself may well be a link)
+        cur = self.root
+        for part in rel.split(os.sep)[:-1]:
+            cur = os.path.join(cur, part)
+            if os.path.islink(cur):
+                raise StorageError(f"refusing to delete {path}: {cur} is a symbolic link, and async_ckpt never "
+                                   "deletes through one")
+
+    def file_problem(self, path: str, inside: str) -> Optional[str]:
+        """Why ``path`` cannot be read as a checkpoint file of the directory ``inside``, or None.
+
+        Local paths: it must exist, be a regular file (a directory in its place is damage),
+        and, if it is a symbolic link, resolve to a file inside ``inside``. Object stores have
+        neither links nor directories at a file's name: always None (a missing object shows
+        when it is read).
+        """
+        if not self.is_local:
+            return None
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            return MISSING
+        except NotADirectoryError:
+            return f"{MISSING} (a parent is not a directory)"
+        if stat.S_ISLNK(st.st_mode):
+            real, base = os.path.realpath(path), os.path.realpath(inside)
+            if os.path.commonpath([real, base]) != base or real == base:
+                return f"is a symbolic link to {real!r}, outside the step directory"
+            try:
+                st = os.stat(path)
+            except OSError:
+                return "is a dangling symbolic link"
+        if stat.S_ISDIR(st.st_mode):
+            return "is a directory, not a file"
+        if not stat.S_ISREG(st.st_mode):
+            return "is not a regular file"
+        return None
 
     # ---- reads -------------------------------------------------------------------------------
     def read_bytes(self, path: str) -> bytes:

@@ -17,6 +17,10 @@ a crash leaves two committed copies of one step, the one with the later commit t
 manifest is the step; the other is cleaned up by the next writer. So a re-save interrupted at
 any point leaves the old or the new copy restorable, never neither. Restore then checks that
 the marker vouches for the manifest and the manifest for every file.
+
+On local paths a step, re-save, temp or trash directory that is a symbolic link is *foreign*:
+it is never listed as committed, restored, recovered, cleaned up or deleted (deleting "through"
+it would remove whatever it points to), and writing a step whose directory is a link is refused.
 """
 
 from __future__ import annotations
@@ -26,8 +30,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Set, Tuple
 
-from ..errors import CorruptCheckpointError, StepNotFoundError
-from .fs import Storage
+from ..errors import CorruptCheckpointError, StepNotFoundError, StorageError
+from .fs import MISSING, Storage
 from .manifest import MANIFEST_NAME, MARKER_NAME, PENDING_NAME, Manifest, check_marker, marker_bytes
 
 _STEP_RE = re.compile(r"^\d+$")
@@ -101,7 +105,8 @@ class CheckpointLayout:
                 return {}
             for n in names:
                 step = _committable_step(n)
-                if step is not None and os.path.exists(os.path.join(st.root, n, MARKER_NAME)):
+                if (step is not None and not os.path.islink(os.path.join(st.root, n))
+                        and os.path.exists(os.path.join(st.root, n, MARKER_NAME))):
                     out.setdefault(step, []).append(n)
         else:
             try:
@@ -157,6 +162,7 @@ class CheckpointLayout:
         new one is committed.
         """
         final = self.step_dir(step)
+        self._refuse_link(final, f"write step {step}")
         token = token or _token()
         if self.mode == "rename":
             path = self.storage.join(f".tmp-{step}-{token}")
@@ -192,6 +198,7 @@ class CheckpointLayout:
                     self.remove(self.condemn_dir(st.join(name)))
             return
         trash = None
+        self._refuse_link(target.final, f"commit step {target.step}")
         if st.exists(target.final):
             # The old copy keeps its marker until it is out of the way: a crash between the two
             # renames leaves the new copy committed under its temporary name (see ``locate``).
@@ -213,6 +220,8 @@ class CheckpointLayout:
         st = self.storage
         done = []
         for step, names in sorted(self._marked().items()):
+            if st.is_link(self.step_dir(step)):
+                continue  # foreign: never moved, never written through
             try:
                 winner, losers = self._choose(names)
                 if self.mode == "rename" and _TMP_RE.match(winner):
@@ -252,7 +261,10 @@ class CheckpointLayout:
 
     def condemn_dir(self, path: str) -> str:
         """Unmark one step directory. The pending sentinel goes in before the marker goes out, so
-        a deletion cut short leaves a directory the startup cleanup recognises as ours."""
+        a deletion cut short leaves a directory the startup cleanup recognises as ours. A
+        directory that is a symbolic link raises :class:`StorageError`: nothing is written or
+        deleted through it."""
+        self._refuse_link(path, "delete " + path)
         try:
             self.storage.write_bytes(f"{path}/{PENDING_NAME}", b"")
         except FileNotFoundError:
@@ -267,7 +279,8 @@ class CheckpointLayout:
         """Delete an unmarked step directory: everything but the sentinel first (a recursive
         delete may take the sentinel before the data, and a kill then left data that cleanup
         could not recognise), then the directory. A directory that holds a marker is committed
-        and left alone."""
+        and left alone; a symbolic link raises :class:`StorageError`."""
+        self._refuse_link(path, "delete " + path)
         if self.storage.exists(f"{path}/{MARKER_NAME}"):
             return
         try:
@@ -280,7 +293,9 @@ class CheckpointLayout:
         self.storage.rm(path)
 
     def delete(self, step: int) -> None:
-        """Remove every copy of a step: markers first, so a half-deleted step never looks committed."""
+        """Remove every copy of a step: markers first, so a half-deleted step never looks committed.
+        A step directory that is a symbolic link raises :class:`StorageError`."""
+        self._refuse_link(self.step_dir(step), f"delete step {step}")
         for path in self.condemn(step):
             self.remove(path)
 
@@ -289,8 +304,10 @@ class CheckpointLayout:
 
         A step-numbered directory with neither marker nor sentinel (e.g. a checkpoint written by
         torch_xla's manager or plain ``dcp.save``) is not ours: it is never listed, restored or
-        removed.
+        removed. A symbolic link is never ours.
         """
+        if self.storage.is_link(path):
+            return False
         if self.storage.exists(f"{path}/{PENDING_NAME}") or self.storage.exists(f"{path}/{MANIFEST_NAME}"):
             return True
         try:
@@ -298,22 +315,48 @@ class CheckpointLayout:
         except OSError:
             return False
 
+    def _refuse_link(self, path: str, what: str) -> None:
+        if self.storage.is_link(path):
+            raise StorageError(f"refusing to {what}: {path} is a symbolic link (a foreign directory; async_ckpt "
+                               "never writes or deletes through one)")
+
+    def is_foreign_link(self, name: str) -> bool:
+        """Whether the entry ``name`` under the root is a symbolic link (always False on object stores)."""
+        return self.storage.is_link(self.storage.join(name))
+
     # ---- reading -----------------------------------------------------------------------------
     def read_manifest(self, step: int) -> Manifest:
         """The manifest of a committed step, checked against its marker."""
         return self.open_step(step)[1]
 
     def open_step(self, step: int) -> Tuple[str, Manifest]:
-        """(directory, manifest) of a committed step, the manifest checked against its marker."""
+        """(directory, manifest) of a committed step, the manifest checked against its marker.
+
+        A marker or manifest that is a directory, or a link leading out of the step directory,
+        is damage (:class:`CorruptCheckpointError`); a step directory that is a link is not a
+        committed step (:class:`StepNotFoundError`).
+        """
         where = self.locate(step)
+        st = self.storage
+        kpath = f"{where}/{MARKER_NAME}"
+        problem = st.file_problem(kpath, where)
+        if st.is_link(where) or problem == MISSING:
+            raise StepNotFoundError(f"no committed checkpoint for step {step} under {st.url}", step=step)
+        if problem is not None:
+            raise CorruptCheckpointError(f"step {step}: {kpath}: commit marker {problem}", step=step, path=kpath)
         try:
-            marker = self.storage.read_bytes(f"{where}/{MARKER_NAME}")
+            marker = st.read_bytes(kpath)
         except FileNotFoundError:
-            raise StepNotFoundError(f"no committed checkpoint for step {step} under {self.storage.url}",
+            raise StepNotFoundError(f"no committed checkpoint for step {step} under {st.url}",
                                     step=step) from None
         mpath = f"{where}/{MANIFEST_NAME}"
+        problem = st.file_problem(mpath, where)
+        if problem is not None:
+            if problem == MISSING:
+                problem = "manifest is missing"
+            raise CorruptCheckpointError(f"step {step}: {mpath}: {problem}", step=step, path=mpath)
         try:
-            mbytes = self.storage.read_bytes(mpath)
+            mbytes = st.read_bytes(mpath)
         except FileNotFoundError:
             raise CorruptCheckpointError(f"step {step}: {mpath}: manifest is missing", step=step,
                                          path=mpath) from None
@@ -326,13 +369,51 @@ class CheckpointLayout:
             raise CorruptCheckpointError(f"step {step}: {mpath}: manifest says step {m.step}", step=step, path=mpath)
         return where, m
 
+    def check_step(self, step: int) -> Tuple[Manifest, Dict[str, str]]:
+        """A cheap check of a committed step that reads no data: the marker must vouch for the
+        manifest (else :class:`CorruptCheckpointError`, as :meth:`read_manifest`), and every
+        file the manifest lists must be a regular file inside the step directory with the size
+        the manifest gives. Returns the manifest and, per file that fails, what is wrong (an
+        empty dict: the step passed).
+
+        A step that passes can still fail checks that read contents (checksums, DCP
+        metadata); one that fails is damaged whatever its contents.
+        """
+        where, man = self.open_step(step)
+        st = self.storage
+        listed: Optional[Dict[str, Dict]] = None
+        if not st.is_local:  # one listing gives every size
+            listed = {e["name"]: e for e in st.listdir(where)}
+        problems: Dict[str, str] = {}
+        for name, rec in sorted(man.files.items()):
+            path = f"{where}/{name}"
+            if listed is not None:
+                e = listed.get(name)
+                if e is None:
+                    problems[name] = MISSING
+                    continue
+                if e.get("type") == "directory":
+                    problems[name] = "is a directory, not a file"
+                    continue
+                size = int(e["size"]) if e.get("size") is not None else st.size(path)
+            else:
+                problem = st.file_problem(path, where)
+                if problem is not None:
+                    problems[name] = problem
+                    continue
+                size = st.size(path)
+            if size != rec.size:
+                problems[name] = f"size is {size} bytes, manifest says {rec.size}"
+        return man, problems
+
     def incomplete(self, exclude: Iterable[str] = ()) -> List[str]:
-        """Paths of steps that never committed (temp dirs, unmarked step dirs, leftover trash)."""
+        """Paths of steps that never committed (temp dirs, unmarked step dirs, leftover trash);
+        never a symbolic link."""
         skip: Set[str] = set(exclude)
         out = []
         for name in self._dir_names():
             path = self.storage.join(name)
-            if path in skip:
+            if path in skip or self.storage.is_link(path):
                 continue
             if _TRASH_RE.match(name):
                 out.append(path)

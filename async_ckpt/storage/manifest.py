@@ -17,6 +17,29 @@ MARKER_NAME = "COMMITTED"
 PENDING_NAME = ".async_ckpt_pending"  # in an unmarked <step>/ that async_ckpt is writing or deleting
 
 
+def shown(text: Any) -> str:
+    """``text`` as it may go into a message: unchanged when printable, else ``repr``-escaped
+    (a name taken from a checkpoint may hold terminal escape codes or newlines)."""
+    text = str(text)
+    return text if text.isprintable() else repr(text)
+
+
+def check_file_name(name: Any, *, where: str, step: Optional[int] = None) -> str:
+    """Raise :class:`CorruptCheckpointError` unless ``name`` is a plain file name: one path
+    component, not ``.``/``..``, without separators, NUL or other unprintable characters.
+
+    Every file of a step lies directly in its step directory, so a name from a manifest or
+    from DCP's ``.metadata`` that is anything else (``../x``, ``/etc/passwd``, ``a/b``) would
+    reach outside it. ``where`` is the file that holds the name.
+    """
+    if (not isinstance(name, str) or not name or name in (".", "..") or "/" in name or "\\" in name
+            or not name.isprintable()):
+        raise CorruptCheckpointError(
+            f"{where}: names the file {shown(name)}, which is not a plain file name inside the step "
+            "directory; refusing to read it", step=step, path=where)
+    return name
+
+
 def crc32c(data: Any, value: int = 0) -> int:
     """CRC32C of a bytes-like object, continuing from ``value``."""
     return _crc32c.crc32c(data, value)
@@ -63,7 +86,10 @@ class Manifest:
                 extra=dict(d.get("extra") or {}),
             )
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise CorruptCheckpointError(f"{where}: not a valid async_ckpt manifest ({exc})", path=where) from exc
+            raise CorruptCheckpointError(f"{where}: not a valid async_ckpt manifest ({shown(exc)})",
+                                         path=where) from exc
+        for name in m.files:
+            check_file_name(name, where=where)
         if m.format_version > FORMAT_VERSION:
             raise CorruptCheckpointError(
                 f"{where}: format version {m.format_version} is newer than this async_ckpt understands "
