@@ -142,7 +142,8 @@ class CheckpointManager:
         storage_options: passed to fsspec (credentials, endpoint, project, ...).
         save_policy: an object with ``should_save(step) -> bool``; overrides ``save_interval``.
         retention: an object with ``keep(checkpoints) -> set[int]``; overrides ``max_to_keep``.
-        memory_budget_bytes: bound on pooled host staging memory (None: unbounded).
+        memory_budget_bytes: bound on pooled host staging memory (None: the pool keeps only
+            what recent saves used, within about 1.1x the largest save's need).
         write_threads: files written concurrently per rank.
         commit_mode: ``"auto"`` (rename on POSIX, marker on object stores), ``"rename"``, ``"marker"``.
         verify: check checksums on restore (sizes are always checked).
@@ -223,8 +224,6 @@ class CheckpointManager:
         self.process_group = process_group
         self.chkpt_on_preemption = chkpt_on_preemption
         self.verify = verify
-        if not isinstance(write_threads, int) or isinstance(write_threads, bool) or write_threads < 1:
-            raise ValueError(f"write_threads must be an int >= 1, got {write_threads!r}")
         self.write_threads = write_threads
         self.on_saved = on_saved
         if not isinstance(lease_timeout, (int, float)) or isinstance(lease_timeout, bool) or lease_timeout < 0:
