@@ -584,10 +584,11 @@ class FsspecStorageReader(StorageReader):
                 target = planner.resolve_tensor(req).detach()
                 raw = _stored_bytes(blob[info.offset: info.offset + info.length], req, target)
                 if raw is not None:  # one copy, straight from the read buffer into the target
+                    dst, src = raw
                     if batch:
-                        copies.append((req, target, raw))
+                        copies.append((req, target, dst, src))
                     else:
-                        target.copy_(raw)
+                        dst.copy_(src)
                         planner.commit_tensor(req, target)
                     continue
                 chunk = io.BytesIO(blob[info.offset: info.offset + info.length])  # (a copy)
@@ -600,8 +601,8 @@ class FsspecStorageReader(StorageReader):
                 planner.commit_tensor(req, target)
         if copies:  # large copies, spread over threads (torch releases the GIL while copying)
             with ThreadPoolExecutor(min(4, len(copies)), thread_name_prefix="async-ckpt-copy") as pool:
-                list(pool.map(lambda c: c[1].copy_(c[2]), copies))
-            for req, target, _ in copies:
+                list(pool.map(lambda c: c[2].copy_(c[3]), copies))
+            for req, target, _, _ in copies:
                 planner.commit_tensor(req, target)
         fut: Future = Future()
         fut.set_result(None)
@@ -666,10 +667,16 @@ class _TensorDescUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"persistent id {pid!r}")
 
 
-def _stored_bytes(item: memoryview, req: Any, target: torch.Tensor) -> Optional[torch.Tensor]:
-    """The raw data of a ``torch.save``-serialised tensor ``item``, viewed as ``target``'s dtype
-    and shape without a copy; ``None`` unless the item is the plain case (one little-endian,
-    uncompressed storage of exactly ``target``'s size, read whole), where ``torch.load`` is used.
+def _stored_bytes(item: memoryview, req: Any, target: torch.Tensor) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+    """``(dst, src)``: copying ``src`` into ``dst`` puts the raw data of the ``torch.save``-
+    serialised tensor ``item`` into ``target``, straight from the read buffer; ``None`` unless
+    the item is the plain case (one little-endian, uncompressed storage of exactly ``target``'s
+    size, read whole), where ``torch.load`` is used.
+
+    The data sits in the file wherever the records before it ended, so its address need not
+    be a multiple of the dtype's size, and kernels for wide dtypes (complex128) may fault on
+    a misaligned source. ``src`` is therefore the data viewed as ``target``'s dtype only where
+    it is aligned; otherwise it stays bytes (see :func:`_aligned_copy`).
     """
     nbytes = target.numel() * target.element_size()
     if nbytes == 0 or any(req.storage_offsets) or list(req.lengths) != list(target.size()):
@@ -705,7 +712,25 @@ def _stored_bytes(item: memoryview, req: Any, target: torch.Tensor) -> Optional[
     with warnings.catch_warnings():  # a read-only buffer (bytes) is fine: it is only copied from
         warnings.simplefilter("ignore", UserWarning)
         raw = torch.frombuffer(item, dtype=torch.uint8, count=nbytes, offset=start)
-    return raw.view(target.dtype).view(target.shape)
+    return _aligned_copy(raw, target)
+
+
+def _aligned_copy(raw: torch.Tensor, target: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(dst, src)`` that copy the bytes ``raw`` (flat uint8, ``target``'s size) into ``target``
+    without ever reading ``raw`` as a wider type at an address that type is not aligned to.
+
+    Aligned: ``raw`` viewed as ``target``'s dtype and shape. Misaligned, into a contiguous CPU
+    or CUDA target without a conjugate or negative bit: ``target``'s bytes (a uint8 view) take
+    ``raw`` as bytes (still one copy). Otherwise ``raw`` is first copied into a fresh (aligned)
+    buffer, which is then viewed as ``target``'s dtype.
+    """
+    itemsize = target.element_size()
+    if raw.data_ptr() % itemsize == 0:
+        return target, raw.view(target.dtype).view(target.shape)
+    if target.device.type in ("cpu", "cuda") and target.layout == torch.strided and target.is_contiguous() \
+            and not target.is_conj() and not target.is_neg() and not target.is_quantized:
+        return target.view(-1).view(torch.uint8), raw
+    return target, raw.clone().view(target.dtype).view(target.shape)
 
 
 def save_state_dict(storage: Storage, path: str, state_dict: Dict[str, Any], *, threads: int = 8,
