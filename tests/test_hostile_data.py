@@ -129,3 +129,44 @@ def test_stored_bytes_never_reads_a_misaligned_wide_dtype():
                                        t.contiguous().view(-1).view(torch.uint8)), (dtype, shift)
         print("OK")
     """)
+
+
+# ---- 2. conjugate and negative views are saved resolved ----------------------------------
+
+def _conj_neg_state(n: int):
+    g = torch.Generator().manual_seed(n)
+    z = torch.randn(n, dtype=torch.complex128, generator=g)
+    w = torch.randn(n, 2, dtype=torch.complex64, generator=g)
+    x = torch.randn(n, generator=g)
+    return {
+        "z": z, "zc": z.conj(), "zc_step": z.conj()[::2], "zc_imag": z.conj().imag,
+        "zc_real": z.conj().real, "w_t_conj": w.t().conj(), "w_conj_alone": w.conj(),
+        "x": x, "x_neg": torch._neg_view(x), "x_neg_step": torch._neg_view(x)[1::3],
+        "x_expanded_neg": torch._neg_view(x[:1]).expand(4, 1),
+    }
+
+
+@pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
+@pytest.mark.parametrize("n", [6, 20_000], ids=["small", "big"])  # big: own buffers, copied in the background when lazy
+def test_conjugate_and_negative_views_are_saved_resolved(tmp_path, lazy, n):
+    sd = _conj_neg_state(n)
+    expected = {k: v.resolve_conj().resolve_neg().clone() for k, v in sd.items()}
+    with CheckpointManager(str(tmp_path / "ck")) as mgr:
+        mgr.save_async(1, sd, lazy=lazy)
+        mgr.join()
+        out = _targets(expected)
+        mgr.restore(1, out)
+    _assert_restored(expected, out)
+
+
+def test_a_staged_conjugate_view_holds_its_resolved_values():
+    from async_ckpt.staging.stager import Stager
+
+    z = torch.randn(8, dtype=torch.complex128)
+    sd = {"z": z, "zc": z.conj(), "zs": z.conj()[::2], "zi": z.conj().imag}
+    snap = Stager().stage(sd)
+    for k, v in sd.items():
+        host = snap.state_dict[k]
+        assert not host.is_conj() and not host.is_neg()
+        assert torch.equal(_bits(host), _bits(v)), k
+    snap.release()

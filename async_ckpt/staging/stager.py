@@ -99,6 +99,12 @@ def _grouped_units(idx_tensors: List[Tuple[int, torch.Tensor]]) -> List[_Unit]:
         if t.nbytes == 0:
             units.append(_Unit(t, 0, [(i, t)]))
             continue
+        if t.is_conj() or t.is_neg():
+            # A conjugate or negative view's storage holds the *unresolved* values: its bytes
+            # (a span) or a tensor sharing them would be saved without the bit. Copying the
+            # view itself into a buffer of its own resolves it (copy_ applies both bits).
+            units.append(_Unit(t, t.nbytes, [(i, t)]))
+            continue
         key = (t.is_cuda, t.untyped_storage().data_ptr())
         g = groups.get(key)
         if g is None:
