@@ -170,3 +170,69 @@ def test_a_staged_conjugate_view_holds_its_resolved_values():
         assert not host.is_conj() and not host.is_neg()
         assert torch.equal(_bits(host), _bits(v)), k
     snap.release()
+
+
+# ---- 3. bad state dicts are refused by the call --------------------------------------------
+
+def _deep(levels: int):
+    root = cur = {}
+    for _ in range(levels):
+        cur["k"] = {}
+        cur = cur["k"]
+    cur["t"] = torch.ones(2)
+    return root
+
+
+_BAD = {
+    "quantized": ({"w": torch.ones(2), "q": torch.quantize_per_tensor(torch.randn(8), 0.1, 0, torch.qint8)}, r"^q: quantized"),
+    "quantized_big": ({"q": torch.quantize_per_tensor(torch.randn(100_000), 0.1, 0, torch.quint8)}, r"^q: quantized"),
+    "nested": ({"n": torch.nested.nested_tensor([torch.randn(2), torch.randn(3)])}, r"^n: nested"),
+    "float4": ({"f": torch.zeros(8, dtype=torch.uint8).view(torch.float4_e2m1fn_x2)}, r"^f: torch.float4_e2m1fn_x2"),
+    "float4_big": ({"m": {"f": torch.zeros(200_000, dtype=torch.uint8).view(torch.float4_e2m1fn_x2)}},
+                   r"^m\.f: torch.float4_e2m1fn_x2"),
+    "meta": ({"w": torch.ones(2), "m": torch.empty(4, device="meta")}, r"^m: a meta tensor"),
+    "deep": (_deep(5000), r"^k\.k\.k\.k\. .*nested 5001 levels deep"),
+    "dotted_key_vs_nested": ({"a.b": torch.ones(1), "a": {"b": torch.zeros(1)}}, r"^a\.b: two entries"),
+    "int_vs_str_key": ({"s": {0: torch.ones(1), "0": torch.zeros(1)}}, r"^s\.0: two entries"),
+    "objects_collide": ({"a.b": 1, "a": {"b": 2}}, r"^a\.b: two entries"),
+    "tuple_collides": ({"a.b": (1, 2), "a": {"b": torch.ones(1)}}, r"^a\.b: two entries"),
+}
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
+@pytest.mark.parametrize("name", list(_BAD))
+def test_bad_state_dicts_are_refused_by_save_async(tmp_path, name, lazy):
+    sd, match = _BAD[name]
+    with CheckpointManager(str(tmp_path / "ck")) as mgr:
+        with pytest.raises(InvalidStateDictError, match=match):
+            mgr.save_async(1, sd, lazy=lazy)
+        mgr.join()  # nothing failed in the background either
+        assert mgr.all_steps() == []
+        mgr.save(2, {"ok": torch.ones(3)})  # the manager still works
+        assert mgr.all_steps() == [2]
+
+
+def test_names_that_only_look_alike_are_accepted(tmp_path):
+    """Candidates of the cheap name check that DCP's flattening keeps apart are saved."""
+    sd = {"a.b": [torch.ones(2)], "a": {"b": 3},  # a list of tensors: a.b.0, not a.b
+          "c": (torch.ones(1),), "c.0": 5}  # a tuple is one item: c, not c.0
+    with CheckpointManager(str(tmp_path / "ck")) as mgr:
+        mgr.save(1, sd)
+        out = {"a.b": [torch.zeros(2)], "a": {"b": None}, "c": None, "c.0": None}
+        mgr.restore(1, out)
+    assert torch.equal(out["a.b"][0], torch.ones(2)) and out["a"]["b"] == 3 and out["c.0"] == 5
+    assert torch.equal(out["c"][0], torch.ones(1))
+
+
+def test_collision_is_found_after_the_memo_saw_a_clean_structure(tmp_path):
+    """The plan memo skips the name check for a structure it checked last time: a new entry
+    that collides with a remembered mapping is still refused."""
+    t = {f"p{i}": torch.ones(2) for i in range(4)}
+    with CheckpointManager(str(tmp_path / "ck")) as mgr:
+        mgr.save(1, {"m": dict(t), "step": 1})
+        mgr.save(2, {"m": dict(t), "step": 2})  # the memo's names are used
+        with pytest.raises(InvalidStateDictError, match=r"^m\.p0: two entries"):
+            mgr.save_async(3, {"m": dict(t), "step": 3, "m.p0": torch.zeros(2)})
+        mgr.save(4, {"m": dict(t), "step": 4})
+        assert mgr.all_steps() == [1, 2, 4]
