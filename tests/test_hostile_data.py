@@ -191,6 +191,7 @@ _BAD = {
     "float4_big": ({"m": {"f": torch.zeros(200_000, dtype=torch.uint8).view(torch.float4_e2m1fn_x2)}},
                    r"^m\.f: torch.float4_e2m1fn_x2"),
     "meta": ({"w": torch.ones(2), "m": torch.empty(4, device="meta")}, r"^m: a meta tensor"),
+    "float8_neg_view": ({"f": torch._neg_view(torch.randn(4).to(torch.float8_e4m3fn))}, r"^f: a negative view"),
     "deep": (_deep(5000), r"^k\.k\.k\.k\. .*nested 5001 levels deep"),
     "dotted_key_vs_nested": ({"a.b": torch.ones(1), "a": {"b": torch.zeros(1)}}, r"^a\.b: two entries"),
     "int_vs_str_key": ({"s": {0: torch.ones(1), "0": torch.zeros(1)}}, r"^s\.0: two entries"),
@@ -236,3 +237,67 @@ def test_collision_is_found_after_the_memo_saw_a_clean_structure(tmp_path):
             mgr.save_async(3, {"m": dict(t), "step": 3, "m.p0": torch.zeros(2)})
         mgr.save(4, {"m": dict(t), "step": 4})
         assert mgr.all_steps() == [1, 2, 4]
+
+
+_calls = {"reduce": 0, "rebuild": 0}
+
+
+def _rebuild(v):
+    _calls["rebuild"] += 1
+    return _Counted(v)
+
+
+class _Counted:
+    """A value whose ``__reduce__`` counts its calls and whose rebuild would run code."""
+
+    def __init__(self, v):
+        self.v = v
+
+    def __reduce__(self):
+        _calls["reduce"] += 1
+        return (_rebuild, (self.v,))
+
+
+def test_a_non_tensor_value_is_reduced_once_and_never_rebuilt_while_saving(tmp_path):
+    _calls.update(reduce=0, rebuild=0)
+    value = _Counted([1, 2, 3])
+    with CheckpointManager(str(tmp_path / "ck")) as mgr:
+        mgr.save_async(1, {"w": torch.ones(3), "obj": value, "s": {4, 5}})
+        assert _calls == {"reduce": 1, "rebuild": 0}, "save_async must pickle once and unpickle nothing"
+        value.v.append(99)  # a mutation after the call does not reach the checkpoint
+        mgr.join()
+        assert _calls == {"reduce": 1, "rebuild": 0}, "the background write must not reduce again"
+        out = {"w": torch.zeros(3), "obj": None, "s": None}
+        mgr.restore(1, out, allow_pickle=True)
+    assert _calls["rebuild"] == 1  # restoring (with allow_pickle) rebuilds it, once
+    assert out["obj"].v == [1, 2, 3] and out["s"] == {4, 5}
+    assert torch.equal(out["w"], torch.ones(3))
+
+
+def test_pickled_values_are_torch_save_archives():
+    """The archive written for a value pickled at the call is ``torch.save``'s own, byte for
+    byte, with and without tensors inside the value."""
+    from async_ckpt.storage.records import pickle_value
+
+    for value in ({1, 2}, {"t": torch.arange(3), "s": "x"}, types.SimpleNamespace(a=[1.5, None])):
+        buf = io.BytesIO()
+        torch.save(value, buf)
+        assert pickle_value(value).archive().getvalue() == buf.getvalue()
+
+
+def test_a_top_level_stateful_value_is_still_saved_through_its_state_dict(tmp_path):
+    """DCP saves a top-level value with state_dict()/load_state_dict() through its state_dict:
+    such a value is still copied at the call (not pickled whole), so the checkpoint holds its
+    tensors under its key."""
+    model = torch.nn.Linear(3, 2)
+    expected = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    with CheckpointManager(str(tmp_path / "ck")) as mgr:
+        mgr.save_async(1, {"model": model, "step": 1})
+        with torch.no_grad():
+            model.weight.add_(1)  # after the call: not in the checkpoint
+        mgr.join()
+        out = {"model": {k: torch.zeros_like(v) for k, v in expected.items()}, "step": None}
+        mgr.restore(1, out)
+    assert out["step"] == 1
+    for k, v in out["model"].items():
+        assert torch.equal(v.view(-1).view(torch.uint8), expected[k].view(-1).view(torch.uint8)), k

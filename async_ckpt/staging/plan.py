@@ -1,8 +1,11 @@
 """State dict -> staging plan: a template of the nested structure plus a flat list of tensors.
 
 The plan walks the user's state dict once, validates every leaf and records where each tensor
-sits. Non-tensor leaves are copied at the call (through pickle, which also proves that they can
-be saved), so a later mutation by the training loop cannot leak into the checkpoint.
+sits. Non-tensor leaves are pickled at the call, once (:func:`~..storage.records.pickle_value`:
+this also proves that they can be saved), and the snapshot keeps those bytes, so a later
+mutation by the training loop cannot leak into the checkpoint and no value is ever unpickled
+while saving. (A top-level value with ``state_dict``/``load_state_dict``, which DCP saves
+through its ``state_dict()``, is copied through a pickle round trip instead.)
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from ..errors import InvalidStateDictError
+from ..storage.records import pickle_value
 
 _IMMUTABLE = (int, float, bool, str, bytes, complex, type(None), torch.dtype, torch.device, torch.Size)
 
@@ -307,7 +311,10 @@ def _walk_mapping(value: Mapping, path: Optional[str], plan: StagingPlan, old: O
             keys.append(sub)
         else:
             plain = False
-            out[k] = _walk(v, sub, plan, old, new)
+            if top and _is_stateful(v):
+                out[k] = _stateful_copy(v, sub, plan)
+            else:
+                out[k] = _walk(v, sub, plan, old, new)
     if plain and out and len(out) == len(tensors) - start:  # (a Mapping that yields a key twice: no)
         run = _Run(out)
         run.start, run.key_list, run.paths = start, list(out), keys[start:]
@@ -347,8 +354,26 @@ def _walk(value: Any, path: str, plan: StagingPlan, old: Optional[Dict[Optional[
     if isinstance(value, _IMMUTABLE):
         return value
     try:
-        return pickle.loads(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
+        return pickle_value(value)  # its __reduce__ runs here, once; nothing is unpickled
     except Exception as exc:  # lambdas, open files, locks, ...
+        raise InvalidStateDictError(
+            f"{path}: a {type(value).__name__} cannot be saved in a checkpoint ({exc})"
+        ) from exc
+
+
+def _is_stateful(value: Any) -> bool:
+    """DCP's ``Stateful``: a value that DCP saves through its ``state_dict()``."""
+    return not isinstance(value, (torch.Tensor, Mapping)) and callable(getattr(value, "state_dict", None)) \
+        and callable(getattr(value, "load_state_dict", None))
+
+
+def _stateful_copy(value: Any, path: str, plan: StagingPlan) -> Any:
+    """A copy of a top-level ``Stateful`` value (through a pickle round trip), which DCP then
+    saves through the copy's ``state_dict()``, as it would the original's."""
+    plan.others.append(path)
+    try:
+        return pickle.loads(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
+    except Exception as exc:
         raise InvalidStateDictError(
             f"{path}: a {type(value).__name__} cannot be saved in a checkpoint ({exc})"
         ) from exc

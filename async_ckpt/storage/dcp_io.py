@@ -64,7 +64,7 @@ from torch.distributed.checkpoint import _version as _dcp_version
 from ..errors import CorruptCheckpointError, UnsafeCheckpointError
 from .fs import READ_RANGE_BYTES, Storage
 from .manifest import FileRecord, crc32c
-from .records import RecordBatch, RecordTemplates
+from .records import PickledObject, RecordBatch, RecordTemplates
 
 METADATA_NAME = ".metadata"
 
@@ -313,6 +313,24 @@ def _results(buckets: List[List[MetadataIndex]], outs: List[Tuple[str, FileRecor
     return files, where
 
 
+def _resolver(planner: SavePlanner) -> Callable[[Any], Any]:
+    """``planner.resolve_data``, except that a :class:`PickledObject` (a snapshot's non-tensor
+    value, pickled at the call) is written as its archive, not ``torch.save``-d again as an
+    object. Planners without ``lookup_object`` (DCP's and torch_xla's have it) resolve alone."""
+    lookup = getattr(planner, "lookup_object", None)
+    if lookup is None:
+        return planner.resolve_data
+
+    def resolve(item: Any) -> Any:
+        if item.type == WriteItemType.BYTE_IO:
+            obj = lookup(item.index)
+            if type(obj) is PickledObject:
+                return obj.archive()
+        return planner.resolve_data(item)
+
+    return resolve
+
+
 class FsspecStorageWriter(StorageWriter):
     """DCP ``StorageWriter`` with concurrent, checksummed writes through :class:`Storage`."""
 
@@ -343,7 +361,7 @@ class FsspecStorageWriter(StorageWriter):
                            self.storage.max_file_bytes)
         hints = [sum(_item_bytes(item) for item in bucket) for bucket in buckets]
         outs = _write_files(self.storage, self.path, plan.storage_data.prefix, buckets, hints, self.threads,
-                            planner.resolve_data)
+                            _resolver(planner))
         files, where = _results([[item.index for item in bucket] for bucket in buckets], outs)
         self.files.update(files)
         fut: Future = Future()
@@ -867,9 +885,12 @@ def _has_signature(objs: List[Any], sig: List[Any]) -> bool:
 
 def _local_data(obj: Any) -> Any:
     """An item's data as ``DefaultSavePlanner.resolve_data`` gives it: tensors as they are,
-    anything else ``torch.save``-d into a ``BytesIO``."""
+    anything else ``torch.save``-d into a ``BytesIO`` (a :class:`PickledObject`: the archive of
+    the bytes it holds)."""
     if isinstance(obj, torch.Tensor):
         return obj
+    if type(obj) is PickledObject:
+        return obj.archive()
     buf = io.BytesIO()
     torch.save(obj, buf)
     return buf
