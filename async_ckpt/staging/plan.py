@@ -1,8 +1,11 @@
 """State dict -> staging plan: a template of the nested structure plus a flat list of tensors.
 
 The plan walks the user's state dict once, validates every leaf and records where each tensor
-sits. Non-tensor leaves are copied at the call (through pickle, which also proves that they can
-be saved), so a later mutation by the training loop cannot leak into the checkpoint.
+sits. Non-tensor leaves are pickled at the call, once (:func:`~..storage.records.pickle_value`:
+this also proves that they can be saved), and the snapshot keeps those bytes, so a later
+mutation by the training loop cannot leak into the checkpoint and no value is ever unpickled
+while saving. (A top-level value with ``state_dict``/``load_state_dict``, which DCP saves
+through its ``state_dict()``, is copied through a pickle round trip instead.)
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from ..errors import InvalidStateDictError
+from ..storage.records import pickle_value
 
 _IMMUTABLE = (int, float, bool, str, bytes, complex, type(None), torch.dtype, torch.device, torch.Size)
 
@@ -75,6 +79,11 @@ class StagingPlan:
     #: dotted paths of dict entries whose key is an int (e.g. ``optim.state.0``): DCP's flat
     #: names turn keys into strings, and restore needs to know which ones to turn back.
     int_keys: List[str] = field(default_factory=list)
+    #: dotted paths of the non-tensor leaves and of every list and tuple (which DCP may store
+    #: as one item): with ``keys``, what two entries' flat names can collide on
+    others: List[str] = field(default_factory=list)
+    #: a key is a str subclass (an enum): DCP names it ``str(key)``, the plan by its value
+    odd_keys: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -96,6 +105,45 @@ class StagingPlan:
     def build(self, host_tensors: List[torch.Tensor]) -> Any:
         """The template with every slot replaced by the matching host tensor."""
         return _fill(self.template, host_tensors)
+
+    def check_tensors(self) -> None:
+        """Raise :class:`InvalidStateDictError` naming the first tensor that cannot be staged
+        (quantized, nested, meta, or of a dtype without a copy kernel such as
+        ``torch.float4_e2m1fn_x2``). A Python step per tensor: the stager calls it only once
+        staging failed, to tell a bad state dict from a failure of its own."""
+        names = self.keys if len(self.keys) == len(self.tensors) else [str(i) for i in range(len(self.tensors))]
+        for name, t in zip(names, self.tensors):
+            problem = unsupported_tensor(t)
+            if problem is not None:
+                raise InvalidStateDictError(f"{name}: {problem}")
+
+
+#: dtypes whose tensors cannot be copied (no copy kernel: sub-byte and packed dtypes) or
+#: whose values are not their bytes (quantized: scale and zero point live on the tensor)
+UNCOPYABLE_DTYPES = frozenset(
+    d for d in (getattr(torch, n, None) for n in (
+        "float4_e2m1fn_x2", "qint8", "quint8", "qint32", "quint4x2", "quint2x4",
+        *(f"uint{b}" for b in range(1, 8)), *(f"int{b}" for b in range(1, 8))))
+    if isinstance(d, torch.dtype))
+
+
+def unsupported_tensor(t: torch.Tensor) -> Optional[str]:
+    """Why ``t`` cannot be saved, or ``None`` if it can."""
+    if t.is_meta:
+        return "a meta tensor has no data to save"
+    if t.is_nested:
+        return "nested tensors cannot be saved (save their components, e.g. t.unbind())"
+    if t.is_quantized:
+        return f"quantized tensors ({t.dtype}) cannot be saved (save t.dequantize(), or t.int_repr() with its scale and zero point)"
+    if t.dtype in UNCOPYABLE_DTYPES:
+        return f"{t.dtype} tensors cannot be saved (torch has no copy kernel for this dtype)"
+    if (t.is_conj() or t.is_neg()) and t.numel():
+        try:
+            t.reshape(-1)[:1].resolve_conj().resolve_neg()
+        except Exception as exc:  # e.g. no neg kernel for float8
+            kind = "conjugate" if t.is_conj() else "negative"
+            return f"a {kind} view of a {t.dtype} tensor cannot be resolved to be saved ({exc})"
+    return None
 
 
 class _Run(dict):
@@ -120,19 +168,22 @@ class PlanMemo:
     once made, so concurrent plans stay correct; they only remember less.
     """
 
-    __slots__ = ("seen",)
+    __slots__ = ("seen", "names")
 
     def __init__(self) -> None:
         self.seen: Dict[Optional[str], _Run] = {}  # by path; None: the state dict itself
+        #: the flat names (tensor keys, then other paths) of the last plan, known distinct
+        self.names: Optional[List[str]] = None
 
 
 def make_plan(state_dict: Any, memo: Optional[PlanMemo] = None) -> StagingPlan:
     """Flatten ``state_dict`` into a :class:`StagingPlan`, validating every leaf.
 
     Raises :class:`InvalidStateDictError` for a state dict that is not a mapping, a key that
-    is not a string (or an int below the top level), or a leaf that cannot be pickled.
-    ``memo`` (kept from one call to the next) makes repeated plans of one structure faster;
-    the plan is the same with or without it.
+    is not a string (or an int below the top level), a leaf that cannot be pickled, nesting
+    too deep to walk, or two entries whose flattened names (``a.b`` for ``{"a": {"b": x}}``)
+    are equal. ``memo`` (kept from one call to the next) makes repeated plans of one structure
+    faster; the plan is the same with or without it.
     """
     if not isinstance(state_dict, Mapping):
         raise InvalidStateDictError(
@@ -140,10 +191,61 @@ def make_plan(state_dict: Any, memo: Optional[PlanMemo] = None) -> StagingPlan:
         )
     plan = StagingPlan(template=None)
     seen: Optional[Dict[Optional[str], _Run]] = {} if memo is not None else None
-    plan.template = _walk_mapping(state_dict, None, plan, memo.seen if memo is not None else None, seen)
+    try:
+        plan.template = _walk_mapping(state_dict, None, plan, memo.seen if memo is not None else None, seen)
+    except RecursionError:
+        depth, where = _deepest(state_dict)
+        raise InvalidStateDictError(
+            f"{where}: the state dict is nested {depth} levels deep, too deep to save") from None
+    _check_names(state_dict, plan, memo)
     if memo is not None:
         memo.seen = seen  # type: ignore[assignment]  # only what this state dict still has
     return plan
+
+
+def _check_names(state_dict: Mapping, plan: StagingPlan, memo: Optional[PlanMemo]) -> None:
+    """Raise :class:`InvalidStateDictError` if two entries flatten to one name (DCP's flat
+    names join keys with ``.``: ``{"a.b": x, "a": {"b": y}}``, or ``{0: x, "0": y}`` below the
+    top). A set of the plan's names finds candidates; DCP's own flattening decides (it keeps
+    some lists and every tuple as one item). The names of the last plan, once checked, are
+    kept in ``memo``: a training loop's next plan has equal names, compared as one list."""
+    names = plan.keys + plan.others if plan.others else plan.keys
+    if not plan.odd_keys and memo is not None and memo.names is not None and memo.names == names:
+        return
+    if plan.odd_keys or len(set(names)) != len(names):
+        from ..storage.dcp_io import _flatten
+
+        try:
+            _flatten(dict(state_dict))
+        except ValueError as exc:
+            msg = str(exc)
+            lead = "duplicated flatten key "
+            if msg.startswith(lead):
+                raise InvalidStateDictError(
+                    f"{msg[len(lead):]}: two entries of the state dict have this flattened name "
+                    f"(nested keys are joined with '.', and int keys become strings); rename one") from None
+            raise
+    if memo is not None:
+        memo.names = None if plan.odd_keys else names
+
+
+def _deepest(state_dict: Mapping) -> Tuple[int, str]:
+    """The nesting depth of ``state_dict`` and the (shortened) path to its deepest entry,
+    found without recursion."""
+    best: Tuple[int, Tuple[Any, ...]] = (0, ())
+    stack: List[Tuple[Any, Tuple[Any, ...]]] = [(state_dict, ())]
+    while stack:
+        value, path = stack.pop()
+        if len(path) > best[0]:
+            best = (len(path), path)
+        if isinstance(value, Mapping):
+            stack.extend((v, path + (k,)) for k, v in value.items())
+        elif isinstance(value, (list, tuple)):
+            stack.extend((v, path + (i,)) for i, v in enumerate(value))
+    depth, path = best
+    parts = [str(p) for p in path]
+    where = ".".join(parts) if len(parts) <= 8 else ".".join(parts[:4]) + ". ... ." + ".".join(parts[-2:])
+    return depth, where
 
 
 _type, _layout, _requires_grad = type, attrgetter("layout"), attrgetter("requires_grad")
@@ -191,6 +293,7 @@ def _walk_mapping(value: Mapping, path: Optional[str], plan: StagingPlan, old: O
                     f"top-level state_dict keys must be strings, got {k!r} ({type(k).__name__})"
                 )
             sub, plain = k, False  # a str subclass (an enum, say): named as it is
+            plan.odd_keys = True
         elif isinstance(k, bool) or not isinstance(k, (str, int)):
             raise InvalidStateDictError(
                 f"{path}: nested keys must be strings or ints, got {k!r} ({type(k).__name__})"
@@ -200,13 +303,18 @@ def _walk_mapping(value: Mapping, path: Optional[str], plan: StagingPlan, old: O
             plain = False
             if isinstance(k, int):
                 plan.int_keys.append(sub)
+            else:
+                plan.odd_keys = True
         if type(v) is tensor_type and v.layout is strided:  # inlined common case
             out[k] = slot(len(tensors))
             tensors.append(v.detach() if v.requires_grad else v)
             keys.append(sub)
         else:
             plain = False
-            out[k] = _walk(v, sub, plan, old, new)
+            if top and _is_stateful(v):
+                out[k] = _stateful_copy(v, sub, plan)
+            else:
+                out[k] = _walk(v, sub, plan, old, new)
     if plain and out and len(out) == len(tensors) - start:  # (a Mapping that yields a key twice: no)
         run = _Run(out)
         run.start, run.key_list, run.paths = start, list(out), keys[start:]
@@ -238,6 +346,7 @@ def _walk(value: Any, path: str, plan: StagingPlan, old: Optional[Dict[Optional[
         return _Slot(len(plan.tensors) - 1)
     if isinstance(value, Mapping):
         return _walk_mapping(value, path, plan, old, new)
+    plan.others.append(path)
     if isinstance(value, list):
         return [_walk(v, f"{path}.{i}", plan, old, new) for i, v in enumerate(value)]
     if type(value) is tuple:
@@ -245,8 +354,26 @@ def _walk(value: Any, path: str, plan: StagingPlan, old: Optional[Dict[Optional[
     if isinstance(value, _IMMUTABLE):
         return value
     try:
-        return pickle.loads(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
+        return pickle_value(value)  # its __reduce__ runs here, once; nothing is unpickled
     except Exception as exc:  # lambdas, open files, locks, ...
+        raise InvalidStateDictError(
+            f"{path}: a {type(value).__name__} cannot be saved in a checkpoint ({exc})"
+        ) from exc
+
+
+def _is_stateful(value: Any) -> bool:
+    """DCP's ``Stateful``: a value that DCP saves through its ``state_dict()``."""
+    return not isinstance(value, (torch.Tensor, Mapping)) and callable(getattr(value, "state_dict", None)) \
+        and callable(getattr(value, "load_state_dict", None))
+
+
+def _stateful_copy(value: Any, path: str, plan: StagingPlan) -> Any:
+    """A copy of a top-level ``Stateful`` value (through a pickle round trip), which DCP then
+    saves through the copy's ``state_dict()``, as it would the original's."""
+    plan.others.append(path)
+    try:
+        return pickle.loads(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
+    except Exception as exc:
         raise InvalidStateDictError(
             f"{path}: a {type(value).__name__} cannot be saved in a checkpoint ({exc})"
         ) from exc

@@ -17,7 +17,8 @@ import torch
 
 from .gc_pause import gc_paused
 from .backends import CudaTransfer, copy_cpu, xla_batched_to_cpu, xla_host_views, xla_sync, xla_wait
-from .plan import PlanMemo, StagingPlan, make_plan
+from ..errors import InvalidStateDictError
+from .plan import UNCOPYABLE_DTYPES, PlanMemo, StagingPlan, make_plan
 from .pool import HostBufferPool, Lease
 from .views import slab_views, whole_view
 from .xla_gather import XlaGather, XlaPendingWork
@@ -98,6 +99,12 @@ def _grouped_units(idx_tensors: List[Tuple[int, torch.Tensor]]) -> List[_Unit]:
     for i, t in idx_tensors:
         if t.nbytes == 0:
             units.append(_Unit(t, 0, [(i, t)]))
+            continue
+        if t.is_conj() or t.is_neg():
+            # A conjugate or negative view's storage holds the *unresolved* values: its bytes
+            # (a span) or a tensor sharing them would be saved without the bit. Copying the
+            # view itself into a buffer of its own resolves it (copy_ applies both bits).
+            units.append(_Unit(t, t.nbytes, [(i, t)]))
             continue
         key = (t.is_cuda, t.untyped_storage().data_ptr())
         g = groups.get(key)
@@ -181,6 +188,8 @@ def lay_out(pool: HostBufferPool, items: List[Tuple[int, torch.Tensor]], host: L
             sig_parts.append(t0.dtype)
             sig_parts.append(t0.shape)
         else:
+            if u.src.dtype in UNCOPYABLE_DTYPES:  # a lazy save would copy it in the background
+                raise TypeError(f"cannot copy a {u.src.dtype} tensor")
             big.append(u)
     lease = pool.acquire([u.nbytes for u in big] + ([slab_bytes] if small else []), pinned=pinned)
     leases.append(lease)
@@ -296,13 +305,26 @@ class Stager:
 
     def stage(self, state_dict: Any, plan: Optional[StagingPlan] = None, *, lazy: bool = False) -> HostSnapshot:
         """Host copies of ``state_dict``. ``lazy=True`` returns once the copies are issued:
-        ``snapshot.pending`` tracks them and the guard in :mod:`.lazy` protects the sources."""
-        with gc_paused():  # a full collection inside the stall would cost more than the copies
-            if lazy:
-                from .lazy import stage_lazy
+        ``snapshot.pending`` tracks them and the guard in :mod:`.lazy` protects the sources.
 
-                return stage_lazy(self, state_dict, plan)
-            return self._stage(state_dict, plan)
+        Raises :class:`InvalidStateDictError` naming the tensor when one cannot be staged
+        (quantized, nested, meta, a dtype without a copy kernel): such a tensor makes staging
+        fail, and only then are the tensors checked one by one."""
+        with gc_paused():  # a full collection inside the stall would cost more than the copies
+            plan = plan if plan is not None else self.plan(state_dict)
+            try:
+                if lazy:
+                    from .lazy import stage_lazy
+
+                    return stage_lazy(self, state_dict, plan)
+                return self._stage(state_dict, plan)
+            except Exception as exc:
+                if not isinstance(exc, InvalidStateDictError):
+                    try:
+                        plan.check_tensors()
+                    except InvalidStateDictError as bad:  # a tensor of the state dict is the cause
+                        raise bad from exc
+                raise
 
     def _stage(self, state_dict: Any, plan: Optional[StagingPlan]) -> HostSnapshot:
         t0 = time.perf_counter()

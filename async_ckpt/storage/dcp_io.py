@@ -64,7 +64,7 @@ from torch.distributed.checkpoint import _version as _dcp_version
 from ..errors import CorruptCheckpointError, StorageError, UnsafeCheckpointError
 from .fs import READ_RANGE_BYTES, Storage
 from .manifest import FileRecord, check_file_name, crc32c, shown
-from .records import RecordBatch, RecordTemplates
+from .records import PickledObject, RecordBatch, RecordTemplates
 
 METADATA_NAME = ".metadata"
 
@@ -313,6 +313,24 @@ def _results(buckets: List[List[MetadataIndex]], outs: List[Tuple[str, FileRecor
     return files, where
 
 
+def _resolver(planner: SavePlanner) -> Callable[[Any], Any]:
+    """``planner.resolve_data``, except that a :class:`PickledObject` (a snapshot's non-tensor
+    value, pickled at the call) is written as its archive, not ``torch.save``-d again as an
+    object. Planners without ``lookup_object`` (DCP's and torch_xla's have it) resolve alone."""
+    lookup = getattr(planner, "lookup_object", None)
+    if lookup is None:
+        return planner.resolve_data
+
+    def resolve(item: Any) -> Any:
+        if item.type == WriteItemType.BYTE_IO:
+            obj = lookup(item.index)
+            if type(obj) is PickledObject:
+                return obj.archive()
+        return planner.resolve_data(item)
+
+    return resolve
+
+
 class FsspecStorageWriter(StorageWriter):
     """DCP ``StorageWriter`` with concurrent, checksummed writes through :class:`Storage`."""
 
@@ -343,7 +361,7 @@ class FsspecStorageWriter(StorageWriter):
                            self.storage.max_file_bytes)
         hints = [sum(_item_bytes(item) for item in bucket) for bucket in buckets]
         outs = _write_files(self.storage, self.path, plan.storage_data.prefix, buckets, hints, self.threads,
-                            planner.resolve_data)
+                            _resolver(planner))
         files, where = _results([[item.index for item in bucket] for bucket in buckets], outs)
         self.files.update(files)
         fut: Future = Future()
@@ -651,10 +669,11 @@ class FsspecStorageReader(StorageReader):
                 target = planner.resolve_tensor(req).detach()
                 raw = _stored_bytes(blob[info.offset: info.offset + info.length], req, target)
                 if raw is not None:  # one copy, straight from the read buffer into the target
+                    dst, src = raw
                     if batch:
-                        copies.append((req, target, raw))
+                        copies.append((req, target, dst, src))
                     else:
-                        target.copy_(raw)
+                        dst.copy_(src)
                         planner.commit_tensor(req, target)
                     continue
                 chunk = io.BytesIO(blob[info.offset: info.offset + info.length])  # (a copy)
@@ -668,8 +687,8 @@ class FsspecStorageReader(StorageReader):
                 planner.commit_tensor(req, target)
         if copies:  # large copies, spread over threads (torch releases the GIL while copying)
             with ThreadPoolExecutor(min(4, len(copies)), thread_name_prefix="async-ckpt-copy") as pool:
-                list(pool.map(lambda c: c[1].copy_(c[2]), copies))
-            for req, target, _ in copies:
+                list(pool.map(lambda c: c[2].copy_(c[3]), copies))
+            for req, target, _, _ in copies:
                 planner.commit_tensor(req, target)
         fut: Future = Future()
         fut.set_result(None)
@@ -734,10 +753,16 @@ class _TensorDescUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"persistent id {pid!r}")
 
 
-def _stored_bytes(item: memoryview, req: Any, target: torch.Tensor) -> Optional[torch.Tensor]:
-    """The raw data of a ``torch.save``-serialised tensor ``item``, viewed as ``target``'s dtype
-    and shape without a copy; ``None`` unless the item is the plain case (one little-endian,
-    uncompressed storage of exactly ``target``'s size, read whole), where ``torch.load`` is used.
+def _stored_bytes(item: memoryview, req: Any, target: torch.Tensor) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+    """``(dst, src)``: copying ``src`` into ``dst`` puts the raw data of the ``torch.save``-
+    serialised tensor ``item`` into ``target``, straight from the read buffer; ``None`` unless
+    the item is the plain case (one little-endian, uncompressed storage of exactly ``target``'s
+    size, read whole), where ``torch.load`` is used.
+
+    The data sits in the file wherever the records before it ended, so its address need not
+    be a multiple of the dtype's size, and kernels for wide dtypes (complex128) may fault on
+    a misaligned source. ``src`` is therefore the data viewed as ``target``'s dtype only where
+    it is aligned; otherwise it stays bytes (see :func:`_aligned_copy`).
     """
     nbytes = target.numel() * target.element_size()
     if nbytes == 0 or any(req.storage_offsets) or list(req.lengths) != list(target.size()):
@@ -773,7 +798,25 @@ def _stored_bytes(item: memoryview, req: Any, target: torch.Tensor) -> Optional[
     with warnings.catch_warnings():  # a read-only buffer (bytes) is fine: it is only copied from
         warnings.simplefilter("ignore", UserWarning)
         raw = torch.frombuffer(item, dtype=torch.uint8, count=nbytes, offset=start)
-    return raw.view(target.dtype).view(target.shape)
+    return _aligned_copy(raw, target)
+
+
+def _aligned_copy(raw: torch.Tensor, target: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(dst, src)`` that copy the bytes ``raw`` (flat uint8, ``target``'s size) into ``target``
+    without ever reading ``raw`` as a wider type at an address that type is not aligned to.
+
+    Aligned: ``raw`` viewed as ``target``'s dtype and shape. Misaligned, into a contiguous CPU
+    or CUDA target without a conjugate or negative bit: ``target``'s bytes (a uint8 view) take
+    ``raw`` as bytes (still one copy). Otherwise ``raw`` is first copied into a fresh (aligned)
+    buffer, which is then viewed as ``target``'s dtype.
+    """
+    itemsize = target.element_size()
+    if raw.data_ptr() % itemsize == 0:
+        return target, raw.view(target.dtype).view(target.shape)
+    if target.device.type in ("cpu", "cuda") and target.layout == torch.strided and target.is_contiguous() \
+            and not target.is_conj() and not target.is_neg() and not target.is_quantized:
+        return target.view(-1).view(torch.uint8), raw
+    return target, raw.clone().view(target.dtype).view(target.shape)
 
 
 def save_state_dict(storage: Storage, path: str, state_dict: Dict[str, Any], *, threads: int = 8,
@@ -910,9 +953,12 @@ def _has_signature(objs: List[Any], sig: List[Any]) -> bool:
 
 def _local_data(obj: Any) -> Any:
     """An item's data as ``DefaultSavePlanner.resolve_data`` gives it: tensors as they are,
-    anything else ``torch.save``-d into a ``BytesIO``."""
+    anything else ``torch.save``-d into a ``BytesIO`` (a :class:`PickledObject`: the archive of
+    the bytes it holds)."""
     if isinstance(obj, torch.Tensor):
         return obj
+    if type(obj) is PickledObject:
+        return obj.archive()
     buf = io.BytesIO()
     torch.save(obj, buf)
     return buf
