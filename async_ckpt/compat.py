@@ -1,0 +1,142 @@
+"""Every private torch and torch_xla name async_ckpt uses, in one place.
+
+These names are not public API and can change between releases (torch_xla 2.9 needs torch
+2.9: see constraints.txt). Nothing else in async_ckpt imports a private name directly: a
+release that renames one breaks here, and only here. torch_xla is imported lazily, by the
+functions that need it, so that a CPU-only process never imports it.
+
+Hot paths bind a returned function once (``ptr = xla_buffer_pointer_fn()``) and call it per
+tensor, so the indirection costs nothing per tensor.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from typing import Any, Callable, List, Optional
+
+import torch
+
+# ---- torch ----------------------------------------------------------------------------------
+
+#: ``torch._foreach_copy_(dsts, srcs, non_blocking=False)``: one batched copy of tensor lists.
+foreach_copy_: Callable[..., Any] = torch._foreach_copy_
+
+#: ``torch._C._from_dlpack(capsule)``: a tensor viewing a DLPack capsule's memory.
+from_dlpack: Callable[[Any], torch.Tensor] = torch._C._from_dlpack
+
+
+def host_empty_cache() -> None:
+    """Return cached pinned host memory to the system (``torch._C._host_emptyCache``)."""
+    fn = getattr(torch._C, "_host_emptyCache", None)
+    if fn is not None:
+        fn()
+
+
+def register_exit_hook(fn: Callable[[], None]) -> bool:
+    """Run ``fn`` at interpreter exit before ``concurrent.futures`` stops taking work
+    (``threading._register_atexit``); False where that hook does not exist."""
+    reg = getattr(threading, "_register_atexit", None)
+    if reg is None:
+        return False
+    try:
+        reg(fn)
+    except RuntimeError:
+        return False
+    return True
+
+
+def dcp_flatten_state_dict() -> Callable[..., Any]:
+    """DCP's ``flatten_state_dict`` (``torch.distributed.checkpoint._nested_dict``)."""
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    return flatten_state_dict
+
+
+def dcp_traverse() -> Any:
+    """DCP's ``_traverse`` module (``set_element``, ``traverse_state_dict``)."""
+    from torch.distributed.checkpoint import _traverse
+
+    return _traverse
+
+
+def dcp_version() -> Any:
+    """DCP's ``_version`` module (the metadata version DCP writes)."""
+    from torch.distributed.checkpoint import _version
+
+    return _version
+
+
+def dcp_storage_info() -> Any:
+    """``(_StorageInfo, _StoragePrefix)`` of DCP's filesystem storage."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo, _StoragePrefix
+
+    return _StorageInfo, _StoragePrefix
+
+
+def narrow_tensor_by_index() -> Callable[..., torch.Tensor]:
+    """DCP's ``narrow_tensor_by_index`` (``torch.distributed._shard._utils``)."""
+    from torch.distributed._shard._utils import narrow_tensor_by_index as fn
+
+    return fn
+
+
+# ---- torch_xla ------------------------------------------------------------------------------
+
+def xla_loaded() -> bool:
+    """Whether torch_xla is imported in this process (no XLA tensors can exist otherwise)."""
+    return "torch_xla" in sys.modules
+
+
+def xlac() -> Any:
+    """``torch_xla._XLAC``, the C extension (imports torch_xla)."""
+    import torch_xla
+
+    return torch_xla._XLAC
+
+
+def xla_to_dlpack_fn() -> Callable[[torch.Tensor], Any]:
+    return xlac()._to_dlpack
+
+
+def xla_buffer_pointer_fn() -> Callable[[torch.Tensor], int]:
+    """``_unsafe_buffer_pointer``: the device buffer address of a materialised XLA tensor."""
+    return xlac()._unsafe_buffer_pointer
+
+
+def xla_wait_device_ops() -> None:
+    """Wait for every launched XLA execution (``_xla_wait_device_ops([])``)."""
+    xlac()._xla_wait_device_ops([])
+
+
+def xla_need_materialization_fn() -> Optional[Callable[[List[torch.Tensor]], List[bool]]]:
+    """``_check_tensor_need_materialization`` (None in torch_xla builds without it)."""
+    return getattr(xlac(), "_check_tensor_need_materialization", None)
+
+
+def xla_get_cpu_tensors(tensors: List[torch.Tensor]) -> List[torch.Tensor]:
+    """torch_xla's batched device-to-host transfer (``_xla_get_cpu_tensors``, GIL released)."""
+    return list(xlac()._xla_get_cpu_tensors(list(tensors)))
+
+
+def xla_alias_with_buffer_donor() -> bool:
+    """Whether XLA may donate input buffers to outputs (``_xla_get_enable_alias_with_buffer_donor_config``)."""
+    return bool(xlac()._xla_get_enable_alias_with_buffer_donor_config())
+
+
+def xla_sharding_type_fn() -> Callable[[torch.Tensor], Any]:
+    return xlac()._get_xla_sharding_type
+
+
+def xla_cpu_shards() -> Any:
+    """``(_CpuShards, _cpu_shards_from_tensors)`` of torch_xla's distributed checkpoint helpers."""
+    from torch_xla.experimental.distributed_checkpoint._helpers import _CpuShards, _cpu_shards_from_tensors
+
+    return _CpuShards, _cpu_shards_from_tensors
+
+
+def xla_preemption() -> Any:
+    """torch_xla's preemption sync manager: ``(ensure_coordinator, activate, deactivate, reached)``."""
+    c = xlac()
+    return (c._ensure_xla_coordinator_initialized, c._activate_preemption_sync_manager,
+            c._deactivate_preemption_sync_manager, c._sync_point_reached)
