@@ -1,7 +1,9 @@
-"""``CheckpointManager``: the façade. It wires policies, staging, the writer and storage.
+"""``CheckpointManager``: the façade. It validates arguments and wires the parts.
 
 Data flows one way: state dict -> staging (host snapshot; the only blocking part) -> writer
-(background) -> storage (DCP files through fsspec) -> commit (manifest, marker) -> retention.
+thread (``lifecycle.save_job``: files, manifest, commit, retention) -> storage. Restores go
+through ``lifecycle.restore``. One process and N run the same code; only the coordinator
+differs (``lifecycle.coordinator``).
 """
 
 from __future__ import annotations
@@ -11,25 +13,18 @@ import collections
 import logging
 import operator
 import os
-import threading
 import time
-import warnings
 import weakref
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Deque, Dict, List, Mapping, Optional, Sequence, Set
+from typing import Any, Callable, Deque, Dict, List, Mapping, Optional, Sequence
 
-import torch
-
-from .errors import (
-    CheckpointError,
-    CorruptCheckpointError,
-    InvalidStateDictError,
-    InvalidStepError,
-    StateDictMismatchError,
-    StepNotFoundError,
-)
+from .compat import register_exit_hook
+from .errors import CheckpointError, InvalidStateDictError, InvalidStepError, LeaseHeldError
+from .lifecycle.coordinator import DEFAULT_TIMEOUT_S, coordinator_for, describe, rebuild
+from .lifecycle.restore import restore as _restore
+from .lifecycle.save_job import SaveJob, run_save
+from .lifecycle.steps import StepStore
 from .policies import (
-    CheckpointInfo,
     EveryNSteps,
     KeepAll,
     KeepBest,
@@ -43,16 +38,13 @@ from .policies import (
     decide_save,
 )
 from .preemption import PreemptionTracker, PreemptionWatcher
-from .staging import HostBufferPool, HostSnapshot, Stager
+from .staging import HostBufferPool, Stager
 from .staging.gc_pause import gc_paused
-from .lifecycle import StepCatalog
 from .stats import SaveStats, StatsLog
-from .storage import CheckpointLayout, Manifest, RetryPolicy, Storage, StepTarget
-from .storage.lease import writer_lease
-from .storage.manifest import MARKER_NAME
-from .storage.dcp_io import METADATA_NAME, FsspecStorageReader, load_state_dict, save_state_dict
+from .storage import CheckpointLayout, RetryPolicy, Storage
+from .storage.manifest import check_metrics
 from .writer import AsyncWriter
-from . import distributed as _dist
+from .distributed import load_planner_for, save_planner_for
 
 log = logging.getLogger("async_ckpt")
 
@@ -71,9 +63,7 @@ def _finish_pending_saves_at_exit() -> None:
 
 # Runs before concurrent.futures refuses new work at interpreter exit (threading's exit hooks
 # run in reverse order of registration), so pending saves can still finish their writes.
-try:
-    threading._register_atexit(_finish_pending_saves_at_exit)  # type: ignore[attr-defined]
-except (AttributeError, RuntimeError):  # pragma: no cover
+if not register_exit_hook(_finish_pending_saves_at_exit):  # pragma: no cover
     atexit.register(_finish_pending_saves_at_exit)
 
 
@@ -82,8 +72,8 @@ def _mark_forked_in_child() -> None:
     threads were not copied) and forgets the parent's writer lease."""
     for mgr in list(_live_managers):
         mgr._forked = True
-        if mgr._lease is not None:
-            mgr._lease.forget()
+        if mgr._store.lease is not None:
+            mgr._store.lease.forget()
 
 
 if hasattr(os, "register_at_fork"):
@@ -158,6 +148,9 @@ class CheckpointManager:
             change the tensors (see :meth:`save_async` and docs/design.md).
         lease_timeout: seconds the first save waits for the root's writer lease when another
             live writer holds it (default 0: raise :class:`LeaseHeldError` at once).
+        collective_timeout_s: multi-process: how long a rank waits for the others at each
+            exchange of a save or restore; a rank that died makes the others' next
+            ``save_async``/``join``/``close`` raise after at most this long.
 
     Commit order is the order: :meth:`latest_step` and ``restore(None)`` mean the most recently
     committed step, retention drops the oldest commits, and any step may be saved in any order
@@ -191,6 +184,7 @@ class CheckpointManager:
         preemption_sync: str = "auto",
         lazy: bool = False,
         lease_timeout: float = 0.0,
+        collective_timeout_s: float = DEFAULT_TIMEOUT_S,
     ) -> None:
         if num_of_threads is not None:  # torch_xla's name for the writer's thread count
             if not isinstance(num_of_threads, int) or isinstance(num_of_threads, bool) or num_of_threads < 1:
@@ -200,6 +194,13 @@ class CheckpointManager:
             raise ValueError(f"write_threads must be an int >= 1, got {write_threads!r}")
         if max_to_keep is not None and (not isinstance(max_to_keep, int) or max_to_keep < 0):
             raise ValueError(f"max_to_keep must be an int >= 0 or None, got {max_to_keep!r}")
+        if not isinstance(lease_timeout, (int, float)) or isinstance(lease_timeout, bool) or lease_timeout < 0:
+            raise ValueError(f"lease_timeout must be a number of seconds >= 0, got {lease_timeout!r}")
+        if (not isinstance(collective_timeout_s, (int, float)) or isinstance(collective_timeout_s, bool)
+                or collective_timeout_s <= 0):
+            raise ValueError(f"collective_timeout_s must be a number of seconds > 0, got {collective_timeout_s!r}")
+        if not isinstance(lazy, bool):
+            raise TypeError(f"lazy must be a bool, got {lazy!r}")
         self.save_policy: SavePolicy = as_save_policy(save_policy) if save_policy is not None else EveryNSteps(save_interval)
         self.retention: RetentionPolicy = (
             as_retention_policy(retention) if retention is not None
@@ -216,9 +217,9 @@ class CheckpointManager:
                                  "(it handles SIGTERM itself); pass preemption_sync='signal' to use signals")
         elif preemption_signals is not None:
             raise ValueError("preemption_signals needs chkpt_on_preemption=True")
-        # Collective: every rank creates the checkpoint group, first, before anything that
-        # could fail on one rank only (None in a single process).
-        self._dist = _dist.checkpoint_group(process_group)
+        # Collective: every rank creates the checkpoint groups, first, before anything that
+        # could fail on one rank only (a no-op coordinator in a single process).
+        self._coord = coordinator_for(process_group, float(collective_timeout_s))
         self.storage = Storage(path, storage_options, retry=retry)
         self.layout = CheckpointLayout(self.storage, commit_mode)
         self.process_group = process_group
@@ -226,31 +227,24 @@ class CheckpointManager:
         self.verify = verify
         self.write_threads = write_threads
         self.on_saved = on_saved
-        if not isinstance(lease_timeout, (int, float)) or isinstance(lease_timeout, bool) or lease_timeout < 0:
-            raise ValueError(f"lease_timeout must be a number of seconds >= 0, got {lease_timeout!r}")
-        self.lease_timeout = float(lease_timeout)
-        self._keep_incomplete = keep_incomplete
+        self.lazy = lazy
+        self._clock: Callable[[], float] = time.time  # wall clock of decisions and manifests' commit_time
+        self._store = StepStore(self.storage, self.layout, self._coord, lambda: self._clock(),
+                                keep_incomplete=keep_incomplete, lease_timeout=float(lease_timeout))
+        self.catalog = self._store.catalog
+        self._deleter = self._store.deleter
         self._stats_log = StatsLog.from_option(self.storage, stats_log)
         self.stager = Stager(HostBufferPool(memory_budget_bytes))
         self.stats: Deque[SaveStats] = collections.deque(maxlen=1000)
         self._writer = AsyncWriter(max_pending_async)
-        if not isinstance(lazy, bool):
-            raise TypeError(f"lazy must be a bool, got {lazy!r}")
-        self.lazy = lazy
         self._lazy_pending: List[Any] = []  # PendingCopies of this manager's lazy saves
-        self._deleter = ThreadPoolExecutor(1, thread_name_prefix="async-ckpt-delete")
         self._closed = False
         self._forked = False
         self._pid = os.getpid()
-        self._clock: Callable[[], float] = time.time  # wall clock of decisions and manifests' commit_time
-        self.catalog = StepCatalog(self.layout, lambda: self._clock())
-        # Taken at the first save (or delete): until then this manager only reads.
-        self._lease = writer_lease(self.storage) if self._dist is None or self._dist.is_coordinator else None
         self._start_time = self._clock()
         self._last_save_time: Optional[float] = None
         self._last_save_step: Optional[int] = None
         self._restored: Optional[int] = None  # the step this manager last restored
-        self._warned_lower = False
         self._check_writable()
         if self._preemption is not None:
             try:
@@ -261,8 +255,9 @@ class CheckpointManager:
                 raise
         # An unclosed manager that is garbage-collected stops its threads (it has no pending
         # work then: a queued save holds a reference to it).
-        self._finalizer = weakref.finalize(self, _stop_threads, self._writer, self._deleter, self._lease)
+        self._finalizer = weakref.finalize(self, _stop_threads, self._writer, self._deleter, self._store.lease)
         _live_managers.add(self)
+
     # ---- policy ------------------------------------------------------------------------------
     def should_save(self, step: int) -> bool:
         """Whether a checkpoint is due at ``step``: the save policy wants one, or a preemption
@@ -309,32 +304,9 @@ class CheckpointManager:
             raise CheckpointError("trigger_preemption() needs chkpt_on_preemption=True")
         self._preemption.watcher.trigger()
 
-    # ---- the writer lease --------------------------------------------------------------------
     def _become_writer(self) -> None:
-        """Take the root's writer lease before the first write (training thread); then settle
-        what a dead writer left: finish interrupted commits, clean up incomplete steps."""
-        if self._lease is None or self._lease.held:
-            return
-        self._lease.acquire(self.lease_timeout)
-        self.catalog.enable_cache()
-        self.catalog.forget()
-        self._recover_commits()
-        if not self._keep_incomplete:
-            self._in_background(self._cleanup_incomplete)
-
-    def _warn_if_lower(self, step: int) -> None:
-        """One warning when a save goes below the highest committed step without a restore."""
-        if self._warned_lower or (self._restored is not None and self._restored <= step):
-            return
-        steps = self.layout.committed_steps()
-        if steps and step < steps[-1]:
-            self._warned_lower = True
-            log.warning(
-                "async_ckpt: saving step %d under %s, which already holds committed steps up to %d "
-                "(an earlier run?). Commit order decides: step %d becomes the latest step, and "
-                "retention by commit order will delete the older run's steps as this run goes on. "
-                "Restore a step first to continue from it, or save to another directory.",
-                step, self.storage.url, steps[-1], step)
+        """Take the root's writer lease (what the first save does); then recover and clean up."""
+        self._store.become_writer()
 
     def best_step(self, metric: Optional[str] = None, mode: Optional[str] = None) -> Optional[int]:
         """The committed step with the best value of ``metric`` (ties: the earliest commit).
@@ -353,7 +325,6 @@ class CheckpointManager:
         found = best_checkpoint(self.catalog.in_commit_order(), metric, mode)
         return None if found is None else found.step
 
-    # ---- saving ------------------------------------------------------------------------------
     def save_async(self, step: int, state_dict: Mapping[str, Any], force: bool = False,
                    metrics: Optional[Dict[str, float]] = None, *, lazy: Optional[bool] = None) -> bool:
         """Snapshot ``state_dict`` to host memory and write it in the background.
@@ -368,8 +339,9 @@ class CheckpointManager:
         exactly the tensors about to change, right before ``optimizer.step()`` (params and
         optimizer state) or a module's forward (its buffers). Other in-place writes must come
         after :meth:`wait_for_staging`; one that bumps ``_version`` before its copy finished
-        makes that save fail with ``TornSnapshotError`` (never a torn checkpoint). Single
-        process only; multi-process saves stage eagerly.
+        makes that save fail with ``TornSnapshotError`` (never a torn checkpoint). With several
+        ranks each rank stages its own shards lazily and the save fails on every rank if one
+        rank's snapshot tore.
         """
         return self._save(step, state_dict, force, metrics, wait=False, lazy=self.lazy if lazy is None else lazy)
 
@@ -390,92 +362,86 @@ class CheckpointManager:
 
     def _save(self, step: Any, state_dict: Mapping[str, Any], force: bool, metrics: Any, wait: bool,
               lazy: bool = False) -> bool:
+        """Training thread of every rank. With several ranks every rank must call it with the
+        same step; rank 0's decision (policy, ``force``, preemption) is taken by every rank,
+        and a rank whose staging fails raises at once and still queues its part of the save,
+        so the other ranks raise too instead of waiting for it."""
         self._check_open()
         step = _check_step(step)
-        from .storage.manifest import check_metrics
-
         metrics = check_metrics(metrics)
-        if self._dist is not None:
-            return _dist.save(self, step, state_dict, force, metrics, wait)
+        alone = self._coord.world_size == 1
         self._writer.raise_if_failed()
         take, preempt = self._decide(step, force)
+        lease_error: Optional[LeaseHeldError] = None
+        if take and self._coord.is_primary:
+            try:
+                self._store.become_writer()
+                self._store.warn_if_lower(step, self._restored)
+            except LeaseHeldError as exc:
+                if alone:
+                    raise
+                lease_error = exc
+        if not alone:
+            # Rank 0 decides for everyone: time-based policies, preemption signals and "nothing
+            # in flight" conditions can answer differently per rank.
+            take, preempt, lease_ok = self._coord.agree([take, preempt, lease_error is None])
+            if take and not lease_ok:
+                raise lease_error or LeaseHeldError(
+                    f"rank 0 could not take the writer lease of {self.storage.url}; see rank 0's error")
         if not take:
             return False
-        self._become_writer()
-        self._warn_if_lower(step)
         t0 = time.perf_counter()
-        with gc_paused():
-            plan = self.stager.plan(state_dict)  # validates before anything is taken or written
-        if self._lazy_pending:
-            self.wait_for_staging()  # earlier lazy copies finish and are sealed (their writers wait for it)
+        if alone:
+            with gc_paused():
+                plan = self.stager.plan(state_dict)  # validates before anything is taken or written
+            if self._lazy_pending:
+                self.wait_for_staging()  # earlier lazy copies finish and are sealed (their writers wait for it)
         self._writer.wait_for_slot()
         t1 = time.perf_counter()
         try:
+            if not alone:
+                with gc_paused():
+                    plan = self.stager.plan(state_dict)
+                if self._lazy_pending:
+                    self.wait_for_staging()
             snap = self.stager.stage(state_dict, plan, lazy=True) if lazy and not wait else \
                 self.stager.stage(state_dict, plan)
             if snap.pending is not None:
                 snap.pending.step = step
                 self._lazy_pending.append(snap.pending)
-        except BaseException:
-            self._writer.release_slot()
+        except BaseException as exc:
+            if alone:
+                self._writer.release_slot()
+            else:  # the job takes the slot and tells the other ranks
+                failed = SaveJob(step, None, metrics, None, t0, local_error=exc)
+                self._writer.submit(lambda: self._persist(failed), step=step)
             raise
         t2 = time.perf_counter()
         stats = SaveStats(step=step, nbytes=snap.nbytes, num_tensors=snap.num_tensors,
                           queue_wait_s=t1 - t0, stage_s=t2 - t1, blocking_s=t2 - t0)
-        self._writer.submit(lambda: self._persist(step, snap, metrics, stats, t0), step=step)
+        job = SaveJob(step, snap, metrics, stats, t0)
+        self._writer.submit(lambda: self._persist(job), step=step)
         self._taken(step, preempt)
         if wait:
             self._writer.join()
         return True
 
-    def _persist(self, step: int, snap: HostSnapshot, metrics: Dict[str, float], stats: SaveStats,
-                 t0: float) -> None:
-        """Writer thread: data files, then manifest and marker, then retention's decision."""
-        target: Optional[StepTarget] = None
-        claimed = False
-        try:
-            snap.drop_sources()  # here, not in the stall: releasing device-buffer views costs
-            snap.wait_copied()  # lazy: every host copy done and unchanged (else TornSnapshotError)
-            tw = time.perf_counter()
-            self.catalog.begin_write(step)  # claimed before anything is written; waits out a deletion
-            claimed = True
-            target = self.layout.begin(step)
-            self.catalog.set_path(step, target.path)
-            files = save_state_dict(self.storage, target.path, snap.state_dict,
-                                    threads=self.write_threads, process_group=self.process_group,
-                                    planner=_dist.save_planner_for(snap.state_dict))
-            snap.release()  # buffers go back to the pool as soon as the data is written
-            tc = time.perf_counter()
-            self._check_lease()
-            manifest = Manifest(step=step, commit_time=self.catalog.next_commit_time(), files=files,
-                                metrics=metrics, nbytes=snap.nbytes, num_tensors=snap.num_tensors, world_size=1,
-                                extra={"int_keys": snap.int_keys} if snap.int_keys else {})
-            self.layout.commit(target, manifest)
-            td = time.perf_counter()
-            self.catalog.record_commit(CheckpointInfo(step, manifest.commit_time, dict(metrics), snap.nbytes))
-        except BaseException:
-            snap.release()
-            if target is not None:
-                self.layout.abort(target)
-            raise
-        finally:
-            if claimed:
-                self.catalog.end_write(step)
-        self._apply_retention()  # decided and visible before save()/join() return
-        stats.write_s, stats.commit_s, stats.durable_s = tc - tw, td - tc, td - t0
-        stats.files = len(files)
-        stats.commit_time = manifest.commit_time
-        self._after_commit(stats)
+    def _persist(self, job: SaveJob) -> None:
+        """Writer thread: the save job, then statistics and the user's callback."""
+        planner = save_planner_for(job.snap.state_dict) if job.snap is not None else None
+        stats = run_save(self._store, job, policy=self.retention, threads=self.write_threads, planner=planner)
+        if stats is not None:
+            self._after_commit(stats)
 
     def _after_commit(self, stats: SaveStats) -> None:
         """Statistics and the user's callback: neither can fail a committed save."""
         self.stats.append(stats)
-        if self._stats_log is not None and (self._dist is None or self._dist.is_coordinator):
+        if self._stats_log is not None and self._coord.is_primary:
             try:
                 self._stats_log.append(stats, None)
             except Exception as exc:
                 log.warning("async_ckpt: could not append save statistics: %s", exc)
-        log.info("async_ckpt: saved %s", stats.summary())
+        log.info("async_ckpt: rank %d saved %s", self._coord.rank, stats.summary())
         if self.on_saved is not None:
             try:
                 self.on_saved(stats)
@@ -483,76 +449,14 @@ class CheckpointManager:
                 log.exception("async_ckpt: the on_saved callback raised for step %d (the step is committed)",
                               stats.step)
 
-    def _check_lease(self) -> None:
-        if self._lease is not None:
-            self._lease.check()
-
-    def _in_background(self, fn: Callable[[], None]) -> None:
-        """Run deletions off the writer thread, so they never delay the next save."""
-        try:
-            self._deleter.submit(fn)
-        except RuntimeError:  # executor already shut down (close() or interpreter exit)
-            fn()
+    def _apply_retention(self) -> List[int]:
+        """Apply the retention policy now (rank 0; normally right after each commit)."""
+        return self._store.apply_retention(self.retention)
 
     @property
     def last_stats(self) -> Optional[SaveStats]:
         """Statistics of the most recently committed save."""
         return self.stats[-1] if self.stats else None
-
-    # ---- retention ---------------------------------------------------------------------------
-    def _apply_retention(self) -> List[int]:
-        """Writer thread, right after a commit: the steps retention drops stop being committed
-        now (their markers go); their files are deleted in the background. Returns them."""
-        try:
-            drops = self.catalog.drops(self.retention)
-        except Exception as exc:  # a failing policy must never break training
-            log.warning("async_ckpt: retention failed: %s", exc)
-            return []
-        dropped = []
-        for s in drops:
-            try:
-                paths = self.catalog.condemn(s)
-            except Exception as exc:
-                log.warning("async_ckpt: could not delete step %d: %s", s, exc)
-                continue
-            if paths:
-                dropped.append(s)
-                log.info("async_ckpt: deleted step %d (retention)", s)
-                self._in_background(lambda s=s, paths=paths: self._remove(s, paths))
-        return dropped
-
-    def _remove(self, step: int, paths: List[str]) -> None:
-        try:
-            self.catalog.remove(step, paths)
-        except Exception as exc:  # the step is already unmarked: cleanup finishes it later
-            log.warning("async_ckpt: could not remove the files of step %d: %s", step, exc)
-
-    def _recover_commits(self) -> None:
-        """Finish commits a crash interrupted (see ``CheckpointLayout.recover``)."""
-        try:
-            for step in self.layout.recover():
-                log.warning("async_ckpt: completed the commit of step %d, which a crash had interrupted", step)
-        except Exception as exc:
-            log.warning("async_ckpt: recovery of interrupted commits failed: %s", exc)
-
-    def _cleanup_incomplete(self) -> None:
-        """Remove what never committed (a dead writer's debris). Holder of the lease only."""
-        try:
-            busy = self.catalog.busy_paths()
-            for path in self.layout.incomplete(exclude=busy):
-                step = self.layout.step_of(path)
-                if step is None or not self.catalog.claim_delete(step):
-                    continue  # a save of this step started meanwhile: its directory is not ours
-                try:
-                    trash = path.rstrip("/").rsplit("/", 1)[-1].startswith(".trash-")
-                    if not trash and self.storage.exists(f"{path}/{MARKER_NAME}"):
-                        continue  # committed since it was listed
-                    log.info("async_ckpt: removing incomplete checkpoint %s", path)
-                    self.layout.remove(self.layout.condemn_dir(path))
-                finally:
-                    self.catalog.release_delete(step)
-        except Exception as exc:
-            log.warning("async_ckpt: cleanup of incomplete checkpoints failed: %s", exc)
 
     def delete(self, step: int) -> None:
         """Delete a committed step (an explicit user action): it is no longer listed or
@@ -565,18 +469,18 @@ class CheckpointManager:
         self._check_open()
         step = _check_step(step)
         self.join()
-        if self._dist is not None:
-            _dist.delete(self, step)
-            return
-        self._become_writer()
-        self._delete_now(step)
-
-    def _delete_now(self, step: int) -> None:
-        if step not in self.layout.committed_steps():
-            raise StepNotFoundError(f"no committed checkpoint for step {step} under {self.storage.url}", step=step)
-        paths = self.catalog.condemn(step)
-        self.catalog.remove(step, paths)
-        log.info("async_ckpt: deleted step %d (delete())", step)
+        outcome = None
+        if self._coord.is_primary:
+            try:
+                self._store.become_writer()
+                self._store.delete(step)
+            except BaseException as exc:  # noqa: BLE001 - reported to every rank
+                if self._coord.world_size == 1:
+                    raise
+                outcome = describe(0, exc)
+        outcome = self._coord.broadcast(outcome)
+        if outcome is not None:
+            raise rebuild(outcome[0], f"step {step}: delete failed: {outcome[1]}", step)
 
     # ---- listing -----------------------------------------------------------------------------
     def all_steps(self) -> List[int]:
@@ -616,7 +520,8 @@ class CheckpointManager:
         fails verification, the next older commit that verifies is used, with a warning naming
         the skipped step. A named step that is damaged raises :class:`CorruptCheckpointError`.
         Entries the checkpoint has but ``state_dict`` lacks (e.g. a fresh optimizer's empty
-        ``state``) are added. On failure ``state_dict`` is left as it was.
+        ``state``) are added. On failure ``state_dict`` is left as it was. Multi-process: call
+        it on every rank; each reads its shards (DCP reshards to this job's world size).
         """
         self._check_process()
         if not isinstance(state_dict, Mapping):
@@ -624,61 +529,11 @@ class CheckpointManager:
         if not self._closed:
             self.wait_for_staging()
             self._writer.join()  # pending saves land first (and their errors surface)
-        verify = self.verify if verify is None else verify
-        if self._dist is not None:
-            s = _dist.restore(self, None if step is None else _check_step(step), state_dict, verify, allow_pickle)
-            return self._note_restored(s)
-        steps = self.catalog.steps_newest_first()
-        if step is not None:
-            step = _check_step(step)
-            if step not in steps:
-                listed = sorted(steps)
-                raise StepNotFoundError(
-                    f"no committed checkpoint for step {step} under {self.storage.url} "
-                    f"(committed: {listed if len(listed) <= 20 else listed[-20:]})", step=step)
-            self._restore_step(step, state_dict, verify, allow_pickle)
-            return self._note_restored(step)
-        if not steps:
-            raise StepNotFoundError(f"no committed checkpoint under {self.storage.url}")
-        errors = []
-        for s in steps:
-            try:
-                self._restore_step(s, state_dict, verify, allow_pickle)
-            except CorruptCheckpointError as exc:
-                warnings.warn(f"async_ckpt: skipping damaged step {s}: {exc}", RuntimeWarning, stacklevel=2)
-                errors.append(exc)
-                continue
-            return self._note_restored(s)
-        raise CorruptCheckpointError(
-            f"no committed step under {self.storage.url} passed verification; newest error: {errors[0]}",
-            step=steps[0]) from errors[0]
-
-    def _note_restored(self, step: int) -> int:
-        self._restored = step
-        return step
-
-    def _restore_step(self, step: int, state_dict: Dict[str, Any], verify: bool, allow_pickle: bool) -> None:
-        path, manifest = self.layout.open_step(step)
-        if METADATA_NAME not in manifest.files:
-            raise CorruptCheckpointError(f"step {step}: manifest lists no {METADATA_NAME}", step=step, path=path)
-        reader = FsspecStorageReader(self.storage, path, files=manifest.files, verify=verify,
-                                     threads=self.write_threads)
-        try:
-            metadata = reader.read_metadata()
-        except CorruptCheckpointError as exc:
-            exc.step = step
-            raise
-        added = _prepare_target(state_dict, metadata, step, set(manifest.extra.get("int_keys", ())))
-        try:
-            load_state_dict(self.storage, path, state_dict, files=manifest.files, verify=verify,
-                            threads=self.write_threads, allow_pickle=allow_pickle, metadata=metadata,
-                            process_group=self.process_group,
-                            planner=_dist.load_planner_for(state_dict, allow_pickle))
-        except BaseException as exc:
-            _remove_added(state_dict, added)
-            if isinstance(exc, CorruptCheckpointError):
-                exc.step = step
-            raise
+        s = _restore(self._store, None if step is None else _check_step(step), state_dict,
+                     verify=self.verify if verify is None else verify, allow_pickle=allow_pickle,
+                     threads=self.write_threads, planner=load_planner_for(state_dict, allow_pickle))
+        self._restored = s
+        return s
 
     # ---- lifecycle ---------------------------------------------------------------------------
     def join(self) -> None:
@@ -702,9 +557,7 @@ class CheckpointManager:
             self.wait_for_staging()  # lazy saves' writers wait for their copies to be sealed
             self._writer.close()
         finally:
-            self._deleter.shutdown(wait=True)
-            if self._lease is not None:
-                self._lease.release()
+            self._store.close()
             self._finalizer.detach()
 
     def __enter__(self) -> "CheckpointManager":
@@ -752,87 +605,3 @@ def _find_keep_best(policy: Any) -> Optional[KeepBest]:
     return found[0] if len(found) == 1 else None
 
 
-def _prepare_target(state_dict: Dict[str, Any], metadata: Any, step: int, int_keys: Set[str]) -> List[tuple]:
-    """Check ``state_dict`` against a checkpoint's DCP metadata; add entries it lacks.
-
-    Returns the paths added, so that a failed restore can take them out again.
-    """
-    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    flat, _ = flatten_state_dict(state_dict)
-    md = metadata.state_dict_metadata
-    missing = [k for k in flat if k not in md]
-    problems = []
-    for k, v in flat.items():
-        if k not in md:
-            continue
-        m = md[k]
-        if isinstance(m, TensorStorageMetadata):
-            if not isinstance(v, torch.Tensor):
-                problems.append(f"{k}: checkpoint has a tensor, state_dict has {type(v).__name__}")
-            elif tuple(v.shape) != tuple(m.size):
-                problems.append(f"{k}: shape {tuple(v.shape)} in state_dict vs {tuple(m.size)} in checkpoint")
-            elif v.dtype != m.properties.dtype:
-                problems.append(f"{k}: dtype {v.dtype} in state_dict vs {m.properties.dtype} in checkpoint")
-        elif isinstance(v, torch.Tensor):
-            problems.append(f"{k}: state_dict has a tensor, checkpoint has a non-tensor value")
-    if missing or problems:
-        lines = [f"missing from checkpoint: {', '.join(missing[:20])}{' ...' if len(missing) > 20 else ''}"] if missing else []
-        lines += problems[:20]
-        raise StateDictMismatchError(f"state_dict does not match checkpoint step {step}: " + "; ".join(lines), step=step)
-    mappings = metadata.planner_data or {}
-    added = []
-    for k, m in md.items():
-        if k in flat or k not in mappings:
-            continue
-        value = torch.empty(tuple(m.size), dtype=m.properties.dtype) if isinstance(m, TensorStorageMetadata) else None
-        added.extend(_insert(state_dict, mappings[k], _typed_path(mappings[k], int_keys), value))
-    return added
-
-
-def _insert(root: Dict[str, Any], raw: Sequence[Any], typed: Sequence[Any], value: Any) -> List[tuple]:
-    """Set ``root[typed[0]][typed[1]]... = value``, creating missing containers: a list where
-    DCP's path has a list index next (an int in ``raw``), a dict otherwise (also for dict keys
-    that were ints, which ``typed`` restores). Returns the paths it created, outermost first."""
-    created: List[tuple] = []
-    cur: Any = root
-    for i, key in enumerate(typed):
-        last = i == len(typed) - 1
-        fresh = value if last else ([] if isinstance(raw[i + 1], int) else {})
-        if isinstance(cur, list):
-            while len(cur) <= key:
-                cur.append(None)
-            if last or cur[key] is None:
-                if cur[key] is None:
-                    created.append(tuple(typed[: i + 1]))
-                cur[key] = fresh
-        elif last or key not in cur:
-            if key not in cur:
-                created.append(tuple(typed[: i + 1]))
-            cur[key] = fresh
-        cur = cur[key]
-    return created
-
-
-def _typed_path(path: Sequence[Any], int_keys: Set[str]) -> tuple:
-    """DCP's path with the dict keys that were ints at save time turned back into ints."""
-    out = []
-    prefix = ""
-    for p in path:
-        prefix = f"{prefix}.{p}" if prefix else str(p)
-        out.append(int(p) if isinstance(p, str) and prefix in int_keys else p)
-    return tuple(out)
-
-
-def _remove_added(state_dict: Dict[str, Any], added: List[tuple]) -> None:
-    """Undo :func:`_insert`: innermost first, so the containers it created go too."""
-    for path in sorted(set(added), key=len, reverse=True):
-        cur: Any = state_dict
-        try:
-            for p in path[:-1]:
-                cur = cur[p]
-            if isinstance(cur, dict):
-                cur.pop(path[-1], None)
-        except (KeyError, IndexError, TypeError):
-            pass

@@ -73,7 +73,8 @@ def _verify(root: str, mode: str, newest: "set[int]", floor: int, what: str, rng
         skipped = [str(w.message) for w in caught if "skipping damaged" in str(w.message)]
         assert not skipped, f"{what}: restore(None) skipped damaged steps: {skipped}"
         assert got == mgr.latest_step(), f"{what}: restore(None) gave {got}, latest is {mgr.latest_step()}"
-        assert got in newest, f"{what}: the newest commit is {got}, expected one of {sorted(newest)[:5]}..."
+        assert got in newest, (f"{what}: the newest commit is {got}, expected one of {sorted(newest)[:5]}...; "
+                               f"commit order {mgr.steps_in_commit_order()}, on disk {names}")
         assert got >= floor, f"{what}: newest committed step {got} < {floor}, which had committed: a step was lost"
         assert states_equal(target, make_state(got)), f"{what}: step {got} restored with wrong contents"
         for s in steps[:-1]:  # every listed step verifies; one of them (at random) is restored
@@ -136,16 +137,19 @@ def test_sigkill_at_random_moments_never_loses_a_committed_step(fork_server, tmp
         # The newest commit after the kill: the last one reported, or a step started after it
         # (committed, killed before it was reported); with no commit reported in this trial, the
         # previous newest or a step this trial started. A replay re-saves existing steps.
-        last = out["committed"][-1] if out["committed"] else latest[kind]
-        after = out["started"][out["started"].index(last):] if last in out["started"] else out["started"]
-        newest = set(after) | ({last} if last is not None else set())
+        if out["committed"]:
+            last = out["committed"][-1]
+            newest = {last} | set(out["started"][out["started"].index(last):])
+        else:  # any step this trial started (a replay re-saves existing steps) or the previous newest
+            newest = set(out["started"]) | ({latest[kind]} if latest[kind] is not None else set())
         floor = -1 if replay else max(out["committed"] + [latest[kind] if latest[kind] is not None else -1])
         if latest[kind] is None and not out["committed"]:
             names, marked, _ = _disk_view(_local(root))
             assert not marked or set(marked) <= set(out["started"]), f"{what}: {marked} committed, never started"
             if not marked:
                 continue  # killed before the first commit: nothing to restore yet
-        latest[kind] = _verify(root, mode, newest, floor, what, rng)
+        latest[kind] = _verify(root, mode, newest, floor,
+                               f"{what} (started {out['started'][:3]}..{out['started'][-3:]}, resumed {out['resumed']})", rng)
         if (i // 3) % 2 == 0:  # clean up now; otherwise the next process's startup cleanup does it
             mgr = CheckpointManager(root, commit_mode=mode, max_to_keep=MAX_TO_KEEP)
             mgr._become_writer()  # what a first save does: take the lease, recover, clean up

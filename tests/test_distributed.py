@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from async_ckpt import CheckpointManager
-from async_ckpt.distributed import checkpoint_group
+from async_ckpt.lifecycle.coordinator import LocalCoordinator, coordinator_for
 
 from .conftest import assert_bitwise_equal
 
@@ -115,5 +115,5 @@ def test_xla_spmd_local_shards_restore_into_another_mesh(jobs):
     assert rc == 0 and "SPMD OK" in out, out[-6000:]
 
 
-def test_single_process_has_no_checkpoint_group():
-    assert checkpoint_group() is None
+def test_single_process_has_a_local_coordinator():
+    assert isinstance(coordinator_for(), LocalCoordinator)

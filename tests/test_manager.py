@@ -160,7 +160,7 @@ def test_failing_writer_surfaces_error_and_does_not_hang(ckpt_dir, monkeypatch):
     model, _ = make_state(0)
     mgr = CheckpointManager(ckpt_dir, max_pending_async=1)
     mgr.save(0, {"model": model.state_dict()})
-    import async_ckpt.manager as manager_mod
+    import async_ckpt.lifecycle.coordinator as manager_mod  # where the single-process write is called
 
     def boom(*a, **k):
         raise OSError(28, "No space left on device")
@@ -178,7 +178,7 @@ def test_failing_writer_surfaces_error_and_does_not_hang(ckpt_dir, monkeypatch):
 
 
 def test_background_error_raised_at_next_save_async(ckpt_dir, monkeypatch):
-    import async_ckpt.manager as manager_mod
+    import async_ckpt.lifecycle.coordinator as manager_mod  # where the single-process write is called
 
     gate = threading.Event()
 
@@ -255,7 +255,7 @@ def test_closed_manager_refuses_saves(ckpt_dir):
 
 
 def test_max_pending_async_bounds_in_flight_saves(ckpt_dir, monkeypatch):
-    import async_ckpt.manager as manager_mod
+    import async_ckpt.lifecycle.coordinator as manager_mod  # where the single-process write is called
 
     real = manager_mod.save_state_dict
     release = threading.Event()

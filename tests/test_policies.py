@@ -221,7 +221,7 @@ def test_every_t_seconds_through_the_manager(ckpt_dir):
 
 
 def test_continuous_saves_when_the_previous_one_committed(ckpt_dir, monkeypatch):
-    import async_ckpt.manager as manager_mod
+    import async_ckpt.lifecycle.coordinator as manager_mod  # where the single-process write is called
 
     real = manager_mod.save_state_dict
     gate = threading.Event()

@@ -103,8 +103,9 @@ class StepCatalog:
             self._inflight[step] = path
 
     def end_write(self, step: int) -> None:
-        with self._lock:
+        with self._changed:
             self._inflight.pop(step, None)
+            self._changed.notify_all()  # a removal of the step's old files may be waiting
 
     def busy_paths(self) -> Set[str]:
         with self._lock:

@@ -1,15 +1,7 @@
-"""Where a step lives, how it is committed, and which steps count as committed.
+"""Where a step lives, which steps count as committed, and which copy of a step counts.
 
-Commit protocols (Orbax calls them ATOMIC_RENAME and COMMIT_FILE):
-
-* ``rename`` (POSIX paths): the step is written under ``.tmp-<step>-<token>/`` (data files,
-  then ``manifest.json``, then the ``COMMITTED`` marker, each fsynced), then renamed to
-  ``<step>/`` (an older copy of the step is first renamed out of the way) and the parent
-  directory is fsynced.
-* ``marker`` (object stores, which have no rename): the step is written in place under
-  ``<step>/`` and the ``COMMITTED`` marker, written last, alone decides that it exists. A
-  re-save of a step that already has a directory is written beside it, under
-  ``<step>.<token>/``, and the older copy is removed only once the new one is committed.
+How a step is written and committed is the commit protocol's business
+(:mod:`async_ckpt.storage.commit`: rename on POSIX paths, marker on object stores).
 
 A step is committed when one of its directories (``<step>/``, ``<step>.<token>/`` or a
 finished ``.tmp-<step>-<token>/`` whose final rename a crash interrupted) holds a marker. When
@@ -31,8 +23,9 @@ from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Set, Tuple
 
 from ..errors import CorruptCheckpointError, StepNotFoundError, StorageError
+from .commit import CommitProtocol, MarkerCommit, RenameCommit
 from .fs import MISSING, Storage
-from .manifest import MANIFEST_NAME, MARKER_NAME, PENDING_NAME, Manifest, check_marker, marker_bytes
+from .manifest import MANIFEST_NAME, MARKER_NAME, PENDING_NAME, Manifest, check_marker
 
 _STEP_RE = re.compile(r"^\d+$")
 _VER_RE = re.compile(r"^(\d+)\.[0-9a-f]{12}$")
@@ -64,7 +57,13 @@ class CheckpointLayout:
         if commit_mode == "rename" and not storage.is_local:
             raise ValueError(f"commit_mode='rename' needs a POSIX path; {storage.url!r} has no atomic rename")
         self.storage = storage
-        self.mode = ("rename" if storage.is_local else "marker") if commit_mode == "auto" else commit_mode
+        mode = ("rename" if storage.is_local else "marker") if commit_mode == "auto" else commit_mode
+        self.protocol: CommitProtocol = RenameCommit() if mode == "rename" else MarkerCommit()
+
+    @property
+    def mode(self) -> str:
+        """The commit protocol's name: ``"rename"`` or ``"marker"``."""
+        return self.protocol.name
 
     # ---- names -------------------------------------------------------------------------------
     def step_dir(self, step: int) -> str:
@@ -154,6 +153,14 @@ class CheckpointLayout:
             raise StepNotFoundError(f"no committed checkpoint for step {step} under {self.storage.url}", step=step)
         return self.storage.join(self._choose(names)[0])
 
+    def marked_copies(self, step: int) -> List[str]:
+        """Names of the directories that hold a committed copy of ``step``."""
+        return list(self._marked().get(step, []))
+
+    @staticmethod
+    def new_token() -> str:
+        return _token()
+
     # ---- writing -----------------------------------------------------------------------------
     def begin(self, step: int, token: Optional[str] = None) -> StepTarget:
         """Prepare an empty place to write ``step`` into. ``token`` must match across ranks.
@@ -161,61 +168,20 @@ class CheckpointLayout:
         Nothing committed is touched: an existing copy of the step stays restorable until the
         new one is committed.
         """
-        final = self.step_dir(step)
-        self._refuse_link(final, f"write step {step}")
-        token = token or _token()
-        if self.mode == "rename":
-            path = self.storage.join(f".tmp-{step}-{token}")
-        else:
-            path = final if not self.storage.exists(final) else self.storage.join(f"{step}.{token}")
-            final = path
-        self.storage.makedirs(path)
-        if self.mode != "rename":
-            # Before any data: marks the unmarked directory as ours, so that cleanup may remove
-            # it if this save never commits (a foreign directory without it is never touched).
-            self.storage.write_bytes(f"{path}/{PENDING_NAME}", b"")
-        return StepTarget(step, path, final)
+        self.refuse_link(self.step_dir(step), f"write step {step}")
+        return self.protocol.begin(self, step, token or _token())
 
     def commit(self, target: StepTarget, manifest: Manifest) -> None:
         """Write the manifest, then the marker; then put the step in place and retire any
-        older copy of it (rename mode: one rename; marker mode: the older copy is removed)."""
-        st = self.storage
-        mbytes = manifest.to_json()
-        st.write_bytes(f"{target.path}/{MANIFEST_NAME}", mbytes)
-        if self.mode != "rename":
-            st.fsync_dir(target.path)  # marker mode on a POSIX path: entries durable before the marker
-        st.write_bytes_atomic(f"{target.path}/{MARKER_NAME}", marker_bytes(target.step, mbytes))
-        st.fsync_dir(target.path)  # (no-op on object stores)
-        if self.mode != "rename":
-            st.fsync_dir(st.root)
-            try:
-                st.rm(f"{target.path}/{PENDING_NAME}", recursive=False)  # tidy; the marker decides
-            except Exception:
-                pass
-            here = target.path.rstrip("/").rsplit("/", 1)[-1]
-            for name in self._marked().get(target.step, []):
-                if name != here:
-                    self.remove(self.condemn_dir(st.join(name)))
-            return
-        trash = None
-        self._refuse_link(target.final, f"commit step {target.step}")
-        if st.exists(target.final):
-            # The old copy keeps its marker until it is out of the way: a crash between the two
-            # renames leaves the new copy committed under its temporary name (see ``locate``).
-            trash = st.join(f".trash-{target.step}-{_token()}")
-            st.rename(target.final, trash)
-        st.rename(target.path, target.final)
-        st.fsync_dir(st.root)
-        if trash is not None:
-            self.remove(self.condemn_dir(trash))
+        older copy of it (see :mod:`async_ckpt.storage.commit`)."""
+        self.protocol.finish(self, target, manifest)
 
     def recover(self) -> List[int]:
         """Settle what a crashed writer left: return the steps whose committed copy moved.
 
-        Rename mode: a finished ``.tmp-<step>-*`` (its marker vouches for its manifest) that is
-        the step's newest committed copy is renamed into ``<step>/``. Both modes: superseded
-        committed copies of a step are unmarked (then cleaned up as incomplete). Only for the
-        holder of the writer lease.
+        Per step, the newest committed copy is put in place by the commit protocol (rename
+        mode: a finished ``.tmp-<step>-*`` is renamed into ``<step>/``); older committed copies
+        are unmarked (then cleaned up as incomplete). Only for the holder of the writer lease.
         """
         st = self.storage
         done = []
@@ -224,23 +190,17 @@ class CheckpointLayout:
                 continue  # foreign: never moved, never written through
             try:
                 winner, losers = self._choose(names)
-                if self.mode == "rename" and _TMP_RE.match(winner):
-                    tmp = st.join(winner)
-                    check_marker(st.read_bytes(f"{tmp}/{MARKER_NAME}"), st.read_bytes(f"{tmp}/{MANIFEST_NAME}"),
-                                 where=tmp, step=step)
-                    final = self.step_dir(step)
-                    if st.exists(final):
-                        if str(step) not in losers and not self.is_ours_incomplete(final):
-                            continue  # a foreign directory holds the name: leave both alone
-                        st.rename(final, st.join(f".trash-{step}-{_token()}"))
-                        losers = [n for n in losers if n != str(step)]
-                    st.rename(tmp, final)
-                    st.fsync_dir(st.root)
+                if losers or winner != str(step):
+                    # the copy that counts must vouch for itself before anything older goes
+                    where = st.join(winner)
+                    check_marker(st.read_bytes(f"{where}/{MARKER_NAME}"), st.read_bytes(f"{where}/{MANIFEST_NAME}"),
+                                 where=where, step=step)
+                if self.protocol.settle(self, step, winner, losers):
                     done.append(step)
                 for name in losers:
                     self.condemn_dir(st.join(name))
             except (OSError, CorruptCheckpointError):
-                continue  # never completed (or cannot be moved): left to the cleanup
+                continue  # cannot be moved now: left for the next writer
         return done
 
     def abort(self, target: StepTarget) -> None:
@@ -264,7 +224,7 @@ class CheckpointLayout:
         a deletion cut short leaves a directory the startup cleanup recognises as ours. A
         directory that is a symbolic link raises :class:`StorageError`: nothing is written or
         deleted through it."""
-        self._refuse_link(path, "delete " + path)
+        self.refuse_link(path, "delete " + path)
         try:
             self.storage.write_bytes(f"{path}/{PENDING_NAME}", b"")
         except FileNotFoundError:
@@ -280,7 +240,7 @@ class CheckpointLayout:
         delete may take the sentinel before the data, and a kill then left data that cleanup
         could not recognise), then the directory. A directory that holds a marker is committed
         and left alone; a symbolic link raises :class:`StorageError`."""
-        self._refuse_link(path, "delete " + path)
+        self.refuse_link(path, "delete " + path)
         if self.storage.exists(f"{path}/{MARKER_NAME}"):
             return
         try:
@@ -295,7 +255,7 @@ class CheckpointLayout:
     def delete(self, step: int) -> None:
         """Remove every copy of a step: markers first, so a half-deleted step never looks committed.
         A step directory that is a symbolic link raises :class:`StorageError`."""
-        self._refuse_link(self.step_dir(step), f"delete step {step}")
+        self.refuse_link(self.step_dir(step), f"delete step {step}")
         for path in self.condemn(step):
             self.remove(path)
 
@@ -315,7 +275,7 @@ class CheckpointLayout:
         except OSError:
             return False
 
-    def _refuse_link(self, path: str, what: str) -> None:
+    def refuse_link(self, path: str, what: str) -> None:
         if self.storage.is_link(path):
             raise StorageError(f"refusing to {what}: {path} is a symbolic link (a foreign directory; async_ckpt "
                                "never writes or deletes through one)")

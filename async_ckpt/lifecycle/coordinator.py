@@ -1,0 +1,253 @@
+"""The one thing that differs between one process and N: how ranks agree.
+
+A save or restore runs the same phases everywhere (see ``save_job`` and ``restore``); at each
+phase boundary the ranks exchange outcomes through a :class:`Coordinator`. For one process,
+:class:`LocalCoordinator` answers every exchange with the local value. For N,
+:class:`GroupCoordinator` uses two gloo groups of its own (one for the writer thread, one for
+the training thread's agreements), created once per manager, so checkpoint traffic never
+interleaves with training collectives, and with a bounded timeout, so a rank that dies makes
+the others raise instead of waiting for gloo's 30-minute default.
+
+A coordinator also owns what differs in the data path: :meth:`Coordinator.write` writes this
+rank's part of a step's files and :meth:`Coordinator.load` reads into a target (one process:
+async_ckpt's own DCP-format writer and reader; N: DCP over the checkpoint group, which
+de-duplicates replicated tensors and reshards on load).
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any, Dict, List, Optional, Protocol, Sequence, Tuple
+
+import torch
+
+from .. import errors as _errors
+from ..errors import CheckpointError
+from ..storage import FileRecord, Storage
+from ..storage.dcp_io import FsspecStorageReader, FsspecStorageWriter, load_state_dict, save_state_dict
+
+#: How long a collective waits for the other ranks before it fails (seconds).
+DEFAULT_TIMEOUT_S = 300.0
+
+
+class Coordinator(Protocol):
+    """How the ranks of one manager agree. Rank 0 (``is_primary``) commits and deletes."""
+
+    rank: int
+    world_size: int
+
+    @property
+    def is_primary(self) -> bool: ...
+
+    def agree(self, flags: Sequence[bool]) -> List[bool]:
+        """Rank 0's ``flags`` on every rank (training thread)."""
+
+    def broadcast(self, obj: Any) -> Any:
+        """Rank 0's ``obj`` on every rank (writer thread, or the caller after ``join``)."""
+
+    def all_gather(self, obj: Any) -> List[Any]:
+        """Every rank's ``obj``, by rank."""
+
+    def write(self, storage: Storage, path: str, state_dict: Dict[str, Any], *, threads: int,
+              planner: Any) -> Tuple[Dict[str, FileRecord], Optional[BaseException]]:
+        """Write this rank's files of a step into ``path``: (file records, error or None). Every
+        rank calls it; a failure on one rank is reported on all of them."""
+
+    def load(self, storage: Storage, path: str, state_dict: Dict[str, Any], *, files: Dict[str, FileRecord],
+             verify: bool, threads: int, allow_pickle: bool, metadata: Any, planner: Any) -> None:
+        """Read a step into ``state_dict`` in place."""
+
+
+class LocalCoordinator:
+    """One process: every exchange is the local value; files are written by async_ckpt's own
+    DCP-format writer (no DCP planner round trips)."""
+
+    rank = 0
+    world_size = 1
+    is_primary = True
+
+    def agree(self, flags: Sequence[bool]) -> List[bool]:
+        return [bool(f) for f in flags]
+
+    def broadcast(self, obj: Any) -> Any:
+        return obj
+
+    def all_gather(self, obj: Any) -> List[Any]:
+        return [obj]
+
+    def write(self, storage: Storage, path: str, state_dict: Dict[str, Any], *, threads: int,
+              planner: Any) -> Tuple[Dict[str, FileRecord], Optional[BaseException]]:
+        return save_state_dict(storage, path, state_dict, threads=threads, planner=planner), None
+
+    def load(self, storage: Storage, path: str, state_dict: Dict[str, Any], *, files: Dict[str, FileRecord],
+             verify: bool, threads: int, allow_pickle: bool, metadata: Any, planner: Any) -> None:
+        load_state_dict(storage, path, state_dict, files=files, verify=verify, threads=threads,
+                        allow_pickle=allow_pickle, metadata=metadata, planner=planner)
+
+
+class GroupCoordinator:
+    """N processes: gloo groups of our own over the ranks of the user's process group."""
+
+    def __init__(self, group: Any, control: Any) -> None:
+        import torch.distributed as dist
+
+        self.group = group
+        #: the training thread's agreements (the writer thread owns ``group`` while saves are
+        #: pending; two threads must never share one group)
+        self.control = control
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+
+    @property
+    def is_primary(self) -> bool:
+        return self.rank == 0
+
+    def agree(self, flags: Sequence[bool]) -> List[bool]:
+        import torch.distributed as dist
+
+        t = torch.tensor([bool(f) for f in flags], dtype=torch.uint8)
+        _collective(lambda: dist.broadcast(t, group=self.control, group_src=0), "agree")
+        return [bool(v) for v in t.tolist()]
+
+    def broadcast(self, obj: Any) -> Any:
+        import torch.distributed as dist
+
+        box = [obj if self.rank == 0 else None]
+        _collective(lambda: dist.broadcast_object_list(box, group=self.group, group_src=0), "broadcast")
+        return box[0]
+
+    def all_gather(self, obj: Any) -> List[Any]:
+        import torch.distributed as dist
+
+        out: List[Any] = [None] * self.world_size
+        _collective(lambda: dist.all_gather_object(out, obj, group=self.group), "all_gather")
+        return out
+
+    def write(self, storage: Storage, path: str, state_dict: Dict[str, Any], *, threads: int,
+              planner: Any) -> Tuple[Dict[str, FileRecord], Optional[BaseException]]:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+        # DCP directly: its CheckpointException says which rank failed, for the message every
+        # rank raises; its own collectives spread any rank's write error to every rank.
+        writer = FsspecStorageWriter(storage, path, threads=threads)
+        try:
+            dcp.save(state_dict, storage_writer=writer, process_group=self.group,
+                     planner=planner or DefaultSavePlanner())
+        except BaseException as exc:  # noqa: BLE001 - DCP raises CheckpointException (a BaseException)
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                raise
+            return {}, exc
+        return writer.files, None
+
+    def load(self, storage: Storage, path: str, state_dict: Dict[str, Any], *, files: Dict[str, FileRecord],
+             verify: bool, threads: int, allow_pickle: bool, metadata: Any, planner: Any) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        from ..storage.dcp_io import _SafeLoadPlanner
+
+        reader = FsspecStorageReader(storage, path, files=files, verify=verify, threads=threads, metadata=metadata)
+        dcp.load(state_dict, storage_reader=reader, process_group=self.group,
+                 planner=planner or _SafeLoadPlanner(allow_pickle))
+
+
+def _collective(fn: Any, what: str) -> None:
+    try:
+        fn()
+    except RuntimeError as exc:  # gloo: a peer died, or the timeout passed
+        raise CheckpointError(f"checkpoint coordination ({what}) failed: another rank died or did not "
+                              f"take part in time: {exc}") from exc
+
+
+def coordinator_for(process_group: Any = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> "LocalCoordinator | GroupCoordinator":
+    """The coordinator for ``process_group`` (default: all ranks): a :class:`GroupCoordinator`
+    with two new gloo groups when ``torch.distributed`` is initialised with more than one rank,
+    else a :class:`LocalCoordinator`.
+
+    Collective when distributed: must be called on every rank of ``process_group`` (of the
+    default group when it is ``None``), in the same order as other ``new_group`` calls.
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return LocalCoordinator()
+    ranks = None if process_group is None else sorted(dist.get_process_group_ranks(process_group))
+    size = dist.get_world_size() if ranks is None else len(ranks)
+    if size <= 1:
+        return LocalCoordinator()
+    timeout = datetime.timedelta(seconds=timeout_s)
+
+    def make() -> Any:
+        if ranks is None:
+            return dist.new_group(backend="gloo", timeout=timeout)
+        # a subgroup: only its members take part in creating ours
+        return dist.new_group(ranks=ranks, backend="gloo", timeout=timeout, use_local_synchronization=True)
+
+    group, control = make(), make()
+    if group is None or group == dist.GroupMember.NON_GROUP_MEMBER:
+        raise ValueError("CheckpointManager was created on a rank outside its process_group")
+    return GroupCoordinator(group, control)
+
+
+# ---- errors across ranks -------------------------------------------------------------------
+
+def dcp_failure(exc: BaseException) -> BaseException:
+    """The underlying error of DCP's ``CheckpointException`` (which gathers every rank's errors).
+
+    Prefers an async_ckpt error (so a ``CorruptCheckpointError`` keeps its type), then the
+    lowest rank's error; anything else is returned as is.
+    """
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    if not isinstance(exc, CheckpointException):
+        return exc
+    failures = [(r, f[0] if isinstance(f, tuple) else f) for r, f in sorted(exc.failures.items())]
+    failures = [(r, e) for r, e in failures if isinstance(e, BaseException)]
+    if not failures:
+        return exc
+    ours = [(r, e) for r, e in failures if isinstance(e, CheckpointError)]
+    rank, err = (ours or failures)[0]
+    try:
+        err._async_ckpt_rank = rank  # type: ignore[attr-defined]  # for the message: who failed
+    except Exception:
+        pass
+    return err
+
+
+def describe(rank: int, exc: BaseException) -> Tuple[str, str]:
+    """(error class name, message naming the rank) of a failure, to exchange between ranks."""
+    exc = dcp_failure(exc)
+    where = getattr(exc, "_async_ckpt_rank", rank)
+    return type(exc).__name__, f"rank {where}: {type(exc).__name__}: {exc}"
+
+
+def rebuild(kind: str, message: str, step: Optional[int]) -> CheckpointError:
+    """An error of async_ckpt's class ``kind`` (else ``CheckpointError``) carrying ``message``."""
+    cls = getattr(_errors, kind, None)
+    if not (isinstance(cls, type) and issubclass(cls, CheckpointError)):
+        cls = CheckpointError
+    try:
+        return cls(message, step=step)
+    except TypeError:
+        return CheckpointError(message, step=step)
+
+
+def raise_gathered(outcomes: Sequence[Optional[Tuple[str, str]]], step: int, what: str,
+                   local: Optional[BaseException] = None) -> None:
+    """Raise on every rank if any rank reported an error (this rank's own error if it has one)."""
+    bad = [o for o in outcomes if o is not None]
+    if not bad:
+        return
+    if local is not None:
+        local = dcp_failure(local)
+        if isinstance(local, CheckpointError):
+            if local.step is None:
+                local.step = step
+            raise local
+        if len(outcomes) == 1:  # one process: its own error, as it was raised
+            raise local
+        summary = "; ".join(dict.fromkeys(msg for _, msg in bad))
+        raise CheckpointError(f"step {step}: {what} failed: {summary}", step=step) from local
+    # DCP hands one rank's error to every rank: report each distinct error once.
+    summary = "; ".join(dict.fromkeys(msg for _, msg in bad))
+    raise rebuild(bad[0][0], f"step {step}: {what} failed: {summary}", step)

@@ -1,0 +1,183 @@
+"""One save, after staging: write -> manifest -> commit -> retention, for 1 process and N.
+
+Every rank runs the same phases on its writer thread::
+
+    0. the host copies are complete (lazy saves: and unchanged)
+    1. rank 0 opens the step (temp dir / unmarked dir)     -> broadcast of where (or why not)
+    2. every rank is ready to write (or says why not)       -> all_gather of errors
+    3. every rank writes its files                          (the coordinator's write)
+    4. all_gather of (error, file records, sizes)
+    5. rank 0 writes manifest + marker, applies retention   -> broadcast of the outcome
+
+Every rank reaches the same exchanges in the same order whatever fails, so one rank's failure
+becomes an error on every rank instead of a hang, and nothing is committed unless every rank
+wrote its files. With one process the exchanges are no-ops and errors propagate as raised.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple
+
+from ..errors import CheckpointError
+from ..policies import CheckpointInfo, RetentionPolicy
+from ..staging import HostSnapshot
+from ..stats import SaveStats
+from ..storage import FileRecord, Manifest, StepTarget
+from .coordinator import describe, raise_gathered, rebuild
+from .steps import StepStore
+
+
+@dataclass
+class SaveJob:
+    """What the training thread hands the writer for one save."""
+
+    step: int
+    snap: Optional[HostSnapshot]  # None: this rank's staging failed (``local_error``)
+    metrics: Dict[str, float]
+    stats: Optional[SaveStats]
+    t0: float
+    local_error: Optional[BaseException] = None
+
+
+class StagingAlreadyReported(Exception):
+    """This rank's staging failed and was raised to its caller; the job ends quietly."""
+
+
+@dataclass
+class _RankResult:
+    error: Optional[Tuple[str, str]]
+    files: Dict[str, Tuple[int, int]]
+    nbytes: int
+    num_tensors: int
+    int_keys: List[str]
+
+
+def run_save(store: StepStore, job: SaveJob, *, policy: RetentionPolicy, threads: int, planner: Any) -> Optional[SaveStats]:
+    """Writer thread of every rank: the phases in the module docstring. Returns the save's
+    statistics once committed (None on a rank whose staging failed)."""
+    coord = store.coordinator
+    alone = coord.world_size == 1
+    step, snap = job.step, job.snap
+    target: Optional[StepTarget] = None
+    committed = claimed = False
+
+    def report(exc: BaseException) -> Tuple[str, str]:
+        if alone:
+            raise exc
+        return describe(coord.rank, exc)
+
+    try:
+        # 0. every host copy done (lazy saves: and unchanged, else TornSnapshotError)
+        local = job.local_error
+        if snap is not None:
+            try:
+                snap.drop_sources()  # here, not in the stall: releasing device-buffer views costs
+                snap.wait_copied()
+            except BaseException as exc:  # noqa: BLE001 - reported to every rank
+                if alone or isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                    raise
+                local = exc
+        tw = time.perf_counter()
+
+        # 1. rank 0 opens the step; everyone learns where (or why not).
+        opened: Any = None
+        if coord.is_primary:
+            try:
+                store.catalog.begin_write(step)  # claimed before anything is written; waits out a deletion
+                claimed = True
+                target = store.layout.begin(step, uuid.uuid4().hex[:12])
+                store.catalog.set_path(step, target.path)
+                opened = ("ok", target.path, target.final)
+            except BaseException as exc:  # noqa: BLE001
+                opened = ("err",) + report(exc)
+        opened = coord.broadcast(opened)
+        if opened[0] != "ok":
+            raise rebuild(opened[1], f"step {step}: could not open the step directory: {opened[2]}", step)
+        if not coord.is_primary:
+            target = StepTarget(step, opened[1], opened[2])
+        assert target is not None
+
+        # 2. every rank is ready to write (or says why not).
+        prep: Optional[Tuple[str, str]] = None
+        if local is not None:
+            prep = report(local)
+        elif not coord.is_primary:
+            try:
+                store.storage.makedirs(target.path)
+            except BaseException as exc:  # noqa: BLE001
+                prep = report(exc)
+                local = exc
+        outcomes = coord.all_gather(prep)
+        if job.local_error is not None and snap is None:
+            raise StagingAlreadyReported()  # raised to this rank's training thread already
+        raise_gathered(outcomes, step, "staging", local)
+        assert snap is not None
+
+        # 3. every rank writes its files.
+        try:
+            files, write_error = coord.write(store.storage, target.path, snap.state_dict, threads=threads,
+                                             planner=planner)
+        finally:
+            snap.release()  # buffers go back to the pool as soon as the data is written
+        tc = time.perf_counter()
+
+        # 4. did every rank write? gather the file records for the manifest.
+        mine = _RankResult(describe(coord.rank, write_error) if write_error is not None else None,
+                           {k: (v.size, v.crc32c) for k, v in files.items()},
+                           snap.nbytes, snap.num_tensors, list(snap.int_keys))
+        results: List[_RankResult] = coord.all_gather(mine)
+        raise_gathered([r.error for r in results], step, "writing", write_error)
+
+        # 5. rank 0 commits and applies retention; everyone learns the outcome.
+        done: Any = None
+        if coord.is_primary:
+            try:
+                merged: Dict[str, FileRecord] = {}
+                for r in results:
+                    for name, (size, crc) in r.files.items():
+                        if name in merged:
+                            raise CheckpointError(f"step {step}: file {name} was written by two ranks", step=step)
+                        merged[name] = FileRecord(size, crc)
+                int_keys = sorted({k for r in results for k in r.int_keys})
+                store.check_lease()
+                manifest = Manifest(step=step, commit_time=store.catalog.next_commit_time(), files=merged,
+                                    metrics=job.metrics, nbytes=sum(r.nbytes for r in results),
+                                    num_tensors=sum(r.num_tensors for r in results), world_size=coord.world_size,
+                                    extra={"int_keys": int_keys} if int_keys else {})
+                store.layout.commit(target, manifest)
+                committed = True
+                store.catalog.record_commit(CheckpointInfo(step, manifest.commit_time, dict(job.metrics),
+                                                           manifest.nbytes))
+                store.catalog.end_write(step)
+                claimed = False
+                store.apply_retention(policy)  # decided (markers gone) before save()/join() return
+                done = ("ok", manifest.commit_time, len(merged))
+            except BaseException as exc:  # noqa: BLE001
+                done = ("err",) + report(exc)
+        done = coord.broadcast(done)
+        if done[0] != "ok":
+            raise rebuild(done[1], f"step {step}: commit failed: {done[2]}", step)
+        td = time.perf_counter()
+        commit_time = done[1]
+    except StagingAlreadyReported:
+        return None
+    except BaseException:
+        if snap is not None:
+            snap.release()
+        raise
+    finally:
+        if coord.is_primary:
+            if claimed:
+                store.catalog.end_write(step)
+            if target is not None and not committed:
+                store.layout.abort(target)
+    stats = job.stats
+    if stats is None:
+        return None
+    stats.write_s, stats.commit_s, stats.durable_s = tc - tw, td - tc, td - job.t0
+    stats.files = len(files)
+    stats.commit_time = commit_time
+    return stats

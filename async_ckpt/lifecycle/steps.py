@@ -1,0 +1,149 @@
+"""``StepStore``: the steps under one root, as one manager sees and changes them.
+
+It wires the step catalog, the root's writer lease, retention and the background deleter,
+for one process and for N (on N ranks only rank 0 holds the lease, commits and deletes; the
+other ranks' stores only list and read).
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, List, Optional
+
+from ..errors import StepNotFoundError
+from ..policies import RetentionPolicy
+from ..storage import CheckpointLayout, Storage
+from ..storage.lease import writer_lease
+from ..storage.manifest import MARKER_NAME
+from .catalog import StepCatalog
+from .coordinator import Coordinator
+
+log = logging.getLogger("async_ckpt")
+
+
+class StepStore:
+    """Committed, in-flight and condemned steps of one root; the lease; deletions."""
+
+    def __init__(self, storage: Storage, layout: CheckpointLayout, coordinator: Coordinator,
+                 clock: Callable[[], float], *, keep_incomplete: bool = False, lease_timeout: float = 0.0) -> None:
+        self.storage = storage
+        self.layout = layout
+        self.coordinator = coordinator
+        self.catalog = StepCatalog(layout, clock)
+        self.keep_incomplete = keep_incomplete
+        self.lease_timeout = lease_timeout
+        # Taken at the first save (or delete): until then this store only reads.
+        self.lease = writer_lease(storage) if coordinator.is_primary else None
+        self.deleter = ThreadPoolExecutor(1, thread_name_prefix="async-ckpt-delete")
+        self._warned_lower = False
+
+    # ---- the writer lease --------------------------------------------------------------------
+    def become_writer(self) -> None:
+        """Take the root's writer lease before the first write; then settle what a dead writer
+        left: finish interrupted commits, clean up incomplete steps (in the background)."""
+        if self.lease is None or self.lease.held:
+            return
+        self.lease.acquire(self.lease_timeout)
+        self.catalog.enable_cache()
+        self.catalog.forget()
+        self.recover()
+        if not self.keep_incomplete:
+            self.in_background(self.cleanup_incomplete)
+
+    def check_lease(self) -> None:
+        """Raise if the lease was lost (object stores: another writer took it over)."""
+        if self.lease is not None:
+            self.lease.check()
+
+    def warn_if_lower(self, step: int, restored: Optional[int]) -> None:
+        """One warning when a save goes below the highest committed step without a restore."""
+        if self._warned_lower or (restored is not None and restored <= step):
+            return
+        steps = self.layout.committed_steps()
+        if steps and step < steps[-1]:
+            self._warned_lower = True
+            log.warning(
+                "async_ckpt: saving step %d under %s, which already holds committed steps up to %d "
+                "(an earlier run?). Commit order decides: step %d becomes the latest step, and "
+                "retention by commit order will delete the older run's steps as this run goes on. "
+                "Restore a step first to continue from it, or save to another directory.",
+                step, self.storage.url, steps[-1], step)
+
+    # ---- retention and deletion --------------------------------------------------------------
+    def in_background(self, fn: Callable[[], None]) -> None:
+        """Run deletions off the writer thread, so they never delay the next save."""
+        try:
+            self.deleter.submit(fn)
+        except RuntimeError:  # executor already shut down (close() or interpreter exit)
+            fn()
+
+    def apply_retention(self, policy: RetentionPolicy) -> List[int]:
+        """Right after a commit (rank 0): the steps ``policy`` drops stop being committed now
+        (their markers go); their files are deleted in the background. Returns them."""
+        try:
+            drops = self.catalog.drops(policy)
+        except Exception as exc:  # a failing policy must never break training
+            log.warning("async_ckpt: retention failed: %s", exc)
+            return []
+        dropped = []
+        for s in drops:
+            try:
+                paths = self.catalog.condemn(s)
+            except Exception as exc:
+                log.warning("async_ckpt: could not delete step %d: %s", s, exc)
+                continue
+            if paths:
+                dropped.append(s)
+                log.info("async_ckpt: deleted step %d (retention)", s)
+                self.in_background(lambda s=s, paths=paths: self._remove(s, paths))
+        return dropped
+
+    def _remove(self, step: int, paths: List[str]) -> None:
+        try:
+            self.catalog.remove(step, paths)
+        except Exception as exc:  # the step is already unmarked: cleanup finishes it later
+            log.warning("async_ckpt: could not remove the files of step %d: %s", step, exc)
+
+    def delete(self, step: int) -> None:
+        """Delete a committed step now (the caller holds the lease)."""
+        if step not in self.layout.committed_steps():
+            raise StepNotFoundError(f"no committed checkpoint for step {step} under {self.storage.url}", step=step)
+        paths = self.catalog.condemn(step)
+        self.catalog.remove(step, paths)
+        log.info("async_ckpt: deleted step %d (delete())", step)
+
+    def recover(self) -> None:
+        """Finish commits a crash interrupted (see ``CheckpointLayout.recover``)."""
+        try:
+            for step in self.layout.recover():
+                log.warning("async_ckpt: completed the commit of step %d, which a crash had interrupted", step)
+        except Exception as exc:
+            log.warning("async_ckpt: recovery of interrupted commits failed: %s", exc)
+
+    def cleanup_incomplete(self) -> None:
+        """Remove what never committed (a dead writer's debris). Holder of the lease only."""
+        try:
+            busy = self.catalog.busy_paths()
+            for path in self.layout.incomplete(exclude=busy):
+                step = self.layout.step_of(path)
+                if step is None or not self.catalog.claim_delete(step):
+                    continue  # a save of this step started meanwhile: its directory is not ours
+                try:
+                    trash = path.rstrip("/").rsplit("/", 1)[-1].startswith(".trash-")
+                    if not trash and self.storage.exists(f"{path}/{MARKER_NAME}"):
+                        continue  # committed since it was listed
+                    log.info("async_ckpt: removing incomplete checkpoint %s", path)
+                    self.layout.remove(self.layout.condemn_dir(path))
+                finally:
+                    self.catalog.release_delete(step)
+        except Exception as exc:
+            log.warning("async_ckpt: cleanup of incomplete checkpoints failed: %s", exc)
+
+    def close(self) -> None:
+        """Finish deletions, release the lease."""
+        try:
+            self.deleter.shutdown(wait=True)
+        finally:
+            if self.lease is not None:
+                self.lease.release()

@@ -1,0 +1,131 @@
+"""The two commit protocols (Orbax's ``AtomicRenameTemporaryPath`` / ``CommitFileTemporaryPath``).
+
+Both write data files, then ``manifest.json``, then the ``COMMITTED`` marker (which vouches for
+the manifest); they differ in where a step is written and how it takes its place:
+
+* :class:`RenameCommit` (POSIX paths): written under ``.tmp-<step>-<token>/``, then renamed to
+  ``<step>/`` (an older copy of the step is first renamed out of the way, marker and all) and
+  the parent directory is fsynced.
+* :class:`MarkerCommit` (object stores, which have no rename): written in place under
+  ``<step>/`` (or beside an existing copy, as ``<step>.<token>/``); the marker, written last,
+  alone decides that it exists, and an older copy is removed once the new marker is written.
+
+Either way a crash at any point leaves the old or the new copy of a step committed, never
+neither (see :class:`~async_ckpt.storage.layout.CheckpointLayout` for how a step's copy is
+chosen). The protocols know paths and files only; the layout knows the names.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, List, Protocol
+
+from .manifest import MANIFEST_NAME, MARKER_NAME, PENDING_NAME, Manifest, marker_bytes
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .layout import CheckpointLayout, StepTarget
+
+
+class CommitProtocol(Protocol):
+    """Where a step is written, how it is committed, and how a crashed commit is settled."""
+
+    name: str
+
+    def begin(self, layout: "CheckpointLayout", step: int, token: str) -> "StepTarget":
+        """An empty directory to write ``step`` into; nothing committed is touched."""
+
+    def finish(self, layout: "CheckpointLayout", target: "StepTarget", manifest: Manifest) -> None:
+        """Manifest, then marker; then the step takes its place and an older copy retires."""
+
+    def settle(self, layout: "CheckpointLayout", step: int, winner: str, losers: List[str]) -> bool:
+        """After a crash: put ``winner`` (the newest committed copy, already checked against its
+        marker) in place; True if it moved. ``losers`` (older committed copies) are unmarked by
+        the caller; a loser this call moved out of the way is taken off the list."""
+
+
+def _write_manifest_and_marker(layout: "CheckpointLayout", target: "StepTarget", manifest: Manifest,
+                               sync_entries: bool) -> None:
+    st = layout.storage
+    mbytes = manifest.to_json()
+    st.write_bytes(f"{target.path}/{MANIFEST_NAME}", mbytes)
+    if sync_entries:
+        st.fsync_dir(target.path)  # marker mode on a POSIX path: entries durable before the marker
+    st.write_bytes_atomic(f"{target.path}/{MARKER_NAME}", marker_bytes(target.step, mbytes))
+    st.fsync_dir(target.path)  # (no-op on object stores)
+
+
+class RenameCommit:
+    """Write under a temporary name, then one atomic rename into ``<step>/``."""
+
+    name = "rename"
+
+    def begin(self, layout: "CheckpointLayout", step: int, token: str) -> "StepTarget":
+        from .layout import StepTarget
+
+        path = layout.storage.join(f".tmp-{step}-{token}")
+        layout.storage.makedirs(path)
+        return StepTarget(step, path, layout.step_dir(step))
+
+    def finish(self, layout: "CheckpointLayout", target: "StepTarget", manifest: Manifest) -> None:
+        st = layout.storage
+        _write_manifest_and_marker(layout, target, manifest, sync_entries=False)
+        trash = None
+        layout.refuse_link(target.final, f"commit step {target.step}")
+        if st.exists(target.final):
+            # The old copy keeps its marker until it is out of the way: a crash between the two
+            # renames leaves the new copy committed under its temporary name.
+            trash = st.join(f".trash-{target.step}-{layout.new_token()}")
+            st.rename(target.final, trash)
+        st.rename(target.path, target.final)
+        st.fsync_dir(st.root)
+        if trash is not None:
+            layout.remove(layout.condemn_dir(trash))
+
+    def settle(self, layout: "CheckpointLayout", step: int, winner: str, losers: List[str]) -> bool:
+        st = layout.storage
+        if not winner.startswith(".tmp-"):
+            return False
+        tmp = st.join(winner)
+        final = layout.step_dir(step)
+        if st.exists(final):
+            if str(step) not in losers and not layout.is_ours_incomplete(final):
+                return False  # a foreign directory holds the name: leave both alone
+            st.rename(final, st.join(f".trash-{step}-{layout.new_token()}"))
+            if str(step) in losers:
+                losers.remove(str(step))  # moved to trash: the cleanup removes it
+        st.rename(tmp, final)
+        st.fsync_dir(st.root)
+        return True
+
+
+class MarkerCommit:
+    """Write in place (or beside an existing copy); the marker written last commits."""
+
+    name = "marker"
+
+    def begin(self, layout: "CheckpointLayout", step: int, token: str) -> "StepTarget":
+        from .layout import StepTarget
+
+        st = layout.storage
+        final = layout.step_dir(step)
+        path = final if not st.exists(final) else st.join(f"{step}.{token}")
+        st.makedirs(path)
+        # Before any data: marks the unmarked directory as ours, so that cleanup may remove it
+        # if this save never commits (a foreign directory without it is never touched).
+        st.write_bytes(f"{path}/{PENDING_NAME}", b"")
+        return StepTarget(step, path, path)
+
+    def finish(self, layout: "CheckpointLayout", target: "StepTarget", manifest: Manifest) -> None:
+        st = layout.storage
+        _write_manifest_and_marker(layout, target, manifest, sync_entries=True)
+        st.fsync_dir(st.root)
+        try:
+            st.rm(f"{target.path}/{PENDING_NAME}", recursive=False)  # tidy; the marker decides
+        except Exception:
+            pass
+        here = target.path.rstrip("/").rsplit("/", 1)[-1]
+        for name in layout.marked_copies(target.step):
+            if name != here:
+                layout.remove(layout.condemn_dir(st.join(name)))
+
+    def settle(self, layout: "CheckpointLayout", step: int, winner: str, losers: List[str]) -> bool:
+        return False  # nothing to move: the newest marked copy is the step wherever it is

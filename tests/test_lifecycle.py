@@ -1,0 +1,170 @@
+"""The lifecycle's parts in isolation: the step catalog, the local coordinator, the commit
+protocols."""
+
+from __future__ import annotations
+
+import os
+import threading
+import uuid
+
+import pytest
+import torch
+
+from async_ckpt import CheckpointError, CorruptCheckpointError
+from async_ckpt.lifecycle.catalog import StepCatalog
+from async_ckpt.lifecycle.coordinator import LocalCoordinator, describe, raise_gathered
+from async_ckpt.policies import KeepLatest, as_retention_policy
+from async_ckpt.storage import CheckpointLayout, Manifest, Storage
+from async_ckpt.storage.commit import MarkerCommit, RenameCommit
+from async_ckpt.storage.manifest import MARKER_NAME
+
+
+def _layout(tmp_path, mode="rename"):
+    st = Storage(str(tmp_path / "root"))
+    st.makedirs(st.root)
+    return CheckpointLayout(st, mode)
+
+
+def _commit(layout, step, t):
+    target = layout.begin(step)
+    layout.storage.write_bytes(f"{target.path}/data", b"x" * step)
+    layout.commit(target, Manifest(step=step, commit_time=t, files={}))
+    return target
+
+
+# ---- StepCatalog ----------------------------------------------------------------------------
+
+def test_catalog_orders_by_commit_time_and_drops_the_oldest_commits(tmp_path):
+    layout = _layout(tmp_path)
+    for step, t in ((30, 1.0), (10, 2.0), (20, 3.0)):
+        _commit(layout, step, t)
+    cat = StepCatalog(layout, lambda: 10.0)
+    assert [c.step for c in cat.in_commit_order()] == [30, 10, 20]
+    assert cat.latest() == 20
+    assert cat.drops(KeepLatest(1)) == [30, 10]
+    cat.begin_write(30)  # in flight: never dropped
+    assert cat.drops(KeepLatest(1)) == [10]
+    cat.end_write(30)
+
+
+def test_catalog_never_drops_the_newest_commit_whatever_the_policy(tmp_path):
+    layout = _layout(tmp_path)
+    for step, t in ((1, 1.0), (2, 2.0)):
+        _commit(layout, step, t)
+    cat = StepCatalog(layout, lambda: 10.0)
+    assert cat.drops(as_retention_policy(lambda cps: set())) == [1]
+
+
+def test_catalog_commit_times_never_go_back(tmp_path):
+    layout = _layout(tmp_path)
+    _commit(layout, 1, 100.0)
+    cat = StepCatalog(layout, lambda: 50.0)  # the clock is behind the newest commit
+    t = cat.next_commit_time()
+    assert t > 100.0
+    cat2 = StepCatalog(layout, lambda: 200.0)
+    assert cat2.next_commit_time() == 200.0
+
+
+def test_catalog_condemn_is_immediate_and_remove_waits_for_a_save_of_the_step(tmp_path):
+    layout = _layout(tmp_path)
+    _commit(layout, 1, 1.0)
+    cat = StepCatalog(layout, lambda: 10.0)
+    cat.enable_cache()
+    paths = cat.condemn(1)
+    assert layout.committed_steps() == [] and cat.infos() == {}
+    cat.begin_write(1)  # a new save of step 1 starts before the files are removed
+    done = threading.Event()
+    t = threading.Thread(target=lambda: (cat.remove(1, paths), done.set()))
+    t.start()
+    assert not done.wait(0.2)  # waits for the save
+    _commit(layout, 1, 5.0)  # the new copy is committed (rename mode: into the same name)
+    cat.end_write(1)
+    t.join(10)
+    assert done.is_set()
+    assert layout.committed_steps() == [1]  # the committed new copy was left alone
+
+
+def test_catalog_cache_sees_a_marker_removed_by_hand(tmp_path):
+    layout = _layout(tmp_path)
+    for s in (1, 2):
+        _commit(layout, s, float(s))
+    cat = StepCatalog(layout, lambda: 10.0)
+    cat.enable_cache()
+    assert cat.latest() == 2
+    os.remove(os.path.join(layout.step_dir(2), MARKER_NAME))
+    assert cat.latest() == 1
+
+
+# ---- LocalCoordinator and the error exchange ------------------------------------------------
+
+def test_local_coordinator_answers_with_the_local_value():
+    c = LocalCoordinator()
+    assert c.is_primary and c.world_size == 1
+    assert c.agree([True, False]) == [True, False]
+    assert c.broadcast({"a": 1}) == {"a": 1}
+    assert c.all_gather(3) == [3]
+
+
+def test_one_process_raises_its_own_error_as_raised():
+    err = OSError(28, "No space left on device")
+    with pytest.raises(OSError, match="No space"):
+        raise_gathered([describe(0, err)], 5, "writing", err)
+    raise_gathered([None], 5, "writing", None)  # nothing failed
+
+
+def test_other_ranks_errors_keep_their_class_and_name_the_rank():
+    outcomes = [None, describe(1, CorruptCheckpointError("bad crc"))]
+    with pytest.raises(CorruptCheckpointError, match="rank 1: CorruptCheckpointError: bad crc") as ei:
+        raise_gathered(outcomes, 7, "restore", None)
+    assert ei.value.step == 7
+    with pytest.raises(CheckpointError, match="rank 1: ValueError: x"):
+        raise_gathered([None, describe(1, ValueError("x"))], 7, "writing", None)
+
+
+# ---- commit protocols -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode", ["rename", "marker"])
+def test_commit_protocol_resave_keeps_the_old_copy_until_the_new_one_commits(tmp_path, mode):
+    layout = _layout(tmp_path, mode)
+    assert isinstance(layout.protocol, RenameCommit if mode == "rename" else MarkerCommit)
+    _commit(layout, 5, 1.0)
+    target = layout.begin(5)
+    assert target.path != layout.step_dir(5)  # never written over the committed copy
+    assert layout.read_manifest(5).commit_time == 1.0
+    layout.storage.write_bytes(f"{target.path}/data", b"new")
+    layout.commit(target, Manifest(step=5, commit_time=2.0, files={}))
+    assert layout.read_manifest(5).commit_time == 2.0
+    assert layout.committed_steps() == [5] and len(layout.marked_copies(5)) == 1
+
+
+@pytest.mark.parametrize("mode", ["rename", "marker"])
+def test_two_committed_copies_the_newer_counts_and_recovery_keeps_it(tmp_path, mode):
+    """A crash between the new copy's marker and the old copy's retirement."""
+    layout = _layout(tmp_path, mode)
+    _commit(layout, 5, 1.0)
+    target = layout.begin(5)
+    real_rename, real_condemn = layout.storage.rename, layout.condemn_dir
+    # the new marker is written; the protocol then dies before the old copy retires
+    layout.storage.rename = lambda *a: (_ for _ in ()).throw(OSError("killed"))  # type: ignore[method-assign]
+    layout.condemn_dir = lambda *a: (_ for _ in ()).throw(OSError("killed"))  # type: ignore[method-assign]
+    with pytest.raises(OSError, match="killed"):
+        layout.commit(target, Manifest(step=5, commit_time=2.0, files={}))
+    layout.storage.rename, layout.condemn_dir = real_rename, real_condemn  # type: ignore[method-assign]
+    assert len(layout.marked_copies(5)) == 2
+    assert layout.read_manifest(5).commit_time == 2.0  # the newer copy is the step
+    layout.recover()
+    assert layout.read_manifest(5).commit_time == 2.0
+    assert len(layout.marked_copies(5)) == 1
+    if mode == "rename":
+        assert layout.locate(5) == layout.step_dir(5)  # renamed into place
+
+
+def test_recovery_never_retires_an_older_copy_for_a_newer_one_that_does_not_verify(tmp_path):
+    layout = _layout(tmp_path, "marker")
+    _commit(layout, 5, 1.0)
+    target = _commit_beside = layout.begin(5)
+    layout.storage.write_bytes(f"{target.path}/manifest.json", Manifest(step=5, commit_time=2.0, files={}).to_json())
+    layout.storage.write_bytes(f"{target.path}/{MARKER_NAME}", b'{"manifest_size": 1, "manifest_crc32c": 0}')
+    assert _commit_beside.path != layout.step_dir(5)
+    layout.recover()
+    assert os.path.exists(os.path.join(layout.step_dir(5), MARKER_NAME))  # the good old copy stays
