@@ -252,7 +252,7 @@ def persist(mgr: "CheckpointManager", step: int, snap: Optional["HostSnapshot"],
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-    from .storage.dcp_io import FsspecStorageWriter
+    from .storage.dcp import FsspecStorageWriter
 
     cg: CheckpointGroup = mgr._dist  # type: ignore[assignment]
     target: Optional[StepTarget] = None
@@ -435,7 +435,8 @@ def _restore_one(mgr: "CheckpointManager", cg: CheckpointGroup, step: int, state
     from .manager import _prepare_target
     import torch.distributed.checkpoint as dcp
 
-    from .storage.dcp_io import METADATA_NAME, FsspecStorageReader, _SafeLoadPlanner
+    from .storage.dcp import METADATA_NAME, FsspecStorageReader
+    from .storage.dcp.safety import _SafeLoadPlanner
 
     added: List[tuple] = []
     local: Optional[BaseException] = None

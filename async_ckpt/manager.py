@@ -50,7 +50,7 @@ from .stats import SaveStats, StatsLog
 from .storage import CheckpointLayout, Manifest, RetryPolicy, Storage, StepTarget
 from .storage.lease import writer_lease
 from .storage.manifest import MARKER_NAME
-from .storage.dcp_io import METADATA_NAME, FsspecStorageReader, load_state_dict, save_state_dict
+from .storage.dcp import METADATA_NAME, FsspecStorageReader, WriteMemo, load_state_dict, save_state_dict
 from .writer import AsyncWriter
 from . import distributed as _dist
 
@@ -232,6 +232,7 @@ class CheckpointManager:
         self._keep_incomplete = keep_incomplete
         self._stats_log = StatsLog.from_option(self.storage, stats_log)
         self.stager = Stager(HostBufferPool(memory_budget_bytes))
+        self._write_memo = WriteMemo()  # this manager's last save layout (see storage.dcp.writer)
         self.stats: Deque[SaveStats] = collections.deque(maxlen=1000)
         self._writer = AsyncWriter(max_pending_async)
         if not isinstance(lazy, bool):
@@ -443,7 +444,7 @@ class CheckpointManager:
             self.catalog.set_path(step, target.path)
             files = save_state_dict(self.storage, target.path, snap.state_dict,
                                     threads=self.write_threads, process_group=self.process_group,
-                                    planner=_dist.save_planner_for(snap.state_dict))
+                                    planner=_dist.save_planner_for(snap.state_dict), memo=self._write_memo)
             snap.release()  # buffers go back to the pool as soon as the data is written
             tc = time.perf_counter()
             self._check_lease()

@@ -35,7 +35,7 @@ from async_ckpt import (
     UnsafeCheckpointError,
 )
 from async_ckpt.storage import Manifest, RetryPolicy
-from async_ckpt.storage.dcp_io import METADATA_NAME, save_state_dict
+from async_ckpt.storage.dcp import METADATA_NAME, save_state_dict
 from async_ckpt.storage.manifest import MANIFEST_NAME, MARKER_NAME, PENDING_NAME, crc32c, marker_bytes
 
 from .tree import assert_bitwise_equal, clone_tree
@@ -463,7 +463,7 @@ def test_malicious_metadata_does_not_run(tmp_path, resign):
 
 
 def test_metadata_unpickler_refuses_builtins_eval():
-    from async_ckpt.storage.dcp_io import load_metadata
+    from async_ckpt.storage.dcp import load_metadata
 
     with pytest.raises(UnsafeCheckpointError, match="eval"):
         load_metadata(pickle.dumps(_EvalEvil()))

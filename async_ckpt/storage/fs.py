@@ -73,6 +73,12 @@ class Storage:
         self.block_size = block_size
         self.retry = retry if retry is not None else RetryPolicy()
 
+    @property
+    def length_checked_writes(self) -> bool:
+        """Whether the service checks every upload's length (gs://, s3://): a written file
+        need not be stat'ed to catch a short write."""
+        return self.is_object_store
+
     # ---- paths -------------------------------------------------------------------------------
     def join(self, *parts: str) -> str:
         return "/".join([self.root, *[p.strip("/") for p in parts if p]])
