@@ -632,13 +632,14 @@ def test_bad_input_raises_typed_errors_and_never_damages_committed(tmp_path):
 def test_local_files_start_writeback_early_and_cover_every_byte(tmp_path, monkeypatch, available):
     """Local data files hand every full chunk to the disk as it is written (``sync_file_range``),
     so the closing fsync does not wait for the whole file; without the call, files are the same."""
-    from async_ckpt.storage import fs as fs_mod
+    from async_ckpt.storage.backends import posix
+    from async_ckpt.storage.fs import Storage
 
     calls = []
-    monkeypatch.setattr(fs_mod, "WRITEBACK_BYTES", 1 << 20)
-    monkeypatch.setattr(fs_mod, "_sync_file_range",
+    monkeypatch.setattr(posix, "WRITEBACK_BYTES", 1 << 20)
+    monkeypatch.setattr(posix, "_sync_file_range",
                         (lambda fd, off, n: calls.append((off, n))) if available else None)
-    storage = fs_mod.Storage(str(tmp_path))
+    storage = Storage(str(tmp_path))
     chunks = [os.urandom(n) for n in (300_000, 900_000, 2_500_000, 10, 1_200_000)]
     path = storage.join("f.bin")
     with storage.open_write(path) as f:
