@@ -11,7 +11,7 @@ import pytest
 from fsspec.implementations.memory import MemoryFileSystem
 
 from async_ckpt.errors import StorageError
-from async_ckpt.storage.backends import FsspecBackend, ObjectStoreBackend, PosixBackend, backend_for
+from async_ckpt.storage.backends import FsspecBackend, ObjectStoreBackend, PosixBackend
 from async_ckpt.storage.backends.object_store import OBJECT_FILE_BYTES
 from async_ckpt.storage.fs import Storage
 from async_ckpt.storage.retry import RetryPolicy
