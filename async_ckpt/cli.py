@@ -256,7 +256,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
 # ---- show ------------------------------------------------------------------------------------
 
 def _read_metadata(storage: Storage, layout: CheckpointLayout, step: int) -> Tuple[Manifest, Any]:
-    from .storage.dcp_io import METADATA_NAME, FsspecStorageReader
+    from .storage.dcp import METADATA_NAME, FsspecStorageReader
 
     man = layout.read_manifest(step)
     if METADATA_NAME not in man.files:
@@ -386,7 +386,7 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 def _verify_step(storage: Storage, layout: CheckpointLayout, step: int, bar: Any) -> Dict[str, Any]:
     """Read every file of a committed step and check it against the manifest; list the problems."""
-    from .storage.dcp_io import METADATA_NAME, load_metadata
+    from .storage.dcp import METADATA_NAME, load_metadata
     from .storage.manifest import crc32c
 
     res: Dict[str, Any] = {"step": step, "ok": False, "files": 0, "bytes": 0, "problems": []}
@@ -580,7 +580,7 @@ def load_step(path: str, step: Optional[int] = None, *, key: Optional[str] = Non
     ``step=None`` reads the newest committed step. ``key`` (a dotted prefix such as ``"model"``)
     reads only that subtree and returns it. Returns ``(step, state)``. Nothing is written.
     """
-    from .storage.dcp_io import load_state_dict
+    from .storage.dcp import load_state_dict
 
     storage = Storage(path, storage_options)
     layout = CheckpointLayout(storage, "auto")

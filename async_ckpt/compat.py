@@ -140,3 +140,16 @@ def xla_preemption() -> Any:
     c = xlac()
     return (c._ensure_xla_coordinator_initialized, c._activate_preemption_sync_manager,
             c._deactivate_preemption_sync_manager, c._sync_point_reached)
+
+
+# ---- torch (storage) ------------------------------------------------------------------------
+
+def storage_type_dtypes() -> dict:
+    """``{"FloatStorage": torch.float32, ...}``: the storage class names ``torch.save`` writes
+    in ``data.pkl``, from ``torch.storage._dtype_to_storage_type_map``; empty where it is missing."""
+    try:
+        from torch.storage import _dtype_to_storage_type_map
+
+        return {v: k for k, v in _dtype_to_storage_type_map().items()}
+    except Exception:  # pragma: no cover - a torch without it
+        return {}

@@ -30,6 +30,7 @@ import threading
 from types import FrameType
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
 
+from . import compat
 from .errors import CheckpointError
 
 log = logging.getLogger("async_ckpt")
@@ -123,9 +124,8 @@ class PreemptionWatcher:
         self._installed = False
         if self.sync == "xla":
             try:
-                import torch_xla
-
-                torch_xla._XLAC._deactivate_preemption_sync_manager()
+                _, _, deactivate, _ = compat.xla_preemption()
+                deactivate()
             except Exception as exc:  # pragma: no cover - best effort at shutdown
                 log.debug("async_ckpt: deactivating the preemption sync manager failed: %s", exc)
             return
@@ -140,13 +140,13 @@ class PreemptionWatcher:
 
     def _activate_xla(self) -> None:
         try:
-            import torch_xla
             import torch_xla.runtime as xr
         except ImportError as exc:
             raise CheckpointError("preemption_sync='xla' needs torch_xla") from exc
         master = xr.get_master_ip() if xr.device_type() == "TPU" else "localhost"
-        torch_xla._XLAC._ensure_xla_coordinator_initialized(xr.process_index(), xr.process_count(), master)
-        torch_xla._XLAC._activate_preemption_sync_manager()
+        ensure_coordinator, activate, _, _ = compat.xla_preemption()
+        ensure_coordinator(xr.process_index(), xr.process_count(), master)
+        activate()
 
     # ---- detection ---------------------------------------------------------------------------
     def _on_signal(self, signum: int, frame: Optional[FrameType]) -> None:
@@ -169,9 +169,8 @@ class PreemptionWatcher:
         if self._detected or not self._installed:
             return self._detected
         if self.sync == "xla":
-            import torch_xla
-
-            if torch_xla._XLAC._sync_point_reached(step):
+            *_, sync_point_reached = compat.xla_preemption()
+            if sync_point_reached(step):
                 self._detected = True
                 self._sync_step = step
         return self._detected

@@ -35,7 +35,7 @@ from async_ckpt import (
     UnsafeCheckpointError,
 )
 from async_ckpt.storage import Manifest, RetryPolicy
-from async_ckpt.storage.dcp_io import METADATA_NAME, save_state_dict
+from async_ckpt.storage.dcp import METADATA_NAME, save_state_dict
 from async_ckpt.storage.manifest import MANIFEST_NAME, MARKER_NAME, PENDING_NAME, crc32c, marker_bytes
 
 from .tree import assert_bitwise_equal, clone_tree
@@ -463,7 +463,7 @@ def test_malicious_metadata_does_not_run(tmp_path, resign):
 
 
 def test_metadata_unpickler_refuses_builtins_eval():
-    from async_ckpt.storage.dcp_io import load_metadata
+    from async_ckpt.storage.dcp import load_metadata
 
     with pytest.raises(UnsafeCheckpointError, match="eval"):
         load_metadata(pickle.dumps(_EvalEvil()))
@@ -632,13 +632,14 @@ def test_bad_input_raises_typed_errors_and_never_damages_committed(tmp_path):
 def test_local_files_start_writeback_early_and_cover_every_byte(tmp_path, monkeypatch, available):
     """Local data files hand every full chunk to the disk as it is written (``sync_file_range``),
     so the closing fsync does not wait for the whole file; without the call, files are the same."""
-    from async_ckpt.storage import fs as fs_mod
+    from async_ckpt.storage.backends import posix
+    from async_ckpt.storage.fs import Storage
 
     calls = []
-    monkeypatch.setattr(fs_mod, "WRITEBACK_BYTES", 1 << 20)
-    monkeypatch.setattr(fs_mod, "_sync_file_range",
+    monkeypatch.setattr(posix, "WRITEBACK_BYTES", 1 << 20)
+    monkeypatch.setattr(posix, "_sync_file_range",
                         (lambda fd, off, n: calls.append((off, n))) if available else None)
-    storage = fs_mod.Storage(str(tmp_path))
+    storage = Storage(str(tmp_path))
     chunks = [os.urandom(n) for n in (300_000, 900_000, 2_500_000, 10, 1_200_000)]
     path = storage.join("f.bin")
     with storage.open_write(path) as f:

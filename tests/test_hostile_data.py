@@ -100,7 +100,8 @@ def test_stored_bytes_never_reads_a_misaligned_wide_dtype():
     ``_stored_bytes`` sets up reads it aligned (or as bytes) and puts the exact bytes in."""
     _run_child("""
         import io, types, torch
-        from async_ckpt.storage.dcp_io import _STORAGE_DTYPES, _stored_bytes
+        from async_ckpt.storage.dcp.reader import _stored_bytes
+        from async_ckpt.storage.dcp.safety import _STORAGE_DTYPES
 
         g = torch.Generator().manual_seed(1)
         dtypes = [torch.complex128, torch.complex64, torch.float64, torch.float32, torch.bfloat16,

@@ -16,7 +16,7 @@ import torch
 from async_ckpt import CheckpointManager
 from async_ckpt.cli import main
 from async_ckpt.errors import CorruptCheckpointError, StepNotFoundError, StorageError, UnsafeCheckpointError
-from async_ckpt.storage.dcp_io import METADATA_NAME, load_metadata
+from async_ckpt.storage.dcp import METADATA_NAME, load_metadata
 from async_ckpt.storage.fs import Storage
 from async_ckpt.storage.layout import CheckpointLayout
 from async_ckpt.storage.manifest import MANIFEST_NAME, MARKER_NAME, crc32c, marker_bytes

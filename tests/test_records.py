@@ -14,7 +14,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from async_ckpt.storage import dcp_io, records
+from async_ckpt.storage import records
+from async_ckpt.storage.dcp import writer as dcp_writer
 from async_ckpt.storage.fs import Storage
 from async_ckpt.storage.records import RecordTemplates
 
@@ -101,11 +102,11 @@ def test_a_template_that_fails_its_check_falls_back_to_torch_save(monkeypatch, t
     monkeypatch.setattr(records, "_hash_combine", lambda seed, value: seed + value)
     tpl = RecordTemplates()
     assert _record(tpl, torch.randn(16)) is None
-    monkeypatch.setattr(dcp_io, "_RECORDS", tpl)
+    monkeypatch.setattr(dcp_writer, "_RECORDS", tpl)
     sd = {"w": torch.randn(16), "b": torch.randn(3)}
     storage = Storage(str(tmp_path))
     storage.makedirs(str(tmp_path / "s"))
-    dcp_io.save_state_dict(storage, str(tmp_path / "s"), sd)
+    dcp_writer.save_state_dict(storage, str(tmp_path / "s"), sd)
     out = {"w": torch.zeros(16), "b": torch.zeros(3)}
     dcp.load(out, checkpoint_id=str(tmp_path / "s"), no_dist=True)
     assert_bitwise_equal(out, sd)
@@ -141,7 +142,7 @@ def test_planner_free_save_matches_dcp_save(tmp_path):
     ours, theirs = str(tmp_path / "ours"), str(tmp_path / "theirs")
     storage = Storage(str(tmp_path))
     storage.makedirs(ours)
-    files = dcp_io._save_local(storage, ours, sd, threads=4)
+    files = dcp_writer._save_local(storage, ours, sd, threads=4)
     assert files is not None, "a plain state dict must take the fast path"
     dcp.save(sd, checkpoint_id=theirs, no_dist=True)
 
@@ -192,8 +193,8 @@ def test_stateful_values_take_dcp_path(tmp_path):
     model = torch.nn.Linear(3, 2)
     storage = Storage(str(tmp_path))
     storage.makedirs(str(tmp_path / "s"))
-    assert dcp_io._save_local(storage, str(tmp_path / "s"), {"model": model}, threads=2) is None
-    dcp_io.save_state_dict(storage, str(tmp_path / "s"), {"model": model})
+    assert dcp_writer._save_local(storage, str(tmp_path / "s"), {"model": model}, threads=2) is None
+    dcp_writer.save_state_dict(storage, str(tmp_path / "s"), {"model": model})
     other = torch.nn.Linear(3, 2)
     dcp.load({"model": other}, checkpoint_id=str(tmp_path / "s"), no_dist=True)
     assert_bitwise_equal(other.state_dict(), model.state_dict())
@@ -217,10 +218,11 @@ def test_repeated_layout_reuses_metadata_and_stays_exact(tmp_path):
              ("d", state(12, shape=(8, 8))),  # new shapes
              ("e", state(13, extra=torch.ones(2)))]  # a new key
     metas = {}
+    memo = dcp_writer.WriteMemo()
     for name, sd in cases:
         d = str(tmp_path / name)
         storage.makedirs(d)
-        dcp_io._save_local(storage, d, sd, threads=2)
+        dcp_writer._save_local(storage, d, sd, threads=2, memo=memo)
         with open(os.path.join(d, ".metadata"), "rb") as f:
             metas[name] = f.read()
         out = _zeros_like_tree(sd)
@@ -247,12 +249,11 @@ def test_one_rank_process_group_takes_the_fast_path(tmp_path):
     script = textwrap.dedent(f"""
         import torch, torch.distributed as dist
         from async_ckpt import CheckpointManager
-        from async_ckpt.storage import dcp_io
         dist.init_process_group("gloo", store=dist.FileStore({str(tmp_path / 'store')!r}, 1), rank=0, world_size=1)
         sd = {{f"p{{i}}": torch.randn(16) for i in range(20)}}
         with CheckpointManager({str(tmp_path / 'ck')!r}) as mgr:
             mgr.save(1, sd)
-        assert dcp_io._last_layout is not None, "the planner-free path was not taken"
+            assert mgr._coord.memo.layout is not None, "the planner-free path was not taken"
         out = {{k: torch.zeros(16) for k in sd}}
         with CheckpointManager({str(tmp_path / 'ck')!r}) as mgr:
             mgr.restore(1, out)
@@ -273,7 +274,7 @@ def test_writing_a_checkpoint_leaves_the_global_rng_alone(tmp_path):
     expected = torch.rand(4)
     torch.manual_seed(1234)
     storage.makedirs(str(tmp_path / "s"))
-    dcp_io.save_state_dict(storage, str(tmp_path / "s"), sd)  # new (dtype, shape) keys: builds templates
+    dcp_writer.save_state_dict(storage, str(tmp_path / "s"), sd)  # new (dtype, shape) keys: builds templates
     assert torch.equal(torch.rand(4), expected)
 
 
@@ -313,10 +314,10 @@ def test_flatten_matches_dcp(case):
         expected = flatten_state_dict(sd)
     except ValueError as exc:
         with pytest.raises(ValueError, match="duplicated flatten key"):
-            dcp_io._flatten(sd)
+            dcp_writer._flatten(sd)
         assert "duplicated" in str(exc)
         return
-    flat, mappings = dcp_io._flatten(sd)
+    flat, mappings = dcp_writer._flatten(sd)
     assert list(flat) == list(expected[0]), "same keys, same order"
     assert all(flat[k] is expected[0][k] for k in flat), "the same objects"
     assert mappings == expected[1] and list(mappings) == list(expected[1])
@@ -329,7 +330,7 @@ def test_files_of_small_items_are_produced_in_turns(tmp_path, monkeypatch):
     import time
 
     order = []
-    real, real_run = dcp_io._write_item, dcp_io._RecordStream.append_records
+    real, real_run = dcp_writer._write_item, dcp_writer._RecordStream.append_records
 
     def on_item(hook):  # items are written one by one, or as runs of templated records
         def item(stream, data):
@@ -341,8 +342,8 @@ def test_files_of_small_items_are_produced_in_turns(tmp_path, monkeypatch):
                 hook(stream, t)
             return real_run(stream, tpl, ts)
 
-        monkeypatch.setattr(dcp_io, "_write_item", item)
-        monkeypatch.setattr(dcp_io._RecordStream, "append_records", run)
+        monkeypatch.setattr(dcp_writer, "_write_item", item)
+        monkeypatch.setattr(dcp_writer._RecordStream, "append_records", run)
 
     def traced(stream, data):
         order.append((stream, getattr(data, "nbytes", 0)))  # the stream itself: ids get reused
@@ -350,14 +351,14 @@ def test_files_of_small_items_are_produced_in_turns(tmp_path, monkeypatch):
             time.sleep(0.01)  # big items: give the other threads a chance to interleave
 
     on_item(traced)
-    monkeypatch.setattr(dcp_io, "MIN_FILE_BYTES", 64 * 1024)  # four files of this little data
+    monkeypatch.setattr(dcp_writer, "MIN_FILE_BYTES", 64 * 1024)  # four files of this little data
     storage = Storage(str(tmp_path))
     small = {f"p{i}": torch.full((64,), float(i)) for i in range(2000)}
     storage.makedirs(str(tmp_path / "small"))
     # Item by item (no templates, so no batched runs): an interleaving would show.
     with monkeypatch.context() as m:
-        m.setattr(dcp_io, "_RECORDS", RecordTemplates(max_bytes=0))
-        dcp_io._save_local(storage, str(tmp_path / "small"), small, threads=4)
+        m.setattr(dcp_writer, "_RECORDS", RecordTemplates(max_bytes=0))
+        dcp_writer._save_local(storage, str(tmp_path / "small"), small, threads=4)
     streams = [id(s) for s, _ in order]
     runs = 1 + sum(a != b for a, b in zip(streams, streams[1:]))
     assert len(set(streams)) == 4 and runs == 4, "each small-item file is produced in one go"
@@ -376,7 +377,7 @@ def test_files_of_small_items_are_produced_in_turns(tmp_path, monkeypatch):
             barrier.wait()  # would time out if the big writes took turns
 
     on_item(racing)
-    dcp_io._save_local(storage, str(tmp_path / "big"), big, threads=4)
+    dcp_writer._save_local(storage, str(tmp_path / "big"), big, threads=4)
     out = {k: torch.zeros_like(v) for k, v in big.items()}
     dcp.load(out, checkpoint_id=str(tmp_path / "big"), no_dist=True)
     assert_bitwise_equal(out, big)
@@ -393,21 +394,22 @@ def test_a_repeated_save_keeps_nothing_per_item_alive_while_writing(tmp_path, mo
     import gc
 
     counts = []
-    real = dcp_io._write_files
+    real = dcp_writer._write_files
 
     def counting(*args, **kwargs):
         counts.append(len(gc.get_objects(0)))  # with the collector off, everything new is here
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(dcp_io, "_write_files", counting)
+    monkeypatch.setattr(dcp_writer, "_write_files", counting)
     storage = Storage(str(tmp_path))
     sd = {"model": {f"layers.{i // 10}.p{i % 10}": torch.randn(16) for i in range(3000)}, "step": 1}
+    memo = dcp_writer.WriteMemo()
     for k in range(3):
         os.makedirs(tmp_path / str(k))
         gc.collect()
         gc.disable()
         try:
-            dcp_io.save_state_dict(storage, str(tmp_path / str(k)), sd)
+            dcp_writer.save_state_dict(storage, str(tmp_path / str(k)), sd, memo=memo)
         finally:
             gc.enable()
     assert counts[0] > 3000, "the first save builds its layout: the count sees every new object"
@@ -426,7 +428,7 @@ def test_tensors_far_apart_in_memory_are_written(tmp_path):
     addrs = [t.data_ptr() for t in sd.values()]
     storage = Storage(str(tmp_path))
     storage.makedirs(str(tmp_path / "s"))
-    dcp_io.save_state_dict(storage, str(tmp_path / "s"), sd)
+    dcp_writer.save_state_dict(storage, str(tmp_path / "s"), sd)
     out = {k: torch.zeros_like(v) for k, v in sd.items()}
     dcp.load(out, checkpoint_id=str(tmp_path / "s"), no_dist=True)
     assert_bitwise_equal(out, sd)

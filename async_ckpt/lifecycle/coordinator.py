@@ -24,7 +24,7 @@ import torch
 from .. import errors as _errors
 from ..errors import CheckpointError
 from ..storage import FileRecord, Storage
-from ..storage.dcp_io import FsspecStorageReader, FsspecStorageWriter, load_state_dict, save_state_dict
+from ..storage.dcp import FsspecStorageReader, FsspecStorageWriter, WriteMemo, load_state_dict, save_state_dict
 
 #: How long a collective waits for the other ranks before it fails (seconds).
 DEFAULT_TIMEOUT_S = 300.0
@@ -66,6 +66,9 @@ class LocalCoordinator:
     world_size = 1
     is_primary = True
 
+    def __init__(self) -> None:
+        self.memo = WriteMemo()  # the last save's file layout, reused by the next save of the same shape
+
     def agree(self, flags: Sequence[bool]) -> List[bool]:
         return [bool(f) for f in flags]
 
@@ -77,7 +80,7 @@ class LocalCoordinator:
 
     def write(self, storage: Storage, path: str, state_dict: Dict[str, Any], *, threads: int,
               planner: Any) -> Tuple[Dict[str, FileRecord], Optional[BaseException]]:
-        return save_state_dict(storage, path, state_dict, threads=threads, planner=planner), None
+        return save_state_dict(storage, path, state_dict, threads=threads, planner=planner, memo=self.memo), None
 
     def load(self, storage: Storage, path: str, state_dict: Dict[str, Any], *, files: Dict[str, FileRecord],
              verify: bool, threads: int, allow_pickle: bool, metadata: Any, planner: Any) -> None:
@@ -144,7 +147,7 @@ class GroupCoordinator:
              verify: bool, threads: int, allow_pickle: bool, metadata: Any, planner: Any) -> None:
         import torch.distributed.checkpoint as dcp
 
-        from ..storage.dcp_io import _SafeLoadPlanner
+        from ..storage.dcp import _SafeLoadPlanner
 
         reader = FsspecStorageReader(storage, path, files=files, verify=verify, threads=threads, metadata=metadata)
         dcp.load(state_dict, storage_reader=reader, process_group=self.group,

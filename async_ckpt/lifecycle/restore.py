@@ -15,7 +15,7 @@ import torch
 
 from ..compat import dcp_flatten_state_dict
 from ..errors import CorruptCheckpointError, StateDictMismatchError, StepNotFoundError
-from ..storage.dcp_io import METADATA_NAME, FsspecStorageReader
+from ..storage.dcp import METADATA_NAME, FsspecStorageReader
 from .coordinator import describe, raise_gathered
 from .steps import StepStore
 

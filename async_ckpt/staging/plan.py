@@ -213,7 +213,7 @@ def _check_names(state_dict: Mapping, plan: StagingPlan, memo: Optional[PlanMemo
     if not plan.odd_keys and memo is not None and memo.names is not None and memo.names == names:
         return
     if plan.odd_keys or len(set(names)) != len(names):
-        from ..storage.dcp_io import _flatten
+        from ..storage.dcp.writer import _flatten
 
         try:
             _flatten(dict(state_dict))

@@ -1,0 +1,103 @@
+"""Any fsspec filesystem that is neither local nor an object store (``memory://``, test
+filesystems, ...): fsspec calls throughout, streamed writes, rename by ``mv``."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Dict, Iterator, List, Optional
+
+from ..retry import RetryPolicy
+from .base import temp_name
+
+
+class FsspecBackend:
+    """Storage through fsspec's generic API (see :class:`~.base.Backend`)."""
+
+    is_local = False
+    length_checked_writes = False
+    default_max_file_bytes: Optional[int] = None
+
+    def __init__(self, fs: Any) -> None:
+        self.fs = fs
+
+    def normalize_root(self, root: str) -> str:
+        return root.rstrip("/")
+
+    def url_of(self, path: str) -> str:
+        return self.fs.unstrip_protocol(path)
+
+    def makedirs(self, path: str, retry: RetryPolicy) -> None:
+        retry.call(lambda: self.fs.makedirs(path, exist_ok=True), f"mkdir {path}")
+
+    def check_writable(self, url: str, probe: str, retry: RetryPolicy) -> None:
+        pass  # only object stores are probed (a missing bucket, wrong credentials)
+
+    @contextmanager
+    def open_write(self, path: str, size_hint: Optional[int], *, block_size: int,
+                   pipe_max_bytes: int) -> Iterator[Any]:
+        f = self.fs.open(path, "wb", block_size=block_size)
+        ok = False
+        try:
+            yield f
+            ok = True
+        finally:
+            if ok:
+                f.close()  # uploads the last block / completes the multipart upload
+            else:
+                _discard(f)
+
+    def write_bytes(self, path: str, data: bytes) -> None:
+        self.fs.pipe_file(path, data)
+
+    def write_bytes_atomic(self, path: str, data: bytes, retry: RetryPolicy) -> None:
+        """A temporary name, then ``mv`` (each retried)."""
+        tmp = temp_name(path)
+        retry.call(lambda: self.write_bytes(tmp, data), f"write {tmp}")
+        retry.call(lambda: self.fs.mv(tmp, path), f"rename {tmp}")
+
+    def fsync_dir(self, path: str) -> None:
+        pass
+
+    def rename(self, src: str, dst: str) -> None:
+        raise AssertionError("rename is only used on POSIX paths")
+
+    def before_delete(self, path: str, root: str) -> None:
+        pass  # no symbolic links
+
+    def is_link(self, path: str) -> bool:
+        return False
+
+    def file_problem(self, path: str, inside: str) -> Optional[str]:
+        return None  # a missing file shows when it is read
+
+    def read_into(self, path: str, start: int, out: memoryview) -> int:
+        data = self.fs.cat_file(path, start=start, end=start + len(out))
+        n = min(len(data), len(out))
+        out[:n] = memoryview(data)[:n]
+        return len(data)
+
+    def size(self, path: str, retry: RetryPolicy) -> int:
+        try:
+            self.fs.invalidate_cache(path)  # never answer from a listing cached before the write
+        except Exception:
+            pass
+        return int(retry.call(lambda: self.fs.size(path), f"stat {path}"))
+
+    def ls(self, path: str) -> List[Dict[str, Any]]:
+        return self.fs.ls(path, detail=True, refresh=True)
+
+
+def _discard(f: Any) -> None:
+    """Abandon a partially written remote file without committing it."""
+    for name in ("discard", "abort"):
+        fn = getattr(f, name, None)
+        if callable(fn):
+            try:
+                fn()
+            except Exception:
+                pass
+            break
+    try:
+        f.closed = True  # fsspec buffered files: prevent close() from uploading later
+    except Exception:
+        pass

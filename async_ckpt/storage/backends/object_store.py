@@ -1,0 +1,90 @@
+"""Object stores through fsspec (``gs://``, ``s3://``, ...): no directories, no rename; one
+PUT of an object is atomic, and the service checks each upload's length."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Iterator, Optional
+
+from ...errors import StorageError
+from ..retry import RetryPolicy
+from .fsspec import FsspecBackend
+
+#: fsspec protocols of object stores.
+OBJECT_STORE_PROTOCOLS = frozenset({"gs", "gcs", "s3", "s3a", "az", "abfs", "abfss", "adl", "oss", "oci", "cos",
+                                    "tos", "r2", "b2"})
+
+# The writer aims for data files of about this size, so one checkpoint becomes many objects
+# uploaded concurrently (each a single request) rather than a few long streams; 8-16 MiB is
+# the request size both GCS and S3 recommend for parallel transfers.
+OBJECT_FILE_BYTES = 16 * 2**20
+
+
+class ObjectStoreBackend(FsspecBackend):
+    """gs://, s3://, ... (see :class:`~.base.Backend`)."""
+
+    length_checked_writes = True
+    default_max_file_bytes: Optional[int] = OBJECT_FILE_BYTES
+
+    def makedirs(self, path: str, retry: RetryPolicy) -> None:
+        pass  # no directories; and gcsfs/s3fs makedirs would silently create a missing bucket
+
+    def check_writable(self, url: str, probe: str, retry: RetryPolicy) -> None:
+        """Write and delete the small object ``probe``, so that a missing bucket or wrong
+        credentials fail now with a clear :class:`StorageError`."""
+        try:
+            retry.call(lambda: self.write_bytes(probe, b"async_ckpt write probe\n"), f"write {probe}")
+            retry.call(lambda: self.fs.rm_file(probe), f"delete {probe}")
+        except FileNotFoundError as exc:
+            raise StorageError(f"checkpoint path {url!r} cannot be written: the bucket does not exist "
+                               f"(or is not visible with these credentials): {exc}") from exc
+        except (OSError, StorageError) as exc:
+            cause = exc.__cause__ if isinstance(exc, StorageError) and exc.__cause__ is not None else exc
+            raise StorageError(f"checkpoint path {url!r} cannot be written ({type(cause).__name__}: {cause}); "
+                               "check the credentials, endpoint and bucket in storage_options") from exc
+
+    @contextmanager
+    def open_write(self, path: str, size_hint: Optional[int], *, block_size: int,
+                   pipe_max_bytes: int) -> Iterator[Any]:
+        """A file whose ``size_hint`` is at most ``pipe_max_bytes`` is buffered in memory and
+        uploaded in one ``pipe_file`` call on exit; otherwise it streams in ``block_size``
+        chunks (resumable/multipart upload), completed on exit."""
+        if size_hint is not None and size_hint <= pipe_max_bytes:
+            buf = _BufferFile(size_hint)
+            yield buf
+            self.fs.pipe_file(path, buf.getvalue())
+        else:
+            with super().open_write(path, size_hint, block_size=block_size, pipe_max_bytes=pipe_max_bytes) as f:
+                yield f
+
+    def write_bytes_atomic(self, path: str, data: bytes, retry: RetryPolicy) -> None:
+        """One PUT: an object is either wholly there or not at all."""
+        retry.call(lambda: self.write_bytes(path, data), f"write {path}")
+
+
+class _BufferFile:
+    """A write-only in-memory file backed by one ``bytearray`` (no copy when it is uploaded)."""
+
+    def __init__(self, size_hint: int) -> None:
+        self._buf = bytearray(max(0, size_hint) + 65536)  # torch.save adds headers beyond the raw bytes
+        self._n = 0
+        self.closed = False
+
+    def write(self, b: Any) -> int:
+        mv = memoryview(b).cast("B")
+        end = self._n + mv.nbytes
+        if end > len(self._buf):
+            self._buf.extend(bytes(max(end - len(self._buf), len(self._buf) // 4)))
+        self._buf[self._n:end] = mv
+        self._n = end
+        return mv.nbytes
+
+    def tell(self) -> int:
+        return self._n
+
+    def flush(self) -> None:
+        pass
+
+    def getvalue(self) -> bytearray:
+        del self._buf[self._n:]  # truncate in place
+        return self._buf

@@ -1,0 +1,91 @@
+"""What the DCP writer and reader share: the metadata file's name, and running one DCP call."""
+
+from __future__ import annotations
+
+import re
+import threading
+import warnings
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+from torch.distributed.checkpoint.api import CheckpointException
+
+METADATA_NAME = ".metadata"
+
+# DCP warns on every single-process ``dcp.save``/``dcp.load``: async_ckpt's normal case.
+_SINGLE_PROCESS_WARNING = "torch.distributed is disabled, unavailable or uninitialized"
+
+_quiet_lock = threading.Lock()
+_quiet_users = 0  # blocks of _single_process_quiet() running now, on any thread
+_quiet_entry: Optional[tuple] = None  # the one filter entry they added
+
+
+@contextmanager
+def _single_process_quiet() -> Iterator[None]:
+    """Ignore DCP's single-process warning while the block runs.
+
+    ``warnings.catch_warnings`` restores the whole filter list on exit, so on a writer thread
+    it would undo filters that other threads (the training loop, a test runner) set
+    meanwhile, and two overlapping blocks on two threads would leave a filter behind for
+    good. Here one entry, matching that message only, is put first in ``warnings.filters``
+    while at least one block runs, and that entry alone is taken out when the last one ends.
+    """
+    global _quiet_users, _quiet_entry
+    with _quiet_lock:
+        _quiet_users += 1
+        if _quiet_users == 1:
+            # re.escape: never equal to a filter of the user's for the plain message, which
+            # filterwarnings would otherwise replace (and the exit below then remove).
+            warnings.filterwarnings("ignore", message=re.escape(_SINGLE_PROCESS_WARNING), category=UserWarning)
+            _quiet_entry = warnings.filters[0]
+    try:
+        yield
+    finally:
+        with _quiet_lock:
+            _quiet_users -= 1
+            if _quiet_users == 0:
+                entry, _quiet_entry = _quiet_entry, None
+                for i, f in enumerate(warnings.filters):
+                    if f is entry:
+                        del warnings.filters[i]  # an "ignore" entry leaves nothing cached behind
+                        break
+
+
+def _call_dcp(fn: Callable[[], Any]) -> Any:
+    """Run a DCP call; re-raise the error a ``CheckpointException`` wraps (this rank's, else the first).
+
+    DCP wraps every failure in a ``CheckpointException`` (a ``BaseException``), which would hide
+    our typed errors (``CorruptCheckpointError``, ``StorageError``, ...) from callers. Outside
+    ``torch.distributed``, DCP's single-process warning is ignored while ``fn`` runs.
+    """
+    try:
+        if _distributed():
+            return fn()
+        with _single_process_quiet():
+            return fn()
+    except CheckpointException as exc:
+        failures = getattr(exc, "failures", None) or {}
+        rank = _rank()
+        wrapped = failures.get(rank) if rank in failures else next(iter(failures.values()), None)
+        inner = wrapped[0] if isinstance(wrapped, tuple) and wrapped else None
+        if not isinstance(inner, Exception):
+            raise
+    raise inner  # outside the handler: keeps the inner error's own cause and context
+
+
+def _rank() -> int:
+    return torch.distributed.get_rank() if _distributed() else 0
+
+
+def _world_size(process_group: Any = None) -> int:
+    """Ranks taking part in a save: 1 without ``torch.distributed``, else the group's size."""
+    import torch.distributed as dist
+
+    return dist.get_world_size(process_group) if _distributed() else 1
+
+
+def _distributed() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()

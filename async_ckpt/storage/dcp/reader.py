@@ -1,0 +1,370 @@
+"""Restore: reading a DCP checkpoint through :class:`~async_ckpt.storage.fs.Storage`.
+
+Whole files are read concurrently (a big one as concurrent ranged reads), checked against
+the manifest's sizes and CRC32Cs, and only then applied to the target state dict, so a failed
+restore leaves it untouched. A tensor item stored as one plain ``torch.save`` storage is
+copied straight from the read buffer into its target (:func:`_stored_bytes`); anything else
+goes through ``torch.load(weights_only=True)``.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import struct
+import sys
+import warnings
+import zipfile
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+from torch.futures import Future
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
+from torch.distributed.checkpoint.storage import StorageReader
+
+from ... import compat
+from ...errors import CorruptCheckpointError, StorageError
+from ..fs import READ_RANGE_BYTES, Storage
+from ..manifest import FileRecord, check_file_name, crc32c, shown
+from .common import METADATA_NAME, _call_dcp, _distributed
+from .safety import _SafeLoadPlanner, _TensorDescUnpickler, load_metadata
+
+_StorageInfo, _ = compat.dcp_storage_info()
+narrow_tensor_by_index = compat.narrow_tensor_by_index()
+
+
+class FsspecStorageReader(StorageReader):
+    """DCP ``StorageReader``: whole files read concurrently, verified, then deserialised.
+
+    With ``files`` (the manifest's records) only files it lists are read, each checked against
+    its size (and, with ``verify``, its CRC32C). Every name read must be a plain file name inside
+    ``path`` (never ``../x``, an absolute path, or a link leading out); anything else, and a
+    directory where a file should be, is a :class:`CorruptCheckpointError`.
+    """
+
+    def __init__(self, storage: Storage, path: str, *, files: Optional[Dict[str, FileRecord]] = None,
+                 verify: bool = True, threads: int = 8, metadata: Optional[Metadata] = None) -> None:
+        super().__init__()
+        self.storage = storage
+        self.path = path
+        self.files = files
+        self.verify = verify
+        self.threads = max(1, threads)
+        self._metadata = metadata
+        self.storage_data: Dict[MetadataIndex, _StorageInfo] = {}
+
+    def reset(self, checkpoint_id: Any = None) -> None:
+        pass
+
+    def _checked_path(self, name: str) -> str:
+        """``path/name``, once ``name`` is known safe to read (see the class docstring)."""
+        check_file_name(name, where=f"{self.path}/{METADATA_NAME}")
+        where = f"{self.path}/{name}"
+        if self.files is not None and name not in self.files:
+            raise CorruptCheckpointError(f"{where}: not listed in the manifest; refusing to read it unchecked",
+                                         path=where)
+        problem = self.storage.file_problem(where, self.path)
+        if problem is not None:
+            raise CorruptCheckpointError(f"{where}: {problem}", path=where)
+        return where
+
+    def read_file(self, name: str) -> bytes:
+        where = self._checked_path(name)
+        try:
+            data = self.storage.read_bytes(where)
+        except FileNotFoundError:
+            raise CorruptCheckpointError(f"{where}: file is missing", path=where) from None
+        except StorageError as exc:
+            if isinstance(exc.__cause__, (IsADirectoryError, NotADirectoryError)):
+                raise CorruptCheckpointError(f"{where}: is not a readable file ({exc.__cause__})", path=where) from exc
+            raise
+        rec = (self.files or {}).get(name)
+        if rec is not None:
+            if len(data) != rec.size:
+                raise CorruptCheckpointError(f"{where}: size is {len(data)} bytes, manifest says {rec.size}",
+                                             path=where)
+            if self.verify and crc32c(data) != rec.crc32c:
+                raise CorruptCheckpointError(
+                    f"{where}: checksum mismatch (crc32c {crc32c(data):#010x}, manifest says {rec.crc32c:#010x})",
+                    path=where)
+        return data
+
+    def _read_files(self, names: List[str], pool: ThreadPoolExecutor) -> Dict[str, Any]:
+        """Read and verify ``names`` concurrently; a big file as concurrent ranged reads.
+
+        A file of at most ``2 * READ_RANGE_BYTES`` is one whole-object read (one request). A
+        bigger one whose size the manifest gives is read into one preallocated buffer in
+        ranges of about ``READ_RANGE_BYTES``, on the pool; the last range asks for one byte more
+        than the manifest says, so a longer file is caught as well as a shorter one.
+        """
+        records = self.files or {}
+        split = {n: records[n].size for n in names if n in records and records[n].size > 2 * READ_RANGE_BYTES}
+        for n in split:
+            self._checked_path(n)
+        whole = [n for n in names if n not in split]
+        bufs = {n: bytearray(size + 1) for n, size in split.items()}
+        tasks = []
+        for n, size in split.items():
+            starts = list(range(0, size, READ_RANGE_BYTES))
+            if len(starts) > 1 and size - starts[-1] < READ_RANGE_BYTES // 2:
+                starts.pop()  # no small tail request: the last range takes the remainder
+            ends = starts[1:] + [size + 1]
+            tasks += [(n, a, b) for a, b in zip(starts, ends)]
+
+        def read_range(task: Tuple[str, int, int]) -> int:
+            n, start, end = task
+            where = f"{self.path}/{n}"
+            try:
+                return self.storage.read_into(where, start, memoryview(bufs[n])[start:end])
+            except FileNotFoundError:
+                raise CorruptCheckpointError(f"{where}: file is missing", path=where) from None
+
+        futs = [pool.submit(read_range, t) for t in tasks] + [pool.submit(self.read_file, n) for n in whole]
+        results = [f.result() for f in futs]  # re-raises the first failure
+        out: Dict[str, Any] = dict(zip(whole, results[len(tasks):]))
+        got_bytes: Dict[str, int] = {n: 0 for n in split}
+        for (n, _a, _b), got in zip(tasks, results):
+            got_bytes[n] += got
+        for n, size in split.items():
+            where = f"{self.path}/{n}"
+            if got_bytes[n] != size:
+                got = f"more than {size}" if got_bytes[n] > size else str(got_bytes[n])
+                raise CorruptCheckpointError(f"{where}: size is {got} bytes, manifest says {size}", path=where)
+            data = memoryview(bufs[n])[:size]
+            if self.verify and crc32c(data) != records[n].crc32c:
+                raise CorruptCheckpointError(
+                    f"{where}: checksum mismatch (crc32c {crc32c(data):#010x}, manifest says "
+                    f"{records[n].crc32c:#010x})", path=where)
+            out[n] = data
+        return out
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """``.metadata``, read and checked (once; a ``metadata`` given to the constructor is
+        taken as checked): see :meth:`check_metadata`."""
+        if self._metadata is None:
+            md = load_metadata(self.read_file(METADATA_NAME), where=f"{self.path}/{METADATA_NAME}")
+            self.check_metadata(md)
+            self._metadata = md
+        return self._metadata
+
+    def check_metadata(self, md: Metadata) -> None:
+        """Raise :class:`CorruptCheckpointError` unless every file ``md`` points at is a plain
+        file name that the manifest lists (with ``files``), and every item's byte range lies
+        inside it. Files the manifest lists that no item points at are read and checked too,
+        so that every listed file is checked by a restore."""
+        where = f"{self.path}/{METADATA_NAME}"
+        data = md.storage_data if md.storage_data is not None else {}
+        ends: Dict[str, int] = {}
+        first: Dict[str, str] = {}  # a key stored in each file, for messages
+        try:
+            for idx, info in data.items():
+                rel, offset, length = info.relative_path, info.offset, info.length
+                if not isinstance(offset, int) or not isinstance(length, int) or offset < 0 or length < 0:
+                    raise CorruptCheckpointError(f"{where}: {shown(idx.fqn)}: invalid byte range "
+                                                 f"{shown(offset)}+{shown(length)}", path=where)
+                end = offset + length
+                old = ends.get(rel)
+                if old is None:
+                    check_file_name(rel, where=where)
+                    first[rel] = idx.fqn
+                if old is None or end > old:
+                    ends[rel] = end
+        except (AttributeError, TypeError) as exc:
+            raise CorruptCheckpointError(f"{where}: storage data is malformed ({shown(exc)})", path=where) from exc
+        if self.files is None:
+            return
+        for rel, end in ends.items():
+            rec = self.files.get(rel)
+            if rec is None:
+                raise CorruptCheckpointError(f"{where}: {shown(first[rel])} is stored in {rel}, which the manifest "
+                                             "does not list; refusing to read it unchecked", path=where)
+            if end > rec.size:
+                raise CorruptCheckpointError(f"{self.path}/{rel}: manifest says {rec.size} bytes, but an item "
+                                             f"{METADATA_NAME} places in it ends at byte {end}",
+                                             path=f"{self.path}/{rel}")
+        for name in sorted(self.files):
+            if name != METADATA_NAME and name not in ends:
+                self.read_file(name)  # referenced by no item: still checked (size, checksum)
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.storage_data = metadata.storage_data
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: List[LoadPlan]) -> List[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
+        per_file: Dict[str, List[Any]] = {}
+        for item in plan.items:
+            per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+        names = list(per_file)
+        with ThreadPoolExecutor(self.threads, thread_name_prefix="async-ckpt-read") as pool:
+            blobs = self._read_files(names, pool)
+        # Non-tensor items are decoded before anything is applied, so that an unsafe or
+        # undecodable object fails the restore with the caller's state dict untouched.
+        decoded: Dict[int, Any] = {}
+        if hasattr(planner, "decode_bytes"):
+            for name, reqs in per_file.items():
+                for req in reqs:
+                    if req.type == LoadItemType.BYTE_IO:
+                        info = self.storage_data[req.storage_index]
+                        decoded[id(req)] = planner.decode_bytes(
+                            req, io.BytesIO(memoryview(blobs[name])[info.offset: info.offset + info.length]))
+        # Everything is read and verified: only now touch the caller's state dict.
+        copies: List[Tuple[Any, torch.Tensor, torch.Tensor]] = []
+        # DCP's default planner writes into the caller's own tensors and does nothing on commit,
+        # so its copies may run together; other planners (torch_xla's) get resolve, copy, commit.
+        batch = type(planner) in (_SafeLoadPlanner, DefaultLoadPlanner)
+        for name, reqs in per_file.items():
+            blob = memoryview(blobs.pop(name))
+            for req in sorted(reqs, key=lambda r: self.storage_data[r.storage_index].offset):
+                info = self.storage_data[req.storage_index]
+                if req.type == LoadItemType.BYTE_IO:
+                    if id(req) in decoded:
+                        planner.set_bytes(req, decoded[id(req)])
+                    else:
+                        planner.load_bytes(req, io.BytesIO(blob[info.offset: info.offset + info.length]))
+                    continue
+                target = planner.resolve_tensor(req).detach()
+                raw = _stored_bytes(blob[info.offset: info.offset + info.length], req, target)
+                if raw is not None:  # one copy, straight from the read buffer into the target
+                    dst, src = raw
+                    if batch:
+                        copies.append((req, target, dst, src))
+                    else:
+                        dst.copy_(src)
+                        planner.commit_tensor(req, target)
+                    continue
+                chunk = io.BytesIO(blob[info.offset: info.offset + info.length])  # (a copy)
+                tensor = torch.load(chunk, map_location="cpu", weights_only=True)
+                tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
+                if target.size() != tensor.size():
+                    raise CorruptCheckpointError(
+                        f"{shown(req.storage_index.fqn)}: stored shape {tuple(tensor.size())} != expected "
+                        f"{tuple(target.size())}")
+                target.copy_(tensor)
+                planner.commit_tensor(req, target)
+        if copies:  # large copies, spread over threads (torch releases the GIL while copying)
+            with ThreadPoolExecutor(min(4, len(copies)), thread_name_prefix="async-ckpt-copy") as pool:
+                list(pool.map(lambda c: c[2].copy_(c[3]), copies))
+            for req, target, _, _ in copies:
+                planner.commit_tensor(req, target)
+        fut: Future = Future()
+        fut.set_result(None)
+        return fut
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+        return True
+
+
+class _ViewReader(io.RawIOBase):
+    """Seekable read-only file over a memoryview (zipfile reads only the directory of it)."""
+
+    def __init__(self, mv: memoryview) -> None:
+        super().__init__()
+        self._mv, self._pos = mv, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        self._pos = max(0, offset if whence == 0 else (self._pos + offset if whence == 1 else len(self._mv) + offset))
+        return self._pos
+
+    def read(self, n: int = -1) -> bytes:
+        end = len(self._mv) if n is None or n < 0 else min(len(self._mv), self._pos + n)
+        out = bytes(self._mv[self._pos:end])
+        self._pos = end
+        return out
+
+
+def _stored_bytes(item: memoryview, req: Any, target: torch.Tensor) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+    """``(dst, src)``: copying ``src`` into ``dst`` puts the raw data of the ``torch.save``-
+    serialised tensor ``item`` into ``target``, straight from the read buffer; ``None`` unless
+    the item is the plain case (one little-endian, uncompressed storage of exactly ``target``'s
+    size, read whole), where ``torch.load`` is used.
+
+    The data sits in the file wherever the records before it ended, so its address need not
+    be a multiple of the dtype's size, and kernels for wide dtypes (complex128) may fault on
+    a misaligned source. ``src`` is therefore the data viewed as ``target``'s dtype only where
+    it is aligned; otherwise it stays bytes (see :func:`_aligned_copy`).
+    """
+    nbytes = target.numel() * target.element_size()
+    if nbytes == 0 or any(req.storage_offsets) or list(req.lengths) != list(target.size()):
+        return None
+    try:
+        with zipfile.ZipFile(_ViewReader(item)) as zf:
+            infos = zf.infolist()
+            data = [i for i in infos if i.filename.rsplit("/", 2)[-2:-1] == ["data"]]
+            order = [i for i in infos if i.filename.endswith("/byteorder")]
+            pkl = [i for i in infos if i.filename.endswith("/data.pkl")]
+            if len(data) != 1 or len(pkl) != 1 or data[0].compress_type != zipfile.ZIP_STORED \
+                    or data[0].file_size != nbytes:
+                return None
+            if order and zf.read(order[0]) != b"little" or sys.byteorder != "little":
+                return None
+            desc = _TensorDescUnpickler(io.BytesIO(zf.read(pkl[0]))).load()
+            contiguous, acc = [], 1
+            for d in reversed(target.shape):
+                contiguous.insert(0, acc)
+                acc *= d
+            if desc != (target.dtype, 0, tuple(target.shape), tuple(contiguous)):
+                return None  # a view, a strided layout or another dtype: torch.load handles it
+            off = data[0].header_offset
+            if bytes(item[off:off + 4]) != b"PK\x03\x04":
+                return None
+            name_len, extra_len = struct.unpack_from("<HH", item, off + 26)
+            start = off + 30 + name_len + extra_len
+            if start + nbytes > len(item):
+                return None
+    except (zipfile.BadZipFile, ValueError, struct.error, pickle.UnpicklingError, EOFError, TypeError,
+            AttributeError, IndexError):
+        return None
+    with warnings.catch_warnings():  # a read-only buffer (bytes) is fine: it is only copied from
+        warnings.simplefilter("ignore", UserWarning)
+        raw = torch.frombuffer(item, dtype=torch.uint8, count=nbytes, offset=start)
+    return _aligned_copy(raw, target)
+
+
+def _aligned_copy(raw: torch.Tensor, target: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(dst, src)`` that copy the bytes ``raw`` (flat uint8, ``target``'s size) into ``target``
+    without ever reading ``raw`` as a wider type at an address that type is not aligned to.
+
+    Aligned: ``raw`` viewed as ``target``'s dtype and shape. Misaligned, into a contiguous CPU
+    or CUDA target without a conjugate or negative bit: ``target``'s bytes (a uint8 view) take
+    ``raw`` as bytes (still one copy). Otherwise ``raw`` is first copied into a fresh (aligned)
+    buffer, which is then viewed as ``target``'s dtype.
+    """
+    itemsize = target.element_size()
+    if raw.data_ptr() % itemsize == 0:
+        return target, raw.view(target.dtype).view(target.shape)
+    if target.device.type in ("cpu", "cuda") and target.layout == torch.strided and target.is_contiguous() \
+            and not target.is_conj() and not target.is_neg() and not target.is_quantized:
+        return target.view(-1).view(torch.uint8), raw
+    return target, raw.clone().view(target.dtype).view(target.shape)
+
+
+def load_state_dict(storage: Storage, path: str, state_dict: Dict[str, Any], *, files: Optional[Dict[str, FileRecord]],
+                    verify: bool = True, threads: int = 8, allow_pickle: bool = False,
+                    metadata: Optional[Metadata] = None, process_group: Any = None,
+                    planner: Optional[LoadPlanner] = None) -> None:
+    """Load a DCP checkpoint under ``path`` into ``state_dict`` in place (``planner``: see save)."""
+    reader = FsspecStorageReader(storage, path, files=files, verify=verify, threads=threads, metadata=metadata)
+    reader.read_metadata()  # read (and check) it here: DCP swallows errors from read_metadata
+    planner = planner if planner is not None else _SafeLoadPlanner(allow_pickle)
+    _call_dcp(lambda: dcp.load(state_dict, storage_reader=reader, planner=planner,
+                               process_group=process_group, no_dist=not _distributed()))
+

@@ -1,0 +1,134 @@
+"""Restricted unpicklers: what a checkpoint's pickles may build when async_ckpt reads them.
+
+* ``.metadata`` (DCP's format, a pickle) is read by :func:`load_metadata`, which allows only
+  DCP's metadata record classes, torch's dtypes/sizes/layouts and plain containers;
+* non-tensor items are loaded by :class:`_SafeLoadPlanner` with ``weights_only=True`` unless
+  ``allow_pickle`` is set;
+* a tensor item's ``data.pkl`` is read by :class:`_TensorDescUnpickler` as a description
+  only (nothing is constructed), so its bytes can be copied straight from the read buffer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import io
+import pickle
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata
+
+from ... import compat
+from ...errors import CorruptCheckpointError, UnsafeCheckpointError
+from ..manifest import shown
+from .common import METADATA_NAME
+
+set_element = compat.dcp_traverse().set_element
+
+_SAFE_BUILTINS = {"set", "frozenset", "dict", "list", "tuple", "slice", "bytearray", "complex", "int", "float"}
+
+
+def _plain_data_class(obj: Any) -> bool:
+    """A dataclass, enum or named tuple: calling it only builds a record (DCP's metadata types),
+    unlike the other classes of those modules (writers, readers, executors)."""
+    return isinstance(obj, type) and (dataclasses.is_dataclass(obj) or issubclass(obj, enum.Enum)
+                                      or (issubclass(obj, tuple) and hasattr(obj, "_fields")))
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Allows only DCP's metadata classes, torch's dtypes/sizes and plain containers."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module.startswith("torch.distributed.checkpoint.") or module == "torch.distributed.checkpoint":
+            obj = pickle.Unpickler.find_class(self, module, name)
+            if _plain_data_class(obj):
+                return obj
+        elif module == "torch":
+            obj = getattr(torch, name, None)
+            if isinstance(obj, (torch.dtype, torch.memory_format, torch.layout)) or obj is torch.Size:
+                return obj
+        elif module == "torch.serialization" and name == "_get_layout":  # maps "torch.strided" -> layout
+            return pickle.Unpickler.find_class(self, module, name)
+        elif module == "builtins" and name in _SAFE_BUILTINS:
+            return pickle.Unpickler.find_class(self, module, name)
+        elif module == "pathlib" and name in ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"):
+            return pickle.Unpickler.find_class(self, module, name)  # DCP's own writer stores the checkpoint_id path
+        elif module == "collections" and name == "OrderedDict":
+            return pickle.Unpickler.find_class(self, module, name)
+        elif module == "torch.distributed._shard.sharded_tensor.metadata" or module == "torch.distributed.tensor._dtensor_spec":
+            obj = pickle.Unpickler.find_class(self, module, name)
+            if _plain_data_class(obj):
+                return obj
+        raise UnsafeCheckpointError(
+            f"checkpoint metadata refers to {shown(f'{module}.{name}')}, which is not an allowed DCP metadata "
+            "class; refusing to load it (it could run code)"
+        )
+
+
+def load_metadata(data: bytes, *, where: str = METADATA_NAME) -> Metadata:
+    """Unpickle DCP ``.metadata`` bytes safely."""
+    try:
+        md = _MetadataUnpickler(io.BytesIO(data)).load()
+    except UnsafeCheckpointError:
+        raise
+    except Exception as exc:
+        raise CorruptCheckpointError(f"{where}: DCP metadata is unreadable ({type(exc).__name__}: {shown(exc)})",
+                                     path=where) from exc
+    if not isinstance(md, Metadata):
+        raise CorruptCheckpointError(f"{where}: not DCP metadata (got {type(md).__name__})", path=where)
+    return md
+
+
+class _SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's default planner, loading non-tensor items with ``weights_only`` unless allowed."""
+
+    def __init__(self, allow_pickle: bool = False) -> None:
+        super().__init__()
+        self.allow_pickle = allow_pickle
+
+    def decode_bytes(self, read_item: Any, value: io.BytesIO) -> Any:
+        """Deserialise one non-tensor item without touching the state dict."""
+        try:
+            return torch.load(value, weights_only=not self.allow_pickle)
+        except pickle.UnpicklingError as exc:
+            raise UnsafeCheckpointError(
+                f"{shown(read_item.dest_index.fqn)}: refusing to unpickle an object outside torch's safe set "
+                f"({shown(exc)}); pass allow_pickle=True to restore if you trust this checkpoint"
+            ) from exc
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        self.set_bytes(read_item, self.decode_bytes(read_item, value))
+
+    def set_bytes(self, read_item: Any, obj: Any) -> None:
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
+
+
+
+# "FloatStorage" -> torch.float32, as torch.save names storages in data.pkl (empty for a torch
+# without the map: every tensor item is then read with torch.load)
+_STORAGE_DTYPES = compat.storage_type_dtypes()
+
+
+class _TensorDescUnpickler(pickle.Unpickler):
+    """Reads a single-tensor ``data.pkl`` as ``(dtype, storage_offset, size, stride)``; refuses
+    anything else (nothing is constructed, no code runs)."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "torch._utils" and name == "_rebuild_tensor_v2":
+            return lambda storage, offset, size, stride, *rest: (storage, offset, tuple(size), tuple(stride))
+        if module == "torch" and name in _STORAGE_DTYPES:
+            return _STORAGE_DTYPES[name]
+        if module == "collections" and name == "OrderedDict":
+            return lambda *a: None
+        raise pickle.UnpicklingError(f"{module}.{name}")
+
+    def persistent_load(self, pid: Any) -> Any:
+        if isinstance(pid, tuple) and len(pid) >= 2 and pid[0] == "storage" and isinstance(pid[1], torch.dtype):
+            return pid[1]
+        raise pickle.UnpicklingError(f"persistent id {pid!r}")
+

@@ -1,0 +1,638 @@
+"""Save: writing a DCP checkpoint through :class:`~async_ckpt.storage.fs.Storage`.
+
+The step directory is a plain ``torch.distributed.checkpoint`` checkpoint (``.metadata`` plus
+``__<rank>_<k>.distcp`` files holding ``torch.save``-serialised items, exactly the layout of
+DCP's ``FileSystemWriter``), so ``dcp.load`` reads it without async_ckpt. What differs from
+DCP's own fsspec writer is the I/O path:
+
+* files of one rank are written concurrently (``threads``), balanced by size, with large
+  upload blocks on object stores and ``fsync`` per file on POSIX, never ``os.sync()``;
+* each file's size and CRC32C are computed while writing, for the manifest;
+* tensors are written from record templates (:mod:`..records`) where one fits;
+* a single-process save of plain tensors and objects skips DCP's planner
+  (:func:`_save_local`), and a :class:`WriteMemo` lets the next save of the same layout reuse
+  the file assignment and the pickled ``.metadata``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import io
+import itertools
+import operator
+import pickle
+import threading
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+
+import torch
+from torch.futures import Future
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+
+from ... import compat
+from ..fs import Storage
+from ..manifest import FileRecord, crc32c
+from ..records import PickledObject, RecordBatch, RecordTemplates
+from .common import METADATA_NAME, _call_dcp, _distributed, _world_size
+
+_StorageInfo, _StoragePrefix = compat.dcp_storage_info()
+flatten_state_dict = compat.dcp_flatten_state_dict()
+traverse_state_dict = compat.dcp_traverse().traverse_state_dict
+_dcp_version = compat.dcp_version()
+
+
+def _item_bytes(item: Any) -> int:
+    if item.type == WriteItemType.BYTE_IO:
+        return 1024
+    return item.tensor_data.size.numel() * item.tensor_data.properties.dtype.itemsize if item.tensor_data else 0
+
+
+MIN_FILE_BYTES = 16 * 2**20  # below this, more files cost more than they parallelise
+
+
+MAX_FILES = 4096  # per rank and checkpoint, whatever ``max_file_bytes`` asks for
+
+
+def _balance(items: List[Any], sizes: List[int], buckets: int,
+             max_file_bytes: Optional[int] = None) -> List[List[Any]]:
+    """Greedy size balancing of write items (``sizes[i]`` bytes each) over at most ``buckets`` files.
+
+    With ``max_file_bytes`` (object stores) there are more files, about that size each, so
+    that they upload as many concurrent single-request objects; threads stay ``buckets``.
+    """
+    total = sum(sizes)
+    buckets = min(buckets, max(1, -(-total // MIN_FILE_BYTES)))
+    if max_file_bytes:
+        buckets = max(buckets, min(MAX_FILES, len(items), -(-total // max_file_bytes)))
+    out: List[List[Any]] = [[] for _ in range(max(1, buckets))]
+    loads = [0] * len(out)
+    for i in sorted(range(len(items)), key=lambda i: -sizes[i]):
+        k = loads.index(min(loads))
+        out[k].append(items[i])
+        loads[k] += sizes[i]
+    return [b for b in out if b]
+
+
+_RECORDS = RecordTemplates()  # shared by every save in the process: templates depend on torch only
+
+_COALESCE_BYTES = 4 * 2**20  # small records are gathered into writes of about this size
+_SMALL_ITEM_BYTES = 64 * 2**10  # runs of items up to this size are produced one file at a time
+_BATCH_MIN = 16  # runs of at least this many records of one template are rendered together
+
+
+class _RecordStream:
+    """Write-through stream that counts bytes and computes CRC32C as data passes, gathering
+    small writes into large ones (fewer syscalls/requests)."""
+
+    def __init__(self, f: Any) -> None:
+        self._f = f
+        self.size = 0  # bytes passed on to ``f``
+        self.crc = 0
+        self.error: Optional[BaseException] = None  # torch.save hides it behind a RuntimeError
+        self._pending = bytearray()
+
+    def _write_through(self, b: Any) -> int:
+        mv = memoryview(b).cast("B")
+        self.crc = crc32c(mv, self.crc)
+        try:
+            self._f.write(mv)
+        except BaseException as exc:
+            self.error = exc
+            raise
+        self.size += mv.nbytes
+        return mv.nbytes
+
+    def write(self, b: Any) -> int:
+        n = memoryview(b).nbytes
+        if n >= 65536:
+            self.flush_pending()
+            return self._write_through(b)
+        self._pending += b  # no cast: a memoryview cast costs more than the copy of a small record
+        if len(self._pending) >= _COALESCE_BYTES:
+            self.flush_pending()
+        return n
+
+    def append_record(self, t: torch.Tensor) -> int:
+        """Append ``torch.save(t)``'s bytes from a template (see :mod:`.records`) straight into
+        the pending buffer; return their length, or ``-1`` (nothing written) if ``t`` has none."""
+        pending = self._pending
+        n = _RECORDS.append(pending, t)
+        if n >= 0 and len(pending) >= _COALESCE_BYTES:
+            self.flush_pending()
+        return n
+
+    def append_records(self, tpl: Any, ts: List[torch.Tensor]) -> None:
+        """Append the records of ``ts``, every one eligible for template ``tpl`` (see
+        :meth:`RecordTemplates.template`): short runs one by one, long ones in batches."""
+        if len(ts) < _BATCH_MIN:
+            for t in ts:
+                tpl.append_to(self._pending, tpl.ctype.from_address(t.data_ptr()))
+            if len(self._pending) >= _COALESCE_BYTES:
+                self.flush_pending()
+            return
+        size = max(1, min(len(ts), _COALESCE_BYTES // tpl.length))
+        batch = RecordBatch(tpl, size)
+        for k in range(0, len(ts), size):
+            self._pending += batch.render(ts[k: k + size])
+            if len(self._pending) >= _COALESCE_BYTES:
+                self.flush_pending()
+
+    def tell(self) -> int:
+        return self.size + len(self._pending)
+
+    def flush_pending(self) -> None:
+        if self._pending:
+            data, self._pending = self._pending, bytearray()
+            self._write_through(data)
+
+    def flush(self) -> None:
+        pass
+
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return False
+
+
+def _write_item(stream: _RecordStream, data: Any) -> int:
+    """Append one DCP item: a ``BytesIO``'s bytes, or a tensor as ``torch.save`` writes it.
+    Returns its length."""
+    if type(data) is torch.Tensor:  # the common case: a staged host tensor
+        n = stream.append_record(data)
+        if n >= 0:
+            return n
+    start = stream.tell()
+    if isinstance(data, io.BytesIO):
+        stream.write(data.getbuffer())
+        return stream.tell() - start
+    t = data.detach() if data.requires_grad else data
+    if not t.is_cpu:
+        t = t.cpu()
+    if t is not data and type(t) is torch.Tensor:  # now a plain host tensor: a template may fit
+        n = stream.append_record(t)
+        if n >= 0:
+            return n
+    if t.untyped_storage().nbytes() != t.numel() * t.element_size():
+        t = t.clone()  # torch.save writes whole storages: keep only this view
+    try:
+        torch.save(t, stream)
+    except RuntimeError:
+        if stream.error is not None:  # the storage's own error decides retrying
+            raise stream.error
+        raise
+    return stream.tell() - start
+
+
+def _item_nbytes(data: Any) -> int:
+    """About how many bytes an item (a tensor or a BytesIO) adds to its file."""
+    if isinstance(data, torch.Tensor):
+        return data.nbytes
+    return data.getbuffer().nbytes if isinstance(data, io.BytesIO) else 0
+
+
+def _write_files(storage: Storage, path: str, prefix: str, buckets: List[List[Any]], hints: List[int],
+                 threads: int, resolve: Callable[[Any], Any]) -> List[Tuple[str, FileRecord, List[int]]]:
+    """Write each bucket as one ``<prefix><k>.distcp`` file, concurrently; ``resolve(item)``
+    gives an item's data (a tensor or a BytesIO).
+
+    Returns, per file, its name, its record and the length of each item in order (items are
+    contiguous, so offsets follow). ``hints[k]`` is about the data size of bucket ``k`` (lets
+    small files upload in one request).
+    """
+
+    def write_file(k: int, jobs: List[Any]) -> Tuple[str, FileRecord, List[int]]:
+        # A file is streamed, so a transient failure mid-file is retried by rewriting the
+        # whole file (the host snapshot is immutable until the step commits).
+        where = f"{path}/{prefix}{k}.distcp"
+        return storage.retry.call(lambda: write_file_once(k, jobs), f"write {where}")
+
+    # Runs of small items are produced by one file at a time: that is Python work, which the
+    # GIL serialises anyway, and taking turns lets each file's fsync (or upload) run while the
+    # next one is produced, instead of every file finishing production, then all syncing.
+    # Big items are written outside the lock, so their I/O still runs concurrently.
+    produce_small = threading.Lock()
+
+    def write_file_once(k: int, jobs: List[Any]) -> Tuple[str, FileRecord, List[int]]:
+        name = f"{prefix}{k}.distcp"
+        lengths = []
+        with storage.open_write(f"{path}/{name}", size_hint=hints[k]) as f:
+            stream = _RecordStream(f)
+            held = False
+            run: List[torch.Tensor] = []  # consecutive tensors of one record template
+            run_tpl = None
+            try:
+                for job in jobs:
+                    data = resolve(job)
+                    tpl = _RECORDS.template(data) if type(data) is torch.Tensor else None
+                    if tpl is not None and tpl is run_tpl:
+                        run.append(data)
+                        continue
+                    if run:
+                        stream.append_records(run_tpl, run)
+                        lengths += [run_tpl.length] * len(run)
+                    run, run_tpl = [], None
+                    small = _item_nbytes(data) <= _SMALL_ITEM_BYTES
+                    if small != held:
+                        if small:
+                            produce_small.acquire()
+                        else:
+                            stream.flush_pending()  # the small records before it, still in turn
+                            produce_small.release()
+                        held = small
+                    if tpl is not None:
+                        run, run_tpl = [data], tpl
+                    else:
+                        lengths.append(_write_item(stream, data))
+                if run:
+                    stream.append_records(run_tpl, run)
+                    lengths += [run_tpl.length] * len(run)
+                stream.flush_pending()
+            finally:
+                if held:
+                    produce_small.release()
+        # A silently short write (a full or flaky disk, a FUSE mount) fails the attempt with
+        # EIO, which is transient, so the file is redone. Storage whose uploads the service
+        # length-checks (gs://, s3://) needs no check.
+        stored = stream.size if getattr(storage, "length_checked_writes", False) else storage.size(f"{path}/{name}")
+        if stored != stream.size:
+            raise OSError(errno.EIO, f"short write: {stream.size} bytes written, storage holds {stored}",
+                          f"{path}/{name}")
+        return name, FileRecord(stream.size, stream.crc), lengths
+
+    if not buckets:  # nothing to write on this rank (e.g. every item de-duplicated to another)
+        return []
+    if len(buckets) == 1:
+        return [write_file(0, buckets[0])]
+    with ThreadPoolExecutor(min(threads, len(buckets)), thread_name_prefix="async-ckpt-io") as pool:
+        return list(pool.map(lambda kv: write_file(*kv), enumerate(buckets)))
+
+
+def _results(buckets: List[List[MetadataIndex]], outs: List[Tuple[str, FileRecord, List[int]]]
+             ) -> Tuple[Dict[str, FileRecord], Dict[MetadataIndex, _StorageInfo]]:
+    """File records and DCP's ``storage_data`` (where each item sits) from :func:`_write_files`."""
+    files: Dict[str, FileRecord] = {}
+    where: Dict[MetadataIndex, _StorageInfo] = {}
+    for indices, (name, rec, lengths) in zip(buckets, outs):
+        files[name] = rec
+        offset = 0
+        for index, length in zip(indices, lengths):
+            where[index] = _StorageInfo(name, offset, length)
+            offset += length
+    return files, where
+
+
+def _resolver(planner: SavePlanner) -> Callable[[Any], Any]:
+    """``planner.resolve_data``, except that a :class:`PickledObject` (a snapshot's non-tensor
+    value, pickled at the call) is written as its archive, not ``torch.save``-d again as an
+    object. Planners without ``lookup_object`` (DCP's and torch_xla's have it) resolve alone."""
+    lookup = getattr(planner, "lookup_object", None)
+    if lookup is None:
+        return planner.resolve_data
+
+    def resolve(item: Any) -> Any:
+        if item.type == WriteItemType.BYTE_IO:
+            obj = lookup(item.index)
+            if type(obj) is PickledObject:
+                return obj.archive()
+        return planner.resolve_data(item)
+
+    return resolve
+
+
+class FsspecStorageWriter(StorageWriter):
+    """DCP ``StorageWriter`` with concurrent, checksummed writes through :class:`Storage`."""
+
+    def __init__(self, storage: Storage, path: str, *, threads: int = 8) -> None:
+        super().__init__()
+        self.storage = storage
+        self.path = path
+        self.threads = max(1, threads)
+        self.files: Dict[str, FileRecord] = {}
+        self.rank = 0
+        self.is_coordinator = True
+
+    def reset(self, checkpoint_id: Any = None) -> None:
+        self.files = {}
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.is_coordinator = is_coordinator
+        self.rank = int(kwargs.get("rank", 0) or 0)
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: List[SavePlan]) -> List[SavePlan]:
+        return [dataclasses.replace(p, storage_data=_StoragePrefix(f"__{i}_")) for i, p in enumerate(plans)]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
+        buckets = _balance(plan.items, [_item_bytes(it) for it in plan.items], self.threads,
+                           self.storage.max_file_bytes)
+        hints = [sum(_item_bytes(item) for item in bucket) for bucket in buckets]
+        outs = _write_files(self.storage, self.path, plan.storage_data.prefix, buckets, hints, self.threads,
+                            _resolver(planner))
+        files, where = _results([[item.index for item in bucket] for bucket in buckets], outs)
+        self.files.update(files)
+        fut: Future = Future()
+        fut.set_result([WriteResult(index=index, size_in_bytes=info.length, storage_data=info)
+                        for index, info in where.items()])
+        return fut
+
+    def finish(self, metadata: Metadata, results: List[List[WriteResult]]) -> None:
+        storage_md = {}
+        for wr_list in results:
+            storage_md.update({wr.index: wr.storage_data for wr in wr_list})
+        metadata.storage_data = storage_md
+        metadata.storage_meta = self.storage_meta()
+        data = pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)  # DCP's own format
+        self.storage.write_bytes(f"{self.path}/{METADATA_NAME}", data)
+        self.files[METADATA_NAME] = FileRecord(len(data), crc32c(data))
+
+    def storage_meta(self) -> Optional[StorageMeta]:
+        # No checkpoint_id: the path written to is a temporary directory renamed at commit,
+        # and a step directory may be copied or exported; the id would be stale either way.
+        return StorageMeta(checkpoint_id=None, save_id="")
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+        return True
+
+
+
+def save_state_dict(storage: Storage, path: str, state_dict: Dict[str, Any], *, threads: int = 8,
+                    process_group: Any = None, planner: Optional[SavePlanner] = None,
+                    memo: Optional["WriteMemo"] = None) -> Dict[str, FileRecord]:
+    """Write ``state_dict`` (host tensors) as a DCP checkpoint under ``path``; return file records.
+
+    ``planner`` defaults to DCP's ``DefaultSavePlanner`` (torch_xla's for staged SPMD shards).
+    ``memo``: the owner's :class:`WriteMemo`, for a single-process save to reuse the layout
+    of the last save through it; ``None``: nothing is reused or remembered.
+    """
+    if planner is None and _world_size(process_group) == 1:  # e.g. `torchrun --nproc_per_node=1` too
+        files = _save_local(storage, path, state_dict, threads=threads, memo=memo)
+        if files is not None:
+            return files
+    writer = FsspecStorageWriter(storage, path, threads=threads)
+    planner = planner if planner is not None else DefaultSavePlanner()
+    _call_dcp(lambda: dcp.save(state_dict, storage_writer=writer, planner=planner,
+                               process_group=process_group, no_dist=not _distributed()))
+    return writer.files
+
+
+def _metadata_index(fqn: str, offset: torch.Size, index: int) -> MetadataIndex:
+    """``MetadataIndex(fqn, offset, index)`` without its ``__init__``, which rebuilds ``offset``
+    as a new ``torch.Size`` per item. Same fields, so equal, hashed and pickled alike; ``offset``
+    is shared, so pickled once."""
+    idx = object.__new__(MetadataIndex)
+    object.__setattr__(idx, "fqn", fqn)
+    object.__setattr__(idx, "offset", offset)
+    object.__setattr__(idx, "index", index)
+    return idx
+
+
+def _flatten(state_dict: Dict[str, Any], reuse: Optional[Dict[str, Tuple[Any, ...]]] = None
+             ) -> Tuple[Dict[str, Any], Dict[str, Tuple[Any, ...]]]:
+    """``flatten_state_dict(state_dict)``: the same keys in the same order, values, mappings and
+    errors, with less work per entry: nested mappings and their leaves are walked here; lists
+    (whose flattening depends on what they hold) are handed to DCP's own traversal.
+
+    ``reuse``: an earlier result's mappings; a path equal to the one there is taken from it, so
+    the new tuples die at once instead of living as long as the result."""
+    if _dcp_version._derived_version == "2_3":  # DCP's pre-2.4 layout: its own code only
+        return flatten_state_dict(state_dict)
+    flat: Dict[str, Any] = {}
+    mappings: Dict[str, Tuple[Any, ...]] = {}
+    tensor = torch.Tensor
+
+    def put(fqn: str, path: Tuple[Any, ...], value: Any) -> None:
+        if fqn in flat:
+            raise ValueError(f"duplicated flatten key {fqn}")
+        flat[fqn] = value
+        mappings[fqn] = path
+
+    def walk(path: Tuple[Any, ...], prefix: str, mapping: Any) -> None:
+        for k, v in mapping.items():
+            ks = str(k)
+            if type(v) is tensor:  # the common case first: a terminal leaf
+                fqn = prefix + ks
+                if fqn in flat:
+                    raise ValueError(f"duplicated flatten key {fqn}")
+                flat[fqn] = v
+                full = path + (ks,)
+                if reuse is not None:
+                    old = reuse.get(fqn)
+                    if old == full:
+                        full = old
+                mappings[fqn] = full
+            elif isinstance(v, Mapping):
+                walk(path + (ks,), prefix + ks + ".", v)
+            elif isinstance(v, list):
+                base = path + (ks,)
+
+                def visit(sub: Tuple[Any, ...], value: Any, base: Tuple[Any, ...] = base) -> None:
+                    full = base + sub[1:]
+                    put(".".join(map(str, full)), full, value)
+
+                traverse_state_dict({"": v}, visit)
+            else:  # anything else is a leaf, a tuple included
+                put(prefix + ks, path + (ks,), v)
+
+    walk((), "", state_dict)
+    return flat, mappings
+
+
+@dataclasses.dataclass
+class _Layout:
+    """What one state dict layout writes: reused while the next saves have the same layout."""
+
+    key: Tuple[Any, ...]  # (threads, max_file_bytes): what else decides the bucketing
+    fqns: List[str]
+    sig: List[Any]  # per item: dtype, shape, requires_grad, pinned for tensors; None for objects
+    mappings: Dict[str, Any]
+    buckets: List[List[int]]  # item positions, per file
+    hints: List[int]
+    lengths: List[List[int]]  # per file, each item's length as written
+    metadata: bytes  # the pickled .metadata for exactly these lengths
+    files_meta: FileRecord
+
+
+class WriteMemo:
+    """The layout of the last single-process save made through it (see :func:`_save_local`).
+
+    One per writer owner (a ``CheckpointManager`` keeps one): the next save of an equal
+    layout through the same memo reuses its file assignment and pickled ``.metadata``. Saves
+    through different memos share nothing, so two managers saving different state dicts
+    each keep their own layout. Thread-safe.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._layout: Optional[_Layout] = None
+
+    @property
+    def layout(self) -> Optional[_Layout]:
+        """The remembered layout, or ``None`` before the first planner-free save."""
+        with self._lock:
+            return self._layout
+
+    def remember(self, layout: _Layout) -> None:
+        with self._lock:
+            self._layout = layout
+
+
+_NEEDS_PLANNER = object()  # a signature entry: DCP's planner must handle this object
+
+
+def _signature_entries(objs: List[Any]) -> Iterator[Any]:
+    """What decides a layout besides the keys: per tensor its dtype, shape, ``requires_grad``
+    and pinning (four entries), ``None`` per other object; :data:`_NEEDS_PLANNER` (and the end)
+    at the first DTensor, ShardedTensor or tensor subclass."""
+    tensor_type = torch.Tensor
+    for obj in objs:
+        if type(obj) is tensor_type:
+            yield obj.dtype
+            yield obj.shape
+            yield obj.requires_grad
+            yield obj.is_cpu and obj.is_pinned()
+        elif isinstance(obj, torch.Tensor) or hasattr(obj, "__create_write_items__"):
+            yield _NEEDS_PLANNER
+            return
+        else:
+            yield None
+
+
+def _signature(objs: List[Any]) -> Optional[List[Any]]:
+    """The signature of ``objs`` (see :func:`_signature_entries`); ``None`` if DCP's planner must run."""
+    sig = list(_signature_entries(objs))
+    return None if sig and sig[-1] is _NEEDS_PLANNER else sig
+
+
+def _has_signature(objs: List[Any], sig: List[Any]) -> bool:
+    """``_signature(objs) == sig``, entry by entry, without keeping a new ``torch.Size`` per
+    tensor alive."""
+    pairs = itertools.zip_longest(_signature_entries(objs), sig, fillvalue=object())  # unequal to all
+    return all(itertools.starmap(operator.eq, pairs))
+
+
+def _local_data(obj: Any) -> Any:
+    """An item's data as ``DefaultSavePlanner.resolve_data`` gives it: tensors as they are,
+    anything else ``torch.save``-d into a ``BytesIO`` (a :class:`PickledObject`: the archive of
+    the bytes it holds)."""
+    if isinstance(obj, torch.Tensor):
+        return obj
+    if type(obj) is PickledObject:
+        return obj.archive()
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf
+
+
+def _save_local(storage: Storage, path: str, state_dict: Dict[str, Any], *, threads: int,
+                memo: Optional[WriteMemo] = None) -> Optional[Dict[str, FileRecord]]:
+    """Single-process save of plain tensors and objects, without DCP's planning machinery.
+
+    Writes what ``dcp.save`` with ``DefaultSavePlanner`` and :class:`FsspecStorageWriter`
+    writes — the same flattened keys, the same ``Metadata`` (equal field by field), the same
+    item bytes — at a fraction of the per-item cost: DCP's local and global planning, plan
+    validation and per-item ``dataclasses.replace`` are a fixed cost per item, which dominates
+    a state dict of many small tensors. Equal objects inside the metadata (dtypes' properties,
+    shapes, zero offsets) are shared, so its pickle is smaller and quicker.
+
+    A training loop saves the same layout again and again, so the last layout is remembered in
+    ``memo`` (``None``: a fresh one, nothing reused): when the keys, dtypes and shapes are
+    unchanged and every item comes out at the same length, the file assignment and the pickled
+    ``.metadata`` are reused rather than rebuilt.
+
+    Returns ``None`` (the caller then uses ``dcp.save``) for anything DCP's planner treats
+    specially: DTensors, ShardedTensors, tensor subclasses and ``Stateful`` values.
+    """
+    for value in state_dict.values():  # what dcp.save's _stateful_to_state_dict would call
+        if not isinstance(value, torch.Tensor) and callable(getattr(value, "state_dict", None)) \
+                and callable(getattr(value, "load_state_dict", None)):
+            return None
+    # Nothing per item outlives this save except what the layout keeps: objects alive through a
+    # long write are promoted to the collector's oldest generation, and tens of thousands of them
+    # per save trigger a full collection (GIL held) every save or two.
+    if memo is None:
+        memo = WriteMemo()
+    layout = memo.layout
+    flat, mappings = _flatten(state_dict, reuse=layout.mappings if layout is not None else None)
+    objs = list(flat.values())
+    key = (threads, storage.max_file_bytes)
+    fqns = list(flat)
+    sig: Optional[List[Any]] = None
+    if layout is None or not (layout.key == key and layout.fqns == fqns and layout.mappings == mappings
+                              and _has_signature(objs, layout.sig)):
+        layout = None
+        sig = _signature(objs)
+        if sig is None:
+            return None  # DTensor, ShardedTensor, a subclass: DCP's planner knows them
+
+    if layout is not None:
+        outs = _write_files(storage, path, "__0_", [[objs[k] for k in b] for b in layout.buckets],
+                            layout.hints, threads, _local_data)
+        if [lengths for _, _, lengths in outs] == layout.lengths:  # same bytes where .metadata says
+            storage.write_bytes(f"{path}/{METADATA_NAME}", layout.metadata)
+            files = {name: rec for name, rec, _ in outs}
+            files[METADATA_NAME] = layout.files_meta
+            return files
+        # An object's pickle changed length: same files, new .metadata (built below).
+        buckets, hints = layout.buckets, layout.hints
+    else:
+        sizes = [o.numel() * o.element_size() if isinstance(o, torch.Tensor) else 1024 for o in objs]
+        buckets = _balance(list(range(len(objs))), sizes, threads, storage.max_file_bytes)
+        hints = [sum(sizes[k] for k in b) for b in buckets]
+        outs = None
+
+    sizes_: Dict[torch.Size, torch.Size] = {}
+    props: Dict[Tuple[Any, ...], TensorProperties] = {}
+    chunks: Dict[torch.Size, ChunkStorageMetadata] = {}
+    md: Dict[str, Any] = {}
+    indices: List[MetadataIndex] = []
+    for fqn, obj in zip(fqns, objs):
+        if isinstance(obj, torch.Tensor):
+            size = sizes_.get(obj.shape)
+            if size is None:
+                size = sizes_[obj.shape] = torch.Size(obj.shape)
+            chunk = chunks.get(size)
+            if chunk is None:
+                zeros = sizes_.setdefault(torch.Size((0,) * len(size)), torch.Size((0,) * len(size)))
+                chunk = chunks[size] = ChunkStorageMetadata(offsets=zeros, sizes=size)
+            pkey = (obj.dtype, obj.requires_grad, obj.is_cpu and obj.is_pinned())
+            prop = props.get(pkey)
+            if prop is None:
+                prop = props[pkey] = TensorProperties.create_from_tensor(obj)
+            md[fqn] = TensorStorageMetadata(properties=prop, size=size, chunks=[chunk])
+            indices.append(_metadata_index(fqn, chunk.offsets, 0))
+        else:
+            md[fqn] = BytesStorageMetadata()
+            indices.append(MetadataIndex(fqn))
+    if outs is None:
+        outs = _write_files(storage, path, "__0_", [[objs[k] for k in b] for b in buckets], hints, threads,
+                            _local_data)
+    files, where = _results([[indices[k] for k in b] for b in buckets], outs)
+    metadata = Metadata(state_dict_metadata=md, planner_data=mappings, storage_data=where,
+                        storage_meta=StorageMeta(checkpoint_id=None, save_id=""))
+    data = pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)  # DCP's own format
+    storage.write_bytes(f"{path}/{METADATA_NAME}", data)
+    files[METADATA_NAME] = FileRecord(len(data), crc32c(data))
+    if sig is None:  # the files were written with the last layout; only .metadata is new
+        sig = layout.sig
+    memo.remember(_Layout(key, fqns, sig, mappings, buckets, hints,
+                          [lengths for _, _, lengths in outs], data, files[METADATA_NAME]))
+    return files
+

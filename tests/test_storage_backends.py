@@ -1,0 +1,138 @@
+"""storage.backends: one backend per kind of storage, picked by the filesystem's protocol, each
+keeping the behaviour Storage documents (object stores: no directories, one PUT per small
+file, atomic writes without a temporary name)."""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import pytest
+from fsspec.implementations.memory import MemoryFileSystem
+
+from async_ckpt.errors import StorageError
+from async_ckpt.storage.backends import FsspecBackend, ObjectStoreBackend, PosixBackend
+from async_ckpt.storage.backends.object_store import OBJECT_FILE_BYTES
+from async_ckpt.storage.fs import Storage
+from async_ckpt.storage.retry import RetryPolicy
+
+from . import faulty_fs  # noqa: F401 - registers faulty://
+
+
+def test_backend_is_picked_by_the_filesystem(tmp_path):
+    local = Storage(str(tmp_path))
+    assert type(local._backend) is PosixBackend and local.is_local and local.max_file_bytes is None
+    assert type(Storage("file://" + str(tmp_path))._backend) is PosixBackend
+    for url in (f"memory://b-{uuid.uuid4().hex}", "faulty://" + str(tmp_path / "f")):
+        st = Storage(url)
+        assert type(st._backend) is FsspecBackend and not st.is_local and not st.length_checked_writes
+        assert st.max_file_bytes is None
+    for url, opts in (("gs://bucket/run", {"token": "anon"}), ("s3://bucket/run", {"anon": True})):
+        st = Storage(url, opts)
+        assert type(st._backend) is ObjectStoreBackend and not st.is_local and st.length_checked_writes
+        assert st.max_file_bytes == OBJECT_FILE_BYTES and st.root == "bucket/run"
+
+
+class _Spy(MemoryFileSystem):
+    """An in-memory filesystem (its own store) that records the calls an object store gets."""
+
+    protocol = ("spy-object-store",)
+    cachable = False  # a fresh filesystem (calls, store) per test
+
+    def __init__(self):
+        super().__init__()
+        self.store, self.pseudo_dirs = {}, [""]
+        self.calls = []
+        self._piping = False
+
+    def pipe_file(self, path, value, **kw):
+        self.calls.append(("pipe_file", path, len(value)))
+        self._piping = True
+        try:
+            return super().pipe_file(path, value, **kw)
+        finally:
+            self._piping = False
+
+    def makedirs(self, path, exist_ok=False):
+        self.calls.append(("makedirs", path))
+        return super().makedirs(path, exist_ok=exist_ok)
+
+    def mv(self, *a, **kw):
+        self.calls.append(("mv",) + a)
+        return super().mv(*a, **kw)
+
+    def _open(self, path, mode="rb", **kw):
+        if "w" in mode and not self._piping:
+            self.calls.append(("open", path))
+        return super()._open(path, mode, **kw)
+
+
+def _object_store_storage() -> tuple:
+    st = Storage(f"memory://os-{uuid.uuid4().hex}")
+    spy = _Spy()
+    st._backend = ObjectStoreBackend(spy)
+    return st, spy
+
+
+def test_object_store_small_files_are_one_put_and_big_ones_stream():
+    st, spy = _object_store_storage()
+    st.makedirs(st.join("step"))
+    assert spy.calls == [], "no directories on an object store (and never a bucket)"
+    small = os.urandom(5000)
+    with st.open_write(st.join("step", "small"), size_hint=len(small)) as f:
+        f.write(small[:100])
+        f.write(small[100:])
+    assert spy.calls == [("pipe_file", st.join("step", "small"), len(small))]
+    st.pipe_max_bytes = 1000
+    with st.open_write(st.join("step", "big"), size_hint=len(small)) as f:
+        f.write(small)
+    assert spy.calls[1:] == [("open", st.join("step", "big"))]
+    assert spy.cat_file(st.join("step", "small")) == small and spy.cat_file(st.join("step", "big")) == small
+
+
+def test_object_store_atomic_write_is_one_put_without_a_temporary_name():
+    st, spy = _object_store_storage()
+    st.write_bytes_atomic(st.join("m.json"), b"{}")
+    assert spy.calls == [("pipe_file", st.join("m.json"), 2)]
+
+
+def test_generic_fsspec_atomic_write_renames_a_temporary_file():
+    st = Storage(f"memory://g-{uuid.uuid4().hex}")
+    spy = _Spy()
+    st.fs = spy  # the backend uses whatever filesystem Storage is given
+    st.makedirs(st.root)
+    st.write_bytes_atomic(st.join("m.json"), b"{}")
+    (put,), (mv,) = [c for c in spy.calls if c[0] == "pipe_file"], [c for c in spy.calls if c[0] == "mv"]
+    assert put[1].startswith(st.join("m.json.tmp-")) and mv[1:] == (put[1], st.join("m.json"))
+    assert [e["name"] for e in st.listdir(st.root)] == ["m.json"] and st.read_bytes(st.join("m.json")) == b"{}"
+    assert st.fs is spy and st._backend.fs is spy
+
+
+def test_posix_backend_keeps_links_out_of_deletes_and_reads(tmp_path):
+    st = Storage(str(tmp_path / "root"))
+    st.makedirs(st.root)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep").write_bytes(b"x")
+    os.symlink(outside, os.path.join(st.root, "link"))
+    with pytest.raises(StorageError, match="symbolic link"):
+        st.rm(st.join("link", "keep"))
+    assert (outside / "keep").read_bytes() == b"x"
+    assert st.is_link(st.join("link"))
+    assert "outside the step directory" in st.file_problem(st.join("link"), st.root)
+    st.write_bytes_atomic(st.join("a"), b"abc")
+    assert sorted(os.listdir(st.root)) == ["a", "link"], "no temporary file left behind"
+    buf = bytearray(2)
+    assert st.read_into(st.join("a"), 1, memoryview(buf)) == 2 and bytes(buf) == b"bc"
+
+
+def test_object_store_probe_names_a_missing_bucket():
+    st, spy = _object_store_storage()
+
+    def missing(path, value, **kw):
+        raise FileNotFoundError(path)
+
+    spy.pipe_file = missing
+    st.retry = RetryPolicy(attempts=1)
+    with pytest.raises(StorageError, match="bucket does not exist"):
+        st.check_writable()
