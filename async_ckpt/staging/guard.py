@@ -406,14 +406,16 @@ class NeedOrder:
         self.rank: Dict[_Key, int] = {}
         self._counter = 0
 
-    def note(self, keys: Iterable[_Key]) -> None:
-        """The guard is about to wait for ``keys`` (one wait: they share a rank)."""
+    def note(self, keys: Iterable[_Key], known: Dict[_Key, Any]) -> None:
+        """The guard is about to wait for ``keys`` (one wait: they share a rank); only those
+        in ``known`` (the storages of this stager's snapshot) are noted."""
         self._counter += 1
-        rank = self.rank
+        rank, counter = self.rank, self._counter
         if len(rank) > self.LIMIT:
             rank.clear()
         for k in keys:
-            rank.setdefault(k, self._counter)
+            if k in known:
+                rank.setdefault(k, counter)
 
     def order(self, units: Sequence[Any]) -> List[Any]:
         """Big units in the order the guard needed them last time; unknown ones keep their order."""
@@ -430,12 +432,10 @@ class NeedOrder:
 
 
 def _note_needed(active: Tuple[PendingCopies, ...], keys: Iterable[_Key]) -> None:
-    noted: List[NeedOrder] = []
+    """Note ``keys`` in the order of each outstanding snapshot's stager, for its own storages."""
     for pc in active:
-        o = pc.order
-        if o is not None and all(o is not n for n in noted):
-            o.note(keys)
-            noted.append(o)
+        if pc.order is not None:
+            pc.order.note(keys, pc.by_key)
 
 
 def _donation_enabled() -> bool:
