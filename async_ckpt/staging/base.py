@@ -26,10 +26,9 @@ class StagingJob:
     """What one stage fills in: a host tensor per plan tensor, the leases holding them, and
     what the snapshot reports about its sources."""
 
-    __slots__ = ("plan", "host", "leases", "sources", "xla_shards")
+    __slots__ = ("host", "leases", "sources", "xla_shards")
 
     def __init__(self, plan: StagingPlan) -> None:
-        self.plan = plan
         self.host: List[Optional[torch.Tensor]] = [None] * len(plan.tensors)
         self.leases: List[Lease] = []
         #: zero-copy views of XLA device buffers the copies read (see ``HostSnapshot.sources``)
