@@ -1,7 +1,7 @@
 """Reading host memory by address: many same-sized windows copied by one gather.
 
 Used where making a Python tensor per source would cost more than copying its bytes: XLA
-buffers on PJRT CPU (:mod:`async_ckpt.staging.xla_gather`) and runs of small records
+buffers on PJRT CPU (:mod:`async_ckpt.staging.xla`) and runs of small records
 (:class:`async_ckpt.storage.records.RecordBatch`). Callers guarantee that every window they
 name is readable memory for the duration of the call; nothing else in the range is touched.
 """

@@ -21,6 +21,7 @@ from typing import Any, Callable, Deque, Dict, List, Mapping, Optional, Sequence
 from .compat import register_exit_hook
 from .errors import CheckpointError, InvalidStateDictError, InvalidStepError, LeaseHeldError
 from .lifecycle.coordinator import DEFAULT_TIMEOUT_S, coordinator_for, describe, rebuild
+from .lifecycle.planners import load_planner_for, save_planner_for
 from .lifecycle.restore import restore as _restore
 from .lifecycle.save_job import SaveJob, run_save
 from .lifecycle.steps import StepStore
@@ -44,7 +45,6 @@ from .stats import SaveStats, StatsLog
 from .storage import CheckpointLayout, RetryPolicy, Storage
 from .storage.manifest import check_metrics
 from .writer import AsyncWriter
-from .distributed import load_planner_for, save_planner_for
 
 log = logging.getLogger("async_ckpt")
 
@@ -237,7 +237,6 @@ class CheckpointManager:
         self.stager = Stager(HostBufferPool(memory_budget_bytes))
         self.stats: Deque[SaveStats] = collections.deque(maxlen=1000)
         self._writer = AsyncWriter(max_pending_async)
-        self._lazy_pending: List[Any] = []  # PendingCopies of this manager's lazy saves
         self._closed = False
         self._forked = False
         self._pid = os.getpid()
@@ -348,12 +347,7 @@ class CheckpointManager:
     def wait_for_staging(self) -> None:
         """Wait until the host copies of every lazy save of this manager are done (cheap when
         none is outstanding). Call it before mutating saved tensors outside ``optimizer.step()``."""
-        pending, self._lazy_pending = self._lazy_pending, []
-        for pc in pending:
-            pc.wait_all()
-        from .staging.lazy import settle_hooks
-
-        settle_hooks()
+        self.stager.synchronize_staging()
 
     def save(self, step: int, state_dict: Mapping[str, Any], force: bool = False,
              metrics: Optional[Dict[str, float]] = None) -> bool:
@@ -394,21 +388,18 @@ class CheckpointManager:
         if alone:
             with gc_paused():
                 plan = self.stager.plan(state_dict)  # validates before anything is taken or written
-            if self._lazy_pending:
-                self.wait_for_staging()  # earlier lazy copies finish and are sealed (their writers wait for it)
+            self.stager.synchronize_staging()  # earlier lazy copies finish and are sealed (their writers wait for it)
         self._writer.wait_for_slot()
         t1 = time.perf_counter()
         try:
             if not alone:
                 with gc_paused():
                     plan = self.stager.plan(state_dict)
-                if self._lazy_pending:
-                    self.wait_for_staging()
-            snap = self.stager.stage(state_dict, plan, lazy=True) if lazy and not wait else \
-                self.stager.stage(state_dict, plan)
+                self.stager.synchronize_staging()
+            stager = self.stager.lazy if lazy and not wait else self.stager.eager
+            snap = stager.stage(state_dict, plan)
             if snap.pending is not None:
                 snap.pending.step = step
-                self._lazy_pending.append(snap.pending)
         except BaseException as exc:
             if alone:
                 self._writer.release_slot()
@@ -428,7 +419,7 @@ class CheckpointManager:
 
     def _persist(self, job: SaveJob) -> None:
         """Writer thread: the save job, then statistics and the user's callback."""
-        planner = save_planner_for(job.snap.state_dict) if job.snap is not None else None
+        planner = save_planner_for(job.snap) if job.snap is not None else None
         stats = run_save(self._store, job, policy=self.retention, threads=self.write_threads, planner=planner)
         if stats is not None:
             self._after_commit(stats)

@@ -44,6 +44,21 @@ def main(root: str) -> None:
     xs.mark_sharding(state["v"], mesh22, (None, "y"))
     torch_xla.sync()
 
+    # The snapshot says that it holds SPMD shards (staged eagerly and lazily); a replicated
+    # tensor alone does not make one.
+    from async_ckpt.staging import Stager
+
+    st = Stager()
+    for lazy in (False, True):
+        snap = st.stage(state, lazy=lazy)
+        snap.wait_copied()
+        assert snap.xla_shards, lazy
+        snap.release()
+        snap = st.stage({"b": state["b"]}, lazy=lazy)
+        snap.wait_copied()
+        assert not snap.xla_shards, lazy
+        snap.release()
+
     with CheckpointManager(root) as mgr:
         mgr.save(1, state)
         # The training step mutates the tensors after the save: the checkpoint keeps step 1's values.

@@ -173,7 +173,7 @@ def test_guard_waits_only_for_the_stepping_optimizers_tensors(ckpt_dir):
         holder = hold_copies(release_after=60.0)
         with holder:
             mgr.save_async(1, {"head": net.head.state_dict()})
-            pending = mgr._lazy_pending[-1]
+            pending = mgr.stager.lazy.pending[-1]
             other(torch.randn(2, 8)).sum().backward()
             other_opt.step()  # not in the checkpoint: must not wait for the held copies
             assert not pending.done
@@ -208,7 +208,7 @@ def test_small_tensors_are_copied_before_a_lazy_save_returns(ckpt_dir):
     with CheckpointManager(ckpt_dir, lazy=True) as mgr:
         with hold_copies(release_after=0.05):
             mgr.save_async(1, sd)
-            pending = mgr._lazy_pending[-1]
+            pending = mgr.stager.lazy.pending[-1]
             assert not pending.done, "the big tensor's copy is still held"
             with torch.no_grad():
                 small.add_(1.0)  # unseen by the guard: fine, its copy was already made
@@ -288,7 +288,7 @@ def test_save_with_lazy_manager_blocks_and_lazy_type_checked(ckpt_dir):
     with CheckpointManager(ckpt_dir, lazy=True) as mgr:
         mgr.save(1, {"t": t})  # blocking save: committed on return
         assert mgr.all_steps() == [1]
-        assert not mgr._lazy_pending
+        assert not mgr.stager.lazy.pending
 
 
 def test_torn_error_is_a_checkpoint_error():
@@ -390,7 +390,7 @@ def test_guard_copies_what_it_needs_itself_when_the_copier_is_busy(ckpt_dir):
                 net.train("ab")
                 with torch.no_grad():
                     net.enc(torch.randn(4, 32))
-            pending = mgr._lazy_pending[-1]
+            pending = mgr.stager.lazy.pending[-1]
             stolen = [c for c in pending.chunks if c.done.is_set()]
             assert stolen, "the guard should have copied the chunks it needed"
             holder.release()

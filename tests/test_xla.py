@@ -7,7 +7,7 @@ import torch
 
 from async_ckpt import CheckpointManager
 from async_ckpt.staging import Stager
-from async_ckpt.staging import backends
+from async_ckpt.staging import xla as backends
 
 from .conftest import assert_bitwise_equal
 
@@ -64,7 +64,7 @@ def test_xla_zero_copy_view_is_used_and_reuses_pool(xla_device):
 
 def test_xla_batched_fallback_matches(xla_device, monkeypatch):
     sd = _xla_state(xla_device)
-    monkeypatch.setattr("async_ckpt.staging.stager.xla_host_views", lambda ts: None)
+    monkeypatch.setattr("async_ckpt.staging.eager.xla_host_views", lambda ts: None)
     snap = Stager().stage(sd)
     for k, v in sd["model"].items():
         assert_bitwise_equal(snap.state_dict["model"][k], v.cpu())

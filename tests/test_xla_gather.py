@@ -1,4 +1,4 @@
-"""Small XLA tensors staged by buffer address (staging/xla_gather.py), for real on PJRT CPU."""
+"""Small XLA tensors staged by buffer address (staging/xla.py), for real on PJRT CPU."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from async_ckpt.staging import Stager
-from async_ckpt.staging import stager as stager_mod
-from async_ckpt.staging import xla_gather
+from async_ckpt.staging import eager as stager_mod
+from async_ckpt.staging import xla as xla_gather
 
 from .conftest import assert_bitwise_equal
 

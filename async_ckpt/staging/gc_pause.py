@@ -2,9 +2,8 @@
 
 Staging 10,000 tensors creates tens of thousands of short-lived Python objects (views, plan
 entries). That regularly triggers a full collection, which walks every object in the process
-(hundreds of milliseconds in a process holding a large model) while the training loop waits:
-measured here, the same 10,000-tensor stage took 40 ms or 430 ms depending on whether a full
-collection fell inside it. :func:`gc_paused` defers collections until the section ends; they
+while the training loop waits, and can cost more than the whole stage.
+:func:`gc_paused` defers collections until the section ends; they
 then run as they would have, outside the stall. Nothing else is changed, and a collector the
 user disabled stays disabled.
 """

@@ -1,677 +1,136 @@
-"""Lazy snapshots: issue the host copies, return at once, wait only before a mutation.
+"""The lazy stager: issue the host copies, return at once, wait only before a mutation.
 
 Parameters and optimizer state do not change during forward and backward, so the copy to host
 can run while they do; training only has to wait right before something writes the tensors.
-``Stager.stage(..., lazy=True)`` builds a :class:`~async_ckpt.staging.stager.HostSnapshot`
-whose copies are still in flight and whose ``pending`` field is a :class:`PendingCopies`.
+:meth:`LazyStager.stage` returns a :class:`~.snapshot.HostSnapshot` whose copies are still in
+flight and whose ``pending`` field is a :class:`~.guard.PendingCopies`; :mod:`.guard` keeps the
+sources safe until the copies are done (optimizer and forward hooks, version and storage
+checks; see there).
 
-How the copies run
-    CPU: on one background thread (:class:`_Copier`), one batched ``torch._foreach_copy_`` per
-    chunk of about :data:`CHUNK_BYTES`, in an order learned from what the guard had to wait
-    for last time (small tensors first: they hold BatchNorm statistics and step counters).
+What is copied when
+    CPU: small tensors (the slab's) are copied before ``stage`` returns: copying them costs
+    less than tracking them for the guard. The others are copied on the background thread, one
+    batched copy per chunk of about :data:`CHUNK_BYTES`, in the order the guard needed them
+    last time (:class:`~.guard.NeedOrder`, one per lazy stager).
     CUDA: ``non_blocking`` copies on a side stream, one event per chunk; waiting for a chunk
     makes the *current stream* wait on its event (no host stall).
-    XLA (PJRT CPU): after ``torch_xla.sync()`` device buffers are immutable and a DLPack view
-    holds the current buffer, so the snapshot at the call costs O(number of tensors); the
-    bytes are copied in the background like CPU tensors. When buffer donation is enabled
-    (``_xla_set_enable_alias_with_buffer_donor_config``) the optimizer guard also waits for
-    every outstanding XLA copy before any optimizer step, so a donated buffer is never read.
-    XLA without host views (TPU, sharded SPMD tensors): staged eagerly (see docs/design.md).
-
-The guard (process-wide, installed while lazy copies are outstanding)
-    * an optimizer step pre-hook (``torch.optim.optimizer.register_optimizer_step_pre_hook``):
-      before ``optimizer.step()`` it waits for exactly the outstanding chunks that hold that
-      optimizer's parameters or state tensors (matched by storage ``data_ptr``);
-    * a module forward pre-hook (``register_module_forward_pre_hook``): before a module runs,
-      it waits for the chunks holding that module's own buffers (BatchNorm updates its running
-      statistics in forward *without* bumping ``_version``).
-    * a safety net for everything else: each source tensor's ``_version`` is recorded at the
-      call and compared again when its chunk is *sealed*: on the thread that called
-      ``save_async``, between two of its ops, after the copy completed (the next hook call,
-      ``wait_for_staging``, ``save_async``, ``join`` or ``close``). An in-place op bumps
-      ``_version`` only when it *ends*, so a check on the copier thread could miss a write still
-      in progress; between two ops of the training thread none is. If the version changed, the
-      save fails with :class:`TornSnapshotError` instead of writing a torn checkpoint (also
-      when the write came after the copy but before the seal: the safe side). The writer
-      waits for the seal before writing.
-    * freed or swapped storage: each source's storage (data pointer, size, and that the user's
-      tensor still points at it) is recorded at the call and checked right before a CPU copy
-      reads it (and again after), and for CUDA copies at the seal. A storage freed or resized
-      (``untyped_storage().resize_(0)``, as FSDP does with unsharded parameters) or replaced
-      (``set_()``) is not read, and the save fails with :class:`TornSnapshotError`.
-    Mutations that neither a hook nor ``_version`` sees (``.data``, ``torch.no_grad`` writes
-    through ``.data``, foreign kernels) are *not* detected: call
-    ``CheckpointManager.wait_for_staging()`` before such writes.
+    XLA (PJRT CPU): small tensors are copied by buffer address, as the eager stager does; of
+    the others, zero-copy views of their (immutable) device buffers are taken now and their
+    bytes are copied in the background like CPU tensors. XLA tensors without host views (TPU,
+    GPU) and SPMD-sharded ones are staged eagerly, through the eager stager.
 """
 
 from __future__ import annotations
 
-import math
-import queue
-import threading
-import time
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
-from ..errors import CheckpointError
+from .base import BaseStager, StagingJob
+from .cpu import copy_cpu
+from .eager import EagerStager
+from .guard import NeedOrder, PendingCopies, TornSnapshotError, build_chunks, hold_copies, settle_hooks, start
+from .layout import SMALL_TENSOR_BYTES, lay_out, unique
+from .plan import StagingPlan
+from .snapshot import HostSnapshot
+from .xla import XlaStaging, stage_batched, xla_host_views
+
+__all__ = ["CHUNK_BYTES", "LazyStager", "PendingCopies", "TornSnapshotError", "hold_copies", "settle_hooks"]
 
 CHUNK_BYTES = 8 * 2**20  # copies are grouped into batches of about this size (one wait unit)
 
-_Key = Tuple[bool, int]  # (is_cuda, storage data_ptr)
+_Items = List[Tuple[int, torch.Tensor]]
+_Pair = Tuple[torch.Tensor, torch.Tensor, List[Tuple[str, torch.Tensor]], bool]
 
 
-class TornSnapshotError(CheckpointError):
-    """A tensor of a lazy snapshot was modified before its host copy completed.
+class _LazyJob(StagingJob):
+    """A stage whose copies are collected as ``(dst, src, members, xla)`` pairs, issued at the end."""
 
-    Raised by the background save (and re-raised at the next ``save_async``/``join``), never
-    silently written. Call ``CheckpointManager.wait_for_staging()`` before mutating tensors by
-    hand while a lazy save is staging, or save with ``lazy=False``.
-    """
+    __slots__ = ("pairs", "names")
 
-
-def storage_key(t: torch.Tensor) -> Optional[_Key]:
-    """The key the guard matches tensors by: (is CUDA, storage data_ptr); None if it has none."""
-    try:
-        return (t.is_cuda, t.untyped_storage().data_ptr())
-    except Exception:  # XLA, meta, sparse, ...
-        return None
+    def __init__(self, plan: StagingPlan) -> None:
+        super().__init__(plan)
+        self.pairs: List[_Pair] = []
+        self.names = plan.keys if len(plan.keys) == len(plan.tensors) else [str(i) for i in range(len(plan.tensors))]
 
 
-def _version(t: torch.Tensor) -> int:
-    try:
-        return t._version
-    except Exception:  # inference tensors have no version counter
-        return -1
+class LazyStager(BaseStager):
+    """Makes :class:`HostSnapshot` objects whose copies are still in flight.
 
+    Shares the pool, the plan memo, the CUDA side streams and the XLA state of ``eager``,
+    which also stages what cannot be staged lazily. A snapshot's buffers must not be read
+    before ``snapshot.wait_copied()`` returns; releasing it waits for its copies."""
 
-class _Chunk:
-    """One batched copy and the user tensors it reads."""
-
-    __slots__ = ("dsts", "srcs", "members", "versions", "keys", "nbytes", "xla", "done", "fenced",
-                 "sealed", "event", "device", "lock", "error", "torn", "claimed", "storages", "freed")
-
-    def __init__(self, xla: bool = False) -> None:
-        self.dsts: List[torch.Tensor] = []
-        self.srcs: List[torch.Tensor] = []
-        self.members: List[Tuple[str, torch.Tensor]] = []  # (name, user tensor) for the version check
-        self.versions: List[int] = []
-        self.keys: Set[_Key] = set()
-        self.nbytes = 0
-        self.xla = xla
-        self.done = threading.Event()  # the bytes are in the host buffers
-        self.fenced = False  # CUDA: the training stream waits for the copy (later work is ordered after it)
-        self.claimed = False  # CPU: a thread (copier or training) has taken this copy
-        self.sealed = False  # the version check has run
-        self.event: Any = None  # CUDA event recorded after the copy
-        self.device: Any = None
-        self.lock = threading.Lock()
-        self.error: Optional[BaseException] = None
-        self.torn: List[str] = []
-        #: (name, tensor, storage data_ptr, storage nbytes) of every source and user tensor,
-        #: recorded at the call and compared before (and after) the copy reads them
-        self.storages: List[Tuple[str, torch.Tensor, int, int]] = []
-        self.freed: List[str] = []  # tensors whose storage was freed, resized or replaced
-
-    def claim(self) -> bool:
-        """Take this CPU copy for the calling thread (False if another thread has it)."""
-        with self.lock:
-            if self.claimed:
-                return False
-            self.claimed = True
-            return True
-
-    def storage_changed(self) -> List[str]:
-        """Names of the tensors whose storage is no longer the one recorded at the call: freed
-        or resized (``untyped_storage().resize_()``, as FSDP does with unsharded parameters:
-        data pointer or size differ) or replaced (``set_()``: the tensor points elsewhere)."""
-        bad: List[str] = []
-        for name, t, ptr, nbytes in self.storages:
-            try:
-                s = t.untyped_storage()
-                same = s.data_ptr() == ptr and s.nbytes() == nbytes
-            except Exception:  # noqa: BLE001 - no storage to read from any more
-                same = False
-            if not same and name not in bad:
-                bad.append(name)
-        return bad
-
-    def run(self) -> None:
-        """Do the copy (the caller claimed it, or it is a CUDA chunk) and mark it done.
-
-        CPU: the sources' storages are checked right before the copy and again after it. A
-        storage freed, resized or replaced since the call is not read (reading it would touch
-        freed memory); one that changed during the copy may have been read while freed. Either
-        way the chunk records the tensors in ``freed`` and the snapshot fails with
-        :class:`TornSnapshotError`. (A free that races with the copy itself is not prevented:
-        call ``CheckpointManager.wait_for_staging()`` before freeing saved storages.)"""
-        try:
-            if self.event is not None:
-                self.event.synchronize()
-            elif self.dsts:
-                bad = self.storage_changed()
-                if not bad:
-                    with torch.no_grad():
-                        torch._foreach_copy_(self.dsts, self.srcs)
-                    bad = self.storage_changed()
-                self.freed.extend(bad)
-        except BaseException as exc:  # noqa: BLE001 - reported by result()
-            self.error = exc
-        self.dsts, self.srcs = [], []  # copied: drop the references to the user's tensors
-        if self.event is None:
-            self.storages = []
-        self.done.set()
-
-    def seal(self) -> None:
-        """Compare the recorded versions with the current ones (once).
-
-        Sound only on the thread that mutates the tensors, between two of its ops, after the
-        copy completed (or was fenced): then every write that thread made since the call has
-        bumped ``_version`` already, so an unchanged version proves the copy is exact. A write
-        made after the copy completed but before the seal is reported too (safe side).
-        """
-        with self.lock:
-            if self.sealed:
-                return
-            self.sealed = True
-            if self.storages:
-                # CUDA: the copy ran on a side stream, unordered with the training stream that
-                # may have freed the storage since the call (its memory may have been reused).
-                self.freed.extend(n for n in self.storage_changed() if n not in self.freed)
-                self.storages = []
-            for (name, t), v in zip(self.members, self.versions):
-                if v >= 0 and _version(t) != v:
-                    self.torn.append(name)
-            self.members = []  # checked: the user's tensors are not needed for it any more
-
-
-class PendingCopies:
-    """The completion handle of a lazy snapshot.
-
-    Training thread: ``wait(keys)`` fences the chunks that hold any of ``keys`` (and seals
-    them); ``wait_all()`` waits for every copy and seals everything. Writer thread:
-    ``result()`` waits until every chunk is sealed and raises :class:`TornSnapshotError` (or
-    the copy's own error) if the snapshot is not exact.
-    """
-
-    def __init__(self, chunks: List[_Chunk], cuda: bool) -> None:
-        self.chunks = chunks
-        self.cuda = cuda
-        self.owner = threading.get_ident()  # the thread that called save_async
-        self.nbytes = sum(c.nbytes for c in chunks)
-        self.by_key: Dict[_Key, List[_Chunk]] = {}
-        for c in chunks:
-            for k in c.keys:
-                self.by_key.setdefault(k, []).append(c)
-        self.has_xla = any(c.xla for c in chunks)
-        self.finished = threading.Event()  # every copy has run
-        self.sealed = threading.Event()  # every chunk has been version-checked
-        self._pos = 0  # chunks before it are sealed
-        self._seal_lock = threading.Lock()
-        self.waited_s = 0.0  # time the training thread spent waiting in the guard
-        self.step: Optional[int] = None
-        if not chunks:
-            self.finished.set()
-            self.sealed.set()
+    def __init__(self, eager: EagerStager) -> None:
+        super().__init__(eager.pool, eager.plans)
+        self.eager = eager
+        self.order = NeedOrder()
+        self._outstanding: List[PendingCopies] = []
 
     @property
-    def done(self) -> bool:
-        return self.sealed.is_set()
+    def xla(self) -> XlaStaging:
+        return self.eager.xla
 
-    def seal_ready(self) -> None:
-        """Seal the chunks whose copies have completed (owner thread, between ops; cheap)."""
-        if self.sealed.is_set() or threading.get_ident() != self.owner:
+    @property
+    def pending(self) -> List[PendingCopies]:
+        """The copy trackers of this stager's snapshots that :meth:`synchronize_staging` has
+        not waited for yet, oldest first."""
+        return list(self._outstanding)
+
+    def synchronize_staging(self) -> None:
+        """Wait until the copies of every snapshot of this stager are done and sealed, then
+        drop the forward hook if no stager has copies outstanding. Training thread."""
+        pending, self._outstanding = self._outstanding, []
+        for pc in pending:
+            pc.wait_all()
+        settle_hooks()
+
+    def _new_job(self, plan: StagingPlan) -> StagingJob:
+        return _LazyJob(plan)
+
+    def _stage_local(self, items: _Items, job: StagingJob, cuda: bool) -> None:
+        self._lay_out(items, job.host, job, xla=False)  # type: ignore[arg-type]
+
+    def _stage_xla(self, items: _Items, job: StagingJob) -> None:
+        rest, shards = self.xla.stage_direct(self.pool, items, job.host, job.leases)
+        job.xla_shards = job.xla_shards or shards
+        if not rest:
             return
-        self._advance()
-
-    def _advance(self) -> None:
-        with self._seal_lock:
-            chunks, n = self.chunks, len(self.chunks)
-            while self._pos < n:
-                c = chunks[self._pos]
-                if not c.sealed:
-                    if not (c.done.is_set() or c.fenced):
-                        return
-                    c.seal()
-                self._pos += 1
-        self.sealed.set()
-        _untrack(self)
-
-    def _fence(self, chunks: Iterable[_Chunk]) -> None:
-        t0 = time.perf_counter()
-        for c in chunks:
-            if c.sealed:
-                continue
-            if not c.done.is_set():
-                if c.event is not None and c.error is None:
-                    # CUDA: order the training stream after the copy; no host stall.
-                    torch.cuda.current_stream(c.device).wait_event(c.event)
-                    c.fenced = True
-                elif c.event is None and c.claim():
-                    c.run()  # not started yet: copy it here, beside the copier (work stealing)
-                else:
-                    c.done.wait()
-            c.seal()  # before the mutation the caller is about to make
-        self.waited_s += time.perf_counter() - t0
-
-    def wait(self, keys: Iterable[_Key]) -> None:
-        """Make it safe to mutate the tensors whose storage keys are ``keys``."""
-        if self.sealed.is_set():
+        if shards:  # SPMD: the replicated tensors left are copied now, like the shards
+            self.eager.copy_xla_now(rest, job)
             return
-        found: List[_Chunk] = []
-        for k in keys:
-            cs = self.by_key.get(k)
-            if cs:
-                found.extend(cs)
-        if found:
-            self._fence(found)
-        self.seal_ready()
-
-    def wait_xla(self) -> None:
-        if self.has_xla and not self.sealed.is_set():
-            self._fence([c for c in self.chunks if c.xla])
-
-    def wait_all(self) -> None:
-        """Training thread: wait until every copy has finished, and seal them all."""
-        if self.sealed.is_set():
-            return
-        t0 = time.perf_counter()
-        self.finished.wait()
-        self._advance()
-        self.waited_s += time.perf_counter() - t0
-
-    def result(self) -> None:
-        """Wait until every copy is done and sealed (by the training thread: the next hook,
-        ``save_async``, ``wait_for_staging``, ``join`` or ``close``); raise if a copy failed or a
-        source changed before it was copied."""
-        if threading.get_ident() == self.owner:
-            self.wait_all()
-        self.sealed.wait()
-        for c in self.chunks:
-            if c.error is not None:
-                raise CheckpointError(f"lazy host copy failed: {type(c.error).__name__}: {c.error}",
-                                      step=self.step) from c.error
-        freed = [n for c in self.chunks for n in c.freed]
-        if freed:
-            raise TornSnapshotError(
-                f"lazy save of step {self.step}: the storage of tensor(s) {_names(freed)} was freed, "
-                f"resized or replaced (untyped_storage().resize_(), set_()) after "
-                f"save_async(..., lazy=True) returned and before their host copy ran; the copy was "
-                f"not made and the checkpoint was not written. Call manager.wait_for_staging() "
-                f"before freeing or swapping saved tensors' storage, or save with lazy=False",
-                step=self.step)
-        torn = [n for c in self.chunks for n in c.torn]
-        if torn:
-            raise TornSnapshotError(
-                f"lazy save of step {self.step}: tensor(s) {_names(torn)} were modified in place after "
-                f"save_async(..., lazy=True) returned and before their host copy was confirmed, by "
-                f"something the guard does not see (not optimizer.step() nor a module's forward); "
-                f"the checkpoint was not written. Call manager.wait_for_staging() before mutating "
-                f"tensors by hand, or save with lazy=False", step=self.step)
-
-
-def _names(names: List[str]) -> str:
-    return ", ".join(names[:10]) + (f" (and {len(names) - 10} more)" if len(names) > 10 else "")
-
-
-# ---- the background copier -----------------------------------------------------------------
-class _Copier:
-    """One daemon thread that runs CPU chunk copies and completes CUDA chunks, FIFO."""
-
-    def __init__(self) -> None:
-        self._queue: "queue.Queue[PendingCopies]" = queue.Queue()
-        self._thread = threading.Thread(target=self._run, name="async-ckpt-lazy-copy", daemon=True)
-        self._thread.start()
-
-    def submit(self, pc: Any) -> None:
-        self._queue.put(pc)
-
-    def _run(self) -> None:
-        while True:
-            pc = self._queue.get()
-            if isinstance(pc, threading.Event):  # hold_copies(): a barrier
-                pc.wait()
-                continue
-            try:
-                for c in pc.chunks:
-                    if c.event is not None or c.claim():  # else the training thread took it
-                        c.run()
-                for c in pc.chunks:
-                    c.done.wait()  # stolen copies finish on the training thread
-            finally:
-                pc.finished.set()
-
-
-_copier: Optional[_Copier] = None
-_copier_lock = threading.Lock()
-
-
-def _get_copier() -> _Copier:
-    global _copier
-    with _copier_lock:
-        if _copier is None:
-            _copier = _Copier()
-        return _copier
-
-
-class hold_copies:
-    """Context manager that stops lazy copies from progressing until it exits (or until
-    ``release_after`` seconds passed): lets tests and debugging force the copies to still be in
-    flight when the training loop mutates tensors. Copies queued before it enter still run."""
-
-    def __init__(self, release_after: Optional[float] = None) -> None:
-        self._barrier = threading.Event()
-        self._timer = threading.Timer(release_after, self._barrier.set) if release_after is not None else None
-
-    def release(self) -> None:
-        self._barrier.set()
-
-    def __enter__(self) -> "hold_copies":
-        _get_copier().submit(self._barrier)
-        if self._timer is not None:
-            self._timer.daemon = True
-            self._timer.start()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._barrier.set()
-        if self._timer is not None:
-            self._timer.cancel()
-
-
-# ---- the guard -----------------------------------------------------------------------------
-_active: Tuple[PendingCopies, ...] = ()  # outstanding lazy snapshots (copy-on-write)
-_active_lock = threading.Lock()
-_opt_handle: Any = None
-_fwd_handle: Any = None
-_need_rank: Dict[_Key, int] = {}  # order in which the guard needed each storage (learned order)
-_need_counter = 0
-
-
-def _untrack(pc: PendingCopies) -> None:
-    global _active
-    with _active_lock:
-        _active = tuple(p for p in _active if p is not pc)
-
-
-def _note_needed(keys: Iterable[_Key]) -> None:
-    global _need_counter
-    _need_counter += 1
-    if len(_need_rank) > 1_000_000:  # bounded: storages come and go
-        _need_rank.clear()
-    for k in keys:
-        _need_rank.setdefault(k, _need_counter)
-
-
-def _donation_enabled() -> bool:
-    try:
-        import torch_xla
-
-        return bool(torch_xla._XLAC._xla_get_enable_alias_with_buffer_donor_config())
-    except Exception:
-        return False
-
-
-def _optimizer_pre_hook(optimizer: Any, args: Any, kwargs: Any) -> None:
-    active = _active
-    if not active:
-        _remove_forward_hook()
-        return
-    keys: Set[_Key] = set()
-    xla = False
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            k = storage_key(p)
-            if k is None:
-                xla = xla or p.device.type == "xla"
-            else:
-                keys.add(k)
-    for st in optimizer.state.values():
-        if isinstance(st, dict):
-            for v in st.values():
-                if isinstance(v, torch.Tensor):
-                    k = storage_key(v)
-                    if k is not None:
-                        keys.add(k)
-    _note_needed(keys)
-    donation = xla and _donation_enabled()
-    for pc in active:
-        pc.wait(keys)
-        if donation:
-            pc.wait_xla()
-
-
-def _forward_pre_hook(module: torch.nn.Module, args: Any) -> None:
-    active = _active
-    if not active:
-        return
-    bufs = module._buffers
-    keys = [k for k in (storage_key(b) for b in bufs.values() if b is not None) if k is not None] if bufs else ()
-    if keys:
-        _note_needed(keys)
-        for pc in active:
-            pc.wait(keys)
-    else:
-        for pc in active:
-            pc.seal_ready()
-
-
-def _remove_forward_hook() -> None:
-    """Drop the forward hook (it costs every module call a Python call). Only from the
-    training thread, never from inside a forward pre-hook (the hook dict is being iterated)."""
-    global _fwd_handle
-    if _fwd_handle is not None and not _active:
-        _fwd_handle.remove()
-        _fwd_handle = None
-
-
-def track(pc: PendingCopies) -> None:
-    """Guard ``pc`` until its copies complete. Training thread."""
-    global _active, _opt_handle, _fwd_handle
-    if pc.finished.is_set():
-        return
-    with _active_lock:
-        _active = _active + (pc,)
-    if _opt_handle is None:
-        from torch.optim.optimizer import register_optimizer_step_pre_hook
-
-        _opt_handle = register_optimizer_step_pre_hook(_optimizer_pre_hook)
-    if _fwd_handle is None:
-        from torch.nn.modules.module import register_module_forward_pre_hook
-
-        _fwd_handle = register_module_forward_pre_hook(_forward_pre_hook)
-
-
-def settle_hooks() -> None:
-    """Remove the forward hook if nothing is outstanding (call at safe points: training thread)."""
-    _remove_forward_hook()
-
-
-def outstanding() -> Tuple[PendingCopies, ...]:
-    return _active
-
-
-# ---- staging -------------------------------------------------------------------------------
-def order_units(units: Sequence[Any]) -> List[Any]:
-    """Big units in the order the guard needed them last time; unknown ones keep their order."""
-    if not _need_rank:
-        return list(units)
-    inf = math.inf
-
-    def rank(u: Any) -> float:
-        k = storage_key(u.members[0][1])
-        return _need_rank.get(k, inf) if k is not None else inf
-
-    return sorted(units, key=rank)  # stable
-
-
-def build_chunks(pairs: Sequence[Tuple[torch.Tensor, torch.Tensor, List[Tuple[str, torch.Tensor]], bool]],
-                 chunk_bytes: Optional[int] = None) -> List[_Chunk]:
-    """Group ``(dst, src, members, xla)`` copies, in order, into chunks of about ``chunk_bytes``
-    (never mixing CPU and CUDA sources, or XLA views and plain tensors)."""
-    chunk_bytes = CHUNK_BYTES if chunk_bytes is None else chunk_bytes
-    chunks: List[_Chunk] = []
-    cur: Optional[_Chunk] = None
-    for dst, src, members, xla in pairs:
-        kind = (src.is_cuda, src.device, xla)
-        if cur is None or cur.nbytes >= chunk_bytes or (cur.srcs and (cur.srcs[0].is_cuda, cur.srcs[0].device, cur.xla) != kind):
-            cur = _Chunk(xla=xla)
-            chunks.append(cur)
-        cur.dsts.append(dst)
-        cur.srcs.append(src)
-        cur.nbytes += dst.numel() * dst.element_size()
-        if xla:  # our own views of immutable device buffers: nothing to guard
-            continue
-        src_seen = False
-        for name, t in members:
-            cur.members.append((name, t))
-            cur.versions.append(_version(t))
-            s = _storage_of(t)
-            if s is not None:
-                ptr = s.data_ptr()
-                cur.keys.add((t.is_cuda, ptr))
-                cur.storages.append((name, t, ptr, s.nbytes()))
-                src_seen = src_seen or t is src
-        if not src_seen and members:  # a span of a shared storage: check the span view too
-            s = _storage_of(src)
-            if s is not None:
-                cur.storages.append((members[0][0], src, s.data_ptr(), s.nbytes()))
-    return chunks
-
-
-def _storage_of(t: torch.Tensor) -> Any:
-    try:
-        return t.untyped_storage()
-    except Exception:  # meta, sparse, ...
-        return None
-
-
-def start(chunks: List[_Chunk], cuda_streams: Any = None) -> PendingCopies:
-    """Issue the copies of ``chunks``: CUDA ones now on side streams (one event each), CPU ones
-    on the background copier. Returns the handle (already tracked by the guard)."""
-    cuda = any(c.srcs and c.srcs[0].is_cuda for c in chunks)
-    if cuda:
-        waited: Set[Any] = set()
-        for c in chunks:
-            if not (c.srcs and c.srcs[0].is_cuda):
-                continue
-            dev = c.srcs[0].device
-            stream = cuda_streams(dev)
-            if dev not in waited:
-                # The side stream must see every kernel already queued on the training stream.
-                stream.wait_stream(torch.cuda.current_stream(dev))
-                waited.add(dev)
-            with torch.cuda.stream(stream), torch.no_grad():
-                torch._foreach_copy_(c.dsts, c.srcs, non_blocking=True)
-                ev = torch.cuda.Event()
-                ev.record(stream)
-            c.event, c.device = ev, dev
-    pc = PendingCopies(chunks, cuda)
-    track(pc)
-    _get_copier().submit(pc)
-    return pc
-
-
-def stage_lazy(stager: Any, state_dict: Any, plan: Any = None) -> Any:
-    """``Stager.stage(..., lazy=True)``: a snapshot whose copies are still in flight.
-
-    Buffers come from the stager's pool exactly as for an eager stage; the snapshot's
-    ``pending`` is the :class:`PendingCopies` handle. Its buffers must not be read (or
-    released) before ``snapshot.wait_copied()`` returns.
-    """
-    from .backends import xla_host_views
-    from .stager import HostSnapshot, snapshot_nbytes
-
-    t0 = time.perf_counter()
-    plan = plan if plan is not None else stager.plan(state_dict)
-    host: List[Optional[torch.Tensor]] = [None] * len(plan.tensors)
-    by_type = plan.by_device_type()
-    leases: List[Any] = []
-    pairs: List[Tuple[torch.Tensor, torch.Tensor, List[Tuple[str, torch.Tensor]], bool]] = []
-    names = plan.keys if len(plan.keys) == len(plan.tensors) else [str(i) for i in range(len(plan.tensors))]
-    try:
-        if "xla" in by_type:
-            _lazy_xla(stager, by_type.pop("xla"), host, leases, pairs, names, xla_host_views)
-        local = [it for kind in ("cpu", "cuda") for it in by_type.pop(kind, [])]
-        if by_type:
-            kinds = ", ".join(sorted(by_type))
-            raise NotImplementedError(f"staging tensors on device type(s) {kinds} is not supported")
-        if local:
-            _lazy_local(stager, local, host, leases, pairs, names, False)
-    except BaseException:
-        for lease in leases:
-            lease.release()
-        raise
-    # XLA views and small tensors (slab) first, then big tensors in the learned order.
-    pending = start(build_chunks(pairs), _cuda_stream_fn(stager))
-    snap = HostSnapshot(
-        state_dict=plan.build(host),  # type: ignore[arg-type]
-        nbytes=snapshot_nbytes(host, plan),
-        num_tensors=len(plan.tensors),
-        stage_seconds=time.perf_counter() - t0,
-        int_keys=plan.int_keys,
-        leases=leases,
-    )
-    snap.pending = pending
-    return snap
-
-
-def _cuda_stream_fn(stager: Any) -> Any:
-    def stream(dev: torch.device) -> Any:
-        if stager._cuda is None:
-            from .backends import CudaTransfer
-
-            stager._cuda = CudaTransfer()
-        return stager._cuda._stream(dev)
-
-    return stream
-
-
-def _lazy_local(stager, items, host, leases, pairs, names, xla) -> None:
-    """The eager stager's buffer layout (:func:`~.stager.lay_out`), but the (dst, src) pairs
-    are returned instead of copied; big tensors in the order the guard needed them last time.
-
-    Small host tensors (the slab's, up to ``SMALL_TENSOR_BYTES``) are copied here, before
-    ``save_async`` returns: copying 4 KiB costs less than tracking it for the guard, which
-    made a lazy save of 10,000 small tensors twice as long as an eager one."""
-    from .backends import copy_cpu
-    from .stager import SMALL_TENSOR_BYTES, lay_out
-
-    now_d: List[torch.Tensor] = []
-    now_s: List[torch.Tensor] = []
-    for dst, unit in lay_out(stager.pool, items, host, leases, order=order_units):
-        src = unit.src
-        if unit.span_start < 0 and unit.nbytes <= SMALL_TENSOR_BYTES and not src.is_cuda:
-            now_d.append(dst)
-            now_s.append(src)
-        else:
-            pairs.append((dst, src, [(names[i] if not xla else str(i), t) for i, t in unit.members], xla))
-    if now_d:
-        with torch.no_grad():
-            copy_cpu(now_d, now_s)
-
-
-def _lazy_xla(stager, items, host, leases, pairs, names, xla_host_views) -> None:
-    """PJRT CPU: zero-copy views of the (immutable) device buffers taken now, O(#tensors);
-    their bytes are copied in the background. Anything else is staged eagerly."""
-    from ..distributed import xla_sharded
-    from .backends import xla_wait
-    from .stager import _unique
-
-    xla_wait()
-    views = None
-    if not xla_sharded(items):
-        # Small tensors: copied now by buffer address (as the eager stage does), not tracked;
-        # the others synced if they need it.
-        items = stager.xla_small_first(items, host, leases)
-        if not items:
-            return
-        srcs, uniq = _unique(items)
+        srcs, index = unique(rest)
         views = xla_host_views(srcs)
-    if views is None:  # TPU/GPU buffers, SPMD shards: no host view to hold; stage them now
-        stager._stage_xla(items, host, leases)
-        return
-    tmp: List[Optional[torch.Tensor]] = [None] * len(views)
-    _lazy_local(stager, list(enumerate(views)), tmp, leases, pairs, names, True)
-    for i, t in items:
-        host[i] = tmp[uniq[id(t)]]
+        if views is None:  # TPU/GPU buffers: no host view to hold, copy them now
+            stage_batched(rest, job.host)
+            return
+        host: List[Optional[torch.Tensor]] = [None] * len(views)
+        self._lay_out(list(enumerate(views)), host, job, xla=True)  # type: ignore[arg-type]
+        for i, t in rest:
+            job.host[i] = host[index[id(t)]]
+
+    def _lay_out(self, items: _Items, host: List[Optional[torch.Tensor]], job: _LazyJob, xla: bool) -> None:
+        """The eager stager's buffer layout (:func:`~.layout.lay_out`), but the copies are
+        collected in ``job.pairs`` instead of made, big units in the learned order. Small CPU
+        units (the slab's) are copied here. ``xla``: ``items`` are host views of XLA buffers
+        (immutable: nothing to guard), indexed by position."""
+        now_d: List[torch.Tensor] = []
+        now_s: List[torch.Tensor] = []
+        pairs, names = job.pairs, job.names
+        for dst, unit in lay_out(self.pool, items, host, job.leases, order=self.order.order):
+            src = unit.src
+            if unit.span_start < 0 and unit.nbytes <= SMALL_TENSOR_BYTES and not src.is_cuda:
+                now_d.append(dst)
+                now_s.append(src)
+            else:
+                pairs.append((dst, src, [(names[i] if not xla else str(i), t) for i, t in unit.members], xla))
+        if now_d:
+            with torch.no_grad():
+                copy_cpu(now_d, now_s)
+
+    def _finish(self, snap: HostSnapshot, job: StagingJob) -> None:
+        # XLA views and small tensors first, then big tensors in the learned order.
+        pending = start(build_chunks(job.pairs, CHUNK_BYTES), self.eager.cuda.stream, self.order)  # type: ignore[attr-defined]
+        snap.pending = pending
+        self._outstanding = [pc for pc in self._outstanding if not pc.done]
+        self._outstanding.append(pending)

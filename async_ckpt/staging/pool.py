@@ -31,6 +31,7 @@ from typing import Deque, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from ..compat import host_empty_cache
 from ..errors import StagingBudgetError
 
 _HEADROOM = 16  # a buffer may be up to 1/_HEADROOM larger than the request it serves
@@ -274,6 +275,6 @@ def _empty_host_cache() -> None:
     torch's caching host allocator, not back with the OS)."""
     try:
         if torch.cuda.is_initialized():
-            torch._C._host_emptyCache()
+            host_empty_cache()
     except Exception:  # noqa: BLE001 - no CUDA, or an older torch: nothing cached to return
         pass

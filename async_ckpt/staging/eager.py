@@ -1,0 +1,73 @@
+"""The eager stager: every host copy is made before :meth:`EagerStager.stage` returns.
+
+The tensors are laid out in pooled buffers (:mod:`.layout`; storages shared by several
+tensors copied once) and copied with one batched transfer per device type: CPU
+(:mod:`.cpu`), CUDA (:mod:`.cuda`), XLA (:mod:`.xla`). When ``stage`` returns, the snapshot
+owns host copies of every tensor and the training loop may mutate its tensors freely.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Tuple
+
+import torch
+
+from .base import BaseStager, StagingJob
+from .cpu import copy_cpu
+from .cuda import CudaTransfer
+from .layout import LayoutMemo
+from .plan import PlanMemo
+from .pool import HostBufferPool
+from .xla import XlaStaging, stage_batched, xla_host_views
+
+_Items = List[Tuple[int, torch.Tensor]]
+
+
+class EagerStager(BaseStager):
+    """Makes fully copied :class:`~.snapshot.HostSnapshot` objects from one :class:`HostBufferPool`."""
+
+    def __init__(self, pool: Optional[HostBufferPool] = None, plans: Optional[PlanMemo] = None,
+                 xla: Optional[XlaStaging] = None) -> None:
+        super().__init__(pool, plans, xla)
+        self.cuda = CudaTransfer()
+        self._layouts = LayoutMemo()
+
+    def _stage_local(self, items: _Items, job: StagingJob, cuda: bool) -> None:
+        self.copy_now(items, job, cuda)
+
+    def _stage_xla(self, items: _Items, job: StagingJob) -> None:
+        rest, shards = self.xla.stage_direct(self.pool, items, job.host, job.leases)
+        job.xla_shards = job.xla_shards or shards
+        if rest:
+            self.copy_xla_now(rest, job)
+
+    def copy_now(self, items: _Items, job: StagingJob, cuda: bool = True, source: str = "local") -> None:
+        """Copy CPU/CUDA ``items`` into pooled buffers (views in ``job.host``) before returning.
+        ``cuda=False``: none of them is on CUDA. ``source`` names the layout remembered for
+        the next stage of the same kind."""
+        dsts, srcs = self._layouts.pairs(self.pool, items, job.host, job.leases, cuda, source)
+        if not cuda:
+            with torch.no_grad():
+                copy_cpu(dsts, srcs)
+            return
+        cpu_d, cpu_s, cuda_d, cuda_s = [], [], [], []
+        for dst, src in zip(dsts, srcs):
+            (cuda_d if src.is_cuda else cpu_d).append(dst)
+            (cuda_s if src.is_cuda else cpu_s).append(src)
+        with torch.no_grad():
+            if cuda_d:
+                self.cuda.copy(cuda_d, cuda_s)
+            copy_cpu(cpu_d, cpu_s)
+
+    def copy_xla_now(self, items: _Items, job: StagingJob) -> None:
+        """Copy XLA ``items`` whose buffers exist (after :meth:`XlaStaging.stage_direct`) before
+        returning: through zero-copy host views into pooled buffers (the views are kept as
+        ``job.sources``), else torch_xla's batched transfer."""
+        views = xla_host_views([t for _, t in items])
+        if views is None:
+            stage_batched(items, job.host)
+            return
+        # A tensor listed twice (tied parameters) gives two views of one buffer, which the
+        # storage grouping of the layout copies once and hands out as one tensor.
+        self.copy_now([(i, v) for (i, _), v in zip(items, views)], job, cuda=False, source="xla")
+        job.sources = views

@@ -1,0 +1,47 @@
+"""The result of staging: host copies of one state dict, holding pooled buffers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from .pool import Lease
+
+
+@dataclass
+class HostSnapshot:
+    """Host copies of one state dict. Owns its pooled buffers until :meth:`release`."""
+
+    state_dict: Dict[str, Any]
+    nbytes: int
+    num_tensors: int
+    int_keys: List[str] = field(default_factory=list)
+    leases: List[Lease] = field(default_factory=list)
+    #: lazy stage only: the copies still in flight (:class:`~async_ckpt.staging.guard.PendingCopies`)
+    pending: Optional[Any] = None
+    #: zero-copy views of XLA device buffers the copies were read from; dropping many of them
+    #: is slow, so the writer thread drops them (:meth:`drop_sources`), not the training thread
+    sources: Optional[List[torch.Tensor]] = None
+    #: the snapshot holds staged XLA SPMD shards (torch_xla's ``_CpuShards``): DCP writes them
+    #: with torch_xla's ``SPMDSavePlanner``
+    xla_shards: bool = False
+
+    def drop_sources(self) -> None:
+        """Release the device-buffer views the host copies were made from (copies are done)."""
+        self.sources = None
+
+    def wait_copied(self) -> None:
+        """Lazy snapshots: wait until every host copy is done; raise
+        :class:`~async_ckpt.staging.guard.TornSnapshotError` if a source changed first."""
+        if self.pending is not None:
+            self.pending.result()
+
+    def release(self) -> None:
+        """Give the buffers back to the pool. The snapshot must not be read afterwards."""
+        if self.pending is not None:
+            self.pending.wait_all()  # never hand out a buffer a lazy copy still writes into
+        for lease in self.leases:
+            lease.release()
+        self.leases = []

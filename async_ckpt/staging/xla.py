@@ -1,0 +1,357 @@
+"""XLA device -> host: everything the stagers do with XLA tensors.
+
+In the order a stage uses them:
+
+* :func:`xla_wait` (always first) and :func:`xla_sync` (only when a tensor has pending work):
+  every tensor staged has its PJRT buffer.
+* SPMD (:func:`xla_sharded`, :func:`stage_xla_shards`): a tensor split over devices by
+  ``mark_sharding`` is staged as host copies of this process's local shards.
+* Small tensors on PJRT CPU by buffer address (:class:`XlaGather`): one gather per size.
+* The others through zero-copy DLPack views of their PJRT host buffers (:func:`xla_host_views`),
+  copied into pooled buffers like CPU tensors; where PJRT exposes no host view (TPU, GPU),
+  torch_xla's batched transfer (:func:`stage_batched`).
+
+:class:`XlaStaging` (one per stager) runs the first three and keeps what it learns from one
+save to the next. Every private torch_xla name goes through :mod:`async_ckpt.compat`.
+
+Small tensors by address
+    On PJRT CPU a device buffer is ordinary host memory in row-major order, and
+    ``_unsafe_buffer_pointer`` returns its address without making a Python tensor, whereas a
+    DLPack view costs an export and an import per tensor. All buffers lie inside one address
+    range ``[lowest, highest end)``. For each distinct size ``n``, one ``index_select`` over
+    the range unfolded into every ``n``-byte window (:func:`~async_ckpt.addresses.gather`)
+    picks the windows that start at the buffers' addresses and writes them as consecutive rows
+    of a pooled slab. The range is only a view: nothing outside the buffers is read, nothing is
+    allocated.
+
+    This runs after :func:`xla_wait` (every launched execution has its output buffers). The
+    pending-work check of :func:`xla_sync` is not needed first: reading the address of a
+    tensor with pending work fails (it has no buffer yet), and :meth:`XlaGather.stage` then
+    raises :class:`XlaPendingWork` so the caller syncs and tries again; in the usual case,
+    where nothing is pending, that saves a pass over every tensor. And only when, in this
+    save, a DLPack view of one tensor of each (dtype, shape) is a host tensor that starts at
+    the address given and is row-major: that proves the addresses are host memory (not a
+    GPU's) and that the layout is the one assumed. Anything else (no such binding, an address
+    that cannot be read, a failed check, two tensors on one buffer) leaves the tensors to the
+    DLPack path.
+"""
+
+from __future__ import annotations
+
+from operator import attrgetter
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from .. import compat
+from ..addresses import gather
+from .layout import unique
+from .pool import HostBufferPool, Lease
+from .views import slab_views
+
+_Items = List[Tuple[int, torch.Tensor]]
+
+# ---- waiting for buffers -------------------------------------------------------------------
+
+
+def xla_wait() -> None:
+    """Wait until every XLA execution already launched has finished (its outputs have their
+    PJRT buffers); see :func:`xla_sync` for why it is needed."""
+    compat.xla_wait_device_ops()
+
+
+def xla_sync(tensors: Optional[Sequence[torch.Tensor]] = None) -> bool:
+    """Materialise pending XLA computations and wait until every device buffer exists.
+
+    With ``tensors``, ``torch_xla.sync()`` runs only if one of them has a pending computation:
+    it walks every live XLA tensor even when there is nothing to run, while the check is
+    cheap per tensor.
+
+    The wait is unconditional. ``torch_xla.sync()`` only launches an execution: until it
+    finishes, its outputs are handles without a PJRT buffer, and ``_to_dlpack`` on one aborts
+    the whole process (``Check failed: pjrt_buffer != nullptr``). A training loop's own
+    ``torch_xla.sync()`` right before ``save_async`` leaves exactly that behind.
+
+    Returns whether it ran ``torch_xla.sync()``.
+    """
+    import torch_xla
+
+    check = compat.xla_need_materialization_fn()
+    synced = tensors is None or check is None or any(check(list(tensors)))
+    if synced:
+        sync = getattr(torch_xla, "sync", None)
+        if sync is not None:
+            sync()
+        else:  # older torch_xla
+            import torch_xla.core.xla_model as xm
+
+            xm.mark_step()
+    xla_wait()
+    return synced
+
+
+# ---- transfers -----------------------------------------------------------------------------
+
+
+def xla_host_views(tensors: Sequence[torch.Tensor]) -> Optional[List[torch.Tensor]]:
+    """Zero-copy host views of XLA device buffers, or ``None`` where PJRT does not expose them.
+
+    On PJRT CPU the device buffer lives in host memory and DLPack hands it out without a copy;
+    XLA buffers are immutable (an in-place op makes a new buffer), so the view keeps showing
+    the values at the time it was taken. The raw bindings are used: the Python wrappers'
+    checks cost as much as the conversions.
+    """
+    try:
+        to_dlpack, from_dlpack = compat.xla_to_dlpack_fn(), compat.from_dlpack
+        views = [from_dlpack(to_dlpack(t)) for t in tensors]
+    except Exception:
+        return None
+    if not all(v.is_cpu for v in views):
+        return None
+    return views
+
+
+def stage_batched(items: _Items, host: List[Optional[torch.Tensor]]) -> None:
+    """torch_xla's batched transfer (every transfer issued, then awaited together) into fresh
+    host tensors, for XLA tensors without host views. A tensor listed twice (tied parameters)
+    is transferred once and both entries get the same host tensor."""
+    srcs, index = unique(items)
+    staged = compat.xla_get_cpu_tensors(srcs)
+    for i, t in items:
+        host[i] = staged[index[id(t)]]
+
+
+# ---- SPMD ----------------------------------------------------------------------------------
+
+
+def _spmd() -> bool:
+    try:
+        import torch_xla.runtime as xr
+
+        return bool(xr.is_spmd())
+    except Exception:
+        return False
+
+
+def _sharding_query() -> Optional[Tuple[Callable[[torch.Tensor], Any], Any]]:
+    """The sharding type of a tensor, and the type meaning "not split", or None without them."""
+    try:
+        import torch_xla.distributed.spmd as xs
+
+        return compat.xla_sharding_type_fn(), xs.ShardingType.REPLICATED
+    except Exception:
+        return None
+
+
+def _split(t: torch.Tensor, kind_of: Callable[[torch.Tensor], Any], replicated: Any) -> bool:
+    if t.device.type != "xla":
+        return False
+    try:
+        kind = kind_of(t)
+    except Exception:
+        return False
+    return kind is not None and kind != replicated
+
+
+def is_xla_sharded(t: torch.Tensor) -> bool:
+    """Whether ``t`` is an XLA tensor split over several devices by ``mark_sharding``."""
+    if t.device.type != "xla":
+        return False
+    query = _sharding_query()
+    return query is not None and _split(t, *query)
+
+
+def xla_sharded(items: _Items) -> _Items:
+    """The ``(index, tensor)`` pairs whose tensor is SPMD-sharded (see :func:`is_xla_sharded`).
+
+    Only SPMD mode (``xr.use_spmd()``) can shard a tensor: outside it, a state dict of many
+    tensors skips the per-tensor query altogether.
+    """
+    if not _spmd():
+        return []
+    query = _sharding_query()
+    if query is None:
+        return []
+    kind_of, replicated = query
+    return [(i, t) for i, t in items if _split(t, kind_of, replicated)]
+
+
+def stage_xla_shards(tensors: List[torch.Tensor]) -> List[Any]:
+    """Host copies of the local shards of SPMD-sharded XLA tensors, one replica of each shard.
+
+    Returns torch_xla's ``_CpuShards`` (shards with their global indices), which torch_xla's
+    ``SPMDSavePlanner`` writes as DCP chunks.
+    """
+    cpu_shards, cpu_shards_from_tensors = compat.xla_cpu_shards()
+    out = []
+    for cs in cpu_shards_from_tensors(list(tensors)):
+        # Keep one copy of each distinct shard: the replica 0 of a shard lives on exactly one
+        # device in the whole job, so every shard is written once, by the host that holds it.
+        uniq = [s for s in cs.shards if s.replica_id == 0]
+        out.append(cpu_shards(shards=uniq, global_shape=cs.global_shape))
+    return out
+
+
+# ---- small tensors by buffer address -------------------------------------------------------
+
+_ALIGN = 64
+_dtype, _shape = attrgetter("dtype"), attrgetter("shape")
+
+
+class _Layout:
+    """Where each small tensor of one state dict layout goes in the slab (one per layout)."""
+
+    __slots__ = ("dtypes", "shapes", "small", "rest", "groups", "slab_bytes", "order", "offsets", "probes")
+
+    def __init__(self, dtypes: List[torch.dtype], shapes: List[torch.Size], sizes: List[int], small_max: int) -> None:
+        self.dtypes = dtypes  # per item: what decides the layout (two lists compare faster than pairs)
+        self.shapes = shapes
+        self.small = [p for p, n in enumerate(sizes) if 0 < n <= small_max]
+        smallset = set(self.small)
+        self.rest = [p for p in range(len(sizes)) if p not in smallset]
+        by_size: Dict[int, List[int]] = {}
+        for p in self.small:
+            by_size.setdefault(sizes[p], []).append(p)
+        rank = {p: k for k, p in enumerate(self.small)}  # where each small item's address is listed
+        # One group per size, each a run of rows in the slab: (size, ranks of its items, start).
+        self.groups: List[Tuple[int, torch.Tensor, int]] = []
+        self.order: List[int] = []  # item positions in slab order
+        self.offsets: List[int] = []  # their byte offsets in the slab
+        off = 0
+        for n, ps in sorted(by_size.items()):
+            self.groups.append((n, torch.tensor([rank[p] for p in ps], dtype=torch.int64), off))
+            self.order += ps
+            self.offsets += range(off, off + n * len(ps), n)
+            off += (n * len(ps) + _ALIGN - 1) // _ALIGN * _ALIGN
+        self.slab_bytes = off
+        first: Dict[Any, int] = {}
+        for p in self.small:
+            first.setdefault((dtypes[p], shapes[p]), p)
+        # One tensor per (dtype, shape), checked every save: (its position, its rank in small).
+        self.probes = [(p, rank[p]) for p in first.values()]
+
+
+def _buffer_address_of() -> Optional[Callable[[torch.Tensor], int]]:
+    try:
+        return compat.xla_buffer_pointer_fn()
+    except Exception:
+        return None
+
+
+def _probe_ok(t: torch.Tensor, addr: int) -> bool:
+    """Whether DLPack shows ``t``'s buffer as row-major host memory starting at ``addr``."""
+    try:
+        v = compat.from_dlpack(compat.xla_to_dlpack_fn()(t))
+    except Exception:
+        return False
+    return v.is_cpu and v.data_ptr() == addr and v.shape == t.shape and v.dtype == t.dtype and v.is_contiguous()
+
+
+class XlaPendingWork(Exception):
+    """A small tensor's buffer address could not be read before a sync: it may have pending
+    work. The caller runs :func:`xla_sync` and calls :meth:`XlaGather.stage` again."""
+
+
+class XlaGather:
+    """Stages the small tensors of XLA state dicts by address (see the module docstring).
+
+    Remembers the layout of the last state dict, so a training loop's repeated saves only read
+    the addresses, gather and hand out the slab's cached views."""
+
+    def __init__(self, small_max: int) -> None:
+        self.small_max = small_max
+        self._layout: Optional[_Layout] = None
+        self._address_of = _buffer_address_of()
+        #: the last save found pending work, so sync before reading until a sync finds none
+        #: (XLA views, for one, always have some); kept by :meth:`XlaStaging.small_first`
+        self.sync_first = False
+
+    def stage(self, pool: HostBufferPool, items: _Items, host: List[Optional[torch.Tensor]], leases: List[Lease],
+              synced: bool = True) -> _Items:
+        """Copy the small tensors of ``items`` into a pooled slab and put their host views in
+        ``host``; return the items left to the caller (all of them if this path does not apply).
+        ``synced=False``: pending work has not been checked for; an address that cannot be read
+        raises :class:`XlaPendingWork` (nothing copied, nothing held) instead of giving up."""
+        address_of = self._address_of
+        if address_of is None or not items:
+            return items
+        ts = [t for _, t in items]
+        dtypes, shapes = list(map(_dtype, ts)), list(map(_shape, ts))
+        layout = self._layout
+        if layout is None or layout.shapes != shapes or layout.dtypes != dtypes:
+            layout = self._layout = _Layout(dtypes, shapes, [t.nbytes for t in ts], self.small_max)
+        if not layout.small:
+            return items
+        small = [ts[p] for p in layout.small]
+        try:
+            addrs = list(map(address_of, small))
+        except Exception:
+            if not synced:
+                raise XlaPendingWork() from None
+            return items
+        if len(set(addrs)) != len(addrs):
+            return items  # tied tensors: the DLPack path copies a shared buffer once
+        if not all(_probe_ok(ts[p], addrs[k]) for p, k in layout.probes):
+            return items
+        lease = pool.acquire([layout.slab_bytes])
+        slab = lease.buffers[0]
+        where = torch.tensor(addrs, dtype=torch.int64)  # in layout.small order
+        try:
+            with torch.no_grad():
+                for n, ranks, start in layout.groups:
+                    gather(where.index_select(0, ranks), n, slab[start: start + n * ranks.numel()].view(-1, n))
+        except Exception:  # e.g. NumPy missing: the DLPack path still works
+            lease.release()
+            return items
+        leases.append(lease)
+        views = slab_views(slab, layout, layout.offsets, [ts[p] for p in layout.order])
+        for p, v in zip(layout.order, views):
+            host[items[p][0]] = v
+        return [items[p] for p in layout.rest]
+
+
+# ---- one stager's XLA state ----------------------------------------------------------------
+
+
+class XlaStaging:
+    """The XLA part of one stager: what it stages at once, and what it remembers (the
+    gather's last layout, whether to sync before reading addresses)."""
+
+    def __init__(self, small_max: int) -> None:
+        self.gather = XlaGather(small_max)
+
+    def small_first(self, pool: HostBufferPool, items: _Items, host: List[Optional[torch.Tensor]],
+                    leases: List[Lease]) -> _Items:
+        """Small tensors by buffer address, before any pending-work check; the rest, returned,
+        are synced if they need it. When a small one has pending work, everything is synced
+        and the gather runs again; later saves then sync first, until a sync finds nothing
+        pending."""
+        gather_ = self.gather
+        if not gather_.sync_first:
+            try:
+                rest = gather_.stage(pool, items, host, leases, synced=False)
+            except XlaPendingWork:
+                pass
+            else:
+                if rest:
+                    xla_sync([t for _, t in rest])
+                return rest
+        gather_.sync_first = xla_sync([t for _, t in items])
+        return gather_.stage(pool, items, host, leases)
+
+    def stage_direct(self, pool: HostBufferPool, items: _Items, host: List[Optional[torch.Tensor]],
+                     leases: List[Lease]) -> Tuple[_Items, bool]:
+        """Wait for launched executions, then stage into ``host`` what is copied at once: SPMD
+        shards (host copies of the local shards) and small tensors by address. Returns the
+        tensors left, every one with its buffer (synced), and whether SPMD shards were staged."""
+        xla_wait()
+        sharded = xla_sharded(items)
+        if not sharded:
+            return self.small_first(pool, items, host, leases), False
+        xla_sync([t for _, t in items])
+        srcs, index = unique(sharded)
+        shards = stage_xla_shards(srcs)
+        for i, t in sharded:
+            host[i] = shards[index[id(t)]]
+        rest = [(i, t) for i, t in items if host[i] is None]
+        return (self.gather.stage(pool, rest, host, leases) if rest else rest), True
