@@ -122,8 +122,8 @@ def lightning_kill(out_dir: str) -> None:
                 os.fsync(f.fileno())
                 print("WRITING", flush=True)
                 threading.Event().wait(120)
-            return real(path, half, fsync)
-        real(path, write, fsync)
+            return real(path, half, fsync=fsync)
+        real(path, write, fsync=fsync)
         if os.path.basename(path) == "last.ckpt":
             commits.append(path)
             print("COMMITTED", flush=True)
