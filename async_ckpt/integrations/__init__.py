@@ -1,0 +1,28 @@
+"""Framework integrations: one line to checkpoint asynchronously from a framework's trainer.
+
+* :class:`async_ckpt.integrations.lightning.AsyncCkptIO` -- PyTorch Lightning:
+  ``Trainer(plugins=[AsyncCkptIO()])``.
+* :class:`async_ckpt.integrations.transformers.AsyncCkptCallback` -- Hugging Face
+  ``Trainer(..., callbacks=[AsyncCkptCallback()])``.
+
+Each lives in its own module so that importing one needs only its own framework; the names
+are also available here, imported on first use.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["AsyncCkptIO", "AsyncCkptCallback"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "AsyncCkptIO":
+        from .lightning import AsyncCkptIO
+
+        return AsyncCkptIO
+    if name == "AsyncCkptCallback":
+        from .transformers import AsyncCkptCallback
+
+        return AsyncCkptCallback
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,307 @@
+"""Hugging Face ``Trainer``: :class:`AsyncCkptCallback` makes its checkpoint saves asynchronous.
+
+``Trainer(..., callbacks=[AsyncCkptCallback()])``. The callback finds the ``Trainer`` it was
+given to (from the calling frame of its first event) and replaces that instance's
+``_save_checkpoint`` -- the method the training loop calls at every save step, after the
+evaluation and the best-metric bookkeeping of that step -- with one that:
+
+1. does, at the call, everything that reads live training state: the model, optimizer,
+   scheduler and gradient-scaler state dicts and the RNG states (as ``_save_rng_state``
+   collects them) are snapshotted to pooled host buffers in one batched copy; the
+   ``TrainerState`` (stateful callbacks updated as HF does) is rendered to its JSON text and
+   the ``TrainingArguments`` to their ``torch.save`` bytes;
+2. returns, so training resumes after the host copy;
+3. in a writer thread, writes HF's own layout into a hidden ``.checkpoint-N.async-ckpt-tmp``
+   directory in HF's order -- ``model.safetensors`` (and ``config.json``,
+   ``generation_config.json``) through the model's own ``save_pretrained``, the tokenizer /
+   processor, ``training_args.bin``, ``optimizer.pt``, ``scheduler.pt``, ``scaler.pt``,
+   ``rng_state.pth``, and ``trainer_state.json`` last -- fsyncs every file, renames the
+   directory to ``checkpoint-N`` and fsyncs the output directory; then applies HF's own
+   ``rotate_checkpoints`` (``save_total_limit``, keeping the newest and the best checkpoint).
+
+A directory in flight is hidden (its name starts with ``.``), so neither HF's rotation nor
+``get_last_checkpoint`` (``resume_from_checkpoint=True``) ever sees one. All pending writes are
+waited for before the trainer's end-of-training steps (``load_best_model_at_end``, the
+``save_total_limit=1`` clean-up) and at ``on_train_end``, which raises a background error.
+
+Configurations whose saves are collective or framework-specific (DeepSpeed, FSDP, SageMaker
+MP, PyTorch/XLA, several processes, PEFT models, ``push_to_hub``) fall back to HF's own
+synchronous ``_save_checkpoint`` (after the pending writes), with one warning.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import logging
+import os
+import random
+import shutil
+import sys
+import threading
+import time
+from typing import Any, Dict, Optional
+
+import numpy as np
+import torch
+from transformers import Trainer, TrainerCallback
+
+from ..errors import CheckpointError
+from ._snapshot import TMP_SUFFIX, BackgroundWriter, HostCopy, Snapshotter, fsync_dir
+
+log = logging.getLogger("async_ckpt.integrations.transformers")
+
+PREFIX = "checkpoint"
+TRAINING_ARGS_NAME = "training_args.bin"
+TRAINER_STATE_NAME = "trainer_state.json"
+OPTIMIZER_NAME = "optimizer.pt"
+SCHEDULER_NAME = "scheduler.pt"
+SCALER_NAME = "scaler.pt"
+RNG_NAME = "rng_state.pth"
+
+
+def _fsync_tree(root: str) -> None:
+    for d, _, files in os.walk(root):
+        for name in files:
+            fd = os.open(os.path.join(d, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(d)
+
+
+class AsyncCkptCallback(TrainerCallback):
+    """A ``TrainerCallback`` that turns the Trainer's checkpoint saves into background writes.
+
+    Args:
+        max_pending: checkpoints queued or being written at most; a save step waits for the
+            oldest when the bound is reached.
+        memory_budget_bytes: bound on the host staging pool (``None``: the pool keeps what
+            recent saves used).
+        fsync: fsync every file and directory before a checkpoint counts as committed.
+
+    ``stats`` holds, per save, ``step``, ``stage_seconds`` (the time the training loop was
+    blocked) and ``nbytes`` (bytes staged).
+    """
+
+    def __init__(self, max_pending: int = 2, memory_budget_bytes: Optional[int] = None, fsync: bool = True) -> None:
+        self.snapshotter = Snapshotter(memory_budget_bytes)
+        self.writer = BackgroundWriter("async-ckpt-hf", max_pending=max_pending)
+        self.fsync = fsync
+        self.trainer: Optional[Trainer] = None
+        self.stats: list = []
+        self._warned = False
+        self._lock = threading.Lock()
+
+    # ---- finding and patching the trainer -------------------------------------------------------
+    def _bind(self) -> None:
+        if self.trainer is not None:
+            return
+        frame = sys._getframe(2)
+        for _ in range(12):
+            if frame is None:
+                break
+            obj = frame.f_locals.get("self")
+            if isinstance(obj, Trainer):
+                self.attach(obj)
+                return
+            frame = frame.f_back
+        raise CheckpointError("AsyncCkptCallback: could not find the Trainer it was added to; "
+                              "call callback.attach(trainer)")
+
+    def attach(self, trainer: Trainer) -> None:
+        """Bind to ``trainer`` (done automatically at the first event)."""
+        if self.trainer is trainer:
+            return
+        self.trainer = trainer
+        original = trainer._save_checkpoint
+
+        def _save_checkpoint(model: Any, trial: Any) -> None:
+            self._save(trainer, original, model, trial)
+
+        trainer._save_checkpoint = _save_checkpoint  # type: ignore[method-assign]
+
+    def on_init_end(self, args, state, control, **kwargs):
+        self._bind()
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self._bind()
+        self.writer.check()
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        # The final log (train_runtime, train_loss) comes right before load_best_model_at_end
+        # and the save_total_limit=1 clean-up: every checkpoint must be committed by then.
+        if logs and "train_runtime" in logs:
+            self.writer.wait_all()
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.writer.wait_all(shutdown=True)
+
+    def wait(self) -> None:
+        """Wait for every pending write; raise the first background error."""
+        self.writer.wait_all()
+
+    # ---- the save ---------------------------------------------------------------------------
+    def _unsupported(self, trainer: Trainer) -> Optional[str]:
+        from transformers.utils import is_torch_xla_available
+
+        args = trainer.args
+        if getattr(trainer, "is_deepspeed_enabled", False):
+            return "DeepSpeed"
+        if getattr(trainer, "is_fsdp_enabled", False) or getattr(trainer, "is_fsdp_xla_enabled", False):
+            return "FSDP"
+        if is_torch_xla_available():
+            return "PyTorch/XLA"
+        if args.world_size > 1:
+            return "several processes"
+        if args.push_to_hub:
+            return "push_to_hub"
+        try:
+            from transformers.utils import is_sagemaker_mp_enabled
+
+            if is_sagemaker_mp_enabled():
+                return "SageMaker MP"
+        except ImportError:  # pragma: no cover
+            pass
+        try:
+            from peft import PeftModel  # type: ignore
+
+            if isinstance(trainer.accelerator.unwrap_model(trainer.model), PeftModel):
+                return "PEFT models"
+        except ImportError:
+            pass
+        return None
+
+    def _save(self, trainer: Trainer, original: Any, model: Any, trial: Any) -> None:
+        t0 = time.perf_counter()
+        self.writer.check()
+        why = self._unsupported(trainer)
+        if why is not None:
+            if not self._warned:
+                log.warning("AsyncCkptCallback: %s: saving synchronously with the Trainer's own save", why)
+                self._warned = True
+            self.writer.wait_all()
+            original(model, trial)
+            return
+        from transformers.trainer_callback import ExportableState
+        from transformers.trainer_utils import SaveStrategy
+
+        args, state = trainer.args, trainer.state
+        folder = f"{PREFIX}-{state.global_step}"
+        if trainer.hp_search_backend is None and trial is None:
+            trainer.store_flos()
+        run_dir = trainer._get_output_dir(trial=trial)
+        output_dir = os.path.join(run_dir, folder)
+
+        if args.save_strategy in [SaveStrategy.STEPS, SaveStrategy.EPOCH, SaveStrategy.BEST] and state.best_global_step:
+            best_dir = os.path.join(run_dir, f"{PREFIX}-{state.best_global_step}")
+            # HF checks that the directory exists after writing this step's model: the current
+            # one, a committed one, or one still being written all count.
+            if best_dir == output_dir or os.path.exists(best_dir) or self.writer.pending(best_dir):
+                state.best_model_checkpoint = best_dir
+
+        unwrapped = trainer.accelerator.unwrap_model(trainer.model, keep_torch_compile=False)
+        payload: Dict[str, Any] = {"model": trainer.model.state_dict()}
+        if not args.save_only_model:
+            payload["optimizer"] = trainer.optimizer.state_dict()
+            payload["scheduler"] = trainer.lr_scheduler.state_dict()
+            scaler = getattr(trainer.accelerator, "scaler", None)
+            if scaler is not None:
+                payload["scaler"] = scaler.state_dict()
+            payload["rng"] = self._rng_states(trainer)
+
+        for cb in [c for c in trainer.callback_handler.callbacks + [trainer.control] if isinstance(c, ExportableState)]:
+            name = cb.__class__.__name__
+            if isinstance(state.stateful_callbacks[name], list):
+                state.stateful_callbacks[name].append(cb.state())
+            else:
+                state.stateful_callbacks[name] = cb.state()
+        state_json = json.dumps(dataclasses.asdict(state), indent=2, sort_keys=True) + "\n"
+        args_bytes = io.BytesIO()
+        torch.save(args, args_bytes)
+
+        copy = self.snapshotter.take(payload, what=f"checkpoint {output_dir}")
+        self.stats.append({"step": state.global_step, "stage_seconds": time.perf_counter() - t0, "nbytes": copy.nbytes})
+        job = _Job(self, trainer, unwrapped, run_dir, output_dir, copy, state_json, args_bytes.getvalue(),
+                   best=state.best_model_checkpoint, limit=args.save_total_limit)
+        self.writer.submit(output_dir, job.run, on_drop=copy.release)
+
+    @staticmethod
+    def _rng_states(trainer: Trainer) -> Dict[str, Any]:
+        """What ``Trainer._save_rng_state`` saves (non-distributed)."""
+        states: Dict[str, Any] = {
+            "python": random.getstate(),
+            "numpy": np.random.get_state(),
+            "cpu": torch.random.get_rng_state(),
+        }
+        if torch.cuda.is_available():
+            states["cuda"] = torch.cuda.random.get_rng_state()
+        for name in ("npu", "hpu", "mlu", "musa"):
+            mod = getattr(torch, name, None)
+            if mod is not None and getattr(mod, "is_available", lambda: False)():
+                states[name] = mod.random.get_rng_state() if hasattr(mod, "random") else mod.get_rng_state()
+        return states
+
+
+class _Job:
+    """One checkpoint's background write (see the module docstring for the order)."""
+
+    def __init__(self, cb: AsyncCkptCallback, trainer: Trainer, model: Any, run_dir: str, output_dir: str,
+                 copy: HostCopy, state_json: str, args_bytes: bytes, best: Optional[str], limit: Optional[int]) -> None:
+        self.cb, self.trainer, self.model = cb, trainer, model
+        self.run_dir, self.output_dir = run_dir, output_dir
+        self.copy, self.state_json, self.args_bytes = copy, state_json, args_bytes
+        self.best, self.limit = best, limit
+
+    def run(self) -> None:
+        from transformers import PreTrainedModel
+        from transformers.trainer_utils import rotate_checkpoints
+
+        name = os.path.basename(self.output_dir)
+        tmp = os.path.join(self.run_dir, f".{name}{TMP_SUFFIX}")
+        try:
+            if os.path.lexists(tmp):
+                shutil.rmtree(tmp)  # left by an interrupted write
+            os.makedirs(tmp)
+            obj = self.copy.materialize()
+            if isinstance(self.model, PreTrainedModel):
+                self.model.save_pretrained(tmp, state_dict=obj["model"])
+            else:
+                import safetensors.torch
+
+                safetensors.torch.save_file(obj["model"], os.path.join(tmp, "model.safetensors"),
+                                            metadata={"format": "pt"})
+            tr = self.trainer
+            if tr.processing_class is not None:
+                tr.processing_class.save_pretrained(tmp)
+            elif getattr(tr.data_collator, "tokenizer", None) is not None:
+                tr.data_collator.tokenizer.save_pretrained(tmp)
+            with open(os.path.join(tmp, TRAINING_ARGS_NAME), "wb") as f:
+                f.write(self.args_bytes)
+            for key, fname in (("optimizer", OPTIMIZER_NAME), ("scheduler", SCHEDULER_NAME),
+                               ("scaler", SCALER_NAME), ("rng", RNG_NAME)):
+                if key in obj:
+                    torch.save(obj[key], os.path.join(tmp, fname))
+            del obj
+        finally:
+            self.copy.release()
+        with open(os.path.join(tmp, TRAINER_STATE_NAME), "w", encoding="utf-8") as f:
+            f.write(self.state_json)
+        if self.cb.fsync:
+            _fsync_tree(tmp)
+        old = None
+        if os.path.lexists(self.output_dir):  # the same step saved again: replace it
+            old = os.path.join(self.run_dir, f".{name}.old{TMP_SUFFIX}")
+            if os.path.lexists(old):
+                shutil.rmtree(old)
+            os.rename(self.output_dir, old)
+        os.rename(tmp, self.output_dir)
+        if self.cb.fsync:
+            fsync_dir(self.run_dir)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+        rotate_checkpoints(output_dir=self.run_dir, save_total_limit=self.limit,
+                           best_model_checkpoint=self.best, use_mtime=True)
+        log.debug("committed %s", self.output_dir)

@@ -1,0 +1,141 @@
+"""Training scenarios for tests/test_integrations.py, run in subprocesses.
+
+``hf OUT_DIR MAX_STEPS RESUME LOG_JSON [LIMIT]``: a tiny GPT-2 trained by the Hugging Face
+``Trainer`` with :class:`AsyncCkptCallback` (``USE_TORCH_XLA=0`` must be set by the caller);
+``RESUME`` is 0/1; the losses logged at each step go to ``LOG_JSON``.
+
+``lightning-kill OUT_DIR``: Lightning training with :class:`AsyncCkptIO` whose writer is
+slowed down after the first committed ``last.ckpt``, printing ``WRITING`` when the next write
+of it has begun; the test then SIGKILLs the process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+
+def hf(out_dir: str, max_steps: int, resume: bool, log_json: str, limit: int = 2, stop_at: int = 0) -> None:
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+
+    from async_ckpt.integrations.transformers import AsyncCkptCallback
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=32))
+    g = torch.Generator().manual_seed(1)
+    data = torch.randint(0, 64, (48, 16), generator=g)
+
+    class DS(torch.utils.data.Dataset):
+        def __len__(self):
+            return len(data)
+
+        def __getitem__(self, i):
+            return {"input_ids": data[i], "labels": data[i]}
+
+    losses = {}
+
+    class Record(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kw):
+            if logs and "loss" in logs:
+                losses[state.global_step] = logs["loss"]
+
+        def on_step_end(self, args, state, control, **kw):
+            if stop_at and state.global_step >= stop_at:
+                control.should_training_stop = True
+
+    args = TrainingArguments(
+        output_dir=out_dir, max_steps=max_steps, per_device_train_batch_size=4, learning_rate=1e-3,
+        logging_steps=1, save_steps=2, save_total_limit=limit, report_to=[], use_cpu=True, seed=0,
+        data_seed=0, disable_tqdm=True, dataloader_num_workers=0, warmup_steps=2, lr_scheduler_type="linear",
+    )
+    cb = AsyncCkptCallback()
+    trainer = Trainer(model=model, args=args, train_dataset=DS(), callbacks=[cb, Record()])
+    trainer.train(resume_from_checkpoint=True if resume else None)
+    with open(log_json, "w") as f:
+        json.dump({"losses": losses, "stats": cb.stats, "allocations": cb.snapshotter.pool.allocations}, f)
+
+
+if __name__ == "__main__":
+    kind = sys.argv[1]
+    if kind == "hf":
+        hf(sys.argv[2], int(sys.argv[3]), sys.argv[4] == "1", sys.argv[5],
+           *(int(a) for a in sys.argv[6:]))
+    elif kind != "lightning-kill":
+        raise SystemExit(f"unknown scenario {kind}")
+
+
+def lit_model_class():
+    """A small LightningModule on a fixed dataset of 4 batches per epoch (built on first use so
+    that importing this module needs no Lightning)."""
+    import torch
+    import lightning as L
+
+    class LitModel(L.LightningModule):
+        def __init__(self, width: int = 8):
+            super().__init__()
+            self.save_hyperparameters()
+            self.net = torch.nn.Sequential(torch.nn.Linear(width, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+
+        def training_step(self, batch, i):
+            x, y = batch
+            loss = torch.nn.functional.mse_loss(self.net(x), y)
+            self.log("train_loss", loss)
+            return loss
+
+        def configure_optimizers(self):
+            opt = torch.optim.AdamW(self.parameters(), lr=0.01)
+            return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, 3, 0.5)}
+
+        def train_dataloader(self):
+            g = torch.Generator().manual_seed(0)
+            x, y = torch.randn(16, self.hparams.width, generator=g), torch.randn(16, 1, generator=g)
+            return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=4)
+
+    return LitModel
+
+
+def lightning_kill(out_dir: str) -> None:
+    import threading
+
+    import torch
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    import async_ckpt.integrations.lightning as mod
+
+    real = mod.write_file
+    commits = []
+
+    def slow_write(path, write, fsync=True):
+        if os.path.basename(path) == "last.ckpt" and commits:
+            def half(f):
+                import io
+
+                buf = io.BytesIO()
+                write(buf)
+                data = buf.getvalue()
+                f.write(data[: len(data) // 2])
+                f.flush()
+                os.fsync(f.fileno())
+                print("WRITING", flush=True)
+                threading.Event().wait(120)
+            return real(path, half, fsync=fsync)
+        real(path, write, fsync=fsync)
+        if os.path.basename(path) == "last.ckpt":
+            commits.append(path)
+            print("COMMITTED", flush=True)
+
+    mod.write_file = slow_write
+    torch.manual_seed(0)
+    trainer = L.Trainer(max_steps=8, accelerator="cpu", devices=1, plugins=[mod.AsyncCkptIO()],
+                        enable_progress_bar=False, logger=False, enable_model_summary=False,
+                        callbacks=[ModelCheckpoint(dirpath=out_dir, every_n_train_steps=2, save_top_k=-1,
+                                                   save_last=True)])
+    trainer.fit(lit_model_class()())
+
+
+if __name__ == "__main__" and sys.argv[1] == "lightning-kill":
+    lightning_kill(sys.argv[2])

@@ -1,0 +1,289 @@
+"""The framework integrations: Lightning's ``AsyncCkptIO`` and the HF ``AsyncCkptCallback``.
+
+Lightning runs in this process on CPU; the HF Trainer runs in subprocesses with
+``USE_TORCH_XLA=0`` (with torch_xla installed it would pick the XLA device even with
+``use_cpu=True``). No model or data is downloaded: tiny models from configs, synthetic data.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from async_ckpt import CheckpointError, CorruptCheckpointError, InvalidStateDictError
+
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKER = str(Path(__file__).with_name("integration_worker.py"))
+
+L = pytest.importorskip("lightning")
+from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+
+from async_ckpt.integrations.lightning import AsyncCkptIO  # noqa: E402
+
+from .integration_worker import lit_model_class  # noqa: E402
+
+LitModel = lit_model_class()
+
+
+def _env(**extra):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env.update(extra)
+    return env
+
+
+def _trainer(dirpath, max_steps, io=None, **ckpt):
+    cb = ModelCheckpoint(dirpath=str(dirpath), every_n_train_steps=2, save_top_k=2, save_last=True,
+                         monitor="train_loss", **ckpt)
+    plugins = [io] if io is not None else []
+    return L.Trainer(max_steps=max_steps, accelerator="cpu", devices=1, plugins=plugins, callbacks=[cb],
+                     enable_progress_bar=False, logger=False, enable_model_summary=False,
+                     deterministic=True), cb
+
+
+def _tensors(obj):
+    """Every tensor of a nested checkpoint, by path (bitwise comparisons)."""
+    out = {}
+
+    def walk(v, p):
+        if isinstance(v, torch.Tensor):
+            out[p] = v
+        elif isinstance(v, dict):
+            for k, x in v.items():
+                walk(x, f"{p}.{k}")
+        elif isinstance(v, (list, tuple)):
+            for i, x in enumerate(v):
+                walk(x, f"{p}.{i}")
+
+    walk(obj, "")
+    return out
+
+
+def _bitwise(a, b):
+    ta, tb = _tensors(a), _tensors(b)
+    assert ta.keys() == tb.keys()
+    for k in ta:
+        assert ta[k].dtype == tb[k].dtype and ta[k].shape == tb[k].shape, k
+        assert torch.equal(ta[k].contiguous().view(torch.uint8) if ta[k].dim() else ta[k].reshape(1).view(torch.uint8),
+                           tb[k].contiguous().view(torch.uint8) if tb[k].dim() else tb[k].reshape(1).view(torch.uint8)), k
+
+
+# ---- Lightning ---------------------------------------------------------------------------------
+
+def test_lightning_resume_from_last_is_bitwise_the_uninterrupted_run(tmp_path):
+    torch.manual_seed(0)
+    full, _ = _trainer(tmp_path / "full", 8, AsyncCkptIO())
+    m_full = LitModel()
+    full.fit(m_full)
+
+    torch.manual_seed(0)
+    first, _ = _trainer(tmp_path / "split", 4, AsyncCkptIO())
+    first.fit(LitModel())
+    # the files are plain torch.save files: torch.load and load_from_checkpoint read them
+    last = torch.load(tmp_path / "split" / "last.ckpt", weights_only=False)
+    assert last["global_step"] == 4
+    ref = torch.load(tmp_path / "full" / "epoch=0-step=4.ckpt", weights_only=False)
+    _bitwise(last["state_dict"], ref["state_dict"])
+    _bitwise(last["optimizer_states"], ref["optimizer_states"])
+    assert isinstance(last["state_dict"], type(ref["state_dict"]))
+    assert last["state_dict"]._metadata == ref["state_dict"]._metadata
+    loaded = LitModel.load_from_checkpoint(tmp_path / "split" / "last.ckpt")
+    _bitwise(loaded.state_dict(), ref["state_dict"])
+
+    second, _ = _trainer(tmp_path / "split", 8, AsyncCkptIO())
+    m_resumed = LitModel()
+    second.fit(m_resumed, ckpt_path="last")
+    assert second.global_step == full.global_step == 8
+    _bitwise(m_resumed.state_dict(), m_full.state_dict())
+    _bitwise(second.optimizers[0].state_dict(), full.optimizers[0].state_dict())
+    a = torch.load(tmp_path / "split" / "last.ckpt", weights_only=False)
+    b = torch.load(tmp_path / "full" / "last.ckpt", weights_only=False)
+    _bitwise(a["state_dict"], b["state_dict"])
+    _bitwise(a["optimizer_states"], b["optimizer_states"])
+    assert a["lr_schedulers"] == b["lr_schedulers"]
+    # top-k (2) + last: rotation went through remove_checkpoint
+    names = sorted(p.name for p in (tmp_path / "split").iterdir())
+    assert "last.ckpt" in names and len([n for n in names if n != "last.ckpt"]) == 2, names
+
+
+def test_lightning_second_fit_on_same_trainer_and_pool_reuse(tmp_path):
+    io = AsyncCkptIO(max_pending=1)
+    trainer, cb = _trainer(tmp_path, 4, io)
+    model = LitModel()
+    trainer.fit(model)
+    allocs = io.snapshotter.pool.allocations
+    assert io.saves >= 4 and not io.pending
+    trainer.fit_loop.epoch_loop.max_steps = 8
+    trainer.fit(model)  # the writer thread ended at teardown; the second fit starts a new one
+    assert trainer.global_step == 8
+    assert io.snapshotter.pool.allocations == allocs  # steady state: the buffers are reused
+    assert torch.load(tmp_path / "last.ckpt", weights_only=False)["global_step"] == 8
+
+
+def test_lightning_remove_waits_for_a_pending_write_and_keeps_the_newest(tmp_path, monkeypatch):
+    import async_ckpt.integrations.lightning as mod
+
+    gate, started = threading.Event(), threading.Event()
+    real = mod.write_file
+
+    def gated(path, write, fsync=True):
+        if path.endswith("a.ckpt"):
+            started.set()
+            assert gate.wait(30)
+        real(path, write, fsync=fsync)
+
+    monkeypatch.setattr(mod, "write_file", gated)
+    io = AsyncCkptIO(max_pending=4)
+    io.save_checkpoint({"w": torch.arange(4.0)}, str(tmp_path / "a.ckpt"))
+    io.save_checkpoint({"w": torch.arange(8.0)}, str(tmp_path / "b.ckpt"))
+    assert started.wait(30)
+    done = threading.Event()
+    t = threading.Thread(target=lambda: (io.remove_checkpoint(str(tmp_path / "a.ckpt")), done.set()))
+    t.start()
+    assert not done.wait(0.5)  # still waiting for the write of a.ckpt
+    gate.set()
+    t.join(30)
+    assert done.is_set() and not (tmp_path / "a.ckpt").exists()
+    io.remove_checkpoint(str(tmp_path / "b.ckpt"))  # the newest: kept
+    io.teardown()
+    assert torch.equal(torch.load(tmp_path / "b.ckpt")["w"], torch.arange(8.0))
+
+
+def test_lightning_snapshot_is_taken_at_the_call_and_files_are_compact(tmp_path):
+    io = AsyncCkptIO()
+    big = torch.randn(1000)
+    w = torch.randn(4, 4)
+    ck = {"state_dict": {"w": w, "tied": w, "row": w[1], "small": torch.ones(3)}, "hp": {"lr": [0.1]},
+          "big": big}
+    io.save_checkpoint(ck, tmp_path / "x.ckpt")
+    expect = {k: v.clone() for k, v in ck["state_dict"].items()}
+    w.add_(1.0)  # mutations after the call do not reach the checkpoint
+    ck["hp"]["lr"].append(5)
+    loaded = io.load_checkpoint(tmp_path / "x.ckpt")
+    io.teardown()
+    _bitwise(loaded["state_dict"], expect)
+    assert loaded["hp"] == {"lr": [0.1]}
+    sd = loaded["state_dict"]
+    assert sd["w"] is sd["tied"]  # one tensor, as saved
+    assert sd["row"].untyped_storage().data_ptr() == sd["w"].untyped_storage().data_ptr()  # a view, as saved
+    # each tensor on a storage of its own bytes: the pool's shared slab does not leak into the file
+    assert sd["small"].untyped_storage().nbytes() == 12
+    assert loaded["big"].untyped_storage().nbytes() == 4000
+
+
+def test_lightning_damaged_file_and_background_errors(tmp_path):
+    io = AsyncCkptIO()
+    io.save_checkpoint({"w": torch.randn(64)}, tmp_path / "x.ckpt")
+    io.wait()
+    raw = bytearray((tmp_path / "x.ckpt").read_bytes())
+    i = raw.find(b"data/0") + 200
+    raw[i] ^= 0xFF
+    (tmp_path / "x.ckpt").write_bytes(bytes(raw))
+    with pytest.raises(CorruptCheckpointError, match="x.ckpt"):
+        io.load_checkpoint(tmp_path / "x.ckpt")
+    with pytest.raises(FileNotFoundError):
+        io.load_checkpoint(tmp_path / "missing.ckpt")
+    # a write that fails in the background surfaces at teardown, naming the path
+    (tmp_path / "blocker").write_text("a file, not a directory")
+    io.save_checkpoint({"w": torch.randn(4)}, tmp_path / "blocker" / "y.ckpt")
+    with pytest.raises(CheckpointError, match="y.ckpt"):
+        io.teardown()
+    with pytest.raises(InvalidStateDictError, match="z.ckpt"):
+        io.save_checkpoint({"f": lambda: 1}, tmp_path / "z.ckpt")
+    with pytest.raises(TypeError, match="storage_options"):
+        io.save_checkpoint({"w": torch.randn(4)}, tmp_path / "s.ckpt", storage_options={"a": 1})
+
+
+@pytest.mark.slow
+def test_lightning_sigkill_mid_write_resumes_from_an_intact_last(tmp_path):
+    out = tmp_path / "ckpt"
+    proc = subprocess.Popen([sys.executable, WORKER, "lightning-kill", str(out)], env=_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        seen = []
+        for line in proc.stdout:
+            seen.append(line.strip())
+            if line.strip() == "WRITING":
+                break
+        assert "COMMITTED" in seen and seen[-1] == "WRITING", seen
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait(60)
+    assert any(p.name.endswith(".async-ckpt-tmp") for p in out.iterdir())  # the torn write, aside
+    last = torch.load(out / "last.ckpt", weights_only=False)  # intact: the previous commit
+    assert last["global_step"] == 2
+    trainer, _ = _trainer(out, 4, AsyncCkptIO())
+    model = LitModel()
+    trainer.fit(model, ckpt_path="last")
+    assert trainer.global_step == 4
+    io = AsyncCkptIO()
+    io.save_checkpoint({"w": torch.zeros(2)}, out / "last.ckpt")
+    io.teardown()
+    assert not any(p.name.startswith(".last.ckpt.") for p in out.iterdir())  # the next write of it cleans up
+
+
+# ---- Hugging Face ------------------------------------------------------------------------------
+
+def _hf(out, max_steps, resume, log, *extra):
+    pytest.importorskip("transformers")
+    r = subprocess.run([sys.executable, WORKER, "hf", str(out), str(max_steps), "1" if resume else "0", str(log),
+                        *map(str, extra)], env=_env(USE_TORCH_XLA="0", TOKENIZERS_PARALLELISM="false"),
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-4000:]
+    return json.loads(Path(log).read_text())
+
+
+@pytest.mark.slow
+def test_hf_interrupted_run_resumes_with_the_same_losses(tmp_path):
+    full = _hf(tmp_path / "full", 8, False, tmp_path / "full.json")
+    cut = _hf(tmp_path / "cut", 8, False, tmp_path / "cut.json", 2, 5)  # stops after step 5
+    assert sorted(os.listdir(tmp_path / "cut")) == ["checkpoint-2", "checkpoint-4"]
+    resumed = _hf(tmp_path / "cut", 8, True, tmp_path / "resumed.json")
+    assert set(resumed["losses"]) == {"5", "6", "7", "8"}
+    for step, loss in resumed["losses"].items():
+        assert loss == full["losses"][step], step  # bit for bit, logged step by step
+    for step in ("1", "2", "3", "4", "5"):
+        assert cut["losses"][step] == full["losses"][step]
+    # save_total_limit=2: the two newest remain, nothing in flight is left behind
+    assert sorted(os.listdir(tmp_path / "full")) == ["checkpoint-6", "checkpoint-8"]
+    assert sorted(os.listdir(tmp_path / "cut")) == ["checkpoint-6", "checkpoint-8"]
+    ck = tmp_path / "full" / "checkpoint-8"
+    names = set(os.listdir(ck))
+    assert {"model.safetensors", "config.json", "optimizer.pt", "scheduler.pt", "rng_state.pth",
+            "trainer_state.json", "training_args.bin"} <= names
+    assert json.loads((ck / "trainer_state.json").read_text())["global_step"] == 8
+    # the same bytes as the resumed run's step-8 checkpoint (bitwise state)
+    a = torch.load(ck / "optimizer.pt", weights_only=True)
+    b = torch.load(tmp_path / "cut" / "checkpoint-8" / "optimizer.pt", weights_only=True)
+    _bitwise(a, b)
+    from safetensors.torch import load_file
+
+    _bitwise(load_file(ck / "model.safetensors"), load_file(tmp_path / "cut" / "checkpoint-8" / "model.safetensors"))
+    assert full["allocations"] <= 2  # pooled: no fresh host buffers per save
+
+
+def test_hf_rotation_never_sees_a_checkpoint_in_flight(tmp_path):
+    pytest.importorskip("transformers")
+    from transformers.trainer_utils import get_last_checkpoint, rotate_checkpoints
+
+    from async_ckpt.integrations._snapshot import TMP_SUFFIX
+
+    for step in (2, 4):
+        (tmp_path / f"checkpoint-{step}").mkdir()
+    inflight = tmp_path / f".checkpoint-6{TMP_SUFFIX}"
+    inflight.mkdir()
+    (inflight / "model.safetensors").write_bytes(b"partial")
+    rotate_checkpoints(str(tmp_path), save_total_limit=1, use_mtime=True)
+    assert inflight.exists() and (tmp_path / "checkpoint-4").exists()
+    assert not (tmp_path / "checkpoint-2").exists()
+    assert get_last_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-4")
