@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test install bench clean
+.PHONY: demo test lint install bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -19,8 +19,12 @@ install: $(STAMP)
 demo: $(STAMP)
 	PJRT_DEVICE=CPU $(PY) examples/train.py $(ARGS)
 
-test: $(STAMP)
+test: $(STAMP) lint
 	PJRT_DEVICE=CPU $(PY) -m pytest -q -ra $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(VENV)/bin/lint-imports
+	$(VENV)/bin/ruff check async_ckpt
 
 bench: $(STAMP)
 	PJRT_DEVICE=CPU $(PY) benchmarks/bench_save.py $(ARGS)

@@ -21,10 +21,10 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from .errors import CheckpointError, CorruptCheckpointError, StepNotFoundError
-from .storage.fs import Storage
-from .storage.lease import writer_lease
 from .lifecycle.catalog import StepCatalog
+from .storage.fs import Storage
 from .storage.layout import _STEP_RE, _TMP_RE, _TRASH_RE, _VER_RE, CheckpointLayout
+from .storage.lease import writer_lease
 from .storage.manifest import MARKER_NAME, Manifest, shown
 
 EXIT_OK, EXIT_DAMAGED, EXIT_ERROR = 0, 1, 2

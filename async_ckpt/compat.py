@@ -130,7 +130,7 @@ def xla_sharding_type_fn() -> Callable[[torch.Tensor], Any]:
 
 def xla_cpu_shards() -> Any:
     """``(_CpuShards, _cpu_shards_from_tensors)`` of torch_xla's distributed checkpoint helpers."""
-    from torch_xla.experimental.distributed_checkpoint._helpers import _CpuShards, _cpu_shards_from_tensors
+    from torch_xla.experimental.distributed_checkpoint._helpers import _cpu_shards_from_tensors, _CpuShards
 
     return _CpuShards, _cpu_shards_from_tensors
 

@@ -41,9 +41,10 @@ from .policies import (
 from .preemption import PreemptionTracker, PreemptionWatcher
 from .staging import HostBufferPool, Stager
 from .staging.gc_pause import gc_paused
-from .stats import SaveStats, StatsLog
+from .stats import SaveStats
 from .storage import CheckpointLayout, RetryPolicy, Storage
 from .storage.manifest import check_metrics
+from .storage.stats_log import StatsLog
 from .writer import AsyncWriter
 
 log = logging.getLogger("async_ckpt")
@@ -388,14 +389,15 @@ class CheckpointManager:
         if alone:
             with gc_paused():
                 plan = self.stager.plan(state_dict)  # validates before anything is taken or written
-            self.stager.synchronize_staging()  # earlier lazy copies finish and are sealed (their writers wait for it)
+        # Earlier lazy copies finish and are sealed here, on the training thread: their writers
+        # wait for that, so it must come before waiting for a writer slot.
+        self.stager.synchronize_staging()
         self._writer.wait_for_slot()
         t1 = time.perf_counter()
         try:
-            if not alone:
+            if not alone:  # every rank queues its part of the save, even if planning fails here
                 with gc_paused():
                     plan = self.stager.plan(state_dict)
-                self.stager.synchronize_staging()
             stager = self.stager.lazy if lazy and not wait else self.stager.eager
             snap = stager.stage(state_dict, plan)
             if snap.pending is not None:
@@ -429,7 +431,7 @@ class CheckpointManager:
         self.stats.append(stats)
         if self._stats_log is not None and self._coord.is_primary:
             try:
-                self._stats_log.append(stats, None)
+                self._stats_log.append(stats)
             except Exception as exc:
                 log.warning("async_ckpt: could not append save statistics: %s", exc)
         log.info("async_ckpt: rank %d saved %s", self._coord.rank, stats.summary())

@@ -1,16 +1,12 @@
-"""Per-save statistics: where the time of a save went, and an optional JSON-lines log of them."""
+"""Per-save statistics: where the time of a save went (the JSON-lines log of them is written by
+:class:`async_ckpt.storage.stats_log.StatsLog`)."""
 
 from __future__ import annotations
 
 import json
 import logging
-import os
-import threading
 from dataclasses import asdict, dataclass, field, fields
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Union
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .storage.fs import Storage
+from typing import Any, Dict, List, Optional
 
 log = logging.getLogger("async_ckpt")
 
@@ -91,73 +87,6 @@ def _check_relpath(relpath: str) -> str:
     if parts[0].isdigit() or parts[0].startswith((".tmp-", ".trash-")):
         raise ValueError(f"stats_log={relpath!r} would collide with step directories; choose another name")
     return "/".join(parts)
-
-
-class StatsLog:
-    """Appends one JSON line per committed save to a file under the checkpoint root.
-
-    On a local path the file is opened in append mode, written and fsynced for each save. Object
-    stores cannot append, so there the log is kept in memory (seeded once with the file's
-    existing content) and the whole object is rewritten after each save: a few hundred bytes
-    per save, and a reader always sees a complete file. Two processes logging to the same
-    object-store file would overwrite each other's lines; only rank 0 of a process group logs.
-    A failure to write the log is logged as a warning and never fails the save.
-    """
-
-    def __init__(self, storage: "Storage", relpath: str = DEFAULT_STATS_LOG) -> None:
-        self.storage = storage
-        self.relpath = _check_relpath(relpath)
-        self.path = storage.join(self.relpath)
-        self._lock = threading.Lock()
-        self._buf: Optional[bytearray] = None
-
-    @classmethod
-    def from_option(cls, storage: "Storage", option: Union[bool, str, os.PathLike, None]) -> Optional["StatsLog"]:
-        """``None``/``False``: no log; ``True``: ``<root>/save_stats.jsonl``; a str: that relative path."""
-        if option is None or option is False:
-            return None
-        if option is True:
-            return cls(storage)
-        if isinstance(option, (str, os.PathLike)):
-            return cls(storage, os.fspath(option))
-        raise TypeError(f"stats_log must be a bool or a relative path, got {type(option).__name__}")
-
-    def append(self, stats: SaveStats, process_group: Any = None) -> None:
-        """Write one record; never raises (a failure is logged as a warning)."""
-        try:
-            if not _is_coordinator(process_group):
-                return
-            line = (stats.to_json() + "\n").encode()
-            with self._lock:
-                if self.storage.is_local:
-                    os.makedirs(os.path.dirname(self.path), exist_ok=True)
-                    with open(self.path, "ab") as f:
-                        f.write(line)
-                        f.flush()
-                        os.fsync(f.fileno())
-                else:
-                    if self._buf is None:
-                        try:
-                            self._buf = bytearray(self.storage.read_bytes(self.path))
-                        except FileNotFoundError:
-                            self._buf = bytearray()
-                        if self._buf and not self._buf.endswith(b"\n"):
-                            self._buf += b"\n"
-                    self._buf += line
-                    self.storage.write_bytes(self.path, bytes(self._buf))
-        except Exception as exc:  # statistics must never break a committed save
-            log.warning("async_ckpt: could not write the stats log %s: %s", self.path, exc)
-
-
-def _is_coordinator(process_group: Any) -> bool:
-    try:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            return dist.get_rank(process_group) == 0
-    except Exception:
-        pass
-    return True
 
 
 def read_stats_log(path: str, storage_options: Optional[Dict[str, Any]] = None) -> List[SaveStats]:

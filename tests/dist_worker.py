@@ -268,6 +268,19 @@ def dropin_checks(root: str) -> None:
     expect_error(lambda: mgr.delete(20), StepNotFoundError, "step 20")
     mgr.close()
 
+    # lazy=True with 2 ranks: each rank's copies run in the background (tensors > 64 KiB)
+    def big(v: float):
+        return {"x": torch.full((32768,), float(v)), "mine": {f"r{rank}": torch.full((20000,), float(v + rank))}}
+
+    with CheckpointManager(root + "_lazy", lazy=True) as lm:
+        for s in (1, 2):
+            assert lm.save_async(s, big(100 + s))
+        lm.join()
+        t = big(0)
+        assert lm.restore(2, t) == 2
+        assert torch.equal(t["x"], big(102)["x"]) and torch.equal(t["mine"][f"r{rank}"], big(102)["mine"][f"r{rank}"])
+        agree(lm.all_steps(), "lazy all_steps")
+
 
 def main() -> None:
     import time

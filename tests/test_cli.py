@@ -15,7 +15,8 @@ import torch
 
 from async_ckpt import CheckpointManager, SaveStats
 from async_ckpt.cli import main
-from async_ckpt.stats import StatsLog, read_stats_log
+from async_ckpt.stats import read_stats_log
+from async_ckpt.storage.stats_log import StatsLog
 
 from .conftest import assert_bitwise_equal, clone_tree, make_state
 

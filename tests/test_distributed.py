@@ -117,3 +117,23 @@ def test_xla_spmd_local_shards_restore_into_another_mesh(jobs):
 
 def test_single_process_has_a_local_coordinator():
     assert isinstance(coordinator_for(), LocalCoordinator)
+
+
+def test_a_rank_that_dies_mid_save_makes_the_other_raise_within_the_timeout(tmp_path):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank in (0, 1):
+        env = _env(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        procs.append(subprocess.Popen([sys.executable, os.path.join(HERE, "dist_death_worker.py"), str(tmp_path / "ck")],
+                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    out0, _ = procs[0].communicate(timeout=TIMEOUT)
+    procs[1].communicate(timeout=60)
+    assert procs[1].returncode == 17  # rank 1 really died mid-write
+    assert procs[0].returncode == 0, out0[-4000:]
+    line = next(ln for ln in out0.splitlines() if ln.startswith("RAISED"))
+    seconds = float(line.split()[1])
+    assert seconds < 15 + 30, line  # bounded by the collective timeout (15 s), not gloo's 30 minutes

@@ -150,6 +150,7 @@ _READER = textwrap.dedent("""
     from async_ckpt import CheckpointManager
     root, stop = sys.argv[1], sys.argv[2]
     n = 0
+    open(stop + ".ready", "w").close()
     while not os.path.exists(stop):
         m = CheckpointManager(root, commit_mode=sys.argv[4])
         m.all_steps()
@@ -169,7 +170,9 @@ def test_readers_opening_a_live_root_never_fail_its_writer(tmp_path, mode):
     reader = subprocess.Popen([sys.executable, "-c", _READER, root, stop, os.path.dirname(HERE), mode],
                               stdout=subprocess.PIPE, text=True, env={**os.environ, "PJRT_DEVICE": "CPU"})
     try:
-        time.sleep(2.0)  # the reader is looping (torch imported)
+        deadline = time.time() + 120
+        while not os.path.exists(stop + ".ready") and time.time() < deadline:
+            time.sleep(0.05)  # the reader has imported torch and starts looping
         mgr = CheckpointManager(root, max_to_keep=2, commit_mode=mode)
         failed = 0
         for step in range(200):

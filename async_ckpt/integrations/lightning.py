@@ -119,7 +119,7 @@ class AsyncCkptIO(*_bases):  # type: ignore[misc]
                 fs.makedirs(os.path.dirname(path), exist_ok=True)
                 with fs.open(path, "wb") as f:
                     torch.save(obj, f)
-            del obj
+            obj = None  # the materialised copy goes before the buffers are released
         finally:
             copy.release()
         log.debug("saved checkpoint %s", path)

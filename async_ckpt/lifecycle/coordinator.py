@@ -147,7 +147,7 @@ class GroupCoordinator:
              verify: bool, threads: int, allow_pickle: bool, metadata: Any, planner: Any) -> None:
         import torch.distributed.checkpoint as dcp
 
-        from ..storage.dcp import _SafeLoadPlanner
+        from ..storage.dcp.safety import _SafeLoadPlanner
 
         reader = FsspecStorageReader(storage, path, files=files, verify=verify, threads=threads, metadata=metadata)
         dcp.load(state_dict, storage_reader=reader, process_group=self.group,

@@ -28,7 +28,6 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
-from torch.futures import Future
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
@@ -42,6 +41,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.futures import Future
 
 from ... import compat
 from ..fs import Storage
@@ -193,7 +193,7 @@ def _write_item(stream: _RecordStream, data: Any) -> int:
         torch.save(t, stream)
     except RuntimeError:
         if stream.error is not None:  # the storage's own error decides retrying
-            raise stream.error
+            raise stream.error from None
         raise
     return stream.tell() - start
 

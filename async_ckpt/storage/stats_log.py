@@ -1,0 +1,68 @@
+"""The optional JSON-lines log of every committed save's :class:`~async_ckpt.stats.SaveStats`."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import Optional, Union
+
+from ..stats import DEFAULT_STATS_LOG, SaveStats, _check_relpath
+from .fs import Storage
+
+log = logging.getLogger("async_ckpt")
+
+
+class StatsLog:
+    """Appends one JSON line per committed save to a file under the checkpoint root.
+
+    On a local path the file is opened in append mode, written and fsynced for each save. Object
+    stores cannot append, so there the log is kept in memory (seeded once with the file's
+    existing content) and the whole object is rewritten after each save: a few hundred bytes
+    per save, and a reader always sees a complete file. Two processes logging to the same
+    object-store file would overwrite each other's lines; only rank 0 of a process group logs.
+    A failure to write the log is logged as a warning and never fails the save.
+    """
+
+    def __init__(self, storage: Storage, relpath: str = DEFAULT_STATS_LOG) -> None:
+        self.storage = storage
+        self.relpath = _check_relpath(relpath)
+        self.path = storage.join(self.relpath)
+        self._lock = threading.Lock()
+        self._buf: Optional[bytearray] = None
+
+    @classmethod
+    def from_option(cls, storage: Storage, option: Union[bool, str, os.PathLike, None]) -> Optional["StatsLog"]:
+        """``None``/``False``: no log; ``True``: ``<root>/save_stats.jsonl``; a str: that relative path."""
+        if option is None or option is False:
+            return None
+        if option is True:
+            return cls(storage)
+        if isinstance(option, (str, os.PathLike)):
+            return cls(storage, os.fspath(option))
+        raise TypeError(f"stats_log must be a bool or a relative path, got {type(option).__name__}")
+
+    def append(self, stats: SaveStats) -> None:
+        """Write one record; never raises (a failure is logged as a warning). The manager calls
+        it on rank 0 only."""
+        try:
+            line = (stats.to_json() + "\n").encode()
+            with self._lock:
+                if self.storage.is_local:
+                    os.makedirs(os.path.dirname(self.path), exist_ok=True)
+                    with open(self.path, "ab") as f:
+                        f.write(line)
+                        f.flush()
+                        os.fsync(f.fileno())
+                else:
+                    if self._buf is None:
+                        try:
+                            self._buf = bytearray(self.storage.read_bytes(self.path))
+                        except FileNotFoundError:
+                            self._buf = bytearray()
+                        if self._buf and not self._buf.endswith(b"\n"):
+                            self._buf += b"\n"
+                    self._buf += line
+                    self.storage.write_bytes(self.path, bytes(self._buf))
+        except Exception as exc:  # statistics must never break a committed save
+            log.warning("async_ckpt: could not write the stats log %s: %s", self.path, exc)
