@@ -103,9 +103,11 @@ def worker(method: str, label: str, work: str, samples: int, cold: bool) -> Dict
     from async_ckpt import CheckpointManager
 
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    sd = make_state(label)
-    target = {"model": {k: torch.zeros_like(v) for k, v in sd["model"].items()}, "step": -1}
-    del sd
+    # The shapes from the torch.save file, mapped (its data pages are never touched), so that
+    # no source copy of the state dict raises the worker's RSS high-water mark.
+    shapes = torch.load(os.path.join(work, "torch.pt"), weights_only=True, mmap=True)
+    target = {"model": {k: torch.zeros(v.shape, dtype=v.dtype) for k, v in shapes["model"].items()}, "step": -1}
+    del shapes
     ts = tensors_of(target)
     views = [memoryview(t.view(-1).view(torch.uint8).numpy()) for t in ts]
     mgr = CheckpointManager(os.path.join(work, "ours")) if method == OURS else None
@@ -138,10 +140,10 @@ def worker(method: str, label: str, work: str, samples: int, cold: bool) -> Dict
         fn()
         return time.perf_counter() - t0
 
+    raw()  # the targets' pages and the reference's first-call costs
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # the method's high-water mark from here
     if not cold:
-        raw()
         run()  # warm-up: page cache, imports, first-call costs
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     pairs = []
     for _ in range(samples):
         r = timed(raw)

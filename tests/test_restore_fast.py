@@ -105,7 +105,6 @@ def test_restore_into_an_empty_target_and_parameters(tmp_path, direct_calls):
         assert_bitwise_equal(target, saved)
         params = {"model": {k: torch.nn.Parameter(torch.zeros_like(v), requires_grad=v.is_floating_point())
                             for k, v in saved["model"].items()}}
-        mgr.restore(1, params, strict=True) if False else None
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             mgr.restore(1, params, strict=False)

@@ -401,7 +401,7 @@ def load_direct(storage: Storage, path: str, state_dict: Dict[str, Any], *, file
     try:
         with ThreadPoolExecutor(threads, thread_name_prefix="async-ckpt-read") as pool:
             return _load(storage, path, per_file, flat, mappings, files, verify, allow_pickle, pool, readers,
-                         touched, state_dict)
+                         touched, state_dict, threads)
     except BaseException as exc:
         if touched[0] and isinstance(exc, CheckpointError) and not getattr(exc, "partly_written", False):
             exc.args = (f"{exc.args[0] if exc.args else exc}; {PARTLY_WRITTEN}",) + tuple(exc.args[1:])
@@ -438,7 +438,8 @@ def _open(storage: Storage, path: str, name: str, files: Dict[str, FileRecord], 
 
 def _load(storage: Storage, path: str, per_file: Dict[str, List[_Rec]], flat: Dict[str, Any],
           mappings: Dict[str, Any], files: Dict[str, FileRecord], verify: bool, allow_pickle: bool,
-          pool: ThreadPoolExecutor, readers: Dict[str, Any], touched: List[bool], state_dict: Dict[str, Any]) -> bool:
+          pool: ThreadPoolExecutor, readers: Dict[str, Any], touched: List[bool], state_dict: Dict[str, Any],
+          threads: int) -> bool:
     for name in per_file:
         _open(storage, path, name, files, readers)
 
@@ -540,7 +541,24 @@ def _load(storage: Storage, path: str, per_file: Dict[str, List[_Rec]], flat: Di
                 compat.foreach_copy_(dsts, srcs)
         return got, crc
 
-    results = _run(pool, [lambda t=t: run(t) for t in tasks])
+    # Each job reads a run of consecutive ranges of one file in file order (one sequential
+    # stream, so the kernel's readahead works for it): one run per file, or a file cut into
+    # several runs when there are fewer files than threads.
+    per: Dict[str, List[int]] = {}
+    for i, t in enumerate(tasks):
+        per.setdefault(t.name, []).append(i)
+    split = max(1, -(-threads // max(1, len(per))))
+    groups: List[List[int]] = []
+    for idx in per.values():
+        n = -(-len(idx) // split)
+        groups += [idx[k:k + n] for k in range(0, len(idx), n)]
+    results: List[Any] = [None] * len(tasks)
+
+    def run_group(group: List[int]) -> None:
+        for i in group:
+            results[i] = run(tasks[i])
+
+    _run(pool, [lambda g=g: run_group(g) for g in groups])
 
     # 3. Sizes and checksums per file, before anything else is set.
     parts: Dict[str, List[Tuple[_Task, int, int]]] = {}
