@@ -24,7 +24,6 @@ from typing import Any, Dict, List, Optional, Sequence, Set
 
 import torch
 
-from ..compat import dcp_flatten_state_dict
 from ..errors import CorruptCheckpointError, StateDictMismatchError, StepNotFoundError
 from ..storage.dcp import METADATA_NAME, FsspecStorageReader
 from .coordinator import describe, raise_gathered
@@ -174,7 +173,9 @@ def prepare_target(state_dict: Dict[str, Any], metadata: Any, step: int, int_key
     """
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    flat, _ = dcp_flatten_state_dict()(state_dict)
+    from ..storage.dcp.writer import _flatten  # DCP's flatten_state_dict, quicker
+
+    flat, _ = _flatten(state_dict)
     md = metadata.state_dict_metadata
     missing = [k for k in flat if k not in md]
     problems = []
