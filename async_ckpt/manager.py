@@ -506,14 +506,25 @@ class CheckpointManager:
 
     # ---- restoring ---------------------------------------------------------------------------
     def restore(self, step: Optional[int], state_dict: Dict[str, Any], *, verify: Optional[bool] = None,
-                allow_pickle: bool = False) -> int:
+                allow_pickle: bool = False, atomic: bool = False, strict: bool = True) -> int:
         """Load a committed step into ``state_dict`` in place and return the step.
 
         ``step=None`` picks the most recently committed step (see :meth:`latest_step`); if it
         fails verification, the next older commit that verifies is used, with a warning naming
-        the skipped step. A named step that is damaged raises :class:`CorruptCheckpointError`.
-        Entries the checkpoint has but ``state_dict`` lacks (e.g. a fresh optimizer's empty
-        ``state``) are added. On failure ``state_dict`` is left as it was. Multi-process: call
+        the skipped step, and its data overwrites everything again. A named step that is
+        damaged raises :class:`CorruptCheckpointError`.
+
+        One process reads the files straight into the target tensors, checking sizes and
+        CRC-32Cs (``verify``) as the data arrives. When a restore fails after its first write,
+        ``state_dict`` holds part of the failed step, and the error says so; ``atomic=True``
+        reads and verifies everything into host memory first, so a failed restore leaves
+        ``state_dict`` as it was (at the cost of memory the size of the files).
+
+        Keys of ``state_dict`` the checkpoint lacks raise :class:`StateDictMismatchError`
+        naming up to ten. Entries the checkpoint has but ``state_dict`` lacks are added (e.g. a
+        fresh optimizer's empty ``state``). ``strict=False`` loads only the keys both have and
+        lists the others in a warning. Top-level values with ``state_dict()``/``load_state_dict()`` (DCP's
+        ``Stateful``) get what was saved through their ``load_state_dict``. Multi-process: call
         it on every rank; each reads its shards (DCP reshards to this job's world size).
         """
         self._check_process()
@@ -524,7 +535,8 @@ class CheckpointManager:
             self._writer.join()  # pending saves land first (and their errors surface)
         s = _restore(self._store, None if step is None else _check_step(step), state_dict,
                      verify=self.verify if verify is None else verify, allow_pickle=allow_pickle,
-                     threads=self.write_threads, planner=load_planner_for(state_dict, allow_pickle))
+                     threads=self.write_threads, planner=load_planner_for(state_dict, allow_pickle),
+                     atomic=atomic, strict=strict)
         self._restored = s
         return s
 

@@ -342,6 +342,15 @@ def test_damage_is_detected_and_restore_none_falls_back(tmp_path, mode, case):
         mgr.restore(2, t)
     assert ei.value.step == 2
     assert os.path.basename(named) in str(ei.value) and ei.value.path == named, (str(ei.value), ei.value.path)
+    assert "betas" not in t["optim"], "an entry the failed restore added is taken out again"
+    if "partly written" in str(ei.value):
+        # Documented contract: the default restore reads straight into the target, so damage
+        # found mid-read leaves it partly written (and says so); atomic=True does not.
+        t = clone_tree(before)
+        with pytest.raises(CorruptCheckpointError, match=problem) as ei:
+            mgr.restore(2, t, atomic=True)
+        assert ei.value.step == 2 and "partly written" not in str(ei.value)
+        assert os.path.basename(named) in str(ei.value) and ei.value.path == named, (str(ei.value), ei.value.path)
     assert_bitwise_equal(t, before)  # the state dict passed in is untouched
 
     with warnings.catch_warnings(record=True) as caught:
@@ -365,8 +374,12 @@ def test_every_step_damaged_raises(tmp_path, mode):
     t = template()
     before = clone_tree(t)
     with pytest.warns(RuntimeWarning, match="skipping damaged step"):
+        with pytest.raises(CorruptCheckpointError, match="no committed step .* passed verification.*partly written"):
+            mgr.restore(None, t)  # the default restore writes as it reads, and says so
+    t = clone_tree(before)
+    with pytest.warns(RuntimeWarning, match="skipping damaged step"):
         with pytest.raises(CorruptCheckpointError, match="no committed step .* passed verification"):
-            mgr.restore(None, t)
+            mgr.restore(None, t, atomic=True)
     assert_bitwise_equal(t, before)
     mgr.close()
 

@@ -25,6 +25,7 @@ from .. import errors as _errors
 from ..errors import CheckpointError
 from ..storage import FileRecord, Storage
 from ..storage.dcp import FsspecStorageReader, FsspecStorageWriter, WriteMemo, load_state_dict, save_state_dict
+from ..storage.dcp.direct import load_direct
 
 #: How long a collective waits for the other ranks before it fails (seconds).
 DEFAULT_TIMEOUT_S = 300.0
@@ -54,8 +55,10 @@ class Coordinator(Protocol):
         rank calls it; a failure on one rank is reported on all of them."""
 
     def load(self, storage: Storage, path: str, state_dict: Dict[str, Any], *, files: Dict[str, FileRecord],
-             verify: bool, threads: int, allow_pickle: bool, metadata: Any, planner: Any) -> None:
-        """Read a step into ``state_dict`` in place."""
+             verify: bool, threads: int, allow_pickle: bool, metadata: Any, planner: Any, atomic: bool = False,
+             strict: bool = True) -> None:
+        """Read a step into ``state_dict`` in place (``atomic``: verify every file before the
+        first write; ``strict=False``: keys the checkpoint lacks are skipped)."""
 
 
 class LocalCoordinator:
@@ -83,9 +86,16 @@ class LocalCoordinator:
         return save_state_dict(storage, path, state_dict, threads=threads, planner=planner, memo=self.memo), None
 
     def load(self, storage: Storage, path: str, state_dict: Dict[str, Any], *, files: Dict[str, FileRecord],
-             verify: bool, threads: int, allow_pickle: bool, metadata: Any, planner: Any) -> None:
+             verify: bool, threads: int, allow_pickle: bool, metadata: Any, planner: Any, atomic: bool = False,
+             strict: bool = True) -> None:
+        """Straight into the target tensors (:func:`load_direct`) unless ``atomic``, a custom
+        ``planner`` or a target it does not handle; else read and verify everything first."""
+        if not atomic and planner is None and metadata is not None and \
+                load_direct(storage, path, state_dict, files=files, metadata=metadata, verify=verify,
+                            threads=threads, allow_pickle=allow_pickle):
+            return
         load_state_dict(storage, path, state_dict, files=files, verify=verify, threads=threads,
-                        allow_pickle=allow_pickle, metadata=metadata, planner=planner)
+                        allow_pickle=allow_pickle, metadata=metadata, planner=planner, strict=strict)
 
 
 class GroupCoordinator:
@@ -144,14 +154,17 @@ class GroupCoordinator:
         return writer.files, None
 
     def load(self, storage: Storage, path: str, state_dict: Dict[str, Any], *, files: Dict[str, FileRecord],
-             verify: bool, threads: int, allow_pickle: bool, metadata: Any, planner: Any) -> None:
+             verify: bool, threads: int, allow_pickle: bool, metadata: Any, planner: Any, atomic: bool = False,
+             strict: bool = True) -> None:
+        """DCP over the checkpoint group (every file this rank needs read and verified before
+        its first write, so ``atomic`` holds either way)."""
         import torch.distributed.checkpoint as dcp
 
-        from ..storage.dcp.safety import _SafeLoadPlanner
+        from ..storage.dcp.reader import safe_planner
 
         reader = FsspecStorageReader(storage, path, files=files, verify=verify, threads=threads, metadata=metadata)
         dcp.load(state_dict, storage_reader=reader, process_group=self.group,
-                 planner=planner or _SafeLoadPlanner(allow_pickle))
+                 planner=planner or safe_planner(allow_pickle, strict))
 
 
 def _collective(fn: Any, what: str) -> None:

@@ -3,7 +3,18 @@
 The same phases for one process and N: each attempt checks the manifest, the DCP metadata and
 the target, then loads; after each phase the ranks exchange outcomes through the coordinator,
 so a failure on one rank is seen by all and they all skip a damaged step or all raise. With
-``step=None`` a damaged step falls back to the next older commit, with a warning naming it.
+``step=None`` a damaged step falls back to the next older commit, with a warning naming it,
+and that step's data overwrites everything again.
+
+One process reads the files straight into the target tensors and verifies the checksums as
+the data arrives (see :mod:`async_ckpt.storage.dcp.direct`): a step found damaged then has
+already written part of its data into the target, and the error says so. ``atomic=True``
+reads and verifies every file into host memory first, so a failed restore leaves the target
+as it was.
+
+Top-level values with ``state_dict()`` / ``load_state_dict()`` (DCP's ``Stateful``: an app
+state holding a model and an optimizer) are restored as ``dcp.load`` restores them: into what
+their ``state_dict()`` returns, then handed to their ``load_state_dict``.
 """
 
 from __future__ import annotations
@@ -13,35 +24,64 @@ from typing import Any, Dict, List, Optional, Sequence, Set
 
 import torch
 
-from ..compat import dcp_flatten_state_dict
 from ..errors import CorruptCheckpointError, StateDictMismatchError, StepNotFoundError
 from ..storage.dcp import METADATA_NAME, FsspecStorageReader
 from .coordinator import describe, raise_gathered
 from .steps import StepStore
 
+#: How many keys a mismatch report names.
+SHOWN_KEYS = 10
+
+
+def _is_stateful(value: Any) -> bool:
+    return not isinstance(value, torch.Tensor) and callable(getattr(value, "state_dict", None)) \
+        and callable(getattr(value, "load_state_dict", None))
+
 
 def restore(store: StepStore, step: Optional[int], state_dict: Dict[str, Any], *, verify: bool,
-            allow_pickle: bool, threads: int, planner: Any) -> int:
+            allow_pickle: bool, threads: int, planner: Any, atomic: bool = False, strict: bool = True) -> int:
     """Every rank: load ``step`` (None: the most recent commit that verifies) into ``state_dict``
     in place and return the step. Rank 0's listing decides which steps exist."""
+    stateful = {k: v for k, v in state_dict.items() if _is_stateful(v)}
+    target: Dict[str, Any] = state_dict
+    if stateful:  # what dcp.load does: restore into their state_dict(), then load_state_dict
+        target = dict(state_dict)
+        for k, v in stateful.items():
+            target[k] = v.state_dict()
+    s = _restore(store, step, target, verify=verify, allow_pickle=allow_pickle, threads=threads, planner=planner,
+                 atomic=atomic, strict=strict, stateful=frozenset(stateful))
+    if stateful:
+        for k, v in target.items():
+            if k not in stateful:
+                state_dict[k] = v  # type: ignore[index]
+        for k, v in stateful.items():
+            v.load_state_dict(target[k])
+    return s
+
+
+def _restore(store: StepStore, step: Optional[int], state_dict: Dict[str, Any], *, verify: bool,
+             allow_pickle: bool, threads: int, planner: Any, atomic: bool, strict: bool,
+             stateful: frozenset = frozenset()) -> int:
     coord = store.coordinator
     steps: List[int] = coord.broadcast(store.catalog.steps_newest_first() if coord.is_primary else None)
+    opts = dict(verify=verify, allow_pickle=allow_pickle, threads=threads, planner=planner, atomic=atomic,
+                strict=strict, stateful=stateful)
     if step is not None:
         if step not in steps:
             listed = sorted(steps)
             raise StepNotFoundError(
                 f"no committed checkpoint for step {step} under {store.storage.url} "
                 f"(committed: {listed if len(listed) <= 20 else listed[-20:]})", step=step)
-        _restore_one(store, step, state_dict, verify, allow_pickle, threads, planner)
+        _restore_one(store, step, state_dict, **opts)
         return step
     if not steps:
         raise StepNotFoundError(f"no committed checkpoint under {store.storage.url}")
     errors: List[CorruptCheckpointError] = []
     for s in steps:
         try:
-            _restore_one(store, s, state_dict, verify, allow_pickle, threads, planner)
+            _restore_one(store, s, state_dict, **opts)
         except CorruptCheckpointError as exc:
-            warnings.warn(f"async_ckpt: skipping damaged step {s}: {exc}", RuntimeWarning, stacklevel=3)
+            warnings.warn(f"async_ckpt: skipping damaged step {s}: {exc}", RuntimeWarning, stacklevel=4)
             errors.append(exc)
             continue
         return s
@@ -50,8 +90,8 @@ def restore(store: StepStore, step: Optional[int], state_dict: Dict[str, Any], *
         step=steps[0]) from errors[0]
 
 
-def _restore_one(store: StepStore, step: int, state_dict: Dict[str, Any], verify: bool, allow_pickle: bool,
-                 threads: int, planner: Any) -> None:
+def _restore_one(store: StepStore, step: int, state_dict: Dict[str, Any], *, verify: bool, allow_pickle: bool,
+                 threads: int, planner: Any, atomic: bool, strict: bool, stateful: frozenset) -> None:
     coord = store.coordinator
     added: List[tuple] = []
     local: Optional[BaseException] = None
@@ -63,7 +103,8 @@ def _restore_one(store: StepStore, step: int, state_dict: Dict[str, Any], verify
             raise CorruptCheckpointError(f"step {step}: manifest lists no {METADATA_NAME}", step=step, path=path)
         reader = FsspecStorageReader(store.storage, path, files=manifest.files, verify=verify, threads=threads)
         metadata = reader.read_metadata()
-        added = prepare_target(state_dict, metadata, step, set(manifest.extra.get("int_keys", ())))
+        int_keys = set(manifest.extra.get("int_keys", ())) | _stateful_int_keys(metadata, stateful)
+        added = prepare_target(state_dict, metadata, step, int_keys, strict=strict)
     except BaseException as exc:  # noqa: BLE001 - exchanged below
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
             raise
@@ -72,12 +113,30 @@ def _restore_one(store: StepStore, step: int, state_dict: Dict[str, Any], verify
     assert manifest is not None
     try:
         coord.load(store.storage, path, state_dict, files=manifest.files, verify=verify, threads=threads,
-                   allow_pickle=allow_pickle, metadata=metadata, planner=planner)
+                   allow_pickle=allow_pickle, metadata=metadata, planner=planner, atomic=atomic, strict=strict)
     except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
             raise
         local = exc
     _agree_or_undo(store, step, "restore", local, state_dict, added)
+
+
+def _stateful_int_keys(metadata: Any, stateful: frozenset) -> Set[str]:
+    """Dict keys inside ``Stateful`` values that were ints: the manifest does not record them
+    (the value was saved through its ``state_dict()``), so an all-digit key there is taken as
+    an int (an optimizer's ``state`` is keyed by parameter index)."""
+    out: Set[str] = set()
+    if not stateful:
+        return out
+    for path in (metadata.planner_data or {}).values():
+        if not path or path[0] not in stateful:
+            continue
+        prefix = str(path[0])
+        for p in path[1:]:
+            prefix = f"{prefix}.{p}"
+            if isinstance(p, str) and p.isdigit():
+                out.add(prefix)
+    return out
 
 
 def _agree_or_undo(store: StepStore, step: int, what: str, local: Optional[BaseException],
@@ -94,14 +153,29 @@ def _agree_or_undo(store: StepStore, step: int, what: str, local: Optional[BaseE
         raise
 
 
-def prepare_target(state_dict: Dict[str, Any], metadata: Any, step: int, int_keys: Set[str]) -> List[tuple]:
+def _keys(keys: List[str]) -> str:
+    shown = ", ".join(keys[:SHOWN_KEYS])
+    return shown + (f" (and {len(keys) - SHOWN_KEYS} more)" if len(keys) > SHOWN_KEYS else "")
+
+
+def prepare_target(state_dict: Dict[str, Any], metadata: Any, step: int, int_keys: Set[str], *,
+                   strict: bool = True) -> List[tuple]:
     """Check ``state_dict`` against a checkpoint's DCP metadata; add entries it lacks.
+
+    Keys of ``state_dict`` the checkpoint lacks raise :class:`StateDictMismatchError` naming
+    up to ten (``strict=False``: a warning; they are left as they are). A tensor whose shape or
+    dtype differs, or a tensor where the checkpoint has a non-tensor value, always raises. Keys
+    of the checkpoint that ``state_dict`` lacks are added (a fresh optimizer's empty ``state``,
+    or everything for an empty target); with ``strict=False`` only the intersection is loaded
+    and those keys are listed in a warning instead.
 
     Returns the paths added, so that a failed restore can take them out again.
     """
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    flat, _ = dcp_flatten_state_dict()(state_dict)
+    from ..storage.dcp.writer import _flatten  # DCP's flatten_state_dict, quicker
+
+    flat, _ = _flatten(state_dict)
     md = metadata.state_dict_metadata
     missing = [k for k in flat if k not in md]
     problems = []
@@ -118,17 +192,28 @@ def prepare_target(state_dict: Dict[str, Any], metadata: Any, step: int, int_key
                 problems.append(f"{k}: dtype {v.dtype} in state_dict vs {m.properties.dtype} in checkpoint")
         elif isinstance(v, torch.Tensor):
             problems.append(f"{k}: state_dict has a tensor, checkpoint has a non-tensor value")
-    if missing or problems:
-        lines = [f"missing from checkpoint: {', '.join(missing[:20])}{' ...' if len(missing) > 20 else ''}"] if missing else []
-        lines += problems[:20]
+    if (missing and strict) or problems:
+        lines = [f"missing from checkpoint: {_keys(missing)}"] if missing and strict else []
+        lines += problems[:SHOWN_KEYS]
         raise StateDictMismatchError(f"state_dict does not match checkpoint step {step}: " + "; ".join(lines), step=step)
+    if missing:
+        warnings.warn(f"async_ckpt: restore(strict=False) of step {step}: keys not in the checkpoint, left as "
+                      f"they are: {_keys(missing)}", UserWarning, stacklevel=5)
     mappings = metadata.planner_data or {}
     added = []
+    extra = []
     for k, m in md.items():
         if k in flat or k not in mappings:
             continue
+        path = mappings[k]
+        if not strict:
+            extra.append(k)
+            continue
         value = torch.empty(tuple(m.size), dtype=m.properties.dtype) if isinstance(m, TensorStorageMetadata) else None
-        added.extend(_insert(state_dict, mappings[k], _typed_path(mappings[k], int_keys), value))
+        added.extend(_insert(state_dict, path, _typed_path(path, int_keys), value))
+    if extra:
+        warnings.warn(f"async_ckpt: checkpoint step {step} has keys the state_dict lacks, not restored: "
+                      f"{_keys(extra)}", UserWarning, stacklevel=5)
     return added
 
 

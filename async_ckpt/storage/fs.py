@@ -168,6 +168,12 @@ class Storage:
         return self.retry.call(lambda: self._backend.read_into(path, start, out),
                                f"read {path}[{start}:{start + len(out)}]")
 
+    def open_ranges(self, path: str) -> "RetriedRanges":
+        """``path`` opened for many ranged reads (from any number of threads); each read is
+        retried on transient errors. Close it (or use it as a context manager) when done."""
+        return RetriedRanges(self.retry.call(lambda: self._backend.open_ranges(path), f"open {path}"),
+                             path, self.retry)
+
     def size(self, path: str) -> int:
         """Size in bytes of the file at ``path`` as the storage reports it."""
         return self._backend.size(path, self.retry)
@@ -196,3 +202,25 @@ class Storage:
             self.fs.invalidate_cache()
         except Exception:
             pass
+
+
+class RetriedRanges:
+    """A backend's :class:`~.backends.base.RangeReader` whose reads are retried."""
+
+    def __init__(self, reader: Any, path: str, retry: RetryPolicy) -> None:
+        self._reader, self.path, self._retry = reader, path, retry
+        self.known_size: Optional[int] = reader.known_size
+
+    def read_into(self, start: int, out: memoryview) -> int:
+        """Read ``file[start:start+len(out)]`` into ``out``; the bytes read (short at EOF)."""
+        return self._retry.call(lambda: self._reader.read_into(start, out),
+                                f"read {self.path}[{start}:{start + len(out)}]")
+
+    def close(self) -> None:
+        self._reader.close()
+
+    def __enter__(self) -> "RetriedRanges":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

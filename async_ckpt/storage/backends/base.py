@@ -18,6 +18,20 @@ def temp_name(path: str) -> str:
     return f"{path}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
+class RangeReader(Protocol):
+    """An open file for ranged reads, safe to use from several threads at once."""
+
+    #: The file's size when it is known without another request (local files), else None.
+    known_size: Optional[int]
+
+    def read_into(self, start: int, out: memoryview) -> int:
+        """Read ``file[start:start+len(out)]`` into ``out``; the bytes read, short only at
+        the end of the file (one attempt)."""
+
+    def close(self) -> None:
+        """Release the handle."""
+
+
 class Backend(Protocol):
     """One kind of storage, on one fsspec filesystem ``fs``.
 
@@ -73,6 +87,9 @@ class Backend(Protocol):
 
     def read_into(self, path: str, start: int, out: memoryview) -> int:
         """Read ``path[start:start+len(out)]`` into ``out``; the bytes read (one attempt)."""
+
+    def open_ranges(self, path: str) -> "RangeReader":
+        """A handle for many ranged reads of ``path`` (one attempt to open it)."""
 
     def size(self, path: str, retry: RetryPolicy) -> int:
         """The size of ``path`` as the storage reports it now (no cached listing)."""

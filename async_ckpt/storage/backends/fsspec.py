@@ -76,6 +76,9 @@ class FsspecBackend:
         out[:n] = memoryview(data)[:n]
         return len(data)
 
+    def open_ranges(self, path: str) -> "_FsspecRanges":
+        return _FsspecRanges(self, path)
+
     def size(self, path: str, retry: RetryPolicy) -> int:
         try:
             self.fs.invalidate_cache(path)  # never answer from a listing cached before the write
@@ -85,6 +88,21 @@ class FsspecBackend:
 
     def ls(self, path: str) -> List[Dict[str, Any]]:
         return self.fs.ls(path, detail=True, refresh=True)
+
+
+class _FsspecRanges:
+    """Ranged reads of one file as ranged requests (``cat_file`` with ``start``/``end``)."""
+
+    known_size: Optional[int] = None
+
+    def __init__(self, backend: FsspecBackend, path: str) -> None:
+        self._backend, self._path = backend, path
+
+    def read_into(self, start: int, out: memoryview) -> int:
+        return min(len(out), self._backend.read_into(self._path, start, out))
+
+    def close(self) -> None:
+        pass
 
 
 def _discard(f: Any) -> None:

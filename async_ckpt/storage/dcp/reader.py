@@ -19,12 +19,12 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
-from torch.futures import Future
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.storage import StorageReader
+from torch.futures import Future
 
 from ... import compat
 from ...errors import CorruptCheckpointError, StorageError
@@ -106,7 +106,8 @@ class FsspecStorageReader(StorageReader):
         for n in split:
             self._checked_path(n)
         whole = [n for n in names if n not in split]
-        bufs = {n: bytearray(size + 1) for n, size in split.items()}
+        # not zero-filled: every byte is overwritten by the reads (or the file is too short)
+        bufs = {n: memoryview(torch.empty(size + 1, dtype=torch.uint8).numpy()) for n, size in split.items()}
         tasks = []
         for n, size in split.items():
             starts = list(range(0, size, READ_RANGE_BYTES))
@@ -357,14 +358,24 @@ def _aligned_copy(raw: torch.Tensor, target: torch.Tensor) -> Tuple[torch.Tensor
     return target, raw.clone().view(target.dtype).view(target.shape)
 
 
+def safe_planner(allow_pickle: bool, strict: bool = True) -> _SafeLoadPlanner:
+    """The default load planner: non-tensor items unpickled safely unless ``allow_pickle``;
+    ``strict=False`` skips keys the checkpoint lacks (DCP's ``allow_partial_load``)."""
+    planner = _SafeLoadPlanner(allow_pickle)
+    planner.allow_partial_load = not strict
+    return planner
+
+
 def load_state_dict(storage: Storage, path: str, state_dict: Dict[str, Any], *, files: Optional[Dict[str, FileRecord]],
                     verify: bool = True, threads: int = 8, allow_pickle: bool = False,
                     metadata: Optional[Metadata] = None, process_group: Any = None,
-                    planner: Optional[LoadPlanner] = None) -> None:
-    """Load a DCP checkpoint under ``path`` into ``state_dict`` in place (``planner``: see save)."""
+                    planner: Optional[LoadPlanner] = None, strict: bool = True) -> None:
+    """Load a DCP checkpoint under ``path`` into ``state_dict`` in place (``planner``: see save),
+    every file read and verified before the first write (``strict=False``: keys the checkpoint
+    lacks are skipped)."""
     reader = FsspecStorageReader(storage, path, files=files, verify=verify, threads=threads, metadata=metadata)
     reader.read_metadata()  # read (and check) it here: DCP swallows errors from read_metadata
-    planner = planner if planner is not None else _SafeLoadPlanner(allow_pickle)
+    planner = planner if planner is not None else safe_planner(allow_pickle, strict)
     _call_dcp(lambda: dcp.load(state_dict, storage_reader=reader, planner=planner,
                                process_group=process_group, no_dist=not _distributed()))
 

@@ -1,0 +1,605 @@
+"""Restore by reading file ranges straight into the target tensors, verified as they arrive.
+
+:func:`load_direct` is the single-process restore of a checkpoint that async_ckpt (or DCP)
+wrote, into CPU tensors that already exist. For each data file it reads every byte once, as a
+tiling of the file into ranges, in parallel over ``threads``:
+
+* the data of a large tensor record goes straight into the target tensor's memory
+  (``preadv`` on local files, ranged reads elsewhere), in pieces of at most
+  ``DIRECT_CHUNK_BYTES``;
+* everything else (record headers and trailers, small tensors, non-tensor items) is read into a
+  per-thread buffer of about ``BUFFER_CHUNK_BYTES``, cut at record boundaries; the small
+  tensors in it are copied into their targets by one ``_foreach_copy_`` per buffer;
+* each range's CRC-32C is computed on the thread that read it, right after the read, and the
+  file's CRC is put together from them (:func:`~.crc.crc32c_combine`) and compared with the
+  manifest's before :func:`load_direct` returns.
+
+Where a large record's data begins is found before the reads, from small probes of the
+record's start and end (its zip directory). Non-tensor items are read and decoded first
+too, so an unsafe pickle is refused before any tensor is written; the probed bytes are
+compared with the verified ones when those arrive.
+
+A failure after the first write leaves the targets partly written: the error raised is a
+:class:`~async_ckpt.errors.CheckpointError` whose message says so (``partly_written`` is set
+on it). Targets that are not plain contiguous CPU tensors (strided views, conjugate bits) and
+records of another layout take a slower path through the buffer (``copy_``), and anything
+this module does not handle (sharded checkpoints, DTensors, other devices, custom planners)
+makes :func:`load_direct` return ``False`` before touching anything, for DCP to load.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import struct
+import sys
+import threading
+import types
+import zipfile
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
+
+from ... import compat
+from ...addresses import host_bytes
+from ...errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError
+from ..fs import Storage
+from ..manifest import FileRecord, check_file_name, crc32c, shown
+from .crc import crc32c_concat
+from .safety import _TensorDescUnpickler
+
+#: A tensor record at least this large (local files) has its data read straight into the
+#: target; smaller ones are read with their neighbours and scattered.
+DIRECT_MIN_BYTES = 256 * 2**10
+#: The same threshold for remote storage, where every range is a request.
+REMOTE_DIRECT_MIN_BYTES = 8 * 2**20
+#: Largest single read straight into a target (a big tensor is read as several, in parallel).
+DIRECT_CHUNK_BYTES = 16 * 2**20
+#: Reads into the per-thread buffer are about this size (longer only for one longer record).
+BUFFER_CHUNK_BYTES = 8 * 2**20
+#: Bytes read at each end of a large record to find where its data lies.
+PROBE_BYTES = 4096
+
+PARTLY_WRITTEN = ("the target state dict was partly written with this step's data and must not be "
+                  "used as is; restore(..., atomic=True) leaves it untouched on failure")
+
+set_element = compat.dcp_traverse().set_element
+
+
+class _Unsupported(Exception):
+    """The checkpoint or target is not one :func:`load_direct` handles (nothing touched yet)."""
+
+
+@dataclass
+class _Rec:
+    """One item of one file: where it lies and what becomes of it."""
+
+    fqn: str
+    start: int  # in the file
+    length: int
+    kind: str  # "direct" | "small" | "slow" | "bytes"
+    target: Optional[torch.Tensor] = None
+    flat: Optional[torch.Tensor] = None  # the target's bytes (uint8, 1-D), contiguous targets only
+    data_start: int = -1  # "direct": where the tensor's data starts in the file
+
+
+@dataclass
+class _Task:
+    path: str
+    name: str
+    start: int
+    end: int  # exclusive
+    extra: int = 0  # 1 on a file's last range where the size is not known: catches a longer file
+    dest: Optional[memoryview] = None  # straight into a target, else the thread's buffer
+    recs: List[_Rec] = field(default_factory=list)  # records inside [start, end) (buffered)
+
+
+def _plain_target(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu" and t.layout == torch.strided and not t.is_quantized
+
+
+def _contiguous_bytes(t: torch.Tensor) -> Optional[torch.Tensor]:
+    """``t``'s memory as a flat uint8 tensor (not owning it), for a contiguous tensor without
+    conjugate or negative bits; else None."""
+    if not t.is_contiguous() or t.is_conj() or t.is_neg() or t.numel() == 0:
+        return None
+    return host_bytes(t.data_ptr(), t.numel() * t.element_size())
+
+
+def _flat_targets(state_dict: Dict[str, Any]) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+    """DCP's flattening of ``state_dict`` (the writer's quicker equivalent)."""
+    from .writer import _flatten
+
+    return _flatten(state_dict)
+
+
+class _Buffers(threading.local):
+    buf: Optional[torch.Tensor] = None
+
+    def get(self, n: int) -> torch.Tensor:
+        if self.buf is None or self.buf.numel() < n:
+            self.buf = torch.empty(max(n, BUFFER_CHUNK_BYTES), dtype=torch.uint8)  # never zero-filled
+        return self.buf
+
+
+class _Heads:
+    """``torch.save``'s bytes before the data, and the record's length, per (dtype, shape)
+    of a small tensor: a record that starts with them has its data right after."""
+
+    def __init__(self) -> None:
+        self._cache: Dict[Tuple[torch.dtype, Tuple[int, ...]], Optional[Tuple[bytes, int]]] = {}
+        self._lock = threading.Lock()
+
+    def get(self, dtype: torch.dtype, shape: Tuple[int, ...]) -> Optional[Tuple[bytes, int]]:
+        key = (dtype, shape)
+        if key in self._cache:
+            return self._cache[key]
+        got: Optional[Tuple[bytes, int]] = None
+        try:
+            buf = io.BytesIO()
+            torch.save(torch.zeros(shape, dtype=dtype), buf)
+            raw = buf.getvalue()
+            mv = memoryview(raw)
+            start = _data_start(lambda a, b: bytes(mv[a:b]), len(raw), dtype, shape)
+            if start is not None:
+                got = (raw[:start], len(raw))
+        except Exception:
+            got = None
+        with self._lock:
+            self._cache[key] = got
+        return got
+
+
+_HEADS = _Heads()
+
+
+class _RecordFile(io.RawIOBase):
+    """A record as a seekable file for ``zipfile``, its bytes fetched by ``get(lo, hi)``."""
+
+    def __init__(self, get: Callable[[int, int], bytes], length: int) -> None:
+        super().__init__()
+        self._get, self._len, self._pos = get, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        base = 0 if whence == 0 else (self._pos if whence == 1 else self._len)
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def read(self, n: int = -1) -> bytes:
+        end = self._len if n is None or n < 0 else min(self._len, self._pos + n)
+        if end <= self._pos:
+            return b""
+        out = self._get(self._pos, end)
+        self._pos = end
+        return out
+
+
+def _data_start(get: Callable[[int, int], bytes], length: int, dtype: torch.dtype,
+                shape: Tuple[int, ...]) -> Optional[int]:
+    """Where, in a ``torch.save`` record of ``length`` bytes (read through ``get``), the raw
+    data of a contiguous ``dtype`` tensor of ``shape`` starts; None unless the record is
+    exactly that (one little-endian uncompressed storage of that size, offset 0, contiguous
+    strides)."""
+    nbytes = dtype.itemsize
+    for d in shape:
+        nbytes *= d
+    if sys.byteorder != "little":
+        return None
+    try:
+        with zipfile.ZipFile(_RecordFile(get, length)) as zf:
+            infos = zf.infolist()
+            data = [i for i in infos if i.filename.rsplit("/", 2)[-2:-1] == ["data"]]
+            order = [i for i in infos if i.filename.endswith("/byteorder")]
+            pkl = [i for i in infos if i.filename.endswith("/data.pkl")]
+            if len(data) != 1 or len(pkl) != 1 or data[0].compress_type != zipfile.ZIP_STORED \
+                    or data[0].file_size != nbytes or pkl[0].compress_type != zipfile.ZIP_STORED:
+                return None
+            if order and zf.read(order[0]) != b"little":
+                return None
+            desc = _TensorDescUnpickler(io.BytesIO(zf.read(pkl[0]))).load()
+            strides, acc = [], 1
+            for d in reversed(shape):
+                strides.insert(0, acc)
+                acc *= d
+            if desc != (dtype, 0, tuple(shape), tuple(strides)):
+                return None
+            off = data[0].header_offset
+            head = get(off, off + 30)
+            if len(head) != 30 or head[:4] != b"PK\x03\x04":
+                return None
+            name_len, extra_len = struct.unpack_from("<HH", head, 26)
+            start = off + 30 + name_len + extra_len
+            if start + nbytes > length:
+                return None
+            return start
+    except (zipfile.BadZipFile, ValueError, struct.error, pickle.UnpicklingError, EOFError, TypeError,
+            AttributeError, IndexError, KeyError, NotImplementedError, OSError):
+        return None
+
+
+class _Probe:
+    """The bytes of a large record near its ends, read once; other bytes read on demand."""
+
+    def __init__(self, reader: Any, rec: _Rec) -> None:
+        self.reader, self.rec = reader, rec
+        n = min(PROBE_BYTES, rec.length)
+        self.windows: List[Tuple[int, bytes]] = []  # (offset in the file, bytes)
+        self._fetch(rec.start, n)
+        if rec.length > n:
+            lo = max(rec.start + n, rec.start + rec.length - PROBE_BYTES)
+            self._fetch(lo, rec.start + rec.length - lo)
+
+    def _fetch(self, start: int, n: int) -> bytes:
+        buf = bytearray(n)
+        got = self.reader.read_into(start, memoryview(buf))
+        data = bytes(buf[:got])
+        self.windows.append((start, data))
+        return data
+
+    def get(self, lo: int, hi: int) -> bytes:  # record-relative
+        a, b = self.rec.start + lo, self.rec.start + hi
+        for w0, data in self.windows:
+            if w0 <= a and b <= w0 + len(data):
+                return data[a - w0:b - w0]
+        return self._fetch(a, b - a)
+
+
+def _plan(storage: Storage, path: str, state_dict: Dict[str, Any], files: Dict[str, FileRecord],
+          metadata: Metadata, direct_min: int) -> Tuple[Dict[str, List[_Rec]], Dict[str, Any], Dict[str, Any]]:
+    """Records per file for the targets in ``state_dict``; raises :class:`_Unsupported`."""
+    flat, mappings = _flat_targets(state_dict)
+    md = metadata.state_dict_metadata
+    data = metadata.storage_data
+    if not isinstance(data, dict):
+        raise _Unsupported("no storage data")
+    per_file: Dict[str, List[_Rec]] = {}
+    for fqn, value in flat.items():
+        m = md.get(fqn)
+        if m is None:
+            continue  # not in the checkpoint (strict=False): left as it is
+        if isinstance(m, BytesStorageMetadata):
+            info = data.get(MetadataIndex(fqn))
+            if info is None or isinstance(value, torch.Tensor):
+                raise _Unsupported(fqn)
+            rec = _Rec(fqn, info.offset, info.length, "bytes")
+        elif isinstance(m, TensorStorageMetadata):
+            if type(value) not in (torch.Tensor, torch.nn.Parameter) or not _plain_target(value):
+                raise _Unsupported(fqn)
+            if len(m.chunks) != 1 or any(m.chunks[0].offsets) or tuple(m.chunks[0].sizes) != tuple(m.size) \
+                    or tuple(value.shape) != tuple(m.size) or value.dtype != m.properties.dtype:
+                raise _Unsupported(fqn)
+            info = data.get(MetadataIndex(fqn, m.chunks[0].offsets))
+            if info is None:
+                raise _Unsupported(fqn)
+            t = value.detach()
+            fb = _contiguous_bytes(t)
+            nbytes = t.numel() * t.element_size()
+            if nbytes == 0:
+                continue  # nothing to read into; the bytes still count for the checksum
+            kind = "slow" if fb is None else ("direct" if nbytes >= direct_min else "small")
+            rec = _Rec(fqn, info.offset, info.length, kind, t, fb)
+        else:
+            raise _Unsupported(fqn)
+        per_file.setdefault(info.relative_path, []).append(rec)
+    for name, recs in per_file.items():
+        if name not in files:
+            raise _Unsupported(name)  # check_metadata refuses this first; never read unlisted files
+        recs.sort(key=lambda r: r.start)
+        end = 0
+        for r in recs:
+            if r.start < end:
+                raise _Unsupported(f"{name}: overlapping items")  # not a layout we write
+            end = r.start + r.length
+        if end > files[name].size:
+            raise _Unsupported(name)
+    return per_file, flat, mappings
+
+
+def _tasks(path: str, name: str, size: int, recs: List[_Rec], size_known: bool) -> List[_Task]:
+    """The file ``name`` as a tiling of ranges: direct ones and buffered ones."""
+    where = f"{path}/{name}"
+    direct = [r for r in recs if r.kind == "direct"]
+    out: List[_Task] = []
+    pos = 0
+    others = iter([r for r in recs if r.kind != "direct"])
+    pending = next(others, None)
+
+    def buffered(lo: int, hi: int) -> None:
+        nonlocal pending
+        cur = _Task(where, name, lo, lo)
+        while True:
+            # records wholly inside [lo, hi) go with the range they start in
+            nxt = pending if pending is not None and pending.start < hi else None
+            stop = nxt.start if nxt is not None else hi
+            while stop - cur.end > 0:  # plain bytes up to the next record (or the end)
+                room = cur.start + BUFFER_CHUNK_BYTES - cur.end
+                if room <= 0:
+                    out.append(cur)
+                    cur = _Task(where, name, cur.end, cur.end)
+                    continue
+                cur.end = min(stop, cur.end + room)
+            if nxt is None:
+                break
+            if cur.end > cur.start and cur.end + nxt.length - cur.start > BUFFER_CHUNK_BYTES:
+                out.append(cur)
+                cur = _Task(where, name, cur.end, cur.end)
+            cur.recs.append(nxt)
+            cur.end = nxt.start + nxt.length
+            pending = next(others, None)
+        if cur.end > cur.start:
+            out.append(cur)
+
+    for r in direct:
+        a = r.data_start
+        b = a + r.flat.numel()  # type: ignore[union-attr]
+        if a > pos:
+            buffered(pos, a)
+        mv = memoryview(r.flat.numpy())  # type: ignore[union-attr]
+        for lo in range(a, b, DIRECT_CHUNK_BYTES):
+            hi = min(b, lo + DIRECT_CHUNK_BYTES)
+            out.append(_Task(where, name, lo, hi, dest=mv[lo - a:hi - a]))
+        pos = b
+    if size > pos:
+        buffered(pos, size)
+    if not size_known and out:
+        out[-1].extra = 1
+    return out
+
+
+def _decode(fqn: str, blob: bytes, allow_pickle: bool) -> Any:
+    try:
+        return torch.load(io.BytesIO(blob), weights_only=not allow_pickle)
+    except pickle.UnpicklingError as exc:
+        raise UnsafeCheckpointError(
+            f"{shown(fqn)}: refusing to unpickle an object outside torch's safe set ({shown(exc)}); pass "
+            "allow_pickle=True to restore if you trust this checkpoint") from exc
+
+
+def _copy_slow(rec: _Rec, item: memoryview) -> None:
+    """A record into a target that is not plain contiguous memory, or of another layout."""
+    from .reader import _stored_bytes  # the aligned copy out of a read buffer
+
+    t = rec.target
+    assert t is not None
+    req = types.SimpleNamespace(storage_offsets=[0] * t.dim(), lengths=list(t.shape))
+    raw = _stored_bytes(item, req, t)
+    if raw is not None:
+        dst, src = raw
+        dst.copy_(src)
+        return
+    tensor = torch.load(io.BytesIO(bytes(item)), map_location="cpu", weights_only=True)
+    if not isinstance(tensor, torch.Tensor) or tensor.shape != t.shape:
+        raise CorruptCheckpointError(f"{shown(rec.fqn)}: stored value is not a tensor of shape {tuple(t.shape)}")
+    t.copy_(tensor)
+
+
+def load_direct(storage: Storage, path: str, state_dict: Dict[str, Any], *, files: Optional[Dict[str, FileRecord]],
+                metadata: Metadata, verify: bool = True, threads: int = 8, allow_pickle: bool = False) -> bool:
+    """Load the checked ``metadata``'s checkpoint under ``path`` into ``state_dict`` in place by
+    direct reads (see the module docstring); ``False`` (nothing read or touched) when it does
+    not apply. ``files`` are the manifest's records (required: sizes and checksums)."""
+    if files is None:
+        return False
+    direct_min = DIRECT_MIN_BYTES if storage.is_local else REMOTE_DIRECT_MIN_BYTES
+    try:
+        per_file, flat, mappings = _plan(storage, path, state_dict, files, metadata, direct_min)
+    except _Unsupported:
+        return False
+    threads = max(1, threads)
+    readers: Dict[str, Any] = {}
+    touched = [False]
+    try:
+        with ThreadPoolExecutor(threads, thread_name_prefix="async-ckpt-read") as pool:
+            return _load(storage, path, per_file, flat, mappings, files, verify, allow_pickle, pool, readers,
+                         touched, state_dict, threads)
+    except BaseException as exc:
+        if touched[0] and isinstance(exc, CheckpointError) and not getattr(exc, "partly_written", False):
+            exc.args = (f"{exc.args[0] if exc.args else exc}; {PARTLY_WRITTEN}",) + tuple(exc.args[1:])
+            exc.partly_written = True  # type: ignore[attr-defined]
+        elif touched[0] and not isinstance(exc, (KeyboardInterrupt, SystemExit)) and not isinstance(exc, CheckpointError):
+            raise CheckpointError(f"restore from {path} failed ({type(exc).__name__}: {exc}); {PARTLY_WRITTEN}") from exc
+        raise
+    finally:
+        for r in readers.values():
+            try:
+                r.close()
+            except Exception:
+                pass
+
+
+def _open(storage: Storage, path: str, name: str, files: Dict[str, FileRecord], readers: Dict[str, Any]) -> Any:
+    """Open ``path/name`` after the reader's checks (a plain file inside the step directory,
+    listed, of the manifest's size where the size is known)."""
+    where = f"{path}/{name}"
+    check_file_name(name, where=where)
+    problem = storage.file_problem(where, path)
+    if problem is not None:
+        raise CorruptCheckpointError(f"{where}: {problem}", path=where)
+    try:
+        r = storage.open_ranges(where)
+    except FileNotFoundError:
+        raise CorruptCheckpointError(f"{where}: file is missing", path=where) from None
+    readers[name] = r
+    if r.known_size is not None and r.known_size != files[name].size:
+        raise CorruptCheckpointError(f"{where}: size is {r.known_size} bytes, manifest says {files[name].size}",
+                                     path=where)
+    return r
+
+
+def _load(storage: Storage, path: str, per_file: Dict[str, List[_Rec]], flat: Dict[str, Any],
+          mappings: Dict[str, Any], files: Dict[str, FileRecord], verify: bool, allow_pickle: bool,
+          pool: ThreadPoolExecutor, readers: Dict[str, Any], touched: List[bool], state_dict: Dict[str, Any],
+          threads: int) -> bool:
+    for name in per_file:
+        _open(storage, path, name, files, readers)
+
+    # 1. Probes: where the large records' data lies; the non-tensor items' bytes, decoded.
+    def probe(name: str, rec: _Rec) -> Optional[_Probe]:
+        r = readers[name]
+        if rec.kind == "bytes":
+            buf = bytearray(rec.length)
+            got = r.read_into(rec.start, memoryview(buf))
+            if got != rec.length:
+                raise CorruptCheckpointError(f"{path}/{name}: is shorter than the manifest says", path=f"{path}/{name}")
+            p = object.__new__(_Probe)
+            p.reader, p.rec, p.windows = r, rec, [(rec.start, bytes(buf))]
+            return p
+        p = _Probe(r, rec)
+        t = rec.target
+        assert t is not None
+        start = _data_start(p.get, rec.length, t.dtype, tuple(t.shape))
+        if start is None:
+            rec.kind = "slow"  # another layout: through the buffer
+        else:
+            rec.data_start = rec.start + start
+        return p
+
+    jobs = [(name, rec) for name, recs in per_file.items() for rec in recs if rec.kind in ("direct", "bytes")]
+    probes = _run(pool, [lambda n=n, r=r: probe(n, r) for n, r in jobs])
+    decoded: Dict[str, Any] = {}
+    windows: Dict[str, List[Tuple[int, bytes]]] = {}
+    undecodable: Optional[BaseException] = None
+    for (name, rec), p in zip(jobs, probes):
+        assert p is not None
+        windows.setdefault(name, []).extend(p.windows)
+        if rec.kind == "bytes" and undecodable is None:
+            try:
+                decoded[rec.fqn] = _decode(rec.fqn, p.windows[0][1], allow_pickle)
+            except BaseException as exc:  # noqa: BLE001 - reported below, after the checksums
+                if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                    raise
+                undecodable = exc
+    if undecodable is not None:
+        # Nothing written yet: check the files without writing (damage reads as damage), then
+        # refuse the item.
+        from .reader import FsspecStorageReader
+
+        FsspecStorageReader(storage, path, files=files, verify=verify)._read_files(list(per_file), pool)
+        raise undecodable
+
+    # 2. Every byte of every file, once: into the targets, or into a buffer and scattered.
+    tasks: List[_Task] = []
+    for name, recs in per_file.items():
+        tasks += _tasks(path, name, files[name].size, recs, readers[name].known_size is not None)
+    for ws in windows.values():
+        ws.sort()
+    buffers = _Buffers()
+
+    def run(task: _Task) -> Tuple[int, int]:
+        r = readers[task.name]
+        n = task.end - task.start
+        if task.dest is not None:
+            touched[0] = True
+            got = r.read_into(task.start, task.dest)
+            return got, (crc32c(task.dest[:got]) if verify else 0)
+        buf = buffers.get(n + task.extra)
+        mv = memoryview(buf.numpy())[: n + task.extra]
+        got = r.read_into(task.start, mv)
+        crc = crc32c(mv[:min(got, n)]) if verify else 0
+        if got < n:
+            return got, crc
+        for w0, data in windows.get(task.name, ()):
+            lo, hi = max(w0, task.start), min(w0 + len(data), task.end)
+            if lo < hi and mv[lo - task.start:hi - task.start] != data[lo - w0:hi - w0]:
+                raise CorruptCheckpointError(f"{task.path}: changed while it was being read", path=task.path)
+        dsts: List[torch.Tensor] = []
+        srcs: List[torch.Tensor] = []
+        for rec in task.recs:
+            at = rec.start - task.start
+            if rec.kind == "small":
+                t = rec.target
+                assert t is not None and rec.flat is not None
+                head = _HEADS.get(t.dtype, tuple(t.shape))
+                if head is not None and head[1] == rec.length and mv[at:at + len(head[0])] == head[0]:
+                    start = at + len(head[0])
+                else:
+                    item = mv[at:at + rec.length]
+                    s = _data_start(lambda a, b, item=item: bytes(item[a:b]), rec.length, t.dtype, tuple(t.shape))
+                    if s is None:
+                        touched[0] = True
+                        _copy_slow(rec, item)
+                        continue
+                    start = at + s
+                dsts.append(rec.flat)
+                srcs.append(buf.narrow(0, start, rec.flat.numel()))
+            elif rec.kind == "slow":
+                touched[0] = True
+                _copy_slow(rec, mv[at:at + rec.length])
+        if dsts:
+            touched[0] = True
+            with torch.no_grad():
+                compat.foreach_copy_(dsts, srcs)
+        return got, crc
+
+    # Each job reads a run of consecutive ranges of one file in file order (one sequential
+    # stream, so the kernel's readahead works for it): one run per file, or a file cut into
+    # several runs when there are fewer files than threads.
+    per: Dict[str, List[int]] = {}
+    for i, t in enumerate(tasks):
+        per.setdefault(t.name, []).append(i)
+    split = max(1, -(-threads // max(1, len(per))))
+    groups: List[List[int]] = []
+    for idx in per.values():
+        n = -(-len(idx) // split)
+        groups += [idx[k:k + n] for k in range(0, len(idx), n)]
+    results: List[Any] = [None] * len(tasks)
+
+    def run_group(group: List[int]) -> None:
+        for i in group:
+            results[i] = run(tasks[i])
+
+    _run(pool, [lambda g=g: run_group(g) for g in groups])
+
+    # 3. Sizes and checksums per file, before anything else is set.
+    parts: Dict[str, List[Tuple[_Task, int, int]]] = {}
+    for task, (got, crc) in zip(tasks, results):
+        parts.setdefault(task.name, []).append((task, got, crc))
+    for name, ps in parts.items():
+        where = f"{path}/{name}"
+        size = files[name].size
+        ps.sort(key=lambda p: p[0].start)
+        total = 0
+        for task, got, _ in ps:
+            n = task.end - task.start
+            if got < n:
+                raise CorruptCheckpointError(f"{where}: size is {task.start + got} bytes, manifest says {size}",
+                                             path=where)
+            total += min(got, n)
+            if got > n:
+                raise CorruptCheckpointError(f"{where}: size is more than {size} bytes, manifest says {size}",
+                                             path=where)
+        if verify:
+            crc = crc32c_concat((c, p.end - p.start) for p, _, c in ps)
+            if crc != files[name].crc32c:
+                raise CorruptCheckpointError(
+                    f"{where}: checksum mismatch (crc32c {crc:#010x}, manifest says {files[name].crc32c:#010x})",
+                    path=where)
+    for fqn, value in decoded.items():
+        set_element(state_dict, mappings[fqn], value)
+    return True
+
+
+def _run(pool: ThreadPoolExecutor, fns: List[Callable[[], Any]]) -> List[Any]:
+    """Run ``fns`` on ``pool``; their results in order. On the first failure the tasks not yet
+    started are cancelled and it is raised once the running ones finish."""
+    futs = [pool.submit(f) for f in fns]
+    done, _ = wait(futs, return_when=FIRST_EXCEPTION)
+    for f in futs:
+        if f.done() and not f.cancelled() and f.exception() is not None:
+            for g in futs:
+                g.cancel()
+            wait(futs)
+            raise f.exception()  # type: ignore[misc]
+    return [f.result() for f in futs]

@@ -1,0 +1,290 @@
+"""Restore straight into the target tensors: bitwise results, checksums as data arrives, the
+partly-written contract and ``atomic=True``, key-mismatch reports, DCP's ``Stateful``."""
+
+from __future__ import annotations
+
+import os
+import random
+import warnings
+
+import pytest
+import torch
+
+from async_ckpt import CheckpointManager
+from async_ckpt.errors import CorruptCheckpointError, StateDictMismatchError
+from async_ckpt.lifecycle import coordinator as coordinator_mod
+from async_ckpt.storage.dcp import direct
+from async_ckpt.storage.dcp.crc import crc32c_combine, crc32c_concat
+from async_ckpt.storage.dcp.safety import load_metadata
+from async_ckpt.storage.manifest import crc32c
+
+from .tree import assert_bitwise_equal, clone_tree
+
+
+@pytest.fixture
+def direct_calls(monkeypatch):
+    """The results of every ``load_direct`` call (True: it restored the step itself)."""
+    calls = []
+    real = coordinator_mod.load_direct
+
+    def spy(*a, **k):
+        calls.append(None)
+        calls[-1] = real(*a, **k)
+        return calls[-1]
+
+    monkeypatch.setattr(coordinator_mod, "load_direct", spy)
+    return calls
+
+
+def mixed_state(seed: int) -> dict:
+    """Big and small records of many dtypes; odd-sized items in between, so that records (and
+    complex128 data) start at odd file offsets."""
+    g = torch.Generator().manual_seed(seed)
+    big = torch.randn(256, 513, generator=g)  # >= DIRECT_MIN_BYTES: read straight into the target
+    return {
+        "model": {
+            "big": big,
+            "odd": torch.randint(0, 255, (3,), dtype=torch.uint8, generator=g),
+            "c128": torch.randn(37, dtype=torch.complex128, generator=g),
+            "mask": torch.rand(5, generator=g) > 0.5,
+            "big_c128": torch.randn(20000, dtype=torch.complex128, generator=g),
+            "bf16": torch.randn(301, generator=g).to(torch.bfloat16),
+            "i64": torch.randint(-(2**40), 2**40, (7, 3), generator=g),
+            "scalar": torch.tensor(float(seed)),
+            "h": torch.randn(11, generator=g).to(torch.float16),
+            "empty": torch.zeros(0, 4),
+        },
+        "small": {f"p{i}": torch.randn(17 + i, generator=g) for i in range(40)},
+        "optim": {"state": {0: {"m": torch.randn(9, generator=g)}, 3: {"m": torch.randn(4, generator=g)}},
+                  "lr": 0.1 * seed, "betas": (0.9, 0.99), "names": ["a", "b"]},
+        "step": seed,
+        "tag": f"s{seed}",
+    }
+
+
+def fresh_like(sd):
+    if isinstance(sd, torch.Tensor):
+        return torch.full_like(sd, 3) if sd.dtype != torch.bool else torch.zeros_like(sd)
+    if isinstance(sd, dict):
+        return {k: fresh_like(v) for k, v in sd.items()}
+    if isinstance(sd, (list, tuple)):
+        return type(sd)(fresh_like(v) for v in sd)
+    return None if isinstance(sd, str) else sd
+
+
+def test_bitwise_restore_views_tied_int_keys_mixed_dtypes(tmp_path, direct_calls):
+    saved = mixed_state(1)
+    base = torch.randn(4, 256, 513)
+    saved["model"]["view"] = base[1]  # a contiguous view at a storage offset
+    saved["model"]["tied"] = saved["model"]["big"]  # tied weights: one tensor, two keys
+    with CheckpointManager(str(tmp_path / "c")) as mgr:
+        mgr.save(1, saved)
+
+    target = fresh_like(saved)
+    tbase = torch.zeros(4, 256, 513)
+    target["model"]["view"] = tbase[2]  # restored into a view of the caller's own buffer
+    target["model"]["tied"] = target["model"]["big"]
+    target["model"]["strided"] = torch.zeros(513, 256).t()  # not contiguous: the slower path
+    saved["model"]["strided"] = torch.randn(256, 513)
+    with CheckpointManager(str(tmp_path / "c")) as mgr:
+        mgr.save(2, saved)
+        assert mgr.restore(2, target) == 2
+    assert direct_calls == [True], "restored by direct reads, not through DCP"
+    assert_bitwise_equal(target, saved)
+    assert target["model"]["tied"] is target["model"]["big"]
+    assert torch.equal(tbase[2], saved["model"]["view"]) and not tbase[1].any() and not tbase[3].any()
+    assert sorted(target["optim"]["state"]) == [0, 3]
+
+
+def test_restore_into_an_empty_target_and_parameters(tmp_path, direct_calls):
+    saved = mixed_state(2)
+    with CheckpointManager(str(tmp_path / "c")) as mgr:
+        mgr.save(1, saved)
+        target = {}
+        mgr.restore(1, target)
+        assert_bitwise_equal(target, saved)
+        params = {"model": {k: torch.nn.Parameter(torch.zeros_like(v), requires_grad=v.is_floating_point())
+                            for k, v in saved["model"].items()}}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            mgr.restore(1, params, strict=False)
+    for k, v in saved["model"].items():
+        assert torch.equal(params["model"][k].detach().view(-1).view(torch.uint8) if v.numel() else v,
+                           v.reshape(-1).view(torch.uint8) if v.numel() else v), k
+    assert all(direct_calls)
+
+
+def _data_files(step_dir):
+    return sorted(n for n in os.listdir(step_dir) if n.endswith(".distcp"))
+
+
+def _flip_in_record(step_dir: str, fqn: str) -> None:
+    """Flip one byte in the middle of ``fqn``'s record (inside its tensor data)."""
+    with open(os.path.join(step_dir, ".metadata"), "rb") as f:
+        md = load_metadata(f.read())
+    info = next(v for k, v in md.storage_data.items() if k.fqn == fqn)
+    path = os.path.join(step_dir, info.relative_path)
+    at = info.offset + info.length // 2
+    with open(path, "r+b") as f:
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ 0x10]))
+
+
+@pytest.mark.parametrize("fqn", ["model.big", "small.p7"])
+def test_flipped_byte_falls_back_and_single_step_says_partly_written(tmp_path, fqn, direct_calls):
+    root = str(tmp_path / "c")
+    with CheckpointManager(root) as mgr:
+        mgr.save(1, mixed_state(1))
+        mgr.save(2, mixed_state(2))
+    _flip_in_record(os.path.join(root, "2"), fqn)
+    mgr = CheckpointManager(root)
+    target = fresh_like(mixed_state(0))
+    with pytest.warns(RuntimeWarning, match="skipping damaged step 2.*checksum mismatch.*partly written"):
+        assert mgr.restore(None, target) == 1
+    assert_bitwise_equal(target, mixed_state(1))  # step 1 overwrote everything again
+
+    with pytest.raises(CorruptCheckpointError, match="checksum mismatch.*partly written") as ei:
+        mgr.restore(2, fresh_like(mixed_state(0)))
+    assert ei.value.step == 2 and getattr(ei.value, "partly_written", False)
+    mgr.close()
+
+    # One step only, and it is damaged: restore(None) raises and says the target was written.
+    solo = str(tmp_path / "solo")
+    with CheckpointManager(solo) as mgr:
+        mgr.save(5, mixed_state(5))
+    _flip_in_record(os.path.join(solo, "5"), fqn)
+    with pytest.warns(RuntimeWarning, match="skipping damaged step 5"):
+        with pytest.raises(CorruptCheckpointError, match="passed verification.*partly written"):
+            CheckpointManager(solo).restore(None, fresh_like(mixed_state(0)))
+
+
+@pytest.mark.parametrize("fqn", ["model.big", "small.p7"])
+def test_atomic_leaves_the_target_untouched(tmp_path, fqn):
+    root = str(tmp_path / "c")
+    with CheckpointManager(root) as mgr:
+        mgr.save(1, mixed_state(1))
+    _flip_in_record(os.path.join(root, "1"), fqn)
+    target = fresh_like(mixed_state(0))
+    del target["optim"]["state"][3]  # an entry restore adds: taken out again on failure
+    before = clone_tree(target)
+    with pytest.raises(CorruptCheckpointError, match="checksum mismatch") as ei:
+        CheckpointManager(root).restore(1, target, atomic=True)
+    assert "partly written" not in str(ei.value)
+    assert_bitwise_equal(target, before)
+
+
+def test_truncated_file_is_caught_before_any_write(tmp_path):
+    root = str(tmp_path / "c")
+    with CheckpointManager(root) as mgr:
+        mgr.save(1, mixed_state(1))
+    step = os.path.join(root, "1")
+    name = _data_files(step)[0]
+    with open(os.path.join(step, name), "r+b") as f:
+        f.truncate(os.path.getsize(os.path.join(step, name)) - 10)
+    target = fresh_like(mixed_state(0))
+    before = clone_tree(target)
+    with pytest.raises(CorruptCheckpointError, match="size is") as ei:
+        CheckpointManager(root).restore(1, target)
+    assert "partly written" not in str(ei.value)
+    assert_bitwise_equal(target, before)
+
+
+def test_key_mismatch_reports(tmp_path):
+    root = str(tmp_path / "c")
+    saved = {"model": {f"w{i}": torch.randn(3) for i in range(5)}, "step": 3}
+    with CheckpointManager(root) as mgr:
+        mgr.save(1, saved)
+    mgr = CheckpointManager(root)
+    target = {"model": {f"w{i}": torch.zeros(3) for i in range(5)}, "step": 0,
+              "extra": {f"x{i:02d}": torch.zeros(2) for i in range(12)}}
+    before = clone_tree(target)
+    with pytest.raises(StateDictMismatchError) as ei:
+        mgr.restore(1, target)
+    msg = str(ei.value)
+    assert all(f"extra.x{i:02d}" in msg for i in range(10)) and "extra.x10" not in msg and "and 2 more" in msg
+    assert_bitwise_equal(target, before)
+
+    # strict=False: the intersection is loaded; the keys the checkpoint lacks are left as they are.
+    with pytest.warns(UserWarning, match="keys not in the checkpoint.*extra.x00"):
+        mgr.restore(1, target, strict=False)
+    assert_bitwise_equal(target["model"], saved["model"])
+    assert target["step"] == 3
+    assert_bitwise_equal(target["extra"], before["extra"])
+
+    # Keys in the checkpoint, not in the target: with strict=False listed in a warning, not loaded.
+    small = {"model": {"w0": torch.zeros(3)}}
+    with pytest.warns(UserWarning, match="has keys the state_dict lacks.*model.w1"):
+        mgr.restore(1, small, strict=False)
+    assert sorted(small) == ["model"] and sorted(small["model"]) == ["w0"]
+    assert torch.equal(small["model"]["w0"], saved["model"]["w0"])
+    mgr.close()
+
+
+class AppState:
+    """What torchtitan and DCP users pass: a ``Stateful`` holding a model and its optimizer."""
+
+    def __init__(self, model, optim):
+        self.model, self.optim = model, optim
+
+    def state_dict(self):
+        return {"model": self.model.state_dict(), "optim": self.optim.state_dict()}
+
+    def load_state_dict(self, sd):
+        self.model.load_state_dict(sd["model"])
+        self.optim.load_state_dict(sd["optim"])
+
+
+def _trained(seed: int):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(2):
+        model(torch.randn(4, 8)).sum().backward()
+        optim.step()
+        optim.zero_grad()
+    return model, optim
+
+
+def test_stateful_app_state_restores_model_and_fresh_optimizer(tmp_path):
+    model, optim = _trained(0)
+    with CheckpointManager(str(tmp_path / "c")) as mgr:
+        mgr.save(1, {"app": AppState(model, optim), "step": 1})
+    torch.manual_seed(99)
+    model2 = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    optim2 = torch.optim.AdamW(model2.parameters(), lr=0.5)  # fresh: empty state
+    target = {"app": AppState(model2, optim2), "step": 0}
+    assert CheckpointManager(str(tmp_path / "c")).restore(1, target) == 1
+    assert target["step"] == 1 and isinstance(target["app"], AppState)
+    assert_bitwise_equal(model2.state_dict(), model.state_dict())
+    assert_bitwise_equal(optim2.state_dict()["state"], optim.state_dict()["state"])
+    assert optim2.param_groups[0]["lr"] == 1e-2
+    # training continues identically
+    x = torch.randn(4, 8)
+    for m, o in ((model, optim), (model2, optim2)):
+        m(x).sum().backward()
+        o.step()
+    assert_bitwise_equal(model2.state_dict(), model.state_dict())
+
+
+def test_memory_filesystem_ranged_reads(tmp_path, monkeypatch, direct_calls):
+    """Remote storage (fsspec's memory://): ranged requests, direct reads of big records."""
+    monkeypatch.setattr(direct, "REMOTE_DIRECT_MIN_BYTES", 64 * 1024)
+    url = f"memory://restore-fast-{random.getrandbits(32):x}"
+    saved = mixed_state(4)
+    with CheckpointManager(url) as mgr:
+        mgr.save(1, saved)
+        target = fresh_like(saved)
+        mgr.restore(1, target)
+    assert direct_calls == [True]
+    assert_bitwise_equal(target, saved)
+
+
+def test_crc32c_combine_matches_crc_of_concatenation():
+    rng = random.Random(0)
+    for la, lb in [(0, 0), (0, 7), (9, 0), (1, 1), (1000, 4096), (65537, 3), (1 << 20, 12345)]:
+        a, b = rng.randbytes(la), rng.randbytes(lb)
+        assert crc32c_combine(crc32c(a), crc32c(b), lb) == crc32c(a + b)
+    parts = [rng.randbytes(rng.randrange(0, 3000)) for _ in range(20)]
+    assert crc32c_concat((crc32c(p), len(p)) for p in parts) == crc32c(b"".join(parts))
