@@ -202,7 +202,7 @@ class CheckpointManager:
             raise ValueError(f"collective_timeout_s must be a number of seconds > 0, got {collective_timeout_s!r}")
         if not isinstance(lazy, bool):
             raise TypeError(f"lazy must be a bool, got {lazy!r}")
-        self.save_policy: SavePolicy = as_save_policy(save_policy) if save_policy is not None else EveryNSteps(save_interval)
+        self.save_policy = save_policy if save_policy is not None else EveryNSteps(save_interval)
         self.retention: RetentionPolicy = (
             as_retention_policy(retention) if retention is not None
             else (KeepLatest(max_to_keep) if max_to_keep else KeepAll())
@@ -259,6 +259,15 @@ class CheckpointManager:
         _live_managers.add(self)
 
     # ---- policy ------------------------------------------------------------------------------
+    @property
+    def save_policy(self) -> SavePolicy:
+        """The save policy (assignable: a policy object or a callable ``fn(step) -> bool``)."""
+        return self._save_policy
+
+    @save_policy.setter
+    def save_policy(self, policy: Any) -> None:
+        self._save_policy = as_save_policy(policy)
+
     def should_save(self, step: int) -> bool:
         """Whether a checkpoint is due at ``step``: the save policy wants one, or a preemption
         was detected and its checkpoint is not taken yet."""

@@ -1,15 +1,16 @@
 """Save-decision and retention policies: small objects with one method each, composable.
 
-A *save policy* answers ``should_save(step) -> bool``. Policies that need to know more than the
-step (the time of the previous save, whether a save is still being written, whether the job is
-being preempted) set the class attribute ``uses_context = True`` and take a second argument,
-``should_save(step, context)``, a :class:`SaveContext` the manager fills in. A plain callable
-``fn(step) -> bool`` is accepted wherever a save policy is.
+A *save policy* answers ``should_save(step, context) -> bool``; ``context`` is a
+:class:`SaveContext` the manager fills in (the time of the previous save, whether a save is
+still being written, whether the job is being preempted), and a policy that needs only the step
+ignores it. A user's policy with ``should_save(step)`` only, or a plain callable
+``fn(step) -> bool``, is accepted wherever a save policy is: :func:`as_save_policy` adapts it
+once, when the manager is built.
 
 A *retention policy* answers ``keep(checkpoints) -> set of steps`` given every committed
 checkpoint (oldest commit first, as :class:`CheckpointInfo` read from the manifests); the manager
-deletes the rest, except that the newest committed step, the highest step and any step still
-being written are never deleted, whatever a policy says. A plain callable
+deletes the rest, except that the newest committed step and any step still being written are
+never deleted, whatever a policy says. A plain callable
 ``fn(checkpoints) -> iterable of steps`` is accepted wherever a retention policy is.
 
 Retention policies see only what the manifests hold (step, commit time, metrics, size), so a
@@ -73,7 +74,7 @@ class CheckpointInfo:
 
 @dataclass(frozen=True)
 class SaveContext:
-    """What the manager knows when it asks a save policy (``uses_context = True``) for a decision.
+    """What the manager knows when it asks a save policy for a decision.
 
     Attributes:
         now: wall-clock time of the decision (``time.time()``).
@@ -94,8 +95,8 @@ class SaveContext:
 
 @runtime_checkable
 class SavePolicy(Protocol):
-    def should_save(self, step: int) -> bool:
-        """Whether a checkpoint is due at ``step``."""
+    def should_save(self, step: int, context: Optional["SaveContext"] = None) -> bool:
+        """Whether a checkpoint is due at ``step`` (``context``: what the manager knows)."""
 
 
 @runtime_checkable
@@ -138,7 +139,7 @@ class EveryNSteps:
         if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
             raise ValueError(f"save interval must be an int >= 1, got {self.n!r}")
 
-    def should_save(self, step: int) -> bool:
+    def should_save(self, step: int, context: Optional[SaveContext] = None) -> bool:
         return step % self.n == 0
 
 
@@ -150,7 +151,7 @@ class AtSteps:
             raise TypeError(f"AtSteps needs an iterable of steps, got {type(steps).__name__}")
         self.steps: FrozenSet[int] = frozenset(_check_int("AtSteps step", s, 0) for s in steps)
 
-    def should_save(self, step: int) -> bool:
+    def should_save(self, step: int, context: Optional[SaveContext] = None) -> bool:
         return step in self.steps
 
     def __repr__(self) -> str:
@@ -166,8 +167,6 @@ class EveryTSeconds:
     with :class:`AtSteps` (``AnyOf([AtSteps([0]), EveryTSeconds(600)])``) to also save at once.
     Used outside a manager (no context), it keeps its own clock from its construction.
     """
-
-    uses_context = True
 
     def __init__(self, seconds: float) -> None:
         self.seconds = _check_seconds("EveryTSeconds seconds", seconds)
@@ -194,8 +193,6 @@ class Continuous:
     Used outside a manager (no context) it always says yes.
     """
 
-    uses_context = True
-
     def __init__(self, min_interval_s: float = 0.0) -> None:
         self.min_interval_s = _check_seconds("Continuous min_interval_s", min_interval_s, allow_zero=True)
 
@@ -219,8 +216,6 @@ class OnPreemption:
     policy is for saving *only* then: ``save_policy=OnPreemption()``.
     """
 
-    uses_context = True
-
     def should_save(self, step: int, context: Optional[SaveContext] = None) -> bool:
         return bool(context is not None and context.preempted)
 
@@ -228,14 +223,9 @@ class OnPreemption:
         return "OnPreemption()"
 
 
-def decide_save(policy: SavePolicyLike, step: int, context: Optional[SaveContext] = None) -> bool:
-    """Ask a save policy (object or callable) for its decision, passing ``context`` if it wants one."""
-    if getattr(policy, "uses_context", False):
-        return bool(policy.should_save(step, context))  # type: ignore[call-arg]
-    should = getattr(policy, "should_save", None)
-    if should is not None:
-        return bool(should(step))
-    return bool(policy(step))  # type: ignore[operator]
+def decide_save(policy: SavePolicy, step: int, context: Optional[SaveContext] = None) -> bool:
+    """A save policy's decision (``policy`` as returned by :func:`as_save_policy`)."""
+    return bool(policy.should_save(step, context))
 
 
 class _CallableSave:
@@ -244,18 +234,45 @@ class _CallableSave:
     def __init__(self, fn: Callable[[int], bool]) -> None:
         self.fn = fn
 
-    def should_save(self, step: int) -> bool:
+    def should_save(self, step: int, context: Optional[SaveContext] = None) -> bool:
         return bool(self.fn(step))
 
     def __repr__(self) -> str:
         return f"save_policy({getattr(self.fn, '__name__', repr(self.fn))})"
 
 
+class _StepOnly:
+    """A user's policy whose ``should_save`` takes the step only."""
+
+    def __init__(self, policy: Any) -> None:
+        self.policy = policy
+
+    def should_save(self, step: int, context: Optional[SaveContext] = None) -> bool:
+        return bool(self.policy.should_save(step))
+
+    def __repr__(self) -> str:
+        return repr(self.policy)
+
+
+def _takes_context(method: Callable[..., Any]) -> bool:
+    """Whether ``method`` accepts a second positional argument (the context)."""
+    import inspect
+
+    try:
+        params = list(inspect.signature(method).parameters.values())
+    except (TypeError, ValueError):  # a builtin without a signature: assume step only
+        return False
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(positional) >= 2 or any(p.kind is p.VAR_POSITIONAL for p in params)
+
+
 def as_save_policy(policy: Any) -> SavePolicy:
-    """Validate a save policy: an object with ``should_save``, or a callable ``fn(step) -> bool``
-    (wrapped, so the result always has ``should_save``)."""
-    if callable(getattr(policy, "should_save", None)):
-        return policy
+    """A save policy whose ``should_save(step, context)`` can always be called: the object
+    itself when its ``should_save`` takes the context, else an adapter (for ``should_save(step)``
+    objects and plain callables ``fn(step) -> bool``). Decided once, here."""
+    should = getattr(policy, "should_save", None)
+    if callable(should):
+        return policy if _takes_context(should) else _StepOnly(policy)
     if callable(policy):
         return _CallableSave(policy)
     raise TypeError(f"a save policy needs a should_save(step) method or must be callable, got {type(policy).__name__}")
@@ -427,8 +444,6 @@ class AnyOf:
     latest 2). Members may be policy objects or plain callables.
     """
 
-    uses_context = True
-
     def __init__(self, policies: Sequence[Any]) -> None:
         if isinstance(policies, (str, bytes)) or not isinstance(policies, Iterable):
             raise TypeError(f"AnyOf needs a list of policies, got {type(policies).__name__}")
@@ -438,12 +453,15 @@ class AnyOf:
         for p in self.policies:
             if not (callable(p) or callable(getattr(p, "should_save", None)) or callable(getattr(p, "keep", None))):
                 raise TypeError(f"AnyOf member {p!r} is neither a save policy, a retention policy nor callable")
+        self._savers: Optional[Tuple[SavePolicy, ...]] = None
 
     def should_save(self, step: int, context: Optional[SaveContext] = None) -> bool:
-        for p in self.policies:
-            if callable(getattr(p, "keep", None)) and not callable(getattr(p, "should_save", None)):
-                raise TypeError(f"AnyOf used as a save policy holds a retention policy {p!r}")
-        return any(decide_save(p, step, context) for p in self.policies)  # stops at the first yes
+        if self._savers is None:
+            for p in self.policies:
+                if callable(getattr(p, "keep", None)) and not callable(getattr(p, "should_save", None)):
+                    raise TypeError(f"AnyOf used as a save policy holds a retention policy {p!r}")
+            self._savers = tuple(as_save_policy(p) for p in self.policies)
+        return any(decide_save(p, step, context) for p in self._savers)  # stops at the first yes
 
     def keep(self, checkpoints: Sequence[CheckpointInfo]) -> Set[int]:
         kept: Set[int] = set()

@@ -442,3 +442,22 @@ def test_property_random_saves_restarts_and_policies(scheme, first, ops):
                 assert_bitwise_equal(state(data[s]), target)
         finally:
             mgr.close()
+
+
+def test_save_policies_are_asked_with_the_context_or_adapted_once(ckpt_dir):
+    seen = []
+
+    class WithContext:  # no uses_context attribute needed
+        def should_save(self, step, context):
+            seen.append(context)
+            return step == 2
+
+    class StepOnly:
+        def should_save(self, step):
+            return step == 3
+
+    with CheckpointManager(ckpt_dir, save_policy=AnyOf([WithContext(), StepOnly(), lambda s: s == 5])) as mgr:
+        assert [s for s in range(7) if mgr.save(s, state(s))] == [2, 3, 5]
+        assert all(isinstance(c, SaveContext) for c in seen) and seen[-1].last_save_step == 5
+        mgr.save_policy = lambda s: s == 6  # assignable, adapted on assignment
+        assert mgr.should_save(6) and not mgr.should_save(5)
