@@ -49,6 +49,7 @@ from ...errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointE
 from ..fs import Storage
 from ..manifest import FileRecord, check_file_name, crc32c, shown
 from .crc import crc32c_concat
+from .reader import RecordFile
 from .safety import _TensorDescUnpickler
 
 #: A tensor record at least this large (local files) has its data read straight into the
@@ -156,36 +157,6 @@ class _Heads:
 _HEADS = _Heads()
 
 
-class _RecordFile(io.RawIOBase):
-    """A record as a seekable file for ``zipfile``, its bytes fetched by ``get(lo, hi)``."""
-
-    def __init__(self, get: Callable[[int, int], bytes], length: int) -> None:
-        super().__init__()
-        self._get, self._len, self._pos = get, length, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = 0) -> int:
-        base = 0 if whence == 0 else (self._pos if whence == 1 else self._len)
-        self._pos = max(0, base + offset)
-        return self._pos
-
-    def read(self, n: int = -1) -> bytes:
-        end = self._len if n is None or n < 0 else min(self._len, self._pos + n)
-        if end <= self._pos:
-            return b""
-        out = self._get(self._pos, end)
-        self._pos = end
-        return out
-
-
 def _data_start(get: Callable[[int, int], bytes], length: int, dtype: torch.dtype,
                 shape: Tuple[int, ...]) -> Optional[int]:
     """Where, in a ``torch.save`` record of ``length`` bytes (read through ``get``), the raw
@@ -198,7 +169,7 @@ def _data_start(get: Callable[[int, int], bytes], length: int, dtype: torch.dtyp
     if sys.byteorder != "little":
         return None
     try:
-        with zipfile.ZipFile(_RecordFile(get, length)) as zf:
+        with zipfile.ZipFile(RecordFile(get, length)) as zf:
             infos = zf.infolist()
             data = [i for i in infos if i.filename.rsplit("/", 2)[-2:-1] == ["data"]]
             order = [i for i in infos if i.filename.endswith("/byteorder")]

@@ -16,7 +16,7 @@ import sys
 import warnings
 import zipfile
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -265,12 +265,18 @@ class FsspecStorageReader(StorageReader):
         return True
 
 
-class _ViewReader(io.RawIOBase):
-    """Seekable read-only file over a memoryview (zipfile reads only the directory of it)."""
+class RecordFile(io.RawIOBase):
+    """A record as a seekable read-only file for ``zipfile``, its bytes fetched by
+    ``get(lo, hi)`` (zipfile reads only the directory and headers of it)."""
 
-    def __init__(self, mv: memoryview) -> None:
+    def __init__(self, get: Callable[[int, int], bytes], length: int) -> None:
         super().__init__()
-        self._mv, self._pos = mv, 0
+        self._get, self._len, self._pos = get, length, 0
+
+    @classmethod
+    def of(cls, mv: memoryview) -> "RecordFile":
+        """A record already in memory."""
+        return cls(lambda lo, hi: bytes(mv[lo:hi]), len(mv))
 
     def readable(self) -> bool:
         return True
@@ -282,12 +288,15 @@ class _ViewReader(io.RawIOBase):
         return self._pos
 
     def seek(self, offset: int, whence: int = 0) -> int:
-        self._pos = max(0, offset if whence == 0 else (self._pos + offset if whence == 1 else len(self._mv) + offset))
+        base = 0 if whence == 0 else (self._pos if whence == 1 else self._len)
+        self._pos = max(0, base + offset)
         return self._pos
 
-    def read(self, n: int = -1) -> bytes:
-        end = len(self._mv) if n is None or n < 0 else min(len(self._mv), self._pos + n)
-        out = bytes(self._mv[self._pos:end])
+    def read(self, n: Optional[int] = -1) -> bytes:
+        end = self._len if n is None or n < 0 else min(self._len, self._pos + n)
+        if end <= self._pos:
+            return b""
+        out = self._get(self._pos, end)
         self._pos = end
         return out
 
@@ -307,7 +316,7 @@ def _stored_bytes(item: memoryview, req: Any, target: torch.Tensor) -> Optional[
     if nbytes == 0 or any(req.storage_offsets) or list(req.lengths) != list(target.size()):
         return None
     try:
-        with zipfile.ZipFile(_ViewReader(item)) as zf:
+        with zipfile.ZipFile(RecordFile.of(item)) as zf:
             infos = zf.infolist()
             data = [i for i in infos if i.filename.rsplit("/", 2)[-2:-1] == ["data"]]
             order = [i for i in infos if i.filename.endswith("/byteorder")]
