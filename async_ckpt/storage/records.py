@@ -148,7 +148,7 @@ class RecordBatch:
         self.chunk[:, :head] = np.frombuffer(tpl.head, np.uint8)
         self.chunk[:, self.at:] = np.frombuffer(tpl.tail, np.uint8)
         self.data = torch.from_numpy(self.chunk)[:, head:self.at]  # each record's data/0
-        self.flat = memoryview(self.chunk.reshape(-1))  # type: ignore[arg-type]  # numpy's stubs declare the buffer protocol only for Python >= 3.12
+        self.flat = memoryview(self.chunk.reshape(-1))  # type: ignore[arg-type, unused-ignore]  # numpy declares the buffer protocol for Python >= 3.12 only
 
     def render(self, ts: List[torch.Tensor]) -> memoryview:
         """The records of ``ts`` (at most ``size``, each eligible for the template), concatenated."""
@@ -167,7 +167,7 @@ class RecordBatch:
         for j in range(19, -1, -1):
             digits[:, j] = combined % np.uint64(10) + np.uint64(48)
             combined //= np.uint64(10)
-        dflat, prefix = memoryview(digits.reshape(-1)), tpl.sid_prefix_crc  # type: ignore[arg-type]  # numpy's stubs declare the buffer protocol only for Python >= 3.12
+        dflat, prefix = memoryview(digits.reshape(-1)), tpl.sid_prefix_crc  # type: ignore[arg-type, unused-ignore]  # numpy declares the buffer protocol for Python >= 3.12 only
         sid_crcs = np.array([crc32(dflat[k * 20: k * 20 + 20], prefix) for k in range(b)], np.uint32)
         chunk = self.chunk
         c4 = crcs.astype("<u4").view(np.uint8).reshape(b, 4)
@@ -189,7 +189,7 @@ def _torch_save_bytes(t: torch.Tensor) -> bytes:
 
 def _bytes_of(t: torch.Tensor) -> memoryview:
     """The raw bytes of a contiguous CPU tensor, as an unsigned-byte memoryview."""
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B") if t.numel() else memoryview(b"")  # type: ignore[arg-type]  # numpy's stubs declare the buffer protocol only for Python >= 3.12
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B") if t.numel() else memoryview(b"")  # type: ignore[arg-type, unused-ignore]  # numpy declares the buffer protocol for Python >= 3.12 only
 
 
 class RecordTemplates:

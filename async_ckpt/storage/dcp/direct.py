@@ -348,7 +348,7 @@ def _tasks(path: str, name: str, size: int, recs: List[_Rec], size_known: bool) 
         if a > pos:
             buffered(pos, a)
         # flat is set on every direct record; numpy's stubs declare the buffer protocol only for Python >= 3.12
-        mv = memoryview(r.flat.numpy())  # type: ignore[union-attr,arg-type]
+        mv = memoryview(r.flat.numpy())  # type: ignore[union-attr, arg-type, unused-ignore]
         for lo in range(a, b, DIRECT_CHUNK_BYTES):
             hi = min(b, lo + DIRECT_CHUNK_BYTES)
             out.append(_Task(where, name, lo, hi, dest=mv[lo - a:hi - a]))
@@ -508,7 +508,7 @@ def _load(storage: Storage, path: str, per_file: Dict[str, List[_Rec]], flat: Di
             got = r.read_into(task.start, task.dest)
             return got, (crc32c(task.dest[:got]) if verify else 0)
         buf = buffers.get(n + task.extra)
-        mv = memoryview(buf.numpy())[: n + task.extra]  # type: ignore[arg-type]  # numpy's stubs declare the buffer protocol only for Python >= 3.12
+        mv = memoryview(buf.numpy())[: n + task.extra]  # type: ignore[arg-type, unused-ignore]  # numpy declares the buffer protocol for Python >= 3.12 only
         got = r.read_into(task.start, mv)
         crc = crc32c(mv[:min(got, n)]) if verify else 0
         if got < n:

@@ -119,7 +119,7 @@ class FsspecStorageReader(StorageReader):
         whole = [n for n in names if n not in split]
         # not zero-filled: every byte is overwritten by the reads (or the file is too short)
         # (numpy's stubs declare the buffer protocol only for Python >= 3.12)
-        bufs = {n: memoryview(torch.empty(size + 1, dtype=torch.uint8).numpy()) for n, size in split.items()}  # type: ignore[arg-type]
+        bufs = {n: memoryview(torch.empty(size + 1, dtype=torch.uint8).numpy()) for n, size in split.items()}  # type: ignore[arg-type, unused-ignore]
         tasks = []
         for n, size in split.items():
             starts = list(range(0, size, READ_RANGE_BYTES))
