@@ -25,6 +25,7 @@ test: $(STAMP) lint
 lint: $(STAMP)
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/ruff check async_ckpt
+	$(VENV)/bin/mypy async_ckpt
 
 bench: $(STAMP)
 	PJRT_DEVICE=CPU $(PY) benchmarks/bench_save.py $(ARGS)

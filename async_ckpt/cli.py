@@ -175,10 +175,11 @@ def _step_entry(storage: Storage, layout: CheckpointLayout, name: str, locations
     disk = sum(int(e.get("size") or 0) for e in listing.values() if e.get("type") != "directory")
     current = step_of is not None and locations.get(step_of) == path
     if not current and MARKER_NAME in listing and not _TRASH_RE.match(name):
+        kept = locations.get(step_of, "?") if step_of is not None else "?"
         return {"step": step_of, "name": name, "status": "superseded", "commit_time": None, "bytes": disk,
                 "files": len(listing), "metrics": {},
                 "problem": f"an older committed copy of step {step_of} (the current one is "
-                           f"{shown(locations.get(step_of, '?').rsplit('/', 1)[-1])}); the next writer removes it"}
+                           f"{shown(kept.rsplit('/', 1)[-1])}); the next writer removes it"}
     m = (_TMP_RE.match(name) or _TRASH_RE.match(name)) if not current else None
     if m:
         what = "a save in progress or one that never finished" if name.startswith(".tmp-") else "a replaced step being deleted"
@@ -440,11 +441,11 @@ def _verify_step(storage: Storage, layout: CheckpointLayout, step: int, bar: Any
         else:  # every byte range the metadata points at must lie inside a listed file
             try:
                 for idx, info in (md.storage_data or {}).items():
-                    rec = man.files.get(info.relative_path)
-                    if rec is None:
+                    held = man.files.get(info.relative_path)
+                    if held is None:
                         res["problems"].append(f"{shown(idx.fqn)}: stored in {shown(info.relative_path)}, "
                                                "which the manifest lacks")
-                    elif info.offset < 0 or info.length < 0 or info.offset + info.length > rec.size:
+                    elif info.offset < 0 or info.length < 0 or info.offset + info.length > held.size:
                         res["problems"].append(f"{shown(idx.fqn)}: byte range ends past the end of "
                                                f"{shown(info.relative_path)}")
             except (AttributeError, TypeError) as exc:

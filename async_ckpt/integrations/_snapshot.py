@@ -22,7 +22,7 @@ import pickle
 import threading
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple, cast
 
 import torch
 
@@ -97,7 +97,7 @@ def _bytes_span(storage: torch.UntypedStorage, lo: int, hi: int) -> torch.Untype
 
 def _extent(t: torch.Tensor) -> Tuple[int, int]:
     es = t.element_size()
-    lo = t.storage_offset() * es
+    lo = cast(int, t.storage_offset()) * es  # typed int | SymInt (symbolic shapes); host tensors have ints
     return lo, lo + (1 + sum((s - 1) * st for s, st in zip(t.size(), t.stride()))) * es
 
 
@@ -117,7 +117,7 @@ def _compact(host: List[torch.Tensor], groups: List[int]) -> List[torch.Tensor]:
             h = host[members[0]]
             if h.is_contiguous():
                 es = h.element_size()
-                lo = h.storage_offset() * es
+                lo = cast(int, h.storage_offset()) * es  # an int on a host tensor (typed int | SymInt)
                 st = _bytes_span(h.untyped_storage(), lo, lo + h.numel() * es)
                 out[members[0]] = torch.empty(0, dtype=h.dtype).set_(st, 0, h.size(), h.stride())
                 continue

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Callable, Optional
+from typing import Any, Callable, List, Optional
 
 import torch
 
@@ -26,7 +26,7 @@ from ._snapshot import BackgroundWriter, HostCopy, Snapshotter, remove_stale_tmp
 
 log = logging.getLogger("async_ckpt.integrations.lightning")
 
-_bases = []
+_bases: List[type] = []  # lightning.fabric's CheckpointIO and/or lightning_fabric's (distinct classes)
 try:
     from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO as _LCheckpointIO
 

@@ -41,7 +41,8 @@ import shutil
 import sys
 import threading
 import time
-from typing import Any, Dict, Optional
+from types import FrameType
+from typing import Any, Dict, Optional, cast
 
 import numpy as np
 import torch
@@ -99,7 +100,7 @@ class AsyncCkptCallback(TrainerCallback):
     def _bind(self) -> None:
         if self.trainer is not None:
             return
-        frame = sys._getframe(2)
+        frame: Optional[FrameType] = sys._getframe(2)
         for _ in range(12):
             if frame is None:
                 break
@@ -166,7 +167,7 @@ class AsyncCkptCallback(TrainerCallback):
         except ImportError:  # pragma: no cover
             pass
         try:
-            from peft import PeftModel  # type: ignore
+            from peft import PeftModel
 
             if isinstance(trainer.accelerator.unwrap_model(trainer.model), PeftModel):
                 return "PEFT models"
@@ -203,10 +204,11 @@ class AsyncCkptCallback(TrainerCallback):
                 state.best_model_checkpoint = best_dir
 
         unwrapped = trainer.accelerator.unwrap_model(trainer.model, keep_torch_compile=False)
-        payload: Dict[str, Any] = {"model": trainer.model.state_dict()}
+        # transformers types these Optional; a Trainer that is saving has all three.
+        payload: Dict[str, Any] = {"model": cast(torch.nn.Module, trainer.model).state_dict()}
         if not args.save_only_model:
-            payload["optimizer"] = trainer.optimizer.state_dict()
-            payload["scheduler"] = trainer.lr_scheduler.state_dict()
+            payload["optimizer"] = cast(torch.optim.Optimizer, trainer.optimizer).state_dict()
+            payload["scheduler"] = cast(torch.optim.lr_scheduler.LRScheduler, trainer.lr_scheduler).state_dict()
             scaler = getattr(trainer.accelerator, "scaler", None)
             if scaler is not None:
                 payload["scaler"] = scaler.state_dict()
@@ -214,10 +216,12 @@ class AsyncCkptCallback(TrainerCallback):
 
         for cb in [c for c in trainer.callback_handler.callbacks + [trainer.control] if isinstance(c, ExportableState)]:
             name = cb.__class__.__name__
-            if isinstance(state.stateful_callbacks[name], list):
-                state.stateful_callbacks[name].append(cb.state())
+            # transformers annotates a list; TrainerState.__post_init__ makes it a dict by name.
+            stateful = cast(Dict[str, Any], state.stateful_callbacks)
+            if isinstance(stateful[name], list):
+                stateful[name].append(cb.state())
             else:
-                state.stateful_callbacks[name] = cb.state()
+                stateful[name] = cb.state()
         state_json = json.dumps(dataclasses.asdict(state), indent=2, sort_keys=True) + "\n"
         args_bytes = io.BytesIO()
         torch.save(args, args_bytes)
@@ -276,8 +280,8 @@ class _Job:
             tr = self.trainer
             if tr.processing_class is not None:
                 tr.processing_class.save_pretrained(tmp)
-            elif getattr(tr.data_collator, "tokenizer", None) is not None:
-                tr.data_collator.tokenizer.save_pretrained(tmp)
+            elif (tokenizer := getattr(tr.data_collator, "tokenizer", None)) is not None:
+                tokenizer.save_pretrained(tmp)
             with open(os.path.join(tmp, TRAINING_ARGS_NAME), "wb") as f:
                 f.write(self.args_bytes)
             for key, fname in (("optimizer", OPTIMIZER_NAME), ("scheduler", SCHEDULER_NAME),

@@ -35,7 +35,10 @@ def save_planner_for(snap: HostSnapshot) -> Any:
     from torch_xla.experimental.distributed_checkpoint import SPMDSavePlanner
 
     class _Planner(SPMDSavePlanner):
-        def set_up_planner(self, state_dict: Any, storage_meta: Any = None, is_coordinator: bool = False) -> None:
+        # DCP calls set_up_planner(state_dict, storage_meta, is_coordinator) (torch's SavePlanner);
+        # torch_xla's SPMDSavePlanner still declares the older (state_dict, is_coordinator).
+        def set_up_planner(self, state_dict: Any, storage_meta: Any = None,  # type: ignore[override]
+                           is_coordinator: bool = False) -> None:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 super().set_up_planner(state_dict, is_coordinator)

@@ -53,7 +53,7 @@ def restore(store: StepStore, step: Optional[int], state_dict: Dict[str, Any], *
     if stateful:
         for k, v in target.items():
             if k not in stateful:
-                state_dict[k] = v  # type: ignore[index]
+                state_dict[k] = v
         for k, v in stateful.items():
             v.load_state_dict(target[k])
     return s

@@ -7,6 +7,7 @@ other ranks' stores only list and read).
 
 from __future__ import annotations
 
+import functools
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, List, Optional
@@ -96,7 +97,7 @@ class StepStore:
             if paths:
                 dropped.append(s)
                 log.info("async_ckpt: deleted step %d (retention)", s)
-                self.in_background(lambda s=s, paths=paths: self._remove(s, paths))
+                self.in_background(functools.partial(self._remove, s, paths))
         return dropped
 
     def _remove(self, step: int, paths: List[str]) -> None:

@@ -50,6 +50,10 @@ class EagerStager(BaseStager):
             with torch.no_grad():
                 copy_cpu(dsts, srcs)
             return
+        cpu_d: List[torch.Tensor]
+        cpu_s: List[torch.Tensor]
+        cuda_d: List[torch.Tensor]
+        cuda_s: List[torch.Tensor]
         cpu_d, cpu_s, cuda_d, cuda_s = [], [], [], []
         for dst, src in zip(dsts, srcs):
             (cuda_d if src.is_cuda else cpu_d).append(dst)

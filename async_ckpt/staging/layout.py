@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from operator import attrgetter
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple, cast
 
 import torch
 
@@ -88,11 +88,12 @@ def _grouped_units(idx_tensors: List[Tuple[int, torch.Tensor]]) -> List[_Unit]:
         if same_view and first.is_contiguous():
             units.append(_Unit(first, first.nbytes, members))
             continue
-        lo = min(t.storage_offset() * t.element_size() for _, t in members)
-        hi = max(
+        # storage_offset() is typed int | SymInt (symbolic shapes); these are concrete tensors.
+        lo = cast(int, min(t.storage_offset() * t.element_size() for _, t in members))
+        hi = cast(int, max(
             (t.storage_offset() + sum((s - 1) * st for s, st in zip(t.size(), t.stride())) + 1) * t.element_size()
             for _, t in members
-        )
+        ))
         if any((t.storage_offset() * t.element_size() - lo) % t.element_size() for _, t in members):
             # Mixed dtypes at odd offsets: copy each tensor on its own (still one batch).
             for i, t in members:
@@ -209,7 +210,7 @@ def _remember(sig: List[Any], items: List[Tuple[int, torch.Tensor]], copies: Lis
         slab = lease.buffers[-1]
         base = slab.data_ptr()
         offsets = [d.data_ptr() - base for d, _ in copies[:n_small]]
-        slab_sig = slab._async_ckpt_views[0]
+        slab_sig = cast(Any, slab)._async_ckpt_views[0]  # set by slab_views
     return _Remembered(sig, [b.numel() for b in lease.buffers], lease.pinned, order, n_small, offsets, slab_sig)
 
 

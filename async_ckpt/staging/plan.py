@@ -45,8 +45,11 @@ class _DSlot(_Slot):
         self.spec = spec
 
 
+_DTensorType: Optional[type]
 try:
-    from torch.distributed.tensor import DTensor as _DTensorType
+    from torch.distributed.tensor import DTensor as _DTensor
+
+    _DTensorType = _DTensor
 except Exception:  # torch built without distributed
     _DTensorType = None
 
@@ -99,7 +102,7 @@ class StagingPlan:
                     return {kind: list(enumerate(ts))}
         out: Dict[str, List[Tuple[int, torch.Tensor]]] = {}
         for i, t in enumerate(ts):
-            kind = "cpu" if t.is_cpu else "cuda" if t.is_cuda else "xla" if t.is_xla else t.device.type
+            kind = "cpu" if t.is_cpu else "cuda" if t.is_cuda else "xla" if t.is_xla else t.device.type  # type: ignore[attr-defined]  # torch stubs omit Tensor.is_xla
             out.setdefault(kind, []).append((i, t))
         return out
 
@@ -154,6 +157,9 @@ class _Run(dict):
     mapping's keys (a list, compared in one call) and their dotted paths."""
 
     __slots__ = ("start", "key_list", "paths")
+    start: int
+    key_list: List[Any]
+    paths: List[str]
 
 
 class PlanMemo:
@@ -267,16 +273,17 @@ def _walk_mapping(value: Mapping, path: Optional[str], plan: StagingPlan, old: O
     tensors, keys = plan.tensors, plan.keys
     if old is not None:
         e = old.get(path)
-        ks = list(value.keys()) if e is not None and e.start == len(tensors) else None
-        # Equal keys of exactly type str: a str subclass (an enum) equals its value, but is named
-        # differently (see the walk below).
-        if ks is not None and ks == e.key_list and set(map(_type, ks)) == {str}:
-            vals = _plain_tensors(list(value.values()))
-            if vals is not None:
-                tensors += vals
-                keys += e.paths
-                new[path] = e  # type: ignore[index]
-                return e
+        if e is not None and e.start == len(tensors):
+            ks = list(value.keys())
+            # Equal keys of exactly type str: a str subclass (an enum) equals its value, but is
+            # named differently (see the walk below).
+            if ks == e.key_list and set(map(_type, ks)) == {str}:
+                vals = _plain_tensors(list(value.values()))
+                if vals is not None:
+                    tensors += vals
+                    keys += e.paths
+                    new[path] = e  # type: ignore[index]  # new is a dict whenever old is (make_plan)
+                    return e
     out: Dict[Any, Any] = {}
     start = len(tensors)
     plain = True  # every value a plain strided tensor under a string key (see _Run)

@@ -6,7 +6,7 @@ saves the same layout every time, so a pooled buffer remembers the views last ma
 
 from __future__ import annotations
 
-from typing import Any, List
+from typing import Any, List, cast
 
 import torch
 
@@ -17,7 +17,7 @@ def whole_view(buf: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     cached = getattr(buf, "_async_ckpt_view", None)
     if cached is not None and cached.dtype == t.dtype and cached.shape == t.shape:
         return cached
-    view = buf._async_ckpt_view = buf.view(t.dtype).view(t.shape)
+    view = cast(Any, buf)._async_ckpt_view = buf.view(t.dtype).view(t.shape)  # an attribute of our own on the buffer
     return view
 
 
@@ -28,5 +28,5 @@ def slab_views(slab: torch.Tensor, sig: Any, offsets: List[int], ts: List[torch.
     if cached is not None and (cached[0] is sig or cached[0] == sig):
         return cached[1]
     views = [slab[off: off + t.nbytes].view(t.dtype).view(t.shape) for off, t in zip(offsets, ts)]
-    slab._async_ckpt_views = (sig, views)
+    cast(Any, slab)._async_ckpt_views = (sig, views)  # an attribute of our own on the slab
     return views

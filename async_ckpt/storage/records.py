@@ -24,7 +24,7 @@ import threading
 import types
 import zipfile
 import zlib
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Literal, Optional, Tuple, Union
 
 import torch
 
@@ -148,7 +148,7 @@ class RecordBatch:
         self.chunk[:, :head] = np.frombuffer(tpl.head, np.uint8)
         self.chunk[:, self.at:] = np.frombuffer(tpl.tail, np.uint8)
         self.data = torch.from_numpy(self.chunk)[:, head:self.at]  # each record's data/0
-        self.flat = memoryview(self.chunk.reshape(-1))
+        self.flat = memoryview(self.chunk.reshape(-1))  # type: ignore[arg-type, unused-ignore]  # numpy declares the buffer protocol for Python >= 3.12 only
 
     def render(self, ts: List[torch.Tensor]) -> memoryview:
         """The records of ``ts`` (at most ``size``, each eligible for the template), concatenated."""
@@ -167,7 +167,7 @@ class RecordBatch:
         for j in range(19, -1, -1):
             digits[:, j] = combined % np.uint64(10) + np.uint64(48)
             combined //= np.uint64(10)
-        dflat, prefix = memoryview(digits.reshape(-1)), tpl.sid_prefix_crc
+        dflat, prefix = memoryview(digits.reshape(-1)), tpl.sid_prefix_crc  # type: ignore[arg-type, unused-ignore]  # numpy declares the buffer protocol for Python >= 3.12 only
         sid_crcs = np.array([crc32(dflat[k * 20: k * 20 + 20], prefix) for k in range(b)], np.uint32)
         chunk = self.chunk
         c4 = crcs.astype("<u4").view(np.uint8).reshape(b, 4)
@@ -189,7 +189,7 @@ def _torch_save_bytes(t: torch.Tensor) -> bytes:
 
 def _bytes_of(t: torch.Tensor) -> memoryview:
     """The raw bytes of a contiguous CPU tensor, as an unsigned-byte memoryview."""
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B") if t.numel() else memoryview(b"")
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B") if t.numel() else memoryview(b"")  # type: ignore[arg-type, unused-ignore]  # numpy declares the buffer protocol for Python >= 3.12 only
 
 
 class RecordTemplates:
@@ -208,7 +208,7 @@ class RecordTemplates:
 
     def template(self, t: torch.Tensor) -> Optional[_Template]:
         """The checked template for ``t``, or ``None`` when ``t`` must go through ``torch.save``."""
-        tpl = self._templates.get((t.dtype, t.shape), False)
+        tpl: Union[_Template, None, Literal[False]] = self._templates.get((t.dtype, t.shape), False)
         if tpl is False:
             if not self._eligible(t):
                 return None
@@ -235,6 +235,7 @@ class RecordTemplates:
 
     def _build(self, t: torch.Tensor) -> Optional[_Template]:
         key = (t.dtype, tuple(t.shape))
+        tpl: Optional[_Template]
         try:
             nbytes = t.numel() * t.element_size()
             # Random contents from a private generator: the global RNG (the training run's) must
@@ -311,7 +312,7 @@ class PickledObject:
         if self.is_archive:
             return io.BytesIO(self.data)
         buf = io.BytesIO()
-        torch.save(self, buf, pickle_module=_VERBATIM)  # type: ignore[arg-type]
+        torch.save(self, buf, pickle_module=_VERBATIM)
         return buf
 
     def __eq__(self, other: Any) -> bool:

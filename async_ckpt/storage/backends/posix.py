@@ -114,7 +114,7 @@ class PosixBackend:
     def read_into(self, path: str, start: int, out: memoryview) -> int:
         with open(path, "rb") as f:
             f.seek(start)
-            return f.readinto(out)  # type: ignore[arg-type]
+            return f.readinto(out)
 
     def open_ranges(self, path: str) -> "_PosixRanges":
         return _PosixRanges(path)

@@ -48,7 +48,8 @@ def _single_process_quiet() -> Iterator[None]:
                 entry, _quiet_entry = _quiet_entry, None
                 for i, f in enumerate(warnings.filters):
                     if f is entry:
-                        del warnings.filters[i]  # an "ignore" entry leaves nothing cached behind
+                        # typeshed types warnings.filters as a Sequence; it is a list.
+                        del warnings.filters[i]  # type: ignore[attr-defined]  # an "ignore" entry leaves nothing cached behind
                         break
 
 

@@ -38,7 +38,7 @@ import types
 import zipfile
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
@@ -180,6 +180,7 @@ def _data_start(get: Callable[[int, int], bytes], length: int, dtype: torch.dtyp
             if order and zf.read(order[0]) != b"little":
                 return None
             desc = _TensorDescUnpickler(io.BytesIO(zf.read(pkl[0]))).load()
+            strides: List[int]
             strides, acc = [], 1
             for d in reversed(shape):
                 strides.insert(0, acc)
@@ -317,7 +318,8 @@ def _tasks(path: str, name: str, size: int, recs: List[_Rec], size_known: bool) 
         b = a + r.flat.numel()  # type: ignore[union-attr]
         if a > pos:
             buffered(pos, a)
-        mv = memoryview(r.flat.numpy())  # type: ignore[union-attr]
+        # flat is set on every direct record; numpy's stubs declare the buffer protocol only for Python >= 3.12
+        mv = memoryview(r.flat.numpy())  # type: ignore[union-attr, arg-type, unused-ignore]
         for lo in range(a, b, DIRECT_CHUNK_BYTES):
             hi = min(b, lo + DIRECT_CHUNK_BYTES)
             out.append(_Task(where, name, lo, hi, dest=mv[lo - a:hi - a]))
@@ -438,7 +440,8 @@ def _load(storage: Storage, path: str, per_file: Dict[str, List[_Rec]], flat: Di
         return p
 
     jobs = [(name, rec) for name, recs in per_file.items() for rec in recs if rec.kind in ("direct", "bytes")]
-    probes = _run(pool, [lambda n=n, r=r: probe(n, r) for n, r in jobs])
+    probe_calls = [lambda n=n, r=r: probe(n, r) for n, r in jobs]  # (named: mypy types it here, not in _run's call)
+    probes = _run(pool, probe_calls)
     decoded: Dict[str, Any] = {}
     windows: Dict[str, List[Tuple[int, bytes]]] = {}
     undecodable: Optional[BaseException] = None
@@ -476,7 +479,7 @@ def _load(storage: Storage, path: str, per_file: Dict[str, List[_Rec]], flat: Di
             got = r.read_into(task.start, task.dest)
             return got, (crc32c(task.dest[:got]) if verify else 0)
         buf = buffers.get(n + task.extra)
-        mv = memoryview(buf.numpy())[: n + task.extra]
+        mv = memoryview(buf.numpy())[: n + task.extra]  # type: ignore[arg-type, unused-ignore]  # numpy declares the buffer protocol for Python >= 3.12 only
         got = r.read_into(task.start, mv)
         crc = crc32c(mv[:min(got, n)]) if verify else 0
         if got < n:
@@ -497,7 +500,8 @@ def _load(storage: Storage, path: str, per_file: Dict[str, List[_Rec]], flat: Di
                     start = at + len(head[0])
                 else:
                     item = mv[at:at + rec.length]
-                    s = _data_start(lambda a, b, item=item: bytes(item[a:b]), rec.length, t.dtype, tuple(t.shape))
+                    get = lambda a, b, item=item: bytes(item[a:b])  # (named: mypy types it here, not in the call)
+                    s = _data_start(get, rec.length, t.dtype, tuple(t.shape))
                     if s is None:
                         touched[0] = True
                         _copy_slow(rec, item)
@@ -531,7 +535,8 @@ def _load(storage: Storage, path: str, per_file: Dict[str, List[_Rec]], flat: Di
         for i in group:
             results[i] = run(tasks[i])
 
-    _run(pool, [lambda g=g: run_group(g) for g in groups])
+    group_calls = [lambda g=g: run_group(g) for g in groups]  # (named: mypy types it here, not in _run's call)
+    _run(pool, group_calls)
 
     # 3. Sizes and checksums per file, before anything else is set.
     parts: Dict[str, List[Tuple[_Task, int, int]]] = {}
@@ -562,7 +567,7 @@ def _load(storage: Storage, path: str, per_file: Dict[str, List[_Rec]], flat: Di
     return True
 
 
-def _run(pool: ThreadPoolExecutor, fns: List[Callable[[], Any]]) -> List[Any]:
+def _run(pool: ThreadPoolExecutor, fns: Sequence[Callable[[], Any]]) -> List[Any]:
     """Run ``fns`` on ``pool``; their results in order. On the first failure the tasks not yet
     started are cancelled and it is raised once the running ones finish."""
     futs = [pool.submit(f) for f in fns]

@@ -16,7 +16,7 @@ import sys
 import warnings
 import zipfile
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Protocol, Tuple, cast
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -33,8 +33,19 @@ from ..manifest import FileRecord, check_file_name, crc32c, shown
 from .common import METADATA_NAME, _call_dcp, _distributed
 from .safety import _SafeLoadPlanner, _TensorDescUnpickler, load_metadata
 
-_StorageInfo, _ = compat.dcp_storage_info()
+if TYPE_CHECKING:  # the class compat returns, named for the type checker
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+else:
+    _StorageInfo, _ = compat.dcp_storage_info()
 narrow_tensor_by_index = compat.narrow_tensor_by_index()
+
+
+class _BytesDecoder(Protocol):
+    """A load planner that decodes a non-tensor item apart from setting it (``_SafeLoadPlanner``)."""
+
+    def decode_bytes(self, read_item: Any, value: io.BytesIO) -> Any: ...
+
+    def set_bytes(self, read_item: Any, obj: Any) -> None: ...
 
 
 class FsspecStorageReader(StorageReader):
@@ -107,7 +118,8 @@ class FsspecStorageReader(StorageReader):
             self._checked_path(n)
         whole = [n for n in names if n not in split]
         # not zero-filled: every byte is overwritten by the reads (or the file is too short)
-        bufs = {n: memoryview(torch.empty(size + 1, dtype=torch.uint8).numpy()) for n, size in split.items()}
+        # (numpy's stubs declare the buffer protocol only for Python >= 3.12)
+        bufs = {n: memoryview(torch.empty(size + 1, dtype=torch.uint8).numpy()) for n, size in split.items()}  # type: ignore[arg-type, unused-ignore]
         tasks = []
         for n, size in split.items():
             starts = list(range(0, size, READ_RANGE_BYTES))
@@ -129,12 +141,12 @@ class FsspecStorageReader(StorageReader):
         out: Dict[str, Any] = dict(zip(whole, results[len(tasks):]))
         got_bytes: Dict[str, int] = {n: 0 for n in split}
         for (n, _a, _b), got in zip(tasks, results):
-            got_bytes[n] += got
+            got_bytes[n] += cast(int, got)  # read_range's count
         for n, size in split.items():
             where = f"{self.path}/{n}"
             if got_bytes[n] != size:
-                got = f"more than {size}" if got_bytes[n] > size else str(got_bytes[n])
-                raise CorruptCheckpointError(f"{where}: size is {got} bytes, manifest says {size}", path=where)
+                said = f"more than {size}" if got_bytes[n] > size else str(got_bytes[n])
+                raise CorruptCheckpointError(f"{where}: size is {said} bytes, manifest says {size}", path=where)
             data = memoryview(bufs[n])[:size]
             if self.verify and crc32c(data) != records[n].crc32c:
                 raise CorruptCheckpointError(
@@ -218,7 +230,7 @@ class FsspecStorageReader(StorageReader):
                         decoded[id(req)] = planner.decode_bytes(
                             req, io.BytesIO(memoryview(blobs[name])[info.offset: info.offset + info.length]))
         # Everything is read and verified: only now touch the caller's state dict.
-        copies: List[Tuple[Any, torch.Tensor, torch.Tensor]] = []
+        copies: List[Tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (req, target, dst, src)
         # DCP's default planner writes into the caller's own tensors and does nothing on commit,
         # so its copies may run together; other planners (torch_xla's) get resolve, copy, commit.
         batch = type(planner) in (_SafeLoadPlanner, DefaultLoadPlanner)
@@ -228,7 +240,7 @@ class FsspecStorageReader(StorageReader):
                 info = self.storage_data[req.storage_index]
                 if req.type == LoadItemType.BYTE_IO:
                     if id(req) in decoded:
-                        planner.set_bytes(req, decoded[id(req)])
+                        cast(_BytesDecoder, planner).set_bytes(req, decoded[id(req)])  # decoded: it has decode_bytes
                     else:
                         planner.load_bytes(req, io.BytesIO(blob[info.offset: info.offset + info.length]))
                     continue
@@ -327,6 +339,7 @@ def _stored_bytes(item: memoryview, req: Any, target: torch.Tensor) -> Optional[
             if order and zf.read(order[0]) != b"little" or sys.byteorder != "little":
                 return None
             desc = _TensorDescUnpickler(io.BytesIO(zf.read(pkl[0]))).load()
+            contiguous: List[int]
             contiguous, acc = [], 1
             for d in reversed(target.shape):
                 contiguous.insert(0, acc)

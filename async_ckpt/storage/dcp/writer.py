@@ -25,7 +25,7 @@ import pickle
 import threading
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Tuple, cast
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -46,10 +46,13 @@ from torch.futures import Future
 from ... import compat
 from ..fs import Storage
 from ..manifest import FileRecord, crc32c
-from ..records import PickledObject, RecordBatch, RecordTemplates
+from ..records import PickledObject, RecordBatch, RecordTemplates, _Template
 from .common import METADATA_NAME, _call_dcp, _distributed, _world_size
 
-_StorageInfo, _StoragePrefix = compat.dcp_storage_info()
+if TYPE_CHECKING:  # the classes compat returns, named for the type checker
+    from torch.distributed.checkpoint.filesystem import _StorageInfo, _StoragePrefix
+else:
+    _StorageInfo, _StoragePrefix = compat.dcp_storage_info()
 flatten_state_dict = compat.dcp_flatten_state_dict()
 traverse_state_dict = compat.dcp_traverse().traverse_state_dict
 _dcp_version = compat.dcp_version()
@@ -190,7 +193,7 @@ def _write_item(stream: _RecordStream, data: Any) -> int:
     if t.untyped_storage().nbytes() != t.numel() * t.element_size():
         t = t.clone()  # torch.save writes whole storages: keep only this view
     try:
-        torch.save(t, stream)
+        torch.save(t, stream)  # type: ignore[arg-type]  # any object with write() will do; torch annotates IO[bytes]
     except RuntimeError:
         if stream.error is not None:  # the storage's own error decides retrying
             raise stream.error from None
@@ -229,12 +232,12 @@ def _write_files(storage: Storage, path: str, prefix: str, buckets: List[List[An
 
     def write_file_once(k: int, jobs: List[Any]) -> Tuple[str, FileRecord, List[int]]:
         name = f"{prefix}{k}.distcp"
-        lengths = []
+        lengths: List[int] = []
         with storage.open_write(f"{path}/{name}", size_hint=hints[k]) as f:
             stream = _RecordStream(f)
             held = False
             run: List[torch.Tensor] = []  # consecutive tensors of one record template
-            run_tpl = None
+            run_tpl: Optional[_Template] = None
             try:
                 for job in jobs:
                     data = resolve(job)
@@ -242,9 +245,9 @@ def _write_files(storage: Storage, path: str, prefix: str, buckets: List[List[An
                     if tpl is not None and tpl is run_tpl:
                         run.append(data)
                         continue
-                    if run:
+                    if run:  # then run_tpl is its template
                         stream.append_records(run_tpl, run)
-                        lengths += [run_tpl.length] * len(run)
+                        lengths += [cast(_Template, run_tpl).length] * len(run)
                     run, run_tpl = [], None
                     small = _item_nbytes(data) <= _SMALL_ITEM_BYTES
                     if small != held:
@@ -260,7 +263,7 @@ def _write_files(storage: Storage, path: str, prefix: str, buckets: List[List[An
                         lengths.append(_write_item(stream, data))
                 if run:
                     stream.append_records(run_tpl, run)
-                    lengths += [run_tpl.length] * len(run)
+                    lengths += [cast(_Template, run_tpl).length] * len(run)
                 stream.flush_pending()
             finally:
                 if held:
@@ -631,7 +634,7 @@ def _save_local(storage: Storage, path: str, state_dict: Dict[str, Any], *, thre
     storage.write_bytes(f"{path}/{METADATA_NAME}", data)
     files[METADATA_NAME] = FileRecord(len(data), crc32c(data))
     if sig is None:  # the files were written with the last layout; only .metadata is new
-        sig = layout.sig
+        sig = cast(_Layout, layout).sig  # sig is None only when the layout was kept
     memo.remember(_Layout(key, fqns, sig, mappings, buckets, hints,
                           [lengths for _, _, lengths in outs], data, files[METADATA_NAME]))
     return files
