@@ -1,0 +1,211 @@
+"""``export`` (a step to one torch.save or safetensors file) and ``stats`` (the save log)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any, Dict, Iterable, List, Optional, Tuple
+
+from ..storage.fs import Storage
+from ..storage.layout import CheckpointLayout
+from .common import (
+    EXIT_OK,
+    _fmt_time,
+    _open,
+    _parse_options,
+    _parse_step,
+    _print_json,
+    _read_metadata,
+    _table,
+    human_bytes,
+)
+
+# ---- export ----------------------------------------------------------------------------------
+
+def load_step(path: str, step: Optional[int] = None, *, key: Optional[str] = None, verify: bool = True,
+              allow_pickle: bool = False, storage_options: Optional[Dict[str, Any]] = None) -> Tuple[int, Any]:
+    """Read a committed step into a fresh CPU state dict, without knowing its structure.
+
+    ``step=None`` reads the newest committed step. ``key`` (a dotted prefix such as ``"model"``)
+    reads only that subtree and returns it. Returns ``(step, state)``. Nothing is written.
+    """
+    from ..storage.dcp import load_state_dict
+
+    storage = Storage(path, storage_options)
+    layout = CheckpointLayout(storage, "auto")
+    step = _parse_step(None if step is None else str(step), layout)
+    man, metadata = _read_metadata(storage, layout, step)
+    full = _template(metadata, set(man.extra.get("int_keys", ())))
+    target: Dict[str, Any] = full
+    parts: List[Any] = []
+    if key:  # keep only the subtree, at its real position, so that DCP loads nothing else
+        node: Any = full
+        target = {}
+        dst: Any = target
+        names = key.split(".")
+        for i, name in enumerate(names):
+            if not isinstance(node, dict):
+                raise ValueError(f"--key {key!r}: cannot select inside {type(node).__name__} "
+                                 f"{'.'.join(names[:i])!r}; select it whole")
+            k: Any = name if name in node else (int(name) if name.isdigit() and int(name) in node else None)
+            if k is None:
+                raise ValueError(f"step {step} has no entry {key!r} (top-level keys: {', '.join(map(str, full))})")
+            parts.append(k)
+            node = node[k]
+            if i == len(names) - 1:
+                dst[k] = node
+            else:
+                dst[k] = {}
+                dst = dst[k]
+    load_state_dict(storage, layout.locate(step), target, files=man.files, verify=verify,
+                    allow_pickle=allow_pickle, metadata=metadata)
+    out: Any = target
+    for k in parts:
+        out = out[k]
+    return step, out
+
+
+def _template(metadata: Any, int_keys: set) -> Dict[str, Any]:
+    """An empty state dict with the structure a checkpoint was saved from.
+
+    In DCP's paths an ``int`` is a list index; dict keys that were ints at save time are
+    strings there and listed in the manifest's ``int_keys``. Tensors become ``torch.empty`` of
+    the saved shape and dtype, other values ``None``; DCP's load fills both in.
+    """
+    import torch
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    root: Dict[str, Any] = {}
+    mappings = metadata.planner_data or {}
+    for fqn, md in metadata.state_dict_metadata.items():
+        raw = tuple(mappings.get(fqn, (fqn,)))
+        value = torch.empty(tuple(md.size), dtype=md.properties.dtype) if isinstance(md, TensorStorageMetadata) else None
+        cur: Any = root
+        prefix = ""
+        for i, part in enumerate(raw):
+            prefix = f"{prefix}.{part}" if prefix else str(part)
+            key = int(part) if isinstance(part, str) and prefix in int_keys else part
+            if i == len(raw) - 1:
+                new: Any = value
+            else:
+                new = [] if isinstance(raw[i + 1], int) else {}
+            if isinstance(cur, list):
+                while len(cur) <= key:
+                    cur.append(None)
+                if cur[key] is None or i == len(raw) - 1:
+                    cur[key] = new
+            elif key not in cur or i == len(raw) - 1:
+                cur[key] = new
+            cur = cur[key]
+    return root
+
+
+def flatten(tree: Any, prefix: str = "") -> Dict[str, Any]:
+    """Nested dicts/lists -> ``{"a.b.0": leaf}`` (the key style of ``state_dict()``)."""
+    out: Dict[str, Any] = {}
+    if isinstance(tree, dict):
+        items: Iterable[Tuple[Any, Any]] = tree.items()
+    elif isinstance(tree, (list, tuple)):
+        items = enumerate(tree)
+    else:
+        return {prefix: tree}
+    for k, v in items:
+        name = f"{prefix}.{k}" if prefix else str(k)
+        if isinstance(v, (dict, list, tuple)) and len(v):
+            out.update(flatten(v, name))
+        else:
+            out[name] = v
+    return out
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    import torch
+
+    out = args.out
+    ext = out.rsplit(".", 1)[-1].lower() if "." in out.rsplit("/", 1)[-1] else ""
+    if ext not in ("pt", "pth", "safetensors"):
+        raise ValueError(f"OUT must end in .pt, .pth or .safetensors, got {out!r}")
+    storage, layout = _open(args)
+    step = _parse_step(args.step, layout)
+    step, state = load_step(args.path, step, key=args.key, allow_pickle=args.allow_pickle,
+                            storage_options=_parse_options(args.storage_option))
+    flat = flatten(state)
+    tensors = {k: v for k, v in flat.items() if isinstance(v, torch.Tensor)}
+    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    if ext == "safetensors":
+        others = sorted(k for k, v in flat.items() if not isinstance(v, torch.Tensor))
+        if others:
+            raise ValueError(
+                f"safetensors holds tensors only, but step {step} also has {len(others)} other entries "
+                f"({', '.join(others[:5])}{' ...' if len(others) > 5 else ''}); export to .pt, or pick a "
+                f"tensors-only subtree with --key (e.g. --key model)")
+        try:
+            from safetensors.torch import save as st_save
+        except ImportError:
+            raise ImportError("exporting .safetensors needs the safetensors package "
+                              "(pip install 'async_ckpt[cli]')") from None
+        data = st_save({k: v.contiguous() for k, v in tensors.items()},
+                       metadata={"format": "pt", "async_ckpt_step": str(step)})
+        _write_out(out, lambda f: f.write(data))
+    else:
+        _write_out(out, lambda f: torch.save(state, f))
+    if args.json:
+        _print_json({"step": step, "out": out, "format": ext, "tensors": len(tensors), "tensor_bytes": nbytes,
+                     "entries": len(flat)})
+    else:
+        print(f"exported step {step} ({len(tensors)} tensors, {human_bytes(nbytes)}"
+              f"{f', {len(flat) - len(tensors)} other entries' if len(flat) != len(tensors) else ''}) to {out}")
+    return EXIT_OK
+
+
+def _write_out(out: str, write: Any) -> None:
+    import fsspec
+
+    fs, p = fsspec.core.url_to_fs(out)
+    from fsspec.implementations.local import LocalFileSystem
+
+    if isinstance(fs, LocalFileSystem):  # write beside, then rename: never a half-written OUT
+        p = os.path.abspath(p)
+        os.makedirs(os.path.dirname(p) or ".", exist_ok=True)
+        tmp = f"{p}.tmp-{os.getpid()}"
+        try:
+            with open(tmp, "wb") as f:
+                write(f)
+            os.replace(tmp, p)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    else:
+        with fs.open(p, "wb") as f:
+            write(f)
+
+
+# ---- stats -----------------------------------------------------------------------------------
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    from ..stats import DEFAULT_STATS_LOG, _check_relpath, read_stats_log
+
+    storage, _ = _open(args)
+    path = storage.join(_check_relpath(args.log or DEFAULT_STATS_LOG))
+    if not storage.exists(path):
+        raise FileNotFoundError(f"no stats log at {storage.url_of(path)} (create the manager with stats_log=True)")
+    records = read_stats_log(storage.url_of(path), _parse_options(args.storage_option))
+    if args.last is not None:
+        records = records[-args.last:] if args.last > 0 else []
+    if args.json:
+        _print_json({"path": args.path, "saves": [r.to_dict() for r in records]})
+        return EXIT_OK
+    if not records:
+        print("no saves logged")
+        return EXIT_OK
+    rows = [[r.step, _fmt_time(r.commit_time), human_bytes(r.nbytes), r.files, f"{r.blocking_s * 1e3:.1f}",
+             f"{r.queue_wait_s * 1e3:.1f}", f"{r.stage_s * 1e3:.1f}", f"{r.host_copy_gbps:.2f}", f"{r.write_s:.3f}",
+             f"{r.write_gbps:.2f}", f"{r.commit_s:.3f}", "-" if r.durable_s is None else f"{r.durable_s:.3f}"]
+            for r in records]
+    print(_table(["STEP", "COMMITTED", "DATA", "FILES", "BLOCKED_MS", "SLOT_WAIT_MS", "COPY_MS", "COPY_GB/S",
+                  "WRITE_S", "WRITE_GB/S", "COMMIT_S", "DURABLE_S"], rows, right=tuple(i for i in range(12) if i != 1)))
+    blocked = sorted(r.blocking_s for r in records)
+    worst = max(records, key=lambda r: r.blocking_s)
+    print(f"\n{len(records)} saves; blocked median {blocked[len(blocked) // 2] * 1e3:.1f} ms, "
+          f"max {worst.blocking_s * 1e3:.1f} ms (step {worst.step})")
+    return EXIT_OK

@@ -1,0 +1,244 @@
+"""``ls`` and ``show``: what a root holds, and what a step holds."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Dict, List, Tuple
+
+from ..errors import CheckpointError
+from ..storage.fs import Storage
+from ..storage.layout import _STEP_RE, _TMP_RE, _TRASH_RE, _VER_RE, CheckpointLayout
+from ..storage.manifest import MARKER_NAME, shown
+from .common import (
+    EXIT_OK,
+    _fmt_metrics,
+    _fmt_time,
+    _open,
+    _parse_step,
+    _print_json,
+    _read_metadata,
+    _table,
+    human_bytes,
+)
+
+# ---- ls --------------------------------------------------------------------------------------
+
+def _step_entry(storage: Storage, layout: CheckpointLayout, name: str, locations: Dict[int, str]) -> Dict[str, Any]:
+    """What ``ls`` reports for one directory under the root (read only, contents never read).
+
+    ``listed``: committed, and :meth:`CheckpointLayout.check_step` passes (the marker vouches
+    for the manifest; every file it lists is a regular file in the step directory, of the
+    listed size); ``damaged``: committed, but that check fails; ``superseded``: an older
+    committed copy of a step that a newer copy replaced (a crash interrupted the re-save; the
+    next writer removes it); ``incomplete``: never committed; ``foreign``: a symbolic link,
+    never followed.
+    """
+    path = storage.join(name)
+    step_of = CheckpointLayout.step_of(name)
+    if layout.is_foreign_link(name):
+        return {"step": step_of, "name": name, "status": "foreign", "commit_time": None, "bytes": None,
+                "files": None, "metrics": {},
+                "problem": f"{name} is a symbolic link (to {os.path.realpath(path)!r}); async_ckpt never reads, "
+                           "restores or deletes through it"}
+    listing = {e["name"]: e for e in storage.listdir(path)}
+    disk = sum(int(e.get("size") or 0) for e in listing.values() if e.get("type") != "directory")
+    current = step_of is not None and locations.get(step_of) == path
+    if not current and MARKER_NAME in listing and not _TRASH_RE.match(name):
+        kept = locations.get(step_of, "?") if step_of is not None else "?"
+        return {"step": step_of, "name": name, "status": "superseded", "commit_time": None, "bytes": disk,
+                "files": len(listing), "metrics": {},
+                "problem": f"an older committed copy of step {step_of} (the current one is "
+                           f"{shown(kept.rsplit('/', 1)[-1])}); the next writer removes it"}
+    m = (_TMP_RE.match(name) or _TRASH_RE.match(name)) if not current else None
+    if m:
+        what = "a save in progress or one that never finished" if name.startswith(".tmp-") else "a replaced step being deleted"
+        return {"step": int(m.group(1)), "name": name, "status": "incomplete", "commit_time": None,
+                "bytes": disk, "files": len(listing), "metrics": {}, "problem": f"{name}: {what}"}
+    step = int(step_of) if step_of is not None else -1
+    entry: Dict[str, Any] = {"step": step, "name": name, "status": "listed", "commit_time": None, "bytes": disk,
+                             "files": len(listing), "metrics": {}, "problem": None}
+    if MARKER_NAME not in listing:
+        entry["status"] = "incomplete"
+        entry["problem"] = "no COMMITTED marker (a save in progress or one that never finished, or not written by async_ckpt)"
+        return entry
+    try:
+        man, bad = layout.check_step(step)
+    except CheckpointError as exc:
+        entry.update(status="damaged", problem=str(exc))
+        return entry
+    problems = [f"{shown(n)}: {what}" for n, what in bad.items()]
+    entry.update(commit_time=man.commit_time, metrics=dict(man.metrics), files=len(man.files),
+                 bytes=sum(r.size for r in man.files.values()), nbytes=man.nbytes,
+                 num_tensors=man.num_tensors, world_size=man.world_size)
+    if problems:
+        entry.update(status="damaged", problem="; ".join(problems))
+    return entry
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    storage, layout = _open(args)
+    names = [e["name"] for e in storage.listdir(storage.root)
+             if (e.get("type") == "directory" or e.get("islink"))
+             and (_STEP_RE.match(e["name"]) or _VER_RE.match(e["name"]) or _TMP_RE.match(e["name"])
+                  or _TRASH_RE.match(e["name"]))]
+    locations = layout.locations()
+    with ThreadPoolExecutor(max(1, min(16, len(names)))) as pool:
+        entries = list(pool.map(lambda n: _step_entry(storage, layout, n, locations), names))
+    entries.sort(key=lambda e: (e["step"], e["name"]))
+    # Commit order is the order: 1 is the oldest commit; the newest is the latest step.
+    timed = sorted((e for e in entries if e["status"] in ("listed", "damaged") and e["commit_time"] is not None),
+                   key=lambda e: (e["commit_time"], e["step"]))
+    for i, e in enumerate(timed, 1):
+        e["commit_order"] = i
+    latest = timed[-1]["step"] if timed else None
+    if args.json:
+        _print_json({"path": args.path, "steps": entries, "latest": latest,
+                     "commit_order": [e["step"] for e in timed]})
+        return EXIT_OK
+    if not entries:
+        print(f"no checkpoints under {args.path}")
+        return EXIT_OK
+    rows = []
+    for e in entries:
+        status = e["status"] if e["status"] == "listed" else e["status"].upper()
+        order = e.get("commit_order")
+        rows.append([e["step"], "-" if order is None else f"{order}{' latest' if e['step'] == latest and order == len(timed) else ''}",
+                     _fmt_time(e["commit_time"]), human_bytes(e["bytes"]),
+                     "-" if e["files"] is None else e["files"], status, _fmt_metrics(e["metrics"])])
+    print(_table(["STEP", "ORDER", "COMMITTED", "SIZE", "FILES", "STATUS", "METRICS"], rows, right=(0, 3, 4)))
+    ok = [e for e in entries if e["status"] == "listed"]
+    bad = [e for e in entries if e["status"] != "listed"]
+    ndamaged = sum(e["status"] == "damaged" for e in entries)
+    nforeign = sum(e["status"] == "foreign" for e in entries)
+    print(f"\n{len(ok) + ndamaged} committed ({ndamaged} damaged), "
+          f"{sum(e['status'] == 'incomplete' for e in entries)} incomplete"
+          + (f", {nforeign} foreign" if nforeign else "")
+          + f"; {human_bytes(sum(e['bytes'] or 0 for e in entries))} in all"
+          + ("; contents not read (run verify for checksums)" if ok else ""))
+    if timed:
+        print(f"commit order (oldest first): {', '.join(str(e['step']) for e in timed)}; "
+              f"latest (the newest commit): {latest}")
+    for e in bad:
+        print(f"  step {e['step']} ({e['name']}): {e['status']}: {e['problem']}")
+    return EXIT_OK
+
+
+# ---- show ------------------------------------------------------------------------------------
+
+def _leaves(metadata: Any) -> List[Dict[str, Any]]:
+    """One record per saved entry: its path, kind, dtype, shape and size."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
+
+    mappings = metadata.planner_data or {}
+    storage_data = metadata.storage_data or {}
+    out = []
+    for fqn, md in metadata.state_dict_metadata.items():
+        path = [str(p) for p in mappings.get(fqn, fqn.split("."))]
+        if isinstance(md, TensorStorageMetadata):
+            dtype = md.properties.dtype
+            shape = list(md.size)
+            numel = 1
+            for d in shape:
+                numel *= d
+            out.append({"key": fqn, "path": path, "kind": "tensor", "dtype": str(dtype).replace("torch.", ""),
+                        "shape": shape, "bytes": numel * dtype.itemsize, "shards": len(md.chunks)})
+        else:
+            info = storage_data.get(MetadataIndex(fqn))
+            out.append({"key": fqn, "path": path, "kind": "object", "dtype": None, "shape": None,
+                        "bytes": getattr(info, "length", None), "shards": 1})
+    return out
+
+
+_MAX_VALUE_BYTES = 64 * 1024
+
+
+def _read_values(storage: Storage, where: str, metadata: Any, leaves: List[Dict[str, Any]]) -> None:
+    """Add ``value`` (a short repr) to the small non-tensor leaves, read by byte range."""
+    import io
+
+    import torch
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    by_file: Dict[str, List[Tuple[Dict[str, Any], Any]]] = {}
+    for leaf in leaves:
+        info = (metadata.storage_data or {}).get(MetadataIndex(leaf["key"]))
+        if leaf["kind"] == "object" and info is not None and info.length <= _MAX_VALUE_BYTES:
+            by_file.setdefault(info.relative_path, []).append((leaf, info))
+    for name, items in by_file.items():
+        problem = storage.file_problem(f"{where}/{name}", where)  # names were checked with the metadata
+        if problem is not None:
+            for leaf, _ in items:
+                leaf["value"] = f"<not shown: {name} {problem}>"
+            continue
+        with storage.fs.open(f"{where}/{name}", "rb") as f:
+            for leaf, info in sorted(items, key=lambda x: x[1].offset):
+                f.seek(info.offset)
+                try:  # weights_only: plain values and torch types only, never arbitrary classes
+                    value = torch.load(io.BytesIO(f.read(info.length)), weights_only=True)
+                    text = repr(value)
+                except Exception as exc:
+                    text = f"<not shown: {type(exc).__name__}>"
+                leaf["value"] = text if len(text) <= 60 else text[:57] + "..."
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    storage, layout = _open(args)
+    step = _parse_step(args.step, layout)
+    man, metadata = _read_metadata(storage, layout, step)
+    leaves = _leaves(metadata)
+    if args.values:
+        _read_values(storage, layout.locate(step), metadata, leaves)
+    tensors = [x for x in leaves if x["kind"] == "tensor"]
+    if args.json:
+        _print_json({"step": step, "commit_time": man.commit_time, "metrics": man.metrics,
+                     "world_size": man.world_size, "files": {k: v.size for k, v in man.files.items()},
+                     "entries": leaves})
+        return EXIT_OK
+    print(f"step {step}  committed {_fmt_time(man.commit_time)}  {len(tensors)} tensors, "
+          f"{human_bytes(sum(x['bytes'] for x in tensors))}  "
+          f"({len(man.files)} files, {human_bytes(sum(r.size for r in man.files.values()))} on storage)")
+    if man.metrics:
+        print(f"metrics: {_fmt_metrics(man.metrics)}")
+    # Build the tree, with the size and tensor count of every inner node.
+    tree: Dict[str, Any] = {}
+    for leaf in leaves:
+        node = tree
+        for p in leaf["path"][:-1]:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):  # a key that is both a leaf and a prefix: keep both visible
+                break
+        else:
+            node[leaf["path"][-1]] = leaf
+
+    def totals(node: Dict[str, Any]) -> Tuple[int, int]:
+        n = b = 0
+        for v in node.values():
+            if isinstance(v, dict) and "kind" not in v:
+                n2, b2 = totals(v)
+                n, b = n + n2, b + b2
+            elif v["kind"] == "tensor":
+                n, b = n + 1, b + v["bytes"]
+        return n, b
+
+    rows: List[List[str]] = []
+
+    def walk(node: Dict[str, Any], depth: int) -> None:
+        for name, v in node.items():
+            pad = "  " * depth
+            if isinstance(v, dict) and "kind" not in v:
+                n, b = totals(v)
+                rows.append([f"{pad}{name}/", "", "", human_bytes(b) if n else "",
+                             f"{n} tensor{'s' if n != 1 else ''}" if n else ""])
+                walk(v, depth + 1)
+            elif v["kind"] == "tensor":
+                shape = "[" + ", ".join(map(str, v["shape"])) + "]"
+                note = f"{v['shards']} shards" if v["shards"] > 1 else ""
+                rows.append([f"{pad}{name}", v["dtype"], shape, human_bytes(v["bytes"]), note])
+            else:
+                rows.append([f"{pad}{name}", "object", "", human_bytes(v["bytes"]), v.get("value", "pickled value")])
+
+    walk(tree, 0)
+    print(_table(["KEY", "DTYPE", "SHAPE", "SIZE", ""], rows, right=(3,)))
+    return EXIT_OK

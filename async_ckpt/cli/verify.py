@@ -1,0 +1,213 @@
+"""``verify`` (every byte against the manifest) and ``prune`` (retention by hand)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any, Dict, List, Optional
+
+from ..errors import CheckpointError, StepNotFoundError
+from ..storage.fs import Storage
+from ..storage.layout import CheckpointLayout
+from ..storage.lease import writer_lease
+from ..storage.manifest import shown
+from .common import (
+    _CHUNK,
+    EXIT_DAMAGED,
+    EXIT_OK,
+    _fmt_time,
+    _open,
+    _parse_step,
+    _print_json,
+    _progress,
+    _table,
+    human_bytes,
+)
+
+# ---- verify ----------------------------------------------------------------------------------
+
+def _verify_step(storage: Storage, layout: CheckpointLayout, step: int, bar: Any) -> Dict[str, Any]:
+    """Read every file of a committed step and check it against the manifest; list the problems."""
+    from ..storage.dcp import METADATA_NAME, load_metadata
+    from ..storage.manifest import crc32c
+
+    res: Dict[str, Any] = {"step": step, "ok": False, "files": 0, "bytes": 0, "problems": []}
+    try:
+        man, bad = layout.check_step(step)  # what ls checks: verify reports all of it, and more
+    except CheckpointError as exc:
+        res["problems"].append(str(exc))
+        return res
+    res["files"] = len(man.files)
+    where = layout.locate(step)
+    meta_bytes: Optional[bytes] = None
+    for name, rec in sorted(man.files.items()):
+        if name in bad:
+            res["problems"].append(f"{shown(name)}: {bad[name]}")
+            continue
+        bar.set_description(f"step {step} {shown(name)}")
+        size = crc = 0
+        try:
+            with storage.fs.open(f"{where}/{name}", "rb") as f:
+                keep = name == METADATA_NAME
+                parts = []
+                while True:
+                    chunk = f.read(_CHUNK)
+                    if not chunk:
+                        break
+                    crc = crc32c(chunk, crc)
+                    size += len(chunk)
+                    bar.update(len(chunk))
+                    if keep:
+                        parts.append(chunk)
+                if keep:
+                    meta_bytes = b"".join(parts)
+        except FileNotFoundError:
+            res["problems"].append(f"{name}: file is missing")
+            continue
+        except OSError as exc:
+            res["problems"].append(f"{name}: cannot be read ({exc})")
+            continue
+        res["bytes"] += size
+        if size != rec.size:
+            res["problems"].append(f"{name}: size is {size} bytes, manifest says {rec.size}")
+        elif crc != rec.crc32c:
+            res["problems"].append(f"{name}: checksum mismatch (crc32c {crc:#010x}, manifest says {rec.crc32c:#010x})")
+    if METADATA_NAME not in man.files:
+        res["problems"].append(f"manifest lists no {METADATA_NAME}")
+    elif meta_bytes is not None and not any(p.startswith(METADATA_NAME) for p in res["problems"]):
+        try:
+            md = load_metadata(meta_bytes, where=f"step {step} {METADATA_NAME}")
+        except CheckpointError as exc:
+            res["problems"].append(str(exc))
+        else:  # every byte range the metadata points at must lie inside a listed file
+            try:
+                for idx, info in (md.storage_data or {}).items():
+                    held = man.files.get(info.relative_path)
+                    if held is None:
+                        res["problems"].append(f"{shown(idx.fqn)}: stored in {shown(info.relative_path)}, "
+                                               "which the manifest lacks")
+                    elif info.offset < 0 or info.length < 0 or info.offset + info.length > held.size:
+                        res["problems"].append(f"{shown(idx.fqn)}: byte range ends past the end of "
+                                               f"{shown(info.relative_path)}")
+            except (AttributeError, TypeError) as exc:
+                res["problems"].append(f"{METADATA_NAME}: storage data is malformed ({shown(exc)})")
+    res["ok"] = not res["problems"]
+    return res
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    storage, layout = _open(args)
+    if args.all:
+        if args.step is not None:
+            raise ValueError("give a STEP or --all, not both")
+        steps = layout.committed_steps()
+        if not steps:
+            raise StepNotFoundError(f"no committed checkpoint under {storage.url}")
+    else:
+        steps = [_parse_step(args.step, layout)]
+    total = 0
+    for s in steps:
+        try:
+            total += sum(r.size for r in layout.read_manifest(s).files.values())
+        except CheckpointError:
+            pass
+    bar = _progress(total, "verify", args.progress)
+    try:
+        results = [_verify_step(storage, layout, s, bar) for s in steps]
+    finally:
+        bar.close()
+    damaged = [r for r in results if not r["ok"]]
+    if args.json:
+        _print_json({"path": args.path, "ok": not damaged, "steps": results})
+    else:
+        for r in results:
+            state = "ok" if r["ok"] else "DAMAGED"
+            print(f"step {r['step']}: {state} ({r['files']} files, {human_bytes(r['bytes'])} read)")
+            for p in r["problems"]:
+                print(f"  {p}")
+        if damaged:
+            print(f"{len(damaged)} of {len(results)} step(s) damaged: {', '.join(str(r['step']) for r in damaged)}",
+                  file=sys.stderr)
+    return EXIT_DAMAGED if damaged else EXIT_OK
+
+
+# ---- prune -----------------------------------------------------------------------------------
+
+def _retention(keep_last: int, keep_every: Optional[int]) -> Any:
+    from .. import policies
+
+    if not isinstance(keep_last, int) or keep_last < 1:
+        raise ValueError(f"--keep-last must be >= 1, got {keep_last}")
+    latest = policies.KeepLatest(keep_last)
+    if keep_every is None:
+        return latest
+    if keep_every < 1:
+        raise ValueError(f"--keep-every must be >= 1, got {keep_every}")
+    return policies.AnyOf([latest, policies.KeepEveryNSteps(keep_every)])
+
+
+def cmd_prune(args: argparse.Namespace) -> int:
+    from ..policies import CheckpointInfo
+
+    storage, layout = _open(args)
+    policy = _retention(args.keep_last, args.keep_every)
+    infos: List[CheckpointInfo] = []
+    unreadable: Dict[int, str] = {}
+    sizes: Dict[int, int] = {}
+    for step in layout.committed_steps():
+        try:  # damaged steps (marker, manifest, a file missing or of the wrong size) are left alone
+            m, bad = layout.check_step(step)
+        except CheckpointError as exc:
+            unreadable[step] = str(exc)
+            continue
+        if bad:
+            unreadable[step] = "; ".join(f"{shown(n)}: {what}" for n, what in bad.items())
+            continue
+        infos.append(CheckpointInfo(step, m.commit_time, dict(m.metrics), m.nbytes))
+        sizes[step] = sum(r.size for r in m.files.values())
+    ordered = sorted(infos, key=lambda c: (c.commit_time, c.step))
+    # The step always kept is the newest commit that verifies in full (checksums, metadata):
+    # newer ones that fail are damaged, left alone and never count as the newest kept. With
+    # none that verifies, nothing is deleted.
+    anchor = None
+    for c in reversed(ordered):
+        bar = _progress(sizes[c.step], f"verify step {c.step}", None)
+        try:
+            res = _verify_step(storage, layout, c.step, bar)
+        finally:
+            bar.close()
+        if res["ok"]:
+            anchor = c
+            break
+        unreadable[c.step] = "; ".join(res["problems"])
+    ordered = [c for c in ordered if c.step not in unreadable] if anchor is not None else []
+    keep = set(policy.keep(ordered)) if ordered else set()
+    if anchor is not None:  # the same guarantee as the manager's retention, among intact steps
+        keep.add(anchor.step)
+    doomed = [c.step for c in ordered if c.step not in keep]
+    deleted: List[int] = []
+    if not args.dry_run and doomed:
+        lease = writer_lease(storage)
+        lease.acquire(0.0)  # LeaseHeldError while a training job writes here: nothing is deleted
+        try:
+            for s in doomed:
+                layout.delete(s)
+                deleted.append(s)
+        finally:
+            lease.release()
+    kept = sorted(keep & {c.step for c in ordered})
+    if args.json:
+        _print_json({"path": args.path, "dry_run": args.dry_run, "kept": kept,
+                     "deleted": sorted(doomed) if args.dry_run else deleted,
+                     "skipped_damaged": {str(k): v for k, v in sorted(unreadable.items())}})
+        return EXIT_OK
+    action = "would delete" if args.dry_run else "deleted"
+    rows = [[c.step, _fmt_time(c.commit_time), human_bytes(c.nbytes),
+             "keep" if c.step in keep else action] for c in sorted(ordered, key=lambda c: c.step)]
+    rows += [[s, "-", "-", "skip (damaged)"] for s in sorted(unreadable)]
+    if rows:
+        print(_table(["STEP", "COMMITTED", "DATA", "ACTION"], rows, right=(0, 2)))
+    print(f"{'dry run: ' if args.dry_run else ''}{len(kept)} kept, {len(doomed)} "
+          f"{'to delete' if args.dry_run else 'deleted'}"
+          + (f", {len(unreadable)} damaged step(s) left alone" if unreadable else ""))
+    return EXIT_OK
