@@ -11,7 +11,6 @@ from __future__ import annotations
 import atexit
 import collections
 import logging
-import operator
 import os
 import time
 import weakref
@@ -19,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Deque, Dict, List, Mapping, Optional, Sequence
 
 from .compat import register_exit_hook
-from .errors import CheckpointError, InvalidStateDictError, InvalidStepError, LeaseHeldError
+from .errors import CheckpointError, InvalidStateDictError, LeaseHeldError
 from .lifecycle.coordinator import DEFAULT_TIMEOUT_S, coordinator_for, describe, rebuild
 from .lifecycle.planners import load_planner_for, save_planner_for
 from .lifecycle.restore import restore as _restore
@@ -28,7 +27,6 @@ from .lifecycle.steps import StepStore
 from .policies import (
     EveryNSteps,
     KeepAll,
-    KeepBest,
     KeepLatest,
     RetentionPolicy,
     SaveContext,
@@ -36,7 +34,9 @@ from .policies import (
     as_retention_policy,
     as_save_policy,
     best_checkpoint,
+    check_step,
     decide_save,
+    find_keep_best,
 )
 from .preemption import PreemptionTracker, PreemptionWatcher
 from .staging import HostBufferPool, Stager
@@ -90,18 +90,6 @@ def _stop_threads(writer: AsyncWriter, deleter: ThreadPoolExecutor, lease: Any) 
     deleter.shutdown(wait=False)
     if lease is not None:
         lease.release()
-
-
-def _check_step(step: Any) -> int:
-    if isinstance(step, bool):
-        raise InvalidStepError(f"step must be a non-negative integer, got {step!r}")
-    try:
-        s = operator.index(step)
-    except TypeError:
-        raise InvalidStepError(f"step must be a non-negative integer, got {step!r} ({type(step).__name__})") from None
-    if s < 0:
-        raise InvalidStepError(f"step must be a non-negative integer, got {s}")
-    return s
 
 
 class CheckpointManager:
@@ -271,7 +259,7 @@ class CheckpointManager:
     def should_save(self, step: int) -> bool:
         """Whether a checkpoint is due at ``step``: the save policy wants one, or a preemption
         was detected and its checkpoint is not taken yet."""
-        step = _check_step(step)
+        step = check_step(step)
         preempt = self._preemption.due(step) if self._preemption is not None else False
         return preempt or self._policy_wants(step, preempt)
 
@@ -304,7 +292,7 @@ class CheckpointManager:
         save takes the checkpoint before the loop is told to stop. Always False unless the manager
         was created with ``chkpt_on_preemption=True``.
         """
-        step = _check_step(step)
+        step = check_step(step)
         return self._preemption is not None and self._preemption.reached(step)
 
     def trigger_preemption(self) -> None:
@@ -324,7 +312,7 @@ class CheckpointManager:
         inside ``AnyOf`` counts); ``mode`` is ``"min"`` otherwise. None when no committed step
         has the metric.
         """
-        best = _find_keep_best(self.retention)
+        best = find_keep_best(self.retention)
         if metric is None:
             if best is None:
                 raise ValueError("best_step() needs metric= (the retention policy has no KeepBest)")
@@ -371,7 +359,7 @@ class CheckpointManager:
         and a rank whose staging fails raises at once and still queues its part of the save,
         so the other ranks raise too instead of waiting for it."""
         self._check_open()
-        step = _check_step(step)
+        step = check_step(step)
         metrics = check_metrics(metrics)
         alone = self._coord.world_size == 1
         self._writer.raise_if_failed()
@@ -469,7 +457,7 @@ class CheckpointManager:
         committed. Multi-process: call it on every rank; rank 0 deletes.
         """
         self._check_open()
-        step = _check_step(step)
+        step = check_step(step)
         self.join()
         outcome = None
         if self._coord.is_primary:
@@ -511,7 +499,7 @@ class CheckpointManager:
 
     def metrics(self, step: int) -> Dict[str, float]:
         """The metrics stored with a committed step."""
-        return dict(self.layout.read_manifest(_check_step(step)).metrics)
+        return dict(self.layout.read_manifest(check_step(step)).metrics)
 
     # ---- restoring ---------------------------------------------------------------------------
     def restore(self, step: Optional[int], state_dict: Dict[str, Any], *, verify: Optional[bool] = None,
@@ -542,7 +530,7 @@ class CheckpointManager:
         if not self._closed:
             self.wait_for_staging()
             self._writer.join()  # pending saves land first (and their errors surface)
-        s = _restore(self._store, None if step is None else _check_step(step), state_dict,
+        s = _restore(self._store, None if step is None else check_step(step), state_dict,
                      verify=self.verify if verify is None else verify, allow_pickle=allow_pickle,
                      threads=self.write_threads, planner=load_planner_for(state_dict, allow_pickle),
                      atomic=atomic, strict=strict)
@@ -609,13 +597,3 @@ class CheckpointManager:
         if self.storage.is_local:
             if not os.access(self.storage.root, os.W_OK):
                 raise StorageError(f"checkpoint path {self.storage.url!r} is not writable")
-
-
-def _find_keep_best(policy: Any) -> Optional[KeepBest]:
-    """The :class:`KeepBest` in a retention policy (searched inside ``AnyOf``), if exactly one."""
-    if isinstance(policy, KeepBest):
-        return policy
-    found = [p for p in getattr(policy, "policies", ()) if isinstance(p, KeepBest)]
-    return found[0] if len(found) == 1 else None
-
-

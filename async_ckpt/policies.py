@@ -20,6 +20,7 @@ new manager on the same directory makes the same decisions as the one before a r
 from __future__ import annotations
 
 import math
+import operator
 import time
 from dataclasses import dataclass, field
 from typing import (
@@ -37,6 +38,8 @@ from typing import (
     Union,
     runtime_checkable,
 )
+
+from .errors import InvalidStepError
 
 __all__ = [
     "AnyOf",
@@ -473,3 +476,25 @@ class AnyOf:
 
     def __repr__(self) -> str:
         return f"AnyOf({list(self.policies)!r})"
+
+
+# ---- steps and lookups --------------------------------------------------------------------------
+def check_step(step: Any) -> int:
+    """``step`` as an int; :class:`InvalidStepError` unless it is a non-negative integer."""
+    if isinstance(step, bool):
+        raise InvalidStepError(f"step must be a non-negative integer, got {step!r}")
+    try:
+        s = operator.index(step)
+    except TypeError:
+        raise InvalidStepError(f"step must be a non-negative integer, got {step!r} ({type(step).__name__})") from None
+    if s < 0:
+        raise InvalidStepError(f"step must be a non-negative integer, got {s}")
+    return s
+
+
+def find_keep_best(policy: Any) -> Optional[KeepBest]:
+    """The :class:`KeepBest` in a retention policy (searched inside ``AnyOf``), if exactly one."""
+    if isinstance(policy, KeepBest):
+        return policy
+    found = [p for p in getattr(policy, "policies", ()) if isinstance(p, KeepBest)]
+    return found[0] if len(found) == 1 else None
