@@ -112,7 +112,8 @@ def run_cpu(config: str, steps: int, every: int, width: int, depth: int, batch: 
             t0 = time.perf_counter()
             if mgr is not None:
                 mgr.save_async(step, sd)
-                pc = mgr._lazy_pending[-1] if mgr._lazy_pending else None
+                pending = mgr.stager.lazy.pending
+                pc = pending[-1] if pending else None
             elif config == "dcp.async_save":
                 import torch.distributed.checkpoint as dcp
 
@@ -190,6 +191,7 @@ def main() -> None:
     ap.add_argument("--xla-tensors", default="8,64,512")
     ap.add_argument("--xla-mib", default="32,256")
     ap.add_argument("--skip-xla", action="store_true")
+    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"), help="directory for the JSON")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -251,8 +253,8 @@ def main() -> None:
                     e = next(r for r in xla if r["tensors"] == n and r["mib"] == mib and not r["lazy"])
                     lz = next(r for r in xla if r["tensors"] == n and r["mib"] == mib and r["lazy"])
                     print(f"| {n} | {mib} | {e['save_async_s']:.4f} | {lz['save_async_s']:.4f} |")
-    os.makedirs(os.path.join(ROOT, "benchmarks", "results"), exist_ok=True)
-    path = os.path.join(ROOT, "benchmarks", "results", f"bench_lazy_{time.strftime('%Y%m%d-%H%M%S')}.json")
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"bench_lazy_{time.strftime('%Y%m%d-%H%M%S')}.json")
     with open(path, "w") as f:
         json.dump({"args": vars(args), "cpu": results, "cpu_runs": runs, "xla": xla, "host": platform.node(),
                    "torch": torch.__version__}, f, indent=1)

@@ -97,3 +97,18 @@ def test_bench_save_rejects_bad_options(argv, capsys):
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert "size" in err or "reps" in err
+
+
+def test_bench_lazy_smoke(tmp_path):
+    """bench_lazy.py runs its CPU configurations end to end (a tiny model, a few steps)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "bench_lazy.py"), "--configs", "none,eager,lazy",
+         "--steps", "4", "--every", "2", "--width", "64", "--depth", "2", "--batch", "4", "--rounds", "1",
+         "--skip-xla", "--out", str(tmp_path)], capture_output=True, text=True, timeout=300, cwd=str(tmp_path),
+        env={**os.environ, "PJRT_DEVICE": "CPU"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [ln for ln in proc.stdout.splitlines() if ln.startswith(("| eager", "| lazy"))]
+    assert len(rows) == 2 and not any("failed" in r for r in rows), proc.stdout[-3000:]
