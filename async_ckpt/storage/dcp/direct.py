@@ -46,6 +46,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from ... import compat
 from ...addresses import host_bytes
 from ...errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError
+from ...staging.gc_pause import gc_paused
 from ..fs import Storage
 from ..manifest import FileRecord, check_file_name, crc32c, shown
 from .crc import crc32c_concat
@@ -367,7 +368,8 @@ def load_direct(storage: Storage, path: str, state_dict: Dict[str, Any], *, file
         return False
     direct_min = DIRECT_MIN_BYTES if storage.is_local else REMOTE_DIRECT_MIN_BYTES
     try:
-        per_file, flat, mappings = _plan(storage, path, state_dict, files, metadata, direct_min)
+        with gc_paused():  # one Python record per item: no collections walking them meanwhile
+            per_file, flat, mappings = _plan(storage, path, state_dict, files, metadata, direct_min)
     except _Unsupported:
         return False
     threads = max(1, threads)

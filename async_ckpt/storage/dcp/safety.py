@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from ... import compat
 from ...errors import CorruptCheckpointError, UnsafeCheckpointError
+from ...staging.gc_pause import gc_paused
 from ..manifest import shown
 from .common import METADATA_NAME
 
@@ -68,9 +69,12 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 def load_metadata(data: bytes, *, where: str = METADATA_NAME) -> Metadata:
-    """Unpickle DCP ``.metadata`` bytes safely."""
+    """Unpickle DCP ``.metadata`` bytes safely. The cyclic garbage collector is paused while
+    the records are built (tens of thousands of objects for a large state dict, each allocation
+    otherwise counting towards a collection that walks all of them)."""
     try:
-        md = _MetadataUnpickler(io.BytesIO(data)).load()
+        with gc_paused():
+            md = _MetadataUnpickler(io.BytesIO(data)).load()
     except UnsafeCheckpointError:
         raise
     except Exception as exc:
