@@ -7,9 +7,11 @@ so their page faults are not timed) and takes ``--samples`` paired samples: the 
 ``readinto`` of the same tensor bytes from one file, into the same tensors) right before each
 sample of the method, each after dropping the page cache (``cold``, when running as root) or
 after a warm-up read (``warm``). Reported: the median time, the median of the per-pair ratios
-method / raw, and the peak extra host memory of the method (``ru_maxrss`` over the worker's
-samples minus before the first one; for ``torch.load(mmap=True)`` that includes the mapped file
-pages).
+method / raw, and the peak extra host memory of the method: the largest, over its samples, of
+the resident-set high-water mark during the call (``VmHWM`` of ``/proc/self/status``, reset
+right before it by writing 5 to ``/proc/self/clear_refs``) minus the resident set right before
+it; where the mark cannot be reset, the resident set is sampled from a thread every 1 ms
+instead. For ``torch.load(mmap=True)`` that includes the mapped file pages.
 
 Methods: ``raw readinto``; ``async_ckpt restore`` (verification on, the default); ``torch.load
 + copy_``; ``torch.load(mmap=True) + copy_``; ``dcp.load`` (a plain ``dcp.save`` checkpoint).
@@ -26,12 +28,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import warnings
 from typing import Any, Dict, List, Optional
@@ -133,26 +135,77 @@ def worker(method: str, label: str, work: str, samples: int, cold: bool) -> Dict
         elif method == RAW:
             raw()
 
-    def timed(fn: Any) -> float:
+    extra = {"raw": 0, "method": 0}
+
+    def timed(fn: Any, who: str) -> float:
         if cold:
             drop_caches()
-        t0 = time.perf_counter()
-        fn()
-        return time.perf_counter() - t0
+        with PeakRss() as peak:
+            t0 = time.perf_counter()
+            fn()
+            dt = time.perf_counter() - t0
+        extra[who] = max(extra[who], peak.extra)
+        return dt
 
     raw()  # the targets' pages and the reference's first-call costs
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # the method's high-water mark from here
     if not cold:
         run()  # warm-up: page cache, imports, first-call costs
     pairs = []
     for _ in range(samples):
-        r = timed(raw)
-        m = timed(run)
+        r = timed(raw, "raw")
+        m = timed(run, "method")
         pairs.append((r, m))
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     if mgr is not None:
         mgr.close()
-    return {"pairs": pairs, "extra_rss_bytes": max(0, peak - before)}
+    return {"pairs": pairs, "extra_rss_bytes": extra["method"], "raw_extra_rss_bytes": extra["raw"]}
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise KeyError(field)
+
+
+def _reset_hwm() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+class PeakRss:
+    """The peak resident-set increase inside a ``with`` block, in bytes (``.extra``): the
+    kernel's high-water mark reset at entry where possible, else a 1 ms sampling thread."""
+
+    def __enter__(self) -> "PeakRss":
+        self.extra = 0
+        self.before = _status_kib("VmRSS")
+        self.exact = _reset_hwm()
+        self._stop = threading.Event()
+        self._peak = self.before
+        self._thread: Optional[threading.Thread] = None
+        if not self.exact:
+            self._thread = threading.Thread(target=self._sample, daemon=True)
+            self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            self._peak = max(self._peak, _status_kib("VmRSS"))
+            time.sleep(0.001)
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            peak = max(self._peak, _status_kib("VmRSS"))
+        else:
+            peak = _status_kib("VmHWM")
+        self.extra = max(0, peak - self.before) * 1024
 
 
 def summarize(res: Dict[str, Any]) -> Dict[str, Any]:
@@ -160,7 +213,8 @@ def summarize(res: Dict[str, Any]) -> Dict[str, Any]:
     times = [m for _, m in res["pairs"]]
     return {"median_s": statistics.median(times), "raw_median_s": statistics.median(raws),
             "ratio_to_raw": statistics.median(m / r for r, m in res["pairs"]),
-            "extra_rss_mib": res["extra_rss_bytes"] / 2**20, "pairs": res["pairs"]}
+            "extra_rss_mib": res["extra_rss_bytes"] / 2**20,
+            "raw_extra_rss_mib": res.get("raw_extra_rss_bytes", 0) / 2**20, "pairs": res["pairs"]}
 
 
 def main() -> None:
@@ -217,7 +271,8 @@ def table(report: Dict[str, Any]) -> str:
     for label, modes in report["results"].items():
         for mode, methods in modes.items():
             raw = statistics.median([s["raw_median_s"] for s in methods.values()])
-            lines.append(f"| {label} | {mode} | {RAW} | {raw:.3f} | 1.00 | | | 0 |")
+            raw_rss = max(s.get("raw_extra_rss_mib", 0.0) for s in methods.values())
+            lines.append(f"| {label} | {mode} | {RAW} | {raw:.3f} | 1.00 | | | {raw_rss:.0f} |")
             tl, dl = methods.get(TLOAD, {}).get("median_s"), methods.get(DCP, {}).get("median_s")
             for name, s in methods.items():
                 vt = f"{s['median_s'] / tl:.2f}" if tl else ""
