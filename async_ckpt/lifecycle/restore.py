@@ -25,6 +25,7 @@ from typing import Any, Dict, List, Optional, Sequence, Set
 import torch
 
 from ..errors import CorruptCheckpointError, StateDictMismatchError, StepNotFoundError
+from ..staging.gc_pause import gc_paused
 from ..storage.dcp import METADATA_NAME, FsspecStorageReader
 from .coordinator import describe, raise_gathered
 from .steps import StepStore
@@ -169,8 +170,15 @@ def prepare_target(state_dict: Dict[str, Any], metadata: Any, step: int, int_key
     or everything for an empty target); with ``strict=False`` only the intersection is loaded
     and those keys are listed in a warning instead.
 
-    Returns the paths added, so that a failed restore can take them out again.
+    Returns the paths added, so that a failed restore can take them out again. The cyclic
+    garbage collector is paused meanwhile (one pass over every item).
     """
+    with gc_paused():
+        return _prepare_target(state_dict, metadata, step, int_keys, strict=strict)
+
+
+def _prepare_target(state_dict: Dict[str, Any], metadata: Any, step: int, int_keys: Set[str], *,
+                    strict: bool) -> List[tuple]:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     from ..storage.dcp.writer import _flatten  # DCP's flatten_state_dict, quicker
@@ -198,7 +206,7 @@ def prepare_target(state_dict: Dict[str, Any], metadata: Any, step: int, int_key
         raise StateDictMismatchError(f"state_dict does not match checkpoint step {step}: " + "; ".join(lines), step=step)
     if missing:
         warnings.warn(f"async_ckpt: restore(strict=False) of step {step}: keys not in the checkpoint, left as "
-                      f"they are: {_keys(missing)}", UserWarning, stacklevel=5)
+                      f"they are: {_keys(missing)}", UserWarning, stacklevel=6)
     mappings = metadata.planner_data or {}
     added = []
     extra = []
@@ -213,7 +221,7 @@ def prepare_target(state_dict: Dict[str, Any], metadata: Any, step: int, int_key
         added.extend(_insert(state_dict, path, _typed_path(path, int_keys), value))
     if extra:
         warnings.warn(f"async_ckpt: checkpoint step {step} has keys the state_dict lacks, not restored: "
-                      f"{_keys(extra)}", UserWarning, stacklevel=5)
+                      f"{_keys(extra)}", UserWarning, stacklevel=6)
     return added
 
 

@@ -104,11 +104,14 @@ def _plain_target(t: torch.Tensor) -> bool:
 
 
 def _contiguous_bytes(t: torch.Tensor) -> Optional[torch.Tensor]:
-    """``t``'s memory as a flat uint8 tensor (not owning it), for a contiguous tensor without
-    conjugate or negative bits; else None."""
+    """``t``'s memory as a flat uint8 tensor, for a contiguous tensor without conjugate or
+    negative bits; else None. A view of ``t`` where writing through one is allowed, else (an
+    inference tensor) a tensor over its address that does not own the memory."""
     if not t.is_contiguous() or t.is_conj() or t.is_neg() or t.numel() == 0:
         return None
-    return host_bytes(t.data_ptr(), t.numel() * t.element_size())
+    if t.is_inference():
+        return host_bytes(t.data_ptr(), t.numel() * t.element_size())
+    return t.view(-1).view(torch.uint8)
 
 
 def _flat_targets(state_dict: Dict[str, Any]) -> Tuple[Dict[str, Any], Dict[str, Any]]:
@@ -237,13 +240,31 @@ def _plan(storage: Storage, path: str, state_dict: Dict[str, Any], files: Dict[s
     data = metadata.storage_data
     if not isinstance(data, dict):
         raise _Unsupported("no storage data")
+    # storage_data by key name: one entry per name (a name stored in several entries is
+    # looked up by its full MetadataIndex)
+    by_fqn: Dict[str, Tuple[Any, Any]] = {}
+    shared = set()
+    for idx, info in data.items():
+        name = idx.fqn
+        if name in by_fqn:
+            shared.add(name)
+        by_fqn[name] = (idx.offset, info)
+
+    def lookup(fqn: str, offset: Any) -> Any:
+        if fqn in shared:
+            return data.get(MetadataIndex(fqn, offset))
+        got = by_fqn.get(fqn)
+        if got is None or (got[0] is None) != (offset is None) or (offset is not None and got[0] != offset):
+            return None
+        return got[1]
+
     per_file: Dict[str, List[_Rec]] = {}
     for fqn, value in flat.items():
         m = md.get(fqn)
         if m is None:
             continue  # not in the checkpoint (strict=False): left as it is
         if isinstance(m, BytesStorageMetadata):
-            info = data.get(MetadataIndex(fqn))
+            info = lookup(fqn, None)
             if info is None or isinstance(value, torch.Tensor):
                 raise _Unsupported(fqn)
             rec = _Rec(fqn, info.offset, info.length, "bytes")
@@ -253,10 +274,10 @@ def _plan(storage: Storage, path: str, state_dict: Dict[str, Any], files: Dict[s
             if len(m.chunks) != 1 or any(m.chunks[0].offsets) or tuple(m.chunks[0].sizes) != tuple(m.size) \
                     or tuple(value.shape) != tuple(m.size) or value.dtype != m.properties.dtype:
                 raise _Unsupported(fqn)
-            info = data.get(MetadataIndex(fqn, m.chunks[0].offsets))
+            info = lookup(fqn, torch.Size(m.chunks[0].offsets))
             if info is None:
                 raise _Unsupported(fqn)
-            t = value.detach()
+            t = value.detach() if type(value) is not torch.Tensor or value.requires_grad else value
             fb = _contiguous_bytes(t)
             nbytes = t.numel() * t.element_size()
             if nbytes == 0:
@@ -367,9 +388,14 @@ def load_direct(storage: Storage, path: str, state_dict: Dict[str, Any], *, file
     if files is None:
         return False
     direct_min = DIRECT_MIN_BYTES if storage.is_local else REMOTE_DIRECT_MIN_BYTES
+    with gc_paused():  # one Python record per item: no collections walking them meanwhile
+        return _load_direct(storage, path, state_dict, files, metadata, verify, threads, allow_pickle, direct_min)
+
+
+def _load_direct(storage: Storage, path: str, state_dict: Dict[str, Any], files: Dict[str, FileRecord],
+                 metadata: Metadata, verify: bool, threads: int, allow_pickle: bool, direct_min: int) -> bool:
     try:
-        with gc_paused():  # one Python record per item: no collections walking them meanwhile
-            per_file, flat, mappings = _plan(storage, path, state_dict, files, metadata, direct_min)
+        per_file, flat, mappings = _plan(storage, path, state_dict, files, metadata, direct_min)
     except _Unsupported:
         return False
     threads = max(1, threads)
@@ -498,7 +524,7 @@ def _load(storage: Storage, path: str, per_file: Dict[str, List[_Rec]], flat: Di
                 t = rec.target
                 assert t is not None and rec.flat is not None
                 head = _HEADS.get(t.dtype, tuple(t.shape))
-                if head is not None and head[1] == rec.length and mv[at:at + len(head[0])] == head[0]:
+                if head is not None and head[1] == rec.length and bytes(mv[at:at + len(head[0])]) == head[0]:
                     start = at + len(head[0])
                 else:
                     item = mv[at:at + rec.length]
