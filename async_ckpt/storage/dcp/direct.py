@@ -517,7 +517,9 @@ def _load(storage: Storage, path: str, per_file: Dict[str, List[_Rec]], flat: Di
             if lo < hi and mv[lo - task.start:hi - task.start] != data[lo - w0:hi - w0]:
                 raise CorruptCheckpointError(f"{task.path}: changed while it was being read", path=task.path)
         dsts: List[torch.Tensor] = []
-        srcs: List[torch.Tensor] = []
+        # the small tensors' data in buf, as runs of evenly spaced same-sized pieces
+        # [first offset, spacing, bytes, count]: one view per run, cut into rows in C
+        runs: List[List[int]] = []
         for rec in task.recs:
             at = rec.start - task.start
             if rec.kind == "small":
@@ -535,12 +537,26 @@ def _load(storage: Storage, path: str, per_file: Dict[str, List[_Rec]], flat: Di
                         _copy_slow(rec, item)
                         continue
                     start = at + s
+                nb = rec.flat.numel()
                 dsts.append(rec.flat)
-                srcs.append(buf.narrow(0, start, rec.flat.numel()))
+                last = runs[-1] if runs else None
+                if last is not None and last[2] == nb and (
+                        (last[3] == 1 and start - last[0] >= nb) or (last[3] > 1 and start == last[0] + last[1] * last[3])):
+                    if last[3] == 1:
+                        last[1] = start - last[0]
+                    last[3] += 1
+                else:
+                    runs.append([start, 0, nb, 1])
             elif rec.kind == "slow":
                 touched[0] = True
                 _copy_slow(rec, mv[at:at + rec.length])
         if dsts:
+            srcs: List[torch.Tensor] = []
+            for first, spacing, nb, count in runs:
+                if count == 1:
+                    srcs.append(buf.narrow(0, first, nb))
+                else:
+                    srcs.extend(buf.as_strided((count, nb), (spacing, 1), first).unbind(0))
             touched[0] = True
             with torch.no_grad():
                 compat.foreach_copy_(dsts, srcs)
