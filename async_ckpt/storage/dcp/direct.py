@@ -100,7 +100,7 @@ class _Task:
 
 
 def _plain_target(t: torch.Tensor) -> bool:
-    return t.device.type == "cpu" and t.layout == torch.strided and not t.is_quantized
+    return t.is_cpu and t.layout == torch.strided and not t.is_quantized
 
 
 def _contiguous_bytes(t: torch.Tensor) -> Optional[torch.Tensor]:
@@ -274,7 +274,8 @@ def _plan(storage: Storage, path: str, state_dict: Dict[str, Any], files: Dict[s
             if len(m.chunks) != 1 or any(m.chunks[0].offsets) or tuple(m.chunks[0].sizes) != tuple(m.size) \
                     or tuple(value.shape) != tuple(m.size) or value.dtype != m.properties.dtype:
                 raise _Unsupported(fqn)
-            info = lookup(fqn, torch.Size(m.chunks[0].offsets))
+            offsets = m.chunks[0].offsets
+            info = lookup(fqn, offsets if type(offsets) is torch.Size else torch.Size(offsets))
             if info is None:
                 raise _Unsupported(fqn)
             t = value.detach() if type(value) is not torch.Tensor or value.requires_grad else value
