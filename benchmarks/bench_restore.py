@@ -10,8 +10,8 @@ after a warm-up read (``warm``). Reported: the median time, the median of the pe
 method / raw, and the peak extra host memory of the method: the largest, over its samples, of
 the resident-set high-water mark during the call (``VmHWM`` of ``/proc/self/status``, reset
 right before it by writing 5 to ``/proc/self/clear_refs``) minus the resident set right before
-it; where the mark cannot be reset, the resident set is sampled from a thread every 1 ms
-instead. For ``torch.load(mmap=True)`` that includes the mapped file pages.
+it, the warm-up call included (later calls may reuse memory the allocator kept from it); where
+the mark cannot be reset, the resident set is sampled from a thread every 1 ms instead. For ``torch.load(mmap=True)`` that includes the mapped file pages.
 
 Methods: ``raw readinto``; ``async_ckpt restore`` (verification on, the default); ``torch.load
 + copy_``; ``torch.load(mmap=True) + copy_``; ``dcp.load`` (a plain ``dcp.save`` checkpoint).
@@ -149,7 +149,8 @@ def worker(method: str, label: str, work: str, samples: int, cold: bool) -> Dict
 
     raw()  # the targets' pages and the reference's first-call costs
     if not cold:
-        run()  # warm-up: page cache, imports, first-call costs
+        timed(run, "method")  # warm-up (untimed): page cache, imports, first-call costs; its memory
+        # counts (later calls may reuse what the allocator kept from it without a new peak)
     pairs = []
     for _ in range(samples):
         r = timed(raw, "raw")
