@@ -19,6 +19,7 @@ from typing import Any, Callable, Deque, Dict, List, Mapping, Optional, Sequence
 
 from .compat import register_exit_hook
 from .errors import CheckpointError, InvalidStateDictError, LeaseHeldError
+from .gc_pause import gc_paused
 from .lifecycle.coordinator import DEFAULT_TIMEOUT_S, coordinator_for, describe, rebuild
 from .lifecycle.planners import load_planner_for, save_planner_for
 from .lifecycle.restore import restore as _restore
@@ -40,7 +41,6 @@ from .policies import (
 )
 from .preemption import PreemptionTracker, PreemptionWatcher
 from .staging import HostBufferPool, Stager
-from .staging.gc_pause import gc_paused
 from .stats import SaveStats
 from .storage import CheckpointLayout, RetryPolicy, Storage
 from .storage.manifest import check_metrics

@@ -25,7 +25,7 @@ from typing import Any, Dict, List, Optional, Sequence, Set
 import torch
 
 from ..errors import CorruptCheckpointError, StateDictMismatchError, StepNotFoundError
-from ..staging.gc_pause import gc_paused
+from ..gc_pause import gc_paused
 from ..storage.dcp import METADATA_NAME, FsspecStorageReader
 from .coordinator import describe, raise_gathered
 from .steps import StepStore

@@ -14,7 +14,7 @@ from typing import Any, List, Optional, Tuple
 import torch
 
 from ..errors import InvalidStateDictError
-from .gc_pause import gc_paused
+from ..gc_pause import gc_paused
 from .layout import SMALL_TENSOR_BYTES, snapshot_nbytes
 from .plan import PlanMemo, StagingPlan, make_plan
 from .pool import HostBufferPool, Lease

@@ -46,7 +46,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from ... import compat
 from ...addresses import host_bytes
 from ...errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError
-from ...staging.gc_pause import gc_paused
+from ...gc_pause import gc_paused
 from ..fs import Storage
 from ..manifest import FileRecord, check_file_name, crc32c, shown
 from .crc import crc32c_concat

@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from ... import compat
 from ...errors import CorruptCheckpointError, UnsafeCheckpointError
-from ...staging.gc_pause import gc_paused
+from ...gc_pause import gc_paused
 from ..manifest import shown
 from .common import METADATA_NAME
 
