@@ -137,6 +137,33 @@ def test_commit_protocol_resave_keeps_the_old_copy_until_the_new_one_commits(tmp
     assert layout.committed_steps() == [5] and len(layout.marked_copies(5)) == 1
 
 
+class _Killed(BaseException):
+    """Stands for the process dying at that point (not an error the code may handle)."""
+
+
+def test_a_failure_retiring_the_old_copy_never_undoes_the_new_commit(tmp_path):
+    """Marker mode: the old copy is unmarked, then removing its files fails. The save must
+    not fail (its abort would unmark the new copy too, leaving neither)."""
+    from async_ckpt import CheckpointManager
+
+    root = str(tmp_path / "ck")
+    mgr = CheckpointManager(root, commit_mode="marker")
+    mgr.save(5, {"w": torch.zeros(8)})
+    real_remove = mgr.layout.remove
+
+    def failing_remove(path):
+        if MARKER_NAME not in os.listdir(path) and not path.endswith(mgr.layout.locate(5).rsplit("/", 1)[-1]):
+            raise OSError("transient storage error")
+        return real_remove(path)
+
+    mgr.layout.remove = failing_remove  # type: ignore[method-assign]
+    assert mgr.save(5, {"w": torch.ones(8)})
+    mgr.layout.remove = real_remove  # type: ignore[method-assign]
+    out = {"w": torch.zeros(8)}
+    assert mgr.restore(5, out) == 5 and torch.equal(out["w"], torch.ones(8))
+    mgr.close()
+
+
 @pytest.mark.parametrize("mode", ["rename", "marker"])
 def test_two_committed_copies_the_newer_counts_and_recovery_keeps_it(tmp_path, mode):
     """A crash between the new copy's marker and the old copy's retirement."""
@@ -144,10 +171,10 @@ def test_two_committed_copies_the_newer_counts_and_recovery_keeps_it(tmp_path, m
     _commit(layout, 5, 1.0)
     target = layout.begin(5)
     real_rename, real_condemn = layout.storage.rename, layout.condemn_dir
-    # the new marker is written; the protocol then dies before the old copy retires
-    layout.storage.rename = lambda *a: (_ for _ in ()).throw(OSError("killed"))  # type: ignore[method-assign]
-    layout.condemn_dir = lambda *a: (_ for _ in ()).throw(OSError("killed"))  # type: ignore[method-assign]
-    with pytest.raises(OSError, match="killed"):
+    # the new marker is written; the process then dies before the old copy retires
+    layout.storage.rename = lambda *a: (_ for _ in ()).throw(_Killed("killed"))  # type: ignore[method-assign]
+    layout.condemn_dir = lambda *a: (_ for _ in ()).throw(_Killed("killed"))  # type: ignore[method-assign]
+    with pytest.raises(_Killed, match="killed"):
         layout.commit(target, Manifest(step=5, commit_time=2.0, files={}))
     layout.storage.rename, layout.condemn_dir = real_rename, real_condemn  # type: ignore[method-assign]
     assert len(layout.marked_copies(5)) == 2

@@ -38,6 +38,7 @@ class StepStore:
         self.lease = writer_lease(storage) if coordinator.is_primary else None
         self.deleter = ThreadPoolExecutor(1, thread_name_prefix="async-ckpt-delete")
         self._warned_lower = False
+        self._top: Optional[int] = None  # highest step committed or saved, once listed
 
     # ---- the writer lease --------------------------------------------------------------------
     def become_writer(self) -> None:
@@ -58,18 +59,22 @@ class StepStore:
             self.lease.check()
 
     def warn_if_lower(self, step: int, restored: Optional[int]) -> None:
-        """One warning when a save goes below the highest committed step without a restore."""
-        if self._warned_lower or (restored is not None and restored <= step):
+        """One warning when a save goes below the highest committed step without a restore.
+        Lists the root once (at the first save); later saves compare with what it saw and what
+        was saved since, so the check does no I/O in the stall."""
+        if self._top is None:
+            steps = self.layout.committed_steps()
+            self._top = steps[-1] if steps else -1
+        top, self._top = self._top, max(self._top, step)
+        if self._warned_lower or (restored is not None and restored <= step) or step >= top:
             return
-        steps = self.layout.committed_steps()
-        if steps and step < steps[-1]:
-            self._warned_lower = True
-            log.warning(
-                "async_ckpt: saving step %d under %s, which already holds committed steps up to %d "
-                "(an earlier run?). Commit order decides: step %d becomes the latest step, and "
-                "retention by commit order will delete the older run's steps as this run goes on. "
-                "Restore a step first to continue from it, or save to another directory.",
-                step, self.storage.url, steps[-1], step)
+        self._warned_lower = True
+        log.warning(
+            "async_ckpt: saving step %d under %s, which already holds committed steps up to %d "
+            "(an earlier run?). Commit order decides: step %d becomes the latest step, and "
+            "retention by commit order will delete the older run's steps as this run goes on. "
+            "Restore a step first to continue from it, or save to another directory.",
+            step, self.storage.url, top, step)
 
     # ---- retention and deletion --------------------------------------------------------------
     def in_background(self, fn: Callable[[], None]) -> None:

@@ -17,12 +17,15 @@ chosen). The protocols know paths and files only; the layout knows the names.
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, List, Protocol
 
 from .manifest import MANIFEST_NAME, MARKER_NAME, PENDING_NAME, Manifest, marker_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
     from .layout import CheckpointLayout, StepTarget
+
+log = logging.getLogger("async_ckpt")
 
 
 class CommitProtocol(Protocol):
@@ -53,6 +56,16 @@ def _write_manifest_and_marker(layout: "CheckpointLayout", target: "StepTarget",
     st.fsync_dir(target.path)  # (no-op on object stores)
 
 
+def _retire(layout: "CheckpointLayout", path: str) -> None:
+    """Remove an older copy of a step once the new one is committed. Past the commit point, so
+    a failure must not fail (and then abort) the save: the copy is left for the next writer's
+    recovery and cleanup, which retire superseded and unmarked copies."""
+    try:
+        layout.remove(layout.condemn_dir(path))
+    except Exception as exc:
+        log.warning("async_ckpt: could not remove the replaced copy %s (the next writer removes it): %s", path, exc)
+
+
 class RenameCommit:
     """Write under a temporary name, then one atomic rename into ``<step>/``."""
 
@@ -78,7 +91,7 @@ class RenameCommit:
         st.rename(target.path, target.final)
         st.fsync_dir(st.root)
         if trash is not None:
-            layout.remove(layout.condemn_dir(trash))
+            _retire(layout, trash)
 
     def settle(self, layout: "CheckpointLayout", step: int, winner: str, losers: List[str]) -> bool:
         st = layout.storage
@@ -125,7 +138,7 @@ class MarkerCommit:
         here = target.path.rstrip("/").rsplit("/", 1)[-1]
         for name in layout.marked_copies(target.step):
             if name != here:
-                layout.remove(layout.condemn_dir(st.join(name)))
+                _retire(layout, st.join(name))
 
     def settle(self, layout: "CheckpointLayout", step: int, winner: str, losers: List[str]) -> bool:
         return False  # nothing to move: the newest marked copy is the step wherever it is
