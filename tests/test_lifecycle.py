@@ -195,3 +195,25 @@ def test_recovery_never_retires_an_older_copy_for_a_newer_one_that_does_not_veri
     assert _commit_beside.path != layout.step_dir(5)
     layout.recover()
     assert os.path.exists(os.path.join(layout.step_dir(5), MARKER_NAME))  # the good old copy stays
+
+
+def test_a_failed_final_rename_puts_the_old_copy_back(tmp_path):
+    """Rename mode re-save: the old copy is moved aside, then the new copy's rename fails. The
+    save fails and the old copy is the step again (it was never unmarked, only renamed)."""
+    layout = _layout(tmp_path, "rename")
+    _commit(layout, 5, 1.0)
+    target = layout.begin(5)
+    layout.storage.write_bytes(f"{target.path}/data", b"new")
+    real = layout.storage.rename
+
+    def rename(src, dst):
+        if src == target.path:
+            raise OSError("EIO")
+        return real(src, dst)
+
+    layout.storage.rename = rename  # type: ignore[method-assign]
+    with pytest.raises(OSError, match="EIO"):
+        layout.commit(target, Manifest(step=5, commit_time=2.0, files={}))
+    layout.storage.rename = real  # type: ignore[method-assign]
+    layout.abort(target)  # what the save job does next
+    assert layout.committed_steps() == [5] and layout.read_manifest(5).commit_time == 1.0

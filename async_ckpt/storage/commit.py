@@ -88,7 +88,12 @@ class RenameCommit:
             # renames leaves the new copy committed under its temporary name.
             trash = st.join(f".trash-{target.step}-{layout.new_token()}")
             st.rename(target.final, trash)
-        st.rename(target.path, target.final)
+        try:
+            st.rename(target.path, target.final)
+        except BaseException:
+            if trash is not None:  # the save fails: the old copy goes back where it was
+                st.rename(trash, target.final)
+            raise
         st.fsync_dir(st.root)
         if trash is not None:
             _retire(layout, trash)
