@@ -5,10 +5,15 @@ blocks the caller until one is free. A job that fails does not stop the worker: 
 kept and re-raised to the training thread at the next ``raise_if_failed`` (every
 ``save``/``save_async``/``join``/``close`` calls it), and its slot is released, so training
 never hangs on a failed save.
+
+A writer made with ``defer_errors=True`` (the persistent tier's, when a local tier keeps
+training protected) logs each failure at once and raises it only from ``join``/``close``, so
+an unreachable bucket does not stop the training loop while local saves go on.
 """
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 from concurrent.futures import Future
@@ -18,14 +23,17 @@ from .errors import CheckpointError
 
 _STOP = object()
 
+log = logging.getLogger("async_ckpt")
+
 
 class AsyncWriter:
     """Runs submitted jobs one after another on a daemon thread."""
 
-    def __init__(self, max_pending: int = 1, name: str = "async-ckpt-writer") -> None:
+    def __init__(self, max_pending: int = 1, name: str = "async-ckpt-writer", *, defer_errors: bool = False) -> None:
         if not isinstance(max_pending, int) or max_pending < 1:
             raise ValueError(f"max_pending_async must be an int >= 1, got {max_pending!r}")
         self.max_pending = max_pending
+        self.defer_errors = defer_errors
         self._slots = threading.BoundedSemaphore(max_pending)
         self._queue: "queue.Queue[Any]" = queue.Queue()
         self._errors: List[Tuple[Optional[int], BaseException]] = []
@@ -63,10 +71,11 @@ class AsyncWriter:
         self._queue.put((fn, step, fut))
         return fut
 
-    def raise_if_failed(self) -> None:
-        """Raise the first background failure as a :class:`CheckpointError` (once)."""
+    def raise_if_failed(self, *, deferred: bool = False) -> None:
+        """Raise the first background failure as a :class:`CheckpointError` (once). A writer
+        with ``defer_errors`` raises only when ``deferred`` (``join``/``close``)."""
         with self._lock:
-            if not self._errors:
+            if not self._errors or (self.defer_errors and not deferred):
                 return
             errors, self._errors = self._errors, []
         step, exc = errors[0]
@@ -77,12 +86,16 @@ class AsyncWriter:
             f"background save of step {step} failed: {type(exc).__name__}: {exc}{more}", step=step
         ) from exc
 
-    def join(self, timeout: Optional[float] = None) -> None:
-        """Wait until every queued job has finished, then raise any failure."""
+    def wait_idle(self, timeout: Optional[float] = None) -> None:
+        """Wait until every queued job has finished (failures stay kept for :meth:`join`)."""
         with self._idle:
             if not self._idle.wait_for(lambda: self._pending == 0, timeout=timeout):
                 raise CheckpointError(f"timed out after {timeout}s waiting for pending saves")
-        self.raise_if_failed()
+
+    def join(self, timeout: Optional[float] = None) -> None:
+        """Wait until every queued job has finished, then raise any failure."""
+        self.wait_idle(timeout)
+        self.raise_if_failed(deferred=True)
 
     @property
     def pending(self) -> int:
@@ -95,7 +108,7 @@ class AsyncWriter:
             self._closed = True
             self._queue.put(_STOP)
             self._thread.join(timeout)
-        self.raise_if_failed()
+        self.raise_if_failed(deferred=True)
 
     # ---- worker side -------------------------------------------------------------------------
     def _run(self) -> None:
@@ -109,6 +122,9 @@ class AsyncWriter:
             except BaseException as exc:  # noqa: BLE001 - surfaced to the training thread
                 with self._lock:
                     self._errors.append((step, exc))
+                if self.defer_errors:
+                    log.error("async_ckpt: %s: save of step %s failed (raised at join()/close()): %s: %s",
+                              self._thread.name, step, type(exc).__name__, exc)
                 fut.set_exception(exc)
             finally:
                 # Drop the job before waiting for the next one: it references its manager,

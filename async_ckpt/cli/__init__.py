@@ -1,9 +1,10 @@
-"""The ``async-ckpt`` command: look into, verify, prune and export checkpoint directories, and read
-the save statistics log.
+"""The ``async-ckpt`` command: look into, verify, prune, promote and export checkpoint directories,
+and read the save statistics log. ``ls`` and ``verify`` take ``--local-dir`` for a local tier.
 
 Every subcommand takes a checkpoint root (a local path or any fsspec URL), prints a readable
 table, and with ``--json`` prints one JSON document instead. Nothing here writes to the
-checkpoint root except ``prune`` (and ``prune --dry-run`` does not); nothing here follows a
+checkpoint root except ``prune`` (and ``prune --dry-run`` does not) and ``promote`` (which
+copies a local tier's step there); nothing here follows a
 step directory that is a symbolic link (it is listed as foreign and left alone). Exit codes: 0 success,
 1 a damaged checkpoint was found (``verify``) or read, 2 any other error (bad arguments, no
 such step or path, storage errors). Expected errors print one line on stderr, no traceback.
@@ -26,7 +27,7 @@ from .common import (
 )
 from .export import cmd_export, cmd_stats, load_step
 from .inspect import cmd_ls, cmd_show
-from .verify import cmd_prune, cmd_verify
+from .verify import cmd_promote, cmd_prune, cmd_verify
 
 __all__ = ["EXIT_DAMAGED", "EXIT_ERROR", "EXIT_OK", "build_parser", "load_step", "main"]
 
@@ -48,7 +49,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
-    s = sub.add_parser("ls", parents=[common], help="list steps: commit time, size, metrics, status")
+    local = argparse.ArgumentParser(add_help=False)
+    local.add_argument("--local-dir", metavar="DIR",
+                       help="also the local tier (a manager's local_dir; with several ranks, one rank's "
+                            "<local_dir>/rank<r>)")
+
+    s = sub.add_parser("ls", parents=[common, local], help="list steps: commit time, size, metrics, status")
     s.set_defaults(fn=cmd_ls)
 
     s = sub.add_parser("show", parents=[common], help="the tree of keys of a step, with shapes, dtypes, sizes")
@@ -57,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also read and print small non-tensor values (learning rates, step counters)")
     s.set_defaults(fn=cmd_show)
 
-    s = sub.add_parser("verify", parents=[common], help="check every file's checksum; exit 1 on damage")
+    s = sub.add_parser("verify", parents=[common, local], help="check every file's checksum; exit 1 on damage")
     s.add_argument("step", metavar="STEP", nargs="?", help="a step, or 'latest' (default)")
     s.add_argument("--all", action="store_true", help="verify every committed step")
     bar = s.add_mutually_exclusive_group()
@@ -71,6 +77,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--keep-every", type=int, metavar="K", help="also keep every step divisible by K")
     s.add_argument("--dry-run", action="store_true", help="show what would be deleted, delete nothing")
     s.set_defaults(fn=cmd_prune)
+
+    s = sub.add_parser("promote", parents=[common], help="upload a local tier's step to PATH and commit it there")
+    s.add_argument("step", metavar="STEP", help="a step the local tier holds")
+    s.add_argument("--local-dir", metavar="DIR", required=True, help="the local tier (a manager's local_dir)")
+    s.set_defaults(fn=cmd_promote)
 
     s = sub.add_parser("export", parents=[common], help="write a step as one .pt or .safetensors file")
     s.add_argument("step", metavar="STEP", help="a step, or 'latest'")

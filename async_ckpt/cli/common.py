@@ -119,6 +119,20 @@ def _open(args: argparse.Namespace) -> Tuple[Storage, CheckpointLayout]:
     return storage, CheckpointLayout(storage, "auto")
 
 
+def _roots(args: argparse.Namespace) -> List[Tuple[str, Storage, CheckpointLayout]]:
+    """(tier, storage, layout) of PATH (``persistent``) and, with ``--local-dir``, of the local
+    tier (``local``; a multi-rank job's local tier is one rank's ``<local_dir>/rank<r>``)."""
+    storage, layout = _open(args)
+    roots = [("persistent", storage, layout)]
+    local = getattr(args, "local_dir", None)
+    if local:
+        lstorage = Storage(local)
+        if not lstorage.exists(lstorage.root):
+            raise FileNotFoundError(f"no such local checkpoint directory: {local}")
+        roots.insert(0, ("local", lstorage, CheckpointLayout(lstorage, "auto")))
+    return roots
+
+
 def _parse_step(text: Optional[str], layout: CheckpointLayout) -> int:
     """An explicit step, or the most recently committed one for ``None``/``latest``."""
     if text is None or text == "latest":

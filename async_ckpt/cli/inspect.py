@@ -19,6 +19,7 @@ from .common import (
     _parse_step,
     _print_json,
     _read_metadata,
+    _roots,
     _table,
     human_bytes,
 )
@@ -77,16 +78,25 @@ def _step_entry(storage: Storage, layout: CheckpointLayout, name: str, locations
     return entry
 
 
-def cmd_ls(args: argparse.Namespace) -> int:
-    storage, layout = _open(args)
+def _entries(storage: Storage, layout: CheckpointLayout) -> List[Dict[str, Any]]:
     names = [e["name"] for e in storage.listdir(storage.root)
              if (e.get("type") == "directory" or e.get("islink"))
              and (_STEP_RE.match(e["name"]) or _VER_RE.match(e["name"]) or _TMP_RE.match(e["name"])
                   or _TRASH_RE.match(e["name"]))]
     locations = layout.locations()
     with ThreadPoolExecutor(max(1, min(16, len(names)))) as pool:
-        entries = list(pool.map(lambda n: _step_entry(storage, layout, n, locations), names))
-    entries.sort(key=lambda e: (e["step"], e["name"]))
+        return list(pool.map(lambda n: _step_entry(storage, layout, n, locations), names))
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    roots = _roots(args)
+    tiered = len(roots) > 1
+    entries = []
+    for tier, storage, layout in roots:
+        for e in _entries(storage, layout):
+            e["tier"] = tier
+            entries.append(e)
+    entries.sort(key=lambda e: (e["step"], e["tier"] != "local", e["name"]))
     # Commit order is the order: 1 is the oldest commit; the newest is the latest step.
     timed = sorted((e for e in entries if e["status"] in ("listed", "damaged") and e["commit_time"] is not None),
                    key=lambda e: (e["commit_time"], e["step"]))
@@ -104,10 +114,15 @@ def cmd_ls(args: argparse.Namespace) -> int:
     for e in entries:
         status = e["status"] if e["status"] == "listed" else e["status"].upper()
         order = e.get("commit_order")
-        rows.append([e["step"], "-" if order is None else f"{order}{' latest' if e['step'] == latest and order == len(timed) else ''}",
-                     _fmt_time(e["commit_time"]), human_bytes(e["bytes"]),
-                     "-" if e["files"] is None else e["files"], status, _fmt_metrics(e["metrics"])])
-    print(_table(["STEP", "ORDER", "COMMITTED", "SIZE", "FILES", "STATUS", "METRICS"], rows, right=(0, 3, 4)))
+        row = [e["step"], "-" if order is None else f"{order}{' latest' if e['step'] == latest and order == len(timed) else ''}",
+               _fmt_time(e["commit_time"]), human_bytes(e["bytes"]),
+               "-" if e["files"] is None else e["files"], status, _fmt_metrics(e["metrics"])]
+        rows.append(row[:1] + [e["tier"]] + row[1:] if tiered else row)
+    headers = ["STEP", "ORDER", "COMMITTED", "SIZE", "FILES", "STATUS", "METRICS"]
+    if tiered:
+        print(_table(headers[:1] + ["TIER"] + headers[1:], rows, right=(0, 4, 5)))
+    else:
+        print(_table(headers, rows, right=(0, 3, 4)))
     ok = [e for e in entries if e["status"] == "listed"]
     bad = [e for e in entries if e["status"] != "listed"]
     ndamaged = sum(e["status"] == "damaged" for e in entries)
@@ -121,7 +136,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
         print(f"commit order (oldest first): {', '.join(str(e['step']) for e in timed)}; "
               f"latest (the newest commit): {latest}")
     for e in bad:
-        print(f"  step {e['step']} ({e['name']}): {e['status']}: {e['problem']}")
+        where = f"{e['tier']} {e['name']}" if tiered else e["name"]
+        print(f"  step {e['step']} ({where}): {e['status']}: {e['problem']}")
     return EXIT_OK
 
 

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any, Dict, List, Optional
+import time
+from typing import Any, Dict, List, Optional, Tuple
 
 from ..errors import CheckpointError, StepNotFoundError
+from ..lifecycle.catalog import StepCatalog
 from ..storage.fs import Storage
 from ..storage.layout import CheckpointLayout
 from ..storage.lease import writer_lease
@@ -20,6 +22,7 @@ from .common import (
     _parse_step,
     _print_json,
     _progress,
+    _roots,
     _table,
     human_bytes,
 )
@@ -96,24 +99,37 @@ def _verify_step(storage: Storage, layout: CheckpointLayout, step: int, bar: Any
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    storage, layout = _open(args)
+    roots = _roots(args)
+    todo: List[Tuple[str, Storage, CheckpointLayout, int]] = []
     if args.all:
         if args.step is not None:
             raise ValueError("give a STEP or --all, not both")
-        steps = layout.committed_steps()
-        if not steps:
-            raise StepNotFoundError(f"no committed checkpoint under {storage.url}")
-    else:
-        steps = [_parse_step(args.step, layout)]
+        for tier, storage, layout in roots:
+            todo += [(tier, storage, layout, s) for s in layout.committed_steps()]
+        if not todo:
+            raise StepNotFoundError("no committed checkpoint under " + " or ".join(r[1].url for r in roots))
+    elif len(roots) == 1:
+        todo = [(roots[0][0], roots[0][1], roots[0][2], _parse_step(args.step, roots[0][2]))]
+    else:  # the step in every tier that holds it ('latest': the newest commit over both)
+        step = None if args.step in (None, "latest") else _parse_step(args.step, roots[-1][2])
+        if step is None:
+            newest = [(c.commit_time, c.step) for _, _, lay in roots for c in StepCatalog(lay, time.time).in_commit_order()]
+            if not newest:
+                raise StepNotFoundError("no committed checkpoint under " + " or ".join(r[1].url for r in roots))
+            step = max(newest)[1]
+        todo = [(tier, st, lay, step) for tier, st, lay in roots if step in lay.committed_steps()]
+        if not todo:
+            raise StepNotFoundError(f"no committed checkpoint for step {step} in either tier", step=step)
+    tiered = len(roots) > 1
     total = 0
-    for s in steps:
+    for _, _, layout, s in todo:
         try:
             total += sum(r.size for r in layout.read_manifest(s).files.values())
         except CheckpointError:
             pass
     bar = _progress(total, "verify", args.progress)
     try:
-        results = [_verify_step(storage, layout, s, bar) for s in steps]
+        results = [dict(_verify_step(storage, layout, s, bar), tier=tier) for tier, storage, layout, s in todo]
     finally:
         bar.close()
     damaged = [r for r in results if not r["ok"]]
@@ -122,7 +138,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
     else:
         for r in results:
             state = "ok" if r["ok"] else "DAMAGED"
-            print(f"step {r['step']}: {state} ({r['files']} files, {human_bytes(r['bytes'])} read)")
+            where = f" ({r['tier']})" if tiered else ""
+            print(f"step {r['step']}{where}: {state} ({r['files']} files, {human_bytes(r['bytes'])} read)")
             for p in r["problems"]:
                 print(f"  {p}")
         if damaged:
@@ -210,4 +227,22 @@ def cmd_prune(args: argparse.Namespace) -> int:
     print(f"{'dry run: ' if args.dry_run else ''}{len(kept)} kept, {len(doomed)} "
           f"{'to delete' if args.dry_run else 'deleted'}"
           + (f", {len(unreadable)} damaged step(s) left alone" if unreadable else ""))
+    return EXIT_OK
+
+
+# ---- promote ---------------------------------------------------------------------------------
+
+def cmd_promote(args: argparse.Namespace) -> int:
+    """Upload a local tier's step to PATH and commit it there (takes PATH's writer lease)."""
+    from ..manager import CheckpointManager
+    from .common import _parse_options
+
+    step = int(args.step)
+    with CheckpointManager(args.path, storage_options=_parse_options(args.storage_option),
+                           local_dir=args.local_dir, local_retention=2**31 - 1, max_to_keep=0) as mgr:
+        mgr.promote(step)
+    if args.json:
+        _print_json({"path": args.path, "local_dir": args.local_dir, "promoted": step})
+    else:
+        print(f"step {step}: copied from {args.local_dir} to {args.path} and committed")
     return EXIT_OK

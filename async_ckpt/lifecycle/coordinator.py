@@ -69,8 +69,11 @@ class LocalCoordinator:
     world_size = 1
     is_primary = True
 
-    def __init__(self) -> None:
+    def __init__(self, group: Any = None) -> None:
         self.memo = WriteMemo()  # the last save's file layout, reused by the next save of the same shape
+        #: a one-rank process group when other ranks exist (a rank's own local tier), so that
+        #: DCP never runs collectives over the default group for it
+        self.group = group
 
     def agree(self, flags: Sequence[bool]) -> List[bool]:
         return [bool(f) for f in flags]
@@ -83,7 +86,8 @@ class LocalCoordinator:
 
     def write(self, storage: Storage, path: str, state_dict: Dict[str, Any], *, threads: int,
               planner: Any) -> Tuple[Dict[str, FileRecord], Optional[BaseException]]:
-        return save_state_dict(storage, path, state_dict, threads=threads, planner=planner, memo=self.memo), None
+        return save_state_dict(storage, path, state_dict, threads=threads, planner=planner, memo=self.memo,
+                               process_group=self.group), None
 
     def load(self, storage: Storage, path: str, state_dict: Dict[str, Any], *, files: Dict[str, FileRecord],
              verify: bool, threads: int, allow_pickle: bool, metadata: Any, planner: Any, atomic: bool = False,
@@ -95,7 +99,8 @@ class LocalCoordinator:
                             threads=threads, allow_pickle=allow_pickle):
             return
         load_state_dict(storage, path, state_dict, files=files, verify=verify, threads=threads,
-                        allow_pickle=allow_pickle, metadata=metadata, planner=planner, strict=strict)
+                        allow_pickle=allow_pickle, metadata=metadata, planner=planner, strict=strict,
+                        process_group=self.group)
 
 
 class GroupCoordinator:
@@ -173,6 +178,18 @@ def _collective(fn: Any, what: str) -> None:
     except RuntimeError as exc:  # gloo: a peer died, or the timeout passed
         raise CheckpointError(f"checkpoint coordination ({what}) failed: another rank died or did not "
                               f"take part in time: {exc}") from exc
+
+
+def rank_local_coordinator(timeout_s: float = DEFAULT_TIMEOUT_S) -> LocalCoordinator:
+    """A coordinator for what this rank alone writes and reads (its local tier): with other
+    ranks, over a new gloo group of this rank only (made without the other ranks)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() <= 1:
+        return LocalCoordinator()
+    group = dist.new_group(ranks=[dist.get_rank()], backend="gloo", timeout=datetime.timedelta(seconds=timeout_s),
+                           use_local_synchronization=True)
+    return LocalCoordinator(group)
 
 
 def coordinator_for(process_group: Any = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> "LocalCoordinator | GroupCoordinator":

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 from ..errors import CheckpointError
@@ -40,6 +40,8 @@ class SaveJob:
     stats: Optional[SaveStats]
     t0: float
     local_error: Optional[BaseException] = None
+    #: entries added to the manifest's ``extra`` (a local tier records the job's rank and size)
+    manifest_extra: Dict[str, Any] = field(default_factory=dict)
 
 
 class StagingAlreadyReported(Exception):
@@ -62,7 +64,13 @@ def run_save(store: StepStore, job: SaveJob, *, policy: RetentionPolicy, threads
     alone = coord.world_size == 1
     step, snap = job.step, job.snap
     target: Optional[StepTarget] = None
-    committed = claimed = False
+    committed = claimed = released = False
+
+    def release() -> None:  # this job's hold on the snapshot, given back once
+        nonlocal released
+        if snap is not None and not released:
+            released = True
+            snap.release()
 
     def report(exc: BaseException) -> Tuple[str, str]:
         if alone:
@@ -121,7 +129,7 @@ def run_save(store: StepStore, job: SaveJob, *, policy: RetentionPolicy, threads
             files, write_error = coord.write(store.storage, target.path, snap.state_dict, threads=threads,
                                              planner=planner)
         finally:
-            snap.release()  # buffers go back to the pool as soon as the data is written
+            release()  # buffers go back to the pool as soon as the data is written
         tc = time.perf_counter()
 
         # 4. did every rank write? gather the file records for the manifest.
@@ -146,7 +154,7 @@ def run_save(store: StepStore, job: SaveJob, *, policy: RetentionPolicy, threads
                 manifest = Manifest(step=step, commit_time=store.catalog.next_commit_time(), files=merged,
                                     metrics=job.metrics, nbytes=sum(r.nbytes for r in results),
                                     num_tensors=sum(r.num_tensors for r in results), world_size=coord.world_size,
-                                    extra={"int_keys": int_keys} if int_keys else {})
+                                    extra={**job.manifest_extra, **({"int_keys": int_keys} if int_keys else {})})
                 store.layout.commit(target, manifest)
                 committed = True
                 store.catalog.record_commit(CheckpointInfo(step, manifest.commit_time, dict(job.metrics),
@@ -165,8 +173,7 @@ def run_save(store: StepStore, job: SaveJob, *, policy: RetentionPolicy, threads
     except StagingAlreadyReported:
         return None
     except BaseException:
-        if snap is not None:
-            snap.release()
+        release()
         raise
     finally:
         if coord.is_primary:

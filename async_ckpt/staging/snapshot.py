@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
@@ -27,6 +28,16 @@ class HostSnapshot:
     #: the snapshot holds staged XLA SPMD shards (torch_xla's ``_CpuShards``): DCP writes them
     #: with torch_xla's ``SPMDSavePlanner``
     xla_shards: bool = False
+    #: writers that still read the snapshot (one per checkpoint tier it is written to)
+    holders: int = 1
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def share(self, holders: int) -> None:
+        """Hand the snapshot to ``holders`` writers: the buffers go back to the pool once each
+        of them called :meth:`release`. Call it before handing it to any of them."""
+        if holders < 1:
+            raise ValueError(f"holders must be >= 1, got {holders}")
+        self.holders = holders
 
     def drop_sources(self) -> None:
         """Release the device-buffer views the host copies were made from (copies are done)."""
@@ -39,7 +50,12 @@ class HostSnapshot:
             self.pending.result()
 
     def release(self) -> None:
-        """Give the buffers back to the pool. The snapshot must not be read afterwards."""
+        """One holder is done: the last one gives the buffers back to the pool. A holder must
+        call it once and not read the snapshot afterwards."""
+        with self._lock:
+            self.holders -= 1
+            if self.holders > 0:
+                return
         if self.pending is not None:
             self.pending.wait_all()  # never hand out a buffer a lazy copy still writes into
         for lease in self.leases:

@@ -8,91 +8,52 @@ differs (``lifecycle.coordinator``).
 
 from __future__ import annotations
 
-import atexit
 import collections
+import functools
 import logging
 import os
 import time
 import weakref
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Deque, Dict, List, Mapping, Optional, Sequence
 
-from .compat import register_exit_hook
-from .errors import CheckpointError, InvalidStateDictError, LeaseHeldError
-from .gc_pause import gc_paused
-from .lifecycle.coordinator import DEFAULT_TIMEOUT_S, coordinator_for, describe, rebuild
-from .lifecycle.planners import load_planner_for, save_planner_for
-from .lifecycle.restore import restore as _restore
-from .lifecycle.save_job import SaveJob, run_save
-from .lifecycle.steps import StepStore
-from .policies import (
+from ..errors import CheckpointError, InvalidStateDictError, LeaseHeldError
+from ..gc_pause import gc_paused
+from ..lifecycle.coordinator import DEFAULT_TIMEOUT_S, coordinator_for, describe, rebuild
+from ..lifecycle.planners import load_planner_for, save_planner_for
+from ..lifecycle.restore import restore as _restore
+from ..lifecycle.save_job import SaveJob, run_save
+from ..lifecycle.steps import StepStore
+from ..policies import (
     EveryNSteps,
     KeepAll,
     KeepLatest,
     RetentionPolicy,
-    SaveContext,
     SavePolicy,
     as_retention_policy,
-    as_save_policy,
-    best_checkpoint,
     check_step,
-    decide_save,
-    find_keep_best,
 )
-from .preemption import PreemptionTracker, PreemptionWatcher
-from .staging import HostBufferPool, Stager
-from .stats import SaveStats
-from .storage import CheckpointLayout, RetryPolicy, Storage
-from .storage.manifest import check_metrics
-from .storage.stats_log import StatsLog
-from .writer import AsyncWriter
+from ..preemption import PreemptionTracker, PreemptionWatcher
+from ..staging import HostBufferPool, Stager
+from ..stats import SaveStats
+from ..storage import CheckpointLayout, RetryPolicy, Storage
+from ..storage.manifest import check_metrics
+from ..storage.stats_log import StatsLog
+from ..tiers import (
+    LOCAL,
+    PERSISTENT,
+    Tier,
+    make_local_tier,
+    promote,
+    restore_from_tiers,
+)
+from ..writer import AsyncWriter
+from .decisions import SaveDecisions
+from .hooks import _live_managers, _stop_threads
+from .listing import TierListing
 
 log = logging.getLogger("async_ckpt")
 
-_live_managers: "weakref.WeakSet[CheckpointManager]" = weakref.WeakSet()
-
-
-def _finish_pending_saves_at_exit() -> None:
-    for mgr in list(_live_managers):
-        if mgr._forked:
-            continue  # a forked child's copy: its parent finishes the saves
-        try:
-            mgr.close()
-        except Exception as exc:  # the interpreter is exiting: report, do not raise
-            log.error("async_ckpt: a pending save failed at exit: %s", exc)
-
-
-# Runs before concurrent.futures refuses new work at interpreter exit (threading's exit hooks
-# run in reverse order of registration), so pending saves can still finish their writes.
-if not register_exit_hook(_finish_pending_saves_at_exit):  # pragma: no cover
-    atexit.register(_finish_pending_saves_at_exit)
-
-
-def _mark_forked_in_child() -> None:
-    """After ``os.fork()``, in the child: every inherited manager refuses to be used (its writer
-    threads were not copied) and forgets the parent's writer lease."""
-    for mgr in list(_live_managers):
-        mgr._forked = True
-        if mgr._store.lease is not None:
-            mgr._store.lease.forget()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_mark_forked_in_child)
-
-
-def _stop_threads(writer: AsyncWriter, deleter: ThreadPoolExecutor, lease: Any) -> None:
-    """Finalizer of a manager that was garbage-collected without ``close()``."""
-    try:
-        writer.close()
-    except Exception as exc:
-        log.error("async_ckpt: an unclosed CheckpointManager had a failed save: %s", exc)
-    deleter.shutdown(wait=False)
-    if lease is not None:
-        lease.release()
-
-
-class CheckpointManager:
+class CheckpointManager(SaveDecisions, TierListing):
     """Asynchronous checkpointing of a state dict to a local path or any fsspec URL.
 
     A drop-in for ``torch_xla.experimental.distributed_checkpoint.CheckpointManager`` (same
@@ -140,6 +101,17 @@ class CheckpointManager:
         collective_timeout_s: multi-process: how long a rank waits for the others at each
             exchange of a save or restore; a rank that died makes the others' next
             ``save_async``/``join``/``close`` raise after at most this long.
+        local_dir: a second, fast tier (node-local disk, ``/dev/shm``, or any fsspec URL):
+            steps the ``local_policy`` selects are committed there, those the save policy
+            selects go to ``path``; a step due for both is staged once and written to both
+            side by side. ``restore(None)`` takes the newest commit over both tiers, the local
+            copy first. With several ranks each rank writes its own ``<local_dir>/rank<r>``.
+            With a local tier, failed writes to ``path`` are logged at once and raised by
+            :meth:`join`/:meth:`close`, not by the next save (see docs/tiers.md).
+        local_policy: when to save to ``local_dir``: a save policy, a callable
+            ``fn(step) -> bool`` or an int N (every N steps); default: the save policy.
+        local_retention: retention of ``local_dir``: a policy or an int N (keep the N newest
+            commits); default 2.
 
     Commit order is the order: :meth:`latest_step` and ``restore(None)`` mean the most recently
     committed step, retention drops the oldest commits, and any step may be saved in any order
@@ -174,6 +146,9 @@ class CheckpointManager:
         lazy: bool = False,
         lease_timeout: float = 0.0,
         collective_timeout_s: float = DEFAULT_TIMEOUT_S,
+        local_dir: Optional[str] = None,
+        local_policy: Any = None,
+        local_retention: Any = 2,
     ) -> None:
         if num_of_threads is not None:  # torch_xla's name for the writer's thread count
             if not isinstance(num_of_threads, int) or isinstance(num_of_threads, bool) or num_of_threads < 1:
@@ -225,7 +200,16 @@ class CheckpointManager:
         self._stats_log = StatsLog.from_option(self.storage, stats_log)
         self.stager = Stager(HostBufferPool(memory_budget_bytes))
         self.stats: Deque[SaveStats] = collections.deque(maxlen=1000)
-        self._writer = AsyncWriter(max_pending_async)
+        self._writer = AsyncWriter(max_pending_async, defer_errors=local_dir is not None)
+        self._tiers: List[Tier] = [Tier(PERSISTENT, self._store, self._writer, self.retention)]
+        self._local: Optional[Tier] = None
+        if local_dir is not None:
+            self._local = make_local_tier(
+                local_dir, self._coord, lambda: self._clock(), policy=local_policy, retention=local_retention,
+                max_pending=max_pending_async, commit_mode=commit_mode, keep_incomplete=keep_incomplete,
+                lease_timeout=float(lease_timeout), timeout_s=float(collective_timeout_s), retry=retry)
+            self._tiers.insert(0, self._local)
+            self._tiers[-1].check_differs(self._local)
         self._closed = False
         self._forked = False
         self._pid = os.getpid()
@@ -238,89 +222,19 @@ class CheckpointManager:
             try:
                 self._preemption.watcher.install()
             except BaseException:
-                self._writer.close()
-                self._deleter.shutdown(wait=False)
+                for tier in self._tiers:
+                    tier.writer.close()
+                    tier.store.deleter.shutdown(wait=False)
                 raise
         # An unclosed manager that is garbage-collected stops its threads (it has no pending
         # work then: a queued save holds a reference to it).
-        self._finalizer = weakref.finalize(self, _stop_threads, self._writer, self._deleter, self._store.lease)
+        self._finalizer = weakref.finalize(self, _stop_threads,
+                                           [(t.writer, t.store.deleter, t.store.lease) for t in self._tiers])
         _live_managers.add(self)
-
-    # ---- policy ------------------------------------------------------------------------------
-    @property
-    def save_policy(self) -> SavePolicy:
-        """The save policy (assignable: a policy object or a callable ``fn(step) -> bool``)."""
-        return self._save_policy
-
-    @save_policy.setter
-    def save_policy(self, policy: Any) -> None:
-        self._save_policy = as_save_policy(policy)
-
-    def should_save(self, step: int) -> bool:
-        """Whether a checkpoint is due at ``step``: the save policy wants one, or a preemption
-        was detected and its checkpoint is not taken yet."""
-        step = check_step(step)
-        preempt = self._preemption.due(step) if self._preemption is not None else False
-        return preempt or self._policy_wants(step, preempt)
-
-    def _save_context(self, preempted: bool) -> SaveContext:
-        return SaveContext(now=self._clock(), start_time=self._start_time, last_save_time=self._last_save_time,
-                           last_save_step=self._last_save_step, save_in_flight=self._writer.pending > 0,
-                           preempted=preempted)
-
-    def _policy_wants(self, step: int, preempted: bool = False) -> bool:
-        return decide_save(self.save_policy, step, self._save_context(preempted))
-
-    def _decide(self, step: int, force: bool) -> "tuple[bool, bool]":
-        """(take this save, it is the preemption checkpoint). Training thread."""
-        preempt = self._preemption.due(step) if self._preemption is not None else False
-        return (force or preempt or self._policy_wants(step, preempt)), preempt
-
-    def _taken(self, step: int, preempt: bool) -> None:
-        """Record a save that was just taken (staged and queued). Training thread."""
-        self._last_save_time = self._clock()
-        self._last_save_step = step
-        if preempt and self._preemption is not None:
-            self._preemption.mark_saved(step)
-
-    def reached_preemption(self, step: int) -> bool:
-        """True once a preemption was detected and its checkpoint was taken (or is due) at or
-        before ``step``: the loop should then :meth:`join` (the checkpoint becomes durable) and exit.
-
-        Call it every step after ``save``/``save_async`` (torch_xla's loop shape). If the signal
-        arrives after this step's save decision, it answers False once more, so the next step's
-        save takes the checkpoint before the loop is told to stop. Always False unless the manager
-        was created with ``chkpt_on_preemption=True``.
-        """
-        step = check_step(step)
-        return self._preemption is not None and self._preemption.reached(step)
-
-    def trigger_preemption(self) -> None:
-        """Act as if a preemption signal arrived (for schedulers that announce it another way)."""
-        if self._preemption is None:
-            raise CheckpointError("trigger_preemption() needs chkpt_on_preemption=True")
-        self._preemption.watcher.trigger()
 
     def _become_writer(self) -> None:
         """Take the root's writer lease (what the first save does); then recover and clean up."""
         self._store.become_writer()
-
-    def best_step(self, metric: Optional[str] = None, mode: Optional[str] = None) -> Optional[int]:
-        """The committed step with the best value of ``metric`` (ties: the earliest commit).
-
-        ``metric``/``mode`` default to those of the retention's :class:`KeepBest` (a ``KeepBest``
-        inside ``AnyOf`` counts); ``mode`` is ``"min"`` otherwise. None when no committed step
-        has the metric.
-        """
-        best = find_keep_best(self.retention)
-        if metric is None:
-            if best is None:
-                raise ValueError("best_step() needs metric= (the retention policy has no KeepBest)")
-            metric = best.metric
-        if mode is None:
-            mode = best.mode if best is not None and best.metric == metric else "min"
-        found = best_checkpoint(self.catalog.in_commit_order(), metric, mode)
-        return None if found is None else found.step
 
     def save_async(self, step: int, state_dict: Mapping[str, Any], force: bool = False,
                    metrics: Optional[Dict[str, float]] = None, *, lazy: Optional[bool] = None) -> bool:
@@ -357,13 +271,16 @@ class CheckpointManager:
         """Training thread of every rank. With several ranks every rank must call it with the
         same step; rank 0's decision (policy, ``force``, preemption) is taken by every rank,
         and a rank whose staging fails raises at once and still queues its part of the save,
-        so the other ranks raise too instead of waiting for it."""
+        so the other ranks raise too instead of waiting for it. A step due for several tiers
+        is staged once; each tier's writer writes the snapshot."""
         self._check_open()
         step = check_step(step)
         metrics = check_metrics(metrics)
         alone = self._coord.world_size == 1
-        self._writer.raise_if_failed()
+        for tier in self._tiers:
+            tier.writer.raise_if_failed()
         take, preempt = self._decide(step, force)
+        take_local = self._local is not None and self._local_due(self._local, step, force or preempt, take)
         lease_error: Optional[LeaseHeldError] = None
         if take and self._coord.is_primary:
             try:
@@ -376,11 +293,20 @@ class CheckpointManager:
         if not alone:
             # Rank 0 decides for everyone: time-based policies, preemption signals and "nothing
             # in flight" conditions can answer differently per rank.
-            take, preempt, lease_ok = self._coord.agree([take, preempt, lease_error is None])
+            take, take_local, preempt, lease_ok = self._coord.agree([take, take_local, preempt, lease_error is None])
             if take and not lease_ok:
                 raise lease_error or LeaseHeldError(
                     f"rank 0 could not take the writer lease of {self.storage.url}; see rank 0's error")
-        if not take:
+        if take_local and self._local is not None:
+            try:
+                self._local.store.become_writer()  # this rank's own local directory
+            except LeaseHeldError:
+                if alone:
+                    raise
+                log.exception("async_ckpt: rank %d skips the local save of step %d", self._coord.rank, step)
+                take_local = False
+        due = ([self._local] if take_local and self._local is not None else []) + ([self._tiers[-1]] if take else [])
+        if not due:
             return False
         t0 = time.perf_counter()
         if alone:
@@ -389,7 +315,15 @@ class CheckpointManager:
         # Earlier lazy copies finish and are sealed here, on the training thread: their writers
         # wait for that, so it must come before waiting for a writer slot.
         self.stager.synchronize_staging()
-        self._writer.wait_for_slot()
+        held: List[Tier] = []
+        try:
+            for tier in due:
+                tier.writer.wait_for_slot()
+                held.append(tier)
+        except BaseException:
+            for tier in held:
+                tier.writer.release_slot()
+            raise
         t1 = time.perf_counter()
         try:
             if not alone:  # every rank queues its part of the save, even if planning fails here
@@ -400,26 +334,38 @@ class CheckpointManager:
             if snap.pending is not None:
                 snap.pending.step = step
         except BaseException as exc:
-            if alone:
-                self._writer.release_slot()
-            else:  # the job takes the slot and tells the other ranks
-                failed = SaveJob(step, None, metrics, None, t0, local_error=exc)
-                self._writer.submit(lambda: self._persist(failed), step=step)
+            for tier in due:
+                if alone or tier.name == LOCAL:
+                    tier.writer.release_slot()
+                else:  # the job takes the slot and tells the other ranks
+                    failed = SaveJob(step, None, metrics, None, t0, local_error=exc)
+                    tier.writer.submit(functools.partial(self._persist, failed, tier), step=step)
             raise
         t2 = time.perf_counter()
-        stats = SaveStats(step=step, nbytes=snap.nbytes, num_tensors=snap.num_tensors,
-                          queue_wait_s=t1 - t0, stage_s=t2 - t1, blocking_s=t2 - t0)
-        job = SaveJob(step, snap, metrics, stats, t0)
-        self._writer.submit(lambda: self._persist(job), step=step)
-        self._taken(step, preempt)
+        snap.share(len(due))
+        for tier in due:
+            stats = SaveStats(step=step, nbytes=snap.nbytes, num_tensors=snap.num_tensors,
+                              queue_wait_s=t1 - t0, stage_s=t2 - t1, blocking_s=t2 - t0)
+            extra: Dict[str, Any] = {}
+            if self._local is not None:
+                stats.extra["tier"] = tier.name
+            if tier.name == LOCAL:
+                extra = {"tier": LOCAL, "rank": self._coord.rank, "world_size": self._coord.world_size}
+            job = SaveJob(step, snap, metrics, stats, t0, manifest_extra=extra)
+            tier.writer.submit(functools.partial(self._persist, job, tier), step=step)
+            tier.last_save_time, tier.last_save_step = self._clock(), step
+        if take:
+            self._taken(step, preempt)
         if wait:
-            self._writer.join()
+            for tier in due:
+                tier.writer.join()
         return True
 
-    def _persist(self, job: SaveJob) -> None:
-        """Writer thread: the save job, then statistics and the user's callback."""
+    def _persist(self, job: SaveJob, tier: Tier) -> None:
+        """Writer thread of ``tier``: the save job, then statistics and the user's callback."""
         planner = save_planner_for(job.snap) if job.snap is not None else None
-        stats = run_save(self._store, job, policy=self.retention, threads=self.write_threads, planner=planner)
+        policy = self.retention if tier.name == PERSISTENT else tier.retention
+        stats = run_save(tier.store, job, policy=policy, threads=self.write_threads, planner=planner)
         if stats is not None:
             self._after_commit(stats)
 
@@ -450,20 +396,26 @@ class CheckpointManager:
 
     def delete(self, step: int) -> None:
         """Delete a committed step (an explicit user action): it is no longer listed or
-        restorable when this returns, and its files are gone.
+        restorable when this returns, and its files are gone (from every tier that holds it).
 
         Waits for pending saves first and takes the root's writer lease (:class:`LeaseHeldError`
         while another writer holds it). Raises :class:`StepNotFoundError` for a step that is not
-        committed. Multi-process: call it on every rank; rank 0 deletes.
+        committed. Multi-process: call it on every rank; rank 0 deletes (each rank its own
+        local copy).
         """
         self._check_open()
         step = check_step(step)
         self.join()
+        local_held = self._local is not None and step in self._local.store.layout.committed_steps()
+        if local_held and self._local is not None:
+            self._local.store.become_writer()
+            self._local.store.delete(step)
         outcome = None
         if self._coord.is_primary:
             try:
-                self._store.become_writer()
-                self._store.delete(step)
+                if not local_held or step in self.layout.committed_steps():
+                    self._store.become_writer()
+                    self._store.delete(step)
             except BaseException as exc:  # noqa: BLE001 - reported to every rank
                 if self._coord.world_size == 1:
                     raise
@@ -472,34 +424,22 @@ class CheckpointManager:
         if outcome is not None:
             raise rebuild(outcome[0], f"step {step}: delete failed: {outcome[1]}", step)
 
-    # ---- listing -----------------------------------------------------------------------------
-    def all_steps(self) -> List[int]:
-        """Committed steps, ascending (as torch_xla's manager lists them). The order that counts
-        is commit order: see :meth:`steps_in_commit_order` and :meth:`latest_step`."""
-        self._check_process()
-        return self.layout.committed_steps()
-
-    def steps_in_commit_order(self) -> List[int]:
-        """Committed steps, oldest commit first (the order retention sees them in)."""
-        self._check_process()
-        return [c.step for c in self.catalog.in_commit_order()]
-
-    def latest_step(self) -> Optional[int]:
-        """The most recently committed step, or None when there is none.
-
-        In a run whose steps only go up this is also the highest step. After a deliberate roll
-        back (restore 10, train on, save 11 and 12) it is 12, not an abandoned higher step.
-        """
-        self._check_process()
-        latest = self.catalog.latest()
-        if latest is not None:
-            return latest
-        steps = self.layout.committed_steps()  # only steps whose manifests do not read
-        return steps[-1] if steps else None
-
-    def metrics(self, step: int) -> Dict[str, float]:
-        """The metrics stored with a committed step."""
-        return dict(self.layout.read_manifest(check_step(step)).metrics)
+    def promote(self, step: int) -> None:
+        """Copy the local tier's committed ``step`` to ``path`` and commit it there (checked
+        against the local manifest first; then ``path``'s retention applies). Waits for pending
+        saves; takes the writer lease of ``path``. One process only (a rank's local copy holds
+        only its own shards)."""
+        self._check_open()
+        step = check_step(step)
+        if self._local is None:
+            raise CheckpointError("promote() needs a manager with local_dir=")
+        if self._coord.world_size > 1:
+            raise CheckpointError("promote() copies one process's local step; with several ranks each local "
+                                  "copy holds one rank's shards: save the step with force=True instead")
+        self.join()
+        self._store.become_writer()
+        promote(self._local, self._tiers[-1], step, verify=self.verify, threads=self.write_threads,
+                retention=self.retention)
 
     # ---- restoring ---------------------------------------------------------------------------
     def restore(self, step: Optional[int], state_dict: Dict[str, Any], *, verify: Optional[bool] = None,
@@ -509,7 +449,8 @@ class CheckpointManager:
         ``step=None`` picks the most recently committed step (see :meth:`latest_step`); if it
         fails verification, the next older commit that verifies is used, with a warning naming
         the skipped step, and its data overwrites everything again. A named step that is
-        damaged raises :class:`CorruptCheckpointError`.
+        damaged raises :class:`CorruptCheckpointError`. With ``local_dir`` the local copy of a
+        step is tried first, then the one under ``path`` (see docs/tiers.md).
 
         One process reads the files straight into the target tensors, checking sizes and
         CRC-32Cs (``verify``) as the data arrives. When a restore fails after its first write,
@@ -528,26 +469,37 @@ class CheckpointManager:
         if not isinstance(state_dict, Mapping):
             raise InvalidStateDictError(f"state_dict must be a mapping, got {type(state_dict).__name__}")
         if not self._closed:
-            self.wait_for_staging()
-            self._writer.join()  # pending saves land first (and their errors surface)
-        s = _restore(self._store, None if step is None else check_step(step), state_dict,
-                     verify=self.verify if verify is None else verify, allow_pickle=allow_pickle,
-                     threads=self.write_threads, planner=load_planner_for(state_dict, allow_pickle),
-                     atomic=atomic, strict=strict)
+            self.join()  # pending saves land first (and their errors surface)
+        step = None if step is None else check_step(step)
+        opts = dict(verify=self.verify if verify is None else verify, allow_pickle=allow_pickle,
+                    threads=self.write_threads, planner=load_planner_for(state_dict, allow_pickle),
+                    atomic=atomic, strict=strict)
+        if self._local is None:
+            s = _restore(self._store, step, state_dict, **opts)
+        else:
+            s, _ = restore_from_tiers(self._tiers, self._coord, step,
+                                      lambda tier, s: _restore(tier.store, s, state_dict, **opts))
         self._restored = s
         return s
 
     # ---- lifecycle ---------------------------------------------------------------------------
     def join(self) -> None:
         """Wait for every pending save to commit (and retention's decision after it); raise the
-        first background failure."""
+        first background failure (with ``local_dir``: also the failed writes to ``path``)."""
         self._check_process()
         self.wait_for_staging()
-        self._writer.join()
+        errors: List[BaseException] = []
+        for tier in self._tiers:
+            try:
+                tier.writer.join()
+            except BaseException as exc:  # noqa: BLE001 - every tier is waited for, then raised
+                errors.append(exc)
+        if errors:
+            raise errors[0]
 
     def close(self) -> None:
         """Finish pending saves and deletions, stop the background threads, release the writer
-        lease, raise failures."""
+        leases, raise failures."""
         if self._closed:
             return
         self._check_process()
@@ -555,12 +507,21 @@ class CheckpointManager:
         _live_managers.discard(self)
         if self._preemption is not None:
             self._preemption.watcher.uninstall()
+        errors: List[BaseException] = []
         try:
             self.wait_for_staging()  # lazy saves' writers wait for their copies to be sealed
-            self._writer.close()
-        finally:
-            self._store.close()
-            self._finalizer.detach()
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+        for tier in self._tiers:
+            try:
+                tier.writer.close()
+            except BaseException as exc:  # noqa: BLE001 - every tier is closed, then raised
+                errors.append(exc)
+            finally:
+                tier.store.close()
+        self._finalizer.detach()
+        if errors:
+            raise errors[0]
 
     def __enter__(self) -> "CheckpointManager":
         return self
@@ -587,13 +548,19 @@ class CheckpointManager:
             raise CheckpointError("this CheckpointManager is closed")
 
     def _check_writable(self) -> None:
-        from .errors import StorageError
+        from ..errors import StorageError
 
         try:
-            self.storage.makedirs(self.storage.root)
-        except (OSError, StorageError) as exc:
-            raise StorageError(f"checkpoint path {self.storage.url!r} cannot be written: {exc}") from exc
-        self.storage.check_writable()  # object stores: probe object (missing bucket, bad credentials)
+            try:
+                self.storage.makedirs(self.storage.root)
+            except (OSError, StorageError) as exc:
+                raise StorageError(f"checkpoint path {self.storage.url!r} cannot be written: {exc}") from exc
+            self.storage.check_writable()  # object stores: probe object (missing bucket, bad credentials)
+        except StorageError as exc:
+            if self._local is None:
+                raise
+            log.warning("async_ckpt: %s cannot be written now (saves go to local_dir %s meanwhile): %s",
+                        self.storage.url, self._local.url, exc)
         if self.storage.is_local:
             if not os.access(self.storage.root, os.W_OK):
                 raise StorageError(f"checkpoint path {self.storage.url!r} is not writable")

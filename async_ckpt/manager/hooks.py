@@ -1,0 +1,64 @@
+"""Process-level hooks of every live manager: pending saves finish at interpreter exit, a
+forked child's inherited managers refuse to be used, an unclosed collected manager stops its
+threads."""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, List, Tuple
+
+from ..compat import register_exit_hook
+from ..writer import AsyncWriter
+
+log = logging.getLogger("async_ckpt")
+
+_live_managers: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+def _finish_pending_saves_at_exit() -> None:
+    for mgr in list(_live_managers):
+        if mgr._forked:
+            continue  # a forked child's copy: its parent finishes the saves
+        try:
+            mgr.close()
+        except Exception as exc:  # the interpreter is exiting: report, do not raise
+            log.error("async_ckpt: a pending save failed at exit: %s", exc)
+
+
+# Runs before concurrent.futures refuses new work at interpreter exit (threading's exit hooks
+# run in reverse order of registration), so pending saves can still finish their writes.
+if not register_exit_hook(_finish_pending_saves_at_exit):  # pragma: no cover
+    atexit.register(_finish_pending_saves_at_exit)
+
+
+def _mark_forked_in_child() -> None:
+    """After ``os.fork()``, in the child: every inherited manager refuses to be used (its writer
+    threads were not copied) and forgets the parent's writer lease."""
+    for mgr in list(_live_managers):
+        mgr._forked = True
+        for tier in mgr._tiers:
+            if tier.store.lease is not None:
+                tier.store.lease.forget()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_mark_forked_in_child)
+
+
+def _stop_threads(parts: List[Tuple[AsyncWriter, ThreadPoolExecutor, Any]]) -> None:
+    """Finalizer of a manager that was garbage-collected without ``close()``: per tier, its
+    writer, its deleter and its lease."""
+    for writer, deleter, lease in parts:
+        try:
+            writer.close()
+        except Exception as exc:
+            log.error("async_ckpt: an unclosed CheckpointManager had a failed save: %s", exc)
+        deleter.shutdown(wait=False)
+        if lease is not None:
+            lease.release()
+
+

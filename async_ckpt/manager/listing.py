@@ -1,0 +1,78 @@
+"""What a manager lists: committed steps over its tiers, commit order, metrics, the best step."""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Tuple
+
+from ..policies import RetentionPolicy, best_checkpoint, check_step, find_keep_best
+from ..storage import CheckpointLayout
+from ..tiers import Tier, commit_records, held_steps
+
+
+class TierListing:
+    """The listing methods of :class:`~async_ckpt.CheckpointManager` (a mixin over its tiers)."""
+
+    _tiers: List[Tier]
+    _local: Optional[Tier]
+    layout: CheckpointLayout
+    retention: RetentionPolicy
+
+    def _check_process(self) -> None:  # pragma: no cover - the manager's
+        raise NotImplementedError
+
+    def best_step(self, metric: Optional[str] = None, mode: Optional[str] = None) -> Optional[int]:
+        """The committed step with the best value of ``metric`` (ties: the earliest commit).
+
+        ``metric``/``mode`` default to those of the retention's :class:`KeepBest` (a ``KeepBest``
+        inside ``AnyOf`` counts); ``mode`` is ``"min"`` otherwise. None when no committed step
+        has the metric.
+        """
+        best = find_keep_best(self.retention)
+        if metric is None:
+            if best is None:
+                raise ValueError("best_step() needs metric= (the retention policy has no KeepBest)")
+            metric = best.metric
+        if mode is None:
+            mode = best.mode if best is not None and best.metric == metric else "min"
+        found = best_checkpoint(commit_records(self._tiers), metric, mode)
+        return None if found is None else found.step
+
+    def all_steps(self) -> List[int]:
+        """Committed steps, ascending (as torch_xla's manager lists them), over every tier. The
+        order that counts is commit order: see :meth:`steps_in_commit_order` and :meth:`latest_step`."""
+        self._check_process()
+        if self._local is None:
+            return self.layout.committed_steps()
+        return sorted(self.step_tiers())
+
+    def step_tiers(self) -> Dict[int, Tuple[str, ...]]:
+        """Committed step -> the tiers holding it (``"local"``, ``"persistent"``), newest
+        commit first. Without ``local_dir`` every step is ``("persistent",)``."""
+        self._check_process()
+        return {h.step: h.tiers for h in held_steps(self._tiers)}
+
+    def steps_in_commit_order(self) -> List[int]:
+        """Committed steps, oldest commit first (the order retention sees them in)."""
+        self._check_process()
+        return [c.step for c in commit_records(self._tiers)]
+
+    def latest_step(self) -> Optional[int]:
+        """The most recently committed step (over every tier), or None when there is none.
+
+        In a run whose steps only go up this is also the highest step. After a deliberate roll
+        back (restore 10, train on, save 11 and 12) it is 12, not an abandoned higher step.
+        """
+        self._check_process()
+        records = commit_records(self._tiers)
+        if records:
+            return records[-1].step
+        steps = self.all_steps()  # only steps whose manifests do not read
+        return steps[-1] if steps else None
+
+    def metrics(self, step: int) -> Dict[str, float]:
+        """The metrics stored with a committed step (its local copy's, when there is one)."""
+        step = check_step(step)
+        if self._local is not None and step in self._local.store.layout.committed_steps():
+            return dict(self._local.store.layout.read_manifest(step).metrics)
+        return dict(self.layout.read_manifest(step).metrics)
+

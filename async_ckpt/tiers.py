@@ -1,0 +1,288 @@
+"""Checkpoint tiers: a fast local copy (``local_dir``) often, the persistent root less often.
+
+A :class:`Tier` is one root with its own step store (catalog, writer lease, retention), its
+own background writer and its own save policy. The manager stages a state dict once and hands
+the snapshot to the writer of every tier the step is due for, so the two tiers' writes run side
+by side and a slow upload never holds up a local save (beyond ``max_pending_async`` per tier).
+
+Listing merges the tiers by commit time (a step both hold counts once, at its first commit).
+:func:`restore_from_tiers` tries the steps newest commit first and, for each, the local copy
+before the persistent one; a copy that is damaged, unreadable, or written by another rank or
+world size is skipped with a warning naming the tier and why. With several ranks each rank
+has its own local directory; the ranks agree on the newest step every rank holds locally, and
+one rank's unusable copy sends every rank to the next candidate, so all restore the same step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+from .errors import CheckpointError, CorruptCheckpointError, StepNotFoundError, StorageError
+from .lifecycle.coordinator import Coordinator, describe, rank_local_coordinator, rebuild
+from .lifecycle.steps import StepStore
+from .policies import (
+    CheckpointInfo,
+    EveryNSteps,
+    KeepLatest,
+    RetentionPolicy,
+    SavePolicy,
+    as_retention_policy,
+    as_save_policy,
+)
+from .storage import CheckpointLayout, Manifest, Storage
+from .storage.dcp.reader import FsspecStorageReader
+from .writer import AsyncWriter
+
+log = logging.getLogger("async_ckpt")
+
+LOCAL = "local"
+PERSISTENT = "persistent"
+
+#: what makes a restore go on to the next copy (anything else, e.g. a state dict that does not
+#: match the checkpoint, is the caller's to fix and is raised at once)
+FALLBACK_ERRORS = (CorruptCheckpointError, StorageError, OSError)
+
+
+class ForeignCopyError(CheckpointError):
+    """A local copy written by another rank or at another world size (not this rank's shards)."""
+
+
+@dataclass
+class Tier:
+    """One checkpoint root of a manager: where steps go, when, and how many stay."""
+
+    name: str
+    store: StepStore
+    writer: AsyncWriter
+    retention: RetentionPolicy
+    #: the tier's own save policy (None: the manager's ``save_policy``)
+    policy: Optional[SavePolicy] = None
+    last_save_time: Optional[float] = None
+    last_save_step: Optional[int] = None
+
+    @property
+    def url(self) -> str:
+        return self.store.storage.url
+
+    def check_differs(self, other: "Tier") -> None:
+        """Two tiers must not share a root, nor one lie inside the other (each one's
+        retention and cleanup would delete the other's steps)."""
+        a, b = self.url.rstrip("/") + "/", other.url.rstrip("/") + "/"
+        if a.startswith(b) or b.startswith(a):
+            raise ValueError(f"local_dir ({other.url}) and the checkpoint path ({self.url}) must not be the "
+                             f"same directory or inside one another")
+
+
+def make_local_tier(local_dir: str, coord: Coordinator, clock: Callable[[], float], *, policy: Any, retention: Any,
+                    max_pending: int, commit_mode: str, keep_incomplete: bool, lease_timeout: float,
+                    timeout_s: float, retry: Any) -> Tier:
+    """The local tier of a manager: ``local_dir`` itself with one process, ``<local_dir>/rank<r>``
+    with several (each rank writes and reads its own shards there, on no collective)."""
+    if not isinstance(local_dir, (str, os.PathLike)):
+        raise TypeError(f"local_dir must be a path or URL string, got {type(local_dir).__name__}")
+    root = os.fspath(local_dir)
+    if coord.world_size > 1:
+        root = f"{root.rstrip('/')}/rank{coord.rank}"
+    if isinstance(policy, bool) or (isinstance(policy, int) and policy < 1):
+        raise ValueError(f"local_policy as an int is a save interval >= 1, got {policy!r}")
+    save_policy = None if policy is None else as_save_policy(EveryNSteps(policy) if isinstance(policy, int) else policy)
+    if isinstance(retention, bool) or (isinstance(retention, int) and retention < 1):
+        raise ValueError(f"local_retention as an int keeps the N newest local steps, N >= 1; got {retention!r}")
+    keep = KeepLatest(retention) if isinstance(retention, int) else as_retention_policy(retention)
+    storage = Storage(root, None, retry=retry)
+    try:
+        storage.makedirs(storage.root)
+        storage.check_writable()
+    except (OSError, StorageError) as exc:
+        raise StorageError(f"local_dir {storage.url!r} cannot be written: {exc}") from exc
+    store = StepStore(storage, CheckpointLayout(storage, commit_mode), rank_local_coordinator(timeout_s), clock,
+                      keep_incomplete=keep_incomplete, lease_timeout=lease_timeout)
+    return Tier(LOCAL, store, AsyncWriter(max_pending, name="async-ckpt-local-writer"), keep, save_policy)
+
+
+@dataclass(frozen=True)
+class Held:
+    """A committed step and the tiers that hold it (preferred first)."""
+
+    step: int
+    commit_time: float
+    tiers: Tuple[str, ...]
+
+
+def _infos(tier: Tier, others: int) -> Tuple[Dict[int, CheckpointInfo], List[int]]:
+    """(records, steps newest first) of one tier. With other tiers to fall back on, a tier
+    that cannot be listed (a bucket that is down) counts as empty, with a warning."""
+    try:
+        infos = tier.store.catalog.infos()
+        newest_first = tier.store.catalog.steps_newest_first()
+    except FALLBACK_ERRORS as exc:
+        if not others:
+            raise
+        warnings.warn(f"async_ckpt: the {tier.name} tier ({tier.url}) cannot be listed, using the other tier: "
+                      f"{type(exc).__name__}: {exc}", RuntimeWarning, stacklevel=4)
+        return {}, []
+    return infos, newest_first
+
+
+def held_steps(tiers: Sequence[Tier], only: Optional[Dict[str, Optional[set]]] = None) -> List[Held]:
+    """Every committed step of ``tiers``, newest commit first; a step both tiers hold counts at
+    its first commit (the tiers' writers commit one save at different times, a slow upload
+    after the next local saves). Steps whose manifest does not read come first (their time is
+    unknown).
+    ``only``: per tier name, the steps to count (None: all)."""
+    merged: Dict[int, Tuple[float, List[str]]] = {}
+    for tier in tiers:
+        infos, newest_first = _infos(tier, len(tiers) - 1)
+        allowed = (only or {}).get(tier.name)
+        for s in newest_first:
+            if allowed is not None and s not in allowed:
+                continue
+            t = infos[s].commit_time if s in infos else float("inf")
+            old_t, names = merged.get(s, (float("inf"), []))
+            merged[s] = (min(old_t, t), names + [tier.name])
+    out = [Held(s, t, tuple(names)) for s, (t, names) in merged.items()]
+    return sorted(out, key=lambda h: (h.commit_time, h.step), reverse=True)
+
+
+def commit_records(tiers: Sequence[Tier]) -> List[CheckpointInfo]:
+    """Records of every committed step over the tiers, oldest commit first (a step both hold:
+    its first commit's record)."""
+    best: Dict[int, CheckpointInfo] = {}
+    for tier in tiers:
+        infos, _ = _infos(tier, len(tiers) - 1)
+        for s, info in infos.items():
+            if s not in best or info.commit_time < best[s].commit_time:
+                best[s] = info
+    return sorted(best.values(), key=lambda c: (c.commit_time, c.step))
+
+
+def check_local_copy(tier: Tier, step: int, rank: int, world_size: int) -> None:
+    """Raise :class:`ForeignCopyError` when the local copy of ``step`` holds another rank's
+    shards or was saved at another world size (only that job's ranks could use it)."""
+    extra = tier.store.layout.read_manifest(step).extra
+    r, w = extra.get("rank", 0), extra.get("world_size", 1)
+    if (r, w) != (rank, world_size):
+        raise ForeignCopyError(f"the local copy of step {step} in {tier.url} was saved by rank {r} of {w}, "
+                               f"this is rank {rank} of {world_size}", step=step)
+
+
+def restore_from_tiers(tiers: Sequence[Tier], coord: Coordinator, step: Optional[int],
+                       restore_one: Callable[[Tier, int], Any]) -> Tuple[int, str]:
+    """Restore ``step`` (None: the newest commit over the tiers) from the nearest intact copy;
+    returns (step, tier name). ``restore_one(tier, step)`` loads one copy into the target or
+    raises. Every rank calls it; the local tiers are each rank's own, the persistent one is
+    shared (its restore is collective)."""
+    by_name = {t.name: t for t in tiers}
+    alone = coord.world_size == 1
+    only: Optional[Dict[str, Optional[set]]] = None
+    local = by_name.get(LOCAL)
+    if not alone and local is not None:
+        # the local steps every rank holds
+        mine = set(_infos(local, 1)[1])
+        gathered = coord.all_gather(sorted(mine))
+        common = set(gathered[0]).intersection(*map(set, gathered[1:]))
+        only = {LOCAL: common, PERSISTENT: None}
+    candidates: Optional[List[Held]] = held_steps(tiers, only) if coord.is_primary else None
+    candidates = coord.broadcast(candidates) if not alone else candidates
+    assert candidates is not None
+    if step is not None:
+        candidates = [h for h in candidates if h.step == step]
+        if not candidates:
+            urls = " or ".join(t.url for t in tiers)
+            raise StepNotFoundError(f"no committed checkpoint for step {step} under {urls}", step=step)
+    if not candidates:
+        raise StepNotFoundError("no committed checkpoint under " + " or ".join(t.url for t in tiers))
+    errors: List[str] = []
+    for held in candidates:
+        for name in held.tiers:
+            tier = by_name[name]
+            problem = _attempt(tier, held.step, coord, restore_one, shared=name == PERSISTENT)
+            if problem is None:
+                if errors:
+                    log.warning("async_ckpt: restored step %d from the %s tier (%s)", held.step, name, tier.url)
+                return held.step, name
+            errors.append(f"step {held.step} ({name} tier): {problem}")
+            warnings.warn(f"async_ckpt: skipping the {name} copy of step {held.step} ({tier.url}): {problem}",
+                          RuntimeWarning, stacklevel=3)
+    what = f"step {step}" if step is not None else "no committed step"
+    raise CorruptCheckpointError(f"{what}: no copy could be restored from any tier; " + "; ".join(errors[:5]),
+                                 step=candidates[0].step)
+
+
+def _attempt(tier: Tier, step: int, coord: Coordinator, restore_one: Callable[[Tier, int], Any],
+             shared: bool) -> Optional[str]:
+    """Restore one copy: None when every rank restored it, else why not (the same on every
+    rank). Errors that are not the copy's fault are raised on every rank."""
+    if shared or coord.world_size == 1:
+        try:
+            restore_one(tier, step)  # collective with several ranks: every rank sees one outcome
+        except FALLBACK_ERRORS as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return None
+    outcome: Optional[Tuple[str, str, str]] = None
+    local: Optional[BaseException] = None
+    try:
+        check_local_copy(tier, step, coord.rank, coord.world_size)
+        restore_one(tier, step)
+    except (ForeignCopyError, StepNotFoundError) + FALLBACK_ERRORS as exc:
+        outcome = ("fallback",) + describe(coord.rank, exc)
+    except Exception as exc:  # noqa: BLE001 - every rank raises it
+        outcome = ("fatal",) + describe(coord.rank, exc)
+        local = exc
+    outcomes = coord.all_gather(outcome)
+    fatal = [o for o in outcomes if o is not None and o[0] == "fatal"]
+    if fatal:
+        if local is not None:
+            raise local
+        raise rebuild(fatal[0][1], f"step {step}: restore from the local tiers failed: {fatal[0][2]}", step)
+    bad = [o[2] for o in outcomes if o is not None]
+    return "; ".join(bad) if bad else None
+
+
+def promote(local: Tier, persistent: Tier, step: int, *, verify: bool = True, threads: int = 8,
+            retention: Optional[RetentionPolicy] = None) -> Manifest:
+    """Copy the local tier's committed ``step`` to the persistent tier and commit it there,
+    with the local copy's commit time (the persistent tier's order stays the order of the
+    saves; its retention then applies). Every file is checked
+    against the local manifest (size, and CRC-32C with ``verify``) before anything is
+    committed. The caller holds the persistent tier's writer lease."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    if step not in local.store.layout.committed_steps():
+        raise StepNotFoundError(f"no committed local checkpoint for step {step} under {local.url}", step=step)
+    path, manifest = local.store.layout.open_step(step)
+    reader = FsspecStorageReader(local.store.storage, path, files=manifest.files, verify=verify, threads=threads)
+    dst = persistent.store
+    catalog = dst.catalog
+    catalog.begin_write(step)
+    target = None
+    committed = False
+    try:
+        target = dst.layout.begin(step, dst.layout.new_token())
+        catalog.set_path(step, target.path)
+        dst.storage.makedirs(target.path)
+
+        def copy(name: str) -> None:
+            dst.storage.write_bytes(f"{target.path}/{name}", reader.read_file(name))
+
+        with ThreadPoolExecutor(max(1, min(threads, 4, len(manifest.files)))) as pool:  # whole files in memory
+            list(pool.map(copy, list(manifest.files)))
+        dst.check_lease()
+        extra = {k: v for k, v in manifest.extra.items() if k not in ("rank", "world_size", "tier")}
+        new = dataclasses.replace(manifest, extra=extra)  # keeps its commit time: the order of the saves
+        dst.layout.commit(target, new)
+        committed = True
+        catalog.record_commit(CheckpointInfo(step, new.commit_time, dict(new.metrics), new.nbytes))
+        catalog.end_write(step)
+        dst.apply_retention(retention if retention is not None else persistent.retention)
+        return new
+    finally:
+        if not committed:
+            catalog.end_write(step)
+            if target is not None:
+                dst.layout.abort(target)

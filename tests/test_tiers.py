@@ -1,0 +1,337 @@
+"""Two tiers: a local copy (``local_dir``) often, the persistent root less often; restore from
+the nearest intact copy. One process here; 2 ranks in tests/test_tiers_dist.py, the loopback
+GCS server and /dev/shm crash trials in tests/test_tiers_cloud.py and tests/test_crash.py."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import warnings
+
+import pytest
+import torch
+
+from async_ckpt import CheckpointManager, KeepLatest
+from async_ckpt.errors import CheckpointError, CorruptCheckpointError, StateDictMismatchError, StepNotFoundError
+from async_ckpt.lifecycle import coordinator as coordinator_mod
+
+from .conftest import assert_bitwise_equal, clone_tree
+
+
+def state(seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(256, 64, generator=g), "b": torch.randn(64, generator=g),
+            "i": torch.arange(100, dtype=torch.int64) * seed, "meta": {"seed": seed}}
+
+
+def zeros(seed: int = 0) -> dict:
+    out = clone_tree(state(seed))
+    for k in ("w", "b", "i"):
+        out[k].zero_()
+    out["meta"] = {"seed": -1}
+    return out
+
+
+def data_files(root: str, step: int) -> list:
+    d = os.path.join(root, str(step))
+    return sorted(os.path.join(d, f) for f in os.listdir(d) if f.endswith(".distcp"))
+
+
+def flip_byte(path: str) -> None:
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        b = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+@pytest.fixture
+def roots(tmp_path):
+    return str(tmp_path / "bucket"), str(tmp_path / "local")
+
+
+def test_each_tier_gets_the_steps_its_policy_selects_and_keeps_its_own_retention(roots):
+    path, local = roots
+    with CheckpointManager(path, save_interval=3, max_to_keep=2, local_dir=local, local_policy=1,
+                           local_retention=3) as mgr:
+        for s in range(1, 10):
+            assert mgr.save_async(s, state(s))
+        mgr.join()
+        tiers = mgr.step_tiers()
+        assert tiers == {9: ("local", "persistent"), 8: ("local",), 7: ("local",), 6: ("persistent",)}
+        assert mgr.all_steps() == [6, 7, 8, 9]
+        assert mgr.steps_in_commit_order() == [6, 7, 8, 9]
+        assert mgr.latest_step() == 9
+    assert sorted(int(n) for n in os.listdir(path) if n.isdigit()) == [6, 9]
+    assert sorted(int(n) for n in os.listdir(local) if n.isdigit()) == [7, 8, 9]
+    # each copy is a whole checkpoint: the persistent one alone restores
+    with CheckpointManager(path) as plain:
+        out = zeros()
+        assert plain.restore(None, out) == 9
+    assert_bitwise_equal(out, state(9))
+
+
+def test_a_step_due_for_both_tiers_is_staged_once_and_written_to_both(roots, monkeypatch):
+    path, local = roots
+    writes = []
+    real = coordinator_mod.save_state_dict
+
+    def spy(storage, p, sd, **kw):
+        writes.append((storage.url, {k: v.data_ptr() for k, v in sd.items() if isinstance(v, torch.Tensor)}))
+        return real(storage, p, sd, **kw)
+
+    monkeypatch.setattr(coordinator_mod, "save_state_dict", spy)
+    with CheckpointManager(path, local_dir=local) as mgr:
+        staged = []
+        real_stage = mgr.stager.eager.stage
+        monkeypatch.setattr(mgr.stager.eager, "stage", lambda *a, **k: staged.append(1) or real_stage(*a, **k))
+        assert mgr.save(5, state(5))
+        assert staged == [1]
+        assert len(writes) == 2 and {w[0] for w in writes} == {mgr.storage.url, mgr._local.url}
+        assert writes[0][1] == writes[1][1]  # the same host buffers
+        assert mgr.step_tiers() == {5: ("local", "persistent")}
+        assert [s.extra["tier"] for s in mgr.stats] in (["local", "persistent"], ["persistent", "local"])
+    for root in (path, local):
+        with CheckpointManager(root) as m:
+            out = zeros()
+            assert m.restore(5, out) == 5
+        assert_bitwise_equal(out, state(5))
+
+
+def test_restore_prefers_the_local_copy_and_falls_back_to_the_persistent_one(roots, monkeypatch):
+    path, local = roots
+    with CheckpointManager(path, local_dir=local) as mgr:
+        mgr.save(1, state(1))
+        mgr.save(2, state(2))
+    used = []
+    real = coordinator_mod.LocalCoordinator.load
+
+    def spy(self, storage, p, sd, **kw):
+        used.append(storage.url)
+        return real(self, storage, p, sd, **kw)
+
+    monkeypatch.setattr(coordinator_mod.LocalCoordinator, "load", spy)
+    with CheckpointManager(path, local_dir=local) as mgr:
+        out = zeros()
+        assert mgr.restore(None, out) == 2
+        assert_bitwise_equal(out, state(2))
+        assert used == [mgr._local.url]
+        # a damaged local copy: the persistent copy of the same step, with a warning naming the tier
+        flip_byte(data_files(local, 2)[0])
+        used.clear()
+        out = zeros()
+        with pytest.warns(RuntimeWarning, match=r"skipping the local copy of step 2"):
+            assert mgr.restore(None, out) == 2
+        assert_bitwise_equal(out, state(2))
+        assert used == [mgr._local.url, mgr.storage.url]
+        # a named step too
+        out = zeros()
+        with pytest.warns(RuntimeWarning, match="local copy of step 2"):
+            assert mgr.restore(2, out) == 2
+        assert_bitwise_equal(out, state(2))
+
+
+def test_local_dir_gone_restores_from_the_bucket(roots):
+    path, local = roots
+    with CheckpointManager(path, save_interval=2, local_dir=local, local_policy=1) as mgr:
+        for s in range(1, 6):
+            mgr.save(s, state(s))
+    shutil.rmtree(local)  # the node was replaced
+    with CheckpointManager(path, save_interval=2, local_dir=local, local_policy=1) as mgr:
+        assert mgr.step_tiers() == {4: ("persistent",), 2: ("persistent",)}
+        out = zeros()
+        assert mgr.restore(None, out) == 4
+    assert_bitwise_equal(out, state(4))
+
+
+def test_only_local_step_damaged_falls_back_to_an_older_step_of_either_tier(roots):
+    path, local = roots
+    with CheckpointManager(path, save_interval=2, local_dir=local, local_policy=1, local_retention=5) as mgr:
+        for s in range(1, 4):
+            mgr.save(s, state(s))
+    flip_byte(data_files(local, 3)[0])  # step 3 is local only
+    with CheckpointManager(path, save_interval=2, local_dir=local, local_policy=1) as mgr:
+        out = zeros()
+        with pytest.warns(RuntimeWarning, match="local copy of step 3"):
+            assert mgr.restore(None, out) == 2
+        assert_bitwise_equal(out, state(2))
+        with pytest.raises(CorruptCheckpointError, match="step 3"):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                mgr.restore(3, zeros())
+
+
+def test_a_mismatching_state_dict_is_raised_not_fallen_back_from(roots):
+    path, local = roots
+    with CheckpointManager(path, local_dir=local) as mgr:
+        mgr.save(1, state(1))
+        bad = zeros()
+        bad["w"] = torch.zeros(3)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no "skipping" warning: the caller's error, at once
+            with pytest.raises(StateDictMismatchError, match="w"):
+                mgr.restore(None, bad)
+        with pytest.raises(StepNotFoundError, match="step 7"):
+            mgr.restore(7, zeros())
+
+
+def test_failed_uploads_do_not_stop_local_saves_and_are_raised_at_join(roots, monkeypatch, caplog):
+    path, local = roots
+    real = coordinator_mod.save_state_dict
+    down = {"on": True}
+
+    def flaky(storage, p, sd, **kw):
+        if down["on"] and not p.startswith(local):
+            raise OSError("bucket unreachable")
+        return real(storage, p, sd, **kw)
+
+    monkeypatch.setattr(coordinator_mod, "save_state_dict", flaky)
+    mgr = CheckpointManager(path, save_interval=2, local_dir=local, local_policy=1, local_retention=10)
+    with caplog.at_level(logging.ERROR, logger="async_ckpt"):
+        for s in range(1, 6):
+            assert mgr.save_async(s, state(s))  # the failed uploads of 2 and 4 are not raised here
+        mgr._local.writer.join()
+        mgr._writer.wait_idle()
+    assert "save of step 2 failed" in caplog.text
+    assert mgr.step_tiers() == {s: ("local",) for s in (5, 4, 3, 2, 1)}
+    with pytest.raises(CheckpointError, match="step 2") as ei:
+        mgr.join()
+    assert ei.value.step == 2
+    down["on"] = False
+    mgr.save(6, state(6))  # the bucket is back: the next upload goes through
+    assert mgr.step_tiers()[6] == ("local", "persistent")
+    mgr.close()
+    with CheckpointManager(path) as plain:
+        assert plain.all_steps() == [6]
+
+
+def test_promote_uploads_a_local_step_and_commits_it(roots):
+    path, local = roots
+    with CheckpointManager(path, save_interval=10, local_dir=local, local_policy=1) as mgr:
+        mgr.save(3, state(3))
+        assert mgr.step_tiers() == {3: ("local",)}
+        mgr.promote(3)
+        assert mgr.step_tiers() == {3: ("local", "persistent")}
+        with pytest.raises(StepNotFoundError):
+            mgr.promote(4)
+        flip_byte(data_files(local, 3)[0])
+        mgr.save(4, state(4))
+        with pytest.raises(CorruptCheckpointError):
+            mgr.promote(3)  # checked before anything is committed: the bucket's copy stays as it was
+    with CheckpointManager(path) as plain:
+        assert plain.all_steps() == [3]
+        out = zeros()
+        assert plain.restore(3, out) == 3
+    assert_bitwise_equal(out, state(3))
+
+
+def test_delete_removes_every_copy_and_metrics_come_from_either(roots):
+    path, local = roots
+    with CheckpointManager(path, local_dir=local, retention=KeepLatest(5)) as mgr:
+        mgr.save(1, state(1), metrics={"loss": 1.5})
+        mgr.save(2, state(2), metrics={"loss": 0.5})
+        assert mgr.metrics(1) == {"loss": 1.5}
+        assert mgr.best_step("loss") == 2
+        mgr.delete(2)
+        assert mgr.step_tiers() == {1: ("local", "persistent")}
+        with pytest.raises(StepNotFoundError):
+            mgr.delete(2)
+
+
+def test_bad_tier_arguments_are_refused(roots, tmp_path):
+    path, local = roots
+    with pytest.raises(ValueError, match="must not be the same directory"):
+        CheckpointManager(path, local_dir=path)
+    with pytest.raises(ValueError, match="inside one another"):
+        CheckpointManager(path, local_dir=os.path.join(path, "local"))
+    with pytest.raises(ValueError, match="local_policy"):
+        CheckpointManager(path, local_dir=local, local_policy=0)
+    with pytest.raises(ValueError, match="local_retention"):
+        CheckpointManager(path, local_dir=local, local_retention=0)
+    with pytest.raises(TypeError, match="local_dir"):
+        CheckpointManager(path, local_dir=5)
+    with CheckpointManager(path) as mgr:
+        with pytest.raises(CheckpointError, match="local_dir"):
+            mgr.promote(1)
+
+
+def test_lazy_saves_to_both_tiers_round_trip(roots):
+    path, local = roots
+    sd = state(7)
+    with CheckpointManager(path, local_dir=local, lazy=True) as mgr:
+        assert mgr.save_async(7, sd)
+        mgr.wait_for_staging()
+        mgr.join()
+        assert mgr.step_tiers() == {7: ("local", "persistent")}
+    for root in (path, local):
+        with CheckpointManager(root) as m:
+            out = zeros()
+            m.restore(7, out)
+        assert_bitwise_equal(out, state(7))
+
+
+def test_bucket_that_cannot_be_listed_restores_from_local_with_a_warning(roots, monkeypatch):
+    from async_ckpt.errors import StorageError
+
+    path, local = roots
+    with CheckpointManager(path, save_interval=2, local_dir=local, local_policy=1) as mgr:
+        for s in range(1, 4):
+            mgr.save(s, state(s))
+    mgr = CheckpointManager(path, save_interval=2, local_dir=local, local_policy=1)
+
+    def down():
+        raise StorageError(f"{path}: connection refused")
+
+    monkeypatch.setattr(mgr.layout, "committed_steps", down)  # what listing an unreachable bucket raises
+    out = zeros()
+    with pytest.warns(RuntimeWarning, match=r"persistent tier .* cannot be listed"):
+        assert mgr.restore(None, out) == 3
+    assert_bitwise_equal(out, state(3))
+    with pytest.warns(RuntimeWarning, match="cannot be listed"):
+        assert mgr.all_steps() == [2, 3]
+    monkeypatch.undo()
+    mgr.close()
+    # without a local tier to fall back on, the listing error is raised
+    plain = CheckpointManager(path)
+    monkeypatch.setattr(plain.layout, "committed_steps", down)
+    with pytest.raises(StorageError, match="connection refused"):
+        plain.restore(None, zeros())
+    monkeypatch.undo()
+    plain.close()
+
+
+def test_cli_ls_verify_promote_understand_both_tiers(roots, capsys):
+    import json
+
+    from async_ckpt.cli import EXIT_DAMAGED, EXIT_OK, main
+
+    path, local = roots
+    with CheckpointManager(path, save_interval=2, local_dir=local, local_policy=1, local_retention=3) as mgr:
+        for s in range(1, 5):
+            mgr.save(s, state(s))
+    capsys.readouterr()
+    assert main(["ls", path, "--local-dir", local, "--json"]) == EXIT_OK
+    listed = json.loads(capsys.readouterr().out)
+    assert sorted((e["step"], e["tier"]) for e in listed["steps"]) == [
+        (2, "local"), (2, "persistent"), (3, "local"), (4, "local"), (4, "persistent")]
+    assert main(["ls", path, "--local-dir", local]) == EXIT_OK
+    assert "TIER" in capsys.readouterr().out
+    # promote keeps the step's commit time: the bucket's newest commit stays step 4
+    assert main(["promote", path, "3", "--local-dir", local]) == EXIT_OK
+    capsys.readouterr()
+    with CheckpointManager(path) as plain:
+        assert plain.steps_in_commit_order() == [2, 3, 4]
+        out = zeros()
+        assert plain.restore(3, out) == 3
+    assert_bitwise_equal(out, state(3))
+    assert main(["promote", path, "9", "--local-dir", local]) != EXIT_OK  # no such local step
+    flip_byte(data_files(local, 4)[0])
+    capsys.readouterr()
+    assert main(["verify", path, "--local-dir", local, "--all", "--json"]) == EXIT_DAMAGED
+    res = json.loads(capsys.readouterr().out)
+    bad = [(r["step"], r["tier"]) for r in res["steps"] if not r["ok"]]
+    assert bad == [(4, "local")]
+    assert main(["verify", path, "4", "--local-dir", local]) == EXIT_DAMAGED  # both copies, one damaged
+    text = capsys.readouterr().out
+    assert "step 4 (local): DAMAGED" in text and "step 4 (persistent): ok" in text

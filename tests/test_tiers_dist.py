@@ -1,0 +1,31 @@
+"""Two tiers with 2 ranks (torchrun, gloo, FSDP2): each rank's local copies, and the ranks'
+agreement on the step they restore (the scenarios are in tests/tier_worker.py)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def test_two_ranks_restore_the_newest_step_every_rank_holds_else_the_bucket(tmp_path):
+    env = dict(os.environ)
+    env.update({"OMP_NUM_THREADS": "1", "PJRT_DEVICE": "CPU",
+                "PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), env.get("PYTHONPATH", "")])})
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           os.path.join(HERE, "tier_worker.py"), str(tmp_path / "bucket"), str(tmp_path / "local"), str(tmp_path)]
+    proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
+    key = [ln for ln in proc.stdout.splitlines() if "Error" in ln or "RANK" in ln]
+    assert proc.returncode == 0, "\n".join(key[-30:]) + "\n----\n" + proc.stdout[-3000:]
+    for r in range(2):
+        assert f"RANK {r} OK" in proc.stdout
+    # each rank wrote only its own directory; rank 1's was emptied by the test
+    assert sorted(os.listdir(tmp_path / "local")) == ["rank0", "rank1"]
+    assert sorted(n for n in os.listdir(tmp_path / "local" / "rank0") if n.isdigit()) == ["2", "3", "4"]
+    assert not [n for n in os.listdir(tmp_path / "local" / "rank1") if n.isdigit()]

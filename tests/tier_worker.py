@@ -1,0 +1,114 @@
+"""Worker for tests/test_tiers_dist.py, launched with torchrun (gloo, CPU, FSDP2).
+
+    torchrun --standalone --nproc-per-node 2 tests/tier_worker.py <bucket> <local_dir> <ref_dir>
+
+A sharded model saves steps 1..4 locally (every rank to its own ``<local_dir>/rank<r>``) and
+every third step to the bucket. Then, with fresh managers each time:
+
+1. every rank holds steps 2-4 locally: both restore step 4, from their local copies;
+2. rank 1 loses its local step 4: both restore step 3 (the newest step every rank holds);
+3. rank 1's local copy of step 3 is damaged: both skip the local copies (rank 0's too) and
+   restore the bucket's copy of step 3;
+4. rank 1 loses its whole local dir: both restore step 3 from the bucket.
+
+Each restore is compared bitwise with the full state dict gathered at that step. Each rank
+prints ``RANK <r> OK`` at the end.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import warnings
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from async_ckpt import CheckpointManager  # noqa: E402
+from async_ckpt.lifecycle import coordinator as coordinator_mod  # noqa: E402
+from tests.dist_worker import build, train  # noqa: E402
+from tests.tree import assert_bitwise_equal, clone_tree  # noqa: E402
+
+
+def state(model, optim, step: int):
+    msd, osd = get_state_dict(model, optim)
+    return {"model": msd, "optim": osd, "extra": {"replicated": torch.arange(100, dtype=torch.float32) + step}}
+
+
+def full(model, optim):
+    msd, osd = get_state_dict(model, optim, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {"model": msd, "optim": osd}
+
+
+def main() -> None:
+    bucket, local, ref_dir = sys.argv[1:4]
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    model, optim = build(0)
+    refs = {}
+    opts = dict(save_interval=3, local_dir=local, local_policy=1, local_retention=3)
+    with CheckpointManager(bucket, **opts) as mgr:
+        for step in range(1, 5):
+            train(model, optim, 1, rank)
+            assert mgr.save_async(step, state(model, optim, step))
+            refs[step] = clone_tree(full(model, optim))  # plain tensors (Adam's step) come back live
+        mgr.join()
+        tiers = mgr.step_tiers()
+        assert tiers == {4: ("local",), 3: ("local", "persistent"), 2: ("local",)}, tiers
+    mine = os.path.join(local, f"rank{rank}")
+    assert sorted(n for n in os.listdir(mine) if n.isdigit()) == ["2", "3", "4"]
+
+    loads = []
+    real = coordinator_mod.LocalCoordinator.load
+    coordinator_mod.LocalCoordinator.load = lambda self, storage, *a, **k: (
+        loads.append(storage.url), real(self, storage, *a, **k))[1]
+
+    def restore_and_check(expect: int, local_reads: int) -> None:
+        """Restore into a fresh model; ``local_reads``: how many local copies this rank read
+        (the bucket's restore is collective, over DCP, not a local read)."""
+        fresh_model, fresh_optim = build(1)  # other values: every byte must come from the checkpoint
+        target = state(fresh_model, fresh_optim, -1)
+        loads.clear()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with CheckpointManager(bucket, **opts) as m:
+                got = m.restore(None, target)
+        assert got == expect, (rank, got, expect)
+        set_state_dict(fresh_model, fresh_optim, model_state_dict=target["model"],
+                       optim_state_dict=target["optim"])
+        assert_bitwise_equal(full(fresh_model, fresh_optim), refs[expect])
+        assert torch.equal(target["extra"]["replicated"], torch.arange(100, dtype=torch.float32) + expect)
+        assert loads == [mine] * local_reads, (rank, loads)
+
+    restore_and_check(4, 1)
+    dist.barrier()
+    if rank == 1:
+        shutil.rmtree(os.path.join(mine, "4"))
+    dist.barrier()
+    restore_and_check(3, 1)
+    dist.barrier()
+    if rank == 1:
+        d = os.path.join(mine, "3")
+        f = sorted(n for n in os.listdir(d) if n.endswith(".distcp"))[0]
+        with open(os.path.join(d, f), "r+b") as fh:
+            fh.seek(os.path.getsize(os.path.join(d, f)) // 2)
+            b = fh.read(1)
+            fh.seek(-1, os.SEEK_CUR)
+            fh.write(bytes([b[0] ^ 0xFF]))
+    dist.barrier()
+    restore_and_check(3, 1)  # the local copies of 3 (one damaged), then the bucket's
+    dist.barrier()
+    if rank == 1:
+        shutil.rmtree(mine)
+    dist.barrier()
+    restore_and_check(3, 0)  # no local step on every rank: the bucket
+    dist.barrier()
+    print(f"RANK {rank} OK", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
