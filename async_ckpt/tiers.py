@@ -5,7 +5,10 @@ own background writer and its own save policy. The manager stages a state dict o
 the snapshot to the writer of every tier the step is due for, so the two tiers' writes run side
 by side and a slow upload never holds up a local save (beyond ``max_pending_async`` per tier).
 
-Listing merges the tiers by commit time (a step both hold counts once, at its first commit).
+Listing merges the tiers by commit time. A save written to both tiers is stamped, in both,
+with the time it was taken (or just after the tier's newest commit), so the merged order is
+the order of the saves even while the persistent writer lags behind the local one; a step
+both tiers hold counts once.
 :func:`restore_from_tiers` tries the steps newest commit first and, for each, the local copy
 before the persistent one; a copy that is damaged, unreadable, or written by another rank or
 world size is skipped with a warning naming the tier and why. With several ranks each rank

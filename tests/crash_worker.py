@@ -12,7 +12,8 @@ line on stdout with what the child reported through a pipe before it died:
 The state saved at step ``s`` is :func:`make_state` ``(s)``: deterministic, so the parent can
 recompute exactly what must come back. Run ``python crash_worker.py`` and write
 ``{"dir": ..., "mode": "rename"|"marker", "delay": 0.4, "replay": false}`` lines (``dir`` may be
-a ``faulty://`` URL: the fsspec code path of object stores, over local files, without faults).
+a ``faulty://`` URL: the fsspec code path of object stores, over local files, without faults;
+``"local_dir": ..., "save_interval": N`` adds a local tier that saves every step).
 """
 
 from __future__ import annotations
@@ -92,8 +93,12 @@ def _child(spec: Dict[str, Any], w: int) -> None:
                 report("s", i)
                 mgr.save(k, make_state(resave_value(k, i)))
                 report("c", i)
+        tiers: Dict[str, Any] = {}
+        if spec.get("local_dir"):  # two tiers: every step locally, every save_interval-th to "dir"
+            tiers = dict(local_dir=spec["local_dir"], local_policy=1, local_retention=2,
+                         save_interval=int(spec["save_interval"]))
         mgr = CheckpointManager(spec["dir"], max_to_keep=MAX_TO_KEEP, commit_mode=spec["mode"],
-                                on_saved=lambda st: report("c", st.step))
+                                on_saved=lambda st: report("c", st.step), **tiers)
         steps = mgr.all_steps()
         start = 0
         if steps:

@@ -36,8 +36,8 @@ from async_ckpt import CheckpointManager
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from crash_worker import MAX_TO_KEEP, empty_like_state, make_state, resave_value, states_equal  # noqa: E402
 import faulty_fs  # noqa: E402,F401  (registers faulty://)
+from crash_worker import MAX_TO_KEEP, empty_like_state, make_state, resave_value, states_equal  # noqa: E402
 
 TRIALS = 36
 
@@ -204,3 +204,66 @@ def test_sigkill_during_resaves_of_a_step_never_loses_it(fork_server, tmp_path, 
         finally:
             mgr.close()
     print(f"re-save trials ({kind}): 10 kills, {commits} re-saves committed")
+
+
+TIERED_TRIALS = 30
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm (tmpfs)")
+def test_sigkill_with_a_local_tier_on_dev_shm_restores_from_ram(fork_server, tmp_path):
+    """A local tier on /dev/shm saving every step and a persistent root every 4th, the process
+    SIGKILLed at random moments: the next process restores from RAM, never a damaged copy, never
+    older than the newest step the killed process reported committed (in either tier), and
+    every step either tier lists restores bitwise."""
+    import shutil
+    import tempfile
+
+    master = int(os.environ.get("ASYNC_CKPT_CRASH_SEED", random.SystemRandom().randrange(2**31)))
+    print(f"tiered crash trials: ASYNC_CKPT_CRASH_SEED={master}")
+    shm = tempfile.mkdtemp(prefix="async-ckpt-crash-", dir="/dev/shm")
+    root = str(tmp_path / "bucket")
+    opts = dict(save_interval=4, local_dir=shm, local_policy=1, local_retention=2, max_to_keep=MAX_TO_KEEP)
+    newest_seen = -1
+    from_local = 0
+    try:
+        for i in range(TIERED_TRIALS):
+            rng = random.Random(master * 1000 + i)
+            delay = rng.uniform(0.0, 0.12) if rng.random() < 0.25 else rng.uniform(0.12, 0.9)
+            out = fork_server({"dir": root, "mode": "rename", "delay": round(delay, 4), "replay": False,
+                               "local_dir": shm, "save_interval": 4})
+            what = f"trial {i} (seed {master * 1000 + i}, delay {delay:.3f}s)"
+            assert out["status"] == "killed", f"{what}: the training process did not survive: {out['error']}"
+            assert out["resume_ok"] in (None, True), f"{what}: resumed step {out['resumed']} with wrong contents"
+            newest_seen = max([newest_seen] + out["committed"])
+            if newest_seen < 0:
+                continue  # nothing committed yet
+            loads = []
+            with CheckpointManager(root, keep_incomplete=True, **opts) as mgr:
+                real = mgr._local.store.layout.open_step
+                mgr._local.store.layout.open_step = lambda s, loads=loads, real=real: (loads.append(s), real(s))[1]
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    target = empty_like_state()
+                    got = mgr.restore(None, target)
+                skipped = [str(w.message) for w in caught if "skipping" in str(w.message)]
+                assert not skipped, f"{what}: restore(None) skipped damaged copies: {skipped}"
+                assert got >= newest_seen, (f"{what}: restored {got} < {newest_seen}, which had committed; "
+                                            f"tiers {mgr.step_tiers()}, local dir {sorted(os.listdir(shm))}, "
+                                            f"reported {out['committed'][-6:]}")
+                assert states_equal(target, make_state(got)), f"{what}: step {got} restored with wrong contents"
+                from_local += bool(loads)
+                tiers = mgr.step_tiers()
+                for s, held in tiers.items():  # every copy of every listed step restores bitwise
+                    for tier in held:
+                        store = (mgr._local if tier == "local" else mgr._tiers[-1]).store
+                        from async_ckpt.lifecycle.restore import restore as restore_from
+                        t = empty_like_state()
+                        restore_from(store, s, t, verify=True, allow_pickle=False, threads=2, planner=None)
+                        assert states_equal(t, make_state(s)), f"{what}: {tier} copy of {s} restored wrong"
+            newest_seen = max(newest_seen, got)
+            print(f"{what}: committed ..{out['committed'][-1:]} resumed {out['resumed']} restored {got} "
+                  f"tiers {tiers}")
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+    print(f"tiered crash trials: {TIERED_TRIALS} kills, {from_local} restores from /dev/shm")
+    assert from_local >= TIERED_TRIALS // 2  # the RAM tier is what restores (it holds every step)

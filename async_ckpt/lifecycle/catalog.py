@@ -115,9 +115,10 @@ class StepCatalog:
         with self._lock:
             return set(self._inflight)
 
-    def next_commit_time(self) -> float:
-        """Now, or just after the newest commit this catalog knows (commit times never go back)."""
-        now = self.clock()
+    def next_commit_time(self, at: Optional[float] = None) -> float:
+        """Now (or ``at``), or just after the newest commit this catalog knows (commit times
+        never go back)."""
+        now = self.clock() if at is None else at
         known = [c.commit_time for c in self.infos().values()]
         newest = max(known) if known else float("-inf")
         return now if now > newest else newest + 1e-6

@@ -42,6 +42,10 @@ class SaveJob:
     local_error: Optional[BaseException] = None
     #: entries added to the manifest's ``extra`` (a local tier records the job's rank and size)
     manifest_extra: Dict[str, Any] = field(default_factory=dict)
+    #: the commit time to stamp (if after every known commit) instead of the time of the commit:
+    #: a save written to two tiers gets the time it was taken in both, so that merging the tiers
+    #: orders steps as they were saved even when one tier's writer lags behind the other's
+    commit_at: Optional[float] = None
 
 
 class StagingAlreadyReported(Exception):
@@ -151,7 +155,7 @@ def run_save(store: StepStore, job: SaveJob, *, policy: RetentionPolicy, threads
                         merged[name] = FileRecord(size, crc)
                 int_keys = sorted({k for r in results for k in r.int_keys})
                 store.check_lease()
-                manifest = Manifest(step=step, commit_time=store.catalog.next_commit_time(), files=merged,
+                manifest = Manifest(step=step, commit_time=store.catalog.next_commit_time(job.commit_at), files=merged,
                                     metrics=job.metrics, nbytes=sum(r.nbytes for r in results),
                                     num_tensors=sum(r.num_tensors for r in results), world_size=coord.world_size,
                                     extra={**job.manifest_extra, **({"int_keys": int_keys} if int_keys else {})})

@@ -343,6 +343,7 @@ class CheckpointManager(SaveDecisions, TierListing):
             raise
         t2 = time.perf_counter()
         snap.share(len(due))
+        taken_at = self._clock()  # the commit time of this save in every tier (see SaveJob.commit_at)
         for tier in due:
             stats = SaveStats(step=step, nbytes=snap.nbytes, num_tensors=snap.num_tensors,
                               queue_wait_s=t1 - t0, stage_s=t2 - t1, blocking_s=t2 - t0)
@@ -351,7 +352,8 @@ class CheckpointManager(SaveDecisions, TierListing):
                 stats.extra["tier"] = tier.name
             if tier.name == LOCAL:
                 extra = {"tier": LOCAL, "rank": self._coord.rank, "world_size": self._coord.world_size}
-            job = SaveJob(step, snap, metrics, stats, t0, manifest_extra=extra)
+            job = SaveJob(step, snap, metrics, stats, t0, manifest_extra=extra,
+                          commit_at=taken_at if self._local is not None else None)
             tier.writer.submit(functools.partial(self._persist, job, tier), step=step)
             tier.last_save_time, tier.last_save_step = self._clock(), step
         if take:
