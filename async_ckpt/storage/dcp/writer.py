@@ -7,7 +7,9 @@ DCP's own fsspec writer is the I/O path:
 
 * files of one rank are written concurrently (``threads``), balanced by size, with large
   upload blocks on object stores and ``fsync`` per file on POSIX, never ``os.sync()``;
-* each file's size and CRC32C are computed while writing, for the manifest;
+* each file's size and CRC32C are computed while writing, for the manifest; through
+  DCP's planner (:class:`FsspecStorageWriter`, every multi-process save) each item's length
+  and CRC32C too, so that a rank restoring only some items reads and checks only those;
 * tensors are written from record templates (:mod:`..records`) where one fits;
 * a single-process save of plain tensors and objects skips DCP's planner
   (:func:`_save_local`), and a :class:`WriteMemo` lets the next save of the same layout reuse
@@ -42,9 +44,10 @@ from torch.futures import Future
 
 from ... import compat
 from ..fs import Storage
-from ..manifest import FileRecord, crc32c
+from ..manifest import FileRecord, crc32c, raw_crc32c
 from ..records import PickledObject, RecordBatch, RecordTemplates, _Template
 from .common import METADATA_NAME, _call_dcp, _distributed, _world_size
+from .crc import crc32c_combine
 from .layout_memo import (  # noqa: F401  (_flatten: re-exported for the restore paths)
     WriteMemo,
     _flatten,
@@ -98,22 +101,34 @@ _RECORDS = RecordTemplates()  # shared by every save in the process: templates d
 _COALESCE_BYTES = 4 * 2**20  # small records are gathered into writes of about this size
 _SMALL_ITEM_BYTES = 64 * 2**10  # runs of items up to this size are produced one file at a time
 _BATCH_MIN = 16  # runs of at least this many records of one template are rendered together
+_COMBINE_BYTES = 2**20  # a write at least this big is checksummed once for its record and its file
 
 
 class _RecordStream:
     """Write-through stream that counts bytes and computes CRC32C as data passes, gathering
-    small writes into large ones (fewer syscalls/requests)."""
+    small writes into large ones (fewer syscalls/requests).
 
-    def __init__(self, f: Any) -> None:
+    With ``records``, each record's length and CRC32C are kept too (:attr:`records`): the
+    writer calls :meth:`end_record` after each item, and :meth:`append_records` keeps its own.
+    A record's bytes are checksummed as they come in; where the file's CRC would take a second
+    pass over a big write (at least ``_COMBINE_BYTES``), the write is checksummed once and
+    that CRC combined into both (:func:`~.crc.crc32c_combine`).
+    """
+
+    def __init__(self, f: Any, records: bool = False) -> None:
         self._f = f
         self.size = 0  # bytes passed on to ``f``
         self.crc = 0
         self.error: Optional[BaseException] = None  # torch.save hides it behind a RuntimeError
         self._pending = bytearray()
+        self.records: Optional[List[Tuple[int, int]]] = [] if records else None  # (length, crc32c)
+        self._rec_crc = 0  # of the record being written
+        self._rec_start = 0
 
-    def _write_through(self, b: Any) -> int:
+    def _write_through(self, b: Any, crc: Optional[int] = None) -> int:
+        """Pass ``b`` on to the file; ``crc``: its CRC32C, already computed."""
         mv = memoryview(b).cast("B")
-        self.crc = crc32c(mv, self.crc)
+        self.crc = crc32c(mv, self.crc) if crc is None else crc32c_combine(self.crc, crc, mv.nbytes)
         try:
             self._f.write(mv)
         except BaseException as exc:
@@ -126,19 +141,50 @@ class _RecordStream:
         n = memoryview(b).nbytes
         if n >= 65536:
             self.flush_pending()
-            return self._write_through(b)
+            if self.records is None:
+                return self._write_through(b)
+            if n < _COMBINE_BYTES:
+                self._rec_crc = crc32c(b, self._rec_crc)
+                return self._write_through(b)
+            crc = crc32c(b)
+            self._rec_crc = crc32c_combine(self._rec_crc, crc, n)
+            return self._write_through(b, crc)
+        if self.records is not None:
+            self._rec_crc = crc32c(b, self._rec_crc)
         self._pending += b  # no cast: a memoryview cast costs more than the copy of a small record
         if len(self._pending) >= _COALESCE_BYTES:
             self.flush_pending()
         return n
+
+    def end_record(self) -> None:
+        """The bytes written since the last record end one (with ``records``)."""
+        records = self.records
+        if records is not None:
+            end = self.size + len(self._pending)
+            records.append((end - self._rec_start, self._rec_crc))
+            self._rec_crc, self._rec_start = 0, end
+
+    def _end_tail_records(self, n: int, count: int) -> None:
+        """End the last ``count`` records of ``n`` bytes each, whole records just appended to
+        the pending buffer (with ``records``)."""
+        records = self.records
+        if records is not None:
+            end = len(self._pending)
+            with memoryview(self._pending) as mv:  # released: the buffer grows later
+                records += [(n, raw_crc32c(mv[k:k + n])) for k in range(end - n * count, end, n)]
+            self._rec_start += n * count
 
     def append_record(self, t: torch.Tensor) -> int:
         """Append ``torch.save(t)``'s bytes from a template (see :mod:`.records`) straight into
         the pending buffer; return their length, or ``-1`` (nothing written) if ``t`` has none."""
         pending = self._pending
         n = _RECORDS.append(pending, t)
-        if n >= 0 and len(pending) >= _COALESCE_BYTES:
-            self.flush_pending()
+        if n >= 0:
+            if self.records is not None:
+                with memoryview(pending) as mv:  # released: the buffer grows later
+                    self._rec_crc = crc32c(mv[len(mv) - n:], self._rec_crc)
+            if len(pending) >= _COALESCE_BYTES:
+                self.flush_pending()
         return n
 
     def append_records(self, tpl: Any, ts: List[torch.Tensor]) -> None:
@@ -147,13 +193,16 @@ class _RecordStream:
         if len(ts) < _BATCH_MIN:
             for t in ts:
                 tpl.append_to(self._pending, tpl.ctype.from_address(t.data_ptr()))
+            self._end_tail_records(tpl.length, len(ts))
             if len(self._pending) >= _COALESCE_BYTES:
                 self.flush_pending()
             return
         size = max(1, min(len(ts), _COALESCE_BYTES // tpl.length))
         batch = RecordBatch(tpl, size)
         for k in range(0, len(ts), size):
-            self._pending += batch.render(ts[k: k + size])
+            chunk = ts[k: k + size]
+            self._pending += batch.render(chunk)
+            self._end_tail_records(tpl.length, len(chunk))
             if len(self._pending) >= _COALESCE_BYTES:
                 self.flush_pending()
 
@@ -212,12 +261,13 @@ def _item_nbytes(data: Any) -> int:
 
 
 def _write_files(storage: Storage, path: str, prefix: str, buckets: List[List[Any]], hints: List[int],
-                 threads: int, resolve: Callable[[Any], Any]) -> List[Tuple[str, FileRecord, List[int]]]:
+                 threads: int, resolve: Callable[[Any], Any], records: bool = False
+                 ) -> List[Tuple[str, FileRecord, List[int]]]:
     """Write each bucket as one ``<prefix><k>.distcp`` file, concurrently; ``resolve(item)``
     gives an item's data (a tensor or a BytesIO).
 
-    Returns, per file, its name, its record and the length of each item in order (items are
-    contiguous, so offsets follow). ``hints[k]`` is about the data size of bucket ``k`` (lets
+    Returns, per file, its name, its record (with ``records``, the length and CRC32C of each
+    item too) and the length of each item in order (items are contiguous, so offsets follow). ``hints[k]`` is about the data size of bucket ``k`` (lets
     small files upload in one request).
     """
 
@@ -237,7 +287,7 @@ def _write_files(storage: Storage, path: str, prefix: str, buckets: List[List[An
         name = f"{prefix}{k}.distcp"
         lengths: List[int] = []
         with storage.open_write(f"{path}/{name}", size_hint=hints[k]) as f:
-            stream = _RecordStream(f)
+            stream = _RecordStream(f, records)
             held = False
             run: List[torch.Tensor] = []  # consecutive tensors of one record template
             run_tpl: Optional[_Template] = None
@@ -264,6 +314,8 @@ def _write_files(storage: Storage, path: str, prefix: str, buckets: List[List[An
                         run, run_tpl = [data], tpl
                     else:
                         lengths.append(_write_item(stream, data))
+                        if records:
+                            stream.end_record()
                 if run:
                     stream.append_records(run_tpl, run)
                     lengths += [cast(_Template, run_tpl).length] * len(run)
@@ -278,7 +330,10 @@ def _write_files(storage: Storage, path: str, prefix: str, buckets: List[List[An
         if stored != stream.size:
             raise OSError(errno.EIO, f"short write: {stream.size} bytes written, storage holds {stored}",
                           f"{path}/{name}")
-        return name, FileRecord(stream.size, stream.crc), lengths
+        kept = stream.records
+        if kept is not None and [n for n, _ in kept] != lengths:
+            kept = None  # never list records that are not the items: the file is then checked whole
+        return name, FileRecord(stream.size, stream.crc, None if kept is None else tuple(kept)), lengths
 
     if not buckets:  # nothing to write on this rank (e.g. every item de-duplicated to another)
         return []
@@ -321,7 +376,8 @@ def _resolver(planner: SavePlanner) -> Callable[[Any], Any]:
 
 
 class FsspecStorageWriter(StorageWriter):
-    """DCP ``StorageWriter`` with concurrent, checksummed writes through :class:`Storage`."""
+    """DCP ``StorageWriter`` with concurrent, checksummed writes through :class:`Storage`; each
+    file's record in :attr:`files` lists its items' lengths and CRC32Cs."""
 
     def __init__(self, storage: Storage, path: str, *, threads: int = 8) -> None:
         super().__init__()
@@ -350,7 +406,7 @@ class FsspecStorageWriter(StorageWriter):
                            self.storage.max_file_bytes)
         hints = [sum(_item_bytes(item) for item in bucket) for bucket in buckets]
         outs = _write_files(self.storage, self.path, plan.storage_data.prefix, buckets, hints, self.threads,
-                            _resolver(planner))
+                            _resolver(planner), records=True)
         files, where = _results([[item.index for item in bucket] for bucket in buckets], outs)
         self.files.update(files)
         fut: Future = Future()
