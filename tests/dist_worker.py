@@ -2,11 +2,13 @@
 
     torchrun --standalone --nproc-per-node 4 tests/dist_worker.py save   <root> <ref.pt>
     torchrun --standalone --nproc-per-node 2 tests/dist_worker.py restore <root> <ref.pt>
+    torchrun --standalone --nproc-per-node 2 tests/dist_worker.py ranges  <root> -   (that check alone)
 
 ``save`` runs several checks in one launch (a torchrun start costs 6-16 s): sharded async saves
 from every rank, retention agreed by every rank with deletions by rank 0 only, a rank that
 fails mid-write, a rank that fails to stage, a save that works again afterwards, and a restore
-at the same world size. ``restore`` loads the 4-rank checkpoint into a 2-rank job. Every
+at the same world size. ``restore`` loads the 4-rank checkpoint into a 2-rank job, then saves
+and restores a 2-rank checkpoint of its own shards, counting the bytes each rank reads. Every
 comparison is bitwise against the full state dict written to ``ref.pt``. Each rank prints
 ``RANK <r> OK`` at the end; any failed check raises (non-zero exit).
 """
@@ -228,6 +230,131 @@ def scenario_restore(root: str, ref_path: str) -> None:
     assert mgr.restore(3, sd) == 3
     mgr.close()
     dropin_checks(root + "_dropin")
+    ranges_checks(root + "_ranges")
+
+
+def counting_reads(storage) -> dict:
+    """Count the bytes read from each file (by name) through ``storage``, however they are read."""
+    counts: dict = {}
+
+    def add(path, n):
+        name = os.path.basename(path)
+        counts[name] = counts.get(name, 0) + n
+
+    real_bytes, real_into, real_ranges = storage.read_bytes, storage.read_into, storage.open_ranges
+
+    def read_bytes(path):
+        data = real_bytes(path)
+        add(path, len(data))
+        return data
+
+    def read_into(path, start, out):
+        got = real_into(path, start, out)
+        add(path, min(got, len(out)))
+        return got
+
+    def open_ranges(path):
+        ranges = real_ranges(path)
+        real = ranges.read_into
+
+        def counted(start, out):
+            got = real(start, out)
+            add(path, min(got, len(out)))
+            return got
+
+        ranges.read_into = counted
+        return ranges
+
+    storage.read_bytes, storage.read_into, storage.open_ranges = read_bytes, read_into, open_ranges
+    return counts
+
+
+def ranges_checks(root: str) -> None:
+    """Each rank restores only the records of its own shards (plus the replicated items),
+    bitwise; a flipped byte in a record one rank needs makes both fall back to the older step."""
+    import warnings
+
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from async_ckpt import CorruptCheckpointError
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    rows = 64
+
+    def full(step: int):
+        g = torch.Generator().manual_seed(step)
+        return {"w": torch.randn(world * rows, 4096, generator=g),  # 1 MiB per rank
+                "v": torch.randn(world * rows, 300, generator=g).to(torch.bfloat16),
+                "replicated": torch.arange(5000, dtype=torch.float64) + step, "step": step}
+
+    def sharded(values):
+        return {k: distribute_tensor(v, mesh, [Shard(0)]) if k in ("w", "v") else v for k, v in values.items()}
+
+    def local(tree):
+        return {k: v.to_local() if hasattr(v, "to_local") else v for k, v in tree.items()}
+
+    def fresh():
+        return sharded({k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0 for k, v in full(0).items()})
+
+    def expect_equal(got, step: int):
+        want = local(sharded(full(step)))
+        got = local(got)
+        assert got["step"] == step, got["step"]
+        for k in ("w", "v", "replicated"):
+            assert got[k].dtype == want[k].dtype and torch.equal(got[k].view(torch.uint8), want[k].view(torch.uint8)), k
+
+    mgr = CheckpointManager(root)
+    for step in (1, 2):
+        assert mgr.save(step, sharded(full(step)))
+    step_dir = os.path.join(root, "2")
+    with open(os.path.join(step_dir, ".metadata"), "rb") as f:
+        md = load_metadata(f.read())
+    with open(os.path.join(step_dir, "manifest.json")) as f:
+        sizes = {n: v["size"] for n, v in json.load(f)["files"].items()}
+    need: dict = {}  # per file, the bytes of the records this rank needs
+    others = 0  # bytes of shards only the other ranks need
+    for idx, info in md.storage_data.items():
+        mine = idx.fqn in ("replicated", "step") or idx.offset[0] == rank * rows
+        if mine:
+            need[info.relative_path] = need.get(info.relative_path, 0) + info.length
+        else:
+            others += info.length
+    assert others > 0 and len({i.relative_path for i in md.storage_data.values()}) == world, md.storage_data
+
+    counts = counting_reads(mgr.storage)
+    target = fresh()
+    assert mgr.restore(None, target) == 2
+    expect_equal(target, 2)
+    read = {n: c for n, c in counts.items() if n.endswith(".distcp")}
+    print(f"RANGES rank {rank}: read {sum(read.values())} bytes of data files {sorted(read.items())}; "
+          f"the whole files holding them: {sum(sizes[n] for n in need)}", flush=True)
+    assert read == need, (read, need)
+    totals: list = [None] * world
+    dist.all_gather_object(totals, (sum(read.values()), sum(sizes[n] for n in need)))
+    assert sum(r for r, _ in totals) < sum(w for _, w in totals), totals  # whole files: more
+
+    # A flipped byte in rank 1's own shard of "w": only rank 1 reads it, both fall back.
+    dist.barrier()
+    shard1 = next(i for x, i in md.storage_data.items() if x.fqn == "w" and x.offset[0] == rows)
+    if rank == 0:
+        with open(os.path.join(step_dir, shard1.relative_path), "r+b") as f:
+            f.seek(shard1.offset + shard1.length - 100)
+            b = f.read(1)
+            f.seek(shard1.offset + shard1.length - 100)
+            f.write(bytes([b[0] ^ 0x10]))
+    dist.barrier()
+    target = fresh()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert mgr.restore(None, target) == 1
+    expect_equal(target, 1)
+    if rank == 1:
+        assert any("checksum mismatch" in str(w.message) for w in caught), [str(w.message) for w in caught]
+    damaged = os.path.join(step_dir, shard1.relative_path)
+    exc = expect_error(lambda: mgr.restore(2, fresh()), CorruptCheckpointError, "checksum mismatch", damaged)
+    assert exc.step == 2, exc.step
+    mgr.close()
 
 
 def dropin_checks(root: str) -> None:
@@ -293,7 +420,8 @@ def main() -> None:
     dist.init_process_group("gloo")
     try:
         what, root, ref = sys.argv[1], sys.argv[2], sys.argv[3]
-        {"save": scenario_save, "restore": scenario_restore}[what](root, ref)
+        {"save": scenario_save, "restore": scenario_restore,
+         "ranges": lambda root, _ref: ranges_checks(root)}[what](root, ref)
         dist.barrier()
         print(f"RANK {dist.get_rank()} OK ({time.time() - t0:.1f} s after init)", flush=True)
     finally:

@@ -161,8 +161,9 @@ class GroupCoordinator:
     def load(self, storage: Storage, path: str, state_dict: Dict[str, Any], *, files: Dict[str, FileRecord],
              verify: bool, threads: int, allow_pickle: bool, metadata: Any, planner: Any, atomic: bool = False,
              strict: bool = True) -> None:
-        """DCP over the checkpoint group (every file this rank needs read and verified before
-        its first write, so ``atomic`` holds either way)."""
+        """DCP over the checkpoint group: this rank reads only the records its load plan needs
+        (whole files where the manifest lists no records), and every byte it uses is verified
+        before its first write, so ``atomic`` holds either way."""
         import torch.distributed.checkpoint as dcp
 
         from ..storage.dcp.reader import safe_planner

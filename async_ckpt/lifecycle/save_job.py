@@ -55,7 +55,7 @@ class StagingAlreadyReported(Exception):
 @dataclass
 class _RankResult:
     error: Optional[Tuple[str, str]]
-    files: Dict[str, Tuple[int, int]]
+    files: Dict[str, FileRecord]  # with each file's record list, where the writer kept one
     nbytes: int
     num_tensors: int
     int_keys: List[str]
@@ -138,7 +138,7 @@ def run_save(store: StepStore, job: SaveJob, *, policy: RetentionPolicy, threads
 
         # 4. did every rank write? gather the file records for the manifest.
         mine = _RankResult(describe(coord.rank, write_error) if write_error is not None else None,
-                           {k: (v.size, v.crc32c) for k, v in files.items()},
+                           dict(files),
                            snap.nbytes, snap.num_tensors, list(snap.int_keys))
         results: List[_RankResult] = coord.all_gather(mine)
         raise_gathered([r.error for r in results], step, "writing", write_error)
@@ -149,10 +149,10 @@ def run_save(store: StepStore, job: SaveJob, *, policy: RetentionPolicy, threads
             try:
                 merged: Dict[str, FileRecord] = {}
                 for r in results:
-                    for name, (size, crc) in r.files.items():
+                    for name, rec in r.files.items():
                         if name in merged:
                             raise CheckpointError(f"step {step}: file {name} was written by two ranks", step=step)
-                        merged[name] = FileRecord(size, crc)
+                        merged[name] = rec
                 int_keys = sorted({k for r in results for k in r.int_keys})
                 store.check_lease()
                 manifest = Manifest(step=step, commit_time=store.catalog.next_commit_time(job.commit_at), files=merged,

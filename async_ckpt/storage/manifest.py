@@ -1,11 +1,21 @@
-"""The JSON manifest of a step and its commit marker. No pickle in our own metadata."""
+"""The JSON manifest of a step and its commit marker. No pickle in our own metadata.
+
+Each file of a step is listed with its size and CRC-32C. A data file the writer also knows the
+records of (the ``torch.save`` items DCP's ``.metadata`` places in it, one after another from
+byte 0) lists them in ``"records"``: a base64 string of one little-endian ``(uint64 length,
+uint32 crc32c)`` pair per record, in file order, so that a reader may fetch and check only the
+records it needs. A file without ``"records"`` is read and checked whole.
+"""
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import math
-from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, Optional
+import struct
+from dataclasses import dataclass, field, fields
+from typing import Any, Dict, Optional, Tuple
 
 import crc32c as _crc32c
 
@@ -45,10 +55,48 @@ def crc32c(data: Any, value: int = 0) -> int:
     return _crc32c.crc32c(data, value)
 
 
+raw_crc32c = _crc32c.crc32c  # the same function without the wrapper's call: for per-record loops
+
+
+_RECORD = struct.Struct("<QI")  # one record in a manifest's "records": length, crc32c
+
+
 @dataclass
 class FileRecord:
+    """A file of a step: its size and CRC-32C; ``records``: the ``(length, crc32c)`` of each of
+    its records in file order, covering it from byte 0 to ``size``, where the writer recorded
+    them (``None``: the file is checked whole)."""
+
     size: int
     crc32c: int
+    records: Optional[Tuple[Tuple[int, int], ...]] = None
+
+    def to_dict(self) -> Dict[str, Any]:
+        d: Dict[str, Any] = {"size": self.size, "crc32c": self.crc32c}
+        if self.records is not None:
+            d["records"] = base64.b64encode(b"".join(_RECORD.pack(n, c) for n, c in self.records)).decode()
+        return d
+
+    @staticmethod
+    def from_dict(d: Dict[str, Any], *, name: str, where: str) -> "FileRecord":
+        """The record of the manifest ``where``'s entry for the file ``name``; a ``"records"`` that is not valid base64 of whole
+        pairs, or whose lengths do not add up to ``size``, is a :class:`CorruptCheckpointError`."""
+        rec = FileRecord(int(d["size"]), int(d["crc32c"]))
+        raw = d.get("records")
+        if raw is None:
+            return rec
+        try:
+            data = base64.b64decode(raw, validate=True) if isinstance(raw, str) else None
+        except binascii.Error:
+            data = None
+        if data is None or len(data) % _RECORD.size:
+            raise CorruptCheckpointError(f"{where}: {shown(name)}: the record list is malformed", path=where)
+        records = tuple(_RECORD.iter_unpack(data))
+        if sum(n for n, _ in records) != rec.size:
+            raise CorruptCheckpointError(f"{where}: {shown(name)}: its records add up to "
+                                         f"{sum(n for n, _ in records)} bytes, but its size is {rec.size}", path=where)
+        rec.records = records
+        return rec
 
 
 @dataclass
@@ -66,14 +114,15 @@ class Manifest:
     extra: Dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> bytes:
-        d = asdict(self)
+        d = {f.name: getattr(self, f.name) for f in fields(self)}  # not asdict: it deep-copies every record
+        d["files"] = {k: v.to_dict() for k, v in self.files.items()}
         return json.dumps(d, indent=1, sort_keys=True, allow_nan=True).encode()
 
     @staticmethod
     def from_json(data: bytes, *, where: str = "manifest") -> "Manifest":
         try:
             d = json.loads(data)
-            files = {k: FileRecord(int(v["size"]), int(v["crc32c"])) for k, v in d["files"].items()}
+            files = {k: FileRecord.from_dict(v, name=k, where=where) for k, v in d["files"].items()}
             m = Manifest(
                 step=int(d["step"]),
                 commit_time=float(d["commit_time"]),

@@ -1,7 +1,8 @@
 """DCP-format save and load over :class:`~async_ckpt.storage.fs.Storage`.
 
 * :mod:`.writer`: the write path (record streams, concurrent checksummed files, the
-  planner-free single-process save and its :class:`WriteMemo`);
+  planner-free single-process save);
+* :mod:`.layout_memo`: what that save remembers of a layout for the next one (:class:`WriteMemo`);
 * :mod:`.reader`: the read path (concurrent verified reads, then the state dict is touched);
 * :mod:`.safety`: the restricted unpicklers for ``.metadata``, objects and tensor records;
 * :mod:`.common`: ``METADATA_NAME`` and running a DCP call.

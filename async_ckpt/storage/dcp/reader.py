@@ -1,22 +1,26 @@
 """Restore: reading a DCP checkpoint through :class:`~async_ckpt.storage.fs.Storage`.
 
-Whole files are read concurrently (a big one as concurrent ranged reads), checked against
-the manifest's sizes and CRC32Cs, and only then applied to the target state dict, so a failed
-restore leaves it untouched. A tensor item stored as one plain ``torch.save`` storage is
+What the load plan needs is read concurrently and checked against the manifest before the
+target state dict is touched, so a failed restore leaves it untouched: of a file whose
+manifest entry lists its records (:class:`~..manifest.FileRecord`), only the records the plan's
+items lie in, adjacent ones in one request, each checked against its CRC32C; any other file
+whole (a big one as concurrent ranged reads), checked against its size and CRC32C. A tensor item stored as one plain ``torch.save`` storage is
 copied straight from the read buffer into its target (:func:`_stored_bytes`); anything else
 goes through ``torch.load(weights_only=True)``.
 """
 
 from __future__ import annotations
 
+import bisect
 import io
+import itertools
 import pickle
 import struct
 import sys
 import warnings
 import zipfile
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Protocol, Tuple, cast
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Protocol, Set, Tuple, cast
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -39,6 +43,8 @@ else:
     _StorageInfo, _ = compat.dcp_storage_info()
 narrow_tensor_by_index = compat.narrow_tensor_by_index()
 
+_REQUEST_COST = 2**20  # a read request costs about as much time as reading this many bytes more
+
 
 class _BytesDecoder(Protocol):
     """A load planner that decodes a non-tensor item apart from setting it (``_SafeLoadPlanner``)."""
@@ -49,10 +55,11 @@ class _BytesDecoder(Protocol):
 
 
 class FsspecStorageReader(StorageReader):
-    """DCP ``StorageReader``: whole files read concurrently, verified, then deserialised.
+    """DCP ``StorageReader``: what the plan needs read concurrently, verified, then deserialised.
 
     With ``files`` (the manifest's records) only files it lists are read, each checked against
-    its size (and, with ``verify``, its CRC32C). Every name read must be a plain file name inside
+    its size (and, with ``verify``, its CRC32C); of a file whose record lists its items'
+    records, only the records the plan touches are read, each checked against its CRC32C. Every name read must be a plain file name inside
     ``path`` (never ``../x``, an absolute path, or a link leading out); anything else, and a
     directory where a file should be, is a :class:`CorruptCheckpointError`.
     """
@@ -155,6 +162,106 @@ class FsspecStorageReader(StorageReader):
             out[n] = data
         return out
 
+    def _read_records(self, wanted: Dict[str, List[Tuple[int, int]]], pool: ThreadPoolExecutor
+                      ) -> Dict[str, Tuple[List[int], List[memoryview]]]:
+        """Per file of ``wanted``, the records that its byte ranges (offset, length) lie in,
+        read concurrently and (with ``verify``) checked against their CRC32Cs: the start of
+        each run of adjacent records, and its bytes. A run is one request (a big one is split
+        into concurrent ranges of about ``READ_RANGE_BYTES``)."""
+        files = cast(Dict[str, FileRecord], self.files)
+        plans = []  # (name, where, record starts, runs of record indices)
+        for name, spans in wanted.items():
+            records = cast(Tuple[Tuple[int, int], ...], files[name].records)
+            starts = [0, *itertools.accumulate(n for n, _ in records)]  # starts[-1]: the file's size
+            needed: Set[int] = set()
+            for offset, length in spans:
+                first = max(0, bisect.bisect_right(starts, offset) - 1)
+                last = max(first + 1, bisect.bisect_left(starts, offset + length))
+                needed.update(range(first, min(last, len(records))))
+            runs: List[List[int]] = []  # [first record, last record + 1]
+            for k in sorted(needed):
+                if runs and runs[-1][1] == k:
+                    runs[-1][1] = k + 1
+                else:
+                    runs.append([k, k + 1])
+            plans.append((name, self._checked_path(name), starts, runs))
+        readers: Dict[str, Any] = {}
+        out: Dict[str, Tuple[List[int], List[memoryview]]] = {}
+        reads = []  # (reader, where, file offset, buffer): one request each
+        try:
+            for name, where, starts, runs in plans:
+                readers[name] = reader = self._open_ranges(where, files[name].size)
+                # not zero-filled: every byte is overwritten by the reads (or the file is too short)
+                bufs = [memoryview(torch.empty(starts[b] - starts[a], dtype=torch.uint8).numpy())  # type: ignore[arg-type, unused-ignore]
+                        for a, b in runs]
+                out[name] = ([starts[a] for a, _ in runs], bufs)
+                reads += [(reader, where, starts[a] + lo, buf[lo:lo + READ_RANGE_BYTES])
+                          for buf, (a, _) in zip(bufs, runs) for lo in range(0, len(buf), READ_RANGE_BYTES)]
+            # Consecutive reads grouped into about 4 tasks per thread of equal cost (a request
+            # costs as much as reading _REQUEST_COST bytes), not a task per small record.
+            share = sum(len(r[3]) + _REQUEST_COST for r in reads) / (4 * self.threads)
+            tasks: List[List[Tuple[Any, str, int, memoryview]]] = [[]]
+            held = 0
+            for r in reads:
+                tasks[-1].append(r)
+                held += len(r[3]) + _REQUEST_COST
+                if held >= share:
+                    tasks.append([])
+                    held = 0
+
+            def read(task: List[Tuple[Any, str, int, memoryview]]) -> None:
+                for reader, where, start, buf in task:
+                    if reader.read_into(start, buf) != len(buf):
+                        raise CorruptCheckpointError(f"{where}: file ends before byte {start + len(buf)}, "
+                                                     "which the manifest places in it", path=where)
+
+            list(pool.map(read, tasks))  # re-raises the first failure
+        finally:
+            for reader in readers.values():
+                reader.close()
+        if not self.verify:
+            return out
+        batches: List[List[Tuple[str, memoryview, int, int]]] = [[]]  # of about READ_RANGE_BYTES each
+        held = 0  # bytes in the last batch
+        for name, where, starts, runs in plans:
+            records = cast(Tuple[Tuple[int, int], ...], files[name].records)
+            for buf, (a, b) in zip(out[name][1], runs):
+                for k in range(a, b):  # (where, record bytes, crc32c, start)
+                    batches[-1].append((where, buf[starts[k] - starts[a]: starts[k + 1] - starts[a]],
+                                        records[k][1], starts[k]))
+                    held += records[k][0]
+                    if held >= READ_RANGE_BYTES:
+                        batches.append([])
+                        held = 0
+
+        def check(batch: List[Tuple[str, memoryview, int, int]]) -> None:
+            for where, data, want, start in batch:
+                crc = crc32c(data)
+                if crc != want:
+                    raise CorruptCheckpointError(
+                        f"{where}: checksum mismatch in the record at bytes {start}-{start + len(data)} "
+                        f"(crc32c {crc:#010x}, manifest says {want:#010x})", path=where)
+
+        list(pool.map(check, batches))
+        return out
+
+    def _open_ranges(self, where: str, size: int) -> Any:
+        """``where`` opened for ranged reads; of the manifest's ``size`` where the storage knows
+        the size without another request."""
+        try:
+            reader = self.storage.open_ranges(where)
+        except FileNotFoundError:
+            raise CorruptCheckpointError(f"{where}: file is missing", path=where) from None
+        except StorageError as exc:
+            if isinstance(exc.__cause__, (IsADirectoryError, NotADirectoryError)):
+                raise CorruptCheckpointError(f"{where}: is not a readable file ({exc.__cause__})", path=where) from exc
+            raise
+        if reader.known_size is not None and reader.known_size != size:
+            reader.close()
+            raise CorruptCheckpointError(f"{where}: size is {reader.known_size} bytes, manifest says {size}",
+                                         path=where)
+        return reader
+
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """``.metadata``, read and checked (once; a ``metadata`` given to the constructor is
         taken as checked): see :meth:`check_metadata`."""
@@ -216,9 +323,23 @@ class FsspecStorageReader(StorageReader):
         per_file: Dict[str, List[Any]] = {}
         for item in plan.items:
             per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
-        names = list(per_file)
+        files = self.files or {}
+        ranged = {n: [(self.storage_data[r.storage_index].offset, self.storage_data[r.storage_index].length)
+                      for r in reqs]
+                  for n, reqs in per_file.items() if n in files and files[n].records is not None}
+        whole = [n for n in per_file if n not in ranged]
         with ThreadPoolExecutor(self.threads, thread_name_prefix="async-ckpt-read") as pool:
-            blobs = self._read_files(names, pool)
+            parts = self._read_records(ranged, pool)  # per file: where each read run starts, its bytes
+            parts.update({n: ([0], [memoryview(b)]) for n, b in self._read_files(whole, pool).items()})
+
+        def item_bytes(name: str, info: Any) -> memoryview:
+            """The bytes of the item ``info`` places in ``name``, from what was read of it."""
+            starts, bufs = parts[name]
+            if not starts:  # nothing read: only empty items lie in it
+                return memoryview(b"")
+            k = max(0, bisect.bisect_right(starts, info.offset) - 1)
+            return bufs[k][info.offset - starts[k]: info.offset - starts[k] + info.length]
+
         # Non-tensor items are decoded before anything is applied, so that an unsafe or
         # undecodable object fails the restore with the caller's state dict untouched.
         decoded: Dict[int, Any] = {}
@@ -227,25 +348,24 @@ class FsspecStorageReader(StorageReader):
                 for req in reqs:
                     if req.type == LoadItemType.BYTE_IO:
                         info = self.storage_data[req.storage_index]
-                        decoded[id(req)] = planner.decode_bytes(
-                            req, io.BytesIO(memoryview(blobs[name])[info.offset: info.offset + info.length]))
+                        decoded[id(req)] = planner.decode_bytes(req, io.BytesIO(item_bytes(name, info)))
         # Everything is read and verified: only now touch the caller's state dict.
         copies: List[Tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (req, target, dst, src)
         # DCP's default planner writes into the caller's own tensors and does nothing on commit,
         # so its copies may run together; other planners (torch_xla's) get resolve, copy, commit.
         batch = type(planner) in (_SafeLoadPlanner, DefaultLoadPlanner)
         for name, reqs in per_file.items():
-            blob = memoryview(blobs.pop(name))
             for req in sorted(reqs, key=lambda r: self.storage_data[r.storage_index].offset):
                 info = self.storage_data[req.storage_index]
+                data = item_bytes(name, info)
                 if req.type == LoadItemType.BYTE_IO:
                     if id(req) in decoded:
                         cast(_BytesDecoder, planner).set_bytes(req, decoded[id(req)])  # decoded: it has decode_bytes
                     else:
-                        planner.load_bytes(req, io.BytesIO(blob[info.offset: info.offset + info.length]))
+                        planner.load_bytes(req, io.BytesIO(data))
                     continue
                 target = planner.resolve_tensor(req).detach()
-                raw = _stored_bytes(blob[info.offset: info.offset + info.length], req, target)
+                raw = _stored_bytes(data, req, target)
                 if raw is not None:  # one copy, straight from the read buffer into the target
                     dst, src = raw
                     if batch:
@@ -254,7 +374,7 @@ class FsspecStorageReader(StorageReader):
                         dst.copy_(src)
                         planner.commit_tensor(req, target)
                     continue
-                chunk = io.BytesIO(blob[info.offset: info.offset + info.length])  # (a copy)
+                chunk = io.BytesIO(data)  # (a copy)
                 tensor = torch.load(chunk, map_location="cpu", weights_only=True)
                 tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
                 if target.size() != tensor.size():
@@ -263,6 +383,7 @@ class FsspecStorageReader(StorageReader):
                         f"{tuple(target.size())}")
                 target.copy_(tensor)
                 planner.commit_tensor(req, target)
+            del parts[name]  # applied (a pending copy keeps its own source alive): its buffers may go
         if copies:  # large copies, spread over threads (torch releases the GIL while copying)
             with ThreadPoolExecutor(min(4, len(copies)), thread_name_prefix="async-ckpt-copy") as pool:
                 list(pool.map(lambda c: c[2].copy_(c[3]), copies))

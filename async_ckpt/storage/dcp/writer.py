@@ -7,7 +7,9 @@ DCP's own fsspec writer is the I/O path:
 
 * files of one rank are written concurrently (``threads``), balanced by size, with large
   upload blocks on object stores and ``fsync`` per file on POSIX, never ``os.sync()``;
-* each file's size and CRC32C are computed while writing, for the manifest;
+* each file's size and CRC32C are computed while writing, for the manifest; through
+  DCP's planner (:class:`FsspecStorageWriter`, every multi-process save) each item's length
+  and CRC32C too, so that a rank restoring only some items reads and checks only those;
 * tensors are written from record templates (:mod:`..records`) where one fits;
 * a single-process save of plain tensors and objects skips DCP's planner
   (:func:`_save_local`), and a :class:`WriteMemo` lets the next save of the same layout reuse
@@ -19,13 +21,10 @@ from __future__ import annotations
 import dataclasses
 import errno
 import io
-import itertools
-import operator
 import pickle
 import threading
-from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Tuple, cast
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple, cast
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -45,17 +44,24 @@ from torch.futures import Future
 
 from ... import compat
 from ..fs import Storage
-from ..manifest import FileRecord, crc32c
+from ..manifest import FileRecord, crc32c, raw_crc32c
 from ..records import PickledObject, RecordBatch, RecordTemplates, _Template
 from .common import METADATA_NAME, _call_dcp, _distributed, _world_size
+from .crc import crc32c_combine
+from .layout_memo import (  # noqa: F401  (_flatten: re-exported for the restore paths)
+    WriteMemo,
+    _flatten,
+    _has_signature,
+    _Layout,
+    _local_data,
+    _metadata_index,
+    _signature,
+)
 
 if TYPE_CHECKING:  # the classes compat returns, named for the type checker
     from torch.distributed.checkpoint.filesystem import _StorageInfo, _StoragePrefix
 else:
     _StorageInfo, _StoragePrefix = compat.dcp_storage_info()
-flatten_state_dict = compat.dcp_flatten_state_dict()
-traverse_state_dict = compat.dcp_traverse().traverse_state_dict
-_dcp_version = compat.dcp_version()
 
 
 def _item_bytes(item: Any) -> int:
@@ -95,22 +101,34 @@ _RECORDS = RecordTemplates()  # shared by every save in the process: templates d
 _COALESCE_BYTES = 4 * 2**20  # small records are gathered into writes of about this size
 _SMALL_ITEM_BYTES = 64 * 2**10  # runs of items up to this size are produced one file at a time
 _BATCH_MIN = 16  # runs of at least this many records of one template are rendered together
+_COMBINE_BYTES = 2**20  # a write at least this big is checksummed once for its record and its file
 
 
 class _RecordStream:
     """Write-through stream that counts bytes and computes CRC32C as data passes, gathering
-    small writes into large ones (fewer syscalls/requests)."""
+    small writes into large ones (fewer syscalls/requests).
 
-    def __init__(self, f: Any) -> None:
+    With ``records``, each record's length and CRC32C are kept too (:attr:`records`): the
+    writer calls :meth:`end_record` after each item, and :meth:`append_records` keeps its own.
+    A record's bytes are checksummed as they come in; where the file's CRC would take a second
+    pass over a big write (at least ``_COMBINE_BYTES``), the write is checksummed once and
+    that CRC combined into both (:func:`~.crc.crc32c_combine`).
+    """
+
+    def __init__(self, f: Any, records: bool = False) -> None:
         self._f = f
         self.size = 0  # bytes passed on to ``f``
         self.crc = 0
         self.error: Optional[BaseException] = None  # torch.save hides it behind a RuntimeError
         self._pending = bytearray()
+        self.records: Optional[List[Tuple[int, int]]] = [] if records else None  # (length, crc32c)
+        self._rec_crc = 0  # of the record being written
+        self._rec_start = 0
 
-    def _write_through(self, b: Any) -> int:
+    def _write_through(self, b: Any, crc: Optional[int] = None) -> int:
+        """Pass ``b`` on to the file; ``crc``: its CRC32C, already computed."""
         mv = memoryview(b).cast("B")
-        self.crc = crc32c(mv, self.crc)
+        self.crc = crc32c(mv, self.crc) if crc is None else crc32c_combine(self.crc, crc, mv.nbytes)
         try:
             self._f.write(mv)
         except BaseException as exc:
@@ -123,19 +141,50 @@ class _RecordStream:
         n = memoryview(b).nbytes
         if n >= 65536:
             self.flush_pending()
-            return self._write_through(b)
+            if self.records is None:
+                return self._write_through(b)
+            if n < _COMBINE_BYTES:
+                self._rec_crc = crc32c(b, self._rec_crc)
+                return self._write_through(b)
+            crc = crc32c(b)
+            self._rec_crc = crc32c_combine(self._rec_crc, crc, n)
+            return self._write_through(b, crc)
+        if self.records is not None:
+            self._rec_crc = crc32c(b, self._rec_crc)
         self._pending += b  # no cast: a memoryview cast costs more than the copy of a small record
         if len(self._pending) >= _COALESCE_BYTES:
             self.flush_pending()
         return n
+
+    def end_record(self) -> None:
+        """The bytes written since the last record end one (with ``records``)."""
+        records = self.records
+        if records is not None:
+            end = self.size + len(self._pending)
+            records.append((end - self._rec_start, self._rec_crc))
+            self._rec_crc, self._rec_start = 0, end
+
+    def _end_tail_records(self, n: int, count: int) -> None:
+        """End the last ``count`` records of ``n`` bytes each, whole records just appended to
+        the pending buffer (with ``records``)."""
+        records = self.records
+        if records is not None:
+            end = len(self._pending)
+            with memoryview(self._pending) as mv:  # released: the buffer grows later
+                records += [(n, raw_crc32c(mv[k:k + n])) for k in range(end - n * count, end, n)]
+            self._rec_start += n * count
 
     def append_record(self, t: torch.Tensor) -> int:
         """Append ``torch.save(t)``'s bytes from a template (see :mod:`.records`) straight into
         the pending buffer; return their length, or ``-1`` (nothing written) if ``t`` has none."""
         pending = self._pending
         n = _RECORDS.append(pending, t)
-        if n >= 0 and len(pending) >= _COALESCE_BYTES:
-            self.flush_pending()
+        if n >= 0:
+            if self.records is not None:
+                with memoryview(pending) as mv:  # released: the buffer grows later
+                    self._rec_crc = crc32c(mv[len(mv) - n:], self._rec_crc)
+            if len(pending) >= _COALESCE_BYTES:
+                self.flush_pending()
         return n
 
     def append_records(self, tpl: Any, ts: List[torch.Tensor]) -> None:
@@ -144,13 +193,16 @@ class _RecordStream:
         if len(ts) < _BATCH_MIN:
             for t in ts:
                 tpl.append_to(self._pending, tpl.ctype.from_address(t.data_ptr()))
+            self._end_tail_records(tpl.length, len(ts))
             if len(self._pending) >= _COALESCE_BYTES:
                 self.flush_pending()
             return
         size = max(1, min(len(ts), _COALESCE_BYTES // tpl.length))
         batch = RecordBatch(tpl, size)
         for k in range(0, len(ts), size):
-            self._pending += batch.render(ts[k: k + size])
+            chunk = ts[k: k + size]
+            self._pending += batch.render(chunk)
+            self._end_tail_records(tpl.length, len(chunk))
             if len(self._pending) >= _COALESCE_BYTES:
                 self.flush_pending()
 
@@ -209,12 +261,13 @@ def _item_nbytes(data: Any) -> int:
 
 
 def _write_files(storage: Storage, path: str, prefix: str, buckets: List[List[Any]], hints: List[int],
-                 threads: int, resolve: Callable[[Any], Any]) -> List[Tuple[str, FileRecord, List[int]]]:
+                 threads: int, resolve: Callable[[Any], Any], records: bool = False
+                 ) -> List[Tuple[str, FileRecord, List[int]]]:
     """Write each bucket as one ``<prefix><k>.distcp`` file, concurrently; ``resolve(item)``
     gives an item's data (a tensor or a BytesIO).
 
-    Returns, per file, its name, its record and the length of each item in order (items are
-    contiguous, so offsets follow). ``hints[k]`` is about the data size of bucket ``k`` (lets
+    Returns, per file, its name, its record (with ``records``, the length and CRC32C of each
+    item too) and the length of each item in order (items are contiguous, so offsets follow). ``hints[k]`` is about the data size of bucket ``k`` (lets
     small files upload in one request).
     """
 
@@ -234,7 +287,7 @@ def _write_files(storage: Storage, path: str, prefix: str, buckets: List[List[An
         name = f"{prefix}{k}.distcp"
         lengths: List[int] = []
         with storage.open_write(f"{path}/{name}", size_hint=hints[k]) as f:
-            stream = _RecordStream(f)
+            stream = _RecordStream(f, records)
             held = False
             run: List[torch.Tensor] = []  # consecutive tensors of one record template
             run_tpl: Optional[_Template] = None
@@ -261,6 +314,8 @@ def _write_files(storage: Storage, path: str, prefix: str, buckets: List[List[An
                         run, run_tpl = [data], tpl
                     else:
                         lengths.append(_write_item(stream, data))
+                        if records:
+                            stream.end_record()
                 if run:
                     stream.append_records(run_tpl, run)
                     lengths += [cast(_Template, run_tpl).length] * len(run)
@@ -275,7 +330,10 @@ def _write_files(storage: Storage, path: str, prefix: str, buckets: List[List[An
         if stored != stream.size:
             raise OSError(errno.EIO, f"short write: {stream.size} bytes written, storage holds {stored}",
                           f"{path}/{name}")
-        return name, FileRecord(stream.size, stream.crc), lengths
+        kept = stream.records
+        if kept is not None and [n for n, _ in kept] != lengths:
+            kept = None  # never list records that are not the items: the file is then checked whole
+        return name, FileRecord(stream.size, stream.crc, None if kept is None else tuple(kept)), lengths
 
     if not buckets:  # nothing to write on this rank (e.g. every item de-duplicated to another)
         return []
@@ -318,7 +376,8 @@ def _resolver(planner: SavePlanner) -> Callable[[Any], Any]:
 
 
 class FsspecStorageWriter(StorageWriter):
-    """DCP ``StorageWriter`` with concurrent, checksummed writes through :class:`Storage`."""
+    """DCP ``StorageWriter`` with concurrent, checksummed writes through :class:`Storage`; each
+    file's record in :attr:`files` lists its items' lengths and CRC32Cs."""
 
     def __init__(self, storage: Storage, path: str, *, threads: int = 8) -> None:
         super().__init__()
@@ -347,7 +406,7 @@ class FsspecStorageWriter(StorageWriter):
                            self.storage.max_file_bytes)
         hints = [sum(_item_bytes(item) for item in bucket) for bucket in buckets]
         outs = _write_files(self.storage, self.path, plan.storage_data.prefix, buckets, hints, self.threads,
-                            _resolver(planner))
+                            _resolver(planner), records=True)
         files, where = _results([[item.index for item in bucket] for bucket in buckets], outs)
         self.files.update(files)
         fut: Future = Future()
@@ -394,154 +453,6 @@ def save_state_dict(storage: Storage, path: str, state_dict: Dict[str, Any], *, 
     _call_dcp(lambda: dcp.save(state_dict, storage_writer=writer, planner=planner,
                                process_group=process_group, no_dist=not _distributed()))
     return writer.files
-
-
-def _metadata_index(fqn: str, offset: torch.Size, index: int) -> MetadataIndex:
-    """``MetadataIndex(fqn, offset, index)`` without its ``__init__``, which rebuilds ``offset``
-    as a new ``torch.Size`` per item. Same fields, so equal, hashed and pickled alike; ``offset``
-    is shared, so pickled once."""
-    idx = object.__new__(MetadataIndex)
-    object.__setattr__(idx, "fqn", fqn)
-    object.__setattr__(idx, "offset", offset)
-    object.__setattr__(idx, "index", index)
-    return idx
-
-
-def _flatten(state_dict: Dict[str, Any], reuse: Optional[Dict[str, Tuple[Any, ...]]] = None
-             ) -> Tuple[Dict[str, Any], Dict[str, Tuple[Any, ...]]]:
-    """``flatten_state_dict(state_dict)``: the same keys in the same order, values, mappings and
-    errors, with less work per entry: nested mappings and their leaves are walked here; lists
-    (whose flattening depends on what they hold) are handed to DCP's own traversal.
-
-    ``reuse``: an earlier result's mappings; a path equal to the one there is taken from it, so
-    the new tuples die at once instead of living as long as the result."""
-    if _dcp_version._derived_version == "2_3":  # DCP's pre-2.4 layout: its own code only
-        return flatten_state_dict(state_dict)
-    flat: Dict[str, Any] = {}
-    mappings: Dict[str, Tuple[Any, ...]] = {}
-    tensor = torch.Tensor
-
-    def put(fqn: str, path: Tuple[Any, ...], value: Any) -> None:
-        if fqn in flat:
-            raise ValueError(f"duplicated flatten key {fqn}")
-        flat[fqn] = value
-        mappings[fqn] = path
-
-    def walk(path: Tuple[Any, ...], prefix: str, mapping: Any) -> None:
-        for k, v in mapping.items():
-            ks = str(k)
-            if type(v) is tensor:  # the common case first: a terminal leaf
-                fqn = prefix + ks
-                if fqn in flat:
-                    raise ValueError(f"duplicated flatten key {fqn}")
-                flat[fqn] = v
-                full = path + (ks,)
-                if reuse is not None:
-                    old = reuse.get(fqn)
-                    if old == full:
-                        full = old
-                mappings[fqn] = full
-            elif isinstance(v, Mapping):
-                walk(path + (ks,), prefix + ks + ".", v)
-            elif isinstance(v, list):
-                base = path + (ks,)
-
-                def visit(sub: Tuple[Any, ...], value: Any, base: Tuple[Any, ...] = base) -> None:
-                    full = base + sub[1:]
-                    put(".".join(map(str, full)), full, value)
-
-                traverse_state_dict({"": v}, visit)
-            else:  # anything else is a leaf, a tuple included
-                put(prefix + ks, path + (ks,), v)
-
-    walk((), "", state_dict)
-    return flat, mappings
-
-
-@dataclasses.dataclass
-class _Layout:
-    """What one state dict layout writes: reused while the next saves have the same layout."""
-
-    key: Tuple[Any, ...]  # (threads, max_file_bytes): what else decides the bucketing
-    fqns: List[str]
-    sig: List[Any]  # per item: dtype, shape, requires_grad, pinned for tensors; None for objects
-    mappings: Dict[str, Any]
-    buckets: List[List[int]]  # item positions, per file
-    hints: List[int]
-    lengths: List[List[int]]  # per file, each item's length as written
-    metadata: bytes  # the pickled .metadata for exactly these lengths
-    files_meta: FileRecord
-
-
-class WriteMemo:
-    """The layout of the last single-process save made through it (see :func:`_save_local`).
-
-    One per writer owner (a ``CheckpointManager`` keeps one): the next save of an equal
-    layout through the same memo reuses its file assignment and pickled ``.metadata``. Saves
-    through different memos share nothing, so two managers saving different state dicts
-    each keep their own layout. Thread-safe.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._layout: Optional[_Layout] = None
-
-    @property
-    def layout(self) -> Optional[_Layout]:
-        """The remembered layout, or ``None`` before the first planner-free save."""
-        with self._lock:
-            return self._layout
-
-    def remember(self, layout: _Layout) -> None:
-        with self._lock:
-            self._layout = layout
-
-
-_NEEDS_PLANNER = object()  # a signature entry: DCP's planner must handle this object
-
-
-def _signature_entries(objs: List[Any]) -> Iterator[Any]:
-    """What decides a layout besides the keys: per tensor its dtype, shape, ``requires_grad``
-    and pinning (four entries), ``None`` per other object; :data:`_NEEDS_PLANNER` (and the end)
-    at the first DTensor, ShardedTensor or tensor subclass."""
-    tensor_type = torch.Tensor
-    for obj in objs:
-        if type(obj) is tensor_type:
-            yield obj.dtype
-            yield obj.shape
-            yield obj.requires_grad
-            yield obj.is_cpu and obj.is_pinned()
-        elif isinstance(obj, torch.Tensor) or hasattr(obj, "__create_write_items__"):
-            yield _NEEDS_PLANNER
-            return
-        else:
-            yield None
-
-
-def _signature(objs: List[Any]) -> Optional[List[Any]]:
-    """The signature of ``objs`` (see :func:`_signature_entries`); ``None`` if DCP's planner must run."""
-    sig = list(_signature_entries(objs))
-    return None if sig and sig[-1] is _NEEDS_PLANNER else sig
-
-
-def _has_signature(objs: List[Any], sig: List[Any]) -> bool:
-    """``_signature(objs) == sig``, entry by entry, without keeping a new ``torch.Size`` per
-    tensor alive."""
-    pairs = itertools.zip_longest(_signature_entries(objs), sig, fillvalue=object())  # unequal to all
-    return all(itertools.starmap(operator.eq, pairs))
-
-
-def _local_data(obj: Any) -> Any:
-    """An item's data as ``DefaultSavePlanner.resolve_data`` gives it: tensors as they are,
-    anything else ``torch.save``-d into a ``BytesIO`` (a :class:`PickledObject`: the archive of
-    the bytes it holds)."""
-    if isinstance(obj, torch.Tensor):
-        return obj
-    if type(obj) is PickledObject:
-        return obj.archive()
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return buf
 
 
 def _save_local(storage: Storage, path: str, state_dict: Dict[str, Any], *, threads: int,

@@ -1,0 +1,176 @@
+"""What a planner-free single-process save remembers of a state dict's layout for the next one.
+
+:func:`_flatten` is DCP's ``flatten_state_dict`` with less work per entry; a layout's
+signature (:func:`_signature`) says whether the next state dict has the same keys, dtypes and
+shapes; a :class:`WriteMemo` holds the last :class:`_Layout` (file assignment and pickled
+``.metadata``) for :func:`~.writer._save_local` to reuse.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import itertools
+import operator
+import threading
+from collections.abc import Mapping
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+import torch
+from torch.distributed.checkpoint.metadata import MetadataIndex
+
+from ... import compat
+from ..manifest import FileRecord
+from ..records import PickledObject
+
+flatten_state_dict = compat.dcp_flatten_state_dict()
+traverse_state_dict = compat.dcp_traverse().traverse_state_dict
+_dcp_version = compat.dcp_version()
+
+
+def _metadata_index(fqn: str, offset: torch.Size, index: int) -> MetadataIndex:
+    """``MetadataIndex(fqn, offset, index)`` without its ``__init__``, which rebuilds ``offset``
+    as a new ``torch.Size`` per item. Same fields, so equal, hashed and pickled alike; ``offset``
+    is shared, so pickled once."""
+    idx = object.__new__(MetadataIndex)
+    object.__setattr__(idx, "fqn", fqn)
+    object.__setattr__(idx, "offset", offset)
+    object.__setattr__(idx, "index", index)
+    return idx
+
+
+def _flatten(state_dict: Dict[str, Any], reuse: Optional[Dict[str, Tuple[Any, ...]]] = None
+             ) -> Tuple[Dict[str, Any], Dict[str, Tuple[Any, ...]]]:
+    """``flatten_state_dict(state_dict)``: the same keys in the same order, values, mappings and
+    errors, with less work per entry: nested mappings and their leaves are walked here; lists
+    (whose flattening depends on what they hold) are handed to DCP's own traversal.
+
+    ``reuse``: an earlier result's mappings; a path equal to the one there is taken from it, so
+    the new tuples die at once instead of living as long as the result."""
+    if _dcp_version._derived_version == "2_3":  # DCP's pre-2.4 layout: its own code only
+        return flatten_state_dict(state_dict)
+    flat: Dict[str, Any] = {}
+    mappings: Dict[str, Tuple[Any, ...]] = {}
+    tensor = torch.Tensor
+
+    def put(fqn: str, path: Tuple[Any, ...], value: Any) -> None:
+        if fqn in flat:
+            raise ValueError(f"duplicated flatten key {fqn}")
+        flat[fqn] = value
+        mappings[fqn] = path
+
+    def walk(path: Tuple[Any, ...], prefix: str, mapping: Any) -> None:
+        for k, v in mapping.items():
+            ks = str(k)
+            if type(v) is tensor:  # the common case first: a terminal leaf
+                fqn = prefix + ks
+                if fqn in flat:
+                    raise ValueError(f"duplicated flatten key {fqn}")
+                flat[fqn] = v
+                full = path + (ks,)
+                if reuse is not None:
+                    old = reuse.get(fqn)
+                    if old == full:
+                        full = old
+                mappings[fqn] = full
+            elif isinstance(v, Mapping):
+                walk(path + (ks,), prefix + ks + ".", v)
+            elif isinstance(v, list):
+                base = path + (ks,)
+
+                def visit(sub: Tuple[Any, ...], value: Any, base: Tuple[Any, ...] = base) -> None:
+                    full = base + sub[1:]
+                    put(".".join(map(str, full)), full, value)
+
+                traverse_state_dict({"": v}, visit)
+            else:  # anything else is a leaf, a tuple included
+                put(prefix + ks, path + (ks,), v)
+
+    walk((), "", state_dict)
+    return flat, mappings
+
+
+@dataclasses.dataclass
+class _Layout:
+    """What one state dict layout writes: reused while the next saves have the same layout."""
+
+    key: Tuple[Any, ...]  # (threads, max_file_bytes): what else decides the bucketing
+    fqns: List[str]
+    sig: List[Any]  # per item: dtype, shape, requires_grad, pinned for tensors; None for objects
+    mappings: Dict[str, Any]
+    buckets: List[List[int]]  # item positions, per file
+    hints: List[int]
+    lengths: List[List[int]]  # per file, each item's length as written
+    metadata: bytes  # the pickled .metadata for exactly these lengths
+    files_meta: FileRecord
+
+
+class WriteMemo:
+    """The layout of the last single-process save made through it (see :func:`_save_local`).
+
+    One per writer owner (a ``CheckpointManager`` keeps one): the next save of an equal
+    layout through the same memo reuses its file assignment and pickled ``.metadata``. Saves
+    through different memos share nothing, so two managers saving different state dicts
+    each keep their own layout. Thread-safe.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._layout: Optional[_Layout] = None
+
+    @property
+    def layout(self) -> Optional[_Layout]:
+        """The remembered layout, or ``None`` before the first planner-free save."""
+        with self._lock:
+            return self._layout
+
+    def remember(self, layout: _Layout) -> None:
+        with self._lock:
+            self._layout = layout
+
+
+_NEEDS_PLANNER = object()  # a signature entry: DCP's planner must handle this object
+
+
+def _signature_entries(objs: List[Any]) -> Iterator[Any]:
+    """What decides a layout besides the keys: per tensor its dtype, shape, ``requires_grad``
+    and pinning (four entries), ``None`` per other object; :data:`_NEEDS_PLANNER` (and the end)
+    at the first DTensor, ShardedTensor or tensor subclass."""
+    tensor_type = torch.Tensor
+    for obj in objs:
+        if type(obj) is tensor_type:
+            yield obj.dtype
+            yield obj.shape
+            yield obj.requires_grad
+            yield obj.is_cpu and obj.is_pinned()
+        elif isinstance(obj, torch.Tensor) or hasattr(obj, "__create_write_items__"):
+            yield _NEEDS_PLANNER
+            return
+        else:
+            yield None
+
+
+def _signature(objs: List[Any]) -> Optional[List[Any]]:
+    """The signature of ``objs`` (see :func:`_signature_entries`); ``None`` if DCP's planner must run."""
+    sig = list(_signature_entries(objs))
+    return None if sig and sig[-1] is _NEEDS_PLANNER else sig
+
+
+def _has_signature(objs: List[Any], sig: List[Any]) -> bool:
+    """``_signature(objs) == sig``, entry by entry, without keeping a new ``torch.Size`` per
+    tensor alive."""
+    pairs = itertools.zip_longest(_signature_entries(objs), sig, fillvalue=object())  # unequal to all
+    return all(itertools.starmap(operator.eq, pairs))
+
+
+def _local_data(obj: Any) -> Any:
+    """An item's data as ``DefaultSavePlanner.resolve_data`` gives it: tensors as they are,
+    anything else ``torch.save``-d into a ``BytesIO`` (a :class:`PickledObject`: the archive of
+    the bytes it holds)."""
+    if isinstance(obj, torch.Tensor):
+        return obj
+    if type(obj) is PickledObject:
+        return obj.archive()
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf
