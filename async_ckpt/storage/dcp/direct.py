@@ -31,11 +31,8 @@ from __future__ import annotations
 
 import io
 import pickle
-import struct
-import sys
 import threading
 import types
-import zipfile
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -50,8 +47,7 @@ from ...gc_pause import gc_paused
 from ..fs import Storage
 from ..manifest import FileRecord, check_file_name, crc32c, shown
 from .crc import crc32c_concat
-from .reader import RecordFile
-from .safety import _TensorDescUnpickler
+from .record_layout import HEADS, Probe, data_start
 
 #: A tensor record at least this large (local files) has its data read straight into the
 #: target; smaller ones are read with their neighbours and scattered.
@@ -62,8 +58,6 @@ REMOTE_DIRECT_MIN_BYTES = 8 * 2**20
 DIRECT_CHUNK_BYTES = 16 * 2**20
 #: Reads into the per-thread buffer are about this size (longer only for one longer record).
 BUFFER_CHUNK_BYTES = 8 * 2**20
-#: Bytes read at each end of a large record to find where its data lies.
-PROBE_BYTES = 4096
 
 PARTLY_WRITTEN = ("the target state dict was partly written with this step's data and must not be "
                   "used as is; restore(..., atomic=True) leaves it untouched on failure")
@@ -128,108 +122,6 @@ class _Buffers(threading.local):
         if self.buf is None or self.buf.numel() < n:
             self.buf = torch.empty(max(n, BUFFER_CHUNK_BYTES), dtype=torch.uint8)  # never zero-filled
         return self.buf
-
-
-class _Heads:
-    """``torch.save``'s bytes before the data, and the record's length, per (dtype, shape)
-    of a small tensor: a record that starts with them has its data right after."""
-
-    def __init__(self) -> None:
-        self._cache: Dict[Tuple[torch.dtype, Tuple[int, ...]], Optional[Tuple[bytes, int]]] = {}
-        self._lock = threading.Lock()
-
-    def get(self, dtype: torch.dtype, shape: Tuple[int, ...]) -> Optional[Tuple[bytes, int]]:
-        key = (dtype, shape)
-        if key in self._cache:
-            return self._cache[key]
-        got: Optional[Tuple[bytes, int]] = None
-        try:
-            buf = io.BytesIO()
-            torch.save(torch.zeros(shape, dtype=dtype), buf)
-            raw = buf.getvalue()
-            mv = memoryview(raw)
-            start = _data_start(lambda a, b: bytes(mv[a:b]), len(raw), dtype, shape)
-            if start is not None:
-                got = (raw[:start], len(raw))
-        except Exception:
-            got = None
-        with self._lock:
-            self._cache[key] = got
-        return got
-
-
-_HEADS = _Heads()
-
-
-def _data_start(get: Callable[[int, int], bytes], length: int, dtype: torch.dtype,
-                shape: Tuple[int, ...]) -> Optional[int]:
-    """Where, in a ``torch.save`` record of ``length`` bytes (read through ``get``), the raw
-    data of a contiguous ``dtype`` tensor of ``shape`` starts; None unless the record is
-    exactly that (one little-endian uncompressed storage of that size, offset 0, contiguous
-    strides)."""
-    nbytes = dtype.itemsize
-    for d in shape:
-        nbytes *= d
-    if sys.byteorder != "little":
-        return None
-    try:
-        with zipfile.ZipFile(RecordFile(get, length)) as zf:
-            infos = zf.infolist()
-            data = [i for i in infos if i.filename.rsplit("/", 2)[-2:-1] == ["data"]]
-            order = [i for i in infos if i.filename.endswith("/byteorder")]
-            pkl = [i for i in infos if i.filename.endswith("/data.pkl")]
-            if len(data) != 1 or len(pkl) != 1 or data[0].compress_type != zipfile.ZIP_STORED \
-                    or data[0].file_size != nbytes or pkl[0].compress_type != zipfile.ZIP_STORED:
-                return None
-            if order and zf.read(order[0]) != b"little":
-                return None
-            desc = _TensorDescUnpickler(io.BytesIO(zf.read(pkl[0]))).load()
-            strides: List[int]
-            strides, acc = [], 1
-            for d in reversed(shape):
-                strides.insert(0, acc)
-                acc *= d
-            if desc != (dtype, 0, tuple(shape), tuple(strides)):
-                return None
-            off = data[0].header_offset
-            head = get(off, off + 30)
-            if len(head) != 30 or head[:4] != b"PK\x03\x04":
-                return None
-            name_len, extra_len = struct.unpack_from("<HH", head, 26)
-            start = off + 30 + name_len + extra_len
-            if start + nbytes > length:
-                return None
-            return start
-    except (zipfile.BadZipFile, ValueError, struct.error, pickle.UnpicklingError, EOFError, TypeError,
-            AttributeError, IndexError, KeyError, NotImplementedError, OSError):
-        return None
-
-
-class _Probe:
-    """The bytes of a large record near its ends, read once; other bytes read on demand."""
-
-    def __init__(self, reader: Any, rec: _Rec) -> None:
-        self.reader, self.rec = reader, rec
-        n = min(PROBE_BYTES, rec.length)
-        self.windows: List[Tuple[int, bytes]] = []  # (offset in the file, bytes)
-        self._fetch(rec.start, n)
-        if rec.length > n:
-            lo = max(rec.start + n, rec.start + rec.length - PROBE_BYTES)
-            self._fetch(lo, rec.start + rec.length - lo)
-
-    def _fetch(self, start: int, n: int) -> bytes:
-        buf = bytearray(n)
-        got = self.reader.read_into(start, memoryview(buf))
-        data = bytes(buf[:got])
-        self.windows.append((start, data))
-        return data
-
-    def get(self, lo: int, hi: int) -> bytes:  # record-relative
-        a, b = self.rec.start + lo, self.rec.start + hi
-        for w0, data in self.windows:
-            if w0 <= a and b <= w0 + len(data):
-                return data[a - w0:b - w0]
-        return self._fetch(a, b - a)
 
 
 def _plan(storage: Storage, path: str, state_dict: Dict[str, Any], files: Dict[str, FileRecord],
@@ -448,20 +340,20 @@ def _load(storage: Storage, path: str, per_file: Dict[str, List[_Rec]], flat: Di
         _open(storage, path, name, files, readers)
 
     # 1. Probes: where the large records' data lies; the non-tensor items' bytes, decoded.
-    def probe(name: str, rec: _Rec) -> Optional[_Probe]:
+    def probe(name: str, rec: _Rec) -> Optional[Probe]:
         r = readers[name]
         if rec.kind == "bytes":
             buf = bytearray(rec.length)
             got = r.read_into(rec.start, memoryview(buf))
             if got != rec.length:
                 raise CorruptCheckpointError(f"{path}/{name}: is shorter than the manifest says", path=f"{path}/{name}")
-            p = object.__new__(_Probe)
+            p = object.__new__(Probe)
             p.reader, p.rec, p.windows = r, rec, [(rec.start, bytes(buf))]
             return p
-        p = _Probe(r, rec)
+        p = Probe(r, rec)
         t = rec.target
         assert t is not None
-        start = _data_start(p.get, rec.length, t.dtype, tuple(t.shape))
+        start = data_start(p.get, rec.length, t.dtype, tuple(t.shape))
         if start is None:
             rec.kind = "slow"  # another layout: through the buffer
         else:
@@ -526,13 +418,13 @@ def _load(storage: Storage, path: str, per_file: Dict[str, List[_Rec]], flat: Di
             if rec.kind == "small":
                 t = rec.target
                 assert t is not None and rec.flat is not None
-                head = _HEADS.get(t.dtype, tuple(t.shape))
+                head = HEADS.get(t.dtype, tuple(t.shape))
                 if head is not None and head[1] == rec.length and bytes(mv[at:at + len(head[0])]) == head[0]:
                     start = at + len(head[0])
                 else:
                     item = mv[at:at + rec.length]
                     get = lambda a, b, item=item: bytes(item[a:b])  # (named: mypy types it here, not in the call)
-                    s = _data_start(get, rec.length, t.dtype, tuple(t.shape))
+                    s = data_start(get, rec.length, t.dtype, tuple(t.shape))
                     if s is None:
                         touched[0] = True
                         _copy_slow(rec, item)
