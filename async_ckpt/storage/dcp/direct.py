@@ -23,8 +23,12 @@ A failure after the first write leaves the targets partly written: the error rai
 :class:`~async_ckpt.errors.CheckpointError` whose message says so (``partly_written`` is set
 on it). Targets that are not plain contiguous CPU tensors (strided views, conjugate bits) and
 records of another layout take a slower path through the buffer (``copy_``), and anything
-this module does not handle (sharded checkpoints, DTensors, other devices, custom planners)
-makes :func:`load_direct` return ``False`` before touching anything, for DCP to load.
+this module does not handle (sharded checkpoints, DTensors, devices other than the CPU and
+XLA, custom planners) makes :func:`load_direct` return ``False`` before touching anything,
+for DCP to load.
+
+XLA targets are read into host stand-ins the same way and put on the device once every file
+is verified (:mod:`.xla_targets`), so a failure before that leaves them untouched.
 """
 
 from __future__ import annotations
@@ -48,6 +52,8 @@ from ..fs import Storage
 from ..manifest import FileRecord, check_file_name, crc32c, shown
 from .crc import crc32c_concat
 from .record_layout import HEADS, Probe, data_start
+from .xla_targets import XlaTargets, is_xla
+from .xla_targets import supported as xla_supported
 
 #: A tensor record at least this large (local files) has its data read straight into the
 #: target; smaller ones are read with their neighbours and scattered.
@@ -80,6 +86,7 @@ class _Rec:
     target: Optional[torch.Tensor] = None
     flat: Optional[torch.Tensor] = None  # the target's bytes (uint8, 1-D), contiguous targets only
     data_start: int = -1  # "direct": where the tensor's data starts in the file
+    own: bool = True  # target is the caller's tensor (False: an XLA target's host stand-in)
 
 
 @dataclass
@@ -90,6 +97,7 @@ class _Task:
     end: int  # exclusive
     extra: int = 0  # 1 on a file's last range where the size is not known: catches a longer file
     dest: Optional[memoryview] = None  # straight into a target, else the thread's buffer
+    own: bool = True  # dest is the caller's memory
     recs: List[_Rec] = field(default_factory=list)  # records inside [start, end) (buffered)
 
 
@@ -125,8 +133,9 @@ class _Buffers(threading.local):
 
 
 def _plan(storage: Storage, path: str, state_dict: Dict[str, Any], files: Dict[str, FileRecord],
-          metadata: Metadata, direct_min: int) -> Tuple[Dict[str, List[_Rec]], Dict[str, Any], Dict[str, Any]]:
-    """Records per file for the targets in ``state_dict``; raises :class:`_Unsupported`."""
+          metadata: Metadata, direct_min: int, xla: XlaTargets) -> Tuple[Dict[str, List[_Rec]], Dict[str, Any], Dict[str, Any]]:
+    """Records per file for the targets in ``state_dict`` (XLA targets get host stand-ins in
+    ``xla``); raises :class:`_Unsupported`."""
     flat, mappings = _flat_targets(state_dict)
     md = metadata.state_dict_metadata
     data = metadata.storage_data
@@ -161,7 +170,10 @@ def _plan(storage: Storage, path: str, state_dict: Dict[str, Any], files: Dict[s
                 raise _Unsupported(fqn)
             rec = _Rec(fqn, info.offset, info.length, "bytes")
         elif isinstance(m, TensorStorageMetadata):
-            if type(value) not in (torch.Tensor, torch.nn.Parameter) or not _plain_target(value):
+            if type(value) not in (torch.Tensor, torch.nn.Parameter):
+                raise _Unsupported(fqn)
+            on_xla = is_xla(value)
+            if not (xla_supported(value) if on_xla else _plain_target(value)):
                 raise _Unsupported(fqn)
             if len(m.chunks) != 1 or any(m.chunks[0].offsets) or tuple(m.chunks[0].sizes) != tuple(m.size) \
                     or tuple(value.shape) != tuple(m.size) or value.dtype != m.properties.dtype:
@@ -170,13 +182,16 @@ def _plan(storage: Storage, path: str, state_dict: Dict[str, Any], files: Dict[s
             info = lookup(fqn, offsets if type(offsets) is torch.Size else torch.Size(offsets))
             if info is None:
                 raise _Unsupported(fqn)
-            t = value.detach() if type(value) is not torch.Tensor or value.requires_grad else value
-            fb = _contiguous_bytes(t)
-            nbytes = t.numel() * t.element_size()
+            nbytes = value.numel() * value.element_size()
             if nbytes == 0:
                 continue  # nothing to read into; the bytes still count for the checksum
+            if on_xla:
+                t = xla.stand_in(value)
+            else:
+                t = value.detach() if type(value) is not torch.Tensor or value.requires_grad else value
+            fb = _contiguous_bytes(t)
             kind = "slow" if fb is None else ("direct" if nbytes >= direct_min else "small")
-            rec = _Rec(fqn, info.offset, info.length, kind, t, fb)
+            rec = _Rec(fqn, info.offset, info.length, kind, t, fb, own=not on_xla)
         else:
             raise _Unsupported(fqn)
         per_file.setdefault(info.relative_path, []).append(rec)
@@ -237,7 +252,7 @@ def _tasks(path: str, name: str, size: int, recs: List[_Rec], size_known: bool) 
         mv = memoryview(r.flat.numpy())  # type: ignore[union-attr, arg-type, unused-ignore]
         for lo in range(a, b, DIRECT_CHUNK_BYTES):
             hi = min(b, lo + DIRECT_CHUNK_BYTES)
-            out.append(_Task(where, name, lo, hi, dest=mv[lo - a:hi - a]))
+            out.append(_Task(where, name, lo, hi, dest=mv[lo - a:hi - a], own=r.own))
         pos = b
     if size > pos:
         buffered(pos, size)
@@ -287,8 +302,9 @@ def load_direct(storage: Storage, path: str, state_dict: Dict[str, Any], *, file
 
 def _load_direct(storage: Storage, path: str, state_dict: Dict[str, Any], files: Dict[str, FileRecord],
                  metadata: Metadata, verify: bool, threads: int, allow_pickle: bool, direct_min: int) -> bool:
+    xla = XlaTargets()
     try:
-        per_file, flat, mappings = _plan(storage, path, state_dict, files, metadata, direct_min)
+        per_file, flat, mappings = _plan(storage, path, state_dict, files, metadata, direct_min, xla)
     except _Unsupported:
         return False
     threads = max(1, threads)
@@ -297,7 +313,7 @@ def _load_direct(storage: Storage, path: str, state_dict: Dict[str, Any], files:
     try:
         with ThreadPoolExecutor(threads, thread_name_prefix="async-ckpt-read") as pool:
             return _load(storage, path, per_file, flat, mappings, files, verify, allow_pickle, pool, readers,
-                         touched, state_dict, threads)
+                         touched, state_dict, threads, xla)
     except BaseException as exc:
         if touched[0] and isinstance(exc, CheckpointError) and not getattr(exc, "partly_written", False):
             exc.args = (f"{exc.args[0] if exc.args else exc}; {PARTLY_WRITTEN}",) + tuple(exc.args[1:])
@@ -335,7 +351,7 @@ def _open(storage: Storage, path: str, name: str, files: Dict[str, FileRecord], 
 def _load(storage: Storage, path: str, per_file: Dict[str, List[_Rec]], flat: Dict[str, Any],
           mappings: Dict[str, Any], files: Dict[str, FileRecord], verify: bool, allow_pickle: bool,
           pool: ThreadPoolExecutor, readers: Dict[str, Any], touched: List[bool], state_dict: Dict[str, Any],
-          threads: int) -> bool:
+          threads: int, xla: XlaTargets) -> bool:
     for name in per_file:
         _open(storage, path, name, files, readers)
 
@@ -396,7 +412,7 @@ def _load(storage: Storage, path: str, per_file: Dict[str, List[_Rec]], flat: Di
         r = readers[task.name]
         n = task.end - task.start
         if task.dest is not None:
-            touched[0] = True
+            touched[0] = touched[0] or task.own
             got = r.read_into(task.start, task.dest)
             return got, (crc32c(task.dest[:got]) if verify else 0)
         buf = buffers.get(n + task.extra)
@@ -410,6 +426,7 @@ def _load(storage: Storage, path: str, per_file: Dict[str, List[_Rec]], flat: Di
             if lo < hi and mv[lo - task.start:hi - task.start] != data[lo - w0:hi - w0]:
                 raise CorruptCheckpointError(f"{task.path}: changed while it was being read", path=task.path)
         dsts: List[torch.Tensor] = []
+        own = False  # a dst is the caller's memory
         # the small tensors' data in buf, as runs of evenly spaced same-sized pieces
         # [first offset, spacing, bytes, count]: one view per run, cut into rows in C
         runs: List[List[int]] = []
@@ -426,12 +443,13 @@ def _load(storage: Storage, path: str, per_file: Dict[str, List[_Rec]], flat: Di
                     get = lambda a, b, item=item: bytes(item[a:b])  # (named: mypy types it here, not in the call)
                     s = data_start(get, rec.length, t.dtype, tuple(t.shape))
                     if s is None:
-                        touched[0] = True
+                        touched[0] = touched[0] or rec.own
                         _copy_slow(rec, item)
                         continue
                     start = at + s
                 nb = rec.flat.numel()
                 dsts.append(rec.flat)
+                own = own or rec.own
                 last = runs[-1] if runs else None
                 if last is not None and last[2] == nb and (
                         (last[3] == 1 and start - last[0] >= nb) or (last[3] > 1 and start == last[0] + last[1] * last[3])):
@@ -441,7 +459,7 @@ def _load(storage: Storage, path: str, per_file: Dict[str, List[_Rec]], flat: Di
                 else:
                     runs.append([start, 0, nb, 1])
             elif rec.kind == "slow":
-                touched[0] = True
+                touched[0] = touched[0] or rec.own
                 _copy_slow(rec, mv[at:at + rec.length])
         if dsts:
             srcs: List[torch.Tensor] = []
@@ -450,7 +468,7 @@ def _load(storage: Storage, path: str, per_file: Dict[str, List[_Rec]], flat: Di
                     srcs.append(buf.narrow(0, first, nb))
                 else:
                     srcs.extend(buf.as_strided((count, nb), (spacing, 1), first).unbind(0))
-            touched[0] = True
+            touched[0] = touched[0] or own
             with torch.no_grad():
                 compat.foreach_copy_(dsts, srcs)
         return got, crc
@@ -499,6 +517,9 @@ def _load(storage: Storage, path: str, per_file: Dict[str, List[_Rec]], flat: Di
                 raise CorruptCheckpointError(
                     f"{where}: checksum mismatch (crc32c {crc:#010x}, manifest says {files[name].crc32c:#010x})",
                     path=where)
+    if xla:
+        touched[0] = True
+        xla.commit()
     for fqn, value in decoded.items():
         set_element(state_dict, mappings[fqn], value)
     return True
