@@ -1,7 +1,7 @@
 """Restore by reading file ranges straight into the target tensors, verified as they arrive.
 
 :func:`load_direct` is the single-process restore of a checkpoint that async_ckpt (or DCP)
-wrote, into CPU tensors that already exist. For each data file it reads every byte once, as a
+wrote, into CPU or XLA tensors that already exist. For each data file it reads every byte once, as a
 tiling of the file into ranges, in parallel over ``threads``:
 
 * the data of a large tensor record goes straight into the target tensor's memory
