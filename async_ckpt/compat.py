@@ -99,6 +99,17 @@ def xla_to_dlpack_fn() -> Callable[[torch.Tensor], Any]:
     return xlac()._to_dlpack
 
 
+def xla_from_dlpack_fn() -> Callable[[Any], torch.Tensor]:
+    """``_from_dlpack``: an XLA tensor from a host DLPack capsule (on PJRT CPU, over the same memory)."""
+    return xlac()._from_dlpack
+
+
+def xla_tensors_from_aten(tensors: List[torch.Tensor], device: str) -> List[torch.Tensor]:
+    """torch_xla's batched host-to-device transfer of ``tensors`` onto ``device``
+    (``_xla_tensors_from_aten``, what ``xm.send_cpu_data_to_device`` calls)."""
+    return list(xlac()._xla_tensors_from_aten(list(tensors), [device] * len(tensors), None))
+
+
 def xla_buffer_pointer_fn() -> Callable[[torch.Tensor], int]:
     """``_unsafe_buffer_pointer``: the device buffer address of a materialised XLA tensor."""
     return xlac()._unsafe_buffer_pointer

@@ -112,3 +112,35 @@ def test_bench_lazy_smoke(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [ln for ln in proc.stdout.splitlines() if ln.startswith(("| eager", "| lazy"))]
     assert len(rows) == 2 and not any("failed" in r for r in rows), proc.stdout[-3000:]
+
+
+def test_bench_restore_smoke(tmp_path):
+    """bench_restore.py --smoke: every method at every size, the XLA case (async_ckpt against
+    torch_xla's manager, restored bytes compared) where torch_xla is installed, JSON and PNG."""
+    out, work = tmp_path / "out", tmp_path / "work"
+    work.mkdir()
+    env = dict(os.environ, PJRT_DEVICE="CPU")
+    script = os.path.join(ROOT, "benchmarks", "bench_restore.py")
+    proc = subprocess.run([sys.executable, script, "--smoke", "--out", str(out), "--dir", str(work)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=540)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "failed" not in proc.stdout, proc.stdout[-3000:]
+    report = json.loads((out / "bench_restore.json").read_text())
+    assert set(report["results"]) == set(report["sizes"]) and len(report["sizes"]) == 2
+    methods = {"async_ckpt restore", "torch.load + copy_", "torch.load(mmap=True) + copy_", "dcp.load"}
+    for label, modes in report["results"].items():
+        for mode, res in modes.items():
+            assert set(res) == methods, (label, mode)
+            assert all(r["median_s"] > 0 and len(r["pairs"]) == report["samples"] for r in res.values())
+    if _has_xla():
+        assert list(report["xla"]) == [report["sizes"][0]]
+        for mode, x in report["xla"][report["sizes"][0]].items():
+            assert x["bitwise_equal"] is True, mode
+            for name in ("xla: async_ckpt restore", "xla: torch_xla CheckpointManager.restore"):
+                assert x[name]["median_s"] > 0 and len(x[name]["samples_s"]) == report["samples"]
+            assert len(x["paired_ratios"]) == report["samples"] and x["paired_ratio"] > 0
+        assert "| paired ratio" in proc.stdout
+    else:
+        assert not report["xla"]
+    assert (out / "bench_restore.png").stat().st_size > 1000
+    assert not list(work.iterdir()), "the benchmark left files behind"

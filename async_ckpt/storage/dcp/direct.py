@@ -1,7 +1,7 @@
 """Restore by reading file ranges straight into the target tensors, verified as they arrive.
 
 :func:`load_direct` is the single-process restore of a checkpoint that async_ckpt (or DCP)
-wrote, into CPU tensors that already exist. For each data file it reads every byte once, as a
+wrote, into CPU or XLA tensors that already exist. For each data file it reads every byte once, as a
 tiling of the file into ranges, in parallel over ``threads``:
 
 * the data of a large tensor record goes straight into the target tensor's memory
@@ -23,19 +23,20 @@ A failure after the first write leaves the targets partly written: the error rai
 :class:`~async_ckpt.errors.CheckpointError` whose message says so (``partly_written`` is set
 on it). Targets that are not plain contiguous CPU tensors (strided views, conjugate bits) and
 records of another layout take a slower path through the buffer (``copy_``), and anything
-this module does not handle (sharded checkpoints, DTensors, other devices, custom planners)
-makes :func:`load_direct` return ``False`` before touching anything, for DCP to load.
+this module does not handle (sharded checkpoints, DTensors, devices other than the CPU and
+XLA, custom planners) makes :func:`load_direct` return ``False`` before touching anything,
+for DCP to load.
+
+XLA targets are read into host stand-ins the same way and put on the device once every file
+is verified (:mod:`.xla_targets`), so a failure before that leaves them untouched.
 """
 
 from __future__ import annotations
 
 import io
 import pickle
-import struct
-import sys
 import threading
 import types
-import zipfile
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -50,8 +51,9 @@ from ...gc_pause import gc_paused
 from ..fs import Storage
 from ..manifest import FileRecord, check_file_name, crc32c, shown
 from .crc import crc32c_concat
-from .reader import RecordFile
-from .safety import _TensorDescUnpickler
+from .record_layout import HEADS, Probe, data_start
+from .xla_targets import XlaTargets, is_xla
+from .xla_targets import supported as xla_supported
 
 #: A tensor record at least this large (local files) has its data read straight into the
 #: target; smaller ones are read with their neighbours and scattered.
@@ -62,8 +64,6 @@ REMOTE_DIRECT_MIN_BYTES = 8 * 2**20
 DIRECT_CHUNK_BYTES = 16 * 2**20
 #: Reads into the per-thread buffer are about this size (longer only for one longer record).
 BUFFER_CHUNK_BYTES = 8 * 2**20
-#: Bytes read at each end of a large record to find where its data lies.
-PROBE_BYTES = 4096
 
 PARTLY_WRITTEN = ("the target state dict was partly written with this step's data and must not be "
                   "used as is; restore(..., atomic=True) leaves it untouched on failure")
@@ -86,6 +86,7 @@ class _Rec:
     target: Optional[torch.Tensor] = None
     flat: Optional[torch.Tensor] = None  # the target's bytes (uint8, 1-D), contiguous targets only
     data_start: int = -1  # "direct": where the tensor's data starts in the file
+    own: bool = True  # target is the caller's tensor (False: an XLA target's host stand-in)
 
 
 @dataclass
@@ -96,6 +97,7 @@ class _Task:
     end: int  # exclusive
     extra: int = 0  # 1 on a file's last range where the size is not known: catches a longer file
     dest: Optional[memoryview] = None  # straight into a target, else the thread's buffer
+    own: bool = True  # dest is the caller's memory
     recs: List[_Rec] = field(default_factory=list)  # records inside [start, end) (buffered)
 
 
@@ -130,111 +132,10 @@ class _Buffers(threading.local):
         return self.buf
 
 
-class _Heads:
-    """``torch.save``'s bytes before the data, and the record's length, per (dtype, shape)
-    of a small tensor: a record that starts with them has its data right after."""
-
-    def __init__(self) -> None:
-        self._cache: Dict[Tuple[torch.dtype, Tuple[int, ...]], Optional[Tuple[bytes, int]]] = {}
-        self._lock = threading.Lock()
-
-    def get(self, dtype: torch.dtype, shape: Tuple[int, ...]) -> Optional[Tuple[bytes, int]]:
-        key = (dtype, shape)
-        if key in self._cache:
-            return self._cache[key]
-        got: Optional[Tuple[bytes, int]] = None
-        try:
-            buf = io.BytesIO()
-            torch.save(torch.zeros(shape, dtype=dtype), buf)
-            raw = buf.getvalue()
-            mv = memoryview(raw)
-            start = _data_start(lambda a, b: bytes(mv[a:b]), len(raw), dtype, shape)
-            if start is not None:
-                got = (raw[:start], len(raw))
-        except Exception:
-            got = None
-        with self._lock:
-            self._cache[key] = got
-        return got
-
-
-_HEADS = _Heads()
-
-
-def _data_start(get: Callable[[int, int], bytes], length: int, dtype: torch.dtype,
-                shape: Tuple[int, ...]) -> Optional[int]:
-    """Where, in a ``torch.save`` record of ``length`` bytes (read through ``get``), the raw
-    data of a contiguous ``dtype`` tensor of ``shape`` starts; None unless the record is
-    exactly that (one little-endian uncompressed storage of that size, offset 0, contiguous
-    strides)."""
-    nbytes = dtype.itemsize
-    for d in shape:
-        nbytes *= d
-    if sys.byteorder != "little":
-        return None
-    try:
-        with zipfile.ZipFile(RecordFile(get, length)) as zf:
-            infos = zf.infolist()
-            data = [i for i in infos if i.filename.rsplit("/", 2)[-2:-1] == ["data"]]
-            order = [i for i in infos if i.filename.endswith("/byteorder")]
-            pkl = [i for i in infos if i.filename.endswith("/data.pkl")]
-            if len(data) != 1 or len(pkl) != 1 or data[0].compress_type != zipfile.ZIP_STORED \
-                    or data[0].file_size != nbytes or pkl[0].compress_type != zipfile.ZIP_STORED:
-                return None
-            if order and zf.read(order[0]) != b"little":
-                return None
-            desc = _TensorDescUnpickler(io.BytesIO(zf.read(pkl[0]))).load()
-            strides: List[int]
-            strides, acc = [], 1
-            for d in reversed(shape):
-                strides.insert(0, acc)
-                acc *= d
-            if desc != (dtype, 0, tuple(shape), tuple(strides)):
-                return None
-            off = data[0].header_offset
-            head = get(off, off + 30)
-            if len(head) != 30 or head[:4] != b"PK\x03\x04":
-                return None
-            name_len, extra_len = struct.unpack_from("<HH", head, 26)
-            start = off + 30 + name_len + extra_len
-            if start + nbytes > length:
-                return None
-            return start
-    except (zipfile.BadZipFile, ValueError, struct.error, pickle.UnpicklingError, EOFError, TypeError,
-            AttributeError, IndexError, KeyError, NotImplementedError, OSError):
-        return None
-
-
-class _Probe:
-    """The bytes of a large record near its ends, read once; other bytes read on demand."""
-
-    def __init__(self, reader: Any, rec: _Rec) -> None:
-        self.reader, self.rec = reader, rec
-        n = min(PROBE_BYTES, rec.length)
-        self.windows: List[Tuple[int, bytes]] = []  # (offset in the file, bytes)
-        self._fetch(rec.start, n)
-        if rec.length > n:
-            lo = max(rec.start + n, rec.start + rec.length - PROBE_BYTES)
-            self._fetch(lo, rec.start + rec.length - lo)
-
-    def _fetch(self, start: int, n: int) -> bytes:
-        buf = bytearray(n)
-        got = self.reader.read_into(start, memoryview(buf))
-        data = bytes(buf[:got])
-        self.windows.append((start, data))
-        return data
-
-    def get(self, lo: int, hi: int) -> bytes:  # record-relative
-        a, b = self.rec.start + lo, self.rec.start + hi
-        for w0, data in self.windows:
-            if w0 <= a and b <= w0 + len(data):
-                return data[a - w0:b - w0]
-        return self._fetch(a, b - a)
-
-
 def _plan(storage: Storage, path: str, state_dict: Dict[str, Any], files: Dict[str, FileRecord],
-          metadata: Metadata, direct_min: int) -> Tuple[Dict[str, List[_Rec]], Dict[str, Any], Dict[str, Any]]:
-    """Records per file for the targets in ``state_dict``; raises :class:`_Unsupported`."""
+          metadata: Metadata, direct_min: int, xla: XlaTargets) -> Tuple[Dict[str, List[_Rec]], Dict[str, Any], Dict[str, Any]]:
+    """Records per file for the targets in ``state_dict`` (XLA targets get host stand-ins in
+    ``xla``); raises :class:`_Unsupported`."""
     flat, mappings = _flat_targets(state_dict)
     md = metadata.state_dict_metadata
     data = metadata.storage_data
@@ -269,7 +170,10 @@ def _plan(storage: Storage, path: str, state_dict: Dict[str, Any], files: Dict[s
                 raise _Unsupported(fqn)
             rec = _Rec(fqn, info.offset, info.length, "bytes")
         elif isinstance(m, TensorStorageMetadata):
-            if type(value) not in (torch.Tensor, torch.nn.Parameter) or not _plain_target(value):
+            if type(value) not in (torch.Tensor, torch.nn.Parameter):
+                raise _Unsupported(fqn)
+            on_xla = is_xla(value)
+            if not (xla_supported(value) if on_xla else _plain_target(value)):
                 raise _Unsupported(fqn)
             if len(m.chunks) != 1 or any(m.chunks[0].offsets) or tuple(m.chunks[0].sizes) != tuple(m.size) \
                     or tuple(value.shape) != tuple(m.size) or value.dtype != m.properties.dtype:
@@ -278,13 +182,16 @@ def _plan(storage: Storage, path: str, state_dict: Dict[str, Any], files: Dict[s
             info = lookup(fqn, offsets if type(offsets) is torch.Size else torch.Size(offsets))
             if info is None:
                 raise _Unsupported(fqn)
-            t = value.detach() if type(value) is not torch.Tensor or value.requires_grad else value
-            fb = _contiguous_bytes(t)
-            nbytes = t.numel() * t.element_size()
+            nbytes = value.numel() * value.element_size()
             if nbytes == 0:
                 continue  # nothing to read into; the bytes still count for the checksum
+            if on_xla:
+                t = xla.stand_in(value)
+            else:
+                t = value.detach() if type(value) is not torch.Tensor or value.requires_grad else value
+            fb = _contiguous_bytes(t)
             kind = "slow" if fb is None else ("direct" if nbytes >= direct_min else "small")
-            rec = _Rec(fqn, info.offset, info.length, kind, t, fb)
+            rec = _Rec(fqn, info.offset, info.length, kind, t, fb, own=not on_xla)
         else:
             raise _Unsupported(fqn)
         per_file.setdefault(info.relative_path, []).append(rec)
@@ -345,7 +252,7 @@ def _tasks(path: str, name: str, size: int, recs: List[_Rec], size_known: bool) 
         mv = memoryview(r.flat.numpy())  # type: ignore[union-attr, arg-type, unused-ignore]
         for lo in range(a, b, DIRECT_CHUNK_BYTES):
             hi = min(b, lo + DIRECT_CHUNK_BYTES)
-            out.append(_Task(where, name, lo, hi, dest=mv[lo - a:hi - a]))
+            out.append(_Task(where, name, lo, hi, dest=mv[lo - a:hi - a], own=r.own))
         pos = b
     if size > pos:
         buffered(pos, size)
@@ -395,8 +302,9 @@ def load_direct(storage: Storage, path: str, state_dict: Dict[str, Any], *, file
 
 def _load_direct(storage: Storage, path: str, state_dict: Dict[str, Any], files: Dict[str, FileRecord],
                  metadata: Metadata, verify: bool, threads: int, allow_pickle: bool, direct_min: int) -> bool:
+    xla = XlaTargets()
     try:
-        per_file, flat, mappings = _plan(storage, path, state_dict, files, metadata, direct_min)
+        per_file, flat, mappings = _plan(storage, path, state_dict, files, metadata, direct_min, xla)
     except _Unsupported:
         return False
     threads = max(1, threads)
@@ -405,7 +313,7 @@ def _load_direct(storage: Storage, path: str, state_dict: Dict[str, Any], files:
     try:
         with ThreadPoolExecutor(threads, thread_name_prefix="async-ckpt-read") as pool:
             return _load(storage, path, per_file, flat, mappings, files, verify, allow_pickle, pool, readers,
-                         touched, state_dict, threads)
+                         touched, state_dict, threads, xla)
     except BaseException as exc:
         if touched[0] and isinstance(exc, CheckpointError) and not getattr(exc, "partly_written", False):
             exc.args = (f"{exc.args[0] if exc.args else exc}; {PARTLY_WRITTEN}",) + tuple(exc.args[1:])
@@ -443,25 +351,25 @@ def _open(storage: Storage, path: str, name: str, files: Dict[str, FileRecord], 
 def _load(storage: Storage, path: str, per_file: Dict[str, List[_Rec]], flat: Dict[str, Any],
           mappings: Dict[str, Any], files: Dict[str, FileRecord], verify: bool, allow_pickle: bool,
           pool: ThreadPoolExecutor, readers: Dict[str, Any], touched: List[bool], state_dict: Dict[str, Any],
-          threads: int) -> bool:
+          threads: int, xla: XlaTargets) -> bool:
     for name in per_file:
         _open(storage, path, name, files, readers)
 
     # 1. Probes: where the large records' data lies; the non-tensor items' bytes, decoded.
-    def probe(name: str, rec: _Rec) -> Optional[_Probe]:
+    def probe(name: str, rec: _Rec) -> Optional[Probe]:
         r = readers[name]
         if rec.kind == "bytes":
             buf = bytearray(rec.length)
             got = r.read_into(rec.start, memoryview(buf))
             if got != rec.length:
                 raise CorruptCheckpointError(f"{path}/{name}: is shorter than the manifest says", path=f"{path}/{name}")
-            p = object.__new__(_Probe)
+            p = object.__new__(Probe)
             p.reader, p.rec, p.windows = r, rec, [(rec.start, bytes(buf))]
             return p
-        p = _Probe(r, rec)
+        p = Probe(r, rec)
         t = rec.target
         assert t is not None
-        start = _data_start(p.get, rec.length, t.dtype, tuple(t.shape))
+        start = data_start(p.get, rec.length, t.dtype, tuple(t.shape))
         if start is None:
             rec.kind = "slow"  # another layout: through the buffer
         else:
@@ -504,7 +412,7 @@ def _load(storage: Storage, path: str, per_file: Dict[str, List[_Rec]], flat: Di
         r = readers[task.name]
         n = task.end - task.start
         if task.dest is not None:
-            touched[0] = True
+            touched[0] = touched[0] or task.own
             got = r.read_into(task.start, task.dest)
             return got, (crc32c(task.dest[:got]) if verify else 0)
         buf = buffers.get(n + task.extra)
@@ -518,6 +426,7 @@ def _load(storage: Storage, path: str, per_file: Dict[str, List[_Rec]], flat: Di
             if lo < hi and mv[lo - task.start:hi - task.start] != data[lo - w0:hi - w0]:
                 raise CorruptCheckpointError(f"{task.path}: changed while it was being read", path=task.path)
         dsts: List[torch.Tensor] = []
+        own = False  # a dst is the caller's memory
         # the small tensors' data in buf, as runs of evenly spaced same-sized pieces
         # [first offset, spacing, bytes, count]: one view per run, cut into rows in C
         runs: List[List[int]] = []
@@ -526,20 +435,21 @@ def _load(storage: Storage, path: str, per_file: Dict[str, List[_Rec]], flat: Di
             if rec.kind == "small":
                 t = rec.target
                 assert t is not None and rec.flat is not None
-                head = _HEADS.get(t.dtype, tuple(t.shape))
+                head = HEADS.get(t.dtype, tuple(t.shape))
                 if head is not None and head[1] == rec.length and bytes(mv[at:at + len(head[0])]) == head[0]:
                     start = at + len(head[0])
                 else:
                     item = mv[at:at + rec.length]
                     get = lambda a, b, item=item: bytes(item[a:b])  # (named: mypy types it here, not in the call)
-                    s = _data_start(get, rec.length, t.dtype, tuple(t.shape))
+                    s = data_start(get, rec.length, t.dtype, tuple(t.shape))
                     if s is None:
-                        touched[0] = True
+                        touched[0] = touched[0] or rec.own
                         _copy_slow(rec, item)
                         continue
                     start = at + s
                 nb = rec.flat.numel()
                 dsts.append(rec.flat)
+                own = own or rec.own
                 last = runs[-1] if runs else None
                 if last is not None and last[2] == nb and (
                         (last[3] == 1 and start - last[0] >= nb) or (last[3] > 1 and start == last[0] + last[1] * last[3])):
@@ -549,7 +459,7 @@ def _load(storage: Storage, path: str, per_file: Dict[str, List[_Rec]], flat: Di
                 else:
                     runs.append([start, 0, nb, 1])
             elif rec.kind == "slow":
-                touched[0] = True
+                touched[0] = touched[0] or rec.own
                 _copy_slow(rec, mv[at:at + rec.length])
         if dsts:
             srcs: List[torch.Tensor] = []
@@ -558,7 +468,7 @@ def _load(storage: Storage, path: str, per_file: Dict[str, List[_Rec]], flat: Di
                     srcs.append(buf.narrow(0, first, nb))
                 else:
                     srcs.extend(buf.as_strided((count, nb), (spacing, 1), first).unbind(0))
-            touched[0] = True
+            touched[0] = touched[0] or own
             with torch.no_grad():
                 compat.foreach_copy_(dsts, srcs)
         return got, crc
@@ -607,6 +517,9 @@ def _load(storage: Storage, path: str, per_file: Dict[str, List[_Rec]], flat: Di
                 raise CorruptCheckpointError(
                     f"{where}: checksum mismatch (crc32c {crc:#010x}, manifest says {files[name].crc32c:#010x})",
                     path=where)
+    if xla:
+        touched[0] = True
+        xla.commit()
     for fqn, value in decoded.items():
         set_element(state_dict, mappings[fqn], value)
     return True

@@ -1,0 +1,107 @@
+"""XLA target tensors of a direct restore: read into host stand-ins, then set on the device.
+
+:func:`~.direct.load_direct` reads the data of each XLA target into a fresh host tensor of the
+same dtype and shape (its *stand-in*), like a CPU target and verified the same way, so the
+XLA targets themselves are untouched until every file passed its size and checksum checks.
+Only then does :meth:`XlaTargets.commit` put the stand-ins on the device and into the targets:
+
+* where the PJRT device's memory is host memory (PJRT CPU), a DLPack import of each stand-in
+  makes it the device buffer itself: nothing is copied;
+* elsewhere, one batched host-to-device transfer for all of them per device
+  (``_xla_tensors_from_aten``: every transfer issued, then awaited together);
+* each target then takes its device tensor by ``copy_`` under ``no_grad``: the target stays
+  the same Python object (parameters stay parameters), a whole tensor just holds the new
+  buffer with no computation pending, and a view updates its base as ``copy_`` does.
+
+A stand-in is never written again once it is on the device. A target listed twice (tied
+parameters) has one stand-in and one transfer. SPMD mode (tensors that may be sharded over
+devices) is not handled here: :func:`supported` says so and the restore goes through DCP.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from ... import compat
+
+#: Whether stand-ins become device buffers by DLPack import (True) or are transferred (False);
+#: None: decided from the PJRT device type (DLPack on ``CPU``).
+HOST_BACKED: Optional[bool] = None
+
+
+def is_xla(t: torch.Tensor) -> bool:
+    return t.device.type == "xla"
+
+
+def supported(t: torch.Tensor) -> bool:
+    """Whether the XLA tensor ``t`` can be restored through a stand-in: strided, not quantized,
+    and this process is not in SPMD mode."""
+    if t.layout != torch.strided or t.is_quantized:
+        return False
+    try:
+        import torch_xla.runtime as xr
+
+        return not xr.is_spmd()
+    except Exception:
+        return False
+
+
+def _host_backed() -> bool:
+    if HOST_BACKED is not None:
+        return HOST_BACKED
+    try:
+        import torch_xla.runtime as xr
+
+        return xr.device_type() == "CPU"
+    except Exception:
+        return False
+
+
+class XlaTargets:
+    """The XLA targets of one restore and their host stand-ins."""
+
+    def __init__(self) -> None:
+        self._pairs: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}  # id(target) -> (target, stand-in)
+
+    def __bool__(self) -> bool:
+        return bool(self._pairs)
+
+    def stand_in(self, target: torch.Tensor) -> torch.Tensor:
+        """The contiguous host tensor that receives ``target``'s data (one per target object)."""
+        got = self._pairs.get(id(target))
+        if got is None:
+            got = (target, torch.empty(tuple(target.shape), dtype=target.dtype))  # never zero-filled
+            self._pairs[id(target)] = got
+        return got[1]
+
+    def commit(self) -> None:
+        """Every stand-in onto its target's device, then into the target (see the module
+        docstring); the stand-ins are released."""
+        pairs = list(self._pairs.values())
+        self._pairs.clear()
+        srcs: List[Optional[torch.Tensor]] = [None] * len(pairs)
+        if _host_backed():
+            from torch.utils.dlpack import to_dlpack
+
+            from_dlpack = compat.xla_from_dlpack_fn()
+            for i, (target, host) in enumerate(pairs):
+                try:
+                    x = from_dlpack(to_dlpack(host))
+                except Exception:
+                    continue  # transferred below
+                if x.device == target.device:
+                    srcs[i] = x
+        by_device: Dict[str, List[int]] = {}
+        for i, (target, _) in enumerate(pairs):
+            if srcs[i] is None:
+                by_device.setdefault(str(target.device), []).append(i)
+        for device, idx in by_device.items():
+            moved = compat.xla_tensors_from_aten([pairs[i][1] for i in idx], device)
+            for i, x in zip(idx, moved):
+                srcs[i] = x
+        with torch.no_grad():
+            for (target, _), src in zip(pairs, srcs):
+                assert src is not None
+                target.copy_(src)
