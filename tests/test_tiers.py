@@ -335,3 +335,26 @@ def test_cli_ls_verify_promote_understand_both_tiers(roots, capsys):
     assert main(["verify", path, "4", "--local-dir", local]) == EXIT_DAMAGED  # both copies, one damaged
     text = capsys.readouterr().out
     assert "step 4 (local): DAMAGED" in text and "step 4 (persistent): ok" in text
+
+
+def test_after_a_failed_upload_restore_and_promote_work_and_join_still_raises(roots, monkeypatch):
+    path, local = roots
+    real = coordinator_mod.save_state_dict
+
+    def no_bucket(storage, p, sd, **kw):
+        if not p.startswith(local):
+            raise OSError("bucket unreachable")
+        return real(storage, p, sd, **kw)
+
+    monkeypatch.setattr(coordinator_mod, "save_state_dict", no_bucket)
+    mgr = CheckpointManager(path, local_dir=local)
+    mgr.save_async(1, state(1))
+    out = zeros()
+    assert mgr.restore(None, out) == 1  # the failed upload is not the restore's error
+    assert_bitwise_equal(out, state(1))
+    monkeypatch.setattr(coordinator_mod, "save_state_dict", real)
+    mgr.promote(1)  # the repair: the local copy goes up
+    assert mgr.step_tiers() == {1: ("local", "persistent")}
+    with pytest.raises(CheckpointError, match="bucket unreachable"):
+        mgr.join()
+    mgr.close()

@@ -374,7 +374,9 @@ class CheckpointManager(SaveDecisions, TierListing):
     def _after_commit(self, stats: SaveStats) -> None:
         """Statistics and the user's callback: neither can fail a committed save."""
         self.stats.append(stats)
-        if self._stats_log is not None and self._coord.is_primary:
+        # a local tier's saves are logged too unless the log is remote (rewritten per save there)
+        logged = stats.extra.get("tier") != LOCAL or self.storage.is_local
+        if self._stats_log is not None and self._coord.is_primary and logged:
             try:
                 self._stats_log.append(stats)
             except Exception as exc:
@@ -407,7 +409,7 @@ class CheckpointManager(SaveDecisions, TierListing):
         """
         self._check_open()
         step = check_step(step)
-        self.join()
+        self._settle()
         local_held = self._local is not None and step in self._local.store.layout.committed_steps()
         if local_held and self._local is not None:
             self._local.store.become_writer()
@@ -438,7 +440,7 @@ class CheckpointManager(SaveDecisions, TierListing):
         if self._coord.world_size > 1:
             raise CheckpointError("promote() copies one process's local step; with several ranks each local "
                                   "copy holds one rank's shards: save the step with force=True instead")
-        self.join()
+        self._settle()  # an earlier failed upload (still raised by join) is what promote repairs
         self._store.become_writer()
         promote(self._local, self._tiers[-1], step, verify=self.verify, threads=self.write_threads,
                 retention=self.retention)
@@ -471,7 +473,7 @@ class CheckpointManager(SaveDecisions, TierListing):
         if not isinstance(state_dict, Mapping):
             raise InvalidStateDictError(f"state_dict must be a mapping, got {type(state_dict).__name__}")
         if not self._closed:
-            self.join()  # pending saves land first (and their errors surface)
+            self._settle()  # pending saves land first (and their errors surface)
         step = None if step is None else check_step(step)
         opts = dict(verify=self.verify if verify is None else verify, allow_pickle=allow_pickle,
                     threads=self.write_threads, planner=load_planner_for(state_dict, allow_pickle),
@@ -485,6 +487,14 @@ class CheckpointManager(SaveDecisions, TierListing):
         return s
 
     # ---- lifecycle ---------------------------------------------------------------------------
+    def _settle(self) -> None:
+        """Wait for every pending save; raise the failures a save would raise (with a local
+        tier, failed writes to ``path`` stay for :meth:`join`/:meth:`close`)."""
+        self.wait_for_staging()
+        for tier in self._tiers:
+            tier.writer.wait_idle()
+            tier.writer.raise_if_failed()
+
     def join(self) -> None:
         """Wait for every pending save to commit (and retention's decision after it); raise the
         first background failure (with ``local_dir``: also the failed writes to ``path``)."""
