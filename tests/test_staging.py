@@ -296,3 +296,31 @@ def test_plan_memo_never_changes_a_plan(state_dicts):
         got = make_plan(sd, memo)
         _same_plan(got, expected)
         _rebuilds(sd, got)
+
+
+def test_pool_with_hold_peak_reuses_the_overlap_buffers_across_upload_cycles():
+    """A local tier's cycle: an upload holds one snapshot while a local save takes another, then
+    local saves run alone for a while. With ``hold_peak`` the second set of buffers survives
+    the quiet stretch, so each later overlap allocates nothing; without it, every cycle
+    allocates a whole snapshot again."""
+    from async_ckpt.staging.pool import HostBufferPool
+
+    n = 1 << 20
+
+    def cycles(pool):
+        per_cycle = []
+        for _ in range(4):
+            before = pool.allocations
+            up = pool.acquire([n, n // 2])
+            loc = pool.acquire([n, n // 2])
+            loc.release()
+            up.release()
+            for _ in range(3):
+                pool.acquire([n, n // 2]).release()
+            per_cycle.append(pool.allocations - before)
+        return per_cycle
+
+    held = HostBufferPool(hold_peak=True)
+    assert cycles(held) == [4, 0, 0, 0]
+    assert held.allocated_bytes == 2 * (n + n // 2)
+    assert cycles(HostBufferPool()) == [4, 2, 2, 2]  # the plain pool keeps only the last cycle's

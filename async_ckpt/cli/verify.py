@@ -237,7 +237,10 @@ def cmd_promote(args: argparse.Namespace) -> int:
     from ..manager import CheckpointManager
     from .common import _parse_options
 
-    step = int(args.step)
+    try:
+        step = int(args.step)
+    except ValueError:
+        raise ValueError(f"STEP must be a step number, got {args.step!r}") from None
     with CheckpointManager(args.path, storage_options=_parse_options(args.storage_option),
                            local_dir=args.local_dir, local_retention=2**31 - 1, max_to_keep=0) as mgr:
         mgr.promote(step)

@@ -198,7 +198,8 @@ class CheckpointManager(SaveDecisions, TierListing):
         self.catalog = self._store.catalog
         self._deleter = self._store.deleter
         self._stats_log = StatsLog.from_option(self.storage, stats_log)
-        self.stager = Stager(HostBufferPool(memory_budget_bytes))
+        # with a local tier an upload overlaps local saves on and off: keep buffers for both
+        self.stager = Stager(HostBufferPool(memory_budget_bytes, hold_peak=local_dir is not None))
         self.stats: Deque[SaveStats] = collections.deque(maxlen=1000)
         self._writer = AsyncWriter(max_pending_async, defer_errors=local_dir is not None)
         self._tiers: List[Tier] = [Tier(PERSISTENT, self._store, self._writer, self.retention)]

@@ -18,6 +18,10 @@ How much it keeps
       use (least recently used first) while the pool would hold more than ``1.1 x`` the most
       bytes requested by leases out at once (or by the ones out after this request) plus
       64 KiB; a release does the same while other leases stay out (several saves in flight).
+    * ``hold_peak=True`` (a manager with a local tier: an upload stays in flight across several
+      local saves, then none is, and so on) keeps, at quiescent moments, the buffers of the most
+      bytes ever leased at once, instead of only those of the last cycle, so the next overlap
+      of an upload with a local save reuses them instead of page-faulting fresh memory.
     Pinned buffers follow the same rules; dropping them also empties the CUDA caching host
     allocator, which would otherwise keep their pinned memory.
 """
@@ -104,10 +108,11 @@ class HostBufferPool:
     made so far (flat in steady state).
     """
 
-    def __init__(self, budget_bytes: Optional[int] = None) -> None:
+    def __init__(self, budget_bytes: Optional[int] = None, *, hold_peak: bool = False) -> None:
         if budget_bytes is not None and budget_bytes < 0:
             raise ValueError(f"budget_bytes must be >= 0 or None, got {budget_bytes}")
         self.budget_bytes = budget_bytes
+        self.hold_peak = hold_peak
         self._free: Dict[Tuple[int, bool], Deque[_Block]] = {}  # (capacity, pinned) -> FIFO
         # sorted capacities, per pinning, of the free lists (entries whose list emptied are
         # dropped lazily, by the searches that meet them: a steady-state pop stays O(1))
@@ -122,7 +127,7 @@ class HostBufferPool:
         self._blocks = 0  # blocks held, free and leased
         self._in_epoch = 0  # blocks taken in this epoch
         self._free_requested = 0  # sum of ``n`` over the free blocks
-        self._peak = 0  # the most _requested at once (since the last quiescent moment)
+        self._peak = 0  # the most _requested at once (since the last quiescent moment; ever with hold_peak)
 
     # ---- free-list bookkeeping (callers hold self._cond) ---------------------------------------
     def _put(self, blk: _Block) -> None:
@@ -253,7 +258,13 @@ class HostBufferPool:
                 self._put(b)
                 self.leased_bytes -= b.capacity
                 self._requested -= b.n
-            if self.leased_bytes == 0:
+            if self.leased_bytes == 0 and self.hold_peak:
+                # Quiescent: keep what the most leased at once needed (unused buffers beyond it go).
+                if self.budget_bytes is None and self.allocated_bytes > self._target(0):
+                    self._drop_lru(int(self.allocated_bytes - self._target(0)) + 1)
+                self._epoch += 1
+                self._in_epoch = 0
+            elif self.leased_bytes == 0:
                 # Quiescent: keep only what was used since the last quiescent moment.
                 if self._in_epoch < self._blocks:
                     self._drop_lru(0, keep_epoch=self._epoch)
