@@ -17,7 +17,7 @@ de-duplicates replicated tensors and reshards on load).
 from __future__ import annotations
 
 import datetime
-from typing import Any, Dict, List, Optional, Protocol, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 
@@ -26,6 +26,10 @@ from ..errors import CheckpointError
 from ..storage import FileRecord, Storage
 from ..storage.dcp import FsspecStorageReader, FsspecStorageWriter, WriteMemo, load_state_dict, save_state_dict
 from ..storage.dcp.direct import load_direct
+from ..storage.dcp.staged_restore import Acquire, load_staged
+
+if TYPE_CHECKING:
+    from ..staging.pool import HostBufferPool
 
 #: How long a collective waits for the other ranks before it fails (seconds).
 DEFAULT_TIMEOUT_S = 300.0
@@ -56,9 +60,10 @@ class Coordinator(Protocol):
 
     def load(self, storage: Storage, path: str, state_dict: Dict[str, Any], *, files: Dict[str, FileRecord],
              verify: bool, threads: int, allow_pickle: bool, metadata: Any, planner: Any, atomic: bool = False,
-             strict: bool = True) -> None:
+             strict: bool = True, pool: Optional[HostBufferPool] = None) -> None:
         """Read a step into ``state_dict`` in place (``atomic``: verify every file before the
-        first write; ``strict=False``: keys the checkpoint lacks are skipped)."""
+        first write, staging through ``pool`` where that is needed; ``strict=False``: keys the
+        checkpoint lacks are skipped)."""
 
 
 class LocalCoordinator:
@@ -91,9 +96,20 @@ class LocalCoordinator:
 
     def load(self, storage: Storage, path: str, state_dict: Dict[str, Any], *, files: Dict[str, FileRecord],
              verify: bool, threads: int, allow_pickle: bool, metadata: Any, planner: Any, atomic: bool = False,
-             strict: bool = True) -> None:
+             strict: bool = True, pool: Optional[HostBufferPool] = None) -> None:
         """Straight into the target tensors (:func:`load_direct`) unless ``atomic``, a custom
-        ``planner`` or a target it does not handle; else read and verify everything first."""
+        ``planner`` or a target it does not handle; else read and verify everything first.
+
+        ``atomic``: every data file is read and verified into buffers leased from ``pool``
+        (within its ``budget_bytes``: a larger checkpoint raises
+        :class:`~async_ckpt.errors.StagingBudgetError` before anything is read; ``None``: fresh
+        buffers), then copied into the target (:func:`load_staged`)."""
+        if atomic and metadata is not None and files is not None:
+            load_staged(storage, path, state_dict, files=files, metadata=metadata, verify=verify, threads=threads,
+                        allow_pickle=allow_pickle, planner=planner, strict=strict, process_group=self.group,
+                        acquire=None if pool is None else _leaser(pool),
+                        budget=None if pool is None else pool.budget_bytes)
+            return
         if not atomic and planner is None and metadata is not None and \
                 load_direct(storage, path, state_dict, files=files, metadata=metadata, verify=verify,
                             threads=threads, allow_pickle=allow_pickle):
@@ -160,10 +176,10 @@ class GroupCoordinator:
 
     def load(self, storage: Storage, path: str, state_dict: Dict[str, Any], *, files: Dict[str, FileRecord],
              verify: bool, threads: int, allow_pickle: bool, metadata: Any, planner: Any, atomic: bool = False,
-             strict: bool = True) -> None:
+             strict: bool = True, pool: Optional[HostBufferPool] = None) -> None:
         """DCP over the checkpoint group: this rank reads only the records its load plan needs
         (whole files where the manifest lists no records), and every byte it uses is verified
-        before its first write, so ``atomic`` holds either way."""
+        before its first write, so ``atomic`` holds either way (``pool`` is not used)."""
         import torch.distributed.checkpoint as dcp
 
         from ..storage.dcp.reader import safe_planner
@@ -171,6 +187,17 @@ class GroupCoordinator:
         reader = FsspecStorageReader(storage, path, files=files, verify=verify, threads=threads, metadata=metadata)
         dcp.load(state_dict, storage_reader=reader, process_group=self.group,
                  planner=planner or safe_planner(allow_pickle, strict))
+
+
+def _leaser(pool: "HostBufferPool") -> Acquire:
+    """``pool``'s buffers as :func:`load_staged` takes them: one lease, released by the function
+    returned with them."""
+
+    def acquire(sizes: Sequence[int]) -> Tuple[Sequence[torch.Tensor], Any]:
+        lease = pool.acquire(sizes)
+        return lease.buffers, lease.release
+
+    return acquire
 
 
 def _collective(fn: Any, what: str) -> None:

@@ -40,9 +40,11 @@ def _is_stateful(value: Any) -> bool:
 
 
 def restore(store: StepStore, step: Optional[int], state_dict: Dict[str, Any], *, verify: bool,
-            allow_pickle: bool, threads: int, planner: Any, atomic: bool = False, strict: bool = True) -> int:
+            allow_pickle: bool, threads: int, planner: Any, atomic: bool = False, strict: bool = True,
+            pool: Any = None) -> int:
     """Every rank: load ``step`` (None: the most recent commit that verifies) into ``state_dict``
-    in place and return the step. Rank 0's listing decides which steps exist."""
+    in place and return the step. Rank 0's listing decides which steps exist. ``pool``: the
+    host buffer pool that ``atomic`` stages through (see :meth:`.Coordinator.load`)."""
     stateful = {k: v for k, v in state_dict.items() if _is_stateful(v)}
     target: Dict[str, Any] = state_dict
     if stateful:  # what dcp.load does: restore into their state_dict(), then load_state_dict
@@ -50,7 +52,7 @@ def restore(store: StepStore, step: Optional[int], state_dict: Dict[str, Any], *
         for k, v in stateful.items():
             target[k] = v.state_dict()
     s = _restore(store, step, target, verify=verify, allow_pickle=allow_pickle, threads=threads, planner=planner,
-                 atomic=atomic, strict=strict, stateful=frozenset(stateful))
+                 atomic=atomic, strict=strict, stateful=frozenset(stateful), pool=pool)
     if stateful:
         for k, v in target.items():
             if k not in stateful:
@@ -62,11 +64,11 @@ def restore(store: StepStore, step: Optional[int], state_dict: Dict[str, Any], *
 
 def _restore(store: StepStore, step: Optional[int], state_dict: Dict[str, Any], *, verify: bool,
              allow_pickle: bool, threads: int, planner: Any, atomic: bool, strict: bool,
-             stateful: frozenset = frozenset()) -> int:
+             stateful: frozenset = frozenset(), pool: Any = None) -> int:
     coord = store.coordinator
     steps: List[int] = coord.broadcast(store.catalog.steps_newest_first() if coord.is_primary else None)
     opts = dict(verify=verify, allow_pickle=allow_pickle, threads=threads, planner=planner, atomic=atomic,
-                strict=strict, stateful=stateful)
+                strict=strict, stateful=stateful, pool=pool)
     if step is not None:
         if step not in steps:
             listed = sorted(steps)
@@ -92,7 +94,8 @@ def _restore(store: StepStore, step: Optional[int], state_dict: Dict[str, Any], 
 
 
 def _restore_one(store: StepStore, step: int, state_dict: Dict[str, Any], *, verify: bool, allow_pickle: bool,
-                 threads: int, planner: Any, atomic: bool, strict: bool, stateful: frozenset) -> None:
+                 threads: int, planner: Any, atomic: bool, strict: bool, stateful: frozenset,
+                 pool: Any = None) -> None:
     coord = store.coordinator
     added: List[tuple] = []
     local: Optional[BaseException] = None
@@ -114,7 +117,8 @@ def _restore_one(store: StepStore, step: int, state_dict: Dict[str, Any], *, ver
     assert manifest is not None
     try:
         coord.load(store.storage, path, state_dict, files=manifest.files, verify=verify, threads=threads,
-                   allow_pickle=allow_pickle, metadata=metadata, planner=planner, atomic=atomic, strict=strict)
+                   allow_pickle=allow_pickle, metadata=metadata, planner=planner, atomic=atomic, strict=strict,
+                   pool=pool)
     except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
             raise

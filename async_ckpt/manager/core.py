@@ -478,7 +478,7 @@ class CheckpointManager(SaveDecisions, TierListing):
         step = None if step is None else check_step(step)
         opts = dict(verify=self.verify if verify is None else verify, allow_pickle=allow_pickle,
                     threads=self.write_threads, planner=load_planner_for(state_dict, allow_pickle),
-                    atomic=atomic, strict=strict)
+                    atomic=atomic, strict=strict, pool=self.stager.pool)
         if self._local is None:
             s = _restore(self._store, step, state_dict, **opts)
         else:
