@@ -460,8 +460,10 @@ class CheckpointManager(SaveDecisions, TierListing):
         One process reads the files straight into the target tensors, checking sizes and
         CRC-32Cs (``verify``) as the data arrives. When a restore fails after its first write,
         ``state_dict`` holds part of the failed step, and the error says so; ``atomic=True``
-        reads and verifies everything into host memory first, so a failed restore leaves
-        ``state_dict`` as it was (at the cost of memory the size of the files).
+        reads and verifies every file into buffers of the manager's host pool first, so a failed
+        restore leaves ``state_dict`` as it was (memory the size of the files, within
+        ``memory_budget_bytes``: a larger checkpoint raises :class:`StagingBudgetError` before
+        anything is read; the buffers are reused by the next restore or save).
 
         Keys of ``state_dict`` the checkpoint lacks raise :class:`StateDictMismatchError`
         naming up to ten. Entries the checkpoint has but ``state_dict`` lacks are added (e.g. a
