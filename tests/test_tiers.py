@@ -358,3 +358,32 @@ def test_after_a_failed_upload_restore_and_promote_work_and_join_still_raises(ro
     with pytest.raises(CheckpointError, match="bucket unreachable"):
         mgr.join()
     mgr.close()
+
+
+def test_a_lagging_upload_does_not_make_its_older_step_the_newest(roots, monkeypatch):
+    """Step 10 goes to both tiers, its upload finishes after local steps 11 and 12, and local
+    retention then drops step 10's local copy: 12 stays the newest (save order), not 10."""
+    import threading
+
+    path, local = roots
+    real = coordinator_mod.save_state_dict
+    gate = threading.Event()
+
+    def slow_bucket(storage, p, sd, **kw):
+        if not p.startswith(local):
+            assert gate.wait(30)
+        return real(storage, p, sd, **kw)
+
+    monkeypatch.setattr(coordinator_mod, "save_state_dict", slow_bucket)
+    with CheckpointManager(path, save_interval=10, local_dir=local, local_policy=1, local_retention=2) as mgr:
+        for s in (10, 11, 12):
+            mgr.save_async(s, state(s))
+            mgr._local.writer.join()
+        gate.set()
+        mgr.join()
+        assert mgr.step_tiers() == {12: ("local",), 11: ("local",), 10: ("persistent",)}
+        assert mgr.steps_in_commit_order() == [10, 11, 12] and mgr.latest_step() == 12
+    with CheckpointManager(path, save_interval=10, local_dir=local, local_policy=1, local_retention=2) as mgr:
+        out = zeros()
+        assert mgr.restore(None, out) == 12
+    assert_bitwise_equal(out, state(12))
