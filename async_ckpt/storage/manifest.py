@@ -5,6 +5,12 @@ records of (the ``torch.save`` items DCP's ``.metadata`` places in it, one after
 byte 0) lists them in ``"records"``: a base64 string of one little-endian ``(uint64 length,
 uint32 crc32c)`` pair per record, in file order, so that a reader may fetch and check only the
 records it needs. A file without ``"records"`` is read and checked whole.
+
+A data file may also list, in ``"data_at"``, where the raw data of its large tensor records
+begins: a base64 string of one little-endian ``(uint64 record offset in the file, uint32 data
+offset in the record)`` pair per such record, so that a reader can read the data straight into
+a tensor without first parsing the record's zip directory. A file without it (older manifests,
+plain DCP checkpoints) is read the same way after those probes.
 """
 
 from __future__ import annotations
@@ -59,22 +65,28 @@ raw_crc32c = _crc32c.crc32c  # the same function without the wrapper's call: for
 
 
 _RECORD = struct.Struct("<QI")  # one record in a manifest's "records": length, crc32c
+_DATA_AT = struct.Struct("<QI")  # one record in a manifest's "data_at": record offset, data offset in it
 
 
 @dataclass
 class FileRecord:
     """A file of a step: its size and CRC-32C; ``records``: the ``(length, crc32c)`` of each of
     its records in file order, covering it from byte 0 to ``size``, where the writer recorded
-    them (``None``: the file is checked whole)."""
+    them (``None``: the file is checked whole); ``data_at``: for records whose tensor data
+    the writer placed, record offset in the file -> offset of the data in the record (``None``:
+    not recorded)."""
 
     size: int
     crc32c: int
     records: Optional[Tuple[Tuple[int, int], ...]] = None
+    data_at: Optional[Dict[int, int]] = None
 
     def to_dict(self) -> Dict[str, Any]:
         d: Dict[str, Any] = {"size": self.size, "crc32c": self.crc32c}
         if self.records is not None:
             d["records"] = base64.b64encode(b"".join(_RECORD.pack(n, c) for n, c in self.records)).decode()
+        if self.data_at:
+            d["data_at"] = base64.b64encode(b"".join(_DATA_AT.pack(a, h) for a, h in self.data_at.items())).decode()
         return d
 
     @staticmethod
@@ -82,6 +94,8 @@ class FileRecord:
         """The record of the manifest ``where``'s entry for the file ``name``; a ``"records"`` that is not valid base64 of whole
         pairs, or whose lengths do not add up to ``size``, is a :class:`CorruptCheckpointError`."""
         rec = FileRecord(int(d["size"]), int(d["crc32c"]))
+        if d.get("data_at") is not None:
+            rec.data_at = _data_at(d["data_at"], rec.size, name=name, where=where)
         raw = d.get("records")
         if raw is None:
             return rec
@@ -97,6 +111,23 @@ class FileRecord:
                                          f"{sum(n for n, _ in records)} bytes, but its size is {rec.size}", path=where)
         rec.records = records
         return rec
+
+
+def _data_at(raw: Any, size: int, *, name: str, where: str) -> Dict[int, int]:
+    """A ``"data_at"`` entry decoded; malformed (not base64 of whole pairs, or a place outside
+    the file's ``size`` bytes): :class:`CorruptCheckpointError`."""
+    try:
+        data = base64.b64decode(raw, validate=True) if isinstance(raw, str) else None
+    except binascii.Error:
+        data = None
+    if data is None or len(data) % _DATA_AT.size:
+        raise CorruptCheckpointError(f"{where}: {shown(name)}: the data offsets are malformed", path=where)
+    out = dict(_DATA_AT.iter_unpack(data))
+    for at, head in out.items():
+        if at + head > size:
+            raise CorruptCheckpointError(f"{where}: {shown(name)}: a data offset ({at} + {head}) lies beyond its "
+                                         f"size {size}", path=where)
+    return out
 
 
 @dataclass

@@ -14,8 +14,12 @@ tiling of the file into ranges, in parallel over ``threads``:
   file's CRC is put together from them (:func:`~.crc.crc32c_combine`) and compared with the
   manifest's before :func:`load_direct` returns.
 
-Where a large record's data begins is found before the reads, from small probes of the
-record's start and end (its zip directory). Non-tensor items are read and decoded first
+Where a large record's data begins is taken from the manifest where the writer recorded it
+(``FileRecord.data_at``); the record's zip directory and headers, which arrive with the reads
+of the file's other bytes, are parsed on the reading threads to confirm it, and a record that
+disagrees fails the restore (a :class:`~async_ckpt.errors.CorruptCheckpointError`, raised after
+the checksums). Elsewhere (older manifests, plain DCP checkpoints) it is found before the reads,
+from small probes of the record's start and end. Non-tensor items are read and decoded first
 too, so an unsafe pickle is refused before any tensor is written; the probed bytes are
 compared with the verified ones when those arrive.
 
@@ -33,6 +37,7 @@ is verified (:mod:`.xla_targets`), so a failure before that leaves them untouche
 
 from __future__ import annotations
 
+import bisect
 import io
 import pickle
 import threading
@@ -51,7 +56,7 @@ from ...gc_pause import gc_paused
 from ..fs import Storage
 from ..manifest import FileRecord, check_file_name, crc32c, shown
 from .crc import crc32c_concat
-from .record_layout import HEADS, Probe, data_start
+from .record_layout import HEADS, Arrived, Probe, data_start
 from .xla_targets import XlaTargets, is_xla
 from .xla_targets import supported as xla_supported
 
@@ -87,6 +92,7 @@ class _Rec:
     flat: Optional[torch.Tensor] = None  # the target's bytes (uint8, 1-D), contiguous targets only
     data_start: int = -1  # "direct": where the tensor's data starts in the file
     own: bool = True  # target is the caller's tensor (False: an XLA target's host stand-in)
+    arrived: Optional[Arrived] = None  # "direct", data_start from the manifest: its head and tail bytes
 
 
 @dataclass
@@ -99,6 +105,7 @@ class _Task:
     dest: Optional[memoryview] = None  # straight into a target, else the thread's buffer
     own: bool = True  # dest is the caller's memory
     recs: List[_Rec] = field(default_factory=list)  # records inside [start, end) (buffered)
+    arrivals: List[_Rec] = field(default_factory=list)  # direct records whose head or tail it reads
 
 
 def _plain_target(t: torch.Tensor) -> bool:
@@ -206,6 +213,11 @@ def _plan(storage: Storage, path: str, state_dict: Dict[str, Any], files: Dict[s
             end = r.start + r.length
         if end > files[name].size:
             raise _Unsupported(name)
+        data_at = files[name].data_at
+        for r in recs if data_at else ():
+            head = data_at.get(r.start) if r.kind == "direct" else None  # type: ignore[union-attr]
+            if head is not None and head + r.flat.numel() <= r.length:  # type: ignore[union-attr]
+                r.data_start = r.start + head
     return per_file, flat, mappings
 
 
@@ -376,7 +388,12 @@ def _load(storage: Storage, path: str, per_file: Dict[str, List[_Rec]], flat: Di
             rec.data_start = rec.start + start
         return p
 
-    jobs = [(name, rec) for name, recs in per_file.items() for rec in recs if rec.kind in ("direct", "bytes")]
+    for name, recs in per_file.items():
+        for rec in recs:
+            if rec.kind == "direct" and rec.data_start >= 0:
+                rec.arrived = Arrived(readers[name], rec.start, rec.length, rec.data_start, rec.flat.numel())  # type: ignore[union-attr]
+    jobs = [(name, rec) for name, recs in per_file.items() for rec in recs
+            if rec.kind == "bytes" or (rec.kind == "direct" and rec.arrived is None)]
     probe_calls = [lambda n=n, r=r: probe(n, r) for n, r in jobs]  # (named: mypy types it here, not in _run's call)
     probes = _run(pool, probe_calls)
     decoded: Dict[str, Any] = {}
@@ -406,7 +423,9 @@ def _load(storage: Storage, path: str, per_file: Dict[str, List[_Rec]], flat: Di
         tasks += _tasks(path, name, files[name].size, recs, readers[name].known_size is not None)
     for ws in windows.values():
         ws.sort()
+    _assign_arrivals(per_file, tasks)
     buffers = _Buffers()
+    confirmed: List[_Rec] = []  # direct records whose arrived bytes put the data where the manifest said
 
     def run(task: _Task) -> Tuple[int, int]:
         r = readers[task.name]
@@ -421,6 +440,11 @@ def _load(storage: Storage, path: str, per_file: Dict[str, List[_Rec]], flat: Di
         crc = crc32c(mv[:min(got, n)]) if verify else 0
         if got < n:
             return got, crc
+        for rec in task.arrivals:
+            a = rec.arrived
+            assert a is not None and rec.target is not None
+            if a.take(task.start, mv[:n]) and a.agrees(rec.target.dtype, tuple(rec.target.shape)):
+                confirmed.append(rec)  # (list.append: atomic)
         for w0, data in windows.get(task.name, ()):
             lo, hi = max(w0, task.start), min(w0 + len(data), task.end)
             if lo < hi and mv[lo - task.start:hi - task.start] != data[lo - w0:hi - w0]:
@@ -517,12 +541,33 @@ def _load(storage: Storage, path: str, per_file: Dict[str, List[_Rec]], flat: Di
                 raise CorruptCheckpointError(
                     f"{where}: checksum mismatch (crc32c {crc:#010x}, manifest says {files[name].crc32c:#010x})",
                     path=where)
+    wrong = [rec for recs in per_file.values() for rec in recs if rec.arrived is not None]
+    if len(wrong) != len(confirmed):
+        ok = set(map(id, confirmed))
+        rec = next(rec for rec in wrong if id(rec) not in ok)
+        raise CorruptCheckpointError(f"{path}: {shown(rec.fqn)}: its record does not hold its data at the offset the "
+                                     "manifest gives", path=path)
     if xla:
         touched[0] = True
         xla.commit()
     for fqn, value in decoded.items():
         set_element(state_dict, mappings[fqn], value)
     return True
+
+
+def _assign_arrivals(per_file: Dict[str, List[_Rec]], tasks: List[_Task]) -> None:
+    """Give each buffered task the direct records (with bytes to gather, see :class:`Arrived`)
+    whose head or tail it reads."""
+    by_file: Dict[str, List[_Rec]] = {n: [r for r in recs if r.arrived is not None] for n, recs in per_file.items()}
+    ends = {n: [r.start + r.length for r in recs] for n, recs in by_file.items()}
+    for task in tasks:
+        recs = by_file.get(task.name)
+        if task.dest is not None or not recs:
+            continue
+        k = bisect.bisect_right(ends[task.name], task.start)  # the first record ending after the task's start
+        while k < len(recs) and recs[k].start < task.end:
+            task.arrivals.append(recs[k])
+            k += 1
 
 
 def _run(pool: ThreadPoolExecutor, fns: Sequence[Callable[[], Any]]) -> List[Any]:

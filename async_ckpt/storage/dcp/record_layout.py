@@ -4,7 +4,8 @@
 callable, so a large record is probed without reading its data); :class:`Heads` caches, per
 (dtype, shape), the bytes ``torch.save`` writes before the data, so that a small record that
 starts with them needs no zip parsing; :class:`Probe` holds the bytes read near a large
-record's ends.
+record's ends; :class:`Arrived` gathers those bytes from the reads of the whole file instead,
+where the manifest said where the data lies.
 """
 
 from __future__ import annotations
@@ -126,3 +127,46 @@ class Probe:
             if w0 <= a and b <= w0 + len(data):
                 return data[a - w0:b - w0]
         return self._fetch(a, b - a)
+
+
+class Arrived:
+    """The bytes of a large record around its data (its head, from its start to the data, and
+    its tail, from the end of the data to its end), gathered as the reads bring them in, to
+    confirm where its data lies when that was taken from the manifest instead of probed."""
+
+    def __init__(self, reader: Any, start: int, length: int, data_start: int, nbytes: int) -> None:
+        self.reader, self.start, self.length = reader, start, length
+        self.data_lo, self.data_hi = data_start, data_start + nbytes  # in the file
+        self.head = bytearray(data_start - start)
+        self.tail = bytearray(start + length - self.data_hi)
+        self._missing = len(self.head) + len(self.tail)
+        self._lock = threading.Lock()
+
+    def take(self, lo: int, data: memoryview) -> bool:
+        """Keep what of the file's bytes ``data`` (from offset ``lo``) lies in the head or tail;
+        whether that completed them (true once, on the call that did)."""
+        hi, n = lo + len(data), 0
+        for buf, base, end in ((self.head, self.start, self.data_lo), (self.tail, self.data_hi, self.start + self.length)):
+            a, b = max(lo, base), min(hi, end)
+            if a < b:
+                buf[a - base:b - base] = data[a - lo:b - lo]
+                n += b - a
+        if not n:
+            return False
+        with self._lock:
+            self._missing -= n
+            return self._missing == 0
+
+    def get(self, lo: int, hi: int) -> bytes:  # record-relative
+        a, b = self.start + lo, self.start + hi
+        if self.start <= a and b <= self.data_lo:
+            return bytes(self.head[a - self.start:b - self.start])
+        if self.data_hi <= a and b <= self.start + self.length:
+            return bytes(self.tail[a - self.data_hi:b - self.data_hi])
+        buf = bytearray(b - a)  # not where zipfile looks in a torch.save record: read it
+        got = self.reader.read_into(a, memoryview(buf))
+        return bytes(buf[:got])
+
+    def agrees(self, dtype: torch.dtype, shape: Tuple[int, ...]) -> bool:
+        """Whether the record, parsed from the bytes gathered, has its data where it was said to."""
+        return data_start(self.get, self.length, dtype, shape) == self.data_lo - self.start

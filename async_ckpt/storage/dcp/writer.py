@@ -10,7 +10,8 @@ DCP's own fsspec writer is the I/O path:
 * each file's size and CRC32C are computed while writing, for the manifest; through
   DCP's planner (:class:`FsspecStorageWriter`, every multi-process save) each item's length
   and CRC32C too, so that a rank restoring only some items reads and checks only those;
-* tensors are written from record templates (:mod:`..records`) where one fits;
+* tensors are written from record templates (:mod:`..records`) where one fits; where each
+  large tensor's data starts in its file is kept for the manifest (``FileRecord.data_at``);
 * a single-process save of plain tensors and objects skips DCP's planner
   (:func:`_save_local`), and a :class:`WriteMemo` lets the next save of the same layout reuse
   the file assignment and the pickled ``.metadata``.
@@ -26,6 +27,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple, cast
 
+import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
@@ -102,6 +104,15 @@ _COALESCE_BYTES = 4 * 2**20  # small records are gathered into writes of about t
 _SMALL_ITEM_BYTES = 64 * 2**10  # runs of items up to this size are produced one file at a time
 _BATCH_MIN = 16  # runs of at least this many records of one template are rendered together
 _COMBINE_BYTES = 2**20  # a write at least this big is checksummed once for its record and its file
+DATA_AT_MIN_BYTES = 64 * 2**10  # tensor records with this much data have their data's place kept
+
+
+def _address(b: Any) -> int:
+    """The address of a contiguous buffer's first byte (-1 where it cannot be had)."""
+    try:
+        return int(np.frombuffer(b, dtype=np.uint8).ctypes.data)
+    except (TypeError, ValueError):
+        return -1
 
 
 class _RecordStream:
@@ -124,6 +135,8 @@ class _RecordStream:
         self.records: Optional[List[Tuple[int, int]]] = [] if records else None  # (length, crc32c)
         self._rec_crc = 0  # of the record being written
         self._rec_start = 0
+        self.expect: Optional[Tuple[int, int]] = None  # (address, nbytes) of a tensor's data to be written
+        self.found = -1  # where in the file a write of exactly ``expect`` went
 
     def _write_through(self, b: Any, crc: Optional[int] = None) -> int:
         """Pass ``b`` on to the file; ``crc``: its CRC32C, already computed."""
@@ -140,6 +153,8 @@ class _RecordStream:
     def write(self, b: Any) -> int:
         n = memoryview(b).nbytes
         if n >= 65536:
+            if self.expect is not None and n == self.expect[1] and _address(b) == self.expect[0]:
+                self.found = self.tell()
             self.flush_pending()
             if self.records is None:
                 return self._write_through(b)
@@ -226,9 +241,11 @@ class _RecordStream:
 
 def _write_item(stream: _RecordStream, data: Any) -> int:
     """Append one DCP item: a ``BytesIO``'s bytes, or a tensor as ``torch.save`` writes it.
-    Returns its length."""
+    Returns its length; ``stream.found`` is then where in the file the tensor's data went, for
+    a tensor of at least ``DATA_AT_MIN_BYTES`` whose data was seen written (else -1)."""
+    stream.found = -1
     if type(data) is torch.Tensor:  # the common case: a staged host tensor
-        n = stream.append_record(data)
+        n = _append_template(stream, data)
         if n >= 0:
             return n
     start = stream.tell()
@@ -239,18 +256,43 @@ def _write_item(stream: _RecordStream, data: Any) -> int:
     if not t.is_cpu:
         t = t.cpu()
     if t is not data and type(t) is torch.Tensor:  # now a plain host tensor: a template may fit
-        n = stream.append_record(t)
+        n = _append_template(stream, t)
         if n >= 0:
             return n
-    if t.untyped_storage().nbytes() != t.numel() * t.element_size():
+    nbytes = t.numel() * t.element_size()
+    if t.untyped_storage().nbytes() != nbytes:
         t = t.clone()  # torch.save writes whole storages: keep only this view
+    if nbytes >= DATA_AT_MIN_BYTES and t.is_contiguous():
+        stream.expect = (t.data_ptr(), nbytes)  # torch.save hands the storage's memory to write()
     try:
         torch.save(t, stream)  # type: ignore[arg-type]  # any object with write() will do; torch annotates IO[bytes]
     except RuntimeError:
         if stream.error is not None:  # the storage's own error decides retrying
             raise stream.error from None
         raise
+    finally:
+        stream.expect = None
     return stream.tell() - start
+
+
+def _append_template(stream: _RecordStream, t: torch.Tensor) -> int:
+    """``stream.append_record(t)``, setting ``stream.found`` for a large tensor."""
+    at = stream.tell()
+    n = stream.append_record(t)
+    if n >= 0 and t.numel() * t.element_size() >= DATA_AT_MIN_BYTES:
+        tpl = _RECORDS.template(t)
+        if tpl is not None and tpl.length == n:
+            stream.found = at + len(tpl.head)
+    return n
+
+
+def _append_run(stream: _RecordStream, tpl: _Template, ts: List[torch.Tensor], data_at: Dict[int, int]) -> None:
+    """``stream.append_records(tpl, ts)``; where each record's data starts goes into ``data_at``
+    for a template of at least ``DATA_AT_MIN_BYTES`` of data."""
+    at = stream.tell()
+    stream.append_records(tpl, ts)
+    if tpl.nbytes >= DATA_AT_MIN_BYTES:
+        data_at.update((at + k * tpl.length, len(tpl.head)) for k in range(len(ts)))
 
 
 def _item_nbytes(data: Any) -> int:
@@ -286,6 +328,7 @@ def _write_files(storage: Storage, path: str, prefix: str, buckets: List[List[An
     def write_file_once(k: int, jobs: List[Any]) -> Tuple[str, FileRecord, List[int]]:
         name = f"{prefix}{k}.distcp"
         lengths: List[int] = []
+        data_at: Dict[int, int] = {}  # record offset -> its data's offset in it (large tensors)
         with storage.open_write(f"{path}/{name}", size_hint=hints[k]) as f:
             stream = _RecordStream(f, records)
             held = False
@@ -299,7 +342,7 @@ def _write_files(storage: Storage, path: str, prefix: str, buckets: List[List[An
                         run.append(data)
                         continue
                     if run:  # then run_tpl is its template
-                        stream.append_records(run_tpl, run)
+                        _append_run(stream, cast(_Template, run_tpl), run, data_at)
                         lengths += [cast(_Template, run_tpl).length] * len(run)
                     run, run_tpl = [], None
                     small = _item_nbytes(data) <= _SMALL_ITEM_BYTES
@@ -313,11 +356,14 @@ def _write_files(storage: Storage, path: str, prefix: str, buckets: List[List[An
                     if tpl is not None:
                         run, run_tpl = [data], tpl
                     else:
+                        at = stream.tell()
                         lengths.append(_write_item(stream, data))
+                        if stream.found >= 0:
+                            data_at[at] = stream.found - at
                         if records:
                             stream.end_record()
                 if run:
-                    stream.append_records(run_tpl, run)
+                    _append_run(stream, cast(_Template, run_tpl), run, data_at)
                     lengths += [cast(_Template, run_tpl).length] * len(run)
                 stream.flush_pending()
             finally:
@@ -333,7 +379,8 @@ def _write_files(storage: Storage, path: str, prefix: str, buckets: List[List[An
         kept = stream.records
         if kept is not None and [n for n, _ in kept] != lengths:
             kept = None  # never list records that are not the items: the file is then checked whole
-        return name, FileRecord(stream.size, stream.crc, None if kept is None else tuple(kept)), lengths
+        return name, FileRecord(stream.size, stream.crc, None if kept is None else tuple(kept),
+                                data_at or None), lengths
 
     if not buckets:  # nothing to write on this rank (e.g. every item de-duplicated to another)
         return []
