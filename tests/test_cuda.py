@@ -51,3 +51,43 @@ def test_cuda_round_trip_and_mutation_after_call(tmp_path):
     CheckpointManager(str(tmp_path / "c")).restore(0, target)
     got = {"w": target["w"].cpu(), "b": target["b"].cpu(), "small": [t.cpu() for t in target["small"]], "cpu": target["cpu"]}
     assert_bitwise_equal(expected, got)
+
+
+def test_cuda_targets_restore_by_direct_reads_and_stay_untouched_when_damaged(tmp_path, monkeypatch):
+    """CUDA targets are read into pinned host stand-ins by the direct path, verified, then copied
+    on a side stream: the same objects, bitwise equal to a plain dcp.load; a damaged file
+    leaves them untouched."""
+    import os
+
+    import torch.distributed.checkpoint as dcp
+
+    from async_ckpt.errors import CorruptCheckpointError
+    from async_ckpt.lifecycle import coordinator as coordinator_mod
+
+    calls = []
+    real = coordinator_mod.load_direct
+    monkeypatch.setattr(coordinator_mod, "load_direct", lambda *a, **k: calls.append(real(*a, **k)) or calls[-1])
+    root = str(tmp_path / "c")
+    sd = _state()
+    with CheckpointManager(root) as mgr:
+        mgr.save(0, sd)
+    target = {"w": torch.zeros(1024, 1024, device="cuda"), "b": torch.zeros(1024, device="cuda").half(),
+              "small": [torch.zeros(16, device="cuda") for _ in range(50)], "cpu": torch.zeros(10, dtype=torch.long)}
+    w = target["w"]
+    CheckpointManager(root).restore(0, target)
+    assert calls == [True] and target["w"] is w
+    slow = {"w": torch.zeros(1024, 1024, device="cuda"), "b": torch.zeros(1024, device="cuda").half(),
+            "small": [torch.zeros(16, device="cuda") for _ in range(50)], "cpu": torch.zeros(10, dtype=torch.long)}
+    dcp.load(slow, checkpoint_id=os.path.join(root, "0"), no_dist=True)
+    assert_bitwise_equal({k: v for k, v in target.items()}, slow)
+    data = sorted(f for f in os.listdir(os.path.join(root, "0")) if f.endswith(".distcp"))
+    with open(os.path.join(root, "0", data[0]), "r+b") as f:
+        f.seek(os.path.getsize(os.path.join(root, "0", data[0])) // 2)
+        b = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([b[0] ^ 0xFF]))
+    fresh = {"w": torch.full((1024, 1024), 7.0, device="cuda"), "b": torch.zeros(1024, device="cuda").half(),
+             "small": [torch.zeros(16, device="cuda") for _ in range(50)], "cpu": torch.zeros(10, dtype=torch.long)}
+    with pytest.raises(CorruptCheckpointError):
+        CheckpointManager(root).restore(0, fresh)
+    assert torch.equal(fresh["w"], torch.full((1024, 1024), 7.0, device="cuda"))  # CUDA targets untouched

@@ -13,7 +13,7 @@ from async_ckpt import CheckpointManager
 from async_ckpt import compat as compat_mod
 from async_ckpt.errors import CorruptCheckpointError, StateDictMismatchError
 from async_ckpt.lifecycle import coordinator as coordinator_mod
-from async_ckpt.storage.dcp import xla_targets
+from async_ckpt.storage.dcp import device_targets as xla_targets
 
 from .test_restore_fast import _flip_in_record
 from .tree import assert_bitwise_equal

@@ -1,7 +1,7 @@
 """Restore by reading file ranges straight into the target tensors, verified as they arrive.
 
 :func:`load_direct` is the single-process restore of a checkpoint that async_ckpt (or DCP)
-wrote, into CPU or XLA tensors that already exist. For each data file it reads every byte once, as a
+wrote, into CPU, XLA or CUDA tensors that already exist. For each data file it reads every byte once, as a
 tiling of the file into ranges, in parallel over ``threads``:
 
 * the data of a large tensor record goes straight into the target tensor's memory
@@ -27,12 +27,12 @@ A failure after the first write leaves the targets partly written: the error rai
 :class:`~async_ckpt.errors.CheckpointError` whose message says so (``partly_written`` is set
 on it). Targets that are not plain contiguous CPU tensors (strided views, conjugate bits) and
 records of another layout take a slower path through the buffer (``copy_``), and anything
-this module does not handle (sharded checkpoints, DTensors, devices other than the CPU and
-XLA, custom planners) makes :func:`load_direct` return ``False`` before touching anything,
+this module does not handle (sharded checkpoints, DTensors, devices other than the CPU, XLA
+and CUDA, custom planners) makes :func:`load_direct` return ``False`` before touching anything,
 for DCP to load.
 
-XLA targets are read into host stand-ins the same way and put on the device once every file
-is verified (:mod:`.xla_targets`), so a failure before that leaves them untouched.
+XLA and CUDA targets are read into host stand-ins the same way and put on their devices once
+every file is verified (:mod:`.device_targets`), so a failure before that leaves them untouched.
 """
 
 from __future__ import annotations
@@ -56,9 +56,9 @@ from ...gc_pause import gc_paused
 from ..fs import Storage
 from ..manifest import FileRecord, check_file_name, crc32c, shown
 from .crc import crc32c_concat
+from .device_targets import DeviceTargets, is_device
+from .device_targets import supported as device_supported
 from .record_layout import HEADS, Arrived, Probe, data_start
-from .xla_targets import XlaTargets, is_xla
-from .xla_targets import supported as xla_supported
 
 #: A tensor record at least this large (local files) has its data read straight into the
 #: target; smaller ones are read with their neighbours and scattered.
@@ -91,7 +91,7 @@ class _Rec:
     target: Optional[torch.Tensor] = None
     flat: Optional[torch.Tensor] = None  # the target's bytes (uint8, 1-D), contiguous targets only
     data_start: int = -1  # "direct": where the tensor's data starts in the file
-    own: bool = True  # target is the caller's tensor (False: an XLA target's host stand-in)
+    own: bool = True  # target is the caller's tensor (False: a device target's host stand-in)
     arrived: Optional[Arrived] = None  # "direct", data_start from the manifest: its head and tail bytes
 
 
@@ -140,9 +140,9 @@ class _Buffers(threading.local):
 
 
 def _plan(storage: Storage, path: str, state_dict: Dict[str, Any], files: Dict[str, FileRecord],
-          metadata: Metadata, direct_min: int, xla: XlaTargets) -> Tuple[Dict[str, List[_Rec]], Dict[str, Any], Dict[str, Any]]:
-    """Records per file for the targets in ``state_dict`` (XLA targets get host stand-ins in
-    ``xla``); raises :class:`_Unsupported`."""
+          metadata: Metadata, direct_min: int, devices: DeviceTargets) -> Tuple[Dict[str, List[_Rec]], Dict[str, Any], Dict[str, Any]]:
+    """Records per file for the targets in ``state_dict`` (device targets get host stand-ins in
+    ``devices``); raises :class:`_Unsupported`."""
     flat, mappings = _flat_targets(state_dict)
     md = metadata.state_dict_metadata
     data = metadata.storage_data
@@ -179,8 +179,8 @@ def _plan(storage: Storage, path: str, state_dict: Dict[str, Any], files: Dict[s
         elif isinstance(m, TensorStorageMetadata):
             if type(value) not in (torch.Tensor, torch.nn.Parameter):
                 raise _Unsupported(fqn)
-            on_xla = is_xla(value)
-            if not (xla_supported(value) if on_xla else _plain_target(value)):
+            on_device = is_device(value)
+            if not (device_supported(value) if on_device else _plain_target(value)):
                 raise _Unsupported(fqn)
             if len(m.chunks) != 1 or any(m.chunks[0].offsets) or tuple(m.chunks[0].sizes) != tuple(m.size) \
                     or tuple(value.shape) != tuple(m.size) or value.dtype != m.properties.dtype:
@@ -192,13 +192,13 @@ def _plan(storage: Storage, path: str, state_dict: Dict[str, Any], files: Dict[s
             nbytes = value.numel() * value.element_size()
             if nbytes == 0:
                 continue  # nothing to read into; the bytes still count for the checksum
-            if on_xla:
-                t = xla.stand_in(value)
+            if on_device:
+                t = devices.stand_in(value)
             else:
                 t = value.detach() if type(value) is not torch.Tensor or value.requires_grad else value
             fb = _contiguous_bytes(t)
             kind = "slow" if fb is None else ("direct" if nbytes >= direct_min else "small")
-            rec = _Rec(fqn, info.offset, info.length, kind, t, fb, own=not on_xla)
+            rec = _Rec(fqn, info.offset, info.length, kind, t, fb, own=not on_device)
         else:
             raise _Unsupported(fqn)
         per_file.setdefault(info.relative_path, []).append(rec)
@@ -314,9 +314,9 @@ def load_direct(storage: Storage, path: str, state_dict: Dict[str, Any], *, file
 
 def _load_direct(storage: Storage, path: str, state_dict: Dict[str, Any], files: Dict[str, FileRecord],
                  metadata: Metadata, verify: bool, threads: int, allow_pickle: bool, direct_min: int) -> bool:
-    xla = XlaTargets()
+    devices = DeviceTargets()
     try:
-        per_file, flat, mappings = _plan(storage, path, state_dict, files, metadata, direct_min, xla)
+        per_file, flat, mappings = _plan(storage, path, state_dict, files, metadata, direct_min, devices)
     except _Unsupported:
         return False
     threads = max(1, threads)
@@ -325,7 +325,7 @@ def _load_direct(storage: Storage, path: str, state_dict: Dict[str, Any], files:
     try:
         with ThreadPoolExecutor(threads, thread_name_prefix="async-ckpt-read") as pool:
             return _load(storage, path, per_file, flat, mappings, files, verify, allow_pickle, pool, readers,
-                         touched, state_dict, threads, xla)
+                         touched, state_dict, threads, devices)
     except BaseException as exc:
         if touched[0] and isinstance(exc, CheckpointError) and not getattr(exc, "partly_written", False):
             exc.args = (f"{exc.args[0] if exc.args else exc}; {PARTLY_WRITTEN}",) + tuple(exc.args[1:])
@@ -363,7 +363,7 @@ def _open(storage: Storage, path: str, name: str, files: Dict[str, FileRecord], 
 def _load(storage: Storage, path: str, per_file: Dict[str, List[_Rec]], flat: Dict[str, Any],
           mappings: Dict[str, Any], files: Dict[str, FileRecord], verify: bool, allow_pickle: bool,
           pool: ThreadPoolExecutor, readers: Dict[str, Any], touched: List[bool], state_dict: Dict[str, Any],
-          threads: int, xla: XlaTargets) -> bool:
+          threads: int, devices: DeviceTargets) -> bool:
     for name in per_file:
         _open(storage, path, name, files, readers)
 
@@ -547,9 +547,9 @@ def _load(storage: Storage, path: str, per_file: Dict[str, List[_Rec]], flat: Di
         rec = next(rec for rec in wrong if id(rec) not in ok)
         raise CorruptCheckpointError(f"{path}: {shown(rec.fqn)}: its record does not hold its data at the offset the "
                                      "manifest gives", path=path)
-    if xla:
+    if devices:
         touched[0] = True
-        xla.commit()
+        devices.commit()
     for fqn, value in decoded.items():
         set_element(state_dict, mappings[fqn], value)
     return True

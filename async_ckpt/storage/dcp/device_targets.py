@@ -1,9 +1,16 @@
-"""XLA target tensors of a direct restore: read into host stand-ins, then set on the device.
+"""Device target tensors of a direct restore (XLA, CUDA): read into host stand-ins, then set on
+the device.
 
-:func:`~.direct.load_direct` reads the data of each XLA target into a fresh host tensor of the
-same dtype and shape (its *stand-in*), like a CPU target and verified the same way, so the
-XLA targets themselves are untouched until every file passed its size and checksum checks.
-Only then does :meth:`XlaTargets.commit` put the stand-ins on the device and into the targets:
+:func:`~.direct.load_direct` reads the data of each device target into a fresh host tensor of
+the same dtype and shape (its *stand-in*; pinned for CUDA), like a CPU target and verified the
+same way, so the device targets themselves are untouched until every file passed its size and
+checksum checks. Only then does :meth:`DeviceTargets.commit` put the stand-ins on the devices.
+
+CUDA: every target's ``copy_(stand_in, non_blocking=True)`` is issued on a side stream of its
+device (which first waits for the work already queued on the current stream), then awaited
+once; the current stream waits for the side stream, so later work sees the data.
+
+XLA:
 
 * where the PJRT device's memory is host memory (PJRT CPU), a DLPack import of each stand-in
   makes it the device buffer itself: nothing is copied;
@@ -31,15 +38,18 @@ from ... import compat
 HOST_BACKED: Optional[bool] = None
 
 
-def is_xla(t: torch.Tensor) -> bool:
-    return t.device.type == "xla"
+def is_device(t: torch.Tensor) -> bool:
+    """A target this module restores (through a stand-in): an XLA or CUDA tensor."""
+    return t.device.type in ("xla", "cuda")
 
 
 def supported(t: torch.Tensor) -> bool:
-    """Whether the XLA tensor ``t`` can be restored through a stand-in: strided, not quantized,
-    and this process is not in SPMD mode."""
+    """Whether the device tensor ``t`` can be restored through a stand-in: strided, not
+    quantized, and (XLA) this process is not in SPMD mode."""
     if t.layout != torch.strided or t.is_quantized:
         return False
+    if t.device.type == "cuda":
+        return True
     try:
         import torch_xla.runtime as xr
 
@@ -59,8 +69,8 @@ def _host_backed() -> bool:
         return False
 
 
-class XlaTargets:
-    """The XLA targets of one restore and their host stand-ins."""
+class DeviceTargets:
+    """The device targets of one restore and their host stand-ins."""
 
     def __init__(self) -> None:
         self._pairs: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}  # id(target) -> (target, stand-in)
@@ -72,15 +82,18 @@ class XlaTargets:
         """The contiguous host tensor that receives ``target``'s data (one per target object)."""
         got = self._pairs.get(id(target))
         if got is None:
-            got = (target, torch.empty(tuple(target.shape), dtype=target.dtype))  # never zero-filled
+            got = (target, _host_tensor(target))  # never zero-filled
             self._pairs[id(target)] = got
         return got[1]
 
     def commit(self) -> None:
         """Every stand-in onto its target's device, then into the target (see the module
         docstring); the stand-ins are released."""
-        pairs = list(self._pairs.values())
+        pairs = [p for p in self._pairs.values() if p[0].device.type == "xla"]
+        cuda = [p for p in self._pairs.values() if p[0].device.type == "cuda"]
         self._pairs.clear()
+        if cuda:
+            _commit_cuda(cuda)
         srcs: List[Optional[torch.Tensor]] = [None] * len(pairs)
         if _host_backed():
             from torch.utils.dlpack import to_dlpack
@@ -105,3 +118,35 @@ class XlaTargets:
             for (target, _), src in zip(pairs, srcs):
                 assert src is not None
                 target.copy_(src)
+
+
+def _host_tensor(target: torch.Tensor) -> torch.Tensor:
+    """A contiguous host tensor like ``target`` (pinned for a CUDA target, where pinning works)."""
+    if target.device.type == "cuda":
+        try:
+            return torch.empty(tuple(target.shape), dtype=target.dtype, pin_memory=True)
+        except RuntimeError:  # pinning refused (limits): a pageable buffer copies too, slower
+            pass
+    return torch.empty(tuple(target.shape), dtype=target.dtype)
+
+
+def _commit_cuda(pairs: List[Tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Every CUDA stand-in into its target: copies issued on one side stream per device, then
+    awaited (the stand-ins must outlive them)."""
+    by_device: Dict[torch.device, List[Tuple[torch.Tensor, torch.Tensor]]] = {}
+    for target, host in pairs:
+        by_device.setdefault(target.device, []).append((target, host))
+    streams = []
+    with torch.no_grad():
+        for device, group in by_device.items():
+            with torch.cuda.device(device):
+                current = torch.cuda.current_stream(device)
+                side = torch.cuda.Stream(device)
+                side.wait_stream(current)  # the targets may still be in use by queued work
+                with torch.cuda.stream(side):
+                    for target, host in group:
+                        target.copy_(host, non_blocking=host.is_pinned())
+                streams.append((current, side))
+    for current, side in streams:
+        side.synchronize()
+        current.wait_stream(side)
