@@ -117,9 +117,11 @@ class Held:
     tiers: Tuple[str, ...]
 
 
-def _infos(tier: Tier, others: int) -> Tuple[Dict[int, CheckpointInfo], List[int]]:
+def _infos(tier: Tier, others: int, failed: Optional[List[BaseException]] = None
+           ) -> Tuple[Dict[int, CheckpointInfo], List[int]]:
     """(records, steps newest first) of one tier. With other tiers to fall back on, a tier
-    that cannot be listed (a bucket that is down) counts as empty, with a warning."""
+    that cannot be listed (a bucket that is down) counts as empty, with a warning (and its
+    error is added to ``failed``)."""
     try:
         infos = tier.store.catalog.infos()
         newest_first = tier.store.catalog.steps_newest_first()
@@ -128,8 +130,17 @@ def _infos(tier: Tier, others: int) -> Tuple[Dict[int, CheckpointInfo], List[int
             raise
         warnings.warn(f"async_ckpt: the {tier.name} tier ({tier.url}) cannot be listed, using the other tier: "
                       f"{type(exc).__name__}: {exc}", RuntimeWarning, stacklevel=4)
+        if failed is not None:
+            failed.append(exc)
         return {}, []
     return infos, newest_first
+
+
+def _nothing_listed(failed: List[BaseException]) -> None:
+    """Nothing was found and a tier could not be listed: what it holds is unknown, so its
+    error is raised (an empty answer would read as "no checkpoint" and a job would start over)."""
+    if failed:
+        raise failed[0]
 
 
 def held_steps(tiers: Sequence[Tier], only: Optional[Dict[str, Optional[set]]] = None) -> List[Held]:
@@ -137,10 +148,12 @@ def held_steps(tiers: Sequence[Tier], only: Optional[Dict[str, Optional[set]]] =
     its first commit (the tiers' writers commit one save at different times, a slow upload
     after the next local saves). Steps whose manifest does not read come first (their time is
     unknown).
-    ``only``: per tier name, the steps to count (None: all)."""
+    ``only``: per tier name, the steps to count (None: all). A tier that cannot be listed is
+    skipped with a warning, unless nothing is found in the others: then its error is raised."""
     merged: Dict[int, Tuple[float, List[str]]] = {}
+    failed: List[BaseException] = []
     for tier in tiers:
-        infos, newest_first = _infos(tier, len(tiers) - 1)
+        infos, newest_first = _infos(tier, len(tiers) - 1, failed)
         allowed = (only or {}).get(tier.name)
         for s in newest_first:
             if allowed is not None and s not in allowed:
@@ -148,19 +161,24 @@ def held_steps(tiers: Sequence[Tier], only: Optional[Dict[str, Optional[set]]] =
             t = infos[s].commit_time if s in infos else float("inf")
             old_t, names = merged.get(s, (float("inf"), []))
             merged[s] = (min(old_t, t), names + [tier.name])
+    if not merged:
+        _nothing_listed(failed)
     out = [Held(s, t, tuple(names)) for s, (t, names) in merged.items()]
     return sorted(out, key=lambda h: (h.commit_time, h.step), reverse=True)
 
 
 def commit_records(tiers: Sequence[Tier]) -> List[CheckpointInfo]:
     """Records of every committed step over the tiers, oldest commit first (a step both hold:
-    its first commit's record)."""
+    its first commit's record). A tier that cannot be listed: as in :func:`held_steps`."""
     best: Dict[int, CheckpointInfo] = {}
+    failed: List[BaseException] = []
     for tier in tiers:
-        infos, _ = _infos(tier, len(tiers) - 1)
+        infos, _ = _infos(tier, len(tiers) - 1, failed)
         for s, info in infos.items():
             if s not in best or info.commit_time < best[s].commit_time:
                 best[s] = info
+    if not best:
+        _nothing_listed(failed)
     return sorted(best.values(), key=lambda c: (c.commit_time, c.step))
 
 
@@ -190,9 +208,18 @@ def restore_from_tiers(tiers: Sequence[Tier], coord: Coordinator, step: Optional
         gathered = coord.all_gather(sorted(mine))
         common = set(gathered[0]).intersection(*map(set, gathered[1:]))
         only = {LOCAL: common, PERSISTENT: None}
-    candidates: Optional[List[Held]] = held_steps(tiers, only) if coord.is_primary else None
-    candidates = coord.broadcast(candidates) if not alone else candidates
-    assert candidates is not None
+    listed: Any = None
+    if coord.is_primary:
+        try:
+            listed = ("ok", held_steps(tiers, only))
+        except Exception as exc:  # noqa: BLE001 - every rank raises it
+            if alone:
+                raise
+            listed = ("err",) + describe(0, exc)
+    listed = coord.broadcast(listed) if not alone else listed
+    if listed[0] != "ok":
+        raise rebuild(listed[1], f"listing the tiers failed: {listed[2]}", step)
+    candidates: List[Held] = listed[1]
     if step is not None:
         candidates = [h for h in candidates if h.step == step]
         if not candidates:
