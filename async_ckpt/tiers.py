@@ -280,12 +280,18 @@ def promote(local: Tier, persistent: Tier, step: int, *, verify: bool = True, th
     with the local copy's commit time (the persistent tier's order stays the order of the
     saves; its retention then applies). Every file is checked
     against the local manifest (size, and CRC-32C with ``verify``) before anything is
-    committed. The caller holds the persistent tier's writer lease."""
+    committed; a copy one rank of a multi-rank job saved (its shards only) is refused. The
+    caller holds the persistent tier's writer lease."""
     from concurrent.futures import ThreadPoolExecutor
 
     if step not in local.store.layout.committed_steps():
         raise StepNotFoundError(f"no committed local checkpoint for step {step} under {local.url}", step=step)
     path, manifest = local.store.layout.open_step(step)
+    r, w = manifest.extra.get("rank", 0), manifest.extra.get("world_size", 1)
+    if w != 1:  # <local_dir>/rank<r> of a multi-rank job: that rank's shards only
+        raise CheckpointError(f"the local copy of step {step} in {local.url} was saved by rank {r} of {w}: it holds "
+                              f"that rank's shards only, not a whole checkpoint (save the step with force=True "
+                              f"from the job instead)", step=step)
     reader = FsspecStorageReader(local.store.storage, path, files=manifest.files, verify=verify, threads=threads)
     dst = persistent.store
     catalog = dst.catalog

@@ -46,3 +46,32 @@ def test_an_unlistable_bucket_and_an_empty_local_tier_raise_the_listing_error(ro
     assert mgr.restore(None, out) == 1
     assert_bitwise_equal(out, state(1))
     mgr.close()
+
+
+def test_promote_refuses_one_rank_s_local_copy_of_a_multi_rank_job(roots, monkeypatch, capsys):
+    """``<local_dir>/rank<r>`` holds one rank's shards: committed to the bucket as a step it
+    would be listed and restored as if it were the whole job's checkpoint."""
+    import async_ckpt.manager.core as core
+    from async_ckpt.cli import EXIT_OK, main
+    from async_ckpt.errors import CheckpointError
+
+    path, local = roots
+    real = core.SaveJob
+
+    def rank1_of_2(*a, manifest_extra=None, **kw):  # what rank 1 of a 2-rank job records locally
+        if manifest_extra and manifest_extra.get("tier") == "local":
+            manifest_extra = dict(manifest_extra, rank=1, world_size=2)
+        return real(*a, manifest_extra=manifest_extra or {}, **kw)
+
+    monkeypatch.setattr(core, "SaveJob", rank1_of_2)
+    with CheckpointManager(path, save_interval=10, local_dir=local, local_policy=1) as mgr:
+        mgr.save(3, state(3))
+        with pytest.raises(CheckpointError, match="rank 1 of 2"):
+            mgr.promote(3)
+    monkeypatch.undo()
+    capsys.readouterr()
+    assert main(["promote", path, "3", "--local-dir", local]) != EXIT_OK
+    assert "rank 1 of 2" in capsys.readouterr().err
+    with CheckpointManager(path) as plain:
+        assert plain.all_steps() == []
+
