@@ -75,3 +75,16 @@ def test_promote_refuses_one_rank_s_local_copy_of_a_multi_rank_job(roots, monkey
     with CheckpointManager(path) as plain:
         assert plain.all_steps() == []
 
+
+def test_cli_verify_of_a_named_step_only_the_local_tier_holds(roots, capsys):
+    from async_ckpt.cli import EXIT_OK, main
+
+    path, local = roots
+    with CheckpointManager(path, save_interval=2, local_dir=local, local_policy=1, local_retention=3) as mgr:
+        for s in range(1, 4):
+            mgr.save(s, state(s))
+        assert mgr.step_tiers()[3] == ("local",)
+    capsys.readouterr()
+    assert main(["verify", path, "3", "--local-dir", local, "--json"]) == EXIT_OK
+    res = json.loads(capsys.readouterr().out)
+    assert [(r["step"], r["tier"], r["ok"]) for r in res["steps"]] == [(3, "local", True)]
