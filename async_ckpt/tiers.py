@@ -8,9 +8,10 @@ by side and a slow upload never holds up a local save (beyond ``max_pending_asyn
 Listing merges the tiers by commit time. A save written to both tiers is stamped, in both,
 with the time it was taken (or just after the tier's newest commit), so the merged order is
 the order of the saves even while the persistent writer lags behind the local one; a step
-both tiers hold counts once.
-:func:`restore_from_tiers` tries the steps newest commit first and, for each, the local copy
-before the persistent one; a copy that is damaged, unreadable, or written by another rank or
+both tiers hold counts once, at its newest copy's commit (two copies with different times are
+different saves: a re-save replaces a step).
+:func:`restore_from_tiers` tries the copies newest commit first and, of the two copies of one
+save, the local one before the persistent one; a copy that is damaged, unreadable, or written by another rank or
 world size is skipped with a warning naming the tier and why. With several ranks each rank
 has its own local directory; the ranks agree on the newest step every rank holds locally, and
 one rank's unusable copy sends every rank to the next candidate, so all restore the same step.
@@ -143,39 +144,46 @@ def _nothing_listed(failed: List[BaseException]) -> None:
         raise failed[0]
 
 
-def held_steps(tiers: Sequence[Tier], only: Optional[Dict[str, Optional[set]]] = None) -> List[Held]:
-    """Every committed step of ``tiers``, newest commit first; a step both tiers hold counts at
-    its first commit (the tiers' writers commit one save at different times, a slow upload
-    after the next local saves). Steps whose manifest does not read come first (their time is
-    unknown).
+def held_copies(tiers: Sequence[Tier], only: Optional[Dict[str, Optional[set]]] = None) -> List[Held]:
+    """Every committed copy of ``tiers`` (one :class:`Held` per tier and step), newest commit
+    first; of two copies with one commit time (one save written to both tiers: both carry the
+    time it was taken) the local one first. Copies whose manifest does not read come first
+    (their time is unknown). Two copies of a step with different times are different saves (a
+    re-save replaces a step): each is ordered by its own commit.
     ``only``: per tier name, the steps to count (None: all). A tier that cannot be listed is
     skipped with a warning, unless nothing is found in the others: then its error is raised."""
-    merged: Dict[int, Tuple[float, List[str]]] = {}
+    out: List[Held] = []
     failed: List[BaseException] = []
     for tier in tiers:
         infos, newest_first = _infos(tier, len(tiers) - 1, failed)
         allowed = (only or {}).get(tier.name)
         for s in newest_first:
-            if allowed is not None and s not in allowed:
-                continue
-            t = infos[s].commit_time if s in infos else float("inf")
-            old_t, names = merged.get(s, (float("inf"), []))
-            merged[s] = (min(old_t, t), names + [tier.name])
-    if not merged:
+            if allowed is None or s in allowed:
+                out.append(Held(s, infos[s].commit_time if s in infos else float("inf"), (tier.name,)))
+    if not out:
         _nothing_listed(failed)
-    out = [Held(s, t, tuple(names)) for s, (t, names) in merged.items()]
-    return sorted(out, key=lambda h: (h.commit_time, h.step), reverse=True)
+    return sorted(out, key=lambda h: (h.commit_time, h.step, h.tiers[0] == LOCAL), reverse=True)
+
+
+def held_steps(tiers: Sequence[Tier], only: Optional[Dict[str, Optional[set]]] = None) -> List[Held]:
+    """Every committed step of ``tiers``, newest commit first: a step at its newest copy's
+    commit, with the tiers holding it in the order :func:`held_copies` tries them."""
+    merged: Dict[int, Held] = {}
+    for h in held_copies(tiers, only):
+        old = merged.get(h.step)
+        merged[h.step] = h if old is None else dataclasses.replace(old, tiers=old.tiers + h.tiers)
+    return list(merged.values())
 
 
 def commit_records(tiers: Sequence[Tier]) -> List[CheckpointInfo]:
     """Records of every committed step over the tiers, oldest commit first (a step both hold:
-    its first commit's record). A tier that cannot be listed: as in :func:`held_steps`."""
+    its newest copy's record). A tier that cannot be listed: as in :func:`held_copies`."""
     best: Dict[int, CheckpointInfo] = {}
     failed: List[BaseException] = []
     for tier in tiers:
         infos, _ = _infos(tier, len(tiers) - 1, failed)
         for s, info in infos.items():
-            if s not in best or info.commit_time < best[s].commit_time:
+            if s not in best or info.commit_time > best[s].commit_time:
                 best[s] = info
     if not best:
         _nothing_listed(failed)
@@ -211,7 +219,7 @@ def restore_from_tiers(tiers: Sequence[Tier], coord: Coordinator, step: Optional
     listed: Any = None
     if coord.is_primary:
         try:
-            listed = ("ok", held_steps(tiers, only))
+            listed = ("ok", held_copies(tiers, only))
         except Exception as exc:  # noqa: BLE001 - every rank raises it
             if alone:
                 raise

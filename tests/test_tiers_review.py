@@ -88,3 +88,45 @@ def test_cli_verify_of_a_named_step_only_the_local_tier_holds(roots, capsys):
     assert main(["verify", path, "3", "--local-dir", local, "--json"]) == EXIT_OK
     res = json.loads(capsys.readouterr().out)
     assert [(r["step"], r["tier"], r["ok"]) for r in res["steps"]] == [(3, "local", True)]
+
+
+def _flagged(path, local):
+    flags = {"persistent": False, "local": True}
+    mgr = CheckpointManager(path, save_policy=lambda s: flags["persistent"], local_dir=local,
+                            local_policy=lambda s: flags["local"], local_retention=5)
+    return mgr, flags
+
+
+def test_a_step_re_saved_to_the_bucket_only_restores_its_newest_save_not_the_older_local_copy(roots):
+    """A re-save replaces a step (as on one root): the copies of step 3 are two different
+    saves, and the newer one is in the bucket."""
+    path, local = roots
+    mgr, flags = _flagged(path, local)
+    mgr.save(1, state(1))
+    mgr.save(3, state(30))               # local only
+    flags.update(persistent=True, local=False)
+    mgr.save(3, state(31))               # re-saved (after a roll back, say): the bucket only
+    assert mgr.latest_step() == 3
+    out = zeros()
+    assert mgr.restore(None, out) == 3
+    assert_bitwise_equal(out, state(31))
+    out = zeros()
+    assert mgr.restore(3, out) == 3
+    assert_bitwise_equal(out, state(31))
+    mgr.close()
+
+
+def test_a_step_re_saved_locally_counts_at_its_newest_save(roots):
+    path, local = roots
+    mgr, flags = _flagged(path, local)
+    flags.update(persistent=True, local=False)
+    mgr.save(3, state(30))               # the bucket only
+    flags.update(persistent=False, local=True)
+    mgr.save(2, state(2))
+    mgr.save(3, state(31))               # re-saved: the local tier only, the newest save
+    assert mgr.steps_in_commit_order() == [2, 3] and mgr.latest_step() == 3
+    assert list(mgr.step_tiers()) == [3, 2]
+    out = zeros()
+    assert mgr.restore(None, out) == 3
+    assert_bitwise_equal(out, state(31))
+    mgr.close()
