@@ -73,10 +73,19 @@ class Tier:
     def url(self) -> str:
         return self.store.storage.url
 
+    def identity(self) -> str:
+        """The root as one string per directory, ending in ``/``: the filesystem's protocol and
+        the root path (local paths: absolute, symbolic links resolved; ``file://`` or not)."""
+        storage = self.store.storage
+        proto = storage.fs.protocol
+        proto = proto[0] if isinstance(proto, (tuple, list)) else proto
+        root = os.path.realpath(storage.root) if storage.is_local else storage.root
+        return f"{proto}://{root.rstrip('/')}/"
+
     def check_differs(self, other: "Tier") -> None:
         """Two tiers must not share a root, nor one lie inside the other (each one's
         retention and cleanup would delete the other's steps)."""
-        a, b = self.url.rstrip("/") + "/", other.url.rstrip("/") + "/"
+        a, b = self.identity(), other.identity()
         if a.startswith(b) or b.startswith(a):
             raise ValueError(f"local_dir ({other.url}) and the checkpoint path ({self.url}) must not be the "
                              f"same directory or inside one another")

@@ -130,3 +130,18 @@ def test_a_step_re_saved_locally_counts_at_its_newest_save(roots):
     assert mgr.restore(None, out) == 3
     assert_bitwise_equal(out, state(31))
     mgr.close()
+
+
+def test_local_dir_that_is_path_spelled_another_way_is_refused(tmp_path, monkeypatch):
+    bucket = tmp_path / "bucket"
+    bucket.mkdir()
+    os.symlink(bucket, tmp_path / "link")
+    monkeypatch.chdir(tmp_path)
+    same = [f"file://{bucket}", f"{tmp_path}/./bucket", f"{tmp_path}//bucket/", str(tmp_path / "link"),
+            "bucket", "link/local", "bucket/../bucket/local"]
+    for local in same:
+        with pytest.raises(ValueError, match="must not be the same directory or inside one another"):
+            CheckpointManager(str(bucket), local_dir=local)
+    with pytest.raises(ValueError, match="must not be the same directory"):
+        CheckpointManager(f"file://{tmp_path}/local/../bucket/x", local_dir=str(bucket))
+    CheckpointManager(str(bucket), local_dir=str(tmp_path / "bucket2")).close()  # a sibling is fine
