@@ -12,6 +12,8 @@ from async_ckpt import CheckpointManager
 from async_ckpt.errors import StorageError
 
 from .conftest import assert_bitwise_equal
+from async_ckpt.lifecycle import coordinator as coordinator_mod
+
 from .test_tiers import state, zeros
 
 
@@ -145,3 +147,23 @@ def test_local_dir_that_is_path_spelled_another_way_is_refused(tmp_path, monkeyp
     with pytest.raises(ValueError, match="must not be the same directory"):
         CheckpointManager(f"file://{tmp_path}/local/../bucket/x", local_dir=str(bucket))
     CheckpointManager(str(bucket), local_dir=str(tmp_path / "bucket2")).close()  # a sibling is fine
+
+
+@pytest.mark.parametrize("end", ["join", "close"])
+def test_join_and_close_raise_every_tier_s_failure_not_only_the_first(roots, monkeypatch, end):
+    """Both tiers' writes of a step fail: the bucket's failure must not be dropped when the
+    local one is raised (a second join() would then pass as if the upload had worked)."""
+    from async_ckpt.errors import CheckpointError
+
+    path, local = roots
+
+    def broken(storage, p, sd, **kw):
+        raise OSError("local disk full" if p.startswith(local) else "bucket unreachable")
+
+    monkeypatch.setattr(coordinator_mod, "save_state_dict", broken)
+    mgr = CheckpointManager(path, local_dir=local)
+    mgr.save_async(1, state(1))
+    with pytest.raises(CheckpointError) as info:
+        getattr(mgr, end)()
+    assert "local disk full" in str(info.value) and "bucket unreachable" in str(info.value)
+    mgr.close()
