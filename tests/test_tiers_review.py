@@ -6,14 +6,12 @@ import json
 import os
 
 import pytest
-import torch
 
 from async_ckpt import CheckpointManager
 from async_ckpt.errors import StorageError
-
-from .conftest import assert_bitwise_equal
 from async_ckpt.lifecycle import coordinator as coordinator_mod
 
+from .conftest import assert_bitwise_equal
 from .test_tiers import state, zeros
 
 
