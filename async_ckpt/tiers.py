@@ -52,6 +52,11 @@ PERSISTENT = "persistent"
 FALLBACK_ERRORS = (CorruptCheckpointError, StorageError, OSError)
 
 
+#: two copies of a step committed this close (seconds) are copies of one save (each rank
+#: stamps its local copy with its own clock, the bucket's copy has rank 0's)
+SAME_SAVE_S = 1.0
+
+
 class ForeignCopyError(CheckpointError):
     """A local copy written by another rank or at another world size (not this rank's shards)."""
 
@@ -155,8 +160,8 @@ def _nothing_listed(failed: List[BaseException]) -> None:
 
 def held_copies(tiers: Sequence[Tier], only: Optional[Dict[str, Optional[set]]] = None) -> List[Held]:
     """Every committed copy of ``tiers`` (one :class:`Held` per tier and step), newest commit
-    first; of two copies with one commit time (one save written to both tiers: both carry the
-    time it was taken) the local one first. Copies whose manifest does not read come first
+    first; of two copies of one save (written to both tiers: both carry the time it was taken,
+    within :data:`SAME_SAVE_S`) the local one first. Copies whose manifest does not read come first
     (their time is unknown). Two copies of a step with different times are different saves (a
     re-save replaces a step): each is ordered by its own commit.
     ``only``: per tier name, the steps to count (None: all). A tier that cannot be listed is
@@ -171,6 +176,12 @@ def held_copies(tiers: Sequence[Tier], only: Optional[Dict[str, Optional[set]]] 
                 out.append(Held(s, infos[s].commit_time if s in infos else float("inf"), (tier.name,)))
     if not out:
         _nothing_listed(failed)
+    newest: Dict[int, float] = {}
+    for h in out:
+        newest[h.step] = max(newest.get(h.step, h.commit_time), h.commit_time)
+    # copies of one save: the same stamp, up to the ranks' clocks (a rank stamps its local copy)
+    out = [dataclasses.replace(h, commit_time=newest[h.step]) if newest[h.step] - h.commit_time <= SAME_SAVE_S
+           else h for h in out]
     return sorted(out, key=lambda h: (h.commit_time, h.step, h.tiers[0] == LOCAL), reverse=True)
 
 

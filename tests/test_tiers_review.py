@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 
@@ -94,6 +95,8 @@ def _flagged(path, local):
     flags = {"persistent": False, "local": True}
     mgr = CheckpointManager(path, save_policy=lambda s: flags["persistent"], local_dir=local,
                             local_policy=lambda s: flags["local"], local_retention=5)
+    clock = itertools.count(1_700_000_000, 10)  # the saves are 10 s apart (re-saves, not one save)
+    mgr._clock = lambda: float(next(clock))
     return mgr, flags
 
 
