@@ -8,9 +8,10 @@ by side and a slow upload never holds up a local save (beyond ``max_pending_asyn
 Listing merges the tiers by commit time. A save written to both tiers is stamped, in both,
 with the time it was taken (or just after the tier's newest commit), so the merged order is
 the order of the saves even while the persistent writer lags behind the local one; a step
-both tiers hold counts once.
-:func:`restore_from_tiers` tries the steps newest commit first and, for each, the local copy
-before the persistent one; a copy that is damaged, unreadable, or written by another rank or
+both tiers hold counts once, at its newest copy's commit (two copies with different times are
+different saves: a re-save replaces a step).
+:func:`restore_from_tiers` tries the copies newest commit first and, of the two copies of one
+save, the local one before the persistent one; a copy that is damaged, unreadable, or written by another rank or
 world size is skipped with a warning naming the tier and why. With several ranks each rank
 has its own local directory; the ranks agree on the newest step every rank holds locally, and
 one rank's unusable copy sends every rank to the next candidate, so all restore the same step.
@@ -51,6 +52,11 @@ PERSISTENT = "persistent"
 FALLBACK_ERRORS = (CorruptCheckpointError, StorageError, OSError)
 
 
+#: two copies of a step committed this close (seconds) are copies of one save (each rank
+#: stamps its local copy with its own clock, the bucket's copy has rank 0's)
+SAME_SAVE_S = 1.0
+
+
 class ForeignCopyError(CheckpointError):
     """A local copy written by another rank or at another world size (not this rank's shards)."""
 
@@ -72,10 +78,19 @@ class Tier:
     def url(self) -> str:
         return self.store.storage.url
 
+    def identity(self) -> str:
+        """The root as one string per directory, ending in ``/``: the filesystem's protocol and
+        the root path (local paths: absolute, symbolic links resolved; ``file://`` or not)."""
+        storage = self.store.storage
+        proto = storage.fs.protocol
+        proto = proto[0] if isinstance(proto, (tuple, list)) else proto
+        root = os.path.realpath(storage.root) if storage.is_local else storage.root
+        return f"{proto}://{root.rstrip('/')}/"
+
     def check_differs(self, other: "Tier") -> None:
         """Two tiers must not share a root, nor one lie inside the other (each one's
         retention and cleanup would delete the other's steps)."""
-        a, b = self.url.rstrip("/") + "/", other.url.rstrip("/") + "/"
+        a, b = self.identity(), other.identity()
         if a.startswith(b) or b.startswith(a):
             raise ValueError(f"local_dir ({other.url}) and the checkpoint path ({self.url}) must not be the "
                              f"same directory or inside one another")
@@ -117,9 +132,11 @@ class Held:
     tiers: Tuple[str, ...]
 
 
-def _infos(tier: Tier, others: int) -> Tuple[Dict[int, CheckpointInfo], List[int]]:
+def _infos(tier: Tier, others: int, failed: Optional[List[BaseException]] = None
+           ) -> Tuple[Dict[int, CheckpointInfo], List[int]]:
     """(records, steps newest first) of one tier. With other tiers to fall back on, a tier
-    that cannot be listed (a bucket that is down) counts as empty, with a warning."""
+    that cannot be listed (a bucket that is down) counts as empty, with a warning (and its
+    error is added to ``failed``)."""
     try:
         infos = tier.store.catalog.infos()
         newest_first = tier.store.catalog.steps_newest_first()
@@ -128,39 +145,68 @@ def _infos(tier: Tier, others: int) -> Tuple[Dict[int, CheckpointInfo], List[int
             raise
         warnings.warn(f"async_ckpt: the {tier.name} tier ({tier.url}) cannot be listed, using the other tier: "
                       f"{type(exc).__name__}: {exc}", RuntimeWarning, stacklevel=4)
+        if failed is not None:
+            failed.append(exc)
         return {}, []
     return infos, newest_first
 
 
-def held_steps(tiers: Sequence[Tier], only: Optional[Dict[str, Optional[set]]] = None) -> List[Held]:
-    """Every committed step of ``tiers``, newest commit first; a step both tiers hold counts at
-    its first commit (the tiers' writers commit one save at different times, a slow upload
-    after the next local saves). Steps whose manifest does not read come first (their time is
-    unknown).
-    ``only``: per tier name, the steps to count (None: all)."""
-    merged: Dict[int, Tuple[float, List[str]]] = {}
+def _nothing_listed(failed: List[BaseException]) -> None:
+    """Nothing was found and a tier could not be listed: what it holds is unknown, so its
+    error is raised (an empty answer would read as "no checkpoint" and a job would start over)."""
+    if failed:
+        raise failed[0]
+
+
+def held_copies(tiers: Sequence[Tier], only: Optional[Dict[str, Optional[set]]] = None) -> List[Held]:
+    """Every committed copy of ``tiers`` (one :class:`Held` per tier and step), newest commit
+    first; of two copies of one save (written to both tiers: both carry the time it was taken,
+    within :data:`SAME_SAVE_S`) the local one first. Copies whose manifest does not read come first
+    (their time is unknown). Two copies of a step with different times are different saves (a
+    re-save replaces a step): each is ordered by its own commit.
+    ``only``: per tier name, the steps to count (None: all). A tier that cannot be listed is
+    skipped with a warning, unless nothing is found in the others: then its error is raised."""
+    out: List[Held] = []
+    failed: List[BaseException] = []
     for tier in tiers:
-        infos, newest_first = _infos(tier, len(tiers) - 1)
+        infos, newest_first = _infos(tier, len(tiers) - 1, failed)
         allowed = (only or {}).get(tier.name)
         for s in newest_first:
-            if allowed is not None and s not in allowed:
-                continue
-            t = infos[s].commit_time if s in infos else float("inf")
-            old_t, names = merged.get(s, (float("inf"), []))
-            merged[s] = (min(old_t, t), names + [tier.name])
-    out = [Held(s, t, tuple(names)) for s, (t, names) in merged.items()]
-    return sorted(out, key=lambda h: (h.commit_time, h.step), reverse=True)
+            if allowed is None or s in allowed:
+                out.append(Held(s, infos[s].commit_time if s in infos else float("inf"), (tier.name,)))
+    if not out:
+        _nothing_listed(failed)
+    newest: Dict[int, float] = {}
+    for h in out:
+        newest[h.step] = max(newest.get(h.step, h.commit_time), h.commit_time)
+    # copies of one save: the same stamp, up to the ranks' clocks (a rank stamps its local copy)
+    out = [dataclasses.replace(h, commit_time=newest[h.step]) if newest[h.step] - h.commit_time <= SAME_SAVE_S
+           else h for h in out]
+    return sorted(out, key=lambda h: (h.commit_time, h.step, h.tiers[0] == LOCAL), reverse=True)
+
+
+def held_steps(tiers: Sequence[Tier], only: Optional[Dict[str, Optional[set]]] = None) -> List[Held]:
+    """Every committed step of ``tiers``, newest commit first: a step at its newest copy's
+    commit, with the tiers holding it in the order :func:`held_copies` tries them."""
+    merged: Dict[int, Held] = {}
+    for h in held_copies(tiers, only):
+        old = merged.get(h.step)
+        merged[h.step] = h if old is None else dataclasses.replace(old, tiers=old.tiers + h.tiers)
+    return list(merged.values())
 
 
 def commit_records(tiers: Sequence[Tier]) -> List[CheckpointInfo]:
     """Records of every committed step over the tiers, oldest commit first (a step both hold:
-    its first commit's record)."""
+    its newest copy's record). A tier that cannot be listed: as in :func:`held_copies`."""
     best: Dict[int, CheckpointInfo] = {}
+    failed: List[BaseException] = []
     for tier in tiers:
-        infos, _ = _infos(tier, len(tiers) - 1)
+        infos, _ = _infos(tier, len(tiers) - 1, failed)
         for s, info in infos.items():
-            if s not in best or info.commit_time < best[s].commit_time:
+            if s not in best or info.commit_time > best[s].commit_time:
                 best[s] = info
+    if not best:
+        _nothing_listed(failed)
     return sorted(best.values(), key=lambda c: (c.commit_time, c.step))
 
 
@@ -190,9 +236,18 @@ def restore_from_tiers(tiers: Sequence[Tier], coord: Coordinator, step: Optional
         gathered = coord.all_gather(sorted(mine))
         common = set(gathered[0]).intersection(*map(set, gathered[1:]))
         only = {LOCAL: common, PERSISTENT: None}
-    candidates: Optional[List[Held]] = held_steps(tiers, only) if coord.is_primary else None
-    candidates = coord.broadcast(candidates) if not alone else candidates
-    assert candidates is not None
+    listed: Any = None
+    if coord.is_primary:
+        try:
+            listed = ("ok", held_copies(tiers, only))
+        except Exception as exc:  # noqa: BLE001 - every rank raises it
+            if alone:
+                raise
+            listed = ("err",) + describe(0, exc)
+    listed = coord.broadcast(listed) if not alone else listed
+    if listed[0] != "ok":
+        raise rebuild(listed[1], f"listing the tiers failed: {listed[2]}", step)
+    candidates: List[Held] = listed[1]
     if step is not None:
         candidates = [h for h in candidates if h.step == step]
         if not candidates:
@@ -253,12 +308,18 @@ def promote(local: Tier, persistent: Tier, step: int, *, verify: bool = True, th
     with the local copy's commit time (the persistent tier's order stays the order of the
     saves; its retention then applies). Every file is checked
     against the local manifest (size, and CRC-32C with ``verify``) before anything is
-    committed. The caller holds the persistent tier's writer lease."""
+    committed; a copy one rank of a multi-rank job saved (its shards only) is refused. The
+    caller holds the persistent tier's writer lease."""
     from concurrent.futures import ThreadPoolExecutor
 
     if step not in local.store.layout.committed_steps():
         raise StepNotFoundError(f"no committed local checkpoint for step {step} under {local.url}", step=step)
     path, manifest = local.store.layout.open_step(step)
+    r, w = manifest.extra.get("rank", 0), manifest.extra.get("world_size", 1)
+    if w != 1:  # <local_dir>/rank<r> of a multi-rank job: that rank's shards only
+        raise CheckpointError(f"the local copy of step {step} in {local.url} was saved by rank {r} of {w}: it holds "
+                              f"that rank's shards only, not a whole checkpoint (save the step with force=True "
+                              f"from the job instead)", step=step)
     reader = FsspecStorageReader(local.store.storage, path, files=manifest.files, verify=verify, threads=threads)
     dst = persistent.store
     catalog = dst.catalog

@@ -111,7 +111,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
     elif len(roots) == 1:
         todo = [(roots[0][0], roots[0][1], roots[0][2], _parse_step(args.step, roots[0][2]))]
     else:  # the step in every tier that holds it ('latest': the newest commit over both)
-        step = None if args.step in (None, "latest") else _parse_step(args.step, roots[-1][2])
+        step = None
+        if args.step not in (None, "latest"):
+            if not args.step.isdigit():
+                raise ValueError(f"STEP must be a non-negative integer or 'latest', got {args.step!r}")
+            step = int(args.step)
         if step is None:
             newest = [(c.commit_time, c.step) for _, _, lay in roots for c in StepCatalog(lay, time.time).in_commit_order()]
             if not newest:

@@ -53,6 +53,17 @@ from .listing import TierListing
 
 log = logging.getLogger("async_ckpt")
 
+def _raise_all(errors: List[BaseException]) -> None:
+    """Raise the one failure, or the first naming the others (each tier's failure is raised
+    once: one left out would never be seen again)."""
+    if len(errors) == 1:
+        raise errors[0]
+    for e in errors:
+        if not isinstance(e, Exception):  # KeyboardInterrupt, SystemExit: as they are
+            raise e
+    raise CheckpointError("; and ".join(str(e) for e in errors), step=getattr(errors[0], "step", None)) from errors[0]
+
+
 class CheckpointManager(SaveDecisions, TierListing):
     """Asynchronous checkpointing of a state dict to a local path or any fsspec URL.
 
@@ -510,7 +521,7 @@ class CheckpointManager(SaveDecisions, TierListing):
             except BaseException as exc:  # noqa: BLE001 - every tier is waited for, then raised
                 errors.append(exc)
         if errors:
-            raise errors[0]
+            _raise_all(errors)
 
     def close(self) -> None:
         """Finish pending saves and deletions, stop the background threads, release the writer
@@ -536,7 +547,7 @@ class CheckpointManager(SaveDecisions, TierListing):
                 tier.store.close()
         self._finalizer.detach()
         if errors:
-            raise errors[0]
+            _raise_all(errors)
 
     def __enter__(self) -> "CheckpointManager":
         return self
