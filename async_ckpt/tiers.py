@@ -308,8 +308,9 @@ def promote(local: Tier, persistent: Tier, step: int, *, verify: bool = True, th
     with the local copy's commit time (the persistent tier's order stays the order of the
     saves; its retention then applies). Every file is checked
     against the local manifest (size, and CRC-32C with ``verify``) before anything is
-    committed; a copy one rank of a multi-rank job saved (its shards only) is refused. The
-    caller holds the persistent tier's writer lease."""
+    committed; a copy one rank of a multi-rank job saved (its shards only) is refused, and so is
+    a step the persistent tier already holds (it may be a newer save). The caller holds the
+    persistent tier's writer lease."""
     from concurrent.futures import ThreadPoolExecutor
 
     if step not in local.store.layout.committed_steps():
@@ -320,6 +321,9 @@ def promote(local: Tier, persistent: Tier, step: int, *, verify: bool = True, th
         raise CheckpointError(f"the local copy of step {step} in {local.url} was saved by rank {r} of {w}: it holds "
                               f"that rank's shards only, not a whole checkpoint (save the step with force=True "
                               f"from the job instead)", step=step)
+    if step in persistent.store.layout.committed_steps():  # never replace a (maybe newer) save
+        raise CheckpointError(f"step {step} is already committed under {persistent.url}; delete it there first "
+                              f"to replace it with the local copy", step=step)
     reader = FsspecStorageReader(local.store.storage, path, files=manifest.files, verify=verify, threads=threads)
     dst = persistent.store
     catalog = dst.catalog

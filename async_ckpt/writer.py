@@ -25,6 +25,9 @@ _STOP = object()
 
 log = logging.getLogger("async_ckpt")
 
+#: failures kept for the training thread (the last slot holds the newest beyond that)
+MAX_KEPT_ERRORS = 100
+
 
 class AsyncWriter:
     """Runs submitted jobs one after another on a daemon thread."""
@@ -121,7 +124,10 @@ class AsyncWriter:
                 fut.set_result(fn())
             except BaseException as exc:  # noqa: BLE001 - surfaced to the training thread
                 with self._lock:
-                    self._errors.append((step, exc))
+                    if len(self._errors) < MAX_KEPT_ERRORS:
+                        self._errors.append((step, exc))
+                    else:  # a long outage: keep the first errors and the failed steps
+                        self._errors[-1] = (step, exc)
                 if self.defer_errors:
                     log.error("async_ckpt: %s: save of step %s failed (raised at join()/close()): %s: %s",
                               self._thread.name, step, type(exc).__name__, exc)

@@ -215,10 +215,13 @@ def test_promote_uploads_a_local_step_and_commits_it(roots):
         assert mgr.step_tiers() == {3: ("local", "persistent")}
         with pytest.raises(StepNotFoundError):
             mgr.promote(4)
-        flip_byte(data_files(local, 3)[0])
+        with pytest.raises(CheckpointError, match="already committed"):
+            mgr.promote(3)  # the bucket's copy may be a newer save: never replaced
         mgr.save(4, state(4))
+        flip_byte(data_files(local, 4)[0])
         with pytest.raises(CorruptCheckpointError):
-            mgr.promote(3)  # checked before anything is committed: the bucket's copy stays as it was
+            mgr.promote(4)  # checked before anything is committed
+        assert mgr.step_tiers()[4] == ("local",)
     with CheckpointManager(path) as plain:
         assert plain.all_steps() == [3]
         out = zeros()
@@ -387,3 +390,30 @@ def test_a_lagging_upload_does_not_make_its_older_step_the_newest(roots, monkeyp
         out = zeros()
         assert mgr.restore(None, out) == 12
     assert_bitwise_equal(out, state(12))
+
+
+def test_metrics_come_from_the_newest_save_of_a_step(roots):
+    path, local = roots
+    with CheckpointManager(path, local_dir=local, local_policy=1) as mgr:
+        mgr.save(5, state(5), metrics={"loss": 1.0})
+    with CheckpointManager(path, local_dir=local, local_policy=lambda s: False) as mgr:
+        mgr.save(5, state(6), metrics={"loss": 2.0})  # the bucket only: a newer save of step 5
+        assert mgr.metrics(5) == {"loss": 2.0}
+
+
+def test_a_long_outage_keeps_a_bounded_number_of_deferred_failures():
+    from async_ckpt.writer import MAX_KEPT_ERRORS, AsyncWriter
+
+    w = AsyncWriter(1, defer_errors=True)
+
+    def fail():
+        raise OSError("down")
+
+    for s in range(MAX_KEPT_ERRORS + 50):
+        w.wait_for_slot()  # a deferred failure is not raised here
+        w.submit(fail, step=s)
+    w.wait_idle()
+    assert len(w._errors) == MAX_KEPT_ERRORS
+    with pytest.raises(CheckpointError, match=r"step 0 failed.*more failed save") as ei:
+        w.close()
+    assert str(MAX_KEPT_ERRORS + 49) in str(ei.value)  # the newest failure is still named

@@ -70,9 +70,10 @@ class TierListing:
         return steps[-1] if steps else None
 
     def metrics(self, step: int) -> Dict[str, float]:
-        """The metrics stored with a committed step (its local copy's, when there is one)."""
+        """The metrics stored with a committed step (of its newest save, over the tiers)."""
         step = check_step(step)
-        if self._local is not None and step in self._local.store.layout.committed_steps():
-            return dict(self._local.store.layout.read_manifest(step).metrics)
-        return dict(self.layout.read_manifest(step).metrics)
+        copies = [t.store.layout.read_manifest(step) for t in self._tiers if step in t.store.layout.committed_steps()]
+        if not copies:
+            return dict(self.layout.read_manifest(step).metrics)  # raises the not-found error
+        return dict(max(copies, key=lambda m: m.commit_time).metrics)
 
