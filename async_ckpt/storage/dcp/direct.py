@@ -54,10 +54,11 @@ from ...addresses import host_bytes
 from ...errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError
 from ...gc_pause import gc_paused
 from ..fs import Storage
-from ..manifest import FileRecord, check_file_name, crc32c, shown
+from ..manifest import FileRecord, crc32c, shown
 from .crc import crc32c_concat
 from .device_targets import DeviceTargets, is_device
 from .device_targets import supported as device_supported
+from .reader import open_step_file
 from .record_layout import HEADS, Arrived, Probe, data_start
 
 #: A tensor record at least this large (local files) has its data read straight into the
@@ -342,21 +343,9 @@ def _load_direct(storage: Storage, path: str, state_dict: Dict[str, Any], files:
 
 
 def _open(storage: Storage, path: str, name: str, files: Dict[str, FileRecord], readers: Dict[str, Any]) -> Any:
-    """Open ``path/name`` after the reader's checks (a plain file inside the step directory,
-    listed, of the manifest's size where the size is known)."""
-    where = f"{path}/{name}"
-    check_file_name(name, where=where)
-    problem = storage.file_problem(where, path)
-    if problem is not None:
-        raise CorruptCheckpointError(f"{where}: {problem}", path=where)
-    try:
-        r = storage.open_ranges(where)
-    except FileNotFoundError:
-        raise CorruptCheckpointError(f"{where}: file is missing", path=where) from None
-    readers[name] = r
-    if r.known_size is not None and r.known_size != files[name].size:
-        raise CorruptCheckpointError(f"{where}: size is {r.known_size} bytes, manifest says {files[name].size}",
-                                     path=where)
+    """Open ``path/name`` after the reader's checks (:func:`~.reader.open_step_file`); kept in
+    ``readers`` (closed by the caller)."""
+    readers[name] = r = open_step_file(storage, path, name, files[name].size)
     return r
 
 

@@ -246,22 +246,7 @@ class FsspecStorageReader(StorageReader):
         return out
 
     def _open_ranges(self, where: str, size: int) -> Any:
-        """``where`` opened for ranged reads; of the manifest's ``size`` where the storage knows
-        the size without another request."""
-        try:
-            reader = self.storage.open_ranges(where)
-        except FileNotFoundError:
-            raise CorruptCheckpointError(f"{where}: file is missing", path=where) from None
-        except StorageError as exc:
-            if isinstance(exc.__cause__, (IsADirectoryError, NotADirectoryError)):
-                raise CorruptCheckpointError(f"{where}: is not a readable file ({exc.__cause__})", path=where) from exc
-            raise
-        if reader.known_size is not None and reader.known_size != size:
-            reader.close()
-            raise CorruptCheckpointError(f"{where}: size is {reader.known_size} bytes, manifest says {size}",
-                                         path=where)
-        return reader
-
+        return open_checked_ranges(self.storage, where, size)
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """``.metadata``, read and checked (once; a ``metadata`` given to the constructor is
         taken as checked): see :meth:`check_metadata`."""
@@ -522,3 +507,31 @@ def load_state_dict(storage: Storage, path: str, state_dict: Dict[str, Any], *, 
     _call_dcp(lambda: dcp.load(state_dict, storage_reader=reader, planner=planner,
                                process_group=process_group, no_dist=not _distributed()))
 
+
+def open_checked_ranges(storage: Storage, where: str, size: int) -> Any:
+    """``where`` (a step's data file, already checked to be a plain file inside the step) opened
+    for ranged reads; missing, a directory, or not of the manifest's ``size`` where the storage
+    knows the size without another request: :class:`CorruptCheckpointError`."""
+    try:
+        reader = storage.open_ranges(where)
+    except FileNotFoundError:
+        raise CorruptCheckpointError(f"{where}: file is missing", path=where) from None
+    except StorageError as exc:
+        if isinstance(exc.__cause__, (IsADirectoryError, NotADirectoryError)):
+            raise CorruptCheckpointError(f"{where}: is not a readable file ({exc.__cause__})", path=where) from exc
+        raise
+    if reader.known_size is not None and reader.known_size != size:
+        reader.close()
+        raise CorruptCheckpointError(f"{where}: size is {reader.known_size} bytes, manifest says {size}", path=where)
+    return reader
+
+
+def open_step_file(storage: Storage, path: str, name: str, size: int) -> Any:
+    """``path/name`` opened for ranged reads after the reader's checks: a safe name, a plain
+    file inside the step directory (no link out of it), then :func:`open_checked_ranges`."""
+    where = f"{path}/{name}"
+    check_file_name(name, where=where)
+    problem = storage.file_problem(where, path)
+    if problem is not None:
+        raise CorruptCheckpointError(f"{where}: {problem}", path=where)
+    return open_checked_ranges(storage, where, size)

@@ -27,12 +27,12 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, cast
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
-from ...errors import CorruptCheckpointError, StagingBudgetError, StorageError
+from ...errors import CorruptCheckpointError, StagingBudgetError
 from ..fs import Storage
-from ..manifest import FileRecord, check_file_name, crc32c
+from ..manifest import FileRecord, crc32c
 from .crc import crc32c_concat
 from .direct import DIRECT_CHUNK_BYTES, _run, load_direct
-from .reader import load_state_dict
+from .reader import load_state_dict, open_step_file
 
 #: ``acquire(sizes)`` -> (one flat uint8 CPU buffer of exactly each size, a function that gives them back).
 Acquire = Callable[[Sequence[int]], Tuple[Sequence[torch.Tensor], Callable[[], None]]]
@@ -84,26 +84,7 @@ def load_staged(storage: Storage, path: str, state_dict: Dict[str, Any], *, file
 
 
 def _open(storage: Storage, path: str, name: str, size: int) -> Any:
-    """``path/name`` opened for ranged reads, after the reader's checks (a plain file inside the
-    step directory, of the manifest's size where the storage knows it)."""
-    where = f"{path}/{name}"
-    check_file_name(name, where=where)
-    problem = storage.file_problem(where, path)
-    if problem is not None:
-        raise CorruptCheckpointError(f"{where}: {problem}", path=where)
-    try:
-        reader = storage.open_ranges(where)
-    except FileNotFoundError:
-        raise CorruptCheckpointError(f"{where}: file is missing", path=where) from None
-    except StorageError as exc:
-        if isinstance(exc.__cause__, (IsADirectoryError, NotADirectoryError)):
-            raise CorruptCheckpointError(f"{where}: is not a readable file ({exc.__cause__})", path=where) from exc
-        raise
-    if reader.known_size is not None and reader.known_size != size:
-        reader.close()
-        raise CorruptCheckpointError(f"{where}: size is {reader.known_size} bytes, manifest says {size}", path=where)
-    return reader
-
+    return open_step_file(storage, path, name, size)
 
 def _read_verified(storage: Storage, path: str, files: Dict[str, FileRecord], views: Dict[str, torch.Tensor],
                    verify: bool, threads: int) -> None:
