@@ -99,13 +99,7 @@ class FileRecord:
         raw = d.get("records")
         if raw is None:
             return rec
-        try:
-            data = base64.b64decode(raw, validate=True) if isinstance(raw, str) else None
-        except binascii.Error:
-            data = None
-        if data is None or len(data) % _RECORD.size:
-            raise CorruptCheckpointError(f"{where}: {shown(name)}: the record list is malformed", path=where)
-        records = tuple(_RECORD.iter_unpack(data))
+        records = tuple(_RECORD.iter_unpack(_packed(raw, _RECORD, f"{where}: {shown(name)}: the record list", where)))
         if sum(n for n, _ in records) != rec.size:
             raise CorruptCheckpointError(f"{where}: {shown(name)}: its records add up to "
                                          f"{sum(n for n, _ in records)} bytes, but its size is {rec.size}", path=where)
@@ -113,16 +107,22 @@ class FileRecord:
         return rec
 
 
-def _data_at(raw: Any, size: int, *, name: str, where: str) -> Dict[int, int]:
-    """A ``"data_at"`` entry decoded; malformed (not base64 of whole pairs, or a place outside
-    the file's ``size`` bytes): :class:`CorruptCheckpointError`."""
+def _packed(raw: Any, layout: struct.Struct, what: str, where: str) -> bytes:
+    """The bytes of a base64 field of packed ``layout`` entries; malformed (not a string, not
+    base64, not whole entries): :class:`CorruptCheckpointError` saying ``what`` "is malformed"."""
     try:
         data = base64.b64decode(raw, validate=True) if isinstance(raw, str) else None
     except binascii.Error:
         data = None
-    if data is None or len(data) % _DATA_AT.size:
-        raise CorruptCheckpointError(f"{where}: {shown(name)}: the data offsets are malformed", path=where)
-    out = dict(_DATA_AT.iter_unpack(data))
+    if data is None or len(data) % layout.size:
+        raise CorruptCheckpointError(f"{what} is malformed", path=where)
+    return data
+
+
+def _data_at(raw: Any, size: int, *, name: str, where: str) -> Dict[int, int]:
+    """A ``"data_at"`` entry decoded; malformed (not base64 of whole pairs, or a place outside
+    the file's ``size`` bytes): :class:`CorruptCheckpointError`."""
+    out = dict(_DATA_AT.iter_unpack(_packed(raw, _DATA_AT, f"{where}: {shown(name)}: the data offsets", where)))
     for at, head in out.items():
         if at + head > size:
             raise CorruptCheckpointError(f"{where}: {shown(name)}: a data offset ({at} + {head}) lies beyond its "
