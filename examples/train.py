@@ -57,6 +57,9 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=120, help="steps to train in this run")
     p.add_argument("--save-interval", type=int, default=20)
     p.add_argument("--max-to-keep", type=int, default=3)
+    p.add_argument("--local-dir", default=None,
+                   help="a second, fast tier (e.g. /dev/shm/demo): a local copy every --local-interval steps")
+    p.add_argument("--local-interval", type=int, default=5)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--dim", type=int, default=256)
     args = p.parse_args(argv)
@@ -75,7 +78,8 @@ def main(argv=None) -> int:
     optim = torch.optim.AdamW(model.parameters(), lr=3e-4)
     loss_fn = nn.CrossEntropyLoss()
 
-    mgr = CheckpointManager(args.ckpt_dir, save_interval=args.save_interval, max_to_keep=args.max_to_keep)
+    tiers = dict(local_dir=args.local_dir, local_policy=args.local_interval) if args.local_dir else {}
+    mgr = CheckpointManager(args.ckpt_dir, save_interval=args.save_interval, max_to_keep=args.max_to_keep, **tiers)
     start = 0
     if mgr.latest_step() is not None:
         state = {"model": model.state_dict(), "optim": optim.state_dict()}
@@ -115,7 +119,10 @@ def main(argv=None) -> int:
     last = mgr.stats[-1] if mgr.stats else None
     if last is not None:
         print("last save:", last.summary())
-    print(f"done; committed steps: {mgr.all_steps()}")
+    if args.local_dir:
+        print("done; committed steps (tiers):", {s: "+".join(t) for s, t in sorted(mgr.step_tiers().items())})
+    else:
+        print(f"done; committed steps: {mgr.all_steps()}")
     return 0
 
 

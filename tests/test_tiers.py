@@ -417,3 +417,11 @@ def test_a_long_outage_keeps_a_bounded_number_of_deferred_failures():
     with pytest.raises(CheckpointError, match=r"step 0 failed.*more failed save") as ei:
         w.close()
     assert str(MAX_KEPT_ERRORS + 49) in str(ei.value)  # the newest failure is still named
+
+
+def test_should_save_answers_for_either_tier(roots):
+    path, local = roots
+    with CheckpointManager(path, save_interval=10, local_dir=local, local_policy=5) as mgr:
+        assert [s for s in range(21) if mgr.should_save(s)] == [0, 5, 10, 15, 20]
+    with CheckpointManager(path, save_interval=10) as plain:
+        assert [s for s in range(21) if plain.should_save(s)] == [0, 10, 20]

@@ -20,6 +20,7 @@ class SaveDecisions:
     _last_save_time: Optional[float]
     _last_save_step: Optional[int]
     _writer: AsyncWriter
+    _local: Optional[Tier]
 
     @property
     def save_policy(self) -> SavePolicy:
@@ -31,11 +32,13 @@ class SaveDecisions:
         self._save_policy = as_save_policy(policy)
 
     def should_save(self, step: int) -> bool:
-        """Whether a checkpoint is due at ``step``: the save policy wants one, or a preemption
-        was detected and its checkpoint is not taken yet."""
+        """Whether a checkpoint is due at ``step``: the save policy (or, with ``local_dir``, the
+        local policy) wants one, or a preemption was detected and its checkpoint is not taken
+        yet. ``save_async`` of a step it answers False for does nothing."""
         step = check_step(step)
         preempt = self._preemption.due(step) if self._preemption is not None else False
-        return preempt or self._policy_wants(step, preempt)
+        take = preempt or self._policy_wants(step, preempt)
+        return take or (self._local is not None and self._local_due(self._local, step, False, take))
 
     def _save_context(self, preempted: bool) -> SaveContext:
         return SaveContext(now=self._clock(), start_time=self._start_time, last_save_time=self._last_save_time,
