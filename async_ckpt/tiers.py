@@ -158,16 +158,19 @@ def _nothing_listed(failed: List[BaseException]) -> None:
         raise failed[0]
 
 
-def held_copies(tiers: Sequence[Tier], only: Optional[Dict[str, Optional[set]]] = None) -> List[Held]:
+def held_copies(tiers: Sequence[Tier], only: Optional[Dict[str, Optional[set]]] = None,
+                failed: Optional[List[BaseException]] = None) -> List[Held]:
     """Every committed copy of ``tiers`` (one :class:`Held` per tier and step), newest commit
     first; of two copies of one save (written to both tiers: both carry the time it was taken,
     within :data:`SAME_SAVE_S`) the local one first. Copies whose manifest does not read come first
     (their time is unknown). Two copies of a step with different times are different saves (a
     re-save replaces a step): each is ordered by its own commit.
     ``only``: per tier name, the steps to count (None: all). A tier that cannot be listed is
-    skipped with a warning, unless nothing is found in the others: then its error is raised."""
+    skipped with a warning (its error added to ``failed``), unless nothing is found in the
+    others: then its error is raised."""
     out: List[Held] = []
-    failed: List[BaseException] = []
+    if failed is None:
+        failed = []
     for tier in tiers:
         infos, newest_first = _infos(tier, len(tiers) - 1, failed)
         allowed = (only or {}).get(tier.name)
@@ -237,9 +240,11 @@ def restore_from_tiers(tiers: Sequence[Tier], coord: Coordinator, step: Optional
         common = set(gathered[0]).intersection(*map(set, gathered[1:]))
         only = {LOCAL: common, PERSISTENT: None}
     listed: Any = None
+    failed: List[BaseException] = []
     if coord.is_primary:
         try:
-            listed = ("ok", held_copies(tiers, only))
+            copies = held_copies(tiers, only, failed)
+            listed = ("ok", copies, [describe(0, e) for e in failed])
         except Exception as exc:  # noqa: BLE001 - every rank raises it
             if alone:
                 raise
@@ -251,6 +256,10 @@ def restore_from_tiers(tiers: Sequence[Tier], coord: Coordinator, step: Optional
     if step is not None:
         candidates = [h for h in candidates if h.step == step]
         if not candidates:
+            if listed[2]:  # a tier that could not be listed may hold it: its error, not "not found"
+                if failed:
+                    raise failed[0]
+                raise rebuild(listed[2][0][0], f"step {step}: listing a tier failed: {listed[2][0][1]}", step)
             urls = " or ".join(t.url for t in tiers)
             raise StepNotFoundError(f"no committed checkpoint for step {step} under {urls}", step=step)
     if not candidates:

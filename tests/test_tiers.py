@@ -293,6 +293,11 @@ def test_bucket_that_cannot_be_listed_restores_from_local_with_a_warning(roots, 
     assert_bitwise_equal(out, state(3))
     with pytest.warns(RuntimeWarning, match="cannot be listed"):
         assert mgr.all_steps() == [2, 3]
+    # a named step only the unlistable bucket might hold: the bucket's error, not "not found"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(StorageError, match="connection refused"):
+            mgr.restore(1, zeros())
     monkeypatch.undo()
     mgr.close()
     # without a local tier to fall back on, the listing error is raised
