@@ -58,7 +58,7 @@ from ..manifest import FileRecord, crc32c, shown
 from .crc import crc32c_concat
 from .device_targets import DeviceTargets, is_device
 from .device_targets import supported as device_supported
-from .reader import open_step_file
+from .reader import close_all, open_step_file
 from .record_layout import HEADS, Arrived, Probe, data_start
 
 #: A tensor record at least this large (local files) has its data read straight into the
@@ -335,11 +335,7 @@ def _load_direct(storage: Storage, path: str, state_dict: Dict[str, Any], files:
             raise CheckpointError(f"restore from {path} failed ({type(exc).__name__}: {exc}); {PARTLY_WRITTEN}") from exc
         raise
     finally:
-        for r in readers.values():
-            try:
-                r.close()
-            except Exception:
-                pass
+        close_all(readers)
 
 
 def _open(storage: Storage, path: str, name: str, files: Dict[str, FileRecord], readers: Dict[str, Any]) -> Any:

@@ -12,6 +12,7 @@ goes through ``torch.load(weights_only=True)``.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import io
 import itertools
 import pickle
@@ -20,7 +21,7 @@ import sys
 import warnings
 import zipfile
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Protocol, Set, Tuple, cast
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Protocol, Set, Tuple, cast
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -92,14 +93,8 @@ class FsspecStorageReader(StorageReader):
 
     def read_file(self, name: str) -> bytes:
         where = self._checked_path(name)
-        try:
+        with _unreadable_is_damage(where):
             data = self.storage.read_bytes(where)
-        except FileNotFoundError:
-            raise CorruptCheckpointError(f"{where}: file is missing", path=where) from None
-        except StorageError as exc:
-            if isinstance(exc.__cause__, (IsADirectoryError, NotADirectoryError)):
-                raise CorruptCheckpointError(f"{where}: is not a readable file ({exc.__cause__})", path=where) from exc
-            raise
         rec = (self.files or {}).get(name)
         if rec is not None:
             if len(data) != rec.size:
@@ -217,8 +212,7 @@ class FsspecStorageReader(StorageReader):
 
             list(pool.map(read, tasks))  # re-raises the first failure
         finally:
-            for reader in readers.values():
-                reader.close()
+            close_all(readers)
         if not self.verify:
             return out
         batches: List[List[Tuple[str, memoryview, int, int]]] = [[]]  # of about READ_RANGE_BYTES each
@@ -508,18 +502,35 @@ def load_state_dict(storage: Storage, path: str, state_dict: Dict[str, Any], *, 
                                process_group=process_group, no_dist=not _distributed()))
 
 
-def open_checked_ranges(storage: Storage, where: str, size: int) -> Any:
-    """``where`` (a step's data file, already checked to be a plain file inside the step) opened
-    for ranged reads; missing, a directory, or not of the manifest's ``size`` where the storage
-    knows the size without another request: :class:`CorruptCheckpointError`."""
+@contextlib.contextmanager
+def _unreadable_is_damage(where: str) -> Iterator[None]:
+    """A step's file that is missing or is a directory: :class:`CorruptCheckpointError` (the
+    step is damaged); other storage errors pass through."""
     try:
-        reader = storage.open_ranges(where)
+        yield
     except FileNotFoundError:
         raise CorruptCheckpointError(f"{where}: file is missing", path=where) from None
     except StorageError as exc:
         if isinstance(exc.__cause__, (IsADirectoryError, NotADirectoryError)):
             raise CorruptCheckpointError(f"{where}: is not a readable file ({exc.__cause__})", path=where) from exc
         raise
+
+
+def close_all(readers: Dict[str, Any]) -> None:
+    """Close every ranged reader of ``readers`` (a failure to close is not the restore's)."""
+    for r in readers.values():
+        try:
+            r.close()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def open_checked_ranges(storage: Storage, where: str, size: int) -> Any:
+    """``where`` (a step's data file, already checked to be a plain file inside the step) opened
+    for ranged reads; missing, a directory, or not of the manifest's ``size`` where the storage
+    knows the size without another request: :class:`CorruptCheckpointError`."""
+    with _unreadable_is_damage(where):
+        reader = storage.open_ranges(where)
     if reader.known_size is not None and reader.known_size != size:
         reader.close()
         raise CorruptCheckpointError(f"{where}: size is {reader.known_size} bytes, manifest says {size}", path=where)

@@ -32,7 +32,7 @@ from ..fs import Storage
 from ..manifest import FileRecord, crc32c
 from .crc import crc32c_concat
 from .direct import DIRECT_CHUNK_BYTES, _run, load_direct
-from .reader import load_state_dict, open_step_file
+from .reader import close_all, load_state_dict, open_step_file
 
 #: ``acquire(sizes)`` -> (one flat uint8 CPU buffer of exactly each size, a function that gives them back).
 Acquire = Callable[[Sequence[int]], Tuple[Sequence[torch.Tensor], Callable[[], None]]]
@@ -136,11 +136,7 @@ def _read_verified(storage: Storage, path: str, files: Dict[str, FileRecord], vi
         with ThreadPoolExecutor(max(1, min(threads, len(groups))), thread_name_prefix="async-ckpt-stage") as pool:
             _run(pool, [lambda g=g: run_group(g) for g in groups])  # type: ignore[misc]
     finally:
-        for r in readers.values():
-            try:
-                r.close()
-            except Exception:
-                pass
+        close_all(readers)
     for name, idx in per.items():
         where = f"{path}/{name}"
         size = views[name].numel()
