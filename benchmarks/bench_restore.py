@@ -78,13 +78,18 @@ def has_xla() -> bool:
     return True
 
 
-def can_drop_caches() -> bool:
+def _write_proc(path: str, text: str) -> bool:
+    """Write ``text`` to a /proc file; False where that is not allowed (not root, no /proc)."""
     try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3")
+        with open(path, "w") as f:
+            f.write(text)
         return True
     except OSError:
         return False
+
+
+def can_drop_caches() -> bool:
+    return _write_proc("/proc/sys/vm/drop_caches", "3")
 
 
 def drop_caches() -> None:
@@ -293,12 +298,7 @@ def _status_kib(field: str) -> int:
 
 
 def _reset_hwm() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
+    return _write_proc("/proc/self/clear_refs", "5")
 
 
 class PeakRss:
