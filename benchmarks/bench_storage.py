@@ -7,6 +7,8 @@ For one state dict (default 512 MiB: 64 float32 tensors of 8 MiB), on each serve
   verified with CRC32C), as the manager runs them;
 * ``raw pipe`` / ``raw cat``: fsspec's concurrent ``fs.pipe`` / ``fs.cat`` of the same tensor
   bytes, one object per tensor, with no serialisation and no checksums: the ceiling;
+* ``CheckpointManager.restore``: the manager's restore of a step it saved (what a user calls at
+  startup), into existing tensors;
 * ``DCP FsspecWriter``: ``dcp.save`` with ``FsspecWriter`` at its defaults (one thread) and
   with 8 threads; ``dcp.load`` with ``FsspecReader``.
 
@@ -41,12 +43,14 @@ import torch  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter  # noqa: E402
 
+from async_ckpt import CheckpointManager  # noqa: E402
 from async_ckpt.storage.dcp import FsspecStorageReader, load_state_dict, save_state_dict  # noqa: E402
 from async_ckpt.storage.fs import Storage  # noqa: E402
 from tests.storage_servers import S3_KEY, S3_SECRET, FakeGCSServer, _http_ok, _wait, free_port  # noqa: E402
 
 warnings.filterwarnings("ignore")
 MiB = 2**20
+MANAGER_RESTORE = "async_ckpt CheckpointManager.restore"
 
 
 class MotoProcess:
@@ -130,6 +134,19 @@ def bench_server(kind: str, opts: Dict[str, Any], sd: Dict[str, torch.Tensor], t
         row(f"async_ckpt reads+crc only (no copy)", "restore", timed(lambda: reader._read_files(names, pool)))
     clear("ours")
 
+    # The manager, as a user restores at startup: CheckpointManager.restore into existing tensors
+    # (ranged reads of each record straight into the targets, CRC-32C as they arrive).
+    url = f"{proto}://{bucket}/mgr"
+    mgr = CheckpointManager(url, storage_options=opts, write_threads=threads)
+    mgr.save(0, sd)
+    mgr.close()
+    target = {k: torch.zeros_like(v) for k, v in sd.items()}
+    fresh = CheckpointManager(url, storage_options=opts, write_threads=threads)
+    row(MANAGER_RESTORE, "restore", timed(lambda: fresh.restore(0, target)))
+    fresh.close()
+    assert all(torch.equal(target[k], sd[k]) for k in sd), "manager restore is not bitwise equal"
+    clear("mgr")
+
     # DCP's own fsspec writer / reader
     for tc in (1, 8):
         url = f"{proto}://{bucket}/dcp{tc}"
@@ -173,6 +190,8 @@ def main() -> None:
             "upload_vs_dcp_default": round(ours_up / by[("upload", "DCP FsspecWriter (thread_count=1)")], 2),
             "upload_vs_dcp_8_threads": round(ours_up / by[("upload", "DCP FsspecWriter (thread_count=8)")], 2),
             "restore_vs_raw_cat": round(ours_rd / by[("restore", "raw fs.cat (1 object/tensor)")], 2),
+            "manager_restore_vs_raw_cat": round(by[("restore", MANAGER_RESTORE)]
+                                                / by[("restore", "raw fs.cat (1 object/tensor)")], 2),
             "restore_vs_dcp_load": round(ours_rd / by[("restore", "dcp.load FsspecReader")], 2),
         }
         print(f"\n{kind}: " + ", ".join(f"{k} {v}x" for k, v in summary[kind].items()))
