@@ -15,7 +15,10 @@ For one state dict (default 512 MiB: 64 float32 tensors of 8 MiB), on each serve
 Prints a table and writes JSON to ``benchmarks/results/``. One run per configuration: the
 machine is small and shared, so treat differences under ~20% as noise.
 
-    PJRT_DEVICE=CPU .venv/bin/python benchmarks/bench_storage.py [--mib 512] [--servers gcs,s3]
+    PJRT_DEVICE=CPU .venv/bin/python benchmarks/bench_storage.py [--mib 512] [--servers gcs,s3] [--samples 5]
+
+The manager's restore is also timed in ``--samples`` pairs, each right after a raw ``fs.cat`` of
+the same bytes; the summary gives the median and range of the per-pair throughput ratios.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import time
 import uuid
 import warnings
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Optional
 
 os.environ["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] = "false"  # before gcsfs is imported (emulator only)
 os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
@@ -84,7 +87,8 @@ def timed(fn: Callable[[], Any]) -> float:
 
 
 def bench_server(kind: str, opts: Dict[str, Any], sd: Dict[str, torch.Tensor], threads: int,
-                 file_mib: int = 0) -> List[Dict[str, Any]]:
+                 file_mib: int = 0, samples: int = 5,
+                 pairs: Optional[List[Dict[str, Any]]] = None) -> List[Dict[str, Any]]:
     proto = "gs" if kind == "gcs" else "s3"
     fs = fsspec.filesystem(proto, **opts)
     bucket = f"bench-{uuid.uuid4().hex[:8]}"
@@ -92,6 +96,7 @@ def bench_server(kind: str, opts: Dict[str, Any], sd: Dict[str, torch.Tensor], t
     nbytes = sum(t.numel() * t.element_size() for t in sd.values())
     blobs = {k: t.numpy().tobytes() for k, t in sd.items()}
     rows: List[Dict[str, Any]] = []
+    pairs = [] if pairs is None else pairs
 
     def row(name: str, op: str, secs: float) -> None:
         rows.append({"server": kind, "method": name, "op": op, "seconds": round(secs, 3),
@@ -109,7 +114,6 @@ def bench_server(kind: str, opts: Dict[str, Any], sd: Dict[str, torch.Tensor], t
     paths = {f"{bucket}/raw/{k}": v for k, v in blobs.items()}
     row("raw fs.pipe (1 object/tensor)", "upload", timed(lambda: fs.pipe(paths)))
     row("raw fs.cat (1 object/tensor)", "restore", timed(lambda: fs.cat(list(paths))))
-    clear("raw")
 
     # async_ckpt's writer/reader
     st = Storage(f"{proto}://{bucket}/ours", opts)
@@ -131,7 +135,7 @@ def bench_server(kind: str, opts: Dict[str, Any], sd: Dict[str, torch.Tensor], t
     reader = FsspecStorageReader(st, st.join("0"), files=files, threads=threads)
     names = [n for n in files if n.endswith(".distcp")]
     with ThreadPoolExecutor(threads) as pool:
-        row(f"async_ckpt reads+crc only (no copy)", "restore", timed(lambda: reader._read_files(names, pool)))
+        row("async_ckpt reads+crc only (no copy)", "restore", timed(lambda: reader._read_files(names, pool)))
     clear("ours")
 
     # The manager, as a user restores at startup: CheckpointManager.restore into existing tensors
@@ -143,9 +147,17 @@ def bench_server(kind: str, opts: Dict[str, Any], sd: Dict[str, torch.Tensor], t
     target = {k: torch.zeros_like(v) for k, v in sd.items()}
     fresh = CheckpointManager(url, storage_options=opts, write_threads=threads)
     row(MANAGER_RESTORE, "restore", timed(lambda: fresh.restore(0, target)))
-    fresh.close()
     assert all(torch.equal(target[k], sd[k]) for k in sd), "manager restore is not bitwise equal"
+    # Paired samples: a raw fs.cat of the same bytes right before each manager restore (the
+    # loopback servers share the two cores with the client, so single timings swing 2-3x).
+    for _ in range(samples):
+        raw_s = timed(lambda: fs.cat(list(paths)))
+        ours_s = timed(lambda: fresh.restore(0, target))
+        pairs.append({"raw_cat_s": round(raw_s, 3), "manager_restore_s": round(ours_s, 3),
+                      "throughput_vs_raw_cat": round(raw_s / ours_s, 2)})
+    fresh.close()
     clear("mgr")
+    clear("raw")
 
     # DCP's own fsspec writer / reader
     for tc in (1, 8):
@@ -166,14 +178,18 @@ def main() -> None:
     ap.add_argument("--servers", default="gcs,s3", help="comma-separated: gcs, s3")
     ap.add_argument("--threads", type=int, default=8, help="async_ckpt write/read threads (the manager's default)")
     ap.add_argument("--file-mib", type=int, default=0, help="async_ckpt object size (default: Storage's)")
+    ap.add_argument("--samples", type=int, default=5, help="paired samples of raw fs.cat then the manager's restore")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
     args = ap.parse_args()
     sd = make_state(args.mib)
     rows: List[Dict[str, Any]] = []
+    paired: Dict[str, List[Dict[str, Any]]] = {}
     for kind in [s.strip() for s in args.servers.split(",") if s.strip()]:
         srv: Any = FakeGCSServer().start() if kind == "gcs" else MotoProcess()
         try:
-            rows += bench_server(kind, srv.storage_options(), sd, args.threads, args.file_mib)
+            paired[kind] = []
+            rows += bench_server(kind, srv.storage_options(), sd, args.threads, args.file_mib, args.samples,
+                                 paired[kind])
         finally:
             srv.stop()
 
@@ -194,12 +210,16 @@ def main() -> None:
                                                 / by[("restore", "raw fs.cat (1 object/tensor)")], 2),
             "restore_vs_dcp_load": round(ours_rd / by[("restore", "dcp.load FsspecReader")], 2),
         }
+        ratios = sorted(p["throughput_vs_raw_cat"] for p in paired.get(kind, []))
+        if ratios:
+            summary[kind]["manager_restore_vs_raw_cat_paired_median"] = ratios[len(ratios) // 2]
+            summary[kind]["manager_restore_vs_raw_cat_paired_range"] = [ratios[0], ratios[-1]]
         print(f"\n{kind}: " + ", ".join(f"{k} {v}x" for k, v in summary[kind].items()))
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"bench_storage_{time.strftime('%Y%m%d-%H%M%S')}.json")
     with open(path, "w") as f:
         json.dump({"mib": args.mib, "threads": args.threads, "cpus": os.cpu_count(), "python": platform.python_version(),
-                   "torch": torch.__version__, "rows": rows, "summary": summary,
+                   "torch": torch.__version__, "rows": rows, "summary": summary, "paired_restore": paired,
                    "note": "one run on a small shared machine; servers on 127.0.0.1"}, f, indent=1)
     print(f"\nwrote {path}")
 
