@@ -31,7 +31,8 @@ from ...errors import CorruptCheckpointError, StagingBudgetError
 from ..fs import Storage
 from ..manifest import FileRecord, crc32c
 from .crc import crc32c_concat
-from .direct import DIRECT_CHUNK_BYTES, _run, load_direct
+from .direct import _run, load_direct
+from .direct_plan import DIRECT_CHUNK_BYTES
 from .reader import close_all, load_state_dict, open_step_file
 
 #: ``acquire(sizes)`` -> (one flat uint8 CPU buffer of exactly each size, a function that gives them back).
