@@ -16,7 +16,7 @@ from async_ckpt.lifecycle import coordinator as coordinator_mod
 from async_ckpt.storage.dcp import direct
 from async_ckpt.storage.dcp.crc import crc32c_combine, crc32c_concat
 from async_ckpt.storage.dcp.safety import load_metadata
-from async_ckpt.storage.manifest import crc32c
+from async_ckpt.storage.manifest import MANIFEST_NAME, Manifest, crc32c
 
 from .tree import assert_bitwise_equal, clone_tree
 
@@ -112,6 +112,43 @@ def test_restore_into_an_empty_target_and_parameters(tmp_path, direct_calls):
         assert torch.equal(params["model"][k].detach().view(-1).view(torch.uint8) if v.numel() else v,
                            v.reshape(-1).view(torch.uint8) if v.numel() else v), k
     assert all(direct_calls)
+
+
+#: The dtypes torch.save writes as ``_rebuild_tensor_v3`` over an untyped storage (no typed
+#: storage class of their own), where this torch has them.
+V3_DTYPES = [getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
+                                         "float8_e8m0fnu", "uint16", "uint32", "uint64", "complex32")
+             if hasattr(torch, n)]
+
+
+def _random_bytes_as(dtype: torch.dtype, numel: int, g: torch.Generator) -> torch.Tensor:
+    return torch.randint(0, 256, (numel * dtype.itemsize,), dtype=torch.uint8, generator=g).view(dtype)
+
+
+@pytest.mark.parametrize("atomic", [False, True])
+def test_dtypes_saved_as_rebuild_tensor_v3_restore_bitwise(tmp_path, atomic, direct_calls):
+    """float8, uint16/32/64 and complex32 records, large (their data offset in the manifest)
+    and small, restore bitwise by the direct path; step=None finds the step intact."""
+    assert {torch.float8_e4m3fn, torch.float8_e5m2, torch.uint16, torch.uint32, torch.uint64} <= set(V3_DTYPES)
+    g = torch.Generator().manual_seed(3)
+    saved = {"f32": torch.randn(300_000, generator=g)}
+    for dt in V3_DTYPES:
+        saved[f"big_{dt}"] = _random_bytes_as(dt, 300_000, g)  # above DIRECT_MIN_BYTES for every itemsize
+        saved[f"small_{dt}"] = _random_bytes_as(dt, 33, g)
+    root = str(tmp_path / "c")
+    with CheckpointManager(root) as mgr:
+        mgr.save(1, saved)
+    with open(os.path.join(root, "1", MANIFEST_NAME), "rb") as f:
+        listed = sum(len(r.data_at or {}) for r in Manifest.from_json(f.read()).files.values())
+    assert listed >= len(V3_DTYPES)  # the large records' data offsets are in the manifest
+    for step in (1, None):
+        target = {k: torch.zeros_like(v.view(torch.uint8)).view(v.dtype) for k, v in saved.items()}
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no step skipped as damaged, no dtype warnings
+            assert CheckpointManager(root).restore(step, target, atomic=atomic) == 1
+        for k, v in saved.items():
+            assert target[k].dtype == v.dtype and torch.equal(target[k].view(torch.uint8), v.view(torch.uint8)), k
+    assert direct_calls == ([] if atomic else [True, True])
 
 
 def _data_files(step_dir):
