@@ -56,7 +56,7 @@ from ..manifest import FileRecord, crc32c, shown
 from .crc import crc32c_concat
 from .device_targets import DeviceTargets
 from .direct_plan import BUFFER_CHUNK_BYTES, _assign_arrivals, _plan, _Rec, _Task, _tasks, _Unsupported
-from .reader import close_all, open_step_file
+from .reader import _stored_bytes, close_all, open_step_file
 from .record_layout import HEADS, Arrived, Probe, data_start
 
 #: A tensor record at least this large (local files) has its data read straight into the
@@ -89,18 +89,25 @@ def _decode(fqn: str, blob: bytes, allow_pickle: bool) -> Any:
             "allow_pickle=True to restore if you trust this checkpoint") from exc
 
 
-def _copy_slow(rec: _Rec, item: memoryview) -> None:
-    """A record into a target that is not plain contiguous memory, or of another layout."""
-    from .reader import _stored_bytes  # the aligned copy out of a read buffer
+def _small_start(item: memoryview, t: torch.Tensor) -> Optional[int]:
+    """Where the data of the small record ``item`` for ``t`` starts in it; None for another
+    layout (the slow path)."""
+    head = HEADS.get(t.dtype, tuple(t.shape))
+    if head is not None and head[1] == len(item) and bytes(item[:len(head[0])]) == head[0]:
+        return len(head[0])
+    get = lambda a, b: bytes(item[a:b])  # (named: mypy types it here, not in the call)
+    return data_start(get, len(item), t.dtype, tuple(t.shape))
 
+
+def _whole(t: torch.Tensor) -> Any:
+    return types.SimpleNamespace(storage_offsets=[0] * t.dim(), lengths=list(t.shape))
+
+
+def _load_tensor(rec: _Rec, item: memoryview) -> torch.Tensor:
+    """The record ``item`` read by ``torch.load``; :class:`CorruptCheckpointError` unless it
+    is a tensor of its target's dtype and shape."""
     t = rec.target
     assert t is not None
-    req = types.SimpleNamespace(storage_offsets=[0] * t.dim(), lengths=list(t.shape))
-    raw = _stored_bytes(item, req, t)
-    if raw is not None:
-        dst, src = raw
-        dst.copy_(src)
-        return
     try:
         tensor = torch.load(io.BytesIO(item), map_location="cpu", weights_only=True)
     except Exception as exc:
@@ -108,23 +115,50 @@ def _copy_slow(rec: _Rec, item: memoryview) -> None:
                                      f"({type(exc).__name__}: {shown(exc)})") from exc
     if not isinstance(tensor, torch.Tensor) or tensor.shape != t.shape or tensor.dtype != t.dtype:
         raise CorruptCheckpointError(f"{shown(rec.fqn)}: stored value is not a {t.dtype} tensor of shape {tuple(t.shape)}")
-    t.copy_(tensor)
+    return tensor
+
+
+def _check_slow(rec: _Rec, item: memoryview) -> None:
+    """Before any write (staged restores): a record that only ``torch.load`` reads is read now
+    and checked (kept in ``rec.loaded``); a small one of another layout goes the slow path."""
+    t = rec.target
+    assert t is not None
+    if rec.kind == "small" and _small_start(item, t) is not None:
+        return
+    rec.kind = "slow"
+    if _stored_bytes(item, _whole(t), t) is None:
+        rec.loaded = _load_tensor(rec, item)
+
+
+def _copy_slow(rec: _Rec, item: memoryview) -> None:
+    """A record into a target that is not plain contiguous memory, or of another layout."""
+    t = rec.target
+    assert t is not None
+    raw = None if rec.loaded is not None else _stored_bytes(item, _whole(t), t)
+    dst, src = raw if raw is not None else (t, rec.loaded if rec.loaded is not None else _load_tensor(rec, item))
+    dst.copy_(src)
 
 
 def load_direct(storage: Storage, path: str, state_dict: Dict[str, Any], *, files: Optional[Dict[str, FileRecord]],
-                metadata: Metadata, verify: bool = True, threads: int = 8, allow_pickle: bool = False) -> bool:
+                metadata: Metadata, verify: bool = True, threads: int = 8, allow_pickle: bool = False,
+                staged: bool = False) -> bool:
     """Load the checked ``metadata``'s checkpoint under ``path`` into ``state_dict`` in place by
     direct reads (see the module docstring); ``False`` (nothing read or touched) when it does
-    not apply. ``files`` are the manifest's records (required: sizes and checksums)."""
+    not apply. ``files`` are the manifest's records (required: sizes and checksums).
+    ``staged``: ``storage`` serves verified bytes from memory (``restore(..., atomic=True)``):
+    every check that can fail (where each record's data lies, the records only ``torch.load``
+    reads) is made before the first write into a target."""
     if files is None:
         return False
     direct_min = DIRECT_MIN_BYTES if storage.is_local else REMOTE_DIRECT_MIN_BYTES
     with gc_paused():  # one Python record per item: no collections walking them meanwhile
-        return _load_direct(storage, path, state_dict, files, metadata, verify, threads, allow_pickle, direct_min)
+        return _load_direct(storage, path, state_dict, files, metadata, verify, threads, allow_pickle, direct_min,
+                            staged)
 
 
 def _load_direct(storage: Storage, path: str, state_dict: Dict[str, Any], files: Dict[str, FileRecord],
-                 metadata: Metadata, verify: bool, threads: int, allow_pickle: bool, direct_min: int) -> bool:
+                 metadata: Metadata, verify: bool, threads: int, allow_pickle: bool, direct_min: int,
+                 staged: bool) -> bool:
     devices = DeviceTargets()
     try:
         per_file, flat, mappings = _plan(storage, path, state_dict, files, metadata, direct_min, devices)
@@ -136,7 +170,7 @@ def _load_direct(storage: Storage, path: str, state_dict: Dict[str, Any], files:
     try:
         with ThreadPoolExecutor(threads, thread_name_prefix="async-ckpt-read") as pool:
             return _load(storage, path, per_file, flat, mappings, files, verify, allow_pickle, pool, readers,
-                         touched, state_dict, threads, devices)
+                         touched, state_dict, threads, devices, staged)
     except BaseException as exc:
         if touched[0] and isinstance(exc, CheckpointError) and not getattr(exc, "partly_written", False):
             exc.args = (f"{exc.args[0] if exc.args else exc}; {PARTLY_WRITTEN}",) + tuple(exc.args[1:])
@@ -146,6 +180,11 @@ def _load_direct(storage: Storage, path: str, state_dict: Dict[str, Any], files:
         raise
     finally:
         close_all(readers)
+
+
+def _misplaced(path: str, rec: _Rec) -> CorruptCheckpointError:
+    return CorruptCheckpointError(f"{path}: {shown(rec.fqn)}: its record does not hold its data at the offset the "
+                                  "manifest gives", path=path)
 
 
 def _open(storage: Storage, path: str, name: str, files: Dict[str, FileRecord], readers: Dict[str, Any]) -> Any:
@@ -158,7 +197,7 @@ def _open(storage: Storage, path: str, name: str, files: Dict[str, FileRecord], 
 def _load(storage: Storage, path: str, per_file: Dict[str, List[_Rec]], flat: Dict[str, Any],
           mappings: Dict[str, Any], files: Dict[str, FileRecord], verify: bool, allow_pickle: bool,
           pool: ThreadPoolExecutor, readers: Dict[str, Any], touched: List[bool], state_dict: Dict[str, Any],
-          threads: int, devices: DeviceTargets) -> bool:
+          threads: int, devices: DeviceTargets, staged: bool) -> bool:
     for name in per_file:
         _open(storage, path, name, files, readers)
 
@@ -179,13 +218,15 @@ def _load(storage: Storage, path: str, per_file: Dict[str, List[_Rec]], flat: Di
         start = data_start(p.get, rec.length, t.dtype, tuple(t.shape))
         if start is None:
             rec.kind = "slow"  # another layout: through the buffer
+        elif rec.data_start >= 0 and rec.data_start != rec.start + start:  # (staged: the manifest's offset)
+            raise _misplaced(path, rec)
         else:
             rec.data_start = rec.start + start
         return p
 
     for name, recs in per_file.items():
         for rec in recs:
-            if rec.kind == "direct" and rec.data_start >= 0:
+            if rec.kind == "direct" and rec.data_start >= 0 and not staged:  # (staged: probed, in memory)
                 rec.arrived = Arrived(readers[name], rec.start, rec.length, rec.data_start, rec.flat.numel())  # type: ignore[union-attr]
     jobs = [(name, rec) for name, recs in per_file.items() for rec in recs
             if rec.kind == "bytes" or (rec.kind == "direct" and rec.arrived is None)]
@@ -211,6 +252,13 @@ def _load(storage: Storage, path: str, per_file: Dict[str, List[_Rec]], flat: Di
 
         FsspecStorageReader(storage, path, files=files, verify=verify)._read_files(list(per_file), pool)
         raise undecodable
+    if staged:  # the records only torch.load reads, read and checked before the first write
+        def check(name: str, rec: _Rec) -> None:
+            buf = bytearray(rec.length)
+            _check_slow(rec, memoryview(buf)[:readers[name].read_into(rec.start, memoryview(buf))])
+
+        _run(pool, [lambda n=n, r=r: check(n, r) for n, recs in per_file.items() for r in recs  # type: ignore[misc]
+                    if r.kind in ("small", "slow")])
 
     # 2. Every byte of every file, once: into the targets, or into a buffer and scattered.
     tasks: List[_Task] = []
@@ -252,20 +300,14 @@ def _load(storage: Storage, path: str, per_file: Dict[str, List[_Rec]], flat: Di
         for rec in task.recs:
             at = rec.start - task.start
             if rec.kind == "small":
-                t = rec.target
-                assert t is not None and rec.flat is not None
-                head = HEADS.get(t.dtype, tuple(t.shape))
-                if head is not None and head[1] == rec.length and bytes(mv[at:at + len(head[0])]) == head[0]:
-                    start = at + len(head[0])
-                else:
-                    item = mv[at:at + rec.length]
-                    get = lambda a, b, item=item: bytes(item[a:b])  # (named: mypy types it here, not in the call)
-                    s = data_start(get, rec.length, t.dtype, tuple(t.shape))
-                    if s is None:
-                        touched[0] = touched[0] or rec.own
-                        _copy_slow(rec, item)
-                        continue
-                    start = at + s
+                assert rec.target is not None and rec.flat is not None
+                item = mv[at:at + rec.length]
+                s = _small_start(item, rec.target)
+                if s is None:
+                    touched[0] = touched[0] or rec.own
+                    _copy_slow(rec, item)
+                    continue
+                start = at + s
                 nb = rec.flat.numel()
                 dsts.append(rec.flat)
                 own = own or rec.own
@@ -346,8 +388,7 @@ def _load(storage: Storage, path: str, per_file: Dict[str, List[_Rec]], flat: Di
             if id(rec) in ok:
                 continue
             if data_start(a.get, a.length, tgt.dtype, tuple(tgt.shape)) is not None:
-                raise CorruptCheckpointError(f"{path}: {shown(rec.fqn)}: its record does not hold its data at the "
-                                             "offset the manifest gives", path=path)
+                raise _misplaced(path, rec)
             unparsed.append(rec)
     for rec in unparsed:  # the record again, from its verified bytes (its data went into the target)
         _copy_slow(rec, rec.arrived.record(rec.flat))  # type: ignore[union-attr, arg-type]

@@ -49,6 +49,7 @@ class _Rec:
     data_start: int = -1  # "direct": where the tensor's data starts in the file
     own: bool = True  # target is the caller's tensor (False: a device target's host stand-in)
     arrived: Optional[Arrived] = None  # "direct", data_start from the manifest: its head and tail bytes
+    loaded: Optional[torch.Tensor] = None  # "slow": the record read by torch.load ahead of the writes (staged)
 
 
 @dataclass
