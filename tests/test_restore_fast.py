@@ -259,6 +259,57 @@ def test_key_mismatch_reports(tmp_path):
     mgr.close()
 
 
+class _NotDirect(torch.Tensor):
+    """A tensor subclass: the direct path leaves the restore to DCP."""
+
+
+def _sgd(seed: int, momentum: float = 0.9) -> torch.optim.SGD:
+    """An SGD optimizer with momentum after one step: a tensor momentum buffer per parameter."""
+    g = torch.Generator().manual_seed(seed)
+    params = [torch.nn.Parameter(torch.randn(3, 4, generator=g)), torch.nn.Parameter(torch.randn(3, generator=g))]
+    optim = torch.optim.SGD(params, lr=0.1, momentum=momentum)
+    (params[0].sum() * 2 + (params[1] ** 2).sum()).backward()
+    optim.step()
+    return optim
+
+
+def _int_keyed(seed: int) -> dict:
+    sd = {"optim": _sgd(seed).state_dict(), "counters": {0: {"step": 5 + seed}, 7: {"step": seed, "tag": f"t{seed}"}}}
+    sd["optim"]["state"][1]["momentum_buffer"] = None  # as torch < 2.1 kept it without momentum
+    return sd
+
+
+@pytest.mark.parametrize("atomic", [False, True])
+@pytest.mark.parametrize("path", ["direct", "dcp"])
+def test_non_tensor_values_under_int_keys_land_under_those_keys(tmp_path, atomic, path):
+    """Optimizer state (keyed by parameter index) and other int-keyed dicts: non-tensor values
+    (a None momentum buffer, a step count) go back under the int key, never under a new
+    string key beside it, by the direct path and by DCP."""
+    saved = _int_keyed(1)
+    if path == "dcp":
+        saved["sub"] = torch.randn(3)
+    root = str(tmp_path / "c")
+    with CheckpointManager(root) as mgr:
+        mgr.save(1, saved)
+    target = _int_keyed(2)  # the same keys, other values
+    if path == "dcp":
+        target["sub"] = torch.zeros(3).as_subclass(_NotDirect)
+    assert CheckpointManager(root).restore(1, target, atomic=atomic) == 1
+    if path == "dcp":
+        target["sub"] = target["sub"].as_subclass(torch.Tensor)
+    assert_bitwise_equal(target, saved)
+    fresh = {"optim": {"state": {}, "param_groups": _sgd(3).state_dict()["param_groups"]}, "counters": {}}
+    if path == "dcp":
+        fresh["sub"] = torch.zeros(3).as_subclass(_NotDirect)
+    assert CheckpointManager(root).restore(1, fresh, atomic=atomic) == 1
+    if path == "dcp":
+        fresh["sub"] = fresh["sub"].as_subclass(torch.Tensor)
+    assert_bitwise_equal(fresh, saved)
+    optim = _sgd(4)
+    optim.load_state_dict(fresh["optim"])
+    assert optim.state_dict()["state"][1]["momentum_buffer"] is None
+
+
 class AppState:
     """What torchtitan and DCP users pass: a ``Stateful`` holding a model and its optimizer."""
 

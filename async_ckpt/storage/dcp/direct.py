@@ -56,6 +56,7 @@ from ..manifest import FileRecord, crc32c, shown
 from .crc import crc32c_concat
 from .device_targets import DeviceTargets
 from .direct_plan import BUFFER_CHUNK_BYTES, _assign_arrivals, _plan, _Rec, _Task, _tasks, _Unsupported
+from .layout_memo import set_element
 from .reader import _stored_bytes, close_all, open_step_file
 from .record_layout import HEADS, Arrived, Probe, data_start
 
@@ -68,7 +69,6 @@ REMOTE_DIRECT_MIN_BYTES = 8 * 2**20
 PARTLY_WRITTEN = ("the target state dict was partly written with this step's data and must not be "
                   "used as is; restore(..., atomic=True) leaves it untouched on failure")
 
-set_element = compat.dcp_traverse().set_element
 
 
 class _Buffers(threading.local):

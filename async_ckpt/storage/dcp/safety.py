@@ -25,8 +25,7 @@ from ...errors import CorruptCheckpointError, UnsafeCheckpointError
 from ...gc_pause import gc_paused
 from ..manifest import shown
 from .common import METADATA_NAME
-
-set_element = compat.dcp_traverse().set_element
+from .layout_memo import set_element
 
 _SAFE_BUILTINS = {"set", "frozenset", "dict", "list", "tuple", "slice", "bytearray", "complex", "int", "float"}
 
