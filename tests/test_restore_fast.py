@@ -310,6 +310,24 @@ def test_non_tensor_values_under_int_keys_land_under_those_keys(tmp_path, atomic
     assert optim.state_dict()["state"][1]["momentum_buffer"] is None
 
 
+@pytest.mark.parametrize("atomic", [False, True])
+def test_inference_mode_targets_strided_or_not(tmp_path, atomic):
+    """Tensors made under ``torch.inference_mode`` (a serving process): contiguous ones and
+    transposed ones (the slow path's copy), small and large, restored bitwise."""
+    g = torch.Generator().manual_seed(4)
+    saved = {"small_t": torch.randn(5, 7, generator=g), "big_t": torch.randn(700, 300, generator=g),
+             "small": torch.randn(4, generator=g), "big": torch.randn(300_000, generator=g)}
+    root = str(tmp_path / "c")
+    with CheckpointManager(root) as mgr:
+        mgr.save(1, saved)
+    with torch.inference_mode():
+        target = {"small_t": torch.zeros(7, 5).t(), "big_t": torch.zeros(300, 700).t(),
+                  "small": torch.zeros(4), "big": torch.zeros(300_000)}
+    assert all(v.is_inference() for v in target.values())
+    assert CheckpointManager(root).restore(1, target, atomic=atomic) == 1
+    assert_bitwise_equal(target, saved)
+
+
 class AppState:
     """What torchtitan and DCP users pass: a ``Stateful`` holding a model and its optimizer."""
 

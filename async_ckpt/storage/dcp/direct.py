@@ -131,12 +131,17 @@ def _check_slow(rec: _Rec, item: memoryview) -> None:
 
 
 def _copy_slow(rec: _Rec, item: memoryview) -> None:
-    """A record into a target that is not plain contiguous memory, or of another layout."""
+    """A record into a target that is not plain contiguous memory, or of another layout (an
+    inference tensor's under ``torch.inference_mode``, the only place it may be written)."""
     t = rec.target
     assert t is not None
     raw = None if rec.loaded is not None else _stored_bytes(item, _whole(t), t)
     dst, src = raw if raw is not None else (t, rec.loaded if rec.loaded is not None else _load_tensor(rec, item))
-    dst.copy_(src)
+    if t.is_inference():
+        with torch.inference_mode():
+            dst.copy_(src)
+    else:
+        dst.copy_(src)
 
 
 def load_direct(storage: Storage, path: str, state_dict: Dict[str, Any], *, files: Optional[Dict[str, FileRecord]],
