@@ -24,6 +24,11 @@ from small probes of the record's start and end. Non-tensor items are read and d
 too, so an unsafe pickle is refused before any tensor is written; the probed bytes are
 compared with the verified ones when those arrive.
 
+Targets whose memory overlaps an earlier key's (tied weights restored from a checkpoint that
+holds them untied, overlapping views) are read into private tensors, so that the checksums are
+of their own bytes, and copied into place once every file is verified, in key order: where
+they overlap, the last key's data stays.
+
 A failure after the first write leaves the targets partly written: the error raised is a
 :class:`~async_ckpt.errors.CheckpointError` whose message says so (``partly_written`` is set
 on it). Targets that are not plain contiguous CPU tensors (strided views, conjugate bits) and
@@ -130,18 +135,23 @@ def _check_slow(rec: _Rec, item: memoryview) -> None:
         rec.loaded = _load_tensor(rec, item)
 
 
-def _copy_slow(rec: _Rec, item: memoryview) -> None:
-    """A record into a target that is not plain contiguous memory, or of another layout (an
-    inference tensor's under ``torch.inference_mode``, the only place it may be written)."""
-    t = rec.target
-    assert t is not None
-    raw = None if rec.loaded is not None else _stored_bytes(item, _whole(t), t)
-    dst, src = raw if raw is not None else (t, rec.loaded if rec.loaded is not None else _load_tensor(rec, item))
-    if t.is_inference():
+def _copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)``; under ``torch.inference_mode`` for an inference tensor, the only
+    place it may be written."""
+    if dst.is_inference():
         with torch.inference_mode():
             dst.copy_(src)
     else:
         dst.copy_(src)
+
+
+def _copy_slow(rec: _Rec, item: memoryview) -> None:
+    """A record into a target that is not plain contiguous memory, or of another layout."""
+    t = rec.target
+    assert t is not None
+    raw = None if rec.loaded is not None else _stored_bytes(item, _whole(t), t)
+    dst, src = raw if raw is not None else (t, rec.loaded if rec.loaded is not None else _load_tensor(rec, item))
+    _copy_into(dst, src)
 
 
 def load_direct(storage: Storage, path: str, state_dict: Dict[str, Any], *, files: Optional[Dict[str, FileRecord]],
@@ -397,6 +407,10 @@ def _load(storage: Storage, path: str, per_file: Dict[str, List[_Rec]], flat: Di
             unparsed.append(rec)
     for rec in unparsed:  # the record again, from its verified bytes (its data went into the target)
         _copy_slow(rec, rec.arrived.record(rec.flat))  # type: ignore[union-attr, arg-type]
+    # targets sharing memory with an earlier key's: their own verified data, in key order (the last key wins)
+    for rec in sorted((r for recs in per_file.values() for r in recs if r.into is not None), key=lambda r: r.order):
+        touched[0] = True
+        _copy_into(rec.into, rec.target)  # type: ignore[arg-type]
     if devices:
         touched[0] = True
         devices.commit()

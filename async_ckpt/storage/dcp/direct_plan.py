@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
@@ -50,6 +50,10 @@ class _Rec:
     own: bool = True  # target is the caller's tensor (False: a device target's host stand-in)
     arrived: Optional[Arrived] = None  # "direct", data_start from the manifest: its head and tail bytes
     loaded: Optional[torch.Tensor] = None  # "slow": the record read by torch.load ahead of the writes (staged)
+    #: the caller's tensor where ``target`` is a private one (its memory overlaps an earlier key's
+    #: target): copied there once every read is done, in key order (``order``)
+    into: Optional[torch.Tensor] = None
+    order: int = 0
 
 
 @dataclass
@@ -87,6 +91,32 @@ def _flat_targets(state_dict: Dict[str, Any]) -> Tuple[Dict[str, Any], Dict[str,
     return _flatten(state_dict)
 
 
+def _overlapping(flat: Dict[str, Any], md: Dict[str, Any]) -> Set[str]:
+    """The keys whose CPU target tensor's memory overlaps that of a key before them (tied
+    weights, overlapping views): in each group of targets that overlap, all but the first."""
+    spans: List[Tuple[int, int, int, str]] = []
+    for i, (fqn, v) in enumerate(flat.items()):
+        if isinstance(v, torch.Tensor) and fqn in md and v.is_cpu and v.layout == torch.strided and v.numel():
+            if v.is_contiguous():
+                extent = v.numel()
+            else:
+                extent = 1 + sum((n - 1) * st for n, st in zip(v.shape, v.stride()))
+            lo = v.data_ptr()
+            spans.append((lo, lo + extent * v.element_size(), i, fqn))
+    spans.sort()
+    out: Set[str] = set()
+    group: List[Tuple[int, str]] = []
+    end = -1
+    for lo, hi, i, fqn in spans + [(2**64, 2**64, -1, "")]:
+        if lo >= end:  # a new group starts: the last one, if several, keeps its first key only
+            if len(group) > 1:
+                out.update(f for _, f in sorted(group)[1:])
+            group, end = [], hi
+        group.append((i, fqn))
+        end = max(end, hi)
+    return out
+
+
 def _plan(storage: Storage, path: str, state_dict: Dict[str, Any], files: Dict[str, FileRecord],
           metadata: Metadata, direct_min: int, devices: DeviceTargets) -> Tuple[Dict[str, List[_Rec]], Dict[str, Any], Dict[str, Any]]:
     """Records per file for the targets in ``state_dict`` (device targets get host stand-ins in
@@ -114,8 +144,9 @@ def _plan(storage: Storage, path: str, state_dict: Dict[str, Any], files: Dict[s
             return None
         return got[1]
 
+    tied = _overlapping(flat, md)
     per_file: Dict[str, List[_Rec]] = {}
-    for fqn, value in flat.items():
+    for order, (fqn, value) in enumerate(flat.items()):
         m = md.get(fqn)
         if m is None:
             continue  # not in the checkpoint (strict=False): left as it is
@@ -144,9 +175,13 @@ def _plan(storage: Storage, path: str, state_dict: Dict[str, Any], files: Dict[s
                 t = devices.stand_in(value)
             else:
                 t = value.detach() if type(value) is not torch.Tensor or value.requires_grad else value
+            into = None
+            if fqn in tied:  # read into private memory, so that what lands there (and is checked) is its own
+                into, t = t, torch.empty(tuple(value.shape), dtype=value.dtype)
             fb = _contiguous_bytes(t)
             kind = "slow" if fb is None else ("direct" if nbytes >= direct_min else "small")
-            rec = _Rec(fqn, info.offset, info.length, kind, t, fb, own=not on_device)
+            rec = _Rec(fqn, info.offset, info.length, kind, t, fb, own=not on_device and into is None, into=into,
+                       order=order)
         else:
             raise _Unsupported(fqn)
         per_file.setdefault(info.relative_path, []).append(rec)
