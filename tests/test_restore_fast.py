@@ -228,6 +228,46 @@ def test_truncated_file_is_caught_before_any_write(tmp_path):
     assert_bitwise_equal(target, before)
 
 
+@pytest.mark.parametrize("atomic", [False, True])
+def test_a_failed_restore_takes_out_the_list_entries_it_added(tmp_path, atomic):
+    """Entries a damaged step added to a list of the target (and to a dict) are taken out
+    again, so the older step it falls back to matches the target."""
+    root = str(tmp_path / "c")
+    with CheckpointManager(root) as mgr:
+        mgr.save(1, {"lst": [torch.full((2,), 1.0)], "d": {"a": torch.full((2,), 1.0)}})
+        mgr.save(2, {"lst": [torch.full((2,), 2.0)] * 3 + [{"w": torch.full((2,), 2.0)}],
+                     "d": {"a": torch.full((2,), 2.0), "b": torch.full((2,), 2.0)}})
+    step = os.path.join(root, "2")
+    path = os.path.join(step, _data_files(step)[0])
+    with open(path, "r+b") as f:  # the end of the file: its last record's zip directory
+        f.seek(-3, os.SEEK_END)
+        b = f.read(1)
+        f.seek(-3, os.SEEK_END)
+        f.write(bytes([b[0] ^ 0xFF]))
+    mgr = CheckpointManager(root)
+    target = {"lst": [torch.zeros(2)], "d": {"a": torch.zeros(2)}}
+    with pytest.raises(CorruptCheckpointError):
+        mgr.restore(2, target, atomic=atomic)
+    assert len(target["lst"]) == 1 and sorted(target["d"]) == ["a"]
+    with pytest.warns(RuntimeWarning, match="skipping damaged step 2"):
+        assert mgr.restore(None, target, atomic=atomic) == 1
+    assert_bitwise_equal(target, {"lst": [torch.full((2,), 1.0)], "d": {"a": torch.full((2,), 1.0)}})
+    mgr.close()
+
+
+def test_undo_of_insert_restores_lists_as_they_were():
+    from async_ckpt.lifecycle.restore import _insert, remove_added
+
+    root = {"lst": [None, 5], "d": {}}
+    before = {"lst": [None, 5], "d": {}}
+    added = _insert(root, ("lst", 0, "w"), ("lst", 0, "w"), 1)  # a slot that held None
+    added += _insert(root, ("lst", 4, 0), ("lst", 4, 0), 2)  # past the end, a new list in it
+    added += _insert(root, ("d", "x", 1), ("d", "x", 1), 3)
+    assert root == {"lst": [{"w": 1}, 5, None, None, [2]], "d": {"x": [None, 3]}}
+    remove_added(root, added)
+    assert root == before
+
+
 def test_key_mismatch_reports(tmp_path):
     root = str(tmp_path / "c")
     saved = {"model": {f"w{i}": torch.randn(3) for i in range(5)}, "step": 3}

@@ -229,18 +229,25 @@ def _prepare_target(state_dict: Dict[str, Any], metadata: Any, step: int, int_ke
     return added
 
 
+class _Appended(tuple):
+    """A path :func:`_insert` created at the end of a list (the list was shorter): undone by
+    cutting the list back there. Other list slots it filled held None, and get it back."""
+
+
 def _insert(root: Dict[str, Any], raw: Sequence[Any], typed: Sequence[Any], value: Any) -> List[tuple]:
     """Set ``root[typed[0]][typed[1]]... = value``, creating missing containers: a list where
     DCP's path has a list index next (an int in ``raw``), a dict otherwise (also for dict keys
-    that were ints, which ``typed`` restores). Returns the paths it created, outermost first."""
+    that were ints, which ``typed`` restores). Returns the paths it created, outermost first
+    (:class:`_Appended` where it lengthened a list)."""
     created: List[tuple] = []
     cur: Any = root
     for i, key in enumerate(typed):
         last = i == len(typed) - 1
         fresh = value if last else ([] if isinstance(raw[i + 1], int) else {})
         if isinstance(cur, list):
-            while len(cur) <= key:
-                cur.append(None)
+            if len(cur) <= key:  # the slots from the old end on are new
+                created.append(_Appended(tuple(typed[:i]) + (len(cur),)))
+                cur.extend([None] * (key + 1 - len(cur)))
             if last or cur[key] is None:
                 if cur[key] is None:
                     created.append(tuple(typed[: i + 1]))
@@ -264,13 +271,19 @@ def _typed_path(path: Sequence[Any], int_keys: Set[str]) -> tuple:
 
 
 def remove_added(state_dict: Dict[str, Any], added: List[tuple]) -> None:
-    """Undo :func:`_insert`: innermost first, so the containers it created go too."""
-    for path in sorted(set(added), key=len, reverse=True):
+    """Undo :func:`_insert`: innermost first, so the containers it created go too; a list it
+    lengthened is cut back to its old length, a slot of it that held None holds None again."""
+    appended = [p for p in added if isinstance(p, _Appended)]
+    for path in sorted(set(added) - set(appended), key=len, reverse=True) + sorted(appended, key=len, reverse=True):
         cur: Any = state_dict
         try:
             for p in path[:-1]:
                 cur = cur[p]
             if isinstance(cur, dict):
                 cur.pop(path[-1], None)
+            elif isinstance(cur, list) and isinstance(path, _Appended):
+                del cur[path[-1]:]
+            elif isinstance(cur, list) and path[-1] < len(cur):
+                cur[path[-1]] = None
         except (KeyError, IndexError, TypeError):
             pass
