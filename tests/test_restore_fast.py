@@ -228,6 +228,66 @@ def test_truncated_file_is_caught_before_any_write(tmp_path):
     assert_bitwise_equal(target, before)
 
 
+def _flip_near_end(step_dir: str) -> None:
+    """Flip a byte near the end of the step's first data file (its last record's zip
+    directory): found by the checksum once the records are written."""
+    path = os.path.join(step_dir, _data_files(step_dir)[0])
+    with open(path, "r+b") as f:
+        f.seek(-3, os.SEEK_END)
+        b = f.read(1)
+        f.seek(-3, os.SEEK_END)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+def _newer_step_with_more_keys(root: str) -> None:
+    with CheckpointManager(root) as mgr:
+        mgr.save(1, {"a": torch.full((4,), 1.0)})
+        mgr.save(2, {"a": torch.full((4,), 2.0), "b": torch.full((4,), 2.0)})
+    _flip_near_end(os.path.join(root, "2"))
+
+
+def test_fallback_with_strict_false_names_the_keys_left_with_the_damaged_step_data(tmp_path):
+    """The damaged step 2 partly wrote ``a`` and ``b``; step 1, restored in the end, has no
+    ``b``: a warning says that ``b`` holds data of damaged step 2."""
+    root = str(tmp_path / "c")
+    _newer_step_with_more_keys(root)
+    target = {"a": torch.zeros(4), "b": torch.zeros(4)}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert CheckpointManager(root).restore(None, target, strict=False) == 1
+    said = [str(w.message) for w in caught]
+    assert any("skipping damaged step 2" in m for m in said)
+    left = [m for m in said if "hold data of damaged step 2" in m]
+    assert len(left) == 1 and left[0].endswith(": b"), said
+    assert torch.equal(target["a"], torch.full((4,), 1.0))
+
+
+def test_a_later_error_after_a_partial_write_says_the_target_is_partly_written(tmp_path):
+    """strict=True: after damaged step 2 partly wrote the target, step 1 does not match it;
+    that error says the target holds damaged step 2's data, with step 2's error as its cause.
+    When no step is left, the final error says so too."""
+    root = str(tmp_path / "c")
+    _newer_step_with_more_keys(root)
+    target = {"a": torch.zeros(4), "b": torch.zeros(4)}
+    mgr = CheckpointManager(root)
+    with pytest.warns(RuntimeWarning, match="skipping damaged step 2"):
+        with pytest.raises(StateDictMismatchError, match="missing from checkpoint: b.*partly written with the data "
+                                                         "of damaged step 2") as ei:
+            mgr.restore(None, target)
+    assert getattr(ei.value, "partly_written", False)
+    assert isinstance(ei.value.__cause__, CorruptCheckpointError) and ei.value.__cause__.step == 2
+    mgr.close()
+
+    solo = str(tmp_path / "solo")
+    with CheckpointManager(solo) as mgr:
+        mgr.save(5, {"a": torch.full((4,), 5.0)})
+    _flip_near_end(os.path.join(solo, "5"))
+    with pytest.warns(RuntimeWarning, match="skipping damaged step 5"):
+        with pytest.raises(CorruptCheckpointError, match="passed verification.*data of damaged step 5") as ei2:
+            CheckpointManager(solo).restore(None, {"a": torch.zeros(4)})
+    assert getattr(ei2.value, "partly_written", False) and isinstance(ei2.value.__cause__, CorruptCheckpointError)
+
+
 @pytest.mark.parametrize("atomic", [False, True])
 def test_a_failed_restore_takes_out_the_list_entries_it_added(tmp_path, atomic):
     """Entries a damaged step added to a list of the target (and to a dict) are taken out
@@ -237,13 +297,7 @@ def test_a_failed_restore_takes_out_the_list_entries_it_added(tmp_path, atomic):
         mgr.save(1, {"lst": [torch.full((2,), 1.0)], "d": {"a": torch.full((2,), 1.0)}})
         mgr.save(2, {"lst": [torch.full((2,), 2.0)] * 3 + [{"w": torch.full((2,), 2.0)}],
                      "d": {"a": torch.full((2,), 2.0), "b": torch.full((2,), 2.0)}})
-    step = os.path.join(root, "2")
-    path = os.path.join(step, _data_files(step)[0])
-    with open(path, "r+b") as f:  # the end of the file: its last record's zip directory
-        f.seek(-3, os.SEEK_END)
-        b = f.read(1)
-        f.seek(-3, os.SEEK_END)
-        f.write(bytes([b[0] ^ 0xFF]))
+    _flip_near_end(os.path.join(root, "2"))
     mgr = CheckpointManager(root)
     target = {"lst": [torch.zeros(2)], "d": {"a": torch.zeros(2)}}
     with pytest.raises(CorruptCheckpointError):
