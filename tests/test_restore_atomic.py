@@ -11,7 +11,11 @@ import torch
 from async_ckpt import CheckpointManager
 from async_ckpt.errors import CorruptCheckpointError, StagingBudgetError
 from async_ckpt.storage.dcp import staged_restore
+from async_ckpt.storage.dcp.safety import load_metadata
+from async_ckpt.storage.manifest import crc32c
 
+from .test_durability import rewrite_manifest
+from .test_restore_data_at import _shift, big_state
 from .test_restore_fast import _data_files, _flip_in_record, fresh_like, mixed_state
 from .tree import assert_bitwise_equal, clone_tree
 
@@ -223,3 +227,56 @@ def test_object_store_without_known_sizes_catches_a_file_of_another_size(change)
         CheckpointManager(url).restore(1, target, atomic=True)
     assert "partly written" not in str(ei.value) and os.path.basename(name) in str(ei.value)
     assert_bitwise_equal(target, before)
+
+
+def _unreadable_record(step_dir: str, fqn: str) -> None:
+    """Break ``fqn``'s record (its first byte: the zip's first header) and re-sign the step
+    with the file's new CRC-32C: a consistent step whose record only fails when it is read."""
+    with open(os.path.join(step_dir, ".metadata"), "rb") as f:
+        md = load_metadata(f.read())
+    info = next(v for k, v in md.storage_data.items() if k.fqn == fqn)
+    path = os.path.join(step_dir, info.relative_path)
+    with open(path, "r+b") as f:
+        f.seek(info.offset)
+        b = f.read(1)
+        f.seek(info.offset)
+        f.write(bytes([b[0] ^ 0xFF]))
+    with open(path, "rb") as f:
+        crc = crc32c(f.read())
+
+    def edit(m):
+        m.files[info.relative_path].crc32c = crc
+        m.files[info.relative_path].records = None
+
+    rewrite_manifest(step_dir, edit)
+
+
+@pytest.mark.parametrize("problem", ["data offset", "unreadable record"])
+def test_a_problem_found_while_placing_the_data_leaves_the_target_untouched(tmp_path, problem):
+    """Files that verify, but a record whose data is not where the manifest says, or a record
+    that cannot be read: found before the first write, the target as it was, then the older
+    step restores."""
+    root = str(tmp_path / "c")
+    with CheckpointManager(root) as mgr:
+        mgr.save(1, big_state(1))
+        mgr.save(2, big_state(2))
+    if problem == "data offset":
+        _shift("large.save_path", 64, root, 2)
+        match = "large.save_path.*offset the manifest gives"
+    else:
+        _unreadable_record(os.path.join(root, "2"), "small.p39")
+        match = "small.p39.*cannot be read as a tensor"
+    mgr = CheckpointManager(root)
+    target = fresh_like(big_state(0))
+    before = clone_tree(target)
+    with pytest.raises(CorruptCheckpointError, match=match) as ei:
+        mgr.restore(2, target, atomic=True)
+    assert "partly written" not in str(ei.value) and not getattr(ei.value, "partly_written", False)
+    assert_bitwise_equal(target, before)
+    with pytest.warns(RuntimeWarning, match="skipping damaged step 2"):
+        assert mgr.restore(None, target, atomic=True) == 1
+    expected = big_state(1)
+    expected["large"]["grad"] = expected["large"]["grad"].detach()
+    target["large"]["grad"] = target["large"]["grad"].detach()
+    assert_bitwise_equal(target, expected)
+    mgr.close()

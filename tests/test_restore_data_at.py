@@ -6,14 +6,16 @@ from __future__ import annotations
 
 import base64
 import os
+import pickle
 import struct
+import warnings
 
 import pytest
 import torch
 
 from async_ckpt import CheckpointManager
 from async_ckpt.errors import CorruptCheckpointError
-from async_ckpt.storage.dcp import direct
+from async_ckpt.storage.dcp import direct, record_layout, safety
 from async_ckpt.storage.dcp.safety import load_metadata
 from async_ckpt.storage.manifest import MANIFEST_NAME, FileRecord, Manifest
 
@@ -162,6 +164,33 @@ def test_an_offset_that_leaves_its_record_is_probed_instead(tmp_path, monkeypatc
     assert _CountedProbe.made == 1
     assert torch.equal(target["large"]["template"].view(torch.uint8),
                        big_state(1)["large"]["template"].view(torch.uint8))
+
+
+@pytest.mark.parametrize("atomic", [False, True])
+def test_a_record_whose_layout_is_not_parsed_takes_the_slow_path(tmp_path, monkeypatch, atomic):
+    """A record that ``data_start`` cannot parse (a torch.save format it does not know) with
+    its data offset in the manifest is read by ``torch.load``, never called damaged."""
+    root = str(tmp_path / "c")
+    saved = big_state(1)
+    saved["large"]["u16"] = torch.arange(300_000, dtype=torch.int64).to(torch.uint16)
+    with CheckpointManager(root) as mgr:
+        mgr.save(1, saved)
+    assert any(rec.data_at for rec in _step(root, 1)[2].files.values())
+
+    def unknown(self, module, name):
+        raise pickle.UnpicklingError(f"{module}.{name}")
+
+    monkeypatch.setattr(safety._TensorDescUnpickler, "find_class", unknown)
+    heads = record_layout.Heads()  # not the shared cache: it would keep the refusals
+    monkeypatch.setattr(record_layout, "HEADS", heads)
+    monkeypatch.setattr(direct, "HEADS", heads)
+    target = fresh_like(saved)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no step skipped as damaged
+        assert CheckpointManager(root).restore(None, target, atomic=atomic) == 1
+    saved["large"]["grad"] = saved["large"]["grad"].detach()
+    target["large"]["grad"] = target["large"]["grad"].detach()
+    assert_bitwise_equal(target, saved)
 
 
 def test_manifest_data_at_round_trip_and_malformed_entries():

@@ -16,7 +16,7 @@ from async_ckpt.lifecycle import coordinator as coordinator_mod
 from async_ckpt.storage.dcp import direct
 from async_ckpt.storage.dcp.crc import crc32c_combine, crc32c_concat
 from async_ckpt.storage.dcp.safety import load_metadata
-from async_ckpt.storage.manifest import crc32c
+from async_ckpt.storage.manifest import MANIFEST_NAME, Manifest, crc32c
 
 from .tree import assert_bitwise_equal, clone_tree
 
@@ -114,6 +114,43 @@ def test_restore_into_an_empty_target_and_parameters(tmp_path, direct_calls):
     assert all(direct_calls)
 
 
+#: The dtypes torch.save writes as ``_rebuild_tensor_v3`` over an untyped storage (no typed
+#: storage class of their own), where this torch has them.
+V3_DTYPES = [getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
+                                         "float8_e8m0fnu", "uint16", "uint32", "uint64", "complex32")
+             if hasattr(torch, n)]
+
+
+def _random_bytes_as(dtype: torch.dtype, numel: int, g: torch.Generator) -> torch.Tensor:
+    return torch.randint(0, 256, (numel * dtype.itemsize,), dtype=torch.uint8, generator=g).view(dtype)
+
+
+@pytest.mark.parametrize("atomic", [False, True])
+def test_dtypes_saved_as_rebuild_tensor_v3_restore_bitwise(tmp_path, atomic, direct_calls):
+    """float8, uint16/32/64 and complex32 records, large (their data offset in the manifest)
+    and small, restore bitwise by the direct path; step=None finds the step intact."""
+    assert {torch.float8_e4m3fn, torch.float8_e5m2, torch.uint16, torch.uint32, torch.uint64} <= set(V3_DTYPES)
+    g = torch.Generator().manual_seed(3)
+    saved = {"f32": torch.randn(300_000, generator=g)}
+    for dt in V3_DTYPES:
+        saved[f"big_{dt}"] = _random_bytes_as(dt, 300_000, g)  # above DIRECT_MIN_BYTES for every itemsize
+        saved[f"small_{dt}"] = _random_bytes_as(dt, 33, g)
+    root = str(tmp_path / "c")
+    with CheckpointManager(root) as mgr:
+        mgr.save(1, saved)
+    with open(os.path.join(root, "1", MANIFEST_NAME), "rb") as f:
+        listed = sum(len(r.data_at or {}) for r in Manifest.from_json(f.read()).files.values())
+    assert listed >= len(V3_DTYPES)  # the large records' data offsets are in the manifest
+    for step in (1, None):
+        target = {k: torch.zeros_like(v.view(torch.uint8)).view(v.dtype) for k, v in saved.items()}
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no step skipped as damaged, no dtype warnings
+            assert CheckpointManager(root).restore(step, target, atomic=atomic) == 1
+        for k, v in saved.items():
+            assert target[k].dtype == v.dtype and torch.equal(target[k].view(torch.uint8), v.view(torch.uint8)), k
+    assert direct_calls == ([] if atomic else [True, True])
+
+
 def _data_files(step_dir):
     return sorted(n for n in os.listdir(step_dir) if n.endswith(".distcp"))
 
@@ -191,6 +228,100 @@ def test_truncated_file_is_caught_before_any_write(tmp_path):
     assert_bitwise_equal(target, before)
 
 
+def _flip_near_end(step_dir: str) -> None:
+    """Flip a byte near the end of the step's first data file (its last record's zip
+    directory): found by the checksum once the records are written."""
+    path = os.path.join(step_dir, _data_files(step_dir)[0])
+    with open(path, "r+b") as f:
+        f.seek(-3, os.SEEK_END)
+        b = f.read(1)
+        f.seek(-3, os.SEEK_END)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+def _newer_step_with_more_keys(root: str) -> None:
+    with CheckpointManager(root) as mgr:
+        mgr.save(1, {"a": torch.full((4,), 1.0)})
+        mgr.save(2, {"a": torch.full((4,), 2.0), "b": torch.full((4,), 2.0)})
+    _flip_near_end(os.path.join(root, "2"))
+
+
+def test_fallback_with_strict_false_names_the_keys_left_with_the_damaged_step_data(tmp_path):
+    """The damaged step 2 partly wrote ``a`` and ``b``; step 1, restored in the end, has no
+    ``b``: a warning says that ``b`` holds data of damaged step 2."""
+    root = str(tmp_path / "c")
+    _newer_step_with_more_keys(root)
+    target = {"a": torch.zeros(4), "b": torch.zeros(4)}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert CheckpointManager(root).restore(None, target, strict=False) == 1
+    said = [str(w.message) for w in caught]
+    assert any("skipping damaged step 2" in m for m in said)
+    left = [m for m in said if "hold data of damaged step 2" in m]
+    assert len(left) == 1 and left[0].endswith(": b"), said
+    assert torch.equal(target["a"], torch.full((4,), 1.0))
+
+
+def test_a_later_error_after_a_partial_write_says_the_target_is_partly_written(tmp_path):
+    """strict=True: after damaged step 2 partly wrote the target, step 1 does not match it;
+    that error says the target holds damaged step 2's data, with step 2's error as its cause.
+    When no step is left, the final error says so too."""
+    root = str(tmp_path / "c")
+    _newer_step_with_more_keys(root)
+    target = {"a": torch.zeros(4), "b": torch.zeros(4)}
+    mgr = CheckpointManager(root)
+    with pytest.warns(RuntimeWarning, match="skipping damaged step 2"):
+        with pytest.raises(StateDictMismatchError, match="missing from checkpoint: b.*partly written with the data "
+                                                         "of damaged step 2") as ei:
+            mgr.restore(None, target)
+    assert getattr(ei.value, "partly_written", False)
+    assert isinstance(ei.value.__cause__, CorruptCheckpointError) and ei.value.__cause__.step == 2
+    mgr.close()
+
+    solo = str(tmp_path / "solo")
+    with CheckpointManager(solo) as mgr:
+        mgr.save(5, {"a": torch.full((4,), 5.0)})
+    _flip_near_end(os.path.join(solo, "5"))
+    with pytest.warns(RuntimeWarning, match="skipping damaged step 5"):
+        with pytest.raises(CorruptCheckpointError, match="passed verification.*data of damaged step 5") as ei2:
+            CheckpointManager(solo).restore(None, {"a": torch.zeros(4)})
+    assert getattr(ei2.value, "partly_written", False) and isinstance(ei2.value.__cause__, CorruptCheckpointError)
+
+
+@pytest.mark.parametrize("atomic", [False, True])
+def test_a_failed_restore_takes_out_the_list_entries_it_added(tmp_path, atomic):
+    """Entries a damaged step added to a list of the target (and to a dict) are taken out
+    again, so the older step it falls back to matches the target."""
+    root = str(tmp_path / "c")
+    with CheckpointManager(root) as mgr:
+        mgr.save(1, {"lst": [torch.full((2,), 1.0)], "d": {"a": torch.full((2,), 1.0)}})
+        mgr.save(2, {"lst": [torch.full((2,), 2.0)] * 3 + [{"w": torch.full((2,), 2.0)}],
+                     "d": {"a": torch.full((2,), 2.0), "b": torch.full((2,), 2.0)}})
+    _flip_near_end(os.path.join(root, "2"))
+    mgr = CheckpointManager(root)
+    target = {"lst": [torch.zeros(2)], "d": {"a": torch.zeros(2)}}
+    with pytest.raises(CorruptCheckpointError):
+        mgr.restore(2, target, atomic=atomic)
+    assert len(target["lst"]) == 1 and sorted(target["d"]) == ["a"]
+    with pytest.warns(RuntimeWarning, match="skipping damaged step 2"):
+        assert mgr.restore(None, target, atomic=atomic) == 1
+    assert_bitwise_equal(target, {"lst": [torch.full((2,), 1.0)], "d": {"a": torch.full((2,), 1.0)}})
+    mgr.close()
+
+
+def test_undo_of_insert_restores_lists_as_they_were():
+    from async_ckpt.lifecycle.restore import _insert, remove_added
+
+    root = {"lst": [None, 5], "d": {}}
+    before = {"lst": [None, 5], "d": {}}
+    added = _insert(root, ("lst", 0, "w"), ("lst", 0, "w"), 1)  # a slot that held None
+    added += _insert(root, ("lst", 4, 0), ("lst", 4, 0), 2)  # past the end, a new list in it
+    added += _insert(root, ("d", "x", 1), ("d", "x", 1), 3)
+    assert root == {"lst": [{"w": 1}, 5, None, None, [2]], "d": {"x": [None, 3]}}
+    remove_added(root, added)
+    assert root == before
+
+
 def test_key_mismatch_reports(tmp_path):
     root = str(tmp_path / "c")
     saved = {"model": {f"w{i}": torch.randn(3) for i in range(5)}, "step": 3}
@@ -219,6 +350,99 @@ def test_key_mismatch_reports(tmp_path):
         mgr.restore(1, small, strict=False)
     assert sorted(small) == ["model"] and sorted(small["model"]) == ["w0"]
     assert torch.equal(small["model"]["w0"], saved["model"]["w0"])
+    mgr.close()
+
+
+class _NotDirect(torch.Tensor):
+    """A tensor subclass: the direct path leaves the restore to DCP."""
+
+
+def _sgd(seed: int, momentum: float = 0.9) -> torch.optim.SGD:
+    """An SGD optimizer with momentum after one step: a tensor momentum buffer per parameter."""
+    g = torch.Generator().manual_seed(seed)
+    params = [torch.nn.Parameter(torch.randn(3, 4, generator=g)), torch.nn.Parameter(torch.randn(3, generator=g))]
+    optim = torch.optim.SGD(params, lr=0.1, momentum=momentum)
+    (params[0].sum() * 2 + (params[1] ** 2).sum()).backward()
+    optim.step()
+    return optim
+
+
+def _int_keyed(seed: int) -> dict:
+    sd = {"optim": _sgd(seed).state_dict(), "counters": {0: {"step": 5 + seed}, 7: {"step": seed, "tag": f"t{seed}"}}}
+    sd["optim"]["state"][1]["momentum_buffer"] = None  # as torch < 2.1 kept it without momentum
+    return sd
+
+
+@pytest.mark.parametrize("atomic", [False, True])
+@pytest.mark.parametrize("path", ["direct", "dcp"])
+def test_non_tensor_values_under_int_keys_land_under_those_keys(tmp_path, atomic, path):
+    """Optimizer state (keyed by parameter index) and other int-keyed dicts: non-tensor values
+    (a None momentum buffer, a step count) go back under the int key, never under a new
+    string key beside it, by the direct path and by DCP."""
+    saved = _int_keyed(1)
+    if path == "dcp":
+        saved["sub"] = torch.randn(3)
+    root = str(tmp_path / "c")
+    with CheckpointManager(root) as mgr:
+        mgr.save(1, saved)
+    target = _int_keyed(2)  # the same keys, other values
+    if path == "dcp":
+        target["sub"] = torch.zeros(3).as_subclass(_NotDirect)
+    assert CheckpointManager(root).restore(1, target, atomic=atomic) == 1
+    if path == "dcp":
+        target["sub"] = target["sub"].as_subclass(torch.Tensor)
+    assert_bitwise_equal(target, saved)
+    fresh = {"optim": {"state": {}, "param_groups": _sgd(3).state_dict()["param_groups"]}, "counters": {}}
+    if path == "dcp":
+        fresh["sub"] = torch.zeros(3).as_subclass(_NotDirect)
+    assert CheckpointManager(root).restore(1, fresh, atomic=atomic) == 1
+    if path == "dcp":
+        fresh["sub"] = fresh["sub"].as_subclass(torch.Tensor)
+    assert_bitwise_equal(fresh, saved)
+    optim = _sgd(4)
+    optim.load_state_dict(fresh["optim"])
+    assert optim.state_dict()["state"][1]["momentum_buffer"] is None
+
+
+@pytest.mark.parametrize("atomic", [False, True])
+def test_inference_mode_targets_strided_or_not(tmp_path, atomic):
+    """Tensors made under ``torch.inference_mode`` (a serving process): contiguous ones and
+    transposed ones (the slow path's copy), small and large, restored bitwise."""
+    g = torch.Generator().manual_seed(4)
+    saved = {"small_t": torch.randn(5, 7, generator=g), "big_t": torch.randn(700, 300, generator=g),
+             "small": torch.randn(4, generator=g), "big": torch.randn(300_000, generator=g)}
+    root = str(tmp_path / "c")
+    with CheckpointManager(root) as mgr:
+        mgr.save(1, saved)
+    with torch.inference_mode():
+        target = {"small_t": torch.zeros(7, 5).t(), "big_t": torch.zeros(300, 700).t(),
+                  "small": torch.zeros(4), "big": torch.zeros(300_000)}
+    assert all(v.is_inference() for v in target.values())
+    assert CheckpointManager(root).restore(1, target, atomic=atomic) == 1
+    assert_bitwise_equal(target, saved)
+
+
+@pytest.mark.parametrize("atomic", [False, True])
+@pytest.mark.parametrize("n", [64 * 2**20 // 4, 20], ids=["large", "small"])
+def test_targets_sharing_memory_restored_from_untied_data(tmp_path, atomic, n):
+    """One tensor under two keys, saved with different data under each: every restore (no
+    false checksum mismatch from the other key's bytes) ends with the last key's data; an
+    overlapping view takes its own data, the rest of its base the earlier key's."""
+    saved = {"a": torch.full((n,), 1.0), "b": torch.full((n,), 2.0), "c": torch.full((n,), 4.0),
+             "d": torch.full((2,), 3.0)}
+    root = str(tmp_path / "c")
+    with CheckpointManager(root) as mgr:
+        mgr.save(1, saved)
+    mgr = CheckpointManager(root)
+    for _ in range(5):
+        w, base = torch.zeros(n), torch.zeros(n)
+        target = {"a": w, "b": w, "c": base, "d": base[3:5]}
+        assert mgr.restore(1, target, atomic=atomic) == 1
+        assert target["a"] is w and target["b"] is w
+        assert torch.equal(w.view(torch.uint8), saved["b"].view(torch.uint8))
+        expected = saved["c"].clone()
+        expected[3:5] = 3.0
+        assert torch.equal(base.view(torch.uint8), expected.view(torch.uint8))
     mgr.close()
 
 

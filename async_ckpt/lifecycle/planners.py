@@ -11,10 +11,11 @@ from typing import Any, Iterator
 
 import torch
 
-from ..compat import dcp_traverse, xla_loaded
+from ..compat import xla_loaded
 from ..errors import UnsafeCheckpointError
 from ..staging import HostSnapshot
 from ..staging.xla import is_xla_sharded
+from ..storage.dcp.layout_memo import set_element
 
 
 def _leaves(tree: Any) -> Iterator[Any]:
@@ -52,8 +53,6 @@ def load_planner_for(state_dict: Any, allow_pickle: bool) -> Any:
     if not xla_loaded() or not any(isinstance(v, torch.Tensor) and is_xla_sharded(v) for v in _leaves(state_dict)):
         return None
     from torch_xla.experimental.distributed_checkpoint import SPMDLoadPlanner
-
-    set_element = dcp_traverse().set_element
 
     class _Planner(SPMDLoadPlanner):
         def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:

@@ -4,7 +4,9 @@ The same phases for one process and N: each attempt checks the manifest, the DCP
 the target, then loads; after each phase the ranks exchange outcomes through the coordinator,
 so a failure on one rank is seen by all and they all skip a damaged step or all raise. With
 ``step=None`` a damaged step falls back to the next older commit, with a warning naming it,
-and that step's data overwrites everything again.
+and that step's data overwrites everything again; keys of the target it lacks (``strict=False``)
+but the damaged step's failed attempt wrote are named in a warning, and an error raised after
+such an attempt says that the target was partly written (its cause: that attempt's error).
 
 One process reads the files straight into the target tensors and verifies the checksums as
 the data arrives (see :mod:`async_ckpt.storage.dcp.direct`): a step found damaged then has
@@ -24,7 +26,7 @@ from typing import Any, Dict, List, Optional, Sequence, Set
 
 import torch
 
-from ..errors import CorruptCheckpointError, StateDictMismatchError, StepNotFoundError
+from ..errors import CheckpointError, CorruptCheckpointError, StateDictMismatchError, StepNotFoundError
 from ..gc_pause import gc_paused
 from ..storage.dcp import METADATA_NAME, FsspecStorageReader
 from .coordinator import describe, raise_gathered
@@ -80,22 +82,72 @@ def _restore(store: StepStore, step: Optional[int], state_dict: Dict[str, Any], 
     if not steps:
         raise StepNotFoundError(f"no committed checkpoint under {store.storage.url}")
     errors: List[CorruptCheckpointError] = []
+    written: Dict[str, int] = {}  # key -> the damaged step whose failed attempt last (partly) wrote it
+    first: Optional[CorruptCheckpointError] = None  # the first such attempt's error
     for s in steps:
+        covered: Set[str] = set()
         try:
-            _restore_one(store, s, state_dict, **opts)
+            _restore_one(store, s, state_dict, covered=covered, **opts)
         except CorruptCheckpointError as exc:
             warnings.warn(f"async_ckpt: skipping damaged step {s}: {exc}", RuntimeWarning, stacklevel=4)
             errors.append(exc)
+            if getattr(exc, "partly_written", False):
+                written.update(dict.fromkeys(covered, s))
+                first = first or exc
             continue
+        except Exception as exc:
+            if first is None:
+                raise
+            out = _after_partial_write(exc, written, first)
+            raise out from out.__cause__
+        _warn_left_over(written, covered, s)
         return s
-    raise CorruptCheckpointError(
+    final = CorruptCheckpointError(
         f"no committed step under {store.storage.url} passed verification; newest error: {errors[0]}",
-        step=steps[0]) from errors[0]
+        step=steps[0])
+    final.__cause__ = errors[0]
+    raise final if first is None else _after_partial_write(final, written, first)
+
+
+def _after_partial_write(exc: Exception, written: Dict[str, int], first: CorruptCheckpointError) -> CheckpointError:
+    """``exc``, raised after an earlier attempt partly wrote the target (``first``: its error),
+    saying so: its message gets :data:`PARTLY_WRITTEN`'s sense naming the damaged step(s), its
+    ``partly_written`` is set and ``first`` is its ``__cause__`` where it had none (an error
+    that is not a :class:`CheckpointError` is wrapped in one, with ``exc`` as the cause)."""
+    damaged = ", ".join(map(str, sorted(set(written.values()), reverse=True))) or str(first.step)
+    text = (f"the target state dict was partly written with the data of damaged step {damaged} by an earlier "
+            "attempt and must not be used as is; restore(..., atomic=True) leaves it untouched on failure")
+    if not isinstance(exc, CheckpointError):
+        out = CheckpointError(f"restore failed ({type(exc).__name__}: {exc}); {text}")
+        out.__cause__ = exc
+        out.partly_written = True  # type: ignore[attr-defined]
+        return out
+    if not getattr(exc, "partly_written", False):
+        exc.args = (f"{exc.args[0] if exc.args else exc}; {text}",) + tuple(exc.args[1:])
+        exc.partly_written = True  # type: ignore[attr-defined]
+    if exc.__cause__ is None:
+        exc.__cause__ = first
+    return exc
+
+
+def _warn_left_over(written: Dict[str, int], covered: Set[str], step: int) -> None:
+    """Warn about the keys a damaged step's failed attempt wrote that ``step`` (restored in the
+    end, ``strict=False``) did not overwrite: they hold the damaged step's data."""
+    left: Dict[int, List[str]] = {}
+    for k, s in written.items():
+        if k not in covered:
+            left.setdefault(s, []).append(k)
+    for s, keys in sorted(left.items(), reverse=True):
+        warnings.warn(f"async_ckpt: restored step {step}, which lacks keys that the failed restore of damaged step "
+                      f"{s} had partly written: they hold data of damaged step {s}, not of step {step}: "
+                      f"{_keys(keys)}", RuntimeWarning, stacklevel=5)
 
 
 def _restore_one(store: StepStore, step: int, state_dict: Dict[str, Any], *, verify: bool, allow_pickle: bool,
                  threads: int, planner: Any, atomic: bool, strict: bool, stateful: frozenset,
-                 pool: Any = None) -> None:
+                 pool: Any = None, covered: Optional[Set[str]] = None) -> None:
+    """Check and load ``step`` into ``state_dict``; ``covered`` gets the keys of
+    ``state_dict`` the step holds (those its load writes), once they are known."""
     coord = store.coordinator
     added: List[tuple] = []
     local: Optional[BaseException] = None
@@ -108,7 +160,7 @@ def _restore_one(store: StepStore, step: int, state_dict: Dict[str, Any], *, ver
         reader = FsspecStorageReader(store.storage, path, files=manifest.files, verify=verify, threads=threads)
         metadata = reader.read_metadata()
         int_keys = set(manifest.extra.get("int_keys", ())) | _stateful_int_keys(metadata, stateful)
-        added = prepare_target(state_dict, metadata, step, int_keys, strict=strict)
+        added = prepare_target(state_dict, metadata, step, int_keys, strict=strict, covered=covered)
     except BaseException as exc:  # noqa: BLE001 - exchanged below
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
             raise
@@ -164,7 +216,7 @@ def _keys(keys: List[str]) -> str:
 
 
 def prepare_target(state_dict: Dict[str, Any], metadata: Any, step: int, int_keys: Set[str], *,
-                   strict: bool = True) -> List[tuple]:
+                   strict: bool = True, covered: Optional[Set[str]] = None) -> List[tuple]:
     """Check ``state_dict`` against a checkpoint's DCP metadata; add entries it lacks.
 
     Keys of ``state_dict`` the checkpoint lacks raise :class:`StateDictMismatchError` naming
@@ -174,15 +226,16 @@ def prepare_target(state_dict: Dict[str, Any], metadata: Any, step: int, int_key
     or everything for an empty target); with ``strict=False`` only the intersection is loaded
     and those keys are listed in a warning instead.
 
-    Returns the paths added, so that a failed restore can take them out again. The cyclic
-    garbage collector is paused meanwhile (one pass over every item).
+    Returns the paths added, so that a failed restore can take them out again; ``covered``
+    gets the keys of ``state_dict`` the checkpoint holds. The cyclic garbage collector is
+    paused meanwhile (one pass over every item).
     """
     with gc_paused():
-        return _prepare_target(state_dict, metadata, step, int_keys, strict=strict)
+        return _prepare_target(state_dict, metadata, step, int_keys, strict=strict, covered=covered)
 
 
 def _prepare_target(state_dict: Dict[str, Any], metadata: Any, step: int, int_keys: Set[str], *,
-                    strict: bool) -> List[tuple]:
+                    strict: bool, covered: Optional[Set[str]] = None) -> List[tuple]:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     from ..storage.dcp.writer import _flatten  # DCP's flatten_state_dict, quicker
@@ -208,6 +261,8 @@ def _prepare_target(state_dict: Dict[str, Any], metadata: Any, step: int, int_ke
         lines = [f"missing from checkpoint: {_keys(missing)}"] if missing and strict else []
         lines += problems[:SHOWN_KEYS]
         raise StateDictMismatchError(f"state_dict does not match checkpoint step {step}: " + "; ".join(lines), step=step)
+    if covered is not None:
+        covered.update(k for k in flat if k in md)
     if missing:
         warnings.warn(f"async_ckpt: restore(strict=False) of step {step}: keys not in the checkpoint, left as "
                       f"they are: {_keys(missing)}", UserWarning, stacklevel=6)
@@ -229,18 +284,25 @@ def _prepare_target(state_dict: Dict[str, Any], metadata: Any, step: int, int_ke
     return added
 
 
+class _Appended(tuple):
+    """A path :func:`_insert` created at the end of a list (the list was shorter): undone by
+    cutting the list back there. Other list slots it filled held None, and get it back."""
+
+
 def _insert(root: Dict[str, Any], raw: Sequence[Any], typed: Sequence[Any], value: Any) -> List[tuple]:
     """Set ``root[typed[0]][typed[1]]... = value``, creating missing containers: a list where
     DCP's path has a list index next (an int in ``raw``), a dict otherwise (also for dict keys
-    that were ints, which ``typed`` restores). Returns the paths it created, outermost first."""
+    that were ints, which ``typed`` restores). Returns the paths it created, outermost first
+    (:class:`_Appended` where it lengthened a list)."""
     created: List[tuple] = []
     cur: Any = root
     for i, key in enumerate(typed):
         last = i == len(typed) - 1
         fresh = value if last else ([] if isinstance(raw[i + 1], int) else {})
         if isinstance(cur, list):
-            while len(cur) <= key:
-                cur.append(None)
+            if len(cur) <= key:  # the slots from the old end on are new
+                created.append(_Appended(tuple(typed[:i]) + (len(cur),)))
+                cur.extend([None] * (key + 1 - len(cur)))
             if last or cur[key] is None:
                 if cur[key] is None:
                     created.append(tuple(typed[: i + 1]))
@@ -264,13 +326,19 @@ def _typed_path(path: Sequence[Any], int_keys: Set[str]) -> tuple:
 
 
 def remove_added(state_dict: Dict[str, Any], added: List[tuple]) -> None:
-    """Undo :func:`_insert`: innermost first, so the containers it created go too."""
-    for path in sorted(set(added), key=len, reverse=True):
+    """Undo :func:`_insert`: innermost first, so the containers it created go too; a list it
+    lengthened is cut back to its old length, a slot of it that held None holds None again."""
+    appended = [p for p in added if isinstance(p, _Appended)]
+    for path in sorted(set(added) - set(appended), key=len, reverse=True) + sorted(appended, key=len, reverse=True):
         cur: Any = state_dict
         try:
             for p in path[:-1]:
                 cur = cur[p]
             if isinstance(cur, dict):
                 cur.pop(path[-1], None)
+            elif isinstance(cur, list) and isinstance(path, _Appended):
+                del cur[path[-1]:]
+            elif isinstance(cur, list) and path[-1] < len(cur):
+                cur[path[-1]] = None
         except (KeyError, IndexError, TypeError):
             pass

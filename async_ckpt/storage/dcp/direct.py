@@ -2,7 +2,7 @@
 
 :func:`load_direct` is the single-process restore of a checkpoint that async_ckpt (or DCP)
 wrote, into CPU, XLA or CUDA tensors that already exist. For each data file it reads every byte once, as a
-tiling of the file into ranges, in parallel over ``threads``:
+tiling of the file into ranges (worked out by :mod:`.direct_plan`), in parallel over ``threads``:
 
 * the data of a large tensor record goes straight into the target tensor's memory
   (``preadv`` on local files, ranged reads elsewhere), in pieces of at most
@@ -17,11 +17,17 @@ tiling of the file into ranges, in parallel over ``threads``:
 Where a large record's data begins is taken from the manifest where the writer recorded it
 (``FileRecord.data_at``); the record's zip directory and headers, which arrive with the reads
 of the file's other bytes, are parsed on the reading threads to confirm it, and a record that
-disagrees fails the restore (a :class:`~async_ckpt.errors.CorruptCheckpointError`, raised after
-the checksums). Elsewhere (older manifests, plain DCP checkpoints) it is found before the reads,
+puts its data elsewhere fails the restore (a :class:`~async_ckpt.errors.CorruptCheckpointError`,
+raised after the checksums); a record of a layout the parser does not know is put together again
+from those verified bytes and read with ``torch.load``. Elsewhere (older manifests, plain DCP checkpoints) it is found before the reads,
 from small probes of the record's start and end. Non-tensor items are read and decoded first
 too, so an unsafe pickle is refused before any tensor is written; the probed bytes are
 compared with the verified ones when those arrive.
+
+Targets whose memory overlaps an earlier key's (tied weights restored from a checkpoint that
+holds them untied, overlapping views) are read into private tensors, so that the checksums are
+of their own bytes, and copied into place once every file is verified, in key order: where
+they overlap, the last key's data stays.
 
 A failure after the first write leaves the targets partly written: the error raised is a
 :class:`~async_ckpt.errors.CheckpointError` whose message says so (``partly_written`` is set
@@ -37,28 +43,26 @@ every file is verified (:mod:`.device_targets`), so a failure before that leaves
 
 from __future__ import annotations
 
-import bisect
 import io
 import pickle
 import threading
 import types
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata
 
 from ... import compat
-from ...addresses import host_bytes
 from ...errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError
 from ...gc_pause import gc_paused
 from ..fs import Storage
 from ..manifest import FileRecord, crc32c, shown
 from .crc import crc32c_concat
-from .device_targets import DeviceTargets, is_device
-from .device_targets import supported as device_supported
-from .reader import close_all, open_step_file
+from .device_targets import DeviceTargets
+from .direct_plan import BUFFER_CHUNK_BYTES, _assign_arrivals, _plan, _Rec, _Task, _tasks, _Unsupported
+from .layout_memo import set_element
+from .reader import _stored_bytes, close_all, open_step_file
 from .record_layout import HEADS, Arrived, Probe, data_start
 
 #: A tensor record at least this large (local files) has its data read straight into the
@@ -66,69 +70,10 @@ from .record_layout import HEADS, Arrived, Probe, data_start
 DIRECT_MIN_BYTES = 256 * 2**10
 #: The same threshold for remote storage, where every range is a request.
 REMOTE_DIRECT_MIN_BYTES = 8 * 2**20
-#: Largest single read straight into a target (a big tensor is read as several, in parallel).
-DIRECT_CHUNK_BYTES = 16 * 2**20
-#: Reads into the per-thread buffer are about this size (longer only for one longer record).
-BUFFER_CHUNK_BYTES = 8 * 2**20
 
 PARTLY_WRITTEN = ("the target state dict was partly written with this step's data and must not be "
                   "used as is; restore(..., atomic=True) leaves it untouched on failure")
 
-set_element = compat.dcp_traverse().set_element
-
-
-class _Unsupported(Exception):
-    """The checkpoint or target is not one :func:`load_direct` handles (nothing touched yet)."""
-
-
-@dataclass
-class _Rec:
-    """One item of one file: where it lies and what becomes of it."""
-
-    fqn: str
-    start: int  # in the file
-    length: int
-    kind: str  # "direct" | "small" | "slow" | "bytes"
-    target: Optional[torch.Tensor] = None
-    flat: Optional[torch.Tensor] = None  # the target's bytes (uint8, 1-D), contiguous targets only
-    data_start: int = -1  # "direct": where the tensor's data starts in the file
-    own: bool = True  # target is the caller's tensor (False: a device target's host stand-in)
-    arrived: Optional[Arrived] = None  # "direct", data_start from the manifest: its head and tail bytes
-
-
-@dataclass
-class _Task:
-    path: str
-    name: str
-    start: int
-    end: int  # exclusive
-    extra: int = 0  # 1 on a file's last range where the size is not known: catches a longer file
-    dest: Optional[memoryview] = None  # straight into a target, else the thread's buffer
-    own: bool = True  # dest is the caller's memory
-    recs: List[_Rec] = field(default_factory=list)  # records inside [start, end) (buffered)
-    arrivals: List[_Rec] = field(default_factory=list)  # direct records whose head or tail it reads
-
-
-def _plain_target(t: torch.Tensor) -> bool:
-    return t.is_cpu and t.layout == torch.strided and not t.is_quantized
-
-
-def _contiguous_bytes(t: torch.Tensor) -> Optional[torch.Tensor]:
-    """``t``'s memory as a flat uint8 tensor, for a contiguous tensor without conjugate or
-    negative bits; else None. A view of ``t`` where writing through one is allowed, else (an
-    inference tensor) a tensor over its address that does not own the memory."""
-    if not t.is_contiguous() or t.is_conj() or t.is_neg() or t.numel() == 0:
-        return None
-    if t.is_inference():
-        return host_bytes(t.data_ptr(), t.numel() * t.element_size())
-    return t.view(-1).view(torch.uint8)
-
-
-def _flat_targets(state_dict: Dict[str, Any]) -> Tuple[Dict[str, Any], Dict[str, Any]]:
-    """DCP's flattening of ``state_dict`` (the writer's quicker equivalent)."""
-    from .writer import _flatten
-
-    return _flatten(state_dict)
 
 
 class _Buffers(threading.local):
@@ -140,140 +85,6 @@ class _Buffers(threading.local):
         return self.buf
 
 
-def _plan(storage: Storage, path: str, state_dict: Dict[str, Any], files: Dict[str, FileRecord],
-          metadata: Metadata, direct_min: int, devices: DeviceTargets) -> Tuple[Dict[str, List[_Rec]], Dict[str, Any], Dict[str, Any]]:
-    """Records per file for the targets in ``state_dict`` (device targets get host stand-ins in
-    ``devices``); raises :class:`_Unsupported`."""
-    flat, mappings = _flat_targets(state_dict)
-    md = metadata.state_dict_metadata
-    data = metadata.storage_data
-    if not isinstance(data, dict):
-        raise _Unsupported("no storage data")
-    # storage_data by key name: one entry per name (a name stored in several entries is
-    # looked up by its full MetadataIndex)
-    by_fqn: Dict[str, Tuple[Any, Any]] = {}
-    shared = set()
-    for idx, info in data.items():
-        name = idx.fqn
-        if name in by_fqn:
-            shared.add(name)
-        by_fqn[name] = (idx.offset, info)
-
-    def lookup(fqn: str, offset: Any) -> Any:
-        if fqn in shared:
-            return data.get(MetadataIndex(fqn, offset))
-        got = by_fqn.get(fqn)
-        if got is None or (got[0] is None) != (offset is None) or (offset is not None and got[0] != offset):
-            return None
-        return got[1]
-
-    per_file: Dict[str, List[_Rec]] = {}
-    for fqn, value in flat.items():
-        m = md.get(fqn)
-        if m is None:
-            continue  # not in the checkpoint (strict=False): left as it is
-        if isinstance(m, BytesStorageMetadata):
-            info = lookup(fqn, None)
-            if info is None or isinstance(value, torch.Tensor):
-                raise _Unsupported(fqn)
-            rec = _Rec(fqn, info.offset, info.length, "bytes")
-        elif isinstance(m, TensorStorageMetadata):
-            if type(value) not in (torch.Tensor, torch.nn.Parameter):
-                raise _Unsupported(fqn)
-            on_device = is_device(value)
-            if not (device_supported(value) if on_device else _plain_target(value)):
-                raise _Unsupported(fqn)
-            if len(m.chunks) != 1 or any(m.chunks[0].offsets) or tuple(m.chunks[0].sizes) != tuple(m.size) \
-                    or tuple(value.shape) != tuple(m.size) or value.dtype != m.properties.dtype:
-                raise _Unsupported(fqn)
-            offsets = m.chunks[0].offsets
-            info = lookup(fqn, offsets if type(offsets) is torch.Size else torch.Size(offsets))
-            if info is None:
-                raise _Unsupported(fqn)
-            nbytes = value.numel() * value.element_size()
-            if nbytes == 0:
-                continue  # nothing to read into; the bytes still count for the checksum
-            if on_device:
-                t = devices.stand_in(value)
-            else:
-                t = value.detach() if type(value) is not torch.Tensor or value.requires_grad else value
-            fb = _contiguous_bytes(t)
-            kind = "slow" if fb is None else ("direct" if nbytes >= direct_min else "small")
-            rec = _Rec(fqn, info.offset, info.length, kind, t, fb, own=not on_device)
-        else:
-            raise _Unsupported(fqn)
-        per_file.setdefault(info.relative_path, []).append(rec)
-    for name, recs in per_file.items():
-        if name not in files:
-            raise _Unsupported(name)  # check_metadata refuses this first; never read unlisted files
-        recs.sort(key=lambda r: r.start)
-        end = 0
-        for r in recs:
-            if r.start < end:
-                raise _Unsupported(f"{name}: overlapping items")  # not a layout we write
-            end = r.start + r.length
-        if end > files[name].size:
-            raise _Unsupported(name)
-        data_at = files[name].data_at
-        for r in recs if data_at else ():
-            head = data_at.get(r.start) if r.kind == "direct" else None  # type: ignore[union-attr]
-            if head is not None and head + r.flat.numel() <= r.length:  # type: ignore[union-attr]
-                r.data_start = r.start + head
-    return per_file, flat, mappings
-
-
-def _tasks(path: str, name: str, size: int, recs: List[_Rec], size_known: bool) -> List[_Task]:
-    """The file ``name`` as a tiling of ranges: direct ones and buffered ones."""
-    where = f"{path}/{name}"
-    direct = [r for r in recs if r.kind == "direct"]
-    out: List[_Task] = []
-    pos = 0
-    others = iter([r for r in recs if r.kind != "direct"])
-    pending = next(others, None)
-
-    def buffered(lo: int, hi: int) -> None:
-        nonlocal pending
-        cur = _Task(where, name, lo, lo)
-        while True:
-            # records wholly inside [lo, hi) go with the range they start in
-            nxt = pending if pending is not None and pending.start < hi else None
-            stop = nxt.start if nxt is not None else hi
-            while stop - cur.end > 0:  # plain bytes up to the next record (or the end)
-                room = cur.start + BUFFER_CHUNK_BYTES - cur.end
-                if room <= 0:
-                    out.append(cur)
-                    cur = _Task(where, name, cur.end, cur.end)
-                    continue
-                cur.end = min(stop, cur.end + room)
-            if nxt is None:
-                break
-            if cur.end > cur.start and cur.end + nxt.length - cur.start > BUFFER_CHUNK_BYTES:
-                out.append(cur)
-                cur = _Task(where, name, cur.end, cur.end)
-            cur.recs.append(nxt)
-            cur.end = nxt.start + nxt.length
-            pending = next(others, None)
-        if cur.end > cur.start:
-            out.append(cur)
-
-    for r in direct:
-        a = r.data_start
-        b = a + r.flat.numel()  # type: ignore[union-attr]
-        if a > pos:
-            buffered(pos, a)
-        # flat is set on every direct record; numpy's stubs declare the buffer protocol only for Python >= 3.12
-        mv = memoryview(r.flat.numpy())  # type: ignore[union-attr, arg-type, unused-ignore]
-        for lo in range(a, b, DIRECT_CHUNK_BYTES):
-            hi = min(b, lo + DIRECT_CHUNK_BYTES)
-            out.append(_Task(where, name, lo, hi, dest=mv[lo - a:hi - a], own=r.own))
-        pos = b
-    if size > pos:
-        buffered(pos, size)
-    if not size_known and out:
-        out[-1].extra = 1
-    return out
-
-
 def _decode(fqn: str, blob: bytes, allow_pickle: bool) -> Any:
     try:
         return torch.load(io.BytesIO(blob), weights_only=not allow_pickle)
@@ -283,38 +94,86 @@ def _decode(fqn: str, blob: bytes, allow_pickle: bool) -> Any:
             "allow_pickle=True to restore if you trust this checkpoint") from exc
 
 
-def _copy_slow(rec: _Rec, item: memoryview) -> None:
-    """A record into a target that is not plain contiguous memory, or of another layout."""
-    from .reader import _stored_bytes  # the aligned copy out of a read buffer
+def _small_start(item: memoryview, t: torch.Tensor) -> Optional[int]:
+    """Where the data of the small record ``item`` for ``t`` starts in it; None for another
+    layout (the slow path)."""
+    head = HEADS.get(t.dtype, tuple(t.shape))
+    if head is not None and head[1] == len(item) and bytes(item[:len(head[0])]) == head[0]:
+        return len(head[0])
+    get = lambda a, b: bytes(item[a:b])  # (named: mypy types it here, not in the call)
+    return data_start(get, len(item), t.dtype, tuple(t.shape))
 
+
+def _whole(t: torch.Tensor) -> Any:
+    return types.SimpleNamespace(storage_offsets=[0] * t.dim(), lengths=list(t.shape))
+
+
+def _load_tensor(rec: _Rec, item: memoryview) -> torch.Tensor:
+    """The record ``item`` read by ``torch.load``; :class:`CorruptCheckpointError` unless it
+    is a tensor of its target's dtype and shape."""
     t = rec.target
     assert t is not None
-    req = types.SimpleNamespace(storage_offsets=[0] * t.dim(), lengths=list(t.shape))
-    raw = _stored_bytes(item, req, t)
-    if raw is not None:
-        dst, src = raw
-        dst.copy_(src)
+    try:
+        tensor = torch.load(io.BytesIO(item), map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise CorruptCheckpointError(f"{shown(rec.fqn)}: its record cannot be read as a tensor "
+                                     f"({type(exc).__name__}: {shown(exc)})") from exc
+    if not isinstance(tensor, torch.Tensor) or tensor.shape != t.shape or tensor.dtype != t.dtype:
+        raise CorruptCheckpointError(f"{shown(rec.fqn)}: stored value is not a {t.dtype} tensor of shape {tuple(t.shape)}")
+    return tensor
+
+
+def _check_slow(rec: _Rec, item: memoryview) -> None:
+    """Before any write (staged restores): a record that only ``torch.load`` reads is read now
+    and checked (kept in ``rec.loaded``); a small one of another layout goes the slow path."""
+    t = rec.target
+    assert t is not None
+    if rec.kind == "small" and _small_start(item, t) is not None:
         return
-    tensor = torch.load(io.BytesIO(bytes(item)), map_location="cpu", weights_only=True)
-    if not isinstance(tensor, torch.Tensor) or tensor.shape != t.shape:
-        raise CorruptCheckpointError(f"{shown(rec.fqn)}: stored value is not a tensor of shape {tuple(t.shape)}")
-    t.copy_(tensor)
+    rec.kind = "slow"
+    if _stored_bytes(item, _whole(t), t) is None:
+        rec.loaded = _load_tensor(rec, item)
+
+
+def _copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)``; under ``torch.inference_mode`` for an inference tensor, the only
+    place it may be written."""
+    if dst.is_inference():
+        with torch.inference_mode():
+            dst.copy_(src)
+    else:
+        dst.copy_(src)
+
+
+def _copy_slow(rec: _Rec, item: memoryview) -> None:
+    """A record into a target that is not plain contiguous memory, or of another layout."""
+    t = rec.target
+    assert t is not None
+    raw = None if rec.loaded is not None else _stored_bytes(item, _whole(t), t)
+    dst, src = raw if raw is not None else (t, rec.loaded if rec.loaded is not None else _load_tensor(rec, item))
+    _copy_into(dst, src)
 
 
 def load_direct(storage: Storage, path: str, state_dict: Dict[str, Any], *, files: Optional[Dict[str, FileRecord]],
-                metadata: Metadata, verify: bool = True, threads: int = 8, allow_pickle: bool = False) -> bool:
+                metadata: Metadata, verify: bool = True, threads: int = 8, allow_pickle: bool = False,
+                staged: bool = False) -> bool:
     """Load the checked ``metadata``'s checkpoint under ``path`` into ``state_dict`` in place by
     direct reads (see the module docstring); ``False`` (nothing read or touched) when it does
-    not apply. ``files`` are the manifest's records (required: sizes and checksums)."""
+    not apply. ``files`` are the manifest's records (required: sizes and checksums).
+    ``staged``: ``storage`` serves verified bytes from memory (``restore(..., atomic=True)``):
+    every check that can fail (where each record's data lies, the records only ``torch.load``
+    reads) is made before the first write into a target."""
     if files is None:
         return False
     direct_min = DIRECT_MIN_BYTES if storage.is_local else REMOTE_DIRECT_MIN_BYTES
     with gc_paused():  # one Python record per item: no collections walking them meanwhile
-        return _load_direct(storage, path, state_dict, files, metadata, verify, threads, allow_pickle, direct_min)
+        return _load_direct(storage, path, state_dict, files, metadata, verify, threads, allow_pickle, direct_min,
+                            staged)
 
 
 def _load_direct(storage: Storage, path: str, state_dict: Dict[str, Any], files: Dict[str, FileRecord],
-                 metadata: Metadata, verify: bool, threads: int, allow_pickle: bool, direct_min: int) -> bool:
+                 metadata: Metadata, verify: bool, threads: int, allow_pickle: bool, direct_min: int,
+                 staged: bool) -> bool:
     devices = DeviceTargets()
     try:
         per_file, flat, mappings = _plan(storage, path, state_dict, files, metadata, direct_min, devices)
@@ -326,7 +185,7 @@ def _load_direct(storage: Storage, path: str, state_dict: Dict[str, Any], files:
     try:
         with ThreadPoolExecutor(threads, thread_name_prefix="async-ckpt-read") as pool:
             return _load(storage, path, per_file, flat, mappings, files, verify, allow_pickle, pool, readers,
-                         touched, state_dict, threads, devices)
+                         touched, state_dict, threads, devices, staged)
     except BaseException as exc:
         if touched[0] and isinstance(exc, CheckpointError) and not getattr(exc, "partly_written", False):
             exc.args = (f"{exc.args[0] if exc.args else exc}; {PARTLY_WRITTEN}",) + tuple(exc.args[1:])
@@ -336,6 +195,11 @@ def _load_direct(storage: Storage, path: str, state_dict: Dict[str, Any], files:
         raise
     finally:
         close_all(readers)
+
+
+def _misplaced(path: str, rec: _Rec) -> CorruptCheckpointError:
+    return CorruptCheckpointError(f"{path}: {shown(rec.fqn)}: its record does not hold its data at the offset the "
+                                  "manifest gives", path=path)
 
 
 def _open(storage: Storage, path: str, name: str, files: Dict[str, FileRecord], readers: Dict[str, Any]) -> Any:
@@ -348,7 +212,7 @@ def _open(storage: Storage, path: str, name: str, files: Dict[str, FileRecord], 
 def _load(storage: Storage, path: str, per_file: Dict[str, List[_Rec]], flat: Dict[str, Any],
           mappings: Dict[str, Any], files: Dict[str, FileRecord], verify: bool, allow_pickle: bool,
           pool: ThreadPoolExecutor, readers: Dict[str, Any], touched: List[bool], state_dict: Dict[str, Any],
-          threads: int, devices: DeviceTargets) -> bool:
+          threads: int, devices: DeviceTargets, staged: bool) -> bool:
     for name in per_file:
         _open(storage, path, name, files, readers)
 
@@ -369,13 +233,15 @@ def _load(storage: Storage, path: str, per_file: Dict[str, List[_Rec]], flat: Di
         start = data_start(p.get, rec.length, t.dtype, tuple(t.shape))
         if start is None:
             rec.kind = "slow"  # another layout: through the buffer
+        elif rec.data_start >= 0 and rec.data_start != rec.start + start:  # (staged: the manifest's offset)
+            raise _misplaced(path, rec)
         else:
             rec.data_start = rec.start + start
         return p
 
     for name, recs in per_file.items():
         for rec in recs:
-            if rec.kind == "direct" and rec.data_start >= 0:
+            if rec.kind == "direct" and rec.data_start >= 0 and not staged:  # (staged: probed, in memory)
                 rec.arrived = Arrived(readers[name], rec.start, rec.length, rec.data_start, rec.flat.numel())  # type: ignore[union-attr]
     jobs = [(name, rec) for name, recs in per_file.items() for rec in recs
             if rec.kind == "bytes" or (rec.kind == "direct" and rec.arrived is None)]
@@ -401,6 +267,13 @@ def _load(storage: Storage, path: str, per_file: Dict[str, List[_Rec]], flat: Di
 
         FsspecStorageReader(storage, path, files=files, verify=verify)._read_files(list(per_file), pool)
         raise undecodable
+    if staged:  # the records only torch.load reads, read and checked before the first write
+        def check(name: str, rec: _Rec) -> None:
+            buf = bytearray(rec.length)
+            _check_slow(rec, memoryview(buf)[:readers[name].read_into(rec.start, memoryview(buf))])
+
+        _run(pool, [lambda n=n, r=r: check(n, r) for n, recs in per_file.items() for r in recs  # type: ignore[misc]
+                    if r.kind in ("small", "slow")])
 
     # 2. Every byte of every file, once: into the targets, or into a buffer and scattered.
     tasks: List[_Task] = []
@@ -442,20 +315,14 @@ def _load(storage: Storage, path: str, per_file: Dict[str, List[_Rec]], flat: Di
         for rec in task.recs:
             at = rec.start - task.start
             if rec.kind == "small":
-                t = rec.target
-                assert t is not None and rec.flat is not None
-                head = HEADS.get(t.dtype, tuple(t.shape))
-                if head is not None and head[1] == rec.length and bytes(mv[at:at + len(head[0])]) == head[0]:
-                    start = at + len(head[0])
-                else:
-                    item = mv[at:at + rec.length]
-                    get = lambda a, b, item=item: bytes(item[a:b])  # (named: mypy types it here, not in the call)
-                    s = data_start(get, rec.length, t.dtype, tuple(t.shape))
-                    if s is None:
-                        touched[0] = touched[0] or rec.own
-                        _copy_slow(rec, item)
-                        continue
-                    start = at + s
+                assert rec.target is not None and rec.flat is not None
+                item = mv[at:at + rec.length]
+                s = _small_start(item, rec.target)
+                if s is None:
+                    touched[0] = touched[0] or rec.own
+                    _copy_slow(rec, item)
+                    continue
+                start = at + s
                 nb = rec.flat.numel()
                 dsts.append(rec.flat)
                 own = own or rec.own
@@ -527,32 +394,29 @@ def _load(storage: Storage, path: str, per_file: Dict[str, List[_Rec]], flat: Di
                     f"{where}: checksum mismatch (crc32c {crc:#010x}, manifest says {files[name].crc32c:#010x})",
                     path=where)
     wrong = [rec for recs in per_file.values() for rec in recs if rec.arrived is not None]
+    unparsed = []  # records of a layout data_start does not parse: not a misplaced offset, the slow path
     if len(wrong) != len(confirmed):
         ok = set(map(id, confirmed))
-        rec = next(rec for rec in wrong if id(rec) not in ok)
-        raise CorruptCheckpointError(f"{path}: {shown(rec.fqn)}: its record does not hold its data at the offset the "
-                                     "manifest gives", path=path)
+        for rec in wrong:
+            a, tgt = rec.arrived, rec.target
+            assert a is not None and tgt is not None
+            if id(rec) in ok:
+                continue
+            if data_start(a.get, a.length, tgt.dtype, tuple(tgt.shape)) is not None:
+                raise _misplaced(path, rec)
+            unparsed.append(rec)
+    for rec in unparsed:  # the record again, from its verified bytes (its data went into the target)
+        _copy_slow(rec, rec.arrived.record(rec.flat))  # type: ignore[union-attr, arg-type]
+    # targets sharing memory with an earlier key's: their own verified data, in key order (the last key wins)
+    for rec in sorted((r for recs in per_file.values() for r in recs if r.into is not None), key=lambda r: r.order):
+        touched[0] = True
+        _copy_into(rec.into, rec.target)  # type: ignore[arg-type]
     if devices:
         touched[0] = True
         devices.commit()
     for fqn, value in decoded.items():
         set_element(state_dict, mappings[fqn], value)
     return True
-
-
-def _assign_arrivals(per_file: Dict[str, List[_Rec]], tasks: List[_Task]) -> None:
-    """Give each buffered task the direct records (with bytes to gather, see :class:`Arrived`)
-    whose head or tail it reads."""
-    by_file: Dict[str, List[_Rec]] = {n: [r for r in recs if r.arrived is not None] for n, recs in per_file.items()}
-    ends = {n: [r.start + r.length for r in recs] for n, recs in by_file.items()}
-    for task in tasks:
-        recs = by_file.get(task.name)
-        if task.dest is not None or not recs:
-            continue
-        k = bisect.bisect_right(ends[task.name], task.start)  # the first record ending after the task's start
-        while k < len(recs) and recs[k].start < task.end:
-            task.arrivals.append(recs[k])
-            k += 1
 
 
 def _run(pool: ThreadPoolExecutor, fns: Sequence[Callable[[], Any]]) -> List[Any]:

@@ -1,6 +1,7 @@
 """What a planner-free single-process save remembers of a state dict's layout for the next one.
 
-:func:`_flatten` is DCP's ``flatten_state_dict`` with less work per entry; a layout's
+:func:`_flatten` is DCP's ``flatten_state_dict`` with less work per entry, and
+:func:`set_element` sets a value at one of its paths; a layout's
 signature (:func:`_signature`) says whether the next state dict has the same keys, dtypes and
 shapes; a :class:`WriteMemo` holds the last :class:`_Layout` (file assignment and pickled
 ``.metadata``) for :func:`~.writer._save_local` to reuse.
@@ -13,7 +14,7 @@ import io
 import itertools
 import operator
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
@@ -37,6 +38,41 @@ def _metadata_index(fqn: str, offset: torch.Size, index: int) -> MetadataIndex:
     object.__setattr__(idx, "offset", offset)
     object.__setattr__(idx, "index", index)
     return idx
+
+
+def _real_key(mapping: Any, key: Any) -> Any:
+    """``key`` as ``mapping`` holds it: a path's string for an int key (``"0"`` for ``0``)
+    where only the int is there; else ``key`` itself."""
+    if type(key) is str and key not in mapping:
+        try:
+            k = int(key)
+        except ValueError:
+            return key
+        if str(k) == key and k in mapping:
+            return k
+    return key
+
+
+def set_element(root: Any, path: Tuple[Any, ...], value: Any) -> None:
+    """DCP's ``set_element``: ``value`` put at ``path`` (one of :func:`_flatten`'s mappings)
+    in ``root``, creating the dicts (a string next) and lists (an int next) that are missing.
+    The paths hold dict keys as strings; where a dict has the int key that a path's string
+    spells but not the string (an optimizer's ``state``, keyed by parameter index), the value
+    goes under the int key, not under a new string key beside it."""
+    cur = root
+    for i, key in enumerate(path):
+        if isinstance(cur, MutableMapping):
+            key = _real_key(cur, key)
+        elif type(key) is int:
+            cur.extend([None] * (key + 1 - len(cur)))
+        if i == len(path) - 1:
+            cur[key] = value
+        elif isinstance(cur, MutableMapping):
+            cur = cur.setdefault(key, {} if type(path[i + 1]) is str else [])
+        else:
+            if cur[key] is None:
+                cur[key] = {} if type(path[i + 1]) is str else []
+            cur = cur[key]
 
 
 def _flatten(state_dict: Dict[str, Any], reuse: Optional[Dict[str, Tuple[Any, ...]]] = None

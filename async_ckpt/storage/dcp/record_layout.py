@@ -42,7 +42,11 @@ class Heads:
         got: Optional[Tuple[bytes, int]] = None
         try:
             buf = io.BytesIO()
-            torch.save(torch.zeros(shape, dtype=dtype), buf)
+            n = 1
+            for d in shape:
+                n *= d
+            # zeros made as bytes: creating a complex32 tensor directly warns that it is experimental
+            torch.save(torch.zeros(n * dtype.itemsize, dtype=torch.uint8).view(dtype).view(shape), buf)
             raw = buf.getvalue()
             mv = memoryview(raw)
             start = data_start(lambda a, b: bytes(mv[a:b]), len(raw), dtype, shape)
@@ -166,6 +170,15 @@ class Arrived:
         buf = bytearray(b - a)  # not where zipfile looks in a torch.save record: read it
         got = self.reader.read_into(a, memoryview(buf))
         return bytes(buf[:got])
+
+    def record(self, data: torch.Tensor) -> memoryview:
+        """The whole record: the head and tail gathered, ``data`` (its bytes, flat uint8) between."""
+        out = bytearray(self.length)
+        h, n = len(self.head), self.data_hi - self.data_lo
+        out[:h] = self.head
+        out[h:h + n] = memoryview(data.numpy())  # type: ignore[arg-type, unused-ignore]
+        out[h + n:] = self.tail
+        return memoryview(out)
 
     def agrees(self, dtype: torch.dtype, shape: Tuple[int, ...]) -> bool:
         """Whether the record, parsed from the bytes gathered, has its data where it was said to."""

@@ -14,7 +14,7 @@ import dataclasses
 import enum
 import io
 import pickle
-from typing import Any
+from typing import Any, Tuple
 
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
@@ -25,8 +25,7 @@ from ...errors import CorruptCheckpointError, UnsafeCheckpointError
 from ...gc_pause import gc_paused
 from ..manifest import shown
 from .common import METADATA_NAME
-
-set_element = compat.dcp_traverse().set_element
+from .layout_memo import set_element
 
 _SAFE_BUILTINS = {"set", "frozenset", "dict", "list", "tuple", "slice", "bytearray", "complex", "int", "float"}
 
@@ -116,23 +115,51 @@ class _SafeLoadPlanner(DefaultLoadPlanner):
 # "FloatStorage" -> torch.float32, as torch.save names storages in data.pkl (empty for a torch
 # without the map: every tensor item is then read with torch.load)
 _STORAGE_DTYPES = compat.storage_type_dtypes()
+# "uint16" -> torch.uint16: the dtypes as ``_rebuild_tensor_v3`` names them
+_DTYPES = {name: v for name, v in vars(torch).items() if isinstance(v, torch.dtype)}
+#: ``torch.storage.UntypedStorage`` in a persistent id: bytes, typed by ``_rebuild_tensor_v3``'s dtype.
+_UNTYPED = object()
+
+
+def _rebuild_v2(storage: Any, offset: Any, size: Any, stride: Any, *rest: Any) -> Tuple[Any, ...]:
+    """``torch._utils._rebuild_tensor_v2`` over a typed storage (``FloatStorage``: its dtype)."""
+    if not isinstance(storage, torch.dtype):
+        raise pickle.UnpicklingError("_rebuild_tensor_v2 over an untyped storage")
+    return storage, offset, tuple(size), tuple(stride)
+
+
+def _rebuild_v3(storage: Any, offset: Any, size: Any, stride: Any, requires_grad: Any, hooks: Any, dtype: Any,
+                *rest: Any) -> Tuple[Any, ...]:
+    """``torch._utils._rebuild_tensor_v3``: an untyped storage and the dtype as an argument, as
+    torch.save writes the dtypes without a typed storage class (float8, uint16/32/64, complex32)."""
+    if storage is not _UNTYPED or not isinstance(dtype, torch.dtype):
+        raise pickle.UnpicklingError("_rebuild_tensor_v3 needs an untyped storage and a dtype")
+    return dtype, offset, tuple(size), tuple(stride)
 
 
 class _TensorDescUnpickler(pickle.Unpickler):
-    """Reads a single-tensor ``data.pkl`` as ``(dtype, storage_offset, size, stride)``; refuses
-    anything else (nothing is constructed, no code runs)."""
+    """Reads a single-tensor ``data.pkl`` as ``(dtype, storage_offset, size, stride)``, from
+    either form torch.save writes (``_rebuild_tensor_v2`` over a typed storage,
+    ``_rebuild_tensor_v3`` over an untyped one); refuses anything else (nothing is
+    constructed, no code runs)."""
 
     def find_class(self, module: str, name: str) -> Any:
         if module == "torch._utils" and name == "_rebuild_tensor_v2":
-            return lambda storage, offset, size, stride, *rest: (storage, offset, tuple(size), tuple(stride))
+            return _rebuild_v2
+        if module == "torch._utils" and name == "_rebuild_tensor_v3":
+            return _rebuild_v3
         if module == "torch" and name in _STORAGE_DTYPES:
             return _STORAGE_DTYPES[name]
+        if module == "torch" and name in _DTYPES:
+            return _DTYPES[name]
+        if module == "torch.storage" and name == "UntypedStorage":
+            return _UNTYPED
         if module == "collections" and name == "OrderedDict":
             return lambda *a: None
         raise pickle.UnpicklingError(f"{module}.{name}")
 
     def persistent_load(self, pid: Any) -> Any:
-        if isinstance(pid, tuple) and len(pid) >= 2 and pid[0] == "storage" and isinstance(pid[1], torch.dtype):
+        if isinstance(pid, tuple) and len(pid) >= 2 and pid[0] == "storage" \
+                and (isinstance(pid[1], torch.dtype) or pid[1] is _UNTYPED):
             return pid[1]
         raise pickle.UnpicklingError(f"persistent id {pid!r}")
-

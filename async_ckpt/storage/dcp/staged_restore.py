@@ -10,13 +10,16 @@
    size and checksum are checked against the manifest.
 2. Only once every file passed, the target is written: the direct restore
    (:func:`~.direct.load_direct`) runs over the verified buffers instead of the files, so the
-   record layout, scatter and XLA handling are the direct path's; targets it does not handle
+   record layout, scatter and XLA handling are the direct path's; told that they are staged,
+   it also checks where each record's data lies and reads the records that only ``torch.load``
+   reads before its first write into a target. Targets it does not handle
    (or a custom ``planner``) are loaded by DCP (:func:`~.reader.load_state_dict`), reading
    from the same buffers.
 3. The buffers go back (``release``) whatever happened.
 
 A checkpoint larger than ``budget`` raises :class:`~async_ckpt.errors.StagingBudgetError`
-before anything is read. Any failure in step 1 leaves the target untouched.
+before anything is read. Any failure in step 1, or one the direct restore finds, leaves the
+target untouched.
 """
 
 from __future__ import annotations
@@ -31,7 +34,8 @@ from ...errors import CorruptCheckpointError, StagingBudgetError
 from ..fs import Storage
 from ..manifest import FileRecord, crc32c
 from .crc import crc32c_concat
-from .direct import DIRECT_CHUNK_BYTES, _run, load_direct
+from .direct import _run, load_direct
+from .direct_plan import DIRECT_CHUNK_BYTES
 from .reader import close_all, load_state_dict, open_step_file
 
 #: ``acquire(sizes)`` -> (one flat uint8 CPU buffer of exactly each size, a function that gives them back).
@@ -74,7 +78,7 @@ def load_staged(storage: Storage, path: str, state_dict: Dict[str, Any], *, file
         _read_verified(storage, path, files, views, verify, threads)
         staged = cast(Storage, StagedStorage(storage, path, views))
         if planner is None and load_direct(staged, path, state_dict, files=files, metadata=metadata, verify=False,
-                                           threads=threads, allow_pickle=allow_pickle):
+                                           threads=threads, allow_pickle=allow_pickle, staged=True):
             return
         load_state_dict(staged, path, state_dict, files=files, verify=False, threads=threads,
                         allow_pickle=allow_pickle, metadata=metadata, planner=planner, strict=strict,

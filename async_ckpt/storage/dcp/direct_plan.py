@@ -1,0 +1,271 @@
+"""What a direct restore (:mod:`.direct`) reads where, worked out before anything is read.
+
+:func:`_plan` gives, per data file, the records of the targets' items (``_Rec``: where each
+lies, and whether its data goes straight into its target, is read with its neighbours and
+scattered, takes the slow path through the buffer, or is a non-tensor item), and raises
+:class:`_Unsupported` for anything the direct restore does not handle (nothing is read by
+then). :func:`_tasks` cuts each file into a tiling of ranges (``_Task``): straight into a
+target, in pieces of at most ``DIRECT_CHUNK_BYTES``, or into a per-thread buffer, about
+``BUFFER_CHUNK_BYTES`` at a time, cut at record boundaries. :func:`_assign_arrivals` gives
+each buffered range the large records whose head or tail it reads.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Set, Tuple
+
+import torch
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
+
+from ...addresses import host_bytes
+from ..fs import Storage
+from ..manifest import FileRecord
+from .device_targets import DeviceTargets, is_device
+from .device_targets import supported as device_supported
+from .record_layout import Arrived
+
+#: Largest single read straight into a target (a big tensor is read as several, in parallel).
+DIRECT_CHUNK_BYTES = 16 * 2**20
+#: Reads into the per-thread buffer are about this size (longer only for one longer record).
+BUFFER_CHUNK_BYTES = 8 * 2**20
+
+
+class _Unsupported(Exception):
+    """The checkpoint or target is not one :func:`load_direct` handles (nothing touched yet)."""
+
+
+@dataclass
+class _Rec:
+    """One item of one file: where it lies and what becomes of it."""
+
+    fqn: str
+    start: int  # in the file
+    length: int
+    kind: str  # "direct" | "small" | "slow" | "bytes"
+    target: Optional[torch.Tensor] = None
+    flat: Optional[torch.Tensor] = None  # the target's bytes (uint8, 1-D), contiguous targets only
+    data_start: int = -1  # "direct": where the tensor's data starts in the file
+    own: bool = True  # target is the caller's tensor (False: a device target's host stand-in)
+    arrived: Optional[Arrived] = None  # "direct", data_start from the manifest: its head and tail bytes
+    loaded: Optional[torch.Tensor] = None  # "slow": the record read by torch.load ahead of the writes (staged)
+    #: the caller's tensor where ``target`` is a private one (its memory overlaps an earlier key's
+    #: target): copied there once every read is done, in key order (``order``)
+    into: Optional[torch.Tensor] = None
+    order: int = 0
+
+
+@dataclass
+class _Task:
+    path: str
+    name: str
+    start: int
+    end: int  # exclusive
+    extra: int = 0  # 1 on a file's last range where the size is not known: catches a longer file
+    dest: Optional[memoryview] = None  # straight into a target, else the thread's buffer
+    own: bool = True  # dest is the caller's memory
+    recs: List[_Rec] = field(default_factory=list)  # records inside [start, end) (buffered)
+    arrivals: List[_Rec] = field(default_factory=list)  # direct records whose head or tail it reads
+
+
+def _plain_target(t: torch.Tensor) -> bool:
+    return t.is_cpu and t.layout == torch.strided and not t.is_quantized
+
+
+def _contiguous_bytes(t: torch.Tensor) -> Optional[torch.Tensor]:
+    """``t``'s memory as a flat uint8 tensor, for a contiguous tensor without conjugate or
+    negative bits; else None. A view of ``t`` where writing through one is allowed, else (an
+    inference tensor) a tensor over its address that does not own the memory."""
+    if not t.is_contiguous() or t.is_conj() or t.is_neg() or t.numel() == 0:
+        return None
+    if t.is_inference():
+        return host_bytes(t.data_ptr(), t.numel() * t.element_size())
+    return t.view(-1).view(torch.uint8)
+
+
+def _flat_targets(state_dict: Dict[str, Any]) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+    """DCP's flattening of ``state_dict`` (the writer's quicker equivalent)."""
+    from .writer import _flatten
+
+    return _flatten(state_dict)
+
+
+def _overlapping(flat: Dict[str, Any], md: Dict[str, Any]) -> Set[str]:
+    """The keys whose CPU target tensor's memory overlaps that of a key before them (tied
+    weights, overlapping views): in each group of targets that overlap, all but the first."""
+    spans: List[Tuple[int, int, int, str]] = []
+    for i, (fqn, v) in enumerate(flat.items()):
+        if isinstance(v, torch.Tensor) and fqn in md and v.is_cpu and v.layout == torch.strided and v.numel():
+            if v.is_contiguous():
+                extent = v.numel()
+            else:
+                extent = 1 + sum((n - 1) * st for n, st in zip(v.shape, v.stride()))
+            lo = v.data_ptr()
+            spans.append((lo, lo + extent * v.element_size(), i, fqn))
+    spans.sort()
+    out: Set[str] = set()
+    group: List[Tuple[int, str]] = []
+    end = -1
+    for lo, hi, i, fqn in spans + [(2**64, 2**64, -1, "")]:
+        if lo >= end:  # a new group starts: the last one, if several, keeps its first key only
+            if len(group) > 1:
+                out.update(f for _, f in sorted(group)[1:])
+            group, end = [], hi
+        group.append((i, fqn))
+        end = max(end, hi)
+    return out
+
+
+def _plan(storage: Storage, path: str, state_dict: Dict[str, Any], files: Dict[str, FileRecord],
+          metadata: Metadata, direct_min: int, devices: DeviceTargets) -> Tuple[Dict[str, List[_Rec]], Dict[str, Any], Dict[str, Any]]:
+    """Records per file for the targets in ``state_dict`` (device targets get host stand-ins in
+    ``devices``); raises :class:`_Unsupported`."""
+    flat, mappings = _flat_targets(state_dict)
+    md = metadata.state_dict_metadata
+    data = metadata.storage_data
+    if not isinstance(data, dict):
+        raise _Unsupported("no storage data")
+    # storage_data by key name: one entry per name (a name stored in several entries is
+    # looked up by its full MetadataIndex)
+    by_fqn: Dict[str, Tuple[Any, Any]] = {}
+    shared = set()
+    for idx, info in data.items():
+        name = idx.fqn
+        if name in by_fqn:
+            shared.add(name)
+        by_fqn[name] = (idx.offset, info)
+
+    def lookup(fqn: str, offset: Any) -> Any:
+        if fqn in shared:
+            return data.get(MetadataIndex(fqn, offset))
+        got = by_fqn.get(fqn)
+        if got is None or (got[0] is None) != (offset is None) or (offset is not None and got[0] != offset):
+            return None
+        return got[1]
+
+    tied = _overlapping(flat, md)
+    per_file: Dict[str, List[_Rec]] = {}
+    for order, (fqn, value) in enumerate(flat.items()):
+        m = md.get(fqn)
+        if m is None:
+            continue  # not in the checkpoint (strict=False): left as it is
+        if isinstance(m, BytesStorageMetadata):
+            info = lookup(fqn, None)
+            if info is None or isinstance(value, torch.Tensor):
+                raise _Unsupported(fqn)
+            rec = _Rec(fqn, info.offset, info.length, "bytes")
+        elif isinstance(m, TensorStorageMetadata):
+            if type(value) not in (torch.Tensor, torch.nn.Parameter):
+                raise _Unsupported(fqn)
+            on_device = is_device(value)
+            if not (device_supported(value) if on_device else _plain_target(value)):
+                raise _Unsupported(fqn)
+            if len(m.chunks) != 1 or any(m.chunks[0].offsets) or tuple(m.chunks[0].sizes) != tuple(m.size) \
+                    or tuple(value.shape) != tuple(m.size) or value.dtype != m.properties.dtype:
+                raise _Unsupported(fqn)
+            offsets = m.chunks[0].offsets
+            info = lookup(fqn, offsets if type(offsets) is torch.Size else torch.Size(offsets))
+            if info is None:
+                raise _Unsupported(fqn)
+            nbytes = value.numel() * value.element_size()
+            if nbytes == 0:
+                continue  # nothing to read into; the bytes still count for the checksum
+            if on_device:
+                t = devices.stand_in(value)
+            else:
+                t = value.detach() if type(value) is not torch.Tensor or value.requires_grad else value
+            into = None
+            if fqn in tied:  # read into private memory, so that what lands there (and is checked) is its own
+                into, t = t, torch.empty(tuple(value.shape), dtype=value.dtype)
+            fb = _contiguous_bytes(t)
+            kind = "slow" if fb is None else ("direct" if nbytes >= direct_min else "small")
+            rec = _Rec(fqn, info.offset, info.length, kind, t, fb, own=not on_device and into is None, into=into,
+                       order=order)
+        else:
+            raise _Unsupported(fqn)
+        per_file.setdefault(info.relative_path, []).append(rec)
+    for name, recs in per_file.items():
+        if name not in files:
+            raise _Unsupported(name)  # check_metadata refuses this first; never read unlisted files
+        recs.sort(key=lambda r: r.start)
+        end = 0
+        for r in recs:
+            if r.start < end:
+                raise _Unsupported(f"{name}: overlapping items")  # not a layout we write
+            end = r.start + r.length
+        if end > files[name].size:
+            raise _Unsupported(name)
+        data_at = files[name].data_at
+        for r in recs if data_at else ():
+            head = data_at.get(r.start) if r.kind == "direct" else None  # type: ignore[union-attr]
+            if head is not None and head + r.flat.numel() <= r.length:  # type: ignore[union-attr]
+                r.data_start = r.start + head
+    return per_file, flat, mappings
+
+
+def _tasks(path: str, name: str, size: int, recs: List[_Rec], size_known: bool) -> List[_Task]:
+    """The file ``name`` as a tiling of ranges: direct ones and buffered ones."""
+    where = f"{path}/{name}"
+    direct = [r for r in recs if r.kind == "direct"]
+    out: List[_Task] = []
+    pos = 0
+    others = iter([r for r in recs if r.kind != "direct"])
+    pending = next(others, None)
+
+    def buffered(lo: int, hi: int) -> None:
+        nonlocal pending
+        cur = _Task(where, name, lo, lo)
+        while True:
+            # records wholly inside [lo, hi) go with the range they start in
+            nxt = pending if pending is not None and pending.start < hi else None
+            stop = nxt.start if nxt is not None else hi
+            while stop - cur.end > 0:  # plain bytes up to the next record (or the end)
+                room = cur.start + BUFFER_CHUNK_BYTES - cur.end
+                if room <= 0:
+                    out.append(cur)
+                    cur = _Task(where, name, cur.end, cur.end)
+                    continue
+                cur.end = min(stop, cur.end + room)
+            if nxt is None:
+                break
+            if cur.end > cur.start and cur.end + nxt.length - cur.start > BUFFER_CHUNK_BYTES:
+                out.append(cur)
+                cur = _Task(where, name, cur.end, cur.end)
+            cur.recs.append(nxt)
+            cur.end = nxt.start + nxt.length
+            pending = next(others, None)
+        if cur.end > cur.start:
+            out.append(cur)
+
+    for r in direct:
+        a = r.data_start
+        b = a + r.flat.numel()  # type: ignore[union-attr]
+        if a > pos:
+            buffered(pos, a)
+        # flat is set on every direct record; numpy's stubs declare the buffer protocol only for Python >= 3.12
+        mv = memoryview(r.flat.numpy())  # type: ignore[union-attr, arg-type, unused-ignore]
+        for lo in range(a, b, DIRECT_CHUNK_BYTES):
+            hi = min(b, lo + DIRECT_CHUNK_BYTES)
+            out.append(_Task(where, name, lo, hi, dest=mv[lo - a:hi - a], own=r.own))
+        pos = b
+    if size > pos:
+        buffered(pos, size)
+    if not size_known and out:
+        out[-1].extra = 1
+    return out
+
+
+def _assign_arrivals(per_file: Dict[str, List[_Rec]], tasks: List[_Task]) -> None:
+    """Give each buffered task the direct records (with bytes to gather, see :class:`Arrived`)
+    whose head or tail it reads."""
+    by_file: Dict[str, List[_Rec]] = {n: [r for r in recs if r.arrived is not None] for n, recs in per_file.items()}
+    ends = {n: [r.start + r.length for r in recs] for n, recs in by_file.items()}
+    for task in tasks:
+        recs = by_file.get(task.name)
+        if task.dest is not None or not recs:
+            continue
+        k = bisect.bisect_right(ends[task.name], task.start)  # the first record ending after the task's start
+        while k < len(recs) and recs[k].start < task.end:
+            task.arrivals.append(recs[k])
+            k += 1
