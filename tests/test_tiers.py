@@ -13,7 +13,13 @@ import pytest
 import torch
 
 from async_ckpt import CheckpointManager, KeepLatest
-from async_ckpt.errors import CheckpointError, CorruptCheckpointError, StateDictMismatchError, StepNotFoundError
+from async_ckpt.errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    StateDictMismatchError,
+    StepNotFoundError,
+    StorageError,
+)
 from async_ckpt.lifecycle import coordinator as coordinator_mod
 
 from .conftest import assert_bitwise_equal, clone_tree
@@ -430,3 +436,56 @@ def test_should_save_answers_for_either_tier(roots):
         assert [s for s in range(21) if mgr.should_save(s)] == [0, 5, 10, 15, 20]
     with CheckpointManager(path, save_interval=10) as plain:
         assert [s for s in range(21) if plain.should_save(s)] == [0, 10, 20]
+
+
+def test_a_bucket_unreachable_at_its_first_save_does_not_stop_the_local_save(roots, caplog):
+    """The lease of the bucket is taken at its first due save: a vanished bucket (a raw
+    FileNotFoundError from the lock file) is deferred like a failed upload, the step goes to
+    the local tier, and the lease is tried again at the next step due for the bucket."""
+    path, local = roots
+    mgr = CheckpointManager(path, save_interval=5, local_dir=local, local_policy=2, local_retention=10)
+    shutil.rmtree(path)  # the bucket's mount went away before the first upload
+    with caplog.at_level(logging.ERROR, logger="async_ckpt"):
+        for s in range(4, 7):
+            assert mgr.save_async(s, state(s))  # 5 is due for the bucket only: saved locally
+    assert "save of step 5 failed" in caplog.text
+    mgr._local.writer.join()
+    assert mgr.step_tiers() == {6: ("local",), 5: ("local",), 4: ("local",)}
+    with pytest.raises(StorageError, match=r"step 5: the checkpoint path .*bucket cannot be reached") as ei:
+        mgr.join()
+    assert ei.value.step == 5
+    os.makedirs(path)  # the bucket is back: the next step due for it takes the lease and commits
+    mgr.save(10, state(10))
+    assert mgr.step_tiers()[10] == ("local", "persistent")
+    mgr.close()
+
+
+def test_a_preemption_save_while_the_bucket_is_down_is_taken_locally(roots):
+    import signal
+
+    path, local = roots
+    mgr = CheckpointManager(path, save_interval=100, local_dir=local, local_policy=1, chkpt_on_preemption=True,
+                            preemption_signals=[signal.SIGUSR1], preemption_sync="signal")
+    mgr.save(1, state(1))
+    shutil.rmtree(path)
+    mgr.trigger_preemption()
+    assert mgr.save_async(2, state(2))
+    assert mgr.reached_preemption(2)
+    mgr._local.writer.join()
+    assert mgr.step_tiers() == {2: ("local",), 1: ("local",)}
+    with pytest.raises(StorageError, match="step 2"):
+        mgr.close()
+    with CheckpointManager(local) as m:
+        out = zeros()
+        assert m.restore(None, out) == 2
+    assert_bitwise_equal(out, state(2))
+
+
+def test_without_a_local_tier_an_unreachable_bucket_raises_a_storage_error_naming_it(roots):
+    path, _ = roots
+    mgr = CheckpointManager(path)
+    shutil.rmtree(path)
+    with pytest.raises(StorageError, match=f"the checkpoint path {path} cannot be reached") as ei:
+        mgr.save_async(1, state(1))
+    assert isinstance(ei.value.__cause__, FileNotFoundError)
+    mgr.close()

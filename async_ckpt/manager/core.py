@@ -117,8 +117,9 @@ class CheckpointManager(SaveDecisions, TierListing):
             selects go to ``path``; a step due for both is staged once and written to both
             side by side. ``restore(None)`` takes the newest commit over both tiers, the local
             copy first. With several ranks each rank writes its own ``<local_dir>/rank<r>``.
-            With a local tier, failed writes to ``path`` are logged at once and raised by
-            :meth:`join`/:meth:`close`, not by the next save (see docs/tiers.md).
+            With a local tier, failed writes to ``path`` (and a ``path`` that cannot be reached
+            when a save is due there: that step goes to ``local_dir``) are logged at once and
+            raised by :meth:`join`/:meth:`close`, not by the next save (see docs/tiers.md).
         local_policy: when to save to ``local_dir``: a save policy, a callable
             ``fn(step) -> bool`` or an int N (every N steps); default: the save policy.
         local_retention: retention of ``local_dir``: a policy or an int N (keep the N newest
@@ -291,24 +292,7 @@ class CheckpointManager(SaveDecisions, TierListing):
         alone = self._coord.world_size == 1
         for tier in self._tiers:
             tier.writer.raise_if_failed()
-        take, preempt = self._decide(step, force)
-        take_local = self._local is not None and self._local_due(self._local, step, force or preempt, take)
-        lease_error: Optional[LeaseHeldError] = None
-        if take and self._coord.is_primary:
-            try:
-                self._store.become_writer()
-                self._store.warn_if_lower(step, self._restored)
-            except LeaseHeldError as exc:
-                if alone:
-                    raise
-                lease_error = exc
-        if not alone:
-            # Rank 0 decides for everyone: time-based policies, preemption signals and "nothing
-            # in flight" conditions can answer differently per rank.
-            take, take_local, preempt, lease_ok = self._coord.agree([take, take_local, preempt, lease_error is None])
-            if take and not lease_ok:
-                raise lease_error or LeaseHeldError(
-                    f"rank 0 could not take the writer lease of {self.storage.url}; see rank 0's error")
+        take, take_local, preempt, taken = self._due(step, force)
         if take_local and self._local is not None:
             try:
                 self._local.store.become_writer()  # this rank's own local directory
@@ -368,11 +352,13 @@ class CheckpointManager(SaveDecisions, TierListing):
                           commit_at=taken_at if self._local is not None else None)
             tier.writer.submit(functools.partial(self._persist, job, tier), step=step)
             tier.last_save_time, tier.last_save_step = self._clock(), step
-        if take:
+        if taken:
             self._taken(step, preempt)
         if wait:
             for tier in due:
                 tier.writer.join()
+            if taken and not take:  # the root could not be reached: raised as a failed upload is
+                self._writer.join()
         return True
 
     def _persist(self, job: SaveJob, tier: Tier) -> None:
