@@ -6,10 +6,10 @@ the snapshot to the writer of every tier the step is due for, so the two tiers' 
 by side and a slow upload never holds up a local save (beyond ``max_pending_async`` per tier).
 
 Listing merges the tiers by commit time. A save written to both tiers is stamped, in both,
-with the time it was taken (or just after the tier's newest commit), so the merged order is
-the order of the saves even while the persistent writer lags behind the local one; a step
-both tiers hold counts once, at its newest copy's commit (two copies with different times are
-different saves: a re-save replaces a step).
+with the time it was taken (or just after the tier's newest commit) and with one save id, so
+the merged order is the order of the saves even while the persistent writer lags behind the
+local one; a step both tiers hold counts once, at its newest copy's commit (two copies with
+different save ids are different saves: a re-save replaces a step, the newest one counts).
 :func:`restore_from_tiers` tries the copies newest commit first and, of the two copies of one
 save, the local one before the persistent one; a copy that is damaged, unreadable, or written by another rank or
 world size is skipped with a warning naming the tier and why. With several ranks each rank
@@ -52,9 +52,22 @@ PERSISTENT = "persistent"
 FALLBACK_ERRORS = (CorruptCheckpointError, StorageError, OSError)
 
 
-#: two copies of a step committed this close (seconds) are copies of one save (each rank
-#: stamps its local copy with its own clock, the bucket's copy has rank 0's)
+#: the manifest ``extra`` entry naming the save that wrote a copy: a save due for both tiers
+#: writes one id into both copies (every rank the same id), so its two copies are one save
+SAVE_ID = "save_id"
+
+#: copies written before save ids were recorded: two copies of a step committed this close
+#: (seconds) are copies of one save (each rank stamps its local copy with its own clock)
 SAME_SAVE_S = 1.0
+
+
+def same_save(a: CheckpointInfo, b: CheckpointInfo) -> bool:
+    """Whether two copies of one step were written by one save: their save ids are equal
+    (copies without an id, from before ids were recorded: committed within :data:`SAME_SAVE_S`)."""
+    ia, ib = a.extra.get(SAVE_ID), b.extra.get(SAVE_ID)
+    if ia is not None and ib is not None:
+        return bool(ia == ib)
+    return abs(a.commit_time - b.commit_time) <= SAME_SAVE_S
 
 
 class ForeignCopyError(CheckpointError):
@@ -161,30 +174,33 @@ def _nothing_listed(failed: List[BaseException]) -> None:
 def held_copies(tiers: Sequence[Tier], only: Optional[Dict[str, Optional[set]]] = None,
                 failed: Optional[List[BaseException]] = None) -> List[Held]:
     """Every committed copy of ``tiers`` (one :class:`Held` per tier and step), newest commit
-    first; of two copies of one save (written to both tiers: both carry the time it was taken,
-    within :data:`SAME_SAVE_S`) the local one first. Copies whose manifest does not read come first
-    (their time is unknown). Two copies of a step with different times are different saves (a
-    re-save replaces a step): each is ordered by its own commit.
+    first; the two copies of one save (written to both tiers: see :func:`same_save`) count at
+    the newer stamp, the local one first. Copies whose manifest does not read come first
+    (their time is unknown). Two copies of a step written by different saves (a re-save
+    replaces a step) are each ordered by their own commit: the newest save wins.
     ``only``: per tier name, the steps to count (None: all). A tier that cannot be listed is
     skipped with a warning (its error added to ``failed``), unless nothing is found in the
     others: then its error is raised."""
-    out: List[Held] = []
     if failed is None:
         failed = []
+    copies: List[Tuple[str, int, Optional[CheckpointInfo]]] = []  # (tier, step, record if it reads)
     for tier in tiers:
         infos, newest_first = _infos(tier, len(tiers) - 1, failed)
         allowed = (only or {}).get(tier.name)
-        for s in newest_first:
-            if allowed is None or s in allowed:
-                out.append(Held(s, infos[s].commit_time if s in infos else float("inf"), (tier.name,)))
-    if not out:
+        copies += [(tier.name, s, infos.get(s)) for s in newest_first if allowed is None or s in allowed]
+    if not copies:
         _nothing_listed(failed)
-    newest: Dict[int, float] = {}
-    for h in out:
-        newest[h.step] = max(newest.get(h.step, h.commit_time), h.commit_time)
-    # copies of one save: the same stamp, up to the ranks' clocks (a rank stamps its local copy)
-    out = [dataclasses.replace(h, commit_time=newest[h.step]) if newest[h.step] - h.commit_time <= SAME_SAVE_S
-           else h for h in out]
+    newest: Dict[int, CheckpointInfo] = {}
+    for _, s, info in copies:
+        if info is not None and (s not in newest or info.commit_time > newest[s].commit_time):
+            newest[s] = info
+    out: List[Held] = []
+    for name, s, info in copies:
+        if info is None:
+            t = float("inf")
+        else:  # a copy of the step's newest save counts at that save's newest stamp
+            t = newest[s].commit_time if same_save(info, newest[s]) else info.commit_time
+        out.append(Held(s, t, (name,)))
     return sorted(out, key=lambda h: (h.commit_time, h.step, h.tiers[0] == LOCAL), reverse=True)
 
 
@@ -354,7 +370,7 @@ def promote(local: Tier, persistent: Tier, step: int, *, verify: bool = True, th
         new = dataclasses.replace(manifest, extra=extra)  # keeps its commit time: the order of the saves
         dst.layout.commit(target, new)
         committed = True
-        catalog.record_commit(CheckpointInfo(step, new.commit_time, dict(new.metrics), new.nbytes))
+        catalog.record_commit(CheckpointInfo(step, new.commit_time, dict(new.metrics), new.nbytes, dict(new.extra)))
         catalog.end_write(step)
         dst.apply_retention(retention if retention is not None else persistent.retention)
         return new

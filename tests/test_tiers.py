@@ -489,3 +489,31 @@ def test_without_a_local_tier_an_unreachable_bucket_raises_a_storage_error_namin
         mgr.save_async(1, state(1))
     assert isinstance(ei.value.__cause__, FileNotFoundError)
     mgr.close()
+
+
+def test_a_re_save_within_a_second_is_a_different_save_and_the_newest_one_wins(roots):
+    """Copies of one save are named by a save id in both tiers' manifests, not by how close
+    their commit times are: a re-save of step 10 to the bucket 0.x s after a local-only save
+    of it is the newer save."""
+    from async_ckpt.policies import CheckpointInfo
+    from async_ckpt.tiers import same_save
+
+    path, local = roots
+    flags = {"local": True, "bucket": False}
+    with CheckpointManager(path, save_policy=lambda s: flags["bucket"], local_dir=local,
+                           local_policy=lambda s: flags["local"], local_retention=5) as mgr:
+        mgr.save(10, state(1))               # local only
+        flags.update(local=False, bucket=True)
+        mgr.save(10, state(2))               # re-saved at once: the bucket only
+        assert mgr.step_tiers() == {10: ("persistent", "local")}
+        for step in (None, 10):
+            out = zeros()
+            assert mgr.restore(step, out) == 10
+            assert_bitwise_equal(out, state(2))
+        flags.update(local=True)
+        mgr.save(11, state(11))              # one save, both tiers: one id, local first
+        assert mgr.step_tiers()[11] == ("local", "persistent")
+    # manifests from before save ids: copies committed within SAME_SAVE_S are one save
+    assert same_save(CheckpointInfo(1, 100.0), CheckpointInfo(1, 100.5))
+    assert not same_save(CheckpointInfo(1, 100.0), CheckpointInfo(1, 102.0))
+    assert not same_save(CheckpointInfo(1, 100.0, extra={"save_id": "a"}), CheckpointInfo(1, 100.0, extra={"save_id": "b"}))

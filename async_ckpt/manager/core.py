@@ -13,6 +13,7 @@ import functools
 import logging
 import os
 import time
+import uuid
 import weakref
 from typing import Any, Callable, Deque, Dict, List, Mapping, Optional, Sequence
 
@@ -41,6 +42,7 @@ from ..storage.stats_log import StatsLog
 from ..tiers import (
     LOCAL,
     PERSISTENT,
+    SAVE_ID,
     Tier,
     make_local_tier,
     promote,
@@ -196,6 +198,11 @@ class CheckpointManager(SaveDecisions, TierListing):
         # Collective: every rank creates the checkpoint groups, first, before anything that
         # could fail on one rank only (a no-op coordinator in a single process).
         self._coord = coordinator_for(process_group, float(collective_timeout_s))
+        # names each save in both tiers' manifests (see tiers.SAVE_ID): rank 0's, on every rank
+        self._run_id = uuid.uuid4().hex[:12] if local_dir is not None else ""
+        if local_dir is not None and self._coord.world_size > 1:
+            self._run_id = self._coord.broadcast(self._run_id)
+        self._saves = 0
         self.storage = Storage(path, storage_options, retry=retry)
         self.layout = CheckpointLayout(self.storage, commit_mode)
         self.process_group = process_group
@@ -293,6 +300,8 @@ class CheckpointManager(SaveDecisions, TierListing):
         for tier in self._tiers:
             tier.writer.raise_if_failed()
         take, take_local, preempt, taken = self._due(step, force)
+        if take or take_local:  # agreed: every rank counts the same saves, one id per save
+            self._saves += 1
         if take_local and self._local is not None:
             try:
                 self._local.store.become_writer()  # this rank's own local directory
@@ -346,8 +355,9 @@ class CheckpointManager(SaveDecisions, TierListing):
             extra: Dict[str, Any] = {}
             if self._local is not None:
                 stats.extra["tier"] = tier.name
+                extra[SAVE_ID] = f"{self._run_id}.{self._saves}"
             if tier.name == LOCAL:
-                extra = {"tier": LOCAL, "rank": self._coord.rank, "world_size": self._coord.world_size}
+                extra.update({"tier": LOCAL, "rank": self._coord.rank, "world_size": self._coord.world_size})
             job = SaveJob(step, snap, metrics, stats, t0, manifest_extra=extra,
                           commit_at=taken_at if self._local is not None else None)
             tier.writer.submit(functools.partial(self._persist, job, tier), step=step)
