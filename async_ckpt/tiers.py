@@ -171,12 +171,23 @@ def _nothing_listed(failed: List[BaseException]) -> None:
         raise failed[0]
 
 
+def _reread(tier: Tier, step: int) -> Optional[CheckpointInfo]:
+    """The record of a committed ``step`` whose manifest did not read while ``tier`` was listed
+    (a transient error, say), read once more; None if it still does not read."""
+    try:
+        m = tier.store.layout.read_manifest(step)
+    except Exception:  # noqa: BLE001 - the listing has warned; the restore reports it
+        return None
+    return CheckpointInfo(step, m.commit_time, dict(m.metrics), m.nbytes, dict(m.extra))
+
+
 def held_copies(tiers: Sequence[Tier], only: Optional[Dict[str, Optional[set]]] = None,
                 failed: Optional[List[BaseException]] = None) -> List[Held]:
     """Every committed copy of ``tiers`` (one :class:`Held` per tier and step), newest commit
     first; the two copies of one save (written to both tiers: see :func:`same_save`) count at
-    the newer stamp, the local one first. Copies whose manifest does not read come first
-    (their time is unknown). Two copies of a step written by different saves (a re-save
+    the newer stamp, the local one first. A copy whose manifest did not read while listing is
+    read once more; if it still does not read, its time is unknown and it comes after every
+    other copy (an intact newer step is not passed over for it; a restore tries it last). Two copies of a step written by different saves (a re-save
     replaces a step) are each ordered by their own commit: the newest save wins.
     ``only``: per tier name, the steps to count (None: all). A tier that cannot be listed is
     skipped with a warning (its error added to ``failed``), unless nothing is found in the
@@ -187,7 +198,8 @@ def held_copies(tiers: Sequence[Tier], only: Optional[Dict[str, Optional[set]]] 
     for tier in tiers:
         infos, newest_first = _infos(tier, len(tiers) - 1, failed)
         allowed = (only or {}).get(tier.name)
-        copies += [(tier.name, s, infos.get(s)) for s in newest_first if allowed is None or s in allowed]
+        copies += [(tier.name, s, infos.get(s) or _reread(tier, s)) for s in newest_first
+                   if allowed is None or s in allowed]
     if not copies:
         _nothing_listed(failed)
     newest: Dict[int, CheckpointInfo] = {}
@@ -197,7 +209,7 @@ def held_copies(tiers: Sequence[Tier], only: Optional[Dict[str, Optional[set]]] 
     out: List[Held] = []
     for name, s, info in copies:
         if info is None:
-            t = float("inf")
+            t = float("-inf")  # unknown: after every copy whose time is known
         else:  # a copy of the step's newest save counts at that save's newest stamp
             t = newest[s].commit_time if same_save(info, newest[s]) else info.commit_time
         out.append(Held(s, t, (name,)))

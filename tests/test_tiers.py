@@ -517,3 +517,40 @@ def test_a_re_save_within_a_second_is_a_different_save_and_the_newest_one_wins(r
     assert same_save(CheckpointInfo(1, 100.0), CheckpointInfo(1, 100.5))
     assert not same_save(CheckpointInfo(1, 100.0), CheckpointInfo(1, 102.0))
     assert not same_save(CheckpointInfo(1, 100.0, extra={"save_id": "a"}), CheckpointInfo(1, 100.0, extra={"save_id": "b"}))
+
+
+@pytest.mark.parametrize("blip", [True, False])
+def test_a_bucket_manifest_that_does_not_read_while_listing_does_not_pass_over_newer_local_steps(roots, monkeypatch,
+                                                                                                blip):
+    """Step 5's bucket manifest fails to read while the bucket is listed (``blip``: only
+    then): it is read once more, else ordered after every copy whose time is known."""
+    path, local = roots
+    with CheckpointManager(path, save_interval=5, local_dir=local, local_policy=1) as mgr:
+        for s in range(1, 8):
+            mgr.save(s, state(s))
+    mgr = CheckpointManager(path, save_interval=5, local_dir=local, local_policy=1)
+    listing = {"on": False}
+    real_read, real_infos = mgr.layout.read_manifest, mgr._store.catalog.infos
+
+    def read(step, *a, **k):
+        if step == 5 and (listing["on"] or not blip):
+            raise StorageError("read manifest: 503")
+        return real_read(step, *a, **k)
+
+    def infos():
+        listing["on"] = True
+        try:
+            return real_infos()
+        finally:
+            listing["on"] = False
+
+    monkeypatch.setattr(mgr.layout, "read_manifest", read)
+    monkeypatch.setattr(mgr._store.catalog, "infos", infos)
+    assert list(mgr.step_tiers()) == [7, 6, 5]
+    out = zeros()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # step 5 is not tried (and skipped) first
+        assert mgr.restore(None, out) == 7
+    assert_bitwise_equal(out, state(7))
+    monkeypatch.undo()
+    mgr.close()
