@@ -554,3 +554,23 @@ def test_a_bucket_manifest_that_does_not_read_while_listing_does_not_pass_over_n
     assert_bitwise_equal(out, state(7))
     monkeypatch.undo()
     mgr.close()
+
+
+def test_metrics_while_the_bucket_is_down_come_from_the_local_tier(roots, monkeypatch):
+    path, local = roots
+    with CheckpointManager(path, save_interval=2, local_dir=local, local_policy=1) as mgr:
+        for s in range(1, 4):
+            mgr.save(s, state(s), metrics={"loss": float(s)})
+    mgr = CheckpointManager(path, save_interval=2, local_dir=local, local_policy=1)
+
+    def down(*a, **k):
+        raise StorageError(f"{path}: connection refused")
+
+    monkeypatch.setattr(mgr.layout, "committed_steps", down)
+    with pytest.warns(RuntimeWarning, match=r"persistent tier .* cannot be read"):
+        assert mgr.metrics(3) == {"loss": 3.0}
+    with pytest.warns(RuntimeWarning, match="cannot be read"):
+        with pytest.raises(StorageError, match="connection refused"):
+            mgr.metrics(1)  # only the bucket may hold it: its error, not "not found"
+    monkeypatch.undo()
+    mgr.close()
