@@ -92,28 +92,35 @@ class Tier:
         return self.store.storage.url
 
     def identity(self) -> str:
-        """The root as one string per directory, ending in ``/``: the filesystem's protocol and
-        the root path (local paths: absolute, symbolic links resolved; ``file://`` or not)."""
-        storage = self.store.storage
-        proto = storage.fs.protocol
-        proto = proto[0] if isinstance(proto, (tuple, list)) else proto
-        root = os.path.realpath(storage.root) if storage.is_local else storage.root
-        return f"{proto}://{root.rstrip('/')}/"
-
-    def check_differs(self, other: "Tier") -> None:
-        """Two tiers must not share a root, nor one lie inside the other (each one's
-        retention and cleanup would delete the other's steps)."""
-        a, b = self.identity(), other.identity()
-        if a.startswith(b) or b.startswith(a):
-            raise ValueError(f"local_dir ({other.url}) and the checkpoint path ({self.url}) must not be the "
-                             f"same directory or inside one another")
+        """This tier's root as :func:`root_identity` spells it."""
+        return root_identity(self.store.storage)
 
 
-def make_local_tier(local_dir: str, coord: Coordinator, clock: Callable[[], float], *, policy: Any, retention: Any,
-                    max_pending: int, commit_mode: str, keep_incomplete: bool, lease_timeout: float,
-                    timeout_s: float, retry: Any) -> Tier:
+def root_identity(storage: Storage) -> str:
+    """A root as one string per directory, ending in ``/``: the filesystem's protocol and the
+    root path (local paths: absolute, symbolic links resolved; ``file://`` or not)."""
+    proto = storage.fs.protocol
+    proto = proto[0] if isinstance(proto, (tuple, list)) else proto
+    root = os.path.realpath(storage.root) if storage.is_local else storage.root
+    return f"{proto}://{root.rstrip('/')}/"
+
+
+def check_roots_differ(persistent: Storage, local: Storage) -> None:
+    """Two tiers must not share a root, nor one lie inside the other (each one's retention and
+    cleanup would delete the other's steps): ``ValueError``."""
+    a, b = root_identity(persistent), root_identity(local)
+    if a.startswith(b) or b.startswith(a):
+        raise ValueError(f"local_dir ({local.url}) and the checkpoint path ({persistent.url}) must not be the "
+                         f"same directory or inside one another")
+
+
+def make_local_tier(local_dir: str, persistent: Storage, coord: Coordinator, clock: Callable[[], float], *,
+                    policy: Any, retention: Any, max_pending: int, commit_mode: str, keep_incomplete: bool,
+                    lease_timeout: float, timeout_s: float, retry: Any) -> Tier:
     """The local tier of a manager: ``local_dir`` itself with one process, ``<local_dir>/rank<r>``
-    with several (each rank writes and reads its own shards there, on no collective)."""
+    with several (each rank writes and reads its own shards there, on no collective). The
+    arguments and the roots (see :func:`check_roots_differ`) are checked before anything is
+    created."""
     if not isinstance(local_dir, (str, os.PathLike)):
         raise TypeError(f"local_dir must be a path or URL string, got {type(local_dir).__name__}")
     root = os.fspath(local_dir)
@@ -126,6 +133,7 @@ def make_local_tier(local_dir: str, coord: Coordinator, clock: Callable[[], floa
         raise ValueError(f"local_retention as an int keeps the N newest local steps, N >= 1; got {retention!r}")
     keep = KeepLatest(retention) if isinstance(retention, int) else as_retention_policy(retention)
     storage = Storage(root, None, retry=retry)
+    check_roots_differ(persistent, storage)
     try:
         storage.makedirs(storage.root)
         storage.check_writable()

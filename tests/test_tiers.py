@@ -574,3 +574,21 @@ def test_metrics_while_the_bucket_is_down_come_from_the_local_tier(roots, monkey
             mgr.metrics(1)  # only the bucket may hold it: its error, not "not found"
     monkeypatch.undo()
     mgr.close()
+
+
+def test_a_refused_construction_creates_nothing_and_leaves_no_thread(roots):
+    import threading
+
+    path, local = roots
+
+    def writers():
+        return sum(t.name.startswith("async-ckpt-") for t in threading.enumerate())
+
+    before = writers()
+    for _ in range(3):
+        with pytest.raises(ValueError, match="inside one another"):
+            CheckpointManager(path, local_dir=os.path.join(path, "sub"))
+        with pytest.raises(ValueError, match="local_retention"):
+            CheckpointManager(path, local_dir=local, local_retention=0)
+    assert writers() <= before
+    assert not os.path.exists(os.path.join(path, "sub"))

@@ -223,13 +223,6 @@ class CheckpointManager(SaveDecisions, TierListing):
         self._writer = AsyncWriter(max_pending_async, defer_errors=local_dir is not None)
         self._tiers: List[Tier] = [Tier(PERSISTENT, self._store, self._writer, self.retention)]
         self._local: Optional[Tier] = None
-        if local_dir is not None:
-            self._local = make_local_tier(
-                local_dir, self._coord, lambda: self._clock(), policy=local_policy, retention=local_retention,
-                max_pending=max_pending_async, commit_mode=commit_mode, keep_incomplete=keep_incomplete,
-                lease_timeout=float(lease_timeout), timeout_s=float(collective_timeout_s), retry=retry)
-            self._tiers.insert(0, self._local)
-            self._tiers[-1].check_differs(self._local)
         self._closed = False
         self._forked = False
         self._pid = os.getpid()
@@ -237,15 +230,20 @@ class CheckpointManager(SaveDecisions, TierListing):
         self._last_save_time: Optional[float] = None
         self._last_save_step: Optional[int] = None
         self._restored: Optional[int] = None  # the step this manager last restored
-        self._check_writable()
-        if self._preemption is not None:
-            try:
+        try:
+            if local_dir is not None:
+                self._local = make_local_tier(
+                    local_dir, self.storage, self._coord, lambda: self._clock(), policy=local_policy,
+                    retention=local_retention, max_pending=max_pending_async, commit_mode=commit_mode,
+                    keep_incomplete=keep_incomplete, lease_timeout=float(lease_timeout),
+                    timeout_s=float(collective_timeout_s), retry=retry)
+                self._tiers.insert(0, self._local)
+            self._check_writable()
+            if self._preemption is not None:
                 self._preemption.watcher.install()
-            except BaseException:
-                for tier in self._tiers:
-                    tier.writer.close()
-                    tier.store.deleter.shutdown(wait=False)
-                raise
+        except BaseException:  # a refused manager leaves no thread behind
+            _stop_threads([(t.writer, t.store.deleter, None) for t in self._tiers])
+            raise
         # An unclosed manager that is garbage-collected stops its threads (it has no pending
         # work then: a queued save holds a reference to it).
         self._finalizer = weakref.finalize(self, _stop_threads,
