@@ -24,7 +24,7 @@ import logging
 import os
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 from .errors import CheckpointError, CorruptCheckpointError, StepNotFoundError, StorageError
 from .lifecycle.coordinator import Coordinator, describe, rank_local_coordinator, rebuild
@@ -35,6 +35,7 @@ from .policies import (
     KeepLatest,
     RetentionPolicy,
     SavePolicy,
+    apply_retention,
     as_retention_policy,
     as_save_policy,
 )
@@ -59,6 +60,11 @@ SAVE_ID = "save_id"
 #: copies written before save ids were recorded: two copies of a step committed this close
 #: (seconds) are copies of one save (each rank stamps its local copy with its own clock)
 SAME_SAVE_S = 1.0
+
+
+#: the local manifests' ``extra`` entry naming the persistent root (:func:`root_identity`) a
+#: copy was saved for: a local copy saved for another root is another job's ("foreign")
+PERSISTENT_ROOT = "persistent_root"
 
 
 def same_save(a: CheckpointInfo, b: CheckpointInfo) -> bool:
@@ -86,6 +92,8 @@ class Tier:
     policy: Optional[SavePolicy] = None
     last_save_time: Optional[float] = None
     last_save_step: Optional[int] = None
+    #: the local tier: the persistent root it belongs to (:func:`root_identity`)
+    home: Optional[str] = None
 
     @property
     def url(self) -> str:
@@ -112,6 +120,60 @@ def check_roots_differ(persistent: Storage, local: Storage) -> None:
     if a.startswith(b) or b.startswith(a):
         raise ValueError(f"local_dir ({local.url}) and the checkpoint path ({persistent.url}) must not be the "
                          f"same directory or inside one another")
+
+
+def foreign_root(tier: Tier, extra: Mapping[str, Any]) -> Optional[str]:
+    """The persistent root a copy of the local ``tier`` (its manifest's ``extra``) was saved
+    for, when that is not the root this tier belongs to; None for this job's copies and for
+    copies saved before the root was recorded."""
+    recorded = extra.get(PERSISTENT_ROOT)
+    if tier.home is None or recorded is None or recorded == tier.home:
+        return None
+    return str(recorded)
+
+
+def warn_foreign(tier: Tier, foreign: Dict[int, str]) -> None:
+    """The warning for local copies another job saved (step -> the root it was saved for)."""
+    roots = sorted(set(foreign.values()))
+    warnings.warn(f"async_ckpt: skipping the local copies of steps {sorted(foreign)} in {tier.url}: saved for the "
+                  f"checkpoint path {' and '.join(roots)}, not {tier.home} (another job's: never restored, "
+                  f"replaced or deleted by this one)", RuntimeWarning, stacklevel=4)
+
+
+def foreign_steps(tier: Tier, step: Optional[int] = None) -> Dict[int, str]:
+    """The committed copies of ``tier`` (or only ``step``) that another job saved: step -> the
+    persistent root they were saved for (writer side: from the catalog's records)."""
+    if tier.home is None:
+        return {}
+    infos = tier.store.catalog.infos()
+    return {s: r for s, info in infos.items() if (step is None or s == step)
+            for r in [foreign_root(tier, info.extra)] if r is not None}
+
+
+def skip_foreign_save(tier: Tier, step: int, snap: Any) -> bool:
+    """Local writer thread: True (with a warning; this job's hold on ``snap`` is released)
+    when another job's committed copy of ``step`` is in ``tier``: a save would replace it."""
+    foreign = foreign_steps(tier, step)
+    if not foreign:
+        return False
+    log.warning("async_ckpt: not saving step %d to %s: it holds that step saved for the checkpoint path %s, "
+                "not %s (another job's copy is never replaced)", step, tier.url, foreign[step], tier.home)
+    if snap is not None:
+        snap.release()
+    return True
+
+
+@dataclass
+class OwnCopies:
+    """The local tier's retention: ``policy`` over this job's copies only; copies another job
+    saved (see :func:`foreign_root`) are kept: never this job's to delete."""
+
+    policy: RetentionPolicy
+    tier: Tier
+
+    def keep(self, checkpoints: Sequence[CheckpointInfo]) -> Set[int]:
+        foreign = {c.step for c in checkpoints if foreign_root(self.tier, c.extra) is not None}
+        return apply_retention(self.policy, [c for c in checkpoints if c.step not in foreign]) | foreign
 
 
 def make_local_tier(local_dir: str, persistent: Storage, coord: Coordinator, clock: Callable[[], float], *,
@@ -141,7 +203,10 @@ def make_local_tier(local_dir: str, persistent: Storage, coord: Coordinator, clo
         raise StorageError(f"local_dir {storage.url!r} cannot be written: {exc}") from exc
     store = StepStore(storage, CheckpointLayout(storage, commit_mode), rank_local_coordinator(timeout_s), clock,
                       keep_incomplete=keep_incomplete, lease_timeout=lease_timeout)
-    return Tier(LOCAL, store, AsyncWriter(max_pending, name="async-ckpt-local-writer"), keep, save_policy)
+    tier = Tier(LOCAL, store, AsyncWriter(max_pending, name="async-ckpt-local-writer"), keep, save_policy,
+                home=root_identity(persistent))
+    tier.retention = OwnCopies(keep, tier)
+    return tier
 
 
 @dataclass(frozen=True)
@@ -155,7 +220,8 @@ class Held:
 
 def _infos(tier: Tier, others: int, failed: Optional[List[BaseException]] = None
            ) -> Tuple[Dict[int, CheckpointInfo], List[int]]:
-    """(records, steps newest first) of one tier. With other tiers to fall back on, a tier
+    """(records, steps newest first) of one tier, without another job's local copies (see
+    :func:`foreign_root`: skipped with a warning). With other tiers to fall back on, a tier
     that cannot be listed (a bucket that is down) counts as empty, with a warning (and its
     error is added to ``failed``)."""
     try:
@@ -169,6 +235,11 @@ def _infos(tier: Tier, others: int, failed: Optional[List[BaseException]] = None
         if failed is not None:
             failed.append(exc)
         return {}, []
+    foreign = {s: r for s, info in infos.items() for r in [foreign_root(tier, info.extra)] if r is not None}
+    if foreign:
+        warn_foreign(tier, foreign)
+        infos = {s: info for s, info in infos.items() if s not in foreign}
+        newest_first = [s for s in newest_first if s not in foreign]
     return infos, newest_first
 
 
@@ -206,8 +277,10 @@ def held_copies(tiers: Sequence[Tier], only: Optional[Dict[str, Optional[set]]] 
     for tier in tiers:
         infos, newest_first = _infos(tier, len(tiers) - 1, failed)
         allowed = (only or {}).get(tier.name)
-        copies += [(tier.name, s, infos.get(s) or _reread(tier, s)) for s in newest_first
-                   if allowed is None or s in allowed]
+        for s in newest_first:
+            info = infos.get(s) or _reread(tier, s)
+            if (allowed is None or s in allowed) and (info is None or foreign_root(tier, info.extra) is None):
+                copies.append((tier.name, s, info))
     if not copies:
         _nothing_listed(failed)
     newest: Dict[int, CheckpointInfo] = {}
@@ -250,10 +323,15 @@ def commit_records(tiers: Sequence[Tier]) -> List[CheckpointInfo]:
 
 
 def check_local_copy(tier: Tier, step: int, rank: int, world_size: int) -> None:
-    """Raise :class:`ForeignCopyError` when the local copy of ``step`` holds another rank's
-    shards or was saved at another world size (only that job's ranks could use it)."""
+    """Raise :class:`ForeignCopyError` when the local copy of ``step`` was saved for another
+    persistent root, holds another rank's shards or was saved at another world size (only
+    that job's ranks could use it)."""
     extra = tier.store.layout.read_manifest(step).extra
     r, w = extra.get("rank", 0), extra.get("world_size", 1)
+    root = foreign_root(tier, extra)
+    if root is not None:
+        raise ForeignCopyError(f"the local copy of step {step} in {tier.url} was saved for the checkpoint path "
+                               f"{root}, not {tier.home}", step=step)
     if (r, w) != (rank, world_size):
         raise ForeignCopyError(f"the local copy of step {step} in {tier.url} was saved by rank {r} of {w}, "
                                f"this is rank {rank} of {world_size}", step=step)
@@ -353,7 +431,8 @@ def promote(local: Tier, persistent: Tier, step: int, *, verify: bool = True, th
     with the local copy's commit time (the persistent tier's order stays the order of the
     saves; its retention then applies). Every file is checked
     against the local manifest (size, and CRC-32C with ``verify``) before anything is
-    committed; a copy one rank of a multi-rank job saved (its shards only) is refused, and so is
+    committed; a copy another job saved (for another persistent root) or one rank of a
+    multi-rank job saved (its shards only) is refused, and so is
     a step the persistent tier already holds (it may be a newer save). The caller holds the
     persistent tier's writer lease."""
     from concurrent.futures import ThreadPoolExecutor
@@ -362,6 +441,10 @@ def promote(local: Tier, persistent: Tier, step: int, *, verify: bool = True, th
         raise StepNotFoundError(f"no committed local checkpoint for step {step} under {local.url}", step=step)
     path, manifest = local.store.layout.open_step(step)
     r, w = manifest.extra.get("rank", 0), manifest.extra.get("world_size", 1)
+    root = foreign_root(local, manifest.extra)
+    if root is not None:
+        raise CheckpointError(f"the local copy of step {step} in {local.url} was saved for the checkpoint path "
+                              f"{root}, not {local.home}: another job's step is not promoted", step=step)
     if w != 1:  # <local_dir>/rank<r> of a multi-rank job: that rank's shards only
         raise CheckpointError(f"the local copy of step {step} in {local.url} was saved by rank {r} of {w}: it holds "
                               f"that rank's shards only, not a whole checkpoint (save the step with force=True "
@@ -386,7 +469,7 @@ def promote(local: Tier, persistent: Tier, step: int, *, verify: bool = True, th
         with ThreadPoolExecutor(max(1, min(threads, 4, len(manifest.files)))) as pool:  # whole files in memory
             list(pool.map(copy, list(manifest.files)))
         dst.check_lease()
-        extra = {k: v for k, v in manifest.extra.items() if k not in ("rank", "world_size", "tier")}
+        extra = {k: v for k, v in manifest.extra.items() if k not in ("rank", "world_size", "tier", PERSISTENT_ROOT)}
         new = dataclasses.replace(manifest, extra=extra)  # keeps its commit time: the order of the saves
         dst.layout.commit(target, new)
         committed = True

@@ -592,3 +592,34 @@ def test_a_refused_construction_creates_nothing_and_leaves_no_thread(roots):
             CheckpointManager(path, local_dir=local, local_retention=0)
     assert writers() <= before
     assert not os.path.exists(os.path.join(path, "sub"))
+
+
+def test_another_job_s_local_copies_are_never_restored_replaced_deleted_or_promoted(tmp_path, caplog):
+    """Job A (bucket A) and then job B (bucket B) use one local_dir: each local manifest
+    records the bucket it was saved for, so B neither resumes A's weights nor deletes A's steps."""
+    bucket_a, bucket_b, local = (str(tmp_path / n) for n in ("a", "b", "local"))
+    with CheckpointManager(bucket_a, save_interval=5, local_dir=local, local_policy=1) as a:
+        for s in range(1, 4):
+            a.save(s, state(100 + s))
+    with CheckpointManager(bucket_b, save_interval=5, local_dir=local, local_policy=1) as b:
+        with pytest.warns(RuntimeWarning, match=rf"local copies of steps \[2, 3\].*saved for the checkpoint path "
+                                                rf"file://{tmp_path}/a/, not file://{tmp_path}/b/"):
+            assert b.step_tiers() == {}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with pytest.raises(StepNotFoundError):
+                b.restore(None, zeros())
+            with caplog.at_level(logging.WARNING, logger="async_ckpt"):
+                for s in range(3, 7):
+                    b.save(s, state(s))  # 3: A's copy stays; B's retention keeps B's 2 newest
+            assert "not saving step 3" in caplog.text
+            assert b.step_tiers() == {6: ("local",), 5: ("local", "persistent")}
+            with pytest.raises(CheckpointError, match="another job's step is not promoted"):
+                b.promote(2)
+    assert sorted(int(n) for n in os.listdir(local) if n.isdigit()) == [2, 3, 5, 6]
+    with CheckpointManager(bucket_a, save_interval=5, local_dir=local, local_policy=1) as a:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            out = zeros()
+            assert a.restore(None, out) == 3
+    assert_bitwise_equal(out, state(103))

@@ -42,11 +42,14 @@ from ..storage.stats_log import StatsLog
 from ..tiers import (
     LOCAL,
     PERSISTENT,
+    PERSISTENT_ROOT,
     SAVE_ID,
     Tier,
+    foreign_steps,
     make_local_tier,
     promote,
     restore_from_tiers,
+    skip_foreign_save,
 )
 from ..writer import AsyncWriter
 from .decisions import SaveDecisions
@@ -355,7 +358,8 @@ class CheckpointManager(SaveDecisions, TierListing):
                 stats.extra["tier"] = tier.name
                 extra[SAVE_ID] = f"{self._run_id}.{self._saves}"
             if tier.name == LOCAL:
-                extra.update({"tier": LOCAL, "rank": self._coord.rank, "world_size": self._coord.world_size})
+                extra.update({"tier": LOCAL, "rank": self._coord.rank, "world_size": self._coord.world_size,
+                              PERSISTENT_ROOT: tier.home})
             job = SaveJob(step, snap, metrics, stats, t0, manifest_extra=extra,
                           commit_at=taken_at if self._local is not None else None)
             tier.writer.submit(functools.partial(self._persist, job, tier), step=step)
@@ -371,6 +375,8 @@ class CheckpointManager(SaveDecisions, TierListing):
 
     def _persist(self, job: SaveJob, tier: Tier) -> None:
         """Writer thread of ``tier``: the save job, then statistics and the user's callback."""
+        if tier.name == LOCAL and skip_foreign_save(tier, job.step, job.snap):
+            return
         planner = save_planner_for(job.snap) if job.snap is not None else None
         policy = self.retention if tier.name == PERSISTENT else tier.retention
         stats = run_save(tier.store, job, policy=policy, threads=self.write_threads, planner=planner)
@@ -416,7 +422,8 @@ class CheckpointManager(SaveDecisions, TierListing):
         self._check_open()
         step = check_step(step)
         self._settle()
-        local_held = self._local is not None and step in self._local.store.layout.committed_steps()
+        local_held = (self._local is not None and step in self._local.store.layout.committed_steps()
+                      and not foreign_steps(self._local, step))  # another job's copy is not ours
         if local_held and self._local is not None:
             self._local.store.become_writer()
             self._local.store.delete(step)
