@@ -19,7 +19,7 @@ from typing import Any, Callable, Deque, Dict, List, Mapping, Optional, Sequence
 
 from ..errors import CheckpointError, InvalidStateDictError, LeaseHeldError
 from ..gc_pause import gc_paused
-from ..lifecycle.coordinator import DEFAULT_TIMEOUT_S, coordinator_for, describe, rebuild
+from ..lifecycle.coordinator import DEFAULT_TIMEOUT_S, coordinator_for
 from ..lifecycle.planners import load_planner_for, save_planner_for
 from ..lifecycle.restore import restore as _restore
 from ..lifecycle.save_job import SaveJob, run_save
@@ -45,13 +45,12 @@ from ..tiers import (
     PERSISTENT_ROOT,
     SAVE_ID,
     Tier,
-    foreign_steps,
     make_local_tier,
-    promote,
     restore_from_tiers,
     skip_foreign_save,
 )
 from ..writer import AsyncWriter
+from .actions import StepActions
 from .decisions import SaveDecisions
 from .hooks import _live_managers, _stop_threads
 from .listing import TierListing
@@ -69,7 +68,7 @@ def _raise_all(errors: List[BaseException]) -> None:
     raise CheckpointError("; and ".join(str(e) for e in errors), step=getattr(errors[0], "step", None)) from errors[0]
 
 
-class CheckpointManager(SaveDecisions, TierListing):
+class CheckpointManager(SaveDecisions, TierListing, StepActions):
     """Asynchronous checkpointing of a state dict to a local path or any fsspec URL.
 
     A drop-in for ``torch_xla.experimental.distributed_checkpoint.CheckpointManager`` (same
@@ -409,54 +408,6 @@ class CheckpointManager(SaveDecisions, TierListing):
     def last_stats(self) -> Optional[SaveStats]:
         """Statistics of the most recently committed save."""
         return self.stats[-1] if self.stats else None
-
-    def delete(self, step: int) -> None:
-        """Delete a committed step (an explicit user action): it is no longer listed or
-        restorable when this returns, and its files are gone (from every tier that holds it).
-
-        Waits for pending saves first and takes the root's writer lease (:class:`LeaseHeldError`
-        while another writer holds it). Raises :class:`StepNotFoundError` for a step that is not
-        committed. Multi-process: call it on every rank; rank 0 deletes (each rank its own
-        local copy).
-        """
-        self._check_open()
-        step = check_step(step)
-        self._settle()
-        local_held = (self._local is not None and step in self._local.store.layout.committed_steps()
-                      and not foreign_steps(self._local, step))  # another job's copy is not ours
-        if local_held and self._local is not None:
-            self._local.store.become_writer()
-            self._local.store.delete(step)
-        outcome = None
-        if self._coord.is_primary:
-            try:
-                if not local_held or step in self.layout.committed_steps():
-                    self._store.become_writer()
-                    self._store.delete(step)
-            except BaseException as exc:  # noqa: BLE001 - reported to every rank
-                if self._coord.world_size == 1:
-                    raise
-                outcome = describe(0, exc)
-        outcome = self._coord.broadcast(outcome)
-        if outcome is not None:
-            raise rebuild(outcome[0], f"step {step}: delete failed: {outcome[1]}", step)
-
-    def promote(self, step: int) -> None:
-        """Copy the local tier's committed ``step`` to ``path`` and commit it there (checked
-        against the local manifest first; then ``path``'s retention applies). Waits for pending
-        saves; takes the writer lease of ``path``. One process only (a rank's local copy holds
-        only its own shards)."""
-        self._check_open()
-        step = check_step(step)
-        if self._local is None:
-            raise CheckpointError("promote() needs a manager with local_dir=")
-        if self._coord.world_size > 1:
-            raise CheckpointError("promote() copies one process's local step; with several ranks each local "
-                                  "copy holds one rank's shards: save the step with force=True instead")
-        self._settle()  # an earlier failed upload (still raised by join) is what promote repairs
-        self._store.become_writer()
-        promote(self._local, self._tiers[-1], step, verify=self.verify, threads=self.write_threads,
-                retention=self.retention)
 
     # ---- restoring ---------------------------------------------------------------------------
     def restore(self, step: Optional[int], state_dict: Dict[str, Any], *, verify: Optional[bool] = None,
