@@ -426,10 +426,12 @@ def _attempt(tier: Tier, step: int, coord: Coordinator, restore_one: Callable[[T
 
 
 def promote(local: Tier, persistent: Tier, step: int, *, verify: bool = True, threads: int = 8,
-            retention: Optional[RetentionPolicy] = None) -> Manifest:
+            retention: Optional[RetentionPolicy] = None) -> Tuple[Manifest, List[int]]:
     """Copy the local tier's committed ``step`` to the persistent tier and commit it there,
     with the local copy's commit time (the persistent tier's order stays the order of the
-    saves; its retention then applies). Every file is checked
+    saves); returns its manifest and the steps the persistent tier's retention then dropped
+    (that pass keeps the promoted step, which an explicit request put there; later passes
+    treat it as any other step). Every file is checked
     against the local manifest (size, and CRC-32C with ``verify``) before anything is
     committed; a copy another job saved (for another persistent root) or one rank of a
     multi-rank job saved (its shards only) is refused, and so is
@@ -475,8 +477,9 @@ def promote(local: Tier, persistent: Tier, step: int, *, verify: bool = True, th
         committed = True
         catalog.record_commit(CheckpointInfo(step, new.commit_time, dict(new.metrics), new.nbytes, dict(new.extra)))
         catalog.end_write(step)
-        dst.apply_retention(retention if retention is not None else persistent.retention)
-        return new
+        policy = retention if retention is not None else persistent.retention
+        dropped = dst.apply_retention(as_retention_policy(lambda cps: apply_retention(policy, cps) | {step}))
+        return new, dropped
     finally:
         if not committed:
             catalog.end_write(step)

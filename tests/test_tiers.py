@@ -623,3 +623,19 @@ def test_another_job_s_local_copies_are_never_restored_replaced_deleted_or_promo
             out = zeros()
             assert a.restore(None, out) == 3
     assert_bitwise_equal(out, state(103))
+
+
+def test_promote_keeps_the_promoted_step_through_its_retention_pass_and_returns_what_it_dropped(roots, caplog):
+    path, local = roots
+    with CheckpointManager(path, save_interval=5, local_dir=local, local_policy=1, local_retention=5) as mgr:
+        for s in range(1, 11):
+            mgr.save(s, state(s))
+        assert mgr.layout.committed_steps() == [5, 10]
+    with CheckpointManager(path, save_interval=5, max_to_keep=1, local_dir=local, local_policy=1) as mgr:
+        with caplog.at_level(logging.WARNING, logger="async_ckpt"):
+            assert mgr.promote(7) == [5]  # the request is kept; 10 is the newest commit
+        assert "promote(7): the retention" in caplog.text and "[5]" in caplog.text
+        assert mgr.layout.committed_steps() == [7, 10]
+        assert mgr.step_tiers()[7] == ("local", "persistent")
+        mgr.save(15, state(15))  # the next save's retention treats 7 as any other step
+        assert mgr.layout.committed_steps() == [15]

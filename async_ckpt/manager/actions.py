@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import List, Optional
 
 from ..errors import CheckpointError
@@ -10,6 +11,8 @@ from ..lifecycle.steps import StepStore
 from ..policies import RetentionPolicy, check_step
 from ..storage import CheckpointLayout
 from ..tiers import Tier, foreign_steps, promote
+
+log = logging.getLogger("async_ckpt")
 
 
 class StepActions:
@@ -61,11 +64,12 @@ class StepActions:
         if outcome is not None:
             raise rebuild(outcome[0], f"step {step}: delete failed: {outcome[1]}", step)
 
-    def promote(self, step: int) -> None:
+    def promote(self, step: int) -> List[int]:
         """Copy the local tier's committed ``step`` to ``path`` and commit it there (checked
-        against the local manifest first; then ``path``'s retention applies). Waits for pending
-        saves; takes the writer lease of ``path``. One process only (a rank's local copy holds
-        only its own shards)."""
+        against the local manifest first); returns the steps ``path``'s retention then dropped
+        (logged too). That retention pass keeps the promoted step; later saves' passes see it
+        as any other step, at its original commit time. Waits for pending saves; takes the
+        writer lease of ``path``. One process only (a rank's local copy holds only its own shards)."""
         self._check_open()
         step = check_step(step)
         if self._local is None:
@@ -75,5 +79,9 @@ class StepActions:
                                   "copy holds one rank's shards: save the step with force=True instead")
         self._settle()  # an earlier failed upload (still raised by join) is what promote repairs
         self._store.become_writer()
-        promote(self._local, self._tiers[-1], step, verify=self.verify, threads=self.write_threads,
-                retention=self.retention)
+        _, dropped = promote(self._local, self._tiers[-1], step, verify=self.verify, threads=self.write_threads,
+                             retention=self.retention)
+        if dropped:
+            log.warning("async_ckpt: promote(%d): the retention of %s dropped steps %s", step,
+                        self._store.storage.url, dropped)
+        return dropped
