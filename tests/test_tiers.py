@@ -639,3 +639,24 @@ def test_promote_keeps_the_promoted_step_through_its_retention_pass_and_returns_
         assert mgr.step_tiers()[7] == ("local", "persistent")
         mgr.save(15, state(15))  # the next save's retention treats 7 as any other step
         assert mgr.layout.committed_steps() == [15]
+
+
+def test_cli_ls_numbers_the_two_copies_of_one_save_once(roots, capsys):
+    import json
+
+    from async_ckpt.cli import EXIT_OK, main
+
+    path, local = roots
+    with CheckpointManager(path, save_interval=2, local_dir=local, local_policy=1) as mgr:
+        for s in range(1, 5):
+            mgr.save(s, state(s))
+    capsys.readouterr()
+    assert main(["ls", path, "--local-dir", local, "--json"]) == EXIT_OK
+    listed = json.loads(capsys.readouterr().out)
+    assert listed["commit_order"] == [2, 3, 4] and listed["latest"] == 4
+    assert sorted((e["step"], e["tier"], e["commit_order"]) for e in listed["steps"]) == [
+        (2, "persistent", 1), (3, "local", 2), (4, "local", 3), (4, "persistent", 3)]
+    assert main(["ls", path, "--local-dir", local]) == EXIT_OK
+    text = capsys.readouterr().out
+    assert sum(" 3 latest " in line for line in text.splitlines()) == 2  # both copies of step 4
+    assert "commit order (oldest first): 2, 3, 4;" in text
