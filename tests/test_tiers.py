@@ -1,9 +1,13 @@
 """Two tiers: a local copy (``local_dir``) often, the persistent root less often; restore from
-the nearest intact copy. One process here; 2 ranks in tests/test_tiers_dist.py, the loopback
-GCS server and /dev/shm crash trials in tests/test_tiers_cloud.py and tests/test_crash.py."""
+the nearest intact copy. One process here: where steps go, restores and their fallbacks,
+promote, delete, the arguments and the CLI. The bucket away (failed uploads, an unreachable or
+unlistable bucket) is in tests/test_tiers_outages.py; which copies are one save, and whose, in
+tests/test_tiers_copies.py; 2 ranks in tests/test_tiers_dist.py, the loopback GCS server and
+/dev/shm crash trials in tests/test_tiers_cloud.py and tests/test_crash.py."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -18,7 +22,6 @@ from async_ckpt.errors import (
     CorruptCheckpointError,
     StateDictMismatchError,
     StepNotFoundError,
-    StorageError,
 )
 from async_ckpt.lifecycle import coordinator as coordinator_mod
 
@@ -182,36 +185,6 @@ def test_a_mismatching_state_dict_is_raised_not_fallen_back_from(roots):
             mgr.restore(7, zeros())
 
 
-def test_failed_uploads_do_not_stop_local_saves_and_are_raised_at_join(roots, monkeypatch, caplog):
-    path, local = roots
-    real = coordinator_mod.save_state_dict
-    down = {"on": True}
-
-    def flaky(storage, p, sd, **kw):
-        if down["on"] and not p.startswith(local):
-            raise OSError("bucket unreachable")
-        return real(storage, p, sd, **kw)
-
-    monkeypatch.setattr(coordinator_mod, "save_state_dict", flaky)
-    mgr = CheckpointManager(path, save_interval=2, local_dir=local, local_policy=1, local_retention=10)
-    with caplog.at_level(logging.ERROR, logger="async_ckpt"):
-        for s in range(1, 6):
-            assert mgr.save_async(s, state(s))  # the failed uploads of 2 and 4 are not raised here
-        mgr._local.writer.join()
-        mgr._writer.wait_idle()
-    assert "save of step 2 failed" in caplog.text
-    assert mgr.step_tiers() == {s: ("local",) for s in (5, 4, 3, 2, 1)}
-    with pytest.raises(CheckpointError, match="step 2") as ei:
-        mgr.join()
-    assert ei.value.step == 2
-    down["on"] = False
-    mgr.save(6, state(6))  # the bucket is back: the next upload goes through
-    assert mgr.step_tiers()[6] == ("local", "persistent")
-    mgr.close()
-    with CheckpointManager(path) as plain:
-        assert plain.all_steps() == [6]
-
-
 def test_promote_uploads_a_local_step_and_commits_it(roots):
     path, local = roots
     with CheckpointManager(path, save_interval=10, local_dir=local, local_policy=1) as mgr:
@@ -280,41 +253,6 @@ def test_lazy_saves_to_both_tiers_round_trip(roots):
         assert_bitwise_equal(out, state(7))
 
 
-def test_bucket_that_cannot_be_listed_restores_from_local_with_a_warning(roots, monkeypatch):
-    from async_ckpt.errors import StorageError
-
-    path, local = roots
-    with CheckpointManager(path, save_interval=2, local_dir=local, local_policy=1) as mgr:
-        for s in range(1, 4):
-            mgr.save(s, state(s))
-    mgr = CheckpointManager(path, save_interval=2, local_dir=local, local_policy=1)
-
-    def down():
-        raise StorageError(f"{path}: connection refused")
-
-    monkeypatch.setattr(mgr.layout, "committed_steps", down)  # what listing an unreachable bucket raises
-    out = zeros()
-    with pytest.warns(RuntimeWarning, match=r"persistent tier .* cannot be listed"):
-        assert mgr.restore(None, out) == 3
-    assert_bitwise_equal(out, state(3))
-    with pytest.warns(RuntimeWarning, match="cannot be listed"):
-        assert mgr.all_steps() == [2, 3]
-    # a named step only the unlistable bucket might hold: the bucket's error, not "not found"
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        with pytest.raises(StorageError, match="connection refused"):
-            mgr.restore(1, zeros())
-    monkeypatch.undo()
-    mgr.close()
-    # without a local tier to fall back on, the listing error is raised
-    plain = CheckpointManager(path)
-    monkeypatch.setattr(plain.layout, "committed_steps", down)
-    with pytest.raises(StorageError, match="connection refused"):
-        plain.restore(None, zeros())
-    monkeypatch.undo()
-    plain.close()
-
-
 def test_cli_ls_verify_promote_understand_both_tiers(roots, capsys):
     import json
 
@@ -349,29 +287,6 @@ def test_cli_ls_verify_promote_understand_both_tiers(roots, capsys):
     assert main(["verify", path, "4", "--local-dir", local]) == EXIT_DAMAGED  # both copies, one damaged
     text = capsys.readouterr().out
     assert "step 4 (local): DAMAGED" in text and "step 4 (persistent): ok" in text
-
-
-def test_after_a_failed_upload_restore_and_promote_work_and_join_still_raises(roots, monkeypatch):
-    path, local = roots
-    real = coordinator_mod.save_state_dict
-
-    def no_bucket(storage, p, sd, **kw):
-        if not p.startswith(local):
-            raise OSError("bucket unreachable")
-        return real(storage, p, sd, **kw)
-
-    monkeypatch.setattr(coordinator_mod, "save_state_dict", no_bucket)
-    mgr = CheckpointManager(path, local_dir=local)
-    mgr.save_async(1, state(1))
-    out = zeros()
-    assert mgr.restore(None, out) == 1  # the failed upload is not the restore's error
-    assert_bitwise_equal(out, state(1))
-    monkeypatch.setattr(coordinator_mod, "save_state_dict", real)
-    mgr.promote(1)  # the repair: the local copy goes up
-    assert mgr.step_tiers() == {1: ("local", "persistent")}
-    with pytest.raises(CheckpointError, match="bucket unreachable"):
-        mgr.join()
-    mgr.close()
 
 
 def test_a_lagging_upload_does_not_make_its_older_step_the_newest(roots, monkeypatch):
@@ -412,168 +327,12 @@ def test_metrics_come_from_the_newest_save_of_a_step(roots):
         assert mgr.metrics(5) == {"loss": 2.0}
 
 
-def test_a_long_outage_keeps_a_bounded_number_of_deferred_failures():
-    from async_ckpt.writer import MAX_KEPT_ERRORS, AsyncWriter
-
-    w = AsyncWriter(1, defer_errors=True)
-
-    def fail():
-        raise OSError("down")
-
-    for s in range(MAX_KEPT_ERRORS + 50):
-        w.wait_for_slot()  # a deferred failure is not raised here
-        w.submit(fail, step=s)
-    w.wait_idle()
-    assert len(w._errors) == MAX_KEPT_ERRORS
-    with pytest.raises(CheckpointError, match=r"step 0 failed.*more failed save") as ei:
-        w.close()
-    assert str(MAX_KEPT_ERRORS + 49) in str(ei.value)  # the newest failure is still named
-
-
 def test_should_save_answers_for_either_tier(roots):
     path, local = roots
     with CheckpointManager(path, save_interval=10, local_dir=local, local_policy=5) as mgr:
         assert [s for s in range(21) if mgr.should_save(s)] == [0, 5, 10, 15, 20]
     with CheckpointManager(path, save_interval=10) as plain:
         assert [s for s in range(21) if plain.should_save(s)] == [0, 10, 20]
-
-
-def test_a_bucket_unreachable_at_its_first_save_does_not_stop_the_local_save(roots, caplog):
-    """The lease of the bucket is taken at its first due save: a vanished bucket (a raw
-    FileNotFoundError from the lock file) is deferred like a failed upload, the step goes to
-    the local tier, and the lease is tried again at the next step due for the bucket."""
-    path, local = roots
-    mgr = CheckpointManager(path, save_interval=5, local_dir=local, local_policy=2, local_retention=10)
-    shutil.rmtree(path)  # the bucket's mount went away before the first upload
-    with caplog.at_level(logging.ERROR, logger="async_ckpt"):
-        for s in range(4, 7):
-            assert mgr.save_async(s, state(s))  # 5 is due for the bucket only: saved locally
-    assert "save of step 5 failed" in caplog.text
-    mgr._local.writer.join()
-    assert mgr.step_tiers() == {6: ("local",), 5: ("local",), 4: ("local",)}
-    with pytest.raises(StorageError, match=r"step 5: the checkpoint path .*bucket cannot be reached") as ei:
-        mgr.join()
-    assert ei.value.step == 5
-    os.makedirs(path)  # the bucket is back: the next step due for it takes the lease and commits
-    mgr.save(10, state(10))
-    assert mgr.step_tiers()[10] == ("local", "persistent")
-    mgr.close()
-
-
-def test_a_preemption_save_while_the_bucket_is_down_is_taken_locally(roots):
-    import signal
-
-    path, local = roots
-    mgr = CheckpointManager(path, save_interval=100, local_dir=local, local_policy=1, chkpt_on_preemption=True,
-                            preemption_signals=[signal.SIGUSR1], preemption_sync="signal")
-    mgr.save(1, state(1))
-    shutil.rmtree(path)
-    mgr.trigger_preemption()
-    assert mgr.save_async(2, state(2))
-    assert mgr.reached_preemption(2)
-    mgr._local.writer.join()
-    assert mgr.step_tiers() == {2: ("local",), 1: ("local",)}
-    with pytest.raises(StorageError, match="step 2"):
-        mgr.close()
-    with CheckpointManager(local) as m:
-        out = zeros()
-        assert m.restore(None, out) == 2
-    assert_bitwise_equal(out, state(2))
-
-
-def test_without_a_local_tier_an_unreachable_bucket_raises_a_storage_error_naming_it(roots):
-    path, _ = roots
-    mgr = CheckpointManager(path)
-    shutil.rmtree(path)
-    with pytest.raises(StorageError, match=f"the checkpoint path {path} cannot be reached") as ei:
-        mgr.save_async(1, state(1))
-    assert isinstance(ei.value.__cause__, FileNotFoundError)
-    mgr.close()
-
-
-def test_a_re_save_within_a_second_is_a_different_save_and_the_newest_one_wins(roots):
-    """Copies of one save are named by a save id in both tiers' manifests, not by how close
-    their commit times are: a re-save of step 10 to the bucket 0.x s after a local-only save
-    of it is the newer save."""
-    from async_ckpt.policies import CheckpointInfo
-    from async_ckpt.tiers import same_save
-
-    path, local = roots
-    flags = {"local": True, "bucket": False}
-    with CheckpointManager(path, save_policy=lambda s: flags["bucket"], local_dir=local,
-                           local_policy=lambda s: flags["local"], local_retention=5) as mgr:
-        mgr.save(10, state(1))               # local only
-        flags.update(local=False, bucket=True)
-        mgr.save(10, state(2))               # re-saved at once: the bucket only
-        assert mgr.step_tiers() == {10: ("persistent", "local")}
-        for step in (None, 10):
-            out = zeros()
-            assert mgr.restore(step, out) == 10
-            assert_bitwise_equal(out, state(2))
-        flags.update(local=True)
-        mgr.save(11, state(11))              # one save, both tiers: one id, local first
-        assert mgr.step_tiers()[11] == ("local", "persistent")
-    # manifests from before save ids: copies committed within SAME_SAVE_S are one save
-    assert same_save(CheckpointInfo(1, 100.0), CheckpointInfo(1, 100.5))
-    assert not same_save(CheckpointInfo(1, 100.0), CheckpointInfo(1, 102.0))
-    assert not same_save(CheckpointInfo(1, 100.0, extra={"save_id": "a"}), CheckpointInfo(1, 100.0, extra={"save_id": "b"}))
-
-
-@pytest.mark.parametrize("blip", [True, False])
-def test_a_bucket_manifest_that_does_not_read_while_listing_does_not_pass_over_newer_local_steps(roots, monkeypatch,
-                                                                                                blip):
-    """Step 5's bucket manifest fails to read while the bucket is listed (``blip``: only
-    then): it is read once more, else ordered after every copy whose time is known."""
-    path, local = roots
-    with CheckpointManager(path, save_interval=5, local_dir=local, local_policy=1) as mgr:
-        for s in range(1, 8):
-            mgr.save(s, state(s))
-    mgr = CheckpointManager(path, save_interval=5, local_dir=local, local_policy=1)
-    listing = {"on": False}
-    real_read, real_infos = mgr.layout.read_manifest, mgr._store.catalog.infos
-
-    def read(step, *a, **k):
-        if step == 5 and (listing["on"] or not blip):
-            raise StorageError("read manifest: 503")
-        return real_read(step, *a, **k)
-
-    def infos():
-        listing["on"] = True
-        try:
-            return real_infos()
-        finally:
-            listing["on"] = False
-
-    monkeypatch.setattr(mgr.layout, "read_manifest", read)
-    monkeypatch.setattr(mgr._store.catalog, "infos", infos)
-    assert list(mgr.step_tiers()) == [7, 6, 5]
-    out = zeros()
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # step 5 is not tried (and skipped) first
-        assert mgr.restore(None, out) == 7
-    assert_bitwise_equal(out, state(7))
-    monkeypatch.undo()
-    mgr.close()
-
-
-def test_metrics_while_the_bucket_is_down_come_from_the_local_tier(roots, monkeypatch):
-    path, local = roots
-    with CheckpointManager(path, save_interval=2, local_dir=local, local_policy=1) as mgr:
-        for s in range(1, 4):
-            mgr.save(s, state(s), metrics={"loss": float(s)})
-    mgr = CheckpointManager(path, save_interval=2, local_dir=local, local_policy=1)
-
-    def down(*a, **k):
-        raise StorageError(f"{path}: connection refused")
-
-    monkeypatch.setattr(mgr.layout, "committed_steps", down)
-    with pytest.warns(RuntimeWarning, match=r"persistent tier .* cannot be read"):
-        assert mgr.metrics(3) == {"loss": 3.0}
-    with pytest.warns(RuntimeWarning, match="cannot be read"):
-        with pytest.raises(StorageError, match="connection refused"):
-            mgr.metrics(1)  # only the bucket may hold it: its error, not "not found"
-    monkeypatch.undo()
-    mgr.close()
 
 
 def test_a_refused_construction_creates_nothing_and_leaves_no_thread(roots):
@@ -592,37 +351,6 @@ def test_a_refused_construction_creates_nothing_and_leaves_no_thread(roots):
             CheckpointManager(path, local_dir=local, local_retention=0)
     assert writers() <= before
     assert not os.path.exists(os.path.join(path, "sub"))
-
-
-def test_another_job_s_local_copies_are_never_restored_replaced_deleted_or_promoted(tmp_path, caplog):
-    """Job A (bucket A) and then job B (bucket B) use one local_dir: each local manifest
-    records the bucket it was saved for, so B neither resumes A's weights nor deletes A's steps."""
-    bucket_a, bucket_b, local = (str(tmp_path / n) for n in ("a", "b", "local"))
-    with CheckpointManager(bucket_a, save_interval=5, local_dir=local, local_policy=1) as a:
-        for s in range(1, 4):
-            a.save(s, state(100 + s))
-    with CheckpointManager(bucket_b, save_interval=5, local_dir=local, local_policy=1) as b:
-        with pytest.warns(RuntimeWarning, match=rf"local copies of steps \[2, 3\].*saved for the checkpoint path "
-                                                rf"file://{tmp_path}/a/, not file://{tmp_path}/b/"):
-            assert b.step_tiers() == {}
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            with pytest.raises(StepNotFoundError):
-                b.restore(None, zeros())
-            with caplog.at_level(logging.WARNING, logger="async_ckpt"):
-                for s in range(3, 7):
-                    b.save(s, state(s))  # 3: A's copy stays; B's retention keeps B's 2 newest
-            assert "not saving step 3" in caplog.text
-            assert b.step_tiers() == {6: ("local",), 5: ("local", "persistent")}
-            with pytest.raises(CheckpointError, match="another job's step is not promoted"):
-                b.promote(2)
-    assert sorted(int(n) for n in os.listdir(local) if n.isdigit()) == [2, 3, 5, 6]
-    with CheckpointManager(bucket_a, save_interval=5, local_dir=local, local_policy=1) as a:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            out = zeros()
-            assert a.restore(None, out) == 3
-    assert_bitwise_equal(out, state(103))
 
 
 def test_promote_keeps_the_promoted_step_through_its_retention_pass_and_returns_what_it_dropped(roots, caplog):
@@ -660,3 +388,60 @@ def test_cli_ls_numbers_the_two_copies_of_one_save_once(roots, capsys):
     text = capsys.readouterr().out
     assert sum(" 3 latest " in line for line in text.splitlines()) == 2  # both copies of step 4
     assert "commit order (oldest first): 2, 3, 4;" in text
+
+
+def test_promote_refuses_one_rank_s_local_copy_of_a_multi_rank_job(roots, monkeypatch, capsys):
+    """``<local_dir>/rank<r>`` holds one rank's shards: committed to the bucket as a step it
+    would be listed and restored as if it were the whole job's checkpoint."""
+    import async_ckpt.manager.core as core
+    from async_ckpt.cli import EXIT_OK, main
+    from async_ckpt.errors import CheckpointError
+
+    path, local = roots
+    real = core.SaveJob
+
+    def rank1_of_2(*a, manifest_extra=None, **kw):  # what rank 1 of a 2-rank job records locally
+        if manifest_extra and manifest_extra.get("tier") == "local":
+            manifest_extra = dict(manifest_extra, rank=1, world_size=2)
+        return real(*a, manifest_extra=manifest_extra or {}, **kw)
+
+    monkeypatch.setattr(core, "SaveJob", rank1_of_2)
+    with CheckpointManager(path, save_interval=10, local_dir=local, local_policy=1) as mgr:
+        mgr.save(3, state(3))
+        with pytest.raises(CheckpointError, match="rank 1 of 2"):
+            mgr.promote(3)
+    monkeypatch.undo()
+    capsys.readouterr()
+    assert main(["promote", path, "3", "--local-dir", local]) != EXIT_OK
+    assert "rank 1 of 2" in capsys.readouterr().err
+    with CheckpointManager(path) as plain:
+        assert plain.all_steps() == []
+
+
+def test_cli_verify_of_a_named_step_only_the_local_tier_holds(roots, capsys):
+    from async_ckpt.cli import EXIT_OK, main
+
+    path, local = roots
+    with CheckpointManager(path, save_interval=2, local_dir=local, local_policy=1, local_retention=3) as mgr:
+        for s in range(1, 4):
+            mgr.save(s, state(s))
+        assert mgr.step_tiers()[3] == ("local",)
+    capsys.readouterr()
+    assert main(["verify", path, "3", "--local-dir", local, "--json"]) == EXIT_OK
+    res = json.loads(capsys.readouterr().out)
+    assert [(r["step"], r["tier"], r["ok"]) for r in res["steps"]] == [(3, "local", True)]
+
+
+def test_local_dir_that_is_path_spelled_another_way_is_refused(tmp_path, monkeypatch):
+    bucket = tmp_path / "bucket"
+    bucket.mkdir()
+    os.symlink(bucket, tmp_path / "link")
+    monkeypatch.chdir(tmp_path)
+    same = [f"file://{bucket}", f"{tmp_path}/./bucket", f"{tmp_path}//bucket/", str(tmp_path / "link"),
+            "bucket", "link/local", "bucket/../bucket/local"]
+    for local in same:
+        with pytest.raises(ValueError, match="must not be the same directory or inside one another"):
+            CheckpointManager(str(bucket), local_dir=local)
+    with pytest.raises(ValueError, match="must not be the same directory"):
+        CheckpointManager(f"file://{tmp_path}/local/../bucket/x", local_dir=str(bucket))
+    CheckpointManager(str(bucket), local_dir=str(tmp_path / "bucket2")).close()  # a sibling is fine
