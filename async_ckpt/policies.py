@@ -67,12 +67,16 @@ __all__ = [
 
 @dataclass(frozen=True)
 class CheckpointInfo:
-    """What retention policies see of a committed checkpoint (read from its manifest)."""
+    """What retention policies see of a committed checkpoint (read from its manifest).
+
+    ``extra``: the manifest's ``extra`` entries (what the saving manager recorded, e.g. the
+    id of the save that wrote a step to both tiers); not compared."""
 
     step: int
     commit_time: float
     metrics: Dict[str, float] = field(default_factory=dict)
     nbytes: int = 0
+    extra: Dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
 
 @dataclass(frozen=True)

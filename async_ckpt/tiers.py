@@ -6,10 +6,10 @@ the snapshot to the writer of every tier the step is due for, so the two tiers' 
 by side and a slow upload never holds up a local save (beyond ``max_pending_async`` per tier).
 
 Listing merges the tiers by commit time. A save written to both tiers is stamped, in both,
-with the time it was taken (or just after the tier's newest commit), so the merged order is
-the order of the saves even while the persistent writer lags behind the local one; a step
-both tiers hold counts once, at its newest copy's commit (two copies with different times are
-different saves: a re-save replaces a step).
+with the time it was taken (or just after the tier's newest commit) and with one save id, so
+the merged order is the order of the saves even while the persistent writer lags behind the
+local one; a step both tiers hold counts once, at its newest copy's commit (two copies with
+different save ids are different saves: a re-save replaces a step, the newest one counts).
 :func:`restore_from_tiers` tries the copies newest commit first and, of the two copies of one
 save, the local one before the persistent one; a copy that is damaged, unreadable, or written by another rank or
 world size is skipped with a warning naming the tier and why. With several ranks each rank
@@ -24,7 +24,7 @@ import logging
 import os
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 from .errors import CheckpointError, CorruptCheckpointError, StepNotFoundError, StorageError
 from .lifecycle.coordinator import Coordinator, describe, rank_local_coordinator, rebuild
@@ -35,6 +35,7 @@ from .policies import (
     KeepLatest,
     RetentionPolicy,
     SavePolicy,
+    apply_retention,
     as_retention_policy,
     as_save_policy,
 )
@@ -52,9 +53,27 @@ PERSISTENT = "persistent"
 FALLBACK_ERRORS = (CorruptCheckpointError, StorageError, OSError)
 
 
-#: two copies of a step committed this close (seconds) are copies of one save (each rank
-#: stamps its local copy with its own clock, the bucket's copy has rank 0's)
+#: the manifest ``extra`` entry naming the save that wrote a copy: a save due for both tiers
+#: writes one id into both copies (every rank the same id), so its two copies are one save
+SAVE_ID = "save_id"
+
+#: copies written before save ids were recorded: two copies of a step committed this close
+#: (seconds) are copies of one save (each rank stamps its local copy with its own clock)
 SAME_SAVE_S = 1.0
+
+
+#: the local manifests' ``extra`` entry naming the persistent root (:func:`root_identity`) a
+#: copy was saved for: a local copy saved for another root is another job's ("foreign")
+PERSISTENT_ROOT = "persistent_root"
+
+
+def same_save(a: CheckpointInfo, b: CheckpointInfo) -> bool:
+    """Whether two copies of one step were written by one save: their save ids are equal
+    (copies without an id, from before ids were recorded: committed within :data:`SAME_SAVE_S`)."""
+    ia, ib = a.extra.get(SAVE_ID), b.extra.get(SAVE_ID)
+    if ia is not None and ib is not None:
+        return bool(ia == ib)
+    return abs(a.commit_time - b.commit_time) <= SAME_SAVE_S
 
 
 class ForeignCopyError(CheckpointError):
@@ -73,34 +92,97 @@ class Tier:
     policy: Optional[SavePolicy] = None
     last_save_time: Optional[float] = None
     last_save_step: Optional[int] = None
+    #: the local tier: the persistent root it belongs to (:func:`root_identity`)
+    home: Optional[str] = None
 
     @property
     def url(self) -> str:
         return self.store.storage.url
 
     def identity(self) -> str:
-        """The root as one string per directory, ending in ``/``: the filesystem's protocol and
-        the root path (local paths: absolute, symbolic links resolved; ``file://`` or not)."""
-        storage = self.store.storage
-        proto = storage.fs.protocol
-        proto = proto[0] if isinstance(proto, (tuple, list)) else proto
-        root = os.path.realpath(storage.root) if storage.is_local else storage.root
-        return f"{proto}://{root.rstrip('/')}/"
-
-    def check_differs(self, other: "Tier") -> None:
-        """Two tiers must not share a root, nor one lie inside the other (each one's
-        retention and cleanup would delete the other's steps)."""
-        a, b = self.identity(), other.identity()
-        if a.startswith(b) or b.startswith(a):
-            raise ValueError(f"local_dir ({other.url}) and the checkpoint path ({self.url}) must not be the "
-                             f"same directory or inside one another")
+        """This tier's root as :func:`root_identity` spells it."""
+        return root_identity(self.store.storage)
 
 
-def make_local_tier(local_dir: str, coord: Coordinator, clock: Callable[[], float], *, policy: Any, retention: Any,
-                    max_pending: int, commit_mode: str, keep_incomplete: bool, lease_timeout: float,
-                    timeout_s: float, retry: Any) -> Tier:
+def root_identity(storage: Storage) -> str:
+    """A root as one string per directory, ending in ``/``: the filesystem's protocol and the
+    root path (local paths: absolute, symbolic links resolved; ``file://`` or not)."""
+    proto = storage.fs.protocol
+    proto = proto[0] if isinstance(proto, (tuple, list)) else proto
+    root = os.path.realpath(storage.root) if storage.is_local else storage.root
+    return f"{proto}://{root.rstrip('/')}/"
+
+
+def check_roots_differ(persistent: Storage, local: Storage) -> None:
+    """Two tiers must not share a root, nor one lie inside the other (each one's retention and
+    cleanup would delete the other's steps): ``ValueError``."""
+    a, b = root_identity(persistent), root_identity(local)
+    if a.startswith(b) or b.startswith(a):
+        raise ValueError(f"local_dir ({local.url}) and the checkpoint path ({persistent.url}) must not be the "
+                         f"same directory or inside one another")
+
+
+def foreign_root(tier: Tier, extra: Mapping[str, Any]) -> Optional[str]:
+    """The persistent root a copy of the local ``tier`` (its manifest's ``extra``) was saved
+    for, when that is not the root this tier belongs to; None for this job's copies and for
+    copies saved before the root was recorded."""
+    recorded = extra.get(PERSISTENT_ROOT)
+    if tier.home is None or recorded is None or recorded == tier.home:
+        return None
+    return str(recorded)
+
+
+def warn_foreign(tier: Tier, foreign: Dict[int, str]) -> None:
+    """The warning for local copies another job saved (step -> the root it was saved for)."""
+    roots = sorted(set(foreign.values()))
+    warnings.warn(f"async_ckpt: skipping the local copies of steps {sorted(foreign)} in {tier.url}: saved for the "
+                  f"checkpoint path {' and '.join(roots)}, not {tier.home} (another job's: never restored, "
+                  f"replaced or deleted by this one)", RuntimeWarning, stacklevel=4)
+
+
+def foreign_steps(tier: Tier, step: Optional[int] = None) -> Dict[int, str]:
+    """The committed copies of ``tier`` (or only ``step``) that another job saved: step -> the
+    persistent root they were saved for (writer side: from the catalog's records)."""
+    if tier.home is None:
+        return {}
+    infos = tier.store.catalog.infos()
+    return {s: r for s, info in infos.items() if (step is None or s == step)
+            for r in [foreign_root(tier, info.extra)] if r is not None}
+
+
+def skip_foreign_save(tier: Tier, step: int, snap: Any) -> bool:
+    """Local writer thread: True (with a warning; this job's hold on ``snap`` is released)
+    when another job's committed copy of ``step`` is in ``tier``: a save would replace it."""
+    foreign = foreign_steps(tier, step)
+    if not foreign:
+        return False
+    log.warning("async_ckpt: not saving step %d to %s: it holds that step saved for the checkpoint path %s, "
+                "not %s (another job's copy is never replaced)", step, tier.url, foreign[step], tier.home)
+    if snap is not None:
+        snap.release()
+    return True
+
+
+@dataclass
+class OwnCopies:
+    """The local tier's retention: ``policy`` over this job's copies only; copies another job
+    saved (see :func:`foreign_root`) are kept: never this job's to delete."""
+
+    policy: RetentionPolicy
+    tier: Tier
+
+    def keep(self, checkpoints: Sequence[CheckpointInfo]) -> Set[int]:
+        foreign = {c.step for c in checkpoints if foreign_root(self.tier, c.extra) is not None}
+        return apply_retention(self.policy, [c for c in checkpoints if c.step not in foreign]) | foreign
+
+
+def make_local_tier(local_dir: str, persistent: Storage, coord: Coordinator, clock: Callable[[], float], *,
+                    policy: Any, retention: Any, max_pending: int, commit_mode: str, keep_incomplete: bool,
+                    lease_timeout: float, timeout_s: float, retry: Any) -> Tier:
     """The local tier of a manager: ``local_dir`` itself with one process, ``<local_dir>/rank<r>``
-    with several (each rank writes and reads its own shards there, on no collective)."""
+    with several (each rank writes and reads its own shards there, on no collective). The
+    arguments and the roots (see :func:`check_roots_differ`) are checked before anything is
+    created."""
     if not isinstance(local_dir, (str, os.PathLike)):
         raise TypeError(f"local_dir must be a path or URL string, got {type(local_dir).__name__}")
     root = os.fspath(local_dir)
@@ -113,6 +195,7 @@ def make_local_tier(local_dir: str, coord: Coordinator, clock: Callable[[], floa
         raise ValueError(f"local_retention as an int keeps the N newest local steps, N >= 1; got {retention!r}")
     keep = KeepLatest(retention) if isinstance(retention, int) else as_retention_policy(retention)
     storage = Storage(root, None, retry=retry)
+    check_roots_differ(persistent, storage)
     try:
         storage.makedirs(storage.root)
         storage.check_writable()
@@ -120,7 +203,10 @@ def make_local_tier(local_dir: str, coord: Coordinator, clock: Callable[[], floa
         raise StorageError(f"local_dir {storage.url!r} cannot be written: {exc}") from exc
     store = StepStore(storage, CheckpointLayout(storage, commit_mode), rank_local_coordinator(timeout_s), clock,
                       keep_incomplete=keep_incomplete, lease_timeout=lease_timeout)
-    return Tier(LOCAL, store, AsyncWriter(max_pending, name="async-ckpt-local-writer"), keep, save_policy)
+    tier = Tier(LOCAL, store, AsyncWriter(max_pending, name="async-ckpt-local-writer"), keep, save_policy,
+                home=root_identity(persistent))
+    tier.retention = OwnCopies(keep, tier)
+    return tier
 
 
 @dataclass(frozen=True)
@@ -134,7 +220,8 @@ class Held:
 
 def _infos(tier: Tier, others: int, failed: Optional[List[BaseException]] = None
            ) -> Tuple[Dict[int, CheckpointInfo], List[int]]:
-    """(records, steps newest first) of one tier. With other tiers to fall back on, a tier
+    """(records, steps newest first) of one tier, without another job's local copies (see
+    :func:`foreign_root`: skipped with a warning). With other tiers to fall back on, a tier
     that cannot be listed (a bucket that is down) counts as empty, with a warning (and its
     error is added to ``failed``)."""
     try:
@@ -148,6 +235,11 @@ def _infos(tier: Tier, others: int, failed: Optional[List[BaseException]] = None
         if failed is not None:
             failed.append(exc)
         return {}, []
+    foreign = {s: r for s, info in infos.items() for r in [foreign_root(tier, info.extra)] if r is not None}
+    if foreign:
+        warn_foreign(tier, foreign)
+        infos = {s: info for s, info in infos.items() if s not in foreign}
+        newest_first = [s for s in newest_first if s not in foreign]
     return infos, newest_first
 
 
@@ -158,33 +250,50 @@ def _nothing_listed(failed: List[BaseException]) -> None:
         raise failed[0]
 
 
+def _reread(tier: Tier, step: int) -> Optional[CheckpointInfo]:
+    """The record of a committed ``step`` whose manifest did not read while ``tier`` was listed
+    (a transient error, say), read once more; None if it still does not read."""
+    try:
+        m = tier.store.layout.read_manifest(step)
+    except Exception:  # noqa: BLE001 - the listing has warned; the restore reports it
+        return None
+    return CheckpointInfo(step, m.commit_time, dict(m.metrics), m.nbytes, dict(m.extra))
+
+
 def held_copies(tiers: Sequence[Tier], only: Optional[Dict[str, Optional[set]]] = None,
                 failed: Optional[List[BaseException]] = None) -> List[Held]:
     """Every committed copy of ``tiers`` (one :class:`Held` per tier and step), newest commit
-    first; of two copies of one save (written to both tiers: both carry the time it was taken,
-    within :data:`SAME_SAVE_S`) the local one first. Copies whose manifest does not read come first
-    (their time is unknown). Two copies of a step with different times are different saves (a
-    re-save replaces a step): each is ordered by its own commit.
+    first; the two copies of one save (written to both tiers: see :func:`same_save`) count at
+    the newer stamp, the local one first. A copy whose manifest did not read while listing is
+    read once more; if it still does not read, its time is unknown and it comes after every
+    other copy (an intact newer step is not passed over for it; a restore tries it last). Two copies of a step written by different saves (a re-save
+    replaces a step) are each ordered by their own commit: the newest save wins.
     ``only``: per tier name, the steps to count (None: all). A tier that cannot be listed is
     skipped with a warning (its error added to ``failed``), unless nothing is found in the
     others: then its error is raised."""
-    out: List[Held] = []
     if failed is None:
         failed = []
+    copies: List[Tuple[str, int, Optional[CheckpointInfo]]] = []  # (tier, step, record if it reads)
     for tier in tiers:
         infos, newest_first = _infos(tier, len(tiers) - 1, failed)
         allowed = (only or {}).get(tier.name)
         for s in newest_first:
-            if allowed is None or s in allowed:
-                out.append(Held(s, infos[s].commit_time if s in infos else float("inf"), (tier.name,)))
-    if not out:
+            info = infos.get(s) or _reread(tier, s)
+            if (allowed is None or s in allowed) and (info is None or foreign_root(tier, info.extra) is None):
+                copies.append((tier.name, s, info))
+    if not copies:
         _nothing_listed(failed)
-    newest: Dict[int, float] = {}
-    for h in out:
-        newest[h.step] = max(newest.get(h.step, h.commit_time), h.commit_time)
-    # copies of one save: the same stamp, up to the ranks' clocks (a rank stamps its local copy)
-    out = [dataclasses.replace(h, commit_time=newest[h.step]) if newest[h.step] - h.commit_time <= SAME_SAVE_S
-           else h for h in out]
+    newest: Dict[int, CheckpointInfo] = {}
+    for _, s, info in copies:
+        if info is not None and (s not in newest or info.commit_time > newest[s].commit_time):
+            newest[s] = info
+    out: List[Held] = []
+    for name, s, info in copies:
+        if info is None:
+            t = float("-inf")  # unknown: after every copy whose time is known
+        else:  # a copy of the step's newest save counts at that save's newest stamp
+            t = newest[s].commit_time if same_save(info, newest[s]) else info.commit_time
+        out.append(Held(s, t, (name,)))
     return sorted(out, key=lambda h: (h.commit_time, h.step, h.tiers[0] == LOCAL), reverse=True)
 
 
@@ -214,10 +323,15 @@ def commit_records(tiers: Sequence[Tier]) -> List[CheckpointInfo]:
 
 
 def check_local_copy(tier: Tier, step: int, rank: int, world_size: int) -> None:
-    """Raise :class:`ForeignCopyError` when the local copy of ``step`` holds another rank's
-    shards or was saved at another world size (only that job's ranks could use it)."""
+    """Raise :class:`ForeignCopyError` when the local copy of ``step`` was saved for another
+    persistent root, holds another rank's shards or was saved at another world size (only
+    that job's ranks could use it)."""
     extra = tier.store.layout.read_manifest(step).extra
     r, w = extra.get("rank", 0), extra.get("world_size", 1)
+    root = foreign_root(tier, extra)
+    if root is not None:
+        raise ForeignCopyError(f"the local copy of step {step} in {tier.url} was saved for the checkpoint path "
+                               f"{root}, not {tier.home}", step=step)
     if (r, w) != (rank, world_size):
         raise ForeignCopyError(f"the local copy of step {step} in {tier.url} was saved by rank {r} of {w}, "
                                f"this is rank {rank} of {world_size}", step=step)
@@ -312,12 +426,15 @@ def _attempt(tier: Tier, step: int, coord: Coordinator, restore_one: Callable[[T
 
 
 def promote(local: Tier, persistent: Tier, step: int, *, verify: bool = True, threads: int = 8,
-            retention: Optional[RetentionPolicy] = None) -> Manifest:
+            retention: Optional[RetentionPolicy] = None) -> Tuple[Manifest, List[int]]:
     """Copy the local tier's committed ``step`` to the persistent tier and commit it there,
     with the local copy's commit time (the persistent tier's order stays the order of the
-    saves; its retention then applies). Every file is checked
+    saves); returns its manifest and the steps the persistent tier's retention then dropped
+    (that pass keeps the promoted step, which an explicit request put there; later passes
+    treat it as any other step). Every file is checked
     against the local manifest (size, and CRC-32C with ``verify``) before anything is
-    committed; a copy one rank of a multi-rank job saved (its shards only) is refused, and so is
+    committed; a copy another job saved (for another persistent root) or one rank of a
+    multi-rank job saved (its shards only) is refused, and so is
     a step the persistent tier already holds (it may be a newer save). The caller holds the
     persistent tier's writer lease."""
     from concurrent.futures import ThreadPoolExecutor
@@ -326,6 +443,10 @@ def promote(local: Tier, persistent: Tier, step: int, *, verify: bool = True, th
         raise StepNotFoundError(f"no committed local checkpoint for step {step} under {local.url}", step=step)
     path, manifest = local.store.layout.open_step(step)
     r, w = manifest.extra.get("rank", 0), manifest.extra.get("world_size", 1)
+    root = foreign_root(local, manifest.extra)
+    if root is not None:
+        raise CheckpointError(f"the local copy of step {step} in {local.url} was saved for the checkpoint path "
+                              f"{root}, not {local.home}: another job's step is not promoted", step=step)
     if w != 1:  # <local_dir>/rank<r> of a multi-rank job: that rank's shards only
         raise CheckpointError(f"the local copy of step {step} in {local.url} was saved by rank {r} of {w}: it holds "
                               f"that rank's shards only, not a whole checkpoint (save the step with force=True "
@@ -350,14 +471,15 @@ def promote(local: Tier, persistent: Tier, step: int, *, verify: bool = True, th
         with ThreadPoolExecutor(max(1, min(threads, 4, len(manifest.files)))) as pool:  # whole files in memory
             list(pool.map(copy, list(manifest.files)))
         dst.check_lease()
-        extra = {k: v for k, v in manifest.extra.items() if k not in ("rank", "world_size", "tier")}
+        extra = {k: v for k, v in manifest.extra.items() if k not in ("rank", "world_size", "tier", PERSISTENT_ROOT)}
         new = dataclasses.replace(manifest, extra=extra)  # keeps its commit time: the order of the saves
         dst.layout.commit(target, new)
         committed = True
-        catalog.record_commit(CheckpointInfo(step, new.commit_time, dict(new.metrics), new.nbytes))
+        catalog.record_commit(CheckpointInfo(step, new.commit_time, dict(new.metrics), new.nbytes, dict(new.extra)))
         catalog.end_write(step)
-        dst.apply_retention(retention if retention is not None else persistent.retention)
-        return new
+        policy = retention if retention is not None else persistent.retention
+        dropped = dst.apply_retention(as_retention_policy(lambda cps: apply_retention(policy, cps) | {step}))
+        return new, dropped
     finally:
         if not committed:
             catalog.end_write(step)

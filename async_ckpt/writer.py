@@ -89,6 +89,19 @@ class AsyncWriter:
             f"background save of step {step} failed: {type(exc).__name__}: {exc}{more}", step=step
         ) from exc
 
+    def add_failure(self, step: Optional[int], exc: BaseException) -> None:
+        """Keep ``exc`` as the failure of the save of ``step`` (a job that raised, or a save
+        that failed before it was queued), raised as a job's failure is; a writer with
+        ``defer_errors`` logs it now."""
+        with self._lock:
+            if len(self._errors) < MAX_KEPT_ERRORS:
+                self._errors.append((step, exc))
+            else:  # a long outage: keep the first errors and the failed steps
+                self._errors[-1] = (step, exc)
+        if self.defer_errors:
+            log.error("async_ckpt: %s: save of step %s failed (raised at join()/close()): %s: %s",
+                      self._thread.name, step, type(exc).__name__, exc)
+
     def wait_idle(self, timeout: Optional[float] = None) -> None:
         """Wait until every queued job has finished (failures stay kept for :meth:`join`)."""
         with self._idle:
@@ -123,14 +136,7 @@ class AsyncWriter:
             try:
                 fut.set_result(fn())
             except BaseException as exc:  # noqa: BLE001 - surfaced to the training thread
-                with self._lock:
-                    if len(self._errors) < MAX_KEPT_ERRORS:
-                        self._errors.append((step, exc))
-                    else:  # a long outage: keep the first errors and the failed steps
-                        self._errors[-1] = (step, exc)
-                if self.defer_errors:
-                    log.error("async_ckpt: %s: save of step %s failed (raised at join()/close()): %s: %s",
-                              self._thread.name, step, type(exc).__name__, exc)
+                self.add_failure(step, exc)
                 fut.set_exception(exc)
             finally:
                 # Drop the job before waiting for the next one: it references its manager,

@@ -1,9 +1,13 @@
 """Two tiers: a local copy (``local_dir``) often, the persistent root less often; restore from
-the nearest intact copy. One process here; 2 ranks in tests/test_tiers_dist.py, the loopback
-GCS server and /dev/shm crash trials in tests/test_tiers_cloud.py and tests/test_crash.py."""
+the nearest intact copy. One process here: where steps go, restores and their fallbacks,
+promote, delete, the arguments and the CLI. The bucket away (failed uploads, an unreachable or
+unlistable bucket) is in tests/test_tiers_outages.py; which copies are one save, and whose, in
+tests/test_tiers_copies.py; 2 ranks in tests/test_tiers_dist.py, the loopback GCS server and
+/dev/shm crash trials in tests/test_tiers_cloud.py and tests/test_crash.py."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -13,7 +17,12 @@ import pytest
 import torch
 
 from async_ckpt import CheckpointManager, KeepLatest
-from async_ckpt.errors import CheckpointError, CorruptCheckpointError, StateDictMismatchError, StepNotFoundError
+from async_ckpt.errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    StateDictMismatchError,
+    StepNotFoundError,
+)
 from async_ckpt.lifecycle import coordinator as coordinator_mod
 
 from .conftest import assert_bitwise_equal, clone_tree
@@ -176,36 +185,6 @@ def test_a_mismatching_state_dict_is_raised_not_fallen_back_from(roots):
             mgr.restore(7, zeros())
 
 
-def test_failed_uploads_do_not_stop_local_saves_and_are_raised_at_join(roots, monkeypatch, caplog):
-    path, local = roots
-    real = coordinator_mod.save_state_dict
-    down = {"on": True}
-
-    def flaky(storage, p, sd, **kw):
-        if down["on"] and not p.startswith(local):
-            raise OSError("bucket unreachable")
-        return real(storage, p, sd, **kw)
-
-    monkeypatch.setattr(coordinator_mod, "save_state_dict", flaky)
-    mgr = CheckpointManager(path, save_interval=2, local_dir=local, local_policy=1, local_retention=10)
-    with caplog.at_level(logging.ERROR, logger="async_ckpt"):
-        for s in range(1, 6):
-            assert mgr.save_async(s, state(s))  # the failed uploads of 2 and 4 are not raised here
-        mgr._local.writer.join()
-        mgr._writer.wait_idle()
-    assert "save of step 2 failed" in caplog.text
-    assert mgr.step_tiers() == {s: ("local",) for s in (5, 4, 3, 2, 1)}
-    with pytest.raises(CheckpointError, match="step 2") as ei:
-        mgr.join()
-    assert ei.value.step == 2
-    down["on"] = False
-    mgr.save(6, state(6))  # the bucket is back: the next upload goes through
-    assert mgr.step_tiers()[6] == ("local", "persistent")
-    mgr.close()
-    with CheckpointManager(path) as plain:
-        assert plain.all_steps() == [6]
-
-
 def test_promote_uploads_a_local_step_and_commits_it(roots):
     path, local = roots
     with CheckpointManager(path, save_interval=10, local_dir=local, local_policy=1) as mgr:
@@ -274,41 +253,6 @@ def test_lazy_saves_to_both_tiers_round_trip(roots):
         assert_bitwise_equal(out, state(7))
 
 
-def test_bucket_that_cannot_be_listed_restores_from_local_with_a_warning(roots, monkeypatch):
-    from async_ckpt.errors import StorageError
-
-    path, local = roots
-    with CheckpointManager(path, save_interval=2, local_dir=local, local_policy=1) as mgr:
-        for s in range(1, 4):
-            mgr.save(s, state(s))
-    mgr = CheckpointManager(path, save_interval=2, local_dir=local, local_policy=1)
-
-    def down():
-        raise StorageError(f"{path}: connection refused")
-
-    monkeypatch.setattr(mgr.layout, "committed_steps", down)  # what listing an unreachable bucket raises
-    out = zeros()
-    with pytest.warns(RuntimeWarning, match=r"persistent tier .* cannot be listed"):
-        assert mgr.restore(None, out) == 3
-    assert_bitwise_equal(out, state(3))
-    with pytest.warns(RuntimeWarning, match="cannot be listed"):
-        assert mgr.all_steps() == [2, 3]
-    # a named step only the unlistable bucket might hold: the bucket's error, not "not found"
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        with pytest.raises(StorageError, match="connection refused"):
-            mgr.restore(1, zeros())
-    monkeypatch.undo()
-    mgr.close()
-    # without a local tier to fall back on, the listing error is raised
-    plain = CheckpointManager(path)
-    monkeypatch.setattr(plain.layout, "committed_steps", down)
-    with pytest.raises(StorageError, match="connection refused"):
-        plain.restore(None, zeros())
-    monkeypatch.undo()
-    plain.close()
-
-
 def test_cli_ls_verify_promote_understand_both_tiers(roots, capsys):
     import json
 
@@ -343,29 +287,6 @@ def test_cli_ls_verify_promote_understand_both_tiers(roots, capsys):
     assert main(["verify", path, "4", "--local-dir", local]) == EXIT_DAMAGED  # both copies, one damaged
     text = capsys.readouterr().out
     assert "step 4 (local): DAMAGED" in text and "step 4 (persistent): ok" in text
-
-
-def test_after_a_failed_upload_restore_and_promote_work_and_join_still_raises(roots, monkeypatch):
-    path, local = roots
-    real = coordinator_mod.save_state_dict
-
-    def no_bucket(storage, p, sd, **kw):
-        if not p.startswith(local):
-            raise OSError("bucket unreachable")
-        return real(storage, p, sd, **kw)
-
-    monkeypatch.setattr(coordinator_mod, "save_state_dict", no_bucket)
-    mgr = CheckpointManager(path, local_dir=local)
-    mgr.save_async(1, state(1))
-    out = zeros()
-    assert mgr.restore(None, out) == 1  # the failed upload is not the restore's error
-    assert_bitwise_equal(out, state(1))
-    monkeypatch.setattr(coordinator_mod, "save_state_dict", real)
-    mgr.promote(1)  # the repair: the local copy goes up
-    assert mgr.step_tiers() == {1: ("local", "persistent")}
-    with pytest.raises(CheckpointError, match="bucket unreachable"):
-        mgr.join()
-    mgr.close()
 
 
 def test_a_lagging_upload_does_not_make_its_older_step_the_newest(roots, monkeypatch):
@@ -406,27 +327,121 @@ def test_metrics_come_from_the_newest_save_of_a_step(roots):
         assert mgr.metrics(5) == {"loss": 2.0}
 
 
-def test_a_long_outage_keeps_a_bounded_number_of_deferred_failures():
-    from async_ckpt.writer import MAX_KEPT_ERRORS, AsyncWriter
-
-    w = AsyncWriter(1, defer_errors=True)
-
-    def fail():
-        raise OSError("down")
-
-    for s in range(MAX_KEPT_ERRORS + 50):
-        w.wait_for_slot()  # a deferred failure is not raised here
-        w.submit(fail, step=s)
-    w.wait_idle()
-    assert len(w._errors) == MAX_KEPT_ERRORS
-    with pytest.raises(CheckpointError, match=r"step 0 failed.*more failed save") as ei:
-        w.close()
-    assert str(MAX_KEPT_ERRORS + 49) in str(ei.value)  # the newest failure is still named
-
-
 def test_should_save_answers_for_either_tier(roots):
     path, local = roots
     with CheckpointManager(path, save_interval=10, local_dir=local, local_policy=5) as mgr:
         assert [s for s in range(21) if mgr.should_save(s)] == [0, 5, 10, 15, 20]
     with CheckpointManager(path, save_interval=10) as plain:
         assert [s for s in range(21) if plain.should_save(s)] == [0, 10, 20]
+
+
+def test_a_refused_construction_creates_nothing_and_leaves_no_thread(roots):
+    import threading
+
+    path, local = roots
+
+    def writers():
+        return sum(t.name.startswith("async-ckpt-") for t in threading.enumerate())
+
+    before = writers()
+    for _ in range(3):
+        with pytest.raises(ValueError, match="inside one another"):
+            CheckpointManager(path, local_dir=os.path.join(path, "sub"))
+        with pytest.raises(ValueError, match="local_retention"):
+            CheckpointManager(path, local_dir=local, local_retention=0)
+    assert writers() <= before
+    assert not os.path.exists(os.path.join(path, "sub"))
+
+
+def test_promote_keeps_the_promoted_step_through_its_retention_pass_and_returns_what_it_dropped(roots, caplog):
+    path, local = roots
+    with CheckpointManager(path, save_interval=5, local_dir=local, local_policy=1, local_retention=5) as mgr:
+        for s in range(1, 11):
+            mgr.save(s, state(s))
+        assert mgr.layout.committed_steps() == [5, 10]
+    with CheckpointManager(path, save_interval=5, max_to_keep=1, local_dir=local, local_policy=1) as mgr:
+        with caplog.at_level(logging.WARNING, logger="async_ckpt"):
+            assert mgr.promote(7) == [5]  # the request is kept; 10 is the newest commit
+        assert "promote(7): the retention" in caplog.text and "[5]" in caplog.text
+        assert mgr.layout.committed_steps() == [7, 10]
+        assert mgr.step_tiers()[7] == ("local", "persistent")
+        mgr.save(15, state(15))  # the next save's retention treats 7 as any other step
+        assert mgr.layout.committed_steps() == [15]
+
+
+def test_cli_ls_numbers_the_two_copies_of_one_save_once(roots, capsys):
+    import json
+
+    from async_ckpt.cli import EXIT_OK, main
+
+    path, local = roots
+    with CheckpointManager(path, save_interval=2, local_dir=local, local_policy=1) as mgr:
+        for s in range(1, 5):
+            mgr.save(s, state(s))
+    capsys.readouterr()
+    assert main(["ls", path, "--local-dir", local, "--json"]) == EXIT_OK
+    listed = json.loads(capsys.readouterr().out)
+    assert listed["commit_order"] == [2, 3, 4] and listed["latest"] == 4
+    assert sorted((e["step"], e["tier"], e["commit_order"]) for e in listed["steps"]) == [
+        (2, "persistent", 1), (3, "local", 2), (4, "local", 3), (4, "persistent", 3)]
+    assert main(["ls", path, "--local-dir", local]) == EXIT_OK
+    text = capsys.readouterr().out
+    assert sum(" 3 latest " in line for line in text.splitlines()) == 2  # both copies of step 4
+    assert "commit order (oldest first): 2, 3, 4;" in text
+
+
+def test_promote_refuses_one_rank_s_local_copy_of_a_multi_rank_job(roots, monkeypatch, capsys):
+    """``<local_dir>/rank<r>`` holds one rank's shards: committed to the bucket as a step it
+    would be listed and restored as if it were the whole job's checkpoint."""
+    import async_ckpt.manager.core as core
+    from async_ckpt.cli import EXIT_OK, main
+    from async_ckpt.errors import CheckpointError
+
+    path, local = roots
+    real = core.SaveJob
+
+    def rank1_of_2(*a, manifest_extra=None, **kw):  # what rank 1 of a 2-rank job records locally
+        if manifest_extra and manifest_extra.get("tier") == "local":
+            manifest_extra = dict(manifest_extra, rank=1, world_size=2)
+        return real(*a, manifest_extra=manifest_extra or {}, **kw)
+
+    monkeypatch.setattr(core, "SaveJob", rank1_of_2)
+    with CheckpointManager(path, save_interval=10, local_dir=local, local_policy=1) as mgr:
+        mgr.save(3, state(3))
+        with pytest.raises(CheckpointError, match="rank 1 of 2"):
+            mgr.promote(3)
+    monkeypatch.undo()
+    capsys.readouterr()
+    assert main(["promote", path, "3", "--local-dir", local]) != EXIT_OK
+    assert "rank 1 of 2" in capsys.readouterr().err
+    with CheckpointManager(path) as plain:
+        assert plain.all_steps() == []
+
+
+def test_cli_verify_of_a_named_step_only_the_local_tier_holds(roots, capsys):
+    from async_ckpt.cli import EXIT_OK, main
+
+    path, local = roots
+    with CheckpointManager(path, save_interval=2, local_dir=local, local_policy=1, local_retention=3) as mgr:
+        for s in range(1, 4):
+            mgr.save(s, state(s))
+        assert mgr.step_tiers()[3] == ("local",)
+    capsys.readouterr()
+    assert main(["verify", path, "3", "--local-dir", local, "--json"]) == EXIT_OK
+    res = json.loads(capsys.readouterr().out)
+    assert [(r["step"], r["tier"], r["ok"]) for r in res["steps"]] == [(3, "local", True)]
+
+
+def test_local_dir_that_is_path_spelled_another_way_is_refused(tmp_path, monkeypatch):
+    bucket = tmp_path / "bucket"
+    bucket.mkdir()
+    os.symlink(bucket, tmp_path / "link")
+    monkeypatch.chdir(tmp_path)
+    same = [f"file://{bucket}", f"{tmp_path}/./bucket", f"{tmp_path}//bucket/", str(tmp_path / "link"),
+            "bucket", "link/local", "bucket/../bucket/local"]
+    for local in same:
+        with pytest.raises(ValueError, match="must not be the same directory or inside one another"):
+            CheckpointManager(str(bucket), local_dir=local)
+    with pytest.raises(ValueError, match="must not be the same directory"):
+        CheckpointManager(f"file://{tmp_path}/local/../bucket/x", local_dir=str(bucket))
+    CheckpointManager(str(bucket), local_dir=str(tmp_path / "bucket2")).close()  # a sibling is fine

@@ -10,6 +10,9 @@ every third step to the bucket. Then, with fresh managers each time:
 3. rank 1's local copy of step 3 is damaged: both skip the local copies (rank 0's too) and
    restore the bucket's copy of step 3;
 4. rank 1 loses its whole local dir: both restore step 3 from the bucket.
+5. a fresh bucket that rank 0 cannot reach at its first save (taking the lease fails): both
+   ranks save that step locally and raise the bucket's error at join(); the next step due for
+   the bucket commits there once it is reachable.
 
 Each restore is compared bitwise with the full state dict gathered at that step. Each rank
 prints ``RANK <r> OK`` at the end.
@@ -41,6 +44,31 @@ def state(model, optim, step: int):
 def full(model, optim):
     msd, osd = get_state_dict(model, optim, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     return {"model": msd, "optim": osd}
+
+
+def unreachable(model, optim, rank: int, ref_dir: str) -> None:
+    """Scenario 5: rank 0 cannot take the bucket's lease at step 3; no rank waits for another."""
+    from async_ckpt.errors import StorageError
+
+    bucket, local = os.path.join(ref_dir, "bucket2"), os.path.join(ref_dir, "local2")
+    with CheckpointManager(bucket, save_interval=3, local_dir=local, local_policy=1, collective_timeout_s=60) as m:
+        real = m._store.become_writer
+        if rank == 0:
+            def down() -> None:
+                raise FileNotFoundError(2, "No such file or directory", os.path.join(bucket, ".async_ckpt.lock"))
+
+            m._store.become_writer = down
+        assert m.save_async(3, state(model, optim, 3))
+        try:
+            m.join()
+            raise AssertionError("join() did not raise the bucket's failure")
+        except StorageError as exc:
+            assert "step 3" in str(exc) and "bucket2" in str(exc), exc
+        assert m.step_tiers() == {3: ("local",)}, m.step_tiers()
+        m._store.become_writer = real
+        assert m.save_async(6, state(model, optim, 6))
+        m.join()
+        assert m.step_tiers() == {6: ("local", "persistent"), 3: ("local",)}, m.step_tiers()
 
 
 def main() -> None:
@@ -105,6 +133,8 @@ def main() -> None:
         shutil.rmtree(mine)
     dist.barrier()
     restore_and_check(3, 0)  # no local step on every rank: the bucket
+    dist.barrier()
+    unreachable(model, optim, rank, ref_dir)
     dist.barrier()
     print(f"RANK {rank} OK", flush=True)
     dist.destroy_process_group()

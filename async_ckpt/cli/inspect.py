@@ -8,9 +8,11 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Dict, List, Tuple
 
 from ..errors import CheckpointError
+from ..policies import CheckpointInfo
 from ..storage.fs import Storage
 from ..storage.layout import _STEP_RE, _TMP_RE, _TRASH_RE, _VER_RE, CheckpointLayout
 from ..storage.manifest import MARKER_NAME, shown
+from ..tiers import SAVE_ID, same_save
 from .common import (
     EXIT_OK,
     _fmt_metrics,
@@ -70,7 +72,8 @@ def _step_entry(storage: Storage, layout: CheckpointLayout, name: str, locations
         entry.update(status="damaged", problem=str(exc))
         return entry
     problems = [f"{shown(n)}: {what}" for n, what in bad.items()]
-    entry.update(commit_time=man.commit_time, metrics=dict(man.metrics), files=len(man.files),
+    entry.update(commit_time=man.commit_time, save_id=man.extra.get(SAVE_ID), metrics=dict(man.metrics),
+                 files=len(man.files),
                  bytes=sum(r.size for r in man.files.values()), nbytes=man.nbytes,
                  num_tensors=man.num_tensors, world_size=man.world_size)
     if problems:
@@ -88,6 +91,24 @@ def _entries(storage: Storage, layout: CheckpointLayout) -> List[Dict[str, Any]]
         return list(pool.map(lambda n: _step_entry(storage, layout, n, locations), names))
 
 
+def _number_saves(timed: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """Set ``commit_order`` (1: the oldest) of committed entries, per save: the copies of one
+    save in both tiers (:func:`~async_ckpt.tiers.same_save`) share a number, at the newer
+    copy's commit time. Returns the entries in that order."""
+    def info(e: Dict[str, Any]) -> CheckpointInfo:
+        return CheckpointInfo(e["step"], e["commit_time"], extra={SAVE_ID: e["save_id"]} if e.get("save_id") else {})
+
+    for e in timed:
+        e["_at"] = max(o["commit_time"] for o in timed if o["step"] == e["step"] and same_save(info(e), info(o)))
+    timed.sort(key=lambda e: (e["_at"], e["step"], e["tier"] != "local"))
+    n, last = 0, None
+    for e in timed:
+        key = (e["step"], e.pop("_at"))
+        n += key != last
+        last, e["commit_order"] = key, n
+    return timed
+
+
 def cmd_ls(args: argparse.Namespace) -> int:
     roots = _roots(args)
     tiered = len(roots) > 1
@@ -98,14 +119,12 @@ def cmd_ls(args: argparse.Namespace) -> int:
             entries.append(e)
     entries.sort(key=lambda e: (e["step"], e["tier"] != "local", e["name"]))
     # Commit order is the order: 1 is the oldest commit; the newest is the latest step.
-    timed = sorted((e for e in entries if e["status"] in ("listed", "damaged") and e["commit_time"] is not None),
-                   key=lambda e: (e["commit_time"], e["step"]))
-    for i, e in enumerate(timed, 1):
-        e["commit_order"] = i
-    latest = timed[-1]["step"] if timed else None
+    timed = _number_saves([e for e in entries if e["status"] in ("listed", "damaged") and e["commit_time"] is not None])
+    saves = sorted({e["commit_order"]: e["step"] for e in timed}.items())
+    latest = saves[-1][1] if saves else None
     if args.json:
         _print_json({"path": args.path, "steps": entries, "latest": latest,
-                     "commit_order": [e["step"] for e in timed]})
+                     "commit_order": [step for _, step in saves]})
         return EXIT_OK
     if not entries:
         print(f"no checkpoints under {args.path}")
@@ -114,7 +133,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     for e in entries:
         status = e["status"] if e["status"] == "listed" else e["status"].upper()
         order = e.get("commit_order")
-        row = [e["step"], "-" if order is None else f"{order}{' latest' if e['step'] == latest and order == len(timed) else ''}",
+        row = [e["step"], "-" if order is None else f"{order}{' latest' if order == len(saves) else ''}",
                _fmt_time(e["commit_time"]), human_bytes(e["bytes"]),
                "-" if e["files"] is None else e["files"], status, _fmt_metrics(e["metrics"])]
         rows.append(row[:1] + [e["tier"]] + row[1:] if tiered else row)
@@ -133,7 +152,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
           + f"; {human_bytes(sum(e['bytes'] or 0 for e in entries))} in all"
           + ("; contents not read (run verify for checksums)" if ok else ""))
     if timed:
-        print(f"commit order (oldest first): {', '.join(str(e['step']) for e in timed)}; "
+        print(f"commit order (oldest first): {', '.join(str(step) for _, step in saves)}; "
               f"latest (the newest commit): {latest}")
     for e in bad:
         where = f"{e['tier']} {e['name']}" if tiered else e["name"]

@@ -52,7 +52,7 @@ class StepCatalog:
         except Exception as exc:  # damaged or vanished: not a record retention can rely on
             log.warning("async_ckpt: ignoring step %d: %s", step, exc)
             return None
-        return CheckpointInfo(step, m.commit_time, dict(m.metrics), m.nbytes)
+        return CheckpointInfo(step, m.commit_time, dict(m.metrics), m.nbytes, dict(m.extra))
 
     def infos(self) -> Dict[int, CheckpointInfo]:
         """step -> record of every committed step whose manifest reads.

@@ -162,7 +162,7 @@ def run_save(store: StepStore, job: SaveJob, *, policy: RetentionPolicy, threads
                 store.layout.commit(target, manifest)
                 committed = True
                 store.catalog.record_commit(CheckpointInfo(step, manifest.commit_time, dict(job.metrics),
-                                                           manifest.nbytes))
+                                                           manifest.nbytes, dict(manifest.extra)))
                 store.catalog.end_write(step)
                 claimed = False
                 store.apply_retention(policy)  # decided (markers gone) before save()/join() return

@@ -13,12 +13,13 @@ import functools
 import logging
 import os
 import time
+import uuid
 import weakref
 from typing import Any, Callable, Deque, Dict, List, Mapping, Optional, Sequence
 
 from ..errors import CheckpointError, InvalidStateDictError, LeaseHeldError
 from ..gc_pause import gc_paused
-from ..lifecycle.coordinator import DEFAULT_TIMEOUT_S, coordinator_for, describe, rebuild
+from ..lifecycle.coordinator import DEFAULT_TIMEOUT_S, coordinator_for
 from ..lifecycle.planners import load_planner_for, save_planner_for
 from ..lifecycle.restore import restore as _restore
 from ..lifecycle.save_job import SaveJob, run_save
@@ -41,12 +42,15 @@ from ..storage.stats_log import StatsLog
 from ..tiers import (
     LOCAL,
     PERSISTENT,
+    PERSISTENT_ROOT,
+    SAVE_ID,
     Tier,
     make_local_tier,
-    promote,
     restore_from_tiers,
+    skip_foreign_save,
 )
 from ..writer import AsyncWriter
+from .actions import StepActions
 from .decisions import SaveDecisions
 from .hooks import _live_managers, _stop_threads
 from .listing import TierListing
@@ -64,7 +68,7 @@ def _raise_all(errors: List[BaseException]) -> None:
     raise CheckpointError("; and ".join(str(e) for e in errors), step=getattr(errors[0], "step", None)) from errors[0]
 
 
-class CheckpointManager(SaveDecisions, TierListing):
+class CheckpointManager(SaveDecisions, TierListing, StepActions):
     """Asynchronous checkpointing of a state dict to a local path or any fsspec URL.
 
     A drop-in for ``torch_xla.experimental.distributed_checkpoint.CheckpointManager`` (same
@@ -117,8 +121,9 @@ class CheckpointManager(SaveDecisions, TierListing):
             selects go to ``path``; a step due for both is staged once and written to both
             side by side. ``restore(None)`` takes the newest commit over both tiers, the local
             copy first. With several ranks each rank writes its own ``<local_dir>/rank<r>``.
-            With a local tier, failed writes to ``path`` are logged at once and raised by
-            :meth:`join`/:meth:`close`, not by the next save (see docs/tiers.md).
+            With a local tier, failed writes to ``path`` (and a ``path`` that cannot be reached
+            when a save is due there: that step goes to ``local_dir``) are logged at once and
+            raised by :meth:`join`/:meth:`close`, not by the next save (see docs/tiers.md).
         local_policy: when to save to ``local_dir``: a save policy, a callable
             ``fn(step) -> bool`` or an int N (every N steps); default: the save policy.
         local_retention: retention of ``local_dir``: a policy or an int N (keep the N newest
@@ -195,6 +200,11 @@ class CheckpointManager(SaveDecisions, TierListing):
         # Collective: every rank creates the checkpoint groups, first, before anything that
         # could fail on one rank only (a no-op coordinator in a single process).
         self._coord = coordinator_for(process_group, float(collective_timeout_s))
+        # names each save in both tiers' manifests (see tiers.SAVE_ID): rank 0's, on every rank
+        self._run_id = uuid.uuid4().hex[:12] if local_dir is not None else ""
+        if local_dir is not None and self._coord.world_size > 1:
+            self._run_id = self._coord.broadcast(self._run_id)
+        self._saves = 0
         self.storage = Storage(path, storage_options, retry=retry)
         self.layout = CheckpointLayout(self.storage, commit_mode)
         self.process_group = process_group
@@ -215,13 +225,6 @@ class CheckpointManager(SaveDecisions, TierListing):
         self._writer = AsyncWriter(max_pending_async, defer_errors=local_dir is not None)
         self._tiers: List[Tier] = [Tier(PERSISTENT, self._store, self._writer, self.retention)]
         self._local: Optional[Tier] = None
-        if local_dir is not None:
-            self._local = make_local_tier(
-                local_dir, self._coord, lambda: self._clock(), policy=local_policy, retention=local_retention,
-                max_pending=max_pending_async, commit_mode=commit_mode, keep_incomplete=keep_incomplete,
-                lease_timeout=float(lease_timeout), timeout_s=float(collective_timeout_s), retry=retry)
-            self._tiers.insert(0, self._local)
-            self._tiers[-1].check_differs(self._local)
         self._closed = False
         self._forked = False
         self._pid = os.getpid()
@@ -229,15 +232,20 @@ class CheckpointManager(SaveDecisions, TierListing):
         self._last_save_time: Optional[float] = None
         self._last_save_step: Optional[int] = None
         self._restored: Optional[int] = None  # the step this manager last restored
-        self._check_writable()
-        if self._preemption is not None:
-            try:
+        try:
+            if local_dir is not None:
+                self._local = make_local_tier(
+                    local_dir, self.storage, self._coord, lambda: self._clock(), policy=local_policy,
+                    retention=local_retention, max_pending=max_pending_async, commit_mode=commit_mode,
+                    keep_incomplete=keep_incomplete, lease_timeout=float(lease_timeout),
+                    timeout_s=float(collective_timeout_s), retry=retry)
+                self._tiers.insert(0, self._local)
+            self._check_writable()
+            if self._preemption is not None:
                 self._preemption.watcher.install()
-            except BaseException:
-                for tier in self._tiers:
-                    tier.writer.close()
-                    tier.store.deleter.shutdown(wait=False)
-                raise
+        except BaseException:  # a refused manager leaves no thread behind
+            _stop_threads([(t.writer, t.store.deleter, None) for t in self._tiers])
+            raise
         # An unclosed manager that is garbage-collected stops its threads (it has no pending
         # work then: a queued save holds a reference to it).
         self._finalizer = weakref.finalize(self, _stop_threads,
@@ -291,24 +299,9 @@ class CheckpointManager(SaveDecisions, TierListing):
         alone = self._coord.world_size == 1
         for tier in self._tiers:
             tier.writer.raise_if_failed()
-        take, preempt = self._decide(step, force)
-        take_local = self._local is not None and self._local_due(self._local, step, force or preempt, take)
-        lease_error: Optional[LeaseHeldError] = None
-        if take and self._coord.is_primary:
-            try:
-                self._store.become_writer()
-                self._store.warn_if_lower(step, self._restored)
-            except LeaseHeldError as exc:
-                if alone:
-                    raise
-                lease_error = exc
-        if not alone:
-            # Rank 0 decides for everyone: time-based policies, preemption signals and "nothing
-            # in flight" conditions can answer differently per rank.
-            take, take_local, preempt, lease_ok = self._coord.agree([take, take_local, preempt, lease_error is None])
-            if take and not lease_ok:
-                raise lease_error or LeaseHeldError(
-                    f"rank 0 could not take the writer lease of {self.storage.url}; see rank 0's error")
+        take, take_local, preempt, taken = self._due(step, force)
+        if take or take_local:  # agreed: every rank counts the same saves, one id per save
+            self._saves += 1
         if take_local and self._local is not None:
             try:
                 self._local.store.become_writer()  # this rank's own local directory
@@ -362,21 +355,27 @@ class CheckpointManager(SaveDecisions, TierListing):
             extra: Dict[str, Any] = {}
             if self._local is not None:
                 stats.extra["tier"] = tier.name
+                extra[SAVE_ID] = f"{self._run_id}.{self._saves}"
             if tier.name == LOCAL:
-                extra = {"tier": LOCAL, "rank": self._coord.rank, "world_size": self._coord.world_size}
+                extra.update({"tier": LOCAL, "rank": self._coord.rank, "world_size": self._coord.world_size,
+                              PERSISTENT_ROOT: tier.home})
             job = SaveJob(step, snap, metrics, stats, t0, manifest_extra=extra,
                           commit_at=taken_at if self._local is not None else None)
             tier.writer.submit(functools.partial(self._persist, job, tier), step=step)
             tier.last_save_time, tier.last_save_step = self._clock(), step
-        if take:
+        if taken:
             self._taken(step, preempt)
         if wait:
             for tier in due:
                 tier.writer.join()
+            if taken and not take:  # the root could not be reached: raised as a failed upload is
+                self._writer.join()
         return True
 
     def _persist(self, job: SaveJob, tier: Tier) -> None:
         """Writer thread of ``tier``: the save job, then statistics and the user's callback."""
+        if tier.name == LOCAL and skip_foreign_save(tier, job.step, job.snap):
+            return
         planner = save_planner_for(job.snap) if job.snap is not None else None
         policy = self.retention if tier.name == PERSISTENT else tier.retention
         stats = run_save(tier.store, job, policy=policy, threads=self.write_threads, planner=planner)
@@ -409,53 +408,6 @@ class CheckpointManager(SaveDecisions, TierListing):
     def last_stats(self) -> Optional[SaveStats]:
         """Statistics of the most recently committed save."""
         return self.stats[-1] if self.stats else None
-
-    def delete(self, step: int) -> None:
-        """Delete a committed step (an explicit user action): it is no longer listed or
-        restorable when this returns, and its files are gone (from every tier that holds it).
-
-        Waits for pending saves first and takes the root's writer lease (:class:`LeaseHeldError`
-        while another writer holds it). Raises :class:`StepNotFoundError` for a step that is not
-        committed. Multi-process: call it on every rank; rank 0 deletes (each rank its own
-        local copy).
-        """
-        self._check_open()
-        step = check_step(step)
-        self._settle()
-        local_held = self._local is not None and step in self._local.store.layout.committed_steps()
-        if local_held and self._local is not None:
-            self._local.store.become_writer()
-            self._local.store.delete(step)
-        outcome = None
-        if self._coord.is_primary:
-            try:
-                if not local_held or step in self.layout.committed_steps():
-                    self._store.become_writer()
-                    self._store.delete(step)
-            except BaseException as exc:  # noqa: BLE001 - reported to every rank
-                if self._coord.world_size == 1:
-                    raise
-                outcome = describe(0, exc)
-        outcome = self._coord.broadcast(outcome)
-        if outcome is not None:
-            raise rebuild(outcome[0], f"step {step}: delete failed: {outcome[1]}", step)
-
-    def promote(self, step: int) -> None:
-        """Copy the local tier's committed ``step`` to ``path`` and commit it there (checked
-        against the local manifest first; then ``path``'s retention applies). Waits for pending
-        saves; takes the writer lease of ``path``. One process only (a rank's local copy holds
-        only its own shards)."""
-        self._check_open()
-        step = check_step(step)
-        if self._local is None:
-            raise CheckpointError("promote() needs a manager with local_dir=")
-        if self._coord.world_size > 1:
-            raise CheckpointError("promote() copies one process's local step; with several ranks each local "
-                                  "copy holds one rank's shards: save the step with force=True instead")
-        self._settle()  # an earlier failed upload (still raised by join) is what promote repairs
-        self._store.become_writer()
-        promote(self._local, self._tiers[-1], step, verify=self.verify, threads=self.write_threads,
-                retention=self.retention)
 
     # ---- restoring ---------------------------------------------------------------------------
     def restore(self, step: Optional[int], state_dict: Dict[str, Any], *, verify: Optional[bool] = None,

@@ -1,14 +1,30 @@
-"""When a manager saves: its save policies (one per tier), ``force`` and preemption."""
+"""When a manager saves: its save policies (one per tier), ``force`` and preemption, and
+which tiers a save goes to (the persistent root's writer lease, the ranks' agreement)."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+import logging
+from typing import Any, Callable, NamedTuple, Optional
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, LeaseHeldError, StorageError
+from ..lifecycle.coordinator import Coordinator
+from ..lifecycle.steps import StepStore
 from ..policies import SaveContext, SavePolicy, as_save_policy, check_step, decide_save
 from ..preemption import PreemptionTracker
 from ..tiers import Tier
 from ..writer import AsyncWriter
+
+log = logging.getLogger("async_ckpt")
+
+
+class Due(NamedTuple):
+    """Where a save goes: the persistent root, the local tier; whether it is the preemption
+    checkpoint, and whether the save policy (or ``force``, or preemption) asked for it."""
+
+    persistent: bool
+    local: bool
+    preempt: bool
+    taken: bool
 
 
 class SaveDecisions:
@@ -21,6 +37,9 @@ class SaveDecisions:
     _last_save_step: Optional[int]
     _writer: AsyncWriter
     _local: Optional[Tier]
+    _coord: Coordinator
+    _store: StepStore
+    _restored: Optional[int]
 
     @property
     def save_policy(self) -> SavePolicy:
@@ -52,6 +71,54 @@ class SaveDecisions:
         """(take this save, it is the preemption checkpoint). Training thread."""
         preempt = self._preemption.due(step) if self._preemption is not None else False
         return (force or preempt or self._policy_wants(step, preempt)), preempt
+
+    def _due(self, step: int, force: bool) -> Due:
+        """Which tiers a save of ``step`` goes to, the same on every rank (rank 0 decides).
+
+        When the persistent root is due, rank 0 takes its writer lease first. Another live
+        writer holding it raises :class:`LeaseHeldError`. A root that cannot be reached (a
+        ``StorageError`` or ``OSError``: down, a vanished mount) raises :class:`StorageError`
+        without a local tier; with one, that error is kept as the failure of this step's upload
+        (logged now, raised by ``join()``/``close()`` on every rank), the step goes to the local
+        tier instead, and the next step due for the root tries the lease again."""
+        alone = self._coord.world_size == 1
+        take, preempt = self._decide(step, force)
+        take_local = self._local is not None and self._local_due(self._local, step, force or preempt, take)
+        held: Optional[LeaseHeldError] = None
+        unreachable: Optional[StorageError] = None
+        if take and self._coord.is_primary:
+            try:
+                self._store.become_writer()
+                self._store.warn_if_lower(step, self._restored)
+            except LeaseHeldError as exc:
+                if alone:
+                    raise
+                held = exc
+            except (StorageError, OSError) as exc:
+                unreachable = StorageError(f"step {step}: the checkpoint path {self._store.storage.url} cannot be "
+                                           f"reached (taking its writer lease failed): {type(exc).__name__}: {exc}",
+                                           step=step)
+                unreachable.__cause__ = exc
+                if self._local is None and alone:
+                    raise unreachable from exc
+        reached = unreachable is None
+        if not alone:
+            # Rank 0 decides for everyone: time-based policies, preemption signals and "nothing
+            # in flight" conditions can answer differently per rank.
+            take, take_local, preempt, lease_ok, reached = self._coord.agree(
+                [take, take_local, preempt, held is None, reached])
+            if take and not lease_ok:
+                raise held or LeaseHeldError(
+                    f"rank 0 could not take the writer lease of {self._store.storage.url}; see rank 0's error")
+        if not take or reached:
+            return Due(take, take_local, preempt, take)
+        if unreachable is None:
+            unreachable = StorageError(f"step {step}: rank 0 could not reach the checkpoint path "
+                                       f"{self._store.storage.url}; see rank 0's error", step=step)
+        if self._local is None:
+            raise unreachable
+        self._writer.add_failure(step, unreachable)  # logged now, raised by join()/close()
+        return Due(False, True, preempt, take)
 
     def _taken(self, step: int, preempt: bool) -> None:
         """Record a save that was just taken (staged and queued). Training thread."""

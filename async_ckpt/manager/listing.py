@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Dict, List, Optional, Tuple
 
 from ..policies import RetentionPolicy, best_checkpoint, check_step, find_keep_best
-from ..storage import CheckpointLayout
-from ..tiers import Tier, commit_records, held_steps
+from ..storage import CheckpointLayout, Manifest
+from ..tiers import FALLBACK_ERRORS, Tier, commit_records, held_steps
 
 
 class TierListing:
@@ -70,10 +71,24 @@ class TierListing:
         return steps[-1] if steps else None
 
     def metrics(self, step: int) -> Dict[str, float]:
-        """The metrics stored with a committed step (of its newest save, over the tiers)."""
+        """The metrics stored with a committed step (of its newest save, over the tiers). A tier
+        that cannot be read (a bucket that is down) is skipped with a warning while another
+        tier holds the step; when none does, its error is raised (it may hold the step)."""
         step = check_step(step)
-        copies = [t.store.layout.read_manifest(step) for t in self._tiers if step in t.store.layout.committed_steps()]
+        copies: List[Manifest] = []
+        failed: List[BaseException] = []
+        for t in self._tiers:
+            try:
+                if step in t.store.layout.committed_steps():
+                    copies.append(t.store.layout.read_manifest(step))
+            except FALLBACK_ERRORS as exc:
+                if len(self._tiers) == 1:
+                    raise
+                warnings.warn(f"async_ckpt: the {t.name} tier ({t.url}) cannot be read, using the other tier: "
+                              f"{type(exc).__name__}: {exc}", RuntimeWarning, stacklevel=2)
+                failed.append(exc)
         if not copies:
+            if failed:
+                raise failed[0]
             return dict(self.layout.read_manifest(step).metrics)  # raises the not-found error
         return dict(max(copies, key=lambda m: m.commit_time).metrics)
-

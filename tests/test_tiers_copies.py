@@ -1,0 +1,126 @@
+"""Two tiers: which copies of a step are one save (a save id in both tiers' manifests; a
+re-save is another save, the newest wins), and whose (a local copy saved for another bucket is
+another job's)."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import warnings
+
+import pytest
+
+from async_ckpt import CheckpointManager
+from async_ckpt.errors import CheckpointError, StepNotFoundError
+
+from .conftest import assert_bitwise_equal
+from .test_tiers import state, zeros
+
+
+@pytest.fixture
+def roots(tmp_path):
+    return str(tmp_path / "bucket"), str(tmp_path / "local")
+
+
+def test_a_re_save_within_a_second_is_a_different_save_and_the_newest_one_wins(roots):
+    """Copies of one save are named by a save id in both tiers' manifests, not by how close
+    their commit times are: a re-save of step 10 to the bucket 0.x s after a local-only save
+    of it is the newer save."""
+    from async_ckpt.policies import CheckpointInfo
+    from async_ckpt.tiers import same_save
+
+    path, local = roots
+    flags = {"local": True, "bucket": False}
+    with CheckpointManager(path, save_policy=lambda s: flags["bucket"], local_dir=local,
+                           local_policy=lambda s: flags["local"], local_retention=5) as mgr:
+        mgr.save(10, state(1))               # local only
+        flags.update(local=False, bucket=True)
+        mgr.save(10, state(2))               # re-saved at once: the bucket only
+        assert mgr.step_tiers() == {10: ("persistent", "local")}
+        for step in (None, 10):
+            out = zeros()
+            assert mgr.restore(step, out) == 10
+            assert_bitwise_equal(out, state(2))
+        flags.update(local=True)
+        mgr.save(11, state(11))              # one save, both tiers: one id, local first
+        assert mgr.step_tiers()[11] == ("local", "persistent")
+    # manifests from before save ids: copies committed within SAME_SAVE_S are one save
+    assert same_save(CheckpointInfo(1, 100.0), CheckpointInfo(1, 100.5))
+    assert not same_save(CheckpointInfo(1, 100.0), CheckpointInfo(1, 102.0))
+    assert not same_save(CheckpointInfo(1, 100.0, extra={"save_id": "a"}), CheckpointInfo(1, 100.0, extra={"save_id": "b"}))
+
+
+def _flagged(path, local):
+    flags = {"persistent": False, "local": True}
+    mgr = CheckpointManager(path, save_policy=lambda s: flags["persistent"], local_dir=local,
+                            local_policy=lambda s: flags["local"], local_retention=5)
+    clock = itertools.count(1_700_000_000, 10)  # the saves are 10 s apart (re-saves, not one save)
+    mgr._clock = lambda: float(next(clock))
+    return mgr, flags
+
+
+def test_a_step_re_saved_to_the_bucket_only_restores_its_newest_save_not_the_older_local_copy(roots):
+    """A re-save replaces a step (as on one root): the copies of step 3 are two different
+    saves, and the newer one is in the bucket."""
+    path, local = roots
+    mgr, flags = _flagged(path, local)
+    mgr.save(1, state(1))
+    mgr.save(3, state(30))               # local only
+    flags.update(persistent=True, local=False)
+    mgr.save(3, state(31))               # re-saved (after a roll back, say): the bucket only
+    assert mgr.latest_step() == 3
+    out = zeros()
+    assert mgr.restore(None, out) == 3
+    assert_bitwise_equal(out, state(31))
+    out = zeros()
+    assert mgr.restore(3, out) == 3
+    assert_bitwise_equal(out, state(31))
+    mgr.close()
+
+
+def test_a_step_re_saved_locally_counts_at_its_newest_save(roots):
+    path, local = roots
+    mgr, flags = _flagged(path, local)
+    flags.update(persistent=True, local=False)
+    mgr.save(3, state(30))               # the bucket only
+    flags.update(persistent=False, local=True)
+    mgr.save(2, state(2))
+    mgr.save(3, state(31))               # re-saved: the local tier only, the newest save
+    assert mgr.steps_in_commit_order() == [2, 3] and mgr.latest_step() == 3
+    assert list(mgr.step_tiers()) == [3, 2]
+    out = zeros()
+    assert mgr.restore(None, out) == 3
+    assert_bitwise_equal(out, state(31))
+    mgr.close()
+
+
+def test_another_job_s_local_copies_are_never_restored_replaced_deleted_or_promoted(tmp_path, caplog):
+    """Job A (bucket A) and then job B (bucket B) use one local_dir: each local manifest
+    records the bucket it was saved for, so B neither resumes A's weights nor deletes A's steps."""
+    bucket_a, bucket_b, local = (str(tmp_path / n) for n in ("a", "b", "local"))
+    with CheckpointManager(bucket_a, save_interval=5, local_dir=local, local_policy=1) as a:
+        for s in range(1, 4):
+            a.save(s, state(100 + s))
+    with CheckpointManager(bucket_b, save_interval=5, local_dir=local, local_policy=1) as b:
+        with pytest.warns(RuntimeWarning, match=rf"local copies of steps \[2, 3\].*saved for the checkpoint path "
+                                                rf"file://{tmp_path}/a/, not file://{tmp_path}/b/"):
+            assert b.step_tiers() == {}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with pytest.raises(StepNotFoundError):
+                b.restore(None, zeros())
+            with caplog.at_level(logging.WARNING, logger="async_ckpt"):
+                for s in range(3, 7):
+                    b.save(s, state(s))  # 3: A's copy stays; B's retention keeps B's 2 newest
+            assert "not saving step 3" in caplog.text
+            assert b.step_tiers() == {6: ("local",), 5: ("local", "persistent")}
+            with pytest.raises(CheckpointError, match="another job's step is not promoted"):
+                b.promote(2)
+    assert sorted(int(n) for n in os.listdir(local) if n.isdigit()) == [2, 3, 5, 6]
+    with CheckpointManager(bucket_a, save_interval=5, local_dir=local, local_policy=1) as a:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            out = zeros()
+            assert a.restore(None, out) == 3
+    assert_bitwise_equal(out, state(103))
