@@ -74,6 +74,11 @@ class AsyncWriter:
         self._queue.put((fn, step, fut))
         return fut
 
+    def failed(self) -> bool:
+        """Whether :meth:`raise_if_failed` (not ``deferred``) would raise now."""
+        with self._lock:
+            return bool(self._errors) and not self.defer_errors
+
     def raise_if_failed(self, *, deferred: bool = False) -> None:
         """Raise the first background failure as a :class:`CheckpointError` (once). A writer
         with ``defer_errors`` raises only when ``deferred`` (``join``/``close``)."""

@@ -99,7 +99,8 @@ def test_catalog_cache_sees_a_marker_removed_by_hand(tmp_path):
 def test_local_coordinator_answers_with_the_local_value():
     c = LocalCoordinator()
     assert c.is_primary and c.world_size == 1
-    assert c.agree([True, False]) == [True, False]
+    assert c.agree([True, False]) == ([True, False], [])
+    assert c.agree([True], ok=False) == ([True], [0])
     assert c.broadcast({"a": 1}) == {"a": 1}
     assert c.all_gather(3) == [3]
 

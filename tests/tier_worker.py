@@ -13,6 +13,9 @@ every third step to the bucket. Then, with fresh managers each time:
 5. a fresh bucket that rank 0 cannot reach at its first save (taking the lease fails): both
    ranks save that step locally and raise the bucket's error at join(); the next step due for
    the bucket commits there once it is reachable.
+6. rank 1's local tier fails a write (its directory is replaced by a file): at the next save
+   both ranks raise at once (rank 1 its own error, rank 0 one naming rank 1), well within the
+   collective timeout; once the directory is back both ranks save again.
 
 Each restore is compared bitwise with the full state dict gathered at that step. Each rank
 prints ``RANK <r> OK`` at the end.
@@ -69,6 +72,42 @@ def unreachable(model, optim, rank: int, ref_dir: str) -> None:
         assert m.save_async(6, state(model, optim, 6))
         m.join()
         assert m.step_tiers() == {6: ("local", "persistent"), 3: ("local",)}, m.step_tiers()
+
+
+def local_failure_on_one_rank(model, optim, rank: int, ref_dir: str) -> None:
+    """Scenario 6: a local write fails on rank 1 only; no rank waits for another."""
+    import time
+
+    from async_ckpt.errors import CheckpointError
+
+    bucket, local = os.path.join(ref_dir, "bucket3"), os.path.join(ref_dir, "local3")
+    with CheckpointManager(bucket, save_interval=100, local_dir=local, local_policy=1, collective_timeout_s=60) as m:
+        assert m.save(1, state(model, optim, 1))
+        mine = os.path.join(local, f"rank{rank}")
+        if rank == 1:  # the local disk goes away under the job
+            os.rename(mine, mine + ".away")
+            open(mine, "w").close()
+        assert m.save_async(2, state(model, optim, 2))
+        if rank == 1:
+            deadline = time.monotonic() + 30
+            while not m._local.writer._errors and time.monotonic() < deadline:  # the write has failed
+                time.sleep(0.05)
+            assert m._local.writer._errors, "the local write did not fail"
+        dist.barrier()
+        t0 = time.monotonic()
+        try:
+            m.save_async(3, state(model, optim, 3))
+            raise AssertionError("save_async did not raise the failed local save")
+        except CheckpointError as exc:
+            took = time.monotonic() - t0
+            assert took < 20, f"rank {rank} waited {took:.1f} s for the other rank"
+            assert ("rank(s) [1]" in str(exc)) if rank == 0 else ("step 2" in str(exc)), exc
+        if rank == 1:
+            os.remove(mine)
+            os.rename(mine + ".away", mine)
+        dist.barrier()
+        assert m.save(4, state(model, optim, 4))
+        assert 4 in m.step_tiers() and "local" in m.step_tiers()[4], m.step_tiers()
 
 
 def main() -> None:
@@ -135,6 +174,7 @@ def main() -> None:
     restore_and_check(3, 0)  # no local step on every rank: the bucket
     dist.barrier()
     unreachable(model, optim, rank, ref_dir)
+    local_failure_on_one_rank(model, optim, rank, ref_dir)
     dist.barrier()
     print(f"RANK {rank} OK", flush=True)
     dist.destroy_process_group()

@@ -44,8 +44,9 @@ class Coordinator(Protocol):
     @property
     def is_primary(self) -> bool: ...
 
-    def agree(self, flags: Sequence[bool]) -> List[bool]:
-        """Rank 0's ``flags`` on every rank (training thread)."""
+    def agree(self, flags: Sequence[bool], ok: bool = True) -> Tuple[List[bool], List[int]]:
+        """Rank 0's ``flags`` on every rank, and the ranks whose ``ok`` was false (training
+        thread; one collective)."""
 
     def broadcast(self, obj: Any) -> Any:
         """Rank 0's ``obj`` on every rank (writer thread, or the caller after ``join``)."""
@@ -80,8 +81,8 @@ class LocalCoordinator:
         #: DCP never runs collectives over the default group for it
         self.group = group
 
-    def agree(self, flags: Sequence[bool]) -> List[bool]:
-        return [bool(f) for f in flags]
+    def agree(self, flags: Sequence[bool], ok: bool = True) -> Tuple[List[bool], List[int]]:
+        return [bool(f) for f in flags], ([] if ok else [0])
 
     def broadcast(self, obj: Any) -> Any:
         return obj
@@ -136,12 +137,13 @@ class GroupCoordinator:
     def is_primary(self) -> bool:
         return self.rank == 0
 
-    def agree(self, flags: Sequence[bool]) -> List[bool]:
+    def agree(self, flags: Sequence[bool], ok: bool = True) -> Tuple[List[bool], List[int]]:
         import torch.distributed as dist
 
-        t = torch.tensor([bool(f) for f in flags], dtype=torch.uint8)
-        _collective(lambda: dist.broadcast(t, group=self.control, group_src=0), "agree")
-        return [bool(v) for v in t.tolist()]
+        t = torch.tensor([bool(f) for f in flags] + [bool(ok)], dtype=torch.uint8)
+        out = [torch.empty_like(t) for _ in range(self.world_size)]
+        _collective(lambda: dist.all_gather(out, t, group=self.control), "agree")
+        return [bool(v) for v in out[0][:-1].tolist()], [r for r, o in enumerate(out) if not bool(o[-1])]
 
     def broadcast(self, obj: Any) -> Any:
         import torch.distributed as dist

@@ -297,8 +297,9 @@ class CheckpointManager(SaveDecisions, TierListing, StepActions):
         step = check_step(step)
         metrics = check_metrics(metrics)
         alone = self._coord.world_size == 1
-        for tier in self._tiers:
-            tier.writer.raise_if_failed()
+        if alone:  # with several ranks, _due raises on every rank together
+            for tier in self._tiers:
+                tier.writer.raise_if_failed()
         take, take_local, preempt, taken = self._due(step, force)
         if take or take_local:  # agreed: every rank counts the same saves, one id per save
             self._saves += 1

@@ -4,7 +4,7 @@ which tiers a save goes to (the persistent root's writer lease, the ranks' agree
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, Callable, List, NamedTuple, Optional
 
 from ..errors import CheckpointError, LeaseHeldError, StorageError
 from ..lifecycle.coordinator import Coordinator
@@ -37,6 +37,7 @@ class SaveDecisions:
     _last_save_step: Optional[int]
     _writer: AsyncWriter
     _local: Optional[Tier]
+    _tiers: List[Tier]
     _coord: Coordinator
     _store: StepStore
     _restored: Optional[int]
@@ -105,8 +106,16 @@ class SaveDecisions:
         if not alone:
             # Rank 0 decides for everyone: time-based policies, preemption signals and "nothing
             # in flight" conditions can answer differently per rank.
-            take, take_local, preempt, lease_ok, reached = self._coord.agree(
-                [take, take_local, preempt, held is None, reached])
+            # Every rank also says whether its writers hold a failure the next save raises: a
+            # rank raising alone would leave the others waiting here for it.
+            ok = not any(tier.writer.failed() for tier in self._tiers)
+            (take, take_local, preempt, lease_ok, reached), failed = self._coord.agree(
+                [take, take_local, preempt, held is None, reached], ok=ok)
+            if failed:
+                for tier in self._tiers:
+                    tier.writer.raise_if_failed()
+                raise CheckpointError(f"step {step}: not saved: an earlier background save failed on rank(s) "
+                                      f"{failed} (see their errors)", step=step)
             if take and not lease_ok:
                 raise held or LeaseHeldError(
                     f"rank 0 could not take the writer lease of {self._store.storage.url}; see rank 0's error")
