@@ -54,7 +54,8 @@ class SaveDecisions:
     def should_save(self, step: int) -> bool:
         """Whether a checkpoint is due at ``step``: the save policy (or, with ``local_dir``, the
         local policy) wants one, or a preemption was detected and its checkpoint is not taken
-        yet. ``save_async`` of a step it answers False for does nothing."""
+        yet. ``save_async`` of a step it answers False for does nothing (beyond raising an
+        earlier background failure)."""
         step = check_step(step)
         preempt = self._preemption.due(step) if self._preemption is not None else False
         take = preempt or self._policy_wants(step, preempt)
