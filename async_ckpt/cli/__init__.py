@@ -41,8 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("-o", "--storage-option", action="append", metavar="KEY=VALUE",
                         help="fsspec storage option (repeatable; VALUE is parsed as JSON when it can be)")
 
-    p = argparse.ArgumentParser(prog="async-ckpt", description="Inspect, verify, prune and export async_ckpt "
-                                "checkpoint directories (local paths or fsspec URLs).")
+    p = argparse.ArgumentParser(prog="async-ckpt", description="Inspect, verify, prune, promote and export async_ckpt "
+                                "checkpoint directories (local paths or fsspec URLs), and show "
+                                "their save statistics.")
     from .. import __version__
 
     p.add_argument("--version", action="version", version=f"async-ckpt {__version__}")

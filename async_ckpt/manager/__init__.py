@@ -1,5 +1,6 @@
-"""``CheckpointManager``, the façade (:mod:`.core`), its listing over tiers (:mod:`.listing`) and
-its process-level hooks (:mod:`.hooks`)."""
+"""``CheckpointManager``, the façade (:mod:`.core`), its save decisions (:mod:`.decisions`), its
+listing over tiers (:mod:`.listing`), its explicit actions on committed steps (:mod:`.actions`:
+delete, promote) and its process-level hooks (:mod:`.hooks`)."""
 
 from .core import CheckpointManager
 

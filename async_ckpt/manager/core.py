@@ -107,7 +107,8 @@ class CheckpointManager(SaveDecisions, TierListing, StepActions):
         on_saved: called with the :class:`SaveStats` of each committed save (writer thread).
         stats_log: append each save's :class:`SaveStats` as a JSON line to a file under the root:
             ``True`` for ``<path>/save_stats.jsonl``, or a path relative to ``path`` (see
-            :class:`async_ckpt.stats.StatsLog`; on object stores the file is rewritten per save).
+            :class:`async_ckpt.storage.stats_log.StatsLog`; on object stores the file is
+            rewritten per save).
         lazy: default of ``save_async(..., lazy=)``: return once the host copies are issued;
             a guard waits for them right before an optimizer step or module forward would
             change the tensors (see :meth:`save_async` and docs/design.md).
