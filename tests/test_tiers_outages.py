@@ -302,3 +302,19 @@ def test_a_long_outage_raises_every_failed_upload_not_only_the_first(roots):
     assert ei.value.step == 5 and isinstance(ei.value.__cause__, StorageError)
     mgr.join()  # each failure is raised once
     mgr.close()
+
+
+def test_the_stats_log_of_local_saves_does_not_re_create_a_vanished_bucket(roots):
+    """Logging the local saves' statistics must not make the bucket's directory again: the
+    uploads of 5 and 10 would then go into that new directory as if nothing happened."""
+    path, local = roots
+    mgr = CheckpointManager(path, save_interval=5, local_dir=local, local_policy=1, stats_log=True)
+    shutil.rmtree(path)  # the bucket's mount went away
+    for s in range(1, 11):
+        mgr.save_async(s, state(s))
+    mgr._local.writer.join()
+    assert not os.path.exists(path)
+    with pytest.raises(StorageError, match=r"step 5: .*cannot be reached.*steps \[10\]"):
+        mgr.join()
+    assert not os.path.exists(path)
+    mgr.close()
