@@ -148,3 +148,18 @@ def test_a_save_that_meets_another_job_s_local_copy_fails_instead_of_reporting_s
         b.save(5, state(50))
         assert seen == [5] and b.step_tiers() == {5: ("local",)}
         b.close()
+
+
+def test_metrics_never_reads_another_job_s_local_copy(tmp_path):
+    bucket_a, bucket_b, local = (str(tmp_path / n) for n in ("a", "b", "local"))
+    with CheckpointManager(bucket_a, save_interval=100, local_dir=local, local_policy=1, local_retention=5) as a:
+        a.save(1, state(1), force=True, metrics={"loss": 111.0})  # both tiers of A
+        a.save(9, state(9), metrics={"loss": 999.0})              # A's local tier only
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with CheckpointManager(bucket_b, save_interval=1, local_dir=local, local_policy=1, local_retention=5) as b:
+            b.save(2, state(2), metrics={"loss": 2.0})
+            assert b.metrics(2) == {"loss": 2.0}
+            for s in (1, 9):
+                with pytest.raises(StepNotFoundError, match=rf"step {s} .*another job's"):
+                    b.metrics(s)
