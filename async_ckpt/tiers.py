@@ -124,14 +124,20 @@ def check_roots_differ(persistent: Storage, local: Storage) -> None:
                          f"same directory or inside one another")
 
 
-def foreign_root(tier: Tier, extra: Mapping[str, Any]) -> Optional[str]:
-    """The persistent root a copy of the local ``tier`` (its manifest's ``extra``) was saved
-    for, when that is not the root this tier belongs to; None for this job's copies and for
-    copies saved before the root was recorded."""
+def saved_for_another(home: Optional[str], extra: Mapping[str, Any]) -> Optional[str]:
+    """The persistent root a local copy (its manifest's ``extra``) was saved for, when that is
+    not ``home`` (:func:`root_identity` of this job's root); None for this job's copies, for
+    copies saved before the root was recorded, and when ``home`` is None."""
     recorded = extra.get(PERSISTENT_ROOT)
-    if tier.home is None or recorded is None or recorded == tier.home:
+    if home is None or recorded is None or recorded == home:
         return None
     return str(recorded)
+
+
+def foreign_root(tier: Tier, extra: Mapping[str, Any]) -> Optional[str]:
+    """The persistent root a copy of the local ``tier`` (its manifest's ``extra``) was saved
+    for, when that is not the root this tier belongs to (see :func:`saved_for_another`)."""
+    return saved_for_another(tier.home, extra)
 
 
 def warn_foreign(tier: Tier, foreign: Dict[int, str]) -> None:
