@@ -77,7 +77,9 @@ def same_save(a: CheckpointInfo, b: CheckpointInfo) -> bool:
 
 
 class ForeignCopyError(CheckpointError):
-    """A local copy written by another rank or at another world size (not this rank's shards)."""
+    """A local copy that is not this job's or this rank's: saved for another persistent root
+    (another job's: never restored, and a save of its step is refused rather than replacing it)
+    or by another rank or at another world size (not this rank's shards)."""
 
 
 @dataclass
@@ -122,14 +124,20 @@ def check_roots_differ(persistent: Storage, local: Storage) -> None:
                          f"same directory or inside one another")
 
 
-def foreign_root(tier: Tier, extra: Mapping[str, Any]) -> Optional[str]:
-    """The persistent root a copy of the local ``tier`` (its manifest's ``extra``) was saved
-    for, when that is not the root this tier belongs to; None for this job's copies and for
-    copies saved before the root was recorded."""
+def saved_for_another(home: Optional[str], extra: Mapping[str, Any]) -> Optional[str]:
+    """The persistent root a local copy (its manifest's ``extra``) was saved for, when that is
+    not ``home`` (:func:`root_identity` of this job's root); None for this job's copies, for
+    copies saved before the root was recorded, and when ``home`` is None."""
     recorded = extra.get(PERSISTENT_ROOT)
-    if tier.home is None or recorded is None or recorded == tier.home:
+    if home is None or recorded is None or recorded == home:
         return None
     return str(recorded)
+
+
+def foreign_root(tier: Tier, extra: Mapping[str, Any]) -> Optional[str]:
+    """The persistent root a copy of the local ``tier`` (its manifest's ``extra``) was saved
+    for, when that is not the root this tier belongs to (see :func:`saved_for_another`)."""
+    return saved_for_another(tier.home, extra)
 
 
 def warn_foreign(tier: Tier, foreign: Dict[int, str]) -> None:
@@ -150,17 +158,19 @@ def foreign_steps(tier: Tier, step: Optional[int] = None) -> Dict[int, str]:
             for r in [foreign_root(tier, info.extra)] if r is not None}
 
 
-def skip_foreign_save(tier: Tier, step: int, snap: Any) -> bool:
-    """Local writer thread: True (with a warning; this job's hold on ``snap`` is released)
-    when another job's committed copy of ``step`` is in ``tier``: a save would replace it."""
+def refuse_foreign_save(tier: Tier, step: int, snap: Any) -> None:
+    """Local writer thread, before a save of ``step`` to ``tier``: when another job's committed
+    copy of ``step`` is there (a save would replace it), this job's hold on ``snap`` is
+    released and :class:`ForeignCopyError` is raised, naming the step, the local directory and
+    both persistent roots: the local save of that step fails, as any failed local save does."""
     foreign = foreign_steps(tier, step)
     if not foreign:
-        return False
-    log.warning("async_ckpt: not saving step %d to %s: it holds that step saved for the checkpoint path %s, "
-                "not %s (another job's copy is never replaced)", step, tier.url, foreign[step], tier.home)
+        return
     if snap is not None:
         snap.release()
-    return True
+    raise ForeignCopyError(f"step {step} was not saved to local_dir {tier.url}: it holds another job's copy of "
+                           f"step {step}, saved for the checkpoint path {foreign[step]}, not {tier.home} (another "
+                           f"job's copy is never replaced; give this job its own local_dir)", step=step)
 
 
 @dataclass

@@ -29,6 +29,17 @@ log = logging.getLogger("async_ckpt")
 MAX_KEPT_ERRORS = 100
 
 
+def _with_message(exc: CheckpointError, message: str) -> CheckpointError:
+    """A copy of ``exc`` (its type and attributes: ``step``, ``path``, ...) with ``message``; a
+    plain :class:`CheckpointError` of its step when its type cannot be built from a message."""
+    try:
+        new = type(exc)(message)
+    except Exception:  # noqa: BLE001 - a subclass with another constructor
+        new = CheckpointError(message, step=exc.step)
+    new.__dict__.update({k: v for k, v in vars(exc).items() if k != "__notes__"})
+    return new
+
+
 class AsyncWriter:
     """Runs submitted jobs one after another on a daemon thread."""
 
@@ -80,8 +91,14 @@ class AsyncWriter:
             return bool(self._errors) and not self.defer_errors
 
     def raise_if_failed(self, *, deferred: bool = False) -> None:
-        """Raise the first background failure as a :class:`CheckpointError` (once). A writer
-        with ``defer_errors`` raises only when ``deferred`` (``join``/``close``)."""
+        """Raise the kept background failures (once; the list is then cleared). A writer with
+        ``defer_errors`` raises only when ``deferred`` (``join``/``close``).
+
+        One failure that is a :class:`CheckpointError` of its step is raised as it is; any other
+        is wrapped in a :class:`CheckpointError` naming the step (chained from it). With several
+        failures, what is raised is the first one's (its type and ``step`` when it is a
+        ``CheckpointError`` of its step), its message ending in ``(and N more failed save(s):
+        steps [...])``, chained from the first failure."""
         with self._lock:
             if not self._errors or (self.defer_errors and not deferred):
                 return
@@ -89,7 +106,9 @@ class AsyncWriter:
         step, exc = errors[0]
         more = f" (and {len(errors) - 1} more failed save(s): steps {[s for s, _ in errors[1:]]})" if len(errors) > 1 else ""
         if isinstance(exc, CheckpointError) and exc.step == step:
-            raise exc
+            if not more:
+                raise exc
+            raise _with_message(exc, f"{exc}{more}") from exc
         raise CheckpointError(
             f"background save of step {step} failed: {type(exc).__name__}: {exc}{more}", step=step
         ) from exc

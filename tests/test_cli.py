@@ -410,3 +410,33 @@ def test_ls_shows_commit_order_and_prune_refuses_under_a_live_writer(tmp_path, c
     mgr.close()
     assert main(["prune", root, "--keep-last", "1"]) == 0
     assert CheckpointManager(root).all_steps() == [20]  # the newest commit, not the highest step
+
+
+def test_ls_and_verify_with_local_dir_show_another_job_s_copies_as_foreign(tmp_path, capsys):
+    """Job B's bucket and a local_dir job A also used (A saved step 9 there later): ls marks
+    A's copy FOREIGN, out of the commit order and latest; verify skips it."""
+    import warnings
+
+    bucket_a, bucket_b, local = (str(tmp_path / n) for n in ("a", "b", "local"))
+    with CheckpointManager(bucket_b, save_interval=1, local_dir=local, local_policy=1, local_retention=5) as b:
+        b.save(2, {"x": torch.ones(3) * 2})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with CheckpointManager(bucket_a, save_interval=100, local_dir=local, local_policy=1, local_retention=5) as a:
+            a.save(9, {"x": torch.ones(3) * 9})
+    assert main(["ls", bucket_b, "--local-dir", local, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["latest"] == 2 and report["commit_order"] == [2]
+    assert {(e["step"], e["tier"]): e["status"] for e in report["steps"]} == {
+        (2, "local"): "listed", (2, "persistent"): "listed", (9, "local"): "foreign"}
+    assert main(["ls", bucket_b, "--local-dir", local]) == 0
+    out = capsys.readouterr().out
+    assert "FOREIGN" in out and "latest (the newest commit): 2" in out
+    assert f"note: 1 local copy saved for another checkpoint path than file://{tmp_path}/b/" in out
+    assert main(["verify", bucket_b, "--local-dir", local, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert [(r["step"], r["tier"]) for r in report["steps"]] == [(2, "local"), (2, "persistent")]
+    assert report["skipped_foreign"] == [{"step": 9, "tier": "local", "saved_for": f"file://{tmp_path}/a/"}]
+    assert main(["verify", bucket_b, "--all", "--local-dir", local]) == 0
+    out = capsys.readouterr().out
+    assert "step 9 (local): skipped" in out and "step 9 (local): ok" not in out

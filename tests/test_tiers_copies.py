@@ -5,7 +5,6 @@ another job's)."""
 from __future__ import annotations
 
 import itertools
-import logging
 import os
 import warnings
 
@@ -13,6 +12,7 @@ import pytest
 
 from async_ckpt import CheckpointManager
 from async_ckpt.errors import CheckpointError, StepNotFoundError
+from async_ckpt.tiers import ForeignCopyError
 
 from .conftest import assert_bitwise_equal
 from .test_tiers import state, zeros
@@ -95,7 +95,7 @@ def test_a_step_re_saved_locally_counts_at_its_newest_save(roots):
     mgr.close()
 
 
-def test_another_job_s_local_copies_are_never_restored_replaced_deleted_or_promoted(tmp_path, caplog):
+def test_another_job_s_local_copies_are_never_restored_replaced_deleted_or_promoted(tmp_path):
     """Job A (bucket A) and then job B (bucket B) use one local_dir: each local manifest
     records the bucket it was saved for, so B neither resumes A's weights nor deletes A's steps."""
     bucket_a, bucket_b, local = (str(tmp_path / n) for n in ("a", "b", "local"))
@@ -110,10 +110,10 @@ def test_another_job_s_local_copies_are_never_restored_replaced_deleted_or_promo
             warnings.simplefilter("ignore")
             with pytest.raises(StepNotFoundError):
                 b.restore(None, zeros())
-            with caplog.at_level(logging.WARNING, logger="async_ckpt"):
-                for s in range(3, 7):
-                    b.save(s, state(s))  # 3: A's copy stays; B's retention keeps B's 2 newest
-            assert "not saving step 3" in caplog.text
+            with pytest.raises(ForeignCopyError, match="step 3"):
+                b.save(3, state(3))  # A's copy stays
+            for s in range(4, 7):
+                b.save(s, state(s))  # B's retention keeps B's 2 newest
             assert b.step_tiers() == {6: ("local",), 5: ("local", "persistent")}
             with pytest.raises(CheckpointError, match="another job's step is not promoted"):
                 b.promote(2)
@@ -124,3 +124,42 @@ def test_another_job_s_local_copies_are_never_restored_replaced_deleted_or_promo
             out = zeros()
             assert a.restore(None, out) == 3
     assert_bitwise_equal(out, state(103))
+
+
+def test_a_save_that_meets_another_job_s_local_copy_fails_instead_of_reporting_success(tmp_path):
+    """B's save of a step A's copy holds writes nothing: save() raises ForeignCopyError (naming
+    the step, local_dir and both buckets), on_saved is not called; save_async's failure is
+    raised by the next call."""
+    bucket_a, bucket_b, local = (str(tmp_path / n) for n in ("a", "b", "local"))
+    with CheckpointManager(bucket_a, save_interval=100, local_dir=local, local_policy=1, local_retention=5) as a:
+        for s in (1, 2, 3):
+            a.save(s, state(s))
+    seen = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        b = CheckpointManager(bucket_b, save_interval=100, local_dir=local, local_policy=1,
+                              on_saved=lambda st: seen.append(st.step))
+        with pytest.raises(ForeignCopyError, match=rf"step 3 .*{local}.*file://{tmp_path}/a/, not file://{tmp_path}/b/"):
+            b.save(3, state(30))
+        assert seen == [] and b.step_tiers() == {}
+        b.save_async(2, state(20))
+        with pytest.raises(ForeignCopyError, match="step 2"):
+            b.save_async(4, state(40))
+        b.save(5, state(50))
+        assert seen == [5] and b.step_tiers() == {5: ("local",)}
+        b.close()
+
+
+def test_metrics_never_reads_another_job_s_local_copy(tmp_path):
+    bucket_a, bucket_b, local = (str(tmp_path / n) for n in ("a", "b", "local"))
+    with CheckpointManager(bucket_a, save_interval=100, local_dir=local, local_policy=1, local_retention=5) as a:
+        a.save(1, state(1), force=True, metrics={"loss": 111.0})  # both tiers of A
+        a.save(9, state(9), metrics={"loss": 999.0})              # A's local tier only
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with CheckpointManager(bucket_b, save_interval=1, local_dir=local, local_policy=1, local_retention=5) as b:
+            b.save(2, state(2), metrics={"loss": 2.0})
+            assert b.metrics(2) == {"loss": 2.0}
+            for s in (1, 9):
+                with pytest.raises(StepNotFoundError, match=rf"step {s} .*another job's"):
+                    b.metrics(s)

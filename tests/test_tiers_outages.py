@@ -286,3 +286,35 @@ def test_a_bucket_manifest_that_does_not_read_while_listing_does_not_pass_over_n
     assert_bitwise_equal(out, state(7))
     monkeypatch.undo()
     mgr.close()
+
+
+def test_a_long_outage_raises_every_failed_upload_not_only_the_first(roots):
+    """Three due saves while the bucket is gone: join() raises the first failure's type and
+    step, and its message names the other failed steps (they are raised once, here)."""
+    path, local = roots
+    mgr = CheckpointManager(path, save_interval=5, local_dir=local, local_policy=1, local_retention=10)
+    shutil.rmtree(path)
+    for s in (5, 10, 15):
+        mgr.save_async(s, state(s))
+    with pytest.raises(StorageError, match=r"step 5: .*cannot be reached.*and 2 more failed save\(s\): steps \[10, 15\]"
+                       ) as ei:
+        mgr.join()
+    assert ei.value.step == 5 and isinstance(ei.value.__cause__, StorageError)
+    mgr.join()  # each failure is raised once
+    mgr.close()
+
+
+def test_the_stats_log_of_local_saves_does_not_re_create_a_vanished_bucket(roots):
+    """Logging the local saves' statistics must not make the bucket's directory again: the
+    uploads of 5 and 10 would then go into that new directory as if nothing happened."""
+    path, local = roots
+    mgr = CheckpointManager(path, save_interval=5, local_dir=local, local_policy=1, stats_log=True)
+    shutil.rmtree(path)  # the bucket's mount went away
+    for s in range(1, 11):
+        mgr.save_async(s, state(s))
+    mgr._local.writer.join()
+    assert not os.path.exists(path)
+    with pytest.raises(StorageError, match=r"step 5: .*cannot be reached.*steps \[10\]"):
+        mgr.join()
+    assert not os.path.exists(path)
+    mgr.close()

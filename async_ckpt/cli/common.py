@@ -133,6 +133,20 @@ def _roots(args: argparse.Namespace) -> List[Tuple[str, Storage, CheckpointLayou
     return roots
 
 
+def _home(roots: List[Tuple[str, Storage, CheckpointLayout]]) -> Optional[str]:
+    """With a local tier: PATH as local manifests record the checkpoint path they were saved
+    for (:func:`~async_ckpt.tiers.root_identity`); None without one."""
+    from ..tiers import root_identity
+
+    return root_identity(roots[-1][1]) if len(roots) > 1 else None
+
+
+def _foreign_note(count: int, home: Optional[str], what: str) -> str:
+    """The note line for local copies another job saved (for another checkpoint path)."""
+    return (f"note: {count} local cop{'y' if count == 1 else 'ies'} saved for another checkpoint path than "
+            f"{home} (another job's, in a shared local_dir): {what}")
+
+
 def _parse_step(text: Optional[str], layout: CheckpointLayout) -> int:
     """An explicit step, or the most recently committed one for ``None``/``latest``."""
     if text is None or text == "latest":

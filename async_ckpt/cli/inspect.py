@@ -5,18 +5,20 @@ from __future__ import annotations
 import argparse
 import os
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from ..errors import CheckpointError
 from ..policies import CheckpointInfo
 from ..storage.fs import Storage
 from ..storage.layout import _STEP_RE, _TMP_RE, _TRASH_RE, _VER_RE, CheckpointLayout
 from ..storage.manifest import MARKER_NAME, shown
-from ..tiers import SAVE_ID, same_save
+from ..tiers import SAVE_ID, same_save, saved_for_another
 from .common import (
     EXIT_OK,
     _fmt_metrics,
     _fmt_time,
+    _foreign_note,
+    _home,
     _open,
     _parse_step,
     _print_json,
@@ -28,7 +30,8 @@ from .common import (
 
 # ---- ls --------------------------------------------------------------------------------------
 
-def _step_entry(storage: Storage, layout: CheckpointLayout, name: str, locations: Dict[int, str]) -> Dict[str, Any]:
+def _step_entry(storage: Storage, layout: CheckpointLayout, name: str, locations: Dict[int, str],
+                home: Optional[str] = None) -> Dict[str, Any]:
     """What ``ls`` reports for one directory under the root (read only, contents never read).
 
     ``listed``: committed, and :meth:`CheckpointLayout.check_step` passes (the marker vouches
@@ -36,7 +39,9 @@ def _step_entry(storage: Storage, layout: CheckpointLayout, name: str, locations
     listed size); ``damaged``: committed, but that check fails; ``superseded``: an older
     committed copy of a step that a newer copy replaced (a crash interrupted the re-save; the
     next writer removes it); ``incomplete``: never committed; ``foreign``: a symbolic link,
-    never followed.
+    never followed, or (a local tier, ``home``: PATH's :func:`~async_ckpt.tiers.root_identity`)
+    a committed copy whose manifest records another checkpoint path (another job's copy;
+    ``saved_for`` names that path).
     """
     path = storage.join(name)
     step_of = CheckpointLayout.step_of(name)
@@ -76,19 +81,24 @@ def _step_entry(storage: Storage, layout: CheckpointLayout, name: str, locations
                  files=len(man.files),
                  bytes=sum(r.size for r in man.files.values()), nbytes=man.nbytes,
                  num_tensors=man.num_tensors, world_size=man.world_size)
-    if problems:
+    other = saved_for_another(home, man.extra)
+    if other is not None:
+        entry.update(status="foreign", saved_for=other,
+                     problem=f"saved for the checkpoint path {other}, not {home} (another job's copy: not in "
+                             f"this job's commit order, never its latest)")
+    elif problems:
         entry.update(status="damaged", problem="; ".join(problems))
     return entry
 
 
-def _entries(storage: Storage, layout: CheckpointLayout) -> List[Dict[str, Any]]:
+def _entries(storage: Storage, layout: CheckpointLayout, home: Optional[str] = None) -> List[Dict[str, Any]]:
     names = [e["name"] for e in storage.listdir(storage.root)
              if (e.get("type") == "directory" or e.get("islink"))
              and (_STEP_RE.match(e["name"]) or _VER_RE.match(e["name"]) or _TMP_RE.match(e["name"])
                   or _TRASH_RE.match(e["name"]))]
     locations = layout.locations()
     with ThreadPoolExecutor(max(1, min(16, len(names)))) as pool:
-        return list(pool.map(lambda n: _step_entry(storage, layout, n, locations), names))
+        return list(pool.map(lambda n: _step_entry(storage, layout, n, locations, home), names))
 
 
 def _number_saves(timed: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
@@ -112,9 +122,10 @@ def _number_saves(timed: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
 def cmd_ls(args: argparse.Namespace) -> int:
     roots = _roots(args)
     tiered = len(roots) > 1
+    home = _home(roots)
     entries = []
     for tier, storage, layout in roots:
-        for e in _entries(storage, layout):
+        for e in _entries(storage, layout, home if tier == "local" else None):
             e["tier"] = tier
             entries.append(e)
     entries.sort(key=lambda e: (e["step"], e["tier"] != "local", e["name"]))
@@ -157,6 +168,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
     for e in bad:
         where = f"{e['tier']} {e['name']}" if tiered else e["name"]
         print(f"  step {e['step']} ({where}): {e['status']}: {e['problem']}")
+    others = sum("saved_for" in e for e in entries)
+    if others:
+        print(_foreign_note(others, home, "FOREIGN, left out of the commit order and latest"))
     return EXIT_OK
 
 

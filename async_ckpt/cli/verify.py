@@ -18,6 +18,8 @@ from .common import (
     EXIT_DAMAGED,
     EXIT_OK,
     _fmt_time,
+    _foreign_note,
+    _home,
     _open,
     _parse_step,
     _print_json,
@@ -98,16 +100,42 @@ def _verify_step(storage: Storage, layout: CheckpointLayout, step: int, bar: Any
     return res
 
 
+def _foreign_copies(roots: List[Tuple[str, Storage, CheckpointLayout]]) -> Dict[int, str]:
+    """The local tier's committed copies another job saved (their manifests record another
+    checkpoint path than PATH): step -> that path. A manifest that does not read counts as
+    this job's (verify reports it damaged)."""
+    from ..tiers import saved_for_another
+
+    home = _home(roots)
+    out: Dict[int, str] = {}
+    for tier, _, layout in roots:
+        if tier != "local":
+            continue
+        for s in layout.committed_steps():
+            try:
+                other = saved_for_another(home, layout.read_manifest(s).extra)
+            except CheckpointError:
+                continue
+            if other is not None:
+                out[s] = other
+    return out
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
     roots = _roots(args)
+    foreign = _foreign_copies(roots)  # another job's local copies: skipped, with a note
+
+    def own(tier: str, s: int) -> bool:
+        return tier != "local" or s not in foreign
+
     todo: List[Tuple[str, Storage, CheckpointLayout, int]] = []
     if args.all:
         if args.step is not None:
             raise ValueError("give a STEP or --all, not both")
         for tier, storage, layout in roots:
-            todo += [(tier, storage, layout, s) for s in layout.committed_steps()]
+            todo += [(tier, storage, layout, s) for s in layout.committed_steps() if own(tier, s)]
         if not todo:
-            raise StepNotFoundError("no committed checkpoint under " + " or ".join(r[1].url for r in roots))
+            raise StepNotFoundError("no committed checkpoint of this job under " + " or ".join(r[1].url for r in roots))
     elif len(roots) == 1:
         todo = [(roots[0][0], roots[0][1], roots[0][2], _parse_step(args.step, roots[0][2]))]
     else:  # the step in every tier that holds it ('latest': the newest commit over both)
@@ -117,13 +145,16 @@ def cmd_verify(args: argparse.Namespace) -> int:
                 raise ValueError(f"STEP must be a non-negative integer or 'latest', got {args.step!r}")
             step = int(args.step)
         if step is None:
-            newest = [(c.commit_time, c.step) for _, _, lay in roots for c in StepCatalog(lay, time.time).in_commit_order()]
+            newest = [(c.commit_time, c.step) for tier, _, lay in roots
+                      for c in StepCatalog(lay, time.time).in_commit_order() if own(tier, c.step)]
             if not newest:
-                raise StepNotFoundError("no committed checkpoint under " + " or ".join(r[1].url for r in roots))
+                raise StepNotFoundError("no committed checkpoint of this job under "
+                                        + " or ".join(r[1].url for r in roots))
             step = max(newest)[1]
-        todo = [(tier, st, lay, step) for tier, st, lay in roots if step in lay.committed_steps()]
+        todo = [(tier, st, lay, step) for tier, st, lay in roots if step in lay.committed_steps() and own(tier, step)]
         if not todo:
-            raise StepNotFoundError(f"no committed checkpoint for step {step} in either tier", step=step)
+            raise StepNotFoundError(f"no committed checkpoint of this job for step {step} in either tier"
+                                    + (" (the local copy is another job's)" if step in foreign else ""), step=step)
     tiered = len(roots) > 1
     total = 0
     for _, _, layout, s in todo:
@@ -137,9 +168,15 @@ def cmd_verify(args: argparse.Namespace) -> int:
     finally:
         bar.close()
     damaged = [r for r in results if not r["ok"]]
+    skipped = sorted(foreign)  # never verified, never the latest
     if args.json:
-        _print_json({"path": args.path, "ok": not damaged, "steps": results})
+        _print_json({"path": args.path, "ok": not damaged, "steps": results,
+                     "skipped_foreign": [{"step": s, "tier": "local", "saved_for": foreign[s]} for s in skipped]})
     else:
+        for s in skipped:
+            print(f"step {s} (local): skipped: saved for the checkpoint path {foreign[s]} (another job's copy)")
+        if skipped:
+            print(_foreign_note(len(skipped), _home(roots), "skipped, not verified"))
         for r in results:
             state = "ok" if r["ok"] else "DAMAGED"
             where = f" ({r['tier']})" if tiered else ""

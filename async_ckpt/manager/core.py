@@ -46,8 +46,8 @@ from ..tiers import (
     SAVE_ID,
     Tier,
     make_local_tier,
+    refuse_foreign_save,
     restore_from_tiers,
-    skip_foreign_save,
 )
 from ..writer import AsyncWriter
 from .actions import StepActions
@@ -375,9 +375,10 @@ class CheckpointManager(SaveDecisions, TierListing, StepActions):
         return True
 
     def _persist(self, job: SaveJob, tier: Tier) -> None:
-        """Writer thread of ``tier``: the save job, then statistics and the user's callback."""
-        if tier.name == LOCAL and skip_foreign_save(tier, job.step, job.snap):
-            return
+        """Writer thread of ``tier``: the save job, then statistics and the user's callback. A
+        local save of a step another job's copy holds fails (:class:`ForeignCopyError`)."""
+        if tier.name == LOCAL:
+            refuse_foreign_save(tier, job.step, job.snap)
         planner = save_planner_for(job.snap) if job.snap is not None else None
         policy = self.retention if tier.name == PERSISTENT else tier.retention
         stats = run_save(tier.store, job, policy=policy, threads=self.write_threads, planner=planner)

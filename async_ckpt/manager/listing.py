@@ -5,9 +5,10 @@ from __future__ import annotations
 import warnings
 from typing import Dict, List, Optional, Tuple
 
+from ..errors import StepNotFoundError
 from ..policies import RetentionPolicy, best_checkpoint, check_step, find_keep_best
 from ..storage import CheckpointLayout, Manifest
-from ..tiers import FALLBACK_ERRORS, Tier, commit_records, held_steps
+from ..tiers import FALLBACK_ERRORS, Tier, commit_records, foreign_root, held_steps
 
 
 class TierListing:
@@ -73,14 +74,23 @@ class TierListing:
     def metrics(self, step: int) -> Dict[str, float]:
         """The metrics stored with a committed step (of its newest save, over the tiers). A tier
         that cannot be read (a bucket that is down) is skipped with a warning while another
-        tier holds the step; when none does, its error is raised (it may hold the step)."""
+        tier holds the step; when none does, its error is raised (it may hold the step).
+        Another job's local copy (saved for another checkpoint path: see
+        :func:`~async_ckpt.tiers.foreign_root`) is not read: when only such copies hold the
+        step, :class:`StepNotFoundError` is raised."""
         step = check_step(step)
         copies: List[Manifest] = []
         failed: List[BaseException] = []
+        foreign: List[str] = []
         for t in self._tiers:
             try:
                 if step in t.store.layout.committed_steps():
-                    copies.append(t.store.layout.read_manifest(step))
+                    manifest = t.store.layout.read_manifest(step)
+                    root = foreign_root(t, manifest.extra)
+                    if root is None:
+                        copies.append(manifest)
+                    else:
+                        foreign.append(f"the copy in {t.url} was saved for the checkpoint path {root}")
             except FALLBACK_ERRORS as exc:
                 if len(self._tiers) == 1:
                     raise
@@ -90,5 +100,9 @@ class TierListing:
         if not copies:
             if failed:
                 raise failed[0]
+            if foreign:
+                raise StepNotFoundError(f"no committed checkpoint of this job for step {step} under "
+                                        f"{' or '.join(t.url for t in self._tiers)} ({'; '.join(foreign)}: "
+                                        f"another job's)", step=step)
             return dict(self.layout.read_manifest(step).metrics)  # raises the not-found error
         return dict(max(copies, key=lambda m: m.commit_time).metrics)

@@ -21,7 +21,8 @@ class StatsLog:
     existing content) and the whole object is rewritten after each save: a few hundred bytes
     per save, and a reader always sees a complete file. Two processes logging to the same
     object-store file would overwrite each other's lines; only rank 0 of a process group logs.
-    A failure to write the log is logged as a warning and never fails the save.
+    A failure to write the log is logged as a warning and never fails the save. The log never
+    creates the checkpoint root (see :meth:`append`).
     """
 
     def __init__(self, storage: Storage, relpath: str = DEFAULT_STATS_LOG) -> None:
@@ -30,6 +31,18 @@ class StatsLog:
         self.path = storage.join(self.relpath)
         self._lock = threading.Lock()
         self._buf: Optional[bytearray] = None
+
+    def _make_subdirs(self) -> None:
+        """Create the log's directories below the root (``stats_log="logs/x.jsonl"``) one by
+        one, so a root that vanishes meanwhile is not re-created (``FileNotFoundError``)."""
+        d = self.storage.root
+        for part in os.path.dirname(self.relpath).split("/"):
+            if part:
+                d = os.path.join(d, part)
+                try:
+                    os.mkdir(d)
+                except FileExistsError:
+                    pass
 
     @classmethod
     def from_option(cls, storage: Storage, option: Union[bool, str, os.PathLike, None]) -> Optional["StatsLog"]:
@@ -44,12 +57,18 @@ class StatsLog:
 
     def append(self, stats: SaveStats) -> None:
         """Write one record; never raises (a failure is logged as a warning). The manager calls
-        it on rank 0 only."""
+        it on rank 0 only. On a local path the record is written only while the checkpoint
+        root exists (otherwise skipped, with a debug log): the log never creates the root, so
+        a root that went away (a mount gone) stays away and the saves there fail."""
         try:
             line = (stats.to_json() + "\n").encode()
             with self._lock:
                 if self.storage.is_local:
-                    os.makedirs(os.path.dirname(self.path), exist_ok=True)
+                    if not os.path.isdir(self.storage.root):
+                        log.debug("async_ckpt: not writing the stats log %s: the checkpoint root %s does not "
+                                  "exist (it is never created here)", self.path, self.storage.root)
+                        return
+                    self._make_subdirs()
                     with open(self.path, "ab") as f:
                         f.write(line)
                         f.flush()
