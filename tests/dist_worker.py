@@ -3,12 +3,14 @@
     torchrun --standalone --nproc-per-node 4 tests/dist_worker.py save   <root> <ref.pt>
     torchrun --standalone --nproc-per-node 2 tests/dist_worker.py restore <root> <ref.pt>
     torchrun --standalone --nproc-per-node 2 tests/dist_worker.py ranges  <root> -   (that check alone)
+    torchrun --standalone --nproc-per-node 2 tests/dist_worker.py peer    <root> -   (that check alone)
 
 ``save`` runs several checks in one launch (a torchrun start costs 6-16 s): sharded async saves
 from every rank, retention agreed by every rank with deletions by rank 0 only, a rank that
 fails mid-write, a rank that fails to stage, a save that works again afterwards, and a restore
 at the same world size. ``restore`` loads the 4-rank checkpoint into a 2-rank job, then saves
-and restores a 2-rank checkpoint of its own shards, counting the bytes each rank reads. Every
+and restores a 2-rank checkpoint of its own shards, counting the bytes each rank reads, then
+restores a step damaged in one rank's shard (neither rank's target changes). Every
 comparison is bitwise against the full state dict written to ``ref.pt``. Each rank prints
 ``RANK <r> OK`` at the end; any failed check raises (non-zero exit).
 """
@@ -231,6 +233,7 @@ def scenario_restore(root: str, ref_path: str) -> None:
     mgr.close()
     dropin_checks(root + "_dropin")
     ranges_checks(root + "_ranges")
+    damaged_peer_checks(root + "_peer")
 
 
 def counting_reads(storage) -> dict:
@@ -409,6 +412,48 @@ def dropin_checks(root: str) -> None:
         agree(lm.all_steps(), "lazy all_steps")
 
 
+def damaged_peer_checks(root: str) -> None:
+    """A step damaged in a record only rank 1 reads (its Shard(0) half of "w"): restore(2) raises
+    CorruptCheckpointError on both ranks and neither target changes, atomic=True or not;
+    restore(None, strict=False) then restores step 1 on both, with no data of step 2 left in
+    "new" (a key step 1 lacks)."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from async_ckpt import CorruptCheckpointError
+
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+
+    def sharded(t):
+        return distribute_tensor(t, mesh, [Shard(0)])
+
+    w = torch.arange(128 * 1024, dtype=torch.float32).reshape(128, 1024) + 1
+    mgr = CheckpointManager(root)
+    assert mgr.save(1, {"w": sharded(w)})
+    assert mgr.save(2, {"w": sharded(w * 2), "new": sharded(torch.full((128, 16), 7.0))})
+    dist.barrier()
+    if rank == 0:
+        with open(os.path.join(root, "2", ".metadata"), "rb") as f:
+            md = load_metadata(f.read())
+        info = next(i for x, i in md.storage_data.items() if x.fqn == "w" and x.offset[0] == 64)
+        with open(os.path.join(root, "2", info.relative_path), "r+b") as f:
+            f.seek(info.offset + info.length - 100)
+            b = f.read(1)
+            f.seek(info.offset + info.length - 100)
+            f.write(bytes([b[0] ^ 0x10]))
+    dist.barrier()
+    for atomic in (True, False):
+        t = {"w": sharded(torch.zeros(128, 1024)), "new": sharded(torch.zeros(128, 16))}
+        exc = expect_error(lambda: mgr.restore(2, t, atomic=atomic), CorruptCheckpointError, "checksum mismatch")
+        assert not getattr(exc, "partly_written", False), (atomic, exc)
+        assert not t["w"].to_local().any() and not t["new"].to_local().any(), f"rank {rank} wrote (atomic={atomic})"
+    t = {"w": sharded(torch.zeros(128, 1024)), "new": sharded(torch.zeros(128, 16))}
+    assert mgr.restore(None, t, strict=False) == 1
+    assert torch.equal(t["w"].full_tensor(), w) and not t["new"].to_local().any()
+    mgr.close()
+    print(f"PEER DAMAGE RANK {rank} OK", flush=True)
+
+
 def main() -> None:
     import time
 
@@ -421,7 +466,8 @@ def main() -> None:
     try:
         what, root, ref = sys.argv[1], sys.argv[2], sys.argv[3]
         {"save": scenario_save, "restore": scenario_restore,
-         "ranges": lambda root, _ref: ranges_checks(root)}[what](root, ref)
+         "ranges": lambda root, _ref: ranges_checks(root),
+         "peer": lambda root, _ref: damaged_peer_checks(root)}[what](root, ref)
         dist.barrier()
         print(f"RANK {dist.get_rank()} OK ({time.time() - t0:.1f} s after init)", flush=True)
     finally:

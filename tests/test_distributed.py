@@ -87,6 +87,15 @@ def test_restore_with_two_ranks_reshards_bitwise(jobs):
     _ok(jobs["restore"], 2)
 
 
+def test_two_ranks_restore_of_a_step_damaged_in_one_ranks_shard_writes_neither_target(jobs):
+    """tests/dist_worker.py ``damaged_peer_checks``: a record only rank 1 reads is damaged;
+    restore raises on both ranks, atomic=True or not, and neither rank's target changes;
+    restore(None) falls back to the older step with nothing of the damaged one left."""
+    assert jobs["restore"] is not None, "the 4-rank save job failed"
+    for r in range(2):
+        assert f"PEER DAMAGE RANK {r} OK" in jobs["restore"].stdout, jobs["restore"].stdout[-3000:]
+
+
 def test_restore_in_one_process_without_process_group(jobs):
     """The 4-rank checkpoint loads into a plain (unsharded) model and optimizer, bitwise."""
     _ok(jobs["save"], 4)

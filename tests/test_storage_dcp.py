@@ -158,3 +158,20 @@ def test_overlapping_quiet_blocks_on_two_threads_leave_other_filters_alone():
         t2.join(10)
         assert not caught
         assert warnings.filters == [mine] + before
+
+
+def test_plain_dcp_checkpoint_of_conjugate_and_negative_views_restores_their_values(tmp_path):
+    """torch.save stores a conjugate (negative) view's bytes unresolved, with {'conj': True}
+    ({'neg': True}) beside them: async_ckpt's reader gives the values, as dcp.load does."""
+    import torch.distributed.checkpoint as dcp
+
+    g = torch.Generator().manual_seed(0)
+    sd = {"c": torch.randn(100000, dtype=torch.complex64, generator=g).conj(),
+          "n": torch.randn(100000, generator=g)._neg_view(),
+          "small": torch.randn(5, dtype=torch.complex64, generator=g).conj()}
+    ref = {k: v.resolve_conj().resolve_neg().clone() for k, v in sd.items()}
+    p = str(tmp_path / "dcp")
+    dcp.save(sd, checkpoint_id=p, no_dist=True)
+    target = {k: torch.zeros_like(v) for k, v in ref.items()}
+    load_state_dict(Storage(p), p, target, files=None)
+    assert_bitwise_equal(target, ref)

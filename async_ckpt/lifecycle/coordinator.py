@@ -180,15 +180,31 @@ class GroupCoordinator:
              verify: bool, threads: int, allow_pickle: bool, metadata: Any, planner: Any, atomic: bool = False,
              strict: bool = True, pool: Optional[HostBufferPool] = None) -> None:
         """DCP over the checkpoint group: this rank reads only the records its load plan needs
-        (whole files where the manifest lists no records), and every byte it uses is verified
-        before its first write, so ``atomic`` holds either way (``pool`` is not used)."""
+        (whole files where the manifest lists no records) and verifies every byte it uses; the
+        ranks then exchange their outcomes, and only if every rank's reads passed does any rank
+        write into its target, so ``atomic`` holds either way (``pool`` is not used). A failure
+        after this rank started writing (none expected) is raised with ``partly_written`` set."""
         import torch.distributed.checkpoint as dcp
 
+        from ..storage.dcp.direct import PARTLY_WRITTEN
         from ..storage.dcp.reader import safe_planner
 
-        reader = FsspecStorageReader(storage, path, files=files, verify=verify, threads=threads, metadata=metadata)
-        dcp.load(state_dict, storage_reader=reader, process_group=self.group,
-                 planner=planner or safe_planner(allow_pickle, strict))
+        reader = FsspecStorageReader(storage, path, files=files, verify=verify, threads=threads, metadata=metadata,
+                                     agree=self.all_gather)
+        try:
+            dcp.load(state_dict, storage_reader=reader, process_group=self.group,
+                     planner=planner or safe_planner(allow_pickle, strict))
+        except BaseException as exc:  # noqa: BLE001 - DCP raises CheckpointException (a BaseException)
+            if not reader.touched or isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                raise
+            err = dcp_failure(exc)
+            if not isinstance(err, CheckpointError):
+                raise CheckpointError(f"restore from {path} failed ({type(err).__name__}: {err}); "
+                                      f"{PARTLY_WRITTEN}") from err
+            if not getattr(err, "partly_written", False):
+                err.args = (f"{err.args[0] if err.args else err}; {PARTLY_WRITTEN}",) + tuple(err.args[1:])
+                err.partly_written = True  # type: ignore[attr-defined]
+            raise err from exc
 
 
 def _leaser(pool: "HostBufferPool") -> Acquire:

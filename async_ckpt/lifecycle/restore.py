@@ -12,7 +12,8 @@ One process reads the files straight into the target tensors and verifies the ch
 the data arrives (see :mod:`async_ckpt.storage.dcp.direct`): a step found damaged then has
 already written part of its data into the target, and the error says so. ``atomic=True``
 reads and verifies every file into host memory first, so a failed restore leaves the target
-as it was.
+as it was. Several processes load through DCP: every rank reads and verifies its part, and no
+rank writes unless every rank's part passed (atomic or not).
 
 Top-level values with ``state_dict()`` / ``load_state_dict()`` (DCP's ``Stateful``: an app
 state holding a model and an optimizer) are restored as ``dcp.load`` restores them: into what

@@ -21,7 +21,10 @@ XLA:
   buffer with no computation pending, and a view updates its base as ``copy_`` does.
 
 A stand-in is never written again once it is on the device. A target listed twice (tied
-parameters) has one stand-in and one transfer. SPMD mode (tensors that may be sharded over
+parameters) has one stand-in and one transfer: the plan (:mod:`.direct_plan`) reads the first
+key's data into it and every later key's into a private host tensor, copied into the stand-in
+in key order once every file is verified (the last key wins, as for CPU targets). Distinct
+target objects that alias one device buffer get stand-ins of their own, committed in key order. SPMD mode (tensors that may be sharded over
 devices) is not handled here: :func:`supported` says so and the restore goes through DCP.
 """
 
@@ -78,6 +81,10 @@ class DeviceTargets:
     def __bool__(self) -> bool:
         return bool(self._pairs)
 
+    def has(self, target: torch.Tensor) -> bool:
+        """Whether ``target`` (this very object) already has a stand-in."""
+        return id(target) in self._pairs
+
     def stand_in(self, target: torch.Tensor) -> torch.Tensor:
         """The contiguous host tensor that receives ``target``'s data (one per target object)."""
         got = self._pairs.get(id(target))
@@ -87,8 +94,9 @@ class DeviceTargets:
         return got[1]
 
     def commit(self) -> None:
-        """Every stand-in onto its target's device, then into the target (see the module
-        docstring); the stand-ins are released."""
+        """Every stand-in onto its target's device, then into the target, in the order the
+        targets were first given stand-ins (key order; see the module docstring); the stand-ins
+        are released."""
         pairs = [p for p in self._pairs.values() if p[0].device.type == "xla"]
         cuda = [p for p in self._pairs.values() if p[0].device.type == "cuda"]
         self._pairs.clear()

@@ -25,9 +25,10 @@ too, so an unsafe pickle is refused before any tensor is written; the probed byt
 compared with the verified ones when those arrive.
 
 Targets whose memory overlaps an earlier key's (tied weights restored from a checkpoint that
-holds them untied, overlapping views) are read into private tensors, so that the checksums are
-of their own bytes, and copied into place once every file is verified, in key order: where
-they overlap, the last key's data stays.
+holds them untied, overlapping views; an XLA or CUDA target listed under several keys) are
+read into private tensors, so that the checksums are of their own bytes, and copied into place
+(a device target's host stand-in) once every file is verified, in key order: where they
+overlap, the last key's data stays.
 
 A failure after the first write leaves the targets partly written: the error raised is a
 :class:`~async_ckpt.errors.CheckpointError` whose message says so (``partly_written`` is set

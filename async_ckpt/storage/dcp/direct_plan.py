@@ -171,12 +171,13 @@ def _plan(storage: Storage, path: str, state_dict: Dict[str, Any], files: Dict[s
             nbytes = value.numel() * value.element_size()
             if nbytes == 0:
                 continue  # nothing to read into; the bytes still count for the checksum
+            again = on_device and devices.has(value)  # a device target of an earlier key: its stand-in is shared
             if on_device:
                 t = devices.stand_in(value)
             else:
                 t = value.detach() if type(value) is not torch.Tensor or value.requires_grad else value
             into = None
-            if fqn in tied:  # read into private memory, so that what lands there (and is checked) is its own
+            if fqn in tied or again:  # read into private memory, so that what lands there (and is checked) is its own
                 into, t = t, torch.empty(tuple(value.shape), dtype=value.dtype)
             fb = _contiguous_bytes(t)
             kind = "slow" if fb is None else ("direct" if nbytes >= direct_min else "small")

@@ -1,7 +1,8 @@
 """Restore: reading a DCP checkpoint through :class:`~async_ckpt.storage.fs.Storage`.
 
 What the load plan needs is read concurrently and checked against the manifest before the
-target state dict is touched, so a failed restore leaves it untouched: of a file whose
+target state dict is touched (with several ranks, before any rank touches its own: they
+exchange their outcomes first), so a failed restore leaves it untouched: of a file whose
 manifest entry lists its records (:class:`~..manifest.FileRecord`), only the records the plan's
 items lie in, adjacent ones in one request, each checked against its CRC32C; any other file
 whole (a big one as concurrent ranged reads), checked against its size and CRC32C. A tensor item stored as one plain ``torch.save`` storage is
@@ -55,6 +56,13 @@ class _BytesDecoder(Protocol):
     def set_bytes(self, read_item: Any, obj: Any) -> None: ...
 
 
+class PeerReadFailed(Exception):
+    """This rank's part of a multi-process restore was read and verified, another rank's was
+    not: this rank wrote nothing either. Not a :class:`~async_ckpt.errors.CheckpointError`, so
+    that the failing rank's own error is the one every rank raises (see
+    :func:`~async_ckpt.lifecycle.coordinator.dcp_failure`)."""
+
+
 class FsspecStorageReader(StorageReader):
     """DCP ``StorageReader``: what the plan needs read concurrently, verified, then deserialised.
 
@@ -66,8 +74,14 @@ class FsspecStorageReader(StorageReader):
     """
 
     def __init__(self, storage: Storage, path: str, *, files: Optional[Dict[str, FileRecord]] = None,
-                 verify: bool = True, threads: int = 8, metadata: Optional[Metadata] = None) -> None:
+                 verify: bool = True, threads: int = 8, metadata: Optional[Metadata] = None,
+                 agree: Optional[Callable[[Optional[str]], List[Optional[str]]]] = None) -> None:
         super().__init__()
+        #: every rank's read outcome (None: ok, else its error) from this rank's: a collective
+        #: over the load's process group (see :meth:`read_data`)
+        self.agree = agree
+        #: whether :meth:`read_data` started writing into the caller's state dict
+        self.touched = False
         self.storage = storage
         self.path = path
         self.files = files
@@ -299,6 +313,34 @@ class FsspecStorageReader(StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
+        """Read, verify and decode every item of ``plan`` (:meth:`_prepare`), then write them into
+        the targets (:meth:`_apply`). With ``agree`` (a multi-process restore), every rank's
+        outcome of the first part is exchanged before any rank writes: if any rank failed, none
+        writes, and the others raise :class:`PeerReadFailed` naming it."""
+        failure: Optional[Exception] = None
+        try:
+            ready = self._prepare(plan, planner)
+        except Exception as exc:  # noqa: BLE001 - exchanged below, then raised
+            ready, failure = {}, exc
+        if self.agree is not None:
+            outcomes = self.agree(None if failure is None else f"{type(failure).__name__}: {failure}")
+            bad = [f"rank {r}: {o}" for r, o in enumerate(outcomes) if o is not None]
+            if bad and failure is None:
+                raise PeerReadFailed(f"{self.path}: not restored: reading another rank's part failed "
+                                     f"({'; '.join(bad)}); this rank wrote nothing")
+        if failure is not None:
+            raise failure
+        self.touched = True
+        self._apply(ready, planner)
+        fut: Future = Future()
+        fut.set_result(None)
+        return fut
+
+    def _prepare(self, plan: LoadPlan, planner: LoadPlanner) -> Dict[str, List[Tuple[Any, Any, Any]]]:
+        """Per file, ``(req, target, what)`` for each item of ``plan``, in file order: every
+        record read and verified, each non-tensor item decoded (``what``: the object), each
+        tensor item's data ready to copy (``what``: ``(dst, src)`` straight from the read
+        buffer, or the tensor ``torch.load`` read); nothing is written."""
         per_file: Dict[str, List[Any]] = {}
         for item in plan.items:
             per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
@@ -319,58 +361,56 @@ class FsspecStorageReader(StorageReader):
             k = max(0, bisect.bisect_right(starts, info.offset) - 1)
             return bufs[k][info.offset - starts[k]: info.offset - starts[k] + info.length]
 
-        # Non-tensor items are decoded before anything is applied, so that an unsafe or
-        # undecodable object fails the restore with the caller's state dict untouched.
-        decoded: Dict[int, Any] = {}
-        if hasattr(planner, "decode_bytes"):
-            for name, reqs in per_file.items():
-                for req in reqs:
-                    if req.type == LoadItemType.BYTE_IO:
-                        info = self.storage_data[req.storage_index]
-                        decoded[id(req)] = planner.decode_bytes(req, io.BytesIO(item_bytes(name, info)))
-        # Everything is read and verified: only now touch the caller's state dict.
-        copies: List[Tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (req, target, dst, src)
-        # DCP's default planner writes into the caller's own tensors and does nothing on commit,
-        # so its copies may run together; other planners (torch_xla's) get resolve, copy, commit.
-        batch = type(planner) in (_SafeLoadPlanner, DefaultLoadPlanner)
+        out: Dict[str, List[Tuple[Any, Any, Any]]] = {}
+        decode = hasattr(planner, "decode_bytes")
         for name, reqs in per_file.items():
+            todo = out[name] = []
             for req in sorted(reqs, key=lambda r: self.storage_data[r.storage_index].offset):
-                info = self.storage_data[req.storage_index]
-                data = item_bytes(name, info)
+                data = item_bytes(name, self.storage_data[req.storage_index])
                 if req.type == LoadItemType.BYTE_IO:
-                    if id(req) in decoded:
-                        cast(_BytesDecoder, planner).set_bytes(req, decoded[id(req)])  # decoded: it has decode_bytes
-                    else:
-                        planner.load_bytes(req, io.BytesIO(data))
+                    # an unsafe or undecodable object fails the restore with the state dict untouched
+                    todo.append((req, None, cast(_BytesDecoder, planner).decode_bytes(req, io.BytesIO(data))
+                                 if decode else bytes(data)))
                     continue
                 target = planner.resolve_tensor(req).detach()
                 raw = _stored_bytes(data, req, target)
                 if raw is not None:  # one copy, straight from the read buffer into the target
-                    dst, src = raw
-                    if batch:
-                        copies.append((req, target, dst, src))
-                    else:
-                        dst.copy_(src)
-                        planner.commit_tensor(req, target)
+                    todo.append((req, target, raw))
                     continue
-                chunk = io.BytesIO(data)  # (a copy)
-                tensor = torch.load(chunk, map_location="cpu", weights_only=True)
+                tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
                 tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
                 if target.size() != tensor.size():
                     raise CorruptCheckpointError(
                         f"{shown(req.storage_index.fqn)}: stored shape {tuple(tensor.size())} != expected "
                         f"{tuple(target.size())}")
-                target.copy_(tensor)
-                planner.commit_tensor(req, target)
-            del parts[name]  # applied (a pending copy keeps its own source alive): its buffers may go
+                todo.append((req, target, tensor))
+        return out
+
+    def _apply(self, ready: Dict[str, List[Tuple[Any, Any, Any]]], planner: LoadPlanner) -> None:
+        """Write what :meth:`_prepare` made ready into the caller's state dict."""
+        copies: List[Tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (req, target, dst, src)
+        # DCP's default planner writes into the caller's own tensors and does nothing on commit,
+        # so its copies may run together; other planners (torch_xla's) get copy, then commit.
+        batch = type(planner) in (_SafeLoadPlanner, DefaultLoadPlanner)
+        decode = hasattr(planner, "decode_bytes")
+        for name in list(ready):
+            for req, target, what in ready.pop(name):  # applied: its buffers may go (a pending copy keeps its source)
+                if req.type == LoadItemType.BYTE_IO:
+                    if decode:
+                        cast(_BytesDecoder, planner).set_bytes(req, what)
+                    else:
+                        planner.load_bytes(req, io.BytesIO(what))
+                elif isinstance(what, tuple) and batch:
+                    copies.append((req, target, what[0], what[1]))
+                else:
+                    dst, src = what if isinstance(what, tuple) else (target, what)
+                    dst.copy_(src)
+                    planner.commit_tensor(req, target)
         if copies:  # large copies, spread over threads (torch releases the GIL while copying)
             with ThreadPoolExecutor(min(4, len(copies)), thread_name_prefix="async-ckpt-copy") as pool:
                 list(pool.map(lambda c: c[2].copy_(c[3]), copies))
             for req, target, _, _ in copies:
                 planner.commit_tensor(req, target)
-        fut: Future = Future()
-        fut.set_result(None)
-        return fut
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:

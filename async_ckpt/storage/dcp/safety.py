@@ -14,7 +14,7 @@ import dataclasses
 import enum
 import io
 import pickle
-from typing import Any, Tuple
+from typing import Any, Optional, Tuple
 
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
@@ -121,27 +121,35 @@ _DTYPES = {name: v for name, v in vars(torch).items() if isinstance(v, torch.dty
 _UNTYPED = object()
 
 
-def _rebuild_v2(storage: Any, offset: Any, size: Any, stride: Any, *rest: Any) -> Tuple[Any, ...]:
-    """``torch._utils._rebuild_tensor_v2`` over a typed storage (``FloatStorage``: its dtype)."""
+def _rebuild_v2(storage: Any, offset: Any, size: Any, stride: Any, *rest: Any) -> Optional[Tuple[Any, ...]]:
+    """``torch._utils._rebuild_tensor_v2`` over a typed storage (``FloatStorage``: its dtype);
+    None for a tensor saved with metadata (``{'conj': True}``, ``{'neg': True}``): its bytes are
+    not its values, torch.load reads it."""
     if not isinstance(storage, torch.dtype):
         raise pickle.UnpicklingError("_rebuild_tensor_v2 over an untyped storage")
+    if any(rest[2:]):  # after requires_grad and the backward hooks: torch.save's metadata dict
+        return None
     return storage, offset, tuple(size), tuple(stride)
 
 
 def _rebuild_v3(storage: Any, offset: Any, size: Any, stride: Any, requires_grad: Any, hooks: Any, dtype: Any,
-                *rest: Any) -> Tuple[Any, ...]:
+                *rest: Any) -> Optional[Tuple[Any, ...]]:
     """``torch._utils._rebuild_tensor_v3``: an untyped storage and the dtype as an argument, as
-    torch.save writes the dtypes without a typed storage class (float8, uint16/32/64, complex32)."""
+    torch.save writes the dtypes without a typed storage class (float8, uint16/32/64, complex32);
+    None for a tensor saved with metadata, as :func:`_rebuild_v2`."""
     if storage is not _UNTYPED or not isinstance(dtype, torch.dtype):
         raise pickle.UnpicklingError("_rebuild_tensor_v3 needs an untyped storage and a dtype")
+    if any(rest):
+        return None
     return dtype, offset, tuple(size), tuple(stride)
 
 
 class _TensorDescUnpickler(pickle.Unpickler):
     """Reads a single-tensor ``data.pkl`` as ``(dtype, storage_offset, size, stride)``, from
     either form torch.save writes (``_rebuild_tensor_v2`` over a typed storage,
-    ``_rebuild_tensor_v3`` over an untyped one); refuses anything else (nothing is
-    constructed, no code runs)."""
+    ``_rebuild_tensor_v3`` over an untyped one), or None where the tensor carries metadata
+    (a conjugate or negative view: its stored bytes are not its values); refuses anything else
+    (nothing is constructed, no code runs)."""
 
     def find_class(self, module: str, name: str) -> Any:
         if module == "torch._utils" and name == "_rebuild_tensor_v2":
