@@ -110,7 +110,71 @@ def local_failure_on_one_rank(model, optim, rank: int, ref_dir: str) -> None:
         assert 4 in m.step_tiers() and "local" in m.step_tiers()[4], m.step_tiers()
 
 
+def small(rank: int, step: int):
+    return {f"r{rank}": torch.full((1000,), float(step))}
+
+
+def fails_after_agreement(rank: int, ref_dir: str) -> None:
+    """Scenario 7: rank 1's earlier local save fails only after the ranks agreed on step 2
+    (its slot wait raises): rank 1 still queues its part of the bucket's step 2, as a failed
+    job, so step 2 fails on every rank and step 3 commits with every rank's step-3 data."""
+    import errno
+    import time
+
+    from async_ckpt.errors import CheckpointError
+
+    bucket, local = os.path.join(ref_dir, "bucket7"), os.path.join(ref_dir, "local7")
+    m = CheckpointManager(bucket, save_interval=1, local_dir=local, local_policy=1, collective_timeout_s=30)
+    if rank == 1:
+        real, calls = m._local.store.layout.commit, [0]
+
+        def slow_fail(target, manifest):
+            calls[0] += 1
+            if calls[0] == 1:
+                time.sleep(2)
+                raise OSError(errno.ENOSPC, "No space left on device (simulated)")
+            return real(target, manifest)
+
+        m._local.store.layout.commit = slow_fail
+    t0 = time.monotonic()
+    assert m.save_async(1, small(rank, 1))
+    try:
+        m.save_async(2, small(rank, 2))
+        assert rank == 0, "rank 1 did not raise its failed local save"
+    except CheckpointError as exc:
+        assert rank == 1 and "step 1" in str(exc), exc
+    assert m.save_async(3, small(rank, 3))
+    try:
+        m.join()
+        assert rank == 1, "rank 0's join did not raise the failed step 2"
+    except CheckpointError as exc:
+        assert rank == 0 and "step 2" in str(exc) and "rank 1" in str(exc), exc
+    m.close()
+    assert time.monotonic() - t0 < 20, "a rank waited for the other"
+    steps = sorted(int(n) for n in os.listdir(bucket) if n.isdigit())
+    assert steps == [1, 3], steps
+    target = small(rank, -1)
+    with CheckpointManager(bucket, save_interval=1) as m2:
+        assert m2.restore(3, target) == 3
+    assert torch.equal(target[f"r{rank}"], small(rank, 3)[f"r{rank}"]), target
+
+
+def run_only(names: str) -> None:
+    """Only the named scenarios (``TIER_WORKER_ONLY``, comma-separated), each rank printing
+    ``RANK <r> OK`` at the end."""
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    ref_dir = sys.argv[3]
+    for name in names.split(","):
+        {"fails_after_agreement": fails_after_agreement}[name](rank, ref_dir)
+        dist.barrier()
+    print(f"RANK {rank} OK", flush=True)
+    dist.destroy_process_group()
+
+
 def main() -> None:
+    if os.environ.get("TIER_WORKER_ONLY"):
+        return run_only(os.environ["TIER_WORKER_ONLY"])
     bucket, local, ref_dir = sys.argv[1:4]
     dist.init_process_group("gloo")
     rank = dist.get_rank()

@@ -304,35 +304,33 @@ class CheckpointManager(SaveDecisions, TierListing, StepActions):
         take, take_local, preempt, taken = self._due(step, force)
         if take or take_local:  # agreed: every rank counts the same saves, one id per save
             self._saves += 1
-        if take_local and self._local is not None:
-            try:
-                self._local.store.become_writer()  # this rank's own local directory
-            except LeaseHeldError:
-                if alone:
-                    raise
-                log.exception("async_ckpt: rank %d skips the local save of step %d", self._coord.rank, step)
-                take_local = False
-        due = ([self._local] if take_local and self._local is not None else []) + ([self._tiers[-1]] if take else [])
-        if not due:
-            return False
-        t0 = time.perf_counter()
-        if alone:
-            with gc_paused():
-                plan = self.stager.plan(state_dict)  # validates before anything is taken or written
-        # Earlier lazy copies finish and are sealed here, on the training thread: their writers
-        # wait for that, so it must come before waiting for a writer slot.
-        self.stager.synchronize_staging()
+        # From here on a rank that raises still queues its part of the persistent save, as a
+        # failed job: the other ranks' jobs of this step fail with it (never pair with its next).
+        shared = self._tiers[-1] if take and not alone else None
         held: List[Tier] = []
         try:
+            if take_local and self._local is not None:
+                try:
+                    self._local.store.become_writer()  # this rank's own local directory
+                except LeaseHeldError:
+                    if alone:
+                        raise
+                    log.exception("async_ckpt: rank %d skips the local save of step %d", self._coord.rank, step)
+                    take_local = False
+            due = ([self._local] if take_local and self._local is not None else []) + ([self._tiers[-1]] if take else [])
+            if not due:
+                return False
+            t0 = time.perf_counter()
+            if alone:
+                with gc_paused():
+                    plan = self.stager.plan(state_dict)  # validates before anything is taken or written
+            # Earlier lazy copies finish and are sealed here, on the training thread: their writers
+            # wait for that, so it must come before waiting for a writer slot.
+            self.stager.synchronize_staging()
             for tier in due:
                 tier.writer.wait_for_slot()
                 held.append(tier)
-        except BaseException:
-            for tier in held:
-                tier.writer.release_slot()
-            raise
-        t1 = time.perf_counter()
-        try:
+            t1 = time.perf_counter()
             if not alone:  # every rank queues its part of the save, even if planning fails here
                 with gc_paused():
                     plan = self.stager.plan(state_dict)
@@ -341,12 +339,14 @@ class CheckpointManager(SaveDecisions, TierListing, StepActions):
             if snap.pending is not None:
                 snap.pending.step = step
         except BaseException as exc:
-            for tier in due:
-                if alone or tier.name == LOCAL:
+            for tier in held:
+                if tier is not shared:
                     tier.writer.release_slot()
-                else:  # the job takes the slot and tells the other ranks
-                    failed = SaveJob(step, None, metrics, None, t0, local_error=exc)
-                    tier.writer.submit(functools.partial(self._persist, failed, tier), step=step)
+            if shared is not None:  # the job takes the slot and tells the other ranks
+                if shared not in held:
+                    shared.writer.take_slot()
+                failed = SaveJob(step, None, metrics, None, time.perf_counter(), local_error=exc)
+                shared.writer.submit(functools.partial(self._persist, failed, shared), step=step)
             raise
         t2 = time.perf_counter()
         snap.share(len(due))
