@@ -159,6 +159,33 @@ def fails_after_agreement(rank: int, ref_dir: str) -> None:
     assert torch.equal(target[f"r{rank}"], small(rank, 3)[f"r{rank}"]), target
 
 
+def invalid_on_one_rank(rank: int, ref_dir: str) -> None:
+    """Scenario 8: rank 1's metrics (a NaN loss) or step do not validate: every rank raises at
+    that call (rank 1 its own error, rank 0 one naming rank 1), nothing is saved for it, and the
+    next step saves on every rank."""
+    import time
+
+    from async_ckpt.errors import CheckpointError
+
+    bucket, local = os.path.join(ref_dir, "bucket8"), os.path.join(ref_dir, "local8")
+    with CheckpointManager(bucket, save_interval=1, local_dir=local, local_policy=1, collective_timeout_s=30) as m:
+        assert m.save(1, small(rank, 1), metrics={"loss": 1.0})
+        for case in ("nan", "step"):
+            step, loss = (2, float("nan")) if case == "nan" else (-2, 2.0)
+            if rank == 0:
+                step, loss = 2, 2.0
+            t0 = time.monotonic()
+            try:
+                m.save_async(step, small(rank, 2), metrics={"loss": loss})
+                raise AssertionError(f"rank {rank} did not raise ({case})")
+            except (ValueError, CheckpointError) as exc:
+                assert time.monotonic() - t0 < 15, f"rank {rank} waited for the other"
+                assert isinstance(exc, ValueError) if rank == 1 else "rank(s) [1]" in str(exc), exc
+            dist.barrier()
+        assert m.save(3, small(rank, 3), metrics={"loss": 3.0})
+    assert sorted(int(n) for n in os.listdir(bucket) if n.isdigit()) == [1, 3]
+
+
 def run_only(names: str) -> None:
     """Only the named scenarios (``TIER_WORKER_ONLY``, comma-separated), each rank printing
     ``RANK <r> OK`` at the end."""
@@ -166,7 +193,7 @@ def run_only(names: str) -> None:
     rank = dist.get_rank()
     ref_dir = sys.argv[3]
     for name in names.split(","):
-        {"fails_after_agreement": fails_after_agreement}[name](rank, ref_dir)
+        {"fails_after_agreement": fails_after_agreement, "invalid_on_one_rank": invalid_on_one_rank}[name](rank, ref_dir)
         dist.barrier()
     print(f"RANK {rank} OK", flush=True)
     dist.destroy_process_group()

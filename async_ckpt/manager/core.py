@@ -292,16 +292,23 @@ class CheckpointManager(SaveDecisions, TierListing, StepActions):
         """Training thread of every rank. With several ranks every rank must call it with the
         same step; rank 0's decision (policy, ``force``, preemption) is taken by every rank,
         and a rank whose staging fails raises at once and still queues its part of the save,
-        so the other ranks raise too instead of waiting for it. A step due for several tiers
+        so the other ranks raise too instead of waiting for it; so does a rank whose step or
+        metrics are invalid (its own error; the others a ``CheckpointError`` naming it). A step due for several tiers
         is staged once; each tier's writer writes the snapshot."""
         self._check_open()
-        step = check_step(step)
-        metrics = check_metrics(metrics)
         alone = self._coord.world_size == 1
+        invalid: Optional[Exception] = None
+        try:
+            step = check_step(step)
+            metrics = check_metrics(metrics)
+        except (TypeError, ValueError) as exc:
+            if alone:
+                raise
+            invalid = exc  # raised by _due on every rank together
         if alone:  # with several ranks, _due raises on every rank together
             for tier in self._tiers:
                 tier.writer.raise_if_failed()
-        take, take_local, preempt, taken = self._due(step, force)
+        take, take_local, preempt, taken = self._due(step, force, invalid)
         if take or take_local:  # agreed: every rank counts the same saves, one id per save
             self._saves += 1
         # From here on a rank that raises still queues its part of the persistent save, as a
