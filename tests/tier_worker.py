@@ -186,6 +186,39 @@ def invalid_on_one_rank(rank: int, ref_dir: str) -> None:
     assert sorted(int(n) for n in os.listdir(bucket) if n.isdigit()) == [1, 3]
 
 
+def out_of_step(rank: int, ref_dir: str) -> None:
+    """Scenario 9: rank 1 is called with step 3 while rank 0 saves step 2: the agreement fails
+    on every rank at once (rank 0's error names rank 1). With that check bypassed, the save
+    jobs still see it (rank 0 opens step 2 for rank 1's step-3 job): neither is committed and
+    both ranks raise at join()."""
+    import time
+
+    from async_ckpt.errors import CheckpointError
+
+    bucket = os.path.join(ref_dir, "bucket9")
+    with CheckpointManager(bucket, save_interval=1, collective_timeout_s=30) as m:
+        assert m.save(1, small(rank, 1))
+        t0 = time.monotonic()
+        try:
+            m.save_async(3 if rank == 1 else 2, small(rank, 2))
+            raise AssertionError(f"rank {rank} did not raise")
+        except CheckpointError as exc:
+            assert time.monotonic() - t0 < 15, f"rank {rank} waited for the other"
+            assert "rank(s) [1]" in str(exc), exc
+        dist.barrier()
+        real = m._coord.agree
+        m._coord.agree = lambda flags, ok=True, step=None: real(flags, ok)  # no step in the exchange
+        assert m.save_async(3 if rank == 1 else 2, small(rank, 2))
+        try:
+            m.join()
+            raise AssertionError(f"rank {rank}: join did not raise")
+        except CheckpointError as exc:
+            assert "out of step" in str(exc), exc
+        m._coord.agree = real
+        assert m.save(4, small(rank, 4))
+    assert sorted(int(n) for n in os.listdir(bucket) if n.isdigit()) == [1, 4]
+
+
 def run_only(names: str) -> None:
     """Only the named scenarios (``TIER_WORKER_ONLY``, comma-separated), each rank printing
     ``RANK <r> OK`` at the end."""
@@ -193,7 +226,9 @@ def run_only(names: str) -> None:
     rank = dist.get_rank()
     ref_dir = sys.argv[3]
     for name in names.split(","):
-        {"fails_after_agreement": fails_after_agreement, "invalid_on_one_rank": invalid_on_one_rank}[name](rank, ref_dir)
+        scenarios = {"fails_after_agreement": fails_after_agreement, "invalid_on_one_rank": invalid_on_one_rank,
+                     "out_of_step": out_of_step}
+        scenarios[name](rank, ref_dir)
         dist.barrier()
     print(f"RANK {rank} OK", flush=True)
     dist.destroy_process_group()

@@ -114,19 +114,20 @@ class SaveDecisions:
             # Rank 0 decides for everyone: time-based policies, preemption signals and "nothing
             # in flight" conditions can answer differently per rank.
             # Every rank also says whether its writers hold a failure the next save raises, or
-            # its step or metrics are invalid: a rank raising alone would leave the others
-            # waiting here for it.
+            # its step or metrics are invalid, and which step it saves (a rank at another step
+            # fails the exchange): a rank raising alone would leave the others waiting for it.
             ok = invalid is None and not any(tier.writer.failed() for tier in self._tiers)
             (take, take_local, preempt, lease_ok, reached), failed = self._coord.agree(
-                [take, take_local, preempt, held is None, reached], ok=ok)
+                [take, take_local, preempt, held is None, reached], ok=ok, step=step if invalid is None else None)
             if failed:
                 if invalid is not None:
                     raise invalid
                 for tier in self._tiers:
                     tier.writer.raise_if_failed()
                 raise CheckpointError(f"step {step}: not saved: rank(s) {failed} could not save it (an earlier "
-                                      f"background save failed there, or its step or metrics were invalid; see "
-                                      f"their errors)", step=step if isinstance(step, int) else None)
+                                      f"background save failed there, its step or metrics were invalid, or it "
+                                      f"was called with another step than rank 0; see their errors)",
+                                      step=step if isinstance(step, int) else None)
             if take and not lease_ok:
                 raise held or LeaseHeldError(
                     f"rank 0 could not take the writer lease of {self._store.storage.url}; see rank 0's error")
