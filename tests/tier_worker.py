@@ -219,6 +219,43 @@ def out_of_step(rank: int, ref_dir: str) -> None:
     assert sorted(int(n) for n in os.listdir(bucket) if n.isdigit()) == [1, 4]
 
 
+def resave_on_one_rank(rank: int, ref_dir: str) -> None:
+    """Scenario 10: a second run re-saves step 5, and rank 0's local commit of it fails (a
+    crash or a full disk between the ranks' commits): the ranks' local copies of step 5 are
+    from two saves, so a fresh job restores step 4 (the newest step every rank holds from one
+    save), never rank 0's first step 5 with rank 1's second."""
+    import errno
+
+    bucket, local = os.path.join(ref_dir, "bucket10"), os.path.join(ref_dir, "local10")
+    opts = dict(save_interval=1000, local_dir=local, local_policy=1, local_retention=3, collective_timeout_s=30)
+
+    def sd(v):
+        return {"w": torch.full((8,), float(v))}
+
+    with CheckpointManager(bucket, **opts) as m:
+        m.save(4, sd(4))
+        m.save(5, sd(5))
+    with CheckpointManager(bucket, **opts) as m:
+        m.restore(4, sd(0))
+        if rank == 0:
+            def fail(*a, **k):
+                raise OSError(errno.ENOSPC, "No space left on device (simulated)")
+
+            m._local.store.layout.commit = fail
+        m.save_async(5, sd(55))
+        try:
+            m.join()
+        except Exception:
+            assert rank == 0
+    dist.barrier()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with CheckpointManager(bucket, **opts) as m:
+            target = sd(-1)
+            got = m.restore(None, target)
+    assert (got, target["w"][0].item()) == (4, 4.0), (rank, got, target["w"][0].item())
+
+
 def run_only(names: str) -> None:
     """Only the named scenarios (``TIER_WORKER_ONLY``, comma-separated), each rank printing
     ``RANK <r> OK`` at the end."""
@@ -227,7 +264,7 @@ def run_only(names: str) -> None:
     ref_dir = sys.argv[3]
     for name in names.split(","):
         scenarios = {"fails_after_agreement": fails_after_agreement, "invalid_on_one_rank": invalid_on_one_rank,
-                     "out_of_step": out_of_step}
+                     "out_of_step": out_of_step, "resave_on_one_rank": resave_on_one_rank}
         scenarios[name](rank, ref_dir)
         dist.barrier()
     print(f"RANK {rank} OK", flush=True)
