@@ -256,6 +256,40 @@ def resave_on_one_rank(rank: int, ref_dir: str) -> None:
     assert (got, target["w"][0].item()) == (4, 4.0), (rank, got, target["w"][0].item())
 
 
+def settle_on_one_rank(rank: int, ref_dir: str) -> None:
+    """Scenario 11: rank 1's local save fails, then every rank calls restore() (then, after a
+    second such failure, delete()): every rank raises at once (rank 1 its own error, rank 0 one
+    naming rank 1) instead of rank 0 waiting in the restore's collectives."""
+    import time
+
+    from async_ckpt.errors import CheckpointError
+
+    bucket, local = os.path.join(ref_dir, "bucket11"), os.path.join(ref_dir, "local11")
+    with CheckpointManager(bucket, save_interval=100, local_dir=local, local_policy=1, collective_timeout_s=30) as m:
+        m.save(100, small(rank, 100))
+        mine = os.path.join(local, f"rank{rank}")
+        for step, action in ((101, lambda: m.restore(None, small(rank, 0))), (102, lambda: m.delete(100))):
+            if rank == 1:  # the local disk goes away under the job
+                os.rename(mine, mine + ".away")
+                open(mine, "w").close()
+            m.save_async(step, small(rank, step))
+            if rank == 1:
+                m._local.writer.wait_idle()
+            dist.barrier()
+            t0 = time.monotonic()
+            try:
+                action()
+                raise AssertionError(f"rank {rank}: step {step}: no error")
+            except CheckpointError as exc:
+                assert time.monotonic() - t0 < 15, f"rank {rank} waited for the other"
+                assert f"step {step}" in str(exc) if rank == 1 else "rank(s) [1]" in str(exc), exc
+            if rank == 1:
+                os.remove(mine)
+                os.rename(mine + ".away", mine)
+            dist.barrier()
+        assert m.restore(None, small(rank, 0)) == 100
+
+
 def run_only(names: str) -> None:
     """Only the named scenarios (``TIER_WORKER_ONLY``, comma-separated), each rank printing
     ``RANK <r> OK`` at the end."""
@@ -264,7 +298,8 @@ def run_only(names: str) -> None:
     ref_dir = sys.argv[3]
     for name in names.split(","):
         scenarios = {"fails_after_agreement": fails_after_agreement, "invalid_on_one_rank": invalid_on_one_rank,
-                     "out_of_step": out_of_step, "resave_on_one_rank": resave_on_one_rank}
+                     "out_of_step": out_of_step, "resave_on_one_rank": resave_on_one_rank,
+                     "settle_on_one_rank": settle_on_one_rank}
         scenarios[name](rank, ref_dir)
         dist.barrier()
     print(f"RANK {rank} OK", flush=True)

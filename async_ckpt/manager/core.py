@@ -464,11 +464,28 @@ class CheckpointManager(SaveDecisions, TierListing, StepActions):
     # ---- lifecycle ---------------------------------------------------------------------------
     def _settle(self) -> None:
         """Wait for every pending save; raise the failures a save would raise (with a local
-        tier, failed writes to ``path`` stay for :meth:`join`/:meth:`close`)."""
-        self.wait_for_staging()
-        for tier in self._tiers:
-            tier.writer.wait_idle()
-            tier.writer.raise_if_failed()
+        tier, failed writes to ``path`` stay for :meth:`join`/:meth:`close`). With several
+        ranks the ranks then exchange whether one holds such a failure, before any collective
+        of the caller: every rank raises together (a failing rank its own error, the others a
+        ``CheckpointError`` naming it) instead of waiting for one that has already raised."""
+        error: Optional[BaseException] = None
+        try:
+            self.wait_for_staging()
+            for tier in self._tiers:
+                tier.writer.wait_idle()
+            for tier in self._tiers:
+                tier.writer.raise_if_failed()
+        except Exception as exc:
+            if self._coord.world_size == 1:
+                raise
+            error = exc
+        if self._coord.world_size > 1:
+            _, failed = self._coord.agree([], ok=error is None)
+            if error is not None:
+                raise error
+            if failed:
+                raise CheckpointError(f"an earlier save failed on rank(s) {failed} (see their errors); nothing "
+                                      f"was restored or deleted")
 
     def join(self) -> None:
         """Wait for every pending save to commit (and retention's decision after it); raise the
