@@ -291,10 +291,12 @@ class CheckpointManager(SaveDecisions, TierListing, StepActions):
               lazy: bool = False) -> bool:
         """Training thread of every rank. With several ranks every rank must call it with the
         same step; rank 0's decision (policy, ``force``, preemption) is taken by every rank,
-        and a rank whose staging fails raises at once and still queues its part of the save,
-        so the other ranks raise too instead of waiting for it; so does a rank whose step or
-        metrics are invalid (its own error; the others a ``CheckpointError`` naming it). A step due for several tiers
-        is staged once; each tier's writer writes the snapshot."""
+        and a rank that raises after that agreement (staging, a writer slot, its local lock)
+        still queues its part of the save to the root as a failed job, so the other ranks'
+        saves of that step fail too instead of waiting for it or pairing with its next step. A
+        rank whose step or metrics are invalid says so in the agreement: it raises its own
+        error, the others a ``CheckpointError`` naming it. A step due for several tiers is
+        staged once; each tier's writer writes the snapshot."""
         self._check_open()
         alone = self._coord.world_size == 1
         invalid: Optional[Exception] = None
