@@ -13,8 +13,9 @@ different save ids are different saves: a re-save replaces a step, the newest on
 :func:`restore_from_tiers` tries the copies newest commit first and, of the two copies of one
 save, the local one before the persistent one; a copy that is damaged, unreadable, or written by another rank or
 world size is skipped with a warning naming the tier and why. With several ranks each rank
-has its own local directory; the ranks agree on the newest step every rank holds locally, and
-one rank's unusable copy sends every rank to the next candidate, so all restore the same step.
+has its own local directory; the ranks agree on the newest step every rank holds locally from
+one save (same save id), and one rank's unusable copy sends every rank to the next candidate,
+so all restore the same step of the same save.
 """
 
 from __future__ import annotations
@@ -347,6 +348,21 @@ def check_local_copy(tier: Tier, step: int, rank: int, world_size: int) -> None:
                                f"this is rank {rank} of {world_size}", step=step)
 
 
+def common_local_steps(local: Tier, coord: Coordinator) -> Set[int]:
+    """The local steps every rank holds from one save (collective): each rank's (step, save
+    id) pairs are exchanged, and a step whose copies carry different save ids on different
+    ranks (a crash or a failed write between the ranks' local commits of a re-save) is left
+    out: restoring it would mix two saves' shards. Copies without a save id (written before
+    ids were recorded) count as one save when no rank's copy has one."""
+    infos, newest_first = _infos(local, 1)
+    mine = []
+    for s in newest_first:
+        info = infos.get(s) or _reread(local, s)  # a manifest that does not read: no id
+        mine.append((s, "" if info is None else str(info.extra.get(SAVE_ID) or "")))
+    gathered = [dict(pairs) for pairs in coord.all_gather(mine)]
+    return {s for s, sid in gathered[0].items() if all(g.get(s) == sid for g in gathered[1:])}
+
+
 def restore_from_tiers(tiers: Sequence[Tier], coord: Coordinator, step: Optional[int],
                        restore_one: Callable[[Tier, int], Any]) -> Tuple[int, str]:
     """Restore ``step`` (None: the newest commit over the tiers) from the nearest intact copy;
@@ -358,11 +374,7 @@ def restore_from_tiers(tiers: Sequence[Tier], coord: Coordinator, step: Optional
     only: Optional[Dict[str, Optional[set]]] = None
     local = by_name.get(LOCAL)
     if not alone and local is not None:
-        # the local steps every rank holds
-        mine = set(_infos(local, 1)[1])
-        gathered = coord.all_gather(sorted(mine))
-        common = set(gathered[0]).intersection(*map(set, gathered[1:]))
-        only = {LOCAL: common, PERSISTENT: None}
+        only = {LOCAL: common_local_steps(local, coord), PERSISTENT: None}
     listed: Any = None
     failed: List[BaseException] = []
     if coord.is_primary:

@@ -70,6 +70,11 @@ class AsyncWriter:
             self._slots.release()
             raise
 
+    def take_slot(self) -> None:
+        """Block until a slot is free and take it, whatever earlier saves' failures (for a
+        failed job that must still be queued: see :meth:`submit`)."""
+        self._slots.acquire()
+
     def release_slot(self) -> None:
         """Give back a slot taken by :meth:`wait_for_slot` when no job will be submitted."""
         self._slots.release()

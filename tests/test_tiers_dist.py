@@ -14,9 +14,9 @@ pytestmark = pytest.mark.slow
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def test_two_ranks_restore_the_newest_step_every_rank_holds_else_the_bucket(tmp_path):
+def _run(tmp_path, only: str = "") -> subprocess.CompletedProcess:
     env = dict(os.environ)
-    env.update({"OMP_NUM_THREADS": "1", "PJRT_DEVICE": "CPU",
+    env.update({"OMP_NUM_THREADS": "1", "PJRT_DEVICE": "CPU", "TIER_WORKER_ONLY": only,
                 "PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), env.get("PYTHONPATH", "")])})
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
            os.path.join(HERE, "tier_worker.py"), str(tmp_path / "bucket"), str(tmp_path / "local"), str(tmp_path)]
@@ -25,6 +25,20 @@ def test_two_ranks_restore_the_newest_step_every_rank_holds_else_the_bucket(tmp_
     assert proc.returncode == 0, "\n".join(key[-30:]) + "\n----\n" + proc.stdout[-3000:]
     for r in range(2):
         assert f"RANK {r} OK" in proc.stdout
+    return proc
+
+
+#: scenarios of ranks that fail apart (tests/tier_worker.py): every rank fails the step together
+ONE_RANK_FAILS = ["fails_after_agreement", "invalid_on_one_rank", "out_of_step",
+                  "resave_on_one_rank", "settle_on_one_rank"]
+
+
+def test_one_rank_failing_fails_the_step_on_every_rank_never_a_mixed_step(tmp_path):
+    _run(tmp_path, ",".join(ONE_RANK_FAILS))
+
+
+def test_two_ranks_restore_the_newest_step_every_rank_holds_else_the_bucket(tmp_path):
+    _run(tmp_path)
     # each rank wrote only its own directory; rank 1's was emptied by the test
     assert sorted(os.listdir(tmp_path / "local")) == ["rank0", "rank1"]
     assert sorted(n for n in os.listdir(tmp_path / "local" / "rank0") if n.isdigit()) == ["2", "3", "4"]

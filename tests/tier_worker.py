@@ -110,7 +110,205 @@ def local_failure_on_one_rank(model, optim, rank: int, ref_dir: str) -> None:
         assert 4 in m.step_tiers() and "local" in m.step_tiers()[4], m.step_tiers()
 
 
+def small(rank: int, step: int):
+    return {f"r{rank}": torch.full((1000,), float(step))}
+
+
+def fails_after_agreement(rank: int, ref_dir: str) -> None:
+    """Scenario 7: rank 1's earlier local save fails only after the ranks agreed on step 2
+    (its slot wait raises): rank 1 still queues its part of the bucket's step 2, as a failed
+    job, so step 2 fails on every rank and step 3 commits with every rank's step-3 data."""
+    import errno
+    import time
+
+    from async_ckpt.errors import CheckpointError
+
+    bucket, local = os.path.join(ref_dir, "bucket7"), os.path.join(ref_dir, "local7")
+    m = CheckpointManager(bucket, save_interval=1, local_dir=local, local_policy=1, collective_timeout_s=30)
+    if rank == 1:
+        real, calls = m._local.store.layout.commit, [0]
+
+        def slow_fail(target, manifest):
+            calls[0] += 1
+            if calls[0] == 1:
+                time.sleep(2)
+                raise OSError(errno.ENOSPC, "No space left on device (simulated)")
+            return real(target, manifest)
+
+        m._local.store.layout.commit = slow_fail
+    t0 = time.monotonic()
+    assert m.save_async(1, small(rank, 1))
+    try:
+        m.save_async(2, small(rank, 2))
+        assert rank == 0, "rank 1 did not raise its failed local save"
+    except CheckpointError as exc:
+        assert rank == 1 and "step 1" in str(exc), exc
+    assert m.save_async(3, small(rank, 3))
+    try:
+        m.join()
+        assert rank == 1, "rank 0's join did not raise the failed step 2"
+    except CheckpointError as exc:
+        assert rank == 0 and "step 2" in str(exc) and "rank 1" in str(exc), exc
+    m.close()
+    assert time.monotonic() - t0 < 20, "a rank waited for the other"
+    steps = sorted(int(n) for n in os.listdir(bucket) if n.isdigit())
+    assert steps == [1, 3], steps
+    target = small(rank, -1)
+    with CheckpointManager(bucket, save_interval=1) as m2:
+        assert m2.restore(3, target) == 3
+    assert torch.equal(target[f"r{rank}"], small(rank, 3)[f"r{rank}"]), target
+
+
+def invalid_on_one_rank(rank: int, ref_dir: str) -> None:
+    """Scenario 8: rank 1's metrics (a NaN loss) or step do not validate: every rank raises at
+    that call (rank 1 its own error, rank 0 one naming rank 1), nothing is saved for it, and the
+    next step saves on every rank."""
+    import time
+
+    from async_ckpt.errors import CheckpointError
+
+    bucket, local = os.path.join(ref_dir, "bucket8"), os.path.join(ref_dir, "local8")
+    with CheckpointManager(bucket, save_interval=1, local_dir=local, local_policy=1, collective_timeout_s=30) as m:
+        assert m.save(1, small(rank, 1), metrics={"loss": 1.0})
+        for case in ("nan", "step"):
+            step, loss = (2, float("nan")) if case == "nan" else (-2, 2.0)
+            if rank == 0:
+                step, loss = 2, 2.0
+            t0 = time.monotonic()
+            try:
+                m.save_async(step, small(rank, 2), metrics={"loss": loss})
+                raise AssertionError(f"rank {rank} did not raise ({case})")
+            except (ValueError, CheckpointError) as exc:
+                assert time.monotonic() - t0 < 15, f"rank {rank} waited for the other"
+                assert isinstance(exc, ValueError) if rank == 1 else "rank(s) [1]" in str(exc), exc
+            dist.barrier()
+        assert m.save(3, small(rank, 3), metrics={"loss": 3.0})
+    assert sorted(int(n) for n in os.listdir(bucket) if n.isdigit()) == [1, 3]
+
+
+def out_of_step(rank: int, ref_dir: str) -> None:
+    """Scenario 9: rank 1 is called with step 3 while rank 0 saves step 2: the agreement fails
+    on every rank at once (rank 0's error names rank 1). With that check bypassed, the save
+    jobs still see it (rank 0 opens step 2 for rank 1's step-3 job): neither is committed and
+    both ranks raise at join()."""
+    import time
+
+    from async_ckpt.errors import CheckpointError
+
+    bucket = os.path.join(ref_dir, "bucket9")
+    with CheckpointManager(bucket, save_interval=1, collective_timeout_s=30) as m:
+        assert m.save(1, small(rank, 1))
+        t0 = time.monotonic()
+        try:
+            m.save_async(3 if rank == 1 else 2, small(rank, 2))
+            raise AssertionError(f"rank {rank} did not raise")
+        except CheckpointError as exc:
+            assert time.monotonic() - t0 < 15, f"rank {rank} waited for the other"
+            assert "rank(s) [1]" in str(exc), exc
+        dist.barrier()
+        real = m._coord.agree
+        m._coord.agree = lambda flags, ok=True, step=None: real(flags, ok)  # no step in the exchange
+        assert m.save_async(3 if rank == 1 else 2, small(rank, 2))
+        try:
+            m.join()
+            raise AssertionError(f"rank {rank}: join did not raise")
+        except CheckpointError as exc:
+            assert "out of step" in str(exc), exc
+        m._coord.agree = real
+        assert m.save(4, small(rank, 4))
+    assert sorted(int(n) for n in os.listdir(bucket) if n.isdigit()) == [1, 4]
+
+
+def resave_on_one_rank(rank: int, ref_dir: str) -> None:
+    """Scenario 10: a second run re-saves step 5, and rank 0's local commit of it fails (a
+    crash or a full disk between the ranks' commits): the ranks' local copies of step 5 are
+    from two saves, so a fresh job restores step 4 (the newest step every rank holds from one
+    save), never rank 0's first step 5 with rank 1's second."""
+    import errno
+
+    bucket, local = os.path.join(ref_dir, "bucket10"), os.path.join(ref_dir, "local10")
+    opts = dict(save_interval=1000, local_dir=local, local_policy=1, local_retention=3, collective_timeout_s=30)
+
+    def sd(v):
+        return {"w": torch.full((8,), float(v))}
+
+    with CheckpointManager(bucket, **opts) as m:
+        m.save(4, sd(4))
+        m.save(5, sd(5))
+    with CheckpointManager(bucket, **opts) as m:
+        m.restore(4, sd(0))
+        if rank == 0:
+            def fail(*a, **k):
+                raise OSError(errno.ENOSPC, "No space left on device (simulated)")
+
+            m._local.store.layout.commit = fail
+        m.save_async(5, sd(55))
+        try:
+            m.join()
+        except Exception:
+            assert rank == 0
+    dist.barrier()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with CheckpointManager(bucket, **opts) as m:
+            target = sd(-1)
+            got = m.restore(None, target)
+    assert (got, target["w"][0].item()) == (4, 4.0), (rank, got, target["w"][0].item())
+
+
+def settle_on_one_rank(rank: int, ref_dir: str) -> None:
+    """Scenario 11: rank 1's local save fails, then every rank calls restore() (then, after a
+    second such failure, delete()): every rank raises at once (rank 1 its own error, rank 0 one
+    naming rank 1) instead of rank 0 waiting in the restore's collectives."""
+    import time
+
+    from async_ckpt.errors import CheckpointError
+
+    bucket, local = os.path.join(ref_dir, "bucket11"), os.path.join(ref_dir, "local11")
+    with CheckpointManager(bucket, save_interval=100, local_dir=local, local_policy=1, collective_timeout_s=30) as m:
+        m.save(100, small(rank, 100))
+        mine = os.path.join(local, f"rank{rank}")
+        for step, action in ((101, lambda: m.restore(None, small(rank, 0))), (102, lambda: m.delete(100))):
+            if rank == 1:  # the local disk goes away under the job
+                os.rename(mine, mine + ".away")
+                open(mine, "w").close()
+            m.save_async(step, small(rank, step))
+            if rank == 1:
+                m._local.writer.wait_idle()
+            dist.barrier()
+            t0 = time.monotonic()
+            try:
+                action()
+                raise AssertionError(f"rank {rank}: step {step}: no error")
+            except CheckpointError as exc:
+                assert time.monotonic() - t0 < 15, f"rank {rank} waited for the other"
+                assert f"step {step}" in str(exc) if rank == 1 else "rank(s) [1]" in str(exc), exc
+            if rank == 1:
+                os.remove(mine)
+                os.rename(mine + ".away", mine)
+            dist.barrier()
+        assert m.restore(None, small(rank, 0)) == 100
+
+
+def run_only(names: str) -> None:
+    """Only the named scenarios (``TIER_WORKER_ONLY``, comma-separated), each rank printing
+    ``RANK <r> OK`` at the end."""
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    ref_dir = sys.argv[3]
+    for name in names.split(","):
+        scenarios = {"fails_after_agreement": fails_after_agreement, "invalid_on_one_rank": invalid_on_one_rank,
+                     "out_of_step": out_of_step, "resave_on_one_rank": resave_on_one_rank,
+                     "settle_on_one_rank": settle_on_one_rank}
+        scenarios[name](rank, ref_dir)
+        dist.barrier()
+    print(f"RANK {rank} OK", flush=True)
+    dist.destroy_process_group()
+
+
 def main() -> None:
+    if os.environ.get("TIER_WORKER_ONLY"):
+        return run_only(os.environ["TIER_WORKER_ONLY"])
     bucket, local, ref_dir = sys.argv[1:4]
     dist.init_process_group("gloo")
     rank = dist.get_rank()

@@ -44,9 +44,10 @@ class Coordinator(Protocol):
     @property
     def is_primary(self) -> bool: ...
 
-    def agree(self, flags: Sequence[bool], ok: bool = True) -> Tuple[List[bool], List[int]]:
-        """Rank 0's ``flags`` on every rank, and the ranks whose ``ok`` was false (training
-        thread; one collective)."""
+    def agree(self, flags: Sequence[bool], ok: bool = True, step: Optional[int] = None
+              ) -> Tuple[List[bool], List[int]]:
+        """Rank 0's ``flags`` on every rank, and the ranks whose ``ok`` was false or whose
+        ``step`` is not rank 0's (when both give one) (training thread; one collective)."""
 
     def broadcast(self, obj: Any) -> Any:
         """Rank 0's ``obj`` on every rank (writer thread, or the caller after ``join``)."""
@@ -81,7 +82,8 @@ class LocalCoordinator:
         #: DCP never runs collectives over the default group for it
         self.group = group
 
-    def agree(self, flags: Sequence[bool], ok: bool = True) -> Tuple[List[bool], List[int]]:
+    def agree(self, flags: Sequence[bool], ok: bool = True, step: Optional[int] = None
+              ) -> Tuple[List[bool], List[int]]:
         return [bool(f) for f in flags], ([] if ok else [0])
 
     def broadcast(self, obj: Any) -> Any:
@@ -137,13 +139,19 @@ class GroupCoordinator:
     def is_primary(self) -> bool:
         return self.rank == 0
 
-    def agree(self, flags: Sequence[bool], ok: bool = True) -> Tuple[List[bool], List[int]]:
+    def agree(self, flags: Sequence[bool], ok: bool = True, step: Optional[int] = None
+              ) -> Tuple[List[bool], List[int]]:
         import torch.distributed as dist
 
-        t = torch.tensor([bool(f) for f in flags] + [bool(ok)], dtype=torch.uint8)
+        t = torch.tensor([int(bool(f)) for f in flags] + [int(bool(ok)), -1 if step is None else int(step)],
+                         dtype=torch.int64)
         out = [torch.empty_like(t) for _ in range(self.world_size)]
         _collective(lambda: dist.all_gather(out, t, group=self.control), "agree")
-        return [bool(v) for v in out[0][:-1].tolist()], [r for r, o in enumerate(out) if not bool(o[-1])]
+        rows = [o.tolist() for o in out]
+        first = rows[0][-1]
+        failed = [r for r, row in enumerate(rows)
+                  if not row[-2] or (first >= 0 and row[-1] >= 0 and row[-1] != first)]
+        return [bool(v) for v in rows[0][:-2]], failed
 
     def broadcast(self, obj: Any) -> Any:
         import torch.distributed as dist

@@ -3,7 +3,7 @@
 Every rank runs the same phases on its writer thread::
 
     0. the host copies are complete (lazy saves: and unchanged)
-    1. rank 0 opens the step (temp dir / unmarked dir)     -> broadcast of where (or why not)
+    1. rank 0 opens the step (temp dir / unmarked dir)     -> broadcast of where and which step
     2. every rank is ready to write (or says why not)       -> all_gather of errors
     3. every rank writes its files                          (the coordinator's write)
     4. all_gather of (error, file records, sizes)
@@ -102,7 +102,7 @@ def run_save(store: StepStore, job: SaveJob, *, policy: RetentionPolicy, threads
                 claimed = True
                 target = store.layout.begin(step, uuid.uuid4().hex[:12])
                 store.catalog.set_path(step, target.path)
-                opened = ("ok", target.path, target.final)
+                opened = ("ok", target.path, target.final, step)
             except BaseException as exc:  # noqa: BLE001
                 opened = ("err",) + report(exc)
         opened = coord.broadcast(opened)
@@ -110,9 +110,14 @@ def run_save(store: StepStore, job: SaveJob, *, policy: RetentionPolicy, threads
             raise rebuild(opened[1], f"step {step}: could not open the step directory: {opened[2]}", step)
         if not coord.is_primary:
             target = StepTarget(step, opened[1], opened[2])
+            if opened[3] != step and local is None:  # jobs pair in order: never write into another step
+                local = CheckpointError(f"rank {coord.rank}'s save job is for step {step}, rank 0's for step "
+                                        f"{opened[3]}: the ranks' saves are out of step; neither is committed",
+                                        step=step)
         assert target is not None
 
-        # 2. every rank is ready to write (or says why not).
+        # 2. every rank is ready to write (or says why not; a rank whose job is for another
+        # step than rank 0's says so here, and nothing is committed).
         prep: Optional[Tuple[str, str]] = None
         if local is not None:
             prep = report(local)

@@ -40,29 +40,33 @@ class StepActions:
         Waits for pending saves first and takes the root's writer lease (:class:`LeaseHeldError`
         while another writer holds it). Raises :class:`StepNotFoundError` for a step that is not
         committed. Multi-process: call it on every rank; rank 0 deletes (each rank its own
-        local copy).
+        local copy), and a failure on any rank (one rank's earlier failed save, its local copy
+        that cannot be deleted) is raised on every rank.
         """
         self._check_open()
         step = check_step(step)
         self._settle()
-        local_held = (self._local is not None and step in self._local.store.layout.committed_steps()
-                      and not foreign_steps(self._local, step))  # another job's copy is not ours
-        if local_held and self._local is not None:
-            self._local.store.become_writer()
-            self._local.store.delete(step)
         outcome = None
-        if self._coord.is_primary:
-            try:
-                if not local_held or step in self.layout.committed_steps():
-                    self._store.become_writer()
-                    self._store.delete(step)
-            except BaseException as exc:  # noqa: BLE001 - reported to every rank
-                if self._coord.world_size == 1:
-                    raise
-                outcome = describe(0, exc)
-        outcome = self._coord.broadcast(outcome)
-        if outcome is not None:
-            raise rebuild(outcome[0], f"step {step}: delete failed: {outcome[1]}", step)
+        mine: Optional[BaseException] = None
+        try:
+            local_held = (self._local is not None and step in self._local.store.layout.committed_steps()
+                          and not foreign_steps(self._local, step))  # another job's copy is not ours
+            if local_held and self._local is not None:
+                self._local.store.become_writer()
+                self._local.store.delete(step)
+            if self._coord.is_primary and (not local_held or step in self.layout.committed_steps()):
+                self._store.become_writer()
+                self._store.delete(step)
+        except BaseException as exc:  # noqa: BLE001 - reported to every rank
+            if self._coord.world_size == 1:
+                raise
+            outcome, mine = describe(self._coord.rank, exc), exc
+        if self._coord.world_size > 1:  # every rank's outcome (its local copy; rank 0: the root's)
+            bad = [o for o in self._coord.all_gather(outcome) if o is not None]
+            if mine is not None:
+                raise mine
+            if bad:
+                raise rebuild(bad[0][0], f"step {step}: delete failed: {bad[0][1]}", step)
 
     def promote(self, step: int) -> List[int]:
         """Copy the local tier's committed ``step`` to ``path`` and commit it there (checked

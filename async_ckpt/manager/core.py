@@ -291,48 +291,55 @@ class CheckpointManager(SaveDecisions, TierListing, StepActions):
               lazy: bool = False) -> bool:
         """Training thread of every rank. With several ranks every rank must call it with the
         same step; rank 0's decision (policy, ``force``, preemption) is taken by every rank,
-        and a rank whose staging fails raises at once and still queues its part of the save,
-        so the other ranks raise too instead of waiting for it. A step due for several tiers
-        is staged once; each tier's writer writes the snapshot."""
+        and a rank that raises after that agreement (staging, a writer slot, its local lock)
+        still queues its part of the save to the root as a failed job, so the other ranks'
+        saves of that step fail too instead of waiting for it or pairing with its next step. A
+        rank whose step or metrics are invalid says so in the agreement: it raises its own
+        error, the others a ``CheckpointError`` naming it. A step due for several tiers is
+        staged once; each tier's writer writes the snapshot."""
         self._check_open()
-        step = check_step(step)
-        metrics = check_metrics(metrics)
         alone = self._coord.world_size == 1
+        invalid: Optional[Exception] = None
+        try:
+            step = check_step(step)
+            metrics = check_metrics(metrics)
+        except (TypeError, ValueError) as exc:
+            if alone:
+                raise
+            invalid = exc  # raised by _due on every rank together
         if alone:  # with several ranks, _due raises on every rank together
             for tier in self._tiers:
                 tier.writer.raise_if_failed()
-        take, take_local, preempt, taken = self._due(step, force)
+        take, take_local, preempt, taken = self._due(step, force, invalid)
         if take or take_local:  # agreed: every rank counts the same saves, one id per save
             self._saves += 1
-        if take_local and self._local is not None:
-            try:
-                self._local.store.become_writer()  # this rank's own local directory
-            except LeaseHeldError:
-                if alone:
-                    raise
-                log.exception("async_ckpt: rank %d skips the local save of step %d", self._coord.rank, step)
-                take_local = False
-        due = ([self._local] if take_local and self._local is not None else []) + ([self._tiers[-1]] if take else [])
-        if not due:
-            return False
-        t0 = time.perf_counter()
-        if alone:
-            with gc_paused():
-                plan = self.stager.plan(state_dict)  # validates before anything is taken or written
-        # Earlier lazy copies finish and are sealed here, on the training thread: their writers
-        # wait for that, so it must come before waiting for a writer slot.
-        self.stager.synchronize_staging()
+        # From here on a rank that raises still queues its part of the persistent save, as a
+        # failed job: the other ranks' jobs of this step fail with it (never pair with its next).
+        shared = self._tiers[-1] if take and not alone else None
         held: List[Tier] = []
         try:
+            if take_local and self._local is not None:
+                try:
+                    self._local.store.become_writer()  # this rank's own local directory
+                except LeaseHeldError:
+                    if alone:
+                        raise
+                    log.exception("async_ckpt: rank %d skips the local save of step %d", self._coord.rank, step)
+                    take_local = False
+            due = ([self._local] if take_local and self._local is not None else []) + ([self._tiers[-1]] if take else [])
+            if not due:
+                return False
+            t0 = time.perf_counter()
+            if alone:
+                with gc_paused():
+                    plan = self.stager.plan(state_dict)  # validates before anything is taken or written
+            # Earlier lazy copies finish and are sealed here, on the training thread: their writers
+            # wait for that, so it must come before waiting for a writer slot.
+            self.stager.synchronize_staging()
             for tier in due:
                 tier.writer.wait_for_slot()
                 held.append(tier)
-        except BaseException:
-            for tier in held:
-                tier.writer.release_slot()
-            raise
-        t1 = time.perf_counter()
-        try:
+            t1 = time.perf_counter()
             if not alone:  # every rank queues its part of the save, even if planning fails here
                 with gc_paused():
                     plan = self.stager.plan(state_dict)
@@ -341,12 +348,14 @@ class CheckpointManager(SaveDecisions, TierListing, StepActions):
             if snap.pending is not None:
                 snap.pending.step = step
         except BaseException as exc:
-            for tier in due:
-                if alone or tier.name == LOCAL:
+            for tier in held:
+                if tier is not shared:
                     tier.writer.release_slot()
-                else:  # the job takes the slot and tells the other ranks
-                    failed = SaveJob(step, None, metrics, None, t0, local_error=exc)
-                    tier.writer.submit(functools.partial(self._persist, failed, tier), step=step)
+            if shared is not None:  # the job takes the slot and tells the other ranks
+                if shared not in held:
+                    shared.writer.take_slot()
+                failed = SaveJob(step, None, metrics, None, time.perf_counter(), local_error=exc)
+                shared.writer.submit(functools.partial(self._persist, failed, shared), step=step)
             raise
         t2 = time.perf_counter()
         snap.share(len(due))
@@ -458,11 +467,28 @@ class CheckpointManager(SaveDecisions, TierListing, StepActions):
     # ---- lifecycle ---------------------------------------------------------------------------
     def _settle(self) -> None:
         """Wait for every pending save; raise the failures a save would raise (with a local
-        tier, failed writes to ``path`` stay for :meth:`join`/:meth:`close`)."""
-        self.wait_for_staging()
-        for tier in self._tiers:
-            tier.writer.wait_idle()
-            tier.writer.raise_if_failed()
+        tier, failed writes to ``path`` stay for :meth:`join`/:meth:`close`). With several
+        ranks the ranks then exchange whether one holds such a failure, before any collective
+        of the caller: every rank raises together (a failing rank its own error, the others a
+        ``CheckpointError`` naming it) instead of waiting for one that has already raised."""
+        error: Optional[BaseException] = None
+        try:
+            self.wait_for_staging()
+            for tier in self._tiers:
+                tier.writer.wait_idle()
+            for tier in self._tiers:
+                tier.writer.raise_if_failed()
+        except Exception as exc:
+            if self._coord.world_size == 1:
+                raise
+            error = exc
+        if self._coord.world_size > 1:
+            _, failed = self._coord.agree([], ok=error is None)
+            if error is not None:
+                raise error
+            if failed:
+                raise CheckpointError(f"an earlier save failed on rank(s) {failed} (see their errors); nothing "
+                                      f"was restored or deleted")
 
     def join(self) -> None:
         """Wait for every pending save to commit (and retention's decision after it); raise the

@@ -74,7 +74,7 @@ class SaveDecisions:
         preempt = self._preemption.due(step) if self._preemption is not None else False
         return (force or preempt or self._policy_wants(step, preempt)), preempt
 
-    def _due(self, step: int, force: bool) -> Due:
+    def _due(self, step: int, force: bool, invalid: Optional[Exception] = None) -> Due:
         """Which tiers a save of ``step`` goes to, the same on every rank (rank 0 decides).
 
         When the persistent root is due, rank 0 takes its writer lease first. Another live
@@ -82,10 +82,16 @@ class SaveDecisions:
         ``StorageError`` or ``OSError``: down, a vanished mount) raises :class:`StorageError`
         without a local tier; with one, that error is kept as the failure of this step's upload
         (logged now, raised by ``join()``/``close()`` on every rank), the step goes to the local
-        tier instead, and the next step due for the root tries the lease again."""
+        tier instead, and the next step due for the root tries the lease again.
+
+        ``invalid``: this rank's step or metrics did not validate (several ranks): it decides
+        nothing, says so in the exchange and raises that error; the other ranks raise a
+        ``CheckpointError`` naming it."""
         alone = self._coord.world_size == 1
-        take, preempt = self._decide(step, force)
-        take_local = self._local is not None and self._local_due(self._local, step, force or preempt, take)
+        take = preempt = take_local = False
+        if invalid is None:
+            take, preempt = self._decide(step, force)
+            take_local = self._local is not None and self._local_due(self._local, step, force or preempt, take)
         held: Optional[LeaseHeldError] = None
         unreachable: Optional[StorageError] = None
         if take and self._coord.is_primary:
@@ -107,16 +113,21 @@ class SaveDecisions:
         if not alone:
             # Rank 0 decides for everyone: time-based policies, preemption signals and "nothing
             # in flight" conditions can answer differently per rank.
-            # Every rank also says whether its writers hold a failure the next save raises: a
-            # rank raising alone would leave the others waiting here for it.
-            ok = not any(tier.writer.failed() for tier in self._tiers)
+            # Every rank also says whether its writers hold a failure the next save raises, or
+            # its step or metrics are invalid, and which step it saves (a rank at another step
+            # fails the exchange): a rank raising alone would leave the others waiting for it.
+            ok = invalid is None and not any(tier.writer.failed() for tier in self._tiers)
             (take, take_local, preempt, lease_ok, reached), failed = self._coord.agree(
-                [take, take_local, preempt, held is None, reached], ok=ok)
+                [take, take_local, preempt, held is None, reached], ok=ok, step=step if invalid is None else None)
             if failed:
+                if invalid is not None:
+                    raise invalid
                 for tier in self._tiers:
                     tier.writer.raise_if_failed()
-                raise CheckpointError(f"step {step}: not saved: an earlier background save failed on rank(s) "
-                                      f"{failed} (see their errors)", step=step)
+                raise CheckpointError(f"step {step}: not saved: rank(s) {failed} could not save it (an earlier "
+                                      f"background save failed there, its step or metrics were invalid, or it "
+                                      f"was called with another step than rank 0; see their errors)",
+                                      step=step if isinstance(step, int) else None)
             if take and not lease_ok:
                 raise held or LeaseHeldError(
                     f"rank 0 could not take the writer lease of {self._store.storage.url}; see rank 0's error")
