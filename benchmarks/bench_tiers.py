@@ -62,7 +62,7 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 import torch  # noqa: E402
 from bench_restore import PeakRss  # noqa: E402
-from bench_save import free_memory, machine_info, parse_size, small_state, tensors_of, transformer_state  # noqa: E402
+from bench_save import _ms, free_memory, machine_info, parse_size, small_state, tensors_of, transformer_state  # noqa: E402
 
 warnings.filterwarnings("ignore")
 
@@ -343,12 +343,6 @@ def targets(report: Dict[str, Any]) -> List[Dict[str, Any]]:
                             "max": r["ratio_max"], "n": r["n"], "target": TARGETS[case],
                             "pass": r["ratio_median"] <= TARGETS[case]})
     return out
-
-
-def _ms(v: Optional[float]) -> str:
-    if v is None:
-        return "-"
-    return f"{v * 1e3:.1f} ms" if v < 10 else f"{v:.2f} s"
 
 
 def markdown(report: Dict[str, Any]) -> str:
