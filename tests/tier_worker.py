@@ -115,9 +115,10 @@ def small(rank: int, step: int):
 
 
 def fails_after_agreement(rank: int, ref_dir: str) -> None:
-    """Scenario 7: rank 1's earlier local save fails only after the ranks agreed on step 2
-    (its slot wait raises): rank 1 still queues its part of the bucket's step 2, as a failed
-    job, so step 2 fails on every rank and step 3 commits with every rank's step-3 data."""
+    """Scenario 7: rank 1's earlier local save fails only after the ranks agreed on step 2: no
+    rank raises it there (it would leave the others' step 2 without rank 1's part); step 2
+    commits with every rank's step-2 data, the failure is raised by the next agreement on every
+    rank together (step 3: not saved), and step 4 commits."""
     import errno
     import time
 
@@ -138,25 +139,23 @@ def fails_after_agreement(rank: int, ref_dir: str) -> None:
         m._local.store.layout.commit = slow_fail
     t0 = time.monotonic()
     assert m.save_async(1, small(rank, 1))
+    assert m.save_async(2, small(rank, 2))  # agreed before rank 1's local step 1 failed
     try:
-        m.save_async(2, small(rank, 2))
-        assert rank == 0, "rank 1 did not raise its failed local save"
+        m.save_async(3, small(rank, 3))
+        raise AssertionError(f"rank {rank}: the failed local save of step 1 was not raised at step 3")
     except CheckpointError as exc:
-        assert rank == 1 and "step 1" in str(exc), exc
-    assert m.save_async(3, small(rank, 3))
-    try:
-        m.join()
-        assert rank == 1, "rank 0's join did not raise the failed step 2"
-    except CheckpointError as exc:
-        assert rank == 0 and "step 2" in str(exc) and "rank 1" in str(exc), exc
+        assert ("step 1" in str(exc)) if rank == 1 else ("rank(s) [1]" in str(exc)), exc
+    assert m.save_async(4, small(rank, 4))
+    m.join()
     m.close()
     assert time.monotonic() - t0 < 20, "a rank waited for the other"
     steps = sorted(int(n) for n in os.listdir(bucket) if n.isdigit())
-    assert steps == [1, 3], steps
-    target = small(rank, -1)
-    with CheckpointManager(bucket, save_interval=1) as m2:
-        assert m2.restore(3, target) == 3
-    assert torch.equal(target[f"r{rank}"], small(rank, 3)[f"r{rank}"]), target
+    assert steps == [1, 2, 4], steps
+    for step in (2, 4):  # every rank's part of the same step
+        target = small(rank, -1)
+        with CheckpointManager(bucket, save_interval=1) as m2:
+            assert m2.restore(step, target) == step
+        assert torch.equal(target[f"r{rank}"], small(rank, step)[f"r{rank}"]), (step, target)
 
 
 def invalid_on_one_rank(rank: int, ref_dir: str) -> None:
@@ -290,6 +289,61 @@ def settle_on_one_rank(rank: int, ref_dir: str) -> None:
         assert m.restore(None, small(rank, 0)) == 100
 
 
+def saves_resume_after_one_failure(rank: int, ref_dir: str) -> None:
+    """Scenario 12: rank 1's state dict of step 3 cannot be saved (a list): step 3 fails on every
+    rank, the next call may raise that failure (on every rank together), and from then on
+    saves commit again on both ranks (they failed one after the other, forever, before)."""
+    from async_ckpt.errors import CheckpointError
+
+    root = os.path.join(ref_dir, "bucket12")
+    raised = []
+    with CheckpointManager(root, save_interval=1, collective_timeout_s=30) as m:
+        for step in range(1, 9):
+            sd = [torch.ones(3)] if (rank == 1 and step == 3) else small(rank, step)
+            try:
+                m.save_async(step, sd)
+            except (CheckpointError, TypeError):
+                raised.append(step)
+        m.join()
+    committed = sorted(int(n) for n in os.listdir(root) if n.isdigit())
+    assert (3 in raised) == (rank == 1), (rank, raised)  # rank 1's own staging error, at the call
+    assert not [s for s in raised if s > 5], (rank, raised)  # the others learn it by step 5 at most
+    assert 3 not in committed and {6, 7, 8} <= set(committed), (rank, committed)
+    later = [None, None]
+    dist.all_gather_object(later, [s for s in raised if s != 3])
+    assert later[0] == later[1] and later[0], later  # ... and every rank raises it at the same call
+
+
+def restore_named_steps_differ(rank: int, ref_dir: str) -> None:
+    """Scenario 13: the ranks name different steps to restore() (or delete()), or one rank an
+    invalid one: every rank raises at once, nothing is read or deleted."""
+    import time
+
+    from async_ckpt.errors import CheckpointError
+
+    root = os.path.join(ref_dir, "bucket13")
+    with CheckpointManager(root, save_interval=1, collective_timeout_s=30) as m:
+        for step in (3, 5):
+            m.save(step, small(rank, step))
+        target = small(rank, 0)
+        for mine in ((5 if rank == 0 else 3), (5 if rank == 0 else -1)):
+            t0 = time.monotonic()
+            try:
+                m.restore(mine, target)
+                raise AssertionError(f"rank {rank} restored step {mine}")
+            except (CheckpointError, ValueError):
+                assert time.monotonic() - t0 < 15, f"rank {rank} waited for the other"
+            assert torch.equal(target[f"r{rank}"], torch.zeros(1000)), "the target changed"
+            dist.barrier()
+        try:
+            m.delete(5 if rank == 0 else 3)
+            raise AssertionError(f"rank {rank}: delete of different steps passed")
+        except CheckpointError:
+            pass
+        assert m.all_steps() == [3, 5], m.all_steps()
+        assert m.restore(None, target) == 5
+
+
 def run_only(names: str) -> None:
     """Only the named scenarios (``TIER_WORKER_ONLY``, comma-separated), each rank printing
     ``RANK <r> OK`` at the end."""
@@ -299,7 +353,9 @@ def run_only(names: str) -> None:
     for name in names.split(","):
         scenarios = {"fails_after_agreement": fails_after_agreement, "invalid_on_one_rank": invalid_on_one_rank,
                      "out_of_step": out_of_step, "resave_on_one_rank": resave_on_one_rank,
-                     "settle_on_one_rank": settle_on_one_rank}
+                     "settle_on_one_rank": settle_on_one_rank,
+                     "saves_resume_after_one_failure": saves_resume_after_one_failure,
+                     "restore_named_steps_differ": restore_named_steps_differ}
         scenarios[name](rank, ref_dir)
         dist.barrier()
     print(f"RANK {rank} OK", flush=True)

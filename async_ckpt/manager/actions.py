@@ -30,7 +30,7 @@ class StepActions:
     def _check_open(self) -> None:  # pragma: no cover - the manager's
         raise NotImplementedError
 
-    def _settle(self) -> None:  # pragma: no cover - the manager's
+    def _settle(self, invalid: Optional[Exception] = None, key: Optional[int] = None) -> None:  # pragma: no cover - the manager's
         raise NotImplementedError
 
     def delete(self, step: int) -> None:
@@ -44,8 +44,12 @@ class StepActions:
         that cannot be deleted) is raised on every rank.
         """
         self._check_open()
-        step = check_step(step)
-        self._settle()
+        invalid: Optional[Exception] = None
+        try:
+            step = check_step(step)
+        except (TypeError, ValueError, CheckpointError) as exc:
+            invalid = exc
+        self._settle(invalid, key=None if invalid is not None else step + 1)  # every rank names the same step
         outcome = None
         mine: Optional[BaseException] = None
         try:

@@ -337,7 +337,10 @@ class CheckpointManager(SaveDecisions, TierListing, StepActions):
             # wait for that, so it must come before waiting for a writer slot.
             self.stager.synchronize_staging()
             for tier in due:
-                tier.writer.wait_for_slot()
+                if alone:
+                    tier.writer.wait_for_slot()
+                else:  # earlier failures are raised by the next agreement, on every rank together:
+                    tier.writer.take_slot()  # raised here, on one rank, they would fail this step too
                 held.append(tier)
             t1 = time.perf_counter()
             if not alone:  # every rank queues its part of the save, even if planning fails here
@@ -448,11 +451,17 @@ class CheckpointManager(SaveDecisions, TierListing, StepActions):
         it on every rank; each reads its shards (DCP reshards to this job's world size).
         """
         self._check_process()
-        if not isinstance(state_dict, Mapping):
-            raise InvalidStateDictError(f"state_dict must be a mapping, got {type(state_dict).__name__}")
-        if not self._closed:
-            self._settle()  # pending saves land first (and their errors surface)
-        step = None if step is None else check_step(step)
+        invalid: Optional[Exception] = None
+        try:
+            if not isinstance(state_dict, Mapping):
+                raise InvalidStateDictError(f"state_dict must be a mapping, got {type(state_dict).__name__}")
+            step = None if step is None else check_step(step)
+        except (TypeError, ValueError, CheckpointError) as exc:
+            invalid = exc
+        if not self._closed:  # pending saves land first (and their errors surface); ranks agree on the step
+            self._settle(invalid, key=None if invalid is not None else 0 if step is None else step + 1)
+        elif invalid is not None:
+            raise invalid
         opts = dict(verify=self.verify if verify is None else verify, allow_pickle=allow_pickle,
                     threads=self.write_threads, planner=load_planner_for(state_dict, allow_pickle),
                     atomic=atomic, strict=strict, pool=self.stager.pool)
@@ -465,30 +474,31 @@ class CheckpointManager(SaveDecisions, TierListing, StepActions):
         return s
 
     # ---- lifecycle ---------------------------------------------------------------------------
-    def _settle(self) -> None:
+    def _settle(self, invalid: Optional[Exception] = None, key: Optional[int] = None) -> None:
         """Wait for every pending save; raise the failures a save would raise (with a local
         tier, failed writes to ``path`` stay for :meth:`join`/:meth:`close`). With several
-        ranks the ranks then exchange whether one holds such a failure, before any collective
-        of the caller: every rank raises together (a failing rank its own error, the others a
-        ``CheckpointError`` naming it) instead of waiting for one that has already raised."""
-        error: Optional[BaseException] = None
-        try:
-            self.wait_for_staging()
-            for tier in self._tiers:
-                tier.writer.wait_idle()
-            for tier in self._tiers:
-                tier.writer.raise_if_failed()
-        except Exception as exc:
-            if self._coord.world_size == 1:
-                raise
-            error = exc
+        ranks the ranks then exchange, before any collective of the caller, whether one holds
+        such a failure or an ``invalid`` argument, and ``key`` (which step the caller named):
+        every rank raises together (a failing rank its own error, the others a
+        ``CheckpointError`` naming it) instead of waiting for one that has already raised, and
+        ranks that named different steps all raise."""
+        error: Optional[BaseException] = invalid
+        if error is None:
+            try:
+                self.wait_for_staging()
+                for tier in self._tiers:
+                    tier.writer.wait_idle()
+                for tier in self._tiers:
+                    tier.writer.raise_if_failed()
+            except Exception as exc:
+                error = exc
         if self._coord.world_size > 1:
-            _, failed = self._coord.agree([], ok=error is None)
-            if error is not None:
-                raise error
-            if failed:
-                raise CheckpointError(f"an earlier save failed on rank(s) {failed} (see their errors); nothing "
-                                      f"was restored or deleted")
+            _, failed = self._coord.agree([], ok=error is None, step=key)
+            if error is None and failed:
+                raise CheckpointError(f"rank(s) {failed}: an earlier save failed, an argument was invalid, or "
+                                      f"another step was named (see their errors); nothing was restored or deleted")
+        if error is not None:
+            raise error
 
     def join(self) -> None:
         """Wait for every pending save to commit (and retention's decision after it); raise the
