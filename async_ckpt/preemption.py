@@ -221,6 +221,15 @@ class PreemptionTracker:
         """Detected and not yet saved (no polling)."""
         return self.watcher.detected and self.saved_step is None
 
+    def adopt(self, step: int) -> None:
+        """Another rank detected a preemption and the ranks take its checkpoint at ``step``:
+        from now on this rank counts it as detected too (:meth:`reached` answers as there)."""
+        with self._lock:
+            self.watcher.trigger()
+            self._last_decision = step
+            if self.preempt_step is None:
+                self.preempt_step = step
+
     def mark_saved(self, step: int) -> None:
         with self._lock:
             if self.saved_step is None:

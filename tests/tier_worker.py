@@ -344,6 +344,29 @@ def restore_named_steps_differ(rank: int, ref_dir: str) -> None:
         assert m.restore(None, target) == 5
 
 
+def preemption_on_one_rank(rank: int, ref_dir: str) -> None:
+    """Scenario 14: a preemption signal reaches rank 1 only (``"signal"`` mode): every rank
+    takes the preemption checkpoint at the same step and is told to stop there."""
+    import time
+
+    root = os.path.join(ref_dir, "bucket14")
+    t0 = time.monotonic()
+    with CheckpointManager(root, save_interval=100, chkpt_on_preemption=True, preemption_sync="signal",
+                           collective_timeout_s=20) as m:
+        stopped = None
+        for step in range(1, 8):
+            if rank == 1 and step == 3:
+                m.trigger_preemption()  # as if SIGTERM reached this host only
+            m.save_async(step, small(rank, step))
+            if m.reached_preemption(step):
+                stopped = step
+                break
+        m.join()
+    assert stopped == 3, (rank, stopped)
+    assert time.monotonic() - t0 < 15, f"rank {rank} waited for the other"
+    assert sorted(int(n) for n in os.listdir(root) if n.isdigit()) == [3]
+
+
 def run_only(names: str) -> None:
     """Only the named scenarios (``TIER_WORKER_ONLY``, comma-separated), each rank printing
     ``RANK <r> OK`` at the end."""
@@ -355,7 +378,8 @@ def run_only(names: str) -> None:
                      "out_of_step": out_of_step, "resave_on_one_rank": resave_on_one_rank,
                      "settle_on_one_rank": settle_on_one_rank,
                      "saves_resume_after_one_failure": saves_resume_after_one_failure,
-                     "restore_named_steps_differ": restore_named_steps_differ}
+                     "restore_named_steps_differ": restore_named_steps_differ,
+                     "preemption_on_one_rank": preemption_on_one_rank}
         scenarios[name](rank, ref_dir)
         dist.barrier()
     print(f"RANK {rank} OK", flush=True)

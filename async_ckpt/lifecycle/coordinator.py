@@ -49,6 +49,9 @@ class Coordinator(Protocol):
         """Rank 0's ``flags`` on every rank, and the ranks whose ``ok`` was false or whose
         ``step`` is not rank 0's (when both give one) (training thread; one collective)."""
 
+    def any_rank(self, flag: bool) -> bool:
+        """Whether ``flag`` is true on any rank (training thread; one collective)."""
+
     def broadcast(self, obj: Any) -> Any:
         """Rank 0's ``obj`` on every rank (writer thread, or the caller after ``join``)."""
 
@@ -85,6 +88,9 @@ class LocalCoordinator:
     def agree(self, flags: Sequence[bool], ok: bool = True, step: Optional[int] = None
               ) -> Tuple[List[bool], List[int]]:
         return [bool(f) for f in flags], ([] if ok else [0])
+
+    def any_rank(self, flag: bool) -> bool:
+        return bool(flag)
 
     def broadcast(self, obj: Any) -> Any:
         return obj
@@ -152,6 +158,13 @@ class GroupCoordinator:
         failed = [r for r, row in enumerate(rows)
                   if not row[-2] or (first >= 0 and row[-1] >= 0 and row[-1] != first)]
         return [bool(v) for v in rows[0][:-2]], failed
+
+    def any_rank(self, flag: bool) -> bool:
+        import torch.distributed as dist
+
+        t = torch.tensor([int(bool(flag))], dtype=torch.int64)
+        _collective(lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.control), "any_rank")
+        return bool(t.item())
 
     def broadcast(self, obj: Any) -> Any:
         import torch.distributed as dist

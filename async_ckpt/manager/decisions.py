@@ -91,6 +91,13 @@ class SaveDecisions:
         take = preempt = take_local = False
         if invalid is None:
             take, preempt = self._decide(step, force)
+        if self._preemption is not None and not alone and self._coord.any_rank(preempt) and not preempt:
+            # a preemption one rank detected (a signal to one host) is every rank's checkpoint
+            # and every rank's last step, whatever rank 0's own signal handler saw
+            if invalid is None:
+                self._preemption.adopt(step)
+                take = preempt = True
+        if invalid is None:
             take_local = self._local is not None and self._local_due(self._local, step, force or preempt, take)
         held: Optional[LeaseHeldError] = None
         unreachable: Optional[StorageError] = None
