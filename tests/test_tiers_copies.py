@@ -163,3 +163,29 @@ def test_metrics_never_reads_another_job_s_local_copy(tmp_path):
             for s in (1, 9):
                 with pytest.raises(StepNotFoundError, match=rf"step {s} .*another job's"):
                     b.metrics(s)
+
+
+def test_a_damaged_local_copy_that_partly_wrote_keys_the_fallback_lacks_is_named(roots):
+    """restore(None, strict=False) over both tiers: the local-only step 5 (with a key ``x`` the
+    older step 4 lacks) is found damaged after it wrote into the target, step 4 is restored
+    from either tier, and a warning says that keys step 4 lacks may hold step 5's data."""
+    import torch
+
+    from .test_tiers import data_files, flip_byte
+
+    path, local = roots
+    four = {"w": torch.randn(256, 256), "b": torch.randn(64)}
+    five = {"w": torch.randn(256, 256), "b": torch.randn(64), "x": torch.randn(256, 256)}
+    with CheckpointManager(path, save_interval=4, local_dir=local, local_policy=1) as mgr:
+        mgr.save(4, four)
+        mgr.save(5, five)
+    for f in data_files(local, 5):
+        flip_byte(f)
+    target = {k: torch.zeros_like(v) for k, v in five.items()}
+    with CheckpointManager(path, save_interval=4, local_dir=local, local_policy=1) as mgr:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert mgr.restore(None, target, strict=False) == 4
+    assert_bitwise_equal({k: target[k] for k in four}, four)
+    said = [str(w.message) for w in caught if "partly written" in str(w.message) and "may hold" in str(w.message)]
+    assert len(said) == 1 and "step 5 (local copy)" in said[0], [str(w.message) for w in caught]

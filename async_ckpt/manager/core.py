@@ -14,6 +14,7 @@ import logging
 import os
 import time
 import uuid
+import warnings
 import weakref
 from typing import Any, Callable, Deque, Dict, List, Mapping, Optional, Sequence
 
@@ -468,8 +469,21 @@ class CheckpointManager(SaveDecisions, TierListing, StepActions):
         if self._local is None:
             s = _restore(self._store, step, state_dict, **opts)
         else:
-            s, _ = restore_from_tiers(self._tiers, self._coord, step,
-                                      lambda tier, s: _restore(tier.store, s, state_dict, **opts))
+            partly: List[str] = []  # copies found damaged after they had written into state_dict
+
+            def attempt(tier: Tier, s: int) -> int:
+                try:
+                    return _restore(tier.store, s, state_dict, **opts)
+                except CheckpointError as exc:
+                    if getattr(exc, "partly_written", False):
+                        partly.append(f"step {s} ({tier.name} copy)")
+                    raise
+
+            s, _ = restore_from_tiers(self._tiers, self._coord, step, attempt)
+            if partly and not strict:  # strict: step s held every key of state_dict and overwrote it
+                warnings.warn(f"async_ckpt: restored step {s}; the damaged {', '.join(partly)} had partly written "
+                              f"state_dict first: keys that step {s} lacks (restore(strict=False)) may hold its "
+                              f"data; restore(..., atomic=True) leaves them untouched", RuntimeWarning, stacklevel=2)
         self._restored = s
         return s
 
