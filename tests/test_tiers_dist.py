@@ -31,7 +31,8 @@ def _run(tmp_path, only: str = "") -> subprocess.CompletedProcess:
 #: scenarios of ranks that fail apart (tests/tier_worker.py): every rank fails the step together
 ONE_RANK_FAILS = ["fails_after_agreement", "invalid_on_one_rank", "out_of_step",
                   "resave_on_one_rank", "settle_on_one_rank", "saves_resume_after_one_failure",
-                  "restore_named_steps_differ", "preemption_on_one_rank"]
+                  "restore_named_steps_differ", "preemption_on_one_rank",
+                  "save_raises_on_every_rank"]
 
 
 def test_one_rank_failing_fails_the_step_on_every_rank_never_a_mixed_step(tmp_path):

@@ -367,6 +367,45 @@ def preemption_on_one_rank(rank: int, ref_dir: str) -> None:
     assert sorted(int(n) for n in os.listdir(root) if n.isdigit()) == [3]
 
 
+def save_raises_on_every_rank(rank: int, ref_dir: str) -> None:
+    """Scenario 15: rank 1's local save of step 1 fails after the ranks agreed on step 2, and
+    step 2 is a blocking save(): every rank's save(2) raises (rank 1 its own error, rank 0 one
+    naming rank 1), not rank 1's alone. Then ranks whose chkpt_on_preemption differs save."""
+    import errno
+    import time
+
+    from async_ckpt.errors import CheckpointError
+
+    bucket, local = os.path.join(ref_dir, "bucket15"), os.path.join(ref_dir, "local15")
+    with CheckpointManager(bucket, save_interval=1, local_dir=local, local_policy=1, collective_timeout_s=20) as m:
+        if rank == 1:
+            real, calls = m._local.store.layout.commit, [0]
+
+            def slow_fail(target, manifest):
+                calls[0] += 1
+                if calls[0] == 1:
+                    time.sleep(1.5)
+                    raise OSError(errno.ENOSPC, "No space left on device (simulated)")
+                return real(target, manifest)
+
+            m._local.store.layout.commit = slow_fail
+        t0 = time.monotonic()
+        assert m.save_async(1, small(rank, 1))
+        try:
+            m.save(2, small(rank, 2))
+            raise AssertionError(f"rank {rank}: save(2) did not raise")
+        except CheckpointError as exc:
+            assert ("step 1" in str(exc)) if rank == 1 else ("rank(s) [1]" in str(exc)), exc
+        assert time.monotonic() - t0 < 15, f"rank {rank} waited for the other"
+        assert m.save(3, small(rank, 3))
+    root = os.path.join(ref_dir, "bucket15b")
+    with CheckpointManager(root, save_interval=1, chkpt_on_preemption=rank == 0, preemption_sync="signal",
+                           collective_timeout_s=20) as m:
+        for step in (1, 2):
+            assert m.save(step, small(rank, step))
+    assert sorted(int(n) for n in os.listdir(root) if n.isdigit()) == [1, 2]
+
+
 def run_only(names: str) -> None:
     """Only the named scenarios (``TIER_WORKER_ONLY``, comma-separated), each rank printing
     ``RANK <r> OK`` at the end."""
@@ -379,7 +418,8 @@ def run_only(names: str) -> None:
                      "settle_on_one_rank": settle_on_one_rank,
                      "saves_resume_after_one_failure": saves_resume_after_one_failure,
                      "restore_named_steps_differ": restore_named_steps_differ,
-                     "preemption_on_one_rank": preemption_on_one_rank}
+                     "preemption_on_one_rank": preemption_on_one_rank,
+                     "save_raises_on_every_rank": save_raises_on_every_rank}
         scenarios[name](rank, ref_dir)
         dist.barrier()
     print(f"RANK {rank} OK", flush=True)

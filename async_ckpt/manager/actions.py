@@ -50,6 +50,8 @@ class StepActions:
         except (TypeError, ValueError, CheckpointError) as exc:
             invalid = exc
         self._settle(invalid, key=None if invalid is not None else step + 1)  # every rank names the same step
+        if invalid is not None:
+            raise invalid
         outcome = None
         mine: Optional[BaseException] = None
         try:

@@ -360,6 +360,8 @@ class CheckpointManager(SaveDecisions, TierListing, StepActions):
                     shared.writer.take_slot()
                 failed = SaveJob(step, None, metrics, None, time.perf_counter(), local_error=exc)
                 shared.writer.submit(functools.partial(self._persist, failed, shared), step=step)
+                if wait and isinstance(exc, Exception):
+                    self._settle(exc)  # the others' save() settles too (below): raises exc
             raise
         t2 = time.perf_counter()
         snap.share(len(due))
@@ -381,6 +383,8 @@ class CheckpointManager(SaveDecisions, TierListing, StepActions):
         if taken:
             self._taken(step, preempt)
         if wait:
+            if shared is not None:  # a failure one rank recorded after the agreement: all raise it together
+                self._settle()
             for tier in due:
                 tier.writer.join()
             if taken and not take:  # the root could not be reached: raised as a failed upload is
@@ -459,9 +463,9 @@ class CheckpointManager(SaveDecisions, TierListing, StepActions):
             step = None if step is None else check_step(step)
         except (TypeError, ValueError, CheckpointError) as exc:
             invalid = exc
-        if not self._closed:  # pending saves land first (and their errors surface); ranks agree on the step
+        if not self._closed:  # pending saves land first (their errors surface); ranks agree on the step
             self._settle(invalid, key=None if invalid is not None else 0 if step is None else step + 1)
-        elif invalid is not None:
+        if invalid is not None:
             raise invalid
         opts = dict(verify=self.verify if verify is None else verify, allow_pickle=allow_pickle,
                     threads=self.write_threads, planner=load_planner_for(state_dict, allow_pickle),
@@ -470,7 +474,6 @@ class CheckpointManager(SaveDecisions, TierListing, StepActions):
             s = _restore(self._store, step, state_dict, **opts)
         else:
             partly: List[str] = []  # copies found damaged after they had written into state_dict
-
             def attempt(tier: Tier, s: int) -> int:
                 try:
                     return _restore(tier.store, s, state_dict, **opts)
@@ -481,9 +484,8 @@ class CheckpointManager(SaveDecisions, TierListing, StepActions):
 
             s, _ = restore_from_tiers(self._tiers, self._coord, step, attempt)
             if partly and not strict:  # strict: step s held every key of state_dict and overwrote it
-                warnings.warn(f"async_ckpt: restored step {s}; the damaged {', '.join(partly)} had partly written "
-                              f"state_dict first: keys that step {s} lacks (restore(strict=False)) may hold its "
-                              f"data; restore(..., atomic=True) leaves them untouched", RuntimeWarning, stacklevel=2)
+                warnings.warn(f"async_ckpt: restored step {s}; the damaged {', '.join(partly)} had partly written state_dict "
+                              f"first: keys step {s} lacks (strict=False) may hold its data", RuntimeWarning, stacklevel=2)
         self._restored = s
         return s
 
@@ -496,7 +498,8 @@ class CheckpointManager(SaveDecisions, TierListing, StepActions):
         every rank raises together (a failing rank its own error, the others a
         ``CheckpointError`` naming it) instead of waiting for one that has already raised, and
         ranks that named different steps all raise."""
-        error: Optional[BaseException] = invalid
+        alone = self._coord.world_size == 1
+        error: Optional[BaseException] = None if alone else invalid  # alone: raised by the caller after
         if error is None:
             try:
                 self.wait_for_staging()
@@ -510,7 +513,7 @@ class CheckpointManager(SaveDecisions, TierListing, StepActions):
             _, failed = self._coord.agree([], ok=error is None, step=key)
             if error is None and failed:
                 raise CheckpointError(f"rank(s) {failed}: an earlier save failed, an argument was invalid, or "
-                                      f"another step was named (see their errors); nothing was restored or deleted")
+                                      f"another step was named (see their errors)")
         if error is not None:
             raise error
 

@@ -91,12 +91,13 @@ class SaveDecisions:
         take = preempt = take_local = False
         if invalid is None:
             take, preempt = self._decide(step, force)
-        if self._preemption is not None and not alone and self._coord.any_rank(preempt) and not preempt:
+        if not alone and self._coord.any_rank(preempt) and not preempt and invalid is None:
             # a preemption one rank detected (a signal to one host) is every rank's checkpoint
-            # and every rank's last step, whatever rank 0's own signal handler saw
-            if invalid is None:
+            # and every rank's last step, whatever rank 0's own signal handler saw (every rank
+            # takes part in this exchange, whatever its own chkpt_on_preemption)
+            if self._preemption is not None:
                 self._preemption.adopt(step)
-                take = preempt = True
+            take = preempt = True
         if invalid is None:
             take_local = self._local is not None and self._local_due(self._local, step, force or preempt, take)
         held: Optional[LeaseHeldError] = None
