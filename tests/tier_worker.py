@@ -110,6 +110,23 @@ def local_failure_on_one_rank(model, optim, rank: int, ref_dir: str) -> None:
         assert 4 in m.step_tiers() and "local" in m.step_tiers()[4], m.step_tiers()
 
 
+def fail_first_local_commit(m, after_s: float) -> None:
+    """This rank's first local commit fails with ENOSPC ``after_s`` seconds in (the others pass)."""
+    import errno
+    import time
+
+    real, calls = m._local.store.layout.commit, [0]
+
+    def slow_fail(target, manifest):
+        calls[0] += 1
+        if calls[0] == 1:
+            time.sleep(after_s)
+            raise OSError(errno.ENOSPC, "No space left on device (simulated)")
+        return real(target, manifest)
+
+    m._local.store.layout.commit = slow_fail
+
+
 def small(rank: int, step: int):
     return {f"r{rank}": torch.full((1000,), float(step))}
 
@@ -119,7 +136,6 @@ def fails_after_agreement(rank: int, ref_dir: str) -> None:
     rank raises it there (it would leave the others' step 2 without rank 1's part); step 2
     commits with every rank's step-2 data, the failure is raised by the next agreement on every
     rank together (step 3: not saved), and step 4 commits."""
-    import errno
     import time
 
     from async_ckpt.errors import CheckpointError
@@ -127,16 +143,7 @@ def fails_after_agreement(rank: int, ref_dir: str) -> None:
     bucket, local = os.path.join(ref_dir, "bucket7"), os.path.join(ref_dir, "local7")
     m = CheckpointManager(bucket, save_interval=1, local_dir=local, local_policy=1, collective_timeout_s=30)
     if rank == 1:
-        real, calls = m._local.store.layout.commit, [0]
-
-        def slow_fail(target, manifest):
-            calls[0] += 1
-            if calls[0] == 1:
-                time.sleep(2)
-                raise OSError(errno.ENOSPC, "No space left on device (simulated)")
-            return real(target, manifest)
-
-        m._local.store.layout.commit = slow_fail
+        fail_first_local_commit(m, after_s=2)
     t0 = time.monotonic()
     assert m.save_async(1, small(rank, 1))
     assert m.save_async(2, small(rank, 2))  # agreed before rank 1's local step 1 failed
@@ -371,7 +378,6 @@ def save_raises_on_every_rank(rank: int, ref_dir: str) -> None:
     """Scenario 15: rank 1's local save of step 1 fails after the ranks agreed on step 2, and
     step 2 is a blocking save(): every rank's save(2) raises (rank 1 its own error, rank 0 one
     naming rank 1), not rank 1's alone. Then ranks whose chkpt_on_preemption differs save."""
-    import errno
     import time
 
     from async_ckpt.errors import CheckpointError
@@ -379,16 +385,7 @@ def save_raises_on_every_rank(rank: int, ref_dir: str) -> None:
     bucket, local = os.path.join(ref_dir, "bucket15"), os.path.join(ref_dir, "local15")
     with CheckpointManager(bucket, save_interval=1, local_dir=local, local_policy=1, collective_timeout_s=20) as m:
         if rank == 1:
-            real, calls = m._local.store.layout.commit, [0]
-
-            def slow_fail(target, manifest):
-                calls[0] += 1
-                if calls[0] == 1:
-                    time.sleep(1.5)
-                    raise OSError(errno.ENOSPC, "No space left on device (simulated)")
-                return real(target, manifest)
-
-            m._local.store.layout.commit = slow_fail
+            fail_first_local_commit(m, after_s=1.5)
         t0 = time.monotonic()
         assert m.save_async(1, small(rank, 1))
         try:
