@@ -102,10 +102,6 @@ class Tier:
     def url(self) -> str:
         return self.store.storage.url
 
-    def identity(self) -> str:
-        """This tier's root as :func:`root_identity` spells it."""
-        return root_identity(self.store.storage)
-
 
 def root_identity(storage: Storage) -> str:
     """A root as one string per directory, ending in ``/``: the filesystem's protocol and the
