@@ -1,0 +1,32 @@
+"""The built wheel carries what users' tools need: the py.typed marker and the license."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_wheel_ships_py_typed_and_license(tmp_path: Path) -> None:
+    # Build from a copy: setuptools leaves build/ and egg-info beside the sources.
+    src = tmp_path / "src"
+    shutil.copytree(ROOT / "async_ckpt", src / "async_ckpt", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
+        shutil.copy(ROOT / name, src / name)
+    out = tmp_path / "dist"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), str(src)],
+        check=True,
+        cwd=tmp_path,
+    )
+    (wheel,) = out.glob("async_ckpt-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "async_ckpt/py.typed" in names
+    licenses = [n for n in names if n.endswith("LICENSE") and ".dist-info/" in n]
+    assert licenses, names
+    text = zipfile.ZipFile(wheel).read(licenses[0]).decode()
+    assert "Apache License" in text and "Version 2.0" in text
