@@ -83,10 +83,15 @@ class CheckpointInfo:
 class SaveContext:
     """What the manager knows when it asks a save policy for a decision.
 
+    The times are read from the manager's interval clock (``time.monotonic()`` unless its
+    ``interval_clock`` says otherwise): only their differences mean anything, and those never
+    go negative when the wall clock steps back (NTP, a VM restored from a snapshot).
+
     Attributes:
-        now: wall-clock time of the decision (``time.time()``).
-        start_time: when the manager was created.
-        last_save_time: when this manager last took a save (forced ones included), or None.
+        now: the time of the decision (interval clock).
+        start_time: when the manager was created (interval clock).
+        last_save_time: when this manager last took a save (forced ones included; interval
+            clock), or None.
         last_save_step: the step of that save, or None.
         save_in_flight: a save has been taken and is not yet committed.
         preempted: a preemption was detected and its checkpoint is not taken yet.
@@ -166,22 +171,36 @@ class AtSteps:
 
 
 class EveryTSeconds:
-    """Save at most once per ``seconds`` of wall-clock time.
+    """Save at most once per ``seconds`` of elapsed time.
 
     A save is due when ``seconds`` have passed since the previous save this manager took
     (forced and preemption saves included) or, before the first one, since the manager was
     created: the first save of a run comes ``seconds`` into it, not at its first step. Combine
     with :class:`AtSteps` (``AnyOf([AtSteps([0]), EveryTSeconds(600)])``) to also save at once.
-    Used outside a manager (no context), it keeps its own clock from its construction.
+    Time is measured on a monotonic clock (the manager's ``interval_clock``), so a wall clock
+    that steps back never delays a save.
+
+    Args:
+        seconds: the interval (a finite number > 0).
+        clock: the clock this policy measures with when it is used outside a manager (no
+            context; it counts from its construction): default ``time.monotonic``. Within a
+            manager the context's times are used.
+
+    Raises:
+        TypeError: ``seconds`` is not a number, or ``clock`` is not callable.
+        ValueError: ``seconds`` is not finite and > 0.
     """
 
-    def __init__(self, seconds: float) -> None:
+    def __init__(self, seconds: float, clock: Callable[[], float] = time.monotonic) -> None:
         self.seconds = _check_seconds("EveryTSeconds seconds", seconds)
-        self._own_last = time.time()
+        if not callable(clock):
+            raise TypeError(f"EveryTSeconds clock must be callable (like time.monotonic), got {clock!r}")
+        self.clock = clock
+        self._own_last = clock()
 
     def should_save(self, step: int, context: Optional[SaveContext] = None) -> bool:
         if context is None:
-            now = time.time()
+            now = self.clock()
             if now - self._own_last >= self.seconds:
                 self._own_last = now
                 return True

@@ -4,6 +4,8 @@
     torchrun --standalone --nproc-per-node 2 tests/dist_worker.py restore <root> <ref.pt>
     torchrun --standalone --nproc-per-node 2 tests/dist_worker.py ranges  <root> -   (that check alone)
     torchrun --standalone --nproc-per-node 2 tests/dist_worker.py peer    <root> -   (that check alone)
+    torchrun --standalone --nproc-per-node 2 tests/dist_worker.py ranks   <root> -   (steps past int64,
+                                                                                 a failing load_state_dict)
 
 ``save`` runs several checks in one launch (a torchrun start costs 6-16 s): sharded async saves
 from every rank, retention agreed by every rank with deletions by rank 0 only, a rank that
@@ -454,6 +456,72 @@ def damaged_peer_checks(root: str) -> None:
     print(f"PEER DAMAGE RANK {rank} OK", flush=True)
 
 
+class FailsOnRank:
+    """A ``Stateful`` value whose ``load_state_dict`` raises on one rank only."""
+
+    def __init__(self, bad_rank: int) -> None:
+        self.bad_rank = bad_rank
+        self.t = torch.zeros(8)
+
+    def state_dict(self):
+        return {"t": self.t}
+
+    def load_state_dict(self, sd) -> None:
+        if dist.get_rank() == self.bad_rank:
+            raise ValueError("this rank's load_state_dict refuses the state")
+        self.t.copy_(sd["t"])
+
+
+def ranks_checks(root: str) -> None:
+    """2 ranks, each check on its own root and printing its own marker (a failed check prints
+    its error and the next one still runs): steps near and past 2**63 save and restore as in
+    one process; one rank's failing ``load_state_dict`` raises on every rank, naming it, and
+    the next collective works."""
+    failed = []
+    for name, check in (("BIG STEPS", big_step_checks), ("STATEFUL", failing_stateful_checks)):
+        try:
+            check(root + "_" + name.lower().replace(" ", "_"))
+            print(f"{name} RANK {dist.get_rank()} OK", flush=True)
+        except Exception as exc:  # noqa: BLE001 - reported, then the next check
+            print(f"{name} RANK {dist.get_rank()} FAILED: {type(exc).__name__}: {exc}", flush=True)
+            failed.append(name)
+    assert not failed, failed
+
+
+def big_step_checks(root: str) -> None:
+    rank = dist.get_rank()
+    big = [2**63 - 1, 2**63, 2**70]
+    with CheckpointManager(root) as mgr:
+        for i, s in enumerate(big):
+            assert mgr.save(s, {"x": torch.full((4,), float(i))}) is True
+        agree(mgr.all_steps(), "all_steps")
+        assert mgr.all_steps() == big and mgr.latest_step() == 2**70, mgr.all_steps()
+        for i, s in enumerate(big):
+            t = {"x": torch.zeros(4)}
+            assert mgr.restore(s, t) == s
+            assert torch.equal(t["x"], torch.full((4,), float(i)))
+        t = {"x": torch.zeros(4)}
+        assert mgr.restore(None, t) == 2**70 and torch.equal(t["x"], torch.full((4,), 2.0))
+        # ranks naming different large steps still disagree (exact comparison, not a marker)
+        expect_error(lambda: mgr.restore(big[rank], {"x": torch.zeros(4)}), CheckpointError, "rank(s) [1]")
+        mgr.delete(2**63)
+        assert mgr.all_steps() == [2**63 - 1, 2**70], mgr.all_steps()
+
+
+def failing_stateful_checks(root: str) -> None:
+    with CheckpointManager(root) as mgr:
+        app = FailsOnRank(bad_rank=1)
+        app.t.fill_(5.0)
+        assert mgr.save(1, {"app": app, "w": torch.ones(4)})
+        fresh = FailsOnRank(bad_rank=1)
+        expect_error(lambda: mgr.restore(1, {"app": fresh, "w": torch.zeros(4)}), CheckpointError,
+                     "rank 1", "load_state_dict", "step 1")
+        # the next collective pairs up on both ranks
+        assert mgr.save(2, {"app": app, "w": torch.ones(4)})
+        ok = FailsOnRank(bad_rank=-1)
+        assert mgr.restore(2, {"app": ok, "w": torch.zeros(4)}) == 2 and torch.equal(ok.t, torch.full((8,), 5.0))
+
+
 def main() -> None:
     import time
 
@@ -467,7 +535,8 @@ def main() -> None:
         what, root, ref = sys.argv[1], sys.argv[2], sys.argv[3]
         {"save": scenario_save, "restore": scenario_restore,
          "ranges": lambda root, _ref: ranges_checks(root),
-         "peer": lambda root, _ref: damaged_peer_checks(root)}[what](root, ref)
+         "peer": lambda root, _ref: damaged_peer_checks(root),
+         "ranks": lambda root, _ref: ranks_checks(root)}[what](root, ref)
         dist.barrier()
         print(f"RANK {dist.get_rank()} OK ({time.time() - t0:.1f} s after init)", flush=True)
     finally:

@@ -146,6 +146,31 @@ def test_xla_spmd_local_shards_restore_into_another_mesh(jobs):
     assert rc == 0 and "SPMD OK" in out, out[-6000:]
 
 
+@pytest.fixture(scope="module")
+def ranks_job(tmp_path_factory):
+    """tests/dist_worker.py ``ranks``: one small 2-rank launch for the checks below."""
+    base = tmp_path_factory.mktemp("ranks")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           os.path.join(HERE, "dist_worker.py"), "ranks", str(base / "ck"), "-"]
+    return subprocess.run(cmd, env=_env(DIST_WORKER_TIMEOUT="90"), stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=TIMEOUT)
+
+
+def test_two_ranks_save_and_restore_steps_past_int64_as_one_process(ranks_job):
+    """Steps 2**63 - 1, 2**63 and 2**70 save, list, restore (by number and None) and delete
+    with 2 ranks as in one process; ranks naming different such steps still all raise."""
+    for r in range(2):
+        assert f"BIG STEPS RANK {r} OK" in ranks_job.stdout, ranks_job.stdout[-4000:]
+
+
+def test_one_ranks_failing_load_state_dict_raises_on_every_rank(ranks_job):
+    """A Stateful value whose load_state_dict raises on rank 1 only: restore raises on both
+    ranks, naming rank 1, and the next save and restore pair up."""
+    for r in range(2):
+        assert f"STATEFUL RANK {r} OK" in ranks_job.stdout, ranks_job.stdout[-4000:]
+    _ok(ranks_job, 2)
+
+
 def test_single_process_has_a_local_coordinator():
     assert isinstance(coordinator_for(), LocalCoordinator)
 

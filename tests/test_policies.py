@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import tempfile
 import threading
+import time
 import uuid
 
 import pytest
@@ -99,6 +100,22 @@ def test_every_t_seconds_measures_from_the_last_save_or_the_start():
         EveryTSeconds(0)
     with pytest.raises(TypeError, match="seconds"):
         EveryTSeconds("60")
+
+
+def test_every_t_seconds_on_its_own_measures_with_a_monotonic_clock():
+    """Outside a manager the policy measures with its own clock: time.monotonic by default (a
+    wall clock that steps back never delays it), or the one given."""
+    assert EveryTSeconds(1).clock is time.monotonic
+    mono = FakeClock(50.0)
+    p = EveryTSeconds(1, clock=mono)
+    took = []
+    for step in range(6):
+        mono.advance(0.5)
+        if p.should_save(step):
+            took.append(step)
+    assert took == [1, 3, 5]
+    with pytest.raises(TypeError, match="clock"):
+        EveryTSeconds(1, clock=5)
 
 
 def test_continuous_saves_only_when_nothing_is_in_flight():
@@ -208,8 +225,7 @@ def test_force_always_saves_and_callable_save_policy(ckpt_dir):
 
 def test_every_t_seconds_through_the_manager(ckpt_dir):
     clock = FakeClock()
-    mgr = CheckpointManager(ckpt_dir, save_policy=EveryTSeconds(60))
-    mgr._clock, mgr._start_time = clock, clock()
+    mgr = CheckpointManager(ckpt_dir, save_policy=EveryTSeconds(60), interval_clock=clock)
     took = []
     for step in range(12):
         clock.advance(25)  # a step takes 25 s
@@ -218,6 +234,37 @@ def test_every_t_seconds_through_the_manager(ckpt_dir):
     mgr.close()
     # saves at 75 s (step 2: first one >= 60 after start), then 150 s (step 5), 225 s (step 8), 300 s (step 11)
     assert took == [2, 5, 8, 11]
+
+
+@pytest.mark.parametrize("policy", [EveryTSeconds(1), Continuous(min_interval_s=1)], ids=repr)
+def test_time_based_saves_go_on_when_the_wall_clock_steps_back_an_hour(tmp_path, policy):
+    """The wall clock steps back one hour after two saves (NTP, a VM restored from a
+    snapshot) while each step takes 2 s: every step is still saved, to the root and to the
+    local tier (same policy), commit order holds, and the newest save restores bitwise."""
+    wall, mono = FakeClock(), FakeClock(10.0)
+    mgr = CheckpointManager(str(tmp_path / "ckpt"), save_policy=policy, local_dir=str(tmp_path / "local"),
+                            local_policy=policy, local_retention=10, wall_clock=wall, interval_clock=mono)
+    took = []
+    for step in range(6):
+        mono.advance(2.0)
+        wall.advance(-3600.0 if step == 2 else 2.0)
+        if mgr.save(step, state(step)):
+            took.append(step)
+    assert took == [0, 1, 2, 3, 4, 5]
+    assert mgr.all_steps() == took and mgr.steps_in_commit_order() == took and mgr.latest_step() == 5
+    target = zeros_state()
+    assert mgr.restore(None, target) == 5
+    assert_bitwise_equal(state(5), target)
+    mgr.close()
+    with CheckpointManager(str(tmp_path / "local")) as local:  # the local tier saved every step too
+        assert local.all_steps() == took
+
+
+def test_manager_rejects_clocks_that_are_not_callable(ckpt_dir):
+    with pytest.raises(TypeError, match="interval_clock"):
+        CheckpointManager(ckpt_dir, interval_clock=1.0)
+    with pytest.raises(TypeError, match="wall_clock"):
+        CheckpointManager(ckpt_dir, wall_clock="now")
 
 
 def test_continuous_saves_when_the_previous_one_committed(ckpt_dir, monkeypatch):

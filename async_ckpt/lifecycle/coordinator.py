@@ -34,6 +34,10 @@ if TYPE_CHECKING:
 #: How long a collective waits for the other ranks before it fails (seconds).
 DEFAULT_TIMEOUT_S = 300.0
 
+#: Steps from here on do not travel in :meth:`GroupCoordinator.agree`'s int64 row (int64's
+#: largest value marks them; their digits are exchanged instead).
+_LARGE_STEP = 2**63 - 1
+
 
 class Coordinator(Protocol):
     """How the ranks of one manager agree. Rank 0 (``is_primary``) commits and deletes."""
@@ -149,14 +153,23 @@ class GroupCoordinator:
               ) -> Tuple[List[bool], List[int]]:
         import torch.distributed as dist
 
-        t = torch.tensor([int(bool(f)) for f in flags] + [int(bool(ok)), -1 if step is None else int(step)],
-                         dtype=torch.int64)
+        # A step travels in the int64 row as itself when it fits below _LARGE_STEP; a larger one
+        # (steps are any non-negative int, as in one process) as _LARGE_STEP, and then every
+        # rank (each sees that marker in the rows) sends its exact step in one more exchange.
+        mark = -1 if step is None else int(step) if 0 <= step < _LARGE_STEP else _LARGE_STEP
+        t = torch.tensor([int(bool(f)) for f in flags] + [int(bool(ok)), mark], dtype=torch.int64)
         out = [torch.empty_like(t) for _ in range(self.world_size)]
         _collective(lambda: dist.all_gather(out, t, group=self.control), "agree")
         rows = [o.tolist() for o in out]
-        first = rows[0][-1]
-        failed = [r for r, row in enumerate(rows)
-                  if not row[-2] or (first >= 0 and row[-1] >= 0 and row[-1] != first)]
+        steps: List[Optional[int]] = [None if row[-1] < 0 else row[-1] for row in rows]
+        if _LARGE_STEP in steps:
+            exact: List[Any] = [None] * self.world_size
+            mine = None if step is None else str(int(step))  # decimal digits: no size limit
+            _collective(lambda: dist.all_gather_object(exact, mine, group=self.control), "agree (large step)")
+            steps = [None if e is None else int(e) for e in exact]
+        first = steps[0]
+        failed = [r for r, (row, s) in enumerate(zip(rows, steps))
+                  if not row[-2] or (first is not None and s is not None and s != first)]
         return [bool(v) for v in rows[0][:-2]], failed
 
     def any_rank(self, flag: bool) -> bool:

@@ -56,12 +56,22 @@ def restore(store: StepStore, step: Optional[int], state_dict: Dict[str, Any], *
             target[k] = v.state_dict()
     s = _restore(store, step, target, verify=verify, allow_pickle=allow_pickle, threads=threads, planner=planner,
                  atomic=atomic, strict=strict, stateful=frozenset(stateful), pool=pool)
-    if stateful:
-        for k, v in target.items():
-            if k not in stateful:
-                state_dict[k] = v
-        for k, v in stateful.items():
-            v.load_state_dict(target[k])
+    local: Optional[BaseException] = None
+    try:
+        if stateful:
+            for k, v in target.items():
+                if k not in stateful:
+                    state_dict[k] = v
+            for k, v in stateful.items():
+                v.load_state_dict(target[k])
+    except BaseException as exc:  # noqa: BLE001 - exchanged below
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)) or store.coordinator.world_size == 1:
+            raise
+        local = exc
+    coord = store.coordinator
+    if coord.world_size > 1:  # a rank whose load_state_dict() raised: every rank raises, naming it
+        outcomes = coord.all_gather(None if local is None else describe(coord.rank, local))
+        raise_gathered(outcomes, s, "load_state_dict() of the restored Stateful values", local)
     return s
 
 

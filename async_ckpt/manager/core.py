@@ -130,6 +130,12 @@ class CheckpointManager(SaveDecisions, TierListing, StepActions):
             ``fn(step) -> bool`` or an int N (every N steps); default: the save policy.
         local_retention: retention of ``local_dir``: a policy or an int N (keep the N newest
             commits); default 2.
+        wall_clock: the clock of the commit times recorded in manifests (default
+            ``time.time``; commit order survives it stepping back).
+        interval_clock: the clock time-based save policies measure intervals with (the times
+            of :class:`SaveContext`, the local tier's too; default ``time.monotonic``): a wall
+            clock that steps back (NTP, a VM restored from a snapshot) never delays a save.
+            Both clocks are injectable for tests.
 
     Commit order is the order: :meth:`latest_step` and ``restore(None)`` mean the most recently
     committed step, retention drops the oldest commits, and any step may be saved in any order
@@ -167,6 +173,8 @@ class CheckpointManager(SaveDecisions, TierListing, StepActions):
         local_dir: Optional[str] = None,
         local_policy: Any = None,
         local_retention: Any = 2,
+        wall_clock: Callable[[], float] = time.time,
+        interval_clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if num_of_threads is not None:  # torch_xla's name for the writer's thread count
             if not isinstance(num_of_threads, int) or isinstance(num_of_threads, bool) or num_of_threads < 1:
@@ -183,6 +191,9 @@ class CheckpointManager(SaveDecisions, TierListing, StepActions):
             raise ValueError(f"collective_timeout_s must be a number of seconds > 0, got {collective_timeout_s!r}")
         if not isinstance(lazy, bool):
             raise TypeError(f"lazy must be a bool, got {lazy!r}")
+        for name, fn in (("wall_clock", wall_clock), ("interval_clock", interval_clock)):
+            if not callable(fn):
+                raise TypeError(f"{name} must be a callable returning seconds (like time.time), got {fn!r}")
         self.save_policy = save_policy if save_policy is not None else EveryNSteps(save_interval)
         self.retention: RetentionPolicy = (
             as_retention_policy(retention) if retention is not None
@@ -215,7 +226,9 @@ class CheckpointManager(SaveDecisions, TierListing, StepActions):
         self.write_threads = write_threads
         self.on_saved = on_saved
         self.lazy = lazy
-        self._clock: Callable[[], float] = time.time  # wall clock of decisions and manifests' commit_time
+        self._clock: Callable[[], float] = wall_clock  # manifests' commit_time
+        #: elapsed time between saves (time-based policies): a wall clock's step back never stops them
+        self._interval_clock: Callable[[], float] = interval_clock
         self._store = StepStore(self.storage, self.layout, self._coord, lambda: self._clock(),
                                 keep_incomplete=keep_incomplete, lease_timeout=float(lease_timeout))
         self.catalog = self._store.catalog
@@ -230,7 +243,7 @@ class CheckpointManager(SaveDecisions, TierListing, StepActions):
         self._closed = False
         self._forked = False
         self._pid = os.getpid()
-        self._start_time = self._clock()
+        self._start_time = self._interval_clock()
         self._last_save_time: Optional[float] = None
         self._last_save_step: Optional[int] = None
         self._restored: Optional[int] = None  # the step this manager last restored
@@ -379,7 +392,7 @@ class CheckpointManager(SaveDecisions, TierListing, StepActions):
             job = SaveJob(step, snap, metrics, stats, t0, manifest_extra=extra,
                           commit_at=taken_at if self._local is not None else None)
             tier.writer.submit(functools.partial(self._persist, job, tier), step=step)
-            tier.last_save_time, tier.last_save_step = self._clock(), step
+            tier.last_save_time, tier.last_save_step = self._interval_clock(), step
         if taken:
             self._taken(step, preempt)
         if wait:

@@ -31,7 +31,7 @@ class SaveDecisions:
     """The save-decision methods of :class:`~async_ckpt.CheckpointManager` (a mixin)."""
 
     _preemption: Optional[PreemptionTracker]
-    _clock: Callable[[], float]
+    _interval_clock: Callable[[], float]
     _start_time: float
     _last_save_time: Optional[float]
     _last_save_step: Optional[int]
@@ -62,7 +62,7 @@ class SaveDecisions:
         return take or (self._local is not None and self._local_due(self._local, step, False, take))
 
     def _save_context(self, preempted: bool) -> SaveContext:
-        return SaveContext(now=self._clock(), start_time=self._start_time, last_save_time=self._last_save_time,
+        return SaveContext(now=self._interval_clock(), start_time=self._start_time, last_save_time=self._last_save_time,
                            last_save_step=self._last_save_step, save_in_flight=self._writer.pending > 0,
                            preempted=preempted)
 
@@ -151,7 +151,7 @@ class SaveDecisions:
 
     def _taken(self, step: int, preempt: bool) -> None:
         """Record a save that was just taken (staged and queued). Training thread."""
-        self._last_save_time = self._clock()
+        self._last_save_time = self._interval_clock()
         self._last_save_step = step
         if preempt and self._preemption is not None:
             self._preemption.mark_saved(step)
@@ -179,7 +179,7 @@ class SaveDecisions:
         (the save policy's decision when it has none)."""
         if forced or tier.policy is None:
             return forced or take
-        ctx = SaveContext(now=self._clock(), start_time=self._start_time, last_save_time=tier.last_save_time,
+        ctx = SaveContext(now=self._interval_clock(), start_time=self._start_time, last_save_time=tier.last_save_time,
                           last_save_step=tier.last_save_step, save_in_flight=tier.writer.pending > 0, preempted=False)
         return decide_save(tier.policy, step, ctx)
 
