@@ -21,8 +21,10 @@ so all restore the same step of the same save.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import logging
 import os
+import shutil
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
@@ -170,6 +172,97 @@ def refuse_foreign_save(tier: Tier, step: int, snap: Any) -> None:
                            f"job's copy is never replaced; give this job its own local_dir)", step=step)
 
 
+#: how long making room in a full local tier waits for the deletions retention queued before
+DELETIONS_WAIT_S = 60.0
+
+#: the errnos of a full local tier (no space; over a quota)
+OUT_OF_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+def out_of_space(exc: BaseException) -> bool:
+    """Whether ``exc`` (or an error it was raised from) says the filesystem is full
+    (``ENOSPC``) or the quota is used up (``EDQUOT``)."""
+    seen: Set[int] = set()
+    e: Optional[BaseException] = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in OUT_OF_SPACE:
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def space_needed(nbytes: int) -> int:
+    """The free bytes a local save of ``nbytes`` tensor bytes is taken to need: the data, plus
+    1% and 64 KiB for the metadata, the manifest and the filesystem's block rounding."""
+    return nbytes + nbytes // 100 + 64 * 1024
+
+
+def free_bytes(tier: Tier) -> Optional[int]:
+    """Free bytes of the filesystem holding a local ``tier``'s directory (None where that is
+    not known: a tier that is not a local path, or a filesystem that does not say)."""
+    if not tier.store.storage.is_local:
+        return None
+    try:
+        return int(shutil.disk_usage(tier.store.storage.root).free)
+    except OSError:
+        return None
+
+
+def droppable(tier: Tier, coming: CheckpointInfo) -> List[int]:
+    """The committed copies of ``tier`` that its retention drops once the save ``coming`` (its
+    record: step, commit time, metrics) commits, oldest commit first: never the newest
+    committed copy (the save may still fail), never a step being written, never the step of
+    ``coming`` itself, never another job's copy (see :class:`OwnCopies`)."""
+    store = tier.store
+    ordered = sorted(store.catalog.infos().values(), key=lambda c: (c.commit_time, c.step))
+    if not ordered:
+        return []
+    newest = ordered[-1].step
+    at = max(coming.commit_time, ordered[-1].commit_time + 1e-6)  # it commits after every copy there
+    after = [c for c in ordered if c.step != coming.step] + [dataclasses.replace(coming, commit_time=at)]
+    keep = apply_retention(tier.retention, after) | {newest, coming.step} | store.catalog.in_flight()
+    return [c.step for c in ordered if c.step not in keep]
+
+
+def make_room(tier: Tier, coming: CheckpointInfo, need: Optional[int]) -> List[int]:
+    """Local writer thread, before the save ``coming`` (its record) to the local ``tier``, or
+    after one that found the tier full: when fewer than ``need`` bytes are free (``need``
+    None: free space unknown, the tier was found full), wait (at most :data:`DELETIONS_WAIT_S`) for the
+    deletions retention queued, then delete now, oldest commit first, the copies retention
+    drops anyway once it commits (:func:`droppable`: never the newest committed copy), until
+    ``need`` bytes are free. Returns the steps deleted. Never raises: a failure is logged and
+    the save goes on (and fails as it would)."""
+    step = coming.step
+    try:
+        if need is not None:
+            free = free_bytes(tier)
+            if free is None or free >= need:
+                return []
+        try:  # the deleter runs one job at a time, in order: this one ends after those queued
+            tier.store.deleter.submit(lambda: None).result(timeout=DELETIONS_WAIT_S)
+        except Exception as exc:  # noqa: BLE001 - shut down, or slower than the bound
+            log.warning("async_ckpt: making room in local_dir %s: pending deletions did not finish: %s",
+                        tier.url, exc)
+        dropped: List[int] = []
+        for s in droppable(tier, coming):
+            if need is not None:
+                free = free_bytes(tier)
+                if free is None or free >= need:
+                    break
+            paths = tier.store.catalog.condemn(s)
+            if not paths:
+                continue
+            tier.store.catalog.remove(s, paths)
+            dropped.append(s)
+            log.warning("async_ckpt: local_dir %s is full: deleted step %d before saving step %d (retention "
+                        "drops it once step %d commits)", tier.url, s, step, step)
+        return dropped
+    except Exception as exc:  # noqa: BLE001 - the save goes on and fails as it would
+        log.warning("async_ckpt: could not make room in local_dir %s for step %d: %s", tier.url, step, exc)
+        return []
+
+
 @dataclass
 class OwnCopies:
     """The local tier's retention: ``policy`` over this job's copies only; copies another job
@@ -210,8 +303,9 @@ def make_local_tier(local_dir: str, persistent: Storage, coord: Coordinator, clo
         raise StorageError(f"local_dir {storage.url!r} cannot be written: {exc}") from exc
     store = StepStore(storage, CheckpointLayout(storage, commit_mode), rank_local_coordinator(timeout_s), clock,
                       keep_incomplete=keep_incomplete, lease_timeout=lease_timeout)
-    tier = Tier(LOCAL, store, AsyncWriter(max_pending, name="async-ckpt-local-writer"), keep, save_policy,
-                home=root_identity(persistent))
+    # a full local_dir is logged and raised by join()/close(): the bucket's saves go on meanwhile
+    writer = AsyncWriter(max_pending, name="async-ckpt-local-writer", defer_if=out_of_space)
+    tier = Tier(LOCAL, store, writer, keep, save_policy, home=root_identity(persistent))
     tier.retention = OwnCopies(keep, tier)
     return tier
 
