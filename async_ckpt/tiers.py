@@ -42,8 +42,8 @@ from .policies import (
     as_retention_policy,
     as_save_policy,
 )
-from .storage import CheckpointLayout, Manifest, Storage
-from .storage.dcp.reader import FsspecStorageReader
+from .storage import CheckpointLayout, FileRecord, Manifest, Storage
+from .storage.manifest import check_file_name, crc32c
 from .writer import AsyncWriter
 
 log = logging.getLogger("async_ckpt")
@@ -537,6 +537,64 @@ def _attempt(tier: Tier, step: int, coord: Coordinator, restore_one: Callable[[T
     return "; ".join(bad) if bad else None
 
 
+#: the block a promoted file is copied in: memory per file copy (4 at most at once)
+COPY_BLOCK_BYTES = 8 * 2**20
+
+
+def copy_file_verified(src: Storage, src_dir: str, name: str, record: FileRecord, dst: Storage, dst_dir: str, *,
+                       verify: bool = True, block_bytes: int = COPY_BLOCK_BYTES) -> None:
+    """Copy the step file ``src_dir/name`` to ``dst_dir/name`` in blocks of ``block_bytes``
+    (never the whole file in memory), checking it against its manifest ``record`` as it goes:
+    its size, and its CRC-32C with ``verify``.
+
+    Args:
+        src: the storage holding the step. src_dir: the step's directory there.
+        name: the file's name (as the manifest lists it). record: its manifest record.
+        dst: the storage to copy to. dst_dir: the directory there (it exists).
+        verify: check the CRC-32C too (sizes are always checked).
+        block_bytes: bytes read and written at a time.
+
+    Raises:
+        CorruptCheckpointError: the file is missing, is not a plain file inside ``src_dir``,
+            or its size or checksum is not the manifest's: nothing is left under ``dst_dir``
+            on object stores (the upload is not completed); a partial file may be on other
+            filesystems (the caller aborts the step).
+        StorageError: reading or writing failed.
+    """
+    check_file_name(name, where=f"{src_dir}/manifest")
+    where = f"{src_dir}/{name}"
+    problem = src.file_problem(where, src_dir)
+    if problem is not None:
+        raise CorruptCheckpointError(f"{where}: {problem}", path=where)
+    buf = memoryview(bytearray(max(1, min(block_bytes, record.size + 1))))  # +1: a longer file shows
+    crc, done = 0, 0
+    try:
+        with src.open_ranges(where) as reader, dst.open_write(f"{dst_dir}/{name}", size_hint=record.size) as out:
+            while True:
+                n = reader.read_into(done, buf)
+                if n <= 0:
+                    break
+                if done + n > record.size:
+                    raise CorruptCheckpointError(f"{where}: longer than the {record.size} bytes the manifest says",
+                                                 path=where)
+                if verify:
+                    crc = crc32c(buf[:n], crc)
+                out.write(buf[:n])
+                done += n
+            if done != record.size:
+                raise CorruptCheckpointError(f"{where}: size is {done} bytes, manifest says {record.size}",
+                                             path=where)
+            if verify and crc != record.crc32c:
+                raise CorruptCheckpointError(f"{where}: checksum mismatch (crc32c {crc:#010x}, manifest says "
+                                             f"{record.crc32c:#010x})", path=where)
+    except FileNotFoundError:
+        raise CorruptCheckpointError(f"{where}: file is missing", path=where) from None
+    except StorageError as exc:
+        if isinstance(exc.__cause__, (FileNotFoundError, IsADirectoryError, NotADirectoryError)):
+            raise CorruptCheckpointError(f"{where}: is not a readable file ({exc.__cause__})", path=where) from exc
+        raise
+
+
 def promote(local: Tier, persistent: Tier, step: int, *, verify: bool = True, threads: int = 8,
             retention: Optional[RetentionPolicy] = None) -> Tuple[Manifest, List[int]]:
     """Copy the local tier's committed ``step`` to the persistent tier and commit it there,
@@ -566,7 +624,6 @@ def promote(local: Tier, persistent: Tier, step: int, *, verify: bool = True, th
     if step in persistent.store.layout.committed_steps():  # never replace a (maybe newer) save
         raise CheckpointError(f"step {step} is already committed under {persistent.url}; delete it there first "
                               f"to replace it with the local copy", step=step)
-    reader = FsspecStorageReader(local.store.storage, path, files=manifest.files, verify=verify, threads=threads)
     dst = persistent.store
     catalog = dst.catalog
     catalog.begin_write(step)
@@ -577,10 +634,11 @@ def promote(local: Tier, persistent: Tier, step: int, *, verify: bool = True, th
         catalog.set_path(step, target.path)
         dst.storage.makedirs(target.path)
 
-        def copy(name: str) -> None:
-            dst.storage.write_bytes(f"{target.path}/{name}", reader.read_file(name))
+        def copy(name: str) -> None:  # in blocks: never a whole file in memory
+            copy_file_verified(local.store.storage, path, name, manifest.files[name], dst.storage, target.path,
+                               verify=verify)
 
-        with ThreadPoolExecutor(max(1, min(threads, 4, len(manifest.files)))) as pool:  # whole files in memory
+        with ThreadPoolExecutor(max(1, min(threads, 4, len(manifest.files)))) as pool:
             list(pool.map(copy, list(manifest.files)))
         dst.check_lease()
         extra = {k: v for k, v in manifest.extra.items() if k not in ("rank", "world_size", "tier", PERSISTENT_ROOT)}
