@@ -21,8 +21,10 @@ so all restore the same step of the same save.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import logging
 import os
+import shutil
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
@@ -40,8 +42,8 @@ from .policies import (
     as_retention_policy,
     as_save_policy,
 )
-from .storage import CheckpointLayout, Manifest, Storage
-from .storage.dcp.reader import FsspecStorageReader
+from .storage import CheckpointLayout, FileRecord, Manifest, Storage
+from .storage.manifest import check_file_name, crc32c
 from .writer import AsyncWriter
 
 log = logging.getLogger("async_ckpt")
@@ -170,6 +172,97 @@ def refuse_foreign_save(tier: Tier, step: int, snap: Any) -> None:
                            f"job's copy is never replaced; give this job its own local_dir)", step=step)
 
 
+#: how long making room in a full local tier waits for the deletions retention queued before
+DELETIONS_WAIT_S = 60.0
+
+#: the errnos of a full local tier (no space; over a quota)
+OUT_OF_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+def out_of_space(exc: BaseException) -> bool:
+    """Whether ``exc`` (or an error it was raised from) says the filesystem is full
+    (``ENOSPC``) or the quota is used up (``EDQUOT``)."""
+    seen: Set[int] = set()
+    e: Optional[BaseException] = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in OUT_OF_SPACE:
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def space_needed(nbytes: int) -> int:
+    """The free bytes a local save of ``nbytes`` tensor bytes is taken to need: the data, plus
+    1% and 64 KiB for the metadata, the manifest and the filesystem's block rounding."""
+    return nbytes + nbytes // 100 + 64 * 1024
+
+
+def free_bytes(tier: Tier) -> Optional[int]:
+    """Free bytes of the filesystem holding a local ``tier``'s directory (None where that is
+    not known: a tier that is not a local path, or a filesystem that does not say)."""
+    if not tier.store.storage.is_local:
+        return None
+    try:
+        return int(shutil.disk_usage(tier.store.storage.root).free)
+    except OSError:
+        return None
+
+
+def droppable(tier: Tier, coming: CheckpointInfo) -> List[int]:
+    """The committed copies of ``tier`` that its retention drops once the save ``coming`` (its
+    record: step, commit time, metrics) commits, oldest commit first: never the newest
+    committed copy (the save may still fail), never a step being written, never the step of
+    ``coming`` itself, never another job's copy (see :class:`OwnCopies`)."""
+    store = tier.store
+    ordered = sorted(store.catalog.infos().values(), key=lambda c: (c.commit_time, c.step))
+    if not ordered:
+        return []
+    newest = ordered[-1].step
+    at = max(coming.commit_time, ordered[-1].commit_time + 1e-6)  # it commits after every copy there
+    after = [c for c in ordered if c.step != coming.step] + [dataclasses.replace(coming, commit_time=at)]
+    keep = apply_retention(tier.retention, after) | {newest, coming.step} | store.catalog.in_flight()
+    return [c.step for c in ordered if c.step not in keep]
+
+
+def make_room(tier: Tier, coming: CheckpointInfo, need: Optional[int]) -> List[int]:
+    """Local writer thread, before the save ``coming`` (its record) to the local ``tier``, or
+    after one that found the tier full: when fewer than ``need`` bytes are free (``need``
+    None: free space unknown, the tier was found full), wait (at most :data:`DELETIONS_WAIT_S`) for the
+    deletions retention queued, then delete now, oldest commit first, the copies retention
+    drops anyway once it commits (:func:`droppable`: never the newest committed copy), until
+    ``need`` bytes are free. Returns the steps deleted. Never raises: a failure is logged and
+    the save goes on (and fails as it would)."""
+    step = coming.step
+    try:
+        if need is not None:
+            free = free_bytes(tier)
+            if free is None or free >= need:
+                return []
+        try:  # the deleter runs one job at a time, in order: this one ends after those queued
+            tier.store.deleter.submit(lambda: None).result(timeout=DELETIONS_WAIT_S)
+        except Exception as exc:  # noqa: BLE001 - shut down, or slower than the bound
+            log.warning("async_ckpt: making room in local_dir %s: pending deletions did not finish: %s",
+                        tier.url, exc)
+        dropped: List[int] = []
+        for s in droppable(tier, coming):
+            if need is not None:
+                free = free_bytes(tier)
+                if free is None or free >= need:
+                    break
+            paths = tier.store.catalog.condemn(s)
+            if not paths:
+                continue
+            tier.store.catalog.remove(s, paths)
+            dropped.append(s)
+            log.warning("async_ckpt: local_dir %s is full: deleted step %d before saving step %d (retention "
+                        "drops it once step %d commits)", tier.url, s, step, step)
+        return dropped
+    except Exception as exc:  # noqa: BLE001 - the save goes on and fails as it would
+        log.warning("async_ckpt: could not make room in local_dir %s for step %d: %s", tier.url, step, exc)
+        return []
+
+
 @dataclass
 class OwnCopies:
     """The local tier's retention: ``policy`` over this job's copies only; copies another job
@@ -210,8 +303,9 @@ def make_local_tier(local_dir: str, persistent: Storage, coord: Coordinator, clo
         raise StorageError(f"local_dir {storage.url!r} cannot be written: {exc}") from exc
     store = StepStore(storage, CheckpointLayout(storage, commit_mode), rank_local_coordinator(timeout_s), clock,
                       keep_incomplete=keep_incomplete, lease_timeout=lease_timeout)
-    tier = Tier(LOCAL, store, AsyncWriter(max_pending, name="async-ckpt-local-writer"), keep, save_policy,
-                home=root_identity(persistent))
+    # a full local_dir is logged and raised by join()/close(): the bucket's saves go on meanwhile
+    writer = AsyncWriter(max_pending, name="async-ckpt-local-writer", defer_if=out_of_space)
+    tier = Tier(LOCAL, store, writer, keep, save_policy, home=root_identity(persistent))
     tier.retention = OwnCopies(keep, tier)
     return tier
 
@@ -443,6 +537,64 @@ def _attempt(tier: Tier, step: int, coord: Coordinator, restore_one: Callable[[T
     return "; ".join(bad) if bad else None
 
 
+#: the block a promoted file is copied in: memory per file copy (4 at most at once)
+COPY_BLOCK_BYTES = 8 * 2**20
+
+
+def copy_file_verified(src: Storage, src_dir: str, name: str, record: FileRecord, dst: Storage, dst_dir: str, *,
+                       verify: bool = True, block_bytes: int = COPY_BLOCK_BYTES) -> None:
+    """Copy the step file ``src_dir/name`` to ``dst_dir/name`` in blocks of ``block_bytes``
+    (never the whole file in memory), checking it against its manifest ``record`` as it goes:
+    its size, and its CRC-32C with ``verify``.
+
+    Args:
+        src: the storage holding the step. src_dir: the step's directory there.
+        name: the file's name (as the manifest lists it). record: its manifest record.
+        dst: the storage to copy to. dst_dir: the directory there (it exists).
+        verify: check the CRC-32C too (sizes are always checked).
+        block_bytes: bytes read and written at a time.
+
+    Raises:
+        CorruptCheckpointError: the file is missing, is not a plain file inside ``src_dir``,
+            or its size or checksum is not the manifest's: nothing is left under ``dst_dir``
+            on object stores (the upload is not completed); a partial file may be on other
+            filesystems (the caller aborts the step).
+        StorageError: reading or writing failed.
+    """
+    check_file_name(name, where=f"{src_dir}/manifest")
+    where = f"{src_dir}/{name}"
+    problem = src.file_problem(where, src_dir)
+    if problem is not None:
+        raise CorruptCheckpointError(f"{where}: {problem}", path=where)
+    buf = memoryview(bytearray(max(1, min(block_bytes, record.size + 1))))  # +1: a longer file shows
+    crc, done = 0, 0
+    try:
+        with src.open_ranges(where) as reader, dst.open_write(f"{dst_dir}/{name}", size_hint=record.size) as out:
+            while True:
+                n = reader.read_into(done, buf)
+                if n <= 0:
+                    break
+                if done + n > record.size:
+                    raise CorruptCheckpointError(f"{where}: longer than the {record.size} bytes the manifest says",
+                                                 path=where)
+                if verify:
+                    crc = crc32c(buf[:n], crc)
+                out.write(buf[:n])
+                done += n
+            if done != record.size:
+                raise CorruptCheckpointError(f"{where}: size is {done} bytes, manifest says {record.size}",
+                                             path=where)
+            if verify and crc != record.crc32c:
+                raise CorruptCheckpointError(f"{where}: checksum mismatch (crc32c {crc:#010x}, manifest says "
+                                             f"{record.crc32c:#010x})", path=where)
+    except FileNotFoundError:
+        raise CorruptCheckpointError(f"{where}: file is missing", path=where) from None
+    except StorageError as exc:
+        if isinstance(exc.__cause__, (FileNotFoundError, IsADirectoryError, NotADirectoryError)):
+            raise CorruptCheckpointError(f"{where}: is not a readable file ({exc.__cause__})", path=where) from exc
+        raise
+
+
 def promote(local: Tier, persistent: Tier, step: int, *, verify: bool = True, threads: int = 8,
             retention: Optional[RetentionPolicy] = None) -> Tuple[Manifest, List[int]]:
     """Copy the local tier's committed ``step`` to the persistent tier and commit it there,
@@ -472,7 +624,6 @@ def promote(local: Tier, persistent: Tier, step: int, *, verify: bool = True, th
     if step in persistent.store.layout.committed_steps():  # never replace a (maybe newer) save
         raise CheckpointError(f"step {step} is already committed under {persistent.url}; delete it there first "
                               f"to replace it with the local copy", step=step)
-    reader = FsspecStorageReader(local.store.storage, path, files=manifest.files, verify=verify, threads=threads)
     dst = persistent.store
     catalog = dst.catalog
     catalog.begin_write(step)
@@ -483,10 +634,11 @@ def promote(local: Tier, persistent: Tier, step: int, *, verify: bool = True, th
         catalog.set_path(step, target.path)
         dst.storage.makedirs(target.path)
 
-        def copy(name: str) -> None:
-            dst.storage.write_bytes(f"{target.path}/{name}", reader.read_file(name))
+        def copy(name: str) -> None:  # in blocks: never a whole file in memory
+            copy_file_verified(local.store.storage, path, name, manifest.files[name], dst.storage, target.path,
+                               verify=verify)
 
-        with ThreadPoolExecutor(max(1, min(threads, 4, len(manifest.files)))) as pool:  # whole files in memory
+        with ThreadPoolExecutor(max(1, min(threads, 4, len(manifest.files)))) as pool:
             list(pool.map(copy, list(manifest.files)))
         dst.check_lease()
         extra = {k: v for k, v in manifest.extra.items() if k not in ("rank", "world_size", "tier", PERSISTENT_ROOT)}

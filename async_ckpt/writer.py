@@ -8,7 +8,9 @@ never hangs on a failed save.
 
 A writer made with ``defer_errors=True`` (the persistent tier's, when a local tier keeps
 training protected) logs each failure at once and raises it only from ``join``/``close``, so
-an unreachable bucket does not stop the training loop while local saves go on.
+an unreachable bucket does not stop the training loop while local saves go on. ``defer_if``
+defers only the failures it answers True for (the local tier's: a full disk, so that the
+bucket's saves go on while the local tier is full).
 """
 
 from __future__ import annotations
@@ -43,14 +45,16 @@ def _with_message(exc: CheckpointError, message: str) -> CheckpointError:
 class AsyncWriter:
     """Runs submitted jobs one after another on a daemon thread."""
 
-    def __init__(self, max_pending: int = 1, name: str = "async-ckpt-writer", *, defer_errors: bool = False) -> None:
+    def __init__(self, max_pending: int = 1, name: str = "async-ckpt-writer", *, defer_errors: bool = False,
+                 defer_if: Optional[Callable[[BaseException], bool]] = None) -> None:
         if not isinstance(max_pending, int) or max_pending < 1:
             raise ValueError(f"max_pending_async must be an int >= 1, got {max_pending!r}")
         self.max_pending = max_pending
         self.defer_errors = defer_errors
+        self.defer_if = defer_if
         self._slots = threading.BoundedSemaphore(max_pending)
         self._queue: "queue.Queue[Any]" = queue.Queue()
-        self._errors: List[Tuple[Optional[int], BaseException]] = []
+        self._errors: List[Tuple[Optional[int], BaseException, bool]] = []  # (step, error, deferred)
         self._lock = threading.Lock()
         self._pending = 0
         self._idle = threading.Condition(self._lock)
@@ -93,11 +97,12 @@ class AsyncWriter:
     def failed(self) -> bool:
         """Whether :meth:`raise_if_failed` (not ``deferred``) would raise now."""
         with self._lock:
-            return bool(self._errors) and not self.defer_errors
+            return any(not (self.defer_errors or d) for _, _, d in self._errors)
 
     def raise_if_failed(self, *, deferred: bool = False) -> None:
         """Raise the kept background failures (once; the list is then cleared). A writer with
-        ``defer_errors`` raises only when ``deferred`` (``join``/``close``).
+        ``defer_errors`` raises only when ``deferred`` (``join``/``close``); the failures
+        ``defer_if`` deferred too (the others are raised, and these kept, when not ``deferred``).
 
         One failure that is a :class:`CheckpointError` of its step is raised as it is; any other
         is wrapped in a :class:`CheckpointError` naming the step (chained from it). With several
@@ -105,9 +110,11 @@ class AsyncWriter:
         ``CheckpointError`` of its step), its message ending in ``(and N more failed save(s):
         steps [...])``, chained from the first failure."""
         with self._lock:
-            if not self._errors or (self.defer_errors and not deferred):
+            due = [e for e in self._errors if deferred or not (self.defer_errors or e[2])]
+            if not due:
                 return
-            errors, self._errors = self._errors, []
+            self._errors = [e for e in self._errors if not any(e is d for d in due)]
+        errors = [(s, x) for s, x, _ in due]
         step, exc = errors[0]
         more = f" (and {len(errors) - 1} more failed save(s): steps {[s for s, _ in errors[1:]]})" if len(errors) > 1 else ""
         if isinstance(exc, CheckpointError) and exc.step == step:
@@ -121,13 +128,19 @@ class AsyncWriter:
     def add_failure(self, step: Optional[int], exc: BaseException) -> None:
         """Keep ``exc`` as the failure of the save of ``step`` (a job that raised, or a save
         that failed before it was queued), raised as a job's failure is; a writer with
-        ``defer_errors`` logs it now."""
+        ``defer_errors`` (or a failure ``defer_if`` defers) logs it now."""
+        deferred = False
+        if self.defer_if is not None:
+            try:
+                deferred = bool(self.defer_if(exc))
+            except Exception:  # noqa: BLE001 - not deferred, then
+                deferred = False
         with self._lock:
             if len(self._errors) < MAX_KEPT_ERRORS:
-                self._errors.append((step, exc))
+                self._errors.append((step, exc, deferred))
             else:  # a long outage: keep the first errors and the failed steps
-                self._errors[-1] = (step, exc)
-        if self.defer_errors:
+                self._errors[-1] = (step, exc, deferred)
+        if self.defer_errors or deferred:
             log.error("async_ckpt: %s: save of step %s failed (raised at join()/close()): %s: %s",
                       self._thread.name, step, type(exc).__name__, exc)
 

@@ -111,7 +111,9 @@ def local_failure_on_one_rank(model, optim, rank: int, ref_dir: str) -> None:
 
 
 def fail_first_local_commit(m, after_s: float) -> None:
-    """This rank's first local commit fails with ENOSPC ``after_s`` seconds in (the others pass)."""
+    """This rank's first local commit fails (EROFS) ``after_s`` seconds in (the others pass). Not
+    ENOSPC: a full local_dir is logged and raised by join()/close(), not by the next save
+    (tests/test_tiers_space.py); every other local failure is raised by the next agreement."""
     import errno
     import time
 
@@ -121,7 +123,7 @@ def fail_first_local_commit(m, after_s: float) -> None:
         calls[0] += 1
         if calls[0] == 1:
             time.sleep(after_s)
-            raise OSError(errno.ENOSPC, "No space left on device (simulated)")
+            raise OSError(errno.EROFS, "Read-only file system (simulated)")
         return real(target, manifest)
 
     m._local.store.layout.commit = slow_fail
@@ -245,7 +247,7 @@ def resave_on_one_rank(rank: int, ref_dir: str) -> None:
         m.restore(4, sd(0))
         if rank == 0:
             def fail(*a, **k):
-                raise OSError(errno.ENOSPC, "No space left on device (simulated)")
+                raise OSError(errno.EROFS, "Read-only file system (simulated)")
 
             m._local.store.layout.commit = fail
         m.save_async(5, sd(55))

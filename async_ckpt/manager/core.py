@@ -26,6 +26,7 @@ from ..lifecycle.restore import restore as _restore
 from ..lifecycle.save_job import SaveJob, run_save
 from ..lifecycle.steps import StepStore
 from ..policies import (
+    CheckpointInfo,
     EveryNSteps,
     KeepAll,
     KeepLatest,
@@ -47,8 +48,11 @@ from ..tiers import (
     SAVE_ID,
     Tier,
     make_local_tier,
+    make_room,
+    out_of_space,
     refuse_foreign_save,
     restore_from_tiers,
+    space_needed,
 )
 from ..writer import AsyncWriter
 from .actions import StepActions
@@ -129,7 +133,10 @@ class CheckpointManager(SaveDecisions, TierListing, StepActions):
         local_policy: when to save to ``local_dir``: a save policy, a callable
             ``fn(step) -> bool`` or an int N (every N steps); default: the save policy.
         local_retention: retention of ``local_dir``: a policy or an int N (keep the N newest
-            commits); default 2.
+            commits); default 2. ``local_dir`` needs room for N + 1 copies (a save is written
+            before the oldest goes); with less, a save first deletes what retention would drop
+            after it, never the newest copy. A local write that fails for want of space is
+            logged and raised by :meth:`join`/:meth:`close` (see docs/tiers.md).
         wall_clock: the clock of the commit times recorded in manifests (default
             ``time.time``; commit order survives it stepping back).
         interval_clock: the clock time-based save policies measure intervals with (the times
@@ -398,6 +405,8 @@ class CheckpointManager(SaveDecisions, TierListing, StepActions):
         if wait:
             if shared is not None:  # a failure one rank recorded after the agreement: all raise it together
                 self._settle()
+            for tier in due:  # every tier's copy has landed before one's failure is raised
+                tier.writer.wait_idle()
             for tier in due:
                 tier.writer.join()
             if taken and not take:  # the root could not be reached: raised as a failed upload is
@@ -406,12 +415,25 @@ class CheckpointManager(SaveDecisions, TierListing, StepActions):
 
     def _persist(self, job: SaveJob, tier: Tier) -> None:
         """Writer thread of ``tier``: the save job, then statistics and the user's callback. A
-        local save of a step another job's copy holds fails (:class:`ForeignCopyError`)."""
+        local save of a step another job's copy holds fails (:class:`ForeignCopyError`); one
+        that finds ``local_dir`` full first deletes the copies retention drops once it commits
+        (see :func:`~async_ckpt.tiers.make_room`), and again after failing for want of space."""
+        coming: Optional[CheckpointInfo] = None
         if tier.name == LOCAL:
             refuse_foreign_save(tier, job.step, job.snap)
+            if job.snap is not None:  # a full local_dir: drop now what retention drops after this save
+                at = job.commit_at if job.commit_at is not None else self._clock()
+                coming = CheckpointInfo(job.step, at,
+                                        dict(job.metrics), job.snap.nbytes, dict(job.manifest_extra))
+                make_room(tier, coming, space_needed(job.snap.nbytes))
         planner = save_planner_for(job.snap) if job.snap is not None else None
         policy = self.retention if tier.name == PERSISTENT else tier.retention
-        stats = run_save(tier.store, job, policy=policy, threads=self.write_threads, planner=planner)
+        try:
+            stats = run_save(tier.store, job, policy=policy, threads=self.write_threads, planner=planner)
+        except BaseException as exc:
+            if coming is not None and out_of_space(exc):  # found full after all: the next save finds room
+                make_room(tier, coming, None)
+            raise
         if stats is not None:
             self._after_commit(stats)
 
