@@ -18,12 +18,14 @@ import json
 import logging
 import os
 import socket
+import stat
 import threading
 import time
 import uuid
 from typing import Any, Dict, Optional, Protocol
 
-from ..errors import LeaseHeldError
+from ..errors import LeaseHeldError, StorageError
+from .backends.posix import open_nofollow
 from .fs import Storage
 
 log = logging.getLogger("async_ckpt")
@@ -75,7 +77,18 @@ class PosixLease:
 
         if self._fd is not None:
             return
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = open_nofollow(self.path, os.O_RDWR | os.O_CREAT)  # a link there is never written through
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+                raise StorageError(
+                    f"refusing to use {self.path} as the writer lock: it is "
+                    f"{'not a regular file' if not stat.S_ISREG(st.st_mode) else 'a hard link to another file'}"
+                    f", and async_ckpt never writes through one (remove it, or use a directory that only "
+                    f"this job can write)")
+        except BaseException:
+            os.close(fd)
+            raise
         deadline = time.monotonic() + max(0.0, timeout)
         while True:
             try:
