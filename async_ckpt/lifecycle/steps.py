@@ -12,7 +12,7 @@ import logging
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, List, Optional
 
-from ..errors import StepNotFoundError
+from ..errors import LeaseHeldError, StepNotFoundError
 from ..policies import RetentionPolicy
 from ..storage import CheckpointLayout, Storage
 from ..storage.lease import writer_lease
@@ -44,8 +44,15 @@ class StepStore:
     def become_writer(self) -> None:
         """Take the root's writer lease before the first write; then settle what a dead writer
         left: finish interrupted commits, clean up incomplete steps (in the background)."""
-        if self.lease is None or self.lease.held:
+        if self.lease is None:
             return
+        if self.lease.held:
+            try:
+                self.lease.check()
+                return
+            except LeaseHeldError as exc:  # lost (taken over, or lapsed): give up our claim, then take it again
+                log.warning("async_ckpt: %s; taking the writer lease again", exc)
+                self.lease.release()
         self.lease.acquire(self.lease_timeout)
         self.catalog.enable_cache()
         self.catalog.forget()
@@ -53,10 +60,16 @@ class StepStore:
         if not self.keep_incomplete:
             self.in_background(self.cleanup_incomplete)
 
-    def check_lease(self) -> None:
-        """Raise if the lease was lost (object stores: another writer took it over)."""
+    def check_lease(self, step: Optional[int] = None) -> None:
+        """Right before a commit or a delete: raise :class:`LeaseHeldError` (of ``step``)
+        unless this store can prove it still holds the lease (object stores: not taken over,
+        and renewed within the TTL)."""
         if self.lease is not None:
-            self.lease.check()
+            try:
+                self.lease.check()
+            except LeaseHeldError as exc:
+                exc.step = step
+                raise
 
     def warn_if_lower(self, step: int, restored: Optional[int]) -> None:
         """One warning when a save goes below the highest committed step without a restore.
@@ -95,6 +108,11 @@ class StepStore:
         dropped = []
         for s in drops:
             try:
+                self.check_lease()
+            except LeaseHeldError as exc:
+                log.error("async_ckpt: retention deletes nothing: %s", exc)
+                break
+            try:
                 paths = self.catalog.condemn(s)
             except Exception as exc:
                 log.warning("async_ckpt: could not delete step %d: %s", s, exc)
@@ -107,6 +125,7 @@ class StepStore:
 
     def _remove(self, step: int, paths: List[str]) -> None:
         try:
+            self.check_lease(step)  # a successor may be re-saving this step into the same directory
             self.catalog.remove(step, paths)
         except Exception as exc:  # the step is already unmarked: cleanup finishes it later
             log.warning("async_ckpt: could not remove the files of step %d: %s", step, exc)
@@ -115,13 +134,16 @@ class StepStore:
         """Delete a committed step now (the caller holds the lease)."""
         if step not in self.layout.committed_steps():
             raise StepNotFoundError(f"no committed checkpoint for step {step} under {self.storage.url}", step=step)
+        self.check_lease(step)
         paths = self.catalog.condemn(step)
+        self.check_lease(step)
         self.catalog.remove(step, paths)
         log.info("async_ckpt: deleted step %d (delete())", step)
 
     def recover(self) -> None:
         """Finish commits a crash interrupted (see ``CheckpointLayout.recover``)."""
         try:
+            self.check_lease()
             for step in self.layout.recover():
                 log.warning("async_ckpt: completed the commit of step %d, which a crash had interrupted", step)
         except Exception as exc:
@@ -140,6 +162,7 @@ class StepStore:
                     if not trash and self.storage.exists(f"{path}/{MARKER_NAME}"):
                         continue  # committed since it was listed
                     log.info("async_ckpt: removing incomplete checkpoint %s", path)
+                    self.check_lease(step)
                     self.layout.remove(self.layout.condemn_dir(path))
                 finally:
                     self.catalog.release_delete(step)

@@ -22,7 +22,7 @@ import stat
 import threading
 import time
 import uuid
-from typing import Any, Dict, Optional, Protocol
+from typing import Any, Callable, Dict, Optional, Protocol
 
 from ..errors import LeaseHeldError, StorageError
 from .backends.posix import open_nofollow
@@ -32,6 +32,9 @@ log = logging.getLogger("async_ckpt")
 
 LOCK_NAME = ".async_ckpt.lock"
 LEASE_NAME = ".async_ckpt.lease"
+#: a lease-object holder commits or deletes only while its last renewal is younger than this
+#: share of the TTL (the heartbeat renews every third of it: one failed beat is tolerated)
+SAFE_SHARE = 0.75
 
 
 def _me() -> Dict[str, Any]:
@@ -55,7 +58,8 @@ class WriterLease(Protocol):
         live writer keeps it."""
 
     def check(self) -> None:
-        """Raise :class:`LeaseHeldError` if the lease was lost since it was taken."""
+        """Raise :class:`LeaseHeldError` unless this holder can prove it still holds the lease
+        (called right before every commit and every delete)."""
 
     def release(self) -> None:
         """Give the lease up (a no-op when not held)."""
@@ -140,15 +144,18 @@ class PosixLease:
 class ObjectStoreLease:
     """A lease object with an expiry, renewed by a heartbeat thread, for stores without locks."""
 
-    def __init__(self, storage: Storage, ttl_s: float = 30.0) -> None:
+    def __init__(self, storage: Storage, ttl_s: float = 30.0, *, clock: Callable[[], float] = time.monotonic) -> None:
         if ttl_s <= 0:
             raise ValueError(f"lease ttl must be > 0, got {ttl_s!r}")
         self.storage = storage
         self.path = storage.join(LEASE_NAME)
         self.ttl_s = ttl_s
+        #: monotonic clock of "time since the last renewal" (injectable for tests)
+        self.clock = clock
         self.token = uuid.uuid4().hex
         self._held = False
         self._lost: Optional[str] = None
+        self._renewed = float("-inf")  # self.clock() when the last successful renewal was issued
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
 
@@ -182,18 +189,23 @@ class ObjectStoreLease:
                 pass
         return False
 
-    def _write(self) -> None:
+    def _write(self, token: str) -> float:
+        """Write the lease object; returns ``self.clock()`` from before the write (the lease
+        is ours until that moment plus the TTL, whatever the write's latency)."""
+        issued = self.clock()
         self.storage.write_bytes(self.path, json.dumps(
-            {**_me(), "token": self.token, "expires": time.time() + self.ttl_s}).encode())
+            {**_me(), "token": token, "expires": time.time() + self.ttl_s}).encode())
+        return issued
 
     def acquire(self, timeout: float = 0.0) -> None:
         if self._held:
             return
+        self.token = uuid.uuid4().hex  # each holding its own: a late write of an earlier one is foreign
         deadline = time.monotonic() + max(0.0, timeout)
         while True:
             cur = self._read()
             if self._free(cur):
-                self._write()
+                issued = self._write(self.token)
                 time.sleep(0.05)  # a writer that raced us wrote after our read: its object wins
                 after = self._read()
                 if after is not None and after.get("token") == self.token:
@@ -210,26 +222,63 @@ class ObjectStoreLease:
                     f"only one writer per checkpoint root is allowed. Open it read-only (list/restore "
                     f"only), write elsewhere, or pass lease_timeout= to wait", holder=_describe(cur))
             time.sleep(min(1.0, max(0.05, deadline - time.monotonic())))
-        self._held, self._lost = True, None
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._heartbeat, name="async-ckpt-lease", daemon=True)
+        self._held, self._lost, self._renewed = True, None, issued
+        self._stop = threading.Event()  # this holding's own: a stuck beat of an earlier one stays stopped
+        self._thread = threading.Thread(target=self._heartbeat, args=(self.token, self._stop),
+                                        name="async-ckpt-lease", daemon=True)
         self._thread.start()
 
-    def _heartbeat(self) -> None:
-        while not self._stop.wait(self.ttl_s / 3):
+    def _age(self) -> float:
+        return self.clock() - self._renewed
+
+    def _lapsed(self) -> Optional[str]:
+        """Why this holder can no longer prove it holds the lease (None: it can). Its last
+        renewal must be younger than ``SAFE_SHARE`` of the TTL: others may take the lease
+        once the TTL has passed by their wall clock, which may run ahead of ours."""
+        age = self._age()
+        if age < self.ttl_s * SAFE_SHARE:
+            return None
+        return (f"this writer's lease was last renewed {age:.1f} s ago, and it is valid for {self.ttl_s:g} s "
+                f"(a network partition, a suspended process or a hung request kept the heartbeat from renewing "
+                f"it), so another writer may have taken the root over")
+
+    def _heartbeat(self, token: str, stop: threading.Event) -> None:
+        while not stop.wait(self.ttl_s / 3):
+            if self._lost is not None:
+                return
+            lapsed = self._lapsed()
+            if lapsed is not None:  # never renewed after the fact: a successor may hold it now
+                if not stop.is_set():
+                    self._lost = lapsed
+                log.error("async_ckpt: %s; this manager commits and deletes nothing until its next save "
+                          "takes the lease again", lapsed)
+                return
             try:
                 cur = self._read()
-                if cur is not None and cur.get("token") != self.token:
-                    self._lost = f"the writer lease was taken over by {_describe(cur)}"
+                if cur is not None and cur.get("token") != token:
+                    if not stop.is_set():
+                        self._lost = f"the writer lease was taken over by {_describe(cur)}"
                     log.error("async_ckpt: %s; this manager's next commit fails", self._lost)
                     return
-                self._write()
+                issued = self._write(token)
+                if not stop.is_set():
+                    self._renewed = max(self._renewed, issued)
             except Exception as exc:  # a transient error: the next beat tries again
                 log.warning("async_ckpt: could not renew the writer lease: %s", exc)
 
     def check(self) -> None:
-        if self._lost is not None:
-            raise LeaseHeldError(f"{self.storage.url!r}: {self._lost}")
+        """Prove this holder still holds the lease, right before a commit or a delete.
+
+        Raises:
+            LeaseHeldError: the heartbeat saw another writer's lease object, or the last
+                successful renewal is older than ``SAFE_SHARE`` of the TTL (by ``clock``).
+        """
+        if not self._held:
+            raise LeaseHeldError(f"{self.storage.url!r}: this manager does not hold the writer lease")
+        why = self._lost or self._lapsed()
+        if why is not None:
+            raise LeaseHeldError(f"{self.storage.url!r}: {why}; nothing was committed or deleted. The next save "
+                                 f"takes the lease again if it is free")
 
     def release(self) -> None:
         if not self._held:
@@ -237,7 +286,7 @@ class ObjectStoreLease:
         self._held = False
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=5)
+            self._thread.join(timeout=5)  # bounded: a beat stuck in a hung request is left behind
         try:
             cur = self._read()
             if cur is not None and cur.get("token") == self.token:
