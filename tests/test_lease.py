@@ -43,8 +43,11 @@ def root(request, tmp_path):
 
 
 def test_a_second_writer_is_refused_naming_the_holder(root):
-    a = CheckpointManager(root)
-    a.save(1, sd(1))
+    # the holder is busy (a save in flight): an idle manager of this process would be taken over
+    committed, gate = threading.Event(), threading.Event()
+    a = CheckpointManager(root, on_saved=lambda s: (committed.set(), gate.wait(30)))
+    a.save_async(1, sd(1))
+    assert committed.wait(30)
     b = CheckpointManager(root)  # constructing, listing and restoring need no lease
     assert b.all_steps() == [1]
     b.restore(1, zeros())
@@ -54,6 +57,7 @@ def test_a_second_writer_is_refused_naming_the_holder(root):
     with pytest.raises(LeaseHeldError):
         b.delete(1)
     assert b.all_steps() == [1]
+    gate.set()
     a.close()  # releases the lease
     assert b.save(2, sd(2))
     assert b.all_steps() == [1, 2]
@@ -345,3 +349,38 @@ def test_the_lease_check_tolerates_one_missed_beat_but_not_the_ttl():
     with pytest.raises(LeaseHeldError, match="last renewed 23.0 s ago"):
         lease.check()
     lease.release()
+
+
+# ---- a dropped manager releases its lease at once (issue 25, item 10) ----------------------
+
+def test_dropping_the_last_reference_releases_the_lease_without_a_cyclic_gc(root, tmp_path):
+    import weakref
+
+    gc.collect()
+    gc.disable()
+    try:
+        mgr = CheckpointManager(root, 10, max_to_keep=3, stats_log=True, local_dir=str(tmp_path / "local"))
+        mgr.save(0, sd(0))
+        ref = weakref.ref(mgr)
+        del mgr
+        assert ref() is None  # no reference cycle through the manager
+        other = CheckpointManager(root, 10, max_to_keep=3)
+        assert other.save(10, sd(10))  # the lease was released by the finalizer
+        assert other.all_steps() == [0, 10]
+        other.close()
+    finally:
+        gc.enable()
+
+
+def test_a_busy_manager_of_this_process_keeps_its_lease(root):
+    gate = threading.Event()
+    first = CheckpointManager(root, on_saved=lambda s: gate.wait(30))
+    first.save_async(1, sd(1))  # still in flight: its on_saved holds the writer
+    second = CheckpointManager(root)
+    with pytest.raises(LeaseHeldError, match="in flight: close"):
+        second.save(2, sd(2))
+    gate.set()
+    first.close()
+    assert second.save(2, sd(2))
+    assert second.all_steps() == [1, 2]
+    second.close()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, List, Optional
 
@@ -38,6 +39,8 @@ class StepStore:
         self.lease = writer_lease(storage) if coordinator.is_primary else None
         self.deleter = ThreadPoolExecutor(1, thread_name_prefix="async-ckpt-delete")
         self._warned_lower = False
+        self._busy = 0  # background deletions queued or running
+        self._busy_cond = threading.Condition()
         self._top: Optional[int] = None  # highest step committed or saved, once listed
 
     # ---- the writer lease --------------------------------------------------------------------
@@ -92,10 +95,26 @@ class StepStore:
     # ---- retention and deletion --------------------------------------------------------------
     def in_background(self, fn: Callable[[], None]) -> None:
         """Run deletions off the writer thread, so they never delay the next save."""
+        def run() -> None:
+            try:
+                fn()
+            finally:
+                with self._busy_cond:
+                    self._busy -= 1
+                    self._busy_cond.notify_all()
+
+        with self._busy_cond:
+            self._busy += 1
         try:
-            self.deleter.submit(fn)
+            self.deleter.submit(run)
         except RuntimeError:  # executor already shut down (close() or interpreter exit)
-            fn()
+            run()
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds until no deletion is queued or running in the
+        background; whether none is."""
+        with self._busy_cond:
+            return self._busy_cond.wait_for(lambda: self._busy == 0, timeout=timeout)
 
     def apply_retention(self, policy: RetentionPolicy) -> List[int]:
         """Right after a commit (rank 0): the steps ``policy`` drops stop being committed now

@@ -22,6 +22,7 @@ import stat
 import threading
 import time
 import uuid
+import weakref
 from typing import Any, Callable, Dict, Optional, Protocol
 
 from ..errors import LeaseHeldError, StorageError
@@ -47,6 +48,65 @@ def _describe(info: Optional[Dict[str, Any]]) -> str:
     return f"pid {info.get('pid', '?')} on {info.get('host', '?')}"
 
 
+_here_lock = threading.Lock()
+#: the lease each root's holder in this process took, by root (see :class:`_ProcessLocal`)
+_here: "Dict[str, weakref.ref[_ProcessLocal]]" = {}
+
+
+class _ProcessLocal:
+    """What both leases share: a manager of this process may take over the lease another
+    manager of this process holds on the same root while that one is idle (torch_xla's tests
+    and notebooks re-create a manager without closing the first); the old one then refuses
+    every later save and delete with a clear :class:`LeaseHeldError`."""
+
+    key: str
+    #: whether the manager holding this lease has no save or deletion in flight (set by it)
+    idle: Optional[Callable[[], bool]] = None
+    _superseded: Optional[str] = None
+
+    @property
+    def held(self) -> bool:  # pragma: no cover - each lease's own
+        raise NotImplementedError
+
+    def release(self) -> None:  # pragma: no cover - each lease's own
+        raise NotImplementedError
+
+    def _refuse_if_superseded(self) -> None:
+        if self._superseded is not None:
+            raise LeaseHeldError(self._superseded, holder=_describe(_me()))
+
+    def _take_over_here(self) -> Optional[str]:
+        """Before taking the lease: supersede an idle holder of this process on the same root.
+        Returns a hint for the error when the holder here is busy (None otherwise)."""
+        with _here_lock:
+            ref = _here.get(self.key)
+            old = ref() if ref is not None else None
+        if old is None or old is self or not old.held:
+            return None
+        idle = old.idle
+        if idle is not None and not idle():
+            return (" (another CheckpointManager of this process holds it and has saves or deletions in flight: "
+                    "close() it first)")
+        old._superseded = (
+            f"{self.key!r}: the writer lease of this CheckpointManager was taken over by another "
+            f"CheckpointManager of this process (pid {os.getpid()}) on the same root; this one no longer "
+            f"saves or deletes there. Use the new manager (or close() this one before creating another)")
+        log.warning("async_ckpt: a new CheckpointManager takes over the writer lease of %s from an idle "
+                    "one of this process (close() a manager you no longer use)", self.key)
+        old.release()
+        return None
+
+    def _register_here(self) -> None:
+        with _here_lock:
+            _here[self.key] = weakref.ref(self)
+
+    def _unregister_here(self) -> None:
+        with _here_lock:
+            ref = _here.get(self.key)
+            if ref is not None and ref() in (None, self):
+                del _here[self.key]
+
+
 class WriterLease(Protocol):
     """What the manager needs of a lease."""
 
@@ -65,11 +125,12 @@ class WriterLease(Protocol):
         """Give the lease up (a no-op when not held)."""
 
 
-class PosixLease:
+class PosixLease(_ProcessLocal):
     """``flock`` on a lock file in the root (advisory: every async_ckpt writer takes it)."""
 
     def __init__(self, root: str) -> None:
         self.path = os.path.join(root, LOCK_NAME)
+        self.key = os.path.realpath(root)
         self._fd: Optional[int] = None
 
     @property
@@ -81,6 +142,8 @@ class PosixLease:
 
         if self._fd is not None:
             return
+        self._refuse_if_superseded()
+        busy = self._take_over_here() or ""
         fd = open_nofollow(self.path, os.O_RDWR | os.O_CREAT)  # a link there is never written through
         try:
             st = os.fstat(fd)
@@ -104,13 +167,14 @@ class PosixLease:
                     os.close(fd)
                     raise LeaseHeldError(
                         f"{os.path.dirname(self.path)!r} has a live writer ({_describe(holder)} holds "
-                        f"{self.path}); only one writer per checkpoint root is allowed. Open it read-only "
+                        f"{self.path}){busy}; only one writer per checkpoint root is allowed. Open it read-only "
                         f"(list/restore only), write elsewhere, or pass lease_timeout= to wait",
                         holder=_describe(holder)) from None
                 time.sleep(0.05)
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(_me()).encode(), 0)
         self._fd = fd
+        self._register_here()
 
     @staticmethod
     def _read_holder(fd: int) -> Optional[Dict[str, Any]]:
@@ -120,7 +184,9 @@ class PosixLease:
             return None
 
     def check(self) -> None:
-        return None  # a flock is never lost while its descriptor is open
+        """A flock is never lost while its descriptor is open; only a manager of this process
+        that took it over makes this one refuse (:class:`LeaseHeldError`)."""
+        self._refuse_if_superseded()
 
     def release(self) -> None:
         import fcntl
@@ -128,6 +194,7 @@ class PosixLease:
         fd, self._fd = self._fd, None
         if fd is None:
             return
+        self._unregister_here()
         try:
             fcntl.flock(fd, fcntl.LOCK_UN)
         finally:
@@ -141,7 +208,7 @@ class PosixLease:
             os.close(fd)
 
 
-class ObjectStoreLease:
+class ObjectStoreLease(_ProcessLocal):
     """A lease object with an expiry, renewed by a heartbeat thread, for stores without locks."""
 
     def __init__(self, storage: Storage, ttl_s: float = 30.0, *, clock: Callable[[], float] = time.monotonic) -> None:
@@ -149,6 +216,7 @@ class ObjectStoreLease:
             raise ValueError(f"lease ttl must be > 0, got {ttl_s!r}")
         self.storage = storage
         self.path = storage.join(LEASE_NAME)
+        self.key = storage.url
         self.ttl_s = ttl_s
         #: monotonic clock of "time since the last renewal" (injectable for tests)
         self.clock = clock
@@ -200,6 +268,8 @@ class ObjectStoreLease:
     def acquire(self, timeout: float = 0.0) -> None:
         if self._held:
             return
+        self._refuse_if_superseded()
+        busy = self._take_over_here() or ""
         self.token = uuid.uuid4().hex  # each holding its own: a late write of an earlier one is foreign
         deadline = time.monotonic() + max(0.0, timeout)
         while True:
@@ -218,11 +288,12 @@ class ObjectStoreLease:
                 except (KeyError, TypeError, ValueError):
                     pass
                 raise LeaseHeldError(
-                    f"{self.storage.url!r} has a live writer ({_describe(cur)} holds {self.path}{left}); "
+                    f"{self.storage.url!r} has a live writer ({_describe(cur)} holds {self.path}{left}){busy}; "
                     f"only one writer per checkpoint root is allowed. Open it read-only (list/restore "
                     f"only), write elsewhere, or pass lease_timeout= to wait", holder=_describe(cur))
             time.sleep(min(1.0, max(0.05, deadline - time.monotonic())))
         self._held, self._lost, self._renewed = True, None, issued
+        self._register_here()
         self._stop = threading.Event()  # this holding's own: a stuck beat of an earlier one stays stopped
         self._thread = threading.Thread(target=self._heartbeat, args=(self.token, self._stop),
                                         name="async-ckpt-lease", daemon=True)
@@ -273,6 +344,7 @@ class ObjectStoreLease:
             LeaseHeldError: the heartbeat saw another writer's lease object, or the last
                 successful renewal is older than ``SAFE_SHARE`` of the TTL (by ``clock``).
         """
+        self._refuse_if_superseded()
         if not self._held:
             raise LeaseHeldError(f"{self.storage.url!r}: this manager does not hold the writer lease")
         why = self._lost or self._lapsed()
@@ -284,6 +356,7 @@ class ObjectStoreLease:
         if not self._held:
             return
         self._held = False
+        self._unregister_here()
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)  # bounded: a beat stuck in a hung request is left behind
