@@ -60,7 +60,8 @@ class _ProcessLocal:
     every later save and delete with a clear :class:`LeaseHeldError`."""
 
     key: str
-    #: whether the manager holding this lease has no save or deletion in flight (set by it)
+    #: set by a manager: whether it has no save or deletion in flight (a lease without it, the
+    #: CLI's, neither takes over nor is taken over)
     idle: Optional[Callable[[], bool]] = None
     _superseded: Optional[str] = None
 
@@ -81,10 +82,9 @@ class _ProcessLocal:
         with _here_lock:
             ref = _here.get(self.key)
             old = ref() if ref is not None else None
-        if old is None or old is self or not old.held:
-            return None
-        idle = old.idle
-        if idle is not None and not idle():
+        if old is None or old is self or not old.held or self.idle is None or old.idle is None:
+            return None  # only a manager's lease takes over, and only from a manager (not the CLI's)
+        if not old.idle():
             return (" (another CheckpointManager of this process holds it and has saves or deletions in flight: "
                     "close() it first)")
         old._superseded = (
