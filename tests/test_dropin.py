@@ -16,7 +16,7 @@ import uuid
 import pytest
 import torch
 
-from async_ckpt import CheckpointManager, StepNotFoundError
+from async_ckpt import CheckpointManager, LeaseHeldError, StepNotFoundError
 
 from .conftest import assert_bitwise_equal
 
@@ -75,6 +75,57 @@ def test_manager_max_to_keep_by_commit_order_across_restart(root):
         target = zeros()
         mgr.restore(step, target)
         assert_bitwise_equal(target, sd(value))
+    mgr.close()
+
+
+def test_manager_max_to_keep_recreated_without_close_verbatim(root):
+    """torch_xla's ``test_manager_max_to_keep`` as it is written there: the second manager is
+    created on the same directory while the first was never closed (and still referenced
+    until the assignment). Its first save must work, not raise ``LeaseHeldError`` naming its
+    own pid."""
+    state_dict = sd(3)
+    chkpt_mgr = CheckpointManager(root, save_interval=10, max_to_keep=2, chkpt_on_preemption=False)
+    assert chkpt_mgr.all_steps() == []
+    assert chkpt_mgr.save(10, state_dict)
+    assert set(chkpt_mgr.all_steps()) == {10}
+    assert chkpt_mgr.save(20, state_dict)
+    assert set(chkpt_mgr.all_steps()) == {10, 20}
+    assert chkpt_mgr.save(30, state_dict)
+    assert set(chkpt_mgr.all_steps()) == {30, 20}
+    assert chkpt_mgr.save(10, state_dict)
+    assert set(chkpt_mgr.all_steps()) == {30, 10}
+    # The deletion order should persist across executions
+    chkpt_mgr = CheckpointManager(root, save_interval=10, max_to_keep=2, chkpt_on_preemption=False)
+    assert chkpt_mgr.save(20, state_dict)
+    assert set(chkpt_mgr.all_steps()) == {20, 10}
+    target = zeros()
+    chkpt_mgr.restore(20, target)
+    assert_bitwise_equal(target, state_dict)
+    chkpt_mgr.close()
+
+
+def test_a_second_manager_takes_over_an_idle_first_one_of_this_process(root):
+    """The issue's scenario (save_interval=10, max_to_keep=3, steps 0..100), with the first
+    manager still referenced: the new one takes the lease over; the old one refuses."""
+    first = CheckpointManager(root, 10, max_to_keep=3)
+    for step in range(0, 101):
+        first.save(step, sd(step))
+    assert first.all_steps() == [80, 90, 100]
+    mgr = CheckpointManager(root, 10, max_to_keep=3)
+    assert mgr.all_steps() == [80, 90, 100]
+    assert mgr.save(110, sd(110))
+    assert mgr.all_steps() == [90, 100, 110]
+    assert mgr.steps_in_commit_order() == [90, 100, 110]
+    with pytest.raises(LeaseHeldError, match="taken over by another CheckpointManager of this process"):
+        first.save(120, sd(120))
+    with pytest.raises(LeaseHeldError, match="taken over"):
+        first.delete(90)
+    assert mgr.all_steps() == [90, 100, 110]
+    for step in mgr.all_steps():
+        target = zeros()
+        mgr.restore(step, target)
+        assert_bitwise_equal(target, sd(step))
+    first.close()
     mgr.close()
 
 

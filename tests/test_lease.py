@@ -43,8 +43,11 @@ def root(request, tmp_path):
 
 
 def test_a_second_writer_is_refused_naming_the_holder(root):
-    a = CheckpointManager(root)
-    a.save(1, sd(1))
+    # the holder is busy (a save in flight): an idle manager of this process would be taken over
+    committed, gate = threading.Event(), threading.Event()
+    a = CheckpointManager(root, on_saved=lambda s: (committed.set(), gate.wait(30)))
+    a.save_async(1, sd(1))
+    assert committed.wait(30)
     b = CheckpointManager(root)  # constructing, listing and restoring need no lease
     assert b.all_steps() == [1]
     b.restore(1, zeros())
@@ -54,6 +57,7 @@ def test_a_second_writer_is_refused_naming_the_holder(root):
     with pytest.raises(LeaseHeldError):
         b.delete(1)
     assert b.all_steps() == [1]
+    gate.set()
     a.close()  # releases the lease
     assert b.save(2, sd(2))
     assert b.all_steps() == [1, 2]
@@ -261,3 +265,122 @@ def test_an_unclosed_manager_stops_its_threads_when_collected(tmp_path):
             break
         time.sleep(0.05)
     assert not extra, [t.name for t in extra]
+
+
+# ---- an object-store lease that lapsed (issue 25, item 2) -----------------------------------
+
+def _expire_lease_object(st: Storage) -> None:
+    """What the others see once the holder's heartbeat stopped renewing for the TTL."""
+    cur = json.loads(st.read_bytes(st.join(LEASE_NAME)))
+    st.write_bytes(st.join(LEASE_NAME), json.dumps({**cur, "expires": time.time() - 1}).encode())
+
+
+def test_a_writer_whose_lease_lapsed_neither_commits_nor_deletes():
+    """A saves 1; A's lease is not renewed for the TTL; B takes it over and saves 2
+    (max_to_keep=1); A's save of 3 raises LeaseHeldError and deletes nothing of B's."""
+    url = f"memory://lease-{uuid.uuid4().hex}"
+    st = Storage(url)
+    now = [1000.0]
+    a = CheckpointManager(url, max_to_keep=1)
+    a._store.lease.clock = lambda: now[0]  # A's monotonic clock: no real sleeping
+    assert a.save(1, sd(1))
+    now[0] += a._store.lease.ttl_s + 1  # A's heartbeat could not renew (a partition, a suspended process)
+    _expire_lease_object(st)
+    b = CheckpointManager(url, max_to_keep=1)
+    assert b.save(2, sd(2))
+    assert b.all_steps() == [2]
+    with pytest.raises(LeaseHeldError):
+        a.save(3, sd(3))
+    with pytest.raises(LeaseHeldError):
+        a.delete(2)
+    assert Storage(url).exists(st.join("2"))
+    r = CheckpointManager(url)
+    assert r.all_steps() == [2]
+    t = zeros()
+    r.restore(2, t)
+    assert_bitwise_equal(t, sd(2))
+    b.close()
+    a.close()
+
+
+def test_a_queued_save_whose_lease_lapsed_before_its_commit_is_not_committed():
+    """The lease was valid when the save was queued and lapsed before its commit: the commit
+    itself proves the lease (LeaseHeldError of that step) and the successor's steps stay."""
+    url = f"memory://lease-{uuid.uuid4().hex}"
+    st = Storage(url)
+    now = [1000.0]
+    committed, gate = threading.Event(), threading.Event()
+
+    def hold(stats):
+        if stats.step == 1:
+            committed.set()
+            gate.wait(30)
+
+    a = CheckpointManager(url, max_to_keep=1, max_pending_async=2, on_saved=hold)
+    a._store.lease.clock = lambda: now[0]
+    assert a.save_async(1, sd(1))  # committed, then its on_saved holds A's writer thread
+    assert a.save_async(2, sd(2))  # queued under a valid lease
+    assert committed.wait(30)
+    now[0] += a._store.lease.ttl_s + 1
+    _expire_lease_object(st)
+    b = CheckpointManager(url, max_to_keep=1)
+    assert b.save(5, sd(5))
+    gate.set()
+    with pytest.raises(LeaseHeldError) as ei:
+        a.join()
+    assert ei.value.step == 2
+    assert b.all_steps() == [5]
+    t = zeros()
+    b.restore(5, t)
+    assert_bitwise_equal(t, sd(5))
+    b.close()
+    a.close()
+
+
+def test_the_lease_check_tolerates_one_missed_beat_but_not_the_ttl():
+    st = Storage(f"memory://lease-{uuid.uuid4().hex}")
+    st.makedirs(st.root)
+    now = [0.0]
+    lease = ObjectStoreLease(st, ttl_s=30, clock=lambda: now[0])
+    lease.acquire()
+    now[0] += 20  # the heartbeat renews every 10 s: one failed beat
+    lease.check()
+    now[0] += 3  # 23 s >= 3/4 of the TTL: another host's clock may already see it expired
+    with pytest.raises(LeaseHeldError, match="last renewed 23.0 s ago"):
+        lease.check()
+    lease.release()
+
+
+# ---- a dropped manager releases its lease at once (issue 25, item 10) ----------------------
+
+def test_dropping_the_last_reference_releases_the_lease_without_a_cyclic_gc(root, tmp_path):
+    import weakref
+
+    gc.collect()
+    gc.disable()
+    try:
+        mgr = CheckpointManager(root, 10, max_to_keep=3, stats_log=True, local_dir=str(tmp_path / "local"))
+        mgr.save(0, sd(0))
+        ref = weakref.ref(mgr)
+        del mgr
+        assert ref() is None  # no reference cycle through the manager
+        other = CheckpointManager(root, 10, max_to_keep=3)
+        assert other.save(10, sd(10))  # the lease was released by the finalizer
+        assert other.all_steps() == [0, 10]
+        other.close()
+    finally:
+        gc.enable()
+
+
+def test_a_busy_manager_of_this_process_keeps_its_lease(root):
+    gate = threading.Event()
+    first = CheckpointManager(root, on_saved=lambda s: gate.wait(30))
+    first.save_async(1, sd(1))  # still in flight: its on_saved holds the writer
+    second = CheckpointManager(root)
+    with pytest.raises(LeaseHeldError, match="in flight: close"):
+        second.save(2, sd(2))
+    gate.set()
+    first.close()
+    assert second.save(2, sd(2))
+    assert second.all_steps() == [1, 2]
+    second.close()

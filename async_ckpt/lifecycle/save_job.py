@@ -159,7 +159,7 @@ def run_save(store: StepStore, job: SaveJob, *, policy: RetentionPolicy, threads
                             raise CheckpointError(f"step {step}: file {name} was written by two ranks", step=step)
                         merged[name] = rec
                 int_keys = sorted({k for r in results for k in r.int_keys})
-                store.check_lease()
+                store.check_lease(step)  # proven right before the commit (object stores: renewed in time)
                 manifest = Manifest(step=step, commit_time=store.catalog.next_commit_time(job.commit_at), files=merged,
                                     metrics=job.metrics, nbytes=sum(r.nbytes for r in results),
                                     num_tensors=sum(r.num_tensors for r in results), world_size=coord.world_size,

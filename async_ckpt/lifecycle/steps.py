@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, List, Optional
 
-from ..errors import StepNotFoundError
+from ..errors import LeaseHeldError, StepNotFoundError
 from ..policies import RetentionPolicy
 from ..storage import CheckpointLayout, Storage
 from ..storage.lease import writer_lease
@@ -38,14 +39,23 @@ class StepStore:
         self.lease = writer_lease(storage) if coordinator.is_primary else None
         self.deleter = ThreadPoolExecutor(1, thread_name_prefix="async-ckpt-delete")
         self._warned_lower = False
+        self._busy = 0  # background deletions queued or running
+        self._busy_cond = threading.Condition()
         self._top: Optional[int] = None  # highest step committed or saved, once listed
 
     # ---- the writer lease --------------------------------------------------------------------
     def become_writer(self) -> None:
         """Take the root's writer lease before the first write; then settle what a dead writer
         left: finish interrupted commits, clean up incomplete steps (in the background)."""
-        if self.lease is None or self.lease.held:
+        if self.lease is None:
             return
+        if self.lease.held:
+            try:
+                self.lease.check()
+                return
+            except LeaseHeldError as exc:  # lost (taken over, or lapsed): give up our claim, then take it again
+                log.warning("async_ckpt: %s; taking the writer lease again", exc)
+                self.lease.release()
         self.lease.acquire(self.lease_timeout)
         self.catalog.enable_cache()
         self.catalog.forget()
@@ -53,10 +63,16 @@ class StepStore:
         if not self.keep_incomplete:
             self.in_background(self.cleanup_incomplete)
 
-    def check_lease(self) -> None:
-        """Raise if the lease was lost (object stores: another writer took it over)."""
+    def check_lease(self, step: Optional[int] = None) -> None:
+        """Right before a commit or a delete: raise :class:`LeaseHeldError` (of ``step``)
+        unless this store can prove it still holds the lease (object stores: not taken over,
+        and renewed within the TTL)."""
         if self.lease is not None:
-            self.lease.check()
+            try:
+                self.lease.check()
+            except LeaseHeldError as exc:
+                exc.step = step
+                raise
 
     def warn_if_lower(self, step: int, restored: Optional[int]) -> None:
         """One warning when a save goes below the highest committed step without a restore.
@@ -79,10 +95,26 @@ class StepStore:
     # ---- retention and deletion --------------------------------------------------------------
     def in_background(self, fn: Callable[[], None]) -> None:
         """Run deletions off the writer thread, so they never delay the next save."""
+        def run() -> None:
+            try:
+                fn()
+            finally:
+                with self._busy_cond:
+                    self._busy -= 1
+                    self._busy_cond.notify_all()
+
+        with self._busy_cond:
+            self._busy += 1
         try:
-            self.deleter.submit(fn)
+            self.deleter.submit(run)
         except RuntimeError:  # executor already shut down (close() or interpreter exit)
-            fn()
+            run()
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds until no deletion is queued or running in the
+        background; whether none is."""
+        with self._busy_cond:
+            return self._busy_cond.wait_for(lambda: self._busy == 0, timeout=timeout)
 
     def apply_retention(self, policy: RetentionPolicy) -> List[int]:
         """Right after a commit (rank 0): the steps ``policy`` drops stop being committed now
@@ -94,6 +126,11 @@ class StepStore:
             return []
         dropped = []
         for s in drops:
+            try:
+                self.check_lease()
+            except LeaseHeldError as exc:
+                log.error("async_ckpt: retention deletes nothing: %s", exc)
+                break
             try:
                 paths = self.catalog.condemn(s)
             except Exception as exc:
@@ -107,6 +144,7 @@ class StepStore:
 
     def _remove(self, step: int, paths: List[str]) -> None:
         try:
+            self.check_lease(step)  # a successor may be re-saving this step into the same directory
             self.catalog.remove(step, paths)
         except Exception as exc:  # the step is already unmarked: cleanup finishes it later
             log.warning("async_ckpt: could not remove the files of step %d: %s", step, exc)
@@ -115,13 +153,16 @@ class StepStore:
         """Delete a committed step now (the caller holds the lease)."""
         if step not in self.layout.committed_steps():
             raise StepNotFoundError(f"no committed checkpoint for step {step} under {self.storage.url}", step=step)
+        self.check_lease(step)
         paths = self.catalog.condemn(step)
+        self.check_lease(step)
         self.catalog.remove(step, paths)
         log.info("async_ckpt: deleted step %d (delete())", step)
 
     def recover(self) -> None:
         """Finish commits a crash interrupted (see ``CheckpointLayout.recover``)."""
         try:
+            self.check_lease()
             for step in self.layout.recover():
                 log.warning("async_ckpt: completed the commit of step %d, which a crash had interrupted", step)
         except Exception as exc:
@@ -140,6 +181,7 @@ class StepStore:
                     if not trash and self.storage.exists(f"{path}/{MARKER_NAME}"):
                         continue  # committed since it was listed
                     log.info("async_ckpt: removing incomplete checkpoint %s", path)
+                    self.check_lease(step)
                     self.layout.remove(self.layout.condemn_dir(path))
                 finally:
                     self.catalog.release_delete(step)

@@ -62,6 +62,29 @@ from .listing import TierListing
 
 log = logging.getLogger("async_ckpt")
 
+def _weak_clock(mgr: "CheckpointManager") -> Callable[[], float]:
+    """``mgr._clock()`` read through a weak reference: the parts a manager owns never hold it
+    (a cycle through it would keep an unclosed manager, and its writer lease, alive until a
+    cyclic garbage collection)."""
+    ref = weakref.ref(mgr)
+
+    def clock() -> float:
+        m = ref()
+        return m._clock() if m is not None else time.time()
+    return clock
+
+
+def _weak_idle(mgr: "CheckpointManager") -> Callable[[], bool]:
+    """Whether ``mgr`` (weakly referenced) has no save or deletion in flight: another manager
+    of this process may then take its writer lease over (see ``storage.lease``)."""
+    ref = weakref.ref(mgr)
+
+    def idle() -> bool:
+        m = ref()
+        return m is None or m._idle()
+    return idle
+
+
 def _raise_all(errors: List[BaseException]) -> None:
     """Raise the one failure, or the first naming the others (each tier's failure is raised
     once: one left out would never be seen again)."""
@@ -236,7 +259,7 @@ class CheckpointManager(SaveDecisions, TierListing, StepActions):
         self._clock: Callable[[], float] = wall_clock  # manifests' commit_time
         #: elapsed time between saves (time-based policies): a wall clock's step back never stops them
         self._interval_clock: Callable[[], float] = interval_clock
-        self._store = StepStore(self.storage, self.layout, self._coord, lambda: self._clock(),
+        self._store = StepStore(self.storage, self.layout, self._coord, _weak_clock(self),
                                 keep_incomplete=keep_incomplete, lease_timeout=float(lease_timeout))
         self.catalog = self._store.catalog
         self._deleter = self._store.deleter
@@ -257,7 +280,7 @@ class CheckpointManager(SaveDecisions, TierListing, StepActions):
         try:
             if local_dir is not None:
                 self._local = make_local_tier(
-                    local_dir, self.storage, self._coord, lambda: self._clock(), policy=local_policy,
+                    local_dir, self.storage, self._coord, _weak_clock(self), policy=local_policy,
                     retention=local_retention, max_pending=max_pending_async, commit_mode=commit_mode,
                     keep_incomplete=keep_incomplete, lease_timeout=float(lease_timeout),
                     timeout_s=float(collective_timeout_s), retry=retry)
@@ -270,9 +293,18 @@ class CheckpointManager(SaveDecisions, TierListing, StepActions):
             raise
         # An unclosed manager that is garbage-collected stops its threads (it has no pending
         # work then: a queued save holds a reference to it).
+        for tier in self._tiers:
+            if tier.store.lease is not None:
+                tier.store.lease.idle = _weak_idle(self)
         self._finalizer = weakref.finalize(self, _stop_threads,
                                            [(t.writer, t.store.deleter, t.store.lease) for t in self._tiers])
         _live_managers.add(self)
+
+    def _idle(self) -> bool:
+        """No save queued or being written in any tier; then waits (30 s at most) for the
+        background deletions retention started to finish."""
+        return (all(t.writer.pending == 0 for t in self._tiers)
+                and all(t.store.wait_idle(timeout=30.0) for t in self._tiers))
 
     def _become_writer(self) -> None:
         """Take the root's writer lease (what the first save does); then recover and clean up."""

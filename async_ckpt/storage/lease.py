@@ -18,18 +18,24 @@ import json
 import logging
 import os
 import socket
+import stat
 import threading
 import time
 import uuid
-from typing import Any, Dict, Optional, Protocol
+import weakref
+from typing import Any, Callable, Dict, Optional, Protocol
 
-from ..errors import LeaseHeldError
+from ..errors import LeaseHeldError, StorageError
+from .backends.posix import open_nofollow
 from .fs import Storage
 
 log = logging.getLogger("async_ckpt")
 
 LOCK_NAME = ".async_ckpt.lock"
 LEASE_NAME = ".async_ckpt.lease"
+#: a lease-object holder commits or deletes only while its last renewal is younger than this
+#: share of the TTL (the heartbeat renews every third of it: one failed beat is tolerated)
+SAFE_SHARE = 0.75
 
 
 def _me() -> Dict[str, Any]:
@@ -40,6 +46,65 @@ def _describe(info: Optional[Dict[str, Any]]) -> str:
     if not info:
         return "another process"
     return f"pid {info.get('pid', '?')} on {info.get('host', '?')}"
+
+
+_here_lock = threading.Lock()
+#: the lease each root's holder in this process took, by root (see :class:`_ProcessLocal`)
+_here: "Dict[str, weakref.ref[_ProcessLocal]]" = {}
+
+
+class _ProcessLocal:
+    """What both leases share: a manager of this process may take over the lease another
+    manager of this process holds on the same root while that one is idle (torch_xla's tests
+    and notebooks re-create a manager without closing the first); the old one then refuses
+    every later save and delete with a clear :class:`LeaseHeldError`."""
+
+    key: str
+    #: set by a manager: whether it has no save or deletion in flight (a lease without it, the
+    #: CLI's, neither takes over nor is taken over)
+    idle: Optional[Callable[[], bool]] = None
+    _superseded: Optional[str] = None
+
+    @property
+    def held(self) -> bool:  # pragma: no cover - each lease's own
+        raise NotImplementedError
+
+    def release(self) -> None:  # pragma: no cover - each lease's own
+        raise NotImplementedError
+
+    def _refuse_if_superseded(self) -> None:
+        if self._superseded is not None:
+            raise LeaseHeldError(self._superseded, holder=_describe(_me()))
+
+    def _take_over_here(self) -> Optional[str]:
+        """Before taking the lease: supersede an idle holder of this process on the same root.
+        Returns a hint for the error when the holder here is busy (None otherwise)."""
+        with _here_lock:
+            ref = _here.get(self.key)
+            old = ref() if ref is not None else None
+        if old is None or old is self or not old.held or self.idle is None or old.idle is None:
+            return None  # only a manager's lease takes over, and only from a manager (not the CLI's)
+        if not old.idle():
+            return (" (another CheckpointManager of this process holds it and has saves or deletions in flight: "
+                    "close() it first)")
+        old._superseded = (
+            f"{self.key!r}: the writer lease of this CheckpointManager was taken over by another "
+            f"CheckpointManager of this process (pid {os.getpid()}) on the same root; this one no longer "
+            f"saves or deletes there. Use the new manager (or close() this one before creating another)")
+        log.warning("async_ckpt: a new CheckpointManager takes over the writer lease of %s from an idle "
+                    "one of this process (close() a manager you no longer use)", self.key)
+        old.release()
+        return None
+
+    def _register_here(self) -> None:
+        with _here_lock:
+            _here[self.key] = weakref.ref(self)
+
+    def _unregister_here(self) -> None:
+        with _here_lock:
+            ref = _here.get(self.key)
+            if ref is not None and ref() in (None, self):
+                del _here[self.key]
 
 
 class WriterLease(Protocol):
@@ -53,17 +118,19 @@ class WriterLease(Protocol):
         live writer keeps it."""
 
     def check(self) -> None:
-        """Raise :class:`LeaseHeldError` if the lease was lost since it was taken."""
+        """Raise :class:`LeaseHeldError` unless this holder can prove it still holds the lease
+        (called right before every commit and every delete)."""
 
     def release(self) -> None:
         """Give the lease up (a no-op when not held)."""
 
 
-class PosixLease:
+class PosixLease(_ProcessLocal):
     """``flock`` on a lock file in the root (advisory: every async_ckpt writer takes it)."""
 
     def __init__(self, root: str) -> None:
         self.path = os.path.join(root, LOCK_NAME)
+        self.key = os.path.realpath(root)
         self._fd: Optional[int] = None
 
     @property
@@ -75,7 +142,20 @@ class PosixLease:
 
         if self._fd is not None:
             return
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        self._refuse_if_superseded()
+        busy = self._take_over_here() or ""
+        fd = open_nofollow(self.path, os.O_RDWR | os.O_CREAT)  # a link there is never written through
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+                raise StorageError(
+                    f"refusing to use {self.path} as the writer lock: it is "
+                    f"{'not a regular file' if not stat.S_ISREG(st.st_mode) else 'a hard link to another file'}"
+                    f", and async_ckpt never writes through one (remove it, or use a directory that only "
+                    f"this job can write)")
+        except BaseException:
+            os.close(fd)
+            raise
         deadline = time.monotonic() + max(0.0, timeout)
         while True:
             try:
@@ -87,13 +167,14 @@ class PosixLease:
                     os.close(fd)
                     raise LeaseHeldError(
                         f"{os.path.dirname(self.path)!r} has a live writer ({_describe(holder)} holds "
-                        f"{self.path}); only one writer per checkpoint root is allowed. Open it read-only "
+                        f"{self.path}){busy}; only one writer per checkpoint root is allowed. Open it read-only "
                         f"(list/restore only), write elsewhere, or pass lease_timeout= to wait",
                         holder=_describe(holder)) from None
                 time.sleep(0.05)
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(_me()).encode(), 0)
         self._fd = fd
+        self._register_here()
 
     @staticmethod
     def _read_holder(fd: int) -> Optional[Dict[str, Any]]:
@@ -103,7 +184,9 @@ class PosixLease:
             return None
 
     def check(self) -> None:
-        return None  # a flock is never lost while its descriptor is open
+        """A flock is never lost while its descriptor is open; only a manager of this process
+        that took it over makes this one refuse (:class:`LeaseHeldError`)."""
+        self._refuse_if_superseded()
 
     def release(self) -> None:
         import fcntl
@@ -111,6 +194,7 @@ class PosixLease:
         fd, self._fd = self._fd, None
         if fd is None:
             return
+        self._unregister_here()
         try:
             fcntl.flock(fd, fcntl.LOCK_UN)
         finally:
@@ -124,18 +208,22 @@ class PosixLease:
             os.close(fd)
 
 
-class ObjectStoreLease:
+class ObjectStoreLease(_ProcessLocal):
     """A lease object with an expiry, renewed by a heartbeat thread, for stores without locks."""
 
-    def __init__(self, storage: Storage, ttl_s: float = 30.0) -> None:
+    def __init__(self, storage: Storage, ttl_s: float = 30.0, *, clock: Callable[[], float] = time.monotonic) -> None:
         if ttl_s <= 0:
             raise ValueError(f"lease ttl must be > 0, got {ttl_s!r}")
         self.storage = storage
         self.path = storage.join(LEASE_NAME)
+        self.key = storage.url
         self.ttl_s = ttl_s
+        #: monotonic clock of "time since the last renewal" (injectable for tests)
+        self.clock = clock
         self.token = uuid.uuid4().hex
         self._held = False
         self._lost: Optional[str] = None
+        self._renewed = float("-inf")  # self.clock() when the last successful renewal was issued
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
 
@@ -169,18 +257,25 @@ class ObjectStoreLease:
                 pass
         return False
 
-    def _write(self) -> None:
+    def _write(self, token: str) -> float:
+        """Write the lease object; returns ``self.clock()`` from before the write (the lease
+        is ours until that moment plus the TTL, whatever the write's latency)."""
+        issued = self.clock()
         self.storage.write_bytes(self.path, json.dumps(
-            {**_me(), "token": self.token, "expires": time.time() + self.ttl_s}).encode())
+            {**_me(), "token": token, "expires": time.time() + self.ttl_s}).encode())
+        return issued
 
     def acquire(self, timeout: float = 0.0) -> None:
         if self._held:
             return
+        self._refuse_if_superseded()
+        busy = self._take_over_here() or ""
+        self.token = uuid.uuid4().hex  # each holding its own: a late write of an earlier one is foreign
         deadline = time.monotonic() + max(0.0, timeout)
         while True:
             cur = self._read()
             if self._free(cur):
-                self._write()
+                issued = self._write(self.token)
                 time.sleep(0.05)  # a writer that raced us wrote after our read: its object wins
                 after = self._read()
                 if after is not None and after.get("token") == self.token:
@@ -193,38 +288,78 @@ class ObjectStoreLease:
                 except (KeyError, TypeError, ValueError):
                     pass
                 raise LeaseHeldError(
-                    f"{self.storage.url!r} has a live writer ({_describe(cur)} holds {self.path}{left}); "
+                    f"{self.storage.url!r} has a live writer ({_describe(cur)} holds {self.path}{left}){busy}; "
                     f"only one writer per checkpoint root is allowed. Open it read-only (list/restore "
                     f"only), write elsewhere, or pass lease_timeout= to wait", holder=_describe(cur))
             time.sleep(min(1.0, max(0.05, deadline - time.monotonic())))
-        self._held, self._lost = True, None
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._heartbeat, name="async-ckpt-lease", daemon=True)
+        self._held, self._lost, self._renewed = True, None, issued
+        self._register_here()
+        self._stop = threading.Event()  # this holding's own: a stuck beat of an earlier one stays stopped
+        self._thread = threading.Thread(target=self._heartbeat, args=(self.token, self._stop),
+                                        name="async-ckpt-lease", daemon=True)
         self._thread.start()
 
-    def _heartbeat(self) -> None:
-        while not self._stop.wait(self.ttl_s / 3):
+    def _age(self) -> float:
+        return self.clock() - self._renewed
+
+    def _lapsed(self) -> Optional[str]:
+        """Why this holder can no longer prove it holds the lease (None: it can). Its last
+        renewal must be younger than ``SAFE_SHARE`` of the TTL: others may take the lease
+        once the TTL has passed by their wall clock, which may run ahead of ours."""
+        age = self._age()
+        if age < self.ttl_s * SAFE_SHARE:
+            return None
+        return (f"this writer's lease was last renewed {age:.1f} s ago, and it is valid for {self.ttl_s:g} s "
+                f"(a network partition, a suspended process or a hung request kept the heartbeat from renewing "
+                f"it), so another writer may have taken the root over")
+
+    def _heartbeat(self, token: str, stop: threading.Event) -> None:
+        while not stop.wait(self.ttl_s / 3):
+            if self._lost is not None:
+                return
+            lapsed = self._lapsed()
+            if lapsed is not None:  # never renewed after the fact: a successor may hold it now
+                if not stop.is_set():
+                    self._lost = lapsed
+                log.error("async_ckpt: %s; this manager commits and deletes nothing until its next save "
+                          "takes the lease again", lapsed)
+                return
             try:
                 cur = self._read()
-                if cur is not None and cur.get("token") != self.token:
-                    self._lost = f"the writer lease was taken over by {_describe(cur)}"
+                if cur is not None and cur.get("token") != token:
+                    if not stop.is_set():
+                        self._lost = f"the writer lease was taken over by {_describe(cur)}"
                     log.error("async_ckpt: %s; this manager's next commit fails", self._lost)
                     return
-                self._write()
+                issued = self._write(token)
+                if not stop.is_set():
+                    self._renewed = max(self._renewed, issued)
             except Exception as exc:  # a transient error: the next beat tries again
                 log.warning("async_ckpt: could not renew the writer lease: %s", exc)
 
     def check(self) -> None:
-        if self._lost is not None:
-            raise LeaseHeldError(f"{self.storage.url!r}: {self._lost}")
+        """Prove this holder still holds the lease, right before a commit or a delete.
+
+        Raises:
+            LeaseHeldError: the heartbeat saw another writer's lease object, or the last
+                successful renewal is older than ``SAFE_SHARE`` of the TTL (by ``clock``).
+        """
+        self._refuse_if_superseded()
+        if not self._held:
+            raise LeaseHeldError(f"{self.storage.url!r}: this manager does not hold the writer lease")
+        why = self._lost or self._lapsed()
+        if why is not None:
+            raise LeaseHeldError(f"{self.storage.url!r}: {why}; nothing was committed or deleted. The next save "
+                                 f"takes the lease again if it is free")
 
     def release(self) -> None:
         if not self._held:
             return
         self._held = False
+        self._unregister_here()
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=5)
+            self._thread.join(timeout=5)  # bounded: a beat stuck in a hung request is left behind
         try:
             cur = self._read()
             if cur is not None and cur.get("token") == self.token:

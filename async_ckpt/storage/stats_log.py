@@ -8,6 +8,7 @@ import threading
 from typing import Optional, Union
 
 from ..stats import DEFAULT_STATS_LOG, SaveStats, _check_relpath
+from .backends.posix import open_nofollow
 from .fs import Storage
 
 log = logging.getLogger("async_ckpt")
@@ -32,17 +33,27 @@ class StatsLog:
         self._lock = threading.Lock()
         self._buf: Optional[bytearray] = None
 
-    def _make_subdirs(self) -> None:
-        """Create the log's directories below the root (``stats_log="logs/x.jsonl"``) one by
-        one, so a root that vanishes meanwhile is not re-created (``FileNotFoundError``)."""
-        d = self.storage.root
-        for part in os.path.dirname(self.relpath).split("/"):
-            if part:
-                d = os.path.join(d, part)
+    def _open_local(self) -> int:
+        """Open the log for appending below the root, creating its directories one by one (so a
+        root that vanishes meanwhile is not re-created: ``FileNotFoundError``). Neither the file
+        nor a directory below the root is followed if it is a symbolic link (``StorageError``):
+        the log never appends to what a link planted in the root points to."""
+        *dirs, name = self.relpath.split("/")
+        fd = os.open(self.storage.root, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
+        try:
+            for part in dirs:
+                if not part or part == ".":
+                    continue
                 try:
-                    os.mkdir(d)
+                    os.mkdir(part, dir_fd=fd)
                 except FileExistsError:
                     pass
+                sub = open_nofollow(part, os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+                os.close(fd)
+                fd = sub
+            return open_nofollow(name, os.O_WRONLY | os.O_APPEND | os.O_CREAT, dir_fd=fd)
+        finally:
+            os.close(fd)
 
     @classmethod
     def from_option(cls, storage: Storage, option: Union[bool, str, os.PathLike, None]) -> Optional["StatsLog"]:
@@ -68,8 +79,7 @@ class StatsLog:
                         log.debug("async_ckpt: not writing the stats log %s: the checkpoint root %s does not "
                                   "exist (it is never created here)", self.path, self.storage.root)
                         return
-                    self._make_subdirs()
-                    with open(self.path, "ab") as f:
+                    with os.fdopen(self._open_local(), "ab") as f:
                         f.write(line)
                         f.flush()
                         os.fsync(f.fileno())

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import stat
 import sys
@@ -15,6 +16,42 @@ from ..retry import RetryPolicy
 from .base import MISSING, temp_name
 
 WRITEBACK_BYTES = 8 * 2**20  # local files: disk writes start after every this many bytes
+
+
+def open_nofollow(path: str, flags: int, mode: int = 0o644, *, dir_fd: Optional[int] = None) -> int:
+    """``os.open`` that never follows a symbolic link in ``path``'s last component.
+
+    Every file async_ckpt creates or writes under a checkpoint root is opened through it: a
+    link planted there (a shared directory, a local tier under ``/dev/shm``) must never make
+    a save, a deletion or the lease overwrite the file it points to.
+
+    Args:
+        path: the file (relative to ``dir_fd`` when given).
+        flags: ``os.O_*`` flags; ``O_NOFOLLOW`` and ``O_CLOEXEC`` are added.
+        mode: permissions of a file it creates.
+        dir_fd: a directory descriptor ``path`` is relative to.
+
+    Returns:
+        The open file descriptor.
+
+    Raises:
+        StorageError: ``path`` is a symbolic link (nothing was opened or written).
+        OSError: any other failure of ``os.open``.
+    """
+    try:
+        return os.open(path, flags | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), mode, dir_fd=dir_fd)
+    except OSError as exc:
+        if exc.errno not in (errno.ELOOP, errno.ENOTDIR):  # a link: ELOOP, or ENOTDIR with O_DIRECTORY
+            raise
+        try:
+            link = stat.S_ISLNK(os.stat(path, dir_fd=dir_fd, follow_symlinks=False).st_mode)
+        except OSError:
+            link = False
+        if not link:
+            raise
+        raise StorageError(f"refusing to write {path}: it is a symbolic link, and async_ckpt never writes "
+                           f"through one under a checkpoint root (remove the link, or use a directory "
+                           f"that only this job can write)") from exc
 
 
 class PosixBackend:
@@ -43,7 +80,7 @@ class PosixBackend:
     def open_write(self, path: str, size_hint: Optional[int], *, block_size: int,
                    pipe_max_bytes: int) -> Iterator[Any]:
         """A plain file; flushed and fsynced on exit, its writeback started as it fills."""
-        f = open(path, "wb")
+        f = os.fdopen(open_nofollow(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "wb")
         try:
             w = _WritebackFile(f)
             yield w
