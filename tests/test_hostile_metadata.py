@@ -82,6 +82,7 @@ METADATA_FORGERIES = {
     "tensor_larger_than_its_record": lambda md: (
         _set(md.state_dict_metadata["w"], "size", torch.Size([64, 8000])),
         move_chunk(md, "w", [0, 0], [64, 8000])),
+    "chunk_record_without_sizes": lambda md: delattr(md.state_dict_metadata["w"].chunks[0], "sizes"),
     "items_overlap_in_file": lambda md: _set(md.storage_data[MetadataIndex("opt.lr")], "offset", 0),
 }
 

@@ -34,6 +34,8 @@ def _count(x: Any) -> bool:
 
 def _dims(x: Any) -> bool:
     """A shape, offsets or sizes: a tuple or list of non-negative ints."""
+    if type(x) is torch.Size:  # holds ints only
+        return not x or min(x) >= 0
     return isinstance(x, (tuple, list)) and all(_count(d) for d in x)
 
 
@@ -73,6 +75,14 @@ def check_step_metadata(md: Any, files: Optional[Dict[str, FileRecord]], *, wher
     def bad(what: str, path: str = where) -> CorruptCheckpointError:
         return CorruptCheckpointError(f"{path}: {what}; {_FIX}", path=path)
 
+    try:
+        return _check(md, files, where, bad)
+    except (AttributeError, TypeError, ValueError, OverflowError) as exc:  # a record missing a field, ...
+        raise bad(f"malformed DCP metadata ({type(exc).__name__}: {shown(exc)})") from exc
+
+
+def _check(md: Any, files: Optional[Dict[str, FileRecord]], where: str, bad: Any) -> Dict[str, int]:
+    """:func:`check_step_metadata`, raising ``bad(problem)``."""
     if not isinstance(md, Metadata):
         raise bad(f"not DCP metadata (got {type(md).__name__})")
     entries, data, paths = md.state_dict_metadata, md.storage_data, md.planner_data
@@ -85,23 +95,33 @@ def check_step_metadata(md: Any, files: Optional[Dict[str, FileRecord]], *, wher
     if paths is not None and not isinstance(paths, dict):
         raise bad(f"its key paths (planner_data) are {type(paths).__name__}, not a dict")
     spans: Dict[str, List[Tuple[int, int, str]]] = {}  # file -> (start, end, key) of each item in it
+    stored: Dict[Tuple[str, Any], Any] = {}  # (key, chunk offsets or None) -> where it is stored
     for idx, info in data.items():
-        if not isinstance(idx, MetadataIndex) or not isinstance(idx.fqn, str):
+        if type(idx) is not MetadataIndex or not isinstance(idx.fqn, str):
             raise bad(f"a storage data key is {type(idx).__name__}, not a DCP MetadataIndex")
         rel: Any = getattr(info, "relative_path", None)
         offset: Any = getattr(info, "offset", None)
         length: Any = getattr(info, "length", None)
-        if not _count(offset) or not _count(length):
+        if type(offset) is not int or type(length) is not int or offset < 0 or length < 0:
             raise bad(f"{shown(idx.fqn)}: invalid byte range {shown(offset)}+{shown(length)}")
-        check_file_name(rel, where=where)
-        spans.setdefault(rel, []).append((offset, offset + length, idx.fqn))
+        items = spans.get(rel)
+        if items is None:
+            check_file_name(rel, where=where)
+            items = spans[rel] = []
+        items.append((offset, offset + length, idx.fqn))
+        at: Any = idx.offset  # a tensor chunk's offsets (a crafted pickle may hold a list: not hashable)
+        if at is not None and type(at) is not torch.Size:
+            if not _dims(at):
+                raise bad(f"{shown(idx.fqn)}: invalid chunk offsets {shown(at)} in its storage data key")
+            at = torch.Size(at)
+        stored[(idx.fqn, at)] = info
     for fqn, m in entries.items():
         if not isinstance(fqn, str):
             raise bad(f"an entry's key is {type(fqn).__name__}, not a string")
         if isinstance(m, TensorStorageMetadata):
-            _check_tensor(fqn, m, data, bad)
+            _check_tensor(fqn, m, stored, bad)
         elif isinstance(m, BytesStorageMetadata):
-            if MetadataIndex(fqn) not in data:
+            if (fqn, None) not in stored:
                 raise bad(f"{shown(fqn)}: no stored bytes for this entry")
         else:
             raise bad(f"{shown(fqn)}: entry is {type(m).__name__}, not tensor or bytes metadata")
@@ -133,7 +153,7 @@ def check_step_metadata(md: Any, files: Optional[Dict[str, FileRecord]], *, wher
     return ends
 
 
-def _check_tensor(fqn: str, m: TensorStorageMetadata, data: Dict[Any, Any], bad: Any) -> None:
+def _check_tensor(fqn: str, m: TensorStorageMetadata, stored: Dict[Tuple[str, Any], Any], bad: Any) -> None:
     """A tensor entry: see :func:`check_step_metadata`."""
     dtype = getattr(m.properties, "dtype", None)
     if not isinstance(dtype, torch.dtype):
@@ -144,6 +164,15 @@ def _check_tensor(fqn: str, m: TensorStorageMetadata, data: Dict[Any, Any], bad:
     chunks = m.chunks
     if not isinstance(chunks, (list, tuple)):
         raise bad(f"{shown(fqn)}: its chunks are {type(chunks).__name__}, not a list")
+    if len(chunks) == 1:  # the common case: one chunk, the whole tensor
+        c = chunks[0]
+        first: Any = getattr(c, "offsets", None)
+        if type(first) is torch.Size and getattr(c, "sizes", None) == size and not any(first) \
+                and len(first) == len(size):
+            info = stored.get((fqn, first))
+            n = _prod(size) * dtype.itemsize
+            if info is not None and info.length >= n:
+                return
     covered = 0
     boxes: List[Tuple[Tuple[int, ...], Tuple[int, ...]]] = []
     for c in chunks:
@@ -155,7 +184,7 @@ def _check_tensor(fqn: str, m: TensorStorageMetadata, data: Dict[Any, Any], bad:
         if any(o + s > d for o, s, d in zip(offsets, sizes, size)):
             raise bad(f"{shown(fqn)}: a chunk at {tuple(offsets)} of {tuple(sizes)} lies outside its shape "
                       f"{tuple(size)}")
-        info = data.get(MetadataIndex(fqn, torch.Size(offsets)))
+        info = stored.get((fqn, torch.Size(offsets)))
         if info is None:
             raise bad(f"{shown(fqn)}: its chunk at {tuple(offsets)} has no stored data")
         n = _prod(sizes)
