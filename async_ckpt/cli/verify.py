@@ -33,7 +33,7 @@ from .common import (
 
 def _verify_step(storage: Storage, layout: CheckpointLayout, step: int, bar: Any) -> Dict[str, Any]:
     """Read every file of a committed step and check it against the manifest; list the problems."""
-    from ..storage.dcp import METADATA_NAME, load_metadata
+    from ..storage.dcp import METADATA_NAME, check_step_metadata, load_metadata
     from ..storage.manifest import crc32c
 
     res: Dict[str, Any] = {"step": step, "ok": False, "files": 0, "bytes": 0, "problems": []}
@@ -84,18 +84,11 @@ def _verify_step(storage: Storage, layout: CheckpointLayout, step: int, bar: Any
             md = load_metadata(meta_bytes, where=f"step {step} {METADATA_NAME}")
         except CheckpointError as exc:
             res["problems"].append(str(exc))
-        else:  # every byte range the metadata points at must lie inside a listed file
+        else:  # the checks a restore makes of it, against the manifest
             try:
-                for idx, info in (md.storage_data or {}).items():
-                    held = man.files.get(info.relative_path)
-                    if held is None:
-                        res["problems"].append(f"{shown(idx.fqn)}: stored in {shown(info.relative_path)}, "
-                                               "which the manifest lacks")
-                    elif info.offset < 0 or info.length < 0 or info.offset + info.length > held.size:
-                        res["problems"].append(f"{shown(idx.fqn)}: byte range ends past the end of "
-                                               f"{shown(info.relative_path)}")
-            except (AttributeError, TypeError) as exc:
-                res["problems"].append(f"{METADATA_NAME}: storage data is malformed ({shown(exc)})")
+                check_step_metadata(md, man.files, where=f"step {step} {METADATA_NAME}")
+            except CheckpointError as exc:
+                res["problems"].append(str(exc))
     res["ok"] = not res["problems"]
     return res
 

@@ -19,6 +19,7 @@ import base64
 import binascii
 import json
 import math
+import re
 import struct
 from dataclasses import dataclass, field, fields
 from typing import Any, Dict, Optional, Tuple
@@ -93,7 +94,18 @@ class FileRecord:
     def from_dict(d: Dict[str, Any], *, name: str, where: str) -> "FileRecord":
         """The record of the manifest ``where``'s entry for the file ``name``; a ``"records"`` that is not valid base64 of whole
         pairs, or whose lengths do not add up to ``size``, is a :class:`CorruptCheckpointError`."""
-        rec = FileRecord(int(d["size"]), int(d["crc32c"]))
+        if not isinstance(d, dict):
+            raise CorruptCheckpointError(f"{where}: {shown(name)}: its entry is {type(d).__name__}, not an object",
+                                         path=where)
+        size: Any = d.get("size")
+        crc: Any = d.get("crc32c")
+        if not _whole(size) or size >= 2**63:
+            raise CorruptCheckpointError(f"{where}: {shown(name)}: size {shown(size)} is not a byte count",
+                                         path=where)
+        if not _whole(crc) or crc > 0xFFFFFFFF:
+            raise CorruptCheckpointError(f"{where}: {shown(name)}: crc32c {shown(crc)} is not a 32-bit checksum",
+                                         path=where)
+        rec = FileRecord(size, crc)
         if d.get("data_at") is not None:
             rec.data_at = _data_at(d["data_at"], rec.size, name=name, where=where)
         raw = d.get("records")
@@ -105,6 +117,27 @@ class FileRecord:
                                          f"{sum(n for n, _ in records)} bytes, but its size is {rec.size}", path=where)
         rec.records = records
         return rec
+
+
+def _whole(x: Any) -> bool:
+    """A non-negative JSON integer (not a bool, not a float)."""
+    return type(x) is int and x >= 0
+
+
+def _number(x: Any) -> bool:
+    return type(x) in (int, float)
+
+
+def _finite(x: Any) -> bool:
+    return _number(x) and math.isfinite(x)
+
+
+def _int_keys(v: Any) -> bool:
+    """A manifest's ``extra["int_keys"]``: dotted key paths whose last part was an int key."""
+    return isinstance(v, list) and all(isinstance(k, str) and _INT_KEY.fullmatch(k.rsplit(".", 1)[-1]) for k in v)
+
+
+_INT_KEY = re.compile(r"-?[0-9]+")
 
 
 def _packed(raw: Any, layout: struct.Struct, what: str, where: str) -> bytes:
@@ -151,31 +184,66 @@ class Manifest:
 
     @staticmethod
     def from_json(data: bytes, *, where: str = "manifest") -> "Manifest":
+        """Parse and check a manifest: every field of its type and in its range (a step and
+        counts are non-negative integers, ``world_size`` at least 1, ``commit_time`` a finite
+        number, metrics numbers, ``extra`` an object, every file a plain name with a byte count
+        and a 32-bit CRC), so that no reader meets a value it cannot use.
+
+        Args:
+            data: the manifest's bytes.
+            where: the manifest's path, for messages.
+
+        Returns:
+            The manifest.
+
+        Raises:
+            CorruptCheckpointError: not valid JSON, a field missing, of another type or out
+                of range (named), or a format newer than this async_ckpt.
+        """
         try:
             d = json.loads(data)
-            files = {k: FileRecord.from_dict(v, name=k, where=where) for k, v in d["files"].items()}
-            m = Manifest(
-                step=int(d["step"]),
-                commit_time=float(d["commit_time"]),
-                files=files,
-                metrics={k: float(v) for k, v in (d.get("metrics") or {}).items()},
-                nbytes=int(d.get("nbytes", 0)),
-                num_tensors=int(d.get("num_tensors", 0)),
-                world_size=int(d.get("world_size", 1)),
-                format_version=int(d.get("format_version", FORMAT_VERSION)),
-                extra=dict(d.get("extra") or {}),
-            )
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        except ValueError as exc:
             raise CorruptCheckpointError(f"{where}: not a valid async_ckpt manifest ({shown(exc)})",
                                          path=where) from exc
-        for name in m.files:
-            check_file_name(name, where=where)
-        if m.format_version > FORMAT_VERSION:
+        if not isinstance(d, dict) or not isinstance(d.get("files"), dict):
+            raise CorruptCheckpointError(f"{where}: not a valid async_ckpt manifest (no \"files\" object)",
+                                         path=where)
+
+        def field_of(key: str, default: Any, ok: Any, what: str) -> Any:
+            value = d.get(key, default)
+            if not ok(value):
+                raise CorruptCheckpointError(f"{where}: not a valid async_ckpt manifest: \"{key}\" is "
+                                             f"{shown(json.dumps(value)[:80])}, not {what}", path=where)
+            return value
+
+        version = field_of("format_version", FORMAT_VERSION, lambda v: _whole(v) and v >= 1, "a positive integer")
+        if version > FORMAT_VERSION:
             raise CorruptCheckpointError(
-                f"{where}: format version {m.format_version} is newer than this async_ckpt understands "
+                f"{where}: format version {version} is newer than this async_ckpt understands "
                 f"({FORMAT_VERSION}); upgrade async_ckpt", path=where
             )
-        return m
+        step = field_of("step", None, _whole, "a non-negative integer")
+        commit_time = field_of("commit_time", None, _finite, "a finite number")
+        metrics = field_of("metrics", {}, lambda v: v is None or (isinstance(v, dict) and all(
+            _number(x) and not math.isnan(x) for x in v.values())), "an object of numbers")
+        nbytes = field_of("nbytes", 0, _whole, "a non-negative integer")
+        num_tensors = field_of("num_tensors", 0, _whole, "a non-negative integer")
+        world_size = field_of("world_size", 1, lambda v: _whole(v) and v >= 1, "a positive integer")
+        extra = field_of("extra", {}, lambda v: v is None or (isinstance(v, dict) and _int_keys(v.get("int_keys", []))),
+                         "an object (whose \"int_keys\" lists key paths that end in an integer)")
+        for name in d["files"]:
+            check_file_name(name, where=where)
+        return Manifest(
+            step=step,
+            commit_time=float(commit_time),
+            files={k: FileRecord.from_dict(v, name=k, where=where) for k, v in d["files"].items()},
+            metrics={k: float(v) for k, v in (metrics or {}).items()},
+            nbytes=nbytes,
+            num_tensors=num_tensors,
+            world_size=world_size,
+            format_version=version,
+            extra=dict(extra or {}),
+        )
 
 
 def check_metrics(metrics: Optional[Dict[str, Any]]) -> Dict[str, float]:

@@ -38,6 +38,7 @@ from ..fs import READ_RANGE_BYTES, Storage
 from ..manifest import FileRecord, check_file_name, crc32c, shown
 from .common import METADATA_NAME, _call_dcp, _distributed
 from .safety import _SafeLoadPlanner, _TensorDescUnpickler, load_metadata
+from .validate import check_step_metadata
 
 if TYPE_CHECKING:  # the class compat returns, named for the type checker
     from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -265,41 +266,12 @@ class FsspecStorageReader(StorageReader):
         return self._metadata
 
     def check_metadata(self, md: Metadata) -> None:
-        """Raise :class:`CorruptCheckpointError` unless every file ``md`` points at is a plain
-        file name that the manifest lists (with ``files``), and every item's byte range lies
-        inside it. Files the manifest lists that no item points at are read and checked too,
-        so that every listed file is checked by a restore."""
-        where = f"{self.path}/{METADATA_NAME}"
-        data = md.storage_data if md.storage_data is not None else {}
-        ends: Dict[str, int] = {}
-        first: Dict[str, str] = {}  # a key stored in each file, for messages
-        try:
-            for idx, info in data.items():
-                rel, offset, length = info.relative_path, info.offset, info.length
-                if not isinstance(offset, int) or not isinstance(length, int) or offset < 0 or length < 0:
-                    raise CorruptCheckpointError(f"{where}: {shown(idx.fqn)}: invalid byte range "
-                                                 f"{shown(offset)}+{shown(length)}", path=where)
-                end = offset + length
-                old = ends.get(rel)
-                if old is None:
-                    check_file_name(rel, where=where)
-                    first[rel] = idx.fqn
-                if old is None or end > old:
-                    ends[rel] = end
-        except (AttributeError, TypeError) as exc:
-            raise CorruptCheckpointError(f"{where}: storage data is malformed ({shown(exc)})", path=where) from exc
-        if self.files is None:
-            return
-        for rel, end in ends.items():
-            rec = self.files.get(rel)
-            if rec is None:
-                raise CorruptCheckpointError(f"{where}: {shown(first[rel])} is stored in {rel}, which the manifest "
-                                             "does not list; refusing to read it unchecked", path=where)
-            if end > rec.size:
-                raise CorruptCheckpointError(f"{self.path}/{rel}: manifest says {rec.size} bytes, but an item "
-                                             f"{METADATA_NAME} places in it ends at byte {end}",
-                                             path=f"{self.path}/{rel}")
-        for name in sorted(self.files):
+        """Raise :class:`CorruptCheckpointError` unless ``md`` passes
+        :func:`~.validate.check_step_metadata` against the manifest's records (with ``files``).
+        Files the manifest lists that no item points at are read and checked too, so that
+        every listed file is checked by a restore."""
+        ends = check_step_metadata(md, self.files, where=f"{self.path}/{METADATA_NAME}")
+        for name in sorted(self.files or ()):
             if name != METADATA_NAME and name not in ends:
                 self.read_file(name)  # referenced by no item: still checked (size, checksum)
 
