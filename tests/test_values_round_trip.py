@@ -1,0 +1,157 @@
+"""Values come back as they were saved: non-tensor values at any depth (inside lists and tuples,
+which DCP stores as one item), and targets of unusual strides; targets that cannot be
+restored into are refused before anything is written."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import types
+import warnings
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from async_ckpt import CheckpointManager
+from async_ckpt.storage.records import PickledObject
+
+
+def _assert_same(a, b, path="root"):
+    """Equal leaf by leaf, of one type: tensors and arrays bit for bit (dtype, shape, bytes)."""
+    assert type(a) is type(b), f"{path}: {type(a).__name__} saved, {type(b).__name__} restored ({b!r:.200})"
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape, f"{path}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
+        x, y = a.detach().contiguous(), b.detach().contiguous()
+        assert bytes(x.reshape(-1).view(torch.uint8).tolist()) == bytes(y.reshape(-1).view(torch.uint8).tolist()), \
+            f"{path}: bytes differ"
+    elif isinstance(a, (np.ndarray, np.generic)):
+        assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes(), f"{path}: {a!r} vs {b!r}"
+    elif isinstance(a, dict):
+        assert list(a) == list(b) or set(a) == set(b), f"{path}: keys {list(a)} vs {list(b)}"
+        for k in a:
+            _assert_same(a[k], b[k], f"{path}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), f"{path}: length {len(a)} vs {len(b)}"
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_same(x, y, f"{path}.{i}")
+    elif isinstance(a, types.SimpleNamespace):
+        _assert_same(vars(a), vars(b), path)
+    else:
+        assert a == b, f"{path}: {a!r} != {b!r}"
+
+
+def _no_placeholder(x, path="root"):
+    assert type(x) is not PickledObject, f"{path}: a placeholder came back: {x!r}"
+    if isinstance(x, dict):
+        for k, v in x.items():
+            _no_placeholder(v, f"{path}.{k}")
+    elif isinstance(x, (list, tuple)):
+        for i, v in enumerate(x):
+            _no_placeholder(v, f"{path}.{i}")
+
+
+def _nested_values() -> dict:
+    g = torch.Generator().manual_seed(3)
+    rs = np.random.RandomState(5)
+    return {
+        "deep": {"a": [1, (2.5, rs.randint(-9, 9, (2, 3)).astype(np.int16))]},  # dict > list > tuple > ndarray
+        "nested_tuples": (("x", (np.float32(1.5), datetime.date(2020, 1, 2))), (), ((None,),)),
+        "mixed": [torch.randn(4, generator=g), np.arange(3), {"k": datetime.date(2021, 5, 6)},
+                  (torch.randn(2, generator=g).to(torch.bfloat16), np.array([1.5]), datetime.time(1, 2))],
+        "np_rng": rs.get_state(),
+        "torch_rng": [torch.get_rng_state(), 7],
+        "torch_rng_tuple": (torch.get_rng_state(),),
+        "objects_only": [np.arange(3), 1],
+        "dates": [datetime.date(2020, 1, 2)],
+        "object_holding_a_tensor": [types.SimpleNamespace(t=torch.arange(3), s={1, 2})],
+        "plain": {"arr": np.arange(4.0), "w": torch.ones(3)},
+    }
+
+
+def _blank(x):
+    """A restore target of ``x``'s structure (what DCP walks into): tensors zeroed, the rest None."""
+    if isinstance(x, torch.Tensor):
+        return torch.zeros_like(x)
+    if isinstance(x, dict):
+        return {k: _blank(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_blank(v) for v in x]
+    return None
+
+
+@pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
+@pytest.mark.parametrize("atomic", [False, True], ids=["direct", "atomic"])
+def test_values_inside_lists_and_tuples_round_trip_at_any_depth(tmp_path, lazy, atomic):
+    """Non-tensor values inside tuples and lists (stored by DCP as one item) used to come back
+    as ``PickledObject`` placeholders, through restore and plain ``dcp.load`` alike; now every
+    leaf comes back bitwise, numpy's and torch's RNG states included."""
+    saved = _nested_values()
+    root = str(tmp_path / "ck")
+    with CheckpointManager(root) as mgr:
+        mgr.save_async(1, saved, lazy=lazy)
+        mgr.join()
+        for target in ({}, _blank(saved)):
+            mgr.restore(1, target, allow_pickle=True, atomic=atomic)
+            _no_placeholder(target)
+            _assert_same(saved, target)
+            # a tensor inside a tuple is its own storage, not a view into the staging buffer it was saved from
+            for t in (target["torch_rng_tuple"][0], target["mixed"][3][0]):
+                assert t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.nbytes
+
+    plain = _blank(saved)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "torch.distributed is disabled ..."
+        dcp.load(plain, checkpoint_id=os.path.join(root, "1"), no_dist=True)
+    _no_placeholder(plain)
+    _assert_same(saved, plain)
+
+    # the restored RNG states are usable as such
+    np_rng = np.random.RandomState()
+    np_rng.set_state(target["np_rng"])
+    expected = np.random.RandomState(5)
+    expected.randint(-9, 9, (2, 3))
+    assert np_rng.random_sample(5).tobytes() == expected.random_sample(5).tobytes()
+    torch_rng = torch.Generator()
+    torch_rng.set_state(target["torch_rng"][0])
+    torch_rng2 = torch.Generator()
+    torch_rng2.set_state(target["torch_rng_tuple"][0])
+    assert torch.equal(torch.rand(4, generator=torch_rng), torch.rand(4, generator=torch_rng2))
+
+
+def test_global_numpy_rng_state_in_a_state_dict_can_be_set_after_restore(tmp_path):
+    """``{"rng": np.random.get_state()}``: the exact case of the report."""
+    np.random.seed(11)
+    np.random.rand(3)
+    state = np.random.get_state()
+    expected = np.random.rand(4)
+    with CheckpointManager(str(tmp_path / "ck")) as mgr:
+        mgr.save(1, {"rng": state, "w": torch.ones(2)})
+        np.random.seed(0)
+        out = {"rng": None, "w": torch.zeros(2)}
+        mgr.restore(1, out, allow_pickle=True)
+    assert type(out["rng"]) is tuple and type(out["rng"][1]) is np.ndarray
+    np.random.set_state(out["rng"])
+    assert np.random.rand(4).tobytes() == expected.tobytes()
+
+
+@pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
+def test_tensors_inside_a_tuple_are_saved_without_their_staging_neighbours(tmp_path, lazy):
+    """A tuple is stored as one ``torch.save``-d item, and ``torch.save`` writes a tensor's
+    whole storage: a staged tensor used to take the shared host buffer it sat in along (other
+    keys' bytes in the item), and came back as a view at an offset into it."""
+    g = torch.Generator().manual_seed(8)
+    saved = {"a": torch.randn(300, generator=g), "pair": (torch.randn(7, generator=g), torch.arange(5), "x"),
+             "b": torch.randn(200, generator=g), "rng": (torch.get_rng_state(),)}
+    root = str(tmp_path / "ck")
+    with CheckpointManager(root) as mgr:
+        mgr.save_async(1, saved, lazy=lazy)
+        mgr.join()
+        out = {"a": torch.zeros(300), "pair": None, "b": torch.zeros(200), "rng": None}
+        mgr.restore(1, out, allow_pickle=True)
+    _assert_same(saved, out)
+    for t in (*out["pair"][:2], out["rng"][0]):
+        assert t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.nbytes, \
+            f"restored as a view into {t.untyped_storage().nbytes()} bytes"
+    torch.Generator().set_state(out["rng"][0])  # crashed on a view at an offset
