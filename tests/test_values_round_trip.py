@@ -23,9 +23,8 @@ def _assert_same(a, b, path="root"):
     assert type(a) is type(b), f"{path}: {type(a).__name__} saved, {type(b).__name__} restored ({b!r:.200})"
     if isinstance(a, torch.Tensor):
         assert a.dtype == b.dtype and a.shape == b.shape, f"{path}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
-        x, y = a.detach().contiguous(), b.detach().contiguous()
-        assert bytes(x.reshape(-1).view(torch.uint8).tolist()) == bytes(y.reshape(-1).view(torch.uint8).tolist()), \
-            f"{path}: bytes differ"
+        x, y = (torch.empty(t.shape, dtype=t.dtype).copy_(t.detach()) for t in (a, b))  # standard strides
+        assert torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8)), f"{path}: bytes differ"
     elif isinstance(a, (np.ndarray, np.generic)):
         assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes(), f"{path}: {a!r} vs {b!r}"
     elif isinstance(a, dict):
@@ -155,3 +154,56 @@ def test_tensors_inside_a_tuple_are_saved_without_their_staging_neighbours(tmp_p
         assert t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.nbytes, \
             f"restored as a view into {t.untyped_storage().nbytes()} bytes"
     torch.Generator().set_state(out["rng"][0])  # crashed on a view at an offset
+
+
+def _odd_strided(shape, strides, offset=2):
+    """A tensor of ``shape`` and ``strides`` at ``offset`` into a storage of its own, values 1, 2, ..."""
+    need = 1 + sum((n - 1) * s for n, s in zip(shape, strides)) if all(shape) else 0
+    return torch.as_strided(torch.arange(need + offset + 3, dtype=torch.float32) + 1, shape, strides, offset)
+
+
+#: contiguous (``is_contiguous()``) whatever the strides of their size-1 and size-0 dimensions
+ODD_STRIDES = [((1,), (5,)), ((1, 1), (7, 3)), ((1,), (0,)), ((1, 1, 1), (0, 0, 0)), ((2, 1), (1, 9)),
+               ((1, 3), (11, 1)), ((3, 1, 2), (2, 100, 1)), ((0, 3), (5, 1)), ((3, 0), (0, 0))]
+
+
+@pytest.mark.parametrize("atomic", [False, True], ids=["direct", "atomic"])
+def test_contiguous_targets_with_odd_strides_restore_bitwise(tmp_path, atomic):
+    """A one-element target whose stride is not 1 (``w[:, 0]`` of a ``(1, N)`` matrix, or its
+    clone) is contiguous, but the direct read's planner viewed it as bytes through
+    ``view(-1)``, which keeps the stride: "self.stride(-1) must be 1 to view Float as Byte"."""
+    w = torch.randn(1, 6, generator=torch.Generator().manual_seed(2))
+    saved = {"col": w[:, 0], "col_clone": w[:, 0].clone(), "big": torch.randn(70_000)}
+    saved.update({f"odd{i}": _odd_strided(shape, st) for i, (shape, st) in enumerate(ODD_STRIDES)})
+    assert all(t.is_contiguous() for t in saved.values())
+    with CheckpointManager(str(tmp_path / "ck")) as mgr:
+        mgr.save(1, saved)
+        target = {"col": torch.zeros(1, 6)[:, 0], "col_clone": torch.zeros(1, 6)[:, 0].clone(),
+                  "big": torch.zeros(70_000)}
+        target.update({f"odd{i}": _odd_strided(shape, st).zero_() if all(shape) else _odd_strided(shape, st)
+                       for i, (shape, st) in enumerate(ODD_STRIDES)})
+        strides = {k: v.stride() for k, v in target.items()}
+        mgr.restore(1, target, atomic=atomic)
+    _assert_same(saved, target)
+    assert {k: v.stride() for k, v in target.items()} == strides  # restored in place
+
+
+def test_a_misaligned_record_into_a_one_element_target_of_odd_stride():
+    """The misaligned-record path of the reader views a contiguous target as bytes too: a
+    one-element float64 target of stride 7, its record at every byte offset 0..7."""
+    import io
+
+    from async_ckpt.storage.dcp.reader import _stored_bytes
+
+    src = torch.tensor([[3.25]], dtype=torch.float64)
+    buf = io.BytesIO()
+    torch.save(src, buf)
+    for shift in range(8):
+        blob = memoryview(bytearray(shift) + buf.getvalue())[shift:]
+        req = types.SimpleNamespace(storage_offsets=[0, 0], lengths=[1, 1])
+        target = torch.as_strided(torch.zeros(20, dtype=torch.float64), (1, 1), (7, 3), 1)
+        pair = _stored_bytes(blob, req, target)
+        assert pair is not None
+        dst, src_view = pair
+        dst.copy_(src_view)
+        assert target.item() == 3.25, shift

@@ -76,12 +76,16 @@ def _plain_target(t: torch.Tensor) -> bool:
 def _contiguous_bytes(t: torch.Tensor) -> Optional[torch.Tensor]:
     """``t``'s memory as a flat uint8 tensor, for a contiguous tensor without conjugate or
     negative bits; else None. A view of ``t`` where writing through one is allowed, else (an
-    inference tensor) a tensor over its address that does not own the memory."""
+    inference tensor) a tensor over its address that does not own the memory.
+
+    A contiguous tensor may have any stride on a dimension of size 1 (a one-element view
+    ``w[:, 0]`` of a ``(1, N)`` matrix: stride ``N``), which ``view(-1)`` keeps; its memory is
+    still dense from its first element, so it is taken with stride 1."""
     if not t.is_contiguous() or t.is_conj() or t.is_neg() or t.numel() == 0:
         return None
     if t.is_inference():
         return host_bytes(t.data_ptr(), t.numel() * t.element_size())
-    return t.view(-1).view(torch.uint8)
+    return t.as_strided((t.numel(),), (1,)).view(torch.uint8)
 
 
 def _flat_targets(state_dict: Dict[str, Any]) -> Tuple[Dict[str, Any], Dict[str, Any]]:

@@ -516,7 +516,8 @@ def _aligned_copy(raw: torch.Tensor, target: torch.Tensor) -> Tuple[torch.Tensor
         return target, raw.view(target.dtype).view(target.shape)
     if target.device.type in ("cpu", "cuda") and target.layout == torch.strided and target.is_contiguous() \
             and not target.is_conj() and not target.is_neg() and not target.is_quantized:
-        return target.view(-1).view(torch.uint8), raw
+        # as_strided, not view(-1): a one-element target may have any stride (w[:, 0] of a (1, N) matrix)
+        return target.as_strided((target.numel(),), (1,)).view(torch.uint8), raw
     return target, raw.clone().view(target.dtype).view(target.shape)
 
 
