@@ -207,3 +207,44 @@ def test_a_misaligned_record_into_a_one_element_target_of_odd_stride():
         dst, src_view = pair
         dst.copy_(src_view)
         assert target.item() == 3.25, shift
+
+
+def _three(n: int = 70_000) -> dict:
+    g = torch.Generator().manual_seed(6)
+    return {"a": torch.randn(n, generator=g), "b": torch.randn(n, generator=g), "c": torch.randn(n, generator=g)}
+
+
+@pytest.mark.parametrize("atomic", [False, True], ids=["direct", "atomic"])
+def test_a_meta_target_is_refused_naming_the_key(tmp_path, atomic):
+    """A meta tensor target used to fail with DCP's "Default process group has not been
+    initialized" (the direct restore declined it); now a typed error names the key and the fix,
+    and nothing is written."""
+    from async_ckpt import StateDictMismatchError
+
+    with CheckpointManager(str(tmp_path / "ck")) as mgr:
+        mgr.save(1, _three())
+        target = {"a": torch.zeros(70_000), "b": torch.empty(70_000, device="meta"), "c": torch.zeros(70_000)}
+        with pytest.raises(StateDictMismatchError, match=r"b: the target is a meta tensor.*to_empty"):
+            mgr.restore(1, target, atomic=atomic)
+    assert not target["a"].any() and not target["c"].any()
+
+
+@pytest.mark.parametrize("atomic", [False, True], ids=["direct", "atomic"])
+@pytest.mark.parametrize("n", [70_000, 5], ids=["large", "small"])
+def test_an_expanded_target_is_refused_before_the_first_write(tmp_path, atomic, n):
+    """An expanded (stride-0) target cannot take a value per element: restore used to write the
+    keys around it, then fail saying the target "was partly written" (atomic=True too). Now it
+    is refused up front, naming the key, and no key is written."""
+    from async_ckpt import StateDictMismatchError
+
+    with CheckpointManager(str(tmp_path / "ck")) as mgr:
+        mgr.save(1, _three(n))
+        target = {"a": torch.zeros(n), "b": torch.zeros(1).expand(n), "c": torch.zeros(n)}
+        with pytest.raises(StateDictMismatchError, match=r"b: the target is an expanded tensor") as info:
+            mgr.restore(1, target, atomic=atomic)
+        assert "partly written" not in str(info.value)
+        assert not target["a"].any() and not target["c"].any() and not target["b"].any()
+        # the keys of their own restore once the target is fixed
+        target["b"] = torch.zeros(n)
+        mgr.restore(1, target, atomic=atomic)
+        _assert_same(_three(n), target)
