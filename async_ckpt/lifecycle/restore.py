@@ -295,7 +295,7 @@ def _unwritable(t: torch.Tensor) -> Optional[str]:
     if t.is_meta:
         return ("the target is a meta tensor, which has no memory to restore into; materialize it first "
                 "(module.to_empty(device=...), or torch.empty_like(t, device='cpu'))")
-    if t.layout == torch.strided:
+    if t.layout == torch.strided and t.numel() > 1:  # no elements: nothing to write
         for n, st in zip(t.shape, t.stride()):
             if n > 1 and st == 0:
                 return (f"the target is an expanded tensor (stride 0 over a dimension of size {n}, shape "
