@@ -248,3 +248,43 @@ def test_an_expanded_target_is_refused_before_the_first_write(tmp_path, atomic, 
         target["b"] = torch.zeros(n)
         mgr.restore(1, target, atomic=atomic)
         _assert_same(_three(n), target)
+
+
+def test_import_cli_save_and_restore_without_numpy(tmp_path):
+    """numpy is not a dependency (torch does not require it): ``import async_ckpt`` used to fail
+    on ``import numpy`` in the DCP writer, and restore took its buffers through
+    ``Tensor.numpy()`` ("Numpy is not available"). A child process where ``import numpy``
+    fails imports async_ckpt, runs the CLI's ``--help`` (both entries) and round-trips a save,
+    direct and atomic."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent(f"""
+        import sys
+        sys.modules["numpy"] = None  # import numpy raises ImportError, as where it is not installed
+        import runpy, torch
+        import async_ckpt
+        from async_ckpt.cli import main
+        for entry in (lambda: main(["--help"]), lambda: runpy.run_module("async_ckpt", run_name="__main__")):
+            try:
+                entry()
+            except SystemExit as exc:
+                assert exc.code in (0, None), exc.code
+        g = torch.Generator().manual_seed(0)
+        sd = {{"big": torch.randn(100_000, generator=g), "small": torch.randn(7, generator=g), "obj": {{1, 2}},
+              "pair": (torch.arange(3), "x")}}
+        with async_ckpt.CheckpointManager({str(tmp_path / "ck")!r}) as mgr:
+            mgr.save(1, sd)
+            for atomic in (False, True):
+                out = {{"big": torch.zeros(100_000), "small": torch.zeros(7), "obj": None, "pair": None}}
+                mgr.restore(1, out, atomic=atomic)
+                assert torch.equal(out["big"], sd["big"]) and torch.equal(out["small"], sd["small"])
+                assert out["obj"] == {{1, 2}} and torch.equal(out["pair"][0], sd["pair"][0])
+        assert sys.modules["numpy"] is None
+        print("NO-NUMPY-OK")
+    """)
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
+    proc = subprocess.run([sys.executable, "-c", code, "--help"], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0 and "NO-NUMPY-OK" in proc.stdout, proc.stderr[-3000:]
+    assert "usage: async-ckpt" in proc.stdout

@@ -29,7 +29,7 @@ from typing import Any, Dict, List, Literal, Optional, Tuple, Union
 
 import torch
 
-from ..addresses import gather
+from ..addresses import byte_view, gather
 
 _U64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B9
@@ -190,7 +190,7 @@ def _torch_save_bytes(t: torch.Tensor) -> bytes:
 
 def _bytes_of(t: torch.Tensor) -> memoryview:
     """The raw bytes of a contiguous CPU tensor, as an unsigned-byte memoryview."""
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B") if t.numel() else memoryview(b"")  # type: ignore[arg-type, unused-ignore]  # numpy declares the buffer protocol for Python >= 3.12 only
+    return byte_view(t.reshape(-1).view(torch.uint8)).cast("B") if t.numel() else memoryview(b"")
 
 
 class RecordTemplates:

@@ -19,7 +19,7 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
 
-from ...addresses import host_bytes
+from ...addresses import byte_view, host_bytes
 from ..fs import Storage
 from ..manifest import FileRecord
 from .device_targets import DeviceTargets, is_device
@@ -248,8 +248,7 @@ def _tasks(path: str, name: str, size: int, recs: List[_Rec], size_known: bool) 
         b = a + r.flat.numel()  # type: ignore[union-attr]
         if a > pos:
             buffered(pos, a)
-        # flat is set on every direct record; numpy's stubs declare the buffer protocol only for Python >= 3.12
-        mv = memoryview(r.flat.numpy())  # type: ignore[union-attr, arg-type, unused-ignore]
+        mv = byte_view(r.flat)  # type: ignore[arg-type]  # flat is set on every direct record
         for lo in range(a, b, DIRECT_CHUNK_BYTES):
             hi = min(b, lo + DIRECT_CHUNK_BYTES)
             out.append(_Task(where, name, lo, hi, dest=mv[lo - a:hi - a], own=r.own))

@@ -27,7 +27,6 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple, cast
 
-import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
@@ -109,7 +108,12 @@ DATA_AT_MIN_BYTES = 64 * 2**10  # tensor records with this much data have their 
 
 
 def _address(b: Any) -> int:
-    """The address of a contiguous buffer's first byte (-1 where it cannot be had)."""
+    """The address of a contiguous buffer's first byte (-1 where it cannot be had, e.g.
+    without NumPy, which async_ckpt does not require)."""
+    try:
+        import numpy as np
+    except ImportError:
+        return -1
     try:
         return int(np.frombuffer(b, dtype=np.uint8).ctypes.data)
     except (TypeError, ValueError):
