@@ -8,6 +8,8 @@ name is readable memory for the duration of the call; nothing else in the range 
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 #: The most elements one unfolded range may have (its ``numel`` must fit in int64): windows
@@ -26,9 +28,31 @@ class _AddressRange:
 
 def host_bytes(addr: int, nbytes: int) -> torch.Tensor:
     """A uint8 CPU tensor over the host memory at ``addr``; it does not own the memory."""
-    import numpy as np
-
+    try:
+        import numpy as np
+    except ImportError:  # NumPy is optional (torch does not require it)
+        if nbytes == 0:
+            return torch.empty(0, dtype=torch.uint8)
+        return torch.frombuffer((ctypes.c_ubyte * nbytes).from_address(addr), dtype=torch.uint8)
     return torch.from_numpy(np.asarray(_AddressRange(addr, nbytes)))
+
+
+def byte_view(t: torch.Tensor) -> memoryview:
+    """A writable unsigned-byte (``"B"``) memoryview of the memory of ``t``, a contiguous CPU
+    tensor (``t.nbytes`` bytes from its first element); it keeps ``t`` alive.
+
+    ``memoryview(t.numpy())`` where NumPy is installed; without it (async_ckpt does not require
+    it) a ``ctypes`` array over the same memory.
+    """
+    try:
+        return memoryview(t.numpy())  # type: ignore[arg-type, unused-ignore]  # numpy declares the buffer protocol for Python >= 3.12 only
+    except RuntimeError:  # "Numpy is not available"
+        n = t.numel() * t.element_size()
+        if n == 0:
+            return memoryview(bytearray())
+        arr = (ctypes.c_ubyte * n).from_address(t.data_ptr())
+        arr._owner = t  # type: ignore[attr-defined]  # the memory lives as long as the view
+        return memoryview(arr).cast("B")
 
 
 def _windows(lo: int, hi: int, nbytes: int) -> torch.Tensor:

@@ -31,7 +31,8 @@ class StepNotFoundError(CheckpointError, FileNotFoundError):
 
 
 class StateDictMismatchError(CheckpointError, ValueError):
-    """Restore into a state dict whose keys, shapes or dtypes do not match the checkpoint."""
+    """Restore into a state dict whose keys, shapes or dtypes do not match the checkpoint, or
+    whose target tensors cannot be written in place (meta tensors, expanded tensors)."""
 
 
 class CorruptCheckpointError(CheckpointError):

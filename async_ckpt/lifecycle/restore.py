@@ -232,7 +232,8 @@ def prepare_target(state_dict: Dict[str, Any], metadata: Any, step: int, int_key
 
     Keys of ``state_dict`` the checkpoint lacks raise :class:`StateDictMismatchError` naming
     up to ten (``strict=False``: a warning; they are left as they are). A tensor whose shape or
-    dtype differs, or a tensor where the checkpoint has a non-tensor value, always raises. Keys
+    dtype differs, a tensor where the checkpoint has a non-tensor value, or a target tensor that
+    cannot be written in place (a meta tensor, an expanded one), always raises, before any write. Keys
     of the checkpoint that ``state_dict`` lacks are added (a fresh optimizer's empty ``state``,
     or everything for an empty target); with ``strict=False`` only the intersection is loaded
     and those keys are listed in a warning instead.
@@ -266,6 +267,10 @@ def _prepare_target(state_dict: Dict[str, Any], metadata: Any, step: int, int_ke
                 problems.append(f"{k}: shape {tuple(v.shape)} in state_dict vs {tuple(m.size)} in checkpoint")
             elif v.dtype != m.properties.dtype:
                 problems.append(f"{k}: dtype {v.dtype} in state_dict vs {m.properties.dtype} in checkpoint")
+            else:
+                unwritable = _unwritable(v)
+                if unwritable is not None:
+                    problems.append(f"{k}: {unwritable}")
         elif isinstance(v, torch.Tensor):
             problems.append(f"{k}: state_dict has a tensor, checkpoint has a non-tensor value")
     if (missing and strict) or problems:
@@ -293,6 +298,20 @@ def _prepare_target(state_dict: Dict[str, Any], metadata: Any, step: int, int_ke
         warnings.warn(f"async_ckpt: checkpoint step {step} has keys the state_dict lacks, not restored: "
                       f"{_keys(extra)}", UserWarning, stacklevel=6)
     return added
+
+
+def _unwritable(t: torch.Tensor) -> Optional[str]:
+    """Why the target tensor ``t`` cannot take a checkpoint's values in place, or ``None``."""
+    if t.is_meta:
+        return ("the target is a meta tensor, which has no memory to restore into; materialize it first "
+                "(module.to_empty(device=...), or torch.empty_like(t, device='cpu'))")
+    if t.layout == torch.strided and t.numel() > 1:  # no elements: nothing to write
+        for n, st in zip(t.shape, t.stride()):
+            if n > 1 and st == 0:
+                return (f"the target is an expanded tensor (stride 0 over a dimension of size {n}, shape "
+                        f"{tuple(t.shape)}), whose elements share memory and cannot each be restored; restore "
+                        "into a tensor of its own (t.clone(), torch.empty(shape)) and expand that")
+    return None
 
 
 class _Appended(tuple):

@@ -516,7 +516,8 @@ class CheckpointManager(SaveDecisions, TierListing, StepActions):
         anything is read; the buffers are reused by the next restore or save).
 
         Keys of ``state_dict`` the checkpoint lacks raise :class:`StateDictMismatchError`
-        naming up to ten. Entries the checkpoint has but ``state_dict`` lacks are added (e.g. a
+        naming up to ten; so does a target tensor that cannot be written in place (a meta
+        tensor, an expanded one), before anything is written. Entries the checkpoint has but ``state_dict`` lacks are added (e.g. a
         fresh optimizer's empty ``state``). ``strict=False`` loads only the keys both have and
         lists the others in a warning. Top-level values with ``state_dict()``/``load_state_dict()`` (DCP's
         ``Stateful``) get what was saved through their ``load_state_dict``. Multi-process: call

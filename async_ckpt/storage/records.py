@@ -17,6 +17,7 @@ itself), and tests compare the two outputs over many dtypes and shapes.
 from __future__ import annotations
 
 import ctypes
+import functools
 import io
 import pickle
 import struct
@@ -28,7 +29,7 @@ from typing import Any, Dict, List, Literal, Optional, Tuple, Union
 
 import torch
 
-from ..addresses import gather
+from ..addresses import byte_view, gather
 
 _U64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B9
@@ -189,7 +190,7 @@ def _torch_save_bytes(t: torch.Tensor) -> bytes:
 
 def _bytes_of(t: torch.Tensor) -> memoryview:
     """The raw bytes of a contiguous CPU tensor, as an unsigned-byte memoryview."""
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B") if t.numel() else memoryview(b"")  # type: ignore[arg-type, unused-ignore]  # numpy declares the buffer protocol for Python >= 3.12 only
+    return byte_view(t.reshape(-1).view(torch.uint8)).cast("B") if t.numel() else memoryview(b"")
 
 
 class RecordTemplates:
@@ -299,6 +300,10 @@ class PickledObject:
 
     ``data`` is the protocol-2 pickle that ``torch.save`` writes as ``data.pkl`` (``archive``
     false), or, for a value that holds tensors, the whole ``torch.save`` archive.
+
+    Inside a tuple or a list (which DCP stores as one item, ``torch.save``-d whole), a
+    ``PickledObject`` is pickled as the value it stands for (:meth:`__reduce__`), so that
+    every value comes back as itself at any depth.
     """
 
     __slots__ = ("data", "is_archive")
@@ -314,6 +319,15 @@ class PickledObject:
         buf = io.BytesIO()
         torch.save(self, buf, pickle_module=_VERBATIM)
         return buf
+
+    def __reduce__(self) -> Tuple[Any, ...]:
+        """Unpickled, the value itself (never a ``PickledObject``): ``pickle.loads`` of
+        ``data``, or ``torch.load`` of the archive for a value holding tensors. Only standard
+        callables are named, so ``torch.load(weights_only=False)`` and ``dcp.load`` rebuild
+        the value without async_ckpt; nothing is unpickled here, on the save side."""
+        if self.is_archive:
+            return functools.partial(torch.load, weights_only=False), (io.BytesIO(self.data),)
+        return pickle.loads, (self.data,)
 
     def __eq__(self, other: Any) -> bool:
         return type(other) is PickledObject and other.data == self.data and other.is_archive == self.is_archive

@@ -55,6 +55,7 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
 from ... import compat
+from ...addresses import byte_view
 from ...errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError
 from ...gc_pause import gc_paused
 from ..fs import Storage
@@ -294,7 +295,7 @@ def _load(storage: Storage, path: str, per_file: Dict[str, List[_Rec]], flat: Di
             got = r.read_into(task.start, task.dest)
             return got, (crc32c(task.dest[:got]) if verify else 0)
         buf = buffers.get(n + task.extra)
-        mv = memoryview(buf.numpy())[: n + task.extra]  # type: ignore[arg-type, unused-ignore]  # numpy declares the buffer protocol for Python >= 3.12 only
+        mv = byte_view(buf)[: n + task.extra]
         got = r.read_into(task.start, mv)
         crc = crc32c(mv[:min(got, n)]) if verify else 0
         if got < n:

@@ -19,7 +19,7 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
 
-from ...addresses import host_bytes
+from ...addresses import byte_view, host_bytes
 from ..fs import Storage
 from ..manifest import FileRecord
 from .device_targets import DeviceTargets, is_device
@@ -76,12 +76,16 @@ def _plain_target(t: torch.Tensor) -> bool:
 def _contiguous_bytes(t: torch.Tensor) -> Optional[torch.Tensor]:
     """``t``'s memory as a flat uint8 tensor, for a contiguous tensor without conjugate or
     negative bits; else None. A view of ``t`` where writing through one is allowed, else (an
-    inference tensor) a tensor over its address that does not own the memory."""
+    inference tensor) a tensor over its address that does not own the memory.
+
+    A contiguous tensor may have any stride on a dimension of size 1 (a one-element view
+    ``w[:, 0]`` of a ``(1, N)`` matrix: stride ``N``), which ``view(-1)`` keeps; its memory is
+    still dense from its first element, so it is taken with stride 1."""
     if not t.is_contiguous() or t.is_conj() or t.is_neg() or t.numel() == 0:
         return None
     if t.is_inference():
         return host_bytes(t.data_ptr(), t.numel() * t.element_size())
-    return t.view(-1).view(torch.uint8)
+    return t.as_strided((t.numel(),), (1,)).view(torch.uint8)
 
 
 def _flat_targets(state_dict: Dict[str, Any]) -> Tuple[Dict[str, Any], Dict[str, Any]]:
@@ -244,8 +248,7 @@ def _tasks(path: str, name: str, size: int, recs: List[_Rec], size_known: bool) 
         b = a + r.flat.numel()  # type: ignore[union-attr]
         if a > pos:
             buffered(pos, a)
-        # flat is set on every direct record; numpy's stubs declare the buffer protocol only for Python >= 3.12
-        mv = memoryview(r.flat.numpy())  # type: ignore[union-attr, arg-type, unused-ignore]
+        mv = byte_view(r.flat)  # type: ignore[arg-type]  # flat is set on every direct record
         for lo in range(a, b, DIRECT_CHUNK_BYTES):
             hi = min(b, lo + DIRECT_CHUNK_BYTES)
             out.append(_Task(where, name, lo, hi, dest=mv[lo - a:hi - a], own=r.own))

@@ -208,5 +208,31 @@ def _local_data(obj: Any) -> Any:
     if type(obj) is PickledObject:
         return obj.archive()
     buf = io.BytesIO()
-    torch.save(obj, buf)
+    torch.save(_own_storages(obj), buf)
     return buf
+
+
+def _own_storages(obj: Any, seen: Optional[Dict[int, torch.Tensor]] = None) -> Any:
+    """``obj`` (a tuple or list that DCP stores as one item, ``torch.save``-d whole) with each
+    tensor that is a view into a larger storage (a staged tensor in a shared host buffer)
+    replaced by a copy of its own. ``torch.save`` writes a tensor's whole storage: the item
+    would hold its neighbours' bytes too, and the restored tensor would be a view at an offset
+    into that storage (which ``Generator.set_state`` of a restored RNG state crashes on). The
+    same tensor twice stays one tensor; ``obj`` itself when nothing is copied."""
+    if type(obj) is torch.Tensor:
+        if obj.device.type == "meta" or obj.untyped_storage().nbytes() == obj.numel() * obj.element_size():
+            return obj
+        seen = {} if seen is None else seen
+        own = seen.get(id(obj))
+        if own is None:
+            own = seen[id(obj)] = obj.clone()
+        return own
+    if type(obj) in (tuple, list):
+        seen = {} if seen is None else seen
+        items = [_own_storages(v, seen) for v in obj]
+        return obj if all(a is b for a, b in zip(items, obj)) else type(obj)(items)
+    if type(obj) is dict:
+        seen = {} if seen is None else seen
+        new = {k: _own_storages(v, seen) for k, v in obj.items()}
+        return obj if all(new[k] is v for k, v in obj.items()) else new
+    return obj

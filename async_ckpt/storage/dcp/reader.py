@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from ... import compat
+from ...addresses import byte_view
 from ...errors import CorruptCheckpointError, StorageError
 from ..fs import READ_RANGE_BYTES, Storage
 from ..manifest import FileRecord, check_file_name, crc32c, shown
@@ -135,8 +136,7 @@ class FsspecStorageReader(StorageReader):
             self._checked_path(n)
         whole = [n for n in names if n not in split]
         # not zero-filled: every byte is overwritten by the reads (or the file is too short)
-        # (numpy's stubs declare the buffer protocol only for Python >= 3.12)
-        bufs = {n: memoryview(torch.empty(size + 1, dtype=torch.uint8).numpy()) for n, size in split.items()}  # type: ignore[arg-type, unused-ignore]
+        bufs = {n: byte_view(torch.empty(size + 1, dtype=torch.uint8)) for n, size in split.items()}
         tasks = []
         for n, size in split.items():
             starts = list(range(0, size, READ_RANGE_BYTES))
@@ -202,7 +202,7 @@ class FsspecStorageReader(StorageReader):
             for name, where, starts, runs in plans:
                 readers[name] = reader = self._open_ranges(where, files[name].size)
                 # not zero-filled: every byte is overwritten by the reads (or the file is too short)
-                bufs = [memoryview(torch.empty(starts[b] - starts[a], dtype=torch.uint8).numpy())  # type: ignore[arg-type, unused-ignore]
+                bufs = [byte_view(torch.empty(starts[b] - starts[a], dtype=torch.uint8))
                         for a, b in runs]
                 out[name] = ([starts[a] for a, _ in runs], bufs)
                 reads += [(reader, where, starts[a] + lo, buf[lo:lo + READ_RANGE_BYTES])
@@ -488,7 +488,8 @@ def _aligned_copy(raw: torch.Tensor, target: torch.Tensor) -> Tuple[torch.Tensor
         return target, raw.view(target.dtype).view(target.shape)
     if target.device.type in ("cpu", "cuda") and target.layout == torch.strided and target.is_contiguous() \
             and not target.is_conj() and not target.is_neg() and not target.is_quantized:
-        return target.view(-1).view(torch.uint8), raw
+        # as_strided, not view(-1): a one-element target may have any stride (w[:, 0] of a (1, N) matrix)
+        return target.as_strided((target.numel(),), (1,)).view(torch.uint8), raw
     return target, raw.clone().view(target.dtype).view(target.shape)
 
 

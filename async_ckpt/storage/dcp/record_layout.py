@@ -20,6 +20,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from ...addresses import byte_view
 from .reader import RecordFile
 from .safety import _TensorDescUnpickler
 
@@ -176,7 +177,7 @@ class Arrived:
         out = bytearray(self.length)
         h, n = len(self.head), self.data_hi - self.data_lo
         out[:h] = self.head
-        out[h:h + n] = memoryview(data.numpy())  # type: ignore[arg-type, unused-ignore]
+        out[h:h + n] = byte_view(data)
         out[h + n:] = self.tail
         return memoryview(out)
 

@@ -30,6 +30,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, cast
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
+from ...addresses import byte_view
 from ...errors import CorruptCheckpointError, StagingBudgetError
 from ..fs import Storage
 from ..manifest import FileRecord, crc32c
@@ -115,8 +116,7 @@ def _read_verified(storage: Storage, path: str, files: Dict[str, FileRecord], vi
         def run(task: Tuple[str, int, int, int]) -> Tuple[int, int]:
             name, lo, hi, extra = task
             r = readers[name]
-            # numpy's stubs declare the buffer protocol only for Python >= 3.12
-            mv = memoryview(views[name].numpy())[lo:hi]  # type: ignore[arg-type, unused-ignore]
+            mv = byte_view(views[name])[lo:hi]
             got = r.read_into(lo, mv) if hi > lo else 0
             crc = crc32c(mv[:got]) if verify else 0
             if extra and got == hi - lo:
@@ -167,7 +167,7 @@ class _StagedRanges:
 
     def __init__(self, buf: torch.Tensor) -> None:
         self._buf = buf
-        self._mv = memoryview(buf.numpy())  # type: ignore[arg-type, unused-ignore]
+        self._mv = byte_view(buf)
         self.known_size: Optional[int] = buf.numel()
 
     def read_into(self, start: int, out: memoryview) -> int:
@@ -214,4 +214,4 @@ class StagedStorage:
 
     def read_bytes(self, where: str) -> bytes:
         buf = self._staged.get(where)
-        return self._storage.read_bytes(where) if buf is None else bytes(memoryview(buf.numpy()))  # type: ignore[arg-type, unused-ignore]
+        return self._storage.read_bytes(where) if buf is None else bytes(byte_view(buf))

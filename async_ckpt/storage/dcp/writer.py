@@ -27,7 +27,6 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple, cast
 
-import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
@@ -57,6 +56,7 @@ from .layout_memo import (  # noqa: F401  (_flatten: re-exported for the restore
     _Layout,
     _local_data,
     _metadata_index,
+    _own_storages,
     _signature,
 )
 
@@ -108,7 +108,12 @@ DATA_AT_MIN_BYTES = 64 * 2**10  # tensor records with this much data have their 
 
 
 def _address(b: Any) -> int:
-    """The address of a contiguous buffer's first byte (-1 where it cannot be had)."""
+    """The address of a contiguous buffer's first byte (-1 where it cannot be had, e.g.
+    without NumPy, which async_ckpt does not require)."""
+    try:
+        import numpy as np
+    except ImportError:
+        return -1
     try:
         return int(np.frombuffer(b, dtype=np.uint8).ctypes.data)
     except (TypeError, ValueError):
@@ -407,7 +412,8 @@ def _results(buckets: List[List[MetadataIndex]], outs: List[Tuple[str, FileRecor
 def _resolver(planner: SavePlanner) -> Callable[[Any], Any]:
     """``planner.resolve_data``, except that a :class:`PickledObject` (a snapshot's non-tensor
     value, pickled at the call) is written as its archive, not ``torch.save``-d again as an
-    object. Planners without ``lookup_object`` (DCP's and torch_xla's have it) resolve alone."""
+    object, and a tuple or list holding views of staging buffers is saved with copies of its
+    own (see :func:`~.layout_memo._own_storages`). Planners without ``lookup_object`` (DCP's and torch_xla's have it) resolve alone."""
     lookup = getattr(planner, "lookup_object", None)
     if lookup is None:
         return planner.resolve_data
@@ -417,6 +423,11 @@ def _resolver(planner: SavePlanner) -> Callable[[Any], Any]:
             obj = lookup(item.index)
             if type(obj) is PickledObject:
                 return obj.archive()
+            own = _own_storages(obj)
+            if own is not obj:  # a tuple or list holding views of staging buffers: as DCP's, but copied
+                buf = io.BytesIO()
+                torch.save(own, buf)
+                return buf
         return planner.resolve_data(item)
 
     return resolve
