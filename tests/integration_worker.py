@@ -2,7 +2,9 @@
 
 ``hf OUT_DIR MAX_STEPS RESUME LOG_JSON [LIMIT]``: a tiny GPT-2 trained by the Hugging Face
 ``Trainer`` with :class:`AsyncCkptCallback` (``USE_TORCH_XLA=0`` must be set by the caller);
-``RESUME`` is 0/1; the losses logged at each step go to ``LOG_JSON``.
+``RESUME`` is 0/1; the losses logged at each step go to ``LOG_JSON``. Under ``torchrun`` (DDP on
+gloo) every rank runs it; ranks other than 0 write ``LOG_JSON.<rank>``. ``PEFT`` 1 wraps the model
+in a LoRA adapter (peft).
 
 ``lightning-kill OUT_DIR``: Lightning training with :class:`AsyncCkptIO` whose writer is
 slowed down after the first committed ``last.ckpt``, printing ``WRITING`` when the next write
@@ -17,7 +19,8 @@ import sys
 import time
 
 
-def hf(out_dir: str, max_steps: int, resume: bool, log_json: str, limit: int = 2, stop_at: int = 0) -> None:
+def hf(out_dir: str, max_steps: int, resume: bool, log_json: str, limit: int = 2, stop_at: int = 0,
+       peft: int = 0) -> None:
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
@@ -25,6 +28,11 @@ def hf(out_dir: str, max_steps: int, resume: bool, log_json: str, limit: int = 2
 
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=32))
+    if peft:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], lora_dropout=0.1,
+                                                 fan_in_fan_out=True))
     g = torch.Generator().manual_seed(1)
     data = torch.randint(0, 64, (48, 16), generator=g)
 
@@ -54,7 +62,8 @@ def hf(out_dir: str, max_steps: int, resume: bool, log_json: str, limit: int = 2
     cb = AsyncCkptCallback()
     trainer = Trainer(model=model, args=args, train_dataset=DS(), callbacks=[cb, Record()])
     trainer.train(resume_from_checkpoint=True if resume else None)
-    with open(log_json, "w") as f:
+    rank = int(os.environ.get("RANK", "0"))
+    with open(log_json if rank == 0 else f"{log_json}.{rank}", "w") as f:
         json.dump({"losses": losses, "stats": cb.stats, "allocations": cb.snapshotter.pool.allocations}, f)
 
 

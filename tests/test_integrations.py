@@ -234,13 +234,31 @@ def test_lightning_sigkill_mid_write_resumes_from_an_intact_last(tmp_path):
 
 # ---- Hugging Face ------------------------------------------------------------------------------
 
-def _hf(out, max_steps, resume, log, *extra):
+def _hf(out, max_steps, resume, log, *extra, nproc=0):
+    """One HF run of integration_worker.py ``hf``; ``nproc`` > 0: under torchrun (DDP, gloo)."""
     pytest.importorskip("transformers")
-    r = subprocess.run([sys.executable, WORKER, "hf", str(out), str(max_steps), "1" if resume else "0", str(log),
-                        *map(str, extra)], env=_env(USE_TORCH_XLA="0", TOKENIZERS_PARALLELISM="false"),
+    launch = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+              if nproc else [sys.executable])
+    r = subprocess.run([*launch, WORKER, "hf", str(out), str(max_steps), "1" if resume else "0", str(log),
+                        *map(str, extra)], env=_env(USE_TORCH_XLA="0", TOKENIZERS_PARALLELISM="false",
+                                                    OMP_NUM_THREADS="1"),
                        capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-4000:]
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     return json.loads(Path(log).read_text())
+
+
+def _hf_checkpoints_equal(a, b):
+    """Bitwise: every tensor file of two checkpoint directories (safetensors and torch.save)."""
+    from safetensors.torch import load_file
+
+    names = sorted(n for n in os.listdir(a) if n.endswith((".safetensors", ".pt", ".pth")))
+    assert names == sorted(n for n in os.listdir(b) if n.endswith((".safetensors", ".pt", ".pth")))
+    for n in names:
+        if n.endswith(".safetensors"):
+            _bitwise(load_file(a / n), load_file(b / n))
+        else:
+            _bitwise(torch.load(a / n, weights_only=False), torch.load(b / n, weights_only=False))
+    return names
 
 
 @pytest.mark.slow
@@ -290,3 +308,43 @@ def test_hf_rotation_never_sees_a_checkpoint_in_flight(tmp_path):
     assert inflight.exists() and (tmp_path / "checkpoint-4").exists()
     assert not (tmp_path / "checkpoint-2").exists()
     assert get_last_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-4")
+
+
+@pytest.mark.slow
+def test_hf_ddp_two_ranks_saves_asynchronously_and_resumes_bitwise(tmp_path):
+    """2 gloo ranks under torchrun: the callback saves in the background (it used to fall back
+    to HF's synchronous save for any multi-process run), each rank's RNG file is in the
+    checkpoint, and a resumed run logs the uninterrupted run's losses bit for bit."""
+    full = _hf(tmp_path / "full", 8, False, tmp_path / "full.json", nproc=2)
+    _hf(tmp_path / "cut", 8, False, tmp_path / "cut.json", 2, 5, nproc=2)
+    rank1 = json.loads(Path(f"{tmp_path / 'full.json'}.1").read_text())
+    assert [s["step"] for s in full["stats"]] == [2, 4, 6, 8]  # the writer rank's background saves
+    assert all(s["nbytes"] > 0 for s in full["stats"])
+    assert [s["step"] for s in rank1["stats"]] == [2, 4, 6, 8] and all(s["nbytes"] == 0 for s in rank1["stats"])
+    assert sorted(os.listdir(tmp_path / "cut")) == ["checkpoint-2", "checkpoint-4"]
+    resumed = _hf(tmp_path / "cut", 8, True, tmp_path / "resumed.json", nproc=2)
+    assert set(resumed["losses"]) == {"5", "6", "7", "8"}
+    for step, loss in resumed["losses"].items():
+        assert loss == full["losses"][step], step
+    assert sorted(os.listdir(tmp_path / "full")) == ["checkpoint-6", "checkpoint-8"]
+    assert sorted(os.listdir(tmp_path / "cut")) == ["checkpoint-6", "checkpoint-8"]
+    names = _hf_checkpoints_equal(tmp_path / "full" / "checkpoint-8", tmp_path / "cut" / "checkpoint-8")
+    assert {"model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state_0.pth", "rng_state_1.pth"} <= set(names)
+
+
+@pytest.mark.slow
+def test_hf_peft_lora_model_saves_asynchronously_and_resumes_bitwise(tmp_path):
+    """A LoRA (peft) model: written in the background as PEFT's adapter files, resumed bit for bit."""
+    pytest.importorskip("peft")
+    full = _hf(tmp_path / "full", 8, False, tmp_path / "full.json", 2, 0, 1)
+    _hf(tmp_path / "cut", 8, False, tmp_path / "cut.json", 2, 5, 1)
+    assert [s["step"] for s in full["stats"]] == [2, 4, 6, 8]  # saved by the callback, not HF's fallback
+    resumed = _hf(tmp_path / "cut", 8, True, tmp_path / "resumed.json", 2, 0, 1)
+    assert set(resumed["losses"]) == {"5", "6", "7", "8"}
+    for step, loss in resumed["losses"].items():
+        assert loss == full["losses"][step], step
+    ck = tmp_path / "full" / "checkpoint-8"
+    assert {"adapter_model.safetensors", "adapter_config.json"} <= set(os.listdir(ck))
+    assert "model.safetensors" not in os.listdir(ck)
+    names = _hf_checkpoints_equal(ck, tmp_path / "cut" / "checkpoint-8")
+    assert "adapter_model.safetensors" in names
