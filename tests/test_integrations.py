@@ -348,3 +348,46 @@ def test_hf_peft_lora_model_saves_asynchronously_and_resumes_bitwise(tmp_path):
     assert "model.safetensors" not in os.listdir(ck)
     names = _hf_checkpoints_equal(ck, tmp_path / "cut" / "checkpoint-8")
     assert "adapter_model.safetensors" in names
+
+
+# ---- Accelerate --------------------------------------------------------------------------------
+
+def _worker(*args):
+    r = subprocess.run([sys.executable, WORKER, *map(str, args)], env=_env(USE_TORCH_XLA="0", OMP_NUM_THREADS="1"),
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    return r.stdout
+
+
+def test_accelerate_save_state_is_asynchronous_and_loads_bitwise(tmp_path):
+    """``attach(accelerator)``: ``save_state()`` stages and returns, the background write
+    produces accelerate's own files (the same names and the same bytes of state as accelerate's
+    synchronous save of that moment), ``total_limit`` holds, and a plain Accelerator's
+    ``load_state`` restores model, optimizer, scheduler, registered object and RNG bitwise."""
+    pytest.importorskip("accelerate")
+    out = _worker("accelerate-save", tmp_path)
+    assert "ATTACHED TWICE: AcceleratorAlreadyAttachedError" in out and "REATTACHED AFTER CLOSE" in out
+    ckpts = tmp_path / "proj" / "checkpoints"
+    assert sorted(os.listdir(ckpts)) == ["checkpoint_1", "checkpoint_2"]  # total_limit=2
+    assert not [n for n in os.listdir(tmp_path / "proj") if n.startswith(".")]  # nothing in flight left
+    stats = json.loads((tmp_path / "stats.json").read_text())
+    assert [Path(s["dir"]).name for s in stats] == ["checkpoint_0", "checkpoint_1", "checkpoint_2"]
+    assert all(s["nbytes"] > 0 for s in stats)
+    ours, own = ckpts / "checkpoint_2", tmp_path / "own7"
+    assert sorted(os.listdir(ours)) == sorted(os.listdir(own))
+    assert {"model.safetensors", "optimizer.bin", "scheduler.bin", "random_states_0.pkl",
+            "custom_checkpoint_0.pkl"} <= set(os.listdir(ours))
+    from safetensors.torch import load_file
+
+    _bitwise(load_file(ours / "model.safetensors"), load_file(own / "model.safetensors"))
+    for name in ("optimizer.bin", "scheduler.bin", "custom_checkpoint_0.pkl", "random_states_0.pkl"):
+        a, b = torch.load(ours / name, weights_only=False), torch.load(own / name, weights_only=False)
+        _bitwise(a, b)
+        assert repr(a) == repr(b), name  # the non-tensor parts too (RNG tuples, step, scheduler fields)
+    _worker("accelerate-load", ours, tmp_path / "loaded.pt")
+    ref, loaded = torch.load(tmp_path / "ref7.pt", weights_only=False), torch.load(tmp_path / "loaded.pt",
+                                                                                      weights_only=False)
+    _bitwise(loaded, ref)
+    assert loaded["scheduler"] == ref["scheduler"] and loaded["step"] == ref["step"]
+    assert loaded["python_rng"] == ref["python_rng"]
+
