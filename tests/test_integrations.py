@@ -68,6 +68,12 @@ def _tensors(obj):
     return out
 
 
+def io_bytes(data):
+    import io
+
+    return io.BytesIO(data)
+
+
 def _bitwise(a, b):
     ta, tb = _tensors(a), _tensors(b)
     assert ta.keys() == tb.keys()
@@ -142,7 +148,7 @@ def test_lightning_remove_waits_for_a_pending_write_and_keeps_the_newest(tmp_pat
         real(path, write, fsync=fsync)
 
     monkeypatch.setattr(mod, "write_file", gated)
-    io = AsyncCkptIO(max_pending=4)
+    io = AsyncCkptIO(max_pending=4, sync_explicit=False)  # direct calls in the background, as ModelCheckpoint's
     io.save_checkpoint({"w": torch.arange(4.0)}, str(tmp_path / "a.ckpt"))
     io.save_checkpoint({"w": torch.arange(8.0)}, str(tmp_path / "b.ckpt"))
     assert started.wait(30)
@@ -159,7 +165,7 @@ def test_lightning_remove_waits_for_a_pending_write_and_keeps_the_newest(tmp_pat
 
 
 def test_lightning_snapshot_is_taken_at_the_call_and_files_are_compact(tmp_path):
-    io = AsyncCkptIO()
+    io = AsyncCkptIO(sync_explicit=False)
     big = torch.randn(1000)
     w = torch.randn(4, 4)
     ck = {"state_dict": {"w": w, "tied": w, "row": w[1], "small": torch.ones(3)}, "hp": {"lr": [0.1]},
@@ -181,7 +187,7 @@ def test_lightning_snapshot_is_taken_at_the_call_and_files_are_compact(tmp_path)
 
 
 def test_lightning_damaged_file_and_background_errors(tmp_path):
-    io = AsyncCkptIO()
+    io = AsyncCkptIO(sync_explicit=False)
     io.save_checkpoint({"w": torch.randn(64)}, tmp_path / "x.ckpt")
     io.wait()
     raw = bytearray((tmp_path / "x.ckpt").read_bytes())
@@ -199,8 +205,8 @@ def test_lightning_damaged_file_and_background_errors(tmp_path):
         io.teardown()
     with pytest.raises(InvalidStateDictError, match="z.ckpt"):
         io.save_checkpoint({"f": lambda: 1}, tmp_path / "z.ckpt")
-    with pytest.raises(TypeError, match="storage_options"):
-        io.save_checkpoint({"w": torch.randn(4)}, tmp_path / "s.ckpt", storage_options={"a": 1})
+    with pytest.raises(TypeError, match="storage_options must be a dict of fsspec"):
+        io.save_checkpoint({"w": torch.randn(4)}, tmp_path / "s.ckpt", storage_options="a token")
 
 
 @pytest.mark.slow
@@ -230,6 +236,65 @@ def test_lightning_sigkill_mid_write_resumes_from_an_intact_last(tmp_path):
     io.save_checkpoint({"w": torch.zeros(2)}, out / "last.ckpt")
     io.teardown()
     assert not any(p.name.startswith(".last.ckpt.") for p in out.iterdir())  # the next write of it cleans up
+
+
+def test_lightning_explicit_save_checkpoint_is_durable_on_return(tmp_path):
+    """``trainer.save_checkpoint("manual.ckpt")`` from user code returns once the file is
+    committed (``torch.load`` right after it works); ModelCheckpoint's saves stay asynchronous;
+    ``stats`` has the core manager's SaveStats for every save."""
+    io = AsyncCkptIO()
+    trainer, _ = _trainer(tmp_path / "ck", 4, io)
+    model = LitModel(width=50_000)  # a few MB with AdamW: the write is not instantaneous
+    trainer.fit(model)
+    manual = tmp_path / "manual.ckpt"
+    trainer.save_checkpoint(manual)
+    assert io.pending == [] and manual.exists()
+    loaded = torch.load(manual, weights_only=False)
+    assert loaded["global_step"] == 4
+    _bitwise(loaded["state_dict"], model.state_dict())
+    auto = [s for s in io.stats if s.extra["path"] != str(manual)]
+    assert [s.step for s in auto if s.extra["path"].endswith("last.ckpt")] == [2, 4]
+    assert all(not s.extra["synchronous"] for s in auto)  # ModelCheckpoint: in the background
+    last = io.stats[-1]
+    assert last.extra == {"path": str(manual), "synchronous": True} and last.step == 4
+    for s in io.stats:
+        assert s.nbytes > 0 and s.num_tensors > 0 and s.files == 1
+        assert s.durable_s is not None and s.commit_time is not None and s.write_s > 0
+        assert s.blocking_s >= s.stage_s
+    assert last.blocking_s >= last.durable_s  # the explicit save waited for its commit
+
+
+def test_lightning_remote_storage_options_and_atomic_remote_writes(tmp_path):
+    """Remote (fsspec) paths: ``storage_options`` reach the filesystem, and a write that fails
+    mid-upload leaves the previous file intact (it goes to a temporary object first)."""
+    import fsspec
+
+    from . import faulty_fs  # noqa: F401  (registers faulty://)
+
+    mem = fsspec.filesystem("memory")
+    io = AsyncCkptIO(storage_options={"target_protocol": "memory"})
+    try:
+        io.save_checkpoint({"w": torch.arange(6.0)}, "faulty:///acx/m.ckpt")
+        assert torch.equal(torch.load(io_bytes(mem.cat("/acx/m.ckpt")))["w"], torch.arange(6.0))
+        assert torch.equal(io.load_checkpoint("faulty:///acx/m.ckpt")["w"], torch.arange(6.0))
+        io.remove_checkpoint("faulty:///acx/other.ckpt")  # absent: nothing to do
+        # per-call options override the plugin's: here the local disk
+        local = AsyncCkptIO()
+        path = f"faulty://{tmp_path}/last.ckpt"
+        first = {"w": torch.randn(5000)}
+        local.save_checkpoint(first, path, storage_options={"target_protocol": "file"})
+        fs = local.filesystem(path, {"target_protocol": "file"})
+        fs.inject("write", "*last.ckpt*", "reset", times=1, after_bytes=4096)
+        with pytest.raises(CheckpointError, match="last.ckpt"):
+            local.save_checkpoint({"w": torch.randn(5000)}, path, storage_options={"target_protocol": "file"})
+        assert fs.hits  # the fault did hit the upload
+        _bitwise(torch.load(tmp_path / "last.ckpt"), first)  # the previous file, intact
+        assert os.listdir(tmp_path) == ["last.ckpt"]  # no temporary left behind
+        local.teardown()
+        io.teardown()
+    finally:
+        if mem.exists("/acx"):
+            mem.rm("/acx", recursive=True)
 
 
 # ---- Hugging Face ------------------------------------------------------------------------------
