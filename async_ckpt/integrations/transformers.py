@@ -38,7 +38,9 @@ PEFT models are written through ``PeftModel.save_pretrained`` (``adapter_model.s
 Configurations whose saves are collective inside the save itself or framework-specific fall back
 to HF's own synchronous ``_save_checkpoint`` (after the pending writes), with one warning:
 DeepSpeed and FSDP (their ``save_*`` gathers or writes shards on every rank through the
-framework's own collectives, in HF's own sharded layout), tensor-parallel loading, SageMaker MP,
+framework's own collectives, in accelerate's FSDP layout; HF's Trainer runs FSDP only on
+accelerators -- on CPU it rejects ``fsdp`` or, with ``use_cpu=True``, trains as DDP, which is
+then saved asynchronously), tensor-parallel loading, SageMaker MP,
 PyTorch/XLA, several processes without ``torch.distributed``, and ``push_to_hub``.
 """
 
