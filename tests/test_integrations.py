@@ -68,6 +68,12 @@ def _tensors(obj):
     return out
 
 
+def io_bytes(data):
+    import io
+
+    return io.BytesIO(data)
+
+
 def _bitwise(a, b):
     ta, tb = _tensors(a), _tensors(b)
     assert ta.keys() == tb.keys()
@@ -142,7 +148,7 @@ def test_lightning_remove_waits_for_a_pending_write_and_keeps_the_newest(tmp_pat
         real(path, write, fsync=fsync)
 
     monkeypatch.setattr(mod, "write_file", gated)
-    io = AsyncCkptIO(max_pending=4)
+    io = AsyncCkptIO(max_pending=4, sync_explicit=False)  # direct calls in the background, as ModelCheckpoint's
     io.save_checkpoint({"w": torch.arange(4.0)}, str(tmp_path / "a.ckpt"))
     io.save_checkpoint({"w": torch.arange(8.0)}, str(tmp_path / "b.ckpt"))
     assert started.wait(30)
@@ -159,7 +165,7 @@ def test_lightning_remove_waits_for_a_pending_write_and_keeps_the_newest(tmp_pat
 
 
 def test_lightning_snapshot_is_taken_at_the_call_and_files_are_compact(tmp_path):
-    io = AsyncCkptIO()
+    io = AsyncCkptIO(sync_explicit=False)
     big = torch.randn(1000)
     w = torch.randn(4, 4)
     ck = {"state_dict": {"w": w, "tied": w, "row": w[1], "small": torch.ones(3)}, "hp": {"lr": [0.1]},
@@ -181,7 +187,7 @@ def test_lightning_snapshot_is_taken_at_the_call_and_files_are_compact(tmp_path)
 
 
 def test_lightning_damaged_file_and_background_errors(tmp_path):
-    io = AsyncCkptIO()
+    io = AsyncCkptIO(sync_explicit=False)
     io.save_checkpoint({"w": torch.randn(64)}, tmp_path / "x.ckpt")
     io.wait()
     raw = bytearray((tmp_path / "x.ckpt").read_bytes())
@@ -199,8 +205,8 @@ def test_lightning_damaged_file_and_background_errors(tmp_path):
         io.teardown()
     with pytest.raises(InvalidStateDictError, match="z.ckpt"):
         io.save_checkpoint({"f": lambda: 1}, tmp_path / "z.ckpt")
-    with pytest.raises(TypeError, match="storage_options"):
-        io.save_checkpoint({"w": torch.randn(4)}, tmp_path / "s.ckpt", storage_options={"a": 1})
+    with pytest.raises(TypeError, match="storage_options must be a dict of fsspec"):
+        io.save_checkpoint({"w": torch.randn(4)}, tmp_path / "s.ckpt", storage_options="a token")
 
 
 @pytest.mark.slow
@@ -232,15 +238,92 @@ def test_lightning_sigkill_mid_write_resumes_from_an_intact_last(tmp_path):
     assert not any(p.name.startswith(".last.ckpt.") for p in out.iterdir())  # the next write of it cleans up
 
 
+def test_lightning_explicit_save_checkpoint_is_durable_on_return(tmp_path):
+    """``trainer.save_checkpoint("manual.ckpt")`` from user code returns once the file is
+    committed (``torch.load`` right after it works); ModelCheckpoint's saves stay asynchronous;
+    ``stats`` has the core manager's SaveStats for every save."""
+    io = AsyncCkptIO()
+    trainer, _ = _trainer(tmp_path / "ck", 4, io)
+    model = LitModel(width=50_000)  # a few MB with AdamW: the write is not instantaneous
+    trainer.fit(model)
+    manual = tmp_path / "manual.ckpt"
+    trainer.save_checkpoint(manual)
+    assert io.pending == [] and manual.exists()
+    loaded = torch.load(manual, weights_only=False)
+    assert loaded["global_step"] == 4
+    _bitwise(loaded["state_dict"], model.state_dict())
+    auto = [s for s in io.stats if s.extra["path"] != str(manual)]
+    assert [s.step for s in auto if s.extra["path"].endswith("last.ckpt")] == [2, 4]
+    assert all(not s.extra["synchronous"] for s in auto)  # ModelCheckpoint: in the background
+    last = io.stats[-1]
+    assert last.extra == {"path": str(manual), "synchronous": True} and last.step == 4
+    for s in io.stats:
+        assert s.nbytes > 0 and s.num_tensors > 0 and s.files == 1
+        assert s.durable_s is not None and s.commit_time is not None and s.write_s > 0
+        assert s.blocking_s >= s.stage_s
+    assert last.blocking_s >= last.durable_s  # the explicit save waited for its commit
+
+
+def test_lightning_remote_storage_options_and_atomic_remote_writes(tmp_path):
+    """Remote (fsspec) paths: ``storage_options`` reach the filesystem, and a write that fails
+    mid-upload leaves the previous file intact (it goes to a temporary object first)."""
+    import fsspec
+
+    from . import faulty_fs  # noqa: F401  (registers faulty://)
+
+    mem = fsspec.filesystem("memory")
+    io = AsyncCkptIO(storage_options={"target_protocol": "memory"})
+    try:
+        io.save_checkpoint({"w": torch.arange(6.0)}, "faulty:///acx/m.ckpt")
+        assert torch.equal(torch.load(io_bytes(mem.cat("/acx/m.ckpt")))["w"], torch.arange(6.0))
+        assert torch.equal(io.load_checkpoint("faulty:///acx/m.ckpt")["w"], torch.arange(6.0))
+        io.remove_checkpoint("faulty:///acx/other.ckpt")  # absent: nothing to do
+        # per-call options override the plugin's: here the local disk
+        local = AsyncCkptIO()
+        path = f"faulty://{tmp_path}/last.ckpt"
+        first = {"w": torch.randn(5000)}
+        local.save_checkpoint(first, path, storage_options={"target_protocol": "file"})
+        fs = local.filesystem(path, {"target_protocol": "file"})
+        fs.inject("write", "*last.ckpt*", "reset", times=1, after_bytes=4096)
+        with pytest.raises(CheckpointError, match="last.ckpt"):
+            local.save_checkpoint({"w": torch.randn(5000)}, path, storage_options={"target_protocol": "file"})
+        assert fs.hits  # the fault did hit the upload
+        _bitwise(torch.load(tmp_path / "last.ckpt"), first)  # the previous file, intact
+        assert os.listdir(tmp_path) == ["last.ckpt"]  # no temporary left behind
+        local.teardown()
+        io.teardown()
+    finally:
+        if mem.exists("/acx"):
+            mem.rm("/acx", recursive=True)
+
+
 # ---- Hugging Face ------------------------------------------------------------------------------
 
-def _hf(out, max_steps, resume, log, *extra):
+def _hf(out, max_steps, resume, log, *extra, nproc=0):
+    """One HF run of integration_worker.py ``hf``; ``nproc`` > 0: under torchrun (DDP, gloo)."""
     pytest.importorskip("transformers")
-    r = subprocess.run([sys.executable, WORKER, "hf", str(out), str(max_steps), "1" if resume else "0", str(log),
-                        *map(str, extra)], env=_env(USE_TORCH_XLA="0", TOKENIZERS_PARALLELISM="false"),
+    launch = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+              if nproc else [sys.executable])
+    r = subprocess.run([*launch, WORKER, "hf", str(out), str(max_steps), "1" if resume else "0", str(log),
+                        *map(str, extra)], env=_env(USE_TORCH_XLA="0", TOKENIZERS_PARALLELISM="false",
+                                                    OMP_NUM_THREADS="1"),
                        capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-4000:]
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     return json.loads(Path(log).read_text())
+
+
+def _hf_checkpoints_equal(a, b):
+    """Bitwise: every tensor file of two checkpoint directories (safetensors and torch.save)."""
+    from safetensors.torch import load_file
+
+    names = sorted(n for n in os.listdir(a) if n.endswith((".safetensors", ".pt", ".pth")))
+    assert names == sorted(n for n in os.listdir(b) if n.endswith((".safetensors", ".pt", ".pth")))
+    for n in names:
+        if n.endswith(".safetensors"):
+            _bitwise(load_file(a / n), load_file(b / n))
+        else:
+            _bitwise(torch.load(a / n, weights_only=False), torch.load(b / n, weights_only=False))
+    return names
 
 
 @pytest.mark.slow
@@ -290,3 +373,108 @@ def test_hf_rotation_never_sees_a_checkpoint_in_flight(tmp_path):
     assert inflight.exists() and (tmp_path / "checkpoint-4").exists()
     assert not (tmp_path / "checkpoint-2").exists()
     assert get_last_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-4")
+
+
+@pytest.mark.slow
+def test_hf_ddp_two_ranks_saves_asynchronously_and_resumes_bitwise(tmp_path):
+    """2 gloo ranks under torchrun: the callback saves in the background (it used to fall back
+    to HF's synchronous save for any multi-process run), each rank's RNG file is in the
+    checkpoint, and a resumed run logs the uninterrupted run's losses bit for bit."""
+    full = _hf(tmp_path / "full", 8, False, tmp_path / "full.json", nproc=2)
+    _hf(tmp_path / "cut", 8, False, tmp_path / "cut.json", 2, 5, nproc=2)
+    rank1 = json.loads(Path(f"{tmp_path / 'full.json'}.1").read_text())
+    assert [s["step"] for s in full["stats"]] == [2, 4, 6, 8]  # the writer rank's background saves
+    assert all(s["nbytes"] > 0 for s in full["stats"])
+    assert [s["step"] for s in rank1["stats"]] == [2, 4, 6, 8] and all(s["nbytes"] == 0 for s in rank1["stats"])
+    assert sorted(os.listdir(tmp_path / "cut")) == ["checkpoint-2", "checkpoint-4"]
+    resumed = _hf(tmp_path / "cut", 8, True, tmp_path / "resumed.json", nproc=2)
+    assert set(resumed["losses"]) == {"5", "6", "7", "8"}
+    for step, loss in resumed["losses"].items():
+        assert loss == full["losses"][step], step
+    assert sorted(os.listdir(tmp_path / "full")) == ["checkpoint-6", "checkpoint-8"]
+    assert sorted(os.listdir(tmp_path / "cut")) == ["checkpoint-6", "checkpoint-8"]
+    names = _hf_checkpoints_equal(tmp_path / "full" / "checkpoint-8", tmp_path / "cut" / "checkpoint-8")
+    assert {"model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state_0.pth", "rng_state_1.pth"} <= set(names)
+
+
+@pytest.mark.slow
+def test_hf_peft_lora_model_saves_asynchronously_and_resumes_bitwise(tmp_path):
+    """A LoRA (peft) model: written in the background as PEFT's adapter files, resumed bit for bit."""
+    pytest.importorskip("peft")
+    full = _hf(tmp_path / "full", 8, False, tmp_path / "full.json", 2, 0, 1)
+    _hf(tmp_path / "cut", 8, False, tmp_path / "cut.json", 2, 5, 1)
+    assert [s["step"] for s in full["stats"]] == [2, 4, 6, 8]  # saved by the callback, not HF's fallback
+    resumed = _hf(tmp_path / "cut", 8, True, tmp_path / "resumed.json", 2, 0, 1)
+    assert set(resumed["losses"]) == {"5", "6", "7", "8"}
+    for step, loss in resumed["losses"].items():
+        assert loss == full["losses"][step], step
+    ck = tmp_path / "full" / "checkpoint-8"
+    assert {"adapter_model.safetensors", "adapter_config.json"} <= set(os.listdir(ck))
+    assert "model.safetensors" not in os.listdir(ck)
+    names = _hf_checkpoints_equal(ck, tmp_path / "cut" / "checkpoint-8")
+    assert "adapter_model.safetensors" in names
+
+
+# ---- Accelerate --------------------------------------------------------------------------------
+
+def _worker(*args):
+    r = subprocess.run([sys.executable, WORKER, *map(str, args)], env=_env(USE_TORCH_XLA="0", OMP_NUM_THREADS="1"),
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    return r.stdout
+
+
+def test_accelerate_save_state_is_asynchronous_and_loads_bitwise(tmp_path):
+    """``attach(accelerator)``: ``save_state()`` stages and returns, the background write
+    produces accelerate's own files (the same names and the same bytes of state as accelerate's
+    synchronous save of that moment), ``total_limit`` holds, and a plain Accelerator's
+    ``load_state`` restores model, optimizer, scheduler, registered object and RNG bitwise."""
+    pytest.importorskip("accelerate")
+    out = _worker("accelerate-save", tmp_path)
+    assert "ATTACHED TWICE: AcceleratorAlreadyAttachedError" in out and "REATTACHED AFTER CLOSE" in out
+    ckpts = tmp_path / "proj" / "checkpoints"
+    assert sorted(os.listdir(ckpts)) == ["checkpoint_1", "checkpoint_2"]  # total_limit=2
+    assert not [n for n in os.listdir(tmp_path / "proj") if n.startswith(".")]  # nothing in flight left
+    stats = json.loads((tmp_path / "stats.json").read_text())
+    assert [Path(s["dir"]).name for s in stats] == ["checkpoint_0", "checkpoint_1", "checkpoint_2"]
+    assert all(s["nbytes"] > 0 for s in stats)
+    ours, own = ckpts / "checkpoint_2", tmp_path / "own7"
+    assert sorted(os.listdir(ours)) == sorted(os.listdir(own))
+    assert {"model.safetensors", "optimizer.bin", "scheduler.bin", "random_states_0.pkl",
+            "custom_checkpoint_0.pkl"} <= set(os.listdir(ours))
+    from safetensors.torch import load_file
+
+    _bitwise(load_file(ours / "model.safetensors"), load_file(own / "model.safetensors"))
+    for name in ("optimizer.bin", "scheduler.bin", "custom_checkpoint_0.pkl", "random_states_0.pkl"):
+        a, b = torch.load(ours / name, weights_only=False), torch.load(own / name, weights_only=False)
+        _bitwise(a, b)
+        assert repr(a) == repr(b), name  # the non-tensor parts too (RNG tuples, step, scheduler fields)
+    _worker("accelerate-load", ours, tmp_path / "loaded.pt")
+    ref, loaded = torch.load(tmp_path / "ref7.pt", weights_only=False), torch.load(tmp_path / "loaded.pt",
+                                                                                      weights_only=False)
+    _bitwise(loaded, ref)
+    assert loaded["scheduler"] == ref["scheduler"] and loaded["step"] == ref["step"]
+    assert loaded["python_rng"] == ref["python_rng"]
+
+
+
+def test_docs_install_extras_exist_for_every_integration():
+    """docs/integrations.md installs each framework through an extra that pyproject.toml
+    defines and that pulls that framework in (lightning, transformers + peft, accelerate)."""
+    import re
+
+    import tomllib
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    text = (ROOT / "docs" / "integrations.md").read_text()
+    named = set(re.findall(r'pip install -e "\.\[([a-z_-]+)\]"', text))
+    assert named == {"lightning", "transformers", "accelerate"}, named
+    assert not re.findall(r"async_ckpt\[", text)  # the package is installed from a checkout
+    for name in named:
+        assert name in extras, f"docs install the extra {name!r}, which pyproject.toml does not define"
+    need = {"lightning": {"lightning"}, "transformers": {"transformers", "accelerate", "peft"},
+            "accelerate": {"accelerate"}}
+    for name, pkgs in need.items():
+        have = {re.split(r"[<>=\[ ]", req, maxsplit=1)[0] for req in extras[name]}
+        assert pkgs <= have, (name, have)
+    assert "peft" in {re.split(r"[<>=\[ ]", req, maxsplit=1)[0] for req in extras["dev"]}

@@ -4,6 +4,8 @@
   ``Trainer(plugins=[AsyncCkptIO()])``.
 * :class:`async_ckpt.integrations.transformers.AsyncCkptCallback` -- Hugging Face
   ``Trainer(..., callbacks=[AsyncCkptCallback()])``.
+* :func:`async_ckpt.integrations.accelerate.attach` -- Hugging Face Accelerate:
+  ``saver = attach(accelerator)`` makes ``accelerator.save_state()`` asynchronous.
 
 Each lives in its own module so that importing one needs only its own framework; the names
 are also available here, imported on first use.
@@ -13,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["AsyncCkptIO", "AsyncCkptCallback"]
+__all__ = ["AsyncCkptIO", "AsyncCkptCallback", "AsyncSaveState"]
 
 
 def __getattr__(name: str) -> Any:
@@ -25,4 +27,8 @@ def __getattr__(name: str) -> Any:
         from .transformers import AsyncCkptCallback
 
         return AsyncCkptCallback
+    if name == "AsyncSaveState":
+        from .accelerate import AsyncSaveState
+
+        return AsyncSaveState
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -73,6 +73,11 @@ class HostCopy:
         self._groups = groups  # per tensor: the original storage's group id
         self.nbytes = nbytes
 
+    @property
+    def num_tensors(self) -> int:
+        """How many tensors the snapshot holds."""
+        return len(self._groups)
+
     def materialize(self) -> Any:
         """The checkpoint object, its tensors replaced by compact host tensors. Valid until
         :meth:`release`."""

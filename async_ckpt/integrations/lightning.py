@@ -2,12 +2,19 @@
 
 ``Trainer(plugins=[AsyncCkptIO()])``. Each ``save_checkpoint`` copies the tensors of
 Lightning's checkpoint dict into reused host buffers (see
-:class:`~async_ckpt.integrations._snapshot.Snapshotter`) and returns; a writer thread then
-writes the file at ``path`` in ``torch.save`` format to a hidden temporary name, fsyncs it and
-renames it into place. ``path`` is therefore always absent, the previous complete file, or the
-new complete file, and plain ``torch.load`` / ``LightningModule.load_from_checkpoint`` read it
-without the plugin. ``load_checkpoint`` first waits for a pending write of that path, then
-checks the file (zip structure and the CRC-32 of every record) before loading it.
+:class:`~async_ckpt.integrations._snapshot.Snapshotter`); a writer thread then writes the file
+at ``path`` in ``torch.save`` format to a hidden temporary name next to it (local or any fsspec
+filesystem), fsyncs it (local) and renames it into place (``fs.mv`` remotely: a server-side copy
+on object stores, which publishes the object at once). ``path`` is therefore always absent, the
+previous complete file, or the new complete file, and plain ``torch.load`` /
+``LightningModule.load_from_checkpoint`` read it without the plugin. ``load_checkpoint`` first
+waits for a pending write of that path, then checks the file (zip structure and the CRC-32 of
+every record) before loading it.
+
+Saves made by a ``Checkpoint`` callback (``ModelCheckpoint`` and its subclasses) return once
+the host copy is taken. Any other ``save_checkpoint`` -- ``trainer.save_checkpoint("x.ckpt")``
+from user code -- returns once that file is committed (``sync_explicit=True``, the default), so
+a ``torch.load`` right after it works.
 
 The class subclasses the ``CheckpointIO`` of ``lightning`` and, where it is installed, of
 ``pytorch_lightning`` (``lightning_fabric``) too, so either package's ``Trainer`` accepts it.
@@ -15,14 +22,28 @@ The class subclasses the ``CheckpointIO`` of ``lightning`` and, where it is inst
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
-from typing import Any, Callable, List, Optional
+import sys
+import threading
+import time
+from types import FrameType
+from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 import torch
 
 from ..errors import CheckpointError
-from ._snapshot import BackgroundWriter, HostCopy, Snapshotter, remove_stale_tmps, verify_torch_file, write_file
+from ..stats import SaveStats
+from ._snapshot import (
+    BackgroundWriter,
+    HostCopy,
+    Snapshotter,
+    remove_stale_tmps,
+    tmp_name,
+    verify_torch_file,
+    write_file,
+)
 
 log = logging.getLogger("async_ckpt.integrations.lightning")
 
@@ -45,12 +66,30 @@ if not _bases:  # pragma: no cover
                       "(pip install 'async_ckpt[lightning]')")
 
 
-def _filesystem(path: str) -> Any:
-    try:
-        from lightning.fabric.utilities.cloud_io import get_filesystem
-    except ImportError:  # pragma: no cover
-        from lightning_fabric.utilities.cloud_io import get_filesystem
-    return get_filesystem(path)
+def _checkpoint_callbacks() -> Tuple[type, ...]:
+    """Lightning's ``Checkpoint`` callback base classes (of either package)."""
+    import importlib
+
+    out: List[type] = []
+    for mod in ("lightning.pytorch.callbacks", "pytorch_lightning.callbacks"):
+        try:
+            out.append(importlib.import_module(mod).Checkpoint)
+        except (ImportError, AttributeError):
+            pass
+    return tuple(out)
+
+
+def _called_by_checkpoint_callback(depth: int = 40) -> bool:
+    """Whether a ``Checkpoint`` callback's method is on the calling stack."""
+    classes = _checkpoint_callbacks()
+    frame: Optional[FrameType] = sys._getframe(2)
+    for _ in range(depth):
+        if frame is None:
+            return False
+        if classes and isinstance(frame.f_locals.get("self"), classes):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _is_local(path: str) -> bool:
@@ -62,7 +101,7 @@ def _local(path: str) -> str:
 
 
 class UnsupportedOptionError(CheckpointError, TypeError):
-    """An argument that :class:`AsyncCkptIO` does not support (``storage_options``)."""
+    """An argument of the wrong kind (``storage_options`` that is not a dict of fsspec options)."""
 
 
 class AsyncCkptIO(*_bases):  # type: ignore[misc]
@@ -74,6 +113,17 @@ class AsyncCkptIO(*_bases):  # type: ignore[misc]
         memory_budget_bytes: bound on the host staging pool (``None``: the pool keeps what
             recent saves used, see :class:`~async_ckpt.staging.HostBufferPool`).
         fsync: fsync each file and its directory before the save counts as done.
+        sync_explicit: a ``save_checkpoint`` not made by a ``Checkpoint`` callback (user code
+            calling ``trainer.save_checkpoint``) returns once its file is committed.
+        storage_options: fsspec filesystem options for remote paths (``gs://``, ``s3://``,
+            ...), used by every save, load and removal; a ``save_checkpoint(...,
+            storage_options=...)`` overrides them for that save.
+
+    ``stats`` holds a :class:`~async_ckpt.SaveStats` per save (``step`` is the checkpoint's
+    ``global_step``; ``blocking_s``, ``queue_wait_s``, ``stage_s``, ``write_s``, ``commit_s``,
+    ``durable_s``, ``commit_time``, ``nbytes``, ``num_tensors``; ``extra["path"]``, and
+    ``extra["synchronous"]``: whether the call waited for the commit), the write's fields
+    filled in by the writer as the save completes.
 
     Errors of a background write are raised as :class:`~async_ckpt.CheckpointError` by the
     next ``save_checkpoint``, ``load_checkpoint``, ``remove_checkpoint`` or by ``teardown``
@@ -84,45 +134,131 @@ class AsyncCkptIO(*_bases):  # type: ignore[misc]
     of that path before deleting it, and never deletes the most recently saved path.
     """
 
-    def __init__(self, max_pending: int = 2, memory_budget_bytes: Optional[int] = None, fsync: bool = True) -> None:
+    def __init__(self, max_pending: int = 2, memory_budget_bytes: Optional[int] = None, fsync: bool = True,
+                 sync_explicit: bool = True, storage_options: Optional[Dict[str, Any]] = None) -> None:
         super().__init__()
         self.snapshotter = Snapshotter(memory_budget_bytes)
         self.writer = BackgroundWriter("async-ckpt-lightning", max_pending=max_pending)
         self.fsync = fsync
+        self.sync_explicit = sync_explicit
+        self.storage_options = self._check_options(storage_options, "AsyncCkptIO(storage_options=...)") or {}
         self.newest: Optional[str] = None  # the path saved last (never removed)
         self.saves = 0
+        self.stats: Deque[SaveStats] = collections.deque(maxlen=1000)
+        self._filesystems: Dict[Tuple[str, str], Any] = {}
+        self._fs_lock = threading.Lock()
+
+    @staticmethod
+    def _check_options(options: Any, where: str) -> Optional[Dict[str, Any]]:
+        if options is not None and not isinstance(options, dict):
+            raise UnsupportedOptionError(
+                f"{where}: storage_options must be a dict of fsspec filesystem options (for example "
+                f"{{'token': ...}} for gs://, {{'key': ..., 'secret': ...}} for s3://), got "
+                f"{type(options).__name__}")
+        return options
+
+    def filesystem(self, path: Any, storage_options: Optional[Dict[str, Any]] = None) -> Any:
+        """The fsspec filesystem this plugin uses for ``path`` (one instance per protocol and
+        options, reused by every save, load and removal).
+
+        Args:
+            path: a local path or a URL (``gs://b/x.ckpt``).
+            storage_options: fsspec options (default: the plugin's ``storage_options``).
+
+        Returns:
+            The fsspec filesystem.
+        """
+        options = self.storage_options if storage_options is None else storage_options
+        path = os.fspath(path)
+        protocol = path.split("://", 1)[0] if "://" in path else "file"
+        key = (protocol, repr(sorted(options.items())))
+        with self._fs_lock:
+            fs = self._filesystems.get(key)
+            if fs is None:
+                import fsspec
+
+                fs = self._filesystems[key] = fsspec.core.url_to_fs(path, **options)[0]
+        return fs
 
     # ---- CheckpointIO -------------------------------------------------------------------------
     def save_checkpoint(self, checkpoint: dict, path: Any, storage_options: Optional[Any] = None) -> None:
-        """Copy the tensors of ``checkpoint`` to host memory and return; the file at ``path`` is
-        written, fsynced and renamed into place in the background."""
-        if storage_options is not None:
-            raise UnsupportedOptionError(
-                f"{type(self).__name__}.save_checkpoint({str(path)!r}): storage_options is not supported "
-                f"(got {type(storage_options).__name__})")
+        """Copy the tensors of ``checkpoint`` to host memory; the file at ``path`` is written,
+        fsynced and renamed into place in the background.
+
+        Args:
+            checkpoint: Lightning's checkpoint dict.
+            path: where the file goes (local path or fsspec URL).
+            storage_options: fsspec filesystem options for this save (a dict; default: the
+                plugin's ``storage_options``).
+
+        Raises:
+            UnsupportedOptionError: ``storage_options`` is not a dict.
+            CheckpointError: a previous background write failed; for a save not made by a
+                ``Checkpoint`` callback (with ``sync_explicit``), this write failed.
+        """
+        t0 = time.perf_counter()
         path = os.fspath(path)
+        options = self._check_options(storage_options, f"{type(self).__name__}.save_checkpoint({path!r})")
+        explicit = self.sync_explicit and not _called_by_checkpoint_callback()
         self.writer.check()
         copy = self.snapshotter.take(checkpoint, what=f"checkpoint {path}")
-        self.writer.submit(path, lambda: self._write(path, copy), on_drop=copy.release)
+        t1 = time.perf_counter()
+        step = checkpoint.get("global_step", self.saves) if isinstance(checkpoint, dict) else self.saves
+        stats = SaveStats(step=int(step) if isinstance(step, int) else self.saves, nbytes=copy.nbytes,
+                          num_tensors=copy.num_tensors, files=1, stage_s=t1 - t0,
+                          extra={"path": path, "synchronous": explicit})
+        self.writer.submit(path, lambda: self._write(path, copy, options, stats, t0), on_drop=copy.release)
+        stats.queue_wait_s = time.perf_counter() - t1
+        stats.blocking_s = time.perf_counter() - t0
+        self.stats.append(stats)
         self.newest = path
         self.saves += 1
+        if explicit:
+            self.writer.wait(path)  # durable on return; raises this write's error
+            stats.blocking_s = time.perf_counter() - t0
 
-    def _write(self, path: str, copy: HostCopy) -> None:
+    def _write(self, path: str, copy: HostCopy, options: Optional[Dict[str, Any]], stats: SaveStats,
+               t0: float) -> None:
+        w0 = time.perf_counter()
         try:
             obj = copy.materialize()
             if _is_local(path):
                 local = _local(path)
                 remove_stale_tmps(local)
                 write_file(local, lambda f: torch.save(obj, f), fsync=self.fsync)
-            else:  # object stores publish an object only when its upload completes
-                fs = _filesystem(path)
-                fs.makedirs(os.path.dirname(path), exist_ok=True)
-                with fs.open(path, "wb") as f:
-                    torch.save(obj, f)
+                w1 = time.perf_counter()
+            else:
+                w1 = self._write_remote(path, obj, options)
             obj = None  # the materialised copy goes before the buffers are released
         finally:
             copy.release()
+        done = time.perf_counter()
+        stats.write_s, stats.commit_s = w1 - w0, done - w1
+        stats.durable_s, stats.commit_time = done - t0, time.time()
         log.debug("saved checkpoint %s", path)
+
+    def _write_remote(self, path: str, obj: Any, options: Optional[Dict[str, Any]]) -> float:
+        """Write to a hidden temporary object next to ``path``, then move it into place: a
+        failure mid-upload (whose partial object fsspec still publishes when the file is
+        closed) never replaces the previous file. Returns when the data write ended."""
+        fs = self.filesystem(path, options)
+        tmp = tmp_name(path)
+        parent = os.path.dirname(path)
+        if parent and not parent.endswith("://"):
+            fs.makedirs(parent, exist_ok=True)
+        try:
+            with fs.open(tmp, "wb") as f:
+                torch.save(obj, f)
+            written = time.perf_counter()
+            fs.mv(tmp, path)
+        except BaseException:
+            try:
+                if fs.exists(tmp):
+                    fs.rm(tmp)
+            except Exception as exc:  # the error that matters is the write's
+                log.warning("could not remove the temporary %s: %s", tmp, exc)
+            raise
+        return written
 
     def load_checkpoint(self, path: Any, map_location: Optional[Callable] = lambda storage, loc: storage,
                         weights_only: Optional[bool] = None) -> dict:
@@ -133,7 +269,7 @@ class AsyncCkptIO(*_bases):  # type: ignore[misc]
         path = os.fspath(path)
         self.writer.wait(path)
         self.writer.check()
-        fs = _filesystem(path)
+        fs = self.filesystem(path)
         if not fs.exists(path):
             raise FileNotFoundError(f"Checkpoint file not found: {path}")
         with fs.open(path, "rb") as f:
@@ -149,7 +285,7 @@ class AsyncCkptIO(*_bases):  # type: ignore[misc]
             log.warning("not removing %s: it is the most recently saved checkpoint", path)
             return
         self.writer.wait(path)
-        fs = _filesystem(path)
+        fs = self.filesystem(path)
         if fs.exists(path):
             fs.rm(path, recursive=True)
             log.debug("removed checkpoint %s", path)

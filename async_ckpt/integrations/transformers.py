@@ -24,9 +24,24 @@ A directory in flight is hidden (its name starts with ``.``), so neither HF's ro
 waited for before the trainer's end-of-training steps (``load_best_model_at_end``, the
 ``save_total_limit=1`` clean-up) and at ``on_train_end``, which raises a background error.
 
-Configurations whose saves are collective or framework-specific (DeepSpeed, FSDP, SageMaker
-MP, PyTorch/XLA, several processes, PEFT models, ``push_to_hub``) fall back to HF's own
-synchronous ``_save_checkpoint`` (after the pending writes), with one warning.
+Several processes (DDP, or any ``torch.distributed`` run that HF saves from its ``should_save``
+process): the save step does, on every rank, what needs the group -- ``store_flos`` (a
+collective), a barrier once the writer has created the hidden directory, each rank's
+``rng_state_{process_index}.pth`` written into it (a few KB, synchronously, fsynced), a second
+barrier -- and only the writer snapshots the model, optimizer and scheduler and writes them in
+the background, renaming the directory once everything is in it. The waits at the end of
+training are followed by a barrier, so no rank goes on before the writer has committed.
+
+PEFT models are written through ``PeftModel.save_pretrained`` (``adapter_model.safetensors`` and
+``adapter_config.json``), as HF does.
+
+Configurations whose saves are collective inside the save itself or framework-specific fall back
+to HF's own synchronous ``_save_checkpoint`` (after the pending writes), with one warning:
+DeepSpeed and FSDP (their ``save_*`` gathers or writes shards on every rank through the
+framework's own collectives, in accelerate's FSDP layout; HF's Trainer runs FSDP only on
+accelerators -- on CPU it rejects ``fsdp`` or, with ``use_cpu=True``, trains as DDP, which is
+then saved asynchronously), tensor-parallel loading, SageMaker MP,
+PyTorch/XLA, several processes without ``torch.distributed``, and ``push_to_hub``.
 """
 
 from __future__ import annotations
@@ -135,10 +150,10 @@ class AsyncCkptCallback(TrainerCallback):
         # The final log (train_runtime, train_loss) comes right before load_best_model_at_end
         # and the save_total_limit=1 clean-up: every checkpoint must be committed by then.
         if logs and "train_runtime" in logs:
-            self.writer.wait_all()
+            self._end_barrier(self.trainer)
 
     def on_train_end(self, args, state, control, **kwargs):
-        self.writer.wait_all(shutdown=True)
+        self._end_barrier(self.trainer, shutdown=True)
 
     def wait(self) -> None:
         """Wait for every pending write; raise the first background error."""
@@ -155,8 +170,10 @@ class AsyncCkptCallback(TrainerCallback):
             return "FSDP"
         if is_torch_xla_available():
             return "PyTorch/XLA"
-        if args.world_size > 1:
-            return "several processes"
+        if getattr(trainer, "is_distributed_loading_by_transformers", False):
+            return "tensor-parallel loading"
+        if args.world_size > 1 and not self._distributed(trainer):
+            return "several processes without torch.distributed"
         if args.push_to_hub:
             return "push_to_hub"
         try:
@@ -166,14 +183,28 @@ class AsyncCkptCallback(TrainerCallback):
                 return "SageMaker MP"
         except ImportError:  # pragma: no cover
             pass
-        try:
-            from peft import PeftModel
-
-            if isinstance(trainer.accelerator.unwrap_model(trainer.model), PeftModel):
-                return "PEFT models"
-        except ImportError:
-            pass
         return None
+
+    @staticmethod
+    def _distributed(trainer: Trainer) -> bool:
+        """Whether the run has several processes in an initialised ``torch.distributed`` group."""
+        from transformers.training_args import ParallelMode
+
+        return (trainer.args.world_size > 1 and trainer.args.parallel_mode == ParallelMode.DISTRIBUTED
+                and torch.distributed.is_available() and torch.distributed.is_initialized())
+
+    def _end_barrier(self, trainer: Optional[Trainer], shutdown: bool = False) -> None:
+        """Wait for the pending writes, then (several processes) for every rank to get here, so
+        that none reads a checkpoint the writer has not committed; raise a write error after."""
+        error: Optional[BaseException] = None
+        try:
+            self.writer.wait_all(shutdown=shutdown)
+        except BaseException as exc:  # the other ranks still need this rank at the barrier
+            error = exc
+        if trainer is not None and self._distributed(trainer):
+            torch.distributed.barrier()
+        if error is not None:
+            raise error
 
     def _save(self, trainer: Trainer, original: Any, model: Any, trial: Any) -> None:
         t0 = time.perf_counter()
@@ -192,16 +223,46 @@ class AsyncCkptCallback(TrainerCallback):
         args, state = trainer.args, trainer.state
         folder = f"{PREFIX}-{state.global_step}"
         if trainer.hp_search_backend is None and trial is None:
-            trainer.store_flos()
+            trainer.store_flos()  # a collective under DDP: every rank, as HF does
         run_dir = trainer._get_output_dir(trial=trial)
         output_dir = os.path.join(run_dir, folder)
+        tmp = os.path.join(run_dir, f".{folder}{TMP_SUFFIX}")
+        multi = self._distributed(trainer)
+        writes = args.should_save
+
+        if multi:
+            # The same step saved again: its hidden directory is reused, so its write goes first.
+            self.writer.wait(output_dir)
+            if writes:
+                if os.path.lexists(tmp):
+                    shutil.rmtree(tmp)  # left by an interrupted write
+                os.makedirs(tmp)
+            torch.distributed.barrier()  # the directory exists for every rank
 
         if args.save_strategy in [SaveStrategy.STEPS, SaveStrategy.EPOCH, SaveStrategy.BEST] and state.best_global_step:
-            best_dir = os.path.join(run_dir, f"{PREFIX}-{state.best_global_step}")
+            best = f"{PREFIX}-{state.best_global_step}"
+            best_dir = os.path.join(run_dir, best)
             # HF checks that the directory exists after writing this step's model: the current
-            # one, a committed one, or one still being written all count.
-            if best_dir == output_dir or os.path.exists(best_dir) or self.writer.pending(best_dir):
+            # one, a committed one, or one still being written all count (a rank that does not
+            # write sees the writer's hidden directory: checked before the final name, which a
+            # rename in between makes exist).
+            if (best_dir == output_dir or self.writer.pending(best_dir)
+                    or os.path.exists(os.path.join(run_dir, f".{best}{TMP_SUFFIX}")) or os.path.exists(best_dir)):
                 state.best_model_checkpoint = best_dir
+
+        if multi and not args.save_only_model:
+            # Each rank's RNG state, as HF names it; small, so written here (fsynced).
+            rng_path = os.path.join(tmp, f"rng_state_{args.process_index}.pth")
+            with open(rng_path, "wb") as f:
+                torch.save(self._rng_states(trainer), f)
+                f.flush()
+                if self.fsync:
+                    os.fsync(f.fileno())
+        if multi:
+            torch.distributed.barrier()  # every rank's file is in the directory
+            if not writes:
+                self.stats.append({"step": state.global_step, "stage_seconds": time.perf_counter() - t0, "nbytes": 0})
+                return
 
         unwrapped = trainer.accelerator.unwrap_model(trainer.model, keep_torch_compile=False)
         # transformers types these Optional; a Trainer that is saving has all three.
@@ -212,7 +273,8 @@ class AsyncCkptCallback(TrainerCallback):
             scaler = getattr(trainer.accelerator, "scaler", None)
             if scaler is not None:
                 payload["scaler"] = scaler.state_dict()
-            payload["rng"] = self._rng_states(trainer)
+            if not multi:
+                payload["rng"] = self._rng_states(trainer)
 
         for cb in [c for c in trainer.callback_handler.callbacks + [trainer.control] if isinstance(c, ExportableState)]:
             name = cb.__class__.__name__
@@ -229,23 +291,27 @@ class AsyncCkptCallback(TrainerCallback):
         copy = self.snapshotter.take(payload, what=f"checkpoint {output_dir}")
         self.stats.append({"step": state.global_step, "stage_seconds": time.perf_counter() - t0, "nbytes": copy.nbytes})
         job = _Job(self, trainer, unwrapped, run_dir, output_dir, copy, state_json, args_bytes.getvalue(),
-                   best=state.best_model_checkpoint, limit=args.save_total_limit)
+                   best=state.best_model_checkpoint, limit=args.save_total_limit, prepared=multi)
         self.writer.submit(output_dir, job.run, on_drop=copy.release)
 
     @staticmethod
     def _rng_states(trainer: Trainer) -> Dict[str, Any]:
-        """What ``Trainer._save_rng_state`` saves (non-distributed)."""
+        """What ``Trainer._save_rng_state`` saves."""
         states: Dict[str, Any] = {
             "python": random.getstate(),
             "numpy": np.random.get_state(),
             "cpu": torch.random.get_rng_state(),
         }
+        from transformers.training_args import ParallelMode
+
+        every = trainer.args.parallel_mode == ParallelMode.DISTRIBUTED  # HF saves all devices' states then
         if torch.cuda.is_available():
-            states["cuda"] = torch.cuda.random.get_rng_state()
+            states["cuda"] = torch.cuda.random.get_rng_state_all() if every else torch.cuda.random.get_rng_state()
         for name in ("npu", "hpu", "mlu", "musa"):
             mod = getattr(torch, name, None)
             if mod is not None and getattr(mod, "is_available", lambda: False)():
-                states[name] = mod.random.get_rng_state() if hasattr(mod, "random") else mod.get_rng_state()
+                src = mod.random if hasattr(mod, "random") else mod
+                states[name] = src.get_rng_state_all() if every else src.get_rng_state()
         return states
 
 
@@ -253,8 +319,10 @@ class _Job:
     """One checkpoint's background write (see the module docstring for the order)."""
 
     def __init__(self, cb: AsyncCkptCallback, trainer: Trainer, model: Any, run_dir: str, output_dir: str,
-                 copy: HostCopy, state_json: str, args_bytes: bytes, best: Optional[str], limit: Optional[int]) -> None:
+                 copy: HostCopy, state_json: str, args_bytes: bytes, best: Optional[str], limit: Optional[int],
+                 prepared: bool = False) -> None:
         self.cb, self.trainer, self.model = cb, trainer, model
+        self.prepared = prepared  # the hidden directory exists already (the other ranks' files are in it)
         self.run_dir, self.output_dir = run_dir, output_dir
         self.copy, self.state_json, self.args_bytes = copy, state_json, args_bytes
         self.best, self.limit = best, limit
@@ -263,14 +331,23 @@ class _Job:
         from transformers import PreTrainedModel
         from transformers.trainer_utils import rotate_checkpoints
 
+        supported: tuple = (PreTrainedModel,)
+        try:
+            from peft import PeftModel
+
+            supported = (PreTrainedModel, PeftModel)
+        except ImportError:
+            pass
+
         name = os.path.basename(self.output_dir)
         tmp = os.path.join(self.run_dir, f".{name}{TMP_SUFFIX}")
         try:
-            if os.path.lexists(tmp):
-                shutil.rmtree(tmp)  # left by an interrupted write
-            os.makedirs(tmp)
+            if not self.prepared:
+                if os.path.lexists(tmp):
+                    shutil.rmtree(tmp)  # left by an interrupted write
+                os.makedirs(tmp)
             obj = self.copy.materialize()
-            if isinstance(self.model, PreTrainedModel):
+            if isinstance(self.model, supported):
                 self.model.save_pretrained(tmp, state_dict=obj["model"])
             else:
                 import safetensors.torch
