@@ -15,6 +15,7 @@ from .errors import (
     StateDictMismatchError,
     StepNotFoundError,
     StorageError,
+    StorageTimeoutError,
     UnsafeCheckpointError,
 )
 from .manager import CheckpointManager
@@ -57,6 +58,7 @@ __all__ = [
     "StateDictMismatchError",
     "StepNotFoundError",
     "StorageError",
+    "StorageTimeoutError",
     "UnsafeCheckpointError",
     "AnyOf",
     "AtSteps",

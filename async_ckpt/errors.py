@@ -47,6 +47,11 @@ class StorageError(CheckpointError, OSError):
     """The storage backend refused an operation (permissions, no space, unreachable)."""
 
 
+class StorageTimeoutError(StorageError):
+    """A storage call did not finish within its deadline (``RetryPolicy.deadline``): the
+    storage stopped answering (a network black hole, a hung mount)."""
+
+
 class StagingBudgetError(CheckpointError, MemoryError):
     """A state dict needs more host staging memory than the configured budget allows."""
 

@@ -74,6 +74,19 @@ class AsyncWriter:
             self._slots.release()
             raise
 
+    def try_slot(self) -> bool:
+        """Take a free slot if there is one, without waiting; whether it was taken. Raises
+        earlier failures as :meth:`wait_for_slot` does."""
+        self.raise_if_failed()
+        if not self._slots.acquire(blocking=False):
+            return False
+        try:
+            self.raise_if_failed()
+        except BaseException:
+            self._slots.release()
+            raise
+        return True
+
     def take_slot(self) -> None:
         """Block until a slot is free and take it, whatever earlier saves' failures (for a
         failed job that must still be queued: see :meth:`submit`)."""

@@ -153,6 +153,10 @@ class CheckpointManager(SaveDecisions, TierListing, StepActions):
             With a local tier, failed writes to ``path`` (and a ``path`` that cannot be reached
             when a save is due there: that step goes to ``local_dir``) are logged at once and
             raised by :meth:`join`/:meth:`close`, not by the next save (see docs/tiers.md).
+            A ``save_async`` due for ``path`` while its upload slots are busy (a slow or
+            unreachable bucket) does not wait: that step is saved to ``local_dir`` only, with
+            a warning, listed in :attr:`skipped_uploads` and marked ``upload_skipped`` in its
+            :class:`SaveStats` (one process; with several ranks the save waits for the slot).
         local_policy: when to save to ``local_dir``: a save policy, a callable
             ``fn(step) -> bool`` or an int N (every N steps); default: the save policy.
         local_retention: retention of ``local_dir``: a policy or an int N (keep the N newest
@@ -267,6 +271,9 @@ class CheckpointManager(SaveDecisions, TierListing, StepActions):
         # with a local tier an upload overlaps local saves on and off: keep buffers for both
         self.stager = Stager(HostBufferPool(memory_budget_bytes, hold_peak=local_dir is not None))
         self.stats: Deque[SaveStats] = collections.deque(maxlen=1000)
+        #: with a local tier: steps whose upload to ``path`` was skipped because the previous
+        #: upload was still running (``save_async`` never waits for it; the step went to the local tier)
+        self.skipped_uploads: List[int] = []
         self._writer = AsyncWriter(max_pending_async, defer_errors=local_dir is not None)
         self._tiers: List[Tier] = [Tier(PERSISTENT, self._store, self._writer, self.retention)]
         self._local: Optional[Tier] = None
@@ -370,6 +377,7 @@ class CheckpointManager(SaveDecisions, TierListing, StepActions):
         # failed job: the other ranks' jobs of this step fail with it (never pair with its next).
         shared = self._tiers[-1] if take and not alone else None
         held: List[Tier] = []
+        skipped_upload = False
         try:
             if take_local and self._local is not None:
                 try:
@@ -389,8 +397,20 @@ class CheckpointManager(SaveDecisions, TierListing, StepActions):
             # Earlier lazy copies finish and are sealed here, on the training thread: their writers
             # wait for that, so it must come before waiting for a writer slot.
             self.stager.synchronize_staging()
-            for tier in due:
-                if alone:
+            for tier in list(due):
+                if alone and tier.name == PERSISTENT and self._local is not None and not wait:
+                    # A busy upload never holds up the training loop while a local tier takes
+                    # the step: the bucket's save of this step is skipped (logged, in stats).
+                    if not tier.writer.try_slot():
+                        due.remove(tier)
+                        skipped_upload = True
+                        if not take_local:
+                            self._local.store.become_writer()
+                            due.insert(0, self._local)
+                            self._local.writer.wait_for_slot()
+                            held.insert(0, self._local)
+                        continue
+                elif alone:
                     tier.writer.wait_for_slot()
                 else:  # earlier failures are raised by the next agreement, on every rank together:
                     tier.writer.take_slot()  # raised here, on one rank, they would fail this step too
@@ -416,6 +436,11 @@ class CheckpointManager(SaveDecisions, TierListing, StepActions):
                     self._settle(exc)  # the others' save() settles too (below): raises exc
             raise
         t2 = time.perf_counter()
+        if skipped_upload:
+            self.skipped_uploads.append(step)
+            log.warning("async_ckpt: step %d is not uploaded to %s: the upload of step %s is still running (the "
+                        "step is saved to the local tier; see CheckpointManager.skipped_uploads)", step,
+                        self.storage.url, self._tiers[-1].last_save_step)
         snap.share(len(due))
         taken_at = self._clock()  # the commit time of this save in every tier (see SaveJob.commit_at)
         for tier in due:
@@ -424,6 +449,8 @@ class CheckpointManager(SaveDecisions, TierListing, StepActions):
             extra: Dict[str, Any] = {}
             if self._local is not None:
                 stats.extra["tier"] = tier.name
+                if skipped_upload:
+                    stats.extra["upload_skipped"] = True
                 extra[SAVE_ID] = f"{self._run_id}.{self._saves}"
             if tier.name == LOCAL:
                 extra.update({"tier": LOCAL, "rank": self._coord.rank, "world_size": self._coord.world_size,

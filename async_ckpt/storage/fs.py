@@ -7,6 +7,7 @@ filesystem; :class:`Storage` adds what is common: paths under the root, retries,
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from contextlib import AbstractContextManager
 from typing import Any, Dict, List, Optional
@@ -49,8 +50,9 @@ class Storage:
         url = os.fspath(url)
         if not url:
             raise ValueError("path must not be empty")
+        policy = retry if retry is not None else RetryPolicy()
         try:
-            fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
+            fs, root = fsspec.core.url_to_fs(url, **client_timeouts(url, storage_options, policy.request_timeout))
         except (ImportError, ValueError) as exc:
             raise StorageError(f"cannot open checkpoint path {url!r}: {exc}") from exc
         self.url = url
@@ -59,7 +61,18 @@ class Storage:
         self.max_file_bytes: Optional[int] = self._backend.default_max_file_bytes
         self.root = self._backend.normalize_root(root)
         self.block_size = block_size
-        self.retry = retry if retry is not None else RetryPolicy()
+        self.retry = policy
+
+    @property
+    def retry(self) -> RetryPolicy:
+        """The :class:`RetryPolicy` of every call, as this storage applies it (settable: the
+        policy given; see :meth:`RetryPolicy.for_storage`)."""
+        return self._retry
+
+    @retry.setter
+    def retry(self, policy: RetryPolicy) -> None:
+        self._retry = policy.for_storage(remote=not self._backend.is_local,
+                                         client_retries=self._backend.client_retries)
 
     @property
     def fs(self) -> Any:
@@ -128,14 +141,20 @@ class Storage:
         """Atomic rename (POSIX only)."""
         self._backend.rename(src, dst)
 
-    def rm(self, path: str, recursive: bool = True) -> None:
+    def rm(self, path: str, recursive: bool = True, *, wait: Optional[float] = None) -> None:
         """Remove a file or tree; a missing path is not an error.
 
         Local paths: never through a symbolic link. A link at ``path`` itself is removed, not
         what it points to (trees are removed with ``shutil.rmtree``, which does the same for
         links inside them); a link between the root and ``path`` raises :class:`StorageError`.
+
+        ``wait``: on remote storage, wait at most this long, with one attempt (a clean-up that
+        must not hold up its caller: the deletion goes on in the background after that).
         """
         self._backend.before_delete(path, self.root)
+        policy = self.retry
+        if wait is not None and policy.bounded:
+            policy = dataclasses.replace(policy, attempts=1, deadline=min(policy.deadline, wait))
 
         def _do() -> None:
             try:
@@ -143,7 +162,7 @@ class Storage:
             except FileNotFoundError:
                 pass
 
-        self.retry.call(_do, f"delete {path}")
+        policy.call(_do, f"delete {path}")
 
     def is_link(self, path: str) -> bool:
         """Whether ``path`` is a symbolic link (local paths; object stores have none)."""
@@ -202,6 +221,36 @@ class Storage:
             self.fs.invalidate_cache()
         except Exception:
             pass
+
+
+#: gcsfs/s3fs storage options that bound one request, per protocol
+_GCS, _S3 = ("gs", "gcs"), ("s3", "s3a")
+
+
+def client_timeouts(url: str, storage_options: Optional[Dict[str, Any]], seconds: float) -> Dict[str, Any]:
+    """``storage_options`` with per-request timeouts of ``seconds`` added for the client
+    libraries that wait forever by default, unless the options set them already.
+
+    Args:
+        url: the checkpoint URL (its protocol picks the client).
+        storage_options: the user's fsspec options (not changed).
+        seconds: the request timeout (:attr:`RetryPolicy.request_timeout`).
+
+    Returns:
+        The options to open the filesystem with: gcsfs (``gs://``) gets ``requests_timeout``,
+        s3fs (``s3://``) ``config_kwargs`` ``connect_timeout`` and ``read_timeout``; others
+        as given.
+    """
+    opts = dict(storage_options or {})
+    protocol = fsspec.core.split_protocol(url)[0]
+    if protocol in _GCS and opts.get("requests_timeout") is None:
+        opts["requests_timeout"] = seconds
+    elif protocol in _S3:
+        config = dict(opts.get("config_kwargs") or {})
+        config.setdefault("connect_timeout", seconds)
+        config.setdefault("read_timeout", seconds)
+        opts["config_kwargs"] = config
+    return opts
 
 
 class RetriedRanges:

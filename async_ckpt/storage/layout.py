@@ -22,7 +22,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Set, Tuple
 
-from ..errors import CorruptCheckpointError, StepNotFoundError, StorageError
+from ..errors import CorruptCheckpointError, StepNotFoundError, StorageError, StorageTimeoutError
 from .commit import CommitProtocol, MarkerCommit, RenameCommit
 from .fs import MISSING, Storage
 from .manifest import MANIFEST_NAME, MARKER_NAME, PENDING_NAME, Manifest, check_marker
@@ -33,6 +33,8 @@ _TMP_RE = re.compile(r"^\.tmp-(\d+)-[0-9a-f]+$")
 _TRASH_RE = re.compile(r"^\.trash-(\d+)-[0-9a-f]+$")
 
 COMMIT_MODES = ("auto", "rename", "marker")
+#: seconds a failed step's clean-up waits for each deletion on remote storage (one attempt; none after one timed out)
+ABORT_WAIT_S = 5.0
 
 
 def _token() -> str:
@@ -204,13 +206,17 @@ class CheckpointLayout:
         return done
 
     def abort(self, target: StepTarget) -> None:
-        """Best-effort removal of a step that failed before its commit."""
+        """Best-effort removal of a step that failed before its commit. On remote storage each
+        deletion is one attempt waited for at most :data:`ABORT_WAIT_S` (a failed upload's
+        storage is often down: what is left is removed by the next writer's clean-up)."""
         try:
-            self.storage.rm(f"{target.path}/{MARKER_NAME}", recursive=False)
+            self.storage.rm(f"{target.path}/{MARKER_NAME}", recursive=False, wait=ABORT_WAIT_S)
+        except StorageTimeoutError:
+            return  # not answering: the next writer's clean-up removes the step
         except Exception:
             pass
         try:
-            self.storage.rm(target.path)
+            self.storage.rm(target.path, wait=ABORT_WAIT_S)
         except Exception:
             pass
 

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import logging
 import random
+import threading
 import time
-from dataclasses import dataclass
-from typing import Callable, TypeVar
+from dataclasses import dataclass, field
+from typing import Any, Callable, List, TypeVar
 
-from ..errors import StorageError
+from ..errors import StorageError, StorageTimeoutError
 
 T = TypeVar("T")
 log = logging.getLogger("async_ckpt")
@@ -68,26 +70,117 @@ def _is_transient_cloud(exc: BaseException) -> bool:
 
 @dataclass
 class RetryPolicy:
-    """Retry transient errors up to ``attempts`` times with capped, jittered exponential backoff."""
+    """Retry transient errors up to ``attempts`` times with capped, jittered exponential
+    backoff, every storage call bounded in time.
+
+    Attributes:
+        attempts: tries of one call on a transient error. Where the client library retries
+            each request itself (gcsfs on ``gs://``, s3fs/botocore on ``s3://``) async_ckpt makes
+            one attempt: a single retry layer, the client's.
+        initial_delay: seconds before the first retry (doubled per retry, jittered).
+        max_delay: cap of the delay between retries, seconds.
+        request_timeout: seconds one request may wait to connect and for each read of the
+            answer, passed to the client library (gcsfs ``requests_timeout``, s3fs
+            ``config_kwargs`` ``connect_timeout``/``read_timeout``) unless ``storage_options``
+            sets them. A bucket that stops answering fails each request after this long.
+        deadline: seconds one storage call on a remote filesystem may take with all its
+            retries (ours and the client's); then it fails with
+            :class:`~async_ckpt.errors.StorageTimeoutError`. Enforced by waiting at most this
+            long for the call (so also on filesystems without timeouts of their own); a failed
+            upload therefore ends at most ``deadline`` after its stalled call started.
+    """
 
     attempts: int = 5
     initial_delay: float = 0.2
     max_delay: float = 5.0
+    request_timeout: float = 60.0
+    deadline: float = 600.0
+    #: set by :meth:`for_storage`: each attempt runs on a helper thread waited for at most
+    #: the time left until the deadline (remote storage; local calls are never abandoned)
+    bounded: bool = field(default=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.attempts, int) or isinstance(self.attempts, bool) or self.attempts < 1:
+            raise ValueError(f"RetryPolicy.attempts must be an int >= 1, got {self.attempts!r}")
+        for name in ("initial_delay", "max_delay", "request_timeout", "deadline"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0 or (v == 0 and name in (
+                    "request_timeout", "deadline")):
+                raise ValueError(f"RetryPolicy.{name} must be a number of seconds "
+                                 f"{'> 0' if name in ('request_timeout', 'deadline') else '>= 0'}, got {v!r}")
+
+    def for_storage(self, *, remote: bool, client_retries: bool) -> "RetryPolicy":
+        """The policy a storage applies: bounded waits on ``remote`` storage, and one attempt
+        where the client library retries itself (``client_retries``).
+
+        Args:
+            remote: the storage is not local POSIX paths (calls may wait on a network).
+            client_retries: the client library retries each request itself.
+
+        Returns:
+            A copy of this policy (this one is not changed).
+        """
+        return dataclasses.replace(self, attempts=1 if client_retries else self.attempts, bounded=remote)
 
     def call(self, fn: Callable[[], T], what: str) -> T:
+        """Run ``fn`` with retries of transient errors, within ``deadline`` when bounded.
+
+        Args:
+            fn: the storage call (one attempt).
+            what: what it does, for messages (``"write <path>"``).
+
+        Returns:
+            What ``fn`` returned.
+
+        Raises:
+            StorageTimeoutError: a bounded call did not finish within ``deadline``.
+            StorageError: an ``OSError`` that is permanent or outlasted the attempts.
+        """
         delay = self.initial_delay
+        end = time.monotonic() + self.deadline
         for attempt in range(1, self.attempts + 1):
             try:
+                if self.bounded:
+                    return _run_bounded(fn, end, what, self.deadline)
                 return fn()
+            except StorageTimeoutError:
+                raise
             except Exception as exc:
-                if attempt == self.attempts or not is_transient(exc):
+                pause = delay * (0.5 + random.random() / 2)
+                if (attempt == self.attempts or not is_transient(exc)
+                        or (self.bounded and time.monotonic() + pause >= end)):
                     if isinstance(exc, (FileNotFoundError, StorageError)):
                         raise
                     if isinstance(exc, OSError):
                         raise StorageError(f"{what} failed: {exc}") from exc
                     raise
                 log.warning("async_ckpt: %s failed (%s: %s); retry %d/%d in %.2fs", what,
-                            type(exc).__name__, exc, attempt, self.attempts - 1, delay)
-                time.sleep(delay * (0.5 + random.random() / 2))
+                            type(exc).__name__, exc, attempt, self.attempts - 1, pause)
+                time.sleep(pause)
                 delay = min(delay * 2, self.max_delay)
         raise AssertionError("unreachable")
+
+
+def _run_bounded(fn: Callable[[], T], end: float, what: str, deadline: float) -> T:
+    """``fn()`` on a daemon thread, waited for until monotonic time ``end``. A call still
+    running then is abandoned (it ends on its own: its requests have timeouts) and
+    :class:`StorageTimeoutError` is raised."""
+    result: List[Any] = []
+    failure: List[BaseException] = []
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            result.append(fn())
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+            failure.append(exc)
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="async-ckpt-storage-call", daemon=True).start()
+    if not done.wait(max(0.0, end - time.monotonic())):
+        raise StorageTimeoutError(f"{what} did not finish within {deadline:g}s (RetryPolicy.deadline): the storage "
+                                  f"is not answering; raise RetryPolicy(deadline=...) if it is only slow")
+    if failure:
+        raise failure[0]
+    return result[0]

@@ -46,6 +46,9 @@ class Backend(Protocol):
     length_checked_writes: bool
     #: Data files of about this size, for many concurrent single-request uploads (or None).
     default_max_file_bytes: Optional[int]
+    #: The client library retries each request itself (gcsfs, s3fs): async_ckpt's
+    #: :class:`RetryPolicy` then makes one attempt, so that there is one retry layer.
+    client_retries: bool
 
     def normalize_root(self, root: str) -> str:
         """The checkpoint root as this backend's paths spell it."""

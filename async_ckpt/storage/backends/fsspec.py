@@ -16,6 +16,8 @@ class FsspecBackend:
     is_local = False
     length_checked_writes = False
     default_max_file_bytes: Optional[int] = None
+    #: the client library retries each request itself (async_ckpt then makes one attempt)
+    client_retries = False
 
     def __init__(self, fs: Any) -> None:
         self.fs = fs

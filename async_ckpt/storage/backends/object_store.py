@@ -14,6 +14,9 @@ from .fsspec import FsspecBackend
 OBJECT_STORE_PROTOCOLS = frozenset({"gs", "gcs", "s3", "s3a", "az", "abfs", "abfss", "adl", "oss", "oci", "cos",
                                     "tos", "r2", "b2"})
 
+#: protocols whose fsspec client retries each request itself
+RETRYING_CLIENTS = frozenset({"gs", "gcs", "s3", "s3a"})
+
 # The writer aims for data files of about this size, so one checkpoint becomes many objects
 # uploaded concurrently (each a single request) rather than a few long streams; 8-16 MiB is
 # the request size both GCS and S3 recommend for parallel transfers.
@@ -25,6 +28,12 @@ class ObjectStoreBackend(FsspecBackend):
 
     length_checked_writes = True
     default_max_file_bytes: Optional[int] = OBJECT_FILE_BYTES
+
+    def __init__(self, fs: Any) -> None:
+        super().__init__(fs)
+        protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+        # gcsfs retries every request (6 tries, backoff to 32 s), s3fs/botocore too
+        self.client_retries = any(p in RETRYING_CLIENTS for p in protocols)
 
     def makedirs(self, path: str, retry: RetryPolicy) -> None:
         pass  # no directories; and gcsfs/s3fs makedirs would silently create a missing bucket

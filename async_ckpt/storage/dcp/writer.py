@@ -24,7 +24,7 @@ import errno
 import io
 import pickle
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple, cast
 
 import torch
@@ -391,8 +391,14 @@ def _write_files(storage: Storage, path: str, prefix: str, buckets: List[List[An
         return []
     if len(buckets) == 1:
         return [write_file(0, buckets[0])]
+    # The first file that fails ends the step: files not started yet are not (an unreachable
+    # storage would otherwise fail every remaining file in turn, each after its deadline).
     with ThreadPoolExecutor(min(threads, len(buckets)), thread_name_prefix="async-ckpt-io") as pool:
-        return list(pool.map(lambda kv: write_file(*kv), enumerate(buckets)))
+        futures = [pool.submit(write_file, k, b) for k, b in enumerate(buckets)]
+        wait(futures, return_when=FIRST_EXCEPTION)
+        for f in futures:
+            f.cancel()
+        return [f.result() for f in futures]
 
 
 def _results(buckets: List[List[MetadataIndex]], outs: List[Tuple[str, FileRecord, List[int]]]
