@@ -268,9 +268,9 @@ def test_empty_root_and_bad_usage(tmp_path, capsys):
     assert "no checkpoints under" in capsys.readouterr().out
     assert main(["verify", str(tmp_path / "empty")]) == 2
     assert "no committed checkpoint" in capsys.readouterr().err
-    with pytest.raises(SystemExit) as exc:
-        main(["prune", str(tmp_path)])  # --keep-last is required: argparse's usage error
-    assert exc.value.code == 2
+    assert main(["prune", str(tmp_path)]) == 2  # --keep-last is required: the subcommand's usage error
+    err = capsys.readouterr().err
+    assert err.startswith("usage: async-ckpt prune ") and "required: --keep-last" in err
 
 
 def test_damaged_marker_shows_in_ls_and_prune_leaves_it(tmp_path, capsys):
@@ -403,7 +403,7 @@ def test_ls_shows_commit_order_and_prune_refuses_under_a_live_writer(tmp_path, c
     out = json.loads(capsys.readouterr().out)
     assert out["commit_order"] == [30, 10, 20] and out["latest"] == 20
     assert main(["ls", root]) == 0
-    assert "latest (the newest commit): 20" in capsys.readouterr().out
+    assert "latest (the newest commit that passes these checks, which restore(None) takes): 20" in capsys.readouterr().out
     assert main(["prune", root, "--keep-last", "1"]) == 2  # the training job holds the lease
     assert "live writer" in capsys.readouterr().err
     assert mgr.all_steps() == [10, 20, 30]
@@ -431,7 +431,7 @@ def test_ls_and_verify_with_local_dir_show_another_job_s_copies_as_foreign(tmp_p
         (2, "local"): "listed", (2, "persistent"): "listed", (9, "local"): "foreign"}
     assert main(["ls", bucket_b, "--local-dir", local]) == 0
     out = capsys.readouterr().out
-    assert "FOREIGN" in out and "latest (the newest commit): 2" in out
+    assert "FOREIGN" in out and "which restore(None) takes): 2" in out
     assert f"note: 1 local copy saved for another checkpoint path than file://{tmp_path}/b/" in out
     assert main(["verify", bucket_b, "--local-dir", local, "--json"]) == 0
     report = json.loads(capsys.readouterr().out)

@@ -7,18 +7,26 @@ checkpoint root except ``prune`` (and ``prune --dry-run`` does not) and ``promot
 copies a local tier's step there); nothing here follows a
 step directory that is a symbolic link (it is listed as foreign and left alone). Exit codes: 0 success,
 1 a damaged checkpoint was found (``verify``) or read, 2 any other error (bad arguments, no
-such step or path, storage errors). Expected errors print one line on stderr, no traceback.
+such step or path, storage errors). Errors print one line on stderr, no traceback (with
+``--json``: one JSON object on stdout instead); third-party loggers stay quiet unless
+``--verbose``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import logging
 import os
+import re
 import sys
-from typing import Optional, Sequence
+import traceback
+from typing import Any, List, NoReturn, Optional, Sequence
 
 from ..errors import CheckpointError, CorruptCheckpointError
+from . import common
 from .common import (
+    DEFAULT_CONNECT_TIMEOUT,
     EXIT_DAMAGED,
     EXIT_ERROR,
     EXIT_OK,
@@ -27,21 +35,62 @@ from .common import (
 )
 from .export import cmd_export, cmd_stats, load_step
 from .inspect import cmd_ls, cmd_show
-from .verify import cmd_promote, cmd_prune, cmd_verify
+from .verify import cmd_promote, cmd_prune, cmd_rm, cmd_verify
 
 __all__ = ["EXIT_DAMAGED", "EXIT_ERROR", "EXIT_OK", "build_parser", "load_step", "main"]
 
 
 # ---- entry point -----------------------------------------------------------------------------
 
+class UsageError(CheckpointError):
+    """A command line argparse refuses (unknown option, missing or malformed argument)."""
+
+    def __init__(self, parser: argparse.ArgumentParser, message: str) -> None:
+        super().__init__(message)
+        self.parser = parser
+
+
+class _Parser(argparse.ArgumentParser):
+    """Raises :class:`UsageError` (with the parser that refused: a subcommand's usage, not the
+    top level's) instead of printing and exiting, so that ``main`` reports it (as JSON with
+    ``--json``)."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(self, message)
+
+
+def _positive(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds, got {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds >= 0, got {text!r}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
-    common = argparse.ArgumentParser(add_help=False)
+    """The ``async-ckpt`` argument parser (every subcommand, with its options).
+
+    Returns:
+        The parser; its ``error`` raises :class:`UsageError` instead of exiting.
+    """
+    common = _Parser(add_help=False)
     common.add_argument("path", metavar="PATH", help="checkpoint root: a local path or an fsspec URL")
-    common.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    common.add_argument("--json", action="store_true", help="print JSON instead of a table (errors too)")
     common.add_argument("-o", "--storage-option", action="append", metavar="KEY=VALUE",
                         help="fsspec storage option (repeatable; VALUE is parsed as JSON when it can be)")
+    common.add_argument("--connect-timeout", type=_positive, default=DEFAULT_CONNECT_TIMEOUT, metavar="SECONDS",
+                        help="give up when a remote root does not answer its first request within this "
+                             f"long (default {DEFAULT_CONNECT_TIMEOUT:g})")
+    common.add_argument("-v", "--verbose", action="store_true",
+                        help="show the storage clients' log messages, and a traceback on errors")
+    lease = _Parser(add_help=False)
+    lease.add_argument("--lease-timeout", type=_positive, default=0.0, metavar="SECONDS",
+                       help="wait up to this long for PATH's writer lease while another writer holds it "
+                            "(default 0: refuse at once)")
 
-    p = argparse.ArgumentParser(prog="async-ckpt", description="Inspect, verify, prune, promote and export async_ckpt "
+    p = _Parser(prog="async-ckpt", description="Inspect, verify, prune, promote and export async_ckpt "
                                 "checkpoint directories (local paths or fsspec URLs), and show "
                                 "their save statistics.")
     from .. import __version__
@@ -50,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
-    local = argparse.ArgumentParser(add_help=False)
+    local = _Parser(add_help=False)
     local.add_argument("--local-dir", metavar="DIR",
                        help="also the local tier (a manager's local_dir; with several ranks, one rank's "
                             "<local_dir>/rank<r>)")
@@ -73,16 +122,21 @@ def build_parser() -> argparse.ArgumentParser:
     bar.add_argument("--no-progress", dest="progress", action="store_false", help="never show it")
     s.set_defaults(fn=cmd_verify)
 
-    s = sub.add_parser("prune", parents=[common], help="delete committed steps a retention policy drops")
+    s = sub.add_parser("prune", parents=[common, lease], help="delete committed steps a retention policy drops")
     s.add_argument("--keep-last", type=int, required=True, metavar="N", help="keep the N newest commits")
     s.add_argument("--keep-every", type=int, metavar="K", help="also keep every step divisible by K")
     s.add_argument("--dry-run", action="store_true", help="show what would be deleted, delete nothing")
     s.set_defaults(fn=cmd_prune)
 
-    s = sub.add_parser("promote", parents=[common], help="upload a local tier's step to PATH and commit it there")
+    s = sub.add_parser("promote", parents=[common, lease], help="upload a local tier's step to PATH and commit it there")
     s.add_argument("step", metavar="STEP", help="a step the local tier holds")
     s.add_argument("--local-dir", metavar="DIR", required=True, help="the local tier (a manager's local_dir)")
     s.set_defaults(fn=cmd_promote)
+
+    s = sub.add_parser("rm", parents=[common, lease],
+                       help="delete committed steps, as CheckpointManager.delete does (takes the writer lease)")
+    s.add_argument("steps", metavar="STEP", nargs="+", help="committed steps to delete")
+    s.set_defaults(fn=cmd_rm)
 
     s = sub.add_parser("export", parents=[common], help="write a step as one .pt or .safetensors file")
     s.add_argument("step", metavar="STEP", help="a step, or 'latest'")
@@ -90,40 +144,143 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--key", metavar="PREFIX", help="export only this subtree, e.g. 'model'")
     s.add_argument("--allow-pickle", action="store_true",
                    help="unpickle non-tensor entries outside torch's safe set (only for trusted checkpoints)")
+    s.add_argument("--force", action="store_true", help="overwrite OUT if it exists (refused otherwise)")
+    bar = s.add_mutually_exclusive_group()
+    bar.add_argument("--progress", dest="progress", action="store_true", default=None,
+                     help="always show the progress bar of the bytes written (default: only on a terminal)")
+    bar.add_argument("--no-progress", dest="progress", action="store_false", help="never show it")
     s.set_defaults(fn=cmd_export)
     s = sub.add_parser("stats", parents=[common], help="the save statistics log (stats_log=True), as a table")
     s.add_argument("--log", metavar="RELPATH", help="the log's path under PATH (default: save_stats.jsonl)")
     s.add_argument("--last", type=int, metavar="N", help="only the N most recent saves")
     s.set_defaults(fn=cmd_stats)
+    for sp in sub.choices.values():
+        sp.set_defaults(_parser=sp)
     return p
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Run the command line; returns the exit code (the console script exits with it)."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
-        code = int(args.fn(args))
-        sys.stdout.flush()
-        return code
-    except BrokenPipeError:  # `async-ckpt ls ... | head`: stop quietly
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        return EXIT_OK
-    except CorruptCheckpointError as exc:
-        _error(exc)
-        return EXIT_DAMAGED
-    except (CheckpointError, OSError, ValueError, ImportError) as exc:
-        _error(exc)
-        return EXIT_ERROR
-    except KeyboardInterrupt:
-        print("async-ckpt: interrupted", file=sys.stderr)
-        return 130
+    """Run the command line (the console script exits with what it returns).
+
+    Args:
+        argv: the arguments after the program name (default: ``sys.argv[1:]``).
+
+    Returns:
+        The exit code: 0 success, 1 a damaged checkpoint, 2 any other error (one line on
+        stderr, or with ``--json`` one JSON object ``{"error": {...}}`` on stdout).
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    as_json = "--json" in argv
+    verbose = "-v" in argv or "--verbose" in argv
+    with _quiet_logs(verbose):
+        parser = build_parser()
+        try:
+            args, extra = parser.parse_known_args(argv)
+            if extra:  # the subcommand's usage, not the top level's
+                getattr(args, "_parser", parser).error(f"unrecognized arguments: {' '.join(extra)}")
+        except UsageError as exc:
+            return _usage_error(exc, as_json)
+        try:
+            code = int(args.fn(args))
+            sys.stdout.flush()
+            return code
+        except BrokenPipeError:  # `async-ckpt ls ... | head`: stop quietly
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            return EXIT_OK
+        except KeyboardInterrupt:
+            return _error("interrupted", "KeyboardInterrupt", 130, as_json)
+        except CorruptCheckpointError as exc:
+            return _fail(exc, EXIT_DAMAGED, as_json, verbose)
+        except (CheckpointError, OSError, ValueError, ImportError) as exc:
+            return _fail(exc, EXIT_ERROR, as_json, verbose)
+        except Exception as exc:  # noqa: BLE001 - a bug or an unexpected storage error: still one line
+            return _fail(exc, EXIT_ERROR, as_json, verbose, unexpected=True)
 
 
-def _error(exc: BaseException) -> None:
-    msg = _cell(" ".join(str(exc).split()) or type(exc).__name__)  # no control characters on the terminal
-    print(f"async-ckpt: error: {msg}", file=sys.stderr)
+def _usage_error(exc: UsageError, as_json: bool) -> int:
+    prog = exc.parser.prog
+    if as_json:
+        _print_error({"type": "UsageError", "message": str(exc), "exit_code": EXIT_ERROR,
+                      "usage": exc.parser.format_usage().strip()})
+    else:
+        sys.stderr.write(exc.parser.format_usage())
+        print(f"{prog}: error: {_cell(str(exc))}", file=sys.stderr)
+    return EXIT_ERROR
+
+
+def _fail(exc: BaseException, code: int, as_json: bool, verbose: bool, unexpected: bool = False) -> int:
+    if verbose:
+        traceback.print_exception(exc, file=sys.stderr)
+    msg = " ".join(str(exc).split()) or type(exc).__name__
+    if unexpected:
+        msg = (f"{type(exc).__name__}: {msg} (unexpected; rerun with --verbose for the traceback, "
+               f"and please report it)")
+    return _error(msg, type(exc).__name__, code, as_json)
+
+
+def _error(msg: str, kind: str, code: int, as_json: bool) -> int:
+    if as_json:
+        _print_error({"type": kind, "message": msg, "exit_code": code})
+    else:
+        print(f"async-ckpt: error: {_cell(msg)}", file=sys.stderr)  # no control characters on the terminal
+    return code
+
+
+def _print_error(err: Any) -> None:
+    print(json.dumps({"error": err}, indent=2, sort_keys=True))
+    sys.stdout.flush()
+
+
+_RETRY_RE = re.compile(r"; retry \d+/\d+ in ")
+
+
+class _LogSink(logging.Handler):
+    """The CLI's log handler: the storage clients (gcsfs, aiohttp, botocore, ...) log retries
+    with tracebacks; the command prints one line instead. Keeps the newest warning of a storage
+    retry for the unreachable-storage message; with ``--verbose`` prints every record."""
+
+    def __init__(self, verbose: bool) -> None:
+        super().__init__(logging.DEBUG if verbose else logging.WARNING)
+        self.verbose = verbose
+        self.setFormatter(logging.Formatter("%(name)s: %(levelname)s: %(message)s"))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            ours = record.name.split(".")[0] == "async_ckpt" and record.levelno >= logging.WARNING
+            if ours:
+                common._LAST_PROBLEM[:] = [record.getMessage()[:300]]
+            if self.verbose:
+                sys.stderr.write(self.format(record) + "\n")
+            elif ours and not _RETRY_RE.search(record.getMessage()):  # a retry is summed up by the error
+                print(f"async-ckpt: warning: {_cell(' '.join(record.getMessage().split()))}", file=sys.stderr)
+        except Exception:  # noqa: BLE001 - logging never fails the command
+            pass
+
+
+class _quiet_logs:
+    """Route every logger through :class:`_LogSink` for the command's duration (restored after:
+    ``main`` also runs in-process)."""
+
+    def __init__(self, verbose: bool) -> None:
+        self.sink = _LogSink(verbose)
+        self.saved: List[Any] = []
+
+    def __enter__(self) -> "_quiet_logs":
+        root = logging.getLogger()
+        self.saved = [root.level, root.handlers[:], logging.lastResort]
+        root.handlers = [self.sink]
+        root.setLevel(self.sink.level)
+        logging.lastResort = None
+        common._LAST_PROBLEM.clear()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        root = logging.getLogger()
+        level, handlers, last = self.saved
+        root.setLevel(level)
+        root.handlers = handlers
+        logging.lastResort = last
 
 
 if __name__ == "__main__":  # pragma: no cover

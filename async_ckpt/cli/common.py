@@ -5,11 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
+import threading
 import time
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, TypeVar
 
-from ..errors import CorruptCheckpointError, StepNotFoundError
+from ..errors import CheckpointError, CorruptCheckpointError, StepNotFoundError
 from ..lifecycle.catalog import StepCatalog
 from ..storage.fs import Storage
 from ..storage.layout import CheckpointLayout
@@ -17,6 +19,12 @@ from ..storage.manifest import Manifest
 
 EXIT_OK, EXIT_DAMAGED, EXIT_ERROR = 0, 1, 2
 _CHUNK = 8 * 2**20
+DEFAULT_CONNECT_TIMEOUT = 30.0
+T = TypeVar("T")
+
+
+class StorageUnreachableError(CheckpointError):
+    """The checkpoint root's storage did not answer the first request within ``--connect-timeout``."""
 
 
 # ---- formatting ------------------------------------------------------------------------------
@@ -81,9 +89,18 @@ def _progress(total: int, desc: str, enabled: Optional[bool]) -> Any:
     try:
         from tqdm import tqdm
     except ImportError:  # tqdm is in the [cli] extra; without it there is no bar
+        if enabled:  # asked for with --progress: say why there is none, once
+            global _TQDM_NOTED
+            if not _TQDM_NOTED:
+                _TQDM_NOTED = True
+                print("async-ckpt: note: --progress needs tqdm, which is not installed (pip install tqdm, "
+                      "or pip install 'async_ckpt[cli]'); continuing without a progress bar", file=sys.stderr)
         return _NoBar()
     return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr,
                 disable=None if enabled is None else not enabled, leave=False)
+
+
+_TQDM_NOTED = False
 
 
 class _NoBar:
@@ -112,11 +129,122 @@ def _parse_options(pairs: Optional[List[str]]) -> Dict[str, Any]:
     return out
 
 
+def _reach(fn: Callable[[], T], url: str, timeout: Optional[float]) -> T:
+    """``fn()`` (the first request to a remote root), given up after ``timeout`` seconds.
+
+    fsspec clients retry an endpoint that refuses connections for minutes; the command says
+    in one line that the storage cannot be reached instead. Local paths are called directly.
+    """
+    if timeout is None or "://" not in url or url.startswith("file://"):
+        return fn()
+    box: Dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - raised in the caller's thread
+            box["error"] = exc
+
+    worker = threading.Thread(target=run, name="async-ckpt-connect", daemon=True)
+    worker.start()
+    worker.join(timeout)
+    if worker.is_alive():  # left behind: a daemon thread, gone when the command exits
+        seen = f" (last error: {_LAST_PROBLEM[0]})" if _LAST_PROBLEM else ""
+        raise StorageUnreachableError(
+            f"no answer from the storage of {url} within {timeout:g} s{seen}: check the endpoint and "
+            f"credentials (-o KEY=VALUE storage options, or the emulator's environment), or give it "
+            f"longer with --connect-timeout SECONDS")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+#: The newest storage problem a library logger reported (kept for the unreachable-storage
+#: message; the loggers themselves are quiet unless --verbose): set by the CLI's log handler.
+_LAST_PROBLEM: List[str] = []
+
+
+def _connect_timeout(args: argparse.Namespace) -> Optional[float]:
+    t = getattr(args, "connect_timeout", DEFAULT_CONNECT_TIMEOUT)
+    if t is not None and (not math.isfinite(t) or t <= 0):
+        raise ValueError(f"--connect-timeout must be a number of seconds > 0, got {t}")
+    return t
+
+
 def _open(args: argparse.Namespace) -> Tuple[Storage, CheckpointLayout]:
-    storage = Storage(args.path, _parse_options(args.storage_option))
-    if not storage.exists(storage.root):
+    options = _parse_options(args.storage_option)
+
+    def probe() -> Tuple[Storage, bool, bool]:
+        st = Storage(args.path, options)
+        there = st.exists(st.root)
+        return st, there, there and not st.fs.isdir(st.root)
+
+    storage, exists, is_file = _reach(probe, args.path, _connect_timeout(args))
+    if not exists:
         raise FileNotFoundError(f"no such checkpoint directory: {args.path}")
+    if is_file:
+        what = (f"a Lightning checkpoint file ({LIGHTNING_HINT})" if args.path.endswith(".ckpt")
+                else "a file, not a checkpoint directory")
+        raise NotACheckpointRootError(f"{args.path} is {what}")
     return storage, CheckpointLayout(storage, "auto")
+
+
+class NotACheckpointRootError(CheckpointError):
+    """PATH is a file, or holds checkpoints of another kind (Lightning, Hugging Face, plain DCP)."""
+
+
+LIGHTNING_HINT = ("a torch.save file written by Lightning, e.g. through async_ckpt.integrations.lightning's "
+                  "AsyncCkptIO; inspect it with torch.load(FILE, weights_only=False), resume with "
+                  "Trainer.fit(..., ckpt_path=FILE)")
+HF_HINT = ("Hugging Face Trainer checkpoint directories (HF's own layout, e.g. written by "
+           "async_ckpt.integrations.transformers' AsyncCkptCallback); resume with "
+           "trainer.train(resume_from_checkpoint=True), inspect trainer_state.json in each")
+DCP_HINT = ("a torch.distributed.checkpoint (DCP) checkpoint not written by async_ckpt (no COMMITTED "
+            "marker, no manifest.json); import it into an async_ckpt root, see docs/migration.md")
+_HF_RE = re.compile(r"^checkpoint-\d+$")
+
+
+def other_kinds(storage: Storage) -> List[Dict[str, Any]]:
+    """Checkpoints of other kinds directly under the root, which async_ckpt does not list:
+    Lightning ``.ckpt`` files, Hugging Face ``checkpoint-N`` directories, and the root being
+    a plain DCP checkpoint itself. One record per kind: ``kind``, ``names``, ``hint``."""
+    found: Dict[str, List[str]] = {}
+    for e in storage.listdir(storage.root):
+        name = e["name"]
+        if name.startswith("."):
+            if name == ".metadata" and e.get("type") != "directory":
+                found.setdefault("dcp", []).append(name)
+            continue  # a hidden temporary (an integration's write in flight) is not a checkpoint
+        if name.endswith(".ckpt") and e.get("type") != "directory":
+            found.setdefault("lightning", []).append(name)
+        elif _HF_RE.match(name) and e.get("type") == "directory":
+            found.setdefault("huggingface", []).append(name)
+        elif name == "trainer_state.json":  # PATH is one checkpoint-N directory
+            found.setdefault("huggingface", []).append(".")
+    hints = {"lightning": f"Lightning checkpoint files: {LIGHTNING_HINT}", "huggingface": HF_HINT,
+             "dcp": f"the root is {DCP_HINT}"}
+    return [{"kind": k, "names": sorted(v, key=_natural), "hint": hints[k]} for k, v in sorted(found.items())]
+
+
+def _natural(name: str) -> Tuple[str, int]:
+    m = re.search(r"(\d+)$", name.rsplit(".", 1)[0])
+    return (name[: m.start()] if m else name, int(m.group(1)) if m else -1)
+
+
+def describe_other(rec: Dict[str, Any]) -> str:
+    """One line for :func:`other_kinds`' record: what was found and how to inspect it."""
+    names = rec["names"]
+    shown_names = ", ".join(names[:5]) + (f", ... ({len(names)} in all)" if len(names) > 5 else "")
+    return f"found {shown_names}: {rec['hint']}; async_ckpt does not list these"
+
+
+def _no_checkpoint(storage: Storage, what: str) -> str:
+    """The message for a root without a committed step, naming other kinds of checkpoint there."""
+    try:
+        others = other_kinds(storage)
+    except OSError:
+        others = []
+    return what + "".join(f"; {describe_other(r)}" for r in others)
 
 
 def _roots(args: argparse.Namespace) -> List[Tuple[str, Storage, CheckpointLayout]]:
@@ -126,8 +254,9 @@ def _roots(args: argparse.Namespace) -> List[Tuple[str, Storage, CheckpointLayou
     roots = [("persistent", storage, layout)]
     local = getattr(args, "local_dir", None)
     if local:
-        lstorage = Storage(local)
-        if not lstorage.exists(lstorage.root):
+        lstorage, there = _reach(lambda: (lambda st: (st, st.exists(st.root)))(Storage(local)), local,
+                                 _connect_timeout(args))
+        if not there:
             raise FileNotFoundError(f"no such local checkpoint directory: {local}")
         roots.insert(0, ("local", lstorage, CheckpointLayout(lstorage, "auto")))
     return roots
@@ -154,7 +283,8 @@ def _parse_step(text: Optional[str], layout: CheckpointLayout) -> int:
         if latest is None:
             steps = layout.committed_steps()  # none whose manifest reads: the highest, to report it
             if not steps:
-                raise StepNotFoundError(f"no committed checkpoint under {layout.storage.url}")
+                raise StepNotFoundError(_no_checkpoint(layout.storage,
+                                                       f"no committed checkpoint under {layout.storage.url}"))
             return steps[-1]
         return latest
     if not text.isdigit():

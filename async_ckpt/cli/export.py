@@ -15,6 +15,7 @@ from .common import (
     _parse_options,
     _parse_step,
     _print_json,
+    _progress,
     _read_metadata,
     _table,
     human_bytes,
@@ -125,10 +126,14 @@ def cmd_export(args: argparse.Namespace) -> int:
     ext = out.rsplit(".", 1)[-1].lower() if "." in out.rsplit("/", 1)[-1] else ""
     if ext not in ("pt", "pth", "safetensors"):
         raise ValueError(f"OUT must end in .pt, .pth or .safetensors, got {out!r}")
+    options = _parse_options(args.storage_option)
     storage, layout = _open(args)
+    out_fs, out_path = _out_fs(out, args.path, options)
+    if not args.force and out_fs.exists(out_path):  # checked before reading anything
+        raise FileExistsError(f"OUT {out} already exists: pass --force to overwrite it")
     step = _parse_step(args.step, layout)
     step, state = load_step(args.path, step, key=args.key, allow_pickle=args.allow_pickle,
-                            storage_options=_parse_options(args.storage_option))
+                            storage_options=options)
     flat = flatten(state)
     tensors = {k: v for k, v in flat.items() if isinstance(v, torch.Tensor)}
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
@@ -146,9 +151,16 @@ def cmd_export(args: argparse.Namespace) -> int:
                               "(pip install 'async_ckpt[cli]')") from None
         data = st_save({k: v.contiguous() for k, v in tensors.items()},
                        metadata={"format": "pt", "async_ckpt_step": str(step)})
-        _write_out(out, lambda f: f.write(data))
+        write: Any = lambda f: f.write(data)  # noqa: E731
+        total = len(data)
     else:
-        _write_out(out, lambda f: torch.save(state, f))
+        write = lambda f: torch.save(state, f)  # noqa: E731
+        total = nbytes
+    bar = _progress(total, f"export step {step}", args.progress)
+    try:
+        _write_out(out_fs, out_path, lambda f: write(_Counting(f, bar)), force=args.force)
+    finally:
+        bar.close()
     if args.json:
         _print_json({"step": step, "out": out, "format": ext, "tensors": len(tensors), "tensor_bytes": nbytes,
                      "entries": len(flat)})
@@ -158,10 +170,34 @@ def cmd_export(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _write_out(out: str, write: Any) -> None:
+def _out_fs(out: str, path: str, options: Dict[str, Any]) -> Tuple[Any, str]:
+    """OUT's filesystem: the ``-o`` storage options apply to it when it is on the same kind of
+    storage (URL protocol) as PATH, e.g. a bucket reached through an endpoint."""
     import fsspec
 
-    fs, p = fsspec.core.url_to_fs(out)
+    def protocol(url: str) -> str:
+        return url.split("://", 1)[0] if "://" in url else "file"
+
+    same = protocol(out) == protocol(path) and protocol(out) != "file"
+    return fsspec.core.url_to_fs(out, **(options if same else {}))
+
+
+class _Counting:
+    """A writable file that advances a progress bar by the bytes written through it."""
+
+    def __init__(self, f: Any, bar: Any) -> None:
+        self._f, self._bar = f, bar
+
+    def write(self, data: Any) -> int:
+        n = self._f.write(data)
+        self._bar.update(len(memoryview(data).cast("B")) if n is None else n)
+        return len(memoryview(data).cast("B")) if n is None else n
+
+    def __getattr__(self, name: str) -> Any:  # flush, tell, seek...: the file's own
+        return getattr(self._f, name)
+
+
+def _write_out(fs: Any, p: str, write: Any, *, force: bool) -> None:
     from fsspec.implementations.local import LocalFileSystem
 
     if isinstance(fs, LocalFileSystem):  # write beside, then rename: never a half-written OUT
@@ -171,7 +207,19 @@ def _write_out(out: str, write: Any) -> None:
         try:
             with open(tmp, "wb") as f:
                 write(f)
-            os.replace(tmp, p)
+            if force:
+                os.replace(tmp, p)
+            else:  # refused if OUT appeared meanwhile: never overwrite without --force
+                try:
+                    os.link(tmp, p)
+                except FileExistsError:
+                    raise
+                except OSError:  # no hard links on this filesystem
+                    if os.path.lexists(p):
+                        raise FileExistsError(p) from None
+                    os.replace(tmp, p)
+        except FileExistsError:
+            raise FileExistsError(f"OUT {p} already exists: pass --force to overwrite it") from None
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)

@@ -14,6 +14,7 @@ from ..storage.layout import _STEP_RE, _TMP_RE, _TRASH_RE, _VER_RE, CheckpointLa
 from ..storage.manifest import MARKER_NAME, shown
 from ..tiers import SAVE_ID, same_save, saved_for_another
 from .common import (
+    DCP_HINT,
     EXIT_OK,
     _fmt_metrics,
     _fmt_time,
@@ -25,7 +26,9 @@ from .common import (
     _read_metadata,
     _roots,
     _table,
+    describe_other,
     human_bytes,
+    other_kinds,
 )
 
 # ---- ls --------------------------------------------------------------------------------------
@@ -69,7 +72,11 @@ def _step_entry(storage: Storage, layout: CheckpointLayout, name: str, locations
                              "files": len(listing), "metrics": {}, "problem": None}
     if MARKER_NAME not in listing:
         entry["status"] = "incomplete"
-        entry["problem"] = "no COMMITTED marker (a save in progress or one that never finished, or not written by async_ckpt)"
+        if ".metadata" in listing and "manifest.json" not in listing:
+            entry["problem"] = DCP_HINT  # dcp.save's or torch_xla's: no hint otherwise what to do
+        else:
+            entry["problem"] = ("no COMMITTED marker (a save in progress or one that never finished, or not "
+                                "written by async_ckpt)")
         return entry
     try:
         man, bad = layout.check_step(step)
@@ -132,19 +139,29 @@ def cmd_ls(args: argparse.Namespace) -> int:
     # Commit order is the order: 1 is the oldest commit; the newest is the latest step.
     timed = _number_saves([e for e in entries if e["status"] in ("listed", "damaged") and e["commit_time"] is not None])
     saves = sorted({e["commit_order"]: e["step"] for e in timed}.items())
-    latest = saves[-1][1] if saves else None
+    # The latest is what restore(None) takes: the newest commit that passes these checks (it
+    # skips a damaged one). Damage inside a file's bytes shows only in verify (restore skips
+    # such a step too, when it reads it).
+    intact = [e for e in timed if e["status"] == "listed"]
+    latest_order = max((e["commit_order"] for e in intact), default=None)
+    latest = next((e["step"] for e in intact if e["commit_order"] == latest_order), None)
+    skipped = [step for order, step in saves if latest_order is None or order > latest_order]
+    others = other_kinds(roots[-1][1])
     if args.json:
         _print_json({"path": args.path, "steps": entries, "latest": latest,
-                     "commit_order": [step for _, step in saves]})
+                     "commit_order": [step for _, step in saves], "newer_damaged": skipped,
+                     "other_checkpoints": others})
         return EXIT_OK
     if not entries:
         print(f"no checkpoints under {args.path}")
+        for rec in others:
+            print(describe_other(rec))
         return EXIT_OK
     rows = []
     for e in entries:
         status = e["status"] if e["status"] == "listed" else e["status"].upper()
         order = e.get("commit_order")
-        row = [e["step"], "-" if order is None else f"{order}{' latest' if order == len(saves) else ''}",
+        row = [e["step"], "-" if order is None else f"{order}{' latest' if order == latest_order else ''}",
                _fmt_time(e["commit_time"]), human_bytes(e["bytes"]),
                "-" if e["files"] is None else e["files"], status, _fmt_metrics(e["metrics"])]
         rows.append(row[:1] + [e["tier"]] + row[1:] if tiered else row)
@@ -164,13 +181,17 @@ def cmd_ls(args: argparse.Namespace) -> int:
           + ("; contents not read (run verify for checksums)" if ok else ""))
     if timed:
         print(f"commit order (oldest first): {', '.join(str(step) for _, step in saves)}; "
-              f"latest (the newest commit): {latest}")
+              f"latest (the newest commit that passes these checks, which restore(None) takes): "
+              f"{'none' if latest is None else latest}"
+              + (f" (newer, damaged, skipped: {', '.join(map(str, skipped))})" if skipped else ""))
     for e in bad:
         where = f"{e['tier']} {e['name']}" if tiered else e["name"]
         print(f"  step {e['step']} ({where}): {e['status']}: {e['problem']}")
-    others = sum("saved_for" in e for e in entries)
-    if others:
-        print(_foreign_note(others, home, "FOREIGN, left out of the commit order and latest"))
+    nother = sum("saved_for" in e for e in entries)
+    if nother:
+        print(_foreign_note(nother, home, "FOREIGN, left out of the commit order and latest"))
+    for rec in others:
+        print(describe_other(rec))
     return EXIT_OK
 
 

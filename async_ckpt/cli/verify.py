@@ -20,6 +20,7 @@ from .common import (
     _fmt_time,
     _foreign_note,
     _home,
+    _no_checkpoint,
     _open,
     _parse_step,
     _print_json,
@@ -128,7 +129,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
         for tier, storage, layout in roots:
             todo += [(tier, storage, layout, s) for s in layout.committed_steps() if own(tier, s)]
         if not todo:
-            raise StepNotFoundError("no committed checkpoint of this job under " + " or ".join(r[1].url for r in roots))
+            raise StepNotFoundError(_no_checkpoint(roots[-1][1], "no committed checkpoint of this job under "
+                                                   + " or ".join(r[1].url for r in roots)))
     elif len(roots) == 1:
         todo = [(roots[0][0], roots[0][1], roots[0][2], _parse_step(args.step, roots[0][2]))]
     else:  # the step in every tier that holds it ('latest': the newest commit over both)
@@ -141,8 +143,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
             newest = [(c.commit_time, c.step) for tier, _, lay in roots
                       for c in StepCatalog(lay, time.time).in_commit_order() if own(tier, c.step)]
             if not newest:
-                raise StepNotFoundError("no committed checkpoint of this job under "
-                                        + " or ".join(r[1].url for r in roots))
+                raise StepNotFoundError(_no_checkpoint(roots[-1][1], "no committed checkpoint of this job under "
+                                                       + " or ".join(r[1].url for r in roots)))
             step = max(newest)[1]
         todo = [(tier, st, lay, step) for tier, st, lay in roots if step in lay.committed_steps() and own(tier, step)]
         if not todo:
@@ -239,7 +241,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
     deleted: List[int] = []
     if not args.dry_run and doomed:
         lease = writer_lease(storage)
-        lease.acquire(0.0)  # LeaseHeldError while a training job writes here: nothing is deleted
+        lease.acquire(args.lease_timeout)  # LeaseHeldError while a training job writes here: nothing is deleted
         try:
             for s in doomed:
                 layout.delete(s)
@@ -267,7 +269,12 @@ def cmd_prune(args: argparse.Namespace) -> int:
 # ---- promote ---------------------------------------------------------------------------------
 
 def cmd_promote(args: argparse.Namespace) -> int:
-    """Upload a local tier's step to PATH and commit it there (takes PATH's writer lease)."""
+    """Upload a local tier's step to PATH and commit it there (takes PATH's writer lease).
+
+    Everything that can be checked without the lease is checked first (``--local-dir`` exists
+    and holds ``STEP`` committed, PATH does not hold it): such a failure leaves both untouched
+    (a manager's first write to a root also cleans it up, and creates a missing local_dir).
+    """
     from ..manager import CheckpointManager
     from .common import _parse_options
 
@@ -275,11 +282,57 @@ def cmd_promote(args: argparse.Namespace) -> int:
         step = int(args.step)
     except ValueError:
         raise ValueError(f"STEP must be a step number, got {args.step!r}") from None
+    storage, layout = _open(args)
+    roots = _roots(args)  # FileNotFoundError for a missing --local-dir, before anything is created
+    local_layout = roots[0][2]
+    if step not in local_layout.committed_steps():
+        held = local_layout.committed_steps()
+        raise StepNotFoundError(f"{args.local_dir} holds no committed step {step} (committed there: "
+                                f"{', '.join(map(str, held[-20:])) or 'none'})", step=step)
+    if step in layout.committed_steps():
+        raise CheckpointError(f"{args.path} already holds a committed step {step}: delete it there first "
+                              f"(async-ckpt rm {args.path} {step}) to replace it with the local copy")
     with CheckpointManager(args.path, storage_options=_parse_options(args.storage_option),
-                           local_dir=args.local_dir, local_retention=2**31 - 1, max_to_keep=0) as mgr:
+                           local_dir=args.local_dir, local_retention=2**31 - 1, max_to_keep=0,
+                           lease_timeout=args.lease_timeout) as mgr:
         mgr.promote(step)
     if args.json:
         _print_json({"path": args.path, "local_dir": args.local_dir, "promoted": step})
     else:
         print(f"step {step}: copied from {args.local_dir} to {args.path} and committed")
+    return EXIT_OK
+
+
+# ---- rm --------------------------------------------------------------------------------------
+
+def cmd_rm(args: argparse.Namespace) -> int:
+    """Delete committed steps through :meth:`CheckpointManager.delete` (PATH's writer lease,
+    marker first). Every STEP is checked first: one that is not committed deletes nothing."""
+    from ..manager import CheckpointManager
+    from .common import _parse_options
+
+    steps: List[int] = []
+    for text in args.steps:
+        if not text.isdigit():
+            raise ValueError(f"STEP must be a non-negative integer, got {text!r}")
+        if int(text) not in steps:
+            steps.append(int(text))
+    _, layout = _open(args)
+    committed = layout.committed_steps()
+    missing = [s for s in steps if s not in committed]
+    if missing:
+        shown_steps = committed if len(committed) <= 20 else ["..."] + committed[-20:]
+        raise StepNotFoundError(f"no committed checkpoint for step{'s' if len(missing) > 1 else ''} "
+                                f"{', '.join(map(str, missing))} under {layout.storage.url} (committed: "
+                                f"{', '.join(map(str, shown_steps)) or 'none'}); nothing deleted", step=missing[0])
+    deleted: List[int] = []
+    with CheckpointManager(args.path, storage_options=_parse_options(args.storage_option), max_to_keep=0,
+                           lease_timeout=args.lease_timeout) as mgr:
+        for s in steps:
+            mgr.delete(s)  # takes the writer lease at the first: LeaseHeldError deletes nothing
+            deleted.append(s)
+    if args.json:
+        _print_json({"path": args.path, "deleted": deleted})
+    else:
+        print(f"deleted step{'s' if len(deleted) > 1 else ''} {', '.join(map(str, deleted))} from {args.path}")
     return EXIT_OK

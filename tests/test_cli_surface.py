@@ -1,0 +1,310 @@
+"""The ``async-ckpt`` command's user surface: one-line (or JSON) errors without tracebacks, a
+bounded wait on an unreachable bucket, ``rm``, ``--lease-timeout``, ``export``'s ``--force``,
+``-o`` and progress bar, what ``ls`` calls latest, and the checkpoints of other kinds it names."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from async_ckpt import CheckpointManager
+from async_ckpt.cli import main
+
+from .conftest import assert_bitwise_equal, clone_tree
+
+ROOT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _state(step: int):
+    g = torch.Generator().manual_seed(step)
+    return {"w": torch.randn(64, 8, generator=g), "b": torch.arange(16, dtype=torch.int32) + step, "step": step}
+
+
+def _root(tmp_path, steps=(1, 2, 3), name="ckpt"):
+    root = str(tmp_path / name)
+    saved = {}
+    with CheckpointManager(root) as mgr:
+        for s in steps:
+            saved[s] = clone_tree(_state(s))
+            mgr.save(s, _state(s))
+    return root, saved
+
+
+def cli(*args: str, env=None, timeout: float = 300, **kw):
+    full_env = {**os.environ, "PJRT_DEVICE": "CPU", "PYTHONPATH": ROOT_DIR, **(env or {})}
+    return subprocess.run([sys.executable, "-m", "async_ckpt", *args], capture_output=True, text=True,
+                          env=full_env, timeout=timeout, **kw)
+
+
+def _one_line(proc, code=2):
+    assert proc.returncode == code, (proc.stdout, proc.stderr)
+    assert "Traceback" not in proc.stderr, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("async-ckpt: error: "), proc.stderr
+    return lines[0]
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]  # closed once the socket is: connections are refused
+
+
+# ---- errors: one line, JSON with --json, no traceback, the subcommand's usage ------------------
+
+def test_unreachable_bucket_is_one_line_within_the_connect_timeout():
+    env = {"STORAGE_EMULATOR_HOST": f"http://127.0.0.1:{_closed_port()}", "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
+    t0 = time.monotonic()
+    proc = cli("ls", "gs://no-such-bucket/run", "--connect-timeout", "2", env=env, timeout=120)
+    elapsed = time.monotonic() - t0
+    line = _one_line(proc)
+    assert "no answer from the storage of gs://no-such-bucket/run within 2 s" in line
+    assert "--connect-timeout" in line
+    assert elapsed < 60, elapsed  # gcsfs alone retries a refused connection for minutes
+    # the same endpoint given as a storage option, --json: one JSON object on stdout
+    proc = cli("verify", "gs://no-such-bucket/run", "--json", "--connect-timeout", "2",
+               "-o", f"endpoint_url=http://127.0.0.1:{_closed_port()}", "-o", "token=anon",
+               env={"GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}, timeout=120)
+    assert proc.returncode == 2 and proc.stderr == "", proc.stderr
+    err = json.loads(proc.stdout)["error"]
+    assert err["type"] == "StorageUnreachableError" and err["exit_code"] == 2
+
+
+def test_json_errors_are_json_objects(tmp_path):
+    root, _ = _root(tmp_path, steps=(1,))
+    for args, kind in ((["ls", str(tmp_path / "missing")], "FileNotFoundError"),
+                       (["show", root, "7"], "StepNotFoundError"),
+                       (["prune", root, "--keep-last", "0"], "ValueError"),
+                       (["ls", root, "--bogus"], "UsageError")):
+        proc = cli(*args, "--json")
+        assert proc.returncode == 2, (args, proc.stderr)
+        assert proc.stderr == "", (args, proc.stderr)
+        err = json.loads(proc.stdout)["error"]
+        assert err["type"] == kind and err["exit_code"] == 2 and err["message"], (args, err)
+    assert "usage: async-ckpt ls" in err["usage"]
+
+
+def test_a_mistyped_option_prints_the_subcommand_usage(tmp_path):
+    root, _ = _root(tmp_path, steps=(1,))
+    proc = cli("prune", root, "--keep-last", "1", "--dry-rnu")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.startswith("usage: async-ckpt prune "), proc.stderr
+    assert "async-ckpt prune: error: unrecognized arguments: --dry-rnu" in proc.stderr
+    assert os.listdir(root).count("1") == 1  # nothing deleted
+
+
+def test_bad_input_never_prints_a_traceback(tmp_path):
+    root, _ = _root(tmp_path, steps=(1, 2))
+    missing = str(tmp_path / "nope")
+    cases = [("show", missing), ("verify", root, "x"), ("export", root, "99", str(tmp_path / "o.pt")),
+             ("stats", missing), ("rm", root, "-3"), ("ls", "nosuchproto://x/y"),
+             ("show", root, "latest", "-o", "nonsense"), ("ls", str(tmp_path / "ckpt" / "1" / "manifest.json"))]
+    for args in cases:
+        _one_line(cli(*args))
+    # denied writes (a read-only filesystem: root passes every permission check): rm, prune, export
+    if os.geteuid() != 0:
+        pytest.skip("mounting a read-only tmpfs needs root")
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(ro)]).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        shutil.copytree(root, str(ro / "ckpt"))
+        subprocess.run(["mount", "-o", "remount,ro", str(ro)], check=True)
+        for args in (("rm", str(ro / "ckpt"), "1"), ("prune", str(ro / "ckpt"), "--keep-last", "1"),
+                     ("export", root, "1", str(ro / "out.pt"))):
+            line = _one_line(cli(*args))
+            assert "Read-only file system" in line or "not writable" in line, line
+        assert sorted(n for n in os.listdir(ro / "ckpt") if n.isdigit()) == ["1", "2"]
+    finally:
+        subprocess.run(["umount", str(ro)], check=True)
+
+
+# ---- ls: latest, plain DCP, other kinds of checkpoint ----------------------------------------
+
+def test_ls_latest_is_the_step_restore_none_takes(tmp_path, capsys):
+    root, saved = _root(tmp_path)
+    data = sorted(f for f in os.listdir(f"{root}/3") if f.endswith(".distcp"))[0]
+    with open(f"{root}/3/{data}", "r+b") as f:  # the newest commit: a data file cut short
+        f.truncate(10)
+    assert main(["ls", root, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["commit_order"] == [1, 2, 3] and out["latest"] == 2 and out["newer_damaged"] == [3]
+    assert main(["ls", root]) == 0
+    text = capsys.readouterr().out
+    row3 = next(line for line in text.splitlines() if line.strip().startswith("3 "))
+    assert "latest" not in row3 and "DAMAGED" in row3
+    assert any(line.strip().startswith("2  2 latest") for line in text.splitlines()), text
+    assert "restore(None) takes): 2 (newer, damaged, skipped: 3)" in text
+    target = _state(0)
+    with CheckpointManager(root) as mgr:
+        assert mgr.restore(None, target) == 2
+    assert_bitwise_equal(target, saved[2])
+
+
+def test_ls_points_a_plain_dcp_checkpoint_at_the_migration_guide(tmp_path, capsys):
+    import torch.distributed.checkpoint as dcp
+
+    root, _ = _root(tmp_path, steps=(1,))
+    with pytest.warns(UserWarning):
+        dcp.save({"w": torch.ones(3)}, checkpoint_id=f"{root}/7")
+    assert main(["ls", root]) == 0
+    out = capsys.readouterr().out
+    assert "step 7 (7): incomplete: a torch.distributed.checkpoint (DCP) checkpoint not written by async_ckpt" in out
+    assert "see docs/migration.md" in out
+    assert os.path.isdir(f"{root}/7")  # left alone
+
+
+def test_ls_and_verify_name_lightning_and_hf_checkpoints(tmp_path, capsys):
+    out_dir = tmp_path / "run"
+    out_dir.mkdir()
+    try:  # what async_ckpt.integrations.lightning writes: a torch.save file, renamed into place
+        from async_ckpt.integrations.lightning import AsyncCkptIO
+
+        io = AsyncCkptIO()
+        io.save_checkpoint({"state_dict": {"w": torch.ones(2)}, "global_step": 4}, str(out_dir / "last.ckpt"))
+        io.teardown()
+    except ImportError:
+        torch.save({"state_dict": {"w": torch.ones(2)}, "global_step": 4}, str(out_dir / "last.ckpt"))
+    for n in (10, 20):  # HF Trainer's layout (what the AsyncCkptCallback writes, renamed into place)
+        (out_dir / f"checkpoint-{n}").mkdir()
+        (out_dir / f"checkpoint-{n}" / "trainer_state.json").write_text(json.dumps({"global_step": n}))
+    (out_dir / ".checkpoint-30.async-ckpt-tmp").mkdir()  # in flight: not a checkpoint
+    assert main(["ls", str(out_dir)]) == 0
+    out = capsys.readouterr().out
+    assert f"no checkpoints under {out_dir}" in out
+    assert "found last.ckpt: Lightning checkpoint files" in out and "torch.load(FILE, weights_only=False)" in out
+    assert "found checkpoint-10, checkpoint-20: Hugging Face Trainer checkpoint directories" in out
+    assert "checkpoint-30" not in out
+    assert main(["ls", str(out_dir), "--json"]) == 0
+    kinds = {r["kind"]: r["names"] for r in json.loads(capsys.readouterr().out)["other_checkpoints"]}
+    assert kinds == {"lightning": ["last.ckpt"], "huggingface": ["checkpoint-10", "checkpoint-20"]}
+    assert main(["verify", str(out_dir)]) == 2
+    err = capsys.readouterr().err
+    assert "no committed checkpoint under" in err and "found last.ckpt" in err and "found checkpoint-10" in err
+    assert main(["ls", str(out_dir / "last.ckpt")]) == 2
+    assert "last.ckpt is a Lightning checkpoint file" in capsys.readouterr().err
+
+
+# ---- verify / export: progress, --force, -o for OUT ------------------------------------------
+
+def test_verify_progress_without_tqdm_says_how_to_get_it(tmp_path):
+    root, _ = _root(tmp_path, steps=(1,))
+    blocker = tmp_path / "no_tqdm" / "tqdm"
+    blocker.mkdir(parents=True)
+    (blocker / "__init__.py").write_text("raise ImportError('tqdm is not installed (test)')\n")
+    proc = cli("verify", root, "--progress", env={"PYTHONPATH": f"{blocker.parent}{os.pathsep}{ROOT_DIR}"})
+    assert proc.returncode == 0, proc.stderr
+    assert "step 1: ok" in proc.stdout
+    assert "--progress needs tqdm" in proc.stderr and "pip install tqdm" in proc.stderr
+    proc = cli("verify", root, "--no-progress", env={"PYTHONPATH": f"{blocker.parent}{os.pathsep}{ROOT_DIR}"})
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+
+
+def test_export_refuses_an_existing_out_without_force(tmp_path, capsys):
+    root, saved = _root(tmp_path, steps=(1, 2))
+    out = tmp_path / "model.pt"
+    out.write_bytes(b"precious")
+    assert main(["export", root, "2", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == f"async-ckpt: error: OUT {out} already exists: pass --force to overwrite it"
+    assert out.read_bytes() == b"precious"
+    assert main(["export", root, "2", str(out), "--force"]) == 0
+    assert_bitwise_equal(torch.load(str(out), weights_only=True), saved[2])
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("model.pt")] == ["model.pt"]
+
+
+def test_export_shows_a_progress_bar(tmp_path):
+    pytest.importorskip("tqdm")
+    root, saved = _root(tmp_path, steps=(1,))
+    proc = cli("export", root, "1", str(tmp_path / "o.pt"), "--progress")
+    assert proc.returncode == 0, proc.stderr
+    assert "export step 1" in proc.stderr and "Traceback" not in proc.stderr
+    assert_bitwise_equal(torch.load(str(tmp_path / "o.pt"), weights_only=True), saved[1])
+
+
+def test_export_to_a_bucket_uses_the_storage_options(s3_bucket, capsys):
+    opts = s3_bucket.storage_options
+    with CheckpointManager(s3_bucket.url, storage_options=opts) as mgr:
+        mgr.save(5, _state(5))
+    out = f"{s3_bucket.url}-export/model.pt"
+    args = ["export", s3_bucket.url, "latest", out] + [a for k, v in opts.items() for a in ("-o", f"{k}={json.dumps(v)}")]
+    assert main(args) == 0, capsys.readouterr().err
+    fs = s3_bucket.fs()
+    with fs.open(out, "rb") as f:
+        got = torch.load(f, weights_only=True)
+    assert_bitwise_equal(got, _state(5))
+    assert main(args) == 2  # the bucket's OUT exists too: refused without --force
+    assert "already exists: pass --force" in capsys.readouterr().err
+
+
+# ---- promote, rm, --lease-timeout --------------------------------------------------------------
+
+def test_promote_that_fails_its_checks_has_no_side_effects(tmp_path, capsys):
+    root, _ = _root(tmp_path, steps=(1,))
+    stale = f"{root}/.tmp-9-0123456789ab"  # an incomplete save a writer's first write would clean up
+    os.makedirs(stale)
+    missing = tmp_path / "local"
+    assert main(["promote", root, "1", "--local-dir", str(missing)]) == 2
+    assert "no such local checkpoint directory" in capsys.readouterr().err
+    assert not missing.exists() and os.path.isdir(stale)
+    lroot, _ = _root(tmp_path, steps=(4,), name="tier")
+    assert main(["promote", root, "5", "--local-dir", lroot]) == 2
+    assert "holds no committed step 5 (committed there: 4)" in capsys.readouterr().err
+    assert main(["promote", root, "1", "--local-dir", lroot]) == 2
+    assert "holds no committed step 1" in capsys.readouterr().err
+    assert os.path.isdir(stale) and sorted(os.listdir(root)).count("1") == 1
+
+
+def test_rm_deletes_steps_through_the_manager(tmp_path, capsys):
+    root, saved = _root(tmp_path, steps=(1, 2, 3, 4))
+    assert main(["rm", root, "2", "9"]) == 2  # one is not committed: nothing is deleted
+    assert "no committed checkpoint for step 9" in capsys.readouterr().err
+    assert main(["rm", root, "2", "3", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["deleted"] == [2, 3]
+    with CheckpointManager(root) as mgr:
+        assert mgr.all_steps() == [1, 4]
+        for s in (1, 4):
+            target = _state(0)
+            mgr.restore(s, target)
+            assert_bitwise_equal(target, saved[s])
+    assert main(["rm", root, "x"]) == 2
+    assert "STEP must be a non-negative integer" in capsys.readouterr().err
+
+
+WRITER = """
+import sys, time, torch
+from async_ckpt import CheckpointManager
+mgr = CheckpointManager(sys.argv[1])
+mgr.save(7, {"w": torch.ones(4)})  # takes the writer lease, held until the process exits
+print("ready", flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_rm_and_prune_wait_lease_timeout_then_refuse(tmp_path):
+    root, _ = _root(tmp_path, steps=(1, 2))
+    writer = subprocess.Popen([sys.executable, "-c", WRITER, root], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True, env={**os.environ, "PYTHONPATH": ROOT_DIR, "PJRT_DEVICE": "CPU"})
+    try:
+        assert writer.stdout.readline().strip() == "ready"
+        for args in (["rm", root, "1"], ["prune", root, "--keep-last", "1"]):
+            t0 = time.monotonic()
+            proc = cli(*args, "--lease-timeout", "1.5", "--json")
+            assert proc.returncode == 2, proc.stderr
+            assert json.loads(proc.stdout)["error"]["type"] == "LeaseHeldError"
+            assert time.monotonic() - t0 >= 1.5
+        assert sorted(n for n in os.listdir(root) if n.isdigit()) == ["1", "2", "7"]  # nothing deleted
+    finally:
+        writer.communicate("\n", timeout=60)
+    proc = cli("rm", root, "1", "--lease-timeout", "5")
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(n for n in os.listdir(root) if n.isdigit()) == ["2", "7"]
