@@ -47,6 +47,7 @@ import statistics
 import sys
 import tempfile
 import time
+import traceback
 import warnings
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -620,7 +621,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     started = time.time()
     b.report = {"complete": False, "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(started)),
                 "config": {k: v for k, v in vars(args).items()}, "machine": machine(device),
-                "dir": work, "dir_fs": fs_type(work), "results": {}, "ratios": [], "skipped": {}}
+                "dir": work, "dir_fs": fs_type(work), "results": {}, "ratios": [], "skipped": {}, "errors": {}}
 
     def on_term(signum: int, frame: Any) -> None:
         raise SystemExit(128 + signum)
@@ -656,7 +657,12 @@ def main(argv: Optional[List[str]] = None) -> int:
                 continue
             log(f"{name} ...")
             t0 = time.perf_counter()
-            res = runs[name]()
+            try:
+                res = runs[name]()
+            except Exception as e:  # a failing section (the CUDA path never ran before) keeps the others
+                traceback.print_exc()
+                res = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-4000:]}
+                b.report["errors"][name] = res["error"]
             res["section_s"] = time.perf_counter() - t0
             b.report["results"][name] = res
             durable(b.report["results"])
@@ -672,7 +678,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         b.write()
         shutil.rmtree(work, ignore_errors=True)
     print_summary(b.report)
-    return 0
+    for name, err in b.report["errors"].items():
+        print(f"FAILED {name}: {err}")
+    return 1 if b.report["errors"] else 0
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@
 #   bash benchmarks/gpu_check.sh                      # on the GPU machine, from the repo root
 #   GPU_CHECK_DRY_RUN=1 OUT=/tmp/o bash benchmarks/gpu_check.sh   # CPU dry run (tests/test_gpu_check.py)
 #
-# Steps, each bounded by `timeout`, about 7 minutes at most in all:
+# Steps, each bounded by `timeout`, 470 s at most in all (GPU_CHECK_TOTAL):
 #   0. async_ckpt importable without installing (PYTHONPATH=repo root); crc32c, which the image
 #      lacks, installed from the wheels benchmarks/gpu_prepare.sh put in .device/wheels (carried);
 #   1. versions and nvidia-smi                         -> $OUT/env.log
@@ -18,7 +18,8 @@
 #
 # Environment: OUT (default ./gpu_check_out), PYTHON (default python3), GPU_CHECK_DRY_RUN=1 (CPU,
 # tiny sizes: the CUDA tests skip), GPU_CHECK_WHEELS (default .device/wheels),
-# GPU_CHECK_TEST_TIMEOUT (s, default 150), GPU_CHECK_BENCH_TIMEOUT (s, default 270),
+# GPU_CHECK_TEST_TIMEOUT (s, default 130), GPU_CHECK_BENCH_TIMEOUT (s, default 250, less when
+# the steps before took long: the run ends by GPU_CHECK_TOTAL, default 470 s),
 # GPU_CHECK_BENCH_ARGS (extra arguments for bench_cuda.py, e.g. "--size-mb 512").
 set -u -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
@@ -30,8 +31,9 @@ mkdir -p "$OUT" || exit 2
 PY=${PYTHON:-python3}
 DRY=${GPU_CHECK_DRY_RUN:-0}
 WHEELS=${GPU_CHECK_WHEELS:-$ROOT/.device/wheels}
-TEST_TIMEOUT=${GPU_CHECK_TEST_TIMEOUT:-150}
-BENCH_TIMEOUT=${GPU_CHECK_BENCH_TIMEOUT:-270}
+TEST_TIMEOUT=${GPU_CHECK_TEST_TIMEOUT:-130}
+BENCH_TIMEOUT=${GPU_CHECK_BENCH_TIMEOUT:-250}
+TOTAL=${GPU_CHECK_TOTAL:-470}  # the benchmark's bound shrinks so that the whole run ends by then
 SITE=$(mktemp -d "${TMPDIR:-/tmp}/gpu_check_site.XXXXXX") || exit 2
 trap 'rm -rf "$SITE"' EXIT
 export PYTHONPATH="$ROOT:$SITE${PYTHONPATH:+:$PYTHONPATH}"
@@ -43,7 +45,7 @@ started=$(date +%s)
 # ---- 0. dependencies -------------------------------------------------------------------------
 if ! "$PY" -c "import crc32c" 2>/dev/null; then
     if compgen -G "$WHEELS/crc32c-*.whl" >/dev/null; then
-        if timeout 60 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+        if timeout 30 "$PY" -m pip install -q --disable-pip-version-check --no-index --no-deps --no-compile --no-cache-dir \
                 --target "$SITE" --find-links "$WHEELS" crc32c; then
             note "crc32c installed from $WHEELS into $SITE"
         else
@@ -62,7 +64,7 @@ fi
 # ---- 1. versions -----------------------------------------------------------------------------
 {
     echo "date: $(date -u '+%Y-%m-%d %H:%M:%S UTC')  host: $(uname -srm)  nproc: $(nproc)  dry run: $DRY"
-    timeout 120 "$PY" - <<'EOF'
+    timeout 40 "$PY" - <<'EOF'
 import importlib.metadata as md, sys
 print("python", sys.version.split()[0], sys.executable)
 import torch
@@ -81,14 +83,14 @@ for name in ("crc32c", "fsspec", "numpy", "pytest", "pytest-timeout", "hypothesi
     except md.PackageNotFoundError:
         print(f"{name}: not installed")
 EOF
-    if command -v nvidia-smi >/dev/null; then timeout 30 nvidia-smi; else echo "nvidia-smi: not found"; fi
+    if command -v nvidia-smi >/dev/null; then timeout 15 nvidia-smi; else echo "nvidia-smi: not found"; fi
     df -h "${TMPDIR:-/tmp}" 2>/dev/null
 } 2>&1 | tee "$OUT/env.log"
 
 # ---- 2. CUDA tests ---------------------------------------------------------------------------
 TESTS_RC=skipped
 if [ "$OURS" = 1 ]; then
-    timeout -k 10 "$TEST_TIMEOUT" "$PY" -m pytest -q -p no:cacheprovider -rs -k cuda \
+    timeout -k 5 "$TEST_TIMEOUT" "$PY" -m pytest -q -p no:cacheprovider -rs -k cuda \
         tests/test_cuda.py tests/test_lazy.py tests/test_hostile_staging.py 2>&1 | tee "$OUT/cuda_tests.log"
     TESTS_RC=$?
     [ "$TESTS_RC" = 124 ] && note "CUDA tests stopped after ${TEST_TIMEOUT}s"
@@ -97,11 +99,13 @@ else
 fi
 
 # ---- 3. benchmark ----------------------------------------------------------------------------
+LEFT=$((TOTAL - ($(date +%s) - started) - 5))
+[ "$LEFT" -lt "$BENCH_TIMEOUT" ] && BENCH_TIMEOUT=$((LEFT > 30 ? LEFT : 30))
 BENCH_ARGS=(--out "$OUT" --budget-s $((BENCH_TIMEOUT * 3 / 4)))
 [ "$DRY" = 1 ] && BENCH_ARGS+=(--dry-run)
 # shellcheck disable=SC2206  # word splitting of the extra arguments is meant
 BENCH_ARGS+=(${GPU_CHECK_BENCH_ARGS:-})
-timeout -k 10 "$BENCH_TIMEOUT" "$PY" benchmarks/bench_cuda.py "${BENCH_ARGS[@]}" 2>&1 | tee "$OUT/bench_cuda.log"
+timeout -k 5 "$BENCH_TIMEOUT" "$PY" benchmarks/bench_cuda.py "${BENCH_ARGS[@]}" 2>&1 | tee "$OUT/bench_cuda.log"
 BENCH_RC=$?
 [ "$BENCH_RC" = 124 ] && note "benchmark stopped after ${BENCH_TIMEOUT}s (bench_cuda.json holds what it measured)"
 

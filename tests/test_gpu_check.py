@@ -48,7 +48,7 @@ def _check_stats(s, n_min: int, where: str) -> None:
 
 
 def _check_report(report, samples: int) -> None:
-    assert report["complete"] is True and report["skipped"] == {}
+    assert report["complete"] is True and report["skipped"] == {} and report["errors"] == {}
     assert report["config"]["device"] == "cpu" and report["machine"]["device"] == "cpu"
     for key in ("torch", "cuda", "cuda_available", "python", "async_ckpt"):
         assert key in report["machine"], key
@@ -151,3 +151,25 @@ def test_gpu_check_degrades_without_crc32c(tmp_path):
     assert all("crc32c" in why for why in report["skipped"].values())
     _check_stats(report["results"]["dcp_stall"]["async_save"], 2, "dcp_stall")
     assert "skipped" in (out / "cuda_tests.log").read_text()
+
+
+@needs_bash
+def test_gpu_check_installs_crc32c_from_the_carried_wheels(tmp_path):
+    """The path a lent machine takes: crc32c missing, its wheel carried in .device/wheels
+    (benchmarks/gpu_prepare.sh): installed with pip --no-index into a temporary --target."""
+    wheels = os.path.join(ROOT, ".device", "wheels")
+    tag = f"cp{sys.version_info.major}{sys.version_info.minor}"
+    if not os.path.isdir(wheels) or not any(n.startswith("crc32c-") and tag in n for n in os.listdir(wheels)):
+        pytest.skip("no crc32c wheel for this python in .device/wheels (run benchmarks/gpu_prepare.sh)")
+    fake = tmp_path / "fake"
+    fake.mkdir()
+    (fake / "crc32c.py").write_text("raise ImportError('No module named crc32c (simulated)')\n")
+    proc, out = _run_check(tmp_path, {"PYTHONPATH": str(fake), "GPU_CHECK_WHEELS": wheels,
+                                      "GPU_CHECK_BENCH_ARGS": "--sections stall"})
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
+    summary = json.loads((out / "gpu_check.json").read_text())
+    assert summary["async_ckpt_importable"] is True and summary["tests_rc"] == 0
+    assert any(n.startswith("crc32c installed from") for n in summary["notes"]), summary["notes"]
+    report = json.loads((out / "bench_cuda.json").read_text())
+    assert report["errors"] == {} and set(report["results"]) == {"stall", "durable"}
+    assert [p.name for p in tmp_path.iterdir() if p.name != "fake"] == ["out"], "temporary files left behind"
