@@ -122,13 +122,28 @@ class StagingPlan:
                 raise InvalidStateDictError(f"{name}: {problem}")
 
 
-#: dtypes whose tensors cannot be copied (no copy kernel: sub-byte and packed dtypes) or
-#: whose values are not their bytes (quantized: scale and zero point live on the tensor)
+def _copies(dtype: torch.dtype) -> bool:
+    """Whether this torch can copy tensors of ``dtype`` (decided by trying, once per dtype at
+    import: torch 2.9 has no copy kernel for ``float4_e2m1fn_x2``, newer releases do)."""
+    try:
+        src = torch.zeros(4, dtype=torch.uint8).view(dtype)
+        torch.empty_like(src).copy_(src)
+        src.clone()
+        return True
+    except Exception:
+        return False
+
+
+#: quantized dtypes: the values are not their bytes (scale and zero point live on the tensor)
+_QUANTIZED = ("qint8", "quint8", "qint32", "quint4x2", "quint2x4")
+#: sub-byte and packed dtypes: refused where this torch has no copy kernel for them
+_PACKED = ("float4_e2m1fn_x2", *(f"uint{b}" for b in range(1, 8)), *(f"int{b}" for b in range(1, 8)))
+
+#: dtypes whose tensors cannot be saved here: quantized ones always, packed ones whose copy this
+#: torch does not implement (decided by behaviour, not by version)
 UNCOPYABLE_DTYPES = frozenset(
-    d for d in (getattr(torch, n, None) for n in (
-        "float4_e2m1fn_x2", "qint8", "quint8", "qint32", "quint4x2", "quint2x4",
-        *(f"uint{b}" for b in range(1, 8)), *(f"int{b}" for b in range(1, 8))))
-    if isinstance(d, torch.dtype))
+    d for n in (*_QUANTIZED, *_PACKED) for d in (getattr(torch, n, None),)
+    if isinstance(d, torch.dtype) and (n in _QUANTIZED or not _copies(d)))
 
 
 def unsupported_tensor(t: torch.Tensor) -> Optional[str]:
