@@ -162,7 +162,12 @@ def test_forged_step_is_damage_for_the_cli(root3, kind, name, tmp_path, capsys):
     for argv in (["show", root, "3"], ["show", root, "3", "--json", "--values"],
                  ["export", root, "3", str(tmp_path / "out.pt")]):
         assert main(argv) == 1, argv
-        _one_line_error(capsys)
+        if "--json" in argv:  # with --json the error is one JSON object on stdout
+            cap = capsys.readouterr()
+            err = json.loads(cap.out)["error"]
+            assert err["type"] == "CorruptCheckpointError" and err["exit_code"] == 1 and not cap.err, cap
+        else:
+            _one_line_error(capsys)
     assert not os.path.exists(tmp_path / "out.pt")
     assert main(["ls", root]) == 0
     capsys.readouterr()
