@@ -384,3 +384,42 @@ def test_a_busy_manager_of_this_process_keeps_its_lease(root):
     assert second.save(2, sd(2))
     assert second.all_steps() == [1, 2]
     second.close()
+
+
+def test_a_renewal_that_lands_after_the_lease_could_be_taken_over_proves_nothing():
+    """A heartbeat write that hung until after the TTL (then landed) must not count as a
+    renewal: a successor may have taken the lease meanwhile, and the late write just
+    overwrote its lease object. Crediting it left both writers passing check() (both
+    committing and deleting) for up to a twelfth of the TTL."""
+    url = f"memory://lease-{uuid.uuid4().hex}"
+    st_a, st_b = Storage(url), Storage(url)
+    st_a.makedirs(st_a.root)
+    now = [0.0]
+    blocked, unblock, landed = threading.Event(), threading.Event(), threading.Event()
+    real_write = st_a.write_bytes
+
+    def stalling_write(path, data, *args, **kwargs):  # the network hangs on A's renewal
+        if blocked.is_set() or not threading.current_thread().name.startswith("async-ckpt-lease"):
+            return real_write(path, data, *args, **kwargs)
+        blocked.set()
+        assert unblock.wait(30)
+        real_write(path, data, *args, **kwargs)
+        landed.set()
+
+    st_a.write_bytes = stalling_write
+    a = ObjectStoreLease(st_a, ttl_s=3.0, clock=lambda: now[0])
+    a.acquire()  # renewed at 0 (A's clock); the heartbeat's first beat is 1 s of real time later
+    now[0] = 1.0
+    assert blocked.wait(30)  # that beat's write (issued at 1.0) hangs
+    now[0] = 3.1  # past the TTL of A's last landed renewal: the others may take the lease
+    _expire_lease_object(st_b)
+    b = ObjectStoreLease(st_b, ttl_s=3.0)
+    b.acquire()
+    b.check()
+    unblock.set()  # A's renewal lands now, 2.1 s after it was issued (over B's lease object)
+    assert landed.wait(30)
+    time.sleep(0.2)  # the heartbeat records the renewal (or not)
+    with pytest.raises(LeaseHeldError):
+        a.check()  # it may not commit or delete: B holds the root
+    a.release()
+    b.release()
