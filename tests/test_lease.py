@@ -423,3 +423,32 @@ def test_a_renewal_that_lands_after_the_lease_could_be_taken_over_proves_nothing
         a.check()  # it may not commit or delete: B holds the root
     a.release()
     b.release()
+
+
+def test_cli_prune_proves_the_lease_before_every_delete(monkeypatch, capsys):
+    """``async-ckpt prune`` took the lease once and then deleted step after step: a prune
+    whose lease lapsed meanwhile (slow deletions, a suspended process) went on deleting
+    under a writer that took the root over. Each deletion must prove the lease first."""
+    from async_ckpt.cli import main
+    from async_ckpt.cli import verify as cli_verify
+    from async_ckpt.storage.layout import CheckpointLayout
+
+    url = f"memory://lease-{uuid.uuid4().hex}"
+    m = CheckpointManager(url)
+    for s in range(1, 5):
+        assert m.save(s, sd(s))
+    m.close()
+    now = [0.0]
+    monkeypatch.setattr(cli_verify, "writer_lease",
+                        lambda storage: ObjectStoreLease(storage, clock=lambda: now[0]))
+    real_delete = CheckpointLayout.delete
+
+    def slow_delete(self, step):
+        real_delete(self, step)
+        now[0] += 100.0  # this deletion outlasted the TTL: the lease can no longer be proven
+
+    monkeypatch.setattr(CheckpointLayout, "delete", slow_delete)
+    assert main(["prune", url, "--keep-last", "1"]) == 2  # an error (LeaseHeldError), one line
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "lease" in err, err
+    assert CheckpointManager(url).all_steps() == [2, 3, 4]  # the first deletion only
