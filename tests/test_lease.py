@@ -384,3 +384,71 @@ def test_a_busy_manager_of_this_process_keeps_its_lease(root):
     assert second.save(2, sd(2))
     assert second.all_steps() == [1, 2]
     second.close()
+
+
+def test_a_renewal_that_lands_after_the_lease_could_be_taken_over_proves_nothing():
+    """A heartbeat write that hung until after the TTL (then landed) must not count as a
+    renewal: a successor may have taken the lease meanwhile, and the late write just
+    overwrote its lease object. Crediting it left both writers passing check() (both
+    committing and deleting) for up to a twelfth of the TTL."""
+    url = f"memory://lease-{uuid.uuid4().hex}"
+    st_a, st_b = Storage(url), Storage(url)
+    st_a.makedirs(st_a.root)
+    now = [0.0]
+    blocked, unblock, landed = threading.Event(), threading.Event(), threading.Event()
+    real_write = st_a.write_bytes
+
+    def stalling_write(path, data, *args, **kwargs):  # the network hangs on A's renewal
+        if blocked.is_set() or not threading.current_thread().name.startswith("async-ckpt-lease"):
+            return real_write(path, data, *args, **kwargs)
+        blocked.set()
+        assert unblock.wait(30)
+        real_write(path, data, *args, **kwargs)
+        landed.set()
+
+    st_a.write_bytes = stalling_write
+    a = ObjectStoreLease(st_a, ttl_s=3.0, clock=lambda: now[0])
+    a.acquire()  # renewed at 0 (A's clock); the heartbeat's first beat is 1 s of real time later
+    now[0] = 1.0
+    assert blocked.wait(30)  # that beat's write (issued at 1.0) hangs
+    now[0] = 3.1  # past the TTL of A's last landed renewal: the others may take the lease
+    _expire_lease_object(st_b)
+    b = ObjectStoreLease(st_b, ttl_s=3.0)
+    b.acquire()
+    b.check()
+    unblock.set()  # A's renewal lands now, 2.1 s after it was issued (over B's lease object)
+    assert landed.wait(30)
+    time.sleep(0.2)  # the heartbeat records the renewal (or not)
+    with pytest.raises(LeaseHeldError):
+        a.check()  # it may not commit or delete: B holds the root
+    a.release()
+    b.release()
+
+
+def test_cli_prune_proves_the_lease_before_every_delete(monkeypatch, capsys):
+    """``async-ckpt prune`` took the lease once and then deleted step after step: a prune
+    whose lease lapsed meanwhile (slow deletions, a suspended process) went on deleting
+    under a writer that took the root over. Each deletion must prove the lease first."""
+    from async_ckpt.cli import main
+    from async_ckpt.cli import verify as cli_verify
+    from async_ckpt.storage.layout import CheckpointLayout
+
+    url = f"memory://lease-{uuid.uuid4().hex}"
+    m = CheckpointManager(url)
+    for s in range(1, 5):
+        assert m.save(s, sd(s))
+    m.close()
+    now = [0.0]
+    monkeypatch.setattr(cli_verify, "writer_lease",
+                        lambda storage: ObjectStoreLease(storage, clock=lambda: now[0]))
+    real_delete = CheckpointLayout.delete
+
+    def slow_delete(self, step):
+        real_delete(self, step)
+        now[0] += 100.0  # this deletion outlasted the TTL: the lease can no longer be proven
+
+    monkeypatch.setattr(CheckpointLayout, "delete", slow_delete)
+    assert main(["prune", url, "--keep-last", "1"]) == 2  # an error (LeaseHeldError), one line
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "lease" in err, err
+    assert CheckpointManager(url).all_steps() == [2, 3, 4]  # the first deletion only

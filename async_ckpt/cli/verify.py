@@ -244,6 +244,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
         lease.acquire(args.lease_timeout)  # LeaseHeldError while a training job writes here: nothing is deleted
         try:
             for s in doomed:
+                lease.check()  # proven before every deletion (an object store's lease may lapse meanwhile)
                 layout.delete(s)
                 deleted.append(s)
         finally:

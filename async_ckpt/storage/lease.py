@@ -332,6 +332,14 @@ class ObjectStoreLease(_ProcessLocal):
                     log.error("async_ckpt: %s; this manager's next commit fails", self._lost)
                     return
                 issued = self._write(token)
+                late = self._lapsed()
+                if late is not None:  # it landed once a successor could hold the lease (and overwrote
+                    # its lease object, maybe): it proves nothing, this holder stops here
+                    if not stop.is_set():
+                        self._lost = f"{late}; its renewal landed too late to count"
+                    log.error("async_ckpt: %s; its renewal landed too late to count: this manager commits and "
+                              "deletes nothing until its next save takes the lease again", late)
+                    return
                 if not stop.is_set():
                     self._renewed = max(self._renewed, issued)
             except Exception as exc:  # a transient error: the next beat tries again

@@ -182,5 +182,9 @@ def _run_bounded(fn: Callable[[], T], end: float, what: str, deadline: float) ->
         raise StorageTimeoutError(f"{what} did not finish within {deadline:g}s (RetryPolicy.deadline): the storage "
                                   f"is not answering; raise RetryPolicy(deadline=...) if it is only slow")
     if failure:
-        raise failure[0]
-    return result[0]
+        exc = failure.pop()  # never left in this frame: its traceback holds the frame (and so
+        try:  # the caller's, a manager's) in a cycle that only a cyclic GC would free
+            raise exc
+        finally:
+            del exc
+    return result.pop()
