@@ -206,3 +206,20 @@ def test_untouched_step_still_restores_bitwise(root3):
             assert_bitwise_equal(out, saved[3])
     assert main(["verify", root, "--all", "--no-progress"]) == 0
     assert data_file(os.path.join(root, "3")).endswith(".distcp")
+
+
+def test_a_share_claimed_by_a_forged_world_size_is_still_damage_in_one_process(root3):
+    """A local tier copy of a several-rank save holds only its rank's chunks (restore and
+    ``verify`` accept it as that rank's share). A forged manifest that claims to be such a share
+    (``extra.world_size`` 2) with a half-covered tensor is still damage for a single process:
+    nothing restores a tensor that its chunks leave partly unwritten."""
+    root, saved = root3
+    d3 = os.path.join(root, "3")
+    rewrite_metadata(d3, 3, METADATA_FORGERIES["chunk_covers_half"])
+    resign(d3, 3, lambda d: d.__setitem__("extra", {**d["extra"], "world_size": 2, "rank": 0}))
+    restore_none_falls_back(root, saved, 3, 2)
+    with CheckpointManager(root, keep_incomplete=True) as mgr:
+        fresh: dict = {}
+        with pytest.raises(CorruptCheckpointError, match="chunks hold"):
+            mgr.restore(3, fresh)
+        assert fresh == {}

@@ -304,5 +304,5 @@ def _read_metadata(storage: Storage, layout: CheckpointLayout, step: int) -> Tup
     man = layout.read_manifest(step)
     if METADATA_NAME not in man.files:
         raise CorruptCheckpointError(f"step {step}: manifest lists no {METADATA_NAME}", step=step)
-    reader = FsspecStorageReader(storage, layout.locate(step), files=man.files, verify=True)
+    reader = FsspecStorageReader(storage, layout.locate(step), files=man.files, verify=True, whole=man.whole)
     return man, reader.read_metadata()

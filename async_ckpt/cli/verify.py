@@ -87,7 +87,7 @@ def _verify_step(storage: Storage, layout: CheckpointLayout, step: int, bar: Any
             res["problems"].append(str(exc))
         else:  # the checks a restore makes of it, against the manifest
             try:
-                check_step_metadata(md, man.files, where=f"step {step} {METADATA_NAME}")
+                check_step_metadata(md, man.files, where=f"step {step} {METADATA_NAME}", whole=man.whole)
             except CheckpointError as exc:
                 res["problems"].append(str(exc))
     res["ok"] = not res["problems"]

@@ -37,6 +37,19 @@ from .steps import StepStore
 SHOWN_KEYS = 10
 
 
+
+def _share_of_this_job(manifest: Any) -> bool:
+    """Whether ``manifest`` is one rank's share of a save (a local tier's copy whose chunks
+    need not cover each tensor) of a job of this process group's size. Elsewhere a copy must
+    hold every element: a share can be restored only by its own job's rank (the local tier
+    refuses other ranks' and world sizes' copies as foreign), so a single process never
+    accepts chunks that leave a tensor partly unwritten."""
+    import torch.distributed as dist
+
+    ws = manifest.extra.get("world_size")
+    return (not manifest.whole and dist.is_available() and dist.is_initialized()
+            and dist.get_world_size() == ws)
+
 def _is_stateful(value: Any) -> bool:
     return not isinstance(value, torch.Tensor) and callable(getattr(value, "state_dict", None)) \
         and callable(getattr(value, "load_state_dict", None))
@@ -168,7 +181,8 @@ def _restore_one(store: StepStore, step: int, state_dict: Dict[str, Any], *, ver
         path, manifest = store.layout.open_step(step)
         if METADATA_NAME not in manifest.files:
             raise CorruptCheckpointError(f"step {step}: manifest lists no {METADATA_NAME}", step=step, path=path)
-        reader = FsspecStorageReader(store.storage, path, files=manifest.files, verify=verify, threads=threads)
+        reader = FsspecStorageReader(store.storage, path, files=manifest.files, verify=verify, threads=threads,
+                                     whole=not _share_of_this_job(manifest))
         metadata = reader.read_metadata()
         int_keys = set(manifest.extra.get("int_keys", ())) | _stateful_int_keys(metadata, stateful)
         added = prepare_target(state_dict, metadata, step, int_keys, strict=strict, covered=covered)

@@ -177,6 +177,14 @@ class Manifest:
     format_version: int = FORMAT_VERSION
     extra: Dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def whole(self) -> bool:
+        """Whether this copy holds every element of every tensor: ``False`` for one rank's share
+        of a several-rank save (a local tier's copy, whose ``extra`` names its rank and a world
+        size above 1); restore and ``verify`` then do not require its chunks to cover each tensor."""
+        ws = self.extra.get("world_size", 1)
+        return not (type(ws) is int and ws > 1)
+
     def to_json(self) -> bytes:
         d = {f.name: getattr(self, f.name) for f in fields(self)}  # not asdict: it deep-copies every record
         d["files"] = {k: v.to_dict() for k, v in self.files.items()}

@@ -77,8 +77,11 @@ class FsspecStorageReader(StorageReader):
 
     def __init__(self, storage: Storage, path: str, *, files: Optional[Dict[str, FileRecord]] = None,
                  verify: bool = True, threads: int = 8, metadata: Optional[Metadata] = None,
-                 agree: Optional[Callable[[Optional[str]], List[Optional[str]]]] = None) -> None:
+                 agree: Optional[Callable[[Optional[str]], List[Optional[str]]]] = None,
+                 whole: bool = True) -> None:
         super().__init__()
+        #: whether the copy holds every element of every tensor (see check_step_metadata)
+        self.whole = whole
         #: every rank's read outcome (None: ok, else its error) from this rank's: a collective
         #: over the load's process group (see :meth:`read_data`)
         self.agree = agree
@@ -270,7 +273,7 @@ class FsspecStorageReader(StorageReader):
         :func:`~.validate.check_step_metadata` against the manifest's records (with ``files``).
         Files the manifest lists that no item points at are read and checked too, so that
         every listed file is checked by a restore."""
-        ends = check_step_metadata(md, self.files, where=f"{self.path}/{METADATA_NAME}")
+        ends = check_step_metadata(md, self.files, where=f"{self.path}/{METADATA_NAME}", whole=self.whole)
         for name in sorted(self.files or ()):
             if name != METADATA_NAME and name not in ends:
                 self.read_file(name)  # referenced by no item: still checked (size, checksum)

@@ -46,7 +46,8 @@ def _prod(xs: Sequence[int]) -> int:
     return n
 
 
-def check_step_metadata(md: Any, files: Optional[Dict[str, FileRecord]], *, where: str) -> Dict[str, int]:
+def check_step_metadata(md: Any, files: Optional[Dict[str, FileRecord]], *, where: str,
+                        whole: bool = True) -> Dict[str, int]:
     """Check a step's unpickled DCP metadata, and (with ``files``, the manifest's records) that
     it agrees with the manifest, before anything is planned, allocated or read from it.
 
@@ -64,6 +65,10 @@ def check_step_metadata(md: Any, files: Optional[Dict[str, FileRecord]], *, wher
         files: the manifest's file records, or ``None`` for a checkpoint without a manifest
             (plain DCP): then only ``md`` itself is checked.
         where: the ``.metadata`` file, for messages.
+        whole: whether the copy holds every element of every tensor (the default). ``False``
+            for one rank's share of a several-rank save (a local tier's copy,
+            :attr:`~..manifest.Manifest.whole`): its chunks must still lie inside their tensors
+            and not overlap, but need not cover them.
 
     Returns:
         Per data file that items lie in, where its last item ends.
@@ -76,12 +81,12 @@ def check_step_metadata(md: Any, files: Optional[Dict[str, FileRecord]], *, wher
         return CorruptCheckpointError(f"{path}: {what}; {_FIX}", path=path)
 
     try:
-        return _check(md, files, where, bad)
+        return _check(md, files, where, bad, whole)
     except (AttributeError, TypeError, ValueError, OverflowError) as exc:  # a record missing a field, ...
         raise bad(f"malformed DCP metadata ({type(exc).__name__}: {shown(exc)})") from exc
 
 
-def _check(md: Any, files: Optional[Dict[str, FileRecord]], where: str, bad: Any) -> Dict[str, int]:
+def _check(md: Any, files: Optional[Dict[str, FileRecord]], where: str, bad: Any, whole: bool) -> Dict[str, int]:
     """:func:`check_step_metadata`, raising ``bad(problem)``."""
     if not isinstance(md, Metadata):
         raise bad(f"not DCP metadata (got {type(md).__name__})")
@@ -119,7 +124,7 @@ def _check(md: Any, files: Optional[Dict[str, FileRecord]], where: str, bad: Any
         if not isinstance(fqn, str):
             raise bad(f"an entry's key is {type(fqn).__name__}, not a string")
         if isinstance(m, TensorStorageMetadata):
-            _check_tensor(fqn, m, stored, bad)
+            _check_tensor(fqn, m, stored, bad, whole)
         elif isinstance(m, BytesStorageMetadata):
             if (fqn, None) not in stored:
                 raise bad(f"{shown(fqn)}: no stored bytes for this entry")
@@ -153,7 +158,8 @@ def _check(md: Any, files: Optional[Dict[str, FileRecord]], where: str, bad: Any
     return ends
 
 
-def _check_tensor(fqn: str, m: TensorStorageMetadata, stored: Dict[Tuple[str, Any], Any], bad: Any) -> None:
+def _check_tensor(fqn: str, m: TensorStorageMetadata, stored: Dict[Tuple[str, Any], Any], bad: Any,
+                  whole: bool) -> None:
     """A tensor entry: see :func:`check_step_metadata`."""
     dtype = getattr(m.properties, "dtype", None)
     if not isinstance(dtype, torch.dtype):
@@ -196,7 +202,7 @@ def _check_tensor(fqn: str, m: TensorStorageMetadata, stored: Dict[Tuple[str, An
             boxes.append((tuple(offsets), tuple(sizes)))
     if len(boxes) > 1 and size:  # (a scalar's chunks are counted below)
         _check_disjoint(fqn, boxes, bad)
-    if covered != _prod(size):
+    if covered != _prod(size) and (whole or covered > _prod(size)):
         raise bad(f"{shown(fqn)}: its chunks hold {covered} of its {_prod(size)} elements")
 
 
