@@ -109,7 +109,7 @@ def test_a_full_local_tier_does_not_stop_the_bucket_nor_later_saves(tmp_path, sm
         os.remove(filler)
         for step in (5, 6, 7):
             assert m.save_async(step, state(step))
-        m.join()
+            m.join()  # the bucket idle before the next save: a busy upload would be skipped (tiers.md)
         assert local_steps(local) == [6, 7]
         assert m.step_tiers() == {7: ("local", "persistent"), 6: ("local", "persistent"), 5: ("persistent",),
                                   4: ("persistent",), 3: ("persistent",), 2: ("persistent",),

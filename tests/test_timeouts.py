@@ -213,3 +213,29 @@ def test_with_a_local_tier_a_bucket_that_is_down_fails_each_upload_within_the_de
         assert_bitwise_equal(out, state(s))
     done, _, _ = finishes_within(60, mgr.close)
     assert done
+
+
+def test_with_a_local_tier_a_forced_save_waits_for_a_busy_upload_instead_of_skipping(hanging, tmp_path):
+    """A busy upload makes a plain save_async skip the bucket (saved locally only); a forced
+    save (typically a run's last) is never skipped: it waits its turn and reaches the bucket."""
+    mgr = CheckpointManager("hang://run", local_dir=str(tmp_path / "local"), local_policy=1, save_interval=1,
+                            retry=RetryPolicy(deadline=30.0))
+    try:
+        mgr.save(1, state(1))
+        hanging.hang.set()
+        assert mgr.save_async(2, state(2))  # its upload hangs and holds the bucket's slot
+        assert mgr.save_async(3, state(3))  # skipped for the bucket
+        assert mgr.skipped_uploads == [3]
+        threading.Timer(1.0, hanging.release.set).start()  # the hung upload goes through in 1 s
+        done, exc, took = finishes_within(30, lambda: mgr.save_async(4, state(4), force=True))
+        assert done and exc is None and took >= 0.5, (done, exc, took)  # it waited for the slot
+        mgr.join()
+        assert mgr.skipped_uploads == [3]
+        assert "persistent" in mgr.step_tiers()[4]
+    finally:
+        hanging.release.set()
+        mgr.close()
+    with CheckpointManager("hang://run") as again:
+        out = zeros(1)
+        assert again.restore(4, out) == 4
+    assert_bitwise_equal(out, state(4))

@@ -157,6 +157,7 @@ class CheckpointManager(SaveDecisions, TierListing, StepActions):
             unreachable bucket) does not wait: that step is saved to ``local_dir`` only, with
             a warning, listed in :attr:`skipped_uploads` and marked ``upload_skipped`` in its
             :class:`SaveStats` (one process; with several ranks the save waits for the slot).
+            A forced (``force=True``) or preemption save is never skipped: it waits its turn.
         local_policy: when to save to ``local_dir``: a save policy, a callable
             ``fn(step) -> bool`` or an int N (every N steps); default: the save policy.
         local_retention: retention of ``local_dir``: a policy or an int N (keep the N newest
@@ -398,9 +399,10 @@ class CheckpointManager(SaveDecisions, TierListing, StepActions):
             # wait for that, so it must come before waiting for a writer slot.
             self.stager.synchronize_staging()
             for tier in list(due):
-                if alone and tier.name == PERSISTENT and self._local is not None and not wait:
+                if alone and tier.name == PERSISTENT and self._local is not None and not (wait or force or preempt):
                     # A busy upload never holds up the training loop while a local tier takes
                     # the step: the bucket's save of this step is skipped (logged, in stats).
+                    # Not a forced or preemption save (often the last one): it waits its turn.
                     if not tier.writer.try_slot():
                         due.remove(tier)
                         skipped_upload = True
