@@ -30,3 +30,22 @@ def test_wheel_ships_py_typed_and_license(tmp_path: Path) -> None:
     assert licenses, names
     text = zipfile.ZipFile(wheel).read(licenses[0]).decode()
     assert "Apache License" in text and "Version 2.0" in text
+
+
+def test_install_hints_name_extras_that_exist_as_installed_from_a_checkout() -> None:
+    """async_ckpt is installed from a checkout (``pip install -e ".[extra]"``), not from an index:
+    no doc or error message tells users to ``pip install async_ckpt[...]``, and every extra a
+    hint names is defined in pyproject.toml."""
+    import re
+
+    import tomllib
+
+    extras = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"])
+    texts = {p: p.read_text() for p in [ROOT / "README.md", *(ROOT / "docs").glob("*.md"),
+                                        *(ROOT / "async_ckpt").rglob("*.py")]}
+    named = set()
+    for path, text in texts.items():
+        assert not re.search(r"pip install [\"']?async_ckpt\[", text), f"{path}: names an extra of an index install"
+        named |= {x for group in re.findall(r"pip install -e [\"']\.\[([a-z_,\-]+)\]", text) for x in group.split(",")}
+    assert {"cli", "gcs", "lightning"} <= named, named
+    assert named <= extras, f"hints name extras pyproject.toml does not define: {sorted(named - extras)}"

@@ -94,7 +94,7 @@ def _progress(total: int, desc: str, enabled: Optional[bool]) -> Any:
             if not _TQDM_NOTED:
                 _TQDM_NOTED = True
                 print("async-ckpt: note: --progress needs tqdm, which is not installed (pip install tqdm, "
-                      "or pip install 'async_ckpt[cli]'); continuing without a progress bar", file=sys.stderr)
+                      "or from a checkout of async_ckpt: pip install -e '.[cli]'); continuing without a progress bar", file=sys.stderr)
         return _NoBar()
     return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr,
                 disable=None if enabled is None else not enabled, leave=False)

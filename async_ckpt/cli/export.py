@@ -148,7 +148,7 @@ def cmd_export(args: argparse.Namespace) -> int:
             from safetensors.torch import save as st_save
         except ImportError:
             raise ImportError("exporting .safetensors needs the safetensors package "
-                              "(pip install 'async_ckpt[cli]')") from None
+                              "(pip install safetensors, or from a checkout of async_ckpt: pip install -e '.[cli]')") from None
         data = st_save({k: v.contiguous() for k, v in tensors.items()},
                        metadata={"format": "pt", "async_ckpt_step": str(step)})
         write: Any = lambda f: f.write(data)  # noqa: E731

@@ -63,7 +63,7 @@ except ImportError:
     pass
 if not _bases:  # pragma: no cover
     raise ImportError("async_ckpt.integrations.lightning needs `lightning` or `pytorch_lightning` "
-                      "(pip install 'async_ckpt[lightning]')")
+                      "(from a checkout of async_ckpt: pip install -e '.[lightning]')")
 
 
 def _checkpoint_callbacks() -> Tuple[type, ...]:
