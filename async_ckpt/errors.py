@@ -18,6 +18,12 @@ class CheckpointError(RuntimeError):
         self.step = step
 
 
+class InvalidArgumentError(CheckpointError, ValueError, TypeError):
+    """An argument of the public API that is invalid: a wrong type or value (``save_interval=0``,
+    a NaN or non-number metric, an unknown ``commit_mode``, ...). It is a ``ValueError`` and a
+    ``TypeError`` too, so code that caught those keeps working."""
+
+
 class InvalidStepError(CheckpointError, ValueError):
     """A step that is not a non-negative integer."""
 

@@ -31,7 +31,7 @@ from types import FrameType
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
 
 from . import compat
-from .errors import CheckpointError
+from .errors import CheckpointError, InvalidArgumentError
 
 log = logging.getLogger("async_ckpt")
 
@@ -43,7 +43,7 @@ _Handler = Union[Callable[[int, Optional[FrameType]], Any], int, None]
 def resolve_sync_mode(mode: str) -> str:
     """``"auto"`` -> ``"xla"`` when torch_xla runs on TPU, else ``"signal"``."""
     if mode not in SYNC_MODES:
-        raise ValueError(f"preemption_sync must be one of {SYNC_MODES}, got {mode!r}")
+        raise InvalidArgumentError(f"preemption_sync must be one of {SYNC_MODES}, got {mode!r}")
     if mode != "auto":
         return mode
     if importlib.util.find_spec("torch_xla") is None:
@@ -79,15 +79,15 @@ class PreemptionWatcher:
         sigs = []
         for s in signals:
             if isinstance(s, bool) or not isinstance(s, int):
-                raise TypeError(f"preemption_signals must be signal numbers, got {s!r}")
+                raise InvalidArgumentError(f"preemption_signals must be signal numbers, got {s!r}")
             try:
                 sigs.append(signal.Signals(s))
             except ValueError:
-                raise ValueError(f"preemption_signals: {s!r} is not a signal number") from None
+                raise InvalidArgumentError(f"preemption_signals: {s!r} is not a signal number") from None
             if s in (signal.SIGKILL, getattr(signal, "SIGSTOP", -1)):
-                raise ValueError(f"preemption_signals: {_signal_name(s)} cannot be caught")
+                raise InvalidArgumentError(f"preemption_signals: {_signal_name(s)} cannot be caught")
         if not sigs and self.sync == "signal":
-            raise ValueError("preemption_signals is empty: nothing would detect a preemption")
+            raise InvalidArgumentError("preemption_signals is empty: nothing would detect a preemption")
         self.signals: Tuple[signal.Signals, ...] = tuple(dict.fromkeys(sigs))
         self._previous: Dict[int, _Handler] = {}
         self._installed = False

@@ -8,6 +8,8 @@ import logging
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Dict, List, Optional
 
+from .errors import InvalidArgumentError
+
 log = logging.getLogger("async_ckpt")
 
 DEFAULT_STATS_LOG = "save_stats.jsonl"
@@ -83,9 +85,9 @@ def _check_relpath(relpath: str) -> str:
     p = relpath.replace("\\", "/").strip()
     parts = [x for x in p.split("/") if x not in ("", ".")]
     if not parts or p.startswith("/") or "://" in p or ".." in parts:
-        raise ValueError(f"stats_log must be True or a path relative to the checkpoint root, got {relpath!r}")
+        raise InvalidArgumentError(f"stats_log must be True or a path relative to the checkpoint root, got {relpath!r}")
     if parts[0].isdigit() or parts[0].startswith((".tmp-", ".trash-")):
-        raise ValueError(f"stats_log={relpath!r} would collide with step directories; choose another name")
+        raise InvalidArgumentError(f"stats_log={relpath!r} would collide with step directories; choose another name")
     return "/".join(parts)
 
 

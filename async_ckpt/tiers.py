@@ -29,7 +29,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
-from .errors import CheckpointError, CorruptCheckpointError, StepNotFoundError, StorageError
+from .errors import CheckpointError, CorruptCheckpointError, InvalidArgumentError, StepNotFoundError, StorageError
 from .lifecycle.coordinator import Coordinator, describe, rank_local_coordinator, rebuild
 from .lifecycle.steps import StepStore
 from .policies import (
@@ -119,7 +119,7 @@ def check_roots_differ(persistent: Storage, local: Storage) -> None:
     cleanup would delete the other's steps): ``ValueError``."""
     a, b = root_identity(persistent), root_identity(local)
     if a.startswith(b) or b.startswith(a):
-        raise ValueError(f"local_dir ({local.url}) and the checkpoint path ({persistent.url}) must not be the "
+        raise InvalidArgumentError(f"local_dir ({local.url}) and the checkpoint path ({persistent.url}) must not be the "
                          f"same directory or inside one another")
 
 
@@ -284,15 +284,15 @@ def make_local_tier(local_dir: str, persistent: Storage, coord: Coordinator, clo
     arguments and the roots (see :func:`check_roots_differ`) are checked before anything is
     created."""
     if not isinstance(local_dir, (str, os.PathLike)):
-        raise TypeError(f"local_dir must be a path or URL string, got {type(local_dir).__name__}")
+        raise InvalidArgumentError(f"local_dir must be a path or URL string, got {type(local_dir).__name__}")
     root = os.fspath(local_dir)
     if coord.world_size > 1:
         root = f"{root.rstrip('/')}/rank{coord.rank}"
     if isinstance(policy, bool) or (isinstance(policy, int) and policy < 1):
-        raise ValueError(f"local_policy as an int is a save interval >= 1, got {policy!r}")
+        raise InvalidArgumentError(f"local_policy as an int is a save interval >= 1, got {policy!r}")
     save_policy = None if policy is None else as_save_policy(EveryNSteps(policy) if isinstance(policy, int) else policy)
     if isinstance(retention, bool) or (isinstance(retention, int) and retention < 1):
-        raise ValueError(f"local_retention as an int keeps the N newest local steps, N >= 1; got {retention!r}")
+        raise InvalidArgumentError(f"local_retention as an int keeps the N newest local steps, N >= 1; got {retention!r}")
     keep = KeepLatest(retention) if isinstance(retention, int) else as_retention_policy(retention)
     storage = Storage(root, None, retry=retry)
     check_roots_differ(persistent, storage)

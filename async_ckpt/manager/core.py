@@ -18,7 +18,7 @@ import warnings
 import weakref
 from typing import Any, Callable, Deque, Dict, List, Mapping, Optional, Sequence
 
-from ..errors import CheckpointError, InvalidStateDictError, LeaseHeldError
+from ..errors import CheckpointError, InvalidArgumentError, InvalidStateDictError, LeaseHeldError
 from ..gc_pause import gc_paused
 from ..lifecycle.coordinator import DEFAULT_TIMEOUT_S, coordinator_for
 from ..lifecycle.planners import load_planner_for, save_planner_for
@@ -208,22 +208,22 @@ class CheckpointManager(SaveDecisions, TierListing, StepActions):
     ) -> None:
         if num_of_threads is not None:  # torch_xla's name for the writer's thread count
             if not isinstance(num_of_threads, int) or isinstance(num_of_threads, bool) or num_of_threads < 1:
-                raise ValueError(f"num_of_threads must be an int >= 1, got {num_of_threads!r}")
+                raise InvalidArgumentError(f"num_of_threads must be an int >= 1, got {num_of_threads!r}")
             write_threads = num_of_threads
         if not isinstance(write_threads, int) or isinstance(write_threads, bool) or write_threads < 1:
-            raise ValueError(f"write_threads must be an int >= 1, got {write_threads!r}")
+            raise InvalidArgumentError(f"write_threads must be an int >= 1, got {write_threads!r}")
         if max_to_keep is not None and (not isinstance(max_to_keep, int) or max_to_keep < 0):
-            raise ValueError(f"max_to_keep must be an int >= 0 or None, got {max_to_keep!r}")
+            raise InvalidArgumentError(f"max_to_keep must be an int >= 0 or None, got {max_to_keep!r}")
         if not isinstance(lease_timeout, (int, float)) or isinstance(lease_timeout, bool) or lease_timeout < 0:
-            raise ValueError(f"lease_timeout must be a number of seconds >= 0, got {lease_timeout!r}")
+            raise InvalidArgumentError(f"lease_timeout must be a number of seconds >= 0, got {lease_timeout!r}")
         if (not isinstance(collective_timeout_s, (int, float)) or isinstance(collective_timeout_s, bool)
                 or collective_timeout_s <= 0):
-            raise ValueError(f"collective_timeout_s must be a number of seconds > 0, got {collective_timeout_s!r}")
+            raise InvalidArgumentError(f"collective_timeout_s must be a number of seconds > 0, got {collective_timeout_s!r}")
         if not isinstance(lazy, bool):
-            raise TypeError(f"lazy must be a bool, got {lazy!r}")
+            raise InvalidArgumentError(f"lazy must be a bool, got {lazy!r}")
         for name, fn in (("wall_clock", wall_clock), ("interval_clock", interval_clock)):
             if not callable(fn):
-                raise TypeError(f"{name} must be a callable returning seconds (like time.time), got {fn!r}")
+                raise InvalidArgumentError(f"{name} must be a callable returning seconds (like time.time), got {fn!r}")
         self.save_policy = save_policy if save_policy is not None else EveryNSteps(save_interval)
         self.retention: RetentionPolicy = (
             as_retention_policy(retention) if retention is not None
@@ -236,10 +236,10 @@ class CheckpointManager(SaveDecisions, TierListing, StepActions):
             self._preemption = PreemptionTracker(PreemptionWatcher(
                 (_signal.SIGTERM,) if preemption_signals is None else tuple(preemption_signals), preemption_sync))
             if preemption_signals is not None and self._preemption.watcher.sync == "xla":
-                raise ValueError("preemption_signals cannot be combined with torch_xla's preemption sync point "
+                raise InvalidArgumentError("preemption_signals cannot be combined with torch_xla's preemption sync point "
                                  "(it handles SIGTERM itself); pass preemption_sync='signal' to use signals")
         elif preemption_signals is not None:
-            raise ValueError("preemption_signals needs chkpt_on_preemption=True")
+            raise InvalidArgumentError("preemption_signals needs chkpt_on_preemption=True")
         # Collective: every rank creates the checkpoint groups, first, before anything that
         # could fail on one rank only (a no-op coordinator in a single process).
         self._coord = coordinator_for(process_group, float(collective_timeout_s))

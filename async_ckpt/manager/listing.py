@@ -5,7 +5,7 @@ from __future__ import annotations
 import warnings
 from typing import Dict, List, Optional, Tuple
 
-from ..errors import StepNotFoundError
+from ..errors import InvalidArgumentError, StepNotFoundError
 from ..policies import RetentionPolicy, best_checkpoint, check_step, find_keep_best
 from ..storage import CheckpointLayout, Manifest
 from ..tiers import FALLBACK_ERRORS, Tier, commit_records, foreign_root, held_steps
@@ -32,7 +32,7 @@ class TierListing:
         best = find_keep_best(self.retention)
         if metric is None:
             if best is None:
-                raise ValueError("best_step() needs metric= (the retention policy has no KeepBest)")
+                raise InvalidArgumentError("best_step() needs metric= (the retention policy has no KeepBest)")
             metric = best.metric
         if mode is None:
             mode = best.mode if best is not None and best.metric == metric else "min"

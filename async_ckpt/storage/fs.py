@@ -13,7 +13,7 @@ from typing import Any, Dict, List, Optional
 
 import fsspec
 
-from ..errors import StorageError
+from ..errors import InvalidArgumentError, StorageError
 from .backends import MISSING, Backend, backend_for
 from .retry import RetryPolicy
 
@@ -45,10 +45,10 @@ class Storage:
         retry: Optional[RetryPolicy] = None,
     ) -> None:
         if not isinstance(url, (str, os.PathLike)):
-            raise TypeError(f"path must be a str or os.PathLike, got {type(url).__name__}")
+            raise InvalidArgumentError(f"path must be a str or os.PathLike, got {type(url).__name__}")
         url = os.fspath(url)
         if not url:
-            raise ValueError("path must not be empty")
+            raise InvalidArgumentError("path must not be empty")
         try:
             fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
         except (ImportError, ValueError) as exc:

@@ -7,6 +7,7 @@ import os
 import threading
 from typing import Optional, Union
 
+from ..errors import InvalidArgumentError
 from ..stats import DEFAULT_STATS_LOG, SaveStats, _check_relpath
 from .backends.posix import open_nofollow
 from .fs import Storage
@@ -64,7 +65,7 @@ class StatsLog:
             return cls(storage)
         if isinstance(option, (str, os.PathLike)):
             return cls(storage, os.fspath(option))
-        raise TypeError(f"stats_log must be a bool or a relative path, got {type(option).__name__}")
+        raise InvalidArgumentError(f"stats_log must be a bool or a relative path, got {type(option).__name__}")
 
     def append(self, stats: SaveStats) -> None:
         """Write one record; never raises (a failure is logged as a warning). The manager calls
