@@ -31,6 +31,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, 
 
 from .errors import CheckpointError, CorruptCheckpointError, InvalidArgumentError, StepNotFoundError, StorageError
 from .lifecycle.coordinator import Coordinator, describe, rank_local_coordinator, rebuild
+from .lifecycle.restore import as_skipped
 from .lifecycle.steps import StepStore
 from .policies import (
     CheckpointInfo,
@@ -500,7 +501,7 @@ def restore_from_tiers(tiers: Sequence[Tier], coord: Coordinator, step: Optional
                     log.warning("async_ckpt: restored step %d from the %s tier (%s)", held.step, name, tier.url)
                 return held.step, name
             errors.append(f"step {held.step} ({name} tier): {problem}")
-            warnings.warn(f"async_ckpt: skipping the {name} copy of step {held.step} ({tier.url}): {problem}",
+            warnings.warn(f"async_ckpt: skipping the {name} copy of step {held.step} ({tier.url}): {as_skipped(problem)}",
                           RuntimeWarning, stacklevel=3)
     what = f"step {step}" if step is not None else "no committed step"
     raise CorruptCheckpointError(f"{what}: no copy could be restored from any tier; " + "; ".join(errors[:5]),

@@ -45,3 +45,121 @@ def test_invalid_policy_arguments_are_checkpoint_errors():
                  lambda: async_ckpt.AnyOf([])):
         with pytest.raises(InvalidArgumentError):
             make()
+
+
+# ---- key mismatches, key_map, keys the target lacks ------------------------------------------------
+def _model(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+
+
+def _prefixed(sd, prefix):
+    return {prefix + k: v for k, v in sd.items()}
+
+
+def test_a_prefix_mismatch_names_both_sides_and_the_key_map_that_fixes_it(tmp_path):
+    root = str(tmp_path / "ckpt")
+    saved = _prefixed(_model(0).state_dict(), "module.")  # saved from a DDP-wrapped model
+    with CheckpointManager(root) as mgr:
+        mgr.save(1, {"model": saved})
+    target = {"model": _model(1).state_dict()}
+    before = clone_tree(target)
+    mgr = CheckpointManager(root)
+    with pytest.raises(async_ckpt.StateDictMismatchError) as info:
+        mgr.restore(1, target)
+    msg = str(info.value)
+    assert "missing from checkpoint: model.0.weight" in msg, msg
+    assert "match no key of state_dict: model.module.0.weight" in msg, msg
+    assert "key_map={'model.module.': 'model.'}" in msg, msg
+    assert "strict=False" in msg and "async-ckpt show" in msg, msg
+    assert_bitwise_equal(target, before)
+    # the suggested key_map restores it, bitwise
+    assert mgr.restore(1, target, key_map={"model.module.": "model."}) == 1
+    assert_bitwise_equal(target["model"], {k[len("module."):]: v for k, v in saved.items()})
+
+
+@pytest.mark.parametrize("wrap", ["_orig_mod.", "module."])
+def test_key_map_adds_and_strips_prefixes_both_ways(tmp_path, wrap):
+    root = str(tmp_path / "ckpt")
+    plain = _model(0).state_dict()
+    with CheckpointManager(root) as mgr:
+        mgr.save(1, dict(plain), metrics={"loss": 1.0})  # a flat model state dict
+        mgr.save(2, _prefixed(plain, wrap))
+    mgr = CheckpointManager(root)
+    # a plain checkpoint into a wrapped (compiled / DDP) model
+    target = _prefixed(_model(1).state_dict(), wrap)
+    with pytest.raises(async_ckpt.StateDictMismatchError, match=f"key_map={{'': '{wrap}'}}"):
+        mgr.restore(1, target)
+    assert mgr.restore(1, target, key_map={"": wrap}) == 1
+    assert_bitwise_equal(target, _prefixed(plain, wrap))
+    # a wrapped checkpoint into a plain model
+    target = _model(2).state_dict()
+    assert mgr.restore(2, target, key_map={wrap: ""}) == 2
+    assert_bitwise_equal(target, plain)
+
+
+def test_key_map_with_an_optimizer_and_non_tensor_values(tmp_path):
+    root = str(tmp_path / "ckpt")
+    model = _model(0)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    model(torch.ones(2, 3)).sum().backward()
+    opt.step()
+    sd = {"model": _prefixed(model.state_dict(), "_orig_mod."), "optim": opt.state_dict(), "epoch": 7}
+    saved = clone_tree(sd)
+    with CheckpointManager(root) as mgr:
+        mgr.save(3, sd)
+    model2 = _model(1)
+    opt2 = torch.optim.Adam(model2.parameters(), lr=0.5)
+    model2(torch.ones(2, 3)).sum().backward()
+    opt2.step()
+    target = {"model": model2.state_dict(), "optim": opt2.state_dict(), "epoch": 0}
+    assert CheckpointManager(root).restore(3, target, key_map={"model._orig_mod.": "model."}) == 3
+    assert target["epoch"] == 7 and target["optim"]["param_groups"][0]["lr"] == 0.01
+    assert_bitwise_equal(target["optim"], saved["optim"])
+    assert_bitwise_equal(target["model"], {k[len("_orig_mod."):]: v for k, v in saved["model"].items()})
+
+
+def test_bad_key_maps_are_invalid_arguments(tmp_path):
+    root = str(tmp_path / "ckpt")
+    with CheckpointManager(root) as mgr:
+        mgr.save(1, {"a": torch.ones(2), "b": torch.ones(2)})
+        for bad in ({"a": 1}, ["a"], {"x.": "", "y.": ""}):
+            with pytest.raises(InvalidArgumentError):
+                mgr.restore(1, {"a": torch.zeros(2)}, key_map=bad)
+        with pytest.raises(InvalidArgumentError, match="same checkpoint key"):
+            mgr.restore(1, {"a": torch.zeros(2), "x.a": torch.zeros(2)}, key_map={"": "x."})
+
+
+def test_a_target_lacking_a_layer_is_not_extended_and_the_keys_are_named(tmp_path):
+    root = str(tmp_path / "ckpt")
+    big = _model(0).state_dict()
+    with CheckpointManager(root) as mgr:
+        mgr.save(1, {"model": big})
+    small = {"model": {k: torch.zeros_like(v) for k, v in big.items() if not k.startswith("2.")}}
+    with pytest.warns(UserWarning, match=r"has keys the state_dict lacks.*not restored \(nor added.*model\.2\.weight") \
+            as rec:
+        CheckpointManager(root).restore(1, small)
+    assert sorted(small["model"]) == ["0.bias", "0.weight"], "nothing added to the caller's dict"
+    assert_bitwise_equal(small["model"], {k: big[k] for k in ("0.weight", "0.bias")})
+    assert rec[0].filename == __file__, "the warning points at the caller's line"
+    # a fresh optimizer's empty state, and an empty target, are still filled
+    empty: dict = {}
+    CheckpointManager(root).restore(1, empty)
+    assert_bitwise_equal(empty, {"model": big})
+
+
+def test_restore_latest_and_a_module_passed_instead_of_its_state_dict(tmp_path):
+    root = str(tmp_path / "ckpt")
+    model = _model(0)
+    with CheckpointManager(root) as mgr:
+        mgr.save(4, {"model": model.state_dict()})
+        mgr.save(6, {"model": model.state_dict()})
+        with pytest.raises(async_ckpt.InvalidStateDictError, match=r"pass its state_dict\(\)"):
+            mgr.save(8, model)
+        with pytest.raises(async_ckpt.InvalidStateDictError, match=r"pass its state_dict\(\)"):
+            mgr.restore(None, model)
+        target = {"model": _model(1).state_dict()}
+        assert mgr.restore("latest", target) == 6
+        assert_bitwise_equal(target["model"], model.state_dict())
+        with pytest.raises(async_ckpt.InvalidStepError):
+            mgr.restore("newest", target)

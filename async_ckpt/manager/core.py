@@ -22,6 +22,7 @@ from ..errors import CheckpointError, InvalidArgumentError, InvalidStateDictErro
 from ..gc_pause import gc_paused
 from ..lifecycle.coordinator import DEFAULT_TIMEOUT_S, coordinator_for
 from ..lifecycle.planners import load_planner_for, save_planner_for
+from ..lifecycle.restore import check_key_map
 from ..lifecycle.restore import restore as _restore
 from ..lifecycle.save_job import SaveJob, run_save
 from ..lifecycle.steps import StepStore
@@ -497,11 +498,12 @@ class CheckpointManager(SaveDecisions, TierListing, StepActions):
         return self.stats[-1] if self.stats else None
 
     # ---- restoring ---------------------------------------------------------------------------
-    def restore(self, step: Optional[int], state_dict: Dict[str, Any], *, verify: Optional[bool] = None,
-                allow_pickle: bool = False, atomic: bool = False, strict: bool = True) -> int:
+    def restore(self, step: Any, state_dict: Dict[str, Any], *, verify: Optional[bool] = None,
+                allow_pickle: bool = False, atomic: bool = False, strict: bool = True,
+                key_map: Optional[Mapping[str, str]] = None) -> int:
         """Load a committed step into ``state_dict`` in place and return the step.
 
-        ``step=None`` picks the most recently committed step (see :meth:`latest_step`); if it
+        ``step=None`` (or ``"latest"``, as the CLI spells it) picks the most recently committed step (see :meth:`latest_step`); if it
         fails verification, the next older commit that verifies is used, with a warning naming
         the skipped step, and its data overwrites everything again. A named step that is
         damaged raises :class:`CorruptCheckpointError`. With ``local_dir`` the local copy of a
@@ -516,10 +518,16 @@ class CheckpointManager(SaveDecisions, TierListing, StepActions):
         anything is read; the buffers are reused by the next restore or save).
 
         Keys of ``state_dict`` the checkpoint lacks raise :class:`StateDictMismatchError`
-        naming up to ten; so does a target tensor that cannot be written in place (a meta
-        tensor, an expanded one), before anything is written. Entries the checkpoint has but ``state_dict`` lacks are added (e.g. a
-        fresh optimizer's empty ``state``). ``strict=False`` loads only the keys both have and
-        lists the others in a warning. Top-level values with ``state_dict()``/``load_state_dict()`` (DCP's
+        naming up to ten, with the checkpoint's keys that matched nothing and, where a prefix
+        explains them, the ``key_map`` that fixes it; so does a target tensor that cannot be
+        written in place (a meta tensor, an expanded one), before anything is written. Entries
+        the checkpoint has but ``state_dict`` lacks are added only inside a container that is
+        empty in ``state_dict`` (a fresh optimizer's ``state``, an empty dict): others (a layer
+        the target lacks) are left out and named in a warning. ``strict=False`` loads only the
+        keys both have and lists the others in a warning. ``key_map`` renames the checkpoint's
+        (flattened, dotted) keys by prefix before matching: ``{"module.": ""}`` restores a DDP
+        checkpoint into a plain model, ``{"model._orig_mod.": "model."}`` a ``torch.compile``'d
+        one's ``{"model": ...}``. Top-level values with ``state_dict()``/``load_state_dict()`` (DCP's
         ``Stateful``) get what was saved through their ``load_state_dict``. Multi-process: call
         it on every rank; each reads its shards (DCP reshards to this job's world size).
         """
@@ -527,8 +535,16 @@ class CheckpointManager(SaveDecisions, TierListing, StepActions):
         invalid: Optional[Exception] = None
         try:
             if not isinstance(state_dict, Mapping):
-                raise InvalidStateDictError(f"state_dict must be a mapping, got {type(state_dict).__name__}")
+                hint = ""
+                if callable(getattr(state_dict, "state_dict", None)):
+                    hint = (f"; pass its state_dict() (e.g. {{'model': model.state_dict()}}), or put the "
+                            f"{type(state_dict).__name__} itself under a key ({{'model': model}}: restored "
+                            "through its load_state_dict)")
+                raise InvalidStateDictError(f"state_dict must be a mapping, got {type(state_dict).__name__}{hint}")
+            if isinstance(step, str) and step.strip().lower() == "latest":
+                step = None
             step = None if step is None else check_step(step)
+            key_map = check_key_map(key_map)
         except (TypeError, ValueError, CheckpointError) as exc:
             invalid = exc
         if not self._closed:  # pending saves land first (their errors surface); ranks agree on the step
@@ -537,7 +553,7 @@ class CheckpointManager(SaveDecisions, TierListing, StepActions):
             raise invalid
         opts = dict(verify=self.verify if verify is None else verify, allow_pickle=allow_pickle,
                     threads=self.write_threads, planner=load_planner_for(state_dict, allow_pickle),
-                    atomic=atomic, strict=strict, pool=self.stager.pool)
+                    atomic=atomic, strict=strict, pool=self.stager.pool, key_map=key_map)
         if self._local is None:
             s = _restore(self._store, step, state_dict, **opts)
         else:

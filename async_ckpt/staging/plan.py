@@ -193,8 +193,12 @@ def make_plan(state_dict: Any, memo: Optional[PlanMemo] = None) -> StagingPlan:
     faster; the plan is the same with or without it.
     """
     if not isinstance(state_dict, Mapping):
+        hint = ""
+        if callable(getattr(state_dict, "state_dict", None)):  # a module or an optimizer
+            hint = (f"; pass its state_dict() (e.g. {{'model': model.state_dict()}}), or put the "
+                    f"{type(state_dict).__name__} itself under a key ({{'model': model}})")
         raise InvalidStateDictError(
-            f"state_dict must be a mapping (e.g. a dict), got {type(state_dict).__name__}"
+            f"state_dict must be a mapping (e.g. a dict), got {type(state_dict).__name__}{hint}"
         )
     plan = StagingPlan(template=None)
     seen: Optional[Dict[Optional[str], _Run]] = {} if memo is not None else None
