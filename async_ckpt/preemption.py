@@ -127,7 +127,7 @@ class PreemptionWatcher:
                 _, _, deactivate, _ = compat.xla_preemption()
                 deactivate()
             except Exception as exc:  # pragma: no cover - best effort at shutdown
-                log.debug("async_ckpt: deactivating the preemption sync manager failed: %s", exc)
+                log.debug("deactivating the preemption sync manager failed: %s", exc)
             return
         if threading.current_thread() is not threading.main_thread():
             return  # cannot touch handlers here; ours stays installed but only chains from now on
@@ -136,7 +136,7 @@ class PreemptionWatcher:
                 if signal.getsignal(s) == self._on_signal:
                     signal.signal(s, prev if prev is not None else signal.SIG_DFL)
             except (ValueError, OSError, TypeError) as exc:  # pragma: no cover
-                log.debug("async_ckpt: restoring the handler of %s failed: %s", _signal_name(s), exc)
+                log.debug("restoring the handler of %s failed: %s", _signal_name(s), exc)
 
     def _activate_xla(self) -> None:
         try:
@@ -234,7 +234,7 @@ class PreemptionTracker:
         with self._lock:
             if self.saved_step is None:
                 self.saved_step = step
-                log.warning("async_ckpt: preemption checkpoint taken at step %d", step)
+                log.warning("preemption checkpoint taken at step %d", step)
 
     def reached(self, step: int) -> bool:
         with self._lock:

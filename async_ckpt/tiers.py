@@ -25,11 +25,17 @@ import errno
 import logging
 import os
 import shutil
-import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
-from .errors import CheckpointError, CorruptCheckpointError, InvalidArgumentError, StepNotFoundError, StorageError
+from .errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    InvalidArgumentError,
+    StepNotFoundError,
+    StorageError,
+    warn_user,
+)
 from .lifecycle.coordinator import Coordinator, describe, rank_local_coordinator, rebuild
 from .lifecycle.restore import as_skipped
 from .lifecycle.steps import StepStore
@@ -143,9 +149,9 @@ def foreign_root(tier: Tier, extra: Mapping[str, Any]) -> Optional[str]:
 def warn_foreign(tier: Tier, foreign: Dict[int, str]) -> None:
     """The warning for local copies another job saved (step -> the root it was saved for)."""
     roots = sorted(set(foreign.values()))
-    warnings.warn(f"async_ckpt: skipping the local copies of steps {sorted(foreign)} in {tier.url}: saved for the "
+    warn_user(f"async_ckpt: skipping the local copies of steps {sorted(foreign)} in {tier.url}: saved for the "
                   f"checkpoint path {' and '.join(roots)}, not {tier.home} (another job's: never restored, "
-                  f"replaced or deleted by this one)", RuntimeWarning, stacklevel=4)
+                  f"replaced or deleted by this one)", RuntimeWarning)
 
 
 def foreign_steps(tier: Tier, step: Optional[int] = None) -> Dict[int, str]:
@@ -243,7 +249,7 @@ def make_room(tier: Tier, coming: CheckpointInfo, need: Optional[int]) -> List[i
         try:  # the deleter runs one job at a time, in order: this one ends after those queued
             tier.store.deleter.submit(lambda: None).result(timeout=DELETIONS_WAIT_S)
         except Exception as exc:  # noqa: BLE001 - shut down, or slower than the bound
-            log.warning("async_ckpt: making room in local_dir %s: pending deletions did not finish: %s",
+            log.warning("making room in local_dir %s: pending deletions did not finish: %s",
                         tier.url, exc)
         dropped: List[int] = []
         for s in droppable(tier, coming):
@@ -256,11 +262,11 @@ def make_room(tier: Tier, coming: CheckpointInfo, need: Optional[int]) -> List[i
                 continue
             tier.store.catalog.remove(s, paths)
             dropped.append(s)
-            log.warning("async_ckpt: local_dir %s is full: deleted step %d before saving step %d (retention "
+            log.warning("local_dir %s is full: deleted step %d before saving step %d (retention "
                         "drops it once step %d commits)", tier.url, s, step, step)
         return dropped
     except Exception as exc:  # noqa: BLE001 - the save goes on and fails as it would
-        log.warning("async_ckpt: could not make room in local_dir %s for step %d: %s", tier.url, step, exc)
+        log.warning("could not make room in local_dir %s for step %d: %s", tier.url, step, exc)
         return []
 
 
@@ -332,8 +338,8 @@ def _infos(tier: Tier, others: int, failed: Optional[List[BaseException]] = None
     except FALLBACK_ERRORS as exc:
         if not others:
             raise
-        warnings.warn(f"async_ckpt: the {tier.name} tier ({tier.url}) cannot be listed, using the other tier: "
-                      f"{type(exc).__name__}: {exc}", RuntimeWarning, stacklevel=4)
+        warn_user(f"async_ckpt: the {tier.name} tier ({tier.url}) cannot be listed, using the other tier: "
+                      f"{type(exc).__name__}: {exc}", RuntimeWarning)
         if failed is not None:
             failed.append(exc)
         return {}, []
@@ -498,11 +504,11 @@ def restore_from_tiers(tiers: Sequence[Tier], coord: Coordinator, step: Optional
             problem = _attempt(tier, held.step, coord, restore_one, shared=name == PERSISTENT)
             if problem is None:
                 if errors:
-                    log.warning("async_ckpt: restored step %d from the %s tier (%s)", held.step, name, tier.url)
+                    log.warning("restored step %d from the %s tier (%s)", held.step, name, tier.url)
                 return held.step, name
             errors.append(f"step {held.step} ({name} tier): {problem}")
-            warnings.warn(f"async_ckpt: skipping the {name} copy of step {held.step} ({tier.url}): {as_skipped(problem)}",
-                          RuntimeWarning, stacklevel=3)
+            warn_user(f"skipping the {name} copy of step {held.step} ({tier.url}): {as_skipped(problem)}",
+                      RuntimeWarning)
     what = f"step {step}" if step is not None else "no committed step"
     raise CorruptCheckpointError(f"{what}: no copy could be restored from any tier; " + "; ".join(errors[:5]),
                                  step=candidates[0].step)

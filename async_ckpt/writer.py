@@ -141,7 +141,7 @@ class AsyncWriter:
             else:  # a long outage: keep the first errors and the failed steps
                 self._errors[-1] = (step, exc, deferred)
         if self.defer_errors or deferred:
-            log.error("async_ckpt: %s: save of step %s failed (raised at join()/close()): %s: %s",
+            log.error("%s: save of step %s failed (raised at join()/close()): %s: %s",
                       self._thread.name, step, type(exc).__name__, exc)
 
     def wait_idle(self, timeout: Optional[float] = None) -> None:

@@ -163,3 +163,56 @@ def test_restore_latest_and_a_module_passed_instead_of_its_state_dict(tmp_path):
         assert_bitwise_equal(target["model"], model.state_dict())
         with pytest.raises(async_ckpt.InvalidStepError):
             mgr.restore("newest", target)
+
+
+# ---- logging ---------------------------------------------------------------------------------------
+def test_log_lines_have_one_prefix_fitting_units_and_a_restore_line(tmp_path, caplog):
+    import logging
+
+    root = str(tmp_path / "ckpt")
+    sd = {"w": torch.arange(1000, dtype=torch.float32)}  # 3.9 KiB: "0.0 MiB, 0.00 GB/s" before
+    caplog.set_level(logging.INFO, logger="async_ckpt")
+    with CheckpointManager(root) as mgr:
+        mgr.save(3, sd)
+    target = {"w": torch.zeros(1000)}
+    CheckpointManager(root).restore(None, target)
+    assert_bitwise_equal(target, sd)
+    fmt = logging.Formatter(logging.BASIC_FORMAT)
+    lines = [fmt.format(r) for r in caplog.records if r.name.startswith("async_ckpt")]
+    assert lines and not any("async_ckpt:async_ckpt" in ln for ln in lines), lines
+    saved = [ln for ln in lines if "saved step 3" in ln]
+    assert saved and saved[0].startswith("INFO:async_ckpt:saved step 3: 3.9 KiB in 1 tensors"), saved
+    assert "0.0 MiB" not in saved[0] and "0.00 GB/s" not in saved[0], saved
+    restored = [ln for ln in lines if "restored step 3" in ln]
+    assert len(restored) == 1 and "3.9 KiB in 1 tensors" in restored[0] and root in restored[0], lines
+
+
+def test_format_helpers_pick_units():
+    from async_ckpt.stats import format_bytes, format_rate, format_seconds
+
+    assert format_bytes(512) == "512 B" and format_bytes(4000) == "3.9 KiB" and format_bytes(3 * 2**30) == "3.0 GiB"
+    assert format_seconds(35e-6) == "35 us" and format_seconds(0.0012) == "1.2 ms" and format_seconds(3.4) == "3.40 s"
+    assert format_rate(4000, 0.001) == "4.00 MB/s" and format_rate(10, 0) == "-" and format_rate(5, 1) == "5 B/s"
+
+
+def test_a_fallback_that_succeeded_does_not_say_the_target_must_not_be_used(tmp_path):
+    import glob
+    import os
+
+    root = str(tmp_path / "ckpt")
+    with CheckpointManager(root) as mgr:
+        mgr.save(1, {"w": torch.full((4096,), 1.0)})
+        mgr.save(2, {"w": torch.full((4096,), 2.0)})
+    (data,) = glob.glob(os.path.join(root, "2", "*.distcp"))
+    with open(data, "r+b") as f:  # flip a byte in the middle of the tensor data
+        f.seek(os.path.getsize(data) // 2)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0xFF]))
+    target = {"w": torch.zeros(4096)}
+    with pytest.warns(RuntimeWarning, match="skipping damaged step 2") as rec:
+        assert CheckpointManager(root).restore(None, target) == 1
+    msgs = [str(w.message) for w in rec if "skipping" in str(w.message)]
+    assert msgs and not any("must not be used" in m for m in msgs), msgs
+    assert all(w.filename == __file__ for w in rec if "skipping" in str(w.message))
+    assert_bitwise_equal(target, {"w": torch.full((4096,), 1.0)})

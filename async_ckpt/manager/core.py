@@ -14,11 +14,10 @@ import logging
 import os
 import time
 import uuid
-import warnings
 import weakref
-from typing import Any, Callable, Deque, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Callable, Deque, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from ..errors import CheckpointError, InvalidArgumentError, InvalidStateDictError, LeaseHeldError
+from ..errors import CheckpointError, InvalidArgumentError, InvalidStateDictError, LeaseHeldError, warn_user
 from ..gc_pause import gc_paused
 from ..lifecycle.coordinator import DEFAULT_TIMEOUT_S, coordinator_for
 from ..lifecycle.planners import load_planner_for, save_planner_for
@@ -38,7 +37,7 @@ from ..policies import (
 )
 from ..preemption import PreemptionTracker, PreemptionWatcher
 from ..staging import HostBufferPool, Stager
-from ..stats import SaveStats
+from ..stats import SaveStats, format_bytes, format_seconds
 from ..storage import CheckpointLayout, RetryPolicy, Storage
 from ..storage.manifest import check_metrics
 from ..storage.stats_log import StatsLog
@@ -84,6 +83,30 @@ def _weak_idle(mgr: "CheckpointManager") -> Callable[[], bool]:
         m = ref()
         return m is None or m._idle()
     return idle
+
+
+def _tensor_bytes(tree: Any) -> Tuple[int, int]:
+    """Bytes and number of the tensors in a state dict (what a restore filled), through dicts,
+    lists and ``Stateful`` values."""
+    import torch
+
+    nbytes = count = 0
+    stack = [tree]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, torch.Tensor):
+            nbytes += v.numel() * v.element_size()
+            count += 1
+        elif isinstance(v, Mapping):
+            stack.extend(v.values())
+        elif isinstance(v, (list, tuple)):
+            stack.extend(v)
+        elif callable(getattr(v, "state_dict", None)) and not isinstance(v, type):
+            try:
+                stack.append(v.state_dict())
+            except Exception:  # noqa: BLE001 - only counted for the log line
+                pass
+    return nbytes, count
 
 
 def _raise_all(errors: List[BaseException]) -> None:
@@ -378,7 +401,7 @@ class CheckpointManager(SaveDecisions, TierListing, StepActions):
                 except LeaseHeldError:
                     if alone:
                         raise
-                    log.exception("async_ckpt: rank %d skips the local save of step %d", self._coord.rank, step)
+                    log.exception("rank %d skips the local save of step %d", self._coord.rank, step)
                     take_local = False
             due = ([self._local] if take_local and self._local is not None else []) + ([self._tiers[-1]] if take else [])
             if not due:
@@ -479,13 +502,16 @@ class CheckpointManager(SaveDecisions, TierListing, StepActions):
             try:
                 self._stats_log.append(stats)
             except Exception as exc:
-                log.warning("async_ckpt: could not append save statistics: %s", exc)
-        log.info("async_ckpt: rank %d saved %s", self._coord.rank, stats.summary())
+                log.warning("could not append save statistics: %s", exc)
+        if self._coord.world_size > 1:
+            log.info("rank %d saved %s", self._coord.rank, stats.summary())
+        else:
+            log.info("saved %s", stats.summary())
         if self.on_saved is not None:
             try:
                 self.on_saved(stats)
             except Exception:
-                log.exception("async_ckpt: the on_saved callback raised for step %d (the step is committed)",
+                log.exception("the on_saved callback raised for step %d (the step is committed)",
                               stats.step)
 
     def _apply_retention(self) -> List[int]:
@@ -554,6 +580,8 @@ class CheckpointManager(SaveDecisions, TierListing, StepActions):
         opts = dict(verify=self.verify if verify is None else verify, allow_pickle=allow_pickle,
                     threads=self.write_threads, planner=load_planner_for(state_dict, allow_pickle),
                     atomic=atomic, strict=strict, pool=self.stager.pool, key_map=key_map)
+        t0 = time.perf_counter()
+        where = self.storage.url
         if self._local is None:
             s = _restore(self._store, step, state_dict, **opts)
         else:
@@ -566,11 +594,17 @@ class CheckpointManager(SaveDecisions, TierListing, StepActions):
                         partly.append(f"step {s} ({tier.name} copy)")
                     raise
 
-            s, _ = restore_from_tiers(self._tiers, self._coord, step, attempt)
+            s, name = restore_from_tiers(self._tiers, self._coord, step, attempt)
+            where = f"the {name} tier ({self._local.url if name == LOCAL else self.storage.url})"
             if partly and not strict:  # strict: step s held every key of state_dict and overwrote it
-                warnings.warn(f"async_ckpt: restored step {s}; the damaged {', '.join(partly)} had partly written state_dict "
-                              f"first: keys step {s} lacks (strict=False) may hold its data", RuntimeWarning, stacklevel=2)
+                warn_user(f"async_ckpt: restored step {s}; the damaged {', '.join(partly)} had partly written state_dict "
+                              f"first: keys step {s} lacks (strict=False) may hold its data", RuntimeWarning)
         self._restored = s
+        if log.isEnabledFor(logging.INFO):
+            nbytes, count = _tensor_bytes(state_dict)
+            log.info("%srestored step %d: %s in %d tensors in %s from %s",
+                     f"rank {self._coord.rank} " if self._coord.world_size > 1 else "", s, format_bytes(nbytes),
+                     count, format_seconds(time.perf_counter() - t0), where)
         return s
 
     # ---- lifecycle ---------------------------------------------------------------------------
@@ -651,7 +685,7 @@ class CheckpointManager(SaveDecisions, TierListing, StepActions):
             try:
                 self.close()
             except Exception as close_exc:  # do not mask the original exception
-                log.error("async_ckpt: pending save failed while handling another error: %s", close_exc)
+                log.error("pending save failed while handling another error: %s", close_exc)
 
     def _check_process(self) -> None:
         if self._forked:
@@ -677,7 +711,7 @@ class CheckpointManager(SaveDecisions, TierListing, StepActions):
         except StorageError as exc:
             if self._local is None:
                 raise
-            log.warning("async_ckpt: %s cannot be written now (saves go to local_dir %s meanwhile): %s",
+            log.warning("%s cannot be written now (saves go to local_dir %s meanwhile): %s",
                         self.storage.url, self._local.url, exc)
         if self.storage.is_local:
             if not os.access(self.storage.root, os.W_OK):

@@ -26,7 +26,7 @@ def _finish_pending_saves_at_exit() -> None:
         try:
             mgr.close()
         except Exception as exc:  # the interpreter is exiting: report, do not raise
-            log.error("async_ckpt: a pending save failed at exit: %s", exc)
+            log.error("a pending save failed at exit: %s", exc)
 
 
 # Runs before concurrent.futures refuses new work at interpreter exit (threading's exit hooks
@@ -56,7 +56,7 @@ def _stop_threads(parts: List[Tuple[AsyncWriter, ThreadPoolExecutor, Any]]) -> N
         try:
             writer.close()
         except Exception as exc:
-            log.error("async_ckpt: an unclosed CheckpointManager had a failed save: %s", exc)
+            log.error("an unclosed CheckpointManager had a failed save: %s", exc)
         deleter.shutdown(wait=False)
         if lease is not None:
             lease.release()

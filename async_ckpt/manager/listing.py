@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import warnings
 from typing import Dict, List, Optional, Tuple
 
-from ..errors import InvalidArgumentError, StepNotFoundError
+from ..errors import InvalidArgumentError, StepNotFoundError, warn_user
 from ..policies import RetentionPolicy, best_checkpoint, check_step, find_keep_best
 from ..storage import CheckpointLayout, Manifest
 from ..tiers import FALLBACK_ERRORS, Tier, commit_records, foreign_root, held_steps
@@ -94,8 +93,8 @@ class TierListing:
             except FALLBACK_ERRORS as exc:
                 if len(self._tiers) == 1:
                     raise
-                warnings.warn(f"async_ckpt: the {t.name} tier ({t.url}) cannot be read, using the other tier: "
-                              f"{type(exc).__name__}: {exc}", RuntimeWarning, stacklevel=2)
+                warn_user(f"async_ckpt: the {t.name} tier ({t.url}) cannot be read, using the other tier: "
+                              f"{type(exc).__name__}: {exc}", RuntimeWarning)
                 failed.append(exc)
         if not copies:
             if failed:

@@ -86,7 +86,7 @@ class RetryPolicy:
                     if isinstance(exc, OSError):
                         raise StorageError(f"{what} failed: {exc}") from exc
                     raise
-                log.warning("async_ckpt: %s failed (%s: %s); retry %d/%d in %.2fs", what,
+                log.warning("%s failed (%s: %s); retry %d/%d in %.2fs", what,
                             type(exc).__name__, exc, attempt, self.attempts - 1, delay)
                 time.sleep(delay * (0.5 + random.random() / 2))
                 delay = min(delay * 2, self.max_delay)

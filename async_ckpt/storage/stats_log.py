@@ -77,7 +77,7 @@ class StatsLog:
             with self._lock:
                 if self.storage.is_local:
                     if not os.path.isdir(self.storage.root):
-                        log.debug("async_ckpt: not writing the stats log %s: the checkpoint root %s does not "
+                        log.debug("not writing the stats log %s: the checkpoint root %s does not "
                                   "exist (it is never created here)", self.path, self.storage.root)
                         return
                     with os.fdopen(self._open_local(), "ab") as f:
@@ -95,4 +95,4 @@ class StatsLog:
                     self._buf += line
                     self.storage.write_bytes(self.path, bytes(self._buf))
         except Exception as exc:  # statistics must never break a committed save
-            log.warning("async_ckpt: could not write the stats log %s: %s", self.path, exc)
+            log.warning("could not write the stats log %s: %s", self.path, exc)
