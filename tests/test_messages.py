@@ -216,3 +216,67 @@ def test_a_fallback_that_succeeded_does_not_say_the_target_must_not_be_used(tmp_
     assert msgs and not any("must not be used" in m for m in msgs), msgs
     assert all(w.filename == __file__ for w in rec if "skipping" in str(w.message))
     assert_bitwise_equal(target, {"w": torch.full((4096,), 1.0)})
+
+
+# ---- the root: typos, step directories, read-only use ------------------------------------------------
+def test_a_new_root_is_reported_and_a_step_dir_or_a_parent_of_roots_warns(tmp_path, caplog):
+    import logging
+    import os
+
+    caplog.set_level(logging.INFO, logger="async_ckpt")
+    real = str(tmp_path / "checkpoints" / "run1")
+    with CheckpointManager(real) as mgr:
+        mgr.save(5, {"w": torch.ones(3)})
+    caplog.clear()
+    typo = str(tmp_path / "chekpoints" / "run1")
+    mgr = CheckpointManager(typo)
+    assert any("is new and empty" in r.getMessage() and typo in r.getMessage() for r in caplog.records)
+    assert mgr.latest_step() is None
+    caplog.clear()
+    CheckpointManager(real)
+    assert not any("new and empty" in r.getMessage() for r in caplog.records)
+    with pytest.warns(UserWarning, match="looks like one step's directory.*pass the checkpoint root") as rec:
+        CheckpointManager(os.path.join(real, "5"))
+    assert rec[0].filename == __file__
+    with pytest.warns(UserWarning, match="looks like the parent of checkpoint roots.*run1"):
+        CheckpointManager(str(tmp_path / "checkpoints"))
+
+
+def test_save_interval_with_a_save_policy_warns(tmp_path):
+    with pytest.warns(UserWarning, match="save_interval=5 is ignored"):
+        CheckpointManager(str(tmp_path / "c"), save_interval=5, save_policy=async_ckpt.EveryNSteps(2))
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        CheckpointManager(str(tmp_path / "c"), save_policy=async_ckpt.EveryNSteps(2))
+        CheckpointManager(str(tmp_path / "c"), save_interval=5)
+
+
+def test_a_read_only_root_lists_and_restores(tmp_path):
+    import os
+    import subprocess
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root to mount a tmpfs read-only (root ignores chmod)")
+    mnt = tmp_path / "ro"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)]).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        root = str(mnt / "ckpt")
+        sd = {"w": torch.randn(64), "step": 3}
+        with CheckpointManager(root) as mgr:
+            mgr.save(3, sd, metrics={"loss": 0.5})
+        assert subprocess.run(["mount", "-o", "remount,ro", str(mnt)]).returncode == 0
+        reader = CheckpointManager(root)  # needed write access before
+        assert reader.all_steps() == [3] and reader.latest_step() == 3 and reader.metrics(3) == {"loss": 0.5}
+        target = {"w": torch.zeros(64), "step": 0}
+        assert reader.restore(None, target) == 3
+        assert_bitwise_equal(target, sd)
+        with pytest.raises(async_ckpt.StorageError, match="cannot be written|not writable|read-only"):
+            reader.save(4, sd)  # the first save checks writability
+        reader.close()
+        assert "3" in os.listdir(root)
+    finally:
+        subprocess.run(["umount", str(mnt)])

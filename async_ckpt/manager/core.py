@@ -130,7 +130,8 @@ class CheckpointManager(SaveDecisions, TierListing, StepActions):
     Args:
         path: checkpoint root: a local path or an fsspec URL (``file://``, ``memory://``,
             ``gs://``, ``s3://``, ...). Each step is a DCP checkpoint in ``<path>/<step>/``.
-        save_interval: save when ``step % save_interval == 0`` (ignored if ``save_policy``).
+        save_interval: save when ``step % save_interval == 0`` (default 1: every step; with
+            ``save_policy`` it is ignored, and a warning says so when both are given).
         max_to_keep: keep the N most recently committed steps (commit order, as torch_xla);
             0 or None keeps all (ignored if ``retention``).
         max_pending_async: saves that may be in flight at once; the next one waits for a slot.
@@ -201,7 +202,7 @@ class CheckpointManager(SaveDecisions, TierListing, StepActions):
     def __init__(
         self,
         path: str,
-        save_interval: int = 1,
+        save_interval: Optional[int] = None,
         max_to_keep: Optional[int] = 0,
         max_pending_async: int = 1,
         num_of_threads: Optional[int] = None,
@@ -248,7 +249,11 @@ class CheckpointManager(SaveDecisions, TierListing, StepActions):
         for name, fn in (("wall_clock", wall_clock), ("interval_clock", interval_clock)):
             if not callable(fn):
                 raise InvalidArgumentError(f"{name} must be a callable returning seconds (like time.time), got {fn!r}")
-        self.save_policy = save_policy if save_policy is not None else EveryNSteps(save_interval)
+        if save_policy is not None and save_interval is not None:
+            warn_user(f"save_interval={save_interval!r} is ignored: save_policy={save_policy!r} decides when to "
+                      "save (pass one of them)")
+        self.save_policy = save_policy if save_policy is not None else \
+            EveryNSteps(1 if save_interval is None else save_interval)
         self.retention: RetentionPolicy = (
             as_retention_policy(retention) if retention is not None
             else (KeepLatest(max_to_keep) if max_to_keep else KeepAll())
@@ -301,6 +306,7 @@ class CheckpointManager(SaveDecisions, TierListing, StepActions):
         self._last_save_time: Optional[float] = None
         self._last_save_step: Optional[int] = None
         self._restored: Optional[int] = None  # the step this manager last restored
+        self._writable = False  # the root was found writable (checked by the first save due there)
         try:
             if local_dir is not None:
                 self._local = make_local_tier(
@@ -309,7 +315,11 @@ class CheckpointManager(SaveDecisions, TierListing, StepActions):
                     keep_incomplete=keep_incomplete, lease_timeout=float(lease_timeout),
                     timeout_s=float(collective_timeout_s), retry=retry)
                 self._tiers.insert(0, self._local)
-            self._check_writable()
+            if self._coord.is_primary:
+                self._describe_root()
+            # Created and checked when possible; a read-only root (an evaluation job's credential
+            # or mount) opens all the same, for listing and restoring: the first save checks again.
+            self._writable = self._check_writable(quiet=True)
             if self._preemption is not None:
                 self._preemption.watcher.install()
         except BaseException:  # a refused manager leaves no thread behind
@@ -699,7 +709,47 @@ class CheckpointManager(SaveDecisions, TierListing, StepActions):
         if self._closed:
             raise CheckpointError("this CheckpointManager is closed")
 
-    def _check_writable(self) -> None:
+    def _describe_root(self) -> None:
+        """Say at INFO that the root is new or empty (a typo'd path would otherwise restart a
+        run from step 0 silently), and warn when it looks like a step directory or the parent
+        of checkpoint roots. Reads only; a root that cannot be listed is left to the calls that
+        need it."""
+        from ..storage.manifest import MANIFEST_NAME, MARKER_NAME
+
+        st = self.storage
+        try:
+            entries = st.listdir(st.root)
+            names = {e["name"] for e in entries}
+            if MANIFEST_NAME in names or MARKER_NAME in names:
+                parent = st.url.rstrip("/").rsplit("/", 1)[0]
+                warn_user(f"the checkpoint path {st.url} looks like one step's directory (it holds {MANIFEST_NAME}): "
+                          f"pass the checkpoint root, its parent {parent}, instead")
+                return
+            dirs = [e["name"] for e in entries if e.get("type") == "directory"]
+            if any(d.isdigit() for d in dirs):
+                return
+            roots = [d for d in sorted(dirs)[:20] if not d.startswith(".")
+                     and any(c["name"].isdigit() and c.get("type") == "directory" for c in st.listdir(st.join(d)))]
+            if roots:
+                warn_user(f"the checkpoint path {st.url} holds no steps but its subdirector{'ies' if len(roots) > 1 else 'y'} "
+                          f"{', '.join(roots[:5])} hold{'' if len(roots) > 1 else 's'} checkpoint steps: it looks like the "
+                          f"parent of checkpoint roots; pass one of them (e.g. {st.join(roots[0])})")
+            elif not entries:
+                log.info("checkpoint root %s is new and empty: nothing to restore (check the path if a run "
+                         "should resume from it); the first save creates it", st.url)
+        except Exception as exc:  # noqa: BLE001 - advice only: listing and restoring raise their own errors
+            log.debug("could not list %s: %s", st.url, exc)
+
+    def _ensure_writable(self) -> None:
+        """Before the first save due at the root (the primary rank): the root exists and can be
+        written; once it was, never again."""
+        if not self._writable:
+            self._writable = self._check_writable()
+
+    def _check_writable(self, quiet: bool = False) -> bool:
+        """Whether the root exists (it is created) and can be written. Otherwise raise
+        :class:`StorageError`; with a local tier log it instead; ``quiet`` (opening the
+        manager, which needs only read access): return False, logged at DEBUG."""
         from ..errors import StorageError
 
         try:
@@ -708,11 +758,15 @@ class CheckpointManager(SaveDecisions, TierListing, StepActions):
             except (OSError, StorageError) as exc:
                 raise StorageError(f"checkpoint path {self.storage.url!r} cannot be written: {exc}") from exc
             self.storage.check_writable()  # object stores: probe object (missing bucket, bad credentials)
+            if self.storage.is_local and not os.access(self.storage.root, os.W_OK):
+                raise StorageError(f"checkpoint path {self.storage.url!r} is not writable")
         except StorageError as exc:
+            if quiet:
+                log.debug("%s cannot be written (only reading it works): %s", self.storage.url, exc)
+                return False
             if self._local is None:
                 raise
             log.warning("%s cannot be written now (saves go to local_dir %s meanwhile): %s",
                         self.storage.url, self._local.url, exc)
-        if self.storage.is_local:
-            if not os.access(self.storage.root, os.W_OK):
-                raise StorageError(f"checkpoint path {self.storage.url!r} is not writable")
+            return False
+        return True
