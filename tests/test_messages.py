@@ -280,3 +280,36 @@ def test_a_read_only_root_lists_and_restores(tmp_path):
         assert "3" in os.listdir(root)
     finally:
         subprocess.run(["umount", str(mnt)])
+
+
+# ---- values that need allow_pickle ----------------------------------------------------------------
+def test_values_needing_allow_pickle_warn_once_at_save_and_fail_restore_briefly(tmp_path):
+    import collections
+    import fractions
+    import warnings
+
+    root = str(tmp_path / "ckpt")
+    sd = {"w": torch.arange(6.0), "frac": fractions.Fraction(1, 3), "cfg": {"a": 1, "b": [1.5, "x"]},
+          "od": collections.OrderedDict(a=1), "s": {1, 2}}
+    with CheckpointManager(root) as mgr:
+        with pytest.warns(UserWarning, match=r"allow_pickle=True.*frac \(fractions\.Fraction\)") as rec:
+            mgr.save(1, sd)
+        msgs = [str(w.message) for w in rec if "allow_pickle" in str(w.message)]
+        import re
+
+        assert len(msgs) == 1 and re.search(r"safe set\): ([^;]*);", msgs[0]).group(1) == "frac (fractions.Fraction)"
+        assert rec[0].filename == __file__
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            mgr.save(2, sd)  # once per key
+    target = {"w": torch.zeros(6), "frac": None, "cfg": {"a": 0, "b": [0.0, ""]}, "od": {"a": 0}, "s": None}
+    reader = CheckpointManager(root)
+    for atomic in (False, True):
+        with pytest.raises(async_ckpt.UnsafeCheckpointError) as info:
+            reader.restore(2, target, atomic=atomic)
+        msg = str(info.value)
+        assert "\x1b" not in msg and len(msg) < 400, msg
+        assert "frac" in msg and "fractions.Fraction" in msg and "allow_pickle=True" in msg, msg
+    assert reader.restore(2, target, allow_pickle=True) == 2
+    assert target["frac"] == fractions.Fraction(1, 3) and target["s"] == {1, 2}
+    assert_bitwise_equal(target["w"], sd["w"])

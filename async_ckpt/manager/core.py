@@ -306,6 +306,7 @@ class CheckpointManager(SaveDecisions, TierListing, StepActions):
         self._last_save_time: Optional[float] = None
         self._last_save_step: Optional[int] = None
         self._restored: Optional[int] = None  # the step this manager last restored
+        self._pickled_seen: set = set()  # keys of pickled values already checked (see _warn_pickled)
         self._writable = False  # the root was found writable (checked by the first save due there)
         try:
             if local_dir is not None:
@@ -420,6 +421,7 @@ class CheckpointManager(SaveDecisions, TierListing, StepActions):
             if alone:
                 with gc_paused():
                     plan = self.stager.plan(state_dict)  # validates before anything is taken or written
+                self._warn_pickled(plan)
             # Earlier lazy copies finish and are sealed here, on the training thread: their writers
             # wait for that, so it must come before waiting for a writer slot.
             self.stager.synchronize_staging()
@@ -433,6 +435,7 @@ class CheckpointManager(SaveDecisions, TierListing, StepActions):
             if not alone:  # every rank queues its part of the save, even if planning fails here
                 with gc_paused():
                     plan = self.stager.plan(state_dict)
+                self._warn_pickled(plan)
             stager = self.stager.lazy if lazy and not wait else self.stager.eager
             snap = stager.stage(state_dict, plan)
             if snap.pending is not None:
@@ -478,6 +481,34 @@ class CheckpointManager(SaveDecisions, TierListing, StepActions):
             if taken and not take:  # the root could not be reached: raised as a failed upload is
                 self._writer.join()
         return True
+
+    def _warn_pickled(self, plan: Any) -> None:
+        """Warn once per key about saved values that a restore can unpickle only with
+        ``allow_pickle=True`` (classes outside torch's ``weights_only`` safe set). Each value is
+        tried once with torch's restricted unpickler, which builds only that safe set and runs
+        no code of the value's classes."""
+        import torch
+
+        from ..storage.dcp.safety import refused_global
+
+        bad: List[str] = []
+        for path, obj in plan.pickled:
+            if path in self._pickled_seen:
+                continue
+            self._pickled_seen.add(path)
+            try:
+                buf = obj.archive()
+                buf.seek(0)
+                torch.load(buf, weights_only=True)
+            except Exception as exc:  # noqa: BLE001 - torch's UnpicklingError, or what a class raises
+                name = refused_global(exc)
+                bad.append(f"{path} ({name})" if name else path)
+        if bad:
+            shown = ", ".join(bad[:10]) + (f" (and {len(bad) - 10} more)" if len(bad) > 10 else "")
+            warn_user(f"saved values that restore(..., allow_pickle=True) must unpickle (their classes are "
+                      f"outside torch's weights_only safe set): {shown}; save them as plain types (dict, list, "
+                      "str, int, float, tensors) or allowlist the classes with "
+                      "torch.serialization.add_safe_globals before restoring")
 
     def _persist(self, job: SaveJob, tier: Tier) -> None:
         """Writer thread of ``tier``: the save job, then statistics and the user's callback. A

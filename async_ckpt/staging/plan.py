@@ -88,6 +88,9 @@ class StagingPlan:
     others: List[str] = field(default_factory=list)
     #: a key is a str subclass (an enum): DCP names it ``str(key)``, the plan by its value
     odd_keys: bool = False
+    #: ``(dotted path, PickledObject)`` of the leaves pickled by this plan (not ints, strings,
+    #: ...): the values a restore may need ``allow_pickle=True`` for
+    pickled: List[Tuple[str, Any]] = field(default_factory=list)
 
     @property
     def nbytes(self) -> int:
@@ -364,11 +367,13 @@ def _walk(value: Any, path: str, plan: StagingPlan, old: Optional[Dict[Optional[
     if isinstance(value, _IMMUTABLE):
         return value
     try:
-        return pickle_value(value)  # its __reduce__ runs here, once; nothing is unpickled
+        pickled = pickle_value(value)  # its __reduce__ runs here, once; nothing is unpickled
     except Exception as exc:  # lambdas, open files, locks, ...
         raise InvalidStateDictError(
             f"{path}: a {type(value).__name__} cannot be saved in a checkpoint ({exc})"
         ) from exc
+    plan.pickled.append((path, pickled))
+    return pickled
 
 
 def _is_stateful(value: Any) -> bool:
