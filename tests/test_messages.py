@@ -313,3 +313,38 @@ def test_values_needing_allow_pickle_warn_once_at_save_and_fail_restore_briefly(
     assert reader.restore(2, target, allow_pickle=True) == 2
     assert target["frac"] == fractions.Fraction(1, 3) and target["s"] == {1, 2}
     assert_bitwise_equal(target["w"], sd["w"])
+
+
+# ---- Ctrl-C during a save ------------------------------------------------------------------------
+def test_ctrl_c_twice_during_a_save_says_so_and_leaves_no_partial_step(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    root = str(tmp_path / "ckpt")  # the worker saves to <tmp_path>/ckpt through a slow filesystem
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd()] + sys.path))
+    proc = subprocess.Popen([sys.executable, "-m", "tests.sigint_worker", str(tmp_path)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, cwd=os.path.dirname(os.path.dirname(__file__)))
+    try:
+        assert proc.stdout.readline().strip() == "SAVING"
+        proc.send_signal(signal.SIGINT)
+        # the notice goes to stderr (logging's last resort handler: no logging configured)
+        line = proc.stderr.readline()
+        assert "finishing the save of step 2; Ctrl-C again to abandon it" in line, line
+        time.sleep(0.3)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "abandoned the save of step 2" in err, err
+    assert "threading" not in err and "Exception ignored" not in err, err
+    assert err.count("Traceback") <= 1, err  # the loop's own KeyboardInterrupt, nothing else
+    names = os.listdir(root)
+    assert not [n for n in names if n.startswith((".tmp-", ".trash-")) or n.startswith("2")], names
+    target = {"w": torch.zeros(1000)}
+    mgr = CheckpointManager(root)
+    assert mgr.all_steps() == [1] and mgr.restore(None, target) == 1
+    assert_bitwise_equal(target, {"w": torch.arange(1000, dtype=torch.float32)})

@@ -306,6 +306,7 @@ class CheckpointManager(SaveDecisions, TierListing, StepActions):
         self._last_save_time: Optional[float] = None
         self._last_save_step: Optional[int] = None
         self._restored: Optional[int] = None  # the step this manager last restored
+        self._in_flight: List[int] = []  # steps queued or being written (one entry per tier's job)
         self._pickled_seen: set = set()  # keys of pickled values already checked (see _warn_pickled)
         self._writable = False  # the root was found writable (checked by the first save due there)
         try:
@@ -467,7 +468,12 @@ class CheckpointManager(SaveDecisions, TierListing, StepActions):
                               PERSISTENT_ROOT: tier.home})
             job = SaveJob(step, snap, metrics, stats, t0, manifest_extra=extra,
                           commit_at=taken_at if self._local is not None else None)
-            tier.writer.submit(functools.partial(self._persist, job, tier), step=step)
+            self._in_flight.append(step)
+            try:
+                tier.writer.submit(functools.partial(self._persist, job, tier), step=step)
+            except BaseException:
+                self._in_flight.remove(step)
+                raise
             tier.last_save_time, tier.last_save_step = self._interval_clock(), step
         if taken:
             self._taken(step, preempt)
@@ -531,6 +537,9 @@ class CheckpointManager(SaveDecisions, TierListing, StepActions):
             if coming is not None and out_of_space(exc):  # found full after all: the next save finds room
                 make_room(tier, coming, None)
             raise
+        finally:
+            if job.snap is not None and job.step in self._in_flight:
+                self._in_flight.remove(job.step)
         if stats is not None:
             self._after_commit(stats)
 
@@ -692,10 +701,55 @@ class CheckpointManager(SaveDecisions, TierListing, StepActions):
 
     def close(self) -> None:
         """Finish pending saves and deletions, stop the background threads, release the writer
-        leases, raise failures."""
+        leases, raise failures.
+
+        A ``KeyboardInterrupt`` (Ctrl-C) while it waits for a save abandons the saves still
+        being written: they fail at their next file and remove what they wrote (nothing is
+        committed, committed steps stay), then it is raised again."""
+        self._close()
+
+    def _close(self, notice: bool = False) -> None:
+        """:meth:`close`; ``notice``: say first which saves it waits for (after a Ctrl-C, or
+        at interpreter exit)."""
         if self._closed:
             return
         self._check_process()
+        pending = sorted(set(self._in_flight))
+        if notice and pending:
+            log.warning("finishing the save of step %s; Ctrl-C again to abandon it",
+                        ", ".join(map(str, pending)))
+        try:
+            self._close_now()
+        except KeyboardInterrupt:
+            self._abandon(pending)
+            raise
+
+    def _abandon(self, pending: List[int]) -> None:
+        """A Ctrl-C while closing: every tier refuses further writes, so the saves being
+        written fail at their next file and remove their temporary directories; wait for that
+        (30 s at most; another Ctrl-C stops waiting), then release the leases."""
+        for tier in self._tiers:
+            tier.store.storage.abandon()
+        deadline = time.monotonic() + 30.0
+        try:
+            for tier in self._tiers:
+                try:
+                    tier.writer.wait_idle(timeout=max(0.0, deadline - time.monotonic()))
+                except CheckpointError:
+                    pass
+        except KeyboardInterrupt:
+            pass
+        for tier in self._tiers:
+            try:
+                tier.store.close()
+            except Exception:  # noqa: BLE001 - closing anyway
+                pass
+        self._finalizer.detach()
+        _live_managers.discard(self)
+        log.warning("abandoned the save of step %s: not committed (committed steps are kept)",
+                    ", ".join(map(str, pending)) or "-")
+
+    def _close_now(self) -> None:
         self._closed = True
         _live_managers.discard(self)
         if self._preemption is not None:
@@ -724,7 +778,10 @@ class CheckpointManager(SaveDecisions, TierListing, StepActions):
             self.close()
         else:
             try:
-                self.close()
+                self._close(notice=exc_type is not None and issubclass(exc_type, KeyboardInterrupt))
+            except KeyboardInterrupt:  # a second Ctrl-C abandoned the saves: the first one propagates
+                if not issubclass(exc_type, KeyboardInterrupt):
+                    raise
             except Exception as close_exc:  # do not mask the original exception
                 log.error("pending save failed while handling another error: %s", close_exc)
 

@@ -24,7 +24,9 @@ def _finish_pending_saves_at_exit() -> None:
         if mgr._forked:
             continue  # a forked child's copy: its parent finishes the saves
         try:
-            mgr.close()
+            mgr._close(notice=True)
+        except KeyboardInterrupt:  # the saves were abandoned (and said so): exit quietly
+            pass
         except Exception as exc:  # the interpreter is exiting: report, do not raise
             log.error("a pending save failed at exit: %s", exc)
 
