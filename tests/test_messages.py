@@ -348,3 +348,17 @@ def test_ctrl_c_twice_during_a_save_says_so_and_leaves_no_partial_step(tmp_path)
     mgr = CheckpointManager(root)
     assert mgr.all_steps() == [1] and mgr.restore(None, target) == 1
     assert_bitwise_equal(target, {"w": torch.arange(1000, dtype=torch.float32)})
+
+
+def test_the_example_loop_saves_its_last_steps(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([repo] + sys.path), PJRT_DEVICE="CPU")
+    out = subprocess.run([sys.executable, os.path.join(repo, "examples", "train.py"), "--steps", "7",
+                          "--save-interval", "5", "--ckpt-dir", str(tmp_path / "ckpt")],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert CheckpointManager(str(tmp_path / "ckpt")).all_steps() == [0, 5, 6], out.stdout
