@@ -308,6 +308,7 @@ class CheckpointManager(SaveDecisions, TierListing, StepActions):
         self._restored: Optional[int] = None  # the step this manager last restored
         self._in_flight: List[int] = []  # steps queued or being written (one entry per tier's job)
         self._pickled_seen: set = set()  # keys of pickled values already checked (see _warn_pickled)
+        self._write_problem: Optional[Exception] = None  # why the root could not be written at opening
         self._writable = False  # the root was found writable (checked by the first save due there)
         try:
             if local_dir is not None:
@@ -322,6 +323,8 @@ class CheckpointManager(SaveDecisions, TierListing, StepActions):
             # Created and checked when possible; a read-only root (an evaluation job's credential
             # or mount) opens all the same, for listing and restoring: the first save checks again.
             self._writable = self._check_writable(quiet=True)
+            if not self._writable and self._local is None:
+                self._check_readable()
             if self._preemption is not None:
                 self._preemption.watcher.install()
         except BaseException:  # a refused manager leaves no thread behind
@@ -828,6 +831,27 @@ class CheckpointManager(SaveDecisions, TierListing, StepActions):
         except Exception as exc:  # noqa: BLE001 - advice only: listing and restoring raise their own errors
             log.debug("could not list %s: %s", st.url, exc)
 
+    def _check_readable(self) -> None:
+        """The root could not be written when the manager was opened: raise that error unless
+        the root can be read (a read-only mount or credential: listing and restoring work, the
+        first save raises). A root whose bucket or parent directory does not exist, or that
+        cannot be listed either (wrong credentials), raises now."""
+        problem = self._write_problem
+        if problem is None:
+            return
+        cause: Optional[BaseException] = problem
+        while cause is not None:
+            if isinstance(cause, (FileNotFoundError, NotADirectoryError, FileExistsError)):
+                raise problem
+            cause = cause.__cause__ or cause.__context__
+        try:
+            self.storage.listdir(self.storage.root)
+            readable = True
+        except Exception:  # noqa: BLE001 - neither readable: the writability error says why
+            readable = False
+        if not readable:
+            raise problem
+
     def _ensure_writable(self) -> None:
         """Before the first save due at the root (the primary rank): the root exists and can be
         written; once it was, never again."""
@@ -850,7 +874,8 @@ class CheckpointManager(SaveDecisions, TierListing, StepActions):
                 raise StorageError(f"checkpoint path {self.storage.url!r} is not writable")
         except StorageError as exc:
             if quiet:
-                log.debug("%s cannot be written (only reading it works): %s", self.storage.url, exc)
+                log.debug("%s cannot be written: %s", self.storage.url, exc)
+                self._write_problem = exc
                 return False
             if self._local is None:
                 raise
