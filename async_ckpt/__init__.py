@@ -8,6 +8,7 @@ commits it atomically.
 from .errors import (
     CheckpointError,
     CorruptCheckpointError,
+    InvalidArgumentError,
     InvalidStateDictError,
     InvalidStepError,
     LeaseHeldError,
@@ -45,6 +46,7 @@ __all__ = [
     "CheckpointInfo",
     "CheckpointManager",
     "CorruptCheckpointError",
+    "InvalidArgumentError",
     "EveryNSteps",
     "InvalidStateDictError",
     "InvalidStepError",

@@ -2,7 +2,31 @@
 
 from __future__ import annotations
 
-from typing import Optional
+import os
+import sys
+import warnings
+from typing import Optional, Type
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def warn_user(message: str, category: Type[Warning] = UserWarning) -> None:
+    """Issue a warning attributed to the caller's first frame outside async_ckpt (the line of
+    the user's code that called into the library), whatever the depth of the call inside it.
+
+    Args:
+        message: the text; it is prefixed with ``"async_ckpt: "`` unless it starts with it.
+        category: the warning class: ``UserWarning`` for something about the caller's input or
+            setup, ``RuntimeWarning`` for something that happened to storage or data.
+    """
+    if not message.startswith("async_ckpt: "):
+        message = f"async_ckpt: {message}"
+    level = 2
+    frame = sys._getframe(1)
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE_DIR):
+        frame = frame.f_back  # type: ignore[assignment]
+        level += 1
+    warnings.warn(message, category, stacklevel=level if frame is not None else 2)
 
 
 class CheckpointError(RuntimeError):
@@ -16,6 +40,12 @@ class CheckpointError(RuntimeError):
     def __init__(self, message: str, *, step: Optional[int] = None) -> None:
         super().__init__(message)
         self.step = step
+
+
+class InvalidArgumentError(CheckpointError, ValueError, TypeError):
+    """An argument of the public API that is invalid: a wrong type or value (``save_interval=0``,
+    a NaN or non-number metric, an unknown ``commit_mode``, ...). It is a ``ValueError`` and a
+    ``TypeError`` too, so code that caught those keeps working."""
 
 
 class InvalidStepError(CheckpointError, ValueError):

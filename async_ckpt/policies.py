@@ -39,7 +39,7 @@ from typing import (
     runtime_checkable,
 )
 
-from .errors import InvalidStepError
+from .errors import InvalidArgumentError, InvalidStepError
 
 __all__ = [
     "AnyOf",
@@ -123,16 +123,16 @@ RetentionPolicyLike = Union[RetentionPolicy, Callable[[Sequence[CheckpointInfo]]
 
 def _check_int(name: str, value: Any, minimum: int = 1) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+        raise InvalidArgumentError(f"{name} must be an int >= {minimum}, got {value!r}")
     return value
 
 
 def _check_seconds(name: str, value: Any, allow_zero: bool = False) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a number of seconds, got {type(value).__name__}")
+        raise InvalidArgumentError(f"{name} must be a number of seconds, got {type(value).__name__}")
     v = float(value)
     if math.isnan(v) or math.isinf(v) or v < 0 or (v == 0 and not allow_zero):
-        raise ValueError(f"{name} must be a finite number of seconds {'>= 0' if allow_zero else '> 0'}, got {value!r}")
+        raise InvalidArgumentError(f"{name} must be a finite number of seconds {'>= 0' if allow_zero else '> 0'}, got {value!r}")
     return v
 
 
@@ -149,7 +149,7 @@ class EveryNSteps:
 
     def __post_init__(self) -> None:
         if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
-            raise ValueError(f"save interval must be an int >= 1, got {self.n!r}")
+            raise InvalidArgumentError(f"save interval must be an int >= 1, got {self.n!r}")
 
     def should_save(self, step: int, context: Optional[SaveContext] = None) -> bool:
         return step % self.n == 0
@@ -160,7 +160,7 @@ class AtSteps:
 
     def __init__(self, steps: Iterable[int]) -> None:
         if isinstance(steps, (str, bytes)) or not isinstance(steps, Iterable):
-            raise TypeError(f"AtSteps needs an iterable of steps, got {type(steps).__name__}")
+            raise InvalidArgumentError(f"AtSteps needs an iterable of steps, got {type(steps).__name__}")
         self.steps: FrozenSet[int] = frozenset(_check_int("AtSteps step", s, 0) for s in steps)
 
     def should_save(self, step: int, context: Optional[SaveContext] = None) -> bool:
@@ -194,7 +194,7 @@ class EveryTSeconds:
     def __init__(self, seconds: float, clock: Callable[[], float] = time.monotonic) -> None:
         self.seconds = _check_seconds("EveryTSeconds seconds", seconds)
         if not callable(clock):
-            raise TypeError(f"EveryTSeconds clock must be callable (like time.monotonic), got {clock!r}")
+            raise InvalidArgumentError(f"EveryTSeconds clock must be callable (like time.monotonic), got {clock!r}")
         self.clock = clock
         self._own_last = clock()
 
@@ -301,7 +301,7 @@ def as_save_policy(policy: Any) -> SavePolicy:
         return policy if _takes_context(should) else _StepOnly(policy)
     if callable(policy):
         return _CallableSave(policy)
-    raise TypeError(f"a save policy needs a should_save(step) method or must be callable, got {type(policy).__name__}")
+    raise InvalidArgumentError(f"a save policy needs a should_save(step) method or must be callable, got {type(policy).__name__}")
 
 
 # ---- retention policies -------------------------------------------------------------------------
@@ -321,7 +321,7 @@ class KeepLatest:
 
     def __post_init__(self) -> None:
         if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
-            raise ValueError(f"KeepLatest needs n >= 1, got {self.n!r}")
+            raise InvalidArgumentError(f"KeepLatest needs n >= 1, got {self.n!r}")
 
     def keep(self, checkpoints: Sequence[CheckpointInfo]) -> Set[int]:
         ordered = _commit_order(checkpoints)
@@ -392,11 +392,11 @@ class KeepBest:
     def __post_init__(self) -> None:
         _check_int("KeepBest n", self.n)
         if not isinstance(self.metric, str) or not self.metric:
-            raise TypeError(f"KeepBest metric must be a non-empty string, got {self.metric!r}")
+            raise InvalidArgumentError(f"KeepBest metric must be a non-empty string, got {self.metric!r}")
         if self.mode not in _MODES:
-            raise ValueError(f"KeepBest mode must be one of {_MODES}, got {self.mode!r}")
+            raise InvalidArgumentError(f"KeepBest mode must be one of {_MODES}, got {self.mode!r}")
         if self.missing not in _MISSING:
-            raise ValueError(f"KeepBest missing must be one of {_MISSING}, got {self.missing!r}")
+            raise InvalidArgumentError(f"KeepBest missing must be one of {_MISSING}, got {self.missing!r}")
 
     def ranked(self, checkpoints: Sequence[CheckpointInfo]) -> List[CheckpointInfo]:
         """Checkpoints that have the metric, best first."""
@@ -418,7 +418,7 @@ def _rank(checkpoints: Sequence[CheckpointInfo], metric: str, mode: str) -> List
 def best_checkpoint(checkpoints: Sequence[CheckpointInfo], metric: str, mode: str = "min") -> Optional[CheckpointInfo]:
     """The checkpoint with the best ``metric`` (ties: the earliest commit), or None if none has it."""
     if mode not in _MODES:
-        raise ValueError(f"mode must be one of {_MODES}, got {mode!r}")
+        raise InvalidArgumentError(f"mode must be one of {_MODES}, got {mode!r}")
     ranked = _rank(checkpoints, metric, mode)
     return ranked[0] if ranked else None
 
@@ -438,11 +438,11 @@ class _CallableRetention:
 
 def _steps_from(result: Any, who: Any) -> Set[int]:
     if isinstance(result, (str, bytes)) or not isinstance(result, Iterable):
-        raise TypeError(f"retention policy {who!r} must return an iterable of steps, got {type(result).__name__}")
+        raise InvalidArgumentError(f"retention policy {who!r} must return an iterable of steps, got {type(result).__name__}")
     out = set()
     for s in result:
         if isinstance(s, bool) or not isinstance(s, int):
-            raise TypeError(f"retention policy {who!r} returned a non-integer step {s!r}")
+            raise InvalidArgumentError(f"retention policy {who!r} returned a non-integer step {s!r}")
         out.add(s)
     return out
 
@@ -453,7 +453,7 @@ def as_retention_policy(policy: Any) -> RetentionPolicy:
         return policy
     if callable(policy):
         return _CallableRetention(policy)
-    raise TypeError(f"a retention policy needs a keep(checkpoints) method or must be callable, got {type(policy).__name__}")
+    raise InvalidArgumentError(f"a retention policy needs a keep(checkpoints) method or must be callable, got {type(policy).__name__}")
 
 
 def apply_retention(policy: RetentionPolicy, checkpoints: Sequence[CheckpointInfo]) -> Set[int]:
@@ -472,20 +472,20 @@ class AnyOf:
 
     def __init__(self, policies: Sequence[Any]) -> None:
         if isinstance(policies, (str, bytes)) or not isinstance(policies, Iterable):
-            raise TypeError(f"AnyOf needs a list of policies, got {type(policies).__name__}")
+            raise InvalidArgumentError(f"AnyOf needs a list of policies, got {type(policies).__name__}")
         self.policies: Tuple[Any, ...] = tuple(policies)
         if not self.policies:
-            raise ValueError("AnyOf needs at least one policy")
+            raise InvalidArgumentError("AnyOf needs at least one policy")
         for p in self.policies:
             if not (callable(p) or callable(getattr(p, "should_save", None)) or callable(getattr(p, "keep", None))):
-                raise TypeError(f"AnyOf member {p!r} is neither a save policy, a retention policy nor callable")
+                raise InvalidArgumentError(f"AnyOf member {p!r} is neither a save policy, a retention policy nor callable")
         self._savers: Optional[Tuple[SavePolicy, ...]] = None
 
     def should_save(self, step: int, context: Optional[SaveContext] = None) -> bool:
         if self._savers is None:
             for p in self.policies:
                 if callable(getattr(p, "keep", None)) and not callable(getattr(p, "should_save", None)):
-                    raise TypeError(f"AnyOf used as a save policy holds a retention policy {p!r}")
+                    raise InvalidArgumentError(f"AnyOf used as a save policy holds a retention policy {p!r}")
             self._savers = tuple(as_save_policy(p) for p in self.policies)
         return any(decide_save(p, step, context) for p in self._savers)  # stops at the first yes
 
@@ -493,7 +493,7 @@ class AnyOf:
         kept: Set[int] = set()
         for p in self.policies:
             if callable(getattr(p, "should_save", None)) and not callable(getattr(p, "keep", None)):
-                raise TypeError(f"AnyOf used as a retention policy holds a save policy {p!r}")
+                raise InvalidArgumentError(f"AnyOf used as a retention policy holds a save policy {p!r}")
             kept |= apply_retention(as_retention_policy(p), checkpoints)
         return kept
 

@@ -31,7 +31,7 @@ from types import FrameType
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
 
 from . import compat
-from .errors import CheckpointError
+from .errors import CheckpointError, InvalidArgumentError
 
 log = logging.getLogger("async_ckpt")
 
@@ -43,7 +43,7 @@ _Handler = Union[Callable[[int, Optional[FrameType]], Any], int, None]
 def resolve_sync_mode(mode: str) -> str:
     """``"auto"`` -> ``"xla"`` when torch_xla runs on TPU, else ``"signal"``."""
     if mode not in SYNC_MODES:
-        raise ValueError(f"preemption_sync must be one of {SYNC_MODES}, got {mode!r}")
+        raise InvalidArgumentError(f"preemption_sync must be one of {SYNC_MODES}, got {mode!r}")
     if mode != "auto":
         return mode
     if importlib.util.find_spec("torch_xla") is None:
@@ -79,15 +79,15 @@ class PreemptionWatcher:
         sigs = []
         for s in signals:
             if isinstance(s, bool) or not isinstance(s, int):
-                raise TypeError(f"preemption_signals must be signal numbers, got {s!r}")
+                raise InvalidArgumentError(f"preemption_signals must be signal numbers, got {s!r}")
             try:
                 sigs.append(signal.Signals(s))
             except ValueError:
-                raise ValueError(f"preemption_signals: {s!r} is not a signal number") from None
+                raise InvalidArgumentError(f"preemption_signals: {s!r} is not a signal number") from None
             if s in (signal.SIGKILL, getattr(signal, "SIGSTOP", -1)):
-                raise ValueError(f"preemption_signals: {_signal_name(s)} cannot be caught")
+                raise InvalidArgumentError(f"preemption_signals: {_signal_name(s)} cannot be caught")
         if not sigs and self.sync == "signal":
-            raise ValueError("preemption_signals is empty: nothing would detect a preemption")
+            raise InvalidArgumentError("preemption_signals is empty: nothing would detect a preemption")
         self.signals: Tuple[signal.Signals, ...] = tuple(dict.fromkeys(sigs))
         self._previous: Dict[int, _Handler] = {}
         self._installed = False
@@ -127,7 +127,7 @@ class PreemptionWatcher:
                 _, _, deactivate, _ = compat.xla_preemption()
                 deactivate()
             except Exception as exc:  # pragma: no cover - best effort at shutdown
-                log.debug("async_ckpt: deactivating the preemption sync manager failed: %s", exc)
+                log.debug("deactivating the preemption sync manager failed: %s", exc)
             return
         if threading.current_thread() is not threading.main_thread():
             return  # cannot touch handlers here; ours stays installed but only chains from now on
@@ -136,7 +136,7 @@ class PreemptionWatcher:
                 if signal.getsignal(s) == self._on_signal:
                     signal.signal(s, prev if prev is not None else signal.SIG_DFL)
             except (ValueError, OSError, TypeError) as exc:  # pragma: no cover
-                log.debug("async_ckpt: restoring the handler of %s failed: %s", _signal_name(s), exc)
+                log.debug("restoring the handler of %s failed: %s", _signal_name(s), exc)
 
     def _activate_xla(self) -> None:
         try:
@@ -234,7 +234,7 @@ class PreemptionTracker:
         with self._lock:
             if self.saved_step is None:
                 self.saved_step = step
-                log.warning("async_ckpt: preemption checkpoint taken at step %d", step)
+                log.warning("preemption checkpoint taken at step %d", step)
 
     def reached(self, step: int) -> bool:
         with self._lock:

@@ -8,6 +8,8 @@ import logging
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Dict, List, Optional
 
+from .errors import InvalidArgumentError
+
 log = logging.getLogger("async_ckpt")
 
 DEFAULT_STATS_LOG = "save_stats.jsonl"
@@ -68,24 +70,78 @@ class SaveStats:
         return cls(**{k: v for k, v in d.items() if k in names})
 
     def summary(self) -> str:
-        """One line for logs."""
-        durable = f"{self.durable_s:.3f}s" if self.durable_s is not None else "pending"
+        """One line for logs, in units that fit the sizes and times (KiB or GiB, us or s)."""
+        durable = format_seconds(self.durable_s) if self.durable_s is not None else "pending"
         return (
-            f"step {self.step}: {self.nbytes / 2**20:.1f} MiB in {self.num_tensors} tensors, "
-            f"blocked {self.blocking_s * 1e3:.1f} ms (slot wait {self.queue_wait_s * 1e3:.1f} ms, "
-            f"host copy {self.stage_s * 1e3:.1f} ms, {self.host_copy_gbps:.2f} GB/s), "
-            f"write {self.write_s:.3f}s ({self.write_gbps:.2f} GB/s), commit {self.commit_s:.3f}s, "
-            f"durable after {durable}, {self.files} files"
+            f"step {self.step}: {format_bytes(self.nbytes)} in {self.num_tensors} tensors, "
+            f"blocked {format_seconds(self.blocking_s)} (slot wait {format_seconds(self.queue_wait_s)}, "
+            f"host copy {format_seconds(self.stage_s)}, {format_rate(self.nbytes, self.stage_s)}), "
+            f"write {format_seconds(self.write_s)} ({format_rate(self.nbytes, self.write_s)}), "
+            f"commit {format_seconds(self.commit_s)}, durable after {durable}, {self.files} files"
         )
+
+
+def format_bytes(n: float) -> str:
+    """A byte count in the binary unit that fits it: ``"512 B"``, ``"20.2 KiB"``, ``"1.5 GiB"``.
+
+    Args:
+        n: the number of bytes.
+
+    Returns:
+        The text.
+    """
+    if n < 1024:
+        return f"{int(n)} B"
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        n /= 1024
+        if n < 1024 or unit == "TiB":
+            break
+    return f"{n:.1f} {unit}"
+
+
+def format_seconds(s: float) -> str:
+    """A duration in the unit that fits it: ``"35 us"``, ``"1.2 ms"``, ``"3.40 s"``.
+
+    Args:
+        s: seconds.
+
+    Returns:
+        The text.
+    """
+    if s < 1e-3:
+        return f"{s * 1e6:.0f} us"
+    if s < 1:
+        return f"{s * 1e3:.1f} ms"
+    return f"{s:.2f} s"
+
+
+def format_rate(nbytes: float, seconds: float) -> str:
+    """A bandwidth in the decimal unit that fits it: ``"350 kB/s"``, ``"2.41 GB/s"`` (``"-"``
+    when nothing was timed).
+
+    Args:
+        nbytes: bytes moved.
+        seconds: the time it took.
+
+    Returns:
+        The text.
+    """
+    if seconds <= 0:
+        return "-"
+    rate = nbytes / seconds
+    for unit, scale in (("GB/s", 1e9), ("MB/s", 1e6), ("kB/s", 1e3)):
+        if rate >= scale:
+            return f"{rate / scale:.2f} {unit}"
+    return f"{rate:.0f} B/s"
 
 
 def _check_relpath(relpath: str) -> str:
     p = relpath.replace("\\", "/").strip()
     parts = [x for x in p.split("/") if x not in ("", ".")]
     if not parts or p.startswith("/") or "://" in p or ".." in parts:
-        raise ValueError(f"stats_log must be True or a path relative to the checkpoint root, got {relpath!r}")
+        raise InvalidArgumentError(f"stats_log must be True or a path relative to the checkpoint root, got {relpath!r}")
     if parts[0].isdigit() or parts[0].startswith((".tmp-", ".trash-")):
-        raise ValueError(f"stats_log={relpath!r} would collide with step directories; choose another name")
+        raise InvalidArgumentError(f"stats_log={relpath!r} would collide with step directories; choose another name")
     return "/".join(parts)
 
 

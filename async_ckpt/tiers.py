@@ -25,12 +25,19 @@ import errno
 import logging
 import os
 import shutil
-import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
-from .errors import CheckpointError, CorruptCheckpointError, StepNotFoundError, StorageError
+from .errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    InvalidArgumentError,
+    StepNotFoundError,
+    StorageError,
+    warn_user,
+)
 from .lifecycle.coordinator import Coordinator, describe, rank_local_coordinator, rebuild
+from .lifecycle.restore import as_skipped
 from .lifecycle.steps import StepStore
 from .policies import (
     CheckpointInfo,
@@ -119,7 +126,7 @@ def check_roots_differ(persistent: Storage, local: Storage) -> None:
     cleanup would delete the other's steps): ``ValueError``."""
     a, b = root_identity(persistent), root_identity(local)
     if a.startswith(b) or b.startswith(a):
-        raise ValueError(f"local_dir ({local.url}) and the checkpoint path ({persistent.url}) must not be the "
+        raise InvalidArgumentError(f"local_dir ({local.url}) and the checkpoint path ({persistent.url}) must not be the "
                          f"same directory or inside one another")
 
 
@@ -142,9 +149,9 @@ def foreign_root(tier: Tier, extra: Mapping[str, Any]) -> Optional[str]:
 def warn_foreign(tier: Tier, foreign: Dict[int, str]) -> None:
     """The warning for local copies another job saved (step -> the root it was saved for)."""
     roots = sorted(set(foreign.values()))
-    warnings.warn(f"async_ckpt: skipping the local copies of steps {sorted(foreign)} in {tier.url}: saved for the "
+    warn_user(f"async_ckpt: skipping the local copies of steps {sorted(foreign)} in {tier.url}: saved for the "
                   f"checkpoint path {' and '.join(roots)}, not {tier.home} (another job's: never restored, "
-                  f"replaced or deleted by this one)", RuntimeWarning, stacklevel=4)
+                  f"replaced or deleted by this one)", RuntimeWarning)
 
 
 def foreign_steps(tier: Tier, step: Optional[int] = None) -> Dict[int, str]:
@@ -242,7 +249,7 @@ def make_room(tier: Tier, coming: CheckpointInfo, need: Optional[int]) -> List[i
         try:  # the deleter runs one job at a time, in order: this one ends after those queued
             tier.store.deleter.submit(lambda: None).result(timeout=DELETIONS_WAIT_S)
         except Exception as exc:  # noqa: BLE001 - shut down, or slower than the bound
-            log.warning("async_ckpt: making room in local_dir %s: pending deletions did not finish: %s",
+            log.warning("making room in local_dir %s: pending deletions did not finish: %s",
                         tier.url, exc)
         dropped: List[int] = []
         for s in droppable(tier, coming):
@@ -255,11 +262,11 @@ def make_room(tier: Tier, coming: CheckpointInfo, need: Optional[int]) -> List[i
                 continue
             tier.store.catalog.remove(s, paths)
             dropped.append(s)
-            log.warning("async_ckpt: local_dir %s is full: deleted step %d before saving step %d (retention "
+            log.warning("local_dir %s is full: deleted step %d before saving step %d (retention "
                         "drops it once step %d commits)", tier.url, s, step, step)
         return dropped
     except Exception as exc:  # noqa: BLE001 - the save goes on and fails as it would
-        log.warning("async_ckpt: could not make room in local_dir %s for step %d: %s", tier.url, step, exc)
+        log.warning("could not make room in local_dir %s for step %d: %s", tier.url, step, exc)
         return []
 
 
@@ -284,15 +291,15 @@ def make_local_tier(local_dir: str, persistent: Storage, coord: Coordinator, clo
     arguments and the roots (see :func:`check_roots_differ`) are checked before anything is
     created."""
     if not isinstance(local_dir, (str, os.PathLike)):
-        raise TypeError(f"local_dir must be a path or URL string, got {type(local_dir).__name__}")
+        raise InvalidArgumentError(f"local_dir must be a path or URL string, got {type(local_dir).__name__}")
     root = os.fspath(local_dir)
     if coord.world_size > 1:
         root = f"{root.rstrip('/')}/rank{coord.rank}"
     if isinstance(policy, bool) or (isinstance(policy, int) and policy < 1):
-        raise ValueError(f"local_policy as an int is a save interval >= 1, got {policy!r}")
+        raise InvalidArgumentError(f"local_policy as an int is a save interval >= 1, got {policy!r}")
     save_policy = None if policy is None else as_save_policy(EveryNSteps(policy) if isinstance(policy, int) else policy)
     if isinstance(retention, bool) or (isinstance(retention, int) and retention < 1):
-        raise ValueError(f"local_retention as an int keeps the N newest local steps, N >= 1; got {retention!r}")
+        raise InvalidArgumentError(f"local_retention as an int keeps the N newest local steps, N >= 1; got {retention!r}")
     keep = KeepLatest(retention) if isinstance(retention, int) else as_retention_policy(retention)
     storage = Storage(root, None, retry=retry)
     check_roots_differ(persistent, storage)
@@ -331,8 +338,8 @@ def _infos(tier: Tier, others: int, failed: Optional[List[BaseException]] = None
     except FALLBACK_ERRORS as exc:
         if not others:
             raise
-        warnings.warn(f"async_ckpt: the {tier.name} tier ({tier.url}) cannot be listed, using the other tier: "
-                      f"{type(exc).__name__}: {exc}", RuntimeWarning, stacklevel=4)
+        warn_user(f"async_ckpt: the {tier.name} tier ({tier.url}) cannot be listed, using the other tier: "
+                      f"{type(exc).__name__}: {exc}", RuntimeWarning)
         if failed is not None:
             failed.append(exc)
         return {}, []
@@ -497,11 +504,11 @@ def restore_from_tiers(tiers: Sequence[Tier], coord: Coordinator, step: Optional
             problem = _attempt(tier, held.step, coord, restore_one, shared=name == PERSISTENT)
             if problem is None:
                 if errors:
-                    log.warning("async_ckpt: restored step %d from the %s tier (%s)", held.step, name, tier.url)
+                    log.warning("restored step %d from the %s tier (%s)", held.step, name, tier.url)
                 return held.step, name
             errors.append(f"step {held.step} ({name} tier): {problem}")
-            warnings.warn(f"async_ckpt: skipping the {name} copy of step {held.step} ({tier.url}): {problem}",
-                          RuntimeWarning, stacklevel=3)
+            warn_user(f"skipping the {name} copy of step {held.step} ({tier.url}): {as_skipped(problem)}",
+                      RuntimeWarning)
     what = f"step {step}" if step is not None else "no committed step"
     raise CorruptCheckpointError(f"{what}: no copy could be restored from any tier; " + "; ".join(errors[:5]),
                                  step=candidates[0].step)

@@ -21,7 +21,7 @@ import threading
 from concurrent.futures import Future
 from typing import Any, Callable, List, Optional, Tuple
 
-from .errors import CheckpointError
+from .errors import CheckpointError, InvalidArgumentError
 
 _STOP = object()
 
@@ -48,7 +48,7 @@ class AsyncWriter:
     def __init__(self, max_pending: int = 1, name: str = "async-ckpt-writer", *, defer_errors: bool = False,
                  defer_if: Optional[Callable[[BaseException], bool]] = None) -> None:
         if not isinstance(max_pending, int) or max_pending < 1:
-            raise ValueError(f"max_pending_async must be an int >= 1, got {max_pending!r}")
+            raise InvalidArgumentError(f"max_pending_async must be an int >= 1, got {max_pending!r}")
         self.max_pending = max_pending
         self.defer_errors = defer_errors
         self.defer_if = defer_if
@@ -154,7 +154,7 @@ class AsyncWriter:
             else:  # a long outage: keep the first errors and the failed steps
                 self._errors[-1] = (step, exc, deferred)
         if self.defer_errors or deferred:
-            log.error("async_ckpt: %s: save of step %s failed (raised at join()/close()): %s: %s",
+            log.error("%s: save of step %s failed (raised at join()/close()): %s: %s",
                       self._thread.name, step, type(exc).__name__, exc)
 
     def wait_idle(self, timeout: Optional[float] = None) -> None:

@@ -110,10 +110,18 @@ def main(argv=None) -> int:
                 mgr.save_async(step, state, metrics={"loss": loss_value})
                 ms = (time.perf_counter() - t0) * 1e3
                 print(f"step {step:5d}  loss {loss_value:.4f}  save_async blocked {ms:7.2f} ms")
+        if args.steps > 0 and not mgr.should_save(step):  # the steps since the last due save are kept too
+            state = {"model": model.state_dict(), "optim": optim.state_dict()}
+            mgr.save(step, state, force=True, metrics={"loss": float(loss.detach().cpu())})
+            print(f"step {step:5d}  final save")
         mgr.close()
     except KeyboardInterrupt:
-        print(f"\nInterrupted at step {step}: finishing pending saves...", file=sys.stderr)
-        mgr.close()
+        print(f"\nInterrupted at step {step}: finishing pending saves (Ctrl-C again to abandon them)...",
+              file=sys.stderr)
+        try:
+            mgr.close()
+        except KeyboardInterrupt:
+            pass  # abandoned: nothing of those saves was committed
         print(f"Last committed step: {mgr.latest_step()}", file=sys.stderr)
         return 130
     last = mgr.stats[-1] if mgr.stats else None

@@ -26,7 +26,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, cast
 
 import torch
 
-from ..errors import CheckpointError, CorruptCheckpointError, InvalidStateDictError
+from ..errors import CheckpointError, CorruptCheckpointError, InvalidArgumentError, InvalidStateDictError
 from ..staging import HostBufferPool, Stager
 
 log = logging.getLogger("async_ckpt.integrations")
@@ -275,7 +275,7 @@ class BackgroundWriter:
 
     def __init__(self, name: str, max_pending: int = 2) -> None:
         if max_pending < 1:
-            raise ValueError(f"max_pending must be >= 1, got {max_pending}")
+            raise InvalidArgumentError(f"max_pending must be >= 1, got {max_pending}")
         self.name = name
         self.max_pending = max_pending
         self._executor: Optional[ThreadPoolExecutor] = None

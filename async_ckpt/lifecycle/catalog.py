@@ -50,7 +50,7 @@ class StepCatalog:
         try:
             m = self.layout.read_manifest(step)
         except Exception as exc:  # damaged or vanished: not a record retention can rely on
-            log.warning("async_ckpt: ignoring step %d: %s", step, exc)
+            log.warning("ignoring step %d: %s", step, exc)
             return None
         return CheckpointInfo(step, m.commit_time, dict(m.metrics), m.nbytes, dict(m.extra))
 

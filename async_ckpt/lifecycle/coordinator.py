@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Protocol, Sequence,
 import torch
 
 from .. import errors as _errors
-from ..errors import CheckpointError
+from ..errors import CheckpointError, InvalidArgumentError
 from ..storage import FileRecord, Storage
 from ..storage.dcp import FsspecStorageReader, FsspecStorageWriter, WriteMemo, load_state_dict, save_state_dict
 from ..storage.dcp.direct import load_direct
@@ -298,7 +298,7 @@ def coordinator_for(process_group: Any = None, timeout_s: float = DEFAULT_TIMEOU
 
     group, control = make(), make()
     if group is None or group == dist.GroupMember.NON_GROUP_MEMBER:
-        raise ValueError("CheckpointManager was created on a rank outside its process_group")
+        raise InvalidArgumentError("CheckpointManager was created on a rank outside its process_group")
     return GroupCoordinator(group, control)
 
 

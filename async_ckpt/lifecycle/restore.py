@@ -22,14 +22,21 @@ their ``state_dict()`` returns, then handed to their ``load_state_dict``.
 
 from __future__ import annotations
 
-import warnings
-from typing import Any, Dict, List, Optional, Sequence, Set
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 import torch
 
-from ..errors import CheckpointError, CorruptCheckpointError, StateDictMismatchError, StepNotFoundError
+from ..errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    InvalidArgumentError,
+    StateDictMismatchError,
+    StepNotFoundError,
+    warn_user,
+)
 from ..gc_pause import gc_paused
 from ..storage.dcp import METADATA_NAME, FsspecStorageReader
+from ..storage.dcp.direct import PARTLY_WRITTEN
 from .coordinator import describe, raise_gathered
 from .steps import StepStore
 
@@ -57,18 +64,23 @@ def _is_stateful(value: Any) -> bool:
 
 def restore(store: StepStore, step: Optional[int], state_dict: Dict[str, Any], *, verify: bool,
             allow_pickle: bool, threads: int, planner: Any, atomic: bool = False, strict: bool = True,
-            pool: Any = None) -> int:
+            pool: Any = None, key_map: Optional[Mapping[str, str]] = None) -> int:
     """Every rank: load ``step`` (None: the most recent commit that verifies) into ``state_dict``
     in place and return the step. Rank 0's listing decides which steps exist. ``pool``: the
-    host buffer pool that ``atomic`` stages through (see :meth:`.Coordinator.load`)."""
+    host buffer pool that ``atomic`` stages through (see :meth:`.Coordinator.load`);
+    ``key_map``: see :func:`check_key_map`."""
     stateful = {k: v for k, v in state_dict.items() if _is_stateful(v)}
     target: Dict[str, Any] = state_dict
     if stateful:  # what dcp.load does: restore into their state_dict(), then load_state_dict
         target = dict(state_dict)
         for k, v in stateful.items():
             target[k] = v.state_dict()
-    s = _restore(store, step, target, verify=verify, allow_pickle=allow_pickle, threads=threads, planner=planner,
-                 atomic=atomic, strict=strict, stateful=frozenset(stateful), pool=pool)
+    view, back = (target, None) if not key_map else _remapped(target, key_map)
+    s = _restore(store, step, view, verify=verify, allow_pickle=allow_pickle, threads=threads, planner=planner,
+                 atomic=atomic, strict=strict, stateful=frozenset(stateful) if back is None else frozenset(),
+                 pool=pool)
+    if back is not None:
+        back()
     local: Optional[BaseException] = None
     try:
         if stateful:
@@ -86,6 +98,92 @@ def restore(store: StepStore, step: Optional[int], state_dict: Dict[str, Any], *
         outcomes = coord.all_gather(None if local is None else describe(coord.rank, local))
         raise_gathered(outcomes, s, "load_state_dict() of the restored Stateful values", local)
     return s
+
+
+def as_skipped(problem: str) -> str:
+    """The error text of a damaged step that a fallback skips: its "partly written, must not
+    be used" sense is replaced (the older step that is restored next overwrites that data).
+
+    Args:
+        problem: the skipped attempt's error text.
+
+    Returns:
+        The text to put in the warning.
+    """
+    if PARTLY_WRITTEN in problem:
+        problem = problem.replace(f"; {PARTLY_WRITTEN}", "").replace(PARTLY_WRITTEN, "")
+        problem += " (it had partly written the target; the step restored instead overwrites that)"
+    return problem
+
+
+def check_key_map(key_map: Any) -> Optional[Dict[str, str]]:
+    """Validate ``restore(..., key_map=)``: a mapping of a checkpoint key prefix to the prefix
+    that replaces it in the target's keys (flattened, dotted keys as ``async-ckpt show`` prints
+    them). ``{"module.": ""}`` loads a DDP checkpoint (``module.w``) into a plain model (``w``),
+    ``{"": "_orig_mod."}`` a plain one into a ``torch.compile``'d model; the longest matching
+    target prefix wins.
+
+    Args:
+        key_map: the mapping, or None.
+
+    Returns:
+        The mapping as a dict (None for None or an empty mapping).
+
+    Raises:
+        InvalidArgumentError: not a mapping of str to str, or two checkpoint prefixes mapped to
+            the same target prefix.
+    """
+    if key_map is None:
+        return None
+    if not isinstance(key_map, Mapping) or not all(isinstance(k, str) and isinstance(v, str)
+                                                   for k, v in key_map.items()):
+        raise InvalidArgumentError(f"key_map must map checkpoint key prefixes (str) to target key prefixes (str), "
+                                   f"e.g. {{'module.': ''}}; got {key_map!r}")
+    targets = list(key_map.values())
+    dup = sorted({t for t in targets if targets.count(t) > 1})
+    if dup:
+        raise InvalidArgumentError(f"key_map maps several checkpoint prefixes to the target prefix {dup[0]!r}: "
+                                   "which one a target key comes from would be ambiguous")
+    return dict(key_map) or None
+
+
+def _remapped(target: Dict[str, Any], key_map: Mapping[str, str]) -> Tuple[Dict[str, Any], Callable[[], None]]:
+    """A flat view of ``target`` keyed by the checkpoint's keys (``key_map`` applied backwards
+    to each flattened key of ``target``), and a function that puts the values a restore
+    assigned in the view (non-tensor values; tensors are written in place) back into
+    ``target``."""
+    from ..storage.dcp.writer import _flatten  # DCP's flatten_state_dict, quicker
+
+    flat, paths = _flatten(target)
+    rules = sorted(((dst, src) for src, dst in key_map.items()), key=lambda r: len(r[0]), reverse=True)
+    view: Dict[str, Any] = {}
+    origin: Dict[str, str] = {}
+    for k, v in flat.items():
+        ck = next((src + k[len(dst):] for dst, src in rules if k.startswith(dst)), k)
+        if ck in view:
+            raise InvalidArgumentError(f"key_map={dict(key_map)!r} maps the keys {origin[ck]!r} and {k!r} of "
+                                       f"state_dict to the same checkpoint key {ck!r}")
+        view[ck], origin[ck] = v, k
+
+    def back() -> None:
+        for ck, k in origin.items():
+            if view[ck] is not flat[k]:
+                _set_path(target, paths[k], view[ck])
+    return view, back
+
+
+def _set_path(root: Any, path: Sequence[Any], value: Any) -> None:
+    """``root[path[0]][path[1]]... = value`` along a DCP path (whose dict keys that were ints
+    are strings)."""
+    cur = root
+    for i, p in enumerate(path):
+        if isinstance(cur, dict) and p not in cur and isinstance(p, str) and p.lstrip("-").isdigit() \
+                and int(p) in cur:
+            p = int(p)
+        if i == len(path) - 1:
+            cur[p] = value
+        else:
+            cur = cur[p]
 
 
 def _restore(store: StepStore, step: Optional[int], state_dict: Dict[str, Any], *, verify: bool,
@@ -113,7 +211,7 @@ def _restore(store: StepStore, step: Optional[int], state_dict: Dict[str, Any], 
         try:
             _restore_one(store, s, state_dict, covered=covered, **opts)
         except CorruptCheckpointError as exc:
-            warnings.warn(f"async_ckpt: skipping damaged step {s}: {exc}", RuntimeWarning, stacklevel=4)
+            warn_user(f"skipping damaged step {s}: {as_skipped(str(exc))}", RuntimeWarning)
             errors.append(exc)
             if getattr(exc, "partly_written", False):
                 written.update(dict.fromkeys(covered, s))
@@ -162,9 +260,9 @@ def _warn_left_over(written: Dict[str, int], covered: Set[str], step: int) -> No
         if k not in covered:
             left.setdefault(s, []).append(k)
     for s, keys in sorted(left.items(), reverse=True):
-        warnings.warn(f"async_ckpt: restored step {step}, which lacks keys that the failed restore of damaged step "
-                      f"{s} had partly written: they hold data of damaged step {s}, not of step {step}: "
-                      f"{_keys(keys)}", RuntimeWarning, stacklevel=5)
+        warn_user(f"restored step {step}, which lacks keys that the failed restore of damaged step "
+                  f"{s} had partly written: they hold data of damaged step {s}, not of step {step}: "
+                  f"{_keys(keys)}", RuntimeWarning)
 
 
 def _restore_one(store: StepStore, step: int, state_dict: Dict[str, Any], *, verify: bool, allow_pickle: bool,
@@ -287,31 +385,104 @@ def _prepare_target(state_dict: Dict[str, Any], metadata: Any, step: int, int_ke
                     problems.append(f"{k}: {unwritable}")
         elif isinstance(v, torch.Tensor):
             problems.append(f"{k}: state_dict has a tensor, checkpoint has a non-tensor value")
+    unmatched = [k for k in md if k not in flat and k in (metadata.planner_data or {})]
     if (missing and strict) or problems:
-        lines = [f"missing from checkpoint: {_keys(missing)}"] if missing and strict else []
+        lines = [f"state_dict keys missing from checkpoint: {_keys(missing)}"] if missing and strict else []
         lines += problems[:SHOWN_KEYS]
-        raise StateDictMismatchError(f"state_dict does not match checkpoint step {step}: " + "; ".join(lines), step=step)
+        text = f"state_dict does not match checkpoint step {step}: " + "; ".join(lines)
+        if missing and strict:
+            text += "; " + _unmatched_hint(missing, unmatched, step)
+        raise StateDictMismatchError(text, step=step)
     if covered is not None:
         covered.update(k for k in flat if k in md)
     if missing:
-        warnings.warn(f"async_ckpt: restore(strict=False) of step {step}: keys not in the checkpoint, left as "
-                      f"they are: {_keys(missing)}", UserWarning, stacklevel=6)
+        warn_user(f"restore(strict=False) of step {step}: keys not in the checkpoint, left as they are: "
+                  f"{_keys(missing)}")
     mappings = metadata.planner_data or {}
     added = []
     extra = []
-    for k, m in md.items():
-        if k in flat or k not in mappings:
-            continue
+    # A key of the checkpoint is added only inside a container that is empty in the target (a
+    # fresh optimizer's ``state``, an empty ``{}``): decided on the target as it was, before any
+    # addition. Elsewhere (a model whose state_dict lacks a layer) it is left out, with a warning.
+    fillable = [k for k in unmatched if strict and _fillable(state_dict, mappings[k], int_keys)]
+    for k in fillable:
+        m = md[k]
         path = mappings[k]
-        if not strict:
-            extra.append(k)
-            continue
         value = torch.empty(tuple(m.size), dtype=m.properties.dtype) if isinstance(m, TensorStorageMetadata) else None
         added.extend(_insert(state_dict, path, _typed_path(path, int_keys), value))
+    extra = [k for k in unmatched if k not in set(fillable)] if len(fillable) != len(unmatched) else []
     if extra:
-        warnings.warn(f"async_ckpt: checkpoint step {step} has keys the state_dict lacks, not restored: "
-                      f"{_keys(extra)}", UserWarning, stacklevel=6)
+        warn_user(f"checkpoint step {step} has keys the state_dict lacks; they were not restored "
+                  f"(nor added to state_dict): {_keys(extra)}"
+                  f". {_cause_hint(extra, missing)}")
     return added
+
+
+def _fillable(state_dict: Dict[str, Any], path: Sequence[Any], int_keys: Set[str]) -> bool:
+    """Whether restore may add the checkpoint entry at ``path`` to ``state_dict``: the deepest
+    container on ``path`` that ``state_dict`` has is empty (a fresh optimizer's ``state``, an
+    empty target), or the first key it lacks was an int at save time (an optimizer's
+    ``state`` keyed by parameter index, holding entries for some parameters only)."""
+    cur: Any = state_dict
+    prefix = ""
+    for p in path[:-1]:
+        prefix = f"{prefix}.{p}" if prefix else str(p)
+        nxt = None
+        if isinstance(cur, dict):
+            nxt = cur.get(int(p) if prefix in int_keys else p)
+        elif isinstance(cur, list) and isinstance(p, int) and p < len(cur):
+            nxt = cur[p]
+        if not isinstance(nxt, (dict, list)):
+            return len(cur) == 0 or prefix in int_keys
+        cur = nxt
+    return len(cur) == 0
+
+
+def suggest_key_map(missing: Sequence[str], unmatched: Sequence[str]) -> Optional[Dict[str, str]]:
+    """A ``key_map`` that turns the checkpoint's ``unmatched`` keys into the target's
+    ``missing`` ones (a prefix added or dropped: DDP's ``module.``, torch.compile's
+    ``_orig_mod.``, a ``{"model": ...}`` level), if one prefix change explains most of them.
+
+    Args:
+        missing: keys of the target the checkpoint lacks.
+        unmatched: keys of the checkpoint that match no key of the target.
+
+    Returns:
+        ``{checkpoint_prefix: target_prefix}`` or None.
+    """
+    if not missing or not unmatched:
+        return None
+    t = missing[0].split(".")
+
+    def suffix(u: List[str]) -> int:
+        n = 0
+        while n < min(len(u), len(t)) and u[-1 - n] == t[-1 - n]:
+            n += 1
+        return n
+    best = max((u.split(".") for u in unmatched[:100_000]), key=suffix)
+    n = suffix(best)
+    if n == 0:
+        return None
+    head_u, head_t = best[:len(best) - n], t[:len(t) - n]
+    src = ".".join(head_u) + "." if head_u else ""
+    dst = ".".join(head_t) + "." if head_t else ""
+    want = set(missing)
+    hits = sum(1 for u in unmatched if u.startswith(src) and dst + u[len(src):] in want)
+    return {src: dst} if hits * 2 >= min(len(missing), len(unmatched)) and hits else None
+
+
+def _cause_hint(unmatched: Sequence[str], missing: Sequence[str]) -> str:
+    km = suggest_key_map(missing, unmatched)
+    fix = f"restore(..., key_map={km!r}) maps them; " if km else ""
+    return (f"{fix}the usual causes are a renamed module, torch.compile's '_orig_mod.', DDP's 'module.' or a "
+            "missing {'model': ...} level (restore(..., key_map={'module.': ''}) strips a prefix); "
+            "`async-ckpt show <root> <step>` lists the checkpoint's keys")
+
+
+def _unmatched_hint(missing: Sequence[str], unmatched: Sequence[str], step: int) -> str:
+    head = (f"keys of the checkpoint that match no key of state_dict: {_keys(list(unmatched))}; "
+            if unmatched else "")
+    return head + _cause_hint(unmatched, missing) + "; strict=False loads only the keys both have"
 
 
 def _unwritable(t: torch.Tensor) -> Optional[str]:

@@ -54,7 +54,7 @@ class StepStore:
                 self.lease.check()
                 return
             except LeaseHeldError as exc:  # lost (taken over, or lapsed): give up our claim, then take it again
-                log.warning("async_ckpt: %s; taking the writer lease again", exc)
+                log.warning("%s; taking the writer lease again", exc)
                 self.lease.release()
         self.lease.acquire(self.lease_timeout)
         self.catalog.enable_cache()
@@ -86,7 +86,7 @@ class StepStore:
             return
         self._warned_lower = True
         log.warning(
-            "async_ckpt: saving step %d under %s, which already holds committed steps up to %d "
+            "saving step %d under %s, which already holds committed steps up to %d "
             "(an earlier run?). Commit order decides: step %d becomes the latest step, and "
             "retention by commit order will delete the older run's steps as this run goes on. "
             "Restore a step first to continue from it, or save to another directory.",
@@ -122,23 +122,23 @@ class StepStore:
         try:
             drops = self.catalog.drops(policy)
         except Exception as exc:  # a failing policy must never break training
-            log.warning("async_ckpt: retention failed: %s", exc)
+            log.warning("retention failed: %s", exc)
             return []
         dropped = []
         for s in drops:
             try:
                 self.check_lease()
             except LeaseHeldError as exc:
-                log.error("async_ckpt: retention deletes nothing: %s", exc)
+                log.error("retention deletes nothing: %s", exc)
                 break
             try:
                 paths = self.catalog.condemn(s)
             except Exception as exc:
-                log.warning("async_ckpt: could not delete step %d: %s", s, exc)
+                log.warning("could not delete step %d: %s", s, exc)
                 continue
             if paths:
                 dropped.append(s)
-                log.info("async_ckpt: deleted step %d (retention)", s)
+                log.info("deleted step %d (retention)", s)
                 self.in_background(functools.partial(self._remove, s, paths))
         return dropped
 
@@ -147,7 +147,7 @@ class StepStore:
             self.check_lease(step)  # a successor may be re-saving this step into the same directory
             self.catalog.remove(step, paths)
         except Exception as exc:  # the step is already unmarked: cleanup finishes it later
-            log.warning("async_ckpt: could not remove the files of step %d: %s", step, exc)
+            log.warning("could not remove the files of step %d: %s", step, exc)
 
     def delete(self, step: int) -> None:
         """Delete a committed step now (the caller holds the lease)."""
@@ -157,16 +157,16 @@ class StepStore:
         paths = self.catalog.condemn(step)
         self.check_lease(step)
         self.catalog.remove(step, paths)
-        log.info("async_ckpt: deleted step %d (delete())", step)
+        log.info("deleted step %d (delete())", step)
 
     def recover(self) -> None:
         """Finish commits a crash interrupted (see ``CheckpointLayout.recover``)."""
         try:
             self.check_lease()
             for step in self.layout.recover():
-                log.warning("async_ckpt: completed the commit of step %d, which a crash had interrupted", step)
+                log.warning("completed the commit of step %d, which a crash had interrupted", step)
         except Exception as exc:
-            log.warning("async_ckpt: recovery of interrupted commits failed: %s", exc)
+            log.warning("recovery of interrupted commits failed: %s", exc)
 
     def cleanup_incomplete(self) -> None:
         """Remove what never committed (a dead writer's debris). Holder of the lease only."""
@@ -180,13 +180,13 @@ class StepStore:
                     trash = path.rstrip("/").rsplit("/", 1)[-1].startswith(".trash-")
                     if not trash and self.storage.exists(f"{path}/{MARKER_NAME}"):
                         continue  # committed since it was listed
-                    log.info("async_ckpt: removing incomplete checkpoint %s", path)
+                    log.info("removing incomplete checkpoint %s", path)
                     self.check_lease(step)
                     self.layout.remove(self.layout.condemn_dir(path))
                 finally:
                     self.catalog.release_delete(step)
         except Exception as exc:
-            log.warning("async_ckpt: cleanup of incomplete checkpoints failed: %s", exc)
+            log.warning("cleanup of incomplete checkpoints failed: %s", exc)
 
     def close(self) -> None:
         """Finish deletions, release the lease."""

@@ -92,6 +92,6 @@ class StepActions:
         _, dropped = promote(self._local, self._tiers[-1], step, verify=self.verify, threads=self.write_threads,
                              retention=self.retention)
         if dropped:
-            log.warning("async_ckpt: promote(%d): the retention of %s dropped steps %s", step,
+            log.warning("promote(%d): the retention of %s dropped steps %s", step,
                         self._store.storage.url, dropped)
         return dropped

@@ -14,14 +14,14 @@ import logging
 import os
 import time
 import uuid
-import warnings
 import weakref
-from typing import Any, Callable, Deque, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Callable, Deque, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from ..errors import CheckpointError, InvalidStateDictError, LeaseHeldError
+from ..errors import CheckpointError, InvalidArgumentError, InvalidStateDictError, LeaseHeldError, warn_user
 from ..gc_pause import gc_paused
 from ..lifecycle.coordinator import DEFAULT_TIMEOUT_S, coordinator_for
 from ..lifecycle.planners import load_planner_for, save_planner_for
+from ..lifecycle.restore import check_key_map
 from ..lifecycle.restore import restore as _restore
 from ..lifecycle.save_job import SaveJob, run_save
 from ..lifecycle.steps import StepStore
@@ -37,7 +37,7 @@ from ..policies import (
 )
 from ..preemption import PreemptionTracker, PreemptionWatcher
 from ..staging import HostBufferPool, Stager
-from ..stats import SaveStats
+from ..stats import SaveStats, format_bytes, format_seconds
 from ..storage import CheckpointLayout, RetryPolicy, Storage
 from ..storage.manifest import check_metrics
 from ..storage.stats_log import StatsLog
@@ -85,6 +85,30 @@ def _weak_idle(mgr: "CheckpointManager") -> Callable[[], bool]:
     return idle
 
 
+def _tensor_bytes(tree: Any) -> Tuple[int, int]:
+    """Bytes and number of the tensors in a state dict (what a restore filled), through dicts,
+    lists and ``Stateful`` values."""
+    import torch
+
+    nbytes = count = 0
+    stack = [tree]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, torch.Tensor):
+            nbytes += v.numel() * v.element_size()
+            count += 1
+        elif isinstance(v, Mapping):
+            stack.extend(v.values())
+        elif isinstance(v, (list, tuple)):
+            stack.extend(v)
+        elif callable(getattr(v, "state_dict", None)) and not isinstance(v, type):
+            try:
+                stack.append(v.state_dict())
+            except Exception:  # noqa: BLE001 - only counted for the log line
+                pass
+    return nbytes, count
+
+
 def _raise_all(errors: List[BaseException]) -> None:
     """Raise the one failure, or the first naming the others (each tier's failure is raised
     once: one left out would never be seen again)."""
@@ -106,7 +130,8 @@ class CheckpointManager(SaveDecisions, TierListing, StepActions):
     Args:
         path: checkpoint root: a local path or an fsspec URL (``file://``, ``memory://``,
             ``gs://``, ``s3://``, ...). Each step is a DCP checkpoint in ``<path>/<step>/``.
-        save_interval: save when ``step % save_interval == 0`` (ignored if ``save_policy``).
+        save_interval: save when ``step % save_interval == 0`` (default 1: every step; with
+            ``save_policy`` it is ignored, and a warning says so when both are given).
         max_to_keep: keep the N most recently committed steps (commit order, as torch_xla);
             0 or None keeps all (ignored if ``retention``).
         max_pending_async: saves that may be in flight at once; the next one waits for a slot.
@@ -182,7 +207,7 @@ class CheckpointManager(SaveDecisions, TierListing, StepActions):
     def __init__(
         self,
         path: str,
-        save_interval: int = 1,
+        save_interval: Optional[int] = None,
         max_to_keep: Optional[int] = 0,
         max_pending_async: int = 1,
         num_of_threads: Optional[int] = None,
@@ -213,23 +238,27 @@ class CheckpointManager(SaveDecisions, TierListing, StepActions):
     ) -> None:
         if num_of_threads is not None:  # torch_xla's name for the writer's thread count
             if not isinstance(num_of_threads, int) or isinstance(num_of_threads, bool) or num_of_threads < 1:
-                raise ValueError(f"num_of_threads must be an int >= 1, got {num_of_threads!r}")
+                raise InvalidArgumentError(f"num_of_threads must be an int >= 1, got {num_of_threads!r}")
             write_threads = num_of_threads
         if not isinstance(write_threads, int) or isinstance(write_threads, bool) or write_threads < 1:
-            raise ValueError(f"write_threads must be an int >= 1, got {write_threads!r}")
+            raise InvalidArgumentError(f"write_threads must be an int >= 1, got {write_threads!r}")
         if max_to_keep is not None and (not isinstance(max_to_keep, int) or max_to_keep < 0):
-            raise ValueError(f"max_to_keep must be an int >= 0 or None, got {max_to_keep!r}")
+            raise InvalidArgumentError(f"max_to_keep must be an int >= 0 or None, got {max_to_keep!r}")
         if not isinstance(lease_timeout, (int, float)) or isinstance(lease_timeout, bool) or lease_timeout < 0:
-            raise ValueError(f"lease_timeout must be a number of seconds >= 0, got {lease_timeout!r}")
+            raise InvalidArgumentError(f"lease_timeout must be a number of seconds >= 0, got {lease_timeout!r}")
         if (not isinstance(collective_timeout_s, (int, float)) or isinstance(collective_timeout_s, bool)
                 or collective_timeout_s <= 0):
-            raise ValueError(f"collective_timeout_s must be a number of seconds > 0, got {collective_timeout_s!r}")
+            raise InvalidArgumentError(f"collective_timeout_s must be a number of seconds > 0, got {collective_timeout_s!r}")
         if not isinstance(lazy, bool):
-            raise TypeError(f"lazy must be a bool, got {lazy!r}")
+            raise InvalidArgumentError(f"lazy must be a bool, got {lazy!r}")
         for name, fn in (("wall_clock", wall_clock), ("interval_clock", interval_clock)):
             if not callable(fn):
-                raise TypeError(f"{name} must be a callable returning seconds (like time.time), got {fn!r}")
-        self.save_policy = save_policy if save_policy is not None else EveryNSteps(save_interval)
+                raise InvalidArgumentError(f"{name} must be a callable returning seconds (like time.time), got {fn!r}")
+        if save_policy is not None and save_interval is not None:
+            warn_user(f"save_interval={save_interval!r} is ignored: save_policy={save_policy!r} decides when to "
+                      "save (pass one of them)")
+        self.save_policy = save_policy if save_policy is not None else \
+            EveryNSteps(1 if save_interval is None else save_interval)
         self.retention: RetentionPolicy = (
             as_retention_policy(retention) if retention is not None
             else (KeepLatest(max_to_keep) if max_to_keep else KeepAll())
@@ -241,10 +270,10 @@ class CheckpointManager(SaveDecisions, TierListing, StepActions):
             self._preemption = PreemptionTracker(PreemptionWatcher(
                 (_signal.SIGTERM,) if preemption_signals is None else tuple(preemption_signals), preemption_sync))
             if preemption_signals is not None and self._preemption.watcher.sync == "xla":
-                raise ValueError("preemption_signals cannot be combined with torch_xla's preemption sync point "
+                raise InvalidArgumentError("preemption_signals cannot be combined with torch_xla's preemption sync point "
                                  "(it handles SIGTERM itself); pass preemption_sync='signal' to use signals")
         elif preemption_signals is not None:
-            raise ValueError("preemption_signals needs chkpt_on_preemption=True")
+            raise InvalidArgumentError("preemption_signals needs chkpt_on_preemption=True")
         # Collective: every rank creates the checkpoint groups, first, before anything that
         # could fail on one rank only (a no-op coordinator in a single process).
         self._coord = coordinator_for(process_group, float(collective_timeout_s))
@@ -285,6 +314,10 @@ class CheckpointManager(SaveDecisions, TierListing, StepActions):
         self._last_save_time: Optional[float] = None
         self._last_save_step: Optional[int] = None
         self._restored: Optional[int] = None  # the step this manager last restored
+        self._in_flight: List[int] = []  # steps queued or being written (one entry per tier's job)
+        self._pickled_seen: set = set()  # keys of pickled values already checked (see _warn_pickled)
+        self._write_problem: Optional[Exception] = None  # why the root could not be written at opening
+        self._writable = False  # the root was found writable (checked by the first save due there)
         try:
             if local_dir is not None:
                 self._local = make_local_tier(
@@ -293,7 +326,13 @@ class CheckpointManager(SaveDecisions, TierListing, StepActions):
                     keep_incomplete=keep_incomplete, lease_timeout=float(lease_timeout),
                     timeout_s=float(collective_timeout_s), retry=retry)
                 self._tiers.insert(0, self._local)
-            self._check_writable()
+            if self._coord.is_primary:
+                self._describe_root()
+            # Created and checked when possible; a read-only root (an evaluation job's credential
+            # or mount) opens all the same, for listing and restoring: the first save checks again.
+            self._writable = self._check_writable(quiet=True)
+            if not self._writable and self._local is None:
+                self._check_readable()
             if self._preemption is not None:
                 self._preemption.watcher.install()
         except BaseException:  # a refused manager leaves no thread behind
@@ -386,7 +425,7 @@ class CheckpointManager(SaveDecisions, TierListing, StepActions):
                 except LeaseHeldError:
                     if alone:
                         raise
-                    log.exception("async_ckpt: rank %d skips the local save of step %d", self._coord.rank, step)
+                    log.exception("rank %d skips the local save of step %d", self._coord.rank, step)
                     take_local = False
             due = ([self._local] if take_local and self._local is not None else []) + ([self._tiers[-1]] if take else [])
             if not due:
@@ -395,6 +434,7 @@ class CheckpointManager(SaveDecisions, TierListing, StepActions):
             if alone:
                 with gc_paused():
                     plan = self.stager.plan(state_dict)  # validates before anything is taken or written
+                self._warn_pickled(plan)
             # Earlier lazy copies finish and are sealed here, on the training thread: their writers
             # wait for that, so it must come before waiting for a writer slot.
             self.stager.synchronize_staging()
@@ -421,6 +461,7 @@ class CheckpointManager(SaveDecisions, TierListing, StepActions):
             if not alone:  # every rank queues its part of the save, even if planning fails here
                 with gc_paused():
                     plan = self.stager.plan(state_dict)
+                self._warn_pickled(plan)
             stager = self.stager.lazy if lazy and not wait else self.stager.eager
             snap = stager.stage(state_dict, plan)
             if snap.pending is not None:
@@ -459,7 +500,12 @@ class CheckpointManager(SaveDecisions, TierListing, StepActions):
                               PERSISTENT_ROOT: tier.home})
             job = SaveJob(step, snap, metrics, stats, t0, manifest_extra=extra,
                           commit_at=taken_at if self._local is not None else None)
-            tier.writer.submit(functools.partial(self._persist, job, tier), step=step)
+            self._in_flight.append(step)
+            try:
+                tier.writer.submit(functools.partial(self._persist, job, tier), step=step)
+            except BaseException:
+                self._in_flight.remove(step)
+                raise
             tier.last_save_time, tier.last_save_step = self._interval_clock(), step
         if taken:
             self._taken(step, preempt)
@@ -473,6 +519,34 @@ class CheckpointManager(SaveDecisions, TierListing, StepActions):
             if taken and not take:  # the root could not be reached: raised as a failed upload is
                 self._writer.join()
         return True
+
+    def _warn_pickled(self, plan: Any) -> None:
+        """Warn once per key about saved values that a restore can unpickle only with
+        ``allow_pickle=True`` (classes outside torch's ``weights_only`` safe set). Each value is
+        tried once with torch's restricted unpickler, which builds only that safe set and runs
+        no code of the value's classes."""
+        import torch
+
+        from ..storage.dcp.safety import refused_global
+
+        bad: List[str] = []
+        for path, obj in plan.pickled:
+            if path in self._pickled_seen:
+                continue
+            self._pickled_seen.add(path)
+            try:
+                buf = obj.archive()
+                buf.seek(0)
+                torch.load(buf, weights_only=True)
+            except Exception as exc:  # noqa: BLE001 - torch's UnpicklingError, or what a class raises
+                name = refused_global(exc)
+                bad.append(f"{path} ({name})" if name else path)
+        if bad:
+            shown = ", ".join(bad[:10]) + (f" (and {len(bad) - 10} more)" if len(bad) > 10 else "")
+            warn_user(f"saved values that restore(..., allow_pickle=True) must unpickle (their classes are "
+                      f"outside torch's weights_only safe set): {shown}; save them as plain types (dict, list, "
+                      "str, int, float, tensors) or allowlist the classes with "
+                      "torch.serialization.add_safe_globals before restoring")
 
     def _persist(self, job: SaveJob, tier: Tier) -> None:
         """Writer thread of ``tier``: the save job, then statistics and the user's callback. A
@@ -495,6 +569,9 @@ class CheckpointManager(SaveDecisions, TierListing, StepActions):
             if coming is not None and out_of_space(exc):  # found full after all: the next save finds room
                 make_room(tier, coming, None)
             raise
+        finally:
+            if job.snap is not None and job.step in self._in_flight:
+                self._in_flight.remove(job.step)
         if stats is not None:
             self._after_commit(stats)
 
@@ -507,13 +584,16 @@ class CheckpointManager(SaveDecisions, TierListing, StepActions):
             try:
                 self._stats_log.append(stats)
             except Exception as exc:
-                log.warning("async_ckpt: could not append save statistics: %s", exc)
-        log.info("async_ckpt: rank %d saved %s", self._coord.rank, stats.summary())
+                log.warning("could not append save statistics: %s", exc)
+        if self._coord.world_size > 1:
+            log.info("rank %d saved %s", self._coord.rank, stats.summary())
+        else:
+            log.info("saved %s", stats.summary())
         if self.on_saved is not None:
             try:
                 self.on_saved(stats)
             except Exception:
-                log.exception("async_ckpt: the on_saved callback raised for step %d (the step is committed)",
+                log.exception("the on_saved callback raised for step %d (the step is committed)",
                               stats.step)
 
     def _apply_retention(self) -> List[int]:
@@ -526,11 +606,12 @@ class CheckpointManager(SaveDecisions, TierListing, StepActions):
         return self.stats[-1] if self.stats else None
 
     # ---- restoring ---------------------------------------------------------------------------
-    def restore(self, step: Optional[int], state_dict: Dict[str, Any], *, verify: Optional[bool] = None,
-                allow_pickle: bool = False, atomic: bool = False, strict: bool = True) -> int:
+    def restore(self, step: Any, state_dict: Dict[str, Any], *, verify: Optional[bool] = None,
+                allow_pickle: bool = False, atomic: bool = False, strict: bool = True,
+                key_map: Optional[Mapping[str, str]] = None) -> int:
         """Load a committed step into ``state_dict`` in place and return the step.
 
-        ``step=None`` picks the most recently committed step (see :meth:`latest_step`); if it
+        ``step=None`` (or ``"latest"``, as the CLI spells it) picks the most recently committed step (see :meth:`latest_step`); if it
         fails verification, the next older commit that verifies is used, with a warning naming
         the skipped step, and its data overwrites everything again. A named step that is
         damaged raises :class:`CorruptCheckpointError`. With ``local_dir`` the local copy of a
@@ -545,10 +626,16 @@ class CheckpointManager(SaveDecisions, TierListing, StepActions):
         anything is read; the buffers are reused by the next restore or save).
 
         Keys of ``state_dict`` the checkpoint lacks raise :class:`StateDictMismatchError`
-        naming up to ten; so does a target tensor that cannot be written in place (a meta
-        tensor, an expanded one), before anything is written. Entries the checkpoint has but ``state_dict`` lacks are added (e.g. a
-        fresh optimizer's empty ``state``). ``strict=False`` loads only the keys both have and
-        lists the others in a warning. Top-level values with ``state_dict()``/``load_state_dict()`` (DCP's
+        naming up to ten, with the checkpoint's keys that matched nothing and, where a prefix
+        explains them, the ``key_map`` that fixes it; so does a target tensor that cannot be
+        written in place (a meta tensor, an expanded one), before anything is written. Entries
+        the checkpoint has but ``state_dict`` lacks are added only inside a container that is
+        empty in ``state_dict`` (a fresh optimizer's ``state``, an empty dict): others (a layer
+        the target lacks) are left out and named in a warning. ``strict=False`` loads only the
+        keys both have and lists the others in a warning. ``key_map`` renames the checkpoint's
+        (flattened, dotted) keys by prefix before matching: ``{"module.": ""}`` restores a DDP
+        checkpoint into a plain model, ``{"model._orig_mod.": "model."}`` a ``torch.compile``'d
+        one's ``{"model": ...}``. Top-level values with ``state_dict()``/``load_state_dict()`` (DCP's
         ``Stateful``) get what was saved through their ``load_state_dict``. Multi-process: call
         it on every rank; each reads its shards (DCP reshards to this job's world size).
         """
@@ -556,8 +643,16 @@ class CheckpointManager(SaveDecisions, TierListing, StepActions):
         invalid: Optional[Exception] = None
         try:
             if not isinstance(state_dict, Mapping):
-                raise InvalidStateDictError(f"state_dict must be a mapping, got {type(state_dict).__name__}")
+                hint = ""
+                if callable(getattr(state_dict, "state_dict", None)):
+                    hint = (f"; pass its state_dict() (e.g. {{'model': model.state_dict()}}), or put the "
+                            f"{type(state_dict).__name__} itself under a key ({{'model': model}}: restored "
+                            "through its load_state_dict)")
+                raise InvalidStateDictError(f"state_dict must be a mapping, got {type(state_dict).__name__}{hint}")
+            if isinstance(step, str) and step.strip().lower() == "latest":
+                step = None
             step = None if step is None else check_step(step)
+            key_map = check_key_map(key_map)
         except (TypeError, ValueError, CheckpointError) as exc:
             invalid = exc
         if not self._closed:  # pending saves land first (their errors surface); ranks agree on the step
@@ -566,7 +661,9 @@ class CheckpointManager(SaveDecisions, TierListing, StepActions):
             raise invalid
         opts = dict(verify=self.verify if verify is None else verify, allow_pickle=allow_pickle,
                     threads=self.write_threads, planner=load_planner_for(state_dict, allow_pickle),
-                    atomic=atomic, strict=strict, pool=self.stager.pool)
+                    atomic=atomic, strict=strict, pool=self.stager.pool, key_map=key_map)
+        t0 = time.perf_counter()
+        where = self.storage.url
         if self._local is None:
             s = _restore(self._store, step, state_dict, **opts)
         else:
@@ -579,11 +676,17 @@ class CheckpointManager(SaveDecisions, TierListing, StepActions):
                         partly.append(f"step {s} ({tier.name} copy)")
                     raise
 
-            s, _ = restore_from_tiers(self._tiers, self._coord, step, attempt)
+            s, name = restore_from_tiers(self._tiers, self._coord, step, attempt)
+            where = f"the {name} tier ({self._local.url if name == LOCAL else self.storage.url})"
             if partly and not strict:  # strict: step s held every key of state_dict and overwrote it
-                warnings.warn(f"async_ckpt: restored step {s}; the damaged {', '.join(partly)} had partly written state_dict "
-                              f"first: keys step {s} lacks (strict=False) may hold its data", RuntimeWarning, stacklevel=2)
+                warn_user(f"async_ckpt: restored step {s}; the damaged {', '.join(partly)} had partly written state_dict "
+                              f"first: keys step {s} lacks (strict=False) may hold its data", RuntimeWarning)
         self._restored = s
+        if log.isEnabledFor(logging.INFO):
+            nbytes, count = _tensor_bytes(state_dict)
+            log.info("%srestored step %d: %s in %d tensors in %s from %s",
+                     f"rank {self._coord.rank} " if self._coord.world_size > 1 else "", s, format_bytes(nbytes),
+                     count, format_seconds(time.perf_counter() - t0), where)
         return s
 
     # ---- lifecycle ---------------------------------------------------------------------------
@@ -630,10 +733,55 @@ class CheckpointManager(SaveDecisions, TierListing, StepActions):
 
     def close(self) -> None:
         """Finish pending saves and deletions, stop the background threads, release the writer
-        leases, raise failures."""
+        leases, raise failures.
+
+        A ``KeyboardInterrupt`` (Ctrl-C) while it waits for a save abandons the saves still
+        being written: they fail at their next file and remove what they wrote (nothing is
+        committed, committed steps stay), then it is raised again."""
+        self._close()
+
+    def _close(self, notice: bool = False) -> None:
+        """:meth:`close`; ``notice``: say first which saves it waits for (after a Ctrl-C, or
+        at interpreter exit)."""
         if self._closed:
             return
         self._check_process()
+        pending = sorted(set(self._in_flight))
+        if notice and pending:
+            log.warning("finishing the save of step %s; Ctrl-C again to abandon it",
+                        ", ".join(map(str, pending)))
+        try:
+            self._close_now()
+        except KeyboardInterrupt:
+            self._abandon(pending)
+            raise
+
+    def _abandon(self, pending: List[int]) -> None:
+        """A Ctrl-C while closing: every tier refuses further writes, so the saves being
+        written fail at their next file and remove their temporary directories; wait for that
+        (30 s at most; another Ctrl-C stops waiting), then release the leases."""
+        for tier in self._tiers:
+            tier.store.storage.abandon()
+        deadline = time.monotonic() + 30.0
+        try:
+            for tier in self._tiers:
+                try:
+                    tier.writer.wait_idle(timeout=max(0.0, deadline - time.monotonic()))
+                except CheckpointError:
+                    pass
+        except KeyboardInterrupt:
+            pass
+        for tier in self._tiers:
+            try:
+                tier.store.close()
+            except Exception:  # noqa: BLE001 - closing anyway
+                pass
+        self._finalizer.detach()
+        _live_managers.discard(self)
+        log.warning("abandoned the save of step %s: not committed (committed steps are kept)",
+                    ", ".join(map(str, pending)) or "-")
+
+    def _close_now(self) -> None:
         self._closed = True
         _live_managers.discard(self)
         if self._preemption is not None:
@@ -662,9 +810,12 @@ class CheckpointManager(SaveDecisions, TierListing, StepActions):
             self.close()
         else:
             try:
-                self.close()
+                self._close(notice=exc_type is not None and issubclass(exc_type, KeyboardInterrupt))
+            except KeyboardInterrupt:  # a second Ctrl-C abandoned the saves: the first one propagates
+                if not issubclass(exc_type, KeyboardInterrupt):
+                    raise
             except Exception as close_exc:  # do not mask the original exception
-                log.error("async_ckpt: pending save failed while handling another error: %s", close_exc)
+                log.error("pending save failed while handling another error: %s", close_exc)
 
     def _check_process(self) -> None:
         if self._forked:
@@ -678,7 +829,68 @@ class CheckpointManager(SaveDecisions, TierListing, StepActions):
         if self._closed:
             raise CheckpointError("this CheckpointManager is closed")
 
-    def _check_writable(self) -> None:
+    def _describe_root(self) -> None:
+        """Say at INFO that the root is new or empty (a typo'd path would otherwise restart a
+        run from step 0 silently), and warn when it looks like a step directory or the parent
+        of checkpoint roots. Reads only; a root that cannot be listed is left to the calls that
+        need it."""
+        from ..storage.manifest import MANIFEST_NAME, MARKER_NAME
+
+        st = self.storage
+        try:
+            entries = st.listdir(st.root)
+            names = {e["name"] for e in entries}
+            if MANIFEST_NAME in names or MARKER_NAME in names:
+                parent = st.url.rstrip("/").rsplit("/", 1)[0]
+                warn_user(f"the checkpoint path {st.url} looks like one step's directory (it holds {MANIFEST_NAME}): "
+                          f"pass the checkpoint root, its parent {parent}, instead")
+                return
+            dirs = [e["name"] for e in entries if e.get("type") == "directory"]
+            if any(d.isdigit() for d in dirs):
+                return
+            roots = [d for d in sorted(dirs)[:20] if not d.startswith(".")
+                     and any(c["name"].isdigit() and c.get("type") == "directory" for c in st.listdir(st.join(d)))]
+            if roots:
+                warn_user(f"the checkpoint path {st.url} holds no steps but its subdirector{'ies' if len(roots) > 1 else 'y'} "
+                          f"{', '.join(roots[:5])} hold{'' if len(roots) > 1 else 's'} checkpoint steps: it looks like the "
+                          f"parent of checkpoint roots; pass one of them (e.g. {st.join(roots[0])})")
+            elif not entries:
+                log.info("checkpoint root %s is new and empty: nothing to restore (check the path if a run "
+                         "should resume from it); the first save creates it", st.url)
+        except Exception as exc:  # noqa: BLE001 - advice only: listing and restoring raise their own errors
+            log.debug("could not list %s: %s", st.url, exc)
+
+    def _check_readable(self) -> None:
+        """The root could not be written when the manager was opened: raise that error unless
+        the root can be read (a read-only mount or credential: listing and restoring work, the
+        first save raises). A root whose bucket or parent directory does not exist, or that
+        cannot be listed either (wrong credentials), raises now."""
+        problem = self._write_problem
+        if problem is None:
+            return
+        cause: Optional[BaseException] = problem
+        while cause is not None:
+            if isinstance(cause, (FileNotFoundError, NotADirectoryError, FileExistsError)):
+                raise problem
+            cause = cause.__cause__ or cause.__context__
+        try:
+            self.storage.listdir(self.storage.root)
+            readable = True
+        except Exception:  # noqa: BLE001 - neither readable: the writability error says why
+            readable = False
+        if not readable:
+            raise problem
+
+    def _ensure_writable(self) -> None:
+        """Before the first save due at the root (the primary rank): the root exists and can be
+        written; once it was, never again."""
+        if not self._writable:
+            self._writable = self._check_writable()
+
+    def _check_writable(self, quiet: bool = False) -> bool:
+        """Whether the root exists (it is created) and can be written. Otherwise raise
+        :class:`StorageError`; with a local tier log it instead; ``quiet`` (opening the
+        manager, which needs only read access): return False, logged at DEBUG."""
         from ..errors import StorageError
 
         try:
@@ -687,11 +899,16 @@ class CheckpointManager(SaveDecisions, TierListing, StepActions):
             except (OSError, StorageError) as exc:
                 raise StorageError(f"checkpoint path {self.storage.url!r} cannot be written: {exc}") from exc
             self.storage.check_writable()  # object stores: probe object (missing bucket, bad credentials)
+            if self.storage.is_local and not os.access(self.storage.root, os.W_OK):
+                raise StorageError(f"checkpoint path {self.storage.url!r} is not writable")
         except StorageError as exc:
+            if quiet:
+                log.debug("%s cannot be written: %s", self.storage.url, exc)
+                self._write_problem = exc
+                return False
             if self._local is None:
                 raise
-            log.warning("async_ckpt: %s cannot be written now (saves go to local_dir %s meanwhile): %s",
+            log.warning("%s cannot be written now (saves go to local_dir %s meanwhile): %s",
                         self.storage.url, self._local.url, exc)
-        if self.storage.is_local:
-            if not os.access(self.storage.root, os.W_OK):
-                raise StorageError(f"checkpoint path {self.storage.url!r} is not writable")
+            return False
+        return True

@@ -41,6 +41,7 @@ class SaveDecisions:
     _coord: Coordinator
     _store: StepStore
     _restored: Optional[int]
+    _ensure_writable: Callable[[], None]
 
     @property
     def save_policy(self) -> SavePolicy:
@@ -104,6 +105,7 @@ class SaveDecisions:
         unreachable: Optional[StorageError] = None
         if take and self._coord.is_primary:
             try:
+                self._ensure_writable()  # a manager that only lists and restores needs only read access
                 self._store.become_writer()
                 self._store.warn_if_lower(step, self._restored)
             except LeaseHeldError as exc:

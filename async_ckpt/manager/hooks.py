@@ -24,9 +24,11 @@ def _finish_pending_saves_at_exit() -> None:
         if mgr._forked:
             continue  # a forked child's copy: its parent finishes the saves
         try:
-            mgr.close()
+            mgr._close(notice=True)
+        except KeyboardInterrupt:  # the saves were abandoned (and said so): exit quietly
+            pass
         except Exception as exc:  # the interpreter is exiting: report, do not raise
-            log.error("async_ckpt: a pending save failed at exit: %s", exc)
+            log.error("a pending save failed at exit: %s", exc)
 
 
 # Runs before concurrent.futures refuses new work at interpreter exit (threading's exit hooks
@@ -56,7 +58,7 @@ def _stop_threads(parts: List[Tuple[AsyncWriter, ThreadPoolExecutor, Any]]) -> N
         try:
             writer.close()
         except Exception as exc:
-            log.error("async_ckpt: an unclosed CheckpointManager had a failed save: %s", exc)
+            log.error("an unclosed CheckpointManager had a failed save: %s", exc)
         deleter.shutdown(wait=False)
         if lease is not None:
             lease.release()

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import warnings
 from typing import Dict, List, Optional, Tuple
 
-from ..errors import StepNotFoundError
+from ..errors import InvalidArgumentError, StepNotFoundError, warn_user
 from ..policies import RetentionPolicy, best_checkpoint, check_step, find_keep_best
 from ..storage import CheckpointLayout, Manifest
 from ..tiers import FALLBACK_ERRORS, Tier, commit_records, foreign_root, held_steps
@@ -32,7 +31,7 @@ class TierListing:
         best = find_keep_best(self.retention)
         if metric is None:
             if best is None:
-                raise ValueError("best_step() needs metric= (the retention policy has no KeepBest)")
+                raise InvalidArgumentError("best_step() needs metric= (the retention policy has no KeepBest)")
             metric = best.metric
         if mode is None:
             mode = best.mode if best is not None and best.metric == metric else "min"
@@ -94,8 +93,8 @@ class TierListing:
             except FALLBACK_ERRORS as exc:
                 if len(self._tiers) == 1:
                     raise
-                warnings.warn(f"async_ckpt: the {t.name} tier ({t.url}) cannot be read, using the other tier: "
-                              f"{type(exc).__name__}: {exc}", RuntimeWarning, stacklevel=2)
+                warn_user(f"async_ckpt: the {t.name} tier ({t.url}) cannot be read, using the other tier: "
+                              f"{type(exc).__name__}: {exc}", RuntimeWarning)
                 failed.append(exc)
         if not copies:
             if failed:

@@ -88,6 +88,9 @@ class StagingPlan:
     others: List[str] = field(default_factory=list)
     #: a key is a str subclass (an enum): DCP names it ``str(key)``, the plan by its value
     odd_keys: bool = False
+    #: ``(dotted path, PickledObject)`` of the leaves pickled by this plan (not ints, strings,
+    #: ...): the values a restore may need ``allow_pickle=True`` for
+    pickled: List[Tuple[str, Any]] = field(default_factory=list)
 
     @property
     def nbytes(self) -> int:
@@ -208,8 +211,12 @@ def make_plan(state_dict: Any, memo: Optional[PlanMemo] = None) -> StagingPlan:
     faster; the plan is the same with or without it.
     """
     if not isinstance(state_dict, Mapping):
+        hint = ""
+        if callable(getattr(state_dict, "state_dict", None)):  # a module or an optimizer
+            hint = (f"; pass its state_dict() (e.g. {{'model': model.state_dict()}}), or put the "
+                    f"{type(state_dict).__name__} itself under a key ({{'model': model}})")
         raise InvalidStateDictError(
-            f"state_dict must be a mapping (e.g. a dict), got {type(state_dict).__name__}"
+            f"state_dict must be a mapping (e.g. a dict), got {type(state_dict).__name__}{hint}"
         )
     plan = StagingPlan(template=None)
     seen: Optional[Dict[Optional[str], _Run]] = {} if memo is not None else None
@@ -375,11 +382,13 @@ def _walk(value: Any, path: str, plan: StagingPlan, old: Optional[Dict[Optional[
     if isinstance(value, _IMMUTABLE):
         return value
     try:
-        return pickle_value(value)  # its __reduce__ runs here, once; nothing is unpickled
+        pickled = pickle_value(value)  # its __reduce__ runs here, once; nothing is unpickled
     except Exception as exc:  # lambdas, open files, locks, ...
         raise InvalidStateDictError(
             f"{path}: a {type(value).__name__} cannot be saved in a checkpoint ({exc})"
         ) from exc
+    plan.pickled.append((path, pickled))
+    return pickled
 
 
 def _is_stateful(value: Any) -> bool:

@@ -36,7 +36,7 @@ from typing import Deque, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ..compat import host_empty_cache
-from ..errors import StagingBudgetError
+from ..errors import InvalidArgumentError, StagingBudgetError
 
 _HEADROOM = 16  # a buffer may be up to 1/_HEADROOM larger than the request it serves
 _BOUND = 1.1  # without a budget: held bytes <= _BOUND x the peak leased bytes + _SLACK
@@ -110,7 +110,7 @@ class HostBufferPool:
 
     def __init__(self, budget_bytes: Optional[int] = None, *, hold_peak: bool = False) -> None:
         if budget_bytes is not None and budget_bytes < 0:
-            raise ValueError(f"budget_bytes must be >= 0 or None, got {budget_bytes}")
+            raise InvalidArgumentError(f"budget_bytes must be >= 0 or None, got {budget_bytes}")
         self.budget_bytes = budget_bytes
         self.hold_peak = hold_peak
         self._free: Dict[Tuple[int, bool], Deque[_Block]] = {}  # (capacity, pinned) -> FIFO

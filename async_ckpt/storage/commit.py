@@ -63,7 +63,7 @@ def _retire(layout: "CheckpointLayout", path: str) -> None:
     try:
         layout.remove(layout.condemn_dir(path))
     except Exception as exc:
-        log.warning("async_ckpt: could not remove the replaced copy %s (the next writer removes it): %s", path, exc)
+        log.warning("could not remove the replaced copy %s (the next writer removes it): %s", path, exc)
 
 
 class RenameCommit:

@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Optional
 
 import fsspec
 
-from ..errors import StorageError
+from ..errors import CheckpointError, InvalidArgumentError, StorageError
 from .backends import MISSING, Backend, backend_for
 from .retry import RetryPolicy
 
@@ -46,10 +46,10 @@ class Storage:
         retry: Optional[RetryPolicy] = None,
     ) -> None:
         if not isinstance(url, (str, os.PathLike)):
-            raise TypeError(f"path must be a str or os.PathLike, got {type(url).__name__}")
+            raise InvalidArgumentError(f"path must be a str or os.PathLike, got {type(url).__name__}")
         url = os.fspath(url)
         if not url:
-            raise ValueError("path must not be empty")
+            raise InvalidArgumentError("path must not be empty")
         policy = retry if retry is not None else RetryPolicy()
         try:
             fs, root = fsspec.core.url_to_fs(url, **client_timeouts(url, storage_options, policy.request_timeout))
@@ -62,6 +62,7 @@ class Storage:
         self.root = self._backend.normalize_root(root)
         self.block_size = block_size
         self.retry = policy
+        self._abandoned = False
 
     @property
     def retry(self) -> RetryPolicy:
@@ -103,8 +104,19 @@ class Storage:
         return self._backend.url_of(path)
 
     # ---- writes ------------------------------------------------------------------------------
+    def abandon(self) -> None:
+        """Refuse every later write, rename and new directory through this storage (reads and
+        removals still work): a save being written fails at its next file, and its job then
+        removes what it wrote (a second Ctrl-C while a save finishes)."""
+        self._abandoned = True
+
+    def _check_abandoned(self, path: str) -> None:
+        if self._abandoned:
+            raise CheckpointError(f"{path}: not written: the save was abandoned (Ctrl-C)")
+
     def makedirs(self, path: str) -> None:
         """Make directory ``path`` (object stores have none: nothing, never a bucket)."""
+        self._check_abandoned(path)
         self._backend.makedirs(path, self.retry)
 
     def check_writable(self) -> None:
@@ -121,16 +133,19 @@ class Storage:
         ``block_size`` chunks (resumable/multipart upload), completed on exit. Either way
         nothing is visible under ``path`` unless the block exits normally.
         """
+        self._check_abandoned(path)
         return self._backend.open_write(path, size_hint, block_size=self.block_size,
                                         pipe_max_bytes=self.pipe_max_bytes)
 
     def write_bytes(self, path: str, data: bytes) -> None:
         """Write a small file in one call (retried as a whole on transient errors)."""
+        self._check_abandoned(path)
         self.retry.call(lambda: self._backend.write_bytes(path, data), f"write {path}")
 
     def write_bytes_atomic(self, path: str, data: bytes) -> None:
         """Write a small file that is either wholly there or not at all, even if the process
         dies mid-write: one PUT on object stores; elsewhere a temporary name, then a rename."""
+        self._check_abandoned(path)
         self._backend.write_bytes_atomic(path, data, self.retry)
 
     def fsync_dir(self, path: str) -> None:
@@ -139,6 +154,7 @@ class Storage:
 
     def rename(self, src: str, dst: str) -> None:
         """Atomic rename (POSIX only)."""
+        self._check_abandoned(dst)
         self._backend.rename(src, dst)
 
     def rm(self, path: str, recursive: bool = True, *, wait: Optional[float] = None) -> None:

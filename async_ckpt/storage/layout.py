@@ -22,7 +22,13 @@ import uuid
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Set, Tuple
 
-from ..errors import CorruptCheckpointError, StepNotFoundError, StorageError, StorageTimeoutError
+from ..errors import (
+    CorruptCheckpointError,
+    InvalidArgumentError,
+    StepNotFoundError,
+    StorageError,
+    StorageTimeoutError,
+)
 from .commit import CommitProtocol, MarkerCommit, RenameCommit
 from .fs import MISSING, Storage
 from .manifest import MANIFEST_NAME, MARKER_NAME, PENDING_NAME, Manifest, check_marker
@@ -55,9 +61,9 @@ class CheckpointLayout:
 
     def __init__(self, storage: Storage, commit_mode: str = "auto") -> None:
         if commit_mode not in COMMIT_MODES:
-            raise ValueError(f"commit_mode must be one of {COMMIT_MODES}, got {commit_mode!r}")
+            raise InvalidArgumentError(f"commit_mode must be one of {COMMIT_MODES}, got {commit_mode!r}")
         if commit_mode == "rename" and not storage.is_local:
-            raise ValueError(f"commit_mode='rename' needs a POSIX path; {storage.url!r} has no atomic rename")
+            raise InvalidArgumentError(f"commit_mode='rename' needs a POSIX path; {storage.url!r} has no atomic rename")
         self.storage = storage
         mode = ("rename" if storage.is_local else "marker") if commit_mode == "auto" else commit_mode
         self.protocol: CommitProtocol = RenameCommit() if mode == "rename" else MarkerCommit()

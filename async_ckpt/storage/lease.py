@@ -25,7 +25,7 @@ import uuid
 import weakref
 from typing import Any, Callable, Dict, Optional, Protocol
 
-from ..errors import LeaseHeldError, StorageError
+from ..errors import InvalidArgumentError, LeaseHeldError, StorageError
 from .backends.posix import open_nofollow
 from .fs import Storage
 
@@ -91,7 +91,7 @@ class _ProcessLocal:
             f"{self.key!r}: the writer lease of this CheckpointManager was taken over by another "
             f"CheckpointManager of this process (pid {os.getpid()}) on the same root; this one no longer "
             f"saves or deletes there. Use the new manager (or close() this one before creating another)")
-        log.warning("async_ckpt: a new CheckpointManager takes over the writer lease of %s from an idle "
+        log.warning("a new CheckpointManager takes over the writer lease of %s from an idle "
                     "one of this process (close() a manager you no longer use)", self.key)
         old.release()
         return None
@@ -213,7 +213,7 @@ class ObjectStoreLease(_ProcessLocal):
 
     def __init__(self, storage: Storage, ttl_s: float = 30.0, *, clock: Callable[[], float] = time.monotonic) -> None:
         if ttl_s <= 0:
-            raise ValueError(f"lease ttl must be > 0, got {ttl_s!r}")
+            raise InvalidArgumentError(f"lease ttl must be > 0, got {ttl_s!r}")
         self.storage = storage
         self.path = storage.join(LEASE_NAME)
         self.key = storage.url
@@ -321,7 +321,7 @@ class ObjectStoreLease(_ProcessLocal):
             if lapsed is not None:  # never renewed after the fact: a successor may hold it now
                 if not stop.is_set():
                     self._lost = lapsed
-                log.error("async_ckpt: %s; this manager commits and deletes nothing until its next save "
+                log.error("%s; this manager commits and deletes nothing until its next save "
                           "takes the lease again", lapsed)
                 return
             try:
@@ -329,7 +329,7 @@ class ObjectStoreLease(_ProcessLocal):
                 if cur is not None and cur.get("token") != token:
                     if not stop.is_set():
                         self._lost = f"the writer lease was taken over by {_describe(cur)}"
-                    log.error("async_ckpt: %s; this manager's next commit fails", self._lost)
+                    log.error("%s; this manager's next commit fails", self._lost)
                     return
                 issued = self._write(token)
                 late = self._lapsed()
@@ -343,7 +343,7 @@ class ObjectStoreLease(_ProcessLocal):
                 if not stop.is_set():
                     self._renewed = max(self._renewed, issued)
             except Exception as exc:  # a transient error: the next beat tries again
-                log.warning("async_ckpt: could not renew the writer lease: %s", exc)
+                log.warning("could not renew the writer lease: %s", exc)
 
     def check(self) -> None:
         """Prove this holder still holds the lease, right before a commit or a delete.
@@ -373,7 +373,7 @@ class ObjectStoreLease(_ProcessLocal):
             if cur is not None and cur.get("token") == self.token:
                 self.storage.rm(self.path, recursive=False)
         except Exception as exc:
-            log.warning("async_ckpt: could not release the writer lease: %s", exc)
+            log.warning("could not release the writer lease: %s", exc)
 
     def forget(self) -> None:
         """In a forked child: stop pretending to hold the parent's lease."""

@@ -26,7 +26,7 @@ from typing import Any, Dict, Optional, Tuple
 
 import crc32c as _crc32c
 
-from ..errors import CorruptCheckpointError
+from ..errors import CorruptCheckpointError, InvalidArgumentError
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
@@ -259,17 +259,18 @@ def check_metrics(metrics: Optional[Dict[str, Any]]) -> Dict[str, float]:
     if metrics is None:
         return {}
     if not isinstance(metrics, dict):
-        raise TypeError(f"metrics must be a dict of str -> float, got {type(metrics).__name__}")
+        raise InvalidArgumentError(f"metrics must be a dict of str -> float, got {type(metrics).__name__}")
     out = {}
     for k, v in metrics.items():
         if not isinstance(k, str):
-            raise TypeError(f"metrics keys must be strings, got {k!r}")
+            raise InvalidArgumentError(f"metrics keys must be strings, got {k!r}")
         try:
             fv = float(v)
         except (TypeError, ValueError):
-            raise TypeError(f"metrics[{k!r}] must be a number, got {type(v).__name__}") from None
+            raise InvalidArgumentError(f"metrics[{k!r}] must be a number, got {type(v).__name__}") from None
         if math.isnan(fv):
-            raise ValueError(f"metrics[{k!r}] is NaN")
+            raise InvalidArgumentError(f"metrics[{k!r}] is NaN, which cannot be ranked; nothing was saved. Leave it "
+                                       f"out of metrics= (or save without metrics) for this step")
         out[k] = fv
     return out
 

@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, List, TypeVar
 
-from ..errors import StorageError, StorageTimeoutError
+from ..errors import InvalidArgumentError, StorageError, StorageTimeoutError
 
 T = TypeVar("T")
 log = logging.getLogger("async_ckpt")
@@ -101,12 +101,12 @@ class RetryPolicy:
 
     def __post_init__(self) -> None:
         if not isinstance(self.attempts, int) or isinstance(self.attempts, bool) or self.attempts < 1:
-            raise ValueError(f"RetryPolicy.attempts must be an int >= 1, got {self.attempts!r}")
+            raise InvalidArgumentError(f"RetryPolicy.attempts must be an int >= 1, got {self.attempts!r}")
         for name in ("initial_delay", "max_delay", "request_timeout", "deadline"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0 or (v == 0 and name in (
                     "request_timeout", "deadline")):
-                raise ValueError(f"RetryPolicy.{name} must be a number of seconds "
+                raise InvalidArgumentError(f"RetryPolicy.{name} must be a number of seconds "
                                  f"{'> 0' if name in ('request_timeout', 'deadline') else '>= 0'}, got {v!r}")
 
     def for_storage(self, *, remote: bool, client_retries: bool) -> "RetryPolicy":
@@ -154,7 +154,7 @@ class RetryPolicy:
                     if isinstance(exc, OSError):
                         raise StorageError(f"{what} failed: {exc}") from exc
                     raise
-                log.warning("async_ckpt: %s failed (%s: %s); retry %d/%d in %.2fs", what,
+                log.warning("%s failed (%s: %s); retry %d/%d in %.2fs", what,
                             type(exc).__name__, exc, attempt, self.attempts - 1, pause)
                 time.sleep(pause)
                 delay = min(delay * 2, self.max_delay)

@@ -7,6 +7,7 @@ import os
 import threading
 from typing import Optional, Union
 
+from ..errors import InvalidArgumentError
 from ..stats import DEFAULT_STATS_LOG, SaveStats, _check_relpath
 from .backends.posix import open_nofollow
 from .fs import Storage
@@ -64,7 +65,7 @@ class StatsLog:
             return cls(storage)
         if isinstance(option, (str, os.PathLike)):
             return cls(storage, os.fspath(option))
-        raise TypeError(f"stats_log must be a bool or a relative path, got {type(option).__name__}")
+        raise InvalidArgumentError(f"stats_log must be a bool or a relative path, got {type(option).__name__}")
 
     def append(self, stats: SaveStats) -> None:
         """Write one record; never raises (a failure is logged as a warning). The manager calls
@@ -76,7 +77,7 @@ class StatsLog:
             with self._lock:
                 if self.storage.is_local:
                     if not os.path.isdir(self.storage.root):
-                        log.debug("async_ckpt: not writing the stats log %s: the checkpoint root %s does not "
+                        log.debug("not writing the stats log %s: the checkpoint root %s does not "
                                   "exist (it is never created here)", self.path, self.storage.root)
                         return
                     with os.fdopen(self._open_local(), "ab") as f:
@@ -94,4 +95,4 @@ class StatsLog:
                     self._buf += line
                     self.storage.write_bytes(self.path, bytes(self._buf))
         except Exception as exc:  # statistics must never break a committed save
-            log.warning("async_ckpt: could not write the stats log %s: %s", self.path, exc)
+            log.warning("could not write the stats log %s: %s", self.path, exc)

@@ -56,7 +56,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from ... import compat
 from ...addresses import byte_view
-from ...errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError
+from ...errors import CheckpointError, CorruptCheckpointError
 from ...gc_pause import gc_paused
 from ..fs import Storage
 from ..manifest import FileRecord, crc32c, shown
@@ -66,6 +66,7 @@ from .direct_plan import BUFFER_CHUNK_BYTES, _assign_arrivals, _plan, _Rec, _Tas
 from .layout_memo import set_element
 from .reader import _stored_bytes, close_all, open_step_file
 from .record_layout import HEADS, Arrived, Probe, data_start
+from .safety import unsafe_value_error
 
 #: A tensor record at least this large (local files) has its data read straight into the
 #: target; smaller ones are read with their neighbours and scattered.
@@ -91,9 +92,7 @@ def _decode(fqn: str, blob: bytes, allow_pickle: bool) -> Any:
     try:
         return torch.load(io.BytesIO(blob), weights_only=not allow_pickle)
     except pickle.UnpicklingError as exc:
-        raise UnsafeCheckpointError(
-            f"{shown(fqn)}: refusing to unpickle an object outside torch's safe set ({shown(exc)}); pass "
-            "allow_pickle=True to restore if you trust this checkpoint") from exc
+        raise unsafe_value_error(fqn, exc) from exc
 
 
 def _small_start(item: memoryview, t: torch.Tensor) -> Optional[int]:

@@ -14,6 +14,7 @@ import dataclasses
 import enum
 import io
 import pickle
+import re
 from typing import Any, Optional, Tuple
 
 import torch
@@ -84,6 +85,31 @@ def load_metadata(data: bytes, *, where: str = METADATA_NAME) -> Metadata:
     return md
 
 
+def refused_global(exc: BaseException) -> Optional[str]:
+    """The class or function that ``torch.load(weights_only=True)`` refused, named in its
+    (long, ANSI-coloured) error text; None if it names none."""
+    m = re.search(r"GLOBAL ([\w.]+)", str(exc))
+    return m.group(1) if m else None
+
+
+def unsafe_value_error(fqn: str, exc: BaseException) -> UnsafeCheckpointError:
+    """A short, plain error for a non-tensor value at ``fqn`` that ``weights_only`` refused.
+
+    Args:
+        fqn: the value's dotted key.
+        exc: torch's ``UnpicklingError``.
+
+    Returns:
+        The error to raise (``exc`` is to be chained as its cause).
+    """
+    name = refused_global(exc)
+    what = f"a {shown(name)} object" if name else "an object outside torch's safe set"
+    fix = f" or allowlist it with torch.serialization.add_safe_globals([{name}])" if name else ""
+    return UnsafeCheckpointError(
+        f"{shown(fqn)}: the checkpoint holds {what}, which restoring would have to unpickle (that could run "
+        f"code); pass restore(..., allow_pickle=True) if you trust this checkpoint{fix}")
+
+
 class _SafeLoadPlanner(DefaultLoadPlanner):
     """DCP's default planner, loading non-tensor items with ``weights_only`` unless allowed."""
 
@@ -96,10 +122,7 @@ class _SafeLoadPlanner(DefaultLoadPlanner):
         try:
             return torch.load(value, weights_only=not self.allow_pickle)
         except pickle.UnpicklingError as exc:
-            raise UnsafeCheckpointError(
-                f"{shown(read_item.dest_index.fqn)}: refusing to unpickle an object outside torch's safe set "
-                f"({shown(exc)}); pass allow_pickle=True to restore if you trust this checkpoint"
-            ) from exc
+            raise unsafe_value_error(read_item.dest_index.fqn, exc) from exc
 
     def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
         self.set_bytes(read_item, self.decode_bytes(read_item, value))
