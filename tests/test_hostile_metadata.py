@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
 import shutil
 
 import pytest
@@ -22,7 +21,14 @@ from async_ckpt.storage.dcp import METADATA_NAME
 
 from .conftest import assert_bitwise_equal
 from .test_cli import run_cli
-from .test_hostile_storage import data_file, make_root, record, resign, restore_none_falls_back, template
+from .test_hostile_storage import (
+    data_file,
+    make_root,
+    resign,
+    restore_none_falls_back,
+    rewrite_metadata,
+    template,
+)
 
 
 @pytest.fixture(scope="module")
@@ -37,16 +43,6 @@ def root3(pristine, tmp_path):
     root = str(tmp_path / "ckpt")
     shutil.copytree(pristine[0], root)
     return root, pristine[1]
-
-
-def rewrite_metadata(step_dir: str, step: int, change) -> None:
-    """Unpickle ``.metadata`` (a test may), ``change(md)``, pickle it back and re-sign."""
-    p = os.path.join(step_dir, METADATA_NAME)
-    md = pickle.loads(open(p, "rb").read())
-    change(md)
-    data = pickle.dumps(md)
-    open(p, "wb").write(data)
-    resign(step_dir, step, lambda d: d["files"].__setitem__(METADATA_NAME, record(data)))
 
 
 def move_chunk(md, fqn: str, offsets, sizes=None) -> None:

@@ -276,7 +276,7 @@ def test_link_inside_the_step_directory_is_fine(root3):
     assert_bitwise_equal(t, saved[3])
 
 
-def _rewrite_metadata(step_dir: str, step: int, change) -> None:
+def rewrite_metadata(step_dir: str, step: int, change) -> None:
     """Unpickle ``.metadata`` (a test may), ``change(md)``, pickle it back and re-sign."""
     p = os.path.join(step_dir, METADATA_NAME)
     md = pickle.loads(open(p, "rb").read())
@@ -295,7 +295,7 @@ def test_metadata_naming_a_path_outside_the_step_is_damage(root3, tmp_path):
         for idx, info in md.storage_data.items():
             info.relative_path = "../../outside.bin"
 
-    _rewrite_metadata(d3, 3, redirect)
+    rewrite_metadata(d3, 3, redirect)
     restore_none_falls_back(root, saved, 3, 2)
 
 

@@ -195,6 +195,19 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def fsync_tree(root: str) -> None:
+    """fsync every file under ``root``, then each directory (so a rename of ``root`` that
+    follows publishes durable contents)."""
+    for d, _, files in os.walk(root):
+        for name in files:
+            fd = os.open(os.path.join(d, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(d)
+
+
 def tmp_name(path: str) -> str:
     """A hidden temporary name next to ``path``: ``.<name>.<random>.async-ckpt-tmp``."""
     d, base = os.path.split(path)

@@ -49,24 +49,13 @@ import numpy as np
 import torch
 
 from ..errors import CheckpointError
-from ._snapshot import TMP_SUFFIX, BackgroundWriter, Snapshotter, fsync_dir
+from ._snapshot import TMP_SUFFIX, BackgroundWriter, Snapshotter, fsync_dir, fsync_tree
 
 log = logging.getLogger("async_ckpt.integrations.accelerate")
 
 
 class AcceleratorAlreadyAttachedError(CheckpointError, ValueError):
     """:func:`attach` was called twice for one ``Accelerator``."""
-
-
-def _fsync_tree(root: str) -> None:
-    for d, _, files in os.walk(root):
-        for name in files:
-            fd = os.open(os.path.join(d, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        fsync_dir(d)
 
 
 def _suffixed(name: str, i: int) -> str:
@@ -301,7 +290,7 @@ class AsyncSaveState:
 
     def _commit(self, tmp: str, final: str, parent: str, limit: Optional[int]) -> None:
         if self.fsync:
-            _fsync_tree(tmp)
+            fsync_tree(tmp)
         old = None
         if os.path.lexists(final):  # the same directory saved again: replace it
             old = os.path.join(os.path.dirname(tmp), f".{os.path.basename(final)}.old{TMP_SUFFIX}")

@@ -64,7 +64,7 @@ import torch
 from transformers import Trainer, TrainerCallback
 
 from ..errors import CheckpointError
-from ._snapshot import TMP_SUFFIX, BackgroundWriter, HostCopy, Snapshotter, fsync_dir
+from ._snapshot import TMP_SUFFIX, BackgroundWriter, HostCopy, Snapshotter, fsync_dir, fsync_tree
 
 log = logging.getLogger("async_ckpt.integrations.transformers")
 
@@ -75,17 +75,6 @@ OPTIMIZER_NAME = "optimizer.pt"
 SCHEDULER_NAME = "scheduler.pt"
 SCALER_NAME = "scaler.pt"
 RNG_NAME = "rng_state.pth"
-
-
-def _fsync_tree(root: str) -> None:
-    for d, _, files in os.walk(root):
-        for name in files:
-            fd = os.open(os.path.join(d, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        fsync_dir(d)
 
 
 class AsyncCkptCallback(TrainerCallback):
@@ -371,7 +360,7 @@ class _Job:
         with open(os.path.join(tmp, TRAINER_STATE_NAME), "w", encoding="utf-8") as f:
             f.write(self.state_json)
         if self.cb.fsync:
-            _fsync_tree(tmp)
+            fsync_tree(tmp)
         old = None
         if os.path.lexists(self.output_dir):  # the same step saved again: replace it
             old = os.path.join(self.run_dir, f".{name}.old{TMP_SUFFIX}")
