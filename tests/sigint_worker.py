@@ -38,4 +38,8 @@ with CheckpointManager("slowdir://ckpt", write_threads=1, storage_options={"path
     state["w"] += 1
     mgr.save_async(2, state)
     print("SAVING", flush=True)
-    time.sleep(60)  # the training loop: the first Ctrl-C lands here
+    # The training loop: the first Ctrl-C lands here. Short sleeps, as a loop's steps: a signal
+    # the kernel hands to another thread (the writer) does not cut a long sleep short, so one
+    # time.sleep(60) held the KeyboardInterrupt back until the save had ended (flaky under load).
+    for _ in range(600):
+        time.sleep(0.1)
