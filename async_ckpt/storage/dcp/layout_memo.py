@@ -207,12 +207,18 @@ def _local_data(obj: Any) -> Any:
         return obj
     if type(obj) is PickledObject:
         return obj.archive()
+    return saved_bytes(obj)
+
+
+def saved_bytes(obj: Any) -> io.BytesIO:
+    """``obj`` ``torch.save``-d into a ``BytesIO``, as DCP saves a non-tensor item, but each
+    tensor in it with a storage of its own (:func:`own_storages`)."""
     buf = io.BytesIO()
-    torch.save(_own_storages(obj), buf)
+    torch.save(own_storages(obj), buf)
     return buf
 
 
-def _own_storages(obj: Any, seen: Optional[Dict[int, torch.Tensor]] = None) -> Any:
+def own_storages(obj: Any, seen: Optional[Dict[int, torch.Tensor]] = None) -> Any:
     """``obj`` (a tuple or list that DCP stores as one item, ``torch.save``-d whole) with each
     tensor that is a view into a larger storage (a staged tensor in a shared host buffer)
     replaced by a copy of its own. ``torch.save`` writes a tensor's whole storage: the item
@@ -229,10 +235,10 @@ def _own_storages(obj: Any, seen: Optional[Dict[int, torch.Tensor]] = None) -> A
         return own
     if type(obj) in (tuple, list):
         seen = {} if seen is None else seen
-        items = [_own_storages(v, seen) for v in obj]
+        items = [own_storages(v, seen) for v in obj]
         return obj if all(a is b for a, b in zip(items, obj)) else type(obj)(items)
     if type(obj) is dict:
         seen = {} if seen is None else seen
-        new = {k: _own_storages(v, seen) for k, v in obj.items()}
+        new = {k: own_storages(v, seen) for k, v in obj.items()}
         return obj if all(new[k] is v for k, v in obj.items()) else new
     return obj

@@ -56,8 +56,9 @@ from .layout_memo import (  # noqa: F401  (_flatten: re-exported for the restore
     _Layout,
     _local_data,
     _metadata_index,
-    _own_storages,
     _signature,
+    own_storages,
+    saved_bytes,
 )
 
 if TYPE_CHECKING:  # the classes compat returns, named for the type checker
@@ -419,7 +420,7 @@ def _resolver(planner: SavePlanner) -> Callable[[Any], Any]:
     """``planner.resolve_data``, except that a :class:`PickledObject` (a snapshot's non-tensor
     value, pickled at the call) is written as its archive, not ``torch.save``-d again as an
     object, and a tuple or list holding views of staging buffers is saved with copies of its
-    own (see :func:`~.layout_memo._own_storages`). Planners without ``lookup_object`` (DCP's and torch_xla's have it) resolve alone."""
+    own (see :func:`~.layout_memo.own_storages`). Planners without ``lookup_object`` (DCP's and torch_xla's have it) resolve alone."""
     lookup = getattr(planner, "lookup_object", None)
     if lookup is None:
         return planner.resolve_data
@@ -429,11 +430,9 @@ def _resolver(planner: SavePlanner) -> Callable[[Any], Any]:
             obj = lookup(item.index)
             if type(obj) is PickledObject:
                 return obj.archive()
-            own = _own_storages(obj)
+            own = own_storages(obj)
             if own is not obj:  # a tuple or list holding views of staging buffers: as DCP's, but copied
-                buf = io.BytesIO()
-                torch.save(own, buf)
-                return buf
+                return saved_bytes(own)
         return planner.resolve_data(item)
 
     return resolve
