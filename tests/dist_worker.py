@@ -119,7 +119,7 @@ def scenario_save(root: str, ref_path: str) -> None:
     for step in (1, 2, 3):
         train(model, optim, 1, rank)
         assert mgr.save_async(step, state(model, optim, step))
-        assert mgr._writer.pending <= 1
+        assert mgr.roots[-1].writer.pending <= 1
     mgr.join()
     sd3 = state(model, optim, 3)
     # Each rank staged its own shards only (plus the small replicated entries).

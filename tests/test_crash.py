@@ -152,7 +152,7 @@ def test_sigkill_at_random_moments_never_loses_a_committed_step(fork_server, tmp
                                f"{what} (started {out['started'][:3]}..{out['started'][-3:]}, resumed {out['resumed']})", rng)
         if (i // 3) % 2 == 0:  # clean up now; otherwise the next process's startup cleanup does it
             mgr = CheckpointManager(root, commit_mode=mode, max_to_keep=MAX_TO_KEEP)
-            mgr._become_writer()  # what a first save does: take the lease, recover, clean up
+            mgr.roots[-1].store.become_writer()  # what a first save does: take the lease, recover, clean up
             mgr.close()  # waits for the background cleanup
             names, marked, copies = _disk_view(_local(root))
             assert names == sorted(copies) and len(copies) == len(marked), f"{what}: debris after cleanup: {names}"
@@ -239,8 +239,8 @@ def test_sigkill_with_a_local_tier_on_dev_shm_restores_from_ram(fork_server, tmp
                 continue  # nothing committed yet
             loads = []
             with CheckpointManager(root, keep_incomplete=True, **opts) as mgr:
-                real = mgr._local.store.layout.open_step
-                mgr._local.store.layout.open_step = lambda s, loads=loads, real=real: (loads.append(s), real(s))[1]
+                real = mgr.roots[0].store.layout.open_step
+                mgr.roots[0].store.layout.open_step = lambda s, loads=loads, real=real: (loads.append(s), real(s))[1]
                 with warnings.catch_warnings(record=True) as caught:
                     warnings.simplefilter("always")
                     target = empty_like_state()
@@ -255,7 +255,7 @@ def test_sigkill_with_a_local_tier_on_dev_shm_restores_from_ram(fork_server, tmp
                 tiers = mgr.step_tiers()
                 for s, held in tiers.items():  # every copy of every listed step restores bitwise
                     for tier in held:
-                        store = (mgr._local if tier == "local" else mgr._tiers[-1]).store
+                        store = (mgr.roots[0] if tier == "local" else mgr.roots[-1]).store
                         from async_ckpt.lifecycle.restore import restore as restore_from
                         t = empty_like_state()
                         restore_from(store, s, t, verify=True, allow_pickle=False, threads=2, planner=None)

@@ -282,9 +282,9 @@ def test_a_writer_whose_lease_lapsed_neither_commits_nor_deletes():
     st = Storage(url)
     now = [1000.0]
     a = CheckpointManager(url, max_to_keep=1)
-    a._store.lease.clock = lambda: now[0]  # A's monotonic clock: no real sleeping
+    a.roots[-1].store.lease.clock = lambda: now[0]  # A's monotonic clock: no real sleeping
     assert a.save(1, sd(1))
-    now[0] += a._store.lease.ttl_s + 1  # A's heartbeat could not renew (a partition, a suspended process)
+    now[0] += a.roots[-1].store.lease.ttl_s + 1  # A's heartbeat could not renew (a partition, a suspended process)
     _expire_lease_object(st)
     b = CheckpointManager(url, max_to_keep=1)
     assert b.save(2, sd(2))
@@ -317,11 +317,11 @@ def test_a_queued_save_whose_lease_lapsed_before_its_commit_is_not_committed():
             gate.wait(30)
 
     a = CheckpointManager(url, max_to_keep=1, max_pending_async=2, on_saved=hold)
-    a._store.lease.clock = lambda: now[0]
+    a.roots[-1].store.lease.clock = lambda: now[0]
     assert a.save_async(1, sd(1))  # committed, then its on_saved holds A's writer thread
     assert a.save_async(2, sd(2))  # queued under a valid lease
     assert committed.wait(30)
-    now[0] += a._store.lease.ttl_s + 1
+    now[0] += a.roots[-1].store.lease.ttl_s + 1
     _expire_lease_object(st)
     b = CheckpointManager(url, max_to_keep=1)
     assert b.save(5, sd(5))

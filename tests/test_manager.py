@@ -194,7 +194,7 @@ def test_background_error_raised_at_next_save_async(ckpt_dir, monkeypatch):
     with pytest.raises(CheckpointError, match="bucket exploded"):
         for step in range(1, 50):  # the error surfaces at the next call at the latest
             mgr.save_async(step, {"x": torch.ones(3)})
-            mgr._writer._idle.acquire(); mgr._writer._idle.release()
+            mgr.roots[-1].writer._idle.acquire(); mgr.roots[-1].writer._idle.release()
     monkeypatch.undo()
     mgr.close()
 

@@ -71,7 +71,7 @@ def zeros_state():
 def drain(mgr: CheckpointManager) -> None:
     """Wait until every retention pass queued so far has run (the deleter runs tasks in order)."""
     mgr.join()
-    mgr._deleter.submit(lambda: None).result()
+    mgr.roots[-1].store.deleter.submit(lambda: None).result()
 
 
 # ---- save policies --------------------------------------------------------------------------------
@@ -320,16 +320,14 @@ def test_recipe_keep_every_1000_plus_latest(ckpt_dir):
 def test_keep_time_interval_through_the_manager_and_after_restart(ckpt_dir):
     clock = FakeClock()
     policy = AnyOf([KeepTimeInterval(3600), KeepLatest(1)])
-    mgr = CheckpointManager(ckpt_dir, retention=policy)
-    mgr._clock = clock
+    mgr = CheckpointManager(ckpt_dir, retention=policy, wall_clock=clock)
     for s in range(6):
         clock.advance(1500)  # commits at 1500, 3000, 4500, 6000, 7500, 9000 s
         mgr.save(s, state(s))
     drain(mgr)
     assert mgr.all_steps() == [0, 3, 5]  # 1500, 6000 (>= 1500 + 3600), latest
     mgr.close()
-    mgr = CheckpointManager(ckpt_dir, retention=policy)  # decisions come from the manifests
-    mgr._clock = clock
+    mgr = CheckpointManager(ckpt_dir, retention=policy, wall_clock=clock)  # decisions come from the manifests
     clock.advance(1500)
     mgr.save(6, state(6))  # 10500: 5 (9000) is not 3600 after 6000, so it goes
     drain(mgr)
@@ -340,13 +338,11 @@ def test_keep_time_interval_through_the_manager_and_after_restart(ckpt_dir):
 def _run(root, clock, policy, plan):
     """Save ``plan`` ((step, dt, metrics) or "restart") into ``root``; return all_steps after each."""
     seen = []
-    mgr = CheckpointManager(root, retention=policy)
-    mgr._clock = clock
+    mgr = CheckpointManager(root, retention=policy, wall_clock=clock)
     for item in plan:
         if item == "restart":
             mgr.close()
-            mgr = CheckpointManager(root, retention=policy)
-            mgr._clock = clock
+            mgr = CheckpointManager(root, retention=policy, wall_clock=clock)
             continue
         step, dt, metrics = item
         clock.advance(dt)
@@ -388,10 +384,10 @@ def test_retention_never_deletes_a_step_being_written(ckpt_dir):
     drain(mgr)
     mgr.retention = as_retention_policy(lambda c: set())
     mgr.catalog.begin_write(1)  # a re-save of step 1 in progress
-    mgr._apply_retention()
+    mgr.roots[-1].apply_retention()
     assert mgr.all_steps() == [1, 2]
     mgr.catalog.end_write(1)
-    mgr._apply_retention()
+    mgr.roots[-1].apply_retention()
     assert mgr.all_steps() == [2]
     mgr.close()
 
@@ -434,8 +430,7 @@ def test_property_random_saves_restarts_and_policies(scheme, first, ops):
     with tempfile.TemporaryDirectory() as tmp:
         root = f"{tmp}/ckpt" if scheme == "file" else f"memory://prop-{uuid.uuid4().hex}"
         policy = POLICIES[first][1]()
-        mgr = CheckpointManager(root, retention=policy)
-        mgr._clock = clock
+        mgr = CheckpointManager(root, retention=policy, wall_clock=clock)
         model = {}  # step -> CheckpointInfo, what must be on storage
         data = {}  # step -> the value its tensors hold
         next_step = 0
@@ -444,8 +439,7 @@ def test_property_random_saves_restarts_and_policies(scheme, first, ops):
                 if o[0] == "restart":
                     mgr.close()
                     policy = POLICIES[o[1]][1]()
-                    mgr = CheckpointManager(root, retention=policy)
-                    mgr._clock = clock
+                    mgr = CheckpointManager(root, retention=policy, wall_clock=clock)
                     assert mgr.all_steps() == sorted(model)
                     event("restart")
                     continue

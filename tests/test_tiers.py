@@ -100,7 +100,7 @@ def test_a_step_due_for_both_tiers_is_staged_once_and_written_to_both(roots, mon
         monkeypatch.setattr(mgr.stager.eager, "stage", lambda *a, **k: staged.append(1) or real_stage(*a, **k))
         assert mgr.save(5, state(5))
         assert staged == [1]
-        assert len(writes) == 2 and {w[0] for w in writes} == {mgr.storage.url, mgr._local.url}
+        assert len(writes) == 2 and {w[0] for w in writes} == {mgr.storage.url, mgr.roots[0].url}
         assert writes[0][1] == writes[1][1]  # the same host buffers
         assert mgr.step_tiers() == {5: ("local", "persistent")}
         assert [s.extra["tier"] for s in mgr.stats] in (["local", "persistent"], ["persistent", "local"])
@@ -128,7 +128,7 @@ def test_restore_prefers_the_local_copy_and_falls_back_to_the_persistent_one(roo
         out = zeros()
         assert mgr.restore(None, out) == 2
         assert_bitwise_equal(out, state(2))
-        assert used == [mgr._local.url]
+        assert used == [mgr.roots[0].url]
         # a damaged local copy: the persistent copy of the same step, with a warning naming the tier
         flip_byte(data_files(local, 2)[0])
         used.clear()
@@ -136,7 +136,7 @@ def test_restore_prefers_the_local_copy_and_falls_back_to_the_persistent_one(roo
         with pytest.warns(RuntimeWarning, match=r"skipping the local copy of step 2"):
             assert mgr.restore(None, out) == 2
         assert_bitwise_equal(out, state(2))
-        assert used == [mgr._local.url, mgr.storage.url]
+        assert used == [mgr.roots[0].url, mgr.storage.url]
         # a named step too
         out = zeros()
         with pytest.warns(RuntimeWarning, match="local copy of step 2"):
@@ -310,7 +310,7 @@ def test_a_lagging_upload_does_not_make_its_older_step_the_newest(roots, monkeyp
     with CheckpointManager(path, save_interval=10, local_dir=local, local_policy=1, local_retention=2) as mgr:
         for s in (10, 11, 12):
             mgr.save_async(s, state(s))
-            mgr._local.writer.join()
+            mgr.roots[0].writer.join()
         gate.set()
         mgr.join()
         assert mgr.step_tiers() == {12: ("local",), 11: ("local",), 10: ("persistent",)}

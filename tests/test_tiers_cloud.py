@@ -34,12 +34,12 @@ def test_bucket_down_mid_upload_local_saves_go_on_and_uploads_resume(own_gcs_ser
     gate.server_down.set()
     for s in (7, 8):  # local saves go on while the upload of 6 fails
         assert mgr.save_async(s, big_state(s))
-    mgr._local.writer.join()
+    mgr.roots[0].writer.join()
     local_steps = sorted(int(n) for n in os.listdir(local) if n.isdigit())
     assert local_steps == [3, 6, 7, 8]
     assert gate.upload_failed.wait(120)
     server.start()  # the same port and objects
-    mgr._writer.wait_idle()
+    mgr.roots[-1].writer.wait_idle()
     with pytest.raises(CheckpointError) as ei:
         mgr.join()  # the failed upload is surfaced here, not in the saves above
     assert ei.value.step == 6

@@ -12,7 +12,7 @@ import pytest
 
 from async_ckpt import CheckpointManager
 from async_ckpt.errors import CheckpointError, StepNotFoundError
-from async_ckpt.tiers import ForeignCopyError
+from async_ckpt.manager.tiered import ForeignCopyError
 
 from .conftest import assert_bitwise_equal
 from .test_tiers import state, zeros
@@ -28,7 +28,7 @@ def test_a_re_save_within_a_second_is_a_different_save_and_the_newest_one_wins(r
     their commit times are: a re-save of step 10 to the bucket 0.x s after a local-only save
     of it is the newer save."""
     from async_ckpt.policies import CheckpointInfo
-    from async_ckpt.tiers import same_save
+    from async_ckpt.manager.tiered import same_save
 
     path, local = roots
     flags = {"local": True, "bucket": False}
@@ -45,18 +45,18 @@ def test_a_re_save_within_a_second_is_a_different_save_and_the_newest_one_wins(r
         flags.update(local=True)
         mgr.save(11, state(11))              # one save, both tiers: one id, local first
         assert mgr.step_tiers()[11] == ("local", "persistent")
-    # manifests from before save ids: copies committed within SAME_SAVE_S are one save
-    assert same_save(CheckpointInfo(1, 100.0), CheckpointInfo(1, 100.5))
+    # copies without a save id are never taken for one save, however close their commits
+    assert not same_save(CheckpointInfo(1, 100.0), CheckpointInfo(1, 100.5))
     assert not same_save(CheckpointInfo(1, 100.0), CheckpointInfo(1, 102.0))
     assert not same_save(CheckpointInfo(1, 100.0, extra={"save_id": "a"}), CheckpointInfo(1, 100.0, extra={"save_id": "b"}))
 
 
 def _flagged(path, local):
     flags = {"persistent": False, "local": True}
-    mgr = CheckpointManager(path, save_policy=lambda s: flags["persistent"], local_dir=local,
-                            local_policy=lambda s: flags["local"], local_retention=5)
     clock = itertools.count(1_700_000_000, 10)  # the saves are 10 s apart (re-saves, not one save)
-    mgr._clock = lambda: float(next(clock))
+    mgr = CheckpointManager(path, save_policy=lambda s: flags["persistent"], local_dir=local,
+                            local_policy=lambda s: flags["local"], local_retention=5,
+                            wall_clock=lambda: float(next(clock)))
     return mgr, flags
 
 

@@ -39,8 +39,8 @@ def test_failed_uploads_do_not_stop_local_saves_and_are_raised_at_join(roots, mo
     with caplog.at_level(logging.ERROR, logger="async_ckpt"):
         for s in range(1, 6):
             assert mgr.save_async(s, state(s))  # the failed uploads of 2 and 4 are not raised here
-        mgr._local.writer.join()
-        mgr._writer.wait_idle()
+        mgr.roots[0].writer.join()
+        mgr.roots[-1].writer.wait_idle()
     assert "save of step 2 failed" in caplog.text
     assert mgr.step_tiers() == {s: ("local",) for s in (5, 4, 3, 2, 1)}
     with pytest.raises(CheckpointError, match="step 2") as ei:
@@ -126,7 +126,7 @@ def test_a_bucket_unreachable_at_its_first_save_does_not_stop_the_local_save(roo
         for s in range(4, 7):
             assert mgr.save_async(s, state(s))  # 5 is due for the bucket only: saved locally
     assert "save of step 5 failed" in caplog.text
-    mgr._local.writer.join()
+    mgr.roots[0].writer.join()
     assert mgr.step_tiers() == {6: ("local",), 5: ("local",), 4: ("local",)}
     with pytest.raises(StorageError, match=r"step 5: the checkpoint path .*bucket cannot be reached") as ei:
         mgr.join()
@@ -148,7 +148,7 @@ def test_a_preemption_save_while_the_bucket_is_down_is_taken_locally(roots):
     mgr.trigger_preemption()
     assert mgr.save_async(2, state(2))
     assert mgr.reached_preemption(2)
-    mgr._local.writer.join()
+    mgr.roots[0].writer.join()
     assert mgr.step_tiers() == {2: ("local",), 1: ("local",)}
     with pytest.raises(StorageError, match="step 2"):
         mgr.close()
@@ -262,7 +262,7 @@ def test_a_bucket_manifest_that_does_not_read_while_listing_does_not_pass_over_n
             mgr.save(s, state(s))
     mgr = CheckpointManager(path, save_interval=5, local_dir=local, local_policy=1)
     listing = {"on": False}
-    real_read, real_infos = mgr.layout.read_manifest, mgr._store.catalog.infos
+    real_read, real_infos = mgr.layout.read_manifest, mgr.roots[-1].store.catalog.infos
 
     def read(step, *a, **k):
         if step == 5 and (listing["on"] or not blip):
@@ -277,7 +277,7 @@ def test_a_bucket_manifest_that_does_not_read_while_listing_does_not_pass_over_n
             listing["on"] = False
 
     monkeypatch.setattr(mgr.layout, "read_manifest", read)
-    monkeypatch.setattr(mgr._store.catalog, "infos", infos)
+    monkeypatch.setattr(mgr.roots[-1].store.catalog, "infos", infos)
     assert list(mgr.step_tiers()) == [7, 6, 5]
     out = zeros()
     with warnings.catch_warnings():
@@ -312,7 +312,7 @@ def test_the_stats_log_of_local_saves_does_not_re_create_a_vanished_bucket(roots
     shutil.rmtree(path)  # the bucket's mount went away
     for s in range(1, 11):
         mgr.save_async(s, state(s))
-    mgr._local.writer.join()
+    mgr.roots[0].writer.join()
     assert not os.path.exists(path)
     with pytest.raises(StorageError, match=r"step 5: .*cannot be reached.*steps \[10\]"):
         mgr.join()

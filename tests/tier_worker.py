@@ -55,12 +55,12 @@ def unreachable(model, optim, rank: int, ref_dir: str) -> None:
 
     bucket, local = os.path.join(ref_dir, "bucket2"), os.path.join(ref_dir, "local2")
     with CheckpointManager(bucket, save_interval=3, local_dir=local, local_policy=1, collective_timeout_s=60) as m:
-        real = m._store.become_writer
+        real = m.roots[-1].store.become_writer
         if rank == 0:
             def down() -> None:
                 raise FileNotFoundError(2, "No such file or directory", os.path.join(bucket, ".async_ckpt.lock"))
 
-            m._store.become_writer = down
+            m.roots[-1].store.become_writer = down
         assert m.save_async(3, state(model, optim, 3))
         try:
             m.join()
@@ -68,7 +68,7 @@ def unreachable(model, optim, rank: int, ref_dir: str) -> None:
         except StorageError as exc:
             assert "step 3" in str(exc) and "bucket2" in str(exc), exc
         assert m.step_tiers() == {3: ("local",)}, m.step_tiers()
-        m._store.become_writer = real
+        m.roots[-1].store.become_writer = real
         assert m.save_async(6, state(model, optim, 6))
         m.join()
         assert m.step_tiers() == {6: ("local", "persistent"), 3: ("local",)}, m.step_tiers()
@@ -90,9 +90,9 @@ def local_failure_on_one_rank(model, optim, rank: int, ref_dir: str) -> None:
         assert m.save_async(2, state(model, optim, 2))
         if rank == 1:
             deadline = time.monotonic() + 30
-            while not m._local.writer._errors and time.monotonic() < deadline:  # the write has failed
+            while not m.roots[0].writer._errors and time.monotonic() < deadline:  # the write has failed
                 time.sleep(0.05)
-            assert m._local.writer._errors, "the local write did not fail"
+            assert m.roots[0].writer._errors, "the local write did not fail"
         dist.barrier()
         t0 = time.monotonic()
         try:
@@ -117,7 +117,7 @@ def fail_first_local_commit(m, after_s: float) -> None:
     import errno
     import time
 
-    real, calls = m._local.store.layout.commit, [0]
+    real, calls = m.roots[0].store.layout.commit, [0]
 
     def slow_fail(target, manifest):
         calls[0] += 1
@@ -126,7 +126,7 @@ def fail_first_local_commit(m, after_s: float) -> None:
             raise OSError(errno.EROFS, "Read-only file system (simulated)")
         return real(target, manifest)
 
-    m._local.store.layout.commit = slow_fail
+    m.roots[0].store.layout.commit = slow_fail
 
 
 def small(rank: int, step: int):
@@ -249,7 +249,7 @@ def resave_on_one_rank(rank: int, ref_dir: str) -> None:
             def fail(*a, **k):
                 raise OSError(errno.EROFS, "Read-only file system (simulated)")
 
-            m._local.store.layout.commit = fail
+            m.roots[0].store.layout.commit = fail
         m.save_async(5, sd(55))
         try:
             m.join()
@@ -282,7 +282,7 @@ def settle_on_one_rank(rank: int, ref_dir: str) -> None:
                 open(mine, "w").close()
             m.save_async(step, small(rank, step))
             if rank == 1:
-                m._local.writer.wait_idle()
+                m.roots[0].writer.wait_idle()
             dist.barrier()
             t0 = time.monotonic()
             try:

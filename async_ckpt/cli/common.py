@@ -264,8 +264,8 @@ def _roots(args: argparse.Namespace) -> List[Tuple[str, Storage, CheckpointLayou
 
 def _home(roots: List[Tuple[str, Storage, CheckpointLayout]]) -> Optional[str]:
     """With a local tier: PATH as local manifests record the checkpoint path they were saved
-    for (:func:`~async_ckpt.tiers.root_identity`); None without one."""
-    from ..tiers import root_identity
+    for (:func:`~async_ckpt.manager.tiered.root_identity`); None without one."""
+    from ..manager.tiered import root_identity
 
     return root_identity(roots[-1][1]) if len(roots) > 1 else None
 

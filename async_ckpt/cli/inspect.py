@@ -8,11 +8,11 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Dict, List, Optional, Tuple
 
 from ..errors import CheckpointError
+from ..manager.tiered import SAVE_ID, same_save, saved_for_another
 from ..policies import CheckpointInfo
 from ..storage.fs import Storage
 from ..storage.layout import _STEP_RE, _TMP_RE, _TRASH_RE, _VER_RE, CheckpointLayout
 from ..storage.manifest import MARKER_NAME, shown
-from ..tiers import SAVE_ID, same_save, saved_for_another
 from .common import (
     DCP_HINT,
     EXIT_OK,
@@ -42,7 +42,7 @@ def _step_entry(storage: Storage, layout: CheckpointLayout, name: str, locations
     listed size); ``damaged``: committed, but that check fails; ``superseded``: an older
     committed copy of a step that a newer copy replaced (a crash interrupted the re-save; the
     next writer removes it); ``incomplete``: never committed; ``foreign``: a symbolic link,
-    never followed, or (a local tier, ``home``: PATH's :func:`~async_ckpt.tiers.root_identity`)
+    never followed, or (a local tier, ``home``: PATH's :func:`~async_ckpt.manager.tiered.root_identity`)
     a committed copy whose manifest records another checkpoint path (another job's copy;
     ``saved_for`` names that path).
     """
@@ -110,7 +110,7 @@ def _entries(storage: Storage, layout: CheckpointLayout, home: Optional[str] = N
 
 def _number_saves(timed: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     """Set ``commit_order`` (1: the oldest) of committed entries, per save: the copies of one
-    save in both tiers (:func:`~async_ckpt.tiers.same_save`) share a number, at the newer
+    save in both tiers (:func:`~async_ckpt.manager.tiered.same_save`) share a number, at the newer
     copy's commit time. Returns the entries in that order."""
     def info(e: Dict[str, Any]) -> CheckpointInfo:
         return CheckpointInfo(e["step"], e["commit_time"], extra={SAVE_ID: e["save_id"]} if e.get("save_id") else {})

@@ -98,7 +98,7 @@ def _foreign_copies(roots: List[Tuple[str, Storage, CheckpointLayout]]) -> Dict[
     """The local tier's committed copies another job saved (their manifests record another
     checkpoint path than PATH): step -> that path. A manifest that does not read counts as
     this job's (verify reports it damaged)."""
-    from ..tiers import saved_for_another
+    from ..manager.tiered import saved_for_another
 
     home = _home(roots)
     out: Dict[int, str] = {}

@@ -1,6 +1,7 @@
-"""``CheckpointManager``, the façade (:mod:`.core`), its save decisions (:mod:`.decisions`), its
-listing over tiers (:mod:`.listing`), its explicit actions on committed steps (:mod:`.actions`:
-delete, promote) and its process-level hooks (:mod:`.hooks`)."""
+"""``CheckpointManager``, the façade (:mod:`.core`), built from its roots
+(:class:`~async_ckpt.lifecycle.root.Root`), its save schedule (:mod:`.schedule`: pure), the
+two-tier parts (:mod:`.tiered`: merged listing, copy order, foreign copies, promote) and its
+process-level hooks (:mod:`.hooks`)."""
 
 from .core import CheckpointManager
 

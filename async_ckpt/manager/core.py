@@ -17,23 +17,32 @@ import uuid
 import weakref
 from typing import Any, Callable, Deque, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from ..errors import CheckpointError, InvalidArgumentError, InvalidStateDictError, LeaseHeldError, warn_user
+from ..errors import (
+    CheckpointError,
+    InvalidArgumentError,
+    InvalidStateDictError,
+    LeaseHeldError,
+    StorageError,
+    warn_user,
+)
 from ..gc_pause import gc_paused
-from ..lifecycle.coordinator import DEFAULT_TIMEOUT_S, coordinator_for
+from ..lifecycle.coordinator import DEFAULT_TIMEOUT_S, coordinator_for, describe, rebuild
 from ..lifecycle.planners import load_planner_for, save_planner_for
 from ..lifecycle.restore import check_key_map
 from ..lifecycle.restore import restore as _restore
+from ..lifecycle.root import LOCAL, PERSISTENT, Root
 from ..lifecycle.save_job import SaveJob, run_save
 from ..lifecycle.steps import StepStore
+from ..options import ManagerOptions
 from ..policies import (
     CheckpointInfo,
-    EveryNSteps,
-    KeepAll,
-    KeepLatest,
     RetentionPolicy,
     SavePolicy,
     as_retention_policy,
+    as_save_policy,
+    best_checkpoint,
     check_step,
+    find_keep_best,
 )
 from ..preemption import PreemptionTracker, PreemptionWatcher
 from ..staging import HostBufferPool, Stager
@@ -41,37 +50,30 @@ from ..stats import SaveStats, format_bytes, format_seconds
 from ..storage import CheckpointLayout, RetryPolicy, Storage
 from ..storage.manifest import check_metrics
 from ..storage.stats_log import StatsLog
-from ..tiers import (
-    LOCAL,
-    PERSISTENT,
+from ..writer import AsyncWriter
+from .hooks import live_managers, stop_threads
+from .schedule import Due, RootState, due_at
+from .tiered import (
     PERSISTENT_ROOT,
     SAVE_ID,
-    Tier,
+    commit_records,
+    foreign_steps,
+    held_steps,
     make_local_tier,
     make_room,
     out_of_space,
+    promote,
     refuse_foreign_save,
     restore_from_tiers,
     space_needed,
+    step_metrics,
 )
-from ..writer import AsyncWriter
-from .actions import StepActions
-from .decisions import SaveDecisions
-from .hooks import _live_managers, _stop_threads
-from .listing import TierListing
 
 log = logging.getLogger("async_ckpt")
 
-def _weak_clock(mgr: "CheckpointManager") -> Callable[[], float]:
-    """``mgr._clock()`` read through a weak reference: the parts a manager owns never hold it
-    (a cycle through it would keep an unclosed manager, and its writer lease, alive until a
-    cyclic garbage collection)."""
-    ref = weakref.ref(mgr)
-
-    def clock() -> float:
-        m = ref()
-        return m._clock() if m is not None else time.time()
-    return clock
+def _state_of(root: Root) -> RootState:
+    """What the save schedule needs of ``root``."""
+    return RootState(root.policy, root.last_save_time, root.last_save_step, root.writer.pending > 0)
 
 
 def _weak_idle(mgr: "CheckpointManager") -> Callable[[], bool]:
@@ -120,7 +122,7 @@ def _raise_all(errors: List[BaseException]) -> None:
     raise CheckpointError("; and ".join(str(e) for e in errors), step=getattr(errors[0], "step", None)) from errors[0]
 
 
-class CheckpointManager(SaveDecisions, TierListing, StepActions):
+class CheckpointManager:
     """Asynchronous checkpointing of a state dict to a local path or any fsspec URL.
 
     A drop-in for ``torch_xla.experimental.distributed_checkpoint.CheckpointManager`` (same
@@ -236,96 +238,74 @@ class CheckpointManager(SaveDecisions, TierListing, StepActions):
         wall_clock: Callable[[], float] = time.time,
         interval_clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if num_of_threads is not None:  # torch_xla's name for the writer's thread count
-            if not isinstance(num_of_threads, int) or isinstance(num_of_threads, bool) or num_of_threads < 1:
-                raise InvalidArgumentError(f"num_of_threads must be an int >= 1, got {num_of_threads!r}")
-            write_threads = num_of_threads
-        if not isinstance(write_threads, int) or isinstance(write_threads, bool) or write_threads < 1:
-            raise InvalidArgumentError(f"write_threads must be an int >= 1, got {write_threads!r}")
-        if max_to_keep is not None and (not isinstance(max_to_keep, int) or max_to_keep < 0):
-            raise InvalidArgumentError(f"max_to_keep must be an int >= 0 or None, got {max_to_keep!r}")
-        if not isinstance(lease_timeout, (int, float)) or isinstance(lease_timeout, bool) or lease_timeout < 0:
-            raise InvalidArgumentError(f"lease_timeout must be a number of seconds >= 0, got {lease_timeout!r}")
-        if (not isinstance(collective_timeout_s, (int, float)) or isinstance(collective_timeout_s, bool)
-                or collective_timeout_s <= 0):
-            raise InvalidArgumentError(f"collective_timeout_s must be a number of seconds > 0, got {collective_timeout_s!r}")
-        if not isinstance(lazy, bool):
-            raise InvalidArgumentError(f"lazy must be a bool, got {lazy!r}")
-        for name, fn in (("wall_clock", wall_clock), ("interval_clock", interval_clock)):
-            if not callable(fn):
-                raise InvalidArgumentError(f"{name} must be a callable returning seconds (like time.time), got {fn!r}")
-        if save_policy is not None and save_interval is not None:
-            warn_user(f"save_interval={save_interval!r} is ignored: save_policy={save_policy!r} decides when to "
-                      "save (pass one of them)")
-        self.save_policy = save_policy if save_policy is not None else \
-            EveryNSteps(1 if save_interval is None else save_interval)
-        self.retention: RetentionPolicy = (
-            as_retention_policy(retention) if retention is not None
-            else (KeepLatest(max_to_keep) if max_to_keep else KeepAll())
-        )
+        opts = ManagerOptions(
+            path, save_interval, max_to_keep, max_pending_async, num_of_threads, process_group,
+            chkpt_on_preemption, storage_options=storage_options, save_policy=save_policy, retention=retention,
+            memory_budget_bytes=memory_budget_bytes, write_threads=write_threads, commit_mode=commit_mode,
+            verify=verify, keep_incomplete=keep_incomplete, retry=retry, on_saved=on_saved, stats_log=stats_log,
+            preemption_signals=preemption_signals, preemption_sync=preemption_sync, lazy=lazy,
+            lease_timeout=lease_timeout, collective_timeout_s=collective_timeout_s, local_dir=local_dir,
+            local_policy=local_policy, local_retention=local_retention, wall_clock=wall_clock,
+            interval_clock=interval_clock)
+        #: the validated options this manager was built from
+        self.options = opts
         self._preemption: Optional[PreemptionTracker] = None
-        if chkpt_on_preemption:  # validated now, installed once everything else is set up
+        if opts.chkpt_on_preemption:  # validated now, installed once everything else is set up
             import signal as _signal
 
             self._preemption = PreemptionTracker(PreemptionWatcher(
-                (_signal.SIGTERM,) if preemption_signals is None else tuple(preemption_signals), preemption_sync))
-            if preemption_signals is not None and self._preemption.watcher.sync == "xla":
-                raise InvalidArgumentError("preemption_signals cannot be combined with torch_xla's preemption sync point "
-                                 "(it handles SIGTERM itself); pass preemption_sync='signal' to use signals")
-        elif preemption_signals is not None:
-            raise InvalidArgumentError("preemption_signals needs chkpt_on_preemption=True")
+                (_signal.SIGTERM,) if opts.preemption_signals is None else tuple(opts.preemption_signals),
+                opts.preemption_sync))
+            if opts.preemption_signals is not None and self._preemption.watcher.sync == "xla":
+                raise InvalidArgumentError("preemption_signals cannot be combined with torch_xla's preemption sync "
+                                           "point (it handles SIGTERM itself); pass preemption_sync='signal' to use "
+                                           "signals")
         # Collective: every rank creates the checkpoint groups, first, before anything that
         # could fail on one rank only (a no-op coordinator in a single process).
-        self._coord = coordinator_for(process_group, float(collective_timeout_s))
-        # names each save in both tiers' manifests (see tiers.SAVE_ID): rank 0's, on every rank
-        self._run_id = uuid.uuid4().hex[:12] if local_dir is not None else ""
-        if local_dir is not None and self._coord.world_size > 1:
+        self._coord = coordinator_for(opts.process_group, opts.collective_timeout_s)
+        # names each save in both tiers' manifests (see tiered.SAVE_ID): rank 0's, on every rank
+        self._run_id = uuid.uuid4().hex[:12] if opts.local_dir is not None else ""
+        if opts.local_dir is not None and self._coord.world_size > 1:
             self._run_id = self._coord.broadcast(self._run_id)
         self._saves = 0
-        self.storage = Storage(path, storage_options, retry=retry)
-        self.layout = CheckpointLayout(self.storage, commit_mode)
-        self.process_group = process_group
-        self.chkpt_on_preemption = chkpt_on_preemption
-        self.verify = verify
-        self.write_threads = write_threads
-        self.on_saved = on_saved
-        self.lazy = lazy
-        self._clock: Callable[[], float] = wall_clock  # manifests' commit_time
-        #: elapsed time between saves (time-based policies): a wall clock's step back never stops them
-        self._interval_clock: Callable[[], float] = interval_clock
-        self._store = StepStore(self.storage, self.layout, self._coord, _weak_clock(self),
-                                keep_incomplete=keep_incomplete, lease_timeout=float(lease_timeout))
-        self.catalog = self._store.catalog
-        self._deleter = self._store.deleter
-        self._stats_log = StatsLog.from_option(self.storage, stats_log)
+        self.storage = Storage(opts.path, opts.storage_options, retry=opts.retry)
+        self.layout = CheckpointLayout(self.storage, opts.commit_mode)
+        self.process_group = opts.process_group
+        self.chkpt_on_preemption = opts.chkpt_on_preemption
+        self.verify = opts.verify
+        self.write_threads = opts.write_threads
+        self.on_saved = opts.on_saved
+        self.lazy = opts.lazy
+        store = StepStore(self.storage, self.layout, self._coord, opts.wall_clock,
+                          keep_incomplete=opts.keep_incomplete, lease_timeout=opts.lease_timeout)
+        self.catalog = store.catalog
+        self._stats_log = StatsLog.from_option(self.storage, opts.stats_log)
         # with a local tier an upload overlaps local saves on and off: keep buffers for both
-        self.stager = Stager(HostBufferPool(memory_budget_bytes, hold_peak=local_dir is not None))
+        self.stager = Stager(HostBufferPool(opts.memory_budget_bytes, hold_peak=opts.local_dir is not None))
         self.stats: Deque[SaveStats] = collections.deque(maxlen=1000)
         #: with a local tier: steps whose upload to ``path`` was skipped because the previous
         #: upload was still running (``save_async`` never waits for it; the step went to the local tier)
         self.skipped_uploads: List[int] = []
-        self._writer = AsyncWriter(max_pending_async, defer_errors=local_dir is not None)
-        self._tiers: List[Tier] = [Tier(PERSISTENT, self._store, self._writer, self.retention)]
-        self._local: Optional[Tier] = None
+        self._persistent = Root(PERSISTENT, store,
+                                AsyncWriter(opts.max_pending_async, defer_errors=opts.local_dir is not None),
+                                opts.retention, opts.save_policy)
+        self._local: Optional[Root] = None
+        #: the manager's roots, nearest first: the local tier (with ``local_dir``), then the
+        #: persistent root (always last). A restore tries the copies of one save in this order.
+        self.roots: List[Root] = [self._persistent]
         self._closed = False
         self._forked = False
         self._pid = os.getpid()
-        self._start_time = self._interval_clock()
-        self._last_save_time: Optional[float] = None
-        self._last_save_step: Optional[int] = None
+        self._start_time = opts.interval_clock()
         self._restored: Optional[int] = None  # the step this manager last restored
-        self._in_flight: List[int] = []  # steps queued or being written (one entry per tier's job)
+        self._in_flight: List[int] = []  # steps queued or being written (one entry per root's job)
         self._pickled_seen: set = set()  # keys of pickled values already checked (see _warn_pickled)
         self._write_problem: Optional[Exception] = None  # why the root could not be written at opening
         self._writable = False  # the root was found writable (checked by the first save due there)
         try:
-            if local_dir is not None:
-                self._local = make_local_tier(
-                    local_dir, self.storage, self._coord, _weak_clock(self), policy=local_policy,
-                    retention=local_retention, max_pending=max_pending_async, commit_mode=commit_mode,
-                    keep_incomplete=keep_incomplete, lease_timeout=float(lease_timeout),
-                    timeout_s=float(collective_timeout_s), retry=retry)
-                self._tiers.insert(0, self._local)
+            if opts.local_dir is not None:
+                self._local = make_local_tier(opts, self.storage, self._coord)
+                self.roots.insert(0, self._local)
             if self._coord.is_primary:
                 self._describe_root()
             # Created and checked when possible; a read-only root (an evaluation job's credential
@@ -336,26 +316,191 @@ class CheckpointManager(SaveDecisions, TierListing, StepActions):
             if self._preemption is not None:
                 self._preemption.watcher.install()
         except BaseException:  # a refused manager leaves no thread behind
-            _stop_threads([(t.writer, t.store.deleter, None) for t in self._tiers])
+            stop_threads([(r.writer, r.store.deleter, None) for r in self.roots])
             raise
         # An unclosed manager that is garbage-collected stops its threads (it has no pending
         # work then: a queued save holds a reference to it).
-        for tier in self._tiers:
-            if tier.store.lease is not None:
-                tier.store.lease.idle = _weak_idle(self)
-        self._finalizer = weakref.finalize(self, _stop_threads,
-                                           [(t.writer, t.store.deleter, t.store.lease) for t in self._tiers])
-        _live_managers.add(self)
+        for root in self.roots:
+            if root.store.lease is not None:
+                root.store.lease.idle = _weak_idle(self)
+        self._finalizer = weakref.finalize(self, stop_threads,
+                                           [(r.writer, r.store.deleter, r.store.lease) for r in self.roots])
+        live_managers.add(self)
+
+    @property
+    def save_policy(self) -> SavePolicy:
+        """The persistent root's save policy (assignable: a policy object or a callable
+        ``fn(step) -> bool``)."""
+        policy = self._persistent.policy
+        assert policy is not None
+        return policy
+
+    @save_policy.setter
+    def save_policy(self, policy: Any) -> None:
+        self._persistent.policy = as_save_policy(policy)
+
+    @property
+    def retention(self) -> RetentionPolicy:
+        """The persistent root's retention policy (assignable: a policy object or a callable
+        ``fn(checkpoints) -> steps to keep``)."""
+        return self._persistent.retention
+
+    @retention.setter
+    def retention(self, policy: Any) -> None:
+        self._persistent.retention = as_retention_policy(policy)
 
     def _idle(self) -> bool:
-        """No save queued or being written in any tier; then waits (30 s at most) for the
+        """No save queued or being written at any root; then waits (30 s at most) for the
         background deletions retention started to finish."""
-        return (all(t.writer.pending == 0 for t in self._tiers)
-                and all(t.store.wait_idle(timeout=30.0) for t in self._tiers))
+        return (all(r.writer.pending == 0 for r in self.roots)
+                and all(r.store.wait_idle(timeout=30.0) for r in self.roots))
 
-    def _become_writer(self) -> None:
-        """Take the root's writer lease (what the first save does); then recover and clean up."""
-        self._store.become_writer()
+    # ---- when to save ------------------------------------------------------------------------
+    def _schedule(self, step: int, force: bool, preempt: bool) -> Due:
+        """The save schedule's answer for ``step`` now (no I/O)."""
+        local = self._local
+        return due_at(step, force=force, preempt=preempt, now=self.options.interval_clock(),
+                      start_time=self._start_time, persistent=_state_of(self._persistent),
+                      local=None if local is None else _state_of(local))
+
+    def should_save(self, step: int) -> bool:
+        """Whether a checkpoint is due at ``step``.
+
+        Args:
+            step: the training step.
+
+        Returns:
+            True when the save policy (or, with ``local_dir``, the local policy) wants one, or a
+            preemption was detected and its checkpoint is not taken yet. ``save_async`` of a
+            step it answers False for does nothing (beyond raising an earlier background
+            failure).
+
+        Raises:
+            InvalidArgumentError: ``step`` is not an int >= 0.
+        """
+        step = check_step(step)
+        preempt = self._preemption.due(step) if self._preemption is not None else False
+        return self._schedule(step, False, preempt).any
+
+    def _where_due(self, step: int, force: bool, invalid: Optional[Exception] = None) -> Due:
+        """Which roots a save of ``step`` goes to, the same on every rank (rank 0 decides).
+
+        When the persistent root is due, rank 0 takes its writer lease first
+        (:meth:`_claim_persistent`). With several ranks the ranks then agree
+        (:meth:`_agree_due`). A root that cannot be reached raises :class:`StorageError`
+        without a local tier; with one, that error is kept as the failure of this step's upload
+        (logged now, raised by ``join()``/``close()`` on every rank), the step goes to the local
+        tier instead, and the next step due for the root tries the lease again.
+
+        ``invalid``: this rank's step or metrics did not validate (several ranks): it decides
+        nothing, says so in the exchange and raises that error; the other ranks raise a
+        ``CheckpointError`` naming it."""
+        alone = self._coord.world_size == 1
+        preempt = False
+        if invalid is None and self._preemption is not None:
+            preempt = self._preemption.due(step)
+        if not alone and self._coord.any_rank(preempt) and not preempt and invalid is None:
+            # a preemption one rank detected (a signal to one host) is every rank's checkpoint
+            # and every rank's last step, whatever rank 0's own signal handler saw (every rank
+            # takes part in this exchange, whatever its own chkpt_on_preemption)
+            if self._preemption is not None:
+                self._preemption.adopt(step)
+            preempt = True
+        due = self._schedule(step, force, preempt) if invalid is None else Due(False, False, False, False)
+        held: Optional[LeaseHeldError] = None
+        unreachable: Optional[StorageError] = None
+        if due.persistent and self._coord.is_primary:
+            try:
+                self._claim_persistent(step)
+            except LeaseHeldError as exc:
+                if alone:
+                    raise
+                held = exc
+            except (StorageError, OSError) as exc:
+                unreachable = StorageError(f"step {step}: the checkpoint path {self.storage.url} cannot be "
+                                           f"reached (taking its writer lease failed): {type(exc).__name__}: {exc}",
+                                           step=step)
+                unreachable.__cause__ = exc
+                if self._local is None and alone:
+                    raise unreachable from exc
+        reached = unreachable is None
+        if not alone:
+            due, lease_ok, reached = self._agree_due(step, due, held is None, reached, invalid)
+            if due.persistent and not lease_ok:
+                raise held or LeaseHeldError(
+                    f"rank 0 could not take the writer lease of {self.storage.url}; see rank 0's error")
+        if not due.persistent or reached:
+            return due
+        if unreachable is None:
+            unreachable = StorageError(f"step {step}: rank 0 could not reach the checkpoint path "
+                                       f"{self.storage.url}; see rank 0's error", step=step)
+        if self._local is None:
+            raise unreachable
+        self._persistent.writer.add_failure(step, unreachable)  # logged now, raised by join()/close()
+        return Due(False, True, due.preempt, True)
+
+    def _claim_persistent(self, step: int) -> None:
+        """Rank 0, before a save due at the persistent root: the root is writable, its writer
+        lease is held, and a save below the highest committed step is warned about once."""
+        self._ensure_writable()  # a manager that only lists and restores needs only read access
+        store = self._persistent.store
+        store.become_writer()
+        store.warn_if_lower(step, self._restored)
+
+    def _agree_due(self, step: int, due: Due, lease_ok: bool, reached: bool,
+                   invalid: Optional[Exception]) -> "Tuple[Due, bool, bool]":
+        """Several ranks: rank 0's decision, lease and reachability, taken by every rank.
+
+        Time-based policies, preemption signals and "nothing in flight" conditions can answer
+        differently per rank. Every rank also says whether its writers hold a failure the next
+        save raises, or its step or metrics are invalid, and which step it saves (a rank at
+        another step fails the exchange): a rank raising alone would leave the others waiting."""
+        ok = invalid is None and not any(r.writer.failed() for r in self.roots)
+        (take, take_local, preempt, lease_ok, reached), failed = self._coord.agree(
+            [due.persistent, due.local, due.preempt, lease_ok, reached], ok=ok,
+            step=step if invalid is None else None)
+        if failed:
+            if invalid is not None:
+                raise invalid
+            for root in self.roots:
+                root.writer.raise_if_failed()
+            raise CheckpointError(f"step {step}: not saved: rank(s) {failed} could not save it (an earlier "
+                                  f"background save failed there, its step or metrics were invalid, or it "
+                                  f"was called with another step than rank 0; see their errors)",
+                                  step=step if isinstance(step, int) else None)
+        return Due(take, take_local, preempt, take), lease_ok, reached
+
+    def reached_preemption(self, step: int) -> bool:
+        """Whether the loop should stop for a preemption.
+
+        Call it every step after ``save``/``save_async`` (torch_xla's loop shape). If the signal
+        arrives after this step's save decision, it answers False once more, so the next step's
+        save takes the checkpoint before the loop is told to stop.
+
+        Args:
+            step: the training step.
+
+        Returns:
+            True once a preemption was detected and its checkpoint was taken (or is due) at or
+            before ``step``: the loop should then :meth:`join` (the checkpoint becomes durable)
+            and exit. Always False unless the manager was created with
+            ``chkpt_on_preemption=True``.
+
+        Raises:
+            InvalidArgumentError: ``step`` is not an int >= 0.
+        """
+        step = check_step(step)
+        return self._preemption is not None and self._preemption.reached(step)
+
+    def trigger_preemption(self) -> None:
+        """Act as if a preemption signal arrived (for schedulers that announce it another way).
+
+        Raises:
+            CheckpointError: the manager was created without ``chkpt_on_preemption=True``.
+        """
+        if self._preemption is None:
+            raise CheckpointError("trigger_preemption() needs chkpt_on_preemption=True")
+        self._preemption.watcher.trigger()
 
     def save_async(self, step: int, state_dict: Mapping[str, Any], force: bool = False,
                    metrics: Optional[Dict[str, float]] = None, *, lazy: Optional[bool] = None) -> bool:
@@ -407,16 +552,18 @@ class CheckpointManager(SaveDecisions, TierListing, StepActions):
             if alone:
                 raise
             invalid = exc  # raised by _due on every rank together
-        if alone:  # with several ranks, _due raises on every rank together
-            for tier in self._tiers:
-                tier.writer.raise_if_failed()
-        take, take_local, preempt, taken = self._due(step, force, invalid)
-        if take or take_local:  # agreed: every rank counts the same saves, one id per save
+        if alone:  # with several ranks, _where_due raises on every rank together
+            for root in self.roots:
+                root.writer.raise_if_failed()
+        where = self._where_due(step, force, invalid)
+        take, take_local, preempt = where.persistent, where.local, where.preempt
+        if where.any:  # agreed: every rank counts the same saves, one id per save
             self._saves += 1
         # From here on a rank that raises still queues its part of the persistent save, as a
         # failed job: the other ranks' jobs of this step fail with it (never pair with its next).
-        shared = self._tiers[-1] if take and not alone else None
-        held: List[Tier] = []
+        persistent = self._persistent
+        shared = persistent if take and not alone else None
+        held: List[Root] = []
         skipped_upload = False
         try:
             if take_local and self._local is not None:
@@ -427,7 +574,7 @@ class CheckpointManager(SaveDecisions, TierListing, StepActions):
                         raise
                     log.exception("rank %d skips the local save of step %d", self._coord.rank, step)
                     take_local = False
-            due = ([self._local] if take_local and self._local is not None else []) + ([self._tiers[-1]] if take else [])
+            due = [r for r in self.roots if (take_local if r is self._local else take)]
             if not due:
                 return False
             t0 = time.perf_counter()
@@ -439,7 +586,7 @@ class CheckpointManager(SaveDecisions, TierListing, StepActions):
             # wait for that, so it must come before waiting for a writer slot.
             self.stager.synchronize_staging()
             for tier in list(due):
-                if alone and tier.name == PERSISTENT and self._local is not None and not (wait or force or preempt):
+                if alone and tier is persistent and self._local is not None and not (wait or force or preempt):
                     # A busy upload never holds up the training loop while a local tier takes
                     # the step: the bucket's save of this step is skipped (logged, in stats).
                     # Not a forced or preemption save (often the last one): it waits its turn.
@@ -481,11 +628,11 @@ class CheckpointManager(SaveDecisions, TierListing, StepActions):
         t2 = time.perf_counter()
         if skipped_upload:
             self.skipped_uploads.append(step)
-            log.warning("async_ckpt: step %d is not uploaded to %s: the upload of step %s is still running (the "
+            log.warning("async_ckpt: step %d is not uploaded to %s: its earlier uploads are still running (the "
                         "step is saved to the local tier; see CheckpointManager.skipped_uploads)", step,
-                        self.storage.url, self._tiers[-1].last_save_step)
+                        self.storage.url)
         snap.share(len(due))
-        taken_at = self._clock()  # the commit time of this save in every tier (see SaveJob.commit_at)
+        taken_at = self.options.wall_clock()  # the commit time of this save in every tier (see SaveJob.commit_at)
         for tier in due:
             stats = SaveStats(step=step, nbytes=snap.nbytes, num_tensors=snap.num_tensors,
                               queue_wait_s=t1 - t0, stage_s=t2 - t1, blocking_s=t2 - t0)
@@ -495,7 +642,7 @@ class CheckpointManager(SaveDecisions, TierListing, StepActions):
                 if skipped_upload:
                     stats.extra["upload_skipped"] = True
                 extra[SAVE_ID] = f"{self._run_id}.{self._saves}"
-            if tier.name == LOCAL:
+            if tier is self._local:
                 extra.update({"tier": LOCAL, "rank": self._coord.rank, "world_size": self._coord.world_size,
                               PERSISTENT_ROOT: tier.home})
             job = SaveJob(step, snap, metrics, stats, t0, manifest_extra=extra,
@@ -506,9 +653,12 @@ class CheckpointManager(SaveDecisions, TierListing, StepActions):
             except BaseException:
                 self._in_flight.remove(step)
                 raise
-            tier.last_save_time, tier.last_save_step = self._interval_clock(), step
-        if taken:
-            self._taken(step, preempt)
+            if tier is not persistent:  # the persistent root's save is recorded when wanted (below)
+                tier.record_save(step, self.options.interval_clock())
+        if where.wanted:
+            persistent.record_save(step, self.options.interval_clock())
+            if preempt and self._preemption is not None:
+                self._preemption.mark_saved(step)
         if wait:
             if shared is not None:  # a failure one rank recorded after the agreement: all raise it together
                 self._settle()
@@ -516,8 +666,8 @@ class CheckpointManager(SaveDecisions, TierListing, StepActions):
                 tier.writer.wait_idle()
             for tier in due:
                 tier.writer.join()
-            if taken and not take:  # the root could not be reached: raised as a failed upload is
-                self._writer.join()
+            if where.wanted and not take:  # the root could not be reached: raised as a failed upload is
+                persistent.writer.join()
         return True
 
     def _warn_pickled(self, plan: Any) -> None:
@@ -548,23 +698,23 @@ class CheckpointManager(SaveDecisions, TierListing, StepActions):
                       "str, int, float, tensors) or allowlist the classes with "
                       "torch.serialization.add_safe_globals before restoring")
 
-    def _persist(self, job: SaveJob, tier: Tier) -> None:
+    def _persist(self, job: SaveJob, tier: Root) -> None:
         """Writer thread of ``tier``: the save job, then statistics and the user's callback. A
         local save of a step another job's copy holds fails (:class:`ForeignCopyError`); one
         that finds ``local_dir`` full first deletes the copies retention drops once it commits
-        (see :func:`~async_ckpt.tiers.make_room`), and again after failing for want of space."""
+        (see :func:`~async_ckpt.manager.tiered.make_room`), and again after failing for want of
+        space."""
         coming: Optional[CheckpointInfo] = None
-        if tier.name == LOCAL:
+        if tier is self._local:
             refuse_foreign_save(tier, job.step, job.snap)
             if job.snap is not None:  # a full local_dir: drop now what retention drops after this save
-                at = job.commit_at if job.commit_at is not None else self._clock()
+                at = job.commit_at if job.commit_at is not None else self.options.wall_clock()
                 coming = CheckpointInfo(job.step, at,
                                         dict(job.metrics), job.snap.nbytes, dict(job.manifest_extra))
                 make_room(tier, coming, space_needed(job.snap.nbytes))
         planner = save_planner_for(job.snap) if job.snap is not None else None
-        policy = self.retention if tier.name == PERSISTENT else tier.retention
         try:
-            stats = run_save(tier.store, job, policy=policy, threads=self.write_threads, planner=planner)
+            stats = run_save(tier.store, job, policy=tier.retention, threads=self.write_threads, planner=planner)
         except BaseException as exc:
             if coming is not None and out_of_space(exc):  # found full after all: the next save finds room
                 make_room(tier, coming, None)
@@ -595,10 +745,6 @@ class CheckpointManager(SaveDecisions, TierListing, StepActions):
             except Exception:
                 log.exception("the on_saved callback raised for step %d (the step is committed)",
                               stats.step)
-
-    def _apply_retention(self) -> List[int]:
-        """Apply the retention policy now (rank 0; normally right after each commit)."""
-        return self._store.apply_retention(self.retention)
 
     @property
     def last_stats(self) -> Optional[SaveStats]:
@@ -665,10 +811,10 @@ class CheckpointManager(SaveDecisions, TierListing, StepActions):
         t0 = time.perf_counter()
         where = self.storage.url
         if self._local is None:
-            s = _restore(self._store, step, state_dict, **opts)
+            s = _restore(self._persistent.store, step, state_dict, **opts)
         else:
             partly: List[str] = []  # copies found damaged after they had written into state_dict
-            def attempt(tier: Tier, s: int) -> int:
+            def attempt(tier: Root, s: int) -> int:
                 try:
                     return _restore(tier.store, s, state_dict, **opts)
                 except CheckpointError as exc:
@@ -676,7 +822,7 @@ class CheckpointManager(SaveDecisions, TierListing, StepActions):
                         partly.append(f"step {s} ({tier.name} copy)")
                     raise
 
-            s, name = restore_from_tiers(self._tiers, self._coord, step, attempt)
+            s, name = restore_from_tiers(self.roots, self._coord, step, attempt)
             where = f"the {name} tier ({self._local.url if name == LOCAL else self.storage.url})"
             if partly and not strict:  # strict: step s held every key of state_dict and overwrote it
                 warn_user(f"async_ckpt: restored step {s}; the damaged {', '.join(partly)} had partly written state_dict "
@@ -688,6 +834,185 @@ class CheckpointManager(SaveDecisions, TierListing, StepActions):
                      f"rank {self._coord.rank} " if self._coord.world_size > 1 else "", s, format_bytes(nbytes),
                      count, format_seconds(time.perf_counter() - t0), where)
         return s
+
+    # ---- listing -----------------------------------------------------------------------------
+    def best_step(self, metric: Optional[str] = None, mode: Optional[str] = None) -> Optional[int]:
+        """The committed step with the best value of ``metric`` (ties: the earliest commit).
+
+        Args:
+            metric: the metric's name; default: that of the retention's :class:`KeepBest` (a
+                ``KeepBest`` inside ``AnyOf`` counts).
+            mode: ``"min"`` or ``"max"``; default: the ``KeepBest``'s for its metric, else
+                ``"min"``.
+
+        Returns:
+            The step, or None when no committed step has the metric.
+
+        Raises:
+            InvalidArgumentError: no ``metric`` and the retention policy has no ``KeepBest``.
+        """
+        best = find_keep_best(self.retention)
+        if metric is None:
+            if best is None:
+                raise InvalidArgumentError("best_step() needs metric= (the retention policy has no KeepBest)")
+            metric = best.metric
+        if mode is None:
+            mode = best.mode if best is not None and best.metric == metric else "min"
+        found = best_checkpoint(commit_records(self.roots), metric, mode)
+        return None if found is None else found.step
+
+    def all_steps(self) -> List[int]:
+        """Committed steps over every root, ascending (as torch_xla's manager lists them).
+
+        The order that counts is commit order: see :meth:`steps_in_commit_order` and
+        :meth:`latest_step`.
+
+        Returns:
+            The steps.
+        """
+        self._check_process()
+        if self._local is None:
+            return self.layout.committed_steps()
+        return sorted(self.step_tiers())
+
+    def step_tiers(self) -> Dict[int, Tuple[str, ...]]:
+        """Which roots hold each committed step.
+
+        Returns:
+            Committed step -> the roots holding it (``"local"``, ``"persistent"``), newest commit
+            first. Without ``local_dir`` every step is ``("persistent",)``.
+        """
+        self._check_process()
+        return {h.step: h.tiers for h in held_steps(self.roots)}
+
+    def steps_in_commit_order(self) -> List[int]:
+        """Committed steps, oldest commit first (the order retention sees them in).
+
+        Returns:
+            The steps.
+        """
+        self._check_process()
+        return [c.step for c in commit_records(self.roots)]
+
+    def latest_step(self) -> Optional[int]:
+        """The most recently committed step over every root.
+
+        In a run whose steps only go up this is also the highest step. After a deliberate roll
+        back (restore 10, train on, save 11 and 12) it is 12, not an abandoned higher step.
+
+        Returns:
+            The step, or None when there is none.
+        """
+        self._check_process()
+        records = commit_records(self.roots)
+        if records:
+            return records[-1].step
+        steps = self.all_steps()  # only steps whose manifests do not read
+        return steps[-1] if steps else None
+
+    def metrics(self, step: int) -> Dict[str, float]:
+        """The metrics stored with a committed step (of its newest save, over the roots).
+
+        A root that cannot be read (a bucket that is down) is skipped with a warning while
+        another root holds the step. Another job's local copy (saved for another checkpoint
+        path) is not read.
+
+        Args:
+            step: the step.
+
+        Returns:
+            The metrics (name -> value).
+
+        Raises:
+            StepNotFoundError: no root holds this job's copy of the step.
+            StorageError: no root that could be read holds it, and one could not be read (its
+                error).
+        """
+        return step_metrics(self.roots, check_step(step))
+
+    # ---- explicit actions on committed steps -------------------------------------------------
+    def delete(self, step: int) -> None:
+        """Delete a committed step (an explicit user action) from every root that holds it.
+
+        It is no longer listed or restorable when this returns, and its files are gone. Waits
+        for pending saves first and takes the root's writer lease. Multi-process: call it on
+        every rank; rank 0 deletes (each rank its own local copy), and a failure on any rank
+        (one rank's earlier failed save, its local copy that cannot be deleted) is raised on
+        every rank.
+
+        Args:
+            step: the step.
+
+        Raises:
+            StepNotFoundError: the step is not committed.
+            LeaseHeldError: another writer holds the root's writer lease.
+        """
+        self._check_open()
+        invalid: Optional[Exception] = None
+        try:
+            step = check_step(step)
+        except (TypeError, ValueError, CheckpointError) as exc:
+            invalid = exc
+        self._settle(invalid, key=None if invalid is not None else step + 1)  # every rank names the same step
+        if invalid is not None:
+            raise invalid
+        outcome = None
+        mine: Optional[BaseException] = None
+        try:
+            local = self._local
+            local_held = (local is not None and step in local.store.layout.committed_steps()
+                          and not foreign_steps(local, step))  # another job's copy is not ours
+            if local_held and local is not None:
+                local.store.become_writer()
+                local.store.delete(step)
+            if self._coord.is_primary and (not local_held or step in self.layout.committed_steps()):
+                self._persistent.store.become_writer()
+                self._persistent.store.delete(step)
+        except BaseException as exc:  # noqa: BLE001 - reported to every rank
+            if self._coord.world_size == 1:
+                raise
+            outcome, mine = describe(self._coord.rank, exc), exc
+        if self._coord.world_size > 1:  # every rank's outcome (its local copy; rank 0: the root's)
+            bad = [o for o in self._coord.all_gather(outcome) if o is not None]
+            if mine is not None:
+                raise mine
+            if bad:
+                raise rebuild(bad[0][0], f"step {step}: delete failed: {bad[0][1]}", step)
+
+    def promote(self, step: int) -> List[int]:
+        """Copy the local tier's committed ``step`` to ``path`` and commit it there.
+
+        Every file is checked against the local manifest first. The persistent root's
+        retention pass after it keeps the promoted step; later saves' passes see it as any
+        other step, at its original commit time. Waits for pending saves; takes the writer
+        lease of ``path``. One process only (a rank's local copy holds only its own shards).
+
+        Args:
+            step: the step.
+
+        Returns:
+            The steps ``path``'s retention then dropped (logged too).
+
+        Raises:
+            CheckpointError: no local tier, several ranks, another job's copy, or the step is
+                already committed under ``path``.
+            StepNotFoundError: the local tier does not hold the step.
+            CorruptCheckpointError: a local file is not as its manifest says.
+        """
+        self._check_open()
+        step = check_step(step)
+        local = self._local
+        if local is None:
+            raise CheckpointError("promote() needs a manager with local_dir=")
+        if self._coord.world_size > 1:
+            raise CheckpointError("promote() copies one process's local step; with several ranks each local "
+                                  "copy holds one rank's shards: save the step with force=True instead")
+        self._settle()  # an earlier failed upload (still raised by join) is what promote repairs
+        self._persistent.store.become_writer()
+        _, dropped = promote(local, self._persistent, step, verify=self.verify, threads=self.write_threads)
+        if dropped:
+            log.warning("promote(%d): the retention of %s dropped steps %s", step, self.storage.url, dropped)
+        return dropped
 
     # ---- lifecycle ---------------------------------------------------------------------------
     def _settle(self, invalid: Optional[Exception] = None, key: Optional[int] = None) -> None:
@@ -703,9 +1028,9 @@ class CheckpointManager(SaveDecisions, TierListing, StepActions):
         if error is None:
             try:
                 self.wait_for_staging()
-                for tier in self._tiers:
+                for tier in self.roots:
                     tier.writer.wait_idle()
-                for tier in self._tiers:
+                for tier in self.roots:
                     tier.writer.raise_if_failed()
             except Exception as exc:
                 error = exc
@@ -723,7 +1048,7 @@ class CheckpointManager(SaveDecisions, TierListing, StepActions):
         self._check_process()
         self.wait_for_staging()
         errors: List[BaseException] = []
-        for tier in self._tiers:
+        for tier in self.roots:
             try:
                 tier.writer.join()
             except BaseException as exc:  # noqa: BLE001 - every tier is waited for, then raised
@@ -760,30 +1085,30 @@ class CheckpointManager(SaveDecisions, TierListing, StepActions):
         """A Ctrl-C while closing: every tier refuses further writes, so the saves being
         written fail at their next file and remove their temporary directories; wait for that
         (30 s at most; another Ctrl-C stops waiting), then release the leases."""
-        for tier in self._tiers:
+        for tier in self.roots:
             tier.store.storage.abandon()
         deadline = time.monotonic() + 30.0
         try:
-            for tier in self._tiers:
+            for tier in self.roots:
                 try:
                     tier.writer.wait_idle(timeout=max(0.0, deadline - time.monotonic()))
                 except CheckpointError:
                     pass
         except KeyboardInterrupt:
             pass
-        for tier in self._tiers:
+        for tier in self.roots:
             try:
                 tier.store.close()
             except Exception:  # noqa: BLE001 - closing anyway
                 pass
         self._finalizer.detach()
-        _live_managers.discard(self)
+        live_managers.discard(self)
         log.warning("abandoned the save of step %s: not committed (committed steps are kept)",
                     ", ".join(map(str, pending)) or "-")
 
     def _close_now(self) -> None:
         self._closed = True
-        _live_managers.discard(self)
+        live_managers.discard(self)
         if self._preemption is not None:
             self._preemption.watcher.uninstall()
         errors: List[BaseException] = []
@@ -791,7 +1116,7 @@ class CheckpointManager(SaveDecisions, TierListing, StepActions):
             self.wait_for_staging()  # lazy saves' writers wait for their copies to be sealed
         except BaseException as exc:  # noqa: BLE001
             errors.append(exc)
-        for tier in self._tiers:
+        for tier in self.roots:
             try:
                 tier.writer.close()
             except BaseException as exc:  # noqa: BLE001 - every tier is closed, then raised

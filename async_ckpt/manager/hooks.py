@@ -16,11 +16,11 @@ from ..writer import AsyncWriter
 
 log = logging.getLogger("async_ckpt")
 
-_live_managers: "weakref.WeakSet[Any]" = weakref.WeakSet()
+live_managers: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
 
 def _finish_pending_saves_at_exit() -> None:
-    for mgr in list(_live_managers):
+    for mgr in list(live_managers):
         if mgr._forked:
             continue  # a forked child's copy: its parent finishes the saves
         try:
@@ -40,18 +40,18 @@ if not register_exit_hook(_finish_pending_saves_at_exit):  # pragma: no cover
 def _mark_forked_in_child() -> None:
     """After ``os.fork()``, in the child: every inherited manager refuses to be used (its writer
     threads were not copied) and forgets the parent's writer lease."""
-    for mgr in list(_live_managers):
+    for mgr in list(live_managers):
         mgr._forked = True
-        for tier in mgr._tiers:
-            if tier.store.lease is not None:
-                tier.store.lease.forget()
+        for root in mgr.roots:
+            if root.store.lease is not None:
+                root.store.lease.forget()
 
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_mark_forked_in_child)
 
 
-def _stop_threads(parts: List[Tuple[AsyncWriter, ThreadPoolExecutor, Any]]) -> None:
+def stop_threads(parts: List[Tuple[AsyncWriter, ThreadPoolExecutor, Any]]) -> None:
     """Finalizer of a manager that was garbage-collected without ``close()``: per tier, its
     writer, its deleter and its lease."""
     for writer, deleter, lease in parts:

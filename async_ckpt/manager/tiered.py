@@ -1,6 +1,6 @@
 """Checkpoint tiers: a fast local copy (``local_dir``) often, the persistent root less often.
 
-A :class:`Tier` is one root with its own step store (catalog, writer lease, retention), its
+A :class:`Root` is one root with its own step store (catalog, writer lease, retention), its
 own background writer and its own save policy. The manager stages a state dict once and hands
 the snapshot to the writer of every tier the step is due for, so the two tiers' writes run side
 by side and a slow upload never holds up a local save (beyond ``max_pending_async`` per tier).
@@ -28,7 +28,7 @@ import shutil
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
-from .errors import (
+from ..errors import (
     CheckpointError,
     CorruptCheckpointError,
     InvalidArgumentError,
@@ -36,27 +36,17 @@ from .errors import (
     StorageError,
     warn_user,
 )
-from .lifecycle.coordinator import Coordinator, describe, rank_local_coordinator, rebuild
-from .lifecycle.restore import as_skipped
-from .lifecycle.steps import StepStore
-from .policies import (
-    CheckpointInfo,
-    EveryNSteps,
-    KeepLatest,
-    RetentionPolicy,
-    SavePolicy,
-    apply_retention,
-    as_retention_policy,
-    as_save_policy,
-)
-from .storage import CheckpointLayout, FileRecord, Manifest, Storage
-from .storage.manifest import check_file_name, crc32c
-from .writer import AsyncWriter
+from ..lifecycle.coordinator import Coordinator, describe, rank_local_coordinator, rebuild
+from ..lifecycle.restore import as_skipped
+from ..lifecycle.root import LOCAL, PERSISTENT, Root
+from ..lifecycle.steps import StepStore
+from ..options import ManagerOptions
+from ..policies import CheckpointInfo, RetentionPolicy, apply_retention, as_retention_policy
+from ..storage import CheckpointLayout, FileRecord, Manifest, Storage
+from ..storage.manifest import check_file_name, crc32c
+from ..writer import AsyncWriter
 
 log = logging.getLogger("async_ckpt")
-
-LOCAL = "local"
-PERSISTENT = "persistent"
 
 #: what makes a restore go on to the next copy (anything else, e.g. a state dict that does not
 #: match the checkpoint, is the caller's to fix and is raised at once)
@@ -67,49 +57,28 @@ FALLBACK_ERRORS = (CorruptCheckpointError, StorageError, OSError)
 #: writes one id into both copies (every rank the same id), so its two copies are one save
 SAVE_ID = "save_id"
 
-#: copies written before save ids were recorded: two copies of a step committed this close
-#: (seconds) are copies of one save (each rank stamps its local copy with its own clock)
-SAME_SAVE_S = 1.0
-
-
 #: the local manifests' ``extra`` entry naming the persistent root (:func:`root_identity`) a
 #: copy was saved for: a local copy saved for another root is another job's ("foreign")
 PERSISTENT_ROOT = "persistent_root"
 
 
 def same_save(a: CheckpointInfo, b: CheckpointInfo) -> bool:
-    """Whether two copies of one step were written by one save: their save ids are equal
-    (copies without an id, from before ids were recorded: committed within :data:`SAME_SAVE_S`)."""
-    ia, ib = a.extra.get(SAVE_ID), b.extra.get(SAVE_ID)
-    if ia is not None and ib is not None:
-        return bool(ia == ib)
-    return abs(a.commit_time - b.commit_time) <= SAME_SAVE_S
+    """Whether two copies of one step were written by one save: both carry a save id, the same.
+
+    Args:
+        a: one copy's record. b: the other's.
+
+    Returns:
+        True for two copies of one save.
+    """
+    ia = a.extra.get(SAVE_ID)
+    return ia is not None and ia == b.extra.get(SAVE_ID)
 
 
 class ForeignCopyError(CheckpointError):
     """A local copy that is not this job's or this rank's: saved for another persistent root
     (another job's: never restored, and a save of its step is refused rather than replacing it)
     or by another rank or at another world size (not this rank's shards)."""
-
-
-@dataclass
-class Tier:
-    """One checkpoint root of a manager: where steps go, when, and how many stay."""
-
-    name: str
-    store: StepStore
-    writer: AsyncWriter
-    retention: RetentionPolicy
-    #: the tier's own save policy (None: the manager's ``save_policy``)
-    policy: Optional[SavePolicy] = None
-    last_save_time: Optional[float] = None
-    last_save_step: Optional[int] = None
-    #: the local tier: the persistent root it belongs to (:func:`root_identity`)
-    home: Optional[str] = None
-
-    @property
-    def url(self) -> str:
-        return self.store.storage.url
 
 
 def root_identity(storage: Storage) -> str:
@@ -140,13 +109,13 @@ def saved_for_another(home: Optional[str], extra: Mapping[str, Any]) -> Optional
     return str(recorded)
 
 
-def foreign_root(tier: Tier, extra: Mapping[str, Any]) -> Optional[str]:
+def foreign_root(tier: Root, extra: Mapping[str, Any]) -> Optional[str]:
     """The persistent root a copy of the local ``tier`` (its manifest's ``extra``) was saved
     for, when that is not the root this tier belongs to (see :func:`saved_for_another`)."""
     return saved_for_another(tier.home, extra)
 
 
-def warn_foreign(tier: Tier, foreign: Dict[int, str]) -> None:
+def warn_foreign(tier: Root, foreign: Dict[int, str]) -> None:
     """The warning for local copies another job saved (step -> the root it was saved for)."""
     roots = sorted(set(foreign.values()))
     warn_user(f"async_ckpt: skipping the local copies of steps {sorted(foreign)} in {tier.url}: saved for the "
@@ -154,7 +123,7 @@ def warn_foreign(tier: Tier, foreign: Dict[int, str]) -> None:
                   f"replaced or deleted by this one)", RuntimeWarning)
 
 
-def foreign_steps(tier: Tier, step: Optional[int] = None) -> Dict[int, str]:
+def foreign_steps(tier: Root, step: Optional[int] = None) -> Dict[int, str]:
     """The committed copies of ``tier`` (or only ``step``) that another job saved: step -> the
     persistent root they were saved for (writer side: from the catalog's records)."""
     if tier.home is None:
@@ -164,7 +133,7 @@ def foreign_steps(tier: Tier, step: Optional[int] = None) -> Dict[int, str]:
             for r in [foreign_root(tier, info.extra)] if r is not None}
 
 
-def refuse_foreign_save(tier: Tier, step: int, snap: Any) -> None:
+def refuse_foreign_save(tier: Root, step: int, snap: Any) -> None:
     """Local writer thread, before a save of ``step`` to ``tier``: when another job's committed
     copy of ``step`` is there (a save would replace it), this job's hold on ``snap`` is
     released and :class:`ForeignCopyError` is raised, naming the step, the local directory and
@@ -205,7 +174,7 @@ def space_needed(nbytes: int) -> int:
     return nbytes + nbytes // 100 + 64 * 1024
 
 
-def free_bytes(tier: Tier) -> Optional[int]:
+def free_bytes(tier: Root) -> Optional[int]:
     """Free bytes of the filesystem holding a local ``tier``'s directory (None where that is
     not known: a tier that is not a local path, or a filesystem that does not say)."""
     if not tier.store.storage.is_local:
@@ -216,7 +185,7 @@ def free_bytes(tier: Tier) -> Optional[int]:
         return None
 
 
-def droppable(tier: Tier, coming: CheckpointInfo) -> List[int]:
+def droppable(tier: Root, coming: CheckpointInfo) -> List[int]:
     """The committed copies of ``tier`` that its retention drops once the save ``coming`` (its
     record: step, commit time, metrics) commits, oldest commit first: never the newest
     committed copy (the save may still fail), never a step being written, never the step of
@@ -232,7 +201,7 @@ def droppable(tier: Tier, coming: CheckpointInfo) -> List[int]:
     return [c.step for c in ordered if c.step not in keep]
 
 
-def make_room(tier: Tier, coming: CheckpointInfo, need: Optional[int]) -> List[int]:
+def make_room(tier: Root, coming: CheckpointInfo, need: Optional[int]) -> List[int]:
     """Local writer thread, before the save ``coming`` (its record) to the local ``tier``, or
     after one that found the tier full: when fewer than ``need`` bytes are free (``need``
     None: free space unknown, the tier was found full), wait (at most :data:`DELETIONS_WAIT_S`) for the
@@ -276,31 +245,35 @@ class OwnCopies:
     saved (see :func:`foreign_root`) are kept: never this job's to delete."""
 
     policy: RetentionPolicy
-    tier: Tier
+    tier: Root
 
     def keep(self, checkpoints: Sequence[CheckpointInfo]) -> Set[int]:
         foreign = {c.step for c in checkpoints if foreign_root(self.tier, c.extra) is not None}
         return apply_retention(self.policy, [c for c in checkpoints if c.step not in foreign]) | foreign
 
 
-def make_local_tier(local_dir: str, persistent: Storage, coord: Coordinator, clock: Callable[[], float], *,
-                    policy: Any, retention: Any, max_pending: int, commit_mode: str, keep_incomplete: bool,
-                    lease_timeout: float, timeout_s: float, retry: Any) -> Tier:
+def make_local_tier(options: ManagerOptions, persistent: Storage, coord: Coordinator) -> Root:
     """The local tier of a manager: ``local_dir`` itself with one process, ``<local_dir>/rank<r>``
-    with several (each rank writes and reads its own shards there, on no collective). The
-    arguments and the roots (see :func:`check_roots_differ`) are checked before anything is
-    created."""
-    if not isinstance(local_dir, (str, os.PathLike)):
-        raise InvalidArgumentError(f"local_dir must be a path or URL string, got {type(local_dir).__name__}")
-    root = os.fspath(local_dir)
+    with several (each rank writes and reads its own shards there, on no collective).
+
+    Args:
+        options: the manager's validated options (``local_dir`` set).
+        persistent: the storage of the manager's persistent root.
+        coord: the manager's coordinator (its rank names the directory).
+
+    Returns:
+        The local tier's root.
+
+    Raises:
+        InvalidArgumentError: the two roots are one directory or one lies inside the other
+            (checked before anything is created).
+        StorageError: ``local_dir`` cannot be created or written.
+    """
+    assert options.local_dir is not None
+    root = options.local_dir
     if coord.world_size > 1:
         root = f"{root.rstrip('/')}/rank{coord.rank}"
-    if isinstance(policy, bool) or (isinstance(policy, int) and policy < 1):
-        raise InvalidArgumentError(f"local_policy as an int is a save interval >= 1, got {policy!r}")
-    save_policy = None if policy is None else as_save_policy(EveryNSteps(policy) if isinstance(policy, int) else policy)
-    if isinstance(retention, bool) or (isinstance(retention, int) and retention < 1):
-        raise InvalidArgumentError(f"local_retention as an int keeps the N newest local steps, N >= 1; got {retention!r}")
-    keep = KeepLatest(retention) if isinstance(retention, int) else as_retention_policy(retention)
+    retry, keep = options.retry, options.local_retention
     storage = Storage(root, None, retry=retry)
     check_roots_differ(persistent, storage)
     try:
@@ -308,11 +281,12 @@ def make_local_tier(local_dir: str, persistent: Storage, coord: Coordinator, clo
         storage.check_writable()
     except (OSError, StorageError) as exc:
         raise StorageError(f"local_dir {storage.url!r} cannot be written: {exc}") from exc
-    store = StepStore(storage, CheckpointLayout(storage, commit_mode), rank_local_coordinator(timeout_s), clock,
-                      keep_incomplete=keep_incomplete, lease_timeout=lease_timeout)
+    store = StepStore(storage, CheckpointLayout(storage, options.commit_mode),
+                      rank_local_coordinator(options.collective_timeout_s), options.wall_clock,
+                      keep_incomplete=options.keep_incomplete, lease_timeout=options.lease_timeout)
     # a full local_dir is logged and raised by join()/close(): the bucket's saves go on meanwhile
-    writer = AsyncWriter(max_pending, name="async-ckpt-local-writer", defer_if=out_of_space)
-    tier = Tier(LOCAL, store, writer, keep, save_policy, home=root_identity(persistent))
+    writer = AsyncWriter(options.max_pending_async, name="async-ckpt-local-writer", defer_if=out_of_space)
+    tier = Root(LOCAL, store, writer, keep, options.local_policy, home=root_identity(persistent))
     tier.retention = OwnCopies(keep, tier)
     return tier
 
@@ -326,7 +300,7 @@ class Held:
     tiers: Tuple[str, ...]
 
 
-def _infos(tier: Tier, others: int, failed: Optional[List[BaseException]] = None
+def _infos(tier: Root, others: int, failed: Optional[List[BaseException]] = None
            ) -> Tuple[Dict[int, CheckpointInfo], List[int]]:
     """(records, steps newest first) of one tier, without another job's local copies (see
     :func:`foreign_root`: skipped with a warning). With other tiers to fall back on, a tier
@@ -358,7 +332,7 @@ def _nothing_listed(failed: List[BaseException]) -> None:
         raise failed[0]
 
 
-def _reread(tier: Tier, step: int) -> Optional[CheckpointInfo]:
+def _reread(tier: Root, step: int) -> Optional[CheckpointInfo]:
     """The record of a committed ``step`` whose manifest did not read while ``tier`` was listed
     (a transient error, say), read once more; None if it still does not read."""
     try:
@@ -368,7 +342,7 @@ def _reread(tier: Tier, step: int) -> Optional[CheckpointInfo]:
     return CheckpointInfo(step, m.commit_time, dict(m.metrics), m.nbytes, dict(m.extra))
 
 
-def held_copies(tiers: Sequence[Tier], only: Optional[Dict[str, Optional[set]]] = None,
+def held_copies(tiers: Sequence[Root], only: Optional[Dict[str, Optional[set]]] = None,
                 failed: Optional[List[BaseException]] = None) -> List[Held]:
     """Every committed copy of ``tiers`` (one :class:`Held` per tier and step), newest commit
     first; the two copies of one save (written to both tiers: see :func:`same_save`) count at
@@ -405,7 +379,7 @@ def held_copies(tiers: Sequence[Tier], only: Optional[Dict[str, Optional[set]]] 
     return sorted(out, key=lambda h: (h.commit_time, h.step, h.tiers[0] == LOCAL), reverse=True)
 
 
-def held_steps(tiers: Sequence[Tier], only: Optional[Dict[str, Optional[set]]] = None) -> List[Held]:
+def held_steps(tiers: Sequence[Root], only: Optional[Dict[str, Optional[set]]] = None) -> List[Held]:
     """Every committed step of ``tiers``, newest commit first: a step at its newest copy's
     commit, with the tiers holding it in the order :func:`held_copies` tries them."""
     merged: Dict[int, Held] = {}
@@ -415,7 +389,7 @@ def held_steps(tiers: Sequence[Tier], only: Optional[Dict[str, Optional[set]]] =
     return list(merged.values())
 
 
-def commit_records(tiers: Sequence[Tier]) -> List[CheckpointInfo]:
+def commit_records(tiers: Sequence[Root]) -> List[CheckpointInfo]:
     """Records of every committed step over the tiers, oldest commit first (a step both hold:
     its newest copy's record). A tier that cannot be listed: as in :func:`held_copies`."""
     best: Dict[int, CheckpointInfo] = {}
@@ -430,7 +404,53 @@ def commit_records(tiers: Sequence[Tier]) -> List[CheckpointInfo]:
     return sorted(best.values(), key=lambda c: (c.commit_time, c.step))
 
 
-def check_local_copy(tier: Tier, step: int, rank: int, world_size: int) -> None:
+def step_metrics(tiers: Sequence[Root], step: int) -> Dict[str, float]:
+    """The metrics stored with a committed step (of its newest save, over ``tiers``).
+
+    A tier that cannot be read (a bucket that is down) is skipped with a warning while another
+    tier holds the step; when none does, its error is raised (it may hold the step). Another
+    job's local copy (see :func:`foreign_root`) is not read.
+
+    Args:
+        tiers: the manager's roots.
+        step: the step.
+
+    Returns:
+        The metrics (name -> value).
+
+    Raises:
+        StepNotFoundError: no tier holds this job's copy of the step.
+    """
+    copies: List[Manifest] = []
+    failed: List[BaseException] = []
+    foreign: List[str] = []
+    for t in tiers:
+        try:
+            if step in t.store.layout.committed_steps():
+                manifest = t.store.layout.read_manifest(step)
+                root = foreign_root(t, manifest.extra)
+                if root is None:
+                    copies.append(manifest)
+                else:
+                    foreign.append(f"the copy in {t.url} was saved for the checkpoint path {root}")
+        except FALLBACK_ERRORS as exc:
+            if len(tiers) == 1:
+                raise
+            warn_user(f"async_ckpt: the {t.name} tier ({t.url}) cannot be read, using the other tier: "
+                      f"{type(exc).__name__}: {exc}", RuntimeWarning)
+            failed.append(exc)
+    if not copies:
+        if failed:
+            raise failed[0]
+        if foreign:
+            raise StepNotFoundError(f"no committed checkpoint of this job for step {step} under "
+                                    f"{' or '.join(t.url for t in tiers)} ({'; '.join(foreign)}: "
+                                    f"another job's)", step=step)
+        return dict(tiers[-1].store.layout.read_manifest(step).metrics)  # raises the not-found error
+    return dict(max(copies, key=lambda m: m.commit_time).metrics)
+
+
+def check_local_copy(tier: Root, step: int, rank: int, world_size: int) -> None:
     """Raise :class:`ForeignCopyError` when the local copy of ``step`` was saved for another
     persistent root, holds another rank's shards or was saved at another world size (only
     that job's ranks could use it)."""
@@ -445,12 +465,12 @@ def check_local_copy(tier: Tier, step: int, rank: int, world_size: int) -> None:
                                f"this is rank {rank} of {world_size}", step=step)
 
 
-def common_local_steps(local: Tier, coord: Coordinator) -> Set[int]:
+def common_local_steps(local: Root, coord: Coordinator) -> Set[int]:
     """The local steps every rank holds from one save (collective): each rank's (step, save
     id) pairs are exchanged, and a step whose copies carry different save ids on different
     ranks (a crash or a failed write between the ranks' local commits of a re-save) is left
-    out: restoring it would mix two saves' shards. Copies without a save id (written before
-    ids were recorded) count as one save when no rank's copy has one."""
+    out: restoring it would mix two saves' shards. A copy whose manifest does not read counts
+    with no id (every rank's such copy: tried, and reported, by the restore)."""
     infos, newest_first = _infos(local, 1)
     mine = []
     for s in newest_first:
@@ -460,8 +480,8 @@ def common_local_steps(local: Tier, coord: Coordinator) -> Set[int]:
     return {s for s, sid in gathered[0].items() if all(g.get(s) == sid for g in gathered[1:])}
 
 
-def restore_from_tiers(tiers: Sequence[Tier], coord: Coordinator, step: Optional[int],
-                       restore_one: Callable[[Tier, int], Any]) -> Tuple[int, str]:
+def restore_from_tiers(tiers: Sequence[Root], coord: Coordinator, step: Optional[int],
+                       restore_one: Callable[[Root, int], Any]) -> Tuple[int, str]:
     """Restore ``step`` (None: the newest commit over the tiers) from the nearest intact copy;
     returns (step, tier name). ``restore_one(tier, step)`` loads one copy into the target or
     raises. Every rank calls it; the local tiers are each rank's own, the persistent one is
@@ -514,7 +534,7 @@ def restore_from_tiers(tiers: Sequence[Tier], coord: Coordinator, step: Optional
                                  step=candidates[0].step)
 
 
-def _attempt(tier: Tier, step: int, coord: Coordinator, restore_one: Callable[[Tier, int], Any],
+def _attempt(tier: Root, step: int, coord: Coordinator, restore_one: Callable[[Root, int], Any],
              shared: bool) -> Optional[str]:
     """Restore one copy: None when every rank restored it, else why not (the same on every
     rank). Errors that are not the copy's fault are raised on every rank."""
@@ -602,8 +622,8 @@ def copy_file_verified(src: Storage, src_dir: str, name: str, record: FileRecord
         raise
 
 
-def promote(local: Tier, persistent: Tier, step: int, *, verify: bool = True, threads: int = 8,
-            retention: Optional[RetentionPolicy] = None) -> Tuple[Manifest, List[int]]:
+def promote(local: Root, persistent: Root, step: int, *, verify: bool = True,
+            threads: int = 8) -> Tuple[Manifest, List[int]]:
     """Copy the local tier's committed ``step`` to the persistent tier and commit it there,
     with the local copy's commit time (the persistent tier's order stays the order of the
     saves); returns its manifest and the steps the persistent tier's retention then dropped
@@ -654,7 +674,7 @@ def promote(local: Tier, persistent: Tier, step: int, *, verify: bool = True, th
         committed = True
         catalog.record_commit(CheckpointInfo(step, new.commit_time, dict(new.metrics), new.nbytes, dict(new.extra)))
         catalog.end_write(step)
-        policy = retention if retention is not None else persistent.retention
+        policy = persistent.retention
         dropped = dst.apply_retention(as_retention_policy(lambda cps: apply_retention(policy, cps) | {step}))
         return new, dropped
     finally:

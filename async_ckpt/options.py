@@ -1,0 +1,127 @@
+"""``ManagerOptions``: the options of a :class:`~async_ckpt.CheckpointManager`, validated once.
+
+Every option keeps the name and meaning of the manager's argument (see its docstring);
+``__post_init__`` checks them and resolves the ones with several spellings (``num_of_threads``
+and ``write_threads``; ``save_interval`` and ``save_policy``; ``max_to_keep`` and
+``retention``; ints for the local tier's policy and retention) into one value each.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Optional, Sequence
+
+from .errors import InvalidArgumentError, warn_user
+from .policies import (
+    EveryNSteps,
+    KeepAll,
+    KeepLatest,
+    as_retention_policy,
+    as_save_policy,
+)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_seconds(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+@dataclass
+class ManagerOptions:
+    """What a manager was asked to do, checked (the arguments of ``CheckpointManager``).
+
+    After ``__post_init__``: ``write_threads`` is the thread count (``num_of_threads`` when
+    given), ``save_policy`` and ``retention`` are the resolved policies (``save_interval`` and
+    ``max_to_keep`` folded in), ``local_policy`` is a save policy or None (the persistent
+    root's decision) and ``local_retention`` a retention policy.
+
+    Raises:
+        InvalidArgumentError: an option out of its range or of the wrong type (the message
+            names the option).
+    """
+
+    path: str
+    save_interval: Optional[int] = None
+    max_to_keep: Optional[int] = 0
+    max_pending_async: int = 1
+    num_of_threads: Optional[int] = None
+    process_group: Any = None
+    chkpt_on_preemption: bool = False
+    storage_options: Optional[Dict[str, Any]] = None
+    save_policy: Any = None
+    retention: Any = None
+    memory_budget_bytes: Optional[int] = None
+    write_threads: int = 8
+    commit_mode: str = "auto"
+    verify: bool = True
+    keep_incomplete: bool = False
+    retry: Any = None
+    on_saved: Optional[Callable[[Any], None]] = None
+    stats_log: Any = None
+    preemption_signals: Optional[Sequence[int]] = None
+    preemption_sync: str = "auto"
+    lazy: bool = False
+    lease_timeout: float = 0.0
+    #: no default here: the coordinator's (the manager's signature shows it)
+    collective_timeout_s: float = field(kw_only=True)
+    local_dir: Optional[str] = None
+    local_policy: Any = None
+    local_retention: Any = 2
+    wall_clock: Callable[[], float] = field(default=time.time)
+    interval_clock: Callable[[], float] = field(default=time.monotonic)
+
+    def __post_init__(self) -> None:
+        if self.num_of_threads is not None:  # torch_xla's name for the writer's thread count
+            if not _is_int(self.num_of_threads) or self.num_of_threads < 1:
+                raise InvalidArgumentError(f"num_of_threads must be an int >= 1, got {self.num_of_threads!r}")
+            self.write_threads = self.num_of_threads
+        if not _is_int(self.write_threads) or self.write_threads < 1:
+            raise InvalidArgumentError(f"write_threads must be an int >= 1, got {self.write_threads!r}")
+        if self.max_to_keep is not None and (not isinstance(self.max_to_keep, int) or self.max_to_keep < 0):
+            raise InvalidArgumentError(f"max_to_keep must be an int >= 0 or None, got {self.max_to_keep!r}")
+        if not _is_seconds(self.lease_timeout) or self.lease_timeout < 0:
+            raise InvalidArgumentError(f"lease_timeout must be a number of seconds >= 0, got {self.lease_timeout!r}")
+        self.lease_timeout = float(self.lease_timeout)
+        if not _is_seconds(self.collective_timeout_s) or self.collective_timeout_s <= 0:
+            raise InvalidArgumentError(
+                f"collective_timeout_s must be a number of seconds > 0, got {self.collective_timeout_s!r}")
+        self.collective_timeout_s = float(self.collective_timeout_s)
+        if not isinstance(self.lazy, bool):
+            raise InvalidArgumentError(f"lazy must be a bool, got {self.lazy!r}")
+        for name in ("wall_clock", "interval_clock"):
+            fn = getattr(self, name)
+            if not callable(fn):
+                raise InvalidArgumentError(f"{name} must be a callable returning seconds (like time.time), got {fn!r}")
+        if self.save_policy is not None and self.save_interval is not None:
+            warn_user(f"save_interval={self.save_interval!r} is ignored: save_policy={self.save_policy!r} decides "
+                      "when to save (pass one of them)")
+        self.save_policy = as_save_policy(
+            self.save_policy if self.save_policy is not None
+            else EveryNSteps(1 if self.save_interval is None else self.save_interval))
+        self.retention = (as_retention_policy(self.retention) if self.retention is not None
+                          else KeepLatest(self.max_to_keep) if self.max_to_keep else KeepAll())
+        if self.preemption_signals is not None and not self.chkpt_on_preemption:
+            raise InvalidArgumentError("preemption_signals needs chkpt_on_preemption=True")
+        if self.local_dir is not None:
+            self._check_local()
+
+    def _check_local(self) -> None:
+        """The local tier's options: ``local_dir`` a path, ``local_policy`` and
+        ``local_retention`` resolved to policies."""
+        if not isinstance(self.local_dir, (str, os.PathLike)):
+            raise InvalidArgumentError(f"local_dir must be a path or URL string, got {type(self.local_dir).__name__}")
+        self.local_dir = os.fspath(self.local_dir)
+        policy = self.local_policy
+        if isinstance(policy, bool) or (isinstance(policy, int) and policy < 1):
+            raise InvalidArgumentError(f"local_policy as an int is a save interval >= 1, got {policy!r}")
+        self.local_policy = None if policy is None else as_save_policy(
+            EveryNSteps(policy) if isinstance(policy, int) else policy)
+        keep = self.local_retention
+        if isinstance(keep, bool) or (isinstance(keep, int) and keep < 1):
+            raise InvalidArgumentError(f"local_retention as an int keeps the N newest local steps, N >= 1; got {keep!r}")
+        self.local_retention = KeepLatest(keep) if isinstance(keep, int) else as_retention_policy(keep)
