@@ -158,6 +158,7 @@ def scenario_save(root: str, ref_path: str) -> None:
     train(model, optim, 1, rank)
     exc = expect_error(lambda: mgr.save(4, state(model, optim, 4)), CheckpointError, "rank 1", "No space left")
     assert exc.step == 4, exc.step
+    assert [f.rank for f in exc.failures] == [1], exc.failures  # the same failures, named by rank, everywhere
     if rank == 1:
         mgr.storage.open_write = real_open
     dist.barrier()
@@ -514,8 +515,9 @@ def failing_stateful_checks(root: str) -> None:
         app.t.fill_(5.0)
         assert mgr.save(1, {"app": app, "w": torch.ones(4)})
         fresh = FailsOnRank(bad_rank=1)
-        expect_error(lambda: mgr.restore(1, {"app": fresh, "w": torch.zeros(4)}), CheckpointError,
-                     "rank 1", "load_state_dict", "step 1")
+        exc = expect_error(lambda: mgr.restore(1, {"app": fresh, "w": torch.zeros(4)}), CheckpointError,
+                           "rank 1", "load_state_dict", "step 1")
+        assert [(f.rank, f.kind) for f in exc.failures] == [(1, "ValueError")], exc.failures
         # the next collective pairs up on both ranks
         assert mgr.save(2, {"app": app, "w": torch.ones(4)})
         ok = FailsOnRank(bad_rank=-1)

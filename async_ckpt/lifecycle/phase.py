@@ -125,12 +125,12 @@ def raise_if_failed(failures: Sequence[Optional[RankFailure]], step: Optional[in
         CheckpointError: of the first failure's class where it is one of async_ckpt's, naming
             every failure by rank. KeyboardInterrupt and SystemExit are re-raised as they are.
     """
-    bad = [f for f in failures if f is not None]
+    bad = list(dict.fromkeys(f for f in failures if f is not None))  # DCP gives every rank the same one
     if not bad:
         return
     if local is not None and isinstance(local, (KeyboardInterrupt, SystemExit)):
         raise local
-    summary = "; ".join(dict.fromkeys(f"rank {f.rank}: {f.kind}: {f.message}" for f in bad))
+    summary = "; ".join(f"rank {f.rank}: {f.kind}: {f.message}" for f in bad)
     message = f"step {step}: {what} failed: {summary}" if step is not None else f"{what} failed: {summary}"
     if local is not None:
         _, own = unwrap_dcp(local)
