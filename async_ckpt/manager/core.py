@@ -22,6 +22,7 @@ from ..errors import (
     InvalidArgumentError,
     InvalidStateDictError,
     LeaseHeldError,
+    PartlyWrittenError,
     StorageError,
     warn_user,
 )
@@ -818,7 +819,7 @@ class CheckpointManager:
                 try:
                     return _restore(tier.store, s, state_dict, **opts)
                 except CheckpointError as exc:
-                    if getattr(exc, "partly_written", False):
+                    if isinstance(exc, PartlyWrittenError):
                         partly.append(f"step {s} ({tier.name} copy)")
                     raise
 
