@@ -256,9 +256,11 @@ def test_sigkill_with_a_local_tier_on_dev_shm_restores_from_ram(fork_server, tmp
                 for s, held in tiers.items():  # every copy of every listed step restores bitwise
                     for tier in held:
                         store = (mgr.roots[0] if tier == "local" else mgr.roots[-1]).store
+                        from async_ckpt.lifecycle.restore import candidates_of
                         from async_ckpt.lifecycle.restore import restore as restore_from
                         t = empty_like_state()
-                        restore_from(store, s, t, verify=True, allow_pickle=False, threads=2, planner=None)
+                        restore_from(candidates_of(store, s), t, coord=store.coordinator, step=s, verify=True,
+                                     allow_pickle=False, threads=2, planner=None)
                         assert states_equal(t, make_state(s)), f"{what}: {tier} copy of {s} restored wrong"
             newest_seen = max(newest_seen, got)
             print(f"{what}: committed ..{out['committed'][-1:]} resumed {out['resumed']} restored {got} "

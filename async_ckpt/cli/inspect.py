@@ -116,7 +116,7 @@ def _number_saves(timed: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
         return CheckpointInfo(e["step"], e["commit_time"], extra={SAVE_ID: e["save_id"]} if e.get("save_id") else {})
 
     for e in timed:
-        e["_at"] = max(o["commit_time"] for o in timed if o["step"] == e["step"] and same_save(info(e), info(o)))
+        e["_at"] = max(o["commit_time"] for o in timed if o is e or (o["step"] == e["step"] and same_save(info(e), info(o))))
     timed.sort(key=lambda e: (e["_at"], e["step"], e["tier"] != "local"))
     n, last = 0, None
     for e in timed:

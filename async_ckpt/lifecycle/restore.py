@@ -22,7 +22,8 @@ their ``state_dict()`` returns, then handed to their ``load_state_dict``.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple, Type
 
 import torch
 
@@ -40,6 +41,7 @@ from ..gc_pause import gc_paused
 from ..storage.dcp import METADATA_NAME, FsspecStorageReader
 from ..storage.dcp.direct import PARTLY_WRITTEN
 from . import phase
+from .coordinator import Coordinator
 from .steps import StepStore
 
 #: How many keys a mismatch report names.
@@ -64,13 +66,91 @@ def _is_stateful(value: Any) -> bool:
         and callable(getattr(value, "load_state_dict", None))
 
 
-def restore(store: StepStore, step: Optional[int], state_dict: Dict[str, Any], *, verify: bool,
-            allow_pickle: bool, threads: int, planner: Any, atomic: bool = False, strict: bool = True,
-            pool: Any = None, key_map: Optional[Mapping[str, str]] = None) -> int:
-    """Every rank: load ``step`` (None: the most recent commit that verifies) into ``state_dict``
-    in place and return the step. Rank 0's listing decides which steps exist. ``pool``: the
-    host buffer pool that ``atomic`` stages through (see :meth:`.Coordinator.load`);
-    ``key_map``: see :func:`check_key_map`."""
+@dataclass(frozen=True)
+class Candidate:
+    """One committed copy of a step that a restore may load.
+
+    Attributes:
+        store: the root holding the copy.
+        step: the step.
+        label: how a warning names the copy when it is skipped ("damaged step 5", "the local
+            copy of step 5 (URL)").
+        fallback: the errors that send the restore on to the next candidate (others are raised
+            at once: a state dict that does not match the checkpoint is the caller's to fix).
+        check: this rank's check before loading the copy (raises one of ``fallback``).
+        own_copy: every rank loads its own copy (a local tier's ``rank<r>`` directory) through
+            a store of its own: the ranks exchange whether every copy loaded, and one rank's
+            unusable copy sends every rank on to the next candidate.
+        copy: which copy of the step it is, for messages ("local copy"; empty with one root).
+    """
+
+    store: StepStore
+    step: int
+    label: str
+    fallback: Tuple[Type[BaseException], ...] = (CorruptCheckpointError,)
+    check: Optional[Callable[[], None]] = None
+    own_copy: bool = False
+    copy: str = ""
+
+
+def candidates_of(store: StepStore, step: Optional[int]) -> List[Candidate]:
+    """The candidates of one root, newest commit first (rank 0's listing, on every rank).
+
+    Args:
+        store: the root.
+        step: the step asked for (None: every committed step, each falling back on damage to
+            the next older commit; a named step does not fall back).
+
+    Returns:
+        The candidates.
+
+    Raises:
+        StepNotFoundError: ``step`` (or any step, for None) is not committed.
+    """
+    steps: List[int] = phase.primary(store.coordinator, "listing the committed steps", step,
+                                     store.catalog.steps_newest_first)
+    if step is not None:
+        if step not in steps:
+            listed = sorted(steps)
+            raise StepNotFoundError(
+                f"no committed checkpoint for step {step} under {store.storage.url} "
+                f"(committed: {listed if len(listed) <= 20 else listed[-20:]})", step=step)
+        return [Candidate(store, step, f"damaged step {step}", fallback=())]
+    if not steps:
+        raise StepNotFoundError(f"no committed checkpoint under {store.storage.url}")
+    return [Candidate(store, s, f"damaged step {s}") for s in steps]
+
+
+def restore(candidates: Sequence[Candidate], state_dict: Dict[str, Any], *, coord: Coordinator,
+            step: Optional[int], verify: bool, allow_pickle: bool, threads: int, planner: Any,
+            atomic: bool = False, strict: bool = True, pool: Any = None,
+            key_map: Optional[Mapping[str, str]] = None) -> Candidate:
+    """Every rank: load the first intact candidate into ``state_dict`` in place.
+
+    Args:
+        candidates: the copies to try, in order (see :func:`candidates_of` and, over two roots,
+            ``manager.tiered.tier_candidates``); the same list on every rank.
+        state_dict: the target.
+        coord: the manager's coordinator.
+        step: the step asked for (None: the newest commit), for the error messages.
+        verify: check CRC-32Cs (sizes are always checked).
+        allow_pickle: unpickle values outside torch's ``weights_only`` safe set.
+        threads: files read at once.
+        planner: the DCP load planner.
+        atomic: read and verify into host buffers first (a failure leaves the target as it was).
+        strict: every key of the target must be in the checkpoint.
+        pool: the host buffer pool that ``atomic`` stages through.
+        key_map: see :func:`check_key_map`.
+
+    Returns:
+        The candidate that was restored.
+
+    Raises:
+        CorruptCheckpointError: no candidate could be restored (a :class:`PartlyWrittenError`
+            too when a failed attempt had written into the target).
+        PartlyWrittenError: another error after a failed attempt had written into the target.
+        CheckpointError: a failure that is not the copy's fault (raised at once).
+    """
     stateful = {k: v for k, v in state_dict.items() if _is_stateful(v)}
     target: Dict[str, Any] = state_dict
     if stateful:  # what dcp.load does: restore into their state_dict(), then load_state_dict
@@ -78,9 +158,9 @@ def restore(store: StepStore, step: Optional[int], state_dict: Dict[str, Any], *
         for k, v in stateful.items():
             target[k] = v.state_dict()
     view, back = (target, None) if not key_map else _remapped(target, key_map)
-    s = _restore(store, step, view, verify=verify, allow_pickle=allow_pickle, threads=threads, planner=planner,
-                 atomic=atomic, strict=strict, stateful=frozenset(stateful) if back is None else frozenset(),
-                 pool=pool)
+    done = _first_intact(candidates, view, coord, step, verify=verify, allow_pickle=allow_pickle, threads=threads,
+                         planner=planner, atomic=atomic, strict=strict,
+                         stateful=frozenset(stateful) if back is None else frozenset(), pool=pool)
     if back is not None:
         back()
     local: Optional[BaseException] = None
@@ -92,12 +172,12 @@ def restore(store: StepStore, step: Optional[int], state_dict: Dict[str, Any], *
             for k, v in stateful.items():
                 v.load_state_dict(target[k])
     except BaseException as exc:  # noqa: BLE001 - exchanged below
-        if isinstance(exc, (KeyboardInterrupt, SystemExit)) or store.coordinator.world_size == 1:
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)) or coord.world_size == 1:
             raise
         local = exc
     # a rank whose load_state_dict() raised: every rank raises, naming it
-    phase.everyone(store.coordinator, "load_state_dict() of the restored Stateful values", s, error=local)
-    return s
+    phase.everyone(coord, "load_state_dict() of the restored Stateful values", done.step, error=local)
+    return done
 
 
 def as_skipped(problem: str) -> str:
@@ -186,50 +266,71 @@ def _set_path(root: Any, path: Sequence[Any], value: Any) -> None:
             cur = cur[p]
 
 
-def _restore(store: StepStore, step: Optional[int], state_dict: Dict[str, Any], *, verify: bool,
-             allow_pickle: bool, threads: int, planner: Any, atomic: bool, strict: bool,
-             stateful: frozenset = frozenset(), pool: Any = None) -> int:
-    steps: List[int] = phase.primary(store.coordinator, "listing the committed steps", step,
-                                     store.catalog.steps_newest_first)
-    opts = dict(verify=verify, allow_pickle=allow_pickle, threads=threads, planner=planner, atomic=atomic,
-                strict=strict, stateful=stateful, pool=pool)
-    if step is not None:
-        if step not in steps:
-            listed = sorted(steps)
-            raise StepNotFoundError(
-                f"no committed checkpoint for step {step} under {store.storage.url} "
-                f"(committed: {listed if len(listed) <= 20 else listed[-20:]})", step=step)
-        _restore_one(store, step, state_dict, **opts)
-        return step
-    if not steps:
-        raise StepNotFoundError(f"no committed checkpoint under {store.storage.url}")
-    errors: List[CorruptCheckpointError] = []
+def _first_intact(candidates: Sequence[Candidate], state_dict: Dict[str, Any], coord: Coordinator,
+                  step: Optional[int], **opts: Any) -> Candidate:
+    """The one "first intact candidate" loop: try each candidate in turn; one that fails with
+    one of its ``fallback`` errors is skipped with a warning (its data, where it wrote some, is
+    overwritten by the next attempt); the first that loads is returned."""
+    errors: List[BaseException] = []
     written: Dict[str, int] = {}  # key -> the damaged step whose failed attempt last (partly) wrote it
     first: Optional[PartlyWrittenError] = None  # the first such attempt's error
-    for s in steps:
+    copies: Dict[int, str] = {}  # damaged step -> which copy of it wrote
+    for c in candidates:
         covered: Set[str] = set()
         try:
-            _restore_one(store, s, state_dict, covered=covered, **opts)
-        except CorruptCheckpointError as exc:
-            warn_user(f"skipping damaged step {s}: {as_skipped(str(exc))}", RuntimeWarning)
+            _attempt(c, state_dict, coord, covered, opts)
+        except c.fallback as exc:
+            warn_user(f"skipping {c.label}: {as_skipped(str(exc))}", RuntimeWarning)
             errors.append(exc)
             if isinstance(exc, PartlyWrittenError):
-                written.update(dict.fromkeys(covered, s))
+                written.update(dict.fromkeys(covered, c.step))
+                copies[c.step] = c.copy
                 first = first or exc
             continue
         except Exception as exc:
             if first is None:
                 raise
             raise _after_partial_write(exc, written, first) from exc
-        _warn_left_over(written, covered, s)
-        return s
-    final = CorruptCheckpointError(
-        f"no committed step under {store.storage.url} passed verification; newest error: {errors[0]}",
-        step=steps[0])
+        _warn_left_over(written, covered, c.step, copies)
+        return c
+    where = " or ".join(dict.fromkeys(c.store.storage.url for c in candidates))
+    what = "no committed step" if step is None else f"no copy of step {step}"
+    final = CorruptCheckpointError(f"{what} under {where} passed verification; newest error: {errors[0]}",
+                                   step=candidates[0].step)
     final.__cause__ = errors[0]
     if first is None:
         raise final
     raise _after_partial_write(final, written, first) from final
+
+
+def _attempt(c: Candidate, state_dict: Dict[str, Any], coord: Coordinator, covered: Set[str],
+             opts: Dict[str, Any]) -> None:
+    """Load one candidate (its check first). Own copies: every rank learns whether every
+    rank's copy loaded; a rank whose copy failed raises its error, the others a
+    :class:`CorruptCheckpointError` naming it (both send every rank on to the next candidate)."""
+    if not c.own_copy or coord.world_size == 1:
+        if c.check is not None:
+            c.check()
+        _restore_one(c.store, c.step, state_dict, covered=covered, **opts)
+        return
+    mine: Optional[BaseException] = None
+
+    def load() -> Optional[str]:
+        nonlocal mine
+        try:
+            if c.check is not None:
+                c.check()
+            _restore_one(c.store, c.step, state_dict, covered=covered, **opts)
+        except c.fallback as exc:
+            mine = exc
+            return f"rank {coord.rank}: {type(exc).__name__}: {exc}"
+        return None
+
+    unusable = [u for u in phase.everyone(coord, f"restore of {c.label}", c.step, load) if u]
+    if mine is not None:
+        raise mine
+    if unusable:
+        raise CorruptCheckpointError(f"step {c.step}: " + "; ".join(unusable), step=c.step)
 
 
 def _after_partial_write(exc: Exception, written: Dict[str, int], first: PartlyWrittenError) -> PartlyWrittenError:
@@ -245,17 +346,19 @@ def _after_partial_write(exc: Exception, written: Dict[str, int], first: PartlyW
                                 cause=exc, damaged_steps=damaged, keys_left=sorted(written))
 
 
-def _warn_left_over(written: Dict[str, int], covered: Set[str], step: int) -> None:
+def _warn_left_over(written: Dict[str, int], covered: Set[str], step: int, copies: Dict[int, str]) -> None:
     """Warn about the keys a damaged step's failed attempt wrote that ``step`` (restored in the
-    end, ``strict=False``) did not overwrite: they hold the damaged step's data."""
+    end, ``strict=False``) did not overwrite: they hold the damaged step's data (``copies``:
+    which copy of each damaged step wrote them, where there are several roots)."""
     left: Dict[int, List[str]] = {}
     for k, s in written.items():
         if k not in covered:
             left.setdefault(s, []).append(k)
     for s, keys in sorted(left.items(), reverse=True):
+        copy = f" ({copies[s]})" if copies.get(s) else ""
         warn_user(f"restored step {step}, which lacks keys that the failed restore of damaged step "
-                  f"{s} had partly written: they hold data of damaged step {s}, not of step {step}: "
-                  f"{_keys(keys)}", RuntimeWarning)
+                  f"{s}{copy} had partly written: they hold data of damaged step {s}, not of step {step} "
+                  f"(a key the restored step lacks may hold a damaged step's data): {_keys(keys)}", RuntimeWarning)
 
 
 def _restore_one(store: StepStore, step: int, state_dict: Dict[str, Any], *, verify: bool, allow_pickle: bool,

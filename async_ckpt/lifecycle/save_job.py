@@ -17,17 +17,16 @@ wrote its files. With one process the exchanges are no-ops and errors propagate 
 from __future__ import annotations
 
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 from ..errors import CheckpointError
-from ..policies import CheckpointInfo, RetentionPolicy
+from ..policies import RetentionPolicy
 from ..staging import HostSnapshot
 from ..stats import SaveStats
 from ..storage import FileRecord, Manifest, StepTarget
 from . import phase
-from .steps import StepStore
+from .steps import StepStore, StepWrite
 
 
 @dataclass
@@ -66,7 +65,8 @@ def run_save(store: StepStore, job: SaveJob, *, policy: RetentionPolicy, threads
     coord = store.coordinator
     step, snap = job.step, job.snap
     target: Optional[StepTarget] = None
-    committed = claimed = released = False
+    opened: Optional[StepWrite] = None
+    released = False
 
     def release() -> None:  # this job's hold on the snapshot, given back once
         nonlocal released
@@ -75,16 +75,14 @@ def run_save(store: StepStore, job: SaveJob, *, policy: RetentionPolicy, threads
             snap.release()
 
     def open_step() -> Tuple[str, str, int]:
-        nonlocal claimed, target
-        store.catalog.begin_write(step)  # claimed before anything is written; waits out a deletion
-        claimed = True
-        target = store.layout.begin(step, uuid.uuid4().hex[:12])
-        store.catalog.set_path(step, target.path)
+        nonlocal opened, target
+        opened = store.open_step(step)
+        target = opened.target
+        assert target is not None
         return target.path, target.final, step
 
     def commit(results: List[_RankResult]) -> Tuple[float, int]:
-        nonlocal committed, claimed
-        assert target is not None
+        assert opened is not None
         merged: Dict[str, FileRecord] = {}
         for r in results:
             for name, rec in r.files.items():
@@ -92,18 +90,11 @@ def run_save(store: StepStore, job: SaveJob, *, policy: RetentionPolicy, threads
                     raise CheckpointError(f"step {step}: file {name} was written by two ranks", step=step)
                 merged[name] = rec
         int_keys = sorted({k for r in results for k in r.int_keys})
-        store.check_lease(step)  # proven right before the commit (object stores: renewed in time)
         manifest = Manifest(step=step, commit_time=store.catalog.next_commit_time(job.commit_at), files=merged,
                             metrics=job.metrics, nbytes=sum(r.nbytes for r in results),
                             num_tensors=sum(r.num_tensors for r in results), world_size=coord.world_size,
                             extra={**job.manifest_extra, **({"int_keys": int_keys} if int_keys else {})})
-        store.layout.commit(target, manifest)
-        committed = True
-        store.catalog.record_commit(CheckpointInfo(step, manifest.commit_time, dict(job.metrics),
-                                                   manifest.nbytes, dict(manifest.extra)))
-        store.catalog.end_write(step)
-        claimed = False
-        store.apply_retention(policy)  # decided (markers gone) before save()/join() return
+        opened.commit(manifest, policy)  # retention decided (markers gone) before save()/join() return
         return manifest.commit_time, len(merged)
 
     try:
@@ -162,11 +153,8 @@ def run_save(store: StepStore, job: SaveJob, *, policy: RetentionPolicy, threads
         release()
         raise
     finally:
-        if coord.is_primary:
-            if claimed:
-                store.catalog.end_write(step)
-            if target is not None and not committed:
-                store.layout.abort(target)
+        if opened is not None:
+            opened.abort()  # nothing once committed
     stats = job.stats
     if stats is None:
         return None

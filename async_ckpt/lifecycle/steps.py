@@ -14,8 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, List, Optional
 
 from ..errors import LeaseHeldError, StepNotFoundError
-from ..policies import RetentionPolicy
-from ..storage import CheckpointLayout, Storage
+from ..policies import CheckpointInfo, RetentionPolicy
+from ..storage import CheckpointLayout, Manifest, StepTarget, Storage
 from ..storage.lease import writer_lease
 from ..storage.manifest import MARKER_NAME
 from .catalog import StepCatalog
@@ -149,6 +149,17 @@ class StepStore:
         except Exception as exc:  # the step is already unmarked: cleanup finishes it later
             log.warning("could not remove the files of step %d: %s", step, exc)
 
+    def open_step(self, step: int) -> "StepWrite":
+        """Begin writing ``step`` (the holder of the lease): see :class:`StepWrite`.
+
+        Args:
+            step: the step.
+
+        Returns:
+            The write, to commit or abort.
+        """
+        return StepWrite(self, step)
+
     def delete(self, step: int) -> None:
         """Delete a committed step now (the caller holds the lease)."""
         if step not in self.layout.committed_steps():
@@ -195,3 +206,67 @@ class StepStore:
         finally:
             if self.lease is not None:
                 self.lease.release()
+
+
+class StepWrite:
+    """One step being written to a root by the holder of its lease: opened (claimed in the
+    catalog, its directory begun), then committed (manifest, catalog record, retention) or
+    aborted. A save and a promotion commit through it alike.
+
+    Args:
+        store: the root.
+        step: the step.
+
+    Raises:
+        StorageError: the step's directory could not be begun (the claim is given back).
+    """
+
+    def __init__(self, store: "StepStore", step: int) -> None:
+        self.store = store
+        self.step = step
+        self.committed = False
+        self._claimed = False
+        self.target: Optional[StepTarget] = None
+        store.catalog.begin_write(step)  # claimed before anything is written; waits out a deletion
+        self._claimed = True
+        try:
+            self.target = store.layout.begin(step, store.layout.new_token())
+            store.catalog.set_path(step, self.target.path)
+        except BaseException:
+            self.abort()
+            raise
+
+    def commit(self, manifest: Manifest, policy: RetentionPolicy) -> List[int]:
+        """Commit the step with ``manifest``, record it, then apply ``policy`` (decided, its
+        markers gone, before this returns).
+
+        Args:
+            manifest: the step's manifest (its commit time included).
+            policy: the root's retention.
+
+        Returns:
+            The steps retention dropped.
+
+        Raises:
+            LeaseHeldError: the lease could not be proven right before the commit.
+            StorageError: the commit failed.
+        """
+        assert self.target is not None
+        store, step = self.store, self.step
+        store.check_lease(step)  # proven right before the commit (object stores: renewed in time)
+        store.layout.commit(self.target, manifest)
+        self.committed = True
+        store.catalog.record_commit(CheckpointInfo(step, manifest.commit_time, dict(manifest.metrics),
+                                                   manifest.nbytes, dict(manifest.extra)))
+        store.catalog.end_write(step)
+        self._claimed = False
+        return store.apply_retention(policy)
+
+    def abort(self) -> None:
+        """Give the claim back and remove what was written, unless committed (idempotent)."""
+        if self._claimed:
+            self._claimed = False
+            self.store.catalog.end_write(self.step)
+        if self.target is not None and not self.committed:
+            target, self.target = self.target, None
+            self.store.layout.abort(target)

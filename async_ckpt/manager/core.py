@@ -22,14 +22,14 @@ from ..errors import (
     InvalidArgumentError,
     InvalidStateDictError,
     LeaseHeldError,
-    PartlyWrittenError,
     StorageError,
     warn_user,
 )
 from ..gc_pause import gc_paused
-from ..lifecycle.coordinator import DEFAULT_TIMEOUT_S, coordinator_for, describe, rebuild
+from ..lifecycle import phase
+from ..lifecycle.coordinator import DEFAULT_TIMEOUT_S, coordinator_for
 from ..lifecycle.planners import load_planner_for, save_planner_for
-from ..lifecycle.restore import check_key_map
+from ..lifecycle.restore import candidates_of, check_key_map
 from ..lifecycle.restore import restore as _restore
 from ..lifecycle.root import LOCAL, PERSISTENT, Root
 from ..lifecycle.save_job import SaveJob, run_save
@@ -65,9 +65,9 @@ from .tiered import (
     out_of_space,
     promote,
     refuse_foreign_save,
-    restore_from_tiers,
     space_needed,
     step_metrics,
+    tier_candidates,
 )
 
 log = logging.getLogger("async_ckpt")
@@ -810,24 +810,15 @@ class CheckpointManager:
                     threads=self.write_threads, planner=load_planner_for(state_dict, allow_pickle),
                     atomic=atomic, strict=strict, pool=self.stager.pool, key_map=key_map)
         t0 = time.perf_counter()
-        where = self.storage.url
         if self._local is None:
-            s = _restore(self._persistent.store, step, state_dict, **opts)
+            candidates = candidates_of(self._persistent.store, step)
         else:
-            partly: List[str] = []  # copies found damaged after they had written into state_dict
-            def attempt(tier: Root, s: int) -> int:
-                try:
-                    return _restore(tier.store, s, state_dict, **opts)
-                except CheckpointError as exc:
-                    if isinstance(exc, PartlyWrittenError):
-                        partly.append(f"step {s} ({tier.name} copy)")
-                    raise
-
-            s, name = restore_from_tiers(self.roots, self._coord, step, attempt)
-            where = f"the {name} tier ({self._local.url if name == LOCAL else self.storage.url})"
-            if partly and not strict:  # strict: step s held every key of state_dict and overwrote it
-                warn_user(f"async_ckpt: restored step {s}; the damaged {', '.join(partly)} had partly written state_dict "
-                              f"first: keys step {s} lacks (strict=False) may hold its data", RuntimeWarning)
+            candidates = tier_candidates(self.roots, self._coord, step)
+        done = _restore(candidates, state_dict, coord=self._coord, step=step, **opts)
+        s = done.step
+        where = done.store.storage.url
+        if self._local is not None:
+            where = f"the {LOCAL if done.store is self._local.store else PERSISTENT} tier ({where})"
         self._restored = s
         if log.isEnabledFor(logging.INFO):
             nbytes, count = _tensor_bytes(state_dict)
@@ -957,9 +948,8 @@ class CheckpointManager:
         self._settle(invalid, key=None if invalid is not None else step + 1)  # every rank names the same step
         if invalid is not None:
             raise invalid
-        outcome = None
-        mine: Optional[BaseException] = None
-        try:
+
+        def delete_here() -> None:  # this rank's local copy; rank 0: the persistent root's too
             local = self._local
             local_held = (local is not None and step in local.store.layout.committed_steps()
                           and not foreign_steps(local, step))  # another job's copy is not ours
@@ -969,16 +959,8 @@ class CheckpointManager:
             if self._coord.is_primary and (not local_held or step in self.layout.committed_steps()):
                 self._persistent.store.become_writer()
                 self._persistent.store.delete(step)
-        except BaseException as exc:  # noqa: BLE001 - reported to every rank
-            if self._coord.world_size == 1:
-                raise
-            outcome, mine = describe(self._coord.rank, exc), exc
-        if self._coord.world_size > 1:  # every rank's outcome (its local copy; rank 0: the root's)
-            bad = [o for o in self._coord.all_gather(outcome) if o is not None]
-            if mine is not None:
-                raise mine
-            if bad:
-                raise rebuild(bad[0][0], f"step {step}: delete failed: {bad[0][1]}", step)
+
+        phase.everyone(self._coord, "delete", step, delete_here)
 
     def promote(self, step: int) -> List[int]:
         """Copy the local tier's committed ``step`` to ``path`` and commit it there.

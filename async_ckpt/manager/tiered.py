@@ -1,7 +1,7 @@
 """Checkpoint tiers: a fast local copy (``local_dir``) often, the persistent root less often.
 
-A :class:`Root` is one root with its own step store (catalog, writer lease, retention), its
-own background writer and its own save policy. The manager stages a state dict once and hands
+Each tier is a :class:`~async_ckpt.lifecycle.root.Root`: its own step store (catalog, writer
+lease, retention), its own background writer and its own save policy. The manager stages a state dict once and hands
 the snapshot to the writer of every tier the step is due for, so the two tiers' writes run side
 by side and a slow upload never holds up a local save (beyond ``max_pending_async`` per tier).
 
@@ -10,9 +10,10 @@ with the time it was taken (or just after the tier's newest commit) and with one
 the merged order is the order of the saves even while the persistent writer lags behind the
 local one; a step both tiers hold counts once, at its newest copy's commit (two copies with
 different save ids are different saves: a re-save replaces a step, the newest one counts).
-:func:`restore_from_tiers` tries the copies newest commit first and, of the two copies of one
-save, the local one before the persistent one; a copy that is damaged, unreadable, or written by another rank or
-world size is skipped with a warning naming the tier and why. With several ranks each rank
+:func:`tier_candidates` orders the copies a restore tries (``lifecycle.restore``'s one loop):
+newest commit first and, of the two copies of one save, the local one before the persistent
+one; a copy that is damaged, unreadable, or written by another rank or world size is skipped
+with a warning naming the tier and why. With several ranks each rank
 has its own local directory; the ranks agree on the newest step every rank holds locally from
 one save (same save id), and one rank's unusable copy sends every rank to the next candidate,
 so all restore the same step of the same save.
@@ -22,22 +23,25 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import functools
 import logging
 import os
 import shutil
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 from ..errors import (
     CheckpointError,
     CorruptCheckpointError,
     InvalidArgumentError,
+    RankFailure,
     StepNotFoundError,
     StorageError,
     warn_user,
 )
-from ..lifecycle.coordinator import Coordinator, describe, rank_local_coordinator, rebuild
-from ..lifecycle.restore import as_skipped
+from ..lifecycle import phase
+from ..lifecycle.coordinator import Coordinator, rank_local_coordinator
+from ..lifecycle.restore import Candidate
 from ..lifecycle.root import LOCAL, PERSISTENT, Root
 from ..lifecycle.steps import StepStore
 from ..options import ManagerOptions
@@ -476,92 +480,63 @@ def common_local_steps(local: Root, coord: Coordinator) -> Set[int]:
     for s in newest_first:
         info = infos.get(s) or _reread(local, s)  # a manifest that does not read: no id
         mine.append((s, "" if info is None else str(info.extra.get(SAVE_ID) or "")))
-    gathered = [dict(pairs) for pairs in coord.all_gather(mine)]
+    gathered = [dict(pairs or ()) for pairs in phase.everyone(coord, "listing the local copies", None, lambda: mine)]
     return {s for s, sid in gathered[0].items() if all(g.get(s) == sid for g in gathered[1:])}
 
 
-def restore_from_tiers(tiers: Sequence[Root], coord: Coordinator, step: Optional[int],
-                       restore_one: Callable[[Root, int], Any]) -> Tuple[int, str]:
-    """Restore ``step`` (None: the newest commit over the tiers) from the nearest intact copy;
-    returns (step, tier name). ``restore_one(tier, step)`` loads one copy into the target or
-    raises. Every rank calls it; the local tiers are each rank's own, the persistent one is
-    shared (its restore is collective)."""
+def tier_candidates(tiers: Sequence[Root], coord: Coordinator, step: Optional[int]) -> List[Candidate]:
+    """The copies a restore of ``step`` (None: the newest commit) tries over the tiers, in order:
+    newest commit first, of the two copies of one save the local one first. Every rank calls
+    it; rank 0 lists (with several ranks, of the steps every rank holds locally from one save:
+    :func:`common_local_steps`), and every rank gets its listing.
+
+    Args:
+        tiers: the manager's roots.
+        coord: the manager's coordinator.
+        step: the step asked for, or None.
+
+    Returns:
+        The candidates for :func:`~async_ckpt.lifecycle.restore.restore`.
+
+    Raises:
+        StepNotFoundError: no tier holds ``step`` (or any step).
+        StorageError: a tier could not be listed and the others do not hold ``step``.
+    """
     by_name = {t.name: t for t in tiers}
-    alone = coord.world_size == 1
+    several = coord.world_size > 1
     only: Optional[Dict[str, Optional[set]]] = None
     local = by_name.get(LOCAL)
-    if not alone and local is not None:
+    if several and local is not None:
         only = {LOCAL: common_local_steps(local, coord), PERSISTENT: None}
-    listed: Any = None
     failed: List[BaseException] = []
-    if coord.is_primary:
-        try:
-            copies = held_copies(tiers, only, failed)
-            listed = ("ok", copies, [describe(0, e) for e in failed])
-        except Exception as exc:  # noqa: BLE001 - every rank raises it
-            if alone:
-                raise
-            listed = ("err",) + describe(0, exc)
-    listed = coord.broadcast(listed) if not alone else listed
-    if listed[0] != "ok":
-        raise rebuild(listed[1], f"listing the tiers failed: {listed[2]}", step)
-    candidates: List[Held] = listed[1]
+
+    def listing() -> Tuple[List[Held], List[RankFailure]]:
+        copies = held_copies(tiers, only, failed)
+        return copies, [phase.failure_of(0, e) for e in failed]
+
+    held, problems = phase.primary(coord, "listing the tiers", step, listing)
     if step is not None:
-        candidates = [h for h in candidates if h.step == step]
-        if not candidates:
-            if listed[2]:  # a tier that could not be listed may hold it: its error, not "not found"
+        held = [h for h in held if h.step == step]
+        if not held:
+            if problems:  # a tier that could not be listed may hold it: its error, not "not found"
                 if failed:
                     raise failed[0]
-                raise rebuild(listed[2][0][0], f"step {step}: listing a tier failed: {listed[2][0][1]}", step)
+                phase.raise_if_failed(problems[:1], step, "listing a tier")
             urls = " or ".join(t.url for t in tiers)
             raise StepNotFoundError(f"no committed checkpoint for step {step} under {urls}", step=step)
-    if not candidates:
+    if not held:
         raise StepNotFoundError("no committed checkpoint under " + " or ".join(t.url for t in tiers))
-    errors: List[str] = []
-    for held in candidates:
-        for name in held.tiers:
+    out: List[Candidate] = []
+    for h in held:
+        for name in h.tiers:
             tier = by_name[name]
-            problem = _attempt(tier, held.step, coord, restore_one, shared=name == PERSISTENT)
-            if problem is None:
-                if errors:
-                    log.warning("restored step %d from the %s tier (%s)", held.step, name, tier.url)
-                return held.step, name
-            errors.append(f"step {held.step} ({name} tier): {problem}")
-            warn_user(f"skipping the {name} copy of step {held.step} ({tier.url}): {as_skipped(problem)}",
-                      RuntimeWarning)
-    what = f"step {step}" if step is not None else "no committed step"
-    raise CorruptCheckpointError(f"{what}: no copy could be restored from any tier; " + "; ".join(errors[:5]),
-                                 step=candidates[0].step)
-
-
-def _attempt(tier: Root, step: int, coord: Coordinator, restore_one: Callable[[Root, int], Any],
-             shared: bool) -> Optional[str]:
-    """Restore one copy: None when every rank restored it, else why not (the same on every
-    rank). Errors that are not the copy's fault are raised on every rank."""
-    if shared or coord.world_size == 1:
-        try:
-            restore_one(tier, step)  # collective with several ranks: every rank sees one outcome
-        except FALLBACK_ERRORS as exc:
-            return f"{type(exc).__name__}: {exc}"
-        return None
-    outcome: Optional[Tuple[str, str, str]] = None
-    local: Optional[BaseException] = None
-    try:
-        check_local_copy(tier, step, coord.rank, coord.world_size)
-        restore_one(tier, step)
-    except (ForeignCopyError, StepNotFoundError) + FALLBACK_ERRORS as exc:
-        outcome = ("fallback",) + describe(coord.rank, exc)
-    except Exception as exc:  # noqa: BLE001 - every rank raises it
-        outcome = ("fatal",) + describe(coord.rank, exc)
-        local = exc
-    outcomes = coord.all_gather(outcome)
-    fatal = [o for o in outcomes if o is not None and o[0] == "fatal"]
-    if fatal:
-        if local is not None:
-            raise local
-        raise rebuild(fatal[0][1], f"step {step}: restore from the local tiers failed: {fatal[0][2]}", step)
-    bad = [o[2] for o in outcomes if o is not None]
-    return "; ".join(bad) if bad else None
+            own = several and name == LOCAL  # each rank's own directory, on no collective
+            out.append(Candidate(
+                tier.store, h.step, f"the {name} copy of step {h.step} ({tier.url})",
+                fallback=FALLBACK_ERRORS + ((ForeignCopyError, StepNotFoundError) if own else ()),
+                check=functools.partial(check_local_copy, tier, h.step, coord.rank, coord.world_size) if own else None,
+                own_copy=own, copy=f"{name} copy"))
+    return out
 
 
 #: the block a promoted file is copied in: memory per file copy (4 at most at once)
@@ -652,33 +627,22 @@ def promote(local: Root, persistent: Root, step: int, *, verify: bool = True,
         raise CheckpointError(f"step {step} is already committed under {persistent.url}; delete it there first "
                               f"to replace it with the local copy", step=step)
     dst = persistent.store
-    catalog = dst.catalog
-    catalog.begin_write(step)
-    target = None
-    committed = False
+    write = dst.open_step(step)
     try:
-        target = dst.layout.begin(step, dst.layout.new_token())
-        catalog.set_path(step, target.path)
-        dst.storage.makedirs(target.path)
+        assert write.target is not None
+        target = write.target.path
+        dst.storage.makedirs(target)
 
         def copy(name: str) -> None:  # in blocks: never a whole file in memory
-            copy_file_verified(local.store.storage, path, name, manifest.files[name], dst.storage, target.path,
+            copy_file_verified(local.store.storage, path, name, manifest.files[name], dst.storage, target,
                                verify=verify)
 
         with ThreadPoolExecutor(max(1, min(threads, 4, len(manifest.files)))) as pool:
             list(pool.map(copy, list(manifest.files)))
-        dst.check_lease()
         extra = {k: v for k, v in manifest.extra.items() if k not in ("rank", "world_size", "tier", PERSISTENT_ROOT)}
         new = dataclasses.replace(manifest, extra=extra)  # keeps its commit time: the order of the saves
-        dst.layout.commit(target, new)
-        committed = True
-        catalog.record_commit(CheckpointInfo(step, new.commit_time, dict(new.metrics), new.nbytes, dict(new.extra)))
-        catalog.end_write(step)
         policy = persistent.retention
-        dropped = dst.apply_retention(as_retention_policy(lambda cps: apply_retention(policy, cps) | {step}))
+        dropped = write.commit(new, as_retention_policy(lambda cps: apply_retention(policy, cps) | {step}))
         return new, dropped
     finally:
-        if not committed:
-            catalog.end_write(step)
-            if target is not None:
-                dst.layout.abort(target)
+        write.abort()  # nothing once committed
