@@ -384,10 +384,10 @@ def test_retention_never_deletes_a_step_being_written(ckpt_dir):
     drain(mgr)
     mgr.retention = as_retention_policy(lambda c: set())
     mgr.catalog.begin_write(1)  # a re-save of step 1 in progress
-    mgr.roots[-1].apply_retention()
+    mgr.roots[-1].store.apply_retention(mgr.retention)
     assert mgr.all_steps() == [1, 2]
     mgr.catalog.end_write(1)
-    mgr.roots[-1].apply_retention()
+    mgr.roots[-1].store.apply_retention(mgr.retention)
     assert mgr.all_steps() == [2]
     mgr.close()
 

@@ -8,10 +8,9 @@ says when a step is due there, and when this manager last took a save for it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import Optional
 
 from ..policies import RetentionPolicy, SavePolicy
-from ..storage import Storage
 from ..writer import AsyncWriter
 from .steps import StepStore
 
@@ -48,11 +47,6 @@ class Root:
     home: Optional[str] = None
 
     @property
-    def storage(self) -> Storage:
-        """The storage of the root."""
-        return self.store.storage
-
-    @property
     def url(self) -> str:
         """The root's URL (as given, with its protocol)."""
         return self.store.storage.url
@@ -65,11 +59,3 @@ class Root:
             now: the interval clock's time of the save.
         """
         self.last_save_time, self.last_save_step = now, step
-
-    def apply_retention(self) -> List[int]:
-        """Apply the root's retention now (the writer; normally right after each commit).
-
-        Returns:
-            The steps it dropped.
-        """
-        return self.store.apply_retention(self.retention)

@@ -520,17 +520,57 @@ class CheckpointManager:
         makes that save fail with ``TornSnapshotError`` (never a torn checkpoint). With several
         ranks each rank stages its own shards lazily and the save fails on every rank if one
         rank's snapshot tore.
+
+        Args:
+            step: the training step (an int >= 0; with several ranks, the same on every rank).
+            state_dict: what to save: tensors on any device, containers of them, ``Stateful``
+                values (saved through their ``state_dict()``) and plain values.
+            force: save even when no save policy wants this step.
+            metrics: numbers stored with the step (see :meth:`best_step` and ``KeepBest``).
+            lazy: return once the copies are issued; None: the manager's ``lazy``.
+
+        Returns:
+            True when a save was taken; False when none was due.
+
+        Raises:
+            InvalidArgumentError: ``step`` or ``metrics`` is invalid.
+            LeaseHeldError: another live writer holds the root's writer lease.
+            StorageError: the root cannot be reached (without a local tier).
+            CheckpointError: an earlier background save failed (its error, raised once), the
+                state dict cannot be staged, or another rank could not save the step.
         """
         return self._save(step, state_dict, force, metrics, wait=False, lazy=self.lazy if lazy is None else lazy)
 
     def wait_for_staging(self) -> None:
         """Wait until the host copies of every lazy save of this manager are done (cheap when
-        none is outstanding). Call it before mutating saved tensors outside ``optimizer.step()``."""
+        none is outstanding). Call it before mutating saved tensors outside ``optimizer.step()``.
+
+        Raises:
+            CheckpointError: a host copy failed.
+        """
         self.stager.synchronize_staging()
 
     def save(self, step: int, state_dict: Mapping[str, Any], force: bool = False,
              metrics: Optional[Dict[str, float]] = None) -> bool:
-        """Like :meth:`save_async`, but returns only once the step is committed."""
+        """Like :meth:`save_async`, but returns only once the step is committed.
+
+        Args:
+            step: the training step (an int >= 0; with several ranks, the same on every rank).
+            state_dict: what to save: tensors on any device, containers of them, ``Stateful``
+                values (saved through their ``state_dict()``) and plain values.
+            force: save even when no save policy wants this step.
+            metrics: numbers stored with the step (see :meth:`best_step` and ``KeepBest``).
+
+        Returns:
+            True once the step is committed; False when no save was due.
+
+        Raises:
+            InvalidArgumentError: ``step`` or ``metrics`` is invalid.
+            LeaseHeldError: another live writer holds the root's writer lease.
+            StorageError: the root cannot be reached (without a local tier).
+            CheckpointError: an earlier background save failed (its error, raised once), the
+                state dict cannot be staged, or another rank could not save the step.
+        """
         return self._save(step, state_dict, force, metrics, wait=True)
 
     def _save(self, step: Any, state_dict: Mapping[str, Any], force: bool, metrics: Any, wait: bool,
@@ -785,6 +825,25 @@ class CheckpointManager:
         one's ``{"model": ...}``. Top-level values with ``state_dict()``/``load_state_dict()`` (DCP's
         ``Stateful``) get what was saved through their ``load_state_dict``. Multi-process: call
         it on every rank; each reads its shards (DCP reshards to this job's world size).
+
+        Args:
+            step: the step, or None (or ``"latest"``) for the most recent commit that verifies.
+            state_dict: the target, filled in place.
+            verify: check CRC-32Cs (None: the manager's ``verify``); sizes are always checked.
+            allow_pickle: unpickle saved values outside torch's ``weights_only`` safe set.
+            atomic: read and verify everything into host buffers first.
+            strict: every key of ``state_dict`` must be in the checkpoint.
+            key_map: checkpoint key prefix -> target key prefix.
+
+        Returns:
+            The step restored.
+
+        Raises:
+            StepNotFoundError: the step (or any step, for None) is not committed.
+            CorruptCheckpointError: the named step (or every candidate, for None) is damaged.
+            PartlyWrittenError: the restore failed after writing into ``state_dict``.
+            StateDictMismatchError: the target does not match the checkpoint.
+            InvalidStateDictError: ``state_dict`` is not a mapping.
         """
         self._check_process()
         invalid: Optional[Exception] = None
@@ -1027,7 +1086,11 @@ class CheckpointManager:
 
     def join(self) -> None:
         """Wait for every pending save to commit (and retention's decision after it); raise the
-        first background failure (with ``local_dir``: also the failed writes to ``path``)."""
+        first background failure (with ``local_dir``: also the failed writes to ``path``).
+
+        Raises:
+            CheckpointError: a background save failed (each root's failure is raised once).
+        """
         self._check_process()
         self.wait_for_staging()
         errors: List[BaseException] = []
