@@ -35,6 +35,10 @@ class CheckpointError(RuntimeError):
     Background failures are re-raised as ``CheckpointError`` (with ``step`` set and the
     original exception chained as ``__cause__``) at the next ``save``/``save_async``/
     ``join``/``close``.
+
+    Args:
+        message: what went wrong, for people.
+        step: the step the error concerns (kept as the ``step`` attribute), or None.
     """
 
     def __init__(self, message: str, *, step: Optional[int] = None) -> None:
@@ -66,7 +70,13 @@ class StateDictMismatchError(CheckpointError, ValueError):
 
 
 class CorruptCheckpointError(CheckpointError):
-    """A committed checkpoint whose files fail verification (size, checksum, manifest)."""
+    """A committed checkpoint whose files fail verification (size, checksum, manifest).
+
+    Args:
+        message: what failed verification.
+        step: the damaged step (``step`` attribute), or None.
+        path: the damaged file (``path`` attribute), or None.
+    """
 
     def __init__(self, message: str, *, step: Optional[int] = None, path: Optional[str] = None) -> None:
         super().__init__(message, step=step)
@@ -91,7 +101,12 @@ class UnsafeCheckpointError(CheckpointError):
 
 
 class LeaseHeldError(CheckpointError):
-    """Another live writer holds the checkpoint root's writer lease (``holder`` names it)."""
+    """Another live writer holds the checkpoint root's writer lease, or this one lost it.
+
+    Args:
+        message: which root, who holds its lease, and what to do.
+        holder: who holds the lease (``"pid 123 on host"``; the ``holder`` attribute), or None.
+    """
 
     def __init__(self, message: str, *, holder: Optional[str] = None) -> None:
         super().__init__(message)

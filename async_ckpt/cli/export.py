@@ -27,8 +27,25 @@ def load_step(path: str, step: Optional[int] = None, *, key: Optional[str] = Non
               allow_pickle: bool = False, storage_options: Optional[Dict[str, Any]] = None) -> Tuple[int, Any]:
     """Read a committed step into a fresh CPU state dict, without knowing its structure.
 
-    ``step=None`` reads the newest committed step. ``key`` (a dotted prefix such as ``"model"``)
-    reads only that subtree and returns it. Returns ``(step, state)``. Nothing is written.
+    Nothing is written.
+
+    Args:
+        path: the checkpoint root (a local path or fsspec URL).
+        step: the step (None: the newest committed one).
+        key: a dotted prefix such as ``"model"``: only that subtree is read and returned.
+        verify: check every file's size and checksum as it is read.
+        allow_pickle: unpickle non-tensor values outside torch's safe set (trusted
+            checkpoints only).
+        storage_options: fsspec options for a remote ``path``.
+
+    Returns:
+        ``(step, state)``: the step read and its state dict (or the subtree under ``key``).
+
+    Raises:
+        StepNotFoundError: ``step`` (or, for None, any step) has no committed checkpoint.
+        ValueError: ``key`` names no entry, or selects inside something other than a dict.
+        CorruptCheckpointError: a file of the step fails verification.
+        UnsafeCheckpointError: a value needs ``allow_pickle=True``.
     """
     from ..storage.dcp import load_state_dict
 

@@ -264,8 +264,20 @@ class AsyncCkptIO(*_bases):  # type: ignore[misc]
                         weights_only: Optional[bool] = None) -> dict:
         """Wait for a pending write of ``path``, check the file, and load it with ``torch.load``.
 
-        Raises ``FileNotFoundError`` for a missing file (as Lightning's ``TorchCheckpointIO``)
-        and :class:`~async_ckpt.CorruptCheckpointError` for a damaged one."""
+        Args:
+            path: the file (local path or fsspec URL).
+            map_location: passed to ``torch.load`` (default: tensors stay where they were saved
+                from, as Lightning's ``TorchCheckpointIO`` loads them).
+            weights_only: passed to ``torch.load``.
+
+        Returns:
+            The checkpoint dict.
+
+        Raises:
+            FileNotFoundError: there is no file at ``path`` (as Lightning's ``TorchCheckpointIO``).
+            CorruptCheckpointError: the file's zip structure or a record's CRC-32 is wrong.
+            CheckpointError: a background write failed.
+        """
         path = os.fspath(path)
         self.writer.wait(path)
         self.writer.check()
@@ -278,7 +290,14 @@ class AsyncCkptIO(*_bases):  # type: ignore[misc]
 
     def remove_checkpoint(self, path: Any) -> None:
         """Delete the file at ``path`` once no write of it is pending; the most recently saved
-        path is kept (a warning says so)."""
+        path is kept (a warning says so).
+
+        Args:
+            path: the file (local path or fsspec URL).
+
+        Raises:
+            CheckpointError: a background write failed.
+        """
         path = os.fspath(path)
         self.writer.check()
         if self.newest is not None and os.path.abspath(path) == os.path.abspath(self.newest):
@@ -291,12 +310,20 @@ class AsyncCkptIO(*_bases):  # type: ignore[misc]
             log.debug("removed checkpoint %s", path)
 
     def teardown(self) -> None:
-        """Wait for every pending write; raise the first error among them."""
+        """Wait for every pending write and end the writer thread.
+
+        Raises:
+            CheckpointError: a background write failed (the first error among them).
+        """
         self.writer.wait_all(shutdown=True)
 
     # ---- extras -------------------------------------------------------------------------------
     def wait(self) -> None:
-        """Wait for every pending write (without ending the writer thread); raise errors."""
+        """Wait for every pending write (without ending the writer thread).
+
+        Raises:
+            CheckpointError: a background write failed.
+        """
         self.writer.wait_all()
 
     @property

@@ -59,7 +59,11 @@ class LazyStager(BaseStager):
 
     Shares the pool, the plan memo, the CUDA side streams and the XLA state of ``eager``,
     which also stages what cannot be staged lazily. A snapshot's buffers must not be read
-    before ``snapshot.wait_copied()`` returns; releasing it waits for its copies."""
+    before ``snapshot.wait_copied()`` returns; releasing it waits for its copies.
+
+    Args:
+        eager: the eager stager whose pool, plan memo and device state this one shares.
+    """
 
     def __init__(self, eager: EagerStager) -> None:
         super().__init__(eager.pool, eager.plans)
@@ -69,6 +73,7 @@ class LazyStager(BaseStager):
 
     @property
     def xla(self) -> XlaStaging:
+        """The XLA state of the eager stager (shared)."""
         return self.eager.xla
 
     @property

@@ -111,11 +111,20 @@ class WriterLease(Protocol):
     """What the manager needs of a lease."""
 
     @property
-    def held(self) -> bool: ...
+    def held(self) -> bool:
+        """Whether this holder holds the lease now."""
+        ...
 
     def acquire(self, timeout: float = 0.0) -> None:
-        """Take the lease, waiting up to ``timeout`` seconds; :class:`LeaseHeldError` if another
-        live writer keeps it."""
+        """Take the lease (a no-op when held already).
+
+        Args:
+            timeout: seconds to wait at most while another live writer holds it.
+
+        Raises:
+            LeaseHeldError: another live writer still holds it after ``timeout``, or a newer
+                manager of this process took this one's lease over.
+        """
 
     def check(self) -> None:
         """Raise :class:`LeaseHeldError` unless this holder can prove it still holds the lease
@@ -126,7 +135,11 @@ class WriterLease(Protocol):
 
 
 class PosixLease(_ProcessLocal):
-    """``flock`` on a lock file in the root (advisory: every async_ckpt writer takes it)."""
+    """``flock`` on a lock file in the root (advisory: every async_ckpt writer takes it).
+
+    Args:
+        root: the checkpoint root (a local directory that exists).
+    """
 
     def __init__(self, root: str) -> None:
         self.path = os.path.join(root, LOCK_NAME)
@@ -135,9 +148,20 @@ class PosixLease(_ProcessLocal):
 
     @property
     def held(self) -> bool:
+        """Whether this holder holds the lock now."""
         return self._fd is not None
 
     def acquire(self, timeout: float = 0.0) -> None:
+        """Take the lock and record this process in the lock file (a no-op when held already).
+
+        Args:
+            timeout: seconds to wait at most while another process holds it.
+
+        Raises:
+            LeaseHeldError: another process still holds it after ``timeout``, or a newer
+                manager of this process took this one's lease over.
+            StorageError: the lock file is a symbolic link, a hard link or not a regular file.
+        """
         import fcntl
 
         if self._fd is not None:
@@ -189,6 +213,7 @@ class PosixLease(_ProcessLocal):
         self._refuse_if_superseded()
 
     def release(self) -> None:
+        """Unlock and close the lock file (a no-op when not held)."""
         import fcntl
 
         fd, self._fd = self._fd, None
@@ -209,7 +234,16 @@ class PosixLease(_ProcessLocal):
 
 
 class ObjectStoreLease(_ProcessLocal):
-    """A lease object with an expiry, renewed by a heartbeat thread, for stores without locks."""
+    """A lease object with an expiry, renewed by a heartbeat thread, for stores without locks.
+
+    Args:
+        storage: the checkpoint root.
+        ttl_s: seconds a lease object stays valid without renewal (renewed every third of it).
+        clock: the monotonic clock that measures the time since the last renewal.
+
+    Raises:
+        InvalidArgumentError: ``ttl_s`` is not > 0.
+    """
 
     def __init__(self, storage: Storage, ttl_s: float = 30.0, *, clock: Callable[[], float] = time.monotonic) -> None:
         if ttl_s <= 0:
@@ -229,6 +263,7 @@ class ObjectStoreLease(_ProcessLocal):
 
     @property
     def held(self) -> bool:
+        """Whether this holder took the lease and has not released it (see :meth:`check`)."""
         return self._held
 
     def _read(self) -> Optional[Dict[str, Any]]:
@@ -266,6 +301,17 @@ class ObjectStoreLease(_ProcessLocal):
         return issued
 
     def acquire(self, timeout: float = 0.0) -> None:
+        """Write this holder's lease object where none is, or where the one there expired or
+        belongs to a dead process of this host; start the heartbeat (a no-op when held).
+
+        Args:
+            timeout: seconds to wait at most while another live writer holds it.
+
+        Raises:
+            LeaseHeldError: another live writer still holds it after ``timeout``, or a newer
+                manager of this process took this one's lease over.
+            StorageError: the lease object cannot be read or written.
+        """
         if self._held:
             return
         self._refuse_if_superseded()
@@ -361,6 +407,8 @@ class ObjectStoreLease(_ProcessLocal):
                                  f"takes the lease again if it is free")
 
     def release(self) -> None:
+        """Stop the heartbeat and delete the lease object if it is still this holder's (a
+        no-op when not held; storage errors are logged, not raised)."""
         if not self._held:
             return
         self._held = False
@@ -381,5 +429,12 @@ class ObjectStoreLease(_ProcessLocal):
 
 
 def writer_lease(storage: Storage) -> "PosixLease | ObjectStoreLease":
-    """The lease kind for a storage: ``flock`` on POSIX paths, a lease object elsewhere."""
+    """The lease kind for a storage (not taken yet).
+
+    Args:
+        storage: the checkpoint root.
+
+    Returns:
+        A :class:`PosixLease` (``flock``) on local paths, an :class:`ObjectStoreLease` elsewhere.
+    """
     return PosixLease(storage.root) if storage.is_local else ObjectStoreLease(storage)
