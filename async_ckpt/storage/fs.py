@@ -25,7 +25,8 @@ DEFAULT_BLOCK_SIZE = 64 * 2**20  # upload chunk for object stores; gcsfs's 5 MiB
 # (``pipe_file``: one request on GCS below 50 MiB, one PUT on S3 below 100 MiB, and a whole-file
 # retry is possible); a bigger one streams through ``open()`` in DEFAULT_BLOCK_SIZE chunks.
 PIPE_MAX_BYTES = 256 * 2**20
-# Reads: files bigger than this are fetched as concurrent ranged reads of this size.
+# Reads into host buffers: files bigger than twice this are fetched as concurrent ranged reads
+# of about this size.
 READ_RANGE_BYTES = 32 * 2**20
 
 
