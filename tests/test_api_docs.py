@@ -30,6 +30,7 @@ MODULES = [
     "async_ckpt.storage.retry",
     "async_ckpt.storage.fs",
     "async_ckpt.storage.lease",
+    "async_ckpt.storage.stats_log",
     "async_ckpt.staging",
     "async_ckpt.cli",
 ]

@@ -121,6 +121,7 @@ class AsyncSaveState:
             CheckpointError: a previous background write failed, or the state cannot be
                 snapshotted (``InvalidStateDictError``).
             ValueError: as accelerate, for an automatically named directory that exists.
+            TypeError: ``output_dir`` is None without ``automatic_checkpoint_naming``.
         """
         acc = self.accelerator
         t0 = time.perf_counter()

@@ -275,7 +275,8 @@ class AsyncCkptIO(*_bases):  # type: ignore[misc]
 
         Raises:
             FileNotFoundError: there is no file at ``path`` (as Lightning's ``TorchCheckpointIO``).
-            CorruptCheckpointError: the file's zip structure or a record's CRC-32 is wrong.
+            CorruptCheckpointError: the file is empty, its zip structure is incomplete or a
+                record fails its CRC-32 check.
             CheckpointError: a background write failed.
         """
         path = os.fspath(path)
