@@ -1,8 +1,8 @@
 """The public API is documented: every public class, method, property and function reachable
 from ``async_ckpt``'s exports, the integration modules and the documented modules has a
-docstring, and every one that takes parameters names each of them in a Google-style ``Args:``
+docstring, every one that takes parameters names each of them in a Google-style ``Args:``
 section (a class: in its own or its ``__init__``'s docstring, ``Attributes:`` for dataclass
-fields).
+fields), and what a ``Raises:`` section names is an exception class.
 
 Only what async_ckpt defines is checked: methods a class inherits from a framework
 (Lightning's ``CheckpointIO``, HF's ``TrainerCallback``, ``Exception``) are not.
@@ -10,10 +10,12 @@ Only what async_ckpt defines is checked: methods a class inherits from a framewo
 
 from __future__ import annotations
 
+import builtins
 import dataclasses
 import importlib
 import inspect
 import re
+import sys
 from typing import Any, Iterator, List, Optional, Set, Tuple
 
 import pytest
@@ -103,11 +105,24 @@ def _defining_class(cls: type, name: str) -> Optional[type]:
     return None
 
 
+def _exception_names() -> Set[str]:
+    """Names of the builtin exceptions and of every exception class async_ckpt's loaded modules
+    define or import."""
+    names = {n for n, v in vars(builtins).items() if inspect.isclass(v) and issubclass(v, BaseException)}
+    for mod_name, mod in list(sys.modules.items()):
+        if mod_name.split(".")[0] == "async_ckpt" and mod is not None:
+            names |= {n for n, v in vars(mod).items() if inspect.isclass(v) and issubclass(v, BaseException)}
+    return names
+
+
 def _check_callable(where: str, fn: Any, doc: Optional[str], problems: List[str],
                     headers: Tuple[str, ...] = ("Args",)) -> None:
     if not doc or not doc.strip():
         problems.append(f"{where}: no docstring")
         return
+    unknown = sorted(section_names(doc, ("Raises",)) - _exception_names())
+    if unknown:
+        problems.append(f"{where}: Raises: names {unknown}, which are not exception classes")
     params = _params(fn)
     if not params:
         return
@@ -188,6 +203,7 @@ def test_section_names_reads_google_style_sections():
            "    **kwargs: more.\n\nReturns:\n    x: not an argument.\n")
     assert section_names(doc, ("Args",)) == {"a", "b", "kwargs"}
     assert section_names("No sections.", ("Args",)) == set()
+    assert section_names("Raises:\n    StorageError: refused.\n", ("Raises",)) == {"StorageError"}
 
 
 @pytest.mark.parametrize("module_name", MODULES)
