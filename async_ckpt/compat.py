@@ -34,8 +34,9 @@ def host_empty_cache() -> None:
 
 
 def register_exit_hook(fn: Callable[[], None]) -> bool:
-    """Run ``fn`` at interpreter exit before ``concurrent.futures`` stops taking work
-    (``threading._register_atexit``).
+    """Run ``fn`` at interpreter exit, before ``concurrent.futures`` stops taking work.
+
+    Through ``threading._register_atexit``.
 
     Args:
         fn: the hook.
@@ -114,8 +115,9 @@ def xla_from_dlpack_fn() -> Callable[[Any], torch.Tensor]:
 
 
 def xla_tensors_from_aten(tensors: List[torch.Tensor], device: str) -> List[torch.Tensor]:
-    """torch_xla's batched host-to-device transfer (``_xla_tensors_from_aten``, what
-    ``xm.send_cpu_data_to_device`` calls).
+    """torch_xla's batched host-to-device transfer (``_xla_tensors_from_aten``).
+
+    What ``xm.send_cpu_data_to_device`` calls.
 
     Args:
         tensors: host tensors.
@@ -181,8 +183,10 @@ def xla_preemption() -> Any:
 # ---- torch (storage) ------------------------------------------------------------------------
 
 def storage_type_dtypes() -> dict:
-    """``{"FloatStorage": torch.float32, ...}``: the storage class names ``torch.save`` writes
-    in ``data.pkl``, from ``torch.storage._dtype_to_storage_type_map``; empty where it is missing."""
+    """The storage class names ``torch.save`` writes in ``data.pkl``, with their dtypes.
+
+    ``{"FloatStorage": torch.float32, ...}``, from ``torch.storage._dtype_to_storage_type_map``;
+    empty where it is missing."""
     try:
         from torch.storage import _dtype_to_storage_type_map
 

@@ -11,8 +11,10 @@ _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
 def warn_user(message: str, category: Type[Warning] = UserWarning) -> None:
-    """Issue a warning attributed to the caller's first frame outside async_ckpt (the line of
-    the user's code that called into the library), whatever the depth of the call inside it.
+    """Issue a warning attributed to the caller's first frame outside async_ckpt.
+
+    That is the line of the user's code that called into the library, whatever the depth of the call
+    inside it.
 
     Args:
         message: the text; it is prefixed with ``"async_ckpt: "`` unless it starts with it.
@@ -47,9 +49,10 @@ class CheckpointError(RuntimeError):
 
 
 class InvalidArgumentError(CheckpointError, ValueError, TypeError):
-    """An argument of the public API that is invalid: a wrong type or value (``save_interval=0``,
-    a NaN or non-number metric, an unknown ``commit_mode``, ...). It is a ``ValueError`` and a
-    ``TypeError`` too, so code that caught those keeps working."""
+    """An invalid argument of the public API: a wrong type or value.
+
+    For example ``save_interval=0``, a NaN or non-number metric, an unknown ``commit_mode``. It is a
+    ``ValueError`` and a ``TypeError`` too, so code that caught those keeps working."""
 
 
 class InvalidStepError(CheckpointError, ValueError):
@@ -65,8 +68,10 @@ class StepNotFoundError(CheckpointError, FileNotFoundError):
 
 
 class StateDictMismatchError(CheckpointError, ValueError):
-    """Restore into a state dict whose keys, shapes or dtypes do not match the checkpoint, or
-    whose target tensors cannot be written in place (meta tensors, expanded tensors)."""
+    """A restore target that does not fit the checkpoint.
+
+    Its keys, shapes or dtypes do not match the checkpoint's, or its target tensors cannot be
+    written in place (meta tensors, expanded tensors)."""
 
 
 class CorruptCheckpointError(CheckpointError):
@@ -88,8 +93,9 @@ class StorageError(CheckpointError, OSError):
 
 
 class StorageTimeoutError(StorageError):
-    """A storage call did not finish within its deadline (``RetryPolicy.deadline``): the
-    storage stopped answering (a network black hole, a hung mount)."""
+    """A storage call did not finish within ``RetryPolicy.deadline``.
+
+    The storage stopped answering (a network black hole, a hung mount)."""
 
 
 class StagingBudgetError(CheckpointError, MemoryError):

@@ -138,8 +138,9 @@ def format_seconds(s: float) -> str:
 
 
 def format_rate(nbytes: float, seconds: float) -> str:
-    """A bandwidth in the decimal unit that fits it: ``"350 kB/s"``, ``"2.41 GB/s"`` (``"-"``
-    when nothing was timed).
+    """A bandwidth in the decimal unit that fits it: ``"350 kB/s"``, ``"2.41 GB/s"``.
+
+    ``"-"`` when nothing was timed.
 
     Args:
         nbytes: bytes moved.

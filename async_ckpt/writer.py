@@ -113,8 +113,9 @@ class AsyncWriter:
         return True
 
     def take_slot(self) -> None:
-        """Block until a slot is free and take it, whatever earlier saves' failures (for a
-        failed job that must still be queued: see :meth:`submit`)."""
+        """Block until a slot is free and take it, whatever earlier saves' failures.
+
+        For a failed job that must still be queued: see :meth:`submit`."""
         self._slots.acquire()
 
     def release_slot(self) -> None:
@@ -149,9 +150,11 @@ class AsyncWriter:
             return any(not (self.defer_errors or d) for _, _, d in self._errors)
 
     def raise_if_failed(self, *, deferred: bool = False) -> None:
-        """Raise the kept background failures (once; the list is then cleared). A writer with
-        ``defer_errors`` raises only when ``deferred`` (``join``/``close``); the failures
-        ``defer_if`` deferred too (the others are raised, and these kept, when not ``deferred``).
+        """Raise the kept background failures (once; the list is then cleared).
+
+        A writer with ``defer_errors`` raises only when ``deferred`` (``join``/``close``); the
+        failures ``defer_if`` deferred too (the others are raised, and these kept, when not
+        ``deferred``).
 
         One failure that is a :class:`CheckpointError` of its step is raised as it is; any other
         is wrapped in a :class:`CheckpointError` naming the step (chained from it). With several
@@ -182,9 +185,10 @@ class AsyncWriter:
         ) from exc
 
     def add_failure(self, step: Optional[int], exc: BaseException) -> None:
-        """Keep ``exc`` as the failure of the save of ``step`` (a job that raised, or a save
-        that failed before it was queued), raised as a job's failure is; a writer with
-        ``defer_errors`` (or a failure ``defer_if`` defers) logs it now.
+        """Keep ``exc`` as the failure of the save of ``step``.
+
+        A job that raised, or a save that failed before it was queued; it is raised as a job's
+        failure is. A writer with ``defer_errors`` (or a failure ``defer_if`` defers) logs it now.
 
         Args:
             step: the step whose save failed.

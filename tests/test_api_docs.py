@@ -1,6 +1,6 @@
 """The public API is documented: every public class, method, property and function reachable
 from ``async_ckpt``'s exports, the integration modules and the documented modules has a
-docstring, every one that takes parameters names each of them in a Google-style ``Args:``
+docstring that starts with a one-line summary, every one that takes parameters names each of them in a Google-style ``Args:``
 section (a class: in its own or its ``__init__``'s docstring, ``Attributes:`` for dataclass
 fields), and what a ``Raises:`` section names is an exception class.
 
@@ -120,6 +120,8 @@ def _check_callable(where: str, fn: Any, doc: Optional[str], problems: List[str]
     if not doc or not doc.strip():
         problems.append(f"{where}: no docstring")
         return
+    if "\n" in doc.strip().split("\n\n")[0]:
+        problems.append(f"{where}: the summary (first paragraph) is more than one line")
     unknown = sorted(section_names(doc, ("Raises",)) - _exception_names())
     if unknown:
         problems.append(f"{where}: Raises: names {unknown}, which are not exception classes")
@@ -136,9 +138,11 @@ def _check_callable(where: str, fn: Any, doc: Optional[str], problems: List[str]
 
 
 def _check_class(where: str, cls: type, problems: List[str]) -> None:
-    doc = cls.__doc__
+    doc = inspect.getdoc(cls) if cls.__doc__ else None
     if not doc or not doc.strip():
         problems.append(f"{where}: no docstring")
+    elif "\n" in doc.strip().split("\n\n")[0]:
+        problems.append(f"{where}: the summary (first paragraph) is more than one line")
     init_owner = _defining_class(cls, "__init__")
     if init_owner is cls and _ours(cls) and not _is_protocol(cls):
         init = vars(cls)["__init__"]
@@ -153,8 +157,11 @@ def _check_class(where: str, cls: type, problems: List[str]) -> None:
             continue  # a framework's (Lightning's, HF's, Exception's)
         raw = vars(owner)[name]
         if isinstance(raw, property):
-            if not (raw.__doc__ or "").strip():
+            doc = inspect.getdoc(raw) or ""
+            if not doc.strip():
                 problems.append(f"{where}.{name}: property without a docstring")
+            elif "\n" in doc.strip().split("\n\n")[0]:
+                problems.append(f"{where}.{name}: the summary (first paragraph) is more than one line")
             continue
         if isinstance(raw, (staticmethod, classmethod)):
             raw = raw.__func__

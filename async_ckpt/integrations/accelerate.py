@@ -233,8 +233,13 @@ class AsyncSaveState:
         self.writer.wait_all()
 
     def close(self) -> None:
-        """Wait for every pending write, end the writer thread and give the accelerator its own
-        ``save_state``/``load_state`` back; raise the first background error."""
+        """Wait for every pending write and give the accelerator its own methods back.
+
+        Also ends the writer thread; ``save_state``/``load_state`` are accelerate's again.
+
+        Raises:
+            CheckpointError: a background write failed (the first error).
+        """
         try:
             self.writer.wait_all(shutdown=True)
         finally:

@@ -158,8 +158,9 @@ class AsyncCkptIO(*_bases):  # type: ignore[misc]
         return options
 
     def filesystem(self, path: Any, storage_options: Optional[Dict[str, Any]] = None) -> Any:
-        """The fsspec filesystem this plugin uses for ``path`` (one instance per protocol and
-        options, reused by every save, load and removal).
+        """The fsspec filesystem this plugin uses for ``path``.
+
+        One instance per protocol and options, reused by every save, load and removal.
 
         Args:
             path: a local path or a URL (``gs://b/x.ckpt``).
@@ -182,8 +183,9 @@ class AsyncCkptIO(*_bases):  # type: ignore[misc]
 
     # ---- CheckpointIO -------------------------------------------------------------------------
     def save_checkpoint(self, checkpoint: dict, path: Any, storage_options: Optional[Any] = None) -> None:
-        """Copy the tensors of ``checkpoint`` to host memory; the file at ``path`` is written,
-        fsynced and renamed into place in the background.
+        """Copy the tensors of ``checkpoint`` to host memory and write the file in the background.
+
+        The file at ``path`` is written, fsynced and renamed into place by the writer thread.
 
         Args:
             checkpoint: Lightning's checkpoint dict.
@@ -290,8 +292,9 @@ class AsyncCkptIO(*_bases):  # type: ignore[misc]
             return torch.load(f, map_location=map_location, weights_only=weights_only)
 
     def remove_checkpoint(self, path: Any) -> None:
-        """Delete the file at ``path`` once no write of it is pending; the most recently saved
-        path is kept (a warning says so).
+        """Delete the file at ``path`` once no write of it is pending.
+
+        The most recently saved path is kept (a warning says so).
 
         Args:
             path: the file (local path or fsspec URL).

@@ -117,8 +117,9 @@ class AsyncCkptCallback(TrainerCallback):
                               "call callback.attach(trainer)")
 
     def attach(self, trainer: Trainer) -> None:
-        """Bind to ``trainer``: its ``_save_checkpoint`` is replaced by the asynchronous save
-        (done automatically at the first event; a no-op for the trainer bound already).
+        """Bind to ``trainer``: its ``_save_checkpoint`` becomes the asynchronous save.
+
+        Done automatically at the first event; a no-op for the trainer bound already.
 
         Args:
             trainer: the HF ``Trainer`` this callback was added to.
@@ -163,8 +164,9 @@ class AsyncCkptCallback(TrainerCallback):
         self.writer.check()
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        """At the final log of training (it holds ``train_runtime``), wait for every pending
-        write (several processes: then a barrier).
+        """At the final log of training, wait for every pending write.
+
+        The final log holds ``train_runtime``; with several processes a barrier follows.
 
         Args:
             args: the ``TrainingArguments``.
@@ -182,8 +184,9 @@ class AsyncCkptCallback(TrainerCallback):
             self._end_barrier(self.trainer)
 
     def on_train_end(self, args, state, control, **kwargs):
-        """Wait for every pending write and end the writer thread (several processes: then a
-        barrier).
+        """Wait for every pending write and end the writer thread.
+
+        With several processes a barrier follows.
 
         Args:
             args: the ``TrainingArguments``.

@@ -59,8 +59,9 @@ class BaseStager:
         return self._xla
 
     def plan(self, state_dict: Any) -> StagingPlan:
-        """:func:`~.plan.make_plan` with this stager's memo: the same plan, found faster when
-        the structure is the one saved last time.
+        """:func:`~.plan.make_plan` with this stager's memo.
+
+        The same plan, found faster when the structure is the one saved last time.
 
         Args:
             state_dict: the state dict.

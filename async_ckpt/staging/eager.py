@@ -75,9 +75,10 @@ class EagerStager(BaseStager):
             copy_cpu(cpu_d, cpu_s)
 
     def copy_xla_now(self, items: _Items, job: StagingJob) -> None:
-        """Copy XLA tensors whose buffers exist (after :meth:`XlaStaging.stage_direct`) before
-        returning: through zero-copy host views into pooled buffers (the views are kept as
-        ``job.sources``), else torch_xla's batched transfer.
+        """Copy XLA tensors whose buffers exist before returning.
+
+        After :meth:`XlaStaging.stage_direct`: through zero-copy host views into pooled buffers (the
+        views are kept as ``job.sources``), else torch_xla's batched transfer.
 
         Args:
             items: ``(plan index, tensor)`` pairs.

@@ -78,13 +78,15 @@ class LazyStager(BaseStager):
 
     @property
     def pending(self) -> List[PendingCopies]:
-        """The copy trackers of this stager's snapshots that :meth:`synchronize_staging` has
-        not waited for yet, oldest first."""
+        """The copy trackers :meth:`synchronize_staging` has not waited for yet.
+
+        Of this stager's snapshots, oldest first."""
         return list(self._outstanding)
 
     def synchronize_staging(self) -> None:
-        """Wait until the copies of every snapshot of this stager are done and sealed, then
-        drop the forward hook if no stager has copies outstanding. Training thread."""
+        """Wait until the copies of every snapshot of this stager are done and sealed.
+
+        Then drop the forward hook if no stager has copies outstanding. Training thread."""
         pending, self._outstanding = self._outstanding, []
         for pc in pending:
             pc.wait_all()

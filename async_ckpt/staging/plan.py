@@ -130,10 +130,11 @@ class StagingPlan:
         return _fill(self.template, host_tensors)
 
     def check_tensors(self) -> None:
-        """Raise :class:`InvalidStateDictError` naming the first tensor that cannot be staged
-        (quantized, nested, meta, or of a dtype without a copy kernel such as
-        ``torch.float4_e2m1fn_x2``). A Python step per tensor: the stager calls it only once
-        staging failed, to tell a bad state dict from a failure of its own."""
+        """Raise :class:`InvalidStateDictError` naming the first tensor that cannot be staged.
+
+        Quantized, nested, meta, or of a dtype without a copy kernel such as
+        ``torch.float4_e2m1fn_x2``. A Python step per tensor: the stager calls it only once staging
+        failed, to tell a bad state dict from a failure of its own."""
         names = self.keys if len(self.keys) == len(self.tensors) else [str(i) for i in range(len(self.tensors))]
         for name, t in zip(names, self.tensors):
             problem = unsupported_tensor(t)

@@ -43,8 +43,10 @@ class HostSnapshot:
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def share(self, holders: int) -> None:
-        """Hand the snapshot to several writers: the buffers go back to the pool once each of
-        them called :meth:`release`. Call it before handing it to any of them.
+        """Hand the snapshot to several writers.
+
+        The buffers go back to the pool once each of them called :meth:`release`. Call it before
+        handing it to any of them.
 
         Args:
             holders: the number of writers (>= 1).
@@ -71,8 +73,9 @@ class HostSnapshot:
             self.pending.result()
 
     def release(self) -> None:
-        """One holder is done: the last one gives the buffers back to the pool. A holder must
-        call it once and not read the snapshot afterwards."""
+        """One holder is done: the last one gives the buffers back to the pool.
+
+        A holder must call it once and not read the snapshot afterwards."""
         with self._lock:
             self.holders -= 1
             if self.holders > 0:

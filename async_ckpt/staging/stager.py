@@ -30,8 +30,9 @@ class Stager:
         self.pool = self.eager.pool
 
     def plan(self, state_dict: Any) -> StagingPlan:
-        """:func:`~.plan.make_plan` with this stager's memo: the same plan, found faster when
-        the structure is the one saved last time.
+        """:func:`~.plan.make_plan` with this stager's memo.
+
+        The same plan, found faster when the structure is the one saved last time.
 
         Args:
             state_dict: the state dict.

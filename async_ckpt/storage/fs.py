@@ -78,8 +78,9 @@ class Storage:
 
     @property
     def retry(self) -> RetryPolicy:
-        """The :class:`RetryPolicy` of every call, as this storage applies it (settable: the
-        policy given; see :meth:`RetryPolicy.for_storage`)."""
+        """The :class:`RetryPolicy` of every call, as this storage applies it.
+
+        Settable: the policy given (see :meth:`RetryPolicy.for_storage`)."""
         return self._retry
 
     @retry.setter
@@ -103,8 +104,9 @@ class Storage:
 
     @property
     def length_checked_writes(self) -> bool:
-        """Whether the service checks every upload's length (gs://, s3://): a written file
-        need not be stat'ed to catch a short write."""
+        """Whether the service checks every upload's length (gs://, s3://).
+
+        Then a written file need not be stat'ed to catch a short write."""
         return self._backend.length_checked_writes
 
     # ---- paths -------------------------------------------------------------------------------
@@ -132,8 +134,9 @@ class Storage:
 
     # ---- writes ------------------------------------------------------------------------------
     def abandon(self) -> None:
-        """Refuse every later write, rename and new directory through this storage (reads and
-        removals still work): a save being written fails at its next file, and its job then
+        """Refuse every later write, rename and new directory through this storage.
+
+        Reads and removals still work: a save being written fails at its next file, and its job then
         removes what it wrote (a second Ctrl-C while a save finishes)."""
         self._abandoned = True
 
@@ -142,8 +145,9 @@ class Storage:
             raise CheckpointError(f"{path}: not written: the save was abandoned (Ctrl-C)")
 
     def makedirs(self, path: str) -> None:
-        """Make directory ``path`` and its parents (object stores have none: nothing, never a
-        bucket).
+        """Make directory ``path`` and its parents.
+
+        Object stores have none: nothing is made there, never a bucket.
 
         Args:
             path: the directory.
@@ -157,8 +161,9 @@ class Storage:
         self._backend.makedirs(path, self.retry)
 
     def check_writable(self) -> None:
-        """Object stores: write and delete a small probe object under the root, so that a
-        missing bucket or wrong credentials fail now (elsewhere: nothing).
+        """Object stores: write and delete a small probe object under the root.
+
+        So that a missing bucket or wrong credentials fail now (elsewhere: nothing).
 
         Raises:
             StorageError: the bucket does not exist or cannot be written.
@@ -206,8 +211,10 @@ class Storage:
         self.retry.call(lambda: self._backend.write_bytes(path, data), f"write {path}")
 
     def write_bytes_atomic(self, path: str, data: bytes) -> None:
-        """Write a small file that is either wholly there or not at all, even if the process
-        dies mid-write: one PUT on object stores; elsewhere a temporary name, then a rename.
+        """Write a small file that is either wholly there or not at all.
+
+        Even if the process dies mid-write: one PUT on object stores; elsewhere a temporary name,
+        then a rename.
 
         Args:
             path: the file.
@@ -340,8 +347,10 @@ class Storage:
                                f"read {path}[{start}:{start + len(out)}]")
 
     def open_ranges(self, path: str) -> "RetriedRanges":
-        """``path`` opened for many ranged reads (from any number of threads); each read is
-        retried on transient errors. Close it (or use it as a context manager) when done.
+        """``path`` opened for many ranged reads, from any number of threads.
+
+        Each read is retried on transient errors. Close it (or use it as a context manager) when
+        done.
 
         Args:
             path: the file.

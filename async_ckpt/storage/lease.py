@@ -127,8 +127,9 @@ class WriterLease(Protocol):
         """
 
     def check(self) -> None:
-        """Raise :class:`LeaseHeldError` unless this holder can prove it still holds the lease
-        (called right before every commit and every delete)."""
+        """Raise :class:`LeaseHeldError` unless this holder can prove it still holds the lease.
+
+        Called right before every commit and every delete."""
 
     def release(self) -> None:
         """Give the lease up (a no-op when not held)."""
@@ -208,8 +209,9 @@ class PosixLease(_ProcessLocal):
             return None
 
     def check(self) -> None:
-        """A flock is never lost while its descriptor is open; only a manager of this process
-        that took it over makes this one refuse (:class:`LeaseHeldError`)."""
+        """Raise :class:`LeaseHeldError` if a manager of this process took the lock over.
+
+        A flock is never lost while its descriptor is open."""
         self._refuse_if_superseded()
 
     def release(self) -> None:
@@ -226,8 +228,9 @@ class PosixLease(_ProcessLocal):
             os.close(fd)
 
     def forget(self) -> None:
-        """In a forked child: drop this copy of the descriptor without unlocking the parent's lock
-        (``flock`` locks belong to the open file description the parent still uses)."""
+        """In a forked child: drop this copy of the descriptor without unlocking.
+
+        ``flock`` locks belong to the open file description the parent still uses."""
         fd, self._fd = self._fd, None
         if fd is not None:
             os.close(fd)
@@ -301,8 +304,10 @@ class ObjectStoreLease(_ProcessLocal):
         return issued
 
     def acquire(self, timeout: float = 0.0) -> None:
-        """Write this holder's lease object where none is, or where the one there expired or
-        belongs to a dead process of this host; start the heartbeat (a no-op when held).
+        """Take the lease and start the heartbeat (a no-op when held).
+
+        This holder's lease object is written where none is, or where the one there expired or
+        belongs to a dead process of this host.
 
         Args:
             timeout: seconds to wait at most while another live writer holds it.
@@ -407,8 +412,9 @@ class ObjectStoreLease(_ProcessLocal):
                                  f"takes the lease again if it is free")
 
     def release(self) -> None:
-        """Stop the heartbeat and delete the lease object if it is still this holder's (a
-        no-op when not held; storage errors are logged, not raised)."""
+        """Stop the heartbeat and delete the lease object if it is still this holder's.
+
+        A no-op when not held; storage errors are logged, not raised."""
         if not self._held:
             return
         self._held = False

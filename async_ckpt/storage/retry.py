@@ -78,8 +78,9 @@ def _is_transient_cloud(exc: BaseException) -> bool:
 
 @dataclass
 class RetryPolicy:
-    """Retry transient errors up to ``attempts`` times with capped, jittered exponential
-    backoff, every storage call bounded in time.
+    """Retries of transient storage errors, and the time bounds of every storage call.
+
+    Up to ``attempts`` tries with capped, jittered exponential backoff.
 
     Attributes:
         attempts: tries of one call on a transient error. Where the client library retries
@@ -123,8 +124,10 @@ class RetryPolicy:
                                  f"{'> 0' if name in ('request_timeout', 'deadline') else '>= 0'}, got {v!r}")
 
     def for_storage(self, *, remote: bool, client_retries: bool) -> "RetryPolicy":
-        """The policy a storage applies: bounded waits on ``remote`` storage, and one attempt
-        where the client library retries itself (``client_retries``).
+        """The policy a storage applies.
+
+        Bounded waits on ``remote`` storage, and one attempt where the client library retries itself
+        (``client_retries``).
 
         Args:
             remote: the storage is not local POSIX paths (calls may wait on a network).

@@ -88,10 +88,11 @@ class StatsLog:
         raise InvalidArgumentError(f"stats_log must be a bool or a relative path, got {type(option).__name__}")
 
     def append(self, stats: SaveStats) -> None:
-        """Write one record; never raises (a failure is logged as a warning). The manager calls
-        it on rank 0 only. On a local path the record is written only while the checkpoint
-        root exists (otherwise skipped, with a debug log): the log never creates the root, so
-        a root that went away (a mount gone) stays away and the saves there fail.
+        """Write one record; never raises (a failure is logged as a warning).
+
+        The manager calls it on rank 0 only. On a local path the record is written only while the
+        checkpoint root exists (otherwise skipped, with a debug log): the log never creates the
+        root, so a root that went away (a mount gone) stays away and the saves there fail.
 
         Args:
             stats: the committed save's statistics.
