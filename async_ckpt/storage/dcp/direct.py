@@ -56,7 +56,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from ... import compat
 from ...addresses import byte_view
-from ...errors import CheckpointError, CorruptCheckpointError
+from ...errors import CheckpointError, CorruptCheckpointError, PartlyWrittenError, partly_written_error
 from ...gc_pause import gc_paused
 from ..fs import Storage
 from ..manifest import FileRecord, crc32c, shown
@@ -76,6 +76,22 @@ REMOTE_DIRECT_MIN_BYTES = 8 * 2**20
 
 PARTLY_WRITTEN = ("the target state dict was partly written with this step's data and must not be "
                   "used as is; restore(..., atomic=True) leaves it untouched on failure")
+
+
+def partly_written(path: str, exc: BaseException) -> PartlyWrittenError:
+    """The error of a read of the step under ``path`` that failed (``exc``) after it had
+    written into the target.
+
+    Args:
+        path: the step directory read.
+        exc: the failure.
+
+    Returns:
+        A :class:`~async_ckpt.errors.PartlyWrittenError` whose cause is ``exc``.
+    """
+    what = str(exc) if isinstance(exc, CheckpointError) else f"restore from {path} failed ({type(exc).__name__}: {exc})"
+    return partly_written_error(f"{what}; {PARTLY_WRITTEN}", step=exc.step if isinstance(exc, CheckpointError) else None,
+                                cause=exc)
 
 
 
@@ -187,12 +203,9 @@ def _load_direct(storage: Storage, path: str, state_dict: Dict[str, Any], files:
         with ThreadPoolExecutor(threads, thread_name_prefix="async-ckpt-read") as pool:
             return _load(storage, path, per_file, flat, mappings, files, verify, allow_pickle, pool, readers,
                          touched, state_dict, threads, devices, staged)
-    except BaseException as exc:
-        if touched[0] and isinstance(exc, CheckpointError) and not getattr(exc, "partly_written", False):
-            exc.args = (f"{exc.args[0] if exc.args else exc}; {PARTLY_WRITTEN}",) + tuple(exc.args[1:])
-            exc.partly_written = True  # type: ignore[attr-defined]
-        elif touched[0] and not isinstance(exc, (KeyboardInterrupt, SystemExit)) and not isinstance(exc, CheckpointError):
-            raise CheckpointError(f"restore from {path} failed ({type(exc).__name__}: {exc}); {PARTLY_WRITTEN}") from exc
+    except Exception as exc:
+        if touched[0] and not isinstance(exc, PartlyWrittenError):
+            raise partly_written(path, exc) from exc
         raise
     finally:
         close_all(readers)
