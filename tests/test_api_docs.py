@@ -1,8 +1,10 @@
-"""The public API is documented: every public class, method, property and function reachable
-from ``async_ckpt``'s exports, the integration modules and the documented modules has a
-docstring that starts with a one-line summary, every one that takes parameters names each of them in a Google-style ``Args:``
-section (a class: in its own or its ``__init__``'s docstring, ``Attributes:`` for dataclass
-fields), and what a ``Raises:`` section names is an exception class.
+"""The public API is documented, Google style.
+
+Every public class, method, property and function reachable from ``async_ckpt``'s exports, the
+integration modules and the documented modules has a docstring that starts with a one-line
+summary; every one that takes parameters names each of them in an ``Args:`` section (a class:
+in its own or its ``__init__``'s docstring, ``Attributes:`` for dataclass fields); and what a
+``Raises:`` section names is an exception class.
 
 Only what async_ckpt defines is checked: methods a class inherits from a framework
 (Lightning's ``CheckpointIO``, HF's ``TrainerCallback``, ``Exception``) are not.
