@@ -9,8 +9,9 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from ..errors import CheckpointError
 from ..policies import CheckpointInfo
+from ..storage import step_names
 from ..storage.fs import Storage
-from ..storage.layout import _STEP_RE, _TMP_RE, _TRASH_RE, _VER_RE, CheckpointLayout
+from ..storage.layout import CheckpointLayout
 from ..storage.manifest import MARKER_NAME, shown
 from ..tiers import SAVE_ID, same_save, saved_for_another
 from .common import (
@@ -47,7 +48,9 @@ def _step_entry(storage: Storage, layout: CheckpointLayout, name: str, locations
     ``saved_for`` names that path).
     """
     path = storage.join(name)
-    step_of = CheckpointLayout.step_of(name)
+    parsed = step_names.parse(name)
+    step_of = parsed.step if parsed is not None else None
+    kind = parsed.kind if parsed is not None else None
     if layout.is_foreign_link(name):
         return {"step": step_of, "name": name, "status": "foreign", "commit_time": None, "bytes": None,
                 "files": None, "metrics": {},
@@ -56,16 +59,15 @@ def _step_entry(storage: Storage, layout: CheckpointLayout, name: str, locations
     listing = {e["name"]: e for e in storage.listdir(path)}
     disk = sum(int(e.get("size") or 0) for e in listing.values() if e.get("type") != "directory")
     current = step_of is not None and locations.get(step_of) == path
-    if not current and MARKER_NAME in listing and not _TRASH_RE.match(name):
+    if not current and MARKER_NAME in listing and kind != step_names.TRASH:
         kept = locations.get(step_of, "?") if step_of is not None else "?"
         return {"step": step_of, "name": name, "status": "superseded", "commit_time": None, "bytes": disk,
                 "files": len(listing), "metrics": {},
                 "problem": f"an older committed copy of step {step_of} (the current one is "
                            f"{shown(kept.rsplit('/', 1)[-1])}); the next writer removes it"}
-    m = (_TMP_RE.match(name) or _TRASH_RE.match(name)) if not current else None
-    if m:
-        what = "a save in progress or one that never finished" if name.startswith(".tmp-") else "a replaced step being deleted"
-        return {"step": int(m.group(1)), "name": name, "status": "incomplete", "commit_time": None,
+    if not current and kind in (step_names.TMP, step_names.TRASH):
+        what = "a save in progress or one that never finished" if kind == step_names.TMP else "a replaced step being deleted"
+        return {"step": step_of, "name": name, "status": "incomplete", "commit_time": None,
                 "bytes": disk, "files": len(listing), "metrics": {}, "problem": f"{name}: {what}"}
     step = int(step_of) if step_of is not None else -1
     entry: Dict[str, Any] = {"step": step, "name": name, "status": "listed", "commit_time": None, "bytes": disk,
@@ -101,8 +103,7 @@ def _step_entry(storage: Storage, layout: CheckpointLayout, name: str, locations
 def _entries(storage: Storage, layout: CheckpointLayout, home: Optional[str] = None) -> List[Dict[str, Any]]:
     names = [e["name"] for e in storage.listdir(storage.root)
              if (e.get("type") == "directory" or e.get("islink"))
-             and (_STEP_RE.match(e["name"]) or _VER_RE.match(e["name"]) or _TMP_RE.match(e["name"])
-                  or _TRASH_RE.match(e["name"]))]
+             and step_names.parse(e["name"]) is not None]
     locations = layout.locations()
     with ThreadPoolExecutor(max(1, min(16, len(names)))) as pool:
         return list(pool.map(lambda n: _step_entry(storage, layout, n, locations, home), names))
