@@ -28,9 +28,9 @@ import torch
 
 from . import guard
 from .base import BaseStager, StagingJob
+from .buffer_layout import SMALL_TENSOR_BYTES, lay_out, unique
 from .cpu import copy_cpu
 from .eager import EagerStager
-from .layout import SMALL_TENSOR_BYTES, lay_out, unique
 from .lazy_copies import NeedOrder, PendingCopies, TornSnapshotError, build_chunks, start
 from .plan import StagingPlan
 from .snapshot import HostSnapshot
@@ -111,7 +111,7 @@ class LazyStager(BaseStager):
             job.host[i] = host[index[id(t)]]
 
     def _lay_out(self, items: _Items, host: List[Optional[torch.Tensor]], job: _LazyJob, xla: bool) -> None:
-        """The eager stager's buffer layout (:func:`~.layout.lay_out`), but the copies are
+        """The eager stager's buffer layout (:func:`~.buffer_layout.lay_out`), but the copies are
         collected in ``job.pairs`` instead of made, big units in the learned order. Small CPU
         units (the slab's) are copied here. ``xla``: ``items`` are host views of XLA buffers
         (immutable: nothing to guard), indexed by position."""
