@@ -20,7 +20,7 @@ class HostSnapshot:
     num_tensors: int
     int_keys: List[str] = field(default_factory=list)
     leases: List[Lease] = field(default_factory=list)
-    #: lazy stage only: the copies still in flight (:class:`~async_ckpt.staging.guard.PendingCopies`)
+    #: lazy stage only: the copies still in flight (:class:`~async_ckpt.staging.lazy_copies.PendingCopies`)
     pending: Optional[Any] = None
     #: zero-copy views of XLA device buffers the copies were read from; dropping many of them
     #: is slow, so the writer thread drops them (:meth:`drop_sources`), not the training thread
@@ -45,7 +45,7 @@ class HostSnapshot:
 
     def wait_copied(self) -> None:
         """Lazy snapshots: wait until every host copy is done; raise
-        :class:`~async_ckpt.staging.guard.TornSnapshotError` if a source changed first."""
+        :class:`~async_ckpt.staging.lazy_copies.TornSnapshotError` if a source changed first."""
         if self.pending is not None:
             self.pending.result()
 
