@@ -158,7 +158,19 @@ def format_rate(nbytes: float, seconds: float) -> str:
     return f"{rate:.0f} B/s"
 
 
-def _check_relpath(relpath: str) -> str:
+def check_stats_relpath(relpath: str) -> str:
+    """Check the path of a stats log relative to the checkpoint root.
+
+    Args:
+        relpath: The path, ``/`` or ``\\`` separated.
+
+    Returns:
+        The path normalised to ``/``-separated parts, without empty and ``.`` parts.
+
+    Raises:
+        InvalidArgumentError: An absolute path, a URL, one with ``..``, or one that would collide
+            with step directories.
+    """
     p = relpath.replace("\\", "/").strip()
     parts = [x for x in p.split("/") if x not in ("", ".")]
     if not parts or p.startswith("/") or "://" in p or ".." in parts:

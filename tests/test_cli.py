@@ -366,9 +366,9 @@ def test_stats_log_failure_never_fails_the_save(tmp_path):
 
 
 def test_storage_options_reach_fsspec(mem_root, capsys):
-    from async_ckpt.cli import _parse_options
+    from async_ckpt.cli.common import parse_options
 
-    assert _parse_options(["a=1", "b=x", 'c={"k": [2]}', "d=a=b"]) == {"a": 1, "b": "x", "c": {"k": [2]}, "d": "a=b"}
+    assert parse_options(["a=1", "b=x", 'c={"k": [2]}', "d=a=b"]) == {"a": 1, "b": "x", "c": {"k": [2]}, "d": "a=b"}
     url, _ = mem_root
     # a URL fsspec cannot open is a one-line error, not a traceback
     code = main(["ls", "nosuchprotocol://bucket/run"])

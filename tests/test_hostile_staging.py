@@ -29,7 +29,8 @@ _WORKER = textwrap.dedent(r"""
     import json, sys
     import torch
     from async_ckpt import CheckpointManager
-    from async_ckpt.staging.lazy import TornSnapshotError, hold_copies
+    from async_ckpt.staging.lazy import TornSnapshotError
+    from async_ckpt.testing import hold_copies
 
     mode, root = sys.argv[1], sys.argv[2]
     out = {}

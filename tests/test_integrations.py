@@ -362,7 +362,7 @@ def test_hf_rotation_never_sees_a_checkpoint_in_flight(tmp_path):
     pytest.importorskip("transformers")
     from transformers.trainer_utils import get_last_checkpoint, rotate_checkpoints
 
-    from async_ckpt.integrations._snapshot import TMP_SUFFIX
+    from async_ckpt.integrations.atomic_files import TMP_SUFFIX
 
     for step in (2, 4):
         (tmp_path / f"checkpoint-{step}").mkdir()

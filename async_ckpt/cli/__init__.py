@@ -30,8 +30,7 @@ from .common import (
     EXIT_DAMAGED,
     EXIT_ERROR,
     EXIT_OK,
-    _cell,
-    _parse_options,  # noqa: F401  (used by tests and by earlier imports)
+    cell_text,
 )
 from .export import cmd_export, cmd_stats, load_step
 from .inspect import cmd_ls, cmd_show
@@ -229,7 +228,7 @@ def _usage_error(exc: UsageError, as_json: bool) -> int:
                       "usage": exc.parser.format_usage().strip()})
     else:
         sys.stderr.write(exc.parser.format_usage())
-        print(f"{prog}: error: {_cell(str(exc))}", file=sys.stderr)
+        print(f"{prog}: error: {cell_text(str(exc))}", file=sys.stderr)
     return EXIT_ERROR
 
 
@@ -247,7 +246,7 @@ def _error(msg: str, kind: str, code: int, as_json: bool) -> int:
     if as_json:
         _print_error({"type": kind, "message": msg, "exit_code": code})
     else:
-        print(f"async-ckpt: error: {_cell(msg)}", file=sys.stderr)  # no control characters on the terminal
+        print(f"async-ckpt: error: {cell_text(msg)}", file=sys.stderr)  # no control characters on the terminal
     return code
 
 
@@ -273,11 +272,11 @@ class _LogSink(logging.Handler):
         try:
             ours = record.name.split(".")[0] == "async_ckpt" and record.levelno >= logging.WARNING
             if ours:
-                common._LAST_PROBLEM[:] = [record.getMessage()[:300]]
+                common.LAST_PROBLEM[:] = [record.getMessage()[:300]]
             if self.verbose:
                 sys.stderr.write(self.format(record) + "\n")
             elif ours and not _RETRY_RE.search(record.getMessage()):  # a retry is summed up by the error
-                print(f"async-ckpt: warning: {_cell(' '.join(record.getMessage().split()))}", file=sys.stderr)
+                print(f"async-ckpt: warning: {cell_text(' '.join(record.getMessage().split()))}", file=sys.stderr)
         except Exception:  # noqa: BLE001 - logging never fails the command
             pass
 
@@ -296,7 +295,7 @@ class _quiet_logs:
         root.handlers = [self.sink]
         root.setLevel(self.sink.level)
         logging.lastResort = None
-        common._LAST_PROBLEM.clear()
+        common.LAST_PROBLEM.clear()
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -49,7 +49,9 @@ import numpy as np
 import torch
 
 from ..errors import CheckpointError
-from ._snapshot import TMP_SUFFIX, BackgroundWriter, Snapshotter, fsync_dir, fsync_tree
+from .atomic_files import TMP_SUFFIX, fsync_dir, fsync_tree
+from .background_writer import BackgroundWriter
+from .object_snapshot import Snapshotter
 
 log = logging.getLogger("async_ckpt.integrations.accelerate")
 

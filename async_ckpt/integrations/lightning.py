@@ -2,7 +2,7 @@
 
 ``Trainer(plugins=[AsyncCkptIO()])``. Each ``save_checkpoint`` copies the tensors of
 Lightning's checkpoint dict into reused host buffers (see
-:class:`~async_ckpt.integrations._snapshot.Snapshotter`); a writer thread then writes the file
+:class:`~async_ckpt.integrations.object_snapshot.Snapshotter`); a writer thread then writes the file
 at ``path`` in ``torch.save`` format to a hidden temporary name next to it (local or any fsspec
 filesystem), fsyncs it (local) and renames it into place (``fs.mv`` remotely: a server-side copy
 on object stores, which publishes the object at once). ``path`` is therefore always absent, the
@@ -35,15 +35,9 @@ import torch
 
 from ..errors import CheckpointError
 from ..stats import SaveStats
-from ._snapshot import (
-    BackgroundWriter,
-    HostCopy,
-    Snapshotter,
-    remove_stale_tmps,
-    tmp_name,
-    verify_torch_file,
-    write_file,
-)
+from .atomic_files import remove_stale_tmps, tmp_name, verify_torch_file, write_file
+from .background_writer import BackgroundWriter
+from .object_snapshot import HostCopy, Snapshotter
 
 log = logging.getLogger("async_ckpt.integrations.lightning")
 

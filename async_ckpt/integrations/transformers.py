@@ -64,7 +64,9 @@ import torch
 from transformers import Trainer, TrainerCallback
 
 from ..errors import CheckpointError
-from ._snapshot import TMP_SUFFIX, BackgroundWriter, HostCopy, Snapshotter, fsync_dir, fsync_tree
+from .atomic_files import TMP_SUFFIX, fsync_dir, fsync_tree
+from .background_writer import BackgroundWriter
+from .object_snapshot import HostCopy, Snapshotter
 
 log = logging.getLogger("async_ckpt.integrations.transformers")
 

@@ -15,7 +15,7 @@ import torch
 
 from ..errors import InvalidStateDictError
 from ..gc_pause import gc_paused
-from .layout import SMALL_TENSOR_BYTES, snapshot_nbytes
+from .buffer_layout import SMALL_TENSOR_BYTES, snapshot_nbytes
 from .plan import PlanMemo, StagingPlan, make_plan
 from .pool import HostBufferPool, Lease
 from .snapshot import HostSnapshot

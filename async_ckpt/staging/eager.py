@@ -1,6 +1,6 @@
 """The eager stager: every host copy is made before :meth:`EagerStager.stage` returns.
 
-The tensors are laid out in pooled buffers (:mod:`.layout`; storages shared by several
+The tensors are laid out in pooled buffers (:mod:`.buffer_layout`; storages shared by several
 tensors copied once) and copied with one batched transfer per device type: CPU
 (:mod:`.cpu`), CUDA (:mod:`.cuda`), XLA (:mod:`.xla`). When ``stage`` returns, the snapshot
 owns host copies of every tensor and the training loop may mutate its tensors freely.
@@ -13,9 +13,9 @@ from typing import List, Optional, Tuple
 import torch
 
 from .base import BaseStager, StagingJob
+from .buffer_layout import BufferLayoutMemo
 from .cpu import copy_cpu
 from .cuda import CudaTransfer
-from .layout import LayoutMemo
 from .plan import PlanMemo
 from .pool import HostBufferPool
 from .xla import XlaStaging, stage_batched, xla_host_views
@@ -36,7 +36,7 @@ class EagerStager(BaseStager):
                  xla: Optional[XlaStaging] = None) -> None:
         super().__init__(pool, plans, xla)
         self.cuda = CudaTransfer()
-        self._layouts = LayoutMemo()
+        self._layouts = BufferLayoutMemo()
 
     def _stage_local(self, items: _Items, job: StagingJob, cuda: bool) -> None:
         self.copy_now(items, job, cuda)

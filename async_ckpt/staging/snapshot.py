@@ -22,7 +22,7 @@ class HostSnapshot:
         int_keys: dotted paths of dict entries whose key is an int (see ``StagingPlan``).
         leases: the pooled buffers the copies live in.
         pending: lazy stage only: the copies still in flight
-            (:class:`~async_ckpt.staging.guard.PendingCopies`); None when all are done.
+            (:class:`~async_ckpt.staging.lazy_copies.PendingCopies`); None when all are done.
         sources: zero-copy views of XLA device buffers the copies were read from; dropping
             many of them is slow, so the writer thread drops them (:meth:`drop_sources`), not
             the training thread.
@@ -67,7 +67,7 @@ class HostSnapshot:
 
         Raises:
             TornSnapshotError: a source tensor changed before its copy was taken
-                (:class:`~async_ckpt.staging.guard.TornSnapshotError`).
+                (:class:`~async_ckpt.staging.lazy_copies.TornSnapshotError`).
         """
         if self.pending is not None:
             self.pending.result()

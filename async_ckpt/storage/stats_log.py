@@ -8,7 +8,7 @@ import threading
 from typing import Optional, Union
 
 from ..errors import InvalidArgumentError
-from ..stats import DEFAULT_STATS_LOG, SaveStats, _check_relpath
+from ..stats import DEFAULT_STATS_LOG, SaveStats, check_stats_relpath
 from .backends.posix import open_nofollow
 from .fs import Storage
 
@@ -37,7 +37,7 @@ class StatsLog:
 
     def __init__(self, storage: Storage, relpath: str = DEFAULT_STATS_LOG) -> None:
         self.storage = storage
-        self.relpath = _check_relpath(relpath)
+        self.relpath = check_stats_relpath(relpath)
         self.path = storage.join(self.relpath)
         self._lock = threading.Lock()
         self._buf: Optional[bytearray] = None

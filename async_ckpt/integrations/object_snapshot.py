@@ -1,5 +1,4 @@
-"""What the framework integrations share: host snapshots of arbitrary checkpoint objects, a
-background writer, and atomic ``torch.save`` files.
+"""Host snapshots of arbitrary checkpoint objects, for the framework integrations.
 
 A framework's checkpoint is a nested object (dicts, lists, tuples, ``OrderedDict`` state dicts
 with their ``_metadata``, hyper-parameter containers, NumPy RNG states, ...) with tensors
@@ -16,22 +15,13 @@ what it would have written for the original (storage sharing between tensors kep
 from __future__ import annotations
 
 import io
-import logging
-import os
 import pickle
-import threading
-import uuid
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Dict, List, Optional, Tuple, cast
+from typing import Any, Dict, List, Optional, Tuple, cast
 
 import torch
 
-from ..errors import CheckpointError, CorruptCheckpointError, InvalidArgumentError, InvalidStateDictError
+from ..errors import CheckpointError, InvalidStateDictError
 from ..staging import HostBufferPool, Stager
-
-log = logging.getLogger("async_ckpt.integrations")
-
-TMP_SUFFIX = ".async-ckpt-tmp"
 
 
 class _RefPickler(pickle.Pickler):
@@ -176,191 +166,3 @@ class Snapshotter:
         except InvalidStateDictError as exc:
             raise InvalidStateDictError(f"{what}: tensor #{exc}") from exc
         return HostCopy(buf.getvalue(), snap, groups, snap.nbytes)
-
-
-# ---- files --------------------------------------------------------------------------------------
-
-def fsync_dir(path: str) -> None:
-    """Make a rename or a new entry in directory ``path`` durable (best effort where the OS
-    cannot open directories)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def fsync_tree(root: str) -> None:
-    """fsync every file under ``root``, then each directory (so a rename of ``root`` that
-    follows publishes durable contents)."""
-    for d, _, files in os.walk(root):
-        for name in files:
-            fd = os.open(os.path.join(d, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        fsync_dir(d)
-
-
-def tmp_name(path: str) -> str:
-    """A hidden temporary name next to ``path``: ``.<name>.<random>.async-ckpt-tmp``."""
-    d, base = os.path.split(path)
-    return os.path.join(d, f".{base}.{uuid.uuid4().hex[:12]}{TMP_SUFFIX}")
-
-
-def remove_stale_tmps(path: str) -> None:
-    """Delete temporary files of ``path`` left by an interrupted write."""
-    d, base = os.path.split(path)
-    try:
-        names = os.listdir(d or ".")
-    except OSError:
-        return
-    prefix = f".{base}."
-    for n in names:
-        if n.startswith(prefix) and n.endswith(TMP_SUFFIX):
-            try:
-                os.remove(os.path.join(d, n))
-            except OSError:
-                pass
-
-
-def write_file(path: str, write: Callable[[Any], None], *, fsync: bool = True) -> None:
-    """Write a file through ``write(f)`` to a temporary name, fsync it, then rename it to
-    ``path`` (atomic on POSIX: ``path`` is the old file or the complete new one, never torn)."""
-    d = os.path.dirname(path) or "."
-    os.makedirs(d, exist_ok=True)
-    tmp = tmp_name(path)
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            if fsync:
-                os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.remove(tmp)
-        except OSError:
-            pass
-        raise
-    if fsync:
-        fsync_dir(d)
-
-
-def verify_torch_file(f: Any, name: str) -> None:
-    """Check a ``torch.save`` file: its zip structure is complete and every record matches the
-    CRC-32 stored with it. Raises :class:`CorruptCheckpointError` naming ``name``."""
-    import zipfile
-
-    head = f.read(4)
-    f.seek(0)
-    if head != b"PK\x03\x04":
-        if not head:
-            raise CorruptCheckpointError(f"{name}: the checkpoint file is empty", path=name)
-        return  # a legacy (non-zip) torch.save file: torch.load checks what it can
-    try:
-        with zipfile.ZipFile(f) as zf:
-            bad = zf.testzip()
-    except (zipfile.BadZipFile, EOFError, OSError, ValueError) as exc:
-        raise CorruptCheckpointError(f"{name}: not a complete torch.save archive ({exc})", path=name) from exc
-    finally:
-        f.seek(0)
-    if bad is not None:
-        raise CorruptCheckpointError(f"{name}: record {bad!r} fails its CRC-32 check", path=name)
-
-
-# ---- the background writer ------------------------------------------------------------------------
-
-class BackgroundWriter:
-    """Runs write jobs one at a time, in order, on one thread; tracks them by key (a path).
-
-    A job's error is kept and raised, as :class:`CheckpointError` with the original chained,
-    by the next :meth:`check` (which callers make at each entry point), :meth:`wait` or
-    :meth:`wait_all`. ``max_pending`` bounds the jobs queued or running: :meth:`submit` waits
-    for the oldest when the bound is reached (back-pressure on the host memory they hold).
-    """
-
-    def __init__(self, name: str, max_pending: int = 2) -> None:
-        if max_pending < 1:
-            raise InvalidArgumentError(f"max_pending must be >= 1, got {max_pending}")
-        self.name = name
-        self.max_pending = max_pending
-        self._executor: Optional[ThreadPoolExecutor] = None
-        self._jobs: List[Tuple[str, Future]] = []
-        self._errors: List[Tuple[str, BaseException]] = []
-        self._lock = threading.Lock()
-
-    def submit(self, key: str, fn: Callable[[], None], on_drop: Optional[Callable[[], None]] = None) -> None:
-        """Queue ``fn`` under ``key``. ``on_drop`` runs if the job could not be queued."""
-        try:
-            self.check()
-            while True:
-                with self._lock:
-                    self._reap()
-                    if len(self._jobs) < self.max_pending:
-                        break
-                    oldest = self._jobs[0][1]
-                oldest.exception()  # wait; its error is collected by the next check
-                self.check()
-            with self._lock:
-                if self._executor is None:
-                    self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=self.name)
-                self._jobs.append((key, self._executor.submit(fn)))
-        except BaseException:
-            if on_drop is not None:
-                on_drop()
-            raise
-
-    def _reap(self) -> None:
-        keep = []
-        for key, fut in self._jobs:
-            if fut.done():
-                exc = fut.exception()
-                if exc is not None:
-                    self._errors.append((key, exc))
-            else:
-                keep.append((key, fut))
-        self._jobs = keep
-
-    def pending(self, key: Optional[str] = None) -> List[str]:
-        """Keys of the jobs queued or running (of ``key`` only, when given)."""
-        with self._lock:
-            self._reap()
-            return [k for k, _ in self._jobs if key is None or k == key]
-
-    def check(self) -> None:
-        """Raise the first error of a finished job (and forget it)."""
-        with self._lock:
-            self._reap()
-            if not self._errors:
-                return
-            key, exc = self._errors.pop(0)
-        raise CheckpointError(f"background checkpoint write of {key} failed: {type(exc).__name__}: {exc}") from exc
-
-    def wait(self, key: str) -> None:
-        """Wait for every job of ``key``; raise its error, if any."""
-        with self._lock:
-            futs = [f for k, f in self._jobs if k == key]
-        for f in futs:
-            f.exception()
-        self.check()
-
-    def wait_all(self, shutdown: bool = False) -> None:
-        """Wait for every job; raise the first error. ``shutdown`` also ends the thread (a
-        later :meth:`submit` starts a new one)."""
-        with self._lock:
-            futs = [f for _, f in self._jobs]
-            ex = self._executor
-            if shutdown:
-                self._executor = None
-        for f in futs:
-            f.exception()
-        if shutdown and ex is not None:
-            ex.shutdown(wait=True)
-        self.check()
