@@ -18,8 +18,13 @@ TMP_SUFFIX = ".async-ckpt-tmp"
 
 
 def fsync_dir(path: str) -> None:
-    """Make a rename or a new entry in directory ``path`` durable (best effort where the OS
-    cannot open directories)."""
+    """Make a rename or a new entry in directory ``path`` durable.
+
+    Best effort where the OS cannot open or fsync directories (errors are ignored).
+
+    Args:
+        path: the directory.
+    """
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
@@ -33,8 +38,13 @@ def fsync_dir(path: str) -> None:
 
 
 def fsync_tree(root: str) -> None:
-    """fsync every file under ``root``, then each directory (so a rename of ``root`` that
-    follows publishes durable contents)."""
+    """fsync every file under ``root``, then each directory.
+
+    So a rename of ``root`` that follows publishes durable contents.
+
+    Args:
+        root: the directory tree.
+    """
     for d, _, files in os.walk(root):
         for name in files:
             fd = os.open(os.path.join(d, name), os.O_RDONLY)
@@ -46,13 +56,24 @@ def fsync_tree(root: str) -> None:
 
 
 def tmp_name(path: str) -> str:
-    """A hidden temporary name next to ``path``: ``.<name>.<random>.async-ckpt-tmp``."""
+    """A hidden temporary name next to ``path``: ``.<name>.<random>.async-ckpt-tmp``.
+
+    Args:
+        path: the file the temporary stands in for.
+
+    Returns:
+        The temporary's path.
+    """
     d, base = os.path.split(path)
     return os.path.join(d, f".{base}.{uuid.uuid4().hex[:12]}{TMP_SUFFIX}")
 
 
 def remove_stale_tmps(path: str) -> None:
-    """Delete temporary files of ``path`` left by an interrupted write."""
+    """Delete temporary files of ``path`` left by an interrupted write (errors are ignored).
+
+    Args:
+        path: the file whose temporaries (:func:`tmp_name`) are removed.
+    """
     d, base = os.path.split(path)
     try:
         names = os.listdir(d or ".")
@@ -68,8 +89,19 @@ def remove_stale_tmps(path: str) -> None:
 
 
 def write_file(path: str, write: Callable[[Any], None], *, fsync: bool = True) -> None:
-    """Write a file through ``write(f)`` to a temporary name, fsync it, then rename it to
-    ``path`` (atomic on POSIX: ``path`` is the old file or the complete new one, never torn)."""
+    """Write a file atomically: to a temporary name, fsynced, then renamed to ``path``.
+
+    On POSIX ``path`` is the old file or the complete new one, never torn; the temporary is
+    removed if the write fails.
+
+    Args:
+        path: the file (its directory is created if missing).
+        write: writes the content into the binary file object it is given.
+        fsync: fsync the file and then its directory.
+
+    Raises:
+        OSError: the file cannot be written or renamed (what ``write`` raises passes through).
+    """
     d = os.path.dirname(path) or "."
     os.makedirs(d, exist_ok=True)
     tmp = tmp_name(path)
@@ -91,8 +123,18 @@ def write_file(path: str, write: Callable[[Any], None], *, fsync: bool = True) -
 
 
 def verify_torch_file(f: Any, name: str) -> None:
-    """Check a ``torch.save`` file: its zip structure is complete and every record matches the
-    CRC-32 stored with it. Raises :class:`CorruptCheckpointError` naming ``name``."""
+    """Check a ``torch.save`` file: a complete zip whose records all match their stored CRC-32.
+
+    A legacy (non-zip) file passes unchecked. ``f`` is left at its start.
+
+    Args:
+        f: the file, opened for binary reading and seekable.
+        name: names the file in the error.
+
+    Raises:
+        CorruptCheckpointError: the file is empty, its zip structure is incomplete or a record
+            fails its CRC-32 check.
+    """
     import zipfile
 
     head = f.read(4)

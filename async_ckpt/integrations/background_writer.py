@@ -16,6 +16,13 @@ class BackgroundWriter:
     by the next :meth:`check` (which callers make at each entry point), :meth:`wait` or
     :meth:`wait_all`. ``max_pending`` bounds the jobs queued or running: :meth:`submit` waits
     for the oldest when the bound is reached (back-pressure on the host memory they hold).
+
+    Args:
+        name: the prefix of the writer thread's name.
+        max_pending: jobs queued or running at most.
+
+    Raises:
+        InvalidArgumentError: ``max_pending`` is below 1.
     """
 
     def __init__(self, name: str, max_pending: int = 2) -> None:
@@ -29,7 +36,16 @@ class BackgroundWriter:
         self._lock = threading.Lock()
 
     def submit(self, key: str, fn: Callable[[], None], on_drop: Optional[Callable[[], None]] = None) -> None:
-        """Queue ``fn`` under ``key``. ``on_drop`` runs if the job could not be queued."""
+        """Queue ``fn`` under ``key``, first waiting for the oldest job while ``max_pending`` are out.
+
+        Args:
+            key: what the job writes (a path), for :meth:`wait` and :meth:`pending`.
+            fn: the job.
+            on_drop: runs if the job could not be queued (an earlier job's error was raised).
+
+        Raises:
+            CheckpointError: an earlier job failed (the job is not queued).
+        """
         try:
             self.check()
             while True:
@@ -61,13 +77,24 @@ class BackgroundWriter:
         self._jobs = keep
 
     def pending(self, key: Optional[str] = None) -> List[str]:
-        """Keys of the jobs queued or running (of ``key`` only, when given)."""
+        """Keys of the jobs queued or running.
+
+        Args:
+            key: only the jobs of this key (None: all).
+
+        Returns:
+            Their keys, oldest first.
+        """
         with self._lock:
             self._reap()
             return [k for k, _ in self._jobs if key is None or k == key]
 
     def check(self) -> None:
-        """Raise the first error of a finished job (and forget it)."""
+        """Raise the first error of a finished job (and forget it).
+
+        Raises:
+            CheckpointError: a job failed (the original error chained).
+        """
         with self._lock:
             self._reap()
             if not self._errors:
@@ -76,7 +103,14 @@ class BackgroundWriter:
         raise CheckpointError(f"background checkpoint write of {key} failed: {type(exc).__name__}: {exc}") from exc
 
     def wait(self, key: str) -> None:
-        """Wait for every job of ``key``; raise its error, if any."""
+        """Wait for every job of ``key``.
+
+        Args:
+            key: what the jobs write.
+
+        Raises:
+            CheckpointError: a finished job failed (this key's or an earlier one).
+        """
         with self._lock:
             futs = [f for k, f in self._jobs if k == key]
         for f in futs:
@@ -84,8 +118,14 @@ class BackgroundWriter:
         self.check()
 
     def wait_all(self, shutdown: bool = False) -> None:
-        """Wait for every job; raise the first error. ``shutdown`` also ends the thread (a
-        later :meth:`submit` starts a new one)."""
+        """Wait for every job.
+
+        Args:
+            shutdown: also end the thread (a later :meth:`submit` starts a new one).
+
+        Raises:
+            CheckpointError: a job failed (the first error).
+        """
         with self._lock:
             futs = [f for _, f in self._jobs]
             ex = self._executor

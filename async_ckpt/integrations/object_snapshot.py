@@ -54,8 +54,18 @@ class _RefUnpickler(pickle.Unpickler):
 
 
 class HostCopy:
-    """One checkpoint object at the moment of the call: its pickled skeleton and the host
-    copies of its tensors (pooled buffers, given back by :meth:`release`)."""
+    """One checkpoint object at the moment of the call: its skeleton and its tensors' host copies.
+
+    The host copies live in pooled buffers, given back by :meth:`release`. Made by
+    :meth:`Snapshotter.take`.
+
+    Args:
+        skeleton: the object pickled with every tensor replaced by a reference.
+        snapshot: the staged host copies of the tensors (a ``HostSnapshot``).
+        groups: per tensor, the id of the original storage it viewed (tensors of one storage
+            share one storage again in :meth:`materialize`).
+        nbytes: tensor bytes copied.
+    """
 
     def __init__(self, skeleton: bytes, snapshot: Any, groups: List[int], nbytes: int) -> None:
         self._skeleton = skeleton
@@ -69,8 +79,16 @@ class HostCopy:
         return len(self._groups)
 
     def materialize(self) -> Any:
-        """The checkpoint object, its tensors replaced by compact host tensors. Valid until
-        :meth:`release`."""
+        """The checkpoint object, its tensors replaced by compact host tensors.
+
+        Valid until :meth:`release`.
+
+        Returns:
+            A new object of the same structure and types as the one copied.
+
+        Raises:
+            CheckpointError: the host copy was released already.
+        """
         if self._snapshot is None:
             raise CheckpointError("the host copy was already released")
         sd = self._snapshot.state_dict
@@ -134,18 +152,35 @@ def _compact(host: List[torch.Tensor], groups: List[int]) -> List[torch.Tensor]:
 
 
 class Snapshotter:
-    """Takes :class:`HostCopy` objects of checkpoint objects through one pooled :class:`Stager`."""
+    """Takes :class:`HostCopy` objects of checkpoint objects through one pooled :class:`Stager`.
+
+    Args:
+        memory_budget_bytes: bound on the host staging pool (None: the pool keeps what recent
+            saves used).
+    """
 
     def __init__(self, memory_budget_bytes: Optional[int] = None) -> None:
         self.stager = Stager(HostBufferPool(memory_budget_bytes))
 
     @property
     def pool(self) -> HostBufferPool:
+        """The host buffer pool of the stager."""
         return self.stager.pool
 
     def take(self, obj: Any, what: str = "checkpoint") -> HostCopy:
-        """Host copy of ``obj``. Raises :class:`InvalidStateDictError` (naming ``what``) for an
-        object that cannot be pickled or a tensor that cannot be staged."""
+        """Host copy of ``obj``, taken now: its non-tensor parts pickled, its tensors staged.
+
+        Args:
+            obj: the checkpoint object (any picklable nesting with tensors anywhere).
+            what: names the object in error messages.
+
+        Returns:
+            The host copy.
+
+        Raises:
+            InvalidStateDictError: ``obj`` cannot be pickled, or a tensor cannot be staged.
+            StagingBudgetError: the tensors need more host memory than the pool's budget.
+        """
         tensors: List[torch.Tensor] = []
         buf = io.BytesIO()
         try:
