@@ -190,6 +190,15 @@ class StorageTimeoutError(StorageError):
     The storage stopped answering (a network black hole, a hung mount)."""
 
 
+class TornSnapshotError(CheckpointError):
+    """A tensor of a lazy snapshot was modified before its host copy completed.
+
+    Raised by the background save (and re-raised at the next ``save_async``/``join``), never
+    silently written. Call ``CheckpointManager.wait_for_staging()`` before mutating tensors by
+    hand while a lazy save is staging, or save with ``lazy=False``.
+    """
+
+
 class StagingBudgetError(CheckpointError, MemoryError):
     """A state dict needs more host staging memory than the configured budget allows."""
 

@@ -31,12 +31,12 @@ from .base import BaseStager, StagingJob
 from .buffer_layout import SMALL_TENSOR_BYTES, lay_out, unique
 from .cpu import copy_cpu
 from .eager import EagerStager
-from .lazy_copies import NeedOrder, PendingCopies, TornSnapshotError, build_chunks, start
+from .lazy_copies import NeedOrder, PendingCopies, build_chunks, start
 from .plan import StagingPlan
 from .snapshot import HostSnapshot
 from .xla import XlaStaging, stage_batched, xla_host_views
 
-__all__ = ["CHUNK_BYTES", "LazyStager", "PendingCopies", "TornSnapshotError"]
+__all__ = ["CHUNK_BYTES", "LazyStager", "PendingCopies"]
 
 CHUNK_BYTES = 8 * 2**20  # copies are grouped into batches of about this size (one wait unit)
 

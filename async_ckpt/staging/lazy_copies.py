@@ -47,18 +47,9 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set,
 import torch
 
 from ..compat import foreach_copy_
-from ..errors import CheckpointError
+from ..errors import CheckpointError, TornSnapshotError
 
 StorageKey = Tuple[bool, int]  # (is_cuda, storage data_ptr)
-
-
-class TornSnapshotError(CheckpointError):
-    """A tensor of a lazy snapshot was modified before its host copy completed.
-
-    Raised by the background save (and re-raised at the next ``save_async``/``join``), never
-    silently written. Call ``CheckpointManager.wait_for_staging()`` before mutating tensors by
-    hand while a lazy save is staging, or save with ``lazy=False``.
-    """
 
 
 def storage_key(t: torch.Tensor) -> Optional[StorageKey]:

@@ -67,7 +67,7 @@ class HostSnapshot:
 
         Raises:
             TornSnapshotError: a source tensor changed before its copy was taken
-                (:class:`~async_ckpt.staging.lazy_copies.TornSnapshotError`).
+                (:class:`~async_ckpt.errors.TornSnapshotError`).
         """
         if self.pending is not None:
             self.pending.result()
