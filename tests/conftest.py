@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import os
+import uuid
+from typing import Any, Dict, List, Optional
 
+import fsspec
 import pytest
 import torch
 
+from . import faulty_fs  # noqa: F401  (registers faulty:// for every test)
 from .tree import assert_bitwise_equal, clone_tree  # noqa: F401  (re-exported for the tests)
 
 os.environ.setdefault("PJRT_DEVICE", "CPU")
@@ -38,6 +42,122 @@ def xla_device():
 @pytest.fixture
 def ckpt_dir(tmp_path):
     return str(tmp_path / "ckpt")
+
+
+# ---- checkpoint roots ----------------------------------------------------------------------
+
+def _memory_url() -> str:
+    return f"memory://ckpt-{uuid.uuid4().hex}"
+
+
+def _drop_memory(url: str) -> None:
+    fs, path = fsspec.core.url_to_fs(url)
+    if fs.exists(path):
+        fs.rm(path, recursive=True)
+
+
+@pytest.fixture
+def memory_root():
+    """A fresh checkpoint root on fsspec's ``memory://`` (ranged reads, marker commits, no
+    locks); removed after the test."""
+    url = _memory_url()
+    yield url
+    _drop_memory(url)
+
+
+@pytest.fixture(params=["file", "memory"])
+def root(request, tmp_path):
+    """A checkpoint root, once a local directory (``file``) and once ``memory://`` (``memory``)."""
+    if request.param == "file":
+        yield str(tmp_path / "ckpt")
+        return
+    url = _memory_url()
+    yield url
+    _drop_memory(url)
+
+
+# ---- state dicts -----------------------------------------------------------------------------
+
+def small_state(step: int) -> Dict[str, Any]:
+    """A small state dict that differs for every ``step`` >= 0: two tensors of two dtypes and
+    nested non-tensor values (an int, a float, a tuple)."""
+    g = torch.Generator().manual_seed(step)
+    return {"w": torch.randn(64, 8, generator=g), "b": torch.arange(step, step + 5),
+            "meta": {"step": step, "lr": 0.1 * step, "betas": (0.9, 0.99)}}
+
+
+def medium_state(step: int) -> Dict[str, Any]:
+    """A nested model + optimizer state dict that differs for every ``step`` >= 0: float32,
+    float64, bfloat16, int64 (beyond 32 bits) and bool tensors, and non-tensor values (floats,
+    a list, an int, a string)."""
+    g = torch.Generator().manual_seed(step)
+    return {
+        "model": {"w": torch.randn(64, 48, generator=g), "b": torch.arange(48, dtype=torch.float64) * step,
+                  "e": torch.randn(33, generator=g).to(torch.bfloat16)},
+        "optim": {"m": torch.randint(-(2**40), 2**40, (17, 5), generator=g), "mask": torch.rand(9, generator=g) > 0.5,
+                  "lr": 0.01 * step, "betas": [0.9, 0.999]},
+        "step": step,
+        "tag": f"step-{step}",
+    }
+
+
+def blank_like(tree: Any) -> Any:
+    """A restore target of the same structure, shapes and dtypes as ``tree``: tensors zeroed,
+    numbers -1, strings empty (so a restore that leaves a value alone is seen)."""
+    if isinstance(tree, torch.Tensor):
+        return torch.zeros_like(tree)
+    if isinstance(tree, dict):
+        return {k: blank_like(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(blank_like(v) for v in tree)
+    if isinstance(tree, bool):
+        return not tree
+    if isinstance(tree, (int, float)):
+        return type(tree)(-1)
+    if isinstance(tree, str):
+        return ""
+    return tree
+
+
+# ---- damage to committed steps ---------------------------------------------------------------
+
+def data_files(step_dir: str) -> List[str]:
+    """The paths of a step's data files (``*.distcp``), sorted; ``step_dir`` a path or URL."""
+    fs, path = fsspec.core.url_to_fs(step_dir)
+    names = sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(path, detail=False))
+    return [f"{step_dir.rstrip('/')}/{n}" for n in names if n.endswith(".distcp")]
+
+
+def flip_byte(path: str, at: Optional[int] = None, mask: int = 0x01) -> None:
+    """XOR one byte of a file with ``mask``, in place; ``at`` an offset (negative: from the
+    end), the middle byte when None. ``path`` a local path or an fsspec URL."""
+    if "://" not in path:
+        with open(path, "r+b") as f:
+            size = f.seek(0, os.SEEK_END)
+            i = size // 2 if at is None else at % size
+            f.seek(i)
+            b = f.read(1)
+            f.seek(i)
+            f.write(bytes([b[0] ^ mask]))
+        return
+    fs, p = fsspec.core.url_to_fs(path)
+    data = bytearray(fs.cat_file(p))
+    data[len(data) // 2 if at is None else at] ^= mask
+    fs.pipe_file(p, bytes(data))
+
+
+def flip_data_byte(step_dir: str, at: Optional[int] = None, mask: int = 0x01) -> str:
+    """Flip a byte (see :func:`flip_byte`) of a step's first data file; returns its path."""
+    path = data_files(step_dir)[0]
+    flip_byte(path, at, mask)
+    return path
+
+
+def flip_metadata_byte(step_dir: str, at: Optional[int] = None, mask: int = 0x01) -> str:
+    """Flip a byte (see :func:`flip_byte`) of a step's ``.metadata``; returns its path."""
+    path = f"{step_dir.rstrip('/')}/.metadata"
+    flip_byte(path, at, mask)
+    return path
 
 
 def make_state(seed: int = 0, scale: int = 1):
