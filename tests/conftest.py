@@ -101,21 +101,22 @@ def medium_state(step: int) -> Dict[str, Any]:
     }
 
 
-def blank_like(tree: Any) -> Any:
-    """A restore target of the same structure, shapes and dtypes as ``tree``: tensors zeroed,
-    numbers -1, strings empty (so a restore that leaves a value alone is seen)."""
+def target_like(tree: Any) -> Any:
+    """A restore target of the same structure, shapes and dtypes as ``tree``, holding other
+    values: tensors filled with 7 (bool tensors with True), numbers -1, strings ``"none"``, so a
+    restore that leaves a value alone, or zeroes it, is seen."""
     if isinstance(tree, torch.Tensor):
-        return torch.zeros_like(tree)
+        return torch.full_like(tree, True if tree.dtype == torch.bool else 7)
     if isinstance(tree, dict):
-        return {k: blank_like(v) for k, v in tree.items()}
+        return {k: target_like(v) for k, v in tree.items()}
     if isinstance(tree, (list, tuple)):
-        return type(tree)(blank_like(v) for v in tree)
+        return type(tree)(target_like(v) for v in tree)
     if isinstance(tree, bool):
         return not tree
     if isinstance(tree, (int, float)):
         return type(tree)(-1)
     if isinstance(tree, str):
-        return ""
+        return "none"
     return tree
 
 

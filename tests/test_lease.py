@@ -22,7 +22,7 @@ from async_ckpt import CheckpointManager, LeaseHeldError
 from async_ckpt.storage import Storage
 from async_ckpt.storage.lease import LEASE_NAME, ObjectStoreLease
 
-from .conftest import assert_bitwise_equal, blank_like, small_state
+from .conftest import assert_bitwise_equal, target_like, small_state
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -35,7 +35,7 @@ def test_a_second_writer_is_refused_naming_the_holder(root):
     assert committed.wait(30)
     b = CheckpointManager(root)  # constructing, listing and restoring need no lease
     assert b.all_steps() == [1]
-    b.restore(1, blank_like(small_state(0)))
+    b.restore(1, target_like(small_state(0)))
     with pytest.raises(LeaseHeldError, match=f"pid {os.getpid()}") as ei:
         b.save(2, small_state(2))
     assert ei.value.holder and str(os.getpid()) in ei.value.holder
@@ -70,7 +70,7 @@ def test_a_reader_never_touches_a_live_writers_files(root, tmp_path):
     before = sorted(e["name"] for e in st.listdir(st.root))
     for _ in range(3):
         r = CheckpointManager(root)
-        r.restore(None, blank_like(small_state(0)))
+        r.restore(None, target_like(small_state(0)))
         r.close()
     assert sorted(e["name"] for e in st.listdir(st.root)) == before
     writer.close()
@@ -179,7 +179,7 @@ def test_readers_opening_a_live_root_never_fail_its_writer(tmp_path, mode):
     check = CheckpointManager(root)
     assert check.all_steps() == [198, 199]
     for s in check.all_steps():
-        t = blank_like(small_state(0))
+        t = target_like(small_state(0))
         check.restore(s, t)
         assert_bitwise_equal(t, small_state(s))
     check.close()
@@ -281,7 +281,7 @@ def test_a_writer_whose_lease_lapsed_neither_commits_nor_deletes(memory_root):
     assert Storage(memory_root).exists(st.join("2"))
     r = CheckpointManager(memory_root)
     assert r.all_steps() == [2]
-    t = blank_like(small_state(0))
+    t = target_like(small_state(0))
     r.restore(2, t)
     assert_bitwise_equal(t, small_state(2))
     b.close()
@@ -314,7 +314,7 @@ def test_a_queued_save_whose_lease_lapsed_before_its_commit_is_not_committed(mem
         a.join()
     assert ei.value.step == 2
     assert b.all_steps() == [5]
-    t = blank_like(small_state(0))
+    t = target_like(small_state(0))
     b.restore(5, t)
     assert_bitwise_equal(t, small_state(5))
     b.close()
