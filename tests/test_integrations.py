@@ -29,6 +29,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 
 from async_ckpt.integrations.lightning import AsyncCkptIO  # noqa: E402
 
+from .conftest import flip_byte  # noqa: E402
 from .integration_worker import lit_model_class  # noqa: E402
 
 LitModel = lit_model_class()
@@ -190,10 +191,7 @@ def test_lightning_damaged_file_and_background_errors(tmp_path):
     io = AsyncCkptIO(sync_explicit=False)
     io.save_checkpoint({"w": torch.randn(64)}, tmp_path / "x.ckpt")
     io.wait()
-    raw = bytearray((tmp_path / "x.ckpt").read_bytes())
-    i = raw.find(b"data/0") + 200
-    raw[i] ^= 0xFF
-    (tmp_path / "x.ckpt").write_bytes(bytes(raw))
+    flip_byte(str(tmp_path / "x.ckpt"), at=(tmp_path / "x.ckpt").read_bytes().find(b"data/0") + 200, mask=0xFF)
     with pytest.raises(CorruptCheckpointError, match="x.ckpt"):
         io.load_checkpoint(tmp_path / "x.ckpt")
     with pytest.raises(FileNotFoundError):
