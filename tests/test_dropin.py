@@ -218,9 +218,8 @@ def test_restoring_first_silences_the_lower_step_warning(root, caplog):
 
 
 def test_commit_order_survives_a_clock_that_goes_back(root):
-    mgr = CheckpointManager(root, max_to_keep=2)
     now = [1000.0]
-    mgr._clock = lambda: now[0]
+    mgr = CheckpointManager(root, max_to_keep=2, wall_clock=lambda: now[0])
     mgr.save(1, small_state(1))
     now[0] = 500.0  # the wall clock stepped back
     mgr.save(2, small_state(2))
