@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import os
 import uuid
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict
 
 import fsspec
 import pytest
 import torch
 
 from . import faulty_fs  # noqa: F401  (registers faulty:// for every test)
+from .damage import data_files, flip_byte, flip_data_byte, flip_metadata_byte  # noqa: F401  (re-exported)
 from .tree import assert_bitwise_equal, clone_tree  # noqa: F401  (re-exported for the tests)
 
 os.environ.setdefault("PJRT_DEVICE", "CPU")
@@ -118,47 +119,6 @@ def target_like(tree: Any) -> Any:
     if isinstance(tree, str):
         return "none"
     return tree
-
-
-# ---- damage to committed steps ---------------------------------------------------------------
-
-def data_files(step_dir: str) -> List[str]:
-    """The paths of a step's data files (``*.distcp``), sorted; ``step_dir`` a path or URL."""
-    fs, path = fsspec.core.url_to_fs(step_dir)
-    names = sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(path, detail=False))
-    return [f"{step_dir.rstrip('/')}/{n}" for n in names if n.endswith(".distcp")]
-
-
-def flip_byte(path: str, at: Optional[int] = None, mask: int = 0x01) -> None:
-    """XOR one byte of a file with ``mask``, in place; ``at`` an offset (negative: from the
-    end), the middle byte when None. ``path`` a local path or an fsspec URL."""
-    if "://" not in path:
-        with open(path, "r+b") as f:
-            size = f.seek(0, os.SEEK_END)
-            i = size // 2 if at is None else at % size
-            f.seek(i)
-            b = f.read(1)
-            f.seek(i)
-            f.write(bytes([b[0] ^ mask]))
-        return
-    fs, p = fsspec.core.url_to_fs(path)
-    data = bytearray(fs.cat_file(p))
-    data[len(data) // 2 if at is None else at] ^= mask
-    fs.pipe_file(p, bytes(data))
-
-
-def flip_data_byte(step_dir: str, at: Optional[int] = None, mask: int = 0x01) -> str:
-    """Flip a byte (see :func:`flip_byte`) of a step's first data file; returns its path."""
-    path = data_files(step_dir)[0]
-    flip_byte(path, at, mask)
-    return path
-
-
-def flip_metadata_byte(step_dir: str, at: Optional[int] = None, mask: int = 0x01) -> str:
-    """Flip a byte (see :func:`flip_byte`) of a step's ``.metadata``; returns its path."""
-    path = f"{step_dir.rstrip('/')}/.metadata"
-    flip_byte(path, at, mask)
-    return path
 
 
 def make_state(seed: int = 0, scale: int = 1):
