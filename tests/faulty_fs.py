@@ -17,8 +17,8 @@ Faults are rules added with :meth:`FaultyFileSystem.inject`::
 ``kind`` is ``reset`` (ConnectionResetError), ``timeout`` (TimeoutError), ``eio``
 (OSError EIO), ``http503`` (an error with ``.status = 503``, transient), ``enospc``,
 ``eacces``, ``http403`` (permanent), ``truncate`` (writes only: the data is cut short and
-success is reported), or ``hang`` (the operation waits until the test sets ``fault.release``,
-then goes through: a request stuck in the network; ``fault.reached`` is set once it waits), or
+success is reported), ``hang`` (the operation waits until the test sets ``fault.release``,
+then goes through: a request stuck in the network; ``fault.reached`` is set once it waits) or
 ``die`` (the process exits at once with status ``DIE_STATUS``: a rank killed mid-request).
 ``times=None`` means always. Every injected fault is appended to ``fs.hits`` as
 ``(op, path, kind)``::
