@@ -88,11 +88,12 @@ def root(request, tmp_path):
 # ---- state dicts -----------------------------------------------------------------------------
 
 def small_state(step: int) -> Dict[str, Any]:
-    """A small state dict that differs for every ``step`` >= 0: two tensors of two dtypes and
-    nested non-tensor values (an int, a float, a tuple)."""
+    """A small state dict that differs for every ``step`` >= 0: ``w`` (float32, 64 x 8), ``b``
+    (int64, 5) and nested non-tensor values ``opt.lr`` (a float) and ``opt.betas`` (a tuple).
+    test_hostile_metadata forges metadata entries by these names and shapes."""
     g = torch.Generator().manual_seed(step)
     return {"w": torch.randn(64, 8, generator=g), "b": torch.arange(step, step + 5),
-            "meta": {"step": step, "lr": 0.1 * step, "betas": (0.9, 0.99)}}
+            "opt": {"lr": 0.1 * step, "betas": (0.9, 0.99)}}
 
 
 def medium_state(step: int) -> Dict[str, Any]:
