@@ -366,35 +366,51 @@ class ObjectStoreLease(_ProcessLocal):
 
     def _heartbeat(self, token: str, stop: threading.Event) -> None:
         while not stop.wait(self.ttl_s / 3):
-            if self._lost is not None:
+            if not self._beat(token, stop):
                 return
-            lapsed = self._lapsed()
-            if lapsed is not None:  # never renewed after the fact: a successor may hold it now
+
+    def beat(self) -> bool:
+        """Run one heartbeat of the current holding now, as the heartbeat thread does every
+        third of the TTL: check the lease object is still ours, then renew it.
+
+        Returns:
+            True while the lease is held and renewed (or a transient error left it for the
+            next beat); False once it was lost (taken over, or lapsed by ``clock``): ``check``
+            then raises.
+        """
+        return self._beat(self.token, self._stop)
+
+    def _beat(self, token: str, stop: threading.Event) -> bool:
+        if self._lost is not None:
+            return False
+        lapsed = self._lapsed()
+        if lapsed is not None:  # never renewed after the fact: a successor may hold it now
+            if not stop.is_set():
+                self._lost = lapsed
+            log.error("%s; this manager commits and deletes nothing until its next save "
+                      "takes the lease again", lapsed)
+            return False
+        try:
+            cur = self._read()
+            if cur is not None and cur.get("token") != token:
                 if not stop.is_set():
-                    self._lost = lapsed
-                log.error("%s; this manager commits and deletes nothing until its next save "
-                          "takes the lease again", lapsed)
-                return
-            try:
-                cur = self._read()
-                if cur is not None and cur.get("token") != token:
-                    if not stop.is_set():
-                        self._lost = f"the writer lease was taken over by {_describe(cur)}"
-                    log.error("%s; this manager's next commit fails", self._lost)
-                    return
-                issued = self._write(token)
-                late = self._lapsed()
-                if late is not None:  # it landed once a successor could hold the lease (and overwrote
-                    # its lease object, maybe): it proves nothing, this holder stops here
-                    if not stop.is_set():
-                        self._lost = f"{late}; its renewal landed too late to count"
-                    log.error("async_ckpt: %s; its renewal landed too late to count: this manager commits and "
-                              "deletes nothing until its next save takes the lease again", late)
-                    return
+                    self._lost = f"the writer lease was taken over by {_describe(cur)}"
+                log.error("%s; this manager's next commit fails", self._lost)
+                return False
+            issued = self._write(token)
+            late = self._lapsed()
+            if late is not None:  # it landed once a successor could hold the lease (and overwrote
+                # its lease object, maybe): it proves nothing, this holder stops here
                 if not stop.is_set():
-                    self._renewed = max(self._renewed, issued)
-            except Exception as exc:  # a transient error: the next beat tries again
-                log.warning("could not renew the writer lease: %s", exc)
+                    self._lost = f"{late}; its renewal landed too late to count"
+                log.error("async_ckpt: %s; its renewal landed too late to count: this manager commits and "
+                          "deletes nothing until its next save takes the lease again", late)
+                return False
+            if not stop.is_set():
+                self._renewed = max(self._renewed, issued)
+        except Exception as exc:  # a transient error: the next beat tries again
+            log.warning("could not renew the writer lease: %s", exc)
+        return True
 
     def check(self) -> None:
         """Prove this holder still holds the lease, right before a commit or a delete.
