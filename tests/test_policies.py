@@ -28,7 +28,7 @@ from async_ckpt import (
     OnPreemption,
     SaveContext,
 )
-from async_ckpt.policies import apply_retention, as_retention_policy, decide_save
+from async_ckpt.policies import apply_retention, as_retention_policy, as_save_policy, decide_save
 
 from .conftest import assert_bitwise_equal, small_state, target_like
 
@@ -486,3 +486,33 @@ def test_save_policies_are_asked_with_the_context_or_adapted_once(ckpt_dir):
         assert all(isinstance(c, SaveContext) for c in seen) and seen[-1].last_save_step == 5
         mgr.save_policy = lambda s: s == 6  # assignable, adapted on assignment
         assert mgr.should_save(6) and not mgr.should_save(5)
+
+
+def test_the_save_schedule_is_pure_and_the_local_tier_follows_the_persistent_decision():
+    """manager.schedule decides from its arguments only: the same inputs, the same answer; a
+    local tier without its own policy is due exactly when the persistent root is."""
+    from async_ckpt.manager.schedule import RootState, due_at
+
+    every3 = RootState(as_save_policy(lambda s: s % 3 == 0))
+    follows = RootState(None)
+    own = RootState(as_save_policy(lambda s: True))
+    for step in range(7):
+        due = due_at(step, force=False, preempt=False, now=10.0, start_time=0.0, persistent=every3, local=follows)
+        again = due_at(step, force=False, preempt=False, now=10.0, start_time=0.0, persistent=every3, local=follows)
+        assert due == again and due.persistent == due.local == (step % 3 == 0)
+        assert due_at(step, force=False, preempt=False, now=10.0, start_time=0.0, persistent=every3,
+                      local=own).local
+    forced = due_at(1, force=True, preempt=False, now=0.0, start_time=0.0, persistent=every3, local=None)
+    assert forced.persistent and not forced.local and forced.any
+
+
+def test_manager_options_resolve_each_option_once():
+    from async_ckpt.options import ManagerOptions
+
+    opts = ManagerOptions("/x", 5, 2, num_of_threads=3, local_dir="/y", local_policy=4, local_retention=3,
+                          collective_timeout_s=10)
+    assert opts.write_threads == 3 and isinstance(opts.retention, KeepLatest)
+    assert opts.save_policy.should_save(10) and not opts.save_policy.should_save(11)
+    assert opts.local_policy.should_save(8) and opts.local_retention.keep
+    with pytest.raises(ValueError, match="local_retention"):
+        ManagerOptions("/x", local_dir="/y", local_retention=0, collective_timeout_s=10)

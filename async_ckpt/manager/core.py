@@ -1,4 +1,8 @@
-"""``CheckpointManager``: the façade. It validates arguments and wires the parts.
+"""``CheckpointManager``: the façade, by composition. Its arguments become a validated
+:class:`~async_ckpt.options.ManagerOptions`; it holds a list of roots
+(:class:`~async_ckpt.lifecycle.root.Root`: the local tier, when there is one, then the
+persistent root), asks the pure save schedule (:mod:`.schedule`) where a step is due, and
+hands each due root's writer the one host snapshot.
 
 Data flows one way: state dict -> staging (host snapshot; the only blocking part) -> writer
 thread (``lifecycle.save_job``: files, manifest, commit, retention) -> storage. Restores go
