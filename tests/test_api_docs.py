@@ -48,7 +48,7 @@ INTEGRATIONS = [
     ("async_ckpt.integrations.background_writer", "torch"),
 ]
 #: names documented by the engineers who rewrite them (removed from this list after the merge)
-EXCLUDED = {"CheckpointManager"}
+EXCLUDED: set = set()
 
 _SECTION = re.compile(r"^(\s*)(Args|Arguments|Attributes|Returns|Yields|Raises|Note|Notes|Example|Examples):\s*$")
 _ENTRY = re.compile(r"^\**(\w+)(\s*\([^)]*\))?\s*:")

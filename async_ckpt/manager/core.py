@@ -334,8 +334,9 @@ class CheckpointManager:
 
     @property
     def save_policy(self) -> SavePolicy:
-        """The persistent root's save policy (assignable: a policy object or a callable
-        ``fn(step) -> bool``)."""
+        """The persistent root's save policy.
+
+        Assignable: a policy object or a callable ``fn(step) -> bool``."""
         policy = self._persistent.policy
         assert policy is not None
         return policy
@@ -346,8 +347,9 @@ class CheckpointManager:
 
     @property
     def retention(self) -> RetentionPolicy:
-        """The persistent root's retention policy (assignable: a policy object or a callable
-        ``fn(checkpoints) -> steps to keep``)."""
+        """The persistent root's retention policy.
+
+        Assignable: a policy object or a callable ``fn(checkpoints) -> steps to keep``."""
         return self._persistent.retention
 
     @retention.setter
@@ -546,8 +548,10 @@ class CheckpointManager:
         return self._save(step, state_dict, force, metrics, wait=False, lazy=self.lazy if lazy is None else lazy)
 
     def wait_for_staging(self) -> None:
-        """Wait until the host copies of every lazy save of this manager are done (cheap when
-        none is outstanding). Call it before mutating saved tensors outside ``optimizer.step()``.
+        """Wait until the host copies of every lazy save of this manager are done.
+
+        Cheap when none is outstanding. Call it before mutating saved tensors outside
+        ``optimizer.step()``.
 
         Raises:
             CheckpointError: a host copy failed.
@@ -1089,8 +1093,9 @@ class CheckpointManager:
             raise error
 
     def join(self) -> None:
-        """Wait for every pending save to commit (and retention's decision after it); raise the
-        first background failure (with ``local_dir``: also the failed writes to ``path``).
+        """Wait for every pending save to commit (and retention's decision after it).
+
+        Raises the first background failure (with ``local_dir``: also the failed writes to ``path``).
 
         Raises:
             CheckpointError: a background save failed (each root's failure is raised once).
@@ -1107,8 +1112,7 @@ class CheckpointManager:
             _raise_all(errors)
 
     def close(self) -> None:
-        """Finish pending saves and deletions, stop the background threads, release the writer
-        leases, raise failures.
+        """Finish pending saves and deletions, stop the threads, release the leases, raise failures.
 
         A ``KeyboardInterrupt`` (Ctrl-C) while it waits for a save abandons the saves still
         being written: they fail at their next file and remove what they wrote (nothing is

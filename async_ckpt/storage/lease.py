@@ -370,8 +370,10 @@ class ObjectStoreLease(_ProcessLocal):
                 return
 
     def beat(self) -> bool:
-        """Run one heartbeat of the current holding now, as the heartbeat thread does every
-        third of the TTL: check the lease object is still ours, then renew it.
+        """Run one heartbeat of the current holding now.
+
+        As the heartbeat thread does every third of the TTL: check the lease object is still
+        ours, then renew it.
 
         Returns:
             True while the lease is held and renewed (or a transient error left it for the
