@@ -60,12 +60,13 @@ from ...errors import CheckpointError, CorruptCheckpointError
 from ...gc_pause import gc_paused
 from ..fs import Storage
 from ..manifest import FileRecord, crc32c, shown
+from ..torch_record import data_start, plain_data_start
 from .crc import crc32c_concat
 from .device_targets import DeviceTargets
 from .direct_plan import BUFFER_CHUNK_BYTES, _assign_arrivals, _plan, _Rec, _Task, _tasks, _Unsupported
 from .layout_memo import set_element
-from .reader import _stored_bytes, close_all, open_step_file
-from .record_layout import HEADS, Arrived, Probe, data_start
+from .reader import close_all, open_step_file, stored_bytes
+from .record_layout import Arrived, Probe
 from .safety import unsafe_value_error
 
 #: A tensor record at least this large (local files) has its data read straight into the
@@ -95,16 +96,6 @@ def _decode(fqn: str, blob: bytes, allow_pickle: bool) -> Any:
         raise unsafe_value_error(fqn, exc) from exc
 
 
-def _small_start(item: memoryview, t: torch.Tensor) -> Optional[int]:
-    """Where the data of the small record ``item`` for ``t`` starts in it; None for another
-    layout (the slow path)."""
-    head = HEADS.get(t.dtype, tuple(t.shape))
-    if head is not None and head[1] == len(item) and bytes(item[:len(head[0])]) == head[0]:
-        return len(head[0])
-    get = lambda a, b: bytes(item[a:b])  # (named: mypy types it here, not in the call)
-    return data_start(get, len(item), t.dtype, tuple(t.shape))
-
-
 def _whole(t: torch.Tensor) -> Any:
     return types.SimpleNamespace(storage_offsets=[0] * t.dim(), lengths=list(t.shape))
 
@@ -129,10 +120,10 @@ def _check_slow(rec: _Rec, item: memoryview) -> None:
     and checked (kept in ``rec.loaded``); a small one of another layout goes the slow path."""
     t = rec.target
     assert t is not None
-    if rec.kind == "small" and _small_start(item, t) is not None:
+    if rec.kind == "small" and plain_data_start(item, t.dtype, tuple(t.shape)) is not None:
         return
     rec.kind = "slow"
-    if _stored_bytes(item, _whole(t), t) is None:
+    if stored_bytes(item, _whole(t), t) is None:
         rec.loaded = _load_tensor(rec, item)
 
 
@@ -150,7 +141,7 @@ def _copy_slow(rec: _Rec, item: memoryview) -> None:
     """A record into a target that is not plain contiguous memory, or of another layout."""
     t = rec.target
     assert t is not None
-    raw = None if rec.loaded is not None else _stored_bytes(item, _whole(t), t)
+    raw = None if rec.loaded is not None else stored_bytes(item, _whole(t), t)
     dst, src = raw if raw is not None else (t, rec.loaded if rec.loaded is not None else _load_tensor(rec, item))
     _copy_into(dst, src)
 
@@ -318,7 +309,7 @@ def _load(storage: Storage, path: str, per_file: Dict[str, List[_Rec]], flat: Di
             if rec.kind == "small":
                 assert rec.target is not None and rec.flat is not None
                 item = mv[at:at + rec.length]
-                s = _small_start(item, rec.target)
+                s = plain_data_start(item, rec.target.dtype, tuple(rec.target.shape))
                 if s is None:
                     touched[0] = touched[0] or rec.own
                     _copy_slow(rec, item)

@@ -6,7 +6,7 @@ exchange their outcomes first), so a failed restore leaves it untouched: of a fi
 manifest entry lists its records (:class:`~..manifest.FileRecord`), only the records the plan's
 items lie in, adjacent ones in one request, each checked against its CRC32C; any other file
 whole (a big one as concurrent ranged reads), checked against its size and CRC32C. A tensor item stored as one plain ``torch.save`` storage is
-copied straight from the read buffer into its target (:func:`_stored_bytes`); anything else
+copied straight from the read buffer into its target (:func:`stored_bytes`); anything else
 goes through ``torch.load(weights_only=True)``.
 """
 
@@ -16,11 +16,7 @@ import bisect
 import contextlib
 import io
 import itertools
-import pickle
-import struct
-import sys
 import warnings
-import zipfile
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Protocol, Set, Tuple, cast
 
@@ -37,8 +33,9 @@ from ...addresses import byte_view
 from ...errors import CorruptCheckpointError, StorageError
 from ..fs import READ_RANGE_BYTES, Storage
 from ..manifest import FileRecord, check_file_name, crc32c, shown
+from ..torch_record import plain_data_start
 from .common import METADATA_NAME, _call_dcp, _distributed
-from .safety import _SafeLoadPlanner, _TensorDescUnpickler, load_metadata
+from .safety import _SafeLoadPlanner, load_metadata
 from .validate import check_step_metadata
 
 if TYPE_CHECKING:  # the class compat returns, named for the type checker
@@ -348,7 +345,7 @@ class FsspecStorageReader(StorageReader):
                                  if decode else bytes(data)))
                     continue
                 target = planner.resolve_tensor(req).detach()
-                raw = _stored_bytes(data, req, target)
+                raw = stored_bytes(data, req, target)
                 if raw is not None:  # one copy, straight from the read buffer into the target
                     todo.append((req, target, raw))
                     continue
@@ -392,92 +389,38 @@ class FsspecStorageReader(StorageReader):
         return True
 
 
-class RecordFile(io.RawIOBase):
-    """A record as a seekable read-only file for ``zipfile``, its bytes fetched by
-    ``get(lo, hi)`` (zipfile reads only the directory and headers of it)."""
-
-    def __init__(self, get: Callable[[int, int], bytes], length: int) -> None:
-        super().__init__()
-        self._get, self._len, self._pos = get, length, 0
-
-    @classmethod
-    def of(cls, mv: memoryview) -> "RecordFile":
-        """A record already in memory."""
-        return cls(lambda lo, hi: bytes(mv[lo:hi]), len(mv))
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = 0) -> int:
-        base = 0 if whence == 0 else (self._pos if whence == 1 else self._len)
-        self._pos = max(0, base + offset)
-        return self._pos
-
-    def read(self, n: Optional[int] = -1) -> bytes:
-        end = self._len if n is None or n < 0 else min(self._len, self._pos + n)
-        if end <= self._pos:
-            return b""
-        out = self._get(self._pos, end)
-        self._pos = end
-        return out
-
-
-def _stored_bytes(item: memoryview, req: Any, target: torch.Tensor) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
-    """``(dst, src)``: copying ``src`` into ``dst`` puts the raw data of the ``torch.save``-
-    serialised tensor ``item`` into ``target``, straight from the read buffer; ``None`` unless
-    the item is the plain case (one little-endian, uncompressed storage of exactly ``target``'s
-    size, read whole), where ``torch.load`` is used.
+def stored_bytes(item: memoryview, req: Any, target: torch.Tensor) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+    """The copy that puts a ``torch.save``-serialised tensor's raw data into its target.
 
     The data sits in the file wherever the records before it ended, so its address need not
     be a multiple of the dtype's size, and kernels for wide dtypes (complex128) may fault on
     a misaligned source. ``src`` is therefore the data viewed as ``target``'s dtype only where
-    it is aligned; otherwise it stays bytes (see :func:`_aligned_copy`).
+    it is aligned; otherwise it stays bytes (see :func:`aligned_copy`).
+
+    Args:
+        item: the record's bytes, straight from the read buffer.
+        req: the read item (its ``storage_offsets`` and ``lengths``).
+        target: the tensor the item goes into.
+
+    Returns:
+        ``(dst, src)``: copying ``src`` into ``dst`` fills ``target``; ``None`` unless the item
+        is the plain case (one little-endian, uncompressed storage of exactly ``target``'s size
+        and shape, read whole, see :func:`~..torch_record.plain_data_start`), where
+        ``torch.load`` is used.
     """
     nbytes = target.numel() * target.element_size()
     if nbytes == 0 or any(req.storage_offsets) or list(req.lengths) != list(target.size()):
         return None
-    try:
-        with zipfile.ZipFile(RecordFile.of(item)) as zf:
-            infos = zf.infolist()
-            data = [i for i in infos if i.filename.rsplit("/", 2)[-2:-1] == ["data"]]
-            order = [i for i in infos if i.filename.endswith("/byteorder")]
-            pkl = [i for i in infos if i.filename.endswith("/data.pkl")]
-            if len(data) != 1 or len(pkl) != 1 or data[0].compress_type != zipfile.ZIP_STORED \
-                    or data[0].file_size != nbytes:
-                return None
-            if order and zf.read(order[0]) != b"little" or sys.byteorder != "little":
-                return None
-            desc = _TensorDescUnpickler(io.BytesIO(zf.read(pkl[0]))).load()
-            contiguous: List[int]
-            contiguous, acc = [], 1
-            for d in reversed(target.shape):
-                contiguous.insert(0, acc)
-                acc *= d
-            if desc != (target.dtype, 0, tuple(target.shape), tuple(contiguous)):
-                return None  # a view, a strided layout or another dtype: torch.load handles it
-            off = data[0].header_offset
-            if bytes(item[off:off + 4]) != b"PK\x03\x04":
-                return None
-            name_len, extra_len = struct.unpack_from("<HH", item, off + 26)
-            start = off + 30 + name_len + extra_len
-            if start + nbytes > len(item):
-                return None
-    except (zipfile.BadZipFile, ValueError, struct.error, pickle.UnpicklingError, EOFError, TypeError,
-            AttributeError, IndexError):
+    start = plain_data_start(item, target.dtype, tuple(target.shape))
+    if start is None:
         return None
     with warnings.catch_warnings():  # a read-only buffer (bytes) is fine: it is only copied from
         warnings.simplefilter("ignore", UserWarning)
         raw = torch.frombuffer(item, dtype=torch.uint8, count=nbytes, offset=start)
-    return _aligned_copy(raw, target)
+    return aligned_copy(raw, target)
 
 
-def _aligned_copy(raw: torch.Tensor, target: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+def aligned_copy(raw: torch.Tensor, target: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(dst, src)`` that copy the bytes ``raw`` (flat uint8, ``target``'s size) into ``target``
     without ever reading ``raw`` as a wider type at an address that type is not aligned to.
 
