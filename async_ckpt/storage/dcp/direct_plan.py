@@ -85,7 +85,10 @@ def _contiguous_bytes(t: torch.Tensor) -> Optional[torch.Tensor]:
         return None
     if t.is_inference():
         return host_bytes(t.data_ptr(), t.numel() * t.element_size())
-    return t.as_strided((t.numel(),), (1,)).view(torch.uint8)
+    flat = t if t.dim() == 1 else t.view(-1)
+    if flat.stride(0) != 1:  # one element under any stride: taken with stride 1
+        flat = t.as_strided((1,), (1,))
+    return flat.view(torch.uint8)
 
 
 def _flat_targets(state_dict: Dict[str, Any]) -> Tuple[Dict[str, Any], Dict[str, Any]]:
