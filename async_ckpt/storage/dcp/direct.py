@@ -10,9 +10,9 @@ tiling of the file into ranges (worked out by :mod:`.direct_plan`), in parallel 
 * everything else (record headers and trailers, small tensors, non-tensor items) is read into a
   per-thread buffer of about ``BUFFER_CHUNK_BYTES``, cut at record boundaries; the small
   tensors in it are copied into their targets by one ``_foreach_copy_`` per buffer;
-* each range's CRC-32C is computed on the thread that read it, right after the read, and the
-  file's CRC is put together from them (:func:`~.crc.crc32c_combine`) and compared with the
-  manifest's before :func:`load_direct` returns.
+* each range's CRC-32C is computed on the thread that read it, right after the read, and each
+  file is verified from its ranges by :func:`~.read_exec.check_file` (the one definition of
+  verified) before :func:`load_direct` returns.
 
 Where a large record's data begins is taken from the manifest where the writer recorded it
 (``FileRecord.data_at``); the record's zip directory and headers, which arrive with the reads
@@ -48,8 +48,8 @@ import io
 import pickle
 import threading
 import types
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
@@ -58,14 +58,13 @@ from ... import compat
 from ...addresses import byte_view
 from ...errors import CheckpointError, CorruptCheckpointError
 from ...gc_pause import gc_paused
-from ..fs import Storage
 from ..manifest import FileRecord, crc32c, shown
 from ..torch_record import data_start, plain_data_start
-from .crc import crc32c_concat
 from .device_targets import DeviceTargets
 from .direct_plan import BUFFER_CHUNK_BYTES, _assign_arrivals, _plan, _Rec, _Task, _tasks, _Unsupported
 from .layout_memo import set_element
-from .reader import close_all, open_step_file, stored_bytes
+from .read_exec import NULL, StepFiles, check_file, close_all, open_step_file, read_files, run_all
+from .reader import stored_bytes
 from .record_layout import Arrived, Probe
 from .safety import unsafe_value_error
 
@@ -146,7 +145,7 @@ def _copy_slow(rec: _Rec, item: memoryview) -> None:
     _copy_into(dst, src)
 
 
-def load_direct(storage: Storage, path: str, state_dict: Dict[str, Any], *, files: Optional[Dict[str, FileRecord]],
+def load_direct(storage: StepFiles, path: str, state_dict: Dict[str, Any], *, files: Optional[Dict[str, FileRecord]],
                 metadata: Metadata, verify: bool = True, threads: int = 8, allow_pickle: bool = False,
                 staged: bool = False) -> bool:
     """Load the checked ``metadata``'s checkpoint under ``path`` into ``state_dict`` in place by
@@ -163,7 +162,7 @@ def load_direct(storage: Storage, path: str, state_dict: Dict[str, Any], *, file
                             staged)
 
 
-def _load_direct(storage: Storage, path: str, state_dict: Dict[str, Any], files: Dict[str, FileRecord],
+def _load_direct(storage: StepFiles, path: str, state_dict: Dict[str, Any], files: Dict[str, FileRecord],
                  metadata: Metadata, verify: bool, threads: int, allow_pickle: bool, direct_min: int,
                  staged: bool) -> bool:
     devices = DeviceTargets()
@@ -194,14 +193,14 @@ def _misplaced(path: str, rec: _Rec) -> CorruptCheckpointError:
                                   "manifest gives", path=path)
 
 
-def _open(storage: Storage, path: str, name: str, files: Dict[str, FileRecord], readers: Dict[str, Any]) -> Any:
-    """Open ``path/name`` after the reader's checks (:func:`~.reader.open_step_file`); kept in
+def _open(storage: StepFiles, path: str, name: str, files: Dict[str, FileRecord], readers: Dict[str, Any]) -> Any:
+    """Open ``path/name`` after the reader's checks (:func:`~.read_exec.open_step_file`); kept in
     ``readers`` (closed by the caller)."""
     readers[name] = r = open_step_file(storage, path, name, files[name].size)
     return r
 
 
-def _load(storage: Storage, path: str, per_file: Dict[str, List[_Rec]], flat: Dict[str, Any],
+def _load(storage: StepFiles, path: str, per_file: Dict[str, List[_Rec]], flat: Dict[str, Any],
           mappings: Dict[str, Any], files: Dict[str, FileRecord], verify: bool, allow_pickle: bool,
           pool: ThreadPoolExecutor, readers: Dict[str, Any], touched: List[bool], state_dict: Dict[str, Any],
           threads: int, devices: DeviceTargets, staged: bool) -> bool:
@@ -237,8 +236,8 @@ def _load(storage: Storage, path: str, per_file: Dict[str, List[_Rec]], flat: Di
                 rec.arrived = Arrived(readers[name], rec.start, rec.length, rec.data_start, rec.flat.numel())  # type: ignore[union-attr]
     jobs = [(name, rec) for name, recs in per_file.items() for rec in recs
             if rec.kind == "bytes" or (rec.kind == "direct" and rec.arrived is None)]
-    probe_calls = [lambda n=n, r=r: probe(n, r) for n, r in jobs]  # (named: mypy types it here, not in _run's call)
-    probes = _run(pool, probe_calls)
+    probe_calls = [lambda n=n, r=r: probe(n, r) for n, r in jobs]  # (named: mypy types it here, not in run_all's call)
+    probes = run_all(pool, probe_calls)
     decoded: Dict[str, Any] = {}
     windows: Dict[str, List[Tuple[int, bytes]]] = {}
     undecodable: Optional[BaseException] = None
@@ -255,16 +254,14 @@ def _load(storage: Storage, path: str, per_file: Dict[str, List[_Rec]], flat: Di
     if undecodable is not None:
         # Nothing written yet: check the files without writing (damage reads as damage), then
         # refuse the item.
-        from .reader import FsspecStorageReader
-
-        FsspecStorageReader(storage, path, files=files, verify=verify)._read_files(list(per_file), pool)
+        read_files(storage, path, {n: files[n] for n in per_file}, NULL, verify=verify, pool=pool)
         raise undecodable
     if staged:  # the records only torch.load reads, read and checked before the first write
         def check(name: str, rec: _Rec) -> None:
             buf = bytearray(rec.length)
             _check_slow(rec, memoryview(buf)[:readers[name].read_into(rec.start, memoryview(buf))])
 
-        _run(pool, [lambda n=n, r=r: check(n, r) for n, recs in per_file.items() for r in recs  # type: ignore[misc]
+        run_all(pool, [lambda n=n, r=r: check(n, r) for n, recs in per_file.items() for r in recs  # type: ignore[misc]
                     if r.kind in ("small", "slow")])
 
     # 2. Every byte of every file, once: into the targets, or into a buffer and scattered.
@@ -358,33 +355,17 @@ def _load(storage: Storage, path: str, per_file: Dict[str, List[_Rec]], flat: Di
         for i in group:
             results[i] = run(tasks[i])
 
-    group_calls = [lambda g=g: run_group(g) for g in groups]  # (named: mypy types it here, not in _run's call)
-    _run(pool, group_calls)
+    group_calls = [lambda g=g: run_group(g) for g in groups]  # (named: mypy types it here, not in run_all's call)
+    run_all(pool, group_calls)
 
     # 3. Sizes and checksums per file, before anything else is set.
     parts: Dict[str, List[Tuple[_Task, int, int]]] = {}
     for task, (got, crc) in zip(tasks, results):
         parts.setdefault(task.name, []).append((task, got, crc))
     for name, ps in parts.items():
-        where = f"{path}/{name}"
-        size = files[name].size
         ps.sort(key=lambda p: p[0].start)
-        total = 0
-        for task, got, _ in ps:
-            n = task.end - task.start
-            if got < n:
-                raise CorruptCheckpointError(f"{where}: size is {task.start + got} bytes, manifest says {size}",
-                                             path=where)
-            total += min(got, n)
-            if got > n:
-                raise CorruptCheckpointError(f"{where}: size is more than {size} bytes, manifest says {size}",
-                                             path=where)
-        if verify:
-            crc = crc32c_concat((c, p.end - p.start) for p, _, c in ps)
-            if crc != files[name].crc32c:
-                raise CorruptCheckpointError(
-                    f"{where}: checksum mismatch (crc32c {crc:#010x}, manifest says {files[name].crc32c:#010x})",
-                    path=where)
+        check_file(f"{path}/{name}", files[name].size, ((t.start, t.end, got, crc) for t, got, crc in ps),
+                   files[name].crc32c, verify)
     wrong = [rec for recs in per_file.values() for rec in recs if rec.arrived is not None]
     unparsed = []  # records of a layout data_start does not parse: not a misplaced offset, the slow path
     if len(wrong) != len(confirmed):
@@ -409,17 +390,3 @@ def _load(storage: Storage, path: str, per_file: Dict[str, List[_Rec]], flat: Di
     for fqn, value in decoded.items():
         set_element(state_dict, mappings[fqn], value)
     return True
-
-
-def _run(pool: ThreadPoolExecutor, fns: Sequence[Callable[[], Any]]) -> List[Any]:
-    """Run ``fns`` on ``pool``; their results in order. On the first failure the tasks not yet
-    started are cancelled and it is raised once the running ones finish."""
-    futs = [pool.submit(f) for f in fns]
-    done, _ = wait(futs, return_when=FIRST_EXCEPTION)
-    for f in futs:
-        if f.done() and not f.cancelled() and f.exception() is not None:
-            for g in futs:
-                g.cancel()
-            wait(futs)
-            raise f.exception()  # type: ignore[misc]
-    return [f.result() for f in futs]

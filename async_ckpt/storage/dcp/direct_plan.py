@@ -20,10 +20,10 @@ import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
 
 from ...addresses import byte_view, host_bytes
-from ..fs import Storage
 from ..manifest import FileRecord
 from .device_targets import DeviceTargets, is_device
 from .device_targets import supported as device_supported
+from .read_exec import StepFiles
 from .record_layout import Arrived
 
 #: Largest single read straight into a target (a big tensor is read as several, in parallel).
@@ -124,7 +124,7 @@ def _overlapping(flat: Dict[str, Any], md: Dict[str, Any]) -> Set[str]:
     return out
 
 
-def _plan(storage: Storage, path: str, state_dict: Dict[str, Any], files: Dict[str, FileRecord],
+def _plan(storage: StepFiles, path: str, state_dict: Dict[str, Any], files: Dict[str, FileRecord],
           metadata: Metadata, direct_min: int, devices: DeviceTargets) -> Tuple[Dict[str, List[_Rec]], Dict[str, Any], Dict[str, Any]]:
     """Records per file for the targets in ``state_dict`` (device targets get host stand-ins in
     ``devices``); raises :class:`_Unsupported`."""

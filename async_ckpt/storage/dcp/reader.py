@@ -13,12 +13,11 @@ goes through ``torch.load(weights_only=True)``.
 from __future__ import annotations
 
 import bisect
-import contextlib
 import io
 import itertools
 import warnings
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Protocol, Set, Tuple, cast
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Protocol, Set, Tuple, cast
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -30,11 +29,22 @@ from torch.futures import Future
 
 from ... import compat
 from ...addresses import byte_view
-from ...errors import CorruptCheckpointError, StorageError
-from ..fs import READ_RANGE_BYTES, Storage
+from ...errors import CorruptCheckpointError
+from ..fs import READ_RANGE_BYTES
 from ..manifest import FileRecord, check_file_name, crc32c, shown
 from ..torch_record import plain_data_start
 from .common import METADATA_NAME, _call_dcp, _distributed
+from .read_exec import (
+    FRESH,
+    StepFiles,
+    check_file,
+    checksum_error,
+    close_all,
+    open_checked_ranges,
+    read_files,
+    short_error,
+    unreadable_is_damage,
+)
 from .safety import _SafeLoadPlanner, load_metadata
 from .validate import check_step_metadata
 
@@ -72,7 +82,7 @@ class FsspecStorageReader(StorageReader):
     directory where a file should be, is a :class:`CorruptCheckpointError`.
     """
 
-    def __init__(self, storage: Storage, path: str, *, files: Optional[Dict[str, FileRecord]] = None,
+    def __init__(self, storage: StepFiles, path: str, *, files: Optional[Dict[str, FileRecord]] = None,
                  verify: bool = True, threads: int = 8, metadata: Optional[Metadata] = None,
                  agree: Optional[Callable[[Optional[str]], List[Optional[str]]]] = None,
                  whole: bool = True) -> None:
@@ -109,67 +119,34 @@ class FsspecStorageReader(StorageReader):
 
     def read_file(self, name: str) -> bytes:
         where = self._checked_path(name)
-        with _unreadable_is_damage(where):
+        with unreadable_is_damage(where):
             data = self.storage.read_bytes(where)
         rec = (self.files or {}).get(name)
         if rec is not None:
-            if len(data) != rec.size:
-                raise CorruptCheckpointError(f"{where}: size is {len(data)} bytes, manifest says {rec.size}",
-                                             path=where)
-            if self.verify and crc32c(data) != rec.crc32c:
-                raise CorruptCheckpointError(
-                    f"{where}: checksum mismatch (crc32c {crc32c(data):#010x}, manifest says {rec.crc32c:#010x})",
-                    path=where)
+            check_file(where, rec.size, [(0, rec.size, len(data), crc32c(data) if self.verify else 0)], rec.crc32c,
+                       self.verify)
         return data
 
     def _read_files(self, names: List[str], pool: ThreadPoolExecutor) -> Dict[str, Any]:
         """Read and verify ``names`` concurrently; a big file as concurrent ranged reads.
 
-        A file of at most ``2 * READ_RANGE_BYTES`` is one whole-object read (one request). A
-        bigger one whose size the manifest gives is read into one preallocated buffer in
-        ranges of about ``READ_RANGE_BYTES``, on the pool; the last range asks for one byte more
-        than the manifest says, so a longer file is caught as well as a shorter one.
+        A file of at most ``2 * READ_RANGE_BYTES`` is one whole-object read (one request,
+        :meth:`read_file`). A bigger one whose size the manifest gives is read by the one
+        verified read (:func:`~.read_exec.read_files`) into a fresh buffer, in ranges of
+        ``READ_RANGE_BYTES``, on ``pool``.
         """
         records = self.files or {}
-        split = {n: records[n].size for n in names if n in records and records[n].size > 2 * READ_RANGE_BYTES}
+        split = {n: records[n] for n in names if n in records and records[n].size > 2 * READ_RANGE_BYTES}
         for n in split:
             self._checked_path(n)
         whole = [n for n in names if n not in split]
-        # not zero-filled: every byte is overwritten by the reads (or the file is too short)
-        bufs = {n: byte_view(torch.empty(size + 1, dtype=torch.uint8)) for n, size in split.items()}
-        tasks = []
-        for n, size in split.items():
-            starts = list(range(0, size, READ_RANGE_BYTES))
-            if len(starts) > 1 and size - starts[-1] < READ_RANGE_BYTES // 2:
-                starts.pop()  # no small tail request: the last range takes the remainder
-            ends = starts[1:] + [size + 1]
-            tasks += [(n, a, b) for a, b in zip(starts, ends)]
-
-        def read_range(task: Tuple[str, int, int]) -> int:
-            n, start, end = task
-            where = f"{self.path}/{n}"
-            try:
-                return self.storage.read_into(where, start, memoryview(bufs[n])[start:end])
-            except FileNotFoundError:
-                raise CorruptCheckpointError(f"{where}: file is missing", path=where) from None
-
-        futs = [pool.submit(read_range, t) for t in tasks] + [pool.submit(self.read_file, n) for n in whole]
-        results = [f.result() for f in futs]  # re-raises the first failure
-        out: Dict[str, Any] = dict(zip(whole, results[len(tasks):]))
-        got_bytes: Dict[str, int] = {n: 0 for n in split}
-        for (n, _a, _b), got in zip(tasks, results):
-            got_bytes[n] += cast(int, got)  # read_range's count
-        for n, size in split.items():
-            where = f"{self.path}/{n}"
-            if got_bytes[n] != size:
-                said = f"more than {size}" if got_bytes[n] > size else str(got_bytes[n])
-                raise CorruptCheckpointError(f"{where}: size is {said} bytes, manifest says {size}", path=where)
-            data = memoryview(bufs[n])[:size]
-            if self.verify and crc32c(data) != records[n].crc32c:
-                raise CorruptCheckpointError(
-                    f"{where}: checksum mismatch (crc32c {crc32c(data):#010x}, manifest says "
-                    f"{records[n].crc32c:#010x})", path=where)
-            out[n] = data
+        futs = [pool.submit(self.read_file, n) for n in whole]
+        out: Dict[str, Any] = {}
+        if split:
+            bufs = read_files(self.storage, self.path, split, FRESH, verify=self.verify, chunk=READ_RANGE_BYTES,
+                              pool=pool)
+            out.update({n: byte_view(b) for n, b in bufs.items()})
+        out.update(zip(whole, [f.result() for f in futs]))  # re-raises the first failure
         return out
 
     def _read_records(self, wanted: Dict[str, List[Tuple[int, int]]], pool: ThreadPoolExecutor
@@ -222,8 +199,7 @@ class FsspecStorageReader(StorageReader):
             def read(task: List[Tuple[Any, str, int, memoryview]]) -> None:
                 for reader, where, start, buf in task:
                     if reader.read_into(start, buf) != len(buf):
-                        raise CorruptCheckpointError(f"{where}: file ends before byte {start + len(buf)}, "
-                                                     "which the manifest places in it", path=where)
+                        raise short_error(where, start + len(buf))
 
             list(pool.map(read, tasks))  # re-raises the first failure
         finally:
@@ -247,9 +223,7 @@ class FsspecStorageReader(StorageReader):
             for where, data, want, start in batch:
                 crc = crc32c(data)
                 if crc != want:
-                    raise CorruptCheckpointError(
-                        f"{where}: checksum mismatch in the record at bytes {start}-{start + len(data)} "
-                        f"(crc32c {crc:#010x}, manifest says {want:#010x})", path=where)
+                    raise checksum_error(where, crc, want, (start, start + len(data)))
 
         list(pool.map(check, batches))
         return out
@@ -447,7 +421,7 @@ def safe_planner(allow_pickle: bool, strict: bool = True) -> _SafeLoadPlanner:
     return planner
 
 
-def load_state_dict(storage: Storage, path: str, state_dict: Dict[str, Any], *, files: Optional[Dict[str, FileRecord]],
+def load_state_dict(storage: StepFiles, path: str, state_dict: Dict[str, Any], *, files: Optional[Dict[str, FileRecord]],
                     verify: bool = True, threads: int = 8, allow_pickle: bool = False,
                     metadata: Optional[Metadata] = None, process_group: Any = None,
                     planner: Optional[LoadPlanner] = None, strict: bool = True) -> None:
@@ -459,49 +433,3 @@ def load_state_dict(storage: Storage, path: str, state_dict: Dict[str, Any], *, 
     planner = planner if planner is not None else safe_planner(allow_pickle, strict)
     _call_dcp(lambda: dcp.load(state_dict, storage_reader=reader, planner=planner,
                                process_group=process_group, no_dist=not _distributed()))
-
-
-@contextlib.contextmanager
-def _unreadable_is_damage(where: str) -> Iterator[None]:
-    """A step's file that is missing or is a directory: :class:`CorruptCheckpointError` (the
-    step is damaged); other storage errors pass through."""
-    try:
-        yield
-    except FileNotFoundError:
-        raise CorruptCheckpointError(f"{where}: file is missing", path=where) from None
-    except StorageError as exc:
-        if isinstance(exc.__cause__, (IsADirectoryError, NotADirectoryError)):
-            raise CorruptCheckpointError(f"{where}: is not a readable file ({exc.__cause__})", path=where) from exc
-        raise
-
-
-def close_all(readers: Dict[str, Any]) -> None:
-    """Close every ranged reader of ``readers`` (a failure to close is not the restore's)."""
-    for r in readers.values():
-        try:
-            r.close()
-        except Exception:  # noqa: BLE001
-            pass
-
-
-def open_checked_ranges(storage: Storage, where: str, size: int) -> Any:
-    """``where`` (a step's data file, already checked to be a plain file inside the step) opened
-    for ranged reads; missing, a directory, or not of the manifest's ``size`` where the storage
-    knows the size without another request: :class:`CorruptCheckpointError`."""
-    with _unreadable_is_damage(where):
-        reader = storage.open_ranges(where)
-    if reader.known_size is not None and reader.known_size != size:
-        reader.close()
-        raise CorruptCheckpointError(f"{where}: size is {reader.known_size} bytes, manifest says {size}", path=where)
-    return reader
-
-
-def open_step_file(storage: Storage, path: str, name: str, size: int) -> Any:
-    """``path/name`` opened for ranged reads after the reader's checks: a safe name, a plain
-    file inside the step directory (no link out of it), then :func:`open_checked_ranges`."""
-    where = f"{path}/{name}"
-    check_file_name(name, where=where)
-    problem = storage.file_problem(where, path)
-    if problem is not None:
-        raise CorruptCheckpointError(f"{where}: {problem}", path=where)
-    return open_checked_ranges(storage, where, size)
