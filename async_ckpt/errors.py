@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 import sys
 import warnings
-from typing import Optional, Type
+from dataclasses import dataclass
+from typing import Optional, Sequence, Tuple, Type
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
@@ -29,17 +30,38 @@ def warn_user(message: str, category: Type[Warning] = UserWarning) -> None:
     warnings.warn(message, category, stacklevel=level if frame is not None else 2)
 
 
+@dataclass(frozen=True)
+class RankFailure:
+    """One rank's failure in a phase that every rank of a manager runs (see ``CheckpointError.failures``).
+
+    Attributes:
+        rank: the rank (in the manager's process group) that failed.
+        kind: the class name of the error it raised.
+        message: that error's message.
+    """
+
+    rank: int
+    kind: str
+    message: str
+
+
 class CheckpointError(RuntimeError):
     """Base class for every error async_ckpt raises.
 
     Background failures are re-raised as ``CheckpointError`` (with ``step`` set and the
     original exception chained as ``__cause__``) at the next ``save``/``save_async``/
     ``join``/``close``.
+
+    Attributes:
+        step: the step the failure concerns, where there is one.
+        failures: with several ranks, every rank's failure in the phase that failed (the same
+            on every rank); empty for a failure of this process alone.
     """
 
-    def __init__(self, message: str, *, step: Optional[int] = None) -> None:
+    def __init__(self, message: str, *, step: Optional[int] = None, failures: Sequence[RankFailure] = ()) -> None:
         super().__init__(message)
         self.step = step
+        self.failures: Tuple[RankFailure, ...] = tuple(failures)
 
 
 class InvalidArgumentError(CheckpointError, ValueError, TypeError):
@@ -68,9 +90,67 @@ class StateDictMismatchError(CheckpointError, ValueError):
 class CorruptCheckpointError(CheckpointError):
     """A committed checkpoint whose files fail verification (size, checksum, manifest)."""
 
-    def __init__(self, message: str, *, step: Optional[int] = None, path: Optional[str] = None) -> None:
-        super().__init__(message, step=step)
+    def __init__(self, message: str, *, step: Optional[int] = None, path: Optional[str] = None,
+                 failures: Sequence[RankFailure] = ()) -> None:
+        super().__init__(message, step=step, failures=failures)
         self.path = path
+
+
+class PartlyWrittenError(CheckpointError):
+    """A restore that failed after it had written some of the checkpoint's data into the
+    target state dict in place: the target must not be used as is (``restore(...,
+    atomic=True)`` leaves the target untouched on failure).
+
+    Attributes:
+        cause: the failure that stopped the restore (also ``__cause__``): a
+            :class:`CorruptCheckpointError` when the step's data was damaged.
+        damaged_steps: the steps whose failed attempts wrote into the target, newest first.
+        keys_left: keys of the target that a damaged step's failed attempt wrote and no
+            later attempt overwrote (empty where the read layer does not know them).
+    """
+
+    def __init__(self, message: str, *, step: Optional[int] = None, cause: Optional[BaseException] = None,
+                 damaged_steps: Sequence[int] = (), keys_left: Sequence[str] = (),
+                 failures: Sequence[RankFailure] = ()) -> None:
+        super().__init__(message, step=step, failures=failures)
+        self.cause = cause
+        self.damaged_steps: Tuple[int, ...] = tuple(damaged_steps)
+        self.keys_left: Tuple[str, ...] = tuple(keys_left)
+        if cause is not None:
+            self.__cause__ = cause
+
+    @property
+    def damaged(self) -> bool:
+        """Whether the failure was damaged data (then this is a :class:`CorruptCheckpointError` too)."""
+        return isinstance(self, CorruptCheckpointError)
+
+
+class CorruptPartlyWrittenError(PartlyWrittenError, CorruptCheckpointError):
+    """A :class:`PartlyWrittenError` whose cause is damaged data: ``except
+    CorruptCheckpointError`` catches it too, and its ``path`` is the damaged file's."""
+
+
+def partly_written_error(message: str, *, cause: BaseException, step: Optional[int] = None,
+                         damaged_steps: Sequence[int] = (), keys_left: Sequence[str] = ()) -> PartlyWrittenError:
+    """The error of a restore that failed (``cause``) after it had written into its target.
+
+    Args:
+        message: the whole message (the cause's text and what was written).
+        cause: the failure.
+        step: the step the restore was reading.
+        damaged_steps: the steps whose failed attempts wrote into the target.
+        keys_left: keys of the target left holding a damaged step's data.
+
+    Returns:
+        A :class:`CorruptPartlyWrittenError` when ``cause`` is a :class:`CorruptCheckpointError`,
+        else a :class:`PartlyWrittenError`.
+    """
+    if isinstance(cause, CorruptCheckpointError):
+        err: PartlyWrittenError = CorruptPartlyWrittenError(message, step=step, cause=cause,
+                                                            damaged_steps=damaged_steps, keys_left=keys_left)
+        err.path = cause.path  # type: ignore[attr-defined]
+        return err
+    return PartlyWrittenError(message, step=step, cause=cause, damaged_steps=damaged_steps, keys_left=keys_left)
 
 
 class StorageError(CheckpointError, OSError):
@@ -93,6 +173,7 @@ class UnsafeCheckpointError(CheckpointError):
 class LeaseHeldError(CheckpointError):
     """Another live writer holds the checkpoint root's writer lease (``holder`` names it)."""
 
-    def __init__(self, message: str, *, holder: Optional[str] = None) -> None:
-        super().__init__(message)
+    def __init__(self, message: str, *, holder: Optional[str] = None, step: Optional[int] = None,
+                 failures: Sequence[RankFailure] = ()) -> None:
+        super().__init__(message, step=step, failures=failures)
         self.holder = holder

@@ -32,7 +32,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from async_ckpt import CheckpointError, CheckpointManager, InvalidStateDictError  # noqa: E402
+from async_ckpt import CheckpointError, CheckpointManager, InvalidStateDictError, PartlyWrittenError  # noqa: E402
 from async_ckpt.storage.dcp import load_metadata  # noqa: E402
 from tests.tree import assert_bitwise_equal  # noqa: E402
 
@@ -158,6 +158,7 @@ def scenario_save(root: str, ref_path: str) -> None:
     train(model, optim, 1, rank)
     exc = expect_error(lambda: mgr.save(4, state(model, optim, 4)), CheckpointError, "rank 1", "No space left")
     assert exc.step == 4, exc.step
+    assert [f.rank for f in exc.failures] == [1], exc.failures  # the same failures, named by rank, everywhere
     if rank == 1:
         mgr.storage.open_write = real_open
     dist.barrier()
@@ -447,7 +448,7 @@ def damaged_peer_checks(root: str) -> None:
     for atomic in (True, False):
         t = {"w": sharded(torch.zeros(128, 1024)), "new": sharded(torch.zeros(128, 16))}
         exc = expect_error(lambda: mgr.restore(2, t, atomic=atomic), CorruptCheckpointError, "checksum mismatch")
-        assert not getattr(exc, "partly_written", False), (atomic, exc)
+        assert not isinstance(exc, PartlyWrittenError), (atomic, exc)
         assert not t["w"].to_local().any() and not t["new"].to_local().any(), f"rank {rank} wrote (atomic={atomic})"
     t = {"w": sharded(torch.zeros(128, 1024)), "new": sharded(torch.zeros(128, 16))}
     assert mgr.restore(None, t, strict=False) == 1
@@ -514,8 +515,9 @@ def failing_stateful_checks(root: str) -> None:
         app.t.fill_(5.0)
         assert mgr.save(1, {"app": app, "w": torch.ones(4)})
         fresh = FailsOnRank(bad_rank=1)
-        expect_error(lambda: mgr.restore(1, {"app": fresh, "w": torch.zeros(4)}), CheckpointError,
-                     "rank 1", "load_state_dict", "step 1")
+        exc = expect_error(lambda: mgr.restore(1, {"app": fresh, "w": torch.zeros(4)}), CheckpointError,
+                           "rank 1", "load_state_dict", "step 1")
+        assert [(f.rank, f.kind) for f in exc.failures] == [(1, "ValueError")], exc.failures
         # the next collective pairs up on both ranks
         assert mgr.save(2, {"app": app, "w": torch.ones(4)})
         ok = FailsOnRank(bad_rank=-1)

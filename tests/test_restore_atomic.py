@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from async_ckpt import CheckpointManager
-from async_ckpt.errors import CorruptCheckpointError, StagingBudgetError
+from async_ckpt.errors import CorruptCheckpointError, PartlyWrittenError, StagingBudgetError
 from async_ckpt.storage.dcp import staged_restore
 from async_ckpt.storage.dcp.safety import load_metadata
 from async_ckpt.storage.manifest import crc32c
@@ -271,7 +271,7 @@ def test_a_problem_found_while_placing_the_data_leaves_the_target_untouched(tmp_
     before = clone_tree(target)
     with pytest.raises(CorruptCheckpointError, match=match) as ei:
         mgr.restore(2, target, atomic=True)
-    assert "partly written" not in str(ei.value) and not getattr(ei.value, "partly_written", False)
+    assert "partly written" not in str(ei.value) and not isinstance(ei.value, PartlyWrittenError)
     assert_bitwise_equal(target, before)
     with pytest.warns(RuntimeWarning, match="skipping damaged step 2"):
         assert mgr.restore(None, target, atomic=True) == 1

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from async_ckpt import CheckpointManager
-from async_ckpt.errors import CorruptCheckpointError
+from async_ckpt.errors import CorruptCheckpointError, PartlyWrittenError
 from async_ckpt.storage import torch_record
 from async_ckpt.storage.dcp import direct
 from async_ckpt.storage.dcp.safety import load_metadata
@@ -140,7 +140,7 @@ def test_a_wrong_offset_in_the_manifest_is_caught_and_falls_back(tmp_path, verif
     mgr = CheckpointManager(root)
     with pytest.raises(CorruptCheckpointError, match="large.save_path.*offset the manifest gives.*partly written") as ei:
         mgr.restore(2, fresh_like(big_state(0)), verify=verify)
-    assert getattr(ei.value, "partly_written", False)
+    assert isinstance(ei.value, PartlyWrittenError)
     target = fresh_like(big_state(0))
     with pytest.warns(RuntimeWarning, match="skipping damaged step 2"):
         assert mgr.restore(None, target, verify=verify) == 1

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from async_ckpt import CheckpointManager
-from async_ckpt.errors import CorruptCheckpointError, StateDictMismatchError
+from async_ckpt.errors import CorruptCheckpointError, PartlyWrittenError, StateDictMismatchError
 from async_ckpt.lifecycle import coordinator as coordinator_mod
 from async_ckpt.storage.dcp import direct
 from async_ckpt.storage.dcp.crc import crc32c_combine, crc32c_concat
@@ -184,7 +184,7 @@ def test_flipped_byte_falls_back_and_single_step_says_partly_written(tmp_path, f
 
     with pytest.raises(CorruptCheckpointError, match="checksum mismatch.*partly written") as ei:
         mgr.restore(2, fresh_like(mixed_state(0)))
-    assert ei.value.step == 2 and getattr(ei.value, "partly_written", False)
+    assert ei.value.step == 2 and isinstance(ei.value, PartlyWrittenError)
     mgr.close()
 
     # One step only, and it is damaged: restore(None) raises and says the target was written.
@@ -271,11 +271,11 @@ def test_a_later_error_after_a_partial_write_says_the_target_is_partly_written(t
     target = {"a": torch.zeros(4), "b": torch.zeros(4)}
     mgr = CheckpointManager(root)
     with pytest.warns(RuntimeWarning, match="skipping damaged step 2"):
-        with pytest.raises(StateDictMismatchError, match="missing from checkpoint: b.*partly written with the data "
+        with pytest.raises(PartlyWrittenError, match="missing from checkpoint: b.*partly written with the data "
                                                          "of damaged step 2") as ei:
             mgr.restore(None, target)
-    assert getattr(ei.value, "partly_written", False)
-    assert isinstance(ei.value.__cause__, CorruptCheckpointError) and ei.value.__cause__.step == 2
+    assert isinstance(ei.value.cause, StateDictMismatchError) and not ei.value.damaged
+    assert ei.value.damaged_steps == (2,) and ei.value.keys_left == ("a", "b")
     mgr.close()
 
     solo = str(tmp_path / "solo")
@@ -285,7 +285,8 @@ def test_a_later_error_after_a_partial_write_says_the_target_is_partly_written(t
     with pytest.warns(RuntimeWarning, match="skipping damaged step 5"):
         with pytest.raises(CorruptCheckpointError, match="passed verification.*data of damaged step 5") as ei2:
             CheckpointManager(solo).restore(None, {"a": torch.zeros(4)})
-    assert getattr(ei2.value, "partly_written", False) and isinstance(ei2.value.__cause__, CorruptCheckpointError)
+    assert isinstance(ei2.value, PartlyWrittenError) and isinstance(ei2.value.__cause__, CorruptCheckpointError)
+    assert ei2.value.damaged_steps == (5,)
 
 
 @pytest.mark.parametrize("atomic", [False, True])

@@ -217,10 +217,11 @@ class GroupCoordinator:
         (whole files where the manifest lists no records) and verifies every byte it uses; the
         ranks then exchange their outcomes, and only if every rank's reads passed does any rank
         write into its target, so ``atomic`` holds either way (``pool`` is not used). A failure
-        after this rank started writing (none expected) is raised with ``partly_written`` set."""
+        after this rank started writing (none expected) is raised as a
+        :class:`~async_ckpt.errors.PartlyWrittenError`."""
         import torch.distributed.checkpoint as dcp
 
-        from ..storage.dcp.direct import PARTLY_WRITTEN
+        from ..storage.dcp.direct import partly_written
         from ..storage.dcp.reader import safe_planner
 
         reader = FsspecStorageReader(storage, path, files=files, verify=verify, threads=threads, metadata=metadata,
@@ -231,14 +232,8 @@ class GroupCoordinator:
         except BaseException as exc:  # noqa: BLE001 - DCP raises CheckpointException (a BaseException)
             if not reader.touched or isinstance(exc, (KeyboardInterrupt, SystemExit)):
                 raise
-            err = dcp_failure(exc)
-            if not isinstance(err, CheckpointError):
-                raise CheckpointError(f"restore from {path} failed ({type(err).__name__}: {err}); "
-                                      f"{PARTLY_WRITTEN}") from err
-            if not getattr(err, "partly_written", False):
-                err.args = (f"{err.args[0] if err.args else err}; {PARTLY_WRITTEN}",) + tuple(err.args[1:])
-                err.partly_written = True  # type: ignore[attr-defined]
-            raise err from exc
+            _, err = unwrap_dcp(exc)
+            raise partly_written(path, err) from exc
 
 
 def _leaser(pool: "HostBufferPool") -> Acquire:
@@ -304,33 +299,38 @@ def coordinator_for(process_group: Any = None, timeout_s: float = DEFAULT_TIMEOU
 
 # ---- errors across ranks -------------------------------------------------------------------
 
-def dcp_failure(exc: BaseException) -> BaseException:
-    """The underlying error of DCP's ``CheckpointException`` (which gathers every rank's errors).
+def unwrap_dcp(exc: BaseException) -> Tuple[Optional[int], BaseException]:
+    """The rank and underlying error of DCP's ``CheckpointException`` (which gathers every
+    rank's errors): an async_ckpt error first (so a ``CorruptCheckpointError`` keeps its type),
+    else the lowest rank's error. Any other error is returned as is, with rank None.
 
-    Prefers an async_ckpt error (so a ``CorruptCheckpointError`` keeps its type), then the
-    lowest rank's error; anything else is returned as is.
+    Args:
+        exc: an error raised by ``dcp.save``/``dcp.load`` or by our own code.
+
+    Returns:
+        (the rank that raised it where DCP says so, else None; the error).
     """
     from torch.distributed.checkpoint.api import CheckpointException
 
     if not isinstance(exc, CheckpointException):
-        return exc
+        return None, exc
     failures = [(r, f[0] if isinstance(f, tuple) else f) for r, f in sorted(exc.failures.items())]
     failures = [(r, e) for r, e in failures if isinstance(e, BaseException)]
     if not failures:
-        return exc
+        return None, exc
     ours = [(r, e) for r, e in failures if isinstance(e, CheckpointError)]
-    rank, err = (ours or failures)[0]
-    try:
-        err._async_ckpt_rank = rank  # type: ignore[attr-defined]  # for the message: who failed
-    except Exception:
-        pass
-    return err
+    return (ours or failures)[0]
+
+
+def dcp_failure(exc: BaseException) -> BaseException:
+    """The underlying error of DCP's ``CheckpointException`` (see :func:`unwrap_dcp`)."""
+    return unwrap_dcp(exc)[1]
 
 
 def describe(rank: int, exc: BaseException) -> Tuple[str, str]:
     """(error class name, message naming the rank) of a failure, to exchange between ranks."""
-    exc = dcp_failure(exc)
-    where = getattr(exc, "_async_ckpt_rank", rank)
+    where, exc = unwrap_dcp(exc)
+    where = rank if where is None else where
     return type(exc).__name__, f"rank {where}: {type(exc).__name__}: {exc}"
 
 

@@ -30,14 +30,16 @@ from ..errors import (
     CheckpointError,
     CorruptCheckpointError,
     InvalidArgumentError,
+    PartlyWrittenError,
     StateDictMismatchError,
     StepNotFoundError,
+    partly_written_error,
     warn_user,
 )
 from ..gc_pause import gc_paused
 from ..storage.dcp import METADATA_NAME, FsspecStorageReader
 from ..storage.dcp.direct import PARTLY_WRITTEN
-from .coordinator import describe, raise_gathered
+from . import phase
 from .steps import StepStore
 
 #: How many keys a mismatch report names.
@@ -93,10 +95,8 @@ def restore(store: StepStore, step: Optional[int], state_dict: Dict[str, Any], *
         if isinstance(exc, (KeyboardInterrupt, SystemExit)) or store.coordinator.world_size == 1:
             raise
         local = exc
-    coord = store.coordinator
-    if coord.world_size > 1:  # a rank whose load_state_dict() raised: every rank raises, naming it
-        outcomes = coord.all_gather(None if local is None else describe(coord.rank, local))
-        raise_gathered(outcomes, s, "load_state_dict() of the restored Stateful values", local)
+    # a rank whose load_state_dict() raised: every rank raises, naming it
+    phase.everyone(store.coordinator, "load_state_dict() of the restored Stateful values", s, error=local)
     return s
 
 
@@ -189,8 +189,8 @@ def _set_path(root: Any, path: Sequence[Any], value: Any) -> None:
 def _restore(store: StepStore, step: Optional[int], state_dict: Dict[str, Any], *, verify: bool,
              allow_pickle: bool, threads: int, planner: Any, atomic: bool, strict: bool,
              stateful: frozenset = frozenset(), pool: Any = None) -> int:
-    coord = store.coordinator
-    steps: List[int] = coord.broadcast(store.catalog.steps_newest_first() if coord.is_primary else None)
+    steps: List[int] = phase.primary(store.coordinator, "listing the committed steps", step,
+                                     store.catalog.steps_newest_first)
     opts = dict(verify=verify, allow_pickle=allow_pickle, threads=threads, planner=planner, atomic=atomic,
                 strict=strict, stateful=stateful, pool=pool)
     if step is not None:
@@ -205,7 +205,7 @@ def _restore(store: StepStore, step: Optional[int], state_dict: Dict[str, Any], 
         raise StepNotFoundError(f"no committed checkpoint under {store.storage.url}")
     errors: List[CorruptCheckpointError] = []
     written: Dict[str, int] = {}  # key -> the damaged step whose failed attempt last (partly) wrote it
-    first: Optional[CorruptCheckpointError] = None  # the first such attempt's error
+    first: Optional[PartlyWrittenError] = None  # the first such attempt's error
     for s in steps:
         covered: Set[str] = set()
         try:
@@ -213,43 +213,36 @@ def _restore(store: StepStore, step: Optional[int], state_dict: Dict[str, Any], 
         except CorruptCheckpointError as exc:
             warn_user(f"skipping damaged step {s}: {as_skipped(str(exc))}", RuntimeWarning)
             errors.append(exc)
-            if getattr(exc, "partly_written", False):
+            if isinstance(exc, PartlyWrittenError):
                 written.update(dict.fromkeys(covered, s))
                 first = first or exc
             continue
         except Exception as exc:
             if first is None:
                 raise
-            out = _after_partial_write(exc, written, first)
-            raise out from out.__cause__
+            raise _after_partial_write(exc, written, first) from exc
         _warn_left_over(written, covered, s)
         return s
     final = CorruptCheckpointError(
         f"no committed step under {store.storage.url} passed verification; newest error: {errors[0]}",
         step=steps[0])
     final.__cause__ = errors[0]
-    raise final if first is None else _after_partial_write(final, written, first)
+    if first is None:
+        raise final
+    raise _after_partial_write(final, written, first) from final
 
 
-def _after_partial_write(exc: Exception, written: Dict[str, int], first: CorruptCheckpointError) -> CheckpointError:
-    """``exc``, raised after an earlier attempt partly wrote the target (``first``: its error),
-    saying so: its message gets :data:`PARTLY_WRITTEN`'s sense naming the damaged step(s), its
-    ``partly_written`` is set and ``first`` is its ``__cause__`` where it had none (an error
-    that is not a :class:`CheckpointError` is wrapped in one, with ``exc`` as the cause)."""
-    damaged = ", ".join(map(str, sorted(set(written.values()), reverse=True))) or str(first.step)
-    text = (f"the target state dict was partly written with the data of damaged step {damaged} by an earlier "
-            "attempt and must not be used as is; restore(..., atomic=True) leaves it untouched on failure")
-    if not isinstance(exc, CheckpointError):
-        out = CheckpointError(f"restore failed ({type(exc).__name__}: {exc}); {text}")
-        out.__cause__ = exc
-        out.partly_written = True  # type: ignore[attr-defined]
-        return out
-    if not getattr(exc, "partly_written", False):
-        exc.args = (f"{exc.args[0] if exc.args else exc}; {text}",) + tuple(exc.args[1:])
-        exc.partly_written = True  # type: ignore[attr-defined]
-    if exc.__cause__ is None:
-        exc.__cause__ = first
-    return exc
+def _after_partial_write(exc: Exception, written: Dict[str, int], first: PartlyWrittenError) -> PartlyWrittenError:
+    """The error to raise for ``exc``, raised after an earlier attempt partly wrote the target
+    (``first``: that attempt's error): a :class:`PartlyWrittenError` whose cause is ``exc``, whose
+    message names the damaged step(s) and whose ``keys_left`` are the keys written by them."""
+    damaged = sorted(set(written.values()), reverse=True) or ([first.step] if first.step is not None else [])
+    text = (f"the target state dict was partly written with the data of damaged step "
+            f"{', '.join(map(str, damaged))} by an earlier attempt and must not be used as is; "
+            "restore(..., atomic=True) leaves it untouched on failure")
+    what = str(exc) if isinstance(exc, CheckpointError) else f"restore failed ({type(exc).__name__}: {exc})"
+    return partly_written_error(f"{what}; {text}", step=exc.step if isinstance(exc, CheckpointError) else None,
+                                cause=exc, damaged_steps=damaged, keys_left=sorted(written))
 
 
 def _warn_left_over(written: Dict[str, int], covered: Set[str], step: int) -> None:
@@ -323,11 +316,12 @@ def _agree_or_undo(store: StepStore, step: int, what: str, local: Optional[BaseE
                    state_dict: Dict[str, Any], added: List[tuple]) -> None:
     """Every rank learns every rank's outcome of ``what``; on any failure, all raise and take
     out the entries this restore added to ``state_dict``."""
-    if isinstance(local, CorruptCheckpointError):
+    if isinstance(local, (CorruptCheckpointError, PartlyWrittenError)):
         local.step = step
-    outcomes = store.coordinator.all_gather(None if local is None else describe(store.coordinator.rank, local))
+        if isinstance(local, PartlyWrittenError) and not local.damaged_steps:
+            local.damaged_steps = (step,)
     try:
-        raise_gathered(outcomes, step, what, local)
+        phase.everyone(store.coordinator, what, step, error=local)
     except BaseException:
         remove_added(state_dict, added)
         raise

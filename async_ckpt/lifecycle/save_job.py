@@ -26,7 +26,7 @@ from ..policies import CheckpointInfo, RetentionPolicy
 from ..staging import HostSnapshot
 from ..stats import SaveStats
 from ..storage import FileRecord, Manifest, StepTarget
-from .coordinator import describe, raise_gathered, rebuild
+from . import phase
 from .steps import StepStore
 
 
@@ -54,7 +54,6 @@ class StagingAlreadyReported(Exception):
 
 @dataclass
 class _RankResult:
-    error: Optional[Tuple[str, str]]
     files: Dict[str, FileRecord]  # with each file's record list, where the writer kept one
     nbytes: int
     num_tensors: int
@@ -65,7 +64,6 @@ def run_save(store: StepStore, job: SaveJob, *, policy: RetentionPolicy, threads
     """Writer thread of every rank: the phases in the module docstring. Returns the save's
     statistics once committed (None on a rank whose staging failed)."""
     coord = store.coordinator
-    alone = coord.world_size == 1
     step, snap = job.step, job.snap
     target: Optional[StepTarget] = None
     committed = claimed = released = False
@@ -76,10 +74,37 @@ def run_save(store: StepStore, job: SaveJob, *, policy: RetentionPolicy, threads
             released = True
             snap.release()
 
-    def report(exc: BaseException) -> Tuple[str, str]:
-        if alone:
-            raise exc
-        return describe(coord.rank, exc)
+    def open_step() -> Tuple[str, str, int]:
+        nonlocal claimed, target
+        store.catalog.begin_write(step)  # claimed before anything is written; waits out a deletion
+        claimed = True
+        target = store.layout.begin(step, uuid.uuid4().hex[:12])
+        store.catalog.set_path(step, target.path)
+        return target.path, target.final, step
+
+    def commit(results: List[_RankResult]) -> Tuple[float, int]:
+        nonlocal committed, claimed
+        assert target is not None
+        merged: Dict[str, FileRecord] = {}
+        for r in results:
+            for name, rec in r.files.items():
+                if name in merged:
+                    raise CheckpointError(f"step {step}: file {name} was written by two ranks", step=step)
+                merged[name] = rec
+        int_keys = sorted({k for r in results for k in r.int_keys})
+        store.check_lease(step)  # proven right before the commit (object stores: renewed in time)
+        manifest = Manifest(step=step, commit_time=store.catalog.next_commit_time(job.commit_at), files=merged,
+                            metrics=job.metrics, nbytes=sum(r.nbytes for r in results),
+                            num_tensors=sum(r.num_tensors for r in results), world_size=coord.world_size,
+                            extra={**job.manifest_extra, **({"int_keys": int_keys} if int_keys else {})})
+        store.layout.commit(target, manifest)
+        committed = True
+        store.catalog.record_commit(CheckpointInfo(step, manifest.commit_time, dict(job.metrics),
+                                                   manifest.nbytes, dict(manifest.extra)))
+        store.catalog.end_write(step)
+        claimed = False
+        store.apply_retention(policy)  # decided (markers gone) before save()/join() return
+        return manifest.commit_time, len(merged)
 
     try:
         # 0. every host copy done (lazy saves: and unchanged, else TornSnapshotError)
@@ -89,48 +114,31 @@ def run_save(store: StepStore, job: SaveJob, *, policy: RetentionPolicy, threads
                 snap.drop_sources()  # here, not in the stall: releasing device-buffer views costs
                 snap.wait_copied()
             except BaseException as exc:  # noqa: BLE001 - reported to every rank
-                if alone or isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                if coord.world_size == 1 or isinstance(exc, (KeyboardInterrupt, SystemExit)):
                     raise
                 local = exc
         tw = time.perf_counter()
 
         # 1. rank 0 opens the step; everyone learns where (or why not).
-        opened: Any = None
-        if coord.is_primary:
-            try:
-                store.catalog.begin_write(step)  # claimed before anything is written; waits out a deletion
-                claimed = True
-                target = store.layout.begin(step, uuid.uuid4().hex[:12])
-                store.catalog.set_path(step, target.path)
-                opened = ("ok", target.path, target.final, step)
-            except BaseException as exc:  # noqa: BLE001
-                opened = ("err",) + report(exc)
-        opened = coord.broadcast(opened)
-        if opened[0] != "ok":
-            raise rebuild(opened[1], f"step {step}: could not open the step directory: {opened[2]}", step)
+        path, final, opened_step = phase.primary(coord, "opening the step directory", step, open_step)
         if not coord.is_primary:
-            target = StepTarget(step, opened[1], opened[2])
-            if opened[3] != step and local is None:  # jobs pair in order: never write into another step
+            target = StepTarget(step, path, final)
+            if opened_step != step and local is None:  # jobs pair in order: never write into another step
                 local = CheckpointError(f"rank {coord.rank}'s save job is for step {step}, rank 0's for step "
-                                        f"{opened[3]}: the ranks' saves are out of step; neither is committed",
+                                        f"{opened_step}: the ranks' saves are out of step; neither is committed",
                                         step=step)
         assert target is not None
 
         # 2. every rank is ready to write (or says why not; a rank whose job is for another
         # step than rank 0's says so here, and nothing is committed).
-        prep: Optional[Tuple[str, str]] = None
-        if local is not None:
-            prep = report(local)
-        elif not coord.is_primary:
-            try:
-                store.storage.makedirs(target.path)
-            except BaseException as exc:  # noqa: BLE001
-                prep = report(exc)
-                local = exc
-        outcomes = coord.all_gather(prep)
-        if job.local_error is not None and snap is None:
-            raise StagingAlreadyReported()  # raised to this rank's training thread already
-        raise_gathered(outcomes, step, "staging", local)
+        staged_here = snap is not None
+        ready = None if coord.is_primary else (lambda: store.storage.makedirs(target.path))
+        try:
+            phase.everyone(coord, "staging", step, ready, error=local)
+        except BaseException:
+            if job.local_error is not None and not staged_here:
+                raise StagingAlreadyReported() from None  # raised to this rank's training thread already
+            raise
         assert snap is not None
 
         # 3. every rank writes its files.
@@ -142,43 +150,12 @@ def run_save(store: StepStore, job: SaveJob, *, policy: RetentionPolicy, threads
         tc = time.perf_counter()
 
         # 4. did every rank write? gather the file records for the manifest.
-        mine = _RankResult(describe(coord.rank, write_error) if write_error is not None else None,
-                           dict(files),
-                           snap.nbytes, snap.num_tensors, list(snap.int_keys))
-        results: List[_RankResult] = coord.all_gather(mine)
-        raise_gathered([r.error for r in results], step, "writing", write_error)
+        mine = _RankResult(dict(files), snap.nbytes, snap.num_tensors, list(snap.int_keys))
+        results = phase.everyone(coord, "writing", step, lambda: mine, error=write_error)
 
         # 5. rank 0 commits and applies retention; everyone learns the outcome.
-        done: Any = None
-        if coord.is_primary:
-            try:
-                merged: Dict[str, FileRecord] = {}
-                for r in results:
-                    for name, rec in r.files.items():
-                        if name in merged:
-                            raise CheckpointError(f"step {step}: file {name} was written by two ranks", step=step)
-                        merged[name] = rec
-                int_keys = sorted({k for r in results for k in r.int_keys})
-                store.check_lease(step)  # proven right before the commit (object stores: renewed in time)
-                manifest = Manifest(step=step, commit_time=store.catalog.next_commit_time(job.commit_at), files=merged,
-                                    metrics=job.metrics, nbytes=sum(r.nbytes for r in results),
-                                    num_tensors=sum(r.num_tensors for r in results), world_size=coord.world_size,
-                                    extra={**job.manifest_extra, **({"int_keys": int_keys} if int_keys else {})})
-                store.layout.commit(target, manifest)
-                committed = True
-                store.catalog.record_commit(CheckpointInfo(step, manifest.commit_time, dict(job.metrics),
-                                                           manifest.nbytes, dict(manifest.extra)))
-                store.catalog.end_write(step)
-                claimed = False
-                store.apply_retention(policy)  # decided (markers gone) before save()/join() return
-                done = ("ok", manifest.commit_time, len(merged))
-            except BaseException as exc:  # noqa: BLE001
-                done = ("err",) + report(exc)
-        done = coord.broadcast(done)
-        if done[0] != "ok":
-            raise rebuild(done[1], f"step {step}: commit failed: {done[2]}", step)
+        commit_time, _ = phase.primary(coord, "commit", step, lambda: commit(results))  # type: ignore[arg-type]
         td = time.perf_counter()
-        commit_time = done[1]
     except StagingAlreadyReported:
         return None
     except BaseException:

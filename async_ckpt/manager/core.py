@@ -17,7 +17,14 @@ import uuid
 import weakref
 from typing import Any, Callable, Deque, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from ..errors import CheckpointError, InvalidArgumentError, InvalidStateDictError, LeaseHeldError, warn_user
+from ..errors import (
+    CheckpointError,
+    InvalidArgumentError,
+    InvalidStateDictError,
+    LeaseHeldError,
+    PartlyWrittenError,
+    warn_user,
+)
 from ..gc_pause import gc_paused
 from ..lifecycle.coordinator import DEFAULT_TIMEOUT_S, coordinator_for
 from ..lifecycle.planners import load_planner_for, save_planner_for
@@ -672,7 +679,7 @@ class CheckpointManager(SaveDecisions, TierListing, StepActions):
                 try:
                     return _restore(tier.store, s, state_dict, **opts)
                 except CheckpointError as exc:
-                    if getattr(exc, "partly_written", False):
+                    if isinstance(exc, PartlyWrittenError):
                         partly.append(f"step {s} ({tier.name} copy)")
                     raise
 

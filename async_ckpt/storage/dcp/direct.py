@@ -31,8 +31,7 @@ read into private tensors, so that the checksums are of their own bytes, and cop
 overlap, the last key's data stays.
 
 A failure after the first write leaves the targets partly written: the error raised is a
-:class:`~async_ckpt.errors.CheckpointError` whose message says so (``partly_written`` is set
-on it). Targets that are not plain contiguous CPU tensors (strided views, conjugate bits) and
+:class:`~async_ckpt.errors.PartlyWrittenError` (:func:`partly_written`), whose cause is the failure. Targets that are not plain contiguous CPU tensors (strided views, conjugate bits) and
 records of another layout take a slower path through the buffer (``copy_``), and anything
 this module does not handle (sharded checkpoints, DTensors, devices other than the CPU, XLA
 and CUDA, custom planners) makes :func:`load_direct` return ``False`` before touching anything,
@@ -56,14 +55,14 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from ... import compat
 from ...addresses import byte_view
-from ...errors import CheckpointError, CorruptCheckpointError
+from ...errors import CheckpointError, CorruptCheckpointError, PartlyWrittenError, partly_written_error
 from ...gc_pause import gc_paused
 from ..manifest import FileRecord, crc32c, shown
 from ..torch_record import data_start, plain_data_start
 from .device_targets import DeviceTargets
 from .direct_plan import BUFFER_CHUNK_BYTES, _assign_arrivals, _plan, _Rec, _Task, _tasks, _Unsupported
 from .layout_memo import set_element
-from .read_exec import NULL, StepFiles, check_file, close_all, open_step_file, read_files, run_all
+from .read_exec import NULL, StepFiles, check_file, close_all, open_step_file, read_files, run_all, short_error
 from .reader import stored_bytes
 from .record_layout import Arrived, Probe
 from .safety import unsafe_value_error
@@ -76,6 +75,22 @@ REMOTE_DIRECT_MIN_BYTES = 8 * 2**20
 
 PARTLY_WRITTEN = ("the target state dict was partly written with this step's data and must not be "
                   "used as is; restore(..., atomic=True) leaves it untouched on failure")
+
+
+def partly_written(path: str, exc: BaseException) -> PartlyWrittenError:
+    """The error of a read of the step under ``path`` that failed (``exc``) after it had
+    written into the target.
+
+    Args:
+        path: the step directory read.
+        exc: the failure.
+
+    Returns:
+        A :class:`~async_ckpt.errors.PartlyWrittenError` whose cause is ``exc``.
+    """
+    what = str(exc) if isinstance(exc, CheckpointError) else f"restore from {path} failed ({type(exc).__name__}: {exc})"
+    return partly_written_error(f"{what}; {PARTLY_WRITTEN}", step=exc.step if isinstance(exc, CheckpointError) else None,
+                                cause=exc)
 
 
 
@@ -177,12 +192,9 @@ def _load_direct(storage: StepFiles, path: str, state_dict: Dict[str, Any], file
         with ThreadPoolExecutor(threads, thread_name_prefix="async-ckpt-read") as pool:
             return _load(storage, path, per_file, flat, mappings, files, verify, allow_pickle, pool, readers,
                          touched, state_dict, threads, devices, staged)
-    except BaseException as exc:
-        if touched[0] and isinstance(exc, CheckpointError) and not getattr(exc, "partly_written", False):
-            exc.args = (f"{exc.args[0] if exc.args else exc}; {PARTLY_WRITTEN}",) + tuple(exc.args[1:])
-            exc.partly_written = True  # type: ignore[attr-defined]
-        elif touched[0] and not isinstance(exc, (KeyboardInterrupt, SystemExit)) and not isinstance(exc, CheckpointError):
-            raise CheckpointError(f"restore from {path} failed ({type(exc).__name__}: {exc}); {PARTLY_WRITTEN}") from exc
+    except Exception as exc:
+        if touched[0] and not isinstance(exc, PartlyWrittenError):
+            raise partly_written(path, exc) from exc
         raise
     finally:
         close_all(readers)
@@ -214,7 +226,7 @@ def _load(storage: StepFiles, path: str, per_file: Dict[str, List[_Rec]], flat: 
             buf = bytearray(rec.length)
             got = r.read_into(rec.start, memoryview(buf))
             if got != rec.length:
-                raise CorruptCheckpointError(f"{path}/{name}: is shorter than the manifest says", path=f"{path}/{name}")
+                raise short_error(f"{path}/{name}", rec.start + rec.length)
             p = object.__new__(Probe)
             p.reader, p.rec, p.windows = r, rec, [(rec.start, bytes(buf))]
             return p

@@ -1,0 +1,153 @@
+"""The one rank protocol: a phase that every rank of a manager runs.
+
+A save, a restore, a deletion and the tiers' listings are sequences of phases. In a phase each
+rank runs its part (:func:`everyone`) or rank 0 alone does (:func:`primary`); the outcomes are
+exchanged through the manager's :class:`~.coordinator.Coordinator`; if any rank failed, every
+rank raises the same typed error, whose message and ``failures`` name the failures by rank (the
+rank that failed raises its own error, with ``failures`` filled in). Every rank reaches the same
+exchanges in the same order whatever fails, so a failure on one rank becomes an error on every
+rank instead of a hang (a rank that dies makes the others' exchange time out).
+
+With one process a phase is a plain call: the part runs and its error propagates as raised.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, List, Optional, Sequence, Tuple, TypeVar
+
+from .. import errors as _errors
+from ..errors import CheckpointError, RankFailure
+from .coordinator import Coordinator, unwrap_dcp
+
+T = TypeVar("T")
+
+
+@dataclass
+class _Outcome:
+    value: Any
+    failure: Optional[RankFailure]
+
+
+def everyone(coord: Coordinator, what: str, step: Optional[int], fn: Optional[Callable[[], T]] = None, *,
+             error: Optional[BaseException] = None) -> List[Optional[T]]:
+    """Run ``fn`` on every rank and gather the results.
+
+    Args:
+        coord: the manager's coordinator.
+        what: the phase's name, for the error message ("writing", "restore checks").
+        step: the step the phase concerns (set on the error raised).
+        fn: this rank's part; None: nothing to run (the rank only reports ``error``).
+        error: a failure this rank already had before the phase: reported instead of running ``fn``.
+
+    Returns:
+        Every rank's result of ``fn``, by rank (None where a rank ran nothing).
+
+    Raises:
+        CheckpointError: (or the failing error's own class) on every rank when any rank's part
+            failed or reported ``error``.
+    """
+    if coord.world_size == 1:
+        if error is not None:
+            raise error
+        return [fn() if fn is not None else None]
+    local, value = _run(fn, error)
+    outcome = _Outcome(value, None if local is None else failure_of(coord.rank, local))
+    outcomes: List[_Outcome] = coord.all_gather(outcome)
+    raise_if_failed([o.failure for o in outcomes], step, what, local)
+    return [o.value for o in outcomes]
+
+
+def primary(coord: Coordinator, what: str, step: Optional[int], fn: Callable[[], T]) -> T:
+    """Run ``fn`` on rank 0 only and hand its result to every rank.
+
+    Args:
+        coord: the manager's coordinator.
+        what: the phase's name, for the error message ("commit").
+        step: the step the phase concerns (set on the error raised).
+        fn: rank 0's part.
+
+    Returns:
+        Rank 0's result, on every rank.
+
+    Raises:
+        CheckpointError: (or the failing error's own class) on every rank when rank 0's part failed.
+    """
+    if coord.world_size == 1:
+        return fn()
+    local: Optional[BaseException] = None
+    out: Optional[_Outcome] = None
+    if coord.is_primary:
+        local, value = _run(fn, None)
+        out = _Outcome(value, None if local is None else failure_of(coord.rank, local))
+    out = coord.broadcast(out)
+    assert out is not None
+    raise_if_failed([out.failure], step, what, local)
+    return out.value
+
+
+def _run(fn: Optional[Callable[[], Any]], error: Optional[BaseException]) -> Tuple[Optional[BaseException], Any]:
+    if error is not None or fn is None:
+        return error, None
+    try:
+        return None, fn()
+    except BaseException as exc:  # noqa: BLE001 - every rank learns of it; KeyboardInterrupt is re-raised after
+        return exc, None
+
+
+def failure_of(rank: int, exc: BaseException) -> RankFailure:
+    """``exc`` raised on ``rank``, as it is exchanged between ranks.
+
+    Args:
+        rank: this rank.
+        exc: its error (DCP's ``CheckpointException`` is unwrapped and names the rank that failed).
+
+    Returns:
+        The :class:`~async_ckpt.errors.RankFailure` to exchange.
+    """
+    where, err = unwrap_dcp(exc)
+    return RankFailure(rank if where is None else where, type(err).__name__, str(err))
+
+
+def raise_if_failed(failures: Sequence[Optional[RankFailure]], step: Optional[int], what: str,
+                    local: Optional[BaseException] = None) -> None:
+    """Raise the phase's error on this rank if any rank failed.
+
+    Args:
+        failures: every rank's failure (None where a rank succeeded), by rank.
+        step: the step of the phase.
+        what: the phase's name.
+        local: this rank's own error, if it had one: it is raised (with ``step`` and ``failures``
+            set) so that its type and traceback stay; an error that is not a
+            :class:`~async_ckpt.errors.CheckpointError` is wrapped in one.
+
+    Raises:
+        CheckpointError: of the first failure's class where it is one of async_ckpt's, naming
+            every failure by rank. KeyboardInterrupt and SystemExit are re-raised as they are.
+    """
+    bad = list(dict.fromkeys(f for f in failures if f is not None))  # DCP gives every rank the same one
+    if not bad:
+        return
+    if local is not None and isinstance(local, (KeyboardInterrupt, SystemExit)):
+        raise local
+    summary = "; ".join(f"rank {f.rank}: {f.kind}: {f.message}" for f in bad)
+    message = f"step {step}: {what} failed: {summary}" if step is not None else f"{what} failed: {summary}"
+    if local is not None:
+        _, own = unwrap_dcp(local)
+        if isinstance(own, CheckpointError):
+            if own.step is None:
+                own.step = step
+            own.failures = tuple(bad)
+            raise own
+        raise CheckpointError(message, step=step, failures=bad) from own
+    raise _rebuild(bad[0].kind, message, step, bad)
+
+
+def _rebuild(kind: str, message: str, step: Optional[int], failures: Sequence[RankFailure]) -> CheckpointError:
+    cls = getattr(_errors, kind, None)
+    if not (isinstance(cls, type) and issubclass(cls, CheckpointError)):
+        cls = CheckpointError
+    try:
+        return cls(message, step=step, failures=failures)
+    except TypeError:
+        return CheckpointError(message, step=step, failures=failures)
