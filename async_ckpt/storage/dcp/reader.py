@@ -69,7 +69,7 @@ class PeerReadFailed(Exception):
     """This rank's part of a multi-process restore was read and verified, another rank's was
     not: this rank wrote nothing either. Not a :class:`~async_ckpt.errors.CheckpointError`, so
     that the failing rank's own error is the one every rank raises (see
-    :func:`~async_ckpt.lifecycle.coordinator.dcp_failure`)."""
+    :func:`~.common.unwrap_dcp`)."""
 
 
 class FsspecStorageReader(StorageReader):
