@@ -140,3 +140,31 @@ def test_a_short_file_reads_the_same_from_every_whole_file_engine(step):
             fn()
         said.add(str(ei.value))
     assert said == {f"{where}: size is {files[name].size - 3} bytes, manifest says {files[name].size}"}
+
+
+def test_overlapping_items_are_found_in_any_order(step):
+    """Items of one file that overlap are reported naming both, whether the metadata lists them
+    in file order or not; out of order without overlapping is fine."""
+    from async_ckpt.storage.dcp import check_step_metadata
+
+    storage, path, sd, files, md = step
+    where = f"{path}/{METADATA_NAME}"
+    assert set(check_step_metadata(md, files, where=where)) == {n for n in files if n != METADATA_NAME}
+    big = next(i for idx, i in md.storage_data.items() if idx.fqn == "big")
+    items = sorted(((i.offset, idx.fqn, i) for idx, i in md.storage_data.items()
+                    if i.relative_path == big.relative_path), key=lambda x: x[0])
+    assert len(items) >= 3
+    # the same items listed in reverse file order: still one valid file
+    md.storage_data = dict(reversed(list(md.storage_data.items())))
+    assert set(check_step_metadata(md, files, where=where)) == {n for n in files if n != METADATA_NAME}
+    for order in (list, lambda x: list(reversed(x))):
+        md.storage_data = dict(order(list(md.storage_data.items())))
+        second = items[1][2]
+        saved = second.offset
+        second.offset = items[0][0] + 1  # inside the first item
+        try:
+            with pytest.raises(CorruptCheckpointError, match=f"{items[0][1]} and {items[1][1]} overlap in "
+                                                             f"{big.relative_path}"):
+                check_step_metadata(md, files, where=where)
+        finally:
+            second.offset = saved

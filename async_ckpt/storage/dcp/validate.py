@@ -107,7 +107,13 @@ def _check(md: Any, files: Optional[Dict[str, FileRecord]], where: str, bad: Any
         raise bad(f"its storage data is {type(data).__name__}, not a dict")
     if paths is not None and not isinstance(paths, dict):
         raise bad(f"its key paths (planner_data) are {type(paths).__name__}, not a dict")
-    spans: Dict[str, List[Tuple[int, int, str]]] = {}  # file -> (start, end, key) of each item in it
+    # Per file: where its items end so far, while they come in file order without overlapping
+    # (as every writer stores them); a file whose items do not is checked again below, sorted.
+    ends: Dict[str, int] = {}
+    first: Dict[str, str] = {}  # file -> the key of its first item
+    unordered: Set[str] = set()
+    cur_rel: Any = None
+    cur_end = 0
     last: Dict[str, Tuple[Any, Any]] = {}  # key -> (chunk offsets or None, where it is stored) of its last item
     several: Set[str] = set()  # keys stored as several items (chunks)
     for idx, info in data.items():
@@ -126,11 +132,18 @@ def _check(md: Any, files: Optional[Dict[str, FileRecord]], where: str, bad: Any
             length = getattr(info, "length", None)
         if type(offset) is not int or type(length) is not int or offset < 0 or length < 0:
             raise bad(f"{shown(fqn)}: invalid byte range {shown(offset)}+{shown(length)}")
-        items = spans.get(rel)
-        if items is None:
-            check_file_name(rel, where=where)
-            items = spans[rel] = []
-        items.append((offset, offset + length, fqn))
+        if rel != cur_rel or cur_rel is None:
+            if cur_rel is not None:
+                ends[cur_rel] = cur_end
+            got = ends.get(rel)
+            if got is None:
+                check_file_name(rel, where=where)
+                first[rel] = fqn
+                got = 0
+            cur_rel, cur_end = rel, got
+        if offset < cur_end:
+            unordered.add(rel)
+        cur_end = offset + length if offset + length > cur_end else cur_end
         at: Any = idx.offset  # a tensor chunk's offsets (a crafted pickle may hold a list: not hashable)
         if at is not None and type(at) is not torch.Size:
             if not _dims(at):
@@ -168,20 +181,23 @@ def _check(md: Any, files: Optional[Dict[str, FileRecord]], where: str, bad: Any
                 or not all(isinstance(p, str) or _count(p) for p in path):
             raise bad(f"{shown(fqn)}: its key path {shown(path)} is not a non-empty sequence of names and list "
                       "indices")
-    ends: Dict[str, int] = {}
-    for rel, items in spans.items():
-        items.sort()
+    if cur_rel is not None:
+        ends[cur_rel] = cur_end
+    for rel in sorted(unordered, key=list(ends).index):
+        items = sorted((info.offset, info.offset + info.length, idx.fqn) for idx, info in data.items()
+                       if info.relative_path == rel)
         for (_, end, key), (start, _, nxt) in zip(items, items[1:]):
             if start < end:
                 raise bad(f"{shown(key)} and {shown(nxt)} overlap in {shown(rel)} (bytes {start}-{end})")
         ends[rel] = items[-1][1]
+        first[rel] = items[0][2]
     if files is None:
         return ends
     step_dir = where.rsplit("/", 1)[0] if "/" in where else ""
     for rel, end in ends.items():
         rec = files.get(rel)
         if rec is None:
-            raise bad(f"{shown(spans[rel][0][2])} is stored in {shown(rel)}, which the manifest lacks; refusing "
+            raise bad(f"{shown(first[rel])} is stored in {shown(rel)}, which the manifest lacks; refusing "
                       "to read it unchecked")
         at = f"{step_dir}/{rel}" if step_dir else rel
         if end > rec.size:
