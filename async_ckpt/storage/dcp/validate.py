@@ -135,12 +135,12 @@ def _check(md: Any, files: Optional[Dict[str, FileRecord]], where: str, bad: Any
         if rel != cur_rel or cur_rel is None:
             if cur_rel is not None:
                 ends[cur_rel] = cur_end
-            got = ends.get(rel)
-            if got is None:
+            so_far = ends.get(rel)
+            if so_far is None:
                 check_file_name(rel, where=where)
                 first[rel] = fqn
-                got = 0
-            cur_rel, cur_end = rel, got
+                so_far = 0
+            cur_rel, cur_end = rel, so_far
         if offset < cur_end:
             unordered.add(rel)
         cur_end = offset + length if offset + length > cur_end else cur_end
