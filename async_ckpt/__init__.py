@@ -20,6 +20,7 @@ from .errors import (
     StepNotFoundError,
     StorageError,
     StorageTimeoutError,
+    TornSnapshotError,
     UnsafeCheckpointError,
 )
 from .manager import CheckpointManager
@@ -67,6 +68,7 @@ __all__ = [
     "StepNotFoundError",
     "StorageError",
     "StorageTimeoutError",
+    "TornSnapshotError",
     "UnsafeCheckpointError",
     "AnyOf",
     "AtSteps",

@@ -34,8 +34,17 @@ def host_empty_cache() -> None:
 
 
 def register_exit_hook(fn: Callable[[], None]) -> bool:
-    """Run ``fn`` at interpreter exit before ``concurrent.futures`` stops taking work
-    (``threading._register_atexit``); False where that hook does not exist."""
+    """Run ``fn`` at interpreter exit, before ``concurrent.futures`` stops taking work.
+
+    Through ``threading._register_atexit``.
+
+    Args:
+        fn: the hook.
+
+    Returns:
+        Whether it was registered (False where that hook does not exist, or the interpreter
+        is shutting down already).
+    """
     reg = getattr(threading, "_register_atexit", None)
     if reg is None:
         return False
@@ -96,6 +105,7 @@ def xlac() -> Any:
 
 
 def xla_to_dlpack_fn() -> Callable[[torch.Tensor], Any]:
+    """``_to_dlpack``: a DLPack capsule of an XLA tensor's device buffer."""
     return xlac()._to_dlpack
 
 
@@ -105,8 +115,17 @@ def xla_from_dlpack_fn() -> Callable[[Any], torch.Tensor]:
 
 
 def xla_tensors_from_aten(tensors: List[torch.Tensor], device: str) -> List[torch.Tensor]:
-    """torch_xla's batched host-to-device transfer of ``tensors`` onto ``device``
-    (``_xla_tensors_from_aten``, what ``xm.send_cpu_data_to_device`` calls)."""
+    """torch_xla's batched host-to-device transfer (``_xla_tensors_from_aten``).
+
+    What ``xm.send_cpu_data_to_device`` calls.
+
+    Args:
+        tensors: host tensors.
+        device: the XLA device, e.g. ``"xla:0"``.
+
+    Returns:
+        XLA tensors on ``device``, in the order of ``tensors``.
+    """
     return list(xlac()._xla_tensors_from_aten(list(tensors), [device] * len(tensors), None))
 
 
@@ -126,7 +145,14 @@ def xla_need_materialization_fn() -> Optional[Callable[[List[torch.Tensor]], Lis
 
 
 def xla_get_cpu_tensors(tensors: List[torch.Tensor]) -> List[torch.Tensor]:
-    """torch_xla's batched device-to-host transfer (``_xla_get_cpu_tensors``, GIL released)."""
+    """torch_xla's batched device-to-host transfer (``_xla_get_cpu_tensors``, GIL released).
+
+    Args:
+        tensors: XLA tensors.
+
+    Returns:
+        Host copies, in the order of ``tensors``.
+    """
     return list(xlac()._xla_get_cpu_tensors(list(tensors)))
 
 
@@ -136,6 +162,7 @@ def xla_alias_with_buffer_donor() -> bool:
 
 
 def xla_sharding_type_fn() -> Callable[[torch.Tensor], Any]:
+    """``_get_xla_sharding_type``: an XLA tensor's SPMD sharding type (None when unsharded)."""
     return xlac()._get_xla_sharding_type
 
 
@@ -156,8 +183,10 @@ def xla_preemption() -> Any:
 # ---- torch (storage) ------------------------------------------------------------------------
 
 def storage_type_dtypes() -> dict:
-    """``{"FloatStorage": torch.float32, ...}``: the storage class names ``torch.save`` writes
-    in ``data.pkl``, from ``torch.storage._dtype_to_storage_type_map``; empty where it is missing."""
+    """The storage class names ``torch.save`` writes in ``data.pkl``, with their dtypes.
+
+    ``{"FloatStorage": torch.float32, ...}``, from ``torch.storage._dtype_to_storage_type_map``;
+    empty where it is missing."""
     try:
         from torch.storage import _dtype_to_storage_type_map
 

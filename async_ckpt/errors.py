@@ -12,8 +12,10 @@ _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
 def warn_user(message: str, category: Type[Warning] = UserWarning) -> None:
-    """Issue a warning attributed to the caller's first frame outside async_ckpt (the line of
-    the user's code that called into the library), whatever the depth of the call inside it.
+    """Issue a warning attributed to the caller's first frame outside async_ckpt.
+
+    That is the line of the user's code that called into the library, whatever the depth of the call
+    inside it.
 
     Args:
         message: the text; it is prefixed with ``"async_ckpt: "`` unless it starts with it.
@@ -52,6 +54,11 @@ class CheckpointError(RuntimeError):
     original exception chained as ``__cause__``) at the next ``save``/``save_async``/
     ``join``/``close``.
 
+    Args:
+        message: what went wrong, for people.
+        step: the step the error concerns, or None.
+        failures: every rank's failure in the phase that failed, or empty.
+
     Attributes:
         step: the step the failure concerns, where there is one.
         failures: with several ranks, every rank's failure in the phase that failed (the same
@@ -65,9 +72,10 @@ class CheckpointError(RuntimeError):
 
 
 class InvalidArgumentError(CheckpointError, ValueError, TypeError):
-    """An argument of the public API that is invalid: a wrong type or value (``save_interval=0``,
-    a NaN or non-number metric, an unknown ``commit_mode``, ...). It is a ``ValueError`` and a
-    ``TypeError`` too, so code that caught those keeps working."""
+    """An invalid argument of the public API: a wrong type or value.
+
+    For example ``save_interval=0``, a NaN or non-number metric, an unknown ``commit_mode``. It is a
+    ``ValueError`` and a ``TypeError`` too, so code that caught those keeps working."""
 
 
 class InvalidStepError(CheckpointError, ValueError):
@@ -83,12 +91,21 @@ class StepNotFoundError(CheckpointError, FileNotFoundError):
 
 
 class StateDictMismatchError(CheckpointError, ValueError):
-    """Restore into a state dict whose keys, shapes or dtypes do not match the checkpoint, or
-    whose target tensors cannot be written in place (meta tensors, expanded tensors)."""
+    """A restore target that does not fit the checkpoint.
+
+    Its keys, shapes or dtypes do not match the checkpoint's, or its target tensors cannot be
+    written in place (meta tensors, expanded tensors)."""
 
 
 class CorruptCheckpointError(CheckpointError):
-    """A committed checkpoint whose files fail verification (size, checksum, manifest)."""
+    """A committed checkpoint whose files fail verification (size, checksum, manifest).
+
+    Args:
+        message: what failed verification.
+        step: the damaged step (``step`` attribute), or None.
+        path: the damaged file (``path`` attribute), or None.
+        failures: with several ranks, every rank's failure (see :class:`CheckpointError`).
+    """
 
     def __init__(self, message: str, *, step: Optional[int] = None, path: Optional[str] = None,
                  failures: Sequence[RankFailure] = ()) -> None:
@@ -97,9 +114,18 @@ class CorruptCheckpointError(CheckpointError):
 
 
 class PartlyWrittenError(CheckpointError):
-    """A restore that failed after it had written some of the checkpoint's data into the
-    target state dict in place: the target must not be used as is (``restore(...,
+    """A restore that failed after it had written part of the checkpoint into its target.
+
+    The target state dict was written in place and must not be used as is (``restore(...,
     atomic=True)`` leaves the target untouched on failure).
+
+    Args:
+        message: the cause's text and what was written.
+        step: the step the restore was reading.
+        cause: the failure that stopped the restore.
+        damaged_steps: the steps whose failed attempts wrote into the target, newest first.
+        keys_left: keys of the target left holding a damaged step's data.
+        failures: with several ranks, every rank's failure (see :class:`CheckpointError`).
 
     Attributes:
         cause: the failure that stopped the restore (also ``__cause__``): a
@@ -126,8 +152,9 @@ class PartlyWrittenError(CheckpointError):
 
 
 class CorruptPartlyWrittenError(PartlyWrittenError, CorruptCheckpointError):
-    """A :class:`PartlyWrittenError` whose cause is damaged data: ``except
-    CorruptCheckpointError`` catches it too, and its ``path`` is the damaged file's."""
+    """A :class:`PartlyWrittenError` whose cause is damaged data.
+
+    ``except CorruptCheckpointError`` catches it too, and its ``path`` is the damaged file's."""
 
 
 def partly_written_error(message: str, *, cause: BaseException, step: Optional[int] = None,
@@ -158,8 +185,18 @@ class StorageError(CheckpointError, OSError):
 
 
 class StorageTimeoutError(StorageError):
-    """A storage call did not finish within its deadline (``RetryPolicy.deadline``): the
-    storage stopped answering (a network black hole, a hung mount)."""
+    """A storage call did not finish within ``RetryPolicy.deadline``.
+
+    The storage stopped answering (a network black hole, a hung mount)."""
+
+
+class TornSnapshotError(CheckpointError):
+    """A tensor of a lazy snapshot was modified before its host copy completed.
+
+    Raised by the background save (and re-raised at the next ``save_async``/``join``), never
+    silently written. Call ``CheckpointManager.wait_for_staging()`` before mutating tensors by
+    hand while a lazy save is staging, or save with ``lazy=False``.
+    """
 
 
 class StagingBudgetError(CheckpointError, MemoryError):
@@ -171,7 +208,14 @@ class UnsafeCheckpointError(CheckpointError):
 
 
 class LeaseHeldError(CheckpointError):
-    """Another live writer holds the checkpoint root's writer lease (``holder`` names it)."""
+    """Another live writer holds the checkpoint root's writer lease, or this one lost it.
+
+    Args:
+        message: which root, who holds its lease, and what to do.
+        holder: who holds the lease (``"pid 123 on host"``; the ``holder`` attribute), or None.
+        step: the step whose save or deletion was refused, or None.
+        failures: with several ranks, every rank's failure (see :class:`CheckpointError`).
+    """
 
     def __init__(self, message: str, *, holder: Optional[str] = None, step: Optional[int] = None,
                  failures: Sequence[RankFailure] = ()) -> None:

@@ -69,8 +69,14 @@ __all__ = [
 class CheckpointInfo:
     """What retention policies see of a committed checkpoint (read from its manifest).
 
-    ``extra``: the manifest's ``extra`` entries (what the saving manager recorded, e.g. the
-    id of the save that wrote a step to both tiers); not compared."""
+    Attributes:
+        step: the step.
+        commit_time: wall-clock time (``time.time()``) of its commit.
+        metrics: the ``metrics=`` given to the save that wrote it.
+        nbytes: its size in bytes.
+        extra: the manifest's ``extra`` entries (what the saving manager recorded, e.g. the
+            id of the save that wrote a step to both tiers); not compared.
+    """
 
     step: int
     commit_time: float
@@ -107,14 +113,34 @@ class SaveContext:
 
 @runtime_checkable
 class SavePolicy(Protocol):
+    """A save policy: decides whether a checkpoint is due at a step (see the module docstring)."""
+
     def should_save(self, step: int, context: Optional["SaveContext"] = None) -> bool:
-        """Whether a checkpoint is due at ``step`` (``context``: what the manager knows)."""
+        """Whether a checkpoint is due at ``step``.
+
+        Args:
+            step: the training step.
+            context: what the manager knows (None outside a manager).
+
+        Returns:
+            True when a save is due.
+        """
 
 
 @runtime_checkable
 class RetentionPolicy(Protocol):
+    """A retention policy: decides which committed checkpoints to keep (see the module docstring)."""
+
     def keep(self, checkpoints: Sequence[CheckpointInfo]) -> Set[int]:
-        """The steps to keep, given every committed checkpoint in commit order."""
+        """The steps to keep.
+
+        Args:
+            checkpoints: every committed checkpoint, oldest commit first.
+
+        Returns:
+            The steps to keep; the manager deletes the others (never the newest committed
+            step nor one still being written).
+        """
 
 
 SavePolicyLike = Union[SavePolicy, Callable[[int], bool]]
@@ -143,7 +169,14 @@ def _commit_order(checkpoints: Sequence[CheckpointInfo]) -> List[CheckpointInfo]
 # ---- save policies ------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class EveryNSteps:
-    """Save when ``step % n == 0`` (torch_xla's ``save_interval``)."""
+    """Save when ``step % n == 0`` (torch_xla's ``save_interval``).
+
+    Attributes:
+        n: the interval in steps (an int >= 1).
+
+    Raises:
+        InvalidArgumentError: ``n`` is not an int >= 1.
+    """
 
     n: int
 
@@ -152,11 +185,27 @@ class EveryNSteps:
             raise InvalidArgumentError(f"save interval must be an int >= 1, got {self.n!r}")
 
     def should_save(self, step: int, context: Optional[SaveContext] = None) -> bool:
+        """Whether ``step`` is a multiple of ``n``.
+
+        Args:
+            step: the training step.
+            context: not used.
+
+        Returns:
+            ``step % n == 0``.
+        """
         return step % self.n == 0
 
 
 class AtSteps:
-    """Save at exactly the given steps."""
+    """Save at exactly the given steps.
+
+    Args:
+        steps: the steps (non-negative ints).
+
+    Raises:
+        InvalidArgumentError: ``steps`` is not an iterable of non-negative ints.
+    """
 
     def __init__(self, steps: Iterable[int]) -> None:
         if isinstance(steps, (str, bytes)) or not isinstance(steps, Iterable):
@@ -164,6 +213,15 @@ class AtSteps:
         self.steps: FrozenSet[int] = frozenset(_check_int("AtSteps step", s, 0) for s in steps)
 
     def should_save(self, step: int, context: Optional[SaveContext] = None) -> bool:
+        """Whether ``step`` is one of the steps.
+
+        Args:
+            step: the training step.
+            context: not used.
+
+        Returns:
+            ``step in steps``.
+        """
         return step in self.steps
 
     def __repr__(self) -> str:
@@ -187,8 +245,8 @@ class EveryTSeconds:
             manager the context's times are used.
 
     Raises:
-        TypeError: ``seconds`` is not a number, or ``clock`` is not callable.
-        ValueError: ``seconds`` is not finite and > 0.
+        InvalidArgumentError: ``seconds`` is not a finite number > 0, or ``clock`` is not
+            callable.
     """
 
     def __init__(self, seconds: float, clock: Callable[[], float] = time.monotonic) -> None:
@@ -199,6 +257,16 @@ class EveryTSeconds:
         self._own_last = clock()
 
     def should_save(self, step: int, context: Optional[SaveContext] = None) -> bool:
+        """Whether ``seconds`` have passed since the previous save (or the start).
+
+        Args:
+            step: the training step (not used).
+            context: the manager's times; None outside a manager, where this policy's own
+                ``clock`` measures from its previous yes (or its construction).
+
+        Returns:
+            True when the interval has passed.
+        """
         if context is None:
             now = self.clock()
             if now - self._own_last >= self.seconds:
@@ -217,12 +285,27 @@ class Continuous:
 
     Checkpoints as often as the storage allows without ever making training wait for a slot.
     Used outside a manager (no context) it always says yes.
+
+    Args:
+        min_interval_s: the least seconds between two saves (a finite number >= 0).
+
+    Raises:
+        InvalidArgumentError: ``min_interval_s`` is not a finite number >= 0.
     """
 
     def __init__(self, min_interval_s: float = 0.0) -> None:
         self.min_interval_s = _check_seconds("Continuous min_interval_s", min_interval_s, allow_zero=True)
 
     def should_save(self, step: int, context: Optional[SaveContext] = None) -> bool:
+        """Whether no save is in flight and ``min_interval_s`` passed since the last one.
+
+        Args:
+            step: the training step (not used).
+            context: what the manager knows (None: always True).
+
+        Returns:
+            True when a save may start now.
+        """
         if context is None:
             return True
         if context.save_in_flight:
@@ -243,6 +326,15 @@ class OnPreemption:
     """
 
     def should_save(self, step: int, context: Optional[SaveContext] = None) -> bool:
+        """Whether the manager detected a preemption whose checkpoint is not taken yet.
+
+        Args:
+            step: the training step (not used).
+            context: what the manager knows (None: always False).
+
+        Returns:
+            ``context.preempted``.
+        """
         return bool(context is not None and context.preempted)
 
     def __repr__(self) -> str:
@@ -250,7 +342,16 @@ class OnPreemption:
 
 
 def decide_save(policy: SavePolicy, step: int, context: Optional[SaveContext] = None) -> bool:
-    """A save policy's decision (``policy`` as returned by :func:`as_save_policy`)."""
+    """A save policy's decision, as a bool.
+
+    Args:
+        policy: a save policy as returned by :func:`as_save_policy`.
+        step: the training step.
+        context: what the manager knows (None outside a manager).
+
+    Returns:
+        Whether a save is due.
+    """
     return bool(policy.should_save(step, context))
 
 
@@ -293,9 +394,19 @@ def _takes_context(method: Callable[..., Any]) -> bool:
 
 
 def as_save_policy(policy: Any) -> SavePolicy:
-    """A save policy whose ``should_save(step, context)`` can always be called: the object
-    itself when its ``should_save`` takes the context, else an adapter (for ``should_save(step)``
-    objects and plain callables ``fn(step) -> bool``). Decided once, here."""
+    """A save policy whose ``should_save(step, context)`` can always be called.
+
+    Args:
+        policy: an object with ``should_save(step, context)`` or ``should_save(step)``, or a
+            plain callable ``fn(step) -> bool``.
+
+    Returns:
+        ``policy`` itself when its ``should_save`` takes the context, else an adapter that
+        calls it with the step only (decided once, here).
+
+    Raises:
+        InvalidArgumentError: ``policy`` has no ``should_save`` method and is not callable.
+    """
     should = getattr(policy, "should_save", None)
     if callable(should):
         return policy if _takes_context(should) else _StepOnly(policy)
@@ -310,12 +421,27 @@ class KeepAll:
     """Never delete anything."""
 
     def keep(self, checkpoints: Sequence[CheckpointInfo]) -> Set[int]:
+        """Every step.
+
+        Args:
+            checkpoints: every committed checkpoint.
+
+        Returns:
+            Their steps.
+        """
         return {c.step for c in checkpoints}
 
 
 @dataclass(frozen=True)
 class KeepLatest:
-    """Keep the ``n`` most recently committed checkpoints (torch_xla's ``max_to_keep``)."""
+    """Keep the ``n`` most recently committed checkpoints (torch_xla's ``max_to_keep``).
+
+    Attributes:
+        n: how many to keep (an int >= 1).
+
+    Raises:
+        InvalidArgumentError: ``n`` is not an int >= 1.
+    """
 
     n: int
 
@@ -324,13 +450,28 @@ class KeepLatest:
             raise InvalidArgumentError(f"KeepLatest needs n >= 1, got {self.n!r}")
 
     def keep(self, checkpoints: Sequence[CheckpointInfo]) -> Set[int]:
+        """The steps of the ``n`` newest commits (ties of commit time: the higher step is newer).
+
+        Args:
+            checkpoints: every committed checkpoint.
+
+        Returns:
+            The steps to keep.
+        """
         ordered = _commit_order(checkpoints)
         return {c.step for c in ordered[-self.n:]}
 
 
 @dataclass(frozen=True)
 class KeepEveryNSteps:
-    """Keep every checkpoint whose step is a multiple of ``n``, forever (Orbax's ``keep_period``)."""
+    """Keep every checkpoint whose step is a multiple of ``n``, forever (Orbax's ``keep_period``).
+
+    Attributes:
+        n: the period in steps (an int >= 1).
+
+    Raises:
+        InvalidArgumentError: ``n`` is not an int >= 1.
+    """
 
     n: int
 
@@ -338,6 +479,14 @@ class KeepEveryNSteps:
         _check_int("KeepEveryNSteps n", self.n)
 
     def keep(self, checkpoints: Sequence[CheckpointInfo]) -> Set[int]:
+        """The steps that are multiples of ``n``.
+
+        Args:
+            checkpoints: every committed checkpoint.
+
+        Returns:
+            The steps to keep.
+        """
         return {c.step for c in checkpoints if c.step % self.n == 0}
 
 
@@ -348,6 +497,12 @@ class KeepTimeInterval:
     Walking the checkpoints oldest commit first, the first one is kept, then each one committed
     at least ``seconds`` after the last kept one. Deleting a checkpoint this policy does not keep
     never changes which ones it keeps, so its decisions are stable as checkpoints come and go.
+
+    Attributes:
+        seconds: the interval of commit time (a finite number > 0).
+
+    Raises:
+        InvalidArgumentError: ``seconds`` is not a finite number > 0.
     """
 
     seconds: float
@@ -356,6 +511,14 @@ class KeepTimeInterval:
         _check_seconds("KeepTimeInterval seconds", self.seconds)
 
     def keep(self, checkpoints: Sequence[CheckpointInfo]) -> Set[int]:
+        """One step per ``seconds`` of commit time (see the class docstring).
+
+        Args:
+            checkpoints: every committed checkpoint.
+
+        Returns:
+            The steps to keep.
+        """
         kept: Set[int] = set()
         last: Optional[float] = None
         for c in _commit_order(checkpoints):
@@ -373,8 +536,8 @@ _MISSING = ("keep", "drop")
 class KeepBest:
     """Keep the ``n`` checkpoints with the best value of ``metric`` (Lightning's ``save_top_k``).
 
-    Args:
-        n: how many to keep.
+    Attributes:
+        n: how many to keep (an int >= 1).
         metric: a key of the ``metrics=`` given to ``save``/``save_async``.
         mode: ``"min"`` (a loss) or ``"max"`` (an accuracy).
         missing: checkpoints saved without this metric are all kept (``"keep"``, the default)
@@ -382,6 +545,10 @@ class KeepBest:
 
     Ties go to the checkpoint committed first, so a new checkpoint that is only as good as a
     kept one never displaces it.
+
+    Raises:
+        InvalidArgumentError: ``n`` is not an int >= 1, ``metric`` is not a non-empty string,
+            or ``mode`` / ``missing`` is not one of its values.
     """
 
     n: int
@@ -399,10 +566,25 @@ class KeepBest:
             raise InvalidArgumentError(f"KeepBest missing must be one of {_MISSING}, got {self.missing!r}")
 
     def ranked(self, checkpoints: Sequence[CheckpointInfo]) -> List[CheckpointInfo]:
-        """Checkpoints that have the metric, best first."""
+        """Checkpoints that have the metric, best first (ties: the earliest commit first).
+
+        Args:
+            checkpoints: committed checkpoints.
+
+        Returns:
+            Those whose ``metrics`` hold ``metric``, ranked.
+        """
         return _rank(checkpoints, self.metric, self.mode)
 
     def keep(self, checkpoints: Sequence[CheckpointInfo]) -> Set[int]:
+        """The ``n`` best steps, and (``missing="keep"``) every step without the metric.
+
+        Args:
+            checkpoints: every committed checkpoint.
+
+        Returns:
+            The steps to keep.
+        """
         kept = {c.step for c in self.ranked(checkpoints)[: self.n]}
         if self.missing == "keep":
             kept |= {c.step for c in checkpoints if self.metric not in c.metrics}
@@ -416,7 +598,19 @@ def _rank(checkpoints: Sequence[CheckpointInfo], metric: str, mode: str) -> List
 
 
 def best_checkpoint(checkpoints: Sequence[CheckpointInfo], metric: str, mode: str = "min") -> Optional[CheckpointInfo]:
-    """The checkpoint with the best ``metric`` (ties: the earliest commit), or None if none has it."""
+    """The checkpoint with the best ``metric`` (ties: the earliest commit).
+
+    Args:
+        checkpoints: committed checkpoints.
+        metric: a key of their ``metrics``.
+        mode: ``"min"`` or ``"max"``.
+
+    Returns:
+        The best one, or None when none has the metric.
+
+    Raises:
+        InvalidArgumentError: ``mode`` is neither ``"min"`` nor ``"max"``.
+    """
     if mode not in _MODES:
         raise InvalidArgumentError(f"mode must be one of {_MODES}, got {mode!r}")
     ranked = _rank(checkpoints, metric, mode)
@@ -448,7 +642,18 @@ def _steps_from(result: Any, who: Any) -> Set[int]:
 
 
 def as_retention_policy(policy: Any) -> RetentionPolicy:
-    """Validate a retention policy: an object with ``keep`` or a callable ``fn(checkpoints)``."""
+    """A retention policy whose ``keep(checkpoints)`` can be called.
+
+    Args:
+        policy: an object with ``keep(checkpoints)``, or a plain callable
+            ``fn(checkpoints) -> iterable of steps``.
+
+    Returns:
+        ``policy`` itself when it has ``keep``, else an adapter that calls it.
+
+    Raises:
+        InvalidArgumentError: ``policy`` has no ``keep`` method and is not callable.
+    """
     if callable(getattr(policy, "keep", None)):
         return policy
     if callable(policy):
@@ -457,7 +662,18 @@ def as_retention_policy(policy: Any) -> RetentionPolicy:
 
 
 def apply_retention(policy: RetentionPolicy, checkpoints: Sequence[CheckpointInfo]) -> Set[int]:
-    """Run a retention policy and check what it returns (a set of ints)."""
+    """Run a retention policy and check what it returns.
+
+    Args:
+        policy: a retention policy as returned by :func:`as_retention_policy`.
+        checkpoints: every committed checkpoint, oldest commit first.
+
+    Returns:
+        The steps to keep.
+
+    Raises:
+        InvalidArgumentError: the policy returned something other than an iterable of ints.
+    """
     return _steps_from(policy.keep(checkpoints), policy)
 
 
@@ -468,6 +684,12 @@ class AnyOf:
     As a save policy: save when any member wants to. As a retention policy: keep every step any
     member keeps (``AnyOf([KeepBest(3, "loss"), KeepLatest(2)])`` keeps the best 3 and the
     latest 2). Members may be policy objects or plain callables.
+
+    Args:
+        policies: the members (at least one).
+
+    Raises:
+        InvalidArgumentError: ``policies`` is not a non-empty sequence of policies or callables.
     """
 
     def __init__(self, policies: Sequence[Any]) -> None:
@@ -482,6 +704,18 @@ class AnyOf:
         self._savers: Optional[Tuple[SavePolicy, ...]] = None
 
     def should_save(self, step: int, context: Optional[SaveContext] = None) -> bool:
+        """Whether any member wants to save (members after the first yes are not asked).
+
+        Args:
+            step: the training step.
+            context: what the manager knows (None outside a manager).
+
+        Returns:
+            True when a member's ``should_save`` is.
+
+        Raises:
+            InvalidArgumentError: a member is a retention policy.
+        """
         if self._savers is None:
             for p in self.policies:
                 if callable(getattr(p, "keep", None)) and not callable(getattr(p, "should_save", None)):
@@ -490,6 +724,18 @@ class AnyOf:
         return any(decide_save(p, step, context) for p in self._savers)  # stops at the first yes
 
     def keep(self, checkpoints: Sequence[CheckpointInfo]) -> Set[int]:
+        """Every step any member keeps.
+
+        Args:
+            checkpoints: every committed checkpoint.
+
+        Returns:
+            The union of the members' steps.
+
+        Raises:
+            InvalidArgumentError: a member is a save policy, or returned something other than
+                an iterable of ints.
+        """
         kept: Set[int] = set()
         for p in self.policies:
             if callable(getattr(p, "should_save", None)) and not callable(getattr(p, "keep", None)):
@@ -503,7 +749,17 @@ class AnyOf:
 
 # ---- steps and lookups --------------------------------------------------------------------------
 def check_step(step: Any) -> int:
-    """``step`` as an int; :class:`InvalidStepError` unless it is a non-negative integer."""
+    """``step`` as an int.
+
+    Args:
+        step: an int or an object with ``__index__`` (not a bool).
+
+    Returns:
+        The step.
+
+    Raises:
+        InvalidStepError: ``step`` is not a non-negative integer.
+    """
     if isinstance(step, bool):
         raise InvalidStepError(f"step must be a non-negative integer, got {step!r}")
     try:
@@ -516,7 +772,15 @@ def check_step(step: Any) -> int:
 
 
 def find_keep_best(policy: Any) -> Optional[KeepBest]:
-    """The :class:`KeepBest` in a retention policy (searched inside ``AnyOf``), if exactly one."""
+    """The :class:`KeepBest` in a retention policy (searched inside ``AnyOf``).
+
+    Args:
+        policy: a retention policy.
+
+    Returns:
+        ``policy`` itself when it is a ``KeepBest``, the one ``KeepBest`` member of an
+        ``AnyOf``, else None.
+    """
     if isinstance(policy, KeepBest):
         return policy
     found = [p for p in getattr(policy, "policies", ()) if isinstance(p, KeepBest)]

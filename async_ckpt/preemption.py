@@ -41,7 +41,18 @@ _Handler = Union[Callable[[int, Optional[FrameType]], Any], int, None]
 
 
 def resolve_sync_mode(mode: str) -> str:
-    """``"auto"`` -> ``"xla"`` when torch_xla runs on TPU, else ``"signal"``."""
+    """The detection mode to use for ``preemption_sync=mode``.
+
+    Args:
+        mode: ``"auto"``, ``"signal"`` or ``"xla"``.
+
+    Returns:
+        ``mode`` itself, except ``"auto"``: ``"xla"`` when torch_xla runs on TPU, else
+        ``"signal"``.
+
+    Raises:
+        InvalidArgumentError: ``mode`` is none of the three.
+    """
     if mode not in SYNC_MODES:
         raise InvalidArgumentError(f"preemption_sync must be one of {SYNC_MODES}, got {mode!r}")
     if mode != "auto":
@@ -72,6 +83,10 @@ class PreemptionWatcher:
     Args:
         signals: signals that mean "preempted" (``"signal"`` mode).
         sync: ``"signal"`` or ``"xla"`` (see the module docstring); ``"auto"`` is resolved here.
+
+    Raises:
+        InvalidArgumentError: ``sync`` is not a mode, a signal is not a catchable signal
+            number, or ``signals`` is empty in ``"signal"`` mode.
     """
 
     def __init__(self, signals: Sequence[int] = (signal.SIGTERM,), sync: str = "signal") -> None:
@@ -98,7 +113,15 @@ class PreemptionWatcher:
 
     # ---- install / uninstall -----------------------------------------------------------------
     def install(self) -> "PreemptionWatcher":
-        """Start watching. ``"signal"`` mode must be called from the main thread."""
+        """Start watching (a no-op when watching already).
+
+        Returns:
+            This watcher.
+
+        Raises:
+            CheckpointError: ``"signal"`` mode outside the main thread, or ``"xla"`` mode
+                without torch_xla.
+        """
         if self._installed:
             return self
         if self.sync == "xla":
@@ -159,13 +182,26 @@ class PreemptionWatcher:
             prev(signum, frame)
 
     def trigger(self, signum: Optional[int] = None) -> None:
-        """Mark a preemption as detected (for a cluster hook that learns of it another way)."""
+        """Mark a preemption as detected (for a cluster hook that learns of it another way).
+
+        Args:
+            signum: the signal that announced it, if any (kept as :attr:`signum` unless one
+                was recorded first).
+        """
         self._detected = True
         if self._signum is None:
             self._signum = signum
 
     def poll(self, step: int) -> bool:
-        """Whether a preemption has been detected (``"xla"``: the sync point was reached)."""
+        """Whether a preemption has been detected; it latches.
+
+        Args:
+            step: the training step (``"xla"``: asked of torch_xla's sync point, on which every
+                host agrees).
+
+        Returns:
+            True from the detection on.
+        """
         if self._detected or not self._installed:
             return self._detected
         if self.sync == "xla":
@@ -177,6 +213,7 @@ class PreemptionWatcher:
 
     @property
     def detected(self) -> bool:
+        """Whether a preemption has been detected (without polling torch_xla)."""
         return self._detected
 
     @property
@@ -186,6 +223,7 @@ class PreemptionWatcher:
 
     @property
     def installed(self) -> bool:
+        """Whether :meth:`install` was called and :meth:`uninstall` was not since."""
         return self._installed
 
 
@@ -199,6 +237,9 @@ class PreemptionTracker:
       ``reached`` *after* a save decision was already made for this same step (the signal came
       in between), the preemption step is the next one, so that the loop goes round once more
       and saves before it is told to exit.
+
+    Args:
+        watcher: the watcher that detects the preemption.
     """
 
     def __init__(self, watcher: PreemptionWatcher) -> None:
@@ -209,6 +250,15 @@ class PreemptionTracker:
         self._last_decision: Optional[int] = None
 
     def due(self, step: int) -> bool:
+        """Whether the save at ``step`` must happen because of a preemption (polls the watcher).
+
+        Args:
+            step: the step a save decision is made for.
+
+        Returns:
+            True when a preemption was detected, its checkpoint is not taken yet and ``step``
+            is at or after the preemption step.
+        """
         with self._lock:
             self._last_decision = step
             if not self.watcher.poll(step):
@@ -222,8 +272,12 @@ class PreemptionTracker:
         return self.watcher.detected and self.saved_step is None
 
     def adopt(self, step: int) -> None:
-        """Another rank detected a preemption and the ranks take its checkpoint at ``step``:
-        from now on this rank counts it as detected too (:meth:`reached` answers as there)."""
+        """Count a preemption another rank detected as detected here too.
+
+        Args:
+            step: the step at which the ranks take its checkpoint (the preemption step, unless
+                one is set already); :meth:`reached` then answers as on that rank.
+        """
         with self._lock:
             self.watcher.trigger()
             self._last_decision = step
@@ -231,12 +285,26 @@ class PreemptionTracker:
                 self.preempt_step = step
 
     def mark_saved(self, step: int) -> None:
+        """Record that the preemption checkpoint was taken (the first call counts).
+
+        Args:
+            step: the step it was taken at.
+        """
         with self._lock:
             if self.saved_step is None:
                 self.saved_step = step
                 log.warning("preemption checkpoint taken at step %d", step)
 
     def reached(self, step: int) -> bool:
+        """Whether the loop reached the preemption step (``reached_preemption``; polls the watcher).
+
+        Args:
+            step: the current training step.
+
+        Returns:
+            True from the preemption step on: ``step`` itself when no save decision was made
+            for it yet, else the step after it (see the class docstring).
+        """
         with self._lock:
             if not self.watcher.poll(step):
                 return False

@@ -20,11 +20,23 @@ class SaveStats:
     """Timings and sizes of one save.
 
     ``blocking_s`` is what the training loop waited for inside ``save``/``save_async``:
-    ``queue_wait_s`` (waiting for a free slot) plus ``stage_s`` (the host copy).
-    ``write_s`` is the background write of the data files, ``commit_s`` manifest + marker
-    (+ rename), and ``durable_s`` the time from the call until the step was committed.
-    ``nbytes`` counts tensor bytes staged, ``files`` the files written for the step, and
-    ``commit_time`` is the wall-clock time (``time.time()``) of the commit.
+    ``queue_wait_s`` (waiting for a free slot) plus ``stage_s`` (the host copy). The background
+    fields (``write_s``, ``commit_s``, ``durable_s``, ``commit_time``) are filled in as the save
+    completes.
+
+    Attributes:
+        step: the step saved.
+        nbytes: tensor bytes staged.
+        num_tensors: tensors staged.
+        files: files written for the step.
+        blocking_s: seconds the training loop waited inside ``save``/``save_async``.
+        queue_wait_s: seconds of that spent waiting for a free writer slot.
+        stage_s: seconds of that spent on the host copy.
+        write_s: seconds of the background write of the data files.
+        commit_s: seconds of manifest + marker (+ rename).
+        durable_s: seconds from the call until the step was committed (None while pending).
+        commit_time: wall-clock time (``time.time()``) of the commit, or None.
+        extra: further entries (an integration's ``path``, a tier's name, ...).
     """
 
     step: int
@@ -63,7 +75,17 @@ class SaveStats:
 
     @classmethod
     def from_dict(cls, d: Dict[str, Any]) -> "SaveStats":
-        """Inverse of :meth:`to_dict`; derived and unknown keys are ignored."""
+        """Inverse of :meth:`to_dict`; derived and unknown keys are ignored.
+
+        Args:
+            d: a record as :meth:`to_dict` (or one line of the stats log) gives it.
+
+        Returns:
+            The statistics.
+
+        Raises:
+            ValueError: ``d`` has no ``"step"``.
+        """
         names = {f.name for f in fields(cls)}
         if "step" not in d:
             raise ValueError(f"a SaveStats record needs a 'step', got keys {sorted(d)}")
@@ -116,8 +138,9 @@ def format_seconds(s: float) -> str:
 
 
 def format_rate(nbytes: float, seconds: float) -> str:
-    """A bandwidth in the decimal unit that fits it: ``"350 kB/s"``, ``"2.41 GB/s"`` (``"-"``
-    when nothing was timed).
+    """A bandwidth in the decimal unit that fits it: ``"350 kB/s"``, ``"2.41 GB/s"``.
+
+    ``"-"`` when nothing was timed.
 
     Args:
         nbytes: bytes moved.
@@ -135,7 +158,19 @@ def format_rate(nbytes: float, seconds: float) -> str:
     return f"{rate:.0f} B/s"
 
 
-def _check_relpath(relpath: str) -> str:
+def check_stats_relpath(relpath: str) -> str:
+    """Check the path of a stats log relative to the checkpoint root.
+
+    Args:
+        relpath: The path, ``/`` or ``\\`` separated.
+
+    Returns:
+        The path normalised to ``/``-separated parts, without empty and ``.`` parts.
+
+    Raises:
+        InvalidArgumentError: An absolute path, a URL, one with ``..``, or one that would collide
+            with step directories.
+    """
     p = relpath.replace("\\", "/").strip()
     parts = [x for x in p.split("/") if x not in ("", ".")]
     if not parts or p.startswith("/") or "://" in p or ".." in parts:
@@ -146,9 +181,18 @@ def _check_relpath(relpath: str) -> str:
 
 
 def read_stats_log(path: str, storage_options: Optional[Dict[str, Any]] = None) -> List[SaveStats]:
-    """Read a stats log (a local path or fsspec URL of the ``.jsonl`` file) into ``SaveStats``.
+    """Read a stats log into ``SaveStats``; a truncated last line (a crash mid-write) is skipped.
 
-    A truncated last line (a crash mid-write) is skipped; any other bad line raises ``ValueError``.
+    Args:
+        path: a local path or fsspec URL of the ``.jsonl`` file.
+        storage_options: fsspec options for a remote ``path``.
+
+    Returns:
+        One :class:`SaveStats` per line, in the order of the file.
+
+    Raises:
+        FileNotFoundError: there is no file at ``path``.
+        ValueError: a line other than a truncated last one is not a ``SaveStats`` record.
     """
     import fsspec
 

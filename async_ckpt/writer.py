@@ -43,7 +43,18 @@ def _with_message(exc: CheckpointError, message: str) -> CheckpointError:
 
 
 class AsyncWriter:
-    """Runs submitted jobs one after another on a daemon thread."""
+    """Runs submitted jobs one after another on a daemon thread (see the module docstring).
+
+    Args:
+        max_pending: jobs in flight at most (slots; an int >= 1).
+        name: the worker thread's name (also in the messages of deferred failures).
+        defer_errors: keep every failure for :meth:`join`/:meth:`close` (logged at once)
+            instead of raising it at the next :meth:`raise_if_failed`.
+        defer_if: defer only the failures it answers True for.
+
+    Raises:
+        InvalidArgumentError: ``max_pending`` is not an int >= 1.
+    """
 
     def __init__(self, max_pending: int = 1, name: str = "async-ckpt-writer", *, defer_errors: bool = False,
                  defer_if: Optional[Callable[[BaseException], bool]] = None) -> None:
@@ -64,7 +75,15 @@ class AsyncWriter:
 
     # ---- training-thread side ----------------------------------------------------------------
     def wait_for_slot(self, timeout: Optional[float] = None) -> None:
-        """Block until fewer than ``max_pending`` jobs are in flight. Raises earlier failures."""
+        """Block until fewer than ``max_pending`` jobs are in flight, and take a slot.
+
+        Args:
+            timeout: seconds to wait at most (None: no limit).
+
+        Raises:
+            CheckpointError: an earlier job failed (as :meth:`raise_if_failed`), or no slot
+                came free within ``timeout``.
+        """
         self.raise_if_failed()
         if not self._slots.acquire(timeout=timeout):
             raise CheckpointError(f"timed out after {timeout}s waiting for a free save slot")
@@ -75,8 +94,14 @@ class AsyncWriter:
             raise
 
     def try_slot(self) -> bool:
-        """Take a free slot if there is one, without waiting; whether it was taken. Raises
-        earlier failures as :meth:`wait_for_slot` does."""
+        """Take a free slot if there is one, without waiting.
+
+        Returns:
+            Whether a slot was taken.
+
+        Raises:
+            CheckpointError: an earlier job failed (as :meth:`raise_if_failed`).
+        """
         self.raise_if_failed()
         if not self._slots.acquire(blocking=False):
             return False
@@ -88,8 +113,9 @@ class AsyncWriter:
         return True
 
     def take_slot(self) -> None:
-        """Block until a slot is free and take it, whatever earlier saves' failures (for a
-        failed job that must still be queued: see :meth:`submit`)."""
+        """Block until a slot is free and take it, whatever earlier saves' failures.
+
+        For a failed job that must still be queued: see :meth:`submit`."""
         self._slots.acquire()
 
     def release_slot(self) -> None:
@@ -97,7 +123,18 @@ class AsyncWriter:
         self._slots.release()
 
     def submit(self, fn: Callable[[], Any], *, step: Optional[int] = None) -> "Future[Any]":
-        """Queue ``fn`` (the caller holds a slot, which the job releases when it ends)."""
+        """Queue a job; the caller holds a slot, which the job releases when it ends.
+
+        Args:
+            fn: the job (its failure is kept by :meth:`add_failure`).
+            step: the step it saves, for error messages.
+
+        Returns:
+            A future of the job's result.
+
+        Raises:
+            CheckpointError: the writer is closed (the slot is released).
+        """
         if self._closed:
             self._slots.release()
             raise CheckpointError("the checkpoint writer is closed", step=step)
@@ -113,15 +150,24 @@ class AsyncWriter:
             return any(not (self.defer_errors or d) for _, _, d in self._errors)
 
     def raise_if_failed(self, *, deferred: bool = False) -> None:
-        """Raise the kept background failures (once; the list is then cleared). A writer with
-        ``defer_errors`` raises only when ``deferred`` (``join``/``close``); the failures
-        ``defer_if`` deferred too (the others are raised, and these kept, when not ``deferred``).
+        """Raise the kept background failures (once; the list is then cleared).
+
+        A writer with ``defer_errors`` raises only when ``deferred`` (``join``/``close``); the
+        failures ``defer_if`` deferred too (the others are raised, and these kept, when not
+        ``deferred``).
 
         One failure that is a :class:`CheckpointError` of its step is raised as it is; any other
         is wrapped in a :class:`CheckpointError` naming the step (chained from it). With several
         failures, what is raised is the first one's (its type and ``step`` when it is a
         ``CheckpointError`` of its step), its message ending in ``(and N more failed save(s):
-        steps [...])``, chained from the first failure."""
+        steps [...])``, chained from the first failure.
+
+        Args:
+            deferred: raise the deferred failures too (``join``/``close``).
+
+        Raises:
+            CheckpointError: a kept failure, as described above.
+        """
         with self._lock:
             due = [e for e in self._errors if deferred or not (self.defer_errors or e[2])]
             if not due:
@@ -139,9 +185,15 @@ class AsyncWriter:
         ) from exc
 
     def add_failure(self, step: Optional[int], exc: BaseException) -> None:
-        """Keep ``exc`` as the failure of the save of ``step`` (a job that raised, or a save
-        that failed before it was queued), raised as a job's failure is; a writer with
-        ``defer_errors`` (or a failure ``defer_if`` defers) logs it now."""
+        """Keep ``exc`` as the failure of the save of ``step``.
+
+        A job that raised, or a save that failed before it was queued; it is raised as a job's
+        failure is. A writer with ``defer_errors`` (or a failure ``defer_if`` defers) logs it now.
+
+        Args:
+            step: the step whose save failed.
+            exc: the failure.
+        """
         deferred = False
         if self.defer_if is not None:
             try:
@@ -158,23 +210,45 @@ class AsyncWriter:
                       self._thread.name, step, type(exc).__name__, exc)
 
     def wait_idle(self, timeout: Optional[float] = None) -> None:
-        """Wait until every queued job has finished (failures stay kept for :meth:`join`)."""
+        """Wait until every queued job has finished (failures stay kept for :meth:`join`).
+
+        Args:
+            timeout: seconds to wait at most (None: no limit).
+
+        Raises:
+            CheckpointError: jobs were still running after ``timeout``.
+        """
         with self._idle:
             if not self._idle.wait_for(lambda: self._pending == 0, timeout=timeout):
                 raise CheckpointError(f"timed out after {timeout}s waiting for pending saves")
 
     def join(self, timeout: Optional[float] = None) -> None:
-        """Wait until every queued job has finished, then raise any failure."""
+        """Wait until every queued job has finished, then raise any failure (deferred ones too).
+
+        Args:
+            timeout: seconds to wait at most (None: no limit).
+
+        Raises:
+            CheckpointError: a job failed, or jobs were still running after ``timeout``.
+        """
         self.wait_idle(timeout)
         self.raise_if_failed(deferred=True)
 
     @property
     def pending(self) -> int:
+        """Jobs queued or running."""
         with self._lock:
             return self._pending
 
     def close(self, timeout: Optional[float] = None) -> None:
-        """Finish queued jobs, stop the worker thread, and raise any failure."""
+        """Finish queued jobs, stop the worker thread, and raise any failure (deferred ones too).
+
+        Args:
+            timeout: seconds to wait for the worker thread at most (None: no limit).
+
+        Raises:
+            CheckpointError: a job failed.
+        """
         if not self._closed:
             self._closed = True
             self._queue.put(_STOP)

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from async_ckpt import CheckpointError, CheckpointManager  # noqa: E402
+from tests import faulty_fs  # noqa: E402,F401  (registers faulty://)
 
 
 def main() -> None:
@@ -25,13 +26,11 @@ def main() -> None:
     faulthandler.dump_traceback_later(120, exit=True)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    mgr = CheckpointManager(sys.argv[1], collective_timeout_s=15)
+    mgr = CheckpointManager("faulty://" + sys.argv[1], collective_timeout_s=15)
     sd = {"x": torch.full((1024,), float(rank)), f"r{rank}": torch.ones(8)}
     assert mgr.save(1, sd)  # a save that works on both ranks
     if rank == 1:
-        import async_ckpt.lifecycle.coordinator as coord
-
-        coord.FsspecStorageWriter.write_data = lambda *a, **k: os._exit(17)  # dies mid-write
+        mgr.storage.fs.inject("write", "*.distcp", "die")  # exits with faulty_fs.DIE_STATUS mid-write
     t0 = time.monotonic()
     try:
         mgr.save_async(2, sd)

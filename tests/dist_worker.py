@@ -34,6 +34,7 @@ from torch.distributed.fsdp import fully_shard
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from async_ckpt import CheckpointError, CheckpointManager, InvalidStateDictError, PartlyWrittenError  # noqa: E402
 from async_ckpt.storage.dcp import load_metadata  # noqa: E402
+from tests.damage import flip_byte  # noqa: E402
 from tests.tree import assert_bitwise_equal  # noqa: E402
 
 
@@ -344,11 +345,7 @@ def ranges_checks(root: str) -> None:
     dist.barrier()
     shard1 = next(i for x, i in md.storage_data.items() if x.fqn == "w" and x.offset[0] == rows)
     if rank == 0:
-        with open(os.path.join(step_dir, shard1.relative_path), "r+b") as f:
-            f.seek(shard1.offset + shard1.length - 100)
-            b = f.read(1)
-            f.seek(shard1.offset + shard1.length - 100)
-            f.write(bytes([b[0] ^ 0x10]))
+        flip_byte(os.path.join(step_dir, shard1.relative_path), at=shard1.offset + shard1.length - 100, mask=0x10)
     dist.barrier()
     target = fresh()
     with warnings.catch_warnings(record=True) as caught:
@@ -439,11 +436,7 @@ def damaged_peer_checks(root: str) -> None:
         with open(os.path.join(root, "2", ".metadata"), "rb") as f:
             md = load_metadata(f.read())
         info = next(i for x, i in md.storage_data.items() if x.fqn == "w" and x.offset[0] == 64)
-        with open(os.path.join(root, "2", info.relative_path), "r+b") as f:
-            f.seek(info.offset + info.length - 100)
-            b = f.read(1)
-            f.seek(info.offset + info.length - 100)
-            f.write(bytes([b[0] ^ 0x10]))
+        flip_byte(os.path.join(root, "2", info.relative_path), at=info.offset + info.length - 100, mask=0x10)
     dist.barrier()
     for atomic in (True, False):
         t = {"w": sharded(torch.zeros(128, 1024)), "new": sharded(torch.zeros(128, 16))}

@@ -16,24 +16,34 @@ Faults are rules added with :meth:`FaultyFileSystem.inject`::
 ``rm``, ``ls``, ``mkdir``; ``pattern`` is an ``fnmatch`` pattern on the file's base name;
 ``kind`` is ``reset`` (ConnectionResetError), ``timeout`` (TimeoutError), ``eio``
 (OSError EIO), ``http503`` (an error with ``.status = 503``, transient), ``enospc``,
-``eacces``, ``http403`` (permanent), or ``truncate`` (writes only: the data is cut short and
-success is reported). ``times=None`` means always. Every injected fault is appended to
-``fs.hits`` as ``(op, path, kind)``.
+``eacces``, ``http403`` (permanent), ``truncate`` (writes only: the data is cut short and
+success is reported), ``hang`` (the operation waits until the test sets ``fault.release``,
+then goes through: a request stuck in the network; ``fault.reached`` is set once it waits) or
+``die`` (the process exits at once with status ``DIE_STATUS``: a rank killed mid-request).
+``times=None`` means always. Every injected fault is appended to ``fs.hits`` as
+``(op, path, kind)``::
+
+    stuck = fs.inject("write", "*.distcp", "hang", times=1)
+    assert stuck.reached.wait(30)                       # a save is in flight, held here
+    stuck.release.set()                                 # ... and goes on
 """
 
 from __future__ import annotations
 
 import errno
 import fnmatch
+import os
 import re
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, List, Optional, Tuple
 
 import fsspec
 from fsspec.spec import AbstractFileSystem
 
-KINDS = ("reset", "timeout", "eio", "http503", "enospc", "eacces", "http403", "truncate")
+KINDS = ("reset", "timeout", "eio", "http503", "enospc", "eacces", "http403", "truncate", "hang", "die")
+DIE_STATUS = 17  # the exit status of a process a "die" fault ended
+HANG_LIMIT_S = 60.0  # a hang the test never releases ends (as a TimeoutError) instead of hanging the suite
 OPS = ("write", "read", "rm", "ls", "mkdir")
 
 
@@ -44,6 +54,16 @@ class Fault:
     kind: str
     times: Optional[int] = None  # None: every time
     after_bytes: int = 0  # writes: fail once this many bytes of the file went through
+    reached: threading.Event = field(default_factory=threading.Event)  # hang: an operation waits
+    release: threading.Event = field(default_factory=threading.Event)  # hang: let it go on
+
+    def hold(self, path: str) -> None:
+        """A ``hang``: wait until the test releases it; a ``die``: end the process."""
+        if self.kind == "die":
+            os._exit(DIE_STATUS)
+        self.reached.set()
+        if not self.release.wait(HANG_LIMIT_S):
+            raise TimeoutError(errno.ETIMEDOUT, "injected hang was never released", path)
 
 
 class HTTPError(Exception):
@@ -120,7 +140,9 @@ class FaultyFileSystem(AbstractFileSystem):
 
     def _maybe_fail(self, op: str, path: str) -> None:
         f = self._take(op, path, kinds=tuple(k for k in KINDS if k != "truncate"))
-        if f is not None:
+        if f is not None and f.kind in ("hang", "die"):
+            f.hold(path)
+        elif f is not None:
             raise _error(f.kind, path)
 
     # ---- paths -------------------------------------------------------------------------------
@@ -213,7 +235,9 @@ class _FaultyWriter:
             raise _error(self.broken.kind, self.path)
         fault = self.fs._take("write", self.path, kinds=tuple(k for k in KINDS if k != "truncate"),
                               nbytes=self.written + n)
-        if fault is not None:
+        if fault is not None and fault.kind in ("hang", "die"):
+            fault.hold(self.path)
+        elif fault is not None:
             self.broken = fault
             raise _error(fault.kind, self.path)
         if not self.truncating and self.written + n > 0:

@@ -18,7 +18,7 @@ from async_ckpt.cli import main
 from async_ckpt.stats import read_stats_log
 from async_ckpt.storage.stats_log import StatsLog
 
-from .conftest import assert_bitwise_equal, clone_tree, make_state
+from .conftest import assert_bitwise_equal, clone_tree, flip_data_byte, make_state
 
 STEPS = (10, 20, 30)
 
@@ -48,11 +48,7 @@ def damaged_dir(good_dir, tmp_path):
     an unfinished ``.tmp-`` save and an unmarked step directory."""
     root = str(tmp_path / "damaged")
     shutil.copytree(good_dir[0], root)
-    distcp = sorted(f for f in os.listdir(f"{root}/20") if f.endswith(".distcp"))[0]
-    p = f"{root}/20/{distcp}"
-    data = bytearray(open(p, "rb").read())
-    data[len(data) // 2] ^= 0x01
-    open(p, "wb").write(bytes(data))
+    distcp = os.path.basename(flip_data_byte(f"{root}/20"))
     os.unlink(f"{root}/30/manifest.json")
     os.makedirs(f"{root}/.tmp-40-0123456789ab")
     os.makedirs(f"{root}/50")
@@ -178,17 +174,15 @@ def test_prune_local(good_dir, tmp_path, capsys):
 
 
 @pytest.fixture
-def mem_root():
-    url = f"memory://cli-test-{os.getpid()}-{id(object())}/run"
+def mem_root(memory_root):
+    url = memory_root + "/run"  # exports go next to it
     saved = {}
     with CheckpointManager(url) as mgr:
         for s in range(0, 60, 10):
             sd = {"w": torch.randn(8, 3, dtype=torch.float64), "nested": {"b": torch.arange(5)}, "lr": 0.5 + s}
             saved[s] = clone_tree(sd)
             mgr.save(s, sd, metrics={"acc": s / 100})
-    yield url, saved
-    fs = fsspec.filesystem("memory")
-    fs.rm(url.split("://", 1)[1].split("/")[0], recursive=True)
+    return url, saved
 
 
 def test_memory_url_ls_show_verify_json(mem_root, capsys):
@@ -210,11 +204,7 @@ def test_memory_url_ls_show_verify_json(mem_root, capsys):
 
 def test_memory_url_damage_export_prune(mem_root, capsys, tmp_path):
     url, saved = mem_root
-    fs, root = fsspec.core.url_to_fs(url)
-    name = next(p for p in fs.ls(f"{root}/30", detail=False) if p.endswith(".distcp"))
-    data = bytearray(fs.cat_file(name))
-    data[-100] ^= 0xFF
-    fs.pipe_file(name, bytes(data))
+    flip_data_byte(f"{url}/30", at=-100, mask=0xFF)
     assert main(["verify", url, "30", "--progress"]) == 1
     out, err = capsys.readouterr()
     assert "DAMAGED" in out and "checksum mismatch" in out
@@ -309,8 +299,8 @@ def test_stats_log_local_appends_across_managers(good_dir, tmp_path):
     assert CheckpointManager(root2).all_steps() == [0, 1]  # the log's folder is not a step
 
 
-def test_stats_log_object_store_rewrites_whole_file():
-    url = f"memory://stats-{os.getpid()}/run"
+def test_stats_log_object_store_rewrites_whole_file(memory_root):
+    url = memory_root + "/run"
     seen = []
     for k in range(2):
         with CheckpointManager(url, stats_log=True, on_saved=seen.append) as mgr:
@@ -319,7 +309,6 @@ def test_stats_log_object_store_rewrites_whole_file():
     records = read_stats_log(url + "/save_stats.jsonl")
     assert [r.step for r in records] == [0, 1, 2, 3]
     assert [r.to_dict() for r in records] == [s.to_dict() for s in seen]
-    fsspec.filesystem("memory").rm(f"stats-{os.getpid()}", recursive=True)
 
 
 def test_stats_log_rejects_bad_paths(tmp_path):
@@ -366,9 +355,9 @@ def test_stats_log_failure_never_fails_the_save(tmp_path):
 
 
 def test_storage_options_reach_fsspec(mem_root, capsys):
-    from async_ckpt.cli import _parse_options
+    from async_ckpt.cli.common import parse_options
 
-    assert _parse_options(["a=1", "b=x", 'c={"k": [2]}', "d=a=b"]) == {"a": 1, "b": "x", "c": {"k": [2]}, "d": "a=b"}
+    assert parse_options(["a=1", "b=x", 'c={"k": [2]}', "d=a=b"]) == {"a": 1, "b": "x", "c": {"k": [2]}, "d": "a=b"}
     url, _ = mem_root
     # a URL fsspec cannot open is a one-line error, not a traceback
     code = main(["ls", "nosuchprotocol://bucket/run"])

@@ -18,14 +18,9 @@ import torch
 from async_ckpt import CheckpointManager
 from async_ckpt.cli import main
 
-from .conftest import assert_bitwise_equal, clone_tree
+from .conftest import assert_bitwise_equal, clone_tree, data_files, small_state, target_like
 
 ROOT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _state(step: int):
-    g = torch.Generator().manual_seed(step)
-    return {"w": torch.randn(64, 8, generator=g), "b": torch.arange(16, dtype=torch.int32) + step, "step": step}
 
 
 def _root(tmp_path, steps=(1, 2, 3), name="ckpt"):
@@ -33,8 +28,8 @@ def _root(tmp_path, steps=(1, 2, 3), name="ckpt"):
     saved = {}
     with CheckpointManager(root) as mgr:
         for s in steps:
-            saved[s] = clone_tree(_state(s))
-            mgr.save(s, _state(s))
+            saved[s] = clone_tree(small_state(s))
+            mgr.save(s, small_state(s))
     return root, saved
 
 
@@ -132,8 +127,7 @@ def test_bad_input_never_prints_a_traceback(tmp_path):
 
 def test_ls_latest_is_the_step_restore_none_takes(tmp_path, capsys):
     root, saved = _root(tmp_path)
-    data = sorted(f for f in os.listdir(f"{root}/3") if f.endswith(".distcp"))[0]
-    with open(f"{root}/3/{data}", "r+b") as f:  # the newest commit: a data file cut short
+    with open(data_files(f"{root}/3")[0], "r+b") as f:  # the newest commit: a data file cut short
         f.truncate(10)
     assert main(["ls", root, "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
@@ -144,7 +138,7 @@ def test_ls_latest_is_the_step_restore_none_takes(tmp_path, capsys):
     assert "latest" not in row3 and "DAMAGED" in row3
     assert any(line.strip().startswith("2  2 latest") for line in text.splitlines()), text
     assert "restore(None) takes): 2 (newer, damaged, skipped: 3)" in text
-    target = _state(0)
+    target = target_like(small_state(0))
     with CheckpointManager(root) as mgr:
         assert mgr.restore(None, target) == 2
     assert_bitwise_equal(target, saved[2])
@@ -234,14 +228,14 @@ def test_export_shows_a_progress_bar(tmp_path):
 def test_export_to_a_bucket_uses_the_storage_options(s3_bucket, capsys):
     opts = s3_bucket.storage_options
     with CheckpointManager(s3_bucket.url, storage_options=opts) as mgr:
-        mgr.save(5, _state(5))
+        mgr.save(5, small_state(5))
     out = f"{s3_bucket.url}-export/model.pt"
     args = ["export", s3_bucket.url, "latest", out] + [a for k, v in opts.items() for a in ("-o", f"{k}={json.dumps(v)}")]
     assert main(args) == 0, capsys.readouterr().err
     fs = s3_bucket.fs()
     with fs.open(out, "rb") as f:
         got = torch.load(f, weights_only=True)
-    assert_bitwise_equal(got, _state(5))
+    assert_bitwise_equal(got, small_state(5))
     assert main(args) == 2  # the bucket's OUT exists too: refused without --force
     assert "already exists: pass --force" in capsys.readouterr().err
 
@@ -273,7 +267,7 @@ def test_rm_deletes_steps_through_the_manager(tmp_path, capsys):
     with CheckpointManager(root) as mgr:
         assert mgr.all_steps() == [1, 4]
         for s in (1, 4):
-            target = _state(0)
+            target = target_like(small_state(0))
             mgr.restore(s, target)
             assert_bitwise_equal(target, saved[s])
     assert main(["rm", root, "x"]) == 2

@@ -20,7 +20,7 @@ from async_ckpt.errors import CheckpointError, StorageError
 from async_ckpt.storage import RetryPolicy
 from async_ckpt.storage.retry import is_transient
 
-from .conftest import assert_bitwise_equal, clone_tree, make_state
+from .conftest import assert_bitwise_equal, make_state, target_like
 from .storage_servers import Bucket, FakeGCSServer, MotoS3Server
 
 MiB = 2**20
@@ -35,16 +35,6 @@ def big_state(seed: int, mib: int = 8) -> Dict[str, Any]:
     extra["ints"] = torch.arange(1000, dtype=torch.int64) * seed
     return {"model": model.state_dict(), "optim": opt.state_dict(), "extra": extra,
             "meta": {"epoch": seed, "name": f"run-{seed}"}}
-
-
-def zeros_like_tree(x: Any) -> Any:
-    if isinstance(x, torch.Tensor):
-        return torch.zeros_like(x)
-    if isinstance(x, dict):
-        return {k: zeros_like_tree(v) for k, v in x.items()}
-    if isinstance(x, list):
-        return [zeros_like_tree(v) for v in x]
-    return x
 
 
 def objects(bucket: Bucket) -> list:
@@ -67,7 +57,7 @@ def test_round_trip_bitwise(bucket: Bucket) -> None:
         mgr.join()
         assert mgr.all_steps() == [1, 2] and mgr.latest_step() == 2
         for s in (None, 1):  # newest, then a named older step
-            out = zeros_like_tree(states[1])
+            out = target_like(states[1])
             got = mgr.restore(s, out)
             assert_bitwise_equal(out, states[got])
         assert mgr.metrics(1) == {"loss": 1.0}
@@ -79,7 +69,7 @@ def test_round_trip_bitwise(bucket: Bucket) -> None:
 
     # The step is a plain DCP checkpoint: torch's own fsspec reader loads it from the bucket.
     ref = big_state(2)
-    out = {"extra": zeros_like_tree(ref["extra"])}
+    out = {"extra": target_like(ref["extra"])}
     dcp.load(out, storage_reader=FsspecReader(f"{bucket.url}/2", **bucket.storage_options), no_dist=True)
     assert_bitwise_equal(out["extra"], ref["extra"])
 
@@ -91,7 +81,7 @@ def test_s3_client_kwargs_pass_through(s3_server: MotoS3Server) -> None:
     sd = big_state(3, mib=1)
     with CheckpointManager(b.url, storage_options=opts) as mgr:
         mgr.save(5, sd)
-        out = zeros_like_tree(sd)
+        out = target_like(sd)
         assert mgr.restore(None, out) == 5
     assert_bitwise_equal(out, sd)
 
@@ -107,7 +97,7 @@ def test_retention_deletes_objects(bucket: Bucket) -> None:
     assert steps == ["3", "4"]
     with manager(bucket, max_to_keep=2) as mgr:
         assert mgr.all_steps() == [3, 4]
-        out = zeros_like_tree(sd)
+        out = target_like(sd)
         assert mgr.restore(None, out) == 4
     assert_bitwise_equal(out, sd)
 
@@ -134,7 +124,7 @@ def test_marker_decides_and_cleanup_removes_incomplete(bucket: Bucket) -> None:
     assert "run/1/COMMITTED" in names and "run/2/COMMITTED" in names
     assert not any(".async_ckpt.lease" in n for n in names), names  # released at close
     with manager(bucket) as mgr:
-        out = zeros_like_tree(sd)
+        out = target_like(sd)
         assert mgr.restore(None, out) == 2
     assert_bitwise_equal(out, sd)
 
@@ -198,7 +188,7 @@ def test_server_stopped_mid_upload(kind: str, request: pytest.FixtureRequest) ->
     assert ei.value.step == 2
     assert mgr.all_steps() == [1]  # nothing of step 2 was committed
     assert "run/2/COMMITTED" not in objects(bucket)
-    out = zeros_like_tree(old)
+    out = target_like(old)
     assert mgr.restore(None, out) == 1
     assert_bitwise_equal(out, old)
 
@@ -208,7 +198,7 @@ def test_server_stopped_mid_upload(kind: str, request: pytest.FixtureRequest) ->
     mgr.close()
     # A new manager cleans up the half-uploaded step 2.
     with manager(bucket) as mgr2:
-        out = zeros_like_tree(new)
+        out = target_like(new)
         assert mgr2.restore(None, out) == 3
     assert_bitwise_equal(out, new)
     assert not any(n.startswith("run/2/") for n in objects(bucket))

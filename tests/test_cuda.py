@@ -8,7 +8,7 @@ import torch
 from async_ckpt import CheckpointManager
 from async_ckpt.staging import Stager
 
-from .conftest import assert_bitwise_equal
+from .conftest import assert_bitwise_equal, flip_data_byte
 
 pytestmark = [
     pytest.mark.cuda,
@@ -80,12 +80,7 @@ def test_cuda_targets_restore_by_direct_reads_and_stay_untouched_when_damaged(tm
             "small": [torch.zeros(16, device="cuda") for _ in range(50)], "cpu": torch.zeros(10, dtype=torch.long)}
     dcp.load(slow, checkpoint_id=os.path.join(root, "0"), no_dist=True)
     assert_bitwise_equal({k: v for k, v in target.items()}, slow)
-    data = sorted(f for f in os.listdir(os.path.join(root, "0")) if f.endswith(".distcp"))
-    with open(os.path.join(root, "0", data[0]), "r+b") as f:
-        f.seek(os.path.getsize(os.path.join(root, "0", data[0])) // 2)
-        b = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([b[0] ^ 0xFF]))
+    flip_data_byte(os.path.join(root, "0"), mask=0xFF)
     fresh = {"w": torch.full((1024, 1024), 7.0, device="cuda"), "b": torch.zeros(1024, device="cuda").half(),
              "small": [torch.zeros(16, device="cuda") for _ in range(50)], "cpu": torch.zeros(10, dtype=torch.long)}
     with pytest.raises(CorruptCheckpointError):

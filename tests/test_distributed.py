@@ -188,7 +188,7 @@ def test_a_rank_that_dies_mid_save_makes_the_other_raise_within_the_timeout(tmp_
                                       env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     out0, _ = procs[0].communicate(timeout=TIMEOUT)
     procs[1].communicate(timeout=60)
-    assert procs[1].returncode == 17  # rank 1 really died mid-write
+    assert procs[1].returncode == 17  # rank 1 really died mid-write (faulty_fs.DIE_STATUS)
     assert procs[0].returncode == 0, out0[-4000:]
     line = next(ln for ln in out0.splitlines() if ln.startswith("RAISED"))
     seconds = float(line.split()[1])

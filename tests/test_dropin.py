@@ -11,37 +11,22 @@ from __future__ import annotations
 
 import logging
 import threading
-import uuid
 
 import pytest
 import torch
 
 from async_ckpt import CheckpointManager, LeaseHeldError, StepNotFoundError
 
-from .conftest import assert_bitwise_equal
-
-
-def sd(value: float):
-    return {"w": torch.full((32,), float(value)), "b": torch.arange(4) + int(value)}
-
-
-def zeros():
-    return {"w": torch.zeros(32), "b": torch.zeros(4, dtype=torch.int64)}
-
-
-@pytest.fixture(params=["file", "memory"])
-def root(request, tmp_path):
-    return str(tmp_path / "ckpt") if request.param == "file" else f"memory://dropin-{uuid.uuid4().hex}"
-
+from .conftest import assert_bitwise_equal, target_like, small_state
 
 # ---- torch_xla's CheckpointManagerTest ------------------------------------------------------
 
 def test_manager_checkpointing(root):
     mgr = CheckpointManager(root, save_interval=10, chkpt_on_preemption=False)
-    assert mgr.save(0, sd(7))
-    target = zeros()
+    assert mgr.save(0, small_state(7))
+    target = target_like(small_state(0))
     mgr.restore(0, target)
-    assert_bitwise_equal(target, sd(7))
+    assert_bitwise_equal(target, small_state(7))
     mgr.close()
 
 
@@ -49,11 +34,11 @@ def test_manager_step_tracking(root):
     mgr = CheckpointManager(root, save_interval=10, chkpt_on_preemption=False)
     assert mgr.all_steps() == []
     for step in range(1, 10):
-        assert mgr.save(step, sd(step)) is False
+        assert mgr.save(step, small_state(step)) is False
         assert mgr.all_steps() == []
     saved = set()
     for step in range(0, 100, 10):
-        assert mgr.save(step, sd(step)) is True
+        assert mgr.save(step, small_state(step)) is True
         saved.add(step)
         assert set(mgr.all_steps()) == saved
     mgr.close()
@@ -62,19 +47,19 @@ def test_manager_step_tracking(root):
 def test_manager_max_to_keep_by_commit_order_across_restart(root):
     mgr = CheckpointManager(root, save_interval=10, max_to_keep=2, chkpt_on_preemption=False)
     assert mgr.all_steps() == []
-    assert mgr.save(10, sd(10)) and set(mgr.all_steps()) == {10}
-    assert mgr.save(20, sd(20)) and set(mgr.all_steps()) == {10, 20}
-    assert mgr.save(30, sd(30)) and set(mgr.all_steps()) == {20, 30}  # at once, no waiting
-    assert mgr.save(10, sd(11)) and set(mgr.all_steps()) == {30, 10}  # the oldest *commit* went
+    assert mgr.save(10, small_state(10)) and set(mgr.all_steps()) == {10}
+    assert mgr.save(20, small_state(20)) and set(mgr.all_steps()) == {10, 20}
+    assert mgr.save(30, small_state(30)) and set(mgr.all_steps()) == {20, 30}  # at once, no waiting
+    assert mgr.save(10, small_state(11)) and set(mgr.all_steps()) == {30, 10}  # the oldest *commit* went
     assert mgr.latest_step() == 10 and mgr.steps_in_commit_order() == [30, 10]
     mgr.close()
     mgr = CheckpointManager(root, save_interval=10, max_to_keep=2, chkpt_on_preemption=False)
-    assert mgr.save(20, sd(21)) and set(mgr.all_steps()) == {20, 10}
+    assert mgr.save(20, small_state(21)) and set(mgr.all_steps()) == {20, 10}
     assert mgr.steps_in_commit_order() == [10, 20]
     for step, value in ((10, 11), (20, 21)):
-        target = zeros()
+        target = target_like(small_state(0))
         mgr.restore(step, target)
-        assert_bitwise_equal(target, sd(value))
+        assert_bitwise_equal(target, small_state(value))
     mgr.close()
 
 
@@ -83,7 +68,7 @@ def test_manager_max_to_keep_recreated_without_close_verbatim(root):
     created on the same directory while the first was never closed (and still referenced
     until the assignment). Its first save must work, not raise ``LeaseHeldError`` naming its
     own pid."""
-    state_dict = sd(3)
+    state_dict = small_state(3)
     chkpt_mgr = CheckpointManager(root, save_interval=10, max_to_keep=2, chkpt_on_preemption=False)
     assert chkpt_mgr.all_steps() == []
     assert chkpt_mgr.save(10, state_dict)
@@ -98,7 +83,7 @@ def test_manager_max_to_keep_recreated_without_close_verbatim(root):
     chkpt_mgr = CheckpointManager(root, save_interval=10, max_to_keep=2, chkpt_on_preemption=False)
     assert chkpt_mgr.save(20, state_dict)
     assert set(chkpt_mgr.all_steps()) == {20, 10}
-    target = zeros()
+    target = target_like(small_state(0))
     chkpt_mgr.restore(20, target)
     assert_bitwise_equal(target, state_dict)
     chkpt_mgr.close()
@@ -109,22 +94,22 @@ def test_a_second_manager_takes_over_an_idle_first_one_of_this_process(root):
     manager still referenced: the new one takes the lease over; the old one refuses."""
     first = CheckpointManager(root, 10, max_to_keep=3)
     for step in range(0, 101):
-        first.save(step, sd(step))
+        first.save(step, small_state(step))
     assert first.all_steps() == [80, 90, 100]
     mgr = CheckpointManager(root, 10, max_to_keep=3)
     assert mgr.all_steps() == [80, 90, 100]
-    assert mgr.save(110, sd(110))
+    assert mgr.save(110, small_state(110))
     assert mgr.all_steps() == [90, 100, 110]
     assert mgr.steps_in_commit_order() == [90, 100, 110]
     with pytest.raises(LeaseHeldError, match="taken over by another CheckpointManager of this process"):
-        first.save(120, sd(120))
+        first.save(120, small_state(120))
     with pytest.raises(LeaseHeldError, match="taken over"):
         first.delete(90)
     assert mgr.all_steps() == [90, 100, 110]
     for step in mgr.all_steps():
-        target = zeros()
+        target = target_like(small_state(0))
         mgr.restore(step, target)
-        assert_bitwise_equal(target, sd(step))
+        assert_bitwise_equal(target, small_state(step))
     first.close()
     mgr.close()
 
@@ -139,13 +124,13 @@ def test_manager_async_and_join_see_retention(root):
         return real_begin(step, token)
 
     mgr.layout.begin = held_begin
-    assert mgr.save_async(10, sd(10))
+    assert mgr.save_async(10, small_state(10))
     assert mgr.all_steps() == []  # nothing is listed before it commits
     gate.set()
     mgr.join()
     assert set(mgr.all_steps()) == {10}
     for step in (20, 30):
-        assert mgr.save_async(step, sd(step))
+        assert mgr.save_async(step, small_state(step))
     mgr.join()
     assert set(mgr.all_steps()) == {20, 30}  # retention applied before join() returned
     mgr.close()
@@ -154,16 +139,16 @@ def test_manager_async_and_join_see_retention(root):
 def test_manager_async_step_tracking(root):
     mgr = CheckpointManager(root, save_interval=10, max_pending_async=2)
     for step in range(1, 10):
-        assert mgr.save_async(step, sd(step)) is False
+        assert mgr.save_async(step, small_state(step)) is False
     saved = set()
     for step in range(0, 100, 10):
-        assert mgr.save_async(step, sd(step)) is True
+        assert mgr.save_async(step, small_state(step)) is True
         saved.add(step)
     mgr.join()
     assert set(mgr.all_steps()) == saved
-    target = zeros()
+    target = target_like(small_state(0))
     mgr.restore(0, target)
-    assert_bitwise_equal(target, sd(0))
+    assert_bitwise_equal(target, small_state(0))
     mgr.close()
 
 
@@ -185,33 +170,33 @@ def test_xla_state_dict_max_to_keep(tmp_path, xla_device):
 def test_rollback_resumes_at_the_newest_commit_and_deletes_nothing(root):
     with CheckpointManager(root) as mgr:
         for s in (10, 20, 30):
-            mgr.save(s, sd(s))
+            mgr.save(s, small_state(s))
     mgr = CheckpointManager(root)
-    target = zeros()
+    target = target_like(small_state(0))
     assert mgr.restore(10, target) == 10  # look at step 10, or roll back to it
-    mgr.save(11, sd(11))
+    mgr.save(11, small_state(11))
     assert mgr.all_steps() == [10, 11, 20, 30]  # saving after a restore deletes nothing
-    mgr.save(12, sd(12))
+    mgr.save(12, small_state(12))
     assert mgr.latest_step() == 12  # the newest commit, not the abandoned higher step
     mgr.close()
     again = CheckpointManager(root)
-    target = zeros()
+    target = target_like(small_state(0))
     assert again.restore(None, target) == 12
-    assert_bitwise_equal(target, sd(12))
-    target = zeros()
+    assert_bitwise_equal(target, small_state(12))
+    target = target_like(small_state(0))
     again.restore(30, target)
-    assert_bitwise_equal(target, sd(30))  # the old timeline is still there
+    assert_bitwise_equal(target, small_state(30))  # the old timeline is still there
     again.close()
 
 
 def test_saving_below_the_top_warns_once_and_is_allowed(root, caplog):
     with CheckpointManager(root) as mgr:
         for s in (10, 20, 30):
-            mgr.save(s, sd(s))
+            mgr.save(s, small_state(s))
     mgr = CheckpointManager(root, max_to_keep=3)
     with caplog.at_level(logging.WARNING, logger="async_ckpt"):
-        assert mgr.save(0, sd(0))  # a new run started in an old run's directory
-        assert mgr.save(1, sd(1))
+        assert mgr.save(0, small_state(0))  # a new run started in an old run's directory
+        assert mgr.save(1, small_state(1))
     lower = [r.getMessage() for r in caplog.records if "already holds committed steps" in r.getMessage()]
     assert len(lower) == 1, lower
     assert "step 0" in lower[0] and "up to 30" in lower[0] and "retention by commit order" in lower[0]
@@ -223,23 +208,22 @@ def test_saving_below_the_top_warns_once_and_is_allowed(root, caplog):
 def test_restoring_first_silences_the_lower_step_warning(root, caplog):
     with CheckpointManager(root) as mgr:
         for s in (10, 20, 30):
-            mgr.save(s, sd(s))
+            mgr.save(s, small_state(s))
     mgr = CheckpointManager(root)
-    mgr.restore(10, zeros())
+    mgr.restore(10, target_like(small_state(0)))
     with caplog.at_level(logging.WARNING, logger="async_ckpt"):
-        mgr.save(11, sd(11))
+        mgr.save(11, small_state(11))
     assert not [r for r in caplog.records if "already holds committed steps" in r.getMessage()]
     mgr.close()
 
 
 def test_commit_order_survives_a_clock_that_goes_back(root):
-    mgr = CheckpointManager(root, max_to_keep=2)
     now = [1000.0]
-    mgr._clock = lambda: now[0]
-    mgr.save(1, sd(1))
+    mgr = CheckpointManager(root, max_to_keep=2, wall_clock=lambda: now[0])
+    mgr.save(1, small_state(1))
     now[0] = 500.0  # the wall clock stepped back
-    mgr.save(2, sd(2))
-    mgr.save(3, sd(3))
+    mgr.save(2, small_state(2))
+    mgr.save(3, small_state(3))
     assert mgr.steps_in_commit_order() == [2, 3] and mgr.latest_step() == 3
     mgr.close()
 
@@ -253,7 +237,7 @@ def test_keep_best_and_custom_policies_see_commit_order(root):
 
     with CheckpointManager(root, retention=policy) as mgr:
         for s in (5, 3, 9, 1):
-            mgr.save(s, sd(s))
+            mgr.save(s, small_state(s))
     assert seen[-1] == [5, 3, 9, 1]
 
 
@@ -262,11 +246,11 @@ def test_keep_best_and_custom_policies_see_commit_order(root):
 def test_delete_removes_a_step_and_only_that_step(root):
     mgr = CheckpointManager(root)
     for s in (1, 2, 3):
-        mgr.save(s, sd(s))
+        mgr.save(s, small_state(s))
     mgr.delete(2)
     assert mgr.all_steps() == [1, 3]
     with pytest.raises(StepNotFoundError, match="step 2"):
-        mgr.restore(2, zeros())
+        mgr.restore(2, target_like(small_state(0)))
     with pytest.raises(StepNotFoundError, match="step 7"):
         mgr.delete(7)
     mgr.delete(3)  # even the newest: an explicit action
@@ -281,22 +265,22 @@ def test_delete_removes_a_step_and_only_that_step(root):
 def test_resave_replaces_a_step_and_keeps_the_old_copy_until_committed(tmp_path, mode):
     root = str(tmp_path / "ckpt")
     mgr = CheckpointManager(root, commit_mode=mode)
-    mgr.save(5, sd(5))
+    mgr.save(5, small_state(5))
     seen = {}
     real_commit = mgr.layout.commit
 
     def commit_and_look(target, manifest):
-        target_ = zeros()
+        target_ = target_like(small_state(0))
         seen["before"] = CheckpointManager(root).restore(5, target_)  # a reader mid re-save
         seen["value"] = target_
         real_commit(target, manifest)
 
     mgr.layout.commit = commit_and_look
-    mgr.save(5, sd(55))
+    mgr.save(5, small_state(55))
     assert seen["before"] == 5
-    assert_bitwise_equal(seen["value"], sd(5))  # the old copy is intact until the new one commits
-    target = zeros()
+    assert_bitwise_equal(seen["value"], small_state(5))  # the old copy is intact until the new one commits
+    target = target_like(small_state(0))
     mgr.restore(5, target)
-    assert_bitwise_equal(target, sd(55))
+    assert_bitwise_equal(target, small_state(55))
     assert mgr.all_steps() == [5]
     mgr.close()

@@ -8,19 +8,14 @@ object-store code path (marker commit, fsspec I/O, no rename).
 
 from __future__ import annotations
 
-import glob
 import hashlib
-import io
 import itertools
-import json
 import os
 import pickle
 import time
 import warnings
 
 import pytest
-
-from async_ckpt.storage.lease import LOCK_NAME
 import torch
 
 from async_ckpt import (
@@ -36,42 +31,19 @@ from async_ckpt import (
 )
 from async_ckpt.storage import Manifest, RetryPolicy
 from async_ckpt.storage.dcp import METADATA_NAME, save_state_dict
+from async_ckpt.storage.lease import LOCK_NAME
 from async_ckpt.storage.manifest import MANIFEST_NAME, MARKER_NAME, PENDING_NAME, crc32c, marker_bytes
 
-from .tree import assert_bitwise_equal, clone_tree
-
-try:
-    from tests.faulty_fs import FaultyFileSystem  # noqa: F401  (registers faulty://)
-except ImportError:  # tests/ is not a package: pytest put it on sys.path
-    from faulty_fs import FaultyFileSystem  # noqa: F401
+from .conftest import assert_bitwise_equal, clone_tree, data_files, flip_byte, medium_state, target_like
 
 FAST = RetryPolicy(attempts=3, initial_delay=0.001, max_delay=0.005)
 
 
 # ---- helpers -------------------------------------------------------------------------------
 
-def state(step: int) -> dict:
-    g = torch.Generator().manual_seed(step)
-    return {
-        "model": {"w": torch.randn(64, 48, generator=g), "b": torch.arange(48, dtype=torch.float64) * step,
-                  "e": torch.randn(33, generator=g).to(torch.bfloat16)},
-        "optim": {"m": torch.randint(-(2**40), 2**40, (17, 5), generator=g), "mask": torch.rand(9, generator=g) > 0.5,
-                  "lr": 0.01 * step, "betas": [0.9, 0.999]},
-        "step": step,
-        "tag": f"step-{step}",
-    }
-
-
 def template() -> dict:
-    """A restore target: same structure and dtypes as ``state``, different contents."""
-    s = state(0)
-    s["model"] = {k: torch.full_like(v, 7) for k, v in s["model"].items()}
-    s["optim"]["m"] = torch.full_like(s["optim"]["m"], 7)
-    s["optim"]["mask"] = torch.ones_like(s["optim"]["mask"])
-    s["optim"]["lr"], s["step"], s["tag"] = -1.0, -1, "none"
-    return s
-
-
+    """A restore target: same structure and dtypes as ``medium_state``, different contents."""
+    return target_like(medium_state(0))
 
 
 def restored(mgr: CheckpointManager, step) -> dict:
@@ -106,7 +78,7 @@ def faulty(tmp_path):
     root = str(tmp_path / "faulty")
     mgr = CheckpointManager("faulty://" + root, retry=FAST)
     assert mgr.layout.mode == "marker"
-    mgr.save(1, state(1))
+    mgr.save(1, medium_state(1))
     yield mgr, mgr.storage.fs, root
     try:
         mgr.close()
@@ -130,13 +102,13 @@ def test_transient_write_failure_is_retried_and_committed(faulty, kind, name):
     mgr, fs, root = faulty
     # Data files are streamed: fail after some bytes went out, so the retry must redo the whole file.
     fs.inject("write", name, kind, times=1, after_bytes=1000 if name == "*.distcp" else 0)
-    assert mgr.save_async(2, state(2))
+    assert mgr.save_async(2, medium_state(2))
     mgr.join()
     assert [h[2] for h in fs.hits] == [kind], fs.hits
     assert mgr.all_steps() == [1, 2]
     got, t = restored(mgr, 2)
     assert got == 2
-    assert_bitwise_equal(t, state(2))
+    assert_bitwise_equal(t, medium_state(2))
 
 
 def test_transient_read_failure_is_retried(faulty):
@@ -145,16 +117,16 @@ def test_transient_read_failure_is_retried(faulty):
     fs.inject("read", MANIFEST_NAME, "timeout", times=1)
     got, t = restored(mgr, 1)
     assert got == 1 and len(fs.hits) == 2
-    assert_bitwise_equal(t, state(1))
+    assert_bitwise_equal(t, medium_state(1))
 
 
 def test_write_failing_always_surfaces_at_next_call_and_commits_nothing(faulty):
     mgr, fs, root = faulty
     before = tree_digest(os.path.join(root, "1"))
     fs.inject("write", "*.distcp", "reset")
-    assert mgr.save_async(2, state(2))  # staging succeeds; the write fails in the background
+    assert mgr.save_async(2, medium_state(2))  # staging succeeds; the write fails in the background
     with pytest.raises(CheckpointError) as ei:
-        mgr.save_async(3, state(3))  # the next call raises step 2's failure
+        mgr.save_async(3, medium_state(3))  # the next call raises step 2's failure
     assert ei.value.step == 2
     assert "connection reset" in _error_chain(ei.value)
     assert len(fs.hits) == FAST.attempts  # bounded retries, then give up
@@ -163,10 +135,10 @@ def test_write_failing_always_surfaces_at_next_call_and_commits_nothing(faulty):
     assert tree_digest(os.path.join(root, "1")) == before
     got, t = restored(mgr, None)
     assert got == 1
-    assert_bitwise_equal(t, state(1))
+    assert_bitwise_equal(t, medium_state(1))
     # The error is raised once; once storage recovers, saving works again.
     fs.clear()
-    mgr.save(4, state(4))
+    mgr.save(4, medium_state(4))
     assert mgr.all_steps() == [1, 4]
 
 
@@ -175,7 +147,7 @@ def test_write_failing_always_surfaces_at_next_call_and_commits_nothing(faulty):
 def test_permanent_error_fails_at_once(faulty, kind, text):
     mgr, fs, root = faulty
     fs.inject("write", "*.distcp", kind)
-    mgr.save_async(2, state(2))
+    mgr.save_async(2, medium_state(2))
     with pytest.raises(CheckpointError) as ei:
         mgr.join()
     chain = _error_chain(ei.value)
@@ -186,14 +158,14 @@ def test_permanent_error_fails_at_once(faulty, kind, text):
     assert len(fs.hits) == 1, "a permanent error must not be retried"
     assert mgr.all_steps() == [1]
     assert not os.path.exists(os.path.join(root, "2"))
-    assert_bitwise_equal(restored(mgr, 1)[1], state(1))
+    assert_bitwise_equal(restored(mgr, 1)[1], medium_state(1))
 
 
 def test_permanent_error_on_commit_marker_leaves_step_uncommitted(faulty):
     mgr, fs, root = faulty
     fs.inject("write", MARKER_NAME, "enospc")
     with pytest.raises(CheckpointError, match="No space left"):
-        mgr.save(2, state(2))
+        mgr.save(2, medium_state(2))
     assert mgr.all_steps() == [1]
     assert not os.path.exists(os.path.join(root, "2"))
 
@@ -201,16 +173,16 @@ def test_permanent_error_on_commit_marker_leaves_step_uncommitted(faulty):
 def test_truncated_data_write_is_detected_and_redone(faulty):
     mgr, fs, root = faulty
     fs.inject("write", "*.distcp", "truncate", times=1)
-    mgr.save(2, state(2))
+    mgr.save(2, medium_state(2))
     assert [h[2] for h in fs.hits] == ["truncate"]
-    assert_bitwise_equal(restored(mgr, 2)[1], state(2))
+    assert_bitwise_equal(restored(mgr, 2)[1], medium_state(2))
 
 
 def test_truncated_data_write_always_fails_the_step(faulty):
     mgr, fs, root = faulty
     fs.inject("write", "*.distcp", "truncate")
     with pytest.raises(CheckpointError) as ei:
-        mgr.save(2, state(2))
+        mgr.save(2, medium_state(2))
     assert "short write" in _error_chain(ei.value)
     assert mgr.all_steps() == [1]
     assert not os.path.exists(os.path.join(root, "2"))
@@ -223,7 +195,7 @@ def test_truncated_small_file_is_detected_on_restore(faulty, name, problem):
     one of them is caught by the manifest/marker checks on restore, and restore(None) falls back."""
     mgr, fs, root = faulty
     fs.inject("write", name, "truncate", times=1)
-    mgr.save(2, state(2))
+    mgr.save(2, medium_state(2))
     assert mgr.all_steps() == [1, 2]
     t = template()
     before = clone_tree(t)
@@ -234,7 +206,7 @@ def test_truncated_small_file_is_detected_on_restore(faulty, name, problem):
     with pytest.warns(RuntimeWarning, match="skipping damaged step 2"):
         got, t = restored(mgr, None)
     assert got == 1
-    assert_bitwise_equal(t, state(1))
+    assert_bitwise_equal(t, medium_state(1))
 
 
 def _names(root):
@@ -248,9 +220,9 @@ def test_half_finished_deletion_never_looks_committed(tmp_path):
     root = str(tmp_path / "faulty")
     mgr = CheckpointManager("faulty://" + root, max_to_keep=1, retry=FAST)
     fs = mgr.storage.fs
-    mgr.save(1, state(1))
+    mgr.save(1, medium_state(1))
     fs.inject("rm", "*.distcp", "eacces")
-    mgr.save(2, state(2))
+    mgr.save(2, medium_state(2))
     mgr.close()  # waits for retention
     assert any(h[0] == "rm" for h in fs.hits)
     assert os.path.isdir(os.path.join(root, "1")) and not os.path.exists(os.path.join(root, "1", MARKER_NAME))
@@ -260,19 +232,12 @@ def test_half_finished_deletion_never_looks_committed(tmp_path):
     got, t = restored(mgr2, None)
     assert got == 2
     assert os.path.isdir(os.path.join(root, "1"))  # a manager that only restores deletes nothing
-    mgr2.save(3, state(3))  # the first save takes the writer lease and cleans up
+    mgr2.save(3, medium_state(3))  # the first save takes the writer lease and cleans up
     mgr2.close()  # waits for the cleanup
     assert sorted(os.listdir(root)) == ["2", "3"]
 
 
 # ---- damage on disk ------------------------------------------------------------------------
-
-def _flip(path, at=None):
-    b = bytearray(open(path, "rb").read())
-    i = len(b) // 2 if at is None else at
-    b[i] ^= 0x01
-    open(path, "wb").write(bytes(b))
-
 
 def _truncate(path):
     b = open(path, "rb").read()
@@ -284,13 +249,13 @@ def _garbage(path):
 
 
 def _data_file(d):
-    return sorted(glob.glob(os.path.join(d, "*.distcp")))[0]
+    return data_files(d)[0]
 
 
 DAMAGE = {
     # name: (damage(step_dir) -> file it names, expected message)
-    "flipped byte in data file": (lambda d: (_flip(_data_file(d)), _data_file(d))[1], "checksum mismatch"),
-    "flipped byte in .metadata": (lambda d: (_flip(os.path.join(d, METADATA_NAME)), os.path.join(d, METADATA_NAME))[1],
+    "flipped byte in data file": (lambda d: (flip_byte(_data_file(d)), _data_file(d))[1], "checksum mismatch"),
+    "flipped byte in .metadata": (lambda d: (flip_byte(os.path.join(d, METADATA_NAME)), os.path.join(d, METADATA_NAME))[1],
                                   "checksum mismatch"),
     "truncated data file": (lambda d: (_truncate(_data_file(d)), _data_file(d))[1], "size is"),
     "missing data file": (lambda d: (lambda f: (os.remove(f), f)[1])(_data_file(d)), "file is missing"),
@@ -300,7 +265,7 @@ DAMAGE = {
                          "manifest is missing"),
     "garbage manifest": (lambda d: (_garbage(os.path.join(d, MANIFEST_NAME)), os.path.join(d, MANIFEST_NAME))[1],
                          "does not match its commit marker"),
-    "flipped byte in manifest": (lambda d: (_flip(os.path.join(d, MANIFEST_NAME)), os.path.join(d, MANIFEST_NAME))[1],
+    "flipped byte in manifest": (lambda d: (flip_byte(os.path.join(d, MANIFEST_NAME)), os.path.join(d, MANIFEST_NAME))[1],
                                  "does not match its commit marker"),
     "garbage manifest, re-signed marker": (
         lambda d: (open(os.path.join(d, MANIFEST_NAME), "wb").write(b"{not json"),
@@ -329,8 +294,8 @@ DAMAGE = {
 def test_damage_is_detected_and_restore_none_falls_back(tmp_path, mode, case):
     root = str(tmp_path / "ckpt")
     mgr = CheckpointManager(root, commit_mode=mode)
-    mgr.save(1, state(1))
-    mgr.save(2, state(2))
+    mgr.save(1, medium_state(1))
+    mgr.save(2, medium_state(2))
     damage, problem = DAMAGE[case]
     named = damage(os.path.join(root, "2"))
     assert mgr.all_steps() == [1, 2]
@@ -359,7 +324,7 @@ def test_damage_is_detected_and_restore_none_falls_back(tmp_path, mode, case):
     skipped = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning) and "skipping" in str(w.message)]
     assert got == 1
     assert len(skipped) == 1 and "skipping damaged step 2" in skipped[0] and os.path.basename(named) in skipped[0]
-    assert_bitwise_equal(t, state(1))
+    assert_bitwise_equal(t, medium_state(1))
     mgr.close()
 
 
@@ -367,10 +332,10 @@ def test_damage_is_detected_and_restore_none_falls_back(tmp_path, mode, case):
 def test_every_step_damaged_raises(tmp_path, mode):
     root = str(tmp_path / "ckpt")
     mgr = CheckpointManager(root, commit_mode=mode)
-    mgr.save(1, state(1))
-    mgr.save(2, state(2))
+    mgr.save(1, medium_state(1))
+    mgr.save(2, medium_state(2))
     for s in (1, 2):
-        _flip(_data_file(os.path.join(root, str(s))))
+        flip_byte(_data_file(os.path.join(root, str(s))))
     t = template()
     before = clone_tree(t)
     with pytest.warns(RuntimeWarning, match="skipping damaged step"):
@@ -387,13 +352,13 @@ def test_every_step_damaged_raises(tmp_path, mode):
 def test_verify_false_skips_checksums_but_not_sizes(tmp_path):
     root = str(tmp_path / "ckpt")
     mgr = CheckpointManager(root, verify=False)
-    mgr.save(1, state(1))
-    mgr.save(2, state(2))
+    mgr.save(1, medium_state(1))
+    mgr.save(2, medium_state(2))
     _truncate(_data_file(os.path.join(root, "2")))
     with pytest.raises(CorruptCheckpointError, match="size is"):
         mgr.restore(2, template())
     # Checksums are skipped with verify=False: a flipped byte in tensor data is not caught.
-    _flip(_data_file(os.path.join(root, "1")), at=-10)
+    flip_byte(_data_file(os.path.join(root, "1")), at=-10)
     got, _ = restored(mgr, 1)
     assert got == 1
     with pytest.raises(CorruptCheckpointError, match="checksum mismatch"):
@@ -405,8 +370,8 @@ def test_verify_false_skips_checksums_but_not_sizes(tmp_path):
 def test_missing_marker_means_not_committed(tmp_path, mode):
     root = str(tmp_path / "ckpt")
     mgr = CheckpointManager(root, commit_mode=mode)
-    mgr.save(1, state(1))
-    mgr.save(2, state(2))
+    mgr.save(1, medium_state(1))
+    mgr.save(2, medium_state(2))
     os.remove(os.path.join(root, "2", MARKER_NAME))
     assert mgr.all_steps() == [1] and mgr.latest_step() == 1
     t = template()
@@ -416,17 +381,17 @@ def test_missing_marker_means_not_committed(tmp_path, mode):
     assert_bitwise_equal(t, before)
     got, t = restored(mgr, None)
     assert got == 1
-    assert_bitwise_equal(t, state(1))
+    assert_bitwise_equal(t, medium_state(1))
     mgr.close()
     # Kept with keep_incomplete=True; otherwise removed by the startup cleanup.
     kept = CheckpointManager(root, commit_mode=mode, keep_incomplete=True)
-    kept.save(3, state(3))
+    kept.save(3, medium_state(3))
     kept.close()
     assert os.path.isdir(os.path.join(root, "2"))
     CheckpointManager(root, commit_mode=mode).close()
     assert os.path.isdir(os.path.join(root, "2"))  # a manager that never saved deletes nothing
     mgr = CheckpointManager(root, commit_mode=mode)
-    mgr.save(4, state(4))  # the first save takes the writer lease and cleans up
+    mgr.save(4, medium_state(4))  # the first save takes the writer lease and cleans up
     mgr.close()
     assert _names(root) == ["1", "3", "4"]
 
@@ -451,8 +416,8 @@ def test_malicious_metadata_does_not_run(tmp_path, resign):
     root = str(tmp_path / "ckpt")
     pwned = tmp_path / "pwned"
     mgr = CheckpointManager(root)
-    mgr.save(1, state(1))
-    mgr.save(2, state(2))
+    mgr.save(1, medium_state(1))
+    mgr.save(2, medium_state(2))
     d = os.path.join(root, "2")
     payload = pickle.dumps(_Evil(str(pwned)))
     open(os.path.join(d, METADATA_NAME), "wb").write(payload)
@@ -518,8 +483,8 @@ def test_malicious_object_in_data_is_not_unpickled_and_state_untouched(tmp_path)
 def test_startup_cleans_incomplete_steps_unless_kept(tmp_path):
     root = str(tmp_path / "ckpt")
     mgr = CheckpointManager(root)
-    mgr.save(1, state(1))
-    mgr.save(2, state(2))
+    mgr.save(1, medium_state(1))
+    mgr.save(2, medium_state(2))
     mgr.close()
     debris = [".tmp-3-0123456789ab", ".trash-1-aaaaaaaaaaaa", "4"]  # half-written temp, trash, unmarked step
     for name in debris:
@@ -539,10 +504,10 @@ def test_startup_cleans_incomplete_steps_unless_kept(tmp_path):
     mgr = CheckpointManager(root)
     assert mgr.all_steps() == [1, 2]  # never listed, even before the cleanup ran
     assert tree_digest(root) == digest  # a manager that has not saved yet touches nothing
-    mgr.save(6, state(6))  # the first save takes the writer lease, then cleans up
+    mgr.save(6, medium_state(6))  # the first save takes the writer lease, then cleans up
     mgr.close()  # waits for the background cleanup
     assert _names(root) == ["1", "2", "5", "6"]
-    assert_bitwise_equal(restored(CheckpointManager(root), 2)[1], state(2))
+    assert_bitwise_equal(restored(CheckpointManager(root), 2)[1], medium_state(2))
 
 
 @pytest.mark.parametrize("old_copy", [False, True])
@@ -551,8 +516,8 @@ def test_startup_completes_an_interrupted_rename_commit(tmp_path, old_copy):
     step is complete, and the next manager puts it in place (instead of deleting it)."""
     root = str(tmp_path / "ckpt")
     mgr = CheckpointManager(root)
-    mgr.save(1, state(1))
-    mgr.save(3, state(3))
+    mgr.save(1, medium_state(1))
+    mgr.save(3, medium_state(3))
     mgr.close()
     os.rename(os.path.join(root, "3"), os.path.join(root, ".tmp-3-abcdef012345"))
     if old_copy:  # re-save of step 3 interrupted after the old copy lost its marker
@@ -563,23 +528,23 @@ def test_startup_completes_an_interrupted_rename_commit(tmp_path, old_copy):
     assert mgr.all_steps() == [1, 3]  # the finished copy counts before anything is moved
     got, t = restored(mgr, None)
     assert got == 3
-    assert_bitwise_equal(t, state(3))
-    mgr.save(4, state(4))  # the first save takes the writer lease and completes the commit
+    assert_bitwise_equal(t, medium_state(3))
+    mgr.save(4, medium_state(4))  # the first save takes the writer lease and completes the commit
     mgr.close()
     assert _names(root) == ["1", "3", "4"]
-    assert_bitwise_equal(restored(CheckpointManager(root), 3)[1], state(3))
+    assert_bitwise_equal(restored(CheckpointManager(root), 3)[1], medium_state(3))
 
 
 def test_failed_save_does_not_block_later_saves_or_touch_committed(tmp_path):
     """A save failing for a bad leaf raises at the call, before anything is written."""
     root = str(tmp_path / "ckpt")
     mgr = CheckpointManager(root)
-    mgr.save(1, state(1))
+    mgr.save(1, medium_state(1))
     digest = tree_digest(root)
     with pytest.raises(InvalidStateDictError):
         mgr.save_async(2, {"f": lambda x: x})
     assert tree_digest(root) == digest
-    mgr.save(2, state(2))
+    mgr.save(2, medium_state(2))
     assert mgr.all_steps() == [1, 2]
     mgr.close()
 
@@ -589,7 +554,7 @@ def test_failed_save_does_not_block_later_saves_or_touch_committed(tmp_path):
 def test_bad_input_raises_typed_errors_and_never_damages_committed(tmp_path):
     root = str(tmp_path / "ckpt")
     mgr = CheckpointManager(root)
-    mgr.save(1, state(1))
+    mgr.save(1, medium_state(1))
     digest = tree_digest(root)
 
     def raises(exc_type, fn, *must_name):
@@ -600,8 +565,8 @@ def test_bad_input_raises_typed_errors_and_never_damages_committed(tmp_path):
         return ei.value
 
     for bad in (-1, 1.5, "2", True, None):
-        raises(InvalidStepError, lambda: mgr.save(bad, state(1)), "step")
-        raises(InvalidStepError, lambda: mgr.save_async(bad, state(1)), "step")
+        raises(InvalidStepError, lambda: mgr.save(bad, medium_state(1)), "step")
+        raises(InvalidStepError, lambda: mgr.save_async(bad, medium_state(1)), "step")
     raises(InvalidStepError, lambda: mgr.restore(-3, template()), "step")
     for bad in ([1, 2], None, torch.zeros(3), "state"):
         raises(InvalidStateDictError, lambda: mgr.save(2, bad), "mapping")
@@ -636,8 +601,8 @@ def test_bad_input_raises_typed_errors_and_never_damages_committed(tmp_path):
 
     assert tree_digest(root) == digest, "a bad call changed a committed checkpoint"
     assert mgr.all_steps() == [1]
-    assert_bitwise_equal(restored(mgr, 1)[1], state(1))
-    mgr.save(2, state(2))  # the manager still works
+    assert_bitwise_equal(restored(mgr, 1)[1], medium_state(1))
+    mgr.save(2, medium_state(2))  # the manager still works
     mgr.close()
 
 

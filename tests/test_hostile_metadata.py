@@ -19,7 +19,7 @@ from async_ckpt.cli import main
 from async_ckpt.errors import CorruptCheckpointError
 from async_ckpt.storage.dcp import METADATA_NAME
 
-from .conftest import assert_bitwise_equal
+from .conftest import assert_bitwise_equal, small_state, target_like
 from .test_cli import run_cli
 from .test_hostile_storage import (
     data_file,
@@ -27,7 +27,6 @@ from .test_hostile_storage import (
     resign,
     restore_none_falls_back,
     rewrite_metadata,
-    template,
 )
 
 
@@ -126,7 +125,7 @@ def test_forged_step_is_damage_for_restore(root3, kind, name):
     _forge(root, kind, name)
     restore_none_falls_back(root, saved, 3, 2)
     with CheckpointManager(root, keep_incomplete=True) as mgr:
-        t = template()
+        t = target_like(small_state(0))
         with pytest.warns(RuntimeWarning, match="skipping damaged step 3"):
             assert mgr.restore(None, t, atomic=True) == 2
         assert_bitwise_equal(t, saved[2])
@@ -135,7 +134,7 @@ def test_forged_step_is_damage_for_restore(root3, kind, name):
             mgr.restore(3, fresh)  # into {}: never a success with uninitialised tensors
         assert fresh == {}
         with pytest.raises(CorruptCheckpointError):
-            mgr.restore(3, template(), atomic=True)
+            mgr.restore(3, target_like(small_state(0)), atomic=True)
 
 
 def _one_line_error(capsys) -> str:

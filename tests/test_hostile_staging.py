@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from async_ckpt.staging import HostBufferPool, Stager
+from async_ckpt.staging import Stager
 
 from .conftest import assert_bitwise_equal
 
@@ -29,7 +29,8 @@ _WORKER = textwrap.dedent(r"""
     import json, sys
     import torch
     from async_ckpt import CheckpointManager
-    from async_ckpt.staging.lazy import TornSnapshotError, hold_copies
+    from async_ckpt.errors import TornSnapshotError
+    from async_ckpt.testing import hold_copies
 
     mode, root = sys.argv[1], sys.argv[2]
     out = {}
@@ -233,7 +234,7 @@ def test_pinned_pool_stays_bounded_while_a_cuda_tensor_grows():
 @cuda
 def test_lazy_cuda_save_of_freed_storage_fails_typed(tmp_path):
     from async_ckpt import CheckpointManager
-    from async_ckpt.staging.lazy import TornSnapshotError
+    from async_ckpt.errors import TornSnapshotError
 
     p = torch.randn(2_000_000, device="cuda")
     with CheckpointManager(str(tmp_path / "ckpt"), lazy=True) as mgr:

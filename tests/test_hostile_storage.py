@@ -11,7 +11,6 @@ import pickle
 import shutil
 
 import pytest
-import torch
 
 from async_ckpt import CheckpointManager
 from async_ckpt.cli import main
@@ -21,30 +20,21 @@ from async_ckpt.storage.fs import Storage
 from async_ckpt.storage.layout import CheckpointLayout
 from async_ckpt.storage.manifest import MANIFEST_NAME, MARKER_NAME, crc32c, marker_bytes
 
-from .conftest import assert_bitwise_equal, clone_tree
-
-
-def state(step: int):
-    g = torch.Generator().manual_seed(step)
-    return {"w": torch.randn(64, 8, generator=g), "b": torch.arange(step, step + 5),
-            "opt": {"lr": 0.1 * step, "betas": (0.9, 0.99)}}
-
-
-def template():
-    return {"w": torch.zeros(64, 8), "b": torch.zeros(5, dtype=torch.int64), "opt": {"lr": 0.0, "betas": (0.0, 0.0)}}
+from .conftest import assert_bitwise_equal, clone_tree, data_files, flip_byte, small_state, target_like
 
 
 def make_root(root: str, steps=(1, 2, 3), **kw):
     saved = {}
     with CheckpointManager(root, **kw) as mgr:
         for s in steps:
-            saved[s] = clone_tree(state(s))
-            mgr.save(s, state(s))
+            saved[s] = clone_tree(small_state(s))
+            mgr.save(s, small_state(s))
     return saved
 
 
 def data_file(step_dir: str) -> str:
-    return sorted(n for n in os.listdir(step_dir) if n.endswith(".distcp"))[0]
+    """The name of the step's first data file."""
+    return os.path.basename(data_files(step_dir)[0])
 
 
 def resign(step_dir: str, step: int, edit) -> None:
@@ -77,11 +67,11 @@ def snapshot(top: str):
 
 def restore_none_falls_back(root: str, saved, bad_step: int, good_step: int):
     mgr = CheckpointManager(root, keep_incomplete=True)
-    t = template()
+    t = target_like(small_state(0))
     with pytest.warns(RuntimeWarning, match=f"skipping damaged step {bad_step}"):
         assert mgr.restore(None, t) == good_step
     assert_bitwise_equal(t, saved[good_step])
-    t = template()
+    t = target_like(small_state(0))
     before = clone_tree(t)
     with pytest.raises(CorruptCheckpointError):
         mgr.restore(bad_step, t)
@@ -100,9 +90,7 @@ def test_prune_keeps_the_newest_intact_step(tmp_path, damage, capsys):
     if damage == "missing_file":
         os.unlink(p)
     else:  # same size: only a checksum finds it
-        data = bytearray(open(p, "rb").read())
-        data[len(data) // 2] ^= 0x40
-        open(p, "wb").write(bytes(data))
+        flip_byte(p, mask=0x40)
     assert main(["prune", root, "--keep-last", "1", "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert plan["kept"] == [2] and plan["deleted"] == [1], plan
@@ -115,9 +103,7 @@ def test_prune_deletes_nothing_when_no_step_verifies(tmp_path, capsys):
     make_root(root, steps=(1, 2))
     for s in ("1", "2"):
         p = os.path.join(root, s, data_file(os.path.join(root, s)))
-        data = bytearray(open(p, "rb").read())
-        data[-10] ^= 0x01
-        open(p, "wb").write(bytes(data))
+        flip_byte(p, at=-10)
     assert main(["prune", root, "--keep-last", "1"]) == 0
     assert "0 kept, 0 deleted, 2 damaged step(s) left alone" in capsys.readouterr().out
     assert sorted(n for n in os.listdir(root) if n.isdigit()) == ["1", "2"]
@@ -146,12 +132,12 @@ def test_linked_step_is_not_committed_restored_or_deleted_by_retention(linked_ro
     with CheckpointManager(root, max_to_keep=1) as mgr:
         assert mgr.all_steps() == [1, 2, 3]
         with pytest.raises(StepNotFoundError):
-            mgr.restore(0, template())
-        mgr.save(4, state(4))  # retention drops 1..3, and must not reach through 0
+            mgr.restore(0, target_like(small_state(0)))
+        mgr.save(4, small_state(4))  # retention drops 1..3, and must not reach through 0
         mgr.join()
     with CheckpointManager(root) as mgr:  # recovery and cleanup (first save) leave it alone too
         assert mgr.all_steps() == [4]
-        mgr.save(5, state(5))
+        mgr.save(5, small_state(5))
     assert os.path.islink(os.path.join(root, "0"))
     assert snapshot(elsewhere) == before
 
@@ -181,7 +167,7 @@ def test_saving_a_step_whose_directory_is_a_link_is_refused(linked_root, mode):
     with pytest.raises(StorageError, match="symbolic link"):
         mgr.layout.delete(10)
     with pytest.raises(Exception, match="symbolic link"):
-        mgr.save(10, state(10))
+        mgr.save(10, small_state(10))
     try:
         mgr.close()
     except Exception:
@@ -270,7 +256,7 @@ def test_link_inside_the_step_directory_is_fine(root3):
     name = data_file(d3)
     os.rename(os.path.join(d3, name), os.path.join(d3, "real.bin"))
     os.symlink("real.bin", os.path.join(d3, name))
-    t = template()
+    t = target_like(small_state(0))
     with CheckpointManager(root, keep_incomplete=True) as mgr:
         assert mgr.restore(3, t) == 3
     assert_bitwise_equal(t, saved[3])
@@ -339,9 +325,7 @@ def test_directory_in_place_of_a_file_is_damage(root3, which, capsys):
 def test_ls_never_says_ok_for_a_step_verify_rejects(root3, capsys):
     root, _ = root3
     p = os.path.join(root, "2", data_file(os.path.join(root, "2")))
-    data = bytearray(open(p, "rb").read())
-    data[5] ^= 0x01
-    open(p, "wb").write(bytes(data))
+    flip_byte(p, at=5)
     assert main(["verify", root, "--all", "--json"]) == 1
     verified = {r["step"]: r["ok"] for r in json.loads(capsys.readouterr().out)["steps"]}
     assert verified == {1: True, 2: False, 3: True}
@@ -396,7 +380,7 @@ def test_unsafe_metadata_error_escapes_control_characters(root3, capsys):
     resign(d3, 3, lambda d: d["files"].__setitem__(METADATA_NAME, record(evil)))
     with CheckpointManager(root, keep_incomplete=True) as mgr:
         with pytest.raises(UnsafeCheckpointError) as exc:
-            mgr.restore(3, template())
+            mgr.restore(3, target_like(small_state(0)))
     assert "\x1b" not in str(exc.value) and "\\x1b" in str(exc.value)
     assert main(["show", root, "3"]) == 2
     err = capsys.readouterr().err

@@ -29,6 +29,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 
 from async_ckpt.integrations.lightning import AsyncCkptIO  # noqa: E402
 
+from .conftest import flip_byte  # noqa: E402
 from .integration_worker import lit_model_class  # noqa: E402
 
 LitModel = lit_model_class()
@@ -135,31 +136,21 @@ def test_lightning_second_fit_on_same_trainer_and_pool_reuse(tmp_path):
     assert torch.load(tmp_path / "last.ckpt", weights_only=False)["global_step"] == 8
 
 
-def test_lightning_remove_waits_for_a_pending_write_and_keeps_the_newest(tmp_path, monkeypatch):
-    import async_ckpt.integrations.lightning as mod
-
-    gate, started = threading.Event(), threading.Event()
-    real = mod.write_file
-
-    def gated(path, write, fsync=True):
-        if path.endswith("a.ckpt"):
-            started.set()
-            assert gate.wait(30)
-        real(path, write, fsync=fsync)
-
-    monkeypatch.setattr(mod, "write_file", gated)
+def test_lightning_remove_waits_for_a_pending_write_and_keeps_the_newest(tmp_path):
     io = AsyncCkptIO(max_pending=4, sync_explicit=False)  # direct calls in the background, as ModelCheckpoint's
-    io.save_checkpoint({"w": torch.arange(4.0)}, str(tmp_path / "a.ckpt"))
-    io.save_checkpoint({"w": torch.arange(8.0)}, str(tmp_path / "b.ckpt"))
-    assert started.wait(30)
+    a, b = f"faulty://{tmp_path}/a.ckpt", f"faulty://{tmp_path}/b.ckpt"
+    stuck = io.filesystem(a).inject("write", "*a.ckpt*", "hang", times=1)  # the write of a.ckpt hangs
+    io.save_checkpoint({"w": torch.arange(4.0)}, a)
+    io.save_checkpoint({"w": torch.arange(8.0)}, b)
+    assert stuck.reached.wait(30)
     done = threading.Event()
-    t = threading.Thread(target=lambda: (io.remove_checkpoint(str(tmp_path / "a.ckpt")), done.set()))
+    t = threading.Thread(target=lambda: (io.remove_checkpoint(a), done.set()))
     t.start()
     assert not done.wait(0.5)  # still waiting for the write of a.ckpt
-    gate.set()
+    stuck.release.set()
     t.join(30)
     assert done.is_set() and not (tmp_path / "a.ckpt").exists()
-    io.remove_checkpoint(str(tmp_path / "b.ckpt"))  # the newest: kept
+    io.remove_checkpoint(b)  # the newest: kept
     io.teardown()
     assert torch.equal(torch.load(tmp_path / "b.ckpt")["w"], torch.arange(8.0))
 
@@ -190,10 +181,7 @@ def test_lightning_damaged_file_and_background_errors(tmp_path):
     io = AsyncCkptIO(sync_explicit=False)
     io.save_checkpoint({"w": torch.randn(64)}, tmp_path / "x.ckpt")
     io.wait()
-    raw = bytearray((tmp_path / "x.ckpt").read_bytes())
-    i = raw.find(b"data/0") + 200
-    raw[i] ^= 0xFF
-    (tmp_path / "x.ckpt").write_bytes(bytes(raw))
+    flip_byte(str(tmp_path / "x.ckpt"), at=(tmp_path / "x.ckpt").read_bytes().find(b"data/0") + 200, mask=0xFF)
     with pytest.raises(CorruptCheckpointError, match="x.ckpt"):
         io.load_checkpoint(tmp_path / "x.ckpt")
     with pytest.raises(FileNotFoundError):
@@ -362,7 +350,7 @@ def test_hf_rotation_never_sees_a_checkpoint_in_flight(tmp_path):
     pytest.importorskip("transformers")
     from transformers.trainer_utils import get_last_checkpoint, rotate_checkpoints
 
-    from async_ckpt.integrations._snapshot import TMP_SUFFIX
+    from async_ckpt.integrations.atomic_files import TMP_SUFFIX
 
     for step in (2, 4):
         (tmp_path / f"checkpoint-{step}").mkdir()

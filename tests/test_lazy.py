@@ -16,10 +16,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from async_ckpt import CheckpointManager
-from async_ckpt.errors import CheckpointError
+from async_ckpt.errors import CheckpointError, TornSnapshotError
 from async_ckpt.staging import Stager
 from async_ckpt.staging import lazy as lazy_mod
-from async_ckpt.staging.lazy import TornSnapshotError, hold_copies
+from async_ckpt.testing import hold_copies
 
 from .conftest import assert_bitwise_equal, clone_tree
 

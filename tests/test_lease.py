@@ -15,67 +15,52 @@ import sys
 import textwrap
 import threading
 import time
-import uuid
 
 import pytest
-import torch
 
 from async_ckpt import CheckpointManager, LeaseHeldError
 from async_ckpt.storage import Storage
 from async_ckpt.storage.lease import LEASE_NAME, ObjectStoreLease
 
-from .conftest import assert_bitwise_equal
+from .conftest import assert_bitwise_equal, target_like, small_state
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def sd(v: float):
-    return {"w": torch.full((256,), float(v)), "meta": {"step": int(v)}}
-
-
-def zeros():
-    return {"w": torch.zeros(256), "meta": {"step": -1}}
-
-
-@pytest.fixture(params=["file", "memory"])
-def root(request, tmp_path):
-    return str(tmp_path / "ckpt") if request.param == "file" else f"memory://lease-{uuid.uuid4().hex}"
 
 
 def test_a_second_writer_is_refused_naming_the_holder(root):
     # the holder is busy (a save in flight): an idle manager of this process would be taken over
     committed, gate = threading.Event(), threading.Event()
     a = CheckpointManager(root, on_saved=lambda s: (committed.set(), gate.wait(30)))
-    a.save_async(1, sd(1))
+    a.save_async(1, small_state(1))
     assert committed.wait(30)
     b = CheckpointManager(root)  # constructing, listing and restoring need no lease
     assert b.all_steps() == [1]
-    b.restore(1, zeros())
+    b.restore(1, target_like(small_state(0)))
     with pytest.raises(LeaseHeldError, match=f"pid {os.getpid()}") as ei:
-        b.save(2, sd(2))
+        b.save(2, small_state(2))
     assert ei.value.holder and str(os.getpid()) in ei.value.holder
     with pytest.raises(LeaseHeldError):
         b.delete(1)
     assert b.all_steps() == [1]
     gate.set()
     a.close()  # releases the lease
-    assert b.save(2, sd(2))
+    assert b.save(2, small_state(2))
     assert b.all_steps() == [1, 2]
     b.close()
 
 
 def test_lease_timeout_waits_for_the_holder(root):
     a = CheckpointManager(root)
-    a.save(1, sd(1))
+    a.save(1, small_state(1))
     threading.Timer(0.3, a.close).start()
     b = CheckpointManager(root, lease_timeout=20)
-    assert b.save(2, sd(2))
+    assert b.save(2, small_state(2))
     b.close()
 
 
 def test_a_reader_never_touches_a_live_writers_files(root, tmp_path):
     writer = CheckpointManager(root, max_to_keep=2)
-    writer.save(1, sd(1))
+    writer.save(1, small_state(1))
     st = Storage(root)
     # what looks like debris to a reader: a writer's step in flight (temp and unmarked dirs)
     for name in (".tmp-2-0123456789ab", "3"):
@@ -85,40 +70,37 @@ def test_a_reader_never_touches_a_live_writers_files(root, tmp_path):
     before = sorted(e["name"] for e in st.listdir(st.root))
     for _ in range(3):
         r = CheckpointManager(root)
-        r.restore(None, zeros())
+        r.restore(None, target_like(small_state(0)))
         r.close()
     assert sorted(e["name"] for e in st.listdir(st.root)) == before
     writer.close()
 
 
-def test_an_expired_object_store_lease_is_taken_over():
-    url = f"memory://lease-{uuid.uuid4().hex}"
-    st = Storage(url)
+def test_an_expired_object_store_lease_is_taken_over(memory_root):
+    st = Storage(memory_root)
     st.makedirs(st.root)
     st.write_bytes(st.join(LEASE_NAME), json.dumps(
         {"host": "elsewhere", "pid": 1, "token": "t", "expires": time.time() - 1}).encode())
-    mgr = CheckpointManager(url)
-    assert mgr.save(1, sd(1))  # the dead writer's lease expired
+    mgr = CheckpointManager(memory_root)
+    assert mgr.save(1, small_state(1))  # the dead writer's lease expired
     mgr.close()
     assert not st.exists(st.join(LEASE_NAME))  # released at close
 
 
-def test_a_live_object_store_lease_is_refused_with_its_expiry():
-    url = f"memory://lease-{uuid.uuid4().hex}"
-    st = Storage(url)
+def test_a_live_object_store_lease_is_refused_with_its_expiry(memory_root):
+    st = Storage(memory_root)
     st.makedirs(st.root)
     st.write_bytes(st.join(LEASE_NAME), json.dumps(
         {"host": "elsewhere", "pid": 1, "token": "t", "expires": time.time() + 600}).encode())
-    mgr = CheckpointManager(url)
+    mgr = CheckpointManager(memory_root)
     with pytest.raises(LeaseHeldError, match="pid 1 on elsewhere.*expires in"):
-        mgr.save(1, sd(1))
+        mgr.save(1, small_state(1))
     assert mgr.all_steps() == []
     mgr.close()
 
 
-def test_a_dead_local_holder_of_an_object_store_lease_is_taken_over():
-    url = f"memory://lease-{uuid.uuid4().hex}"
-    st = Storage(url)
+def test_a_dead_local_holder_of_an_object_store_lease_is_taken_over(memory_root):
+    st = Storage(memory_root)
     st.makedirs(st.root)
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                           text=True).stdout.strip()
@@ -126,22 +108,26 @@ def test_a_dead_local_holder_of_an_object_store_lease_is_taken_over():
 
     st.write_bytes(st.join(LEASE_NAME), json.dumps(
         {"host": socket.gethostname(), "pid": int(dead), "token": "t", "expires": time.time() + 600}).encode())
-    mgr = CheckpointManager(url)
-    assert mgr.save(1, sd(1))
+    mgr = CheckpointManager(memory_root)
+    assert mgr.save(1, small_state(1))
     mgr.close()
 
 
-def test_the_object_store_lease_heartbeat_renews_and_detects_a_takeover():
-    st = Storage(f"memory://lease-{uuid.uuid4().hex}")
+def test_the_object_store_lease_heartbeat_renews_and_detects_a_takeover(memory_root):
+    st = Storage(memory_root)
     st.makedirs(st.root)
-    lease = ObjectStoreLease(st, ttl_s=0.3)
+    now = [0.0]  # the lease's monotonic clock; its heartbeat thread beats every 10 s of real time
+    lease = ObjectStoreLease(st, ttl_s=30, clock=lambda: now[0])
     lease.acquire()
     first = json.loads(st.read_bytes(lease.path))["expires"]
-    time.sleep(0.5)
+    now[0] = 10.0  # one heartbeat period later
+    assert lease.beat()
     assert json.loads(st.read_bytes(lease.path))["expires"] > first  # renewed
+    now[0] = 30.0  # the TTL after acquiring, 20 s after the renewal: only the renewal keeps it
+    lease.check()
     st.write_bytes(lease.path, json.dumps({"host": "h", "pid": 2, "token": "other",
                                            "expires": time.time() + 60}).encode())
-    time.sleep(0.4)
+    assert not lease.beat()
     with pytest.raises(LeaseHeldError, match="taken over"):
         lease.check()
     lease.release()
@@ -181,7 +167,7 @@ def test_readers_opening_a_live_root_never_fail_its_writer(tmp_path, mode):
         failed = 0
         for step in range(200):
             try:
-                mgr.save(step, sd(step))
+                mgr.save(step, small_state(step))
             except Exception:
                 failed += 1
         mgr.close()
@@ -193,9 +179,9 @@ def test_readers_opening_a_live_root_never_fail_its_writer(tmp_path, mode):
     check = CheckpointManager(root)
     assert check.all_steps() == [198, 199]
     for s in check.all_steps():
-        t = zeros()
+        t = target_like(small_state(0))
         check.restore(s, t)
-        assert_bitwise_equal(t, sd(s))
+        assert_bitwise_equal(t, small_state(s))
     check.close()
 
 
@@ -243,8 +229,8 @@ def test_a_raising_on_saved_does_not_fail_the_save_or_stop_retention(root, caplo
 
     mgr = CheckpointManager(root, max_to_keep=1, on_saved=boom)
     with caplog.at_level(logging.ERROR, logger="async_ckpt"):
-        assert mgr.save(1, sd(1))
-        assert mgr.save(2, sd(2))
+        assert mgr.save(1, small_state(1))
+        assert mgr.save(2, small_state(2))
         mgr.join()
     assert mgr.all_steps() == [2]  # committed, and retention ran
     assert [r for r in caplog.records if "on_saved" in r.getMessage() and r.levelno == logging.ERROR]
@@ -255,7 +241,7 @@ def test_an_unclosed_manager_stops_its_threads_when_collected(tmp_path):
     gc.collect()
     before = {t.ident for t in threading.enumerate()}
     mgr = CheckpointManager(str(tmp_path / "ckpt"))
-    mgr.save(1, sd(1))
+    mgr.save(1, small_state(1))
     del mgr
     gc.collect()
     deadline = time.time() + 10
@@ -275,39 +261,37 @@ def _expire_lease_object(st: Storage) -> None:
     st.write_bytes(st.join(LEASE_NAME), json.dumps({**cur, "expires": time.time() - 1}).encode())
 
 
-def test_a_writer_whose_lease_lapsed_neither_commits_nor_deletes():
+def test_a_writer_whose_lease_lapsed_neither_commits_nor_deletes(memory_root):
     """A saves 1; A's lease is not renewed for the TTL; B takes it over and saves 2
     (max_to_keep=1); A's save of 3 raises LeaseHeldError and deletes nothing of B's."""
-    url = f"memory://lease-{uuid.uuid4().hex}"
-    st = Storage(url)
+    st = Storage(memory_root)
     now = [1000.0]
-    a = CheckpointManager(url, max_to_keep=1)
+    a = CheckpointManager(memory_root, max_to_keep=1)
     a._store.lease.clock = lambda: now[0]  # A's monotonic clock: no real sleeping
-    assert a.save(1, sd(1))
+    assert a.save(1, small_state(1))
     now[0] += a._store.lease.ttl_s + 1  # A's heartbeat could not renew (a partition, a suspended process)
     _expire_lease_object(st)
-    b = CheckpointManager(url, max_to_keep=1)
-    assert b.save(2, sd(2))
+    b = CheckpointManager(memory_root, max_to_keep=1)
+    assert b.save(2, small_state(2))
     assert b.all_steps() == [2]
     with pytest.raises(LeaseHeldError):
-        a.save(3, sd(3))
+        a.save(3, small_state(3))
     with pytest.raises(LeaseHeldError):
         a.delete(2)
-    assert Storage(url).exists(st.join("2"))
-    r = CheckpointManager(url)
+    assert Storage(memory_root).exists(st.join("2"))
+    r = CheckpointManager(memory_root)
     assert r.all_steps() == [2]
-    t = zeros()
+    t = target_like(small_state(0))
     r.restore(2, t)
-    assert_bitwise_equal(t, sd(2))
+    assert_bitwise_equal(t, small_state(2))
     b.close()
     a.close()
 
 
-def test_a_queued_save_whose_lease_lapsed_before_its_commit_is_not_committed():
+def test_a_queued_save_whose_lease_lapsed_before_its_commit_is_not_committed(memory_root):
     """The lease was valid when the save was queued and lapsed before its commit: the commit
     itself proves the lease (LeaseHeldError of that step) and the successor's steps stay."""
-    url = f"memory://lease-{uuid.uuid4().hex}"
-    st = Storage(url)
+    st = Storage(memory_root)
     now = [1000.0]
     committed, gate = threading.Event(), threading.Event()
 
@@ -316,29 +300,29 @@ def test_a_queued_save_whose_lease_lapsed_before_its_commit_is_not_committed():
             committed.set()
             gate.wait(30)
 
-    a = CheckpointManager(url, max_to_keep=1, max_pending_async=2, on_saved=hold)
+    a = CheckpointManager(memory_root, max_to_keep=1, max_pending_async=2, on_saved=hold)
     a._store.lease.clock = lambda: now[0]
-    assert a.save_async(1, sd(1))  # committed, then its on_saved holds A's writer thread
-    assert a.save_async(2, sd(2))  # queued under a valid lease
+    assert a.save_async(1, small_state(1))  # committed, then its on_saved holds A's writer thread
+    assert a.save_async(2, small_state(2))  # queued under a valid lease
     assert committed.wait(30)
     now[0] += a._store.lease.ttl_s + 1
     _expire_lease_object(st)
-    b = CheckpointManager(url, max_to_keep=1)
-    assert b.save(5, sd(5))
+    b = CheckpointManager(memory_root, max_to_keep=1)
+    assert b.save(5, small_state(5))
     gate.set()
     with pytest.raises(LeaseHeldError) as ei:
         a.join()
     assert ei.value.step == 2
     assert b.all_steps() == [5]
-    t = zeros()
+    t = target_like(small_state(0))
     b.restore(5, t)
-    assert_bitwise_equal(t, sd(5))
+    assert_bitwise_equal(t, small_state(5))
     b.close()
     a.close()
 
 
-def test_the_lease_check_tolerates_one_missed_beat_but_not_the_ttl():
-    st = Storage(f"memory://lease-{uuid.uuid4().hex}")
+def test_the_lease_check_tolerates_one_missed_beat_but_not_the_ttl(memory_root):
+    st = Storage(memory_root)
     st.makedirs(st.root)
     now = [0.0]
     lease = ObjectStoreLease(st, ttl_s=30, clock=lambda: now[0])
@@ -360,12 +344,12 @@ def test_dropping_the_last_reference_releases_the_lease_without_a_cyclic_gc(root
     gc.disable()
     try:
         mgr = CheckpointManager(root, 10, max_to_keep=3, stats_log=True, local_dir=str(tmp_path / "local"))
-        mgr.save(0, sd(0))
+        mgr.save(0, small_state(0))
         ref = weakref.ref(mgr)
         del mgr
         assert ref() is None  # no reference cycle through the manager
         other = CheckpointManager(root, 10, max_to_keep=3)
-        assert other.save(10, sd(10))  # the lease was released by the finalizer
+        assert other.save(10, small_state(10))  # the lease was released by the finalizer
         assert other.all_steps() == [0, 10]
         other.close()
     finally:
@@ -375,57 +359,49 @@ def test_dropping_the_last_reference_releases_the_lease_without_a_cyclic_gc(root
 def test_a_busy_manager_of_this_process_keeps_its_lease(root):
     gate = threading.Event()
     first = CheckpointManager(root, on_saved=lambda s: gate.wait(30))
-    first.save_async(1, sd(1))  # still in flight: its on_saved holds the writer
+    first.save_async(1, small_state(1))  # still in flight: its on_saved holds the writer
     second = CheckpointManager(root)
     with pytest.raises(LeaseHeldError, match="in flight: close"):
-        second.save(2, sd(2))
+        second.save(2, small_state(2))
     gate.set()
     first.close()
-    assert second.save(2, sd(2))
+    assert second.save(2, small_state(2))
     assert second.all_steps() == [1, 2]
     second.close()
 
 
-def test_a_renewal_that_lands_after_the_lease_could_be_taken_over_proves_nothing():
+def test_a_renewal_that_lands_after_the_lease_could_be_taken_over_proves_nothing(tmp_path):
     """A heartbeat write that hung until after the TTL (then landed) must not count as a
     renewal: a successor may have taken the lease meanwhile, and the late write just
     overwrote its lease object. Crediting it left both writers passing check() (both
     committing and deleting) for up to a twelfth of the TTL."""
-    url = f"memory://lease-{uuid.uuid4().hex}"
+    url = "faulty://" + str(tmp_path / "ckpt")  # one root, seen by two storages: A's hangs on request
     st_a, st_b = Storage(url), Storage(url)
     st_a.makedirs(st_a.root)
-    now = [0.0]
-    blocked, unblock, landed = threading.Event(), threading.Event(), threading.Event()
-    real_write = st_a.write_bytes
-
-    def stalling_write(path, data, *args, **kwargs):  # the network hangs on A's renewal
-        if blocked.is_set() or not threading.current_thread().name.startswith("async-ckpt-lease"):
-            return real_write(path, data, *args, **kwargs)
-        blocked.set()
-        assert unblock.wait(30)
-        real_write(path, data, *args, **kwargs)
-        landed.set()
-
-    st_a.write_bytes = stalling_write
-    a = ObjectStoreLease(st_a, ttl_s=3.0, clock=lambda: now[0])
-    a.acquire()  # renewed at 0 (A's clock); the heartbeat's first beat is 1 s of real time later
-    now[0] = 1.0
-    assert blocked.wait(30)  # that beat's write (issued at 1.0) hangs
-    now[0] = 3.1  # past the TTL of A's last landed renewal: the others may take the lease
+    now = [0.0]  # A's monotonic clock; its heartbeat thread beats every 10 s of real time
+    a = ObjectStoreLease(st_a, ttl_s=30.0, clock=lambda: now[0])
+    a.acquire()  # renewed at 0 (A's clock)
+    stuck = st_a.fs.inject("write", LEASE_NAME, "hang", times=1)  # the network hangs on A's renewal
+    now[0] = 10.0
+    beats = []
+    beat = threading.Thread(target=lambda: beats.append(a.beat()))
+    beat.start()
+    assert stuck.reached.wait(30)  # that beat's write (issued at 10.0) hangs
+    now[0] = 30.1  # past the TTL of A's last landed renewal: the others may take the lease
     _expire_lease_object(st_b)
-    b = ObjectStoreLease(st_b, ttl_s=3.0)
+    b = ObjectStoreLease(st_b, ttl_s=30.0)
     b.acquire()
     b.check()
-    unblock.set()  # A's renewal lands now, 2.1 s after it was issued (over B's lease object)
-    assert landed.wait(30)
-    time.sleep(0.2)  # the heartbeat records the renewal (or not)
+    stuck.release.set()  # A's renewal lands now, 20.1 s after it was issued (over B's lease object)
+    beat.join(30)
+    assert beats == [False]  # the late renewal proves nothing: the lease is lost
     with pytest.raises(LeaseHeldError):
         a.check()  # it may not commit or delete: B holds the root
     a.release()
     b.release()
 
 
-def test_cli_prune_proves_the_lease_before_every_delete(monkeypatch, capsys):
+def test_cli_prune_proves_the_lease_before_every_delete(monkeypatch, capsys, memory_root):
     """``async-ckpt prune`` took the lease once and then deleted step after step: a prune
     whose lease lapsed meanwhile (slow deletions, a suspended process) went on deleting
     under a writer that took the root over. Each deletion must prove the lease first."""
@@ -433,10 +409,9 @@ def test_cli_prune_proves_the_lease_before_every_delete(monkeypatch, capsys):
     from async_ckpt.cli import verify as cli_verify
     from async_ckpt.storage.layout import CheckpointLayout
 
-    url = f"memory://lease-{uuid.uuid4().hex}"
-    m = CheckpointManager(url)
+    m = CheckpointManager(memory_root)
     for s in range(1, 5):
-        assert m.save(s, sd(s))
+        assert m.save(s, small_state(s))
     m.close()
     now = [0.0]
     monkeypatch.setattr(cli_verify, "writer_lease",
@@ -448,7 +423,7 @@ def test_cli_prune_proves_the_lease_before_every_delete(monkeypatch, capsys):
         now[0] += 100.0  # this deletion outlasted the TTL: the lease can no longer be proven
 
     monkeypatch.setattr(CheckpointLayout, "delete", slow_delete)
-    assert main(["prune", url, "--keep-last", "1"]) == 2  # an error (LeaseHeldError), one line
+    assert main(["prune", memory_root, "--keep-last", "1"]) == 2  # an error (LeaseHeldError), one line
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "lease" in err, err
-    assert CheckpointManager(url).all_steps() == [2, 3, 4]  # the first deletion only
+    assert CheckpointManager(memory_root).all_steps() == [2, 3, 4]  # the first deletion only

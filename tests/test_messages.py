@@ -10,7 +10,7 @@ import torch
 import async_ckpt
 from async_ckpt import CheckpointError, CheckpointManager, InvalidArgumentError
 
-from .conftest import assert_bitwise_equal, clone_tree
+from .conftest import assert_bitwise_equal, clone_tree, data_files, flip_byte
 
 
 # ---- invalid arguments are CheckpointErrors ------------------------------------------------------
@@ -196,19 +196,14 @@ def test_format_helpers_pick_units():
 
 
 def test_a_fallback_that_succeeded_does_not_say_the_target_must_not_be_used(tmp_path):
-    import glob
     import os
 
     root = str(tmp_path / "ckpt")
     with CheckpointManager(root) as mgr:
         mgr.save(1, {"w": torch.full((4096,), 1.0)})
         mgr.save(2, {"w": torch.full((4096,), 2.0)})
-    (data,) = glob.glob(os.path.join(root, "2", "*.distcp"))
-    with open(data, "r+b") as f:  # flip a byte in the middle of the tensor data
-        f.seek(os.path.getsize(data) // 2)
-        b = f.read(1)
-        f.seek(-1, 1)
-        f.write(bytes([b[0] ^ 0xFF]))
+    (data,) = data_files(os.path.join(root, "2"))
+    flip_byte(data, mask=0xFF)  # a byte in the middle of the tensor data
     target = {"w": torch.zeros(4096)}
     with pytest.warns(RuntimeWarning, match="skipping damaged step 2") as rec:
         assert CheckpointManager(root).restore(None, target) == 1

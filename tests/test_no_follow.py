@@ -11,19 +11,14 @@ from __future__ import annotations
 import os
 
 import pytest
-import torch
 
 from async_ckpt import CheckpointManager, StorageError
 from async_ckpt.storage.lease import LOCK_NAME
 from async_ckpt.storage.manifest import PENDING_NAME
 
-from .conftest import assert_bitwise_equal
+from .conftest import assert_bitwise_equal, small_state, target_like
 
 VICTIM = b"precious: owned by the user whose job writes checkpoints\n"
-
-
-def sd(v: float):
-    return {"w": torch.full((64,), float(v))}
 
 
 @pytest.fixture
@@ -39,7 +34,7 @@ def test_the_lock_file_is_never_written_through_a_link(tmp_path, victim):
     os.symlink(victim, root / LOCK_NAME)
     mgr = CheckpointManager(str(root))
     with pytest.raises(StorageError, match="symbolic link"):
-        mgr.save(1, sd(1))
+        mgr.save(1, small_state(1))
     with pytest.raises(StorageError, match="symbolic link"):
         mgr.delete(1)
     mgr.close()
@@ -53,7 +48,7 @@ def test_a_hard_linked_lock_file_is_refused(tmp_path, victim):
     os.link(victim, root / LOCK_NAME)
     mgr = CheckpointManager(str(root))
     with pytest.raises(StorageError, match="hard link"):
-        mgr.save(1, sd(1))
+        mgr.save(1, small_state(1))
     mgr.close()
     assert victim.read_bytes() == VICTIM
 
@@ -62,19 +57,19 @@ def test_a_hard_linked_lock_file_is_refused(tmp_path, victim):
 def test_the_pending_sentinel_is_never_written_through_a_link(tmp_path, victim, how):
     root = tmp_path / "ckpt"
     mgr = CheckpointManager(str(root), max_to_keep=1 if how == "retention" else 0)
-    assert mgr.save(1, sd(1))
+    assert mgr.save(1, small_state(1))
     os.symlink(victim, root / "1" / PENDING_NAME)  # planted in a committed step directory
     if how == "retention":
-        assert mgr.save(2, sd(2))  # retention cannot condemn step 1: logged, the save stands
+        assert mgr.save(2, small_state(2))  # retention cannot condemn step 1: logged, the save stands
         mgr.join()
     else:
         with pytest.raises(StorageError, match="symbolic link"):
             mgr.delete(1)
     assert victim.read_bytes() == VICTIM
     assert 1 in mgr.all_steps()  # not deleted: still committed and whole
-    target = sd(0)
+    target = target_like(small_state(0))
     mgr.restore(1, target)
-    assert_bitwise_equal(target, sd(1))
+    assert_bitwise_equal(target, small_state(1))
     mgr.close()
 
 
@@ -90,7 +85,7 @@ def test_the_stats_log_is_never_appended_through_a_link(tmp_path, victim, relpat
         os.symlink(victim, root / relpath)
     mgr = CheckpointManager(str(root), stats_log=relpath)
     with caplog.at_level("WARNING", logger="async_ckpt"):
-        assert mgr.save(1, sd(1))  # the log fails, the save does not
+        assert mgr.save(1, small_state(1))  # the log fails, the save does not
     mgr.close()
     assert victim.read_bytes() == VICTIM
     assert any("stats log" in r.getMessage() and "symbolic link" in r.getMessage() for r in caplog.records)
@@ -100,7 +95,7 @@ def test_the_stats_log_is_never_appended_through_a_link(tmp_path, victim, relpat
 def test_the_stats_log_still_appends_to_a_plain_file(tmp_path):
     root = tmp_path / "ckpt"
     mgr = CheckpointManager(str(root), stats_log="logs/stats.jsonl")
-    assert mgr.save(1, sd(1)) and mgr.save(2, sd(2))
+    assert mgr.save(1, small_state(1)) and mgr.save(2, small_state(2))
     mgr.close()
     lines = (root / "logs" / "stats.jsonl").read_text().splitlines()
     assert len(lines) == 2

@@ -30,7 +30,7 @@ from async_ckpt import (
 )
 from async_ckpt.policies import apply_retention, as_retention_policy, decide_save
 
-from .conftest import assert_bitwise_equal
+from .conftest import assert_bitwise_equal, small_state, target_like
 
 
 class FakeClock:
@@ -57,15 +57,6 @@ def ctx(now=100.0, start=0.0, last=None, last_step=None, in_flight=False, preemp
 def infos(*rows):
     """rows: (step, commit_time) or (step, commit_time, metrics)."""
     return [CheckpointInfo(r[0], float(r[1]), dict(r[2]) if len(r) > 2 else {}) for r in rows]
-
-
-def state(step: int):
-    return {"w": torch.arange(64, dtype=torch.float32) * step, "b": torch.full((3,), step, dtype=torch.int64),
-            "meta": {"step": step}}
-
-
-def zeros_state():
-    return {"w": torch.zeros(64), "b": torch.zeros(3, dtype=torch.int64), "meta": {"step": -1}}
 
 
 def drain(mgr: CheckpointManager) -> None:
@@ -213,14 +204,14 @@ def test_manager_rejects_bad_policies(ckpt_dir):
 
 def test_force_always_saves_and_callable_save_policy(ckpt_dir):
     with CheckpointManager(ckpt_dir, save_policy=lambda s: s in (2, 5)) as mgr:
-        took = [s for s in range(7) if mgr.save_async(s, state(s))]
+        took = [s for s in range(7) if mgr.save_async(s, small_state(s))]
         assert took == [2, 5]
-        assert mgr.save(6, state(6), force=True)
+        assert mgr.save(6, small_state(6), force=True)
         assert mgr.all_steps() == [2, 5, 6]
     with CheckpointManager(ckpt_dir, save_policy=OnPreemption()) as mgr:
         assert not mgr.should_save(7)  # preemption is off: OnPreemption never fires
-        assert not mgr.save(7, state(7))
-        assert mgr.save(7, state(7), force=True)
+        assert not mgr.save(7, small_state(7))
+        assert mgr.save(7, small_state(7), force=True)
 
 
 def test_every_t_seconds_through_the_manager(ckpt_dir):
@@ -229,7 +220,7 @@ def test_every_t_seconds_through_the_manager(ckpt_dir):
     took = []
     for step in range(12):
         clock.advance(25)  # a step takes 25 s
-        if mgr.save_async(step, state(step)):
+        if mgr.save_async(step, small_state(step)):
             took.append(step)
     mgr.close()
     # saves at 75 s (step 2: first one >= 60 after start), then 150 s (step 5), 225 s (step 8), 300 s (step 11)
@@ -248,13 +239,13 @@ def test_time_based_saves_go_on_when_the_wall_clock_steps_back_an_hour(tmp_path,
     for step in range(6):
         mono.advance(2.0)
         wall.advance(-3600.0 if step == 2 else 2.0)
-        if mgr.save(step, state(step)):
+        if mgr.save(step, small_state(step)):
             took.append(step)
     assert took == [0, 1, 2, 3, 4, 5]
     assert mgr.all_steps() == took and mgr.steps_in_commit_order() == took and mgr.latest_step() == 5
-    target = zeros_state()
+    target = target_like(small_state(0))
     assert mgr.restore(None, target) == 5
-    assert_bitwise_equal(state(5), target)
+    assert_bitwise_equal(small_state(5), target)
     mgr.close()
     with CheckpointManager(str(tmp_path / "local")) as local:  # the local tier saved every step too
         assert local.all_steps() == took
@@ -267,33 +258,26 @@ def test_manager_rejects_clocks_that_are_not_callable(ckpt_dir):
         CheckpointManager(ckpt_dir, wall_clock="now")
 
 
-def test_continuous_saves_when_the_previous_one_committed(ckpt_dir, monkeypatch):
-    import async_ckpt.lifecycle.coordinator as manager_mod  # where the single-process write is called
-
-    real = manager_mod.save_state_dict
-    gate = threading.Event()
-
-    def gated(*a, **k):
-        gate.wait(30)
-        return real(*a, **k)
-
-    monkeypatch.setattr(manager_mod, "save_state_dict", gated)
-    mgr = CheckpointManager(ckpt_dir, save_policy=Continuous(), max_pending_async=2)
-    assert mgr.save_async(0, state(0))
-    assert not mgr.save_async(1, state(1))  # step 0 still in flight: no second save queued
+def test_continuous_saves_when_the_previous_one_committed(ckpt_dir):
+    root = "faulty://" + ckpt_dir  # the first save's data write hangs until released
+    mgr = CheckpointManager(root, save_policy=Continuous(), max_pending_async=2)
+    stuck = mgr.storage.fs.inject("write", "*.distcp", "hang", times=1)
+    assert mgr.save_async(0, small_state(0))
+    assert stuck.reached.wait(30)
+    assert not mgr.save_async(1, small_state(1))  # step 0 still in flight: no second save queued
     assert not mgr.should_save(2)
-    gate.set()
+    stuck.release.set()
     mgr.join()
-    assert mgr.save_async(3, state(3))
+    assert mgr.save_async(3, small_state(3))
     mgr.close()
-    assert CheckpointManager(ckpt_dir).all_steps() == [0, 3]
+    assert CheckpointManager(root).all_steps() == [0, 3]
 
 
 def test_keep_best_with_metrics_best_step_and_metrics(ckpt_dir):
     losses = {1: 0.9, 2: 0.4, 3: 0.6, 4: 0.2, 5: 0.8, 6: 0.7}
     with CheckpointManager(ckpt_dir, retention=AnyOf([KeepBest(2, "loss"), KeepLatest(1)])) as mgr:
         for s, loss in losses.items():
-            mgr.save(s, state(s), metrics={"loss": loss, "acc": 1 - loss})
+            mgr.save(s, small_state(s), metrics={"loss": loss, "acc": 1 - loss})
         drain(mgr)
         assert mgr.all_steps() == [2, 4, 6]
         assert mgr.best_step() == 4
@@ -301,9 +285,9 @@ def test_keep_best_with_metrics_best_step_and_metrics(ckpt_dir):
         assert mgr.best_step("acc") == 6  # another metric: mode "min" unless given
         assert mgr.best_step("nope") is None
         assert mgr.metrics(4) == {"loss": 0.2, "acc": pytest.approx(0.8)}
-    target = zeros_state()
+    target = target_like(small_state(0))
     CheckpointManager(ckpt_dir).restore(4, target)
-    assert_bitwise_equal(state(4), target)
+    assert_bitwise_equal(small_state(4), target)
     with pytest.raises(ValueError, match="metric"):
         CheckpointManager(ckpt_dir).best_step()
 
@@ -312,7 +296,7 @@ def test_recipe_keep_every_1000_plus_latest(ckpt_dir):
     with CheckpointManager(ckpt_dir, save_interval=250,
                            retention=AnyOf([KeepEveryNSteps(1000), KeepLatest(2)])) as mgr:
         for s in range(0, 3001, 50):
-            mgr.save(s, state(s))
+            mgr.save(s, small_state(s))
         drain(mgr)
         assert mgr.all_steps() == [0, 1000, 2000, 2750, 3000]
 
@@ -320,18 +304,16 @@ def test_recipe_keep_every_1000_plus_latest(ckpt_dir):
 def test_keep_time_interval_through_the_manager_and_after_restart(ckpt_dir):
     clock = FakeClock()
     policy = AnyOf([KeepTimeInterval(3600), KeepLatest(1)])
-    mgr = CheckpointManager(ckpt_dir, retention=policy)
-    mgr._clock = clock
+    mgr = CheckpointManager(ckpt_dir, retention=policy, wall_clock=clock)
     for s in range(6):
         clock.advance(1500)  # commits at 1500, 3000, 4500, 6000, 7500, 9000 s
-        mgr.save(s, state(s))
+        mgr.save(s, small_state(s))
     drain(mgr)
     assert mgr.all_steps() == [0, 3, 5]  # 1500, 6000 (>= 1500 + 3600), latest
     mgr.close()
-    mgr = CheckpointManager(ckpt_dir, retention=policy)  # decisions come from the manifests
-    mgr._clock = clock
+    mgr = CheckpointManager(ckpt_dir, retention=policy, wall_clock=clock)  # decisions come from the manifests
     clock.advance(1500)
-    mgr.save(6, state(6))  # 10500: 5 (9000) is not 3600 after 6000, so it goes
+    mgr.save(6, small_state(6))  # 10500: 5 (9000) is not 3600 after 6000, so it goes
     drain(mgr)
     assert mgr.all_steps() == [0, 3, 6]
     mgr.close()
@@ -340,17 +322,15 @@ def test_keep_time_interval_through_the_manager_and_after_restart(ckpt_dir):
 def _run(root, clock, policy, plan):
     """Save ``plan`` ((step, dt, metrics) or "restart") into ``root``; return all_steps after each."""
     seen = []
-    mgr = CheckpointManager(root, retention=policy)
-    mgr._clock = clock
+    mgr = CheckpointManager(root, retention=policy, wall_clock=clock)
     for item in plan:
         if item == "restart":
             mgr.close()
-            mgr = CheckpointManager(root, retention=policy)
-            mgr._clock = clock
+            mgr = CheckpointManager(root, retention=policy, wall_clock=clock)
             continue
         step, dt, metrics = item
         clock.advance(dt)
-        mgr.save(step, state(step), metrics=metrics)
+        mgr.save(step, small_state(step), metrics=metrics)
         drain(mgr)
         seen.append(mgr.all_steps())
     mgr.close()
@@ -375,7 +355,7 @@ def test_retention_is_decided_before_save_returns_and_keeps_the_newest(ckpt_dir)
 
     with CheckpointManager(ckpt_dir, retention=keep_nothing) as mgr:
         for s in range(4):
-            mgr.save(s, state(s))
+            mgr.save(s, small_state(s))
             assert mgr.all_steps() == [s]  # visible at once; the newest commit is never deleted
     # decided on the writer thread (never the training thread), right after the commit
     assert threads and all(t.startswith("async-ckpt-writer") for t in threads)
@@ -384,7 +364,7 @@ def test_retention_is_decided_before_save_returns_and_keeps_the_newest(ckpt_dir)
 def test_retention_never_deletes_a_step_being_written(ckpt_dir):
     mgr = CheckpointManager(ckpt_dir)
     for s in (1, 2):
-        mgr.save(s, state(s))
+        mgr.save(s, small_state(s))
     drain(mgr)
     mgr.retention = as_retention_policy(lambda c: set())
     mgr.catalog.begin_write(1)  # a re-save of step 1 in progress
@@ -434,8 +414,7 @@ def test_property_random_saves_restarts_and_policies(scheme, first, ops):
     with tempfile.TemporaryDirectory() as tmp:
         root = f"{tmp}/ckpt" if scheme == "file" else f"memory://prop-{uuid.uuid4().hex}"
         policy = POLICIES[first][1]()
-        mgr = CheckpointManager(root, retention=policy)
-        mgr._clock = clock
+        mgr = CheckpointManager(root, retention=policy, wall_clock=clock)
         model = {}  # step -> CheckpointInfo, what must be on storage
         data = {}  # step -> the value its tensors hold
         next_step = 0
@@ -444,8 +423,7 @@ def test_property_random_saves_restarts_and_policies(scheme, first, ops):
                 if o[0] == "restart":
                     mgr.close()
                     policy = POLICIES[o[1]][1]()
-                    mgr = CheckpointManager(root, retention=policy)
-                    mgr._clock = clock
+                    mgr = CheckpointManager(root, retention=policy, wall_clock=clock)
                     assert mgr.all_steps() == sorted(model)
                     event("restart")
                     continue
@@ -454,9 +432,9 @@ def test_property_random_saves_restarts_and_policies(scheme, first, ops):
                     if not older:
                         continue
                     r = older[o[1] % len(older)]
-                    target = zeros_state()
+                    target = target_like(small_state(0))
                     assert mgr.restore(r, target) == r
-                    assert torch.equal(target["w"], state(data[r])["w"])
+                    assert torch.equal(target["w"], small_state(data[r])["w"])
                     step = r + o[2]
                     event("rollback" if step < max(model) else "restore older, save above the top")
                     # nothing is deleted because of it: commit order decides what retention drops
@@ -468,7 +446,7 @@ def test_property_random_saves_restarts_and_policies(scheme, first, ops):
                 dt, metrics = (o[2], o[3]) if o[0] == "save" else (1, None)
                 clock.advance(dt)
                 value = len(data) + 1000 * step
-                mgr.save(step, state(value), metrics=None if metrics is None else {k: float(v) for k, v in metrics.items()})
+                mgr.save(step, small_state(value), metrics=None if metrics is None else {k: float(v) for k, v in metrics.items()})
                 drain(mgr)
                 data[step] = value
                 newest = max((c.commit_time for c in model.values()), default=float("-inf"))
@@ -484,9 +462,9 @@ def test_property_random_saves_restarts_and_policies(scheme, first, ops):
                     model.values(), key=lambda c: (c.commit_time, c.step))]
             # whatever survived holds what was saved at that step
             for s in mgr.all_steps()[-2:]:
-                target = zeros_state()
+                target = target_like(small_state(0))
                 mgr.restore(s, target)
-                assert_bitwise_equal(state(data[s]), target)
+                assert_bitwise_equal(small_state(data[s]), target)
         finally:
             mgr.close()
 
@@ -504,7 +482,7 @@ def test_save_policies_are_asked_with_the_context_or_adapted_once(ckpt_dir):
             return step == 3
 
     with CheckpointManager(ckpt_dir, save_policy=AnyOf([WithContext(), StepOnly(), lambda s: s == 5])) as mgr:
-        assert [s for s in range(7) if mgr.save(s, state(s))] == [2, 3, 5]
+        assert [s for s in range(7) if mgr.save(s, small_state(s))] == [2, 3, 5]
         assert all(isinstance(c, SaveContext) for c in seen) and seen[-1].last_save_step == 5
         mgr.save_policy = lambda s: s == 6  # assignable, adapted on assignment
         assert mgr.should_save(6) and not mgr.should_save(5)

@@ -9,7 +9,7 @@ import torch
 
 from async_ckpt import CheckpointManager
 from async_ckpt.staging import EagerStager, LazyStager, SnapshotStager, Stager
-from async_ckpt.staging.lazy import hold_copies
+from async_ckpt.testing import hold_copies
 
 from .conftest import assert_bitwise_equal, clone_tree
 

@@ -124,7 +124,7 @@ def _mixed_state(seed: int, small_shape=(32, 8), n_small: int = 50):
 def test_remembered_layout_is_reused_and_stays_exact(monkeypatch):
     """The second save of a layout skips lay_out; every save, including ones whose layout changed
     or whose first snapshot is still held (the other slab of a pair), restores bit for bit."""
-    from async_ckpt.staging import layout as stager_mod
+    from async_ckpt.staging import buffer_layout as stager_mod
 
     calls = []
     real = stager_mod.lay_out

@@ -19,11 +19,11 @@ from async_ckpt.storage.retry import RetryPolicy
 from . import faulty_fs  # noqa: F401 - registers faulty://
 
 
-def test_backend_is_picked_by_the_filesystem(tmp_path):
+def test_backend_is_picked_by_the_filesystem(tmp_path, memory_root):
     local = Storage(str(tmp_path))
     assert type(local._backend) is PosixBackend and local.is_local and local.max_file_bytes is None
     assert type(Storage("file://" + str(tmp_path))._backend) is PosixBackend
-    for url in (f"memory://b-{uuid.uuid4().hex}", "faulty://" + str(tmp_path / "f")):
+    for url in (memory_root, "faulty://" + str(tmp_path / "f")):
         st = Storage(url)
         assert type(st._backend) is FsspecBackend and not st.is_local and not st.length_checked_writes
         assert st.max_file_bytes is None

@@ -18,7 +18,7 @@ from async_ckpt.storage.dcp import load_state_dict
 from async_ckpt.storage.dcp import writer as dcp_writer
 from async_ckpt.storage.fs import Storage
 
-from .conftest import assert_bitwise_equal
+from .conftest import assert_bitwise_equal, target_like
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DCP_WARNING = "torch.distributed is disabled, unavailable or uninitialized"
@@ -34,14 +34,6 @@ def _optim_state(step: int) -> dict:
     return {"optim": {str(i): {"exp_avg": torch.randn(16, generator=g, dtype=torch.float64),
                                "count": torch.tensor([step, i])} for i in range(20)},
             "lr": 0.5 / (step + 1)}
-
-
-def _zeros_like(sd):
-    if isinstance(sd, torch.Tensor):
-        return torch.zeros_like(sd)
-    if isinstance(sd, dict):
-        return {k: _zeros_like(v) for k, v in sd.items()}
-    return sd
 
 
 def test_two_managers_alternating_saves_each_keep_their_layout(tmp_path, monkeypatch):
@@ -62,7 +54,7 @@ def test_two_managers_alternating_saves_each_keep_their_layout(tmp_path, monkeyp
         assert a._coord.memo.layout.fqns != b._coord.memo.layout.fqns
         for step in range(1, 5):
             for mgr, make, scalar in ((a, _model_state, "step"), (b, _optim_state, "lr")):
-                out = _zeros_like(make(step))
+                out = target_like(make(step))
                 out[scalar] = None
                 mgr.restore(step, out)
                 assert_bitwise_equal(out, make(step))

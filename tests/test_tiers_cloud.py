@@ -13,7 +13,8 @@ from async_ckpt.storage import RetryPolicy
 
 from .conftest import assert_bitwise_equal
 from .storage_servers import FakeGCSServer
-from .test_cloud import MiB, _PausingFS, big_state, zeros_like_tree
+from .conftest import target_like
+from .test_cloud import MiB, _PausingFS, big_state
 
 
 @pytest.mark.slow  # gcsfs retries a refused connection for ~30 s before it gives up
@@ -47,12 +48,12 @@ def test_bucket_down_mid_upload_local_saves_go_on_and_uploads_resume(own_gcs_ser
     mgr.save(9, big_state(9))  # the bucket is back: the next upload commits
     assert mgr.step_tiers()[9] == ("local", "persistent")
     for s in (3, 6, 7, 8):  # every committed local step is still there and restores bitwise
-        out = zeros_like_tree(big_state(s))
+        out = target_like(big_state(s))
         assert mgr.restore(s, out) == s
         assert_bitwise_equal(out, big_state(s))
     mgr.close()
     with CheckpointManager(bucket.url, storage_options=bucket.storage_options) as plain:
         assert 9 in plain.all_steps() and 6 not in plain.all_steps()
-        out = zeros_like_tree(big_state(9))
+        out = target_like(big_state(9))
         assert plain.restore(None, out) == 9
     assert_bitwise_equal(out, big_state(9))

@@ -30,8 +30,7 @@ from .common import (
     EXIT_DAMAGED,
     EXIT_ERROR,
     EXIT_OK,
-    _cell,
-    _parse_options,  # noqa: F401  (used by tests and by earlier imports)
+    cell_text,
 )
 from .export import cmd_export, cmd_stats, load_step
 from .inspect import cmd_ls, cmd_show
@@ -104,16 +103,25 @@ def build_parser() -> argparse.ArgumentParser:
                        help="also the local tier (a manager's local_dir; with several ranks, one rank's "
                             "<local_dir>/rank<r>)")
 
-    s = sub.add_parser("ls", parents=[common, local], help="list steps: commit time, size, metrics, status")
+    s = sub.add_parser("ls", parents=[common, local], help="list steps: commit time, size, metrics, status",
+                       description="List every step directory under PATH (and the local tier's with "
+                                   "--local-dir): commit time, size, metrics, and status (listed, damaged, "
+                                   "incomplete, superseded, foreign). Reads only.")
     s.set_defaults(fn=cmd_ls)
 
-    s = sub.add_parser("show", parents=[common], help="the tree of keys of a step, with shapes, dtypes, sizes")
+    s = sub.add_parser("show", parents=[common], help="the tree of keys of a step, with shapes, dtypes, sizes",
+                       description="Print the tree of keys of a committed step with each tensor's shape, "
+                                   "dtype and size, read from its metadata. Reads only.")
     s.add_argument("step", metavar="STEP", nargs="?", help="a step, or 'latest' (default)")
     s.add_argument("--values", action="store_true",
                    help="also read and print small non-tensor values (learning rates, step counters)")
     s.set_defaults(fn=cmd_show)
 
-    s = sub.add_parser("verify", parents=[common, local], help="check every file's checksum; exit 1 on damage")
+    s = sub.add_parser("verify", parents=[common, local], help="check every file's checksum; exit 1 on damage",
+                       description="Read every file of a committed step (or of all with --all) and check "
+                                   "its size and CRC-32C against the manifest, and the metadata as a restore "
+                                   "checks it. Exit code 1 when a step is damaged, 2 on any other error. "
+                                   "Reads only.")
     s.add_argument("step", metavar="STEP", nargs="?", help="a step, or 'latest' (default)")
     s.add_argument("--all", action="store_true", help="verify every committed step")
     bar = s.add_mutually_exclusive_group()
@@ -122,23 +130,35 @@ def build_parser() -> argparse.ArgumentParser:
     bar.add_argument("--no-progress", dest="progress", action="store_false", help="never show it")
     s.set_defaults(fn=cmd_verify)
 
-    s = sub.add_parser("prune", parents=[common, lease], help="delete committed steps a retention policy drops")
+    s = sub.add_parser("prune", parents=[common, lease], help="delete committed steps a retention policy drops",
+                       description="Delete the committed steps that --keep-last/--keep-every do not keep "
+                                   "(the newest intact commit always stays; damaged steps are left alone). "
+                                   "Takes PATH's writer lease, so it refuses while a training job writes "
+                                   "there.")
     s.add_argument("--keep-last", type=int, required=True, metavar="N", help="keep the N newest commits")
     s.add_argument("--keep-every", type=int, metavar="K", help="also keep every step divisible by K")
     s.add_argument("--dry-run", action="store_true", help="show what would be deleted, delete nothing")
     s.set_defaults(fn=cmd_prune)
 
-    s = sub.add_parser("promote", parents=[common, lease], help="upload a local tier's step to PATH and commit it there")
+    s = sub.add_parser("promote", parents=[common, lease], help="upload a local tier's step to PATH and commit it there",
+                       description="Copy a step of the local tier (--local-dir) to PATH, verifying every "
+                                   "file, and commit it there (refused when PATH holds the step already). Takes "
+                                   "PATH's writer lease.")
     s.add_argument("step", metavar="STEP", help="a step the local tier holds")
     s.add_argument("--local-dir", metavar="DIR", required=True, help="the local tier (a manager's local_dir)")
     s.set_defaults(fn=cmd_promote)
 
     s = sub.add_parser("rm", parents=[common, lease],
-                       help="delete committed steps, as CheckpointManager.delete does (takes the writer lease)")
+                       help="delete committed steps, as CheckpointManager.delete does (takes the writer lease)",
+                       description="Delete the given committed steps, as CheckpointManager.delete does. "
+                                   "Takes PATH's writer lease.")
     s.add_argument("steps", metavar="STEP", nargs="+", help="committed steps to delete")
     s.set_defaults(fn=cmd_rm)
 
-    s = sub.add_parser("export", parents=[common], help="write a step as one .pt or .safetensors file")
+    s = sub.add_parser("export", parents=[common], help="write a step as one .pt or .safetensors file",
+                       description="Read a committed step (verified) and write it, or the subtree --key "
+                                   "selects, as one torch.save (.pt/.pth) or safetensors file. Writes only "
+                                   "OUT.")
     s.add_argument("step", metavar="STEP", help="a step, or 'latest'")
     s.add_argument("out", metavar="OUT", help="output file (.pt/.pth: torch.save; .safetensors: tensors only)")
     s.add_argument("--key", metavar="PREFIX", help="export only this subtree, e.g. 'model'")
@@ -150,7 +170,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="always show the progress bar of the bytes written (default: only on a terminal)")
     bar.add_argument("--no-progress", dest="progress", action="store_false", help="never show it")
     s.set_defaults(fn=cmd_export)
-    s = sub.add_parser("stats", parents=[common], help="the save statistics log (stats_log=True), as a table")
+    s = sub.add_parser("stats", parents=[common], help="the save statistics log (stats_log=True), as a table",
+                       description="Print the save statistics log a manager made with stats_log=True "
+                                   "keeps under PATH: per save, its blocking time, write and commit "
+                                   "times and sizes.")
     s.add_argument("--log", metavar="RELPATH", help="the log's path under PATH (default: save_stats.jsonl)")
     s.add_argument("--last", type=int, metavar="N", help="only the N most recent saves")
     s.set_defaults(fn=cmd_stats)
@@ -205,7 +228,7 @@ def _usage_error(exc: UsageError, as_json: bool) -> int:
                       "usage": exc.parser.format_usage().strip()})
     else:
         sys.stderr.write(exc.parser.format_usage())
-        print(f"{prog}: error: {_cell(str(exc))}", file=sys.stderr)
+        print(f"{prog}: error: {cell_text(str(exc))}", file=sys.stderr)
     return EXIT_ERROR
 
 
@@ -223,7 +246,7 @@ def _error(msg: str, kind: str, code: int, as_json: bool) -> int:
     if as_json:
         _print_error({"type": kind, "message": msg, "exit_code": code})
     else:
-        print(f"async-ckpt: error: {_cell(msg)}", file=sys.stderr)  # no control characters on the terminal
+        print(f"async-ckpt: error: {cell_text(msg)}", file=sys.stderr)  # no control characters on the terminal
     return code
 
 
@@ -249,11 +272,11 @@ class _LogSink(logging.Handler):
         try:
             ours = record.name.split(".")[0] == "async_ckpt" and record.levelno >= logging.WARNING
             if ours:
-                common._LAST_PROBLEM[:] = [record.getMessage()[:300]]
+                common.LAST_PROBLEM[:] = [record.getMessage()[:300]]
             if self.verbose:
                 sys.stderr.write(self.format(record) + "\n")
             elif ours and not _RETRY_RE.search(record.getMessage()):  # a retry is summed up by the error
-                print(f"async-ckpt: warning: {_cell(' '.join(record.getMessage().split()))}", file=sys.stderr)
+                print(f"async-ckpt: warning: {cell_text(' '.join(record.getMessage().split()))}", file=sys.stderr)
         except Exception:  # noqa: BLE001 - logging never fails the command
             pass
 
@@ -272,7 +295,7 @@ class _quiet_logs:
         root.handlers = [self.sink]
         root.setLevel(self.sink.level)
         logging.lastResort = None
-        common._LAST_PROBLEM.clear()
+        common.LAST_PROBLEM.clear()
         return self
 
     def __exit__(self, *exc: Any) -> None:

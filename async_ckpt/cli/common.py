@@ -18,7 +18,8 @@ from ..storage.layout import CheckpointLayout
 from ..storage.manifest import Manifest
 
 EXIT_OK, EXIT_DAMAGED, EXIT_ERROR = 0, 1, 2
-_CHUNK = 8 * 2**20
+#: bytes read per call when a command reads a data file chunk by chunk
+CHUNK_BYTES = 8 * 2**20
 DEFAULT_CONNECT_TIMEOUT = 30.0
 T = TypeVar("T")
 
@@ -41,18 +42,44 @@ def human_bytes(n: Optional[float]) -> str:
     return f"{n:.1f} PiB"  # pragma: no cover
 
 
-def _fmt_time(t: Optional[float]) -> str:
+def fmt_time(t: Optional[float]) -> str:
+    """A time for a table cell.
+
+    Args:
+        t: Seconds since the epoch, or None.
+
+    Returns:
+        ``YYYY-mm-dd HH:MM:SS`` in local time, or ``"-"`` for None.
+    """
     if t is None:
         return "-"
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
 
 
-def _fmt_metrics(metrics: Dict[str, float]) -> str:
+def fmt_metrics(metrics: Dict[str, float]) -> str:
+    """Metrics for a table cell.
+
+    Args:
+        metrics: Name -> value.
+
+    Returns:
+        ``name=value`` pairs by name, or ``"-"`` for none.
+    """
     return " ".join(f"{k}={v:.4g}" for k, v in sorted(metrics.items())) or "-"
 
 
-def _table(headers: Sequence[str], rows: Iterable[Sequence[Any]], right: Sequence[int] = ()) -> str:
-    rows = [[_cell(c) for c in r] for r in rows]
+def render_table(headers: Sequence[str], rows: Iterable[Sequence[Any]], right: Sequence[int] = ()) -> str:
+    """A plain-text table, columns padded to their widest cell (cells through :func:`cell_text`).
+
+    Args:
+        headers: The column titles.
+        rows: The rows, one value per column.
+        right: Indices of the columns aligned right.
+
+    Returns:
+        The table's lines, joined by newlines.
+    """
+    rows = [[cell_text(c) for c in r] for r in rows]
     widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(headers)]
 
     def line(cells: Sequence[str]) -> str:
@@ -62,9 +89,16 @@ def _table(headers: Sequence[str], rows: Iterable[Sequence[Any]], right: Sequenc
     return "\n".join([line(headers)] + [line(r) for r in rows])
 
 
-def _cell(c: Any) -> str:
-    """A table cell: names and values read from a checkpoint may hold control characters
-    (terminal escape codes); those are shown ``repr``-escaped."""
+def cell_text(c: Any) -> str:
+    """A value as terminal-safe text: names and values read from a checkpoint may hold control
+    characters (terminal escape codes); those are shown ``repr``-escaped.
+
+    Args:
+        c: Any value.
+
+    Returns:
+        ``str(c)``, escaped if it is not printable.
+    """
     text = str(c)
     return text if text.isprintable() else repr(text)[1:-1]
 
@@ -80,12 +114,26 @@ def _strict(o: Any) -> Any:
     return o
 
 
-def _print_json(obj: Any) -> None:
+def print_json(obj: Any) -> None:
+    """Print ``obj`` as strict JSON on stdout (non-finite floats as strings, keys sorted).
+
+    Args:
+        obj: A JSON-serialisable value.
+    """
     print(json.dumps(_strict(obj), indent=2, sort_keys=True, allow_nan=False))
 
 
-def _progress(total: int, desc: str, enabled: Optional[bool]) -> Any:
-    """A tqdm bar on stderr (shown on a terminal, or always with ``--progress``)."""
+def progress_bar(total: int, desc: str, enabled: Optional[bool]) -> Any:
+    """A tqdm bar on stderr (shown on a terminal, or always with ``--progress``).
+
+    Args:
+        total: Bytes to be done.
+        desc: The bar's label.
+        enabled: ``--progress``: True always, False never, None on a terminal.
+
+    Returns:
+        The bar (``update``, ``set_description``, ``close``); one that shows nothing without tqdm.
+    """
     try:
         from tqdm import tqdm
     except ImportError:  # tqdm is in the [cli] extra; without it there is no bar
@@ -116,7 +164,18 @@ class _NoBar:
 
 # ---- opening a root --------------------------------------------------------------------------
 
-def _parse_options(pairs: Optional[List[str]]) -> Dict[str, Any]:
+def parse_options(pairs: Optional[List[str]]) -> Dict[str, Any]:
+    """``--storage-option KEY=VALUE`` pairs as fsspec storage options.
+
+    Args:
+        pairs: ``KEY=VALUE`` strings; a value that parses as JSON is taken as JSON.
+
+    Returns:
+        Key -> value.
+
+    Raises:
+        ValueError: A pair without ``=``.
+    """
     out: Dict[str, Any] = {}
     for p in pairs or []:
         if "=" not in p:
@@ -149,7 +208,7 @@ def _reach(fn: Callable[[], T], url: str, timeout: Optional[float]) -> T:
     worker.start()
     worker.join(timeout)
     if worker.is_alive():  # left behind: a daemon thread, gone when the command exits
-        seen = f" (last error: {_LAST_PROBLEM[0]})" if _LAST_PROBLEM else ""
+        seen = f" (last error: {LAST_PROBLEM[0]})" if LAST_PROBLEM else ""
         raise StorageUnreachableError(
             f"no answer from the storage of {url} within {timeout:g} s{seen}: check the endpoint and "
             f"credentials (-o KEY=VALUE storage options, or the emulator's environment), or give it "
@@ -161,7 +220,7 @@ def _reach(fn: Callable[[], T], url: str, timeout: Optional[float]) -> T:
 
 #: The newest storage problem a library logger reported (kept for the unreachable-storage
 #: message; the loggers themselves are quiet unless --verbose): set by the CLI's log handler.
-_LAST_PROBLEM: List[str] = []
+LAST_PROBLEM: List[str] = []
 
 
 def _connect_timeout(args: argparse.Namespace) -> Optional[float]:
@@ -171,8 +230,21 @@ def _connect_timeout(args: argparse.Namespace) -> Optional[float]:
     return t
 
 
-def _open(args: argparse.Namespace) -> Tuple[Storage, CheckpointLayout]:
-    options = _parse_options(args.storage_option)
+def open_root(args: argparse.Namespace) -> Tuple[Storage, CheckpointLayout]:
+    """Open PATH, the checkpoint root of a command.
+
+    Args:
+        args: The parsed command line (``path``, ``storage_option``, ``connect_timeout``).
+
+    Returns:
+        The root's storage and step layout.
+
+    Raises:
+        FileNotFoundError: PATH does not exist.
+        NotACheckpointRootError: PATH is a file.
+        StorageUnreachableError: The storage did not answer within ``--connect-timeout``.
+    """
+    options = parse_options(args.storage_option)
 
     def probe() -> Tuple[Storage, bool, bool]:
         st = Storage(args.path, options)
@@ -238,8 +310,16 @@ def describe_other(rec: Dict[str, Any]) -> str:
     return f"found {shown_names}: {rec['hint']}; async_ckpt does not list these"
 
 
-def _no_checkpoint(storage: Storage, what: str) -> str:
-    """The message for a root without a committed step, naming other kinds of checkpoint there."""
+def no_checkpoint_message(storage: Storage, what: str) -> str:
+    """The message for a root without a committed step, naming other kinds of checkpoint there.
+
+    Args:
+        storage: The root.
+        what: The message's start.
+
+    Returns:
+        ``what``, followed by what :func:`other_kinds` found.
+    """
     try:
         others = other_kinds(storage)
     except OSError:
@@ -247,10 +327,20 @@ def _no_checkpoint(storage: Storage, what: str) -> str:
     return what + "".join(f"; {describe_other(r)}" for r in others)
 
 
-def _roots(args: argparse.Namespace) -> List[Tuple[str, Storage, CheckpointLayout]]:
-    """(tier, storage, layout) of PATH (``persistent``) and, with ``--local-dir``, of the local
-    tier (``local``; a multi-rank job's local tier is one rank's ``<local_dir>/rank<r>``)."""
-    storage, layout = _open(args)
+def open_roots(args: argparse.Namespace) -> List[Tuple[str, Storage, CheckpointLayout]]:
+    """Open PATH and, with ``--local-dir``, the local tier (a multi-rank job's local tier is one
+    rank's ``<local_dir>/rank<r>``).
+
+    Args:
+        args: The parsed command line (as :func:`open_root`, and ``local_dir``).
+
+    Returns:
+        ``(tier, storage, layout)`` per root: ``local`` first if given, then ``persistent``.
+
+    Raises:
+        FileNotFoundError: PATH or the local directory does not exist.
+    """
+    storage, layout = open_root(args)
     roots = [("persistent", storage, layout)]
     local = getattr(args, "local_dir", None)
     if local:
@@ -262,28 +352,55 @@ def _roots(args: argparse.Namespace) -> List[Tuple[str, Storage, CheckpointLayou
     return roots
 
 
-def _home(roots: List[Tuple[str, Storage, CheckpointLayout]]) -> Optional[str]:
-    """With a local tier: PATH as local manifests record the checkpoint path they were saved
-    for (:func:`~async_ckpt.tiers.root_identity`); None without one."""
+def home_identity(roots: List[Tuple[str, Storage, CheckpointLayout]]) -> Optional[str]:
+    """PATH as local manifests record the checkpoint path they were saved for.
+
+    Args:
+        roots: What :func:`open_roots` returned.
+
+    Returns:
+        :func:`~async_ckpt.tiers.root_identity` of PATH with a local tier; None without one.
+    """
     from ..tiers import root_identity
 
     return root_identity(roots[-1][1]) if len(roots) > 1 else None
 
 
-def _foreign_note(count: int, home: Optional[str], what: str) -> str:
-    """The note line for local copies another job saved (for another checkpoint path)."""
+def foreign_note(count: int, home: Optional[str], what: str) -> str:
+    """The note line for local copies another job saved (for another checkpoint path).
+
+    Args:
+        count: How many such copies.
+        home: This job's checkpoint path (:func:`home_identity`).
+        what: What the command did with them.
+
+    Returns:
+        The line.
+    """
     return (f"note: {count} local cop{'y' if count == 1 else 'ies'} saved for another checkpoint path than "
             f"{home} (another job's, in a shared local_dir): {what}")
 
 
-def _parse_step(text: Optional[str], layout: CheckpointLayout) -> int:
-    """An explicit step, or the most recently committed one for ``None``/``latest``."""
+def parse_step(text: Optional[str], layout: CheckpointLayout) -> int:
+    """The STEP argument of a command.
+
+    Args:
+        text: A step number, ``latest`` or None (the most recently committed step).
+        layout: The root's step layout.
+
+    Returns:
+        A committed step.
+
+    Raises:
+        StepNotFoundError: No such committed step (or none at all).
+        ValueError: ``text`` is neither a non-negative integer nor ``latest``.
+    """
     if text is None or text == "latest":
         latest = StepCatalog(layout, time.time).latest()
         if latest is None:
             steps = layout.committed_steps()  # none whose manifest reads: the highest, to report it
             if not steps:
-                raise StepNotFoundError(_no_checkpoint(layout.storage,
+                raise StepNotFoundError(no_checkpoint_message(layout.storage,
                                                        f"no committed checkpoint under {layout.storage.url}"))
             return steps[-1]
         return latest
@@ -298,7 +415,20 @@ def _parse_step(text: Optional[str], layout: CheckpointLayout) -> int:
     return step
 
 
-def _read_metadata(storage: Storage, layout: CheckpointLayout, step: int) -> Tuple[Manifest, Any]:
+def read_step_metadata(storage: Storage, layout: CheckpointLayout, step: int) -> Tuple[Manifest, Any]:
+    """The manifest and the DCP metadata of a committed step (the metadata file verified).
+
+    Args:
+        storage: The root.
+        layout: The root's step layout.
+        step: A committed step.
+
+    Returns:
+        ``(manifest, metadata)``.
+
+    Raises:
+        CorruptCheckpointError: The manifest lists no metadata file, or it is damaged.
+    """
     from ..storage.dcp import METADATA_NAME, FsspecStorageReader
 
     man = layout.read_manifest(step)

@@ -10,15 +10,15 @@ from ..storage.fs import Storage
 from ..storage.layout import CheckpointLayout
 from .common import (
     EXIT_OK,
-    _fmt_time,
-    _open,
-    _parse_options,
-    _parse_step,
-    _print_json,
-    _progress,
-    _read_metadata,
-    _table,
+    fmt_time,
     human_bytes,
+    open_root,
+    parse_options,
+    parse_step,
+    print_json,
+    progress_bar,
+    read_step_metadata,
+    render_table,
 )
 
 # ---- export ----------------------------------------------------------------------------------
@@ -27,15 +27,32 @@ def load_step(path: str, step: Optional[int] = None, *, key: Optional[str] = Non
               allow_pickle: bool = False, storage_options: Optional[Dict[str, Any]] = None) -> Tuple[int, Any]:
     """Read a committed step into a fresh CPU state dict, without knowing its structure.
 
-    ``step=None`` reads the newest committed step. ``key`` (a dotted prefix such as ``"model"``)
-    reads only that subtree and returns it. Returns ``(step, state)``. Nothing is written.
+    Nothing is written.
+
+    Args:
+        path: the checkpoint root (a local path or fsspec URL).
+        step: the step (None: the newest committed one).
+        key: a dotted prefix such as ``"model"``: only that subtree is read and returned.
+        verify: check every file's size and checksum as it is read.
+        allow_pickle: unpickle non-tensor values outside torch's safe set (trusted
+            checkpoints only).
+        storage_options: fsspec options for a remote ``path``.
+
+    Returns:
+        ``(step, state)``: the step read and its state dict (or the subtree under ``key``).
+
+    Raises:
+        StepNotFoundError: ``step`` (or, for None, any step) has no committed checkpoint.
+        ValueError: ``key`` names no entry, or selects inside something other than a dict.
+        CorruptCheckpointError: a file of the step fails verification.
+        UnsafeCheckpointError: a value needs ``allow_pickle=True``.
     """
     from ..storage.dcp import load_state_dict
 
     storage = Storage(path, storage_options)
     layout = CheckpointLayout(storage, "auto")
-    step = _parse_step(None if step is None else str(step), layout)
-    man, metadata = _read_metadata(storage, layout, step)
+    step = parse_step(None if step is None else str(step), layout)
+    man, metadata = read_step_metadata(storage, layout, step)
     full = _template(metadata, set(man.extra.get("int_keys", ())))
     target: Dict[str, Any] = full
     parts: List[Any] = []
@@ -126,12 +143,12 @@ def cmd_export(args: argparse.Namespace) -> int:
     ext = out.rsplit(".", 1)[-1].lower() if "." in out.rsplit("/", 1)[-1] else ""
     if ext not in ("pt", "pth", "safetensors"):
         raise ValueError(f"OUT must end in .pt, .pth or .safetensors, got {out!r}")
-    options = _parse_options(args.storage_option)
-    storage, layout = _open(args)
+    options = parse_options(args.storage_option)
+    storage, layout = open_root(args)
     out_fs, out_path = _out_fs(out, args.path, options)
     if not args.force and out_fs.exists(out_path):  # checked before reading anything
         raise FileExistsError(f"OUT {out} already exists: pass --force to overwrite it")
-    step = _parse_step(args.step, layout)
+    step = parse_step(args.step, layout)
     step, state = load_step(args.path, step, key=args.key, allow_pickle=args.allow_pickle,
                             storage_options=options)
     flat = flatten(state)
@@ -156,13 +173,13 @@ def cmd_export(args: argparse.Namespace) -> int:
     else:
         write = lambda f: torch.save(state, f)  # noqa: E731
         total = nbytes
-    bar = _progress(total, f"export step {step}", args.progress)
+    bar = progress_bar(total, f"export step {step}", args.progress)
     try:
         _write_out(out_fs, out_path, lambda f: write(_Counting(f, bar)), force=args.force)
     finally:
         bar.close()
     if args.json:
-        _print_json({"step": step, "out": out, "format": ext, "tensors": len(tensors), "tensor_bytes": nbytes,
+        print_json({"step": step, "out": out, "format": ext, "tensors": len(tensors), "tensor_bytes": nbytes,
                      "entries": len(flat)})
     else:
         print(f"exported step {step} ({len(tensors)} tensors, {human_bytes(nbytes)}"
@@ -231,26 +248,26 @@ def _write_out(fs: Any, p: str, write: Any, *, force: bool) -> None:
 # ---- stats -----------------------------------------------------------------------------------
 
 def cmd_stats(args: argparse.Namespace) -> int:
-    from ..stats import DEFAULT_STATS_LOG, _check_relpath, read_stats_log
+    from ..stats import DEFAULT_STATS_LOG, check_stats_relpath, read_stats_log
 
-    storage, _ = _open(args)
-    path = storage.join(_check_relpath(args.log or DEFAULT_STATS_LOG))
+    storage, _ = open_root(args)
+    path = storage.join(check_stats_relpath(args.log or DEFAULT_STATS_LOG))
     if not storage.exists(path):
         raise FileNotFoundError(f"no stats log at {storage.url_of(path)} (create the manager with stats_log=True)")
-    records = read_stats_log(storage.url_of(path), _parse_options(args.storage_option))
+    records = read_stats_log(storage.url_of(path), parse_options(args.storage_option))
     if args.last is not None:
         records = records[-args.last:] if args.last > 0 else []
     if args.json:
-        _print_json({"path": args.path, "saves": [r.to_dict() for r in records]})
+        print_json({"path": args.path, "saves": [r.to_dict() for r in records]})
         return EXIT_OK
     if not records:
         print("no saves logged")
         return EXIT_OK
-    rows = [[r.step, _fmt_time(r.commit_time), human_bytes(r.nbytes), r.files, f"{r.blocking_s * 1e3:.1f}",
+    rows = [[r.step, fmt_time(r.commit_time), human_bytes(r.nbytes), r.files, f"{r.blocking_s * 1e3:.1f}",
              f"{r.queue_wait_s * 1e3:.1f}", f"{r.stage_s * 1e3:.1f}", f"{r.host_copy_gbps:.2f}", f"{r.write_s:.3f}",
              f"{r.write_gbps:.2f}", f"{r.commit_s:.3f}", "-" if r.durable_s is None else f"{r.durable_s:.3f}"]
             for r in records]
-    print(_table(["STEP", "COMMITTED", "DATA", "FILES", "BLOCKED_MS", "SLOT_WAIT_MS", "COPY_MS", "COPY_GB/S",
+    print(render_table(["STEP", "COMMITTED", "DATA", "FILES", "BLOCKED_MS", "SLOT_WAIT_MS", "COPY_MS", "COPY_GB/S",
                   "WRITE_S", "WRITE_GB/S", "COMMIT_S", "DURABLE_S"], rows, right=tuple(i for i in range(12) if i != 1)))
     blocked = sorted(r.blocking_s for r in records)
     worst = max(records, key=lambda r: r.blocking_s)

@@ -9,26 +9,27 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from ..errors import CheckpointError
 from ..policies import CheckpointInfo
+from ..storage import step_names
 from ..storage.fs import Storage
-from ..storage.layout import _STEP_RE, _TMP_RE, _TRASH_RE, _VER_RE, CheckpointLayout
+from ..storage.layout import CheckpointLayout
 from ..storage.manifest import MARKER_NAME, shown
 from ..tiers import SAVE_ID, same_save, saved_for_another
 from .common import (
     DCP_HINT,
     EXIT_OK,
-    _fmt_metrics,
-    _fmt_time,
-    _foreign_note,
-    _home,
-    _open,
-    _parse_step,
-    _print_json,
-    _read_metadata,
-    _roots,
-    _table,
     describe_other,
+    fmt_metrics,
+    fmt_time,
+    foreign_note,
+    home_identity,
     human_bytes,
+    open_root,
+    open_roots,
     other_kinds,
+    parse_step,
+    print_json,
+    read_step_metadata,
+    render_table,
 )
 
 # ---- ls --------------------------------------------------------------------------------------
@@ -47,7 +48,9 @@ def _step_entry(storage: Storage, layout: CheckpointLayout, name: str, locations
     ``saved_for`` names that path).
     """
     path = storage.join(name)
-    step_of = CheckpointLayout.step_of(name)
+    parsed = step_names.parse(name)
+    step_of = parsed.step if parsed is not None else None
+    kind = parsed.kind if parsed is not None else None
     if layout.is_foreign_link(name):
         return {"step": step_of, "name": name, "status": "foreign", "commit_time": None, "bytes": None,
                 "files": None, "metrics": {},
@@ -56,16 +59,15 @@ def _step_entry(storage: Storage, layout: CheckpointLayout, name: str, locations
     listing = {e["name"]: e for e in storage.listdir(path)}
     disk = sum(int(e.get("size") or 0) for e in listing.values() if e.get("type") != "directory")
     current = step_of is not None and locations.get(step_of) == path
-    if not current and MARKER_NAME in listing and not _TRASH_RE.match(name):
+    if not current and MARKER_NAME in listing and kind != step_names.TRASH:
         kept = locations.get(step_of, "?") if step_of is not None else "?"
         return {"step": step_of, "name": name, "status": "superseded", "commit_time": None, "bytes": disk,
                 "files": len(listing), "metrics": {},
                 "problem": f"an older committed copy of step {step_of} (the current one is "
                            f"{shown(kept.rsplit('/', 1)[-1])}); the next writer removes it"}
-    m = (_TMP_RE.match(name) or _TRASH_RE.match(name)) if not current else None
-    if m:
-        what = "a save in progress or one that never finished" if name.startswith(".tmp-") else "a replaced step being deleted"
-        return {"step": int(m.group(1)), "name": name, "status": "incomplete", "commit_time": None,
+    if not current and kind in (step_names.TMP, step_names.TRASH):
+        what = "a save in progress or one that never finished" if kind == step_names.TMP else "a replaced step being deleted"
+        return {"step": step_of, "name": name, "status": "incomplete", "commit_time": None,
                 "bytes": disk, "files": len(listing), "metrics": {}, "problem": f"{name}: {what}"}
     step = int(step_of) if step_of is not None else -1
     entry: Dict[str, Any] = {"step": step, "name": name, "status": "listed", "commit_time": None, "bytes": disk,
@@ -101,8 +103,7 @@ def _step_entry(storage: Storage, layout: CheckpointLayout, name: str, locations
 def _entries(storage: Storage, layout: CheckpointLayout, home: Optional[str] = None) -> List[Dict[str, Any]]:
     names = [e["name"] for e in storage.listdir(storage.root)
              if (e.get("type") == "directory" or e.get("islink"))
-             and (_STEP_RE.match(e["name"]) or _VER_RE.match(e["name"]) or _TMP_RE.match(e["name"])
-                  or _TRASH_RE.match(e["name"]))]
+             and step_names.parse(e["name"]) is not None]
     locations = layout.locations()
     with ThreadPoolExecutor(max(1, min(16, len(names)))) as pool:
         return list(pool.map(lambda n: _step_entry(storage, layout, n, locations, home), names))
@@ -127,9 +128,9 @@ def _number_saves(timed: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    roots = _roots(args)
+    roots = open_roots(args)
     tiered = len(roots) > 1
-    home = _home(roots)
+    home = home_identity(roots)
     entries = []
     for tier, storage, layout in roots:
         for e in _entries(storage, layout, home if tier == "local" else None):
@@ -148,7 +149,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     skipped = [step for order, step in saves if latest_order is None or order > latest_order]
     others = other_kinds(roots[-1][1])
     if args.json:
-        _print_json({"path": args.path, "steps": entries, "latest": latest,
+        print_json({"path": args.path, "steps": entries, "latest": latest,
                      "commit_order": [step for _, step in saves], "newer_damaged": skipped,
                      "other_checkpoints": others})
         return EXIT_OK
@@ -162,14 +163,14 @@ def cmd_ls(args: argparse.Namespace) -> int:
         status = e["status"] if e["status"] == "listed" else e["status"].upper()
         order = e.get("commit_order")
         row = [e["step"], "-" if order is None else f"{order}{' latest' if order == latest_order else ''}",
-               _fmt_time(e["commit_time"]), human_bytes(e["bytes"]),
-               "-" if e["files"] is None else e["files"], status, _fmt_metrics(e["metrics"])]
+               fmt_time(e["commit_time"]), human_bytes(e["bytes"]),
+               "-" if e["files"] is None else e["files"], status, fmt_metrics(e["metrics"])]
         rows.append(row[:1] + [e["tier"]] + row[1:] if tiered else row)
     headers = ["STEP", "ORDER", "COMMITTED", "SIZE", "FILES", "STATUS", "METRICS"]
     if tiered:
-        print(_table(headers[:1] + ["TIER"] + headers[1:], rows, right=(0, 4, 5)))
+        print(render_table(headers[:1] + ["TIER"] + headers[1:], rows, right=(0, 4, 5)))
     else:
-        print(_table(headers, rows, right=(0, 3, 4)))
+        print(render_table(headers, rows, right=(0, 3, 4)))
     ok = [e for e in entries if e["status"] == "listed"]
     bad = [e for e in entries if e["status"] != "listed"]
     ndamaged = sum(e["status"] == "damaged" for e in entries)
@@ -189,7 +190,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         print(f"  step {e['step']} ({where}): {e['status']}: {e['problem']}")
     nother = sum("saved_for" in e for e in entries)
     if nother:
-        print(_foreign_note(nother, home, "FOREIGN, left out of the commit order and latest"))
+        print(foreign_note(nother, home, "FOREIGN, left out of the commit order and latest"))
     for rec in others:
         print(describe_other(rec))
     return EXIT_OK
@@ -254,23 +255,23 @@ def _read_values(storage: Storage, where: str, metadata: Any, leaves: List[Dict[
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    storage, layout = _open(args)
-    step = _parse_step(args.step, layout)
-    man, metadata = _read_metadata(storage, layout, step)
+    storage, layout = open_root(args)
+    step = parse_step(args.step, layout)
+    man, metadata = read_step_metadata(storage, layout, step)
     leaves = _leaves(metadata)
     if args.values:
         _read_values(storage, layout.locate(step), metadata, leaves)
     tensors = [x for x in leaves if x["kind"] == "tensor"]
     if args.json:
-        _print_json({"step": step, "commit_time": man.commit_time, "metrics": man.metrics,
+        print_json({"step": step, "commit_time": man.commit_time, "metrics": man.metrics,
                      "world_size": man.world_size, "files": {k: v.size for k, v in man.files.items()},
                      "entries": leaves})
         return EXIT_OK
-    print(f"step {step}  committed {_fmt_time(man.commit_time)}  {len(tensors)} tensors, "
+    print(f"step {step}  committed {fmt_time(man.commit_time)}  {len(tensors)} tensors, "
           f"{human_bytes(sum(x['bytes'] for x in tensors))}  "
           f"({len(man.files)} files, {human_bytes(sum(r.size for r in man.files.values()))} on storage)")
     if man.metrics:
-        print(f"metrics: {_fmt_metrics(man.metrics)}")
+        print(f"metrics: {fmt_metrics(man.metrics)}")
     # Build the tree, with the size and tensor count of every inner node.
     tree: Dict[str, Any] = {}
     for leaf in leaves:
@@ -310,5 +311,5 @@ def cmd_show(args: argparse.Namespace) -> int:
                 rows.append([f"{pad}{name}", "object", "", human_bytes(v["bytes"]), v.get("value", "pickled value")])
 
     walk(tree, 0)
-    print(_table(["KEY", "DTYPE", "SHAPE", "SIZE", ""], rows, right=(3,)))
+    print(render_table(["KEY", "DTYPE", "SHAPE", "SIZE", ""], rows, right=(3,)))
     return EXIT_OK

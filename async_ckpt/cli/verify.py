@@ -17,17 +17,17 @@ from ..storage.manifest import shown
 from .common import (
     EXIT_DAMAGED,
     EXIT_OK,
-    _fmt_time,
-    _foreign_note,
-    _home,
-    _no_checkpoint,
-    _open,
-    _parse_step,
-    _print_json,
-    _progress,
-    _roots,
-    _table,
+    fmt_time,
+    foreign_note,
+    home_identity,
     human_bytes,
+    no_checkpoint_message,
+    open_root,
+    open_roots,
+    parse_step,
+    print_json,
+    progress_bar,
+    render_table,
 )
 
 # ---- verify ----------------------------------------------------------------------------------
@@ -89,7 +89,7 @@ def _foreign_copies(roots: List[Tuple[str, Storage, CheckpointLayout]]) -> Dict[
     this job's (verify reports it damaged)."""
     from ..tiers import saved_for_another
 
-    home = _home(roots)
+    home = home_identity(roots)
     out: Dict[int, str] = {}
     for tier, _, layout in roots:
         if tier != "local":
@@ -105,7 +105,7 @@ def _foreign_copies(roots: List[Tuple[str, Storage, CheckpointLayout]]) -> Dict[
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    roots = _roots(args)
+    roots = open_roots(args)
     foreign = _foreign_copies(roots)  # another job's local copies: skipped, with a note
 
     def own(tier: str, s: int) -> bool:
@@ -118,10 +118,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
         for tier, storage, layout in roots:
             todo += [(tier, storage, layout, s) for s in layout.committed_steps() if own(tier, s)]
         if not todo:
-            raise StepNotFoundError(_no_checkpoint(roots[-1][1], "no committed checkpoint of this job under "
+            raise StepNotFoundError(no_checkpoint_message(roots[-1][1], "no committed checkpoint of this job under "
                                                    + " or ".join(r[1].url for r in roots)))
     elif len(roots) == 1:
-        todo = [(roots[0][0], roots[0][1], roots[0][2], _parse_step(args.step, roots[0][2]))]
+        todo = [(roots[0][0], roots[0][1], roots[0][2], parse_step(args.step, roots[0][2]))]
     else:  # the step in every tier that holds it ('latest': the newest commit over both)
         step = None
         if args.step not in (None, "latest"):
@@ -132,7 +132,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
             newest = [(c.commit_time, c.step) for tier, _, lay in roots
                       for c in StepCatalog(lay, time.time).in_commit_order() if own(tier, c.step)]
             if not newest:
-                raise StepNotFoundError(_no_checkpoint(roots[-1][1], "no committed checkpoint of this job under "
+                raise StepNotFoundError(no_checkpoint_message(roots[-1][1], "no committed checkpoint of this job under "
                                                        + " or ".join(r[1].url for r in roots)))
             step = max(newest)[1]
         todo = [(tier, st, lay, step) for tier, st, lay in roots if step in lay.committed_steps() and own(tier, step)]
@@ -146,7 +146,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
             total += sum(r.size for r in layout.read_manifest(s).files.values())
         except CheckpointError:
             pass
-    bar = _progress(total, "verify", args.progress)
+    bar = progress_bar(total, "verify", args.progress)
     try:
         results = [dict(_verify_step(storage, layout, s, bar), tier=tier) for tier, storage, layout, s in todo]
     finally:
@@ -154,13 +154,13 @@ def cmd_verify(args: argparse.Namespace) -> int:
     damaged = [r for r in results if not r["ok"]]
     skipped = sorted(foreign)  # never verified, never the latest
     if args.json:
-        _print_json({"path": args.path, "ok": not damaged, "steps": results,
+        print_json({"path": args.path, "ok": not damaged, "steps": results,
                      "skipped_foreign": [{"step": s, "tier": "local", "saved_for": foreign[s]} for s in skipped]})
     else:
         for s in skipped:
             print(f"step {s} (local): skipped: saved for the checkpoint path {foreign[s]} (another job's copy)")
         if skipped:
-            print(_foreign_note(len(skipped), _home(roots), "skipped, not verified"))
+            print(foreign_note(len(skipped), home_identity(roots), "skipped, not verified"))
         for r in results:
             state = "ok" if r["ok"] else "DAMAGED"
             where = f" ({r['tier']})" if tiered else ""
@@ -191,7 +191,7 @@ def _retention(keep_last: int, keep_every: Optional[int]) -> Any:
 def cmd_prune(args: argparse.Namespace) -> int:
     from ..policies import CheckpointInfo
 
-    storage, layout = _open(args)
+    storage, layout = open_root(args)
     policy = _retention(args.keep_last, args.keep_every)
     infos: List[CheckpointInfo] = []
     unreadable: Dict[int, str] = {}
@@ -213,7 +213,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
     # none that verifies, nothing is deleted.
     anchor = None
     for c in reversed(ordered):
-        bar = _progress(sizes[c.step], f"verify step {c.step}", None)
+        bar = progress_bar(sizes[c.step], f"verify step {c.step}", None)
         try:
             res = _verify_step(storage, layout, c.step, bar)
         finally:
@@ -240,16 +240,16 @@ def cmd_prune(args: argparse.Namespace) -> int:
             lease.release()
     kept = sorted(keep & {c.step for c in ordered})
     if args.json:
-        _print_json({"path": args.path, "dry_run": args.dry_run, "kept": kept,
+        print_json({"path": args.path, "dry_run": args.dry_run, "kept": kept,
                      "deleted": sorted(doomed) if args.dry_run else deleted,
                      "skipped_damaged": {str(k): v for k, v in sorted(unreadable.items())}})
         return EXIT_OK
     action = "would delete" if args.dry_run else "deleted"
-    rows = [[c.step, _fmt_time(c.commit_time), human_bytes(c.nbytes),
+    rows = [[c.step, fmt_time(c.commit_time), human_bytes(c.nbytes),
              "keep" if c.step in keep else action] for c in sorted(ordered, key=lambda c: c.step)]
     rows += [[s, "-", "-", "skip (damaged)"] for s in sorted(unreadable)]
     if rows:
-        print(_table(["STEP", "COMMITTED", "DATA", "ACTION"], rows, right=(0, 2)))
+        print(render_table(["STEP", "COMMITTED", "DATA", "ACTION"], rows, right=(0, 2)))
     print(f"{'dry run: ' if args.dry_run else ''}{len(kept)} kept, {len(doomed)} "
           f"{'to delete' if args.dry_run else 'deleted'}"
           + (f", {len(unreadable)} damaged step(s) left alone" if unreadable else ""))
@@ -266,14 +266,14 @@ def cmd_promote(args: argparse.Namespace) -> int:
     (a manager's first write to a root also cleans it up, and creates a missing local_dir).
     """
     from ..manager import CheckpointManager
-    from .common import _parse_options
+    from .common import parse_options
 
     try:
         step = int(args.step)
     except ValueError:
         raise ValueError(f"STEP must be a step number, got {args.step!r}") from None
-    storage, layout = _open(args)
-    roots = _roots(args)  # FileNotFoundError for a missing --local-dir, before anything is created
+    storage, layout = open_root(args)
+    roots = open_roots(args)  # FileNotFoundError for a missing --local-dir, before anything is created
     local_layout = roots[0][2]
     if step not in local_layout.committed_steps():
         held = local_layout.committed_steps()
@@ -282,12 +282,12 @@ def cmd_promote(args: argparse.Namespace) -> int:
     if step in layout.committed_steps():
         raise CheckpointError(f"{args.path} already holds a committed step {step}: delete it there first "
                               f"(async-ckpt rm {args.path} {step}) to replace it with the local copy")
-    with CheckpointManager(args.path, storage_options=_parse_options(args.storage_option),
+    with CheckpointManager(args.path, storage_options=parse_options(args.storage_option),
                            local_dir=args.local_dir, local_retention=2**31 - 1, max_to_keep=0,
                            lease_timeout=args.lease_timeout) as mgr:
         mgr.promote(step)
     if args.json:
-        _print_json({"path": args.path, "local_dir": args.local_dir, "promoted": step})
+        print_json({"path": args.path, "local_dir": args.local_dir, "promoted": step})
     else:
         print(f"step {step}: copied from {args.local_dir} to {args.path} and committed")
     return EXIT_OK
@@ -299,7 +299,7 @@ def cmd_rm(args: argparse.Namespace) -> int:
     """Delete committed steps through :meth:`CheckpointManager.delete` (PATH's writer lease,
     marker first). Every STEP is checked first: one that is not committed deletes nothing."""
     from ..manager import CheckpointManager
-    from .common import _parse_options
+    from .common import parse_options
 
     steps: List[int] = []
     for text in args.steps:
@@ -307,7 +307,7 @@ def cmd_rm(args: argparse.Namespace) -> int:
             raise ValueError(f"STEP must be a non-negative integer, got {text!r}")
         if int(text) not in steps:
             steps.append(int(text))
-    _, layout = _open(args)
+    _, layout = open_root(args)
     committed = layout.committed_steps()
     missing = [s for s in steps if s not in committed]
     if missing:
@@ -316,13 +316,13 @@ def cmd_rm(args: argparse.Namespace) -> int:
                                 f"{', '.join(map(str, missing))} under {layout.storage.url} (committed: "
                                 f"{', '.join(map(str, shown_steps)) or 'none'}); nothing deleted", step=missing[0])
     deleted: List[int] = []
-    with CheckpointManager(args.path, storage_options=_parse_options(args.storage_option), max_to_keep=0,
+    with CheckpointManager(args.path, storage_options=parse_options(args.storage_option), max_to_keep=0,
                            lease_timeout=args.lease_timeout) as mgr:
         for s in steps:
             mgr.delete(s)  # takes the writer lease at the first: LeaseHeldError deletes nothing
             deleted.append(s)
     if args.json:
-        _print_json({"path": args.path, "deleted": deleted})
+        print_json({"path": args.path, "deleted": deleted})
     else:
         print(f"deleted step{'s' if len(deleted) > 1 else ''} {', '.join(map(str, deleted))} from {args.path}")
     return EXIT_OK

@@ -49,7 +49,9 @@ import numpy as np
 import torch
 
 from ..errors import CheckpointError
-from ._snapshot import TMP_SUFFIX, BackgroundWriter, Snapshotter, fsync_dir, fsync_tree
+from .atomic_files import TMP_SUFFIX, fsync_dir, fsync_tree
+from .background_writer import BackgroundWriter
+from .object_snapshot import Snapshotter
 
 log = logging.getLogger("async_ckpt.integrations.accelerate")
 
@@ -121,6 +123,7 @@ class AsyncSaveState:
             CheckpointError: a previous background write failed, or the state cannot be
                 snapshotted (``InvalidStateDictError``).
             ValueError: as accelerate, for an automatically named directory that exists.
+            TypeError: ``output_dir`` is None without ``automatic_checkpoint_naming``.
         """
         acc = self.accelerator
         t0 = time.perf_counter()
@@ -232,8 +235,13 @@ class AsyncSaveState:
         self.writer.wait_all()
 
     def close(self) -> None:
-        """Wait for every pending write, end the writer thread and give the accelerator its own
-        ``save_state``/``load_state`` back; raise the first background error."""
+        """Wait for every pending write and give the accelerator its own methods back.
+
+        Also ends the writer thread; ``save_state``/``load_state`` are accelerate's again.
+
+        Raises:
+            CheckpointError: a background write failed (the first error).
+        """
         try:
             self.writer.wait_all(shutdown=True)
         finally:

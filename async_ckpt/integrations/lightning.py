@@ -2,7 +2,7 @@
 
 ``Trainer(plugins=[AsyncCkptIO()])``. Each ``save_checkpoint`` copies the tensors of
 Lightning's checkpoint dict into reused host buffers (see
-:class:`~async_ckpt.integrations._snapshot.Snapshotter`); a writer thread then writes the file
+:class:`~async_ckpt.integrations.object_snapshot.Snapshotter`); a writer thread then writes the file
 at ``path`` in ``torch.save`` format to a hidden temporary name next to it (local or any fsspec
 filesystem), fsyncs it (local) and renames it into place (``fs.mv`` remotely: a server-side copy
 on object stores, which publishes the object at once). ``path`` is therefore always absent, the
@@ -35,15 +35,9 @@ import torch
 
 from ..errors import CheckpointError
 from ..stats import SaveStats
-from ._snapshot import (
-    BackgroundWriter,
-    HostCopy,
-    Snapshotter,
-    remove_stale_tmps,
-    tmp_name,
-    verify_torch_file,
-    write_file,
-)
+from .atomic_files import remove_stale_tmps, tmp_name, verify_torch_file, write_file
+from .background_writer import BackgroundWriter
+from .object_snapshot import HostCopy, Snapshotter
 
 log = logging.getLogger("async_ckpt.integrations.lightning")
 
@@ -158,8 +152,9 @@ class AsyncCkptIO(*_bases):  # type: ignore[misc]
         return options
 
     def filesystem(self, path: Any, storage_options: Optional[Dict[str, Any]] = None) -> Any:
-        """The fsspec filesystem this plugin uses for ``path`` (one instance per protocol and
-        options, reused by every save, load and removal).
+        """The fsspec filesystem this plugin uses for ``path``.
+
+        One instance per protocol and options, reused by every save, load and removal.
 
         Args:
             path: a local path or a URL (``gs://b/x.ckpt``).
@@ -182,8 +177,9 @@ class AsyncCkptIO(*_bases):  # type: ignore[misc]
 
     # ---- CheckpointIO -------------------------------------------------------------------------
     def save_checkpoint(self, checkpoint: dict, path: Any, storage_options: Optional[Any] = None) -> None:
-        """Copy the tensors of ``checkpoint`` to host memory; the file at ``path`` is written,
-        fsynced and renamed into place in the background.
+        """Copy the tensors of ``checkpoint`` to host memory and write the file in the background.
+
+        The file at ``path`` is written, fsynced and renamed into place by the writer thread.
 
         Args:
             checkpoint: Lightning's checkpoint dict.
@@ -264,8 +260,21 @@ class AsyncCkptIO(*_bases):  # type: ignore[misc]
                         weights_only: Optional[bool] = None) -> dict:
         """Wait for a pending write of ``path``, check the file, and load it with ``torch.load``.
 
-        Raises ``FileNotFoundError`` for a missing file (as Lightning's ``TorchCheckpointIO``)
-        and :class:`~async_ckpt.CorruptCheckpointError` for a damaged one."""
+        Args:
+            path: the file (local path or fsspec URL).
+            map_location: passed to ``torch.load`` (default: tensors stay where they were saved
+                from, as Lightning's ``TorchCheckpointIO`` loads them).
+            weights_only: passed to ``torch.load``.
+
+        Returns:
+            The checkpoint dict.
+
+        Raises:
+            FileNotFoundError: there is no file at ``path`` (as Lightning's ``TorchCheckpointIO``).
+            CorruptCheckpointError: the file is empty, its zip structure is incomplete or a
+                record fails its CRC-32 check.
+            CheckpointError: a background write failed.
+        """
         path = os.fspath(path)
         self.writer.wait(path)
         self.writer.check()
@@ -277,8 +286,16 @@ class AsyncCkptIO(*_bases):  # type: ignore[misc]
             return torch.load(f, map_location=map_location, weights_only=weights_only)
 
     def remove_checkpoint(self, path: Any) -> None:
-        """Delete the file at ``path`` once no write of it is pending; the most recently saved
-        path is kept (a warning says so)."""
+        """Delete the file at ``path`` once no write of it is pending.
+
+        The most recently saved path is kept (a warning says so).
+
+        Args:
+            path: the file (local path or fsspec URL).
+
+        Raises:
+            CheckpointError: a background write failed.
+        """
         path = os.fspath(path)
         self.writer.check()
         if self.newest is not None and os.path.abspath(path) == os.path.abspath(self.newest):
@@ -291,12 +308,20 @@ class AsyncCkptIO(*_bases):  # type: ignore[misc]
             log.debug("removed checkpoint %s", path)
 
     def teardown(self) -> None:
-        """Wait for every pending write; raise the first error among them."""
+        """Wait for every pending write and end the writer thread.
+
+        Raises:
+            CheckpointError: a background write failed (the first error among them).
+        """
         self.writer.wait_all(shutdown=True)
 
     # ---- extras -------------------------------------------------------------------------------
     def wait(self) -> None:
-        """Wait for every pending write (without ending the writer thread); raise errors."""
+        """Wait for every pending write (without ending the writer thread).
+
+        Raises:
+            CheckpointError: a background write failed.
+        """
         self.writer.wait_all()
 
     @property

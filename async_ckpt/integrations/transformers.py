@@ -64,7 +64,9 @@ import torch
 from transformers import Trainer, TrainerCallback
 
 from ..errors import CheckpointError
-from ._snapshot import TMP_SUFFIX, BackgroundWriter, HostCopy, Snapshotter, fsync_dir, fsync_tree
+from .atomic_files import TMP_SUFFIX, fsync_dir, fsync_tree
+from .background_writer import BackgroundWriter
+from .object_snapshot import HostCopy, Snapshotter
 
 log = logging.getLogger("async_ckpt.integrations.transformers")
 
@@ -117,7 +119,13 @@ class AsyncCkptCallback(TrainerCallback):
                               "call callback.attach(trainer)")
 
     def attach(self, trainer: Trainer) -> None:
-        """Bind to ``trainer`` (done automatically at the first event)."""
+        """Bind to ``trainer``: its ``_save_checkpoint`` becomes the asynchronous save.
+
+        Done automatically at the first event; a no-op for the trainer bound already.
+
+        Args:
+            trainer: the HF ``Trainer`` this callback was added to.
+        """
         if self.trainer is trainer:
             return
         self.trainer = trainer
@@ -129,23 +137,76 @@ class AsyncCkptCallback(TrainerCallback):
         trainer._save_checkpoint = _save_checkpoint  # type: ignore[method-assign]
 
     def on_init_end(self, args, state, control, **kwargs):
+        """Bind to the ``Trainer`` that is calling (found from the calling frames).
+
+        Args:
+            args: the ``TrainingArguments``.
+            state: the ``TrainerState``.
+            control: the ``TrainerControl``.
+            **kwargs: the other objects HF passes to callbacks.
+
+        Raises:
+            CheckpointError: the calling ``Trainer`` cannot be found (call :meth:`attach`).
+        """
         self._bind()
 
     def on_train_begin(self, args, state, control, **kwargs):
+        """Bind to the calling ``Trainer`` if not bound yet; raise an earlier background error.
+
+        Args:
+            args: the ``TrainingArguments``.
+            state: the ``TrainerState``.
+            control: the ``TrainerControl``.
+            **kwargs: the other objects HF passes to callbacks.
+
+        Raises:
+            CheckpointError: a background write failed, or the ``Trainer`` cannot be found.
+        """
         self._bind()
         self.writer.check()
 
     def on_log(self, args, state, control, logs=None, **kwargs):
+        """At the final log of training, wait for every pending write.
+
+        The final log holds ``train_runtime``; with several processes a barrier follows.
+
+        Args:
+            args: the ``TrainingArguments``.
+            state: the ``TrainerState``.
+            control: the ``TrainerControl``.
+            logs: the logged values.
+            **kwargs: the other objects HF passes to callbacks.
+
+        Raises:
+            CheckpointError: a background write failed.
+        """
         # The final log (train_runtime, train_loss) comes right before load_best_model_at_end
         # and the save_total_limit=1 clean-up: every checkpoint must be committed by then.
         if logs and "train_runtime" in logs:
             self._end_barrier(self.trainer)
 
     def on_train_end(self, args, state, control, **kwargs):
+        """Wait for every pending write and end the writer thread.
+
+        With several processes a barrier follows.
+
+        Args:
+            args: the ``TrainingArguments``.
+            state: the ``TrainerState``.
+            control: the ``TrainerControl``.
+            **kwargs: the other objects HF passes to callbacks.
+
+        Raises:
+            CheckpointError: a background write failed.
+        """
         self._end_barrier(self.trainer, shutdown=True)
 
     def wait(self) -> None:
-        """Wait for every pending write; raise the first background error."""
+        """Wait for every pending write.
+
+        Raises:
+            CheckpointError: a background write failed (the first error).
+        """
         self.writer.wait_all()
 
     # ---- the save ---------------------------------------------------------------------------

@@ -15,7 +15,7 @@ import torch
 
 from ..errors import InvalidStateDictError
 from ..gc_pause import gc_paused
-from .layout import SMALL_TENSOR_BYTES, snapshot_nbytes
+from .buffer_layout import SMALL_TENSOR_BYTES, snapshot_nbytes
 from .plan import PlanMemo, StagingPlan, make_plan
 from .pool import HostBufferPool, Lease
 from .snapshot import HostSnapshot
@@ -37,7 +37,13 @@ class StagingJob:
 
 
 class BaseStager:
-    """One host buffer pool and plan memo; subclasses copy the tensors (see the module docstring)."""
+    """One host buffer pool and plan memo; subclasses copy the tensors (see the module docstring).
+
+    Args:
+        pool: the host buffer pool (default: a new unbounded one).
+        plans: the plan memo (default: a new one).
+        xla: the XLA staging state (default: made on first use).
+    """
 
     def __init__(self, pool: Optional[HostBufferPool] = None, plans: Optional[PlanMemo] = None,
                  xla: Optional[XlaStaging] = None) -> None:
@@ -53,16 +59,37 @@ class BaseStager:
         return self._xla
 
     def plan(self, state_dict: Any) -> StagingPlan:
-        """:func:`~.plan.make_plan` with this stager's memo: the same plan, found faster when
-        the structure is the one saved last time."""
+        """:func:`~.plan.make_plan` with this stager's memo.
+
+        The same plan, found faster when the structure is the one saved last time.
+
+        Args:
+            state_dict: the state dict.
+
+        Returns:
+            Its plan.
+
+        Raises:
+            InvalidStateDictError: as :func:`~.plan.make_plan`.
+        """
         return make_plan(state_dict, self.plans)
 
     def stage(self, state_dict: Any, plan: Optional[StagingPlan] = None) -> HostSnapshot:
-        """Host copies of ``state_dict``.
+        """Host copies of ``state_dict`` (the garbage collector paused meanwhile).
 
-        Raises :class:`InvalidStateDictError` naming the tensor when one cannot be staged
-        (quantized, nested, meta, a dtype without a copy kernel): such a tensor makes staging
-        fail, and only then are the tensors checked one by one."""
+        Args:
+            state_dict: the state dict to copy.
+            plan: its plan (default: planned here with this stager's memo).
+
+        Returns:
+            The snapshot, holding pooled buffers until released.
+
+        Raises:
+            InvalidStateDictError: the state dict cannot be planned, or a tensor cannot be
+                staged (quantized, nested, meta, a dtype without a copy kernel; named in the
+                message: only once staging failed are the tensors checked one by one).
+            StagingBudgetError: the snapshot needs more host memory than the pool's budget.
+        """
         with gc_paused():  # a full collection inside the stall would cost more than the copies
             plan = plan if plan is not None else self.plan(state_dict)
             try:

@@ -1,6 +1,6 @@
 """The eager stager: every host copy is made before :meth:`EagerStager.stage` returns.
 
-The tensors are laid out in pooled buffers (:mod:`.layout`; storages shared by several
+The tensors are laid out in pooled buffers (:mod:`.buffer_layout`; storages shared by several
 tensors copied once) and copied with one batched transfer per device type: CPU
 (:mod:`.cpu`), CUDA (:mod:`.cuda`), XLA (:mod:`.xla`). When ``stage`` returns, the snapshot
 owns host copies of every tensor and the training loop may mutate its tensors freely.
@@ -13,9 +13,9 @@ from typing import List, Optional, Tuple
 import torch
 
 from .base import BaseStager, StagingJob
+from .buffer_layout import BufferLayoutMemo
 from .cpu import copy_cpu
 from .cuda import CudaTransfer
-from .layout import LayoutMemo
 from .plan import PlanMemo
 from .pool import HostBufferPool
 from .xla import XlaStaging, stage_batched, xla_host_views
@@ -24,13 +24,19 @@ _Items = List[Tuple[int, torch.Tensor]]
 
 
 class EagerStager(BaseStager):
-    """Makes fully copied :class:`~.snapshot.HostSnapshot` objects from one :class:`HostBufferPool`."""
+    """Makes fully copied :class:`~.snapshot.HostSnapshot` objects from one :class:`HostBufferPool`.
+
+    Args:
+        pool: the host buffer pool (default: a new unbounded one).
+        plans: the plan memo (default: a new one).
+        xla: the XLA staging state (default: made on first use).
+    """
 
     def __init__(self, pool: Optional[HostBufferPool] = None, plans: Optional[PlanMemo] = None,
                  xla: Optional[XlaStaging] = None) -> None:
         super().__init__(pool, plans, xla)
         self.cuda = CudaTransfer()
-        self._layouts = LayoutMemo()
+        self._layouts = BufferLayoutMemo()
 
     def _stage_local(self, items: _Items, job: StagingJob, cuda: bool) -> None:
         self.copy_now(items, job, cuda)
@@ -42,9 +48,14 @@ class EagerStager(BaseStager):
             self.copy_xla_now(rest, job)
 
     def copy_now(self, items: _Items, job: StagingJob, cuda: bool = True, source: str = "local") -> None:
-        """Copy CPU/CUDA ``items`` into pooled buffers (views in ``job.host``) before returning.
-        ``cuda=False``: none of them is on CUDA. ``source`` names the layout remembered for
-        the next stage of the same kind."""
+        """Copy CPU/CUDA tensors into pooled buffers before returning.
+
+        Args:
+            items: ``(plan index, tensor)`` pairs.
+            job: the stage; ``job.host`` gets a host view per index, ``job.leases`` the buffers.
+            cuda: False when none of ``items`` is on CUDA.
+            source: names the buffer layout remembered for the next stage of the same kind.
+        """
         dsts, srcs = self._layouts.pairs(self.pool, items, job.host, job.leases, cuda, source)
         if not cuda:
             with torch.no_grad():
@@ -64,9 +75,15 @@ class EagerStager(BaseStager):
             copy_cpu(cpu_d, cpu_s)
 
     def copy_xla_now(self, items: _Items, job: StagingJob) -> None:
-        """Copy XLA ``items`` whose buffers exist (after :meth:`XlaStaging.stage_direct`) before
-        returning: through zero-copy host views into pooled buffers (the views are kept as
-        ``job.sources``), else torch_xla's batched transfer."""
+        """Copy XLA tensors whose buffers exist before returning.
+
+        After :meth:`XlaStaging.stage_direct`: through zero-copy host views into pooled buffers (the
+        views are kept as ``job.sources``), else torch_xla's batched transfer.
+
+        Args:
+            items: ``(plan index, tensor)`` pairs.
+            job: the stage; ``job.host`` gets a host tensor per index.
+        """
         views = xla_host_views([t for _, t in items])
         if views is None:
             stage_batched(items, job.host)

@@ -3,15 +3,15 @@
 Parameters and optimizer state do not change during forward and backward, so the copy to host
 can run while they do; training only has to wait right before something writes the tensors.
 :meth:`LazyStager.stage` returns a :class:`~.snapshot.HostSnapshot` whose copies are still in
-flight and whose ``pending`` field is a :class:`~.guard.PendingCopies`; :mod:`.guard` keeps the
-sources safe until the copies are done (optimizer and forward hooks, version and storage
-checks; see there).
+flight and whose ``pending`` field is a :class:`~.lazy_copies.PendingCopies`; the hooks of
+:mod:`.guard` and the version and storage checks of :mod:`.lazy_copies` keep the sources safe
+until the copies are done (see there).
 
 What is copied when
     CPU: small tensors (the slab's) are copied before ``stage`` returns: copying them costs
     less than tracking them for the guard. The others are copied on the background thread, one
     batched copy per chunk of about :data:`CHUNK_BYTES`, in the order the guard needed them
-    last time (:class:`~.guard.NeedOrder`, one per lazy stager).
+    last time (:class:`~.lazy_copies.NeedOrder`, one per lazy stager).
     CUDA: ``non_blocking`` copies on a side stream, one event per chunk; waiting for a chunk
     makes the *current stream* wait on its event (no host stall).
     XLA (PJRT CPU): small tensors are copied by buffer address, as the eager stager does; of
@@ -26,16 +26,17 @@ from typing import List, Optional, Tuple
 
 import torch
 
+from . import guard
 from .base import BaseStager, StagingJob
+from .buffer_layout import SMALL_TENSOR_BYTES, lay_out, unique
 from .cpu import copy_cpu
 from .eager import EagerStager
-from .guard import NeedOrder, PendingCopies, TornSnapshotError, build_chunks, hold_copies, settle_hooks, start
-from .layout import SMALL_TENSOR_BYTES, lay_out, unique
+from .lazy_copies import NeedOrder, PendingCopies, build_chunks, start
 from .plan import StagingPlan
 from .snapshot import HostSnapshot
 from .xla import XlaStaging, stage_batched, xla_host_views
 
-__all__ = ["CHUNK_BYTES", "LazyStager", "PendingCopies", "TornSnapshotError", "hold_copies", "settle_hooks"]
+__all__ = ["CHUNK_BYTES", "LazyStager", "PendingCopies"]
 
 CHUNK_BYTES = 8 * 2**20  # copies are grouped into batches of about this size (one wait unit)
 
@@ -59,7 +60,11 @@ class LazyStager(BaseStager):
 
     Shares the pool, the plan memo, the CUDA side streams and the XLA state of ``eager``,
     which also stages what cannot be staged lazily. A snapshot's buffers must not be read
-    before ``snapshot.wait_copied()`` returns; releasing it waits for its copies."""
+    before ``snapshot.wait_copied()`` returns; releasing it waits for its copies.
+
+    Args:
+        eager: the eager stager whose pool, plan memo and device state this one shares.
+    """
 
     def __init__(self, eager: EagerStager) -> None:
         super().__init__(eager.pool, eager.plans)
@@ -69,21 +74,24 @@ class LazyStager(BaseStager):
 
     @property
     def xla(self) -> XlaStaging:
+        """The XLA state of the eager stager (shared)."""
         return self.eager.xla
 
     @property
     def pending(self) -> List[PendingCopies]:
-        """The copy trackers of this stager's snapshots that :meth:`synchronize_staging` has
-        not waited for yet, oldest first."""
+        """The copy trackers :meth:`synchronize_staging` has not waited for yet.
+
+        Of this stager's snapshots, oldest first."""
         return list(self._outstanding)
 
     def synchronize_staging(self) -> None:
-        """Wait until the copies of every snapshot of this stager are done and sealed, then
-        drop the forward hook if no stager has copies outstanding. Training thread."""
+        """Wait until the copies of every snapshot of this stager are done and sealed.
+
+        Then drop the forward hook if no stager has copies outstanding. Training thread."""
         pending, self._outstanding = self._outstanding, []
         for pc in pending:
             pc.wait_all()
-        settle_hooks()
+        guard.settle_hooks()
 
     def _new_job(self, plan: StagingPlan) -> StagingJob:
         return _LazyJob(plan)
@@ -110,7 +118,7 @@ class LazyStager(BaseStager):
             job.host[i] = host[index[id(t)]]
 
     def _lay_out(self, items: _Items, host: List[Optional[torch.Tensor]], job: _LazyJob, xla: bool) -> None:
-        """The eager stager's buffer layout (:func:`~.layout.lay_out`), but the copies are
+        """The eager stager's buffer layout (:func:`~.buffer_layout.lay_out`), but the copies are
         collected in ``job.pairs`` instead of made, big units in the learned order. Small CPU
         units (the slab's) are copied here. ``xla``: ``items`` are host views of XLA buffers
         (immutable: nothing to guard), indexed by position."""
@@ -131,6 +139,7 @@ class LazyStager(BaseStager):
     def _finish(self, snap: HostSnapshot, job: StagingJob) -> None:
         # XLA views and small tensors first, then big tensors in the learned order.
         pending = start(build_chunks(job.pairs, CHUNK_BYTES), self.eager.cuda.stream, self.order)  # type: ignore[attr-defined]
+        guard.install()
         snap.pending = pending
         self._outstanding = [pc for pc in self._outstanding if not pc.done]
         self._outstanding.append(pending)

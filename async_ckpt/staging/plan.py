@@ -75,25 +75,34 @@ def _host_dtensor(local: torch.Tensor, spec: Any) -> Any:
 
 @dataclass
 class StagingPlan:
-    """The result of :func:`make_plan`: what to copy and how to put it back together."""
+    """The result of :func:`make_plan`: what to copy and how to put it back together.
+
+    Attributes:
+        template: the state dict's structure, a slot in place of each tensor.
+        tensors: the tensors, in slot order.
+        keys: their dotted paths (``model.weight``).
+        int_keys: dotted paths of dict entries whose key is an int (e.g. ``optim.state.0``):
+            DCP's flat names turn keys into strings, and restore needs to know which ones to
+            turn back.
+        others: dotted paths of the non-tensor leaves and of every list and tuple (which DCP
+            may store as one item): with ``keys``, what two entries' flat names can collide on.
+        odd_keys: a key is a str subclass (an enum): DCP names it ``str(key)``, the plan by
+            its value.
+        pickled: ``(dotted path, PickledObject)`` of the leaves pickled by this plan (not ints,
+            strings, ...): the values a restore may need ``allow_pickle=True`` for.
+    """
 
     template: Any
     tensors: List[torch.Tensor] = field(default_factory=list)
     keys: List[str] = field(default_factory=list)
-    #: dotted paths of dict entries whose key is an int (e.g. ``optim.state.0``): DCP's flat
-    #: names turn keys into strings, and restore needs to know which ones to turn back.
     int_keys: List[str] = field(default_factory=list)
-    #: dotted paths of the non-tensor leaves and of every list and tuple (which DCP may store
-    #: as one item): with ``keys``, what two entries' flat names can collide on
     others: List[str] = field(default_factory=list)
-    #: a key is a str subclass (an enum): DCP names it ``str(key)``, the plan by its value
     odd_keys: bool = False
-    #: ``(dotted path, PickledObject)`` of the leaves pickled by this plan (not ints, strings,
-    #: ...): the values a restore may need ``allow_pickle=True`` for
     pickled: List[Tuple[str, Any]] = field(default_factory=list)
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the tensors."""
         return sum(map(attrgetter("nbytes"), self.tensors))
 
     def by_device_type(self) -> Dict[str, List[Tuple[int, torch.Tensor]]]:
@@ -110,14 +119,22 @@ class StagingPlan:
         return out
 
     def build(self, host_tensors: List[torch.Tensor]) -> Any:
-        """The template with every slot replaced by the matching host tensor."""
+        """The template with every slot replaced by the matching host tensor.
+
+        Args:
+            host_tensors: one tensor per slot, in the order of :attr:`tensors`.
+
+        Returns:
+            The state dict of host tensors.
+        """
         return _fill(self.template, host_tensors)
 
     def check_tensors(self) -> None:
-        """Raise :class:`InvalidStateDictError` naming the first tensor that cannot be staged
-        (quantized, nested, meta, or of a dtype without a copy kernel such as
-        ``torch.float4_e2m1fn_x2``). A Python step per tensor: the stager calls it only once
-        staging failed, to tell a bad state dict from a failure of its own."""
+        """Raise :class:`InvalidStateDictError` naming the first tensor that cannot be staged.
+
+        Quantized, nested, meta, or of a dtype without a copy kernel such as
+        ``torch.float4_e2m1fn_x2``. A Python step per tensor: the stager calls it only once staging
+        failed, to tell a bad state dict from a failure of its own."""
         names = self.keys if len(self.keys) == len(self.tensors) else [str(i) for i in range(len(self.tensors))]
         for name, t in zip(names, self.tensors):
             problem = unsupported_tensor(t)
@@ -204,11 +221,18 @@ class PlanMemo:
 def make_plan(state_dict: Any, memo: Optional[PlanMemo] = None) -> StagingPlan:
     """Flatten ``state_dict`` into a :class:`StagingPlan`, validating every leaf.
 
-    Raises :class:`InvalidStateDictError` for a state dict that is not a mapping, a key that
-    is not a string (or an int below the top level), a leaf that cannot be pickled, nesting
-    too deep to walk, or two entries whose flattened names (``a.b`` for ``{"a": {"b": x}}``)
-    are equal. ``memo`` (kept from one call to the next) makes repeated plans of one structure
-    faster; the plan is the same with or without it.
+    Args:
+        state_dict: the state dict (a mapping).
+        memo: kept from one call to the next, makes repeated plans of one structure faster;
+            the plan is the same with or without it.
+
+    Returns:
+        The plan.
+
+    Raises:
+        InvalidStateDictError: ``state_dict`` is not a mapping, a key is not a string (or an
+            int below the top level), a leaf cannot be pickled, the nesting is too deep to
+            walk, or two entries' flattened names (``a.b`` for ``{"a": {"b": x}}``) are equal.
     """
     if not isinstance(state_dict, Mapping):
         hint = ""

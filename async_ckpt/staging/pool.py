@@ -73,7 +73,16 @@ class _Block:
 
 
 class Lease:
-    """Buffers taken from a pool for one snapshot; give them back with :meth:`release`."""
+    """Buffers taken from a pool for one snapshot; give them back with :meth:`release`.
+
+    Made by :meth:`HostBufferPool.acquire`.
+
+    Args:
+        pool: the pool the buffers go back to.
+        blocks: the pool's blocks behind the buffers.
+        buffers: one flat ``uint8`` buffer per requested size, of exactly that many bytes.
+        pinned: the buffers are in pinned memory.
+    """
 
     def __init__(self, pool: "HostBufferPool", blocks: List[_Block], buffers: List[torch.Tensor],
                  pinned: bool) -> None:
@@ -85,6 +94,7 @@ class Lease:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the buffers (as requested, without the blocks' headroom)."""
         return sum(b.numel() for b in self.buffers)
 
     def release(self) -> None:
@@ -106,6 +116,14 @@ class HostBufferPool:
     ``allocated_bytes`` is what the pool holds (free and leased buffers, at their allocated
     size), ``leased_bytes`` the part of it leased out, ``allocations`` the fresh allocations
     made so far (flat in steady state).
+
+    Args:
+        budget_bytes: bound on the bytes the pool holds (None: no fixed bound).
+        hold_peak: keep, at quiescent moments, the buffers of the most bytes ever leased at
+            once (a manager with a local tier), instead of those of the last cycle.
+
+    Raises:
+        InvalidArgumentError: ``budget_bytes`` is negative.
     """
 
     def __init__(self, budget_bytes: Optional[int] = None, *, hold_peak: bool = False) -> None:
@@ -201,7 +219,21 @@ class HostBufferPool:
 
     # ---- the API --------------------------------------------------------------------------------
     def acquire(self, sizes: Sequence[int], *, pinned: bool = False, timeout: Optional[float] = None) -> Lease:
-        """Buffers of exactly ``sizes`` bytes each, reusing free ones where possible."""
+        """Buffers of exactly ``sizes`` bytes each, reusing free ones where possible.
+
+        Args:
+            sizes: the byte size of each buffer.
+            pinned: pinned memory (for copies from CUDA).
+            timeout: with a budget, seconds to wait at most for leases to be released (None:
+                no limit).
+
+        Returns:
+            The lease holding the buffers.
+
+        Raises:
+            StagingBudgetError: the sizes add up to more than the whole budget, or not enough
+                was released within ``timeout``.
+        """
         total = sum(sizes)
         if self.budget_bytes is not None and total > self.budget_bytes:
             raise StagingBudgetError(

@@ -17,12 +17,29 @@ from .snapshot import HostSnapshot
 
 @runtime_checkable
 class SnapshotStager(Protocol):
+    """What a manager needs from a stager (see the module docstring)."""
+
     def plan(self, state_dict: Any) -> StagingPlan:
-        """Validate and flatten ``state_dict`` (:func:`~.plan.make_plan`)."""
+        """Validate and flatten ``state_dict`` (:func:`~.plan.make_plan`).
+
+        Args:
+            state_dict: the state dict.
+
+        Returns:
+            Its plan.
+        """
         ...
 
     def stage(self, state_dict: Any, plan: Optional[StagingPlan] = None) -> HostSnapshot:
-        """Host copies of ``state_dict`` (planned here unless ``plan`` is given)."""
+        """Host copies of ``state_dict``.
+
+        Args:
+            state_dict: the state dict to copy.
+            plan: its plan (default: planned here).
+
+        Returns:
+            The snapshot.
+        """
         ...
 
     def synchronize_staging(self) -> None:

@@ -13,28 +13,47 @@ from .pool import Lease
 
 @dataclass
 class HostSnapshot:
-    """Host copies of one state dict. Owns its pooled buffers until :meth:`release`."""
+    """Host copies of one state dict. Owns its pooled buffers until :meth:`release`.
+
+    Attributes:
+        state_dict: the host copy, in the structure of the state dict staged.
+        nbytes: tensor bytes copied.
+        num_tensors: tensors copied.
+        int_keys: dotted paths of dict entries whose key is an int (see ``StagingPlan``).
+        leases: the pooled buffers the copies live in.
+        pending: lazy stage only: the copies still in flight
+            (:class:`~async_ckpt.staging.lazy_copies.PendingCopies`); None when all are done.
+        sources: zero-copy views of XLA device buffers the copies were read from; dropping
+            many of them is slow, so the writer thread drops them (:meth:`drop_sources`), not
+            the training thread.
+        xla_shards: the snapshot holds staged XLA SPMD shards (torch_xla's ``_CpuShards``):
+            DCP writes them with torch_xla's ``SPMDSavePlanner``.
+        holders: writers that still read the snapshot (one per checkpoint tier it is written to).
+    """
 
     state_dict: Dict[str, Any]
     nbytes: int
     num_tensors: int
     int_keys: List[str] = field(default_factory=list)
     leases: List[Lease] = field(default_factory=list)
-    #: lazy stage only: the copies still in flight (:class:`~async_ckpt.staging.guard.PendingCopies`)
     pending: Optional[Any] = None
-    #: zero-copy views of XLA device buffers the copies were read from; dropping many of them
-    #: is slow, so the writer thread drops them (:meth:`drop_sources`), not the training thread
     sources: Optional[List[torch.Tensor]] = None
-    #: the snapshot holds staged XLA SPMD shards (torch_xla's ``_CpuShards``): DCP writes them
-    #: with torch_xla's ``SPMDSavePlanner``
     xla_shards: bool = False
-    #: writers that still read the snapshot (one per checkpoint tier it is written to)
     holders: int = 1
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def share(self, holders: int) -> None:
-        """Hand the snapshot to ``holders`` writers: the buffers go back to the pool once each
-        of them called :meth:`release`. Call it before handing it to any of them."""
+        """Hand the snapshot to several writers.
+
+        The buffers go back to the pool once each of them called :meth:`release`. Call it before
+        handing it to any of them.
+
+        Args:
+            holders: the number of writers (>= 1).
+
+        Raises:
+            ValueError: ``holders`` is below 1.
+        """
         if holders < 1:
             raise ValueError(f"holders must be >= 1, got {holders}")
         self.holders = holders
@@ -44,14 +63,19 @@ class HostSnapshot:
         self.sources = None
 
     def wait_copied(self) -> None:
-        """Lazy snapshots: wait until every host copy is done; raise
-        :class:`~async_ckpt.staging.guard.TornSnapshotError` if a source changed first."""
+        """Lazy snapshots: wait until every host copy is done (eager ones: return at once).
+
+        Raises:
+            TornSnapshotError: a source tensor changed before its copy was taken
+                (:class:`~async_ckpt.errors.TornSnapshotError`).
+        """
         if self.pending is not None:
             self.pending.result()
 
     def release(self) -> None:
-        """One holder is done: the last one gives the buffers back to the pool. A holder must
-        call it once and not read the snapshot afterwards."""
+        """One holder is done: the last one gives the buffers back to the pool.
+
+        A holder must call it once and not read the snapshot afterwards."""
         with self._lock:
             self.holders -= 1
             if self.holders > 0:

@@ -18,7 +18,11 @@ from .xla import XlaGather
 
 
 class Stager:
-    """Makes :class:`HostSnapshot` objects from state dicts using one :class:`HostBufferPool`."""
+    """Makes :class:`HostSnapshot` objects from state dicts using one :class:`HostBufferPool`.
+
+    Args:
+        pool: the host buffer pool of both stagers (default: a new unbounded one).
+    """
 
     def __init__(self, pool: Optional[HostBufferPool] = None) -> None:
         self.eager = EagerStager(pool)
@@ -26,13 +30,37 @@ class Stager:
         self.pool = self.eager.pool
 
     def plan(self, state_dict: Any) -> StagingPlan:
-        """:func:`~.plan.make_plan` with this stager's memo: the same plan, found faster when
-        the structure is the one saved last time."""
+        """:func:`~.plan.make_plan` with this stager's memo.
+
+        The same plan, found faster when the structure is the one saved last time.
+
+        Args:
+            state_dict: the state dict.
+
+        Returns:
+            Its plan.
+
+        Raises:
+            InvalidStateDictError: as :func:`~.plan.make_plan`.
+        """
         return self.eager.plan(state_dict)
 
     def stage(self, state_dict: Any, plan: Optional[StagingPlan] = None, *, lazy: bool = False) -> HostSnapshot:
-        """Host copies of ``state_dict``. ``lazy=True`` returns once the copies are issued:
-        ``snapshot.pending`` tracks them and the guard of :mod:`.guard` protects the sources."""
+        """Host copies of ``state_dict``.
+
+        Args:
+            state_dict: the state dict to copy.
+            plan: its plan (default: planned here).
+            lazy: return once the copies are issued: ``snapshot.pending`` tracks them and the
+                guard of :mod:`.guard` protects the sources until they are done.
+
+        Returns:
+            The snapshot, holding pooled buffers until released.
+
+        Raises:
+            InvalidStateDictError: the state dict cannot be planned, or a tensor cannot be staged.
+            StagingBudgetError: the snapshot needs more host memory than the pool's budget.
+        """
         return (self.lazy if lazy else self.eager).stage(state_dict, plan)
 
     def synchronize_staging(self) -> None:

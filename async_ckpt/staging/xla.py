@@ -45,7 +45,7 @@ import torch
 
 from .. import compat
 from ..addresses import gather
-from .layout import unique
+from .buffer_layout import unique
 from .pool import HostBufferPool, Lease
 from .views import slab_views
 

@@ -1,7 +1,8 @@
 """Storage: step layout and commit protocol, manifests, and DCP-format I/O over fsspec."""
 
+from .commit import StepTarget
 from .fs import Storage
-from .layout import CheckpointLayout, StepTarget
+from .layout import CheckpointLayout
 from .manifest import FileRecord, Manifest
 from .retry import RetryPolicy
 

@@ -12,20 +12,56 @@ the manifest); they differ in where a step is written and how it takes its place
 
 Either way a crash at any point leaves the old or the new copy of a step committed, never
 neither (see :class:`~async_ckpt.storage.layout.CheckpointLayout` for how a step's copy is
-chosen). The protocols know paths and files only; the layout knows the names.
+chosen). The protocols know a step's temporary and final paths (:class:`StepTarget`) and reach
+the root's other step directories through :class:`StepDirectories`; names come from
+:mod:`async_ckpt.storage.step_names`.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, List, Protocol
+from dataclasses import dataclass
+from typing import List, Protocol
 
+from . import step_names
+from .fs import Storage
 from .manifest import MANIFEST_NAME, MARKER_NAME, PENDING_NAME, Manifest, marker_bytes
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .layout import CheckpointLayout, StepTarget
-
 log = logging.getLogger("async_ckpt")
+
+
+@dataclass
+class StepTarget:
+    """Where the files of one step being written go."""
+
+    step: int
+    path: str  # directory the data files are written into
+    final: str  # directory of the committed step (the same as ``path`` in marker mode)
+
+
+class StepDirectories(Protocol):
+    """What a commit protocol needs of the root's step directories
+    (:class:`~async_ckpt.storage.layout.CheckpointLayout` provides it)."""
+
+    storage: Storage
+
+    def step_dir(self, step: int) -> str:
+        """The canonical directory of ``step``."""
+
+    def marked_copies(self, step: int) -> List[str]:
+        """Names of the directories that hold a committed copy of ``step``."""
+
+    def is_ours_incomplete(self, path: str) -> bool:
+        """Whether ``path`` is an unmarked step directory async_ckpt wrote (or an empty one)."""
+
+    def refuse_link(self, path: str, what: str) -> None:
+        """Raise :class:`~async_ckpt.errors.StorageError` if ``path`` is a symbolic link."""
+
+    def condemn_dir(self, path: str) -> str:
+        """Unmark one step directory; return its path."""
+
+    def remove(self, path: str) -> None:
+        """Delete an unmarked step directory."""
 
 
 class CommitProtocol(Protocol):
@@ -33,21 +69,21 @@ class CommitProtocol(Protocol):
 
     name: str
 
-    def begin(self, layout: "CheckpointLayout", step: int, token: str) -> "StepTarget":
+    def begin(self, dirs: StepDirectories, step: int, token: str) -> StepTarget:
         """An empty directory to write ``step`` into; nothing committed is touched."""
 
-    def finish(self, layout: "CheckpointLayout", target: "StepTarget", manifest: Manifest) -> None:
+    def finish(self, dirs: StepDirectories, target: StepTarget, manifest: Manifest) -> None:
         """Manifest, then marker; then the step takes its place and an older copy retires."""
 
-    def settle(self, layout: "CheckpointLayout", step: int, winner: str, losers: List[str]) -> bool:
+    def settle(self, dirs: StepDirectories, step: int, winner: str, losers: List[str]) -> bool:
         """After a crash: put ``winner`` (the newest committed copy, already checked against its
         marker) in place; True if it moved. ``losers`` (older committed copies) are unmarked by
         the caller; a loser this call moved out of the way is taken off the list."""
 
 
-def _write_manifest_and_marker(layout: "CheckpointLayout", target: "StepTarget", manifest: Manifest,
+def _write_manifest_and_marker(dirs: StepDirectories, target: StepTarget, manifest: Manifest,
                                sync_entries: bool) -> None:
-    st = layout.storage
+    st = dirs.storage
     mbytes = manifest.to_json()
     st.write_bytes(f"{target.path}/{MANIFEST_NAME}", mbytes)
     if sync_entries:
@@ -56,12 +92,12 @@ def _write_manifest_and_marker(layout: "CheckpointLayout", target: "StepTarget",
     st.fsync_dir(target.path)  # (no-op on object stores)
 
 
-def _retire(layout: "CheckpointLayout", path: str) -> None:
+def _retire(dirs: StepDirectories, path: str) -> None:
     """Remove an older copy of a step once the new one is committed. Past the commit point, so
     a failure must not fail (and then abort) the save: the copy is left for the next writer's
     recovery and cleanup, which retire superseded and unmarked copies."""
     try:
-        layout.remove(layout.condemn_dir(path))
+        dirs.remove(dirs.condemn_dir(path))
     except Exception as exc:
         log.warning("could not remove the replaced copy %s (the next writer removes it): %s", path, exc)
 
@@ -71,22 +107,20 @@ class RenameCommit:
 
     name = "rename"
 
-    def begin(self, layout: "CheckpointLayout", step: int, token: str) -> "StepTarget":
-        from .layout import StepTarget
+    def begin(self, dirs: StepDirectories, step: int, token: str) -> StepTarget:
+        path = dirs.storage.join(step_names.tmp_name(step, token))
+        dirs.storage.makedirs(path)
+        return StepTarget(step, path, dirs.step_dir(step))
 
-        path = layout.storage.join(f".tmp-{step}-{token}")
-        layout.storage.makedirs(path)
-        return StepTarget(step, path, layout.step_dir(step))
-
-    def finish(self, layout: "CheckpointLayout", target: "StepTarget", manifest: Manifest) -> None:
-        st = layout.storage
-        _write_manifest_and_marker(layout, target, manifest, sync_entries=False)
+    def finish(self, dirs: StepDirectories, target: StepTarget, manifest: Manifest) -> None:
+        st = dirs.storage
+        _write_manifest_and_marker(dirs, target, manifest, sync_entries=False)
         trash = None
-        layout.refuse_link(target.final, f"commit step {target.step}")
+        dirs.refuse_link(target.final, f"commit step {target.step}")
         if st.exists(target.final):
             # The old copy keeps its marker until it is out of the way: a crash between the two
             # renames leaves the new copy committed under its temporary name.
-            trash = st.join(f".trash-{target.step}-{layout.new_token()}")
+            trash = st.join(step_names.trash_name(target.step, step_names.new_token()))
             st.rename(target.final, trash)
         try:
             st.rename(target.path, target.final)
@@ -96,20 +130,20 @@ class RenameCommit:
             raise
         st.fsync_dir(st.root)
         if trash is not None:
-            _retire(layout, trash)
+            _retire(dirs, trash)
 
-    def settle(self, layout: "CheckpointLayout", step: int, winner: str, losers: List[str]) -> bool:
-        st = layout.storage
-        if not winner.startswith(".tmp-"):
+    def settle(self, dirs: StepDirectories, step: int, winner: str, losers: List[str]) -> bool:
+        st = dirs.storage
+        if not step_names.is_kind(winner, step_names.TMP):
             return False
         tmp = st.join(winner)
-        final = layout.step_dir(step)
+        final = dirs.step_dir(step)
         if st.exists(final):
-            if str(step) not in losers and not layout.is_ours_incomplete(final):
+            if step_names.step_name(step) not in losers and not dirs.is_ours_incomplete(final):
                 return False  # a foreign directory holds the name: leave both alone
-            st.rename(final, st.join(f".trash-{step}-{layout.new_token()}"))
-            if str(step) in losers:
-                losers.remove(str(step))  # moved to trash: the cleanup removes it
+            st.rename(final, st.join(step_names.trash_name(step, step_names.new_token())))
+            if step_names.step_name(step) in losers:
+                losers.remove(step_names.step_name(step))  # moved to trash: the cleanup removes it
         st.rename(tmp, final)
         st.fsync_dir(st.root)
         return True
@@ -120,30 +154,28 @@ class MarkerCommit:
 
     name = "marker"
 
-    def begin(self, layout: "CheckpointLayout", step: int, token: str) -> "StepTarget":
-        from .layout import StepTarget
-
-        st = layout.storage
-        final = layout.step_dir(step)
-        path = final if not st.exists(final) else st.join(f"{step}.{token}")
+    def begin(self, dirs: StepDirectories, step: int, token: str) -> StepTarget:
+        st = dirs.storage
+        final = dirs.step_dir(step)
+        path = final if not st.exists(final) else st.join(step_names.resave_name(step, token))
         st.makedirs(path)
         # Before any data: marks the unmarked directory as ours, so that cleanup may remove it
         # if this save never commits (a foreign directory without it is never touched).
         st.write_bytes(f"{path}/{PENDING_NAME}", b"")
         return StepTarget(step, path, path)
 
-    def finish(self, layout: "CheckpointLayout", target: "StepTarget", manifest: Manifest) -> None:
-        st = layout.storage
-        _write_manifest_and_marker(layout, target, manifest, sync_entries=True)
+    def finish(self, dirs: StepDirectories, target: StepTarget, manifest: Manifest) -> None:
+        st = dirs.storage
+        _write_manifest_and_marker(dirs, target, manifest, sync_entries=True)
         st.fsync_dir(st.root)
         try:
             st.rm(f"{target.path}/{PENDING_NAME}", recursive=False)  # tidy; the marker decides
         except Exception:
             pass
         here = target.path.rstrip("/").rsplit("/", 1)[-1]
-        for name in layout.marked_copies(target.step):
+        for name in dirs.marked_copies(target.step):
             if name != here:
-                _retire(layout, st.join(name))
+                _retire(dirs, st.join(name))
 
-    def settle(self, layout: "CheckpointLayout", step: int, winner: str, losers: List[str]) -> bool:
+    def settle(self, dirs: StepDirectories, step: int, winner: str, losers: List[str]) -> bool:
         return False  # nothing to move: the newest marked copy is the step wherever it is

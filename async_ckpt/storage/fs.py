@@ -25,7 +25,8 @@ DEFAULT_BLOCK_SIZE = 64 * 2**20  # upload chunk for object stores; gcsfs's 5 MiB
 # (``pipe_file``: one request on GCS below 50 MiB, one PUT on S3 below 100 MiB, and a whole-file
 # retry is possible); a bigger one streams through ``open()`` in DEFAULT_BLOCK_SIZE chunks.
 PIPE_MAX_BYTES = 256 * 2**20
-# Reads: files bigger than this are fetched as concurrent ranged reads of this size.
+# Reads into host buffers: files bigger than twice this are fetched as concurrent ranged reads
+# of about this size.
 READ_RANGE_BYTES = 32 * 2**20
 
 
@@ -35,6 +36,17 @@ class Storage:
     Tunables (attributes): ``max_file_bytes`` (data files of about this size; object stores
     only, else None), ``pipe_max_bytes`` (object stores: larger files stream), ``block_size``
     (streamed uploads' chunk size), ``retry`` (the :class:`RetryPolicy` of every call).
+
+    Args:
+        url: the root: a local path, ``os.PathLike`` or any fsspec URL.
+        storage_options: fsspec options for the filesystem (per-request timeouts of
+            ``retry.request_timeout`` are added for gcsfs and s3fs: :func:`client_timeouts`).
+        block_size: the chunk size of streamed uploads.
+        retry: the retry policy of every call (default: ``RetryPolicy()``).
+
+    Raises:
+        InvalidArgumentError: ``url`` is empty or not a str / ``os.PathLike``.
+        StorageError: fsspec cannot open ``url`` (unknown protocol, its package missing).
     """
 
     def __init__(
@@ -66,8 +78,9 @@ class Storage:
 
     @property
     def retry(self) -> RetryPolicy:
-        """The :class:`RetryPolicy` of every call, as this storage applies it (settable: the
-        policy given; see :meth:`RetryPolicy.for_storage`)."""
+        """The :class:`RetryPolicy` of every call, as this storage applies it.
+
+        Settable: the policy given (see :meth:`RetryPolicy.for_storage`)."""
         return self._retry
 
     @retry.setter
@@ -91,22 +104,39 @@ class Storage:
 
     @property
     def length_checked_writes(self) -> bool:
-        """Whether the service checks every upload's length (gs://, s3://): a written file
-        need not be stat'ed to catch a short write."""
+        """Whether the service checks every upload's length (gs://, s3://).
+
+        Then a written file need not be stat'ed to catch a short write."""
         return self._backend.length_checked_writes
 
     # ---- paths -------------------------------------------------------------------------------
     def join(self, *parts: str) -> str:
+        """The path of ``parts`` under the root.
+
+        Args:
+            *parts: path components (leading and trailing ``/`` stripped; empty ones skipped).
+
+        Returns:
+            ``root/part1/part2...``.
+        """
         return "/".join([self.root, *[p.strip("/") for p in parts if p]])
 
     def url_of(self, path: str) -> str:
-        """A URL that fsspec (and so DCP) can open for ``path``."""
+        """A URL that fsspec (and so DCP) can open for ``path``.
+
+        Args:
+            path: a path of this storage (as :meth:`join` makes them).
+
+        Returns:
+            The URL (a local path for local storage).
+        """
         return self._backend.url_of(path)
 
     # ---- writes ------------------------------------------------------------------------------
     def abandon(self) -> None:
-        """Refuse every later write, rename and new directory through this storage (reads and
-        removals still work): a save being written fails at its next file, and its job then
+        """Refuse every later write, rename and new directory through this storage.
+
+        Reads and removals still work: a save being written fails at its next file, and its job then
         removes what it wrote (a second Ctrl-C while a save finishes)."""
         self._abandoned = True
 
@@ -115,13 +145,29 @@ class Storage:
             raise CheckpointError(f"{path}: not written: the save was abandoned (Ctrl-C)")
 
     def makedirs(self, path: str) -> None:
-        """Make directory ``path`` (object stores have none: nothing, never a bucket)."""
+        """Make directory ``path`` and its parents.
+
+        Object stores have none: nothing is made there, never a bucket.
+
+        Args:
+            path: the directory.
+
+        Raises:
+            CheckpointError: the storage was abandoned (:meth:`abandon`).
+            StorageError: the storage refused the write (after retries of transient errors;
+                :class:`~async_ckpt.errors.StorageTimeoutError` past the retry deadline).
+        """
         self._check_abandoned(path)
         self._backend.makedirs(path, self.retry)
 
     def check_writable(self) -> None:
-        """Object stores: write and delete a small probe object under the root, so that a
-        missing bucket or wrong credentials fail now with a clear :class:`StorageError`."""
+        """Object stores: write and delete a small probe object under the root.
+
+        So that a missing bucket or wrong credentials fail now (elsewhere: nothing).
+
+        Raises:
+            StorageError: the bucket does not exist or cannot be written.
+        """
         self._backend.check_writable(self.url, self.join(f".async_ckpt-probe-{os.getpid()}-{id(self):x}"),
                                      self.retry)
 
@@ -132,28 +178,75 @@ class Storage:
         memory and uploaded in one ``pipe_file`` call on exit; otherwise it streams in
         ``block_size`` chunks (resumable/multipart upload), completed on exit. Either way
         nothing is visible under ``path`` unless the block exits normally.
+
+        Args:
+            path: the file.
+            size_hint: its expected size in bytes, if known.
+
+        Returns:
+            A context manager giving the binary file object (one attempt: not retried).
+
+        Raises:
+            CheckpointError: the storage was abandoned (:meth:`abandon`).
+            StorageError: a symbolic link is at ``path`` (local paths: never written through).
+            OSError: the storage refused to open or write the file.
         """
         self._check_abandoned(path)
         return self._backend.open_write(path, size_hint, block_size=self.block_size,
                                         pipe_max_bytes=self.pipe_max_bytes)
 
     def write_bytes(self, path: str, data: bytes) -> None:
-        """Write a small file in one call (retried as a whole on transient errors)."""
+        """Write a small file in one call (retried as a whole on transient errors).
+
+        Args:
+            path: the file.
+            data: its content.
+
+        Raises:
+            CheckpointError: the storage was abandoned (:meth:`abandon`).
+            StorageError: the storage refused the write (after retries of transient errors;
+                :class:`~async_ckpt.errors.StorageTimeoutError` past the retry deadline).
+        """
         self._check_abandoned(path)
         self.retry.call(lambda: self._backend.write_bytes(path, data), f"write {path}")
 
     def write_bytes_atomic(self, path: str, data: bytes) -> None:
-        """Write a small file that is either wholly there or not at all, even if the process
-        dies mid-write: one PUT on object stores; elsewhere a temporary name, then a rename."""
+        """Write a small file that is either wholly there or not at all.
+
+        Even if the process dies mid-write: one PUT on object stores; elsewhere a temporary name,
+        then a rename.
+
+        Args:
+            path: the file.
+            data: its content.
+
+        Raises:
+            CheckpointError: the storage was abandoned (:meth:`abandon`).
+            StorageError: the storage refused the write (after retries of transient errors;
+                :class:`~async_ckpt.errors.StorageTimeoutError` past the retry deadline).
+        """
         self._check_abandoned(path)
         self._backend.write_bytes_atomic(path, data, self.retry)
 
     def fsync_dir(self, path: str) -> None:
-        """Make directory ``path``'s entries durable (local paths; nothing elsewhere)."""
+        """Make directory ``path``'s entries durable (local paths; nothing elsewhere).
+
+        Args:
+            path: the directory.
+        """
         self._backend.fsync_dir(path)
 
     def rename(self, src: str, dst: str) -> None:
-        """Atomic rename (POSIX only)."""
+        """Atomic rename (POSIX only).
+
+        Args:
+            src: the existing path.
+            dst: its new path.
+
+        Raises:
+            CheckpointError: the storage was abandoned (:meth:`abandon`).
+            OSError: the rename failed.
+        """
         self._check_abandoned(dst)
         self._backend.rename(src, dst)
 
@@ -164,8 +257,17 @@ class Storage:
         what it points to (trees are removed with ``shutil.rmtree``, which does the same for
         links inside them); a link between the root and ``path`` raises :class:`StorageError`.
 
-        ``wait``: on remote storage, wait at most this long, with one attempt (a clean-up that
-        must not hold up its caller: the deletion goes on in the background after that).
+        Args:
+            path: the file or directory.
+            recursive: remove a directory with everything in it.
+            wait: on remote storage, wait at most this many seconds, with one attempt (a
+                clean-up that must not hold up its caller: the deletion goes on in the
+                background after that); None: the retry policy's deadline.
+
+        Raises:
+            StorageError: a symbolic link lies between the root and ``path``, or the storage
+                refused the deletion (:class:`~async_ckpt.errors.StorageTimeoutError` past
+                the deadline).
         """
         self._backend.before_delete(path, self.root)
         policy = self.retry
@@ -181,7 +283,14 @@ class Storage:
         policy.call(_do, f"delete {path}")
 
     def is_link(self, path: str) -> bool:
-        """Whether ``path`` is a symbolic link (local paths; object stores have none)."""
+        """Whether ``path`` is a symbolic link (local paths; object stores have none).
+
+        Args:
+            path: the path.
+
+        Returns:
+            True for a link (dangling ones too).
+        """
         return self._backend.is_link(path)
 
     def file_problem(self, path: str, inside: str) -> Optional[str]:
@@ -191,33 +300,115 @@ class Storage:
         and, if it is a symbolic link, resolve to a file inside ``inside``. Object stores have
         neither links nor directories at a file's name: always None (a missing object shows
         when it is read).
+
+        Args:
+            path: the file.
+            inside: the step directory it belongs to.
+
+        Returns:
+            A description of the problem, or None.
         """
         return self._backend.file_problem(path, inside)
 
     # ---- reads -------------------------------------------------------------------------------
     def read_bytes(self, path: str) -> bytes:
+        """A whole file's content (retried on transient errors).
+
+        Args:
+            path: the file.
+
+        Returns:
+            Its bytes.
+
+        Raises:
+            FileNotFoundError: there is no file at ``path``.
+            StorageError: the storage refused the read (after retries of transient errors;
+                :class:`~async_ckpt.errors.StorageTimeoutError` past the retry deadline).
+        """
         return self.retry.call(lambda: self.fs.cat_file(path), f"read {path}")
 
     def read_into(self, path: str, start: int, out: memoryview) -> int:
-        """Read ``path[start:start+len(out)]`` into ``out``; return the bytes read (short at EOF)."""
+        """Read ``path[start:start+len(out)]`` into ``out``.
+
+        Args:
+            path: the file.
+            start: the offset of the first byte.
+            out: where the bytes go.
+
+        Returns:
+            The bytes read (fewer than ``len(out)`` at the end of the file).
+
+        Raises:
+            FileNotFoundError: there is no file at ``path``.
+            StorageError: the storage refused the read (after retries of transient errors;
+                :class:`~async_ckpt.errors.StorageTimeoutError` past the retry deadline).
+        """
         return self.retry.call(lambda: self._backend.read_into(path, start, out),
                                f"read {path}[{start}:{start + len(out)}]")
 
     def open_ranges(self, path: str) -> "RetriedRanges":
-        """``path`` opened for many ranged reads (from any number of threads); each read is
-        retried on transient errors. Close it (or use it as a context manager) when done."""
+        """``path`` opened for many ranged reads, from any number of threads.
+
+        Each read is retried on transient errors. Close it (or use it as a context manager) when
+        done.
+
+        Args:
+            path: the file.
+
+        Returns:
+            The reader.
+
+        Raises:
+            FileNotFoundError: there is no file at ``path``.
+            StorageError: the storage refused the read (after retries of transient errors;
+                :class:`~async_ckpt.errors.StorageTimeoutError` past the retry deadline).
+        """
         return RetriedRanges(self.retry.call(lambda: self._backend.open_ranges(path), f"open {path}"),
                              path, self.retry)
 
     def size(self, path: str) -> int:
-        """Size in bytes of the file at ``path`` as the storage reports it."""
+        """Size in bytes of the file at ``path`` as the storage reports it (never from a cache).
+
+        Args:
+            path: the file.
+
+        Returns:
+            The size.
+
+        Raises:
+            FileNotFoundError: there is no file at ``path``.
+            StorageError: the storage refused the read (after retries of transient errors;
+                :class:`~async_ckpt.errors.StorageTimeoutError` past the retry deadline).
+        """
         return self._backend.size(path, self.retry)
 
     def exists(self, path: str) -> bool:
+        """Whether a file or directory is at ``path``.
+
+        Args:
+            path: the path.
+
+        Returns:
+            True when it exists.
+
+        Raises:
+            StorageError: the storage refused the call (after retries).
+        """
         return bool(self.retry.call(lambda: self.fs.exists(path), f"stat {path}"))
 
     def listdir(self, path: str) -> List[Dict[str, Any]]:
-        """Entries directly under ``path`` (``name`` is the base name); [] when it does not exist."""
+        """Entries directly under ``path``.
+
+        Args:
+            path: the directory.
+
+        Returns:
+            fsspec's detail dicts (``name`` is the base name, ``type``, ``size``, ...); [] when
+            ``path`` does not exist.
+
+        Raises:
+            StorageError: the storage refused the listing (after retries).
+        """
 
         def _do() -> List[Dict[str, Any]]:
             try:
@@ -233,6 +424,7 @@ class Storage:
         return self.retry.call(_do, f"list {path}")
 
     def invalidate_cache(self) -> None:
+        """Drop the filesystem's cached listings (errors are ignored)."""
         try:
             self.fs.invalidate_cache()
         except Exception:
@@ -270,18 +462,36 @@ def client_timeouts(url: str, storage_options: Optional[Dict[str, Any]], seconds
 
 
 class RetriedRanges:
-    """A backend's :class:`~.backends.base.RangeReader` whose reads are retried."""
+    """A backend's :class:`~.backends.base.RangeReader` whose reads are retried.
+
+    Args:
+        reader: the backend's reader.
+        path: the file, for messages.
+        retry: the retry policy of each read.
+    """
 
     def __init__(self, reader: Any, path: str, retry: RetryPolicy) -> None:
         self._reader, self.path, self._retry = reader, path, retry
         self.known_size: Optional[int] = reader.known_size
 
     def read_into(self, start: int, out: memoryview) -> int:
-        """Read ``file[start:start+len(out)]`` into ``out``; the bytes read (short at EOF)."""
+        """Read ``file[start:start+len(out)]`` into ``out``.
+
+        Args:
+            start: the offset of the first byte.
+            out: where the bytes go.
+
+        Returns:
+            The bytes read (fewer than ``len(out)`` at the end of the file).
+
+        Raises:
+            StorageError: the storage refused the read (after retries).
+        """
         return self._retry.call(lambda: self._reader.read_into(start, out),
                                 f"read {self.path}[{start}:{start + len(out)}]")
 
     def close(self) -> None:
+        """Close the file."""
         self._reader.close()
 
     def __enter__(self) -> "RetriedRanges":

@@ -17,9 +17,6 @@ it would remove whatever it points to), and writing a step whose directory is a 
 
 from __future__ import annotations
 
-import re
-import uuid
-from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Set, Tuple
 
 from ..errors import (
@@ -29,31 +26,16 @@ from ..errors import (
     StorageError,
     StorageTimeoutError,
 )
-from .commit import CommitProtocol, MarkerCommit, RenameCommit
+from . import step_names
+from .commit import CommitProtocol, MarkerCommit, RenameCommit, StepTarget
 from .fs import MISSING, Storage
 from .manifest import MANIFEST_NAME, MARKER_NAME, PENDING_NAME, Manifest, check_marker
 
-_STEP_RE = re.compile(r"^\d+$")
-_VER_RE = re.compile(r"^(\d+)\.[0-9a-f]{12}$")
-_TMP_RE = re.compile(r"^\.tmp-(\d+)-[0-9a-f]+$")
-_TRASH_RE = re.compile(r"^\.trash-(\d+)-[0-9a-f]+$")
+__all__ = ["ABORT_WAIT_S", "COMMIT_MODES", "CheckpointLayout", "StepTarget"]
 
 COMMIT_MODES = ("auto", "rename", "marker")
 #: seconds a failed step's clean-up waits for each deletion on remote storage (one attempt; none after one timed out)
 ABORT_WAIT_S = 5.0
-
-
-def _token() -> str:
-    return uuid.uuid4().hex[:12]
-
-
-@dataclass
-class StepTarget:
-    """Where the files of one step being written go."""
-
-    step: int
-    path: str  # directory the data files are written into
-    final: str  # directory of the committed step (the same as ``path`` in marker mode)
 
 
 class CheckpointLayout:
@@ -76,19 +58,16 @@ class CheckpointLayout:
     # ---- names -------------------------------------------------------------------------------
     def step_dir(self, step: int) -> str:
         """The canonical directory of ``step`` (``<root>/<step>``)."""
-        return self.storage.join(str(step))
+        return self.storage.join(step_names.step_name(step))
 
     def marker_path(self, step: int) -> str:
-        return self.storage.join(str(step), MARKER_NAME)
+        return self.storage.join(step_names.step_name(step), MARKER_NAME)
 
     @staticmethod
     def step_of(path: str) -> Optional[int]:
-        """The step a step, re-save, temp or trash directory belongs to (None for other names)."""
-        name = path.rstrip("/").rsplit("/", 1)[-1]
-        if _STEP_RE.match(name):
-            return int(name)
-        m = _VER_RE.match(name) or _TMP_RE.match(name) or _TRASH_RE.match(name)
-        return int(m.group(1)) if m else None
+        """The step a step, re-save, temp or trash directory belongs to (None for other names);
+        see :func:`~async_ckpt.storage.step_names.step_of`."""
+        return step_names.step_of(path)
 
     # ---- listing -----------------------------------------------------------------------------
     def _dir_names(self) -> List[str]:
@@ -111,7 +90,7 @@ class CheckpointLayout:
             except FileNotFoundError:
                 return {}
             for n in names:
-                step = _committable_step(n)
+                step = step_names.committable_step(n)
                 if (step is not None and not os.path.islink(os.path.join(st.root, n))
                         and os.path.exists(os.path.join(st.root, n, MARKER_NAME))):
                     out.setdefault(step, []).append(n)
@@ -124,11 +103,11 @@ class CheckpointLayout:
                 parts = p.rstrip("/").split("/")
                 if len(parts) < 2:
                     continue
-                step = _committable_step(parts[-2])
+                step = step_names.committable_step(parts[-2])
                 if step is not None and parts[-2] not in out.get(step, []):
                     out.setdefault(step, []).append(parts[-2])
         for names in out.values():
-            names.sort(key=lambda n: (not _STEP_RE.match(n), n))
+            names.sort(key=lambda n: (not step_names.is_kind(n, step_names.STEP), n))
         return out
 
     def _commit_time(self, name: str) -> float:
@@ -143,7 +122,7 @@ class CheckpointLayout:
             return names[0], []
         # The latest commit wins; on a tie, the copy that is not the canonical directory (a
         # re-save written beside it).
-        ranked = sorted(names, key=lambda n: (self._commit_time(n), not _STEP_RE.match(n)))
+        ranked = sorted(names, key=lambda n: (self._commit_time(n), not step_names.is_kind(n, step_names.STEP)))
         return ranked[-1], ranked[:-1]
 
     def locations(self) -> Dict[int, str]:
@@ -167,7 +146,8 @@ class CheckpointLayout:
 
     @staticmethod
     def new_token() -> str:
-        return _token()
+        """A fresh token for one save's directory names (:func:`~async_ckpt.storage.step_names.new_token`)."""
+        return step_names.new_token()
 
     # ---- writing -----------------------------------------------------------------------------
     def begin(self, step: int, token: Optional[str] = None) -> StepTarget:
@@ -177,7 +157,7 @@ class CheckpointLayout:
         new one is committed.
         """
         self.refuse_link(self.step_dir(step), f"write step {step}")
-        return self.protocol.begin(self, step, token or _token())
+        return self.protocol.begin(self, step, token or step_names.new_token())
 
     def commit(self, target: StepTarget, manifest: Manifest) -> None:
         """Write the manifest, then the marker; then put the step in place and retire any
@@ -198,7 +178,7 @@ class CheckpointLayout:
                 continue  # foreign: never moved, never written through
             try:
                 winner, losers = self._choose(names)
-                if losers or winner != str(step):
+                if losers or winner != step_names.step_name(step):
                     # the copy that counts must vouch for itself before anything older goes
                     where = st.join(winner)
                     check_marker(st.read_bytes(f"{where}/{MARKER_NAME}"), st.read_bytes(f"{where}/{MANIFEST_NAME}"),
@@ -387,19 +367,15 @@ class CheckpointLayout:
             path = self.storage.join(name)
             if path in skip or self.storage.is_link(path):
                 continue
-            if _TRASH_RE.match(name):
+            parsed = step_names.parse(name)
+            if parsed is None:
+                continue
+            if parsed.kind == step_names.TRASH:
                 out.append(path)
-            elif _TMP_RE.match(name) and not self.storage.exists(f"{path}/{MARKER_NAME}"):
+            elif parsed.kind == step_names.TMP and not self.storage.exists(f"{path}/{MARKER_NAME}"):
                 out.append(path)
-            elif ((_STEP_RE.match(name) or _VER_RE.match(name))
+            elif (parsed.kind in (step_names.STEP, step_names.RESAVE)
                   and not self.storage.exists(f"{path}/{MARKER_NAME}") and self.is_ours_incomplete(path)):
                 out.append(path)
         return out
 
-
-def _committable_step(name: str) -> Optional[int]:
-    """The step of a directory name that can hold a committed copy (not trash)."""
-    if _STEP_RE.match(name):
-        return int(name)
-    m = _VER_RE.match(name) or _TMP_RE.match(name)
-    return int(m.group(1)) if m else None

@@ -111,22 +111,36 @@ class WriterLease(Protocol):
     """What the manager needs of a lease."""
 
     @property
-    def held(self) -> bool: ...
+    def held(self) -> bool:
+        """Whether this holder holds the lease now."""
+        ...
 
     def acquire(self, timeout: float = 0.0) -> None:
-        """Take the lease, waiting up to ``timeout`` seconds; :class:`LeaseHeldError` if another
-        live writer keeps it."""
+        """Take the lease (a no-op when held already).
+
+        Args:
+            timeout: seconds to wait at most while another live writer holds it.
+
+        Raises:
+            LeaseHeldError: another live writer still holds it after ``timeout``, or a newer
+                manager of this process took this one's lease over.
+        """
 
     def check(self) -> None:
-        """Raise :class:`LeaseHeldError` unless this holder can prove it still holds the lease
-        (called right before every commit and every delete)."""
+        """Raise :class:`LeaseHeldError` unless this holder can prove it still holds the lease.
+
+        Called right before every commit and every delete."""
 
     def release(self) -> None:
         """Give the lease up (a no-op when not held)."""
 
 
 class PosixLease(_ProcessLocal):
-    """``flock`` on a lock file in the root (advisory: every async_ckpt writer takes it)."""
+    """``flock`` on a lock file in the root (advisory: every async_ckpt writer takes it).
+
+    Args:
+        root: the checkpoint root (a local directory that exists).
+    """
 
     def __init__(self, root: str) -> None:
         self.path = os.path.join(root, LOCK_NAME)
@@ -135,9 +149,20 @@ class PosixLease(_ProcessLocal):
 
     @property
     def held(self) -> bool:
+        """Whether this holder holds the lock now."""
         return self._fd is not None
 
     def acquire(self, timeout: float = 0.0) -> None:
+        """Take the lock and record this process in the lock file (a no-op when held already).
+
+        Args:
+            timeout: seconds to wait at most while another process holds it.
+
+        Raises:
+            LeaseHeldError: another process still holds it after ``timeout``, or a newer
+                manager of this process took this one's lease over.
+            StorageError: the lock file is a symbolic link, a hard link or not a regular file.
+        """
         import fcntl
 
         if self._fd is not None:
@@ -184,11 +209,13 @@ class PosixLease(_ProcessLocal):
             return None
 
     def check(self) -> None:
-        """A flock is never lost while its descriptor is open; only a manager of this process
-        that took it over makes this one refuse (:class:`LeaseHeldError`)."""
+        """Raise :class:`LeaseHeldError` if a manager of this process took the lock over.
+
+        A flock is never lost while its descriptor is open."""
         self._refuse_if_superseded()
 
     def release(self) -> None:
+        """Unlock and close the lock file (a no-op when not held)."""
         import fcntl
 
         fd, self._fd = self._fd, None
@@ -201,15 +228,25 @@ class PosixLease(_ProcessLocal):
             os.close(fd)
 
     def forget(self) -> None:
-        """In a forked child: drop this copy of the descriptor without unlocking the parent's lock
-        (``flock`` locks belong to the open file description the parent still uses)."""
+        """In a forked child: drop this copy of the descriptor without unlocking.
+
+        ``flock`` locks belong to the open file description the parent still uses."""
         fd, self._fd = self._fd, None
         if fd is not None:
             os.close(fd)
 
 
 class ObjectStoreLease(_ProcessLocal):
-    """A lease object with an expiry, renewed by a heartbeat thread, for stores without locks."""
+    """A lease object with an expiry, renewed by a heartbeat thread, for stores without locks.
+
+    Args:
+        storage: the checkpoint root.
+        ttl_s: seconds a lease object stays valid without renewal (renewed every third of it).
+        clock: the monotonic clock that measures the time since the last renewal.
+
+    Raises:
+        InvalidArgumentError: ``ttl_s`` is not > 0.
+    """
 
     def __init__(self, storage: Storage, ttl_s: float = 30.0, *, clock: Callable[[], float] = time.monotonic) -> None:
         if ttl_s <= 0:
@@ -229,6 +266,7 @@ class ObjectStoreLease(_ProcessLocal):
 
     @property
     def held(self) -> bool:
+        """Whether this holder took the lease and has not released it (see :meth:`check`)."""
         return self._held
 
     def _read(self) -> Optional[Dict[str, Any]]:
@@ -266,6 +304,19 @@ class ObjectStoreLease(_ProcessLocal):
         return issued
 
     def acquire(self, timeout: float = 0.0) -> None:
+        """Take the lease and start the heartbeat (a no-op when held).
+
+        This holder's lease object is written where none is, or where the one there expired or
+        belongs to a dead process of this host.
+
+        Args:
+            timeout: seconds to wait at most while another live writer holds it.
+
+        Raises:
+            LeaseHeldError: another live writer still holds it after ``timeout``, or a newer
+                manager of this process took this one's lease over.
+            StorageError: the lease object cannot be read or written.
+        """
         if self._held:
             return
         self._refuse_if_superseded()
@@ -315,35 +366,51 @@ class ObjectStoreLease(_ProcessLocal):
 
     def _heartbeat(self, token: str, stop: threading.Event) -> None:
         while not stop.wait(self.ttl_s / 3):
-            if self._lost is not None:
+            if not self._beat(token, stop):
                 return
-            lapsed = self._lapsed()
-            if lapsed is not None:  # never renewed after the fact: a successor may hold it now
+
+    def beat(self) -> bool:
+        """Run one heartbeat of the current holding now, as the heartbeat thread does every
+        third of the TTL: check the lease object is still ours, then renew it.
+
+        Returns:
+            True while the lease is held and renewed (or a transient error left it for the
+            next beat); False once it was lost (taken over, or lapsed by ``clock``): ``check``
+            then raises.
+        """
+        return self._beat(self.token, self._stop)
+
+    def _beat(self, token: str, stop: threading.Event) -> bool:
+        if self._lost is not None:
+            return False
+        lapsed = self._lapsed()
+        if lapsed is not None:  # never renewed after the fact: a successor may hold it now
+            if not stop.is_set():
+                self._lost = lapsed
+            log.error("%s; this manager commits and deletes nothing until its next save "
+                      "takes the lease again", lapsed)
+            return False
+        try:
+            cur = self._read()
+            if cur is not None and cur.get("token") != token:
                 if not stop.is_set():
-                    self._lost = lapsed
-                log.error("%s; this manager commits and deletes nothing until its next save "
-                          "takes the lease again", lapsed)
-                return
-            try:
-                cur = self._read()
-                if cur is not None and cur.get("token") != token:
-                    if not stop.is_set():
-                        self._lost = f"the writer lease was taken over by {_describe(cur)}"
-                    log.error("%s; this manager's next commit fails", self._lost)
-                    return
-                issued = self._write(token)
-                late = self._lapsed()
-                if late is not None:  # it landed once a successor could hold the lease (and overwrote
-                    # its lease object, maybe): it proves nothing, this holder stops here
-                    if not stop.is_set():
-                        self._lost = f"{late}; its renewal landed too late to count"
-                    log.error("async_ckpt: %s; its renewal landed too late to count: this manager commits and "
-                              "deletes nothing until its next save takes the lease again", late)
-                    return
+                    self._lost = f"the writer lease was taken over by {_describe(cur)}"
+                log.error("%s; this manager's next commit fails", self._lost)
+                return False
+            issued = self._write(token)
+            late = self._lapsed()
+            if late is not None:  # it landed once a successor could hold the lease (and overwrote
+                # its lease object, maybe): it proves nothing, this holder stops here
                 if not stop.is_set():
-                    self._renewed = max(self._renewed, issued)
-            except Exception as exc:  # a transient error: the next beat tries again
-                log.warning("could not renew the writer lease: %s", exc)
+                    self._lost = f"{late}; its renewal landed too late to count"
+                log.error("async_ckpt: %s; its renewal landed too late to count: this manager commits and "
+                          "deletes nothing until its next save takes the lease again", late)
+                return False
+            if not stop.is_set():
+                self._renewed = max(self._renewed, issued)
+        except Exception as exc:  # a transient error: the next beat tries again
+            log.warning("could not renew the writer lease: %s", exc)
+        return True
 
     def check(self) -> None:
         """Prove this holder still holds the lease, right before a commit or a delete.
@@ -361,6 +428,9 @@ class ObjectStoreLease(_ProcessLocal):
                                  f"takes the lease again if it is free")
 
     def release(self) -> None:
+        """Stop the heartbeat and delete the lease object if it is still this holder's.
+
+        A no-op when not held; storage errors are logged, not raised."""
         if not self._held:
             return
         self._held = False
@@ -381,5 +451,12 @@ class ObjectStoreLease(_ProcessLocal):
 
 
 def writer_lease(storage: Storage) -> "PosixLease | ObjectStoreLease":
-    """The lease kind for a storage: ``flock`` on POSIX paths, a lease object elsewhere."""
+    """The lease kind for a storage (not taken yet).
+
+    Args:
+        storage: the checkpoint root.
+
+    Returns:
+        A :class:`PosixLease` (``flock``) on local paths, an :class:`ObjectStoreLease` elsewhere.
+    """
     return PosixLease(storage.root) if storage.is_local else ObjectStoreLease(storage)

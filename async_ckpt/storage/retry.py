@@ -23,7 +23,15 @@ _TRANSIENT_ERRNO = {errno.ETIMEDOUT, errno.ECONNRESET, errno.ECONNREFUSED, errno
 
 
 def is_transient(exc: BaseException) -> bool:
-    """True for errors worth retrying: timeouts, connection resets, HTTP 408/429/5xx."""
+    """Whether an error is worth retrying: timeouts, connection resets, HTTP 408/429/5xx.
+
+    Args:
+        exc: the error a storage call raised.
+
+    Returns:
+        True for a transient error; False for a permanent one (no space, permission denied,
+        not found, ...) and for anything unknown.
+    """
     if isinstance(exc, (TimeoutError, ConnectionError)):
         return True
     status = getattr(exc, "code", None) or getattr(exc, "status", None) or getattr(exc, "status_code", None)
@@ -70,8 +78,9 @@ def _is_transient_cloud(exc: BaseException) -> bool:
 
 @dataclass
 class RetryPolicy:
-    """Retry transient errors up to ``attempts`` times with capped, jittered exponential
-    backoff, every storage call bounded in time.
+    """Retries of transient storage errors, and the time bounds of every storage call.
+
+    Up to ``attempts`` tries with capped, jittered exponential backoff.
 
     Attributes:
         attempts: tries of one call on a transient error. Where the client library retries
@@ -88,6 +97,13 @@ class RetryPolicy:
             :class:`~async_ckpt.errors.StorageTimeoutError`. Enforced by waiting at most this
             long for the call (so also on filesystems without timeouts of their own); a failed
             upload therefore ends at most ``deadline`` after its stalled call started.
+        bounded: set by :meth:`for_storage`: each attempt runs on a helper thread waited for
+            at most the time left until the deadline (remote storage; local calls are never
+            abandoned).
+
+    Raises:
+        InvalidArgumentError: ``attempts`` is not an int >= 1, or a time is not a number of
+            seconds >= 0 (> 0 for ``request_timeout`` and ``deadline``).
     """
 
     attempts: int = 5
@@ -95,8 +111,6 @@ class RetryPolicy:
     max_delay: float = 5.0
     request_timeout: float = 60.0
     deadline: float = 600.0
-    #: set by :meth:`for_storage`: each attempt runs on a helper thread waited for at most
-    #: the time left until the deadline (remote storage; local calls are never abandoned)
     bounded: bool = field(default=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -110,8 +124,10 @@ class RetryPolicy:
                                  f"{'> 0' if name in ('request_timeout', 'deadline') else '>= 0'}, got {v!r}")
 
     def for_storage(self, *, remote: bool, client_retries: bool) -> "RetryPolicy":
-        """The policy a storage applies: bounded waits on ``remote`` storage, and one attempt
-        where the client library retries itself (``client_retries``).
+        """The policy a storage applies.
+
+        Bounded waits on ``remote`` storage, and one attempt where the client library retries itself
+        (``client_retries``).
 
         Args:
             remote: the storage is not local POSIX paths (calls may wait on a network).
@@ -134,7 +150,9 @@ class RetryPolicy:
 
         Raises:
             StorageTimeoutError: a bounded call did not finish within ``deadline``.
-            StorageError: an ``OSError`` that is permanent or outlasted the attempts.
+            StorageError: an ``OSError`` that is permanent or outlasted the attempts (a
+                ``StorageError`` ``fn`` raised is raised as it is).
+            FileNotFoundError: ``fn`` raised it (never retried).
         """
         delay = self.initial_delay
         end = time.monotonic() + self.deadline

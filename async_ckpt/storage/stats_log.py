@@ -8,7 +8,7 @@ import threading
 from typing import Optional, Union
 
 from ..errors import InvalidArgumentError
-from ..stats import DEFAULT_STATS_LOG, SaveStats, _check_relpath
+from ..stats import DEFAULT_STATS_LOG, SaveStats, check_stats_relpath
 from .backends.posix import open_nofollow
 from .fs import Storage
 
@@ -25,11 +25,19 @@ class StatsLog:
     object-store file would overwrite each other's lines; only rank 0 of a process group logs.
     A failure to write the log is logged as a warning and never fails the save. The log never
     creates the checkpoint root (see :meth:`append`).
+
+    Args:
+        storage: the checkpoint root.
+        relpath: the log's path relative to the root.
+
+    Raises:
+        InvalidArgumentError: ``relpath`` is absolute, a URL, leaves the root (``..``) or would
+            collide with step directories.
     """
 
     def __init__(self, storage: Storage, relpath: str = DEFAULT_STATS_LOG) -> None:
         self.storage = storage
-        self.relpath = _check_relpath(relpath)
+        self.relpath = check_stats_relpath(relpath)
         self.path = storage.join(self.relpath)
         self._lock = threading.Lock()
         self._buf: Optional[bytearray] = None
@@ -58,7 +66,19 @@ class StatsLog:
 
     @classmethod
     def from_option(cls, storage: Storage, option: Union[bool, str, os.PathLike, None]) -> Optional["StatsLog"]:
-        """``None``/``False``: no log; ``True``: ``<root>/save_stats.jsonl``; a str: that relative path."""
+        """The log a manager's ``stats_log=`` option asks for.
+
+        Args:
+            storage: the checkpoint root.
+            option: ``None``/``False``: no log; ``True``: ``<root>/save_stats.jsonl``; a str or
+                ``os.PathLike``: that path relative to the root.
+
+        Returns:
+            The log, or None.
+
+        Raises:
+            InvalidArgumentError: ``option`` is of another type, or not a valid relative path.
+        """
         if option is None or option is False:
             return None
         if option is True:
@@ -68,10 +88,15 @@ class StatsLog:
         raise InvalidArgumentError(f"stats_log must be a bool or a relative path, got {type(option).__name__}")
 
     def append(self, stats: SaveStats) -> None:
-        """Write one record; never raises (a failure is logged as a warning). The manager calls
-        it on rank 0 only. On a local path the record is written only while the checkpoint
-        root exists (otherwise skipped, with a debug log): the log never creates the root, so
-        a root that went away (a mount gone) stays away and the saves there fail."""
+        """Write one record; never raises (a failure is logged as a warning).
+
+        The manager calls it on rank 0 only. On a local path the record is written only while the
+        checkpoint root exists (otherwise skipped, with a debug log): the log never creates the
+        root, so a root that went away (a mount gone) stays away and the saves there fail.
+
+        Args:
+            stats: the committed save's statistics.
+        """
         try:
             line = (stats.to_json() + "\n").encode()
             with self._lock:

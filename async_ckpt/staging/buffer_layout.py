@@ -229,7 +229,7 @@ def _redo(memo: _Remembered, pool: HostBufferPool, items: List[Tuple[int, torch.
     return dsts, [ts[p] for p in order]
 
 
-class LayoutMemo:
+class BufferLayoutMemo:
     """:func:`lay_out` for copies made at once, remembering the last simple layout of each
     source (``"local"``: CPU/CUDA tensors, ``"xla"``: host views of XLA buffers). One per
     eager stager."""

@@ -1,0 +1,138 @@
+"""The background writer of the framework integrations: write jobs run in order on one thread."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable, List, Optional, Tuple
+
+from ..errors import CheckpointError, InvalidArgumentError
+
+
+class BackgroundWriter:
+    """Runs write jobs one at a time, in order, on one thread; tracks them by key (a path).
+
+    A job's error is kept and raised, as :class:`CheckpointError` with the original chained,
+    by the next :meth:`check` (which callers make at each entry point), :meth:`wait` or
+    :meth:`wait_all`. ``max_pending`` bounds the jobs queued or running: :meth:`submit` waits
+    for the oldest when the bound is reached (back-pressure on the host memory they hold).
+
+    Args:
+        name: the prefix of the writer thread's name.
+        max_pending: jobs queued or running at most.
+
+    Raises:
+        InvalidArgumentError: ``max_pending`` is below 1.
+    """
+
+    def __init__(self, name: str, max_pending: int = 2) -> None:
+        if max_pending < 1:
+            raise InvalidArgumentError(f"max_pending must be >= 1, got {max_pending}")
+        self.name = name
+        self.max_pending = max_pending
+        self._executor: Optional[ThreadPoolExecutor] = None
+        self._jobs: List[Tuple[str, Future]] = []
+        self._errors: List[Tuple[str, BaseException]] = []
+        self._lock = threading.Lock()
+
+    def submit(self, key: str, fn: Callable[[], None], on_drop: Optional[Callable[[], None]] = None) -> None:
+        """Queue ``fn`` under ``key``, first waiting for the oldest job while ``max_pending`` are out.
+
+        Args:
+            key: what the job writes (a path), for :meth:`wait` and :meth:`pending`.
+            fn: the job.
+            on_drop: runs if the job could not be queued (an earlier job's error was raised).
+
+        Raises:
+            CheckpointError: an earlier job failed (the job is not queued).
+        """
+        try:
+            self.check()
+            while True:
+                with self._lock:
+                    self._reap()
+                    if len(self._jobs) < self.max_pending:
+                        break
+                    oldest = self._jobs[0][1]
+                oldest.exception()  # wait; its error is collected by the next check
+                self.check()
+            with self._lock:
+                if self._executor is None:
+                    self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=self.name)
+                self._jobs.append((key, self._executor.submit(fn)))
+        except BaseException:
+            if on_drop is not None:
+                on_drop()
+            raise
+
+    def _reap(self) -> None:
+        keep = []
+        for key, fut in self._jobs:
+            if fut.done():
+                exc = fut.exception()
+                if exc is not None:
+                    self._errors.append((key, exc))
+            else:
+                keep.append((key, fut))
+        self._jobs = keep
+
+    def pending(self, key: Optional[str] = None) -> List[str]:
+        """Keys of the jobs queued or running.
+
+        Args:
+            key: only the jobs of this key (None: all).
+
+        Returns:
+            Their keys, oldest first.
+        """
+        with self._lock:
+            self._reap()
+            return [k for k, _ in self._jobs if key is None or k == key]
+
+    def check(self) -> None:
+        """Raise the first error of a finished job (and forget it).
+
+        Raises:
+            CheckpointError: a job failed (the original error chained).
+        """
+        with self._lock:
+            self._reap()
+            if not self._errors:
+                return
+            key, exc = self._errors.pop(0)
+        raise CheckpointError(f"background checkpoint write of {key} failed: {type(exc).__name__}: {exc}") from exc
+
+    def wait(self, key: str) -> None:
+        """Wait for every job of ``key``.
+
+        Args:
+            key: what the jobs write.
+
+        Raises:
+            CheckpointError: a finished job failed (this key's or an earlier one).
+        """
+        with self._lock:
+            futs = [f for k, f in self._jobs if k == key]
+        for f in futs:
+            f.exception()
+        self.check()
+
+    def wait_all(self, shutdown: bool = False) -> None:
+        """Wait for every job.
+
+        Args:
+            shutdown: also end the thread (a later :meth:`submit` starts a new one).
+
+        Raises:
+            CheckpointError: a job failed (the first error).
+        """
+        with self._lock:
+            futs = [f for _, f in self._jobs]
+            ex = self._executor
+            if shutdown:
+                self._executor = None
+        for f in futs:
+            f.exception()
+        if shutdown and ex is not None:
+            ex.shutdown(wait=True)
+        self.check()

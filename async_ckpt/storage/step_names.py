@@ -1,0 +1,159 @@
+"""Names of the directories under a root: every one is made and parsed here.
+
+A root holds four kinds of step directory:
+
+* ``<step>/`` (:data:`STEP`): the canonical directory of a step;
+* ``<step>.<token>/`` (:data:`RESAVE`): a re-save written beside an existing copy (marker mode);
+* ``.tmp-<step>-<token>/`` (:data:`TMP`): a step being written (rename mode), or one whose final
+  rename a crash interrupted;
+* ``.trash-<step>-<token>/`` (:data:`TRASH`): a replaced copy being deleted.
+
+``<token>`` is :func:`new_token`'s twelve hex digits (one per save, the same on every rank).
+Any other name under the root is not a step directory.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Optional
+
+STEP = "step"
+RESAVE = "resave"
+TMP = "tmp"
+TRASH = "trash"
+
+_PATTERNS = (
+    (STEP, re.compile(r"^(\d+)$")),
+    (RESAVE, re.compile(r"^(\d+)\.[0-9a-f]{12}$")),
+    (TMP, re.compile(r"^\.tmp-(\d+)-[0-9a-f]+$")),
+    (TRASH, re.compile(r"^\.trash-(\d+)-[0-9a-f]+$")),
+)
+#: the kinds of directory that can hold a committed copy of a step (trash never does)
+COMMITTABLE = (STEP, RESAVE, TMP)
+
+
+@dataclass(frozen=True)
+class StepDirName:
+    """A parsed step directory name."""
+
+    step: int
+    kind: str  # STEP, RESAVE, TMP or TRASH
+
+
+def new_token() -> str:
+    """A fresh token for the names of one save's directories.
+
+    Returns:
+        Twelve lowercase hex digits.
+    """
+    return uuid.uuid4().hex[:12]
+
+
+def step_name(step: int) -> str:
+    """The canonical directory name of ``step``.
+
+    Args:
+        step: The step number.
+
+    Returns:
+        ``"<step>"``.
+    """
+    return str(step)
+
+
+def resave_name(step: int, token: str) -> str:
+    """The directory name of a re-save of ``step`` written beside its existing copy.
+
+    Args:
+        step: The step number.
+        token: The save's token (:func:`new_token`).
+
+    Returns:
+        ``"<step>.<token>"``.
+    """
+    return f"{step}.{token}"
+
+
+def tmp_name(step: int, token: str) -> str:
+    """The temporary directory name a rename-mode save of ``step`` is written under.
+
+    Args:
+        step: The step number.
+        token: The save's token (:func:`new_token`).
+
+    Returns:
+        ``".tmp-<step>-<token>"``.
+    """
+    return f".tmp-{step}-{token}"
+
+
+def trash_name(step: int, token: str) -> str:
+    """The directory name a replaced copy of ``step`` is moved to before it is deleted.
+
+    Args:
+        step: The step number.
+        token: A fresh token (:func:`new_token`).
+
+    Returns:
+        ``".trash-<step>-<token>"``.
+    """
+    return f".trash-{step}-{token}"
+
+
+def parse(name: str) -> Optional[StepDirName]:
+    """What a directory name under a root is.
+
+    Args:
+        name: A directory name or path; only its last component counts.
+
+    Returns:
+        The step and kind of a step directory name, or None for any other name.
+    """
+    base = name.rstrip("/").rsplit("/", 1)[-1]
+    for kind, pattern in _PATTERNS:
+        m = pattern.match(base)
+        if m:
+            return StepDirName(int(m.group(1)), kind)
+    return None
+
+
+def step_of(name: str) -> Optional[int]:
+    """The step a step, re-save, temp or trash directory belongs to.
+
+    Args:
+        name: A directory name or path; only its last component counts.
+
+    Returns:
+        The step, or None for a name that is not a step directory.
+    """
+    parsed = parse(name)
+    return parsed.step if parsed is not None else None
+
+
+def committable_step(name: str) -> Optional[int]:
+    """The step of a directory name that can hold a committed copy (not trash).
+
+    Args:
+        name: A directory name or path; only its last component counts.
+
+    Returns:
+        The step, or None for trash and for names that are not step directories.
+    """
+    parsed = parse(name)
+    return parsed.step if parsed is not None and parsed.kind in COMMITTABLE else None
+
+
+def is_kind(name: str, *kinds: str) -> bool:
+    """Whether ``name`` is a step directory name of one of ``kinds``.
+
+    Args:
+        name: A directory name or path; only its last component counts.
+        *kinds: Any of :data:`STEP`, :data:`RESAVE`, :data:`TMP`, :data:`TRASH`.
+
+    Returns:
+        True if the name parses as one of those kinds.
+    """
+    parsed = parse(name)
+    return parsed is not None and parsed.kind in kinds
