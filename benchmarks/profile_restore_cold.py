@@ -102,7 +102,7 @@ def main() -> None:
     ph.wrap(layout_mod.CheckpointLayout, "open_step", "open_step")
     ph.wrap(reader.FsspecStorageReader, "read_metadata", "read_metadata")
     ph.wrap(coord_mod, "load_direct", "load_direct")
-    ph.wrap(direct, "_plan", "plan")
+    ph.wrap(direct, "plan_records", "plan")
     ph.wrap(direct, "_open", "open")
     run_calls = [0]
     real_run = direct.run_all

@@ -60,7 +60,15 @@ from ...gc_pause import gc_paused
 from ..manifest import FileRecord, crc32c, shown
 from ..torch_record import data_start, plain_data_start
 from .device_targets import DeviceTargets
-from .direct_plan import BUFFER_CHUNK_BYTES, _assign_arrivals, _plan, _Rec, _Task, _tasks, _Unsupported
+from .direct_plan import (
+    BUFFER_CHUNK_BYTES,
+    RangeRead,
+    RecordRead,
+    Unsupported,
+    assign_arrivals,
+    file_ranges,
+    plan_records,
+)
 from .layout_memo import set_element
 from .read_exec import NULL, StepFiles, check_file, close_all, open_step_file, read_files, run_all, short_error
 from .reader import stored_bytes
@@ -114,7 +122,7 @@ def _whole(t: torch.Tensor) -> Any:
     return types.SimpleNamespace(storage_offsets=[0] * t.dim(), lengths=list(t.shape))
 
 
-def _load_tensor(rec: _Rec, item: memoryview) -> torch.Tensor:
+def _load_tensor(rec: RecordRead, item: memoryview) -> torch.Tensor:
     """The record ``item`` read by ``torch.load``; :class:`CorruptCheckpointError` unless it
     is a tensor of its target's dtype and shape."""
     t = rec.target
@@ -129,7 +137,7 @@ def _load_tensor(rec: _Rec, item: memoryview) -> torch.Tensor:
     return tensor
 
 
-def _check_slow(rec: _Rec, item: memoryview) -> None:
+def _check_slow(rec: RecordRead, item: memoryview) -> None:
     """Before any write (staged restores): a record that only ``torch.load`` reads is read now
     and checked (kept in ``rec.loaded``); a small one of another layout goes the slow path."""
     t = rec.target
@@ -151,7 +159,7 @@ def _copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src)
 
 
-def _copy_slow(rec: _Rec, item: memoryview) -> None:
+def _copy_slow(rec: RecordRead, item: memoryview) -> None:
     """A record into a target that is not plain contiguous memory, or of another layout."""
     t = rec.target
     assert t is not None
@@ -182,8 +190,8 @@ def _load_direct(storage: StepFiles, path: str, state_dict: Dict[str, Any], file
                  staged: bool) -> bool:
     devices = DeviceTargets()
     try:
-        per_file, flat, mappings = _plan(storage, path, state_dict, files, metadata, direct_min, devices)
-    except _Unsupported:
+        per_file, flat, mappings = plan_records(storage, path, state_dict, files, metadata, direct_min, devices)
+    except Unsupported:
         return False
     threads = max(1, threads)
     readers: Dict[str, Any] = {}
@@ -200,7 +208,7 @@ def _load_direct(storage: StepFiles, path: str, state_dict: Dict[str, Any], file
         close_all(readers)
 
 
-def _misplaced(path: str, rec: _Rec) -> CorruptCheckpointError:
+def _misplaced(path: str, rec: RecordRead) -> CorruptCheckpointError:
     return CorruptCheckpointError(f"{path}: {shown(rec.fqn)}: its record does not hold its data at the offset the "
                                   "manifest gives", path=path)
 
@@ -212,7 +220,7 @@ def _open(storage: StepFiles, path: str, name: str, files: Dict[str, FileRecord]
     return r
 
 
-def _load(storage: StepFiles, path: str, per_file: Dict[str, List[_Rec]], flat: Dict[str, Any],
+def _load(storage: StepFiles, path: str, per_file: Dict[str, List[RecordRead]], flat: Dict[str, Any],
           mappings: Dict[str, Any], files: Dict[str, FileRecord], verify: bool, allow_pickle: bool,
           pool: ThreadPoolExecutor, readers: Dict[str, Any], touched: List[bool], state_dict: Dict[str, Any],
           threads: int, devices: DeviceTargets, staged: bool) -> bool:
@@ -220,7 +228,7 @@ def _load(storage: StepFiles, path: str, per_file: Dict[str, List[_Rec]], flat: 
         _open(storage, path, name, files, readers)
 
     # 1. Probes: where the large records' data lies; the non-tensor items' bytes, decoded.
-    def probe(name: str, rec: _Rec) -> Optional[Probe]:
+    def probe(name: str, rec: RecordRead) -> Optional[Probe]:
         r = readers[name]
         if rec.kind == "bytes":
             buf = bytearray(rec.length)
@@ -269,7 +277,7 @@ def _load(storage: StepFiles, path: str, per_file: Dict[str, List[_Rec]], flat: 
         read_files(storage, path, {n: files[n] for n in per_file}, NULL, verify=verify, pool=pool)
         raise undecodable
     if staged:  # the records only torch.load reads, read and checked before the first write
-        def check(name: str, rec: _Rec) -> None:
+        def check(name: str, rec: RecordRead) -> None:
             buf = bytearray(rec.length)
             _check_slow(rec, memoryview(buf)[:readers[name].read_into(rec.start, memoryview(buf))])
 
@@ -277,16 +285,16 @@ def _load(storage: StepFiles, path: str, per_file: Dict[str, List[_Rec]], flat: 
                     if r.kind in ("small", "slow")])
 
     # 2. Every byte of every file, once: into the targets, or into a buffer and scattered.
-    tasks: List[_Task] = []
+    tasks: List[RangeRead] = []
     for name, recs in per_file.items():
-        tasks += _tasks(path, name, files[name].size, recs, readers[name].known_size is not None)
+        tasks += file_ranges(path, name, files[name].size, recs, readers[name].known_size is not None)
     for ws in windows.values():
         ws.sort()
-    _assign_arrivals(per_file, tasks)
+    assign_arrivals(per_file, tasks)
     buffers = _Buffers()
-    confirmed: List[_Rec] = []  # direct records whose arrived bytes put the data where the manifest said
+    confirmed: List[RecordRead] = []  # direct records whose arrived bytes put the data where the manifest said
 
-    def run(task: _Task) -> Tuple[int, int]:
+    def run(task: RangeRead) -> Tuple[int, int]:
         r = readers[task.name]
         n = task.end - task.start
         if task.dest is not None:
@@ -371,7 +379,7 @@ def _load(storage: StepFiles, path: str, per_file: Dict[str, List[_Rec]], flat: 
     run_all(pool, group_calls)
 
     # 3. Sizes and checksums per file, before anything else is set.
-    parts: Dict[str, List[Tuple[_Task, int, int]]] = {}
+    parts: Dict[str, List[Tuple[RangeRead, int, int]]] = {}
     for task, (got, crc) in zip(tasks, results):
         parts.setdefault(task.name, []).append((task, got, crc))
     for name, ps in parts.items():
