@@ -102,10 +102,10 @@ def main() -> None:
     ph.wrap(layout_mod.CheckpointLayout, "open_step", "open_step")
     ph.wrap(reader.FsspecStorageReader, "read_metadata", "read_metadata")
     ph.wrap(coord_mod, "load_direct", "load_direct")
-    ph.wrap(direct, "_plan", "plan")
+    ph.wrap(direct, "plan_records", "plan")
     ph.wrap(direct, "_open", "open")
     run_calls = [0]
-    real_run = direct._run
+    real_run = direct.run_all
 
     def run_wrap(pool: Any, fns: Any) -> Any:
         run_calls[0] += 1
@@ -116,7 +116,7 @@ def main() -> None:
         finally:
             ph.spans.append((label, t - ph.t0, time.perf_counter() - ph.t0))
 
-    direct._run = run_wrap  # type: ignore[assignment]
+    direct.run_all = run_wrap  # type: ignore[assignment]
     real_preadv = os.preadv
 
     def preadv(fd: int, bufs: Any, off: int, *a: Any) -> int:

@@ -62,11 +62,11 @@ def test_cuda_targets_restore_by_direct_reads_and_stay_untouched_when_damaged(tm
     import torch.distributed.checkpoint as dcp
 
     from async_ckpt.errors import CorruptCheckpointError
-    from async_ckpt.lifecycle import coordinator as coordinator_mod
+    from async_ckpt.storage.dcp import step_io
 
     calls = []
-    real = coordinator_mod.load_direct
-    monkeypatch.setattr(coordinator_mod, "load_direct", lambda *a, **k: calls.append(real(*a, **k)) or calls[-1])
+    real = step_io.load_direct
+    monkeypatch.setattr(step_io, "load_direct", lambda *a, **k: calls.append(real(*a, **k)) or calls[-1])
     root = str(tmp_path / "c")
     sd = _state()
     with CheckpointManager(root) as mgr:

@@ -97,11 +97,12 @@ def test_restore_and_export_of_complex128_at_misaligned_offsets():
 
 def test_stored_bytes_never_reads_a_misaligned_wide_dtype():
     """Each dtype, its record placed at every byte offset 0..15 of the read buffer: the copy
-    ``_stored_bytes`` sets up reads it aligned (or as bytes) and puts the exact bytes in."""
+    ``stored_bytes`` sets up reads it aligned (or as bytes) and puts the exact bytes in."""
     _run_child("""
         import io, types, torch
-        from async_ckpt.storage.dcp.reader import _stored_bytes
-        from async_ckpt.storage.dcp.safety import _STORAGE_DTYPES
+        from async_ckpt.storage.dcp.reader import stored_bytes
+        from async_ckpt.compat import storage_type_dtypes
+        _STORAGE_DTYPES = storage_type_dtypes()
 
         g = torch.Generator().manual_seed(1)
         dtypes = [torch.complex128, torch.complex64, torch.float64, torch.float32, torch.bfloat16,
@@ -118,7 +119,7 @@ def test_stored_bytes_never_reads_a_misaligned_wide_dtype():
                 blob = memoryview(bytearray(shift) + record)[shift:]
                 req = types.SimpleNamespace(storage_offsets=[0, 0], lengths=list(t.shape))
                 for target in (torch.zeros_like(t), torch.zeros_like(t.t()).t()):  # contiguous, strided
-                    pair = _stored_bytes(blob, req, target)
+                    pair = stored_bytes(blob, req, target)
                     if pair is None:  # a dtype torch.save names no storage for: torch.load reads it
                         assert dtype not in _STORAGE_DTYPES.values(), (dtype, shift)
                         continue
@@ -275,7 +276,7 @@ def test_a_non_tensor_value_is_reduced_once_and_never_rebuilt_while_saving(tmp_p
 def test_pickled_values_are_torch_save_archives():
     """The archive written for a value pickled at the call is ``torch.save``'s own, byte for
     byte, with and without tensors inside the value."""
-    from async_ckpt.storage.records import pickle_value
+    from async_ckpt.storage.torch_record import pickle_value
 
     for value in ({1, 2}, {"t": torch.arange(3), "s": "x"}, types.SimpleNamespace(a=[1.5, None])):
         buf = io.BytesIO()

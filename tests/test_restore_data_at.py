@@ -15,7 +15,8 @@ import torch
 
 from async_ckpt import CheckpointManager
 from async_ckpt.errors import CorruptCheckpointError, PartlyWrittenError
-from async_ckpt.storage.dcp import direct, record_layout, safety
+from async_ckpt.storage import torch_record
+from async_ckpt.storage.dcp import direct
 from async_ckpt.storage.dcp.safety import load_metadata
 from async_ckpt.storage.manifest import MANIFEST_NAME, FileRecord, Manifest
 
@@ -180,10 +181,8 @@ def test_a_record_whose_layout_is_not_parsed_takes_the_slow_path(tmp_path, monke
     def unknown(self, module, name):
         raise pickle.UnpicklingError(f"{module}.{name}")
 
-    monkeypatch.setattr(safety._TensorDescUnpickler, "find_class", unknown)
-    heads = record_layout.Heads()  # not the shared cache: it would keep the refusals
-    monkeypatch.setattr(record_layout, "HEADS", heads)
-    monkeypatch.setattr(direct, "HEADS", heads)
+    monkeypatch.setattr(torch_record.TensorDescUnpickler, "find_class", unknown)
+    monkeypatch.setattr(torch_record, "HEADS", torch_record.Heads())  # not the shared cache: it would keep the refusals
     target = fresh_like(saved)
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # no step skipped as damaged

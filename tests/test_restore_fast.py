@@ -12,8 +12,7 @@ import torch
 
 from async_ckpt import CheckpointManager
 from async_ckpt.errors import CorruptCheckpointError, PartlyWrittenError, StateDictMismatchError
-from async_ckpt.lifecycle import coordinator as coordinator_mod
-from async_ckpt.storage.dcp import direct
+from async_ckpt.storage.dcp import direct, step_io
 from async_ckpt.storage.dcp.crc import crc32c_combine, crc32c_concat
 from async_ckpt.storage.dcp.safety import load_metadata
 from async_ckpt.storage.manifest import MANIFEST_NAME, Manifest, crc32c
@@ -25,14 +24,14 @@ from .tree import assert_bitwise_equal, clone_tree
 def direct_calls(monkeypatch):
     """The results of every ``load_direct`` call (True: it restored the step itself)."""
     calls = []
-    real = coordinator_mod.load_direct
+    real = step_io.load_direct
 
     def spy(*a, **k):
         calls.append(None)
         calls[-1] = real(*a, **k)
         return calls[-1]
 
-    monkeypatch.setattr(coordinator_mod, "load_direct", spy)
+    monkeypatch.setattr(step_io, "load_direct", spy)
     return calls
 
 

@@ -12,8 +12,8 @@ import torch
 from async_ckpt import CheckpointManager
 from async_ckpt import compat as compat_mod
 from async_ckpt.errors import CorruptCheckpointError, StateDictMismatchError
-from async_ckpt.lifecycle import coordinator as coordinator_mod
 from async_ckpt.storage.dcp import device_targets as xla_targets
+from async_ckpt.storage.dcp import step_io
 
 from .test_restore_fast import _flip_in_record
 from .tree import assert_bitwise_equal
@@ -25,13 +25,13 @@ pytestmark = pytest.mark.xla
 def direct_calls(monkeypatch):
     """The results of every ``load_direct`` call (True: it restored the step itself)."""
     calls = []
-    real = coordinator_mod.load_direct
+    real = step_io.load_direct
 
     def spy(*a, **k):
         calls.append(real(*a, **k))
         return calls[-1]
 
-    monkeypatch.setattr(coordinator_mod, "load_direct", spy)
+    monkeypatch.setattr(step_io, "load_direct", spy)
     return calls
 
 

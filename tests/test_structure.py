@@ -24,20 +24,10 @@ PENDING: Set[str] = {
     "async_ckpt.lifecycle.restore: async_ckpt.storage.dcp.writer._flatten",
     "async_ckpt.manager.core: async_ckpt.manager.hooks._live_managers",
     "async_ckpt.manager.core: async_ckpt.manager.hooks._stop_threads",
-    "async_ckpt.storage.dcp.direct: async_ckpt.storage.dcp.direct_plan._Rec",
-    "async_ckpt.storage.dcp.direct: async_ckpt.storage.dcp.direct_plan._Task",
-    "async_ckpt.storage.dcp.direct: async_ckpt.storage.dcp.direct_plan._Unsupported",
-    "async_ckpt.storage.dcp.direct: async_ckpt.storage.dcp.direct_plan._assign_arrivals",
-    "async_ckpt.storage.dcp.direct: async_ckpt.storage.dcp.direct_plan._plan",
-    "async_ckpt.storage.dcp.direct: async_ckpt.storage.dcp.direct_plan._tasks",
-    "async_ckpt.storage.dcp.direct: async_ckpt.storage.dcp.reader._stored_bytes",
     "async_ckpt.storage.dcp.direct_plan: async_ckpt.storage.dcp.writer._flatten",
     "async_ckpt.storage.dcp.reader: async_ckpt.storage.dcp.common._call_dcp",
     "async_ckpt.storage.dcp.reader: async_ckpt.storage.dcp.common._distributed",
     "async_ckpt.storage.dcp.reader: async_ckpt.storage.dcp.safety._SafeLoadPlanner",
-    "async_ckpt.storage.dcp.reader: async_ckpt.storage.dcp.safety._TensorDescUnpickler",
-    "async_ckpt.storage.dcp.record_layout: async_ckpt.storage.dcp.safety._TensorDescUnpickler",
-    "async_ckpt.storage.dcp.staged_restore: async_ckpt.storage.dcp.direct._run",
     "async_ckpt.storage.dcp.writer: async_ckpt.storage.dcp.common._call_dcp",
     "async_ckpt.storage.dcp.writer: async_ckpt.storage.dcp.common._distributed",
     "async_ckpt.storage.dcp.writer: async_ckpt.storage.dcp.common._world_size",
@@ -47,7 +37,6 @@ PENDING: Set[str] = {
     "async_ckpt.storage.dcp.writer: async_ckpt.storage.dcp.layout_memo._local_data",
     "async_ckpt.storage.dcp.writer: async_ckpt.storage.dcp.layout_memo._metadata_index",
     "async_ckpt.storage.dcp.writer: async_ckpt.storage.dcp.layout_memo._signature",
-    "async_ckpt.storage.dcp.writer: async_ckpt.storage.records._Template",
 }
 
 

@@ -24,6 +24,7 @@ from async_ckpt.errors import (
     StepNotFoundError,
 )
 from async_ckpt.lifecycle import coordinator as coordinator_mod
+from async_ckpt.storage.dcp import step_io
 
 from .conftest import assert_bitwise_equal, clone_tree
 
@@ -87,13 +88,13 @@ def test_each_tier_gets_the_steps_its_policy_selects_and_keeps_its_own_retention
 def test_a_step_due_for_both_tiers_is_staged_once_and_written_to_both(roots, monkeypatch):
     path, local = roots
     writes = []
-    real = coordinator_mod.save_state_dict
+    real = step_io.save_state_dict
 
     def spy(storage, p, sd, **kw):
         writes.append((storage.url, {k: v.data_ptr() for k, v in sd.items() if isinstance(v, torch.Tensor)}))
         return real(storage, p, sd, **kw)
 
-    monkeypatch.setattr(coordinator_mod, "save_state_dict", spy)
+    monkeypatch.setattr(step_io, "save_state_dict", spy)
     with CheckpointManager(path, local_dir=local) as mgr:
         staged = []
         real_stage = mgr.stager.eager.stage
@@ -298,7 +299,7 @@ def test_a_lagging_upload_does_not_make_its_older_step_the_newest(roots, monkeyp
     import threading
 
     path, local = roots
-    real = coordinator_mod.save_state_dict
+    real = step_io.save_state_dict
     gate = threading.Event()
 
     def slow_bucket(storage, p, sd, **kw):
@@ -306,7 +307,7 @@ def test_a_lagging_upload_does_not_make_its_older_step_the_newest(roots, monkeyp
             assert gate.wait(30)
         return real(storage, p, sd, **kw)
 
-    monkeypatch.setattr(coordinator_mod, "save_state_dict", slow_bucket)
+    monkeypatch.setattr(step_io, "save_state_dict", slow_bucket)
     with CheckpointManager(path, save_interval=10, local_dir=local, local_policy=1, local_retention=2) as mgr:
         for s in (10, 11, 12):
             mgr.save_async(s, state(s))

@@ -15,7 +15,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from async_ckpt import CheckpointManager
-from async_ckpt.storage.records import PickledObject
+from async_ckpt.storage.torch_record import PickledObject
 
 
 def _assert_same(a, b, path="root"):
@@ -193,7 +193,7 @@ def test_a_misaligned_record_into_a_one_element_target_of_odd_stride():
     one-element float64 target of stride 7, its record at every byte offset 0..7."""
     import io
 
-    from async_ckpt.storage.dcp.reader import _stored_bytes
+    from async_ckpt.storage.dcp.reader import stored_bytes
 
     src = torch.tensor([[3.25]], dtype=torch.float64)
     buf = io.BytesIO()
@@ -202,7 +202,7 @@ def test_a_misaligned_record_into_a_one_element_target_of_odd_stride():
         blob = memoryview(bytearray(shift) + buf.getvalue())[shift:]
         req = types.SimpleNamespace(storage_offsets=[0, 0], lengths=[1, 1])
         target = torch.as_strided(torch.zeros(20, dtype=torch.float64), (1, 1), (7, 3), 1)
-        pair = _stored_bytes(blob, req, target)
+        pair = stored_bytes(blob, req, target)
         assert pair is not None
         dst, src_view = pair
         dst.copy_(src_view)

@@ -7,6 +7,7 @@ import sys
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
+from ..addresses import byte_view
 from ..errors import CheckpointError, StepNotFoundError
 from ..lifecycle.catalog import StepCatalog
 from ..storage.fs import Storage
@@ -14,7 +15,6 @@ from ..storage.layout import CheckpointLayout
 from ..storage.lease import writer_lease
 from ..storage.manifest import shown
 from .common import (
-    CHUNK_BYTES,
     EXIT_DAMAGED,
     EXIT_OK,
     fmt_time,
@@ -35,7 +35,7 @@ from .common import (
 def _verify_step(storage: Storage, layout: CheckpointLayout, step: int, bar: Any) -> Dict[str, Any]:
     """Read every file of a committed step and check it against the manifest; list the problems."""
     from ..storage.dcp import METADATA_NAME, check_step_metadata, load_metadata
-    from ..storage.manifest import crc32c
+    from ..storage.dcp.read_exec import FRESH, NULL, read_files
 
     res: Dict[str, Any] = {"step": step, "ok": False, "files": 0, "bytes": 0, "problems": []}
     try:
@@ -46,38 +46,27 @@ def _verify_step(storage: Storage, layout: CheckpointLayout, step: int, bar: Any
     res["files"] = len(man.files)
     where = layout.locate(step)
     meta_bytes: Optional[bytes] = None
+
+    def counted(n: int) -> None:
+        res["bytes"] += n
+        bar.update(n)
+
     for name, rec in sorted(man.files.items()):
         if name in bad:
             res["problems"].append(f"{shown(name)}: {bad[name]}")
             continue
         bar.set_description(f"step {step} {shown(name)}")
-        size = crc = 0
-        try:
-            with storage.fs.open(f"{where}/{name}", "rb") as f:
-                keep = name == METADATA_NAME
-                parts = []
-                while True:
-                    chunk = f.read(CHUNK_BYTES)
-                    if not chunk:
-                        break
-                    crc = crc32c(chunk, crc)
-                    size += len(chunk)
-                    bar.update(len(chunk))
-                    if keep:
-                        parts.append(chunk)
-                if keep:
-                    meta_bytes = b"".join(parts)
-        except FileNotFoundError:
-            res["problems"].append(f"{name}: file is missing")
+        keep = name == METADATA_NAME
+        try:  # the one verified read (into nothing, except .metadata's bytes)
+            got = read_files(storage, where, {name: rec}, FRESH if keep else NULL, progress=counted)
+        except CheckpointError as exc:
+            res["problems"].append(str(exc))
             continue
         except OSError as exc:
             res["problems"].append(f"{name}: cannot be read ({exc})")
             continue
-        res["bytes"] += size
-        if size != rec.size:
-            res["problems"].append(f"{name}: size is {size} bytes, manifest says {rec.size}")
-        elif crc != rec.crc32c:
-            res["problems"].append(f"{name}: checksum mismatch (crc32c {crc:#010x}, manifest says {rec.crc32c:#010x})")
+        if keep:
+            meta_bytes = bytes(byte_view(got[name])) if rec.size else b""
     if METADATA_NAME not in man.files:
         res["problems"].append(f"manifest lists no {METADATA_NAME}")
     elif meta_bytes is not None and not any(p.startswith(METADATA_NAME) for p in res["problems"]):

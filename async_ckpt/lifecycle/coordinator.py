@@ -8,10 +8,9 @@ the training thread's agreements), created once per manager, so checkpoint traff
 interleaves with training collectives, and with a bounded timeout, so a rank that dies makes
 the others raise instead of waiting for gloo's 30-minute default.
 
-A coordinator also owns what differs in the data path: :meth:`Coordinator.write` writes this
-rank's part of a step's files and :meth:`Coordinator.load` reads into a target (one process:
-async_ckpt's own DCP-format writer and reader; N: DCP over the checkpoint group, which
-de-duplicates replicated tensors and reshards on load).
+:meth:`Coordinator.write` and :meth:`Coordinator.load` hand a step's files to the I/O layer
+(:mod:`async_ckpt.storage.dcp.step_io`, which chooses the data path), with what the
+coordinator holds: the group, the write memo, and (N) the exchange of read outcomes.
 """
 
 from __future__ import annotations
@@ -24,9 +23,10 @@ import torch
 from .. import errors as _errors
 from ..errors import CheckpointError, InvalidArgumentError
 from ..storage import FileRecord, Storage
-from ..storage.dcp import FsspecStorageReader, FsspecStorageWriter, WriteMemo, load_state_dict, save_state_dict
-from ..storage.dcp.direct import load_direct
-from ..storage.dcp.staged_restore import Acquire, load_staged
+from ..storage.dcp import WriteMemo
+from ..storage.dcp.common import unwrap_dcp
+from ..storage.dcp.staged_restore import Acquire
+from ..storage.dcp.step_io import read_step, write_step
 
 if TYPE_CHECKING:
     from ..staging.pool import HostBufferPool
@@ -104,32 +104,18 @@ class LocalCoordinator:
 
     def write(self, storage: Storage, path: str, state_dict: Dict[str, Any], *, threads: int,
               planner: Any) -> Tuple[Dict[str, FileRecord], Optional[BaseException]]:
-        return save_state_dict(storage, path, state_dict, threads=threads, planner=planner, memo=self.memo,
-                               process_group=self.group), None
+        """:func:`~async_ckpt.storage.dcp.step_io.write_step`: async_ckpt's own writer, with the memo."""
+        return write_step(storage, path, state_dict, threads=threads, planner=planner, memo=self.memo,
+                          group=self.group)
 
     def load(self, storage: Storage, path: str, state_dict: Dict[str, Any], *, files: Dict[str, FileRecord],
              verify: bool, threads: int, allow_pickle: bool, metadata: Any, planner: Any, atomic: bool = False,
              strict: bool = True, pool: Optional[HostBufferPool] = None) -> None:
-        """Straight into the target tensors (:func:`load_direct`) unless ``atomic``, a custom
-        ``planner`` or a target it does not handle; else read and verify everything first.
-
-        ``atomic``: every data file is read and verified into buffers leased from ``pool``
-        (within its ``budget_bytes``: a larger checkpoint raises
-        :class:`~async_ckpt.errors.StagingBudgetError` before anything is read; ``None``: fresh
-        buffers), then copied into the target (:func:`load_staged`)."""
-        if atomic and metadata is not None and files is not None:
-            load_staged(storage, path, state_dict, files=files, metadata=metadata, verify=verify, threads=threads,
-                        allow_pickle=allow_pickle, planner=planner, strict=strict, process_group=self.group,
-                        acquire=None if pool is None else _leaser(pool),
-                        budget=None if pool is None else pool.budget_bytes)
-            return
-        if not atomic and planner is None and metadata is not None and \
-                load_direct(storage, path, state_dict, files=files, metadata=metadata, verify=verify,
-                            threads=threads, allow_pickle=allow_pickle):
-            return
-        load_state_dict(storage, path, state_dict, files=files, verify=verify, threads=threads,
-                        allow_pickle=allow_pickle, metadata=metadata, planner=planner, strict=strict,
-                        process_group=self.group)
+        """:func:`~async_ckpt.storage.dcp.step_io.read_step` (direct, staged through ``pool``'s
+        buffers within its budget, or DCP's reader)."""
+        read_step(storage, path, state_dict, files=files, verify=verify, threads=threads, allow_pickle=allow_pickle,
+                  metadata=metadata, planner=planner, atomic=atomic, strict=strict, group=self.group,
+                  acquire=None if pool is None else _leaser(pool), budget=None if pool is None else pool.budget_bytes)
 
 
 class GroupCoordinator:
@@ -195,45 +181,20 @@ class GroupCoordinator:
 
     def write(self, storage: Storage, path: str, state_dict: Dict[str, Any], *, threads: int,
               planner: Any) -> Tuple[Dict[str, FileRecord], Optional[BaseException]]:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-
-        # DCP directly: its CheckpointException says which rank failed, for the message every
-        # rank raises; its own collectives spread any rank's write error to every rank.
-        writer = FsspecStorageWriter(storage, path, threads=threads)
-        try:
-            dcp.save(state_dict, storage_writer=writer, process_group=self.group,
-                     planner=planner or DefaultSavePlanner())
-        except BaseException as exc:  # noqa: BLE001 - DCP raises CheckpointException (a BaseException)
-            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
-                raise
-            return {}, exc
-        return writer.files, None
+        """:func:`~async_ckpt.storage.dcp.step_io.write_step` through ``dcp.save`` over the group:
+        its ``CheckpointException`` says which rank failed, on every rank."""
+        return write_step(storage, path, state_dict, threads=threads, planner=planner, group=self.group,
+                          several_ranks=True)
 
     def load(self, storage: Storage, path: str, state_dict: Dict[str, Any], *, files: Dict[str, FileRecord],
              verify: bool, threads: int, allow_pickle: bool, metadata: Any, planner: Any, atomic: bool = False,
              strict: bool = True, pool: Optional[HostBufferPool] = None) -> None:
-        """DCP over the checkpoint group: this rank reads only the records its load plan needs
-        (whole files where the manifest lists no records) and verifies every byte it uses; the
-        ranks then exchange their outcomes, and only if every rank's reads passed does any rank
-        write into its target, so ``atomic`` holds either way (``pool`` is not used). A failure
-        after this rank started writing (none expected) is raised as a
-        :class:`~async_ckpt.errors.PartlyWrittenError`."""
-        import torch.distributed.checkpoint as dcp
-
-        from ..storage.dcp.direct import partly_written
-        from ..storage.dcp.reader import safe_planner
-
-        reader = FsspecStorageReader(storage, path, files=files, verify=verify, threads=threads, metadata=metadata,
-                                     agree=self.all_gather)
-        try:
-            dcp.load(state_dict, storage_reader=reader, process_group=self.group,
-                     planner=planner or safe_planner(allow_pickle, strict))
-        except BaseException as exc:  # noqa: BLE001 - DCP raises CheckpointException (a BaseException)
-            if not reader.touched or isinstance(exc, (KeyboardInterrupt, SystemExit)):
-                raise
-            _, err = unwrap_dcp(exc)
-            raise partly_written(path, err) from exc
+        """:func:`~async_ckpt.storage.dcp.step_io.read_step` through ``dcp.load`` over the group:
+        no rank writes before every rank's reads passed, so ``atomic`` holds either way
+        (``pool`` is not used)."""
+        read_step(storage, path, state_dict, files=files, verify=verify, threads=threads, allow_pickle=allow_pickle,
+                  metadata=metadata, planner=planner, atomic=atomic, strict=strict, group=self.group,
+                  agree=self.all_gather)
 
 
 def _leaser(pool: "HostBufferPool") -> Acquire:
@@ -298,29 +259,6 @@ def coordinator_for(process_group: Any = None, timeout_s: float = DEFAULT_TIMEOU
 
 
 # ---- errors across ranks -------------------------------------------------------------------
-
-def unwrap_dcp(exc: BaseException) -> Tuple[Optional[int], BaseException]:
-    """The rank and underlying error of DCP's ``CheckpointException`` (which gathers every
-    rank's errors): an async_ckpt error first (so a ``CorruptCheckpointError`` keeps its type),
-    else the lowest rank's error. Any other error is returned as is, with rank None.
-
-    Args:
-        exc: an error raised by ``dcp.save``/``dcp.load`` or by our own code.
-
-    Returns:
-        (the rank that raised it where DCP says so, else None; the error).
-    """
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    if not isinstance(exc, CheckpointException):
-        return None, exc
-    failures = [(r, f[0] if isinstance(f, tuple) else f) for r, f in sorted(exc.failures.items())]
-    failures = [(r, e) for r, e in failures if isinstance(e, BaseException)]
-    if not failures:
-        return None, exc
-    ours = [(r, e) for r, e in failures if isinstance(e, CheckpointError)]
-    return (ours or failures)[0]
-
 
 def dcp_failure(exc: BaseException) -> BaseException:
     """The underlying error of DCP's ``CheckpointException`` (see :func:`unwrap_dcp`)."""

@@ -1,7 +1,7 @@
 """State dict -> staging plan: a template of the nested structure plus a flat list of tensors.
 
 The plan walks the user's state dict once, validates every leaf and records where each tensor
-sits. Non-tensor leaves are pickled at the call, once (:func:`~..storage.records.pickle_value`:
+sits. Non-tensor leaves are pickled at the call, once (:func:`~..storage.torch_record.pickle_value`:
 this also proves that they can be saved), and the snapshot keeps those bytes, so a later
 mutation by the training loop cannot leak into the checkpoint and no value is ever unpickled
 while saving. (A top-level value with ``state_dict``/``load_state_dict``, which DCP saves
@@ -20,7 +20,7 @@ import torch
 
 from ..compat import dcp_flatten_state_dict
 from ..errors import InvalidStateDictError
-from ..storage.records import pickle_value
+from ..storage.torch_record import pickle_value
 
 _IMMUTABLE = (int, float, bool, str, bytes, complex, type(None), torch.dtype, torch.device, torch.Size)
 

@@ -3,7 +3,12 @@
 * :mod:`.writer`: the write path (record streams, concurrent checksummed files, the
   planner-free single-process save);
 * :mod:`.layout_memo`: what that save remembers of a layout for the next one (:class:`WriteMemo`);
-* :mod:`.reader`: the read path (concurrent verified reads, then the state dict is touched);
+* :mod:`.step_io`: one step's files written and read (:func:`~.step_io.write_step`,
+  :func:`~.step_io.read_step`): the choice of data path;
+* :mod:`.read_exec`: the one verified read of a step's files (sinks, the one wording of damage);
+* :mod:`.reader`: DCP's ``StorageReader`` (custom planners, several ranks);
+* :mod:`.direct`, :mod:`.staged_restore`: reads straight into the targets, or staged in host
+  buffers first (atomic);
 * :mod:`.safety`: the restricted unpicklers for ``.metadata``, objects and tensor records;
 * :mod:`.validate`: the check of a step's unpickled ``.metadata`` against itself and its manifest;
 * :mod:`.common`: ``METADATA_NAME`` and running a DCP call.

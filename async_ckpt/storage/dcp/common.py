@@ -6,10 +6,12 @@ import re
 import threading
 import warnings
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Tuple
 
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
+
+from ...errors import CheckpointError
 
 METADATA_NAME = ".metadata"
 
@@ -90,3 +92,24 @@ def _distributed() -> bool:
     import torch.distributed as dist
 
     return dist.is_available() and dist.is_initialized()
+
+
+def unwrap_dcp(exc: BaseException) -> Tuple[Optional[int], BaseException]:
+    """The rank and underlying error of DCP's ``CheckpointException`` (which gathers every
+    rank's errors): an async_ckpt error first (so a ``CorruptCheckpointError`` keeps its type),
+    else the lowest rank's error. Any other error is returned as is, with rank None.
+
+    Args:
+        exc: an error raised by ``dcp.save``/``dcp.load`` or by our own code.
+
+    Returns:
+        (the rank that raised it where DCP says so, else None; the error).
+    """
+    if not isinstance(exc, CheckpointException):
+        return None, exc
+    failures = [(r, f[0] if isinstance(f, tuple) else f) for r, f in sorted(exc.failures.items())]
+    failures = [(r, e) for r, e in failures if isinstance(e, BaseException)]
+    if not failures:
+        return None, exc
+    ours = [(r, e) for r, e in failures if isinstance(e, CheckpointError)]
+    return (ours or failures)[0]

@@ -10,9 +10,9 @@ tiling of the file into ranges (worked out by :mod:`.direct_plan`), in parallel 
 * everything else (record headers and trailers, small tensors, non-tensor items) is read into a
   per-thread buffer of about ``BUFFER_CHUNK_BYTES``, cut at record boundaries; the small
   tensors in it are copied into their targets by one ``_foreach_copy_`` per buffer;
-* each range's CRC-32C is computed on the thread that read it, right after the read, and the
-  file's CRC is put together from them (:func:`~.crc.crc32c_combine`) and compared with the
-  manifest's before :func:`load_direct` returns.
+* each range's CRC-32C is computed on the thread that read it, right after the read, and each
+  file is verified from its ranges by :func:`~.read_exec.check_file` (the one definition of
+  verified) before :func:`load_direct` returns.
 
 Where a large record's data begins is taken from the manifest where the writer recorded it
 (``FileRecord.data_at``); the record's zip directory and headers, which arrive with the reads
@@ -31,8 +31,7 @@ read into private tensors, so that the checksums are of their own bytes, and cop
 overlap, the last key's data stays.
 
 A failure after the first write leaves the targets partly written: the error raised is a
-:class:`~async_ckpt.errors.CheckpointError` whose message says so (``partly_written`` is set
-on it). Targets that are not plain contiguous CPU tensors (strided views, conjugate bits) and
+:class:`~async_ckpt.errors.PartlyWrittenError` (:func:`partly_written`), whose cause is the failure. Targets that are not plain contiguous CPU tensors (strided views, conjugate bits) and
 records of another layout take a slower path through the buffer (``copy_``), and anything
 this module does not handle (sharded checkpoints, DTensors, devices other than the CPU, XLA
 and CUDA, custom planners) makes :func:`load_direct` return ``False`` before touching anything,
@@ -48,8 +47,8 @@ import io
 import pickle
 import threading
 import types
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
@@ -58,14 +57,22 @@ from ... import compat
 from ...addresses import byte_view
 from ...errors import CheckpointError, CorruptCheckpointError, PartlyWrittenError, partly_written_error
 from ...gc_pause import gc_paused
-from ..fs import Storage
 from ..manifest import FileRecord, crc32c, shown
-from .crc import crc32c_concat
+from ..torch_record import data_start, plain_data_start
 from .device_targets import DeviceTargets
-from .direct_plan import BUFFER_CHUNK_BYTES, _assign_arrivals, _plan, _Rec, _Task, _tasks, _Unsupported
+from .direct_plan import (
+    BUFFER_CHUNK_BYTES,
+    RangeRead,
+    RecordRead,
+    Unsupported,
+    assign_arrivals,
+    file_ranges,
+    plan_records,
+)
 from .layout_memo import set_element
-from .reader import _stored_bytes, close_all, open_step_file
-from .record_layout import HEADS, Arrived, Probe, data_start
+from .read_exec import NULL, StepFiles, check_file, close_all, open_step_file, read_files, run_all, short_error
+from .reader import stored_bytes
+from .record_layout import Arrived, Probe
 from .safety import unsafe_value_error
 
 #: A tensor record at least this large (local files) has its data read straight into the
@@ -111,21 +118,11 @@ def _decode(fqn: str, blob: bytes, allow_pickle: bool) -> Any:
         raise unsafe_value_error(fqn, exc) from exc
 
 
-def _small_start(item: memoryview, t: torch.Tensor) -> Optional[int]:
-    """Where the data of the small record ``item`` for ``t`` starts in it; None for another
-    layout (the slow path)."""
-    head = HEADS.get(t.dtype, tuple(t.shape))
-    if head is not None and head[1] == len(item) and bytes(item[:len(head[0])]) == head[0]:
-        return len(head[0])
-    get = lambda a, b: bytes(item[a:b])  # (named: mypy types it here, not in the call)
-    return data_start(get, len(item), t.dtype, tuple(t.shape))
-
-
 def _whole(t: torch.Tensor) -> Any:
     return types.SimpleNamespace(storage_offsets=[0] * t.dim(), lengths=list(t.shape))
 
 
-def _load_tensor(rec: _Rec, item: memoryview) -> torch.Tensor:
+def _load_tensor(rec: RecordRead, item: memoryview) -> torch.Tensor:
     """The record ``item`` read by ``torch.load``; :class:`CorruptCheckpointError` unless it
     is a tensor of its target's dtype and shape."""
     t = rec.target
@@ -140,15 +137,15 @@ def _load_tensor(rec: _Rec, item: memoryview) -> torch.Tensor:
     return tensor
 
 
-def _check_slow(rec: _Rec, item: memoryview) -> None:
+def _check_slow(rec: RecordRead, item: memoryview) -> None:
     """Before any write (staged restores): a record that only ``torch.load`` reads is read now
     and checked (kept in ``rec.loaded``); a small one of another layout goes the slow path."""
     t = rec.target
     assert t is not None
-    if rec.kind == "small" and _small_start(item, t) is not None:
+    if rec.kind == "small" and plain_data_start(item, t.dtype, tuple(t.shape)) is not None:
         return
     rec.kind = "slow"
-    if _stored_bytes(item, _whole(t), t) is None:
+    if stored_bytes(item, _whole(t), t) is None:
         rec.loaded = _load_tensor(rec, item)
 
 
@@ -162,16 +159,16 @@ def _copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src)
 
 
-def _copy_slow(rec: _Rec, item: memoryview) -> None:
+def _copy_slow(rec: RecordRead, item: memoryview) -> None:
     """A record into a target that is not plain contiguous memory, or of another layout."""
     t = rec.target
     assert t is not None
-    raw = None if rec.loaded is not None else _stored_bytes(item, _whole(t), t)
+    raw = None if rec.loaded is not None else stored_bytes(item, _whole(t), t)
     dst, src = raw if raw is not None else (t, rec.loaded if rec.loaded is not None else _load_tensor(rec, item))
     _copy_into(dst, src)
 
 
-def load_direct(storage: Storage, path: str, state_dict: Dict[str, Any], *, files: Optional[Dict[str, FileRecord]],
+def load_direct(storage: StepFiles, path: str, state_dict: Dict[str, Any], *, files: Optional[Dict[str, FileRecord]],
                 metadata: Metadata, verify: bool = True, threads: int = 8, allow_pickle: bool = False,
                 staged: bool = False) -> bool:
     """Load the checked ``metadata``'s checkpoint under ``path`` into ``state_dict`` in place by
@@ -188,13 +185,13 @@ def load_direct(storage: Storage, path: str, state_dict: Dict[str, Any], *, file
                             staged)
 
 
-def _load_direct(storage: Storage, path: str, state_dict: Dict[str, Any], files: Dict[str, FileRecord],
+def _load_direct(storage: StepFiles, path: str, state_dict: Dict[str, Any], files: Dict[str, FileRecord],
                  metadata: Metadata, verify: bool, threads: int, allow_pickle: bool, direct_min: int,
                  staged: bool) -> bool:
     devices = DeviceTargets()
     try:
-        per_file, flat, mappings = _plan(storage, path, state_dict, files, metadata, direct_min, devices)
-    except _Unsupported:
+        per_file, flat, mappings = plan_records(storage, path, state_dict, files, metadata, direct_min, devices)
+    except Unsupported:
         return False
     threads = max(1, threads)
     readers: Dict[str, Any] = {}
@@ -211,19 +208,19 @@ def _load_direct(storage: Storage, path: str, state_dict: Dict[str, Any], files:
         close_all(readers)
 
 
-def _misplaced(path: str, rec: _Rec) -> CorruptCheckpointError:
+def _misplaced(path: str, rec: RecordRead) -> CorruptCheckpointError:
     return CorruptCheckpointError(f"{path}: {shown(rec.fqn)}: its record does not hold its data at the offset the "
                                   "manifest gives", path=path)
 
 
-def _open(storage: Storage, path: str, name: str, files: Dict[str, FileRecord], readers: Dict[str, Any]) -> Any:
-    """Open ``path/name`` after the reader's checks (:func:`~.reader.open_step_file`); kept in
+def _open(storage: StepFiles, path: str, name: str, files: Dict[str, FileRecord], readers: Dict[str, Any]) -> Any:
+    """Open ``path/name`` after the reader's checks (:func:`~.read_exec.open_step_file`); kept in
     ``readers`` (closed by the caller)."""
     readers[name] = r = open_step_file(storage, path, name, files[name].size)
     return r
 
 
-def _load(storage: Storage, path: str, per_file: Dict[str, List[_Rec]], flat: Dict[str, Any],
+def _load(storage: StepFiles, path: str, per_file: Dict[str, List[RecordRead]], flat: Dict[str, Any],
           mappings: Dict[str, Any], files: Dict[str, FileRecord], verify: bool, allow_pickle: bool,
           pool: ThreadPoolExecutor, readers: Dict[str, Any], touched: List[bool], state_dict: Dict[str, Any],
           threads: int, devices: DeviceTargets, staged: bool) -> bool:
@@ -231,13 +228,13 @@ def _load(storage: Storage, path: str, per_file: Dict[str, List[_Rec]], flat: Di
         _open(storage, path, name, files, readers)
 
     # 1. Probes: where the large records' data lies; the non-tensor items' bytes, decoded.
-    def probe(name: str, rec: _Rec) -> Optional[Probe]:
+    def probe(name: str, rec: RecordRead) -> Optional[Probe]:
         r = readers[name]
         if rec.kind == "bytes":
             buf = bytearray(rec.length)
             got = r.read_into(rec.start, memoryview(buf))
             if got != rec.length:
-                raise CorruptCheckpointError(f"{path}/{name}: is shorter than the manifest says", path=f"{path}/{name}")
+                raise short_error(f"{path}/{name}", rec.start + rec.length)
             p = object.__new__(Probe)
             p.reader, p.rec, p.windows = r, rec, [(rec.start, bytes(buf))]
             return p
@@ -259,8 +256,8 @@ def _load(storage: Storage, path: str, per_file: Dict[str, List[_Rec]], flat: Di
                 rec.arrived = Arrived(readers[name], rec.start, rec.length, rec.data_start, rec.flat.numel())  # type: ignore[union-attr]
     jobs = [(name, rec) for name, recs in per_file.items() for rec in recs
             if rec.kind == "bytes" or (rec.kind == "direct" and rec.arrived is None)]
-    probe_calls = [lambda n=n, r=r: probe(n, r) for n, r in jobs]  # (named: mypy types it here, not in _run's call)
-    probes = _run(pool, probe_calls)
+    probe_calls = [lambda n=n, r=r: probe(n, r) for n, r in jobs]  # (named: mypy types it here, not in run_all's call)
+    probes = run_all(pool, probe_calls)
     decoded: Dict[str, Any] = {}
     windows: Dict[str, List[Tuple[int, bytes]]] = {}
     undecodable: Optional[BaseException] = None
@@ -277,29 +274,27 @@ def _load(storage: Storage, path: str, per_file: Dict[str, List[_Rec]], flat: Di
     if undecodable is not None:
         # Nothing written yet: check the files without writing (damage reads as damage), then
         # refuse the item.
-        from .reader import FsspecStorageReader
-
-        FsspecStorageReader(storage, path, files=files, verify=verify)._read_files(list(per_file), pool)
+        read_files(storage, path, {n: files[n] for n in per_file}, NULL, verify=verify, pool=pool)
         raise undecodable
     if staged:  # the records only torch.load reads, read and checked before the first write
-        def check(name: str, rec: _Rec) -> None:
+        def check(name: str, rec: RecordRead) -> None:
             buf = bytearray(rec.length)
             _check_slow(rec, memoryview(buf)[:readers[name].read_into(rec.start, memoryview(buf))])
 
-        _run(pool, [lambda n=n, r=r: check(n, r) for n, recs in per_file.items() for r in recs  # type: ignore[misc]
+        run_all(pool, [lambda n=n, r=r: check(n, r) for n, recs in per_file.items() for r in recs  # type: ignore[misc]
                     if r.kind in ("small", "slow")])
 
     # 2. Every byte of every file, once: into the targets, or into a buffer and scattered.
-    tasks: List[_Task] = []
+    tasks: List[RangeRead] = []
     for name, recs in per_file.items():
-        tasks += _tasks(path, name, files[name].size, recs, readers[name].known_size is not None)
+        tasks += file_ranges(path, name, files[name].size, recs, readers[name].known_size is not None)
     for ws in windows.values():
         ws.sort()
-    _assign_arrivals(per_file, tasks)
+    assign_arrivals(per_file, tasks)
     buffers = _Buffers()
-    confirmed: List[_Rec] = []  # direct records whose arrived bytes put the data where the manifest said
+    confirmed: List[RecordRead] = []  # direct records whose arrived bytes put the data where the manifest said
 
-    def run(task: _Task) -> Tuple[int, int]:
+    def run(task: RangeRead) -> Tuple[int, int]:
         r = readers[task.name]
         n = task.end - task.start
         if task.dest is not None:
@@ -331,7 +326,7 @@ def _load(storage: Storage, path: str, per_file: Dict[str, List[_Rec]], flat: Di
             if rec.kind == "small":
                 assert rec.target is not None and rec.flat is not None
                 item = mv[at:at + rec.length]
-                s = _small_start(item, rec.target)
+                s = plain_data_start(item, rec.target.dtype, tuple(rec.target.shape))
                 if s is None:
                     touched[0] = touched[0] or rec.own
                     _copy_slow(rec, item)
@@ -380,33 +375,17 @@ def _load(storage: Storage, path: str, per_file: Dict[str, List[_Rec]], flat: Di
         for i in group:
             results[i] = run(tasks[i])
 
-    group_calls = [lambda g=g: run_group(g) for g in groups]  # (named: mypy types it here, not in _run's call)
-    _run(pool, group_calls)
+    group_calls = [lambda g=g: run_group(g) for g in groups]  # (named: mypy types it here, not in run_all's call)
+    run_all(pool, group_calls)
 
     # 3. Sizes and checksums per file, before anything else is set.
-    parts: Dict[str, List[Tuple[_Task, int, int]]] = {}
+    parts: Dict[str, List[Tuple[RangeRead, int, int]]] = {}
     for task, (got, crc) in zip(tasks, results):
         parts.setdefault(task.name, []).append((task, got, crc))
     for name, ps in parts.items():
-        where = f"{path}/{name}"
-        size = files[name].size
         ps.sort(key=lambda p: p[0].start)
-        total = 0
-        for task, got, _ in ps:
-            n = task.end - task.start
-            if got < n:
-                raise CorruptCheckpointError(f"{where}: size is {task.start + got} bytes, manifest says {size}",
-                                             path=where)
-            total += min(got, n)
-            if got > n:
-                raise CorruptCheckpointError(f"{where}: size is more than {size} bytes, manifest says {size}",
-                                             path=where)
-        if verify:
-            crc = crc32c_concat((c, p.end - p.start) for p, _, c in ps)
-            if crc != files[name].crc32c:
-                raise CorruptCheckpointError(
-                    f"{where}: checksum mismatch (crc32c {crc:#010x}, manifest says {files[name].crc32c:#010x})",
-                    path=where)
+        check_file(f"{path}/{name}", files[name].size, ((t.start, t.end, got, crc) for t, got, crc in ps),
+                   files[name].crc32c, verify)
     wrong = [rec for recs in per_file.values() for rec in recs if rec.arrived is not None]
     unparsed = []  # records of a layout data_start does not parse: not a misplaced offset, the slow path
     if len(wrong) != len(confirmed):
@@ -431,17 +410,3 @@ def _load(storage: Storage, path: str, per_file: Dict[str, List[_Rec]], flat: Di
     for fqn, value in decoded.items():
         set_element(state_dict, mappings[fqn], value)
     return True
-
-
-def _run(pool: ThreadPoolExecutor, fns: Sequence[Callable[[], Any]]) -> List[Any]:
-    """Run ``fns`` on ``pool``; their results in order. On the first failure the tasks not yet
-    started are cancelled and it is raised once the running ones finish."""
-    futs = [pool.submit(f) for f in fns]
-    done, _ = wait(futs, return_when=FIRST_EXCEPTION)
-    for f in futs:
-        if f.done() and not f.cancelled() and f.exception() is not None:
-            for g in futs:
-                g.cancel()
-            wait(futs)
-            raise f.exception()  # type: ignore[misc]
-    return [f.result() for f in futs]

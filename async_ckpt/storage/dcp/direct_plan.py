@@ -1,12 +1,12 @@
 """What a direct restore (:mod:`.direct`) reads where, worked out before anything is read.
 
-:func:`_plan` gives, per data file, the records of the targets' items (``_Rec``: where each
+:func:`plan_records` gives, per data file, the records of the targets' items (``RecordRead``: where each
 lies, and whether its data goes straight into its target, is read with its neighbours and
 scattered, takes the slow path through the buffer, or is a non-tensor item), and raises
-:class:`_Unsupported` for anything the direct restore does not handle (nothing is read by
-then). :func:`_tasks` cuts each file into a tiling of ranges (``_Task``): straight into a
+:class:`Unsupported` for anything the direct restore does not handle (nothing is read by
+then). :func:`file_ranges` cuts each file into a tiling of ranges (``RangeRead``): straight into a
 target, in pieces of at most ``DIRECT_CHUNK_BYTES``, or into a per-thread buffer, about
-``BUFFER_CHUNK_BYTES`` at a time, cut at record boundaries. :func:`_assign_arrivals` gives
+``BUFFER_CHUNK_BYTES`` at a time, cut at record boundaries. :func:`assign_arrivals` gives
 each buffered range the large records whose head or tail it reads.
 """
 
@@ -20,10 +20,10 @@ import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
 
 from ...addresses import byte_view, host_bytes
-from ..fs import Storage
 from ..manifest import FileRecord
 from .device_targets import DeviceTargets, is_device
 from .device_targets import supported as device_supported
+from .read_exec import StepFiles
 from .record_layout import Arrived
 
 #: Largest single read straight into a target (a big tensor is read as several, in parallel).
@@ -32,12 +32,12 @@ DIRECT_CHUNK_BYTES = 16 * 2**20
 BUFFER_CHUNK_BYTES = 8 * 2**20
 
 
-class _Unsupported(Exception):
+class Unsupported(Exception):
     """The checkpoint or target is not one :func:`load_direct` handles (nothing touched yet)."""
 
 
 @dataclass
-class _Rec:
+class RecordRead:
     """One item of one file: where it lies and what becomes of it."""
 
     fqn: str
@@ -57,7 +57,7 @@ class _Rec:
 
 
 @dataclass
-class _Task:
+class RangeRead:
     path: str
     name: str
     start: int
@@ -65,8 +65,8 @@ class _Task:
     extra: int = 0  # 1 on a file's last range where the size is not known: catches a longer file
     dest: Optional[memoryview] = None  # straight into a target, else the thread's buffer
     own: bool = True  # dest is the caller's memory
-    recs: List[_Rec] = field(default_factory=list)  # records inside [start, end) (buffered)
-    arrivals: List[_Rec] = field(default_factory=list)  # direct records whose head or tail it reads
+    recs: List[RecordRead] = field(default_factory=list)  # records inside [start, end) (buffered)
+    arrivals: List[RecordRead] = field(default_factory=list)  # direct records whose head or tail it reads
 
 
 def _plain_target(t: torch.Tensor) -> bool:
@@ -85,7 +85,10 @@ def _contiguous_bytes(t: torch.Tensor) -> Optional[torch.Tensor]:
         return None
     if t.is_inference():
         return host_bytes(t.data_ptr(), t.numel() * t.element_size())
-    return t.as_strided((t.numel(),), (1,)).view(torch.uint8)
+    flat = t if t.dim() == 1 else t.view(-1)
+    if flat.stride(0) != 1:  # one element under any stride: taken with stride 1
+        flat = t.as_strided((1,), (1,))
+    return flat.view(torch.uint8)
 
 
 def _flat_targets(state_dict: Dict[str, Any]) -> Tuple[Dict[str, Any], Dict[str, Any]]:
@@ -121,15 +124,31 @@ def _overlapping(flat: Dict[str, Any], md: Dict[str, Any]) -> Set[str]:
     return out
 
 
-def _plan(storage: Storage, path: str, state_dict: Dict[str, Any], files: Dict[str, FileRecord],
-          metadata: Metadata, direct_min: int, devices: DeviceTargets) -> Tuple[Dict[str, List[_Rec]], Dict[str, Any], Dict[str, Any]]:
-    """Records per file for the targets in ``state_dict`` (device targets get host stand-ins in
-    ``devices``); raises :class:`_Unsupported`."""
+def plan_records(storage: StepFiles, path: str, state_dict: Dict[str, Any], files: Dict[str, FileRecord],
+                 metadata: Metadata, direct_min: int, devices: DeviceTargets
+                 ) -> Tuple[Dict[str, List[RecordRead]], Dict[str, Any], Dict[str, Any]]:
+    """The records per data file that the targets in ``state_dict`` are read from.
+
+    Args:
+        storage: the step's storage.
+        path: the step directory.
+        state_dict: the targets.
+        files: the manifest's file records.
+        metadata: the step's checked DCP metadata.
+        direct_min: tensors of at least this many bytes are read straight into their targets.
+        devices: XLA/CUDA targets get host stand-ins here.
+
+    Returns:
+        ``(records per file in file order, the flattened targets, their key mappings)``.
+
+    Raises:
+        Unsupported: a checkpoint or target the direct restore does not handle (nothing read).
+    """
     flat, mappings = _flat_targets(state_dict)
     md = metadata.state_dict_metadata
     data = metadata.storage_data
     if not isinstance(data, dict):
-        raise _Unsupported("no storage data")
+        raise Unsupported("no storage data")
     # storage_data by key name: one entry per name (a name stored in several entries is
     # looked up by its full MetadataIndex)
     by_fqn: Dict[str, Tuple[Any, Any]] = {}
@@ -149,7 +168,7 @@ def _plan(storage: Storage, path: str, state_dict: Dict[str, Any], files: Dict[s
         return got[1]
 
     tied = _overlapping(flat, md)
-    per_file: Dict[str, List[_Rec]] = {}
+    per_file: Dict[str, List[RecordRead]] = {}
     for order, (fqn, value) in enumerate(flat.items()):
         m = md.get(fqn)
         if m is None:
@@ -157,21 +176,21 @@ def _plan(storage: Storage, path: str, state_dict: Dict[str, Any], files: Dict[s
         if isinstance(m, BytesStorageMetadata):
             info = lookup(fqn, None)
             if info is None or isinstance(value, torch.Tensor):
-                raise _Unsupported(fqn)
-            rec = _Rec(fqn, info.offset, info.length, "bytes")
+                raise Unsupported(fqn)
+            rec = RecordRead(fqn, info.offset, info.length, "bytes")
         elif isinstance(m, TensorStorageMetadata):
             if type(value) not in (torch.Tensor, torch.nn.Parameter):
-                raise _Unsupported(fqn)
+                raise Unsupported(fqn)
             on_device = is_device(value)
             if not (device_supported(value) if on_device else _plain_target(value)):
-                raise _Unsupported(fqn)
+                raise Unsupported(fqn)
             if len(m.chunks) != 1 or any(m.chunks[0].offsets) or tuple(m.chunks[0].sizes) != tuple(m.size) \
                     or tuple(value.shape) != tuple(m.size) or value.dtype != m.properties.dtype:
-                raise _Unsupported(fqn)
+                raise Unsupported(fqn)
             offsets = m.chunks[0].offsets
             info = lookup(fqn, offsets if type(offsets) is torch.Size else torch.Size(offsets))
             if info is None:
-                raise _Unsupported(fqn)
+                raise Unsupported(fqn)
             nbytes = value.numel() * value.element_size()
             if nbytes == 0:
                 continue  # nothing to read into; the bytes still count for the checksum
@@ -185,22 +204,22 @@ def _plan(storage: Storage, path: str, state_dict: Dict[str, Any], files: Dict[s
                 into, t = t, torch.empty(tuple(value.shape), dtype=value.dtype)
             fb = _contiguous_bytes(t)
             kind = "slow" if fb is None else ("direct" if nbytes >= direct_min else "small")
-            rec = _Rec(fqn, info.offset, info.length, kind, t, fb, own=not on_device and into is None, into=into,
+            rec = RecordRead(fqn, info.offset, info.length, kind, t, fb, own=not on_device and into is None, into=into,
                        order=order)
         else:
-            raise _Unsupported(fqn)
+            raise Unsupported(fqn)
         per_file.setdefault(info.relative_path, []).append(rec)
     for name, recs in per_file.items():
         if name not in files:
-            raise _Unsupported(name)  # check_metadata refuses this first; never read unlisted files
+            raise Unsupported(name)  # check_metadata refuses this first; never read unlisted files
         recs.sort(key=lambda r: r.start)
         end = 0
         for r in recs:
             if r.start < end:
-                raise _Unsupported(f"{name}: overlapping items")  # not a layout we write
+                raise Unsupported(f"{name}: overlapping items")  # not a layout we write
             end = r.start + r.length
         if end > files[name].size:
-            raise _Unsupported(name)
+            raise Unsupported(name)
         data_at = files[name].data_at
         for r in recs if data_at else ():
             head = data_at.get(r.start) if r.kind == "direct" else None  # type: ignore[union-attr]
@@ -209,18 +228,30 @@ def _plan(storage: Storage, path: str, state_dict: Dict[str, Any], files: Dict[s
     return per_file, flat, mappings
 
 
-def _tasks(path: str, name: str, size: int, recs: List[_Rec], size_known: bool) -> List[_Task]:
-    """The file ``name`` as a tiling of ranges: direct ones and buffered ones."""
+def file_ranges(path: str, name: str, size: int, recs: List[RecordRead], size_known: bool) -> List[RangeRead]:
+    """The file ``name`` as a tiling of ranges: straight into targets, or through a buffer.
+
+    Args:
+        path: the step directory.
+        name: the file.
+        size: its manifest size.
+        recs: its records (:func:`plan_records`), in file order.
+        size_known: the storage knows the file's size (else the last range asks for one byte
+            more, to catch a longer file).
+
+    Returns:
+        The ranges, in file order.
+    """
     where = f"{path}/{name}"
     direct = [r for r in recs if r.kind == "direct"]
-    out: List[_Task] = []
+    out: List[RangeRead] = []
     pos = 0
     others = iter([r for r in recs if r.kind != "direct"])
     pending = next(others, None)
 
     def buffered(lo: int, hi: int) -> None:
         nonlocal pending
-        cur = _Task(where, name, lo, lo)
+        cur = RangeRead(where, name, lo, lo)
         while True:
             # records wholly inside [lo, hi) go with the range they start in
             nxt = pending if pending is not None and pending.start < hi else None
@@ -229,14 +260,14 @@ def _tasks(path: str, name: str, size: int, recs: List[_Rec], size_known: bool) 
                 room = cur.start + BUFFER_CHUNK_BYTES - cur.end
                 if room <= 0:
                     out.append(cur)
-                    cur = _Task(where, name, cur.end, cur.end)
+                    cur = RangeRead(where, name, cur.end, cur.end)
                     continue
                 cur.end = min(stop, cur.end + room)
             if nxt is None:
                 break
             if cur.end > cur.start and cur.end + nxt.length - cur.start > BUFFER_CHUNK_BYTES:
                 out.append(cur)
-                cur = _Task(where, name, cur.end, cur.end)
+                cur = RangeRead(where, name, cur.end, cur.end)
             cur.recs.append(nxt)
             cur.end = nxt.start + nxt.length
             pending = next(others, None)
@@ -251,7 +282,7 @@ def _tasks(path: str, name: str, size: int, recs: List[_Rec], size_known: bool) 
         mv = byte_view(r.flat)  # type: ignore[arg-type]  # flat is set on every direct record
         for lo in range(a, b, DIRECT_CHUNK_BYTES):
             hi = min(b, lo + DIRECT_CHUNK_BYTES)
-            out.append(_Task(where, name, lo, hi, dest=mv[lo - a:hi - a], own=r.own))
+            out.append(RangeRead(where, name, lo, hi, dest=mv[lo - a:hi - a], own=r.own))
         pos = b
     if size > pos:
         buffered(pos, size)
@@ -260,10 +291,14 @@ def _tasks(path: str, name: str, size: int, recs: List[_Rec], size_known: bool) 
     return out
 
 
-def _assign_arrivals(per_file: Dict[str, List[_Rec]], tasks: List[_Task]) -> None:
-    """Give each buffered task the direct records (with bytes to gather, see :class:`Arrived`)
-    whose head or tail it reads."""
-    by_file: Dict[str, List[_Rec]] = {n: [r for r in recs if r.arrived is not None] for n, recs in per_file.items()}
+def assign_arrivals(per_file: Dict[str, List[RecordRead]], tasks: List[RangeRead]) -> None:
+    """Give each buffered range the direct records whose head or tail it reads.
+
+    Args:
+        per_file: the records per file; those with bytes to gather (:class:`Arrived`) count.
+        tasks: the ranges of every file; each buffered one gets its ``arrivals``.
+    """
+    by_file: Dict[str, List[RecordRead]] = {n: [r for r in recs if r.arrived is not None] for n, recs in per_file.items()}
     ends = {n: [r.start + r.length for r in recs] for n, recs in by_file.items()}
     for task in tasks:
         recs = by_file.get(task.name)

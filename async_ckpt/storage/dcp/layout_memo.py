@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from ... import compat
 from ..manifest import FileRecord
-from ..records import PickledObject
+from ..torch_record import PickledObject
 
 flatten_state_dict = compat.dcp_flatten_state_dict()
 traverse_state_dict = compat.dcp_traverse().traverse_state_dict

@@ -6,23 +6,18 @@ exchange their outcomes first), so a failed restore leaves it untouched: of a fi
 manifest entry lists its records (:class:`~..manifest.FileRecord`), only the records the plan's
 items lie in, adjacent ones in one request, each checked against its CRC32C; any other file
 whole (a big one as concurrent ranged reads), checked against its size and CRC32C. A tensor item stored as one plain ``torch.save`` storage is
-copied straight from the read buffer into its target (:func:`_stored_bytes`); anything else
+copied straight from the read buffer into its target (:func:`stored_bytes`); anything else
 goes through ``torch.load(weights_only=True)``.
 """
 
 from __future__ import annotations
 
 import bisect
-import contextlib
 import io
 import itertools
-import pickle
-import struct
-import sys
 import warnings
-import zipfile
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Protocol, Set, Tuple, cast
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Protocol, Set, Tuple, cast
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -34,11 +29,23 @@ from torch.futures import Future
 
 from ... import compat
 from ...addresses import byte_view
-from ...errors import CorruptCheckpointError, StorageError
-from ..fs import READ_RANGE_BYTES, Storage
+from ...errors import CorruptCheckpointError
+from ..fs import READ_RANGE_BYTES
 from ..manifest import FileRecord, check_file_name, crc32c, shown
+from ..torch_record import plain_data_start
 from .common import METADATA_NAME, _call_dcp, _distributed
-from .safety import _SafeLoadPlanner, _TensorDescUnpickler, load_metadata
+from .read_exec import (
+    FRESH,
+    StepFiles,
+    check_file,
+    checksum_error,
+    close_all,
+    open_checked_ranges,
+    read_files,
+    short_error,
+    unreadable_is_damage,
+)
+from .safety import _SafeLoadPlanner, load_metadata
 from .validate import check_step_metadata
 
 if TYPE_CHECKING:  # the class compat returns, named for the type checker
@@ -62,7 +69,7 @@ class PeerReadFailed(Exception):
     """This rank's part of a multi-process restore was read and verified, another rank's was
     not: this rank wrote nothing either. Not a :class:`~async_ckpt.errors.CheckpointError`, so
     that the failing rank's own error is the one every rank raises (see
-    :func:`~async_ckpt.lifecycle.coordinator.dcp_failure`)."""
+    :func:`~.common.unwrap_dcp`)."""
 
 
 class FsspecStorageReader(StorageReader):
@@ -75,7 +82,7 @@ class FsspecStorageReader(StorageReader):
     directory where a file should be, is a :class:`CorruptCheckpointError`.
     """
 
-    def __init__(self, storage: Storage, path: str, *, files: Optional[Dict[str, FileRecord]] = None,
+    def __init__(self, storage: StepFiles, path: str, *, files: Optional[Dict[str, FileRecord]] = None,
                  verify: bool = True, threads: int = 8, metadata: Optional[Metadata] = None,
                  agree: Optional[Callable[[Optional[str]], List[Optional[str]]]] = None,
                  whole: bool = True) -> None:
@@ -112,67 +119,34 @@ class FsspecStorageReader(StorageReader):
 
     def read_file(self, name: str) -> bytes:
         where = self._checked_path(name)
-        with _unreadable_is_damage(where):
+        with unreadable_is_damage(where):
             data = self.storage.read_bytes(where)
         rec = (self.files or {}).get(name)
         if rec is not None:
-            if len(data) != rec.size:
-                raise CorruptCheckpointError(f"{where}: size is {len(data)} bytes, manifest says {rec.size}",
-                                             path=where)
-            if self.verify and crc32c(data) != rec.crc32c:
-                raise CorruptCheckpointError(
-                    f"{where}: checksum mismatch (crc32c {crc32c(data):#010x}, manifest says {rec.crc32c:#010x})",
-                    path=where)
+            check_file(where, rec.size, [(0, rec.size, len(data), crc32c(data) if self.verify else 0)], rec.crc32c,
+                       self.verify)
         return data
 
     def _read_files(self, names: List[str], pool: ThreadPoolExecutor) -> Dict[str, Any]:
         """Read and verify ``names`` concurrently; a big file as concurrent ranged reads.
 
-        A file of at most ``2 * READ_RANGE_BYTES`` is one whole-object read (one request). A
-        bigger one whose size the manifest gives is read into one preallocated buffer in
-        ranges of about ``READ_RANGE_BYTES``, on the pool; the last range asks for one byte more
-        than the manifest says, so a longer file is caught as well as a shorter one.
+        A file of at most ``2 * READ_RANGE_BYTES`` is one whole-object read (one request,
+        :meth:`read_file`). A bigger one whose size the manifest gives is read by the one
+        verified read (:func:`~.read_exec.read_files`) into a fresh buffer, in ranges of
+        ``READ_RANGE_BYTES``, on ``pool``.
         """
         records = self.files or {}
-        split = {n: records[n].size for n in names if n in records and records[n].size > 2 * READ_RANGE_BYTES}
+        split = {n: records[n] for n in names if n in records and records[n].size > 2 * READ_RANGE_BYTES}
         for n in split:
             self._checked_path(n)
         whole = [n for n in names if n not in split]
-        # not zero-filled: every byte is overwritten by the reads (or the file is too short)
-        bufs = {n: byte_view(torch.empty(size + 1, dtype=torch.uint8)) for n, size in split.items()}
-        tasks = []
-        for n, size in split.items():
-            starts = list(range(0, size, READ_RANGE_BYTES))
-            if len(starts) > 1 and size - starts[-1] < READ_RANGE_BYTES // 2:
-                starts.pop()  # no small tail request: the last range takes the remainder
-            ends = starts[1:] + [size + 1]
-            tasks += [(n, a, b) for a, b in zip(starts, ends)]
-
-        def read_range(task: Tuple[str, int, int]) -> int:
-            n, start, end = task
-            where = f"{self.path}/{n}"
-            try:
-                return self.storage.read_into(where, start, memoryview(bufs[n])[start:end])
-            except FileNotFoundError:
-                raise CorruptCheckpointError(f"{where}: file is missing", path=where) from None
-
-        futs = [pool.submit(read_range, t) for t in tasks] + [pool.submit(self.read_file, n) for n in whole]
-        results = [f.result() for f in futs]  # re-raises the first failure
-        out: Dict[str, Any] = dict(zip(whole, results[len(tasks):]))
-        got_bytes: Dict[str, int] = {n: 0 for n in split}
-        for (n, _a, _b), got in zip(tasks, results):
-            got_bytes[n] += cast(int, got)  # read_range's count
-        for n, size in split.items():
-            where = f"{self.path}/{n}"
-            if got_bytes[n] != size:
-                said = f"more than {size}" if got_bytes[n] > size else str(got_bytes[n])
-                raise CorruptCheckpointError(f"{where}: size is {said} bytes, manifest says {size}", path=where)
-            data = memoryview(bufs[n])[:size]
-            if self.verify and crc32c(data) != records[n].crc32c:
-                raise CorruptCheckpointError(
-                    f"{where}: checksum mismatch (crc32c {crc32c(data):#010x}, manifest says "
-                    f"{records[n].crc32c:#010x})", path=where)
-            out[n] = data
+        futs = [pool.submit(self.read_file, n) for n in whole]
+        out: Dict[str, Any] = {}
+        if split:
+            bufs = read_files(self.storage, self.path, split, FRESH, verify=self.verify, chunk=READ_RANGE_BYTES,
+                              pool=pool)
+            out.update({n: byte_view(b) for n, b in bufs.items()})
+        out.update(zip(whole, [f.result() for f in futs]))  # re-raises the first failure
         return out
 
     def _read_records(self, wanted: Dict[str, List[Tuple[int, int]]], pool: ThreadPoolExecutor
@@ -225,8 +199,7 @@ class FsspecStorageReader(StorageReader):
             def read(task: List[Tuple[Any, str, int, memoryview]]) -> None:
                 for reader, where, start, buf in task:
                     if reader.read_into(start, buf) != len(buf):
-                        raise CorruptCheckpointError(f"{where}: file ends before byte {start + len(buf)}, "
-                                                     "which the manifest places in it", path=where)
+                        raise short_error(where, start + len(buf))
 
             list(pool.map(read, tasks))  # re-raises the first failure
         finally:
@@ -250,9 +223,7 @@ class FsspecStorageReader(StorageReader):
             for where, data, want, start in batch:
                 crc = crc32c(data)
                 if crc != want:
-                    raise CorruptCheckpointError(
-                        f"{where}: checksum mismatch in the record at bytes {start}-{start + len(data)} "
-                        f"(crc32c {crc:#010x}, manifest says {want:#010x})", path=where)
+                    raise checksum_error(where, crc, want, (start, start + len(data)))
 
         list(pool.map(check, batches))
         return out
@@ -348,7 +319,7 @@ class FsspecStorageReader(StorageReader):
                                  if decode else bytes(data)))
                     continue
                 target = planner.resolve_tensor(req).detach()
-                raw = _stored_bytes(data, req, target)
+                raw = stored_bytes(data, req, target)
                 if raw is not None:  # one copy, straight from the read buffer into the target
                     todo.append((req, target, raw))
                     continue
@@ -392,92 +363,38 @@ class FsspecStorageReader(StorageReader):
         return True
 
 
-class RecordFile(io.RawIOBase):
-    """A record as a seekable read-only file for ``zipfile``, its bytes fetched by
-    ``get(lo, hi)`` (zipfile reads only the directory and headers of it)."""
-
-    def __init__(self, get: Callable[[int, int], bytes], length: int) -> None:
-        super().__init__()
-        self._get, self._len, self._pos = get, length, 0
-
-    @classmethod
-    def of(cls, mv: memoryview) -> "RecordFile":
-        """A record already in memory."""
-        return cls(lambda lo, hi: bytes(mv[lo:hi]), len(mv))
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = 0) -> int:
-        base = 0 if whence == 0 else (self._pos if whence == 1 else self._len)
-        self._pos = max(0, base + offset)
-        return self._pos
-
-    def read(self, n: Optional[int] = -1) -> bytes:
-        end = self._len if n is None or n < 0 else min(self._len, self._pos + n)
-        if end <= self._pos:
-            return b""
-        out = self._get(self._pos, end)
-        self._pos = end
-        return out
-
-
-def _stored_bytes(item: memoryview, req: Any, target: torch.Tensor) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
-    """``(dst, src)``: copying ``src`` into ``dst`` puts the raw data of the ``torch.save``-
-    serialised tensor ``item`` into ``target``, straight from the read buffer; ``None`` unless
-    the item is the plain case (one little-endian, uncompressed storage of exactly ``target``'s
-    size, read whole), where ``torch.load`` is used.
+def stored_bytes(item: memoryview, req: Any, target: torch.Tensor) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+    """The copy that puts a ``torch.save``-serialised tensor's raw data into its target.
 
     The data sits in the file wherever the records before it ended, so its address need not
     be a multiple of the dtype's size, and kernels for wide dtypes (complex128) may fault on
     a misaligned source. ``src`` is therefore the data viewed as ``target``'s dtype only where
-    it is aligned; otherwise it stays bytes (see :func:`_aligned_copy`).
+    it is aligned; otherwise it stays bytes (see :func:`aligned_copy`).
+
+    Args:
+        item: the record's bytes, straight from the read buffer.
+        req: the read item (its ``storage_offsets`` and ``lengths``).
+        target: the tensor the item goes into.
+
+    Returns:
+        ``(dst, src)``: copying ``src`` into ``dst`` fills ``target``; ``None`` unless the item
+        is the plain case (one little-endian, uncompressed storage of exactly ``target``'s size
+        and shape, read whole, see :func:`~..torch_record.plain_data_start`), where
+        ``torch.load`` is used.
     """
     nbytes = target.numel() * target.element_size()
     if nbytes == 0 or any(req.storage_offsets) or list(req.lengths) != list(target.size()):
         return None
-    try:
-        with zipfile.ZipFile(RecordFile.of(item)) as zf:
-            infos = zf.infolist()
-            data = [i for i in infos if i.filename.rsplit("/", 2)[-2:-1] == ["data"]]
-            order = [i for i in infos if i.filename.endswith("/byteorder")]
-            pkl = [i for i in infos if i.filename.endswith("/data.pkl")]
-            if len(data) != 1 or len(pkl) != 1 or data[0].compress_type != zipfile.ZIP_STORED \
-                    or data[0].file_size != nbytes:
-                return None
-            if order and zf.read(order[0]) != b"little" or sys.byteorder != "little":
-                return None
-            desc = _TensorDescUnpickler(io.BytesIO(zf.read(pkl[0]))).load()
-            contiguous: List[int]
-            contiguous, acc = [], 1
-            for d in reversed(target.shape):
-                contiguous.insert(0, acc)
-                acc *= d
-            if desc != (target.dtype, 0, tuple(target.shape), tuple(contiguous)):
-                return None  # a view, a strided layout or another dtype: torch.load handles it
-            off = data[0].header_offset
-            if bytes(item[off:off + 4]) != b"PK\x03\x04":
-                return None
-            name_len, extra_len = struct.unpack_from("<HH", item, off + 26)
-            start = off + 30 + name_len + extra_len
-            if start + nbytes > len(item):
-                return None
-    except (zipfile.BadZipFile, ValueError, struct.error, pickle.UnpicklingError, EOFError, TypeError,
-            AttributeError, IndexError):
+    start = plain_data_start(item, target.dtype, tuple(target.shape))
+    if start is None:
         return None
     with warnings.catch_warnings():  # a read-only buffer (bytes) is fine: it is only copied from
         warnings.simplefilter("ignore", UserWarning)
         raw = torch.frombuffer(item, dtype=torch.uint8, count=nbytes, offset=start)
-    return _aligned_copy(raw, target)
+    return aligned_copy(raw, target)
 
 
-def _aligned_copy(raw: torch.Tensor, target: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+def aligned_copy(raw: torch.Tensor, target: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(dst, src)`` that copy the bytes ``raw`` (flat uint8, ``target``'s size) into ``target``
     without ever reading ``raw`` as a wider type at an address that type is not aligned to.
 
@@ -504,7 +421,7 @@ def safe_planner(allow_pickle: bool, strict: bool = True) -> _SafeLoadPlanner:
     return planner
 
 
-def load_state_dict(storage: Storage, path: str, state_dict: Dict[str, Any], *, files: Optional[Dict[str, FileRecord]],
+def load_state_dict(storage: StepFiles, path: str, state_dict: Dict[str, Any], *, files: Optional[Dict[str, FileRecord]],
                     verify: bool = True, threads: int = 8, allow_pickle: bool = False,
                     metadata: Optional[Metadata] = None, process_group: Any = None,
                     planner: Optional[LoadPlanner] = None, strict: bool = True) -> None:
@@ -516,49 +433,3 @@ def load_state_dict(storage: Storage, path: str, state_dict: Dict[str, Any], *, 
     planner = planner if planner is not None else safe_planner(allow_pickle, strict)
     _call_dcp(lambda: dcp.load(state_dict, storage_reader=reader, planner=planner,
                                process_group=process_group, no_dist=not _distributed()))
-
-
-@contextlib.contextmanager
-def _unreadable_is_damage(where: str) -> Iterator[None]:
-    """A step's file that is missing or is a directory: :class:`CorruptCheckpointError` (the
-    step is damaged); other storage errors pass through."""
-    try:
-        yield
-    except FileNotFoundError:
-        raise CorruptCheckpointError(f"{where}: file is missing", path=where) from None
-    except StorageError as exc:
-        if isinstance(exc.__cause__, (IsADirectoryError, NotADirectoryError)):
-            raise CorruptCheckpointError(f"{where}: is not a readable file ({exc.__cause__})", path=where) from exc
-        raise
-
-
-def close_all(readers: Dict[str, Any]) -> None:
-    """Close every ranged reader of ``readers`` (a failure to close is not the restore's)."""
-    for r in readers.values():
-        try:
-            r.close()
-        except Exception:  # noqa: BLE001
-            pass
-
-
-def open_checked_ranges(storage: Storage, where: str, size: int) -> Any:
-    """``where`` (a step's data file, already checked to be a plain file inside the step) opened
-    for ranged reads; missing, a directory, or not of the manifest's ``size`` where the storage
-    knows the size without another request: :class:`CorruptCheckpointError`."""
-    with _unreadable_is_damage(where):
-        reader = storage.open_ranges(where)
-    if reader.known_size is not None and reader.known_size != size:
-        reader.close()
-        raise CorruptCheckpointError(f"{where}: size is {reader.known_size} bytes, manifest says {size}", path=where)
-    return reader
-
-
-def open_step_file(storage: Storage, path: str, name: str, size: int) -> Any:
-    """``path/name`` opened for ranged reads after the reader's checks: a safe name, a plain
-    file inside the step directory (no link out of it), then :func:`open_checked_ranges`."""
-    where = f"{path}/{name}"
-    check_file_name(name, where=where)
-    problem = storage.file_problem(where, path)
-    if problem is not None:
-        raise CorruptCheckpointError(f"{where}: {problem}", path=where)
-    return open_checked_ranges(storage, where, size)

@@ -1,110 +1,22 @@
-"""Where the raw data of a ``torch.save`` record lies in it, found from a few of its bytes.
+"""The bytes of a large record a direct restore reads to find or confirm where its data lies.
 
-:func:`data_start` reads a record's zip directory and headers (through a ``get(lo, hi)``
-callable, so a large record is probed without reading its data); :class:`Heads` caches, per
-(dtype, shape), the bytes ``torch.save`` writes before the data, so that a small record that
-starts with them needs no zip parsing; :class:`Probe` holds the bytes read near a large
-record's ends; :class:`Arrived` gathers those bytes from the reads of the whole file instead,
-where the manifest said where the data lies.
+:class:`Probe` holds the bytes read near a large record's ends; :class:`Arrived` gathers those
+bytes from the reads of the whole file instead, where the manifest said where the data lies.
+Both hand them to :func:`~async_ckpt.storage.torch_record.data_start`, which parses them.
 """
 
 from __future__ import annotations
 
-import io
-import pickle
-import struct
-import sys
 import threading
-import zipfile
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, List, Tuple
 
 import torch
 
 from ...addresses import byte_view
-from .reader import RecordFile
-from .safety import _TensorDescUnpickler
+from ..torch_record import data_start
 
 #: Bytes read at each end of a large record to find where its data lies.
 PROBE_BYTES = 4096
-
-
-class Heads:
-    """``torch.save``'s bytes before the data, and the record's length, per (dtype, shape)
-    of a small tensor: a record that starts with them has its data right after."""
-
-    def __init__(self) -> None:
-        self._cache: Dict[Tuple[torch.dtype, Tuple[int, ...]], Optional[Tuple[bytes, int]]] = {}
-        self._lock = threading.Lock()
-
-    def get(self, dtype: torch.dtype, shape: Tuple[int, ...]) -> Optional[Tuple[bytes, int]]:
-        key = (dtype, shape)
-        if key in self._cache:
-            return self._cache[key]
-        got: Optional[Tuple[bytes, int]] = None
-        try:
-            buf = io.BytesIO()
-            n = 1
-            for d in shape:
-                n *= d
-            # zeros made as bytes: creating a complex32 tensor directly warns that it is experimental
-            torch.save(torch.zeros(n * dtype.itemsize, dtype=torch.uint8).view(dtype).view(shape), buf)
-            raw = buf.getvalue()
-            mv = memoryview(raw)
-            start = data_start(lambda a, b: bytes(mv[a:b]), len(raw), dtype, shape)
-            if start is not None:
-                got = (raw[:start], len(raw))
-        except Exception:
-            got = None
-        with self._lock:
-            self._cache[key] = got
-        return got
-
-
-HEADS = Heads()
-
-
-def data_start(get: Callable[[int, int], bytes], length: int, dtype: torch.dtype,
-                shape: Tuple[int, ...]) -> Optional[int]:
-    """Where, in a ``torch.save`` record of ``length`` bytes (read through ``get``), the raw
-    data of a contiguous ``dtype`` tensor of ``shape`` starts; None unless the record is
-    exactly that (one little-endian uncompressed storage of that size, offset 0, contiguous
-    strides)."""
-    nbytes = dtype.itemsize
-    for d in shape:
-        nbytes *= d
-    if sys.byteorder != "little":
-        return None
-    try:
-        with zipfile.ZipFile(RecordFile(get, length)) as zf:
-            infos = zf.infolist()
-            data = [i for i in infos if i.filename.rsplit("/", 2)[-2:-1] == ["data"]]
-            order = [i for i in infos if i.filename.endswith("/byteorder")]
-            pkl = [i for i in infos if i.filename.endswith("/data.pkl")]
-            if len(data) != 1 or len(pkl) != 1 or data[0].compress_type != zipfile.ZIP_STORED \
-                    or data[0].file_size != nbytes or pkl[0].compress_type != zipfile.ZIP_STORED:
-                return None
-            if order and zf.read(order[0]) != b"little":
-                return None
-            desc = _TensorDescUnpickler(io.BytesIO(zf.read(pkl[0]))).load()
-            strides: List[int]
-            strides, acc = [], 1
-            for d in reversed(shape):
-                strides.insert(0, acc)
-                acc *= d
-            if desc != (dtype, 0, tuple(shape), tuple(strides)):
-                return None
-            off = data[0].header_offset
-            head = get(off, off + 30)
-            if len(head) != 30 or head[:4] != b"PK\x03\x04":
-                return None
-            name_len, extra_len = struct.unpack_from("<HH", head, 26)
-            start = off + 30 + name_len + extra_len
-            if start + nbytes > length:
-                return None
-            return start
-    except (zipfile.BadZipFile, ValueError, struct.error, pickle.UnpicklingError, EOFError, TypeError,
-            AttributeError, IndexError, KeyError, NotImplementedError, OSError):
-        return None
 
 
 class Probe:

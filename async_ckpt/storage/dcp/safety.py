@@ -4,8 +4,8 @@
   DCP's metadata record classes, torch's dtypes/sizes/layouts and plain containers;
 * non-tensor items are loaded by :class:`_SafeLoadPlanner` with ``weights_only=True`` unless
   ``allow_pickle`` is set;
-* a tensor item's ``data.pkl`` is read by :class:`_TensorDescUnpickler` as a description
-  only (nothing is constructed), so its bytes can be copied straight from the read buffer.
+* a tensor item's ``data.pkl`` is read as a description only
+  (:class:`~async_ckpt.storage.torch_record.TensorDescUnpickler`, with the record format).
 """
 
 from __future__ import annotations
@@ -15,13 +15,12 @@ import enum
 import io
 import pickle
 import re
-from typing import Any, Optional, Tuple
+from typing import Any, Optional
 
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata
 
-from ... import compat
 from ...errors import CorruptCheckpointError, UnsafeCheckpointError
 from ...gc_pause import gc_paused
 from ..manifest import shown
@@ -132,65 +131,3 @@ class _SafeLoadPlanner(DefaultLoadPlanner):
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
         else:
             self.state_dict[read_item.dest_index.fqn] = obj
-
-
-
-# "FloatStorage" -> torch.float32, as torch.save names storages in data.pkl (empty for a torch
-# without the map: every tensor item is then read with torch.load)
-_STORAGE_DTYPES = compat.storage_type_dtypes()
-# "uint16" -> torch.uint16: the dtypes as ``_rebuild_tensor_v3`` names them
-_DTYPES = {name: v for name, v in vars(torch).items() if isinstance(v, torch.dtype)}
-#: ``torch.storage.UntypedStorage`` in a persistent id: bytes, typed by ``_rebuild_tensor_v3``'s dtype.
-_UNTYPED = object()
-
-
-def _rebuild_v2(storage: Any, offset: Any, size: Any, stride: Any, *rest: Any) -> Optional[Tuple[Any, ...]]:
-    """``torch._utils._rebuild_tensor_v2`` over a typed storage (``FloatStorage``: its dtype);
-    None for a tensor saved with metadata (``{'conj': True}``, ``{'neg': True}``): its bytes are
-    not its values, torch.load reads it."""
-    if not isinstance(storage, torch.dtype):
-        raise pickle.UnpicklingError("_rebuild_tensor_v2 over an untyped storage")
-    if any(rest[2:]):  # after requires_grad and the backward hooks: torch.save's metadata dict
-        return None
-    return storage, offset, tuple(size), tuple(stride)
-
-
-def _rebuild_v3(storage: Any, offset: Any, size: Any, stride: Any, requires_grad: Any, hooks: Any, dtype: Any,
-                *rest: Any) -> Optional[Tuple[Any, ...]]:
-    """``torch._utils._rebuild_tensor_v3``: an untyped storage and the dtype as an argument, as
-    torch.save writes the dtypes without a typed storage class (float8, uint16/32/64, complex32);
-    None for a tensor saved with metadata, as :func:`_rebuild_v2`."""
-    if storage is not _UNTYPED or not isinstance(dtype, torch.dtype):
-        raise pickle.UnpicklingError("_rebuild_tensor_v3 needs an untyped storage and a dtype")
-    if any(rest):
-        return None
-    return dtype, offset, tuple(size), tuple(stride)
-
-
-class _TensorDescUnpickler(pickle.Unpickler):
-    """Reads a single-tensor ``data.pkl`` as ``(dtype, storage_offset, size, stride)``, from
-    either form torch.save writes (``_rebuild_tensor_v2`` over a typed storage,
-    ``_rebuild_tensor_v3`` over an untyped one), or None where the tensor carries metadata
-    (a conjugate or negative view: its stored bytes are not its values); refuses anything else
-    (nothing is constructed, no code runs)."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if module == "torch._utils" and name == "_rebuild_tensor_v2":
-            return _rebuild_v2
-        if module == "torch._utils" and name == "_rebuild_tensor_v3":
-            return _rebuild_v3
-        if module == "torch" and name in _STORAGE_DTYPES:
-            return _STORAGE_DTYPES[name]
-        if module == "torch" and name in _DTYPES:
-            return _DTYPES[name]
-        if module == "torch.storage" and name == "UntypedStorage":
-            return _UNTYPED
-        if module == "collections" and name == "OrderedDict":
-            return lambda *a: None
-        raise pickle.UnpicklingError(f"{module}.{name}")
-
-    def persistent_load(self, pid: Any) -> Any:
-        if isinstance(pid, tuple) and len(pid) >= 2 and pid[0] == "storage" \
-                and (isinstance(pid[1], torch.dtype) or pid[1] is _UNTYPED):
-            return pid[1]
-        raise pickle.UnpicklingError(f"persistent id {pid!r}")

@@ -11,18 +11,26 @@ prints one line.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
+    ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
+    TensorProperties,
     TensorStorageMetadata,
 )
 
+from ... import compat
 from ...errors import CorruptCheckpointError
 from ..manifest import FileRecord, check_file_name, shown
+
+if TYPE_CHECKING:  # the class compat returns, named for the type checker
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+else:
+    _StorageInfo, _ = compat.dcp_storage_info()
 
 _FIX = "the step is damaged or was not written by async_ckpt; restore another step"
 
@@ -99,56 +107,97 @@ def _check(md: Any, files: Optional[Dict[str, FileRecord]], where: str, bad: Any
         raise bad(f"its storage data is {type(data).__name__}, not a dict")
     if paths is not None and not isinstance(paths, dict):
         raise bad(f"its key paths (planner_data) are {type(paths).__name__}, not a dict")
-    spans: Dict[str, List[Tuple[int, int, str]]] = {}  # file -> (start, end, key) of each item in it
-    stored: Dict[Tuple[str, Any], Any] = {}  # (key, chunk offsets or None) -> where it is stored
+    # Per file: where its items end so far, while they come in file order without overlapping
+    # (as every writer stores them); a file whose items do not is checked again below, sorted.
+    ends: Dict[str, int] = {}
+    first: Dict[str, str] = {}  # file -> the key of its first item
+    unordered: Set[str] = set()
+    cur_rel: Any = None
+    cur_end = 0
+    last: Dict[str, Tuple[Any, Any]] = {}  # key -> (chunk offsets or None, where it is stored) of its last item
+    several: Set[str] = set()  # keys stored as several items (chunks)
     for idx, info in data.items():
-        if type(idx) is not MetadataIndex or not isinstance(idx.fqn, str):
+        if type(idx) is not MetadataIndex:
             raise bad(f"a storage data key is {type(idx).__name__}, not a DCP MetadataIndex")
-        rel: Any = getattr(info, "relative_path", None)
-        offset: Any = getattr(info, "offset", None)
-        length: Any = getattr(info, "length", None)
+        fqn: Any = idx.fqn
+        if type(fqn) is not str and not isinstance(fqn, str):
+            raise bad(f"a storage data key is {type(idx).__name__}, not a DCP MetadataIndex")
+        if type(info) is _StorageInfo:  # DCP's record: its fields exist (their values are checked below)
+            rel: Any = info.relative_path
+            offset: Any = info.offset
+            length: Any = info.length
+        else:
+            rel = getattr(info, "relative_path", None)
+            offset = getattr(info, "offset", None)
+            length = getattr(info, "length", None)
         if type(offset) is not int or type(length) is not int or offset < 0 or length < 0:
-            raise bad(f"{shown(idx.fqn)}: invalid byte range {shown(offset)}+{shown(length)}")
-        items = spans.get(rel)
-        if items is None:
-            check_file_name(rel, where=where)
-            items = spans[rel] = []
-        items.append((offset, offset + length, idx.fqn))
+            raise bad(f"{shown(fqn)}: invalid byte range {shown(offset)}+{shown(length)}")
+        if rel != cur_rel or cur_rel is None:
+            if cur_rel is not None:
+                ends[cur_rel] = cur_end
+            so_far = ends.get(rel)
+            if so_far is None:
+                check_file_name(rel, where=where)
+                first[rel] = fqn
+                so_far = 0
+            cur_rel, cur_end = rel, so_far
+        if offset < cur_end:
+            unordered.add(rel)
+        cur_end = offset + length if offset + length > cur_end else cur_end
         at: Any = idx.offset  # a tensor chunk's offsets (a crafted pickle may hold a list: not hashable)
         if at is not None and type(at) is not torch.Size:
             if not _dims(at):
-                raise bad(f"{shown(idx.fqn)}: invalid chunk offsets {shown(at)} in its storage data key")
+                raise bad(f"{shown(fqn)}: invalid chunk offsets {shown(at)} in its storage data key")
             at = torch.Size(at)
-        stored[(idx.fqn, at)] = info
+        if fqn in last:
+            several.add(fqn)
+        last[fqn] = (at, info)
+    every: List[Dict[Tuple[str, Any], Any]] = []
+
+    def stored() -> Dict[Tuple[str, Any], Any]:
+        """(key, chunk offsets or None) -> where it is stored, for every item: made on first use."""
+        if not every:
+            every.append({(idx.fqn, None if idx.offset is None else torch.Size(idx.offset)): info
+                          for idx, info in data.items()})
+        return every[0]
+
     for fqn, m in entries.items():
-        if not isinstance(fqn, str):
+        if type(fqn) is not str and not isinstance(fqn, str):
             raise bad(f"an entry's key is {type(fqn).__name__}, not a string")
-        if isinstance(m, TensorStorageMetadata):
-            _check_tensor(fqn, m, stored, bad, whole)
+        if type(m) is TensorStorageMetadata and fqn not in several and _whole_chunk(m, last.get(fqn)):
+            pass  # the common case, checked in one step
+        elif isinstance(m, TensorStorageMetadata):
+            _check_tensor(fqn, m, stored(), bad, whole)
         elif isinstance(m, BytesStorageMetadata):
-            if (fqn, None) not in stored:
+            got = last.get(fqn)
+            if (got is None or got[0] is not None) and (fqn not in several or (fqn, None) not in stored()):
                 raise bad(f"{shown(fqn)}: no stored bytes for this entry")
         else:
             raise bad(f"{shown(fqn)}: entry is {type(m).__name__}, not tensor or bytes metadata")
         path = None if paths is None else paths.get(fqn)
-        if path is not None and (not isinstance(path, (tuple, list)) or not path
-                                 or not all(isinstance(p, str) or _count(p) for p in path)):
+        if path is None or (type(path) is tuple and len(path) == 1 and type(path[0]) is str):
+            continue  # no key path, or the common one: a top-level name
+        if not isinstance(path, (tuple, list)) or not path \
+                or not all(isinstance(p, str) or _count(p) for p in path):
             raise bad(f"{shown(fqn)}: its key path {shown(path)} is not a non-empty sequence of names and list "
                       "indices")
-    ends: Dict[str, int] = {}
-    for rel, items in spans.items():
-        items.sort()
+    if cur_rel is not None:
+        ends[cur_rel] = cur_end
+    for rel in sorted(unordered, key=list(ends).index):
+        items = sorted((info.offset, info.offset + info.length, idx.fqn) for idx, info in data.items()
+                       if info.relative_path == rel)
         for (_, end, key), (start, _, nxt) in zip(items, items[1:]):
             if start < end:
                 raise bad(f"{shown(key)} and {shown(nxt)} overlap in {shown(rel)} (bytes {start}-{end})")
         ends[rel] = items[-1][1]
+        first[rel] = items[0][2]
     if files is None:
         return ends
     step_dir = where.rsplit("/", 1)[0] if "/" in where else ""
     for rel, end in ends.items():
         rec = files.get(rel)
         if rec is None:
-            raise bad(f"{shown(spans[rel][0][2])} is stored in {shown(rel)}, which the manifest lacks; refusing "
+            raise bad(f"{shown(first[rel])} is stored in {shown(rel)}, which the manifest lacks; refusing "
                       "to read it unchecked")
         at = f"{step_dir}/{rel}" if step_dir else rel
         if end > rec.size:
@@ -156,6 +205,31 @@ def _check(md: Any, files: Optional[Dict[str, FileRecord]], where: str, bad: Any
         if end < rec.size:
             raise bad(f"manifest says {rec.size} bytes, but its items end at byte {end}", at)
     return ends
+
+
+def _whole_chunk(m: TensorStorageMetadata, stored: Optional[Tuple[Any, Any]]) -> bool:
+    """Whether the tensor entry ``m``, whose key is stored as the one item ``stored`` (chunk
+    offsets, where), is the common case, which passes :func:`_check_tensor`: DCP's own records, a
+    torch dtype, one chunk that is the whole tensor, and a stored record at least as long as its
+    data. ``False`` sends it through the full check."""
+    chunks = m.chunks
+    if type(chunks) is not list or len(chunks) != 1:
+        return False
+    c = chunks[0]
+    props = m.properties
+    if type(c) is not ChunkStorageMetadata or type(props) is not TensorProperties:
+        return False
+    size, first, dtype = m.size, c.offsets, props.dtype
+    if type(size) is not torch.Size or type(first) is not torch.Size or type(dtype) is not torch.dtype \
+            or c.sizes != size or len(first) != len(size) or any(first) or (size and min(size) < 0):
+        return False
+    if stored is None or stored[0] != first:
+        return False
+    info = stored[1]
+    n = dtype.itemsize
+    for d in size:
+        n *= d
+    return info.length >= n
 
 
 def _check_tensor(fqn: str, m: TensorStorageMetadata, stored: Dict[Tuple[str, Any], Any], bad: Any,
@@ -170,15 +244,6 @@ def _check_tensor(fqn: str, m: TensorStorageMetadata, stored: Dict[Tuple[str, An
     chunks = m.chunks
     if not isinstance(chunks, (list, tuple)):
         raise bad(f"{shown(fqn)}: its chunks are {type(chunks).__name__}, not a list")
-    if len(chunks) == 1:  # the common case: one chunk, the whole tensor
-        c = chunks[0]
-        first: Any = getattr(c, "offsets", None)
-        if type(first) is torch.Size and getattr(c, "sizes", None) == size and not any(first) \
-                and len(first) == len(size):
-            info = stored.get((fqn, first))
-            n = _prod(size) * dtype.itemsize
-            if info is not None and info.length >= n:
-                return
     covered = 0
     boxes: List[Tuple[Tuple[int, ...], Tuple[int, ...]]] = []
     for c in chunks:

@@ -46,7 +46,7 @@ from torch.futures import Future
 from ... import compat
 from ..fs import Storage
 from ..manifest import FileRecord, crc32c, raw_crc32c
-from ..records import PickledObject, RecordBatch, RecordTemplates, _Template
+from ..torch_record import PickledObject, RecordBatch, RecordTemplate, RecordTemplates
 from .common import METADATA_NAME, _call_dcp, _distributed, _world_size
 from .crc import crc32c_combine
 from .layout_memo import (  # noqa: F401  (_flatten: re-exported for the restore paths)
@@ -292,7 +292,7 @@ def _append_template(stream: _RecordStream, t: torch.Tensor) -> int:
     return n
 
 
-def _append_run(stream: _RecordStream, tpl: _Template, ts: List[torch.Tensor], data_at: Dict[int, int]) -> None:
+def _append_run(stream: _RecordStream, tpl: RecordTemplate, ts: List[torch.Tensor], data_at: Dict[int, int]) -> None:
     """``stream.append_records(tpl, ts)``; where each record's data starts goes into ``data_at``
     for a template of at least ``DATA_AT_MIN_BYTES`` of data."""
     at = stream.tell()
@@ -339,7 +339,7 @@ def _write_files(storage: Storage, path: str, prefix: str, buckets: List[List[An
             stream = _RecordStream(f, records)
             held = False
             run: List[torch.Tensor] = []  # consecutive tensors of one record template
-            run_tpl: Optional[_Template] = None
+            run_tpl: Optional[RecordTemplate] = None
             try:
                 for job in jobs:
                     data = resolve(job)
@@ -348,8 +348,8 @@ def _write_files(storage: Storage, path: str, prefix: str, buckets: List[List[An
                         run.append(data)
                         continue
                     if run:  # then run_tpl is its template
-                        _append_run(stream, cast(_Template, run_tpl), run, data_at)
-                        lengths += [cast(_Template, run_tpl).length] * len(run)
+                        _append_run(stream, cast(RecordTemplate, run_tpl), run, data_at)
+                        lengths += [cast(RecordTemplate, run_tpl).length] * len(run)
                     run, run_tpl = [], None
                     small = _item_nbytes(data) <= _SMALL_ITEM_BYTES
                     if small != held:
@@ -369,8 +369,8 @@ def _write_files(storage: Storage, path: str, prefix: str, buckets: List[List[An
                         if records:
                             stream.end_record()
                 if run:
-                    _append_run(stream, cast(_Template, run_tpl), run, data_at)
-                    lengths += [cast(_Template, run_tpl).length] * len(run)
+                    _append_run(stream, cast(RecordTemplate, run_tpl), run, data_at)
+                    lengths += [cast(RecordTemplate, run_tpl).length] * len(run)
                 stream.flush_pending()
             finally:
                 if held:

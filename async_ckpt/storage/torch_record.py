@@ -1,17 +1,24 @@
-"""``torch.save``'s exact bytes for a tensor, without ``torch.save``'s per-call cost.
+"""The ``torch.save`` record format: rendered and parsed here, and nowhere else.
 
-DCP stores every tensor as its own ``torch.save`` archive (a small zip). For a 4 KiB tensor
-``torch.save`` spends ~300 µs on the zip writer and the pickler, which makes 10,000 small
-tensors take seconds to write. Yet for a given dtype and shape the archive differs only in the
-tensor's bytes and in three values derived from them: the CRC-32 of ``data/0`` (stored twice),
-and the ``serialization_id`` record (with its own CRC-32, stored twice), which torch computes
-as ``hash_combine`` over the CRC-32s of the records before it.
+DCP stores every tensor as its own ``torch.save`` archive (a small zip, a "record"). This
+module is the one place that knows that archive's layout:
 
-:class:`RecordTemplates` therefore calls ``torch.save`` once per (dtype, shape), finds those
-fields in its output, and from then on produces a record as ``prefix + data + suffix`` with
-the fields patched. A template is only used after it reproduced a second ``torch.save`` output
-byte for byte (so a torch version that changes the format falls back to ``torch.save``
-itself), and tests compare the two outputs over many dtypes and shapes.
+* **Rendering** (the writer). For a 4 KiB tensor ``torch.save`` spends ~300 µs on the zip
+  writer and the pickler. Yet for a given dtype and shape the archive differs only in the
+  tensor's bytes and in three values derived from them: the CRC-32 of ``data/0`` (stored
+  twice), and the ``serialization_id`` record (with its own CRC-32, stored twice), which torch
+  computes as ``hash_combine`` over the CRC-32s of the records before it.
+  :class:`RecordTemplates` therefore calls ``torch.save`` once per (dtype, shape), finds those
+  fields in its output, and from then on produces a record as ``prefix + data + suffix`` with
+  the fields patched. A template is only used after it reproduced a second ``torch.save``
+  output byte for byte (so a torch version that changes the format falls back to ``torch.save``
+  itself). :func:`pickle_value` / :class:`PickledObject` render non-tensor values.
+* **Parsing** (every reader and the command line). :func:`data_start` finds where the raw
+  data of a single-tensor record lies, through a ``get(lo, hi)`` callable (so a large record is
+  probed without reading its data); :func:`plain_data_start` does so for a record in memory,
+  first against :data:`HEADS` (the bytes ``torch.save`` writes before the data, per dtype and
+  shape), then by parsing. :func:`member_data_offset` is the zip arithmetic both halves share.
+  :class:`TensorDescUnpickler` reads a record's ``data.pkl`` as a description only.
 """
 
 from __future__ import annotations
@@ -21,14 +28,16 @@ import functools
 import io
 import pickle
 import struct
+import sys
 import threading
 import types
 import zipfile
 import zlib
-from typing import Any, Dict, List, Literal, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Literal, Optional, Tuple, Union
 
 import torch
 
+from .. import compat
 from ..addresses import byte_view, gather
 
 _U64 = (1 << 64) - 1
@@ -42,10 +51,36 @@ def _hash_combine(seed: Any, value: Any) -> Any:
     return (seed ^ ((value + _GOLDEN + (seed << 6) + (seed >> 2)) & _U64)) & _U64
 
 
+#: A zip local file header's fixed part: signature, ..., name length and extra length last.
+LOCAL_HEADER_BYTES = 30
+LOCAL_HEADER_SIGNATURE = b"PK\x03\x04"
+
+
+def member_data_offset(header: Any, header_offset: int = 0) -> Optional[int]:
+    """Where a stored (uncompressed) zip member's data starts, from its local file header.
+
+    Args:
+        header: bytes holding the member's local header at ``header_offset`` (at least
+            :data:`LOCAL_HEADER_BYTES` of it).
+        header_offset: where the header starts, in ``header`` and in the archive.
+
+    Returns:
+        The offset of the member's data in the archive, or ``None`` when ``header`` holds no
+        local header there.
+    """
+    if len(header) < header_offset + LOCAL_HEADER_BYTES \
+            or bytes(header[header_offset:header_offset + 4]) != LOCAL_HEADER_SIGNATURE:
+        return None
+    name_len, extra_len = struct.unpack_from("<HH", header, header_offset + 26)
+    return header_offset + LOCAL_HEADER_BYTES + name_len + extra_len
+
+
 def _data_offset(raw: bytes, info: zipfile.ZipInfo) -> int:
-    """Where a stored (uncompressed) member's data starts: after its local header."""
-    name_len, extra_len = struct.unpack_from("<HH", raw, info.header_offset + 26)
-    return info.header_offset + 30 + name_len + extra_len
+    """Where a stored member of the whole archive ``raw`` starts (its header must be there)."""
+    at = member_data_offset(raw, info.header_offset)
+    if at is None:
+        raise ValueError("no local header where the zip directory says")
+    return at
 
 
 def _positions(raw: bytes, value: int, lo: int) -> List[int]:
@@ -58,7 +93,7 @@ def _positions(raw: bytes, value: int, lo: int) -> List[int]:
     return out
 
 
-class _Template:
+class RecordTemplate:
     """One (dtype, shape)'s archive with the data-dependent fields located."""
 
     __slots__ = ("strides", "head", "data_crc_at", "tail", "sid_prefix_crc", "sid_at", "sid_crc_at",
@@ -131,14 +166,14 @@ _pack_u32 = struct.Struct("<I").pack_into
 class RecordBatch:
     """Renders many records of one template at once, into one reused buffer.
 
-    :meth:`_Template.append_to` costs ~8 us of Python per record. Here the records' fixed parts
+    :meth:`RecordTemplate.append_to` costs ~8 us of Python per record. Here the records' fixed parts
     are written once per batch buffer, the data of all tensors is copied by one gather (by
     address, see :mod:`async_ckpt.addresses`), the ``serialization_id`` arithmetic
     runs on arrays, and only the two CRC-32s remain a call per record. The bytes are those of
-    :meth:`_Template.append_to`, record for record (tests compare them).
+    :meth:`RecordTemplate.append_to`, record for record (tests compare them).
     """
 
-    def __init__(self, tpl: "_Template", size: int) -> None:
+    def __init__(self, tpl: "RecordTemplate", size: int) -> None:
         import numpy as np
 
         self.tpl = tpl
@@ -204,12 +239,12 @@ class RecordTemplates:
 
     def __init__(self, max_bytes: int = TEMPLATE_MAX_BYTES) -> None:
         self.max_bytes = max_bytes
-        self._templates: Dict[Tuple[torch.dtype, Tuple[int, ...]], Optional[_Template]] = {}
+        self._templates: Dict[Tuple[torch.dtype, Tuple[int, ...]], Optional[RecordTemplate]] = {}
         self._lock = threading.Lock()
 
-    def template(self, t: torch.Tensor) -> Optional[_Template]:
+    def template(self, t: torch.Tensor) -> Optional[RecordTemplate]:
         """The checked template for ``t``, or ``None`` when ``t`` must go through ``torch.save``."""
-        tpl: Union[_Template, None, Literal[False]] = self._templates.get((t.dtype, t.shape), False)
+        tpl: Union[RecordTemplate, None, Literal[False]] = self._templates.get((t.dtype, t.shape), False)
         if tpl is False:
             if not self._eligible(t):
                 return None
@@ -234,9 +269,9 @@ class RecordTemplates:
         return 0 < nbytes <= self.max_bytes and type(t) is torch.Tensor and t.layout == torch.strided \
             and t.is_cpu and not t.is_quantized
 
-    def _build(self, t: torch.Tensor) -> Optional[_Template]:
+    def _build(self, t: torch.Tensor) -> Optional[RecordTemplate]:
         key = (t.dtype, tuple(t.shape))
-        tpl: Optional[_Template]
+        tpl: Optional[RecordTemplate]
         try:
             nbytes = t.numel() * t.element_size()
             # Random contents from a private generator: the global RNG (the training run's) must
@@ -248,7 +283,7 @@ class RecordTemplates:
                 return raw.view(t.dtype).reshape(t.shape)
 
             probe, check = sample(), sample()
-            tpl = _Template(_torch_save_bytes(probe), nbytes, probe.stride())
+            tpl = RecordTemplate(_torch_save_bytes(probe), nbytes, probe.stride())
             out = bytearray()
             tpl.append_to(out, _bytes_of(check))
             if out != _torch_save_bytes(check):
@@ -356,3 +391,215 @@ def pickle_value(value: Any) -> PickledObject:
         torch.save(value, buf)
         return PickledObject(buf.getvalue(), is_archive=True)
     return PickledObject(buf.getvalue())
+
+
+# ---- parsing -----------------------------------------------------------------------------------
+
+class RecordFile(io.RawIOBase):
+    """A record as a seekable read-only file for ``zipfile``, its bytes fetched by
+    ``get(lo, hi)`` (zipfile reads only the directory and headers of it)."""
+
+    def __init__(self, get: Callable[[int, int], bytes], length: int) -> None:
+        super().__init__()
+        self._get, self._len, self._pos = get, length, 0
+
+    @classmethod
+    def of(cls, mv: memoryview) -> "RecordFile":
+        """A record already in memory."""
+        return cls(lambda lo, hi: bytes(mv[lo:hi]), len(mv))
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        base = 0 if whence == 0 else (self._pos if whence == 1 else self._len)
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def read(self, n: Optional[int] = -1) -> bytes:
+        end = self._len if n is None or n < 0 else min(self._len, self._pos + n)
+        if end <= self._pos:
+            return b""
+        out = self._get(self._pos, end)
+        self._pos = end
+        return out
+
+
+# "FloatStorage" -> torch.float32, as torch.save names storages in data.pkl (empty for a torch
+# without the map: every tensor item is then read with torch.load)
+_STORAGE_DTYPES = compat.storage_type_dtypes()
+# "uint16" -> torch.uint16: the dtypes as ``_rebuild_tensor_v3`` names them
+_DTYPES = {name: v for name, v in vars(torch).items() if isinstance(v, torch.dtype)}
+#: ``torch.storage.UntypedStorage`` in a persistent id: bytes, typed by ``_rebuild_tensor_v3``'s dtype.
+_UNTYPED = object()
+
+
+def _rebuild_v2(storage: Any, offset: Any, size: Any, stride: Any, *rest: Any) -> Optional[Tuple[Any, ...]]:
+    """``torch._utils._rebuild_tensor_v2`` over a typed storage (``FloatStorage``: its dtype);
+    None for a tensor saved with metadata (``{'conj': True}``, ``{'neg': True}``): its bytes are
+    not its values, torch.load reads it."""
+    if not isinstance(storage, torch.dtype):
+        raise pickle.UnpicklingError("_rebuild_tensor_v2 over an untyped storage")
+    if any(rest[2:]):  # after requires_grad and the backward hooks: torch.save's metadata dict
+        return None
+    return storage, offset, tuple(size), tuple(stride)
+
+
+def _rebuild_v3(storage: Any, offset: Any, size: Any, stride: Any, requires_grad: Any, hooks: Any, dtype: Any,
+                *rest: Any) -> Optional[Tuple[Any, ...]]:
+    """``torch._utils._rebuild_tensor_v3``: an untyped storage and the dtype as an argument, as
+    torch.save writes the dtypes without a typed storage class (float8, uint16/32/64, complex32);
+    None for a tensor saved with metadata, as :func:`_rebuild_v2`."""
+    if storage is not _UNTYPED or not isinstance(dtype, torch.dtype):
+        raise pickle.UnpicklingError("_rebuild_tensor_v3 needs an untyped storage and a dtype")
+    if any(rest):
+        return None
+    return dtype, offset, tuple(size), tuple(stride)
+
+
+class TensorDescUnpickler(pickle.Unpickler):
+    """Reads a single-tensor ``data.pkl`` as ``(dtype, storage_offset, size, stride)``, from
+    either form torch.save writes (``_rebuild_tensor_v2`` over a typed storage,
+    ``_rebuild_tensor_v3`` over an untyped one), or None where the tensor carries metadata
+    (a conjugate or negative view: its stored bytes are not its values); refuses anything else
+    (nothing is constructed, no code runs)."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "torch._utils" and name == "_rebuild_tensor_v2":
+            return _rebuild_v2
+        if module == "torch._utils" and name == "_rebuild_tensor_v3":
+            return _rebuild_v3
+        if module == "torch" and name in _STORAGE_DTYPES:
+            return _STORAGE_DTYPES[name]
+        if module == "torch" and name in _DTYPES:
+            return _DTYPES[name]
+        if module == "torch.storage" and name == "UntypedStorage":
+            return _UNTYPED
+        if module == "collections" and name == "OrderedDict":
+            return lambda *a: None
+        raise pickle.UnpicklingError(f"{module}.{name}")
+
+    def persistent_load(self, pid: Any) -> Any:
+        if isinstance(pid, tuple) and len(pid) >= 2 and pid[0] == "storage" \
+                and (isinstance(pid[1], torch.dtype) or pid[1] is _UNTYPED):
+            return pid[1]
+        raise pickle.UnpicklingError(f"persistent id {pid!r}")
+
+
+def _contiguous_strides(shape: Tuple[int, ...]) -> Tuple[int, ...]:
+    strides: List[int] = []
+    acc = 1
+    for d in reversed(shape):
+        strides.insert(0, acc)
+        acc *= d
+    return tuple(strides)
+
+
+def data_start(get: Callable[[int, int], bytes], length: int, dtype: torch.dtype,
+               shape: Tuple[int, ...]) -> Optional[int]:
+    """Where the raw data of a contiguous tensor lies in a ``torch.save`` record.
+
+    Args:
+        get: ``get(lo, hi)`` gives the record's bytes ``lo`` to ``hi`` (only its zip directory
+            and headers are asked for).
+        length: the record's length in bytes.
+        dtype: the tensor's dtype.
+        shape: the tensor's shape.
+
+    Returns:
+        The offset of the data in the record, or ``None`` unless the record is exactly one
+        little-endian, uncompressed storage of ``dtype`` and ``shape`` at offset 0 with
+        contiguous strides (anything else is for ``torch.load``).
+    """
+    nbytes = dtype.itemsize
+    for d in shape:
+        nbytes *= d
+    if sys.byteorder != "little":
+        return None
+    try:
+        with zipfile.ZipFile(RecordFile(get, length)) as zf:
+            infos = zf.infolist()
+            data = [i for i in infos if i.filename.rsplit("/", 2)[-2:-1] == ["data"]]
+            order = [i for i in infos if i.filename.endswith("/byteorder")]
+            pkl = [i for i in infos if i.filename.endswith("/data.pkl")]
+            if len(data) != 1 or len(pkl) != 1 or data[0].compress_type != zipfile.ZIP_STORED \
+                    or data[0].file_size != nbytes or pkl[0].compress_type != zipfile.ZIP_STORED:
+                return None
+            if order and zf.read(order[0]) != b"little":
+                return None
+            desc = TensorDescUnpickler(io.BytesIO(zf.read(pkl[0]))).load()
+            if desc != (dtype, 0, tuple(shape), _contiguous_strides(tuple(shape))):
+                return None
+            off = data[0].header_offset
+            start = member_data_offset(get(off, off + LOCAL_HEADER_BYTES))
+            if start is None:
+                return None
+            start += off
+            if start + nbytes > length:
+                return None
+            return start
+    except (zipfile.BadZipFile, ValueError, struct.error, pickle.UnpicklingError, EOFError, TypeError,
+            AttributeError, IndexError, KeyError, NotImplementedError, OSError):
+        return None
+
+
+class Heads:
+    """``torch.save``'s bytes before the data, and the record's length, per (dtype, shape)
+    of a small tensor: a record that starts with them has its data right after."""
+
+    def __init__(self) -> None:
+        self._cache: Dict[Tuple[torch.dtype, Tuple[int, ...]], Optional[Tuple[bytes, int]]] = {}
+        self._lock = threading.Lock()
+
+    def get(self, dtype: torch.dtype, shape: Tuple[int, ...]) -> Optional[Tuple[bytes, int]]:
+        """``(bytes before the data, record length)`` of ``torch.save`` of a contiguous tensor
+        of ``dtype`` and ``shape``; ``None`` where :func:`data_start` does not parse it."""
+        key = (dtype, shape)
+        if key in self._cache:
+            return self._cache[key]
+        got: Optional[Tuple[bytes, int]] = None
+        try:
+            buf = io.BytesIO()
+            n = 1
+            for d in shape:
+                n *= d
+            # zeros made as bytes: creating a complex32 tensor directly warns that it is experimental
+            torch.save(torch.zeros(n * dtype.itemsize, dtype=torch.uint8).view(dtype).view(shape), buf)
+            raw = buf.getvalue()
+            mv = memoryview(raw)
+            start = data_start(lambda a, b: bytes(mv[a:b]), len(raw), dtype, shape)
+            if start is not None:
+                got = (raw[:start], len(raw))
+        except Exception:
+            got = None
+        with self._lock:
+            self._cache[key] = got
+        return got
+
+
+#: The process's cache of record heads (they depend on torch only).
+HEADS = Heads()
+
+
+def plain_data_start(item: Any, dtype: torch.dtype, shape: Tuple[int, ...]) -> Optional[int]:
+    """:func:`data_start` for a record held in memory: first compared with :data:`HEADS` (no
+    zip parsing for a record ``torch.save`` wrote for this dtype and shape), else parsed.
+
+    Args:
+        item: the record's bytes (a memoryview or bytes).
+        dtype: the target tensor's dtype.
+        shape: the target tensor's shape.
+
+    Returns:
+        The offset of the data in ``item``, or ``None`` for a record ``torch.load`` must read.
+    """
+    head = HEADS.get(dtype, shape)
+    if head is not None and head[1] == len(item) and item[:len(head[0])] == head[0]:
+        return len(head[0])
+    return data_start(lambda a, b: bytes(item[a:b]), len(item), dtype, shape)

@@ -1,0 +1,128 @@
+"""One step's files written and read: the choice of data path, in one place.
+
+:func:`write_step` writes this rank's part of a step: one process through async_ckpt's own
+DCP-format writer (no planner round trips, the layout remembered in a ``memo``), several
+through ``dcp.save`` over the checkpoint group (which de-duplicates replicated tensors).
+
+:func:`read_step` reads a step into a target in place:
+
+* several ranks: ``dcp.load`` over the group; each rank reads and verifies what its plan needs,
+  the ranks exchange their outcomes (``agree``) and only then does any rank write;
+* ``atomic``: every data file read and verified into host buffers first
+  (:func:`~.staged_restore.load_staged`), then copied into the target;
+* otherwise straight into the target tensors (:func:`~.direct.load_direct`), unless a custom
+  ``planner`` or a target it does not handle sends it to DCP's reader
+  (:func:`~.reader.load_state_dict`).
+
+A failure after the first write into the target is a
+:class:`~async_ckpt.errors.PartlyWrittenError` (raised by the path that wrote).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from ..fs import Storage
+from ..manifest import FileRecord
+from .common import unwrap_dcp
+from .direct import load_direct, partly_written
+from .reader import FsspecStorageReader, load_state_dict, safe_planner
+from .staged_restore import Acquire, load_staged
+from .writer import FsspecStorageWriter, WriteMemo, save_state_dict
+
+
+def write_step(storage: Storage, path: str, state_dict: Dict[str, Any], *, threads: int, planner: Any,
+               memo: Optional[WriteMemo] = None, group: Any = None, several_ranks: bool = False
+               ) -> Tuple[Dict[str, FileRecord], Optional[BaseException]]:
+    """Write this rank's files of a step into ``path``.
+
+    Args:
+        storage: the root's storage.
+        path: the step's (temporary) directory.
+        state_dict: what to write (a host snapshot).
+        threads: how many files are written at once.
+        planner: a DCP save planner, or ``None``.
+        memo: one process: the last save's file layout, reused by a save of the same shape.
+        group: the process group DCP runs over (one process: a one-rank group or ``None``).
+        several_ranks: every rank of ``group`` writes its part through ``dcp.save``.
+
+    Returns:
+        ``(file records, None)``; with ``several_ranks``, ``({}, error)`` when a rank failed
+        (DCP's own collectives report it to every rank, so every rank returns it).
+
+    Raises:
+        Exception: one process: what the write raised.
+    """
+    if not several_ranks:
+        return save_state_dict(storage, path, state_dict, threads=threads, planner=planner, memo=memo,
+                               process_group=group), None
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    writer = FsspecStorageWriter(storage, path, threads=threads)
+    try:
+        dcp.save(state_dict, storage_writer=writer, process_group=group, planner=planner or DefaultSavePlanner())
+    except BaseException as exc:  # noqa: BLE001 - DCP raises CheckpointException (a BaseException)
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            raise
+        return {}, exc
+    return writer.files, None
+
+
+def read_step(storage: Storage, path: str, state_dict: Dict[str, Any], *, files: Dict[str, FileRecord],
+              verify: bool, threads: int, allow_pickle: bool, metadata: Any, planner: Any, atomic: bool = False,
+              strict: bool = True, group: Any = None,
+              agree: Optional[Callable[[Optional[str]], List[Optional[str]]]] = None,
+              acquire: Optional[Acquire] = None, budget: Optional[int] = None) -> None:
+    """Read a step into ``state_dict`` in place, by the data path that fits (module docstring).
+
+    Args:
+        storage: the root's storage.
+        path: the step directory.
+        state_dict: the target.
+        files: the manifest's file records (sizes, checksums).
+        verify: compare checksums (sizes are always compared).
+        threads: how many reads run at once.
+        allow_pickle: non-tensor items may be unpickled without restrictions.
+        metadata: the step's checked DCP metadata.
+        planner: a custom DCP load planner, or ``None``.
+        atomic: every file verified before the first write (one process; several ranks always
+            verify before writing).
+        strict: ``False``: keys the checkpoint lacks are skipped.
+        group: the process group DCP runs over.
+        agree: several ranks: every rank's read outcome from this rank's (a collective over
+            ``group``); ``None`` for one process.
+        acquire: ``atomic``: where the host buffers come from (``None``: fresh ones).
+        budget: ``atomic``: the most bytes ``acquire`` may hand out.
+
+    Raises:
+        CorruptCheckpointError: damaged data, found before anything was written.
+        StagingBudgetError: ``atomic`` over a ``budget`` too small, before anything was read.
+        PartlyWrittenError: a failure after the target was written into.
+    """
+    if agree is not None:
+        import torch.distributed.checkpoint as dcp
+
+        reader = FsspecStorageReader(storage, path, files=files, verify=verify, threads=threads, metadata=metadata,
+                                     agree=agree)
+        try:
+            dcp.load(state_dict, storage_reader=reader, process_group=group,
+                     planner=planner or safe_planner(allow_pickle, strict))
+        except BaseException as exc:  # noqa: BLE001 - DCP raises CheckpointException (a BaseException)
+            if not reader.touched or isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                raise
+            _, err = unwrap_dcp(exc)
+            raise partly_written(path, err) from exc
+        return
+    if atomic and metadata is not None and files is not None:
+        load_staged(storage, path, state_dict, files=files, metadata=metadata, verify=verify, threads=threads,
+                    allow_pickle=allow_pickle, planner=planner, strict=strict, process_group=group,
+                    acquire=acquire, budget=budget)
+        return
+    if not atomic and planner is None and metadata is not None and \
+            load_direct(storage, path, state_dict, files=files, metadata=metadata, verify=verify,
+                        threads=threads, allow_pickle=allow_pickle):
+        return
+    load_state_dict(storage, path, state_dict, files=files, verify=verify, threads=threads,
+                    allow_pickle=allow_pickle, metadata=metadata, planner=planner, strict=strict,
+                    process_group=group)
