@@ -314,10 +314,10 @@ def test_flatten_matches_dcp(case):
         expected = flatten_state_dict(sd)
     except ValueError as exc:
         with pytest.raises(ValueError, match="duplicated flatten key"):
-            dcp_writer._flatten(sd)
+            dcp_writer.flatten(sd)
         assert "duplicated" in str(exc)
         return
-    flat, mappings = dcp_writer._flatten(sd)
+    flat, mappings = dcp_writer.flatten(sd)
     assert list(flat) == list(expected[0]), "same keys, same order"
     assert all(flat[k] is expected[0][k] for k in flat), "the same objects"
     assert mappings == expected[1] and list(mappings) == list(expected[1])

@@ -10,35 +10,11 @@ from __future__ import annotations
 
 import ast
 import os
-from typing import Dict, List, Optional, Set, Tuple
-
-import pytest
+from typing import Dict, List, Optional, Set
 
 import async_ckpt
 
 PKG_DIR = os.path.dirname(os.path.abspath(async_ckpt.__file__))
-
-#: Offenders the lead removes after the merge (files other engineers are rewriting), as
-#: "importer: module.name". Nothing else may take a private name across modules.
-PENDING: Set[str] = {
-    "async_ckpt.lifecycle.restore: async_ckpt.storage.dcp.writer._flatten",
-    "async_ckpt.manager.core: async_ckpt.manager.hooks._live_managers",
-    "async_ckpt.manager.core: async_ckpt.manager.hooks._stop_threads",
-    "async_ckpt.storage.dcp.direct_plan: async_ckpt.storage.dcp.writer._flatten",
-    "async_ckpt.storage.dcp.reader: async_ckpt.storage.dcp.common._call_dcp",
-    "async_ckpt.storage.dcp.reader: async_ckpt.storage.dcp.common._distributed",
-    "async_ckpt.storage.dcp.reader: async_ckpt.storage.dcp.safety._SafeLoadPlanner",
-    "async_ckpt.storage.dcp.writer: async_ckpt.storage.dcp.common._call_dcp",
-    "async_ckpt.storage.dcp.writer: async_ckpt.storage.dcp.common._distributed",
-    "async_ckpt.storage.dcp.writer: async_ckpt.storage.dcp.common._world_size",
-    "async_ckpt.storage.dcp.writer: async_ckpt.storage.dcp.layout_memo._Layout",
-    "async_ckpt.storage.dcp.writer: async_ckpt.storage.dcp.layout_memo._flatten",
-    "async_ckpt.storage.dcp.writer: async_ckpt.storage.dcp.layout_memo._has_signature",
-    "async_ckpt.storage.dcp.writer: async_ckpt.storage.dcp.layout_memo._local_data",
-    "async_ckpt.storage.dcp.writer: async_ckpt.storage.dcp.layout_memo._metadata_index",
-    "async_ckpt.storage.dcp.writer: async_ckpt.storage.dcp.layout_memo._signature",
-}
-
 
 def _is_private(name: str) -> bool:
     return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
@@ -104,20 +80,9 @@ def offenders() -> List[str]:
     return sorted(found)
 
 
-def _split() -> Tuple[List[str], List[str]]:
-    found = offenders()
-    return [o for o in found if o not in PENDING], [o for o in found if o in PENDING]
-
-
 def test_no_module_imports_a_private_name_of_another():
-    new, _ = _split()
+    new = offenders()
     assert not new, "private names taken across modules (make them public or move them):\n" + "\n".join(new)
-
-
-@pytest.mark.xfail(strict=False, reason="offenders in files being rewritten; the lead removes them after the merge")
-def test_no_pending_private_imports_are_left():
-    _, pending = _split()
-    assert not pending, "private names still taken across modules:\n" + "\n".join(pending)
 
 
 def test_the_scan_finds_what_it_should(tmp_path):

@@ -232,9 +232,9 @@ def _remapped(target: Dict[str, Any], key_map: Mapping[str, str]) -> Tuple[Dict[
     to each flattened key of ``target``), and a function that puts the values a restore
     assigned in the view (non-tensor values; tensors are written in place) back into
     ``target``."""
-    from ..storage.dcp.writer import _flatten  # DCP's flatten_state_dict, quicker
+    from ..storage.dcp.layout_memo import flatten  # DCP's flatten_state_dict, quicker
 
-    flat, paths = _flatten(target)
+    flat, paths = flatten(target)
     rules = sorted(((dst, src) for src, dst in key_map.items()), key=lambda r: len(r[0]), reverse=True)
     view: Dict[str, Any] = {}
     origin: Dict[str, str] = {}
@@ -459,9 +459,9 @@ def _prepare_target(state_dict: Dict[str, Any], metadata: Any, step: int, int_ke
                     strict: bool, covered: Optional[Set[str]] = None) -> List[tuple]:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from ..storage.dcp.writer import _flatten  # DCP's flatten_state_dict, quicker
+    from ..storage.dcp.layout_memo import flatten  # DCP's flatten_state_dict, quicker
 
-    flat, _ = _flatten(state_dict)
+    flat, _ = flatten(state_dict)
     md = metadata.state_dict_metadata
     missing = [k for k in flat if k not in md]
     problems = []

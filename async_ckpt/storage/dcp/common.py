@@ -55,7 +55,7 @@ def _single_process_quiet() -> Iterator[None]:
                         break
 
 
-def _call_dcp(fn: Callable[[], Any]) -> Any:
+def call_dcp(fn: Callable[[], Any]) -> Any:
     """Run a DCP call; re-raise the error a ``CheckpointException`` wraps (this rank's, else the first).
 
     DCP wraps every failure in a ``CheckpointException`` (a ``BaseException``), which would hide
@@ -63,7 +63,7 @@ def _call_dcp(fn: Callable[[], Any]) -> Any:
     ``torch.distributed``, DCP's single-process warning is ignored while ``fn`` runs.
     """
     try:
-        if _distributed():
+        if distributed():
             return fn()
         with _single_process_quiet():
             return fn()
@@ -78,17 +78,17 @@ def _call_dcp(fn: Callable[[], Any]) -> Any:
 
 
 def _rank() -> int:
-    return torch.distributed.get_rank() if _distributed() else 0
+    return torch.distributed.get_rank() if distributed() else 0
 
 
-def _world_size(process_group: Any = None) -> int:
+def world_size(process_group: Any = None) -> int:
     """Ranks taking part in a save: 1 without ``torch.distributed``, else the group's size."""
     import torch.distributed as dist
 
-    return dist.get_world_size(process_group) if _distributed() else 1
+    return dist.get_world_size(process_group) if distributed() else 1
 
 
-def _distributed() -> bool:
+def distributed() -> bool:
     import torch.distributed as dist
 
     return dist.is_available() and dist.is_initialized()

@@ -93,9 +93,9 @@ def _contiguous_bytes(t: torch.Tensor) -> Optional[torch.Tensor]:
 
 def _flat_targets(state_dict: Dict[str, Any]) -> Tuple[Dict[str, Any], Dict[str, Any]]:
     """DCP's flattening of ``state_dict`` (the writer's quicker equivalent)."""
-    from .writer import _flatten
+    from .layout_memo import flatten
 
-    return _flatten(state_dict)
+    return flatten(state_dict)
 
 
 def _overlapping(flat: Dict[str, Any], md: Dict[str, Any]) -> Set[str]:

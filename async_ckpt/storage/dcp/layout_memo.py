@@ -1,9 +1,9 @@
 """What a planner-free single-process save remembers of a state dict's layout for the next one.
 
-:func:`_flatten` is DCP's ``flatten_state_dict`` with less work per entry, and
+:func:`flatten` is DCP's ``flatten_state_dict`` with less work per entry, and
 :func:`set_element` sets a value at one of its paths; a layout's
-signature (:func:`_signature`) says whether the next state dict has the same keys, dtypes and
-shapes; a :class:`WriteMemo` holds the last :class:`_Layout` (file assignment and pickled
+signature (:func:`signature`) says whether the next state dict has the same keys, dtypes and
+shapes; a :class:`WriteMemo` holds the last :class:`FileLayout` (file assignment and pickled
 ``.metadata``) for :func:`~.writer._save_local` to reuse.
 """
 
@@ -29,7 +29,7 @@ traverse_state_dict = compat.dcp_traverse().traverse_state_dict
 _dcp_version = compat.dcp_version()
 
 
-def _metadata_index(fqn: str, offset: torch.Size, index: int) -> MetadataIndex:
+def metadata_index(fqn: str, offset: torch.Size, index: int) -> MetadataIndex:
     """``MetadataIndex(fqn, offset, index)`` without its ``__init__``, which rebuilds ``offset``
     as a new ``torch.Size`` per item. Same fields, so equal, hashed and pickled alike; ``offset``
     is shared, so pickled once."""
@@ -54,7 +54,7 @@ def _real_key(mapping: Any, key: Any) -> Any:
 
 
 def set_element(root: Any, path: Tuple[Any, ...], value: Any) -> None:
-    """DCP's ``set_element``: ``value`` put at ``path`` (one of :func:`_flatten`'s mappings)
+    """DCP's ``set_element``: ``value`` put at ``path`` (one of :func:`flatten`'s mappings)
     in ``root``, creating the dicts (a string next) and lists (an int next) that are missing.
     The paths hold dict keys as strings; where a dict has the int key that a path's string
     spells but not the string (an optimizer's ``state``, keyed by parameter index), the value
@@ -75,7 +75,7 @@ def set_element(root: Any, path: Tuple[Any, ...], value: Any) -> None:
             cur = cur[key]
 
 
-def _flatten(state_dict: Dict[str, Any], reuse: Optional[Dict[str, Tuple[Any, ...]]] = None
+def flatten(state_dict: Dict[str, Any], reuse: Optional[Dict[str, Tuple[Any, ...]]] = None
              ) -> Tuple[Dict[str, Any], Dict[str, Tuple[Any, ...]]]:
     """``flatten_state_dict(state_dict)``: the same keys in the same order, values, mappings and
     errors, with less work per entry: nested mappings and their leaves are walked here; lists
@@ -127,7 +127,7 @@ def _flatten(state_dict: Dict[str, Any], reuse: Optional[Dict[str, Tuple[Any, ..
 
 
 @dataclasses.dataclass
-class _Layout:
+class FileLayout:
     """What one state dict layout writes: reused while the next saves have the same layout."""
 
     key: Tuple[Any, ...]  # (threads, max_file_bytes): what else decides the bucketing
@@ -152,15 +152,15 @@ class WriteMemo:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._layout: Optional[_Layout] = None
+        self._layout: Optional[FileLayout] = None
 
     @property
-    def layout(self) -> Optional[_Layout]:
+    def layout(self) -> Optional[FileLayout]:
         """The remembered layout, or ``None`` before the first planner-free save."""
         with self._lock:
             return self._layout
 
-    def remember(self, layout: _Layout) -> None:
+    def remember(self, layout: FileLayout) -> None:
         with self._lock:
             self._layout = layout
 
@@ -186,20 +186,20 @@ def _signature_entries(objs: List[Any]) -> Iterator[Any]:
             yield None
 
 
-def _signature(objs: List[Any]) -> Optional[List[Any]]:
+def signature(objs: List[Any]) -> Optional[List[Any]]:
     """The signature of ``objs`` (see :func:`_signature_entries`); ``None`` if DCP's planner must run."""
     sig = list(_signature_entries(objs))
     return None if sig and sig[-1] is _NEEDS_PLANNER else sig
 
 
-def _has_signature(objs: List[Any], sig: List[Any]) -> bool:
-    """``_signature(objs) == sig``, entry by entry, without keeping a new ``torch.Size`` per
+def has_signature(objs: List[Any], sig: List[Any]) -> bool:
+    """``signature(objs) == sig``, entry by entry, without keeping a new ``torch.Size`` per
     tensor alive."""
     pairs = itertools.zip_longest(_signature_entries(objs), sig, fillvalue=object())  # unequal to all
     return all(itertools.starmap(operator.eq, pairs))
 
 
-def _local_data(obj: Any) -> Any:
+def local_data(obj: Any) -> Any:
     """An item's data as ``DefaultSavePlanner.resolve_data`` gives it: tensors as they are,
     anything else ``torch.save``-d into a ``BytesIO`` (a :class:`PickledObject`: the archive of
     the bytes it holds)."""

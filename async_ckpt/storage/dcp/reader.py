@@ -33,7 +33,7 @@ from ...errors import CorruptCheckpointError
 from ..fs import READ_RANGE_BYTES
 from ..manifest import FileRecord, check_file_name, crc32c, shown
 from ..torch_record import plain_data_start
-from .common import METADATA_NAME, _call_dcp, _distributed
+from .common import METADATA_NAME, call_dcp, distributed
 from .read_exec import (
     FRESH,
     StepFiles,
@@ -45,7 +45,7 @@ from .read_exec import (
     short_error,
     unreadable_is_damage,
 )
-from .safety import _SafeLoadPlanner, load_metadata
+from .safety import SafeLoadPlanner, load_metadata
 from .validate import check_step_metadata
 
 if TYPE_CHECKING:  # the class compat returns, named for the type checker
@@ -58,7 +58,7 @@ _REQUEST_COST = 2**20  # a read request costs about as much time as reading this
 
 
 class _BytesDecoder(Protocol):
-    """A load planner that decodes a non-tensor item apart from setting it (``_SafeLoadPlanner``)."""
+    """A load planner that decodes a non-tensor item apart from setting it (``SafeLoadPlanner``)."""
 
     def decode_bytes(self, read_item: Any, value: io.BytesIO) -> Any: ...
 
@@ -337,7 +337,7 @@ class FsspecStorageReader(StorageReader):
         copies: List[Tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (req, target, dst, src)
         # DCP's default planner writes into the caller's own tensors and does nothing on commit,
         # so its copies may run together; other planners (torch_xla's) get copy, then commit.
-        batch = type(planner) in (_SafeLoadPlanner, DefaultLoadPlanner)
+        batch = type(planner) in (SafeLoadPlanner, DefaultLoadPlanner)
         decode = hasattr(planner, "decode_bytes")
         for name in list(ready):
             for req, target, what in ready.pop(name):  # applied: its buffers may go (a pending copy keeps its source)
@@ -413,10 +413,10 @@ def aligned_copy(raw: torch.Tensor, target: torch.Tensor) -> Tuple[torch.Tensor,
     return target, raw.clone().view(target.dtype).view(target.shape)
 
 
-def safe_planner(allow_pickle: bool, strict: bool = True) -> _SafeLoadPlanner:
+def safe_planner(allow_pickle: bool, strict: bool = True) -> SafeLoadPlanner:
     """The default load planner: non-tensor items unpickled safely unless ``allow_pickle``;
     ``strict=False`` skips keys the checkpoint lacks (DCP's ``allow_partial_load``)."""
-    planner = _SafeLoadPlanner(allow_pickle)
+    planner = SafeLoadPlanner(allow_pickle)
     planner.allow_partial_load = not strict
     return planner
 
@@ -431,5 +431,5 @@ def load_state_dict(storage: StepFiles, path: str, state_dict: Dict[str, Any], *
     reader = FsspecStorageReader(storage, path, files=files, verify=verify, threads=threads, metadata=metadata)
     reader.read_metadata()  # read (and check) it here: DCP swallows errors from read_metadata
     planner = planner if planner is not None else safe_planner(allow_pickle, strict)
-    _call_dcp(lambda: dcp.load(state_dict, storage_reader=reader, planner=planner,
-                               process_group=process_group, no_dist=not _distributed()))
+    call_dcp(lambda: dcp.load(state_dict, storage_reader=reader, planner=planner,
+                               process_group=process_group, no_dist=not distributed()))

@@ -2,7 +2,7 @@
 
 * ``.metadata`` (DCP's format, a pickle) is read by :func:`load_metadata`, which allows only
   DCP's metadata record classes, torch's dtypes/sizes/layouts and plain containers;
-* non-tensor items are loaded by :class:`_SafeLoadPlanner` with ``weights_only=True`` unless
+* non-tensor items are loaded by :class:`SafeLoadPlanner` with ``weights_only=True`` unless
   ``allow_pickle`` is set;
 * a tensor item's ``data.pkl`` is read as a description only
   (:class:`~async_ckpt.storage.torch_record.TensorDescUnpickler`, with the record format).
@@ -109,7 +109,7 @@ def unsafe_value_error(fqn: str, exc: BaseException) -> UnsafeCheckpointError:
         f"code); pass restore(..., allow_pickle=True) if you trust this checkpoint{fix}")
 
 
-class _SafeLoadPlanner(DefaultLoadPlanner):
+class SafeLoadPlanner(DefaultLoadPlanner):
     """DCP's default planner, loading non-tensor items with ``weights_only`` unless allowed."""
 
     def __init__(self, allow_pickle: bool = False) -> None:

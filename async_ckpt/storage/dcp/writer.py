@@ -47,18 +47,18 @@ from ... import compat
 from ..fs import Storage
 from ..manifest import FileRecord, crc32c, raw_crc32c
 from ..torch_record import PickledObject, RecordBatch, RecordTemplate, RecordTemplates
-from .common import METADATA_NAME, _call_dcp, _distributed, _world_size
+from .common import METADATA_NAME, call_dcp, distributed, world_size
 from .crc import crc32c_combine
-from .layout_memo import (  # noqa: F401  (_flatten: re-exported for the restore paths)
+from .layout_memo import (
+    FileLayout,
     WriteMemo,
-    _flatten,
-    _has_signature,
-    _Layout,
-    _local_data,
-    _metadata_index,
-    _signature,
+    flatten,
+    has_signature,
+    local_data,
+    metadata_index,
     own_storages,
     saved_bytes,
+    signature,
 )
 
 if TYPE_CHECKING:  # the classes compat returns, named for the type checker
@@ -507,14 +507,14 @@ def save_state_dict(storage: Storage, path: str, state_dict: Dict[str, Any], *, 
     ``memo``: the owner's :class:`WriteMemo`, for a single-process save to reuse the layout
     of the last save through it; ``None``: nothing is reused or remembered.
     """
-    if planner is None and _world_size(process_group) == 1:  # e.g. `torchrun --nproc_per_node=1` too
+    if planner is None and world_size(process_group) == 1:  # e.g. `torchrun --nproc_per_node=1` too
         files = _save_local(storage, path, state_dict, threads=threads, memo=memo)
         if files is not None:
             return files
     writer = FsspecStorageWriter(storage, path, threads=threads)
     planner = planner if planner is not None else DefaultSavePlanner()
-    _call_dcp(lambda: dcp.save(state_dict, storage_writer=writer, planner=planner,
-                               process_group=process_group, no_dist=not _distributed()))
+    call_dcp(lambda: dcp.save(state_dict, storage_writer=writer, planner=planner,
+                               process_group=process_group, no_dist=not distributed()))
     return writer.files
 
 
@@ -547,21 +547,21 @@ def _save_local(storage: Storage, path: str, state_dict: Dict[str, Any], *, thre
     if memo is None:
         memo = WriteMemo()
     layout = memo.layout
-    flat, mappings = _flatten(state_dict, reuse=layout.mappings if layout is not None else None)
+    flat, mappings = flatten(state_dict, reuse=layout.mappings if layout is not None else None)
     objs = list(flat.values())
     key = (threads, storage.max_file_bytes)
     fqns = list(flat)
     sig: Optional[List[Any]] = None
     if layout is None or not (layout.key == key and layout.fqns == fqns and layout.mappings == mappings
-                              and _has_signature(objs, layout.sig)):
+                              and has_signature(objs, layout.sig)):
         layout = None
-        sig = _signature(objs)
+        sig = signature(objs)
         if sig is None:
             return None  # DTensor, ShardedTensor, a subclass: DCP's planner knows them
 
     if layout is not None:
         outs = _write_files(storage, path, "__0_", [[objs[k] for k in b] for b in layout.buckets],
-                            layout.hints, threads, _local_data)
+                            layout.hints, threads, local_data)
         if [lengths for _, _, lengths in outs] == layout.lengths:  # same bytes where .metadata says
             storage.write_bytes(f"{path}/{METADATA_NAME}", layout.metadata)
             files = {name: rec for name, rec, _ in outs}
@@ -594,13 +594,13 @@ def _save_local(storage: Storage, path: str, state_dict: Dict[str, Any], *, thre
             if prop is None:
                 prop = props[pkey] = TensorProperties.create_from_tensor(obj)
             md[fqn] = TensorStorageMetadata(properties=prop, size=size, chunks=[chunk])
-            indices.append(_metadata_index(fqn, chunk.offsets, 0))
+            indices.append(metadata_index(fqn, chunk.offsets, 0))
         else:
             md[fqn] = BytesStorageMetadata()
             indices.append(MetadataIndex(fqn))
     if outs is None:
         outs = _write_files(storage, path, "__0_", [[objs[k] for k in b] for b in buckets], hints, threads,
-                            _local_data)
+                            local_data)
     files, where = _results([[indices[k] for k in b] for b in buckets], outs)
     metadata = Metadata(state_dict_metadata=md, planner_data=mappings, storage_data=where,
                         storage_meta=StorageMeta(checkpoint_id=None, save_id=""))
@@ -608,8 +608,8 @@ def _save_local(storage: Storage, path: str, state_dict: Dict[str, Any], *, thre
     storage.write_bytes(f"{path}/{METADATA_NAME}", data)
     files[METADATA_NAME] = FileRecord(len(data), crc32c(data))
     if sig is None:  # the files were written with the last layout; only .metadata is new
-        sig = cast(_Layout, layout).sig  # sig is None only when the layout was kept
-    memo.remember(_Layout(key, fqns, sig, mappings, buckets, hints,
+        sig = cast(FileLayout, layout).sig  # sig is None only when the layout was kept
+    memo.remember(FileLayout(key, fqns, sig, mappings, buckets, hints,
                           [lengths for _, _, lengths in outs], data, files[METADATA_NAME]))
     return files
 
