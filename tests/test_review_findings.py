@@ -1,0 +1,78 @@
+"""Regression tests for the review of the rank protocol / PartlyWrittenError changes."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from async_ckpt import CheckpointManager
+from async_ckpt.errors import PartlyWrittenError, StorageError
+
+from .conftest import assert_bitwise_equal
+
+
+def big(v: float) -> dict:
+    return {"w": torch.full((512, 1024), v), "v": torch.full((512, 1024), v + 0.5)}
+
+
+def _eio_after_first_write(monkeypatch, where: str):
+    """Reads of files under ``where`` raise StorageError from their second large read on (the
+    first one has landed in the target)."""
+    from async_ckpt.storage.dcp import direct
+
+    real = direct.open_step_file
+    lock = threading.Lock()
+    count = {"n": 0}
+
+    class Flaky:
+        def __init__(self, r):
+            self._r = r
+
+        def __getattr__(self, name):
+            return getattr(self._r, name)
+
+        def read_into(self, start, dest):
+            if len(dest) >= 2**20:
+                with lock:
+                    count["n"] += 1
+                    n = count["n"]
+                if n > 1:
+                    raise StorageError(f"{where}: read failed: EIO")
+            return self._r.read_into(start, dest)
+
+    def opened(storage, path, name, size):
+        r = real(storage, path, name, size)
+        return Flaky(r) if path.startswith(where) or where in path else r
+
+    monkeypatch.setattr(direct, "open_step_file", opened)
+    return count
+
+
+def test_storage_error_after_a_partial_write_of_the_local_copy_falls_back_to_the_persistent_copy(tmp_path,
+                                                                                                monkeypatch):
+    """A StorageError (one of the tiers' fallback errors) reading the local copy after it wrote
+    into the target: the persistent copy is restored instead (it overwrites every key), as
+    before PartlyWrittenError; it was raised instead."""
+    path, local = str(tmp_path / "bucket"), str(tmp_path / "local")
+    with CheckpointManager(path, save_interval=1, local_dir=local, local_policy=1) as mgr:
+        mgr.save(4, big(4.0))
+    _eio_after_first_write(monkeypatch, local)
+    target = big(0.0)
+    with CheckpointManager(path, save_interval=1, local_dir=local, local_policy=1) as mgr:
+        with pytest.warns(RuntimeWarning, match="skipping the local copy of step 4"):
+            assert mgr.restore(4, target) == 4
+    assert_bitwise_equal(target, big(4.0))
+
+
+def test_storage_error_after_a_partial_write_is_partly_written_and_still_a_storage_error(tmp_path, monkeypatch):
+    """One tier: the error says the target was partly written and keeps its type (StorageError,
+    OSError), as it was raised before."""
+    root = str(tmp_path / "c")
+    with CheckpointManager(root) as mgr:
+        mgr.save(4, big(4.0))
+    _eio_after_first_write(monkeypatch, root)
+    with pytest.raises(PartlyWrittenError, match="EIO.*partly written") as ei:
+        CheckpointManager(root).restore(4, big(0.0))
+    assert isinstance(ei.value, StorageError) and isinstance(ei.value, OSError), type(ei.value).__mro__
