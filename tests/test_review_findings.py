@@ -76,3 +76,22 @@ def test_storage_error_after_a_partial_write_is_partly_written_and_still_a_stora
     with pytest.raises(PartlyWrittenError, match="EIO.*partly written") as ei:
         CheckpointManager(root).restore(4, big(0.0))
     assert isinstance(ei.value, StorageError) and isinstance(ei.value, OSError), type(ei.value).__mro__
+
+
+def test_one_process_restore_error_without_a_step_gets_the_step_as_before(tmp_path, monkeypatch):
+    """One process: a CheckpointError raised without a step while checking a step (here a
+    StorageError reading its manifest) is raised with ``step`` set, as the exchange did before
+    the one rank protocol (it now raised it with step None)."""
+    from async_ckpt.storage.layout import CheckpointLayout
+
+    root = str(tmp_path / "c")
+    with CheckpointManager(root) as mgr:
+        mgr.save(4, {"w": torch.ones(4)})
+
+    def refuse(self, step):
+        raise StorageError("manifest: 503")
+
+    monkeypatch.setattr(CheckpointLayout, "open_step", refuse)
+    with pytest.raises(StorageError, match="503") as ei:
+        CheckpointManager(root).restore(4, {"w": torch.zeros(4)})
+    assert ei.value.step == 4

@@ -49,7 +49,10 @@ def everyone(coord: Coordinator, what: str, step: Optional[int], fn: Optional[Ca
     """
     if coord.world_size == 1:
         if error is not None:
-            raise error
+            _, own = unwrap_dcp(error)  # as the exchange raised it: DCP's wrapper off, the step set
+            if isinstance(own, CheckpointError) and own.step is None:
+                own.step = step
+            raise own
         return [fn() if fn is not None else None]
     local, value = _run(fn, error)
     outcome = _Outcome(value, None if local is None else failure_of(coord.rank, local))
