@@ -95,3 +95,21 @@ def test_one_process_restore_error_without_a_step_gets_the_step_as_before(tmp_pa
     with pytest.raises(StorageError, match="503") as ei:
         CheckpointManager(root).restore(4, {"w": torch.zeros(4)})
     assert ei.value.step == 4
+
+
+@pytest.mark.slow
+def test_a_keyboard_interrupt_on_one_rank_in_a_restore_is_reported_to_the_others(tmp_path):
+    """2 ranks: Ctrl-C on rank 1 while it checks a step or in a Stateful value's
+    load_state_dict: rank 1 raises KeyboardInterrupt, rank 0 a CheckpointError naming it at
+    once (the phase exchanges it), instead of waiting out the collective timeout."""
+    import os
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PJRT_DEVICE="CPU", DIST_WORKER_TIMEOUT="150",
+               PYTHONPATH=os.pathsep.join([os.path.dirname(here), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                           os.path.join(here, "review_worker.py"), str(tmp_path / "c")],
+                          env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=240)
+    assert proc.returncode == 0 and "RANK 0 OK" in proc.stdout and "RANK 1 OK" in proc.stdout, proc.stdout[-4000:]

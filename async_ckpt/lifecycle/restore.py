@@ -91,8 +91,8 @@ def restore(store: StepStore, step: Optional[int], state_dict: Dict[str, Any], *
                     state_dict[k] = v
             for k, v in stateful.items():
                 v.load_state_dict(target[k])
-    except BaseException as exc:  # noqa: BLE001 - exchanged below
-        if isinstance(exc, (KeyboardInterrupt, SystemExit)) or store.coordinator.world_size == 1:
+    except BaseException as exc:  # noqa: BLE001 - exchanged below (KeyboardInterrupt too: re-raised after)
+        if store.coordinator.world_size == 1:
             raise
         local = exc
     # a rank whose load_state_dict() raised: every rank raises, naming it
@@ -277,8 +277,8 @@ def _restore_one(store: StepStore, step: int, state_dict: Dict[str, Any], *, ver
         metadata = reader.read_metadata()
         int_keys = set(manifest.extra.get("int_keys", ())) | _stateful_int_keys(metadata, stateful)
         added = prepare_target(state_dict, metadata, step, int_keys, strict=strict, covered=covered)
-    except BaseException as exc:  # noqa: BLE001 - exchanged below
-        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+    except BaseException as exc:  # noqa: BLE001 - exchanged below (KeyboardInterrupt too: re-raised after)
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)) and coord.world_size == 1:
             raise
         local = exc
     _agree_or_undo(store, step, "restore checks", local, state_dict, added)
@@ -288,7 +288,7 @@ def _restore_one(store: StepStore, step: int, state_dict: Dict[str, Any], *, ver
                    allow_pickle=allow_pickle, metadata=metadata, planner=planner, atomic=atomic, strict=strict,
                    pool=pool)
     except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
-        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)) and coord.world_size == 1:
             raise
         local = exc
     _agree_or_undo(store, step, "restore", local, state_dict, added)

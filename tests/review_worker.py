@@ -1,0 +1,96 @@
+"""Worker for tests/test_review_findings.py (torchrun, 2 gloo ranks): one rank's
+KeyboardInterrupt during a restore or a Stateful load_state_dict.
+
+    torchrun --standalone --nproc-per-node 2 tests/review_worker.py <scenario> <root>
+
+Each rank prints ``RANK <r> OK`` at the end; a failed check raises (non-zero exit).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from async_ckpt import CheckpointError, CheckpointManager  # noqa: E402
+
+TIMEOUT_S = 30.0  # the collective timeout: a rank left waiting fails only after it
+
+
+class InterruptedOnRank:
+    """A Stateful value whose load_state_dict is interrupted (Ctrl-C) on one rank only."""
+
+    def __init__(self, bad_rank: int) -> None:
+        self.bad_rank = bad_rank
+        self.t = torch.zeros(8)
+
+    def state_dict(self):
+        return {"t": self.t}
+
+    def load_state_dict(self, sd) -> None:
+        if dist.get_rank() == self.bad_rank:
+            raise KeyboardInterrupt
+        self.t.copy_(sd["t"])
+
+
+def interrupted(fn, rank: int) -> None:
+    t0 = time.monotonic()
+    try:
+        fn()
+    except KeyboardInterrupt:
+        assert rank == 1, f"rank {rank} got the KeyboardInterrupt of rank 1"
+    except CheckpointError as exc:
+        assert rank == 0, f"rank {rank}: {exc!r}"
+        assert "rank 1" in str(exc) and "KeyboardInterrupt" in str(exc), exc
+        assert [f.rank for f in exc.failures] == [1], exc.failures
+    else:
+        raise AssertionError(f"rank {rank}: no error")
+    took = time.monotonic() - t0
+    assert took < TIMEOUT_S / 2, f"rank {rank} waited {took:.1f} s (the collective timeout: the ranks hung)"
+
+
+def checks(root: str) -> None:
+    rank = dist.get_rank()
+    from async_ckpt.storage.layout import CheckpointLayout
+
+    with CheckpointManager(root, collective_timeout_s=TIMEOUT_S) as mgr:
+        assert mgr.save(1, {"app": InterruptedOnRank(-1), "w": torch.ones(4)})
+        # 1. Ctrl-C on rank 1 while it checks the step
+        real = CheckpointLayout.open_step
+
+        def open_step(self, step):
+            if rank == 1:
+                raise KeyboardInterrupt
+            return real(self, step)
+
+        CheckpointLayout.open_step = open_step  # type: ignore[method-assign]
+        try:
+            interrupted(lambda: mgr.restore(1, {"w": torch.zeros(4)}), rank)
+        finally:
+            CheckpointLayout.open_step = real  # type: ignore[method-assign]
+        # 2. Ctrl-C on rank 1 in a Stateful value's load_state_dict
+        interrupted(lambda: mgr.restore(1, {"app": InterruptedOnRank(1), "w": torch.zeros(4)}), rank)
+        # the ranks still pair up
+        ok = InterruptedOnRank(-1)
+        assert mgr.restore(1, {"app": ok, "w": torch.zeros(4)}) == 1
+
+
+def main() -> None:
+    import faulthandler
+
+    faulthandler.dump_traceback_later(float(os.environ.get("DIST_WORKER_TIMEOUT", "150")), exit=True)
+    dist.init_process_group("gloo")
+    try:
+        checks(sys.argv[1])
+        dist.barrier()
+        print(f"RANK {dist.get_rank()} OK", flush=True)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
