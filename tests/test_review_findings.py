@@ -113,3 +113,26 @@ def test_a_keyboard_interrupt_on_one_rank_in_a_restore_is_reported_to_the_others
                            os.path.join(here, "review_worker.py"), str(tmp_path / "c")],
                           env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=240)
     assert proc.returncode == 0 and "RANK 0 OK" in proc.stdout and "RANK 1 OK" in proc.stdout, proc.stdout[-4000:]
+
+
+def test_a_partly_written_error_after_a_damaged_step_names_both_steps_once(tmp_path, monkeypatch):
+    """restore(None): damaged step 2 partly wrote the target, then step 1's read failed after
+    it wrote too: damaged_steps names both (newest first), keys_left the keys they wrote, and
+    the message says "must not be used as is" once (it was said twice, naming step 2 only)."""
+    import os
+
+    from .test_restore_fast import _flip_near_end
+
+    root = str(tmp_path / "c")
+    with CheckpointManager(root) as mgr:
+        mgr.save(1, big(1.0))
+        mgr.save(2, big(2.0))
+    _flip_near_end(os.path.join(root, "2"))
+    _eio_after_first_write(monkeypatch, os.path.join(root, "1"))
+    with pytest.warns(RuntimeWarning, match="skipping damaged step 2"):
+        with pytest.raises(PartlyWrittenError, match="EIO") as ei:
+            CheckpointManager(root).restore(None, big(0.0))
+    err = ei.value
+    assert err.damaged_steps == (2, 1) and err.keys_left == ("v", "w") and err.step == 1, err
+    assert str(err).count("must not be used as is") == 1 and "damaged step 2" in str(err), str(err)
+    assert isinstance(err, StorageError)

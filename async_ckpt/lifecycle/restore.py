@@ -220,6 +220,8 @@ def _restore(store: StepStore, step: Optional[int], state_dict: Dict[str, Any], 
         except Exception as exc:
             if first is None:
                 raise
+            if isinstance(exc, PartlyWrittenError):  # this attempt wrote into the target too
+                written.update(dict.fromkeys(covered, s))
             raise _after_partial_write(exc, written, first) from exc
         _warn_left_over(written, covered, s)
         return s
@@ -236,10 +238,15 @@ def _after_partial_write(exc: Exception, written: Dict[str, int], first: PartlyW
     """The error to raise for ``exc``, raised after an earlier attempt partly wrote the target
     (``first``: that attempt's error): a :class:`PartlyWrittenError` whose cause is ``exc``, whose
     message names the damaged step(s) and whose ``keys_left`` are the keys written by them."""
-    damaged = sorted(set(written.values()), reverse=True) or ([first.step] if first.step is not None else [])
-    text = (f"the target state dict was partly written with the data of damaged step "
-            f"{', '.join(map(str, damaged))} by an earlier attempt and must not be used as is; "
-            "restore(..., atomic=True) leaves it untouched on failure")
+    damaged = sorted(set(written.values()) | set(first.damaged_steps) | set(getattr(exc, "damaged_steps", ())),
+                     reverse=True) or ([first.step] if first.step is not None else [])
+    if isinstance(exc, PartlyWrittenError):  # its message says so already: name the earlier step(s) only
+        earlier = [d for d in damaged if d != exc.step]
+        text = f"so was it by the earlier attempt of damaged step {', '.join(map(str, earlier))}"
+    else:
+        text = (f"the target state dict was partly written with the data of damaged step "
+                f"{', '.join(map(str, damaged))} by an earlier attempt and must not be used as is; "
+                "restore(..., atomic=True) leaves it untouched on failure")
     what = str(exc) if isinstance(exc, CheckpointError) else f"restore failed ({type(exc).__name__}: {exc})"
     return partly_written_error(f"{what}; {text}", step=exc.step if isinstance(exc, CheckpointError) else None,
                                 cause=exc, damaged_steps=damaged, keys_left=sorted(written))
