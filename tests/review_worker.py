@@ -1,7 +1,7 @@
 """Worker for tests/test_review_findings.py (torchrun, 2 gloo ranks): one rank's
 KeyboardInterrupt during a restore or a Stateful load_state_dict.
 
-    torchrun --standalone --nproc-per-node 2 tests/review_worker.py <scenario> <root>
+    torchrun --standalone --nproc-per-node 2 tests/review_worker.py <root> [interrupt|apply]
 
 Each rank prints ``RANK <r> OK`` at the end; a failed check raises (non-zero exit).
 """
@@ -79,13 +79,42 @@ def checks(root: str) -> None:
         assert mgr.restore(1, {"app": ok, "w": torch.zeros(4)}) == 1
 
 
+def apply_checks(root: str) -> None:
+    """Rank 1 fails while it writes into its target (after every rank's reads passed), so both
+    ranks had written: every rank raises a PartlyWrittenError whose ``failures`` name rank 1
+    only (the rank whose write failed), not each rank that had written."""
+    from async_ckpt import PartlyWrittenError
+    from async_ckpt.storage.dcp import FsspecStorageReader
+
+    rank = dist.get_rank()
+    with CheckpointManager(root, collective_timeout_s=TIMEOUT_S) as mgr:
+        assert mgr.save(1, {"w": torch.ones(64), "v": torch.full((8,), float(rank))})
+        real = FsspecStorageReader._apply
+
+        def apply(self, ready, planner):
+            real(self, ready, planner)
+            if rank == 1:
+                raise RuntimeError("rank 1 could not write into its target")
+
+        FsspecStorageReader._apply = apply  # type: ignore[method-assign]
+        try:
+            mgr.restore(1, {"w": torch.zeros(64), "v": torch.zeros(8)})
+        except PartlyWrittenError as exc:
+            assert "could not write into its target" in str(exc), exc
+            assert [f.rank for f in exc.failures] == [1], exc.failures
+        else:
+            raise AssertionError(f"rank {rank}: no PartlyWrittenError")
+        finally:
+            FsspecStorageReader._apply = real  # type: ignore[method-assign]
+
+
 def main() -> None:
     import faulthandler
 
     faulthandler.dump_traceback_later(float(os.environ.get("DIST_WORKER_TIMEOUT", "150")), exit=True)
     dist.init_process_group("gloo")
     try:
-        checks(sys.argv[1])
+        {"interrupt": checks, "apply": apply_checks}[sys.argv[2] if len(sys.argv) > 2 else "interrupt"](sys.argv[1])
         dist.barrier()
         print(f"RANK {dist.get_rank()} OK", flush=True)
     finally:

@@ -102,6 +102,10 @@ def test_a_keyboard_interrupt_on_one_rank_in_a_restore_is_reported_to_the_others
     """2 ranks: Ctrl-C on rank 1 while it checks a step or in a Stateful value's
     load_state_dict: rank 1 raises KeyboardInterrupt, rank 0 a CheckpointError naming it at
     once (the phase exchanges it), instead of waiting out the collective timeout."""
+    _two_ranks(str(tmp_path / "c"), "interrupt")
+
+
+def _two_ranks(root: str, scenario: str) -> None:
     import os
     import subprocess
     import sys
@@ -110,9 +114,16 @@ def test_a_keyboard_interrupt_on_one_rank_in_a_restore_is_reported_to_the_others
     env = dict(os.environ, OMP_NUM_THREADS="1", PJRT_DEVICE="CPU", DIST_WORKER_TIMEOUT="150",
                PYTHONPATH=os.pathsep.join([os.path.dirname(here), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                           os.path.join(here, "review_worker.py"), str(tmp_path / "c")],
+                           os.path.join(here, "review_worker.py"), root, scenario],
                           env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=240)
     assert proc.returncode == 0 and "RANK 0 OK" in proc.stdout and "RANK 1 OK" in proc.stdout, proc.stdout[-4000:]
+
+
+@pytest.mark.slow
+def test_failures_of_a_partly_written_multi_rank_restore_name_the_rank_that_failed(tmp_path):
+    """2 ranks, rank 1 fails while writing into its target after both wrote: ``failures`` names
+    rank 1 only on every rank (it named every rank that had written, as if each had failed)."""
+    _two_ranks(str(tmp_path / "c"), "apply")
 
 
 def test_a_partly_written_error_after_a_damaged_step_names_both_steps_once(tmp_path, monkeypatch):

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Sequence, Tuple, TypeVar
 
 from .. import errors as _errors
-from ..errors import CheckpointError, RankFailure
+from ..errors import CheckpointError, PartlyWrittenError, RankFailure
 from .coordinator import Coordinator, unwrap_dcp
 
 T = TypeVar("T")
@@ -109,6 +109,8 @@ def failure_of(rank: int, exc: BaseException) -> RankFailure:
         The :class:`~async_ckpt.errors.RankFailure` to exchange.
     """
     where, err = unwrap_dcp(exc)
+    if where is None and isinstance(err, PartlyWrittenError) and err.__cause__ is not None:
+        where, _ = unwrap_dcp(err.__cause__)  # DCP's failure, wrapped after this rank wrote: whose it was
     return RankFailure(rank if where is None else where, type(err).__name__, str(err))
 
 
