@@ -108,13 +108,51 @@ def apply_checks(root: str) -> None:
             FsspecStorageReader._apply = real  # type: ignore[method-assign]
 
 
+def mixed_checks(root: str) -> None:
+    """restore(None): step 2 is damaged as rank 0 sees it, unreachable as rank 1 sees it (a
+    StorageError, not damage): no rank falls back alone to step 1 (waiting there for a rank
+    that has raised); every rank raises at once, and the ranks still pair up afterwards."""
+    from async_ckpt import CorruptCheckpointError
+    from async_ckpt.errors import StorageError
+    from async_ckpt.storage.layout import CheckpointLayout
+
+    rank = dist.get_rank()
+    with CheckpointManager(root, collective_timeout_s=TIMEOUT_S) as mgr:
+        assert mgr.save(1, {"w": torch.ones(4)})
+        assert mgr.save(2, {"w": torch.full((4,), 2.0)})
+        real = CheckpointLayout.open_step
+
+        def open_step(self, step):
+            if step == 2 and rank == 0:
+                raise CorruptCheckpointError("step 2: marker does not match the manifest", step=2)
+            if step == 2 and rank == 1:
+                raise StorageError("step 2: manifest: 503")
+            return real(self, step)
+
+        CheckpointLayout.open_step = open_step  # type: ignore[method-assign]
+        t0 = time.monotonic()
+        try:
+            mgr.restore(None, {"w": torch.zeros(4)})
+        except CheckpointError as exc:
+            assert not isinstance(exc, CorruptCheckpointError), f"rank {rank} would fall back alone: {exc!r}"
+            assert "503" in str(exc), exc
+        else:
+            raise AssertionError(f"rank {rank} restored alone")
+        finally:
+            CheckpointLayout.open_step = real  # type: ignore[method-assign]
+        took = time.monotonic() - t0
+        assert took < TIMEOUT_S / 2, f"rank {rank} waited {took:.1f} s (the collective timeout: the ranks hung)"
+        t = {"w": torch.zeros(4)}
+        assert mgr.restore(None, t) == 2 and torch.equal(t["w"], torch.full((4,), 2.0))
+
+
 def main() -> None:
     import faulthandler
 
     faulthandler.dump_traceback_later(float(os.environ.get("DIST_WORKER_TIMEOUT", "150")), exit=True)
     dist.init_process_group("gloo")
     try:
-        {"interrupt": checks, "apply": apply_checks}[sys.argv[2] if len(sys.argv) > 2 else "interrupt"](sys.argv[1])
+        {"interrupt": checks, "apply": apply_checks, "mixed": mixed_checks}[sys.argv[2] if len(sys.argv) > 2 else "interrupt"](sys.argv[1])
         dist.barrier()
         print(f"RANK {dist.get_rank()} OK", flush=True)
     finally:

@@ -147,3 +147,10 @@ def test_a_partly_written_error_after_a_damaged_step_names_both_steps_once(tmp_p
     assert err.damaged_steps == (2, 1) and err.keys_left == ("v", "w") and err.step == 1, err
     assert str(err).count("must not be used as is") == 1 and "damaged step 2" in str(err), str(err)
     assert isinstance(err, StorageError)
+
+
+@pytest.mark.slow
+def test_ranks_that_fail_a_step_differently_fall_back_together_or_not_at_all(tmp_path):
+    """2 ranks, restore(None): step 2 is damaged on rank 0 and unreachable (StorageError) on
+    rank 1: both raise at once (rank 0 fell back to step 1 alone and waited there for rank 1)."""
+    _two_ranks(str(tmp_path / "c"), "mixed")
