@@ -170,13 +170,17 @@ def partly_written_error(message: str, *, cause: BaseException, step: Optional[i
 
     Returns:
         A :class:`CorruptPartlyWrittenError` when ``cause`` is a :class:`CorruptCheckpointError`,
-        else a :class:`PartlyWrittenError`.
+        a :class:`StoragePartlyWrittenError` when it is a :class:`StorageError`, else a
+        :class:`PartlyWrittenError`.
     """
     if isinstance(cause, CorruptCheckpointError):
         err: PartlyWrittenError = CorruptPartlyWrittenError(message, step=step, cause=cause,
                                                             damaged_steps=damaged_steps, keys_left=keys_left)
         err.path = cause.path  # type: ignore[attr-defined]
         return err
+    if isinstance(cause, StorageError):
+        return StoragePartlyWrittenError(message, step=step, cause=cause, damaged_steps=damaged_steps,
+                                         keys_left=keys_left)
     return PartlyWrittenError(message, step=step, cause=cause, damaged_steps=damaged_steps, keys_left=keys_left)
 
 
@@ -188,6 +192,13 @@ class StorageTimeoutError(StorageError):
     """A storage call did not finish within ``RetryPolicy.deadline``.
 
     The storage stopped answering (a network black hole, a hung mount)."""
+
+
+class StoragePartlyWrittenError(PartlyWrittenError, StorageError):
+    """A :class:`PartlyWrittenError` whose cause is a :class:`StorageError`.
+
+    ``except StorageError`` (and ``OSError``) catches it too, as it caught the cause before, so a
+    restore from the local tier still falls back to the other tier's copy."""
 
 
 class TornSnapshotError(CheckpointError):

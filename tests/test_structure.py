@@ -20,11 +20,11 @@ def _is_private(name: str) -> bool:
     return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
 
 
-def _modules() -> Dict[str, str]:
+def _modules(pkg_dir: str = PKG_DIR) -> Dict[str, str]:
     """Dotted module name -> file path, for every module of async_ckpt."""
     out: Dict[str, str] = {}
-    root = os.path.dirname(PKG_DIR)
-    for dirpath, _dirs, files in os.walk(PKG_DIR):
+    root = os.path.dirname(pkg_dir)
+    for dirpath, _dirs, files in os.walk(pkg_dir):
         for f in files:
             if not f.endswith(".py"):
                 continue
@@ -46,10 +46,10 @@ def _resolve(module: str, is_package: bool, node: ast.ImportFrom) -> Optional[st
     return target if target == "async_ckpt" or target.startswith("async_ckpt.") else None
 
 
-def offenders() -> List[str]:
+def offenders(pkg_dir: str = PKG_DIR) -> List[str]:
     """Every private name a module of async_ckpt takes from another one, as
-    ``"importer: module.name"``, sorted."""
-    modules = _modules()
+    ``"importer: module.name"``, sorted (``pkg_dir``: the package's directory)."""
+    modules = _modules(pkg_dir)
     found: Set[str] = set()
     for module, path in modules.items():
         is_package = path.endswith("__init__.py")
@@ -73,10 +73,24 @@ def offenders() -> List[str]:
                 for alias in node.names:
                     if alias.name in modules and alias.asname:
                         bound[alias.asname] = alias.name
+                    elif alias.name in modules:  # ``import async_ckpt.x.y`` binds ``async_ckpt``
+                        bound[alias.name.split(".")[0]] = alias.name.split(".")[0]
+
+        def reached(value: ast.expr, bound: Dict[str, str] = bound) -> Optional[str]:
+            """The async_ckpt module an expression names (``m``, ``m.sub``, ``async_ckpt.x.y``)."""
+            if isinstance(value, ast.Name):
+                return bound.get(value.id)
+            if isinstance(value, ast.Attribute):
+                outer = reached(value.value, bound)
+                if outer is not None and f"{outer}.{value.attr}" in modules:
+                    return f"{outer}.{value.attr}"
+            return None
+
         for node in ast.walk(tree):
-            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
-                    and node.value.id in bound and _is_private(node.attr) and bound[node.value.id] != module):
-                found.add(f"{module}: {bound[node.value.id]}.{node.attr}")
+            if isinstance(node, ast.Attribute) and _is_private(node.attr):
+                owner = reached(node.value)
+                if owner is not None and owner != module:
+                    found.add(f"{module}: {owner}.{node.attr}")
     return sorted(found)
 
 
@@ -95,3 +109,20 @@ def test_the_scan_finds_what_it_should(tmp_path):
     assert _resolve("async_ckpt.storage.layout", False, froms[1]) == "async_ckpt.storage"
     assert [a.name for a in froms[0].names if _is_private(a.name)] == ["_y"]
     assert _is_private("_w") and not _is_private("__doc__") and not _is_private("w")
+
+
+def test_the_scan_finds_private_names_reached_through_dotted_module_paths(tmp_path):
+    """A private name reached through a module path (``import async_ckpt.a`` then
+    ``async_ckpt.a._p``, or ``from async_ckpt import sub`` then ``sub.a._p``) is an offender too;
+    the module's own private names and a package's own submodules' are not."""
+    pkg = tmp_path / "async_ckpt"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "sub" / "a.py").write_text("def _p():\n    pass\n")
+    (pkg / "b.py").write_text("import async_ckpt.sub.a\n\nasync_ckpt.sub.a._p()\n")
+    (pkg / "c.py").write_text("from async_ckpt import sub\n\nsub.a._p()\n")
+    (pkg / "d.py").write_text("from .sub import a\n\na._p()\n")
+    (pkg / "e.py").write_text("def _own():\n    pass\n\n_own()\n")
+    assert offenders(str(pkg)) == ["async_ckpt.b: async_ckpt.sub.a._p", "async_ckpt.c: async_ckpt.sub.a._p",
+                                   "async_ckpt.d: async_ckpt.sub.a._p"]

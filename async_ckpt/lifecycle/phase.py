@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Sequence, Tuple, TypeVar
 
 from .. import errors as _errors
-from ..errors import CheckpointError, RankFailure
+from ..errors import CheckpointError, CorruptCheckpointError, PartlyWrittenError, RankFailure
 from .coordinator import Coordinator, unwrap_dcp
 
 T = TypeVar("T")
@@ -49,7 +49,10 @@ def everyone(coord: Coordinator, what: str, step: Optional[int], fn: Optional[Ca
     """
     if coord.world_size == 1:
         if error is not None:
-            raise error
+            _, own = unwrap_dcp(error)  # as the exchange raised it: DCP's wrapper off, the step set
+            if isinstance(own, CheckpointError) and own.step is None:
+                own.step = step
+            raise own
         return [fn() if fn is not None else None]
     local, value = _run(fn, error)
     outcome = _Outcome(value, None if local is None else failure_of(coord.rank, local))
@@ -106,6 +109,8 @@ def failure_of(rank: int, exc: BaseException) -> RankFailure:
         The :class:`~async_ckpt.errors.RankFailure` to exchange.
     """
     where, err = unwrap_dcp(exc)
+    if where is None and isinstance(err, PartlyWrittenError) and err.__cause__ is not None:
+        where, _ = unwrap_dcp(err.__cause__)  # DCP's failure, wrapped after this rank wrote: whose it was
     return RankFailure(rank if where is None else where, type(err).__name__, str(err))
 
 
@@ -123,7 +128,9 @@ def raise_if_failed(failures: Sequence[Optional[RankFailure]], step: Optional[in
 
     Raises:
         CheckpointError: of the first failure's class where it is one of async_ckpt's, naming
-            every failure by rank. KeyboardInterrupt and SystemExit are re-raised as they are.
+            every failure by rank; a :class:`~async_ckpt.errors.CorruptCheckpointError` only if
+            every rank's failure is one (so that the ranks fall back past a step together).
+            KeyboardInterrupt and SystemExit are re-raised as they are.
     """
     bad = list(dict.fromkeys(f for f in failures if f is not None))  # DCP gives every rank the same one
     if not bad:
@@ -132,15 +139,26 @@ def raise_if_failed(failures: Sequence[Optional[RankFailure]], step: Optional[in
         raise local
     summary = "; ".join(f"rank {f.rank}: {f.kind}: {f.message}" for f in bad)
     message = f"step {step}: {what} failed: {summary}" if step is not None else f"{what} failed: {summary}"
+    # Damage (a restore falls back past it) only if every rank's failure is damage, so that the
+    # ranks fall back together or not at all: else the first failure that is not damage decides.
+    damage = [_is_damage(f.kind) for f in bad]
+    first = bad[0] if all(damage) else bad[damage.index(False)]
     if local is not None:
         _, own = unwrap_dcp(local)
+        if isinstance(own, CorruptCheckpointError) and not all(damage):
+            raise _rebuild(first.kind, message, step, bad) from own
         if isinstance(own, CheckpointError):
             if own.step is None:
                 own.step = step
             own.failures = tuple(bad)
             raise own
         raise CheckpointError(message, step=step, failures=bad) from own
-    raise _rebuild(bad[0].kind, message, step, bad)
+    raise _rebuild(first.kind, message, step, bad)
+
+
+def _is_damage(kind: str) -> bool:
+    cls = getattr(_errors, kind, None)
+    return isinstance(cls, type) and issubclass(cls, CorruptCheckpointError)
 
 
 def _rebuild(kind: str, message: str, step: Optional[int], failures: Sequence[RankFailure]) -> CheckpointError:

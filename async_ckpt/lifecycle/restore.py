@@ -171,8 +171,8 @@ def restore(candidates: Sequence[Candidate], state_dict: Dict[str, Any], *, coor
                     state_dict[k] = v
             for k, v in stateful.items():
                 v.load_state_dict(target[k])
-    except BaseException as exc:  # noqa: BLE001 - exchanged below
-        if isinstance(exc, (KeyboardInterrupt, SystemExit)) or coord.world_size == 1:
+    except BaseException as exc:  # noqa: BLE001 - exchanged below (KeyboardInterrupt too: re-raised after)
+        if coord.world_size == 1:
             raise
         local = exc
     # a rank whose load_state_dict() raised: every rank raises, naming it
@@ -290,6 +290,8 @@ def _first_intact(candidates: Sequence[Candidate], state_dict: Dict[str, Any], c
         except Exception as exc:
             if first is None:
                 raise
+            if isinstance(exc, PartlyWrittenError):  # this attempt wrote into the target too
+                written.update(dict.fromkeys(covered, c.step))
             raise _after_partial_write(exc, written, first) from exc
         _warn_left_over(written, covered, c.step, copies)
         return c
@@ -337,10 +339,15 @@ def _after_partial_write(exc: Exception, written: Dict[str, int], first: PartlyW
     """The error to raise for ``exc``, raised after an earlier attempt partly wrote the target
     (``first``: that attempt's error): a :class:`PartlyWrittenError` whose cause is ``exc``, whose
     message names the damaged step(s) and whose ``keys_left`` are the keys written by them."""
-    damaged = sorted(set(written.values()), reverse=True) or ([first.step] if first.step is not None else [])
-    text = (f"the target state dict was partly written with the data of damaged step "
-            f"{', '.join(map(str, damaged))} by an earlier attempt and must not be used as is; "
-            "restore(..., atomic=True) leaves it untouched on failure")
+    damaged = sorted(set(written.values()) | set(first.damaged_steps) | set(getattr(exc, "damaged_steps", ())),
+                     reverse=True) or ([first.step] if first.step is not None else [])
+    if isinstance(exc, PartlyWrittenError):  # its message says so already: name the earlier step(s) only
+        earlier = [d for d in damaged if d != exc.step]
+        text = f"so was it by the earlier attempt of damaged step {', '.join(map(str, earlier))}"
+    else:
+        text = (f"the target state dict was partly written with the data of damaged step "
+                f"{', '.join(map(str, damaged))} by an earlier attempt and must not be used as is; "
+                "restore(..., atomic=True) leaves it untouched on failure")
     what = str(exc) if isinstance(exc, CheckpointError) else f"restore failed ({type(exc).__name__}: {exc})"
     return partly_written_error(f"{what}; {text}", step=exc.step if isinstance(exc, CheckpointError) else None,
                                 cause=exc, damaged_steps=damaged, keys_left=sorted(written))
@@ -380,8 +387,8 @@ def _restore_one(store: StepStore, step: int, state_dict: Dict[str, Any], *, ver
         metadata = reader.read_metadata()
         int_keys = set(manifest.extra.get("int_keys", ())) | _stateful_int_keys(metadata, stateful)
         added = prepare_target(state_dict, metadata, step, int_keys, strict=strict, covered=covered)
-    except BaseException as exc:  # noqa: BLE001 - exchanged below
-        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+    except BaseException as exc:  # noqa: BLE001 - exchanged below (KeyboardInterrupt too: re-raised after)
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)) and coord.world_size == 1:
             raise
         local = exc
     _agree_or_undo(store, step, "restore checks", local, state_dict, added)
@@ -391,7 +398,7 @@ def _restore_one(store: StepStore, step: int, state_dict: Dict[str, Any], *, ver
                    allow_pickle=allow_pickle, metadata=metadata, planner=planner, atomic=atomic, strict=strict,
                    pool=pool)
     except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
-        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)) and coord.world_size == 1:
             raise
         local = exc
     _agree_or_undo(store, step, "restore", local, state_dict, added)

@@ -104,8 +104,8 @@ def run_save(store: StepStore, job: SaveJob, *, policy: RetentionPolicy, threads
             try:
                 snap.drop_sources()  # here, not in the stall: releasing device-buffer views costs
                 snap.wait_copied()
-            except BaseException as exc:  # noqa: BLE001 - reported to every rank
-                if coord.world_size == 1 or isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            except BaseException as exc:  # noqa: BLE001 - reported to every rank (KeyboardInterrupt: re-raised after)
+                if coord.world_size == 1:
                     raise
                 local = exc
         tw = time.perf_counter()
