@@ -1,4 +1,5 @@
-"""Regression tests for the review of the rank protocol / PartlyWrittenError changes."""
+"""How failures are reported: a restore that failed after writing (PartlyWrittenError and its
+kinds), and failures across ranks (every rank raises the same failures, named by rank)."""
 
 from __future__ import annotations
 
@@ -114,7 +115,7 @@ def _two_ranks(root: str, scenario: str) -> None:
     env = dict(os.environ, OMP_NUM_THREADS="1", PJRT_DEVICE="CPU", DIST_WORKER_TIMEOUT="150",
                PYTHONPATH=os.pathsep.join([os.path.dirname(here), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                           os.path.join(here, "review_worker.py"), root, scenario],
+                           os.path.join(here, "failure_worker.py"), root, scenario],
                           env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=240)
     assert proc.returncode == 0 and "RANK 0 OK" in proc.stdout and "RANK 1 OK" in proc.stdout, proc.stdout[-4000:]
 
