@@ -227,7 +227,7 @@ def main() -> None:
     print(f"\nCPU loop: MLP {args.depth}x{args.width}, Adam, batch {args.batch}, {args.steps} steps, "
           f"save every {args.every}; state {results[0].get('state_mib', 0):.0f} MiB; torch {torch.__version__}, "
           f"{os.cpu_count()} CPUs; fastest of {args.rounds} interleaved runs")
-    print(f"| method | loop s | overhead s | overhead % | per-save stall median s | max s | guard wait s |")
+    print("| method | loop s | overhead s | overhead % | per-save stall median s | max s | guard wait s |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for r in results:
         if "error" in r:

@@ -24,7 +24,7 @@ import signal
 import sys
 import time
 import traceback
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict
 
 import torch
 
@@ -160,9 +160,9 @@ def main() -> None:
     # Single-threaded ops, and every thread joined again, so that forking stays safe.
     import tempfile
 
-    from async_ckpt import CheckpointManager
-
     import faulty_fs  # noqa: F401  (registers faulty://, for trials on the fsspec code path)
+
+    from async_ckpt import CheckpointManager
 
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as d:

@@ -518,9 +518,8 @@ def failing_stateful_checks(root: str) -> None:
 
 
 def main() -> None:
-    import time
-
     import faulthandler
+    import time
 
     # A hang is a failure: dump every thread's stack and exit instead of waiting forever.
     faulthandler.dump_traceback_later(float(os.environ.get("DIST_WORKER_TIMEOUT", "100")), exit=True)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 
 
 def hf(out_dir: str, max_steps: int, resume: bool, log_json: str, limit: int = 2, stop_at: int = 0,
@@ -79,8 +78,8 @@ if __name__ == "__main__":
 def lit_model_class():
     """A small LightningModule on a fixed dataset of 4 batches per epoch (built on first use so
     that importing this module needs no Lightning)."""
-    import torch
     import lightning as L
+    import torch
 
     class LitModel(L.LightningModule):
         def __init__(self, width: int = 8):
@@ -109,8 +108,8 @@ def lit_model_class():
 def lightning_kill(out_dir: str) -> None:
     import threading
 
-    import torch
     import lightning as L
+    import torch
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     import async_ckpt.integrations.lightning as mod

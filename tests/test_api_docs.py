@@ -32,7 +32,7 @@ MODULES = [
     "async_ckpt.writer",
     "async_ckpt.compat",
     "async_ckpt.storage.retry",
-    "async_ckpt.storage.fs",
+    "async_ckpt.storage.storage",
     "async_ckpt.storage.lease",
     "async_ckpt.storage.stats_log",
     "async_ckpt.staging",

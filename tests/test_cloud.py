@@ -12,8 +12,8 @@ from typing import Any, Dict
 import fsspec
 import pytest
 import torch
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
 from async_ckpt import CheckpointManager
 from async_ckpt.errors import CheckpointError, StorageError
@@ -21,7 +21,7 @@ from async_ckpt.storage import RetryPolicy
 from async_ckpt.storage.retry import is_transient
 
 from .conftest import assert_bitwise_equal, make_state, target_like
-from .storage_servers import Bucket, FakeGCSServer, MotoS3Server
+from .storage_servers import Bucket, MotoS3Server
 
 MiB = 2**20
 
@@ -238,5 +238,5 @@ def test_transient_classification_of_real_client_errors(s3_server: MotoS3Server)
     assert is_transient(ei.value), repr(ei.value)
     up = s3_server.new_bucket().fs()
     with pytest.raises(FileNotFoundError) as ei2:
-        up.cat_file(f"no-such-bucket-4f2a/x")
+        up.cat_file("no-such-bucket-4f2a/x")
     assert not is_transient(ei2.value)

@@ -17,7 +17,6 @@ docs/api.md mentions every name ``async_ckpt`` exports.
 from __future__ import annotations
 
 import logging
-import os
 import re
 from pathlib import Path
 from typing import List, Tuple

@@ -611,7 +611,7 @@ def test_local_files_start_writeback_early_and_cover_every_byte(tmp_path, monkey
     """Local data files hand every full chunk to the disk as it is written (``sync_file_range``),
     so the closing fsync does not wait for the whole file; without the call, files are the same."""
     from async_ckpt.storage.backends import posix
-    from async_ckpt.storage.fs import Storage
+    from async_ckpt.storage.storage import Storage
 
     calls = []
     monkeypatch.setattr(posix, "WRITEBACK_BYTES", 1 << 20)

@@ -16,9 +16,9 @@ from async_ckpt import CheckpointManager
 from async_ckpt.cli import main
 from async_ckpt.errors import CorruptCheckpointError, StepNotFoundError, StorageError, UnsafeCheckpointError
 from async_ckpt.storage.dcp import METADATA_NAME, load_metadata
-from async_ckpt.storage.fs import Storage
 from async_ckpt.storage.layout import CheckpointLayout
 from async_ckpt.storage.manifest import MANIFEST_NAME, MARKER_NAME, crc32c, marker_bytes
+from async_ckpt.storage.storage import Storage
 
 from .conftest import assert_bitwise_equal, clone_tree, data_files, flip_byte, small_state, target_like
 

@@ -20,7 +20,6 @@ import torch
 
 from async_ckpt import CheckpointError, CorruptCheckpointError, InvalidStateDictError
 
-
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = str(Path(__file__).with_name("integration_worker.py"))
 

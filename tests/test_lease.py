@@ -22,7 +22,7 @@ from async_ckpt import CheckpointManager, LeaseHeldError
 from async_ckpt.storage import Storage
 from async_ckpt.storage.lease import LEASE_NAME, ObjectStoreLease
 
-from .conftest import assert_bitwise_equal, target_like, small_state
+from .conftest import assert_bitwise_equal, small_state, target_like
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

@@ -7,8 +7,6 @@ import threading
 import uuid
 
 import pytest
-
-from async_ckpt.storage.lease import LOCK_NAME
 import torch
 import torch.distributed.checkpoint as dcp
 
@@ -21,6 +19,7 @@ from async_ckpt import (
     StepNotFoundError,
     StorageError,
 )
+from async_ckpt.storage.lease import LOCK_NAME
 
 from .conftest import assert_bitwise_equal, clone_tree, make_state
 

@@ -16,7 +16,7 @@ import torch.distributed.checkpoint as dcp
 
 from async_ckpt.storage import torch_record as records
 from async_ckpt.storage.dcp import writer as dcp_writer
-from async_ckpt.storage.fs import Storage
+from async_ckpt.storage.storage import Storage
 from async_ckpt.storage.torch_record import RecordTemplates
 
 from .conftest import assert_bitwise_equal

@@ -13,8 +13,8 @@ from fsspec.implementations.memory import MemoryFileSystem
 from async_ckpt.errors import StorageError
 from async_ckpt.storage.backends import FsspecBackend, ObjectStoreBackend, PosixBackend
 from async_ckpt.storage.backends.object_store import OBJECT_FILE_BYTES
-from async_ckpt.storage.fs import Storage
 from async_ckpt.storage.retry import RetryPolicy
+from async_ckpt.storage.storage import Storage
 
 from . import faulty_fs  # noqa: F401 - registers faulty://
 

@@ -16,7 +16,7 @@ from async_ckpt import CheckpointManager
 from async_ckpt.storage.dcp import common as dcp_common
 from async_ckpt.storage.dcp import load_state_dict
 from async_ckpt.storage.dcp import writer as dcp_writer
-from async_ckpt.storage.fs import Storage
+from async_ckpt.storage.storage import Storage
 
 from .conftest import assert_bitwise_equal, target_like
 

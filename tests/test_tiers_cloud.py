@@ -11,9 +11,8 @@ from async_ckpt import CheckpointManager
 from async_ckpt.errors import CheckpointError
 from async_ckpt.storage import RetryPolicy
 
-from .conftest import assert_bitwise_equal
+from .conftest import assert_bitwise_equal, target_like
 from .storage_servers import FakeGCSServer
-from .conftest import target_like
 from .test_cloud import MiB, _PausingFS, big_state
 
 

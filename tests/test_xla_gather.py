@@ -11,7 +11,6 @@ from async_ckpt.staging import xla as xla_gather
 
 from .conftest import assert_bitwise_equal
 
-
 xla = pytest.mark.xla
 
 

@@ -13,9 +13,9 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 
 from ..errors import CheckpointError, CorruptCheckpointError, StepNotFoundError
 from ..lifecycle.catalog import StepCatalog
-from ..storage.fs import Storage
 from ..storage.layout import CheckpointLayout
 from ..storage.manifest import Manifest
+from ..storage.storage import Storage
 
 EXIT_OK, EXIT_DAMAGED, EXIT_ERROR = 0, 1, 2
 #: bytes read per call when a command reads a data file chunk by chunk

@@ -6,8 +6,8 @@ import argparse
 import os
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
-from ..storage.fs import Storage
 from ..storage.layout import CheckpointLayout
+from ..storage.storage import Storage
 from .common import (
     EXIT_OK,
     fmt_time,

@@ -11,9 +11,9 @@ from ..errors import CheckpointError
 from ..manager.tiered import SAVE_ID, same_save, saved_for_another
 from ..policies import CheckpointInfo
 from ..storage import step_names
-from ..storage.fs import Storage
 from ..storage.layout import CheckpointLayout
 from ..storage.manifest import MARKER_NAME, shown
+from ..storage.storage import Storage
 from .common import (
     DCP_HINT,
     EXIT_OK,

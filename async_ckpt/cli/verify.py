@@ -10,10 +10,10 @@ from typing import Any, Dict, List, Optional, Tuple
 from ..addresses import byte_view
 from ..errors import CheckpointError, StepNotFoundError
 from ..lifecycle.catalog import StepCatalog
-from ..storage.fs import Storage
 from ..storage.layout import CheckpointLayout
 from ..storage.lease import writer_lease
 from ..storage.manifest import shown
+from ..storage.storage import Storage
 from .common import (
     EXIT_DAMAGED,
     EXIT_OK,

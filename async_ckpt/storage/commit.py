@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from typing import List, Protocol
 
 from . import step_names
-from .fs import Storage
 from .manifest import MANIFEST_NAME, MARKER_NAME, PENDING_NAME, Manifest, marker_bytes
+from .storage import Storage
 
 log = logging.getLogger("async_ckpt")
 

@@ -28,8 +28,8 @@ from ..errors import (
 )
 from . import step_names
 from .commit import CommitProtocol, MarkerCommit, RenameCommit, StepTarget
-from .fs import MISSING, Storage
 from .manifest import MANIFEST_NAME, MARKER_NAME, PENDING_NAME, Manifest, check_marker
+from .storage import MISSING, Storage
 
 __all__ = ["ABORT_WAIT_S", "COMMIT_MODES", "CheckpointLayout", "StepTarget"]
 

@@ -27,7 +27,7 @@ from typing import Any, Callable, Dict, Optional, Protocol
 
 from ..errors import InvalidArgumentError, LeaseHeldError, StorageError
 from .backends.posix import open_nofollow
-from .fs import Storage
+from .storage import Storage
 
 log = logging.getLogger("async_ckpt")
 

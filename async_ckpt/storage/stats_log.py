@@ -10,7 +10,7 @@ from typing import Optional, Union
 from ..errors import InvalidArgumentError
 from ..stats import DEFAULT_STATS_LOG, SaveStats, check_stats_relpath
 from .backends.posix import open_nofollow
-from .fs import Storage
+from .storage import Storage
 
 log = logging.getLogger("async_ckpt")
 

@@ -1,4 +1,4 @@
-"""Storage backends: the parts of :class:`~async_ckpt.storage.fs.Storage` that depend on the
+"""Storage backends: the parts of :class:`~async_ckpt.storage.storage.Storage` that depend on the
 kind of storage, one class per kind, picked by :func:`backend_for`.
 
 * :class:`PosixBackend` (:mod:`.posix`): local paths;

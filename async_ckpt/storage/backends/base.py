@@ -1,5 +1,5 @@
 """The :class:`Backend` protocol: what differs between the kinds of storage under a
-:class:`~async_ckpt.storage.fs.Storage`, and what the backends share."""
+:class:`~async_ckpt.storage.storage.Storage`, and what the backends share."""
 
 from __future__ import annotations
 

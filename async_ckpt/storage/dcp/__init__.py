@@ -1,4 +1,4 @@
-"""DCP-format save and load over :class:`~async_ckpt.storage.fs.Storage`.
+"""DCP-format save and load over :class:`~async_ckpt.storage.storage.Storage`.
 
 * :mod:`.writer`: the write path (record streams, concurrent checksummed files, the
   planner-free single-process save);

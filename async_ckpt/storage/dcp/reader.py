@@ -1,4 +1,4 @@
-"""Restore: reading a DCP checkpoint through :class:`~async_ckpt.storage.fs.Storage`.
+"""Restore: reading a DCP checkpoint through :class:`~async_ckpt.storage.storage.Storage`.
 
 What the load plan needs is read concurrently and checked against the manifest before the
 target state dict is touched (with several ranks, before any rank touches its own: they
@@ -30,8 +30,8 @@ from torch.futures import Future
 from ... import compat
 from ...addresses import byte_view
 from ...errors import CorruptCheckpointError
-from ..fs import READ_RANGE_BYTES
 from ..manifest import FileRecord, check_file_name, crc32c, shown
+from ..storage import READ_RANGE_BYTES
 from ..torch_record import plain_data_start
 from .common import METADATA_NAME, call_dcp, distributed
 from .read_exec import (

@@ -30,8 +30,8 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from ...addresses import byte_view
 from ...errors import StagingBudgetError
-from ..fs import Storage
 from ..manifest import FileRecord
+from ..storage import Storage
 from .direct import load_direct
 from .read_exec import IntoBuffers, StepFiles, read_files
 from .reader import load_state_dict

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from ..fs import Storage
 from ..manifest import FileRecord
+from ..storage import Storage
 from .common import unwrap_dcp
 from .direct import load_direct, partly_written
 from .reader import FsspecStorageReader, load_state_dict, safe_planner

@@ -1,4 +1,4 @@
-"""Save: writing a DCP checkpoint through :class:`~async_ckpt.storage.fs.Storage`.
+"""Save: writing a DCP checkpoint through :class:`~async_ckpt.storage.storage.Storage`.
 
 The step directory is a plain ``torch.distributed.checkpoint`` checkpoint (``.metadata`` plus
 ``__<rank>_<k>.distcp`` files holding ``torch.save``-serialised items, exactly the layout of
@@ -44,8 +44,8 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from ... import compat
-from ..fs import Storage
 from ..manifest import FileRecord, crc32c, raw_crc32c
+from ..storage import Storage
 from ..torch_record import PickledObject, RecordBatch, RecordTemplate, RecordTemplates
 from .common import METADATA_NAME, call_dcp, distributed, world_size
 from .crc import crc32c_combine
