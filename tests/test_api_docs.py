@@ -29,7 +29,7 @@ MODULES = [
     "async_ckpt.stats",
     "async_ckpt.policies",
     "async_ckpt.preemption",
-    "async_ckpt.writer",
+    "async_ckpt.save_queue",
     "async_ckpt.compat",
     "async_ckpt.storage.retry",
     "async_ckpt.storage.storage",

@@ -15,7 +15,7 @@ from async_ckpt.storage import FileRecord, Storage
 from async_ckpt.storage.dcp import METADATA_NAME, load_metadata, load_state_dict, save_state_dict
 from async_ckpt.storage.dcp.direct import load_direct
 from async_ckpt.storage.dcp.read_exec import FRESH, NULL, IntoBuffers, read_file_bytes, read_files
-from async_ckpt.storage.dcp.staged_restore import load_staged
+from async_ckpt.storage.dcp.atomic_restore import load_staged
 
 from .conftest import assert_bitwise_equal
 

@@ -14,7 +14,7 @@ from async_ckpt import CheckpointManager
 from async_ckpt.errors import CorruptCheckpointError, PartlyWrittenError, StateDictMismatchError
 from async_ckpt.storage.dcp import direct, step_io
 from async_ckpt.storage.dcp.crc import crc32c_combine, crc32c_concat
-from async_ckpt.storage.dcp.safety import load_metadata
+from async_ckpt.storage.dcp.unpickling import load_metadata
 from async_ckpt.storage.manifest import MANIFEST_NAME, Manifest, crc32c
 
 from .tree import assert_bitwise_equal, clone_tree

@@ -225,4 +225,4 @@ def test_tied_xla_target_restored_from_untied_data(tmp_path, xla_device, direct_
         t = torch.zeros(n, device=xla_device)
         mgr.restore(1, {"a": t, "b": t}, atomic=atomic)
         assert torch.equal(t.cpu(), torch.full((n,), 2.0))
-    assert direct_calls == ([] if atomic else [True] * 5)  # atomic: through staged_restore's load_direct
+    assert direct_calls == ([] if atomic else [True] * 5)  # atomic: through atomic_restore's load_direct

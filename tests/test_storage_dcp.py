@@ -13,7 +13,7 @@ import warnings
 import torch
 
 from async_ckpt import CheckpointManager
-from async_ckpt.storage.dcp import common as dcp_common
+from async_ckpt.storage.dcp import dcp_call as dcp_common
 from async_ckpt.storage.dcp import load_state_dict
 from async_ckpt.storage.dcp import writer as dcp_writer
 from async_ckpt.storage.storage import Storage

@@ -24,8 +24,8 @@ from .. import errors as _errors
 from ..errors import CheckpointError, InvalidArgumentError
 from ..storage import FileRecord, Storage
 from ..storage.dcp import WriteMemo
-from ..storage.dcp.common import unwrap_dcp
-from ..storage.dcp.staged_restore import Acquire
+from ..storage.dcp.atomic_restore import Acquire
+from ..storage.dcp.dcp_call import unwrap_dcp
 from ..storage.dcp.step_io import read_step, write_step
 
 if TYPE_CHECKING:

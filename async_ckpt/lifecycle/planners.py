@@ -15,7 +15,7 @@ from ..compat import xla_loaded
 from ..errors import UnsafeCheckpointError
 from ..staging import HostSnapshot
 from ..staging.xla import is_xla_sharded
-from ..storage.dcp.layout_memo import set_element
+from ..storage.dcp.file_assignment import set_element
 
 
 def _leaves(tree: Any) -> Iterator[Any]:

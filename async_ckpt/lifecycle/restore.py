@@ -232,7 +232,7 @@ def _remapped(target: Dict[str, Any], key_map: Mapping[str, str]) -> Tuple[Dict[
     to each flattened key of ``target``), and a function that puts the values a restore
     assigned in the view (non-tensor values; tensors are written in place) back into
     ``target``."""
-    from ..storage.dcp.layout_memo import flatten  # DCP's flatten_state_dict, quicker
+    from ..storage.dcp.file_assignment import flatten  # DCP's flatten_state_dict, quicker
 
     flat, paths = flatten(target)
     rules = sorted(((dst, src) for src, dst in key_map.items()), key=lambda r: len(r[0]), reverse=True)
@@ -466,7 +466,7 @@ def _prepare_target(state_dict: Dict[str, Any], metadata: Any, step: int, int_ke
                     strict: bool, covered: Optional[Set[str]] = None) -> List[tuple]:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from ..storage.dcp.layout_memo import flatten  # DCP's flatten_state_dict, quicker
+    from ..storage.dcp.file_assignment import flatten  # DCP's flatten_state_dict, quicker
 
     flat, _ = flatten(state_dict)
     md = metadata.state_dict_metadata

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..policies import RetentionPolicy, SavePolicy
-from ..writer import AsyncWriter
+from ..save_queue import AsyncWriter
 from .steps import StepStore
 
 #: the name of the local tier's root (``local_dir``)

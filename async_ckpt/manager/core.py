@@ -50,12 +50,12 @@ from ..policies import (
     find_keep_best,
 )
 from ..preemption import PreemptionTracker, PreemptionWatcher
+from ..save_queue import AsyncWriter
 from ..staging import HostBufferPool, Stager
 from ..stats import SaveStats, format_bytes, format_seconds
 from ..storage import CheckpointLayout, RetryPolicy, Storage
 from ..storage.manifest import check_metrics
 from ..storage.stats_log import StatsLog
-from ..writer import AsyncWriter
 from .hooks import live_managers, stop_threads
 from .schedule import Due, RootState, due_at
 from .tiered import (
@@ -726,7 +726,7 @@ class CheckpointManager:
         no code of the value's classes."""
         import torch
 
-        from ..storage.dcp.safety import refused_global
+        from ..storage.dcp.unpickling import refused_global
 
         bad: List[str] = []
         for path, obj in plan.pickled:

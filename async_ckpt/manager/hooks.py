@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, List, Tuple
 
 from ..compat import register_exit_hook
-from ..writer import AsyncWriter
+from ..save_queue import AsyncWriter
 
 log = logging.getLogger("async_ckpt")
 

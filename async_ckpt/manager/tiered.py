@@ -46,9 +46,9 @@ from ..lifecycle.root import LOCAL, PERSISTENT, Root
 from ..lifecycle.steps import StepStore
 from ..options import ManagerOptions
 from ..policies import CheckpointInfo, RetentionPolicy, apply_retention, as_retention_policy
+from ..save_queue import AsyncWriter
 from ..storage import CheckpointLayout, FileRecord, Manifest, Storage
 from ..storage.manifest import check_file_name, crc32c
-from ..writer import AsyncWriter
 
 log = logging.getLogger("async_ckpt")
 

@@ -2,21 +2,21 @@
 
 * :mod:`.writer`: the write path (record streams, concurrent checksummed files, the
   planner-free single-process save);
-* :mod:`.layout_memo`: what that save remembers of a layout for the next one (:class:`WriteMemo`);
+* :mod:`.file_assignment`: what that save remembers of a layout for the next one (:class:`WriteMemo`);
 * :mod:`.step_io`: one step's files written and read (:func:`~.step_io.write_step`,
   :func:`~.step_io.read_step`): the choice of data path;
 * :mod:`.read_exec`: the one verified read of a step's files (sinks, the one wording of damage);
 * :mod:`.reader`: DCP's ``StorageReader`` (custom planners, several ranks);
-* :mod:`.direct`, :mod:`.staged_restore`: reads straight into the targets, or staged in host
+* :mod:`.direct`, :mod:`.atomic_restore`: reads straight into the targets, or staged in host
   buffers first (atomic);
-* :mod:`.safety`: the restricted unpicklers for ``.metadata``, objects and tensor records;
+* :mod:`.unpickling`: the restricted unpicklers for ``.metadata``, objects and tensor records;
 * :mod:`.validate`: the check of a step's unpickled ``.metadata`` against itself and its manifest;
-* :mod:`.common`: ``METADATA_NAME`` and running a DCP call.
+* :mod:`.dcp_call`: ``METADATA_NAME`` and running a DCP call.
 """
 
-from .common import METADATA_NAME
+from .dcp_call import METADATA_NAME
 from .reader import FsspecStorageReader, load_state_dict
-from .safety import load_metadata
+from .unpickling import load_metadata
 from .validate import check_step_metadata
 from .writer import FsspecStorageWriter, WriteMemo, save_state_dict
 

@@ -69,11 +69,11 @@ from .direct_plan import (
     file_ranges,
     plan_records,
 )
-from .layout_memo import set_element
+from .file_assignment import set_element
 from .read_exec import NULL, StepFiles, check_file, close_all, open_step_file, read_files, run_all, short_error
 from .reader import stored_bytes
 from .record_layout import Arrived, Probe
-from .safety import unsafe_value_error
+from .unpickling import unsafe_value_error
 
 #: A tensor record at least this large (local files) has its data read straight into the
 #: target; smaller ones are read with their neighbours and scattered.

@@ -93,7 +93,7 @@ def _contiguous_bytes(t: torch.Tensor) -> Optional[torch.Tensor]:
 
 def _flat_targets(state_dict: Dict[str, Any]) -> Tuple[Dict[str, Any], Dict[str, Any]]:
     """DCP's flattening of ``state_dict`` (the writer's quicker equivalent)."""
-    from .layout_memo import flatten
+    from .file_assignment import flatten
 
     return flatten(state_dict)
 

@@ -41,7 +41,7 @@ CHUNK_BYTES = 16 * 2**20
 
 class StepFiles(Protocol):
     """What reading a step's files needs of a storage: ``Storage`` has it, and so
-    does :class:`~.staged_restore.StagedStorage` (files already read and verified, in memory)."""
+    does :class:`~.atomic_restore.StagedStorage` (files already read and verified, in memory)."""
 
     @property
     def is_local(self) -> bool:

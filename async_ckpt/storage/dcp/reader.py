@@ -33,7 +33,7 @@ from ...errors import CorruptCheckpointError
 from ..manifest import FileRecord, check_file_name, crc32c, shown
 from ..storage import READ_RANGE_BYTES
 from ..torch_record import plain_data_start
-from .common import METADATA_NAME, call_dcp, distributed
+from .dcp_call import METADATA_NAME, call_dcp, distributed
 from .read_exec import (
     FRESH,
     StepFiles,
@@ -45,7 +45,7 @@ from .read_exec import (
     short_error,
     unreadable_is_damage,
 )
-from .safety import SafeLoadPlanner, load_metadata
+from .unpickling import SafeLoadPlanner, load_metadata
 from .validate import check_step_metadata
 
 if TYPE_CHECKING:  # the class compat returns, named for the type checker
@@ -69,7 +69,7 @@ class PeerReadFailed(Exception):
     """This rank's part of a multi-process restore was read and verified, another rank's was
     not: this rank wrote nothing either. Not a :class:`~async_ckpt.errors.CheckpointError`, so
     that the failing rank's own error is the one every rank raises (see
-    :func:`~.common.unwrap_dcp`)."""
+    :func:`~.dcp_call.unwrap_dcp`)."""
 
 
 class FsspecStorageReader(StorageReader):

@@ -9,7 +9,7 @@ through ``dcp.save`` over the checkpoint group (which de-duplicates replicated t
 * several ranks: ``dcp.load`` over the group; each rank reads and verifies what its plan needs,
   the ranks exchange their outcomes (``agree``) and only then does any rank write;
 * ``atomic``: every data file read and verified into host buffers first
-  (:func:`~.staged_restore.load_staged`), then copied into the target;
+  (:func:`~.atomic_restore.load_staged`), then copied into the target;
 * otherwise straight into the target tensors (:func:`~.direct.load_direct`), unless a custom
   ``planner`` or a target it does not handle sends it to DCP's reader
   (:func:`~.reader.load_state_dict`).
@@ -24,10 +24,10 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ..manifest import FileRecord
 from ..storage import Storage
-from .common import unwrap_dcp
+from .atomic_restore import Acquire, load_staged
+from .dcp_call import unwrap_dcp
 from .direct import load_direct, partly_written
 from .reader import FsspecStorageReader, load_state_dict, safe_planner
-from .staged_restore import Acquire, load_staged
 from .writer import FsspecStorageWriter, WriteMemo, save_state_dict
 
 

@@ -69,7 +69,7 @@ def check_step_metadata(md: Any, files: Optional[Dict[str, FileRecord]], *, wher
     items and nothing else).
 
     Args:
-        md: what ``.metadata`` unpickled to (:func:`~.safety.load_metadata`).
+        md: what ``.metadata`` unpickled to (:func:`~.unpickling.load_metadata`).
         files: the manifest's file records, or ``None`` for a checkpoint without a manifest
             (plain DCP): then only ``md`` itself is checked.
         where: the ``.metadata`` file, for messages.

@@ -47,9 +47,9 @@ from ... import compat
 from ..manifest import FileRecord, crc32c, raw_crc32c
 from ..storage import Storage
 from ..torch_record import PickledObject, RecordBatch, RecordTemplate, RecordTemplates
-from .common import METADATA_NAME, call_dcp, distributed, world_size
 from .crc import crc32c_combine
-from .layout_memo import (
+from .dcp_call import METADATA_NAME, call_dcp, distributed, world_size
+from .file_assignment import (
     FileLayout,
     WriteMemo,
     flatten,
@@ -420,7 +420,7 @@ def _resolver(planner: SavePlanner) -> Callable[[Any], Any]:
     """``planner.resolve_data``, except that a :class:`PickledObject` (a snapshot's non-tensor
     value, pickled at the call) is written as its archive, not ``torch.save``-d again as an
     object, and a tuple or list holding views of staging buffers is saved with copies of its
-    own (see :func:`~.layout_memo.own_storages`). Planners without ``lookup_object`` (DCP's and torch_xla's have it) resolve alone."""
+    own (see :func:`~.file_assignment.own_storages`). Planners without ``lookup_object`` (DCP's and torch_xla's have it) resolve alone."""
     lookup = getattr(planner, "lookup_object", None)
     if lookup is None:
         return planner.resolve_data

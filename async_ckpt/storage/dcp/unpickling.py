@@ -24,8 +24,8 @@ from torch.distributed.checkpoint.metadata import Metadata
 from ...errors import CorruptCheckpointError, UnsafeCheckpointError
 from ...gc_pause import gc_paused
 from ..manifest import shown
-from .common import METADATA_NAME
-from .layout_memo import set_element
+from .dcp_call import METADATA_NAME
+from .file_assignment import set_element
 
 _SAFE_BUILTINS = {"set", "frozenset", "dict", "list", "tuple", "slice", "bytearray", "complex", "int", "float"}
 
