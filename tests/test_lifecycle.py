@@ -11,7 +11,8 @@ import torch
 
 from async_ckpt import CheckpointError, CorruptCheckpointError
 from async_ckpt.lifecycle.catalog import StepCatalog
-from async_ckpt.lifecycle.coordinator import LocalCoordinator, describe, raise_gathered
+from async_ckpt.lifecycle import phase
+from async_ckpt.lifecycle.coordinator import LocalCoordinator
 from async_ckpt.policies import KeepLatest, as_retention_policy
 from async_ckpt.storage import CheckpointLayout, Manifest, Storage
 from async_ckpt.storage.commit import MarkerCommit, RenameCommit
@@ -107,18 +108,21 @@ def test_local_coordinator_answers_with_the_local_value():
 
 def test_one_process_raises_its_own_error_as_raised():
     err = OSError(28, "No space left on device")
-    with pytest.raises(OSError, match="No space"):
-        raise_gathered([describe(0, err)], 5, "writing", err)
-    raise_gathered([None], 5, "writing", None)  # nothing failed
+    with pytest.raises(OSError, match="No space") as ei:
+        phase.everyone(LocalCoordinator(), "writing", 5, error=err)
+    assert ei.value is err
+    assert phase.everyone(LocalCoordinator(), "writing", 5, lambda: 3) == [3]  # nothing failed
+    assert phase.primary(LocalCoordinator(), "commit", 5, lambda: "done") == "done"
 
 
 def test_other_ranks_errors_keep_their_class_and_name_the_rank():
-    outcomes = [None, describe(1, CorruptCheckpointError("bad crc"))]
+    failures = [None, phase.failure_of(1, CorruptCheckpointError("bad crc"))]
     with pytest.raises(CorruptCheckpointError, match="rank 1: CorruptCheckpointError: bad crc") as ei:
-        raise_gathered(outcomes, 7, "restore", None)
-    assert ei.value.step == 7
+        phase.raise_if_failed(failures, 7, "restore", None)
+    assert ei.value.step == 7 and [(f.rank, f.kind) for f in ei.value.failures] == [(1, "CorruptCheckpointError")]
     with pytest.raises(CheckpointError, match="rank 1: ValueError: x"):
-        raise_gathered([None, describe(1, ValueError("x"))], 7, "writing", None)
+        phase.raise_if_failed([None, phase.failure_of(1, ValueError("x"))], 7, "writing", None)
+    phase.raise_if_failed([None, None], 7, "writing", None)  # nothing failed
 
 
 # ---- commit protocols -----------------------------------------------------------------------

@@ -155,46 +155,32 @@ def test_incomplete_step_is_invisible_and_cleaned(ckpt_dir):
     assert sorted(n for n in os.listdir(ckpt_dir) if n != LOCK_NAME) == ["1", "4"]
 
 
-def test_failing_writer_surfaces_error_and_does_not_hang(ckpt_dir, monkeypatch):
+def test_failing_writer_surfaces_error_and_does_not_hang(ckpt_dir):
     model, _ = make_state(0)
-    mgr = CheckpointManager(ckpt_dir, max_pending_async=1)
+    root = "faulty://" + ckpt_dir  # a storage whose next data write fails: no space left
+    mgr = CheckpointManager(root, max_pending_async=1)
     mgr.save(0, {"model": model.state_dict()})
-    import async_ckpt.lifecycle.coordinator as manager_mod  # where the single-process write is called
-
-    def boom(*a, **k):
-        raise OSError(28, "No space left on device")
-
-    monkeypatch.setattr(manager_mod, "save_state_dict", boom)
+    mgr.storage.fs.inject("write", "*.distcp", "enospc", times=1)
     assert mgr.save_async(1, {"model": model.state_dict()})
     with pytest.raises(CheckpointError) as ei:
         mgr.join()
     assert ei.value.step == 1 and "No space left" in str(ei.value)
     # the slot was released: the next save does not hang, and works once storage is back
-    monkeypatch.undo()
     assert mgr.save_async(2, {"model": model.state_dict()})
     mgr.close()
-    assert CheckpointManager(ckpt_dir).all_steps() == [0, 2]
+    assert CheckpointManager(root).all_steps() == [0, 2]
 
 
-def test_background_error_raised_at_next_save_async(ckpt_dir, monkeypatch):
-    import async_ckpt.lifecycle.coordinator as manager_mod  # where the single-process write is called
-
-    gate = threading.Event()
-
-    def failing(*a, **k):
-        gate.set()
-        raise RuntimeError("bucket exploded")
-
-    monkeypatch.setattr(manager_mod, "save_state_dict", failing)
-    mgr = CheckpointManager(ckpt_dir)
+def test_background_error_raised_at_next_save_async(ckpt_dir):
+    mgr = CheckpointManager("faulty://" + ckpt_dir)
+    refused = mgr.storage.fs.inject("write", "*.distcp", "eacces")  # every data write: refused
     mgr.save_async(0, {"x": torch.ones(3)})
-    gate.wait(10)
-    mgr.join.__self__  # noqa: B018 - keep the manager referenced
-    with pytest.raises(CheckpointError, match="bucket exploded"):
+    with pytest.raises(CheckpointError, match="Permission denied"):
         for step in range(1, 50):  # the error surfaces at the next call at the latest
             mgr.save_async(step, {"x": torch.ones(3)})
             mgr.roots[-1].writer._idle.acquire(); mgr.roots[-1].writer._idle.release()
-    monkeypatch.undo()
+    assert refused in mgr.storage.fs.faults and mgr.storage.fs.hits
+    mgr.storage.fs.clear()
     mgr.close()
 
 
@@ -253,31 +239,22 @@ def test_closed_manager_refuses_saves(ckpt_dir):
         mgr.save_async(0, {"x": torch.ones(1)})
 
 
-def test_max_pending_async_bounds_in_flight_saves(ckpt_dir, monkeypatch):
-    import async_ckpt.lifecycle.coordinator as manager_mod  # where the single-process write is called
-
-    real = manager_mod.save_state_dict
-    release = threading.Event()
-    running = []
-
-    def slow(*a, **k):
-        running.append(1)
-        release.wait(30)
-        return real(*a, **k)
-
-    monkeypatch.setattr(manager_mod, "save_state_dict", slow)
-    mgr = CheckpointManager(ckpt_dir, max_pending_async=2)
+def test_max_pending_async_bounds_in_flight_saves(ckpt_dir):
+    root = "faulty://" + ckpt_dir
+    mgr = CheckpointManager(root, max_pending_async=2)
+    stuck = mgr.storage.fs.inject("write", "*.distcp", "hang", times=1)  # the first save's data write waits
     mgr.save_async(0, {"x": torch.ones(2)})
+    assert stuck.reached.wait(30)
     mgr.save_async(1, {"x": torch.ones(2)})
     third = threading.Thread(target=mgr.save_async, args=(2, {"x": torch.ones(2)}))
     third.start()
     third.join(0.5)
     assert third.is_alive(), "a third save must wait for a free slot"
-    release.set()
+    stuck.release.set()
     third.join(30)
     assert not third.is_alive()
     mgr.close()
-    assert CheckpointManager(ckpt_dir).all_steps() == [0, 1, 2]
+    assert CheckpointManager(root).all_steps() == [0, 1, 2]
 
 
 def test_foreign_dcp_checkpoints_in_the_root_are_never_removed(ckpt_dir):

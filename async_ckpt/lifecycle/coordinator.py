@@ -20,12 +20,10 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Protocol, Sequence,
 
 import torch
 
-from .. import errors as _errors
 from ..errors import CheckpointError, InvalidArgumentError
 from ..storage import FileRecord, Storage
 from ..storage.dcp import WriteMemo
 from ..storage.dcp.atomic_restore import Acquire
-from ..storage.dcp.dcp_call import unwrap_dcp
 from ..storage.dcp.step_io import read_step, write_step
 
 if TYPE_CHECKING:
@@ -256,49 +254,3 @@ def coordinator_for(process_group: Any = None, timeout_s: float = DEFAULT_TIMEOU
     if group is None or group == dist.GroupMember.NON_GROUP_MEMBER:
         raise InvalidArgumentError("CheckpointManager was created on a rank outside its process_group")
     return GroupCoordinator(group, control)
-
-
-# ---- errors across ranks -------------------------------------------------------------------
-
-def dcp_failure(exc: BaseException) -> BaseException:
-    """The underlying error of DCP's ``CheckpointException`` (see :func:`unwrap_dcp`)."""
-    return unwrap_dcp(exc)[1]
-
-
-def describe(rank: int, exc: BaseException) -> Tuple[str, str]:
-    """(error class name, message naming the rank) of a failure, to exchange between ranks."""
-    where, exc = unwrap_dcp(exc)
-    where = rank if where is None else where
-    return type(exc).__name__, f"rank {where}: {type(exc).__name__}: {exc}"
-
-
-def rebuild(kind: str, message: str, step: Optional[int]) -> CheckpointError:
-    """An error of async_ckpt's class ``kind`` (else ``CheckpointError``) carrying ``message``."""
-    cls = getattr(_errors, kind, None)
-    if not (isinstance(cls, type) and issubclass(cls, CheckpointError)):
-        cls = CheckpointError
-    try:
-        return cls(message, step=step)
-    except TypeError:
-        return CheckpointError(message, step=step)
-
-
-def raise_gathered(outcomes: Sequence[Optional[Tuple[str, str]]], step: int, what: str,
-                   local: Optional[BaseException] = None) -> None:
-    """Raise on every rank if any rank reported an error (this rank's own error if it has one)."""
-    bad = [o for o in outcomes if o is not None]
-    if not bad:
-        return
-    if local is not None:
-        local = dcp_failure(local)
-        if isinstance(local, CheckpointError):
-            if local.step is None:
-                local.step = step
-            raise local
-        if len(outcomes) == 1:  # one process: its own error, as it was raised
-            raise local
-        summary = "; ".join(dict.fromkeys(msg for _, msg in bad))
-        raise CheckpointError(f"step {step}: {what} failed: {summary}", step=step) from local
-    # DCP hands one rank's error to every rank: report each distinct error once.
-    summary = "; ".join(dict.fromkeys(msg for _, msg in bad))
-    raise rebuild(bad[0][0], f"step {step}: {what} failed: {summary}", step)

@@ -18,7 +18,8 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple, TypeVar
 
 from .. import errors as _errors
 from ..errors import CheckpointError, CorruptCheckpointError, PartlyWrittenError, RankFailure
-from .coordinator import Coordinator, unwrap_dcp
+from ..storage.dcp.dcp_call import unwrap_dcp
+from .coordinator import Coordinator
 
 T = TypeVar("T")
 
