@@ -50,8 +50,8 @@ def test_two_managers_alternating_saves_each_keep_their_layout(tmp_path, monkeyp
             a.save(step, _model_state(step))
             b.save(step, _optim_state(step))
         assert len(balanced) == 2, "one layout built per manager; every later save reused its own"
-        assert a._coord.memo is not b._coord.memo
-        assert a._coord.memo.layout.fqns != b._coord.memo.layout.fqns
+        assert a.roots[-1].store.memo is not b.roots[-1].store.memo
+        assert a.roots[-1].store.memo.layout.fqns != b.roots[-1].store.memo.layout.fqns
         for step in range(1, 5):
             for mgr, make, scalar in ((a, _model_state, "step"), (b, _optim_state, "lr")):
                 out = target_like(make(step))

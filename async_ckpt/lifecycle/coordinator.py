@@ -61,9 +61,10 @@ class Coordinator(Protocol):
         """Every rank's ``obj``, by rank."""
 
     def write(self, storage: Storage, path: str, state_dict: Dict[str, Any], *, threads: int,
-              planner: Any) -> Tuple[Dict[str, FileRecord], Optional[BaseException]]:
-        """Write this rank's files of a step into ``path``: (file records, error or None). Every
-        rank calls it; a failure on one rank is reported on all of them."""
+              planner: Any, memo: Optional[WriteMemo] = None) -> Dict[str, FileRecord]:
+        """Write this rank's files of a step into ``path`` and return their records (every rank
+        calls it; ``memo``: the root's memo of the last save's file layout). Raises what the
+        write raised (several ranks: DCP reports one rank's failure on every rank)."""
 
     def load(self, storage: Storage, path: str, state_dict: Dict[str, Any], *, files: Dict[str, FileRecord],
              verify: bool, threads: int, allow_pickle: bool, metadata: Any, planner: Any, atomic: bool = False,
@@ -82,7 +83,6 @@ class LocalCoordinator:
     is_primary = True
 
     def __init__(self, group: Any = None) -> None:
-        self.memo = WriteMemo()  # the last save's file layout, reused by the next save of the same shape
         #: a one-rank process group when other ranks exist (a rank's own local tier), so that
         #: DCP never runs collectives over the default group for it
         self.group = group
@@ -101,10 +101,9 @@ class LocalCoordinator:
         return [obj]
 
     def write(self, storage: Storage, path: str, state_dict: Dict[str, Any], *, threads: int,
-              planner: Any) -> Tuple[Dict[str, FileRecord], Optional[BaseException]]:
+              planner: Any, memo: Optional[WriteMemo] = None) -> Dict[str, FileRecord]:
         """:func:`~async_ckpt.storage.dcp.step_io.write_step`: async_ckpt's own writer, with the memo."""
-        return write_step(storage, path, state_dict, threads=threads, planner=planner, memo=self.memo,
-                          group=self.group)
+        return write_step(storage, path, state_dict, threads=threads, planner=planner, memo=memo, group=self.group)
 
     def load(self, storage: Storage, path: str, state_dict: Dict[str, Any], *, files: Dict[str, FileRecord],
              verify: bool, threads: int, allow_pickle: bool, metadata: Any, planner: Any, atomic: bool = False,
@@ -178,7 +177,7 @@ class GroupCoordinator:
         return out
 
     def write(self, storage: Storage, path: str, state_dict: Dict[str, Any], *, threads: int,
-              planner: Any) -> Tuple[Dict[str, FileRecord], Optional[BaseException]]:
+              planner: Any, memo: Optional[WriteMemo] = None) -> Dict[str, FileRecord]:
         """:func:`~async_ckpt.storage.dcp.step_io.write_step` through ``dcp.save`` over the group:
         its ``CheckpointException`` says which rank failed, on every rank."""
         return write_step(storage, path, state_dict, threads=threads, planner=planner, group=self.group,

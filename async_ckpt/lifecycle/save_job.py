@@ -133,9 +133,15 @@ def run_save(store: StepStore, job: SaveJob, *, policy: RetentionPolicy, threads
         assert snap is not None
 
         # 3. every rank writes its files.
+        files: Dict[str, FileRecord] = {}
+        write_error: Optional[BaseException] = None
         try:
-            files, write_error = coord.write(store.storage, target.path, snap.state_dict, threads=threads,
-                                             planner=planner)
+            files = coord.write(store.storage, target.path, snap.state_dict, threads=threads, planner=planner,
+                                memo=store.memo)
+        except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                raise
+            write_error = exc  # reported to every rank in the next phase (one process: raised there)
         finally:
             release()  # buffers go back to the pool as soon as the data is written
         tc = time.perf_counter()

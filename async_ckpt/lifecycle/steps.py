@@ -16,6 +16,7 @@ from typing import Callable, List, Optional
 from ..errors import LeaseHeldError, StepNotFoundError
 from ..policies import CheckpointInfo, RetentionPolicy
 from ..storage import CheckpointLayout, Manifest, StepTarget, Storage
+from ..storage.dcp import WriteMemo
 from ..storage.lease import writer_lease
 from ..storage.manifest import MARKER_NAME
 from .catalog import StepCatalog
@@ -33,6 +34,8 @@ class StepStore:
         self.layout = layout
         self.coordinator = coordinator
         self.catalog = StepCatalog(layout, clock)
+        #: the last save's file layout at this root, reused by the next save of the same shape
+        self.memo = WriteMemo()
         self.keep_incomplete = keep_incomplete
         self.lease_timeout = lease_timeout
         # Taken at the first save (or delete): until then this store only reads.

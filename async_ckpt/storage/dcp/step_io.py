@@ -20,7 +20,7 @@ A failure after the first write into the target is a
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional
 
 from ..manifest import FileRecord
 from ..storage import Storage
@@ -33,7 +33,7 @@ from .writer import FsspecStorageWriter, WriteMemo, save_state_dict
 
 def write_step(storage: Storage, path: str, state_dict: Dict[str, Any], *, threads: int, planner: Any,
                memo: Optional[WriteMemo] = None, group: Any = None, several_ranks: bool = False
-               ) -> Tuple[Dict[str, FileRecord], Optional[BaseException]]:
+               ) -> Dict[str, FileRecord]:
     """Write this rank's files of a step into ``path``.
 
     Args:
@@ -42,31 +42,27 @@ def write_step(storage: Storage, path: str, state_dict: Dict[str, Any], *, threa
         state_dict: what to write (a host snapshot).
         threads: how many files are written at once.
         planner: a DCP save planner, or ``None``.
-        memo: one process: the last save's file layout, reused by a save of the same shape.
+        memo: one process: the root's memo of the last save's file layout, reused by a save of
+            the same shape.
         group: the process group DCP runs over (one process: a one-rank group or ``None``).
         several_ranks: every rank of ``group`` writes its part through ``dcp.save``.
 
     Returns:
-        ``(file records, None)``; with ``several_ranks``, ``({}, error)`` when a rank failed
-        (DCP's own collectives report it to every rank, so every rank returns it).
+        The records of the files this rank wrote.
 
     Raises:
-        Exception: one process: what the write raised.
+        Exception: what the write raised; with ``several_ranks``, DCP's ``CheckpointException``
+            (its collectives report one rank's failure to every rank, so every rank raises it).
     """
     if not several_ranks:
         return save_state_dict(storage, path, state_dict, threads=threads, planner=planner, memo=memo,
-                               process_group=group), None
+                               process_group=group)
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
     writer = FsspecStorageWriter(storage, path, threads=threads)
-    try:
-        dcp.save(state_dict, storage_writer=writer, process_group=group, planner=planner or DefaultSavePlanner())
-    except BaseException as exc:  # noqa: BLE001 - DCP raises CheckpointException (a BaseException)
-        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
-            raise
-        return {}, exc
-    return writer.files, None
+    dcp.save(state_dict, storage_writer=writer, process_group=group, planner=planner or DefaultSavePlanner())
+    return writer.files
 
 
 def read_step(storage: Storage, path: str, state_dict: Dict[str, Any], *, files: Dict[str, FileRecord],
