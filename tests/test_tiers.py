@@ -165,6 +165,22 @@ def test_a_restore_that_fell_back_logs_a_warning_naming_the_tier_it_used(roots, 
         assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
 
 
+def test_a_step_damaged_in_both_tiers_names_each_copy_s_problem(roots):
+    # 025a064 named every copy's error ("step 2 (local tier): ...; step 2 (persistent tier): ...");
+    # the persistent copy's problem (another file) must not be left out of the error
+    path, local = roots
+    with CheckpointManager(path, local_dir=local, local_policy=1) as mgr:
+        mgr.save(2, state(2))
+        flip_byte(data_files(local, 2)[0])
+        flip_byte(data_files(path, 2)[0])
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with pytest.raises(CorruptCheckpointError) as ei:
+                mgr.restore(2, zeros())
+    text = str(ei.value)
+    assert data_files(local, 2)[0] in text and data_files(path, 2)[0] in text, text
+
+
 def test_local_dir_gone_restores_from_the_bucket(roots):
     path, local = roots
     with CheckpointManager(path, save_interval=2, local_dir=local, local_policy=1) as mgr:
