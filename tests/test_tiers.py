@@ -181,6 +181,17 @@ def test_a_step_damaged_in_both_tiers_names_each_copy_s_problem(roots):
     assert data_files(local, 2)[0] in text and data_files(path, 2)[0] in text, text
 
 
+def test_a_skipped_copy_s_warning_names_the_error_type(roots):
+    # docs/tiers.md: "skipping the local copy of step 11 (...): CorruptCheckpointError: ..." (as
+    # 025a064): a damaged copy and a storage error skipped alike are told apart by the type
+    path, local = roots
+    with CheckpointManager(path, local_dir=local, local_policy=1) as mgr:
+        mgr.save(2, state(2))
+        flip_byte(data_files(local, 2)[0])
+        with pytest.warns(RuntimeWarning, match=r"skipping the local copy of step 2 \(.*\): CorruptCheckpointError: "):
+            assert mgr.restore(None, zeros()) == 2
+
+
 def test_local_dir_gone_restores_from_the_bucket(roots):
     path, local = roots
     with CheckpointManager(path, save_interval=2, local_dir=local, local_policy=1) as mgr:

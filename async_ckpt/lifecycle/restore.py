@@ -281,7 +281,11 @@ def _first_intact(candidates: Sequence[Candidate], state_dict: Dict[str, Any], c
         try:
             _attempt(c, state_dict, coord, covered, opts)
         except c.fallback as exc:
-            warn_user(f"skipping {c.label}: {as_skipped(str(exc))}", RuntimeWarning)
+            # over two roots, what failed (damage, a storage error), as the text says it: the
+            # partly-written sense is replaced (as_skipped), so is its class
+            kind = next(k for k in type(exc).__mro__ if not issubclass(k, PartlyWrittenError)).__name__
+            kind = f"{kind}: " if c.copy else ""
+            warn_user(f"skipping {c.label}: {kind}{as_skipped(str(exc))}", RuntimeWarning)
             errors.append(exc)
             failed.append(c)
             if isinstance(exc, PartlyWrittenError):
