@@ -6,9 +6,19 @@ import os
 import sys
 import warnings
 from dataclasses import dataclass
-from typing import Optional, Sequence, Tuple, Type
+from typing import Any, Optional, Sequence, Tuple, Type
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def _inside(frame: Any) -> bool:
+    """Whether ``frame`` runs async_ckpt's code: a file of the package, or code generated for one
+    of its modules (a dataclass's ``__init__``, whose file is ``<string>``)."""
+    name = frame.f_code.co_filename
+    if name.startswith("<"):
+        module = frame.f_globals.get("__name__") or ""
+        return module == "async_ckpt" or module.startswith("async_ckpt.")
+    return os.path.abspath(name).startswith(_PACKAGE_DIR)
 
 
 def warn_user(message: str, category: Type[Warning] = UserWarning) -> None:
@@ -26,7 +36,7 @@ def warn_user(message: str, category: Type[Warning] = UserWarning) -> None:
         message = f"async_ckpt: {message}"
     level = 2
     frame = sys._getframe(1)
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE_DIR):
+    while frame is not None and _inside(frame):
         frame = frame.f_back  # type: ignore[assignment]
         level += 1
     warnings.warn(message, category, stacklevel=level if frame is not None else 2)

@@ -134,6 +134,18 @@ def test_verify_json_and_good_step(damaged_dir, capsys):
     assert capsys.readouterr().out.startswith("step 10: ok (")
 
 
+def test_verify_names_a_damaged_file_by_its_name_in_the_step(damaged_dir, capsys):
+    # as every other problem verify lists (and as 025a064 did): the file's name inside the
+    # step, not the step directory's path again before it
+    root, distcp = damaged_dir
+    assert main(["verify", root, "20", "--json"]) == 1
+    problems = json.loads(capsys.readouterr().out)["steps"][0]["problems"]
+    assert len(problems) == 1 and problems[0].startswith(f"{distcp}: checksum mismatch"), problems
+    assert main(["verify", root, "20"]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1] == f"  {problems[0]}", lines
+
+
 def test_show_prints_keys_shapes_dtypes(good_dir, capsys):
     root, saved = good_dir
     assert main(["show", root]) == 0  # the newest step

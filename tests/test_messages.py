@@ -238,8 +238,10 @@ def test_a_new_root_is_reported_and_a_step_dir_or_a_parent_of_roots_warns(tmp_pa
 
 
 def test_save_interval_with_a_save_policy_warns(tmp_path):
-    with pytest.warns(UserWarning, match="save_interval=5 is ignored"):
+    with pytest.warns(UserWarning, match="save_interval=5 is ignored") as rec:
         CheckpointManager(str(tmp_path / "c"), save_interval=5, save_policy=async_ckpt.EveryNSteps(2))
+    # the caller's line, as every warn_user warning (not ManagerOptions' generated __init__: '<string>')
+    assert rec[0].filename == __file__, rec[0].filename
     import warnings
 
     with warnings.catch_warnings():

@@ -145,6 +145,53 @@ def test_restore_prefers_the_local_copy_and_falls_back_to_the_persistent_one(roo
         assert_bitwise_equal(out, state(2))
 
 
+def test_a_restore_that_fell_back_logs_a_warning_naming_the_tier_it_used(roots, caplog):
+    # as 025a064's restore_from_tiers: after a skipped copy, the copy restored in the end is
+    # named at WARNING (an operator's log shows where the state came from), not only at INFO
+    path, local = roots
+    with CheckpointManager(path, local_dir=local, local_policy=1) as mgr:
+        mgr.save(2, state(2))
+        flip_byte(data_files(local, 2)[0])
+        with caplog.at_level(logging.INFO, logger="async_ckpt"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            assert mgr.restore(None, zeros()) == 2
+        said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert any(f"restored step 2 from the persistent tier ({mgr.storage.url})" in m for m in said), said
+        shutil.rmtree(os.path.join(local, "2"))
+    with CheckpointManager(path, local_dir=local, local_policy=1) as mgr:  # no fallback: no warning
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="async_ckpt"):
+            assert mgr.restore(None, zeros()) == 2
+        assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+
+
+def test_a_step_damaged_in_both_tiers_names_each_copy_s_problem(roots):
+    # 025a064 named every copy's error ("step 2 (local tier): ...; step 2 (persistent tier): ...");
+    # the persistent copy's problem (another file) must not be left out of the error
+    path, local = roots
+    with CheckpointManager(path, local_dir=local, local_policy=1) as mgr:
+        mgr.save(2, state(2))
+        flip_byte(data_files(local, 2)[0])
+        flip_byte(data_files(path, 2)[0])
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with pytest.raises(CorruptCheckpointError) as ei:
+                mgr.restore(2, zeros())
+    text = str(ei.value)
+    assert data_files(local, 2)[0] in text and data_files(path, 2)[0] in text, text
+
+
+def test_a_skipped_copy_s_warning_names_the_error_type(roots):
+    # docs/tiers.md: "skipping the local copy of step 11 (...): CorruptCheckpointError: ..." (as
+    # 025a064): a damaged copy and a storage error skipped alike are told apart by the type
+    path, local = roots
+    with CheckpointManager(path, local_dir=local, local_policy=1) as mgr:
+        mgr.save(2, state(2))
+        flip_byte(data_files(local, 2)[0])
+        with pytest.warns(RuntimeWarning, match=r"skipping the local copy of step 2 \(.*\): CorruptCheckpointError: "):
+            assert mgr.restore(None, zeros()) == 2
+
+
 def test_local_dir_gone_restores_from_the_bucket(roots):
     path, local = roots
     with CheckpointManager(path, save_interval=2, local_dir=local, local_policy=1) as mgr:

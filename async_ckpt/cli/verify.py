@@ -59,8 +59,9 @@ def _verify_step(storage: Storage, layout: CheckpointLayout, step: int, bar: Any
         keep = name == METADATA_NAME
         try:  # the one verified read (into nothing, except .metadata's bytes)
             got = read_files(storage, where, {name: rec}, FRESH if keep else NULL, progress=counted)
-        except CheckpointError as exc:
-            res["problems"].append(str(exc))
+        except CheckpointError as exc:  # named by the file's name in the step, as every problem here
+            text = str(exc)
+            res["problems"].append(text[len(where) + 1:] if text.startswith(f"{where}/") else text)
             continue
         except OSError as exc:
             res["problems"].append(f"{name}: cannot be read ({exc})")

@@ -272,6 +272,7 @@ def _first_intact(candidates: Sequence[Candidate], state_dict: Dict[str, Any], c
     one of its ``fallback`` errors is skipped with a warning (its data, where it wrote some, is
     overwritten by the next attempt); the first that loads is returned."""
     errors: List[BaseException] = []
+    failed: List[Candidate] = []  # the candidate of each error
     written: Dict[str, int] = {}  # key -> the damaged step whose failed attempt last (partly) wrote it
     first: Optional[PartlyWrittenError] = None  # the first such attempt's error
     copies: Dict[int, str] = {}  # damaged step -> which copy of it wrote
@@ -280,8 +281,13 @@ def _first_intact(candidates: Sequence[Candidate], state_dict: Dict[str, Any], c
         try:
             _attempt(c, state_dict, coord, covered, opts)
         except c.fallback as exc:
-            warn_user(f"skipping {c.label}: {as_skipped(str(exc))}", RuntimeWarning)
+            # over two roots, what failed (damage, a storage error), as the text says it: the
+            # partly-written sense is replaced (as_skipped), so is its class
+            kind = next(k for k in type(exc).__mro__ if not issubclass(k, PartlyWrittenError)).__name__
+            kind = f"{kind}: " if c.copy else ""
+            warn_user(f"skipping {c.label}: {kind}{as_skipped(str(exc))}", RuntimeWarning)
             errors.append(exc)
+            failed.append(c)
             if isinstance(exc, PartlyWrittenError):
                 written.update(dict.fromkeys(covered, c.step))
                 copies[c.step] = c.copy
@@ -297,7 +303,10 @@ def _first_intact(candidates: Sequence[Candidate], state_dict: Dict[str, Any], c
         return c
     where = " or ".join(dict.fromkeys(c.store.storage.url for c in candidates))
     what = "no committed step" if step is None else f"no copy of step {step}"
-    final = CorruptCheckpointError(f"{what} under {where} passed verification; newest error: {errors[0]}",
+    # over two roots each other copy's problem too (another file, another root): not only the first
+    others = "".join(f"; {f.label}: {str(e).replace(f'; {PARTLY_WRITTEN}', '')}"
+                     for f, e in list(zip(failed, errors))[1:5] if f.copy)
+    final = CorruptCheckpointError(f"{what} under {where} passed verification; newest error: {errors[0]}{others}",
                                    step=candidates[0].step)
     final.__cause__ = errors[0]
     if first is None:

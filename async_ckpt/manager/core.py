@@ -886,6 +886,8 @@ class CheckpointManager:
         where = done.store.storage.url
         if self._local is not None:
             where = f"the {LOCAL if done.store is self._local.store else PERSISTENT} tier ({where})"
+            if done is not candidates[0]:  # an earlier copy was skipped: say which one was used
+                log.warning("restored step %d from %s", s, where)
         self._restored = s
         if log.isEnabledFor(logging.INFO):
             nbytes, count = _tensor_bytes(state_dict)
