@@ -139,9 +139,9 @@ def run_save(store: StepStore, job: SaveJob, *, policy: RetentionPolicy, threads
             files = coord.write(store.storage, target.path, snap.state_dict, threads=threads, planner=planner,
                                 memo=store.memo)
         except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
-            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
-                raise
-            write_error = exc  # reported to every rank in the next phase (one process: raised there)
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)) or coord.world_size == 1:
+                raise  # one process: as raised (the save queue names the step)
+            write_error = exc  # reported to every rank in the next phase
         finally:
             release()  # buffers go back to the pool as soon as the data is written
         tc = time.perf_counter()
