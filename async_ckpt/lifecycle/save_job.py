@@ -81,7 +81,7 @@ def run_save(store: StepStore, job: SaveJob, *, policy: RetentionPolicy, threads
         assert target is not None
         return target.path, target.final, step
 
-    def commit(results: List[_RankResult]) -> Tuple[float, int]:
+    def commit(results: List[_RankResult]) -> float:
         assert opened is not None
         merged: Dict[str, FileRecord] = {}
         for r in results:
@@ -95,7 +95,7 @@ def run_save(store: StepStore, job: SaveJob, *, policy: RetentionPolicy, threads
                             num_tensors=sum(r.num_tensors for r in results), world_size=coord.world_size,
                             extra={**job.manifest_extra, **({"int_keys": int_keys} if int_keys else {})})
         opened.commit(manifest, policy)  # retention decided (markers gone) before save()/join() return
-        return manifest.commit_time, len(merged)
+        return manifest.commit_time
 
     try:
         # 0. every host copy done (lazy saves: and unchanged, else TornSnapshotError)
@@ -151,7 +151,7 @@ def run_save(store: StepStore, job: SaveJob, *, policy: RetentionPolicy, threads
         results = phase.everyone(coord, "writing", step, lambda: mine, error=write_error)
 
         # 5. rank 0 commits and applies retention; everyone learns the outcome.
-        commit_time, _ = phase.primary(coord, "commit", step, lambda: commit(results))  # type: ignore[arg-type]
+        commit_time = phase.primary(coord, "commit", step, lambda: commit(results))  # type: ignore[arg-type]
         td = time.perf_counter()
     except StagingAlreadyReported:
         return None
