@@ -72,6 +72,8 @@ class ManagerOptions:
     local_dir: Optional[str] = None
     local_policy: Any = None
     local_retention: Any = 2
+    incremental: bool = False
+    full_every: Optional[int] = None
     wall_clock: Callable[[], float] = field(default=time.time)
     interval_clock: Callable[[], float] = field(default=time.monotonic)
 
@@ -91,6 +93,13 @@ class ManagerOptions:
             raise InvalidArgumentError(
                 f"collective_timeout_s must be a number of seconds > 0, got {self.collective_timeout_s!r}")
         self.collective_timeout_s = float(self.collective_timeout_s)
+        if not isinstance(self.incremental, bool):
+            raise InvalidArgumentError(f"incremental must be a bool, got {self.incremental!r}")
+        if self.full_every is not None and (not _is_int(self.full_every) or self.full_every < 1):
+            raise InvalidArgumentError(f"full_every must be an int >= 1 (every N-th save writes everything) or None, "
+                                       f"got {self.full_every!r}")
+        if self.full_every is not None and not self.incremental:
+            raise InvalidArgumentError("full_every= bounds incremental saves: pass incremental=True with it")
         if not isinstance(self.lazy, bool):
             raise InvalidArgumentError(f"lazy must be a bool, got {self.lazy!r}")
         for name in ("wall_clock", "interval_clock"):

@@ -180,7 +180,7 @@ class GroupCoordinator:
               planner: Any, memo: Optional[WriteMemo] = None) -> Dict[str, FileRecord]:
         """:func:`~async_ckpt.storage.dcp.step_io.write_step` through ``dcp.save`` over the group:
         its ``CheckpointException`` says which rank failed, on every rank."""
-        return write_step(storage, path, state_dict, threads=threads, planner=planner, group=self.group,
+        return write_step(storage, path, state_dict, threads=threads, planner=planner, memo=memo, group=self.group,
                           several_ranks=True)
 
     def load(self, storage: Storage, path: str, state_dict: Dict[str, Any], *, files: Dict[str, FileRecord],

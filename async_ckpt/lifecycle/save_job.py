@@ -97,6 +97,7 @@ def run_save(store: StepStore, job: SaveJob, *, policy: RetentionPolicy, threads
         opened.commit(manifest, policy)  # retention decided (markers gone) before save()/join() return
         return manifest.commit_time
 
+    store.forget_step(step)  # a re-save: the files under the step's name are going
     try:
         # 0. every host copy done (lazy saves: and unchanged, else TornSnapshotError)
         local = job.local_error
@@ -153,6 +154,8 @@ def run_save(store: StepStore, job: SaveJob, *, policy: RetentionPolicy, threads
         # 5. rank 0 commits and applies retention; everyone learns the outcome.
         commit_time = phase.primary(coord, "commit", step, lambda: commit(results))  # type: ignore[arg-type]
         td = time.perf_counter()
+        if store.memo.reuse is not None:  # incremental: the next save may take this step's files
+            store.memo.reuse.committed(target.path, step, target.final)
     except StagingAlreadyReported:
         return None
     except BaseException:

@@ -16,7 +16,7 @@ from typing import Callable, List, Optional
 from ..errors import LeaseHeldError, StepNotFoundError
 from ..policies import CheckpointInfo, RetentionPolicy
 from ..storage import CheckpointLayout, Manifest, StepTarget, Storage
-from ..storage.dcp import WriteMemo
+from ..storage.dcp import Reuse, WriteMemo
 from ..storage.lease import writer_lease
 from ..storage.manifest import MARKER_NAME
 from .catalog import StepCatalog
@@ -29,13 +29,15 @@ class StepStore:
     """Committed, in-flight and condemned steps of one root; the lease; deletions."""
 
     def __init__(self, storage: Storage, layout: CheckpointLayout, coordinator: Coordinator,
-                 clock: Callable[[], float], *, keep_incomplete: bool = False, lease_timeout: float = 0.0) -> None:
+                 clock: Callable[[], float], *, keep_incomplete: bool = False, lease_timeout: float = 0.0,
+                 reuse: Optional[Reuse] = None) -> None:
         self.storage = storage
         self.layout = layout
         self.coordinator = coordinator
         self.catalog = StepCatalog(layout, clock)
         #: the last save's file layout at this root, reused by the next save of the same shape
         self.memo = WriteMemo()
+        self.memo.reuse = reuse  # incremental saves: what the last step this store committed holds
         self.keep_incomplete = keep_incomplete
         self.lease_timeout = lease_timeout
         # Taken at the first save (or delete): until then this store only reads.
@@ -135,7 +137,7 @@ class StepStore:
                 log.error("retention deletes nothing: %s", exc)
                 break
             try:
-                paths = self.catalog.condemn(s)
+                paths = self.condemn(s)
             except Exception as exc:
                 log.warning("could not delete step %d: %s", s, exc)
                 continue
@@ -144,6 +146,18 @@ class StepStore:
                 log.info("deleted step %d (retention)", s)
                 self.in_background(functools.partial(self._remove, s, paths))
         return dropped
+
+    def condemn(self, step: int) -> List[str]:
+        """``catalog.condemn(step)``; an incremental save no longer takes files from ``step``."""
+        self.forget_step(step)
+        return self.catalog.condemn(step)
+
+    def forget_step(self, step: int) -> None:
+        """Incremental saves: take nothing more from ``step``'s files (it is being deleted or
+        saved again, so the files under its name are going, or will be others)."""
+        reuse = self.memo.reuse
+        if reuse is not None:
+            reuse.forget_step(step)
 
     def _remove(self, step: int, paths: List[str]) -> None:
         try:
@@ -168,7 +182,7 @@ class StepStore:
         if step not in self.layout.committed_steps():
             raise StepNotFoundError(f"no committed checkpoint for step {step} under {self.storage.url}", step=step)
         self.check_lease(step)
-        paths = self.catalog.condemn(step)
+        paths = self.condemn(step)
         self.check_lease(step)
         self.catalog.remove(step, paths)
         log.info("deleted step %d (delete())", step)
@@ -232,6 +246,7 @@ class StepWrite:
         self.target: Optional[StepTarget] = None
         store.catalog.begin_write(step)  # claimed before anything is written; waits out a deletion
         self._claimed = True
+        store.forget_step(step)  # a re-save replaces the files under the step's name
         try:
             self.target = store.layout.begin(step, store.layout.new_token())
             store.catalog.set_path(step, self.target.path)

@@ -54,6 +54,7 @@ from ..save_queue import AsyncWriter
 from ..staging import HostBufferPool, Stager
 from ..stats import SaveStats, format_bytes, format_seconds
 from ..storage import CheckpointLayout, RetryPolicy, Storage
+from ..storage.dcp import Reuse
 from ..storage.manifest import check_metrics
 from ..storage.stats_log import StatsLog
 from .hooks import live_managers, stop_threads
@@ -197,6 +198,14 @@ class CheckpointManager:
             before the oldest goes); with less, a save first deletes what retention would drop
             after it, never the newest copy. A local write that fails for want of space is
             logged and raised by :meth:`join`/:meth:`close` (see docs/tiers.md).
+        incremental: write only the tensors that changed: a save compares each tensor of at
+            least 64 KiB with the same key's in the last step this manager committed to the
+            root (by an XXH3-128 hash of its bytes) and takes the data files of that step
+            holding unchanged ones (a hard link on POSIX paths, so the bytes are stored once; a
+            server-side copy on object stores, which saves the upload but not the storage).
+            Every step stays a complete DCP checkpoint of plain files (see docs/incremental.md).
+        full_every: with ``incremental``: every N-th save writes everything, so that no taken
+            file is older than N saves (default None: no bound).
         wall_clock: the clock of the commit times recorded in manifests (default
             ``time.time``; commit order survives it stepping back).
         interval_clock: the clock time-based save policies measure intervals with (the times
@@ -240,6 +249,8 @@ class CheckpointManager:
         local_dir: Optional[str] = None,
         local_policy: Any = None,
         local_retention: Any = 2,
+        incremental: bool = False,
+        full_every: Optional[int] = None,
         wall_clock: Callable[[], float] = time.time,
         interval_clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -250,7 +261,8 @@ class CheckpointManager:
             verify=verify, keep_incomplete=keep_incomplete, retry=retry, on_saved=on_saved, stats_log=stats_log,
             preemption_signals=preemption_signals, preemption_sync=preemption_sync, lazy=lazy,
             lease_timeout=lease_timeout, collective_timeout_s=collective_timeout_s, local_dir=local_dir,
-            local_policy=local_policy, local_retention=local_retention, wall_clock=wall_clock,
+            local_policy=local_policy, local_retention=local_retention, incremental=incremental,
+            full_every=full_every, wall_clock=wall_clock,
             interval_clock=interval_clock)
         #: the validated options this manager was built from
         self.options = opts
@@ -282,7 +294,8 @@ class CheckpointManager:
         self.on_saved = opts.on_saved
         self.lazy = opts.lazy
         store = StepStore(self.storage, self.layout, self._coord, opts.wall_clock,
-                          keep_incomplete=opts.keep_incomplete, lease_timeout=opts.lease_timeout)
+                          keep_incomplete=opts.keep_incomplete, lease_timeout=opts.lease_timeout,
+                          reuse=Reuse(opts.full_every) if opts.incremental else None)
         self.catalog = store.catalog
         self._stats_log = StatsLog.from_option(self.storage, opts.stats_log)
         # with a local tier an upload overlaps local saves on and off: keep buffers for both

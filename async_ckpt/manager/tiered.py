@@ -287,7 +287,8 @@ def make_local_tier(options: ManagerOptions, persistent: Storage, coord: Coordin
         raise StorageError(f"local_dir {storage.url!r} cannot be written: {exc}") from exc
     store = StepStore(storage, CheckpointLayout(storage, options.commit_mode),
                       rank_local_coordinator(options.collective_timeout_s), options.wall_clock,
-                      keep_incomplete=options.keep_incomplete, lease_timeout=options.lease_timeout)
+                      keep_incomplete=options.keep_incomplete, lease_timeout=options.lease_timeout,
+                      reuse=Reuse(options.full_every) if options.incremental else None)
     # a full local_dir is logged and raised by join()/close(): the bucket's saves go on meanwhile
     writer = AsyncWriter(options.max_pending_async, name="async-ckpt-local-writer", defer_if=out_of_space)
     tier = Root(LOCAL, store, writer, keep, options.local_policy, home=root_identity(persistent))

@@ -75,12 +75,15 @@ class FileRecord:
     its records in file order, covering it from byte 0 to ``size``, where the writer recorded
     them (``None``: the file is checked whole); ``data_at``: for records whose tensor data
     the writer placed, record offset in the file -> offset of the data in the record (``None``:
-    not recorded)."""
+    not recorded); ``ref``: for a file an incremental save took from an earlier step (a hard
+    link, or a server-side copy on object stores), ``"<step>/<name>"`` of the file that first
+    held its bytes (``None``: this step wrote it)."""
 
     size: int
     crc32c: int
     records: Optional[Tuple[Tuple[int, int], ...]] = None
     data_at: Optional[Dict[int, int]] = None
+    ref: Optional[str] = None
 
     def to_dict(self) -> Dict[str, Any]:
         d: Dict[str, Any] = {"size": self.size, "crc32c": self.crc32c}
@@ -88,6 +91,8 @@ class FileRecord:
             d["records"] = base64.b64encode(b"".join(_RECORD.pack(n, c) for n, c in self.records)).decode()
         if self.data_at:
             d["data_at"] = base64.b64encode(b"".join(_DATA_AT.pack(a, h) for a, h in self.data_at.items())).decode()
+        if self.ref is not None:
+            d["ref"] = self.ref
         return d
 
     @staticmethod
@@ -106,6 +111,12 @@ class FileRecord:
             raise CorruptCheckpointError(f"{where}: {shown(name)}: crc32c {shown(crc)} is not a 32-bit checksum",
                                          path=where)
         rec = FileRecord(size, crc)
+        ref = d.get("ref")
+        if ref is not None:
+            if not isinstance(ref, str) or not _REF.fullmatch(ref):
+                raise CorruptCheckpointError(f"{where}: {shown(name)}: ref {shown(json.dumps(ref)[:80])} is not "
+                                             "\"<step>/<file name>\"", path=where)
+            rec.ref = ref
         if d.get("data_at") is not None:
             rec.data_at = _data_at(d["data_at"], rec.size, name=name, where=where)
         raw = d.get("records")
@@ -138,6 +149,7 @@ def _int_keys(v: Any) -> bool:
 
 
 _INT_KEY = re.compile(r"-?[0-9]+")
+_REF = re.compile(r"[0-9]+/[^/\\\x00-\x1f\x7f]+")  # "<step>/<file name>"
 
 
 def _packed(raw: Any, layout: struct.Struct, what: str, where: str) -> bytes:
@@ -184,6 +196,17 @@ class Manifest:
         size above 1); restore and ``verify`` then do not require its chunks to cover each tensor."""
         ws = self.extra.get("world_size", 1)
         return not (type(ws) is int and ws > 1)
+
+    @property
+    def written_bytes(self) -> int:
+        """Bytes of the files this step wrote (its data files that are not :attr:`referred_bytes`, and its metadata)."""
+        return sum(r.size for r in self.files.values() if r.ref is None)
+
+    @property
+    def referred_bytes(self) -> int:
+        """Bytes of the files an incremental save took from earlier steps (``FileRecord.ref``):
+        stored once for every step that holds them on POSIX paths (hard links)."""
+        return sum(r.size for r in self.files.values() if r.ref is not None)
 
     def to_json(self) -> bytes:
         d = {f.name: getattr(self, f.name) for f in fields(self)}  # not asdict: it deep-copies every record

@@ -250,6 +250,29 @@ class Storage:
         self._check_abandoned(dst)
         self._backend.rename(src, dst)
 
+    def share(self, src: str, dst: str) -> bool:
+        """Make ``dst`` hold the bytes of the file ``src`` without sending them from this process.
+
+        A hard link on POSIX paths (the bytes are stored once; a copy where the filesystem has
+        no hard links), a server-side copy on object stores.
+
+        Args:
+            src: an existing file (a committed step's data file).
+            dst: the new file (in a step being written).
+
+        Returns:
+            Whether the bytes are now stored once for both (a hard link).
+
+        Raises:
+            CheckpointError: the storage was abandoned (:meth:`abandon`).
+            FileNotFoundError: ``src`` is gone (e.g. its step was deleted meanwhile).
+            StorageError: a symbolic link at either path, or the storage refused (after
+                retries of transient errors; :class:`~async_ckpt.errors.StorageTimeoutError`
+                past the retry deadline).
+        """
+        self._check_abandoned(dst)
+        return self.retry.call(lambda: self._backend.share(src, dst), f"share {src} as {dst}")
+
     def rm(self, path: str, recursive: bool = True, *, wait: Optional[float] = None) -> None:
         """Remove a file or tree; a missing path is not an error.
 

@@ -79,6 +79,11 @@ class Backend(Protocol):
     def rename(self, src: str, dst: str) -> None:
         """Atomic rename (POSIX only)."""
 
+    def share(self, src: str, dst: str) -> bool:
+        """Make ``dst`` a file holding exactly ``src``'s bytes without sending them from this
+        process: a hard link on POSIX paths, a server-side copy on object stores (one
+        attempt). Returns whether the bytes are shared (a hard link) rather than copied."""
+
     def before_delete(self, path: str, root: str) -> None:
         """Raise :class:`StorageError` if deleting ``path`` would go through a symbolic link."""
 

@@ -63,6 +63,10 @@ class FsspecBackend:
     def rename(self, src: str, dst: str) -> None:
         raise AssertionError("rename is only used on POSIX paths")
 
+    def share(self, src: str, dst: str) -> bool:
+        self.fs.copy(src, dst)  # gcsfs / s3fs: a server-side copy (rewrite, CopyObject)
+        return False
+
     def before_delete(self, path: str, root: str) -> None:
         pass  # no symbolic links
 

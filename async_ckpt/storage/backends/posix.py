@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import shutil
 import stat
 import sys
 from contextlib import contextmanager
@@ -110,6 +111,24 @@ class PosixBackend:
 
     def rename(self, src: str, dst: str) -> None:
         os.rename(src, dst)
+
+    def share(self, src: str, dst: str) -> bool:
+        if os.path.islink(src) or os.path.islink(dst):
+            raise StorageError(f"refusing to share {src} as {dst}: a symbolic link (async_ckpt never writes "
+                               "through one)")
+        try:
+            os.link(src, dst)
+            return True
+        except OSError as exc:
+            if exc.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP):
+                raise
+        shutil.copyfile(src, dst)  # a filesystem without hard links: a copy, then made durable
+        fd = os.open(dst, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return False
 
     def before_delete(self, path: str, root: str) -> None:
         """Raise :class:`StorageError` if a directory between ``root`` and ``path`` is a link."""

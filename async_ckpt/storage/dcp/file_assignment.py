@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from ... import compat
 from ..manifest import FileRecord
 from ..torch_record import PickledObject
+from .reuse import Reuse
 
 flatten_state_dict = compat.dcp_flatten_state_dict()
 traverse_state_dict = compat.dcp_traverse().traverse_state_dict
@@ -153,6 +154,8 @@ class WriteMemo:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._layout: Optional[FileLayout] = None
+        #: incremental saves: what the last committed step holds (``None``: every save is whole)
+        self.reuse: Optional[Reuse] = None
 
     @property
     def layout(self) -> Optional[FileLayout]:

@@ -42,8 +42,9 @@ def write_step(storage: Storage, path: str, state_dict: Dict[str, Any], *, threa
         state_dict: what to write (a host snapshot).
         threads: how many files are written at once.
         planner: a DCP save planner, or ``None``.
-        memo: one process: the root's memo of the last save's file layout, reused by a save of
-            the same shape.
+        memo: the root's memo of its last save: one process, the file layout, reused by a
+            save of the same shape; any number, with ``memo.reuse``, what the last committed
+            step holds (an incremental save shares what did not change).
         group: the process group DCP runs over (one process: a one-rank group or ``None``).
         several_ranks: every rank of ``group`` writes its part through ``dcp.save``.
 
@@ -60,7 +61,7 @@ def write_step(storage: Storage, path: str, state_dict: Dict[str, Any], *, threa
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-    writer = FsspecStorageWriter(storage, path, threads=threads)
+    writer = FsspecStorageWriter(storage, path, threads=threads, reuse=memo.reuse if memo is not None else None)
     dcp.save(state_dict, storage_writer=writer, process_group=group, planner=planner or DefaultSavePlanner())
     return writer.files
 

@@ -49,6 +49,7 @@ from ..storage import Storage
 from ..torch_record import PickledObject, RecordBatch, RecordTemplate, RecordTemplates
 from .crc import crc32c_combine
 from .dcp_call import METADATA_NAME, call_dcp, distributed, world_size
+from .reuse import Key, Reuse, Shared, item_key, placed_items
 from .file_assignment import (
     FileLayout,
     WriteMemo,
@@ -442,11 +443,12 @@ class FsspecStorageWriter(StorageWriter):
     """DCP ``StorageWriter`` with concurrent, checksummed writes through :class:`Storage`; each
     file's record in :attr:`files` lists its items' lengths and CRC32Cs."""
 
-    def __init__(self, storage: Storage, path: str, *, threads: int = 8) -> None:
+    def __init__(self, storage: Storage, path: str, *, threads: int = 8, reuse: Optional[Reuse] = None) -> None:
         super().__init__()
         self.storage = storage
         self.path = path
         self.threads = max(1, threads)
+        self.reuse = reuse  # incremental: what this rank's last committed step holds
         self.files: Dict[str, FileRecord] = {}
         self.rank = 0
         self.is_coordinator = True
@@ -465,12 +467,28 @@ class FsspecStorageWriter(StorageWriter):
         return [dataclasses.replace(p, storage_data=_StoragePrefix(f"__{i}_")) for i, p in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
-        buckets = _balance(plan.items, [_item_bytes(it) for it in plan.items], self.threads,
-                           self.storage.max_file_bytes)
+        resolve = _resolver(planner)
+        items = plan.items
+        shared: Optional[Shared] = None
+        reuse = self.reuse
+        if reuse is not None:  # incremental: hash, and share what this rank's last step holds unchanged
+            keys = [item_key(it.index.fqn, it.index.offset) for it in items]
+            objs = [resolve(it) if it.type != WriteItemType.BYTE_IO else None for it in items]
+            hashes, shared = reuse.share(self.storage, self.path, plan.storage_data.prefix, keys, objs)
+            items = [it for i, it in enumerate(items) if i not in shared.placed]
+        buckets = _balance(items, [_item_bytes(it) for it in items], self.threads, self.storage.max_file_bytes)
         hints = [sum(_item_bytes(item) for item in bucket) for bucket in buckets]
         outs = _write_files(self.storage, self.path, plan.storage_data.prefix, buckets, hints, self.threads,
-                            _resolver(planner), records=True)
+                            resolve, records=True)
         files, where = _results([[item.index for item in bucket] for bucket in buckets], outs)
+        if reuse is not None and shared is not None:
+            position = {id(it): i for i, it in enumerate(plan.items)}
+            placed = _positions([[position[id(it)] for it in b] for b in buckets], outs)
+            for i, info in shared.placed.items():
+                where[plan.items[i].index] = _StorageInfo(*info)
+            placed.update(shared.placed)
+            files.update(shared.files)
+            reuse.wrote(self.path, placed_items(keys, objs, hashes, placed), files, not shared.placed)
         self.files.update(files)
         fut: Future = Future()
         fut.set_result([WriteResult(index=index, size_in_bytes=info.length, storage_data=info)
@@ -511,7 +529,7 @@ def save_state_dict(storage: Storage, path: str, state_dict: Dict[str, Any], *, 
         files = _save_local(storage, path, state_dict, threads=threads, memo=memo)
         if files is not None:
             return files
-    writer = FsspecStorageWriter(storage, path, threads=threads)
+    writer = FsspecStorageWriter(storage, path, threads=threads, reuse=memo.reuse if memo is not None else None)
     planner = planner if planner is not None else DefaultSavePlanner()
     call_dcp(lambda: dcp.save(state_dict, storage_writer=writer, planner=planner,
                                process_group=process_group, no_dist=not distributed()))
@@ -559,6 +577,17 @@ def _save_local(storage: Storage, path: str, state_dict: Dict[str, Any], *, thre
         if sig is None:
             return None  # DTensor, ShardedTensor, a subclass: DCP's planner knows them
 
+    reuse = memo.reuse
+    shared: Optional[Shared] = None
+    hashes: List[Optional[int]] = []
+    keys: List[Key] = []
+    if reuse is not None:  # incremental: hash, and share what the last step holds unchanged
+        keys = [item_key(fqn, (0,) * o.dim() if isinstance(o, torch.Tensor) else None) for fqn, o in zip(fqns, objs)]
+        hashes, shared = reuse.share(storage, path, "__0_", keys, objs)
+        if shared.placed:
+            layout = None  # the remembered file assignment holds every item
+            sig = sig if sig is not None else signature(objs)
+
     if layout is not None:
         outs = _write_files(storage, path, "__0_", [[objs[k] for k in b] for b in layout.buckets],
                             layout.hints, threads, local_data)
@@ -566,12 +595,15 @@ def _save_local(storage: Storage, path: str, state_dict: Dict[str, Any], *, thre
             storage.write_bytes(f"{path}/{METADATA_NAME}", layout.metadata)
             files = {name: rec for name, rec, _ in outs}
             files[METADATA_NAME] = layout.files_meta
+            if reuse is not None:
+                reuse.wrote(path, placed_items(keys, objs, hashes, _positions(layout.buckets, outs)), files, True)
             return files
         # An object's pickle changed length: same files, new .metadata (built below).
         buckets, hints = layout.buckets, layout.hints
     else:
+        todo = [k for k in range(len(objs)) if shared is None or k not in shared.placed]
         sizes = [o.numel() * o.element_size() if isinstance(o, torch.Tensor) else 1024 for o in objs]
-        buckets = _balance(list(range(len(objs))), sizes, threads, storage.max_file_bytes)
+        buckets = _balance(todo, [sizes[k] for k in todo], threads, storage.max_file_bytes)
         hints = [sum(sizes[k] for k in b) for b in buckets]
         outs = None
 
@@ -602,14 +634,37 @@ def _save_local(storage: Storage, path: str, state_dict: Dict[str, Any], *, thre
         outs = _write_files(storage, path, "__0_", [[objs[k] for k in b] for b in buckets], hints, threads,
                             local_data)
     files, where = _results([[indices[k] for k in b] for b in buckets], outs)
+    placed = _positions(buckets, outs)
+    if shared is not None and shared.placed:
+        for k, (name, offset, length) in shared.placed.items():
+            where[indices[k]] = _StorageInfo(name, offset, length)
+        placed.update(shared.placed)
+        files.update(shared.files)
+        where = {indices[k]: where[indices[k]] for k in range(len(objs))}  # in item order, as DCP writes it
     metadata = Metadata(state_dict_metadata=md, planner_data=mappings, storage_data=where,
                         storage_meta=StorageMeta(checkpoint_id=None, save_id=""))
     data = pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)  # DCP's own format
     storage.write_bytes(f"{path}/{METADATA_NAME}", data)
     files[METADATA_NAME] = FileRecord(len(data), crc32c(data))
+    if reuse is not None:
+        reuse.wrote(path, placed_items(keys, objs, hashes, placed), files, not (shared and shared.placed))
+    if shared is not None and shared.placed:
+        return files  # a layout that leaves items out is not one to write again
     if sig is None:  # the files were written with the last layout; only .metadata is new
         sig = cast(FileLayout, layout).sig  # sig is None only when the layout was kept
     memo.remember(FileLayout(key, fqns, sig, mappings, buckets, hints,
                           [lengths for _, _, lengths in outs], data, files[METADATA_NAME]))
     return files
+
+
+def _positions(buckets: List[List[int]], outs: List[Tuple[str, FileRecord, List[int]]]
+               ) -> Dict[int, Tuple[str, int, int]]:
+    """Item position -> ``(file name, offset, length)`` from :func:`_write_files`' results."""
+    out: Dict[int, Tuple[str, int, int]] = {}
+    for positions, (name, _, lengths) in zip(buckets, outs):
+        offset = 0
+        for k, length in zip(positions, lengths):
+            out[k] = (name, offset, length)
+            offset += length
+    return out
 
