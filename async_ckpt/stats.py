@@ -29,6 +29,10 @@ class SaveStats:
         nbytes: tensor bytes staged.
         num_tensors: tensors staged.
         files: files written for the step.
+        written_bytes: bytes of the files this rank wrote for the step (data and metadata).
+        referred_bytes: bytes of the files an incremental save took from the root's last step
+            (``incremental=True``: hard links on POSIX paths, server-side copies on object
+            stores) instead of writing them.
         blocking_s: seconds the training loop waited inside ``save``/``save_async``.
         queue_wait_s: seconds of that spent waiting for a free writer slot.
         stage_s: seconds of that spent on the host copy.
@@ -43,6 +47,8 @@ class SaveStats:
     nbytes: int = 0
     num_tensors: int = 0
     files: int = 0
+    written_bytes: int = 0
+    referred_bytes: int = 0
     blocking_s: float = 0.0
     queue_wait_s: float = 0.0
     stage_s: float = 0.0
@@ -100,6 +106,8 @@ class SaveStats:
             f"host copy {format_seconds(self.stage_s)}, {format_rate(self.nbytes, self.stage_s)}), "
             f"write {format_seconds(self.write_s)} ({format_rate(self.nbytes, self.write_s)}), "
             f"commit {format_seconds(self.commit_s)}, durable after {durable}, {self.files} files"
+            + (f" ({format_bytes(self.written_bytes)} written, {format_bytes(self.referred_bytes)} taken from "
+               "the last step)" if self.referred_bytes else "")
         )
 
 

@@ -169,5 +169,7 @@ def run_save(store: StepStore, job: SaveJob, *, policy: RetentionPolicy, threads
         return None
     stats.write_s, stats.commit_s, stats.durable_s = tc - tw, td - tc, td - job.t0
     stats.files = len(files)
+    stats.referred_bytes = sum(r.size for r in files.values() if r.ref is not None)
+    stats.written_bytes = sum(r.size for r in files.values()) - stats.referred_bytes
     stats.commit_time = commit_time
     return stats
