@@ -144,6 +144,7 @@ def run_save(store: StepStore, job: SaveJob, *, policy: RetentionPolicy, threads
         write_error: Optional[BaseException] = None
         reuse = store.memo.reuse
         if reuse is not None:
+            store.recall_last_step()  # a new manager: what the newest committed step holds
             reuse.prepare(*job.frozen)
         try:
             files = coord.write(store.storage, target.path, snap.state_dict, threads=threads, planner=planner,

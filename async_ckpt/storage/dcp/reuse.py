@@ -246,8 +246,49 @@ class Reuse:
 
     def wrote(self, path: str, items: List[WrittenItem], files: Dict[str, FileRecord], full: bool) -> None:
         """What a save into ``path`` placed, kept until its step commits (:meth:`committed`)."""
+        for it in items:  # in the manifest, for a later manager's first save (see recall)
+            rec = files.get(it.name)
+            if rec is not None and rec.ref is None:
+                if rec.hashes is None:
+                    rec.hashes = {}
+                rec.hashes[it.offset] = it.hash
         with self._lock:
             self._pending[path] = (items, files, full)
+
+    def recall(self, step: int, directory: str, files: Dict[str, FileRecord], metadata: Any, prefix: str) -> int:
+        """Remember a committed step read back from storage (a new manager's first save then
+        compares with it): the tensor records of this rank's files (``prefix``) whose hash its
+        manifest recorded. Returns how many; nothing is remembered when a step is already known.
+
+        Args:
+            step: the step.
+            directory: its committed directory.
+            files: its manifest's file records.
+            metadata: its DCP ``Metadata`` (checked).
+            prefix: this rank's data file names' prefix (``__<rank>_``).
+        """
+        items: Dict[Key, HeldItem] = {}
+        for idx, info in metadata.storage_data.items():
+            name = info.relative_path
+            rec = files.get(name)
+            if not name.startswith(prefix) or rec is None or not rec.hashes or info.offset not in rec.hashes:
+                continue
+            entry = metadata.state_dict_metadata.get(idx.fqn)
+            chunks = getattr(entry, "chunks", None)
+            if not chunks:
+                continue
+            at = tuple(idx.offset) if idx.offset is not None else ()
+            chunk = next((c for c in chunks if tuple(c.offsets) == at), None)
+            if chunk is None:
+                continue
+            items[item_key(idx.fqn, at)] = HeldItem(name, info.offset, info.length, rec.hashes[info.offset],
+                                                    entry.properties.dtype, tuple(chunk.sizes))
+        with self._lock:
+            if self._held is not None or not items:
+                return 0
+            names = {it.name for it in items.values()}
+            self._held = HeldBytes(step, directory, items, {n: r for n, r in files.items() if n in names})
+            return len(items)
 
     def committed(self, path: str, step: int, directory: str) -> None:
         """The save into ``path`` committed as ``step`` in ``directory``: the next save may take
