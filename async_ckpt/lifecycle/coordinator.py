@@ -54,6 +54,12 @@ class Coordinator(Protocol):
     def any_rank(self, flag: bool) -> bool:
         """Whether ``flag`` is true on any rank (training thread; one collective)."""
 
+    def gather_ints(self, value: int) -> List[int]:
+        """Every rank's int64 ``value``, by rank (training thread; one small collective)."""
+
+    def gather_objects(self, obj: Any) -> List[Any]:
+        """Every rank's ``obj``, by rank (training thread; one collective)."""
+
     def broadcast(self, obj: Any) -> Any:
         """Rank 0's ``obj`` on every rank (writer thread, or the caller after ``join``)."""
 
@@ -93,6 +99,12 @@ class LocalCoordinator:
 
     def any_rank(self, flag: bool) -> bool:
         return bool(flag)
+
+    def gather_ints(self, value: int) -> List[int]:
+        return [int(value)]
+
+    def gather_objects(self, obj: Any) -> List[Any]:
+        return [obj]
 
     def broadcast(self, obj: Any) -> Any:
         return obj
@@ -161,6 +173,21 @@ class GroupCoordinator:
         t = torch.tensor([int(bool(flag))], dtype=torch.int64)
         _collective(lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.control), "any_rank")
         return bool(t.item())
+
+    def gather_ints(self, value: int) -> List[int]:
+        import torch.distributed as dist
+
+        t = torch.tensor([int(value)], dtype=torch.int64)
+        out = [torch.empty_like(t) for _ in range(self.world_size)]
+        _collective(lambda: dist.all_gather(out, t, group=self.control), "gather_ints")
+        return [int(o.item()) for o in out]
+
+    def gather_objects(self, obj: Any) -> List[Any]:
+        import torch.distributed as dist
+
+        out: List[Any] = [None] * self.world_size
+        _collective(lambda: dist.all_gather_object(out, obj, group=self.control), "gather_objects")
+        return out
 
     def broadcast(self, obj: Any) -> Any:
         import torch.distributed as dist

@@ -34,6 +34,7 @@ from ..gc_pause import gc_paused
 from ..lifecycle import phase
 from ..lifecycle.coordinator import DEFAULT_TIMEOUT_S, coordinator_for
 from ..lifecycle.planners import load_planner_for, save_planner_for
+from ..lifecycle.replicas import SaveShares
 from ..lifecycle.restore import candidates_of, check_key_map
 from ..lifecycle.restore import restore as _restore
 from ..lifecycle.root import LOCAL, PERSISTENT, Root
@@ -216,6 +217,16 @@ class CheckpointManager:
             :meth:`close` their bytes are hashed, and a changed one is written in full and
             raises :class:`~async_ckpt.errors.FrozenTensorChangedError` (docs/incremental.md).
         frozen_check_every: every N-th save copies and checks every ``frozen`` tensor (default 10).
+        replicated_saves: several ranks: a tensor of at least 64 KiB that several ranks hold
+            (DDP's model, HSDP replicas; same key, size and shard offsets) is staged and written
+            by one of them, balanced by bytes, so each rank's stall is its share (default
+            True; False: every rank stages everything and DCP writes one copy). A save due for
+            the local tier stages everything: each rank's local copy restores that rank alone.
+        replicated_reads: several ranks, at restore: ``"once"``: a tensor every rank restores
+            as a plain tensor is read from storage by one rank and sent to the others over
+            the manager's gloo group (CRC-checked after the transfer); ``"every_rank"``: each
+            rank reads it; ``"auto"`` (default): once on object stores and other remote
+            filesystems, every rank on local paths (re-reads hit the page cache).
         wall_clock: the clock of the commit times recorded in manifests (default
             ``time.time``; commit order survives it stepping back).
         interval_clock: the clock time-based save policies measure intervals with (the times
@@ -263,6 +274,8 @@ class CheckpointManager:
         full_every: Optional[int] = None,
         frozen: Any = None,
         frozen_check_every: int = 10,
+        replicated_saves: bool = True,
+        replicated_reads: str = "auto",
         wall_clock: Callable[[], float] = time.time,
         interval_clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -274,7 +287,8 @@ class CheckpointManager:
             preemption_signals=preemption_signals, preemption_sync=preemption_sync, lazy=lazy,
             lease_timeout=lease_timeout, collective_timeout_s=collective_timeout_s, local_dir=local_dir,
             local_policy=local_policy, local_retention=local_retention, incremental=incremental,
-            full_every=full_every, frozen=frozen, frozen_check_every=frozen_check_every, wall_clock=wall_clock,
+            full_every=full_every, frozen=frozen, frozen_check_every=frozen_check_every,
+            replicated_saves=replicated_saves, replicated_reads=replicated_reads, wall_clock=wall_clock,
             interval_clock=interval_clock)
         #: the validated options this manager was built from
         self.options = opts
@@ -313,6 +327,7 @@ class CheckpointManager:
         # with a local tier an upload overlaps local saves on and off: keep buffers for both
         self.stager = Stager(HostBufferPool(opts.memory_budget_bytes, hold_peak=opts.local_dir is not None))
         self._frozen = FrozenTensors(opts.frozen, opts.frozen_check_every) if opts.frozen is not None else None
+        self._shares = SaveShares() if opts.replicated_saves and self._coord.world_size > 1 else None
         self.stats: Deque[SaveStats] = collections.deque(maxlen=1000)
         #: with a local tier: steps whose upload to ``path`` was skipped because the previous
         #: upload was still running (``save_async`` never waits for it; the step went to the local tier)
@@ -680,9 +695,18 @@ class CheckpointManager:
                     tier.writer.take_slot()  # raised here, on one rank, they would fail this step too
                 held.append(tier)
             t1 = time.perf_counter()
+            drop: Set[int] = set()
             if not alone:  # every rank queues its part of the save, even if planning fails here
-                with gc_paused():
-                    plan = self.stager.plan(state_dict)
+                planned: Optional[Exception] = None
+                try:
+                    with gc_paused():
+                        plan = self.stager.plan(state_dict)
+                except Exception as exc:  # noqa: BLE001 - the exchange below first, then raised
+                    planned = exc
+                if self._shares is not None and not where.local:  # a local copy holds everything
+                    drop = self._shares.drops(self._coord, None if planned is not None else plan)
+                if planned is not None:
+                    raise planned
                 self._warn_pickled(plan)
             keep: Set[int] = set()
             seen: Dict[str, Tuple[int, int]] = {}
@@ -691,7 +715,8 @@ class CheckpointManager:
                 keep, seen = self._frozen.choose(
                     plan, lambda key, t, v: all(x is not None and x.holds(key, t, v) for x in reuses))
             stager = self.stager.lazy if lazy and not wait else self.stager.eager
-            snap = stager.stage(state_dict, plan, keep)
+            keep -= drop
+            snap = stager.stage(state_dict, plan, keep, drop)
             if snap.pending is not None:
                 snap.pending.step = step
         except BaseException as exc:
