@@ -24,7 +24,9 @@ from ..errors import CheckpointError, InvalidArgumentError
 from ..storage import FileRecord, Storage
 from ..storage.dcp import WriteMemo
 from ..storage.dcp.atomic_restore import Acquire
+from ..storage.dcp.direct import partly_written
 from ..storage.dcp.step_io import read_step, write_step
+from .replicas import read_assignment, restore_items, send_replicas
 
 if TYPE_CHECKING:
     from ..staging.pool import HostBufferPool
@@ -139,6 +141,8 @@ class GroupCoordinator:
         self.control = control
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
+        #: who reads a tensor every rank restores: "once", "every_rank" or "auto" (see :meth:`load`)
+        self.replicated_reads = "auto"
 
     @property
     def is_primary(self) -> bool:
@@ -215,10 +219,38 @@ class GroupCoordinator:
              strict: bool = True, pool: Optional[HostBufferPool] = None) -> None:
         """:func:`~async_ckpt.storage.dcp.step_io.read_step` through ``dcp.load`` over the group:
         no rank writes before every rank's reads passed, so ``atomic`` holds either way
-        (``pool`` is not used)."""
+        (``pool`` is not used).
+
+        Read once (:attr:`replicated_reads` ``"once"``, or ``"auto"`` on storage that is not a
+        local path): a tensor every rank restores whole is read by one rank, balanced by bytes
+        (:func:`~async_ckpt.lifecycle.replicas.read_assignment`), then sent to the others
+        (:func:`~async_ckpt.lifecycle.replicas.send_replicas`); a failure there, once targets
+        were written, is a :class:`~async_ckpt.errors.PartlyWrittenError` on every rank."""
+        mode = self.replicated_reads
+        once = planner is None and metadata is not None and (mode == "once" or (mode == "auto" and not storage.is_local))
+        if not once:
+            read_step(storage, path, state_dict, files=files, verify=verify, threads=threads,
+                      allow_pickle=allow_pickle, metadata=metadata, planner=planner, atomic=atomic, strict=strict,
+                      group=self.group, agree=self.all_gather)
+            return
+        mine = restore_items(state_dict, metadata)
+        readers = read_assignment(self.all_gather(list(mine)))
+        skip = {key.split("\0", 1)[0] for (key, _), r in readers.items() if r != self.rank}
         read_step(storage, path, state_dict, files=files, verify=verify, threads=threads, allow_pickle=allow_pickle,
-                  metadata=metadata, planner=planner, atomic=atomic, strict=strict, group=self.group,
-                  agree=self.all_gather)
+                  metadata=metadata, planner=None, atomic=atomic, strict=strict, group=self.group,
+                  agree=self.all_gather, skip=skip)
+        try:
+            problem: Optional[str] = None
+            try:
+                problem = send_replicas(self.group, self.rank, self.world_size, readers, mine)
+            except RuntimeError as exc:  # gloo: a peer died, or the timeout passed
+                raise CheckpointError(f"checkpoint coordination (sending restored tensors) failed: another rank "
+                                      f"died or did not take part in time: {exc}") from exc
+            problems = [p for p in self.all_gather(problem) if p]
+            if problems:
+                raise CheckpointError("; ".join(problems))
+        except CheckpointError as exc:
+            raise partly_written(path, exc) from exc
 
 
 def _leaser(pool: "HostBufferPool") -> Acquire:

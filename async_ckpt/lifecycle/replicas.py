@@ -20,6 +20,7 @@ ranks agree which rank takes each replicated item, balanced by bytes:
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import struct
 from typing import Any, Dict, Hashable, List, Optional, Sequence, Set, Tuple
@@ -27,7 +28,8 @@ from typing import Any, Dict, Hashable, List, Optional, Sequence, Set, Tuple
 import torch
 
 from .. import compat
-from .coordinator import Coordinator
+from ..storage.dcp.file_assignment import flatten
+from ..storage.manifest import crc32c
 
 #: replicated tensors smaller than this are staged by every rank (DCP de-duplicates their writes)
 MIN_SHARED_BYTES = 64 * 2**10
@@ -107,11 +109,11 @@ class SaveShares:
         #: exchanges made by the last :meth:`drops` (1 while the assignment holds, 2 when remade)
         self.last_exchanges = 0
 
-    def drops(self, coord: Coordinator, plan: Optional[Any]) -> Set[int]:
+    def drops(self, coord: Any, plan: Optional[Any]) -> Set[int]:
         """The plan indices this rank does not stage (other ranks take them). Collective.
 
         Args:
-            coord: the ranks.
+            coord: the ranks (a :class:`~async_ckpt.lifecycle.coordinator.Coordinator`).
             plan: this rank's staging plan; ``None`` when planning failed here (every rank then
                 stages everything, and this rank raises its error).
 
@@ -151,3 +153,79 @@ def read_assignment(held: Sequence[Sequence[Item]]) -> Dict[Tuple[str, Tuple[int
             count[k] = count.get(k, 0) + 1
     common = [[it for it in items if count[(it[0], tuple(it[1]), it[2])] == everyone] for items in held]
     return assign(common)
+
+
+def _view(buf: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous host ``uint8`` tensor, without a copy (nor NumPy)."""
+    return memoryview((ctypes.c_char * buf.numel()).from_address(buf.data_ptr())).cast("B")
+
+
+def restore_items(state_dict: Any, metadata: Any) -> Dict[Item, torch.Tensor]:
+    """This rank's candidates for a read by one rank: the plain tensors of its restore target,
+    of at least :data:`MIN_SHARED_BYTES`, that the checkpoint stores as one whole chunk of the
+    same shape and dtype (item key: the flattened key and the dtype)."""
+    flat, _ = flatten(state_dict)
+    entries = metadata.state_dict_metadata
+    out: Dict[Item, torch.Tensor] = {}
+    for fqn, t in flat.items():
+        if type(t) is not torch.Tensor or t.numel() * t.element_size() < MIN_SHARED_BYTES:
+            continue
+        entry = entries.get(fqn)
+        chunks = getattr(entry, "chunks", None)
+        if not chunks or len(chunks) != 1 or tuple(chunks[0].sizes) != tuple(t.shape) \
+                or any(chunks[0].offsets) or entry.properties.dtype != t.dtype:
+            continue
+        out[(f"{fqn}\0{t.dtype}", (0,) * t.dim(), t.numel() * t.element_size())] = t
+    return out
+
+
+def send_replicas(group: Any, rank: int, world_size: int, readers: Dict[Tuple[str, Tuple[int, ...]], int],
+                  mine: Dict[Item, torch.Tensor]) -> Optional[str]:
+    """After a read by one rank per item: each reading rank sends what it read, in one buffer
+    per rank (gloo ``broadcast`` over ``group``, then its CRC32C), and every other rank that
+    holds an item copies it into its tensor once the buffer's CRC matched. Collective.
+
+    Args:
+        group: the process group (the manager's own gloo group).
+        rank: this rank in ``group``.
+        world_size: the ranks in ``group``.
+        readers: :func:`read_assignment`'s result.
+        mine: this rank's :func:`restore_items`.
+
+    Returns:
+        ``None``, or what went wrong here (a buffer whose CRC did not match): nothing was
+        copied from that buffer.
+    """
+    import torch.distributed as dist
+
+    by_key = {(k, o): (n, t) for (k, o, n), t in mine.items()}
+    problem = None
+    for r in range(world_size):
+        items = sorted((k, o) for (k, o), q in readers.items() if q == r)
+        if not items:
+            continue
+        sizes = [by_key[it][0] for it in items]  # every rank holds every item read by one rank
+        buf = torch.empty(sum(sizes), dtype=torch.uint8)
+        at = 0
+        if r == rank:
+            for it, n in zip(items, sizes):
+                buf[at:at + n].copy_(by_key[it][1].detach().reshape(-1).view(torch.uint8).cpu())
+                at += n
+        crc = torch.tensor([crc32c(_view(buf)) if r == rank else 0], dtype=torch.int64)
+        dist.broadcast(buf, group=group, group_src=r)
+        dist.broadcast(crc, group=group, group_src=r)
+        if r == rank:
+            continue
+        got = crc32c(_view(buf))
+        if got != int(crc.item()):
+            problem = (f"rank {rank}: the {len(items)} tensors sent by rank {r} arrived damaged (crc32c "
+                       f"{got:#010x}, sent {int(crc.item()):#010x}); nothing was copied from them")
+            continue
+        at = 0
+        for it, n in zip(items, sizes):
+            t = by_key[it][1]
+            with torch.no_grad():
+                t.copy_(buf[at:at + n].view(t.dtype).view(t.shape))
+            at += n
+    return problem
+

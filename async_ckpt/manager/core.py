@@ -32,7 +32,7 @@ from ..errors import (
 )
 from ..gc_pause import gc_paused
 from ..lifecycle import phase
-from ..lifecycle.coordinator import DEFAULT_TIMEOUT_S, coordinator_for
+from ..lifecycle.coordinator import DEFAULT_TIMEOUT_S, GroupCoordinator, coordinator_for
 from ..lifecycle.planners import load_planner_for, save_planner_for
 from ..lifecycle.replicas import SaveShares
 from ..lifecycle.restore import candidates_of, check_key_map
@@ -328,6 +328,8 @@ class CheckpointManager:
         self.stager = Stager(HostBufferPool(opts.memory_budget_bytes, hold_peak=opts.local_dir is not None))
         self._frozen = FrozenTensors(opts.frozen, opts.frozen_check_every) if opts.frozen is not None else None
         self._shares = SaveShares() if opts.replicated_saves and self._coord.world_size > 1 else None
+        if isinstance(self._coord, GroupCoordinator):
+            self._coord.replicated_reads = opts.replicated_reads
         self.stats: Deque[SaveStats] = collections.deque(maxlen=1000)
         #: with a local tier: steps whose upload to ``path`` was skipped because the previous
         #: upload was still running (``save_async`` never waits for it; the step went to the local tier)
