@@ -53,6 +53,10 @@ class Coordinator(Protocol):
         """Rank 0's ``flags`` on every rank, and the ranks whose ``ok`` was false or whose
         ``step`` is not rank 0's (when both give one) (training thread; one collective)."""
 
+    def agree_signal(self, flags: Sequence[bool], ok: bool = True, step: Optional[int] = None,
+                     signal: bool = False) -> Tuple[List[bool], List[int], bool]:
+        """:meth:`agree`, and whether ``signal`` is true on any rank, in the same collective."""
+
     def any_rank(self, flag: bool) -> bool:
         """Whether ``flag`` is true on any rank (training thread; one collective)."""
 
@@ -98,6 +102,10 @@ class LocalCoordinator:
     def agree(self, flags: Sequence[bool], ok: bool = True, step: Optional[int] = None
               ) -> Tuple[List[bool], List[int]]:
         return [bool(f) for f in flags], ([] if ok else [0])
+
+    def agree_signal(self, flags: Sequence[bool], ok: bool = True, step: Optional[int] = None,
+                     signal: bool = False) -> Tuple[List[bool], List[int], bool]:
+        return [bool(f) for f in flags], ([] if ok else [0]), bool(signal)
 
     def any_rank(self, flag: bool) -> bool:
         return bool(flag)
@@ -150,13 +158,18 @@ class GroupCoordinator:
 
     def agree(self, flags: Sequence[bool], ok: bool = True, step: Optional[int] = None
               ) -> Tuple[List[bool], List[int]]:
+        agreed, failed, _ = self.agree_signal(flags, ok, step)
+        return agreed, failed
+
+    def agree_signal(self, flags: Sequence[bool], ok: bool = True, step: Optional[int] = None,
+                     signal: bool = False) -> Tuple[List[bool], List[int], bool]:
         import torch.distributed as dist
 
         # A step travels in the int64 row as itself when it fits below _LARGE_STEP; a larger one
         # (steps are any non-negative int, as in one process) as _LARGE_STEP, and then every
         # rank (each sees that marker in the rows) sends its exact step in one more exchange.
         mark = -1 if step is None else int(step) if 0 <= step < _LARGE_STEP else _LARGE_STEP
-        t = torch.tensor([int(bool(f)) for f in flags] + [int(bool(ok)), mark], dtype=torch.int64)
+        t = torch.tensor([int(bool(f)) for f in flags] + [int(bool(signal)), int(bool(ok)), mark], dtype=torch.int64)
         out = [torch.empty_like(t) for _ in range(self.world_size)]
         _collective(lambda: dist.all_gather(out, t, group=self.control), "agree")
         rows = [o.tolist() for o in out]
@@ -169,7 +182,7 @@ class GroupCoordinator:
         first = steps[0]
         failed = [r for r, (row, s) in enumerate(zip(rows, steps))
                   if not row[-2] or (first is not None and s is not None and s != first)]
-        return [bool(v) for v in rows[0][:-2]], failed
+        return [bool(v) for v in rows[0][:-3]], failed, any(row[-3] for row in rows)
 
     def any_rank(self, flag: bool) -> bool:
         import torch.distributed as dist

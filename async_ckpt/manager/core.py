@@ -449,36 +449,44 @@ class CheckpointManager:
         preempt = False
         if invalid is None and self._preemption is not None:
             preempt = self._preemption.due(step)
-        if not alone and self._coord.any_rank(preempt) and not preempt and invalid is None:
-            # a preemption one rank detected (a signal to one host) is every rank's checkpoint
-            # and every rank's last step, whatever rank 0's own signal handler saw (every rank
-            # takes part in this exchange, whatever its own chkpt_on_preemption)
-            if self._preemption is not None:
-                self._preemption.adopt(step)
-            preempt = True
-        due = self._schedule(step, force, preempt) if invalid is None else Due(False, False, False, False)
         held: Optional[LeaseHeldError] = None
         unreachable: Optional[StorageError] = None
-        if due.persistent and self._coord.is_primary:
-            try:
-                self._claim_persistent(step)
-            except LeaseHeldError as exc:
-                if alone:
-                    raise
-                held = exc
-            except (StorageError, OSError) as exc:
-                unreachable = StorageError(f"step {step}: the checkpoint path {self.storage.url} cannot be "
-                                           f"reached (taking its writer lease failed): {type(exc).__name__}: {exc}",
-                                           step=step)
-                unreachable.__cause__ = exc
-                if self._local is None and alone:
-                    raise unreachable from exc
-        reached = unreachable is None
-        if not alone:
-            due, lease_ok, reached = self._agree_due(step, due, held is None, reached, invalid)
+        while True:
+            due = self._schedule(step, force, preempt) if invalid is None else Due(False, False, False, False)
+            held = unreachable = None
+            if due.persistent and self._coord.is_primary:
+                try:
+                    self._claim_persistent(step)
+                except LeaseHeldError as exc:
+                    if alone:
+                        raise
+                    held = exc
+                except (StorageError, OSError) as exc:
+                    unreachable = StorageError(f"step {step}: the checkpoint path {self.storage.url} cannot be "
+                                               f"reached (taking its writer lease failed): {type(exc).__name__}: "
+                                               f"{exc}", step=step)
+                    unreachable.__cause__ = exc
+                    if self._local is None and alone:
+                        raise unreachable from exc
+            reached = unreachable is None
+            if alone:
+                break
+            # one exchange per call: rank 0's decision, and whether any rank saw a preemption
+            agreed, lease_ok, reached, signalled = self._agree_due(step, due, held is None, reached, invalid,
+                                                                   preempt and invalid is None)
+            if signalled and not agreed.preempt:
+                # a preemption one rank detected (a signal to one host) is every rank's checkpoint
+                # and every rank's last step, whatever rank 0's own signal handler saw: decided
+                # again with it (a second exchange, at a preemption only)
+                if not preempt and self._preemption is not None:
+                    self._preemption.adopt(step)
+                preempt = True
+                continue
+            due = agreed
             if due.persistent and not lease_ok:
                 raise held or LeaseHeldError(
                     f"rank 0 could not take the writer lease of {self.storage.url}; see rank 0's error")
+            break
         if not due.persistent or reached:
             return due
         if unreachable is None:
@@ -498,17 +506,18 @@ class CheckpointManager:
         store.warn_if_lower(step, self._restored)
 
     def _agree_due(self, step: int, due: Due, lease_ok: bool, reached: bool,
-                   invalid: Optional[Exception]) -> "Tuple[Due, bool, bool]":
+                   invalid: Optional[Exception], preempt: bool = False) -> "Tuple[Due, bool, bool, bool]":
         """Several ranks: rank 0's decision, lease and reachability, taken by every rank.
 
         Time-based policies, preemption signals and "nothing in flight" conditions can answer
         differently per rank. Every rank also says whether its writers hold a failure the next
         save raises, or its step or metrics are invalid, and which step it saves (a rank at
-        another step fails the exchange): a rank raising alone would leave the others waiting."""
+        another step fails the exchange): a rank raising alone would leave the others waiting.
+        Returns the decision, lease and reachability, and whether any rank's ``preempt`` was set."""
         ok = invalid is None and not any(r.writer.failed() for r in self.roots)
-        (take, take_local, preempt, lease_ok, reached), failed = self._coord.agree(
+        (take, take_local, rank0_preempt, lease_ok, reached), failed, signalled = self._coord.agree_signal(
             [due.persistent, due.local, due.preempt, lease_ok, reached], ok=ok,
-            step=step if invalid is None else None)
+            step=step if invalid is None else None, signal=preempt)
         if failed:
             if invalid is not None:
                 raise invalid
@@ -518,7 +527,7 @@ class CheckpointManager:
                                   f"background save failed there, its step or metrics were invalid, or it "
                                   f"was called with another step than rank 0; see their errors)",
                                   step=step if isinstance(step, int) else None)
-        return Due(take, take_local, preempt, take), lease_ok, reached
+        return Due(take, take_local, rank0_preempt, take), lease_ok, reached, signalled
 
     def reached_preemption(self, step: int) -> bool:
         """Whether the loop should stop for a preemption.
