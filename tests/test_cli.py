@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -15,6 +16,7 @@ import torch
 
 from async_ckpt import CheckpointManager, SaveStats
 from async_ckpt.cli import main
+from async_ckpt.cli.common import human_bytes
 from async_ckpt.stats import read_stats_log
 from async_ckpt.storage.stats_log import StatsLog
 
@@ -475,10 +477,6 @@ def test_ls_show_verify_report_written_and_shared_bytes(tmp_path, capsys):
     out = capsys.readouterr().out
     table = out.split("\n\n")[0].splitlines()
     assert table[0].split() == ["STEP", "ORDER", "COMMITTED", "SIZE", "WRITTEN", "SHARED", "FILES", "STATUS", "METRICS"]
-    from async_ckpt.cli.common import human_bytes
-
-    import re
-
     rows = {ln.split()[0]: re.split(r"\s{2,}", ln.strip()) for ln in table[1:]}  # cells: 2+ spaces apart
     for s, man in mans.items():  # SIZE, WRITTEN, SHARED
         assert rows[str(s)][3:6] == [human_bytes(v) for v in (man.written_bytes + man.referred_bytes,
