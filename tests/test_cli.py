@@ -3,6 +3,7 @@ damaged), plus in-process runs on ``memory://`` and the save statistics log."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -519,3 +520,25 @@ def test_ls_show_verify_report_written_and_shared_bytes(tmp_path, capsys):
         target = {"base": torch.zeros(256, 256), "head": torch.zeros(8, 8), "step": 0}
         CheckpointManager(root).restore(s, target)
         assert_bitwise_equal(saved[s], target)
+
+
+@pytest.mark.skipif("written_bytes" not in {f.name for f in dataclasses.fields(SaveStats)},
+                    reason="SaveStats has no written_bytes/referred_bytes in this library version")
+def test_stats_command_shows_written_and_shared_bytes(tmp_path, capsys):
+    root = str(tmp_path / "inc")
+    base = torch.randn(256, 256)
+    with CheckpointManager(root, incremental=True, stats_log=True) as mgr:
+        for s in (1, 2):
+            mgr.save(s, {"base": base, "head": torch.full((8,), float(s))})
+        stats = {st.step: st for st in mgr.stats}
+    assert stats[2].referred_bytes > 256 * 256 * 4 > stats[2].written_bytes > 0
+    assert main(["stats", root]) == 0
+    table = capsys.readouterr().out.split("\n\n")[0].splitlines()
+    assert table[0].split()[:6] == ["STEP", "COMMITTED", "DATA", "WRITTEN", "SHARED", "FILES"]
+    rows = {ln.split()[0]: re.split(r"\s{2,}", ln.strip()) for ln in table[1:]}
+    for s, st in stats.items():
+        assert rows[str(s)][3:5] == [human_bytes(st.written_bytes), human_bytes(st.referred_bytes)]
+    assert main(["stats", root, "--json"]) == 0
+    logged = {r["step"]: r for r in json.loads(capsys.readouterr().out)["saves"]}
+    assert {s: (r["written_bytes"], r["referred_bytes"]) for s, r in logged.items()} == {
+        s: (st.written_bytes, st.referred_bytes) for s, st in stats.items()}
