@@ -213,3 +213,66 @@ def test_hf_trainer_with_an_incremental_manager(tmp_path):
     assert CheckpointManager(root).restore(6, state) == 6 and state["step"] == 6
     assert_bitwise_equal(final["model"], model.state_dict())
     assert_bitwise_equal(final["optim"], state["optim"])
+
+
+def _hf_async_worker(out: str, max_steps: int) -> None:
+    """Train the example's LoRA model with ``transformers.Trainer`` and async_ckpt's
+    ``AsyncCkptCallback`` (HF's own checkpoint layout, written in the background), saving every 2
+    steps; write the adapters' final state dict and the bounds as JSON."""
+    from transformers import Trainer, TrainingArguments
+
+    from async_ckpt.integrations.transformers import AsyncCkptCallback
+
+    ex = _example()
+    model = ex.build_model(0)
+
+    class Tokens(torch.utils.data.Dataset):
+        def __len__(self):
+            return 64
+
+        def __getitem__(self, i):
+            ids = ex.batch(i, batch_size=1)[0]
+            return {"input_ids": ids, "labels": ids}
+
+    args = TrainingArguments(output_dir=os.path.join(out, "hf"), max_steps=max_steps, per_device_train_batch_size=4,
+                             learning_rate=1e-3, save_strategy="steps", save_steps=2, report_to=[],
+                             logging_strategy="no", use_cpu=True, dataloader_num_workers=0, seed=0)
+    trainer = Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[AsyncCkptCallback()])
+    trainer.train()
+    trainable = {k: v for k, v in model.state_dict().items() if "lora_" in k}
+    torch.save(trainable, os.path.join(out, "adapters.pt"))
+    base_bytes, changing_bytes = _bounds(model, trainer.optimizer)
+    with open(os.path.join(out, "bounds.json"), "w") as f:
+        json.dump({"base_bytes": base_bytes, "changing_bytes": changing_bytes}, f)
+
+
+def test_hf_async_callback_with_a_peft_model_writes_only_what_changes(tmp_path):
+    """Through async_ckpt's HF Trainer callback, a PEFT model's checkpoints hold its adapters and
+    their optimizer state (HF saves a PeftModel through ``save_pretrained``, adapters only): each
+    checkpoint costs what changed, not the frozen base, and its adapters are the trained ones."""
+    from safetensors.torch import load_file
+
+    out = str(tmp_path / "out")
+    os.makedirs(out)
+    env = {**os.environ, "USE_TORCH_XLA": "0", "PJRT_DEVICE": "CPU", "OMP_NUM_THREADS": "1",
+           "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
+    code = ("import sys; from tests.test_peft_incremental import _hf_async_worker; "
+            "_hf_async_worker(sys.argv[1], int(sys.argv[2]))")
+    r = subprocess.run([sys.executable, "-c", code, out, "4"], env=env, cwd=ROOT, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    bounds = json.load(open(os.path.join(out, "bounds.json")))
+    hf = os.path.join(out, "hf")
+    assert sorted(n for n in os.listdir(hf) if n.startswith("checkpoint-")) == ["checkpoint-2", "checkpoint-4"]
+    for name in ("checkpoint-2", "checkpoint-4"):
+        d = os.path.join(hf, name)
+        total = sum(os.path.getsize(os.path.join(d, f)) for f in os.listdir(d))
+        # the adapters, AdamW's two moments of them, and small files (configs, RNG, trainer state)
+        assert total <= 1.1 * bounds["changing_bytes"] + 256 * 2**10, (name, total, bounds)
+        assert total < bounds["base_bytes"] / 2, (name, total, bounds)
+    saved = load_file(os.path.join(hf, "checkpoint-4", "adapter_model.safetensors"))
+    trained = torch.load(os.path.join(out, "adapters.pt"), weights_only=True)
+    assert len(saved) == len(trained) > 0
+    by_suffix = {k.split("base_model.model.", 1)[-1].replace(".default", ""): v for k, v in trained.items()}
+    for k, v in saved.items():
+        assert torch.equal(v, by_suffix[k.split("base_model.model.", 1)[-1]]), k
