@@ -28,3 +28,21 @@ def test_a_promoted_incremental_step_restores_from_the_persistent_root(tmp_path)
         got = {"a": torch.zeros(N), "b": torch.zeros(N)}
         assert mgr.restore(2, got) == 2
     assert_bitwise_equal(got, clone_tree(sd))
+
+
+def test_a_declared_frozen_tensor_restored_by_another_manager_is_saved_with_its_new_bytes(tmp_path):
+    # restore() writes the file bytes into the target tensors without moving their version
+    # counter, so a manager that declared the tensor frozen takes its old bytes from its last
+    # step: the new step restores the bytes w had before the restore
+    sd = {"w": torch.full((N,), 1.0), "x": torch.full((N,), 2.0)}
+    with CheckpointManager(str(tmp_path / "other")) as other:
+        other.save(0, {"w": torch.full((N,), 3.0), "x": torch.full((N,), 2.0)})
+    with CheckpointManager(str(tmp_path / "run"), incremental=True, frozen=["w"]) as mgr:
+        mgr.save(0, sd)
+        mgr.save(1, sd)
+        with CheckpointManager(str(tmp_path / "other")) as other:
+            other.restore(0, sd)
+        mgr.save(2, sd)
+        got = {"w": torch.zeros(N), "x": torch.zeros(N)}
+        mgr.restore(2, got)
+    assert_bitwise_equal(got, clone_tree(sd))
