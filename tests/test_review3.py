@@ -5,6 +5,11 @@ Each test fails on the code it was written against and passes once the bug is fi
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
+
 import torch
 
 from async_ckpt import CheckpointError, CheckpointManager
@@ -64,3 +69,38 @@ def test_a_declared_frozen_xla_tensor_replaced_by_another_is_saved_with_the_new_
         got = {"w": torch.zeros(N), "x": torch.zeros(N)}
         mgr.restore(2, got)
     assert_bitwise_equal(got, {"w": torch.full((N,), 5.0), "x": torch.full((N,), 2.0)})
+
+
+_EQUAL_SMALL_WORKER = textwrap.dedent("""
+    import sys
+    import torch
+    import torch.distributed as dist
+    from async_ckpt import CheckpointManager
+    dist.init_process_group("gloo")
+    # "small" is the same tensor on every rank (a replicated value under 64 KiB)
+    with CheckpointManager(sys.argv[1]) as mgr:
+        mgr.save(0, {"small": torch.arange(10.0), f"own{dist.get_rank()}": torch.ones(3)})
+    dist.destroy_process_group()
+""")
+
+
+def test_equal_small_replicated_tensors_are_not_reported_as_differing_between_ranks(tmp_path):
+    # replicas.fingerprints mixes in Python's hash() of the dtype's name, which differs between
+    # processes (PYTHONHASHSEED): every small tensor all ranks hold looks diverged
+    worker = tmp_path / "worker.py"
+    worker.write_text(_EQUAL_SMALL_WORKER)
+    root = str(tmp_path / "ck")
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
+    env.update({"OMP_NUM_THREADS": "1", "PJRT_DEVICE": "CPU",
+                "PYTHONPATH": os.pathsep.join([here, env.get("PYTHONPATH", "")])})
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                          str(worker), root], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         timeout=240)
+    assert out.returncode == 0, out.stdout[-3000:]
+    assert "differ between the ranks" not in out.stdout
+    with CheckpointManager(root) as mgr:
+        assert "diverged_keys" not in mgr.layout.read_manifest(0).extra
+        got = {"small": torch.zeros(10), "own0": torch.zeros(3), "own1": torch.zeros(3)}
+        mgr.restore(0, got)
+    assert_bitwise_equal(got, {"small": torch.arange(10.0), "own0": torch.ones(3), "own1": torch.ones(3)})
