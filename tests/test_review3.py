@@ -92,7 +92,7 @@ def test_equal_small_replicated_tensors_are_not_reported_as_differing_between_ra
     root = str(tmp_path / "ck")
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
-    env.update({"OMP_NUM_THREADS": "1", "PJRT_DEVICE": "CPU",
+    env.update({"OMP_NUM_THREADS": "1", "PJRT_DEVICE": "CPU", "TMPDIR": str(tmp_path),  # torchrun's own temp dirs
                 "PYTHONPATH": os.pathsep.join([here, env.get("PYTHONPATH", "")])})
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                           str(worker), root], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
