@@ -256,12 +256,7 @@ class GroupCoordinator:
                   metadata=metadata, planner=None, atomic=atomic, strict=strict, group=self.group,
                   agree=self.all_gather, skip=skip)
         try:
-            problem: Optional[str] = None
-            try:
-                problem = send_replicas(self.group, self.rank, self.world_size, readers, mine)
-            except RuntimeError as exc:  # gloo: a peer died, or the timeout passed
-                raise CheckpointError(f"checkpoint coordination (sending restored tensors) failed: another rank "
-                                      f"died or did not take part in time: {exc}") from exc
+            problem = send_replicas(self.group, self.rank, self.world_size, readers, mine)
             problems = [p for p in self.all_gather(problem) if p]
             if problems:
                 raise CheckpointError("; ".join(problems))

@@ -28,6 +28,7 @@ from typing import Any, Dict, Hashable, List, Optional, Sequence, Set, Tuple
 import torch
 
 from .. import compat
+from ..errors import CheckpointError
 from ..storage.dcp.file_assignment import flatten
 from ..storage.manifest import crc32c
 
@@ -179,11 +180,16 @@ def restore_items(state_dict: Any, metadata: Any) -> Dict[Item, torch.Tensor]:
     return out
 
 
+#: each item starts at a multiple of this in a send buffer (a view as any dtype needs alignment)
+_ALIGN = 64
+
+
 def send_replicas(group: Any, rank: int, world_size: int, readers: Dict[Tuple[str, Tuple[int, ...]], int],
                   mine: Dict[Item, torch.Tensor]) -> Optional[str]:
     """After a read by one rank per item: each reading rank sends what it read, in one buffer
     per rank (gloo ``broadcast`` over ``group``, then its CRC32C), and every other rank that
-    holds an item copies it into its tensor once the buffer's CRC matched. Collective.
+    holds an item copies it into its tensor once the buffer's CRC matched. Collective: every
+    rank takes part in every broadcast whatever fails locally.
 
     Args:
         group: the process group (the manager's own gloo group).
@@ -193,42 +199,62 @@ def send_replicas(group: Any, rank: int, world_size: int, readers: Dict[Tuple[st
         mine: this rank's :func:`restore_items`.
 
     Returns:
-        ``None``, or what went wrong here (a buffer whose CRC did not match): nothing was
-        copied from that buffer.
+        ``None``, or what went wrong here (a buffer this rank could not pack, one whose CRC did
+        not match or that its sender could not pack, one it could not copy out).
+
+    Raises:
+        CheckpointError: a broadcast failed (another rank died or did not take part in time).
     """
     import torch.distributed as dist
 
     by_key = {(k, o): (n, t) for (k, o, n), t in mine.items()}
-    problem = None
+    problems: List[str] = []
     for r in range(world_size):
         items = sorted((k, o) for (k, o), q in readers.items() if q == r)
         if not items:
             continue
         sizes = [by_key[it][0] for it in items]  # every rank holds every item read by one rank
-        buf = torch.empty(sum(sizes), dtype=torch.uint8)
-        at = 0
+        starts, end = [], 0
+        for n in sizes:
+            starts.append(end)
+            end += -(-n // _ALIGN) * _ALIGN
+        buf = torch.empty(end, dtype=torch.uint8)
+        sent = 0
         if r == rank:
-            for it, n in zip(items, sizes):
-                buf[at:at + n].copy_(by_key[it][1].detach().reshape(-1).view(torch.uint8).cpu())
-                at += n
-        crc = torch.tensor([crc32c(_view(buf)) if r == rank else 0], dtype=torch.int64)
-        dist.broadcast(buf, group=group, group_src=r)
-        dist.broadcast(crc, group=group, group_src=r)
+            try:
+                for it, at, n in zip(items, starts, sizes):
+                    src = by_key[it][1].detach().contiguous().view(-1).view(torch.uint8)
+                    buf[at:at + n].copy_(src)
+                sent = crc32c(_view(buf))
+            except Exception as exc:  # noqa: BLE001 - still sent (marked), reported by every rank
+                problems.append(f"rank {rank} could not send what it read: {type(exc).__name__}: {exc}")
+                sent = -1
+        crc = torch.tensor([sent], dtype=torch.int64)
+        try:
+            dist.broadcast(buf, group=group, group_src=r)
+            dist.broadcast(crc, group=group, group_src=r)
+        except RuntimeError as exc:  # gloo: a peer died, or the timeout passed
+            raise CheckpointError(f"checkpoint coordination (sending restored tensors) failed: another rank "
+                                  f"died or did not take part in time: {exc}") from exc
         if r == rank:
+            continue
+        expected = int(crc.item())
+        if expected < 0:
+            problems.append(f"rank {rank}: rank {r} could not send the {len(items)} tensors it read")
             continue
         got = crc32c(_view(buf))
-        if got != int(crc.item()):
-            problem = (f"rank {rank}: the {len(items)} tensors sent by rank {r} arrived damaged (crc32c "
-                       f"{got:#010x}, sent {int(crc.item()):#010x}); nothing was copied from them")
+        if got != expected:
+            problems.append(f"rank {rank}: the {len(items)} tensors sent by rank {r} arrived damaged (crc32c "
+                            f"{got:#010x}, sent {expected:#010x}); nothing was copied from them")
             continue
-        at = 0
-        for it, n in zip(items, sizes):
-            t = by_key[it][1]
-            with torch.no_grad():
-                t.copy_(buf[at:at + n].view(t.dtype).view(t.shape))
-            at += n
-    return problem
-
+        try:
+            for it, at, n in zip(items, starts, sizes):
+                t = by_key[it][1]
+                with torch.no_grad():
+                    t.copy_(buf[at:at + n].view(t.dtype).view(t.shape))
+        except Exception as exc:  # noqa: BLE001 - reported by every rank
+            problems.append(f"rank {rank} could not copy what rank {r} sent: {type(exc).__name__}: {exc}")
+    return "; ".join(problems) or None
 
 
 def fingerprints(state_dict: Any) -> Dict[str, int]:
