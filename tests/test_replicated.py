@@ -106,9 +106,11 @@ def _passed(jobs, job: str, check: str, ranks: int) -> None:
 
 
 def _stats(jobs, job: str, name: str):
+    """The JSON value of the job's ``STATS <name>`` line (another rank's output may follow it on
+    the same line)."""
     for ln in jobs[job].stdout.splitlines():
         if ln.startswith(f"STATS {name} "):
-            return json.loads(ln.split(" ", 2)[2])
+            return json.JSONDecoder().raw_decode(ln.split(" ", 2)[2])[0]
     return None
 
 
