@@ -24,10 +24,12 @@ pytestmark = pytest.mark.slow
 
 RATIOS = [
     "stall / host-copy floor of the full state", "stall / dcp.async_save stall",
+    "save_async wall time / host-copy floor of the full state", "save_async wall time / dcp.async_save stall",
     "stall, replicated_saves=False / host-copy floor", "stall, replicated_saves=False / dcp.async_save stall",
     "bytes written across ranks / state bytes", "bytes written across ranks / state bytes, replicated_saves=False",
     "bytes read at restore / checkpoint bytes, once", "bytes read at restore / checkpoint bytes, every_rank",
-    "FSDP2 stall, replicated_saves True / False", "FSDP2 durable, replicated_saves True / False",
+    "FSDP2 stall, replicated_saves True / False", "FSDP2 save_async wall time, replicated_saves True / False",
+    "FSDP2 durable, replicated_saves True / False",
 ]
 GCS = "GCS restore time, once / every_rank"
 TIMES = ["save_async, nothing due (per-save exchange)", "save_async, due (stall incl. exchange)"]
