@@ -468,6 +468,205 @@ def local_tier(base: str) -> None:
             assert_bitwise_equal(target, ddp_state(step, rank))
 
 
+# ---- checks: edge cases of the agreement and the transfer -------------------------------------
+
+def odd_state(step: int) -> Dict[str, Any]:
+    """Replicated tensors of several dtypes whose byte counts are not multiples of the next one's
+    element size (packed back to back, the next one starts misaligned), each >= 64 KiB."""
+    g = torch.Generator().manual_seed(300 + step)
+    return {"a_f32_odd": torch.randn(16385, generator=g),  # 65,540 bytes
+            "b_f64": torch.randn(8193, generator=g, dtype=torch.float64),
+            "c_bool_odd": torch.rand(65537, generator=g) > 0.5,
+            "d_c64": torch.randn(8200, generator=g, dtype=torch.complex64),
+            "e_f16_odd": torch.randn(32769, generator=g).to(torch.float16),
+            "f_i16": torch.randint(-(2**15), 2**15, (40000,), generator=g, dtype=torch.int16),
+            "g_u8_odd": torch.randint(0, 256, (70001,), generator=g, dtype=torch.uint8),
+            "h_i64": torch.randint(-(2**62), 2**62, (8200,), generator=g),
+            "step": step}
+
+
+def odd_sizes(base: str) -> None:
+    """Replicated tensors of mixed dtypes and odd byte counts save and restore bitwise with
+    ``once`` (the transfer packs each reading rank's tensors into one buffer) and ``every_rank``."""
+    world = dist.get_world_size()
+    root = os.path.join(base, f"odd{world}")
+    with CheckpointManager(root) as mgr:
+        assert mgr.save(1, odd_state(1))
+    for mode in ("once", "every_rank"):
+        with CheckpointManager(root, replicated_reads=mode, collective_timeout_s=20) as mgr:
+            target = blank(odd_state(0))
+            assert mgr.restore(1, target) == 1, mode
+            assert_bitwise_equal(target, odd_state(1))
+
+
+def strided(step: int) -> Dict[str, Any]:
+    g = torch.Generator().manual_seed(400 + step)
+    return {"t": torch.randn(512, 256, generator=g).t(),  # (256, 512), a transposed view
+            "s": torch.randn(256, 1024, generator=g)[:, ::2],  # (256, 512), every other column
+            "c": torch.randn(256, 512, generator=g)}
+
+
+def strided_targets(base: str) -> None:
+    """Non-contiguous replicated tensors (a transposed view, a strided slice) save and restore
+    bitwise into non-contiguous targets of the same kind, with ``once`` and ``every_rank``,
+    writing nothing outside them."""
+    world = dist.get_world_size()
+    root = os.path.join(base, f"strided{world}")
+    with CheckpointManager(root) as mgr:
+        assert mgr.save(1, strided(1))
+    for mode in ("once", "every_rank"):
+        with CheckpointManager(root, replicated_reads=mode, collective_timeout_s=20) as mgr:
+            t_store, s_store = torch.zeros(512, 256), torch.zeros(256, 1024)
+            target = {"t": t_store.t(), "s": s_store[:, ::2], "c": torch.zeros(256, 512)}
+            assert mgr.restore(1, target) == 1, mode
+            want = strided(1)
+            assert torch.equal(t_store.t(), want["t"]) and torch.equal(s_store[:, ::2], want["s"]), mode
+            assert torch.equal(target["c"], want["c"]), mode
+            assert not s_store[:, 1::2].any(), f"{mode}: wrote outside the strided target"
+
+
+def threshold(base: str) -> None:
+    """A replicated tensor of exactly 64 KiB is staged by one rank; one of 64 KiB - 4 bytes by
+    every rank (DCP still writes it once); both restore bitwise."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(11)
+    sd = {"at": torch.randn(16384, generator=g), "below": torch.randn(16383, generator=g)}
+    with CheckpointManager(os.path.join(base, f"threshold{world}")) as mgr:
+        assert mgr.save(1, sd)
+        nbytes = gather(mgr.stats[-1].nbytes)
+        report(f"threshold{world}", nbytes)
+        assert sum(nbytes) == 65536 + world * 65532, nbytes
+        target = blank(sd)
+        assert mgr.restore(1, target) == 1
+        assert_bitwise_equal(target, sd)
+
+
+def lazy_saves(base: str) -> None:
+    """``lazy=True`` (copies issued in the background): each replicated byte staged once, every
+    step restores bitwise (the state changes in place after save_async returns: the copies
+    must have been taken by then or be of the saved values)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    with CheckpointManager(os.path.join(base, f"lazy{world}"), lazy=True) as mgr:
+        live = ddp_state(1, rank)
+        for step in (1, 2, 3):
+            fresh = ddp_state(step, rank)
+            for k, v in fresh["model"].items():
+                live["model"][k].copy_(v)
+            live[f"rank{rank}"]["x"].copy_(fresh[f"rank{rank}"]["x"])
+            live["step"] = step
+            assert mgr.save_async(step, live)
+            mgr.join()
+            check_staged_once(f"lazy{world}.step{step}", gather(mgr.stats[-1].nbytes), ddp_state_bytes(world))
+        for step in (1, 2, 3):
+            target = blank(ddp_state(0, rank))
+            assert mgr.restore(step, target) == step
+            assert_bitwise_equal(target, ddp_state(step, rank))
+
+
+def incremental_saves(base: str) -> None:
+    """``incremental=True``: step 2 keeps step 1's model (only ``rank<r>.x`` and ``step``
+    change): the ranks write less than the state and take step 1's files; step 3 changes the
+    model. Every step restores bitwise, with ``once`` and ``every_rank``."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    def state(step: int) -> Dict[str, Any]:
+        sd = ddp_state(step, rank)
+        sd["model"] = ddp_model(1 if step < 3 else step)
+        return sd
+
+    root = os.path.join(base, f"incremental{world}")
+    with CheckpointManager(root, incremental=True) as mgr:
+        for step in (1, 2, 3):
+            assert mgr.save(step, state(step))
+            st = mgr.stats[-1]
+            written, referred = gather(st.written_bytes), gather(st.referred_bytes)
+            report(f"incremental{world}.step{step}", {"written": written, "referred": referred})
+            if step == 2:
+                assert sum(referred) >= 0.5 * REPLICATED_BYTES, (written, referred)
+                assert sum(written) < 0.5 * ddp_state_bytes(world), (written, referred)
+    for mode in ("once", "every_rank"):
+        with CheckpointManager(root, replicated_reads=mode) as mgr:
+            for step in (3, 2, 1):
+                target = blank(ddp_state(0, rank))
+                assert mgr.restore(step, target) == step
+                assert_bitwise_equal(target, state(step))
+
+
+def frozen_saves(base: str) -> None:
+    """``incremental=True, frozen=`` the replicated model's keys: saves of an unchanged model
+    restore bitwise; a declared-frozen tensor changed in place makes a save raise on every rank
+    (FrozenTensorChangedError naming it where it was found, a CheckpointError elsewhere), and
+    every step committed restores bitwise (the save that found it wrote the tensor in full)."""
+    from async_ckpt import FrozenTensorChangedError
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    keys = [f"model.w{i}" for i in range(4)]
+    live = ddp_state(1, rank)
+    saved: Dict[int, Any] = {}
+    raised: Any = None
+    with CheckpointManager(os.path.join(base, f"frozen{world}"), incremental=True, frozen=keys,
+                           frozen_check_every=2, collective_timeout_s=60) as mgr:
+        try:
+            for step in (1, 2, 3, 4):
+                if step == 3:
+                    live["model"]["w0"].add_(1)  # a declared-frozen tensor changes after all
+                live[f"rank{rank}"]["x"] = own(step, rank)
+                saved[step] = {"model": {k: v.clone() for k, v in live["model"].items()},
+                               f"rank{rank}": {"x": own(step, rank)}, "step": 1}
+                mgr.save(step, live)
+            mgr.join()
+        except CheckpointError as exc:
+            raised = exc
+        kinds = gather(None if raised is None else (type(raised).__name__, sorted(getattr(raised, "keys", []) or [])))
+        report(f"frozen{world}.raised", kinds)
+        assert all(k is not None for k in kinds), kinds  # every rank raised
+        assert any(k[0] == "FrozenTensorChangedError" and "model.w0" in k[1] for k in kinds), kinds
+        steps = mgr.all_steps()
+        assert gather(steps) == [steps] * world and {1, 2} <= set(steps), steps
+        for step in steps:
+            target = blank(ddp_state(0, rank))
+            assert mgr.restore(step, target) == step
+            assert_bitwise_equal(target, saved[step])
+
+
+def partial_targets(base: str) -> None:
+    """``once`` when rank 0's target lacks ``model.w3``: it is not read once (the others read it
+    themselves); every rank's target restores bitwise."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    root = os.path.join(base, f"partial{world}")
+    with CheckpointManager(root) as mgr:
+        assert mgr.save(1, ddp_state(1, rank))
+    with CheckpointManager(root, replicated_reads="once") as mgr:
+        target = blank(ddp_state(0, rank))
+        want = ddp_state(1, rank)
+        if rank == 0:
+            del target["model"]["w3"], want["model"]["w3"]
+        assert mgr.restore(1, target) == 1
+        assert_bitwise_equal(target, want)
+
+
+def dtype_change(base: str) -> None:
+    """Step 2 holds two replicated keys with the same byte counts in another dtype and shape (the
+    cached agreement's fingerprint only names keys, offsets and sizes); steps 1-3 restore bitwise."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    def state(step: int) -> Dict[str, Any]:
+        sd = ddp_state(step, rank)
+        if step == 2:
+            sd["model"]["w0"] = torch.randint(-(2**31), 2**31 - 1, (512, 128), dtype=torch.int32,
+                                              generator=torch.Generator().manual_seed(5))
+            sd["model"]["w1"] = sd["model"]["w1"].view(torch.int16).reshape(256, 512)
+        return sd
+
+    with CheckpointManager(os.path.join(base, f"dtype{world}")) as mgr:
+        for step in (1, 2, 3):
+            assert mgr.save(step, state(step))
+        for step in (1, 2, 3):
+            target = blank(state(step))
+            assert mgr.restore(step, target) == step
+            assert_bitwise_equal(target, state(step))
+
+
 # ---- a rank that dies during the save's exchange ---------------------------------------------------
 
 def death(base: str, how: str) -> None:
@@ -529,8 +728,11 @@ def main() -> None:
     if what.startswith("death-"):
         death(base, what[len("death-"):])
         return
+    import datetime
+
     faulthandler.dump_traceback_later(float(os.environ.get("DIST_WORKER_TIMEOUT", "150")), exit=True)
-    dist.init_process_group("gloo")
+    # a check that fails on some ranks only must not leave the others waiting for long
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     try:
         b = base
         checks = {
@@ -540,7 +742,12 @@ def main() -> None:
                       ("DDP FROM 2", lambda: ddp_restore_from(b, 2)), ("STRUCTURE", lambda: structure_changes(b)),
                       ("FSDP SAVE", lambda: fsdp_save(b)), ("FSDP FROM 2", lambda: fsdp_restore_from(b, 2)),
                       ("HSDP SAVE", lambda: hsdp_save(b)), ("COUNTED READS", lambda: counted_reads(b)),
-                      ("DAMAGE", lambda: damaged_replicated(b)), ("LOCAL TIER", lambda: local_tier(b))],
+                      ("DAMAGE", lambda: damaged_replicated(b)), ("LOCAL TIER", lambda: local_tier(b)),
+                      ("ODD SIZES", lambda: odd_sizes(b)), ("STRIDED TARGETS", lambda: strided_targets(b)),
+                      ("THRESHOLD", lambda: threshold(b)),
+                      ("LAZY", lambda: lazy_saves(b)), ("INCREMENTAL", lambda: incremental_saves(b)),
+                      ("FROZEN", lambda: frozen_saves(b)), ("PARTIAL TARGETS", lambda: partial_targets(b)),
+                      ("DTYPE CHANGE", lambda: dtype_change(b))],
             "restore2": [("DDP FROM 4", lambda: ddp_restore_from(b, 4)), ("FSDP FROM 4", lambda: fsdp_restore_from(b, 4)),
                          ("HSDP FROM 4", lambda: hsdp_restore_1d(b))],
         }[what]

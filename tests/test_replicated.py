@@ -218,6 +218,53 @@ def test_hsdp_checkpoint_restores_at_two_ranks_and_in_one_process(jobs):
             assert_bitwise_equal(target, hsdp_full(step))
 
 
+# ---- edge cases of the agreement and the transfer ------------------------------------------------------
+
+def test_replicated_tensors_of_odd_byte_counts_and_mixed_dtypes_restore_bitwise_when_read_once(jobs):
+    """float32/float64/bool/complex64/float16/int16/uint8/int64 tensors >= 64 KiB whose byte
+    counts are not multiples of 8, read once and sent (packed into one buffer per reading
+    rank): bitwise on every rank (tests/replicated_worker.py odd_sizes)."""
+    _passed(jobs, "main4", "ODD SIZES", 4)
+
+
+def test_non_contiguous_replicated_tensors_restore_bitwise_into_non_contiguous_targets(jobs):
+    """A transposed view and an every-other-column slice, saved and restored into targets of the
+    same kind with ``once`` and ``every_rank``: bitwise, nothing written outside the targets."""
+    _passed(jobs, "main4", "STRIDED TARGETS", 4)
+
+
+def test_the_64_kib_threshold(jobs):
+    """A replicated tensor of exactly 64 KiB is staged by one rank, one of 64 KiB - 4 bytes by
+    every rank: the ranks' nbytes sum to 64 KiB + 4 x (64 KiB - 4)."""
+    _passed(jobs, "main4", "THRESHOLD", 4)
+    assert sum(_stats(jobs, "main4", "threshold4")) == 65536 + 4 * 65532
+
+
+def test_lazy_saves_stage_each_replicated_byte_once_and_restore_bitwise(jobs):
+    _passed(jobs, "main4", "LAZY", 4)
+
+
+def test_incremental_saves_of_replicated_state_take_unchanged_files_and_restore_bitwise(jobs):
+    _passed(jobs, "main4", "INCREMENTAL", 4)
+    step2 = _stats(jobs, "main4", "incremental4.step2")
+    assert sum(step2["referred"]) > sum(step2["written"]), step2
+
+
+def test_declared_frozen_replicated_tensor_changed_raises_on_every_rank_and_restores_bitwise(jobs):
+    """frozen= the replicated model's keys: one changed in place makes every rank raise (the rank
+    that staged it: FrozenTensorChangedError naming it; the others: a CheckpointError), and every
+    committed step restores bitwise."""
+    _passed(jobs, "main4", "FROZEN", 4)
+
+
+def test_read_once_when_one_ranks_target_lacks_a_key(jobs):
+    _passed(jobs, "main4", "PARTIAL TARGETS", 4)
+
+
+def test_a_replicated_key_changing_dtype_and_shape_between_saves_restores_bitwise(jobs):
+    _passed(jobs, "main4", "DTYPE CHANGE", 4)
+
+
 # ---- reads, damage, tiers, failures -----------------------------------------------------------------
 
 def test_replicated_reads_once_reads_each_byte_once_across_ranks(jobs):
