@@ -229,3 +229,36 @@ def send_replicas(group: Any, rank: int, world_size: int, readers: Dict[Tuple[st
             at += n
     return problem
 
+
+
+def fingerprints(state_dict: Any) -> Dict[str, int]:
+    """Cheap fingerprints of a snapshot's values that every rank stages whole (tensors under
+    :data:`MIN_SHARED_BYTES`, ints, floats, strings): per flattened key, XXH3-64 of the bytes
+    (pickled values are left out: a set's pickle differs from process to process). Gathered with the write's outcome (no exchange of its own) to find "replicated"
+    values that differ between ranks (:func:`diverged`)."""
+    import xxhash
+
+    flat, _ = flatten(state_dict)
+    out: Dict[str, int] = {}
+    for fqn, v in flat.items():
+        if type(v) is torch.Tensor:
+            n = v.numel() * v.element_size()
+            if n >= MIN_SHARED_BYTES or not v.is_cpu or not v.is_contiguous():
+                continue
+            h = xxhash.xxh3_64(f"{v.dtype}{tuple(v.shape)}".encode())  # never hash(): salted per process
+            if n:
+                h.update((ctypes.c_char * n).from_address(v.data_ptr()))
+            out[fqn] = h.intdigest()
+        elif type(v) in (int, float, str, bytes, bool) or v is None:  # not pickles: a set's differs per process
+            out[fqn] = xxhash.xxh3_64_intdigest(repr(v).encode())
+    return out
+
+
+def diverged(per_rank: Sequence[Dict[str, int]]) -> Dict[str, List[int]]:
+    """The keys several ranks saved with different values (:func:`fingerprints` by rank), each
+    with the ranks that hold it: DCP's de-duplication keeps one of those ranks' values."""
+    seen: Dict[str, Dict[int, List[int]]] = {}
+    for r, prints in enumerate(per_rank):
+        for key, h in prints.items():
+            seen.setdefault(key, {}).setdefault(h, []).append(r)
+    return {key: sorted(r for ranks in by.values() for r in ranks) for key, by in seen.items() if len(by) > 1}

@@ -965,6 +965,8 @@ class CheckpointManager:
             if done is not candidates[0]:  # an earlier copy was skipped: say which one was used
                 log.warning("restored step %d from %s", s, where)
         self._restored = s
+        for root in self.roots:  # incremental saves compare with the step just read and verified, where it was read
+            root.store.note_restored(s if root.store is done.store else None)
         if log.isEnabledFor(logging.INFO):
             nbytes, count = _tensor_bytes(state_dict)
             log.info("%srestored step %d: %s in %d tensors in %s from %s",
