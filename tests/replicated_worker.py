@@ -593,36 +593,42 @@ def incremental_saves(base: str) -> None:
 
 
 def frozen_saves(base: str) -> None:
-    """``incremental=True, frozen=`` the replicated model's keys: saves of an unchanged model
-    restore bitwise; a declared-frozen tensor changed in place makes a save raise on every rank
-    (FrozenTensorChangedError naming it where it was found, a CheckpointError elsewhere), and
-    every step committed restores bitwise (the save that found it wrote the tensor in full)."""
-    from async_ckpt import FrozenTensorChangedError
-
+    """``incremental=True, frozen=`` the replicated model's keys, checked at every save
+    (``frozen_check_every=1``): a declared-frozen tensor changed behind its version counter
+    (through ``.data``) before step 3 makes step 3 write it in full, and a later call raise on
+    every rank (FrozenTensorChangedError naming it where it was found, a CheckpointError
+    naming that rank elsewhere); every committed step restores bitwise."""
     rank, world = dist.get_rank(), dist.get_world_size()
     keys = [f"model.w{i}" for i in range(4)]
     live = ddp_state(1, rank)
     saved: Dict[int, Any] = {}
     raised: Any = None
-    with CheckpointManager(os.path.join(base, f"frozen{world}"), incremental=True, frozen=keys,
-                           frozen_check_every=2, collective_timeout_s=60) as mgr:
-        try:
-            for step in (1, 2, 3, 4):
-                if step == 3:
-                    live["model"]["w0"].add_(1)  # a declared-frozen tensor changes after all
-                live[f"rank{rank}"]["x"] = own(step, rank)
-                saved[step] = {"model": {k: v.clone() for k, v in live["model"].items()},
-                               f"rank{rank}": {"x": own(step, rank)}, "step": 1}
-                mgr.save(step, live)
-            mgr.join()
-        except CheckpointError as exc:
-            raised = exc
-        kinds = gather(None if raised is None else (type(raised).__name__, sorted(getattr(raised, "keys", []) or [])))
-        report(f"frozen{world}.raised", kinds)
-        assert all(k is not None for k in kinds), kinds  # every rank raised
-        assert any(k[0] == "FrozenTensorChangedError" and "model.w0" in k[1] for k in kinds), kinds
+    root = os.path.join(base, f"frozen{world}")
+    mgr = CheckpointManager(root, incremental=True, frozen=keys, frozen_check_every=1, collective_timeout_s=60)
+    try:
+        for step in (1, 2, 3, 4):
+            if step == 3:
+                version = live["model"]["w0"]._version
+                live["model"]["w0"].data.add_(1)  # a declared-frozen tensor changes after all ...
+                assert live["model"]["w0"]._version == version  # ... behind its version counter
+            live[f"rank{rank}"]["x"] = own(step, rank)
+            saved[step] = {"model": {k: v.clone() for k, v in live["model"].items()},
+                           f"rank{rank}": {"x": own(step, rank)}, "step": 1}
+            mgr.save(step, live)
+        mgr.join()
+    except CheckpointError as exc:
+        raised = exc
+    try:
+        mgr.close()
+    except CheckpointError as exc:
+        raised = raised or exc
+    kinds = gather(None if raised is None else (type(raised).__name__, sorted(getattr(raised, "keys", None) or [])))
+    report(f"frozen{world}.raised", kinds)
+    assert all(k is not None for k in kinds), kinds  # every rank raised
+    assert any(k[0] == "FrozenTensorChangedError" and "model.w0" in k[1] for k in kinds), kinds
+    with CheckpointManager(root) as mgr:
         steps = mgr.all_steps()
-        assert gather(steps) == [steps] * world and {1, 2} <= set(steps), steps
+        assert gather(steps) == [steps] * world and {1, 2, 3} <= set(steps), steps
         for step in steps:
             target = blank(ddp_state(0, rank))
             assert mgr.restore(step, target) == step

@@ -251,9 +251,10 @@ def test_incremental_saves_of_replicated_state_take_unchanged_files_and_restore_
 
 
 def test_declared_frozen_replicated_tensor_changed_raises_on_every_rank_and_restores_bitwise(jobs):
-    """frozen= the replicated model's keys: one changed in place makes every rank raise (the rank
-    that staged it: FrozenTensorChangedError naming it; the others: a CheckpointError), and every
-    committed step restores bitwise."""
+    """frozen= the replicated model's keys, checked at every save: one changed behind its version
+    counter makes every rank raise (the rank that staged it: FrozenTensorChangedError naming it;
+    the others: a CheckpointError naming that rank), and every committed step restores bitwise
+    (the save that found the change wrote it in full)."""
     _passed(jobs, "main4", "FROZEN", 4)
 
 
