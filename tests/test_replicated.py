@@ -1,0 +1,334 @@
+"""Replicated state across ranks (issue 28): each replicated byte staged once, written once, read
+once; checkpoints that restore bitwise at any world size.
+
+One module fixture launches the torchrun jobs of tests/replicated_worker.py once, in order (each
+restores the previous one's checkpoints): ``save2`` (2 ranks), ``main4`` (4 ranks), ``restore2``
+(2 ranks); two 3-rank jobs in which a rank dies before a save's exchange run alongside the first.
+The tests read the jobs' per-check markers, and restore their checkpoints in this process
+(a 1-process manager and plain ``torch.distributed.checkpoint.load``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from typing import Dict, List
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from async_ckpt import CheckpointManager, InvalidArgumentError
+
+from .conftest import assert_bitwise_equal
+from .replicated_worker import (
+    DEATH_TIMEOUT_S,
+    blank,
+    ddp_model,
+    ddp_state,
+    hsdp_full,
+    own,
+)
+
+pytestmark = pytest.mark.slow
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TIMEOUT = 300  # per job; the workers dump their stacks and exit after DIST_WORKER_TIMEOUT
+
+
+def _env(**extra: str) -> dict:
+    env = dict(os.environ)
+    env.update({"OMP_NUM_THREADS": "1", "PJRT_DEVICE": "CPU", "DIST_WORKER_TIMEOUT": "240",
+                "PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), env.get("PYTHONPATH", "")])})
+    env.update(extra)
+    return env
+
+
+def _torchrun(nproc: int, what: str, base: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           os.path.join(HERE, "replicated_worker.py"), what, base]
+    return subprocess.run(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=TIMEOUT)
+
+
+def _start_death(how: str, base: str) -> List[subprocess.Popen]:
+    """3 ranks without torchrun (which would end the others when one dies)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return [subprocess.Popen([sys.executable, os.path.join(HERE, "replicated_worker.py"), f"death-{how}", base],
+                             env=_env(RANK=str(r), WORLD_SIZE="3", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)),
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            for r in range(3)]
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory) -> Dict[str, object]:
+    base = tmp_path_factory.mktemp("replicated")
+    out: Dict[str, object] = {"base": str(base)}
+    deaths = {how: _start_death(how, str(base)) for how in ("same", "changed")}
+    try:
+        out["save2"] = _torchrun(2, "save2", str(base))
+        out["main4"] = _torchrun(4, "main4", str(base))
+        out["restore2"] = _torchrun(2, "restore2", str(base))
+        for how, procs in deaths.items():
+            outs = []
+            for p in procs:
+                try:
+                    text, _ = p.communicate(timeout=TIMEOUT)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    text, _ = p.communicate()
+                outs.append((p.returncode, text))
+            out[f"death-{how}"] = outs
+    finally:
+        for procs in deaths.values():
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+    for name in ("save2", "main4", "restore2"):
+        (base / f"{name}.log").write_text(out[name].stdout)  # for a post-mortem
+    return out
+
+
+def _passed(jobs, job: str, check: str, ranks: int) -> None:
+    proc = jobs[job]
+    text = proc.stdout
+    for r in range(ranks):
+        if f"{check} RANK {r} OK" not in text:
+            mine = [ln for ln in text.splitlines() if check in ln or "STATS" in ln or "Error" in ln]
+            pytest.fail(f"{job}: {check} did not pass on rank {r} (exit {proc.returncode}):\n"
+                        + "\n".join(mine[-30:]) + "\n----\n" + text[-3000:])
+
+
+def _stats(jobs, job: str, name: str):
+    """The JSON value of the job's ``STATS <name>`` line (another rank's output may follow it on
+    the same line)."""
+    for ln in jobs[job].stdout.splitlines():
+        if ln.startswith(f"STATS {name} "):
+            return json.JSONDecoder().raw_decode(ln.split(" ", 2)[2])[0]
+    return None
+
+
+# ---- DDP-style state -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("job,ranks", [("save2", 2), ("main4", 4)])
+def test_ddp_state_each_replicated_byte_staged_once_balanced_and_restored_bitwise(jobs, job, ranks):
+    """4 replicated tensors of 256 KiB + 16 KiB per rank: the ranks' SaveStats.nbytes sum to the
+    state's bytes (within 5%), max/min within 2x; the data files hold it once; restores at the
+    same world size (auto / once / every_rank) are bitwise (tests/replicated_worker.py ddp_save)."""
+    _passed(jobs, job, "DDP SAVE", ranks)
+    shares = _stats(jobs, job, f"ddp{ranks}.step2")["nbytes"]
+    assert len(shares) == ranks and all(s > 0 for s in shares), shares
+
+
+@pytest.mark.parametrize("job,ranks", [("save2", 2), ("main4", 4)])
+def test_replicated_saves_false_stages_everything_on_every_rank(jobs, job, ranks):
+    _passed(jobs, job, "DDP LEGACY", ranks)
+
+
+def test_ddp_checkpoint_of_two_ranks_restores_at_four(jobs):
+    _passed(jobs, "main4", "DDP FROM 2", 4)
+
+
+def test_ddp_checkpoint_of_four_ranks_restores_at_two(jobs):
+    _passed(jobs, "restore2", "DDP FROM 4", 2)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ddp_checkpoints_restore_in_one_process(jobs, world):
+    """Both DDP-style checkpoints load in one process, every rank's part bitwise, through a
+    1-process manager and through plain ``torch.distributed.checkpoint.load``."""
+    _passed(jobs, "save2" if world == 2 else "main4", "DDP SAVE", world)
+    root = os.path.join(jobs["base"], f"ddp{world}")
+
+    def whole(step: int):
+        sd = {"model": ddp_model(step), "step": step}
+        sd.update({f"rank{r}": {"x": own(step, r)} for r in range(world)})
+        return sd
+
+    with CheckpointManager(root) as mgr:
+        assert mgr.all_steps() == [1, 2]
+        for step in (1, 2):
+            target = blank(whole(0))
+            assert mgr.restore(step, target) == step
+            assert_bitwise_equal(target, whole(step))
+    target = blank(whole(0))
+    target.pop("step")  # a plain dcp.load: the tensors (the non-tensor value is checked above)
+    dcp.load(target, checkpoint_id=os.path.join(root, "2"))
+    want = whole(2)
+    want.pop("step")
+    assert_bitwise_equal(target, want)
+
+
+def test_structure_changes_between_saves_still_stage_once_and_restore_bitwise(jobs):
+    """A key added, a shape changed, a key held by 2 of 4 ranks, then the first structure again:
+    each save stages each replicated byte once and every step restores bitwise."""
+    _passed(jobs, "main4", "STRUCTURE", 4)
+
+
+# ---- FSDP2 and HSDP -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("job,ranks", [("save2", 2), ("main4", 4)])
+def test_fsdp2_restores_bitwise_at_the_same_world_size(jobs, job, ranks):
+    _passed(jobs, job, "FSDP SAVE", ranks)
+
+
+def test_fsdp2_restores_bitwise_at_another_world_size(jobs):
+    _passed(jobs, "main4", "FSDP FROM 2", 4)
+    _passed(jobs, "restore2", "FSDP FROM 4", 2)
+
+
+def test_fsdp2_checkpoint_restores_in_one_process(jobs):
+    """The 4-rank FSDP2 checkpoint loads into a plain model and optimizer, bitwise."""
+    _passed(jobs, "main4", "FSDP SAVE", 4)
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Linear(37, 50), torch.nn.ReLU(), torch.nn.Linear(50, 7))
+    optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+    model(torch.randn(2, 37)).sum().backward()
+    optim.step()  # the optimizer's state exists, to be overwritten
+    msd, osd = get_state_dict(model, optim)
+    sd = {"model": msd, "optim": osd}
+    with CheckpointManager(os.path.join(jobs["base"], "fsdp4")) as mgr:
+        assert mgr.restore(1, sd) == 1
+    set_state_dict(model, optim, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    got = dict(zip(("model", "optim"), get_state_dict(model, optim)))
+    ref = torch.load(os.path.join(jobs["base"], "fsdp4_ref.pt"), weights_only=True)
+    assert_bitwise_equal(got, ref)
+
+
+def test_hsdp_2x2_mesh_stages_each_chunk_once_and_restores_bitwise(jobs):
+    """DTensors (Replicate(), Shard(0)) on a 2x2 mesh of 4 ranks: each chunk (held by 2 ranks)
+    is staged by one; restores bitwise at 4 ranks (the same mesh)."""
+    _passed(jobs, "main4", "HSDP SAVE", 4)
+
+
+def test_hsdp_checkpoint_restores_at_two_ranks_and_in_one_process(jobs):
+    _passed(jobs, "restore2", "HSDP FROM 4", 2)
+    with CheckpointManager(os.path.join(jobs["base"], "hsdp4")) as mgr:
+        for step in (1, 2):
+            target = blank(hsdp_full(0))
+            assert mgr.restore(step, target) == step
+            assert_bitwise_equal(target, hsdp_full(step))
+
+
+# ---- edge cases of the agreement and the transfer ------------------------------------------------------
+
+def test_replicated_tensors_of_odd_byte_counts_and_mixed_dtypes_restore_bitwise_when_read_once(jobs):
+    """float32/float64/bool/complex64/float16/int16/uint8/int64 tensors >= 64 KiB whose byte
+    counts are not multiples of 8, read once and sent (packed into one buffer per reading
+    rank): bitwise on every rank (tests/replicated_worker.py odd_sizes)."""
+    _passed(jobs, "main4", "ODD SIZES", 4)
+
+
+def test_non_contiguous_replicated_tensors_restore_bitwise_into_non_contiguous_targets(jobs):
+    """A transposed view and an every-other-column slice, saved and restored into targets of the
+    same kind with ``once`` and ``every_rank``: bitwise, nothing written outside the targets."""
+    _passed(jobs, "main4", "STRIDED TARGETS", 4)
+
+
+def test_the_64_kib_threshold(jobs):
+    """A replicated tensor of exactly 64 KiB is staged by one rank, one of 64 KiB - 4 bytes by
+    every rank: the ranks' nbytes sum to 64 KiB + 4 x (64 KiB - 4)."""
+    _passed(jobs, "main4", "THRESHOLD", 4)
+    assert sum(_stats(jobs, "main4", "threshold4")) == 65536 + 4 * 65532
+
+
+def test_lazy_saves_stage_each_replicated_byte_once_and_restore_bitwise(jobs):
+    _passed(jobs, "main4", "LAZY", 4)
+
+
+def test_incremental_saves_of_replicated_state_take_unchanged_files_and_restore_bitwise(jobs):
+    _passed(jobs, "main4", "INCREMENTAL", 4)
+    step2 = _stats(jobs, "main4", "incremental4.step2")
+    assert sum(step2["referred"]) > sum(step2["written"]), step2
+
+
+def test_declared_frozen_replicated_tensor_changed_raises_on_every_rank_and_restores_bitwise(jobs):
+    """frozen= the replicated model's keys, checked at every save: one changed behind its version
+    counter makes every rank raise (the rank that staged it: FrozenTensorChangedError naming it;
+    the others: a CheckpointError naming that rank), and every committed step restores bitwise
+    (the save that found the change wrote it in full)."""
+    _passed(jobs, "main4", "FROZEN", 4)
+
+
+def test_read_once_when_one_ranks_target_lacks_a_key(jobs):
+    _passed(jobs, "main4", "PARTIAL TARGETS", 4)
+
+
+def test_a_replicated_key_changing_dtype_and_shape_between_saves_restores_bitwise(jobs):
+    _passed(jobs, "main4", "DTYPE CHANGE", 4)
+
+
+# ---- reads, damage, tiers, failures -----------------------------------------------------------------
+
+def test_replicated_reads_once_reads_each_byte_once_across_ranks(jobs):
+    """A counting fsspec filesystem over a local dir: with ``once`` (and ``auto``: not a local
+    POSIX path) the 4 ranks read <= 1.05x the checkpoint's data bytes; with ``every_rank`` each
+    rank reads the replicated tensors itself (>= ~4x them)."""
+    _passed(jobs, "main4", "COUNTED READS", 4)
+    stats = _stats(jobs, "main4", "counted4")
+    data = stats["data_bytes"]
+    assert sum(stats["reads"]["once"]) <= 1.05 * data < sum(stats["reads"]["every_rank"]), stats
+
+
+def test_damage_in_a_replicated_record_read_by_one_rank_falls_back_on_every_rank(jobs):
+    _passed(jobs, "main4", "DAMAGE", 4)
+
+
+def test_a_save_due_for_the_local_tier_stages_everything_and_each_local_copy_restores_its_rank(jobs):
+    """Step 1 (persistent root only) stages each replicated byte once; step 2 (local tier too)
+    stages every rank's whole state; each rank's local copy of step 2 loads alone, bitwise."""
+    _passed(jobs, "main4", "LOCAL TIER", 4)
+    local = os.path.join(jobs["base"], "tiers4_local")
+    for r in range(4):
+        target = blank(ddp_state(0, r))
+        target.pop("step")
+        dcp.load(target, checkpoint_id=os.path.join(local, f"rank{r}", "2"))
+        want = ddp_state(2, r)
+        want.pop("step")
+        assert_bitwise_equal(target, want)
+
+
+@pytest.mark.parametrize("how", ["same", "changed"])
+def test_a_rank_killed_before_the_save_exchange_makes_the_others_raise_within_the_timeout(jobs, how):
+    """3 ranks, collective_timeout_s=10; rank 2 exits where it would save step 2 (``same``: the
+    structure the ranks agreed on at step 1; ``changed``: a new key): ranks 0 and 1 raise a
+    CheckpointError instead of hanging, and commit nothing for step 2."""
+    outs = jobs[f"death-{how}"]
+    assert outs[2][0] == 17, outs[2][1][-2000:]
+    for r in (0, 1):
+        rc, text = outs[r]
+        assert rc == 0 and f"RANK {r} OK" in text, f"rank {r}: exit {rc}\n{text[-4000:]}"
+        line = next(ln for ln in text.splitlines() if ln.startswith("RAISED"))
+        seconds = float(line.split()[1])
+        # bounded by the collective timeout, not gloo's 30 minutes (margin for a loaded machine)
+        assert seconds < DEATH_TIMEOUT_S + 30, line
+
+
+# ---- one process ---------------------------------------------------------------------------------------
+
+def test_replicated_options_are_validated(tmp_path):
+    for bad in ("twice", None, 1):
+        with pytest.raises(InvalidArgumentError, match="replicated_reads"):
+            CheckpointManager(str(tmp_path / "a"), replicated_reads=bad)
+    for bad in ("yes", None, 1):
+        with pytest.raises(InvalidArgumentError, match="replicated_saves"):
+            CheckpointManager(str(tmp_path / "b"), replicated_saves=bad)
+
+
+@pytest.mark.parametrize("saves", [True, False])
+@pytest.mark.parametrize("reads", ["auto", "once", "every_rank"])
+def test_one_process_saves_and_restores_bitwise_with_every_option(tmp_path, saves, reads):
+    with CheckpointManager(str(tmp_path / "ck"), replicated_saves=saves, replicated_reads=reads) as mgr:
+        assert mgr.save(1, ddp_state(1, 0))
+        assert mgr.stats[-1].nbytes == sum(t.numel() * t.element_size() for t in ddp_model(1).values()) + 16 * 1024
+        target = blank(ddp_state(0, 0))
+        assert mgr.restore(1, target) == 1
+        assert_bitwise_equal(target, ddp_state(1, 0))
