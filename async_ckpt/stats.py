@@ -36,6 +36,9 @@ class SaveStats:
         blocking_s: seconds the training loop waited inside ``save``/``save_async``.
         queue_wait_s: seconds of that spent waiting for a free writer slot.
         stage_s: seconds of that spent on the host copy.
+        exchange_s: several ranks: seconds of the training thread's exchanges for this save
+            (the agreement, before ``blocking_s`` starts, and the replicated-state fingerprint
+            exchange, inside ``stage_s``); about 0 for one process.
         write_s: seconds of the background write of the data files.
         commit_s: seconds of manifest + marker (+ rename).
         durable_s: seconds from the call until the step was committed (None while pending).
@@ -52,6 +55,7 @@ class SaveStats:
     blocking_s: float = 0.0
     queue_wait_s: float = 0.0
     stage_s: float = 0.0
+    exchange_s: float = 0.0
     write_s: float = 0.0
     commit_s: float = 0.0
     durable_s: Optional[float] = None

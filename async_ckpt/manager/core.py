@@ -656,7 +656,9 @@ class CheckpointManager:
         if alone:  # with several ranks, _where_due raises on every rank together
             for root in self.roots:
                 root.writer.raise_if_failed()
+        tx = time.perf_counter()
         where = self._where_due(step, force, invalid)
+        exchange_s = time.perf_counter() - tx  # the agreement (one collective with several ranks)
         take, take_local, preempt = where.persistent, where.local, where.preempt
         if where.any:  # agreed: every rank counts the same saves, one id per save
             self._saves += 1
@@ -715,7 +717,9 @@ class CheckpointManager:
                 except Exception as exc:  # noqa: BLE001 - the exchange below first, then raised
                     planned = exc
                 if self._shares is not None and not where.local:  # a local copy holds everything
+                    tx = time.perf_counter()
                     drop = self._shares.drops(self._coord, None if planned is not None else plan)
+                    exchange_s += time.perf_counter() - tx
                 if planned is not None:
                     raise planned
                 self._warn_pickled(plan)
@@ -752,7 +756,7 @@ class CheckpointManager:
         taken_at = self.options.wall_clock()  # the commit time of this save in every tier (see SaveJob.commit_at)
         for tier in due:
             stats = SaveStats(step=step, nbytes=snap.nbytes, num_tensors=snap.num_tensors,
-                              queue_wait_s=t1 - t0, stage_s=t2 - t1, blocking_s=t2 - t0)
+                              queue_wait_s=t1 - t0, stage_s=t2 - t1, blocking_s=t2 - t0, exchange_s=exchange_s)
             extra: Dict[str, Any] = {}
             if self._local is not None:
                 stats.extra["tier"] = tier.name
