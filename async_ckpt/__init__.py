@@ -9,6 +9,7 @@ from .errors import (
     CheckpointError,
     CorruptCheckpointError,
     CorruptPartlyWrittenError,
+    FrozenTensorChangedError,
     InvalidArgumentError,
     InvalidStateDictError,
     InvalidStepError,
@@ -42,6 +43,7 @@ from .policies import (
     SaveContext,
     SavePolicy,
 )
+from .staging.frozen import frozen_keys
 from .stats import SaveStats
 
 __version__ = "0.1.0"
@@ -52,6 +54,7 @@ __all__ = [
     "CheckpointManager",
     "CorruptCheckpointError",
     "CorruptPartlyWrittenError",
+    "FrozenTensorChangedError",
     "InvalidArgumentError",
     "EveryNSteps",
     "InvalidStateDictError",
@@ -81,5 +84,6 @@ __all__ = [
     "KeepTimeInterval",
     "OnPreemption",
     "SaveContext",
+    "frozen_keys",
     "__version__",
 ]

@@ -220,6 +220,30 @@ class TornSnapshotError(CheckpointError):
     """
 
 
+class FrozenTensorChangedError(CheckpointError):
+    """A tensor declared frozen (``CheckpointManager(frozen=...)``) changed.
+
+    Found when a save hashed it (every ``frozen_check_every`` saves, whenever its version
+    counter moved, and at ``close()``) and its bytes differed from the last step's. The save
+    that found it wrote the new bytes in full, so what is committed is right; it is raised by
+    the next ``save``/``save_async``/``join``/``close``. Stop declaring the tensor frozen (a
+    change through ``.data`` or a raw pointer does not move the version counter, so saves
+    between two checks would not have noticed it).
+
+    Args:
+        message: what went wrong.
+        keys: the flattened state-dict keys of the tensors that changed.
+        step: the save that found it.
+
+    Attributes:
+        keys: the keys that changed.
+    """
+
+    def __init__(self, message: str, *, keys: Sequence[str] = (), step: Optional[int] = None) -> None:
+        super().__init__(message, step=step)
+        self.keys: Tuple[str, ...] = tuple(keys)
+
+
 class StagingBudgetError(CheckpointError, MemoryError):
     """A state dict needs more host staging memory than the configured budget allows."""
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Optional, Sequence
+from typing import Any, Callable, Dict, Iterable, Optional, Sequence
 
 from .errors import InvalidArgumentError, warn_user
 from .policies import (
@@ -74,6 +74,8 @@ class ManagerOptions:
     local_retention: Any = 2
     incremental: bool = False
     full_every: Optional[int] = None
+    frozen: Any = None
+    frozen_check_every: int = 10
     wall_clock: Callable[[], float] = field(default=time.time)
     interval_clock: Callable[[], float] = field(default=time.monotonic)
 
@@ -100,6 +102,8 @@ class ManagerOptions:
                                        f"got {self.full_every!r}")
         if self.full_every is not None and not self.incremental:
             raise InvalidArgumentError("full_every= bounds incremental saves: pass incremental=True with it")
+        if self.frozen is not None:
+            self._check_frozen()
         if not isinstance(self.lazy, bool):
             raise InvalidArgumentError(f"lazy must be a bool, got {self.lazy!r}")
         for name in ("wall_clock", "interval_clock"):
@@ -118,6 +122,23 @@ class ManagerOptions:
             raise InvalidArgumentError("preemption_signals needs chkpt_on_preemption=True")
         if self.local_dir is not None:
             self._check_local()
+
+    def _check_frozen(self) -> None:
+        """``frozen``: keys (strings) or a callable on a key, with ``incremental``."""
+        if not self.incremental:
+            raise InvalidArgumentError("frozen= lets incremental saves skip the host copy of unchanged tensors: "
+                                       "pass incremental=True with it")
+        if isinstance(self.frozen, (str, bytes)) or not (callable(self.frozen) or isinstance(self.frozen, Iterable)):
+            raise InvalidArgumentError(f"frozen must be a collection of state-dict keys (e.g. "
+                                       f"async_ckpt.frozen_keys(model, prefix='model.')) or a callable key -> bool, "
+                                       f"got {self.frozen!r}")
+        if not callable(self.frozen):
+            self.frozen = frozenset(self.frozen)
+            bad = [k for k in self.frozen if not isinstance(k, str)]
+            if bad:
+                raise InvalidArgumentError(f"frozen must hold state-dict keys (strings), got {bad[0]!r}")
+        if not _is_int(self.frozen_check_every) or self.frozen_check_every < 1:
+            raise InvalidArgumentError(f"frozen_check_every must be an int >= 1, got {self.frozen_check_every!r}")
 
     def _check_local(self) -> None:
         """The local tier's options: ``local_dir`` a path, ``local_policy`` and

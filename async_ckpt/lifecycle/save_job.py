@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 from ..errors import CheckpointError
 from ..policies import RetentionPolicy
@@ -45,6 +45,12 @@ class SaveJob:
     #: a save written to two tiers gets the time it was taken in both, so that merging the tiers
     #: orders steps as they were saved even when one tier's writer lags behind the other's
     commit_at: Optional[float] = None
+    #: declared-frozen tensors (incremental saves): each one's version, and the keys not copied
+    frozen: Tuple[Dict[str, Tuple[int, int]], Set[str]] = field(default_factory=lambda: ({}, set()))
+
+
+#: ``SaveStats.extra`` key: the declared-frozen tensors this save found changed (and wrote in full)
+FROZEN_CHANGED = "frozen_changed"
 
 
 class StagingAlreadyReported(Exception):
@@ -136,6 +142,10 @@ def run_save(store: StepStore, job: SaveJob, *, policy: RetentionPolicy, threads
         # 3. every rank writes its files.
         files: Dict[str, FileRecord] = {}
         write_error: Optional[BaseException] = None
+        reuse = store.memo.reuse
+        if reuse is not None:
+            store.recall_last_step()  # a new manager: what the newest committed step holds
+            reuse.prepare(*job.frozen)
         try:
             files = coord.write(store.storage, target.path, snap.state_dict, threads=threads, planner=planner,
                                 memo=store.memo)
@@ -154,8 +164,10 @@ def run_save(store: StepStore, job: SaveJob, *, policy: RetentionPolicy, threads
         # 5. rank 0 commits and applies retention; everyone learns the outcome.
         commit_time = phase.primary(coord, "commit", step, lambda: commit(results))  # type: ignore[arg-type]
         td = time.perf_counter()
-        if store.memo.reuse is not None:  # incremental: the next save may take this step's files
-            store.memo.reuse.committed(target.path, step, target.final)
+        changed: List[str] = []
+        if reuse is not None:  # incremental: the next save may take this step's files
+            reuse.committed(target.path, step, target.final)
+            changed = reuse.take_changed()
     except StagingAlreadyReported:
         return None
     except BaseException:
@@ -172,4 +184,6 @@ def run_save(store: StepStore, job: SaveJob, *, policy: RetentionPolicy, threads
     stats.referred_bytes = sum(r.size for r in files.values() if r.ref is not None)
     stats.written_bytes = sum(r.size for r in files.values()) - stats.referred_bytes
     stats.commit_time = commit_time
+    if changed:
+        stats.extra[FROZEN_CHANGED] = changed
     return stats

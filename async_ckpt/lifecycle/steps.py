@@ -16,7 +16,7 @@ from typing import Callable, List, Optional
 from ..errors import LeaseHeldError, StepNotFoundError
 from ..policies import CheckpointInfo, RetentionPolicy
 from ..storage import CheckpointLayout, Manifest, StepTarget, Storage
-from ..storage.dcp import Reuse, WriteMemo
+from ..storage.dcp import METADATA_NAME, Reuse, WriteMemo, check_step_metadata, load_metadata
 from ..storage.lease import writer_lease
 from ..storage.manifest import MARKER_NAME
 from .catalog import StepCatalog
@@ -47,6 +47,7 @@ class StepStore:
         self._busy = 0  # background deletions queued or running
         self._busy_cond = threading.Condition()
         self._top: Optional[int] = None  # highest step committed or saved, once listed
+        self._recalled = False  # recall_last_step() ran
 
     # ---- the writer lease --------------------------------------------------------------------
     def become_writer(self) -> None:
@@ -158,6 +159,28 @@ class StepStore:
         reuse = self.memo.reuse
         if reuse is not None:
             reuse.forget_step(step)
+
+    def recall_last_step(self) -> None:
+        """Incremental saves, before this store's first save: remember what the newest committed
+        step holds (from its manifest's record hashes and its ``.metadata``), so that the first
+        save after a restart takes its unchanged files too. Once per store; a step that cannot
+        be read is skipped (that save is whole)."""
+        reuse = self.memo.reuse
+        if reuse is None or self._recalled:
+            return
+        self._recalled = True
+        try:
+            step = self.catalog.latest()
+            if step is None:
+                return
+            where, man = self.layout.open_step(step)
+            md = load_metadata(self.storage.read_bytes(f"{where}/{METADATA_NAME}"), where=f"{where}/{METADATA_NAME}")
+            check_step_metadata(md, man.files, where=f"{where}/{METADATA_NAME}", whole=man.whole)
+            n = reuse.recall(step, where, man.files, md, prefix=f"__{self.coordinator.rank}_")
+            if n:
+                log.info("incremental saves compare with step %d (%d tensors)", step, n)
+        except Exception as exc:  # noqa: BLE001 - the first save is then whole
+            log.info("incremental saves: the newest step cannot be compared with (%s); the next save is whole", exc)
 
     def _remove(self, step: int, paths: List[str]) -> None:
         try:

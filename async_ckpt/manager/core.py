@@ -19,10 +19,11 @@ import os
 import time
 import uuid
 import weakref
-from typing import Any, Callable, Deque, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Deque, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 from ..errors import (
     CheckpointError,
+    FrozenTensorChangedError,
     InvalidArgumentError,
     InvalidStateDictError,
     LeaseHeldError,
@@ -36,7 +37,7 @@ from ..lifecycle.planners import load_planner_for, save_planner_for
 from ..lifecycle.restore import candidates_of, check_key_map
 from ..lifecycle.restore import restore as _restore
 from ..lifecycle.root import LOCAL, PERSISTENT, Root
-from ..lifecycle.save_job import SaveJob, run_save
+from ..lifecycle.save_job import FROZEN_CHANGED, SaveJob, run_save
 from ..lifecycle.steps import StepStore
 from ..options import ManagerOptions
 from ..policies import (
@@ -52,6 +53,7 @@ from ..policies import (
 from ..preemption import PreemptionTracker, PreemptionWatcher
 from ..save_queue import AsyncWriter
 from ..staging import HostBufferPool, Stager
+from ..staging.frozen import FrozenTensors, changed_keys
 from ..stats import SaveStats, format_bytes, format_seconds
 from ..storage import CheckpointLayout, RetryPolicy, Storage
 from ..storage.dcp import Reuse
@@ -206,6 +208,14 @@ class CheckpointManager:
             Every step stays a complete DCP checkpoint of plain files (see docs/incremental.md).
         full_every: with ``incremental``: every N-th save writes everything, so that no taken
             file is older than N saves (default None: no bound).
+        frozen: with ``incremental``: tensors that never change, by state-dict key (e.g.
+            ``async_ckpt.frozen_keys(model, prefix="model.")``, the base of a LoRA run) or a
+            callable ``key -> bool``. One whose version counter and data pointer did not move
+            since its bytes were last committed is not copied to host memory at all (the
+            stall shrinks to the changing tensors); every ``frozen_check_every`` saves and at
+            :meth:`close` their bytes are hashed, and a changed one is written in full and
+            raises :class:`~async_ckpt.errors.FrozenTensorChangedError` (docs/incremental.md).
+        frozen_check_every: every N-th save copies and checks every ``frozen`` tensor (default 10).
         wall_clock: the clock of the commit times recorded in manifests (default
             ``time.time``; commit order survives it stepping back).
         interval_clock: the clock time-based save policies measure intervals with (the times
@@ -251,6 +261,8 @@ class CheckpointManager:
         local_retention: Any = 2,
         incremental: bool = False,
         full_every: Optional[int] = None,
+        frozen: Any = None,
+        frozen_check_every: int = 10,
         wall_clock: Callable[[], float] = time.time,
         interval_clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -262,7 +274,7 @@ class CheckpointManager:
             preemption_signals=preemption_signals, preemption_sync=preemption_sync, lazy=lazy,
             lease_timeout=lease_timeout, collective_timeout_s=collective_timeout_s, local_dir=local_dir,
             local_policy=local_policy, local_retention=local_retention, incremental=incremental,
-            full_every=full_every, wall_clock=wall_clock,
+            full_every=full_every, frozen=frozen, frozen_check_every=frozen_check_every, wall_clock=wall_clock,
             interval_clock=interval_clock)
         #: the validated options this manager was built from
         self.options = opts
@@ -300,6 +312,7 @@ class CheckpointManager:
         self._stats_log = StatsLog.from_option(self.storage, opts.stats_log)
         # with a local tier an upload overlaps local saves on and off: keep buffers for both
         self.stager = Stager(HostBufferPool(opts.memory_budget_bytes, hold_peak=opts.local_dir is not None))
+        self._frozen = FrozenTensors(opts.frozen, opts.frozen_check_every) if opts.frozen is not None else None
         self.stats: Deque[SaveStats] = collections.deque(maxlen=1000)
         #: with a local tier: steps whose upload to ``path`` was skipped because the previous
         #: upload was still running (``save_async`` never waits for it; the step went to the local tier)
@@ -671,8 +684,14 @@ class CheckpointManager:
                 with gc_paused():
                     plan = self.stager.plan(state_dict)
                 self._warn_pickled(plan)
+            keep: Set[int] = set()
+            seen: Dict[str, Tuple[int, int]] = {}
+            if self._frozen is not None:  # declared-frozen tensors every due root holds as they are: not copied
+                reuses = [r.store.memo.reuse for r in due]
+                keep, seen = self._frozen.choose(
+                    plan, lambda key, t, v: all(x is not None and x.holds(key, t, v) for x in reuses))
             stager = self.stager.lazy if lazy and not wait else self.stager.eager
-            snap = stager.stage(state_dict, plan)
+            snap = stager.stage(state_dict, plan, keep)
             if snap.pending is not None:
                 snap.pending.step = step
         except BaseException as exc:
@@ -708,7 +727,8 @@ class CheckpointManager:
                 extra.update({"tier": LOCAL, "rank": self._coord.rank, "world_size": self._coord.world_size,
                               PERSISTENT_ROOT: tier.home})
             job = SaveJob(step, snap, metrics, stats, t0, manifest_extra=extra,
-                          commit_at=taken_at if self._local is not None else None)
+                          commit_at=taken_at if self._local is not None else None,
+                          frozen=(seen, {plan.keys[i] for i in keep}))
             self._in_flight.append(step)
             try:
                 tier.writer.submit(functools.partial(self._persist, job, tier), step=step)
@@ -785,7 +805,14 @@ class CheckpointManager:
             if job.snap is not None and job.step in self._in_flight:
                 self._in_flight.remove(job.step)
         if stats is not None:
+            changed = stats.extra.pop(FROZEN_CHANGED, None)
             self._after_commit(stats)
+            if changed:
+                raise FrozenTensorChangedError(
+                    f"tensors declared frozen changed: {', '.join(changed[:5])}"
+                    f"{f' and {len(changed) - 5} more' if len(changed) > 5 else ''}. Step {stats.step} holds their "
+                    "new bytes (written in full); stop declaring them frozen (frozen=), or find what changes them",
+                    keys=changed, step=stats.step)
 
     def _after_commit(self, stats: SaveStats) -> None:
         """Statistics and the user's callback: neither can fail a committed save."""
@@ -1192,6 +1219,18 @@ class CheckpointManager:
                 errors.append(exc)
             finally:
                 tier.store.close()
+        if self._frozen is not None and self._frozen.last:  # the declared-frozen tensors, checked once more
+            try:
+                changed = changed_keys(self._frozen.last, [r.store.memo.reuse.same_bytes for r in self.roots
+                                                           if r.store.memo.reuse is not None])
+                if changed:
+                    errors.append(FrozenTensorChangedError(
+                        f"tensors declared frozen changed after the last save: {', '.join(changed[:5])}"
+                        f"{f' and {len(changed) - 5} more' if len(changed) > 5 else ''}; the last step holds "
+                        "their bytes as they were when it was saved", keys=changed))
+            except Exception as exc:  # noqa: BLE001 - reported with the rest
+                errors.append(exc)
+            self._frozen.last = {}
         self._finalizer.detach()
         if errors:
             _raise_all(errors)

@@ -48,6 +48,7 @@ from ..options import ManagerOptions
 from ..policies import CheckpointInfo, RetentionPolicy, apply_retention, as_retention_policy
 from ..save_queue import AsyncWriter
 from ..storage import CheckpointLayout, FileRecord, Manifest, Storage
+from ..storage.dcp import Reuse
 from ..storage.manifest import check_file_name, crc32c
 
 log = logging.getLogger("async_ckpt")

@@ -9,7 +9,7 @@ reported as :class:`~async_ckpt.errors.InvalidStateDictError` naming it.
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Tuple
+from typing import Any, List, Optional, Set, Tuple
 
 import torch
 
@@ -74,12 +74,15 @@ class BaseStager:
         """
         return make_plan(state_dict, self.plans)
 
-    def stage(self, state_dict: Any, plan: Optional[StagingPlan] = None) -> HostSnapshot:
+    def stage(self, state_dict: Any, plan: Optional[StagingPlan] = None,
+              keep: Optional[Set[int]] = None) -> HostSnapshot:
         """Host copies of ``state_dict`` (the garbage collector paused meanwhile).
 
         Args:
             state_dict: the state dict to copy.
             plan: its plan (default: planned here with this stager's memo).
+            keep: plan indices of tensors not to copy: the snapshot holds the tensor itself
+                (declared-frozen tensors, see :mod:`.frozen`).
 
         Returns:
             The snapshot, holding pooled buffers until released.
@@ -93,7 +96,7 @@ class BaseStager:
         with gc_paused():  # a full collection inside the stall would cost more than the copies
             plan = plan if plan is not None else self.plan(state_dict)
             try:
-                return self._stage(plan)
+                return self._stage(plan, keep)
             except Exception as exc:
                 if not isinstance(exc, InvalidStateDictError):
                     try:
@@ -105,9 +108,14 @@ class BaseStager:
     def synchronize_staging(self) -> None:
         """Wait until every snapshot staged so far has its host copies (nothing to wait for here)."""
 
-    def _stage(self, plan: StagingPlan) -> HostSnapshot:
+    def _stage(self, plan: StagingPlan, keep: Optional[Set[int]] = None) -> HostSnapshot:
         job = self._new_job(plan)
         by_type = plan.by_device_type()
+        if keep:
+            for i in keep:
+                job.host[i] = plan.tensors[i]
+            by_type = {kind: kept for kind, items in by_type.items()
+                       if (kept := [it for it in items if it[0] not in keep])}
         try:
             if "xla" in by_type:
                 self._stage_xla(by_type.pop("xla"), job)

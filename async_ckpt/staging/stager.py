@@ -7,7 +7,7 @@ streams and the XLA state. ``stager.stage(state_dict, plan, lazy=...)`` picks on
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Set
 
 from .eager import EagerStager
 from .lazy import LazyStager
@@ -45,7 +45,8 @@ class Stager:
         """
         return self.eager.plan(state_dict)
 
-    def stage(self, state_dict: Any, plan: Optional[StagingPlan] = None, *, lazy: bool = False) -> HostSnapshot:
+    def stage(self, state_dict: Any, plan: Optional[StagingPlan] = None, *, lazy: bool = False,
+              keep: Optional[Set[int]] = None) -> HostSnapshot:
         """Host copies of ``state_dict``.
 
         Args:
@@ -53,6 +54,7 @@ class Stager:
             plan: its plan (default: planned here).
             lazy: return once the copies are issued: ``snapshot.pending`` tracks them and the
                 guard of :mod:`.guard` protects the sources until they are done.
+            keep: plan indices of tensors not to copy (the snapshot holds them as they are).
 
         Returns:
             The snapshot, holding pooled buffers until released.
@@ -61,7 +63,7 @@ class Stager:
             InvalidStateDictError: the state dict cannot be planned, or a tensor cannot be staged.
             StagingBudgetError: the snapshot needs more host memory than the pool's budget.
         """
-        return (self.lazy if lazy else self.eager).stage(state_dict, plan)
+        return (self.lazy if lazy else self.eager).stage(state_dict, plan, keep)
 
     def synchronize_staging(self) -> None:
         """Wait until every snapshot of this stager has all its host copies."""

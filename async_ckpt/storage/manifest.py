@@ -66,6 +66,7 @@ raw_crc32c = _crc32c.crc32c  # the same function without the wrapper's call: for
 
 
 _RECORD = struct.Struct("<QI")  # one record in a manifest's "records": length, crc32c
+_HASH = struct.Struct("<Q16s")  # one record in a manifest's "hashes": record offset, XXH3-128 (little-endian)
 _DATA_AT = struct.Struct("<QI")  # one record in a manifest's "data_at": record offset, data offset in it
 
 
@@ -77,13 +78,16 @@ class FileRecord:
     the writer placed, record offset in the file -> offset of the data in the record (``None``:
     not recorded); ``ref``: for a file an incremental save took from an earlier step (a hard
     link, or a server-side copy on object stores), ``"<step>/<name>"`` of the file that first
-    held its bytes (``None``: this step wrote it)."""
+    held its bytes (``None``: this step wrote it); ``hashes``: incremental saves, record offset
+    -> XXH3-128 of the tensor bytes of the record there (so that a new manager's first save can
+    compare with this step; ``None``: not recorded)."""
 
     size: int
     crc32c: int
     records: Optional[Tuple[Tuple[int, int], ...]] = None
     data_at: Optional[Dict[int, int]] = None
     ref: Optional[str] = None
+    hashes: Optional[Dict[int, int]] = None
 
     def to_dict(self) -> Dict[str, Any]:
         d: Dict[str, Any] = {"size": self.size, "crc32c": self.crc32c}
@@ -93,6 +97,9 @@ class FileRecord:
             d["data_at"] = base64.b64encode(b"".join(_DATA_AT.pack(a, h) for a, h in self.data_at.items())).decode()
         if self.ref is not None:
             d["ref"] = self.ref
+        if self.hashes:
+            d["hashes"] = base64.b64encode(b"".join(_HASH.pack(a, h.to_bytes(16, "little"))
+                                                    for a, h in sorted(self.hashes.items()))).decode()
         return d
 
     @staticmethod
@@ -119,6 +126,13 @@ class FileRecord:
             rec.ref = ref
         if d.get("data_at") is not None:
             rec.data_at = _data_at(d["data_at"], rec.size, name=name, where=where)
+        if d.get("hashes") is not None:
+            what = f"{where}: {shown(name)}: the record hashes"
+            hashes = {a: int.from_bytes(h, "little") for a, h in _HASH.iter_unpack(_packed(d["hashes"], _HASH, what,
+                                                                                           where))}
+            if any(a >= rec.size for a in hashes):
+                raise CorruptCheckpointError(f"{what} place a record beyond its size {rec.size}", path=where)
+            rec.hashes = hashes
         raw = d.get("records")
         if raw is None:
             return rec

@@ -16,9 +16,9 @@
 
 from .dcp_call import METADATA_NAME
 from .reader import FsspecStorageReader, load_state_dict
+from .reuse import Reuse
 from .unpickling import load_metadata
 from .validate import check_step_metadata
-from .reuse import Reuse
 from .writer import FsspecStorageWriter, WriteMemo, save_state_dict
 
 __all__ = ["METADATA_NAME", "FsspecStorageReader", "FsspecStorageWriter", "Reuse", "WriteMemo", "check_step_metadata",

@@ -25,7 +25,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import threading
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
 
 import torch
 import xxhash
@@ -57,6 +57,14 @@ def content_hash(t: Any) -> Optional[int]:
     return xxhash.xxh3_128_intdigest((ctypes.c_char * n).from_address(t.data_ptr()))
 
 
+def host_copy(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous host tensor with ``t``'s bytes (``t`` itself when it is one already)."""
+    t = t.detach()
+    if t.is_cpu and t.is_contiguous():
+        return t
+    return t.contiguous() if t.is_cpu else t.cpu().contiguous()
+
+
 @dataclasses.dataclass(frozen=True)
 class HeldItem:
     """Where a committed step holds one tensor record, and what it holds."""
@@ -67,6 +75,8 @@ class HeldItem:
     hash: int  # XXH3-128 of the tensor's bytes
     dtype: torch.dtype
     shape: Tuple[int, ...]
+    #: a declared-frozen tensor's (version counter, data pointer) when these bytes were taken
+    version: Optional[Tuple[int, int]] = None
 
 
 @dataclasses.dataclass
@@ -91,6 +101,7 @@ class WrittenItem:
     hash: int
     dtype: torch.dtype
     shape: Tuple[int, ...]
+    version: Optional[Tuple[int, int]] = None
 
 
 @dataclasses.dataclass
@@ -117,6 +128,42 @@ class Reuse:
         self._held: Optional[HeldBytes] = None
         self._pending: Dict[str, Tuple[List[WrittenItem], Dict[str, FileRecord], bool]] = {}
         self._since_full = 0
+        # the next save's declared-frozen tensors (see prepare()) and what saves found changed
+        self._seen: Dict[str, Tuple[int, int]] = {}
+        self._kept: Set[str] = set()
+        self._changed: List[str] = []
+
+    def prepare(self, seen: Dict[str, Tuple[int, int]], kept: Set[str]) -> None:
+        """Tell the next save (:meth:`share`) its declared-frozen tensors: ``seen``, the version
+        of each (key -> ``(version counter, data pointer)``), and ``kept``, the keys staged
+        without a host copy (the snapshot holds the live tensor)."""
+        with self._lock:
+            self._seen, self._kept = dict(seen), set(kept)
+
+    def holds(self, fqn: str, t: torch.Tensor, version: Tuple[int, int]) -> bool:
+        """Whether the next save can take ``fqn``'s bytes from the last step without a host copy:
+        it holds them as of ``version`` (training thread; see :mod:`~async_ckpt.staging.frozen`)."""
+        if self.due_full():
+            return False
+        held = self.held
+        old = held.items.get(item_key(fqn, (0,) * t.dim())) if held is not None else None
+        return old is not None and old.version == version and old.dtype == t.dtype and old.shape == tuple(t.shape)
+
+    def same_bytes(self, fqn: str, host: torch.Tensor) -> Optional[bool]:
+        """Whether the last step holds exactly ``host``'s bytes under ``fqn`` (None: it holds no
+        record of ``fqn``, or ``host`` is not hashed)."""
+        held = self.held
+        old = held.items.get(item_key(fqn, (0,) * host.dim())) if held is not None else None
+        h = content_hash(host)
+        if old is None or h is None:
+            return None
+        return old.hash == h and old.dtype == host.dtype and old.shape == tuple(host.shape)
+
+    def take_changed(self) -> List[str]:
+        """The declared-frozen keys whose bytes the saves since the last call found changed."""
+        with self._lock:
+            out, self._changed = self._changed, []
+            return out
 
     @property
     def held(self) -> Optional[HeldBytes]:
@@ -148,19 +195,36 @@ class Reuse:
         Returns:
             Each item's hash (``None``: not hashed) and what was shared.
         """
-        hashes = [content_hash(o) for o in objs]
-        shared = Shared({}, {})
-        held = None if self.due_full() else self.held
-        if held is None:
-            return hashes, shared
+        with self._lock:
+            seen, kept = self._seen, self._kept
+        full = self.due_full()
+        held = self.held
+        hashes: List[Optional[int]] = [None] * len(objs)
         by_file: Dict[str, List[Tuple[int, HeldItem]]] = {}
-        for i, h in enumerate(hashes):
-            if h is None:
+        changed = []
+        for i, o in enumerate(objs):
+            fqn = keys[i][0]
+            old = held.items.get(keys[i]) if held is not None else None
+            if fqn in kept:  # a declared-frozen tensor left uncopied: the live tensor, version unchanged
+                if not full and old is not None and old.version == seen.get(fqn) and old.dtype == o.dtype \
+                        and old.shape == tuple(o.shape):
+                    hashes[i] = old.hash
+                    by_file.setdefault(old.name, []).append((i, old))
+                    continue
+                objs[i] = o = host_copy(o)  # no record to take it from: written, from a copy made now
+            h = hashes[i] = content_hash(o)
+            if h is None or old is None or old.dtype != o.dtype or old.shape != tuple(o.shape):
                 continue
-            old = held.items.get(keys[i])
-            o = objs[i]
-            if old is not None and old.hash == h and old.dtype == o.dtype and old.shape == tuple(o.shape):
+            if old.hash != h:
+                if fqn in seen:
+                    changed.append(fqn)
+            elif not full:
                 by_file.setdefault(old.name, []).append((i, old))
+        shared = Shared({}, {})
+        with self._lock:
+            self._changed += changed
+        if held is None or not by_file:
+            return hashes, shared
         k = 0
         for name, taken in sorted(by_file.items()):
             rec = held.files[name]
@@ -182,8 +246,49 @@ class Reuse:
 
     def wrote(self, path: str, items: List[WrittenItem], files: Dict[str, FileRecord], full: bool) -> None:
         """What a save into ``path`` placed, kept until its step commits (:meth:`committed`)."""
+        for it in items:  # in the manifest, for a later manager's first save (see recall)
+            rec = files.get(it.name)
+            if rec is not None and rec.ref is None:
+                if rec.hashes is None:
+                    rec.hashes = {}
+                rec.hashes[it.offset] = it.hash
         with self._lock:
             self._pending[path] = (items, files, full)
+
+    def recall(self, step: int, directory: str, files: Dict[str, FileRecord], metadata: Any, prefix: str) -> int:
+        """Remember a committed step read back from storage (a new manager's first save then
+        compares with it): the tensor records of this rank's files (``prefix``) whose hash its
+        manifest recorded. Returns how many; nothing is remembered when a step is already known.
+
+        Args:
+            step: the step.
+            directory: its committed directory.
+            files: its manifest's file records.
+            metadata: its DCP ``Metadata`` (checked).
+            prefix: this rank's data file names' prefix (``__<rank>_``).
+        """
+        items: Dict[Key, HeldItem] = {}
+        for idx, info in metadata.storage_data.items():
+            name = info.relative_path
+            rec = files.get(name)
+            if not name.startswith(prefix) or rec is None or not rec.hashes or info.offset not in rec.hashes:
+                continue
+            entry = metadata.state_dict_metadata.get(idx.fqn)
+            chunks = getattr(entry, "chunks", None)
+            if not chunks:
+                continue
+            at = tuple(idx.offset) if idx.offset is not None else ()
+            chunk = next((c for c in chunks if tuple(c.offsets) == at), None)
+            if chunk is None:
+                continue
+            items[item_key(idx.fqn, at)] = HeldItem(name, info.offset, info.length, rec.hashes[info.offset],
+                                                    entry.properties.dtype, tuple(chunk.sizes))
+        with self._lock:
+            if self._held is not None or not items:
+                return 0
+            names = {it.name for it in items.values()}
+            self._held = HeldBytes(step, directory, items, {n: r for n, r in files.items() if n in names})
+            return len(items)
 
     def committed(self, path: str, step: int, directory: str) -> None:
         """The save into ``path`` committed as ``step`` in ``directory``: the next save may take
@@ -194,8 +299,9 @@ class Reuse:
             if pending is None:
                 return
             items, files, full = pending
-            held_items = {it.key: HeldItem(it.name, it.offset, it.length, it.hash, it.dtype, it.shape)
-                          for it in items}
+            seen = self._seen
+            held_items = {it.key: HeldItem(it.name, it.offset, it.length, it.hash, it.dtype, it.shape,
+                                           seen.get(it.key[0])) for it in items}
             names = {it.name for it in items}
             self._held = HeldBytes(step, directory, held_items, {n: r for n, r in files.items() if n in names})
             self._since_full = 0 if full else self._since_full + 1

@@ -49,7 +49,6 @@ from ..storage import Storage
 from ..torch_record import PickledObject, RecordBatch, RecordTemplate, RecordTemplates
 from .crc import crc32c_combine
 from .dcp_call import METADATA_NAME, call_dcp, distributed, world_size
-from .reuse import Key, Reuse, Shared, item_key, placed_items
 from .file_assignment import (
     FileLayout,
     WriteMemo,
@@ -61,6 +60,7 @@ from .file_assignment import (
     saved_bytes,
     signature,
 )
+from .reuse import Key, Reuse, Shared, item_key, placed_items
 
 if TYPE_CHECKING:  # the classes compat returns, named for the type checker
     from torch.distributed.checkpoint.filesystem import _StorageInfo, _StoragePrefix
