@@ -18,7 +18,13 @@ otherwise be one file.
 
 from __future__ import annotations
 
+import contextlib
+import io
+import json
 import os
+import random
+import subprocess
+import sys
 from typing import Any, Dict, List, Optional
 
 import pytest
@@ -29,7 +35,19 @@ from async_ckpt import CheckpointManager
 from async_ckpt.errors import CorruptCheckpointError
 
 from .conftest import assert_bitwise_equal, flip_byte, target_like
-from .incremental_worker import BIG, FILE_BYTES, big_tensor, make_state, nbytes
+from .incremental_worker import (
+    BIG,
+    FILE_BYTES,
+    WORLD,
+    big_tensor,
+    crash_manager,
+    crash_state,
+    dist_state,
+    empty_like,
+    make_state,
+    nbytes,
+    states_equal,
+)
 
 KiB = 2**10
 MiB = 2**20
@@ -369,7 +387,9 @@ def test_resave_of_the_last_step_async_while_the_next_save_is_queued(tmp_path):
             dcp_load_bitwise(os.path.join(root, str(s)), st)
 
 
-def test_a_new_manager_first_save_is_whole(tmp_path):
+def test_a_new_manager_first_save_takes_from_the_newest_committed_step(tmp_path):
+    """After a restart the first incremental save compares with the newest committed step (its
+    manifest's record hashes): a resumed run does not rewrite what did not change."""
     root = str(tmp_path / "ckpt")
     with manager(root) as mgr:
         mgr.save(0, state_at(0))
@@ -377,11 +397,43 @@ def test_a_new_manager_first_save_is_whole(tmp_path):
         assert ref_files(root, 1)
     with manager(root) as mgr:
         mgr.save(2, state_at(2))
-        assert ref_files(root, 2) == [] and mgr.stats[-1].referred_bytes == 0
+        man = mgr.layout.read_manifest(2)
+        assert ref_files(root, 2) and mgr.stats[-1].referred_bytes == man.referred_bytes > 0
+        assert man.written_bytes <= changed_bytes(2) + 64 * KiB
+        for name in ref_files(root, 2):
+            assert os.stat(os.path.join(root, "2", name)).st_ino in inodes(os.path.join(root, "1"))
         mgr.save(3, state_at(3))
         assert ref_files(root, 3) and mgr.stats[-1].referred_bytes > 0
         for s in range(4):
             restore_bitwise(mgr, s, state_at(s))
+            dcp_load_bitwise(os.path.join(root, str(s)), state_at(s))
+
+
+@pytest.mark.xfail(strict=True, reason="library bug (reported): after restore(None) skips the damaged newest "
+                   "steps, the next incremental save still compares with the newest committed step and "
+                   "hard-links its damaged file into the new step")
+def test_after_falling_back_past_a_damaged_step_the_next_save_is_intact(tmp_path):
+    """full_every=2: step 3 shares step 2's files. A byte of a file of step 2 that step 3 holds
+    too is flipped: a new manager's restore(None) falls back to step 1. Training goes on from
+    step 1's state (the damaged tensor's value did not change since step 0), and step 4 is saved
+    incrementally: it must restore, i.e. not take the damaged file from step 3."""
+    root = str(tmp_path / "ckpt")
+    with manager(root, full_every=2) as mgr:
+        for s in range(4):
+            mgr.save(s, state_at(s))
+    # extra.mask is version 0 in steps 0-3: step 3 holds it in a file shared from step 2
+    mask_file = file_of(os.path.join(root, "3"), "extra.mask")
+    assert "_ref" in os.path.basename(mask_file)
+    flip_byte(mask_file)
+    with manager(root, full_every=2) as mgr:
+        with pytest.warns(RuntimeWarning, match="skipping damaged"):
+            assert restore_bitwise(mgr, None, state_at(1)) == 1
+        four = make_state(4, versions_at(1))  # trained on from step 1
+        mgr.save(4, four)
+        restore_bitwise(mgr, 4, four)
+    from async_ckpt.cli import main
+
+    assert main(["verify", root, "4", "--no-progress"]) == 0
 
 
 # ---- 6. object stores / fsspec ---------------------------------------------------------------
@@ -477,3 +529,128 @@ def test_local_tier_incremental_each_root_shares_its_own_files(tmp_path):
         for s in sorted(set(local_steps) | set(persistent_steps)):
             restore_bitwise(both, s, state_at(s))
         assert restore_bitwise(both, None, state_at(5)) == 5
+
+
+# ---- 3. SIGKILL trials -----------------------------------------------------------------------
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+@pytest.fixture
+def crash_server(tmp_path):
+    err = open(tmp_path / "worker.stderr", "w")
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.Popen([sys.executable, os.path.join(HERE, "incremental_worker.py"), "crash"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True, cwd=HERE, env=env)
+
+    def ask(spec):
+        proc.stdin.write(json.dumps(spec) + "\n")
+        proc.stdin.flush()
+        line = proc.stdout.readline()
+        assert line, f"worker died; stderr:\n{open(tmp_path / 'worker.stderr').read()[-4000:]}"
+        return json.loads(line)
+
+    ready = proc.stdout.readline()
+    assert ready.startswith('{"ready"'), f"worker failed to start:\n{open(tmp_path / 'worker.stderr').read()[-4000:]}"
+    yield ask
+    proc.stdin.close()
+    proc.wait(timeout=60)
+    err.close()
+
+
+def check_after_kill(root: str, what: str) -> List[int]:
+    """Every committed step names only files that exist, verifies (CLI) and restores bitwise."""
+    from async_ckpt.cli import main
+
+    with crash_manager(root) as mgr:
+        steps = mgr.all_steps()
+        for s in steps:
+            step_dir = os.path.join(root, str(s))
+            man = mgr.layout.read_manifest(s)
+            for name in man.files:
+                assert os.path.isfile(os.path.join(step_dir, name)), f"{what}: step {s} names missing {name}"
+            md = dcp.FileSystemReader(step_dir).read_metadata()
+            for info in md.storage_data.values():
+                assert info.relative_path in man.files, f"{what}: step {s}: {info.relative_path} not in manifest"
+            out = empty_like(crash_state(s))
+            assert mgr.restore(s, out) == s
+            assert states_equal(out, crash_state(s)), f"{what}: step {s} restored with wrong contents"
+    if steps:
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            rc = main(["verify", root, "--all", "--no-progress"])
+        assert rc == 0, f"{what}: verify --all:\n{buf.getvalue()}"
+        assert buf.getvalue().count(": ok") == len(steps), buf.getvalue()
+    return steps
+
+
+@pytest.mark.slow
+def test_sigkill_during_incremental_saves_and_retention_loses_nothing(crash_server, tmp_path):
+    master = int(os.environ.get("ASYNC_CKPT_CRASH_SEED", random.SystemRandom().randrange(2**31)))
+    print(f"incremental crash trials: ASYNC_CKPT_CRASH_SEED={master}")
+    root = str(tmp_path / "ckpt")
+    newest = None
+    commits = 0
+    for i in range(8):
+        rng = random.Random(master * 1000 + i)
+        delay = round(rng.uniform(0.02, 0.15) if i % 4 == 0 else rng.uniform(0.15, 1.2), 4)
+        spec = {"dir": root, "delay": delay, "full_every": (None, 3)[i % 2], "sync": i % 3 == 2}
+        out = crash_server(spec)
+        what = f"trial {i} (seed {master * 1000 + i}, {spec})"
+        print(f"{what}: committed {out['committed'][:1]}..{out['committed'][-1:]} resumed {out['resumed']}")
+        assert out["status"] == "killed", f"{what}: {out['error']}"
+        assert out["resume_ok"] in (None, True), f"{what}: resumed step {out['resumed']} with wrong contents"
+        commits += len(out["committed"])
+        steps = check_after_kill(root, what)
+        if out["committed"]:
+            assert steps and steps[-1] >= out["committed"][-1], f"{what}: committed steps lost: {steps}"
+        if newest is not None:
+            assert steps and steps[-1] >= newest, f"{what}: {steps} lost step {newest}"
+        newest = steps[-1] if steps else newest
+    assert commits > 0, "no trial committed a step"
+    # the root takes further incremental saves, which restore bitwise
+    with crash_manager(root) as mgr:
+        nxt = (mgr.latest_step() or 0) + 1
+        mgr.save(nxt, crash_state(nxt))
+        assert mgr.stats[-1].referred_bytes > 0
+        mgr.save_async(nxt + 1, crash_state(nxt + 1))
+        mgr.join()
+        for s in (nxt, nxt + 1):
+            out = empty_like(crash_state(s))
+            assert mgr.restore(s, out) == s and states_equal(out, crash_state(s))
+    assert check_after_kill(root, "after the last saves")[-1] == nxt + 1
+    # the local files of the root are the steps' (no debris left for long: startup cleans)
+
+
+# ---- 7. two ranks ----------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_two_ranks_incremental_saves_restore_at_two_ranks_and_in_one_process(tmp_path):
+    root = str(tmp_path / "ckpt")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PJRT_DEVICE="CPU",
+               PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}",
+           os.path.join(HERE, "incremental_worker.py"), "dist", root]
+    proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-5000:]
+    for r in range(WORLD):
+        assert f"RANK {r} OK" in proc.stdout, proc.stdout[-5000:]
+    # on disk: each rank's shared files are hard links of its own earlier files
+    for s in (3, 4):
+        refs = ref_files(root, s)
+        assert {n[:4] for n in refs} == {"__0_", "__1_"}, refs
+        earlier = {}
+        for n in os.listdir(os.path.join(root, str(s - 1))):
+            earlier[os.stat(os.path.join(root, str(s - 1), n)).st_ino] = n
+        for n in refs:
+            st = os.stat(os.path.join(root, str(s), n))
+            assert st.st_nlink > 1 and st.st_ino in earlier, (s, n)
+            assert earlier[st.st_ino].startswith(n[:4]), (s, n, earlier[st.st_ino])
+    # one process, no process group: plain dcp.load and a manager
+    with CheckpointManager(root) as mgr:
+        assert mgr.all_steps() == [2, 3, 4]
+        for s in (2, 3, 4):
+            dcp_load_bitwise(os.path.join(root, str(s)), dist_state(s, None))
+            restore_bitwise(mgr, s, dist_state(s, None))
+        assert restore_bitwise(mgr, None, dist_state(4, None)) == 4
