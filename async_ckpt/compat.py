@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import sys
 import threading
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 
@@ -88,6 +88,21 @@ def narrow_tensor_by_index() -> Callable[..., torch.Tensor]:
     from torch.distributed._shard._utils import narrow_tensor_by_index as fn
 
     return fn
+
+
+def dtensor_global_offset(spec: Any) -> Tuple[int, ...]:
+    """Where this rank's shard of a DTensor starts in the global tensor.
+
+    Args:
+        spec: the DTensor's ``_spec`` (mesh, placements, global shape).
+
+    Returns:
+        The offsets, per dimension (``compute_local_shape_and_global_offset`` of
+        ``torch.distributed.tensor._utils``).
+    """
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    return tuple(compute_local_shape_and_global_offset(spec.shape, spec.mesh, spec.placements)[1])
 
 
 # ---- torch_xla ------------------------------------------------------------------------------

@@ -22,6 +22,9 @@ from .policies import (
     as_save_policy,
 )
 
+#: ``replicated_reads=``: who reads a tensor every rank restores (see CheckpointManager)
+REPLICATED_READS = ("auto", "once", "every_rank")
+
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
@@ -76,6 +79,8 @@ class ManagerOptions:
     full_every: Optional[int] = None
     frozen: Any = None
     frozen_check_every: int = 10
+    replicated_saves: bool = True
+    replicated_reads: str = "auto"
     wall_clock: Callable[[], float] = field(default=time.time)
     interval_clock: Callable[[], float] = field(default=time.monotonic)
 
@@ -104,6 +109,11 @@ class ManagerOptions:
             raise InvalidArgumentError("full_every= bounds incremental saves: pass incremental=True with it")
         if self.frozen is not None:
             self._check_frozen()
+        if not isinstance(self.replicated_saves, bool):
+            raise InvalidArgumentError(f"replicated_saves must be a bool, got {self.replicated_saves!r}")
+        if self.replicated_reads not in REPLICATED_READS:
+            raise InvalidArgumentError(f"replicated_reads must be one of {REPLICATED_READS}, got "
+                                       f"{self.replicated_reads!r}")
         if not isinstance(self.lazy, bool):
             raise InvalidArgumentError(f"lazy must be a bool, got {self.lazy!r}")
         for name in ("wall_clock", "interval_clock"):

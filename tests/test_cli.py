@@ -3,8 +3,10 @@ damaged), plus in-process runs on ``memory://`` and the save statistics log."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -15,6 +17,7 @@ import torch
 
 from async_ckpt import CheckpointManager, SaveStats
 from async_ckpt.cli import main
+from async_ckpt.cli.common import human_bytes
 from async_ckpt.stats import read_stats_log
 from async_ckpt.storage.stats_log import StatsLog
 
@@ -441,3 +444,101 @@ def test_ls_and_verify_with_local_dir_show_another_job_s_copies_as_foreign(tmp_p
     assert main(["verify", bucket_b, "--all", "--local-dir", local]) == 0
     out = capsys.readouterr().out
     assert "step 9 (local): skipped" in out and "step 9 (local): ok" not in out
+
+
+# ---- incremental saves: bytes written vs bytes taken from earlier steps -------------------------
+
+def _incremental_root(root: str):
+    """Steps 1, 2, 3 of an incremental manager: a large base that never changes (256 KiB, in a
+    file of its own... shared from step 1 on) and a small part that changes at every save."""
+    torch.manual_seed(0)
+    base = torch.randn(256, 256)
+    saved = {}
+    with CheckpointManager(root, incremental=True) as mgr:
+        for s in (1, 2, 3):
+            sd = {"base": base, "head": torch.full((8, 8), float(s)), "step": s}
+            saved[s] = clone_tree(sd)
+            mgr.save(s, sd)
+    return saved
+
+
+def test_ls_show_verify_report_written_and_shared_bytes(tmp_path, capsys):
+    root = str(tmp_path / "inc")
+    saved = _incremental_root(root)
+    layout = CheckpointManager(root).layout
+    mans = {s: layout.read_manifest(s) for s in (1, 2, 3)}
+    assert mans[1].referred_bytes == 0 and mans[2].referred_bytes > 256 * 256 * 4 > mans[2].written_bytes
+
+    assert main(["ls", root, "--json"]) == 0
+    steps = {e["step"]: e for e in json.loads(capsys.readouterr().out)["steps"]}
+    for s, man in mans.items():
+        assert (steps[s]["written_bytes"], steps[s]["referred_bytes"]) == (man.written_bytes, man.referred_bytes)
+        assert steps[s]["bytes"] == man.written_bytes + man.referred_bytes
+    assert main(["ls", root]) == 0
+    out = capsys.readouterr().out
+    table = out.split("\n\n")[0].splitlines()
+    assert table[0].split() == ["STEP", "ORDER", "COMMITTED", "SIZE", "WRITTEN", "SHARED", "FILES", "STATUS", "METRICS"]
+    rows = {ln.split()[0]: re.split(r"\s{2,}", ln.strip()) for ln in table[1:]}  # cells: 2+ spaces apart
+    for s, man in mans.items():  # SIZE, WRITTEN, SHARED
+        assert rows[str(s)][3:6] == [human_bytes(v) for v in (man.written_bytes + man.referred_bytes,
+                                                             man.written_bytes, man.referred_bytes)]
+    assert rows["1"][5] == "0 B"
+    assert "taken from earlier steps: on local paths hard links, stored once" in out
+
+    assert main(["show", root, "3", "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    refs = {n: r.ref for n, r in mans[3].files.items() if r.ref is not None}
+    assert refs and all(r.startswith("1/") for r in refs.values())  # the bytes step 1 wrote, no chains
+    assert shown["shared_files"] == {n: {"size": mans[3].files[n].size, "ref": r} for n, r in refs.items()}
+    assert (shown["written_bytes"], shown["referred_bytes"]) == (mans[3].written_bytes, mans[3].referred_bytes)
+    assert main(["show", root, "3"]) == 0
+    out = capsys.readouterr().out
+    assert f"incremental: {human_bytes(mans[3].written_bytes)} written" in out
+    for n, r in refs.items():
+        assert f"  {n}  {human_bytes(mans[3].files[n].size)}  first written as {r}" in out
+    assert main(["show", root, "1"]) == 0
+    assert "incremental:" not in capsys.readouterr().out  # step 1 wrote everything
+
+    assert main(["verify", root, "--all", "--json"]) == 0
+    results = {r["step"]: r for r in json.loads(capsys.readouterr().out)["steps"]}
+    assert all(results[s]["ok"] and results[s]["referred_bytes"] == mans[s].referred_bytes for s in mans)
+    assert main(["verify", root, "3"]) == 0
+    assert capsys.readouterr().out.startswith(
+        f"step 3: ok ({len(mans[3].files)} files, {human_bytes(sum(r.size for r in mans[3].files.values()))} read; "
+        f"{human_bytes(mans[3].written_bytes)} written, {human_bytes(mans[3].referred_bytes)} taken from earlier steps)")
+
+    # Deleting the step that first wrote the shared bytes removes a name only: the later steps
+    # still verify, export and restore bitwise.
+    assert main(["rm", root, "1"]) == 0
+    capsys.readouterr()
+    assert main(["verify", root, "--all"]) == 0
+    assert capsys.readouterr().out.count(": ok (") == 2
+    out_pt = str(tmp_path / "s3.pt")
+    assert main(["export", root, "3", out_pt]) == 0
+    assert_bitwise_equal(saved[3], torch.load(out_pt, weights_only=True))
+    for s in (2, 3):
+        target = {"base": torch.zeros(256, 256), "head": torch.zeros(8, 8), "step": 0}
+        CheckpointManager(root).restore(s, target)
+        assert_bitwise_equal(saved[s], target)
+
+
+@pytest.mark.skipif("written_bytes" not in {f.name for f in dataclasses.fields(SaveStats)},
+                    reason="SaveStats has no written_bytes/referred_bytes in this library version")
+def test_stats_command_shows_written_and_shared_bytes(tmp_path, capsys):
+    root = str(tmp_path / "inc")
+    base = torch.randn(256, 256)
+    with CheckpointManager(root, incremental=True, stats_log=True) as mgr:
+        for s in (1, 2):
+            mgr.save(s, {"base": base, "head": torch.full((8,), float(s))})
+        stats = {st.step: st for st in mgr.stats}
+    assert stats[2].referred_bytes > 256 * 256 * 4 > stats[2].written_bytes > 0
+    assert main(["stats", root]) == 0
+    table = capsys.readouterr().out.split("\n\n")[0].splitlines()
+    assert table[0].split()[:6] == ["STEP", "COMMITTED", "DATA", "WRITTEN", "SHARED", "FILES"]
+    rows = {ln.split()[0]: re.split(r"\s{2,}", ln.strip()) for ln in table[1:]}
+    for s, st in stats.items():
+        assert rows[str(s)][3:5] == [human_bytes(st.written_bytes), human_bytes(st.referred_bytes)]
+    assert main(["stats", root, "--json"]) == 0
+    logged = {r["step"]: r for r in json.loads(capsys.readouterr().out)["saves"]}
+    assert {s: (r["written_bytes"], r["referred_bytes"]) for s, r in logged.items()} == {
+        s: (st.written_bytes, st.referred_bytes) for s, st in stats.items()}

@@ -263,12 +263,20 @@ def cmd_stats(args: argparse.Namespace) -> int:
     if not records:
         print("no saves logged")
         return EXIT_OK
-    rows = [[r.step, fmt_time(r.commit_time), human_bytes(r.nbytes), r.files, f"{r.blocking_s * 1e3:.1f}",
-             f"{r.queue_wait_s * 1e3:.1f}", f"{r.stage_s * 1e3:.1f}", f"{r.host_copy_gbps:.2f}", f"{r.write_s:.3f}",
-             f"{r.write_gbps:.2f}", f"{r.commit_s:.3f}", "-" if r.durable_s is None else f"{r.durable_s:.3f}"]
+    # Incremental saves: the bytes each save wrote and those it took from the last step (columns
+    # shown when a save took any; records of a library without these fields have neither).
+    shared = any(getattr(r, "referred_bytes", 0) for r in records)
+    rows = [[r.step, fmt_time(r.commit_time), human_bytes(r.nbytes)]
+            + ([human_bytes(getattr(r, "written_bytes", None)), human_bytes(getattr(r, "referred_bytes", None))]
+               if shared else [])
+            + [r.files, f"{r.blocking_s * 1e3:.1f}",
+               f"{r.queue_wait_s * 1e3:.1f}", f"{r.stage_s * 1e3:.1f}", f"{r.host_copy_gbps:.2f}", f"{r.write_s:.3f}",
+               f"{r.write_gbps:.2f}", f"{r.commit_s:.3f}", "-" if r.durable_s is None else f"{r.durable_s:.3f}"]
             for r in records]
-    print(render_table(["STEP", "COMMITTED", "DATA", "FILES", "BLOCKED_MS", "SLOT_WAIT_MS", "COPY_MS", "COPY_GB/S",
-                  "WRITE_S", "WRITE_GB/S", "COMMIT_S", "DURABLE_S"], rows, right=tuple(i for i in range(12) if i != 1)))
+    headers = (["STEP", "COMMITTED", "DATA"] + (["WRITTEN", "SHARED"] if shared else [])
+               + ["FILES", "BLOCKED_MS", "SLOT_WAIT_MS", "COPY_MS", "COPY_GB/S", "WRITE_S", "WRITE_GB/S", "COMMIT_S",
+                  "DURABLE_S"])
+    print(render_table(headers, rows, right=tuple(i for i in range(len(headers)) if i != 1)))
     blocked = sorted(r.blocking_s for r in records)
     worst = max(records, key=lambda r: r.blocking_s)
     print(f"\n{len(records)} saves; blocked median {blocked[len(blocked) // 2] * 1e3:.1f} ms, "

@@ -89,7 +89,8 @@ def _step_entry(storage: Storage, layout: CheckpointLayout, name: str, locations
     entry.update(commit_time=man.commit_time, save_id=man.extra.get(SAVE_ID), metrics=dict(man.metrics),
                  files=len(man.files),
                  bytes=sum(r.size for r in man.files.values()), nbytes=man.nbytes,
-                 num_tensors=man.num_tensors, world_size=man.world_size)
+                 num_tensors=man.num_tensors, world_size=man.world_size,
+                 written_bytes=man.written_bytes, referred_bytes=man.referred_bytes)
     other = saved_for_another(home, man.extra)
     if other is not None:
         entry.update(status="foreign", saved_for=other,
@@ -158,19 +159,26 @@ def cmd_ls(args: argparse.Namespace) -> int:
         for rec in others:
             print(describe_other(rec))
         return EXIT_OK
+    # Incremental saves (a step that took files from earlier ones): two more columns, the bytes
+    # each step wrote and those it took from earlier steps (the SIZE of a step counts both).
+    shared = any(e.get("referred_bytes") for e in entries)
     rows = []
     for e in entries:
         status = e["status"] if e["status"] == "listed" else e["status"].upper()
         order = e.get("commit_order")
         row = [e["step"], "-" if order is None else f"{order}{' latest' if order == latest_order else ''}",
-               fmt_time(e["commit_time"]), human_bytes(e["bytes"]),
-               "-" if e["files"] is None else e["files"], status, fmt_metrics(e["metrics"])]
+               fmt_time(e["commit_time"]), human_bytes(e["bytes"])]
+        if shared:
+            row += [human_bytes(e.get("written_bytes")), human_bytes(e.get("referred_bytes"))]
+        row += ["-" if e["files"] is None else e["files"], status, fmt_metrics(e["metrics"])]
         rows.append(row[:1] + [e["tier"]] + row[1:] if tiered else row)
-    headers = ["STEP", "ORDER", "COMMITTED", "SIZE", "FILES", "STATUS", "METRICS"]
+    headers = ["STEP", "ORDER", "COMMITTED", "SIZE"] + (["WRITTEN", "SHARED"] if shared else []) + [
+        "FILES", "STATUS", "METRICS"]
+    right = (0, 3, 4, 5, 6) if shared else (0, 3, 4)
     if tiered:
-        print(render_table(headers[:1] + ["TIER"] + headers[1:], rows, right=(0, 4, 5)))
+        print(render_table(headers[:1] + ["TIER"] + headers[1:], rows, right=tuple(i + (i > 0) for i in right)))
     else:
-        print(render_table(headers, rows, right=(0, 3, 4)))
+        print(render_table(headers, rows, right=right))
     ok = [e for e in entries if e["status"] == "listed"]
     bad = [e for e in entries if e["status"] != "listed"]
     ndamaged = sum(e["status"] == "damaged" for e in entries)
@@ -179,6 +187,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
           f"{sum(e['status'] == 'incomplete' for e in entries)} incomplete"
           + (f", {nforeign} foreign" if nforeign else "")
           + f"; {human_bytes(sum(e['bytes'] or 0 for e in entries))} in all"
+          + (f" ({human_bytes(sum(e.get('written_bytes') or 0 for e in entries))} written by the steps, "
+             f"{human_bytes(sum(e.get('referred_bytes') or 0 for e in entries))} taken from earlier steps: "
+             f"on local paths hard links, stored once)" if shared else "")
           + ("; contents not read (run verify for checksums)" if ok else ""))
     if timed:
         print(f"commit order (oldest first): {', '.join(str(step) for _, step in saves)}; "
@@ -265,6 +276,9 @@ def cmd_show(args: argparse.Namespace) -> int:
     if args.json:
         print_json({"step": step, "commit_time": man.commit_time, "metrics": man.metrics,
                      "world_size": man.world_size, "files": {k: v.size for k, v in man.files.items()},
+                     "written_bytes": man.written_bytes, "referred_bytes": man.referred_bytes,
+                     "shared_files": {k: {"size": v.size, "ref": v.ref} for k, v in sorted(man.files.items())
+                                      if v.ref is not None},
                      "entries": leaves})
         return EXIT_OK
     print(f"step {step}  committed {fmt_time(man.commit_time)}  {len(tensors)} tensors, "
@@ -312,4 +326,11 @@ def cmd_show(args: argparse.Namespace) -> int:
 
     walk(tree, 0)
     print(render_table(["KEY", "DTYPE", "SHAPE", "SIZE", ""], rows, right=(3,)))
+    if man.referred_bytes:  # an incremental save: which files it took from earlier steps
+        refs = sorted((k, v) for k, v in man.files.items() if v.ref is not None)
+        print(f"\nincremental: {human_bytes(man.written_bytes)} written, {human_bytes(man.referred_bytes)} "
+              f"taken from earlier steps ({len(refs)} shared file{'s' if len(refs) != 1 else ''}; "
+              f"hard links on local paths: stored once)")
+        for name, rec in refs:
+            print(f"  {shown(name)}  {human_bytes(rec.size)}  first written as {shown(rec.ref or '')}")
     return EXIT_OK

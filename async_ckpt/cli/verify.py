@@ -44,6 +44,7 @@ def _verify_step(storage: Storage, layout: CheckpointLayout, step: int, bar: Any
         res["problems"].append(str(exc))
         return res
     res["files"] = len(man.files)
+    res["written_bytes"], res["referred_bytes"] = man.written_bytes, man.referred_bytes
     where = layout.locate(step)
     meta_bytes: Optional[bytes] = None
 
@@ -165,7 +166,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
         for r in results:
             state = "ok" if r["ok"] else "DAMAGED"
             where = f" ({r['tier']})" if tiered else ""
-            print(f"step {r['step']}{where}: {state} ({r['files']} files, {human_bytes(r['bytes'])} read)")
+            shared = (f"; {human_bytes(r['written_bytes'])} written, {human_bytes(r['referred_bytes'])} taken "
+                      f"from earlier steps" if r.get("referred_bytes") else "")
+            print(f"step {r['step']}{where}: {state} ({r['files']} files, {human_bytes(r['bytes'])} read{shared})")
             for p in r["problems"]:
                 print(f"  {p}")
         if damaged:

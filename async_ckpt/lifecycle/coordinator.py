@@ -24,7 +24,9 @@ from ..errors import CheckpointError, InvalidArgumentError
 from ..storage import FileRecord, Storage
 from ..storage.dcp import WriteMemo
 from ..storage.dcp.atomic_restore import Acquire
+from ..storage.dcp.direct import partly_written
 from ..storage.dcp.step_io import read_step, write_step
+from .replicas import read_assignment, restore_items, send_replicas
 
 if TYPE_CHECKING:
     from ..staging.pool import HostBufferPool
@@ -51,8 +53,18 @@ class Coordinator(Protocol):
         """Rank 0's ``flags`` on every rank, and the ranks whose ``ok`` was false or whose
         ``step`` is not rank 0's (when both give one) (training thread; one collective)."""
 
+    def agree_signal(self, flags: Sequence[bool], ok: bool = True, step: Optional[int] = None,
+                     signal: bool = False) -> Tuple[List[bool], List[int], bool]:
+        """:meth:`agree`, and whether ``signal`` is true on any rank, in the same collective."""
+
     def any_rank(self, flag: bool) -> bool:
         """Whether ``flag`` is true on any rank (training thread; one collective)."""
+
+    def gather_ints(self, value: int) -> List[int]:
+        """Every rank's int64 ``value``, by rank (training thread; one small collective)."""
+
+    def gather_objects(self, obj: Any) -> List[Any]:
+        """Every rank's ``obj``, by rank (training thread; one collective)."""
 
     def broadcast(self, obj: Any) -> Any:
         """Rank 0's ``obj`` on every rank (writer thread, or the caller after ``join``)."""
@@ -91,8 +103,18 @@ class LocalCoordinator:
               ) -> Tuple[List[bool], List[int]]:
         return [bool(f) for f in flags], ([] if ok else [0])
 
+    def agree_signal(self, flags: Sequence[bool], ok: bool = True, step: Optional[int] = None,
+                     signal: bool = False) -> Tuple[List[bool], List[int], bool]:
+        return [bool(f) for f in flags], ([] if ok else [0]), bool(signal)
+
     def any_rank(self, flag: bool) -> bool:
         return bool(flag)
+
+    def gather_ints(self, value: int) -> List[int]:
+        return [int(value)]
+
+    def gather_objects(self, obj: Any) -> List[Any]:
+        return [obj]
 
     def broadcast(self, obj: Any) -> Any:
         return obj
@@ -127,6 +149,8 @@ class GroupCoordinator:
         self.control = control
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
+        #: who reads a tensor every rank restores: "once", "every_rank" or "auto" (see :meth:`load`)
+        self.replicated_reads = "auto"
 
     @property
     def is_primary(self) -> bool:
@@ -134,13 +158,18 @@ class GroupCoordinator:
 
     def agree(self, flags: Sequence[bool], ok: bool = True, step: Optional[int] = None
               ) -> Tuple[List[bool], List[int]]:
+        agreed, failed, _ = self.agree_signal(flags, ok, step)
+        return agreed, failed
+
+    def agree_signal(self, flags: Sequence[bool], ok: bool = True, step: Optional[int] = None,
+                     signal: bool = False) -> Tuple[List[bool], List[int], bool]:
         import torch.distributed as dist
 
         # A step travels in the int64 row as itself when it fits below _LARGE_STEP; a larger one
         # (steps are any non-negative int, as in one process) as _LARGE_STEP, and then every
         # rank (each sees that marker in the rows) sends its exact step in one more exchange.
         mark = -1 if step is None else int(step) if 0 <= step < _LARGE_STEP else _LARGE_STEP
-        t = torch.tensor([int(bool(f)) for f in flags] + [int(bool(ok)), mark], dtype=torch.int64)
+        t = torch.tensor([int(bool(f)) for f in flags] + [int(bool(signal)), int(bool(ok)), mark], dtype=torch.int64)
         out = [torch.empty_like(t) for _ in range(self.world_size)]
         _collective(lambda: dist.all_gather(out, t, group=self.control), "agree")
         rows = [o.tolist() for o in out]
@@ -153,7 +182,7 @@ class GroupCoordinator:
         first = steps[0]
         failed = [r for r, (row, s) in enumerate(zip(rows, steps))
                   if not row[-2] or (first is not None and s is not None and s != first)]
-        return [bool(v) for v in rows[0][:-2]], failed
+        return [bool(v) for v in rows[0][:-3]], failed, any(row[-3] for row in rows)
 
     def any_rank(self, flag: bool) -> bool:
         import torch.distributed as dist
@@ -161,6 +190,21 @@ class GroupCoordinator:
         t = torch.tensor([int(bool(flag))], dtype=torch.int64)
         _collective(lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.control), "any_rank")
         return bool(t.item())
+
+    def gather_ints(self, value: int) -> List[int]:
+        import torch.distributed as dist
+
+        t = torch.tensor([int(value)], dtype=torch.int64)
+        out = [torch.empty_like(t) for _ in range(self.world_size)]
+        _collective(lambda: dist.all_gather(out, t, group=self.control), "gather_ints")
+        return [int(o.item()) for o in out]
+
+    def gather_objects(self, obj: Any) -> List[Any]:
+        import torch.distributed as dist
+
+        out: List[Any] = [None] * self.world_size
+        _collective(lambda: dist.all_gather_object(out, obj, group=self.control), "gather_objects")
+        return out
 
     def broadcast(self, obj: Any) -> Any:
         import torch.distributed as dist
@@ -188,10 +232,38 @@ class GroupCoordinator:
              strict: bool = True, pool: Optional[HostBufferPool] = None) -> None:
         """:func:`~async_ckpt.storage.dcp.step_io.read_step` through ``dcp.load`` over the group:
         no rank writes before every rank's reads passed, so ``atomic`` holds either way
-        (``pool`` is not used)."""
+        (``pool`` is not used).
+
+        Read once (:attr:`replicated_reads` ``"once"``, or ``"auto"`` on storage that is not a
+        local path): a tensor every rank restores whole is read by one rank, balanced by bytes
+        (:func:`~async_ckpt.lifecycle.replicas.read_assignment`), then sent to the others
+        (:func:`~async_ckpt.lifecycle.replicas.send_replicas`); a failure there, once targets
+        were written, is a :class:`~async_ckpt.errors.PartlyWrittenError` on every rank."""
+        mode = self.replicated_reads
+        once = planner is None and metadata is not None and (mode == "once" or (mode == "auto" and not storage.is_local))
+        if not once:
+            read_step(storage, path, state_dict, files=files, verify=verify, threads=threads,
+                      allow_pickle=allow_pickle, metadata=metadata, planner=planner, atomic=atomic, strict=strict,
+                      group=self.group, agree=self.all_gather)
+            return
+        mine = restore_items(state_dict, metadata)
+        readers = read_assignment(self.all_gather(list(mine)))
+        skip = {key.split("\0", 1)[0] for (key, _), r in readers.items() if r != self.rank}
         read_step(storage, path, state_dict, files=files, verify=verify, threads=threads, allow_pickle=allow_pickle,
-                  metadata=metadata, planner=planner, atomic=atomic, strict=strict, group=self.group,
-                  agree=self.all_gather)
+                  metadata=metadata, planner=None, atomic=atomic, strict=strict, group=self.group,
+                  agree=self.all_gather, skip=skip)
+        try:
+            problem: Optional[str] = None
+            try:
+                problem = send_replicas(self.group, self.rank, self.world_size, readers, mine)
+            except RuntimeError as exc:  # gloo: a peer died, or the timeout passed
+                raise CheckpointError(f"checkpoint coordination (sending restored tensors) failed: another rank "
+                                      f"died or did not take part in time: {exc}") from exc
+            problems = [p for p in self.all_gather(problem) if p]
+            if problems:
+                raise CheckpointError("; ".join(problems))
+        except CheckpointError as exc:
+            raise partly_written(path, exc) from exc
 
 
 def _leaser(pool: "HostBufferPool") -> Acquire:

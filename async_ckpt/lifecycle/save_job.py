@@ -16,6 +16,7 @@ wrote its files. With one process the exchanges are no-ops and errors propagate 
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Set, Tuple
@@ -26,6 +27,7 @@ from ..staging import HostSnapshot
 from ..stats import SaveStats
 from ..storage import FileRecord, Manifest, StepTarget
 from . import phase
+from .replicas import diverged, fingerprints
 from .steps import StepStore, StepWrite
 
 
@@ -53,6 +55,9 @@ class SaveJob:
 FROZEN_CHANGED = "frozen_changed"
 
 
+log = logging.getLogger("async_ckpt")
+
+
 class StagingAlreadyReported(Exception):
     """This rank's staging failed and was raised to its caller; the job ends quietly."""
 
@@ -63,6 +68,8 @@ class _RankResult:
     nbytes: int
     num_tensors: int
     int_keys: List[str]
+    #: several ranks: fingerprints of the values every rank stages whole (see replicas.diverged)
+    prints: Dict[str, int] = field(default_factory=dict)
 
 
 def run_save(store: StepStore, job: SaveJob, *, policy: RetentionPolicy, threads: int, planner: Any) -> Optional[SaveStats]:
@@ -96,10 +103,16 @@ def run_save(store: StepStore, job: SaveJob, *, policy: RetentionPolicy, threads
                     raise CheckpointError(f"step {step}: file {name} was written by two ranks", step=step)
                 merged[name] = rec
         int_keys = sorted({k for r in results for k in r.int_keys})
+        differ = diverged([r.prints for r in results]) if len(results) > 1 else {}
+        if differ:
+            log.warning("step %d: %d value(s) differ between the ranks that hold them under one key (%s); the "
+                        "checkpoint holds one rank's value of each: give per-rank state per-rank keys", step,
+                        len(differ), ", ".join(f"{k} (ranks {v})" for k, v in list(differ.items())[:5]))
         manifest = Manifest(step=step, commit_time=store.catalog.next_commit_time(job.commit_at), files=merged,
                             metrics=job.metrics, nbytes=sum(r.nbytes for r in results),
                             num_tensors=sum(r.num_tensors for r in results), world_size=coord.world_size,
-                            extra={**job.manifest_extra, **({"int_keys": int_keys} if int_keys else {})})
+                            extra={**job.manifest_extra, **({"int_keys": int_keys} if int_keys else {}),
+                                   **({"diverged_keys": sorted(differ)} if differ else {})})
         opened.commit(manifest, policy)  # retention decided (markers gone) before save()/join() return
         return manifest.commit_time
 
@@ -142,6 +155,8 @@ def run_save(store: StepStore, job: SaveJob, *, policy: RetentionPolicy, threads
         # 3. every rank writes its files.
         files: Dict[str, FileRecord] = {}
         write_error: Optional[BaseException] = None
+        # read before the buffers go back to the pool (right after the write)
+        prints = fingerprints(snap.state_dict) if coord.world_size > 1 else {}
         reuse = store.memo.reuse
         if reuse is not None:
             store.recall_last_step()  # a new manager: what the newest committed step holds
@@ -158,7 +173,7 @@ def run_save(store: StepStore, job: SaveJob, *, policy: RetentionPolicy, threads
         tc = time.perf_counter()
 
         # 4. did every rank write? gather the file records for the manifest.
-        mine = _RankResult(dict(files), snap.nbytes, snap.num_tensors, list(snap.int_keys))
+        mine = _RankResult(dict(files), snap.nbytes, snap.num_tensors, list(snap.int_keys), prints)
         results = phase.everyone(coord, "writing", step, lambda: mine, error=write_error)
 
         # 5. rank 0 commits and applies retention; everyone learns the outcome.

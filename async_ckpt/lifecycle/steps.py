@@ -48,6 +48,7 @@ class StepStore:
         self._busy_cond = threading.Condition()
         self._top: Optional[int] = None  # highest step committed or saved, once listed
         self._recalled = False  # recall_last_step() ran
+        self._recall_step: Optional[int] = None  # the step a restore read from this root
 
     # ---- the writer lease --------------------------------------------------------------------
     def become_writer(self) -> None:
@@ -160,17 +161,28 @@ class StepStore:
         if reuse is not None:
             reuse.forget_step(step)
 
+    def note_restored(self, step: Optional[int]) -> None:
+        """A restore read ``step`` from this root (``None``: from another root): incremental saves
+        compare with that step from now on (read back at the next save, :meth:`recall_last_step`),
+        never with a step they would otherwise have remembered (a restore that fell back skipped
+        damaged newer steps, whose files must not be shared again)."""
+        reuse = self.memo.reuse
+        if reuse is not None:
+            reuse.forget()
+            self._recall_step, self._recalled = step, False
+
     def recall_last_step(self) -> None:
-        """Incremental saves, before this store's first save: remember what the newest committed
-        step holds (from its manifest's record hashes and its ``.metadata``), so that the first
-        save after a restart takes its unchanged files too. Once per store; a step that cannot
-        be read is skipped (that save is whole)."""
+        """Incremental saves, before the first save after a restore: remember what the restored
+        step holds (from its manifest's record hashes and its ``.metadata``), so that a resumed
+        run takes its unchanged files too. Only the step a restore read and verified is recalled
+        (a step never read might be damaged, and sharing it would carry the damage forward);
+        one that cannot be read is skipped (that save is whole)."""
         reuse = self.memo.reuse
         if reuse is None or self._recalled:
             return
         self._recalled = True
         try:
-            step = self.catalog.latest()
+            step = self._recall_step
             if step is None:
                 return
             where, man = self.layout.open_step(step)

@@ -32,8 +32,9 @@ from ..errors import (
 )
 from ..gc_pause import gc_paused
 from ..lifecycle import phase
-from ..lifecycle.coordinator import DEFAULT_TIMEOUT_S, coordinator_for
+from ..lifecycle.coordinator import DEFAULT_TIMEOUT_S, GroupCoordinator, coordinator_for
 from ..lifecycle.planners import load_planner_for, save_planner_for
+from ..lifecycle.replicas import SaveShares
 from ..lifecycle.restore import candidates_of, check_key_map
 from ..lifecycle.restore import restore as _restore
 from ..lifecycle.root import LOCAL, PERSISTENT, Root
@@ -216,6 +217,16 @@ class CheckpointManager:
             :meth:`close` their bytes are hashed, and a changed one is written in full and
             raises :class:`~async_ckpt.errors.FrozenTensorChangedError` (docs/incremental.md).
         frozen_check_every: every N-th save copies and checks every ``frozen`` tensor (default 10).
+        replicated_saves: several ranks: a tensor of at least 64 KiB that several ranks hold
+            (DDP's model, HSDP replicas; same key, size and shard offsets) is staged and written
+            by one of them, balanced by bytes, so each rank's stall is its share (default
+            True; False: every rank stages everything and DCP writes one copy). A save due for
+            the local tier stages everything: each rank's local copy restores that rank alone.
+        replicated_reads: several ranks, at restore: ``"once"``: a tensor every rank restores
+            as a plain tensor is read from storage by one rank and sent to the others over
+            the manager's gloo group (CRC-checked after the transfer); ``"every_rank"``: each
+            rank reads it; ``"auto"`` (default): once on object stores and other remote
+            filesystems, every rank on local paths (re-reads hit the page cache).
         wall_clock: the clock of the commit times recorded in manifests (default
             ``time.time``; commit order survives it stepping back).
         interval_clock: the clock time-based save policies measure intervals with (the times
@@ -263,6 +274,8 @@ class CheckpointManager:
         full_every: Optional[int] = None,
         frozen: Any = None,
         frozen_check_every: int = 10,
+        replicated_saves: bool = True,
+        replicated_reads: str = "auto",
         wall_clock: Callable[[], float] = time.time,
         interval_clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -274,7 +287,8 @@ class CheckpointManager:
             preemption_signals=preemption_signals, preemption_sync=preemption_sync, lazy=lazy,
             lease_timeout=lease_timeout, collective_timeout_s=collective_timeout_s, local_dir=local_dir,
             local_policy=local_policy, local_retention=local_retention, incremental=incremental,
-            full_every=full_every, frozen=frozen, frozen_check_every=frozen_check_every, wall_clock=wall_clock,
+            full_every=full_every, frozen=frozen, frozen_check_every=frozen_check_every,
+            replicated_saves=replicated_saves, replicated_reads=replicated_reads, wall_clock=wall_clock,
             interval_clock=interval_clock)
         #: the validated options this manager was built from
         self.options = opts
@@ -313,6 +327,9 @@ class CheckpointManager:
         # with a local tier an upload overlaps local saves on and off: keep buffers for both
         self.stager = Stager(HostBufferPool(opts.memory_budget_bytes, hold_peak=opts.local_dir is not None))
         self._frozen = FrozenTensors(opts.frozen, opts.frozen_check_every) if opts.frozen is not None else None
+        self._shares = SaveShares() if opts.replicated_saves and self._coord.world_size > 1 else None
+        if isinstance(self._coord, GroupCoordinator):
+            self._coord.replicated_reads = opts.replicated_reads
         self.stats: Deque[SaveStats] = collections.deque(maxlen=1000)
         #: with a local tier: steps whose upload to ``path`` was skipped because the previous
         #: upload was still running (``save_async`` never waits for it; the step went to the local tier)
@@ -432,36 +449,44 @@ class CheckpointManager:
         preempt = False
         if invalid is None and self._preemption is not None:
             preempt = self._preemption.due(step)
-        if not alone and self._coord.any_rank(preempt) and not preempt and invalid is None:
-            # a preemption one rank detected (a signal to one host) is every rank's checkpoint
-            # and every rank's last step, whatever rank 0's own signal handler saw (every rank
-            # takes part in this exchange, whatever its own chkpt_on_preemption)
-            if self._preemption is not None:
-                self._preemption.adopt(step)
-            preempt = True
-        due = self._schedule(step, force, preempt) if invalid is None else Due(False, False, False, False)
         held: Optional[LeaseHeldError] = None
         unreachable: Optional[StorageError] = None
-        if due.persistent and self._coord.is_primary:
-            try:
-                self._claim_persistent(step)
-            except LeaseHeldError as exc:
-                if alone:
-                    raise
-                held = exc
-            except (StorageError, OSError) as exc:
-                unreachable = StorageError(f"step {step}: the checkpoint path {self.storage.url} cannot be "
-                                           f"reached (taking its writer lease failed): {type(exc).__name__}: {exc}",
-                                           step=step)
-                unreachable.__cause__ = exc
-                if self._local is None and alone:
-                    raise unreachable from exc
-        reached = unreachable is None
-        if not alone:
-            due, lease_ok, reached = self._agree_due(step, due, held is None, reached, invalid)
+        while True:
+            due = self._schedule(step, force, preempt) if invalid is None else Due(False, False, False, False)
+            held = unreachable = None
+            if due.persistent and self._coord.is_primary:
+                try:
+                    self._claim_persistent(step)
+                except LeaseHeldError as exc:
+                    if alone:
+                        raise
+                    held = exc
+                except (StorageError, OSError) as exc:
+                    unreachable = StorageError(f"step {step}: the checkpoint path {self.storage.url} cannot be "
+                                               f"reached (taking its writer lease failed): {type(exc).__name__}: "
+                                               f"{exc}", step=step)
+                    unreachable.__cause__ = exc
+                    if self._local is None and alone:
+                        raise unreachable from exc
+            reached = unreachable is None
+            if alone:
+                break
+            # one exchange per call: rank 0's decision, and whether any rank saw a preemption
+            agreed, lease_ok, reached, signalled = self._agree_due(step, due, held is None, reached, invalid,
+                                                                   preempt and invalid is None)
+            if signalled and not agreed.preempt:
+                # a preemption one rank detected (a signal to one host) is every rank's checkpoint
+                # and every rank's last step, whatever rank 0's own signal handler saw: decided
+                # again with it (a second exchange, at a preemption only)
+                if not preempt and self._preemption is not None:
+                    self._preemption.adopt(step)
+                preempt = True
+                continue
+            due = agreed
             if due.persistent and not lease_ok:
                 raise held or LeaseHeldError(
                     f"rank 0 could not take the writer lease of {self.storage.url}; see rank 0's error")
+            break
         if not due.persistent or reached:
             return due
         if unreachable is None:
@@ -481,17 +506,18 @@ class CheckpointManager:
         store.warn_if_lower(step, self._restored)
 
     def _agree_due(self, step: int, due: Due, lease_ok: bool, reached: bool,
-                   invalid: Optional[Exception]) -> "Tuple[Due, bool, bool]":
+                   invalid: Optional[Exception], preempt: bool = False) -> "Tuple[Due, bool, bool, bool]":
         """Several ranks: rank 0's decision, lease and reachability, taken by every rank.
 
         Time-based policies, preemption signals and "nothing in flight" conditions can answer
         differently per rank. Every rank also says whether its writers hold a failure the next
         save raises, or its step or metrics are invalid, and which step it saves (a rank at
-        another step fails the exchange): a rank raising alone would leave the others waiting."""
+        another step fails the exchange): a rank raising alone would leave the others waiting.
+        Returns the decision, lease and reachability, and whether any rank's ``preempt`` was set."""
         ok = invalid is None and not any(r.writer.failed() for r in self.roots)
-        (take, take_local, preempt, lease_ok, reached), failed = self._coord.agree(
+        (take, take_local, rank0_preempt, lease_ok, reached), failed, signalled = self._coord.agree_signal(
             [due.persistent, due.local, due.preempt, lease_ok, reached], ok=ok,
-            step=step if invalid is None else None)
+            step=step if invalid is None else None, signal=preempt)
         if failed:
             if invalid is not None:
                 raise invalid
@@ -501,7 +527,7 @@ class CheckpointManager:
                                   f"background save failed there, its step or metrics were invalid, or it "
                                   f"was called with another step than rank 0; see their errors)",
                                   step=step if isinstance(step, int) else None)
-        return Due(take, take_local, preempt, take), lease_ok, reached
+        return Due(take, take_local, rank0_preempt, take), lease_ok, reached, signalled
 
     def reached_preemption(self, step: int) -> bool:
         """Whether the loop should stop for a preemption.
@@ -680,9 +706,18 @@ class CheckpointManager:
                     tier.writer.take_slot()  # raised here, on one rank, they would fail this step too
                 held.append(tier)
             t1 = time.perf_counter()
+            drop: Set[int] = set()
             if not alone:  # every rank queues its part of the save, even if planning fails here
-                with gc_paused():
-                    plan = self.stager.plan(state_dict)
+                planned: Optional[Exception] = None
+                try:
+                    with gc_paused():
+                        plan = self.stager.plan(state_dict)
+                except Exception as exc:  # noqa: BLE001 - the exchange below first, then raised
+                    planned = exc
+                if self._shares is not None and not where.local:  # a local copy holds everything
+                    drop = self._shares.drops(self._coord, None if planned is not None else plan)
+                if planned is not None:
+                    raise planned
                 self._warn_pickled(plan)
             keep: Set[int] = set()
             seen: Dict[str, Tuple[int, int]] = {}
@@ -691,7 +726,8 @@ class CheckpointManager:
                 keep, seen = self._frozen.choose(
                     plan, lambda key, t, v: all(x is not None and x.holds(key, t, v) for x in reuses))
             stager = self.stager.lazy if lazy and not wait else self.stager.eager
-            snap = stager.stage(state_dict, plan, keep)
+            keep -= drop
+            snap = stager.stage(state_dict, plan, keep, drop)
             if snap.pending is not None:
                 snap.pending.step = step
         except BaseException as exc:
@@ -929,6 +965,8 @@ class CheckpointManager:
             if done is not candidates[0]:  # an earlier copy was skipped: say which one was used
                 log.warning("restored step %d from %s", s, where)
         self._restored = s
+        for root in self.roots:  # incremental saves compare with the step just read and verified, where it was read
+            root.store.note_restored(s if root.store is done.store else None)
         if log.isEnabledFor(logging.INFO):
             nbytes, count = _tensor_bytes(state_dict)
             log.info("%srestored step %d: %s in %d tensors in %s from %s",

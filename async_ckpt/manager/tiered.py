@@ -642,7 +642,10 @@ def promote(local: Root, persistent: Root, step: int, *, verify: bool = True,
         with ThreadPoolExecutor(max(1, min(threads, 4, len(manifest.files)))) as pool:
             list(pool.map(copy, list(manifest.files)))
         extra = {k: v for k, v in manifest.extra.items() if k not in ("rank", "world_size", "tier", PERSISTENT_ROOT)}
-        new = dataclasses.replace(manifest, extra=extra)  # keeps its commit time: the order of the saves
+        # keeps its commit time (the order of the saves); the files were copied, so none is taken
+        # from an earlier step here (an incremental local step's refs name local steps)
+        files = {n: dataclasses.replace(r, ref=None) if r.ref is not None else r for n, r in manifest.files.items()}
+        new = dataclasses.replace(manifest, extra=extra, files=files)
         policy = persistent.retention
         dropped = write.commit(new, as_retention_policy(lambda cps: apply_retention(policy, cps) | {step}))
         return new, dropped

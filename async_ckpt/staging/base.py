@@ -16,7 +16,7 @@ import torch
 from ..errors import InvalidStateDictError
 from ..gc_pause import gc_paused
 from .buffer_layout import SMALL_TENSOR_BYTES, snapshot_nbytes
-from .plan import PlanMemo, StagingPlan, make_plan
+from .plan import DROPPED, PlanMemo, StagingPlan, make_plan
 from .pool import HostBufferPool, Lease
 from .snapshot import HostSnapshot
 from .xla import XlaStaging
@@ -75,7 +75,7 @@ class BaseStager:
         return make_plan(state_dict, self.plans)
 
     def stage(self, state_dict: Any, plan: Optional[StagingPlan] = None,
-              keep: Optional[Set[int]] = None) -> HostSnapshot:
+              keep: Optional[Set[int]] = None, drop: Optional[Set[int]] = None) -> HostSnapshot:
         """Host copies of ``state_dict`` (the garbage collector paused meanwhile).
 
         Args:
@@ -83,6 +83,8 @@ class BaseStager:
             plan: its plan (default: planned here with this stager's memo).
             keep: plan indices of tensors not to copy: the snapshot holds the tensor itself
                 (declared-frozen tensors, see :mod:`.frozen`).
+            drop: plan indices of tensors another rank stages: left out of the snapshot (never
+                inside a list or tuple).
 
         Returns:
             The snapshot, holding pooled buffers until released.
@@ -96,7 +98,7 @@ class BaseStager:
         with gc_paused():  # a full collection inside the stall would cost more than the copies
             plan = plan if plan is not None else self.plan(state_dict)
             try:
-                return self._stage(plan, keep)
+                return self._stage(plan, keep, drop)
             except Exception as exc:
                 if not isinstance(exc, InvalidStateDictError):
                     try:
@@ -108,14 +110,18 @@ class BaseStager:
     def synchronize_staging(self) -> None:
         """Wait until every snapshot staged so far has its host copies (nothing to wait for here)."""
 
-    def _stage(self, plan: StagingPlan, keep: Optional[Set[int]] = None) -> HostSnapshot:
+    def _stage(self, plan: StagingPlan, keep: Optional[Set[int]] = None,
+               drop: Optional[Set[int]] = None) -> HostSnapshot:
         job = self._new_job(plan)
         by_type = plan.by_device_type()
-        if keep:
-            for i in keep:
+        if keep or drop:
+            for i in keep or ():
                 job.host[i] = plan.tensors[i]
-            by_type = {kind: kept for kind, items in by_type.items()
-                       if (kept := [it for it in items if it[0] not in keep])}
+            for i in drop or ():
+                job.host[i] = DROPPED
+            skip = (keep or set()) | (drop or set())
+            by_type = {kind: rest for kind, items in by_type.items()
+                       if (rest := [it for it in items if it[0] not in skip])}
         try:
             if "xla" in by_type:
                 self._stage_xla(by_type.pop("xla"), job)
@@ -133,7 +139,7 @@ class BaseStager:
         host = job.host
         snap = HostSnapshot(
             state_dict=plan.build(host),  # type: ignore[arg-type]
-            nbytes=snapshot_nbytes(host, plan),
+            nbytes=snapshot_nbytes([t for t in host if t is not DROPPED] if drop else host, plan),
             num_tensors=len(plan.tensors),
             int_keys=plan.int_keys,
             leases=job.leases,

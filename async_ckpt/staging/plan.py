@@ -14,7 +14,7 @@ import pickle
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from operator import attrgetter
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 import torch
 
@@ -128,6 +128,43 @@ class StagingPlan:
             The state dict of host tensors.
         """
         return _fill(self.template, host_tensors)
+
+    def dtensor_specs(self) -> Dict[int, Any]:
+        """Tensor index -> DTensor spec (mesh, placements, global shape), for DTensor shards.
+
+        Returns:
+            The spec of each tensor that is a DTensor's local shard, by its index.
+        """
+        out: Dict[int, Any] = {}
+
+        def walk(t: Any) -> None:
+            if isinstance(t, _DSlot):
+                out[t.index] = t.spec
+            elif isinstance(t, dict):
+                for v in t.values():
+                    walk(v)
+            elif isinstance(t, (list, tuple)):
+                for v in t:
+                    walk(v)
+
+        walk(self.template)
+        return out
+
+    def in_sequence(self) -> Set[str]:
+        """Keys of the tensors that lie inside a list or tuple.
+
+        DCP may store such a container as one item, so its tensors are staged with it.
+
+        Returns:
+            The keys.
+        """
+        containers = set(self.others)
+        out = set()
+        for key in self.keys:
+            parts = key.split(".")
+            if any(".".join(parts[:n]) in containers for n in range(1, len(parts))):
+                out.add(key)
+        return out
 
     def check_tensors(self) -> None:
         """Raise :class:`InvalidStateDictError` naming the first tensor that cannot be staged.
@@ -433,15 +470,27 @@ def _stateful_copy(value: Any, path: str, plan: StagingPlan) -> Any:
         ) from exc
 
 
+#: a host list entry for a tensor this rank does not stage (another rank stages it): the key is
+#: left out of the snapshot (see ``StagingPlan.build``)
+DROPPED: Any = object()
+
+
 def _fill(template: Any, host: List[torch.Tensor]) -> Any:
     if type(template) is _Run:
-        return dict(zip(template, host[template.start: template.start + len(template)]))
+        part = host[template.start: template.start + len(template)]
+        if DROPPED in part:
+            return {k: v for k, v in zip(template, part) if v is not DROPPED}
+        return dict(zip(template, part))
     if isinstance(template, _DSlot):
-        return _host_dtensor(host[template.index], template.spec)
+        local = host[template.index]
+        return local if local is DROPPED else _host_dtensor(local, template.spec)
     if isinstance(template, _Slot):
         return host[template.index]
     if isinstance(template, dict):  # plain slots inline: one call per tensor saved
-        return {k: host[v.index] if type(v) is _Slot else _fill(v, host) for k, v in template.items()}
+        out = {k: host[v.index] if type(v) is _Slot else _fill(v, host) for k, v in template.items()}
+        if DROPPED in out.values():
+            return {k: v for k, v in out.items() if v is not DROPPED}
+        return out
     if isinstance(template, list):
         return [_fill(v, host) for v in template]
     if type(template) is tuple:

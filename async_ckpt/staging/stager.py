@@ -46,7 +46,7 @@ class Stager:
         return self.eager.plan(state_dict)
 
     def stage(self, state_dict: Any, plan: Optional[StagingPlan] = None, *, lazy: bool = False,
-              keep: Optional[Set[int]] = None) -> HostSnapshot:
+              keep: Optional[Set[int]] = None, drop: Optional[Set[int]] = None) -> HostSnapshot:
         """Host copies of ``state_dict``.
 
         Args:
@@ -55,6 +55,7 @@ class Stager:
             lazy: return once the copies are issued: ``snapshot.pending`` tracks them and the
                 guard of :mod:`.guard` protects the sources until they are done.
             keep: plan indices of tensors not to copy (the snapshot holds them as they are).
+            drop: plan indices of tensors another rank stages (left out of the snapshot).
 
         Returns:
             The snapshot, holding pooled buffers until released.
@@ -63,7 +64,7 @@ class Stager:
             InvalidStateDictError: the state dict cannot be planned, or a tensor cannot be staged.
             StagingBudgetError: the snapshot needs more host memory than the pool's budget.
         """
-        return (self.lazy if lazy else self.eager).stage(state_dict, plan, keep)
+        return (self.lazy if lazy else self.eager).stage(state_dict, plan, keep, drop)
 
     def synchronize_staging(self) -> None:
         """Wait until every snapshot of this stager has all its host copies."""

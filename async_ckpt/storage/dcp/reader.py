@@ -17,7 +17,7 @@ import io
 import itertools
 import warnings
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Protocol, Set, Tuple, cast
+from typing import TYPE_CHECKING, AbstractSet, Any, Callable, Dict, List, Optional, Protocol, Set, Tuple, cast
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -413,10 +413,11 @@ def aligned_copy(raw: torch.Tensor, target: torch.Tensor) -> Tuple[torch.Tensor,
     return target, raw.clone().view(target.dtype).view(target.shape)
 
 
-def safe_planner(allow_pickle: bool, strict: bool = True) -> SafeLoadPlanner:
+def safe_planner(allow_pickle: bool, strict: bool = True, skip: Optional[AbstractSet[str]] = None) -> SafeLoadPlanner:
     """The default load planner: non-tensor items unpickled safely unless ``allow_pickle``;
-    ``strict=False`` skips keys the checkpoint lacks (DCP's ``allow_partial_load``)."""
-    planner = SafeLoadPlanner(allow_pickle)
+    ``strict=False`` skips keys the checkpoint lacks (DCP's ``allow_partial_load``); the
+    flattened keys in ``skip`` are not read (another rank reads and sends them)."""
+    planner = SafeLoadPlanner(allow_pickle, skip)
     planner.allow_partial_load = not strict
     return planner
 

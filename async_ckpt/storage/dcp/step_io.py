@@ -20,7 +20,7 @@ A failure after the first write into the target is a
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional
+from typing import AbstractSet, Any, Callable, Dict, List, Optional
 
 from ..manifest import FileRecord
 from ..storage import Storage
@@ -70,7 +70,8 @@ def read_step(storage: Storage, path: str, state_dict: Dict[str, Any], *, files:
               verify: bool, threads: int, allow_pickle: bool, metadata: Any, planner: Any, atomic: bool = False,
               strict: bool = True, group: Any = None,
               agree: Optional[Callable[[Optional[str]], List[Optional[str]]]] = None,
-              acquire: Optional[Acquire] = None, budget: Optional[int] = None) -> None:
+              acquire: Optional[Acquire] = None, budget: Optional[int] = None,
+              skip: Optional[AbstractSet[str]] = None) -> None:
     """Read a step into ``state_dict`` in place, by the data path that fits (module docstring).
 
     Args:
@@ -91,6 +92,8 @@ def read_step(storage: Storage, path: str, state_dict: Dict[str, Any], *, files:
             ``group``); ``None`` for one process.
         acquire: ``atomic``: where the host buffers come from (``None``: fresh ones).
         budget: ``atomic``: the most bytes ``acquire`` may hand out.
+        skip: several ranks: flattened keys this rank does not read (another rank reads them
+            and sends them; see :mod:`async_ckpt.lifecycle.replicas`).
 
     Raises:
         CorruptCheckpointError: damaged data, found before anything was written.
@@ -104,7 +107,7 @@ def read_step(storage: Storage, path: str, state_dict: Dict[str, Any], *, files:
                                      agree=agree)
         try:
             dcp.load(state_dict, storage_reader=reader, process_group=group,
-                     planner=planner or safe_planner(allow_pickle, strict))
+                     planner=planner or safe_planner(allow_pickle, strict, skip))
         except BaseException as exc:  # noqa: BLE001 - DCP raises CheckpointException (a BaseException)
             if not reader.touched or isinstance(exc, (KeyboardInterrupt, SystemExit)):
                 raise

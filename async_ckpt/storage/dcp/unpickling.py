@@ -15,7 +15,7 @@ import enum
 import io
 import pickle
 import re
-from typing import Any, Optional
+from typing import AbstractSet, Any, Optional
 
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
@@ -112,9 +112,18 @@ def unsafe_value_error(fqn: str, exc: BaseException) -> UnsafeCheckpointError:
 class SafeLoadPlanner(DefaultLoadPlanner):
     """DCP's default planner, loading non-tensor items with ``weights_only`` unless allowed."""
 
-    def __init__(self, allow_pickle: bool = False) -> None:
+    def __init__(self, allow_pickle: bool = False, skip: Optional[AbstractSet[str]] = None) -> None:
         super().__init__()
         self.allow_pickle = allow_pickle
+        #: flattened keys this rank does not read (another rank reads them and sends them)
+        self.skip = frozenset(skip or ())
+
+    def create_local_plan(self) -> Any:
+        """DCP's plan, less the items of :attr:`skip`."""
+        plan = super().create_local_plan()
+        if self.skip:
+            plan = dataclasses.replace(plan, items=[it for it in plan.items if it.dest_index.fqn not in self.skip])
+        return plan
 
     def decode_bytes(self, read_item: Any, value: io.BytesIO) -> Any:
         """Deserialise one non-tensor item without touching the state dict."""

@@ -1,0 +1,267 @@
+"""Replicated state across ranks: which rank stages and writes, and which rank reads, each item
+that several ranks hold.
+
+With DDP, HSDP replicas or any state every rank holds, each rank used to stage a full copy (and
+DCP's de-duplication then wrote one of them), and every rank read all of it at restore. Here the
+ranks agree which rank takes each replicated item, balanced by bytes:
+
+* **save** (:class:`SaveShares`, training thread): an item is a plain tensor of at least
+  :data:`MIN_SHARED_BYTES` (not inside a list or tuple, which DCP may store whole) or one DTensor
+  shard, named by its key and its offsets in the global tensor; items that several ranks hold
+  with the same size are *replicated*, and each goes to the holder with the least load so far
+  (its own unshared bytes counted first), largest first. Each rank stages only what it takes
+  (the others are left out of its snapshot), so its stall and its write are its share, and DCP
+  writes every item once. The assignment is cached; one small exchange per save (each rank's
+  structure fingerprint) decides whether it still holds, one more only when it does not.
+* **restore** (:func:`read_assignment`): a tensor every rank's target holds as a plain tensor,
+  stored as one whole chunk, is read by one rank (balanced the same way) and sent to the others
+  (:meth:`~async_ckpt.lifecycle.coordinator.GroupCoordinator.load`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import struct
+from typing import Any, Dict, Hashable, List, Optional, Sequence, Set, Tuple
+
+import torch
+
+from .. import compat
+from ..storage.dcp.file_assignment import flatten
+from ..storage.manifest import crc32c
+from ..storage.torch_record import PickledObject
+
+#: replicated tensors smaller than this are staged by every rank (DCP de-duplicates their writes)
+MIN_SHARED_BYTES = 64 * 2**10
+
+Item = Tuple[str, Tuple[int, ...], int]  # (key, offsets in the global tensor, bytes)
+
+
+def assign(held: Sequence[Sequence[Item]]) -> Dict[Tuple[str, Tuple[int, ...]], int]:
+    """Which rank takes each item several ranks hold (``held[r]``: rank ``r``'s items).
+
+    Balanced by bytes: each rank starts with the bytes only it holds; replicated items, largest
+    first (then by key), go to the least-loaded holder (then the lowest rank). Deterministic:
+    every rank computes the same answer from the same lists.
+
+    Args:
+        held: per rank, its items.
+
+    Returns:
+        ``(key, offsets)`` -> rank, for the replicated items only.
+    """
+    holders: Dict[Tuple[str, Tuple[int, ...], int], List[int]] = {}
+    for r, items in enumerate(held):
+        for key, offsets, n in items:
+            holders.setdefault((key, tuple(offsets), n), []).append(r)
+    load = [0] * len(held)
+    shared = []
+    for (key, offsets, n), ranks in holders.items():
+        if len(ranks) == 1:
+            load[ranks[0]] += n
+        else:
+            shared.append((key, offsets, n, ranks))
+    out: Dict[Tuple[str, Tuple[int, ...]], int] = {}
+    for key, offsets, n, ranks in sorted(shared, key=lambda x: (-x[2], x[0], x[1])):
+        r = min(ranks, key=lambda q: (load[q], q))
+        load[r] += n
+        out[(key, offsets)] = r
+    return out
+
+
+def _fingerprint(items: Sequence[Hashable]) -> int:
+    """A 62-bit fingerprint of ``items`` (the same on every rank for equal lists)."""
+    h = hashlib.blake2b(repr(list(items)).encode(), digest_size=8)
+    return struct.unpack("<q", h.digest())[0] & (2**62 - 1)
+
+
+def plan_items(plan: Any) -> List[Tuple[int, Item]]:
+    """``(plan index, item)`` of the tensors of a staging plan that may be replicated: at least
+    :data:`MIN_SHARED_BYTES`, not inside a list or tuple; a DTensor's shard named by its offsets."""
+    specs = plan.dtensor_specs()
+    nested = plan.in_sequence()
+    out = []
+    for i, (key, t) in enumerate(zip(plan.keys, plan.tensors)):
+        n = t.numel() * t.element_size()
+        if n < MIN_SHARED_BYTES or key in nested:
+            continue
+        spec = specs.get(i)
+        if spec is not None:
+            offsets = compat.dtensor_global_offset(spec)
+        elif type(t) is torch.Tensor:
+            offsets = (0,) * t.dim()
+        else:
+            continue
+        out.append((i, (key, tuple(int(o) for o in offsets), int(n))))
+    return out
+
+
+class SaveShares:
+    """One manager's agreement of who stages each replicated item (see the module docstring).
+
+    The assignment is kept with every rank's fingerprint of its items; a save whose fingerprints
+    all match reuses it.
+    """
+
+    def __init__(self) -> None:
+        self._fingerprints: Optional[List[int]] = None
+        self._assignment: Dict[Tuple[str, Tuple[int, ...]], int] = {}
+        #: exchanges made by the last :meth:`drops` (1 while the assignment holds, 2 when remade)
+        self.last_exchanges = 0
+
+    def drops(self, coord: Any, plan: Optional[Any]) -> Set[int]:
+        """The plan indices this rank does not stage (other ranks take them). Collective.
+
+        Args:
+            coord: the ranks (a :class:`~async_ckpt.lifecycle.coordinator.Coordinator`).
+            plan: this rank's staging plan; ``None`` when planning failed here (every rank then
+                stages everything, and this rank raises its error).
+
+        Returns:
+            Plan indices to leave out of this rank's snapshot.
+        """
+        items = plan_items(plan) if plan is not None else []
+        mine = _fingerprint([it for _, it in items]) if plan is not None else -1
+        prints = coord.gather_ints(mine)
+        self.last_exchanges = 1
+        if any(p < 0 for p in prints):  # a rank could not plan: nothing is left out anywhere
+            return set()
+        if prints != self._fingerprints:
+            held = coord.gather_objects([it for _, it in items])
+            self.last_exchanges = 2
+            self._assignment = assign(held)
+            self._fingerprints = prints
+        rank = coord.rank
+        return {i for i, (key, offsets, _) in items
+                if self._assignment.get((key, offsets), rank) != rank}
+
+
+def read_assignment(held: Sequence[Sequence[Item]]) -> Dict[Tuple[str, Tuple[int, ...]], int]:
+    """Which rank reads each tensor that every rank's restore target holds (the others receive it).
+
+    Args:
+        held: per rank, the plain tensors of its target that the checkpoint stores whole.
+
+    Returns:
+        ``(key, offsets)`` -> the reading rank, for the tensors every rank holds.
+    """
+    everyone = len(held)
+    count: Dict[Tuple[str, Tuple[int, ...], int], int] = {}
+    for items in held:
+        for key, offsets, n in items:
+            k = (key, tuple(offsets), n)
+            count[k] = count.get(k, 0) + 1
+    common = [[it for it in items if count[(it[0], tuple(it[1]), it[2])] == everyone] for items in held]
+    return assign(common)
+
+
+def _view(buf: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous host ``uint8`` tensor, without a copy (nor NumPy)."""
+    return memoryview((ctypes.c_char * buf.numel()).from_address(buf.data_ptr())).cast("B")
+
+
+def restore_items(state_dict: Any, metadata: Any) -> Dict[Item, torch.Tensor]:
+    """This rank's candidates for a read by one rank: the plain tensors of its restore target,
+    of at least :data:`MIN_SHARED_BYTES`, that the checkpoint stores as one whole chunk of the
+    same shape and dtype (item key: the flattened key and the dtype)."""
+    flat, _ = flatten(state_dict)
+    entries = metadata.state_dict_metadata
+    out: Dict[Item, torch.Tensor] = {}
+    for fqn, t in flat.items():
+        if type(t) is not torch.Tensor or t.numel() * t.element_size() < MIN_SHARED_BYTES:
+            continue
+        entry = entries.get(fqn)
+        chunks = getattr(entry, "chunks", None)
+        if not chunks or len(chunks) != 1 or tuple(chunks[0].sizes) != tuple(t.shape) \
+                or any(chunks[0].offsets) or entry.properties.dtype != t.dtype:
+            continue
+        out[(f"{fqn}\0{t.dtype}", (0,) * t.dim(), t.numel() * t.element_size())] = t
+    return out
+
+
+def send_replicas(group: Any, rank: int, world_size: int, readers: Dict[Tuple[str, Tuple[int, ...]], int],
+                  mine: Dict[Item, torch.Tensor]) -> Optional[str]:
+    """After a read by one rank per item: each reading rank sends what it read, in one buffer
+    per rank (gloo ``broadcast`` over ``group``, then its CRC32C), and every other rank that
+    holds an item copies it into its tensor once the buffer's CRC matched. Collective.
+
+    Args:
+        group: the process group (the manager's own gloo group).
+        rank: this rank in ``group``.
+        world_size: the ranks in ``group``.
+        readers: :func:`read_assignment`'s result.
+        mine: this rank's :func:`restore_items`.
+
+    Returns:
+        ``None``, or what went wrong here (a buffer whose CRC did not match): nothing was
+        copied from that buffer.
+    """
+    import torch.distributed as dist
+
+    by_key = {(k, o): (n, t) for (k, o, n), t in mine.items()}
+    problem = None
+    for r in range(world_size):
+        items = sorted((k, o) for (k, o), q in readers.items() if q == r)
+        if not items:
+            continue
+        sizes = [by_key[it][0] for it in items]  # every rank holds every item read by one rank
+        buf = torch.empty(sum(sizes), dtype=torch.uint8)
+        at = 0
+        if r == rank:
+            for it, n in zip(items, sizes):
+                buf[at:at + n].copy_(by_key[it][1].detach().reshape(-1).view(torch.uint8).cpu())
+                at += n
+        crc = torch.tensor([crc32c(_view(buf)) if r == rank else 0], dtype=torch.int64)
+        dist.broadcast(buf, group=group, group_src=r)
+        dist.broadcast(crc, group=group, group_src=r)
+        if r == rank:
+            continue
+        got = crc32c(_view(buf))
+        if got != int(crc.item()):
+            problem = (f"rank {rank}: the {len(items)} tensors sent by rank {r} arrived damaged (crc32c "
+                       f"{got:#010x}, sent {int(crc.item()):#010x}); nothing was copied from them")
+            continue
+        at = 0
+        for it, n in zip(items, sizes):
+            t = by_key[it][1]
+            with torch.no_grad():
+                t.copy_(buf[at:at + n].view(t.dtype).view(t.shape))
+            at += n
+    return problem
+
+
+
+def fingerprints(state_dict: Any) -> Dict[str, int]:
+    """Cheap fingerprints of a snapshot's values that every rank stages whole (tensors under
+    :data:`MIN_SHARED_BYTES`, pickled values, plain values): per flattened key, XXH3-64 of the
+    bytes. Gathered with the write's outcome (no exchange of its own) to find "replicated"
+    values that differ between ranks (:func:`diverged`)."""
+    import xxhash
+
+    flat, _ = flatten(state_dict)
+    out: Dict[str, int] = {}
+    for fqn, v in flat.items():
+        if type(v) is torch.Tensor:
+            n = v.numel() * v.element_size()
+            if n >= MIN_SHARED_BYTES or not v.is_cpu or not v.is_contiguous():
+                continue
+            data: Any = (ctypes.c_char * n).from_address(v.data_ptr()) if n else b""
+            out[fqn] = xxhash.xxh3_64_intdigest(data) ^ hash((str(v.dtype), tuple(v.shape))) & (2**63 - 1)
+        elif isinstance(v, torch.Tensor):
+            continue
+        elif type(v) is PickledObject:
+            out[fqn] = xxhash.xxh3_64_intdigest(v.data)
+        elif isinstance(v, (int, float, str, bytes, bool)) or v is None:
+            out[fqn] = xxhash.xxh3_64_intdigest(repr(v).encode())
+    return out
+
+
+def diverged(per_rank: Sequence[Dict[str, int]]) -> Dict[str, List[int]]:
+    """The keys several ranks saved with different values (:func:`fingerprints` by rank), each
+    with the ranks that hold it: DCP's de-duplication keeps one of those ranks' values."""
+    seen: Dict[str, Dict[int, List[int]]] = {}
+    for r, prints in enumerate(per_rank):
+        for key, h in prints.items():
+            seen.setdefault(key, {}).setdefault(h, []).append(r)
+    return {key: sorted(r for ranks in by.values() for r in ranks) for key, by in seen.items() if len(by) > 1}
