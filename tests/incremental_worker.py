@@ -14,7 +14,8 @@ with) and runnable:
     torchrun --standalone --nproc-per-node 2 incremental_worker.py dist <root>
         Two ranks (gloo) save steps 0..4 incrementally (a replicated, DDP-like part and a part
         of each rank's own), check the shared files' names per rank, restore every retained
-        step at 2 ranks bitwise, and print ``RANK <r> OK``.
+        step at 2 ranks bitwise; then, as a restarted job, restore step 4, save step 5 (which
+        takes files again) and restore it; and print ``RANK <r> OK``.
 
 The state saved at step ``s`` is a function of ``s`` only (:func:`crash_state`,
 :func:`dist_state`), so the parent rebuilds exactly what must come back.
@@ -288,6 +289,17 @@ def dist_main(root: str) -> None:
         target = empty_like(dist_state(step, rank))
         assert mgr.restore(step, target) == step
         assert states_equal(target, dist_state(step, rank)), f"rank {rank}: step {step} restored wrong"
+    mgr.close()
+    # a restarted job: restore the newest step, then save: each rank takes its own files again
+    mgr = CheckpointManager(root, incremental=True, max_to_keep=3)
+    mgr.storage.max_file_bytes = FILE_BYTES
+    target = empty_like(dist_state(4, rank))
+    assert mgr.restore(None, target) == 4 and states_equal(target, dist_state(4, rank))
+    mgr.save(5, dist_state(5, rank))
+    assert mgr.stats[-1].referred_bytes > 0, (rank, mgr.stats[-1])
+    target = empty_like(dist_state(5, rank))
+    assert mgr.restore(5, target) == 5 and states_equal(target, dist_state(5, rank))
+    assert mgr.all_steps() == [3, 4, 5], mgr.all_steps()
     mgr.close()
     dist.barrier()
     print(f"RANK {rank} OK", flush=True)
