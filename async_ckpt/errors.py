@@ -223,12 +223,13 @@ class TornSnapshotError(CheckpointError):
 class FrozenTensorChangedError(CheckpointError):
     """A tensor declared frozen (``CheckpointManager(frozen=...)``) changed.
 
-    Found when a save hashed it (every ``frozen_check_every`` saves, whenever its version
-    counter moved, and at ``close()``) and its bytes differed from the last step's. The save
-    that found it wrote the new bytes in full, so what is committed is right; it is raised by
-    the next ``save``/``save_async``/``join``/``close``. Stop declaring the tensor frozen (a
-    change through ``.data`` or a raw pointer does not move the version counter, so saves
-    between two checks would not have noticed it).
+    Found when a save hashed it (every ``frozen_check_every`` saves, and at ``close()``) and its
+    bytes differed from the last step's although its version counter had not moved (a change
+    through ``.data`` or a raw pointer, which saves between two checks cannot see: they held the
+    tensor as it was). The save that found it wrote the new bytes in full; the error is raised
+    by the next ``save``/``save_async``/``join``/``close``. A change that moves the counter (a
+    restore, ``load_state_dict``, an optimizer step) is saved without an error. Stop declaring
+    the tensor frozen, or change it only in ways that move its version counter.
 
     Args:
         message: what went wrong.

@@ -235,12 +235,15 @@ class GroupCoordinator:
         (``pool`` is not used).
 
         Read once (:attr:`replicated_reads` ``"once"``, or ``"auto"`` on storage that is not a
-        local path): a tensor every rank restores whole is read by one rank, balanced by bytes
+        local path; never with ``atomic``): a tensor every rank restores whole is read by one rank, balanced by bytes
         (:func:`~async_ckpt.lifecycle.replicas.read_assignment`), then sent to the others
         (:func:`~async_ckpt.lifecycle.replicas.send_replicas`); a failure there, once targets
         were written, is a :class:`~async_ckpt.errors.PartlyWrittenError` on every rank."""
         mode = self.replicated_reads
-        once = planner is None and metadata is not None and (mode == "once" or (mode == "auto" and not storage.is_local))
+        # atomic: no rank may write before every read is done and verified, which a send after
+        # the reads cannot promise; every rank then reads what it restores
+        once = planner is None and metadata is not None and not atomic and \
+            (mode == "once" or (mode == "auto" and not storage.is_local))
         if not once:
             read_step(storage, path, state_dict, files=files, verify=verify, threads=threads,
                       allow_pickle=allow_pickle, metadata=metadata, planner=planner, atomic=atomic, strict=strict,

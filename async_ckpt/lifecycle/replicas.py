@@ -30,7 +30,6 @@ import torch
 from .. import compat
 from ..storage.dcp.file_assignment import flatten
 from ..storage.manifest import crc32c
-from ..storage.torch_record import PickledObject
 
 #: replicated tensors smaller than this are staged by every rank (DCP de-duplicates their writes)
 MIN_SHARED_BYTES = 64 * 2**10
@@ -234,8 +233,8 @@ def send_replicas(group: Any, rank: int, world_size: int, readers: Dict[Tuple[st
 
 def fingerprints(state_dict: Any) -> Dict[str, int]:
     """Cheap fingerprints of a snapshot's values that every rank stages whole (tensors under
-    :data:`MIN_SHARED_BYTES`, pickled values, plain values): per flattened key, XXH3-64 of the
-    bytes. Gathered with the write's outcome (no exchange of its own) to find "replicated"
+    :data:`MIN_SHARED_BYTES`, ints, floats, strings): per flattened key, XXH3-64 of the bytes
+    (pickled values are left out: a set's pickle differs from process to process). Gathered with the write's outcome (no exchange of its own) to find "replicated"
     values that differ between ranks (:func:`diverged`)."""
     import xxhash
 
@@ -246,13 +245,11 @@ def fingerprints(state_dict: Any) -> Dict[str, int]:
             n = v.numel() * v.element_size()
             if n >= MIN_SHARED_BYTES or not v.is_cpu or not v.is_contiguous():
                 continue
-            data: Any = (ctypes.c_char * n).from_address(v.data_ptr()) if n else b""
-            out[fqn] = xxhash.xxh3_64_intdigest(data) ^ hash((str(v.dtype), tuple(v.shape))) & (2**63 - 1)
-        elif isinstance(v, torch.Tensor):
-            continue
-        elif type(v) is PickledObject:
-            out[fqn] = xxhash.xxh3_64_intdigest(v.data)
-        elif isinstance(v, (int, float, str, bytes, bool)) or v is None:
+            h = xxhash.xxh3_64(f"{v.dtype}{tuple(v.shape)}".encode())  # never hash(): salted per process
+            if n:
+                h.update((ctypes.c_char * n).from_address(v.data_ptr()))
+            out[fqn] = h.intdigest()
+        elif type(v) in (int, float, str, bytes, bool) or v is None:  # not pickles: a set's differs per process
             out[fqn] = xxhash.xxh3_64_intdigest(repr(v).encode())
     return out
 

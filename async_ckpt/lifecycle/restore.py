@@ -121,6 +121,30 @@ def candidates_of(store: StepStore, step: Optional[int]) -> List[Candidate]:
     return [Candidate(store, s, f"damaged step {s}") for s in steps]
 
 
+def mark_written(state_dict: Any) -> None:
+    """Move the version counter of every tensor of a restore target, as an in-place write by
+    the user would: restores write through raw pointers, views and DCP's copies, which do not
+    always move it, and a save must never take a restored tensor for an unchanged one
+    (``frozen=``, see :mod:`async_ckpt.staging.frozen`)."""
+    from torch.autograd.graph import increment_version
+
+    def walk(v: Any) -> None:
+        if isinstance(v, torch.Tensor):
+            local = v.to_local() if hasattr(v, "to_local") else v
+            try:
+                increment_version(local)
+            except RuntimeError:  # an inference tensor has no version counter
+                pass
+        elif isinstance(v, Mapping):
+            for x in v.values():
+                walk(x)
+        elif isinstance(v, (list, tuple)):
+            for x in v:
+                walk(x)
+
+    walk(state_dict)
+
+
 def restore(candidates: Sequence[Candidate], state_dict: Dict[str, Any], *, coord: Coordinator,
             step: Optional[int], verify: bool, allow_pickle: bool, threads: int, planner: Any,
             atomic: bool = False, strict: bool = True, pool: Any = None,
@@ -158,9 +182,14 @@ def restore(candidates: Sequence[Candidate], state_dict: Dict[str, Any], *, coor
         for k, v in stateful.items():
             target[k] = v.state_dict()
     view, back = (target, None) if not key_map else _remapped(target, key_map)
-    done = _first_intact(candidates, view, coord, step, verify=verify, allow_pickle=allow_pickle, threads=threads,
-                         planner=planner, atomic=atomic, strict=strict,
-                         stateful=frozenset(stateful) if back is None else frozenset(), pool=pool)
+    try:
+        done = _first_intact(candidates, view, coord, step, verify=verify, allow_pickle=allow_pickle,
+                             threads=threads, planner=planner, atomic=atomic, strict=strict,
+                             stateful=frozenset(stateful) if back is None else frozenset(), pool=pool)
+    except PartlyWrittenError:
+        mark_written(target)
+        raise
+    mark_written(target)
     if back is not None:
         back()
     local: Optional[BaseException] = None

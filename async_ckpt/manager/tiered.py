@@ -642,10 +642,10 @@ def promote(local: Root, persistent: Root, step: int, *, verify: bool = True,
         with ThreadPoolExecutor(max(1, min(threads, 4, len(manifest.files)))) as pool:
             list(pool.map(copy, list(manifest.files)))
         extra = {k: v for k, v in manifest.extra.items() if k not in ("rank", "world_size", "tier", PERSISTENT_ROOT)}
-        # keeps its commit time (the order of the saves); the files were copied, so none is taken
-        # from an earlier step here (an incremental local step's refs name local steps)
-        files = {n: dataclasses.replace(r, ref=None) if r.ref is not None else r for n, r in manifest.files.items()}
-        new = dataclasses.replace(manifest, extra=extra, files=files)
+        # keeps its commit time (the order of the saves) and its files' records as they are: a
+        # file an incremental local save took keeps its ref (provenance; it may hold records the
+        # step does not use, which the ref tells the checks to expect)
+        new = dataclasses.replace(manifest, extra=extra)
         policy = persistent.retention
         dropped = write.commit(new, as_retention_policy(lambda cps: apply_retention(policy, cps) | {step}))
         return new, dropped

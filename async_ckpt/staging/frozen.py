@@ -9,21 +9,25 @@ is checked:
   tensor whose pair is the one recorded when its bytes were last hashed and committed is not
   copied; any other is copied and hashed like every tensor;
 * every ``check_every`` saves every declared tensor is copied and hashed, and ``close()``
-  hashes them once more: bytes that differ from the last step's (a change through ``.data`` or
-  a raw pointer, which the counter does not see) are written in full and raise
-  :class:`~async_ckpt.errors.FrozenTensorChangedError`.
+  hashes them once more: bytes that differ from the last step's although the counter stood (a
+  change through ``.data`` or a raw pointer) are written in full and raise
+  :class:`~async_ckpt.errors.FrozenTensorChangedError`. A change the counter shows (a restore,
+  ``load_state_dict``) is simply saved: declaring a tensor frozen promises nothing the counter
+  can check.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Collection, Dict, Iterable, List, Optional, Set, Tuple, Union
+from typing import Any, Callable, Collection, Dict, FrozenSet, Iterable, List, Optional, Set, Tuple, Union
 
 import torch
 
+from .. import compat
+from ..errors import warn_user
 from ..storage.dcp.reuse import host_copy
 from .plan import StagingPlan
 
-Version = Tuple[int, int]  # (version counter, data pointer)
+Version = Tuple[int, int]  # (version counter, data pointer or XLA device buffer address)
 Declared = Union[Collection[str], Callable[[str], bool]]
 
 
@@ -41,13 +45,20 @@ def frozen_keys(module: torch.nn.Module, prefix: str = "") -> List[str]:
     return [prefix + name for name, p in module.named_parameters() if not p.requires_grad]
 
 
-def version_of(t: torch.Tensor) -> Version:
-    """What says whether ``t`` may have changed: its version counter and data pointer (0 where
-    the device has none to give)."""
+def version_of(t: torch.Tensor) -> Optional[Version]:
+    """What says whether ``t`` may have changed: its version counter and where its data lives
+    (the data pointer; on XLA, the device buffer's address: XLA never updates a buffer in place,
+    so a new value is a new buffer). ``None`` when the address cannot be had (an XLA tensor
+    whose value is not computed yet): such a tensor is always copied."""
     try:
-        ptr = t.data_ptr()
-    except Exception:  # noqa: BLE001 - e.g. a device without host-visible pointers
-        ptr = 0
+        if t.device.type == "xla":
+            ptr = compat.xla_buffer_pointer_fn()(t)
+        else:
+            ptr = t.data_ptr()
+    except Exception:  # noqa: BLE001 - no address to compare: never trusted
+        return None
+    if not ptr:
+        return None
     return t._version, ptr
 
 
@@ -60,7 +71,10 @@ class FrozenTensors:
     """
 
     def __init__(self, declared: Declared, check_every: int) -> None:
-        self._is = declared if callable(declared) else frozenset(declared).__contains__
+        names: Optional[FrozenSet[str]] = None if callable(declared) else frozenset(declared)
+        self._names = names
+        self._is: Callable[[str], bool] = declared if callable(declared) else (lambda key: key in names)  # type: ignore[operator]
+        self._warned = False  # about declared keys the state dict lacks (once)
         self.check_every = check_every
         self._saves = 0
         #: the declared tensors of the last save, by key: ``close()`` hashes them once more
@@ -86,23 +100,38 @@ class FrozenTensors:
         for i, (key, t) in enumerate(zip(keys, plan.tensors)):
             if not self._is(key) or type(t) is not torch.Tensor:
                 continue
-            v = seen[key] = version_of(t)
             last[key] = t
+            v = version_of(t)
+            if v is None:
+                continue  # no address to compare: copied and hashed like any tensor
+            seen[key] = v
             if not check and unchanged(key, t, v):
                 keep.add(i)
+        if not self._warned and self._names is not None:
+            self._warned = True
+            missing = sorted(self._names - set(keys))
+            if missing:
+                warn_user(f"frozen= names {len(missing)} key(s) the state dict does not have (e.g. "
+                          f"{', '.join(missing[:3])}): they are not skipped. The keys are flattened state-dict "
+                          "keys: a module saved as {'model': module.state_dict()} needs "
+                          "frozen_keys(module, prefix='model.')")
         self.last = last
         return keep, seen
 
 
-def changed_keys(tensors: Dict[str, torch.Tensor], holds: Iterable[Callable[[str, Any], Optional[bool]]]
+def changed_keys(tensors: Dict[str, torch.Tensor], holds: Iterable[Callable[..., Optional[bool]]]
                  ) -> List[str]:
-    """The keys of ``tensors`` whose bytes some root's last step holds otherwise (``close()``'s
-    check): each of ``holds`` answers, for a key and a host tensor, True (the same bytes),
-    False (others) or None (it holds no record of the key)."""
+    """The keys of ``tensors`` whose bytes changed behind their version counter (``close()``'s
+    check): each of ``holds`` answers, for a key, a host tensor and the tensor's version, True
+    (its last step holds the same bytes), False (others, recorded at that same version) or None
+    (no record of the key at that version: a change the counter showed is no error)."""
     checks = list(holds)
     out = []
     for key, t in tensors.items():
+        v = version_of(t)
+        if v is None:
+            continue
         host = host_copy(t)
-        if any(h(key, host) is False for h in checks):
+        if any(h(key, host, v) is False for h in checks):
             out.append(key)
     return out

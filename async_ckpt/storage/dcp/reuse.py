@@ -149,13 +149,13 @@ class Reuse:
         old = held.items.get(item_key(fqn, (0,) * t.dim())) if held is not None else None
         return old is not None and old.version == version and old.dtype == t.dtype and old.shape == tuple(t.shape)
 
-    def same_bytes(self, fqn: str, host: torch.Tensor) -> Optional[bool]:
+    def same_bytes(self, fqn: str, host: torch.Tensor, version: Optional[Tuple[int, int]] = None) -> Optional[bool]:
         """Whether the last step holds exactly ``host``'s bytes under ``fqn`` (None: it holds no
-        record of ``fqn``, or ``host`` is not hashed)."""
+        record of ``fqn`` taken at ``version``, or ``host`` is not hashed)."""
         held = self.held
         old = held.items.get(item_key(fqn, (0,) * host.dim())) if held is not None else None
         h = content_hash(host)
-        if old is None or h is None:
+        if old is None or h is None or (version is not None and old.version != version):
             return None
         return old.hash == h and old.dtype == host.dtype and old.shape == tuple(host.shape)
 
@@ -216,7 +216,7 @@ class Reuse:
             if h is None or old is None or old.dtype != o.dtype or old.shape != tuple(o.shape):
                 continue
             if old.hash != h:
-                if fqn in seen:
+                if fqn in seen and old.version == seen[fqn]:  # declared frozen, its version stood: behind our back
                     changed.append(fqn)
             elif not full:
                 by_file.setdefault(old.name, []).append((i, old))
@@ -231,14 +231,18 @@ class Reuse:
             if sum(item.length for _, item in taken) < SHARE_MIN_FRACTION * rec.size:
                 continue
             new = f"{prefix}ref{k}.distcp"
+            k += 1  # a failed share's name is never reused
             try:
                 storage.share(f"{held.directory}/{name}", f"{path}/{new}")
-                if storage.size(f"{path}/{new}") != rec.size:  # not the file the step committed
-                    storage.rm(f"{path}/{new}", recursive=False)
-                    continue
+                ok = storage.size(f"{path}/{new}") == rec.size  # else not the file the step committed
             except Exception:  # noqa: BLE001 - the items are written instead
+                ok = False
+            if not ok:
+                try:
+                    storage.rm(f"{path}/{new}", recursive=False)  # nothing outside the manifest is left
+                except Exception:  # noqa: BLE001 - the step's clean-up removes it if it fails
+                    pass
                 continue
-            k += 1
             shared.files[new] = dataclasses.replace(rec, ref=rec.ref or f"{held.step}/{name}")
             for i, item in taken:
                 shared.placed[i] = (new, item.offset, item.length)
