@@ -8,8 +8,11 @@ filesystems. Every step stays a complete DCP checkpoint of plain files.
 The tests check what a user can see: every retained step restores bit for bit (through the
 manager, a fresh manager, and plain ``torch.distributed.checkpoint.load``), the files on disk
 (hard links: ``st_nlink`` and ``st_ino``; unique-inode storage totals), the manifests'
-``written_bytes`` / ``referred_bytes`` / ``FileRecord.ref``, the CLI's ``verify``, and what
-damage, re-saves, deletions and SIGKILLs do to that.
+``written_bytes`` / ``referred_bytes`` / ``FileRecord.ref``, the CLI's ``verify`` and
+``export``, and what damage, re-saves, deletions, restarts, promote, two ranks, the local tier,
+object stores, declared-frozen tensors (``frozen=``) and SIGKILLs do to that. Slow ones (the
+SIGKILL trials, the torchrun job) are marked ``slow``; their states and workers are in
+tests/incremental_worker.py.
 
 States use ``mgr.storage.max_file_bytes`` (docs/storage.md) of 64 KiB so that each large
 tensor gets a data file of its own: sharing is decided per file, and a 1 MiB state would
@@ -51,7 +54,6 @@ from .incremental_worker import (
 )
 
 KiB = 2**10
-MiB = 2**20
 
 # ---- the state (tests/incremental_worker.py) --------------------------------------------------
 
@@ -888,6 +890,8 @@ def test_a_frozen_tensor_changed_after_the_last_save_raises_at_close(tmp_path):
     with CheckpointManager(root) as fresh:
         restore_bitwise(fresh, 0, expected)  # the last step holds the bytes as they were
 
+
+# ---- 10. promote -----------------------------------------------------------------------------
 
 def test_promote_of_an_incremental_local_step_restores_from_the_persistent_root(tmp_path):
     """The local tier saves every step incrementally (one data file per save: a taken file
