@@ -514,13 +514,27 @@ def test_memory_root_incremental_sequence_server_side_copies(memory_root):
 
 
 @pytest.fixture(params=["gcs", "s3"])
-def object_bucket(request):
-    """A fresh bucket on the loopback fake-gcs-server / moto S3 server (tests/storage_servers.py);
-    the test is skipped where the server cannot be started here."""
+def object_bucket(request, tmp_path, monkeypatch):
+    """A fresh bucket on a loopback fake-gcs-server (this test's own, whose bucket metadata files
+    go to tmp_path, not /tmp) or moto S3 server (tests/storage_servers.py); the test is skipped
+    where the server cannot be started here."""
+    if request.param == "s3":
+        try:
+            yield request.getfixturevalue("s3_bucket")
+        except Exception as exc:  # noqa: BLE001 - moto is missing
+            pytest.skip(f"s3 server unavailable: {exc}")
+        return
+    from .storage_servers import FakeGCSServer
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # fake-gcs-server writes bucket metadata there
     try:
-        return request.getfixturevalue(f"{request.param}_bucket")
-    except Exception as exc:  # noqa: BLE001 - the server binary or package is missing
-        pytest.skip(f"{request.param} server unavailable: {exc}")
+        server = FakeGCSServer().start()
+    except Exception as exc:  # noqa: BLE001 - the fake-gcs-server binary is missing
+        pytest.skip(f"gcs server unavailable: {exc}")
+    try:
+        yield server.new_bucket()
+    finally:
+        server.stop()
 
 
 def test_object_store_incremental_sequence_server_side_copies(object_bucket):
@@ -579,7 +593,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 @pytest.fixture
 def crash_server(tmp_path):
     err = open(tmp_path / "worker.stderr", "w")
-    env = dict(os.environ, OMP_NUM_THREADS="1",
+    env = dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=str(tmp_path),
                PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.Popen([sys.executable, os.path.join(HERE, "incremental_worker.py"), "crash"],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True, cwd=HERE, env=env)
@@ -673,7 +687,7 @@ def test_sigkill_during_incremental_saves_and_retention_loses_nothing(crash_serv
 @pytest.mark.slow
 def test_two_ranks_incremental_saves_restore_at_two_ranks_and_in_one_process(tmp_path):
     root = str(tmp_path / "ckpt")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PJRT_DEVICE="CPU",
+    env = dict(os.environ, OMP_NUM_THREADS="1", PJRT_DEVICE="CPU", TMPDIR=str(tmp_path),  # torchelastic_* dirs
                PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}",
            os.path.join(HERE, "incremental_worker.py"), "dist", root]
