@@ -128,13 +128,13 @@ def mark_written(state_dict: Any) -> None:
     (``frozen=``, see :mod:`async_ckpt.staging.frozen`)."""
     from torch.autograd.graph import increment_version
 
+    found: List[torch.Tensor] = []
+
     def walk(v: Any) -> None:
-        if isinstance(v, torch.Tensor):
-            local = v.to_local() if hasattr(v, "to_local") else v
-            try:
-                increment_version(local)
-            except RuntimeError:  # an inference tensor has no version counter
-                pass
+        if type(v) is torch.Tensor:
+            found.append(v)
+        elif isinstance(v, torch.Tensor):
+            found.append(v.to_local() if hasattr(v, "to_local") else v)
         elif isinstance(v, Mapping):
             for x in v.values():
                 walk(x)
@@ -143,6 +143,14 @@ def mark_written(state_dict: Any) -> None:
                 walk(x)
 
     walk(state_dict)
+    try:
+        increment_version(found)  # one call: a C++ loop
+    except RuntimeError:  # an inference tensor has no version counter: one by one, skipping those
+        for t in found:
+            try:
+                increment_version(t)
+            except RuntimeError:
+                pass
 
 
 def restore(candidates: Sequence[Candidate], state_dict: Dict[str, Any], *, coord: Coordinator,

@@ -104,7 +104,8 @@ def run_save(store: StepStore, job: SaveJob, *, policy: RetentionPolicy, threads
                 merged[name] = rec
         int_keys = sorted({k for r in results for k in r.int_keys})
         differ = diverged([r.prints for r in results]) if len(results) > 1 else {}
-        if differ:
+        if set(differ) - store.diverged_keys:  # warned once per key; every manifest names them
+            store.diverged_keys |= set(differ)
             log.warning("step %d: %d value(s) differ between the ranks that hold them under one key (%s); the "
                         "checkpoint holds one rank's value of each: give per-rank state per-rank keys", step,
                         len(differ), ", ".join(f"{k} (ranks {v})" for k, v in list(differ.items())[:5]))

@@ -11,7 +11,7 @@ import functools
 import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Set
 
 from ..errors import LeaseHeldError, StepNotFoundError
 from ..policies import CheckpointInfo, RetentionPolicy
@@ -49,6 +49,8 @@ class StepStore:
         self._top: Optional[int] = None  # highest step committed or saved, once listed
         self._recalled = False  # recall_last_step() ran
         self._recall_step: Optional[int] = None  # the step a restore read from this root
+        #: several ranks: keys whose values differed between ranks (warned about once)
+        self.diverged_keys: Set[str] = set()
 
     # ---- the writer lease --------------------------------------------------------------------
     def become_writer(self) -> None:

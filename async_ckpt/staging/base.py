@@ -138,7 +138,7 @@ class BaseStager:
             raise
         host = job.host
         snap = HostSnapshot(
-            state_dict=plan.build(host),  # type: ignore[arg-type]
+            state_dict=plan.build(host, dropping=bool(drop)),  # type: ignore[arg-type]
             nbytes=snapshot_nbytes([t for t in host if t is not DROPPED] if drop else host, plan),
             num_tensors=len(plan.tensors),
             int_keys=plan.int_keys,

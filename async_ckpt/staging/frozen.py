@@ -18,7 +18,7 @@ is checked:
 
 from __future__ import annotations
 
-from typing import Any, Callable, Collection, Dict, FrozenSet, Iterable, List, Optional, Set, Tuple, Union
+from typing import Callable, Collection, Dict, FrozenSet, Iterable, List, Optional, Set, Tuple, Union
 
 import torch
 

@@ -14,7 +14,7 @@ import pickle
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from operator import attrgetter
-from typing import Any, Dict, List, Optional, Set, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
 
 import torch
 
@@ -118,16 +118,18 @@ class StagingPlan:
             out.setdefault(kind, []).append((i, t))
         return out
 
-    def build(self, host_tensors: List[torch.Tensor]) -> Any:
+    def build(self, host_tensors: List[torch.Tensor], dropping: bool = False) -> Any:
         """The template with every slot replaced by the matching host tensor.
 
         Args:
             host_tensors: one tensor per slot, in the order of :attr:`tensors`.
+            dropping: some entries are :data:`DROPPED` (another rank stages them): their keys
+                are left out.
 
         Returns:
             The state dict of host tensors.
         """
-        return _fill(self.template, host_tensors)
+        return (_fill_dropping if dropping else _fill)(self.template, host_tensors)
 
     def dtensor_specs(self) -> Dict[int, Any]:
         """Tensor index -> DTensor spec (mesh, placements, global shape), for DTensor shards.
@@ -477,22 +479,37 @@ DROPPED: Any = object()
 
 def _fill(template: Any, host: List[torch.Tensor]) -> Any:
     if type(template) is _Run:
-        part = host[template.start: template.start + len(template)]
-        if DROPPED in part:
-            return {k: v for k, v in zip(template, part) if v is not DROPPED}
-        return dict(zip(template, part))
+        return dict(zip(template, host[template.start: template.start + len(template)]))
     if isinstance(template, _DSlot):
-        local = host[template.index]
-        return local if local is DROPPED else _host_dtensor(local, template.spec)
+        return _host_dtensor(host[template.index], template.spec)
     if isinstance(template, _Slot):
         return host[template.index]
     if isinstance(template, dict):  # plain slots inline: one call per tensor saved
-        out = {k: host[v.index] if type(v) is _Slot else _fill(v, host) for k, v in template.items()}
-        if DROPPED in out.values():
-            return {k: v for k, v in out.items() if v is not DROPPED}
-        return out
+        return {k: host[v.index] if type(v) is _Slot else _fill(v, host) for k, v in template.items()}
     if isinstance(template, list):
         return [_fill(v, host) for v in template]
     if type(template) is tuple:
         return tuple(_fill(v, host) for v in template)
+    return template
+
+
+def _fill_dropping(template: Any, host: List[Any]) -> Any:
+    """:func:`_fill`, leaving out the dict entries whose host tensor is :data:`DROPPED` (never
+    inside a list or tuple: see ``StagingPlan.in_sequence``)."""
+    if isinstance(template, _Slot):
+        local = host[template.index]
+        if local is DROPPED or not isinstance(template, _DSlot):
+            return local
+        return _host_dtensor(local, template.spec)
+    if isinstance(template, dict):  # a _Run too
+        pairs: Iterable[Tuple[Any, Any]]
+        if type(template) is _Run:
+            pairs = zip(template, host[template.start: template.start + len(template)])
+        else:
+            pairs = ((k, _fill_dropping(v, host)) for k, v in template.items())
+        return {k: v for k, v in pairs if v is not DROPPED}
+    if isinstance(template, list):
+        return [_fill_dropping(v, host) for v in template]
+    if type(template) is tuple:
+        return tuple(_fill_dropping(v, host) for v in template)
     return template
