@@ -773,7 +773,7 @@ def test_frozen_base_is_taken_from_the_last_step_and_every_step_restores_bitwise
     root = str(tmp_path / "ckpt")
     model = Adapted()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    frozen = frozen_keys(model, prefix="model.") if declared == "keys" else (lambda k: k in FROZEN)
+    frozen = (lambda k: k in FROZEN) if declared == "callable" else frozen_keys(model, prefix="model.")
     expected = {}
     with manager(root, frozen=frozen, frozen_check_every=3, max_to_keep=4) as mgr:
         for step in range(7):
@@ -800,6 +800,61 @@ def test_frozen_base_is_taken_from_the_last_step_and_every_step_restores_bitwise
     # the frozen base's bytes are stored once for the retained steps
     ino = {os.stat(file_of(os.path.join(root, str(s)), "model.base.weight")).st_ino for s in (3, 4, 5, 6)}
     assert len(ino) == 1
+
+
+def test_frozen_with_lazy_saves_while_training_goes_on(tmp_path):
+    """lazy=True: save_async returns once the host copies are issued and training goes on at
+    once (the guard waits for the copies before the optimizer changes the tensors); no join
+    between saves. Every step restores bitwise; the frozen base is taken, not written."""
+    root = str(tmp_path / "ckpt")
+    model = Adapted()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    expected = {}
+    with manager(root, frozen=FROZEN, frozen_check_every=3, lazy=True, max_pending_async=2) as mgr:
+        for step in range(6):
+            train_step(model, opt, step)
+            expected[step] = clone_tree(adapted_state(model, opt, step))
+            mgr.save_async(step, adapted_state(model, opt, step))
+        mgr.join()
+        assert mgr.all_steps() == list(range(6))
+        for step in range(6):
+            restore_bitwise(mgr, step, expected[step])
+            if step:
+                assert "_ref" in os.path.basename(file_of(os.path.join(root, str(step)), "model.base.weight"))
+
+
+def test_frozen_base_with_a_local_tier_every_root_restores_bitwise(tmp_path):
+    """Two roots on different schedules (local every step, persistent every 2nd): a frozen
+    tensor is left uncopied only when every root due for the save holds it; both roots' steps
+    restore bitwise, each sharing only its own files."""
+    path, local = str(tmp_path / "bucket"), str(tmp_path / "local")
+    model = Adapted()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    expected = {}
+    with manager(path, frozen=FROZEN, frozen_check_every=4, local_dir=local, local_policy=1, local_retention=3,
+                 save_interval=2, max_to_keep=3) as mgr:
+        for step in range(7):
+            train_step(model, opt, step)
+            expected[step] = clone_tree(adapted_state(model, opt, step))
+            mgr.save_async(step, adapted_state(model, opt, step))
+            mgr.join()
+        assert mgr.skipped_uploads == []
+        tiers = mgr.step_tiers()
+    local_steps = sorted(int(n) for n in os.listdir(local) if n.isdigit())
+    persistent_steps = sorted(int(n) for n in os.listdir(path) if n.isdigit())
+    assert local_steps == [4, 5, 6] and persistent_steps == [2, 4, 6], tiers
+    assert not inodes(local) & inodes(path)
+    for root, steps in ((local, local_steps), (path, persistent_steps)):
+        base = {os.stat(file_of(os.path.join(root, str(s)), "model.base.weight")).st_ino for s in steps}
+        assert len(base) == 1, (root, base)  # the frozen base: one file, named by every step there
+        for s in steps:
+            dcp_load_bitwise(os.path.join(root, str(s)), expected[s])
+    with CheckpointManager(path) as only_persistent:
+        for s in persistent_steps:
+            restore_bitwise(only_persistent, s, expected[s])
+    with CheckpointManager(path, local_dir=local) as both:
+        for s in sorted(set(local_steps) | set(persistent_steps)):
+            restore_bitwise(both, s, expected[s])
 
 
 def test_a_frozen_tensor_changed_in_place_is_written_without_an_error(tmp_path):
