@@ -26,7 +26,8 @@ class SaveStats:
 
     Attributes:
         step: the step saved.
-        nbytes: tensor bytes staged.
+        nbytes: tensor bytes this rank copied to host memory (not counting declared-frozen
+            tensors left uncopied, nor replicated tensors another rank takes).
         num_tensors: tensors staged.
         files: files written for the step.
         written_bytes: bytes of the files this rank wrote for the step (data and metadata).

@@ -785,6 +785,13 @@ def test_frozen_base_is_taken_from_the_last_step_and_every_step_restores_bitwise
                 mgr.join()
             else:
                 mgr.save(step, state)
+            base_bytes = model.base.weight.nbytes
+            # not even copied to host memory, except at the first save and every 3rd (the check)
+            copied = mgr.stats[-1].nbytes
+            if step and (step + 1) % 3:
+                assert copied <= sum(t.nbytes for t in _tensors(state)) - base_bytes, (step, copied)
+            else:
+                assert copied >= base_bytes, (step, copied)
             if step:
                 # the frozen base: a hard link of the last step's file, not written again
                 assert mgr.stats[-1].referred_bytes >= 256 * KiB, (step, mgr.stats[-1])
@@ -985,3 +992,14 @@ def test_promote_of_an_incremental_local_step_restores_from_the_persistent_root(
     with CheckpointManager(path) as persistent:
         restore_bitwise(persistent, 3, state_at(3))
     dcp_load_bitwise(os.path.join(path, "3"), state_at(3))
+
+
+def _tensors(tree):
+    if isinstance(tree, torch.Tensor):
+        yield tree
+    elif isinstance(tree, dict):
+        for v in tree.values():
+            yield from _tensors(v)
+    elif isinstance(tree, (list, tuple)):
+        for v in tree:
+            yield from _tensors(v)

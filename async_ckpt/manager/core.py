@@ -732,6 +732,7 @@ class CheckpointManager:
             stager = self.stager.lazy if lazy and not wait else self.stager.eager
             keep -= drop
             snap = stager.stage(state_dict, plan, keep, drop)
+            kept_bytes = sum(plan.tensors[i].nbytes for i in keep)  # in the snapshot, not copied
             if snap.pending is not None:
                 snap.pending.step = step
         except BaseException as exc:
@@ -755,7 +756,7 @@ class CheckpointManager:
         snap.share(len(due))
         taken_at = self.options.wall_clock()  # the commit time of this save in every tier (see SaveJob.commit_at)
         for tier in due:
-            stats = SaveStats(step=step, nbytes=snap.nbytes, num_tensors=snap.num_tensors,
+            stats = SaveStats(step=step, nbytes=snap.nbytes - kept_bytes, num_tensors=snap.num_tensors,
                               queue_wait_s=t1 - t0, stage_s=t2 - t1, blocking_s=t2 - t0, exchange_s=exchange_s)
             extra: Dict[str, Any] = {}
             if self._local is not None:
