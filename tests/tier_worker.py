@@ -110,9 +110,10 @@ def local_failure_on_one_rank(model, optim, rank: int, ref_dir: str) -> None:
         assert 4 in m.step_tiers() and "local" in m.step_tiers()[4], m.step_tiers()
 
 
-def fail_first_local_commit(m, after_s: float) -> None:
-    """This rank's first local commit fails (EROFS) ``after_s`` seconds in (the others pass). Not
-    ENOSPC: a full local_dir is logged and raised by join()/close(), not by the next save
+def fail_first_local_commit(m, after_s: float, gate=None) -> None:
+    """This rank's first local commit fails (EROFS) ``after_s`` seconds in (the others pass), or,
+    with ``gate`` (a ``threading.Event``), once the gate is set (at most 60 s). Not ENOSPC: a full
+    local_dir is logged and raised by join()/close(), not by the next save
     (tests/test_tiers_space.py); every other local failure is raised by the next agreement."""
     import errno
     import time
@@ -122,7 +123,10 @@ def fail_first_local_commit(m, after_s: float) -> None:
     def slow_fail(target, manifest):
         calls[0] += 1
         if calls[0] == 1:
-            time.sleep(after_s)
+            if gate is not None:
+                gate.wait(60)
+            else:
+                time.sleep(after_s)
             raise OSError(errno.EROFS, "Read-only file system (simulated)")
         return real(target, manifest)
 
@@ -142,13 +146,30 @@ def fails_after_agreement(rank: int, ref_dir: str) -> None:
 
     from async_ckpt.errors import CheckpointError
 
+    import threading
+
     bucket, local = os.path.join(ref_dir, "bucket7"), os.path.join(ref_dir, "local7")
     m = CheckpointManager(bucket, save_interval=1, local_dir=local, local_policy=1, collective_timeout_s=30)
+    agreed = threading.Event()  # set once step 2's agreement is done: the failure comes after it
     if rank == 1:
-        fail_first_local_commit(m, after_s=2)
+        fail_first_local_commit(m, after_s=2, gate=agreed)
+        real_agree, calls = m._coord.agree_signal, [0]
+
+        def agree_then_fail(*a, **k):
+            out = real_agree(*a, **k)
+            calls[0] += 1
+            if calls[0] == 2:
+                agreed.set()
+            return out
+
+        m._coord.agree_signal = agree_then_fail
     t0 = time.monotonic()
     assert m.save_async(1, small(rank, 1))
     assert m.save_async(2, small(rank, 2))  # agreed before rank 1's local step 1 failed
+    if rank == 1:  # the failure is recorded before step 3's agreement
+        deadline = time.monotonic() + 30
+        while not m.roots[0].writer.failed() and time.monotonic() < deadline:
+            time.sleep(0.01)
     try:
         m.save_async(3, small(rank, 3))
         raise AssertionError(f"rank {rank}: the failed local save of step 1 was not raised at step 3")
