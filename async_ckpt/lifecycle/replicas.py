@@ -76,6 +76,25 @@ def _fingerprint(items: Sequence[Hashable]) -> int:
     return struct.unpack("<q", h.digest())[0] & (2**62 - 1)
 
 
+_OFFSETS: Dict[Any, Tuple[int, ...]] = {}  # (global shape, mesh, placements) -> this rank's shard offsets
+
+
+def _offsets(spec: Any) -> Tuple[int, ...]:
+    """:func:`~async_ckpt.compat.dtensor_global_offset`, remembered per (shape, mesh, placements):
+    torch computes it in Python, once per DTensor per save otherwise (an FSDP2 model's hundreds)."""
+    try:
+        key: Any = (tuple(spec.shape), spec.mesh, tuple(spec.placements))
+        hash(key)
+    except TypeError:
+        return tuple(int(o) for o in compat.dtensor_global_offset(spec))
+    got = _OFFSETS.get(key)
+    if got is None:
+        if len(_OFFSETS) > 65536:
+            _OFFSETS.clear()
+        got = _OFFSETS[key] = tuple(int(o) for o in compat.dtensor_global_offset(spec))
+    return got
+
+
 def plan_items(plan: Any) -> List[Tuple[int, Item]]:
     """``(plan index, item)`` of the tensors of a staging plan that may be replicated: at least
     :data:`MIN_SHARED_BYTES`, not inside a list or tuple; a DTensor's shard named by its offsets."""
@@ -88,7 +107,7 @@ def plan_items(plan: Any) -> List[Tuple[int, Item]]:
             continue
         spec = specs.get(i)
         if spec is not None:
-            offsets = compat.dtensor_global_offset(spec)
+            offsets = _offsets(spec)
         elif type(t) is torch.Tensor:
             offsets = (0,) * t.dim()
         else:
@@ -101,7 +120,9 @@ class SaveShares:
     """One manager's agreement of who stages each replicated item (see the module docstring).
 
     The assignment is kept with every rank's fingerprint of its items; a save whose fingerprints
-    all match reuses it.
+    all match reuses it. When an assignment finds nothing that several ranks hold (a fully
+    sharded model), the exchanges stop for good: a collective in the stall costs the ranks' skew,
+    and staging everything is what that state needs anyway.
     """
 
     def __init__(self) -> None:
@@ -109,6 +130,8 @@ class SaveShares:
         self._assignment: Dict[Tuple[str, Tuple[int, ...]], int] = {}
         #: exchanges made by the last :meth:`drops` (1 while the assignment holds, 2 when remade)
         self.last_exchanges = 0
+        #: the first assignment found nothing several ranks hold: no exchange any more
+        self.dormant = False
 
     def drops(self, coord: Any, plan: Optional[Any]) -> Set[int]:
         """The plan indices this rank does not stage (other ranks take them). Collective.
@@ -121,6 +144,9 @@ class SaveShares:
         Returns:
             Plan indices to leave out of this rank's snapshot.
         """
+        if self.dormant:
+            self.last_exchanges = 0
+            return set()
         items = plan_items(plan) if plan is not None else []
         mine = _fingerprint([it for _, it in items]) if plan is not None else -1
         prints = coord.gather_ints(mine)
@@ -132,6 +158,9 @@ class SaveShares:
             self.last_exchanges = 2
             self._assignment = assign(held)
             self._fingerprints = prints
+            # nothing replicated (FSDP2, tensor parallel): no more exchanges for this manager; every
+            # rank decides so from the same lists, and staging everything is always correct
+            self.dormant = not self._assignment
         rank = coord.rank
         return {i for i, (key, offsets, _) in items
                 if self._assignment.get((key, offsets), rank) != rank}
