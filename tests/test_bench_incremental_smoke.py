@@ -17,7 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "benchmarks", "bench_incremental.py")
 
 METRICS = {"written_vs_changed", "durable_vs_raw_write", "storage_vs_bound", "stall_vs_floor",
-           "stall_frozen_vs_changing_floor", "pretrain_durable_inc_vs_full", "pretrain_stall_inc_vs_full",
+           "stall_frozen_vs_changing_floor", "durable_frozen_vs_raw_write", "pretrain_durable_inc_vs_full", "pretrain_stall_inc_vs_full",
            "restore_vs_raw_read"}
 PAIRED = {"durable_vs_raw_write", "stall_vs_floor", "pretrain_durable_inc_vs_full", "pretrain_stall_inc_vs_full",
           "restore_vs_raw_read"}
