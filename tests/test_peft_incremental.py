@@ -138,14 +138,8 @@ def test_plain_loop_writes_only_the_adapters_and_restores_bitwise(tmp_path, caps
 
 # ---- (b) the Hugging Face Trainer -----------------------------------------------------------------
 
-def _hf_worker(root: str, out: str, max_steps: int) -> None:
-    """Train the example's model with ``transformers.Trainer`` for ``max_steps``, checkpointing
-    every 2 steps through a ``CheckpointManager(incremental=True)`` driven by a callback; write
-    the final model and optimizer state with ``torch.save`` to ``out`` and the bounds as JSON."""
-    from transformers import Trainer, TrainerCallback, TrainingArguments
-
-    ex = _example()
-    model = ex.build_model(0)
+def _tokens(ex):
+    """64 causal-LM examples from the example's batches, as the HF Trainer takes them."""
 
     class Tokens(torch.utils.data.Dataset):
         def __len__(self):
@@ -154,6 +148,18 @@ def _hf_worker(root: str, out: str, max_steps: int) -> None:
         def __getitem__(self, i):
             ids = ex.batch(i, batch_size=1)[0]
             return {"input_ids": ids, "labels": ids}
+
+    return Tokens()
+
+
+def _hf_worker(root: str, out: str, max_steps: int) -> None:
+    """Train the example's model with ``transformers.Trainer`` for ``max_steps``, checkpointing
+    every 2 steps through a ``CheckpointManager(incremental=True)`` driven by a callback; write
+    the final model and optimizer state with ``torch.save`` to ``out`` and the bounds as JSON."""
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    ex = _example()
+    model = ex.build_model(0)
 
     class Incremental(TrainerCallback):
         def __init__(self):
@@ -172,7 +178,7 @@ def _hf_worker(root: str, out: str, max_steps: int) -> None:
     args = TrainingArguments(output_dir=os.path.join(out, "hf"), max_steps=max_steps, per_device_train_batch_size=4,
                              learning_rate=1e-3, save_strategy="no", report_to=[], logging_strategy="no",
                              use_cpu=True, dataloader_num_workers=0, seed=0)
-    trainer = Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[cb])
+    trainer = Trainer(model=model, args=args, train_dataset=_tokens(ex), callbacks=[cb])
     cb.trainer = trainer
     trainer.train()
     optim = trainer.optimizer
@@ -226,18 +232,10 @@ def _hf_async_worker(out: str, max_steps: int) -> None:
     ex = _example()
     model = ex.build_model(0)
 
-    class Tokens(torch.utils.data.Dataset):
-        def __len__(self):
-            return 64
-
-        def __getitem__(self, i):
-            ids = ex.batch(i, batch_size=1)[0]
-            return {"input_ids": ids, "labels": ids}
-
     args = TrainingArguments(output_dir=os.path.join(out, "hf"), max_steps=max_steps, per_device_train_batch_size=4,
                              learning_rate=1e-3, save_strategy="steps", save_steps=2, report_to=[],
                              logging_strategy="no", use_cpu=True, dataloader_num_workers=0, seed=0)
-    trainer = Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[AsyncCkptCallback()])
+    trainer = Trainer(model=model, args=args, train_dataset=_tokens(ex), callbacks=[AsyncCkptCallback()])
     trainer.train()
     trainable = {k: v for k, v in model.state_dict().items() if "lora_" in k}
     torch.save(trainable, os.path.join(out, "adapters.pt"))
