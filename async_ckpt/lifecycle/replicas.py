@@ -107,7 +107,10 @@ def plan_items(plan: Any) -> List[Tuple[int, Item]]:
             continue
         spec = specs.get(i)
         if spec is not None:
-            offsets = _offsets(spec)
+            try:
+                offsets = _offsets(spec)
+            except Exception:  # noqa: BLE001 - a torch whose private helper moved: staged by its holder, as before
+                continue
         elif type(t) is torch.Tensor:
             offsets = (0,) * t.dim()
         else:
