@@ -106,11 +106,13 @@ def _passed(jobs, job: str, check: str, ranks: int) -> None:
 
 
 def _stats(jobs, job: str, name: str):
-    """The JSON value of the job's ``STATS <name>`` line (another rank's output may follow it on
-    the same line)."""
+    """The JSON value of the job's ``STATS <name>`` line (another rank's output may come before or
+    after it on the same line: the ranks share one stdout)."""
+    tag = f"STATS {name} "
     for ln in jobs[job].stdout.splitlines():
-        if ln.startswith(f"STATS {name} "):
-            return json.JSONDecoder().raw_decode(ln.split(" ", 2)[2])[0]
+        at = ln.find(tag)
+        if at >= 0:
+            return json.JSONDecoder().raw_decode(ln[at + len(tag):])[0]
     return None
 
 

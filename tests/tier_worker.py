@@ -235,15 +235,15 @@ def out_of_step(rank: int, ref_dir: str) -> None:
             assert time.monotonic() - t0 < 15, f"rank {rank} waited for the other"
             assert "rank(s) [1]" in str(exc), exc
         dist.barrier()
-        real = m._coord.agree
-        m._coord.agree = lambda flags, ok=True, step=None: real(flags, ok)  # no step in the exchange
-        assert m.save_async(3 if rank == 1 else 2, small(rank, 2))
+        real = m._coord.agree_signal  # the agreement of save_async (with every rank's preemption flag)
+        m._coord.agree_signal = lambda flags, ok=True, step=None, signal=False: real(flags, ok, None, signal)
+        assert m.save_async(3 if rank == 1 else 2, small(rank, 2))  # no step in the exchange
         try:
             m.join()
             raise AssertionError(f"rank {rank}: join did not raise")
         except CheckpointError as exc:
             assert "out of step" in str(exc), exc
-        m._coord.agree = real
+        m._coord.agree_signal = real
         assert m.save(4, small(rank, 4))
     assert sorted(int(n) for n in os.listdir(bucket) if n.isdigit()) == [1, 4]
 
