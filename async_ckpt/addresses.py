@@ -46,7 +46,7 @@ def byte_view(t: torch.Tensor) -> memoryview:
     """
     try:
         return memoryview(t.numpy())  # type: ignore[arg-type, unused-ignore]  # numpy declares the buffer protocol for Python >= 3.12 only
-    except RuntimeError:  # "Numpy is not available"
+    except (RuntimeError, TypeError):  # "Numpy is not available"; a dtype NumPy lacks (bfloat16, float8)
         n = t.numel() * t.element_size()
         if n == 0:
             return memoryview(bytearray())

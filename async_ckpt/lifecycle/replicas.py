@@ -20,7 +20,6 @@ ranks agree which rank takes each replicated item, balanced by bytes:
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import struct
 from typing import Any, Dict, Hashable, List, Optional, Sequence, Set, Tuple
@@ -28,6 +27,7 @@ from typing import Any, Dict, Hashable, List, Optional, Sequence, Set, Tuple
 import torch
 
 from .. import compat
+from ..addresses import byte_view
 from ..errors import CheckpointError
 from ..storage.dcp.file_assignment import flatten
 from ..storage.manifest import crc32c
@@ -188,11 +188,6 @@ def read_assignment(held: Sequence[Sequence[Item]]) -> Dict[Tuple[str, Tuple[int
     return assign(common)
 
 
-def _view(buf: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous host ``uint8`` tensor, without a copy (nor NumPy)."""
-    return memoryview((ctypes.c_char * buf.numel()).from_address(buf.data_ptr())).cast("B")
-
-
 def restore_items(state_dict: Any, metadata: Any) -> Dict[Item, torch.Tensor]:
     """This rank's candidates for a read by one rank: the plain tensors of its restore target,
     of at least :data:`MIN_SHARED_BYTES`, that the checkpoint stores as one whole chunk of the
@@ -257,7 +252,7 @@ def send_replicas(group: Any, rank: int, world_size: int, readers: Dict[Tuple[st
                 for it, at, n in zip(items, starts, sizes):
                     src = by_key[it][1].detach().contiguous().view(-1).view(torch.uint8)
                     buf[at:at + n].copy_(src)
-                sent = crc32c(_view(buf))
+                sent = crc32c(byte_view(buf))
             except Exception as exc:  # noqa: BLE001 - still sent (marked), reported by every rank
                 problems.append(f"rank {rank} could not send what it read: {type(exc).__name__}: {exc}")
                 sent = -1
@@ -274,7 +269,7 @@ def send_replicas(group: Any, rank: int, world_size: int, readers: Dict[Tuple[st
         if expected < 0:
             problems.append(f"rank {rank}: rank {r} could not send the {len(items)} tensors it read")
             continue
-        got = crc32c(_view(buf))
+        got = crc32c(byte_view(buf))
         if got != expected:
             problems.append(f"rank {rank}: the {len(items)} tensors sent by rank {r} arrived damaged (crc32c "
                             f"{got:#010x}, sent {expected:#010x}); nothing was copied from them")
@@ -305,7 +300,7 @@ def fingerprints(state_dict: Any) -> Dict[str, int]:
                 continue
             h = xxhash.xxh3_64(f"{v.dtype}{tuple(v.shape)}".encode())  # never hash(): salted per process
             if n:
-                h.update((ctypes.c_char * n).from_address(v.data_ptr()))
+                h.update(byte_view(v))
             out[fqn] = h.intdigest()
         elif type(v) in (int, float, str, bytes, bool) or v is None:  # not pickles: a set's differs per process
             out[fqn] = xxhash.xxh3_64_intdigest(repr(v).encode())

@@ -22,7 +22,6 @@ change, not an adversary who crafts colliding tensors.
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import threading
 from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
@@ -30,6 +29,7 @@ from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
 import torch
 import xxhash
 
+from ...addresses import byte_view
 from ..manifest import FileRecord
 
 #: tensors smaller than this are always written (a reference would save less than it costs)
@@ -54,7 +54,7 @@ def content_hash(t: Any) -> Optional[int]:
     n = t.numel() * t.element_size()
     if n < MIN_SHARED_BYTES:
         return None
-    return xxhash.xxh3_128_intdigest((ctypes.c_char * n).from_address(t.data_ptr()))
+    return xxhash.xxh3_128_intdigest(byte_view(t))
 
 
 def host_copy(t: torch.Tensor) -> torch.Tensor:
