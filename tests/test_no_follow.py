@@ -99,3 +99,56 @@ def test_the_stats_log_still_appends_to_a_plain_file(tmp_path):
     mgr.close()
     lines = (root / "logs" / "stats.jsonl").read_text().splitlines()
     assert len(lines) == 2
+
+
+# ---- hard links: a second name of a file outside the root is never written in place -------------
+
+@pytest.mark.parametrize("how", ["retention", "delete", "rm", "prune", "cleanup"])
+def test_a_hard_linked_pending_sentinel_is_never_written_through(tmp_path, victim, how):
+    from async_ckpt.cli import main
+
+    root = tmp_path / "ckpt"
+    mgr = CheckpointManager(str(root), max_to_keep=1 if how == "retention" else 0)
+    assert mgr.save(1, small_state(1))
+    if how == "cleanup":  # an unmarked step directory async_ckpt left (its sentinel: a hard link)
+        (root / "7").mkdir()
+        os.link(victim, root / "7" / PENDING_NAME)
+        mgr.close()
+        mgr = CheckpointManager(str(root))
+        assert mgr.save(2, small_state(2))  # the new writer's cleanup refuses that directory
+        mgr.join()
+        mgr.close()
+    else:
+        os.link(victim, root / "1" / PENDING_NAME)  # planted in a committed step directory
+        if how == "retention":
+            assert mgr.save(2, small_state(2))  # retention cannot condemn step 1: logged, the save stands
+            mgr.join()
+        elif how == "delete":
+            with pytest.raises(StorageError, match="hard link"):
+                mgr.delete(1)
+        mgr.close()
+        if how == "prune":
+            with CheckpointManager(str(root)) as other:
+                assert other.save(2, small_state(2))
+        if how in ("rm", "prune"):  # refused (an error exit), the step kept
+            args = ["rm", str(root), "1"] if how == "rm" else ["prune", str(root), "--keep-last", "1"]
+            assert main(args) != 0
+    assert victim.read_bytes() == VICTIM
+    assert os.stat(victim).st_nlink == 2  # the planted name is left where it was
+    if how != "cleanup":
+        assert 1 in CheckpointManager(str(root)).all_steps()  # not deleted: still committed and whole
+        target = target_like(small_state(0))
+        CheckpointManager(str(root)).restore(1, target)
+        assert_bitwise_equal(target, small_state(1))
+
+
+def test_the_stats_log_is_never_appended_through_a_hard_link(tmp_path, victim, caplog):
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    os.link(victim, root / "save_stats.jsonl")
+    mgr = CheckpointManager(str(root), stats_log=True)
+    with caplog.at_level("WARNING", logger="async_ckpt"):
+        assert mgr.save(1, small_state(1))  # the log fails, the save does not
+    mgr.close()
+    assert victim.read_bytes() == VICTIM
+    assert any("stats log" in r.getMessage() and "hard link" in r.getMessage() for r in caplog.records)

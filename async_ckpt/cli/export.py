@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import uuid
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 from ..storage.layout import CheckpointLayout
@@ -220,9 +221,9 @@ def _write_out(fs: Any, p: str, write: Any, *, force: bool) -> None:
     if isinstance(fs, LocalFileSystem):  # write beside, then rename: never a half-written OUT
         p = os.path.abspath(p)
         os.makedirs(os.path.dirname(p) or ".", exist_ok=True)
-        tmp = f"{p}.tmp-{os.getpid()}"
+        tmp = f"{p}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         try:
-            with open(tmp, "wb") as f:
+            with open(tmp, "xb") as f:  # a new file: never written through a link planted at its name
                 write(f)
             if force:
                 os.replace(tmp, p)

@@ -18,7 +18,6 @@ import json
 import logging
 import os
 import socket
-import stat
 import threading
 import time
 import uuid
@@ -26,7 +25,7 @@ import weakref
 from typing import Any, Callable, Dict, Optional, Protocol
 
 from ..errors import InvalidArgumentError, LeaseHeldError, StorageError
-from .backends.posix import open_nofollow
+from .backends.posix import open_own_file
 from .storage import Storage
 
 log = logging.getLogger("async_ckpt")
@@ -169,18 +168,7 @@ class PosixLease(_ProcessLocal):
             return
         self._refuse_if_superseded()
         busy = self._take_over_here() or ""
-        fd = open_nofollow(self.path, os.O_RDWR | os.O_CREAT)  # a link there is never written through
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
-                raise StorageError(
-                    f"refusing to use {self.path} as the writer lock: it is "
-                    f"{'not a regular file' if not stat.S_ISREG(st.st_mode) else 'a hard link to another file'}"
-                    f", and async_ckpt never writes through one (remove it, or use a directory that only "
-                    f"this job can write)")
-        except BaseException:
-            os.close(fd)
-            raise
+        fd = open_own_file(self.path, os.O_RDWR | os.O_CREAT)  # never written through a link of either kind
         deadline = time.monotonic() + max(0.0, timeout)
         while True:
             try:

@@ -9,7 +9,7 @@ from typing import Optional, Union
 
 from ..errors import InvalidArgumentError
 from ..stats import DEFAULT_STATS_LOG, SaveStats, check_stats_relpath
-from .backends.posix import open_nofollow
+from .backends.posix import open_nofollow, open_own_file
 from .storage import Storage
 
 log = logging.getLogger("async_ckpt")
@@ -45,8 +45,9 @@ class StatsLog:
     def _open_local(self) -> int:
         """Open the log for appending below the root, creating its directories one by one (so a
         root that vanishes meanwhile is not re-created: ``FileNotFoundError``). Neither the file
-        nor a directory below the root is followed if it is a symbolic link (``StorageError``):
-        the log never appends to what a link planted in the root points to."""
+        nor a directory below the root is followed if it is a symbolic link, and a log file with
+        another name (a hard link) is refused (``StorageError``): the log never appends to what a
+        link planted in the root points to."""
         *dirs, name = self.relpath.split("/")
         fd = os.open(self.storage.root, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
         try:
@@ -60,7 +61,7 @@ class StatsLog:
                 sub = open_nofollow(part, os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
                 os.close(fd)
                 fd = sub
-            return open_nofollow(name, os.O_WRONLY | os.O_APPEND | os.O_CREAT, dir_fd=fd)
+            return open_own_file(name, os.O_WRONLY | os.O_APPEND | os.O_CREAT, dir_fd=fd)
         finally:
             os.close(fd)
 

@@ -55,6 +55,60 @@ def open_nofollow(path: str, flags: int, mode: int = 0o644, *, dir_fd: Optional[
                            f"that only this job can write)") from exc
 
 
+def open_own_file(path: str, flags: int, mode: int = 0o644, *, dir_fd: Optional[int] = None) -> int:
+    """Open a file async_ckpt writes in place (:func:`open_nofollow`), refusing any that is not
+    a regular file with exactly one name.
+
+    A hard link planted under a checkpoint root (a step's pending sentinel, the writer lock,
+    the stats log) is a second name of a file elsewhere: writing it in place would change that
+    file, possibly outside the root. A new file always has one name; an existing one with
+    more is left untouched. ``O_TRUNC`` is applied only after that check, and a FIFO is
+    refused without waiting for a reader.
+
+    Args:
+        path: the file (relative to ``dir_fd`` when given).
+        flags: ``os.O_*`` flags (``O_NOFOLLOW`` and ``O_CLOEXEC`` are added).
+        mode: permissions of a file it creates.
+        dir_fd: a directory descriptor ``path`` is relative to.
+
+    Returns:
+        The open file descriptor (blocking, as ``flags`` asked).
+
+    Raises:
+        StorageError: ``path`` is a symbolic link, a hard link (more than one name), or not a
+            regular file (nothing was written).
+        OSError: any other failure of ``os.open``.
+    """
+    import fcntl
+
+    nonblock = getattr(os, "O_NONBLOCK", 0)
+    try:
+        fd = open_nofollow(path, (flags & ~os.O_TRUNC) | nonblock, mode, dir_fd=dir_fd)
+    except OSError as exc:
+        if exc.errno != errno.ENXIO:  # ENXIO: a FIFO nobody reads
+            raise
+        raise StorageError(f"refusing to write {path}: it is not a regular file") from exc
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise StorageError(f"refusing to write {path}: it is not a regular file, and async_ckpt writes only "
+                               "its own files under a checkpoint root (remove it, or use a directory that only "
+                               "this job can write)")
+        if st.st_nlink != 1:
+            raise StorageError(f"refusing to write {path}: it is a hard link to another file ({st.st_nlink} names), "
+                               "and async_ckpt never writes in place through one: that would change the file "
+                               "behind its other names, maybe outside the checkpoint root (remove it, or use a "
+                               "directory that only this job can write)")
+        if nonblock and not flags & nonblock:
+            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~nonblock)
+        if flags & os.O_TRUNC:
+            os.ftruncate(fd, 0)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 class PosixBackend:
     """A local filesystem (see :class:`~.base.Backend`)."""
 
@@ -82,7 +136,7 @@ class PosixBackend:
     def open_write(self, path: str, size_hint: Optional[int], *, block_size: int,
                    pipe_max_bytes: int) -> Iterator[Any]:
         """A plain file; flushed and fsynced on exit, its writeback started as it fills."""
-        f = os.fdopen(open_nofollow(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "wb")
+        f = os.fdopen(open_own_file(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "wb")
         try:
             w = _WritebackFile(f)
             yield w
