@@ -321,6 +321,38 @@ def test_a_queued_save_whose_lease_lapsed_before_its_commit_is_not_committed(mem
     a.close()
 
 
+def test_a_writer_that_takes_its_lapsed_lease_again_forgets_its_last_step(memory_root):
+    """A (incremental, an object-store lease) saves 1; its lease lapses; another writer takes
+    the root, saves step 1 again with other values and leaves; A's next save takes the lease
+    again: it must not take the files now under step 1's name for its own unchanged tensors."""
+    import torch
+
+    mine = {"w": torch.full((1 << 16,), 1.0), "b": torch.arange(1 << 16, dtype=torch.float32)}
+    theirs = {"w": torch.full((1 << 16,), 2.0), "b": torch.zeros(1 << 16)}
+    now = [1000.0]
+    a = CheckpointManager(memory_root, incremental=True)
+    lease = a.roots[-1].store.lease
+    lease.clock = lambda: now[0]  # A's monotonic clock: no real sleeping
+    assert a.save(1, mine)
+    now[0] += lease.ttl_s + 1  # A's heartbeat could not renew (a partition, a suspended process)
+    _expire_lease_object(Storage(memory_root))
+    # another process's writer (the same root spelled otherwise: not a manager of this process to take over)
+    other = CheckpointManager(memory_root.replace("memory://", "memory:///"))
+    other.delete(1)  # e.g. a run that rolled back: step 1 is gone, then saved anew under its name
+    assert other.save(1, theirs)
+    other.close()
+    assert a.save(2, mine)  # takes the lease again: step 1 is not what A saved any more
+    a.close()
+    r = CheckpointManager(memory_root)
+    t = target_like(mine)
+    assert r.restore(2, t) == 2
+    assert_bitwise_equal(t, mine)
+    t = target_like(theirs)
+    assert r.restore(1, t) == 1
+    assert_bitwise_equal(t, theirs)
+    r.close()
+
+
 def test_the_lease_check_tolerates_one_missed_beat_but_not_the_ttl(memory_root):
     st = Storage(memory_root)
     st.makedirs(st.root)

@@ -65,12 +65,24 @@ class StepStore:
             except LeaseHeldError as exc:  # lost (taken over, or lapsed): give up our claim, then take it again
                 log.warning("%s; taking the writer lease again", exc)
                 self.lease.release()
+                self._forget_root()  # another writer may have held the root meanwhile
         self.lease.acquire(self.lease_timeout)
         self.catalog.enable_cache()
         self.catalog.forget()
         self.recover()
         if not self.keep_incomplete:
             self.in_background(self.cleanup_incomplete)
+
+    def _forget_root(self) -> None:
+        """Forget what this store remembered of the root's steps while it held the lease: a
+        writer that held the root in between may have deleted or re-saved any step under the
+        same name, so an incremental save takes nothing from a step this store committed or
+        restored (the next save is whole), and the highest step is listed again."""
+        reuse = self.memo.reuse
+        if reuse is not None:
+            reuse.forget()
+        self._recall_step, self._recalled = None, True
+        self._top = None
 
     def check_lease(self, step: Optional[int] = None) -> None:
         """Right before a commit or a delete: raise :class:`LeaseHeldError` (of ``step``)
