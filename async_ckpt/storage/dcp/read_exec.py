@@ -163,14 +163,30 @@ def open_checked_ranges(storage: StepFiles, where: str, size: int) -> Any:
 
     Raises:
         CorruptCheckpointError: missing, a directory, or not of ``size`` where the storage knows
-            the size without another request.
+            the size without another request. Its reads raise it too for a file found missing
+            only then (object stores open nothing before the first read).
     """
     with unreadable_is_damage(where):
         reader = storage.open_ranges(where)
     if reader.known_size is not None and reader.known_size != size:
         reader.close()
         raise size_error(where, reader.known_size, size)
-    return reader
+    return _StepFileRanges(reader, where)
+
+
+class _StepFileRanges:
+    """A step file's ranged reader whose reads say a missing file is damage, as opening does."""
+
+    def __init__(self, reader: Any, where: str) -> None:
+        self._reader, self._where = reader, where
+        self.known_size: Optional[int] = reader.known_size
+
+    def read_into(self, start: int, out: memoryview) -> int:
+        with unreadable_is_damage(self._where):
+            return int(self._reader.read_into(start, out))
+
+    def close(self) -> None:
+        self._reader.close()
 
 
 def open_step_file(storage: StepFiles, path: str, name: str, size: int) -> Any:
