@@ -81,6 +81,7 @@ class ManagerOptions:
     frozen_check_every: int = 10
     replicated_saves: bool = True
     replicated_reads: str = "auto"
+    read_only: bool = False
     wall_clock: Callable[[], float] = field(default=time.time)
     interval_clock: Callable[[], float] = field(default=time.monotonic)
 
@@ -132,6 +133,15 @@ class ManagerOptions:
             raise InvalidArgumentError("preemption_signals needs chkpt_on_preemption=True")
         if self.local_dir is not None:
             self._check_local()
+        if not isinstance(self.read_only, bool):
+            raise InvalidArgumentError(f"read_only must be a bool, got {self.read_only!r}")
+        if self.read_only:
+            for name, given in (("local_dir", self.local_dir is not None),
+                                ("chkpt_on_preemption", self.chkpt_on_preemption),
+                                ("stats_log", self.stats_log not in (None, False))):
+                if given:
+                    raise InvalidArgumentError(f"read_only=True: a manager that only lists and restores takes no "
+                                               f"{name}= (it saves nothing); drop {name}= or read_only=")
 
     def _check_frozen(self) -> None:
         """``frozen``: keys (strings) or a callable on a key, with ``incremental``."""

@@ -16,6 +16,7 @@ import logging
 import threading
 from typing import Callable, Dict, List, Optional, Set
 
+from ..errors import StepNotFoundError
 from ..policies import CheckpointInfo, RetentionPolicy, apply_retention
 from ..storage.layout import CheckpointLayout
 
@@ -49,7 +50,10 @@ class StepCatalog:
     def _record(self, step: int) -> Optional[CheckpointInfo]:
         try:
             m = self.layout.read_manifest(step)
-        except Exception as exc:  # damaged or vanished: not a record retention can rely on
+        except StepNotFoundError:  # deleted since it was listed (a live writer's retention): not damage
+            log.debug("step %d is no longer committed", step)
+            return None
+        except Exception as exc:  # damaged: not a record retention can rely on
             log.warning("ignoring step %d: %s", step, exc)
             return None
         return CheckpointInfo(step, m.commit_time, dict(m.metrics), m.nbytes, dict(m.extra))

@@ -22,8 +22,9 @@ their ``state_dict()`` returns, then handed to their ``load_state_dict``.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple, Type
+from typing import AbstractSet, Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple, Type
 
 import torch
 
@@ -34,15 +35,19 @@ from ..errors import (
     PartlyWrittenError,
     StateDictMismatchError,
     StepNotFoundError,
+    StorageError,
     partly_written_error,
     warn_user,
 )
 from ..gc_pause import gc_paused
 from ..storage.dcp import METADATA_NAME, FsspecStorageReader
 from ..storage.dcp.direct import PARTLY_WRITTEN
+from ..storage.layout import DELETED, StepCopy
 from . import phase
 from .coordinator import Coordinator
 from .steps import StepStore
+
+log = logging.getLogger("async_ckpt")
 
 #: How many keys a mismatch report names.
 SHOWN_KEYS = 10
@@ -153,15 +158,21 @@ def mark_written(state_dict: Any) -> None:
                 pass
 
 
-def restore(candidates: Sequence[Candidate], state_dict: Dict[str, Any], *, coord: Coordinator,
+def restore(listing: Callable[[], Sequence[Candidate]], state_dict: Dict[str, Any], *, coord: Coordinator,
             step: Optional[int], verify: bool, allow_pickle: bool, threads: int, planner: Any,
             atomic: bool = False, strict: bool = True, pool: Any = None,
-            key_map: Optional[Mapping[str, str]] = None) -> Candidate:
+            key_map: Optional[Mapping[str, str]] = None) -> Tuple[Candidate, bool]:
     """Every rank: load the first intact candidate into ``state_dict`` in place.
 
+    A copy that a live writer moved, replaced or deleted while it was read is not damage: the
+    restore lists the candidates again and goes on with the newest (``step=None``), or reads
+    the named step where it is now (:class:`StepNotFoundError` once it is deleted), without a
+    warning.
+
     Args:
-        candidates: the copies to try, in order (see :func:`candidates_of` and, over two roots,
-            ``manager.tiered.tier_candidates``); the same list on every rank.
+        listing: lists the copies to try, in order (see :func:`candidates_of` and, over two
+            roots, ``manager.tiered.tier_candidates``); the same list on every rank. Called
+            collectively once, and again after a writer changed a copy being read.
         state_dict: the target.
         coord: the manager's coordinator.
         step: the step asked for (None: the newest commit), for the error messages.
@@ -175,13 +186,16 @@ def restore(candidates: Sequence[Candidate], state_dict: Dict[str, Any], *, coor
         key_map: see :func:`check_key_map`.
 
     Returns:
-        The candidate that was restored.
+        The candidate that was restored, and whether a damaged copy was skipped before it.
 
     Raises:
+        StepNotFoundError: nothing (or not ``step``) is committed, or a writer deleted ``step``
+            while it was read.
         CorruptCheckpointError: no candidate could be restored (a :class:`PartlyWrittenError`
             too when a failed attempt had written into the target).
         PartlyWrittenError: another error after a failed attempt had written into the target.
-        CheckpointError: a failure that is not the copy's fault (raised at once).
+        CheckpointError: a failure that is not the copy's fault (raised at once), or a writer
+            moved or deleted the steps chosen :data:`MAX_RETRIES` times in a row.
     """
     stateful = {k: v for k, v in state_dict.items() if _is_stateful(v)}
     target: Dict[str, Any] = state_dict
@@ -191,7 +205,7 @@ def restore(candidates: Sequence[Candidate], state_dict: Dict[str, Any], *, coor
             target[k] = v.state_dict()
     view, back = (target, None) if not key_map else _remapped(target, key_map)
     try:
-        done = _first_intact(candidates, view, coord, step, verify=verify, allow_pickle=allow_pickle,
+        done, skipped = _first_intact(listing, view, coord, step, verify=verify, allow_pickle=allow_pickle,
                              threads=threads, planner=planner, atomic=atomic, strict=strict,
                              stateful=frozenset(stateful) if back is None else frozenset(), pool=pool)
     except PartlyWrittenError:
@@ -214,7 +228,7 @@ def restore(candidates: Sequence[Candidate], state_dict: Dict[str, Any], *, coor
         local = exc
     # a rank whose load_state_dict() raised: every rank raises, naming it
     phase.everyone(coord, "load_state_dict() of the restored Stateful values", done.step, error=local)
-    return done
+    return done, skipped
 
 
 def as_skipped(problem: str) -> str:
@@ -303,21 +317,93 @@ def _set_path(root: Any, path: Sequence[Any], value: Any) -> None:
             cur = cur[p]
 
 
-def _first_intact(candidates: Sequence[Candidate], state_dict: Dict[str, Any], coord: Coordinator,
-                  step: Optional[int], **opts: Any) -> Candidate:
+#: errors a writer's move or deletion of the copy being read can cause: after one, the restore
+#: asks the layout whether the copy changed (:meth:`~async_ckpt.storage.layout.CheckpointLayout.copy_changed`)
+_MAYBE_MOVED = (CorruptCheckpointError, PartlyWrittenError, StepNotFoundError, StorageError, FileNotFoundError)
+#: times one restore starts again because a writer moved, replaced or deleted the copy it read
+MAX_RETRIES = 10
+
+
+def _writer_changed(c: Candidate, opened: List[StepCopy], coord: Coordinator) -> Optional[str]:
+    """Every rank, after a failed attempt of ``c``: whether a writer moved, replaced or deleted
+    the copy this rank opened (or, where it opened none, the step), by any rank's look; None:
+    no rank saw a change (the failure stands). A look that fails counts as no change."""
+    def look() -> Optional[str]:
+        return c.store.layout.copy_changed(c.step, opened[0] if opened else None)
+
+    try:
+        found = [a for a in phase.everyone(coord, f"checking step {c.step} again", c.step, look) if a]
+    except Exception as exc:  # noqa: BLE001 - the storage cannot tell: the attempt's failure stands
+        log.debug("could not check whether step %d changed: %s", c.step, exc)
+        return None
+    if not found:
+        return None
+    return DELETED if DELETED in found else found[0]
+
+
+def _first_intact(listing: Callable[[], Sequence[Candidate]], state_dict: Dict[str, Any], coord: Coordinator,
+                  step: Optional[int], **opts: Any) -> Tuple[Candidate, bool]:
     """The one "first intact candidate" loop: try each candidate in turn; one that fails with
     one of its ``fallback`` errors is skipped with a warning (its data, where it wrote some, is
-    overwritten by the next attempt); the first that loads is returned."""
+    overwritten by the next attempt); the first that loads is returned, with whether a copy was
+    skipped. A failure of a copy that a writer moved, replaced or deleted meanwhile is no
+    damage: the named step is read again where it is now (:class:`StepNotFoundError` once it
+    is deleted); for ``step=None`` the candidates are listed again, and the newest that exists
+    is tried next."""
     errors: List[BaseException] = []
     failed: List[Candidate] = []  # the candidate of each error
-    written: Dict[str, int] = {}  # key -> the damaged step whose failed attempt last (partly) wrote it
+    written: Dict[str, int] = {}  # key -> the step whose failed attempt last (partly) wrote it
     first: Optional[PartlyWrittenError] = None  # the first such attempt's error
     copies: Dict[int, str] = {}  # damaged step -> which copy of it wrote
-    for c in candidates:
+    moved: Set[int] = set()  # steps whose failed attempt read a copy a writer changed meanwhile
+    damaged: Set[Tuple[int, int]] = set()  # (id of its store, step) of each damaged copy
+    retries = 0
+    queue = list(listing())
+    i = 0
+    while i < len(queue):
+        c = queue[i]
         covered: Set[str] = set()
+        opened: List[StepCopy] = []
         try:
-            _attempt(c, state_dict, coord, covered, opts)
-        except c.fallback as exc:
+            _attempt(c, state_dict, coord, covered, opts, opened)
+        except Exception as exc:
+            why = _writer_changed(c, opened, coord) if isinstance(exc, _MAYBE_MOVED) else None
+            if why is not None:  # a live writer's doing: not damage, never warned about
+                log.info("step %d %s while it was read; %s", c.step, why,
+                         "reading it again" if step is not None and why != DELETED else "listing the steps again")
+                if isinstance(exc, PartlyWrittenError):
+                    written.update(dict.fromkeys(covered, c.step))
+                    moved.add(c.step)
+                    first = first or exc
+                retries += 1
+                problem: Optional[CheckpointError] = None
+                if step is not None and why == DELETED:
+                    problem = StepNotFoundError(f"step {step} {why} under {c.store.storage.url} while it was being "
+                                                f"restored (a live writer's retention or delete())", step=step)
+                elif retries > MAX_RETRIES:
+                    problem = CheckpointError(
+                        f"the steps under {c.store.storage.url} were moved, saved again or deleted by a live writer "
+                        f"{retries} times while this restore read them (last: step {c.step} {why}): its retention "
+                        "drops steps faster than they can be read here; keep more steps (max_to_keep) or save less "
+                        "often", step=c.step)
+                if problem is not None:
+                    if first is None:
+                        raise problem from exc
+                    raise _after_partial_write(problem, written, first, moved) from exc
+                if step is None:  # the newest copy that exists now (the damaged ones excepted)
+                    try:
+                        queue, i = [x for x in listing() if (id(x.store), x.step) not in damaged], 0
+                    except CheckpointError as gone:  # nothing committed any more, say
+                        if first is None:
+                            raise
+                        raise _after_partial_write(gone, written, first, moved) from gone
+                continue  # a named step: its copy where it is now
+            if not isinstance(exc, c.fallback):
+                if first is None:
+                    raise
+                if isinstance(exc, PartlyWrittenError):  # this attempt wrote into the target too
+                    written.update(dict.fromkeys(covered, c.step))
+                raise _after_partial_write(exc, written, first, moved) from exc
             # over two roots, what failed (damage, a storage error), as the text says it: the
             # partly-written sense is replaced (as_skipped), so is its class
             kind = next(k for k in type(exc).__mro__ if not issubclass(k, PartlyWrittenError)).__name__
@@ -325,41 +411,40 @@ def _first_intact(candidates: Sequence[Candidate], state_dict: Dict[str, Any], c
             warn_user(f"skipping {c.label}: {kind}{as_skipped(str(exc))}", RuntimeWarning)
             errors.append(exc)
             failed.append(c)
+            damaged.add((id(c.store), c.step))
             if isinstance(exc, PartlyWrittenError):
                 written.update(dict.fromkeys(covered, c.step))
+                moved.discard(c.step)
                 copies[c.step] = c.copy
                 first = first or exc
+            i += 1
             continue
-        except Exception as exc:
-            if first is None:
-                raise
-            if isinstance(exc, PartlyWrittenError):  # this attempt wrote into the target too
-                written.update(dict.fromkeys(covered, c.step))
-            raise _after_partial_write(exc, written, first) from exc
-        _warn_left_over(written, covered, c.step, copies)
-        return c
-    where = " or ".join(dict.fromkeys(c.store.storage.url for c in candidates))
+        _warn_left_over(written, covered, c.step, copies, moved)
+        return c, bool(failed)
+    where = " or ".join(dict.fromkeys(c.store.storage.url for c in queue))
     what = "no committed step" if step is None else f"no copy of step {step}"
+    if not errors:  # every copy listed again was found damaged before: as they were
+        raise StepNotFoundError(f"{what} under {where}", step=step)
     # over two roots each other copy's problem too (another file, another root): not only the first
     others = "".join(f"; {f.label}: {str(e).replace(f'; {PARTLY_WRITTEN}', '')}"
                      for f, e in list(zip(failed, errors))[1:5] if f.copy)
     final = CorruptCheckpointError(f"{what} under {where} passed verification; newest error: {errors[0]}{others}",
-                                   step=candidates[0].step)
+                                   step=failed[0].step)
     final.__cause__ = errors[0]
     if first is None:
         raise final
-    raise _after_partial_write(final, written, first) from final
+    raise _after_partial_write(final, written, first, moved) from final
 
 
 def _attempt(c: Candidate, state_dict: Dict[str, Any], coord: Coordinator, covered: Set[str],
-             opts: Dict[str, Any]) -> None:
+             opts: Dict[str, Any], opened: List[StepCopy]) -> None:
     """Load one candidate (its check first). Own copies: every rank learns whether every
     rank's copy loaded; a rank whose copy failed raises its error, the others a
     :class:`CorruptCheckpointError` naming it (both send every rank on to the next candidate)."""
     if not c.own_copy or coord.world_size == 1:
         if c.check is not None:
             c.check()
-        _restore_one(c.store, c.step, state_dict, covered=covered, **opts)
+        _restore_one(c.store, c.step, state_dict, covered=covered, opened=opened, **opts)
         return
     mine: Optional[BaseException] = None
 
@@ -368,7 +453,7 @@ def _attempt(c: Candidate, state_dict: Dict[str, Any], coord: Coordinator, cover
         try:
             if c.check is not None:
                 c.check()
-            _restore_one(c.store, c.step, state_dict, covered=covered, **opts)
+            _restore_one(c.store, c.step, state_dict, covered=covered, opened=opened, **opts)
         except c.fallback as exc:
             mine = exc
             return f"rank {coord.rank}: {type(exc).__name__}: {exc}"
@@ -381,25 +466,37 @@ def _attempt(c: Candidate, state_dict: Dict[str, Any], coord: Coordinator, cover
         raise CorruptCheckpointError(f"step {c.step}: " + "; ".join(unusable), step=c.step)
 
 
-def _after_partial_write(exc: Exception, written: Dict[str, int], first: PartlyWrittenError) -> PartlyWrittenError:
+def _after_partial_write(exc: Exception, written: Dict[str, int], first: PartlyWrittenError,
+                         moved: AbstractSet[int] = frozenset()) -> PartlyWrittenError:
     """The error to raise for ``exc``, raised after an earlier attempt partly wrote the target
     (``first``: that attempt's error): a :class:`PartlyWrittenError` whose cause is ``exc``, whose
-    message names the damaged step(s) and whose ``keys_left`` are the keys written by them."""
+    message names the damaged step(s) (and those ``moved``: read while a writer changed them)
+    and whose ``keys_left`` are the keys written by them."""
     damaged = sorted(set(written.values()) | set(first.damaged_steps) | set(getattr(exc, "damaged_steps", ())),
                      reverse=True) or ([first.step] if first.step is not None else [])
     if isinstance(exc, PartlyWrittenError):  # its message says so already: name the earlier step(s) only
         earlier = [d for d in damaged if d != exc.step]
-        text = f"so was it by the earlier attempt of damaged step {', '.join(map(str, earlier))}"
+        text = f"so was it by the earlier attempt of {_steps_named(earlier, moved)}"
     else:
-        text = (f"the target state dict was partly written with the data of damaged step "
-                f"{', '.join(map(str, damaged))} by an earlier attempt and must not be used as is; "
-                "restore(..., atomic=True) leaves it untouched on failure")
+        text = (f"the target state dict was partly written with the data of {_steps_named(damaged, moved)} by an "
+                "earlier attempt and must not be used as is; restore(..., atomic=True) leaves it untouched on failure")
     what = str(exc) if isinstance(exc, CheckpointError) else f"restore failed ({type(exc).__name__}: {exc})"
     return partly_written_error(f"{what}; {text}", step=exc.step if isinstance(exc, CheckpointError) else None,
                                 cause=exc, damaged_steps=damaged, keys_left=sorted(written))
 
 
-def _warn_left_over(written: Dict[str, int], covered: Set[str], step: int, copies: Dict[int, str]) -> None:
+def _steps_named(steps: Sequence[int], moved: AbstractSet[int]) -> str:
+    """``"damaged step 5, 4"``, and the steps a writer changed while they were read as such."""
+    bad = [s for s in steps if s not in moved]
+    raced = [s for s in steps if s in moved]
+    parts = [f"damaged step {', '.join(map(str, bad))}"] if bad else []
+    if raced:
+        parts.append(f"step {', '.join(map(str, raced))} (a live writer moved or deleted it while it was read)")
+    return " and ".join(parts)
+
+
+def _warn_left_over(written: Dict[str, int], covered: Set[str], step: int, copies: Dict[int, str],
+                    moved: AbstractSet[int] = frozenset()) -> None:
     """Warn about the keys a damaged step's failed attempt wrote that ``step`` (restored in the
     end, ``strict=False``) did not overwrite: they hold the damaged step's data (``copies``:
     which copy of each damaged step wrote them, where there are several roots)."""
@@ -409,23 +506,29 @@ def _warn_left_over(written: Dict[str, int], covered: Set[str], step: int, copie
             left.setdefault(s, []).append(k)
     for s, keys in sorted(left.items(), reverse=True):
         copy = f" ({copies[s]})" if copies.get(s) else ""
-        warn_user(f"restored step {step}, which lacks keys that the failed restore of damaged step "
-                  f"{s}{copy} had partly written: they hold data of damaged step {s}, not of step {step} "
-                  f"(a key the restored step lacks may hold a damaged step's data): {_keys(keys)}", RuntimeWarning)
+        named = _steps_named([s], moved)
+        warn_user(f"restored step {step}, which lacks keys that the failed restore of {named}{copy} had partly "
+                  f"written: they hold data of step {s}, not of step {step} (a key the restored step lacks may "
+                  f"hold a failed attempt's data): {_keys(keys)}", RuntimeWarning)
 
 
 def _restore_one(store: StepStore, step: int, state_dict: Dict[str, Any], *, verify: bool, allow_pickle: bool,
                  threads: int, planner: Any, atomic: bool, strict: bool, stateful: frozenset,
-                 pool: Any = None, covered: Optional[Set[str]] = None) -> None:
+                 pool: Any = None, covered: Optional[Set[str]] = None,
+                 opened: Optional[List[StepCopy]] = None) -> None:
     """Check and load ``step`` into ``state_dict``; ``covered`` gets the keys of
-    ``state_dict`` the step holds (those its load writes), once they are known."""
+    ``state_dict`` the step holds (those its load writes), once they are known, and ``opened``
+    the copy this rank opened."""
     coord = store.coordinator
     added: List[tuple] = []
     local: Optional[BaseException] = None
     manifest = metadata = None
     path = store.layout.step_dir(step)
     try:
-        path, manifest = store.layout.open_step(step)
+        copy = store.layout.open_copy(step)
+        if opened is not None:
+            opened.append(copy)
+        path, manifest = copy.where, copy.manifest
         if METADATA_NAME not in manifest.files:
             raise CorruptCheckpointError(f"step {step}: manifest lists no {METADATA_NAME}", step=step, path=path)
         reader = FsspecStorageReader(store.storage, path, files=manifest.files, verify=verify, threads=threads,

@@ -227,6 +227,13 @@ class CheckpointManager:
             the manager's gloo group (CRC-checked after the transfer); ``"every_rank"``: each
             rank reads it; ``"auto"`` (default): once on object stores and other remote
             filesystems, every rank on local paths (re-reads hit the page cache).
+        read_only: a manager that only lists and restores (an evaluation job following a live
+            run, a dashboard): it never creates, writes or deletes anything under ``path``, takes
+            no writer lease, and ``save``/``save_async``/``delete``/``promote`` raise
+            :class:`CheckpointError`. A root that does not exist yet opens all the same (it
+            lists no step); :meth:`wait_for_step` waits for the writer's next commit. Not with
+            ``local_dir``, ``chkpt_on_preemption`` or ``stats_log`` (see docs/reliability.md,
+            "Reading a live run").
         wall_clock: the clock of the commit times recorded in manifests (default
             ``time.time``; commit order survives it stepping back).
         interval_clock: the clock time-based save policies measure intervals with (the times
@@ -276,6 +283,7 @@ class CheckpointManager:
         frozen_check_every: int = 10,
         replicated_saves: bool = True,
         replicated_reads: str = "auto",
+        read_only: bool = False,
         wall_clock: Callable[[], float] = time.time,
         interval_clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -288,8 +296,8 @@ class CheckpointManager:
             lease_timeout=lease_timeout, collective_timeout_s=collective_timeout_s, local_dir=local_dir,
             local_policy=local_policy, local_retention=local_retention, incremental=incremental,
             full_every=full_every, frozen=frozen, frozen_check_every=frozen_check_every,
-            replicated_saves=replicated_saves, replicated_reads=replicated_reads, wall_clock=wall_clock,
-            interval_clock=interval_clock)
+            replicated_saves=replicated_saves, replicated_reads=replicated_reads, read_only=read_only,
+            wall_clock=wall_clock, interval_clock=interval_clock)
         #: the validated options this manager was built from
         self.options = opts
         self._preemption: Optional[PreemptionTracker] = None
@@ -358,9 +366,11 @@ class CheckpointManager:
                 self._describe_root()
             # Created and checked when possible; a read-only root (an evaluation job's credential
             # or mount) opens all the same, for listing and restoring: the first save checks again.
-            self._writable = self._check_writable(quiet=True)
-            if not self._writable and self._local is None:
-                self._check_readable()
+            # A read_only manager creates and checks nothing (the root may not exist yet).
+            if not opts.read_only:
+                self._writable = self._check_writable(quiet=True)
+                if not self._writable and self._local is None:
+                    self._check_readable()
             if self._preemption is not None:
                 self._preemption.watcher.install()
         except BaseException:  # a refused manager leaves no thread behind
@@ -595,7 +605,8 @@ class CheckpointManager:
             LeaseHeldError: another live writer holds the root's writer lease.
             StorageError: the root cannot be reached (without a local tier).
             CheckpointError: an earlier background save failed (its error, raised once), the
-                state dict cannot be staged, or another rank could not save the step.
+                state dict cannot be staged, another rank could not save the step, or the
+                manager is ``read_only``.
         """
         return self._save(step, state_dict, force, metrics, wait=False, lazy=self.lazy if lazy is None else lazy)
 
@@ -629,7 +640,8 @@ class CheckpointManager:
             LeaseHeldError: another live writer holds the root's writer lease.
             StorageError: the root cannot be reached (without a local tier).
             CheckpointError: an earlier background save failed (its error, raised once), the
-                state dict cannot be staged, or another rank could not save the step.
+                state dict cannot be staged, another rank could not save the step, or the
+                manager is ``read_only``.
         """
         return self._save(step, state_dict, force, metrics, wait=True)
 
@@ -644,6 +656,7 @@ class CheckpointManager:
         error, the others a ``CheckpointError`` naming it. A step due for several tiers is
         staged once; each tier's writer writes the snapshot."""
         self._check_open()
+        self._check_writer("save")
         alone = self._coord.world_size == 1
         invalid: Optional[Exception] = None
         try:
@@ -959,15 +972,15 @@ class CheckpointManager:
                     atomic=atomic, strict=strict, pool=self.stager.pool, key_map=key_map)
         t0 = time.perf_counter()
         if self._local is None:
-            candidates = candidates_of(self._persistent.store, step)
+            listing = functools.partial(candidates_of, self._persistent.store, step)
         else:
-            candidates = tier_candidates(self.roots, self._coord, step)
-        done = _restore(candidates, state_dict, coord=self._coord, step=step, **opts)
+            listing = functools.partial(tier_candidates, self.roots, self._coord, step)
+        done, skipped = _restore(listing, state_dict, coord=self._coord, step=step, **opts)
         s = done.step
         where = done.store.storage.url
         if self._local is not None:
             where = f"the {LOCAL if done.store is self._local.store else PERSISTENT} tier ({where})"
-            if done is not candidates[0]:  # an earlier copy was skipped: say which one was used
+            if skipped:  # an earlier copy was skipped: say which one was used
                 log.warning("restored step %d from %s", s, where)
         self._restored = s
         for root in self.roots:  # incremental saves compare with the step just read and verified, where it was read
@@ -1054,6 +1067,63 @@ class CheckpointManager:
         steps = self.all_steps()  # only steps whose manifests do not read
         return steps[-1] if steps else None
 
+    def wait_for_step(self, after: Optional[int] = None, *, timeout: float, poll_s: float = 1.0) -> Optional[int]:
+        """Wait until a live writer commits a new step: for an evaluation job following a run.
+
+        Lists the root every ``poll_s`` seconds (a listing only; the manifests are read when the
+        steps listed change). With several ranks rank 0 lists and every rank gets its answer.
+        Then ``restore(None, ...)`` loads the newest step that exists when it reads (it may be
+        newer still; retention may have dropped the one returned here meanwhile): see
+        docs/reliability.md, "Reading a live run".
+
+        Args:
+            after: the step last seen (e.g. the one last restored); None: any committed step.
+            timeout: seconds to wait at most (``math.inf``: no bound).
+            poll_s: seconds between listings.
+
+        Returns:
+            The most recently committed step, as soon as it is higher than ``after``, or is
+            another step committed while this call waited (a run that rolled back saves lower
+            steps); None when no such step came within ``timeout``.
+
+        Raises:
+            InvalidStepError: ``after`` is not a step (an int >= 0).
+            InvalidArgumentError: ``timeout`` / ``poll_s`` is not a number of seconds (>= 0, > 0).
+            StorageError: the root could not be listed (after retries).
+        """
+        self._check_process()
+        if after is not None:
+            after = check_step(after)
+        for name, v, least in (("timeout", timeout, 0.0), ("poll_s", poll_s, None)):
+            if (not isinstance(v, (int, float)) or isinstance(v, bool) or v != v
+                    or (v < least if least is not None else v <= 0) or (name == "poll_s" and v == float("inf"))):
+                raise InvalidArgumentError(f"wait_for_step: {name} must be a number of seconds "
+                                           f"{'>= 0' if least is not None else '> 0'}, got {v!r}")
+        deadline = time.monotonic() + timeout
+        state: Dict[str, Any] = {"listed": None, "start": None, "first": True}
+
+        def look() -> Tuple[Optional[int], bool]:  # rank 0: (a new step, whether to stop waiting)
+            listed = tuple(tuple(r.store.layout.committed_steps()) for r in self.roots)
+            if listed != state["listed"]:
+                state["listed"] = listed
+                records = commit_records(self.roots)
+                newest = records[-1] if records else None
+                if state["first"]:
+                    state["start"] = newest
+                start = state["start"]
+                if newest is not None and (after is None or newest.step > after or (
+                        not state["first"] and newest.step != after
+                        and (start is None or newest.commit_time > start.commit_time))):
+                    return newest.step, True
+            state["first"] = False
+            return None, time.monotonic() >= deadline
+
+        while True:
+            found, stop = phase.primary(self._coord, "listing the committed steps", None, look)
+            if stop:
+                return found
+            time.sleep(max(0.0, min(poll_s, deadline - time.monotonic())))
+
     def metrics(self, step: int) -> Dict[str, float]:
         """The metrics stored with a committed step (of its newest save, over the roots).
 
@@ -1090,8 +1160,10 @@ class CheckpointManager:
         Raises:
             StepNotFoundError: the step is not committed.
             LeaseHeldError: another writer holds the root's writer lease.
+            CheckpointError: the manager is ``read_only``.
         """
         self._check_open()
+        self._check_writer("delete")
         invalid: Optional[Exception] = None
         try:
             step = check_step(step)
@@ -1129,12 +1201,13 @@ class CheckpointManager:
             The steps ``path``'s retention then dropped (logged too).
 
         Raises:
-            CheckpointError: no local tier, several ranks, another job's copy, or the step is
-                already committed under ``path``.
+            CheckpointError: no local tier, several ranks, another job's copy, the step is
+                already committed under ``path``, or the manager is ``read_only``.
             StepNotFoundError: the local tier does not hold the step.
             CorruptCheckpointError: a local file is not as its manifest says.
         """
         self._check_open()
+        self._check_writer("promote")
         step = check_step(step)
         local = self._local
         if local is None:
@@ -1304,6 +1377,12 @@ class CheckpointManager:
         self._check_process()
         if self._closed:
             raise CheckpointError("this CheckpointManager is closed")
+
+    def _check_writer(self, what: str) -> None:
+        if self.options.read_only:
+            raise CheckpointError(f"{what}: this CheckpointManager of {self.storage.url} was opened with "
+                                  f"read_only=True: it lists and restores only (open one without read_only to "
+                                  f"{what})")
 
     def _describe_root(self) -> None:
         """Say at INFO that the root is new or empty (a typo'd path would otherwise restart a

@@ -10,6 +10,13 @@ manifest is the step; the other is cleaned up by the next writer. So a re-save i
 any point leaves the old or the new copy restorable, never neither. Restore then checks that
 the marker vouches for the manifest and the manifest for every file.
 
+A live writer moves and deletes steps while others read them (a rename commit puts
+``.tmp-<step>-<token>/`` in place, retention unmarks a step, then deletes its files). A reader
+opens a step's committed copy with :meth:`CheckpointLayout.open_copy`, which opens it again
+where it is now when it moved meanwhile, and after a failed read asks
+:meth:`CheckpointLayout.copy_changed` whether the copy it opened is still the step's committed
+copy: a failure of a copy that a writer moved, replaced or deleted is never damage.
+
 On local paths a step, re-save, temp or trash directory that is a symbolic link is *foreign*:
 it is never listed as committed, restored, recovered, cleaned up or deleted (deleting "through"
 it would remove whatever it points to), and writing a step whose directory is a link is refused.
@@ -17,6 +24,7 @@ it would remove whatever it points to), and writing a step whose directory is a 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Set, Tuple
 
 from ..errors import (
@@ -31,11 +39,53 @@ from .commit import CommitProtocol, MarkerCommit, RenameCommit, StepTarget
 from .manifest import MANIFEST_NAME, MARKER_NAME, PENDING_NAME, Manifest, check_marker
 from .storage import MISSING, Storage
 
-__all__ = ["ABORT_WAIT_S", "COMMIT_MODES", "CheckpointLayout", "StepTarget"]
+__all__ = ["ABORT_WAIT_S", "COMMIT_MODES", "DELETED", "CheckpointLayout", "StepCopy", "StepTarget"]
 
 COMMIT_MODES = ("auto", "rename", "marker")
 #: seconds a failed step's clean-up waits for each deletion on remote storage (one attempt; none after one timed out)
 ABORT_WAIT_S = 5.0
+#: times :meth:`CheckpointLayout.open_copy` opens a step again that a writer moved while it was opened
+OPEN_ATTEMPTS = 5
+#: :meth:`CheckpointLayout.copy_changed`'s answer for a step that is no longer committed
+DELETED = "was deleted"
+
+
+@dataclass(frozen=True)
+class StepCopy:
+    """The committed copy of a step as a reader opened it.
+
+    Attributes:
+        step: the step.
+        where: its directory when it was opened.
+        manifest: its manifest (checked against the marker).
+        marker: the marker's bytes (they vouch for the manifest, so they name this save of the step).
+    """
+
+    step: int
+    where: str
+    manifest: Manifest
+    marker: bytes
+
+
+#: times a local listing is taken again because the directory changed while it was read
+LIST_ATTEMPTS = 3
+
+
+def _listdir_settled(path: str) -> List[str]:
+    """``os.listdir(path)``, taken again (up to :data:`LIST_ATTEMPTS` times) while the directory
+    changed during the listing: ``readdir`` concurrent with a rename in the directory (a writer's
+    rename commit) may return neither the old name nor the new one."""
+    import os
+
+    names: List[str] = []
+    for _ in range(LIST_ATTEMPTS):
+        before = os.stat(path)
+        names = os.listdir(path)
+        after = os.stat(path)
+        if (before.st_mtime_ns, before.st_ctime_ns, before.st_ino) == (after.st_mtime_ns, after.st_ctime_ns,
+                                                                      after.st_ino):
+            break
+    return names
 
 
 class CheckpointLayout:
@@ -86,7 +136,7 @@ class CheckpointLayout:
             import os
 
             try:
-                names = os.listdir(st.root)
+                names = _listdir_settled(st.root)
             except FileNotFoundError:
                 return {}
             for n in names:
@@ -133,9 +183,23 @@ class CheckpointLayout:
         """Steps with a committed copy, ascending."""
         return sorted(self._marked())
 
+    def _copies(self, step: int) -> List[str]:
+        """Names of ``step``'s marked directories (as :meth:`_marked`). A listing that runs while
+        a writer renames a directory may miss it (``readdir`` may return neither name): when it
+        finds none on a local path, the canonical directory, where a rename commit puts the
+        step, is checked directly."""
+        names = self._marked().get(step)
+        if names:
+            return names
+        st = self.storage
+        final = self.step_dir(step)
+        if st.is_local and not st.is_link(final) and st.exists(f"{final}/{MARKER_NAME}"):
+            return [step_names.step_name(step)]
+        return []
+
     def locate(self, step: int) -> str:
         """The directory of ``step``'s committed copy; :class:`StepNotFoundError` if none."""
-        names = self._marked().get(step)
+        names = self._copies(step)
         if not names:
             raise StepNotFoundError(f"no committed checkpoint for step {step} under {self.storage.url}", step=step)
         return self.storage.join(self._choose(names)[0])
@@ -278,17 +342,93 @@ class CheckpointLayout:
 
     # ---- reading -----------------------------------------------------------------------------
     def read_manifest(self, step: int) -> Manifest:
-        """The manifest of a committed step, checked against its marker."""
-        return self.open_step(step)[1]
+        """The manifest of a committed step, checked against its marker (see :meth:`open_copy`)."""
+        return self.open_copy(step).manifest
 
     def open_step(self, step: int) -> Tuple[str, Manifest]:
-        """(directory, manifest) of a committed step, the manifest checked against its marker.
+        """(directory, manifest) of a committed step (see :meth:`open_copy`)."""
+        c = self.open_copy(step)
+        return c.where, c.manifest
 
-        A marker or manifest that is a directory, or a link leading out of the step directory,
-        is damage (:class:`CorruptCheckpointError`); a step directory that is a link is not a
-        committed step (:class:`StepNotFoundError`).
+    def open_copy(self, step: int) -> StepCopy:
+        """The committed copy of ``step``: its directory, its manifest checked against its marker,
+        and the marker.
+
+        A copy that a writer moves while it is opened (a rename commit puts its temporary
+        directory in place; a re-save replaces it) is opened again where the step is now; one
+        that a writer deletes meanwhile raises :class:`StepNotFoundError`, as a step that is not
+        committed does. Only a failure of a copy that stayed where it was is damage.
+
+        Args:
+            step: the step.
+
+        Returns:
+            The copy.
+
+        Raises:
+            StepNotFoundError: ``step`` is not committed (or a step directory that is a link).
+            CorruptCheckpointError: the marker or manifest is missing, unreadable, does not match
+                the other, or is a directory or a link leading out of the step directory.
         """
-        where = self.locate(step)
+        for attempt in range(OPEN_ATTEMPTS):
+            where = self.locate(step)
+            seen: List[bytes] = []  # the marker, once read
+            try:
+                return self._open_at(step, where, seen)
+            except (StepNotFoundError, CorruptCheckpointError):
+                marker = seen[0] if seen else None
+                if attempt == OPEN_ATTEMPTS - 1 or not self._moved(step, where, marker):
+                    raise
+        raise AssertionError("unreachable")
+
+    def _moved(self, step: int, where: str, marker: Optional[bytes]) -> bool:
+        """Whether ``step``'s committed copy is no longer the one at ``where`` whose marker was
+        ``marker`` (None: not read; then: whether ``where`` still holds a marker)."""
+        names = self._copies(step)
+        if not names or self.storage.join(self._choose(names)[0]) != where:
+            return True
+        now = self._marker_at(where)
+        return now is None if marker is None else now != marker
+
+    def _marker_at(self, where: str) -> Optional[bytes]:
+        """The marker in ``where`` now (None: there is none; a marker that cannot be a file, a
+        directory say, as the text of its problem)."""
+        kpath = f"{where}/{MARKER_NAME}"
+        problem = self.storage.file_problem(kpath, where)
+        if problem is not None:
+            return None if problem.startswith(MISSING) else problem.encode()
+        try:
+            return self.storage.read_bytes(kpath)
+        except FileNotFoundError:
+            return None
+
+    def copy_changed(self, step: int, opened: Optional[StepCopy]) -> Optional[str]:
+        """After a failed read of ``opened``: whether a writer moved, replaced or deleted it since
+        (the failure is then the writer's doing, not damage).
+
+        Args:
+            step: the step.
+            opened: the copy that was read (None: the step could not be opened).
+
+        Returns:
+            None when ``opened`` is still the step's committed copy (or, for None, the step is
+            still committed); :data:`DELETED` when the step is no longer committed; else what
+            happened to the copy (``"was moved"``, ``"was saved again"``).
+        """
+        names = self._copies(step)
+        if not names:
+            return DELETED
+        if opened is None:
+            return None
+        where = self.storage.join(self._choose(names)[0])
+        marker = self._marker_at(where)
+        if marker is None:  # unmarked since it was listed: being deleted
+            return DELETED if not self._copies(step) else "was moved"
+        if marker != opened.marker:
+            return "was saved again"
+        return None if where == opened.where else "was moved"
+
+    def _open_at(self, step: int, where: str, seen: List[bytes]) -> StepCopy:
         st = self.storage
         kpath = f"{where}/{MARKER_NAME}"
         problem = st.file_problem(kpath, where)
@@ -301,6 +441,7 @@ class CheckpointLayout:
         except FileNotFoundError:
             raise StepNotFoundError(f"no committed checkpoint for step {step} under {st.url}",
                                     step=step) from None
+        seen.append(marker)
         mpath = f"{where}/{MANIFEST_NAME}"
         problem = st.file_problem(mpath, where)
         if problem is not None:
@@ -319,7 +460,7 @@ class CheckpointLayout:
             raise CorruptCheckpointError(f"step {step}: {exc}", step=step, path=exc.path) from exc
         if m.step != step:
             raise CorruptCheckpointError(f"step {step}: {mpath}: manifest says step {m.step}", step=step, path=mpath)
-        return where, m
+        return StepCopy(step, where, m, marker)
 
     def check_step(self, step: int) -> Tuple[Manifest, Dict[str, str]]:
         """A cheap check of a committed step that reads no data: the marker must vouch for the

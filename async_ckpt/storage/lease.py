@@ -24,7 +24,7 @@ import uuid
 import weakref
 from typing import Any, Callable, Dict, Optional, Protocol
 
-from ..errors import InvalidArgumentError, LeaseHeldError, StorageError
+from ..errors import InvalidArgumentError, LeaseHeldError
 from .backends.posix import open_own_file
 from .storage import Storage
 
