@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import shutil
+import time
 import warnings
 
 import pytest
@@ -496,3 +497,49 @@ def test_local_dir_that_is_path_spelled_another_way_is_refused(tmp_path, monkeyp
     with pytest.raises(ValueError, match="must not be the same directory"):
         CheckpointManager(f"file://{tmp_path}/local/../bucket/x", local_dir=str(bucket))
     CheckpointManager(str(bucket), local_dir=str(tmp_path / "bucket2")).close()  # a sibling is fine
+
+
+def test_a_busy_bucket_takes_the_newest_skipped_local_copy_at_its_next_free_slot(tmp_path, caplog):
+    """Default max_pending_async=1, a fast loop, a bucket slower than the loop: every save while
+    the upload of step 0 runs skips the bucket; once it ends, the same upload slot takes the
+    newest local copy (promoted in the background). The bucket is never more than one upload
+    behind, and the statistics say how far behind it was."""
+    bucket = f"faulty://{tmp_path}/bucket"  # the object stores' code paths, over local files
+    local = str(tmp_path / "local")
+    mgr = CheckpointManager(bucket, max_to_keep=3, local_dir=local, local_policy=1, local_retention=2)
+    stuck = mgr.storage.fs.inject("write", "*.distcp", "hang", times=1)
+    try:
+        with caplog.at_level(logging.INFO, logger="async_ckpt"):
+            assert mgr.save_async(0, state(0))
+            assert stuck.reached.wait(30)  # step 0's upload holds the bucket's only slot
+            for s in range(1, 10):
+                assert mgr.save_async(s, state(s))
+            assert mgr.skipped_uploads == list(range(1, 10))
+            deadline = time.monotonic() + 30  # the local saves commit meanwhile
+            while not any(st.step == 9 for st in list(mgr.stats)) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            stuck.release.set()
+            mgr.join()
+        assert mgr.step_tiers()[9] == ("local", "persistent")  # the newest local copy reached the bucket
+        bucket_steps = sorted(int(n) for n in os.listdir(tmp_path / "bucket") if n.isdigit())
+        assert bucket_steps == [0, 9]
+        warned = [r for r in caplog.records if r.levelno >= logging.WARNING and "not uploaded" in r.getMessage()]
+        assert len(warned) == 1  # one warning while the upload ran, not one per step
+        by_tier = {(st.step, st.extra.get("tier")): st for st in mgr.stats}
+        assert by_tier[(0, "persistent")].extra["upload_lag"] == 0
+        # saves the bucket did not hold yet (step 0's upload had not landed: all of them)
+        assert [by_tier[(s, "local")].extra["upload_lag"] for s in (5, 9)] == [6, 10]
+        assert by_tier[(9, "local")].extra["upload_lag_s"] is None  # (seconds behind: none there to compare with)
+        up = by_tier[(9, "persistent")]
+        assert up.extra["caught_up"] and up.extra["upload_lag"] == 0 and up.durable_s > 0
+        # a later upload finds the bucket caught up: nothing skipped, nothing behind
+        assert mgr.save(10, state(10))
+        assert by_tier[(9, "persistent")] in mgr.stats and mgr.stats[-1].extra["upload_lag"] == 0
+    finally:
+        stuck.release.set()
+        mgr.close()
+    with CheckpointManager(bucket) as again:  # the bucket alone restores the newest caught-up step
+        assert again.all_steps() == [0, 9, 10]
+        out = zeros()
+        assert again.restore(9, out) == 9
+        assert_bitwise_equal(out, state(9))

@@ -12,9 +12,10 @@ that only read list the storage every time.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
-from typing import Callable, Dict, List, Optional, Set
+from typing import Callable, Dict, Iterator, List, Optional, Set
 
 from ..errors import StepNotFoundError
 from ..policies import CheckpointInfo, RetentionPolicy, apply_retention
@@ -38,6 +39,7 @@ class StepCatalog:
         self._changed = threading.Condition(self._lock)
         self._inflight: Dict[int, str] = {}  # step -> directory being written ("" before it exists)
         self._deleting: Set[int] = set()
+        self._held: Dict[int, int] = {}  # step -> readers that retention must not pull it from under
         self._infos: Optional[Dict[int, CheckpointInfo]] = None  # cache (writer only)
         self._gen = 0  # bumped by every commit and deletion, so a stale listing is never cached
         self._cache = False
@@ -116,8 +118,23 @@ class StepCatalog:
             return {p for p in self._inflight.values() if p}
 
     def in_flight(self) -> Set[int]:
+        """Steps being written, and steps :meth:`hold` holds: retention drops none of them."""
         with self._lock:
-            return set(self._inflight)
+            return set(self._inflight) | set(self._held)
+
+    @contextlib.contextmanager
+    def hold(self, step: int) -> Iterator[None]:
+        """Keep retention from dropping ``step`` while this process reads it (a promotion
+        copying it to another root); a pass that would have dropped it drops it after."""
+        with self._lock:
+            self._held[step] = self._held.get(step, 0) + 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._held[step] -= 1
+                if not self._held[step]:
+                    del self._held[step]
 
     def next_commit_time(self, at: Optional[float] = None) -> float:
         """Now (or ``at``), or just after the newest commit this catalog knows (commit times

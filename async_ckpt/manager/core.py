@@ -65,6 +65,7 @@ from .schedule import Due, RootState, due_at
 from .tiered import (
     PERSISTENT_ROOT,
     SAVE_ID,
+    UploadCatchUp,
     commit_records,
     foreign_steps,
     held_steps,
@@ -73,6 +74,7 @@ from .tiered import (
     out_of_space,
     promote,
     refuse_foreign_save,
+    save_number,
     space_needed,
     step_metrics,
     tier_candidates,
@@ -192,7 +194,10 @@ class CheckpointManager:
             A ``save_async`` due for ``path`` while its upload slots are busy (a slow or
             unreachable bucket) does not wait: that step is saved to ``local_dir`` only, with
             a warning, listed in :attr:`skipped_uploads` and marked ``upload_skipped`` in its
-            :class:`SaveStats` (one process; with several ranks the save waits for the slot).
+            :class:`SaveStats` (one process; with several ranks the save waits for the slot);
+            when the running upload ends, the same slot uploads the newest skipped step's local
+            copy, so ``path`` is never more than one upload behind (each save's
+            ``SaveStats.extra["upload_lag"]`` says how far it was; see docs/tiers.md).
             A forced (``force=True``) or preemption save is never skipped: it waits its turn.
         local_policy: when to save to ``local_dir``: a save policy, a callable
             ``fn(step) -> bool`` or an int N (every N steps); default: the save policy.
@@ -340,8 +345,10 @@ class CheckpointManager:
             self._coord.replicated_reads = opts.replicated_reads
         self.stats: Deque[SaveStats] = collections.deque(maxlen=1000)
         #: with a local tier: steps whose upload to ``path`` was skipped because the previous
-        #: upload was still running (``save_async`` never waits for it; the step went to the local tier)
+        #: upload was still running (``save_async`` never waits for it; the step went to the local
+        #: tier, and the next free upload slot uploads the newest of them from there)
         self.skipped_uploads: List[int] = []
+        self._catch_up = UploadCatchUp() if opts.local_dir is not None else None
         self._persistent = Root(PERSISTENT, store,
                                 AsyncWriter(opts.max_pending_async, defer_errors=opts.local_dir is not None),
                                 opts.retention, opts.save_policy)
@@ -763,9 +770,6 @@ class CheckpointManager:
         t2 = time.perf_counter()
         if skipped_upload:
             self.skipped_uploads.append(step)
-            log.warning("async_ckpt: step %d is not uploaded to %s: its earlier uploads are still running (the "
-                        "step is saved to the local tier; see CheckpointManager.skipped_uploads)", step,
-                        self.storage.url)
         snap.share(len(due))
         taken_at = self.options.wall_clock()  # the commit time of this save in every tier (see SaveJob.commit_at)
         for tier in due:
@@ -785,10 +789,16 @@ class CheckpointManager:
                           frozen=(seen, {plan.keys[i] for i in keep}))
             self._in_flight.append(step)
             try:
-                tier.writer.submit(functools.partial(self._persist, job, tier), step=step)
+                fut = tier.writer.submit(functools.partial(self._persist, job, tier), step=step)
             except BaseException:
                 self._in_flight.remove(step)
                 raise
+            if skipped_upload and tier is self._local and self._catch_up is not None:
+                first = self._catch_up.skipped(step, self._saves, taken_at, t0, fut)
+                (log.warning if first else log.info)(
+                    "async_ckpt: step %d is not uploaded to %s now: an earlier upload is still running (the step "
+                    "is saved to the local tier; the next free upload slot uploads the newest such local copy; "
+                    "see CheckpointManager.skipped_uploads)", step, self.storage.url)
             if tier is not persistent:  # the persistent root's save is recorded when wanted (below)
                 tier.record_save(step, self.options.interval_clock())
         if where.wanted:
@@ -839,7 +849,21 @@ class CheckpointManager:
         local save of a step another job's copy holds fails (:class:`ForeignCopyError`); one
         that finds ``local_dir`` full first deletes the copies retention drops once it commits
         (see :func:`~async_ckpt.manager.tiered.make_room`), and again after failing for want of
-        space."""
+        space. The persistent root's writer then, still in its upload slot, uploads the newest
+        local copy of the saves that skipped the upload meanwhile (:class:`UploadCatchUp`)."""
+        local, catch_up = self._local, self._catch_up
+        if tier is not self._persistent or local is None or catch_up is None:
+            self._persist_job(job, tier)
+            return
+        try:
+            self._persist_job(job, tier)
+        except Exception as exc:  # kept (and logged) now, before the failures of the uploads that follow
+            tier.writer.add_failure(job.step, exc)
+        finally:
+            catch_up.run(local, tier, verify=self.verify, threads=self.write_threads,
+                         committed=self._after_commit, failed=tier.writer.add_failure)
+
+    def _persist_job(self, job: SaveJob, tier: Root) -> None:
         coming: Optional[CheckpointInfo] = None
         if tier is self._local:
             refuse_foreign_save(tier, job.step, job.snap)
@@ -860,6 +884,11 @@ class CheckpointManager:
                 self._in_flight.remove(job.step)
         if stats is not None:
             changed = stats.extra.pop(FROZEN_CHANGED, None)
+            if self._catch_up is not None:  # how far the bucket is behind
+                saved = save_number(job.manifest_extra)
+                if tier is self._persistent:
+                    self._catch_up.uploaded(saved, job.commit_at)
+                stats.extra.update(self._catch_up.lag(saved, job.commit_at))
             self._after_commit(stats)
             if changed:
                 raise FrozenTensorChangedError(
