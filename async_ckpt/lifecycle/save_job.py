@@ -26,6 +26,7 @@ from ..policies import RetentionPolicy
 from ..staging import HostSnapshot
 from ..stats import SaveStats
 from ..storage import FileRecord, Manifest, StepTarget
+from ..storage.retry import after_abandoned_calls
 from . import phase
 from .replicas import diverged, fingerprints
 from .steps import StepStore, StepWrite
@@ -81,11 +82,14 @@ def run_save(store: StepStore, job: SaveJob, *, policy: RetentionPolicy, threads
     opened: Optional[StepWrite] = None
     released = False
 
-    def release() -> None:  # this job's hold on the snapshot, given back once
+    def release(failed: bool = False) -> None:  # this job's hold on the snapshot, given back once
         nonlocal released
         if snap is not None and not released:
             released = True
-            snap.release()
+            if failed:  # a write that timed out may still be reading the buffers: not theirs to reuse yet
+                after_abandoned_calls(snap.release)
+            else:
+                snap.release()
 
     def open_step() -> Tuple[str, str, int]:
         nonlocal opened, target
@@ -166,6 +170,7 @@ def run_save(store: StepStore, job: SaveJob, *, policy: RetentionPolicy, threads
             files = coord.write(store.storage, target.path, snap.state_dict, threads=threads, planner=planner,
                                 memo=store.memo)
         except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+            release(failed=True)
             if isinstance(exc, (KeyboardInterrupt, SystemExit)) or coord.world_size == 1:
                 raise  # one process: as raised (the save queue names the step)
             write_error = exc  # reported to every rank in the next phase

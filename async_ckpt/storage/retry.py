@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import logging
@@ -9,7 +10,7 @@ import random
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, List, TypeVar
+from typing import Any, Callable, Iterator, List, Optional, Set, TypeVar
 
 from ..errors import InvalidArgumentError, StorageError, StorageTimeoutError
 
@@ -179,26 +180,158 @@ class RetryPolicy:
         raise AssertionError("unreachable")
 
 
+# ---- abandoned calls ---------------------------------------------------------------------------
+#
+# A bounded call still running at its deadline is abandoned: its caller raises and gives back the
+# memory the call was reading into or writing from (a restore's target, a snapshot's pooled
+# buffers), while the call's thread may go on until its requests time out (a trickling bucket).
+# So such a call must never touch that memory again: a copy into or out of the caller's memory
+# runs under :func:`caller_memory` (the caller waits for one in progress, and none starts once the
+# call is abandoned); a streamed write stops at its next :func:`check_abandoned`; and what a call
+# may still be reading is given back only after :func:`after_abandoned_calls`.
+
+
+class _Call:
+    """One bounded call on its helper thread."""
+
+    __slots__ = ("lock", "done", "abandoned", "waiters")
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.done = False
+        self.abandoned = False
+        self.waiters: List["_Waiter"] = []
+
+
+class _Waiter:
+    def __init__(self, fn: Callable[[], None], calls: int) -> None:
+        self.fn, self.left = fn, calls
+
+
+_current = threading.local()  # the _Call a helper thread runs
+#: calls abandoned by their caller and still running, in this process: a registry of live
+#: threads (as ``threading.enumerate``), what :func:`after_abandoned_calls` waits for
+_abandoned: Set[_Call] = set()
+_abandoned_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def caller_memory(what: str) -> Iterator[None]:
+    """Touch the caller's memory only while the caller of this bounded call still waits.
+
+    Inside a bounded call, a copy into memory its caller owns (a read into the caller's
+    buffer) runs under it: the caller's timeout waits for a copy in progress, and none starts
+    once the call is abandoned. Elsewhere (a call that is not bounded, a caller's own thread):
+    nothing.
+
+    Args:
+        what: what the call does, for the message.
+
+    Raises:
+        StorageTimeoutError: the caller abandoned the call (nothing is touched).
+    """
+    call: Optional[_Call] = getattr(_current, "call", None)
+    if call is None:
+        yield
+        return
+    with call.lock:
+        if call.abandoned:
+            raise StorageTimeoutError(f"{what}: abandoned after its deadline; its caller's memory is left alone")
+        yield
+
+
+def check_abandoned(what: str) -> None:
+    """Raise once the caller of this bounded call abandoned it.
+
+    A streamed write then stops reading its caller's buffers, and is not completed.
+    Elsewhere (a call that is not bounded): nothing.
+
+    Args:
+        what: what the call does, for the message.
+
+    Raises:
+        StorageTimeoutError: the caller abandoned the call.
+    """
+    call: Optional[_Call] = getattr(_current, "call", None)
+    if call is not None and call.abandoned:
+        raise StorageTimeoutError(f"{what}: abandoned after its deadline; not written")
+
+
+def after_abandoned_calls(fn: Callable[[], None]) -> None:
+    """Run ``fn`` once every storage call abandoned so far in this process has ended.
+
+    Now when none runs, else on the thread of the last of them to end (a failure of ``fn``
+    is logged).
+
+    For giving back what an abandoned call may still be reading (a failed save's staged
+    buffers, which a write of it stuck in a request may read when the request returns).
+
+    Args:
+        fn: what to run.
+    """
+    with _abandoned_lock:
+        running = list(_abandoned)
+        if running:
+            w = _Waiter(fn, len(running))
+            for c in running:
+                c.waiters.append(w)
+            return
+    fn()
+
+
+def _ended(call: _Call) -> None:
+    """An abandoned call's thread ends: run what waited for it (and no other call)."""
+    ready = []
+    with _abandoned_lock:
+        _abandoned.discard(call)
+        for w in call.waiters:
+            w.left -= 1
+            if w.left == 0:
+                ready.append(w.fn)
+        call.waiters = []
+    for fn in ready:
+        try:
+            fn()
+        except Exception:  # noqa: BLE001 - on a helper thread: nowhere to raise it
+            log.exception("after an abandoned storage call ended")
+
+
 def _run_bounded(fn: Callable[[], T], end: float, what: str, deadline: float) -> T:
     """``fn()`` on a daemon thread, waited for until monotonic time ``end``. A call still
-    running then is abandoned (it ends on its own: its requests have timeouts) and
-    :class:`StorageTimeoutError` is raised."""
+    running then is abandoned (it ends on its own: its requests have timeouts; it touches its
+    caller's memory no more, see :func:`caller_memory`) and :class:`StorageTimeoutError` is
+    raised."""
     result: List[Any] = []
     failure: List[BaseException] = []
     done = threading.Event()
+    call = _Call()
 
     def run() -> None:
+        _current.call = call
         try:
             result.append(fn())
         except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
             failure.append(exc)
         finally:
+            _current.call = None
+            with call.lock:
+                call.done = True
+                abandoned = call.abandoned
             done.set()
+            if abandoned:
+                _ended(call)
 
     threading.Thread(target=run, name="async-ckpt-storage-call", daemon=True).start()
     if not done.wait(max(0.0, end - time.monotonic())):
-        raise StorageTimeoutError(f"{what} did not finish within {deadline:g}s (RetryPolicy.deadline): the storage "
-                                  f"is not answering; raise RetryPolicy(deadline=...) if it is only slow")
+        with call.lock:  # waits for a copy into the caller's memory in progress (memory speed)
+            if not call.done:
+                call.abandoned = True
+                with _abandoned_lock:
+                    _abandoned.add(call)
+        if call.abandoned:
+            raise StorageTimeoutError(f"{what} did not finish within {deadline:g}s (RetryPolicy.deadline): the "
+                                      f"storage is not answering; raise RetryPolicy(deadline=...) if it is only slow")
+        done.wait()  # it had just finished
     if failure:
         exc = failure.pop()  # never left in this frame: its traceback holds the frame (and so
         try:  # the caller's, a manager's) in a cycle that only a cyclic GC would free

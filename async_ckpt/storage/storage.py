@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from contextlib import AbstractContextManager
-from typing import Any, Dict, List, Optional
+from contextlib import AbstractContextManager, contextmanager
+from typing import Any, Dict, Iterator, List, Optional
 
 import fsspec
 
 from ..errors import CheckpointError, InvalidArgumentError, StorageError
 from .backends import MISSING, Backend, backend_for
-from .retry import RetryPolicy
+from .retry import RetryPolicy, check_abandoned
 
 __all__ = ["DEFAULT_BLOCK_SIZE", "MISSING", "PIPE_MAX_BYTES", "READ_RANGE_BYTES", "Storage"]
 
@@ -192,8 +192,17 @@ class Storage:
             OSError: the storage refused to open or write the file.
         """
         self._check_abandoned(path)
-        return self._backend.open_write(path, size_hint, block_size=self.block_size,
-                                        pipe_max_bytes=self.pipe_max_bytes)
+        return self._open_write(path, size_hint)
+
+    @contextmanager
+    def _open_write(self, path: str, size_hint: Optional[int]) -> Iterator["_CheckedWrites"]:
+        """The backend's file; a write timed out by its caller (see
+        :func:`~async_ckpt.storage.retry.check_abandoned`) stops at its next write and is not
+        completed: it reads no more of buffers its caller has given back, and lands no file."""
+        with self._backend.open_write(path, size_hint, block_size=self.block_size,
+                                      pipe_max_bytes=self.pipe_max_bytes) as f:
+            yield _CheckedWrites(f, path)
+            check_abandoned(f"write {path}")  # raised here: the backend discards the file
 
     def write_bytes(self, path: str, data: bytes) -> None:
         """Write a small file in one call (retried as a whole on transient errors).
@@ -482,6 +491,17 @@ def client_timeouts(url: str, storage_options: Optional[Dict[str, Any]], seconds
         config.setdefault("read_timeout", seconds)
         opts["config_kwargs"] = config
     return opts
+
+
+class _CheckedWrites:
+    """A file being written whose writes stop once a timed-out caller abandoned the call."""
+
+    def __init__(self, f: Any, path: str) -> None:
+        self._f, self._what = f, f"write {path}"
+
+    def write(self, b: Any) -> Any:
+        check_abandoned(self._what)
+        return self._f.write(b)
 
 
 class RetriedRanges:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Any, Dict, Iterator, List, Optional
 
-from ..retry import RetryPolicy
+from ..retry import RetryPolicy, caller_memory
 from .base import temp_name
 
 
@@ -79,7 +79,8 @@ class FsspecBackend:
     def read_into(self, path: str, start: int, out: memoryview) -> int:
         data = self.fs.cat_file(path, start=start, end=start + len(out))
         n = min(len(data), len(out))
-        out[:n] = memoryview(data)[:n]
+        with caller_memory(f"read {path}"):  # never once a timed-out caller gave ``out`` back
+            out[:n] = memoryview(data)[:n]
         return len(data)
 
     def open_ranges(self, path: str) -> "_FsspecRanges":
