@@ -26,7 +26,6 @@ from ..policies import RetentionPolicy
 from ..staging import HostSnapshot
 from ..stats import SaveStats
 from ..storage import FileRecord, Manifest, StepTarget
-from ..storage.retry import after_abandoned_calls
 from . import phase
 from .replicas import diverged, fingerprints
 from .steps import StepStore, StepWrite
@@ -86,10 +85,9 @@ def run_save(store: StepStore, job: SaveJob, *, policy: RetentionPolicy, threads
         nonlocal released
         if snap is not None and not released:
             released = True
-            if failed:  # a write that timed out may still be reading the buffers: not theirs to reuse yet
-                after_abandoned_calls(snap.release)
-            else:
-                snap.release()
+            # after a failed write, a write of it that timed out may still read the buffers when
+            # its request returns: they are given up, never handed to the next save
+            snap.release(reuse=not failed)
 
     def open_step() -> Tuple[str, str, int]:
         nonlocal opened, target

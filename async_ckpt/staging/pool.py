@@ -103,6 +103,16 @@ class Lease:
             self._released = True
             self._pool._give_back(self._blocks)
 
+    def give_up(self) -> None:
+        """Take the buffers out of the pool instead of returning them (idempotent).
+
+        The pool forgets them and never hands them out again; their memory is freed once
+        nothing references them (a storage call that timed out and may still read them, see
+        ``storage.retry``)."""
+        if not self._released:
+            self._released = True
+            self._pool._give_back(self._blocks, keep=False)
+
 
 class HostBufferPool:
     """A pool of flat host ``uint8`` buffers.
@@ -284,10 +294,16 @@ class HostBufferPool:
             self._peak = max(self._peak, self._requested)
         return Lease(self, blocks, buffers, pinned)  # type: ignore[arg-type]
 
-    def _give_back(self, blocks: List[_Block]) -> None:
+    def _give_back(self, blocks: List[_Block], keep: bool = True) -> None:
         with self._cond:
             for b in blocks:
-                self._put(b)
+                if keep:
+                    self._put(b)
+                else:  # given up: no longer the pool's
+                    self.allocated_bytes -= b.capacity
+                    self._blocks -= 1
+                    if b.epoch == self._epoch:  # it was counted as taken in this epoch
+                        self._in_epoch -= 1
                 self.leased_bytes -= b.capacity
                 self._requested -= b.n
             if self.leased_bytes == 0 and self.hold_peak:

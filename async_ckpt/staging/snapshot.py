@@ -41,6 +41,7 @@ class HostSnapshot:
     xla_shards: bool = False
     holders: int = 1
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _reuse: bool = field(default=True, repr=False)
 
     def share(self, holders: int) -> None:
         """Hand the snapshot to several writers.
@@ -72,16 +73,26 @@ class HostSnapshot:
         if self.pending is not None:
             self.pending.result()
 
-    def release(self) -> None:
+    def release(self, reuse: bool = True) -> None:
         """One holder is done: the last one gives the buffers back to the pool.
 
-        A holder must call it once and not read the snapshot afterwards."""
+        A holder must call it once and not read the snapshot afterwards.
+
+        Args:
+            reuse: False: something of this holder's may still read the buffers (a write that
+                timed out, its request stuck): once the last holder is done they are given up
+                (freed when the last reference goes), never handed out again by the pool.
+        """
         with self._lock:
+            self._reuse = self._reuse and reuse
             self.holders -= 1
             if self.holders > 0:
                 return
         if self.pending is not None:
             self.pending.wait_all()  # never hand out a buffer a lazy copy still writes into
         for lease in self.leases:
-            lease.release()
+            if self._reuse:
+                lease.release()
+            else:
+                lease.give_up()
         self.leases = []

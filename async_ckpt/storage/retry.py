@@ -10,7 +10,7 @@ import random
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, List, Optional, Set, TypeVar
+from typing import Any, Callable, Iterator, List, Optional, TypeVar
 
 from ..errors import InvalidArgumentError, StorageError, StorageTimeoutError
 
@@ -183,36 +183,27 @@ class RetryPolicy:
 # ---- abandoned calls ---------------------------------------------------------------------------
 #
 # A bounded call still running at its deadline is abandoned: its caller raises and gives back the
-# memory the call was reading into or writing from (a restore's target, a snapshot's pooled
+# memory the call was reading into or writing from (a restore's buffers, a snapshot's pooled
 # buffers), while the call's thread may go on until its requests time out (a trickling bucket).
-# So such a call must never touch that memory again: a copy into or out of the caller's memory
-# runs under :func:`caller_memory` (the caller waits for one in progress, and none starts once the
-# call is abandoned); a streamed write stops at its next :func:`check_abandoned`; and what a call
-# may still be reading is given back only after :func:`after_abandoned_calls`.
+# Such a call must never touch that memory again: a copy into the caller's memory runs under
+# :func:`caller_memory` (the caller's timeout waits for a copy in progress, and none starts once
+# the call is abandoned), and a streamed write stops at its next :func:`check_abandoned`. What a
+# write stuck in a request may still read when the request returns is never reused: a save whose
+# write failed gives its buffers up instead of returning them to the pool.
 
 
 class _Call:
     """One bounded call on its helper thread."""
 
-    __slots__ = ("lock", "done", "abandoned", "waiters")
+    __slots__ = ("lock", "done", "abandoned")
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.done = False
         self.abandoned = False
-        self.waiters: List["_Waiter"] = []
-
-
-class _Waiter:
-    def __init__(self, fn: Callable[[], None], calls: int) -> None:
-        self.fn, self.left = fn, calls
 
 
 _current = threading.local()  # the _Call a helper thread runs
-#: calls abandoned by their caller and still running, in this process: a registry of live
-#: threads (as ``threading.enumerate``), what :func:`after_abandoned_calls` waits for
-_abandoned: Set[_Call] = set()
-_abandoned_lock = threading.Lock()
 
 
 @contextlib.contextmanager
@@ -257,45 +248,6 @@ def check_abandoned(what: str) -> None:
         raise StorageTimeoutError(f"{what}: abandoned after its deadline; not written")
 
 
-def after_abandoned_calls(fn: Callable[[], None]) -> None:
-    """Run ``fn`` once every storage call abandoned so far in this process has ended.
-
-    Now when none runs, else on the thread of the last of them to end (a failure of ``fn``
-    is logged).
-
-    For giving back what an abandoned call may still be reading (a failed save's staged
-    buffers, which a write of it stuck in a request may read when the request returns).
-
-    Args:
-        fn: what to run.
-    """
-    with _abandoned_lock:
-        running = list(_abandoned)
-        if running:
-            w = _Waiter(fn, len(running))
-            for c in running:
-                c.waiters.append(w)
-            return
-    fn()
-
-
-def _ended(call: _Call) -> None:
-    """An abandoned call's thread ends: run what waited for it (and no other call)."""
-    ready = []
-    with _abandoned_lock:
-        _abandoned.discard(call)
-        for w in call.waiters:
-            w.left -= 1
-            if w.left == 0:
-                ready.append(w.fn)
-        call.waiters = []
-    for fn in ready:
-        try:
-            fn()
-        except Exception:  # noqa: BLE001 - on a helper thread: nowhere to raise it
-            log.exception("after an abandoned storage call ended")
-
-
 def _run_bounded(fn: Callable[[], T], end: float, what: str, deadline: float) -> T:
     """``fn()`` on a daemon thread, waited for until monotonic time ``end``. A call still
     running then is abandoned (it ends on its own: its requests have timeouts; it touches its
@@ -316,18 +268,12 @@ def _run_bounded(fn: Callable[[], T], end: float, what: str, deadline: float) ->
             _current.call = None
             with call.lock:
                 call.done = True
-                abandoned = call.abandoned
             done.set()
-            if abandoned:
-                _ended(call)
 
     threading.Thread(target=run, name="async-ckpt-storage-call", daemon=True).start()
     if not done.wait(max(0.0, end - time.monotonic())):
         with call.lock:  # waits for a copy into the caller's memory in progress (memory speed)
-            if not call.done:
-                call.abandoned = True
-                with _abandoned_lock:
-                    _abandoned.add(call)
+            call.abandoned = not call.done
         if call.abandoned:
             raise StorageTimeoutError(f"{what} did not finish within {deadline:g}s (RetryPolicy.deadline): the "
                                       f"storage is not answering; raise RetryPolicy(deadline=...) if it is only slow")
