@@ -317,9 +317,11 @@ def _set_path(root: Any, path: Sequence[Any], value: Any) -> None:
             cur = cur[p]
 
 
-#: errors a writer's move or deletion of the copy being read can cause: after one, the restore
-#: asks the layout whether the copy changed (:meth:`~async_ckpt.storage.layout.CheckpointLayout.copy_changed`)
-_MAYBE_MOVED = (CorruptCheckpointError, PartlyWrittenError, StepNotFoundError, StorageError, FileNotFoundError)
+#: errors a writer's move or deletion of the copy being read can cause (a file missing, or of
+#: another save): after one, the restore asks the layout whether the copy changed
+#: (:meth:`~async_ckpt.storage.layout.CheckpointLayout.copy_changed`); a storage that fails
+#: (``StorageError``: down, refusing, timing out) is not asked again
+_MAYBE_MOVED = (CorruptCheckpointError, PartlyWrittenError, StepNotFoundError, FileNotFoundError)
 #: times one restore starts again because a writer moved, replaced or deleted the copy it read
 MAX_RETRIES = 10
 
@@ -367,7 +369,8 @@ def _first_intact(listing: Callable[[], Sequence[Candidate]], state_dict: Dict[s
         try:
             _attempt(c, state_dict, coord, covered, opts, opened)
         except Exception as exc:
-            why = _writer_changed(c, opened, coord) if isinstance(exc, _MAYBE_MOVED) else None
+            maybe = isinstance(exc, _MAYBE_MOVED) and not isinstance(exc, StorageError)
+            why = _writer_changed(c, opened, coord) if maybe else None
             if why is not None:  # a live writer's doing: not damage, never warned about
                 log.info("step %d %s while it was read; %s", c.step, why,
                          "reading it again" if step is not None and why != DELETED else "listing the steps again")
