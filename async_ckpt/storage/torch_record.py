@@ -506,7 +506,7 @@ class Heads:
                 save(torch.zeros(n * dtype.itemsize, dtype=torch.uint8).view(dtype).view(shape), buf)
                 raw = buf.getvalue()
                 mv = memoryview(raw)
-                start = data_start(lambda a, b: bytes(mv[a:b]), len(raw), dtype, shape)
+                start = data_start(lambda a, b, mv=mv: bytes(mv[a:b]), len(raw), dtype, shape)
             except Exception:  # noqa: BLE001 - a dtype torch cannot save: such records are parsed
                 continue
             if start is not None and (raw[:start], len(raw)) not in found:
