@@ -478,6 +478,10 @@ def data_start(get: Callable[[int, int], bytes], length: int, dtype: torch.dtype
         return None
 
 
+def _slice(mv: memoryview, lo: int, hi: int) -> bytes:
+    return bytes(mv[lo:hi])
+
+
 class Heads:
     """The bytes before the data, and the record's length, per (dtype, shape) of a small
     tensor, as async_ckpt writes a record (no zip CRC-32s) and as ``torch.save`` does with its
@@ -505,8 +509,7 @@ class Heads:
                 # zeros made as bytes: creating a complex32 tensor directly warns that it is experimental
                 save(torch.zeros(n * dtype.itemsize, dtype=torch.uint8).view(dtype).view(shape), buf)
                 raw = buf.getvalue()
-                mv = memoryview(raw)
-                start = data_start(lambda a, b, mv=mv: bytes(mv[a:b]), len(raw), dtype, shape)
+                start = data_start(functools.partial(_slice, memoryview(raw)), len(raw), dtype, shape)
             except Exception:  # noqa: BLE001 - a dtype torch cannot save: such records are parsed
                 continue
             if start is not None and (raw[:start], len(raw)) not in found:
