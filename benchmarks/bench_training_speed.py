@@ -189,7 +189,9 @@ class DcpBase(Method):
         kw: Dict[str, Any] = {"async_checkpointer_type": self.kind}
         if self.stager is not None:
             kw["async_stager"] = self.stager
-        if self.executor != "process":
+        import torch.distributed as dist
+
+        if self.executor != "process" and not dist.is_initialized():
             kw["no_dist"] = True
         resp = self.dcp.async_save(sd, checkpoint_id=path, **kw)
         fut = getattr(resp, "upload_completion", resp)
@@ -460,6 +462,78 @@ def run_launch(args: argparse.Namespace, root: str, log: Callable[[str], None]) 
     return out
 
 
+def _rank_main(rank: int, args: argparse.Namespace, root: str, store_path: str, out_path: str) -> None:
+    """One rank of ``--ranks N``: its own part of the state, the launch-bound loop, its samples."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    store = dist.FileStore(store_path, args.ranks)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=args.ranks)
+    global _PG
+    _PG = True
+    sd = transformer_state(args.size_mib * MiB // args.ranks, seed=rank)
+    sd = {f"rank{rank}": sd["model"], "step": 0}
+    names = [n for n in args.methods_launch.split(",") if n in RANK_METHODS]
+    # one checkpoint root for all ranks; the floor writes a file per rank
+    methods = [METHODS[n](os.path.join(root, f"r{rank}") if n == "floor" else os.path.join(root, "shared"))
+               for n in names]
+    samples: Dict[str, List[Dict[str, float]]] = {m.name: [] for m in methods}
+    try:
+        for m in methods:
+            for w in range(args.warmup):
+                dist.barrier()
+                launch_sample(m, 10_000 + w, sd, args.ref_s, args.limit_s)
+        for r in range(args.samples):
+            for m in methods:
+                dist.barrier()
+                samples[m.name].append(launch_sample(m, r, sd, args.ref_s, args.limit_s))
+        dist.barrier()
+    finally:
+        for m in methods:
+            m.close()
+    with open(out_path, "w") as f:
+        json.dump(samples, f)
+    dist.destroy_process_group()
+
+
+#: methods that run in every rank of ``--ranks N`` (the others are one-process only)
+RANK_METHODS = ("floor", "ours", "ours-lazy", "ours-incremental", "dcp-thread", "dcp-process")
+
+
+def run_launch_ranks(args: argparse.Namespace, root: str, log: Callable[[str], None]) -> Dict[str, Any]:
+    """``--ranks N``: N gloo processes, each with 1/N of the state, each running the loop."""
+    import torch.multiprocessing as mp
+
+    log(f"launch-bound loop on {args.ranks} ranks, {args.size_mib} MiB state in all")
+    store_path = os.path.join(root, "store")
+    outs = [os.path.join(root, f"out{r}.json") for r in range(args.ranks)]
+    mp.start_processes(_rank_entry, args=(args, root, store_path, outs), nprocs=args.ranks, start_method="spawn")
+    per_rank = []
+    for o in outs:
+        with open(o) as f:
+            per_rank.append(json.load(f))
+    out: Dict[str, Any] = {"state_mib": args.size_mib, "ranks": args.ranks, "tensors": None, "methods": {}}
+    for name in per_rank[0]:
+        # a save's cost to the job: the rank that lost the most in each round
+        ss = [max((rk[name][i] for rk in per_rank), key=lambda s: s["lost_s"]) for i in range(len(per_rank[0][name]))]
+        res: Dict[str, Any] = {"samples": ss}
+        for key in ("stall_s", "window_s", "lost_s", "speed"):
+            res[key] = _summary([s[key] for s in ss])
+        out["methods"][name] = res
+    floor = out["methods"].get("floor")
+    for name, res in out["methods"].items():
+        if floor is not None and name != "floor":
+            res["lost_vs_floor"] = _summary([s["lost_s"] / max(f["lost_s"], 1e-3)
+                                             for s, f in zip(res["samples"], floor["samples"])])
+    for name, res in out["methods"].items():
+        log(f"  {name:<20} lost {_ms(res['lost_s'])}  speed {res['speed']['median'] * 100:.0f}%")
+    return out
+
+
+def _rank_entry(rank: int, args: argparse.Namespace, root: str, store_path: str, outs: List[str]) -> None:
+    _rank_main(rank, args, root, store_path, outs[rank])
+
+
 def run_cpu(args: argparse.Namespace, root: str, log: Callable[[str], None]) -> Dict[str, Any]:
     model = mlp(args.size_mib)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -512,6 +586,16 @@ def markdown(report: Dict[str, Any]) -> str:
             lines.append(f"| {name} | {res['stall_s']['median'] * 1e3:.1f} ms | {_ms(res['lost_s'])} | "
                          f"{res['speed']['median'] * 100:.0f}% [{res['speed']['min'] * 100:.0f}, "
                          f"{res['speed']['max'] * 100:.0f}] | {_x(ratio)} |")
+    if "launch_ranks" in report:
+        lr = report["launch_ranks"]
+        lines += ["", f"Launch-bound loop on {lr['ranks']} gloo ranks, {lr['state_mib']} MiB state in all "
+                      "(each round: the rank that lost most):", "",
+                  "| method | stall | loop time lost during the write | loop speed during the write | lost / floor (paired) |",
+                  "| --- | --- | --- | --- | --- |"]
+        for name, res in lr["methods"].items():
+            lines.append(f"| {name} | {res['stall_s']['median'] * 1e3:.1f} ms | {_ms(res['lost_s'])} | "
+                         f"{res['speed']['median'] * 100:.0f}% [{res['speed']['min'] * 100:.0f}, "
+                         f"{res['speed']['max'] * 100:.0f}] | {_x(res.get('lost_vs_floor'))} |")
     if "cpu" in report:
         cr = report["cpu"]
         lines += ["", f"CPU-bound loop (MLP + AdamW, {cr['state_mib']:.0f} MiB state, a checkpoint every "
@@ -568,6 +652,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--steps", type=int, default=20, help="cpu-bound: training steps per run")
     p.add_argument("--every", type=int, default=5, help="cpu-bound: a checkpoint every this many steps")
     p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--ranks", type=int, default=1, help="launch-bound: also run it on N gloo ranks")
     p.add_argument("--dir", default=tempfile.gettempdir())
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     p.add_argument("--chart", default=None, help="PNG path (default: <out>/bench_training_speed.png)")
@@ -585,6 +670,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         if args.loop in ("launch", "both"):
             report["launch"] = run_launch(args, root, log)
+            if args.ranks > 1:
+                report["launch_ranks"] = run_launch_ranks(args, root, log)
         if args.loop in ("cpu", "both"):
             report["cpu"] = run_cpu(args, root, log)
     finally:
