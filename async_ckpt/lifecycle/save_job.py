@@ -53,6 +53,11 @@ class SaveJob:
 
 #: ``SaveStats.extra`` key: the declared-frozen tensors this save found changed (and wrote in full)
 FROZEN_CHANGED = "frozen_changed"
+#: ``SaveStats.extra`` keys of incremental saves: seconds spent verifying the files taken from the
+#: last step (and looking at the files written, for the next save's check), and the bytes read
+#: back to do it (0 where the storage vouched for every file)
+VERIFY_S = "verify_s"
+VERIFY_READ_BYTES = "verify_read_bytes"
 
 
 log = logging.getLogger("async_ckpt")
@@ -161,7 +166,7 @@ def run_save(store: StepStore, job: SaveJob, *, policy: RetentionPolicy, threads
         reuse = store.memo.reuse
         if reuse is not None:
             store.recall_last_step()  # a new manager: what the newest committed step holds
-            reuse.prepare(*job.frozen)
+            reuse.prepare(*job.frozen, step=step)
         try:
             files = coord.write(store.storage, target.path, snap.state_dict, threads=threads, planner=planner,
                                 memo=store.memo)
@@ -181,9 +186,11 @@ def run_save(store: StepStore, job: SaveJob, *, policy: RetentionPolicy, threads
         commit_time = phase.primary(coord, "commit", step, lambda: commit(results))  # type: ignore[arg-type]
         td = time.perf_counter()
         changed: List[str] = []
+        checks: Optional[Tuple[float, int]] = None
         if reuse is not None:  # incremental: the next save may take this step's files
             reuse.committed(target.path, step, target.final)
             changed = reuse.take_changed()
+            checks = reuse.take_checks()
     except StagingAlreadyReported:
         return None
     except BaseException:
@@ -202,4 +209,6 @@ def run_save(store: StepStore, job: SaveJob, *, policy: RetentionPolicy, threads
     stats.commit_time = commit_time
     if changed:
         stats.extra[FROZEN_CHANGED] = changed
+    if checks is not None:  # incremental: what verifying the taken files cost
+        stats.extra[VERIFY_S], stats.extra[VERIFY_READ_BYTES] = checks
     return stats

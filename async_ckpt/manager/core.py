@@ -54,7 +54,7 @@ from ..policies import (
 from ..preemption import PreemptionTracker, PreemptionWatcher
 from ..save_queue import AsyncWriter
 from ..staging import HostBufferPool, Stager
-from ..staging.frozen import FrozenTensors, changed_keys
+from ..staging.frozen import FrozenTensors, changed_keys, version_of
 from ..stats import SaveStats, format_bytes, format_seconds
 from ..storage import CheckpointLayout, RetryPolicy, Storage
 from ..storage.dcp import Reuse
@@ -321,7 +321,7 @@ class CheckpointManager:
         self.lazy = opts.lazy
         store = StepStore(self.storage, self.layout, self._coord, opts.wall_clock,
                           keep_incomplete=opts.keep_incomplete, lease_timeout=opts.lease_timeout,
-                          reuse=Reuse(opts.full_every) if opts.incremental else None)
+                          reuse=Reuse(opts.full_every, version_of) if opts.incremental else None)
         self.catalog = store.catalog
         self._stats_log = StatsLog.from_option(self.storage, opts.stats_log)
         # with a local tier an upload overlaps local saves on and off: keep buffers for both
