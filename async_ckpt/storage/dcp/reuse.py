@@ -314,30 +314,22 @@ class Reuse:
               by_file: Dict[str, List[Tuple[int, HeldItem]]], step: Optional[int]) -> Shared:
         """Verify, then share, the files of ``held`` that ``by_file``'s items fill at least
         :data:`SHARE_MIN_FRACTION` of; nothing at all if one is damaged."""
+        files = {name: taken for name, taken in sorted(by_file.items())
+                 if sum(item.length for _, item in taken) >= SHARE_MIN_FRACTION * held.files[name].size}
+        damaged, unseen = self._verify(storage, held, list(files))
         shared = Shared({}, {})
         made: List[str] = []
-        damaged: Optional[Tuple[str, str]] = None
         k = 0
-        for name, taken in sorted(by_file.items()):
-            rec = held.files[name]
-            if sum(item.length for _, item in taken) < SHARE_MIN_FRACTION * rec.size:
-                continue
-            src = f"{held.directory}/{name}"
-            t0 = time.perf_counter()
-            try:
-                problem = self._check(storage, held, name, rec)
-            except Exception:  # noqa: BLE001 - cannot be looked at (e.g. deleted meanwhile): written instead
-                continue
-            finally:
-                with self._lock:
-                    self._checks[0] += time.perf_counter() - t0
-            if problem is not None:
-                damaged = (name, problem)
+        for name, taken in files.items():
+            if damaged is not None:
                 break
+            if name in unseen:
+                continue
+            rec = held.files[name]
             new = f"{prefix}ref{k}.distcp"
             k += 1  # a failed share's name is never reused
             try:
-                linked = storage.share(src, f"{path}/{new}")
+                linked = storage.share(f"{held.directory}/{name}", f"{path}/{new}")
                 made.append(new)
                 st = storage.file_state(f"{path}/{new}")
             except Exception:  # noqa: BLE001 - the items are written instead
@@ -369,29 +361,49 @@ class Reuse:
                 self._held = None  # take nothing more from it (its intact records may still be read back)
         return Shared({}, {})
 
-    def _check(self, storage: Any, held: HeldBytes, name: str, rec: FileRecord) -> Optional[str]:
-        """Why ``held``'s file ``name`` is not the file its manifest records (None: it is, as
-        far as can be known without reading it where the storage vouches for it, else by
-        reading it). Storage that keeps each object's CRC-32C needs no look: the copy's own is
-        compared after the share."""
-        before = held.verified.get(name)
-        if before is not None and before.crc32c is not None:
-            return None
-        where = f"{held.directory}/{name}"
-        st = storage.file_state(where)
-        problem = _differs(st, rec, "it")
-        if problem is not None or st.crc32c is not None or (before is not None and st.same_file(before)):
-            return problem
-        try:  # never verified by this process, or changed since: read back and checked
-            read_files(storage, held.directory, {name: rec}, NULL)
-        except CorruptCheckpointError as exc:
-            text = str(exc)
-            return text[len(where) + 2:] if text.startswith(f"{where}: ") else text
+    def _verify(self, storage: Any, held: HeldBytes, names: List[str]) -> Tuple[Optional[Tuple[str, str]], Set[str]]:
+        """Check ``held``'s files ``names`` before they are taken (the module docstring): the
+        first damaged one and why (or None), and those that cannot be looked at (e.g. deleted
+        meanwhile: not taken). Files the storage vouches for by what it says of them are not
+        read; the others are read back together. Storage that keeps each object's CRC-32C
+        needs no look at a file it vouched for before: the copy's own is compared after the
+        share."""
+        t0 = time.perf_counter()
+        unseen: Set[str] = set()
+        reads: Dict[str, FileRecord] = {}
+        states: Dict[str, FileState] = {}
+        try:
+            for name in names:
+                rec, before = held.files[name], held.verified.get(name)
+                if before is not None and before.crc32c is not None:
+                    continue
+                try:
+                    st = storage.file_state(f"{held.directory}/{name}")
+                except Exception:  # noqa: BLE001 - not taken (written instead)
+                    unseen.add(name)
+                    continue
+                problem = _differs(st, rec, "it")
+                if problem is not None:
+                    return (name, problem), unseen
+                if st.crc32c is None and not (before is not None and st.same_file(before)):
+                    reads[name], states[name] = rec, st  # never seen by this process, or changed since
+            if not reads:
+                return None, unseen
+            try:
+                read_files(storage, held.directory, reads, NULL)
+            except CorruptCheckpointError as exc:
+                where = exc.path or ""
+                name = where.rsplit("/", 1)[-1] if where.rsplit("/", 1)[-1] in reads else next(iter(reads))
+                text = str(exc)
+                return (name, text[len(where) + 2:] if where and text.startswith(f"{where}: ") else text), unseen
+            except Exception:  # noqa: BLE001 - could not be read (e.g. deleted meanwhile): not taken
+                return None, unseen | set(reads)
+            held.verified.update(states)  # any later change shows against these states
+            return None, unseen
         finally:
             with self._lock:
-                self._checks[1] += rec.size
-        held.verified[name] = st  # any later change shows against this state
-        return None
+                self._checks[0] += time.perf_counter() - t0
+                self._checks[1] += sum(r.size for r in reads.values())
 
     def _at_call(self, storage: Any, source: Optional[HeldBytes], old: Optional[HeldItem], key: Key, live: Any,
                  seen: Dict[str, Version], known: Dict[Key, Known], step: Optional[int]) -> Tuple[Any, Optional[int]]:
