@@ -82,6 +82,8 @@ def test_a_bit_flipped_in_a_shared_file_makes_the_next_save_whole_and_every_late
     with manager(root, max_to_keep=3) as mgr:
         for s in range(3):
             mgr.save(s, state_at(s))
+            if s:  # the files written and taken by this process are vouched for by stat alone
+                assert mgr.stats[-1].referred_bytes > 0 and mgr.stats[-1].extra["verify_read_bytes"] == 0
         victim = file_of(os.path.join(root, "2"), "model.layers.1.w")
         assert "_ref" in os.path.basename(victim)
         st = os.stat(victim)
@@ -95,9 +97,9 @@ def test_a_bit_flipped_in_a_shared_file_makes_the_next_save_whole_and_every_late
         assert said and "step 2" in said[0] and "step 3" in said[0], warnings_of(caplog)
         man = mgr.layout.read_manifest(3)
         assert man.referred_bytes == 0 and ref_files(root, 3) == [], man.files
-        for s in range(4, 7):
+        for s in range(4, 7):  # incremental again, from step 3 on; retention's unlinks need no read
             mgr.save(s, state_at(s))
-        assert mgr.layout.read_manifest(6).referred_bytes > 0  # incremental again, from step 3 on
+            assert mgr.stats[-1].referred_bytes > 0 and mgr.stats[-1].extra["verify_read_bytes"] == 0
         assert mgr.all_steps() == [4, 5, 6]
         for s in (4, 5, 6):
             restore_bitwise(mgr, s, state_at(s))
@@ -121,6 +123,8 @@ def _damaged_shared_objects_then_save(url: str, fs: Any, base: str, caplog: pyte
         mgr.storage.max_file_bytes = 64 * KiB
         for s in range(3):
             mgr.save(s, state_at(s))
+            if s:  # the files written and taken by this process are vouched for without a read
+                assert mgr.stats[-1].referred_bytes > 0 and mgr.stats[-1].extra["verify_read_bytes"] == 0
         man = mgr.layout.read_manifest(2)
         taken = sorted(n for n, r in man.files.items() if r.ref is not None)
         assert taken
@@ -146,7 +150,7 @@ def test_a_damaged_shared_file_on_memory_fs_makes_the_next_save_whole(memory_roo
 
 
 def test_a_damaged_shared_object_makes_the_next_save_whole(object_bucket, caplog):  # noqa: F811 - the fixture
-    """GCS (the object's stored CRC32C) and S3 (moto: the object's ETag, after one read-back)."""
+    """GCS (the object's stored CRC32C) and S3 (moto: the object's ETag, noted after its upload)."""
     fs = object_bucket.fs()
     base = object_bucket.url.split("://", 1)[1]
     _damaged_shared_objects_then_save(object_bucket.url, fs, base, caplog,

@@ -103,6 +103,11 @@ class Storage:
         return self._backend.is_local
 
     @property
+    def keeps_crc32c(self) -> bool:
+        """Whether the storage keeps each object's CRC-32C (gs://: :meth:`file_state` has it)."""
+        return self._backend.keeps_crc32c
+
+    @property
     def length_checked_writes(self) -> bool:
         """Whether the service checks every upload's length (gs://, s3://).
 
@@ -406,9 +411,10 @@ class Storage:
         return self._backend.size(path, self.retry)
 
     def file_state(self, path: str) -> FileState:
-        """What the storage says of the file at ``path`` now, without reading it (never from a
-        cache): its size, the CRC-32C the storage keeps of it (GCS), and what tells a later
-        look whether its bytes were rewritten since (:meth:`FileState.same_file`).
+        """What the storage says of the file at ``path`` now, without reading it.
+
+        Never from a cache: its size, the CRC-32C the storage keeps of it (GCS), and what tells
+        a later look whether its bytes were rewritten since (:meth:`FileState.same_file`).
 
         Args:
             path: the file.

@@ -18,9 +18,10 @@ MISSING = "file is missing"  # what ``file_problem`` says of a file that is not 
 
 @dataclass(frozen=True)
 class FileState:
-    """What the storage says of a file without reading it: enough to tell that its bytes were
-    not rewritten since an earlier look (:meth:`same_file`), or, where the storage keeps one,
-    their CRC-32C.
+    """What the storage says of a file without reading it.
+
+    Enough to tell that its bytes were not rewritten since an earlier look (:meth:`same_file`),
+    or, where the storage keeps one, their CRC-32C.
 
     Attributes:
         size: its size in bytes.
@@ -41,10 +42,18 @@ class FileState:
     links: Optional[int] = None
 
     def same_file(self, before: "FileState") -> bool:
-        """Whether the storage says the bytes are those of ``before``: same size and identity
-        (a write moves the mtime or generation), and, on POSIX, the same ctime unless the link
-        count moved with it (a hard link made or removed changes the ctime, not the bytes; a
-        write whose mtime was put back shows only in the ctime)."""
+        """Whether the storage says the bytes are still those it said they were in ``before``.
+
+        Same size and identity (a write moves the mtime or generation), and, on POSIX, the same
+        ctime unless the link count moved with it (a hard link made or removed changes the
+        ctime, not the bytes; a write whose mtime was put back shows only in the ctime).
+
+        Args:
+            before: the file's state at an earlier look.
+
+        Returns:
+            False when anything says the file may have been rewritten (or nothing can tell).
+        """
         if self.identity is None or self.identity != before.identity or self.size != before.size:
             return False
         return self.changed == before.changed or self.links != before.links
@@ -104,6 +113,8 @@ class Backend(Protocol):
     is_local: bool
     #: Uploads are length-checked by the service, so a written file need not be stat'ed.
     length_checked_writes: bool
+    #: The storage keeps each object's CRC-32C, which ``file_state`` gives (GCS).
+    keeps_crc32c: bool
     #: Data files of about this size, for many concurrent single-request uploads (or None).
     default_max_file_bytes: Optional[int]
     #: The client library retries each request itself (gcsfs, s3fs): async_ckpt's

@@ -15,6 +15,7 @@ class FsspecBackend:
 
     is_local = False
     length_checked_writes = False
+    keeps_crc32c = False
     default_max_file_bytes: Optional[int] = None
     #: the client library retries each request itself (async_ckpt then makes one attempt)
     client_retries = False

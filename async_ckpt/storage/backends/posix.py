@@ -60,6 +60,7 @@ class PosixBackend:
 
     is_local = True
     length_checked_writes = False
+    keeps_crc32c = False
     default_max_file_bytes: Optional[int] = None
     client_retries = False
 

@@ -35,6 +35,7 @@ import io
 import logging
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Dict, Iterable, List, Optional, Set, Tuple
 
 import torch
@@ -437,21 +438,33 @@ class Reuse:
               shared: Optional[Shared] = None) -> None:
         """What a save into ``path`` placed, kept until its step commits (:meth:`committed`):
         ``files`` its data files' records (``shared``: what it took). The state of each file it
-        wrote is taken now on local paths (checksummed as they were written, they count as
-        verified in that state); elsewhere a file is verified when first taken."""
+        wrote is taken now (checksummed as they were written, they count as verified in that
+        state: a ``stat`` on local paths, one request per file on object stores), except where
+        the storage keeps each object's CRC-32C (GCS), which is checked when the file is taken."""
         states: Dict[str, FileState] = dict(shared.states) if shared is not None else {}
         t0 = time.perf_counter()
+        fresh = []
         for it in items:  # in the manifest, for a later manager's first save (see recall)
             rec = files.get(it.name)
             if rec is not None and rec.ref is None:
                 if rec.hashes is None:
                     rec.hashes = {}
                 rec.hashes[it.offset] = it.hash
-                if it.name not in states and storage.is_local:
-                    try:
-                        states[it.name] = storage.file_state(f"{path}/{it.name}")
-                    except Exception:  # noqa: BLE001 - then read back if it is ever taken
-                        pass
+                if it.name not in states and it.name not in fresh:
+                    fresh.append(it.name)
+        if fresh and not storage.keeps_crc32c:
+            def look(name: str) -> None:
+                try:
+                    states[name] = storage.file_state(f"{path}/{name}")
+                except Exception:  # noqa: BLE001 - then read back if it is ever taken
+                    pass
+
+            if storage.is_local or len(fresh) == 1:
+                for name in fresh:
+                    look(name)
+            else:  # one request each: at once
+                with ThreadPoolExecutor(min(8, len(fresh)), thread_name_prefix="async-ckpt-stat") as pool:
+                    list(pool.map(look, fresh))
         with self._lock:
             self._checks[0] += time.perf_counter() - t0
             self._pending[path] = (items, files, states)
