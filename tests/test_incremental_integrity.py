@@ -232,14 +232,29 @@ class Gate:
             assert self.release.wait(60)
 
 
-def frozen_state(base: torch.Tensor, step: int) -> Dict[str, Any]:
+class Counter:
+    """A ``Stateful`` value: it sends a one-process save through DCP's planner and
+    ``FsspecStorageWriter``, the path every multi-rank save takes."""
+
+    def __init__(self, n: int) -> None:
+        self.n = torch.tensor([n])
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"n": self.n}
+
+    def load_state_dict(self, sd: Dict[str, Any]) -> None:
+        self.n = sd["n"]
+
+
+def frozen_state(base: torch.Tensor, step: int, stateful: bool = False) -> Dict[str, Any]:
     """A frozen base (256 KiB) and a trainable head (512 KiB) that changes at every step."""
     g = torch.Generator().manual_seed(step)
-    return {"base": base, "head": torch.randn(512, 256, generator=g), "step": step}
+    return {"base": base, "head": torch.randn(512, 256, generator=g), "step": step,
+            **({"counter": Counter(step)} if stateful else {})}
 
 
 def _frozen_saves_while_the_base_changes(root: str, *, after: int, steps: List[int], one_file: bool,
-                                         **kw: Any) -> Dict[int, Dict[str, Any]]:
+                                         stateful: bool = False, **kw: Any) -> Dict[int, Dict[str, Any]]:
     """Save ``steps`` asynchronously with ``base`` declared frozen; the writer is held after the
     ``after``-th commit, the later saves are called meanwhile (their base left uncopied), then
     the base is changed in place (its version counter moves, as an optimizer or a restore
@@ -255,8 +270,8 @@ def _frozen_saves_while_the_base_changes(root: str, *, after: int, steps: List[i
         for i, s in enumerate(steps):
             if i == after:
                 assert gate.reached.wait(60)
-            expected[s] = clone_tree(frozen_state(base, s))
-            mgr.save_async(s, frozen_state(base, s))
+            expected[s] = clone_tree(frozen_state(base, s, stateful))
+            mgr.save_async(s, frozen_state(base, s, stateful))
         with torch.no_grad():
             base.mul_(2)  # after the calls
         gate.release.set()
@@ -272,16 +287,20 @@ def _frozen_saves_while_the_base_changes(root: str, *, after: int, steps: List[i
     return expected
 
 
-def test_a_frozen_tensor_in_a_file_the_50_percent_rule_keeps_is_saved_as_it_was_at_the_call(tmp_path):
+@pytest.mark.parametrize("path", ["one process", "DCP planner"])
+def test_a_frozen_tensor_in_a_file_the_50_percent_rule_keeps_is_saved_as_it_was_at_the_call(tmp_path, path):
     """Base and head in one file: the head changed, so the file is not taken (the base is a
-    third of it), and the base is written: as it was at the call, not as the loop left it."""
-    _frozen_saves_while_the_base_changes(str(tmp_path / "ckpt"), after=1, steps=[0, 1], one_file=True)
+    third of it), and the base is written: as it was at the call, not as the loop left it
+    (also through DCP's planner, the multi-rank writer, which wrote the live tensor)."""
+    _frozen_saves_while_the_base_changes(str(tmp_path / "ckpt"), after=1, steps=[0, 1], one_file=True,
+                                         stateful=path == "DCP planner")
 
 
-def test_a_frozen_tensor_whose_share_fails_is_saved_as_it_was_at_the_call(tmp_path):
+@pytest.mark.parametrize("path", ["one process", "DCP planner"])
+def test_a_frozen_tensor_whose_share_fails_is_saved_as_it_was_at_the_call(tmp_path, path):
     """faulty:// has no server-side copy: every share fails, and the base is written."""
     _frozen_saves_while_the_base_changes("faulty://" + str(tmp_path / "ckpt"), after=1, steps=[0, 1],
-                                         one_file=False)
+                                         one_file=False, stateful=path == "DCP planner")
 
 
 def test_a_frozen_tensor_in_a_resave_of_the_last_step_is_saved_as_it_was_at_the_call(tmp_path):
