@@ -372,3 +372,22 @@ def test_promote_of_an_incremental_local_step_lists_every_file_as_written_there(
     assert rc == 0, out
     rc, out = cli("ls", local)  # the local tier's steps do share their files
     assert rc == 0 and "SHARED" in out, out
+
+
+@pytest.mark.parametrize("entry, word", [({"carried": -1}, "carried"), ({"carried": "2"}, "carried"),
+                                         ({"carried": True}, "carried"), ({"unused_records": "yes"}, "unused_records"),
+                                         ({"unused_records": 1}, "unused_records")])
+def test_a_manifest_with_a_malformed_carried_or_unused_records_is_refused(entry, word):
+    """The new file-record fields are checked like the others: a clear CorruptCheckpointError
+    naming the file and the field, never a value a reader cannot use."""
+    from async_ckpt.errors import CorruptCheckpointError
+    from async_ckpt.storage.manifest import Manifest
+
+    good = {"step": 1, "commit_time": 1.0, "files": {"__0_ref0.distcp": {"size": 4, "crc32c": 0, "ref": "0/__0_0.distcp",
+                                                                         "carried": 2, "unused_records": True}}}
+    rec = Manifest.from_json(json.dumps(good).encode()).files["__0_ref0.distcp"]
+    assert (rec.carried, rec.unused_records, rec.may_hold_unused) == (2, True, True)
+    assert Manifest.from_json(Manifest.from_json(json.dumps(good).encode()).to_json()).files == {"__0_ref0.distcp": rec}
+    bad = {"step": 1, "commit_time": 1.0, "files": {"__0_1.distcp": {"size": 4, "crc32c": 0, **entry}}}
+    with pytest.raises(CorruptCheckpointError, match=rf"__0_1\.distcp: {word}"):
+        Manifest.from_json(json.dumps(bad).encode())
