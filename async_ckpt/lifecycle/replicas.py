@@ -20,15 +20,15 @@ ranks agree which rank takes each replicated item, balanced by bytes:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import struct
-from typing import Any, Dict, Hashable, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, Set, Tuple
 
 import torch
 
 from .. import compat
 from ..addresses import byte_view
-from ..errors import CheckpointError
 from ..storage.dcp.file_assignment import flatten
 from ..storage.manifest import crc32c
 
@@ -212,7 +212,8 @@ _ALIGN = 64
 
 
 def send_replicas(group: Any, rank: int, world_size: int, readers: Dict[Tuple[str, Tuple[int, ...]], int],
-                  mine: Dict[Item, torch.Tensor]) -> Optional[str]:
+                  mine: Dict[Item, torch.Tensor], collective: Callable[[Callable[[], None], str], None]
+                  ) -> Optional[str]:
     """After a read by one rank per item: each reading rank sends what it read, in one buffer
     per rank (gloo ``broadcast`` over ``group``, then its CRC32C), and every other rank that
     holds an item copies it into its tensor once the buffer's CRC matched. Collective: every
@@ -224,13 +225,15 @@ def send_replicas(group: Any, rank: int, world_size: int, readers: Dict[Tuple[st
         world_size: the ranks in ``group``.
         readers: :func:`read_assignment`'s result.
         mine: this rank's :func:`restore_items`.
+        collective: runs one broadcast as an exchange of the coordinator
+            (:meth:`~async_ckpt.lifecycle.coordinator.GroupCoordinator.collective`).
 
     Returns:
         ``None``, or what went wrong here (a buffer this rank could not pack, one whose CRC did
         not match or that its sender could not pack, one it could not copy out).
 
     Raises:
-        CheckpointError: a broadcast failed (another rank died or did not take part in time).
+        CoordinationError: a broadcast failed (another rank died or did not take part in time).
     """
     import torch.distributed as dist
 
@@ -257,12 +260,8 @@ def send_replicas(group: Any, rank: int, world_size: int, readers: Dict[Tuple[st
                 problems.append(f"rank {rank} could not send what it read: {type(exc).__name__}: {exc}")
                 sent = -1
         crc = torch.tensor([sent], dtype=torch.int64)
-        try:
-            dist.broadcast(buf, group=group, group_src=r)
-            dist.broadcast(crc, group=group, group_src=r)
-        except RuntimeError as exc:  # gloo: a peer died, or the timeout passed
-            raise CheckpointError(f"checkpoint coordination (sending restored tensors) failed: another rank "
-                                  f"died or did not take part in time: {exc}") from exc
+        for t in (buf, crc):
+            collective(functools.partial(dist.broadcast, t, group=group, group_src=r), "sending restored tensors")
         if r == rank:
             continue
         expected = int(crc.item())

@@ -180,7 +180,10 @@ class CheckpointManager:
             live writer holds it (default 0: raise :class:`LeaseHeldError` at once).
         collective_timeout_s: multi-process: how long a rank waits for the others at each
             exchange of a save or restore; a rank that died makes the others' next
-            ``save_async``/``join``/``close`` raise after at most this long.
+            ``save_async``/``join``/``close`` raise after at most this long. After such a
+            failure every later save or restore of the manager raises
+            :class:`~async_ckpt.errors.CoordinationError` at once (create a new manager on
+            every rank to go on; see docs/distributed.md).
         local_dir: a second, fast tier (node-local disk, ``/dev/shm``, or any fsspec URL):
             steps the ``local_policy`` selects are committed there, those the save policy
             selects go to ``path``; a step due for both is staged once and written to both
