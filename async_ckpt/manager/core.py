@@ -34,7 +34,7 @@ from ..gc_pause import gc_paused
 from ..lifecycle import phase
 from ..lifecycle.coordinator import DEFAULT_TIMEOUT_S, GroupCoordinator, coordinator_for
 from ..lifecycle.planners import load_planner_for, save_planner_for
-from ..lifecycle.replicas import SaveShares
+from ..lifecycle.replicas import DroppedSamples, SaveShares
 from ..lifecycle.restore import candidates_of, check_key_map
 from ..lifecycle.restore import restore as _restore
 from ..lifecycle.root import LOCAL, PERSISTENT, Root
@@ -735,6 +735,8 @@ class CheckpointManager:
             stager = self.stager.lazy if lazy and not wait else self.stager.eager
             keep -= drop
             snap = stager.stage(state_dict, plan, keep, drop)
+            # what this rank leaves to the others, as of the call: its values are compared too
+            samples = DroppedSamples(plan, drop) if drop else None
             kept_bytes = sum(plan.tensors[i].nbytes for i in keep)  # in the snapshot, not copied
             if snap.pending is not None:
                 snap.pending.step = step
@@ -772,7 +774,7 @@ class CheckpointManager:
                               PERSISTENT_ROOT: tier.home})
             job = SaveJob(step, snap, metrics, stats, t0, manifest_extra=extra,
                           commit_at=taken_at if self._local is not None else None,
-                          frozen=(seen, {plan.keys[i] for i in keep}))
+                          frozen=(seen, {plan.keys[i] for i in keep}), samples=samples)
             self._in_flight.append(step)
             try:
                 tier.writer.submit(functools.partial(self._persist, job, tier), step=step)
