@@ -292,7 +292,8 @@ def send_replicas(group: Any, rank: int, world_size: int, readers: Dict[Tuple[st
 
 
 #: a large tensor's fingerprint covers this many runs of elements, evenly spaced over it (the
-#: first and the last element included) ...
+#: first and the last element included; 0: large tensors are not compared, which
+#: benchmarks/bench_multirank.py sets for its reference) ...
 SAMPLE_RUNS = 32
 #: ... of this many elements each (1024 elements in all: a few KiB, whatever the tensor's size)
 SAMPLE_RUN = 32
@@ -317,7 +318,7 @@ def sample(t: torch.Tensor) -> torch.Tensor:
     if kind is not None and v.dtype != kind and not v.is_complex():
         v = v.view(kind)
     n = v.numel()
-    runs, run = SAMPLE_RUNS, SAMPLE_RUN
+    runs, run = max(2, SAMPLE_RUNS), SAMPLE_RUN
     if n <= runs * run:
         return v.reshape(-1).clone()
     step = (n - run) // (runs - 1)
@@ -359,6 +360,8 @@ def fingerprints(state_dict: Any) -> Dict[str, int]:
             if not v.is_cpu:
                 continue
             if v.numel() * v.element_size() >= MIN_SHARED_BYTES:
+                if not SAMPLE_RUNS:
+                    continue
                 try:
                     out[fqn] = _print_of(_header(v), sample(v))
                 except Exception:  # noqa: BLE001 - a dtype without a copy kernel: not compared, never a failed save
@@ -383,6 +386,7 @@ class DroppedSamples:
     """
 
     def __init__(self, plan: Any, drop: Set[int]) -> None:
+        drop = drop if SAMPLE_RUNS else set()
         specs = plan.dtensor_specs() if drop else {}
         self._taken: List[Tuple[str, bytes, torch.Tensor]] = []  # key, dtype and shape, sample on the host
         self._device: List[torch.Tensor] = []  # device samples, alive until their copies are done
