@@ -221,10 +221,12 @@ class CheckpointManager:
             raises :class:`~async_ckpt.errors.FrozenTensorChangedError` (docs/incremental.md).
         frozen_check_every: every N-th save copies and checks every ``frozen`` tensor (default 10).
         replicated_saves: several ranks: a tensor of at least 64 KiB that several ranks hold
-            (DDP's model, HSDP replicas; same key, size and shard offsets) is staged and written
-            by one of them, balanced by bytes, so each rank's stall is its share (default
+            (DDP's model, HSDP replicas; same key, dtype, shape and shard offsets) is staged and
+            written by one of them, balanced by bytes, so each rank's stall is its share (default
             True; False: every rank stages everything and DCP writes one copy). A save due for
             the local tier stages everything: each rank's local copy restores that rank alone.
+            Either way a checkpoint holds one value per key: values that differ between ranks
+            under one key are logged once and listed in the manifest's ``diverged_keys``.
         replicated_reads: several ranks, at restore: ``"once"``: a tensor every rank restores
             as a plain tensor is read from storage by one rank and sent to the others over
             the manager's gloo group (CRC-checked after the transfer); ``"every_rank"``: each
