@@ -710,6 +710,9 @@ def divergence(base: str) -> None:
             with CheckpointManager(root, replicated_saves=flag) as mgr:
                 for step in (1, 2):
                     assert mgr.save(step, diverged_state(rank))
+                    if flag and step == 1:  # "mixed" is two tensors (each rank stages its own), the rest shared
+                        check_staged_once("diverged", gather(mgr.stats[-1].nbytes),
+                                          3 * 256 * KIB + world * (256 * KIB + 32))
             manifests = [json.load(open(os.path.join(root, str(step), "manifest.json"))) for step in (1, 2)]
         finally:
             logging.getLogger("async_ckpt").removeHandler(handler)
