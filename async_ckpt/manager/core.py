@@ -795,12 +795,12 @@ class CheckpointManager:
 
     def _warn_pickled(self, plan: Any) -> None:
         """Warn once per key about saved values that a restore can unpickle only with
-        ``allow_pickle=True`` (classes outside torch's ``weights_only`` safe set). Each value is
-        tried once with torch's restricted unpickler, which builds only that safe set and runs
-        no code of the value's classes."""
-        import torch
-
-        from ..storage.dcp.unpickling import refused_global
+        ``allow_pickle=True`` (classes outside torch's ``weights_only`` safe set and the RNG
+        states restore builds). Each value is tried once with restore's restricted unpickler
+        (:func:`~async_ckpt.storage.dcp.unpickling.load_value`), which builds only those
+        classes and runs no code of the value's classes."""
+        from ..errors import UnsafeCheckpointError
+        from ..storage.dcp.unpickling import load_value, refused_global
 
         bad: List[str] = []
         for path, obj in plan.pickled:
@@ -808,11 +808,10 @@ class CheckpointManager:
                 continue
             self._pickled_seen.add(path)
             try:
-                buf = obj.archive()
-                buf.seek(0)
-                torch.load(buf, weights_only=True)
-            except Exception as exc:  # noqa: BLE001 - torch's UnpicklingError, or what a class raises
-                name = refused_global(exc)
+                load_value(obj.archive(), path)
+            except Exception as exc:  # noqa: BLE001 - UnsafeCheckpointError, or what a class raises when built
+                cause = exc.__cause__ if isinstance(exc, UnsafeCheckpointError) else exc
+                name = refused_global(cause) if cause is not None else None
                 bad.append(f"{path} ({name})" if name else path)
         if bad:
             shown = ", ".join(bad[:10]) + (f" (and {len(bad) - 10} more)" if len(bad) > 10 else "")
