@@ -80,6 +80,11 @@ from .tiered import (
 
 log = logging.getLogger("async_ckpt")
 
+#: At interpreter exit (no Ctrl-C), saves still running after this many seconds are named in a
+#: warning (the process is waiting for them); quicker ones finish without a word.
+EXIT_NOTICE_AFTER_S = 3.0
+
+
 def _state_of(root: Root) -> RootState:
     """What the save schedule needs of ``root``."""
     return RootState(root.policy, root.last_save_time, root.last_save_step, root.writer.pending > 0)
@@ -1203,21 +1208,36 @@ class CheckpointManager:
         committed, committed steps stay), then it is raised again."""
         self._close()
 
-    def _close(self, notice: bool = False) -> None:
-        """:meth:`close`; ``notice``: say first which saves it waits for (after a Ctrl-C, or
-        at interpreter exit)."""
+    def _close(self, notice: Optional[str] = None) -> None:
+        """:meth:`close`; ``notice``: ``"interrupt"`` (after a Ctrl-C) says first which saves
+        it waits for and that another Ctrl-C abandons them; ``"exit"`` (interpreter exit, no
+        Ctrl-C) says so only if they are still running after :data:`EXIT_NOTICE_AFTER_S`."""
         if self._closed:
             return
         self._check_process()
         pending = sorted(set(self._in_flight))
-        if notice and pending:
-            log.warning("finishing the save of step %s; Ctrl-C again to abandon it",
-                        ", ".join(map(str, pending)))
+        steps = ", ".join(map(str, pending))
         try:
+            if pending and notice == "interrupt":
+                log.warning("finishing the save of step %s; Ctrl-C again to abandon it", steps)
+            elif pending and notice == "exit":
+                log.info("finishing the save of step %s before exiting", steps)
+                if not self._idle_within(EXIT_NOTICE_AFTER_S):
+                    log.warning("still finishing the save of step %s before exiting; Ctrl-C to abandon it", steps)
             self._close_now()
         except KeyboardInterrupt:
             self._abandon(pending)
             raise
+
+    def _idle_within(self, seconds: float) -> bool:
+        """Wait up to ``seconds`` for every tier's queued saves; whether they all ended."""
+        deadline = time.monotonic() + seconds
+        for tier in self.roots:
+            try:
+                tier.writer.wait_idle(timeout=max(0.0, deadline - time.monotonic()))
+            except CheckpointError:  # still running: a timeout
+                return False
+        return True
 
     def _abandon(self, pending: List[int]) -> None:
         """A Ctrl-C while closing: every tier refuses further writes, so the saves being
@@ -1285,7 +1305,7 @@ class CheckpointManager:
             self.close()
         else:
             try:
-                self._close(notice=exc_type is not None and issubclass(exc_type, KeyboardInterrupt))
+                self._close(notice="interrupt" if issubclass(exc_type, KeyboardInterrupt) else None)
             except KeyboardInterrupt:  # a second Ctrl-C abandoned the saves: the first one propagates
                 if not issubclass(exc_type, KeyboardInterrupt):
                     raise
