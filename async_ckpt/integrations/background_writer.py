@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ..errors import CheckpointError, InvalidArgumentError
 
@@ -16,6 +16,10 @@ class BackgroundWriter:
     by the next :meth:`check` (which callers make at each entry point), :meth:`wait` or
     :meth:`wait_all`. ``max_pending`` bounds the jobs queued or running: :meth:`submit` waits
     for the oldest when the bound is reached (back-pressure on the host memory they hold).
+
+    A pickled copy (a framework object holding it sent to a spawned process, or saved whole)
+    is a new writer with the same settings: no thread, no jobs, no kept errors (the original's
+    jobs and errors stay the original's).
 
     Args:
         name: the prefix of the writer thread's name.
@@ -34,6 +38,12 @@ class BackgroundWriter:
         self._jobs: List[Tuple[str, Future]] = []
         self._errors: List[Tuple[str, BaseException]] = []
         self._lock = threading.Lock()
+
+    def __getstate__(self) -> Dict[str, Any]:
+        return {"name": self.name, "max_pending": self.max_pending}
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        self.__init__(state["name"], state["max_pending"])  # type: ignore[misc]
 
     def submit(self, key: str, fn: Callable[[], None], on_drop: Optional[Callable[[], None]] = None) -> None:
         """Queue ``fn`` under ``key``, first waiting for the oldest job while ``max_pending`` are out.
