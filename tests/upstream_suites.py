@@ -6,6 +6,10 @@ by hand with a clone of the framework at (or near) the installed version::
     python -m tests.upstream_suites lightning SRC [--rev REV] [-- PYTEST_ARGS...]
     python -m tests.upstream_suites accelerate SRC [--rev REV] [-- PYTEST_ARGS...]
 
+Their test dependencies must be importable (Lightning: ``cloudpickle``, ``jsonargparse``,
+``tensorboardX``; accelerate: ``parameterized``), for example installed with
+``pip install --target DIR`` and ``DIR`` added to ``PYTHONPATH``.
+
 ``SRC`` is a checkout or a bare repository (with ``--rev``, the files are read with
 ``git archive REV``; without, from the working tree). The test files are copied to a temporary
 directory and only the way the framework's checkpoint I/O is set up is changed there; every
