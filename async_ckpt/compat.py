@@ -26,6 +26,32 @@ foreach_copy_: Callable[..., Any] = torch._foreach_copy_
 from_dlpack: Callable[[Any], torch.Tensor] = torch._C._from_dlpack
 
 
+def torch_save_without_crc(obj: Any, f: Any) -> None:
+    """``torch.save(obj, f)`` without computing the zip CRC-32s, for this call only.
+
+    What ``torch.save`` writes after ``torch.serialization.set_crc32_options(False)`` (the CRC
+    fields hold 0; ``torch.load`` does not check them), without changing that process-wide
+    option under the user's feet: torch's own zip writer (``torch._C.PyTorchFileWriter`` with
+    ``compute_crc32=False``) driven by ``torch.serialization._save``, as ``torch.save`` drives it.
+    Where that is not possible (another torch), plain ``torch.save``.
+
+    Args:
+        obj: what to save.
+        f: a file-like object with ``write``.
+    """
+    import pickle
+
+    import torch.serialization as ser
+
+    try:
+        writer = torch._C.PyTorchFileWriter(f, False, ser._get_storage_alignment())
+    except (AttributeError, TypeError):  # another torch: its default, with CRC-32s
+        torch.save(obj, f)
+        return
+    ser._save(obj, writer, pickle, ser.DEFAULT_PROTOCOL, False)
+    writer.write_end_of_file()
+
+
 def host_empty_cache() -> None:
     """Return cached pinned host memory to the system (``torch._C._host_emptyCache``)."""
     fn = getattr(torch._C, "_host_emptyCache", None)
