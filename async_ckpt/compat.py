@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import sys
 import threading
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -222,6 +222,20 @@ def xla_preemption() -> Any:
 
 
 # ---- torch (storage) ------------------------------------------------------------------------
+
+def weights_only_globals() -> Dict[str, Any]:
+    """What ``torch.load(weights_only=True)`` may build, as ``{"module.name": object}``.
+
+    torch's own allowlist (``torch._weights_only_unpickler._get_allowed_globals``) and the
+    user's (``torch.serialization.add_safe_globals``, through ``_get_user_allowed_globals``);
+    empty where they are missing."""
+    try:
+        from torch import _weights_only_unpickler as wo
+
+        return {**wo._get_allowed_globals(), **wo._get_user_allowed_globals()}
+    except Exception:  # pragma: no cover - a torch without them
+        return {}
+
 
 def storage_type_dtypes() -> dict:
     """The storage class names ``torch.save`` writes in ``data.pkl``, with their dtypes.

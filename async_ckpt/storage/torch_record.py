@@ -265,11 +265,12 @@ class PickledObject:
         self.is_archive = is_archive
 
     def archive(self) -> io.BytesIO:
-        """The ``torch.save`` archive of the value, as a ``BytesIO``."""
+        """The ``torch.save`` archive of the value, as a ``BytesIO`` at its start."""
         if self.is_archive:
             return io.BytesIO(self.data)
         buf = io.BytesIO()
         torch.save(self, buf, pickle_module=_VERBATIM)
+        buf.seek(0)
         return buf
 
     def __reduce__(self) -> Tuple[Any, ...]:
