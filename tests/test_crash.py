@@ -239,8 +239,8 @@ def test_sigkill_with_a_local_tier_on_dev_shm_restores_from_ram(fork_server, tmp
                 continue  # nothing committed yet
             loads = []
             with CheckpointManager(root, keep_incomplete=True, **opts) as mgr:
-                real = mgr.roots[0].store.layout.open_step
-                mgr.roots[0].store.layout.open_step = lambda s, loads=loads, real=real: (loads.append(s), real(s))[1]
+                real = mgr.roots[0].store.layout.open_copy
+                mgr.roots[0].store.layout.open_copy = lambda s, loads=loads, real=real: (loads.append(s), real(s))[1]
                 with warnings.catch_warnings(record=True) as caught:
                     warnings.simplefilter("always")
                     target = empty_like_state()
@@ -259,8 +259,8 @@ def test_sigkill_with_a_local_tier_on_dev_shm_restores_from_ram(fork_server, tmp
                         from async_ckpt.lifecycle.restore import candidates_of
                         from async_ckpt.lifecycle.restore import restore as restore_from
                         t = empty_like_state()
-                        restore_from(candidates_of(store, s), t, coord=store.coordinator, step=s, verify=True,
-                                     allow_pickle=False, threads=2, planner=None)
+                        restore_from(lambda: candidates_of(store, s), t, coord=store.coordinator, step=s,
+                                     verify=True, allow_pickle=False, threads=2, planner=None)
                         assert states_equal(t, make_state(s)), f"{what}: {tier} copy of {s} restored wrong"
             newest_seen = max(newest_seen, got)
             print(f"{what}: committed ..{out['committed'][-1:]} resumed {out['resumed']} restored {got} "
