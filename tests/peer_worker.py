@@ -86,15 +86,24 @@ class DyingFileSystem(FaultyFileSystem):
             path = path[len("dyingfs://"):]
         return path.rstrip("/") or "/"
 
-    def _open(self, path: str, mode: str = "rb", *args: Any, **kwargs: Any) -> Any:
+    @staticmethod
+    def _read(path: str) -> None:
         spec = os.environ.get("PEER_DIE_READ")
-        if spec and "r" in mode and path.endswith(".distcp"):
+        if spec and path.endswith(".distcp"):
             part, n = spec.rsplit(":", 1)
             if part in path:
                 DyingFileSystem.opened += 1
                 if DyingFileSystem.opened >= int(n):
                     os._exit(DIE_STATUS)
+
+    def _open(self, path: str, mode: str = "rb", *args: Any, **kwargs: Any) -> Any:
+        if "r" in mode:
+            self._read(path)
         return super()._open(path, mode, *args, **kwargs)
+
+    def cat_file(self, path: str, start: Any = None, end: Any = None, **kwargs: Any) -> bytes:
+        self._read(path)
+        return super().cat_file(path, start=start, end=end, **kwargs)
 
 
 fsspec.register_implementation("dyingfs", DyingFileSystem, clobber=True)
@@ -239,7 +248,7 @@ def kill(base: str) -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             mgr = manager(base, rank, dying=rank == 1)
-        save_steps(mgr, rank, [1, 2])
+        save_steps(mgr, rank, [1, 2], each=True)
         dist.barrier()
         assert mgr.save_async(3, state(rank, 3))
         gone = os.path.join(base, "rank1-gone")
