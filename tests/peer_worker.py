@@ -14,7 +14,9 @@ Node ``n``'s ranks share the local_dir ``<base>/n<n>``; the bucket is ``countfs:
   node 0's local_dir deleted -> step 9, no bucket byte; saves 11, 12; node 1's local_dir deleted
   and the copy of rank 2's step 12 that node 0 holds damaged -> step 11 (the next step every
   rank can get), no bucket byte; node 1's copies lost again and rank 2's held step 11 damaged too
-  -> the bucket's step 5.
+  -> the bucket's step 5; saves 13, then node 0's disk serves ranks 2 and 3 and ranks 0 and 1
+  come back on an empty node -> step 13, no bucket byte (copies found on a rank's own disk are
+  copied there, the others sent).
 * ``kill``: saves steps 1-3; rank 1 dies (``os._exit``) while it sends its step 3 to its peer:
   the survivors' next save raises (a rank is gone) instead of waiting, and rank 3 holds no copy
   of rank 1's step 3, committed or half-written.
@@ -36,7 +38,7 @@ import sys
 import time
 import traceback
 import warnings
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import fsspec
 import torch
@@ -115,8 +117,8 @@ def node_dir(base: str, node: int) -> str:
     return os.path.join(base, f"n{node}")
 
 
-def manager(base: str, rank: int, **kw: Any) -> CheckpointManager:
-    local = node_dir(base, rank // 2)
+def manager(base: str, rank: int, node: Optional[int] = None, **kw: Any) -> CheckpointManager:
+    local = node_dir(base, rank // 2 if node is None else node)
     if kw.pop("dying", False):
         local = "dyingfs://" + local
     opts: Dict[str, Any] = dict(save_interval=5, local_dir=local, local_policy=1, local_retention=2,
@@ -156,7 +158,7 @@ def lose_node(base: str, rank: int, node: int) -> None:
     dist.barrier()
 
 
-def restore_counted(base: str, rank: int, expect: int, bucket_reads: bool = False) -> None:
+def restore_counted(base: str, rank: int, expect: int, bucket_reads: bool = False, node: Optional[int] = None) -> None:
     """A fresh manager restores on every rank: step ``expect``, bitwise; no byte of the bucket's
     data files read (unless ``bucket_reads``: then some)."""
     target = blank(rank)
@@ -164,7 +166,7 @@ def restore_counted(base: str, rank: int, expect: int, bucket_reads: bool = Fals
     READS.clear()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        with manager(base, rank) as mgr:
+        with manager(base, rank, node) as mgr:
             got = mgr.restore(None, target)
     read = data_read()
     assert got == expect, (rank, got, expect)
@@ -236,9 +238,24 @@ def lost(base: str) -> None:
             flip_data_byte(os.path.join(held_dir(base, 0, 2), "11"))
         restore_counted(base, rank, 5, bucket_reads=True)
 
-    ok = run_check("SAVED", saved) and run_check("NODE1 LOST", node1_lost) and run_check("NODE0 LOST", node0_lost) \
-        and run_check("DAMAGED HELD", damaged_held) and run_check("NOTHING COMPLETE", nothing_complete)
-    del ok
+    def other_ranks() -> None:
+        with manager(base, rank) as mgr:
+            save_steps(mgr, rank, [13])
+        # the job comes back with node 0's disk serving ranks 2 and 3, and ranks 0 and 1 on a new,
+        # empty node: ranks 2 and 3 copy theirs from the copies held on that disk, ranks 0 and 1
+        # get theirs from ranks 2 and 3, which see their directories
+        swapped = 1 - rank // 2
+        os.environ["GROUP_RANK"] = str(swapped)
+        lose_node(base, rank, 1)
+        restore_counted(base, rank, 13, node=swapped)
+        assert committed(os.path.join(node_dir(base, swapped), f"rank{rank}")) == [13]
+        os.environ["GROUP_RANK"] = str(rank // 2)
+
+    checks = [("SAVED", saved), ("NODE1 LOST", node1_lost), ("NODE0 LOST", node0_lost), ("DAMAGED HELD", damaged_held),
+              ("NOTHING COMPLETE", nothing_complete), ("OTHER RANKS", other_ranks)]
+    for name, fn in checks:
+        if not run_check(name, fn):
+            break
 
 
 def kill(base: str) -> None:

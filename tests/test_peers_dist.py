@@ -13,7 +13,7 @@ import os
 import socket
 import subprocess
 import sys
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import pytest
 
@@ -25,8 +25,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 TIMEOUT = 300
 
 
-def _job(mode: str, base: str, env: Dict[int, Dict[str, str]] = {}) -> List[Tuple[int, str]]:
-    """Run ``mode`` on 4 ranks (ranks 2r and 2r+1 on node r); each rank's (exit status, output)."""
+def _job(mode: str, base: str, env: Optional[Dict[int, Dict[str, str]]] = None) -> List[Tuple[int, str]]:
+    """Run ``mode`` on 4 ranks (ranks 2r and 2r+1 on node r, ``env``: more variables by rank);
+    each rank's (exit status, output)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -37,7 +38,7 @@ def _job(mode: str, base: str, env: Dict[int, Dict[str, str]] = {}) -> List[Tupl
                   "GROUP_RANK": str(r // 2), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                   "OMP_NUM_THREADS": "1", "PJRT_DEVICE": "CPU", "DIST_WORKER_TIMEOUT": "240",
                   "PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), e.get("PYTHONPATH", "")])})
-        e.update(env.get(r, {}))
+        e.update((env or {}).get(r, {}))
         procs.append(subprocess.Popen([sys.executable, os.path.join(HERE, "peer_worker.py"), mode, base], env=e,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     out = []
@@ -78,6 +79,10 @@ def test_every_rank_saves_its_local_copy_to_its_peer_on_the_other_node(jobs):
 def test_a_lost_node_restores_the_newest_local_step_from_its_peers_with_no_bucket_read(jobs):
     _passed(jobs, "lost", "NODE1 LOST")  # and then replicates again
     _passed(jobs, "lost", "NODE0 LOST")
+
+
+def test_a_node_that_comes_back_as_other_ranks_restores_from_its_own_disk_and_its_peers(jobs):
+    _passed(jobs, "lost", "OTHER RANKS")
 
 
 def test_a_damaged_held_copy_falls_back_to_the_next_step_every_rank_can_get_then_the_bucket(jobs):

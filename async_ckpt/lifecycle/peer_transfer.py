@@ -129,17 +129,19 @@ class _Link:
         self.group = group
         self.timeout_s = timeout_s
 
-    def round(self, sends: Sequence[Tuple[int, torch.Tensor]], recvs: Sequence[Tuple[int, torch.Tensor]]) -> None:
+    def round(self, sends: Sequence[Tuple[int, torch.Tensor]], recvs: Sequence[Tuple[int, torch.Tensor]],
+              timeout_s: Optional[float] = None) -> None:
         import torch.distributed as dist
 
+        bound = self.timeout_s if timeout_s is None else timeout_s
         try:
             works = [dist.irecv(t, group=self.group, group_src=src) for src, t in recvs]
             works += [dist.isend(t, group=self.group, group_dst=dst) for dst, t in sends]
-            deadline = time.monotonic() + self.timeout_s
+            deadline = time.monotonic() + bound
             for w in works:
                 left = max(0.001, deadline - time.monotonic())
                 if w is not None and w.wait(datetime.timedelta(seconds=left)) is False:
-                    raise RuntimeError(f"timed out after {self.timeout_s:g} s")
+                    raise RuntimeError(f"timed out after {bound:g} s")
         except RuntimeError as exc:  # gloo: the peer died (connection closed), or the time passed
             peers = sorted({r for r, _ in sends} | {r for r, _ in recvs})
             raise CheckpointError(f"sending step copies to or from rank(s) {peers} failed: a peer died or did not "
@@ -280,7 +282,8 @@ class _Sink:
 
 
 def exchange(group: Any, seq: int, sends: Mapping[int, Optional[Outgoing]], recvs: Mapping[int, Accept], *,
-             timeout_s: float, verify: bool = True, chunk: int = CHUNK_BYTES) -> Outcome:
+             timeout_s: float, first_timeout_s: Optional[float] = None, verify: bool = True,
+             chunk: int = CHUNK_BYTES) -> Outcome:
     """Send and receive whole step copies between this rank and others (see the module docstring).
 
     Every rank named here calls :func:`exchange` at the same time with the mirror of this call
@@ -295,6 +298,8 @@ def exchange(group: Any, seq: int, sends: Mapping[int, Optional[Outgoing]], recv
         recvs: sending rank -> how to take the copy it announces (where to write it, or raise to
             refuse it).
         timeout_s: how long each round waits at most.
+        first_timeout_s: how long the first round (the headers) waits at most, when the peers
+            may come to the exchange much later (None: ``timeout_s``).
         verify: compare CRC-32Cs (sizes are always compared).
         chunk: the bytes sent at a time.
 
@@ -315,7 +320,7 @@ def exchange(group: Any, seq: int, sends: Mapping[int, Optional[Outgoing]], recv
         mbytes = {d: c.manifest.to_json() for d, c in sends.items() if c is not None}
         heads = {s: torch.zeros(_HEADER, dtype=torch.int64) for s in recvs}
         link.round([(d, torch.tensor([seq, int(d in mbytes), len(mbytes.get(d, b"")), 0], dtype=torch.int64))
-                    for d in sends], list(heads.items()))
+                    for d in sends], list(heads.items()), first_timeout_s)
         for s, h in heads.items():
             if int(h[0]) != seq:
                 raise CheckpointError(f"rank {s} is out of step: exchange {int(h[0])}, this rank's {seq}")

@@ -1234,8 +1234,10 @@ class CheckpointManager:
                 tier.writer.join()
             except BaseException as exc:  # noqa: BLE001 - every tier is waited for, then raised
                 errors.append(exc)
-        if self._peers is not None:  # the peer copies of these saves are exchanged (failures are logged)
-            self._peers.wait_idle()
+        if self._peers is not None and not self._peers.wait_idle():  # their peer copies too (failures: logged)
+            log.warning("join(): peer copies are still being exchanged after %s s (a peer is still writing its "
+                        "local copy, or stopped answering); they go on in the background",
+                        self.options.collective_timeout_s)
         if errors:
             _raise_all(errors)
 

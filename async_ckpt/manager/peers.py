@@ -435,8 +435,11 @@ class PeerCopies:
         t0 = time.perf_counter()
         recvs = {s: functools.partial(self._hold, s) for s in self.topology.sources}
         try:
+            # the peers may come to it much later (their local write of the save is still running)
             out = exchange(self.topology.group, ticket.seq, {d: copy for d in self.topology.dests}, recvs,
-                           timeout_s=self.options.collective_timeout_s, verify=self.options.verify)
+                           timeout_s=self.options.collective_timeout_s,
+                           first_timeout_s=max(TICKET_WAIT_S, self.options.collective_timeout_s),
+                           verify=self.options.verify)
         except CheckpointError as exc:
             self._broken = str(exc)
             log.error("rank %d: peer copies stopped at step %d (local saves and the checkpoint path go on; a lost "
@@ -535,15 +538,31 @@ class PeerCopies:
         return sorted(r for r in (step_names.rank_of_held_dir(n) for n in names) if r is not None)
 
     # ---- waiting, closing, deleting -----------------------------------------------------------
-    def wait_idle(self) -> None:
-        """Wait until every queued ticket was exchanged (each exchange is bounded)."""
-        self.writer.wait_idle()
+    def wait_idle(self, timeout: Optional[float] = None) -> bool:
+        """Wait until every queued ticket was exchanged.
+
+        Args:
+            timeout: seconds to wait at most (None: the manager's ``collective_timeout_s``; a
+                peer may wait much longer for its own local write before its exchange).
+
+        Returns:
+            Whether the replication thread is idle.
+        """
+        try:
+            self.writer.wait_idle(self.options.collective_timeout_s if timeout is None else timeout)
+            return True
+        except CheckpointError:
+            return False
 
     def close(self) -> None:
-        """Finish the queued tickets, stop the thread, close the held roots (deletions finish,
-        leases released)."""
+        """Finish the queued tickets (``collective_timeout_s`` at most, then they are left to
+        the daemon thread), stop the thread, close the held roots (deletions finish, leases
+        released)."""
         try:
-            self.writer.close()
+            if not self.wait_idle():
+                log.warning("rank %d: peer copies still being exchanged at close() are abandoned",
+                            self.topology.rank)
+            self.writer.close(timeout=0)
         finally:
             for root in list(self._held.values()):
                 root.store.close()
@@ -562,7 +581,7 @@ class PeerCopies:
         Args:
             step: the step.
         """
-        self.wait_idle()
+        self.wait_idle()  # (bounded; a copy still being received commits, or fails, on its own)
         for owner in self._held_owners():
             root = self.held_root(owner)
             if step in root.store.layout.committed_steps() and not foreign_steps(root, step):
@@ -579,13 +598,15 @@ class PeerCopies:
         Args:
             step: the step the restore names (None: the newest).
         """
-        self.wait_idle()
+        idle = self.wait_idle()  # a thread still exchanging holds the group: no transfers then
         coord, topo = self.coord, self.topology
         invs: List[Inventory] = [i or Inventory() for i in
-                                 phase.everyone(coord, "listing the peer copies", step, self._inventory)]
+                                 phase.everyone(coord, "listing the peer copies", step,
+                                                functools.partial(self._inventory, idle))]
         if any(i.broken for i in invs):
             if coord.is_primary:
-                log.warning("copies are not fetched from peers: a rank's replication group is out of use")
+                log.warning("restore: copies are not fetched from peers: a rank's replication group is out of use "
+                            "or still busy")
             return
         candidates = complete_saves([i.copies for i in invs], topo.world_size, step)
         if not candidates:
@@ -613,9 +634,10 @@ class PeerCopies:
             if any(r and r[1] for r in results):
                 return  # a replication group out of use: no more transfers
 
-    def _inventory(self) -> Inventory:
+    def _inventory(self, idle: bool = True) -> Inventory:
         """The committed local copies of this job at this world size on this rank's disk: every
-        rank's local-tier directory under ``local_dir``, and the copies held in each. Never raises."""
+        rank's local-tier directory under ``local_dir``, and the copies held in each (``idle``:
+        the replication thread is idle, else the group is reported out of use). Never raises."""
         copies: List[Seen] = []
         others: Set[int] = set()
         assert self.options.local_dir is not None
@@ -637,7 +659,7 @@ class PeerCopies:
         except Exception as exc:  # noqa: BLE001 - nothing found here: the others may still have it
             log.warning("rank %d: listing %s for peer copies failed: %s", self.topology.rank, self.options.local_dir,
                         exc)
-            return Inventory(broken=self._broken is not None)
+            return Inventory(broken=self._broken is not None or not idle)
         for path, owner in roots:
             try:
                 storage = Storage(path, None, retry=self.options.retry)
@@ -658,7 +680,7 @@ class PeerCopies:
                                        owner == self.topology.rank and storage.root.rstrip("/") == mine))
             except Exception as exc:  # noqa: BLE001 - that directory counts as empty
                 log.warning("rank %d: listing %s for peer copies failed: %s", self.topology.rank, path, exc)
-        return Inventory(tuple(copies), tuple(sorted(others)), self._broken is not None)
+        return Inventory(tuple(copies), tuple(sorted(others)), self._broken is not None or not idle)
 
     def _fetch(self, cand: Complete) -> Tuple[List[str], bool]:
         """This rank's part of bringing ``cand``'s copies home: what it sends, what it receives
@@ -670,25 +692,28 @@ class PeerCopies:
         recvs: Dict[int, Callable[[Manifest], Landing]] = {}
         opened: Dict[str, Optional[Outgoing]] = {}
         t0 = time.perf_counter()
+        at_home = [mv for mv in cand.moves if mv.owner == me and mv.sender == me]
         for mv in cand.moves:
-            if mv.owner == me and mv.sender == me:
-                problem = self._copy_home(cand, mv)
-                if problem:
-                    problems.append(f"rank {me}: {problem}")
-            elif mv.sender == me:
+            if mv.sender == me and mv.owner != me:
                 if mv.where not in opened:
                     opened[mv.where] = self._open(mv.where, cand)
                 sends[mv.owner] = opened[mv.where]
-            elif mv.owner == me:
+            elif mv.owner == me and mv.sender != me:
                 recvs[mv.sender] = functools.partial(self._home, cand)
-        if not sends and not recvs:
+        out = None
+        if sends or recvs:
+            try:
+                out = exchange(self.topology.group, RESTORE_SEQ, sends, recvs,
+                               timeout_s=self.options.collective_timeout_s, verify=self.options.verify)
+            except Exception as exc:  # noqa: BLE001 - reported by every rank; no more transfers
+                self._broken = f"{type(exc).__name__}: {exc}"
+                return problems + [f"rank {me}: {exc}"], True
+        for mv in at_home:  # after the exchange: the peers do not wait for a local copy
+            problem = self._copy_home(cand, mv)
+            if problem:
+                problems.append(f"rank {me}: {problem}")
+        if out is None:
             return problems, False
-        try:
-            out = exchange(self.topology.group, RESTORE_SEQ, sends, recvs, timeout_s=self.options.collective_timeout_s,
-                           verify=self.options.verify)
-        except Exception as exc:  # noqa: BLE001 - reported by every rank; no more transfers
-            self._broken = f"{type(exc).__name__}: {exc}"
-            return problems + [f"rank {me}: {exc}"], True
         for d, p in out.sent.items():
             if p is not None:
                 problems.append(f"rank {me} sending rank {d}'s copy: {p}")
