@@ -907,9 +907,10 @@ class CheckpointManager:
 
     @property
     def peers(self) -> Optional[PeerCopies]:
-        """The peer copies of the local tier (``local_replicas`` > 1, ranks on several nodes), or
-        None: its ``topology`` (``dests``: the ranks this rank's copies go to; ``sources``: the
-        ranks whose copies it holds), ``transfers`` (bytes and seconds of each exchange, and what
+        """The peer copies of the local tier, or None (``local_replicas`` 1, or one node).
+
+        Its ``topology`` (``dests``: the ranks this rank's copies go to; ``sources``: the ranks
+        whose copies it holds), ``transfers`` (bytes and seconds of each exchange, and what
         failed) and ``broken`` (why replication stopped on this rank, if it did)."""
         return self._peers
 
