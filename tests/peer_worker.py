@@ -16,7 +16,8 @@ Node ``n``'s ranks share the local_dir ``<base>/n<n>``; the bucket is ``countfs:
   rank can get), no bucket byte; node 1's copies lost again and rank 2's held step 11 damaged too
   -> the bucket's step 5; saves 13, then node 0's disk serves ranks 2 and 3 and ranks 0 and 1
   come back on an empty node -> step 13, no bucket byte (copies found on a rank's own disk are
-  copied there, the others sent).
+  copied there, the others sent); saves 14 and deletes it: its copies held by peers go too, and
+  a restore gives step 13.
 * ``kill``: saves steps 1-3; rank 1 dies (``os._exit``) while it sends its step 3 to its peer:
   the survivors' next save raises (a rank is gone) instead of waiting, and rank 3 holds no copy
   of rank 1's step 3, committed or half-written.
@@ -251,8 +252,19 @@ def lost(base: str) -> None:
         assert committed(os.path.join(node_dir(base, swapped), f"rank{rank}")) == [13]
         os.environ["GROUP_RANK"] = str(rank // 2)
 
+    def deleted() -> None:
+        mine = os.path.join(node_dir(base, rank // 2), f"rank{rank}")
+        with manager(base, rank) as mgr:
+            save_steps(mgr, rank, [14])
+            dist.barrier()
+            assert 14 in committed(held_dir(base, peer_of(rank), rank)) and 14 in committed(mine)
+            mgr.delete(14)
+        dist.barrier()
+        assert 14 not in committed(held_dir(base, peer_of(rank), rank)) and 14 not in committed(mine)
+        restore_counted(base, rank, 13)  # a deleted step never comes back from a peer
+
     checks = [("SAVED", saved), ("NODE1 LOST", node1_lost), ("NODE0 LOST", node0_lost), ("DAMAGED HELD", damaged_held),
-              ("NOTHING COMPLETE", nothing_complete), ("OTHER RANKS", other_ranks)]
+              ("NOTHING COMPLETE", nothing_complete), ("OTHER RANKS", other_ranks), ("DELETED", deleted)]
     for name, fn in checks:
         if not run_check(name, fn):
             break

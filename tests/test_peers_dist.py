@@ -85,6 +85,10 @@ def test_a_node_that_comes_back_as_other_ranks_restores_from_its_own_disk_and_it
     _passed(jobs, "lost", "OTHER RANKS")
 
 
+def test_delete_removes_the_copies_peers_hold_so_the_step_never_comes_back(jobs):
+    _passed(jobs, "lost", "DELETED")
+
+
 def test_a_damaged_held_copy_falls_back_to_the_next_step_every_rank_can_get_then_the_bucket(jobs):
     _passed(jobs, "lost", "DAMAGED HELD")
     _passed(jobs, "lost", "NOTHING COMPLETE")
