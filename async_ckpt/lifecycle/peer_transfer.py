@@ -49,6 +49,9 @@ CHUNK_BYTES = 16 * 2**20
 #: the header of each pair: [sequence number, 1 when a copy follows, manifest bytes, 0]
 _HEADER = 4
 
+#: :attr:`Outcome.sent` of a receiving rank this rank had no copy for (not a failure)
+NOTHING_TO_SEND = "nothing to send"
+
 
 @dataclass
 class Outgoing:
@@ -112,7 +115,7 @@ class Outcome:
 
     Attributes:
         sent: per receiving rank, None when it took the copy and this rank's read verified, else
-            why not ("nothing to send" too).
+            why not (:data:`NOTHING_TO_SEND` when there was no copy to send).
         sent_bytes: the file bytes this rank sent (counted once per receiver).
         received: per sending rank, what happened to its copy.
     """
@@ -344,7 +347,7 @@ def exchange(group: Any, seq: int, sends: Mapping[int, Optional[Outgoing]], recv
         taken: Dict[int, List[int]] = {}  # id of an Outgoing -> the ranks that take it
         for d, c in sends.items():
             if c is None:
-                out.sent[d] = "nothing to send"
+                out.sent[d] = NOTHING_TO_SEND
             elif int(answers[d]) != 1:
                 out.sent[d] = f"rank {d} refused the copy (see its log)"
             else:

@@ -47,7 +47,7 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Set, Tu
 from ..errors import CheckpointError, InvalidArgumentError, warn_user
 from ..lifecycle import phase
 from ..lifecycle.coordinator import Coordinator, LocalCoordinator, checkpoint_group
-from ..lifecycle.peer_transfer import Landing, Outgoing, exchange
+from ..lifecycle.peer_transfer import NOTHING_TO_SEND, Landing, Outgoing, exchange
 from ..lifecycle.replicas import assign
 from ..lifecycle.root import HELD, Root
 from ..lifecycle.steps import StepStore, StepWrite
@@ -357,7 +357,8 @@ class Transfer:
 
 class _StepLanding:
     """A received copy's :class:`~async_ckpt.lifecycle.peer_transfer.Landing`: a step being
-    written to a root, committed there with the root's retention (``keep``: a step it keeps)."""
+    written to a root, committed there with ``policy`` (the root's retention, or one that also
+    keeps the step)."""
 
     def __init__(self, write: StepWrite, policy: RetentionPolicy) -> None:
         assert write.target is not None
@@ -449,7 +450,7 @@ class PeerCopies:
             self._broken = f"{type(exc).__name__}: {exc}"
             log.exception("rank %d: peer copies stopped at step %d", self.topology.rank, ticket.step)
             return
-        problems = [f"to rank {d}: {p}" for d, p in out.sent.items() if p is not None and p != "nothing to send"]
+        problems = [f"to rank {d}: {p}" for d, p in out.sent.items() if p not in (None, NOTHING_TO_SEND)]
         problems += [f"from rank {s}: {g.problem}" for s, g in out.received.items() if g.problem is not None]
         if copy is not None or any(g.manifest is not None for g in out.received.values()):
             self.transfers.append(Transfer(ticket.step, out.sent_bytes,
