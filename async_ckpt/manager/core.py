@@ -81,6 +81,11 @@ from .tiered import (
 
 log = logging.getLogger("async_ckpt")
 
+#: At interpreter exit (no Ctrl-C), saves still running after this many seconds are named in a
+#: warning (the process is waiting for them); quicker ones finish without a word.
+EXIT_NOTICE_AFTER_S = 3.0
+
+
 def _state_of(root: Root) -> RootState:
     """What the save schedule needs of ``root``."""
     return RootState(root.policy, root.last_save_time, root.last_save_step, root.writer.pending > 0)
@@ -831,12 +836,12 @@ class CheckpointManager:
 
     def _warn_pickled(self, plan: Any) -> None:
         """Warn once per key about saved values that a restore can unpickle only with
-        ``allow_pickle=True`` (classes outside torch's ``weights_only`` safe set). Each value is
-        tried once with torch's restricted unpickler, which builds only that safe set and runs
-        no code of the value's classes."""
-        import torch
-
-        from ..storage.dcp.unpickling import refused_global
+        ``allow_pickle=True`` (classes outside torch's ``weights_only`` safe set and the RNG
+        states restore builds). Each value is tried once with restore's restricted unpickler
+        (:func:`~async_ckpt.storage.dcp.unpickling.load_value`), which builds only those
+        classes and runs no code of the value's classes."""
+        from ..errors import UnsafeCheckpointError
+        from ..storage.dcp.unpickling import load_value, refused_global
 
         bad: List[str] = []
         for path, obj in plan.pickled:
@@ -844,11 +849,10 @@ class CheckpointManager:
                 continue
             self._pickled_seen.add(path)
             try:
-                buf = obj.archive()
-                buf.seek(0)
-                torch.load(buf, weights_only=True)
-            except Exception as exc:  # noqa: BLE001 - torch's UnpicklingError, or what a class raises
-                name = refused_global(exc)
+                load_value(obj.archive(), path)
+            except Exception as exc:  # noqa: BLE001 - UnsafeCheckpointError, or what a class raises when built
+                cause = exc.__cause__ if isinstance(exc, UnsafeCheckpointError) else exc
+                name = refused_global(cause) if cause is not None else None
                 bad.append(f"{path} ({name})" if name else path)
         if bad:
             shown = ", ".join(bad[:10]) + (f" (and {len(bad) - 10} more)" if len(bad) > 10 else "")
@@ -1257,21 +1261,36 @@ class CheckpointManager:
         committed, committed steps stay), then it is raised again."""
         self._close()
 
-    def _close(self, notice: bool = False) -> None:
-        """:meth:`close`; ``notice``: say first which saves it waits for (after a Ctrl-C, or
-        at interpreter exit)."""
+    def _close(self, notice: Optional[str] = None) -> None:
+        """:meth:`close`; ``notice``: ``"interrupt"`` (after a Ctrl-C) says first which saves
+        it waits for and that another Ctrl-C abandons them; ``"exit"`` (interpreter exit, no
+        Ctrl-C) says so only if they are still running after :data:`EXIT_NOTICE_AFTER_S`."""
         if self._closed:
             return
         self._check_process()
         pending = sorted(set(self._in_flight))
-        if notice and pending:
-            log.warning("finishing the save of step %s; Ctrl-C again to abandon it",
-                        ", ".join(map(str, pending)))
+        steps = ", ".join(map(str, pending))
         try:
+            if pending and notice == "interrupt":
+                log.warning("finishing the save of step %s; Ctrl-C again to abandon it", steps)
+            elif pending and notice == "exit":
+                log.info("finishing the save of step %s before exiting", steps)
+                if not self._idle_within(EXIT_NOTICE_AFTER_S):
+                    log.warning("still finishing the save of step %s before exiting; Ctrl-C to abandon it", steps)
             self._close_now()
         except KeyboardInterrupt:
             self._abandon(pending)
             raise
+
+    def _idle_within(self, seconds: float) -> bool:
+        """Wait up to ``seconds`` for every tier's queued saves; whether they all ended."""
+        deadline = time.monotonic() + seconds
+        for tier in self.roots:
+            try:
+                tier.writer.wait_idle(timeout=max(0.0, deadline - time.monotonic()))
+            except CheckpointError:  # still running: a timeout
+                return False
+        return True
 
     def _abandon(self, pending: List[int]) -> None:
         """A Ctrl-C while closing: every tier refuses further writes, so the saves being
@@ -1344,7 +1363,7 @@ class CheckpointManager:
             self.close()
         else:
             try:
-                self._close(notice=exc_type is not None and issubclass(exc_type, KeyboardInterrupt))
+                self._close(notice="interrupt" if issubclass(exc_type, KeyboardInterrupt) else None)
             except KeyboardInterrupt:  # a second Ctrl-C abandoned the saves: the first one propagates
                 if not issubclass(exc_type, KeyboardInterrupt):
                     raise
