@@ -67,7 +67,8 @@ def sharded_model(mesh_shape: Any = None) -> SimpleLinear:
 
 def process_group(root: str) -> None:
     """torch_xla's setUp: a 1-rank gloo group (and, for CheckpointManagerTest, the coordinator)."""
-    dist.init_process_group("gloo", init_method=f"file://{root}.pg", world_size=1, rank=0)
+    os.makedirs(os.path.dirname(os.path.abspath(root)), exist_ok=True)
+    dist.init_process_group("gloo", init_method=f"file://{os.path.abspath(root)}.pg", world_size=1, rank=0)
 
 
 def same_state_dict(sd1: Any, sd2: Any, keypath: str = "") -> None:
@@ -92,9 +93,15 @@ def same_state_dict(sd1: Any, sd2: Any, keypath: str = "") -> None:
 
 
 def host_tree(x: Any) -> Any:
-    """``x`` with every tensor copied to the host (for bitwise comparisons)."""
+    """``x`` with every tensor copied to the host (for bitwise comparisons), and torch_xla's
+    ``_CpuShards`` (a snapshot's staged shards) put together into the global tensor."""
     if isinstance(x, torch.Tensor):
         return x.detach().cpu()
+    if hasattr(x, "shards") and hasattr(x, "global_shape"):
+        full = torch.zeros(tuple(x.global_shape), dtype=x.shards[0].data.dtype)
+        for s in x.shards:
+            full[tuple(s.indices)] = s.unpadded_data
+        return full
     if isinstance(x, dict):
         return {k: host_tree(v) for k, v in x.items()}
     if isinstance(x, list):
@@ -296,14 +303,6 @@ def states(root: str) -> None:
         "copied_into_plain": (x, lambda: copied_into(torch.zeros(8, 6).to("xla"), x)),
     }
 
-    def host_value(v: Any) -> torch.Tensor:
-        if isinstance(v, torch.Tensor):
-            return v
-        full = torch.zeros(tuple(v.global_shape), dtype=v.shards[0].data.dtype)  # torch_xla's _CpuShards
-        for s in v.shards:
-            full[tuple(s.indices)] = s.unpadded_data
-        return full
-
     def optimizer_stepped() -> Dict[str, Any]:
         """Right after ``optimizer.step()``, no sync: parameters and state are pending."""
         model = sharded_model()
@@ -316,13 +315,13 @@ def states(root: str) -> None:
         for name, (want, make) in makers.items():
             snap = st.stage({name: make()}, lazy=lazy)
             snap.wait_copied()
-            assert_bitwise_equal(host_value(snap.state_dict[name]), want, f"lazy={lazy} {name}")
+            assert_bitwise_equal(host_tree(snap.state_dict[name]), want, f"lazy={lazy} {name}")
             snap.release()
         everything = {name: make() for name, (_, make) in makers.items()}
         snap = st.stage(everything, lazy=lazy)
         snap.wait_copied()
         for name, (want, _) in makers.items():
-            assert_bitwise_equal(host_value(snap.state_dict[name]), want, f"lazy={lazy} together {name}")
+            assert_bitwise_equal(host_tree(snap.state_dict[name]), want, f"lazy={lazy} together {name}")
         snap.release()
         stepped = optimizer_stepped()
         snap = st.stage(stepped, lazy=lazy)
@@ -389,6 +388,17 @@ def optim_interop(root: str) -> None:
             assert_bitwise_equal(host_tree(t), want, f"{name} restore primed={primed}")
             if primed:
                 same_state_dict(saved, t)
+        # Without XLA: plain CPU targets (a fresh optimizer), and the CLI's structure-free read.
+        torch.manual_seed(0)
+        cpu_model = SimpleLinear()
+        cpu_optim = cls(params=cpu_model.parameters())
+        t = {"model": cpu_model.state_dict(), "optim": cpu_optim.state_dict()}
+        CheckpointManager(ours).restore(0, t)
+        assert_bitwise_equal(t, want, f"{name} restore into CPU targets")
+        from async_ckpt.cli.export import load_step
+
+        _, exported = load_step(ours, 0)
+        assert_bitwise_equal(exported["optim"]["param_groups"], want["optim"]["param_groups"], name)
         # dcp.load with torch_xla's SPMDLoadPlanner, straight from the step directory.
         t = target(True)
         dcp.load(t, checkpoint_id=f"{ours}/0", planner=SPMDLoadPlanner())
