@@ -14,6 +14,7 @@ block, it blocks the caller; see docs/migration.md).
 any ``torch_xla.sync()``). ``states``: every state issue 34 lists, staged eagerly and lazily and
 saved, each compared bit for bit. ``optim_interop``: optimizer state between async_ckpt,
 ``dcp.load`` with torch_xla's ``SPMDLoadPlanner`` and torch_xla's own manager.
+``two_processes``: under torchrun with ``CPU_NUM_DEVICES=2``.
 """
 
 from __future__ import annotations
@@ -438,9 +439,32 @@ def optim_interop(root: str) -> None:
     assert_bitwise_equal(host_tree(t), host_tree(cpu_saved), "CPU checkpoint into sharded targets")
 
 
+def two_processes(root: str) -> None:
+    """Under torchrun, 2 processes of 2 virtual devices each (``CPU_NUM_DEVICES=2``). torch_xla
+    2.9's PJRT CPU client cannot span processes (each sees only its own devices: one mesh per
+    process), so each process holds the whole model, sharded over its own 2 devices; the ranks
+    save one step together over a gloo group and restore it, sharded, bitwise."""
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    assert xr.process_count() == 1 and n_devices() == 2, (xr.process_count(), n_devices())
+    torch.manual_seed(0)
+    model, optim = model_and_optimizer(torch.optim.AdamW)
+    train_step(model, optim)
+    saved = {"model": model.state_dict(), "optim": optim.state_dict()}
+    want = host_tree(saved)
+    with CheckpointManager(root) as mgr:
+        mgr.save(0, saved)
+    m, o = model_and_optimizer(torch.optim.AdamW)
+    t = {"model": m.state_dict(), "optim": o.state_dict()}
+    with CheckpointManager(root) as mgr:
+        assert mgr.restore(None, t) == 0
+    assert_bitwise_equal(host_tree(t), want, f"rank {rank}")
+    dist.barrier()
+
+
 SCENARIOS: Dict[str, Callable[[str], None]] = {f.__name__: f for f in (
     manager_checkpointing, manager_step_tracking, manager_max_to_keep, manager_async, manager_async_step_tracking,
-    sgd, adamw, unsynced_save, states, optim_interop)}
+    sgd, adamw, unsynced_save, states, optim_interop, two_processes)}
 #: the scenarios of torch_xla's CheckpointManagerTest: run with its process group and coordinator
 MANAGER_TESTS = {"manager_checkpointing", "manager_step_tracking", "manager_max_to_keep", "manager_async",
                  "manager_async_step_tracking"}

@@ -4,8 +4,9 @@ Each scenario of tests/spmd_scenarios.py runs in its own process (``tests/spmd_w
 <scenario> <root>``): an abort in torch_xla's C++ ends that process only, so one crash cannot
 hide the others. torch_xla 2.9's own ``CheckpointManagerTest`` and ``OptimizerCheckpointTest``
 (``manager_*``, ``sgd``, ``adamw``), the abort of issue 34 (``unsynced_save``), every state a
-torch_xla user can hand to a save (``states``), and optimizer state between async_ckpt,
-``dcp.load`` with ``SPMDLoadPlanner`` and torch_xla's manager (``optim_interop``).
+torch_xla user can hand to a save (``states``), optimizer state between async_ckpt,
+``dcp.load`` with ``SPMDLoadPlanner`` and torch_xla's manager (``optim_interop``), and two
+processes saving together under torchrun (``two_processes``).
 """
 
 from __future__ import annotations
@@ -70,3 +71,17 @@ def test_every_spmd_state_is_staged_and_saved_bitwise(tmp_path):
 
 def test_optimizer_state_between_async_ckpt_dcp_and_torch_xla(tmp_path):
     _check("optim_interop", run_scenario("optim_interop", str(tmp_path / "ckpt")))
+
+
+@pytest.mark.slow
+def test_two_processes_of_two_devices_save_and_restore_together(tmp_path):
+    """torchrun, 2 processes x 2 virtual devices over gloo. torch_xla 2.9's PJRT CPU client
+    cannot make one mesh of several processes' devices (each process sees only its own), so each
+    process shards a whole replica over its 2 devices; the step is saved and restored by both."""
+    env = dict(os.environ)
+    env.update({"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "2", "OMP_NUM_THREADS": "1",
+                "PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), env.get("PYTHONPATH", "")])})
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                           os.path.join(HERE, "spmd_worker.py"), "two_processes", str(tmp_path / "ckpt")], env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=TIMEOUT)
+    assert proc.returncode == 0 and proc.stdout.count("two_processes OK") == 2, proc.stdout[-6000:]
