@@ -36,7 +36,6 @@ xr.use_spmd()  # before any XLA tensor exists
 from async_ckpt import CheckpointManager  # noqa: E402  (the one line torch_xla's test changes)
 from tests.tree import assert_bitwise_equal  # noqa: E402
 
-
 # ---- torch_xla's test fixtures, as there ------------------------------------------------------
 
 class SimpleLinear(torch.nn.Module):
@@ -367,7 +366,7 @@ def optim_interop(root: str) -> None:
         saved = {"model": model.state_dict(), "optim": optim.state_dict()}
         want = host_tree(saved)
 
-        def target(primed: bool) -> Dict[str, Any]:
+        def target(primed: bool, cls: Any = cls) -> Dict[str, Any]:
             m, o = model_and_optimizer(cls)
             if primed:
                 prime_optimizer(o)

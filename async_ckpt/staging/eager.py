@@ -76,10 +76,9 @@ class EagerStager(BaseStager):
             copy_cpu(cpu_d, cpu_s)
 
     def copy_xla_now(self, items: _Items, job: StagingJob) -> None:
-        """Copy XLA tensors before returning (no pending work left: after
-        :meth:`XlaStaging.stage_direct`).
+        """Copy XLA tensors before returning.
 
-        Through zero-copy host views into pooled buffers (the views are kept as
+        After :meth:`XlaStaging.stage_direct` (no pending work left). Through zero-copy host views into pooled buffers (the views are kept as
         ``job.sources``); tensors without a PJRT buffer of their own (:func:`with_buffers`),
         or all where PJRT has no host views, by torch_xla's batched transfer.
 

@@ -143,8 +143,7 @@ def xla_host_views(tensors: Sequence[torch.Tensor]) -> Optional[List[torch.Tenso
     the values at the time it was taken. The raw bindings are used: the Python wrappers'
     checks cost as much as the conversions.
     """
-    ok, other = with_buffers(list(enumerate(tensors)))
-    if other:
+    if with_buffers(list(enumerate(tensors)))[1]:
         return None
     try:
         to_dlpack, from_dlpack = compat.xla_to_dlpack_fn(), compat.from_dlpack
