@@ -91,6 +91,9 @@ class AsyncCkptCallback(TrainerCallback):
 
     ``stats`` holds, per save, ``step``, ``stage_seconds`` (the time the training loop was
     blocked) and ``nbytes`` (bytes staged).
+
+    The callback pickles: the copy has the same settings and ``stats``, a new host buffer pool
+    and writer of its own, and binds to the trainer it finds at its first event.
     """
 
     def __init__(self, max_pending: int = 2, memory_budget_bytes: Optional[int] = None, fsync: bool = True) -> None:
@@ -100,6 +103,16 @@ class AsyncCkptCallback(TrainerCallback):
         self.trainer: Optional[Trainer] = None
         self.stats: list = []
         self._warned = False
+        self._lock = threading.Lock()
+
+    def __getstate__(self) -> Dict[str, Any]:
+        state = self.__dict__.copy()
+        del state["_lock"]
+        state["trainer"] = None  # the copy binds again (the trainer's patched method is this one's)
+        return state  # the snapshotter and the writer pickle as new ones
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        self.__dict__.update(state)
         self._lock = threading.Lock()
 
     # ---- finding and patching the trainer -------------------------------------------------------

@@ -34,7 +34,7 @@ from ..gc_pause import gc_paused
 from ..lifecycle import phase
 from ..lifecycle.coordinator import DEFAULT_TIMEOUT_S, GroupCoordinator, coordinator_for
 from ..lifecycle.planners import load_planner_for, save_planner_for
-from ..lifecycle.replicas import SaveShares
+from ..lifecycle.replicas import DroppedSamples, SaveShares
 from ..lifecycle.restore import candidates_of, check_key_map
 from ..lifecycle.restore import restore as _restore
 from ..lifecycle.root import LOCAL, PERSISTENT, Root
@@ -54,7 +54,7 @@ from ..policies import (
 from ..preemption import PreemptionTracker, PreemptionWatcher
 from ..save_queue import AsyncWriter
 from ..staging import HostBufferPool, Stager
-from ..staging.frozen import FrozenTensors, changed_keys
+from ..staging.frozen import FrozenTensors, changed_keys, version_of
 from ..stats import SaveStats, format_bytes, format_seconds
 from ..storage import CheckpointLayout, RetryPolicy, Storage
 from ..storage.dcp import Reuse
@@ -79,6 +79,11 @@ from .tiered import (
 )
 
 log = logging.getLogger("async_ckpt")
+
+#: At interpreter exit (no Ctrl-C), saves still running after this many seconds are named in a
+#: warning (the process is waiting for them); quicker ones finish without a word.
+EXIT_NOTICE_AFTER_S = 3.0
+
 
 def _state_of(root: Root) -> RootState:
     """What the save schedule needs of ``root``."""
@@ -180,7 +185,10 @@ class CheckpointManager:
             live writer holds it (default 0: raise :class:`LeaseHeldError` at once).
         collective_timeout_s: multi-process: how long a rank waits for the others at each
             exchange of a save or restore; a rank that died makes the others' next
-            ``save_async``/``join``/``close`` raise after at most this long.
+            ``save_async``/``join``/``close`` raise after at most this long. After such a
+            failure every later save or restore of the manager raises
+            :class:`~async_ckpt.errors.CoordinationError` at once (create a new manager on
+            every rank to go on; see docs/distributed.md).
         local_dir: a second, fast tier (node-local disk, ``/dev/shm``, or any fsspec URL):
             steps the ``local_policy`` selects are committed there, those the save policy
             selects go to ``path``; a step due for both is staged once and written to both
@@ -218,10 +226,12 @@ class CheckpointManager:
             raises :class:`~async_ckpt.errors.FrozenTensorChangedError` (docs/incremental.md).
         frozen_check_every: every N-th save copies and checks every ``frozen`` tensor (default 10).
         replicated_saves: several ranks: a tensor of at least 64 KiB that several ranks hold
-            (DDP's model, HSDP replicas; same key, size and shard offsets) is staged and written
-            by one of them, balanced by bytes, so each rank's stall is its share (default
+            (DDP's model, HSDP replicas; same key, dtype, shape and shard offsets) is staged and
+            written by one of them, balanced by bytes, so each rank's stall is its share (default
             True; False: every rank stages everything and DCP writes one copy). A save due for
             the local tier stages everything: each rank's local copy restores that rank alone.
+            Either way a checkpoint holds one value per key: values that differ between ranks
+            under one key are logged once and listed in the manifest's ``diverged_keys``.
         replicated_reads: several ranks, at restore: ``"once"``: a tensor every rank restores
             as a plain tensor is read from storage by one rank and sent to the others over
             the manager's gloo group (CRC-checked after the transfer); ``"every_rank"``: each
@@ -321,7 +331,7 @@ class CheckpointManager:
         self.lazy = opts.lazy
         store = StepStore(self.storage, self.layout, self._coord, opts.wall_clock,
                           keep_incomplete=opts.keep_incomplete, lease_timeout=opts.lease_timeout,
-                          reuse=Reuse(opts.full_every) if opts.incremental else None)
+                          reuse=Reuse(opts.full_every, version_of) if opts.incremental else None)
         self.catalog = store.catalog
         self._stats_log = StatsLog.from_option(self.storage, opts.stats_log)
         # with a local tier an upload overlaps local saves on and off: keep buffers for both
@@ -732,6 +742,8 @@ class CheckpointManager:
             stager = self.stager.lazy if lazy and not wait else self.stager.eager
             keep -= drop
             snap = stager.stage(state_dict, plan, keep, drop)
+            # what this rank leaves to the others, as of the call: its values are compared too
+            samples = DroppedSamples(plan, drop) if drop else None
             kept_bytes = sum(plan.tensors[i].nbytes for i in keep)  # in the snapshot, not copied
             if snap.pending is not None:
                 snap.pending.step = step
@@ -769,7 +781,7 @@ class CheckpointManager:
                               PERSISTENT_ROOT: tier.home})
             job = SaveJob(step, snap, metrics, stats, t0, manifest_extra=extra,
                           commit_at=taken_at if self._local is not None else None,
-                          frozen=(seen, {plan.keys[i] for i in keep}))
+                          frozen=(seen, {plan.keys[i] for i in keep}), samples=samples)
             self._in_flight.append(step)
             try:
                 tier.writer.submit(functools.partial(self._persist, job, tier), step=step)
@@ -795,12 +807,12 @@ class CheckpointManager:
 
     def _warn_pickled(self, plan: Any) -> None:
         """Warn once per key about saved values that a restore can unpickle only with
-        ``allow_pickle=True`` (classes outside torch's ``weights_only`` safe set). Each value is
-        tried once with torch's restricted unpickler, which builds only that safe set and runs
-        no code of the value's classes."""
-        import torch
-
-        from ..storage.dcp.unpickling import refused_global
+        ``allow_pickle=True`` (classes outside torch's ``weights_only`` safe set and the RNG
+        states restore builds). Each value is tried once with restore's restricted unpickler
+        (:func:`~async_ckpt.storage.dcp.unpickling.load_value`), which builds only those
+        classes and runs no code of the value's classes."""
+        from ..errors import UnsafeCheckpointError
+        from ..storage.dcp.unpickling import load_value, refused_global
 
         bad: List[str] = []
         for path, obj in plan.pickled:
@@ -808,11 +820,10 @@ class CheckpointManager:
                 continue
             self._pickled_seen.add(path)
             try:
-                buf = obj.archive()
-                buf.seek(0)
-                torch.load(buf, weights_only=True)
-            except Exception as exc:  # noqa: BLE001 - torch's UnpicklingError, or what a class raises
-                name = refused_global(exc)
+                load_value(obj.archive(), path)
+            except Exception as exc:  # noqa: BLE001 - UnsafeCheckpointError, or what a class raises when built
+                cause = exc.__cause__ if isinstance(exc, UnsafeCheckpointError) else exc
+                name = refused_global(cause) if cause is not None else None
                 bad.append(f"{path} ({name})" if name else path)
         if bad:
             shown = ", ".join(bad[:10]) + (f" (and {len(bad) - 10} more)" if len(bad) > 10 else "")
@@ -1204,21 +1215,36 @@ class CheckpointManager:
         committed, committed steps stay), then it is raised again."""
         self._close()
 
-    def _close(self, notice: bool = False) -> None:
-        """:meth:`close`; ``notice``: say first which saves it waits for (after a Ctrl-C, or
-        at interpreter exit)."""
+    def _close(self, notice: Optional[str] = None) -> None:
+        """:meth:`close`; ``notice``: ``"interrupt"`` (after a Ctrl-C) says first which saves
+        it waits for and that another Ctrl-C abandons them; ``"exit"`` (interpreter exit, no
+        Ctrl-C) says so only if they are still running after :data:`EXIT_NOTICE_AFTER_S`."""
         if self._closed:
             return
         self._check_process()
         pending = sorted(set(self._in_flight))
-        if notice and pending:
-            log.warning("finishing the save of step %s; Ctrl-C again to abandon it",
-                        ", ".join(map(str, pending)))
+        steps = ", ".join(map(str, pending))
         try:
+            if pending and notice == "interrupt":
+                log.warning("finishing the save of step %s; Ctrl-C again to abandon it", steps)
+            elif pending and notice == "exit":
+                log.info("finishing the save of step %s before exiting", steps)
+                if not self._idle_within(EXIT_NOTICE_AFTER_S):
+                    log.warning("still finishing the save of step %s before exiting; Ctrl-C to abandon it", steps)
             self._close_now()
         except KeyboardInterrupt:
             self._abandon(pending)
             raise
+
+    def _idle_within(self, seconds: float) -> bool:
+        """Wait up to ``seconds`` for every tier's queued saves; whether they all ended."""
+        deadline = time.monotonic() + seconds
+        for tier in self.roots:
+            try:
+                tier.writer.wait_idle(timeout=max(0.0, deadline - time.monotonic()))
+            except CheckpointError:  # still running: a timeout
+                return False
+        return True
 
     def _abandon(self, pending: List[int]) -> None:
         """A Ctrl-C while closing: every tier refuses further writes, so the saves being
@@ -1286,7 +1312,7 @@ class CheckpointManager:
             self.close()
         else:
             try:
-                self._close(notice=exc_type is not None and issubclass(exc_type, KeyboardInterrupt))
+                self._close(notice="interrupt" if issubclass(exc_type, KeyboardInterrupt) else None)
             except KeyboardInterrupt:  # a second Ctrl-C abandoned the saves: the first one propagates
                 if not issubclass(exc_type, KeyboardInterrupt):
                     raise

@@ -7,6 +7,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import sys
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, List, Tuple
@@ -20,11 +21,14 @@ live_managers: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
 
 def _finish_pending_saves_at_exit() -> None:
+    # The script ended on a Ctrl-C (the interpreter kept it as the unhandled exception): a
+    # second one abandons the saves; otherwise they are finished quietly (see Manager._close).
+    interrupted = isinstance(getattr(sys, "last_value", None), KeyboardInterrupt)
     for mgr in list(live_managers):
         if mgr._forked:
             continue  # a forked child's copy: its parent finishes the saves
         try:
-            mgr._close(notice=True)
+            mgr._close(notice="interrupt" if interrupted else "exit")
         except KeyboardInterrupt:  # the saves were abandoned (and said so): exit quietly
             pass
         except Exception as exc:  # the interpreter is exiting: report, do not raise

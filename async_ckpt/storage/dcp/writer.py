@@ -44,6 +44,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from ... import compat
+from ...addresses import address_of, byte_view
 from ..manifest import FileRecord, crc32c, raw_crc32c
 from ..storage import Storage
 from ..torch_record import PickledObject, RecordBatch, RecordTemplate, RecordTemplates
@@ -109,19 +110,6 @@ _COMBINE_BYTES = 2**20  # a write at least this big is checksummed once for its 
 DATA_AT_MIN_BYTES = 64 * 2**10  # tensor records with this much data have their data's place kept
 
 
-def _address(b: Any) -> int:
-    """The address of a contiguous buffer's first byte (-1 where it cannot be had, e.g.
-    without NumPy, which async_ckpt does not require)."""
-    try:
-        import numpy as np
-    except ImportError:
-        return -1
-    try:
-        return int(np.frombuffer(b, dtype=np.uint8).ctypes.data)
-    except (TypeError, ValueError):
-        return -1
-
-
 class _RecordStream:
     """Write-through stream that counts bytes and computes CRC32C as data passes, gathering
     small writes into large ones (fewer syscalls/requests).
@@ -160,7 +148,7 @@ class _RecordStream:
     def write(self, b: Any) -> int:
         n = memoryview(b).nbytes
         if n >= 65536:
-            if self.expect is not None and n == self.expect[1] and _address(b) == self.expect[0]:
+            if self.expect is not None and n == self.expect[1] and address_of(b) == self.expect[0]:
                 self.found = self.tell()
             self.flush_pending()
             if self.records is None:
@@ -197,10 +185,20 @@ class _RecordStream:
             self._rec_start += n * count
 
     def append_record(self, t: torch.Tensor) -> int:
-        """Append ``torch.save(t)``'s bytes from a template (see :mod:`.records`) straight into
-        the pending buffer; return their length, or ``-1`` (nothing written) if ``t`` has none."""
+        """Write the record of ``t`` from its template (see :mod:`..torch_record`): a small one
+        copied into the pending buffer, a large one as its head, the tensor's memory itself (no
+        copy) and its tail. Returns the record's length, or ``-1`` (nothing written) if ``t``
+        has no template."""
+        tpl = _RECORDS.template(t)
+        if tpl is None:
+            return -1
+        if tpl.nbytes > _RECORDS.max_bytes:
+            self.write(tpl.head)
+            self.write(byte_view(t))
+            self.write(tpl.tail)
+            return tpl.length
         pending = self._pending
-        n = _RECORDS.append(pending, t)
+        n = tpl.append_to(pending, tpl.ctype.from_address(t.data_ptr()))
         if n >= 0:
             if self.records is not None:
                 with memoryview(pending) as mv:  # released: the buffer grows later
@@ -272,7 +270,7 @@ def _write_item(stream: _RecordStream, data: Any) -> int:
     if nbytes >= DATA_AT_MIN_BYTES and t.is_contiguous():
         stream.expect = (t.data_ptr(), nbytes)  # torch.save hands the storage's memory to write()
     try:
-        torch.save(t, stream)  # type: ignore[arg-type]  # any object with write() will do; torch annotates IO[bytes]
+        compat.torch_save_without_crc(t, stream)  # as the templates write it (see ..torch_record)
     except RuntimeError:
         if stream.error is not None:  # the storage's own error decides retrying
             raise stream.error from None
@@ -345,6 +343,8 @@ def _write_files(storage: Storage, path: str, prefix: str, buckets: List[List[An
                 for job in jobs:
                     data = resolve(job)
                     tpl = _RECORDS.template(data) if type(data) is torch.Tensor else None
+                    if tpl is not None and tpl.nbytes > _RECORDS.max_bytes:
+                        tpl = None  # a large record is written from the tensor's memory, on its own
                     if tpl is not None and tpl is run_tpl:
                         run.append(data)
                         continue
@@ -439,6 +439,18 @@ def _resolver(planner: SavePlanner) -> Callable[[Any], Any]:
     return resolve
 
 
+def _resolving_to(resolve: Callable[[Any], Any], items: List[Any], objs: List[Any]) -> Callable[[Any], Any]:
+    """``resolve``, except that ``items[i]`` resolves to ``objs[i]`` where that is not None (what
+    :meth:`Reuse.share` left there is what is written)."""
+    known = {id(it): o for it, o in zip(items, objs) if o is not None}
+
+    def resolved(item: Any) -> Any:
+        o = known.get(id(item))
+        return resolve(item) if o is None else o
+
+    return resolved
+
+
 class FsspecStorageWriter(StorageWriter):
     """DCP ``StorageWriter`` with concurrent, checksummed writes through :class:`Storage`; each
     file's record in :attr:`files` lists its items' lengths and CRC32Cs."""
@@ -476,6 +488,7 @@ class FsspecStorageWriter(StorageWriter):
             objs = [resolve(it) if it.type != WriteItemType.BYTE_IO else None for it in items]
             hashes, shared = reuse.share(self.storage, self.path, plan.storage_data.prefix, keys, objs)
             items = [it for i, it in enumerate(items) if i not in shared.placed]
+            resolve = _resolving_to(resolve, plan.items, objs)  # a declared-frozen tensor's bytes at the call
         buckets = _balance(items, [_item_bytes(it) for it in items], self.threads, self.storage.max_file_bytes)
         hints = [sum(_item_bytes(item) for item in bucket) for bucket in buckets]
         outs = _write_files(self.storage, self.path, plan.storage_data.prefix, buckets, hints, self.threads,
@@ -488,7 +501,7 @@ class FsspecStorageWriter(StorageWriter):
                 where[plan.items[i].index] = _StorageInfo(*info)
             placed.update(shared.placed)
             files.update(shared.files)
-            reuse.wrote(self.path, placed_items(keys, objs, hashes, placed), files, not shared.placed)
+            reuse.wrote(self.storage, self.path, placed_items(keys, objs, hashes, placed), files, shared)
         self.files.update(files)
         fut: Future = Future()
         fut.set_result([WriteResult(index=index, size_in_bytes=info.length, storage_data=info)
@@ -596,7 +609,8 @@ def _save_local(storage: Storage, path: str, state_dict: Dict[str, Any], *, thre
             files = {name: rec for name, rec, _ in outs}
             files[METADATA_NAME] = layout.files_meta
             if reuse is not None:
-                reuse.wrote(path, placed_items(keys, objs, hashes, _positions(layout.buckets, outs)), files, True)
+                reuse.wrote(storage, path, placed_items(keys, objs, hashes, _positions(layout.buckets, outs)), files,
+                            shared)
             return files
         # An object's pickle changed length: same files, new .metadata (built below).
         buckets, hints = layout.buckets, layout.hints
@@ -647,7 +661,7 @@ def _save_local(storage: Storage, path: str, state_dict: Dict[str, Any], *, thre
     storage.write_bytes(f"{path}/{METADATA_NAME}", data)
     files[METADATA_NAME] = FileRecord(len(data), crc32c(data))
     if reuse is not None:
-        reuse.wrote(path, placed_items(keys, objs, hashes, placed), files, not (shared and shared.placed))
+        reuse.wrote(storage, path, placed_items(keys, objs, hashes, placed), files, shared)
     if shared is not None and shared.placed:
         return files  # a layout that leaves items out is not one to write again
     if sig is None:  # the files were written with the last layout; only .metadata is new
