@@ -55,9 +55,9 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_mark_forked_in_child)
 
 
-def stop_threads(parts: List[Tuple[AsyncWriter, ThreadPoolExecutor, Any]]) -> None:
+def stop_threads(parts: List[Tuple[AsyncWriter, ThreadPoolExecutor, Any]], peers: Any = None) -> None:
     """Finalizer of a manager that was garbage-collected without ``close()``: per tier, its
-    writer, its deleter and its lease."""
+    writer, its deleter and its lease; then its peer copies' thread and held roots (``peers``)."""
     for writer, deleter, lease in parts:
         try:
             writer.close()
@@ -66,5 +66,7 @@ def stop_threads(parts: List[Tuple[AsyncWriter, ThreadPoolExecutor, Any]]) -> No
         deleter.shutdown(wait=False)
         if lease is not None:
             lease.release()
+    if peers is not None:
+        peers.stop_threads()
 
 
