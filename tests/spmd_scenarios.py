@@ -11,7 +11,7 @@ torch_xla's private ``_save`` (which here is the training thread's part of a sav
 block, it blocks the caller; see docs/migration.md).
 
 ``unsynced_save``: the abort of issue 34 (a model moved with ``.to('xla')`` and saved before
-any ``torch_xla.sync()``). ``states``: every state issue 34 lists, staged eagerly and lazily and
+any ``torch_xla.sync()``; and XLA targets restored by async_ckpt, saved again). ``states``: every state issue 34 lists, staged eagerly and lazily and
 saved, each compared bit for bit. ``optim_interop``: optimizer state between async_ckpt,
 ``dcp.load`` with torch_xla's ``SPMDLoadPlanner`` and torch_xla's own manager.
 ``two_processes``: under torchrun with ``CPU_NUM_DEVICES=2``.
@@ -254,6 +254,15 @@ def unsynced_save(root: str) -> None:
         target = {k: torch.zeros_like(v) for k, v in cpu.items()}
         CheckpointManager(root).restore(step, target)
         assert_bitwise_equal(target, cpu)
+    # A restore into XLA targets leaves them holding host data too: saving right after resuming.
+    resumed = {k: torch.zeros_like(v).to("xla") for k, v in cpu.items()}
+    torch_xla.sync()
+    with CheckpointManager(root) as mgr:
+        mgr.restore(1, resumed)
+        mgr.save(2, resumed)
+    target = {k: torch.zeros_like(v) for k, v in cpu.items()}
+    CheckpointManager(root).restore(2, target)
+    assert_bitwise_equal(target, cpu)
 
 
 def states(root: str) -> None:
