@@ -100,6 +100,11 @@ class StepNotFoundError(CheckpointError, FileNotFoundError):
     """Restore of a step that has no committed checkpoint."""
 
 
+class NotACheckpointRootError(CheckpointError, NotADirectoryError):
+    """A checkpoint path that cannot be a checkpoint root: a file (or a path under a file), or,
+    for the ``async-ckpt`` command, checkpoints of another kind (a Lightning ``.ckpt`` file)."""
+
+
 class StateDictMismatchError(CheckpointError, ValueError):
     """A restore target that does not fit the checkpoint.
 

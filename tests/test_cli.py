@@ -407,9 +407,11 @@ def test_ls_shows_commit_order_and_prune_refuses_under_a_live_writer(tmp_path, c
     out = json.loads(capsys.readouterr().out)
     assert out["commit_order"] == [30, 10, 20] and out["latest"] == 20
     assert main(["ls", root]) == 0
-    assert "latest (the newest commit that passes these checks, which restore(None) takes): 20" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert "commit order (oldest first): 30, 10, 20\nnewest intact step (what restore(None) takes): 20 " in text
     assert main(["prune", root, "--keep-last", "1"]) == 2  # the training job holds the lease
-    assert "live writer" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "live writer" in err and "pass --lease-timeout SECONDS to wait" in err and "lease_timeout=" not in err
     assert mgr.all_steps() == [10, 20, 30]
     mgr.close()
     assert main(["prune", root, "--keep-last", "1"]) == 0
@@ -435,7 +437,7 @@ def test_ls_and_verify_with_local_dir_show_another_job_s_copies_as_foreign(tmp_p
         (2, "local"): "listed", (2, "persistent"): "listed", (9, "local"): "foreign"}
     assert main(["ls", bucket_b, "--local-dir", local]) == 0
     out = capsys.readouterr().out
-    assert "FOREIGN" in out and "which restore(None) takes): 2" in out
+    assert "FOREIGN" in out and "restore(None) takes): 2" in out
     assert f"note: 1 local copy saved for another checkpoint path than file://{tmp_path}/b/" in out
     assert main(["verify", bucket_b, "--local-dir", local, "--json"]) == 0
     report = json.loads(capsys.readouterr().out)

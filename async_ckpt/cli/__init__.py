@@ -23,7 +23,8 @@ import sys
 import traceback
 from typing import Any, List, NoReturn, Optional, Sequence
 
-from ..errors import CheckpointError, CorruptCheckpointError
+from ..errors import CheckpointError, CorruptCheckpointError, LeaseHeldError
+from ..storage.lease import LEASE_WAIT_HINT
 from . import common
 from .common import (
     DEFAULT_CONNECT_TIMEOUT,
@@ -106,7 +107,11 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("ls", parents=[common, local], help="list steps: commit time, size, metrics, status",
                        description="List every step directory under PATH (and the local tier's with "
                                    "--local-dir): commit time, size, metrics, and status (listed, damaged, "
-                                   "incomplete, superseded, foreign). Reads only.")
+                                   "incomplete, superseded, foreign), and name the newest intact step "
+                                   "(what restore(None) takes). Reads only.")
+    s.add_argument("--verify", action="store_true",
+                   help="read and checksum the newest steps, as restore(None) does, until one verifies "
+                        "(marked verified; those that fail DAMAGED)")
     s.set_defaults(fn=cmd_ls)
 
     s = sub.add_parser("show", parents=[common], help="the tree of keys of a step, with shapes, dtypes, sizes",
@@ -214,7 +219,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         except KeyboardInterrupt:
             return _error("interrupted", "KeyboardInterrupt", 130, as_json)
         except CorruptCheckpointError as exc:
-            return _fail(exc, EXIT_DAMAGED, as_json, verbose)
+            return _fail(exc, EXIT_DAMAGED, as_json, verbose, hint=_damage_hint(args))
+        except LeaseHeldError as exc:
+            return _fail(exc, EXIT_ERROR, as_json, verbose, text=cli_lease_message(exc))
         except (CheckpointError, OSError, ValueError, ImportError) as exc:
             return _fail(exc, EXIT_ERROR, as_json, verbose)
         except Exception as exc:  # noqa: BLE001 - a bug or an unexpected storage error: still one line
@@ -232,10 +239,29 @@ def _usage_error(exc: UsageError, as_json: bool) -> int:
     return EXIT_ERROR
 
 
-def _fail(exc: BaseException, code: int, as_json: bool, verbose: bool, unexpected: bool = False) -> int:
+def _damage_hint(args: argparse.Namespace) -> str:
+    """What to do about a damaged step a command had to read."""
+    if args.command == "verify":
+        return ""
+    return (f"; `async-ckpt verify {args.path}` names the newest intact step"
+            + (" (`export ... latest` takes it)" if args.command == "export" else ""))
+
+
+def cli_lease_message(exc: LeaseHeldError) -> str:
+    """The lease error with the command's option for waiting, ``--lease-timeout SECONDS``,
+    instead of the Python argument ``lease_timeout=`` (which the message names in the API)."""
+    return str(exc).replace(LEASE_WAIT_HINT, "pass --lease-timeout SECONDS to wait")
+
+
+def _fail(exc: BaseException, code: int, as_json: bool, verbose: bool, unexpected: bool = False,
+          hint: str = "", text: Optional[str] = None) -> int:
     if verbose:
         traceback.print_exception(exc, file=sys.stderr)
-    msg = " ".join(str(exc).split()) or type(exc).__name__
+    msg = " ".join((str(exc) if text is None else text).split()) or type(exc).__name__
+    step = getattr(exc, "step", None)
+    if isinstance(step, int) and not re.search(rf"\bsteps? {step}\b", msg):  # every error names its step
+        msg = f"step {step}: {msg}"
+    msg += hint
     if unexpected:
         msg = (f"{type(exc).__name__}: {msg} (unexpected; rerun with --verbose for the traceback, "
                f"and please report it)")

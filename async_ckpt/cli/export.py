@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
+from ..errors import CorruptCheckpointError
 from ..storage.layout import CheckpointLayout
 from ..storage.storage import Storage
 from .common import (
     EXIT_OK,
     fmt_time,
     human_bytes,
+    intact_line,
+    naming_step,
     open_root,
     parse_options,
     parse_step,
@@ -19,7 +23,10 @@ from .common import (
     progress_bar,
     read_step_metadata,
     render_table,
+    restore_order,
 )
+
+log = logging.getLogger("async_ckpt.cli")
 
 # ---- export ----------------------------------------------------------------------------------
 
@@ -31,7 +38,8 @@ def load_step(path: str, step: Optional[int] = None, *, key: Optional[str] = Non
 
     Args:
         path: the checkpoint root (a local path or fsspec URL).
-        step: the step (None: the newest committed one).
+        step: the step (None: the step ``restore(None)`` takes: the newest commit that
+            verifies; a damaged newer one is skipped with a warning, as a restore skips it).
         key: a dotted prefix such as ``"model"``: only that subtree is read and returned.
         verify: check every file's size and checksum as it is read.
         allow_pickle: unpickle non-tensor values outside torch's safe set (trusted
@@ -44,14 +52,58 @@ def load_step(path: str, step: Optional[int] = None, *, key: Optional[str] = Non
     Raises:
         StepNotFoundError: ``step`` (or, for None, any step) has no committed checkpoint.
         ValueError: ``key`` names no entry, or selects inside something other than a dict.
-        CorruptCheckpointError: a file of the step fails verification.
+        CorruptCheckpointError: a file of the step fails verification (for None: of every
+            committed step); its ``step`` names the step.
         UnsafeCheckpointError: a value needs ``allow_pickle=True``.
     """
-    from ..storage.dcp import load_state_dict
-
     storage = Storage(path, storage_options)
     layout = CheckpointLayout(storage, "auto")
-    step = parse_step(None if step is None else str(step), layout)
+    step, state, _ = read_newest(storage, layout, step, key=key, verify=verify, allow_pickle=allow_pickle)
+    return step, state
+
+
+def read_newest(storage: Storage, layout: CheckpointLayout, step: Optional[int], *, key: Optional[str] = None,
+                verify: bool = True, allow_pickle: bool = False) -> Tuple[int, Any, List[int]]:
+    """:func:`load_step` on an open root; also returns the damaged newer steps it skipped.
+
+    Args:
+        storage: the root.
+        layout: its step layout.
+        step: the step, or None (the newest that verifies, in ``restore(None)``'s order).
+        key: as :func:`load_step`.
+        verify: as :func:`load_step`.
+        allow_pickle: as :func:`load_step`.
+
+    Returns:
+        ``(step, state, skipped)``: ``skipped`` lists the damaged steps tried first (None only).
+
+    Raises:
+        StepNotFoundError: no such committed step (or none at all).
+        CorruptCheckpointError: the step (every step, for None) is damaged.
+    """
+    if step is not None:
+        step = parse_step(str(step), layout)
+        return step, _read_step(storage, layout, step, key, verify, allow_pickle), []
+    order = restore_order(layout)
+    if not order:
+        parse_step(None, layout)  # raises StepNotFoundError, naming what the path holds instead
+    skipped: List[int] = []
+    last: Optional[CorruptCheckpointError] = None
+    for s in order:
+        try:
+            return s, _read_step(storage, layout, s, key, verify, allow_pickle), skipped
+        except CorruptCheckpointError as exc:
+            log.warning("skipping damaged step %d (restore(None) skips it too): %s", s, exc)
+            skipped.append(s)
+            last = exc
+    raise CorruptCheckpointError(f"every committed step is damaged ({', '.join(map(str, skipped))}); the "
+                                 f"oldest: {last}", step=skipped[-1]) from last
+
+
+def _read_step(storage: Storage, layout: CheckpointLayout, step: int, key: Optional[str], verify: bool,
+               allow_pickle: bool) -> Any:
+    from ..storage.dcp import load_state_dict
+
     man, metadata = read_step_metadata(storage, layout, step)
     full = _template(metadata, set(man.extra.get("int_keys", ())))
     target: Dict[str, Any] = full
@@ -75,12 +127,13 @@ def load_step(path: str, step: Optional[int] = None, *, key: Optional[str] = Non
             else:
                 dst[k] = {}
                 dst = dst[k]
-    load_state_dict(storage, layout.locate(step), target, files=man.files, verify=verify,
-                    allow_pickle=allow_pickle, metadata=metadata)
+    with naming_step(step):
+        load_state_dict(storage, layout.locate(step), target, files=man.files, verify=verify,
+                        allow_pickle=allow_pickle, metadata=metadata)
     out: Any = target
     for k in parts:
         out = out[k]
-    return step, out
+    return out
 
 
 def _template(metadata: Any, int_keys: set) -> Dict[str, Any]:
@@ -148,9 +201,9 @@ def cmd_export(args: argparse.Namespace) -> int:
     out_fs, out_path = _out_fs(out, args.path, options)
     if not args.force and out_fs.exists(out_path):  # checked before reading anything
         raise FileExistsError(f"OUT {out} already exists: pass --force to overwrite it")
-    step = parse_step(args.step, layout)
-    step, state = load_step(args.path, step, key=args.key, allow_pickle=args.allow_pickle,
-                            storage_options=options)
+    latest = args.step == "latest"
+    step, state, skipped = read_newest(storage, layout, None if latest else parse_step(args.step, layout),
+                                       key=args.key, allow_pickle=args.allow_pickle)
     flat = flatten(state)
     tensors = {k: v for k, v in flat.items() if isinstance(v, torch.Tensor)}
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
@@ -180,10 +233,11 @@ def cmd_export(args: argparse.Namespace) -> int:
         bar.close()
     if args.json:
         print_json({"step": step, "out": out, "format": ext, "tensors": len(tensors), "tensor_bytes": nbytes,
-                     "entries": len(flat)})
+                     "entries": len(flat), "latest": latest, **({"newer_damaged": skipped} if latest else {})})
     else:
         print(f"exported step {step} ({len(tensors)} tensors, {human_bytes(nbytes)}"
-              f"{f', {len(flat) - len(tensors)} other entries' if len(flat) != len(tensors) else ''}) to {out}")
+              f"{f', {len(flat) - len(tensors)} other entries' if len(flat) != len(tensors) else ''}) to {out}"
+              + (f"; latest: the {intact_line(step, skipped, verified=True)}" if latest else ""))
     return EXIT_OK
 
 

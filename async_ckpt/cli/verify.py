@@ -21,6 +21,7 @@ from .common import (
     foreign_note,
     home_identity,
     human_bytes,
+    intact_line,
     no_checkpoint_message,
     open_root,
     open_roots,
@@ -28,6 +29,7 @@ from .common import (
     print_json,
     progress_bar,
     render_table,
+    restore_order,
 )
 
 # ---- verify ----------------------------------------------------------------------------------
@@ -106,6 +108,35 @@ def _foreign_copies(roots: List[Tuple[str, Storage, CheckpointLayout]]) -> Dict[
     return out
 
 
+def _restore_order(roots: List[Tuple[str, Storage, CheckpointLayout]], own: Any) -> List[int]:
+    """The steps in the order ``restore(None)`` tries them, over every tier (copies another
+    job saved left out): steps whose manifest does not read first, then newest commit first."""
+    if len(roots) == 1:
+        return restore_order(roots[0][2])
+    unread: List[int] = []
+    timed: List[Tuple[float, int]] = []
+    for tier, _, lay in roots:
+        infos = StepCatalog(lay, time.time).in_commit_order()
+        seen = {c.step for c in infos}
+        unread += [s for s in lay.committed_steps() if s not in seen and own(tier, s)]
+        timed += [(c.commit_time, c.step) for c in infos if own(tier, c.step)]
+    order = sorted(set(unread), reverse=True) + [s for _, s in sorted(timed, reverse=True)]
+    return list(dict.fromkeys(order))
+
+
+def _newest_intact(order: List[int], results: List[Dict[str, Any]]) -> Tuple[Optional[int], List[int]]:
+    """The first step of ``order`` with a copy that verified, and the damaged ones before it."""
+    ok = {r["step"] for r in results if r["ok"]}
+    seen = {r["step"] for r in results}
+    skipped: List[int] = []
+    for s in order:
+        if s in ok:
+            return s, skipped
+        if s in seen:
+            skipped.append(s)
+    return None, skipped
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
     roots = open_roots(args)
     foreign = _foreign_copies(roots)  # another job's local copies: skipped, with a note
@@ -113,51 +144,78 @@ def cmd_verify(args: argparse.Namespace) -> int:
     def own(tier: str, s: int) -> bool:
         return tier != "local" or s not in foreign
 
+    def none_found() -> StepNotFoundError:
+        return StepNotFoundError(no_checkpoint_message(
+            roots[-1][1], f"no committed checkpoint {'of this job ' if len(roots) > 1 else ''}under "
+            + " or ".join(r[1].url for r in roots), name=args.path))
+
+    tiered = len(roots) > 1
+    walk = False  # STEP omitted or 'latest': verify as restore(None) reads, until a step verifies
     todo: List[Tuple[str, Storage, CheckpointLayout, int]] = []
+    order: List[int] = []
     if args.all:
         if args.step is not None:
             raise ValueError("give a STEP or --all, not both")
         for tier, storage, layout in roots:
             todo += [(tier, storage, layout, s) for s in layout.committed_steps() if own(tier, s)]
         if not todo:
-            raise StepNotFoundError(no_checkpoint_message(roots[-1][1], "no committed checkpoint of this job under "
-                                                   + " or ".join(r[1].url for r in roots)))
-    elif len(roots) == 1:
-        todo = [(roots[0][0], roots[0][1], roots[0][2], parse_step(args.step, roots[0][2]))]
-    else:  # the step in every tier that holds it ('latest': the newest commit over both)
-        step = None
-        if args.step not in (None, "latest"):
-            if not args.step.isdigit():
-                raise ValueError(f"STEP must be a non-negative integer or 'latest', got {args.step!r}")
-            step = int(args.step)
-        if step is None:
-            newest = [(c.commit_time, c.step) for tier, _, lay in roots
-                      for c in StepCatalog(lay, time.time).in_commit_order() if own(tier, c.step)]
-            if not newest:
-                raise StepNotFoundError(no_checkpoint_message(roots[-1][1], "no committed checkpoint of this job under "
-                                                       + " or ".join(r[1].url for r in roots)))
-            step = max(newest)[1]
+            raise none_found()
+        order = _restore_order(roots, own)
+    elif args.step in (None, "latest"):
+        walk = True
+        order = _restore_order(roots, own)
+        if not order:
+            raise none_found()
+    else:
+        if not args.step.isdigit():
+            raise ValueError(f"STEP must be a non-negative integer or 'latest', got {args.step!r}")
+        step = int(args.step)
+        if not tiered:
+            step = parse_step(args.step, roots[0][2])
         todo = [(tier, st, lay, step) for tier, st, lay in roots if step in lay.committed_steps() and own(tier, step)]
         if not todo:
             raise StepNotFoundError(f"no committed checkpoint of this job for step {step} in either tier"
                                     + (" (the local copy is another job's)" if step in foreign else ""), step=step)
-    tiered = len(roots) > 1
-    total = 0
-    for _, _, layout, s in todo:
-        try:
-            total += sum(r.size for r in layout.read_manifest(s).files.values())
-        except CheckpointError:
-            pass
-    bar = progress_bar(total, "verify", args.progress)
+
+    def copies(step: int) -> List[Tuple[str, Storage, CheckpointLayout, int]]:
+        return [(tier, st, lay, step) for tier, st, lay in roots if step in lay.committed_steps() and own(tier, step)]
+
+    def size_of(items: List[Tuple[str, Storage, CheckpointLayout, int]]) -> int:
+        total = 0
+        for _, _, layout, s in items:
+            try:
+                total += sum(r.size for r in layout.read_manifest(s).files.values())
+            except CheckpointError:
+                pass
+        return total
+
+    results: List[Dict[str, Any]] = []
+    bar = progress_bar(size_of(todo if not walk else copies(order[0])), "verify", args.progress)
     try:
-        results = [dict(_verify_step(storage, layout, s, bar), tier=tier) for tier, storage, layout, s in todo]
+        if walk:  # newest first, as restore(None): the first step with a copy that verifies ends it
+            for i, s in enumerate(order):
+                items = copies(s)
+                if i and hasattr(bar, "total"):
+                    bar.total += size_of(items)
+                    bar.refresh()
+                got = [dict(_verify_step(storage, layout, s, bar), tier=tier) for tier, storage, layout, s in items]
+                results += got
+                if any(r["ok"] for r in got):
+                    break
+        else:
+            results = [dict(_verify_step(storage, layout, s, bar), tier=tier) for tier, storage, layout, s in todo]
     finally:
         bar.close()
     damaged = [r for r in results if not r["ok"]]
     skipped = sorted(foreign)  # never verified, never the latest
+    newest, newer_damaged = _newest_intact(order, results) if order else (None, [])
     if args.json:
-        print_json({"path": args.path, "ok": not damaged, "steps": results,
-                     "skipped_foreign": [{"step": s, "tier": "local", "saved_for": foreign[s]} for s in skipped]})
+        out: Dict[str, Any] = {"path": args.path, "ok": not damaged, "steps": results,
+                               "skipped_foreign": [{"step": s, "tier": "local", "saved_for": foreign[s]}
+                                                   for s in skipped]}
+        if order:
+            out.update(newest_intact=newest, newer_damaged=newer_damaged)
+        print_json(out)
     else:
         for s in skipped:
             print(f"step {s} (local): skipped: saved for the checkpoint path {foreign[s]} (another job's copy)")
@@ -171,6 +229,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
             print(f"step {r['step']}{where}: {state} ({r['files']} files, {human_bytes(r['bytes'])} read{shared})")
             for p in r["problems"]:
                 print(f"  {p}")
+        if order:
+            print(intact_line(newest, newer_damaged, verified=True))
         if damaged:
             print(f"{len(damaged)} of {len(results)} step(s) damaged: {', '.join(str(r['step']) for r in damaged)}",
                   file=sys.stderr)

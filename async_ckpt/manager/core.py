@@ -27,6 +27,7 @@ from ..errors import (
     InvalidArgumentError,
     InvalidStateDictError,
     LeaseHeldError,
+    NotACheckpointRootError,
     StorageError,
     warn_user,
 )
@@ -359,6 +360,8 @@ class CheckpointManager:
             # Created and checked when possible; a read-only root (an evaluation job's credential
             # or mount) opens all the same, for listing and restoring: the first save checks again.
             self._writable = self._check_writable(quiet=True)
+            if not self._writable:
+                self._refuse_a_file()
             if not self._writable and self._local is None:
                 self._check_readable()
             if self._preemption is not None:
@@ -1307,34 +1310,37 @@ class CheckpointManager:
 
     def _describe_root(self) -> None:
         """Say at INFO that the root is new or empty (a typo'd path would otherwise restart a
-        run from step 0 silently), and warn when it looks like a step directory or the parent
-        of checkpoint roots. Reads only; a root that cannot be listed is left to the calls that
-        need it."""
-        from ..storage.manifest import MANIFEST_NAME, MARKER_NAME
+        run from step 0 silently), and warn when it looks like a step directory, the parent of
+        checkpoint roots, or holds only checkpoints of another kind (the diagnosis the
+        ``async-ckpt`` command prints too: :func:`~async_ckpt.storage.diagnosis.diagnose`).
+        Reads only; a root that cannot be listed is left to the calls that need it."""
+        from ..storage.diagnosis import PARENT_OF_ROOTS, STEP_DIR, diagnose
 
         st = self.storage
         try:
             entries = st.listdir(st.root)
-            names = {e["name"] for e in entries}
-            if MANIFEST_NAME in names or MARKER_NAME in names:
-                parent = st.url.rstrip("/").rsplit("/", 1)[0]
-                warn_user(f"the checkpoint path {st.url} looks like one step's directory (it holds {MANIFEST_NAME}): "
-                          f"pass the checkpoint root, its parent {parent}, instead")
-                return
-            dirs = [e["name"] for e in entries if e.get("type") == "directory"]
-            if any(d.isdigit() for d in dirs):
-                return
-            roots = [d for d in sorted(dirs)[:20] if not d.startswith(".")
-                     and any(c["name"].isdigit() and c.get("type") == "directory" for c in st.listdir(st.join(d)))]
-            if roots:
-                warn_user(f"the checkpoint path {st.url} holds no steps but its subdirector{'ies' if len(roots) > 1 else 'y'} "
-                          f"{', '.join(roots[:5])} hold{'' if len(roots) > 1 else 's'} checkpoint steps: it looks like the "
-                          f"parent of checkpoint roots; pass one of them (e.g. {st.join(roots[0])})")
-            elif not entries:
+            findings = diagnose(st, entries)
+            has_steps = any(e.get("type") == "directory" and e["name"].isdigit() for e in entries)
+            for f in findings:
+                if f.kind in (STEP_DIR, PARENT_OF_ROOTS):
+                    warn_user(f"the checkpoint path {f.message}")
+                elif not has_steps:
+                    warn_user(f"the checkpoint path {st.url} holds no async_ckpt steps: {f.message}")
+            if not entries:
                 log.info("checkpoint root %s is new and empty: nothing to restore (check the path if a run "
                          "should resume from it); the first save creates it", st.url)
         except Exception as exc:  # noqa: BLE001 - advice only: listing and restoring raise their own errors
             log.debug("could not list %s: %s", st.url, exc)
+
+    def _refuse_a_file(self) -> None:
+        """The root could not be created: raise :class:`NotACheckpointRootError` when a file is
+        in the way (the root itself, or a parent of a local root), never to be a directory."""
+        from ..storage.diagnosis import file_in_the_way, not_a_root_message
+
+        blocker = file_in_the_way(self.storage)
+        if blocker is not None:
+            raise NotACheckpointRootError(not_a_root_message("checkpoint path", self.storage, blocker)) \
+                from self._write_problem
 
     def _check_readable(self) -> None:
         """The root could not be written when the manager was opened: raise that error unless
