@@ -239,7 +239,7 @@ def test_memory_url_damage_export_prune(mem_root, capsys, tmp_path):
     assert main(["prune", url, "--keep-last", "1", "--keep-every", "20", "--dry-run", "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert plan == {"path": url, "dry_run": True, "kept": [0, 20, 40, 50], "deleted": [10, 30],
-                    "skipped_damaged": {}}
+                    "skipped_damaged": {}, "job_retention": None, "kept_for_job_retention": [], "forced": []}
     assert main(["ls", url, "--json"]) == 0
     assert len(json.loads(capsys.readouterr().out)["steps"]) == 6
     assert main(["prune", url, "--keep-last", "1", "--keep-every", "20"]) == 0
@@ -273,9 +273,9 @@ def test_empty_root_and_bad_usage(tmp_path, capsys):
     assert "no checkpoints under" in capsys.readouterr().out
     assert main(["verify", str(tmp_path / "empty")]) == 2
     assert "no committed checkpoint" in capsys.readouterr().err
-    assert main(["prune", str(tmp_path)]) == 2  # --keep-last is required: the subcommand's usage error
+    assert main(["prune", str(tmp_path)]) == 2  # --keep-last or --keep-best: the subcommand's usage error
     err = capsys.readouterr().err
-    assert err.startswith("usage: async-ckpt prune ") and "required: --keep-last" in err
+    assert err.startswith("usage: async-ckpt prune ") and "one of the arguments --keep-last --keep-best is required" in err
 
 
 def test_damaged_marker_shows_in_ls_and_prune_leaves_it(tmp_path, capsys):

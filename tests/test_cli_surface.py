@@ -250,6 +250,65 @@ def test_ls_and_verify_name_lightning_and_hf_checkpoints(tmp_path, capsys):
     assert "last.ckpt is a Lightning checkpoint file" in capsys.readouterr().err
 
 
+# ---- prune: metrics, --keep-best, the job's own retention ------------------------------------
+
+def _steps(root):
+    return sorted(int(n) for n in os.listdir(root) if n.isdigit())
+
+
+def test_prune_keeps_what_the_job_s_own_retention_keeps_unless_forced(tmp_path):
+    """A KeepBest(3, "val_loss") job: `prune --keep-last 1` used to delete its best step."""
+    from async_ckpt import KeepBest
+
+    root = str(tmp_path / "ckpt")
+    losses = {100: 0.9, 200: 0.1, 300: 0.5, 400: 0.3, 500: 0.7}
+    with CheckpointManager(root, retention=KeepBest(3, "val_loss")) as mgr:
+        for s, v in losses.items():
+            mgr.save(s, small_state(s), metrics={"val_loss": v})
+    assert _steps(root) == [200, 300, 400, 500]  # the 3 best, and the newest (always kept)
+    proc = cli("prune", root, "--keep-last", "1", "--dry-run")
+    assert proc.returncode == 0, proc.stderr
+    table = proc.stdout.splitlines()
+    assert table[0].split() == ["STEP", "COMMITTED", "DATA", "METRICS", "ACTION"]
+    rows = {line.split()[0]: line for line in table[1:5]}
+    assert "val_loss=0.1" in rows["200"] and rows["200"].endswith("keep (job's retention)")
+    assert rows["500"].endswith("keep") and "would delete" not in proc.stdout
+    assert ("kept 3 step(s) the job's own retention (KeepBest(n=3, metric='val_loss', mode='min', missing='keep')) "
+            "keeps: 200, 300, 400; pass --force to delete them too") in proc.stdout
+    assert cli("prune", root, "--keep-last", "1").returncode == 0
+    assert _steps(root) == [200, 300, 400, 500]  # nothing the job keeps was deleted
+    proc = cli("prune", root, "--keep-best", "1", "--metric", "val_loss", "--force")
+    assert proc.returncode == 0, proc.stderr
+    assert "--force: deleted 2 step(s) the job's own retention" in proc.stdout
+    assert _steps(root) == [200, 500]  # the best, and the newest intact commit
+    line = _one_line(cli("prune", root, "--keep-best", "1", "--metric", "val_los"))
+    assert "no committed step recorded the metric 'val_los' (the steps' metrics: val_loss)" in line
+    line = _one_line(cli("prune", root, "--keep-best", "1"))
+    assert "--keep-best needs --metric NAME" in line
+    proc = cli("prune", root, "--keep-best", "1", "--metric", "val_loss", "--mode", "max", "--dry-run", "--json")
+    out = json.loads(proc.stdout)
+    assert out["deleted"] == [] and out["kept_for_job_retention"] == [200]  # max: 500 is the best; 200 the job's
+    assert out["job_retention"] == {"policy": "KeepBest", "n": 3, "metric": "val_loss", "mode": "min",
+                                    "missing": "keep"}
+
+
+def test_prune_under_a_custom_retention_deletes_nothing_without_force(tmp_path, capsys):
+    root = str(tmp_path / "ckpt")
+    with CheckpointManager(root, retention=lambda cks: {c.step for c in cks if c.step % 2}) as mgr:
+        for s in (1, 3, 5):
+            mgr.save(s, small_state(s))
+    assert main(["prune", root, "--keep-last", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "a custom policy, retention(<lambda>), whose choices cannot be known here" in out
+    assert _steps(root) == [1, 3, 5]
+    assert main(["prune", root, "--keep-last", "1", "--force"]) == 0
+    assert _steps(root) == [5]
+    with CheckpointManager(root) as mgr:  # the default (keep all) records no retention: prune decides
+        mgr.save(7, small_state(7))
+    assert main(["prune", root, "--keep-last", "1"]) == 0
+    assert _steps(root) == [7]
+
+
 # ---- verify / export: progress, --force, -o for OUT ------------------------------------------
 
 def test_verify_progress_without_tqdm_says_how_to_get_it(tmp_path):

@@ -136,12 +136,19 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(fn=cmd_verify)
 
     s = sub.add_parser("prune", parents=[common, lease], help="delete committed steps a retention policy drops",
-                       description="Delete the committed steps that --keep-last/--keep-every do not keep "
-                                   "(the newest intact commit always stays; damaged steps are left alone). "
-                                   "Takes PATH's writer lease, so it refuses while a training job writes "
-                                   "there.")
-    s.add_argument("--keep-last", type=int, required=True, metavar="N", help="keep the N newest commits")
+                       description="Delete the committed steps that --keep-last/--keep-best/--keep-every do not "
+                                   "keep (the newest intact commit always stays; damaged steps are left alone; "
+                                   "steps the job's own retention keeps, as its manifests record it, stay "
+                                   "unless --force). Takes PATH's writer lease, so it refuses while a training "
+                                   "job writes there.")
+    s.add_argument("--keep-last", type=int, metavar="N", help="keep the N newest commits")
+    s.add_argument("--keep-best", type=int, metavar="N", help="keep the N steps with the best --metric")
+    s.add_argument("--metric", metavar="NAME", help="the metric --keep-best ranks by (a key of the saves' metrics=)")
+    s.add_argument("--mode", choices=("min", "max"), default="min",
+                   help="with --keep-best: the best is the lowest (min, a loss; default) or highest (max)")
     s.add_argument("--keep-every", type=int, metavar="K", help="also keep every step divisible by K")
+    s.add_argument("--force", action="store_true",
+                   help="also delete steps the job's own retention keeps (recorded in its manifests)")
     s.add_argument("--dry-run", action="store_true", help="show what would be deleted, delete nothing")
     s.set_defaults(fn=cmd_prune)
 
@@ -206,6 +213,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             args, extra = parser.parse_known_args(argv)
             if extra:  # the subcommand's usage, not the top level's
                 getattr(args, "_parser", parser).error(f"unrecognized arguments: {' '.join(extra)}")
+            if args.command == "prune" and args.keep_last is None and args.keep_best is None:
+                args._parser.error("one of the arguments --keep-last --keep-best is required")
         except UsageError as exc:
             return _usage_error(exc, as_json)
         try:

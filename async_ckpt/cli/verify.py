@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 from ..addresses import byte_view
 from ..errors import CheckpointError, StepNotFoundError
@@ -17,6 +17,7 @@ from ..storage.storage import Storage
 from .common import (
     EXIT_DAMAGED,
     EXIT_OK,
+    fmt_metrics,
     fmt_time,
     foreign_note,
     home_identity,
@@ -239,24 +240,47 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 # ---- prune -----------------------------------------------------------------------------------
 
-def _retention(keep_last: int, keep_every: Optional[int]) -> Any:
+def _retention(args: argparse.Namespace) -> Any:
+    """The policy of prune's flags: ``AnyOf`` of ``KeepLatest``, ``KeepEveryNSteps`` and
+    ``KeepBest`` (those given)."""
     from .. import policies
 
-    if not isinstance(keep_last, int) or keep_last < 1:
-        raise ValueError(f"--keep-last must be >= 1, got {keep_last}")
-    latest = policies.KeepLatest(keep_last)
-    if keep_every is None:
-        return latest
-    if keep_every < 1:
-        raise ValueError(f"--keep-every must be >= 1, got {keep_every}")
-    return policies.AnyOf([latest, policies.KeepEveryNSteps(keep_every)])
+    members: List[Any] = []
+    if args.keep_last is not None:
+        if args.keep_last < 1:
+            raise ValueError(f"--keep-last must be >= 1, got {args.keep_last}")
+        members.append(policies.KeepLatest(args.keep_last))
+    if args.keep_best is not None:
+        if args.keep_best < 1:
+            raise ValueError(f"--keep-best must be >= 1, got {args.keep_best}")
+        if not args.metric:
+            raise ValueError("--keep-best needs --metric NAME (a metric the saves recorded, e.g. val_loss)")
+        members.append(policies.KeepBest(args.keep_best, args.metric, args.mode))
+    elif args.metric is not None:
+        raise ValueError("--metric goes with --keep-best N")
+    if not members:
+        raise ValueError("give --keep-last N and/or --keep-best N --metric NAME")
+    if args.keep_every is not None:
+        if args.keep_every < 1:
+            raise ValueError(f"--keep-every must be >= 1, got {args.keep_every}")
+        members.append(policies.KeepEveryNSteps(args.keep_every))
+    return members[0] if len(members) == 1 else policies.AnyOf(members)
+
+
+def _job_retention(layout: CheckpointLayout, step: int) -> Tuple[Optional[Dict[str, Any]], Any]:
+    """The retention the job recorded in ``step``'s manifest (its spec, and the policy; the
+    policy is None for a custom one, whose choices a tool cannot know)."""
+    from ..policies import RETENTION_KEY, retention_from_spec
+
+    spec = layout.read_manifest(step).extra.get(RETENTION_KEY)
+    return (spec, retention_from_spec(spec)) if isinstance(spec, dict) else (None, None)
 
 
 def cmd_prune(args: argparse.Namespace) -> int:
-    from ..policies import CheckpointInfo
+    from ..policies import CheckpointInfo, apply_retention
 
     storage, layout = open_root(args)
-    policy = _retention(args.keep_last, args.keep_every)
+    policy = _retention(args)
     infos: List[CheckpointInfo] = []
     unreadable: Dict[int, str] = {}
     sizes: Dict[int, int] = {}
@@ -272,6 +296,10 @@ def cmd_prune(args: argparse.Namespace) -> int:
         infos.append(CheckpointInfo(step, m.commit_time, dict(m.metrics), m.nbytes))
         sizes[step] = sum(r.size for r in m.files.values())
     ordered = sorted(infos, key=lambda c: (c.commit_time, c.step))
+    if args.metric is not None and ordered and not any(args.metric in c.metrics for c in ordered):
+        have = sorted({k for c in ordered for k in c.metrics})
+        raise ValueError(f"no committed step recorded the metric {args.metric!r} (the steps' metrics: "
+                         f"{', '.join(have) or 'none'}): --keep-best would keep every step")
     # The step always kept is the newest commit that verifies in full (checksums, metadata):
     # newer ones that fail are damaged, left alone and never count as the newest kept. With
     # none that verifies, nothing is deleted.
@@ -290,6 +318,15 @@ def cmd_prune(args: argparse.Namespace) -> int:
     keep = set(policy.keep(ordered)) if ordered else set()
     if anchor is not None:  # the same guarantee as the manager's retention, among intact steps
         keep.add(anchor.step)
+    # What the job's own retention keeps (recorded in the newest intact manifest) stays too,
+    # unless --force: the job would otherwise resume without the steps it meant to keep.
+    spec, job_policy = _job_retention(layout, anchor.step) if anchor is not None else (None, None)
+    protected: Set[int] = set()
+    if spec is not None and ordered:
+        wanted = apply_retention(job_policy, ordered) if job_policy is not None else {c.step for c in ordered}
+        protected = {c.step for c in ordered if c.step in wanted and c.step not in keep}
+    if not args.force:
+        keep |= protected
     doomed = [c.step for c in ordered if c.step not in keep]
     deleted: List[int] = []
     if not args.dry_run and doomed:
@@ -303,21 +340,45 @@ def cmd_prune(args: argparse.Namespace) -> int:
         finally:
             lease.release()
     kept = sorted(keep & {c.step for c in ordered})
+    job_text = _describe_job_retention(spec, job_policy)
     if args.json:
         print_json({"path": args.path, "dry_run": args.dry_run, "kept": kept,
                      "deleted": sorted(doomed) if args.dry_run else deleted,
-                     "skipped_damaged": {str(k): v for k, v in sorted(unreadable.items())}})
+                     "skipped_damaged": {str(k): v for k, v in sorted(unreadable.items())},
+                     "job_retention": spec, "kept_for_job_retention": sorted(protected) if not args.force else [],
+                     "forced": sorted(protected) if args.force else []})
         return EXIT_OK
     action = "would delete" if args.dry_run else "deleted"
-    rows = [[c.step, fmt_time(c.commit_time), human_bytes(c.nbytes),
-             "keep" if c.step in keep else action] for c in sorted(ordered, key=lambda c: c.step)]
-    rows += [[s, "-", "-", "skip (damaged)"] for s in sorted(unreadable)]
+
+    def what(step: int) -> str:
+        if step in protected:
+            return f"{action} (--force)" if args.force else "keep (job's retention)"
+        return "keep" if step in keep else action
+
+    rows = [[c.step, fmt_time(c.commit_time), human_bytes(c.nbytes), fmt_metrics(c.metrics), what(c.step)]
+            for c in sorted(ordered, key=lambda c: c.step)]
+    rows += [[s, "-", "-", "-", "skip (damaged)"] for s in sorted(unreadable)]
     if rows:
-        print(render_table(["STEP", "COMMITTED", "DATA", "ACTION"], rows, right=(0, 2)))
+        print(render_table(["STEP", "COMMITTED", "DATA", "METRICS", "ACTION"], rows, right=(0, 2)))
     print(f"{'dry run: ' if args.dry_run else ''}{len(kept)} kept, {len(doomed)} "
           f"{'to delete' if args.dry_run else 'deleted'}"
           + (f", {len(unreadable)} damaged step(s) left alone" if unreadable else ""))
+    if protected and not args.force:
+        print(f"kept {len(protected)} step(s) the job's own retention ({job_text}) keeps: "
+              f"{', '.join(map(str, sorted(protected)))}; pass --force to delete them too")
+    elif protected:
+        print(f"--force: {'would delete' if args.dry_run else 'deleted'} {len(protected)} step(s) the job's own "
+              f"retention ({job_text}) keeps: {', '.join(map(str, sorted(protected)))}")
     return EXIT_OK
+
+
+def _describe_job_retention(spec: Optional[Dict[str, Any]], policy: Any) -> str:
+    if spec is None:
+        return "none recorded"
+    if policy is None:
+        return (f"a custom policy, {spec.get('repr', spec)}, whose choices cannot be known here: every step "
+                f"counts as kept")
+    return repr(policy)
 
 
 # ---- promote ---------------------------------------------------------------------------------

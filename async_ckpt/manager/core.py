@@ -43,6 +43,7 @@ from ..lifecycle.save_job import FROZEN_CHANGED, SaveJob, run_save
 from ..lifecycle.steps import StepStore
 from ..options import ManagerOptions
 from ..policies import (
+    RETENTION_KEY,
     CheckpointInfo,
     RetentionPolicy,
     SavePolicy,
@@ -51,6 +52,7 @@ from ..policies import (
     best_checkpoint,
     check_step,
     find_keep_best,
+    retention_spec,
 )
 from ..preemption import PreemptionTracker, PreemptionWatcher
 from ..save_queue import AsyncWriter
@@ -770,6 +772,10 @@ class CheckpointManager:
             if tier is self._local:
                 extra.update({"tier": LOCAL, "rank": self._coord.rank, "world_size": self._coord.world_size,
                               PERSISTENT_ROOT: tier.home})
+            else:  # what this job's retention keeps, for tools that delete by hand (async-ckpt prune)
+                spec = retention_spec(tier.retention)
+                if spec is not None:
+                    extra[RETENTION_KEY] = spec
             job = SaveJob(step, snap, metrics, stats, t0, manifest_extra=extra,
                           commit_at=taken_at if self._local is not None else None,
                           frozen=(seen, {plan.keys[i] for i in keep}))
