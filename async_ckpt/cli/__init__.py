@@ -184,10 +184,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(fn=cmd_export)
     s = sub.add_parser("stats", parents=[common], help="the save statistics log (stats_log=True), as a table",
                        description="Print the save statistics log a manager made with stats_log=True "
-                                   "keeps under PATH: per save, its blocking time, write and commit "
-                                   "times and sizes.")
+                                   "keeps under PATH: per save (per tier with a local tier), its blocking "
+                                   "time, write and commit times and rates, sizes and marks; medians, "
+                                   "sparklines; --plot draws them.")
     s.add_argument("--log", metavar="RELPATH", help="the log's path under PATH (default: save_stats.jsonl)")
     s.add_argument("--last", type=int, metavar="N", help="only the N most recent saves")
+    s.add_argument("--plot", metavar="OUT", help="also draw the saves to OUT (.png, .svg, .pdf): blocking and "
+                                                 "durable time per step, bytes written and shared, marks for "
+                                                 "skipped uploads, fallbacks and failures (needs matplotlib)")
+    s.add_argument("--watch", type=_positive, metavar="SECONDS",
+                   help="print the table again every SECONDS until Ctrl-C (a job's saves as they come)")
     s.set_defaults(fn=cmd_stats)
     for sp in sub.choices.values():
         sp.set_defaults(_parser=sp)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 from ..errors import CorruptCheckpointError
@@ -302,37 +303,121 @@ def _write_out(fs: Any, p: str, write: Any, *, force: bool) -> None:
 # ---- stats -----------------------------------------------------------------------------------
 
 def cmd_stats(args: argparse.Namespace) -> int:
+    import time
+
     from ..stats import DEFAULT_STATS_LOG, check_stats_relpath, read_stats_log
 
     storage, _ = open_root(args)
     path = storage.join(check_stats_relpath(args.log or DEFAULT_STATS_LOG))
-    if not storage.exists(path):
-        raise FileNotFoundError(f"no stats log at {storage.url_of(path)} (create the manager with stats_log=True)")
-    records = read_stats_log(storage.url_of(path), parse_options(args.storage_option))
+    if args.watch is not None and not args.watch > 0:
+        raise ValueError(f"--watch needs a number of seconds > 0, got {args.watch:g}")
+
+    def read() -> Optional[List[Any]]:
+        if not storage.exists(path):
+            if args.watch is not None:
+                return None
+            raise FileNotFoundError(f"no stats log at {storage.url_of(path)} (create the manager with stats_log=True)")
+        return read_stats_log(storage.url_of(path), parse_options(args.storage_option))
+
+    if args.watch is None:
+        records = read()
+        assert records is not None
+        return _show_stats(args, records)
+    tty = sys.stdout.isatty()
+    try:
+        while True:  # until Ctrl-C: the table of the newest saves, again every --watch seconds
+            records = read()
+            if tty:
+                sys.stdout.write("\033[H\033[J")  # clear the terminal: the table stays in place
+            print(f"{fmt_time(time.time())}  {args.path}  (every {args.watch:g} s; Ctrl-C to stop)")
+            if records is None:
+                print(f"waiting for the stats log {storage.url_of(path)} (a manager with stats_log=True)")
+            else:
+                _show_stats(args, records)
+            sys.stdout.flush()
+            time.sleep(args.watch)
+    except KeyboardInterrupt:
+        return EXIT_OK
+
+
+def _show_stats(args: argparse.Namespace, records: List[Any]) -> int:
+    from ..stats import FAILED, FALLBACK, UPLOAD_SKIPPED, format_rate, format_seconds
+    from .plot import marks, plot_run, sparkline
+
     if args.last is not None:
         records = records[-args.last:] if args.last > 0 else []
+    plotted = None
+    if args.plot:
+        if not records:
+            raise ValueError(f"no saves logged under {args.path}: nothing to plot")
+        size = plot_run(records, args.plot, f"async_ckpt saves under {args.path}: steps {records[0].step} to "
+                                            f"{records[-1].step} ({len(records)} records)")
+        plotted = {"out": args.plot, "width": size[0], "height": size[1]}
     if args.json:
-        print_json({"path": args.path, "saves": [r.to_dict() for r in records]})
+        print_json({"path": args.path, "saves": [r.to_dict() for r in records],
+                     **({"plot": plotted} if plotted else {})})
         return EXIT_OK
     if not records:
         print("no saves logged")
         return EXIT_OK
     # Incremental saves: the bytes each save wrote and those it took from the last step (columns
-    # shown when a save took any; records of a library without these fields have neither).
+    # shown when a save took any); a manager with a local tier logs each tier's copy: TIER.
     shared = any(getattr(r, "referred_bytes", 0) for r in records)
-    rows = [[r.step, fmt_time(r.commit_time), human_bytes(r.nbytes)]
+    tiered = any(r.extra.get("tier") for r in records)
+
+    def note(r: Any) -> str:
+        if r.extra.get(FAILED):
+            return f"FAILED: {r.extra[FAILED]}"[:80]
+        return ", ".join(t for k, t in ((UPLOAD_SKIPPED, "upload skipped"), (FALLBACK, "fell back to the local tier"))
+                         if r.extra.get(k))
+
+    def done(r: Any, text: str) -> str:
+        return "-" if r.extra.get(FAILED) else text
+
+    rows = [[r.step] + ([r.extra.get("tier", "-")] if tiered else [])
+            + [fmt_time(r.commit_time), human_bytes(r.nbytes)]
             + ([human_bytes(getattr(r, "written_bytes", None)), human_bytes(getattr(r, "referred_bytes", None))]
                if shared else [])
-            + [r.files, f"{r.blocking_s * 1e3:.1f}",
-               f"{r.queue_wait_s * 1e3:.1f}", f"{r.stage_s * 1e3:.1f}", f"{r.host_copy_gbps:.2f}", f"{r.write_s:.3f}",
-               f"{r.write_gbps:.2f}", f"{r.commit_s:.3f}", "-" if r.durable_s is None else f"{r.durable_s:.3f}"]
+            + [done(r, str(r.files)), f"{r.blocking_s * 1e3:.1f}", f"{r.queue_wait_s * 1e3:.1f}",
+               f"{r.stage_s * 1e3:.1f}", format_rate(r.nbytes, r.stage_s), done(r, f"{r.write_s:.3f}"),
+               done(r, format_rate(r.nbytes, r.write_s)), done(r, f"{r.commit_s:.3f}"),
+               "-" if r.durable_s is None else f"{r.durable_s:.3f}", note(r)]
             for r in records]
-    headers = (["STEP", "COMMITTED", "DATA"] + (["WRITTEN", "SHARED"] if shared else [])
-               + ["FILES", "BLOCKED_MS", "SLOT_WAIT_MS", "COPY_MS", "COPY_GB/S", "WRITE_S", "WRITE_GB/S", "COMMIT_S",
-                  "DURABLE_S"])
-    print(render_table(headers, rows, right=tuple(i for i in range(len(headers)) if i != 1)))
-    blocked = sorted(r.blocking_s for r in records)
-    worst = max(records, key=lambda r: r.blocking_s)
-    print(f"\n{len(records)} saves; blocked median {blocked[len(blocked) // 2] * 1e3:.1f} ms, "
-          f"max {worst.blocking_s * 1e3:.1f} ms (step {worst.step})")
+    headers = (["STEP"] + (["TIER"] if tiered else []) + ["COMMITTED", "DATA"]
+               + (["WRITTEN", "SHARED"] if shared else [])
+               + ["FILES", "BLOCKED_MS", "SLOT_WAIT_MS", "COPY_MS", "COPY_RATE", "WRITE_S", "WRITE_RATE", "COMMIT_S",
+                  "DURABLE_S", "NOTE"])
+    left = {1 + tiered, len(headers) - 1} | ({1} if tiered else set())  # TIER, COMMITTED, NOTE
+    print(render_table(headers, rows, right=tuple(i for i in range(len(headers)) if i not in left)))
+    ok = [r for r in records if not r.extra.get(FAILED)]
+    failed = len(records) - len(ok)
+    # one save written to both tiers is logged once per tier, with the one stall they shared
+    saves = list({(r.step, r.blocking_s, r.stage_s): r for r in ok}.values())
+    line = (f"\n{len(saves)} saves" + (f" ({len(records)} records: one per tier)" if tiered else "")
+            + (f", {failed} failed" if failed else ""))
+    if saves:
+        blocked = sorted(r.blocking_s for r in saves)
+        worst = max(saves, key=lambda r: r.blocking_s)
+        line += (f"; blocked median {format_seconds(blocked[len(blocked) // 2])}, max "
+                 f"{format_seconds(worst.blocking_s)} (step {worst.step})")
+    for tier in sorted({r.extra.get("tier") for r in ok}, key=str):
+        durable = sorted(r.durable_s for r in ok if r.extra.get("tier") == tier and r.durable_s is not None)
+        if durable:
+            slow = max((r for r in ok if r.extra.get("tier") == tier and r.durable_s is not None),
+                       key=lambda r: r.durable_s)
+            line += (f"; durable{f' ({tier})' if tier else ''} median {format_seconds(durable[len(durable) // 2])}, "
+                     f"max {format_seconds(slow.durable_s)} (step {slow.step})")
+    print(line)
+    print(f"blocked  {sparkline([r.blocking_s for r in saves])}  (per save, oldest first)")
+    for tier in sorted({r.extra.get("tier") for r in ok}, key=str):
+        print(f"durable  {sparkline([r.durable_s for r in ok if r.extra.get('tier') == tier])}"
+              + (f"  ({tier})" if tier else ""))
+    found = marks(records)
+    parts = [f"{what}: {', '.join(map(str, found[key]))}" for key, what in
+             ((UPLOAD_SKIPPED, "uploads skipped"), (FALLBACK, "fell back to the local tier"), (FAILED, "failed"))
+             if found[key]]
+    if parts:
+        print("; ".join(parts))
+    if plotted:
+        print(f"wrote {plotted['out']} ({plotted['width']} x {plotted['height']} px)")
     return EXIT_OK

@@ -131,7 +131,7 @@ class AsyncSaveState:
         why = self._unsupported()
         if why is not None:
             if not self._warned:
-                log.warning("async_ckpt accelerate: %s: saving synchronously with accelerate's own save_state", why)
+                log.warning("%s: saving synchronously with accelerate's own save_state", why)
                 self._warned = True
             self.writer.wait_all()
             return Path(self._original_save(output_dir, safe_serialization=safe_serialization,

@@ -13,6 +13,7 @@ differs (``lifecycle.coordinator``).
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import logging
 import os
@@ -58,7 +59,7 @@ from ..preemption import PreemptionTracker, PreemptionWatcher
 from ..save_queue import AsyncWriter
 from ..staging import HostBufferPool, Stager
 from ..staging.frozen import FrozenTensors, changed_keys
-from ..stats import SaveStats, format_bytes, format_seconds
+from ..stats import FAILED, FALLBACK, UPLOAD_SKIPPED, SaveStats, format_bytes, format_seconds, tier_name
 from ..storage import CheckpointLayout, RetryPolicy, Storage
 from ..storage.dcp import Reuse
 from ..storage.manifest import check_metrics
@@ -357,6 +358,8 @@ class CheckpointManager:
             if opts.local_dir is not None:
                 self._local = make_local_tier(opts, self.storage, self._coord)
                 self.roots.insert(0, self._local)
+                for r in self.roots:  # log lines name the root: "deleted step 10 from the local tier"
+                    r.store.label = f" from {tier_name(r.name)}"
             if self._coord.is_primary:
                 self._describe_root()
             # Created and checked when possible; a read-only root (an evaluation job's credential
@@ -755,7 +758,7 @@ class CheckpointManager:
         t2 = time.perf_counter()
         if skipped_upload:
             self.skipped_uploads.append(step)
-            log.warning("async_ckpt: step %d is not uploaded to %s: its earlier uploads are still running (the "
+            log.warning("step %d is not uploaded to %s: its earlier uploads are still running (the "
                         "step is saved to the local tier; see CheckpointManager.skipped_uploads)", step,
                         self.storage.url)
         snap.share(len(due))
@@ -767,7 +770,9 @@ class CheckpointManager:
             if self._local is not None:
                 stats.extra["tier"] = tier.name
                 if skipped_upload:
-                    stats.extra["upload_skipped"] = True
+                    stats.extra[UPLOAD_SKIPPED] = True
+                if where.wanted and not take:  # the checkpoint path could not be reached: local only
+                    stats.extra[FALLBACK] = True
                 extra[SAVE_ID] = f"{self._run_id}.{self._saves}"
             if tier is self._local:
                 extra.update({"tier": LOCAL, "rank": self._coord.rank, "world_size": self._coord.world_size,
@@ -850,6 +855,8 @@ class CheckpointManager:
         except BaseException as exc:
             if coming is not None and out_of_space(exc):  # found full after all: the next save finds room
                 make_room(tier, coming, None)
+            if isinstance(exc, Exception):
+                self._log_failure(job, tier, exc)
             raise
         finally:
             if job.snap is not None and job.step in self._in_flight:
@@ -863,6 +870,17 @@ class CheckpointManager:
                     f"{f' and {len(changed) - 5} more' if len(changed) > 5 else ''}. Step {stats.step} holds their "
                     "new bytes (written in full); stop declaring them frozen (frozen=), or find what changes them",
                     keys=changed, step=stats.step)
+
+    def _log_failure(self, job: SaveJob, tier: Root, exc: BaseException) -> None:
+        """A save that failed goes to the stats log too (``extra["failed"]``: the error), so that
+        the run's record (``async-ckpt stats``, its ``--plot``) shows it. Not when the log could
+        not be written either: the failure of a remote persistent root the log lives on."""
+        if self._stats_log is None or job.stats is None or not self._coord.is_primary:
+            return
+        if tier is self._persistent and not self.storage.is_local:
+            return
+        stats = dataclasses.replace(job.stats, extra={**job.stats.extra, FAILED: f"{type(exc).__name__}: {exc}"[:300]})
+        self._stats_log.append(stats)  # never raises
 
     def _after_commit(self, stats: SaveStats) -> None:
         """Statistics and the user's callback: neither can fail a committed save."""

@@ -408,7 +408,7 @@ class ObjectStoreLease(_ProcessLocal):
                 # its lease object, maybe): it proves nothing, this holder stops here
                 if not stop.is_set():
                     self._lost = f"{late}; its renewal landed too late to count"
-                log.error("async_ckpt: %s; its renewal landed too late to count: this manager commits and "
+                log.error("%s; its renewal landed too late to count: this manager commits and "
                           "deletes nothing until its next save takes the lease again", late)
                 return False
             if not stop.is_set():
