@@ -46,6 +46,7 @@ INTEGRATIONS = [
     ("async_ckpt.integrations.object_snapshot", "torch"),
     ("async_ckpt.integrations.atomic_files", "torch"),
     ("async_ckpt.integrations.background_writer", "torch"),
+    ("async_ckpt.integrations.save_figures", "torch"),
 ]
 #: names documented by the engineers who rewrite them (removed from this list after the merge)
 EXCLUDED: set = set()
