@@ -171,6 +171,12 @@ def test_one_ranks_failing_load_state_dict_raises_on_every_rank(ranks_job):
     _ok(ranks_job, 2)
 
 
+def test_the_metrics_of_several_ranks_are_reduced_as_asked(ranks_job):
+    """metrics_reduce="rank0" | "mean" | "min" | "max": what the step records (and KeepBest ranks)."""
+    for r in range(2):
+        assert f"METRICS RANK {r} OK" in ranks_job.stdout, ranks_job.stdout[-4000:]
+
+
 def test_single_process_has_a_local_coordinator():
     assert isinstance(coordinator_for(), LocalCoordinator)
 

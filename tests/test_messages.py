@@ -252,6 +252,15 @@ def test_a_root_that_is_a_file_is_a_typed_error_naming_it(tmp_path):
     assert f.read_text() == "not a directory"
 
 
+def test_metrics_reduce_names_its_choices(tmp_path):
+    with pytest.raises(async_ckpt.InvalidArgumentError, match=r"metrics_reduce must be one of \('rank0', 'mean', "
+                                                            r"'min', 'max'\).*got 'avg'"):
+        CheckpointManager(str(tmp_path / "c"), metrics_reduce="avg")
+    with CheckpointManager(str(tmp_path / "c"), metrics_reduce="mean") as mgr:  # one process: as given
+        mgr.save(1, {"w": torch.ones(2)}, metrics={"loss": 0.5})
+        assert mgr.metrics(1) == {"loss": 0.5}
+
+
 def test_save_interval_with_a_save_policy_warns(tmp_path):
     with pytest.warns(UserWarning, match="save_interval=5 is ignored") as rec:
         CheckpointManager(str(tmp_path / "c"), save_interval=5, save_policy=async_ckpt.EveryNSteps(2))

@@ -226,6 +226,12 @@ class CheckpointManager:
             by one of them, balanced by bytes, so each rank's stall is its share (default
             True; False: every rank stages everything and DCP writes one copy). A save due for
             the local tier stages everything: each rank's local copy restores that rank alone.
+        metrics_reduce: several ranks: how each rank's ``metrics=`` of a save become the
+            step's (what :meth:`metrics`, :meth:`best_step` and ``KeepBest`` see): ``"rank0"``
+            (default: rank 0's values, the other ranks' are not read), or ``"mean"``,
+            ``"min"``, ``"max"`` of each name over the ranks that gave it; reduced in the
+            exchange the save makes anyway (its file records). A local tier's copy (each
+            rank's own) records that rank's own metrics.
         replicated_reads: several ranks, at restore: ``"once"``: a tensor every rank restores
             as a plain tensor is read from storage by one rank and sent to the others over
             the manager's gloo group (CRC-checked after the transfer); ``"every_rank"``: each
@@ -280,6 +286,7 @@ class CheckpointManager:
         frozen_check_every: int = 10,
         replicated_saves: bool = True,
         replicated_reads: str = "auto",
+        metrics_reduce: str = "rank0",
         wall_clock: Callable[[], float] = time.time,
         interval_clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -292,7 +299,8 @@ class CheckpointManager:
             lease_timeout=lease_timeout, collective_timeout_s=collective_timeout_s, local_dir=local_dir,
             local_policy=local_policy, local_retention=local_retention, incremental=incremental,
             full_every=full_every, frozen=frozen, frozen_check_every=frozen_check_every,
-            replicated_saves=replicated_saves, replicated_reads=replicated_reads, wall_clock=wall_clock,
+            replicated_saves=replicated_saves, replicated_reads=replicated_reads, metrics_reduce=metrics_reduce,
+            wall_clock=wall_clock,
             interval_clock=interval_clock)
         #: the validated options this manager was built from
         self.options = opts
@@ -781,7 +789,7 @@ class CheckpointManager:
                 spec = retention_spec(tier.retention)
                 if spec is not None:
                     extra[RETENTION_KEY] = spec
-            job = SaveJob(step, snap, metrics, stats, t0, manifest_extra=extra,
+            job = SaveJob(step, snap, metrics, stats, t0, manifest_extra=extra, metrics_reduce=self.options.metrics_reduce,
                           commit_at=taken_at if self._local is not None else None,
                           frozen=(seen, {plan.keys[i] for i in keep}))
             self._in_flight.append(step)
