@@ -101,8 +101,9 @@ class StepNotFoundError(CheckpointError, FileNotFoundError):
 
 
 class NotACheckpointRootError(CheckpointError, NotADirectoryError):
-    """A checkpoint path that cannot be a checkpoint root: a file (or a path under a file), or,
-    for the ``async-ckpt`` command, checkpoints of another kind (a Lightning ``.ckpt`` file)."""
+    """A checkpoint path that cannot be a checkpoint root: a file, or a path under one.
+
+    The ``async-ckpt`` command raises it too for a Lightning ``.ckpt`` file given as PATH."""
 
 
 class StateDictMismatchError(CheckpointError, ValueError):

@@ -757,9 +757,10 @@ RETENTION_KEY = "retention"
 
 
 def retention_spec(policy: Any) -> Optional[Dict[str, Any]]:
-    """A JSON description of a retention policy, which the manager records in each manifest of
-    the persistent root (``extra["retention"]``) so that tools (``async-ckpt prune``) know what
-    the job's own retention keeps.
+    """A JSON description of a retention policy, for the manifests of the persistent root.
+
+    The manager records it in each manifest (``extra["retention"]``) so that tools
+    (``async-ckpt prune``) know what the job's own retention keeps.
 
     Args:
         policy: a retention policy.

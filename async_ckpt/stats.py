@@ -113,8 +113,10 @@ class SaveStats:
         return cls(**{k: v for k, v in d.items() if k in names})
 
     def summary(self) -> str:
-        """One line for logs, in units that fit the sizes and times (KiB or GiB, us or s); a
-        manager with a local tier names the tier (``step 20 to the local tier: ...``)."""
+        """One line for logs, in units that fit the sizes and times (KiB or GiB, us or s).
+
+        A manager with a local tier names the tier: ``step 20 to the local tier: ...``.
+        """
         durable = format_seconds(self.durable_s) if self.durable_s is not None else "pending"
         tier = self.extra.get("tier")
         return (

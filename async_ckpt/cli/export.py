@@ -15,7 +15,6 @@ from .common import (
     EXIT_OK,
     fmt_time,
     human_bytes,
-    intact_line,
     naming_step,
     open_root,
     parse_options,
@@ -238,7 +237,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     else:
         print(f"exported step {step} ({len(tensors)} tensors, {human_bytes(nbytes)}"
               f"{f', {len(flat) - len(tensors)} other entries' if len(flat) != len(tensors) else ''}) to {out}"
-              + (f"; latest: the {intact_line(step, skipped, verified=True)}" if latest else ""))
+              + (" (latest: the newest intact step, what restore(None) takes"
+                 + (f"; newer, damaged, skipped: {', '.join(map(str, skipped))})" if skipped else ")") if latest else ""))
     return EXIT_OK
 
 

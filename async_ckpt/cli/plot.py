@@ -96,8 +96,8 @@ def plot_run(records: Sequence[SaveStats], out: Any, title: str) -> Tuple[int, i
               FAILED: (FAILED_COLOR, "-", "save failed")}
     for key, (color, ls, label) in styles.items():
         for i, s in enumerate(found[key]):
-            for ax in (top, bottom):
-                line = ax.axvline(s, color=color, ls=ls, lw=2, label=label if i == 0 and ax is top else None)
+            line = top.axvline(s, color=color, ls=ls, lw=2, label=label)
+            bottom.axvline(s, color=color, ls=ls, lw=2)
             if i == 0:
                 handles.append(line)
     top.legend(handles=handles, loc="best", fontsize=8, framealpha=0.8)

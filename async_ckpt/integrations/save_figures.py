@@ -52,8 +52,9 @@ class SaveFigures:
 
     def report(self, current: SaveStats, history: Sequence[SaveStats],
                sink: Callable[[Dict[str, float]], None]) -> None:
-        """Log :meth:`figures` through ``sink`` (the framework's logger); a logger that raises
-        is logged at WARNING and never fails the save.
+        """Log :meth:`figures` through ``sink`` (the framework's logger).
+
+        A logger that raises is logged at WARNING and never fails the save.
 
         Args:
             current: the save just taken.
