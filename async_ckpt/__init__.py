@@ -7,6 +7,7 @@ commits it atomically.
 
 from .errors import (
     CheckpointError,
+    CoordinationError,
     CorruptCheckpointError,
     CorruptPartlyWrittenError,
     FrozenTensorChangedError,
@@ -51,6 +52,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CheckpointError",
+    "CoordinationError",
     "CheckpointInfo",
     "CheckpointManager",
     "CorruptCheckpointError",

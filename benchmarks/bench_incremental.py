@@ -30,6 +30,14 @@ max of the per-sample ratios are reported):
   (page cache dropped before each: needs root and a writable ``/proc/sys/vm/drop_caches``;
   otherwise, and with ``--smoke`` or ``--warm``, warm, with a note) / a raw ``readinto`` of all
   the step's files right before. Target <= 1.2.
+* ``verify_vs_durable``: what verifying the files a save takes costs in the common case (each
+  taken file written or checked earlier by this process: a ``stat`` before and after the link,
+  and one of each written file): ``SaveStats.extra["verify_s"]`` / ``durable_s`` of the same
+  save, saves 2..N of the LoRA phase (``verify_read_bytes`` is 0 there). Target <= 0.02.
+* ``verify_after_restart_vs_raw_read``: the first save of a restarted manager (a new manager
+  restores the newest step, then saves) reads the files it takes back once and checks their
+  CRC32C: its ``verify_s`` / a raw ``readinto`` of the same bytes right after (both warm: the
+  restore just read them). ``--restart-samples`` restarts. Target <= 1.5.
 
 Prints a markdown table (metric, measured, target, verdict) and writes ``<name>.json`` (default
 ``bench_incremental``) under ``--out`` (default benchmarks/results).
@@ -77,6 +85,10 @@ METRICS = {
     "pretrain_durable_inc_vs_full": ("everything changes: durable time, incremental / not", 1.05, "<= 1.05"),
     "pretrain_stall_inc_vs_full": ("everything changes: stall, incremental / not", 1.1, "unchanged (<= 1.1)"),
     "restore_vs_raw_read": ("restore of the newest incremental step / raw read of its bytes", 1.2, "<= 1.2"),
+    "verify_vs_durable": ("verifying the taken files (common case: stat) / durable time of the save", 0.02,
+                          "<= 0.02"),
+    "verify_after_restart_vs_raw_read": ("first save after a restart: verifying the taken files (read back) / raw "
+                                         "read of them", 1.5, "<= 1.5"),
 }
 
 
@@ -252,6 +264,7 @@ def phase_lora(args: argparse.Namespace, work: str, report: Dict[str, Any], log:
             mgr.save(s, st.sd)
             stats = mgr.stats[-1]
             rec = {"step": s, "raw_write_s": raw, "durable_s": stats.durable_s, "blocking_s": stats.blocking_s,
+                   "verify_s": stats.extra.get("verify_s"), "verify_read_bytes": stats.extra.get("verify_read_bytes"),
                    **_written(mgr, s)}
             saves.append(rec)
             log(f"lora save {s}: {rec['written_bytes'] / MiB:.1f} MiB written, {rec['referred_bytes'] / MiB:.1f} MiB "
@@ -270,8 +283,47 @@ def phase_lora(args: argparse.Namespace, work: str, report: Dict[str, Any], log:
     m["storage_vs_bound"] = {**summary([storage / bound_storage]), "unique_bytes": storage,
                              "bound_bytes": bound_storage, "steps": args.saves,
                              "verdict": _verdict(storage / bound_storage, "storage_vs_bound")}
+    if later[0]["verify_s"] is None:
+        m["verify_vs_durable"] = {"verdict": "skipped", "note": "this async_ckpt does not report verify_s"}
+    else:
+        m["verify_vs_durable"] = _paired([x["verify_s"] for x in later], [x["durable_s"] for x in later],
+                                         "verify_vs_durable")
+        m["verify_vs_durable"]["read_bytes"] = [x["verify_read_bytes"] for x in later]
     report["lora_saves"] = saves
     return root
+
+
+def phase_verify_restart(args: argparse.Namespace, root: str, work: str, report: Dict[str, Any],
+                         log: Callable[[str], None]) -> None:
+    """The first save of a restarted manager: it reads back (and checks) the files it takes,
+    which this process never saw; its ``verify_s`` against a raw read of those files."""
+    from async_ckpt import CheckpointManager
+
+    st = lora_state(args.base_mb * MiB, args.trainable_mb * MiB, args.base_tensor_mb * MiB)  # the same base
+    target = lora_state(args.base_mb * MiB, args.trainable_mb * MiB, args.base_tensor_mb * MiB, seed=7).sd
+    verify, refs, nread = [], [], []
+    for _ in range(args.restart_samples):
+        with CheckpointManager(root, incremental=True, max_to_keep=args.saves + args.restart_samples + 1) as mgr:
+            step = mgr.restore(None, target) + 1  # untimed: what a resumed job does first
+            step_state(st, step)
+            gc.collect()
+            mgr.save(step, st.sd)
+            stats = mgr.stats[-1]
+            if stats.extra.get("verify_s") is None:
+                report["metrics"]["verify_after_restart_vs_raw_read"] = {
+                    "verdict": "skipped", "note": "this async_ckpt does not report verify_s"}
+                return
+            man = mgr.layout.read_manifest(step)
+            where = mgr.layout.locate(step)
+            taken = {n: bytearray(r.size) for n, r in man.files.items() if r.ref is not None}
+            refs.append(raw_read(where, taken))
+            verify.append(stats.extra["verify_s"])
+            nread.append(stats.extra.get("verify_read_bytes", 0))
+            log(f"save after a restart: verify {verify[-1] * 1e3:.1f} ms ({nread[-1] / MiB:.1f} MiB read back), "
+                f"raw read of the taken files {refs[-1] * 1e3:.1f} ms")
+    out = _paired(verify, refs, "verify_after_restart_vs_raw_read")
+    out["read_bytes"] = nread
+    report["metrics"]["verify_after_restart_vs_raw_read"] = out
 
 
 def phase_stall(args: argparse.Namespace, work: str, report: Dict[str, Any], log: Callable[[str], None]) -> None:
@@ -416,6 +468,8 @@ def markdown(report: Dict[str, Any]) -> str:
             text = f"{m['median']:.3f}x ({m['unique_bytes'] / MiB:.1f} MiB, bound {m['bound_bytes'] / MiB:.1f} MiB)"
         elif key == "restore_vs_raw_read":
             text += " cold" if m.get("cold") else " warm"
+        elif key in ("verify_vs_durable", "verify_after_restart_vs_raw_read"):
+            text += f" ({m['sample_median_s'] * 1e3:.2f} ms, {statistics.median(m['read_bytes']) / MiB:.1f} MiB read back)"
         lines.append(f"| {what} | {text} | {target} | {m['verdict']} |")
     notes = [f"\n{n}" for n in report.get("notes", [])]
     return "\n".join(lines) + "".join(notes)
@@ -435,6 +489,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--saves", type=int, default=10, help="saves of the LoRA state (and retained steps)")
     p.add_argument("--pretrain-saves", type=int, default=6, help="paired saves of the everything-changes state")
     p.add_argument("--restore-samples", type=int, default=5, help="paired restore samples")
+    p.add_argument("--restart-samples", type=int, default=3, help="restarted managers' first saves (verify cost)")
     p.add_argument("--warm", action="store_true", help="restore warm (no page-cache drop)")
     p.add_argument("--dir", default=None, help="where checkpoints are written (default: a temporary directory)")
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"), help="directory of the JSON report")
@@ -445,9 +500,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.smoke:
         args.base_mb, args.trainable_mb, args.base_tensor_mb = 4, 1, 1
         args.saves, args.pretrain_saves, args.restore_samples, args.warm = 3, 2, 1, True
+        args.restart_samples = 1
     if min(args.base_mb, args.trainable_mb, args.base_tensor_mb) < 1 or args.saves < 2 or args.pretrain_saves < 2 \
-            or args.restore_samples < 1:
-        p.error("sizes must be >= 1 MiB, --saves and --pretrain-saves >= 2, --restore-samples >= 1")
+            or args.restore_samples < 1 or args.restart_samples < 1:
+        p.error("sizes must be >= 1 MiB, --saves and --pretrain-saves >= 2, --restore-samples and "
+                "--restart-samples >= 1")
 
     def log(msg: str) -> None:
         if not args.quiet:
@@ -459,6 +516,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         root = phase_lora(args, work, report, log)
         phase_restore(args, root, report, log)
+        phase_verify_restart(args, root, work, report, log)
         shutil.rmtree(root, ignore_errors=True)
         phase_stall(args, work, report, log)
         phase_pretrain(args, work, report, log)

@@ -29,6 +29,13 @@ reported as the median over (rank, sample) pairs with their min-max.
 * ``FSDP2``: a model of the same size sharded with ``fully_shard`` over the 4 ranks (nothing
   replicated): stall (``blocking_s`` and the wall time of ``save_async``) and durable time with
   ``replicated_saves=True`` vs ``False`` timed right before it (target: no regression, <= 1.1x).
+* ``divergence check``: what finding values that differ between ranks under one key costs
+  (``async_ckpt.lifecycle.replicas``: a sample of each large replicated tensor, taken at the call
+  by the ranks that leave it to another, and from the host copy on the writer thread by the
+  rank that stages it; fingerprints ride in the write's outcome). Stall, ``save_async`` wall
+  time and durable time of a save with it vs the same save with ``replicas.SAMPLE_RUNS = 0``
+  (large tensors not compared) timed right before it, in the ``stall`` samples; the added
+  milliseconds are in the table too (target: <= 1.05x).
 
 Prints a markdown table (metric, measured, target, verdict) and writes
 ``bench_multirank.json`` to ``--out``.
@@ -82,6 +89,9 @@ EXCHANGE_DUE = "save_async, due (stall incl. exchange)"
 FSDP_STALL = "FSDP2 stall, replicated_saves True / False"
 FSDP_WALL = "FSDP2 save_async wall time, replicated_saves True / False"
 FSDP_DURABLE = "FSDP2 durable, replicated_saves True / False"
+CHECK_STALL = "divergence check: stall, with / without"
+CHECK_WALL = "divergence check: save_async wall time, with / without"
+CHECK_DURABLE = "divergence check: durable, with / without"
 
 #: metric -> (target as text, check on the measured value or None for information only)
 TARGETS: Dict[str, Any] = {
@@ -101,6 +111,9 @@ TARGETS: Dict[str, Any] = {
     FSDP_STALL: ("no regression (<= 1.1x)", lambda v: v <= 1.1),
     FSDP_WALL: ("no regression (<= 1.1x)", lambda v: v <= 1.1),
     FSDP_DURABLE: ("no regression (<= 1.1x)", lambda v: v <= 1.1),
+    CHECK_STALL: ("<= 1.05x", lambda v: v <= 1.05),
+    CHECK_WALL: ("<= 1.05x", lambda v: v <= 1.05),
+    CHECK_DURABLE: ("<= 1.05x", lambda v: v <= 1.05),
 }
 METRICS = list(TARGETS)
 
@@ -187,12 +200,15 @@ class Rank:
         import torch.distributed.checkpoint as dcp
 
         from async_ckpt import CheckpointManager
+        from async_ckpt.lifecycle import replicas
 
         samples, warmup = self.cfg["samples"], self.cfg["warmup"]
         src = tensors_of(self.sd)
         dst = [torch.empty_like(t) for t in src]
         ours = CheckpointManager(self.path("ours"), max_to_keep=1)
         legacy = CheckpointManager(self.path("legacy"), max_to_keep=1, replicated_saves=False)
+        unchecked = CheckpointManager(self.path("unchecked"), max_to_keep=1)
+        runs = replicas.SAMPLE_RUNS
         pairs: List[Dict[str, Any]] = []
         try:
             for i in range(warmup + samples):
@@ -208,6 +224,17 @@ class Rank:
                 fut.result()
                 dcp_durable = time.perf_counter() - t0
                 self.rm_shared(self.path("dcp"))
+                free_memory()
+                self.barrier()
+                replicas.SAMPLE_RUNS = 0  # the reference of the divergence check: large tensors not compared
+                try:
+                    t0 = time.perf_counter()
+                    assert unchecked.save_async(step, self.sd)
+                    unchecked_wall = time.perf_counter() - t0
+                    unchecked.join()
+                finally:
+                    replicas.SAMPLE_RUNS = runs
+                ut = unchecked.stats[-1]
                 free_memory()
                 self.barrier()
                 t0 = time.perf_counter()
@@ -229,13 +256,16 @@ class Rank:
                               "durable_s": st.durable_s, "nbytes": st.nbytes, "written_bytes": st.written_bytes,
                               "legacy_stall_s": lt.blocking_s, "legacy_save_async_wall_s": legacy_wall,
                               "legacy_durable_s": lt.durable_s, "legacy_nbytes": lt.nbytes,
-                              "legacy_written_bytes": lt.written_bytes})
+                              "legacy_written_bytes": lt.written_bytes, "unchecked_stall_s": ut.blocking_s,
+                              "unchecked_save_async_wall_s": unchecked_wall, "unchecked_durable_s": ut.durable_s})
         finally:
             ours.close()
             legacy.close()
+            unchecked.close()
         self.out["saves"] = pairs
         self.rm_shared(self.path("ours"))
         self.rm_shared(self.path("legacy"))
+        self.rm_shared(self.path("unchecked"))
 
     # -- the per-save exchange when nothing is due
     def exchange(self) -> None:
@@ -393,6 +423,10 @@ def aggregate(ranks: List[Dict[str, Any]], cfg: Dict[str, Any]) -> Dict[str, Any
     m[WALL_DCP] = ratio("save_async_wall_s", "dcp_stall_s", "dcp.async_save stall, same sample")
     m[LEGACY_FLOOR] = ratio("legacy_stall_s", "floor_s", "copy_ of the rank's full state into allocated tensors")
     m[LEGACY_DCP] = ratio("legacy_stall_s", "dcp_stall_s", "dcp.async_save stall, same sample")
+    unchecked = "the same save with replicas.SAMPLE_RUNS = 0 (large tensors not compared), timed right before"
+    for name, key in ((CHECK_STALL, "stall_s"), (CHECK_WALL, "save_async_wall_s"), (CHECK_DURABLE, "durable_s")):
+        m[name] = ratio(key, f"unchecked_{key}", unchecked)
+        m[name]["added_median_s"] = statistics.median(p[key] - p[f"unchecked_{key}"] for _, p in saves)
     state = ranks[0]["state_bytes"]
     n_saves = len(ranks[0]["saves"])
     for name, key in ((WRITTEN, "written_bytes"), (WRITTEN_LEGACY, "legacy_written_bytes")):
@@ -438,6 +472,8 @@ def measured_text(name: str, r: Dict[str, Any]) -> str:
         text += f" ({r['ratio_min']:.2f}-{r['ratio_max']:.2f}, n={r['n']})"
     if "median_s" in r:
         text += f"; {_ms(r['median_s'])} vs {_ms(r['ref_median_s'])}"
+    if "added_median_s" in r:
+        text += f"; added {r['added_median_s'] * 1e3:+.2f} ms (median of pairs)"
     return text
 
 

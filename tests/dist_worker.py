@@ -466,14 +466,25 @@ class FailsOnRank:
         self.t.copy_(sd["t"])
 
 
+class StateDictFailsOnRank(FailsOnRank):
+    """A ``Stateful`` value whose ``state_dict`` raises on one rank only."""
+
+    def state_dict(self):
+        if dist.get_rank() == self.bad_rank:
+            raise RuntimeError("this rank's state_dict cannot give its state")
+        return {"t": self.t}
+
+
 def ranks_checks(root: str) -> None:
     """2 ranks, each check on its own root and printing its own marker (a failed check prints
     its error and the next one still runs): steps near and past 2**63 save and restore as in
-    one process; one rank's failing ``load_state_dict`` raises on every rank, naming it, and
-    the next collective works."""
+    one process; one rank's failing ``load_state_dict`` or ``state_dict`` raises on every rank,
+    naming it, and the next collective works; after a real collective timeout every later call
+    fails at once, and a new manager saves again."""
     failed = []
     for name, check in (("BIG STEPS", big_step_checks), ("STATEFUL", failing_stateful_checks),
-                        ("METRICS", metrics_checks)):
+                        ("METRICS", metrics_checks), ("STATE_DICT", failing_state_dict_checks),
+                        ("TIMEOUT", collective_timeout_checks)):
         try:
             check(root + "_" + name.lower().replace(" ", "_"))
             print(f"{name} RANK {dist.get_rank()} OK", flush=True)
@@ -535,6 +546,68 @@ def failing_stateful_checks(root: str) -> None:
         assert mgr.save(2, {"app": app, "w": torch.ones(4)})
         ok = FailsOnRank(bad_rank=-1)
         assert mgr.restore(2, {"app": ok, "w": torch.zeros(4)}) == 2 and torch.equal(ok.t, torch.full((8,), 5.0))
+
+
+def failing_state_dict_checks(root: str) -> None:
+    """A Stateful's ``state_dict()`` raising on rank 1, in a save and in a restore: both ranks
+    raise at once (with the default 300 s collective timeout), naming rank 1 and its error, and
+    the next save and restore work on both ranks."""
+    rank = dist.get_rank()
+    with CheckpointManager(root) as mgr:
+        good = FailsOnRank(bad_rank=-1)
+        good.t.fill_(3.0)
+        assert mgr.save(1, {"app": good, "w": torch.ones(4)})
+        # save: rank 1's own error is raised by its save(); rank 0's save() names rank 1 and it
+        exc = expect_error(lambda: mgr.save(2, {"app": StateDictFailsOnRank(bad_rank=1), "w": torch.ones(4)}),
+                           CheckpointError, "'app'", "state_dict", "RuntimeError",
+                           "this rank's state_dict cannot give its state")
+        if rank == 0:
+            assert "rank 1" in str(exc) and "step 2" in str(exc), exc
+            assert [(f.rank, f.kind) for f in exc.failures] == [(1, "CheckpointError")], exc.failures
+        assert mgr.all_steps() == [1], mgr.all_steps()
+        good.t.fill_(4.0)
+        assert mgr.save(3, {"app": good, "w": torch.ones(4)})  # the next save pairs up and commits
+        # restore: DCP would ask the Stateful target for its state_dict(); here it is asked inside a phase
+        bad = StateDictFailsOnRank(bad_rank=1)
+        exc = expect_error(lambda: mgr.restore(3, {"app": bad, "w": torch.zeros(4)}), CheckpointError,
+                           "rank 1", "RuntimeError", "this rank's state_dict cannot give its state", "step 3")
+        assert [(f.rank, f.kind) for f in exc.failures] == [(1, "RuntimeError")], exc.failures
+        ok = FailsOnRank(bad_rank=-1)
+        w = torch.zeros(4)
+        assert mgr.restore(None, {"app": ok, "w": w}) == 3
+        assert torch.equal(ok.t, torch.full((8,), 4.0)) and torch.equal(w, torch.ones(4))
+        assert mgr.all_steps() == [1, 3], mgr.all_steps()
+
+
+def collective_timeout_checks(root: str) -> None:
+    """A rank that stalls past ``collective_timeout_s``: the save fails on both ranks; every later
+    call of that manager fails at once (a ``CoordinationError`` saying why, no second wait), and a
+    new manager made on both ranks saves and restores again."""
+    import time
+
+    from async_ckpt import CoordinationError
+
+    rank = dist.get_rank()
+    timeout = 3.0
+    mgr = CheckpointManager(root, collective_timeout_s=timeout)
+    sd = {"w": torch.arange(32768, dtype=torch.float32)}
+    assert mgr.save(1, sd)
+    if rank == 1:
+        time.sleep(2 * timeout)  # rank 0's next exchange times out while rank 1 is away
+    first = expect_error(lambda: mgr.save(2, sd), CheckpointError)
+    print(f"TIMEOUT RANK {rank}: step 2: {type(first).__name__}: {first}", flush=True)
+    assert mgr.all_steps() == [1], mgr.all_steps()  # no exchange: still answers
+    for call in (lambda: mgr.save(3, sd), lambda: mgr.restore(1, {"w": torch.zeros(32768)})):
+        t0 = time.monotonic()
+        exc = expect_error(call, CoordinationError, "collective_timeout_s", "new CheckpointManager")
+        assert time.monotonic() - t0 < timeout, f"it waited {time.monotonic() - t0:.1f} s: {exc}"
+    mgr.close()  # never hangs
+    with CheckpointManager(root, collective_timeout_s=60) as again:
+        assert again.all_steps() == [1], again.all_steps()
+        assert again.save(4, sd)
+        out = {"w": torch.zeros(32768)}
+        assert again.restore(4, out) == 4
+        assert_bitwise_equal(out, sd)
 
 
 def main() -> None:

@@ -15,7 +15,9 @@ with) and runnable:
         Two ranks (gloo) save steps 0..4 incrementally (a replicated, DDP-like part and a part
         of each rank's own), check the shared files' names per rank, restore every retained
         step at 2 ranks bitwise; then, as a restarted job, restore step 4, save step 5 (which
-        takes files again) and restore it; and print ``RANK <r> OK``.
+        takes files again) and restore it; then, in ``<root>-damage``, a byte flipped in rank 1's
+        taken file makes rank 1's part of the next step whole (:func:`dist_damage`); and print
+        ``RANK <r> OK``.
 
 The state saved at step ``s`` is a function of ``s`` only (:func:`crash_state`,
 :func:`dist_state`), so the parent rebuilds exactly what must come back.
@@ -301,9 +303,58 @@ def dist_main(root: str) -> None:
     assert mgr.restore(5, target) == 5 and states_equal(target, dist_state(5, rank))
     assert mgr.all_steps() == [3, 4, 5], mgr.all_steps()
     mgr.close()
+    dist_damage(root + "-damage", rank)
     dist.barrier()
     print(f"RANK {rank} OK", flush=True)
     dist.destroy_process_group()
+
+
+def dist_damage(root: str, rank: int) -> None:
+    """Two ranks, a new root: steps 0 and 1; then rank 1 flips a byte of a file step 1 took
+    (one of its own, which step 2 would take again). Step 2 must be whole on rank 1 (which
+    warns, naming the file) and still take rank 0's files; it restores at 2 ranks."""
+    import logging
+
+    import torch.distributed as dist
+
+    from async_ckpt import CheckpointManager
+
+    said: list = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.levelno >= logging.WARNING:
+                said.append(record.getMessage())
+
+    handler = Keep()
+    logging.getLogger("async_ckpt").addHandler(handler)
+    try:
+        mgr = CheckpointManager(root, incremental=True)
+        mgr.storage.max_file_bytes = FILE_BYTES
+        for step in range(2):
+            mgr.save(step, dist_state(step, rank))
+        dist.barrier()
+        victim = None
+        if rank == 1:
+            man = mgr.layout.read_manifest(1)
+            victim = next(n for n in sorted(man.files) if n.startswith("__1_ref"))
+            path = os.path.join(root, "1", victim)
+            with open(path, "r+b") as f:
+                f.seek(os.path.getsize(path) // 2)
+                b = f.read(1)
+                f.seek(-1, os.SEEK_CUR)
+                f.write(bytes([b[0] ^ 1]))
+        dist.barrier()
+        mgr.save(2, dist_state(2, rank))
+        taken = sorted(n for n, r in mgr.layout.read_manifest(2).files.items() if r.ref is not None)
+        assert taken and all(n.startswith("__0_ref") for n in taken), taken
+        if rank == 1:
+            assert any(victim in m and "step 2" in m for m in said), said
+        target = empty_like(dist_state(2, rank))
+        assert mgr.restore(2, target) == 2 and states_equal(target, dist_state(2, rank))
+        mgr.close()
+    finally:
+        logging.getLogger("async_ckpt").removeHandler(handler)
 
 
 if __name__ == "__main__":

@@ -673,6 +673,73 @@ def dtype_change(base: str) -> None:
             assert_bitwise_equal(target, state(step))
 
 
+def diverged_state(rank: int) -> Dict[str, Any]:
+    """Large values under one key that differ between the ranks, beside a replicated model: a
+    per-rank buffer, BatchNorm-like statistics (``broadcast_buffers=False``), and float32 on rank
+    0 / int32 on rank 1 of equal shape and bytes; and a small per-rank value (compared before)."""
+    g = torch.Generator().manual_seed(77 + rank)
+    mixed = torch.arange(65536, dtype=torch.float32)
+    return {"model": {"w": torch.arange(65536, dtype=torch.float32)},
+            "buf": torch.randn(65536, generator=g),
+            "bn": {"running_mean": torch.randn(32768, generator=g, dtype=torch.float64)},
+            "mixed": mixed if rank == 0 else mixed.view(torch.int32),
+            "small": torch.full((8,), float(rank))}
+
+
+def divergence(base: str) -> None:
+    """Values that differ between the ranks under one key, large ones included (they are staged by
+    one rank): rank 0 warns once per key, every manifest names them in ``diverged_keys``, and the
+    checkpoint holds one rank's value of each, bitwise; float32 and int32 of equal bytes under one
+    key are not one replicated tensor (dtype is part of the match). The same with
+    ``replicated_saves=False`` (every rank stages everything)."""
+    import logging
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    want = ["bn.running_mean", "buf", "mixed", "small"]
+    for flag in (True, False):
+        records: List[str] = []
+
+        class Catch(logging.Handler):
+            def emit(self, record: logging.LogRecord) -> None:
+                records.append(record.getMessage())
+
+        handler = Catch(level=logging.WARNING)
+        logging.getLogger("async_ckpt").addHandler(handler)
+        root = os.path.join(base, f"diverged{world}_{flag}")
+        try:
+            with CheckpointManager(root, replicated_saves=flag) as mgr:
+                for step in (1, 2):
+                    assert mgr.save(step, diverged_state(rank))
+                    if flag and step == 1:  # "mixed" is two tensors (each rank stages its own), the rest shared
+                        check_staged_once("diverged", gather(mgr.stats[-1].nbytes),
+                                          3 * 256 * KIB + world * (256 * KIB + 32))
+            manifests = [json.load(open(os.path.join(root, str(step), "manifest.json"))) for step in (1, 2)]
+        finally:
+            logging.getLogger("async_ckpt").removeHandler(handler)
+        for m in manifests:
+            assert m["extra"].get("diverged_keys") == want, m["extra"]
+        differ = [r for r in records if "differ between the ranks" in r]
+        if rank == 0:
+            assert len(differ) == 1, records  # once per key: step 2 repeats no warning
+            for key in want:
+                assert key in differ[0], differ
+            assert "model.w" not in differ[0], differ
+        else:
+            assert not differ, records
+        # what the checkpoint holds: one rank's value of each key, bitwise; the model as saved
+        with open(os.path.join(root, "2", ".metadata"), "rb") as f:
+            kept = load_metadata(f.read()).state_dict_metadata["mixed"].properties.dtype
+        with CheckpointManager(root) as mgr:
+            states = [diverged_state(r) for r in range(world)]
+            holder = next(r for r in range(world) if states[r]["mixed"].dtype == kept)
+            target = blank(states[holder])
+            assert mgr.restore(2, target) == 2
+            assert_bitwise_equal(target["model"], states[0]["model"])
+            for key in ("buf", "mixed", "small"):
+                assert any(torch.equal(target[key], st[key]) for st in states if st[key].dtype == target[key].dtype), key
+            assert any(torch.equal(target["bn"]["running_mean"], st["bn"]["running_mean"]) for st in states)
+
+
 # ---- a rank that dies during the save's exchange ---------------------------------------------------
 
 def death(base: str, how: str) -> None:
@@ -743,7 +810,7 @@ def main() -> None:
         b = base
         checks = {
             "save2": [("DDP SAVE", lambda: ddp_save(b)), ("DDP LEGACY", lambda: ddp_legacy(b)),
-                      ("FSDP SAVE", lambda: fsdp_save(b))],
+                      ("FSDP SAVE", lambda: fsdp_save(b)), ("DIVERGED", lambda: divergence(b))],
             "main4": [("DDP SAVE", lambda: ddp_save(b)), ("DDP LEGACY", lambda: ddp_legacy(b)),
                       ("DDP FROM 2", lambda: ddp_restore_from(b, 2)), ("STRUCTURE", lambda: structure_changes(b)),
                       ("FSDP SAVE", lambda: fsdp_save(b)), ("FSDP FROM 2", lambda: fsdp_restore_from(b, 2)),

@@ -18,9 +18,9 @@ SCRIPT = os.path.join(ROOT, "benchmarks", "bench_incremental.py")
 
 METRICS = {"written_vs_changed", "durable_vs_raw_write", "storage_vs_bound", "stall_vs_floor",
            "stall_frozen_vs_changing_floor", "durable_frozen_vs_raw_write", "pretrain_durable_inc_vs_full", "pretrain_stall_inc_vs_full",
-           "restore_vs_raw_read"}
+           "restore_vs_raw_read", "verify_vs_durable", "verify_after_restart_vs_raw_read"}
 PAIRED = {"durable_vs_raw_write", "stall_vs_floor", "pretrain_durable_inc_vs_full", "pretrain_stall_inc_vs_full",
-          "restore_vs_raw_read"}
+          "restore_vs_raw_read", "verify_vs_durable", "verify_after_restart_vs_raw_read"}
 
 
 def test_bench_incremental_smoke(tmp_path):
@@ -61,6 +61,10 @@ def test_bench_incremental_smoke(tmp_path):
     assert st["bound_bytes"] == state["total_bytes"] + report["config"]["saves"] * state["changed_bytes"]
     assert st["unique_bytes"] > state["total_bytes"] and st["verdict"] == "pass"
     assert metrics["restore_vs_raw_read"]["cold"] is False  # --smoke never drops the page cache
+    # verifying the taken files: stat only while this process wrote them; after a restart, the
+    # first save reads back (once) every file it takes
+    assert metrics["verify_vs_durable"]["read_bytes"] == [0] * (report["config"]["saves"] - 1)
+    assert all(n >= state["base_bytes"] for n in metrics["verify_after_restart_vs_raw_read"]["read_bytes"])
 
     table = report["table_markdown"]
     assert table.splitlines()[0] == "| metric | measured (median [min, max] of paired ratios) | target | verdict |"

@@ -15,7 +15,7 @@ import fsspec
 import pytest
 import torch
 
-from async_ckpt import CheckpointManager, SaveStats
+from async_ckpt import CheckpointError, CheckpointManager, SaveStats
 from async_ckpt.cli import main
 from async_ckpt.cli.common import human_bytes
 from async_ckpt.stats import read_stats_log
@@ -594,7 +594,7 @@ def test_a_failed_save_is_logged_and_marked(tmp_path, capsys):
         mgr.save(1, {"w": torch.ones(64)})
         mgr.roots[0].store.storage.fs.inject("write", "*.distcp", "enospc", times=1)
         mgr.save_async(3, {"w": torch.ones(64)})
-        with pytest.raises(Exception):
+        with pytest.raises(CheckpointError, match="No space left"):
             mgr.join()
         mgr.save(4, {"w": torch.ones(64)})
     finally:

@@ -177,6 +177,22 @@ def test_the_metrics_of_several_ranks_are_reduced_as_asked(ranks_job):
         assert f"METRICS RANK {r} OK" in ranks_job.stdout, ranks_job.stdout[-4000:]
 
 
+def test_one_ranks_failing_state_dict_raises_on_every_rank_at_once(ranks_job):
+    """A Stateful value whose state_dict() raises on rank 1 only, in a save and in a restore:
+    both ranks raise within seconds (not the 300 s collective timeout), naming rank 1 and its
+    error, and the next save and restore work on both ranks."""
+    for r in range(2):
+        assert f"STATE_DICT RANK {r} OK" in ranks_job.stdout, ranks_job.stdout[-4000:]
+
+
+def test_after_a_collective_timeout_later_calls_fail_at_once_and_a_new_manager_works(ranks_job):
+    """A rank stalls past collective_timeout_s: every later save or restore of that manager
+    raises a CoordinationError at once on both ranks (never a second wait, never a silent
+    mismatch), and a new manager saves and restores."""
+    for r in range(2):
+        assert f"TIMEOUT RANK {r} OK" in ranks_job.stdout, ranks_job.stdout[-4000:]
+
+
 def test_single_process_has_a_local_coordinator():
     assert isinstance(coordinator_for(), LocalCoordinator)
 

@@ -169,6 +169,7 @@ def test_quickstart_why_was_a_save_slow_shows_the_info_line(tmp_path, monkeypatc
     ns: dict = {"__name__": "__main__"}
     try:
         for line, kind, src in runnable_blocks(text):
+            assert kind == "python", "quickstart.md runs no command blocks"
             exec(compile("\n" * (line - 1) + src, "docs/quickstart.md", "exec"), ns)
     finally:
         _close_managers(ns)

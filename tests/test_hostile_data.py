@@ -17,7 +17,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from async_ckpt import CheckpointManager, InvalidStateDictError
+from async_ckpt import CheckpointError, CheckpointManager, InvalidStateDictError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -300,6 +300,42 @@ def test_a_top_level_stateful_value_is_still_saved_through_its_state_dict(tmp_pa
     assert out["step"] == 1
     for k, v in out["model"].items():
         assert torch.equal(v.view(-1).view(torch.uint8), expected[k].view(-1).view(torch.uint8)), k
+
+
+def test_a_stateful_values_state_dict_runs_at_the_call_on_the_callers_thread(tmp_path):
+    """A Stateful value's state_dict() runs inside save_async on the caller's thread (never on the
+    writer thread, where a failure on one rank could not reach the others): its error is raised
+    by save_async itself, naming the key, and nothing is saved; the next save works."""
+    import threading
+
+    class App:
+        def __init__(self, fail: bool) -> None:
+            self.fail, self.threads = fail, []
+            self.t = torch.arange(6.0)
+
+        def state_dict(self):
+            self.threads.append(threading.current_thread())
+            if self.fail:
+                raise RuntimeError("no state today")
+            return {"t": self.t}
+
+        def load_state_dict(self, sd):
+            self.t.copy_(sd["t"])
+
+    with CheckpointManager(str(tmp_path / "ck")) as mgr:
+        bad = App(fail=True)
+        with pytest.raises(CheckpointError, match=r"'app': App.state_dict\(\) raised RuntimeError: no state today") as info:
+            mgr.save_async(1, {"app": bad})
+        assert isinstance(info.value.__cause__, RuntimeError)
+        mgr.join()
+        assert mgr.all_steps() == [] and bad.threads == [threading.current_thread()]
+        good = App(fail=False)
+        mgr.save_async(2, {"app": good})
+        assert good.threads == [threading.current_thread()]
+        mgr.join()
+        out = App(fail=False)
+        out.t.zero_()
+        assert mgr.restore(None, {"app": out}) == 2 and torch.equal(out.t, torch.arange(6.0))
 
 
 # ---- 4. random mixes of dtypes, shapes and views round-trip bitwise ------------------------

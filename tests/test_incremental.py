@@ -713,6 +713,9 @@ def test_two_ranks_incremental_saves_restore_at_two_ranks_and_in_one_process(tmp
             dcp_load_bitwise(os.path.join(root, str(s)), dist_state(s, None))
             restore_bitwise(mgr, s, dist_state(s, None))
         assert restore_bitwise(mgr, None, dist_state(5, None)) == 5
+    # the damaged root (incremental_worker.dist_damage): step 2 restores whole in one process
+    with CheckpointManager(root + "-damage") as mgr:
+        assert restore_bitwise(mgr, None, dist_state(2, None)) == 2
 
 
 # ---- 9. declared-frozen tensors --------------------------------------------------------------

@@ -270,6 +270,36 @@ def test_a_replicated_key_changing_dtype_and_shape_between_saves_restores_bitwis
 
 # ---- reads, damage, tiers, failures -----------------------------------------------------------------
 
+def test_large_values_that_differ_between_ranks_under_one_key_are_reported_once_and_recorded(jobs):
+    """tests/replicated_worker.py ``divergence``: a per-rank buffer, BatchNorm-like statistics and
+    float32/int32 of equal bytes under one key (all >= 64 KiB, staged by one rank): rank 0 warns
+    once per key, both steps' manifests list them in ``diverged_keys``, the checkpoint holds one
+    rank's value of each (bitwise), with replicated_saves True and False."""
+    _passed(jobs, "save2", "DIVERGED", 2)
+
+
+def test_large_tensor_fingerprints_follow_values_not_strides_and_taken_samples_match_host_copies():
+    """The fingerprint of a large tensor (a sample of it) is the same for equal values whatever
+    their strides, taken from the live tensor at the call (a rank that leaves it to another) or
+    from a host copy on the writer thread (the rank that stages it); it differs for other values
+    (BatchNorm-like statistics, a permutation, another dtype of equal bytes)."""
+    from async_ckpt.lifecycle.replicas import DroppedSamples, fingerprints
+    from async_ckpt.staging import make_plan
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(512, 256, generator=g)
+    live = {"w": w.t().contiguous().t(), "b": torch.randn(65536, generator=g),  # w: equal values, other strides
+            "p": torch.randperm(65536, generator=g), "x": torch.arange(65536, dtype=torch.float32)}
+    plan = make_plan(live)
+    taken = DroppedSamples(plan, set(range(len(plan.tensors)))).prints()
+    host = fingerprints({k: v.clone() for k, v in live.items()})
+    assert taken == host and set(host) == {"w", "b", "p", "x"}
+    assert fingerprints({"w": w})["w"] == host["w"]
+    other = fingerprints({"b": torch.randn(65536, generator=g), "p": torch.randperm(65536, generator=g),
+                          "x": torch.arange(65536, dtype=torch.float32).view(torch.int32)})
+    assert all(other[k] != host[k] for k in other), (other, host)
+
+
 def test_replicated_reads_once_reads_each_byte_once_across_ranks(jobs):
     """A counting fsspec filesystem over a local dir: with ``once`` (and ``auto``: not a local
     POSIX path) the 4 ranks read <= 1.05x the checkpoint's data bytes; with ``every_rank`` each

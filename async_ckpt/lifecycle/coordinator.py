@@ -6,7 +6,10 @@ phase boundary the ranks exchange outcomes through a :class:`Coordinator`. For o
 :class:`GroupCoordinator` uses two gloo groups of its own (one for the writer thread, one for
 the training thread's agreements), created once per manager, so checkpoint traffic never
 interleaves with training collectives, and with a bounded timeout, so a rank that dies makes
-the others raise instead of waiting for gloo's 30-minute default.
+the others raise instead of waiting for gloo's 30-minute default. After a failed exchange (a
+timeout, a peer gone, a rank that left one of DCP's collectives early) the ranks' exchanges over
+those groups can no longer be paired: the coordinator is then *broken*, and every later
+exchange raises :class:`~async_ckpt.errors.CoordinationError` at once, naming the first failure.
 
 :meth:`Coordinator.write` and :meth:`Coordinator.load` hand a step's files to the I/O layer
 (:mod:`async_ckpt.storage.dcp.step_io`, which chooses the data path), with what the
@@ -20,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Protocol, Sequence,
 
 import torch
 
-from ..errors import CheckpointError, InvalidArgumentError
+from ..errors import CheckpointError, CoordinationError, InvalidArgumentError
 from ..storage import FileRecord, Storage
 from ..storage.dcp import WriteMemo
 from ..storage.dcp.atomic_restore import Acquire
@@ -140,7 +143,7 @@ class LocalCoordinator:
 class GroupCoordinator:
     """N processes: gloo groups of our own over the ranks of the user's process group."""
 
-    def __init__(self, group: Any, control: Any) -> None:
+    def __init__(self, group: Any, control: Any, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         import torch.distributed as dist
 
         self.group = group
@@ -149,8 +152,61 @@ class GroupCoordinator:
         self.control = control
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
+        self.timeout_s = timeout_s
         #: who reads a tensor every rank restores: "once", "every_rank" or "auto" (see :meth:`load`)
         self.replicated_reads = "auto"
+        #: the first failed exchange (None: none yet); once set, every exchange raises at once
+        self.broken: Optional[str] = None
+
+    def collective(self, fn: Any, what: str) -> None:
+        """Run ``fn`` (one collective over :attr:`group` or :attr:`control`) as an exchange of
+        this coordinator: at once a :class:`~async_ckpt.errors.CoordinationError` when an
+        earlier exchange failed; when ``fn`` fails, the coordinator is broken from then on.
+
+        Args:
+            fn: the collective.
+            what: its name, for the error message.
+
+        Raises:
+            CoordinationError: this exchange, or an earlier one, failed.
+        """
+        self._check(what)
+        try:
+            fn()
+        except Exception as exc:  # gloo: a peer died, or the timeout passed (or this rank could not take part)
+            raise self._break(what, exc) from exc
+
+    def _check(self, what: str) -> None:
+        if self.broken is not None:
+            raise CoordinationError(
+                f"checkpoint coordination ({what}) refused: an earlier exchange between the ranks failed (a rank "
+                f"died or did not take part within collective_timeout_s={self.timeout_s:g} s: {self.broken}), so "
+                f"this manager's exchanges can no longer be paired between the ranks; it "
+                f"cannot save or restore any more. Close it and create a new CheckpointManager on every rank "
+                f"(committed steps are kept)")
+
+    def _break(self, what: str, exc: BaseException) -> CoordinationError:
+        """Mark the coordinator broken by ``exc`` (the first failure is kept); the error to raise."""
+        first = self.broken is None
+        if first:
+            self.broken = f"{what}: {type(exc).__name__}: {exc}"
+        return CoordinationError(
+            f"checkpoint coordination ({what}) failed: another rank died or did not take part within "
+            f"collective_timeout_s={self.timeout_s:g} s: {exc}. "
+            + ("Every later save or restore of this manager raises at once: close it and create a new "
+               "CheckpointManager on every rank" if first else f"(earlier: {self.broken})"))
+
+    def _dcp(self, what: str, fn: Any) -> Any:
+        """Run ``fn``, a ``dcp.save``/``dcp.load`` over :attr:`group`: DCP reports a failure of its
+        steps on every rank (a ``CheckpointException``); any other error left this rank's
+        collectives out of step with the others' (or a collective failed): broken."""
+        self._check(what)
+        try:
+            return fn()
+        except BaseException as exc:
+            if not _reported_by_dcp(exc):
+                self._break(what, exc)
+            raise
 
     @property
     def is_primary(self) -> bool:
@@ -171,13 +227,13 @@ class GroupCoordinator:
         mark = -1 if step is None else int(step) if 0 <= step < _LARGE_STEP else _LARGE_STEP
         t = torch.tensor([int(bool(f)) for f in flags] + [int(bool(signal)), int(bool(ok)), mark], dtype=torch.int64)
         out = [torch.empty_like(t) for _ in range(self.world_size)]
-        _collective(lambda: dist.all_gather(out, t, group=self.control), "agree")
+        self.collective(lambda: dist.all_gather(out, t, group=self.control), "agree")
         rows = [o.tolist() for o in out]
         steps: List[Optional[int]] = [None if row[-1] < 0 else row[-1] for row in rows]
         if _LARGE_STEP in steps:
             exact: List[Any] = [None] * self.world_size
             mine = None if step is None else str(int(step))  # decimal digits: no size limit
-            _collective(lambda: dist.all_gather_object(exact, mine, group=self.control), "agree (large step)")
+            self.collective(lambda: dist.all_gather_object(exact, mine, group=self.control), "agree (large step)")
             steps = [None if e is None else int(e) for e in exact]
         first = steps[0]
         failed = [r for r, (row, s) in enumerate(zip(rows, steps))
@@ -188,7 +244,7 @@ class GroupCoordinator:
         import torch.distributed as dist
 
         t = torch.tensor([int(bool(flag))], dtype=torch.int64)
-        _collective(lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.control), "any_rank")
+        self.collective(lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.control), "any_rank")
         return bool(t.item())
 
     def gather_ints(self, value: int) -> List[int]:
@@ -196,36 +252,36 @@ class GroupCoordinator:
 
         t = torch.tensor([int(value)], dtype=torch.int64)
         out = [torch.empty_like(t) for _ in range(self.world_size)]
-        _collective(lambda: dist.all_gather(out, t, group=self.control), "gather_ints")
+        self.collective(lambda: dist.all_gather(out, t, group=self.control), "gather_ints")
         return [int(o.item()) for o in out]
 
     def gather_objects(self, obj: Any) -> List[Any]:
         import torch.distributed as dist
 
         out: List[Any] = [None] * self.world_size
-        _collective(lambda: dist.all_gather_object(out, obj, group=self.control), "gather_objects")
+        self.collective(lambda: dist.all_gather_object(out, obj, group=self.control), "gather_objects")
         return out
 
     def broadcast(self, obj: Any) -> Any:
         import torch.distributed as dist
 
         box = [obj if self.rank == 0 else None]
-        _collective(lambda: dist.broadcast_object_list(box, group=self.group, group_src=0), "broadcast")
+        self.collective(lambda: dist.broadcast_object_list(box, group=self.group, group_src=0), "broadcast")
         return box[0]
 
     def all_gather(self, obj: Any) -> List[Any]:
         import torch.distributed as dist
 
         out: List[Any] = [None] * self.world_size
-        _collective(lambda: dist.all_gather_object(out, obj, group=self.group), "all_gather")
+        self.collective(lambda: dist.all_gather_object(out, obj, group=self.group), "all_gather")
         return out
 
     def write(self, storage: Storage, path: str, state_dict: Dict[str, Any], *, threads: int,
               planner: Any, memo: Optional[WriteMemo] = None) -> Dict[str, FileRecord]:
         """:func:`~async_ckpt.storage.dcp.step_io.write_step` through ``dcp.save`` over the group:
         its ``CheckpointException`` says which rank failed, on every rank."""
-        return write_step(storage, path, state_dict, threads=threads, planner=planner, memo=memo, group=self.group,
-                          several_ranks=True)
+        return self._dcp("writing", lambda: write_step(storage, path, state_dict, threads=threads, planner=planner,
+                                                       memo=memo, group=self.group, several_ranks=True))
 
     def load(self, storage: Storage, path: str, state_dict: Dict[str, Any], *, files: Dict[str, FileRecord],
              verify: bool, threads: int, allow_pickle: bool, metadata: Any, planner: Any, atomic: bool = False,
@@ -245,18 +301,20 @@ class GroupCoordinator:
         once = planner is None and metadata is not None and not atomic and \
             (mode == "once" or (mode == "auto" and not storage.is_local))
         if not once:
-            read_step(storage, path, state_dict, files=files, verify=verify, threads=threads,
-                      allow_pickle=allow_pickle, metadata=metadata, planner=planner, atomic=atomic, strict=strict,
-                      group=self.group, agree=self.all_gather)
+            self._dcp("reading", lambda: read_step(
+                storage, path, state_dict, files=files, verify=verify, threads=threads, allow_pickle=allow_pickle,
+                metadata=metadata, planner=planner, atomic=atomic, strict=strict, group=self.group,
+                agree=self.all_gather))
             return
         mine = restore_items(state_dict, metadata)
         readers = read_assignment(self.all_gather(list(mine)))
         skip = {key.split("\0", 1)[0] for (key, _), r in readers.items() if r != self.rank}
-        read_step(storage, path, state_dict, files=files, verify=verify, threads=threads, allow_pickle=allow_pickle,
-                  metadata=metadata, planner=None, atomic=atomic, strict=strict, group=self.group,
-                  agree=self.all_gather, skip=skip)
+        self._dcp("reading", lambda: read_step(
+            storage, path, state_dict, files=files, verify=verify, threads=threads, allow_pickle=allow_pickle,
+            metadata=metadata, planner=None, atomic=atomic, strict=strict, group=self.group, agree=self.all_gather,
+            skip=skip))
         try:
-            problem = send_replicas(self.group, self.rank, self.world_size, readers, mine)
+            problem = send_replicas(self.group, self.rank, self.world_size, readers, mine, self.collective)
             problems = [p for p in self.all_gather(problem) if p]
             if problems:
                 raise CheckpointError("; ".join(problems))
@@ -275,12 +333,20 @@ def _leaser(pool: "HostBufferPool") -> Acquire:
     return acquire
 
 
-def _collective(fn: Any, what: str) -> None:
-    try:
-        fn()
-    except RuntimeError as exc:  # gloo: a peer died, or the timeout passed
-        raise CheckpointError(f"checkpoint coordination ({what}) failed: another rank died or did not "
-                              f"take part in time: {exc}") from exc
+def _reported_by_dcp(exc: BaseException) -> bool:
+    """Whether ``exc`` (raised out of a ``dcp.save``/``dcp.load`` call) is, or was caused by, DCP's
+    ``CheckpointException``: a failure DCP gathered and raised on every rank, after the same
+    collectives everywhere."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    seen: Optional[BaseException] = exc
+    for _ in range(8):
+        if seen is None:
+            break
+        if isinstance(seen, CheckpointException):
+            return True
+        seen = seen.__cause__
+    return False
 
 
 def rank_local_coordinator(timeout_s: float = DEFAULT_TIMEOUT_S) -> LocalCoordinator:
@@ -322,4 +388,4 @@ def coordinator_for(process_group: Any = None, timeout_s: float = DEFAULT_TIMEOU
     group, control = make(), make()
     if group is None or group == dist.GroupMember.NON_GROUP_MEMBER:
         raise InvalidArgumentError("CheckpointManager was created on a rank outside its process_group")
-    return GroupCoordinator(group, control)
+    return GroupCoordinator(group, control, timeout_s)

@@ -62,6 +62,32 @@ def everyone(coord: Coordinator, what: str, step: Optional[int], fn: Optional[Ca
     return [o.value for o in outcomes]
 
 
+def own(coord: Coordinator, what: str, step: Optional[int], fn: Callable[[], T]) -> T:
+    """Run ``fn`` on every rank; each rank keeps its own result (only failures are exchanged).
+
+    For user code whose result stays on its rank (a ``Stateful`` target's ``state_dict()``):
+    a failure on one rank is an error on every rank, at once.
+
+    Args:
+        coord: the manager's coordinator.
+        what: the phase's name, for the error message.
+        step: the step the phase concerns (set on the error raised).
+        fn: this rank's part.
+
+    Returns:
+        This rank's result of ``fn``.
+
+    Raises:
+        CheckpointError: (or the failing error's own class) on every rank when any rank's part
+            failed; one process: ``fn``'s error as raised.
+    """
+    if coord.world_size == 1:
+        return fn()
+    local, value = _run(fn, None)
+    everyone(coord, what, step, error=local)
+    return value
+
+
 def primary(coord: Coordinator, what: str, step: Optional[int], fn: Callable[[], T]) -> T:
     """Run ``fn`` on rank 0 only and hand its result to every rank.
 

@@ -7,12 +7,18 @@ ranks agree which rank takes each replicated item, balanced by bytes:
 
 * **save** (:class:`SaveShares`, training thread): an item is a plain tensor of at least
   :data:`MIN_SHARED_BYTES` (not inside a list or tuple, which DCP may store whole) or one DTensor
-  shard, named by its key and its offsets in the global tensor; items that several ranks hold
-  with the same size are *replicated*, and each goes to the holder with the least load so far
+  shard, named by its key, dtype, shape and offsets in the global tensor; items that several
+  ranks hold alike are *replicated*, and each goes to the holder with the least load so far
   (its own unshared bytes counted first), largest first. Each rank stages only what it takes
   (the others are left out of its snapshot), so its stall and its write are its share, and DCP
   writes every item once. The assignment is cached; one small exchange per save (each rank's
   structure fingerprint) decides whether it still holds, one more only when it does not.
+* **divergence** (:func:`fingerprints`, :class:`DroppedSamples`, :func:`diverged`): values that
+  several ranks save under one key but that differ between them (a per-rank buffer, BatchNorm
+  statistics with ``broadcast_buffers=False``) are found from fingerprints that ride in the
+  exchange of the write's outcome: small values hashed whole, large plain tensors by a sample
+  (:func:`sample`) taken from the host copy on the writer thread, or, where another rank stages
+  the tensor, at the call from the live tensor.
 * **restore** (:func:`read_assignment`): a tensor every rank's target holds as a plain tensor,
   stored as one whole chunk, is read by one rank (balanced the same way) and sent to the others
   (:meth:`~async_ckpt.lifecycle.coordinator.GroupCoordinator.load`).
@@ -20,15 +26,15 @@ ranks agree which rank takes each replicated item, balanced by bytes:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import struct
-from typing import Any, Dict, Hashable, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, Set, Tuple
 
 import torch
 
 from .. import compat
 from ..addresses import byte_view
-from ..errors import CheckpointError
 from ..storage.dcp.file_assignment import flatten
 from ..storage.manifest import crc32c
 
@@ -97,7 +103,9 @@ def _offsets(spec: Any) -> Tuple[int, ...]:
 
 def plan_items(plan: Any) -> List[Tuple[int, Item]]:
     """``(plan index, item)`` of the tensors of a staging plan that may be replicated: at least
-    :data:`MIN_SHARED_BYTES`, not inside a list or tuple; a DTensor's shard named by its offsets."""
+    :data:`MIN_SHARED_BYTES`, not inside a list or tuple; a DTensor's shard named by its offsets.
+    An item's key is the tensor's key with its dtype and shape: tensors of equal bytes under one
+    key but of another dtype or shape on another rank are not one replicated tensor."""
     specs = plan.dtensor_specs()
     nested = plan.in_sequence()
     out = []
@@ -115,7 +123,7 @@ def plan_items(plan: Any) -> List[Tuple[int, Item]]:
             offsets = (0,) * t.dim()
         else:
             continue
-        out.append((i, (key, tuple(int(o) for o in offsets), int(n))))
+        out.append((i, (f"{key}\0{t.dtype}\0{tuple(t.shape)}", tuple(int(o) for o in offsets), int(n))))
     return out
 
 
@@ -212,7 +220,8 @@ _ALIGN = 64
 
 
 def send_replicas(group: Any, rank: int, world_size: int, readers: Dict[Tuple[str, Tuple[int, ...]], int],
-                  mine: Dict[Item, torch.Tensor]) -> Optional[str]:
+                  mine: Dict[Item, torch.Tensor], collective: Callable[[Callable[[], None], str], None]
+                  ) -> Optional[str]:
     """After a read by one rank per item: each reading rank sends what it read, in one buffer
     per rank (gloo ``broadcast`` over ``group``, then its CRC32C), and every other rank that
     holds an item copies it into its tensor once the buffer's CRC matched. Collective: every
@@ -224,13 +233,15 @@ def send_replicas(group: Any, rank: int, world_size: int, readers: Dict[Tuple[st
         world_size: the ranks in ``group``.
         readers: :func:`read_assignment`'s result.
         mine: this rank's :func:`restore_items`.
+        collective: runs one broadcast as an exchange of the coordinator
+            (:meth:`~async_ckpt.lifecycle.coordinator.GroupCoordinator.collective`).
 
     Returns:
         ``None``, or what went wrong here (a buffer this rank could not pack, one whose CRC did
         not match or that its sender could not pack, one it could not copy out).
 
     Raises:
-        CheckpointError: a broadcast failed (another rank died or did not take part in time).
+        CoordinationError: a broadcast failed (another rank died or did not take part in time).
     """
     import torch.distributed as dist
 
@@ -257,12 +268,8 @@ def send_replicas(group: Any, rank: int, world_size: int, readers: Dict[Tuple[st
                 problems.append(f"rank {rank} could not send what it read: {type(exc).__name__}: {exc}")
                 sent = -1
         crc = torch.tensor([sent], dtype=torch.int64)
-        try:
-            dist.broadcast(buf, group=group, group_src=r)
-            dist.broadcast(crc, group=group, group_src=r)
-        except RuntimeError as exc:  # gloo: a peer died, or the timeout passed
-            raise CheckpointError(f"checkpoint coordination (sending restored tensors) failed: another rank "
-                                  f"died or did not take part in time: {exc}") from exc
+        for t in (buf, crc):
+            collective(functools.partial(dist.broadcast, t, group=group, group_src=r), "sending restored tensors")
         if r == rank:
             continue
         expected = int(crc.item())
@@ -284,32 +291,146 @@ def send_replicas(group: Any, rank: int, world_size: int, readers: Dict[Tuple[st
     return "; ".join(problems) or None
 
 
+#: a large tensor's fingerprint covers this many runs of elements, evenly spaced over it (the
+#: first and the last element included; 0: large tensors are not compared, which
+#: benchmarks/bench_multirank.py sets for its reference) ...
+SAMPLE_RUNS = 32
+#: ... of this many elements each (1024 elements in all: a few KiB, whatever the tensor's size)
+SAMPLE_RUN = 32
+
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def sample(t: torch.Tensor) -> torch.Tensor:
+    """The elements of ``t`` that its fingerprint covers, in a new tensor on ``t``'s device:
+    :data:`SAMPLE_RUNS` runs of :data:`SAMPLE_RUN` elements evenly spaced in its element order
+    (all of it when it is smaller). The same for equal tensors whatever their strides; bits are
+    copied as they are (an integer view of the same size where there is one).
+
+    Args:
+        t: a plain tensor.
+
+    Returns:
+        The sample (contiguous).
+    """
+    kind = _INT_OF_SIZE.get(t.element_size())
+    v = t.detach()
+    if kind is not None and v.dtype != kind and not v.is_complex():
+        v = v.view(kind)
+    n = v.numel()
+    runs, run = max(2, SAMPLE_RUNS), SAMPLE_RUN
+    if n <= runs * run:
+        return v.reshape(-1).clone()
+    step = (n - run) // (runs - 1)
+    if v.is_contiguous():  # one strided copy
+        flat = v.view(-1)
+        return flat.as_strided((runs, run), (step, 1)).clone().view(-1)
+    index = (torch.arange(runs, device=v.device)[:, None] * step + torch.arange(run, device=v.device)[None, :]).view(-1)
+    return torch.take(v, index)
+
+
+def _header(t: torch.Tensor) -> bytes:
+    return f"{t.dtype}{tuple(t.shape)}".encode()
+
+
+def _print_of(header: bytes, taken: torch.Tensor) -> int:
+    """XXH3-64 of a tensor's :func:`_header` (dtype and shape) and of the bytes of ``taken`` (a
+    host tensor: all of a small tensor, or its :func:`sample`)."""
+    import xxhash
+
+    h = xxhash.xxh3_64(header)  # never hash(): salted per process
+    if taken.numel():
+        h.update(byte_view(taken.contiguous()))
+    return h.intdigest()
+
+
 def fingerprints(state_dict: Any) -> Dict[str, int]:
-    """Cheap fingerprints of a snapshot's values that every rank stages whole (tensors under
-    :data:`MIN_SHARED_BYTES`, ints, floats, strings): per flattened key, XXH3-64 of the bytes
-    (pickled values are left out: a set's pickle differs from process to process). Gathered with the write's outcome (no exchange of its own) to find "replicated"
-    values that differ between ranks (:func:`diverged`)."""
+    """Cheap fingerprints of a snapshot's values: per flattened key, XXH3-64 of the bytes of a
+    tensor under :data:`MIN_SHARED_BYTES` (contiguous, on the host), of the :func:`sample` of a
+    larger plain host tensor, of an int, float, string or bytes (pickled values are left out: a
+    set's pickle differs from process to process). Gathered with the write's outcome (no
+    exchange of its own) to find "replicated" values that differ between ranks (:func:`diverged`).
+    DTensor shards are left out (ranks hold different shards under one key)."""
     import xxhash
 
     flat, _ = flatten(state_dict)
     out: Dict[str, int] = {}
     for fqn, v in flat.items():
         if type(v) is torch.Tensor:
-            n = v.numel() * v.element_size()
-            if n >= MIN_SHARED_BYTES or not v.is_cpu or not v.is_contiguous():
+            if not v.is_cpu:
                 continue
-            h = xxhash.xxh3_64(f"{v.dtype}{tuple(v.shape)}".encode())  # never hash(): salted per process
-            if n:
-                h.update(byte_view(v))
-            out[fqn] = h.intdigest()
+            if v.numel() * v.element_size() >= MIN_SHARED_BYTES:
+                if not SAMPLE_RUNS:
+                    continue
+                try:
+                    out[fqn] = _print_of(_header(v), sample(v))
+                except Exception:  # noqa: BLE001 - a dtype without a copy kernel: not compared, never a failed save
+                    continue
+            elif v.is_contiguous():
+                out[fqn] = _print_of(_header(v), v)
         elif type(v) in (int, float, str, bytes, bool) or v is None:  # not pickles: a set's differs per process
             out[fqn] = xxhash.xxh3_64_intdigest(repr(v).encode())
     return out
 
 
+class DroppedSamples:
+    """Samples (:func:`sample`) of the plain tensors this rank leaves to other ranks (their
+    holders stage them): taken at the call, on the training thread, from the live tensors (a CUDA
+    tensor's sample is copied to the host on its stream, without waiting), so that the writer
+    thread can fingerprint them as of the call, as its peers fingerprint their host copies.
+    XLA tensors are not sampled (their values are not compared).
+
+    Args:
+        plan: this rank's staging plan.
+        drop: the plan indices this rank does not stage (:meth:`SaveShares.drops`).
+    """
+
+    def __init__(self, plan: Any, drop: Set[int]) -> None:
+        drop = drop if SAMPLE_RUNS else set()
+        specs = plan.dtensor_specs() if drop else {}
+        self._taken: List[Tuple[str, bytes, torch.Tensor]] = []  # key, dtype and shape, sample on the host
+        self._device: List[torch.Tensor] = []  # device samples, alive until their copies are done
+        self._events: List[Any] = []
+        self._prints: Optional[Dict[str, int]] = None
+        cuda: Dict[Any, None] = {}
+        for i in sorted(drop):
+            t = plan.tensors[i]
+            if i in specs or type(t) is not torch.Tensor or not (t.is_cpu or t.is_cuda):
+                continue  # a DTensor shard (ranks hold different ones), XLA: not compared
+            try:
+                s = sample(t)
+                if t.is_cuda:
+                    self._device.append(s)
+                    s = s.to("cpu", non_blocking=True)
+                    cuda[t.device] = None
+            except Exception:  # noqa: BLE001 - a dtype without a copy kernel: not compared, never a failed save
+                continue
+            self._taken.append((plan.keys[i], _header(t), s))
+        for dev in cuda:  # the copies are queued on each device's current stream: one event each
+            ev = torch.cuda.Event()
+            ev.record(torch.cuda.current_stream(dev))
+            self._events.append(ev)
+
+    def prints(self) -> Dict[str, int]:
+        """The samples' fingerprints, by key (writer thread; waits for the CUDA copies).
+
+        Returns:
+            Key -> fingerprint, as :func:`fingerprints` gives it for a host copy of the tensor.
+        """
+        if self._prints is None:
+            for ev in self._events:
+                ev.synchronize()
+            self._prints = {key: _print_of(header, s) for key, header, s in self._taken}
+            self._device.clear()
+            self._taken.clear()
+        return dict(self._prints)
+
+
 def diverged(per_rank: Sequence[Dict[str, int]]) -> Dict[str, List[int]]:
-    """The keys several ranks saved with different values (:func:`fingerprints` by rank), each
-    with the ranks that hold it: DCP's de-duplication keeps one of those ranks' values."""
+    """The keys several ranks saved with different values (:func:`fingerprints` and
+    :meth:`DroppedSamples.prints` by rank), each with the ranks that hold it: the checkpoint
+    holds one of those ranks' values (the rank that staged a large replicated tensor; for others,
+    the one DCP's de-duplication kept)."""
     seen: Dict[str, Dict[int, List[int]]] = {}
     for r, prints in enumerate(per_rank):
         for key, h in prints.items():

@@ -186,9 +186,10 @@ def restore(candidates: Sequence[Candidate], state_dict: Dict[str, Any], *, coor
     stateful = {k: v for k, v in state_dict.items() if _is_stateful(v)}
     target: Dict[str, Any] = state_dict
     if stateful:  # what dcp.load does: restore into their state_dict(), then load_state_dict
-        target = dict(state_dict)
-        for k, v in stateful.items():
-            target[k] = v.state_dict()
+        def targets() -> Dict[str, Any]:  # user code: every rank learns of its failure on one rank
+            return {**state_dict, **{k: v.state_dict() for k, v in stateful.items()}}
+
+        target = phase.own(coord, "state_dict() of the Stateful restore targets", step, targets)
     view, back = (target, None) if not key_map else _remapped(target, key_map)
     try:
         done = _first_intact(candidates, view, coord, step, verify=verify, allow_pickle=allow_pickle,
@@ -451,9 +452,10 @@ def _restore_one(store: StepStore, step: int, state_dict: Dict[str, Any], *, ver
 
 
 def _stateful_int_keys(metadata: Any, stateful: frozenset) -> Set[str]:
-    """Dict keys inside ``Stateful`` values that were ints: the manifest does not record them
-    (the value was saved through its ``state_dict()``), so an all-digit key there is taken as
-    an int (an optimizer's ``state`` is keyed by parameter index)."""
+    """Dict keys inside ``Stateful`` values that were ints: a checkpoint that DCP wrote through
+    the value's ``state_dict()`` (``dcp.save``; async_ckpt before it planned that state dict
+    itself) does not record them, so an all-digit key there is taken as an int (an optimizer's
+    ``state`` is keyed by parameter index)."""
     out: Set[str] = set()
     if not stateful:
         return out

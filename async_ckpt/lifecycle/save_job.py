@@ -28,7 +28,7 @@ from ..stats import SaveStats
 from ..storage import FileRecord, Manifest, StepTarget
 from ..storage.manifest import reduce_metrics
 from . import phase
-from .replicas import diverged, fingerprints
+from .replicas import DroppedSamples, diverged, fingerprints
 from .steps import StepStore, StepWrite
 
 
@@ -52,10 +52,18 @@ class SaveJob:
     frozen: Tuple[Dict[str, Tuple[int, int]], Set[str]] = field(default_factory=lambda: ({}, set()))
     #: several ranks: how the ranks' ``metrics`` become the step's (see ``reduce_metrics``)
     metrics_reduce: str = "rank0"
+    #: several ranks: samples of the tensors another rank stages, taken at the call (compared
+    #: with the stager's fingerprints to find values that differ between ranks)
+    samples: Optional[DroppedSamples] = None
 
 
 #: ``SaveStats.extra`` key: the declared-frozen tensors this save found changed (and wrote in full)
 FROZEN_CHANGED = "frozen_changed"
+#: ``SaveStats.extra`` keys of incremental saves: seconds spent verifying the files taken from the
+#: last step (and looking at the files written, for the next save's check), and the bytes read
+#: back to do it (0 where the storage vouched for every file)
+VERIFY_S = "verify_s"
+VERIFY_READ_BYTES = "verify_read_bytes"
 
 
 log = logging.getLogger("async_ckpt")
@@ -109,11 +117,15 @@ def run_save(store: StepStore, job: SaveJob, *, policy: RetentionPolicy, threads
                 merged[name] = rec
         int_keys = sorted({k for r in results for k in r.int_keys})
         differ = diverged([r.prints for r in results]) if len(results) > 1 else {}
-        if set(differ) - store.diverged_keys:  # warned once per key; every manifest names them
-            store.diverged_keys |= set(differ)
-            log.warning("step %d: %d value(s) differ between the ranks that hold them under one key (%s); the "
-                        "checkpoint holds one rank's value of each: give per-rank state per-rank keys", step,
-                        len(differ), ", ".join(f"{k} (ranks {v})" for k, v in list(differ.items())[:5]))
+        new = {k: v for k, v in differ.items() if k not in store.diverged_keys}
+        if new:  # warned once per key; every manifest names them
+            store.diverged_keys |= set(new)
+            log.warning("step %d: %d value(s) differ between the ranks that hold them under one key (%s%s); the "
+                        "checkpoint holds one rank's value of each, the others are lost: give per-rank state "
+                        "per-rank keys (e.g. f'rank{rank}.name'), or make it equal on every rank (DDP: "
+                        "broadcast_buffers=True)", step, len(new),
+                        ", ".join(f"{k} (ranks {v})" for k, v in list(new.items())[:5]),
+                        f" and {len(new) - 5} more" if len(new) > 5 else "")
         # rank 0's commit: its own metrics, or every rank's reduced (sent only when asked for)
         metrics = (job.metrics if len(results) == 1 or job.metrics_reduce == "rank0"
                    else reduce_metrics([r.metrics for r in results], job.metrics_reduce))
@@ -166,10 +178,12 @@ def run_save(store: StepStore, job: SaveJob, *, policy: RetentionPolicy, threads
         write_error: Optional[BaseException] = None
         # read before the buffers go back to the pool (right after the write)
         prints = fingerprints(snap.state_dict) if coord.world_size > 1 else {}
+        if job.samples is not None:
+            prints.update(job.samples.prints())
         reuse = store.memo.reuse
         if reuse is not None:
             store.recall_last_step()  # a new manager: what the newest committed step holds
-            reuse.prepare(*job.frozen)
+            reuse.prepare(*job.frozen, step=step)
         try:
             files = coord.write(store.storage, target.path, snap.state_dict, threads=threads, planner=planner,
                                 memo=store.memo)
@@ -190,9 +204,11 @@ def run_save(store: StepStore, job: SaveJob, *, policy: RetentionPolicy, threads
         commit_time = phase.primary(coord, "commit", step, lambda: commit(results))  # type: ignore[arg-type]
         td = time.perf_counter()
         changed: List[str] = []
+        checks: Optional[Tuple[float, int]] = None
         if reuse is not None:  # incremental: the next save may take this step's files
             reuse.committed(target.path, step, target.final)
             changed = reuse.take_changed()
+            checks = reuse.take_checks()
     except StagingAlreadyReported:
         return None
     except BaseException:
@@ -211,4 +227,6 @@ def run_save(store: StepStore, job: SaveJob, *, policy: RetentionPolicy, threads
     stats.commit_time = commit_time
     if changed:
         stats.extra[FROZEN_CHANGED] = changed
+    if checks is not None:  # incremental: what verifying the taken files cost
+        stats.extra[VERIFY_S], stats.extra[VERIFY_READ_BYTES] = checks
     return stats

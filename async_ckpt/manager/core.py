@@ -36,7 +36,7 @@ from ..gc_pause import gc_paused
 from ..lifecycle import phase
 from ..lifecycle.coordinator import DEFAULT_TIMEOUT_S, GroupCoordinator, coordinator_for
 from ..lifecycle.planners import load_planner_for, save_planner_for
-from ..lifecycle.replicas import SaveShares
+from ..lifecycle.replicas import DroppedSamples, SaveShares
 from ..lifecycle.restore import candidates_of, check_key_map
 from ..lifecycle.restore import restore as _restore
 from ..lifecycle.root import LOCAL, PERSISTENT, Root
@@ -58,7 +58,7 @@ from ..policies import (
 from ..preemption import PreemptionTracker, PreemptionWatcher
 from ..save_queue import AsyncWriter
 from ..staging import HostBufferPool, Stager
-from ..staging.frozen import FrozenTensors, changed_keys
+from ..staging.frozen import FrozenTensors, changed_keys, version_of
 from ..stats import FAILED, FALLBACK, UPLOAD_SKIPPED, SaveStats, format_bytes, format_seconds, tier_name
 from ..storage import CheckpointLayout, RetryPolicy, Storage
 from ..storage.dcp import Reuse
@@ -184,7 +184,10 @@ class CheckpointManager:
             live writer holds it (default 0: raise :class:`LeaseHeldError` at once).
         collective_timeout_s: multi-process: how long a rank waits for the others at each
             exchange of a save or restore; a rank that died makes the others' next
-            ``save_async``/``join``/``close`` raise after at most this long.
+            ``save_async``/``join``/``close`` raise after at most this long. After such a
+            failure every later save or restore of the manager raises
+            :class:`~async_ckpt.errors.CoordinationError` at once (create a new manager on
+            every rank to go on; see docs/distributed.md).
         local_dir: a second, fast tier (node-local disk, ``/dev/shm``, or any fsspec URL):
             steps the ``local_policy`` selects are committed there, those the save policy
             selects go to ``path``; a step due for both is staged once and written to both
@@ -222,10 +225,12 @@ class CheckpointManager:
             raises :class:`~async_ckpt.errors.FrozenTensorChangedError` (docs/incremental.md).
         frozen_check_every: every N-th save copies and checks every ``frozen`` tensor (default 10).
         replicated_saves: several ranks: a tensor of at least 64 KiB that several ranks hold
-            (DDP's model, HSDP replicas; same key, size and shard offsets) is staged and written
-            by one of them, balanced by bytes, so each rank's stall is its share (default
+            (DDP's model, HSDP replicas; same key, dtype, shape and shard offsets) is staged and
+            written by one of them, balanced by bytes, so each rank's stall is its share (default
             True; False: every rank stages everything and DCP writes one copy). A save due for
             the local tier stages everything: each rank's local copy restores that rank alone.
+            Either way a checkpoint holds one value per key: values that differ between ranks
+            under one key are logged once and listed in the manifest's ``diverged_keys``.
         metrics_reduce: several ranks: how each rank's ``metrics=`` of a save become the
             step's (what :meth:`metrics`, :meth:`best_step` and ``KeepBest`` see): ``"rank0"``
             (default: rank 0's values, the other ranks' are not read), or ``"mean"``,
@@ -333,7 +338,7 @@ class CheckpointManager:
         self.lazy = opts.lazy
         store = StepStore(self.storage, self.layout, self._coord, opts.wall_clock,
                           keep_incomplete=opts.keep_incomplete, lease_timeout=opts.lease_timeout,
-                          reuse=Reuse(opts.full_every) if opts.incremental else None)
+                          reuse=Reuse(opts.full_every, version_of) if opts.incremental else None)
         self.catalog = store.catalog
         self._stats_log = StatsLog.from_option(self.storage, opts.stats_log)
         # with a local tier an upload overlaps local saves on and off: keep buffers for both
@@ -748,6 +753,8 @@ class CheckpointManager:
             stager = self.stager.lazy if lazy and not wait else self.stager.eager
             keep -= drop
             snap = stager.stage(state_dict, plan, keep, drop)
+            # what this rank leaves to the others, as of the call: its values are compared too
+            samples = DroppedSamples(plan, drop) if drop else None
             kept_bytes = sum(plan.tensors[i].nbytes for i in keep)  # in the snapshot, not copied
             if snap.pending is not None:
                 snap.pending.step = step
@@ -791,7 +798,7 @@ class CheckpointManager:
                     extra[RETENTION_KEY] = spec
             job = SaveJob(step, snap, metrics, stats, t0, manifest_extra=extra, metrics_reduce=self.options.metrics_reduce,
                           commit_at=taken_at if self._local is not None else None,
-                          frozen=(seen, {plan.keys[i] for i in keep}))
+                          frozen=(seen, {plan.keys[i] for i in keep}), samples=samples)
             self._in_flight.append(step)
             try:
                 tier.writer.submit(functools.partial(self._persist, job, tier), step=step)

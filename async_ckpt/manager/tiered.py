@@ -48,6 +48,7 @@ from ..lifecycle.steps import StepStore
 from ..options import ManagerOptions
 from ..policies import CheckpointInfo, RetentionPolicy, apply_retention, as_retention_policy
 from ..save_queue import AsyncWriter
+from ..staging.frozen import version_of
 from ..storage import CheckpointLayout, FileRecord, Manifest, Storage
 from ..storage.dcp import Reuse
 from ..storage.diagnosis import file_in_the_way, not_a_root_message
@@ -295,7 +296,7 @@ def make_local_tier(options: ManagerOptions, persistent: Storage, coord: Coordin
     store = StepStore(storage, CheckpointLayout(storage, options.commit_mode),
                       rank_local_coordinator(options.collective_timeout_s), options.wall_clock,
                       keep_incomplete=options.keep_incomplete, lease_timeout=options.lease_timeout,
-                      reuse=Reuse(options.full_every) if options.incremental else None)
+                      reuse=Reuse(options.full_every, version_of) if options.incremental else None)
     # a full local_dir is logged and raised by join()/close(): the bucket's saves go on meanwhile
     writer = AsyncWriter(options.max_pending_async, name="async-ckpt-local-writer", defer_if=out_of_space)
     tier = Root(LOCAL, store, writer, keep, options.local_policy, home=root_identity(persistent))
@@ -648,10 +649,14 @@ def promote(local: Root, persistent: Root, step: int, *, verify: bool = True,
         with ThreadPoolExecutor(max(1, min(threads, 4, len(manifest.files)))) as pool:
             list(pool.map(copy, list(manifest.files)))
         extra = {k: v for k, v in manifest.extra.items() if k not in ("rank", "world_size", "tier", PERSISTENT_ROOT)}
-        # keeps its commit time (the order of the saves) and its files' records as they are: a
-        # file an incremental local save took keeps its ref (provenance; it may hold records the
-        # step does not use, which the ref tells the checks to expect)
-        new = dataclasses.replace(manifest, extra=extra)
+        # keeps its commit time (the order of the saves) and its files' checksums; every file is
+        # written here (a copy: nothing is shared with an earlier step of this root), so a file an
+        # incremental local save took loses its ref and count, and keeps only that it may hold
+        # records the step does not use
+        files = {name: rec if not rec.may_hold_unused else
+                 dataclasses.replace(rec, ref=None, carried=None, unused_records=True)
+                 for name, rec in manifest.files.items()}
+        new = dataclasses.replace(manifest, files=files, extra=extra)
         policy = persistent.retention
         dropped = write.commit(new, as_retention_policy(lambda cps: apply_retention(policy, cps) | {step}))
         return new, dropped

@@ -4,13 +4,14 @@ The plan walks the user's state dict once, validates every leaf and records wher
 sits. Non-tensor leaves are pickled at the call, once (:func:`~..storage.torch_record.pickle_value`:
 this also proves that they can be saved), and the snapshot keeps those bytes, so a later
 mutation by the training loop cannot leak into the checkpoint and no value is ever unpickled
-while saving. (A top-level value with ``state_dict``/``load_state_dict``, which DCP saves
-through its ``state_dict()``, is copied through a pickle round trip instead.)
+while saving. A top-level value with ``state_dict``/``load_state_dict`` (DCP's ``Stateful``,
+which DCP saves through its ``state_dict()``) is asked for its ``state_dict()`` here, at the
+call, and what it returns is planned as any other entry: user code never runs on the writer
+thread, where its failure on one rank could not be reported to the others.
 """
 
 from __future__ import annotations
 
-import pickle
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from operator import attrgetter
@@ -19,7 +20,7 @@ from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
 import torch
 
 from ..compat import dcp_flatten_state_dict
-from ..errors import InvalidStateDictError
+from ..errors import CheckpointError, InvalidStateDictError
 from ..storage.torch_record import pickle_value
 
 _IMMUTABLE = (int, float, bool, str, bytes, complex, type(None), torch.dtype, torch.device, torch.Size)
@@ -90,6 +91,8 @@ class StagingPlan:
             its value.
         pickled: ``(dotted path, PickledObject)`` of the leaves pickled by this plan (not ints,
             strings, ...): the values a restore may need ``allow_pickle=True`` for.
+        stateful: top-level key -> what that ``Stateful`` value's ``state_dict()`` returned
+            (planned in its place, as DCP saves it).
     """
 
     template: Any
@@ -99,6 +102,7 @@ class StagingPlan:
     others: List[str] = field(default_factory=list)
     odd_keys: bool = False
     pickled: List[Tuple[str, Any]] = field(default_factory=list)
+    stateful: Dict[str, Any] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
@@ -272,6 +276,7 @@ def make_plan(state_dict: Any, memo: Optional[PlanMemo] = None) -> StagingPlan:
         InvalidStateDictError: ``state_dict`` is not a mapping, a key is not a string (or an
             int below the top level), a leaf cannot be pickled, the nesting is too deep to
             walk, or two entries' flattened names (``a.b`` for ``{"a": {"b": x}}``) are equal.
+        CheckpointError: a top-level ``Stateful`` value's ``state_dict()`` raised (chained).
     """
     if not isinstance(state_dict, Mapping):
         hint = ""
@@ -306,7 +311,7 @@ def _check_names(state_dict: Mapping, plan: StagingPlan, memo: Optional[PlanMemo
         return
     if plan.odd_keys or len(set(names)) != len(names):
         try:
-            dcp_flatten_state_dict()(dict(state_dict))
+            dcp_flatten_state_dict()({**state_dict, **plan.stateful})
         except ValueError as exc:
             msg = str(exc)
             lead = "duplicated flatten key "
@@ -403,7 +408,8 @@ def _walk_mapping(value: Mapping, path: Optional[str], plan: StagingPlan, old: O
         else:
             plain = False
             if top and _is_stateful(v):
-                out[k] = _stateful_copy(v, sub, plan)
+                v = plan.stateful[sub] = _state_of(v, sub)
+                out[k] = _walk(v, sub, plan, old, new)
             else:
                 out[k] = _walk(v, sub, plan, old, new)
     if plain and out and len(out) == len(tensors) - start:  # (a Mapping that yields a key twice: no)
@@ -460,16 +466,14 @@ def _is_stateful(value: Any) -> bool:
         and callable(getattr(value, "load_state_dict", None))
 
 
-def _stateful_copy(value: Any, path: str, plan: StagingPlan) -> Any:
-    """A copy of a top-level ``Stateful`` value (through a pickle round trip), which DCP then
-    saves through the copy's ``state_dict()``, as it would the original's."""
-    plan.others.append(path)
+def _state_of(value: Any, path: str) -> Any:
+    """What a top-level ``Stateful`` value's ``state_dict()`` returns (what DCP would save in its
+    place), asked for on the caller's thread at the call."""
     try:
-        return pickle.loads(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
+        return value.state_dict()
     except Exception as exc:
-        raise InvalidStateDictError(
-            f"{path}: a {type(value).__name__} cannot be saved in a checkpoint ({exc})"
-        ) from exc
+        raise CheckpointError(f"{path!r}: {type(value).__name__}.state_dict() raised {type(exc).__name__}: {exc}"
+                              ) from exc
 
 
 #: a host list entry for a tensor this rank does not stage (another rank stages it): the key is

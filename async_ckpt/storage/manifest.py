@@ -80,7 +80,11 @@ class FileRecord:
     link, or a server-side copy on object stores), ``"<step>/<name>"`` of the file that first
     held its bytes (``None``: this step wrote it); ``hashes``: incremental saves, record offset
     -> XXH3-128 of the tensor bytes of the record there (so that a new manager's first save can
-    compare with this step; ``None``: not recorded)."""
+    compare with this step; ``None``: not recorded); ``carried``: for a taken file, how many
+    saves in a row have taken it since the save that wrote it (``full_every`` counts with it;
+    ``None``: 0, or not recorded); ``unused_records``: the file holds records this step's
+    ``.metadata`` does not place (a taken file, whose stale records come along, or a copy of
+    one: ``promote``); implied by ``ref``."""
 
     size: int
     crc32c: int
@@ -88,6 +92,14 @@ class FileRecord:
     data_at: Optional[Dict[int, int]] = None
     ref: Optional[str] = None
     hashes: Optional[Dict[int, int]] = None
+    carried: Optional[int] = None
+    unused_records: bool = False
+
+    @property
+    def may_hold_unused(self) -> bool:
+        """Whether the file may hold records this step does not use (taken, or a copy of a
+        taken file): its records may end before its size."""
+        return self.ref is not None or self.unused_records
 
     def to_dict(self) -> Dict[str, Any]:
         d: Dict[str, Any] = {"size": self.size, "crc32c": self.crc32c}
@@ -97,6 +109,10 @@ class FileRecord:
             d["data_at"] = base64.b64encode(b"".join(_DATA_AT.pack(a, h) for a, h in self.data_at.items())).decode()
         if self.ref is not None:
             d["ref"] = self.ref
+        if self.carried:
+            d["carried"] = self.carried
+        if self.unused_records:
+            d["unused_records"] = True
         if self.hashes:
             d["hashes"] = base64.b64encode(b"".join(_HASH.pack(a, h.to_bytes(16, "little"))
                                                     for a, h in sorted(self.hashes.items()))).decode()
@@ -124,6 +140,17 @@ class FileRecord:
                 raise CorruptCheckpointError(f"{where}: {shown(name)}: ref {shown(json.dumps(ref)[:80])} is not "
                                              "\"<step>/<file name>\"", path=where)
             rec.ref = ref
+        carried = d.get("carried")
+        if carried is not None:
+            if not _whole(carried):
+                raise CorruptCheckpointError(f"{where}: {shown(name)}: carried {shown(json.dumps(carried)[:80])} is "
+                                             "not a count of saves", path=where)
+            rec.carried = carried
+        unused = d.get("unused_records", False)
+        if type(unused) is not bool:
+            raise CorruptCheckpointError(f"{where}: {shown(name)}: unused_records {shown(json.dumps(unused)[:80])} "
+                                         "is not true or false", path=where)
+        rec.unused_records = unused
         if d.get("data_at") is not None:
             rec.data_at = _data_at(d["data_at"], rec.size, name=name, where=where)
         if d.get("hashes") is not None:

@@ -15,10 +15,10 @@ from typing import Any, Dict, List, Optional
 import fsspec
 
 from ..errors import CheckpointError, InvalidArgumentError, StorageError
-from .backends import MISSING, Backend, backend_for
+from .backends import MISSING, Backend, FileState, backend_for
 from .retry import RetryPolicy
 
-__all__ = ["DEFAULT_BLOCK_SIZE", "MISSING", "PIPE_MAX_BYTES", "READ_RANGE_BYTES", "Storage"]
+__all__ = ["DEFAULT_BLOCK_SIZE", "MISSING", "FileState", "PIPE_MAX_BYTES", "READ_RANGE_BYTES", "Storage"]
 
 DEFAULT_BLOCK_SIZE = 64 * 2**20  # upload chunk for object stores; gcsfs's 5 MiB is far too small
 # Object stores: a data file up to this size is serialised in memory and uploaded in one call
@@ -101,6 +101,11 @@ class Storage:
     def is_local(self) -> bool:
         """Local POSIX paths: plain files, ``fsync``, atomic ``rename``, symbolic links."""
         return self._backend.is_local
+
+    @property
+    def keeps_crc32c(self) -> bool:
+        """Whether the storage keeps each object's CRC-32C (gs://: :meth:`file_state` has it)."""
+        return self._backend.keeps_crc32c
 
     @property
     def length_checked_writes(self) -> bool:
@@ -404,6 +409,25 @@ class Storage:
                 :class:`~async_ckpt.errors.StorageTimeoutError` past the retry deadline).
         """
         return self._backend.size(path, self.retry)
+
+    def file_state(self, path: str) -> FileState:
+        """What the storage says of the file at ``path`` now, without reading it.
+
+        Never from a cache: its size, the CRC-32C the storage keeps of it (GCS), and what tells
+        a later look whether its bytes were rewritten since (:meth:`FileState.same_file`).
+
+        Args:
+            path: the file.
+
+        Returns:
+            Its state.
+
+        Raises:
+            FileNotFoundError: there is no file at ``path``.
+            StorageError: the storage refused the call (after retries of transient errors;
+                :class:`~async_ckpt.errors.StorageTimeoutError` past the retry deadline).
+        """
+        return self.retry.call(lambda: self._backend.file_state(path), f"stat {path}")
 
     def exists(self, path: str) -> bool:
         """Whether a file or directory is at ``path``.

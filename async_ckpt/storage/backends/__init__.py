@@ -12,7 +12,7 @@ from typing import Any
 
 from fsspec.implementations.local import LocalFileSystem
 
-from .base import MISSING, Backend
+from .base import MISSING, Backend, FileState
 from .fsspec import FsspecBackend
 from .object_store import OBJECT_STORE_PROTOCOLS, ObjectStoreBackend
 from .posix import PosixBackend
@@ -29,4 +29,4 @@ def backend_for(fs: Any) -> Backend:
     return FsspecBackend(fs)
 
 
-__all__ = ["MISSING", "Backend", "FsspecBackend", "ObjectStoreBackend", "PosixBackend", "backend_for"]
+__all__ = ["MISSING", "Backend", "FileState", "FsspecBackend", "ObjectStoreBackend", "PosixBackend", "backend_for"]

@@ -3,14 +3,83 @@
 
 from __future__ import annotations
 
+import base64
+import binascii
 import os
 import uuid
 from contextlib import AbstractContextManager
-from typing import Any, Dict, List, Optional, Protocol
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Protocol, Tuple
 
 from ..retry import RetryPolicy
 
 MISSING = "file is missing"  # what ``file_problem`` says of a file that is not there
+
+
+@dataclass(frozen=True)
+class FileState:
+    """What the storage says of a file without reading it.
+
+    Enough to tell that its bytes were not rewritten since an earlier look (:meth:`same_file`),
+    or, where the storage keeps one, their CRC-32C.
+
+    Attributes:
+        size: its size in bytes.
+        crc32c: the CRC-32C the storage keeps of the object's bytes (GCS; S3 where the object
+            carries one), or None.
+        identity: what any rewrite of the bytes through the storage changes (POSIX: device,
+            inode, mtime; object stores: generation, ETag, last-modified time; ``memory://``:
+            its creation time), or None where the storage tells nothing of the kind.
+        changed: POSIX: ``st_ctime_ns``, which a write moves even when it puts the mtime back
+            (and a hard link or an unlink moves too), else None.
+        links: POSIX: ``st_nlink``, else None.
+    """
+
+    size: int
+    crc32c: Optional[int] = None
+    identity: Optional[Tuple[Any, ...]] = None
+    changed: Optional[int] = None
+    links: Optional[int] = None
+
+    def same_file(self, before: "FileState") -> bool:
+        """Whether the storage says the bytes are still those it said they were in ``before``.
+
+        Same size and identity (a write moves the mtime or generation), and, on POSIX, the same
+        ctime unless the link count moved with it (a hard link made or removed changes the
+        ctime, not the bytes; a write whose mtime was put back shows only in the ctime).
+
+        Args:
+            before: the file's state at an earlier look.
+
+        Returns:
+            False when anything says the file may have been rewritten (or nothing can tell).
+        """
+        if self.identity is None or self.identity != before.identity or self.size != before.size:
+            return False
+        return self.changed == before.changed or self.links != before.links
+
+
+#: fsspec ``info()`` fields that change whenever an object's bytes are rewritten
+_IDENTITY_FIELDS = ("generation", "etag", "ETag", "VersionId", "LastModified", "updated", "mtime", "created", "ino")
+
+
+def info_state(info: Dict[str, Any]) -> FileState:
+    """The :class:`FileState` of a file from fsspec's ``info()`` of it: gcsfs's ``crc32c`` (and
+    s3fs's ``ChecksumCRC32C``, where the object has one: base64 of the big-endian CRC), and the
+    fields of :data:`_IDENTITY_FIELDS` it has."""
+    crc: Optional[int] = None
+    for key in ("crc32c", "ChecksumCRC32C"):
+        raw = info.get(key)
+        if isinstance(raw, str):
+            try:
+                b = base64.b64decode(raw, validate=True)
+            except (binascii.Error, ValueError):
+                continue
+            if len(b) == 4:
+                crc = int.from_bytes(b, "big")
+                break
+    ident = tuple((k, str(info[k])) for k in _IDENTITY_FIELDS if info.get(k) is not None)
+    return FileState(int(info["size"]), crc, ident or None)
 
 
 def temp_name(path: str) -> str:
@@ -44,6 +113,8 @@ class Backend(Protocol):
     is_local: bool
     #: Uploads are length-checked by the service, so a written file need not be stat'ed.
     length_checked_writes: bool
+    #: The storage keeps each object's CRC-32C, which ``file_state`` gives (GCS).
+    keeps_crc32c: bool
     #: Data files of about this size, for many concurrent single-request uploads (or None).
     default_max_file_bytes: Optional[int]
     #: The client library retries each request itself (gcsfs, s3fs): async_ckpt's
@@ -101,6 +172,10 @@ class Backend(Protocol):
 
     def size(self, path: str, retry: RetryPolicy) -> int:
         """The size of ``path`` as the storage reports it now (no cached listing)."""
+
+    def file_state(self, path: str) -> FileState:
+        """What the storage says of the file ``path`` now, without reading it (one attempt, no
+        cached listing)."""
 
     def ls(self, path: str) -> List[Dict[str, Any]]:
         """fsspec's detailed listing of ``path``, fresh (one attempt)."""

@@ -17,6 +17,9 @@ OBJECT_STORE_PROTOCOLS = frozenset({"gs", "gcs", "s3", "s3a", "az", "abfs", "abf
 #: protocols whose fsspec client retries each request itself
 RETRYING_CLIENTS = frozenset({"gs", "gcs", "s3", "s3a"})
 
+#: protocols whose service keeps each object's CRC-32C and whose client's ``info()`` gives it
+CRC32C_KEEPERS = frozenset({"gs", "gcs"})
+
 # The writer aims for data files of about this size, so one checkpoint becomes many objects
 # uploaded concurrently (each a single request) rather than a few long streams; 8-16 MiB is
 # the request size both GCS and S3 recommend for parallel transfers.
@@ -34,6 +37,7 @@ class ObjectStoreBackend(FsspecBackend):
         protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
         # gcsfs retries every request (6 tries, backoff to 32 s), s3fs/botocore too
         self.client_retries = any(p in RETRYING_CLIENTS for p in protocols)
+        self.keeps_crc32c = any(p in CRC32C_KEEPERS for p in protocols)
 
     def makedirs(self, path: str, retry: RetryPolicy) -> None:
         pass  # no directories; and gcsfs/s3fs makedirs would silently create a missing bucket

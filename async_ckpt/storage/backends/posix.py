@@ -14,7 +14,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional
 
 from ...errors import StorageError
 from ..retry import RetryPolicy
-from .base import MISSING, temp_name
+from .base import MISSING, FileState, temp_name
 
 WRITEBACK_BYTES = 8 * 2**20  # local files: disk writes start after every this many bytes
 
@@ -60,6 +60,7 @@ class PosixBackend:
 
     is_local = True
     length_checked_writes = False
+    keeps_crc32c = False
     default_max_file_bytes: Optional[int] = None
     client_retries = False
 
@@ -178,6 +179,12 @@ class PosixBackend:
 
     def size(self, path: str, retry: RetryPolicy) -> int:
         return os.path.getsize(path)
+
+    def file_state(self, path: str) -> FileState:
+        st = os.lstat(path)  # a link in a step's place is not the file the step wrote
+        if not stat.S_ISREG(st.st_mode):
+            return FileState(st.st_size)  # no identity: read (and refused) if anything is to be taken from it
+        return FileState(st.st_size, None, (st.st_dev, st.st_ino, st.st_mtime_ns), st.st_ctime_ns, st.st_nlink)
 
     def ls(self, path: str) -> List[Dict[str, Any]]:
         return self.fs.ls(path, detail=True)

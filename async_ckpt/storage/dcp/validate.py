@@ -202,7 +202,7 @@ def _check(md: Any, files: Optional[Dict[str, FileRecord]], where: str, bad: Any
         at = f"{step_dir}/{rel}" if step_dir else rel
         if end > rec.size:
             raise bad(f"manifest says {rec.size} bytes, but an item .metadata places in it ends at byte {end}", at)
-        if end < rec.size and rec.ref is None:  # a file an incremental save took may hold records it does not use
+        if end < rec.size and not rec.may_hold_unused:  # a taken file (or a copy of one) may hold records it does not use
             raise bad(f"manifest says {rec.size} bytes, but its items end at byte {end}", at)
     return ends
 

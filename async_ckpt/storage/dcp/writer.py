@@ -439,6 +439,18 @@ def _resolver(planner: SavePlanner) -> Callable[[Any], Any]:
     return resolve
 
 
+def _resolving_to(resolve: Callable[[Any], Any], items: List[Any], objs: List[Any]) -> Callable[[Any], Any]:
+    """``resolve``, except that ``items[i]`` resolves to ``objs[i]`` where that is not None (what
+    :meth:`Reuse.share` left there is what is written)."""
+    known = {id(it): o for it, o in zip(items, objs) if o is not None}
+
+    def resolved(item: Any) -> Any:
+        o = known.get(id(item))
+        return resolve(item) if o is None else o
+
+    return resolved
+
+
 class FsspecStorageWriter(StorageWriter):
     """DCP ``StorageWriter`` with concurrent, checksummed writes through :class:`Storage`; each
     file's record in :attr:`files` lists its items' lengths and CRC32Cs."""
@@ -476,6 +488,7 @@ class FsspecStorageWriter(StorageWriter):
             objs = [resolve(it) if it.type != WriteItemType.BYTE_IO else None for it in items]
             hashes, shared = reuse.share(self.storage, self.path, plan.storage_data.prefix, keys, objs)
             items = [it for i, it in enumerate(items) if i not in shared.placed]
+            resolve = _resolving_to(resolve, plan.items, objs)  # a declared-frozen tensor's bytes at the call
         buckets = _balance(items, [_item_bytes(it) for it in items], self.threads, self.storage.max_file_bytes)
         hints = [sum(_item_bytes(item) for item in bucket) for bucket in buckets]
         outs = _write_files(self.storage, self.path, plan.storage_data.prefix, buckets, hints, self.threads,
@@ -488,7 +501,7 @@ class FsspecStorageWriter(StorageWriter):
                 where[plan.items[i].index] = _StorageInfo(*info)
             placed.update(shared.placed)
             files.update(shared.files)
-            reuse.wrote(self.path, placed_items(keys, objs, hashes, placed), files, not shared.placed)
+            reuse.wrote(self.storage, self.path, placed_items(keys, objs, hashes, placed), files, shared)
         self.files.update(files)
         fut: Future = Future()
         fut.set_result([WriteResult(index=index, size_in_bytes=info.length, storage_data=info)
@@ -596,7 +609,8 @@ def _save_local(storage: Storage, path: str, state_dict: Dict[str, Any], *, thre
             files = {name: rec for name, rec, _ in outs}
             files[METADATA_NAME] = layout.files_meta
             if reuse is not None:
-                reuse.wrote(path, placed_items(keys, objs, hashes, _positions(layout.buckets, outs)), files, True)
+                reuse.wrote(storage, path, placed_items(keys, objs, hashes, _positions(layout.buckets, outs)), files,
+                            shared)
             return files
         # An object's pickle changed length: same files, new .metadata (built below).
         buckets, hints = layout.buckets, layout.hints
@@ -647,7 +661,7 @@ def _save_local(storage: Storage, path: str, state_dict: Dict[str, Any], *, thre
     storage.write_bytes(f"{path}/{METADATA_NAME}", data)
     files[METADATA_NAME] = FileRecord(len(data), crc32c(data))
     if reuse is not None:
-        reuse.wrote(path, placed_items(keys, objs, hashes, placed), files, not (shared and shared.placed))
+        reuse.wrote(storage, path, placed_items(keys, objs, hashes, placed), files, shared)
     if shared is not None and shared.placed:
         return files  # a layout that leaves items out is not one to write again
     if sig is None:  # the files were written with the last layout; only .metadata is new
