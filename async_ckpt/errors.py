@@ -100,12 +100,6 @@ class StepNotFoundError(CheckpointError, FileNotFoundError):
     """Restore of a step that has no committed checkpoint."""
 
 
-class NotACheckpointRootError(CheckpointError, NotADirectoryError):
-    """A checkpoint path that cannot be a checkpoint root: a file, or a path under one.
-
-    The ``async-ckpt`` command raises it too for a Lightning ``.ckpt`` file given as PATH."""
-
-
 class StateDictMismatchError(CheckpointError, ValueError):
     """A restore target that does not fit the checkpoint.
 
@@ -202,6 +196,13 @@ def partly_written_error(message: str, *, cause: BaseException, step: Optional[i
 
 class StorageError(CheckpointError, OSError):
     """The storage backend refused an operation (permissions, no space, unreachable)."""
+
+
+class NotACheckpointRootError(StorageError, NotADirectoryError):
+    """A checkpoint path that cannot be a checkpoint root: a file, or a path under one.
+
+    A :class:`StorageError` (the path cannot be created) and a ``NotADirectoryError``. The
+    ``async-ckpt`` command raises it too for a Lightning ``.ckpt`` file given as PATH."""
 
 
 class StorageTimeoutError(StorageError):
