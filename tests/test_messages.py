@@ -245,7 +245,7 @@ def test_a_root_that_is_a_file_is_a_typed_error_naming_it(tmp_path):
     with pytest.raises(NotACheckpointRootError, match=r"ckpt is a file, not a directory: pass a directory") as e:
         CheckpointManager(str(f))
     assert "File exists" not in str(e.value)
-    with pytest.raises(NotACheckpointRootError, match=r"sub cannot be created: .*ckpt is a file"):
+    with pytest.raises(NotACheckpointRootError, match=r"sub cannot be written: .*ckpt is a file, not a directory"):
         CheckpointManager(str(f / "sub"))
     with pytest.raises(NotACheckpointRootError, match=r"local_dir .* is a file"):
         CheckpointManager(str(tmp_path / "bucket"), local_dir=str(f))

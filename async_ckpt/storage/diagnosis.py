@@ -199,5 +199,5 @@ def not_a_root_message(what: str, storage: Storage, in_the_way: str) -> str:
     if in_the_way == storage.root:
         return (f"{what} {storage.url} is a file, not a directory: pass a directory for the checkpoints "
                 f"(a missing one is created)")
-    return (f"{what} {storage.url} cannot be created: {in_the_way} is a file, not a directory; pass a "
-            f"path under a directory")
+    return (f"{what} {storage.url} cannot be written: {in_the_way} is a file, not a directory, so the path "
+            f"cannot be created; pass a path under a directory")
