@@ -28,6 +28,7 @@ from .common import (
     parse_step,
     path_findings,
     print_json,
+    progress_bar,
     read_step_metadata,
     render_table,
 )
@@ -132,28 +133,20 @@ def _verify_newest(roots: List[Tuple[str, Storage, CheckpointLayout]], timed: Li
     """``ls --verify``: read and checksum the committed copies newest commit first, as
     ``restore(None)`` reads them, until a save has a copy that verifies; its copies that verify
     become ``verified``, those that do not ``damaged`` (with the problems)."""
-    from .verify import _verify_step
+    from .verify import verify_step
 
     where = {tier: (storage, layout) for tier, storage, layout in roots}
     for order in sorted({e["commit_order"] for e in timed}, reverse=True):
         found = False
         for e in [e for e in timed if e["commit_order"] == order and e["status"] == "listed"]:
             storage, layout = where[e["tier"]]
-            res = _verify_step(storage, layout, e["step"], _quiet_bar())
+            res = verify_step(storage, layout, e["step"], progress_bar(0, "", False))
             if res["ok"]:
                 e["status"], found = "verified", True
             else:
                 e.update(status="damaged", problem="; ".join(res["problems"]))
         if found:
             return
-
-
-class _quiet_bar:
-    def update(self, n: int) -> None:
-        pass
-
-    def set_description(self, s: str) -> None:
-        pass
 
 
 def cmd_ls(args: argparse.Namespace) -> int:

@@ -35,8 +35,19 @@ from .common import (
 
 # ---- verify ----------------------------------------------------------------------------------
 
-def _verify_step(storage: Storage, layout: CheckpointLayout, step: int, bar: Any) -> Dict[str, Any]:
-    """Read every file of a committed step and check it against the manifest; list the problems."""
+def verify_step(storage: Storage, layout: CheckpointLayout, step: int, bar: Any) -> Dict[str, Any]:
+    """Read every file of a committed step and check it against the manifest; list the problems.
+
+    Args:
+        storage: The root.
+        layout: Its step layout.
+        step: A committed step.
+        bar: A progress bar (:func:`~async_ckpt.cli.common.progress_bar`) the bytes read advance.
+
+    Returns:
+        ``step``, ``ok``, ``files``, ``bytes`` (read), ``problems`` (one line each), and the
+        manifest's ``written_bytes`` / ``referred_bytes``.
+    """
     from ..storage.dcp import METADATA_NAME, check_step_metadata, load_metadata
     from ..storage.dcp.read_exec import FRESH, NULL, read_files
 
@@ -199,12 +210,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
                 if i and hasattr(bar, "total"):
                     bar.total += size_of(items)
                     bar.refresh()
-                got = [dict(_verify_step(storage, layout, s, bar), tier=tier) for tier, storage, layout, s in items]
+                got = [dict(verify_step(storage, layout, s, bar), tier=tier) for tier, storage, layout, s in items]
                 results += got
                 if any(r["ok"] for r in got):
                     break
         else:
-            results = [dict(_verify_step(storage, layout, s, bar), tier=tier) for tier, storage, layout, s in todo]
+            results = [dict(verify_step(storage, layout, s, bar), tier=tier) for tier, storage, layout, s in todo]
     finally:
         bar.close()
     damaged = [r for r in results if not r["ok"]]
@@ -307,7 +318,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
     for c in reversed(ordered):
         bar = progress_bar(sizes[c.step], f"verify step {c.step}", None)
         try:
-            res = _verify_step(storage, layout, c.step, bar)
+            res = verify_step(storage, layout, c.step, bar)
         finally:
             bar.close()
         if res["ok"]:
