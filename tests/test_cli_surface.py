@@ -415,7 +415,8 @@ def test_rm_and_prune_wait_lease_timeout_then_refuse(tmp_path):
             t0 = time.monotonic()
             proc = cli(*args, "--lease-timeout", "1.5", "--json")
             assert proc.returncode == 2, proc.stderr
-            assert json.loads(proc.stdout)["error"]["type"] == "LeaseHeldError"
+            err = json.loads(proc.stdout)["error"]
+            assert err["type"] == "LeaseHeldError" and "pass --lease-timeout SECONDS to wait" in err["message"]
             assert time.monotonic() - t0 >= 1.5
         assert sorted(n for n in os.listdir(root) if n.isdigit()) == ["1", "2", "7"]  # nothing deleted
     finally:
