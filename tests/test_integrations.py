@@ -329,6 +329,7 @@ def test_lightning_logs_each_save_s_figures_to_the_trainer_s_logger(tmp_path):
     assert "train_loss" in scalars  # beside the user's own figures
 
 
+@pytest.mark.slow
 def test_hf_trainer_logs_each_save_s_figures_through_log(tmp_path):
     pytest.importorskip("tensorboard")
     out = _hf(tmp_path / "out", 6, False, tmp_path / "log.json", 2, 0, 0,
