@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import sys
 import threading
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -24,6 +24,32 @@ foreach_copy_: Callable[..., Any] = torch._foreach_copy_
 
 #: ``torch._C._from_dlpack(capsule)``: a tensor viewing a DLPack capsule's memory.
 from_dlpack: Callable[[Any], torch.Tensor] = torch._C._from_dlpack
+
+
+def torch_save_without_crc(obj: Any, f: Any) -> None:
+    """``torch.save(obj, f)`` without computing the zip CRC-32s, for this call only.
+
+    What ``torch.save`` writes after ``torch.serialization.set_crc32_options(False)`` (the CRC
+    fields hold 0; ``torch.load`` does not check them), without changing that process-wide
+    option under the user's feet: torch's own zip writer (``torch._C.PyTorchFileWriter`` with
+    ``compute_crc32=False``) driven by ``torch.serialization._save``, as ``torch.save`` drives it.
+    Where that is not possible (another torch), plain ``torch.save``.
+
+    Args:
+        obj: what to save.
+        f: a file-like object with ``write``.
+    """
+    import pickle
+
+    import torch.serialization as ser
+
+    try:
+        writer = torch._C.PyTorchFileWriter(f, False, ser._get_storage_alignment())
+    except (AttributeError, TypeError):  # another torch: its default, with CRC-32s
+        torch.save(obj, f)
+        return
+    ser._save(obj, writer, pickle, ser.DEFAULT_PROTOCOL, False)
+    writer.write_end_of_file()
 
 
 def host_empty_cache() -> None:
@@ -196,6 +222,20 @@ def xla_preemption() -> Any:
 
 
 # ---- torch (storage) ------------------------------------------------------------------------
+
+def weights_only_globals() -> Dict[str, Any]:
+    """What ``torch.load(weights_only=True)`` may build, as ``{"module.name": object}``.
+
+    torch's own allowlist (``torch._weights_only_unpickler._get_allowed_globals``) and the
+    user's (``torch.serialization.add_safe_globals``, through ``_get_user_allowed_globals``);
+    empty where they are missing."""
+    try:
+        from torch import _weights_only_unpickler as wo
+
+        return {**wo._get_allowed_globals(), **wo._get_user_allowed_globals()}
+    except Exception:  # pragma: no cover - a torch without them
+        return {}
+
 
 def storage_type_dtypes() -> dict:
     """The storage class names ``torch.save`` writes in ``data.pkl``, with their dtypes.

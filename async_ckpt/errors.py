@@ -253,11 +253,10 @@ class FrozenTensorChangedError(CheckpointError):
 
 
 class CoordinationError(CheckpointError):
-    """The ranks of a manager could not complete an exchange (a rank died, or stalled).
+    """The ranks of a manager could not complete an exchange (a rank died or came too late).
 
-    A rank died, or did not take part within the manager's ``collective_timeout_s``. The ranks'
-    exchanges over the manager's own process groups can then no longer be paired (a rank that
-    gave up and one that came late are at different exchanges), so every later call
+    A rank did not take part within the manager's ``collective_timeout_s``. The ranks' exchanges over the manager's own process groups can then no longer be paired
+    (a rank that gave up and one that came late are at different exchanges), so every later call
     of that manager that needs the other ranks raises this error at once, naming the first
     failure, instead of waiting or pairing the wrong exchanges. Close the manager and create a
     new ``CheckpointManager`` on every rank to save again (committed steps are not affected).

@@ -79,6 +79,7 @@ class ManagerOptions:
     local_dir: Optional[str] = None
     local_policy: Any = None
     local_retention: Any = 2
+    local_replicas: int = 1
     incremental: bool = False
     full_every: Optional[int] = None
     frozen: Any = None
@@ -140,6 +141,12 @@ class ManagerOptions:
             raise InvalidArgumentError("preemption_signals needs chkpt_on_preemption=True")
         if self.local_dir is not None:
             self._check_local()
+        if not _is_int(self.local_replicas) or self.local_replicas < 1:
+            raise InvalidArgumentError(f"local_replicas must be an int >= 1 (the nodes holding each rank's local copy, "
+                                       f"its own included; 1: no peer copies), got {self.local_replicas!r}")
+        if self.local_replicas > 1 and self.local_dir is None:
+            raise InvalidArgumentError(f"local_replicas={self.local_replicas} keeps copies of the local tier on other "
+                                       f"nodes: pass local_dir= too")
 
     def _check_frozen(self) -> None:
         """``frozen``: keys (strings) or a callable on a key, with ``incremental``."""

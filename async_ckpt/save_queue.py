@@ -243,6 +243,9 @@ class AsyncWriter:
     def close(self, timeout: Optional[float] = None) -> None:
         """Finish queued jobs, stop the worker thread, and raise any failure (deferred ones too).
 
+        On the worker thread itself (a job's end collected the last owner), the thread stops
+        once the job returns, without a wait.
+
         Args:
             timeout: seconds to wait for the worker thread at most (None: no limit).
 
@@ -252,7 +255,10 @@ class AsyncWriter:
         if not self._closed:
             self._closed = True
             self._queue.put(_STOP)
-            self._thread.join(timeout)
+            # Called on the worker thread itself (the finalizer of a manager collected when its
+            # last job let go of it): the thread ends once that job returns.
+            if threading.current_thread() is not self._thread:
+                self._thread.join(timeout)
         self.raise_if_failed(deferred=True)
 
     # ---- worker side -------------------------------------------------------------------------

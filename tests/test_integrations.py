@@ -32,6 +32,7 @@ from .conftest import flip_byte  # noqa: E402
 from .integration_worker import lit_model_class  # noqa: E402
 
 LitModel = lit_model_class()
+LitModel.__module__, LitModel.__qualname__ = __name__, "LitModel"  # picklable by name (torch.save(trainer))
 
 
 def _env(**extra):
@@ -146,7 +147,7 @@ def test_lightning_second_fit_on_same_trainer_and_pool_reuse(tmp_path):
 def test_lightning_remove_waits_for_a_pending_write_and_keeps_the_newest(tmp_path):
     io = AsyncCkptIO(max_pending=4, sync_explicit=False)  # direct calls in the background, as ModelCheckpoint's
     a, b = f"faulty://{tmp_path}/a.ckpt", f"faulty://{tmp_path}/b.ckpt"
-    stuck = io.filesystem(a).inject("write", "*a.ckpt*", "hang", times=1)  # the write of a.ckpt hangs
+    stuck = io.filesystem(a).inject("write", ".a.ckpt.*", "hang", times=1)  # the data write of a.ckpt hangs
     io.save_checkpoint({"w": torch.arange(4.0)}, a)
     io.save_checkpoint({"w": torch.arange(8.0)}, b)
     assert stuck.reached.wait(30)
@@ -356,6 +357,102 @@ def test_accelerate_logs_each_save_s_figures_to_its_trackers(tmp_path):
     assert [v for _, v in scalars["checkpoint/blocking_s"]] == pytest.approx([s["blocking_s"] for s in stats], rel=1e-6)
     assert [(s, v) for s, v in scalars["checkpoint/durable_s"]] == [
         (1, pytest.approx(stats[0]["durable_s"], rel=1e-6)), (2, pytest.approx(stats[1]["durable_s"], rel=1e-6))]
+
+
+def test_lightning_versioned_names_are_taken_while_their_writes_are_in_flight(tmp_path):
+    """ModelCheckpoint versions a name (``epoch=0-v1.ckpt``) only if the name exists: a
+    ``filename="{epoch}"`` callback keeping every step's checkpoint reused ``epoch=0.ckpt``
+    while its write was in flight, and kept 2 of 6 checkpoints. Here every write is held until training ends:
+    the six saves still get six names, each file holding its own step, as with Lightning's own
+    synchronous plugin."""
+    from lightning.pytorch.callbacks import Callback
+
+    from . import faulty_fs  # noqa: F401  (registers faulty://)
+
+    io = AsyncCkptIO(max_pending=8)
+    url = f"faulty://{tmp_path}/ck"
+    held = io.filesystem(url).inject("write", ".epoch=0.ckpt.*", "hang", times=1)  # the first file's write
+
+    class Release(Callback):
+        def on_train_end(self, trainer, pl_module):
+            held.release.set()
+
+    def run(dirpath, plugins, callbacks=()):
+        cb = ModelCheckpoint(dirpath=dirpath, filename="{epoch}", every_n_train_steps=1, save_top_k=-1,
+                             monitor="train_loss")
+        L.Trainer(max_steps=6, accelerator="cpu", devices=1, plugins=plugins, callbacks=[cb, *callbacks],
+                  enable_progress_bar=False, logger=False, enable_model_summary=False).fit(LitModel())
+        return {p.name: torch.load(p, weights_only=False)["global_step"] for p in Path(dirpath.split("://")[-1]).iterdir()}
+
+    ours = run(url, [io], [Release()])
+    assert held.reached.is_set()
+    reference = run(str(tmp_path / "ref"), [])  # Lightning's own (synchronous) plugin
+    assert len(reference) == 6 and sorted(reference.values()) == [1, 2, 3, 4, 5, 6], reference
+    assert ours == reference
+
+
+def test_lightning_a_failed_first_write_leaves_no_file_and_an_interrupted_one_is_named(tmp_path):
+    """The name a write takes at the call is given back if the write fails (no empty file
+    left); one a killed process left empty is refused by ``load_checkpoint`` as empty."""
+    io = AsyncCkptIO(sync_explicit=False)
+    (tmp_path / "blocker").write_text("a file, not a directory")
+    io.save_checkpoint({"w": torch.ones(2)}, tmp_path / "a.ckpt")
+    io.wait()
+    (tmp_path / "a.ckpt").write_bytes(b"")  # what a kill mid-write leaves of a first write
+    with pytest.raises(CorruptCheckpointError, match="a.ckpt.*empty"):
+        io.load_checkpoint(tmp_path / "a.ckpt")
+    from . import faulty_fs  # noqa: F401  (registers faulty://)
+
+    url = f"faulty://{tmp_path}/b.ckpt"
+    io.filesystem(url).inject("write", ".b.ckpt.*", "eio", times=1)
+    io.save_checkpoint({"w": torch.ones(2)}, url)
+    with pytest.raises(CheckpointError, match="b.ckpt"):
+        io.wait()
+    assert not (tmp_path / "b.ckpt").exists()
+    io.teardown()
+
+
+def test_lightning_writer_thread_ends_with_its_work_without_teardown(tmp_path):
+    """Lightning's own ``AsyncCheckpointIO`` wrapping the plugin never calls its ``teardown``
+    (nor does a script saving outside ``fit``): the writer thread stayed alive for good
+    (Lightning's test suite: "Test left zombie thread"). It ends once no write is queued, and a
+    later save starts another."""
+    import time
+
+    def writers():
+        return [t for t in threading.enumerate() if t.name.startswith("async-ckpt-lightning")]
+
+    io = AsyncCkptIO()
+    for i in range(2):
+        io.save_checkpoint({"w": torch.full((3,), float(i))}, tmp_path / "x.ckpt")  # explicit: committed on return
+        deadline = time.monotonic() + 10
+        while writers() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not writers() and torch.load(tmp_path / "x.ckpt")["w"][0] == i
+
+
+def test_lightning_plugin_and_hf_callback_pickle_and_the_copy_saves(tmp_path):
+    """``AsyncCkptIO`` could not be pickled (its lock and writer thread), so ``ddp_spawn`` failed,
+    and ``torch.save(trainer)`` after ``fit`` failed on the pooled host buffers. A pickled copy
+    keeps the settings and rebuilds its runtime state."""
+    import pickle
+
+    io = AsyncCkptIO(max_pending=3, fsync=False, sync_explicit=False, storage_options={"anon": True})
+    trainer, _ = _trainer(tmp_path / "ck", 2, io)
+    trainer.fit(LitModel())
+    torch.save(trainer, tmp_path / "trainer.pt")  # the trainer, with its plugin and the pool it used
+    copy = torch.load(tmp_path / "trainer.pt", weights_only=False).strategy.checkpoint_io
+    again = pickle.loads(pickle.dumps(io))
+    for c in (copy, again):
+        assert type(c) is AsyncCkptIO and c is not io
+        assert (c.writer.max_pending, c.fsync, c.sync_explicit, c.storage_options) == (3, False, False, {"anon": True})
+        assert c.pending == [] and c.snapshotter.pool is not io.snapshotter.pool
+        c.save_checkpoint({"w": torch.arange(3.0)}, tmp_path / f"{id(c)}.ckpt")
+        assert torch.equal(c.load_checkpoint(tmp_path / f"{id(c)}.ckpt")["w"], torch.arange(3.0))
+        c.teardown()
+    hf = pytest.importorskip("async_ckpt.integrations.transformers")
+    cb = pickle.loads(pickle.dumps(hf.AsyncCkptCallback(max_pending=3, fsync=False)))  # the same cause
+    assert (cb.writer.max_pending, cb.fsync, cb.trainer, cb.writer.pending()) == (3, False, None, [])
 
 
 # ---- Hugging Face ------------------------------------------------------------------------------

@@ -383,3 +383,53 @@ def test_the_example_loop_saves_its_last_steps(tmp_path):
                          capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr
     assert CheckpointManager(str(tmp_path / "ckpt")).all_steps() == [0, 5, 6], out.stdout
+
+
+# ---- no false alarms when a script ends ----------------------------------------------------------
+_DROPPED_AND_EXIT = """
+import sys, threading, weakref
+import torch
+from async_ckpt import CheckpointManager
+from tests import faulty_fs  # noqa: F401  (faulty://)
+
+# A manager dropped without close() while two saves are pending: collected on its writer thread.
+mgr = CheckpointManager(sys.argv[1])
+mgr.save_async(1, {"w": torch.ones(100_000)})
+mgr.save_async(2, {"w": torch.full((100_000,), 2.0)})
+gone = weakref.ref(mgr)
+del mgr
+while gone() is not None:
+    threading.Event().wait(0.01)
+for t in threading.enumerate():
+    if t is not threading.current_thread() and t.name.startswith("async-ckpt"):
+        t.join(30)
+# A plain exit while a save is pending (its first data file held for a moment): no Ctrl-C anywhere.
+late = CheckpointManager("faulty://" + sys.argv[2])
+stuck = late.storage.fs.inject("write", "*.distcp", "hang", times=1)
+late.save_async(1, {"w": torch.ones(10)})
+assert stuck.reached.wait(30)
+threading.Timer(float(sys.argv[3]), stuck.release.set).start()
+print("EXITING", flush=True)
+"""
+
+
+@pytest.mark.parametrize("hold_s", [0.3, 6.0], ids=["quick", "slow"])
+def test_a_dropped_manager_and_a_plain_exit_raise_no_false_alarm(tmp_path, hold_s):
+    """A manager dropped without ``close()`` while saves were pending logged "had a failed save:
+    cannot join current thread" (its finalizer ran on its own writer thread), though both steps
+    committed; a plain script exit with a pending save printed "Ctrl-C again to abandon it" with
+    no Ctrl-C. Now stderr says nothing, or, for a save still running after a few seconds, that it
+    is finishing before the exit (and that Ctrl-C abandons it); every step commits."""
+    import os
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    out = subprocess.run([sys.executable, "-c", _DROPPED_AND_EXIT, a, b, str(hold_s)], capture_output=True, text=True,
+                         env=dict(os.environ, PYTHONPATH=repo, PJRT_DEVICE="CPU"), cwd=repo, timeout=300)
+    assert out.returncode == 0 and "EXITING" in out.stdout, out.stderr[-3000:]
+    assert "failed" not in out.stderr and "Ctrl-C again" not in out.stderr, out.stderr[-3000:]
+    notice = "still finishing the save of step 1 before exiting; Ctrl-C to abandon it"
+    assert out.stderr.count("finishing") == out.stderr.count(notice) == (0 if hold_s < 1 else 1), out.stderr[-3000:]
+    assert CheckpointManager(a).all_steps() == [1, 2] and CheckpointManager(b).all_steps() == [1]

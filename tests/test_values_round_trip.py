@@ -288,3 +288,92 @@ def test_import_cli_save_and_restore_without_numpy(tmp_path):
     proc = subprocess.run([sys.executable, "-c", code, "--help"], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0 and "NO-NUMPY-OK" in proc.stdout, proc.stderr[-3000:]
     assert "usage: async-ckpt" in proc.stdout
+
+
+def _rng_states() -> dict:
+    """Every kind of RNG state a training loop saves, at the top level and nested in lists and tuples."""
+    import random
+
+    gen = np.random.default_rng(7)
+    gen.random(3)
+    legacy = np.random.RandomState(9)
+    cuda = [torch.cuda.get_rng_state(i) for i in range(torch.cuda.device_count())] or [torch.get_rng_state()]
+    return {
+        "py": random.getstate(),
+        "py_obj": random.Random(4),
+        "np": np.random.get_state(),
+        "np_legacy_obj": legacy,
+        "np_gen": gen,
+        "np_gen_state": gen.bit_generator.state,
+        "np_philox": np.random.Generator(np.random.Philox(3)),
+        "torch": torch.get_rng_state(),
+        "cuda": cuda,
+        "deep": {"list": [np.random.get_state(), (gen.bit_generator.state, np.random.default_rng(1))],
+                 "tuple": ((random.getstate(), np.random.RandomState(2)), [np.uint32(5), np.arange(3)])},
+    }
+
+
+def _same_rng(a, b, path="root"):
+    """Equal leaf by leaf, bitwise; a generator object equal by its state and its next numbers."""
+    import random
+
+    assert type(a) is type(b), f"{path}: {type(a).__name__} saved, {type(b).__name__} restored ({b!r:.200})"
+    if isinstance(a, random.Random):
+        assert a.getstate() == b.getstate() and a.random() == b.random(), path
+    elif isinstance(a, np.random.RandomState):
+        _same_rng(a.get_state(), b.get_state(), path)
+        assert a.random_sample(4).tobytes() == b.random_sample(4).tobytes(), path
+    elif isinstance(a, np.random.Generator):
+        _same_rng(a.bit_generator.state, b.bit_generator.state, path)
+        assert a.random(4).tobytes() == b.random(4).tobytes(), path
+    elif isinstance(a, (dict, list, tuple)):
+        assert len(a) == len(b), path
+        for k, x, y in (((k, a[k], b[k]) for k in a) if isinstance(a, dict) else zip(range(len(a)), a, b)):
+            _same_rng(x, y, f"{path}.{k}")
+    else:
+        _assert_same(a, b, path)
+
+
+@pytest.mark.parametrize("atomic", [False, True], ids=["direct", "atomic"])
+def test_rng_states_round_trip_bitwise_without_allow_pickle(tmp_path, atomic):
+    """``{"rng": np.random.get_state()}`` was refused on restore with advice to allowlist
+    ``pickle.loads``. Python's, NumPy's (legacy, ``Generator``, its ``bit_generator.state``) and
+    torch's RNG states come back bitwise at any depth without ``allow_pickle``, warn nothing at
+    save, and a restored RNG draws the numbers the saved one would have drawn."""
+    import random
+
+    saved = _rng_states()
+    with CheckpointManager(str(tmp_path / "ck")) as mgr:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no "values that restore(..., allow_pickle=True) must unpickle"
+            mgr.save(1, {**saved, "w": torch.ones(2)})
+        for target in ({}, {**_blank(saved), "w": torch.zeros(2)}):
+            mgr.restore(1, target, atomic=atomic)
+            target.pop("w", None)
+            _same_rng(_rng_states(), target)  # the same states made again (comparing draws from them)
+
+    random.setstate(target["deep"]["tuple"][0][0])
+    np.random.set_state(target["np"])
+    torch.set_rng_state(target["torch"])
+    draws = (random.random(), np.random.rand(3).tobytes(), torch.rand(3))
+    random.setstate(saved["py"])
+    np.random.set_state(saved["np"])
+    torch.set_rng_state(saved["torch"])
+    assert draws[:2] == (random.random(), np.random.rand(3).tobytes()) and torch.equal(draws[2], torch.rand(3))
+
+
+def test_an_unsafe_value_in_a_list_is_refused_without_advice_to_allowlist_a_loader(tmp_path):
+    """A value of a class outside the safe set inside a list is saved as a pickle that restore
+    would have to ``pickle.loads``: the error said to allowlist ``pickle.loads`` (which would let
+    any pickle run); it says to pass ``allow_pickle=True`` for a trusted checkpoint."""
+    import async_ckpt
+
+    with CheckpointManager(str(tmp_path / "ck")) as mgr, warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "saved values that restore(..., allow_pickle=True) ..."
+        mgr.save(1, {"dates": [datetime.date(2020, 1, 2), np.arange(2)]})
+        with pytest.raises(async_ckpt.UnsafeCheckpointError) as info:
+            mgr.restore(1, {"dates": None})
+        assert "allow_pickle=True" in str(info.value) and "add_safe_globals" not in str(info.value), info.value
+        out = {"dates": None}
+        mgr.restore(1, out, allow_pickle=True)
+    assert out["dates"][0] == datetime.date(2020, 1, 2) and out["dates"][1].tobytes() == np.arange(2).tobytes()

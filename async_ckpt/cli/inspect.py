@@ -264,8 +264,9 @@ def _read_values(storage: Storage, where: str, metadata: Any, leaves: List[Dict[
     """Add ``value`` (a short repr) to the small non-tensor leaves, read by byte range."""
     import io
 
-    import torch
     from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    from ..storage.dcp.unpickling import load_value
 
     by_file: Dict[str, List[Tuple[Dict[str, Any], Any]]] = {}
     for leaf in leaves:
@@ -281,8 +282,8 @@ def _read_values(storage: Storage, where: str, metadata: Any, leaves: List[Dict[
         with storage.fs.open(f"{where}/{name}", "rb") as f:
             for leaf, info in sorted(items, key=lambda x: x[1].offset):
                 f.seek(info.offset)
-                try:  # weights_only: plain values and torch types only, never arbitrary classes
-                    value = torch.load(io.BytesIO(f.read(info.length)), weights_only=True)
+                try:  # plain values, torch types and RNG states only, never arbitrary classes
+                    value = load_value(io.BytesIO(f.read(info.length)), leaf["key"])
                     text = repr(value)
                 except Exception as exc:
                     text = f"<not shown: {type(exc).__name__}>"

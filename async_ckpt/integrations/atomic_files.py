@@ -141,7 +141,8 @@ def verify_torch_file(f: Any, name: str) -> None:
     f.seek(0)
     if head != b"PK\x03\x04":
         if not head:
-            raise CorruptCheckpointError(f"{name}: the checkpoint file is empty", path=name)
+            raise CorruptCheckpointError(f"{name}: the checkpoint file is empty (a save of it that did not "
+                                         "commit: the process ended while it was written)", path=name)
         return  # a legacy (non-zip) torch.save file: torch.load checks what it can
     try:
         with zipfile.ZipFile(f) as zf:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import collections
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable, List, Optional, Tuple
+from concurrent.futures import Future
+from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 from ..errors import CheckpointError, InvalidArgumentError
 
@@ -12,13 +13,23 @@ from ..errors import CheckpointError, InvalidArgumentError
 class BackgroundWriter:
     """Runs write jobs one at a time, in order, on one thread; tracks them by key (a path).
 
+    The thread exists only while jobs are queued or running: it is started by the first
+    :meth:`submit` and ends once the queue is empty, so nothing is left behind by a framework
+    that never calls the integration's teardown (Lightning's ``AsyncCheckpointIO`` wrapping a
+    plugin, a script saving outside ``fit``). It is not a daemon: at interpreter exit, the
+    queued writes are finished first.
+
     A job's error is kept and raised, as :class:`CheckpointError` with the original chained,
     by the next :meth:`check` (which callers make at each entry point), :meth:`wait` or
     :meth:`wait_all`. ``max_pending`` bounds the jobs queued or running: :meth:`submit` waits
     for the oldest when the bound is reached (back-pressure on the host memory they hold).
 
+    A pickled copy (a framework object holding it sent to a spawned process, or saved whole)
+    is a new writer with the same settings: no thread, no jobs, no kept errors (the original's
+    jobs and errors stay the original's).
+
     Args:
-        name: the prefix of the writer thread's name.
+        name: the writer thread's name.
         max_pending: jobs queued or running at most.
 
     Raises:
@@ -30,10 +41,17 @@ class BackgroundWriter:
             raise InvalidArgumentError(f"max_pending must be >= 1, got {max_pending}")
         self.name = name
         self.max_pending = max_pending
-        self._executor: Optional[ThreadPoolExecutor] = None
+        self._thread: Optional[threading.Thread] = None
+        self._queue: Deque[Tuple[Callable[[], None], Future]] = collections.deque()
         self._jobs: List[Tuple[str, Future]] = []
         self._errors: List[Tuple[str, BaseException]] = []
         self._lock = threading.Lock()
+
+    def __getstate__(self) -> Dict[str, Any]:
+        return {"name": self.name, "max_pending": self.max_pending}
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        self.__init__(state["name"], state["max_pending"])  # type: ignore[misc]
 
     def submit(self, key: str, fn: Callable[[], None], on_drop: Optional[Callable[[], None]] = None) -> None:
         """Queue ``fn`` under ``key``, first waiting for the oldest job while ``max_pending`` are out.
@@ -56,14 +74,31 @@ class BackgroundWriter:
                     oldest = self._jobs[0][1]
                 oldest.exception()  # wait; its error is collected by the next check
                 self.check()
+            fut: Future = Future()
             with self._lock:
-                if self._executor is None:
-                    self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=self.name)
-                self._jobs.append((key, self._executor.submit(fn)))
+                self._queue.append((fn, fut))
+                self._jobs.append((key, fut))
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._run, name=self.name)
+                    self._thread.start()
         except BaseException:
             if on_drop is not None:
                 on_drop()
             raise
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                if not self._queue:
+                    self._thread = None  # a submit after this starts a new thread
+                    return
+                fn, fut = self._queue.popleft()
+            fut.set_running_or_notify_cancel()
+            try:
+                fut.set_result(fn())
+            except BaseException as exc:  # noqa: BLE001 - kept, and raised by the next check
+                fut.set_exception(exc)
+            del fn, fut  # the job's host copy goes now, not when the next one arrives
 
     def _reap(self) -> None:
         keep = []
@@ -121,18 +156,18 @@ class BackgroundWriter:
         """Wait for every job.
 
         Args:
-            shutdown: also end the thread (a later :meth:`submit` starts a new one).
+            shutdown: also wait for the thread to end (it ends by itself once no job is queued).
 
         Raises:
             CheckpointError: a job failed (the first error).
         """
         with self._lock:
             futs = [f for _, f in self._jobs]
-            ex = self._executor
-            if shutdown:
-                self._executor = None
         for f in futs:
             f.exception()
-        if shutdown and ex is not None:
-            ex.shutdown(wait=True)
+        if shutdown:
+            with self._lock:
+                thread = self._thread
+            if thread is not None and thread is not threading.current_thread():
+                thread.join()
         self.check()

@@ -5,11 +5,15 @@ Lightning's checkpoint dict into reused host buffers (see
 :class:`~async_ckpt.integrations.object_snapshot.Snapshotter`); a writer thread then writes the file
 at ``path`` in ``torch.save`` format to a hidden temporary name next to it (local or any fsspec
 filesystem), fsyncs it (local) and renames it into place (``fs.mv`` remotely: a server-side copy
-on object stores, which publishes the object at once). ``path`` is therefore always absent, the
-previous complete file, or the new complete file, and plain ``torch.load`` /
-``LightningModule.load_from_checkpoint`` read it without the plugin. ``load_checkpoint`` first
-waits for a pending write of that path, then checks the file (zip structure and the CRC-32 of
-every record) before loading it.
+on object stores, which publishes the object at once). ``path`` is therefore always the
+previous complete file or the new complete file, and plain ``torch.load`` /
+``LightningModule.load_from_checkpoint`` read it without the plugin -- except for a name that
+did not exist: ``save_checkpoint`` takes it at the call with an empty file, so that
+``ModelCheckpoint`` (which gives a name a version suffix only when the name exists) never
+gives one name to two saves while the first is being written. A failed write removes that
+empty file; a process killed before the write committed leaves it, and ``load_checkpoint``
+refuses it as empty. ``load_checkpoint`` first waits for a pending write of that path, then
+checks the file (zip structure and the CRC-32 of every record) before loading it.
 
 Saves made by a ``Checkpoint`` callback (``ModelCheckpoint`` and its subclasses) return once
 the host copy is taken. Any other ``save_checkpoint`` -- ``trainer.save_checkpoint("x.ckpt")``
@@ -153,6 +157,11 @@ class AsyncCkptIO(*_bases):  # type: ignore[misc]
 
     ``remove_checkpoint`` (top-k rotation, replaced ``last`` files) waits for a pending write
     of that path before deleting it, and never deletes the most recently saved path.
+
+    The plugin pickles (``strategy="ddp_spawn"`` sends it to the spawned processes;
+    ``torch.save(trainer)`` saves it): the copy has the same settings, ``stats`` and newest
+    path, and a new host buffer pool and writer of its own (the original's pending writes
+    stay the original's).
     """
 
     def __init__(self, max_pending: int = 2, memory_budget_bytes: Optional[int] = None, fsync: bool = True,
@@ -170,6 +179,16 @@ class AsyncCkptIO(*_bases):  # type: ignore[misc]
         self.log_stats = log_stats
         self._figures = SaveFigures()
         self._filesystems: Dict[Tuple[str, str], Any] = {}
+        self._fs_lock = threading.Lock()
+
+    def __getstate__(self) -> Dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_filesystems"] = {}  # made again on first use (a filesystem may hold a lock)
+        del state["_fs_lock"]
+        return state  # the snapshotter and the writer pickle as new ones
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        self.__dict__.update(state)
         self._fs_lock = threading.Lock()
 
     @staticmethod
@@ -209,7 +228,9 @@ class AsyncCkptIO(*_bases):  # type: ignore[misc]
     def save_checkpoint(self, checkpoint: dict, path: Any, storage_options: Optional[Any] = None) -> None:
         """Copy the tensors of ``checkpoint`` to host memory and write the file in the background.
 
-        The file at ``path`` is written, fsynced and renamed into place by the writer thread.
+        The file at ``path`` is written, fsynced and renamed into place by the writer thread;
+        a ``path`` that does not exist is created empty before the call returns (see the
+        module docstring).
 
         Args:
             checkpoint: Lightning's checkpoint dict.
@@ -233,7 +254,14 @@ class AsyncCkptIO(*_bases):  # type: ignore[misc]
         stats = SaveStats(step=int(step) if isinstance(step, int) else self.saves, nbytes=copy.nbytes,
                           num_tensors=copy.num_tensors, files=1, stage_s=t1 - t0,
                           extra={"path": path, "synchronous": explicit})
-        self.writer.submit(path, lambda: self._write(path, copy, options, stats, t0), on_drop=copy.release)
+        reserved = self._reserve(path, options)
+
+        def dropped() -> None:
+            copy.release()
+            if reserved:
+                self._unreserve(path, options)
+
+        self.writer.submit(path, lambda: self._write(path, copy, options, stats, t0, reserved), on_drop=dropped)
         stats.queue_wait_s = time.perf_counter() - t1
         stats.blocking_s = time.perf_counter() - t0
         self.stats.append(stats)
@@ -250,8 +278,44 @@ class AsyncCkptIO(*_bases):  # type: ignore[misc]
 
             self._figures.report(stats, self.stats, sink)
 
+    def _reserve(self, path: str, options: Optional[Dict[str, Any]]) -> bool:
+        """Take the name ``path`` with an empty file if nothing is there; whether it did."""
+        try:
+            if _is_local(path):
+                local = _local(path)
+                os.makedirs(os.path.dirname(local) or ".", exist_ok=True)
+                os.close(os.open(local, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+                return True
+            fs = self.filesystem(path, options)
+            if fs.exists(path):
+                return False
+            parent = os.path.dirname(path)
+            if parent and not parent.endswith("://"):
+                fs.makedirs(parent, exist_ok=True)
+            fs.pipe_file(path, b"")
+            return True
+        except FileExistsError:
+            return False
+        except Exception as exc:  # noqa: BLE001 - the write fails too, and its error is raised
+            log.debug("could not take the name %s before writing it: %s", path, exc)
+            return False
+
+    def _unreserve(self, path: str, options: Optional[Dict[str, Any]]) -> None:
+        """Remove the empty file :meth:`_reserve` made (a write of ``path`` failed)."""
+        try:
+            if _is_local(path):
+                local = _local(path)
+                if os.path.getsize(local) == 0:
+                    os.remove(local)
+            else:
+                fs = self.filesystem(path, options)
+                if fs.exists(path) and fs.size(path) == 0:
+                    fs.rm(path)
+        except Exception as exc:  # noqa: BLE001 - the write's error is the one that matters
+            log.warning("could not remove the empty file %s left by its failed write: %s", path, exc)
+
     def _write(self, path: str, copy: HostCopy, options: Optional[Dict[str, Any]], stats: SaveStats,
-               t0: float) -> None:
+               t0: float, reserved: bool) -> None:
         w0 = time.perf_counter()
         try:
             obj = copy.materialize()
@@ -263,6 +327,10 @@ class AsyncCkptIO(*_bases):  # type: ignore[misc]
             else:
                 w1 = self._write_remote(path, obj, options)
             obj = None  # the materialised copy goes before the buffers are released
+        except BaseException:
+            if reserved:
+                self._unreserve(path, options)
+            raise
         finally:
             copy.release()
         done = time.perf_counter()

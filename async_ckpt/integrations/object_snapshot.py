@@ -154,6 +154,9 @@ def _compact(host: List[torch.Tensor], groups: List[int]) -> List[torch.Tensor]:
 class Snapshotter:
     """Takes :class:`HostCopy` objects of checkpoint objects through one pooled :class:`Stager`.
 
+    A pickled copy (a framework object holding it sent to a spawned process, or saved whole)
+    is a new snapshotter with the same budget: host buffers are never pickled.
+
     Args:
         memory_budget_bytes: bound on the host staging pool (None: the pool keeps what recent
             saves used).
@@ -161,6 +164,12 @@ class Snapshotter:
 
     def __init__(self, memory_budget_bytes: Optional[int] = None) -> None:
         self.stager = Stager(HostBufferPool(memory_budget_bytes))
+
+    def __getstate__(self) -> Dict[str, Any]:
+        return {"memory_budget_bytes": self.pool.budget_bytes}
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        self.__init__(state["memory_budget_bytes"])  # type: ignore[misc]
 
     @property
     def pool(self) -> HostBufferPool:

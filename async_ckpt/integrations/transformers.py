@@ -103,6 +103,9 @@ class AsyncCkptCallback(TrainerCallback):
     ``durable_s``, ``commit_time``, ``files`` and ``written_bytes``; ``extra["path"]``). With
     several processes a rank that writes nothing records its part of the stall (``nbytes`` 0,
     ``extra["writer"]`` False).
+
+    The callback pickles: the copy has the same settings and ``stats``, a new host buffer pool
+    and writer of its own, and binds to the trainer it finds at its first event.
     """
 
     def __init__(self, max_pending: int = 2, memory_budget_bytes: Optional[int] = None, fsync: bool = True,
@@ -115,6 +118,16 @@ class AsyncCkptCallback(TrainerCallback):
         self.log_stats = log_stats
         self._figures = SaveFigures()
         self._warned = False
+        self._lock = threading.Lock()
+
+    def __getstate__(self) -> Dict[str, Any]:
+        state = self.__dict__.copy()
+        del state["_lock"]
+        state["trainer"] = None  # the copy binds again (the trainer's patched method is this one's)
+        return state  # the snapshotter and the writer pickle as new ones
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        self.__dict__.update(state)
         self._lock = threading.Lock()
 
     # ---- finding and patching the trainer -------------------------------------------------------

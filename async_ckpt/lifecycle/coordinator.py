@@ -377,15 +377,32 @@ def coordinator_for(process_group: Any = None, timeout_s: float = DEFAULT_TIMEOU
     size = dist.get_world_size() if ranks is None else len(ranks)
     if size <= 1:
         return LocalCoordinator()
-    timeout = datetime.timedelta(seconds=timeout_s)
-
-    def make() -> Any:
-        if ranks is None:
-            return dist.new_group(backend="gloo", timeout=timeout)
-        # a subgroup: only its members take part in creating ours
-        return dist.new_group(ranks=ranks, backend="gloo", timeout=timeout, use_local_synchronization=True)
-
-    group, control = make(), make()
+    group, control = checkpoint_group(process_group, timeout_s), checkpoint_group(process_group, timeout_s)
     if group is None or group == dist.GroupMember.NON_GROUP_MEMBER:
         raise InvalidArgumentError("CheckpointManager was created on a rank outside its process_group")
     return GroupCoordinator(group, control, timeout_s)
+
+
+def checkpoint_group(process_group: Any = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> Any:
+    """A new gloo group over the ranks of ``process_group`` (default: all ranks), whose
+    operations fail after ``timeout_s``: each thread of a manager that exchanges with the other
+    ranks gets one of its own.
+
+    Collective: must be called on every rank of ``process_group`` (of the default group when it
+    is ``None``), in the same order as other ``new_group`` calls.
+
+    Args:
+        process_group: the user's process group, or None.
+        timeout_s: how long an operation waits for the other ranks.
+
+    Returns:
+        The group.
+    """
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if process_group is None:
+        return dist.new_group(backend="gloo", timeout=timeout)
+    # a subgroup: only its members take part in creating ours
+    ranks = sorted(dist.get_process_group_ranks(process_group))
+    return dist.new_group(ranks=ranks, backend="gloo", timeout=timeout, use_local_synchronization=True)

@@ -5,17 +5,16 @@ process) or DCP's default planners (several)."""
 from __future__ import annotations
 
 import io
-import pickle
 import warnings
 from typing import Any, Iterator
 
 import torch
 
 from ..compat import xla_loaded
-from ..errors import UnsafeCheckpointError
 from ..staging import HostSnapshot
 from ..staging.xla import is_xla_sharded
 from ..storage.dcp.file_assignment import set_element
+from ..storage.dcp.unpickling import load_value
 
 
 def _leaves(tree: Any) -> Iterator[Any]:
@@ -56,12 +55,7 @@ def load_planner_for(state_dict: Any, allow_pickle: bool) -> Any:
 
     class _Planner(SPMDLoadPlanner):
         def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
-            try:
-                obj = torch.load(value, weights_only=not allow_pickle)
-            except pickle.UnpicklingError as exc:
-                raise UnsafeCheckpointError(
-                    f"{read_item.dest_index.fqn}: refusing to unpickle an object outside torch's safe set "
-                    f"({exc}); pass allow_pickle=True to restore if you trust this checkpoint") from exc
+            obj = load_value(value, read_item.dest_index.fqn, allow_pickle)
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
 
     return _Planner()

@@ -18,6 +18,8 @@ from .steps import StepStore
 LOCAL = "local"
 #: the name of the persistent root (the manager's ``path``)
 PERSISTENT = "persistent"
+#: the name of a root of copies a rank holds for another rank (``local_replicas=``: peer copies)
+HELD = "held"
 
 
 @dataclass
@@ -25,9 +27,9 @@ class Root:
     """One checkpoint root: its steps, its writer, its retention, its save schedule state.
 
     Attributes:
-        name: :data:`PERSISTENT` or :data:`LOCAL`.
+        name: :data:`PERSISTENT`, :data:`LOCAL` or :data:`HELD`.
         store: the steps under the root (catalog, lease, deletions).
-        writer: the background writer of the root's saves.
+        writer: the background writer of the root's saves (a held root's: the replication thread).
         retention: which committed steps stay (applied after each commit there).
         policy: when a save is due at this root; None: whenever one is due at the persistent
             root (a local tier without a ``local_policy``).

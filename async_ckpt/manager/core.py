@@ -65,6 +65,7 @@ from ..storage.dcp import Reuse
 from ..storage.manifest import check_metrics
 from ..storage.stats_log import StatsLog
 from .hooks import live_managers, stop_threads
+from .peers import PeerCopies, peer_topology
 from .schedule import Due, RootState, due_at
 from .tiered import (
     PERSISTENT_ROOT,
@@ -83,6 +84,11 @@ from .tiered import (
 )
 
 log = logging.getLogger("async_ckpt")
+
+#: At interpreter exit (no Ctrl-C), saves still running after this many seconds are named in a
+#: warning (the process is waiting for them); quicker ones finish without a word.
+EXIT_NOTICE_AFTER_S = 3.0
+
 
 def _state_of(root: Root) -> RootState:
     """What the save schedule needs of ``root``."""
@@ -208,6 +214,13 @@ class CheckpointManager:
             before the oldest goes); with less, a save first deletes what retention would drop
             after it, never the newest copy. A local write that fails for want of space is
             logged and raised by :meth:`join`/:meth:`close` (see docs/tiers.md).
+        local_replicas: several ranks: the nodes that keep each rank's local copy, its own
+            included (default 1: only its own). With N > 1, after each local commit a rank's
+            copy is sent in the background, over the manager's own gloo group, to one rank on
+            each of the next N - 1 nodes (``torchrun``'s ``GROUP_RANK``, else the host name),
+            which keeps it (CRC-32C checked on arrival) under ``<local tier>/held-rank<r>``
+            with ``local_retention``; a restart after losing a node restores its ranks' newest
+            copies from those peers instead of ``path`` (see docs/tiers.md).
         incremental: write only the tensors that changed: a save compares each tensor of at
             least 64 KiB with the same key's in the last step this manager committed to the
             root (by an XXH3-128 hash of its bytes) and takes the data files of that step
@@ -285,6 +298,7 @@ class CheckpointManager:
         local_dir: Optional[str] = None,
         local_policy: Any = None,
         local_retention: Any = 2,
+        local_replicas: int = 1,
         incremental: bool = False,
         full_every: Optional[int] = None,
         frozen: Any = None,
@@ -302,7 +316,8 @@ class CheckpointManager:
             verify=verify, keep_incomplete=keep_incomplete, retry=retry, on_saved=on_saved, stats_log=stats_log,
             preemption_signals=preemption_signals, preemption_sync=preemption_sync, lazy=lazy,
             lease_timeout=lease_timeout, collective_timeout_s=collective_timeout_s, local_dir=local_dir,
-            local_policy=local_policy, local_retention=local_retention, incremental=incremental,
+            local_policy=local_policy, local_retention=local_retention, local_replicas=local_replicas,
+            incremental=incremental,
             full_every=full_every, frozen=frozen, frozen_check_every=frozen_check_every,
             replicated_saves=replicated_saves, replicated_reads=replicated_reads, metrics_reduce=metrics_reduce,
             wall_clock=wall_clock,
@@ -323,6 +338,7 @@ class CheckpointManager:
         # Collective: every rank creates the checkpoint groups, first, before anything that
         # could fail on one rank only (a no-op coordinator in a single process).
         self._coord = coordinator_for(opts.process_group, opts.collective_timeout_s)
+        topology = peer_topology(opts, self._coord)  # collective too (local_replicas > 1)
         # names each save in both tiers' manifests (see tiered.SAVE_ID): rank 0's, on every rank
         self._run_id = uuid.uuid4().hex[:12] if opts.local_dir is not None else ""
         if opts.local_dir is not None and self._coord.world_size > 1:
@@ -355,6 +371,8 @@ class CheckpointManager:
                                 AsyncWriter(opts.max_pending_async, defer_errors=opts.local_dir is not None),
                                 opts.retention, opts.save_policy)
         self._local: Optional[Root] = None
+        #: peer copies of the local tier (``local_replicas`` > 1 on several nodes)
+        self._peers: Optional[PeerCopies] = None
         #: the manager's roots, nearest first: the local tier (with ``local_dir``), then the
         #: persistent root (always last). A restore tries the copies of one save in this order.
         self.roots: List[Root] = [self._persistent]
@@ -373,6 +391,8 @@ class CheckpointManager:
                 self.roots.insert(0, self._local)
                 for r in self.roots:  # log lines name the root: "deleted step 10 from the local tier"
                     r.store.label = f" from {tier_name(r.name)}"
+                if topology is not None:
+                    self._peers = PeerCopies(topology, self._local, opts, self._coord)
             if self._coord.is_primary:
                 self._describe_root()
             # Created and checked when possible; a read-only root (an evaluation job's credential
@@ -386,6 +406,8 @@ class CheckpointManager:
                 self._preemption.watcher.install()
         except BaseException:  # a refused manager leaves no thread behind
             stop_threads([(r.writer, r.store.deleter, None) for r in self.roots])
+            if self._peers is not None:
+                self._peers.stop_threads()
             raise
         # An unclosed manager that is garbage-collected stops its threads (it has no pending
         # work then: a queued save holds a reference to it).
@@ -393,7 +415,8 @@ class CheckpointManager:
             if root.store.lease is not None:
                 root.store.lease.idle = _weak_idle(self)
         self._finalizer = weakref.finalize(self, stop_threads,
-                                           [(r.writer, r.store.deleter, r.store.lease) for r in self.roots])
+                                           [(r.writer, r.store.deleter, r.store.lease) for r in self.roots],
+                                           self._peers)
         live_managers.add(self)
 
     @property
@@ -683,6 +706,8 @@ class CheckpointManager:
         take, take_local, preempt = where.persistent, where.local, where.preempt
         if where.any:  # agreed: every rank counts the same saves, one id per save
             self._saves += 1
+        # every rank queues the same replication tickets, in the same order (peer copies)
+        ticket = self._peers.expect(step) if self._peers is not None and where.local else None
         # From here on a rank that raises still queues its part of the persistent save, as a
         # failed job: the other ranks' jobs of this step fail with it (never pair with its next).
         persistent = self._persistent
@@ -700,6 +725,8 @@ class CheckpointManager:
                     take_local = False
             due = [r for r in self.roots if (take_local if r is self._local else take)]
             if not due:
+                if ticket is not None:
+                    ticket.release()
                 return False
             t0 = time.perf_counter()
             if alone:
@@ -759,6 +786,8 @@ class CheckpointManager:
             if snap.pending is not None:
                 snap.pending.step = step
         except BaseException as exc:
+            if ticket is not None:
+                ticket.release()
             for tier in held:
                 if tier is not shared:
                     tier.writer.release_slot()
@@ -800,13 +829,18 @@ class CheckpointManager:
                           commit_at=taken_at if self._local is not None else None,
                           frozen=(seen, {plan.keys[i] for i in keep}), samples=samples)
             self._in_flight.append(step)
+            run = functools.partial(self._persist, job, tier)
             try:
-                tier.writer.submit(functools.partial(self._persist, job, tier), step=step)
+                tier.writer.submit(run if ticket is None or tier is not self._local else ticket.around(run), step=step)
             except BaseException:
                 self._in_flight.remove(step)
+                if ticket is not None:
+                    ticket.release(failed=tier is self._local)
                 raise
             if tier is not persistent:  # the persistent root's save is recorded when wanted (below)
                 tier.record_save(step, self.options.interval_clock())
+        if ticket is not None:
+            ticket.release()  # no local job of this save was queued on this rank
         if where.wanted:
             persistent.record_save(step, self.options.interval_clock())
             if preempt and self._preemption is not None:
@@ -824,12 +858,12 @@ class CheckpointManager:
 
     def _warn_pickled(self, plan: Any) -> None:
         """Warn once per key about saved values that a restore can unpickle only with
-        ``allow_pickle=True`` (classes outside torch's ``weights_only`` safe set). Each value is
-        tried once with torch's restricted unpickler, which builds only that safe set and runs
-        no code of the value's classes."""
-        import torch
-
-        from ..storage.dcp.unpickling import refused_global
+        ``allow_pickle=True`` (classes outside torch's ``weights_only`` safe set and the RNG
+        states restore builds). Each value is tried once with restore's restricted unpickler
+        (:func:`~async_ckpt.storage.dcp.unpickling.load_value`), which builds only those
+        classes and runs no code of the value's classes."""
+        from ..errors import UnsafeCheckpointError
+        from ..storage.dcp.unpickling import load_value, refused_global
 
         bad: List[str] = []
         for path, obj in plan.pickled:
@@ -837,11 +871,10 @@ class CheckpointManager:
                 continue
             self._pickled_seen.add(path)
             try:
-                buf = obj.archive()
-                buf.seek(0)
-                torch.load(buf, weights_only=True)
-            except Exception as exc:  # noqa: BLE001 - torch's UnpicklingError, or what a class raises
-                name = refused_global(exc)
+                load_value(obj.archive(), path)
+            except Exception as exc:  # noqa: BLE001 - UnsafeCheckpointError, or what a class raises when built
+                cause = exc.__cause__ if isinstance(exc, UnsafeCheckpointError) else exc
+                name = refused_global(cause) if cause is not None else None
                 bad.append(f"{path} ({name})" if name else path)
         if bad:
             shown = ", ".join(bad[:10]) + (f" (and {len(bad) - 10} more)" if len(bad) > 10 else "")
@@ -917,6 +950,15 @@ class CheckpointManager:
             except Exception:
                 log.exception("the on_saved callback raised for step %d (the step is committed)",
                               stats.step)
+
+    @property
+    def peers(self) -> Optional[PeerCopies]:
+        """The peer copies of the local tier, or None (``local_replicas`` 1, or one node).
+
+        Its ``topology`` (``dests``: the ranks this rank's copies go to; ``sources``: the ranks
+        whose copies it holds), ``transfers`` (bytes and seconds of each exchange, and what
+        failed) and ``broken`` (why replication stopped on this rank, if it did)."""
+        return self._peers
 
     @property
     def last_stats(self) -> Optional[SaveStats]:
@@ -1003,6 +1045,8 @@ class CheckpointManager:
         if self._local is None:
             candidates = candidates_of(self._persistent.store, step)
         else:
+            if self._peers is not None:  # a rank that lost its copies gets them from its peers first
+                self._peers.fill(step)
             candidates = tier_candidates(self.roots, self._coord, step)
         done = _restore(candidates, state_dict, coord=self._coord, step=step, **opts)
         s = done.step
@@ -1153,6 +1197,8 @@ class CheckpointManager:
             if self._coord.is_primary and (not local_held or step in self.layout.committed_steps()):
                 self._persistent.store.become_writer()
                 self._persistent.store.delete(step)
+            if self._peers is not None:  # the copies this rank holds for others: a peer never brings it back
+                self._peers.delete_held(step)
 
         phase.everyone(self._coord, "delete", step, delete_here)
 
@@ -1235,6 +1281,10 @@ class CheckpointManager:
                 tier.writer.join()
             except BaseException as exc:  # noqa: BLE001 - every tier is waited for, then raised
                 errors.append(exc)
+        if self._peers is not None and not self._peers.wait_idle():  # their peer copies too (failures: logged)
+            log.warning("join(): peer copies are still being exchanged after %s s (a peer is still writing its "
+                        "local copy, or stopped answering); they go on in the background",
+                        self.options.collective_timeout_s)
         if errors:
             _raise_all(errors)
 
@@ -1246,21 +1296,36 @@ class CheckpointManager:
         committed, committed steps stay), then it is raised again."""
         self._close()
 
-    def _close(self, notice: bool = False) -> None:
-        """:meth:`close`; ``notice``: say first which saves it waits for (after a Ctrl-C, or
-        at interpreter exit)."""
+    def _close(self, notice: Optional[str] = None) -> None:
+        """:meth:`close`; ``notice``: ``"interrupt"`` (after a Ctrl-C) says first which saves
+        it waits for and that another Ctrl-C abandons them; ``"exit"`` (interpreter exit, no
+        Ctrl-C) says so only if they are still running after :data:`EXIT_NOTICE_AFTER_S`."""
         if self._closed:
             return
         self._check_process()
         pending = sorted(set(self._in_flight))
-        if notice and pending:
-            log.warning("finishing the save of step %s; Ctrl-C again to abandon it",
-                        ", ".join(map(str, pending)))
+        steps = ", ".join(map(str, pending))
         try:
+            if pending and notice == "interrupt":
+                log.warning("finishing the save of step %s; Ctrl-C again to abandon it", steps)
+            elif pending and notice == "exit":
+                log.info("finishing the save of step %s before exiting", steps)
+                if not self._idle_within(EXIT_NOTICE_AFTER_S):
+                    log.warning("still finishing the save of step %s before exiting; Ctrl-C to abandon it", steps)
             self._close_now()
         except KeyboardInterrupt:
             self._abandon(pending)
             raise
+
+    def _idle_within(self, seconds: float) -> bool:
+        """Wait up to ``seconds`` for every tier's queued saves; whether they all ended."""
+        deadline = time.monotonic() + seconds
+        for tier in self.roots:
+            try:
+                tier.writer.wait_idle(timeout=max(0.0, deadline - time.monotonic()))
+            except CheckpointError:  # still running: a timeout
+                return False
+        return True
 
     def _abandon(self, pending: List[int]) -> None:
         """A Ctrl-C while closing: every tier refuses further writes, so the saves being
@@ -1304,6 +1369,11 @@ class CheckpointManager:
                 errors.append(exc)
             finally:
                 tier.store.close()
+        if self._peers is not None:  # after the local writer: its last copies are exchanged too
+            try:
+                self._peers.close()
+            except BaseException as exc:  # noqa: BLE001 - raised with the rest
+                errors.append(exc)
         if self._frozen is not None and self._frozen.last:  # the declared-frozen tensors, checked once more
             try:
                 changed = changed_keys(self._frozen.last, [r.store.memo.reuse.same_bytes for r in self.roots
@@ -1328,7 +1398,7 @@ class CheckpointManager:
             self.close()
         else:
             try:
-                self._close(notice=exc_type is not None and issubclass(exc_type, KeyboardInterrupt))
+                self._close(notice="interrupt" if issubclass(exc_type, KeyboardInterrupt) else None)
             except KeyboardInterrupt:  # a second Ctrl-C abandoned the saves: the first one propagates
                 if not issubclass(exc_type, KeyboardInterrupt):
                     raise

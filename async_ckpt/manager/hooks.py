@@ -7,6 +7,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import sys
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, List, Tuple
@@ -20,11 +21,14 @@ live_managers: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
 
 def _finish_pending_saves_at_exit() -> None:
+    # The script ended on a Ctrl-C (the interpreter kept it as the unhandled exception): a
+    # second one abandons the saves; otherwise they are finished quietly (see Manager._close).
+    interrupted = isinstance(getattr(sys, "last_value", None), KeyboardInterrupt)
     for mgr in list(live_managers):
         if mgr._forked:
             continue  # a forked child's copy: its parent finishes the saves
         try:
-            mgr._close(notice=True)
+            mgr._close(notice="interrupt" if interrupted else "exit")
         except KeyboardInterrupt:  # the saves were abandoned (and said so): exit quietly
             pass
         except Exception as exc:  # the interpreter is exiting: report, do not raise
@@ -51,9 +55,9 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_mark_forked_in_child)
 
 
-def stop_threads(parts: List[Tuple[AsyncWriter, ThreadPoolExecutor, Any]]) -> None:
+def stop_threads(parts: List[Tuple[AsyncWriter, ThreadPoolExecutor, Any]], peers: Any = None) -> None:
     """Finalizer of a manager that was garbage-collected without ``close()``: per tier, its
-    writer, its deleter and its lease."""
+    writer, its deleter and its lease; then its peer copies' thread and held roots (``peers``)."""
     for writer, deleter, lease in parts:
         try:
             writer.close()
@@ -62,5 +66,7 @@ def stop_threads(parts: List[Tuple[AsyncWriter, ThreadPoolExecutor, Any]]) -> No
         deleter.shutdown(wait=False)
         if lease is not None:
             lease.release()
+    if peers is not None:
+        peers.stop_threads()
 
 

@@ -49,7 +49,7 @@ from ..options import ManagerOptions
 from ..policies import CheckpointInfo, RetentionPolicy, apply_retention, as_retention_policy
 from ..save_queue import AsyncWriter
 from ..staging.frozen import version_of
-from ..storage import CheckpointLayout, FileRecord, Manifest, Storage
+from ..storage import CheckpointLayout, FileRecord, Manifest, Storage, step_names
 from ..storage.dcp import Reuse
 from ..storage.diagnosis import file_in_the_way, not_a_root_message
 from ..storage.manifest import check_file_name, crc32c
@@ -281,7 +281,7 @@ def make_local_tier(options: ManagerOptions, persistent: Storage, coord: Coordin
     assert options.local_dir is not None
     root = options.local_dir
     if coord.world_size > 1:
-        root = f"{root.rstrip('/')}/rank{coord.rank}"
+        root = f"{root.rstrip('/')}/{step_names.rank_dir_name(coord.rank)}"
     retry, keep = options.retry, options.local_retention
     storage = Storage(root, None, retry=retry)
     check_roots_differ(persistent, storage)

@@ -4,14 +4,19 @@ The plan walks the user's state dict once, validates every leaf and records wher
 sits. Non-tensor leaves are pickled at the call, once (:func:`~..storage.torch_record.pickle_value`:
 this also proves that they can be saved), and the snapshot keeps those bytes, so a later
 mutation by the training loop cannot leak into the checkpoint and no value is ever unpickled
-while saving. A top-level value with ``state_dict``/``load_state_dict`` (DCP's ``Stateful``,
-which DCP saves through its ``state_dict()``) is asked for its ``state_dict()`` here, at the
-call, and what it returns is planned as any other entry: user code never runs on the writer
-thread, where its failure on one rank could not be reported to the others.
+while saving; a random number generator state -- a NumPy array or scalar, a NumPy generator,
+a ``random.Random`` -- is copied instead and saved as itself (see :func:`_rng_copy`). A
+top-level value with ``state_dict``/``load_state_dict`` (DCP's ``Stateful``, which DCP saves
+through its ``state_dict()``) is asked for its ``state_dict()`` here, at the call, and what it
+returns is planned as any other entry: user code never runs on the writer thread, where its
+failure on one rank could not be reported to the others.
 """
 
 from __future__ import annotations
 
+import copy
+import random
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from operator import attrgetter
@@ -450,6 +455,9 @@ def _walk(value: Any, path: str, plan: StagingPlan, old: Optional[Dict[Optional[
         return tuple(_walk(v, f"{path}.{i}", plan, old, new) for i, v in enumerate(value))
     if isinstance(value, _IMMUTABLE):
         return value
+    native = _rng_copy(value)
+    if native is not _NOT_RNG:
+        return native
     try:
         pickled = pickle_value(value)  # its __reduce__ runs here, once; nothing is unpickled
     except Exception as exc:  # lambdas, open files, locks, ...
@@ -458,6 +466,35 @@ def _walk(value: Any, path: str, plan: StagingPlan, old: Optional[Dict[Optional[
         ) from exc
     plan.pickled.append((path, pickled))
     return pickled
+
+
+_NOT_RNG: Any = object()
+
+
+def _rng_copy(value: Any) -> Any:
+    """A copy, taken now, of a random number generator state: a NumPy array or scalar (not of
+    object dtype), a NumPy ``Generator`` or ``RandomState`` of one of NumPy's bit generators, or
+    a ``random.Random``; :data:`_NOT_RNG` for anything else.
+
+    Such a value is saved as itself, not pickled at the call: restore builds these classes
+    without ``allow_pickle`` (``RNG_GLOBALS`` in ``storage.dcp.unpickling``), and inside a list
+    or tuple (one item, ``torch.save``-d whole) a pickled value could come back only through
+    ``pickle.loads``."""
+    if type(value) is random.Random:
+        return copy.deepcopy(value)
+    np = sys.modules.get("numpy")
+    if np is None:  # numpy was never imported: the value is none of its types
+        return _NOT_RNG
+    if type(value) is np.ndarray:
+        return _NOT_RNG if value.dtype.hasobject else value.copy(order="K")
+    if isinstance(value, np.generic):
+        return _NOT_RNG if value.dtype.hasobject else value  # immutable
+    nr = sys.modules.get("numpy.random")
+    if nr is not None and type(value) in (nr.Generator, nr.RandomState) \
+            and type(getattr(value, "bit_generator", None) or getattr(value, "_bit_generator", None)) in (
+                nr.MT19937, nr.PCG64, nr.PCG64DXSM, nr.Philox, nr.SFC64):
+        return copy.deepcopy(value)
+    return _NOT_RNG
 
 
 def _is_stateful(value: Any) -> bool:

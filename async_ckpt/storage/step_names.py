@@ -10,6 +10,11 @@ A root holds four kinds of step directory:
 
 ``<token>`` is :func:`new_token`'s twelve hex digits (one per save, the same on every rank).
 Any other name under the root is not a step directory.
+
+A local tier (``local_dir``) shared by several ranks holds one root per rank, ``rank<r>/``
+(:func:`rank_dir_name`), and inside a rank's root, one root per rank whose copies it holds for
+it (peer copies, ``local_replicas=``), ``held-rank<r>/`` (:func:`held_dir_name`); neither
+parses as a step directory, so a root's own listing never sees them.
 """
 
 from __future__ import annotations
@@ -23,6 +28,9 @@ STEP = "step"
 RESAVE = "resave"
 TMP = "tmp"
 TRASH = "trash"
+
+_RANK_DIR = re.compile(r"^rank(\d+)$")
+_HELD_DIR = re.compile(r"^held-rank(\d+)$")
 
 _PATTERNS = (
     (STEP, re.compile(r"^(\d+)$")),
@@ -157,3 +165,53 @@ def is_kind(name: str, *kinds: str) -> bool:
     """
     parsed = parse(name)
     return parsed is not None and parsed.kind in kinds
+
+
+def rank_dir_name(rank: int) -> str:
+    """The directory of one rank's local tier under a ``local_dir`` that several ranks use.
+
+    Args:
+        rank: The rank.
+
+    Returns:
+        ``"rank<rank>"``.
+    """
+    return f"rank{int(rank)}"
+
+
+def held_dir_name(rank: int) -> str:
+    """The directory, inside a rank's local tier, of the copies it holds for ``rank`` (peer copies).
+
+    Args:
+        rank: The rank whose copies are held there.
+
+    Returns:
+        ``"held-rank<rank>"``.
+    """
+    return f"held-rank{int(rank)}"
+
+
+def rank_of_dir(name: str) -> Optional[int]:
+    """The rank of a rank's local-tier directory name (:func:`rank_dir_name`).
+
+    Args:
+        name: A directory name or path; only its last component counts.
+
+    Returns:
+        The rank, or None for any other name.
+    """
+    m = _RANK_DIR.match(name.rstrip("/").rsplit("/", 1)[-1])
+    return int(m.group(1)) if m else None
+
+
+def rank_of_held_dir(name: str) -> Optional[int]:
+    """The rank whose copies a held-copy directory holds (:func:`held_dir_name`).
+
+    Args:
+        name: A directory name or path; only its last component counts.
+
+    Returns:
+        The rank, or None for any other name.
+    """
+    m = _HELD_DIR.match(name.rstrip("/").rsplit("/", 1)[-1])
+    return int(m.group(1)) if m else None

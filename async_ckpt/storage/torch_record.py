@@ -3,21 +3,25 @@
 DCP stores every tensor as its own ``torch.save`` archive (a small zip, a "record"). This
 module is the one place that knows that archive's layout:
 
-* **Rendering** (the writer). For a 4 KiB tensor ``torch.save`` spends ~300 µs on the zip
-  writer and the pickler. Yet for a given dtype and shape the archive differs only in the
-  tensor's bytes and in three values derived from them: the CRC-32 of ``data/0`` (stored
-  twice), and the ``serialization_id`` record (with its own CRC-32, stored twice), which torch
-  computes as ``hash_combine`` over the CRC-32s of the records before it.
-  :class:`RecordTemplates` therefore calls ``torch.save`` once per (dtype, shape), finds those
-  fields in its output, and from then on produces a record as ``prefix + data + suffix`` with
-  the fields patched. A template is only used after it reproduced a second ``torch.save``
-  output byte for byte (so a torch version that changes the format falls back to ``torch.save``
-  itself). :func:`pickle_value` / :class:`PickledObject` render non-tensor values.
+* **Rendering** (the writer). Records are written as ``torch.save`` writes them with its
+  zip CRC-32s turned off (``torch.serialization.set_crc32_options(False)``, a torch option;
+  ``torch.load`` never checks them, and a checkpoint's integrity is the manifest's CRC-32C of
+  every record, checked on every read). Computing zip CRC-32s is what makes ``torch.save``
+  slow and hold the GIL over a tensor's whole data; without them the archive of a given
+  dtype and shape is ``head + data + tail``, the same ``head`` and ``tail`` whatever the data.
+  :class:`RecordTemplates` captures them once per (dtype, shape) from torch's own writer
+  (:func:`~async_ckpt.compat.torch_save_without_crc`, the data left out), and the writer then
+  emits a record as ``head``, the tensor's memory as it is, ``tail``: no copy of a large
+  tensor and nothing per byte under the GIL. A template holds only if two captures agree (so a
+  torch version that changes the format falls back to ``torch.save`` itself).
+  :class:`RecordBatch` renders runs of small records in one gather;
+  :func:`pickle_value` / :class:`PickledObject` render non-tensor values.
 * **Parsing** (every reader and the command line). :func:`data_start` finds where the raw
   data of a single-tensor record lies, through a ``get(lo, hi)`` callable (so a large record is
   probed without reading its data); :func:`plain_data_start` does so for a record in memory,
-  first against :data:`HEADS` (the bytes ``torch.save`` writes before the data, per dtype and
-  shape), then by parsing. :func:`member_data_offset` is the zip arithmetic both halves share.
+  first against :data:`HEADS` (the bytes before the data, per dtype and shape, as async_ckpt
+  and as ``torch.save`` with its default options write them), then by parsing.
+  :func:`member_data_offset` is the zip arithmetic both halves share.
   :class:`TensorDescUnpickler` reads a record's ``data.pkl`` as a description only.
 """
 
@@ -32,23 +36,14 @@ import sys
 import threading
 import types
 import zipfile
-import zlib
 from typing import Any, Callable, Dict, List, Literal, Optional, Tuple, Union
 
 import torch
 
 from .. import compat
-from ..addresses import byte_view, gather
+from ..addresses import address_of, gather
 
-_U64 = (1 << 64) - 1
-_GOLDEN = 0x9E3779B9
-
-TEMPLATE_MAX_BYTES = 1 << 20  # larger tensors: torch.save's fixed cost is noise next to the data
-
-
-def _hash_combine(seed: Any, value: Any) -> Any:
-    """``c10::hash_combine`` on 64-bit ``size_t``: Python ints, or NumPy ``uint64`` values."""
-    return (seed ^ ((value + _GOLDEN + (seed << 6) + (seed >> 2)) & _U64)) & _U64
+TEMPLATE_MAX_BYTES = 1 << 20  # records up to this size are copied into the writer's buffer
 
 
 #: A zip local file header's fixed part: signature, ..., name length and extra length last.
@@ -75,102 +70,65 @@ def member_data_offset(header: Any, header_offset: int = 0) -> Optional[int]:
     return header_offset + LOCAL_HEADER_BYTES + name_len + extra_len
 
 
-def _data_offset(raw: bytes, info: zipfile.ZipInfo) -> int:
-    """Where a stored member of the whole archive ``raw`` starts (its header must be there)."""
-    at = member_data_offset(raw, info.header_offset)
-    if at is None:
-        raise ValueError("no local header where the zip directory says")
-    return at
-
-
-def _positions(raw: bytes, value: int, lo: int) -> List[int]:
-    """Offsets >= ``lo`` where the little-endian uint32 ``value`` occurs in ``raw``."""
-    needle = struct.pack("<I", value)
-    out, at = [], raw.find(needle, lo)
-    while at >= 0:
-        out.append(at)
-        at = raw.find(needle, at + 1)
-    return out
-
-
 class RecordTemplate:
-    """One (dtype, shape)'s archive with the data-dependent fields located."""
+    """One (dtype, shape)'s record: ``head + data + tail``, with ``head`` and ``tail`` fixed."""
 
-    __slots__ = ("strides", "head", "data_crc_at", "tail", "sid_prefix_crc", "sid_at", "sid_crc_at",
-                 "crc_before", "crc_after", "nbytes", "length", "ctype")
+    __slots__ = ("strides", "head", "tail", "nbytes", "length", "ctype")
 
-    def __init__(self, raw: bytes, nbytes: int, strides: Tuple[int, ...]) -> None:
+    def __init__(self, head: bytes, tail: bytes, nbytes: int, strides: Tuple[int, ...]) -> None:
         self.strides = strides  # the (contiguous) strides the archive's pickle records
-        zf = zipfile.ZipFile(io.BytesIO(raw))
-        infos = zf.infolist()
-        names = [i.filename for i in infos]
-        data_i = next(k for k, n in enumerate(names) if n.endswith("/data/0"))
-        sid_i = next(k for k, n in enumerate(names) if n.endswith("/.data/serialization_id"))
-        if sid_i != len(infos) - 1 or any(i.compress_type != zipfile.ZIP_STORED for i in infos):
-            raise ValueError("unexpected torch.save archive layout")
-        data_info, sid_info = infos[data_i], infos[sid_i]
-        start = _data_offset(raw, data_info)
-        if data_info.file_size != nbytes:
-            raise ValueError("unexpected data record size")
-        end = start + nbytes
-        crcs = [zlib.crc32(zf.read(n)) for n in names[:sid_i]]
-        combined = 0
-        for c in crcs[:data_i]:
-            combined = _hash_combine(combined, c)
-        self.crc_before = combined
-        self.crc_after = crcs[data_i + 1:]
-        # After the data: the data descriptor's CRC, then (in the central directory) again.
-        self.data_crc_at = [p - end for p in _positions(raw, data_info.CRC, end)]
-        sid_start = _data_offset(raw, sid_info)
-        sid = raw[sid_start:sid_start + sid_info.file_size]
-        if len(sid) != 40 or not sid.isdigit():
-            raise ValueError("unexpected serialization id")
-        self.sid_prefix_crc = zlib.crc32(sid[:20])
-        self.sid_at = sid_start + 20 - end
-        self.sid_crc_at = [p - end for p in _positions(raw, sid_info.CRC, sid_start + 40)]
-        if len(self.data_crc_at) != 2 or len(self.sid_crc_at) != 2:
-            raise ValueError("CRC fields not found exactly twice")
-        self.head = raw[:start]
-        self.tail = raw[end:]
+        self.head = head
+        self.tail = tail
         self.nbytes = nbytes
-        self.length = len(raw)
+        self.length = len(head) + nbytes + len(tail)
         self.ctype = ctypes.c_char * nbytes  # the data as a buffer, straight from its address
 
     def append_to(self, out: bytearray, data: Any) -> int:
-        """Append the archive whose ``data/0`` holds ``data`` to ``out``; return its length."""
-        crc = zlib.crc32(data)
-        combined = _hash_combine(self.crc_before, crc)
-        for c in self.crc_after:
-            combined = _hash_combine(combined, c)
-        digits = b"%020d" % combined
-        sid_crc = zlib.crc32(digits, self.sid_prefix_crc)
+        """Append the record whose ``data/0`` holds ``data`` to ``out``; return its length."""
         out += self.head
         out += data
-        at = len(out)
         out += self.tail
-        pack = _pack_u32
-        p0, p1 = self.data_crc_at
-        pack(out, at + p0, crc)
-        pack(out, at + p1, crc)
-        sid = at + self.sid_at
-        out[sid:sid + 20] = digits
-        p0, p1 = self.sid_crc_at
-        pack(out, at + p0, sid_crc)
-        pack(out, at + p1, sid_crc)
         return self.length
 
 
-_pack_u32 = struct.Struct("<I").pack_into
+class _Capture:
+    """A file for ``torch.save`` that keeps every write except the one handing over the data
+    of the tensor being saved (``nbytes`` bytes at ``address``), and notes where that went."""
+
+    def __init__(self, address: int, nbytes: int) -> None:
+        self.address, self.nbytes = address, nbytes
+        self.buf = bytearray()
+        self.at = -1  # where the data went; -1: not seen as one write of its own memory
+
+    def write(self, b: Any) -> int:
+        mv = memoryview(b).cast("B")
+        if self.at < 0 and mv.nbytes == self.nbytes and address_of(mv) == self.address:
+            self.at = len(self.buf)
+        else:
+            self.buf += mv
+        return mv.nbytes
+
+    def flush(self) -> None:
+        pass
+
+
+def _capture(t: torch.Tensor) -> Optional[Tuple[bytes, bytes]]:
+    """``(head, tail)`` of :func:`~async_ckpt.compat.torch_save_without_crc` of ``t``: its bytes
+    before and after the tensor's data, or ``None`` if the data was not written as one piece."""
+    cap = _Capture(t.data_ptr(), t.numel() * t.element_size())
+    compat.torch_save_without_crc(t, cap)
+    if cap.at < 0:
+        return None
+    return bytes(cap.buf[:cap.at]), bytes(cap.buf[cap.at:])
 
 
 class RecordBatch:
     """Renders many records of one template at once, into one reused buffer.
 
-    :meth:`RecordTemplate.append_to` costs ~8 us of Python per record. Here the records' fixed parts
-    are written once per batch buffer, the data of all tensors is copied by one gather (by
-    address, see :mod:`async_ckpt.addresses`), the ``serialization_id`` arithmetic
-    runs on arrays, and only the two CRC-32s remain a call per record. The bytes are those of
-    :meth:`RecordTemplate.append_to`, record for record (tests compare them).
+    The records' fixed parts are written once per batch buffer and the data of all tensors is
+    copied in by one gather (by address, see :mod:`async_ckpt.addresses`): no Python per
+    record. The bytes are those of :meth:`RecordTemplate.append_to`, record for record (tests
+    compare them).
     """
 
     def __init__(self, tpl: "RecordTemplate", size: int) -> None:
@@ -179,62 +137,27 @@ class RecordBatch:
         self.tpl = tpl
         self.size = size
         head, n = len(tpl.head), tpl.nbytes
-        self.at = head + n  # where a record's tail starts
         self.chunk = np.empty((size, tpl.length), np.uint8)
         self.chunk[:, :head] = np.frombuffer(tpl.head, np.uint8)
-        self.chunk[:, self.at:] = np.frombuffer(tpl.tail, np.uint8)
-        self.data = torch.from_numpy(self.chunk)[:, head:self.at]  # each record's data/0
+        self.chunk[:, head + n:] = np.frombuffer(tpl.tail, np.uint8)
+        self.data = torch.from_numpy(self.chunk)[:, head:head + n]  # each record's data/0
         self.flat = memoryview(self.chunk.reshape(-1))  # type: ignore[arg-type, unused-ignore]  # numpy declares the buffer protocol for Python >= 3.12 only
 
     def render(self, ts: List[torch.Tensor]) -> memoryview:
         """The records of ``ts`` (at most ``size``, each eligible for the template), concatenated."""
-        import numpy as np
-
-        tpl, b, n, length, at = self.tpl, len(ts), self.tpl.nbytes, self.tpl.length, self.at
+        b = len(ts)
         with torch.no_grad():
-            gather(torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64), n, self.data[:b])
-        flat, crc32 = self.flat, zlib.crc32
-        start = at - n
-        crcs = np.array([crc32(flat[k * length + start: k * length + at]) for k in range(b)], np.uint64)
-        combined = _hash_combine(np.uint64(tpl.crc_before), crcs)  # uint64 arrays wrap like size_t
-        for c in tpl.crc_after:
-            combined = _hash_combine(combined, np.uint64(c))
-        digits = np.empty((b, 20), np.uint8)  # "%020d" of each, as ASCII
-        for j in range(19, -1, -1):
-            digits[:, j] = combined % np.uint64(10) + np.uint64(48)
-            combined //= np.uint64(10)
-        dflat, prefix = memoryview(digits.reshape(-1)), tpl.sid_prefix_crc  # type: ignore[arg-type, unused-ignore]  # numpy declares the buffer protocol for Python >= 3.12 only
-        sid_crcs = np.array([crc32(dflat[k * 20: k * 20 + 20], prefix) for k in range(b)], np.uint32)
-        chunk = self.chunk
-        c4 = crcs.astype("<u4").view(np.uint8).reshape(b, 4)
-        for p in tpl.data_crc_at:
-            chunk[:b, at + p: at + p + 4] = c4
-        sid = at + tpl.sid_at
-        chunk[:b, sid: sid + 20] = digits
-        s4 = sid_crcs.astype("<u4").view(np.uint8).reshape(b, 4)
-        for p in tpl.sid_crc_at:
-            chunk[:b, at + p: at + p + 4] = s4
-        return flat[: b * length]
-
-
-def _torch_save_bytes(t: torch.Tensor) -> bytes:
-    buf = io.BytesIO()
-    torch.save(t, buf)
-    return buf.getvalue()
-
-
-def _bytes_of(t: torch.Tensor) -> memoryview:
-    """The raw bytes of a contiguous CPU tensor, as an unsigned-byte memoryview."""
-    return byte_view(t.reshape(-1).view(torch.uint8)).cast("B") if t.numel() else memoryview(b"")
+            gather(torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64), self.tpl.nbytes, self.data[:b])
+        return self.flat[: b * self.tpl.length]
 
 
 class RecordTemplates:
-    """Produces ``torch.save(t)``'s bytes for small contiguous CPU tensors from cached templates.
+    """Produces the record (``torch.save`` archive) of a contiguous CPU tensor from a template
+    per (dtype, shape): see the module docstring.
 
-    Thread-safe. :meth:`append` appends the bytes to a buffer and returns their length, or
-    ``-1`` when the tensor is not eligible (empty or larger than ``max_bytes``, not a
-    contiguous CPU tensor, or its template failed the check); the caller then uses
-    ``torch.save``.
+    Thread-safe. :meth:`template` gives the template of a tensor of any size, or ``None`` when
+    the tensor is not eligible (empty, not a plain contiguous CPU tensor, or its template could
+    not be made); :meth:`append` copies a record of at most ``max_bytes`` of data into a buffer.
     """
 
     def __init__(self, max_bytes: int = TEMPLATE_MAX_BYTES) -> None:
@@ -257,38 +180,32 @@ class RecordTemplates:
         return tpl
 
     def append(self, out: bytearray, t: torch.Tensor) -> int:
-        """Append ``torch.save(t)``'s bytes to ``out`` and return their length; ``-1`` (nothing
-        appended) when ``t`` is not eligible."""
+        """Append the record of ``t`` to ``out`` and return its length; ``-1`` (nothing appended)
+        when ``t`` is not eligible or holds more than ``max_bytes``."""
         tpl = self.template(t)
-        if tpl is None:
+        if tpl is None or tpl.nbytes > self.max_bytes:
             return -1
         return tpl.append_to(out, tpl.ctype.from_address(t.data_ptr()))
 
     def _eligible(self, t: torch.Tensor) -> bool:
         nbytes = t.numel() * t.element_size()
-        return 0 < nbytes <= self.max_bytes and type(t) is torch.Tensor and t.layout == torch.strided \
+        return 0 < nbytes and type(t) is torch.Tensor and t.layout == torch.strided \
             and t.is_cpu and not t.is_quantized
 
     def _build(self, t: torch.Tensor) -> Optional[RecordTemplate]:
         key = (t.dtype, tuple(t.shape))
-        tpl: Optional[RecordTemplate]
+        tpl: Optional[RecordTemplate] = None
         try:
+            # Two tensors of the shape (allocated, never read: no CRC is computed, and the
+            # capture skips the data): the template holds only if both give the same bytes
+            # around their data, each written as one piece straight from its memory.
             nbytes = t.numel() * t.element_size()
-            # Random contents from a private generator: the global RNG (the training run's) must
-            # not move because a checkpoint was written. Contiguous by construction.
-            gen = torch.Generator().manual_seed(nbytes)
-
-            def sample() -> torch.Tensor:
-                raw = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen)
-                return raw.view(t.dtype).reshape(t.shape)
-
-            probe, check = sample(), sample()
-            tpl = RecordTemplate(_torch_save_bytes(probe), nbytes, probe.stride())
-            out = bytearray()
-            tpl.append_to(out, _bytes_of(check))
-            if out != _torch_save_bytes(check):
-                tpl = None
-        except Exception:  # an unusual dtype or a changed archive layout: use torch.save
+            # made as bytes: creating a complex32 tensor directly warns that it is experimental
+            probe, check = (torch.empty(nbytes, dtype=torch.uint8).view(t.dtype).view(t.shape) for _ in range(2))
+            first, second = _capture(probe), _capture(check)
+            if first is not None and first == second:
+                tpl = RecordTemplate(first[0], first[1], nbytes, probe.stride())
+        except Exception:  # noqa: BLE001 - an unusual dtype or a changed archive layout: torch.save writes it
             tpl = None
         with self._lock:
             self._templates[key] = tpl
@@ -348,11 +265,12 @@ class PickledObject:
         self.is_archive = is_archive
 
     def archive(self) -> io.BytesIO:
-        """The ``torch.save`` archive of the value, as a ``BytesIO``."""
+        """The ``torch.save`` archive of the value, as a ``BytesIO`` at its start."""
         if self.is_archive:
             return io.BytesIO(self.data)
         buf = io.BytesIO()
         torch.save(self, buf, pickle_module=_VERBATIM)
+        buf.seek(0)
         return buf
 
     def __reduce__(self) -> Tuple[Any, ...]:
@@ -501,6 +419,22 @@ def _contiguous_strides(shape: Tuple[int, ...]) -> Tuple[int, ...]:
     return tuple(strides)
 
 
+def _member_start(get: Callable[[int, int], bytes], info: zipfile.ZipInfo) -> int:
+    """Where a stored member's data starts in the record (``ValueError`` if no header is there)."""
+    off = info.header_offset
+    start = member_data_offset(get(off, off + LOCAL_HEADER_BYTES))
+    if start is None:
+        raise ValueError("no local header where the zip directory says")
+    return off + start
+
+
+def _member(get: Callable[[int, int], bytes], info: zipfile.ZipInfo) -> bytes:
+    """A stored member's bytes, read where its header says, with no zip CRC-32 check: records
+    are written without them (see the module docstring); the manifest's CRC-32C covers them."""
+    start = _member_start(get, info)
+    return get(start, start + info.file_size)
+
+
 def data_start(get: Callable[[int, int], bytes], length: int, dtype: torch.dtype,
                shape: Tuple[int, ...]) -> Optional[int]:
     """Where the raw data of a contiguous tensor lies in a ``torch.save`` record.
@@ -531,16 +465,12 @@ def data_start(get: Callable[[int, int], bytes], length: int, dtype: torch.dtype
             if len(data) != 1 or len(pkl) != 1 or data[0].compress_type != zipfile.ZIP_STORED \
                     or data[0].file_size != nbytes or pkl[0].compress_type != zipfile.ZIP_STORED:
                 return None
-            if order and zf.read(order[0]) != b"little":
+            if order and (order[0].compress_type != zipfile.ZIP_STORED or _member(get, order[0]) != b"little"):
                 return None
-            desc = TensorDescUnpickler(io.BytesIO(zf.read(pkl[0]))).load()
+            desc = TensorDescUnpickler(io.BytesIO(_member(get, pkl[0]))).load()
             if desc != (dtype, 0, tuple(shape), _contiguous_strides(tuple(shape))):
                 return None
-            off = data[0].header_offset
-            start = member_data_offset(get(off, off + LOCAL_HEADER_BYTES))
-            if start is None:
-                return None
-            start += off
+            start = _member_start(get, data[0])
             if start + nbytes > length:
                 return None
             return start
@@ -549,38 +479,45 @@ def data_start(get: Callable[[int, int], bytes], length: int, dtype: torch.dtype
         return None
 
 
+def _slice(mv: memoryview, lo: int, hi: int) -> bytes:
+    return bytes(mv[lo:hi])
+
+
 class Heads:
-    """``torch.save``'s bytes before the data, and the record's length, per (dtype, shape)
-    of a small tensor: a record that starts with them has its data right after."""
+    """The bytes before the data, and the record's length, per (dtype, shape) of a small
+    tensor, as async_ckpt writes a record (no zip CRC-32s) and as ``torch.save`` does with its
+    default options (DCP's own writer, older checkpoints): a record that starts with either
+    has its data right after."""
 
     def __init__(self) -> None:
-        self._cache: Dict[Tuple[torch.dtype, Tuple[int, ...]], Optional[Tuple[bytes, int]]] = {}
+        self._cache: Dict[Tuple[torch.dtype, Tuple[int, ...]], Tuple[Tuple[bytes, int], ...]] = {}
         self._lock = threading.Lock()
 
-    def get(self, dtype: torch.dtype, shape: Tuple[int, ...]) -> Optional[Tuple[bytes, int]]:
-        """``(bytes before the data, record length)`` of ``torch.save`` of a contiguous tensor
-        of ``dtype`` and ``shape``; ``None`` where :func:`data_start` does not parse it."""
+    def get(self, dtype: torch.dtype, shape: Tuple[int, ...]) -> Tuple[Tuple[bytes, int], ...]:
+        """The ``(bytes before the data, record length)`` of each way a contiguous tensor of
+        ``dtype`` and ``shape`` is written (none where :func:`data_start` does not parse it)."""
         key = (dtype, shape)
-        if key in self._cache:
-            return self._cache[key]
-        got: Optional[Tuple[bytes, int]] = None
-        try:
-            buf = io.BytesIO()
-            n = 1
-            for d in shape:
-                n *= d
-            # zeros made as bytes: creating a complex32 tensor directly warns that it is experimental
-            torch.save(torch.zeros(n * dtype.itemsize, dtype=torch.uint8).view(dtype).view(shape), buf)
-            raw = buf.getvalue()
-            mv = memoryview(raw)
-            start = data_start(lambda a, b: bytes(mv[a:b]), len(raw), dtype, shape)
-            if start is not None:
-                got = (raw[:start], len(raw))
-        except Exception:
-            got = None
+        got = self._cache.get(key)
+        if got is not None:
+            return got
+        found: List[Tuple[bytes, int]] = []
+        n = 1
+        for d in shape:
+            n *= d
+        for save in (compat.torch_save_without_crc, torch.save):
+            try:
+                buf = io.BytesIO()
+                # zeros made as bytes: creating a complex32 tensor directly warns that it is experimental
+                save(torch.zeros(n * dtype.itemsize, dtype=torch.uint8).view(dtype).view(shape), buf)
+                raw = buf.getvalue()
+                start = data_start(functools.partial(_slice, memoryview(raw)), len(raw), dtype, shape)
+            except Exception:  # noqa: BLE001 - a dtype torch cannot save: such records are parsed
+                continue
+            if start is not None and (raw[:start], len(raw)) not in found:
+                found.append((raw[:start], len(raw)))
         with self._lock:
-            self._cache[key] = got
-        return got
+            self._cache[key] = tuple(found)
+        return self._cache[key]
 
 
 #: The process's cache of record heads (they depend on torch only).
@@ -599,7 +536,7 @@ def plain_data_start(item: Any, dtype: torch.dtype, shape: Tuple[int, ...]) -> O
     Returns:
         The offset of the data in ``item``, or ``None`` for a record ``torch.load`` must read.
     """
-    head = HEADS.get(dtype, shape)
-    if head is not None and head[1] == len(item) and item[:len(head[0])] == head[0]:
-        return len(head[0])
+    for head, length in HEADS.get(dtype, shape):
+        if length == len(item) and item[:len(head)] == head:
+            return len(head)
     return data_start(lambda a, b: bytes(item[a:b]), len(item), dtype, shape)

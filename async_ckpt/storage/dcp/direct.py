@@ -44,7 +44,6 @@ every file is verified (:mod:`.device_targets`), so a failure before that leaves
 from __future__ import annotations
 
 import io
-import pickle
 import threading
 import types
 from concurrent.futures import ThreadPoolExecutor
@@ -73,7 +72,7 @@ from .file_assignment import set_element
 from .read_exec import NULL, StepFiles, check_file, close_all, open_step_file, read_files, run_all, short_error
 from .reader import stored_bytes
 from .record_layout import Arrived, Probe
-from .unpickling import unsafe_value_error
+from .unpickling import load_value
 
 #: A tensor record at least this large (local files) has its data read straight into the
 #: target; smaller ones are read with their neighbours and scattered.
@@ -112,10 +111,7 @@ class _Buffers(threading.local):
 
 
 def _decode(fqn: str, blob: bytes, allow_pickle: bool) -> Any:
-    try:
-        return torch.load(io.BytesIO(blob), weights_only=not allow_pickle)
-    except pickle.UnpicklingError as exc:
-        raise unsafe_value_error(fqn, exc) from exc
+    return load_value(io.BytesIO(blob), fqn, allow_pickle)
 
 
 def _whole(t: torch.Tensor) -> Any:

@@ -2,8 +2,11 @@
 
 * ``.metadata`` (DCP's format, a pickle) is read by :func:`load_metadata`, which allows only
   DCP's metadata record classes, torch's dtypes/sizes/layouts and plain containers;
-* non-tensor items are loaded by :class:`SafeLoadPlanner` with ``weights_only=True`` unless
-  ``allow_pickle`` is set;
+* non-tensor items are loaded by :func:`load_value` (through :class:`SafeLoadPlanner` and
+  every other reader) with ``weights_only=True`` unless ``allow_pickle`` is set; random number
+  generator states (NumPy arrays and scalars, NumPy's ``Generator``/``RandomState`` and their
+  bit generators, Python's ``random.Random``), outside torch's safe set, are built by a second
+  restricted unpickler that allows exactly those classes (:data:`RNG_GLOBALS`) besides it;
 * a tensor item's ``data.pkl`` is read as a description only
   (:class:`~async_ckpt.storage.torch_record.TensorDescUnpickler`, with the record format).
 """
@@ -12,15 +15,18 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import importlib
 import io
 import pickle
 import re
-from typing import AbstractSet, Any, Optional
+import types
+from typing import IO, AbstractSet, Any, Optional
 
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata
 
+from ...compat import weights_only_globals
 from ...errors import CorruptCheckpointError, UnsafeCheckpointError
 from ...gc_pause import gc_paused
 from ..manifest import shown
@@ -91,22 +97,122 @@ def refused_global(exc: BaseException) -> Optional[str]:
     return m.group(1) if m else None
 
 
-def unsafe_value_error(fqn: str, exc: BaseException) -> UnsafeCheckpointError:
+#: Callables that unpickle or load what they are given: what async_ckpt names for a value nested
+#: in a list or tuple whose class is outside the safe set (see ``PickledObject.__reduce__``).
+#: Allowlisting one of them would let any pickle run, so the error never suggests it.
+_LOADERS = frozenset({"pickle.loads", "_pickle.loads", "functools.partial", "torch.load",
+                      "torch.serialization.load"})
+
+
+def unsafe_value_error(fqn: str, exc: BaseException, name: Optional[str] = None) -> UnsafeCheckpointError:
     """A short, plain error for a non-tensor value at ``fqn`` that ``weights_only`` refused.
 
     Args:
         fqn: the value's dotted key.
         exc: torch's ``UnpicklingError``.
+        name: the refused class or function (default: the one ``exc`` names).
 
     Returns:
         The error to raise (``exc`` is to be chained as its cause).
     """
-    name = refused_global(exc)
+    name = name or refused_global(exc)
+    trust = "pass restore(..., allow_pickle=True) if you trust this checkpoint"
+    if name in _LOADERS:
+        return UnsafeCheckpointError(
+            f"{shown(fqn)}: the checkpoint holds, inside a list or tuple, a value of a class outside torch's "
+            f"weights_only safe set, saved as a pickle that restoring would have to load (that could run code); "
+            f"{trust}")
     what = f"a {shown(name)} object" if name else "an object outside torch's safe set"
     fix = f" or allowlist it with torch.serialization.add_safe_globals([{name}])" if name else ""
     return UnsafeCheckpointError(
         f"{shown(fqn)}: the checkpoint holds {what}, which restoring would have to unpickle (that could run "
-        f"code); pass restore(..., allow_pickle=True) if you trust this checkpoint{fix}")
+        f"code); {trust}{fix}")
+
+
+#: What a checkpoint's random number generator states are built from, besides torch's safe set:
+#: NumPy arrays, scalars and dtypes (NumPy 1 and 2 module names), NumPy's generators, their bit
+#: generators and seed sequences (through numpy's own pickling helpers, which only construct
+#: these classes), and Python's ``random.Random``. Each only builds a value from plain data.
+RNG_GLOBALS = frozenset({
+    "random.Random",
+    "numpy.ndarray", "numpy.dtype",
+    "numpy.core.multiarray._reconstruct", "numpy._core.multiarray._reconstruct",
+    "numpy.core.multiarray.scalar", "numpy._core.multiarray.scalar",
+    "numpy.random._pickle.__generator_ctor", "numpy.random._pickle.__bit_generator_ctor",
+    "numpy.random._pickle.__randomstate_ctor",
+    "numpy.random._generator.Generator", "numpy.random.mtrand.RandomState",
+    "numpy.random._mt19937.MT19937", "numpy.random._pcg64.PCG64", "numpy.random._pcg64.PCG64DXSM",
+    "numpy.random._philox.Philox", "numpy.random._sfc64.SFC64",
+    "numpy.random.bit_generator.SeedSequence", "numpy.random.bit_generator.__pyx_unpickle_SeedSequence",
+})
+
+
+class _Refused(pickle.UnpicklingError):
+    def __init__(self, name: str) -> None:
+        super().__init__(f"GLOBAL {name} is not allowed")
+        self.name = name
+
+
+def _rng_global(module: str, name: str) -> Any:
+    if module.startswith("numpy.core"):  # NumPy 1's name of numpy._core (NumPy 2 warns on it)
+        try:
+            return getattr(importlib.import_module("numpy._core" + module[len("numpy.core"):]), name)
+        except ImportError:
+            pass
+    return getattr(importlib.import_module(module), name)
+
+
+class _RngUnpickler(pickle.Unpickler):
+    """Builds torch's ``weights_only`` safe set and :data:`RNG_GLOBALS`, nothing else."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        full = f"{module}.{name}"
+        if full in RNG_GLOBALS:
+            return _rng_global(module, name)
+        obj = weights_only_globals().get(full)
+        if obj is None:
+            raise _Refused(full)
+        return obj
+
+
+_RNG_PICKLE = types.SimpleNamespace(__name__="async_ckpt_rng_pickle", Unpickler=_RngUnpickler,
+                                    load=lambda f, **kw: _RngUnpickler(f, **kw).load())
+
+
+def load_value(f: IO[bytes], fqn: str, allow_pickle: bool = False, **kwargs: Any) -> Any:
+    """Load a non-tensor item (a ``torch.save`` archive), building only safe classes.
+
+    ``torch.load(weights_only=True)`` first; a value it refuses for a class of
+    :data:`RNG_GLOBALS` (an RNG state) is built again by a restricted unpickler that allows
+    those classes and torch's safe set, and nothing else.
+
+    Args:
+        f: the archive, a seekable binary file at its start.
+        fqn: the value's dotted key (for the error).
+        allow_pickle: unpickle any class (only for a trusted checkpoint).
+        **kwargs: passed to ``torch.load`` (``map_location``).
+
+    Returns:
+        The value.
+
+    Raises:
+        UnsafeCheckpointError: the value holds a class outside both sets (and not
+            ``allow_pickle``).
+    """
+    if allow_pickle:
+        return torch.load(f, weights_only=False, **kwargs)
+    start = f.tell()
+    try:
+        return torch.load(f, weights_only=True, **kwargs)
+    except pickle.UnpicklingError as exc:
+        if refused_global(exc) not in RNG_GLOBALS:
+            raise unsafe_value_error(fqn, exc) from exc
+        first = exc
+    f.seek(start)
+    try:
+        return torch.load(f, weights_only=False, pickle_module=_RNG_PICKLE, **kwargs)
+    except _Refused as exc:
+        raise unsafe_value_error(fqn, first, exc.name) from exc
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
@@ -127,10 +233,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 
     def decode_bytes(self, read_item: Any, value: io.BytesIO) -> Any:
         """Deserialise one non-tensor item without touching the state dict."""
-        try:
-            return torch.load(value, weights_only=not self.allow_pickle)
-        except pickle.UnpicklingError as exc:
-            raise unsafe_value_error(read_item.dest_index.fqn, exc) from exc
+        return load_value(value, read_item.dest_index.fqn, self.allow_pickle)
 
     def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
         self.set_bytes(read_item, self.decode_bytes(read_item, value))

@@ -44,6 +44,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from ... import compat
+from ...addresses import address_of, byte_view
 from ..manifest import FileRecord, crc32c, raw_crc32c
 from ..storage import Storage
 from ..torch_record import PickledObject, RecordBatch, RecordTemplate, RecordTemplates
@@ -109,19 +110,6 @@ _COMBINE_BYTES = 2**20  # a write at least this big is checksummed once for its 
 DATA_AT_MIN_BYTES = 64 * 2**10  # tensor records with this much data have their data's place kept
 
 
-def _address(b: Any) -> int:
-    """The address of a contiguous buffer's first byte (-1 where it cannot be had, e.g.
-    without NumPy, which async_ckpt does not require)."""
-    try:
-        import numpy as np
-    except ImportError:
-        return -1
-    try:
-        return int(np.frombuffer(b, dtype=np.uint8).ctypes.data)
-    except (TypeError, ValueError):
-        return -1
-
-
 class _RecordStream:
     """Write-through stream that counts bytes and computes CRC32C as data passes, gathering
     small writes into large ones (fewer syscalls/requests).
@@ -160,7 +148,7 @@ class _RecordStream:
     def write(self, b: Any) -> int:
         n = memoryview(b).nbytes
         if n >= 65536:
-            if self.expect is not None and n == self.expect[1] and _address(b) == self.expect[0]:
+            if self.expect is not None and n == self.expect[1] and address_of(b) == self.expect[0]:
                 self.found = self.tell()
             self.flush_pending()
             if self.records is None:
@@ -197,10 +185,20 @@ class _RecordStream:
             self._rec_start += n * count
 
     def append_record(self, t: torch.Tensor) -> int:
-        """Append ``torch.save(t)``'s bytes from a template (see :mod:`.records`) straight into
-        the pending buffer; return their length, or ``-1`` (nothing written) if ``t`` has none."""
+        """Write the record of ``t`` from its template (see :mod:`..torch_record`): a small one
+        copied into the pending buffer, a large one as its head, the tensor's memory itself (no
+        copy) and its tail. Returns the record's length, or ``-1`` (nothing written) if ``t``
+        has no template."""
+        tpl = _RECORDS.template(t)
+        if tpl is None:
+            return -1
+        if tpl.nbytes > _RECORDS.max_bytes:
+            self.write(tpl.head)
+            self.write(byte_view(t))
+            self.write(tpl.tail)
+            return tpl.length
         pending = self._pending
-        n = _RECORDS.append(pending, t)
+        n = tpl.append_to(pending, tpl.ctype.from_address(t.data_ptr()))
         if n >= 0:
             if self.records is not None:
                 with memoryview(pending) as mv:  # released: the buffer grows later
@@ -272,7 +270,7 @@ def _write_item(stream: _RecordStream, data: Any) -> int:
     if nbytes >= DATA_AT_MIN_BYTES and t.is_contiguous():
         stream.expect = (t.data_ptr(), nbytes)  # torch.save hands the storage's memory to write()
     try:
-        torch.save(t, stream)  # type: ignore[arg-type]  # any object with write() will do; torch annotates IO[bytes]
+        compat.torch_save_without_crc(t, stream)  # as the templates write it (see ..torch_record)
     except RuntimeError:
         if stream.error is not None:  # the storage's own error decides retrying
             raise stream.error from None
@@ -345,6 +343,8 @@ def _write_files(storage: Storage, path: str, prefix: str, buckets: List[List[An
                 for job in jobs:
                     data = resolve(job)
                     tpl = _RECORDS.template(data) if type(data) is torch.Tensor else None
+                    if tpl is not None and tpl.nbytes > _RECORDS.max_bytes:
+                        tpl = None  # a large record is written from the tensor's memory, on its own
                     if tpl is not None and tpl is run_tpl:
                         run.append(data)
                         continue
