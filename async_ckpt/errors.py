@@ -198,6 +198,13 @@ class StorageError(CheckpointError, OSError):
     """The storage backend refused an operation (permissions, no space, unreachable)."""
 
 
+class NotACheckpointRootError(StorageError, NotADirectoryError):
+    """A checkpoint path that cannot be a checkpoint root: a file, or a path under one.
+
+    A :class:`StorageError` (the path cannot be created) and a ``NotADirectoryError``. The
+    ``async-ckpt`` command raises it too for a Lightning ``.ckpt`` file given as PATH."""
+
+
 class StorageTimeoutError(StorageError):
     """A storage call did not finish within ``RetryPolicy.deadline``.
 

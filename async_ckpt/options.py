@@ -34,6 +34,10 @@ def _is_seconds(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+#: how the ``metrics=`` of several ranks become the step's (``CheckpointManager(metrics_reduce=)``)
+METRICS_REDUCE = ("rank0", "mean", "min", "max")
+
+
 @dataclass
 class ManagerOptions:
     """What a manager was asked to do, checked (the arguments of ``CheckpointManager``).
@@ -82,6 +86,7 @@ class ManagerOptions:
     frozen_check_every: int = 10
     replicated_saves: bool = True
     replicated_reads: str = "auto"
+    metrics_reduce: str = "rank0"
     read_only: bool = False
     wall_clock: Callable[[], float] = field(default=time.time)
     interval_clock: Callable[[], float] = field(default=time.monotonic)
@@ -116,6 +121,9 @@ class ManagerOptions:
         if self.replicated_reads not in REPLICATED_READS:
             raise InvalidArgumentError(f"replicated_reads must be one of {REPLICATED_READS}, got "
                                        f"{self.replicated_reads!r}")
+        if self.metrics_reduce not in METRICS_REDUCE:
+            raise InvalidArgumentError(f"metrics_reduce must be one of {METRICS_REDUCE} (how the metrics= of several "
+                                       f"ranks become the step's), got {self.metrics_reduce!r}")
         if not isinstance(self.lazy, bool):
             raise InvalidArgumentError(f"lazy must be a bool, got {self.lazy!r}")
         for name in ("wall_clock", "interval_clock"):

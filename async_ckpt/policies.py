@@ -62,6 +62,8 @@ __all__ = [
     "as_save_policy",
     "best_checkpoint",
     "decide_save",
+    "retention_from_spec",
+    "retention_spec",
 ]
 
 
@@ -745,6 +747,66 @@ class AnyOf:
 
     def __repr__(self) -> str:
         return f"AnyOf({list(self.policies)!r})"
+
+
+# ---- the job's retention, as manifests record it ------------------------------------------------
+#: ``retention_spec``'s value for a policy it cannot describe (a user's class or function)
+CUSTOM = "custom"
+#: the manifest ``extra`` entry holding :func:`retention_spec` of the job's retention
+RETENTION_KEY = "retention"
+
+
+def retention_spec(policy: Any) -> Optional[Dict[str, Any]]:
+    """A JSON description of a retention policy, for the manifests of the persistent root.
+
+    The manager records it in each manifest (``extra["retention"]``) so that tools
+    (``async-ckpt prune``) know what the job's own retention keeps.
+
+    Args:
+        policy: a retention policy.
+
+    Returns:
+        None for :class:`KeepAll` (and an ``AnyOf`` holding it: nothing is ever deleted); a
+        dict ``{"policy": name, ...fields}`` for :class:`KeepLatest`, :class:`KeepEveryNSteps`,
+        :class:`KeepTimeInterval`, :class:`KeepBest` and ``AnyOf`` of them; ``{"policy":
+        "custom", "repr": ...}`` for any other policy.
+    """
+    if isinstance(policy, KeepAll):
+        return None
+    if isinstance(policy, (KeepLatest, KeepEveryNSteps, KeepTimeInterval, KeepBest)):
+        return {"policy": type(policy).__name__, **{f: getattr(policy, f) for f in policy.__dataclass_fields__}}
+    if isinstance(policy, AnyOf):
+        members = [retention_spec(p) for p in policy.policies]
+        if any(m is None for m in members):
+            return None
+        return {"policy": "AnyOf", "policies": members}
+    return {"policy": CUSTOM, "repr": repr(policy)[:200]}
+
+
+def retention_from_spec(spec: Any) -> Optional[RetentionPolicy]:
+    """The policy :func:`retention_spec` described.
+
+    Args:
+        spec: what :func:`retention_spec` returned (read back from a manifest).
+
+    Returns:
+        The policy; None when ``spec`` (or a member of it) is a custom policy, or not a
+        description this version knows (a tool cannot tell what such a policy keeps).
+    """
+    kinds = {c.__name__: c for c in (KeepLatest, KeepEveryNSteps, KeepTimeInterval, KeepBest)}
+    if not isinstance(spec, dict):
+        return None
+    name = spec.get("policy")
+    try:
+        if name == "AnyOf":
+            members = [retention_from_spec(m) for m in spec.get("policies") or []]
+            return None if not members or any(m is None for m in members) else AnyOf(members)
+        cls = kinds.get(name) if isinstance(name, str) else None
+        if cls is None:
+            return None
+        return cls(**{k: v for k, v in spec.items() if k != "policy"})
+    except (TypeError, InvalidArgumentError):
+        return None
 
 
 # ---- steps and lookups --------------------------------------------------------------------------

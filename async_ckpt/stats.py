@@ -13,6 +13,12 @@ from .errors import InvalidArgumentError
 log = logging.getLogger("async_ckpt")
 
 DEFAULT_STATS_LOG = "save_stats.jsonl"
+#: ``SaveStats.extra`` keys of a manager with a local tier: the step was saved to the local tier
+#: only because the upload slots were busy (``UPLOAD_SKIPPED``) or the checkpoint path could not
+#: be reached (``FALLBACK``); in the stats log, ``FAILED`` holds the error of a save that failed
+UPLOAD_SKIPPED = "upload_skipped"
+FALLBACK = "fallback"
+FAILED = "failed"
 
 
 @dataclass
@@ -44,7 +50,11 @@ class SaveStats:
         commit_s: seconds of manifest + marker (+ rename).
         durable_s: seconds from the call until the step was committed (None while pending).
         commit_time: wall-clock time (``time.time()``) of the commit, or None.
-        extra: further entries (an integration's ``path``, a tier's name, ...).
+        extra: further entries: with a local tier, ``tier`` (``"local"`` or ``"persistent"``),
+            ``upload_skipped`` / ``fallback`` (saved to the local tier only: the upload slots were
+            busy / the checkpoint path could not be reached); in the stats log, ``failed`` (the
+            error of a save that failed, whose background fields stay empty); an integration's
+            ``path``.
     """
 
     step: int
@@ -103,10 +113,15 @@ class SaveStats:
         return cls(**{k: v for k, v in d.items() if k in names})
 
     def summary(self) -> str:
-        """One line for logs, in units that fit the sizes and times (KiB or GiB, us or s)."""
+        """One line for logs, in units that fit the sizes and times (KiB or GiB, us or s).
+
+        A manager with a local tier names the tier: ``step 20 to the local tier: ...``.
+        """
         durable = format_seconds(self.durable_s) if self.durable_s is not None else "pending"
+        tier = self.extra.get("tier")
         return (
-            f"step {self.step}: {format_bytes(self.nbytes)} in {self.num_tensors} tensors, "
+            f"step {self.step}{f' to {tier_name(tier)}' if tier else ''}: {format_bytes(self.nbytes)} in "
+            f"{self.num_tensors} tensors, "
             f"blocked {format_seconds(self.blocking_s)} (slot wait {format_seconds(self.queue_wait_s)}, "
             f"host copy {format_seconds(self.stage_s)}, {format_rate(self.nbytes, self.stage_s)}), "
             f"write {format_seconds(self.write_s)} ({format_rate(self.nbytes, self.write_s)}), "
@@ -114,6 +129,18 @@ class SaveStats:
             + (f" ({format_bytes(self.written_bytes)} written, {format_bytes(self.referred_bytes)} taken from "
                "the last step)" if self.referred_bytes else "")
         )
+
+
+def tier_name(tier: str) -> str:
+    """How messages name a manager's root: ``"the local tier"``, ``"the persistent root"``.
+
+    Args:
+        tier: ``"local"`` or ``"persistent"`` (``SaveStats.extra["tier"]``).
+
+    Returns:
+        The words.
+    """
+    return "the persistent root" if tier == "persistent" else f"the {tier} tier"
 
 
 def format_bytes(n: float) -> str:

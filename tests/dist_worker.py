@@ -483,7 +483,8 @@ def ranks_checks(root: str) -> None:
     fails at once, and a new manager saves again."""
     failed = []
     for name, check in (("BIG STEPS", big_step_checks), ("STATEFUL", failing_stateful_checks),
-                        ("STATE_DICT", failing_state_dict_checks), ("TIMEOUT", collective_timeout_checks)):
+                        ("METRICS", metrics_checks), ("STATE_DICT", failing_state_dict_checks),
+                        ("TIMEOUT", collective_timeout_checks)):
         try:
             check(root + "_" + name.lower().replace(" ", "_"))
             print(f"{name} RANK {dist.get_rank()} OK", flush=True)
@@ -511,6 +512,25 @@ def big_step_checks(root: str) -> None:
         expect_error(lambda: mgr.restore(big[rank], {"x": torch.zeros(4)}), CheckpointError, "rank(s) [1]")
         mgr.delete(2**63)
         assert mgr.all_steps() == [2**63 - 1, 2**70], mgr.all_steps()
+
+
+def metrics_checks(root: str) -> None:
+    """``metrics_reduce``: each rank gives its own metrics (one name on rank 0 only); the step
+    records rank 0's, or the mean, min or max over the ranks that gave each name."""
+    from async_ckpt import KeepBest
+
+    rank = dist.get_rank()
+    mine = {"loss": float(rank + 1), "acc": 0.5 + rank, **({"only0": 7.0} if rank == 0 else {})}
+    want = {"rank0": {"loss": 1.0, "acc": 0.5, "only0": 7.0}, "mean": {"loss": 1.5, "acc": 1.0, "only0": 7.0},
+            "min": {"loss": 1.0, "acc": 0.5, "only0": 7.0}, "max": {"loss": 2.0, "acc": 1.5, "only0": 7.0}}
+    for how, expected in want.items():
+        with CheckpointManager(f"{root}_{how}", metrics_reduce=how, retention=KeepBest(1, "loss")) as mgr:
+            mgr.save(1, {"w": torch.ones(4)}, metrics=mine)
+            assert mgr.metrics(1) == expected, (how, mgr.metrics(1))
+            mgr.save(2, {"w": torch.ones(4)}, metrics={k: v - 0.25 * (rank == 1) for k, v in mine.items()})
+            # mean/max see rank 1's lower loss at step 2 (best now: step 1 dropped by KeepBest(1))
+            best = 1 if how in ("rank0", "min") else 2
+            assert mgr.best_step("loss") == best and mgr.all_steps() == sorted({best, 2}), (how, mgr.all_steps())
 
 
 def failing_stateful_checks(root: str) -> None:

@@ -6,6 +6,11 @@
 gloo) every rank runs it; ranks other than 0 write ``LOG_JSON.<rank>``. ``PEFT`` 1 wraps the model
 in a LoRA adapter (peft).
 
+With ``TENSORBOARD_LOGGING_DIR`` set, HF's ``TensorBoardCallback`` logs there too.
+
+``accelerate-tb OUT_DIR``: three ``save_state`` calls through :func:`attach` with accelerate's
+TensorBoard tracker logging into ``OUT_DIR/tb``; ``OUT_DIR/stats.json`` gets the saver's stats.
+
 ``lightning-kill OUT_DIR``: Lightning training with :class:`AsyncCkptIO` whose writer is
 slowed down after the first committed ``last.ckpt``, printing ``WRITING`` when the next write
 of it has begun; the test then SIGKILLs the process.
@@ -59,11 +64,17 @@ def hf(out_dir: str, max_steps: int, resume: bool, log_json: str, limit: int = 2
         data_seed=0, disable_tqdm=True, dataloader_num_workers=0, warmup_steps=2, lr_scheduler_type="linear",
     )
     cb = AsyncCkptCallback()
-    trainer = Trainer(model=model, args=args, train_dataset=DS(), callbacks=[cb, Record()])
+    callbacks = [cb, Record()]
+    if os.environ.get("TENSORBOARD_LOGGING_DIR"):  # HF's own TensorBoard callback writes there
+        from transformers.integrations import TensorBoardCallback
+
+        callbacks.append(TensorBoardCallback())
+    trainer = Trainer(model=model, args=args, train_dataset=DS(), callbacks=callbacks)
     trainer.train(resume_from_checkpoint=True if resume else None)
     rank = int(os.environ.get("RANK", "0"))
     with open(log_json if rank == 0 else f"{log_json}.{rank}", "w") as f:
-        json.dump({"losses": losses, "stats": cb.stats, "allocations": cb.snapshotter.pool.allocations}, f)
+        json.dump({"losses": losses, "stats": [st.to_dict() for st in cb.stats],
+                   "allocations": cb.snapshotter.pool.allocations}, f)
 
 
 if __name__ == "__main__":
@@ -71,7 +82,7 @@ if __name__ == "__main__":
     if kind == "hf":
         hf(sys.argv[2], int(sys.argv[3]), sys.argv[4] == "1", sys.argv[5],
            *(int(a) for a in sys.argv[6:]))
-    elif kind not in ("lightning-kill", "accelerate-save", "accelerate-load"):
+    elif kind not in ("lightning-kill", "accelerate-save", "accelerate-load", "accelerate-tb"):
         raise SystemExit(f"unknown scenario {kind}")
 
 
@@ -237,7 +248,7 @@ def accelerate_save(out_dir: str) -> None:
             break
     saver.close()
     with open(os.path.join(out_dir, "stats.json"), "w") as f:
-        json.dump(saver.stats, f)
+        json.dump([st.to_dict() for st in saver.stats], f)
 
 
 def accelerate_load(ckpt_dir: str, out: str) -> None:
@@ -256,3 +267,33 @@ if __name__ == "__main__" and sys.argv[1] == "accelerate-save":
     accelerate_save(sys.argv[2])
 if __name__ == "__main__" and sys.argv[1] == "accelerate-load":
     accelerate_load(sys.argv[2], sys.argv[3])
+
+
+def accelerate_tb(out_dir: str) -> None:
+    import torch
+    from accelerate import Accelerator
+    from accelerate.utils import ProjectConfiguration
+
+    from async_ckpt.integrations.accelerate import attach
+
+    acc = Accelerator(cpu=True, log_with="tensorboard",
+                      project_config=ProjectConfiguration(project_dir=os.path.join(out_dir, "tb")))
+    acc.init_trackers("run")
+    model = torch.nn.Linear(8, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = acc.prepare(model, opt)
+    saver = attach(acc)
+    for i in range(3):
+        acc.backward(model(torch.randn(2, 8)).sum())
+        opt.step()
+        opt.zero_grad()
+        acc.save_state(os.path.join(out_dir, f"ckpt{i}"))
+        saver.wait()  # the next save logs this one's durable time
+    saver.close()
+    acc.end_training()
+    with open(os.path.join(out_dir, "stats.json"), "w") as f:
+        json.dump([st.to_dict() for st in saver.stats], f)
+
+
+if __name__ == "__main__" and sys.argv[1] == "accelerate-tb":
+    accelerate_tb(sys.argv[2])

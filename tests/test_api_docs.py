@@ -46,6 +46,7 @@ INTEGRATIONS = [
     ("async_ckpt.integrations.object_snapshot", "torch"),
     ("async_ckpt.integrations.atomic_files", "torch"),
     ("async_ckpt.integrations.background_writer", "torch"),
+    ("async_ckpt.integrations.save_figures", "torch"),
 ]
 #: names documented by the engineers who rewrite them (removed from this list after the merge)
 EXCLUDED: set = set()
@@ -229,3 +230,15 @@ def test_integrations_have_docstrings_with_args(module_name, framework):
     pytest.importorskip(framework)
     problems = problems_of(module_name)
     assert not problems, "undocumented public API:\n" + "\n".join(problems)
+
+
+def test_api_md_lists_every_save_stats_field():
+    """docs/api.md's table of SaveStats fields is the dataclass's fields, in order."""
+    from pathlib import Path
+
+    from async_ckpt import SaveStats
+
+    text = (Path(__file__).resolve().parent.parent / "docs" / "api.md").read_text()
+    section = text.split("### `SaveStats`", 1)[1].split("\n### ", 1)[0]
+    listed = re.findall(r"^\| `(\w+)` \|", section, re.M)
+    assert listed == [f.name for f in dataclasses.fields(SaveStats)], listed

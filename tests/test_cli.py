@@ -15,7 +15,7 @@ import fsspec
 import pytest
 import torch
 
-from async_ckpt import CheckpointManager, SaveStats
+from async_ckpt import CheckpointError, CheckpointManager, SaveStats
 from async_ckpt.cli import main
 from async_ckpt.cli.common import human_bytes
 from async_ckpt.stats import read_stats_log
@@ -239,7 +239,7 @@ def test_memory_url_damage_export_prune(mem_root, capsys, tmp_path):
     assert main(["prune", url, "--keep-last", "1", "--keep-every", "20", "--dry-run", "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert plan == {"path": url, "dry_run": True, "kept": [0, 20, 40, 50], "deleted": [10, 30],
-                    "skipped_damaged": {}}
+                    "skipped_damaged": {}, "job_retention": None, "kept_for_job_retention": [], "forced": []}
     assert main(["ls", url, "--json"]) == 0
     assert len(json.loads(capsys.readouterr().out)["steps"]) == 6
     assert main(["prune", url, "--keep-last", "1", "--keep-every", "20"]) == 0
@@ -273,9 +273,9 @@ def test_empty_root_and_bad_usage(tmp_path, capsys):
     assert "no checkpoints under" in capsys.readouterr().out
     assert main(["verify", str(tmp_path / "empty")]) == 2
     assert "no committed checkpoint" in capsys.readouterr().err
-    assert main(["prune", str(tmp_path)]) == 2  # --keep-last is required: the subcommand's usage error
+    assert main(["prune", str(tmp_path)]) == 2  # --keep-last or --keep-best: the subcommand's usage error
     err = capsys.readouterr().err
-    assert err.startswith("usage: async-ckpt prune ") and "required: --keep-last" in err
+    assert err.startswith("usage: async-ckpt prune ") and "one of the arguments --keep-last --keep-best is required" in err
 
 
 def test_damaged_marker_shows_in_ls_and_prune_leaves_it(tmp_path, capsys):
@@ -389,7 +389,7 @@ def test_stats_command(good_dir, tmp_path, capsys):
     table = out.split("\n\n")[0].splitlines()
     assert table[0].split()[:5] == ["STEP", "COMMITTED", "DATA", "FILES", "BLOCKED_MS"]
     assert [ln.split()[0] for ln in table[1:]] == [str(s) for s in STEPS]
-    assert "3 saves; blocked median" in out
+    assert "3 saves; blocked median" in out and "; durable median " in out
     assert main(["stats", root, "--last", "1", "--json"]) == 0
     saves = json.loads(capsys.readouterr().out)["saves"]
     assert len(saves) == 1 and saves[0]["step"] == STEPS[-1] and saves[0]["nbytes"] > 0
@@ -407,9 +407,11 @@ def test_ls_shows_commit_order_and_prune_refuses_under_a_live_writer(tmp_path, c
     out = json.loads(capsys.readouterr().out)
     assert out["commit_order"] == [30, 10, 20] and out["latest"] == 20
     assert main(["ls", root]) == 0
-    assert "latest (the newest commit that passes these checks, which restore(None) takes): 20" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert "commit order (oldest first): 30, 10, 20\nnewest intact step (what restore(None) takes): 20 " in text
     assert main(["prune", root, "--keep-last", "1"]) == 2  # the training job holds the lease
-    assert "live writer" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "live writer" in err and "pass --lease-timeout SECONDS to wait" in err and "lease_timeout=" not in err
     assert mgr.all_steps() == [10, 20, 30]
     mgr.close()
     assert main(["prune", root, "--keep-last", "1"]) == 0
@@ -435,7 +437,7 @@ def test_ls_and_verify_with_local_dir_show_another_job_s_copies_as_foreign(tmp_p
         (2, "local"): "listed", (2, "persistent"): "listed", (9, "local"): "foreign"}
     assert main(["ls", bucket_b, "--local-dir", local]) == 0
     out = capsys.readouterr().out
-    assert "FOREIGN" in out and "which restore(None) takes): 2" in out
+    assert "FOREIGN" in out and "restore(None) takes): 2" in out
     assert f"note: 1 local copy saved for another checkpoint path than file://{tmp_path}/b/" in out
     assert main(["verify", bucket_b, "--local-dir", local, "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
@@ -542,3 +544,150 @@ def test_stats_command_shows_written_and_shared_bytes(tmp_path, capsys):
     logged = {r["step"]: r for r in json.loads(capsys.readouterr().out)["saves"]}
     assert {s: (r["written_bytes"], r["referred_bytes"]) for s, r in logged.items()} == {
         s: (st.written_bytes, st.referred_bytes) for s, st in stats.items()}
+
+
+# ---- stats: tiers, rates, durable time, sparklines, --watch, --plot ------------------------------
+
+def _tiered_run(tmp_path, steps=range(1, 7)):
+    """A run with a local tier (every step) and the bucket (every 2nd), incremental (shared bytes),
+    logged under the bucket (a local path: both tiers' saves are logged)."""
+    bucket, local = str(tmp_path / "bucket"), str(tmp_path / "local")
+    base = torch.randn(256, 256)
+    with CheckpointManager(bucket, local_dir=local, local_policy=1, save_interval=2, stats_log=True,
+                           incremental=True) as mgr:
+        for s in steps:
+            mgr.save(s, {"base": base, "head": torch.full((8,), float(s))})
+    return bucket, local
+
+
+def test_stats_table_names_the_tier_with_rates_in_units_and_durable_time(tmp_path, capsys, caplog):
+    import logging
+
+    caplog.set_level(logging.INFO, logger="async_ckpt")
+    bucket, _ = _tiered_run(tmp_path)
+    msgs = [r.getMessage() for r in caplog.records]
+    assert any(m.startswith("saved step 2 to the local tier: ") for m in msgs), msgs
+    assert any(m.startswith("saved step 2 to the persistent root: ") for m in msgs), msgs
+    assert "deleted step 1 from the local tier (retention)" in msgs  # local_retention=2 by default
+    assert not [m for m in msgs if m.startswith("async_ckpt")]  # the logger's name is the one prefix
+    assert main(["stats", bucket]) == 0
+    out = capsys.readouterr().out
+    table = out.split("\n\n")[0].splitlines()
+    assert table[0].split()[:3] == ["STEP", "TIER", "COMMITTED"] and "WRITE_RATE" in table[0]
+    tiers = [(ln.split()[0], ln.split()[1]) for ln in table[1:]]
+    assert sorted(tiers) == sorted([(str(s), "local") for s in range(1, 7)] + [(str(s), "persistent") for s in (2, 4, 6)])
+    col = table[0].split().index("WRITE_RATE")
+    rates = [re.split(r"\s{2,}", ln.strip())[col] for ln in table[1:]]  # in a unit that fits
+    assert all(re.fullmatch(r"[1-9]\d*(\.\d\d)? (B|kB|MB|GB)/s", r) for r in rates), rates
+    summary = out.split("\n\n")[1]
+    assert summary.startswith("6 saves (9 records: one per tier); blocked median ")
+    assert "durable (local) median " in summary and "durable (persistent) median " in summary
+    spark = [ln for ln in summary.splitlines() if ln.startswith(("blocked  ", "durable  "))]
+    assert len(spark) == 3 and len(spark[0].split()[1]) == 6  # one character per save
+
+
+def test_a_failed_save_is_logged_and_marked(tmp_path, capsys):
+    """A local-tier save that fails (a full disk) goes to the stats log as failed, with its error."""
+    bucket, local = str(tmp_path / "bucket"), f"faulty://{tmp_path}/local"
+    mgr = CheckpointManager(bucket, local_dir=local, local_policy=1, save_interval=2, stats_log=True)
+    try:
+        mgr.save(1, {"w": torch.ones(64)})
+        mgr.roots[0].store.storage.fs.inject("write", "*.distcp", "enospc", times=1)
+        mgr.save_async(3, {"w": torch.ones(64)})
+        with pytest.raises(CheckpointError, match="No space left"):
+            mgr.join()
+        mgr.save(4, {"w": torch.ones(64)})
+    finally:
+        mgr.close()
+    logged = read_stats_log(f"{bucket}/save_stats.jsonl")
+    failed = [r for r in logged if r.extra.get("failed")]
+    assert [(r.step, r.extra["tier"]) for r in failed] == [(3, "local")] and "No space left" in failed[0].extra["failed"]
+    assert failed[0].durable_s is None and failed[0].blocking_s > 0
+    assert main(["stats", bucket]) == 0
+    out = capsys.readouterr().out
+    row = next(ln for ln in out.splitlines() if ln.startswith("   3  local"))
+    assert "FAILED: OSError" in row or "FAILED: " in row
+    assert ", 1 failed" in out and "failed: 3" in out
+
+
+def _png_size(path):
+    import struct
+
+    with open(path, "rb") as f:
+        head = f.read(24)
+    assert head[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG"
+    return struct.unpack(">II", head[16:24])
+
+
+def _has_color(img, hex_color, tol=0.02):
+    import numpy as np
+
+    want = np.array([int(hex_color[i:i + 2], 16) / 255 for i in (1, 3, 5)])
+    return int((np.abs(img[..., :3] - want).max(axis=-1) < tol).sum())
+
+
+def test_stats_plot_of_a_real_run_is_a_picture_with_its_marks(tmp_path):
+    import numpy as np
+
+    mpimg = pytest.importorskip("matplotlib.image")
+    from async_ckpt.cli.plot import DPI, FAILED_COLOR, FALLBACK_COLOR, FIGSIZE, SKIPPED_COLOR
+
+    bucket, _ = _tiered_run(tmp_path)
+    out = str(tmp_path / "run.png")
+    proc = run_cli("stats", bucket, "--plot", out)
+    assert proc.returncode == 0, proc.stderr
+    assert f"wrote {out} (1000 x 640 px)" in proc.stdout
+    assert _png_size(out) == (int(FIGSIZE[0] * DPI), int(FIGSIZE[1] * DPI)) == (1000, 640)
+    img = mpimg.imread(out)
+    ink = (img[..., :3].min(axis=-1) < 0.9).mean()
+    assert 0.05 < ink < 0.9, ink  # not blank, not a solid block
+    assert len(np.unique((img[..., :3] * 15).round().reshape(-1, 3), axis=0)) > 8  # lines, bars, text in colours
+    assert not any(_has_color(img, c) for c in (SKIPPED_COLOR, FALLBACK_COLOR, FAILED_COLOR))  # nothing to mark
+    # the same run with a skipped upload, a fallback and a failed save: each drawn as a mark
+    log = f"{bucket}/save_stats.jsonl"
+    records = read_stats_log(log)
+    marked = {5: {"upload_skipped": True}, 3: {"fallback": True}}
+    with open(log, "w") as f:
+        for r in records:
+            extra = {**r.extra, **marked.get(r.step, {})} if r.extra.get("tier") == "local" else r.extra
+            f.write(dataclasses.replace(r, extra=extra).to_json() + "\n")
+        f.write(dataclasses.replace(records[-1], step=7, durable_s=None, commit_time=None,
+                                    extra={"tier": "local", "failed": "OSError: [Errno 28] No space left"}).to_json() + "\n")
+    proc = run_cli("stats", bucket, "--plot", out)
+    assert proc.returncode == 0, proc.stderr
+    assert "uploads skipped: 5; fell back to the local tier: 3; failed: 7" in proc.stdout
+    img = mpimg.imread(out)
+    for c in (SKIPPED_COLOR, FALLBACK_COLOR, FAILED_COLOR):
+        assert _has_color(img, c) > 100, c
+
+
+def test_stats_watch_reprints_as_saves_come_until_ctrl_c(tmp_path):
+    import signal
+    import time
+
+    root = str(tmp_path / "ckpt")
+    proc = subprocess.Popen([sys.executable, "-m", "async_ckpt", "stats", root, "--watch", "0.3"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PJRT_DEVICE": "CPU"})
+    import threading
+
+    chunks = []
+    threading.Thread(target=lambda: chunks.extend(iter(proc.stdout.readline, "")), daemon=True).start()
+    try:
+        deadline = time.monotonic() + 120
+        step = 0
+        with CheckpointManager(root, stats_log=True) as mgr:
+            while time.monotonic() < deadline and "\n   2  " not in "".join(chunks):
+                seen = "".join(chunks)
+                if ("waiting for the stats log" in seen and step == 0) or ("\n   1  " in seen and step == 1):
+                    step += 1
+                    mgr.save(step, {"w": torch.full((4,), float(step))})
+                time.sleep(0.1)
+        seen = "".join(chunks)
+        assert "waiting for the stats log" in seen and "\n   1  " in seen and "\n   2  " in seen, seen
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0
+        assert "Traceback" not in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()

@@ -18,7 +18,7 @@ import torch
 from async_ckpt import CheckpointManager
 from async_ckpt.cli import main
 
-from .conftest import assert_bitwise_equal, clone_tree, data_files, small_state, target_like
+from .conftest import assert_bitwise_equal, clone_tree, data_files, flip_data_byte, small_state, target_like
 
 ROOT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -137,11 +137,73 @@ def test_ls_latest_is_the_step_restore_none_takes(tmp_path, capsys):
     row3 = next(line for line in text.splitlines() if line.strip().startswith("3 "))
     assert "latest" not in row3 and "DAMAGED" in row3
     assert any(line.strip().startswith("2  2 latest") for line in text.splitlines()), text
-    assert "restore(None) takes): 2 (newer, damaged, skipped: 3)" in text
+    assert "newest intact step (what restore(None) takes): 2 (by ls's checks, contents not read: ls --verify or " \
+           "verify checksums it); newer, damaged, skipped: 3" in text
     target = target_like(small_state(0))
     with CheckpointManager(root) as mgr:
         assert mgr.restore(None, target) == 2
     assert_bitwise_equal(target, saved[2])
+
+
+def test_which_step_is_safe_ls_verify_export_name_the_newest_intact_step(tmp_path):
+    """A job died; its newest step (800) has a flipped byte (sizes intact: only a checksum
+    tells). Every command names the step restore(None) takes, 700, and marks 800."""
+    root, saved = _root(tmp_path, steps=(600, 700, 800))
+    flip_data_byte(f"{root}/800")
+    proc = cli("ls", root)  # reads no data: names 800, and says its contents were not read
+    assert proc.returncode == 0, proc.stderr
+    assert ("newest intact step (what restore(None) takes): 800 (by ls's checks, contents not read: ls --verify or "
+            "verify checksums it)") in proc.stdout
+    proc = cli("ls", root, "--verify")
+    assert proc.returncode == 0, proc.stderr
+    rows = {line.split()[0]: line for line in proc.stdout.split("\n\n")[0].splitlines()[1:]}
+    assert "DAMAGED" in rows["800"] and " verified " in rows["700"] and "latest" in rows["700"]
+    assert " listed " in rows["600"]  # older: not read (restore(None) stops at 700)
+    assert "newest intact step (what restore(None) takes): 700; newer, damaged, skipped: 800" in proc.stdout
+    assert "step 800 (800): damaged: __0_0.distcp: checksum mismatch" in proc.stdout
+    proc = cli("verify", root)  # as restore(None) reads: 800 fails, 700 verifies, 600 is not needed
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stdout.splitlines()[0].startswith("step 800: DAMAGED")
+    assert "step 700: ok" in proc.stdout and "step 600" not in proc.stdout
+    assert proc.stdout.splitlines()[-1] == "newest intact step (what restore(None) takes): 700; newer, damaged, skipped: 800"
+    proc = cli("verify", root, "--all", "--json")
+    assert proc.returncode == 1
+    out = json.loads(proc.stdout)
+    assert out["newest_intact"] == 700 and out["newer_damaged"] == [800]
+    out_file = str(tmp_path / "latest.pt")
+    proc = cli("export", root, "latest", out_file)  # the step restore(None) takes, and it says which
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("exported step 700 ") and "newer, damaged, skipped: 800" in proc.stdout
+    assert "async-ckpt: warning: skipping damaged step 800" in proc.stderr and "checksum mismatch" in proc.stderr
+    assert_bitwise_equal(torch.load(out_file, weights_only=True), saved[700])
+    target = target_like(small_state(0))
+    with CheckpointManager(root) as mgr:
+        assert mgr.restore(None, target) == 700  # what every command named
+    proc = cli("export", root, "800", str(tmp_path / "800.pt"))  # named: an error naming the step
+    line = _one_line(proc, code=1)
+    assert line.startswith("async-ckpt: error: step 800: ") and "checksum mismatch" in line
+    assert f"`async-ckpt verify {root}` names the newest intact step" in line
+    proc = cli("show", root, "800", "--json")
+    assert proc.returncode == 0  # show reads only the metadata, which is intact
+
+
+def test_ls_of_a_step_directory_or_a_parent_of_roots_says_what_to_pass(tmp_path):
+    """The manager's diagnosis of a path, in the command: a step directory is not a DCP
+    checkpoint of another kind, and the parent of roots names one of them."""
+    root, _ = _root(tmp_path / "runs", steps=(700,), name="run1")
+    proc = cli("ls", f"{root}/700")
+    assert proc.returncode == 0, proc.stderr
+    assert "not written by async_ckpt" not in proc.stdout
+    assert (f"{root}/700 looks like one step's directory (it holds manifest.json and COMMITTED): pass the "
+            f"checkpoint root, its parent {root}, instead") in proc.stdout
+    proc = cli("ls", str(tmp_path / "runs"))
+    assert proc.returncode == 0, proc.stderr
+    assert f"looks like the parent of checkpoint roots; pass one of them (e.g. {root})" in proc.stdout
+    proc = cli("verify", f"{root}/700")
+    line = _one_line(proc)
+    assert "no committed checkpoint under" in line and f"pass the checkpoint root, its parent {root}, instead" in line
+    with pytest.warns(UserWarning, match="looks like one step's directory"):  # the manager: the same words
+        CheckpointManager(f"{root}/700")
 
 
 def test_ls_points_a_plain_dcp_checkpoint_at_the_migration_guide(tmp_path, capsys):
@@ -186,6 +248,65 @@ def test_ls_and_verify_name_lightning_and_hf_checkpoints(tmp_path, capsys):
     assert "no committed checkpoint under" in err and "found last.ckpt" in err and "found checkpoint-10" in err
     assert main(["ls", str(out_dir / "last.ckpt")]) == 2
     assert "last.ckpt is a Lightning checkpoint file" in capsys.readouterr().err
+
+
+# ---- prune: metrics, --keep-best, the job's own retention ------------------------------------
+
+def _steps(root):
+    return sorted(int(n) for n in os.listdir(root) if n.isdigit())
+
+
+def test_prune_keeps_what_the_job_s_own_retention_keeps_unless_forced(tmp_path):
+    """A KeepBest(3, "val_loss") job: `prune --keep-last 1` used to delete its best step."""
+    from async_ckpt import KeepBest
+
+    root = str(tmp_path / "ckpt")
+    losses = {100: 0.9, 200: 0.1, 300: 0.5, 400: 0.3, 500: 0.7}
+    with CheckpointManager(root, retention=KeepBest(3, "val_loss")) as mgr:
+        for s, v in losses.items():
+            mgr.save(s, small_state(s), metrics={"val_loss": v})
+    assert _steps(root) == [200, 300, 400, 500]  # the 3 best, and the newest (always kept)
+    proc = cli("prune", root, "--keep-last", "1", "--dry-run")
+    assert proc.returncode == 0, proc.stderr
+    table = proc.stdout.splitlines()
+    assert table[0].split() == ["STEP", "COMMITTED", "DATA", "METRICS", "ACTION"]
+    rows = {line.split()[0]: line for line in table[1:5]}
+    assert "val_loss=0.1" in rows["200"] and rows["200"].endswith("keep (job's retention)")
+    assert rows["500"].endswith("keep") and "would delete" not in proc.stdout
+    assert ("kept 3 step(s) the job's own retention (KeepBest(n=3, metric='val_loss', mode='min', missing='keep')) "
+            "keeps: 200, 300, 400; pass --force to delete them too") in proc.stdout
+    assert cli("prune", root, "--keep-last", "1").returncode == 0
+    assert _steps(root) == [200, 300, 400, 500]  # nothing the job keeps was deleted
+    proc = cli("prune", root, "--keep-best", "1", "--metric", "val_loss", "--force")
+    assert proc.returncode == 0, proc.stderr
+    assert "--force: deleted 2 step(s) the job's own retention" in proc.stdout
+    assert _steps(root) == [200, 500]  # the best, and the newest intact commit
+    line = _one_line(cli("prune", root, "--keep-best", "1", "--metric", "val_los"))
+    assert "no committed step recorded the metric 'val_los' (the steps' metrics: val_loss)" in line
+    line = _one_line(cli("prune", root, "--keep-best", "1"))
+    assert "--keep-best needs --metric NAME" in line
+    proc = cli("prune", root, "--keep-best", "1", "--metric", "val_loss", "--mode", "max", "--dry-run", "--json")
+    out = json.loads(proc.stdout)
+    assert out["deleted"] == [] and out["kept_for_job_retention"] == [200]  # max: 500 is the best; 200 the job's
+    assert out["job_retention"] == {"policy": "KeepBest", "n": 3, "metric": "val_loss", "mode": "min",
+                                    "missing": "keep"}
+
+
+def test_prune_under_a_custom_retention_deletes_nothing_without_force(tmp_path, capsys):
+    root = str(tmp_path / "ckpt")
+    with CheckpointManager(root, retention=lambda cks: {c.step for c in cks if c.step % 2}) as mgr:
+        for s in (1, 3, 5):
+            mgr.save(s, small_state(s))
+    assert main(["prune", root, "--keep-last", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "a custom policy, retention(<lambda>), whose choices cannot be known here" in out
+    assert _steps(root) == [1, 3, 5]
+    assert main(["prune", root, "--keep-last", "1", "--force"]) == 0
+    assert _steps(root) == [5]
+    with CheckpointManager(root) as mgr:  # the default (keep all) records no retention: prune decides
+        mgr.save(7, small_state(7))
+    assert main(["prune", root, "--keep-last", "1"]) == 0
+    assert _steps(root) == [7]
 
 
 # ---- verify / export: progress, --force, -o for OUT ------------------------------------------
@@ -294,7 +415,8 @@ def test_rm_and_prune_wait_lease_timeout_then_refuse(tmp_path):
             t0 = time.monotonic()
             proc = cli(*args, "--lease-timeout", "1.5", "--json")
             assert proc.returncode == 2, proc.stderr
-            assert json.loads(proc.stdout)["error"]["type"] == "LeaseHeldError"
+            err = json.loads(proc.stdout)["error"]
+            assert err["type"] == "LeaseHeldError" and "pass --lease-timeout SECONDS to wait" in err["message"]
             assert time.monotonic() - t0 >= 1.5
         assert sorted(n for n in os.listdir(root) if n.isdigit()) == ["1", "2", "7"]  # nothing deleted
     finally:

@@ -171,6 +171,12 @@ def test_one_ranks_failing_load_state_dict_raises_on_every_rank(ranks_job):
     _ok(ranks_job, 2)
 
 
+def test_the_metrics_of_several_ranks_are_reduced_as_asked(ranks_job):
+    """metrics_reduce="rank0" | "mean" | "min" | "max": what the step records (and KeepBest ranks)."""
+    for r in range(2):
+        assert f"METRICS RANK {r} OK" in ranks_job.stdout, ranks_job.stdout[-4000:]
+
+
 def test_one_ranks_failing_state_dict_raises_on_every_rank_at_once(ranks_job):
     """A Stateful value whose state_dict() raises on rank 1 only, in a save and in a restore:
     both ranks raise within seconds (not the 300 s collective timeout), naming rank 1 and its

@@ -9,6 +9,9 @@ Rules (also in docs/index.md, "About these docs"):
   what cannot run here: torchrun, a real GCS bucket, a TPU).
 * Blocks run in this test process (torch is imported once); logging configuration is restored
   and any ``CheckpointManager`` left open is closed after each file.
+* A ```sh block right after ``<!-- run -->`` runs too, in order with the file's python blocks:
+  each line is an ``async-ckpt ...`` command, run through ``async_ckpt.cli.main``; it must exit
+  0, or the code its comment names (``# exit 1: ...``).
 
 The other checks: relative links between the docs point at files that exist, and
 docs/api.md mentions every name ``async_ckpt`` exports.
@@ -56,6 +59,50 @@ def python_blocks(text: str) -> List[Tuple[int, str, bool]]:
     return out
 
 
+RUN = "<!-- run -->"
+_SH_OPEN = re.compile(r"^```sh\s*$")
+_EXIT = re.compile(r"#.*\bexit (\d+)\b")
+
+
+def runnable_blocks(text: str) -> List[Tuple[int, str, str]]:
+    """``(first line number, kind, source)`` of the blocks that run, in order: ```python blocks
+    (not after ``<!-- no-test -->``) and ```sh blocks after ``<!-- run -->`` (kind ``"sh"``)."""
+    lines = text.splitlines()
+    out = []
+    i = 0
+    while i < len(lines):
+        kind = "python" if _OPEN.match(lines[i]) else "sh" if _SH_OPEN.match(lines[i]) else None
+        if kind is None:
+            i += 1
+            continue
+        prev = next((lines[j].strip() for j in range(i - 1, -1, -1) if lines[j].strip()), "")
+        j = i + 1
+        while j < len(lines) and not _CLOSE.match(lines[j]):
+            j += 1
+        src = "\n".join(lines[i + 1:j]) + "\n"
+        if (kind == "python" and prev != NO_TEST) or (kind == "sh" and prev == RUN):
+            out.append((i + 2, kind, src))
+        i = j + 1
+    return out
+
+
+def run_sh(rel: str, line: int, src: str) -> None:
+    """Run a ``<!-- run -->`` block's ``async-ckpt`` commands through the CLI's ``main``."""
+    import shlex
+
+    from async_ckpt.cli import main
+
+    for n, cmd in enumerate(src.splitlines()):
+        if not cmd.strip() or cmd.lstrip().startswith("#"):
+            continue
+        m = _EXIT.search(cmd)
+        want = int(m.group(1)) if m else 0
+        argv = shlex.split(cmd, comments=True)
+        assert argv[0] == "async-ckpt", f"{rel}:{line + n}: a run block holds async-ckpt commands, got {cmd!r}"
+        code = main(argv[1:])
+        assert code == want, f"{rel}:{line + n}: {cmd!r} exited {code}, the docs say {want}"
+
+
 def test_block_parser():
     text = "x\n```python\na = 1\n```\n<!-- no-test -->\n\n```python\nb = 2\n```\n```sh\nls\n```\n"
     assert python_blocks(text) == [(3, "a = 1\n", False), (8, "b = 2\n", True)]
@@ -75,19 +122,19 @@ def _close_managers(ns: dict) -> None:
 @pytest.mark.parametrize("path", doc_files(), ids=lambda p: str(p.relative_to(ROOT)))
 def test_doc_code_blocks_run(path: Path, tmp_path, monkeypatch):
     rel = str(path.relative_to(ROOT))
-    blocks = python_blocks(path.read_text())
-    runnable = [b for b in blocks if not b[2]]
+    runnable = runnable_blocks(path.read_text())
     if not runnable:
         pytest.skip(f"{rel} has no runnable python blocks")
-    if any(re.search(r"^\s*(import|from) torch_xla", src, re.M) for _, src, _ in runnable):
+    if any(re.search(r"^\s*(import|from) torch_xla", src, re.M) for _, kind, src in runnable if kind == "python"):
         pytest.importorskip("torch_xla", reason=f"{rel} runs torch_xla code (not installed with this torch)")
     monkeypatch.chdir(tmp_path)
     root_logger, pkg_logger = logging.getLogger(), logging.getLogger("async_ckpt")
     saved_logging = (list(root_logger.handlers), root_logger.level, pkg_logger.level)
     ns: dict = {"__name__": "__main__"}
     try:
-        for line, src, skipped in blocks:
-            if skipped:
+        for line, kind, src in runnable:
+            if kind == "sh":
+                run_sh(rel, line, src)
                 continue
             # Pad so that tracebacks show the line number in the .md file.
             code = compile("\n" * (line - 1) + src, f"{rel}", "exec")
@@ -104,6 +151,33 @@ def test_doc_code_blocks_run(path: Path, tmp_path, monkeypatch):
 
 
 _LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def test_runnable_block_parser():
+    text = ("```python\na = 1\n```\n<!-- run -->\n```sh\nasync-ckpt ls x   # exit 0\n```\n```sh\nls\n```\n"
+            "<!-- no-test -->\n```python\nb = 2\n```\n")
+    assert runnable_blocks(text) == [(2, "python", "a = 1\n"), (6, "sh", "async-ckpt ls x   # exit 0\n")]
+
+
+def test_quickstart_why_was_a_save_slow_shows_the_info_line(tmp_path, monkeypatch, capsys):
+    """The section configures logging before its saves, so the INFO line it promises appears."""
+    text = (ROOT / "docs" / "quickstart.md").read_text()
+    monkeypatch.chdir(tmp_path)
+    root_logger, pkg_logger = logging.getLogger(), logging.getLogger("async_ckpt")
+    saved = (list(root_logger.handlers), root_logger.level, pkg_logger.level)
+    root_logger.handlers[:] = []  # basicConfig configures only a root logger without handlers
+    ns: dict = {"__name__": "__main__"}
+    try:
+        for line, kind, src in runnable_blocks(text):
+            assert kind == "python", "quickstart.md runs no command blocks"
+            exec(compile("\n" * (line - 1) + src, "docs/quickstart.md", "exec"), ns)
+    finally:
+        _close_managers(ns)
+        root_logger.handlers[:] = saved[0]
+        root_logger.setLevel(saved[1])
+        pkg_logger.setLevel(saved[2])
+    err = capsys.readouterr().err
+    assert re.search(r"^INFO:async_ckpt:saved step \d+: .* blocked ", err, re.M), err[-2000:]
 
 
 def test_relative_links_resolve():

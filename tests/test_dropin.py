@@ -284,3 +284,36 @@ def test_resave_replaces_a_step_and_keeps_the_old_copy_until_committed(tmp_path,
     assert_bitwise_equal(target, small_state(55))
     assert mgr.all_steps() == [5]
     mgr.close()
+
+
+# ---- torch_xla's key layout -----------------------------------------------------------------
+
+def _layout(entries):
+    """DCP metadata naming ``entries`` (flattened key -> path), as a checkpoint lists them."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
+
+    return Metadata(state_dict_metadata={k: BytesStorageMetadata() for k in entries}, planner_data=dict(entries))
+
+
+def test_a_restore_target_is_flattened_in_the_checkpoints_key_layout():
+    """torch_xla's ``SPMDSavePlanner`` (its manager; async_ckpt under SPMD) stores a dict or list
+    holding no tensor as one item; DCP's default, every value on its own. The target is read in
+    the layout of the checkpoint (tests/test_spmd.py restores such steps for real)."""
+    from async_ckpt.storage.dcp.file_assignment import flatten, flatten_target
+
+    w = torch.zeros(2)
+    groups = [{"lr": 0.1, "betas": (0.9, 0.99), "params": [0]}]
+    adam = {"model": {"w": w}, "optim": {"state": {0: {"exp_avg": w}}, "param_groups": groups}}
+    modern = flatten(adam)
+    assert flatten_target(adam, _layout(modern[1])) == modern  # DCP's layout: unchanged
+    flat, paths = flatten_target(adam, _layout({"model.w": ("model", "w"), "optim.state.0.exp_avg":
+                                                ("optim", "state", "0", "exp_avg"),
+                                                "optim.param_groups": ("optim", "param_groups")}))
+    assert list(flat) == ["model.w", "optim.state.0.exp_avg", "optim.param_groups"]
+    assert flat["optim.param_groups"] is groups and paths["optim.param_groups"] == ("optim", "param_groups")
+    # SGD without momentum: the whole optimizer state dict is one item, its empty state included.
+    sgd = {"model": {"w": w}, "optim": {"state": {}, "param_groups": groups}}
+    flat, paths = flatten_target(sgd, _layout({"model.w": ("model", "w"), "optim": ("optim",)}))
+    assert list(flat) == ["model.w", "optim"] and flat["optim"] is sgd["optim"]
+    # A container the target fills with tensors is not one item: its keys stay the target's.
+    assert list(flatten_target(adam, _layout({"optim": ("optim",)}))[0]) == list(modern[0])

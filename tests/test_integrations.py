@@ -293,6 +293,72 @@ def test_lightning_remote_storage_options_and_atomic_remote_writes(tmp_path):
             mem.rm("/acx", recursive=True)
 
 
+# ---- the save figures, in the frameworks' own loggers (TensorBoard event files read back) -------
+
+def _tb_scalars(logdir):
+    """Every scalar of the TensorBoard event files under ``logdir``: tag -> [(step, value)]."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = {}
+    for d in sorted({str(p.parent) for p in Path(logdir).rglob("events.out.tfevents.*")}):
+        acc = EventAccumulator(d)
+        acc.Reload()
+        for tag in acc.Tags()["scalars"]:
+            out.setdefault(tag, []).extend((e.step, e.value) for e in acc.Scalars(tag))
+    return out
+
+
+def test_lightning_logs_each_save_s_figures_to_the_trainer_s_logger(tmp_path):
+    pytest.importorskip("tensorboard")
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    io = AsyncCkptIO()
+    cb = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), every_n_train_steps=2, save_top_k=-1)
+    logger = TensorBoardLogger(str(tmp_path / "tb"), name="run")
+    trainer = L.Trainer(max_steps=6, accelerator="cpu", devices=1, plugins=[io], callbacks=[cb], logger=logger,
+                        enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1)
+    trainer.fit(LitModel())
+    scalars = _tb_scalars(tmp_path / "tb")
+    blocking = scalars["checkpoint/blocking_s"]
+    assert [s for s, _ in blocking] == [2, 4, 6] == [s.step for s in io.stats]
+    assert [v for _, v in blocking] == pytest.approx([s.blocking_s for s in io.stats], rel=1e-6)  # float32
+    assert [v for _, v in scalars["checkpoint/nbytes"]] == [float(s.nbytes) for s in io.stats]
+    durable = scalars["checkpoint/durable_s"]  # an earlier save's, once committed, logged at a later one
+    assert durable and {s for s, _ in durable} <= {4, 6}
+    assert all(any(v == pytest.approx(s.durable_s, rel=1e-6) for s in io.stats) for _, v in durable)
+    assert "train_loss" in scalars  # beside the user's own figures
+
+
+@pytest.mark.slow
+def test_hf_trainer_logs_each_save_s_figures_through_log(tmp_path):
+    pytest.importorskip("tensorboard")
+    out = _hf(tmp_path / "out", 6, False, tmp_path / "log.json", 2, 0, 0,
+              env={"TENSORBOARD_LOGGING_DIR": str(tmp_path / "tb")})
+    stats = out["stats"]  # SaveStats, as the core manager's
+    assert [s["step"] for s in stats] == [2, 4, 6] and all(s["durable_s"] and s["files"] >= 5 for s in stats)
+    assert all(s["written_bytes"] > s["nbytes"] > 0 and s["extra"]["path"].endswith(f"checkpoint-{s['step']}")
+               for s in stats)
+    scalars = _tb_scalars(tmp_path / "tb")
+    assert [s for s, _ in scalars["train/checkpoint/blocking_s"]] == [2, 4, 6]
+    assert [v for _, v in scalars["train/checkpoint/blocking_s"]] == pytest.approx([s["blocking_s"] for s in stats],
+                                                                                   rel=1e-6)
+    assert {s for s, _ in scalars["train/checkpoint/durable_s"]} <= {4, 6} and "train/loss" in scalars
+
+
+def test_accelerate_logs_each_save_s_figures_to_its_trackers(tmp_path):
+    pytest.importorskip("accelerate")
+    pytest.importorskip("tensorboard")
+    _worker("accelerate-tb", tmp_path)
+    stats = json.loads((tmp_path / "stats.json").read_text())
+    assert [s["step"] for s in stats] == [0, 1, 2] and all(s["durable_s"] and s["written_bytes"] for s in stats)
+    scalars = _tb_scalars(tmp_path / "tb")
+    assert [s for s, _ in scalars["checkpoint/blocking_s"]] == [0, 1, 2]
+    assert [v for _, v in scalars["checkpoint/blocking_s"]] == pytest.approx([s["blocking_s"] for s in stats], rel=1e-6)
+    assert [(s, v) for s, v in scalars["checkpoint/durable_s"]] == [
+        (1, pytest.approx(stats[0]["durable_s"], rel=1e-6)), (2, pytest.approx(stats[1]["durable_s"], rel=1e-6))]
+
+
 def test_lightning_versioned_names_are_taken_while_their_writes_are_in_flight(tmp_path):
     """ModelCheckpoint versions a name (``epoch=0-v1.ckpt``) only if the name exists: a
     ``filename="{epoch}"`` callback keeping every step's checkpoint reused ``epoch=0.ckpt``
@@ -391,14 +457,14 @@ def test_lightning_plugin_and_hf_callback_pickle_and_the_copy_saves(tmp_path):
 
 # ---- Hugging Face ------------------------------------------------------------------------------
 
-def _hf(out, max_steps, resume, log, *extra, nproc=0):
+def _hf(out, max_steps, resume, log, *extra, nproc=0, env=None):
     """One HF run of integration_worker.py ``hf``; ``nproc`` > 0: under torchrun (DDP, gloo)."""
     pytest.importorskip("transformers")
     launch = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
               if nproc else [sys.executable])
     r = subprocess.run([*launch, WORKER, "hf", str(out), str(max_steps), "1" if resume else "0", str(log),
                         *map(str, extra)], env=_env(USE_TORCH_XLA="0", TOKENIZERS_PARALLELISM="false",
-                                                    OMP_NUM_THREADS="1"),
+                                                    OMP_NUM_THREADS="1", **(env or {})),
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     return json.loads(Path(log).read_text())
@@ -527,9 +593,11 @@ def test_accelerate_save_state_is_asynchronous_and_loads_bitwise(tmp_path):
     ckpts = tmp_path / "proj" / "checkpoints"
     assert sorted(os.listdir(ckpts)) == ["checkpoint_1", "checkpoint_2"]  # total_limit=2
     assert not [n for n in os.listdir(tmp_path / "proj") if n.startswith(".")]  # nothing in flight left
-    stats = json.loads((tmp_path / "stats.json").read_text())
-    assert [Path(s["dir"]).name for s in stats] == ["checkpoint_0", "checkpoint_1", "checkpoint_2"]
-    assert all(s["nbytes"] > 0 for s in stats)
+    stats = json.loads((tmp_path / "stats.json").read_text())  # SaveStats, as the core manager's
+    assert [Path(s["extra"]["path"]).name for s in stats] == ["checkpoint_0", "checkpoint_1", "checkpoint_2"]
+    assert [s["step"] for s in stats] == [0, 1, 2]
+    assert all(s["nbytes"] > 0 and s["blocking_s"] > 0 and s["durable_s"] >= s["blocking_s"] for s in stats)
+    assert all(s["files"] >= 5 and s["written_bytes"] > s["nbytes"] / 2 and s["commit_time"] for s in stats)
     ours, own = ckpts / "checkpoint_2", tmp_path / "own7"
     assert sorted(os.listdir(ours)) == sorted(os.listdir(own))
     assert {"model.safetensors", "optimizer.bin", "scheduler.bin", "random_states_0.pkl",

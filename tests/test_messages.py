@@ -237,6 +237,30 @@ def test_a_new_root_is_reported_and_a_step_dir_or_a_parent_of_roots_warns(tmp_pa
         CheckpointManager(str(tmp_path / "checkpoints"))
 
 
+def test_a_root_that_is_a_file_is_a_typed_error_naming_it(tmp_path):
+    from async_ckpt import NotACheckpointRootError
+
+    f = tmp_path / "ckpt"
+    f.write_text("not a directory")
+    with pytest.raises(NotACheckpointRootError, match=r"ckpt is a file, not a directory: pass a directory") as e:
+        CheckpointManager(str(f))
+    assert "File exists" not in str(e.value)
+    with pytest.raises(NotACheckpointRootError, match=r"sub cannot be written: .*ckpt is a file, not a directory"):
+        CheckpointManager(str(f / "sub"))
+    with pytest.raises(NotACheckpointRootError, match=r"local_dir .* is a file"):
+        CheckpointManager(str(tmp_path / "bucket"), local_dir=str(f))
+    assert f.read_text() == "not a directory"
+
+
+def test_metrics_reduce_names_its_choices(tmp_path):
+    with pytest.raises(async_ckpt.InvalidArgumentError, match=r"metrics_reduce must be one of \('rank0', 'mean', "
+                                                            r"'min', 'max'\).*got 'avg'"):
+        CheckpointManager(str(tmp_path / "c"), metrics_reduce="avg")
+    with CheckpointManager(str(tmp_path / "c"), metrics_reduce="mean") as mgr:  # one process: as given
+        mgr.save(1, {"w": torch.ones(2)}, metrics={"loss": 0.5})
+        assert mgr.metrics(1) == {"loss": 0.5}
+
+
 def test_save_interval_with_a_save_policy_warns(tmp_path):
     with pytest.warns(UserWarning, match="save_interval=5 is ignored") as rec:
         CheckpointManager(str(tmp_path / "c"), save_interval=5, save_policy=async_ckpt.EveryNSteps(2))

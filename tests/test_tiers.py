@@ -439,7 +439,7 @@ def test_cli_ls_numbers_the_two_copies_of_one_save_once(roots, capsys):
     assert main(["ls", path, "--local-dir", local]) == EXIT_OK
     text = capsys.readouterr().out
     assert sum(" 3 latest " in line for line in text.splitlines()) == 2  # both copies of step 4
-    assert "commit order (oldest first): 2, 3, 4;" in text
+    assert "commit order (oldest first): 2, 3, 4\nnewest intact step (what restore(None) takes): 4 " in text
 
 
 def test_promote_refuses_one_rank_s_local_copy_of_a_multi_rank_job(roots, monkeypatch, capsys):

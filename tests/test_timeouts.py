@@ -215,7 +215,7 @@ def test_with_a_local_tier_a_bucket_that_is_down_fails_each_upload_within_the_de
     assert done
 
 
-def test_with_a_local_tier_a_forced_save_waits_for_a_busy_upload_instead_of_skipping(hanging, tmp_path):
+def test_with_a_local_tier_a_forced_save_waits_for_a_busy_upload_instead_of_skipping(hanging, tmp_path, caplog):
     """A busy upload makes a plain save_async skip the bucket (saved locally only); a forced
     save (typically a run's last) is never skipped: it waits its turn and reaches the bucket."""
     mgr = CheckpointManager("hang://run", local_dir=str(tmp_path / "local"), local_policy=1, save_interval=1,
@@ -224,8 +224,11 @@ def test_with_a_local_tier_a_forced_save_waits_for_a_busy_upload_instead_of_skip
         mgr.save(1, state(1))
         hanging.hang.set()
         assert mgr.save_async(2, state(2))  # its upload hangs and holds the bucket's slot
-        assert mgr.save_async(3, state(3))  # skipped for the bucket
+        with caplog.at_level(logging.WARNING, logger="async_ckpt"):
+            assert mgr.save_async(3, state(3))  # skipped for the bucket
         assert mgr.skipped_uploads == [3]
+        skipped = [r.getMessage() for r in caplog.records if "is not uploaded" in r.getMessage()]
+        assert skipped and skipped[0].startswith("step 3 is not uploaded to hang://")  # one prefix: the logger's name
         threading.Timer(1.0, hanging.release.set).start()  # the hung upload goes through in 1 s
         done, exc, took = finishes_within(30, lambda: mgr.save_async(4, state(4), force=True))
         assert done and exc is None and took >= 0.5, (done, exc, took)  # it waited for the slot

@@ -108,3 +108,58 @@ def test_xla_stage_right_after_async_sync_does_not_abort(xla_device):
     env = dict(os.environ, PJRT_DEVICE="CPU")
     proc = subprocess.run([sys.executable, "-c", _RACE], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and "RACE-OK" in proc.stdout, proc.stderr[-2000:]
+
+
+_HOST_DATA = r"""
+import sys, torch, torch_xla
+from async_ckpt import CheckpointManager
+dev = torch_xla.device()
+g = torch.Generator().manual_seed(0)
+cpu = {"big": torch.randn(512, 512, generator=g), "small": torch.randn(7, generator=g)}
+for step, lazy in ((0, False), (1, True)):
+    sd = {k: v.to(dev) for k, v in cpu.items()}  # the data stays on the host until a sync
+    with CheckpointManager(sys.argv[1]) as mgr:
+        mgr.save_async(step, sd, lazy=lazy)
+    t = {k: torch.zeros_like(v) for k, v in cpu.items()}
+    CheckpointManager(sys.argv[1]).restore(step, t)
+    assert all(torch.equal(t[k], cpu[k]) for k in cpu), step
+print("HOST-DATA-OK")
+"""
+
+
+def test_xla_tensor_holding_host_data_is_staged_without_dlpack(xla_device, tmp_path):
+    """With ``XLA_TENSOR_UPDATE_SYNC=0`` (as always under SPMD) a copy from the CPU keeps the
+    data on the host until the next sync: such a tensor has no PJRT buffer, and ``_to_dlpack``
+    on it ended the process. Run in a subprocess: an abort is fatal."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PJRT_DEVICE="CPU", XLA_TENSOR_UPDATE_SYNC="0")
+    proc = subprocess.run([sys.executable, "-c", _HOST_DATA, str(tmp_path / "ckpt")], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0 and "HOST-DATA-OK" in proc.stdout, proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("lazy", [False, True])
+def test_xla_states_a_training_loop_hands_over_are_staged_bitwise(xla_device, lazy):
+    """Without SPMD: a tensor never synced since ``.to()``, pending work, views, and a model and
+    optimizer right after ``optimizer.step()`` without a sync (expected values computed on the
+    CPU, or read after the stage)."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(64, 48, generator=g)
+    a = x.to(xla_device)
+    model = torch.nn.Linear(48, 8).to(xla_device)
+    optim = torch.optim.AdamW(model.parameters())
+    model(a).square().sum().backward()
+    optim.step()  # no sync: parameters and optimizer state are pending
+    sd = {"unsynced": x.to(xla_device), "pending": a * 2 + 1, "rows": a[3:40], "t": a.t(),
+          "model": model.state_dict(), "optim": optim.state_dict()}
+    snap = Stager().stage(sd, lazy=lazy)
+    snap.wait_copied()
+    got = snap.state_dict
+    for k, want in (("unsynced", x), ("pending", x * 2 + 1), ("rows", x[3:40]), ("t", x.t())):
+        assert_bitwise_equal(got[k], want)
+    assert_bitwise_equal(got["model"], {k: v.cpu() for k, v in model.state_dict().items()})
+    assert_bitwise_equal(got["optim"]["state"][0]["exp_avg"], optim.state[model.weight]["exp_avg"].cpu())
+    snap.release()

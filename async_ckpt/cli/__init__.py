@@ -23,7 +23,8 @@ import sys
 import traceback
 from typing import Any, List, NoReturn, Optional, Sequence
 
-from ..errors import CheckpointError, CorruptCheckpointError
+from ..errors import CheckpointError, CorruptCheckpointError, LeaseHeldError
+from ..storage.lease import LEASE_WAIT_HINT
 from . import common
 from .common import (
     DEFAULT_CONNECT_TIMEOUT,
@@ -106,7 +107,11 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("ls", parents=[common, local], help="list steps: commit time, size, metrics, status",
                        description="List every step directory under PATH (and the local tier's with "
                                    "--local-dir): commit time, size, metrics, and status (listed, damaged, "
-                                   "incomplete, superseded, foreign). Reads only.")
+                                   "incomplete, superseded, foreign), and name the newest intact step "
+                                   "(what restore(None) takes). Reads only.")
+    s.add_argument("--verify", action="store_true",
+                   help="read and checksum the newest steps, as restore(None) does, until one verifies "
+                        "(marked verified; those that fail DAMAGED)")
     s.set_defaults(fn=cmd_ls)
 
     s = sub.add_parser("show", parents=[common], help="the tree of keys of a step, with shapes, dtypes, sizes",
@@ -131,12 +136,19 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(fn=cmd_verify)
 
     s = sub.add_parser("prune", parents=[common, lease], help="delete committed steps a retention policy drops",
-                       description="Delete the committed steps that --keep-last/--keep-every do not keep "
-                                   "(the newest intact commit always stays; damaged steps are left alone). "
-                                   "Takes PATH's writer lease, so it refuses while a training job writes "
-                                   "there.")
-    s.add_argument("--keep-last", type=int, required=True, metavar="N", help="keep the N newest commits")
+                       description="Delete the committed steps that --keep-last/--keep-best/--keep-every do not "
+                                   "keep (the newest intact commit always stays; damaged steps are left alone; "
+                                   "steps the job's own retention keeps, as its manifests record it, stay "
+                                   "unless --force). Takes PATH's writer lease, so it refuses while a training "
+                                   "job writes there.")
+    s.add_argument("--keep-last", type=int, metavar="N", help="keep the N newest commits")
+    s.add_argument("--keep-best", type=int, metavar="N", help="keep the N steps with the best --metric")
+    s.add_argument("--metric", metavar="NAME", help="the metric --keep-best ranks by (a key of the saves' metrics=)")
+    s.add_argument("--mode", choices=("min", "max"), default="min",
+                   help="with --keep-best: the best is the lowest (min, a loss; default) or highest (max)")
     s.add_argument("--keep-every", type=int, metavar="K", help="also keep every step divisible by K")
+    s.add_argument("--force", action="store_true",
+                   help="also delete steps the job's own retention keeps (recorded in its manifests)")
     s.add_argument("--dry-run", action="store_true", help="show what would be deleted, delete nothing")
     s.set_defaults(fn=cmd_prune)
 
@@ -172,10 +184,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(fn=cmd_export)
     s = sub.add_parser("stats", parents=[common], help="the save statistics log (stats_log=True), as a table",
                        description="Print the save statistics log a manager made with stats_log=True "
-                                   "keeps under PATH: per save, its blocking time, write and commit "
-                                   "times and sizes.")
+                                   "keeps under PATH: per save (per tier with a local tier), its blocking "
+                                   "time, write and commit times and rates, sizes and marks; medians, "
+                                   "sparklines; --plot draws them.")
     s.add_argument("--log", metavar="RELPATH", help="the log's path under PATH (default: save_stats.jsonl)")
     s.add_argument("--last", type=int, metavar="N", help="only the N most recent saves")
+    s.add_argument("--plot", metavar="OUT", help="also draw the saves to OUT (.png, .svg, .pdf): blocking and "
+                                                 "durable time per step, bytes written and shared, marks for "
+                                                 "skipped uploads, fallbacks and failures (needs matplotlib)")
+    s.add_argument("--watch", type=_positive, metavar="SECONDS",
+                   help="print the table again every SECONDS until Ctrl-C (a job's saves as they come)")
     s.set_defaults(fn=cmd_stats)
     for sp in sub.choices.values():
         sp.set_defaults(_parser=sp)
@@ -201,6 +219,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             args, extra = parser.parse_known_args(argv)
             if extra:  # the subcommand's usage, not the top level's
                 getattr(args, "_parser", parser).error(f"unrecognized arguments: {' '.join(extra)}")
+            if args.command == "prune" and args.keep_last is None and args.keep_best is None:
+                args._parser.error("one of the arguments --keep-last --keep-best is required")
         except UsageError as exc:
             return _usage_error(exc, as_json)
         try:
@@ -214,7 +234,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         except KeyboardInterrupt:
             return _error("interrupted", "KeyboardInterrupt", 130, as_json)
         except CorruptCheckpointError as exc:
-            return _fail(exc, EXIT_DAMAGED, as_json, verbose)
+            return _fail(exc, EXIT_DAMAGED, as_json, verbose, hint=_damage_hint(args))
+        except LeaseHeldError as exc:
+            return _fail(exc, EXIT_ERROR, as_json, verbose, text=cli_lease_message(exc))
         except (CheckpointError, OSError, ValueError, ImportError) as exc:
             return _fail(exc, EXIT_ERROR, as_json, verbose)
         except Exception as exc:  # noqa: BLE001 - a bug or an unexpected storage error: still one line
@@ -232,10 +254,29 @@ def _usage_error(exc: UsageError, as_json: bool) -> int:
     return EXIT_ERROR
 
 
-def _fail(exc: BaseException, code: int, as_json: bool, verbose: bool, unexpected: bool = False) -> int:
+def _damage_hint(args: argparse.Namespace) -> str:
+    """What to do about a damaged step a command had to read."""
+    if args.command == "verify":
+        return ""
+    return (f"; `async-ckpt verify {args.path}` names the newest intact step"
+            + (" (`export ... latest` takes it)" if args.command == "export" else ""))
+
+
+def cli_lease_message(exc: LeaseHeldError) -> str:
+    """The lease error with the command's option for waiting, ``--lease-timeout SECONDS``,
+    instead of the Python argument ``lease_timeout=`` (which the message names in the API)."""
+    return str(exc).replace(LEASE_WAIT_HINT, "pass --lease-timeout SECONDS to wait")
+
+
+def _fail(exc: BaseException, code: int, as_json: bool, verbose: bool, unexpected: bool = False,
+          hint: str = "", text: Optional[str] = None) -> int:
     if verbose:
         traceback.print_exception(exc, file=sys.stderr)
-    msg = " ".join(str(exc).split()) or type(exc).__name__
+    msg = " ".join((str(exc) if text is None else text).split()) or type(exc).__name__
+    step = getattr(exc, "step", None)
+    if isinstance(step, int) and not re.search(rf"\bsteps? {step}\b", msg):  # every error names its step
+        msg = f"step {step}: {msg}"
+    msg += hint
     if unexpected:
         msg = (f"{type(exc).__name__}: {msg} (unexpected; rerun with --verbose for the traceback, "
                f"and please report it)")

@@ -5,14 +5,15 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import re
 import sys
 import threading
 import time
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, TypeVar
 
-from ..errors import CheckpointError, CorruptCheckpointError, StepNotFoundError
+from ..errors import CheckpointError, CorruptCheckpointError, NotACheckpointRootError, StepNotFoundError
 from ..lifecycle.catalog import StepCatalog
+from ..storage.diagnosis import LIGHTNING_HINT, Finding, diagnose
+from ..storage.diagnosis import other_kinds as _other_kinds
 from ..storage.layout import CheckpointLayout
 from ..storage.manifest import Manifest
 from ..storage.storage import Storage
@@ -261,70 +262,37 @@ def open_root(args: argparse.Namespace) -> Tuple[Storage, CheckpointLayout]:
     return storage, CheckpointLayout(storage, "auto")
 
 
-class NotACheckpointRootError(CheckpointError):
-    """PATH is a file, or holds checkpoints of another kind (Lightning, Hugging Face, plain DCP)."""
-
-
-LIGHTNING_HINT = ("a torch.save file written by Lightning, e.g. through async_ckpt.integrations.lightning's "
-                  "AsyncCkptIO; inspect it with torch.load(FILE, weights_only=False), resume with "
-                  "Trainer.fit(..., ckpt_path=FILE)")
-HF_HINT = ("Hugging Face Trainer checkpoint directories (HF's own layout, e.g. written by "
-           "async_ckpt.integrations.transformers' AsyncCkptCallback); resume with "
-           "trainer.train(resume_from_checkpoint=True), inspect trainer_state.json in each")
-DCP_HINT = ("a torch.distributed.checkpoint (DCP) checkpoint not written by async_ckpt (no COMMITTED "
-            "marker, no manifest.json); import it into an async_ckpt root, see docs/migration.md")
-_HF_RE = re.compile(r"^checkpoint-\d+$")
-
-
 def other_kinds(storage: Storage) -> List[Dict[str, Any]]:
-    """Checkpoints of other kinds directly under the root, which async_ckpt does not list:
-    Lightning ``.ckpt`` files, Hugging Face ``checkpoint-N`` directories, and the root being
-    a plain DCP checkpoint itself. One record per kind: ``kind``, ``names``, ``hint``."""
-    found: Dict[str, List[str]] = {}
-    for e in storage.listdir(storage.root):
-        name = e["name"]
-        if name.startswith("."):
-            if name == ".metadata" and e.get("type") != "directory":
-                found.setdefault("dcp", []).append(name)
-            continue  # a hidden temporary (an integration's write in flight) is not a checkpoint
-        if name.endswith(".ckpt") and e.get("type") != "directory":
-            found.setdefault("lightning", []).append(name)
-        elif _HF_RE.match(name) and e.get("type") == "directory":
-            found.setdefault("huggingface", []).append(name)
-        elif name == "trainer_state.json":  # PATH is one checkpoint-N directory
-            found.setdefault("huggingface", []).append(".")
-    hints = {"lightning": f"Lightning checkpoint files: {LIGHTNING_HINT}", "huggingface": HF_HINT,
-             "dcp": f"the root is {DCP_HINT}"}
-    return [{"kind": k, "names": sorted(v, key=_natural), "hint": hints[k]} for k, v in sorted(found.items())]
+    """Checkpoints of other kinds directly under the root (see
+    :func:`~async_ckpt.storage.diagnosis.other_kinds`): one record per kind, ``kind``,
+    ``names``, ``hint``."""
+    return [{"kind": f.kind, "names": list(f.names), "hint": f.message}
+            for f in _other_kinds(storage.listdir(storage.root))]
 
 
-def _natural(name: str) -> Tuple[str, int]:
-    m = re.search(r"(\d+)$", name.rsplit(".", 1)[0])
-    return (name[: m.start()] if m else name, int(m.group(1)) if m else -1)
+def path_findings(storage: Storage, name: str) -> List[Finding]:
+    """What PATH holds instead of (or besides) async_ckpt's steps: the manager's diagnosis
+    (:func:`~async_ckpt.storage.diagnosis.diagnose`), with PATH called ``name``; none when
+    PATH cannot be listed."""
+    try:
+        return diagnose(storage, name=name)
+    except OSError:
+        return []
 
 
-def describe_other(rec: Dict[str, Any]) -> str:
-    """One line for :func:`other_kinds`' record: what was found and how to inspect it."""
-    names = rec["names"]
-    shown_names = ", ".join(names[:5]) + (f", ... ({len(names)} in all)" if len(names) > 5 else "")
-    return f"found {shown_names}: {rec['hint']}; async_ckpt does not list these"
-
-
-def no_checkpoint_message(storage: Storage, what: str) -> str:
-    """The message for a root without a committed step, naming other kinds of checkpoint there.
+def no_checkpoint_message(storage: Storage, what: str, name: Optional[str] = None) -> str:
+    """The message for a root without a committed step, with what the path holds instead
+    (one step's directory, the parent of roots, checkpoints of other kinds).
 
     Args:
-        storage: The root.
+        storage: the root.
         what: The message's start.
+        name: how to call the root (default: its URL).
 
     Returns:
-        ``what``, followed by what :func:`other_kinds` found.
+        ``what``, followed by the diagnosis of the path.
     """
-    try:
-        others = other_kinds(storage)
-    except OSError:
-        others = []
-    return what + "".join(f"; {describe_other(r)}" for r in others)
+    return what + "".join(f"; {f.message}" for f in path_findings(storage, name or storage.url))
 
 
 def open_roots(args: argparse.Namespace) -> List[Tuple[str, Storage, CheckpointLayout]]:
@@ -381,6 +349,58 @@ def foreign_note(count: int, home: Optional[str], what: str) -> str:
             f"{home} (another job's, in a shared local_dir): {what}")
 
 
+def restore_order(layout: CheckpointLayout) -> List[int]:
+    """The committed steps in the order ``restore(None)`` tries them: those whose manifest
+    does not read first (highest first), then newest commit first
+    (:meth:`~async_ckpt.lifecycle.catalog.StepCatalog.steps_newest_first`). The first that
+    verifies is the one it restores.
+
+    Args:
+        layout: The root's step layout.
+
+    Returns:
+        The steps, in that order.
+    """
+    return StepCatalog(layout, time.time).steps_newest_first()
+
+
+def intact_line(step: Optional[int], skipped: Sequence[int], verified: bool) -> str:
+    """The line naming the step ``restore(None)`` takes (``ls``, ``verify``, ``export``).
+
+    Args:
+        step: The newest intact step, or None.
+        skipped: Newer committed steps found damaged (restore(None) skips them).
+        verified: Whether ``step``'s files were read and checksummed.
+
+    Returns:
+        ``newest intact step (what restore(None) takes): N; newer, damaged, skipped: ...``.
+    """
+    if step is None:
+        text = "no intact step: restore(None) has nothing to restore"
+    else:
+        text = f"newest intact step (what restore(None) takes): {step}"
+        if not verified:
+            text += " (by ls's checks, contents not read: ls --verify or verify checksums it)"
+    if skipped:
+        text += f"; newer, damaged, skipped: {', '.join(map(str, skipped))}"
+    return text
+
+
+class naming_step:
+    """A context in which a :class:`~async_ckpt.errors.CheckpointError` raised without a step
+    gets ``step`` (so that the command's error line names it)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def __enter__(self) -> "naming_step":
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if isinstance(exc, CheckpointError) and exc.step is None:
+            exc.step = self.step
+
+
 def parse_step(text: Optional[str], layout: CheckpointLayout) -> int:
     """The STEP argument of a command.
 
@@ -431,8 +451,9 @@ def read_step_metadata(storage: Storage, layout: CheckpointLayout, step: int) ->
     """
     from ..storage.dcp import METADATA_NAME, FsspecStorageReader
 
-    man = layout.read_manifest(step)
-    if METADATA_NAME not in man.files:
-        raise CorruptCheckpointError(f"step {step}: manifest lists no {METADATA_NAME}", step=step)
-    reader = FsspecStorageReader(storage, layout.locate(step), files=man.files, verify=True, whole=man.whole)
-    return man, reader.read_metadata()
+    with naming_step(step):
+        man = layout.read_manifest(step)
+        if METADATA_NAME not in man.files:
+            raise CorruptCheckpointError(f"step {step}: manifest lists no {METADATA_NAME}", step=step)
+        reader = FsspecStorageReader(storage, layout.locate(step), files=man.files, verify=True, whole=man.whole)
+        return man, reader.read_metadata()

@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
+import sys
 import uuid
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
+from ..errors import CorruptCheckpointError
 from ..storage.layout import CheckpointLayout
 from ..storage.storage import Storage
 from .common import (
     EXIT_OK,
     fmt_time,
     human_bytes,
+    naming_step,
     open_root,
     parse_options,
     parse_step,
@@ -20,7 +24,10 @@ from .common import (
     progress_bar,
     read_step_metadata,
     render_table,
+    restore_order,
 )
+
+log = logging.getLogger("async_ckpt.cli")
 
 # ---- export ----------------------------------------------------------------------------------
 
@@ -32,7 +39,8 @@ def load_step(path: str, step: Optional[int] = None, *, key: Optional[str] = Non
 
     Args:
         path: the checkpoint root (a local path or fsspec URL).
-        step: the step (None: the newest committed one).
+        step: the step (None: the step ``restore(None)`` takes: the newest commit that
+            verifies; a damaged newer one is skipped with a warning, as a restore skips it).
         key: a dotted prefix such as ``"model"``: only that subtree is read and returned.
         verify: check every file's size and checksum as it is read.
         allow_pickle: unpickle non-tensor values outside torch's safe set (trusted
@@ -45,14 +53,58 @@ def load_step(path: str, step: Optional[int] = None, *, key: Optional[str] = Non
     Raises:
         StepNotFoundError: ``step`` (or, for None, any step) has no committed checkpoint.
         ValueError: ``key`` names no entry, or selects inside something other than a dict.
-        CorruptCheckpointError: a file of the step fails verification.
+        CorruptCheckpointError: a file of the step fails verification (for None: of every
+            committed step); its ``step`` names the step.
         UnsafeCheckpointError: a value needs ``allow_pickle=True``.
     """
-    from ..storage.dcp import load_state_dict
-
     storage = Storage(path, storage_options)
     layout = CheckpointLayout(storage, "auto")
-    step = parse_step(None if step is None else str(step), layout)
+    step, state, _ = read_newest(storage, layout, step, key=key, verify=verify, allow_pickle=allow_pickle)
+    return step, state
+
+
+def read_newest(storage: Storage, layout: CheckpointLayout, step: Optional[int], *, key: Optional[str] = None,
+                verify: bool = True, allow_pickle: bool = False) -> Tuple[int, Any, List[int]]:
+    """:func:`load_step` on an open root; also returns the damaged newer steps it skipped.
+
+    Args:
+        storage: the root.
+        layout: its step layout.
+        step: the step, or None (the newest that verifies, in ``restore(None)``'s order).
+        key: as :func:`load_step`.
+        verify: as :func:`load_step`.
+        allow_pickle: as :func:`load_step`.
+
+    Returns:
+        ``(step, state, skipped)``: ``skipped`` lists the damaged steps tried first (None only).
+
+    Raises:
+        StepNotFoundError: no such committed step (or none at all).
+        CorruptCheckpointError: the step (every step, for None) is damaged.
+    """
+    if step is not None:
+        step = parse_step(str(step), layout)
+        return step, _read_step(storage, layout, step, key, verify, allow_pickle), []
+    order = restore_order(layout)
+    if not order:
+        parse_step(None, layout)  # raises StepNotFoundError, naming what the path holds instead
+    skipped: List[int] = []
+    last: Optional[CorruptCheckpointError] = None
+    for s in order:
+        try:
+            return s, _read_step(storage, layout, s, key, verify, allow_pickle), skipped
+        except CorruptCheckpointError as exc:
+            log.warning("skipping damaged step %d (restore(None) skips it too): %s", s, exc)
+            skipped.append(s)
+            last = exc
+    raise CorruptCheckpointError(f"every committed step is damaged ({', '.join(map(str, skipped))}); the "
+                                 f"oldest: {last}", step=skipped[-1]) from last
+
+
+def _read_step(storage: Storage, layout: CheckpointLayout, step: int, key: Optional[str], verify: bool,
+               allow_pickle: bool) -> Any:
+    from ..storage.dcp import load_state_dict
+
     man, metadata = read_step_metadata(storage, layout, step)
     full = _template(metadata, set(man.extra.get("int_keys", ())))
     target: Dict[str, Any] = full
@@ -76,12 +128,13 @@ def load_step(path: str, step: Optional[int] = None, *, key: Optional[str] = Non
             else:
                 dst[k] = {}
                 dst = dst[k]
-    load_state_dict(storage, layout.locate(step), target, files=man.files, verify=verify,
-                    allow_pickle=allow_pickle, metadata=metadata)
+    with naming_step(step):
+        load_state_dict(storage, layout.locate(step), target, files=man.files, verify=verify,
+                        allow_pickle=allow_pickle, metadata=metadata)
     out: Any = target
     for k in parts:
         out = out[k]
-    return step, out
+    return out
 
 
 def _template(metadata: Any, int_keys: set) -> Dict[str, Any]:
@@ -149,9 +202,9 @@ def cmd_export(args: argparse.Namespace) -> int:
     out_fs, out_path = _out_fs(out, args.path, options)
     if not args.force and out_fs.exists(out_path):  # checked before reading anything
         raise FileExistsError(f"OUT {out} already exists: pass --force to overwrite it")
-    step = parse_step(args.step, layout)
-    step, state = load_step(args.path, step, key=args.key, allow_pickle=args.allow_pickle,
-                            storage_options=options)
+    latest = args.step == "latest"
+    step, state, skipped = read_newest(storage, layout, None if latest else parse_step(args.step, layout),
+                                       key=args.key, allow_pickle=args.allow_pickle)
     flat = flatten(state)
     tensors = {k: v for k, v in flat.items() if isinstance(v, torch.Tensor)}
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
@@ -181,10 +234,12 @@ def cmd_export(args: argparse.Namespace) -> int:
         bar.close()
     if args.json:
         print_json({"step": step, "out": out, "format": ext, "tensors": len(tensors), "tensor_bytes": nbytes,
-                     "entries": len(flat)})
+                     "entries": len(flat), "latest": latest, **({"newer_damaged": skipped} if latest else {})})
     else:
         print(f"exported step {step} ({len(tensors)} tensors, {human_bytes(nbytes)}"
-              f"{f', {len(flat) - len(tensors)} other entries' if len(flat) != len(tensors) else ''}) to {out}")
+              f"{f', {len(flat) - len(tensors)} other entries' if len(flat) != len(tensors) else ''}) to {out}"
+              + (" (latest: the newest intact step, what restore(None) takes"
+                 + (f"; newer, damaged, skipped: {', '.join(map(str, skipped))})" if skipped else ")") if latest else ""))
     return EXIT_OK
 
 
@@ -249,37 +304,121 @@ def _write_out(fs: Any, p: str, write: Any, *, force: bool) -> None:
 # ---- stats -----------------------------------------------------------------------------------
 
 def cmd_stats(args: argparse.Namespace) -> int:
+    import time
+
     from ..stats import DEFAULT_STATS_LOG, check_stats_relpath, read_stats_log
 
     storage, _ = open_root(args)
     path = storage.join(check_stats_relpath(args.log or DEFAULT_STATS_LOG))
-    if not storage.exists(path):
-        raise FileNotFoundError(f"no stats log at {storage.url_of(path)} (create the manager with stats_log=True)")
-    records = read_stats_log(storage.url_of(path), parse_options(args.storage_option))
+    if args.watch is not None and not args.watch > 0:
+        raise ValueError(f"--watch needs a number of seconds > 0, got {args.watch:g}")
+
+    def read() -> Optional[List[Any]]:
+        if not storage.exists(path):
+            if args.watch is not None:
+                return None
+            raise FileNotFoundError(f"no stats log at {storage.url_of(path)} (create the manager with stats_log=True)")
+        return read_stats_log(storage.url_of(path), parse_options(args.storage_option))
+
+    if args.watch is None:
+        records = read()
+        assert records is not None
+        return _show_stats(args, records)
+    tty = sys.stdout.isatty()
+    try:
+        while True:  # until Ctrl-C: the table of the newest saves, again every --watch seconds
+            records = read()
+            if tty:
+                sys.stdout.write("\033[H\033[J")  # clear the terminal: the table stays in place
+            print(f"{fmt_time(time.time())}  {args.path}  (every {args.watch:g} s; Ctrl-C to stop)")
+            if records is None:
+                print(f"waiting for the stats log {storage.url_of(path)} (a manager with stats_log=True)")
+            else:
+                _show_stats(args, records)
+            sys.stdout.flush()
+            time.sleep(args.watch)
+    except KeyboardInterrupt:
+        return EXIT_OK
+
+
+def _show_stats(args: argparse.Namespace, records: List[Any]) -> int:
+    from ..stats import FAILED, FALLBACK, UPLOAD_SKIPPED, format_rate, format_seconds
+    from .plot import marks, plot_run, sparkline
+
     if args.last is not None:
         records = records[-args.last:] if args.last > 0 else []
+    plotted = None
+    if args.plot:
+        if not records:
+            raise ValueError(f"no saves logged under {args.path}: nothing to plot")
+        size = plot_run(records, args.plot, f"async_ckpt saves under {args.path}: steps {records[0].step} to "
+                                            f"{records[-1].step} ({len(records)} records)")
+        plotted = {"out": args.plot, "width": size[0], "height": size[1]}
     if args.json:
-        print_json({"path": args.path, "saves": [r.to_dict() for r in records]})
+        print_json({"path": args.path, "saves": [r.to_dict() for r in records],
+                     **({"plot": plotted} if plotted else {})})
         return EXIT_OK
     if not records:
         print("no saves logged")
         return EXIT_OK
     # Incremental saves: the bytes each save wrote and those it took from the last step (columns
-    # shown when a save took any; records of a library without these fields have neither).
+    # shown when a save took any); a manager with a local tier logs each tier's copy: TIER.
     shared = any(getattr(r, "referred_bytes", 0) for r in records)
-    rows = [[r.step, fmt_time(r.commit_time), human_bytes(r.nbytes)]
+    tiered = any(r.extra.get("tier") for r in records)
+
+    def note(r: Any) -> str:
+        if r.extra.get(FAILED):
+            return f"FAILED: {r.extra[FAILED]}"[:80]
+        return ", ".join(t for k, t in ((UPLOAD_SKIPPED, "upload skipped"), (FALLBACK, "fell back to the local tier"))
+                         if r.extra.get(k))
+
+    def done(r: Any, text: str) -> str:
+        return "-" if r.extra.get(FAILED) else text
+
+    rows = [[r.step] + ([r.extra.get("tier", "-")] if tiered else [])
+            + [fmt_time(r.commit_time), human_bytes(r.nbytes)]
             + ([human_bytes(getattr(r, "written_bytes", None)), human_bytes(getattr(r, "referred_bytes", None))]
                if shared else [])
-            + [r.files, f"{r.blocking_s * 1e3:.1f}",
-               f"{r.queue_wait_s * 1e3:.1f}", f"{r.stage_s * 1e3:.1f}", f"{r.host_copy_gbps:.2f}", f"{r.write_s:.3f}",
-               f"{r.write_gbps:.2f}", f"{r.commit_s:.3f}", "-" if r.durable_s is None else f"{r.durable_s:.3f}"]
+            + [done(r, str(r.files)), f"{r.blocking_s * 1e3:.1f}", f"{r.queue_wait_s * 1e3:.1f}",
+               f"{r.stage_s * 1e3:.1f}", format_rate(r.nbytes, r.stage_s), done(r, f"{r.write_s:.3f}"),
+               done(r, format_rate(r.nbytes, r.write_s)), done(r, f"{r.commit_s:.3f}"),
+               "-" if r.durable_s is None else f"{r.durable_s:.3f}", note(r)]
             for r in records]
-    headers = (["STEP", "COMMITTED", "DATA"] + (["WRITTEN", "SHARED"] if shared else [])
-               + ["FILES", "BLOCKED_MS", "SLOT_WAIT_MS", "COPY_MS", "COPY_GB/S", "WRITE_S", "WRITE_GB/S", "COMMIT_S",
-                  "DURABLE_S"])
-    print(render_table(headers, rows, right=tuple(i for i in range(len(headers)) if i != 1)))
-    blocked = sorted(r.blocking_s for r in records)
-    worst = max(records, key=lambda r: r.blocking_s)
-    print(f"\n{len(records)} saves; blocked median {blocked[len(blocked) // 2] * 1e3:.1f} ms, "
-          f"max {worst.blocking_s * 1e3:.1f} ms (step {worst.step})")
+    headers = (["STEP"] + (["TIER"] if tiered else []) + ["COMMITTED", "DATA"]
+               + (["WRITTEN", "SHARED"] if shared else [])
+               + ["FILES", "BLOCKED_MS", "SLOT_WAIT_MS", "COPY_MS", "COPY_RATE", "WRITE_S", "WRITE_RATE", "COMMIT_S",
+                  "DURABLE_S", "NOTE"])
+    left = {1 + tiered, len(headers) - 1} | ({1} if tiered else set())  # TIER, COMMITTED, NOTE
+    print(render_table(headers, rows, right=tuple(i for i in range(len(headers)) if i not in left)))
+    ok = [r for r in records if not r.extra.get(FAILED)]
+    failed = len(records) - len(ok)
+    # one save written to both tiers is logged once per tier, with the one stall they shared
+    saves = list({(r.step, r.blocking_s, r.stage_s): r for r in ok}.values())
+    line = (f"\n{len(saves)} saves" + (f" ({len(records)} records: one per tier)" if tiered else "")
+            + (f", {failed} failed" if failed else ""))
+    if saves:
+        blocked = sorted(r.blocking_s for r in saves)
+        worst = max(saves, key=lambda r: r.blocking_s)
+        line += (f"; blocked median {format_seconds(blocked[len(blocked) // 2])}, max "
+                 f"{format_seconds(worst.blocking_s)} (step {worst.step})")
+    for tier in sorted({r.extra.get("tier") for r in ok}, key=str):
+        durable = sorted(r.durable_s for r in ok if r.extra.get("tier") == tier and r.durable_s is not None)
+        if durable:
+            slow = max((r for r in ok if r.extra.get("tier") == tier and r.durable_s is not None),
+                       key=lambda r: r.durable_s)
+            line += (f"; durable{f' ({tier})' if tier else ''} median {format_seconds(durable[len(durable) // 2])}, "
+                     f"max {format_seconds(slow.durable_s)} (step {slow.step})")
+    print(line)
+    print(f"blocked  {sparkline([r.blocking_s for r in saves])}  (per save, oldest first)")
+    for tier in sorted({r.extra.get("tier") for r in ok}, key=str):
+        print(f"durable  {sparkline([r.durable_s for r in ok if r.extra.get('tier') == tier])}"
+              + (f"  ({tier})" if tier else ""))
+    found = marks(records)
+    parts = [f"{what}: {', '.join(map(str, found[key]))}" for key, what in
+             ((UPLOAD_SKIPPED, "uploads skipped"), (FALLBACK, "fell back to the local tier"), (FAILED, "failed"))
+             if found[key]]
+    if parts:
+        print("; ".join(parts))
+    if plotted:
+        print(f"wrote {plotted['out']} ({plotted['width']} x {plotted['height']} px)")
     return EXIT_OK

@@ -11,23 +11,24 @@ from ..errors import CheckpointError
 from ..manager.tiered import SAVE_ID, same_save, saved_for_another
 from ..policies import CheckpointInfo
 from ..storage import step_names
+from ..storage.diagnosis import DCP_HINT, PARENT_OF_ROOTS, STEP_DIR
 from ..storage.layout import CheckpointLayout
 from ..storage.manifest import MARKER_NAME, shown
 from ..storage.storage import Storage
 from .common import (
-    DCP_HINT,
     EXIT_OK,
-    describe_other,
     fmt_metrics,
     fmt_time,
     foreign_note,
     home_identity,
     human_bytes,
+    intact_line,
     open_root,
     open_roots,
-    other_kinds,
     parse_step,
+    path_findings,
     print_json,
+    progress_bar,
     read_step_metadata,
     render_table,
 )
@@ -128,6 +129,26 @@ def _number_saves(timed: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     return timed
 
 
+def _verify_newest(roots: List[Tuple[str, Storage, CheckpointLayout]], timed: List[Dict[str, Any]]) -> None:
+    """``ls --verify``: read and checksum the committed copies newest commit first, as
+    ``restore(None)`` reads them, until a save has a copy that verifies; its copies that verify
+    become ``verified``, those that do not ``damaged`` (with the problems)."""
+    from .verify import verify_step
+
+    where = {tier: (storage, layout) for tier, storage, layout in roots}
+    for order in sorted({e["commit_order"] for e in timed}, reverse=True):
+        found = False
+        for e in [e for e in timed if e["commit_order"] == order and e["status"] == "listed"]:
+            storage, layout = where[e["tier"]]
+            res = verify_step(storage, layout, e["step"], progress_bar(0, "", False))
+            if res["ok"]:
+                e["status"], found = "verified", True
+            else:
+                e.update(status="damaged", problem="; ".join(res["problems"]))
+        if found:
+            return
+
+
 def cmd_ls(args: argparse.Namespace) -> int:
     roots = open_roots(args)
     tiered = len(roots) > 1
@@ -141,30 +162,35 @@ def cmd_ls(args: argparse.Namespace) -> int:
     # Commit order is the order: 1 is the oldest commit; the newest is the latest step.
     timed = _number_saves([e for e in entries if e["status"] in ("listed", "damaged") and e["commit_time"] is not None])
     saves = sorted({e["commit_order"]: e["step"] for e in timed}.items())
+    if args.verify:
+        _verify_newest(roots, timed)
     # The latest is what restore(None) takes: the newest commit that passes these checks (it
-    # skips a damaged one). Damage inside a file's bytes shows only in verify (restore skips
-    # such a step too, when it reads it).
-    intact = [e for e in timed if e["status"] == "listed"]
+    # skips a damaged one); with --verify, the newest whose bytes verified. Without it, damage
+    # inside a file's bytes shows only in verify (restore skips such a step too, when it reads it).
+    intact = [e for e in timed if e["status"] in ("listed", "verified")]
     latest_order = max((e["commit_order"] for e in intact), default=None)
     latest = next((e["step"] for e in intact if e["commit_order"] == latest_order), None)
     skipped = [step for order, step in saves if latest_order is None or order > latest_order]
-    others = other_kinds(roots[-1][1])
+    findings = path_findings(roots[-1][1], args.path)
+    others = [{"kind": f.kind, "names": list(f.names), "hint": f.message} for f in findings
+              if f.kind not in (STEP_DIR, PARENT_OF_ROOTS)]
     if args.json:
         print_json({"path": args.path, "steps": entries, "latest": latest,
                      "commit_order": [step for _, step in saves], "newer_damaged": skipped,
-                     "other_checkpoints": others})
+                     "verified": bool(args.verify), "other_checkpoints": others,
+                     "diagnosis": [f.to_dict() for f in findings]})
         return EXIT_OK
     if not entries:
         print(f"no checkpoints under {args.path}")
-        for rec in others:
-            print(describe_other(rec))
+        for f in findings:
+            print(f.message)
         return EXIT_OK
     # Incremental saves (a step that took files from earlier ones): two more columns, the bytes
     # each step wrote and those it took from earlier steps (the SIZE of a step counts both).
     shared = any(e.get("referred_bytes") for e in entries)
     rows = []
     for e in entries:
-        status = e["status"] if e["status"] == "listed" else e["status"].upper()
+        status = e["status"] if e["status"] in ("listed", "verified") else e["status"].upper()
         order = e.get("commit_order")
         row = [e["step"], "-" if order is None else f"{order}{' latest' if order == latest_order else ''}",
                fmt_time(e["commit_time"]), human_bytes(e["bytes"])]
@@ -179,8 +205,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
         print(render_table(headers[:1] + ["TIER"] + headers[1:], rows, right=tuple(i + (i > 0) for i in right)))
     else:
         print(render_table(headers, rows, right=right))
-    ok = [e for e in entries if e["status"] == "listed"]
-    bad = [e for e in entries if e["status"] != "listed"]
+    ok = [e for e in entries if e["status"] in ("listed", "verified")]
+    bad = [e for e in entries if e["status"] not in ("listed", "verified")]
     ndamaged = sum(e["status"] == "damaged" for e in entries)
     nforeign = sum(e["status"] == "foreign" for e in entries)
     print(f"\n{len(ok) + ndamaged} committed ({ndamaged} damaged), "
@@ -190,20 +216,18 @@ def cmd_ls(args: argparse.Namespace) -> int:
           + (f" ({human_bytes(sum(e.get('written_bytes') or 0 for e in entries))} written by the steps, "
              f"{human_bytes(sum(e.get('referred_bytes') or 0 for e in entries))} taken from earlier steps: "
              f"on local paths hard links, stored once)" if shared else "")
-          + ("; contents not read (run verify for checksums)" if ok else ""))
+          + ("; contents not read (run verify for checksums)" if ok and not args.verify else ""))
     if timed:
-        print(f"commit order (oldest first): {', '.join(str(step) for _, step in saves)}; "
-              f"latest (the newest commit that passes these checks, which restore(None) takes): "
-              f"{'none' if latest is None else latest}"
-              + (f" (newer, damaged, skipped: {', '.join(map(str, skipped))})" if skipped else ""))
+        print(f"commit order (oldest first): {', '.join(str(step) for _, step in saves)}")
+        print(intact_line(latest, skipped, verified=bool(args.verify)))
     for e in bad:
         where = f"{e['tier']} {e['name']}" if tiered else e["name"]
         print(f"  step {e['step']} ({where}): {e['status']}: {e['problem']}")
     nother = sum("saved_for" in e for e in entries)
     if nother:
         print(foreign_note(nother, home, "FOREIGN, left out of the commit order and latest"))
-    for rec in others:
-        print(describe_other(rec))
+    for f in findings:
+        print(f.message)
     return EXIT_OK
 
 

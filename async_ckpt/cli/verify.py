@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 from ..addresses import byte_view
 from ..errors import CheckpointError, StepNotFoundError
@@ -17,10 +17,12 @@ from ..storage.storage import Storage
 from .common import (
     EXIT_DAMAGED,
     EXIT_OK,
+    fmt_metrics,
     fmt_time,
     foreign_note,
     home_identity,
     human_bytes,
+    intact_line,
     no_checkpoint_message,
     open_root,
     open_roots,
@@ -28,12 +30,24 @@ from .common import (
     print_json,
     progress_bar,
     render_table,
+    restore_order,
 )
 
 # ---- verify ----------------------------------------------------------------------------------
 
-def _verify_step(storage: Storage, layout: CheckpointLayout, step: int, bar: Any) -> Dict[str, Any]:
-    """Read every file of a committed step and check it against the manifest; list the problems."""
+def verify_step(storage: Storage, layout: CheckpointLayout, step: int, bar: Any) -> Dict[str, Any]:
+    """Read every file of a committed step and check it against the manifest; list the problems.
+
+    Args:
+        storage: The root.
+        layout: Its step layout.
+        step: A committed step.
+        bar: A progress bar (:func:`~async_ckpt.cli.common.progress_bar`) the bytes read advance.
+
+    Returns:
+        ``step``, ``ok``, ``files``, ``bytes`` (read), ``problems`` (one line each), and the
+        manifest's ``written_bytes`` / ``referred_bytes``.
+    """
     from ..storage.dcp import METADATA_NAME, check_step_metadata, load_metadata
     from ..storage.dcp.read_exec import FRESH, NULL, read_files
 
@@ -106,6 +120,35 @@ def _foreign_copies(roots: List[Tuple[str, Storage, CheckpointLayout]]) -> Dict[
     return out
 
 
+def _restore_order(roots: List[Tuple[str, Storage, CheckpointLayout]], own: Any) -> List[int]:
+    """The steps in the order ``restore(None)`` tries them, over every tier (copies another
+    job saved left out): steps whose manifest does not read first, then newest commit first."""
+    if len(roots) == 1:
+        return restore_order(roots[0][2])
+    unread: List[int] = []
+    timed: List[Tuple[float, int]] = []
+    for tier, _, lay in roots:
+        infos = StepCatalog(lay, time.time).in_commit_order()
+        seen = {c.step for c in infos}
+        unread += [s for s in lay.committed_steps() if s not in seen and own(tier, s)]
+        timed += [(c.commit_time, c.step) for c in infos if own(tier, c.step)]
+    order = sorted(set(unread), reverse=True) + [s for _, s in sorted(timed, reverse=True)]
+    return list(dict.fromkeys(order))
+
+
+def _newest_intact(order: List[int], results: List[Dict[str, Any]]) -> Tuple[Optional[int], List[int]]:
+    """The first step of ``order`` with a copy that verified, and the damaged ones before it."""
+    ok = {r["step"] for r in results if r["ok"]}
+    seen = {r["step"] for r in results}
+    skipped: List[int] = []
+    for s in order:
+        if s in ok:
+            return s, skipped
+        if s in seen:
+            skipped.append(s)
+    return None, skipped
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
     roots = open_roots(args)
     foreign = _foreign_copies(roots)  # another job's local copies: skipped, with a note
@@ -113,51 +156,78 @@ def cmd_verify(args: argparse.Namespace) -> int:
     def own(tier: str, s: int) -> bool:
         return tier != "local" or s not in foreign
 
+    def none_found() -> StepNotFoundError:
+        return StepNotFoundError(no_checkpoint_message(
+            roots[-1][1], f"no committed checkpoint {'of this job ' if len(roots) > 1 else ''}under "
+            + " or ".join(r[1].url for r in roots), name=args.path))
+
+    tiered = len(roots) > 1
+    walk = False  # STEP omitted or 'latest': verify as restore(None) reads, until a step verifies
     todo: List[Tuple[str, Storage, CheckpointLayout, int]] = []
+    order: List[int] = []
     if args.all:
         if args.step is not None:
             raise ValueError("give a STEP or --all, not both")
         for tier, storage, layout in roots:
             todo += [(tier, storage, layout, s) for s in layout.committed_steps() if own(tier, s)]
         if not todo:
-            raise StepNotFoundError(no_checkpoint_message(roots[-1][1], "no committed checkpoint of this job under "
-                                                   + " or ".join(r[1].url for r in roots)))
-    elif len(roots) == 1:
-        todo = [(roots[0][0], roots[0][1], roots[0][2], parse_step(args.step, roots[0][2]))]
-    else:  # the step in every tier that holds it ('latest': the newest commit over both)
-        step = None
-        if args.step not in (None, "latest"):
-            if not args.step.isdigit():
-                raise ValueError(f"STEP must be a non-negative integer or 'latest', got {args.step!r}")
-            step = int(args.step)
-        if step is None:
-            newest = [(c.commit_time, c.step) for tier, _, lay in roots
-                      for c in StepCatalog(lay, time.time).in_commit_order() if own(tier, c.step)]
-            if not newest:
-                raise StepNotFoundError(no_checkpoint_message(roots[-1][1], "no committed checkpoint of this job under "
-                                                       + " or ".join(r[1].url for r in roots)))
-            step = max(newest)[1]
+            raise none_found()
+        order = _restore_order(roots, own)
+    elif args.step in (None, "latest"):
+        walk = True
+        order = _restore_order(roots, own)
+        if not order:
+            raise none_found()
+    else:
+        if not args.step.isdigit():
+            raise ValueError(f"STEP must be a non-negative integer or 'latest', got {args.step!r}")
+        step = int(args.step)
+        if not tiered:
+            step = parse_step(args.step, roots[0][2])
         todo = [(tier, st, lay, step) for tier, st, lay in roots if step in lay.committed_steps() and own(tier, step)]
         if not todo:
             raise StepNotFoundError(f"no committed checkpoint of this job for step {step} in either tier"
                                     + (" (the local copy is another job's)" if step in foreign else ""), step=step)
-    tiered = len(roots) > 1
-    total = 0
-    for _, _, layout, s in todo:
-        try:
-            total += sum(r.size for r in layout.read_manifest(s).files.values())
-        except CheckpointError:
-            pass
-    bar = progress_bar(total, "verify", args.progress)
+
+    def copies(step: int) -> List[Tuple[str, Storage, CheckpointLayout, int]]:
+        return [(tier, st, lay, step) for tier, st, lay in roots if step in lay.committed_steps() and own(tier, step)]
+
+    def size_of(items: List[Tuple[str, Storage, CheckpointLayout, int]]) -> int:
+        total = 0
+        for _, _, layout, s in items:
+            try:
+                total += sum(r.size for r in layout.read_manifest(s).files.values())
+            except CheckpointError:
+                pass
+        return total
+
+    results: List[Dict[str, Any]] = []
+    bar = progress_bar(size_of(todo if not walk else copies(order[0])), "verify", args.progress)
     try:
-        results = [dict(_verify_step(storage, layout, s, bar), tier=tier) for tier, storage, layout, s in todo]
+        if walk:  # newest first, as restore(None): the first step with a copy that verifies ends it
+            for i, s in enumerate(order):
+                items = copies(s)
+                if i and hasattr(bar, "total"):
+                    bar.total += size_of(items)
+                    bar.refresh()
+                got = [dict(verify_step(storage, layout, s, bar), tier=tier) for tier, storage, layout, s in items]
+                results += got
+                if any(r["ok"] for r in got):
+                    break
+        else:
+            results = [dict(verify_step(storage, layout, s, bar), tier=tier) for tier, storage, layout, s in todo]
     finally:
         bar.close()
     damaged = [r for r in results if not r["ok"]]
     skipped = sorted(foreign)  # never verified, never the latest
+    newest, newer_damaged = _newest_intact(order, results) if order else (None, [])
     if args.json:
-        print_json({"path": args.path, "ok": not damaged, "steps": results,
-                     "skipped_foreign": [{"step": s, "tier": "local", "saved_for": foreign[s]} for s in skipped]})
+        out: Dict[str, Any] = {"path": args.path, "ok": not damaged, "steps": results,
+                               "skipped_foreign": [{"step": s, "tier": "local", "saved_for": foreign[s]}
+                                                   for s in skipped]}
+        if order:
+            out.update(newest_intact=newest, newer_damaged=newer_damaged)
+        print_json(out)
     else:
         for s in skipped:
             print(f"step {s} (local): skipped: saved for the checkpoint path {foreign[s]} (another job's copy)")
@@ -171,6 +241,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
             print(f"step {r['step']}{where}: {state} ({r['files']} files, {human_bytes(r['bytes'])} read{shared})")
             for p in r["problems"]:
                 print(f"  {p}")
+        if order:
+            print(intact_line(newest, newer_damaged, verified=True))
         if damaged:
             print(f"{len(damaged)} of {len(results)} step(s) damaged: {', '.join(str(r['step']) for r in damaged)}",
                   file=sys.stderr)
@@ -179,24 +251,47 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 # ---- prune -----------------------------------------------------------------------------------
 
-def _retention(keep_last: int, keep_every: Optional[int]) -> Any:
+def _retention(args: argparse.Namespace) -> Any:
+    """The policy of prune's flags: ``AnyOf`` of ``KeepLatest``, ``KeepEveryNSteps`` and
+    ``KeepBest`` (those given)."""
     from .. import policies
 
-    if not isinstance(keep_last, int) or keep_last < 1:
-        raise ValueError(f"--keep-last must be >= 1, got {keep_last}")
-    latest = policies.KeepLatest(keep_last)
-    if keep_every is None:
-        return latest
-    if keep_every < 1:
-        raise ValueError(f"--keep-every must be >= 1, got {keep_every}")
-    return policies.AnyOf([latest, policies.KeepEveryNSteps(keep_every)])
+    members: List[Any] = []
+    if args.keep_last is not None:
+        if args.keep_last < 1:
+            raise ValueError(f"--keep-last must be >= 1, got {args.keep_last}")
+        members.append(policies.KeepLatest(args.keep_last))
+    if args.keep_best is not None:
+        if args.keep_best < 1:
+            raise ValueError(f"--keep-best must be >= 1, got {args.keep_best}")
+        if not args.metric:
+            raise ValueError("--keep-best needs --metric NAME (a metric the saves recorded, e.g. val_loss)")
+        members.append(policies.KeepBest(args.keep_best, args.metric, args.mode))
+    elif args.metric is not None:
+        raise ValueError("--metric goes with --keep-best N")
+    if not members:
+        raise ValueError("give --keep-last N and/or --keep-best N --metric NAME")
+    if args.keep_every is not None:
+        if args.keep_every < 1:
+            raise ValueError(f"--keep-every must be >= 1, got {args.keep_every}")
+        members.append(policies.KeepEveryNSteps(args.keep_every))
+    return members[0] if len(members) == 1 else policies.AnyOf(members)
+
+
+def _job_retention(layout: CheckpointLayout, step: int) -> Tuple[Optional[Dict[str, Any]], Any]:
+    """The retention the job recorded in ``step``'s manifest (its spec, and the policy; the
+    policy is None for a custom one, whose choices a tool cannot know)."""
+    from ..policies import RETENTION_KEY, retention_from_spec
+
+    spec = layout.read_manifest(step).extra.get(RETENTION_KEY)
+    return (spec, retention_from_spec(spec)) if isinstance(spec, dict) else (None, None)
 
 
 def cmd_prune(args: argparse.Namespace) -> int:
-    from ..policies import CheckpointInfo
+    from ..policies import CheckpointInfo, apply_retention
 
     storage, layout = open_root(args)
-    policy = _retention(args.keep_last, args.keep_every)
+    policy = _retention(args)
     infos: List[CheckpointInfo] = []
     unreadable: Dict[int, str] = {}
     sizes: Dict[int, int] = {}
@@ -212,6 +307,10 @@ def cmd_prune(args: argparse.Namespace) -> int:
         infos.append(CheckpointInfo(step, m.commit_time, dict(m.metrics), m.nbytes))
         sizes[step] = sum(r.size for r in m.files.values())
     ordered = sorted(infos, key=lambda c: (c.commit_time, c.step))
+    if args.metric is not None and ordered and not any(args.metric in c.metrics for c in ordered):
+        have = sorted({k for c in ordered for k in c.metrics})
+        raise ValueError(f"no committed step recorded the metric {args.metric!r} (the steps' metrics: "
+                         f"{', '.join(have) or 'none'}): --keep-best would keep every step")
     # The step always kept is the newest commit that verifies in full (checksums, metadata):
     # newer ones that fail are damaged, left alone and never count as the newest kept. With
     # none that verifies, nothing is deleted.
@@ -219,7 +318,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
     for c in reversed(ordered):
         bar = progress_bar(sizes[c.step], f"verify step {c.step}", None)
         try:
-            res = _verify_step(storage, layout, c.step, bar)
+            res = verify_step(storage, layout, c.step, bar)
         finally:
             bar.close()
         if res["ok"]:
@@ -230,6 +329,15 @@ def cmd_prune(args: argparse.Namespace) -> int:
     keep = set(policy.keep(ordered)) if ordered else set()
     if anchor is not None:  # the same guarantee as the manager's retention, among intact steps
         keep.add(anchor.step)
+    # What the job's own retention keeps (recorded in the newest intact manifest) stays too,
+    # unless --force: the job would otherwise resume without the steps it meant to keep.
+    spec, job_policy = _job_retention(layout, anchor.step) if anchor is not None else (None, None)
+    protected: Set[int] = set()
+    if spec is not None and ordered:
+        wanted = apply_retention(job_policy, ordered) if job_policy is not None else {c.step for c in ordered}
+        protected = {c.step for c in ordered if c.step in wanted and c.step not in keep}
+    if not args.force:
+        keep |= protected
     doomed = [c.step for c in ordered if c.step not in keep]
     deleted: List[int] = []
     if not args.dry_run and doomed:
@@ -243,21 +351,45 @@ def cmd_prune(args: argparse.Namespace) -> int:
         finally:
             lease.release()
     kept = sorted(keep & {c.step for c in ordered})
+    job_text = _describe_job_retention(spec, job_policy)
     if args.json:
         print_json({"path": args.path, "dry_run": args.dry_run, "kept": kept,
                      "deleted": sorted(doomed) if args.dry_run else deleted,
-                     "skipped_damaged": {str(k): v for k, v in sorted(unreadable.items())}})
+                     "skipped_damaged": {str(k): v for k, v in sorted(unreadable.items())},
+                     "job_retention": spec, "kept_for_job_retention": sorted(protected) if not args.force else [],
+                     "forced": sorted(protected) if args.force else []})
         return EXIT_OK
     action = "would delete" if args.dry_run else "deleted"
-    rows = [[c.step, fmt_time(c.commit_time), human_bytes(c.nbytes),
-             "keep" if c.step in keep else action] for c in sorted(ordered, key=lambda c: c.step)]
-    rows += [[s, "-", "-", "skip (damaged)"] for s in sorted(unreadable)]
+
+    def what(step: int) -> str:
+        if step in protected:
+            return f"{action} (--force)" if args.force else "keep (job's retention)"
+        return "keep" if step in keep else action
+
+    rows = [[c.step, fmt_time(c.commit_time), human_bytes(c.nbytes), fmt_metrics(c.metrics), what(c.step)]
+            for c in sorted(ordered, key=lambda c: c.step)]
+    rows += [[s, "-", "-", "-", "skip (damaged)"] for s in sorted(unreadable)]
     if rows:
-        print(render_table(["STEP", "COMMITTED", "DATA", "ACTION"], rows, right=(0, 2)))
+        print(render_table(["STEP", "COMMITTED", "DATA", "METRICS", "ACTION"], rows, right=(0, 2)))
     print(f"{'dry run: ' if args.dry_run else ''}{len(kept)} kept, {len(doomed)} "
           f"{'to delete' if args.dry_run else 'deleted'}"
           + (f", {len(unreadable)} damaged step(s) left alone" if unreadable else ""))
+    if protected and not args.force:
+        print(f"kept {len(protected)} step(s) the job's own retention ({job_text}) keeps: "
+              f"{', '.join(map(str, sorted(protected)))}; pass --force to delete them too")
+    elif protected:
+        print(f"--force: {'would delete' if args.dry_run else 'deleted'} {len(protected)} step(s) the job's own "
+              f"retention ({job_text}) keeps: {', '.join(map(str, sorted(protected)))}")
     return EXIT_OK
+
+
+def _describe_job_retention(spec: Optional[Dict[str, Any]], policy: Any) -> str:
+    if spec is None:
+        return "none recorded"
+    if policy is None:
+        return (f"a custom policy, {spec.get('repr', spec)}, whose choices cannot be known here: every step "
+                f"counts as kept")
+    return repr(policy)
 
 
 # ---- promote ---------------------------------------------------------------------------------

@@ -36,6 +36,7 @@ pending writes), with one warning.
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import random
@@ -43,15 +44,17 @@ import re
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Deque, Dict, List, Optional
 
 import numpy as np
 import torch
 
 from ..errors import CheckpointError
+from ..stats import SaveStats
 from .atomic_files import TMP_SUFFIX, fsync_dir, fsync_tree
 from .background_writer import BackgroundWriter
 from .object_snapshot import Snapshotter
+from .save_figures import SaveFigures
 
 log = logging.getLogger("async_ckpt.integrations.accelerate")
 
@@ -79,13 +82,22 @@ class AsyncSaveState:
         memory_budget_bytes: bound on the host staging pool (``None``: the pool keeps what
             recent saves used).
         fsync: fsync every file and directory before a checkpoint counts as committed.
+        log_stats: log each save's figures through ``accelerator.log`` (its trackers:
+            TensorBoard, W&B, ...; nothing without ``init_trackers``) at the save's ``step``:
+            ``checkpoint/blocking_s``, ``checkpoint/stage_s``, ``checkpoint/nbytes``, and the
+            newest committed earlier save's ``checkpoint/durable_s`` and ``checkpoint/write_s``
+            (see :mod:`async_ckpt.integrations.save_figures`).
 
-    ``stats`` holds, per save, ``dir``, ``stage_seconds`` (the time ``save_state`` blocked) and
-    ``nbytes`` (bytes staged).
+    ``stats`` holds a :class:`~async_ckpt.SaveStats` per save: ``step`` is the save's
+    iteration (accelerate's ``project_configuration.iteration``: 0, 1, ...; the number in an
+    automatically named ``checkpoint_N``), ``blocking_s``, ``queue_wait_s``, ``stage_s``,
+    ``nbytes``, ``num_tensors``, and once the checkpoint is committed ``write_s``,
+    ``commit_s``, ``durable_s``, ``commit_time``, ``files`` and ``written_bytes``;
+    ``extra["path"]`` is the checkpoint directory.
     """
 
     def __init__(self, accelerator: Any, max_pending: int = 2, memory_budget_bytes: Optional[int] = None,
-                 fsync: bool = True) -> None:
+                 fsync: bool = True, log_stats: bool = True) -> None:
         if getattr(accelerator, "_async_ckpt_saver", None) is not None:
             raise AcceleratorAlreadyAttachedError(
                 "async_ckpt.integrations.accelerate.attach(): this Accelerator is attached already; "
@@ -94,7 +106,9 @@ class AsyncSaveState:
         self.snapshotter = Snapshotter(memory_budget_bytes)
         self.writer = BackgroundWriter("async-ckpt-accelerate", max_pending=max_pending)
         self.fsync = fsync
-        self.stats: List[Dict[str, Any]] = []
+        self.stats: Deque[SaveStats] = collections.deque(maxlen=1000)
+        self.log_stats = log_stats
+        self._figures = SaveFigures()
         self._warned = False
         self._original_save = accelerator.save_state
         self._original_load = accelerator.load_state
@@ -131,7 +145,7 @@ class AsyncSaveState:
         why = self._unsupported()
         if why is not None:
             if not self._warned:
-                log.warning("async_ckpt accelerate: %s: saving synchronously with accelerate's own save_state", why)
+                log.warning("%s: saving synchronously with accelerate's own save_state", why)
                 self._warned = True
             self.writer.wait_all()
             return Path(self._original_save(output_dir, safe_serialization=safe_serialization,
@@ -189,7 +203,9 @@ class AsyncSaveState:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        self.stats.append({"dir": final, "stage_seconds": time.perf_counter() - t0, "nbytes": copy.nbytes})
+        t1 = time.perf_counter()
+        stats = SaveStats(step=cfg.iteration, nbytes=copy.nbytes, num_tensors=copy.num_tensors, stage_s=t1 - t0,
+                          extra={"path": final})
         names = [(f[0], f[2]) for f in files]
         limit = cfg.total_limit if cfg.automatic_checkpoint_naming else None
         save_on_each_node = cfg.save_on_each_node
@@ -197,6 +213,7 @@ class AsyncSaveState:
         def job() -> None:
             from accelerate.utils import save
 
+            w0 = time.perf_counter()
             try:
                 objs = copy.materialize()
                 for (name, safe), obj in zip(names, objs):
@@ -208,9 +225,20 @@ class AsyncSaveState:
                 del objs, obj
             finally:
                 copy.release()
+            w1 = time.perf_counter()
+            on_disk = [e for e in os.scandir(tmp) if e.is_file(follow_symlinks=False)]
+            stats.files, stats.written_bytes = len(on_disk), sum(e.stat(follow_symlinks=False).st_size for e in on_disk)
             self._commit(tmp, final, parent, limit)
+            done = time.perf_counter()
+            stats.write_s, stats.commit_s = w1 - w0, done - w1
+            stats.durable_s, stats.commit_time = done - t0, time.time()
 
         self.writer.submit(final, job, on_drop=copy.release)
+        stats.queue_wait_s = time.perf_counter() - t1
+        stats.blocking_s = time.perf_counter() - t0
+        self.stats.append(stats)
+        if self.log_stats:
+            self._figures.report(stats, self.stats, lambda figures: acc.log(figures, step=stats.step))
         cfg.iteration += 1
         return Path(final)
 
@@ -319,7 +347,7 @@ class AsyncSaveState:
 
 
 def attach(accelerator: Any, max_pending: int = 2, memory_budget_bytes: Optional[int] = None,
-           fsync: bool = True) -> AsyncSaveState:
+           fsync: bool = True, log_stats: bool = True) -> AsyncSaveState:
     """Make ``accelerator.save_state()`` asynchronous (and ``load_state()`` wait for it).
 
     Args:
@@ -328,6 +356,8 @@ def attach(accelerator: Any, max_pending: int = 2, memory_budget_bytes: Optional
         max_pending: checkpoints queued or being written at most.
         memory_budget_bytes: bound on the host staging pool (``None``: unbounded).
         fsync: fsync every file and directory before a checkpoint counts as committed.
+        log_stats: log each save's figures to the accelerator's trackers (see
+            :class:`AsyncSaveState`).
 
     Returns:
         The :class:`AsyncSaveState`: ``wait()`` before reading a checkpoint outside
@@ -337,4 +367,4 @@ def attach(accelerator: Any, max_pending: int = 2, memory_budget_bytes: Optional
         AcceleratorAlreadyAttachedError: ``accelerator`` is attached already.
     """
     return AsyncSaveState(accelerator, max_pending=max_pending, memory_budget_bytes=memory_budget_bytes,
-                          fsync=fsync)
+                          fsync=fsync, log_stats=log_stats)

@@ -42,6 +42,7 @@ from ..stats import SaveStats
 from .atomic_files import remove_stale_tmps, tmp_name, verify_torch_file, write_file
 from .background_writer import BackgroundWriter
 from .object_snapshot import HostCopy, Snapshotter
+from .save_figures import SaveFigures
 
 log = logging.getLogger("async_ckpt.integrations.lightning")
 
@@ -90,6 +91,27 @@ def _called_by_checkpoint_callback(depth: int = 40) -> bool:
     return False
 
 
+def _calling_trainer(depth: int = 40) -> Any:
+    """The Lightning ``Trainer`` on the calling stack (its ``save_checkpoint``), or None."""
+    import importlib
+
+    classes: List[type] = []
+    for mod in ("lightning.pytorch", "pytorch_lightning"):
+        try:
+            classes.append(importlib.import_module(mod).Trainer)
+        except (ImportError, AttributeError):
+            pass
+    frame: Optional[FrameType] = sys._getframe(2)
+    for _ in range(depth):
+        if frame is None or not classes:
+            return None
+        obj = frame.f_locals.get("self")
+        if isinstance(obj, tuple(classes)):
+            return obj
+        frame = frame.f_back
+    return None
+
+
 def _is_local(path: str) -> bool:
     return "://" not in path or path.startswith("file://")
 
@@ -116,6 +138,11 @@ class AsyncCkptIO(*_bases):  # type: ignore[misc]
         storage_options: fsspec filesystem options for remote paths (``gs://``, ``s3://``,
             ...), used by every save, load and removal; a ``save_checkpoint(...,
             storage_options=...)`` overrides them for that save.
+        log_stats: log each save's figures to the ``Trainer``'s loggers (``trainer.loggers``:
+            TensorBoard, CSV, W&B...) at its ``global_step``: ``checkpoint/blocking_s``,
+            ``checkpoint/stage_s``, ``checkpoint/nbytes``, and the newest committed earlier
+            save's ``checkpoint/durable_s`` and ``checkpoint/write_s`` (see
+            :mod:`async_ckpt.integrations.save_figures`).
 
     ``stats`` holds a :class:`~async_ckpt.SaveStats` per save (``step`` is the checkpoint's
     ``global_step``; ``blocking_s``, ``queue_wait_s``, ``stage_s``, ``write_s``, ``commit_s``,
@@ -138,7 +165,8 @@ class AsyncCkptIO(*_bases):  # type: ignore[misc]
     """
 
     def __init__(self, max_pending: int = 2, memory_budget_bytes: Optional[int] = None, fsync: bool = True,
-                 sync_explicit: bool = True, storage_options: Optional[Dict[str, Any]] = None) -> None:
+                 sync_explicit: bool = True, storage_options: Optional[Dict[str, Any]] = None,
+                 log_stats: bool = True) -> None:
         super().__init__()
         self.snapshotter = Snapshotter(memory_budget_bytes)
         self.writer = BackgroundWriter("async-ckpt-lightning", max_pending=max_pending)
@@ -148,6 +176,8 @@ class AsyncCkptIO(*_bases):  # type: ignore[misc]
         self.newest: Optional[str] = None  # the path saved last (never removed)
         self.saves = 0
         self.stats: Deque[SaveStats] = collections.deque(maxlen=1000)
+        self.log_stats = log_stats
+        self._figures = SaveFigures()
         self._filesystems: Dict[Tuple[str, str], Any] = {}
         self._fs_lock = threading.Lock()
 
@@ -240,6 +270,13 @@ class AsyncCkptIO(*_bases):  # type: ignore[misc]
         if explicit:
             self.writer.wait(path)  # durable on return; raises this write's error
             stats.blocking_s = time.perf_counter() - t0
+        trainer = _calling_trainer() if self.log_stats else None
+        if trainer is not None and trainer.loggers:
+            def sink(figures: Dict[str, float]) -> None:
+                for logger in trainer.loggers:
+                    logger.log_metrics(figures, step=trainer.global_step)
+
+            self._figures.report(stats, self.stats, sink)
 
     def _reserve(self, path: str, options: Optional[Dict[str, Any]]) -> bool:
         """Take the name ``path`` with an empty file if nothing is there; whether it did."""

@@ -46,6 +46,7 @@ PyTorch/XLA, several processes without ``torch.distributed``, and ``push_to_hub`
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import io
 import json
@@ -57,16 +58,18 @@ import sys
 import threading
 import time
 from types import FrameType
-from typing import Any, Dict, Optional, cast
+from typing import Any, Deque, Dict, Optional, cast
 
 import numpy as np
 import torch
 from transformers import Trainer, TrainerCallback
 
 from ..errors import CheckpointError
+from ..stats import SaveStats
 from .atomic_files import TMP_SUFFIX, fsync_dir, fsync_tree
 from .background_writer import BackgroundWriter
 from .object_snapshot import HostCopy, Snapshotter
+from .save_figures import SaveFigures
 
 log = logging.getLogger("async_ckpt.integrations.transformers")
 
@@ -88,20 +91,32 @@ class AsyncCkptCallback(TrainerCallback):
         memory_budget_bytes: bound on the host staging pool (``None``: the pool keeps what
             recent saves used).
         fsync: fsync every file and directory before a checkpoint counts as committed.
+        log_stats: log each save's figures through the ``Trainer``'s ``log()`` (so its
+            TensorBoard, W&B... callbacks and ``state.log_history`` get them):
+            ``checkpoint/blocking_s``, ``checkpoint/stage_s``, ``checkpoint/nbytes``, and the
+            newest committed earlier save's ``checkpoint/durable_s`` and ``checkpoint/write_s``
+            (see :mod:`async_ckpt.integrations.save_figures`).
 
-    ``stats`` holds, per save, ``step``, ``stage_seconds`` (the time the training loop was
-    blocked) and ``nbytes`` (bytes staged).
+    ``stats`` holds a :class:`~async_ckpt.SaveStats` per save (``step`` is the
+    ``global_step``; ``blocking_s``, ``queue_wait_s``, ``stage_s``, ``nbytes``,
+    ``num_tensors``, and once the checkpoint is committed ``write_s``, ``commit_s``,
+    ``durable_s``, ``commit_time``, ``files`` and ``written_bytes``; ``extra["path"]``). With
+    several processes a rank that writes nothing records its part of the stall (``nbytes`` 0,
+    ``extra["writer"]`` False).
 
     The callback pickles: the copy has the same settings and ``stats``, a new host buffer pool
     and writer of its own, and binds to the trainer it finds at its first event.
     """
 
-    def __init__(self, max_pending: int = 2, memory_budget_bytes: Optional[int] = None, fsync: bool = True) -> None:
+    def __init__(self, max_pending: int = 2, memory_budget_bytes: Optional[int] = None, fsync: bool = True,
+                 log_stats: bool = True) -> None:
         self.snapshotter = Snapshotter(memory_budget_bytes)
         self.writer = BackgroundWriter("async-ckpt-hf", max_pending=max_pending)
         self.fsync = fsync
         self.trainer: Optional[Trainer] = None
-        self.stats: list = []
+        self.stats: Deque[SaveStats] = collections.deque(maxlen=1000)
+        self.log_stats = log_stats
+        self._figures = SaveFigures()
         self._warned = False
         self._lock = threading.Lock()
 
@@ -324,7 +339,9 @@ class AsyncCkptCallback(TrainerCallback):
         if multi:
             torch.distributed.barrier()  # every rank's file is in the directory
             if not writes:
-                self.stats.append({"step": state.global_step, "stage_seconds": time.perf_counter() - t0, "nbytes": 0})
+                took = time.perf_counter() - t0
+                self._record(trainer, SaveStats(step=state.global_step, blocking_s=took, stage_s=took,
+                                                extra={"path": output_dir, "writer": False}))
                 return
 
         unwrapped = trainer.accelerator.unwrap_model(trainer.model, keep_torch_compile=False)
@@ -352,10 +369,21 @@ class AsyncCkptCallback(TrainerCallback):
         torch.save(args, args_bytes)
 
         copy = self.snapshotter.take(payload, what=f"checkpoint {output_dir}")
-        self.stats.append({"step": state.global_step, "stage_seconds": time.perf_counter() - t0, "nbytes": copy.nbytes})
+        t1 = time.perf_counter()
+        stats = SaveStats(step=state.global_step, nbytes=copy.nbytes, num_tensors=copy.num_tensors, stage_s=t1 - t0,
+                          extra={"path": output_dir})
         job = _Job(self, trainer, unwrapped, run_dir, output_dir, copy, state_json, args_bytes.getvalue(),
-                   best=state.best_model_checkpoint, limit=args.save_total_limit, prepared=multi)
+                   best=state.best_model_checkpoint, limit=args.save_total_limit, prepared=multi, stats=stats, t0=t0)
         self.writer.submit(output_dir, job.run, on_drop=copy.release)
+        stats.queue_wait_s = time.perf_counter() - t1
+        stats.blocking_s = time.perf_counter() - t0
+        self._record(trainer, stats)
+
+    def _record(self, trainer: Trainer, stats: SaveStats) -> None:
+        """Keep a save's statistics; log its figures through the Trainer's ``log()``."""
+        self.stats.append(stats)
+        if self.log_stats:
+            self._figures.report(stats, self.stats, trainer.log)
 
     @staticmethod
     def _rng_states(trainer: Trainer) -> Dict[str, Any]:
@@ -383,8 +411,9 @@ class _Job:
 
     def __init__(self, cb: AsyncCkptCallback, trainer: Trainer, model: Any, run_dir: str, output_dir: str,
                  copy: HostCopy, state_json: str, args_bytes: bytes, best: Optional[str], limit: Optional[int],
-                 prepared: bool = False) -> None:
+                 prepared: bool = False, stats: Optional[SaveStats] = None, t0: float = 0.0) -> None:
         self.cb, self.trainer, self.model = cb, trainer, model
+        self.stats, self.t0 = stats, t0
         self.prepared = prepared  # the hidden directory exists already (the other ranks' files are in it)
         self.run_dir, self.output_dir = run_dir, output_dir
         self.copy, self.state_json, self.args_bytes = copy, state_json, args_bytes
@@ -404,6 +433,7 @@ class _Job:
 
         name = os.path.basename(self.output_dir)
         tmp = os.path.join(self.run_dir, f".{name}{TMP_SUFFIX}")
+        w0 = time.perf_counter()
         try:
             if not self.prepared:
                 if os.path.lexists(tmp):
@@ -433,6 +463,7 @@ class _Job:
             self.copy.release()
         with open(os.path.join(tmp, TRAINER_STATE_NAME), "w", encoding="utf-8") as f:
             f.write(self.state_json)
+        w1 = time.perf_counter()
         if self.cb.fsync:
             fsync_tree(tmp)
         old = None
@@ -446,6 +477,13 @@ class _Job:
             fsync_dir(self.run_dir)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
+        done = time.perf_counter()
+        if self.stats is not None:
+            st = self.stats
+            files = [e for e in os.scandir(self.output_dir) if e.is_file(follow_symlinks=False)]
+            st.files, st.written_bytes = len(files), sum(e.stat(follow_symlinks=False).st_size for e in files)
+            st.write_s, st.commit_s = w1 - w0, done - w1
+            st.durable_s, st.commit_time = done - self.t0, time.time()
         rotate_checkpoints(output_dir=self.run_dir, save_total_limit=self.limit,
                            best_model_checkpoint=self.best, use_mtime=True)
         log.debug("committed %s", self.output_dir)

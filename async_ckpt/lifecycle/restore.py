@@ -620,9 +620,9 @@ def _prepare_target(state_dict: Dict[str, Any], metadata: Any, step: int, int_ke
                     strict: bool, covered: Optional[Set[str]] = None) -> List[tuple]:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from ..storage.dcp.file_assignment import flatten  # DCP's flatten_state_dict, quicker
+    from ..storage.dcp.file_assignment import flatten_target  # in the checkpoint's key layout
 
-    flat, _ = flatten(state_dict)
+    flat, _ = flatten_target(state_dict, metadata)
     md = metadata.state_dict_metadata
     missing = [k for k in flat if k not in md]
     problems = []

@@ -26,6 +26,7 @@ from ..policies import RetentionPolicy
 from ..staging import HostSnapshot
 from ..stats import SaveStats
 from ..storage import FileRecord, Manifest, StepTarget
+from ..storage.manifest import reduce_metrics
 from . import phase
 from .replicas import DroppedSamples, diverged, fingerprints
 from .steps import StepStore, StepWrite
@@ -49,6 +50,8 @@ class SaveJob:
     commit_at: Optional[float] = None
     #: declared-frozen tensors (incremental saves): each one's version, and the keys not copied
     frozen: Tuple[Dict[str, Tuple[int, int]], Set[str]] = field(default_factory=lambda: ({}, set()))
+    #: several ranks: how the ranks' ``metrics`` become the step's (see ``reduce_metrics``)
+    metrics_reduce: str = "rank0"
     #: several ranks: samples of the tensors another rank stages, taken at the call (compared
     #: with the stager's fingerprints to find values that differ between ranks)
     samples: Optional[DroppedSamples] = None
@@ -78,6 +81,8 @@ class _RankResult:
     int_keys: List[str]
     #: several ranks: fingerprints of the values every rank stages whole (see replicas.diverged)
     prints: Dict[str, int] = field(default_factory=dict)
+    #: this rank's ``metrics=`` (reduced by rank 0 as the manager's ``metrics_reduce`` says)
+    metrics: Dict[str, float] = field(default_factory=dict)
 
 
 def run_save(store: StepStore, job: SaveJob, *, policy: RetentionPolicy, threads: int, planner: Any) -> Optional[SaveStats]:
@@ -123,8 +128,11 @@ def run_save(store: StepStore, job: SaveJob, *, policy: RetentionPolicy, threads
                         "broadcast_buffers=True)", step, len(new),
                         ", ".join(f"{k} (ranks {v})" for k, v in list(new.items())[:5]),
                         f" and {len(new) - 5} more" if len(new) > 5 else "")
+        # rank 0's commit: its own metrics, or every rank's reduced (sent only when asked for)
+        metrics = (job.metrics if len(results) == 1 or job.metrics_reduce == "rank0"
+                   else reduce_metrics([r.metrics for r in results], job.metrics_reduce))
         manifest = Manifest(step=step, commit_time=store.catalog.next_commit_time(job.commit_at), files=merged,
-                            metrics=job.metrics, nbytes=sum(r.nbytes for r in results),
+                            metrics=metrics, nbytes=sum(r.nbytes for r in results),
                             num_tensors=sum(r.num_tensors for r in results), world_size=coord.world_size,
                             extra={**job.manifest_extra, **({"int_keys": int_keys} if int_keys else {}),
                                    **({"diverged_keys": sorted(differ)} if differ else {})})
@@ -191,7 +199,8 @@ def run_save(store: StepStore, job: SaveJob, *, policy: RetentionPolicy, threads
         tc = time.perf_counter()
 
         # 4. did every rank write? gather the file records for the manifest.
-        mine = _RankResult(dict(files), snap.nbytes, snap.num_tensors, list(snap.int_keys), prints)
+        mine = _RankResult(dict(files), snap.nbytes, snap.num_tensors, list(snap.int_keys), prints,
+                           dict(job.metrics) if job.metrics_reduce != "rank0" else {})
         results = phase.everyone(coord, "writing", step, lambda: mine, error=write_error)
 
         # 5. rank 0 commits and applies retention; everyone learns the outcome.

@@ -51,6 +51,9 @@ class StepStore:
         self._recall_step: Optional[int] = None  # the step a restore read from this root
         #: several ranks: keys whose values differed between ranks (warned about once)
         self.diverged_keys: Set[str] = set()
+        #: how log lines name this root among a manager's roots (" from the local tier"); empty
+        #: for a manager with one root
+        self.label = ""
 
     # ---- the writer lease --------------------------------------------------------------------
     def become_writer(self) -> None:
@@ -159,7 +162,7 @@ class StepStore:
                 continue
             if paths:
                 dropped.append(s)
-                log.info("deleted step %d (retention)", s)
+                log.info("deleted step %d%s (retention)", s, self.label)
                 self.in_background(functools.partial(self._remove, s, paths))
         return dropped
 
@@ -234,7 +237,7 @@ class StepStore:
         paths = self.condemn(step)
         self.check_lease(step)
         self.catalog.remove(step, paths)
-        log.info("deleted step %d (delete())", step)
+        log.info("deleted step %d%s (delete())", step, self.label)
 
     def recover(self) -> None:
         """Finish commits a crash interrupted (see ``CheckpointLayout.recover``)."""

@@ -13,6 +13,7 @@ differs (``lifecycle.coordinator``).
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import logging
 import os
@@ -27,6 +28,7 @@ from ..errors import (
     InvalidArgumentError,
     InvalidStateDictError,
     LeaseHeldError,
+    NotACheckpointRootError,
     StorageError,
     warn_user,
 )
@@ -42,6 +44,7 @@ from ..lifecycle.save_job import FROZEN_CHANGED, SaveJob, run_save
 from ..lifecycle.steps import StepStore
 from ..options import ManagerOptions
 from ..policies import (
+    RETENTION_KEY,
     CheckpointInfo,
     RetentionPolicy,
     SavePolicy,
@@ -50,12 +53,13 @@ from ..policies import (
     best_checkpoint,
     check_step,
     find_keep_best,
+    retention_spec,
 )
 from ..preemption import PreemptionTracker, PreemptionWatcher
 from ..save_queue import AsyncWriter
 from ..staging import HostBufferPool, Stager
 from ..staging.frozen import FrozenTensors, changed_keys, version_of
-from ..stats import SaveStats, format_bytes, format_seconds
+from ..stats import FAILED, FALLBACK, UPLOAD_SKIPPED, SaveStats, format_bytes, format_seconds, tier_name
 from ..storage import CheckpointLayout, RetryPolicy, Storage
 from ..storage.dcp import Reuse
 from ..storage.manifest import check_metrics
@@ -245,6 +249,12 @@ class CheckpointManager:
             the local tier stages everything: each rank's local copy restores that rank alone.
             Either way a checkpoint holds one value per key: values that differ between ranks
             under one key are logged once and listed in the manifest's ``diverged_keys``.
+        metrics_reduce: several ranks: how each rank's ``metrics=`` of a save become the
+            step's (what :meth:`metrics`, :meth:`best_step` and ``KeepBest`` see): ``"rank0"``
+            (default: rank 0's values, the other ranks' are not read), or ``"mean"``,
+            ``"min"``, ``"max"`` of each name over the ranks that gave it; reduced in the
+            exchange the save makes anyway (its file records). A local tier's copy (each
+            rank's own) records that rank's own metrics.
         replicated_reads: several ranks, at restore: ``"once"``: a tensor every rank restores
             as a plain tensor is read from storage by one rank and sent to the others over
             the manager's gloo group (CRC-checked after the transfer); ``"every_rank"``: each
@@ -307,6 +317,7 @@ class CheckpointManager:
         frozen_check_every: int = 10,
         replicated_saves: bool = True,
         replicated_reads: str = "auto",
+        metrics_reduce: str = "rank0",
         read_only: bool = False,
         wall_clock: Callable[[], float] = time.time,
         interval_clock: Callable[[], float] = time.monotonic,
@@ -321,8 +332,8 @@ class CheckpointManager:
             local_policy=local_policy, local_retention=local_retention, local_replicas=local_replicas,
             incremental=incremental,
             full_every=full_every, frozen=frozen, frozen_check_every=frozen_check_every,
-            replicated_saves=replicated_saves, replicated_reads=replicated_reads, read_only=read_only,
-            wall_clock=wall_clock, interval_clock=interval_clock)
+            replicated_saves=replicated_saves, replicated_reads=replicated_reads, metrics_reduce=metrics_reduce,
+            read_only=read_only, wall_clock=wall_clock, interval_clock=interval_clock)
         #: the validated options this manager was built from
         self.options = opts
         self._preemption: Optional[PreemptionTracker] = None
@@ -392,6 +403,8 @@ class CheckpointManager:
             if opts.local_dir is not None:
                 self._local = make_local_tier(opts, self.storage, self._coord)
                 self.roots.insert(0, self._local)
+                for r in self.roots:  # log lines name the root: "deleted step 10 from the local tier"
+                    r.store.label = f" from {tier_name(r.name)}"
                 if topology is not None:
                     self._peers = PeerCopies(topology, self._local, opts, self._coord)
             if self._coord.is_primary:
@@ -399,8 +412,12 @@ class CheckpointManager:
             # Created and checked when possible; a read-only root (an evaluation job's credential
             # or mount) opens all the same, for listing and restoring: the first save checks again.
             # A read_only manager creates and checks nothing (the root may not exist yet).
-            if not opts.read_only:
+            if opts.read_only:
+                self._refuse_a_file()
+            else:
                 self._writable = self._check_writable(quiet=True)
+                if not self._writable:
+                    self._refuse_a_file()
                 if not self._writable and self._local is None:
                     self._check_readable()
             if self._preemption is not None:
@@ -815,12 +832,18 @@ class CheckpointManager:
             if self._local is not None:
                 stats.extra["tier"] = tier.name
                 if skipped_upload:
-                    stats.extra["upload_skipped"] = True
+                    stats.extra[UPLOAD_SKIPPED] = True
+                if where.wanted and not take:  # the checkpoint path could not be reached: local only
+                    stats.extra[FALLBACK] = True
                 extra[SAVE_ID] = f"{self._run_id}.{self._saves}"
             if tier is self._local:
                 extra.update({"tier": LOCAL, "rank": self._coord.rank, "world_size": self._coord.world_size,
                               PERSISTENT_ROOT: tier.home})
-            job = SaveJob(step, snap, metrics, stats, t0, manifest_extra=extra,
+            else:  # what this job's retention keeps, for tools that delete by hand (async-ckpt prune)
+                spec = retention_spec(tier.retention)
+                if spec is not None:
+                    extra[RETENTION_KEY] = spec
+            job = SaveJob(step, snap, metrics, stats, t0, manifest_extra=extra, metrics_reduce=self.options.metrics_reduce,
                           commit_at=taken_at if self._local is not None else None,
                           frozen=(seen, {plan.keys[i] for i in keep}), samples=samples)
             self._in_flight.append(step)
@@ -836,7 +859,7 @@ class CheckpointManager:
             if skipped_upload and tier is self._local and self._catch_up is not None:
                 first = self._catch_up.skipped(step, self._saves, taken_at, t0, fut)
                 (log.warning if first else log.info)(
-                    "async_ckpt: step %d is not uploaded to %s now: an earlier upload is still running (the step "
+                    "step %d is not uploaded to %s now: an earlier upload is still running (the step "
                     "is saved to the local tier; the next free upload slot uploads the newest such local copy; "
                     "see CheckpointManager.skipped_uploads)", step, self.storage.url)
             if tier is not persistent:  # the persistent root's save is recorded when wanted (below)
@@ -919,6 +942,8 @@ class CheckpointManager:
         except BaseException as exc:
             if coming is not None and out_of_space(exc):  # found full after all: the next save finds room
                 make_room(tier, coming, None)
+            if isinstance(exc, Exception):
+                self._log_failure(job, tier, exc)
             raise
         finally:
             if job.snap is not None and job.step in self._in_flight:
@@ -937,6 +962,17 @@ class CheckpointManager:
                     f"{f' and {len(changed) - 5} more' if len(changed) > 5 else ''}. Step {stats.step} holds their "
                     "new bytes (written in full); stop declaring them frozen (frozen=), or find what changes them",
                     keys=changed, step=stats.step)
+
+    def _log_failure(self, job: SaveJob, tier: Root, exc: BaseException) -> None:
+        """A save that failed goes to the stats log too (``extra["failed"]``: the error), so that
+        the run's record (``async-ckpt stats``, its ``--plot``) shows it. Not when the log could
+        not be written either: the failure of a remote persistent root the log lives on."""
+        if self._stats_log is None or job.stats is None or not self._coord.is_primary:
+            return
+        if tier is self._persistent and not self.storage.is_local:
+            return
+        stats = dataclasses.replace(job.stats, extra={**job.stats.extra, FAILED: f"{type(exc).__name__}: {exc}"[:300]})
+        self._stats_log.append(stats)  # never raises
 
     def _after_commit(self, stats: SaveStats) -> None:
         """Statistics and the user's callback: neither can fail a committed save."""
@@ -1493,34 +1529,37 @@ class CheckpointManager:
 
     def _describe_root(self) -> None:
         """Say at INFO that the root is new or empty (a typo'd path would otherwise restart a
-        run from step 0 silently), and warn when it looks like a step directory or the parent
-        of checkpoint roots. Reads only; a root that cannot be listed is left to the calls that
-        need it."""
-        from ..storage.manifest import MANIFEST_NAME, MARKER_NAME
+        run from step 0 silently), and warn when it looks like a step directory, the parent of
+        checkpoint roots, or holds only checkpoints of another kind (the diagnosis the
+        ``async-ckpt`` command prints too: :func:`~async_ckpt.storage.diagnosis.diagnose`).
+        Reads only; a root that cannot be listed is left to the calls that need it."""
+        from ..storage.diagnosis import PARENT_OF_ROOTS, STEP_DIR, diagnose
 
         st = self.storage
         try:
             entries = st.listdir(st.root)
-            names = {e["name"] for e in entries}
-            if MANIFEST_NAME in names or MARKER_NAME in names:
-                parent = st.url.rstrip("/").rsplit("/", 1)[0]
-                warn_user(f"the checkpoint path {st.url} looks like one step's directory (it holds {MANIFEST_NAME}): "
-                          f"pass the checkpoint root, its parent {parent}, instead")
-                return
-            dirs = [e["name"] for e in entries if e.get("type") == "directory"]
-            if any(d.isdigit() for d in dirs):
-                return
-            roots = [d for d in sorted(dirs)[:20] if not d.startswith(".")
-                     and any(c["name"].isdigit() and c.get("type") == "directory" for c in st.listdir(st.join(d)))]
-            if roots:
-                warn_user(f"the checkpoint path {st.url} holds no steps but its subdirector{'ies' if len(roots) > 1 else 'y'} "
-                          f"{', '.join(roots[:5])} hold{'' if len(roots) > 1 else 's'} checkpoint steps: it looks like the "
-                          f"parent of checkpoint roots; pass one of them (e.g. {st.join(roots[0])})")
-            elif not entries:
+            findings = diagnose(st, entries)
+            has_steps = any(e.get("type") == "directory" and e["name"].isdigit() for e in entries)
+            for f in findings:
+                if f.kind in (STEP_DIR, PARENT_OF_ROOTS):
+                    warn_user(f"the checkpoint path {f.message}")
+                elif not has_steps:
+                    warn_user(f"the checkpoint path {st.url} holds no async_ckpt steps: {f.message}")
+            if not entries:
                 log.info("checkpoint root %s is new and empty: nothing to restore (check the path if a run "
                          "should resume from it); the first save creates it", st.url)
         except Exception as exc:  # noqa: BLE001 - advice only: listing and restoring raise their own errors
             log.debug("could not list %s: %s", st.url, exc)
+
+    def _refuse_a_file(self) -> None:
+        """The root could not be created: raise :class:`NotACheckpointRootError` when a file is
+        in the way (the root itself, or a parent of a local root), never to be a directory."""
+        from ..storage.diagnosis import file_in_the_way, not_a_root_message
+
+        blocker = file_in_the_way(self.storage)
+        if blocker is not None:
+            raise NotACheckpointRootError(not_a_root_message("checkpoint path", self.storage, blocker)) \
+                from self._write_problem
 
     def _check_readable(self) -> None:
         """The root could not be written when the manager was opened: raise that error unless

@@ -37,6 +37,7 @@ from ..errors import (
     CheckpointError,
     CorruptCheckpointError,
     InvalidArgumentError,
+    NotACheckpointRootError,
     RankFailure,
     StepNotFoundError,
     StorageError,
@@ -54,6 +55,7 @@ from ..staging.frozen import version_of
 from ..stats import SaveStats
 from ..storage import CheckpointLayout, FileRecord, Manifest, Storage, step_names
 from ..storage.dcp import Reuse
+from ..storage.diagnosis import file_in_the_way, not_a_root_message
 from ..storage.manifest import check_file_name, crc32c
 
 log = logging.getLogger("async_ckpt")
@@ -277,6 +279,7 @@ def make_local_tier(options: ManagerOptions, persistent: Storage, coord: Coordin
     Raises:
         InvalidArgumentError: the two roots are one directory or one lies inside the other
             (checked before anything is created).
+        NotACheckpointRootError: ``local_dir`` (or a parent of it) is a file.
         StorageError: ``local_dir`` cannot be created or written.
     """
     assert options.local_dir is not None
@@ -290,6 +293,9 @@ def make_local_tier(options: ManagerOptions, persistent: Storage, coord: Coordin
         storage.makedirs(storage.root)
         storage.check_writable()
     except (OSError, StorageError) as exc:
+        blocker = file_in_the_way(storage)
+        if blocker is not None:
+            raise NotACheckpointRootError(not_a_root_message("local_dir", storage, blocker)) from exc
         raise StorageError(f"local_dir {storage.url!r} cannot be written: {exc}") from exc
     store = StepStore(storage, CheckpointLayout(storage, options.commit_mode),
                       rank_local_coordinator(options.collective_timeout_s), options.wall_clock,

@@ -26,7 +26,7 @@ class StagingJob:
     """What one stage fills in: a host tensor per plan tensor, the leases holding them, and
     what the snapshot reports about its sources."""
 
-    __slots__ = ("host", "leases", "sources", "xla_shards")
+    __slots__ = ("host", "leases", "sources", "xla_shards", "xla_spmd")
 
     def __init__(self, plan: StagingPlan) -> None:
         self.host: List[Optional[torch.Tensor]] = [None] * len(plan.tensors)
@@ -34,6 +34,7 @@ class StagingJob:
         #: zero-copy views of XLA device buffers the copies read (see ``HostSnapshot.sources``)
         self.sources: Optional[List[torch.Tensor]] = None
         self.xla_shards = False
+        self.xla_spmd = False
 
 
 class BaseStager:
@@ -145,6 +146,7 @@ class BaseStager:
             leases=job.leases,
             sources=job.sources,
             xla_shards=job.xla_shards,
+            xla_spmd=job.xla_spmd,
         )
         self._finish(snap, job)
         return snap

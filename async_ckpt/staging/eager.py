@@ -18,7 +18,7 @@ from .cpu import copy_cpu
 from .cuda import CudaTransfer
 from .plan import PlanMemo
 from .pool import HostBufferPool
-from .xla import XlaStaging, stage_batched, xla_host_views
+from .xla import XlaStaging, stage_batched, with_buffers, xla_host_views
 
 _Items = List[Tuple[int, torch.Tensor]]
 
@@ -42,8 +42,9 @@ class EagerStager(BaseStager):
         self.copy_now(items, job, cuda)
 
     def _stage_xla(self, items: _Items, job: StagingJob) -> None:
-        rest, shards = self.xla.stage_direct(self.pool, items, job.host, job.leases)
+        rest, shards, spmd = self.xla.stage_direct(self.pool, items, job.host, job.leases)
         job.xla_shards = job.xla_shards or shards
+        job.xla_spmd = job.xla_spmd or spmd
         if rest:
             self.copy_xla_now(rest, job)
 
@@ -75,15 +76,21 @@ class EagerStager(BaseStager):
             copy_cpu(cpu_d, cpu_s)
 
     def copy_xla_now(self, items: _Items, job: StagingJob) -> None:
-        """Copy XLA tensors whose buffers exist before returning.
+        """Copy XLA tensors before returning.
 
-        After :meth:`XlaStaging.stage_direct`: through zero-copy host views into pooled buffers (the
-        views are kept as ``job.sources``), else torch_xla's batched transfer.
+        After :meth:`XlaStaging.stage_direct` (no pending work left). Through zero-copy host views into pooled buffers (the views are kept as
+        ``job.sources``); tensors without a PJRT buffer of their own (:func:`with_buffers`),
+        or all where PJRT has no host views, by torch_xla's batched transfer.
 
         Args:
             items: ``(plan index, tensor)`` pairs.
             job: the stage; ``job.host`` gets a host tensor per index.
         """
+        items, other = with_buffers(items)
+        if other:
+            stage_batched(other, job.host)
+        if not items:
+            return
         views = xla_host_views([t for _, t in items])
         if views is None:
             stage_batched(items, job.host)

@@ -17,7 +17,8 @@ What is copied when
     XLA (PJRT CPU): small tensors are copied by buffer address, as the eager stager does; of
     the others, zero-copy views of their (immutable) device buffers are taken now and their
     bytes are copied in the background like CPU tensors. XLA tensors without host views (TPU,
-    GPU) and SPMD-sharded ones are staged eagerly, through the eager stager.
+    GPU, a tensor without a PJRT buffer of its own) and every XLA tensor in SPMD mode are
+    staged at once, as the eager stager stages them.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from .eager import EagerStager
 from .lazy_copies import NeedOrder, PendingCopies, build_chunks, start
 from .plan import StagingPlan
 from .snapshot import HostSnapshot
-from .xla import XlaStaging, stage_batched, xla_host_views
+from .xla import XlaStaging, stage_batched, with_buffers, xla_host_views
 
 __all__ = ["CHUNK_BYTES", "LazyStager", "PendingCopies"]
 
@@ -100,12 +101,13 @@ class LazyStager(BaseStager):
         self._lay_out(items, job.host, job, xla=False)  # type: ignore[arg-type]
 
     def _stage_xla(self, items: _Items, job: StagingJob) -> None:
-        rest, shards = self.xla.stage_direct(self.pool, items, job.host, job.leases)
+        rest, shards, spmd = self.xla.stage_direct(self.pool, items, job.host, job.leases)
         job.xla_shards = job.xla_shards or shards
+        job.xla_spmd = job.xla_spmd or spmd
+        rest, other = with_buffers(rest)
+        if other:  # no PJRT buffer of their own (host data, say): copied now, in one batch
+            stage_batched(other, job.host)
         if not rest:
-            return
-        if shards:  # SPMD: the replicated tensors left are copied now, like the shards
-            self.eager.copy_xla_now(rest, job)
             return
         srcs, index = unique(rest)
         views = xla_host_views(srcs)

@@ -26,8 +26,9 @@ class HostSnapshot:
         sources: zero-copy views of XLA device buffers the copies were read from; dropping
             many of them is slow, so the writer thread drops them (:meth:`drop_sources`), not
             the training thread.
-        xla_shards: the snapshot holds staged XLA SPMD shards (torch_xla's ``_CpuShards``):
-            DCP writes them with torch_xla's ``SPMDSavePlanner``.
+        xla_shards: the snapshot holds staged XLA SPMD shards (torch_xla's ``_CpuShards``).
+        xla_spmd: XLA tensors were staged in torch_xla's SPMD mode: the snapshot is written as
+            torch_xla's manager writes it (its ``SPMDSavePlanner`` and key layout), shards or not.
         holders: writers that still read the snapshot (one per checkpoint tier it is written to).
     """
 
@@ -39,6 +40,7 @@ class HostSnapshot:
     pending: Optional[Any] = None
     sources: Optional[List[torch.Tensor]] = None
     xla_shards: bool = False
+    xla_spmd: bool = False
     holders: int = 1
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _reuse: bool = field(default=True, repr=False)

@@ -4,15 +4,32 @@ In the order a stage uses them:
 
 * :func:`xla_wait` (always first) and :func:`xla_sync` (only when a tensor has pending work):
   every tensor staged has its PJRT buffer.
-* SPMD (:func:`xla_sharded`, :func:`stage_xla_shards`): a tensor split over devices by
-  ``mark_sharding`` is staged as host copies of this process's local shards.
-* Small tensors on PJRT CPU by buffer address (:class:`XlaGather`): one gather per size.
-* The others through zero-copy DLPack views of their PJRT host buffers (:func:`xla_host_views`),
-  copied into pooled buffers like CPU tensors; where PJRT exposes no host view (TPU, GPU),
-  torch_xla's batched transfer (:func:`stage_batched`).
+* SPMD mode (``xr.use_spmd()``, :func:`stage_spmd`): every XLA tensor at once, by two batched
+  transfers: a tensor split over devices by ``mark_sharding`` as host copies of this process's
+  local shards (:func:`stage_xla_shards`), the others by torch_xla's batched transfer.
+* Otherwise small tensors on PJRT CPU by buffer address (:class:`XlaGather`): one gather per size,
+* and the others through zero-copy DLPack views of their PJRT host buffers (:func:`xla_host_views`),
+  copied into pooled buffers like CPU tensors; a tensor without a PJRT buffer of its own, and
+  every tensor where PJRT exposes no host view (TPU, GPU), by torch_xla's batched transfer
+  (:func:`stage_batched`).
 
 :class:`XlaStaging` (one per stager) runs the first three and keeps what it learns from one
 save to the next. Every private torch_xla name goes through :mod:`async_ckpt.compat`.
+
+Which tensors have a buffer DLPack can export
+    ``_to_dlpack`` ends the whole process (an ``ABSL_CHECK``, not an exception) for a tensor
+    that has neither a data handle nor a device-data IR node, and for one whose PJRT buffer
+    does not exist yet. Tensors in that state are ordinary: under SPMD (and with
+    ``XLA_TENSOR_UPDATE_SYNC=0``) a copy from the CPU -- ``.to('xla')``, ``copy_``,
+    ``load_state_dict`` of a CPU state dict -- keeps the data on the host until the next sync;
+    a tensor with pending work has an IR node; and under SPMD every device tensor's data is
+    torch_xla's sharded data, which has no single PJRT buffer. DLPack is therefore never the
+    way a bad case is found. Under SPMD it is not used at all (the mode decides). Elsewhere a
+    tensor is exported only after its buffer address was read (:func:`with_buffers`):
+    ``_unsafe_buffer_pointer`` succeeds exactly when the tensor's data is a PJRT buffer that
+    exists, which is what ``_to_dlpack`` needs, and otherwise raises a Python error naming the
+    state; the tensor then goes to torch_xla's batched transfer, which handles every state
+    (host data, pending work, sharded data).
 
 Small tensors by address
     On PJRT CPU a device buffer is ordinary host memory in row-major order, and
@@ -93,14 +110,41 @@ def xla_sync(tensors: Optional[Sequence[torch.Tensor]] = None) -> bool:
 # ---- transfers -----------------------------------------------------------------------------
 
 
+def with_buffers(items: _Items) -> Tuple[_Items, _Items]:
+    """Split ``(index, tensor)`` pairs into those whose tensor's data is a PJRT buffer that
+    exists (what ``_to_dlpack`` needs: see the module docstring) and the others.
+
+    The test is reading the buffer's address, one binding call per tensor, which raises a
+    Python error (never ends the process) for host data, pending work, sharded data or a
+    buffer not there yet. Call it after :func:`xla_wait`. Without the binding, no tensor
+    qualifies.
+    """
+    address_of = _buffer_address_of()
+    if address_of is None:
+        return [], list(items)
+    ok: _Items = []
+    other: _Items = []
+    for it in items:
+        try:
+            address_of(it[1])
+        except Exception:  # the tensor has no PJRT buffer of its own: the batched transfer takes it
+            other.append(it)
+        else:
+            ok.append(it)
+    return ok, other
+
+
 def xla_host_views(tensors: Sequence[torch.Tensor]) -> Optional[List[torch.Tensor]]:
-    """Zero-copy host views of XLA device buffers, or ``None`` where PJRT does not expose them.
+    """Zero-copy host views of XLA device buffers, or ``None`` where PJRT does not expose them
+    or a tensor has no PJRT buffer of its own (checked first: see :func:`with_buffers`).
 
     On PJRT CPU the device buffer lives in host memory and DLPack hands it out without a copy;
     XLA buffers are immutable (an in-place op makes a new buffer), so the view keeps showing
     the values at the time it was taken. The raw bindings are used: the Python wrappers'
     checks cost as much as the conversions.
     """
+    if with_buffers(list(enumerate(tensors)))[1]:
+        return None
     try:
         to_dlpack, from_dlpack = compat.xla_to_dlpack_fn(), compat.from_dlpack
         views = [from_dlpack(to_dlpack(t)) for t in tensors]
@@ -174,6 +218,31 @@ def xla_sharded(items: _Items) -> _Items:
         return []
     kind_of, replicated = query
     return [(i, t) for i, t in items if _split(t, kind_of, replicated)]
+
+
+def stage_spmd(items: _Items, host: List[Optional[torch.Tensor]]) -> bool:
+    """Stage every XLA tensor of ``items`` into ``host`` in SPMD mode; return whether any was
+    split over devices (then ``host`` holds torch_xla's ``_CpuShards`` for it).
+
+    Pending work runs first (one sync, only if a tensor has some), so that what is read is
+    data, and a sharding propagated to a computed tensor is known. Then two batched transfers,
+    each issuing every transfer before awaiting them together: the local shards of every
+    split tensor (:func:`stage_xla_shards`: this process's addressable shards only), and
+    every other tensor (torch_xla's batched transfer; a tensor whose data is still on the host
+    is handed back as it is, without a transfer). No per-tensor transfer or sync, and no
+    DLPack: under SPMD no device tensor has a PJRT buffer of its own.
+    """
+    xla_sync([t for _, t in items])
+    sharded = xla_sharded(items)
+    if sharded:
+        srcs, index = unique(sharded)
+        shards = stage_xla_shards(srcs)
+        for i, t in sharded:
+            host[i] = shards[index[id(t)]]
+    rest = [(i, t) for i, t in items if host[i] is None]
+    if rest:
+        stage_batched(rest, host)
+    return bool(sharded)
 
 
 def stage_xla_shards(tensors: List[torch.Tensor]) -> List[Any]:
@@ -340,18 +409,15 @@ class XlaStaging:
         return gather_.stage(pool, items, host, leases)
 
     def stage_direct(self, pool: HostBufferPool, items: _Items, host: List[Optional[torch.Tensor]],
-                     leases: List[Lease]) -> Tuple[_Items, bool]:
-        """Wait for launched executions, then stage into ``host`` what is copied at once: SPMD
-        shards (host copies of the local shards) and small tensors by address. Returns the
-        tensors left, every one with its buffer (synced), and whether SPMD shards were staged."""
+                     leases: List[Lease]) -> Tuple[_Items, bool, bool]:
+        """Wait for launched executions, then stage into ``host`` what is copied at once: in
+        SPMD mode everything (:func:`stage_spmd`), otherwise small tensors by address.
+
+        Returns:
+            ``(rest, shards, spmd)``: the tensors left (none in SPMD mode; pending work done),
+            whether SPMD shards were staged, and whether SPMD mode staged them.
+        """
         xla_wait()
-        sharded = xla_sharded(items)
-        if not sharded:
-            return self.small_first(pool, items, host, leases), False
-        xla_sync([t for _, t in items])
-        srcs, index = unique(sharded)
-        shards = stage_xla_shards(srcs)
-        for i, t in sharded:
-            host[i] = shards[index[id(t)]]
-        rest = [(i, t) for i, t in items if host[i] is None]
-        return (self.gather.stage(pool, rest, host, leases) if rest else rest), True
+        if _spmd():
+            return [], stage_spmd(items, host), True
+        return self.small_first(pool, items, host, leases), False, False

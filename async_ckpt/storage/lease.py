@@ -32,6 +32,9 @@ log = logging.getLogger("async_ckpt")
 
 LOCK_NAME = ".async_ckpt.lock"
 LEASE_NAME = ".async_ckpt.lease"
+#: how a :class:`LeaseHeldError` says to wait for the lease (the ``async-ckpt`` command names
+#: its ``--lease-timeout`` option instead)
+LEASE_WAIT_HINT = "pass lease_timeout= to wait"
 #: a lease-object holder commits or deletes only while its last renewal is younger than this
 #: share of the TTL (the heartbeat renews every third of it: one failed beat is tolerated)
 SAFE_SHARE = 0.75
@@ -181,7 +184,7 @@ class PosixLease(_ProcessLocal):
                     raise LeaseHeldError(
                         f"{os.path.dirname(self.path)!r} has a live writer ({_describe(holder)} holds "
                         f"{self.path}){busy}; only one writer per checkpoint root is allowed. Open it read-only "
-                        f"(list/restore only), write elsewhere, or pass lease_timeout= to wait",
+                        f"(list/restore only), write elsewhere, or {LEASE_WAIT_HINT}",
                         holder=_describe(holder)) from None
                 time.sleep(0.05)
         os.ftruncate(fd, 0)
@@ -329,7 +332,7 @@ class ObjectStoreLease(_ProcessLocal):
                 raise LeaseHeldError(
                     f"{self.storage.url!r} has a live writer ({_describe(cur)} holds {self.path}{left}){busy}; "
                     f"only one writer per checkpoint root is allowed. Open it read-only (list/restore "
-                    f"only), write elsewhere, or pass lease_timeout= to wait", holder=_describe(cur))
+                    f"only), write elsewhere, or {LEASE_WAIT_HINT}", holder=_describe(cur))
             time.sleep(min(1.0, max(0.05, deadline - time.monotonic())))
         self._held, self._lost, self._renewed = True, None, issued
         self._register_here()
@@ -393,7 +396,7 @@ class ObjectStoreLease(_ProcessLocal):
                 # its lease object, maybe): it proves nothing, this holder stops here
                 if not stop.is_set():
                     self._lost = f"{late}; its renewal landed too late to count"
-                log.error("async_ckpt: %s; its renewal landed too late to count: this manager commits and "
+                log.error("%s; its renewal landed too late to count: this manager commits and "
                           "deletes nothing until its next save takes the lease again", late)
                 return False
             if not stop.is_set():

@@ -22,7 +22,7 @@ import math
 import re
 import struct
 from dataclasses import dataclass, field, fields
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 import crc32c as _crc32c
 
@@ -336,6 +336,27 @@ def check_metrics(metrics: Optional[Dict[str, Any]]) -> Dict[str, float]:
             raise InvalidArgumentError(f"metrics[{k!r}] is NaN, which cannot be ranked; nothing was saved. Leave it "
                                        f"out of metrics= (or save without metrics) for this step")
         out[k] = fv
+    return out
+
+
+def reduce_metrics(per_rank: Sequence[Dict[str, float]], how: str) -> Dict[str, float]:
+    """The metrics a step records from every rank's ``metrics=``.
+
+    Args:
+        per_rank: each rank's validated metrics, by rank.
+        how: ``"rank0"`` (rank 0's, as given), or ``"mean"``, ``"min"``, ``"max"`` of each
+            name over the ranks that gave it (a name only some ranks give is reduced over those).
+
+    Returns:
+        Name -> value.
+    """
+    if how == "rank0" or not per_rank:
+        return dict(per_rank[0]) if per_rank else {}
+    names = sorted({k for m in per_rank for k in m})
+    out: Dict[str, float] = {}
+    for k in names:
+        values = [m[k] for m in per_rank if k in m]
+        out[k] = sum(values) / len(values) if how == "mean" else (min(values) if how == "min" else max(values))
     return out
 
 

@@ -91,11 +91,12 @@ def _contiguous_bytes(t: torch.Tensor) -> Optional[torch.Tensor]:
     return flat.view(torch.uint8)
 
 
-def _flat_targets(state_dict: Dict[str, Any]) -> Tuple[Dict[str, Any], Dict[str, Any]]:
-    """DCP's flattening of ``state_dict`` (the writer's quicker equivalent)."""
-    from .file_assignment import flatten
+def _flat_targets(state_dict: Dict[str, Any], metadata: Metadata) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+    """DCP's flattening of ``state_dict`` in the checkpoint's key layout (see
+    :func:`~.file_assignment.flatten_target`)."""
+    from .file_assignment import flatten_target
 
-    return flatten(state_dict)
+    return flatten_target(state_dict, metadata)
 
 
 def _overlapping(flat: Dict[str, Any], md: Dict[str, Any]) -> Set[str]:
@@ -144,7 +145,7 @@ def plan_records(storage: StepFiles, path: str, state_dict: Dict[str, Any], file
     Raises:
         Unsupported: a checkpoint or target the direct restore does not handle (nothing read).
     """
-    flat, mappings = _flat_targets(state_dict)
+    flat, mappings = _flat_targets(state_dict, metadata)
     md = metadata.state_dict_metadata
     data = metadata.storage_data
     if not isinstance(data, dict):

@@ -1,6 +1,7 @@
 """What a planner-free single-process save remembers of a state dict's layout for the next one.
 
-:func:`flatten` is DCP's ``flatten_state_dict`` with less work per entry, and
+:func:`flatten` is DCP's ``flatten_state_dict`` with less work per entry (and
+:func:`flatten_target` the flattening of a restore target in a checkpoint's key layout),
 :func:`set_element` sets a value at one of its paths; a layout's
 signature (:func:`signature`) says whether the next state dict has the same keys, dtypes and
 shapes; a :class:`WriteMemo` holds the last :class:`FileLayout` (file assignment and pickled
@@ -125,6 +126,88 @@ def flatten(state_dict: Dict[str, Any], reuse: Optional[Dict[str, Tuple[Any, ...
 
     walk((), "", state_dict)
     return flat, mappings
+
+
+def _container_at(root: Any, path: Tuple[Any, ...]) -> Any:
+    """The dict or list at ``path`` (a flattened key's path) in ``root``, or None."""
+    cur = root
+    for key in path:
+        if isinstance(cur, Mapping):
+            key = _real_key(cur, key)
+            if key not in cur:
+                return None
+            cur = cur[key]
+        elif isinstance(cur, list) and type(key) is int and key < len(cur):
+            cur = cur[key]
+        else:
+            return None
+    return cur if isinstance(cur, (Mapping, list)) else None
+
+
+def flatten_target(state_dict: Dict[str, Any], metadata: Any,
+                   flat: Optional[Tuple[Dict[str, Any], Dict[str, Tuple[Any, ...]]]] = None
+                   ) -> Tuple[Dict[str, Any], Dict[str, Tuple[Any, ...]]]:
+    """:func:`flatten` of a restore target, in the key layout of the checkpoint ``metadata``
+    describes: the one flattening of every restore path (the checks, the direct reads, DCP's
+    planners), on CPU, plain XLA and SPMD alike.
+
+    DCP's layout (torch >= 2.4, what a save without torch_xla's planner writes) makes every
+    value inside a dict its own item. torch_xla's ``SPMDSavePlanner`` (its manager, and
+    async_ckpt under SPMD) and DCP before 2.4 make a dict or list holding no tensor one item:
+    an optimizer's ``param_groups``, or a whole SGD state dict without momentum buffers. A key
+    of the checkpoint that names such a container of the target, holding no tensor there
+    either, is therefore taken as one value in place of the entries below it; everything
+    else is as :func:`flatten` gives it. (DCP's own loader tells the two layouts apart by the
+    same evidence, the checkpoint's keys, but switches the whole target at once and only
+    when every key fits.)
+
+    Args:
+        state_dict: the restore target.
+        metadata: the checkpoint's DCP ``Metadata``.
+        flat: ``state_dict`` flattened already (``(flat, mappings)``, as DCP's planner did).
+
+    Returns:
+        ``(flat, mappings)`` as :func:`flatten` returns them.
+    """
+    items, mappings = flat if flat is not None else flatten(state_dict)
+    md = metadata.state_dict_metadata
+    paths = metadata.planner_data or {}
+    whole: Dict[str, Tuple[Any, ...]] = {}
+    for key in md:
+        if key not in items and paths.get(key):
+            path = tuple(paths[key])
+            if _container_at(state_dict, path) is not None:
+                whole[key] = path
+    if not whole:
+        return items, mappings
+
+    def owner(fqn: str) -> Optional[str]:
+        i = fqn.find(".")
+        while i > 0:
+            if fqn[:i] in whole:
+                return fqn[:i]
+            i = fqn.find(".", i + 1)
+        return None
+
+    for fqn, value in items.items():
+        if isinstance(value, torch.Tensor):
+            w = owner(fqn)
+            if w is not None:
+                whole.pop(w, None)  # the target holds tensors there: not one item (a mismatch)
+    if not whole:
+        return items, mappings
+    out: Dict[str, Any] = {}
+    out_mappings: Dict[str, Tuple[Any, ...]] = {}
+    for fqn, value in items.items():
+        w = owner(fqn)
+        if w is None or w not in whole:
+            out[fqn], out_mappings[fqn] = value, mappings[fqn]
+        elif w not in out:
+            out[w], out_mappings[w] = _container_at(state_dict, whole[w]), whole[w]
+    for w, path in whole.items():  # an empty container: no entry of the target stood for it
+        if w not in out:
+            out[w], out_mappings[w] = _container_at(state_dict, path), path
+    return out, out_mappings
 
 
 @dataclasses.dataclass

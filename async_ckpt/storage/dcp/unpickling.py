@@ -31,7 +31,7 @@ from ...errors import CorruptCheckpointError, UnsafeCheckpointError
 from ...gc_pause import gc_paused
 from ..manifest import shown
 from .dcp_call import METADATA_NAME
-from .file_assignment import set_element
+from .file_assignment import flatten_target, set_element
 
 _SAFE_BUILTINS = {"set", "frozenset", "dict", "list", "tuple", "slice", "bytearray", "complex", "int", "float"}
 
@@ -223,6 +223,14 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         self.allow_pickle = allow_pickle
         #: flattened keys this rank does not read (another rank reads them and sends them)
         self.skip = frozenset(skip or ())
+
+    def set_up_planner(self, state_dict: Any, metadata: Any = None, is_coordinator: bool = False) -> None:
+        """DCP's, with the target flattened in the checkpoint's key layout
+        (:func:`~.file_assignment.flatten_target`)."""
+        super().set_up_planner(state_dict, metadata, is_coordinator)
+        if self.flatten_state_dict and metadata is not None:
+            self.state_dict, self.mappings = flatten_target(self.original_state_dict, metadata,
+                                                            (self.state_dict, self.mappings))
 
     def create_local_plan(self) -> Any:
         """DCP's plan, less the items of :attr:`skip`."""
