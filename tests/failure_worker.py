@@ -60,18 +60,18 @@ def checks(root: str) -> None:
     with CheckpointManager(root, collective_timeout_s=TIMEOUT_S) as mgr:
         assert mgr.save(1, {"app": InterruptedOnRank(-1), "w": torch.ones(4)})
         # 1. Ctrl-C on rank 1 while it checks the step
-        real = CheckpointLayout.open_step
+        real = CheckpointLayout.open_copy
 
-        def open_step(self, step):
+        def open_copy(self, step):
             if rank == 1:
                 raise KeyboardInterrupt
             return real(self, step)
 
-        CheckpointLayout.open_step = open_step  # type: ignore[method-assign]
+        CheckpointLayout.open_copy = open_copy  # type: ignore[method-assign]
         try:
             interrupted(lambda: mgr.restore(1, {"w": torch.zeros(4)}), rank)
         finally:
-            CheckpointLayout.open_step = real  # type: ignore[method-assign]
+            CheckpointLayout.open_copy = real  # type: ignore[method-assign]
         # 2. Ctrl-C on rank 1 in a Stateful value's load_state_dict
         interrupted(lambda: mgr.restore(1, {"app": InterruptedOnRank(1), "w": torch.zeros(4)}), rank)
         # the ranks still pair up
@@ -120,16 +120,16 @@ def mixed_checks(root: str) -> None:
     with CheckpointManager(root, collective_timeout_s=TIMEOUT_S) as mgr:
         assert mgr.save(1, {"w": torch.ones(4)})
         assert mgr.save(2, {"w": torch.full((4,), 2.0)})
-        real = CheckpointLayout.open_step
+        real = CheckpointLayout.open_copy
 
-        def open_step(self, step):
+        def open_copy(self, step):
             if step == 2 and rank == 0:
                 raise CorruptCheckpointError("step 2: marker does not match the manifest", step=2)
             if step == 2 and rank == 1:
                 raise StorageError("step 2: manifest: 503")
             return real(self, step)
 
-        CheckpointLayout.open_step = open_step  # type: ignore[method-assign]
+        CheckpointLayout.open_copy = open_copy  # type: ignore[method-assign]
         t0 = time.monotonic()
         try:
             mgr.restore(None, {"w": torch.zeros(4)})
@@ -139,7 +139,7 @@ def mixed_checks(root: str) -> None:
         else:
             raise AssertionError(f"rank {rank} restored alone")
         finally:
-            CheckpointLayout.open_step = real  # type: ignore[method-assign]
+            CheckpointLayout.open_copy = real  # type: ignore[method-assign]
         took = time.monotonic() - t0
         assert took < TIMEOUT_S / 2, f"rank {rank} waited {took:.1f} s (the collective timeout: the ranks hung)"
         t = {"w": torch.zeros(4)}

@@ -92,7 +92,7 @@ def test_one_process_restore_error_without_a_step_gets_the_step_as_before(tmp_pa
     def refuse(self, step):
         raise StorageError("manifest: 503")
 
-    monkeypatch.setattr(CheckpointLayout, "open_step", refuse)
+    monkeypatch.setattr(CheckpointLayout, "open_copy", refuse)
     with pytest.raises(StorageError, match="503") as ei:
         CheckpointManager(root).restore(4, {"w": torch.zeros(4)})
     assert ei.value.step == 4
