@@ -2,7 +2,7 @@
 
 Used where making a Python tensor per source would cost more than copying its bytes: XLA
 buffers on PJRT CPU (:mod:`async_ckpt.staging.xla`) and runs of small records
-(:class:`async_ckpt.storage.torch_record.RecordBatch`). Callers guarantee that every window they
+(:class:`async_ckpt.format.torch_record.RecordBatch`). Callers guarantee that every window they
 name is readable memory for the duration of the call; nothing else in the range is touched.
 """
 

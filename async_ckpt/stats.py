@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Dict, List, Optional
 
 from .errors import InvalidArgumentError
+from .format import step_names
 
 log = logging.getLogger("async_ckpt")
 
@@ -215,7 +216,7 @@ def check_stats_relpath(relpath: str) -> str:
     parts = [x for x in p.split("/") if x not in ("", ".")]
     if not parts or p.startswith("/") or "://" in p or ".." in parts:
         raise InvalidArgumentError(f"stats_log must be True or a path relative to the checkpoint root, got {relpath!r}")
-    if parts[0].isdigit() or parts[0].startswith((".tmp-", ".trash-")):
+    if step_names.parse(parts[0]) is not None:
         raise InvalidArgumentError(f"stats_log={relpath!r} would collide with step directories; choose another name")
     return "/".join(parts)
 

@@ -33,7 +33,7 @@ from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from async_ckpt import CheckpointError, CheckpointManager, InvalidStateDictError, PartlyWrittenError  # noqa: E402
-from async_ckpt.storage.dcp import load_metadata  # noqa: E402
+from async_ckpt.format.unpickling import load_metadata
 from tests.damage import flip_byte  # noqa: E402
 from tests.tree import assert_bitwise_equal  # noqa: E402
 

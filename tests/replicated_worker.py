@@ -36,7 +36,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from async_ckpt import CheckpointError, CheckpointManager, CorruptCheckpointError  # noqa: E402
-from async_ckpt.storage.dcp import load_metadata  # noqa: E402
+from async_ckpt.format.unpickling import load_metadata
 from tests.damage import flip_byte  # noqa: E402
 from tests.dist_worker import build, full, train  # noqa: E402
 from tests.faulty_fs import FaultyFileSystem  # noqa: E402

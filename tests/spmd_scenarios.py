@@ -361,7 +361,7 @@ def optim_interop(root: str) -> None:
     from torch_xla.experimental.distributed_checkpoint import SPMDLoadPlanner, prime_optimizer
     from torch_xla.experimental.distributed_checkpoint.manager import _MANAGER_METADATA_FILE, _CheckpointMetadata
 
-    from async_ckpt.storage.dcp import load_metadata
+    from async_ckpt.format.unpickling import load_metadata
 
     process_group(root)
 

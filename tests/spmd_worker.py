@@ -34,7 +34,7 @@ def mesh(root: str) -> None:
 
     xr.use_spmd()
     from async_ckpt import CheckpointManager
-    from async_ckpt.storage.dcp import load_metadata
+    from async_ckpt.format.unpickling import load_metadata
 
     n = xr.global_runtime_device_count()
     assert n == 4, f"expected 4 virtual devices (CPU_NUM_DEVICES=4), got {n}"

@@ -29,10 +29,13 @@ from async_ckpt import (
     StorageError,
     UnsafeCheckpointError,
 )
-from async_ckpt.storage import Manifest, RetryPolicy
-from async_ckpt.storage.dcp import METADATA_NAME, save_state_dict
+from async_ckpt.format.manifest import Manifest
+from async_ckpt.storage import RetryPolicy
+from async_ckpt.format.dcp_layout import METADATA_NAME
+from async_ckpt.storage.dcp import save_state_dict
 from async_ckpt.storage.lease import LOCK_NAME
-from async_ckpt.storage.manifest import MANIFEST_NAME, MARKER_NAME, PENDING_NAME, crc32c, marker_bytes
+from async_ckpt.format.manifest import MANIFEST_NAME, MARKER_NAME, PENDING_NAME, marker_bytes
+from async_ckpt.format.crc import crc32c
 
 from .conftest import assert_bitwise_equal, clone_tree, data_files, flip_byte, medium_state, target_like
 
@@ -442,7 +445,7 @@ def test_malicious_metadata_does_not_run(tmp_path, resign):
 
 
 def test_metadata_unpickler_refuses_builtins_eval():
-    from async_ckpt.storage.dcp import load_metadata
+    from async_ckpt.format.unpickling import load_metadata
 
     with pytest.raises(UnsafeCheckpointError, match="eval"):
         load_metadata(pickle.dumps(_EvalEvil()))

@@ -276,7 +276,7 @@ def test_a_non_tensor_value_is_reduced_once_and_never_rebuilt_while_saving(tmp_p
 def test_pickled_values_are_torch_save_archives():
     """The archive written for a value pickled at the call is ``torch.save``'s own, byte for
     byte, with and without tensors inside the value."""
-    from async_ckpt.storage.torch_record import pickle_value
+    from async_ckpt.format.torch_record import pickle_value
 
     for value in ({1, 2}, {"t": torch.arange(3), "s": "x"}, types.SimpleNamespace(a=[1.5, None])):
         buf = io.BytesIO()
@@ -300,6 +300,48 @@ def test_a_top_level_stateful_value_is_still_saved_through_its_state_dict(tmp_pa
     assert out["step"] == 1
     for k, v in out["model"].items():
         assert torch.equal(v.view(-1).view(torch.uint8), expected[k].view(-1).view(torch.uint8)), k
+
+
+def test_a_mapping_with_state_dict_and_load_state_dict_is_stateful_as_dcp_says(tmp_path):
+    """DCP's ``Stateful`` test is ``isinstance(value, Stateful)``: a mapping with
+    ``state_dict()``/``load_state_dict()`` is one. A save writes what its ``state_dict()``
+    returns (not its items), as ``dcp.save`` does, and a restore hands the data back through its
+    ``load_state_dict()``, as ``dcp.load`` does: saved and restored by the same rule."""
+    import collections.abc
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.stateful import Stateful
+
+    class Box(collections.abc.Mapping):
+        def __init__(self, t: torch.Tensor) -> None:
+            self.t, self.loaded = t, []
+
+        def __getitem__(self, k):
+            return {"item": torch.zeros(2)}[k]
+
+        def __iter__(self):
+            return iter(["item"])
+
+        def __len__(self):
+            return 1
+
+        def state_dict(self):
+            return {"t": self.t}
+
+        def load_state_dict(self, sd):
+            self.loaded.append(sd)
+            self.t.copy_(sd["t"])
+
+    assert isinstance(Box(torch.zeros(1)), Stateful)  # DCP's own rule
+    src = torch.arange(5.0)
+    with CheckpointManager(str(tmp_path / "ck")) as mgr:
+        mgr.save(1, {"box": Box(src.clone())})
+        out = Box(torch.zeros(5))
+        mgr.restore(1, {"box": out})
+    assert torch.equal(out.t, src) and len(out.loaded) == 1
+    # the checkpoint holds the state_dict()'s key, as dcp.save writes it
+    md = dcp.FileSystemReader(str(tmp_path / "ck" / "1")).read_metadata()
+    assert sorted(md.state_dict_metadata) == ["box.t"]
 
 
 def test_a_stateful_values_state_dict_runs_at_the_call_on_the_callers_thread(tmp_path):

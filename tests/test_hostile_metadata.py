@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from async_ckpt import CheckpointManager
 from async_ckpt.cli import main
 from async_ckpt.errors import CorruptCheckpointError
-from async_ckpt.storage.dcp import METADATA_NAME
+from async_ckpt.format.dcp_layout import METADATA_NAME
 
 from .conftest import assert_bitwise_equal, small_state, target_like
 from .test_cli import run_cli

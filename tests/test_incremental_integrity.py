@@ -381,7 +381,7 @@ def test_a_manifest_with_a_malformed_carried_or_unused_records_is_refused(entry,
     """The new file-record fields are checked like the others: a clear CorruptCheckpointError
     naming the file and the field, never a value a reader cannot use."""
     from async_ckpt.errors import CorruptCheckpointError
-    from async_ckpt.storage.manifest import Manifest
+    from async_ckpt.format.manifest import Manifest
 
     good = {"step": 1, "commit_time": 1.0, "files": {"__0_ref0.distcp": {"size": 4, "crc32c": 0, "ref": "0/__0_0.distcp",
                                                                          "carried": 2, "unused_records": True}}}

@@ -14,9 +14,10 @@ from async_ckpt.lifecycle.catalog import StepCatalog
 from async_ckpt.lifecycle import phase
 from async_ckpt.lifecycle.coordinator import LocalCoordinator
 from async_ckpt.policies import KeepLatest, as_retention_policy
-from async_ckpt.storage import CheckpointLayout, Manifest, Storage
+from async_ckpt.storage import CheckpointLayout, Storage
+from async_ckpt.format.manifest import Manifest
 from async_ckpt.storage.commit import MarkerCommit, RenameCommit
-from async_ckpt.storage.manifest import MARKER_NAME
+from async_ckpt.format.manifest import MARKER_NAME
 
 
 def _layout(tmp_path, mode="rename"):

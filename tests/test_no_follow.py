@@ -14,7 +14,7 @@ import pytest
 
 from async_ckpt import CheckpointManager, StorageError
 from async_ckpt.storage.lease import LOCK_NAME
-from async_ckpt.storage.manifest import PENDING_NAME
+from async_ckpt.format.manifest import PENDING_NAME
 
 from .conftest import assert_bitwise_equal, small_state, target_like
 

@@ -11,8 +11,11 @@ import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from async_ckpt import CorruptCheckpointError
-from async_ckpt.storage import FileRecord, Storage
-from async_ckpt.storage.dcp import METADATA_NAME, load_metadata, load_state_dict, save_state_dict
+from async_ckpt.format.manifest import FileRecord
+from async_ckpt.storage import Storage
+from async_ckpt.format.dcp_layout import METADATA_NAME
+from async_ckpt.format.unpickling import load_metadata
+from async_ckpt.storage.dcp import load_state_dict, save_state_dict
 from async_ckpt.storage.dcp.direct import load_direct
 from async_ckpt.storage.dcp.read_exec import FRESH, NULL, IntoBuffers, read_file_bytes, read_files
 from async_ckpt.storage.dcp.atomic_restore import load_staged
@@ -145,7 +148,7 @@ def test_a_short_file_reads_the_same_from_every_whole_file_engine(step):
 def test_overlapping_items_are_found_in_any_order(step):
     """Items of one file that overlap are reported naming both, whether the metadata lists them
     in file order or not; out of order without overlapping is fine."""
-    from async_ckpt.storage.dcp import check_step_metadata
+    from async_ckpt.format.validate import check_step_metadata
 
     storage, path, sd, files, md = step
     where = f"{path}/{METADATA_NAME}"

@@ -1,7 +1,7 @@
 """The DCP write path without DCP's per-item costs: template records and planner-free metadata.
 
 Both are only worth having if their output is exactly what torch.save / dcp.save produce (with
-torch's zip CRC-32s turned off, as async_ckpt writes records: see async_ckpt.storage.torch_record),
+torch's zip CRC-32s turned off, as async_ckpt writes records: see async_ckpt.format.torch_record),
 so every test here compares against the real thing.
 """
 
@@ -17,10 +17,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from async_ckpt.storage import torch_record as records
+from async_ckpt.format import torch_record as records
 from async_ckpt.storage.dcp import writer as dcp_writer
 from async_ckpt.storage.storage import Storage
-from async_ckpt.storage.torch_record import RecordTemplates
+from async_ckpt.format.torch_record import RecordTemplates
 
 from .conftest import assert_bitwise_equal
 

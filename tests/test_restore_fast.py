@@ -13,9 +13,10 @@ import torch
 from async_ckpt import CheckpointManager
 from async_ckpt.errors import CorruptCheckpointError, PartlyWrittenError, StateDictMismatchError
 from async_ckpt.storage.dcp import direct, step_io
-from async_ckpt.storage.dcp.crc import crc32c_combine, crc32c_concat
-from async_ckpt.storage.dcp.unpickling import load_metadata
-from async_ckpt.storage.manifest import MANIFEST_NAME, Manifest, crc32c
+from async_ckpt.format.crc import crc32c_combine, crc32c_concat
+from async_ckpt.format.unpickling import load_metadata
+from async_ckpt.format.manifest import MANIFEST_NAME, Manifest
+from async_ckpt.format.crc import crc32c
 
 from .tree import assert_bitwise_equal, clone_tree
 
@@ -310,16 +311,35 @@ def test_a_failed_restore_takes_out_the_list_entries_it_added(tmp_path, atomic):
 
 
 def test_undo_of_insert_restores_lists_as_they_were():
-    from async_ckpt.lifecycle.restore import _insert, remove_added
+    from async_ckpt.format.dcp_layout import remove_created, set_element
 
     root = {"lst": [None, 5], "d": {}}
     before = {"lst": [None, 5], "d": {}}
-    added = _insert(root, ("lst", 0, "w"), ("lst", 0, "w"), 1)  # a slot that held None
-    added += _insert(root, ("lst", 4, 0), ("lst", 4, 0), 2)  # past the end, a new list in it
-    added += _insert(root, ("d", "x", 1), ("d", "x", 1), 3)
+    added: list = []
+    set_element(root, ("lst", 0, "w"), 1, created=added)  # a slot that held None
+    set_element(root, ("lst", 4, 0), 2, created=added)  # past the end, a new list in it
+    set_element(root, ("d", "x", 1), 3, created=added)
     assert root == {"lst": [{"w": 1}, 5, None, None, [2]], "d": {"x": [None, 3]}}
-    remove_added(root, added)
+    remove_created(root, added)
     assert root == before
+
+
+def test_a_path_names_the_int_key_it_spells_and_nothing_else():
+    """One rule for every place that sets a value at a DCP path: DCP writes a dict key as
+    ``str(key)``, so ``"7"`` names the int key 7 (and ``"-1"`` the int -1) where the dict holds
+    it, while ``"007"`` (never ``str`` of an int) is the string key ``"007"``; a path listed in
+    the manifest's ``int_keys`` is an int key even in an empty dict."""
+    from async_ckpt.format.dcp_layout import set_element
+
+    root: dict = {"s": {7: "old", -1: "neg"}}
+    set_element(root, ("s", "7"), "seven")
+    set_element(root, ("s", "-1"), "minus one")
+    set_element(root, ("s", "007"), "string")
+    assert root == {"s": {7: "seven", -1: "minus one", "007": "string"}}
+    fresh: dict = {"state": {}}
+    set_element(fresh, ("state", "0", "step"), 1, int_keys={"state.0"})
+    set_element(fresh, ("state", "01", "step"), 2)
+    assert fresh == {"state": {0: {"step": 1}, "01": {"step": 2}}}
 
 
 def test_key_mismatch_reports(tmp_path):

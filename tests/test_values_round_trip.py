@@ -15,7 +15,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from async_ckpt import CheckpointManager
-from async_ckpt.storage.torch_record import PickledObject
+from async_ckpt.format.torch_record import PickledObject
 
 
 def _assert_same(a, b, path="root"):

@@ -11,11 +11,11 @@ import time
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, TypeVar
 
 from ..errors import CheckpointError, CorruptCheckpointError, NotACheckpointRootError, StepNotFoundError
+from ..format.manifest import Manifest
 from ..lifecycle.catalog import StepCatalog
 from ..storage.diagnosis import LIGHTNING_HINT, Finding, diagnose
 from ..storage.diagnosis import other_kinds as _other_kinds
 from ..storage.layout import CheckpointLayout
-from ..storage.manifest import Manifest
 from ..storage.storage import Storage
 
 EXIT_OK, EXIT_DAMAGED, EXIT_ERROR = 0, 1, 2
@@ -449,7 +449,8 @@ def read_step_metadata(storage: Storage, layout: CheckpointLayout, step: int) ->
     Raises:
         CorruptCheckpointError: The manifest lists no metadata file, or it is damaged.
     """
-    from ..storage.dcp import METADATA_NAME, FsspecStorageReader
+    from ..format.dcp_layout import METADATA_NAME
+    from ..storage.dcp import FsspecStorageReader
 
     with naming_step(step):
         man = layout.read_manifest(step)

@@ -147,28 +147,13 @@ def _template(metadata: Any, int_keys: set) -> Dict[str, Any]:
     import torch
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+    from ..format.dcp_layout import set_element
+
     root: Dict[str, Any] = {}
     mappings = metadata.planner_data or {}
     for fqn, md in metadata.state_dict_metadata.items():
-        raw = tuple(mappings.get(fqn, (fqn,)))
         value = torch.empty(tuple(md.size), dtype=md.properties.dtype) if isinstance(md, TensorStorageMetadata) else None
-        cur: Any = root
-        prefix = ""
-        for i, part in enumerate(raw):
-            prefix = f"{prefix}.{part}" if prefix else str(part)
-            key = int(part) if isinstance(part, str) and prefix in int_keys else part
-            if i == len(raw) - 1:
-                new: Any = value
-            else:
-                new = [] if isinstance(raw[i + 1], int) else {}
-            if isinstance(cur, list):
-                while len(cur) <= key:
-                    cur.append(None)
-                if cur[key] is None or i == len(raw) - 1:
-                    cur[key] = new
-            elif key not in cur or i == len(raw) - 1:
-                cur[key] = new
-            cur = cur[key]
+        set_element(root, tuple(mappings.get(fqn, (fqn,))), value, int_keys=int_keys)
     return root
 
 

@@ -8,12 +8,12 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Dict, List, Optional, Tuple
 
 from ..errors import CheckpointError
+from ..format import step_names
+from ..format.manifest import MARKER_NAME, shown
 from ..manager.tiered import SAVE_ID, same_save, saved_for_another
 from ..policies import CheckpointInfo
-from ..storage import step_names
 from ..storage.diagnosis import DCP_HINT, PARENT_OF_ROOTS, STEP_DIR
 from ..storage.layout import CheckpointLayout
-from ..storage.manifest import MARKER_NAME, shown
 from ..storage.storage import Storage
 from .common import (
     EXIT_OK,
@@ -266,7 +266,7 @@ def _read_values(storage: Storage, where: str, metadata: Any, leaves: List[Dict[
 
     from torch.distributed.checkpoint.metadata import MetadataIndex
 
-    from ..storage.dcp.unpickling import load_value
+    from ..format.unpickling import load_value
 
     by_file: Dict[str, List[Tuple[Dict[str, Any], Any]]] = {}
     for leaf in leaves:

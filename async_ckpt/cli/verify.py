@@ -9,10 +9,10 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 
 from ..addresses import byte_view
 from ..errors import CheckpointError, StepNotFoundError
+from ..format.manifest import shown
 from ..lifecycle.catalog import StepCatalog
 from ..storage.layout import CheckpointLayout
 from ..storage.lease import writer_lease
-from ..storage.manifest import shown
 from ..storage.storage import Storage
 from .common import (
     EXIT_DAMAGED,
@@ -48,7 +48,9 @@ def verify_step(storage: Storage, layout: CheckpointLayout, step: int, bar: Any)
         ``step``, ``ok``, ``files``, ``bytes`` (read), ``problems`` (one line each), and the
         manifest's ``written_bytes`` / ``referred_bytes``.
     """
-    from ..storage.dcp import METADATA_NAME, check_step_metadata, load_metadata
+    from ..format.dcp_layout import METADATA_NAME
+    from ..format.unpickling import load_metadata
+    from ..format.validate import check_step_metadata
     from ..storage.dcp.read_exec import FRESH, NULL, read_files
 
     res: Dict[str, Any] = {"step": step, "ok": False, "files": 0, "bytes": 0, "problems": []}

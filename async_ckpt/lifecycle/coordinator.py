@@ -24,8 +24,10 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Protocol, Sequence,
 import torch
 
 from ..errors import CheckpointError, CoordinationError, InvalidArgumentError
-from ..storage import FileRecord, Storage
-from ..storage.dcp import WriteMemo
+from ..format.dcp_layout import WriteMemo
+from ..format.manifest import FileRecord
+from ..storage import Storage
+from ..storage.dcp import Reuse
 from ..storage.dcp.atomic_restore import Acquire
 from ..storage.dcp.direct import partly_written
 from ..storage.dcp.step_io import read_step, write_step
@@ -76,7 +78,7 @@ class Coordinator(Protocol):
         """Every rank's ``obj``, by rank."""
 
     def write(self, storage: Storage, path: str, state_dict: Dict[str, Any], *, threads: int,
-              planner: Any, memo: Optional[WriteMemo] = None) -> Dict[str, FileRecord]:
+              planner: Any, memo: Optional[WriteMemo] = None, reuse: Optional[Reuse] = None) -> Dict[str, FileRecord]:
         """Write this rank's files of a step into ``path`` and return their records (every rank
         calls it; ``memo``: the root's memo of the last save's file layout). Raises what the
         write raised (several ranks: DCP reports one rank's failure on every rank)."""
@@ -126,9 +128,10 @@ class LocalCoordinator:
         return [obj]
 
     def write(self, storage: Storage, path: str, state_dict: Dict[str, Any], *, threads: int,
-              planner: Any, memo: Optional[WriteMemo] = None) -> Dict[str, FileRecord]:
+              planner: Any, memo: Optional[WriteMemo] = None, reuse: Optional[Reuse] = None) -> Dict[str, FileRecord]:
         """:func:`~async_ckpt.storage.dcp.step_io.write_step`: async_ckpt's own writer, with the memo."""
-        return write_step(storage, path, state_dict, threads=threads, planner=planner, memo=memo, group=self.group)
+        return write_step(storage, path, state_dict, threads=threads, planner=planner, memo=memo, reuse=reuse,
+                          group=self.group)
 
     def load(self, storage: Storage, path: str, state_dict: Dict[str, Any], *, files: Dict[str, FileRecord],
              verify: bool, threads: int, allow_pickle: bool, metadata: Any, planner: Any, atomic: bool = False,
@@ -277,11 +280,12 @@ class GroupCoordinator:
         return out
 
     def write(self, storage: Storage, path: str, state_dict: Dict[str, Any], *, threads: int,
-              planner: Any, memo: Optional[WriteMemo] = None) -> Dict[str, FileRecord]:
+              planner: Any, memo: Optional[WriteMemo] = None, reuse: Optional[Reuse] = None) -> Dict[str, FileRecord]:
         """:func:`~async_ckpt.storage.dcp.step_io.write_step` through ``dcp.save`` over the group:
         its ``CheckpointException`` says which rank failed, on every rank."""
         return self._dcp("writing", lambda: write_step(storage, path, state_dict, threads=threads, planner=planner,
-                                                       memo=memo, group=self.group, several_ranks=True))
+                                                       memo=memo, reuse=reuse, group=self.group,
+                                                       several_ranks=True))
 
     def load(self, storage: Storage, path: str, state_dict: Dict[str, Any], *, files: Dict[str, FileRecord],
              verify: bool, threads: int, allow_pickle: bool, metadata: Any, planner: Any, atomic: bool = False,

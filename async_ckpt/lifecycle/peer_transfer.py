@@ -39,9 +39,10 @@ import torch
 
 from ..addresses import byte_view
 from ..errors import CheckpointError
-from ..storage import Manifest, Storage
+from ..format.crc import crc32c
+from ..format.manifest import Manifest, check_file_name
+from ..storage import Storage
 from ..storage.dcp.read_exec import check_file, checksum_error, close_all, open_step_file, size_error
-from ..storage.manifest import check_file_name, crc32c
 
 #: the bytes a file is sent in at a time (memory: one such buffer per copy sent and per copy received)
 CHUNK_BYTES = 16 * 2**20

@@ -11,10 +11,10 @@ from typing import Any, Iterator
 import torch
 
 from ..compat import xla_loaded
+from ..format.dcp_layout import flatten_target, set_element
+from ..format.unpickling import load_value
 from ..staging import HostSnapshot
 from ..staging.xla import is_xla_sharded
-from ..storage.dcp.file_assignment import flatten_target, set_element
-from ..storage.dcp.unpickling import load_value
 
 
 def _leaves(tree: Any) -> Iterator[Any]:
@@ -34,7 +34,7 @@ def save_planner_for(snap: HostSnapshot) -> Any:
     Such a step is written as torch_xla's manager writes it: its planner, and its key layout
     (a dict or list that holds no tensor, e.g. an optimizer's ``param_groups``, is one item),
     which torch_xla's ``SPMDLoadPlanner`` reads (it reads no other); DCP's default planner and
-    async_ckpt's restore read it too (see :func:`~async_ckpt.storage.dcp.file_assignment.flatten_target`).
+    async_ckpt's restore read it too (see :func:`~async_ckpt.format.dcp_layout.flatten_target`).
     """
     if not snap.xla_spmd:
         return None

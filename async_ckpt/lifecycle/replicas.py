@@ -35,8 +35,8 @@ import torch
 
 from .. import compat
 from ..addresses import byte_view
-from ..storage.dcp.file_assignment import flatten
-from ..storage.manifest import crc32c
+from ..format.crc import crc32c
+from ..format.dcp_layout import flatten
 
 #: replicated tensors smaller than this are staged by every rank (DCP de-duplicates their writes)
 MIN_SHARED_BYTES = 64 * 2**10

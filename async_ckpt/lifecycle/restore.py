@@ -39,8 +39,9 @@ from ..errors import (
     partly_written_error,
     warn_user,
 )
+from ..format.dcp_layout import METADATA_NAME, is_stateful, remove_created, set_element
 from ..gc_pause import gc_paused
-from ..storage.dcp import METADATA_NAME, FsspecStorageReader
+from ..storage.dcp import FsspecStorageReader
 from ..storage.dcp.direct import PARTLY_WRITTEN
 from ..storage.layout import DELETED, StepCopy
 from . import phase
@@ -66,9 +67,6 @@ def _share_of_this_job(manifest: Any) -> bool:
     return (not manifest.whole and dist.is_available() and dist.is_initialized()
             and dist.get_world_size() == ws)
 
-def _is_stateful(value: Any) -> bool:
-    return not isinstance(value, torch.Tensor) and callable(getattr(value, "state_dict", None)) \
-        and callable(getattr(value, "load_state_dict", None))
 
 
 @dataclass(frozen=True)
@@ -197,7 +195,7 @@ def restore(listing: Callable[[], Sequence[Candidate]], state_dict: Dict[str, An
         CheckpointError: a failure that is not the copy's fault (raised at once), or a writer
             moved or deleted the steps chosen :data:`MAX_RETRIES` times in a row.
     """
-    stateful = {k: v for k, v in state_dict.items() if _is_stateful(v)}
+    stateful = {k: v for k, v in state_dict.items() if is_stateful(v)}
     target: Dict[str, Any] = state_dict
     if stateful:  # what dcp.load does: restore into their state_dict(), then load_state_dict
         def targets() -> Dict[str, Any]:  # user code: every rank learns of its failure on one rank
@@ -284,7 +282,7 @@ def _remapped(target: Dict[str, Any], key_map: Mapping[str, str]) -> Tuple[Dict[
     to each flattened key of ``target``), and a function that puts the values a restore
     assigned in the view (non-tensor values; tensors are written in place) back into
     ``target``."""
-    from ..storage.dcp.file_assignment import flatten  # DCP's flatten_state_dict, quicker
+    from ..format.dcp_layout import flatten
 
     flat, paths = flatten(target)
     rules = sorted(((dst, src) for src, dst in key_map.items()), key=lambda r: len(r[0]), reverse=True)
@@ -300,22 +298,8 @@ def _remapped(target: Dict[str, Any], key_map: Mapping[str, str]) -> Tuple[Dict[
     def back() -> None:
         for ck, k in origin.items():
             if view[ck] is not flat[k]:
-                _set_path(target, paths[k], view[ck])
+                set_element(target, paths[k], view[ck])
     return view, back
-
-
-def _set_path(root: Any, path: Sequence[Any], value: Any) -> None:
-    """``root[path[0]][path[1]]... = value`` along a DCP path (whose dict keys that were ints
-    are strings)."""
-    cur = root
-    for i, p in enumerate(path):
-        if isinstance(cur, dict) and p not in cur and isinstance(p, str) and p.lstrip("-").isdigit() \
-                and int(p) in cur:
-            p = int(p)
-        if i == len(path) - 1:
-            cur[p] = value
-        else:
-            cur = cur[p]
 
 
 #: errors a writer's move or deletion of the copy being read can cause (a file missing, or of
@@ -587,7 +571,7 @@ def _agree_or_undo(store: StepStore, step: int, what: str, local: Optional[BaseE
     try:
         phase.everyone(store.coordinator, what, step, error=local)
     except BaseException:
-        remove_added(state_dict, added)
+        remove_created(state_dict, added)
         raise
 
 
@@ -620,7 +604,7 @@ def _prepare_target(state_dict: Dict[str, Any], metadata: Any, step: int, int_ke
                     strict: bool, covered: Optional[Set[str]] = None) -> List[tuple]:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from ..storage.dcp.file_assignment import flatten_target  # in the checkpoint's key layout
+    from ..format.dcp_layout import flatten_target
 
     flat, _ = flatten_target(state_dict, metadata)
     md = metadata.state_dict_metadata
@@ -657,7 +641,7 @@ def _prepare_target(state_dict: Dict[str, Any], metadata: Any, step: int, int_ke
         warn_user(f"restore(strict=False) of step {step}: keys not in the checkpoint, left as they are: "
                   f"{_keys(missing)}")
     mappings = metadata.planner_data or {}
-    added = []
+    added: List[tuple] = []
     extra = []
     # A key of the checkpoint is added only inside a container that is empty in the target (a
     # fresh optimizer's ``state``, an empty ``{}``): decided on the target as it was, before any
@@ -667,7 +651,7 @@ def _prepare_target(state_dict: Dict[str, Any], metadata: Any, step: int, int_ke
         m = md[k]
         path = mappings[k]
         value = torch.empty(tuple(m.size), dtype=m.properties.dtype) if isinstance(m, TensorStorageMetadata) else None
-        added.extend(_insert(state_dict, path, _typed_path(path, int_keys), value))
+        set_element(state_dict, path, value, int_keys=int_keys, created=added)
     extra = [k for k in unmatched if k not in set(fillable)] if len(fillable) != len(unmatched) else []
     if extra:
         warn_user(f"checkpoint step {step} has keys the state_dict lacks; they were not restored "
@@ -755,63 +739,3 @@ def _unwritable(t: torch.Tensor) -> Optional[str]:
                         f"{tuple(t.shape)}), whose elements share memory and cannot each be restored; restore "
                         "into a tensor of its own (t.clone(), torch.empty(shape)) and expand that")
     return None
-
-
-class _Appended(tuple):
-    """A path :func:`_insert` created at the end of a list (the list was shorter): undone by
-    cutting the list back there. Other list slots it filled held None, and get it back."""
-
-
-def _insert(root: Dict[str, Any], raw: Sequence[Any], typed: Sequence[Any], value: Any) -> List[tuple]:
-    """Set ``root[typed[0]][typed[1]]... = value``, creating missing containers: a list where
-    DCP's path has a list index next (an int in ``raw``), a dict otherwise (also for dict keys
-    that were ints, which ``typed`` restores). Returns the paths it created, outermost first
-    (:class:`_Appended` where it lengthened a list)."""
-    created: List[tuple] = []
-    cur: Any = root
-    for i, key in enumerate(typed):
-        last = i == len(typed) - 1
-        fresh = value if last else ([] if isinstance(raw[i + 1], int) else {})
-        if isinstance(cur, list):
-            if len(cur) <= key:  # the slots from the old end on are new
-                created.append(_Appended(tuple(typed[:i]) + (len(cur),)))
-                cur.extend([None] * (key + 1 - len(cur)))
-            if last or cur[key] is None:
-                if cur[key] is None:
-                    created.append(tuple(typed[: i + 1]))
-                cur[key] = fresh
-        elif last or key not in cur:
-            if key not in cur:
-                created.append(tuple(typed[: i + 1]))
-            cur[key] = fresh
-        cur = cur[key]
-    return created
-
-
-def _typed_path(path: Sequence[Any], int_keys: Set[str]) -> tuple:
-    """DCP's path with the dict keys that were ints at save time turned back into ints."""
-    out = []
-    prefix = ""
-    for p in path:
-        prefix = f"{prefix}.{p}" if prefix else str(p)
-        out.append(int(p) if isinstance(p, str) and prefix in int_keys else p)
-    return tuple(out)
-
-
-def remove_added(state_dict: Dict[str, Any], added: List[tuple]) -> None:
-    """Undo :func:`_insert`: innermost first, so the containers it created go too; a list it
-    lengthened is cut back to its old length, a slot of it that held None holds None again."""
-    appended = [p for p in added if isinstance(p, _Appended)]
-    for path in sorted(set(added) - set(appended), key=len, reverse=True) + sorted(appended, key=len, reverse=True):
-        cur: Any = state_dict
-        try:
-            for p in path[:-1]:
-                cur = cur[p]
-            if isinstance(cur, dict):
-                cur.pop(path[-1], None)
-            elif isinstance(cur, list) and isinstance(path, _Appended):
-                del cur[path[-1]:]
-            elif isinstance(cur, list) and path[-1] < len(cur):
-                cur[path[-1]] = None
-        except (KeyError, IndexError, TypeError):
-            pass

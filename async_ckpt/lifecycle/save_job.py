@@ -22,11 +22,11 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Set, Tuple
 
 from ..errors import CheckpointError
+from ..format.manifest import FileRecord, Manifest, reduce_metrics
 from ..policies import RetentionPolicy
 from ..staging import HostSnapshot
 from ..stats import SaveStats
-from ..storage import FileRecord, Manifest, StepTarget
-from ..storage.manifest import reduce_metrics
+from ..storage import StepTarget
 from . import phase
 from .replicas import DroppedSamples, diverged, fingerprints
 from .steps import StepStore, StepWrite
@@ -182,13 +182,13 @@ def run_save(store: StepStore, job: SaveJob, *, policy: RetentionPolicy, threads
         prints = fingerprints(snap.state_dict) if coord.world_size > 1 else {}
         if job.samples is not None:
             prints.update(job.samples.prints())
-        reuse = store.memo.reuse
+        reuse = store.reuse
         if reuse is not None:
             store.recall_last_step()  # a new manager: what the newest committed step holds
             reuse.prepare(*job.frozen, step=step)
         try:
             files = coord.write(store.storage, target.path, snap.state_dict, threads=threads, planner=planner,
-                                memo=store.memo)
+                                memo=store.memo, reuse=reuse)
         except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
             release(failed=True)
             if isinstance(exc, (KeyboardInterrupt, SystemExit)) or coord.world_size == 1:

@@ -14,11 +14,15 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, List, Optional, Set
 
 from ..errors import LeaseHeldError, StepNotFoundError
+from ..format import step_names
+from ..format.dcp_layout import METADATA_NAME, WriteMemo
+from ..format.manifest import MARKER_NAME, Manifest
+from ..format.unpickling import load_metadata
+from ..format.validate import check_step_metadata
 from ..policies import CheckpointInfo, RetentionPolicy
-from ..storage import CheckpointLayout, Manifest, StepTarget, Storage
-from ..storage.dcp import METADATA_NAME, Reuse, WriteMemo, check_step_metadata, load_metadata
+from ..storage import CheckpointLayout, StepTarget, Storage
+from ..storage.dcp import Reuse
 from ..storage.lease import writer_lease
-from ..storage.manifest import MARKER_NAME
 from .catalog import StepCatalog
 from .coordinator import Coordinator
 
@@ -37,7 +41,8 @@ class StepStore:
         self.catalog = StepCatalog(layout, clock)
         #: the last save's file layout at this root, reused by the next save of the same shape
         self.memo = WriteMemo()
-        self.memo.reuse = reuse  # incremental saves: what the last step this store committed holds
+        #: incremental saves: what the last step this store committed holds (None: every save whole)
+        self.reuse = reuse
         self.keep_incomplete = keep_incomplete
         self.lease_timeout = lease_timeout
         # Taken at the first save (or delete): until then this store only reads.
@@ -81,7 +86,7 @@ class StepStore:
         writer that held the root in between may have deleted or re-saved any step under the
         same name, so an incremental save takes nothing from a step this store committed or
         restored (the next save is whole), and the highest step is listed again."""
-        reuse = self.memo.reuse
+        reuse = self.reuse
         if reuse is not None:
             reuse.forget()
         self._recall_step, self._recalled = None, True
@@ -174,7 +179,7 @@ class StepStore:
     def forget_step(self, step: int) -> None:
         """Incremental saves: take nothing more from ``step``'s files (it is being deleted or
         saved again, so the files under its name are going, or will be others)."""
-        reuse = self.memo.reuse
+        reuse = self.reuse
         if reuse is not None:
             reuse.forget_step(step)
 
@@ -183,7 +188,7 @@ class StepStore:
         compare with that step from now on (read back at the next save, :meth:`recall_last_step`),
         never with a step they would otherwise have remembered (a restore that fell back skipped
         damaged newer steps, whose files must not be shared again)."""
-        reuse = self.memo.reuse
+        reuse = self.reuse
         if reuse is not None:
             reuse.forget()
             self._recall_step, self._recalled = step, False
@@ -194,7 +199,7 @@ class StepStore:
         run takes its unchanged files too. Only the step a restore read and verified is recalled
         (a step never read might be damaged, and sharing it would carry the damage forward);
         one that cannot be read is skipped (that save is whole)."""
-        reuse = self.memo.reuse
+        reuse = self.reuse
         if reuse is None or self._recalled:
             return
         self._recalled = True
@@ -257,8 +262,7 @@ class StepStore:
                 if step is None or not self.catalog.claim_delete(step):
                     continue  # a save of this step started meanwhile: its directory is not ours
                 try:
-                    trash = path.rstrip("/").rsplit("/", 1)[-1].startswith(".trash-")
-                    if not trash and self.storage.exists(f"{path}/{MARKER_NAME}"):
+                    if not step_names.is_kind(path, step_names.TRASH) and self.storage.exists(f"{path}/{MARKER_NAME}"):
                         continue  # committed since it was listed
                     log.info("removing incomplete checkpoint %s", path)
                     self.check_lease(step)

@@ -32,6 +32,8 @@ from ..errors import (
     StorageError,
     warn_user,
 )
+from ..format import step_names
+from ..format.manifest import check_metrics
 from ..gc_pause import gc_paused
 from ..lifecycle import phase
 from ..lifecycle.coordinator import DEFAULT_TIMEOUT_S, GroupCoordinator, coordinator_for
@@ -62,7 +64,6 @@ from ..staging.frozen import FrozenTensors, changed_keys, version_of
 from ..stats import FAILED, FALLBACK, UPLOAD_SKIPPED, SaveStats, format_bytes, format_seconds, tier_name
 from ..storage import CheckpointLayout, RetryPolicy, Storage
 from ..storage.dcp import Reuse
-from ..storage.manifest import check_metrics
 from ..storage.stats_log import StatsLog
 from .hooks import live_managers, stop_threads
 from .peers import PeerCopies, peer_topology
@@ -795,7 +796,7 @@ class CheckpointManager:
             keep: Set[int] = set()
             seen: Dict[str, Tuple[int, int]] = {}
             if self._frozen is not None:  # declared-frozen tensors every due root holds as they are: not copied
-                reuses = [r.store.memo.reuse for r in due]
+                reuses = [r.store.reuse for r in due]
                 keep, seen = self._frozen.choose(
                     plan, lambda key, t, v: all(x is not None and x.holds(key, t, v) for x in reuses))
             stager = self.stager.lazy if lazy and not wait else self.stager.eager
@@ -885,10 +886,10 @@ class CheckpointManager:
         """Warn once per key about saved values that a restore can unpickle only with
         ``allow_pickle=True`` (classes outside torch's ``weights_only`` safe set and the RNG
         states restore builds). Each value is tried once with restore's restricted unpickler
-        (:func:`~async_ckpt.storage.dcp.unpickling.load_value`), which builds only those
+        (:func:`~async_ckpt.format.unpickling.load_value`), which builds only those
         classes and runs no code of the value's classes."""
         from ..errors import UnsafeCheckpointError
-        from ..storage.dcp.unpickling import load_value, refused_global
+        from ..format.unpickling import load_value, refused_global
 
         bad: List[str] = []
         for path, obj in plan.pickled:
@@ -1480,8 +1481,8 @@ class CheckpointManager:
                 errors.append(exc)
         if self._frozen is not None and self._frozen.last:  # the declared-frozen tensors, checked once more
             try:
-                changed = changed_keys(self._frozen.last, [r.store.memo.reuse.same_bytes for r in self.roots
-                                                           if r.store.memo.reuse is not None])
+                changed = changed_keys(self._frozen.last, [r.store.reuse.same_bytes for r in self.roots
+                                                           if r.store.reuse is not None])
                 if changed:
                     errors.append(FrozenTensorChangedError(
                         f"tensors declared frozen changed after the last save: {', '.join(changed[:5])}"
@@ -1539,7 +1540,8 @@ class CheckpointManager:
         try:
             entries = st.listdir(st.root)
             findings = diagnose(st, entries)
-            has_steps = any(e.get("type") == "directory" and e["name"].isdigit() for e in entries)
+            has_steps = any(e.get("type") == "directory" and step_names.is_kind(e["name"], step_names.STEP)
+                            for e in entries)
             for f in findings:
                 if f.kind in (STEP_DIR, PARENT_OF_ROOTS):
                     warn_user(f"the checkpoint path {f.message}")

@@ -6,7 +6,7 @@ of node ``n`` sends each of its local copies to the ``i``-th rank (modulo that n
 each of the next ``local_replicas - 1`` nodes, a ring over the nodes: every local copy is on
 ``local_replicas`` nodes, so losing fewer nodes than that loses no rank's copy. The receiving
 rank keeps rank ``r``'s copies in ``<its local tier>/held-rank<r>/``
-(:func:`~async_ckpt.storage.step_names.held_dir_name`), a root of its own committed exactly as
+(:func:`~async_ckpt.format.step_names.held_dir_name`), a root of its own committed exactly as
 the local tier is (same manifest, same atomic commit), with the local tier's retention.
 
 **When.** After the local copy of a save commits, in the background, on one replication thread
@@ -45,6 +45,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Set, Tuple
 
 from ..errors import CheckpointError, InvalidArgumentError, warn_user
+from ..format import step_names
+from ..format.manifest import Manifest
 from ..lifecycle import phase
 from ..lifecycle.coordinator import Coordinator, LocalCoordinator, checkpoint_group
 from ..lifecycle.peer_transfer import NOTHING_TO_SEND, Landing, Outgoing, exchange
@@ -54,7 +56,7 @@ from ..lifecycle.steps import StepStore, StepWrite
 from ..options import ManagerOptions
 from ..policies import CheckpointInfo, RetentionPolicy, apply_retention, as_retention_policy
 from ..save_queue import AsyncWriter
-from ..storage import CheckpointLayout, Manifest, Storage, step_names
+from ..storage import CheckpointLayout, Storage
 from .tiered import (
     SAVE_ID,
     OwnCopies,

@@ -43,6 +43,9 @@ from ..errors import (
     StorageError,
     warn_user,
 )
+from ..format import step_names
+from ..format.crc import crc32c
+from ..format.manifest import FileRecord, Manifest, check_file_name
 from ..lifecycle import phase
 from ..lifecycle.coordinator import Coordinator, rank_local_coordinator
 from ..lifecycle.restore import Candidate
@@ -53,10 +56,9 @@ from ..policies import CheckpointInfo, RetentionPolicy, apply_retention, as_rete
 from ..save_queue import AsyncWriter
 from ..staging.frozen import version_of
 from ..stats import SaveStats
-from ..storage import CheckpointLayout, FileRecord, Manifest, Storage, step_names
+from ..storage import CheckpointLayout, Storage
 from ..storage.dcp import Reuse
 from ..storage.diagnosis import file_in_the_way, not_a_root_message
-from ..storage.manifest import check_file_name, crc32c
 
 log = logging.getLogger("async_ckpt")
 

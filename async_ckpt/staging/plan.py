@@ -26,7 +26,8 @@ import torch
 
 from ..compat import dcp_flatten_state_dict
 from ..errors import CheckpointError, InvalidStateDictError
-from ..storage.torch_record import pickle_value
+from ..format.dcp_layout import is_stateful
+from ..format.torch_record import pickle_value
 
 _IMMUTABLE = (int, float, bool, str, bytes, complex, type(None), torch.dtype, torch.device, torch.Size)
 
@@ -412,7 +413,7 @@ def _walk_mapping(value: Mapping, path: Optional[str], plan: StagingPlan, old: O
             keys.append(sub)
         else:
             plain = False
-            if top and _is_stateful(v):
+            if top and is_stateful(v):
                 v = plan.stateful[sub] = _state_of(v, sub)
                 out[k] = _walk(v, sub, plan, old, new)
             else:
@@ -495,12 +496,6 @@ def _rng_copy(value: Any) -> Any:
                 nr.MT19937, nr.PCG64, nr.PCG64DXSM, nr.Philox, nr.SFC64):
         return copy.deepcopy(value)
     return _NOT_RNG
-
-
-def _is_stateful(value: Any) -> bool:
-    """DCP's ``Stateful``: a value that DCP saves through its ``state_dict()``."""
-    return not isinstance(value, (torch.Tensor, Mapping)) and callable(getattr(value, "state_dict", None)) \
-        and callable(getattr(value, "load_state_dict", None))
 
 
 def _state_of(value: Any, path: str) -> Any:

@@ -1,9 +1,8 @@
-"""Storage: step layout and commit protocol, manifests, and DCP-format I/O over fsspec."""
+"""Storage: the bytes and paths of one root (step directories, commit protocol, lease, retries)."""
 
 from .commit import StepTarget
 from .layout import CheckpointLayout
-from .manifest import FileRecord, Manifest
 from .retry import RetryPolicy
 from .storage import Storage
 
-__all__ = ["CheckpointLayout", "FileRecord", "Manifest", "RetryPolicy", "StepTarget", "Storage"]
+__all__ = ["CheckpointLayout", "RetryPolicy", "StepTarget", "Storage"]

@@ -14,7 +14,7 @@ Either way a crash at any point leaves the old or the new copy of a step committ
 neither (see :class:`~async_ckpt.storage.layout.CheckpointLayout` for how a step's copy is
 chosen). The protocols know a step's temporary and final paths (:class:`StepTarget`) and reach
 the root's other step directories through :class:`StepDirectories`; names come from
-:mod:`async_ckpt.storage.step_names`.
+:mod:`async_ckpt.format.step_names`.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ import logging
 from dataclasses import dataclass
 from typing import List, Protocol
 
-from . import step_names
-from .manifest import MANIFEST_NAME, MARKER_NAME, PENDING_NAME, Manifest, marker_bytes
+from ..format import step_names
+from ..format.manifest import MANIFEST_NAME, MARKER_NAME, PENDING_NAME, Manifest, marker_bytes
 from .storage import Storage
 
 log = logging.getLogger("async_ckpt")

@@ -13,8 +13,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from . import step_names
-from .manifest import MANIFEST_NAME, MARKER_NAME
+from ..format import step_names
+from ..format.manifest import MANIFEST_NAME, MARKER_NAME
 from .storage import Storage
 
 #: a step's directory under the root

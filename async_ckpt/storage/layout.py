@@ -34,9 +34,9 @@ from ..errors import (
     StorageError,
     StorageTimeoutError,
 )
-from . import step_names
+from ..format import step_names
+from ..format.manifest import MANIFEST_NAME, MARKER_NAME, PENDING_NAME, Manifest, check_marker
 from .commit import CommitProtocol, MarkerCommit, RenameCommit, StepTarget
-from .manifest import MANIFEST_NAME, MARKER_NAME, PENDING_NAME, Manifest, check_marker
 from .storage import MISSING, Storage
 
 __all__ = ["ABORT_WAIT_S", "COMMIT_MODES", "DELETED", "CheckpointLayout", "StepCopy", "StepTarget"]
@@ -116,7 +116,7 @@ class CheckpointLayout:
     @staticmethod
     def step_of(path: str) -> Optional[int]:
         """The step a step, re-save, temp or trash directory belongs to (None for other names);
-        see :func:`~async_ckpt.storage.step_names.step_of`."""
+        see :func:`~async_ckpt.format.step_names.step_of`."""
         return step_names.step_of(path)
 
     # ---- listing -----------------------------------------------------------------------------
@@ -210,7 +210,7 @@ class CheckpointLayout:
 
     @staticmethod
     def new_token() -> str:
-        """A fresh token for one save's directory names (:func:`~async_ckpt.storage.step_names.new_token`)."""
+        """A fresh token for one save's directory names (:func:`~async_ckpt.format.step_names.new_token`)."""
         return step_names.new_token()
 
     # ---- writing -----------------------------------------------------------------------------

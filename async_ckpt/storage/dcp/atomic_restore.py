@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from ...addresses import byte_view
 from ...errors import StagingBudgetError
-from ..manifest import FileRecord
+from ...format.manifest import FileRecord
 from ..storage import Storage
 from .direct import load_direct
 from .read_exec import IntoBuffers, StepFiles, read_files

@@ -1,4 +1,4 @@
-"""What the DCP writer and reader share: the metadata file's name, and running one DCP call."""
+"""What the DCP writer and reader share: running one DCP call, and reading its errors."""
 
 from __future__ import annotations
 
@@ -12,8 +12,6 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ...errors import CheckpointError
-
-METADATA_NAME = ".metadata"
 
 # DCP warns on every single-process ``dcp.save``/``dcp.load``: async_ckpt's normal case.
 _SINGLE_PROCESS_WARNING = "torch.distributed is disabled, unavailable or uninitialized"

@@ -55,9 +55,12 @@ from torch.distributed.checkpoint.metadata import Metadata
 from ... import compat
 from ...addresses import byte_view
 from ...errors import CheckpointError, CorruptCheckpointError, PartlyWrittenError, partly_written_error
+from ...format.crc import crc32c
+from ...format.dcp_layout import set_element
+from ...format.manifest import FileRecord, shown
+from ...format.torch_record import data_start, plain_data_start
+from ...format.unpickling import load_value
 from ...gc_pause import gc_paused
-from ..manifest import FileRecord, crc32c, shown
-from ..torch_record import data_start, plain_data_start
 from .device_targets import DeviceTargets
 from .direct_plan import (
     BUFFER_CHUNK_BYTES,
@@ -68,11 +71,9 @@ from .direct_plan import (
     file_ranges,
     plan_records,
 )
-from .file_assignment import set_element
 from .read_exec import NULL, StepFiles, check_file, close_all, open_step_file, read_files, run_all, short_error
 from .reader import stored_bytes
 from .record_layout import Arrived, Probe
-from .unpickling import load_value
 
 #: A tensor record at least this large (local files) has its data read straight into the
 #: target; smaller ones are read with their neighbours and scattered.

@@ -20,7 +20,7 @@ import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
 
 from ...addresses import byte_view, host_bytes
-from ..manifest import FileRecord
+from ...format.manifest import FileRecord
 from .device_targets import DeviceTargets, is_device
 from .device_targets import supported as device_supported
 from .read_exec import StepFiles
@@ -94,7 +94,7 @@ def _contiguous_bytes(t: torch.Tensor) -> Optional[torch.Tensor]:
 def _flat_targets(state_dict: Dict[str, Any], metadata: Metadata) -> Tuple[Dict[str, Any], Dict[str, Any]]:
     """DCP's flattening of ``state_dict`` in the checkpoint's key layout (see
     :func:`~.file_assignment.flatten_target`)."""
-    from .file_assignment import flatten_target
+    from ...format.dcp_layout import flatten_target
 
     return flatten_target(state_dict, metadata)
 

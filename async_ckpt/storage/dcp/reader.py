@@ -30,10 +30,14 @@ from torch.futures import Future
 from ... import compat
 from ...addresses import byte_view
 from ...errors import CorruptCheckpointError
-from ..manifest import FileRecord, check_file_name, crc32c, shown
+from ...format.crc import crc32c
+from ...format.dcp_layout import METADATA_NAME
+from ...format.manifest import FileRecord, check_file_name, shown
+from ...format.torch_record import plain_data_start
+from ...format.unpickling import SafeLoadPlanner, load_metadata
+from ...format.validate import check_step_metadata
 from ..storage import READ_RANGE_BYTES
-from ..torch_record import plain_data_start
-from .dcp_call import METADATA_NAME, call_dcp, distributed
+from .dcp_call import call_dcp, distributed
 from .read_exec import (
     FRESH,
     StepFiles,
@@ -45,8 +49,6 @@ from .read_exec import (
     short_error,
     unreadable_is_damage,
 )
-from .unpickling import SafeLoadPlanner, load_metadata
-from .validate import check_step_metadata
 
 if TYPE_CHECKING:  # the class compat returns, named for the type checker
     from torch.distributed.checkpoint.filesystem import _StorageInfo

@@ -2,7 +2,7 @@
 
 :class:`Probe` holds the bytes read near a large record's ends; :class:`Arrived` gathers those
 bytes from the reads of the whole file instead, where the manifest said where the data lies.
-Both hand them to :func:`~async_ckpt.storage.torch_record.data_start`, which parses them.
+Both hand them to :func:`~async_ckpt.format.torch_record.data_start`, which parses them.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any, List, Tuple
 import torch
 
 from ...addresses import byte_view
-from ..torch_record import data_start
+from ...format.torch_record import data_start
 
 #: Bytes read at each end of a large record to find where its data lies.
 PROBE_BYTES = 4096

@@ -43,8 +43,8 @@ import xxhash
 
 from ...addresses import byte_view
 from ...errors import CheckpointError, CorruptCheckpointError
+from ...format.manifest import FileRecord
 from ..backends import FileState
-from ..manifest import FileRecord
 from .read_exec import NULL, read_files
 
 log = logging.getLogger("async_ckpt")

@@ -22,17 +22,20 @@ from __future__ import annotations
 
 from typing import AbstractSet, Any, Callable, Dict, List, Optional
 
-from ..manifest import FileRecord
+from ...format.dcp_layout import WriteMemo
+from ...format.manifest import FileRecord
 from ..storage import Storage
 from .atomic_restore import Acquire, load_staged
 from .dcp_call import unwrap_dcp
 from .direct import load_direct, partly_written
 from .reader import FsspecStorageReader, load_state_dict, safe_planner
-from .writer import FsspecStorageWriter, WriteMemo, save_state_dict
+from .reuse import Reuse
+from .writer import FsspecStorageWriter, save_state_dict
 
 
 def write_step(storage: Storage, path: str, state_dict: Dict[str, Any], *, threads: int, planner: Any,
-               memo: Optional[WriteMemo] = None, group: Any = None, several_ranks: bool = False
+               memo: Optional[WriteMemo] = None, reuse: Optional[Reuse] = None, group: Any = None,
+               several_ranks: bool = False
                ) -> Dict[str, FileRecord]:
     """Write this rank's files of a step into ``path``.
 
@@ -43,8 +46,9 @@ def write_step(storage: Storage, path: str, state_dict: Dict[str, Any], *, threa
         threads: how many files are written at once.
         planner: a DCP save planner, or ``None``.
         memo: the root's memo of its last save: one process, the file layout, reused by a
-            save of the same shape; any number, with ``memo.reuse``, what the last committed
-            step holds (an incremental save shares what did not change).
+            save of the same shape.
+        reuse: incremental saves: what the last committed step holds (a save shares what did
+            not change); ``None``: the save is whole.
         group: the process group DCP runs over (one process: a one-rank group or ``None``).
         several_ranks: every rank of ``group`` writes its part through ``dcp.save``.
 
@@ -56,12 +60,12 @@ def write_step(storage: Storage, path: str, state_dict: Dict[str, Any], *, threa
             (its collectives report one rank's failure to every rank, so every rank raises it).
     """
     if not several_ranks:
-        return save_state_dict(storage, path, state_dict, threads=threads, planner=planner, memo=memo,
+        return save_state_dict(storage, path, state_dict, threads=threads, planner=planner, memo=memo, reuse=reuse,
                                process_group=group)
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-    writer = FsspecStorageWriter(storage, path, threads=threads, reuse=memo.reuse if memo is not None else None)
+    writer = FsspecStorageWriter(storage, path, threads=threads, reuse=reuse)
     dcp.save(state_dict, storage_writer=writer, process_group=group, planner=planner or DefaultSavePlanner())
     return writer.files
 

@@ -45,22 +45,24 @@ from torch.futures import Future
 
 from ... import compat
 from ...addresses import address_of, byte_view
-from ..manifest import FileRecord, crc32c, raw_crc32c
-from ..storage import Storage
-from ..torch_record import PickledObject, RecordBatch, RecordTemplate, RecordTemplates
-from .crc import crc32c_combine
-from .dcp_call import METADATA_NAME, call_dcp, distributed, world_size
-from .file_assignment import (
+from ...format.crc import crc32c, crc32c_combine, raw_crc32c
+from ...format.dcp_layout import (
+    METADATA_NAME,
     FileLayout,
     WriteMemo,
     flatten,
     has_signature,
+    is_stateful,
     local_data,
     metadata_index,
     own_storages,
     saved_bytes,
     signature,
 )
+from ...format.manifest import FileRecord
+from ...format.torch_record import PickledObject, RecordBatch, RecordTemplate, RecordTemplates
+from ..storage import Storage
+from .dcp_call import call_dcp, distributed, world_size
 from .reuse import Key, Reuse, Shared, item_key, placed_items
 
 if TYPE_CHECKING:  # the classes compat returns, named for the type checker
@@ -531,7 +533,7 @@ class FsspecStorageWriter(StorageWriter):
 
 def save_state_dict(storage: Storage, path: str, state_dict: Dict[str, Any], *, threads: int = 8,
                     process_group: Any = None, planner: Optional[SavePlanner] = None,
-                    memo: Optional["WriteMemo"] = None) -> Dict[str, FileRecord]:
+                    memo: Optional["WriteMemo"] = None, reuse: Optional[Reuse] = None) -> Dict[str, FileRecord]:
     """Write ``state_dict`` (host tensors) as a DCP checkpoint under ``path``; return file records.
 
     ``planner`` defaults to DCP's ``DefaultSavePlanner`` (torch_xla's for staged SPMD shards).
@@ -539,10 +541,10 @@ def save_state_dict(storage: Storage, path: str, state_dict: Dict[str, Any], *, 
     of the last save through it; ``None``: nothing is reused or remembered.
     """
     if planner is None and world_size(process_group) == 1:  # e.g. `torchrun --nproc_per_node=1` too
-        files = _save_local(storage, path, state_dict, threads=threads, memo=memo)
+        files = _save_local(storage, path, state_dict, threads=threads, memo=memo, reuse=reuse)
         if files is not None:
             return files
-    writer = FsspecStorageWriter(storage, path, threads=threads, reuse=memo.reuse if memo is not None else None)
+    writer = FsspecStorageWriter(storage, path, threads=threads, reuse=reuse)
     planner = planner if planner is not None else DefaultSavePlanner()
     call_dcp(lambda: dcp.save(state_dict, storage_writer=writer, planner=planner,
                                process_group=process_group, no_dist=not distributed()))
@@ -550,7 +552,7 @@ def save_state_dict(storage: Storage, path: str, state_dict: Dict[str, Any], *, 
 
 
 def _save_local(storage: Storage, path: str, state_dict: Dict[str, Any], *, threads: int,
-                memo: Optional[WriteMemo] = None) -> Optional[Dict[str, FileRecord]]:
+                memo: Optional[WriteMemo] = None, reuse: Optional[Reuse] = None) -> Optional[Dict[str, FileRecord]]:
     """Single-process save of plain tensors and objects, without DCP's planning machinery.
 
     Writes what ``dcp.save`` with ``DefaultSavePlanner`` and :class:`FsspecStorageWriter`
@@ -568,10 +570,8 @@ def _save_local(storage: Storage, path: str, state_dict: Dict[str, Any], *, thre
     Returns ``None`` (the caller then uses ``dcp.save``) for anything DCP's planner treats
     specially: DTensors, ShardedTensors, tensor subclasses and ``Stateful`` values.
     """
-    for value in state_dict.values():  # what dcp.save's _stateful_to_state_dict would call
-        if not isinstance(value, torch.Tensor) and callable(getattr(value, "state_dict", None)) \
-                and callable(getattr(value, "load_state_dict", None)):
-            return None
+    if any(is_stateful(value) for value in state_dict.values()):  # what dcp.save's _stateful_to_state_dict calls
+        return None
     # Nothing per item outlives this save except what the layout keeps: objects alive through a
     # long write are promoted to the collector's oldest generation, and tens of thousands of them
     # per save trigger a full collection (GIL held) every save or two.
@@ -590,7 +590,6 @@ def _save_local(storage: Storage, path: str, state_dict: Dict[str, Any], *, thre
         if sig is None:
             return None  # DTensor, ShardedTensor, a subclass: DCP's planner knows them
 
-    reuse = memo.reuse
     shared: Optional[Shared] = None
     hashes: List[Optional[int]] = []
     keys: List[Key] = []

@@ -24,9 +24,8 @@ import struct
 from dataclasses import dataclass, field, fields
 from typing import Any, Dict, Optional, Sequence, Tuple
 
-import crc32c as _crc32c
-
 from ..errors import CorruptCheckpointError, InvalidArgumentError
+from .crc import crc32c
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
@@ -55,14 +54,6 @@ def check_file_name(name: Any, *, where: str, step: Optional[int] = None) -> str
             f"{where}: names the file {shown(name)}, which is not a plain file name inside the step "
             "directory; refusing to read it", step=step, path=where)
     return name
-
-
-def crc32c(data: Any, value: int = 0) -> int:
-    """CRC32C of a bytes-like object, continuing from ``value``."""
-    return _crc32c.crc32c(data, value)
-
-
-raw_crc32c = _crc32c.crc32c  # the same function without the wrapper's call: for per-record loops
 
 
 _RECORD = struct.Struct("<QI")  # one record in a manifest's "records": length, crc32c

@@ -1,11 +1,13 @@
-"""What a planner-free single-process save remembers of a state dict's layout for the next one.
+"""DCP's layout of a state dict, as a step stores it: keys, paths, values, the write memo.
 
-:func:`flatten` is DCP's ``flatten_state_dict`` with less work per entry (and
-:func:`flatten_target` the flattening of a restore target in a checkpoint's key layout),
-:func:`set_element` sets a value at one of its paths; a layout's
-signature (:func:`signature`) says whether the next state dict has the same keys, dtypes and
-shapes; a :class:`WriteMemo` holds the last :class:`FileLayout` (file assignment and pickled
-``.metadata``) for :func:`~.writer._save_local` to reuse.
+:data:`METADATA_NAME` is the name of a step's DCP metadata file. :func:`flatten` is DCP's
+``flatten_state_dict`` with less work per entry (and :func:`flatten_target` the flattening of a
+restore target in a checkpoint's key layout); :func:`set_element` sets a value at one of its
+paths (the one place that turns a path's string back into the dict key it names);
+:func:`is_stateful` is DCP's ``Stateful`` test. A layout's signature (:func:`signature`) says
+whether the next state dict has the same keys, dtypes and shapes; a :class:`WriteMemo` holds the
+last :class:`FileLayout` (file assignment and pickled ``.metadata``) for the planner-free save to
+reuse.
 """
 
 from __future__ import annotations
@@ -16,19 +18,36 @@ import itertools
 import operator
 import threading
 from collections.abc import Mapping, MutableMapping
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import AbstractSet, Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
-from ... import compat
-from ..manifest import FileRecord
-from ..torch_record import PickledObject
-from .reuse import Reuse
+from .. import compat
+from .manifest import FileRecord
+from .torch_record import PickledObject
 
 flatten_state_dict = compat.dcp_flatten_state_dict()
 traverse_state_dict = compat.dcp_traverse().traverse_state_dict
 _dcp_version = compat.dcp_version()
+
+#: the name of a step's DCP metadata file (DCP's own, ``FileSystemWriter``'s too)
+METADATA_NAME = ".metadata"
+
+
+def is_stateful(value: Any) -> bool:
+    """DCP's ``Stateful`` (``isinstance(value, Stateful)``): a value with ``state_dict()`` and
+    ``load_state_dict()``, a mapping too. ``dcp.save`` saves a top-level one through its
+    ``state_dict()``, ``dcp.load`` restores it through its ``load_state_dict()``.
+
+    Args:
+        value: a top-level value of a state dict.
+
+    Returns:
+        Whether it is saved and restored through those methods.
+    """
+    return not isinstance(value, torch.Tensor) and callable(getattr(value, "state_dict", None)) \
+        and callable(getattr(value, "load_state_dict", None))
 
 
 def metadata_index(fqn: str, offset: torch.Size, index: int) -> MetadataIndex:
@@ -55,26 +74,89 @@ def _real_key(mapping: Any, key: Any) -> Any:
     return key
 
 
-def set_element(root: Any, path: Tuple[Any, ...], value: Any) -> None:
+class Appended(tuple):
+    """A path :func:`set_element` created at the end of a list (the list was shorter): undone by
+    :func:`remove_created` cutting the list back there."""
+
+
+def set_element(root: Any, path: Sequence[Any], value: Any, *, int_keys: AbstractSet[str] = frozenset(),
+                created: Optional[List[tuple]] = None) -> None:
     """DCP's ``set_element``: ``value`` put at ``path`` (one of :func:`flatten`'s mappings)
     in ``root``, creating the dicts (a string next) and lists (an int next) that are missing.
-    The paths hold dict keys as strings; where a dict has the int key that a path's string
-    spells but not the string (an optimizer's ``state``, keyed by parameter index), the value
-    goes under the int key, not under a new string key beside it."""
+
+    The one place that turns a path's string back into the dict key it names. DCP's paths
+    hold every dict key as ``str(key)``, so a string names the int key it spells exactly
+    (``"7"`` names ``7``, ``"-1"`` names ``-1``; ``"007"`` is only ever the string ``"007"``):
+    where a dict has that int key but not the string (an optimizer's ``state``, keyed by
+    parameter index), the value goes under the int key, not under a new string key beside it.
+    A dotted prefix of the path listed in ``int_keys`` (the manifest's ``int_keys``: keys that
+    were ints when saved) is an int key even where the dict does not hold it yet.
+
+    Args:
+        root: the (nested) state dict.
+        path: the path of the value (dict keys as strings, list indices as ints).
+        value: the value.
+        int_keys: dotted paths whose last key was an int when saved.
+        created: where to record the paths this call created, outermost first (a list slot it
+            filled that held None, or :class:`Appended` where it lengthened a list), for
+            :func:`remove_created`.
+    """
     cur = root
+    prefix = ""
+    typed: List[Any] = []
+    last = len(path) - 1
     for i, key in enumerate(path):
+        if int_keys:
+            prefix = f"{prefix}.{key}" if i else str(key)
         if isinstance(cur, MutableMapping):
-            key = _real_key(cur, key)
-        elif type(key) is int:
-            cur.extend([None] * (key + 1 - len(cur)))
-        if i == len(path) - 1:
-            cur[key] = value
-        elif isinstance(cur, MutableMapping):
-            cur = cur.setdefault(key, {} if type(path[i + 1]) is str else [])
-        else:
-            if cur[key] is None:
+            key = int(key) if int_keys and prefix in int_keys and type(key) is str else _real_key(cur, key)
+            missing = key not in cur
+            if i == last:
+                cur[key] = value
+            elif missing:
                 cur[key] = {} if type(path[i + 1]) is str else []
+            if missing and created is not None:
+                created.append((*typed, key))
+        else:  # a list: an int index
+            if len(cur) <= key:
+                if created is not None:
+                    created.append(Appended((*typed, len(cur))))
+                cur.extend([None] * (key + 1 - len(cur)))
+            if cur[key] is None:
+                if created is not None:
+                    created.append((*typed, key))
+                if i != last:
+                    cur[key] = {} if type(path[i + 1]) is str else []
+            if i == last:
+                cur[key] = value
+        if i != last:
+            typed.append(key)
             cur = cur[key]
+
+
+def remove_created(root: Any, created: List[tuple]) -> None:
+    """Undo the paths :func:`set_element` recorded in ``created``: innermost first, so the
+    containers it created go too; a list it lengthened is cut back to its old length, a slot
+    of it that held None holds None again.
+
+    Args:
+        root: the state dict they were created in.
+        created: the recorded paths.
+    """
+    appended = [p for p in created if isinstance(p, Appended)]
+    for path in sorted(set(created) - set(appended), key=len, reverse=True) + sorted(appended, key=len, reverse=True):
+        cur: Any = root
+        try:
+            for p in path[:-1]:
+                cur = cur[p]
+            if isinstance(cur, dict):
+                cur.pop(path[-1], None)
+            elif isinstance(cur, list) and isinstance(path, Appended):
+                del cur[path[-1]:]
+            elif isinstance(cur, list) and path[-1] < len(cur):
+                cur[path[-1]] = None
+        except (KeyError, IndexError, TypeError):
+            pass  # already gone with an outer container, or the caller replaced it meanwhile
 
 
 def flatten(state_dict: Dict[str, Any], reuse: Optional[Dict[str, Tuple[Any, ...]]] = None
@@ -226,7 +308,7 @@ class FileLayout:
 
 
 class WriteMemo:
-    """The layout of the last single-process save made through it (see :func:`_save_local`).
+    """The layout of the last single-process save made through it (the planner-free save).
 
     One per writer owner (a ``CheckpointManager`` keeps one): the next save of an equal
     layout through the same memo reuses its file assignment and pickled ``.metadata``. Saves
@@ -237,8 +319,6 @@ class WriteMemo:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._layout: Optional[FileLayout] = None
-        #: incremental saves: what the last committed step holds (``None``: every save is whole)
-        self.reuse: Optional[Reuse] = None
 
     @property
     def layout(self) -> Optional[FileLayout]:

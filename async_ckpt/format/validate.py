@@ -23,9 +23,9 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from ... import compat
-from ...errors import CorruptCheckpointError
-from ..manifest import FileRecord, check_file_name, shown
+from .. import compat
+from ..errors import CorruptCheckpointError
+from .manifest import FileRecord, check_file_name, shown
 
 if TYPE_CHECKING:  # the class compat returns, named for the type checker
     from torch.distributed.checkpoint.filesystem import _StorageInfo

@@ -8,7 +8,7 @@
   bit generators, Python's ``random.Random``), outside torch's safe set, are built by a second
   restricted unpickler that allows exactly those classes (:data:`RNG_GLOBALS`) besides it;
 * a tensor item's ``data.pkl`` is read as a description only
-  (:class:`~async_ckpt.storage.torch_record.TensorDescUnpickler`, with the record format).
+  (:class:`~async_ckpt.format.torch_record.TensorDescUnpickler`, with the record format).
 """
 
 from __future__ import annotations
@@ -26,12 +26,11 @@ import torch
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata
 
-from ...compat import weights_only_globals
-from ...errors import CorruptCheckpointError, UnsafeCheckpointError
-from ...gc_pause import gc_paused
-from ..manifest import shown
-from .dcp_call import METADATA_NAME
-from .file_assignment import flatten_target, set_element
+from ..compat import weights_only_globals
+from ..errors import CorruptCheckpointError, UnsafeCheckpointError
+from ..gc_pause import gc_paused
+from .dcp_layout import METADATA_NAME, flatten_target, set_element
+from .manifest import shown
 
 _SAFE_BUILTINS = {"set", "frozenset", "dict", "list", "tuple", "slice", "bytearray", "complex", "int", "float"}
 

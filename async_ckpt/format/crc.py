@@ -1,4 +1,4 @@
-"""CRC-32C of a concatenation from the CRC-32Cs of its parts.
+"""CRC-32C: of bytes (:func:`crc32c`), and of a concatenation from the CRC-32Cs of its parts.
 
 ``crc32c_combine(crc32c(a), crc32c(b), len(b)) == crc32c(a + b)``: the parts of a file can be
 read and checksummed in any order, on any thread, and the file's CRC put together afterwards.
@@ -9,7 +9,17 @@ polynomial in GF(2)), with the Castagnoli polynomial.
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Iterable, Tuple
+from typing import Any, Iterable, Tuple
+
+import crc32c as _crc32c
+
+
+def crc32c(data: Any, value: int = 0) -> int:
+    """CRC32C of a bytes-like object, continuing from ``value``."""
+    return _crc32c.crc32c(data, value)
+
+
+raw_crc32c = _crc32c.crc32c  # the same function without the wrapper's call: for per-record loops
 
 _POLY = 0x82F63B78  # CRC-32C (Castagnoli), reflected
 
