@@ -7,6 +7,7 @@ tests/test_tiers_copies.py; 2 ranks in tests/test_tiers_dist.py, the loopback GC
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -452,10 +453,10 @@ def test_promote_refuses_one_rank_s_local_copy_of_a_multi_rank_job(roots, monkey
     path, local = roots
     real = core.SaveJob
 
-    def rank1_of_2(*a, manifest_extra=None, **kw):  # what rank 1 of a 2-rank job records locally
-        if manifest_extra and manifest_extra.get("tier") == "local":
-            manifest_extra = dict(manifest_extra, rank=1, world_size=2)
-        return real(*a, manifest_extra=manifest_extra or {}, **kw)
+    def rank1_of_2(*a, identity=None, **kw):  # what rank 1 of a 2-rank job records locally
+        if identity is not None and identity.tier == "local":
+            identity = dataclasses.replace(identity, rank=1, world_size=2)
+        return real(*a, **kw) if identity is None else real(*a, identity=identity, **kw)
 
     monkeypatch.setattr(core, "SaveJob", rank1_of_2)
     with CheckpointManager(path, save_interval=10, local_dir=local, local_policy=1) as mgr:

@@ -189,3 +189,32 @@ def test_a_damaged_local_copy_that_partly_wrote_keys_the_fallback_lacks_is_named
     assert_bitwise_equal({k: target[k] for k in four}, four)
     said = [str(w.message) for w in caught if "partly written" in str(w.message) and "may hold" in str(w.message)]
     assert len(said) == 1 and "step 5 (local copy)" in said[0], [str(w.message) for w in caught]
+
+
+def test_a_copys_identity_is_typed_and_stored_where_it_always_was():
+    """Which save wrote a copy and whose it is (save id, tier, rank, the job's world size, the
+    persistent root it was saved for) are typed fields of the manifest, stored in its ``"extra"``
+    object under the keys every async_ckpt wrote: an older manifest reads, a new one is written
+    the same, and a value of another type is damage, named."""
+    import json
+
+    from async_ckpt.errors import CorruptCheckpointError
+    from async_ckpt.format.manifest import CopyIdentity, Manifest
+
+    stored = {"step": 3, "commit_time": 1.5, "files": {}, "world_size": 1,
+              "extra": {"save_id": "ab.2", "tier": "local", "rank": 1, "world_size": 2,
+                        "persistent_root": "file:///ck/", "int_keys": ["s.0"]}}
+    m = Manifest.from_json(json.dumps(stored).encode())
+    assert m.identity == CopyIdentity("ab.2", "local", 1, 2, "file:///ck/")
+    assert m.extra == {"int_keys": ["s.0"]} and m.int_keys == ["s.0"] and not m.whole
+    assert json.loads(m.to_json())["extra"] == stored["extra"]  # written where it was read from
+    assert m.identity.saved_for_another("file:///ck/") is None
+    assert m.identity.saved_for_another("file:///other/") == "file:///ck/"
+    assert m.identity.is_rank(1, 2) and not m.identity.is_rank(0, 2)
+    plain = Manifest.from_json(json.dumps({"step": 1, "commit_time": 1.0, "files": {}}).encode())
+    assert plain.identity == CopyIdentity() and plain.whole and plain.identity.is_rank(0, 1)
+    assert "extra" in json.loads(plain.to_json()) and json.loads(plain.to_json())["extra"] == {}
+    for key, bad in (("rank", "1"), ("world_size", 0), ("save_id", 5), ("persistent_root", [])):
+        broken = json.dumps({**stored, "extra": {**stored["extra"], key: bad}}).encode()
+        with pytest.raises(CorruptCheckpointError, match=key):
+            Manifest.from_json(broken, where="m.json")

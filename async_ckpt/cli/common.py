@@ -327,11 +327,10 @@ def home_identity(roots: List[Tuple[str, Storage, CheckpointLayout]]) -> Optiona
         roots: What :func:`open_roots` returned.
 
     Returns:
-        :func:`~async_ckpt.manager.tiered.root_identity` of PATH with a local tier; None without one.
+        :meth:`~async_ckpt.storage.storage.Storage.root_identity` of PATH with a local tier; None
+        without one.
     """
-    from ..manager.tiered import root_identity
-
-    return root_identity(roots[-1][1]) if len(roots) > 1 else None
+    return roots[-1][1].root_identity() if len(roots) > 1 else None
 
 
 def foreign_note(count: int, home: Optional[str], what: str) -> str:

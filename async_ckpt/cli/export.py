@@ -106,7 +106,7 @@ def _read_step(storage: Storage, layout: CheckpointLayout, step: int, key: Optio
     from ..storage.dcp import load_state_dict
 
     man, metadata = read_step_metadata(storage, layout, step)
-    full = _template(metadata, set(man.extra.get("int_keys", ())))
+    full = _template(metadata, set(man.int_keys))
     target: Dict[str, Any] = full
     parts: List[Any] = []
     if key:  # keep only the subtree, at its real position, so that DCP loads nothing else

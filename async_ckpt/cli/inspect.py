@@ -9,9 +9,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from ..errors import CheckpointError
 from ..format import step_names
-from ..format.manifest import MARKER_NAME, shown
-from ..manager.tiered import SAVE_ID, same_save, saved_for_another
-from ..policies import CheckpointInfo
+from ..format.manifest import MARKER_NAME, CopyIdentity, shown
 from ..storage.diagnosis import DCP_HINT, PARENT_OF_ROOTS, STEP_DIR
 from ..storage.layout import CheckpointLayout
 from ..storage.storage import Storage
@@ -44,7 +42,7 @@ def _step_entry(storage: Storage, layout: CheckpointLayout, name: str, locations
     listed size); ``damaged``: committed, but that check fails; ``superseded``: an older
     committed copy of a step that a newer copy replaced (a crash interrupted the re-save; the
     next writer removes it); ``incomplete``: never committed; ``foreign``: a symbolic link,
-    never followed, or (a local tier, ``home``: PATH's :func:`~async_ckpt.manager.tiered.root_identity`)
+    never followed, or (a local tier, ``home``: PATH's :meth:`~async_ckpt.storage.storage.Storage.root_identity`)
     a committed copy whose manifest records another checkpoint path (another job's copy;
     ``saved_for`` names that path).
     """
@@ -87,12 +85,12 @@ def _step_entry(storage: Storage, layout: CheckpointLayout, name: str, locations
         entry.update(status="damaged", problem=str(exc))
         return entry
     problems = [f"{shown(n)}: {what}" for n, what in bad.items()]
-    entry.update(commit_time=man.commit_time, save_id=man.extra.get(SAVE_ID), metrics=dict(man.metrics),
+    entry.update(commit_time=man.commit_time, save_id=man.identity.save_id, metrics=dict(man.metrics),
                  files=len(man.files),
                  bytes=sum(r.size for r in man.files.values()), nbytes=man.nbytes,
                  num_tensors=man.num_tensors, world_size=man.world_size,
                  written_bytes=man.written_bytes, referred_bytes=man.referred_bytes)
-    other = saved_for_another(home, man.extra)
+    other = man.identity.saved_for_another(home)
     if other is not None:
         entry.update(status="foreign", saved_for=other,
                      problem=f"saved for the checkpoint path {other}, not {home} (another job's copy: not in "
@@ -113,13 +111,13 @@ def _entries(storage: Storage, layout: CheckpointLayout, home: Optional[str] = N
 
 def _number_saves(timed: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     """Set ``commit_order`` (1: the oldest) of committed entries, per save: the copies of one
-    save in both tiers (:func:`~async_ckpt.manager.tiered.same_save`) share a number, at the newer
+    save in both tiers (:meth:`~async_ckpt.format.manifest.CopyIdentity.same_save`) share a number, at the newer
     copy's commit time. Returns the entries in that order."""
-    def info(e: Dict[str, Any]) -> CheckpointInfo:
-        return CheckpointInfo(e["step"], e["commit_time"], extra={SAVE_ID: e["save_id"]} if e.get("save_id") else {})
+    def info(e: Dict[str, Any]) -> CopyIdentity:
+        return CopyIdentity(save_id=e.get("save_id"))
 
     for e in timed:
-        e["_at"] = max(o["commit_time"] for o in timed if o is e or (o["step"] == e["step"] and same_save(info(e), info(o))))
+        e["_at"] = max(o["commit_time"] for o in timed if o is e or (o["step"] == e["step"] and info(e).same_save(info(o))))
     timed.sort(key=lambda e: (e["_at"], e["step"], e["tier"] != "local"))
     n, last = 0, None
     for e in timed:

@@ -105,8 +105,6 @@ def _foreign_copies(roots: List[Tuple[str, Storage, CheckpointLayout]]) -> Dict[
     """The local tier's committed copies another job saved (their manifests record another
     checkpoint path than PATH): step -> that path. A manifest that does not read counts as
     this job's (verify reports it damaged)."""
-    from ..manager.tiered import saved_for_another
-
     home = home_identity(roots)
     out: Dict[int, str] = {}
     for tier, _, layout in roots:
@@ -114,7 +112,7 @@ def _foreign_copies(roots: List[Tuple[str, Storage, CheckpointLayout]]) -> Dict[
             continue
         for s in layout.committed_steps():
             try:
-                other = saved_for_another(home, layout.read_manifest(s).extra)
+                other = layout.read_manifest(s).identity.saved_for_another(home)
             except CheckpointError:
                 continue
             if other is not None:

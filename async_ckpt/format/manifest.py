@@ -22,7 +22,7 @@ import math
 import re
 import struct
 from dataclasses import dataclass, field, fields
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from ..errors import CorruptCheckpointError, InvalidArgumentError
 from .crc import crc32c
@@ -207,9 +207,93 @@ def _data_at(raw: Any, size: int, *, name: str, where: str) -> Dict[int, int]:
     return out
 
 
+#: where a manifest stores each field of its :class:`CopyIdentity` (in ``"extra"``, as ever)
+_IDENTITY_KEYS = {"save_id": "save_id", "tier": "tier", "rank": "rank", "world_size": "world_size",
+                  "home": "persistent_root"}
+
+
+@dataclass(frozen=True)
+class CopyIdentity:
+    """Which save wrote a copy of a step, and whose copy it is.
+
+    Stored in the manifest's ``"extra"`` object under the keys ``save_id``, ``tier``, ``rank``,
+    ``world_size`` and ``persistent_root`` (the format async_ckpt has always written);
+    :func:`copy_identity` reads them, in this one place.
+
+    Attributes:
+        save_id: the save that wrote the copy (a save due for both tiers writes one id into
+            both copies, the same on every rank); None: not recorded.
+        tier: ``"local"`` for a local tier's copy; None for the persistent root's.
+        rank: a local copy: the rank whose shards it holds.
+        world_size: a local copy: the ranks of the job that saved it (``Manifest.world_size``
+            counts the ranks that wrote this copy's files).
+        home: a local copy: the persistent root (``root_identity``) it was saved for.
+    """
+
+    save_id: Optional[str] = None
+    tier: Optional[str] = None
+    rank: Optional[int] = None
+    world_size: Optional[int] = None
+    home: Optional[str] = None
+
+    def to_extra(self) -> Dict[str, Any]:
+        """The entries of a manifest's ``"extra"`` that store it (none for a field that is None)."""
+        return {key: getattr(self, name) for name, key in _IDENTITY_KEYS.items() if getattr(self, name) is not None}
+
+    def same_save(self, other: "CopyIdentity") -> bool:
+        """Whether both copies were written by one save: both carry a save id, the same."""
+        return self.save_id is not None and self.save_id == other.save_id
+
+    def saved_for_another(self, home: Optional[str]) -> Optional[str]:
+        """The persistent root a local copy was saved for, when that is not ``home`` (this
+        job's root); None for this job's copies, for copies saved before the root was
+        recorded, and when ``home`` is None."""
+        if home is None or self.home is None or self.home == home:
+            return None
+        return self.home
+
+    def is_rank(self, rank: int, world_size: int) -> bool:
+        """Whether the copy holds the shards of ``rank`` of a job of ``world_size`` ranks (a copy
+        that records neither is one process's: rank 0 of 1)."""
+        return (self.rank if self.rank is not None else 0, self.world_size or 1) == (rank, world_size)
+
+
+def copy_identity(extra: Mapping[str, Any], *, where: str = "manifest") -> CopyIdentity:
+    """The :class:`CopyIdentity` a manifest's ``"extra"`` records (a record's
+    ``CheckpointInfo.extra`` too).
+
+    Args:
+        extra: the manifest's ``"extra"`` object.
+        where: the manifest, for messages.
+
+    Returns:
+        The identity (fields not recorded are None).
+
+    Raises:
+        CorruptCheckpointError: a field of another type (a save id, tier or root that is not a
+            string, a rank that is not an integer >= 0, a world size that is not one >= 1).
+    """
+    got = {name: extra.get(key) for name, key in _IDENTITY_KEYS.items()}
+    for name in ("save_id", "tier", "home"):
+        if got[name] is not None and not isinstance(got[name], str):
+            raise CorruptCheckpointError(f"{where}: not a valid async_ckpt manifest: \"{_IDENTITY_KEYS[name]}\" is "
+                                         f"{shown(json.dumps(got[name])[:80])}, not a string", path=where)
+    for name, least in (("rank", 0), ("world_size", 1)):
+        v = got[name]
+        if v is not None and not (_whole(v) and v >= least):
+            raise CorruptCheckpointError(f"{where}: not a valid async_ckpt manifest: \"{name}\" is "
+                                         f"{shown(json.dumps(v)[:80])}, not an integer >= {least}", path=where)
+    return CopyIdentity(**got)
+
+
 @dataclass
 class Manifest:
-    """What a committed step holds. Written after the data, before the commit marker."""
+    """What a committed step holds. Written after the data, before the commit marker.
+
+    ``identity`` says which save wrote this copy and whose it is (:class:`CopyIdentity`); ``extra``
+    holds the other entries of the JSON ``"extra"`` object (``int_keys``, ``diverged_keys``,
+    the job's retention).
+    """
 
     step: int
     commit_time: float
@@ -220,14 +304,23 @@ class Manifest:
     world_size: int = 1
     format_version: int = FORMAT_VERSION
     extra: Dict[str, Any] = field(default_factory=dict)
+    identity: CopyIdentity = field(default_factory=CopyIdentity)
 
     @property
     def whole(self) -> bool:
         """Whether this copy holds every element of every tensor: ``False`` for one rank's share
-        of a several-rank save (a local tier's copy, whose ``extra`` names its rank and a world
-        size above 1); restore and ``verify`` then do not require its chunks to cover each tensor."""
-        ws = self.extra.get("world_size", 1)
-        return not (type(ws) is int and ws > 1)
+        of a several-rank save (a local tier's copy, saved by a job of more than one rank);
+        restore and ``verify`` then do not require its chunks to cover each tensor."""
+        return (self.identity.world_size or 1) <= 1
+
+    @property
+    def int_keys(self) -> List[str]:
+        """Dotted key paths whose last key was an int when saved (``extra["int_keys"]``)."""
+        return list(self.extra.get("int_keys", ()))
+
+    def all_extra(self) -> Dict[str, Any]:
+        """The JSON ``"extra"`` object as stored: :attr:`extra` and the copy's identity."""
+        return {**self.extra, **self.identity.to_extra()}
 
     @property
     def written_bytes(self) -> int:
@@ -241,8 +334,9 @@ class Manifest:
         return sum(r.size for r in self.files.values() if r.ref is not None)
 
     def to_json(self) -> bytes:
-        d = {f.name: getattr(self, f.name) for f in fields(self)}  # not asdict: it deep-copies every record
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "identity"}  # not asdict: deep copies
         d["files"] = {k: v.to_dict() for k, v in self.files.items()}
+        d["extra"] = self.all_extra()
         return json.dumps(d, indent=1, sort_keys=True, allow_nan=True).encode()
 
     @staticmethod
@@ -296,6 +390,10 @@ class Manifest:
                          "an object (whose \"int_keys\" lists key paths that end in an integer)")
         for name in d["files"]:
             check_file_name(name, where=where)
+        extra = dict(extra or {})
+        identity = copy_identity(extra, where=where)
+        for key in _IDENTITY_KEYS.values():
+            extra.pop(key, None)
         return Manifest(
             step=step,
             commit_time=float(commit_time),
@@ -305,7 +403,8 @@ class Manifest:
             num_tensors=num_tensors,
             world_size=world_size,
             format_version=version,
-            extra=dict(extra or {}),
+            extra=extra,
+            identity=identity,
         )
 
 

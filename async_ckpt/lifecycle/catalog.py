@@ -58,7 +58,7 @@ class StepCatalog:
         except Exception as exc:  # damaged: not a record retention can rely on
             log.warning("ignoring step %d: %s", step, exc)
             return None
-        return CheckpointInfo(step, m.commit_time, dict(m.metrics), m.nbytes, dict(m.extra))
+        return CheckpointInfo(step, m.commit_time, dict(m.metrics), m.nbytes, m.all_extra())
 
     def infos(self) -> Dict[int, CheckpointInfo]:
         """step -> record of every committed step whose manifest reads.

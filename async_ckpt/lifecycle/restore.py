@@ -63,9 +63,8 @@ def _share_of_this_job(manifest: Any) -> bool:
     accepts chunks that leave a tensor partly unwritten."""
     import torch.distributed as dist
 
-    ws = manifest.extra.get("world_size")
     return (not manifest.whole and dist.is_available() and dist.is_initialized()
-            and dist.get_world_size() == ws)
+            and dist.get_world_size() == manifest.identity.world_size)
 
 
 
@@ -522,7 +521,7 @@ def _restore_one(store: StepStore, step: int, state_dict: Dict[str, Any], *, ver
         reader = FsspecStorageReader(store.storage, path, files=manifest.files, verify=verify, threads=threads,
                                      whole=not _share_of_this_job(manifest))
         metadata = reader.read_metadata()
-        int_keys = set(manifest.extra.get("int_keys", ())) | _stateful_int_keys(metadata, stateful)
+        int_keys = set(manifest.int_keys) | _stateful_int_keys(metadata, stateful)
         added = prepare_target(state_dict, metadata, step, int_keys, strict=strict, covered=covered)
     except BaseException as exc:  # noqa: BLE001 - exchanged below (KeyboardInterrupt too: re-raised after)
         if isinstance(exc, (KeyboardInterrupt, SystemExit)) and coord.world_size == 1:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Set, Tuple
 
 from ..errors import CheckpointError
-from ..format.manifest import FileRecord, Manifest, reduce_metrics
+from ..format.manifest import CopyIdentity, FileRecord, Manifest, reduce_metrics
 from ..policies import RetentionPolicy
 from ..staging import HostSnapshot
 from ..stats import SaveStats
@@ -42,8 +42,10 @@ class SaveJob:
     stats: Optional[SaveStats]
     t0: float
     local_error: Optional[BaseException] = None
-    #: entries added to the manifest's ``extra`` (a local tier records the job's rank and size)
+    #: entries added to the manifest's ``extra`` (the job's retention)
     manifest_extra: Dict[str, Any] = field(default_factory=dict)
+    #: which save wrote the copy and whose it is (a local tier records the job's rank and size)
+    identity: CopyIdentity = field(default_factory=CopyIdentity)
     #: the commit time to stamp (if after every known commit) instead of the time of the commit:
     #: a save written to two tiers gets the time it was taken in both, so that merging the tiers
     #: orders steps as they were saved even when one tier's writer lags behind the other's
@@ -135,7 +137,8 @@ def run_save(store: StepStore, job: SaveJob, *, policy: RetentionPolicy, threads
                             metrics=metrics, nbytes=sum(r.nbytes for r in results),
                             num_tensors=sum(r.num_tensors for r in results), world_size=coord.world_size,
                             extra={**job.manifest_extra, **({"int_keys": int_keys} if int_keys else {}),
-                                   **({"diverged_keys": sorted(differ)} if differ else {})})
+                                   **({"diverged_keys": sorted(differ)} if differ else {})},
+                            identity=job.identity)
         opened.commit(manifest, policy)  # retention decided (markers gone) before save()/join() return
         return manifest.commit_time
 

@@ -331,7 +331,7 @@ class StepWrite:
         store.layout.commit(self.target, manifest)
         self.committed = True
         store.catalog.record_commit(CheckpointInfo(step, manifest.commit_time, dict(manifest.metrics),
-                                                   manifest.nbytes, dict(manifest.extra)))
+                                                   manifest.nbytes, manifest.all_extra()))
         store.catalog.end_write(step)
         self._claimed = False
         return store.apply_retention(policy)

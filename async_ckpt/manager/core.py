@@ -33,7 +33,7 @@ from ..errors import (
     warn_user,
 )
 from ..format import step_names
-from ..format.manifest import check_metrics
+from ..format.manifest import CopyIdentity, check_metrics
 from ..gc_pause import gc_paused
 from ..lifecycle import phase
 from ..lifecycle.coordinator import DEFAULT_TIMEOUT_S, GroupCoordinator, coordinator_for
@@ -69,8 +69,6 @@ from .hooks import live_managers, stop_threads
 from .peers import PeerCopies, peer_topology
 from .schedule import Due, RootState, due_at
 from .tiered import (
-    PERSISTENT_ROOT,
-    SAVE_ID,
     UploadCatchUp,
     commit_records,
     foreign_steps,
@@ -352,7 +350,7 @@ class CheckpointManager:
         # could fail on one rank only (a no-op coordinator in a single process).
         self._coord = coordinator_for(opts.process_group, opts.collective_timeout_s)
         topology = peer_topology(opts, self._coord)  # collective too (local_replicas > 1)
-        # names each save in both tiers' manifests (see tiered.SAVE_ID): rank 0's, on every rank
+        # names each save in both tiers' manifests (CopyIdentity.save_id): rank 0's, on every rank
         self._run_id = uuid.uuid4().hex[:12] if opts.local_dir is not None else ""
         if opts.local_dir is not None and self._coord.world_size > 1:
             self._run_id = self._coord.broadcast(self._run_id)
@@ -830,21 +828,23 @@ class CheckpointManager:
             stats = SaveStats(step=step, nbytes=snap.nbytes - kept_bytes, num_tensors=snap.num_tensors,
                               queue_wait_s=t1 - t0, stage_s=t2 - t1, blocking_s=t2 - t0, exchange_s=exchange_s)
             extra: Dict[str, Any] = {}
+            save_id: Optional[str] = None
             if self._local is not None:
                 stats.extra["tier"] = tier.name
                 if skipped_upload:
                     stats.extra[UPLOAD_SKIPPED] = True
                 if where.wanted and not take:  # the checkpoint path could not be reached: local only
                     stats.extra[FALLBACK] = True
-                extra[SAVE_ID] = f"{self._run_id}.{self._saves}"
+                save_id = f"{self._run_id}.{self._saves}"
             if tier is self._local:
-                extra.update({"tier": LOCAL, "rank": self._coord.rank, "world_size": self._coord.world_size,
-                              PERSISTENT_ROOT: tier.home})
+                identity = CopyIdentity(save_id, LOCAL, self._coord.rank, self._coord.world_size, tier.home)
             else:  # what this job's retention keeps, for tools that delete by hand (async-ckpt prune)
+                identity = CopyIdentity(save_id)
                 spec = retention_spec(tier.retention)
                 if spec is not None:
                     extra[RETENTION_KEY] = spec
-            job = SaveJob(step, snap, metrics, stats, t0, manifest_extra=extra, metrics_reduce=self.options.metrics_reduce,
+            job = SaveJob(step, snap, metrics, stats, t0, manifest_extra=extra, identity=identity,
+                          metrics_reduce=self.options.metrics_reduce,
                           commit_at=taken_at if self._local is not None else None,
                           frozen=(seen, {plan.keys[i] for i in keep}), samples=samples)
             self._in_flight.append(step)
@@ -934,8 +934,8 @@ class CheckpointManager:
             refuse_foreign_save(tier, job.step, job.snap)
             if job.snap is not None:  # a full local_dir: drop now what retention drops after this save
                 at = job.commit_at if job.commit_at is not None else self.options.wall_clock()
-                coming = CheckpointInfo(job.step, at,
-                                        dict(job.metrics), job.snap.nbytes, dict(job.manifest_extra))
+                coming = CheckpointInfo(job.step, at, dict(job.metrics), job.snap.nbytes,
+                                        {**job.manifest_extra, **job.identity.to_extra()})
                 make_room(tier, coming, space_needed(job.snap.nbytes))
         planner = save_planner_for(job.snap) if job.snap is not None else None
         try:
@@ -952,7 +952,7 @@ class CheckpointManager:
         if stats is not None:
             changed = stats.extra.pop(FROZEN_CHANGED, None)
             if self._catch_up is not None:  # how far the bucket is behind
-                saved = save_number(job.manifest_extra)
+                saved = save_number(job.identity.save_id)
                 if tier is self._persistent:
                     self._catch_up.uploaded(saved, job.commit_at)
                 stats.extra.update(self._catch_up.lag(saved, job.commit_at))

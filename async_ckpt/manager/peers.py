@@ -58,12 +58,10 @@ from ..policies import CheckpointInfo, RetentionPolicy, apply_retention, as_rete
 from ..save_queue import AsyncWriter
 from ..storage import CheckpointLayout, Storage
 from .tiered import (
-    SAVE_ID,
     OwnCopies,
     copy_file_verified,
     foreign_steps,
     make_room,
-    saved_for_another,
     space_needed,
 )
 
@@ -471,23 +469,23 @@ class PeerCopies:
         except Exception as exc:  # noqa: BLE001 - nothing to send: the peers are told so
             log.warning("rank %d: the local copy of step %d is not replicated: %s", self.topology.rank, step, exc)
             return None
-        extra = manifest.extra
-        if (extra.get("rank"), extra.get("world_size")) != (self.topology.rank, self.topology.world_size) \
-                or saved_for_another(self.local.home, extra) is not None:
+        ident = manifest.identity
+        if (ident.rank, ident.world_size) != (self.topology.rank, self.topology.world_size) \
+                or ident.saved_for_another(self.local.home) is not None:
             return None
         return Outgoing(store.storage, path, manifest)
 
     def _check_copy(self, manifest: Manifest, owner: int) -> None:
         """Refuse a copy that is not ``owner``'s of this job at this world size."""
-        extra = manifest.extra
-        if (extra.get("rank"), extra.get("world_size")) != (owner, self.topology.world_size):
-            raise CheckpointError(f"the copy of step {manifest.step} is rank {extra.get('rank')}'s of "
-                                  f"{extra.get('world_size')}, expected rank {owner}'s of {self.topology.world_size}")
-        other = saved_for_another(self.local.home, extra)
+        ident = manifest.identity
+        if (ident.rank, ident.world_size) != (owner, self.topology.world_size):
+            raise CheckpointError(f"the copy of step {manifest.step} is rank {ident.rank}'s of "
+                                  f"{ident.world_size}, expected rank {owner}'s of {self.topology.world_size}")
+        other = ident.saved_for_another(self.local.home)
         if other is not None:
             raise CheckpointError(f"the copy of step {manifest.step} was saved for the checkpoint path {other}, "
                                   f"not {self.local.home}")
-        if not extra.get(SAVE_ID):
+        if not ident.save_id:
             raise CheckpointError(f"the copy of step {manifest.step} names no save")
 
     def _hold(self, owner: int, manifest: Manifest) -> Landing:
@@ -503,7 +501,7 @@ class PeerCopies:
     def _landing(self, root: Root, manifest: Manifest, policy: RetentionPolicy) -> Landing:
         root.store.become_writer()
         coming = CheckpointInfo(manifest.step, manifest.commit_time, dict(manifest.metrics), manifest.nbytes,
-                                dict(manifest.extra))
+                                manifest.all_extra())
         make_room(root, coming, space_needed(sum(r.size for r in manifest.files.values())))
         return _StepLanding(root.store.open_step(manifest.step), policy)
 
@@ -672,13 +670,13 @@ class PeerCopies:
                         _, m = layout.open_step(s)
                     except Exception:  # noqa: BLE001 - damaged or vanished: not a copy to count on
                         continue
-                    extra = m.extra
-                    if extra.get("rank") != owner or saved_for_another(self.local.home, extra) is not None:
+                    ident = m.identity
+                    if ident.rank != owner or ident.saved_for_another(self.local.home) is not None:
                         continue
-                    if extra.get("world_size") != self.topology.world_size:
-                        others.add(int(extra.get("world_size") or 0))
+                    if ident.world_size != self.topology.world_size:
+                        others.add(int(ident.world_size or 0))
                         continue
-                    copies.append(Seen(owner, s, str(extra.get(SAVE_ID) or ""), m.commit_time,
+                    copies.append(Seen(owner, s, ident.save_id or "", m.commit_time,
                                        sum(r.size for r in m.files.values()), path,
                                        owner == self.topology.rank and storage.root.rstrip("/") == mine))
             except Exception as exc:  # noqa: BLE001 - that directory counts as empty
@@ -736,7 +734,7 @@ class PeerCopies:
         try:
             storage = Storage(where, None, retry=self.options.retry)
             path, manifest = CheckpointLayout(storage).open_step(cand.step)
-            if manifest.extra.get(SAVE_ID) != cand.save_id:
+            if manifest.identity.save_id != cand.save_id:
                 raise CheckpointError(f"it holds another save of step {cand.step}")
             return Outgoing(storage, path, manifest)
         except Exception as exc:  # noqa: BLE001 - the receiver is told there is nothing to send
@@ -747,9 +745,9 @@ class PeerCopies:
     def _home(self, cand: Complete, manifest: Manifest) -> Landing:
         """Where this rank's own copy of ``cand`` goes: its own local tier (raises to refuse)."""
         self._check_copy(manifest, self.topology.rank)
-        if manifest.step != cand.step or manifest.extra.get(SAVE_ID) != cand.save_id:
+        if manifest.step != cand.step or manifest.identity.save_id != cand.save_id:
             raise CheckpointError(f"expected step {cand.step} of save {cand.save_id}, got step {manifest.step} of "
-                                  f"save {manifest.extra.get(SAVE_ID)}")
+                                  f"save {manifest.identity.save_id}")
         if foreign_steps(self.local, cand.step):
             raise CheckpointError(f"{self.local.url} holds another job's copy of step {cand.step}")
         return self._landing(self.local, manifest, _keeping(self.local.retention, cand.step))

@@ -25,7 +25,6 @@ import dataclasses
 import errno
 import functools
 import logging
-import os
 import shutil
 import threading
 import time
@@ -45,7 +44,7 @@ from ..errors import (
 )
 from ..format import step_names
 from ..format.crc import crc32c
-from ..format.manifest import FileRecord, Manifest, check_file_name
+from ..format.manifest import CopyIdentity, FileRecord, Manifest, check_file_name, copy_identity
 from ..lifecycle import phase
 from ..lifecycle.coordinator import Coordinator, rank_local_coordinator
 from ..lifecycle.restore import Candidate
@@ -67,17 +66,9 @@ log = logging.getLogger("async_ckpt")
 FALLBACK_ERRORS = (CorruptCheckpointError, StorageError, OSError)
 
 
-#: the manifest ``extra`` entry naming the save that wrote a copy: a save due for both tiers
-#: writes one id into both copies (every rank the same id), so its two copies are one save
-SAVE_ID = "save_id"
-
-#: the local manifests' ``extra`` entry naming the persistent root (:func:`root_identity`) a
-#: copy was saved for: a local copy saved for another root is another job's ("foreign")
-PERSISTENT_ROOT = "persistent_root"
-
-
 def same_save(a: CheckpointInfo, b: CheckpointInfo) -> bool:
-    """Whether two copies of one step were written by one save: both carry a save id, the same.
+    """Whether two copies of one step were written by one save: both carry a save id, the same
+    (:meth:`~async_ckpt.format.manifest.CopyIdentity.same_save`).
 
     Args:
         a: one copy's record. b: the other's.
@@ -85,8 +76,7 @@ def same_save(a: CheckpointInfo, b: CheckpointInfo) -> bool:
     Returns:
         True for two copies of one save.
     """
-    ia = a.extra.get(SAVE_ID)
-    return ia is not None and ia == b.extra.get(SAVE_ID)
+    return copy_identity(a.extra).same_save(copy_identity(b.extra))
 
 
 class ForeignCopyError(CheckpointError):
@@ -95,38 +85,20 @@ class ForeignCopyError(CheckpointError):
     or by another rank or at another world size (not this rank's shards)."""
 
 
-def root_identity(storage: Storage) -> str:
-    """A root as one string per directory, ending in ``/``: the filesystem's protocol and the
-    root path (local paths: absolute, symbolic links resolved; ``file://`` or not)."""
-    proto = storage.fs.protocol
-    proto = proto[0] if isinstance(proto, (tuple, list)) else proto
-    root = os.path.realpath(storage.root) if storage.is_local else storage.root
-    return f"{proto}://{root.rstrip('/')}/"
-
-
 def check_roots_differ(persistent: Storage, local: Storage) -> None:
     """Two tiers must not share a root, nor one lie inside the other (each one's retention and
     cleanup would delete the other's steps): ``ValueError``."""
-    a, b = root_identity(persistent), root_identity(local)
+    a, b = persistent.root_identity(), local.root_identity()
     if a.startswith(b) or b.startswith(a):
         raise InvalidArgumentError(f"local_dir ({local.url}) and the checkpoint path ({persistent.url}) must not be the "
                          f"same directory or inside one another")
 
 
-def saved_for_another(home: Optional[str], extra: Mapping[str, Any]) -> Optional[str]:
-    """The persistent root a local copy (its manifest's ``extra``) was saved for, when that is
-    not ``home`` (:func:`root_identity` of this job's root); None for this job's copies, for
-    copies saved before the root was recorded, and when ``home`` is None."""
-    recorded = extra.get(PERSISTENT_ROOT)
-    if home is None or recorded is None or recorded == home:
-        return None
-    return str(recorded)
-
-
 def foreign_root(tier: Root, extra: Mapping[str, Any]) -> Optional[str]:
-    """The persistent root a copy of the local ``tier`` (its manifest's ``extra``) was saved
-    for, when that is not the root this tier belongs to (see :func:`saved_for_another`)."""
-    return saved_for_another(tier.home, extra)
+    """The persistent root a copy of the local ``tier`` (its record's ``extra``) was saved for,
+    when that is not the root this tier belongs to
+    (:meth:`~async_ckpt.format.manifest.CopyIdentity.saved_for_another`)."""
+    return copy_identity(extra).saved_for_another(tier.home)
 
 
 def warn_foreign(tier: Root, foreign: Dict[int, str]) -> None:
@@ -305,7 +277,7 @@ def make_local_tier(options: ManagerOptions, persistent: Storage, coord: Coordin
                       reuse=Reuse(options.full_every, version_of) if options.incremental else None)
     # a full local_dir is logged and raised by join()/close(): the bucket's saves go on meanwhile
     writer = AsyncWriter(options.max_pending_async, name="async-ckpt-local-writer", defer_if=out_of_space)
-    tier = Root(LOCAL, store, writer, keep, options.local_policy, home=root_identity(persistent))
+    tier = Root(LOCAL, store, writer, keep, options.local_policy, home=persistent.root_identity())
     tier.retention = OwnCopies(keep, tier)
     return tier
 
@@ -358,7 +330,7 @@ def _reread(tier: Root, step: int) -> Optional[CheckpointInfo]:
         m = tier.store.layout.read_manifest(step)
     except Exception:  # noqa: BLE001 - the listing has warned; the restore reports it
         return None
-    return CheckpointInfo(step, m.commit_time, dict(m.metrics), m.nbytes, dict(m.extra))
+    return CheckpointInfo(step, m.commit_time, dict(m.metrics), m.nbytes, m.all_extra())
 
 
 def held_copies(tiers: Sequence[Root], only: Optional[Dict[str, Optional[set]]] = None,
@@ -447,7 +419,7 @@ def step_metrics(tiers: Sequence[Root], step: int) -> Dict[str, float]:
         try:
             if step in t.store.layout.committed_steps():
                 manifest = t.store.layout.read_manifest(step)
-                root = foreign_root(t, manifest.extra)
+                root = manifest.identity.saved_for_another(t.home)
                 if root is None:
                     copies.append(manifest)
                 else:
@@ -473,9 +445,9 @@ def check_local_copy(tier: Root, step: int, rank: int, world_size: int) -> None:
     """Raise :class:`ForeignCopyError` when the local copy of ``step`` was saved for another
     persistent root, holds another rank's shards or was saved at another world size (only
     that job's ranks could use it)."""
-    extra = tier.store.layout.read_manifest(step).extra
-    r, w = extra.get("rank", 0), extra.get("world_size", 1)
-    root = foreign_root(tier, extra)
+    identity = tier.store.layout.read_manifest(step).identity
+    r, w = identity.rank or 0, identity.world_size or 1
+    root = identity.saved_for_another(tier.home)
     if root is not None:
         raise ForeignCopyError(f"the local copy of step {step} in {tier.url} was saved for the checkpoint path "
                                f"{root}, not {tier.home}", step=step)
@@ -494,7 +466,7 @@ def common_local_steps(local: Root, coord: Coordinator) -> Set[int]:
     mine = []
     for s in newest_first:
         info = infos.get(s) or _reread(local, s)  # a manifest that does not read: no id
-        mine.append((s, "" if info is None else str(info.extra.get(SAVE_ID) or "")))
+        mine.append((s, "" if info is None else copy_identity(info.extra).save_id or ""))
     gathered = [dict(pairs or ()) for pairs in phase.everyone(coord, "listing the local copies", None, lambda: mine)]
     return {s for s, sid in gathered[0].items() if all(g.get(s) == sid for g in gathered[1:])}
 
@@ -629,8 +601,9 @@ def promote(local: Root, persistent: Root, step: int, *, verify: bool = True,
     if step not in local.store.layout.committed_steps():
         raise StepNotFoundError(f"no committed local checkpoint for step {step} under {local.url}", step=step)
     path, manifest = local.store.layout.open_step(step)
-    r, w = manifest.extra.get("rank", 0), manifest.extra.get("world_size", 1)
-    root = foreign_root(local, manifest.extra)
+    identity = manifest.identity
+    r, w = identity.rank or 0, identity.world_size or 1
+    root = identity.saved_for_another(local.home)
     if root is not None:
         raise CheckpointError(f"the local copy of step {step} in {local.url} was saved for the checkpoint path "
                               f"{root}, not {local.home}: another job's step is not promoted", step=step)
@@ -654,7 +627,6 @@ def promote(local: Root, persistent: Root, step: int, *, verify: bool = True,
 
         with ThreadPoolExecutor(max(1, min(threads, 4, len(manifest.files)))) as pool:
             list(pool.map(copy, list(manifest.files)))
-        extra = {k: v for k, v in manifest.extra.items() if k not in ("rank", "world_size", "tier", PERSISTENT_ROOT)}
         # keeps its commit time (the order of the saves) and its files' checksums; every file is
         # written here (a copy: nothing is shared with an earlier step of this root), so a file an
         # incremental local save took loses its ref and count, and keeps only that it may hold
@@ -662,7 +634,7 @@ def promote(local: Root, persistent: Root, step: int, *, verify: bool = True,
         files = {name: rec if not rec.may_hold_unused else
                  dataclasses.replace(rec, ref=None, carried=None, unused_records=True)
                  for name, rec in manifest.files.items()}
-        new = dataclasses.replace(manifest, files=files, extra=extra)
+        new = dataclasses.replace(manifest, files=files, identity=CopyIdentity(save_id=identity.save_id))
         policy = persistent.retention
         dropped = write.commit(new, as_retention_policy(lambda cps: apply_retention(policy, cps) | {step}))
         return new, dropped
@@ -680,9 +652,8 @@ UPLOAD_LAG, UPLOAD_LAG_S = "upload_lag", "upload_lag_s"
 CAUGHT_UP = "caught_up"
 
 
-def save_number(extra: Mapping[str, Any]) -> Optional[int]:
-    """The manager's count of the save that wrote a copy (from its :data:`SAVE_ID`), or None."""
-    sid = extra.get(SAVE_ID)
+def save_number(sid: Optional[str]) -> Optional[int]:
+    """The manager's count of the save that wrote a copy (from its save id), or None."""
     try:
         return int(str(sid).rsplit(".", 1)[1])
     except (IndexError, ValueError):

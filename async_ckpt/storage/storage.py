@@ -115,6 +115,20 @@ class Storage:
         return self._backend.length_checked_writes
 
     # ---- paths -------------------------------------------------------------------------------
+    def root_identity(self) -> str:
+        """The root as one string per directory, ending in ``/``: the filesystem's protocol and
+        the root path (local paths: absolute, symbolic links resolved; ``file://`` or not).
+
+        What a local tier's manifests record as the persistent root they were saved for.
+
+        Returns:
+            ``<protocol>://<root>/``.
+        """
+        proto = self.fs.protocol
+        proto = proto[0] if isinstance(proto, (tuple, list)) else proto
+        root = os.path.realpath(self.root) if self.is_local else self.root
+        return f"{proto}://{root.rstrip('/')}/"
+
     def join(self, *parts: str) -> str:
         """The path of ``parts`` under the root.
 
