@@ -70,7 +70,7 @@ def main() -> None:
     from async_ckpt import CheckpointManager
     from async_ckpt.lifecycle import coordinator as coord_mod
     from async_ckpt.lifecycle import restore as restore_mod
-    from async_ckpt.storage import layout as layout_mod
+    from async_ckpt.storage import step_dirs as layout_mod
     from async_ckpt.storage.dcp import direct, reader
 
     work = os.path.join(args.work, args.size)
@@ -99,7 +99,7 @@ def main() -> None:
 
     ph = Phases()
     ph.wrap(restore_mod, "prepare_target", "prepare_target")
-    ph.wrap(layout_mod.CheckpointLayout, "open_step", "open_step")
+    ph.wrap(layout_mod.StepDirectories, "open_step", "open_step")
     ph.wrap(reader.FsspecStorageReader, "read_metadata", "read_metadata")
     ph.wrap(coord_mod, "load_direct", "load_direct")
     ph.wrap(direct, "plan_records", "plan")

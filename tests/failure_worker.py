@@ -55,23 +55,23 @@ def interrupted(fn, rank: int) -> None:
 
 def checks(root: str) -> None:
     rank = dist.get_rank()
-    from async_ckpt.storage.layout import CheckpointLayout
+    from async_ckpt.storage.step_dirs import StepDirectories
 
     with CheckpointManager(root, collective_timeout_s=TIMEOUT_S) as mgr:
         assert mgr.save(1, {"app": InterruptedOnRank(-1), "w": torch.ones(4)})
         # 1. Ctrl-C on rank 1 while it checks the step
-        real = CheckpointLayout.open_copy
+        real = StepDirectories.read_committed
 
-        def open_copy(self, step):
+        def read_committed(self, step):
             if rank == 1:
                 raise KeyboardInterrupt
             return real(self, step)
 
-        CheckpointLayout.open_copy = open_copy  # type: ignore[method-assign]
+        StepDirectories.read_committed = read_committed  # type: ignore[method-assign]
         try:
             interrupted(lambda: mgr.restore(1, {"w": torch.zeros(4)}), rank)
         finally:
-            CheckpointLayout.open_copy = real  # type: ignore[method-assign]
+            StepDirectories.read_committed = real  # type: ignore[method-assign]
         # 2. Ctrl-C on rank 1 in a Stateful value's load_state_dict
         interrupted(lambda: mgr.restore(1, {"app": InterruptedOnRank(1), "w": torch.zeros(4)}), rank)
         # the ranks still pair up
@@ -114,22 +114,22 @@ def mixed_checks(root: str) -> None:
     that has raised); every rank raises at once, and the ranks still pair up afterwards."""
     from async_ckpt import CorruptCheckpointError
     from async_ckpt.errors import StorageError
-    from async_ckpt.storage.layout import CheckpointLayout
+    from async_ckpt.storage.step_dirs import StepDirectories
 
     rank = dist.get_rank()
     with CheckpointManager(root, collective_timeout_s=TIMEOUT_S) as mgr:
         assert mgr.save(1, {"w": torch.ones(4)})
         assert mgr.save(2, {"w": torch.full((4,), 2.0)})
-        real = CheckpointLayout.open_copy
+        real = StepDirectories.read_committed
 
-        def open_copy(self, step):
+        def read_committed(self, step):
             if step == 2 and rank == 0:
                 raise CorruptCheckpointError("step 2: marker does not match the manifest", step=2)
             if step == 2 and rank == 1:
                 raise StorageError("step 2: manifest: 503")
             return real(self, step)
 
-        CheckpointLayout.open_copy = open_copy  # type: ignore[method-assign]
+        StepDirectories.read_committed = read_committed  # type: ignore[method-assign]
         t0 = time.monotonic()
         try:
             mgr.restore(None, {"w": torch.zeros(4)})
@@ -139,7 +139,7 @@ def mixed_checks(root: str) -> None:
         else:
             raise AssertionError(f"rank {rank} restored alone")
         finally:
-            CheckpointLayout.open_copy = real  # type: ignore[method-assign]
+            StepDirectories.read_committed = real  # type: ignore[method-assign]
         took = time.monotonic() - t0
         assert took < TIMEOUT_S / 2, f"rank {rank} waited {took:.1f} s (the collective timeout: the ranks hung)"
         t = {"w": torch.zeros(4)}

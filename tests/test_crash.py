@@ -239,8 +239,8 @@ def test_sigkill_with_a_local_tier_on_dev_shm_restores_from_ram(fork_server, tmp
                 continue  # nothing committed yet
             loads = []
             with CheckpointManager(root, keep_incomplete=True, **opts) as mgr:
-                real = mgr.roots[0].store.layout.open_copy
-                mgr.roots[0].store.layout.open_copy = lambda s, loads=loads, real=real: (loads.append(s), real(s))[1]
+                real = mgr.roots[0].store.layout.read_committed
+                mgr.roots[0].store.layout.read_committed = lambda s, loads=loads, real=real: (loads.append(s), real(s))[1]
                 with warnings.catch_warnings(record=True) as caught:
                     warnings.simplefilter("always")
                     target = empty_like_state()

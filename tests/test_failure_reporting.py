@@ -83,7 +83,7 @@ def test_one_process_restore_error_without_a_step_gets_the_step_as_before(tmp_pa
     """One process: a CheckpointError raised without a step while checking a step (here a
     StorageError reading its manifest) is raised with ``step`` set, as the exchange did before
     the one rank protocol (it now raised it with step None)."""
-    from async_ckpt.storage.layout import CheckpointLayout
+    from async_ckpt.storage.step_dirs import StepDirectories
 
     root = str(tmp_path / "c")
     with CheckpointManager(root) as mgr:
@@ -92,7 +92,7 @@ def test_one_process_restore_error_without_a_step_gets_the_step_as_before(tmp_pa
     def refuse(self, step):
         raise StorageError("manifest: 503")
 
-    monkeypatch.setattr(CheckpointLayout, "open_copy", refuse)
+    monkeypatch.setattr(StepDirectories, "read_committed", refuse)
     with pytest.raises(StorageError, match="503") as ei:
         CheckpointManager(root).restore(4, {"w": torch.zeros(4)})
     assert ei.value.step == 4

@@ -17,7 +17,7 @@ from async_ckpt.cli import main
 from async_ckpt.errors import CorruptCheckpointError, StepNotFoundError, StorageError, UnsafeCheckpointError
 from async_ckpt.format.dcp_layout import METADATA_NAME
 from async_ckpt.format.unpickling import load_metadata
-from async_ckpt.storage.layout import CheckpointLayout
+from async_ckpt.storage.step_dirs import StepDirectories
 from async_ckpt.format.manifest import MANIFEST_NAME, MARKER_NAME, marker_bytes
 from async_ckpt.format.crc import crc32c
 from async_ckpt.storage.storage import Storage
@@ -130,7 +130,7 @@ def linked_root(tmp_path):
 def test_linked_step_is_not_committed_restored_or_deleted_by_retention(linked_root):
     root, elsewhere = linked_root
     before = snapshot(elsewhere)
-    assert CheckpointLayout(Storage(root)).committed_steps() == [1, 2, 3]
+    assert StepDirectories(Storage(root)).committed_steps() == [1, 2, 3]
     with CheckpointManager(root, max_to_keep=1) as mgr:
         assert mgr.all_steps() == [1, 2, 3]
         with pytest.raises(StepNotFoundError):
@@ -190,7 +190,7 @@ def test_linked_tmp_and_trash_dirs_are_never_cleaned(tmp_path):
         os.symlink(t, os.path.join(root, name))
         targets[name] = t
     before = {n: snapshot(t) for n, t in targets.items()}
-    layout = CheckpointLayout(Storage(root))
+    layout = StepDirectories(Storage(root))
     assert layout.incomplete() == [] and layout.recover() == []
     CheckpointManager(root).close()  # startup cleanup
     assert {n: snapshot(t) for n, t in targets.items()} == before

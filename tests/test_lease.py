@@ -439,7 +439,7 @@ def test_cli_prune_proves_the_lease_before_every_delete(monkeypatch, capsys, mem
     under a writer that took the root over. Each deletion must prove the lease first."""
     from async_ckpt.cli import main
     from async_ckpt.cli import verify as cli_verify
-    from async_ckpt.storage.layout import CheckpointLayout
+    from async_ckpt.storage.step_dirs import StepDirectories
 
     m = CheckpointManager(memory_root)
     for s in range(1, 5):
@@ -448,13 +448,13 @@ def test_cli_prune_proves_the_lease_before_every_delete(monkeypatch, capsys, mem
     now = [0.0]
     monkeypatch.setattr(cli_verify, "writer_lease",
                         lambda storage: ObjectStoreLease(storage, clock=lambda: now[0]))
-    real_delete = CheckpointLayout.delete
+    real_delete = StepDirectories.delete
 
     def slow_delete(self, step):
         real_delete(self, step)
         now[0] += 100.0  # this deletion outlasted the TTL: the lease can no longer be proven
 
-    monkeypatch.setattr(CheckpointLayout, "delete", slow_delete)
+    monkeypatch.setattr(StepDirectories, "delete", slow_delete)
     assert main(["prune", memory_root, "--keep-last", "1"]) == 2  # an error (LeaseHeldError), one line
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "lease" in err, err

@@ -14,7 +14,8 @@ from async_ckpt.lifecycle.catalog import StepCatalog
 from async_ckpt.lifecycle import phase
 from async_ckpt.lifecycle.coordinator import LocalCoordinator
 from async_ckpt.policies import KeepLatest, as_retention_policy
-from async_ckpt.storage import CheckpointLayout, Storage
+from async_ckpt.storage.step_dirs import StepDirectories
+from async_ckpt.storage import Storage
 from async_ckpt.format.manifest import Manifest
 from async_ckpt.storage.commit import MarkerCommit, RenameCommit
 from async_ckpt.format.manifest import MARKER_NAME
@@ -23,7 +24,7 @@ from async_ckpt.format.manifest import MARKER_NAME
 def _layout(tmp_path, mode="rename"):
     st = Storage(str(tmp_path / "root"))
     st.makedirs(st.root)
-    return CheckpointLayout(st, mode)
+    return StepDirectories(st, mode)
 
 
 def _commit(layout, step, t):

@@ -104,9 +104,9 @@ def test_the_scan_finds_what_it_should(tmp_path):
     own names and public names are not."""
     tree = ast.parse("from .x import _y, z, __version__\nfrom . import x\nx._w\nx.__doc__\n")
     froms = [n for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
-    assert _resolve("async_ckpt.storage.layout", False, froms[0]) == "async_ckpt.storage.x"
+    assert _resolve("async_ckpt.storage.step_dirs", False, froms[0]) == "async_ckpt.storage.x"
     assert _resolve("async_ckpt.storage", True, froms[0]) == "async_ckpt.storage.x"
-    assert _resolve("async_ckpt.storage.layout", False, froms[1]) == "async_ckpt.storage"
+    assert _resolve("async_ckpt.storage.step_dirs", False, froms[1]) == "async_ckpt.storage"
     assert [a.name for a in froms[0].names if _is_private(a.name)] == ["_y"]
     assert _is_private("_w") and not _is_private("__doc__") and not _is_private("w")
 

@@ -18,7 +18,7 @@ from fsspec.implementations.memory import MemoryFileSystem
 from async_ckpt import CheckpointManager
 from async_ckpt.errors import CheckpointError, StorageTimeoutError
 from async_ckpt.storage import RetryPolicy
-from async_ckpt.storage.layout import ABORT_WAIT_S
+from async_ckpt.storage.step_dirs import ABORT_WAIT_S
 
 from .conftest import assert_bitwise_equal
 from .storage_servers import FakeGCSServer

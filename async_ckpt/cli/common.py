@@ -15,7 +15,7 @@ from ..format.manifest import Manifest
 from ..lifecycle.catalog import StepCatalog
 from ..storage.diagnosis import LIGHTNING_HINT, Finding, diagnose
 from ..storage.diagnosis import other_kinds as _other_kinds
-from ..storage.layout import CheckpointLayout
+from ..storage.step_dirs import StepDirectories
 from ..storage.storage import Storage
 
 EXIT_OK, EXIT_DAMAGED, EXIT_ERROR = 0, 1, 2
@@ -231,7 +231,7 @@ def _connect_timeout(args: argparse.Namespace) -> Optional[float]:
     return t
 
 
-def open_root(args: argparse.Namespace) -> Tuple[Storage, CheckpointLayout]:
+def open_root(args: argparse.Namespace) -> Tuple[Storage, StepDirectories]:
     """Open PATH, the checkpoint root of a command.
 
     Args:
@@ -259,7 +259,7 @@ def open_root(args: argparse.Namespace) -> Tuple[Storage, CheckpointLayout]:
         what = (f"a Lightning checkpoint file ({LIGHTNING_HINT})" if args.path.endswith(".ckpt")
                 else "a file, not a checkpoint directory")
         raise NotACheckpointRootError(f"{args.path} is {what}")
-    return storage, CheckpointLayout(storage, "auto")
+    return storage, StepDirectories(storage, "auto")
 
 
 def other_kinds(storage: Storage) -> List[Dict[str, Any]]:
@@ -295,7 +295,7 @@ def no_checkpoint_message(storage: Storage, what: str, name: Optional[str] = Non
     return what + "".join(f"; {f.message}" for f in path_findings(storage, name or storage.url))
 
 
-def open_roots(args: argparse.Namespace) -> List[Tuple[str, Storage, CheckpointLayout]]:
+def open_roots(args: argparse.Namespace) -> List[Tuple[str, Storage, StepDirectories]]:
     """Open PATH and, with ``--local-dir``, the local tier (a multi-rank job's local tier is one
     rank's ``<local_dir>/rank<r>``).
 
@@ -316,11 +316,11 @@ def open_roots(args: argparse.Namespace) -> List[Tuple[str, Storage, CheckpointL
                                  _connect_timeout(args))
         if not there:
             raise FileNotFoundError(f"no such local checkpoint directory: {local}")
-        roots.insert(0, ("local", lstorage, CheckpointLayout(lstorage, "auto")))
+        roots.insert(0, ("local", lstorage, StepDirectories(lstorage, "auto")))
     return roots
 
 
-def home_identity(roots: List[Tuple[str, Storage, CheckpointLayout]]) -> Optional[str]:
+def home_identity(roots: List[Tuple[str, Storage, StepDirectories]]) -> Optional[str]:
     """PATH as local manifests record the checkpoint path they were saved for.
 
     Args:
@@ -348,7 +348,7 @@ def foreign_note(count: int, home: Optional[str], what: str) -> str:
             f"{home} (another job's, in a shared local_dir): {what}")
 
 
-def restore_order(layout: CheckpointLayout) -> List[int]:
+def restore_order(layout: StepDirectories) -> List[int]:
     """The committed steps in the order ``restore(None)`` tries them: those whose manifest
     does not read first (highest first), then newest commit first
     (:meth:`~async_ckpt.lifecycle.catalog.StepCatalog.steps_newest_first`). The first that
@@ -400,7 +400,7 @@ class naming_step:
             exc.step = self.step
 
 
-def parse_step(text: Optional[str], layout: CheckpointLayout) -> int:
+def parse_step(text: Optional[str], layout: StepDirectories) -> int:
     """The STEP argument of a command.
 
     Args:
@@ -434,7 +434,7 @@ def parse_step(text: Optional[str], layout: CheckpointLayout) -> int:
     return step
 
 
-def read_step_metadata(storage: Storage, layout: CheckpointLayout, step: int) -> Tuple[Manifest, Any]:
+def read_step_metadata(storage: Storage, layout: StepDirectories, step: int) -> Tuple[Manifest, Any]:
     """The manifest and the DCP metadata of a committed step (the metadata file verified).
 
     Args:

@@ -10,7 +10,7 @@ import uuid
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 from ..errors import CorruptCheckpointError
-from ..storage.layout import CheckpointLayout
+from ..storage.step_dirs import StepDirectories
 from ..storage.storage import Storage
 from .common import (
     EXIT_OK,
@@ -58,12 +58,12 @@ def load_step(path: str, step: Optional[int] = None, *, key: Optional[str] = Non
         UnsafeCheckpointError: a value needs ``allow_pickle=True``.
     """
     storage = Storage(path, storage_options)
-    layout = CheckpointLayout(storage, "auto")
+    layout = StepDirectories(storage, "auto")
     step, state, _ = read_newest(storage, layout, step, key=key, verify=verify, allow_pickle=allow_pickle)
     return step, state
 
 
-def read_newest(storage: Storage, layout: CheckpointLayout, step: Optional[int], *, key: Optional[str] = None,
+def read_newest(storage: Storage, layout: StepDirectories, step: Optional[int], *, key: Optional[str] = None,
                 verify: bool = True, allow_pickle: bool = False) -> Tuple[int, Any, List[int]]:
     """:func:`load_step` on an open root; also returns the damaged newer steps it skipped.
 
@@ -101,7 +101,7 @@ def read_newest(storage: Storage, layout: CheckpointLayout, step: Optional[int],
                                  f"oldest: {last}", step=skipped[-1]) from last
 
 
-def _read_step(storage: Storage, layout: CheckpointLayout, step: int, key: Optional[str], verify: bool,
+def _read_step(storage: Storage, layout: StepDirectories, step: int, key: Optional[str], verify: bool,
                allow_pickle: bool) -> Any:
     from ..storage.dcp import load_state_dict
 

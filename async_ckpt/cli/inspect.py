@@ -11,7 +11,7 @@ from ..errors import CheckpointError
 from ..format import step_names
 from ..format.manifest import MARKER_NAME, CopyIdentity, shown
 from ..storage.diagnosis import DCP_HINT, PARENT_OF_ROOTS, STEP_DIR
-from ..storage.layout import CheckpointLayout
+from ..storage.step_dirs import StepDirectories
 from ..storage.storage import Storage
 from .common import (
     EXIT_OK,
@@ -33,11 +33,11 @@ from .common import (
 
 # ---- ls --------------------------------------------------------------------------------------
 
-def _step_entry(storage: Storage, layout: CheckpointLayout, name: str, locations: Dict[int, str],
+def _step_entry(storage: Storage, layout: StepDirectories, name: str, locations: Dict[int, str],
                 home: Optional[str] = None) -> Dict[str, Any]:
     """What ``ls`` reports for one directory under the root (read only, contents never read).
 
-    ``listed``: committed, and :meth:`CheckpointLayout.check_step` passes (the marker vouches
+    ``listed``: committed, and :meth:`StepDirectories.check_step` passes (the marker vouches
     for the manifest; every file it lists is a regular file in the step directory, of the
     listed size); ``damaged``: committed, but that check fails; ``superseded``: an older
     committed copy of a step that a newer copy replaced (a crash interrupted the re-save; the
@@ -100,7 +100,7 @@ def _step_entry(storage: Storage, layout: CheckpointLayout, name: str, locations
     return entry
 
 
-def _entries(storage: Storage, layout: CheckpointLayout, home: Optional[str] = None) -> List[Dict[str, Any]]:
+def _entries(storage: Storage, layout: StepDirectories, home: Optional[str] = None) -> List[Dict[str, Any]]:
     names = [e["name"] for e in storage.listdir(storage.root)
              if (e.get("type") == "directory" or e.get("islink"))
              and step_names.parse(e["name"]) is not None]
@@ -127,7 +127,7 @@ def _number_saves(timed: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     return timed
 
 
-def _verify_newest(roots: List[Tuple[str, Storage, CheckpointLayout]], timed: List[Dict[str, Any]]) -> None:
+def _verify_newest(roots: List[Tuple[str, Storage, StepDirectories]], timed: List[Dict[str, Any]]) -> None:
     """``ls --verify``: read and checksum the committed copies newest commit first, as
     ``restore(None)`` reads them, until a save has a copy that verifies; its copies that verify
     become ``verified``, those that do not ``damaged`` (with the problems)."""

@@ -11,8 +11,8 @@ from ..addresses import byte_view
 from ..errors import CheckpointError, StepNotFoundError
 from ..format.manifest import shown
 from ..lifecycle.catalog import StepCatalog
-from ..storage.layout import CheckpointLayout
 from ..storage.lease import writer_lease
+from ..storage.step_dirs import StepDirectories
 from ..storage.storage import Storage
 from .common import (
     EXIT_DAMAGED,
@@ -35,7 +35,7 @@ from .common import (
 
 # ---- verify ----------------------------------------------------------------------------------
 
-def verify_step(storage: Storage, layout: CheckpointLayout, step: int, bar: Any) -> Dict[str, Any]:
+def verify_step(storage: Storage, layout: StepDirectories, step: int, bar: Any) -> Dict[str, Any]:
     """Read every file of a committed step and check it against the manifest; list the problems.
 
     Args:
@@ -101,7 +101,7 @@ def verify_step(storage: Storage, layout: CheckpointLayout, step: int, bar: Any)
     return res
 
 
-def _foreign_copies(roots: List[Tuple[str, Storage, CheckpointLayout]]) -> Dict[int, str]:
+def _foreign_copies(roots: List[Tuple[str, Storage, StepDirectories]]) -> Dict[int, str]:
     """The local tier's committed copies another job saved (their manifests record another
     checkpoint path than PATH): step -> that path. A manifest that does not read counts as
     this job's (verify reports it damaged)."""
@@ -120,7 +120,7 @@ def _foreign_copies(roots: List[Tuple[str, Storage, CheckpointLayout]]) -> Dict[
     return out
 
 
-def _restore_order(roots: List[Tuple[str, Storage, CheckpointLayout]], own: Any) -> List[int]:
+def _restore_order(roots: List[Tuple[str, Storage, StepDirectories]], own: Any) -> List[int]:
     """The steps in the order ``restore(None)`` tries them, over every tier (copies another
     job saved left out): steps whose manifest does not read first, then newest commit first."""
     if len(roots) == 1:
@@ -163,7 +163,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
     tiered = len(roots) > 1
     walk = False  # STEP omitted or 'latest': verify as restore(None) reads, until a step verifies
-    todo: List[Tuple[str, Storage, CheckpointLayout, int]] = []
+    todo: List[Tuple[str, Storage, StepDirectories, int]] = []
     order: List[int] = []
     if args.all:
         if args.step is not None:
@@ -189,10 +189,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
             raise StepNotFoundError(f"no committed checkpoint of this job for step {step} in either tier"
                                     + (" (the local copy is another job's)" if step in foreign else ""), step=step)
 
-    def copies(step: int) -> List[Tuple[str, Storage, CheckpointLayout, int]]:
+    def copies(step: int) -> List[Tuple[str, Storage, StepDirectories, int]]:
         return [(tier, st, lay, step) for tier, st, lay in roots if step in lay.committed_steps() and own(tier, step)]
 
-    def size_of(items: List[Tuple[str, Storage, CheckpointLayout, int]]) -> int:
+    def size_of(items: List[Tuple[str, Storage, StepDirectories, int]]) -> int:
         total = 0
         for _, _, layout, s in items:
             try:
@@ -278,7 +278,7 @@ def _retention(args: argparse.Namespace) -> Any:
     return members[0] if len(members) == 1 else policies.AnyOf(members)
 
 
-def _job_retention(layout: CheckpointLayout, step: int) -> Tuple[Optional[Dict[str, Any]], Any]:
+def _job_retention(layout: StepDirectories, step: int) -> Tuple[Optional[Dict[str, Any]], Any]:
     """The retention the job recorded in ``step``'s manifest (its spec, and the policy; the
     policy is None for a custom one, whose choices a tool cannot know)."""
     from ..policies import RETENTION_KEY, retention_from_spec

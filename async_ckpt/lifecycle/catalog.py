@@ -19,7 +19,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Set
 
 from ..errors import StepNotFoundError
 from ..policies import CheckpointInfo, RetentionPolicy, apply_retention
-from ..storage.layout import CheckpointLayout
+from ..storage.step_dirs import StepDirectories
 
 log = logging.getLogger("async_ckpt")
 
@@ -32,7 +32,7 @@ def commit_order(infos: Dict[int, CheckpointInfo]) -> List[CheckpointInfo]:
 class StepCatalog:
     """Committed steps (by commit order), steps in flight, steps being deleted."""
 
-    def __init__(self, layout: CheckpointLayout, clock: Callable[[], float]) -> None:
+    def __init__(self, layout: StepDirectories, clock: Callable[[], float]) -> None:
         self.layout = layout
         self.clock = clock
         self._lock = threading.Lock()

@@ -43,7 +43,7 @@ from ..format.dcp_layout import METADATA_NAME, is_stateful, remove_created, set_
 from ..gc_pause import gc_paused
 from ..storage.dcp import FsspecStorageReader
 from ..storage.dcp.direct import PARTLY_WRITTEN
-from ..storage.layout import DELETED, StepCopy
+from ..storage.step_dirs import DELETED, StepCopy
 from . import phase
 from .coordinator import Coordinator
 from .steps import StepStore
@@ -303,7 +303,7 @@ def _remapped(target: Dict[str, Any], key_map: Mapping[str, str]) -> Tuple[Dict[
 
 #: errors a writer's move or deletion of the copy being read can cause (a file missing, or of
 #: another save): after one, the restore asks the layout whether the copy changed
-#: (:meth:`~async_ckpt.storage.layout.CheckpointLayout.copy_changed`); a storage that fails
+#: (:meth:`~async_ckpt.storage.step_dirs.StepDirectories.copy_changed`); a storage that fails
 #: (``StorageError``: down, refusing, timing out) is not asked again
 _MAYBE_MOVED = (CorruptCheckpointError, PartlyWrittenError, StepNotFoundError, FileNotFoundError)
 #: times one restore starts again because a writer moved, replaced or deleted the copy it read
@@ -512,7 +512,7 @@ def _restore_one(store: StepStore, step: int, state_dict: Dict[str, Any], *, ver
     manifest = metadata = None
     path = store.layout.step_dir(step)
     try:
-        copy = store.layout.open_copy(step)
+        copy = store.layout.read_committed(step)
         if opened is not None:
             opened.append(copy)
         path, manifest = copy.where, copy.manifest

@@ -20,9 +20,10 @@ from ..format.manifest import MARKER_NAME, Manifest
 from ..format.unpickling import load_metadata
 from ..format.validate import check_step_metadata
 from ..policies import CheckpointInfo, RetentionPolicy
-from ..storage import CheckpointLayout, StepTarget, Storage
+from ..storage import StepTarget, Storage
 from ..storage.dcp import Reuse
 from ..storage.lease import writer_lease
+from ..storage.step_dirs import StepDirectories
 from .catalog import StepCatalog
 from .coordinator import Coordinator
 
@@ -32,7 +33,7 @@ log = logging.getLogger("async_ckpt")
 class StepStore:
     """Committed, in-flight and condemned steps of one root; the lease; deletions."""
 
-    def __init__(self, storage: Storage, layout: CheckpointLayout, coordinator: Coordinator,
+    def __init__(self, storage: Storage, layout: StepDirectories, coordinator: Coordinator,
                  clock: Callable[[], float], *, keep_incomplete: bool = False, lease_timeout: float = 0.0,
                  reuse: Optional[Reuse] = None) -> None:
         self.storage = storage
@@ -207,7 +208,8 @@ class StepStore:
             step = self._recall_step
             if step is None:
                 return
-            where, man = self.layout.open_step(step)
+            opened = self.layout.read_committed(step)
+            where, man = opened.where, opened.manifest
             md = load_metadata(self.storage.read_bytes(f"{where}/{METADATA_NAME}"), where=f"{where}/{METADATA_NAME}")
             check_step_metadata(md, man.files, where=f"{where}/{METADATA_NAME}", whole=man.whole)
             n = reuse.recall(step, where, man.files, md, prefix=f"__{self.coordinator.rank}_")
@@ -245,7 +247,7 @@ class StepStore:
         log.info("deleted step %d%s (delete())", step, self.label)
 
     def recover(self) -> None:
-        """Finish commits a crash interrupted (see ``CheckpointLayout.recover``)."""
+        """Finish commits a crash interrupted (see ``StepDirectories.recover``)."""
         try:
             self.check_lease()
             for step in self.layout.recover():

@@ -62,9 +62,10 @@ from ..save_queue import AsyncWriter
 from ..staging import HostBufferPool, Stager
 from ..staging.frozen import FrozenTensors, changed_keys, version_of
 from ..stats import FAILED, FALLBACK, UPLOAD_SKIPPED, SaveStats, format_bytes, format_seconds, tier_name
-from ..storage import CheckpointLayout, RetryPolicy, Storage
+from ..storage import RetryPolicy, Storage
 from ..storage.dcp import Reuse
 from ..storage.stats_log import StatsLog
+from ..storage.step_dirs import StepDirectories
 from .hooks import live_managers, stop_threads
 from .peers import PeerCopies, peer_topology
 from .schedule import Due, RootState, due_at
@@ -356,7 +357,7 @@ class CheckpointManager:
             self._run_id = self._coord.broadcast(self._run_id)
         self._saves = 0
         self.storage = Storage(opts.path, opts.storage_options, retry=opts.retry)
-        self.layout = CheckpointLayout(self.storage, opts.commit_mode)
+        self.layout = StepDirectories(self.storage, opts.commit_mode)
         self.process_group = opts.process_group
         self.chkpt_on_preemption = opts.chkpt_on_preemption
         self.verify = opts.verify

@@ -56,7 +56,8 @@ from ..lifecycle.steps import StepStore, StepWrite
 from ..options import ManagerOptions
 from ..policies import CheckpointInfo, RetentionPolicy, apply_retention, as_retention_policy
 from ..save_queue import AsyncWriter
-from ..storage import CheckpointLayout, Storage
+from ..storage import Storage
+from ..storage.step_dirs import StepDirectories
 from .tiered import (
     OwnCopies,
     copy_file_verified,
@@ -465,7 +466,8 @@ class PeerCopies:
         not this rank's of this job)."""
         store = self.local.store
         try:
-            path, manifest = store.layout.open_step(step)
+            opened = store.layout.read_committed(step)
+            path, manifest = opened.where, opened.manifest
         except Exception as exc:  # noqa: BLE001 - nothing to send: the peers are told so
             log.warning("rank %d: the local copy of step %d is not replicated: %s", self.topology.rank, step, exc)
             return None
@@ -521,7 +523,7 @@ class PeerCopies:
                 storage = Storage(self.local.store.storage.join(step_names.held_dir_name(owner)), None,
                                   retry=opts.retry)
                 storage.makedirs(storage.root)
-                store = StepStore(storage, CheckpointLayout(storage, opts.commit_mode), LocalCoordinator(),
+                store = StepStore(storage, StepDirectories(storage, opts.commit_mode), LocalCoordinator(),
                                   opts.wall_clock, keep_incomplete=opts.keep_incomplete,
                                   lease_timeout=opts.lease_timeout)
                 root = Root(HELD, store, self.writer, opts.local_retention, home=self.local.home)
@@ -664,10 +666,10 @@ class PeerCopies:
         for path, owner in roots:
             try:
                 storage = Storage(path, None, retry=self.options.retry)
-                layout = CheckpointLayout(storage)
+                layout = StepDirectories(storage)
                 for s in layout.committed_steps():
                     try:
-                        _, m = layout.open_step(s)
+                        m = layout.read_manifest(s)
                     except Exception:  # noqa: BLE001 - damaged or vanished: not a copy to count on
                         continue
                     ident = m.identity
@@ -733,7 +735,8 @@ class PeerCopies:
         logged, when it cannot be opened: the receiver is told there is nothing)."""
         try:
             storage = Storage(where, None, retry=self.options.retry)
-            path, manifest = CheckpointLayout(storage).open_step(cand.step)
+            opened = StepDirectories(storage).read_committed(cand.step)
+            path, manifest = opened.where, opened.manifest
             if manifest.identity.save_id != cand.save_id:
                 raise CheckpointError(f"it holds another save of step {cand.step}")
             return Outgoing(storage, path, manifest)

@@ -55,9 +55,10 @@ from ..policies import CheckpointInfo, RetentionPolicy, apply_retention, as_rete
 from ..save_queue import AsyncWriter
 from ..staging.frozen import version_of
 from ..stats import SaveStats
-from ..storage import CheckpointLayout, Storage
+from ..storage import Storage
 from ..storage.dcp import Reuse
 from ..storage.diagnosis import file_in_the_way, not_a_root_message
+from ..storage.step_dirs import StepDirectories
 
 log = logging.getLogger("async_ckpt")
 
@@ -271,7 +272,7 @@ def make_local_tier(options: ManagerOptions, persistent: Storage, coord: Coordin
         if blocker is not None:
             raise NotACheckpointRootError(not_a_root_message("local_dir", storage, blocker)) from exc
         raise StorageError(f"local_dir {storage.url!r} cannot be written: {exc}") from exc
-    store = StepStore(storage, CheckpointLayout(storage, options.commit_mode),
+    store = StepStore(storage, StepDirectories(storage, options.commit_mode),
                       rank_local_coordinator(options.collective_timeout_s), options.wall_clock,
                       keep_incomplete=options.keep_incomplete, lease_timeout=options.lease_timeout,
                       reuse=Reuse(options.full_every, version_of) if options.incremental else None)
@@ -600,7 +601,8 @@ def promote(local: Root, persistent: Root, step: int, *, verify: bool = True,
 
     if step not in local.store.layout.committed_steps():
         raise StepNotFoundError(f"no committed local checkpoint for step {step} under {local.url}", step=step)
-    path, manifest = local.store.layout.open_step(step)
+    opened = local.store.layout.read_committed(step)
+    path, manifest = opened.where, opened.manifest
     identity = manifest.identity
     r, w = identity.rank or 0, identity.world_size or 1
     root = identity.saved_for_another(local.home)

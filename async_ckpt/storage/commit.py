@@ -11,9 +11,9 @@ the manifest); they differ in where a step is written and how it takes its place
   alone decides that it exists, and an older copy is removed once the new marker is written.
 
 Either way a crash at any point leaves the old or the new copy of a step committed, never
-neither (see :class:`~async_ckpt.storage.layout.CheckpointLayout` for how a step's copy is
+neither (see :class:`~async_ckpt.storage.step_dirs.StepDirectories` for how a step's copy is
 chosen). The protocols know a step's temporary and final paths (:class:`StepTarget`) and reach
-the root's other step directories through :class:`StepDirectories`; names come from
+the root's other step directories through :class:`Directories`; names come from
 :mod:`async_ckpt.format.step_names`.
 """
 
@@ -39,9 +39,9 @@ class StepTarget:
     final: str  # directory of the committed step (the same as ``path`` in marker mode)
 
 
-class StepDirectories(Protocol):
+class Directories(Protocol):
     """What a commit protocol needs of the root's step directories
-    (:class:`~async_ckpt.storage.layout.CheckpointLayout` provides it)."""
+    (:class:`~async_ckpt.storage.step_dirs.StepDirectories` provides it)."""
 
     storage: Storage
 
@@ -69,19 +69,19 @@ class CommitProtocol(Protocol):
 
     name: str
 
-    def begin(self, dirs: StepDirectories, step: int, token: str) -> StepTarget:
+    def begin(self, dirs: Directories, step: int, token: str) -> StepTarget:
         """An empty directory to write ``step`` into; nothing committed is touched."""
 
-    def finish(self, dirs: StepDirectories, target: StepTarget, manifest: Manifest) -> None:
+    def finish(self, dirs: Directories, target: StepTarget, manifest: Manifest) -> None:
         """Manifest, then marker; then the step takes its place and an older copy retires."""
 
-    def settle(self, dirs: StepDirectories, step: int, winner: str, losers: List[str]) -> bool:
+    def settle(self, dirs: Directories, step: int, winner: str, losers: List[str]) -> bool:
         """After a crash: put ``winner`` (the newest committed copy, already checked against its
         marker) in place; True if it moved. ``losers`` (older committed copies) are unmarked by
         the caller; a loser this call moved out of the way is taken off the list."""
 
 
-def _write_manifest_and_marker(dirs: StepDirectories, target: StepTarget, manifest: Manifest,
+def _write_manifest_and_marker(dirs: Directories, target: StepTarget, manifest: Manifest,
                                sync_entries: bool) -> None:
     st = dirs.storage
     mbytes = manifest.to_json()
@@ -92,7 +92,7 @@ def _write_manifest_and_marker(dirs: StepDirectories, target: StepTarget, manife
     st.fsync_dir(target.path)  # (no-op on object stores)
 
 
-def _retire(dirs: StepDirectories, path: str) -> None:
+def _retire(dirs: Directories, path: str) -> None:
     """Remove an older copy of a step once the new one is committed. Past the commit point, so
     a failure must not fail (and then abort) the save: the copy is left for the next writer's
     recovery and cleanup, which retire superseded and unmarked copies."""
@@ -107,12 +107,12 @@ class RenameCommit:
 
     name = "rename"
 
-    def begin(self, dirs: StepDirectories, step: int, token: str) -> StepTarget:
+    def begin(self, dirs: Directories, step: int, token: str) -> StepTarget:
         path = dirs.storage.join(step_names.tmp_name(step, token))
         dirs.storage.makedirs(path)
         return StepTarget(step, path, dirs.step_dir(step))
 
-    def finish(self, dirs: StepDirectories, target: StepTarget, manifest: Manifest) -> None:
+    def finish(self, dirs: Directories, target: StepTarget, manifest: Manifest) -> None:
         st = dirs.storage
         _write_manifest_and_marker(dirs, target, manifest, sync_entries=False)
         trash = None
@@ -132,7 +132,7 @@ class RenameCommit:
         if trash is not None:
             _retire(dirs, trash)
 
-    def settle(self, dirs: StepDirectories, step: int, winner: str, losers: List[str]) -> bool:
+    def settle(self, dirs: Directories, step: int, winner: str, losers: List[str]) -> bool:
         st = dirs.storage
         if not step_names.is_kind(winner, step_names.TMP):
             return False
@@ -154,7 +154,7 @@ class MarkerCommit:
 
     name = "marker"
 
-    def begin(self, dirs: StepDirectories, step: int, token: str) -> StepTarget:
+    def begin(self, dirs: Directories, step: int, token: str) -> StepTarget:
         st = dirs.storage
         final = dirs.step_dir(step)
         path = final if not st.exists(final) else st.join(step_names.resave_name(step, token))
@@ -164,7 +164,7 @@ class MarkerCommit:
         st.write_bytes(f"{path}/{PENDING_NAME}", b"")
         return StepTarget(step, path, path)
 
-    def finish(self, dirs: StepDirectories, target: StepTarget, manifest: Manifest) -> None:
+    def finish(self, dirs: Directories, target: StepTarget, manifest: Manifest) -> None:
         st = dirs.storage
         _write_manifest_and_marker(dirs, target, manifest, sync_entries=True)
         st.fsync_dir(st.root)
@@ -177,5 +177,5 @@ class MarkerCommit:
             if name != here:
                 _retire(dirs, st.join(name))
 
-    def settle(self, dirs: StepDirectories, step: int, winner: str, losers: List[str]) -> bool:
+    def settle(self, dirs: Directories, step: int, winner: str, losers: List[str]) -> bool:
         return False  # nothing to move: the newest marked copy is the step wherever it is

@@ -16,6 +16,7 @@ import fsspec
 
 from ..errors import CheckpointError, InvalidArgumentError, StorageError
 from .backends import MISSING, Backend, FileState, backend_for
+from .backends.base import temp_name
 from .retry import RetryPolicy, check_abandoned
 
 __all__ = ["DEFAULT_BLOCK_SIZE", "MISSING", "FileState", "PIPE_MAX_BYTES", "READ_RANGE_BYTES", "Storage"]
@@ -177,7 +178,7 @@ class Storage:
                 :class:`~async_ckpt.errors.StorageTimeoutError` past the retry deadline).
         """
         self._check_abandoned(path)
-        self._backend.makedirs(path, self.retry)
+        self.retry.call(lambda: self._backend.makedirs(path), f"mkdir {path}")
 
     def check_writable(self) -> None:
         """Object stores: write and delete a small probe object under the root.
@@ -187,8 +188,19 @@ class Storage:
         Raises:
             StorageError: the bucket does not exist or cannot be written.
         """
-        self._backend.check_writable(self.url, self.join(f".async_ckpt-probe-{os.getpid()}-{id(self):x}"),
-                                     self.retry)
+        if not self._backend.probe_writes:
+            return  # a local path or generic fsspec: its first write says what is wrong
+        probe = self.join(f".async_ckpt-probe-{os.getpid()}-{id(self):x}")
+        try:
+            self.write_bytes(probe, b"async_ckpt write probe\n")
+            self.retry.call(lambda: self._backend.remove_file(probe), f"delete {probe}")
+        except FileNotFoundError as exc:
+            raise StorageError(f"checkpoint path {self.url!r} cannot be written: the bucket does not exist "
+                               f"(or is not visible with these credentials): {exc}") from exc
+        except (OSError, StorageError) as exc:
+            cause = exc.__cause__ if isinstance(exc, StorageError) and exc.__cause__ is not None else exc
+            raise StorageError(f"checkpoint path {self.url!r} cannot be written ({type(cause).__name__}: {cause}); "
+                               "check the credentials, endpoint and bucket in storage_options") from exc
 
     def open_write(self, path: str, size_hint: Optional[int] = None) -> AbstractContextManager[Any]:
         """A binary file opened for writing; durable (flushed, fsynced or uploaded) on exit.
@@ -254,7 +266,12 @@ class Storage:
                 :class:`~async_ckpt.errors.StorageTimeoutError` past the retry deadline).
         """
         self._check_abandoned(path)
-        self._backend.write_bytes_atomic(path, data, self.retry)
+        if self._backend.atomic_puts:
+            self.write_bytes(path, data)
+            return
+        tmp = temp_name(path)
+        self.write_bytes(tmp, data)
+        self.retry.call(lambda: self._backend.replace(tmp, path), f"rename {tmp}")
 
     def fsync_dir(self, path: str) -> None:
         """Make directory ``path``'s entries durable (local paths; nothing elsewhere).
@@ -431,7 +448,7 @@ class Storage:
             StorageError: the storage refused the read (after retries of transient errors;
                 :class:`~async_ckpt.errors.StorageTimeoutError` past the retry deadline).
         """
-        return self._backend.size(path, self.retry)
+        return int(self.retry.call(lambda: self._backend.size(path), f"stat {path}"))
 
     def file_state(self, path: str) -> FileState:
         """What the storage says of the file at ``path`` now, without reading it.
@@ -492,6 +509,30 @@ class Storage:
             return out
 
         return self.retry.call(_do, f"list {path}")
+
+    def marked_dirs(self, marker: str) -> List[str]:
+        """The names of the directories directly under the root that hold a file ``marker``.
+
+        Symbolic links are never listed; a local listing is taken again while a rename changed
+        the root under it (one listing elsewhere: one ``glob``).
+
+        Args:
+            marker: the file's name (a commit marker).
+
+        Returns:
+            The directory names ([] when the root does not exist).
+
+        Raises:
+            StorageError: the storage refused the listing (after retries).
+        """
+
+        def _do() -> List[str]:
+            try:
+                return self._backend.marked(self.root, marker)
+            except FileNotFoundError:
+                return []
+
+        return self.retry.call(_do, f"list {self.root}")
 
     def invalidate_cache(self) -> None:
         """Drop the filesystem's cached listings (errors are ignored)."""

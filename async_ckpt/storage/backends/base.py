@@ -11,8 +11,6 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Protocol, Tuple
 
-from ..retry import RetryPolicy
-
 MISSING = "file is missing"  # what ``file_problem`` says of a file that is not there
 
 
@@ -104,8 +102,8 @@ class RangeReader(Protocol):
 class Backend(Protocol):
     """One kind of storage, on one fsspec filesystem ``fs``.
 
-    Methods documented as one attempt raise the storage's own errors; :class:`Storage` retries
-    them. Those given a ``retry`` policy apply it to the calls that may be retried.
+    Every method makes one attempt and raises the storage's own errors: :class:`Storage` alone
+    retries them and bounds their time (:class:`~async_ckpt.storage.retry.RetryPolicy`).
     """
 
     fs: Any
@@ -120,6 +118,10 @@ class Backend(Protocol):
     #: The client library retries each request itself (gcsfs, s3fs): async_ckpt's
     #: :class:`RetryPolicy` then makes one attempt, so that there is one retry layer.
     client_retries: bool
+    #: One write of a small file is atomic (an object store's PUT): no temporary name needed.
+    atomic_puts: bool
+    #: A missing bucket or wrong credentials only show at the first write: the root is probed.
+    probe_writes: bool
 
     def normalize_root(self, root: str) -> str:
         """The checkpoint root as this backend's paths spell it."""
@@ -127,11 +129,8 @@ class Backend(Protocol):
     def url_of(self, path: str) -> str:
         """A URL that fsspec (and so DCP) can open for ``path``."""
 
-    def makedirs(self, path: str, retry: RetryPolicy) -> None:
+    def makedirs(self, path: str) -> None:
         """Make ``path`` and its parents a directory, where the storage has directories."""
-
-    def check_writable(self, url: str, probe: str, retry: RetryPolicy) -> None:
-        """Fail now with a clear :class:`StorageError` if the root cannot be written."""
 
     def open_write(self, path: str, size_hint: Optional[int], *, block_size: int,
                    pipe_max_bytes: int) -> AbstractContextManager[Any]:
@@ -141,8 +140,12 @@ class Backend(Protocol):
     def write_bytes(self, path: str, data: bytes) -> None:
         """Write a small file (one attempt)."""
 
-    def write_bytes_atomic(self, path: str, data: bytes, retry: RetryPolicy) -> None:
-        """Write a small file that is either wholly there or not at all."""
+    def replace(self, src: str, dst: str) -> None:
+        """Put the file ``src`` in the place of ``dst`` (a small file written under a temporary
+        name, where :attr:`atomic_puts` is false)."""
+
+    def remove_file(self, path: str) -> None:
+        """Remove the file ``path``."""
 
     def fsync_dir(self, path: str) -> None:
         """Make the entries of directory ``path`` durable, where that means anything."""
@@ -170,7 +173,7 @@ class Backend(Protocol):
     def open_ranges(self, path: str) -> "RangeReader":
         """A handle for many ranged reads of ``path`` (one attempt to open it)."""
 
-    def size(self, path: str, retry: RetryPolicy) -> int:
+    def size(self, path: str) -> int:
         """The size of ``path`` as the storage reports it now (no cached listing)."""
 
     def file_state(self, path: str) -> FileState:
@@ -179,3 +182,7 @@ class Backend(Protocol):
 
     def ls(self, path: str) -> List[Dict[str, Any]]:
         """fsspec's detailed listing of ``path``, fresh (one attempt)."""
+
+    def marked(self, root: str, marker: str) -> List[str]:
+        """The names of the directories directly under ``root`` that hold a file ``marker``
+        (never a symbolic link); [] when ``root`` does not exist."""

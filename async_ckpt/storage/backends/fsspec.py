@@ -6,8 +6,8 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Any, Dict, Iterator, List, Optional
 
-from ..retry import RetryPolicy, caller_memory
-from .base import FileState, info_state, temp_name
+from ..retry import caller_memory
+from .base import FileState, info_state
 
 
 class FsspecBackend:
@@ -19,6 +19,8 @@ class FsspecBackend:
     default_max_file_bytes: Optional[int] = None
     #: the client library retries each request itself (async_ckpt then makes one attempt)
     client_retries = False
+    atomic_puts = False
+    probe_writes = False
 
     def __init__(self, fs: Any) -> None:
         self.fs = fs
@@ -29,11 +31,8 @@ class FsspecBackend:
     def url_of(self, path: str) -> str:
         return self.fs.unstrip_protocol(path)
 
-    def makedirs(self, path: str, retry: RetryPolicy) -> None:
-        retry.call(lambda: self.fs.makedirs(path, exist_ok=True), f"mkdir {path}")
-
-    def check_writable(self, url: str, probe: str, retry: RetryPolicy) -> None:
-        pass  # only object stores are probed (a missing bucket, wrong credentials)
+    def makedirs(self, path: str) -> None:
+        self.fs.makedirs(path, exist_ok=True)
 
     @contextmanager
     def open_write(self, path: str, size_hint: Optional[int], *, block_size: int,
@@ -52,11 +51,11 @@ class FsspecBackend:
     def write_bytes(self, path: str, data: bytes) -> None:
         self.fs.pipe_file(path, data)
 
-    def write_bytes_atomic(self, path: str, data: bytes, retry: RetryPolicy) -> None:
-        """A temporary name, then ``mv`` (each retried)."""
-        tmp = temp_name(path)
-        retry.call(lambda: self.write_bytes(tmp, data), f"write {tmp}")
-        retry.call(lambda: self.fs.mv(tmp, path), f"rename {tmp}")
+    def replace(self, src: str, dst: str) -> None:
+        self.fs.mv(src, dst)
+
+    def remove_file(self, path: str) -> None:
+        self.fs.rm_file(path)
 
     def fsync_dir(self, path: str) -> None:
         pass
@@ -102,12 +101,12 @@ class FsspecBackend:
     def open_ranges(self, path: str) -> "_FsspecRanges":
         return _FsspecRanges(self, path)
 
-    def size(self, path: str, retry: RetryPolicy) -> int:
+    def size(self, path: str) -> int:
         try:
             self.fs.invalidate_cache(path)  # never answer from a listing cached before the write
-        except Exception:
+        except Exception:  # noqa: BLE001 - a filesystem without a cache
             pass
-        return int(retry.call(lambda: self.fs.size(path), f"stat {path}"))
+        return int(self.fs.size(path))
 
     def file_state(self, path: str) -> FileState:
         try:
@@ -118,6 +117,15 @@ class FsspecBackend:
 
     def ls(self, path: str) -> List[Dict[str, Any]]:
         return self.fs.ls(path, detail=True, refresh=True)
+
+    def marked(self, root: str, marker: str) -> List[str]:
+        """One ``glob`` (object stores have no links)."""
+        out: List[str] = []
+        for p in self.fs.glob(f"{root.rstrip('/')}/*/{marker}"):
+            parts = p.rstrip("/").split("/")
+            if len(parts) >= 2 and parts[-2] not in out:
+                out.append(parts[-2])
+        return out
 
 
 class _FsspecRanges:

@@ -6,8 +6,6 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Any, Iterator, Optional
 
-from ...errors import StorageError
-from ..retry import RetryPolicy
 from .fsspec import FsspecBackend
 
 #: fsspec protocols of object stores.
@@ -31,6 +29,8 @@ class ObjectStoreBackend(FsspecBackend):
 
     length_checked_writes = True
     default_max_file_bytes: Optional[int] = OBJECT_FILE_BYTES
+    atomic_puts = True
+    probe_writes = True
 
     def __init__(self, fs: Any) -> None:
         super().__init__(fs)
@@ -39,22 +39,8 @@ class ObjectStoreBackend(FsspecBackend):
         self.client_retries = any(p in RETRYING_CLIENTS for p in protocols)
         self.keeps_crc32c = any(p in CRC32C_KEEPERS for p in protocols)
 
-    def makedirs(self, path: str, retry: RetryPolicy) -> None:
+    def makedirs(self, path: str) -> None:
         pass  # no directories; and gcsfs/s3fs makedirs would silently create a missing bucket
-
-    def check_writable(self, url: str, probe: str, retry: RetryPolicy) -> None:
-        """Write and delete the small object ``probe``, so that a missing bucket or wrong
-        credentials fail now with a clear :class:`StorageError`."""
-        try:
-            retry.call(lambda: self.write_bytes(probe, b"async_ckpt write probe\n"), f"write {probe}")
-            retry.call(lambda: self.fs.rm_file(probe), f"delete {probe}")
-        except FileNotFoundError as exc:
-            raise StorageError(f"checkpoint path {url!r} cannot be written: the bucket does not exist "
-                               f"(or is not visible with these credentials): {exc}") from exc
-        except (OSError, StorageError) as exc:
-            cause = exc.__cause__ if isinstance(exc, StorageError) and exc.__cause__ is not None else exc
-            raise StorageError(f"checkpoint path {url!r} cannot be written ({type(cause).__name__}: {cause}); "
-                               "check the credentials, endpoint and bucket in storage_options") from exc
 
     @contextmanager
     def open_write(self, path: str, size_hint: Optional[int], *, block_size: int,
@@ -69,10 +55,6 @@ class ObjectStoreBackend(FsspecBackend):
         else:
             with super().open_write(path, size_hint, block_size=block_size, pipe_max_bytes=pipe_max_bytes) as f:
                 yield f
-
-    def write_bytes_atomic(self, path: str, data: bytes, retry: RetryPolicy) -> None:
-        """One PUT: an object is either wholly there or not at all."""
-        retry.call(lambda: self.write_bytes(path, data), f"write {path}")
 
 
 class _BufferFile:

@@ -13,8 +13,7 @@ from contextlib import contextmanager
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
 from ...errors import StorageError
-from ..retry import RetryPolicy
-from .base import MISSING, FileState, temp_name
+from .base import MISSING, FileState
 
 WRITEBACK_BYTES = 8 * 2**20  # local files: disk writes start after every this many bytes
 
@@ -117,6 +116,8 @@ class PosixBackend:
     keeps_crc32c = False
     default_max_file_bytes: Optional[int] = None
     client_retries = False
+    atomic_puts = False
+    probe_writes = False
 
     def __init__(self, fs: Any) -> None:
         self.fs = fs
@@ -127,11 +128,8 @@ class PosixBackend:
     def url_of(self, path: str) -> str:
         return path
 
-    def makedirs(self, path: str, retry: RetryPolicy) -> None:
-        retry.call(lambda: self.fs.makedirs(path, exist_ok=True), f"mkdir {path}")
-
-    def check_writable(self, url: str, probe: str, retry: RetryPolicy) -> None:
-        pass  # only object stores are probed (a missing bucket, wrong credentials)
+    def makedirs(self, path: str) -> None:
+        self.fs.makedirs(path, exist_ok=True)
 
     @contextmanager
     def open_write(self, path: str, size_hint: Optional[int], *, block_size: int,
@@ -151,11 +149,11 @@ class PosixBackend:
         with self.open_write(path, None, block_size=0, pipe_max_bytes=0) as f:
             f.write(data)
 
-    def write_bytes_atomic(self, path: str, data: bytes, retry: RetryPolicy) -> None:
-        """A temporary name (written durably, retried), then ``os.replace``."""
-        tmp = temp_name(path)
-        retry.call(lambda: self.write_bytes(tmp, data), f"write {tmp}")
-        os.replace(tmp, path)
+    def replace(self, src: str, dst: str) -> None:
+        os.replace(src, dst)
+
+    def remove_file(self, path: str) -> None:
+        os.unlink(path)
 
     def fsync_dir(self, path: str) -> None:
         fd = os.open(path, os.O_RDONLY)
@@ -231,7 +229,7 @@ class PosixBackend:
     def open_ranges(self, path: str) -> "_PosixRanges":
         return _PosixRanges(path)
 
-    def size(self, path: str, retry: RetryPolicy) -> int:
+    def size(self, path: str) -> int:
         return os.path.getsize(path)
 
     def file_state(self, path: str) -> FileState:
@@ -242,6 +240,35 @@ class PosixBackend:
 
     def ls(self, path: str) -> List[Dict[str, Any]]:
         return self.fs.ls(path, detail=True)
+
+    def marked(self, root: str, marker: str) -> List[str]:
+        """A listing taken again while the root changed under it (:func:`listdir_settled`);
+        symbolic links left out."""
+        try:
+            names = listdir_settled(root)
+        except FileNotFoundError:
+            return []
+        return [n for n in names if not os.path.islink(os.path.join(root, n))
+                and os.path.exists(os.path.join(root, n, marker))]
+
+
+#: times a local listing is taken again because the directory changed while it was read
+LIST_ATTEMPTS = 3
+
+
+def listdir_settled(path: str) -> List[str]:
+    """``os.listdir(path)``, taken again (up to :data:`LIST_ATTEMPTS` times) while the directory
+    changed during the listing: ``readdir`` concurrent with a rename in the directory (a writer's
+    rename commit) may return neither the old name nor the new one."""
+    names: List[str] = []
+    for _ in range(LIST_ATTEMPTS):
+        before = os.stat(path)
+        names = os.listdir(path)
+        after = os.stat(path)
+        if (before.st_mtime_ns, before.st_ctime_ns, before.st_ino) == (after.st_mtime_ns, after.st_ctime_ns,
+                                                                      after.st_ino):
+            break
+    return names
 
 
 class _PosixRanges:

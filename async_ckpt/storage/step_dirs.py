@@ -12,9 +12,9 @@ the marker vouches for the manifest and the manifest for every file.
 
 A live writer moves and deletes steps while others read them (a rename commit puts
 ``.tmp-<step>-<token>/`` in place, retention unmarks a step, then deletes its files). A reader
-opens a step's committed copy with :meth:`CheckpointLayout.open_copy`, which opens it again
+opens a step's committed copy with :meth:`StepDirectories.read_committed`, which opens it again
 where it is now when it moved meanwhile, and after a failed read asks
-:meth:`CheckpointLayout.copy_changed` whether the copy it opened is still the step's committed
+:meth:`StepDirectories.copy_changed` whether the copy it opened is still the step's committed
 copy: a failure of a copy that a writer moved, replaced or deleted is never damage.
 
 On local paths a step, re-save, temp or trash directory that is a symbolic link is *foreign*:
@@ -39,14 +39,14 @@ from ..format.manifest import MANIFEST_NAME, MARKER_NAME, PENDING_NAME, Manifest
 from .commit import CommitProtocol, MarkerCommit, RenameCommit, StepTarget
 from .storage import MISSING, Storage
 
-__all__ = ["ABORT_WAIT_S", "COMMIT_MODES", "DELETED", "CheckpointLayout", "StepCopy", "StepTarget"]
+__all__ = ["ABORT_WAIT_S", "COMMIT_MODES", "DELETED", "StepDirectories", "StepCopy", "StepTarget"]
 
 COMMIT_MODES = ("auto", "rename", "marker")
 #: seconds a failed step's clean-up waits for each deletion on remote storage (one attempt; none after one timed out)
 ABORT_WAIT_S = 5.0
-#: times :meth:`CheckpointLayout.open_copy` opens a step again that a writer moved while it was opened
+#: times :meth:`StepDirectories.read_committed` opens a step again that a writer moved while it was opened
 OPEN_ATTEMPTS = 5
-#: :meth:`CheckpointLayout.copy_changed`'s answer for a step that is no longer committed
+#: :meth:`StepDirectories.copy_changed`'s answer for a step that is no longer committed
 DELETED = "was deleted"
 
 
@@ -67,28 +67,7 @@ class StepCopy:
     marker: bytes
 
 
-#: times a local listing is taken again because the directory changed while it was read
-LIST_ATTEMPTS = 3
-
-
-def _listdir_settled(path: str) -> List[str]:
-    """``os.listdir(path)``, taken again (up to :data:`LIST_ATTEMPTS` times) while the directory
-    changed during the listing: ``readdir`` concurrent with a rename in the directory (a writer's
-    rename commit) may return neither the old name nor the new one."""
-    import os
-
-    names: List[str] = []
-    for _ in range(LIST_ATTEMPTS):
-        before = os.stat(path)
-        names = os.listdir(path)
-        after = os.stat(path)
-        if (before.st_mtime_ns, before.st_ctime_ns, before.st_ino) == (after.st_mtime_ns, after.st_ctime_ns,
-                                                                      after.st_ino):
-            break
-    return names
-
-
-class CheckpointLayout:
+class StepDirectories:
     """Step directories under one root, and the commit protocol for them."""
 
     def __init__(self, storage: Storage, commit_mode: str = "auto") -> None:
@@ -130,32 +109,11 @@ class CheckpointLayout:
 
     def _marked(self) -> Dict[int, List[str]]:
         """step -> names of its directories that hold a commit marker (canonical name first)."""
-        st = self.storage
         out: Dict[int, List[str]] = {}
-        if st.is_local:
-            import os
-
-            try:
-                names = _listdir_settled(st.root)
-            except FileNotFoundError:
-                return {}
-            for n in names:
-                step = step_names.committable_step(n)
-                if (step is not None and not os.path.islink(os.path.join(st.root, n))
-                        and os.path.exists(os.path.join(st.root, n, MARKER_NAME))):
-                    out.setdefault(step, []).append(n)
-        else:
-            try:
-                found = st.retry.call(lambda: st.fs.glob(st.join("*", MARKER_NAME)), f"list {st.root}")
-            except FileNotFoundError:
-                return {}
-            for p in found:
-                parts = p.rstrip("/").split("/")
-                if len(parts) < 2:
-                    continue
-                step = step_names.committable_step(parts[-2])
-                if step is not None and parts[-2] not in out.get(step, []):
-                    out.setdefault(step, []).append(parts[-2])
+        for n in self.storage.marked_dirs(MARKER_NAME):
+            step = step_names.committable_step(n)
+            if step is not None and n not in out.get(step, []):
+                out.setdefault(step, []).append(n)
         for names in out.values():
             names.sort(key=lambda n: (not step_names.is_kind(n, step_names.STEP), n))
         return out
@@ -342,15 +300,10 @@ class CheckpointLayout:
 
     # ---- reading -----------------------------------------------------------------------------
     def read_manifest(self, step: int) -> Manifest:
-        """The manifest of a committed step, checked against its marker (see :meth:`open_copy`)."""
-        return self.open_copy(step).manifest
+        """The manifest of a committed step, checked against its marker (see :meth:`read_committed`)."""
+        return self.read_committed(step).manifest
 
-    def open_step(self, step: int) -> Tuple[str, Manifest]:
-        """(directory, manifest) of a committed step (see :meth:`open_copy`)."""
-        c = self.open_copy(step)
-        return c.where, c.manifest
-
-    def open_copy(self, step: int) -> StepCopy:
+    def read_committed(self, step: int) -> StepCopy:
         """The committed copy of ``step``: its directory, its manifest checked against its marker,
         and the marker.
 
@@ -472,7 +425,8 @@ class CheckpointLayout:
         A step that passes can still fail checks that read contents (checksums, DCP
         metadata); one that fails is damaged whatever its contents.
         """
-        where, man = self.open_step(step)
+        opened = self.read_committed(step)
+        where, man = opened.where, opened.manifest
         st = self.storage
         listed: Optional[Dict[str, Dict]] = None
         if not st.is_local:  # one listing gives every size
