@@ -47,7 +47,7 @@ import torch.distributed.checkpoint as dcp  # noqa: E402
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter  # noqa: E402
 
 from async_ckpt import CheckpointManager  # noqa: E402
-from async_ckpt.storage.dcp import FsspecStorageReader, load_state_dict, save_state_dict  # noqa: E402
+from async_ckpt.io import FsspecStorageReader, load_state_dict, save_state_dict
 from async_ckpt.storage.storage import Storage  # noqa: E402
 from tests.storage_servers import S3_KEY, S3_SECRET, FakeGCSServer, _http_ok, _wait, free_port  # noqa: E402
 

@@ -71,7 +71,7 @@ def main() -> None:
     from async_ckpt.lifecycle import coordinator as coord_mod
     from async_ckpt.lifecycle import restore as restore_mod
     from async_ckpt.storage import step_dirs as layout_mod
-    from async_ckpt.storage.dcp import direct, reader
+    from async_ckpt.io import read_targets as direct, dcp_adapters as reader
 
     work = os.path.join(args.work, args.size)
     if args.resave or not os.path.exists(os.path.join(work, "raw.bin")):

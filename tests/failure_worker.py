@@ -84,7 +84,7 @@ def apply_checks(root: str) -> None:
     ranks had written: every rank raises a PartlyWrittenError whose ``failures`` name rank 1
     only (the rank whose write failed), not each rank that had written."""
     from async_ckpt import PartlyWrittenError
-    from async_ckpt.storage.dcp import FsspecStorageReader
+    from async_ckpt.io import FsspecStorageReader
 
     rank = dist.get_rank()
     with CheckpointManager(root, collective_timeout_s=TIMEOUT_S) as mgr:

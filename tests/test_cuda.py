@@ -62,7 +62,7 @@ def test_cuda_targets_restore_by_direct_reads_and_stay_untouched_when_damaged(tm
     import torch.distributed.checkpoint as dcp
 
     from async_ckpt.errors import CorruptCheckpointError
-    from async_ckpt.storage.dcp import step_io
+    from async_ckpt.io import step_io
 
     calls = []
     real = step_io.load_direct

@@ -21,7 +21,7 @@ def big(v: float) -> dict:
 def _eio_after_first_write(monkeypatch, where: str):
     """Reads of files under ``where`` raise StorageError from their second large read on (the
     first one has landed in the target)."""
-    from async_ckpt.storage.dcp import direct
+    from async_ckpt.io import read_targets as direct
 
     real = direct.open_step_file
     lock = threading.Lock()

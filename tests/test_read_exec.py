@@ -15,10 +15,10 @@ from async_ckpt.format.manifest import FileRecord
 from async_ckpt.storage import Storage
 from async_ckpt.format.dcp_layout import METADATA_NAME
 from async_ckpt.format.unpickling import load_metadata
-from async_ckpt.storage.dcp import load_state_dict, save_state_dict
-from async_ckpt.storage.dcp.direct import load_direct
-from async_ckpt.storage.dcp.read_exec import FRESH, NULL, IntoBuffers, read_file_bytes, read_files
-from async_ckpt.storage.dcp.atomic_restore import load_staged
+from async_ckpt.io import load_state_dict, save_state_dict
+from async_ckpt.io.read_targets import load_direct
+from async_ckpt.io.read_exec import FRESH, NULL, IntoBuffers, read_file_bytes, read_files
+from async_ckpt.io.atomic_restore import load_staged
 
 from .conftest import assert_bitwise_equal
 

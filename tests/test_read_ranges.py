@@ -16,8 +16,8 @@ from async_ckpt.format.manifest import FileRecord, Manifest
 from async_ckpt.storage import Storage
 from async_ckpt.format.dcp_layout import METADATA_NAME
 from async_ckpt.format.unpickling import load_metadata
-from async_ckpt.storage.dcp import load_state_dict, save_state_dict
-from async_ckpt.storage.dcp import writer as dcp_writer
+from async_ckpt.io import load_state_dict, save_state_dict
+from async_ckpt.io import write as dcp_writer
 from async_ckpt.format.crc import crc32c
 
 from .conftest import assert_bitwise_equal

@@ -18,7 +18,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from async_ckpt.format import torch_record as records
-from async_ckpt.storage.dcp import writer as dcp_writer
+from async_ckpt.io import write as dcp_writer
 from async_ckpt.storage.storage import Storage
 from async_ckpt.format.torch_record import RecordTemplates
 

@@ -10,7 +10,7 @@ import torch
 
 from async_ckpt import CheckpointManager
 from async_ckpt.errors import CorruptCheckpointError, PartlyWrittenError, StagingBudgetError
-from async_ckpt.storage.dcp import atomic_restore
+from async_ckpt.io import atomic_restore
 from async_ckpt.format.unpickling import load_metadata
 from async_ckpt.format.crc import crc32c
 

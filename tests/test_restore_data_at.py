@@ -16,7 +16,7 @@ import torch
 from async_ckpt import CheckpointManager
 from async_ckpt.errors import CorruptCheckpointError, PartlyWrittenError
 from async_ckpt.format import torch_record
-from async_ckpt.storage.dcp import direct
+from async_ckpt.io import read_targets as direct
 from async_ckpt.format.unpickling import load_metadata
 from async_ckpt.format.manifest import MANIFEST_NAME, FileRecord, Manifest
 

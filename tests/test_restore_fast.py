@@ -12,7 +12,7 @@ import torch
 
 from async_ckpt import CheckpointManager
 from async_ckpt.errors import CorruptCheckpointError, PartlyWrittenError, StateDictMismatchError
-from async_ckpt.storage.dcp import direct, step_io
+from async_ckpt.io import read_targets as direct, step_io
 from async_ckpt.format.crc import crc32c_combine, crc32c_concat
 from async_ckpt.format.unpickling import load_metadata
 from async_ckpt.format.manifest import MANIFEST_NAME, Manifest

@@ -12,8 +12,8 @@ import torch
 from async_ckpt import CheckpointManager
 from async_ckpt import compat as compat_mod
 from async_ckpt.errors import CorruptCheckpointError, StateDictMismatchError
-from async_ckpt.storage.dcp import device_targets as xla_targets
-from async_ckpt.storage.dcp import step_io
+from async_ckpt.io import sinks as xla_targets
+from async_ckpt.io import step_io
 
 from .test_restore_fast import _flip_in_record
 from .tree import assert_bitwise_equal

@@ -13,9 +13,9 @@ import warnings
 import torch
 
 from async_ckpt import CheckpointManager
-from async_ckpt.storage.dcp import dcp_call as dcp_common
-from async_ckpt.storage.dcp import load_state_dict
-from async_ckpt.storage.dcp import writer as dcp_writer
+from async_ckpt.io import dcp_call as dcp_common
+from async_ckpt.io import load_state_dict
+from async_ckpt.io import write as dcp_writer
 from async_ckpt.storage.storage import Storage
 
 from .conftest import assert_bitwise_equal, target_like
@@ -85,7 +85,7 @@ def test_importing_async_ckpt_leaves_the_warning_filters_alone():
         import warnings
         import torch, torch.distributed.checkpoint  # their own import-time filters are theirs
         before = list(warnings.filters)
-        import async_ckpt, async_ckpt.storage.dcp, async_ckpt.manager, async_ckpt.cli
+        import async_ckpt, async_ckpt.io, async_ckpt.manager, async_ckpt.cli
         assert warnings.filters == before, [f for f in warnings.filters if f not in before]
         print("OK")
     """)

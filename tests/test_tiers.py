@@ -26,7 +26,7 @@ from async_ckpt.errors import (
     StepNotFoundError,
 )
 from async_ckpt.lifecycle import coordinator as coordinator_mod
-from async_ckpt.storage.dcp import step_io
+from async_ckpt.io import step_io
 
 from .conftest import assert_bitwise_equal, clone_tree
 

@@ -449,7 +449,7 @@ def read_step_metadata(storage: Storage, layout: StepDirectories, step: int) -> 
         CorruptCheckpointError: The manifest lists no metadata file, or it is damaged.
     """
     from ..format.dcp_layout import METADATA_NAME
-    from ..storage.dcp import FsspecStorageReader
+    from ..io import FsspecStorageReader
 
     with naming_step(step):
         man = layout.read_manifest(step)

@@ -103,7 +103,7 @@ def read_newest(storage: Storage, layout: StepDirectories, step: Optional[int], 
 
 def _read_step(storage: Storage, layout: StepDirectories, step: int, key: Optional[str], verify: bool,
                allow_pickle: bool) -> Any:
-    from ..storage.dcp import load_state_dict
+    from ..io import load_state_dict
 
     man, metadata = read_step_metadata(storage, layout, step)
     full = _template(metadata, set(man.int_keys))

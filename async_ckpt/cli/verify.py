@@ -51,7 +51,7 @@ def verify_step(storage: Storage, layout: StepDirectories, step: int, bar: Any) 
     from ..format.dcp_layout import METADATA_NAME
     from ..format.unpickling import load_metadata
     from ..format.validate import check_step_metadata
-    from ..storage.dcp.read_exec import FRESH, NULL, read_files
+    from ..io.read_exec import FRESH, NULL, read_files
 
     res: Dict[str, Any] = {"step": step, "ok": False, "files": 0, "bytes": 0, "problems": []}
     try:

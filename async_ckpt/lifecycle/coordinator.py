@@ -12,7 +12,7 @@ those groups can no longer be paired: the coordinator is then *broken*, and ever
 exchange raises :class:`~async_ckpt.errors.CoordinationError` at once, naming the first failure.
 
 :meth:`Coordinator.write` and :meth:`Coordinator.load` hand a step's files to the I/O layer
-(:mod:`async_ckpt.storage.dcp.step_io`, which chooses the data path), with what the
+(:mod:`async_ckpt.io.step_io`, which chooses the data path), with what the
 coordinator holds: the group, the write memo, and (N) the exchange of read outcomes.
 """
 
@@ -26,11 +26,11 @@ import torch
 from ..errors import CheckpointError, CoordinationError, InvalidArgumentError
 from ..format.dcp_layout import WriteMemo
 from ..format.manifest import FileRecord
+from ..io import Reuse
+from ..io.atomic_restore import Acquire
+from ..io.read_targets import partly_written
+from ..io.step_io import read_step, write_step
 from ..storage import Storage
-from ..storage.dcp import Reuse
-from ..storage.dcp.atomic_restore import Acquire
-from ..storage.dcp.direct import partly_written
-from ..storage.dcp.step_io import read_step, write_step
 from .replicas import read_assignment, restore_items, send_replicas
 
 if TYPE_CHECKING:
@@ -129,14 +129,14 @@ class LocalCoordinator:
 
     def write(self, storage: Storage, path: str, state_dict: Dict[str, Any], *, threads: int,
               planner: Any, memo: Optional[WriteMemo] = None, reuse: Optional[Reuse] = None) -> Dict[str, FileRecord]:
-        """:func:`~async_ckpt.storage.dcp.step_io.write_step`: async_ckpt's own writer, with the memo."""
+        """:func:`~async_ckpt.io.step_io.write_step`: async_ckpt's own writer, with the memo."""
         return write_step(storage, path, state_dict, threads=threads, planner=planner, memo=memo, reuse=reuse,
                           group=self.group)
 
     def load(self, storage: Storage, path: str, state_dict: Dict[str, Any], *, files: Dict[str, FileRecord],
              verify: bool, threads: int, allow_pickle: bool, metadata: Any, planner: Any, atomic: bool = False,
              strict: bool = True, pool: Optional[HostBufferPool] = None) -> None:
-        """:func:`~async_ckpt.storage.dcp.step_io.read_step` (direct, staged through ``pool``'s
+        """:func:`~async_ckpt.io.step_io.read_step` (direct, staged through ``pool``'s
         buffers within its budget, or DCP's reader)."""
         read_step(storage, path, state_dict, files=files, verify=verify, threads=threads, allow_pickle=allow_pickle,
                   metadata=metadata, planner=planner, atomic=atomic, strict=strict, group=self.group,
@@ -281,7 +281,7 @@ class GroupCoordinator:
 
     def write(self, storage: Storage, path: str, state_dict: Dict[str, Any], *, threads: int,
               planner: Any, memo: Optional[WriteMemo] = None, reuse: Optional[Reuse] = None) -> Dict[str, FileRecord]:
-        """:func:`~async_ckpt.storage.dcp.step_io.write_step` through ``dcp.save`` over the group:
+        """:func:`~async_ckpt.io.step_io.write_step` through ``dcp.save`` over the group:
         its ``CheckpointException`` says which rank failed, on every rank."""
         return self._dcp("writing", lambda: write_step(storage, path, state_dict, threads=threads, planner=planner,
                                                        memo=memo, reuse=reuse, group=self.group,
@@ -290,7 +290,7 @@ class GroupCoordinator:
     def load(self, storage: Storage, path: str, state_dict: Dict[str, Any], *, files: Dict[str, FileRecord],
              verify: bool, threads: int, allow_pickle: bool, metadata: Any, planner: Any, atomic: bool = False,
              strict: bool = True, pool: Optional[HostBufferPool] = None) -> None:
-        """:func:`~async_ckpt.storage.dcp.step_io.read_step` through ``dcp.load`` over the group:
+        """:func:`~async_ckpt.io.step_io.read_step` through ``dcp.load`` over the group:
         no rank writes before every rank's reads passed, so ``atomic`` holds either way
         (``pool`` is not used).
 

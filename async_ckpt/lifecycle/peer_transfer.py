@@ -13,8 +13,8 @@ so sends and receives pair up whatever each rank sends:
    and opened where the copy goes, or refuses it (the sender then sends that rank nothing more);
 4. data: the files in name order, in chunks of :data:`CHUNK_BYTES`; the sender reads each chunk
    once for every receiver of the copy, through the one verified read (files opened by
-   :func:`~async_ckpt.storage.dcp.read_exec.open_step_file`, judged by
-   :func:`~async_ckpt.storage.dcp.read_exec.check_file`: size, CRC-32C); the receiver writes
+   :func:`~async_ckpt.io.read_exec.open_step_file`, judged by
+   :func:`~async_ckpt.io.read_exec.check_file`: size, CRC-32C); the receiver writes
    each chunk and puts its CRC-32C together as it arrives, then compares it with the manifest's;
 5. trailer, sender to receiver: whether its read verified.
 
@@ -41,8 +41,8 @@ from ..addresses import byte_view
 from ..errors import CheckpointError
 from ..format.crc import crc32c
 from ..format.manifest import Manifest, check_file_name
+from ..io.read_exec import check_file, checksum_error, close_all, open_step_file, size_error
 from ..storage import Storage
-from ..storage.dcp.read_exec import check_file, checksum_error, close_all, open_step_file, size_error
 
 #: the bytes a file is sent in at a time (memory: one such buffer per copy sent and per copy received)
 CHUNK_BYTES = 16 * 2**20

@@ -18,7 +18,7 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple, TypeVar
 
 from .. import errors as _errors
 from ..errors import CheckpointError, CorruptCheckpointError, PartlyWrittenError, RankFailure
-from ..storage.dcp.dcp_call import unwrap_dcp
+from ..io.dcp_call import unwrap_dcp
 from .coordinator import Coordinator
 
 T = TypeVar("T")

@@ -9,7 +9,7 @@ but the damaged step's failed attempt wrote are named in a warning, and an error
 such an attempt says that the target was partly written (its cause: that attempt's error).
 
 One process reads the files straight into the target tensors and verifies the checksums as
-the data arrives (see :mod:`async_ckpt.storage.dcp.direct`): a step found damaged then has
+the data arrives (see :mod:`async_ckpt.io.read_targets`): a step found damaged then has
 already written part of its data into the target, and the error says so. ``atomic=True``
 reads and verifies every file into host memory first, so a failed restore leaves the target
 as it was. Several processes load through DCP: every rank reads and verifies its part, and no
@@ -41,8 +41,8 @@ from ..errors import (
 )
 from ..format.dcp_layout import METADATA_NAME, is_stateful, remove_created, set_element
 from ..gc_pause import gc_paused
-from ..storage.dcp import FsspecStorageReader
-from ..storage.dcp.direct import PARTLY_WRITTEN
+from ..io import FsspecStorageReader
+from ..io.read_targets import PARTLY_WRITTEN
 from ..storage.step_dirs import DELETED, StepCopy
 from . import phase
 from .coordinator import Coordinator

@@ -19,9 +19,9 @@ from ..format.dcp_layout import METADATA_NAME, WriteMemo
 from ..format.manifest import MARKER_NAME, Manifest
 from ..format.unpickling import load_metadata
 from ..format.validate import check_step_metadata
+from ..io import Reuse
 from ..policies import CheckpointInfo, RetentionPolicy
 from ..storage import StepTarget, Storage
-from ..storage.dcp import Reuse
 from ..storage.lease import writer_lease
 from ..storage.step_dirs import StepDirectories
 from .catalog import StepCatalog

@@ -35,9 +35,10 @@ from ..errors import (
 from ..format import step_names
 from ..format.manifest import CopyIdentity, check_metrics
 from ..gc_pause import gc_paused
+from ..io import Reuse
+from ..io.planners import load_planner_for, save_planner_for
 from ..lifecycle import phase
 from ..lifecycle.coordinator import DEFAULT_TIMEOUT_S, GroupCoordinator, coordinator_for
-from ..lifecycle.planners import load_planner_for, save_planner_for
 from ..lifecycle.replicas import DroppedSamples, SaveShares
 from ..lifecycle.restore import candidates_of, check_key_map
 from ..lifecycle.restore import restore as _restore
@@ -63,7 +64,6 @@ from ..staging import HostBufferPool, Stager
 from ..staging.frozen import FrozenTensors, changed_keys, version_of
 from ..stats import FAILED, FALLBACK, UPLOAD_SKIPPED, SaveStats, format_bytes, format_seconds, tier_name
 from ..storage import RetryPolicy, Storage
-from ..storage.dcp import Reuse
 from ..storage.stats_log import StatsLog
 from ..storage.step_dirs import StepDirectories
 from .hooks import live_managers, stop_threads

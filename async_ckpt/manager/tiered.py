@@ -45,6 +45,7 @@ from ..errors import (
 from ..format import step_names
 from ..format.crc import crc32c
 from ..format.manifest import CopyIdentity, FileRecord, Manifest, check_file_name, copy_identity
+from ..io import Reuse
 from ..lifecycle import phase
 from ..lifecycle.coordinator import Coordinator, rank_local_coordinator
 from ..lifecycle.restore import Candidate
@@ -56,7 +57,6 @@ from ..save_queue import AsyncWriter
 from ..staging.frozen import version_of
 from ..stats import SaveStats
 from ..storage import Storage
-from ..storage.dcp import Reuse
 from ..storage.diagnosis import file_in_the_way, not_a_root_message
 from ..storage.step_dirs import StepDirectories
 

@@ -24,11 +24,18 @@ import torch
 
 from .. import compat
 from ..errors import warn_user
-from ..storage.dcp.reuse import host_copy
 from .plan import StagingPlan
 
 Version = Tuple[int, int]  # (version counter, data pointer or XLA device buffer address)
 Declared = Union[Collection[str], Callable[[str], bool]]
+
+
+def host_copy(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous host tensor with ``t``'s bytes (``t`` itself when it is one already)."""
+    t = t.detach()
+    if t.is_cpu and t.is_contiguous():
+        return t
+    return t.contiguous() if t.is_cpu else t.cpu().contiguous()
 
 
 def frozen_keys(module: torch.nn.Module, prefix: str = "") -> List[str]:

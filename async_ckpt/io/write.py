@@ -43,10 +43,10 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from ... import compat
-from ...addresses import address_of, byte_view
-from ...format.crc import crc32c, crc32c_combine, raw_crc32c
-from ...format.dcp_layout import (
+from .. import compat
+from ..addresses import address_of, byte_view
+from ..format.crc import crc32c, crc32c_combine, raw_crc32c
+from ..format.dcp_layout import (
     METADATA_NAME,
     FileLayout,
     WriteMemo,
@@ -59,9 +59,9 @@ from ...format.dcp_layout import (
     saved_bytes,
     signature,
 )
-from ...format.manifest import FileRecord
-from ...format.torch_record import PickledObject, RecordBatch, RecordTemplate, RecordTemplates
-from ..storage import Storage
+from ..format.manifest import FileRecord
+from ..format.torch_record import PickledObject, RecordBatch, RecordTemplate, RecordTemplates
+from ..storage.storage import Storage
 from .dcp_call import call_dcp, distributed, world_size
 from .reuse import Key, Reuse, Shared, item_key, placed_items
 

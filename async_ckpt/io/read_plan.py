@@ -19,12 +19,12 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
 
-from ...addresses import byte_view, host_bytes
-from ...format.manifest import FileRecord
-from .device_targets import DeviceTargets, is_device
-from .device_targets import supported as device_supported
+from ..addresses import byte_view, host_bytes
+from ..format.manifest import FileRecord
 from .read_exec import StepFiles
 from .record_layout import Arrived
+from .sinks import DeviceTargets, is_device
+from .sinks import supported as device_supported
 
 #: Largest single read straight into a target (a big tensor is read as several, in parallel).
 DIRECT_CHUNK_BYTES = 16 * 2**20
@@ -94,7 +94,7 @@ def _contiguous_bytes(t: torch.Tensor) -> Optional[torch.Tensor]:
 def _flat_targets(state_dict: Dict[str, Any], metadata: Metadata) -> Tuple[Dict[str, Any], Dict[str, Any]]:
     """DCP's flattening of ``state_dict`` in the checkpoint's key layout (see
     :func:`~.file_assignment.flatten_target`)."""
-    from ...format.dcp_layout import flatten_target
+    from ..format.dcp_layout import flatten_target
 
     return flatten_target(state_dict, metadata)
 

@@ -12,8 +12,8 @@ from typing import Any, List, Tuple
 
 import torch
 
-from ...addresses import byte_view
-from ...format.torch_record import data_start
+from ..addresses import byte_view
+from ..format.torch_record import data_start
 
 #: Bytes read at each end of a large record to find where its data lies.
 PROBE_BYTES = 4096

@@ -22,15 +22,15 @@ from __future__ import annotations
 
 from typing import AbstractSet, Any, Callable, Dict, List, Optional
 
-from ...format.dcp_layout import WriteMemo
-from ...format.manifest import FileRecord
-from ..storage import Storage
+from ..format.dcp_layout import WriteMemo
+from ..format.manifest import FileRecord
+from ..storage.storage import Storage
 from .atomic_restore import Acquire, load_staged
+from .dcp_adapters import FsspecStorageReader, load_state_dict, safe_planner
 from .dcp_call import unwrap_dcp
-from .direct import load_direct, partly_written
-from .reader import FsspecStorageReader, load_state_dict, safe_planner
+from .read_targets import load_direct, partly_written
 from .reuse import Reuse
-from .writer import FsspecStorageWriter, save_state_dict
+from .write import FsspecStorageWriter, save_state_dict
 
 
 def write_step(storage: Storage, path: str, state_dict: Dict[str, Any], *, threads: int, planner: Any,

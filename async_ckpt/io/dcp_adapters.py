@@ -27,16 +27,16 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from ... import compat
-from ...addresses import byte_view
-from ...errors import CorruptCheckpointError
-from ...format.crc import crc32c
-from ...format.dcp_layout import METADATA_NAME
-from ...format.manifest import FileRecord, check_file_name, shown
-from ...format.torch_record import plain_data_start
-from ...format.unpickling import SafeLoadPlanner, load_metadata
-from ...format.validate import check_step_metadata
-from ..storage import READ_RANGE_BYTES
+from .. import compat
+from ..addresses import byte_view
+from ..errors import CorruptCheckpointError
+from ..format.crc import crc32c
+from ..format.dcp_layout import METADATA_NAME
+from ..format.manifest import FileRecord, check_file_name, shown
+from ..format.torch_record import plain_data_start
+from ..format.unpickling import SafeLoadPlanner, load_metadata
+from ..format.validate import check_step_metadata
+from ..storage.storage import READ_RANGE_BYTES
 from .dcp_call import call_dcp, distributed
 from .read_exec import (
     FRESH,

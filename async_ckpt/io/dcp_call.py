@@ -11,7 +11,7 @@ from typing import Any, Callable, Iterator, Optional, Tuple
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ...errors import CheckpointError
+from ..errors import CheckpointError
 
 # DCP warns on every single-process ``dcp.save``/``dcp.load``: async_ckpt's normal case.
 _SINGLE_PROCESS_WARNING = "torch.distributed is disabled, unavailable or uninitialized"

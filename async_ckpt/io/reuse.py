@@ -41,10 +41,11 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Set, Tuple
 import torch
 import xxhash
 
-from ...addresses import byte_view
-from ...errors import CheckpointError, CorruptCheckpointError
-from ...format.manifest import FileRecord
-from ..backends import FileState
+from ..addresses import byte_view
+from ..errors import CheckpointError, CorruptCheckpointError
+from ..format.manifest import FileRecord
+from ..staging.frozen import host_copy
+from ..storage.backends import FileState
 from .read_exec import NULL, read_files
 
 log = logging.getLogger("async_ckpt")
@@ -73,14 +74,6 @@ def content_hash(t: Any) -> Optional[int]:
     if n < MIN_SHARED_BYTES:
         return None
     return xxhash.xxh3_128_intdigest(byte_view(t))
-
-
-def host_copy(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous host tensor with ``t``'s bytes (``t`` itself when it is one already)."""
-    t = t.detach()
-    if t.is_cpu and t.is_contiguous():
-        return t
-    return t.contiguous() if t.is_cpu else t.cpu().contiguous()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -30,10 +30,10 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Prot
 
 import torch
 
-from ...addresses import byte_view
-from ...errors import CorruptCheckpointError, StorageError
-from ...format.crc import crc32c, crc32c_concat
-from ...format.manifest import FileRecord, check_file_name
+from ..addresses import byte_view
+from ..errors import CorruptCheckpointError, StorageError
+from ..format.crc import crc32c, crc32c_concat
+from ..format.manifest import FileRecord, check_file_name
 
 #: Ranges of whole-file reads are about this large (a bigger file is read as several, in parallel).
 CHUNK_BYTES = 16 * 2**20

@@ -11,8 +11,8 @@
 * :mod:`.dcp_call`: running a DCP call.
 """
 
-from .reader import FsspecStorageReader, load_state_dict
+from .dcp_adapters import FsspecStorageReader, load_state_dict
 from .reuse import Reuse
-from .writer import FsspecStorageWriter, save_state_dict
+from .write import FsspecStorageWriter, save_state_dict
 
 __all__ = ["FsspecStorageReader", "FsspecStorageWriter", "Reuse", "load_state_dict", "save_state_dict"]

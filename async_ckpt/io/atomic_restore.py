@@ -28,13 +28,13 @@ from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
-from ...addresses import byte_view
-from ...errors import StagingBudgetError
-from ...format.manifest import FileRecord
-from ..storage import Storage
-from .direct import load_direct
+from ..addresses import byte_view
+from ..errors import StagingBudgetError
+from ..format.manifest import FileRecord
+from ..storage.storage import Storage
+from .dcp_adapters import load_state_dict
 from .read_exec import IntoBuffers, StepFiles, read_files
-from .reader import load_state_dict
+from .read_targets import load_direct
 
 #: ``acquire(sizes)`` -> (one flat uint8 CPU buffer of exactly each size, a function that gives them back).
 Acquire = Callable[[Sequence[int]], Tuple[Sequence[torch.Tensor], Callable[[], None]]]

@@ -52,17 +52,18 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
-from ... import compat
-from ...addresses import byte_view
-from ...errors import CheckpointError, CorruptCheckpointError, PartlyWrittenError, partly_written_error
-from ...format.crc import crc32c
-from ...format.dcp_layout import set_element
-from ...format.manifest import FileRecord, shown
-from ...format.torch_record import data_start, plain_data_start
-from ...format.unpickling import load_value
-from ...gc_pause import gc_paused
-from .device_targets import DeviceTargets
-from .direct_plan import (
+from .. import compat
+from ..addresses import byte_view
+from ..errors import CheckpointError, CorruptCheckpointError, PartlyWrittenError, partly_written_error
+from ..format.crc import crc32c
+from ..format.dcp_layout import set_element
+from ..format.manifest import FileRecord, shown
+from ..format.torch_record import data_start, plain_data_start
+from ..format.unpickling import load_value
+from ..gc_pause import gc_paused
+from .dcp_adapters import stored_bytes
+from .read_exec import NULL, StepFiles, check_file, close_all, open_step_file, read_files, run_all, short_error
+from .read_plan import (
     BUFFER_CHUNK_BYTES,
     RangeRead,
     RecordRead,
@@ -71,9 +72,8 @@ from .direct_plan import (
     file_ranges,
     plan_records,
 )
-from .read_exec import NULL, StepFiles, check_file, close_all, open_step_file, read_files, run_all, short_error
-from .reader import stored_bytes
 from .record_layout import Arrived, Probe
+from .sinks import DeviceTargets
 
 #: A tensor record at least this large (local files) has its data read straight into the
 #: target; smaller ones are read with their neighbours and scattered.

@@ -34,7 +34,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from ... import compat
+from .. import compat
 
 #: Whether stand-ins become device buffers by DLPack import (True) or are transferred (False);
 #: None: decided from the PJRT device type (DLPack on ``CPU``).
