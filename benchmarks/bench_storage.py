@@ -32,7 +32,6 @@ import sys
 import time
 import uuid
 import warnings
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Dict, List, Optional
 
 os.environ["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] = "false"  # before gcsfs is imported (emulator only)
@@ -47,8 +46,10 @@ import torch.distributed.checkpoint as dcp  # noqa: E402
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter  # noqa: E402
 
 from async_ckpt import CheckpointManager  # noqa: E402
-from async_ckpt.io import FsspecStorageReader, load_state_dict, save_state_dict
-from async_ckpt.storage.storage import Storage  # noqa: E402
+from async_ckpt.io import load_state_dict, save_state_dict  # noqa: E402
+from async_ckpt.io.read_exec import read_files  # noqa: E402
+from async_ckpt.io.sinks import NULL  # noqa: E402
+from async_ckpt.storage.storage import READ_RANGE_BYTES, Storage  # noqa: E402
 from tests.storage_servers import S3_KEY, S3_SECRET, FakeGCSServer, _http_ok, _wait, free_port  # noqa: E402
 
 warnings.filterwarnings("ignore")
@@ -132,10 +133,9 @@ def bench_server(kind: str, opts: Dict[str, Any], sd: Dict[str, torch.Tensor], t
     assert all(torch.equal(target[k], sd[k]) for k in sd), "restore is not bitwise equal"
     # The same reads and CRC32C checks alone, without the copy into the caller's tensors (that
     # copy happens after every file is verified, so that a failed restore changes nothing).
-    reader = FsspecStorageReader(st, st.join("0"), files=files, threads=threads)
-    names = [n for n in files if n.endswith(".distcp")]
-    with ThreadPoolExecutor(threads) as pool:
-        row("async_ckpt reads+crc only (no copy)", "restore", timed(lambda: reader._read_files(names, pool)))
+    data = {n: r for n, r in files.items() if n.endswith(".distcp")}
+    row("async_ckpt reads+crc only (no copy)", "restore",
+        timed(lambda: read_files(st, st.join("0"), data, NULL, threads=threads, chunk=READ_RANGE_BYTES)))
     clear("ours")
 
     # The manager, as a user restores at startup: CheckpointManager.restore into existing tensors

@@ -68,10 +68,9 @@ def main() -> None:
     from bench_restore import make_state, tensors_of
 
     from async_ckpt import CheckpointManager
-    from async_ckpt.lifecycle import coordinator as coord_mod
+    from async_ckpt.io import read_exec, read_targets, step_io
     from async_ckpt.lifecycle import restore as restore_mod
-    from async_ckpt.storage import step_dirs as layout_mod
-    from async_ckpt.io import read_targets as direct, dcp_adapters as reader
+    from async_ckpt.storage import step_dirs
 
     work = os.path.join(args.work, args.size)
     if args.resave or not os.path.exists(os.path.join(work, "raw.bin")):
@@ -99,13 +98,13 @@ def main() -> None:
 
     ph = Phases()
     ph.wrap(restore_mod, "prepare_target", "prepare_target")
-    ph.wrap(layout_mod.StepDirectories, "open_step", "open_step")
-    ph.wrap(reader.FsspecStorageReader, "read_metadata", "read_metadata")
-    ph.wrap(coord_mod, "load_direct", "load_direct")
-    ph.wrap(direct, "plan_records", "plan")
-    ph.wrap(direct, "_open", "open")
+    ph.wrap(step_dirs.StepDirectories, "read_committed", "read_committed")
+    ph.wrap(restore_mod, "read_metadata", "read_metadata")
+    ph.wrap(step_io, "read_direct", "read_direct")
+    ph.wrap(step_io, "plan_direct", "plan")
+    ph.wrap(read_exec.OpenFiles, "__init__", "open")
     run_calls = [0]
-    real_run = direct.run_all
+    real_run = read_exec.run_all
 
     def run_wrap(pool: Any, fns: Any) -> Any:
         run_calls[0] += 1
@@ -116,7 +115,8 @@ def main() -> None:
         finally:
             ph.spans.append((label, t - ph.t0, time.perf_counter() - ph.t0))
 
-    direct.run_all = run_wrap  # type: ignore[assignment]
+    read_exec.run_all = run_wrap  # type: ignore[assignment]
+    read_targets.run_all = run_wrap  # type: ignore[assignment]
     real_preadv = os.preadv
 
     def preadv(fd: int, bufs: Any, off: int, *a: Any) -> int:

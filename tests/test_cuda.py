@@ -65,8 +65,8 @@ def test_cuda_targets_restore_by_direct_reads_and_stay_untouched_when_damaged(tm
     from async_ckpt.io import step_io
 
     calls = []
-    real = step_io.load_direct
-    monkeypatch.setattr(step_io, "load_direct", lambda *a, **k: calls.append(real(*a, **k)) or calls[-1])
+    real = step_io.read_direct
+    monkeypatch.setattr(step_io, "read_direct", lambda *a, **k: calls.append(True) or real(*a, **k))
     root = str(tmp_path / "c")
     sd = _state()
     with CheckpointManager(root) as mgr:

@@ -21,9 +21,9 @@ def big(v: float) -> dict:
 def _eio_after_first_write(monkeypatch, where: str):
     """Reads of files under ``where`` raise StorageError from their second large read on (the
     first one has landed in the target)."""
-    from async_ckpt.io import read_targets as direct
+    from async_ckpt.io import read_exec
 
-    real = direct.open_step_file
+    real = read_exec.open_step_file
     lock = threading.Lock()
     count = {"n": 0}
 
@@ -47,7 +47,7 @@ def _eio_after_first_write(monkeypatch, where: str):
         r = real(storage, path, name, size)
         return Flaky(r) if path.startswith(where) or where in path else r
 
-    monkeypatch.setattr(direct, "open_step_file", opened)
+    monkeypatch.setattr(read_exec, "open_step_file", opened)
     return count
 
 

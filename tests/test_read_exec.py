@@ -16,9 +16,9 @@ from async_ckpt.storage import Storage
 from async_ckpt.format.dcp_layout import METADATA_NAME
 from async_ckpt.format.unpickling import load_metadata
 from async_ckpt.io import load_state_dict, save_state_dict
-from async_ckpt.io.read_targets import load_direct
-from async_ckpt.io.read_exec import FRESH, NULL, IntoBuffers, read_file_bytes, read_files
-from async_ckpt.io.atomic_restore import load_staged
+from async_ckpt.io.read_exec import read_files
+from async_ckpt.io.sinks import FRESH, NULL, IntoBuffers
+from async_ckpt.io.step_io import read_step
 
 from .conftest import assert_bitwise_equal
 
@@ -58,6 +58,27 @@ def step(tmp_path, request):
     with open(os.path.join(path, METADATA_NAME), "rb") as f:
         md = load_metadata(f.read())
     return storage, path, sd, files, md
+
+
+def read_file_bytes(storage, path, name, rec):
+    """One file of a step, read whole and verified (the one verified read into a fresh buffer)."""
+    return memoryview(bytes(read_files(storage, path, {name: rec}, FRESH)[name].numpy()))
+
+
+def load_direct(storage, path, target, *, files, metadata):
+    """The one-process restore straight into the target (the direct path); whether it applied."""
+    from async_ckpt.io.read_targets import plan_direct
+
+    applies = plan_direct(_empty_like(_state()), files, metadata, local=True) is not None
+    read_step(storage, path, target, files=files, verify=True, threads=8, allow_pickle=False, metadata=metadata,
+              planner=None)
+    return applies
+
+
+def load_staged(storage, path, target, *, files, metadata):
+    """``restore(..., atomic=True)``'s read: every file verified into host buffers first."""
+    read_step(storage, path, target, files=files, verify=True, threads=8, allow_pickle=False, metadata=metadata,
+              planner=None, atomic=True)
 
 
 def _whole_files(files):

@@ -10,7 +10,8 @@ import torch
 
 from async_ckpt import CheckpointManager
 from async_ckpt.errors import CorruptCheckpointError, PartlyWrittenError, StagingBudgetError
-from async_ckpt.io import atomic_restore
+from async_ckpt.io import step_io
+from async_ckpt.io.sinks import StagedFiles
 from async_ckpt.format.unpickling import load_metadata
 from async_ckpt.format.crc import crc32c
 
@@ -116,8 +117,8 @@ def test_flipped_byte_leaves_the_target_untouched_and_falls_back(tmp_path, fqn, 
     target = fresh_like(mixed_state(0))
     before = clone_tree(target)
     writes = []
-    real = atomic_restore.load_direct
-    monkeypatch.setattr(atomic_restore, "load_direct", lambda *a, **k: (writes.append(1), real(*a, **k))[1])
+    real = step_io.read_direct
+    monkeypatch.setattr(step_io, "read_direct", lambda *a, **k: (writes.append(1), real(*a, **k))[1])
     with pytest.raises(CorruptCheckpointError, match="checksum mismatch") as ei:
         mgr.restore(2, target, atomic=True)
     assert "partly written" not in str(ei.value) and ei.value.step == 2
@@ -184,16 +185,16 @@ def test_targets_the_direct_path_does_not_take_are_loaded_by_dcp_from_the_staged
     target = fresh_like(mixed_state(0))
     target["model"]["big"] = torch.zeros_like(saved["model"]["big"]).as_subclass(_Sub)
     sources = []
-    real = atomic_restore.load_state_dict
+    real = step_io.load_state_dict
 
     def spy(storage, *a, **k):
         sources.append(type(storage))
         return real(storage, *a, **k)
 
-    monkeypatch.setattr(atomic_restore, "load_state_dict", spy)
+    monkeypatch.setattr(step_io, "load_state_dict", spy)
     mgr = CheckpointManager(root)
     mgr.restore(1, target, atomic=True)
-    assert sources == [atomic_restore.StagedStorage]
+    assert sources == [StagedFiles]
     assert torch.equal(target["model"]["big"].as_subclass(torch.Tensor).view(torch.uint8),
                        saved["model"]["big"].view(torch.uint8))
     target["model"]["big"] = target["model"]["big"].as_subclass(torch.Tensor)

@@ -23,16 +23,25 @@ from .tree import assert_bitwise_equal, clone_tree
 
 @pytest.fixture
 def direct_calls(monkeypatch):
-    """The results of every ``load_direct`` call (True: it restored the step itself)."""
+    """One entry per one-process restore that is not atomic (without a custom planner): True
+    when the direct path read the step itself, False when DCP's reader did."""
+    from async_ckpt.io.sinks import StagedFiles
+
     calls = []
-    real = step_io.load_direct
+    real_direct, real_dcp = step_io.read_direct, step_io.load_state_dict
 
-    def spy(*a, **k):
-        calls.append(None)
-        calls[-1] = real(*a, **k)
-        return calls[-1]
+    def direct(*a, **k):
+        if not k.get("staged"):
+            calls.append(True)
+        return real_direct(*a, **k)
 
-    monkeypatch.setattr(step_io, "load_direct", spy)
+    def dcp_reader(storage, *a, **k):
+        if not isinstance(storage, StagedFiles) and k.get("planner") is None:
+            calls.append(False)
+        return real_dcp(storage, *a, **k)
+
+    monkeypatch.setattr(step_io, "read_direct", direct)
+    monkeypatch.setattr(step_io, "load_state_dict", dcp_reader)
     return calls
 
 

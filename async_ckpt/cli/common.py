@@ -10,12 +10,11 @@ import threading
 import time
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, TypeVar
 
-from ..errors import CheckpointError, CorruptCheckpointError, NotACheckpointRootError, StepNotFoundError
-from ..format.manifest import Manifest
+from ..errors import CheckpointError, NotACheckpointRootError, StepNotFoundError
 from ..lifecycle.catalog import StepCatalog
 from ..storage.diagnosis import LIGHTNING_HINT, Finding, diagnose
 from ..storage.diagnosis import other_kinds as _other_kinds
-from ..storage.step_dirs import StepDirectories
+from ..storage.step_dirs import StepCopy, StepDirectories
 from ..storage.storage import Storage
 
 EXIT_OK, EXIT_DAMAGED, EXIT_ERROR = 0, 1, 2
@@ -434,8 +433,9 @@ def parse_step(text: Optional[str], layout: StepDirectories) -> int:
     return step
 
 
-def read_step_metadata(storage: Storage, layout: StepDirectories, step: int) -> Tuple[Manifest, Any]:
-    """The manifest and the DCP metadata of a committed step (the metadata file verified).
+def read_step_metadata(storage: Storage, layout: StepDirectories, step: int) -> Tuple[StepCopy, Any]:
+    """The committed copy of a step and its DCP metadata, opened and checked
+    (:func:`~async_ckpt.io.dcp_adapters.read_metadata`: the metadata file verified).
 
     Args:
         storage: The root.
@@ -443,17 +443,13 @@ def read_step_metadata(storage: Storage, layout: StepDirectories, step: int) -> 
         step: A committed step.
 
     Returns:
-        ``(manifest, metadata)``.
+        ``(copy, metadata)``: where the copy is, its manifest; the metadata.
 
     Raises:
         CorruptCheckpointError: The manifest lists no metadata file, or it is damaged.
     """
-    from ..format.dcp_layout import METADATA_NAME
-    from ..io import FsspecStorageReader
+    from ..io.dcp_adapters import read_metadata
 
     with naming_step(step):
-        man = layout.read_manifest(step)
-        if METADATA_NAME not in man.files:
-            raise CorruptCheckpointError(f"step {step}: manifest lists no {METADATA_NAME}", step=step)
-        reader = FsspecStorageReader(storage, layout.locate(step), files=man.files, verify=True, whole=man.whole)
-        return man, reader.read_metadata()
+        copy = layout.read_committed(step)
+        return copy, read_metadata(storage, copy.where, copy.manifest.files, whole=copy.manifest.whole)

@@ -105,7 +105,8 @@ def _read_step(storage: Storage, layout: StepDirectories, step: int, key: Option
                allow_pickle: bool) -> Any:
     from ..io import load_state_dict
 
-    man, metadata = read_step_metadata(storage, layout, step)
+    copy, metadata = read_step_metadata(storage, layout, step)
+    man = copy.manifest
     full = _template(metadata, set(man.int_keys))
     target: Dict[str, Any] = full
     parts: List[Any] = []
@@ -129,7 +130,7 @@ def _read_step(storage: Storage, layout: StepDirectories, step: int, key: Option
                 dst[k] = {}
                 dst = dst[k]
     with naming_step(step):
-        load_state_dict(storage, layout.locate(step), target, files=man.files, verify=verify,
+        load_state_dict(storage, copy.where, target, files=man.files, verify=verify,
                         allow_pickle=allow_pickle, metadata=metadata)
     out: Any = target
     for k in parts:

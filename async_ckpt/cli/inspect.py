@@ -10,6 +10,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from ..errors import CheckpointError
 from ..format import step_names
 from ..format.manifest import MARKER_NAME, CopyIdentity, shown
+from ..io.read_exec import check_sizes
 from ..storage.diagnosis import DCP_HINT, PARENT_OF_ROOTS, STEP_DIR
 from ..storage.step_dirs import StepDirectories
 from ..storage.storage import Storage
@@ -80,7 +81,8 @@ def _step_entry(storage: Storage, layout: StepDirectories, name: str, locations:
                                 "written by async_ckpt)")
         return entry
     try:
-        man, bad = layout.check_step(step)
+        opened = layout.read_committed(step)
+        man, bad = opened.manifest, check_sizes(storage, opened.where, opened.manifest.files)
     except CheckpointError as exc:
         entry.update(status="damaged", problem=str(exc))
         return entry
@@ -258,13 +260,17 @@ def _leaves(metadata: Any) -> List[Dict[str, Any]]:
 _MAX_VALUE_BYTES = 64 * 1024
 
 
-def _read_values(storage: Storage, where: str, metadata: Any, leaves: List[Dict[str, Any]]) -> None:
-    """Add ``value`` (a short repr) to the small non-tensor leaves, read by byte range."""
+def _read_values(storage: Storage, where: str, files: Dict[str, Any], metadata: Any,
+                 leaves: List[Dict[str, Any]]) -> None:
+    """Add ``value`` (a short repr) to the small non-tensor leaves, read by byte range through
+    the one verified read (:func:`~async_ckpt.io.sinks.read_ranges`)."""
     import io
 
     from torch.distributed.checkpoint.metadata import MetadataIndex
 
+    from ..errors import CheckpointError
     from ..format.unpickling import load_value
+    from ..io.sinks import read_ranges
 
     by_file: Dict[str, List[Tuple[Dict[str, Any], Any]]] = {}
     for leaf in leaves:
@@ -272,29 +278,30 @@ def _read_values(storage: Storage, where: str, metadata: Any, leaves: List[Dict[
         if leaf["kind"] == "object" and info is not None and info.length <= _MAX_VALUE_BYTES:
             by_file.setdefault(info.relative_path, []).append((leaf, info))
     for name, items in by_file.items():
-        problem = storage.file_problem(f"{where}/{name}", where)  # names were checked with the metadata
-        if problem is not None:
+        try:
+            got = read_ranges(storage, where, {name: files[name]}, {name: [(i.offset, i.length) for _, i in items]})
+        except CheckpointError as exc:  # the file is damaged: its values are not shown (verify says why)
+            problem = str(exc)[len(f"{where}/{name}: "):] if str(exc).startswith(f"{where}/{name}: ") else str(exc)
             for leaf, _ in items:
                 leaf["value"] = f"<not shown: {name} {problem}>"
             continue
-        with storage.fs.open(f"{where}/{name}", "rb") as f:
-            for leaf, info in sorted(items, key=lambda x: x[1].offset):
-                f.seek(info.offset)
-                try:  # plain values, torch types and RNG states only, never arbitrary classes
-                    value = load_value(io.BytesIO(f.read(info.length)), leaf["key"])
-                    text = repr(value)
-                except Exception as exc:
-                    text = f"<not shown: {type(exc).__name__}>"
-                leaf["value"] = text if len(text) <= 60 else text[:57] + "..."
+        for leaf, info in items:
+            try:  # plain values, torch types and RNG states only, never arbitrary classes
+                value = load_value(io.BytesIO(got[(name, info.offset)]), leaf["key"])
+                text = repr(value)
+            except Exception as exc:  # noqa: BLE001 - one value that cannot be shown is named, the others shown
+                text = f"<not shown: {type(exc).__name__}>"
+            leaf["value"] = text if len(text) <= 60 else text[:57] + "..."
 
 
 def cmd_show(args: argparse.Namespace) -> int:
     storage, layout = open_root(args)
     step = parse_step(args.step, layout)
-    man, metadata = read_step_metadata(storage, layout, step)
+    copy, metadata = read_step_metadata(storage, layout, step)
+    man = copy.manifest
     leaves = _leaves(metadata)
     if args.values:
-        _read_values(storage, layout.locate(step), metadata, leaves)
+        _read_values(storage, copy.where, man.files, metadata, leaves)
     tensors = [x for x in leaves if x["kind"] == "tensor"]
     if args.json:
         print_json({"step": step, "commit_time": man.commit_time, "metrics": man.metrics,

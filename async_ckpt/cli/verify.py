@@ -49,19 +49,20 @@ def verify_step(storage: Storage, layout: StepDirectories, step: int, bar: Any) 
         manifest's ``written_bytes`` / ``referred_bytes``.
     """
     from ..format.dcp_layout import METADATA_NAME
-    from ..format.unpickling import load_metadata
-    from ..format.validate import check_step_metadata
-    from ..io.read_exec import FRESH, NULL, read_files
+    from ..io.dcp_adapters import parse_metadata
+    from ..io.read_exec import check_sizes, read_files
+    from ..io.sinks import FRESH, NULL
 
     res: Dict[str, Any] = {"step": step, "ok": False, "files": 0, "bytes": 0, "problems": []}
     try:
-        man, bad = layout.check_step(step)  # what ls checks: verify reports all of it, and more
+        copy = layout.read_committed(step)
+        bad = check_sizes(storage, copy.where, copy.manifest.files)  # what ls checks: verify reports all, and more
     except CheckpointError as exc:
         res["problems"].append(str(exc))
         return res
+    man, where = copy.manifest, copy.where
     res["files"] = len(man.files)
     res["written_bytes"], res["referred_bytes"] = man.written_bytes, man.referred_bytes
-    where = layout.locate(step)
     meta_bytes: Optional[bytes] = None
 
     def counted(n: int) -> None:
@@ -88,15 +89,10 @@ def verify_step(storage: Storage, layout: StepDirectories, step: int, bar: Any) 
     if METADATA_NAME not in man.files:
         res["problems"].append(f"manifest lists no {METADATA_NAME}")
     elif meta_bytes is not None and not any(p.startswith(METADATA_NAME) for p in res["problems"]):
-        try:
-            md = load_metadata(meta_bytes, where=f"step {step} {METADATA_NAME}")
+        try:  # the checks a restore makes of it, against the manifest
+            parse_metadata(meta_bytes, man.files, where=f"step {step} {METADATA_NAME}", whole=man.whole)
         except CheckpointError as exc:
             res["problems"].append(str(exc))
-        else:  # the checks a restore makes of it, against the manifest
-            try:
-                check_step_metadata(md, man.files, where=f"step {step} {METADATA_NAME}", whole=man.whole)
-            except CheckpointError as exc:
-                res["problems"].append(str(exc))
     res["ok"] = not res["problems"]
     return res
 
@@ -288,6 +284,7 @@ def _job_retention(layout: StepDirectories, step: int) -> Tuple[Optional[Dict[st
 
 
 def cmd_prune(args: argparse.Namespace) -> int:
+    from ..io.read_exec import check_sizes
     from ..policies import CheckpointInfo, apply_retention
 
     storage, layout = open_root(args)
@@ -297,7 +294,8 @@ def cmd_prune(args: argparse.Namespace) -> int:
     sizes: Dict[int, int] = {}
     for step in layout.committed_steps():
         try:  # damaged steps (marker, manifest, a file missing or of the wrong size) are left alone
-            m, bad = layout.check_step(step)
+            opened = layout.read_committed(step)
+            m, bad = opened.manifest, check_sizes(storage, opened.where, opened.manifest.files)
         except CheckpointError as exc:
             unreadable[step] = str(exc)
             continue

@@ -1,14 +1,20 @@
-"""DCP-format save and load over :class:`~async_ckpt.storage.storage.Storage`.
+"""One step's files: written and read, in DCP's format, through
+:class:`~async_ckpt.storage.storage.Storage`.
 
-* :mod:`.writer`: the write path (record streams, concurrent checksummed files, the
-  planner-free single-process save);
+* :mod:`.write`: the writer of a step's files (record streams, concurrent checksummed files,
+  the planner-free single-process save, the incremental splice) and DCP's ``StorageWriter``;
+* :mod:`.reuse`: incremental saves: what the last step holds, the files shared into a new step;
+* :mod:`.read_exec`: the one verified read of a step's files, the only module that opens them
+  (parallel, CRC-32C as the bytes arrive, one wording of damage);
+* :mod:`.read_plan`: which byte ranges a read needs, worked out before anything is read;
+* :mod:`.sinks`: where the bytes go (target tensors on CPU, XLA, CUDA; host buffers; nothing;
+  another storage);
+* :mod:`.read_targets`: the restore straight into the target tensors, and the atomic one
+  staged in host buffers first;
+* :mod:`.dcp_adapters`: DCP's ``StorageReader``, its load planners, running a DCP call; the
+  one check of a step's ``.metadata`` (:func:`~.dcp_adapters.read_metadata`);
 * :mod:`.step_io`: one step's files written and read (:func:`~.step_io.write_step`,
-  :func:`~.step_io.read_step`): the choice of data path;
-* :mod:`.read_exec`: the one verified read of a step's files (sinks, the one wording of damage);
-* :mod:`.reader`: DCP's ``StorageReader`` (custom planners, several ranks);
-* :mod:`.direct`, :mod:`.atomic_restore`: reads straight into the targets, or staged in host
-  buffers first (atomic);
-* :mod:`.dcp_call`: running a DCP call.
+  :func:`~.step_io.read_step`): the one choice of data path.
 """
 
 from .dcp_adapters import FsspecStorageReader, load_state_dict

@@ -14,10 +14,8 @@ from __future__ import annotations
 
 import bisect
 import io
-import itertools
-import warnings
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, AbstractSet, Any, Callable, Dict, List, Optional, Protocol, Set, Tuple, cast
+from typing import TYPE_CHECKING, AbstractSet, Any, Callable, Dict, List, Optional, Protocol, Tuple, cast
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -30,33 +28,21 @@ from torch.futures import Future
 from .. import compat
 from ..addresses import byte_view
 from ..errors import CorruptCheckpointError
-from ..format.crc import crc32c
 from ..format.dcp_layout import METADATA_NAME
 from ..format.manifest import FileRecord, check_file_name, shown
-from ..format.torch_record import plain_data_start
 from ..format.unpickling import SafeLoadPlanner, load_metadata
 from ..format.validate import check_step_metadata
 from ..storage.storage import READ_RANGE_BYTES
 from .dcp_call import call_dcp, distributed
-from .read_exec import (
-    FRESH,
-    StepFiles,
-    check_file,
-    checksum_error,
-    close_all,
-    open_checked_ranges,
-    read_files,
-    short_error,
-    unreadable_is_damage,
-)
+from .read_exec import OpenFiles, StepFiles, execute, read_files, whole_pieces
+from .read_plan import record_pieces
+from .sinks import FRESH, NULL, stored_bytes
 
 if TYPE_CHECKING:  # the class compat returns, named for the type checker
     from torch.distributed.checkpoint.filesystem import _StorageInfo
 else:
     _StorageInfo, _ = compat.dcp_storage_info()
 narrow_tensor_by_index = compat.narrow_tensor_by_index()
-
-_REQUEST_COST = 2**20  # a read request costs about as much time as reading this many bytes more
 
 
 class _BytesDecoder(Protocol):
@@ -107,149 +93,56 @@ class FsspecStorageReader(StorageReader):
     def reset(self, checkpoint_id: Any = None) -> None:
         pass
 
-    def _checked_path(self, name: str) -> str:
-        """``path/name``, once ``name`` is known safe to read (see the class docstring)."""
-        check_file_name(name, where=f"{self.path}/{METADATA_NAME}")
-        where = f"{self.path}/{name}"
-        if self.files is not None and name not in self.files:
+    def _records(self, names: List[str]) -> Dict[str, FileRecord]:
+        """The records of the files ``names`` (every one a plain file name): the manifest's; a
+        checkpoint without a manifest (plain DCP): each file's size as the storage reports it,
+        and nothing to compare a checksum with."""
+        for name in names:
+            check_file_name(name, where=f"{self.path}/{METADATA_NAME}")
+        if self.files is None:
+            return {n: FileRecord(self.storage.size(f"{self.path}/{n}"), 0) for n in names}
+        missing = [n for n in names if n not in self.files]
+        if missing:
+            where = f"{self.path}/{missing[0]}"
             raise CorruptCheckpointError(f"{where}: not listed in the manifest; refusing to read it unchecked",
                                          path=where)
-        problem = self.storage.file_problem(where, self.path)
-        if problem is not None:
-            raise CorruptCheckpointError(f"{where}: {problem}", path=where)
-        return where
+        return {n: self.files[n] for n in names}
 
     def read_file(self, name: str) -> bytes:
-        where = self._checked_path(name)
-        with unreadable_is_damage(where):
-            data = self.storage.read_bytes(where)
-        rec = (self.files or {}).get(name)
-        if rec is not None:
-            check_file(where, rec.size, [(0, rec.size, len(data), crc32c(data) if self.verify else 0)], rec.crc32c,
-                       self.verify)
-        return data
+        """The whole file ``name``, read and verified (:func:`~.read_exec.read_files`)."""
+        buf = read_files(self.storage, self.path, self._records([name]), FRESH, verify=self._verifies,
+                         chunk=READ_RANGE_BYTES)[name]
+        return bytes(byte_view(buf)) if buf.numel() else b""
 
-    def _read_files(self, names: List[str], pool: ThreadPoolExecutor) -> Dict[str, Any]:
-        """Read and verify ``names`` concurrently; a big file as concurrent ranged reads.
+    @property
+    def _verifies(self) -> bool:
+        return self.verify and self.files is not None
 
-        A file of at most ``2 * READ_RANGE_BYTES`` is one whole-object read (one request,
-        :meth:`read_file`). A bigger one whose size the manifest gives is read by the one
-        verified read (:func:`~.read_exec.read_files`) into a fresh buffer, in ranges of
-        ``READ_RANGE_BYTES``, on ``pool``.
-        """
-        records = self.files or {}
-        split = {n: records[n] for n in names if n in records and records[n].size > 2 * READ_RANGE_BYTES}
-        for n in split:
-            self._checked_path(n)
-        whole = [n for n in names if n not in split]
-        futs = [pool.submit(self.read_file, n) for n in whole]
-        out: Dict[str, Any] = {}
-        if split:
-            bufs = read_files(self.storage, self.path, split, FRESH, verify=self.verify, chunk=READ_RANGE_BYTES,
-                              pool=pool)
-            out.update({n: byte_view(b) for n, b in bufs.items()})
-        out.update(zip(whole, [f.result() for f in futs]))  # re-raises the first failure
+    def _read(self, whole: List[str], wanted: Dict[str, List[Tuple[int, int]]], pool: ThreadPoolExecutor
+              ) -> Dict[str, Tuple[List[int], List[memoryview]]]:
+        """The bytes the load needs, read and verified by the one verified read: the files
+        ``whole`` whole (a big one as concurrent ranged reads of ``READ_RANGE_BYTES``), and of
+        each file of ``wanted`` (its manifest lists its records) the records that its byte
+        ranges ``(offset, length)`` lie in, adjacent ones in one request, each checked against
+        its CRC-32C. Per file: where each run read starts, and its bytes."""
+        records = self._records(whole + list(wanted))
+        pieces, covered, out = record_pieces(records, wanted, READ_RANGE_BYTES)
+        for name in whole:
+            buf = FRESH.buffer(name, records[name].size)
+            assert buf is not None
+            out[name] = ([0], [byte_view(buf)[:records[name].size] if records[name].size else memoryview(b"")])
+            pieces += whole_pieces(name, records[name].size, buf, READ_RANGE_BYTES)
+        with OpenFiles(self.storage, self.path, records) as opened:
+            execute(opened, pieces, verify=self._verifies, threads=self.threads, pool=pool, records=covered)
         return out
 
-    def _read_records(self, wanted: Dict[str, List[Tuple[int, int]]], pool: ThreadPoolExecutor
-                      ) -> Dict[str, Tuple[List[int], List[memoryview]]]:
-        """Per file of ``wanted``, the records that its byte ranges (offset, length) lie in,
-        read concurrently and (with ``verify``) checked against their CRC32Cs: the start of
-        each run of adjacent records, and its bytes. A run is one request (a big one is split
-        into concurrent ranges of about ``READ_RANGE_BYTES``)."""
-        files = cast(Dict[str, FileRecord], self.files)
-        plans = []  # (name, where, record starts, runs of record indices)
-        for name, spans in wanted.items():
-            records = cast(Tuple[Tuple[int, int], ...], files[name].records)
-            starts = [0, *itertools.accumulate(n for n, _ in records)]  # starts[-1]: the file's size
-            needed: Set[int] = set()
-            for offset, length in spans:
-                first = max(0, bisect.bisect_right(starts, offset) - 1)
-                last = max(first + 1, bisect.bisect_left(starts, offset + length))
-                needed.update(range(first, min(last, len(records))))
-            runs: List[List[int]] = []  # [first record, last record + 1]
-            for k in sorted(needed):
-                if runs and runs[-1][1] == k:
-                    runs[-1][1] = k + 1
-                else:
-                    runs.append([k, k + 1])
-            plans.append((name, self._checked_path(name), starts, runs))
-        readers: Dict[str, Any] = {}
-        out: Dict[str, Tuple[List[int], List[memoryview]]] = {}
-        reads = []  # (reader, where, file offset, buffer): one request each
-        try:
-            for name, where, starts, runs in plans:
-                readers[name] = reader = self._open_ranges(where, files[name].size)
-                # not zero-filled: every byte is overwritten by the reads (or the file is too short)
-                bufs = [byte_view(torch.empty(starts[b] - starts[a], dtype=torch.uint8))
-                        for a, b in runs]
-                out[name] = ([starts[a] for a, _ in runs], bufs)
-                reads += [(reader, where, starts[a] + lo, buf[lo:lo + READ_RANGE_BYTES])
-                          for buf, (a, _) in zip(bufs, runs) for lo in range(0, len(buf), READ_RANGE_BYTES)]
-            # Consecutive reads grouped into about 4 tasks per thread of equal cost (a request
-            # costs as much as reading _REQUEST_COST bytes), not a task per small record.
-            share = sum(len(r[3]) + _REQUEST_COST for r in reads) / (4 * self.threads)
-            tasks: List[List[Tuple[Any, str, int, memoryview]]] = [[]]
-            held = 0
-            for r in reads:
-                tasks[-1].append(r)
-                held += len(r[3]) + _REQUEST_COST
-                if held >= share:
-                    tasks.append([])
-                    held = 0
-
-            def read(task: List[Tuple[Any, str, int, memoryview]]) -> None:
-                for reader, where, start, buf in task:
-                    if reader.read_into(start, buf) != len(buf):
-                        raise short_error(where, start + len(buf))
-
-            list(pool.map(read, tasks))  # re-raises the first failure
-        finally:
-            close_all(readers)
-        if not self.verify:
-            return out
-        batches: List[List[Tuple[str, memoryview, int, int]]] = [[]]  # of about READ_RANGE_BYTES each
-        held = 0  # bytes in the last batch
-        for name, where, starts, runs in plans:
-            records = cast(Tuple[Tuple[int, int], ...], files[name].records)
-            for buf, (a, b) in zip(out[name][1], runs):
-                for k in range(a, b):  # (where, record bytes, crc32c, start)
-                    batches[-1].append((where, buf[starts[k] - starts[a]: starts[k + 1] - starts[a]],
-                                        records[k][1], starts[k]))
-                    held += records[k][0]
-                    if held >= READ_RANGE_BYTES:
-                        batches.append([])
-                        held = 0
-
-        def check(batch: List[Tuple[str, memoryview, int, int]]) -> None:
-            for where, data, want, start in batch:
-                crc = crc32c(data)
-                if crc != want:
-                    raise checksum_error(where, crc, want, (start, start + len(data)))
-
-        list(pool.map(check, batches))
-        return out
-
-    def _open_ranges(self, where: str, size: int) -> Any:
-        return open_checked_ranges(self.storage, where, size)
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """``.metadata``, read and checked (once; a ``metadata`` given to the constructor is
-        taken as checked): see :meth:`check_metadata`."""
+        taken as checked): :func:`read_metadata`, the files no item points at checked too."""
         if self._metadata is None:
-            md = load_metadata(self.read_file(METADATA_NAME), where=f"{self.path}/{METADATA_NAME}")
-            self.check_metadata(md)
-            self._metadata = md
+            self._metadata = read_metadata(self.storage, self.path, self.files, verify=self.verify, whole=self.whole,
+                                           check_unused=True, threads=self.threads)
         return self._metadata
-
-    def check_metadata(self, md: Metadata) -> None:
-        """Raise :class:`CorruptCheckpointError` unless ``md`` passes
-        :func:`~.validate.check_step_metadata` against the manifest's records (with ``files``).
-        Files the manifest lists that no item points at are read and checked too, so that
-        every listed file is checked by a restore."""
-        ends = check_step_metadata(md, self.files, where=f"{self.path}/{METADATA_NAME}", whole=self.whole)
-        for name in sorted(self.files or ()):
-            if name != METADATA_NAME and name not in ends:
-                self.read_file(name)  # referenced by no item: still checked (size, checksum)
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.storage_data = metadata.storage_data
@@ -298,8 +191,7 @@ class FsspecStorageReader(StorageReader):
                   for n, reqs in per_file.items() if n in files and files[n].records is not None}
         whole = [n for n in per_file if n not in ranged]
         with ThreadPoolExecutor(self.threads, thread_name_prefix="async-ckpt-read") as pool:
-            parts = self._read_records(ranged, pool)  # per file: where each read run starts, its bytes
-            parts.update({n: ([0], [memoryview(b)]) for n, b in self._read_files(whole, pool).items()})
+            parts = self._read(whole, ranged, pool)  # per file: where each read run starts, its bytes
 
         def item_bytes(name: str, info: Any) -> memoryview:
             """The bytes of the item ``info`` places in ``name``, from what was read of it."""
@@ -365,54 +257,65 @@ class FsspecStorageReader(StorageReader):
         return True
 
 
-def stored_bytes(item: memoryview, req: Any, target: torch.Tensor) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
-    """The copy that puts a ``torch.save``-serialised tensor's raw data into its target.
-
-    The data sits in the file wherever the records before it ended, so its address need not
-    be a multiple of the dtype's size, and kernels for wide dtypes (complex128) may fault on
-    a misaligned source. ``src`` is therefore the data viewed as ``target``'s dtype only where
-    it is aligned; otherwise it stays bytes (see :func:`aligned_copy`).
+def parse_metadata(data: bytes, files: Optional[Dict[str, FileRecord]], *, where: str, whole: bool = True
+                   ) -> Tuple[Metadata, Dict[str, int]]:
+    """A step's DCP metadata from the bytes of its ``.metadata``: unpickled by the restricted
+    unpickler, then checked against itself and (with ``files``) the manifest's records
+    (:func:`~async_ckpt.format.validate.check_step_metadata`).
 
     Args:
-        item: the record's bytes, straight from the read buffer.
-        req: the read item (its ``storage_offsets`` and ``lengths``).
-        target: the tensor the item goes into.
+        data: the bytes of ``.metadata`` (verified against the manifest already).
+        files: the manifest's records, or ``None`` for a checkpoint without a manifest.
+        where: the ``.metadata`` file, for messages.
+        whole: the copy holds every element of every tensor (``Manifest.whole``).
 
     Returns:
-        ``(dst, src)``: copying ``src`` into ``dst`` fills ``target``; ``None`` unless the item
-        is the plain case (one little-endian, uncompressed storage of exactly ``target``'s size
-        and shape, read whole, see :func:`~..torch_record.plain_data_start`), where
-        ``torch.load`` is used.
+        The metadata, and per data file where its last item ends.
+
+    Raises:
+        CorruptCheckpointError: it does not unpickle, or fails a check (named).
+        UnsafeCheckpointError: it names a class outside the allowed ones.
     """
-    nbytes = target.numel() * target.element_size()
-    if nbytes == 0 or any(req.storage_offsets) or list(req.lengths) != list(target.size()):
-        return None
-    start = plain_data_start(item, target.dtype, tuple(target.shape))
-    if start is None:
-        return None
-    with warnings.catch_warnings():  # a read-only buffer (bytes) is fine: it is only copied from
-        warnings.simplefilter("ignore", UserWarning)
-        raw = torch.frombuffer(item, dtype=torch.uint8, count=nbytes, offset=start)
-    return aligned_copy(raw, target)
+    md = load_metadata(data, where=where)
+    return md, check_step_metadata(md, files, where=where, whole=whole)
 
 
-def aligned_copy(raw: torch.Tensor, target: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``(dst, src)`` that copy the bytes ``raw`` (flat uint8, ``target``'s size) into ``target``
-    without ever reading ``raw`` as a wider type at an address that type is not aligned to.
+def read_metadata(storage: StepFiles, path: str, files: Optional[Dict[str, FileRecord]], *, verify: bool = True,
+                  whole: bool = True, check_unused: bool = False, threads: int = 8) -> Metadata:
+    """Open and check a step's DCP metadata: the one place every path does it (restore, the
+    restart recall of an incremental save, ``show``, ``export``).
 
-    Aligned: ``raw`` viewed as ``target``'s dtype and shape. Misaligned, into a contiguous CPU
-    or CUDA target without a conjugate or negative bit: ``target``'s bytes (a uint8 view) take
-    ``raw`` as bytes (still one copy). Otherwise ``raw`` is first copied into a fresh (aligned)
-    buffer, which is then viewed as ``target``'s dtype.
+    ``.metadata`` is read through the one verified read (its manifest size and CRC-32C), then
+    :func:`parse_metadata`.
+
+    Args:
+        storage: the root's storage.
+        path: the step directory.
+        files: the manifest's records, or ``None`` for a checkpoint without a manifest (plain DCP).
+        verify: compare checksums (sizes are always compared).
+        whole: the copy holds every element of every tensor (``Manifest.whole``).
+        check_unused: the files the manifest lists that no item points at are read and checked
+            too (a restore checks every listed file).
+        threads: how many reads run at once.
+
+    Returns:
+        The checked metadata.
+
+    Raises:
+        CorruptCheckpointError: the manifest lists no ``.metadata``, or it (or, with
+            ``check_unused``, an unused file) is damaged.
     """
-    itemsize = target.element_size()
-    if raw.data_ptr() % itemsize == 0:
-        return target, raw.view(target.dtype).view(target.shape)
-    if target.device.type in ("cpu", "cuda") and target.layout == torch.strided and target.is_contiguous() \
-            and not target.is_conj() and not target.is_neg() and not target.is_quantized:
-        # as_strided, not view(-1): a one-element target may have any stride (w[:, 0] of a (1, N) matrix)
-        return target.as_strided((target.numel(),), (1,)).view(torch.uint8), raw
-    return target, raw.clone().view(target.dtype).view(target.shape)
+    where = f"{path}/{METADATA_NAME}"
+    if files is not None and METADATA_NAME not in files:
+        raise CorruptCheckpointError(f"{path}: the manifest lists no {METADATA_NAME}", path=where)
+    records = files if files is not None else {METADATA_NAME: FileRecord(storage.size(where), 0)}
+    buf = read_files(storage, path, {METADATA_NAME: records[METADATA_NAME]}, FRESH,
+                     verify=verify and files is not None, chunk=READ_RANGE_BYTES)[METADATA_NAME]
+    md, ends = parse_metadata(bytes(byte_view(buf)) if buf.numel() else b"", files, where=where, whole=whole)
+    unused = [n for n in sorted(files or ()) if n != METADATA_NAME and n not in ends]
+    if check_unused and unused and files is not None:  # referenced by no item: still checked (size, checksum)
+        read_files(storage, path, {n: files[n] for n in unused}, NULL, verify=verify, threads=threads)
+    return md
 
 
 def safe_planner(allow_pickle: bool, strict: bool = True, skip: Optional[AbstractSet[str]] = None) -> SafeLoadPlanner:

@@ -1,47 +1,60 @@
-"""The one verified read of a step's files: parallel ranged reads, CRC-32C per range as it arrives.
+"""The one verified read of a step's files: the only module that opens a step's data files.
 
-Every path that reads a step's data files (the direct restore, the atomic restore's staging,
-DCP's ``StorageReader``, ``verify``, copies between roots) opens them through
-:func:`open_step_file` and decides "verified" through :func:`check_file`: a file is verified
-when the ranges read cover exactly its manifest size (not a byte more) and, with ``verify``,
-the CRC-32C put together from the ranges' CRC-32Cs (:func:`~.crc.crc32c_concat`) is the
-manifest's. Every failure is a :class:`~async_ckpt.errors.CorruptCheckpointError` worded by
-:func:`size_error`, :func:`checksum_error` or :func:`short_error`, the same from every path.
+Every path that reads a step's bytes goes through here: the direct restore into the target
+tensors, the atomic restore's staging into host buffers, DCP's ``StorageReader``, ``verify``,
+``show --values``, the copies between roots (``promote``, a skipped upload caught up, a peer's
+copy), the incremental save's check of the files it takes, and its read-back of a record.
 
-:func:`read_files` runs whole files: each file is cut into ranges of about ``chunk`` bytes, a
-run of consecutive ranges per job (one sequential stream, so the kernel's readahead works for
-it), the jobs spread over ``threads``; each range's CRC-32C is computed on the thread that read
-it, right after the read. Where the bytes go is the sink's choice:
+* :class:`OpenFiles`: a step's files opened after the reader's checks (a safe name, a plain
+  file inside the step directory, the manifest's size where the storage knows it without
+  another request); :meth:`OpenFiles.peek` is the one unverified read (a record's ends, probed
+  before the reads that verify them; the bytes are compared when those arrive).
+* :func:`execute`: the executor. It reads :class:`Piece` s (a range of a file, into the
+  caller's memory or into a per-thread buffer handed to a :class:`Consumer`), a run of
+  consecutive pieces of one file per job (one sequential stream: the kernel's readahead works
+  for it), the jobs spread over ``threads``; each piece's CRC-32C is computed on the thread that
+  read it, right after the read. A file is verified whole (its pieces tile it: the size, not a
+  byte more, and the CRC-32C put together from the pieces' CRC-32Cs, :func:`check_file`) or,
+  where the manifest lists its records, record by record (each record a read touches against
+  its CRC-32C).
+* :func:`read_files`: whole files into buffers a :class:`BufferSink` gives (the sinks are in
+  :mod:`.sinks`).
+* :class:`FileStream`: one file read in order, chunk by chunk, verified when its last chunk is
+  read (a peer's copy sent over the network, chunk by chunk).
 
-* :class:`IntoBuffers`: into buffers the caller holds (the atomic restore's host buffers);
-* :data:`FRESH`: into a fresh buffer per file, returned;
-* :data:`NULL`: into a per-thread scratch buffer, kept nowhere (``verify``, and a check of a
-  step's files before an error is reported).
-
-:func:`read_file_bytes` gives one verified file's bytes (copies between roots, exports).
+Every failure is a :class:`~async_ckpt.errors.CorruptCheckpointError` worded by
+:func:`size_error`, :func:`checksum_error`, :func:`short_error` or :func:`missing_error`, the
+same from every path.
 """
 
 from __future__ import annotations
 
+import bisect
 import contextlib
+import functools
+import itertools
 import threading
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Protocol, Sequence, Tuple
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Protocol, Sequence, Tuple
 
 import torch
 
 from ..addresses import byte_view
 from ..errors import CorruptCheckpointError, StorageError
-from ..format.crc import crc32c, crc32c_concat
+from ..format.crc import crc32c, crc32c_combine, crc32c_concat
 from ..format.manifest import FileRecord, check_file_name
 
 #: Ranges of whole-file reads are about this large (a bigger file is read as several, in parallel).
 CHUNK_BYTES = 16 * 2**20
 
+#: What :meth:`StepFiles.file_problem` says of a file that is not there.
+MISSING = "file is missing"
+
 
 class StepFiles(Protocol):
-    """What reading a step's files needs of a storage: ``Storage`` has it, and so
-    does :class:`~.atomic_restore.StagedStorage` (files already read and verified, in memory)."""
+    """What reading a step's files needs of a storage: ``Storage`` has it, and so does
+    :class:`~.sinks.StagedFiles` (files already read and verified, in memory)."""
 
     @property
     def is_local(self) -> bool:
@@ -53,14 +66,29 @@ class StepFiles(Protocol):
     def open_ranges(self, where: str) -> Any:
         """``where`` opened for ranged reads (``read_into``, ``known_size``, ``close``)."""
 
-    def read_bytes(self, where: str) -> bytes:
-        """The whole of ``where``."""
+    def size(self, where: str) -> int:
+        """The size of ``where`` (a checkpoint without a manifest: nothing else tells it)."""
 
 
 # ---- the one wording ---------------------------------------------------------------------------
 
+def size_problem(got: int, size: int, *, longer: bool = False) -> str:
+    """A file of another size than the manifest's, as a problem of that file.
+
+    Args:
+        got: the bytes found (with ``longer``: the manifest's size, which the file goes past).
+        size: the manifest's size.
+        longer: the file goes on past ``size``.
+
+    Returns:
+        ``"size is N bytes, manifest says M"``.
+    """
+    said = f"more than {got}" if longer else str(got)
+    return f"size is {said} bytes, manifest says {size}"
+
+
 def size_error(where: str, got: int, size: int, *, longer: bool = False) -> CorruptCheckpointError:
-    """A file of another size than the manifest's.
+    """A file of another size than the manifest's (:func:`size_problem`).
 
     Args:
         where: the file.
@@ -71,8 +99,7 @@ def size_error(where: str, got: int, size: int, *, longer: bool = False) -> Corr
     Returns:
         The error (to raise).
     """
-    said = f"more than {got}" if longer else str(got)
-    return CorruptCheckpointError(f"{where}: size is {said} bytes, manifest says {size}", path=where)
+    return CorruptCheckpointError(f"{where}: {size_problem(got, size, longer=longer)}", path=where)
 
 
 def checksum_error(where: str, crc: int, want: int, span: Optional[Tuple[int, int]] = None) -> CorruptCheckpointError:
@@ -106,6 +133,19 @@ def short_error(where: str, end: int) -> CorruptCheckpointError:
                                   path=where)
 
 
+def missing_error(where: str, problem: str = MISSING) -> CorruptCheckpointError:
+    """A step's file that is not there, or not a plain file inside the step directory.
+
+    Args:
+        where: the file.
+        problem: what is wrong with it (:meth:`StepFiles.file_problem`'s answer).
+
+    Returns:
+        The error (to raise).
+    """
+    return CorruptCheckpointError(f"{where}: {problem}", path=where)
+
+
 def check_file(where: str, size: int, parts: Iterable[Tuple[int, int, int, int]], want: int, verify: bool) -> None:
     """The one definition of a verified file, from the ranges read of it.
 
@@ -133,6 +173,44 @@ def check_file(where: str, size: int, parts: Iterable[Tuple[int, int, int, int]]
             raise checksum_error(where, crc, want)
 
 
+def check_sizes(storage: Any, path: str, files: Mapping[str, FileRecord]) -> Dict[str, str]:
+    """A cheap look at a step's files that reads no data: each must be a regular file inside the
+    step directory with the manifest's size (one listing gives every size on object stores).
+
+    Args:
+        storage: the root's storage.
+        path: the step directory.
+        files: the manifest's records.
+
+    Returns:
+        Per file that fails, what is wrong with it (empty: the step passed).
+    """
+    listed: Optional[Dict[str, Dict[str, Any]]] = None
+    if not storage.is_local:  # one listing gives every size
+        listed = {e["name"]: e for e in storage.listdir(path)}
+    problems: Dict[str, str] = {}
+    for name, rec in sorted(files.items()):
+        where = f"{path}/{name}"
+        if listed is not None:
+            e = listed.get(name)
+            if e is None:
+                problems[name] = MISSING
+                continue
+            if e.get("type") == "directory":
+                problems[name] = "is a directory, not a file"
+                continue
+            size = int(e["size"]) if e.get("size") is not None else storage.size(where)
+        else:
+            problem = storage.file_problem(where, path)
+            if problem is not None:
+                problems[name] = problem
+                continue
+            size = storage.size(where)
+        if size != rec.size:
+            problems[name] = size_problem(size, rec.size)
+    return problems
+
+
 # ---- opening a step's file ---------------------------------------------------------------------
 
 @contextlib.contextmanager
@@ -142,39 +220,14 @@ def unreadable_is_damage(where: str) -> Iterator[None]:
     try:
         yield
     except FileNotFoundError:
-        raise CorruptCheckpointError(f"{where}: file is missing", path=where) from None
+        raise missing_error(where) from None
     except StorageError as exc:
         if isinstance(exc.__cause__, (IsADirectoryError, NotADirectoryError)):
-            raise CorruptCheckpointError(f"{where}: is not a readable file ({exc.__cause__})", path=where) from exc
+            raise missing_error(where, f"is not a readable file ({exc.__cause__})") from exc
         raise
 
 
-def open_checked_ranges(storage: StepFiles, where: str, size: int) -> Any:
-    """``where`` (a step's data file, already checked to be a plain file inside the step) opened
-    for ranged reads.
-
-    Args:
-        storage: the root's storage.
-        where: the file.
-        size: the manifest's size of it.
-
-    Returns:
-        A ranged reader (``read_into``, ``known_size``, ``close``).
-
-    Raises:
-        CorruptCheckpointError: missing, a directory, or not of ``size`` where the storage knows
-            the size without another request. Its reads raise it too for a file found missing
-            only then (object stores open nothing before the first read).
-    """
-    with unreadable_is_damage(where):
-        reader = storage.open_ranges(where)
-    if reader.known_size is not None and reader.known_size != size:
-        reader.close()
-        raise size_error(where, reader.known_size, size)
-    return _StepFileRanges(reader, where)
-
-
-class _StepFileRanges:
+class _CheckedRanges:
     """A step file's ranged reader whose reads say a missing file is damage, as opening does."""
 
     def __init__(self, reader: Any, where: str) -> None:
@@ -189,9 +242,10 @@ class _StepFileRanges:
         self._reader.close()
 
 
-def open_step_file(storage: StepFiles, path: str, name: str, size: int) -> Any:
+def open_step_file(storage: StepFiles, path: str, name: str, size: int) -> _CheckedRanges:
     """``path/name`` opened for ranged reads after the reader's checks: a safe name, a plain
-    file inside the step directory (no link out of it), then :func:`open_checked_ranges`.
+    file inside the step directory (no link out of it), of ``size`` where the storage knows the
+    size without another request.
 
     Args:
         storage: the root's storage.
@@ -200,27 +254,94 @@ def open_step_file(storage: StepFiles, path: str, name: str, size: int) -> Any:
         size: the manifest's size of it.
 
     Returns:
-        A ranged reader.
+        A ranged reader (``read_into``, ``known_size``, ``close``); its reads raise
+        :class:`CorruptCheckpointError` for a file found missing only then (object stores open
+        nothing before the first read).
 
     Raises:
-        CorruptCheckpointError: an unsafe name, not a plain file inside ``path``, or see
-            :func:`open_checked_ranges`.
+        CorruptCheckpointError: an unsafe name, not a plain file inside ``path``, missing, a
+            directory, or of another size than ``size``.
     """
     where = f"{path}/{name}"
     check_file_name(name, where=where)
     problem = storage.file_problem(where, path)
     if problem is not None:
-        raise CorruptCheckpointError(f"{where}: {problem}", path=where)
-    return open_checked_ranges(storage, where, size)
+        raise missing_error(where, problem)
+    with unreadable_is_damage(where):
+        reader = storage.open_ranges(where)
+    if reader.known_size is not None and reader.known_size != size:
+        reader.close()
+        raise size_error(where, reader.known_size, size)
+    return _CheckedRanges(reader, where)
 
 
-def close_all(readers: Dict[str, Any]) -> None:
-    """Close every ranged reader of ``readers`` (a failure to close is not the restore's)."""
-    for r in readers.values():
+class OpenFiles:
+    """Files of one step opened for the executor (:func:`open_step_file` for each).
+
+    Args:
+        storage: the root's storage.
+        path: the step directory.
+        files: the files to open, with their manifest records.
+
+    Raises:
+        CorruptCheckpointError: see :func:`open_step_file` (nothing is left open).
+    """
+
+    def __init__(self, storage: StepFiles, path: str, files: Mapping[str, FileRecord]) -> None:
+        self.storage, self.path = storage, path
+        self.files: Dict[str, FileRecord] = dict(files)
+        self._readers: Dict[str, _CheckedRanges] = {}
         try:
-            r.close()
-        except Exception:  # noqa: BLE001
-            pass
+            for name, rec in self.files.items():
+                self._readers[name] = open_step_file(storage, path, name, rec.size)
+        except BaseException:
+            self.close()
+            raise
+
+    def where(self, name: str) -> str:
+        """The path of the file ``name``."""
+        return f"{self.path}/{name}"
+
+    def size_known(self, name: str) -> bool:
+        """Whether the storage told the file's size when it was opened (local files)."""
+        return self._readers[name].known_size is not None
+
+    def read_into(self, name: str, start: int, out: memoryview) -> int:
+        """Read ``name[start:start+len(out)]`` into ``out``; the bytes read (fewer at the end of
+        the file). For the executor: the bytes are verified by the caller."""
+        return self._readers[name].read_into(start, out)
+
+    def peek(self, name: str, start: int, n: int) -> bytes:
+        """Up to ``n`` bytes of ``name`` from ``start``, not verified: the caller compares them
+        with the verified bytes of the same range when those arrive (:func:`execute`), or
+        reads the whole file verified before it trusts them.
+
+        Args:
+            name: the file.
+            start: the first byte.
+            n: how many bytes.
+
+        Returns:
+            The bytes read (fewer at the end of the file).
+        """
+        buf = bytearray(n)
+        got = self._readers[name].read_into(start, memoryview(buf))
+        return bytes(buf[:got])
+
+    def close(self) -> None:
+        """Close every file (a failure to close is not the read's: it was read, or failed, already)."""
+        readers, self._readers = self._readers, {}
+        for r in readers.values():
+            try:
+                r.close()
+            except Exception:  # noqa: BLE001 - closing a read handle: the bytes were read (or the read failed) already
+                pass
+
+    def __enter__(self) -> "OpenFiles":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
 
 def run_all(pool: ThreadPoolExecutor, fns: Sequence[Callable[[], Any]]) -> List[Any]:
@@ -237,158 +358,317 @@ def run_all(pool: ThreadPoolExecutor, fns: Sequence[Callable[[], Any]]) -> List[
     return [f.result() for f in futs]
 
 
-# ---- sinks -------------------------------------------------------------------------------------
+# ---- the executor ------------------------------------------------------------------------------
 
-class Sink(Protocol):
-    """Where :func:`read_files` puts a file's bytes."""
+@dataclass
+class Piece:
+    """One ranged read of a step's file.
 
-    def buffer(self, name: str, size: int) -> Optional[torch.Tensor]:
-        """A flat uint8 CPU tensor of ``size`` bytes for the file ``name``, or ``None``: read
-        through a per-thread scratch buffer and keep nothing."""
+    Attributes:
+        name: the file.
+        start: the first byte.
+        end: the byte past the last (exclusive).
+        dest: where the bytes go (at least ``end - start`` bytes; one more lets a file's last
+            piece catch a longer file in the same request); None: a per-thread buffer, handed
+            to the :class:`Consumer` once read.
+        own: ``dest`` is the caller's memory (a failure after its read left the caller partly
+            written).
+    """
 
-
-class IntoBuffers:
-    """Into buffers the caller holds, by file name (each exactly the file's size)."""
-
-    def __init__(self, views: Dict[str, torch.Tensor]) -> None:
-        self.views = views
-
-    def buffer(self, name: str, size: int) -> Optional[torch.Tensor]:
-        return self.views[name]
-
-
-class _Fresh:
-    def buffer(self, name: str, size: int) -> Optional[torch.Tensor]:
-        return torch.empty(size, dtype=torch.uint8)  # never zero-filled: every byte is read into
-
-
-class _Null:
-    def buffer(self, name: str, size: int) -> Optional[torch.Tensor]:
-        return None
+    name: str
+    start: int
+    end: int
+    dest: Optional[memoryview] = None
+    own: bool = True
 
 
-#: A fresh buffer per file (returned by :func:`read_files`).
-FRESH: Sink = _Fresh()
-#: Nothing kept: the files are only checked.
-NULL: Sink = _Null()
+class Consumer(Protocol):
+    """What becomes of the bytes :func:`execute` reads (a sink of :mod:`.sinks`)."""
+
+    def writing(self, piece: Piece) -> None:
+        """The read of ``piece`` into its ``dest`` (the caller's memory) starts."""
+
+    def arrived(self, piece: Piece, buf: torch.Tensor, data: memoryview) -> None:
+        """``piece`` (without a ``dest``) was read whole: ``data`` is its bytes, at the start of
+        ``buf`` (the reading thread's buffer; valid until this returns)."""
+
+    def finished(self, name: str, error: Optional[BaseException]) -> None:
+        """Sequential reads: the file ``name`` was read whole and verified (``error`` None), or
+        not (``error``, raised right after)."""
 
 
 class _Scratch(threading.local):
     buf: Optional[torch.Tensor] = None
 
-    def get(self, n: int) -> memoryview:
+    def get(self, n: int) -> torch.Tensor:
         if self.buf is None or self.buf.numel() < n:
-            self.buf = torch.empty(n, dtype=torch.uint8)
-        return byte_view(self.buf)[:n]
+            self.buf = torch.empty(n, dtype=torch.uint8)  # never zero-filled: every byte used is read into
+        return self.buf
 
 
-# ---- the executor ------------------------------------------------------------------------------
+class _File:
+    """What :func:`execute` checks of one file: its pieces' outcomes, then the file."""
 
-def read_files(storage: StepFiles, path: str, files: Dict[str, FileRecord], sink: Sink, *, verify: bool = True,
-               threads: int = 8, chunk: int = CHUNK_BYTES, pool: Optional[ThreadPoolExecutor] = None,
+    def __init__(self, opened: OpenFiles, name: str, records: Optional[Sequence[int]]) -> None:
+        rec = opened.files[name]
+        self.name, self.where, self.rec = name, opened.where(name), rec
+        self.parts: List[Tuple[int, int, int, int]] = []  # whole: (start, end, got, crc) per piece
+        self.records: Optional[List[int]] = None  # by record: which ones
+        self.starts: List[int] = []
+        self.record_parts: Dict[int, List[Tuple[int, int, int]]] = {}  # record -> (start, crc, length)
+        if records is not None:  # by record (none listed: ranges checked for their length only)
+            self.records = sorted(set(records))
+            if rec.records is not None:
+                self.starts = [0, *itertools.accumulate(n for n, _ in rec.records)]
+
+    def read(self, piece: Piece, got: int, data: memoryview, verify: bool) -> Tuple[int, int, int, int]:
+        """The outcome of ``piece`` (``data``: its bytes read, at most its length)."""
+        n = piece.end - piece.start
+        if self.records is None:
+            return piece.start, piece.end, got, (crc32c(data) if verify else 0)
+        if got < n:
+            raise short_error(self.where, piece.end)
+        if verify and self.records:  # the CRC-32C of each record's part in the piece
+            starts = self.starts
+            k = max(0, bisect.bisect_right(starts, piece.start) - 1)
+            while k < len(starts) - 1 and starts[k] < piece.end:
+                lo, hi = max(piece.start, starts[k]), min(piece.end, starts[k + 1])
+                if lo < hi:
+                    self.record_parts.setdefault(k, []).append((lo, crc32c(data[lo - piece.start:hi - piece.start]),
+                                                                hi - lo))
+                k += 1
+        return piece.start, piece.end, got, 0
+
+    def check(self, verify: bool) -> None:
+        """Raise :class:`CorruptCheckpointError` unless the file (or each record read) is verified."""
+        if self.records is None:
+            self.parts.sort()
+            check_file(self.where, self.rec.size, self.parts, self.rec.crc32c, verify)
+            return
+        if not verify or not self.records:
+            return
+        assert self.rec.records is not None
+        for k in self.records:
+            lo, hi = self.starts[k], self.starts[k + 1]
+            crc, at = 0, lo
+            for start, c, length in sorted(self.record_parts.get(k, ())):
+                crc, at = crc32c_combine(crc, c, length), start + length
+            want = self.rec.records[k][1]
+            if at != hi or crc != want:
+                raise checksum_error(self.where, crc, want, (lo, hi))
+
+
+def execute(opened: OpenFiles, pieces: Sequence[Piece], *, verify: bool = True, threads: int = 8,
+            pool: Optional[ThreadPoolExecutor] = None, records: Optional[Mapping[str, Sequence[int]]] = None,
+            consumer: Optional[Consumer] = None, progress: Optional[Callable[[int], None]] = None,
+            sequential: bool = False, scratch_bytes: int = 0) -> None:
+    """Read ``pieces`` of the files of ``opened``, in parallel, and verify each file.
+
+    A file is verified whole: its pieces tile it from byte 0 to its manifest size, and its
+    CRC-32C is put together from theirs (:func:`check_file`); where the storage did not tell
+    its size, its last piece reads one byte more, so that a longer file is caught as well as a
+    shorter one. With ``records`` naming the records of a file whose pieces cover exactly
+    those records (its manifest lists its records), each of them is checked against its own
+    CRC-32C instead, and a piece that ends early is :func:`short_error` (an empty list: ranges
+    read for themselves, checked for their length only).
+
+    Args:
+        opened: the step's files, opened.
+        pieces: what to read.
+        verify: compare checksums (sizes are always compared).
+        threads: how many reads run at once (without ``pool``).
+        pool: run on this pool instead of a new one.
+        records: per file read record by record, the indices of the records its pieces cover.
+        consumer: what becomes of pieces read into a buffer (and of the caller's memory).
+        progress: called with the byte count of each piece once it is read (from the reading
+            threads, one call at a time).
+        sequential: each file's pieces are read in order on one thread, and the file is
+            checked (``consumer.finished``) right after its last piece (a copy written as it
+            is read).
+        scratch_bytes: the least size of a thread's buffer (it grows for a longer piece).
+
+    Raises:
+        CorruptCheckpointError: a file of another size or (``verify``) another checksum, or what
+            the consumer raises; nothing is reported until every read finished (sequential:
+            the file's own failure, once its job ended).
+    """
+    files: Dict[str, _File] = {}
+    per: Dict[str, List[Piece]] = {}
+    for p in pieces:
+        per.setdefault(p.name, []).append(p)
+    for name in per:
+        per[name].sort(key=lambda p: p.start)
+        files[name] = _File(opened, name, (records or {}).get(name))
+    scratch = _Scratch()
+    lock = threading.Lock()
+
+    def read(f: _File, piece: Piece, last: bool) -> Tuple[int, int, int, int]:
+        n = piece.end - piece.start
+        extra = int(last and f.records is None and not opened.size_known(f.name))  # catches a longer file
+        dest = piece.dest
+        if dest is not None:
+            if consumer is not None and piece.own:
+                consumer.writing(piece)
+            view = dest[:n + extra] if len(dest) >= n + extra else dest[:n]
+            got = opened.read_into(f.name, piece.start, view) if n + extra else 0
+            data = dest[:min(got, n)]
+            buf: Optional[torch.Tensor] = None
+        else:
+            buf = scratch.get(max(n + extra, scratch_bytes))
+            view = byte_view(buf)[:n + extra]
+            got = opened.read_into(f.name, piece.start, view) if n + extra else 0
+            data = view[:min(got, n)]
+        out = f.read(piece, got, data, verify)
+        if progress is not None and got:
+            with lock:
+                progress(min(got, n))
+        if extra and got == n and len(view) == n:
+            got += opened.read_into(f.name, piece.end, memoryview(bytearray(1)))  # the file goes on past its size
+            out = (out[0], out[1], got, out[3])
+        if buf is not None and consumer is not None and got >= n:
+            consumer.arrived(piece, buf, data)
+        return out
+
+    def run(name: str, group: List[Piece]) -> None:
+        f = files[name]
+        last = per[name][-1]
+        outs = [read(f, p, p is last) for p in group]
+        with lock:
+            f.parts.extend(outs)
+        if sequential:
+            try:
+                f.check(verify)
+            except BaseException as exc:
+                if consumer is not None:
+                    consumer.finished(name, exc)
+                raise
+            if consumer is not None:
+                consumer.finished(name, None)
+
+    # a run of consecutive pieces of one file per job (one sequential stream per job)
+    jobs: List[Callable[[], None]] = []
+    split = 1 if sequential else max(1, -(-max(1, threads) // max(1, len(per))))
+    for name, ps in per.items():
+        n = -(-len(ps) // split)
+        for k in range(0, len(ps), n):
+            jobs.append(functools.partial(run, name, ps[k:k + n]))
+    if pool is not None:
+        run_all(pool, jobs)
+    elif len(jobs) == 1:
+        jobs[0]()
+    elif jobs:
+        with ThreadPoolExecutor(max(1, min(threads, len(jobs))), thread_name_prefix="async-ckpt-read") as own:
+            run_all(own, jobs)
+    if not sequential:
+        for f in files.values():
+            f.check(verify)
+
+
+# ---- whole files into buffers ------------------------------------------------------------------
+
+class BufferSink(Protocol):
+    """Where :func:`read_files` puts a file's bytes (:mod:`.sinks`: into buffers the caller
+    holds, into fresh ones, into nothing)."""
+
+    def buffer(self, name: str, size: int) -> Optional[torch.Tensor]:
+        """A flat uint8 CPU tensor of ``size`` bytes (or one more) for the file ``name``, or
+        ``None``: read through a per-thread buffer and keep nothing."""
+
+
+def whole_pieces(name: str, size: int, buf: Optional[torch.Tensor], chunk: int) -> List[Piece]:
+    """The pieces that read the file ``name`` whole, ``chunk`` bytes at a time, into ``buf``
+    (or into a per-thread buffer); an empty file is one empty piece (it is checked too)."""
+    mv = byte_view(buf) if buf is not None and buf.numel() else (memoryview(bytearray(1)) if buf is not None else None)
+    return [Piece(name, lo, min(size, lo + chunk), None if mv is None else mv[lo:])
+            for lo in range(0, max(size, 1), chunk)] if size else [Piece(name, 0, 0, mv)]
+
+
+def read_files(storage: StepFiles, path: str, files: Mapping[str, FileRecord], sink: BufferSink, *,
+               verify: bool = True, threads: int = 8, chunk: int = CHUNK_BYTES,
+               pool: Optional[ThreadPoolExecutor] = None,
                progress: Optional[Callable[[int], None]] = None) -> Dict[str, torch.Tensor]:
-    """Read the whole files ``files`` of the step ``path``, each verified (:func:`check_file`).
+    """Read the whole files ``files`` of the step ``path``, each verified (:func:`execute`).
 
     Args:
         storage: the root's storage.
         path: the step directory.
         files: the files to read, by name, with their manifest records (size, CRC-32C).
-        sink: where the bytes go (:class:`IntoBuffers`, :data:`FRESH`, :data:`NULL`).
+        sink: where the bytes go (:mod:`.sinks`: ``IntoBuffers``, ``FRESH``, ``NULL``).
         verify: compare checksums (sizes are always compared).
         threads: how many reads run at once (without ``pool``).
         chunk: the size of one ranged read.
         pool: run on this pool instead of a new one.
-        progress: called with the byte count of each range once it is read (from the reading
-            threads, one call at a time).
+        progress: called with the byte count of each range once it is read.
 
     Returns:
-        The buffers the sink gave, by file name (none for :data:`NULL`).
+        The buffers the sink gave, by file name, each exactly the file's size (none for a sink
+        that keeps nothing).
 
     Raises:
         CorruptCheckpointError: a file that is missing, unsafe, of another size or (``verify``)
             another checksum; nothing is reported until every read finished.
     """
-    readers: Dict[str, Any] = {}
-    bufs: Dict[str, Optional[torch.Tensor]] = {}
-    scratch = _Scratch()
-    lock = threading.Lock()
-    # (name, start, end, extra): extra = 1 on the last range of a file whose size the storage
-    # does not know, so that a longer file is caught as well as a shorter one
-    tasks: List[Tuple[str, int, int, int]] = []
-    per: Dict[str, List[int]] = {}
-    try:
+    bufs: Dict[str, torch.Tensor] = {}
+    pieces: List[Piece] = []
+    with OpenFiles(storage, path, files) as opened:
         for name, rec in files.items():
-            readers[name] = open_step_file(storage, path, name, rec.size)
-            bufs[name] = sink.buffer(name, rec.size)
-        for name, rec in files.items():
-            size = rec.size
-            per[name] = []  # an empty file is checked too
-            ranges = [(lo, min(size, lo + chunk)) for lo in range(0, size, chunk)] or [(0, 0)]
-            for k, (lo, hi) in enumerate(ranges):
-                extra = int(k == len(ranges) - 1 and readers[name].known_size is None)
-                if hi > lo or extra:
-                    per[name].append(len(tasks))
-                    tasks.append((name, lo, hi, extra))
-
-        def run(task: Tuple[str, int, int, int]) -> Tuple[int, int]:
-            name, lo, hi, extra = task
-            r = readers[name]
-            buf = bufs[name]
-            mv = byte_view(buf)[lo:hi] if buf is not None else scratch.get(hi - lo)
-            got = r.read_into(lo, mv) if hi > lo else 0
-            crc = crc32c(mv[:got]) if verify else 0
-            if progress is not None and got:
-                with lock:
-                    progress(got)
-            if extra and got == hi - lo:
-                got += r.read_into(hi, memoryview(bytearray(1)))  # 1: the file goes on past its size
-            return got, crc
-
-        # a run of consecutive ranges of one file per job (one sequential stream per job)
-        split = max(1, -(-max(1, threads) // max(1, len(per))))
-        groups: List[List[int]] = []
-        for idx in per.values():
-            if idx:
-                n = -(-len(idx) // split)
-                groups += [idx[k:k + n] for k in range(0, len(idx), n)]
-        results: List[Tuple[int, int]] = [(0, 0)] * len(tasks)
-
-        def run_group(group: List[int]) -> None:
-            for i in group:
-                results[i] = run(tasks[i])
-
-        calls = [lambda g=g: run_group(g) for g in groups]  # (named: mypy types it here, not in run_all's call)
-        if pool is not None:
-            run_all(pool, calls)
-        elif groups:
-            with ThreadPoolExecutor(max(1, min(threads, len(groups))), thread_name_prefix="async-ckpt-read") as own:
-                run_all(own, calls)
-    finally:
-        close_all(readers)
-    for name, idx in per.items():
-        check_file(f"{path}/{name}", files[name].size,
-                   ((tasks[i][1], tasks[i][2], results[i][0], results[i][1]) for i in idx),
-                   files[name].crc32c, verify)
-    return {n: b for n, b in bufs.items() if b is not None}
+            buf = sink.buffer(name, rec.size)
+            if buf is not None:
+                bufs[name] = buf[:rec.size]
+            pieces += whole_pieces(name, rec.size, buf, chunk)
+        execute(opened, pieces, verify=verify, threads=threads, pool=pool, progress=progress,
+                scratch_bytes=min(chunk, max((r.size for r in files.values()), default=0)))
+    return bufs
 
 
-def read_file_bytes(storage: StepFiles, path: str, name: str, rec: FileRecord, *, verify: bool = True,
-                    threads: int = 8) -> memoryview:
-    """One file of a step, read whole and verified (:func:`read_files` into a fresh buffer).
+# ---- one file in order -------------------------------------------------------------------------
+
+class FileStream:
+    """One file of a step read in order, chunk by chunk, verified once its last chunk is read
+    (the same checks and wording as :func:`execute`).
 
     Args:
         storage: the root's storage.
         path: the step directory.
-        name: the file's name in it.
+        name: the file.
         rec: its manifest record.
-        verify: compare its checksum.
-        threads: how many ranged reads run at once.
-
-    Returns:
-        Its bytes.
+        verify: compare the checksum (sizes are always compared).
 
     Raises:
-        CorruptCheckpointError: see :func:`read_files`.
+        CorruptCheckpointError: see :func:`open_step_file`.
     """
-    buf = read_files(storage, path, {name: rec}, FRESH, verify=verify, threads=threads)[name]
-    return byte_view(buf) if buf.numel() else memoryview(b"")
+
+    def __init__(self, storage: StepFiles, path: str, name: str, rec: FileRecord, *, verify: bool = True) -> None:
+        self.name, self.rec, self.verify = name, rec, verify
+        self._opened = OpenFiles(storage, path, {name: rec})
+        self._file = _File(self._opened, name, None)
+
+    def read(self, lo: int, out: memoryview) -> int:
+        """Read ``[lo, lo + len(out))`` (the next chunk, in order) into ``out``; after the last
+        chunk (its end is the file's size) the file is checked.
+
+        Args:
+            lo: where the chunk starts (the end of the one before).
+            out: where its bytes go.
+
+        Returns:
+            The bytes read.
+
+        Raises:
+            CorruptCheckpointError: the file is shorter or longer than its manifest says, or
+                (``verify``) its checksum is not the manifest's (at its last chunk).
+        """
+        hi = lo + len(out)
+        got = self._opened.read_into(self.name, lo, out)
+        crc = crc32c(out[:got]) if self.verify else 0
+        if hi == self.rec.size and got == len(out) and not self._opened.size_known(self.name):
+            got += self._opened.read_into(self.name, hi, memoryview(bytearray(1)))  # the file goes on past its size
+        self._file.parts.append((lo, hi, got, crc))
+        if hi == self.rec.size:
+            self._opened.close()
+            self._file.check(self.verify)
+        return min(got, len(out))
+
+    def close(self) -> None:
+        """Close the file (done already after its last chunk)."""
+        self._opened.close()

@@ -1,18 +1,26 @@
-"""What a direct restore (:mod:`.direct`) reads where, worked out before anything is read.
+"""What a read of a step reads where, worked out before anything is read: the pieces
+:func:`~.read_exec.execute` reads.
 
-:func:`plan_records` gives, per data file, the records of the targets' items (``RecordRead``: where each
-lies, and whether its data goes straight into its target, is read with its neighbours and
-scattered, takes the slow path through the buffer, or is a non-tensor item), and raises
-:class:`Unsupported` for anything the direct restore does not handle (nothing is read by
-then). :func:`file_ranges` cuts each file into a tiling of ranges (``RangeRead``): straight into a
-target, in pieces of at most ``DIRECT_CHUNK_BYTES``, or into a per-thread buffer, about
-``BUFFER_CHUNK_BYTES`` at a time, cut at record boundaries. :func:`assign_arrivals` gives
-each buffered range the large records whose head or tail it reads.
+The direct restore (:mod:`.read_targets`): :func:`plan_records` gives, per data file, the records
+of the targets' items (``RecordRead``: where each lies, and whether its data goes straight into
+its target, is read with its neighbours and scattered, takes the slow path through the buffer,
+or is a non-tensor item), and raises :class:`Unsupported` for anything the direct restore does
+not handle (nothing is read by then). :func:`file_ranges` cuts each file into a tiling of pieces
+(``RangeRead``): straight into a target, at most ``DIRECT_CHUNK_BYTES`` each, or into a
+per-thread buffer, about ``BUFFER_CHUNK_BYTES`` at a time, cut at record boundaries.
+:func:`assign_arrivals` gives each buffered piece the large records whose head or tail it
+reads. :class:`Probe` and :class:`Arrived` hold those bytes (to find or confirm where a large
+record's data lies).
+
+DCP's reader (:mod:`.dcp_adapters`): :func:`record_pieces` gives the runs of records that hold
+the byte ranges a load plan needs, as pieces into fresh buffers.
 """
 
 from __future__ import annotations
 
 import bisect
+import itertools
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Set, Tuple
 
@@ -20,11 +28,10 @@ import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
 
 from ..addresses import byte_view, host_bytes
+from ..format.dcp_layout import flatten_target
 from ..format.manifest import FileRecord
-from .read_exec import StepFiles
-from .record_layout import Arrived
-from .sinks import DeviceTargets, is_device
-from .sinks import supported as device_supported
+from ..format.torch_record import data_start as record_data_start
+from .read_exec import OpenFiles, Piece
 
 #: Largest single read straight into a target (a big tensor is read as several, in parallel).
 DIRECT_CHUNK_BYTES = 16 * 2**20
@@ -57,16 +64,32 @@ class RecordRead:
 
 
 @dataclass
-class RangeRead:
-    path: str
-    name: str
-    start: int
-    end: int  # exclusive
-    extra: int = 0  # 1 on a file's last range where the size is not known: catches a longer file
-    dest: Optional[memoryview] = None  # straight into a target, else the thread's buffer
-    own: bool = True  # dest is the caller's memory
+class RangeRead(Piece):
+    """A piece of a direct restore: straight into a target (``dest``), or into the reading
+    thread's buffer, then scattered into the targets of the records inside it."""
+
     recs: List[RecordRead] = field(default_factory=list)  # records inside [start, end) (buffered)
     arrivals: List[RecordRead] = field(default_factory=list)  # direct records whose head or tail it reads
+
+
+def is_device(t: torch.Tensor) -> bool:
+    """A target read through a host stand-in (:class:`~.sinks.DeviceTargets`): an XLA or CUDA tensor."""
+    return t.device.type in ("xla", "cuda")
+
+
+def device_supported(t: torch.Tensor) -> bool:
+    """Whether the device tensor ``t`` can be restored through a stand-in: strided, not
+    quantized, and (XLA) this process is not in SPMD mode."""
+    if t.layout != torch.strided or t.is_quantized:
+        return False
+    if t.device.type == "cuda":
+        return True
+    try:
+        import torch_xla.runtime as xr
+
+        return not xr.is_spmd()
+    except Exception:  # noqa: BLE001 - no torch_xla (or an older one): not a target this path reads
+        return False
 
 
 def _plain_target(t: torch.Tensor) -> bool:
@@ -89,14 +112,6 @@ def _contiguous_bytes(t: torch.Tensor) -> Optional[torch.Tensor]:
     if flat.stride(0) != 1:  # one element under any stride: taken with stride 1
         flat = t.as_strided((1,), (1,))
     return flat.view(torch.uint8)
-
-
-def _flat_targets(state_dict: Dict[str, Any], metadata: Metadata) -> Tuple[Dict[str, Any], Dict[str, Any]]:
-    """DCP's flattening of ``state_dict`` in the checkpoint's key layout (see
-    :func:`~.file_assignment.flatten_target`)."""
-    from ..format.dcp_layout import flatten_target
-
-    return flatten_target(state_dict, metadata)
 
 
 def _overlapping(flat: Dict[str, Any], md: Dict[str, Any]) -> Set[str]:
@@ -125,19 +140,16 @@ def _overlapping(flat: Dict[str, Any], md: Dict[str, Any]) -> Set[str]:
     return out
 
 
-def plan_records(storage: StepFiles, path: str, state_dict: Dict[str, Any], files: Dict[str, FileRecord],
-                 metadata: Metadata, direct_min: int, devices: DeviceTargets
-                 ) -> Tuple[Dict[str, List[RecordRead]], Dict[str, Any], Dict[str, Any]]:
+def plan_records(state_dict: Dict[str, Any], files: Dict[str, FileRecord], metadata: Metadata, direct_min: int,
+                 devices: Any) -> Tuple[Dict[str, List[RecordRead]], Dict[str, Any], Dict[str, Any]]:
     """The records per data file that the targets in ``state_dict`` are read from.
 
     Args:
-        storage: the step's storage.
-        path: the step directory.
         state_dict: the targets.
         files: the manifest's file records.
         metadata: the step's checked DCP metadata.
         direct_min: tensors of at least this many bytes are read straight into their targets.
-        devices: XLA/CUDA targets get host stand-ins here.
+        devices: XLA/CUDA targets get host stand-ins here (:class:`~.sinks.DeviceTargets`).
 
     Returns:
         ``(records per file in file order, the flattened targets, their key mappings)``.
@@ -145,7 +157,7 @@ def plan_records(storage: StepFiles, path: str, state_dict: Dict[str, Any], file
     Raises:
         Unsupported: a checkpoint or target the direct restore does not handle (nothing read).
     """
-    flat, mappings = _flat_targets(state_dict, metadata)
+    flat, mappings = flatten_target(state_dict, metadata)
     md = metadata.state_dict_metadata
     data = metadata.storage_data
     if not isinstance(data, dict):
@@ -229,21 +241,17 @@ def plan_records(storage: StepFiles, path: str, state_dict: Dict[str, Any], file
     return per_file, flat, mappings
 
 
-def file_ranges(path: str, name: str, size: int, recs: List[RecordRead], size_known: bool) -> List[RangeRead]:
-    """The file ``name`` as a tiling of ranges: straight into targets, or through a buffer.
+def file_ranges(name: str, size: int, recs: List[RecordRead]) -> List[RangeRead]:
+    """The file ``name`` as a tiling of pieces: straight into targets, or through a buffer.
 
     Args:
-        path: the step directory.
         name: the file.
         size: its manifest size.
         recs: its records (:func:`plan_records`), in file order.
-        size_known: the storage knows the file's size (else the last range asks for one byte
-            more, to catch a longer file).
 
     Returns:
-        The ranges, in file order.
+        The pieces, in file order.
     """
-    where = f"{path}/{name}"
     direct = [r for r in recs if r.kind == "direct"]
     out: List[RangeRead] = []
     pos = 0
@@ -252,7 +260,7 @@ def file_ranges(path: str, name: str, size: int, recs: List[RecordRead], size_kn
 
     def buffered(lo: int, hi: int) -> None:
         nonlocal pending
-        cur = RangeRead(where, name, lo, lo)
+        cur = RangeRead(name, lo, lo)
         while True:
             # records wholly inside [lo, hi) go with the range they start in
             nxt = pending if pending is not None and pending.start < hi else None
@@ -261,14 +269,14 @@ def file_ranges(path: str, name: str, size: int, recs: List[RecordRead], size_kn
                 room = cur.start + BUFFER_CHUNK_BYTES - cur.end
                 if room <= 0:
                     out.append(cur)
-                    cur = RangeRead(where, name, cur.end, cur.end)
+                    cur = RangeRead(name, cur.end, cur.end)
                     continue
                 cur.end = min(stop, cur.end + room)
             if nxt is None:
                 break
             if cur.end > cur.start and cur.end + nxt.length - cur.start > BUFFER_CHUNK_BYTES:
                 out.append(cur)
-                cur = RangeRead(where, name, cur.end, cur.end)
+                cur = RangeRead(name, cur.end, cur.end)
             cur.recs.append(nxt)
             cur.end = nxt.start + nxt.length
             pending = next(others, None)
@@ -283,12 +291,10 @@ def file_ranges(path: str, name: str, size: int, recs: List[RecordRead], size_kn
         mv = byte_view(r.flat)  # type: ignore[arg-type]  # flat is set on every direct record
         for lo in range(a, b, DIRECT_CHUNK_BYTES):
             hi = min(b, lo + DIRECT_CHUNK_BYTES)
-            out.append(RangeRead(where, name, lo, hi, dest=mv[lo - a:hi - a], own=r.own))
+            out.append(RangeRead(name, lo, hi, dest=mv[lo - a:hi - a], own=r.own))
         pos = b
     if size > pos:
         buffered(pos, size)
-    if not size_known and out:
-        out[-1].extra = 1
     return out
 
 
@@ -309,3 +315,132 @@ def assign_arrivals(per_file: Dict[str, List[RecordRead]], tasks: List[RangeRead
         while k < len(recs) and recs[k].start < task.end:
             task.arrivals.append(recs[k])
             k += 1
+
+
+# ---- the bytes of a large record's ends ----------------------------------------------------------
+
+#: Bytes read at each end of a large record to find where its data lies.
+PROBE_BYTES = 4096
+
+
+class Probe:
+    """The bytes of a large record near its ends, peeked once (:meth:`~.read_exec.OpenFiles.peek`:
+    compared with the verified bytes when those arrive); other bytes peeked on demand."""
+
+    def __init__(self, opened: OpenFiles, name: str, rec: RecordRead) -> None:
+        self.opened, self.name, self.rec = opened, name, rec
+        self.windows: List[Tuple[int, bytes]] = []  # (offset in the file, bytes)
+        n = min(PROBE_BYTES, rec.length)
+        self._fetch(rec.start, n)
+        if rec.length > n:
+            lo = max(rec.start + n, rec.start + rec.length - PROBE_BYTES)
+            self._fetch(lo, rec.start + rec.length - lo)
+
+    def _fetch(self, start: int, n: int) -> bytes:
+        data = self.opened.peek(self.name, start, n)
+        self.windows.append((start, data))
+        return data
+
+    def get(self, lo: int, hi: int) -> bytes:  # record-relative
+        a, b = self.rec.start + lo, self.rec.start + hi
+        for w0, data in self.windows:
+            if w0 <= a and b <= w0 + len(data):
+                return data[a - w0:b - w0]
+        return self._fetch(a, b - a)
+
+
+class Arrived:
+    """The bytes of a large record around its data (its head, from its start to the data, and
+    its tail, from the end of the data to its end), gathered as the reads bring them in, to
+    confirm where its data lies when that was taken from the manifest instead of probed."""
+
+    def __init__(self, opened: OpenFiles, name: str, start: int, length: int, data_start: int, nbytes: int) -> None:
+        self.opened, self.name, self.start, self.length = opened, name, start, length
+        self.data_lo, self.data_hi = data_start, data_start + nbytes  # in the file
+        self.head = bytearray(data_start - start)
+        self.tail = bytearray(start + length - self.data_hi)
+        self._missing = len(self.head) + len(self.tail)
+        self._lock = threading.Lock()
+
+    def take(self, lo: int, data: memoryview) -> bool:
+        """Keep what of the file's bytes ``data`` (from offset ``lo``) lies in the head or tail;
+        whether that completed them (true once, on the call that did)."""
+        hi, n = lo + len(data), 0
+        for buf, base, end in ((self.head, self.start, self.data_lo), (self.tail, self.data_hi, self.start + self.length)):
+            a, b = max(lo, base), min(hi, end)
+            if a < b:
+                buf[a - base:b - base] = data[a - lo:b - lo]
+                n += b - a
+        if not n:
+            return False
+        with self._lock:
+            self._missing -= n
+            return self._missing == 0
+
+    def get(self, lo: int, hi: int) -> bytes:  # record-relative
+        a, b = self.start + lo, self.start + hi
+        if self.start <= a and b <= self.data_lo:
+            return bytes(self.head[a - self.start:b - self.start])
+        if self.data_hi <= a and b <= self.start + self.length:
+            return bytes(self.tail[a - self.data_hi:b - self.data_hi])
+        return self.opened.peek(self.name, a, b - a)  # not where zipfile looks in a torch.save record
+
+    def record(self, data: torch.Tensor) -> memoryview:
+        """The whole record: the head and tail gathered, ``data`` (its bytes, flat uint8) between."""
+        out = bytearray(self.length)
+        h, n = len(self.head), self.data_hi - self.data_lo
+        out[:h] = self.head
+        out[h:h + n] = byte_view(data)
+        out[h + n:] = self.tail
+        return memoryview(out)
+
+    def agrees(self, dtype: torch.dtype, shape: Tuple[int, ...]) -> bool:
+        """Whether the record, parsed from the bytes gathered, has its data where it was said to."""
+        return record_data_start(self.get, self.length, dtype, shape) == self.data_lo - self.start
+
+
+# ---- DCP's reader: runs of records -------------------------------------------------------------
+
+def record_pieces(files: Dict[str, FileRecord], wanted: Dict[str, List[Tuple[int, int]]], piece_bytes: int
+                  ) -> Tuple[List[Piece], Dict[str, List[int]], Dict[str, Tuple[List[int], List[memoryview]]]]:
+    """The records that the byte ranges ``wanted`` lie in, as runs of adjacent records, each
+    read into a fresh buffer (a run is one request; a big one is cut into pieces of about
+    ``piece_bytes``, read at once).
+
+    Args:
+        files: the manifest's records of the files (each listing its records).
+        wanted: per file, the ``(offset, length)`` ranges a load needs.
+        piece_bytes: the most bytes of one piece.
+
+    Returns:
+        ``(pieces, records, runs)``: the pieces to read; per file, the indices of the records
+        they cover (each checked against its CRC-32C); per file, where each run starts in the
+        file and its buffer.
+    """
+    pieces: List[Piece] = []
+    covered: Dict[str, List[int]] = {}
+    out: Dict[str, Tuple[List[int], List[memoryview]]] = {}
+    for name, spans in wanted.items():
+        records = files[name].records
+        assert records is not None
+        starts = [0, *itertools.accumulate(n for n, _ in records)]  # starts[-1]: the file's size
+        needed: Set[int] = set()
+        for offset, length in spans:
+            first = max(0, bisect.bisect_right(starts, offset) - 1)
+            last = max(first + 1, bisect.bisect_left(starts, offset + length))
+            needed.update(range(first, min(last, len(records))))
+        runs: List[List[int]] = []  # [first record, last record + 1]
+        for k in sorted(needed):
+            if runs and runs[-1][1] == k:
+                runs[-1][1] = k + 1
+            else:
+                runs.append([k, k + 1])
+        covered[name] = sorted(needed)
+        # not zero-filled: every byte is overwritten by the reads (or the file is too short)
+        bufs = [byte_view(torch.empty(starts[b] - starts[a], dtype=torch.uint8)) for a, b in runs]
+        out[name] = ([starts[a] for a, _ in runs], bufs)
+        for buf, (a, _) in zip(bufs, runs):
+            for lo in range(0, len(buf), piece_bytes):
+                hi = min(len(buf), lo + piece_bytes)
+                pieces.append(Piece(name, starts[a] + lo, starts[a] + hi, buf[lo:hi]))
+    return pieces, covered, out

@@ -1,28 +1,31 @@
-"""Restore by reading file ranges straight into the target tensors, verified as they arrive.
+"""Restore by reading a step straight into the target tensors, verified as the bytes arrive; or
+(atomic) into host buffers first.
 
-:func:`load_direct` is the single-process restore of a checkpoint that async_ckpt (or DCP)
-wrote, into CPU, XLA or CUDA tensors that already exist. For each data file it reads every byte once, as a
-tiling of the file into ranges (worked out by :mod:`.direct_plan`), in parallel over ``threads``:
+:func:`read_direct` is the single-process restore of a checkpoint that async_ckpt (or DCP)
+wrote, into CPU, XLA or CUDA tensors that already exist (:func:`plan_direct` says whether it
+applies, before anything is read). For each data file it reads every byte once, as a tiling of
+the file into pieces (:mod:`.read_plan`), through the one verified read
+(:func:`~.read_exec.execute`):
 
 * the data of a large tensor record goes straight into the target tensor's memory
   (``preadv`` on local files, ranged reads elsewhere), in pieces of at most
   ``DIRECT_CHUNK_BYTES``;
 * everything else (record headers and trailers, small tensors, non-tensor items) is read into a
   per-thread buffer of about ``BUFFER_CHUNK_BYTES``, cut at record boundaries; the small
-  tensors in it are copied into their targets by one ``_foreach_copy_`` per buffer;
-* each range's CRC-32C is computed on the thread that read it, right after the read, and each
-  file is verified from its ranges by :func:`~.read_exec.check_file` (the one definition of
-  verified) before :func:`load_direct` returns.
+  tensors in it are copied into their targets by one ``_foreach_copy_`` per buffer
+  (:class:`~.sinks.TargetSink`);
+* each piece's CRC-32C is computed on the thread that read it, right after the read, and each
+  file is verified (size and CRC-32C) before :func:`read_direct` returns.
 
 Where a large record's data begins is taken from the manifest where the writer recorded it
 (``FileRecord.data_at``); the record's zip directory and headers, which arrive with the reads
 of the file's other bytes, are parsed on the reading threads to confirm it, and a record that
 puts its data elsewhere fails the restore (a :class:`~async_ckpt.errors.CorruptCheckpointError`,
 raised after the checksums); a record of a layout the parser does not know is put together again
-from those verified bytes and read with ``torch.load``. Elsewhere (older manifests, plain DCP checkpoints) it is found before the reads,
-from small probes of the record's start and end. Non-tensor items are read and decoded first
-too, so an unsafe pickle is refused before any tensor is written; the probed bytes are
-compared with the verified ones when those arrive.
+from those verified bytes and read with ``torch.load``. Elsewhere (older manifests, plain DCP
+checkpoints) it is found before the reads, from small probes of the record's start and end.
+Non-tensor items are read and decoded first too, so an unsafe pickle is refused before any
+tensor is written; the probed bytes are compared with the verified ones when those arrive.
 
 Targets whose memory overlaps an earlier key's (tied weights restored from a checkpoint that
 holds them untied, overlapping views; an XLA or CUDA target listed under several keys) are
@@ -31,40 +34,49 @@ read into private tensors, so that the checksums are of their own bytes, and cop
 overlap, the last key's data stays.
 
 A failure after the first write leaves the targets partly written: the error raised is a
-:class:`~async_ckpt.errors.PartlyWrittenError` (:func:`partly_written`), whose cause is the failure. Targets that are not plain contiguous CPU tensors (strided views, conjugate bits) and
-records of another layout take a slower path through the buffer (``copy_``), and anything
-this module does not handle (sharded checkpoints, DTensors, devices other than the CPU, XLA
-and CUDA, custom planners) makes :func:`load_direct` return ``False`` before touching anything,
-for DCP to load.
+:class:`~async_ckpt.errors.PartlyWrittenError` (:func:`partly_written`), whose cause is the
+failure. Targets that are not plain contiguous CPU tensors (strided views, conjugate bits) and
+records of another layout take a slower path through the buffer (``copy_``); anything this
+path does not handle (sharded checkpoints, DTensors, devices other than the CPU, XLA and CUDA)
+makes :func:`plan_direct` answer ``None`` before anything is read, for DCP's reader.
 
 XLA and CUDA targets are read into host stand-ins the same way and put on their devices once
-every file is verified (:mod:`.device_targets`), so a failure before that leaves them untouched.
+every file is verified (:class:`~.sinks.DeviceTargets`), so a failure before that leaves them
+untouched.
+
+:func:`staged` is ``restore(..., atomic=True)``'s first half: every data file the metadata
+points at read and verified into host buffers (the manager's pool, within its budget), then
+served as the step's files (:class:`~.sinks.StagedFiles`) to the read that writes the target.
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
-import threading
-import types
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Dict, List, Optional, Tuple
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
-from .. import compat
-from ..addresses import byte_view
-from ..errors import CheckpointError, CorruptCheckpointError, PartlyWrittenError, partly_written_error
-from ..format.crc import crc32c
+from ..errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    PartlyWrittenError,
+    StagingBudgetError,
+    partly_written_error,
+)
 from ..format.dcp_layout import set_element
 from ..format.manifest import FileRecord, shown
-from ..format.torch_record import data_start, plain_data_start
+from ..format.torch_record import data_start
 from ..format.unpickling import load_value
 from ..gc_pause import gc_paused
-from .dcp_adapters import stored_bytes
-from .read_exec import NULL, StepFiles, check_file, close_all, open_step_file, read_files, run_all, short_error
+from .read_exec import OpenFiles, StepFiles, execute, read_files, run_all, short_error, whole_pieces
 from .read_plan import (
     BUFFER_CHUNK_BYTES,
+    Arrived,
+    Probe,
     RangeRead,
     RecordRead,
     Unsupported,
@@ -72,8 +84,7 @@ from .read_plan import (
     file_ranges,
     plan_records,
 )
-from .record_layout import Arrived, Probe
-from .sinks import DeviceTargets
+from .sinks import DeviceTargets, IntoBuffers, StagedFiles, TargetSink, check_slow, copy_into, copy_slow
 
 #: A tensor record at least this large (local files) has its data read straight into the
 #: target; smaller ones are read with their neighbours and scattered.
@@ -101,108 +112,87 @@ def partly_written(path: str, exc: BaseException) -> PartlyWrittenError:
                                 cause=exc)
 
 
+@dataclass
+class DirectPlan:
+    """What a direct restore reads where (:func:`plan_direct`)."""
 
-class _Buffers(threading.local):
-    buf: Optional[torch.Tensor] = None
-
-    def get(self, n: int) -> torch.Tensor:
-        if self.buf is None or self.buf.numel() < n:
-            self.buf = torch.empty(max(n, BUFFER_CHUNK_BYTES), dtype=torch.uint8)  # never zero-filled
-        return self.buf
-
-
-def _decode(fqn: str, blob: bytes, allow_pickle: bool) -> Any:
-    return load_value(io.BytesIO(blob), fqn, allow_pickle)
+    per_file: Dict[str, List[RecordRead]]  # the records of each data file read, in file order
+    flat: Dict[str, Any]  # the targets, flattened in the checkpoint's key layout
+    mappings: Dict[str, Any]  # their paths
+    devices: DeviceTargets  # XLA and CUDA targets' host stand-ins
 
 
-def _whole(t: torch.Tensor) -> Any:
-    return types.SimpleNamespace(storage_offsets=[0] * t.dim(), lengths=list(t.shape))
+def plan_direct(state_dict: Dict[str, Any], files: Dict[str, FileRecord], metadata: Metadata, *,
+                local: bool) -> Optional[DirectPlan]:
+    """The direct restore of ``state_dict`` from the step that ``metadata`` (checked) and
+    ``files`` (its manifest's records) describe, or ``None`` when it does not apply (nothing
+    read, nothing touched: DCP's reader loads it).
 
+    Args:
+        state_dict: the targets.
+        files: the manifest's records.
+        metadata: the step's checked DCP metadata.
+        local: reads are cheap (local files, or staged in memory): smaller records are read
+            straight into their targets.
 
-def _load_tensor(rec: RecordRead, item: memoryview) -> torch.Tensor:
-    """The record ``item`` read by ``torch.load``; :class:`CorruptCheckpointError` unless it
-    is a tensor of its target's dtype and shape."""
-    t = rec.target
-    assert t is not None
+    Returns:
+        The plan, or ``None``.
+    """
+    devices = DeviceTargets()
     try:
-        tensor = torch.load(io.BytesIO(item), map_location="cpu", weights_only=True)
-    except Exception as exc:
-        raise CorruptCheckpointError(f"{shown(rec.fqn)}: its record cannot be read as a tensor "
-                                     f"({type(exc).__name__}: {shown(exc)})") from exc
-    if not isinstance(tensor, torch.Tensor) or tensor.shape != t.shape or tensor.dtype != t.dtype:
-        raise CorruptCheckpointError(f"{shown(rec.fqn)}: stored value is not a {t.dtype} tensor of shape {tuple(t.shape)}")
-    return tensor
+        per_file, flat, mappings = plan_records(state_dict, files, metadata,
+                                                DIRECT_MIN_BYTES if local else REMOTE_DIRECT_MIN_BYTES, devices)
+    except Unsupported:
+        return None
+    return DirectPlan(per_file, flat, mappings, devices)
 
 
-def _check_slow(rec: RecordRead, item: memoryview) -> None:
-    """Before any write (staged restores): a record that only ``torch.load`` reads is read now
-    and checked (kept in ``rec.loaded``); a small one of another layout goes the slow path."""
-    t = rec.target
-    assert t is not None
-    if rec.kind == "small" and plain_data_start(item, t.dtype, tuple(t.shape)) is not None:
-        return
-    rec.kind = "slow"
-    if stored_bytes(item, _whole(t), t) is None:
-        rec.loaded = _load_tensor(rec, item)
+def read_direct(storage: StepFiles, path: str, state_dict: Dict[str, Any], plan: DirectPlan, *,
+                files: Dict[str, FileRecord], verify: bool = True, threads: int = 8, allow_pickle: bool = False,
+                staged: bool = False) -> None:
+    """Read the step under ``path`` into ``state_dict`` in place as ``plan`` says (the module
+    docstring).
 
+    Args:
+        storage: the root's storage (or the staged files, :class:`~.sinks.StagedFiles`).
+        path: the step directory.
+        state_dict: the targets.
+        plan: :func:`plan_direct`'s plan for them.
+        files: the manifest's records.
+        verify: compare checksums (sizes are always compared).
+        threads: how many reads run at once.
+        allow_pickle: non-tensor items may be unpickled without restrictions.
+        staged: ``storage`` serves verified bytes from memory (``restore(..., atomic=True)``):
+            every check that can fail (where each record's data lies, the records only
+            ``torch.load`` reads) is made before the first write into a target.
 
-def _copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """``dst.copy_(src)``; under ``torch.inference_mode`` for an inference tensor, the only
-    place it may be written."""
-    if dst.is_inference():
-        with torch.inference_mode():
-            dst.copy_(src)
-    else:
-        dst.copy_(src)
-
-
-def _copy_slow(rec: RecordRead, item: memoryview) -> None:
-    """A record into a target that is not plain contiguous memory, or of another layout."""
-    t = rec.target
-    assert t is not None
-    raw = None if rec.loaded is not None else stored_bytes(item, _whole(t), t)
-    dst, src = raw if raw is not None else (t, rec.loaded if rec.loaded is not None else _load_tensor(rec, item))
-    _copy_into(dst, src)
+    Raises:
+        CorruptCheckpointError: damaged data, found before anything was written.
+        PartlyWrittenError: a failure after the first write into a target.
+    """
+    sink = TargetSink(lambda name: f"{path}/{name}", {})
+    with gc_paused():  # one Python record per item: no collections walking them meanwhile
+        try:
+            with OpenFiles(storage, path, {n: files[n] for n in plan.per_file}) as opened, \
+                    ThreadPoolExecutor(max(1, threads), thread_name_prefix="async-ckpt-read") as pool:
+                _read(opened, path, state_dict, plan, sink, verify, allow_pickle, pool, max(1, threads), staged)
+        except Exception as exc:
+            if sink.touched and not isinstance(exc, PartlyWrittenError):
+                raise partly_written(path, exc) from exc
+            raise
 
 
 def load_direct(storage: StepFiles, path: str, state_dict: Dict[str, Any], *, files: Optional[Dict[str, FileRecord]],
                 metadata: Metadata, verify: bool = True, threads: int = 8, allow_pickle: bool = False,
                 staged: bool = False) -> bool:
-    """Load the checked ``metadata``'s checkpoint under ``path`` into ``state_dict`` in place by
-    direct reads (see the module docstring); ``False`` (nothing read or touched) when it does
-    not apply. ``files`` are the manifest's records (required: sizes and checksums).
-    ``staged``: ``storage`` serves verified bytes from memory (``restore(..., atomic=True)``):
-    every check that can fail (where each record's data lies, the records only ``torch.load``
-    reads) is made before the first write into a target."""
-    if files is None:
+    """:func:`plan_direct`, then :func:`read_direct`; ``False`` (nothing read or touched) when
+    it does not apply (``files`` None: a checkpoint without a manifest)."""
+    plan = None if files is None else plan_direct(state_dict, files, metadata, local=storage.is_local)
+    if plan is None or files is None:
         return False
-    direct_min = DIRECT_MIN_BYTES if storage.is_local else REMOTE_DIRECT_MIN_BYTES
-    with gc_paused():  # one Python record per item: no collections walking them meanwhile
-        return _load_direct(storage, path, state_dict, files, metadata, verify, threads, allow_pickle, direct_min,
-                            staged)
-
-
-def _load_direct(storage: StepFiles, path: str, state_dict: Dict[str, Any], files: Dict[str, FileRecord],
-                 metadata: Metadata, verify: bool, threads: int, allow_pickle: bool, direct_min: int,
-                 staged: bool) -> bool:
-    devices = DeviceTargets()
-    try:
-        per_file, flat, mappings = plan_records(storage, path, state_dict, files, metadata, direct_min, devices)
-    except Unsupported:
-        return False
-    threads = max(1, threads)
-    readers: Dict[str, Any] = {}
-    touched = [False]
-    try:
-        with ThreadPoolExecutor(threads, thread_name_prefix="async-ckpt-read") as pool:
-            return _load(storage, path, per_file, flat, mappings, files, verify, allow_pickle, pool, readers,
-                         touched, state_dict, threads, devices, staged)
-    except Exception as exc:
-        if touched[0] and not isinstance(exc, PartlyWrittenError):
-            raise partly_written(path, exc) from exc
-        raise
-    finally:
-        close_all(readers)
+    read_direct(storage, path, state_dict, plan, files=files, verify=verify, threads=threads,
+                allow_pickle=allow_pickle, staged=staged)
+    return True
 
 
 def _misplaced(path: str, rec: RecordRead) -> CorruptCheckpointError:
@@ -210,32 +200,19 @@ def _misplaced(path: str, rec: RecordRead) -> CorruptCheckpointError:
                                   "manifest gives", path=path)
 
 
-def _open(storage: StepFiles, path: str, name: str, files: Dict[str, FileRecord], readers: Dict[str, Any]) -> Any:
-    """Open ``path/name`` after the reader's checks (:func:`~.read_exec.open_step_file`); kept in
-    ``readers`` (closed by the caller)."""
-    readers[name] = r = open_step_file(storage, path, name, files[name].size)
-    return r
-
-
-def _load(storage: StepFiles, path: str, per_file: Dict[str, List[RecordRead]], flat: Dict[str, Any],
-          mappings: Dict[str, Any], files: Dict[str, FileRecord], verify: bool, allow_pickle: bool,
-          pool: ThreadPoolExecutor, readers: Dict[str, Any], touched: List[bool], state_dict: Dict[str, Any],
-          threads: int, devices: DeviceTargets, staged: bool) -> bool:
-    for name in per_file:
-        _open(storage, path, name, files, readers)
+def _read(opened: OpenFiles, path: str, state_dict: Dict[str, Any], plan: DirectPlan, sink: TargetSink,
+          verify: bool, allow_pickle: bool, pool: ThreadPoolExecutor, threads: int, staged: bool) -> None:
+    per_file = plan.per_file
 
     # 1. Probes: where the large records' data lies; the non-tensor items' bytes, decoded.
-    def probe(name: str, rec: RecordRead) -> Optional[Probe]:
-        r = readers[name]
+    def probe(name: str, rec: RecordRead) -> List[Tuple[int, bytes]]:
+        """The bytes peeked of ``rec``, as ``(offset in the file, bytes)`` windows."""
         if rec.kind == "bytes":
-            buf = bytearray(rec.length)
-            got = r.read_into(rec.start, memoryview(buf))
-            if got != rec.length:
-                raise short_error(f"{path}/{name}", rec.start + rec.length)
-            p = object.__new__(Probe)
-            p.reader, p.rec, p.windows = r, rec, [(rec.start, bytes(buf))]
-            return p
-        p = Probe(r, rec)
+            data = opened.peek(name, rec.start, rec.length)
+            if len(data) != rec.length:
+                raise short_error(opened.where(name), rec.start + rec.length)
+            return [(rec.start, data)]
+        p = Probe(opened, name, rec)
         t = rec.target
         assert t is not None
         start = data_start(p.get, rec.length, t.dtype, tuple(t.shape))
@@ -245,148 +222,55 @@ def _load(storage: StepFiles, path: str, per_file: Dict[str, List[RecordRead]], 
             raise _misplaced(path, rec)
         else:
             rec.data_start = rec.start + start
-        return p
+        return p.windows
 
     for name, recs in per_file.items():
         for rec in recs:
             if rec.kind == "direct" and rec.data_start >= 0 and not staged:  # (staged: probed, in memory)
-                rec.arrived = Arrived(readers[name], rec.start, rec.length, rec.data_start, rec.flat.numel())  # type: ignore[union-attr]
+                assert rec.flat is not None
+                rec.arrived = Arrived(opened, name, rec.start, rec.length, rec.data_start, rec.flat.numel())
     jobs = [(name, rec) for name, recs in per_file.items() for rec in recs
             if rec.kind == "bytes" or (rec.kind == "direct" and rec.arrived is None)]
     probe_calls = [lambda n=n, r=r: probe(n, r) for n, r in jobs]  # (named: mypy types it here, not in run_all's call)
     probes = run_all(pool, probe_calls)
     decoded: Dict[str, Any] = {}
-    windows: Dict[str, List[Tuple[int, bytes]]] = {}
     undecodable: Optional[BaseException] = None
-    for (name, rec), p in zip(jobs, probes):
-        assert p is not None
-        windows.setdefault(name, []).extend(p.windows)
+    for (name, rec), windows in zip(jobs, probes):
+        sink.windows.setdefault(name, []).extend(windows)
         if rec.kind == "bytes" and undecodable is None:
             try:
-                decoded[rec.fqn] = _decode(rec.fqn, p.windows[0][1], allow_pickle)
-            except BaseException as exc:  # noqa: BLE001 - reported below, after the checksums
-                if isinstance(exc, (KeyboardInterrupt, SystemExit)):
-                    raise
+                decoded[rec.fqn] = load_value(io.BytesIO(windows[0][1]), rec.fqn, allow_pickle)
+            except Exception as exc:  # noqa: BLE001 - reported below, after the checksums
                 undecodable = exc
     if undecodable is not None:
         # Nothing written yet: check the files without writing (damage reads as damage), then
         # refuse the item.
-        read_files(storage, path, {n: files[n] for n in per_file}, NULL, verify=verify, pool=pool)
+        execute(opened, [p for n in per_file for p in whole_pieces(n, opened.files[n].size, None, 16 * 2**20)],
+                verify=verify, pool=pool)
         raise undecodable
     if staged:  # the records only torch.load reads, read and checked before the first write
         def check(name: str, rec: RecordRead) -> None:
-            buf = bytearray(rec.length)
-            _check_slow(rec, memoryview(buf)[:readers[name].read_into(rec.start, memoryview(buf))])
+            check_slow(rec, memoryview(opened.peek(name, rec.start, rec.length)))
 
         run_all(pool, [lambda n=n, r=r: check(n, r) for n, recs in per_file.items() for r in recs  # type: ignore[misc]
-                    if r.kind in ("small", "slow")])
+                       if r.kind in ("small", "slow")])
 
-    # 2. Every byte of every file, once: into the targets, or into a buffer and scattered.
-    tasks: List[RangeRead] = []
+    # 2. Every byte of every file, once: into the targets, or into a buffer and scattered;
+    # 3. sizes and checksums per file, before anything else is set.
+    pieces: List[RangeRead] = []
     for name, recs in per_file.items():
-        tasks += file_ranges(path, name, files[name].size, recs, readers[name].known_size is not None)
-    for ws in windows.values():
+        pieces += file_ranges(name, opened.files[name].size, recs)
+    for ws in sink.windows.values():
         ws.sort()
-    assign_arrivals(per_file, tasks)
-    buffers = _Buffers()
-    confirmed: List[RecordRead] = []  # direct records whose arrived bytes put the data where the manifest said
+    assign_arrivals(per_file, pieces)
+    execute(opened, pieces, verify=verify, threads=threads, pool=pool, consumer=sink,
+            scratch_bytes=BUFFER_CHUNK_BYTES)
 
-    def run(task: RangeRead) -> Tuple[int, int]:
-        r = readers[task.name]
-        n = task.end - task.start
-        if task.dest is not None:
-            touched[0] = touched[0] or task.own
-            got = r.read_into(task.start, task.dest)
-            return got, (crc32c(task.dest[:got]) if verify else 0)
-        buf = buffers.get(n + task.extra)
-        mv = byte_view(buf)[: n + task.extra]
-        got = r.read_into(task.start, mv)
-        crc = crc32c(mv[:min(got, n)]) if verify else 0
-        if got < n:
-            return got, crc
-        for rec in task.arrivals:
-            a = rec.arrived
-            assert a is not None and rec.target is not None
-            if a.take(task.start, mv[:n]) and a.agrees(rec.target.dtype, tuple(rec.target.shape)):
-                confirmed.append(rec)  # (list.append: atomic)
-        for w0, data in windows.get(task.name, ()):
-            lo, hi = max(w0, task.start), min(w0 + len(data), task.end)
-            if lo < hi and mv[lo - task.start:hi - task.start] != data[lo - w0:hi - w0]:
-                raise CorruptCheckpointError(f"{task.path}: changed while it was being read", path=task.path)
-        dsts: List[torch.Tensor] = []
-        own = False  # a dst is the caller's memory
-        # the small tensors' data in buf, as runs of evenly spaced same-sized pieces
-        # [first offset, spacing, bytes, count]: one view per run, cut into rows in C
-        runs: List[List[int]] = []
-        for rec in task.recs:
-            at = rec.start - task.start
-            if rec.kind == "small":
-                assert rec.target is not None and rec.flat is not None
-                item = mv[at:at + rec.length]
-                s = plain_data_start(item, rec.target.dtype, tuple(rec.target.shape))
-                if s is None:
-                    touched[0] = touched[0] or rec.own
-                    _copy_slow(rec, item)
-                    continue
-                start = at + s
-                nb = rec.flat.numel()
-                dsts.append(rec.flat)
-                own = own or rec.own
-                last = runs[-1] if runs else None
-                if last is not None and last[2] == nb and (
-                        (last[3] == 1 and start - last[0] >= nb) or (last[3] > 1 and start == last[0] + last[1] * last[3])):
-                    if last[3] == 1:
-                        last[1] = start - last[0]
-                    last[3] += 1
-                else:
-                    runs.append([start, 0, nb, 1])
-            elif rec.kind == "slow":
-                touched[0] = touched[0] or rec.own
-                _copy_slow(rec, mv[at:at + rec.length])
-        if dsts:
-            srcs: List[torch.Tensor] = []
-            for first, spacing, nb, count in runs:
-                if count == 1:
-                    srcs.append(buf.narrow(0, first, nb))
-                else:
-                    srcs.extend(buf.as_strided((count, nb), (spacing, 1), first).unbind(0))
-            touched[0] = touched[0] or own
-            with torch.no_grad():
-                compat.foreach_copy_(dsts, srcs)
-        return got, crc
-
-    # Each job reads a run of consecutive ranges of one file in file order (one sequential
-    # stream, so the kernel's readahead works for it): one run per file, or a file cut into
-    # several runs when there are fewer files than threads.
-    per: Dict[str, List[int]] = {}
-    for i, t in enumerate(tasks):
-        per.setdefault(t.name, []).append(i)
-    split = max(1, -(-threads // max(1, len(per))))
-    groups: List[List[int]] = []
-    for idx in per.values():
-        n = -(-len(idx) // split)
-        groups += [idx[k:k + n] for k in range(0, len(idx), n)]
-    results: List[Any] = [None] * len(tasks)
-
-    def run_group(group: List[int]) -> None:
-        for i in group:
-            results[i] = run(tasks[i])
-
-    group_calls = [lambda g=g: run_group(g) for g in groups]  # (named: mypy types it here, not in run_all's call)
-    run_all(pool, group_calls)
-
-    # 3. Sizes and checksums per file, before anything else is set.
-    parts: Dict[str, List[Tuple[RangeRead, int, int]]] = {}
-    for task, (got, crc) in zip(tasks, results):
-        parts.setdefault(task.name, []).append((task, got, crc))
-    for name, ps in parts.items():
-        ps.sort(key=lambda p: p[0].start)
-        check_file(f"{path}/{name}", files[name].size, ((t.start, t.end, got, crc) for t, got, crc in ps),
-                   files[name].crc32c, verify)
+    # 4. The records the reads did not confirm; targets that share memory; devices; values.
     wrong = [rec for recs in per_file.values() for rec in recs if rec.arrived is not None]
     unparsed = []  # records of a layout data_start does not parse: not a misplaced offset, the slow path
-    if len(wrong) != len(confirmed):
-        ok = set(map(id, confirmed))
+    if len(wrong) != len(sink.confirmed):
+        ok = set(map(id, sink.confirmed))
         for rec in wrong:
             a, tgt = rec.arrived, rec.target
             assert a is not None and tgt is not None
@@ -396,14 +280,94 @@ def _load(storage: StepFiles, path: str, per_file: Dict[str, List[RecordRead]], 
                 raise _misplaced(path, rec)
             unparsed.append(rec)
     for rec in unparsed:  # the record again, from its verified bytes (its data went into the target)
-        _copy_slow(rec, rec.arrived.record(rec.flat))  # type: ignore[union-attr, arg-type]
+        assert rec.arrived is not None and rec.flat is not None
+        copy_slow(rec, rec.arrived.record(rec.flat))
     # targets sharing memory with an earlier key's: their own verified data, in key order (the last key wins)
     for rec in sorted((r for recs in per_file.values() for r in recs if r.into is not None), key=lambda r: r.order):
-        touched[0] = True
-        _copy_into(rec.into, rec.target)  # type: ignore[arg-type]
-    if devices:
-        touched[0] = True
-        devices.commit()
+        assert rec.into is not None and rec.target is not None
+        sink.touched = True
+        copy_into(rec.into, rec.target)
+    if plan.devices:
+        sink.touched = True
+        plan.devices.commit()
     for fqn, value in decoded.items():
-        set_element(state_dict, mappings[fqn], value)
-    return True
+        set_element(state_dict, plan.mappings[fqn], value)
+
+
+# ---- atomic: every file verified into host buffers first ----------------------------------------
+
+#: ``acquire(sizes)`` -> (one flat uint8 CPU buffer of exactly each size, a function that gives them back).
+Acquire = Callable[[Sequence[int]], Tuple[Sequence[torch.Tensor], Callable[[], None]]]
+
+
+def staged_files(metadata: Metadata, files: Dict[str, FileRecord]) -> Dict[str, int]:
+    """The data files ``metadata`` points at, with their manifest sizes (in file-name order)."""
+    data = metadata.storage_data if isinstance(metadata.storage_data, dict) else {}
+    names = sorted({info.relative_path for info in data.values()})
+    return {n: files[n].size for n in names if n in files}
+
+
+def _fresh(sizes: Sequence[int]) -> Tuple[Sequence[torch.Tensor], Callable[[], None]]:
+    return [torch.empty(n, dtype=torch.uint8) for n in sizes], lambda: None  # never zero-filled
+
+
+@contextlib.contextmanager
+def staged(storage: StepFiles, path: str, *, files: Dict[str, FileRecord], metadata: Metadata, verify: bool = True,
+           threads: int = 8, acquire: Optional[Acquire] = None, budget: Optional[int] = None) -> Iterator[StagedFiles]:
+    """Every data file ``metadata`` points at read and verified into buffers from ``acquire``
+    (fresh ones without it), served as the step's files while the block runs; the buffers go
+    back after it, whatever happened.
+
+    Args:
+        storage: the root's storage.
+        path: the step directory.
+        files: the manifest's records.
+        metadata: the step's checked DCP metadata.
+        verify: compare checksums (sizes are always compared).
+        threads: how many reads run at once.
+        acquire: where the host buffers come from (the manager's pool).
+        budget: the most bytes ``acquire`` may hand out.
+
+    Yields:
+        The staged files (:class:`~.sinks.StagedFiles`), verified.
+
+    Raises:
+        StagingBudgetError: the files need more than ``budget``, before anything is read.
+        CorruptCheckpointError: a damaged file (nothing was written anywhere).
+    """
+    sizes = staged_files(metadata, files)
+    total = sum(sizes.values())
+    if budget is not None and total > budget:
+        raise StagingBudgetError(
+            f"restore(..., atomic=True) of {path} stages its {len(sizes)} data files "
+            f"({total / 2**20:.1f} MiB, {total} bytes) in host memory, but memory_budget_bytes is "
+            f"{budget / 2**20:.1f} MiB ({budget} bytes); raise memory_budget_bytes, or restore with "
+            "atomic=False, which reads straight into the target without that memory; the target "
+            "was not touched")
+    buffers, release = (acquire or _fresh)(list(sizes.values()))
+    try:
+        views = dict(zip(sizes, buffers))
+        read_files(storage, path, {n: files[n] for n in views}, IntoBuffers(views), verify=verify, threads=threads)
+        yield StagedFiles(storage, path, views)
+    finally:
+        release()
+
+
+def load_staged(storage: StepFiles, path: str, state_dict: Dict[str, Any], *, files: Dict[str, FileRecord],
+                metadata: Metadata, verify: bool = True, threads: int = 8, allow_pickle: bool = False,
+                acquire: Optional[Acquire] = None, budget: Optional[int] = None) -> None:
+    """``restore(..., atomic=True)`` of a target the direct restore handles: :func:`staged`,
+    then :func:`read_direct` over the staged files (the target is untouched on any failure)."""
+    plan = plan_direct(state_dict, files, metadata, local=True)
+    if plan is None:
+        from .dcp_adapters import load_state_dict
+
+        with staged(storage, path, files=files, metadata=metadata, verify=verify, threads=threads, acquire=acquire,
+                    budget=budget) as files_in_memory:
+            load_state_dict(files_in_memory, path, state_dict, files=files, verify=False, threads=threads,
+                            allow_pickle=allow_pickle, metadata=metadata)
+        return
+    with staged(storage, path, files=files, metadata=metadata, verify=verify, threads=threads, acquire=acquire,
+                budget=budget) as files_in_memory:
+        read_direct(files_in_memory, path, state_dict, plan, files=files, verify=False, threads=threads,
+                    allow_pickle=allow_pickle, staged=True)

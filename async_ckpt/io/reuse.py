@@ -46,7 +46,8 @@ from ..errors import CheckpointError, CorruptCheckpointError
 from ..format.manifest import FileRecord
 from ..staging.frozen import host_copy
 from ..storage.backends import FileState
-from .read_exec import NULL, read_files
+from .read_exec import OpenFiles, Piece, execute, read_files
+from .sinks import NULL
 
 log = logging.getLogger("async_ckpt")
 
@@ -407,7 +408,7 @@ class Reuse:
         why = "no committed step holds it at its version"
         if old is not None and source is not None:
             try:
-                t = _read_record(storage, f"{source.directory}/{old.name}", old)
+                t = _read_record(storage, source.directory, old, source.files[old.name])
                 if content_hash(t) == old.hash and _fits(old, t):
                     return t, old.hash
                 why = f"its record in {source.directory}/{old.name} is not the bytes recorded"
@@ -562,17 +563,26 @@ def _remove(storage: Any, path: str) -> None:
         pass
 
 
-def _read_record(storage: Any, path: str, item: HeldItem) -> torch.Tensor:
-    """The tensor of the record ``item`` of the file ``path`` (a ``torch.save`` record, as DCP
-    writes one), read back."""
+def _read_record(storage: Any, directory: str, item: HeldItem, rec: FileRecord) -> torch.Tensor:
+    """The tensor of the record ``item`` of the file ``directory/item.name`` (a ``torch.save``
+    record, as DCP writes one; ``rec`` its file's manifest record), read back through the one
+    verified read (checked against its CRC-32C where the manifest lists the file's records)."""
     buf = bytearray(item.length)
-    got = storage.read_into(path, item.offset, memoryview(buf))
-    if got != item.length:
-        raise CorruptCheckpointError(f"{path}: {got} bytes at offset {item.offset}, the record has {item.length}",
-                                     path=path)
+    records: List[int] = []
+    if rec.records is not None:
+        at = 0
+        for k, (n, _) in enumerate(rec.records):
+            if at == item.offset and n == item.length:
+                records = [k]
+                break
+            at += n
+    with OpenFiles(storage, directory, {item.name: rec}) as opened:
+        execute(opened, [Piece(item.name, item.offset, item.offset + item.length, memoryview(buf))],
+                records={item.name: records})
     t = torch.load(io.BytesIO(buf), map_location="cpu", weights_only=True)
     if not isinstance(t, torch.Tensor):
-        raise CorruptCheckpointError(f"{path}: the record at offset {item.offset} is not a tensor", path=path)
+        where = f"{directory}/{item.name}"
+        raise CorruptCheckpointError(f"{where}: the record at offset {item.offset} is not a tensor", path=where)
     return host_copy(t)
 
 

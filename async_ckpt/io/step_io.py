@@ -8,11 +8,11 @@ through ``dcp.save`` over the checkpoint group (which de-duplicates replicated t
 
 * several ranks: ``dcp.load`` over the group; each rank reads and verifies what its plan needs,
   the ranks exchange their outcomes (``agree``) and only then does any rank write;
+* straight into the target tensors (:func:`~.read_targets.read_direct`), unless a custom
+  ``planner`` or a target it does not handle (:func:`~.read_targets.plan_direct`, asked once,
+  before anything is read) sends it to DCP's reader (:func:`~.dcp_adapters.load_state_dict`);
 * ``atomic``: every data file read and verified into host buffers first
-  (:func:`~.atomic_restore.load_staged`), then copied into the target;
-* otherwise straight into the target tensors (:func:`~.direct.load_direct`), unless a custom
-  ``planner`` or a target it does not handle sends it to DCP's reader
-  (:func:`~.reader.load_state_dict`).
+  (:func:`~.read_targets.staged`), then read from there into the target the same way.
 
 A failure after the first write into the target is a
 :class:`~async_ckpt.errors.PartlyWrittenError` (raised by the path that wrote).
@@ -25,10 +25,9 @@ from typing import AbstractSet, Any, Callable, Dict, List, Optional
 from ..format.dcp_layout import WriteMemo
 from ..format.manifest import FileRecord
 from ..storage.storage import Storage
-from .atomic_restore import Acquire, load_staged
 from .dcp_adapters import FsspecStorageReader, load_state_dict, safe_planner
 from .dcp_call import unwrap_dcp
-from .read_targets import load_direct, partly_written
+from .read_targets import Acquire, partly_written, plan_direct, read_direct, staged
 from .reuse import Reuse
 from .write import FsspecStorageWriter, save_state_dict
 
@@ -118,14 +117,24 @@ def read_step(storage: Storage, path: str, state_dict: Dict[str, Any], *, files:
             _, err = unwrap_dcp(exc)
             raise partly_written(path, err) from exc
         return
-    if atomic and metadata is not None and files is not None:
-        load_staged(storage, path, state_dict, files=files, metadata=metadata, verify=verify, threads=threads,
-                    allow_pickle=allow_pickle, planner=planner, strict=strict, process_group=group,
-                    acquire=acquire, budget=budget)
+    # one process: straight into the targets where the direct path handles them, else DCP's reader
+    known = metadata is not None and files is not None
+    plan = plan_direct(state_dict, files, metadata, local=atomic or storage.is_local) \
+        if planner is None and known else None
+    if atomic and known:
+        with staged(storage, path, files=files, metadata=metadata, verify=verify, threads=threads, acquire=acquire,
+                    budget=budget) as in_memory:  # every file verified before the first write
+            if plan is not None:
+                read_direct(in_memory, path, state_dict, plan, files=files, verify=False, threads=threads,
+                            allow_pickle=allow_pickle, staged=True)
+            else:
+                load_state_dict(in_memory, path, state_dict, files=files, verify=False, threads=threads,
+                                allow_pickle=allow_pickle, metadata=metadata, planner=planner, strict=strict,
+                                process_group=group)
         return
-    if not atomic and planner is None and metadata is not None and \
-            load_direct(storage, path, state_dict, files=files, metadata=metadata, verify=verify,
-                        threads=threads, allow_pickle=allow_pickle):
+    if plan is not None:
+        read_direct(storage, path, state_dict, plan, files=files, verify=verify, threads=threads,
+                    allow_pickle=allow_pickle)
         return
     load_state_dict(storage, path, state_dict, files=files, verify=verify, threads=threads,
                     allow_pickle=allow_pickle, metadata=metadata, planner=planner, strict=strict,

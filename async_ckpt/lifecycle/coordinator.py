@@ -27,8 +27,7 @@ from ..errors import CheckpointError, CoordinationError, InvalidArgumentError
 from ..format.dcp_layout import WriteMemo
 from ..format.manifest import FileRecord
 from ..io import Reuse
-from ..io.atomic_restore import Acquire
-from ..io.read_targets import partly_written
+from ..io.read_targets import Acquire, partly_written
 from ..io.step_io import read_step, write_step
 from ..storage import Storage
 from .replicas import read_assignment, restore_items, send_replicas

@@ -12,9 +12,8 @@ so sends and receives pair up whatever each rank sends:
 3. accept, receiver to sender: the receiver checked the manifest (every name a plain file name)
    and opened where the copy goes, or refuses it (the sender then sends that rank nothing more);
 4. data: the files in name order, in chunks of :data:`CHUNK_BYTES`; the sender reads each chunk
-   once for every receiver of the copy, through the one verified read (files opened by
-   :func:`~async_ckpt.io.read_exec.open_step_file`, judged by
-   :func:`~async_ckpt.io.read_exec.check_file`: size, CRC-32C); the receiver writes
+   once for every receiver of the copy, through the one verified read
+   (:class:`~async_ckpt.io.read_exec.FileStream`: size, CRC-32C); the receiver writes
    each chunk and puts its CRC-32C together as it arrives, then compares it with the manifest's;
 5. trailer, sender to receiver: whether its read verified.
 
@@ -41,7 +40,7 @@ from ..addresses import byte_view
 from ..errors import CheckpointError
 from ..format.crc import crc32c
 from ..format.manifest import Manifest, check_file_name
-from ..io.read_exec import check_file, checksum_error, close_all, open_step_file, size_error
+from ..io.read_exec import FileStream, checksum_error, size_error
 from ..storage import Storage
 
 #: the bytes a file is sent in at a time (memory: one such buffer per copy sent and per copy received)
@@ -162,15 +161,15 @@ def _chunks(manifest: Manifest, chunk: int) -> List[Tuple[str, int, int]]:
 
 
 class _Source:
-    """One copy being sent: read chunk by chunk, each file verified once its last chunk is read."""
+    """One copy being sent: each file read in order, chunk by chunk, through the one verified
+    read (:class:`~async_ckpt.io.read_exec.FileStream`: checked once its last chunk is read)."""
 
     def __init__(self, copy: Outgoing, dsts: List[int], chunk: int, verify: bool) -> None:
         self.copy, self.dsts, self.verify = copy, dsts, verify
         self.chunks = _chunks(copy.manifest, chunk)
         self.buf = torch.empty(min(chunk, max((hi - lo for _, lo, hi in self.chunks), default=1)), dtype=torch.uint8)
         self.problem: Optional[str] = None
-        self._readers: Dict[str, Any] = {}
-        self._parts: List[Tuple[int, int, int, int]] = []
+        self._stream: Optional[FileStream] = None
 
     def read(self, k: int) -> torch.Tensor:
         """Chunk ``k``'s bytes (zeros once a read failed: the rounds go on, the copy fails)."""
@@ -178,34 +177,26 @@ class _Source:
         view = self.buf[:hi - lo]
         if self.problem is not None:
             return view.zero_()
-        rec = self.copy.manifest.files[name]
-        where = f"{self.copy.path}/{name}"
         try:
             if lo == 0:
-                self._readers[name] = open_step_file(self.copy.storage, self.copy.path, name, rec.size)
-                self._parts = []
-            reader = self._readers[name]
+                self.close()
+                self._stream = FileStream(self.copy.storage, self.copy.path, name, self.copy.manifest.files[name],
+                                          verify=self.verify)
+            assert self._stream is not None
             mv = byte_view(view)
-            got = reader.read_into(lo, mv)
+            got = self._stream.read(lo, mv)
             if got < hi - lo:
                 mv[got:] = bytes(hi - lo - got)
-            crc = crc32c(mv[:got]) if self.verify else 0
-            if hi == rec.size and got == hi - lo and reader.known_size is None:
-                got += reader.read_into(hi, memoryview(bytearray(1)))  # 1: the file goes on past its size
-            self._parts.append((lo, hi, got, crc))
-            if hi == rec.size:
-                close_all({name: self._readers.pop(name)})
-                check_file(where, rec.size, self._parts, rec.crc32c, self.verify)
         except Exception as exc:  # noqa: BLE001 - this copy fails on both ends; the rounds go on
             self.problem = f"{type(exc).__name__}: {exc}"
-            close_all(self._readers)
-            self._readers.clear()
+            self.close()
             view.zero_()
         return view
 
     def close(self) -> None:
-        close_all(self._readers)
-        self._readers.clear()
+        if self._stream is not None:
+            self._stream.close()
+            self._stream = None
 
 
 class _Sink:

@@ -39,9 +39,9 @@ from ..errors import (
     partly_written_error,
     warn_user,
 )
-from ..format.dcp_layout import METADATA_NAME, is_stateful, remove_created, set_element
+from ..format.dcp_layout import is_stateful, remove_created, set_element
 from ..gc_pause import gc_paused
-from ..io import FsspecStorageReader
+from ..io.dcp_adapters import read_metadata
 from ..io.read_targets import PARTLY_WRITTEN
 from ..storage.step_dirs import DELETED, StepCopy
 from . import phase
@@ -516,11 +516,8 @@ def _restore_one(store: StepStore, step: int, state_dict: Dict[str, Any], *, ver
         if opened is not None:
             opened.append(copy)
         path, manifest = copy.where, copy.manifest
-        if METADATA_NAME not in manifest.files:
-            raise CorruptCheckpointError(f"step {step}: manifest lists no {METADATA_NAME}", step=step, path=path)
-        reader = FsspecStorageReader(store.storage, path, files=manifest.files, verify=verify, threads=threads,
-                                     whole=not _share_of_this_job(manifest))
-        metadata = reader.read_metadata()
+        metadata = read_metadata(store.storage, path, manifest.files, verify=verify, threads=threads,
+                                 whole=not _share_of_this_job(manifest), check_unused=True)
         int_keys = set(manifest.int_keys) | _stateful_int_keys(metadata, stateful)
         added = prepare_target(state_dict, metadata, step, int_keys, strict=strict, covered=covered)
     except BaseException as exc:  # noqa: BLE001 - exchanged below (KeyboardInterrupt too: re-raised after)

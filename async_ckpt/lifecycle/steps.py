@@ -15,11 +15,10 @@ from typing import Callable, List, Optional, Set
 
 from ..errors import LeaseHeldError, StepNotFoundError
 from ..format import step_names
-from ..format.dcp_layout import METADATA_NAME, WriteMemo
+from ..format.dcp_layout import WriteMemo
 from ..format.manifest import MARKER_NAME, Manifest
-from ..format.unpickling import load_metadata
-from ..format.validate import check_step_metadata
 from ..io import Reuse
+from ..io.dcp_adapters import read_metadata
 from ..policies import CheckpointInfo, RetentionPolicy
 from ..storage import StepTarget, Storage
 from ..storage.lease import writer_lease
@@ -210,8 +209,7 @@ class StepStore:
                 return
             opened = self.layout.read_committed(step)
             where, man = opened.where, opened.manifest
-            md = load_metadata(self.storage.read_bytes(f"{where}/{METADATA_NAME}"), where=f"{where}/{METADATA_NAME}")
-            check_step_metadata(md, man.files, where=f"{where}/{METADATA_NAME}", whole=man.whole)
+            md = read_metadata(self.storage, where, man.files, whole=man.whole)
             n = reuse.recall(step, where, man.files, md, prefix=f"__{self.coordinator.rank}_")
             if n:
                 log.info("incremental saves compare with step %d (%d tensors)", step, n)

@@ -47,6 +47,7 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Set, Tu
 from ..errors import CheckpointError, InvalidArgumentError, warn_user
 from ..format import step_names
 from ..format.manifest import Manifest
+from ..io.sinks import copy_files
 from ..lifecycle import phase
 from ..lifecycle.coordinator import Coordinator, LocalCoordinator, checkpoint_group
 from ..lifecycle.peer_transfer import NOTHING_TO_SEND, Landing, Outgoing, exchange
@@ -60,7 +61,6 @@ from ..storage import Storage
 from ..storage.step_dirs import StepDirectories
 from .tiered import (
     OwnCopies,
-    copy_file_verified,
     foreign_steps,
     make_room,
     space_needed,
@@ -763,9 +763,8 @@ class PeerCopies:
         landing: Optional[Landing] = None
         try:
             landing = self._home(cand, src.manifest)
-            for name, rec in src.manifest.files.items():
-                copy_file_verified(src.storage, src.path, name, rec, landing.storage, landing.path,
-                                   verify=self.options.verify)
+            copy_files(src.storage, src.path, src.manifest.files, landing.storage, landing.path,
+                       verify=self.options.verify)
             landing.commit(src.manifest)
             return None
         except Exception as exc:  # noqa: BLE001 - reported by every rank

@@ -43,9 +43,9 @@ from ..errors import (
     warn_user,
 )
 from ..format import step_names
-from ..format.crc import crc32c
-from ..format.manifest import CopyIdentity, FileRecord, Manifest, check_file_name, copy_identity
+from ..format.manifest import CopyIdentity, Manifest, copy_identity
 from ..io import Reuse
+from ..io.sinks import copy_files
 from ..lifecycle import phase
 from ..lifecycle.coordinator import Coordinator, rank_local_coordinator
 from ..lifecycle.restore import Candidate
@@ -527,64 +527,6 @@ def tier_candidates(tiers: Sequence[Root], coord: Coordinator, step: Optional[in
     return out
 
 
-#: the block a promoted file is copied in: memory per file copy (4 at most at once)
-COPY_BLOCK_BYTES = 8 * 2**20
-
-
-def copy_file_verified(src: Storage, src_dir: str, name: str, record: FileRecord, dst: Storage, dst_dir: str, *,
-                       verify: bool = True, block_bytes: int = COPY_BLOCK_BYTES) -> None:
-    """Copy the step file ``src_dir/name`` to ``dst_dir/name`` in blocks of ``block_bytes``
-    (never the whole file in memory), checking it against its manifest ``record`` as it goes:
-    its size, and its CRC-32C with ``verify``.
-
-    Args:
-        src: the storage holding the step. src_dir: the step's directory there.
-        name: the file's name (as the manifest lists it). record: its manifest record.
-        dst: the storage to copy to. dst_dir: the directory there (it exists).
-        verify: check the CRC-32C too (sizes are always checked).
-        block_bytes: bytes read and written at a time.
-
-    Raises:
-        CorruptCheckpointError: the file is missing, is not a plain file inside ``src_dir``,
-            or its size or checksum is not the manifest's: nothing is left under ``dst_dir``
-            on object stores (the upload is not completed); a partial file may be on other
-            filesystems (the caller aborts the step).
-        StorageError: reading or writing failed.
-    """
-    check_file_name(name, where=f"{src_dir}/manifest")
-    where = f"{src_dir}/{name}"
-    problem = src.file_problem(where, src_dir)
-    if problem is not None:
-        raise CorruptCheckpointError(f"{where}: {problem}", path=where)
-    buf = memoryview(bytearray(max(1, min(block_bytes, record.size + 1))))  # +1: a longer file shows
-    crc, done = 0, 0
-    try:
-        with src.open_ranges(where) as reader, dst.open_write(f"{dst_dir}/{name}", size_hint=record.size) as out:
-            while True:
-                n = reader.read_into(done, buf)
-                if n <= 0:
-                    break
-                if done + n > record.size:
-                    raise CorruptCheckpointError(f"{where}: longer than the {record.size} bytes the manifest says",
-                                                 path=where)
-                if verify:
-                    crc = crc32c(buf[:n], crc)
-                out.write(buf[:n])
-                done += n
-            if done != record.size:
-                raise CorruptCheckpointError(f"{where}: size is {done} bytes, manifest says {record.size}",
-                                             path=where)
-            if verify and crc != record.crc32c:
-                raise CorruptCheckpointError(f"{where}: checksum mismatch (crc32c {crc:#010x}, manifest says "
-                                             f"{record.crc32c:#010x})", path=where)
-    except FileNotFoundError:
-        raise CorruptCheckpointError(f"{where}: file is missing", path=where) from None
-    except StorageError as exc:
-        if isinstance(exc.__cause__, (FileNotFoundError, IsADirectoryError, NotADirectoryError)):
-            raise CorruptCheckpointError(f"{where}: is not a readable file ({exc.__cause__})", path=where) from exc
-        raise
-
-
 def promote(local: Root, persistent: Root, step: int, *, verify: bool = True,
             threads: int = 8) -> Tuple[Manifest, List[int]]:
     """Copy the local tier's committed ``step`` to the persistent tier and commit it there,
@@ -597,8 +539,6 @@ def promote(local: Root, persistent: Root, step: int, *, verify: bool = True,
     multi-rank job saved (its shards only) is refused, and so is
     a step the persistent tier already holds (it may be a newer save). The caller holds the
     persistent tier's writer lease."""
-    from concurrent.futures import ThreadPoolExecutor
-
     if step not in local.store.layout.committed_steps():
         raise StepNotFoundError(f"no committed local checkpoint for step {step} under {local.url}", step=step)
     opened = local.store.layout.read_committed(step)
@@ -623,12 +563,9 @@ def promote(local: Root, persistent: Root, step: int, *, verify: bool = True,
         target = write.target.path
         dst.storage.makedirs(target)
 
-        def copy(name: str) -> None:  # in blocks: never a whole file in memory
-            copy_file_verified(local.store.storage, path, name, manifest.files[name], dst.storage, target,
-                               verify=verify)
-
-        with ThreadPoolExecutor(max(1, min(threads, 4, len(manifest.files)))) as pool:
-            list(pool.map(copy, list(manifest.files)))
+        # through the one verified read, in blocks: never a whole file in memory
+        copy_files(local.store.storage, path, manifest.files, dst.storage, target, verify=verify,
+                   threads=max(1, min(threads, 4)))
         # keeps its commit time (the order of the saves) and its files' checksums; every file is
         # written here (a copy: nothing is shared with an earlier step of this root), so a file an
         # incremental local save took loses its ref and count, and keeps only that it may hold

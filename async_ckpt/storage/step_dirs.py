@@ -415,44 +415,6 @@ class StepDirectories:
             raise CorruptCheckpointError(f"step {step}: {mpath}: manifest says step {m.step}", step=step, path=mpath)
         return StepCopy(step, where, m, marker)
 
-    def check_step(self, step: int) -> Tuple[Manifest, Dict[str, str]]:
-        """A cheap check of a committed step that reads no data: the marker must vouch for the
-        manifest (else :class:`CorruptCheckpointError`, as :meth:`read_manifest`), and every
-        file the manifest lists must be a regular file inside the step directory with the size
-        the manifest gives. Returns the manifest and, per file that fails, what is wrong (an
-        empty dict: the step passed).
-
-        A step that passes can still fail checks that read contents (checksums, DCP
-        metadata); one that fails is damaged whatever its contents.
-        """
-        opened = self.read_committed(step)
-        where, man = opened.where, opened.manifest
-        st = self.storage
-        listed: Optional[Dict[str, Dict]] = None
-        if not st.is_local:  # one listing gives every size
-            listed = {e["name"]: e for e in st.listdir(where)}
-        problems: Dict[str, str] = {}
-        for name, rec in sorted(man.files.items()):
-            path = f"{where}/{name}"
-            if listed is not None:
-                e = listed.get(name)
-                if e is None:
-                    problems[name] = MISSING
-                    continue
-                if e.get("type") == "directory":
-                    problems[name] = "is a directory, not a file"
-                    continue
-                size = int(e["size"]) if e.get("size") is not None else st.size(path)
-            else:
-                problem = st.file_problem(path, where)
-                if problem is not None:
-                    problems[name] = problem
-                    continue
-                size = st.size(path)
-            if size != rec.size:
-                problems[name] = f"size is {size} bytes, manifest says {rec.size}"
-        return man, problems
-
     def incomplete(self, exclude: Iterable[str] = ()) -> List[str]:
         """Paths of steps that never committed (temp dirs, unmarked step dirs, leftover trash);
         never a symbolic link."""
