@@ -18,6 +18,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from async_ckpt.format import torch_record as records
+from async_ckpt.io import save_state_dict
 from async_ckpt.io import write as dcp_writer
 from async_ckpt.storage.storage import Storage
 from async_ckpt.format.torch_record import RecordTemplates
@@ -27,6 +28,16 @@ from .conftest import assert_bitwise_equal
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int8,
           torch.uint8, torch.bool, torch.complex64, torch.float8_e4m3fn]
 SHAPES = [(), (1,), (7,), (3, 5), (2, 1, 4), (1024,)]
+
+
+def _save_local(storage, path, sd, *, threads, memo=None):
+    """The planner-free single-process save (its file records), or ``None`` where DCP's planner
+    must write the state dict."""
+    memo = memo if memo is not None else dcp_writer.WriteMemo()
+    plan = dcp_writer.plan_local(storage, sd, threads=threads, memo=memo)
+    if plan is None:
+        return None
+    return dcp_writer.save_local(dcp_writer.StepWriter(storage, path, threads=threads), plan, memo)
 
 
 @contextlib.contextmanager
@@ -133,7 +144,7 @@ def test_a_template_that_fails_its_check_falls_back_to_torch_save(monkeypatch, t
     sd = {"w": torch.randn(16), "b": torch.randn(3)}
     storage = Storage(str(tmp_path))
     storage.makedirs(str(tmp_path / "s"))
-    dcp_writer.save_state_dict(storage, str(tmp_path / "s"), sd)
+    save_state_dict(storage, str(tmp_path / "s"), sd)
     out = {"w": torch.zeros(16), "b": torch.zeros(3)}
     dcp.load(out, checkpoint_id=str(tmp_path / "s"), no_dist=True)
     assert_bitwise_equal(out, sd)
@@ -170,7 +181,7 @@ def test_planner_free_save_matches_dcp_save(tmp_path):
     ours, theirs, theirs_crc = str(tmp_path / "ours"), str(tmp_path / "theirs"), str(tmp_path / "theirs_crc")
     storage = Storage(str(tmp_path))
     storage.makedirs(ours)
-    files = dcp_writer._save_local(storage, ours, sd, threads=4)
+    files = _save_local(storage, ours, sd, threads=4)
     assert files is not None, "a plain state dict must take the fast path"
     with _no_crc32():
         dcp.save(sd, checkpoint_id=theirs, no_dist=True)
@@ -226,8 +237,8 @@ def test_stateful_values_take_dcp_path(tmp_path):
     model = torch.nn.Linear(3, 2)
     storage = Storage(str(tmp_path))
     storage.makedirs(str(tmp_path / "s"))
-    assert dcp_writer._save_local(storage, str(tmp_path / "s"), {"model": model}, threads=2) is None
-    dcp_writer.save_state_dict(storage, str(tmp_path / "s"), {"model": model})
+    assert _save_local(storage, str(tmp_path / "s"), {"model": model}, threads=2) is None
+    save_state_dict(storage, str(tmp_path / "s"), {"model": model})
     other = torch.nn.Linear(3, 2)
     dcp.load({"model": other}, checkpoint_id=str(tmp_path / "s"), no_dist=True)
     assert_bitwise_equal(other.state_dict(), model.state_dict())
@@ -255,7 +266,7 @@ def test_repeated_layout_reuses_metadata_and_stays_exact(tmp_path):
     for name, sd in cases:
         d = str(tmp_path / name)
         storage.makedirs(d)
-        dcp_writer._save_local(storage, d, sd, threads=2, memo=memo)
+        _save_local(storage, d, sd, threads=2, memo=memo)
         with open(os.path.join(d, ".metadata"), "rb") as f:
             metas[name] = f.read()
         out = _zeros_like_tree(sd)
@@ -307,7 +318,7 @@ def test_writing_a_checkpoint_leaves_the_global_rng_alone(tmp_path):
     expected = torch.rand(4)
     torch.manual_seed(1234)
     storage.makedirs(str(tmp_path / "s"))
-    dcp_writer.save_state_dict(storage, str(tmp_path / "s"), sd)  # new (dtype, shape) keys: builds templates
+    save_state_dict(storage, str(tmp_path / "s"), sd)  # new (dtype, shape) keys: builds templates
     assert torch.equal(torch.rand(4), expected)
 
 
@@ -391,7 +402,7 @@ def test_files_of_small_items_are_produced_in_turns(tmp_path, monkeypatch):
     # Item by item (no templates, so no batched runs): an interleaving would show.
     with monkeypatch.context() as m:
         m.setattr(dcp_writer, "_RECORDS", RecordTemplates(max_bytes=0))
-        dcp_writer._save_local(storage, str(tmp_path / "small"), small, threads=4)
+        _save_local(storage, str(tmp_path / "small"), small, threads=4)
     streams = [id(s) for s, _ in order]
     runs = 1 + sum(a != b for a, b in zip(streams, streams[1:]))
     assert len(set(streams)) == 4 and runs == 4, "each small-item file is produced in one go"
@@ -410,7 +421,7 @@ def test_files_of_small_items_are_produced_in_turns(tmp_path, monkeypatch):
             barrier.wait()  # would time out if the big writes took turns
 
     on_item(racing)
-    dcp_writer._save_local(storage, str(tmp_path / "big"), big, threads=4)
+    _save_local(storage, str(tmp_path / "big"), big, threads=4)
     out = {k: torch.zeros_like(v) for k, v in big.items()}
     dcp.load(out, checkpoint_id=str(tmp_path / "big"), no_dist=True)
     assert_bitwise_equal(out, big)
@@ -427,13 +438,13 @@ def test_a_repeated_save_keeps_nothing_per_item_alive_while_writing(tmp_path, mo
     import gc
 
     counts = []
-    real = dcp_writer._write_files
+    real = dcp_writer.write_files
 
     def counting(*args, **kwargs):
         counts.append(len(gc.get_objects(0)))  # with the collector off, everything new is here
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(dcp_writer, "_write_files", counting)
+    monkeypatch.setattr(dcp_writer, "write_files", counting)
     storage = Storage(str(tmp_path))
     sd = {"model": {f"layers.{i // 10}.p{i % 10}": torch.randn(16) for i in range(3000)}, "step": 1}
     memo = dcp_writer.WriteMemo()
@@ -442,7 +453,7 @@ def test_a_repeated_save_keeps_nothing_per_item_alive_while_writing(tmp_path, mo
         gc.collect()
         gc.disable()
         try:
-            dcp_writer.save_state_dict(storage, str(tmp_path / str(k)), sd, memo=memo)
+            save_state_dict(storage, str(tmp_path / str(k)), sd, memo=memo)
         finally:
             gc.enable()
     assert counts[0] > 3000, "the first save builds its layout: the count sees every new object"
@@ -461,7 +472,7 @@ def test_tensors_far_apart_in_memory_are_written(tmp_path):
     addrs = [t.data_ptr() for t in sd.values()]
     storage = Storage(str(tmp_path))
     storage.makedirs(str(tmp_path / "s"))
-    dcp_writer.save_state_dict(storage, str(tmp_path / "s"), sd)
+    save_state_dict(storage, str(tmp_path / "s"), sd)
     out = {k: torch.zeros_like(v) for k, v in sd.items()}
     dcp.load(out, checkpoint_id=str(tmp_path / "s"), no_dist=True)
     assert_bitwise_equal(out, sd)

@@ -15,6 +15,7 @@ import torch
 from async_ckpt import CheckpointManager
 from async_ckpt.io import dcp_call as dcp_common
 from async_ckpt.io import load_state_dict
+from async_ckpt.io import save_state_dict
 from async_ckpt.io import write as dcp_writer
 from async_ckpt.storage.storage import Storage
 
@@ -72,11 +73,11 @@ def test_save_state_dict_without_a_memo_remembers_nothing(tmp_path, monkeypatch)
     memo = dcp_writer.WriteMemo()
     for k in range(2):
         storage.makedirs(str(tmp_path / f"plain{k}"))
-        dcp_writer.save_state_dict(storage, str(tmp_path / f"plain{k}"), _model_state(1))
+        save_state_dict(storage, str(tmp_path / f"plain{k}"), _model_state(1))
     assert len(balanced) == 2
     for k in range(2):
         storage.makedirs(str(tmp_path / f"memo{k}"))
-        dcp_writer.save_state_dict(storage, str(tmp_path / f"memo{k}"), _model_state(1), memo=memo)
+        save_state_dict(storage, str(tmp_path / f"memo{k}"), _model_state(1), memo=memo)
     assert len(balanced) == 3 and memo.layout is not None
 
 
@@ -108,7 +109,7 @@ def test_single_process_save_and_restore_emit_no_dcp_warning(tmp_path):
             mgr.restore(1, out)  # through dcp.load
         storage = Storage(str(tmp_path))
         storage.makedirs(str(tmp_path / "stateful"))
-        dcp_writer.save_state_dict(storage, str(tmp_path / "stateful"), {"model": model})  # through dcp.save
+        save_state_dict(storage, str(tmp_path / "stateful"), {"model": model})  # through dcp.save
         other = torch.nn.Linear(5, 3)
         load_state_dict(storage, str(tmp_path / "stateful"), {"model": other}, files=None)
         assert warnings.filters == before

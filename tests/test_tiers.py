@@ -90,13 +90,13 @@ def test_each_tier_gets_the_steps_its_policy_selects_and_keeps_its_own_retention
 def test_a_step_due_for_both_tiers_is_staged_once_and_written_to_both(roots, monkeypatch):
     path, local = roots
     writes = []
-    real = step_io.save_state_dict
+    real = step_io.write_step
 
     def spy(storage, p, sd, **kw):
         writes.append((storage.url, {k: v.data_ptr() for k, v in sd.items() if isinstance(v, torch.Tensor)}))
         return real(storage, p, sd, **kw)
 
-    monkeypatch.setattr(step_io, "save_state_dict", spy)
+    monkeypatch.setattr(step_io, "write_step", spy)
     with CheckpointManager(path, local_dir=local) as mgr:
         staged = []
         real_stage = mgr.stager.eager.stage
@@ -348,7 +348,7 @@ def test_a_lagging_upload_does_not_make_its_older_step_the_newest(roots, monkeyp
     import threading
 
     path, local = roots
-    real = step_io.save_state_dict
+    real = step_io.write_step
     gate = threading.Event()
 
     def slow_bucket(storage, p, sd, **kw):
@@ -356,7 +356,7 @@ def test_a_lagging_upload_does_not_make_its_older_step_the_newest(roots, monkeyp
             assert gate.wait(30)
         return real(storage, p, sd, **kw)
 
-    monkeypatch.setattr(step_io, "save_state_dict", slow_bucket)
+    monkeypatch.setattr(step_io, "write_step", slow_bucket)
     with CheckpointManager(path, save_interval=10, local_dir=local, local_policy=1, local_retention=2) as mgr:
         for s in (10, 11, 12):
             mgr.save_async(s, state(s))

@@ -26,7 +26,7 @@ def roots(tmp_path):
 
 def test_failed_uploads_do_not_stop_local_saves_and_are_raised_at_join(roots, monkeypatch, caplog):
     path, local = roots
-    real = step_io.save_state_dict
+    real = step_io.write_step
     down = {"on": True}
 
     def flaky(storage, p, sd, **kw):
@@ -34,7 +34,7 @@ def test_failed_uploads_do_not_stop_local_saves_and_are_raised_at_join(roots, mo
             raise OSError("bucket unreachable")
         return real(storage, p, sd, **kw)
 
-    monkeypatch.setattr(step_io, "save_state_dict", flaky)
+    monkeypatch.setattr(step_io, "write_step", flaky)
     mgr = CheckpointManager(path, save_interval=2, local_dir=local, local_policy=1, local_retention=10)
     with caplog.at_level(logging.ERROR, logger="async_ckpt"):
         for s in range(1, 6):
@@ -83,7 +83,7 @@ def test_join_and_close_raise_every_tier_s_failure_not_only_the_first(roots, mon
     def broken(storage, p, sd, **kw):
         raise OSError("local disk full" if p.startswith(local) else "bucket unreachable")
 
-    monkeypatch.setattr(step_io, "save_state_dict", broken)
+    monkeypatch.setattr(step_io, "write_step", broken)
     mgr = CheckpointManager(path, local_dir=local)
     mgr.save_async(1, state(1))
     with pytest.raises(CheckpointError) as info:
@@ -94,20 +94,20 @@ def test_join_and_close_raise_every_tier_s_failure_not_only_the_first(roots, mon
 
 def test_after_a_failed_upload_restore_and_promote_work_and_join_still_raises(roots, monkeypatch):
     path, local = roots
-    real = step_io.save_state_dict
+    real = step_io.write_step
 
     def no_bucket(storage, p, sd, **kw):
         if not p.startswith(local):
             raise OSError("bucket unreachable")
         return real(storage, p, sd, **kw)
 
-    monkeypatch.setattr(step_io, "save_state_dict", no_bucket)
+    monkeypatch.setattr(step_io, "write_step", no_bucket)
     mgr = CheckpointManager(path, local_dir=local)
     mgr.save_async(1, state(1))
     out = zeros()
     assert mgr.restore(None, out) == 1  # the failed upload is not the restore's error
     assert_bitwise_equal(out, state(1))
-    monkeypatch.setattr(step_io, "save_state_dict", real)
+    monkeypatch.setattr(step_io, "write_step", real)
     mgr.promote(1)  # the repair: the local copy goes up
     assert mgr.step_tiers() == {1: ("local", "persistent")}
     with pytest.raises(CheckpointError, match="bucket unreachable"):

@@ -19,6 +19,7 @@
 
 from .dcp_adapters import FsspecStorageReader, load_state_dict
 from .reuse import Reuse
-from .write import FsspecStorageWriter, save_state_dict
+from .step_io import save_state_dict
+from .write import FsspecStorageWriter
 
 __all__ = ["FsspecStorageReader", "FsspecStorageWriter", "Reuse", "load_state_dict", "save_state_dict"]

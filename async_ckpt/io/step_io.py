@@ -1,8 +1,10 @@
 """One step's files written and read: the choice of data path, in one place.
 
 :func:`write_step` writes this rank's part of a step: one process through async_ckpt's own
-DCP-format writer (no planner round trips, the layout remembered in a ``memo``), several
-through ``dcp.save`` over the checkpoint group (which de-duplicates replicated tensors).
+DCP-format writer (no planner round trips, the layout remembered in a ``memo``:
+:func:`~.write.plan_local` says whether it applies, before anything is written), several (or a
+custom planner) through ``dcp.save`` over the checkpoint group (which de-duplicates replicated
+tensors); either way :class:`~.write.StepWriter` writes the files.
 
 :func:`read_step` reads a step into a target in place:
 
@@ -26,10 +28,10 @@ from ..format.dcp_layout import WriteMemo
 from ..format.manifest import FileRecord
 from ..storage.storage import Storage
 from .dcp_adapters import FsspecStorageReader, load_state_dict, safe_planner
-from .dcp_call import unwrap_dcp
+from .dcp_call import call_dcp, distributed, unwrap_dcp
 from .read_targets import Acquire, partly_written, plan_direct, read_direct, staged
 from .reuse import Reuse
-from .write import FsspecStorageWriter, save_state_dict
+from .write import FsspecStorageWriter, StepWriter, plan_local, save_local
 
 
 def write_step(storage: Storage, path: str, state_dict: Dict[str, Any], *, threads: int, planner: Any,
@@ -58,15 +60,35 @@ def write_step(storage: Storage, path: str, state_dict: Dict[str, Any], *, threa
         Exception: what the write raised; with ``several_ranks``, DCP's ``CheckpointException``
             (its collectives report one rank's failure to every rank, so every rank raises it).
     """
-    if not several_ranks:
-        return save_state_dict(storage, path, state_dict, threads=threads, planner=planner, memo=memo, reuse=reuse,
-                               process_group=group)
+    memo = memo if memo is not None else WriteMemo()  # (None: nothing reused or remembered)
+    local = None if several_ranks or planner is not None else plan_local(storage, state_dict, threads=threads,
+                                                                         memo=memo)
+    if local is not None:  # one process, plain tensors and objects: without DCP's planner
+        return save_local(StepWriter(storage, path, threads=threads, reuse=reuse), local, memo)
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
     writer = FsspecStorageWriter(storage, path, threads=threads, reuse=reuse)
-    dcp.save(state_dict, storage_writer=writer, process_group=group, planner=planner or DefaultSavePlanner())
+    if several_ranks:  # DCP's collectives report one rank's failure on every rank (CheckpointException)
+        dcp.save(state_dict, storage_writer=writer, process_group=group, planner=planner or DefaultSavePlanner())
+    else:
+        call_dcp(lambda: dcp.save(state_dict, storage_writer=writer, planner=planner or DefaultSavePlanner(),
+                                  process_group=group, no_dist=not distributed()))
     return writer.files
+
+
+def save_state_dict(storage: Storage, path: str, state_dict: Dict[str, Any], *, threads: int = 8,
+                    process_group: Any = None, planner: Any = None, memo: Optional[WriteMemo] = None,
+                    reuse: Optional[Reuse] = None) -> Dict[str, FileRecord]:
+    """Write ``state_dict`` (host tensors) as a DCP checkpoint under ``path`` from this one
+    process; return the file records (:func:`write_step` of one process).
+
+    ``planner`` defaults to DCP's ``DefaultSavePlanner`` (torch_xla's for staged SPMD shards).
+    ``memo``: the owner's :class:`~async_ckpt.format.dcp_layout.WriteMemo`, for a save to reuse
+    the layout of the last save through it; ``None``: nothing is reused or remembered.
+    """
+    return write_step(storage, path, state_dict, threads=threads, planner=planner, memo=memo, reuse=reuse,
+                      group=process_group)
 
 
 def read_step(storage: Storage, path: str, state_dict: Dict[str, Any], *, files: Dict[str, FileRecord],

@@ -13,8 +13,13 @@ DCP's own fsspec writer is the I/O path:
 * tensors are written from record templates (:mod:`..records`) where one fits; where each
   large tensor's data starts in its file is kept for the manifest (``FileRecord.data_at``);
 * a single-process save of plain tensors and objects skips DCP's planner
-  (:func:`_save_local`), and a :class:`WriteMemo` lets the next save of the same layout reuse
-  the file assignment and the pickled ``.metadata``.
+  (:func:`plan_local`, :func:`save_local`), and a :class:`WriteMemo` lets the next save of the
+  same layout reuse the file assignment and the pickled ``.metadata``.
+
+Planning and moving bytes are apart: :class:`StepWriter` plans a rank's files (the incremental
+splice once: :meth:`~.reuse.Reuse.share`; which items go to which file; the ``.metadata``) and
+:func:`write_files` alone writes them (records from templates, CRC-32C per record and per file,
+``fsync`` or upload), so that another executor can take its place.
 """
 
 from __future__ import annotations
@@ -25,11 +30,9 @@ import io
 import pickle
 import threading
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple, cast
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple, cast
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -62,7 +65,6 @@ from ..format.dcp_layout import (
 from ..format.manifest import FileRecord
 from ..format.torch_record import PickledObject, RecordBatch, RecordTemplate, RecordTemplates
 from ..storage.storage import Storage
-from .dcp_call import call_dcp, distributed, world_size
 from .reuse import Key, Reuse, Shared, item_key, placed_items
 
 if TYPE_CHECKING:  # the classes compat returns, named for the type checker
@@ -309,22 +311,60 @@ def _item_nbytes(data: Any) -> int:
     return data.getbuffer().nbytes if isinstance(data, io.BytesIO) else 0
 
 
-def _write_files(storage: Storage, path: str, prefix: str, buckets: List[List[Any]], hints: List[int],
-                 threads: int, resolve: Callable[[Any], Any], records: bool = False
-                 ) -> List[Tuple[str, FileRecord, List[int]]]:
-    """Write each bucket as one ``<prefix><k>.distcp`` file, concurrently; ``resolve(item)``
-    gives an item's data (a tensor or a BytesIO).
+@dataclasses.dataclass
+class FilePlan:
+    """One file a step writer writes: its name, its items in order (each resolved to its data,
+    a tensor or a ``BytesIO``, by the writer's ``resolve`` as it is written), and about how many
+    bytes they make (lets a small file upload in one request)."""
 
-    Returns, per file, its name, its record (with ``records``, the length and CRC32C of each
-    item too) and the length of each item in order (items are contiguous, so offsets follow). ``hints[k]`` is about the data size of bucket ``k`` (lets
-    small files upload in one request).
+    name: str
+    items: List[Any]
+    hint: int
+
+
+@dataclasses.dataclass
+class WrittenFile:
+    """What writing one :class:`FilePlan` made: the file's record (with ``records``, each item's
+    length and CRC-32C too; ``data_at``: where large tensors' data lies) and each item's length,
+    in order (items are contiguous, so offsets follow)."""
+
+    name: str
+    record: FileRecord
+    lengths: List[int]
+
+
+def write_files(storage: Storage, path: str, plans: Sequence[FilePlan], *, threads: int,
+                resolve: Callable[[Any], Any], records: bool = False) -> List[WrittenFile]:
+    """The executor of a step's writes: every file of ``plans`` written into ``path``,
+    concurrently, each as a stream of records (from record templates where one fits, gathered
+    into large writes), its size and CRC-32C (and with ``records`` each record's) computed on
+    the way, durable when it returns (``fsync`` or upload). The one place bytes are moved for a
+    step's data files (:class:`StepWriter` calls it).
+
+    A file that fails is written again whole on a transient error (the host snapshot is
+    immutable until the step commits); the first file that fails for good ends the step: the
+    files not started yet are not.
+
+    Args:
+        storage: the root's storage.
+        path: the step's (temporary) directory.
+        plans: the files.
+        threads: how many files are written at once.
+        resolve: an item's data (a tensor or a ``BytesIO``).
+        records: keep each item's length and CRC-32C in the file's record.
+
+    Returns:
+        Per file, in the order of ``plans``, what was written.
+
+    Raises:
+        StorageError: a file could not be written (after retries).
+        OSError: a short write, or the storage refused the file.
     """
 
-    def write_file(k: int, jobs: List[Any]) -> Tuple[str, FileRecord, List[int]]:
+    def write_file(plan: FilePlan) -> WrittenFile:
         # A file is streamed, so a transient failure mid-file is retried by rewriting the
         # whole file (the host snapshot is immutable until the step commits).
-        where = f"{path}/{prefix}{k}.distcp"
-        return storage.retry.call(lambda: write_file_once(k, jobs), f"write {where}")
+        return storage.retry.call(lambda: write_file_once(plan), f"write {path}/{plan.name}")
 
     # Runs of small items are produced by one file at a time: that is Python work, which the
     # GIL serialises anyway, and taking turns lets each file's fsync (or upload) run while the
@@ -332,17 +372,17 @@ def _write_files(storage: Storage, path: str, prefix: str, buckets: List[List[An
     # Big items are written outside the lock, so their I/O still runs concurrently.
     produce_small = threading.Lock()
 
-    def write_file_once(k: int, jobs: List[Any]) -> Tuple[str, FileRecord, List[int]]:
-        name = f"{prefix}{k}.distcp"
+    def write_file_once(plan: FilePlan) -> WrittenFile:
+        name = plan.name
         lengths: List[int] = []
         data_at: Dict[int, int] = {}  # record offset -> its data's offset in it (large tensors)
-        with storage.open_write(f"{path}/{name}", size_hint=hints[k]) as f:
+        with storage.open_write(f"{path}/{name}", size_hint=plan.hint) as f:
             stream = _RecordStream(f, records)
             held = False
             run: List[torch.Tensor] = []  # consecutive tensors of one record template
             run_tpl: Optional[RecordTemplate] = None
             try:
-                for job in jobs:
+                for job in plan.items:
                     data = resolve(job)
                     tpl = _RECORDS.template(data) if type(data) is torch.Tensor else None
                     if tpl is not None and tpl.nbytes > _RECORDS.max_bytes:
@@ -388,42 +428,125 @@ def _write_files(storage: Storage, path: str, prefix: str, buckets: List[List[An
         kept = stream.records
         if kept is not None and [n for n, _ in kept] != lengths:
             kept = None  # never list records that are not the items: the file is then checked whole
-        return name, FileRecord(stream.size, stream.crc, None if kept is None else tuple(kept),
-                                data_at or None), lengths
+        return WrittenFile(name, FileRecord(stream.size, stream.crc, None if kept is None else tuple(kept),
+                                            data_at or None), lengths)
 
-    if not buckets:  # nothing to write on this rank (e.g. every item de-duplicated to another)
+    if not plans:  # nothing to write on this rank (e.g. every item de-duplicated to another)
         return []
-    if len(buckets) == 1:
-        return [write_file(0, buckets[0])]
+    if len(plans) == 1:
+        return [write_file(plans[0])]
     # The first file that fails ends the step: files not started yet are not (an unreachable
     # storage would otherwise fail every remaining file in turn, each after its deadline).
-    with ThreadPoolExecutor(min(threads, len(buckets)), thread_name_prefix="async-ckpt-io") as pool:
-        futures = [pool.submit(write_file, k, b) for k, b in enumerate(buckets)]
+    with ThreadPoolExecutor(min(threads, len(plans)), thread_name_prefix="async-ckpt-io") as pool:
+        futures = [pool.submit(write_file, plan) for plan in plans]
         wait(futures, return_when=FIRST_EXCEPTION)
         for f in futures:
             f.cancel()
         return [f.result() for f in futures]
 
 
-def _results(buckets: List[List[MetadataIndex]], outs: List[Tuple[str, FileRecord, List[int]]]
-             ) -> Tuple[Dict[str, FileRecord], Dict[MetadataIndex, _StorageInfo]]:
-    """File records and DCP's ``storage_data`` (where each item sits) from :func:`_write_files`."""
-    files: Dict[str, FileRecord] = {}
-    where: Dict[MetadataIndex, _StorageInfo] = {}
-    for indices, (name, rec, lengths) in zip(buckets, outs):
-        files[name] = rec
-        offset = 0
-        for index, length in zip(indices, lengths):
-            where[index] = _StorageInfo(name, offset, length)
-            offset += length
-    return files, where
+# ---- planning: which items go where; the incremental splice; the metadata -----------------------
+
+@dataclasses.dataclass
+class ItemsWritten:
+    """What :meth:`StepWriter.write_items` placed: the data files' records (files taken from
+    the last step included), where each item lies (position -> ``(file, offset, length)``), the
+    file assignment it wrote (positions per file, their size hints, each item's length per file),
+    and whether items were taken from the last step."""
+
+    files: Dict[str, FileRecord]
+    placed: Dict[int, Tuple[str, int, int]]
+    buckets: List[List[int]]
+    hints: List[int]
+    lengths: List[List[int]]
+    shared: bool
+
+
+class StepWriter:
+    """One rank's files of one step: what goes in which file, and the writing of them.
+
+    The one writer of every save, one process or several (DCP's ``StorageWriter``,
+    :class:`FsspecStorageWriter`, is a thin adapter over it). :meth:`write_items` plans
+    (the incremental splice: the items the last step holds unchanged are taken with its files,
+    :meth:`~.reuse.Reuse.share`; the others balanced over files by size) and hands the files to
+    the executor (:func:`write_files`, the one place bytes are moved); :meth:`write_metadata`
+    writes the step's ``.metadata``.
+
+    Args:
+        storage: the root's storage.
+        path: the step's (temporary) directory.
+        threads: how many files are written at once.
+        reuse: incremental saves: what this rank's last committed step holds; None: whole saves.
+    """
+
+    def __init__(self, storage: Storage, path: str, *, threads: int, reuse: Optional[Reuse] = None) -> None:
+        self.storage, self.path = storage, path
+        self.threads = max(1, threads)
+        self.reuse = reuse
+
+    def write_items(self, prefix: str, count: int, sizes: List[int], resolve: Callable[[int], Any], *,
+                    keys: Optional[List[Key]] = None, objs: Optional[List[Any]] = None, records: bool = False,
+                    buckets: Optional[List[List[int]]] = None, hints: Optional[List[int]] = None) -> ItemsWritten:
+        """Write the items ``0 .. count - 1`` into ``<prefix><k>.distcp`` files.
+
+        Args:
+            prefix: this rank's file-name prefix (``__<rank>_``).
+            count: the items.
+            sizes: about how many bytes each adds to its file.
+            resolve: an item's data (a tensor or a ``BytesIO``), by position.
+            keys: incremental saves: each item's key (:func:`~.reuse.item_key`).
+            objs: incremental saves: each item's tensor (``None`` for others); a declared-frozen
+                tensor left uncopied becomes its bytes at the call here (``resolve`` must give
+                ``objs[i]`` where it is not None).
+            records: keep each item's length and CRC-32C in the files' records.
+            buckets: the file assignment to write (positions per file; a remembered layout),
+                used unless items are taken from the last step; None: balanced here.
+            hints: the size hints of ``buckets``.
+
+        Returns:
+            What was placed where.
+        """
+        reuse = self.reuse
+        shared: Optional[Shared] = None
+        hashes: List[Optional[int]] = []
+        if reuse is not None and keys is not None and objs is not None:
+            hashes, shared = reuse.share(self.storage, self.path, prefix, keys, objs)
+            if shared.placed:
+                buckets = None  # a remembered file assignment holds every item
+        if buckets is None or hints is None:
+            todo = [k for k in range(count) if shared is None or k not in shared.placed]
+            buckets = _balance(todo, [sizes[k] for k in todo], self.threads, self.storage.max_file_bytes)
+            hints = [sum(sizes[k] for k in b) for b in buckets]
+        plans = [FilePlan(f"{prefix}{k}.distcp", b, hints[k]) for k, b in enumerate(buckets)]
+        outs = write_files(self.storage, self.path, plans, threads=self.threads, resolve=resolve, records=records)
+        files = {o.name: o.record for o in outs}
+        placed: Dict[int, Tuple[str, int, int]] = {}
+        for positions, o in zip(buckets, outs):
+            offset = 0
+            for k, length in zip(positions, o.lengths):
+                placed[k] = (o.name, offset, length)
+                offset += length
+        if shared is not None:
+            placed.update(shared.placed)
+            files.update(shared.files)
+        if reuse is not None and keys is not None and objs is not None:
+            reuse.wrote(self.storage, self.path, placed_items(keys, objs, hashes, placed), files, shared)
+        return ItemsWritten(files, placed, buckets, hints, [o.lengths for o in outs],
+                            shared is not None and bool(shared.placed))
+
+    def write_metadata(self, data: bytes, record: Optional[FileRecord] = None) -> FileRecord:
+        """Write the step's ``.metadata`` (``data``: DCP's pickled ``Metadata``); its record
+        (``record``: the same bytes' record, known already)."""
+        self.storage.write_bytes(f"{self.path}/{METADATA_NAME}", data)
+        return record if record is not None else FileRecord(len(data), crc32c(data))
 
 
 def _resolver(planner: SavePlanner) -> Callable[[Any], Any]:
     """``planner.resolve_data``, except that a :class:`PickledObject` (a snapshot's non-tensor
     value, pickled at the call) is written as its archive, not ``torch.save``-d again as an
     object, and a tuple or list holding views of staging buffers is saved with copies of its
-    own (see :func:`~.file_assignment.own_storages`). Planners without ``lookup_object`` (DCP's and torch_xla's have it) resolve alone."""
+    own (see :func:`~async_ckpt.format.dcp_layout.own_storages`). Planners without
+    ``lookup_object`` (DCP's and torch_xla's have it) resolve alone."""
     lookup = getattr(planner, "lookup_object", None)
     if lookup is None:
         return planner.resolve_data
@@ -441,28 +564,14 @@ def _resolver(planner: SavePlanner) -> Callable[[Any], Any]:
     return resolve
 
 
-def _resolving_to(resolve: Callable[[Any], Any], items: List[Any], objs: List[Any]) -> Callable[[Any], Any]:
-    """``resolve``, except that ``items[i]`` resolves to ``objs[i]`` where that is not None (what
-    :meth:`Reuse.share` left there is what is written)."""
-    known = {id(it): o for it, o in zip(items, objs) if o is not None}
-
-    def resolved(item: Any) -> Any:
-        o = known.get(id(item))
-        return resolve(item) if o is None else o
-
-    return resolved
-
-
 class FsspecStorageWriter(StorageWriter):
-    """DCP ``StorageWriter`` with concurrent, checksummed writes through :class:`Storage`; each
-    file's record in :attr:`files` lists its items' lengths and CRC32Cs."""
+    """DCP's ``StorageWriter`` over a :class:`StepWriter` (every save through DCP's planner:
+    several ranks, or a custom planner); each file's record in :attr:`files` lists its items'
+    lengths and CRC-32Cs."""
 
     def __init__(self, storage: Storage, path: str, *, threads: int = 8, reuse: Optional[Reuse] = None) -> None:
         super().__init__()
-        self.storage = storage
-        self.path = path
-        self.threads = max(1, threads)
-        self.reuse = reuse  # incremental: what this rank's last committed step holds
+        self.writer = StepWriter(storage, path, threads=threads, reuse=reuse)
         self.files: Dict[str, FileRecord] = {}
         self.rank = 0
         self.is_coordinator = True
@@ -483,31 +592,24 @@ class FsspecStorageWriter(StorageWriter):
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
         resolve = _resolver(planner)
         items = plan.items
-        shared: Optional[Shared] = None
-        reuse = self.reuse
-        if reuse is not None:  # incremental: hash, and share what this rank's last step holds unchanged
+        keys: Optional[List[Key]] = None
+        objs: Optional[List[Any]] = None
+        if self.writer.reuse is not None:  # incremental: the tensors, hashed and compared with the last step's
             keys = [item_key(it.index.fqn, it.index.offset) for it in items]
             objs = [resolve(it) if it.type != WriteItemType.BYTE_IO else None for it in items]
-            hashes, shared = reuse.share(self.storage, self.path, plan.storage_data.prefix, keys, objs)
-            items = [it for i, it in enumerate(items) if i not in shared.placed]
-            resolve = _resolving_to(resolve, plan.items, objs)  # a declared-frozen tensor's bytes at the call
-        buckets = _balance(items, [_item_bytes(it) for it in items], self.threads, self.storage.max_file_bytes)
-        hints = [sum(_item_bytes(item) for item in bucket) for bucket in buckets]
-        outs = _write_files(self.storage, self.path, plan.storage_data.prefix, buckets, hints, self.threads,
-                            resolve, records=True)
-        files, where = _results([[item.index for item in bucket] for bucket in buckets], outs)
-        if reuse is not None and shared is not None:
-            position = {id(it): i for i, it in enumerate(plan.items)}
-            placed = _positions([[position[id(it)] for it in b] for b in buckets], outs)
-            for i, info in shared.placed.items():
-                where[plan.items[i].index] = _StorageInfo(*info)
-            placed.update(shared.placed)
-            files.update(shared.files)
-            reuse.wrote(self.storage, self.path, placed_items(keys, objs, hashes, placed), files, shared)
-        self.files.update(files)
+        held = objs
+
+        def data(k: int) -> Any:  # a declared-frozen tensor's bytes at the call, where the splice put them
+            o = held[k] if held is not None else None
+            return resolve(items[k]) if o is None else o
+
+        out = self.writer.write_items(plan.storage_data.prefix, len(items), [_item_bytes(it) for it in items], data,
+                                      keys=keys, objs=objs, records=True)
+        self.files.update(out.files)
         fut: Future = Future()
-        fut.set_result([WriteResult(index=index, size_in_bytes=info.length, storage_data=info)
-                        for index, info in where.items()])
+        fut.set_result([WriteResult(index=items[k].index, size_in_bytes=length,
+                                    storage_data=_StorageInfo(name, offset, length))
+                        for k, (name, offset, length) in sorted(out.placed.items())])
         return fut
 
     def finish(self, metadata: Metadata, results: List[List[WriteResult]]) -> None:
@@ -516,9 +618,7 @@ class FsspecStorageWriter(StorageWriter):
             storage_md.update({wr.index: wr.storage_data for wr in wr_list})
         metadata.storage_data = storage_md
         metadata.storage_meta = self.storage_meta()
-        data = pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)  # DCP's own format
-        self.storage.write_bytes(f"{self.path}/{METADATA_NAME}", data)
-        self.files[METADATA_NAME] = FileRecord(len(data), crc32c(data))
+        self.files[METADATA_NAME] = self.writer.write_metadata(pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL))
 
     def storage_meta(self) -> Optional[StorageMeta]:
         # No checkpoint_id: the path written to is a temporary directory renamed at commit,
@@ -530,53 +630,40 @@ class FsspecStorageWriter(StorageWriter):
         return True
 
 
+# ---- the planner-free single-process save -------------------------------------------------------
 
-def save_state_dict(storage: Storage, path: str, state_dict: Dict[str, Any], *, threads: int = 8,
-                    process_group: Any = None, planner: Optional[SavePlanner] = None,
-                    memo: Optional["WriteMemo"] = None, reuse: Optional[Reuse] = None) -> Dict[str, FileRecord]:
-    """Write ``state_dict`` (host tensors) as a DCP checkpoint under ``path``; return file records.
+@dataclasses.dataclass
+class LocalSave:
+    """A single-process save planned without DCP's planner (:func:`plan_local`)."""
 
-    ``planner`` defaults to DCP's ``DefaultSavePlanner`` (torch_xla's for staged SPMD shards).
-    ``memo``: the owner's :class:`WriteMemo`, for a single-process save to reuse the layout
-    of the last save through it; ``None``: nothing is reused or remembered.
-    """
-    if planner is None and world_size(process_group) == 1:  # e.g. `torchrun --nproc_per_node=1` too
-        files = _save_local(storage, path, state_dict, threads=threads, memo=memo, reuse=reuse)
-        if files is not None:
-            return files
-    writer = FsspecStorageWriter(storage, path, threads=threads, reuse=reuse)
-    planner = planner if planner is not None else DefaultSavePlanner()
-    call_dcp(lambda: dcp.save(state_dict, storage_writer=writer, planner=planner,
-                               process_group=process_group, no_dist=not distributed()))
-    return writer.files
+    flat: Dict[str, Any]
+    mappings: Dict[str, Tuple[Any, ...]]
+    fqns: List[str]
+    objs: List[Any]
+    key: Tuple[Any, ...]  # what else decides the file assignment: (threads, max_file_bytes)
+    layout: Optional[FileLayout]  # the remembered layout, when this save has it
+    sig: Optional[List[Any]]  # the new signature (None: the remembered layout's)
 
 
-def _save_local(storage: Storage, path: str, state_dict: Dict[str, Any], *, threads: int,
-                memo: Optional[WriteMemo] = None, reuse: Optional[Reuse] = None) -> Optional[Dict[str, FileRecord]]:
-    """Single-process save of plain tensors and objects, without DCP's planning machinery.
+def plan_local(storage: Storage, state_dict: Dict[str, Any], *, threads: int, memo: WriteMemo) -> Optional[LocalSave]:
+    """The planner-free single-process save of ``state_dict``, or ``None`` where DCP's planner
+    must write it (DTensors, ShardedTensors, tensor subclasses, ``Stateful`` values): decided
+    before anything is written.
 
-    Writes what ``dcp.save`` with ``DefaultSavePlanner`` and :class:`FsspecStorageWriter`
-    writes — the same flattened keys, the same ``Metadata`` (equal field by field), the same
-    item bytes — at a fraction of the per-item cost: DCP's local and global planning, plan
-    validation and per-item ``dataclasses.replace`` are a fixed cost per item, which dominates
-    a state dict of many small tensors. Equal objects inside the metadata (dtypes' properties,
-    shapes, zero offsets) are shared, so its pickle is smaller and quicker.
+    Args:
+        storage: the root's storage.
+        state_dict: the host snapshot.
+        threads: how many files are written at once.
+        memo: the owner's memo of its last save's layout.
 
-    A training loop saves the same layout again and again, so the last layout is remembered in
-    ``memo`` (``None``: a fresh one, nothing reused): when the keys, dtypes and shapes are
-    unchanged and every item comes out at the same length, the file assignment and the pickled
-    ``.metadata`` are reused rather than rebuilt.
-
-    Returns ``None`` (the caller then uses ``dcp.save``) for anything DCP's planner treats
-    specially: DTensors, ShardedTensors, tensor subclasses and ``Stateful`` values.
+    Returns:
+        The plan, or ``None``.
     """
     if any(is_stateful(value) for value in state_dict.values()):  # what dcp.save's _stateful_to_state_dict calls
         return None
     # Nothing per item outlives this save except what the layout keeps: objects alive through a
     # long write are promoted to the collector's oldest generation, and tens of thousands of them
     # per save trigger a full collection (GIL held) every save or two.
-    if memo is None:
-        memo = WriteMemo()
     layout = memo.layout
     flat, mappings = flatten(state_dict, reuse=layout.mappings if layout is not None else None)
     objs = list(flat.values())
@@ -589,37 +676,39 @@ def _save_local(storage: Storage, path: str, state_dict: Dict[str, Any], *, thre
         sig = signature(objs)
         if sig is None:
             return None  # DTensor, ShardedTensor, a subclass: DCP's planner knows them
+    return LocalSave(flat, mappings, fqns, objs, key, layout, sig)
 
-    shared: Optional[Shared] = None
-    hashes: List[Optional[int]] = []
-    keys: List[Key] = []
-    if reuse is not None:  # incremental: hash, and share what the last step holds unchanged
+
+def save_local(writer: StepWriter, plan: LocalSave, memo: WriteMemo) -> Dict[str, FileRecord]:
+    """Write ``plan`` (:func:`plan_local`): what ``dcp.save`` with ``DefaultSavePlanner`` and
+    :class:`FsspecStorageWriter` writes — the same flattened keys, the same ``Metadata`` (equal
+    field by field), the same item bytes — at a fraction of the per-item cost: DCP's local and
+    global planning, plan validation and per-item ``dataclasses.replace`` are a fixed cost per
+    item, which dominates a state dict of many small tensors. Equal objects inside the metadata
+    (dtypes' properties, shapes, zero offsets) are shared, so its pickle is smaller and quicker.
+
+    A training loop saves the same layout again and again, so the last layout is remembered in
+    ``memo``: when the keys, dtypes and shapes are unchanged and every item comes out at the same
+    length, the file assignment and the pickled ``.metadata`` are reused rather than rebuilt.
+
+    Returns:
+        The step's file records (``.metadata`` included).
+    """
+    objs, fqns, layout, sig, mappings = plan.objs, plan.fqns, plan.layout, plan.sig, plan.mappings
+    keys: Optional[List[Key]] = None
+    if writer.reuse is not None:  # incremental: hash, and share what the last step holds unchanged
         keys = [item_key(fqn, (0,) * o.dim() if isinstance(o, torch.Tensor) else None) for fqn, o in zip(fqns, objs)]
-        hashes, shared = reuse.share(storage, path, "__0_", keys, objs)
-        if shared.placed:
-            layout = None  # the remembered file assignment holds every item
-            sig = sig if sig is not None else signature(objs)
-
-    if layout is not None:
-        outs = _write_files(storage, path, "__0_", [[objs[k] for k in b] for b in layout.buckets],
-                            layout.hints, threads, local_data)
-        if [lengths for _, _, lengths in outs] == layout.lengths:  # same bytes where .metadata says
-            storage.write_bytes(f"{path}/{METADATA_NAME}", layout.metadata)
-            files = {name: rec for name, rec, _ in outs}
-            files[METADATA_NAME] = layout.files_meta
-            if reuse is not None:
-                reuse.wrote(storage, path, placed_items(keys, objs, hashes, _positions(layout.buckets, outs)), files,
-                            shared)
-            return files
-        # An object's pickle changed length: same files, new .metadata (built below).
-        buckets, hints = layout.buckets, layout.hints
-    else:
-        todo = [k for k in range(len(objs)) if shared is None or k not in shared.placed]
-        sizes = [o.numel() * o.element_size() if isinstance(o, torch.Tensor) else 1024 for o in objs]
-        buckets = _balance(todo, [sizes[k] for k in todo], threads, storage.max_file_bytes)
-        hints = [sum(sizes[k] for k in b) for b in buckets]
-        outs = None
-
+    sizes = [o.numel() * o.element_size() if isinstance(o, torch.Tensor) else 1024 for o in objs] \
+        if layout is None or writer.reuse is not None else []
+    out = writer.write_items("__0_", len(objs), sizes, lambda k: local_data(objs[k]), keys=keys,
+                             objs=objs if keys is not None else None,
+                             buckets=layout.buckets if layout is not None else None,
+                             hints=layout.hints if layout is not None else None)
+    files = out.files
+    if layout is not None and not out.shared and out.lengths == layout.lengths:  # same bytes where .metadata says
+        files[METADATA_NAME] = writer.write_metadata(layout.metadata, layout.files_meta)
+        return files
+    # a new layout, or an object's pickle changed length: same files, new .metadata
     sizes_: Dict[torch.Size, torch.Size] = {}
     props: Dict[Tuple[Any, ...], TensorProperties] = {}
     chunks: Dict[torch.Size, ChunkStorageMetadata] = {}
@@ -643,41 +732,19 @@ def _save_local(storage: Storage, path: str, state_dict: Dict[str, Any], *, thre
         else:
             md[fqn] = BytesStorageMetadata()
             indices.append(MetadataIndex(fqn))
-    if outs is None:
-        outs = _write_files(storage, path, "__0_", [[objs[k] for k in b] for b in buckets], hints, threads,
-                            local_data)
-    files, where = _results([[indices[k] for k in b] for b in buckets], outs)
-    placed = _positions(buckets, outs)
-    if shared is not None and shared.placed:
-        for k, (name, offset, length) in shared.placed.items():
-            where[indices[k]] = _StorageInfo(name, offset, length)
-        placed.update(shared.placed)
-        files.update(shared.files)
-        where = {indices[k]: where[indices[k]] for k in range(len(objs))}  # in item order, as DCP writes it
+    if out.shared:  # in item order, as DCP writes it
+        order: List[int] = list(range(len(objs)))
+    else:  # file by file, each in file order: the metadata's check reads it in one pass
+        order = [k for positions in out.buckets for k in positions]
+    where = {indices[k]: _StorageInfo(*out.placed[k]) for k in order}
     metadata = Metadata(state_dict_metadata=md, planner_data=mappings, storage_data=where,
                         storage_meta=StorageMeta(checkpoint_id=None, save_id=""))
     data = pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)  # DCP's own format
-    storage.write_bytes(f"{path}/{METADATA_NAME}", data)
-    files[METADATA_NAME] = FileRecord(len(data), crc32c(data))
-    if reuse is not None:
-        reuse.wrote(storage, path, placed_items(keys, objs, hashes, placed), files, shared)
-    if shared is not None and shared.placed:
+    files[METADATA_NAME] = writer.write_metadata(data)
+    if out.shared:
         return files  # a layout that leaves items out is not one to write again
     if sig is None:  # the files were written with the last layout; only .metadata is new
         sig = cast(FileLayout, layout).sig  # sig is None only when the layout was kept
-    memo.remember(FileLayout(key, fqns, sig, mappings, buckets, hints,
-                          [lengths for _, _, lengths in outs], data, files[METADATA_NAME]))
+    memo.remember(FileLayout(plan.key, fqns, sig, mappings, out.buckets, out.hints, out.lengths, data,
+                             files[METADATA_NAME]))
     return files
-
-
-def _positions(buckets: List[List[int]], outs: List[Tuple[str, FileRecord, List[int]]]
-               ) -> Dict[int, Tuple[str, int, int]]:
-    """Item position -> ``(file name, offset, length)`` from :func:`_write_files`' results."""
-    out: Dict[int, Tuple[str, int, int]] = {}
-    for positions, (name, _, lengths) in zip(buckets, outs):
-        offset = 0
-        for k, length in zip(positions, lengths):
-            out[k] = (name, offset, length)
-            offset += length
-    return out
-

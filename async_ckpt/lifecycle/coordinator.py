@@ -26,9 +26,8 @@ import torch
 from ..errors import CheckpointError, CoordinationError, InvalidArgumentError
 from ..format.dcp_layout import WriteMemo
 from ..format.manifest import FileRecord
-from ..io import Reuse
+from ..io import Reuse, step_io
 from ..io.read_targets import Acquire, partly_written
-from ..io.step_io import read_step, write_step
 from ..storage import Storage
 from .replicas import read_assignment, restore_items, send_replicas
 
@@ -129,7 +128,7 @@ class LocalCoordinator:
     def write(self, storage: Storage, path: str, state_dict: Dict[str, Any], *, threads: int,
               planner: Any, memo: Optional[WriteMemo] = None, reuse: Optional[Reuse] = None) -> Dict[str, FileRecord]:
         """:func:`~async_ckpt.io.step_io.write_step`: async_ckpt's own writer, with the memo."""
-        return write_step(storage, path, state_dict, threads=threads, planner=planner, memo=memo, reuse=reuse,
+        return step_io.write_step(storage, path, state_dict, threads=threads, planner=planner, memo=memo, reuse=reuse,
                           group=self.group)
 
     def load(self, storage: Storage, path: str, state_dict: Dict[str, Any], *, files: Dict[str, FileRecord],
@@ -137,7 +136,7 @@ class LocalCoordinator:
              strict: bool = True, pool: Optional[HostBufferPool] = None) -> None:
         """:func:`~async_ckpt.io.step_io.read_step` (direct, staged through ``pool``'s
         buffers within its budget, or DCP's reader)."""
-        read_step(storage, path, state_dict, files=files, verify=verify, threads=threads, allow_pickle=allow_pickle,
+        step_io.read_step(storage, path, state_dict, files=files, verify=verify, threads=threads, allow_pickle=allow_pickle,
                   metadata=metadata, planner=planner, atomic=atomic, strict=strict, group=self.group,
                   acquire=None if pool is None else _leaser(pool), budget=None if pool is None else pool.budget_bytes)
 
@@ -282,7 +281,7 @@ class GroupCoordinator:
               planner: Any, memo: Optional[WriteMemo] = None, reuse: Optional[Reuse] = None) -> Dict[str, FileRecord]:
         """:func:`~async_ckpt.io.step_io.write_step` through ``dcp.save`` over the group:
         its ``CheckpointException`` says which rank failed, on every rank."""
-        return self._dcp("writing", lambda: write_step(storage, path, state_dict, threads=threads, planner=planner,
+        return self._dcp("writing", lambda: step_io.write_step(storage, path, state_dict, threads=threads, planner=planner,
                                                        memo=memo, reuse=reuse, group=self.group,
                                                        several_ranks=True))
 
@@ -304,7 +303,7 @@ class GroupCoordinator:
         once = planner is None and metadata is not None and not atomic and \
             (mode == "once" or (mode == "auto" and not storage.is_local))
         if not once:
-            self._dcp("reading", lambda: read_step(
+            self._dcp("reading", lambda: step_io.read_step(
                 storage, path, state_dict, files=files, verify=verify, threads=threads, allow_pickle=allow_pickle,
                 metadata=metadata, planner=planner, atomic=atomic, strict=strict, group=self.group,
                 agree=self.all_gather))
@@ -312,7 +311,7 @@ class GroupCoordinator:
         mine = restore_items(state_dict, metadata)
         readers = read_assignment(self.all_gather(list(mine)))
         skip = {key.split("\0", 1)[0] for (key, _), r in readers.items() if r != self.rank}
-        self._dcp("reading", lambda: read_step(
+        self._dcp("reading", lambda: step_io.read_step(
             storage, path, state_dict, files=files, verify=verify, threads=threads, allow_pickle=allow_pickle,
             metadata=metadata, planner=None, atomic=atomic, strict=strict, group=self.group, agree=self.all_gather,
             skip=skip))
