@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 import sys
 import warnings
@@ -79,6 +80,35 @@ class CheckpointError(RuntimeError):
         super().__init__(message)
         self.step = step
         self.failures: Tuple[RankFailure, ...] = tuple(failures)
+
+    def with_context(self, *, step: Optional[int] = None, failures: Optional[Sequence[RankFailure]] = None,
+                     **attrs: Any) -> "CheckpointError":
+        """This error as raised again by an outer layer that knows more of it: the same class,
+        message, attributes, cause and traceback, with ``step`` (where it named none),
+        ``failures`` and ``attrs`` set. A copy: an error is never changed once raised (it may
+        be held elsewhere, a writer's kept failures or a log record); itself when nothing is
+        added.
+
+        Args:
+            step: the step it concerns (kept where the error names one already).
+            failures: every rank's failure in the phase that failed.
+            **attrs: other attributes of its class (``damaged_steps``).
+
+        Returns:
+            The error to raise.
+        """
+        if (step is None or self.step is not None) and failures is None and not attrs:
+            return self
+        new = copy.copy(self)
+        if self.step is None and step is not None:
+            new.step = step
+        if failures is not None:
+            new.failures = tuple(failures)
+        for name, value in attrs.items():
+            setattr(new, name, value)
+        new.__cause__, new.__context__ = self.__cause__, self.__context__
+        new.__suppress_context__ = self.__suppress_context__
+        return new.with_traceback(self.__traceback__)
 
 
 class InvalidArgumentError(CheckpointError, ValueError, TypeError):

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from async_ckpt import CheckpointManager
-from async_ckpt.lifecycle.coordinator import LocalCoordinator, coordinator_for
+from async_ckpt.dist.exchange import LocalExchange, exchange_for
 
 from .conftest import assert_bitwise_equal
 
@@ -194,7 +194,7 @@ def test_after_a_collective_timeout_later_calls_fail_at_once_and_a_new_manager_w
 
 
 def test_single_process_has_a_local_coordinator():
-    assert isinstance(coordinator_for(), LocalCoordinator)
+    assert isinstance(exchange_for(), LocalExchange)
 
 
 def test_a_rank_that_dies_mid_save_makes_the_other_raise_within_the_timeout(tmp_path):

@@ -11,8 +11,8 @@ import torch
 
 from async_ckpt import CheckpointError, CorruptCheckpointError
 from async_ckpt.lifecycle.catalog import StepCatalog
-from async_ckpt.lifecycle import phase
-from async_ckpt.lifecycle.coordinator import LocalCoordinator
+from async_ckpt.dist import phase
+from async_ckpt.dist.exchange import LocalExchange
 from async_ckpt.policies import KeepLatest, as_retention_policy
 from async_ckpt.storage.step_dirs import StepDirectories
 from async_ckpt.storage import Storage
@@ -97,10 +97,10 @@ def test_catalog_cache_sees_a_marker_removed_by_hand(tmp_path):
     assert cat.latest() == 1
 
 
-# ---- LocalCoordinator and the error exchange ------------------------------------------------
+# ---- LocalExchange and the error exchange ------------------------------------------------
 
 def test_local_coordinator_answers_with_the_local_value():
-    c = LocalCoordinator()
+    c = LocalExchange()
     assert c.is_primary and c.world_size == 1
     assert c.agree([True, False]) == ([True, False], [])
     assert c.agree([True], ok=False) == ([True], [0])
@@ -111,10 +111,10 @@ def test_local_coordinator_answers_with_the_local_value():
 def test_one_process_raises_its_own_error_as_raised():
     err = OSError(28, "No space left on device")
     with pytest.raises(OSError, match="No space") as ei:
-        phase.everyone(LocalCoordinator(), "writing", 5, error=err)
+        phase.everyone(LocalExchange(), "writing", 5, error=err)
     assert ei.value is err
-    assert phase.everyone(LocalCoordinator(), "writing", 5, lambda: 3) == [3]  # nothing failed
-    assert phase.primary(LocalCoordinator(), "commit", 5, lambda: "done") == "done"
+    assert phase.everyone(LocalExchange(), "writing", 5, lambda: 3) == [3]  # nothing failed
+    assert phase.primary(LocalExchange(), "commit", 5, lambda: "done") == "done"
 
 
 def test_other_ranks_errors_keep_their_class_and_name_the_rank():

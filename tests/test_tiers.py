@@ -25,7 +25,6 @@ from async_ckpt.errors import (
     StateDictMismatchError,
     StepNotFoundError,
 )
-from async_ckpt.lifecycle import coordinator as coordinator_mod
 from async_ckpt.io import step_io
 
 from .conftest import assert_bitwise_equal, clone_tree
@@ -120,13 +119,13 @@ def test_restore_prefers_the_local_copy_and_falls_back_to_the_persistent_one(roo
         mgr.save(1, state(1))
         mgr.save(2, state(2))
     used = []
-    real = coordinator_mod.LocalCoordinator.load
+    real = step_io.read_step
 
-    def spy(self, storage, p, sd, **kw):
+    def spy(storage, p, sd, **kw):
         used.append(storage.url)
-        return real(self, storage, p, sd, **kw)
+        return real(storage, p, sd, **kw)
 
-    monkeypatch.setattr(coordinator_mod.LocalCoordinator, "load", spy)
+    monkeypatch.setattr(step_io, "read_step", spy)
     with CheckpointManager(path, local_dir=local) as mgr:
         out = zeros()
         assert mgr.restore(None, out) == 2

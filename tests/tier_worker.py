@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from async_ckpt import CheckpointManager  # noqa: E402
-from async_ckpt.lifecycle import coordinator as coordinator_mod  # noqa: E402
+from async_ckpt.io import step_io
 from tests.dist_worker import build, train  # noqa: E402
 from tests.tree import assert_bitwise_equal, clone_tree  # noqa: E402
 
@@ -153,7 +153,7 @@ def fails_after_agreement(rank: int, ref_dir: str) -> None:
     agreed = threading.Event()  # set once step 2's agreement is done: the failure comes after it
     if rank == 1:
         fail_first_local_commit(m, after_s=2, gate=agreed)
-        real_agree, calls = m._coord.agree_signal, [0]
+        real_agree, calls = m._exchange.agree_signal, [0]
 
         def agree_then_fail(*a, **k):
             out = real_agree(*a, **k)
@@ -162,7 +162,7 @@ def fails_after_agreement(rank: int, ref_dir: str) -> None:
                 agreed.set()
             return out
 
-        m._coord.agree_signal = agree_then_fail
+        m._exchange.agree_signal = agree_then_fail
     t0 = time.monotonic()
     assert m.save_async(1, small(rank, 1))
     assert m.save_async(2, small(rank, 2))  # agreed before rank 1's local step 1 failed
@@ -235,15 +235,15 @@ def out_of_step(rank: int, ref_dir: str) -> None:
             assert time.monotonic() - t0 < 15, f"rank {rank} waited for the other"
             assert "rank(s) [1]" in str(exc), exc
         dist.barrier()
-        real = m._coord.agree_signal  # the agreement of save_async (with every rank's preemption flag)
-        m._coord.agree_signal = lambda flags, ok=True, step=None, signal=False: real(flags, ok, None, signal)
+        real = m._exchange.agree_signal  # the agreement of save_async (with every rank's preemption flag)
+        m._exchange.agree_signal = lambda flags, ok=True, step=None, signal=False: real(flags, ok, None, signal)
         assert m.save_async(3 if rank == 1 else 2, small(rank, 2))  # no step in the exchange
         try:
             m.join()
             raise AssertionError(f"rank {rank}: join did not raise")
         except CheckpointError as exc:
             assert "out of step" in str(exc), exc
-        m._coord.agree_signal = real
+        m._exchange.agree_signal = real
         assert m.save(4, small(rank, 4))
     assert sorted(int(n) for n in os.listdir(bucket) if n.isdigit()) == [1, 4]
 
@@ -467,9 +467,9 @@ def main() -> None:
     assert sorted(n for n in os.listdir(mine) if n.isdigit()) == ["2", "3", "4"]
 
     loads = []
-    real = coordinator_mod.LocalCoordinator.load
-    coordinator_mod.LocalCoordinator.load = lambda self, storage, *a, **k: (
-        loads.append(storage.url), real(self, storage, *a, **k))[1]
+    real = step_io.read_step  # one process's read (a rank's own local copy); the bucket's is over DCP (agree)
+    step_io.read_step = lambda storage, *a, **k: (
+        loads.append(storage.url) if k.get("agree") is None else None, real(storage, *a, **k))[1]
 
     def restore_and_check(expect: int, local_reads: int) -> None:
         """Restore into a fresh model; ``local_reads``: how many local copies this rank read

@@ -53,13 +53,6 @@ class _BytesDecoder(Protocol):
     def set_bytes(self, read_item: Any, obj: Any) -> None: ...
 
 
-class PeerReadFailed(Exception):
-    """This rank's part of a multi-process restore was read and verified, another rank's was
-    not: this rank wrote nothing either. Not a :class:`~async_ckpt.errors.CheckpointError`, so
-    that the failing rank's own error is the one every rank raises (see
-    :func:`~.dcp_call.unwrap_dcp`)."""
-
-
 class FsspecStorageReader(StorageReader):
     """DCP ``StorageReader``: what the plan needs read concurrently, verified, then deserialised.
 
@@ -72,13 +65,13 @@ class FsspecStorageReader(StorageReader):
 
     def __init__(self, storage: StepFiles, path: str, *, files: Optional[Dict[str, FileRecord]] = None,
                  verify: bool = True, threads: int = 8, metadata: Optional[Metadata] = None,
-                 agree: Optional[Callable[[Optional[str]], List[Optional[str]]]] = None,
+                 agree: Optional[Callable[[Optional[BaseException]], Any]] = None,
                  whole: bool = True) -> None:
         super().__init__()
         #: whether the copy holds every element of every tensor (see check_step_metadata)
         self.whole = whole
-        #: every rank's read outcome (None: ok, else its error) from this rank's: a collective
-        #: over the load's process group (see :meth:`read_data`)
+        #: several ranks: this rank's read outcome (None: ok, else its error) exchanged with every
+        #: rank's; raises on every rank when any rank's failed (see :meth:`read_data`)
         self.agree = agree
         #: whether :meth:`read_data` started writing into the caller's state dict
         self.touched = False
@@ -157,18 +150,14 @@ class FsspecStorageReader(StorageReader):
         """Read, verify and decode every item of ``plan`` (:meth:`_prepare`), then write them into
         the targets (:meth:`_apply`). With ``agree`` (a multi-process restore), every rank's
         outcome of the first part is exchanged before any rank writes: if any rank failed, none
-        writes, and the others raise :class:`PeerReadFailed` naming it."""
+        writes, and every rank raises (the failing rank its own error, the others one naming it)."""
         failure: Optional[Exception] = None
         try:
             ready = self._prepare(plan, planner)
         except Exception as exc:  # noqa: BLE001 - exchanged below, then raised
             ready, failure = {}, exc
         if self.agree is not None:
-            outcomes = self.agree(None if failure is None else f"{type(failure).__name__}: {failure}")
-            bad = [f"rank {r}: {o}" for r, o in enumerate(outcomes) if o is not None]
-            if bad and failure is None:
-                raise PeerReadFailed(f"{self.path}: not restored: reading another rank's part failed "
-                                     f"({'; '.join(bad)}); this rank wrote nothing")
+            self.agree(failure)
         if failure is not None:
             raise failure
         self.touched = True

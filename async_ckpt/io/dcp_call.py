@@ -95,7 +95,8 @@ def distributed() -> bool:
 def unwrap_dcp(exc: BaseException) -> Tuple[Optional[int], BaseException]:
     """The rank and underlying error of DCP's ``CheckpointException`` (which gathers every
     rank's errors): an async_ckpt error first (so a ``CorruptCheckpointError`` keeps its type),
-    else the lowest rank's error. Any other error is returned as is, with rank None.
+    the failing rank's own before one that relays it, else the lowest rank's error. Any other
+    error is returned as is, with rank None.
 
     Args:
         exc: an error raised by ``dcp.save``/``dcp.load`` or by our own code.
@@ -110,4 +111,7 @@ def unwrap_dcp(exc: BaseException) -> Tuple[Optional[int], BaseException]:
     if not failures:
         return None, exc
     ours = [(r, e) for r, e in failures if isinstance(e, CheckpointError)]
-    return (ours or failures)[0]
+    # a rank that raised because another rank failed (its ``failures`` name only others) relays
+    # that failure: the failing rank's own error is the one to raise
+    own = [(r, e) for r, e in ours if not e.failures or any(f.rank == r for f in e.failures)]
+    return (own or ours or failures)[0]

@@ -22,7 +22,7 @@ A failure after the first write into the target is a
 
 from __future__ import annotations
 
-from typing import AbstractSet, Any, Callable, Dict, List, Optional
+from typing import AbstractSet, Any, Callable, Dict, Optional
 
 from ..format.dcp_layout import WriteMemo
 from ..format.manifest import FileRecord
@@ -94,7 +94,7 @@ def save_state_dict(storage: Storage, path: str, state_dict: Dict[str, Any], *, 
 def read_step(storage: Storage, path: str, state_dict: Dict[str, Any], *, files: Dict[str, FileRecord],
               verify: bool, threads: int, allow_pickle: bool, metadata: Any, planner: Any, atomic: bool = False,
               strict: bool = True, group: Any = None,
-              agree: Optional[Callable[[Optional[str]], List[Optional[str]]]] = None,
+              agree: Optional[Callable[[Optional[BaseException]], Any]] = None,
               acquire: Optional[Acquire] = None, budget: Optional[int] = None,
               skip: Optional[AbstractSet[str]] = None) -> None:
     """Read a step into ``state_dict`` in place, by the data path that fits (module docstring).
@@ -113,12 +113,13 @@ def read_step(storage: Storage, path: str, state_dict: Dict[str, Any], *, files:
             verify before writing).
         strict: ``False``: keys the checkpoint lacks are skipped.
         group: the process group DCP runs over.
-        agree: several ranks: every rank's read outcome from this rank's (a collective over
+        agree: several ranks: exchanges this rank's read outcome (None, or its error) with
+            every rank's and raises on every rank when any rank's failed (a phase over
             ``group``); ``None`` for one process.
         acquire: ``atomic``: where the host buffers come from (``None``: fresh ones).
         budget: ``atomic``: the most bytes ``acquire`` may hand out.
         skip: several ranks: flattened keys this rank does not read (another rank reads them
-            and sends them; see :mod:`async_ckpt.lifecycle.replicas`).
+            and sends them; see :mod:`async_ckpt.dist.replicas`).
 
     Raises:
         CorruptCheckpointError: damaged data, found before anything was written.

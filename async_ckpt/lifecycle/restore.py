@@ -28,6 +28,9 @@ from typing import AbstractSet, Any, Callable, Dict, List, Mapping, Optional, Se
 
 import torch
 
+from ..dist import phase
+from ..dist.exchange import Exchange
+from ..dist.replicas import read_assignment, restore_items, send_replicas
 from ..errors import (
     CheckpointError,
     CorruptCheckpointError,
@@ -40,12 +43,14 @@ from ..errors import (
     warn_user,
 )
 from ..format.dcp_layout import is_stateful, remove_created, set_element
+from ..format.manifest import FileRecord
 from ..gc_pause import gc_paused
+from ..io import step_io
 from ..io.dcp_adapters import read_metadata
-from ..io.read_targets import PARTLY_WRITTEN
+from ..io.read_targets import PARTLY_WRITTEN, partly_written
+from ..staging.pool import HostBufferPool
 from ..storage.step_dirs import DELETED, StepCopy
-from . import phase
-from .coordinator import Coordinator
+from ..storage.storage import Storage
 from .steps import StepStore
 
 log = logging.getLogger("async_ckpt")
@@ -109,7 +114,7 @@ def candidates_of(store: StepStore, step: Optional[int]) -> List[Candidate]:
     Raises:
         StepNotFoundError: ``step`` (or any step, for None) is not committed.
     """
-    steps: List[int] = phase.primary(store.coordinator, "listing the committed steps", step,
+    steps: List[int] = phase.primary(store.exchange, "listing the committed steps", step,
                                      store.catalog.steps_newest_first)
     if step is not None:
         if step not in steps:
@@ -155,10 +160,10 @@ def mark_written(state_dict: Any) -> None:
                 pass
 
 
-def restore(listing: Callable[[], Sequence[Candidate]], state_dict: Dict[str, Any], *, coord: Coordinator,
+def restore(listing: Callable[[], Sequence[Candidate]], state_dict: Dict[str, Any], *, exchange: Exchange,
             step: Optional[int], verify: bool, allow_pickle: bool, threads: int, planner: Any,
             atomic: bool = False, strict: bool = True, pool: Any = None,
-            key_map: Optional[Mapping[str, str]] = None) -> Tuple[Candidate, bool]:
+            key_map: Optional[Mapping[str, str]] = None, replicated_reads: str = "auto") -> Tuple[Candidate, bool]:
     """Every rank: load the first intact candidate into ``state_dict`` in place.
 
     A copy that a live writer moved, replaced or deleted while it was read is not damage: the
@@ -171,7 +176,7 @@ def restore(listing: Callable[[], Sequence[Candidate]], state_dict: Dict[str, An
             roots, ``manager.tiered.tier_candidates``); the same list on every rank. Called
             collectively once, and again after a writer changed a copy being read.
         state_dict: the target.
-        coord: the manager's coordinator.
+        exchange: the manager's exchange.
         step: the step asked for (None: the newest commit), for the error messages.
         verify: check CRC-32Cs (sizes are always checked).
         allow_pickle: unpickle values outside torch's ``weights_only`` safe set.
@@ -181,6 +186,8 @@ def restore(listing: Callable[[], Sequence[Candidate]], state_dict: Dict[str, An
         strict: every key of the target must be in the checkpoint.
         pool: the host buffer pool that ``atomic`` stages through.
         key_map: see :func:`check_key_map`.
+        replicated_reads: several ranks: who reads a tensor every rank restores (``"once"``,
+            ``"every_rank"``, ``"auto"``: see :func:`_load`).
 
     Returns:
         The candidate that was restored, and whether a damaged copy was skipped before it.
@@ -200,32 +207,30 @@ def restore(listing: Callable[[], Sequence[Candidate]], state_dict: Dict[str, An
         def targets() -> Dict[str, Any]:  # user code: every rank learns of its failure on one rank
             return {**state_dict, **{k: v.state_dict() for k, v in stateful.items()}}
 
-        target = phase.own(coord, "state_dict() of the Stateful restore targets", step, targets)
+        target = phase.own(exchange, "state_dict() of the Stateful restore targets", step, targets)
     view, back = (target, None) if not key_map else _remapped(target, key_map)
     try:
-        done, skipped = _first_intact(listing, view, coord, step, verify=verify, allow_pickle=allow_pickle,
+        done, skipped = _first_intact(listing, view, exchange, step, verify=verify, allow_pickle=allow_pickle,
                              threads=threads, planner=planner, atomic=atomic, strict=strict,
-                             stateful=frozenset(stateful) if back is None else frozenset(), pool=pool)
+                             stateful=frozenset(stateful) if back is None else frozenset(), pool=pool,
+                             replicated_reads=replicated_reads)
     except PartlyWrittenError:
         mark_written(target)
         raise
     mark_written(target)
     if back is not None:
         back()
-    local: Optional[BaseException] = None
-    try:
-        if stateful:
-            for k, v in target.items():
-                if k not in stateful:
-                    state_dict[k] = v
-            for k, v in stateful.items():
-                v.load_state_dict(target[k])
-    except BaseException as exc:  # noqa: BLE001 - exchanged below (KeyboardInterrupt too: re-raised after)
-        if coord.world_size == 1:
-            raise
-        local = exc
+
+    def load_stateful() -> None:
+        for k, v in target.items():
+            if k not in stateful:
+                state_dict[k] = v
+        for k, v in stateful.items():
+            v.load_state_dict(target[k])
+
+    local = phase.attempt(exchange, load_stateful)[0] if stateful else None
     # a rank whose load_state_dict() raised: every rank raises, naming it
-    phase.everyone(coord, "load_state_dict() of the restored Stateful values", done.step, error=local)
+    phase.everyone(exchange, "load_state_dict() of the restored Stateful values", done.step, error=local)
     return done, skipped
 
 
@@ -310,7 +315,7 @@ _MAYBE_MOVED = (CorruptCheckpointError, PartlyWrittenError, StepNotFoundError, F
 MAX_RETRIES = 10
 
 
-def _writer_changed(c: Candidate, opened: List[StepCopy], coord: Coordinator) -> Optional[str]:
+def _writer_changed(c: Candidate, opened: List[StepCopy], exchange: Exchange) -> Optional[str]:
     """Every rank, after a failed attempt of ``c``: whether a writer moved, replaced or deleted
     the copy this rank opened (or, where it opened none, the step), by any rank's look; None:
     no rank saw a change (the failure stands). A look that fails counts as no change."""
@@ -318,7 +323,7 @@ def _writer_changed(c: Candidate, opened: List[StepCopy], coord: Coordinator) ->
         return c.store.layout.copy_changed(c.step, opened[0] if opened else None)
 
     try:
-        found = [a for a in phase.everyone(coord, f"checking step {c.step} again", c.step, look) if a]
+        found = [a for a in phase.everyone(exchange, f"checking step {c.step} again", c.step, look) if a]
     except Exception as exc:  # noqa: BLE001 - the storage cannot tell: the attempt's failure stands
         log.debug("could not check whether step %d changed: %s", c.step, exc)
         return None
@@ -327,7 +332,7 @@ def _writer_changed(c: Candidate, opened: List[StepCopy], coord: Coordinator) ->
     return DELETED if DELETED in found else found[0]
 
 
-def _first_intact(listing: Callable[[], Sequence[Candidate]], state_dict: Dict[str, Any], coord: Coordinator,
+def _first_intact(listing: Callable[[], Sequence[Candidate]], state_dict: Dict[str, Any], exchange: Exchange,
                   step: Optional[int], **opts: Any) -> Tuple[Candidate, bool]:
     """The one "first intact candidate" loop: try each candidate in turn; one that fails with
     one of its ``fallback`` errors is skipped with a warning (its data, where it wrote some, is
@@ -351,10 +356,10 @@ def _first_intact(listing: Callable[[], Sequence[Candidate]], state_dict: Dict[s
         covered: Set[str] = set()
         opened: List[StepCopy] = []
         try:
-            _attempt(c, state_dict, coord, covered, opts, opened)
+            _attempt(c, state_dict, exchange, covered, opts, opened)
         except Exception as exc:
             maybe = isinstance(exc, _MAYBE_MOVED) and not isinstance(exc, StorageError)
-            why = _writer_changed(c, opened, coord) if maybe else None
+            why = _writer_changed(c, opened, exchange) if maybe else None
             if why is not None:  # a live writer's doing: not damage, never warned about
                 log.info("step %d %s while it was read; %s", c.step, why,
                          "reading it again" if step is not None and why != DELETED else "listing the steps again")
@@ -423,12 +428,12 @@ def _first_intact(listing: Callable[[], Sequence[Candidate]], state_dict: Dict[s
     raise _after_partial_write(final, written, first, moved) from final
 
 
-def _attempt(c: Candidate, state_dict: Dict[str, Any], coord: Coordinator, covered: Set[str],
+def _attempt(c: Candidate, state_dict: Dict[str, Any], exchange: Exchange, covered: Set[str],
              opts: Dict[str, Any], opened: List[StepCopy]) -> None:
     """Load one candidate (its check first). Own copies: every rank learns whether every
     rank's copy loaded; a rank whose copy failed raises its error, the others a
     :class:`CorruptCheckpointError` naming it (both send every rank on to the next candidate)."""
-    if not c.own_copy or coord.world_size == 1:
+    if not c.own_copy or exchange.world_size == 1:
         if c.check is not None:
             c.check()
         _restore_one(c.store, c.step, state_dict, covered=covered, opened=opened, **opts)
@@ -443,10 +448,10 @@ def _attempt(c: Candidate, state_dict: Dict[str, Any], coord: Coordinator, cover
             _restore_one(c.store, c.step, state_dict, covered=covered, opened=opened, **opts)
         except c.fallback as exc:
             mine = exc
-            return f"rank {coord.rank}: {type(exc).__name__}: {exc}"
+            return f"rank {exchange.rank}: {type(exc).__name__}: {exc}"
         return None
 
-    unusable = [u for u in phase.everyone(coord, f"restore of {c.label}", c.step, load) if u]
+    unusable = [u for u in phase.everyone(exchange, f"restore of {c.label}", c.step, load) if u]
     if mine is not None:
         raise mine
     if unusable:
@@ -502,39 +507,82 @@ def _warn_left_over(written: Dict[str, int], covered: Set[str], step: int, copie
 def _restore_one(store: StepStore, step: int, state_dict: Dict[str, Any], *, verify: bool, allow_pickle: bool,
                  threads: int, planner: Any, atomic: bool, strict: bool, stateful: frozenset,
                  pool: Any = None, covered: Optional[Set[str]] = None,
-                 opened: Optional[List[StepCopy]] = None) -> None:
+                 opened: Optional[List[StepCopy]] = None, replicated_reads: str = "auto") -> None:
     """Check and load ``step`` into ``state_dict``; ``covered`` gets the keys of
     ``state_dict`` the step holds (those its load writes), once they are known, and ``opened``
     the copy this rank opened."""
-    coord = store.coordinator
+    exchange = store.exchange
     added: List[tuple] = []
-    local: Optional[BaseException] = None
-    manifest = metadata = None
-    path = store.layout.step_dir(step)
-    try:
+
+    def check() -> Tuple[StepCopy, Any]:
         copy = store.layout.read_committed(step)
         if opened is not None:
             opened.append(copy)
-        path, manifest = copy.where, copy.manifest
-        metadata = read_metadata(store.storage, path, manifest.files, verify=verify, threads=threads,
+        manifest = copy.manifest
+        metadata = read_metadata(store.storage, copy.where, manifest.files, verify=verify, threads=threads,
                                  whole=not _share_of_this_job(manifest), check_unused=True)
         int_keys = set(manifest.int_keys) | _stateful_int_keys(metadata, stateful)
-        added = prepare_target(state_dict, metadata, step, int_keys, strict=strict, covered=covered)
-    except BaseException as exc:  # noqa: BLE001 - exchanged below (KeyboardInterrupt too: re-raised after)
-        if isinstance(exc, (KeyboardInterrupt, SystemExit)) and coord.world_size == 1:
-            raise
-        local = exc
+        added.extend(prepare_target(state_dict, metadata, step, int_keys, strict=strict, covered=covered))
+        return copy, metadata
+
+    local, checked = phase.attempt(exchange, check)
     _agree_or_undo(store, step, "restore checks", local, state_dict, added)
-    assert manifest is not None
-    try:
-        coord.load(store.storage, path, state_dict, files=manifest.files, verify=verify, threads=threads,
-                   allow_pickle=allow_pickle, metadata=metadata, planner=planner, atomic=atomic, strict=strict,
-                   pool=pool)
-    except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
-        if isinstance(exc, (KeyboardInterrupt, SystemExit)) and coord.world_size == 1:
-            raise
-        local = exc
+    assert checked is not None
+    copy, metadata = checked
+    local, _ = phase.attempt(exchange, lambda: _load(exchange, store.storage, copy.where, state_dict,
+                                                    files=copy.manifest.files, verify=verify, threads=threads,
+                                                    allow_pickle=allow_pickle, metadata=metadata, planner=planner,
+                                                    atomic=atomic, strict=strict, pool=pool,
+                                                    replicated_reads=replicated_reads, step=step))
     _agree_or_undo(store, step, "restore", local, state_dict, added)
+
+
+def _load(exchange: Exchange, storage: Storage, path: str, state_dict: Dict[str, Any], *,
+          files: Dict[str, FileRecord], verify: bool, threads: int, allow_pickle: bool, metadata: Any, planner: Any,
+          atomic: bool, strict: bool, pool: Optional[HostBufferPool], replicated_reads: str, step: int) -> None:
+    """Read a checked step into ``state_dict`` in place (:func:`~async_ckpt.io.step_io.read_step`).
+
+    One process: straight into the target, or (``atomic``) staged through ``pool``'s buffers
+    within its budget. Several ranks: through ``dcp.load`` over the group; no rank writes before
+    every rank's reads passed (a phase inside DCP's read), so ``atomic`` holds either way
+    (``pool`` is not used). Read once (``replicated_reads`` ``"once"``, or ``"auto"`` on storage
+    that is not a local path; never with ``atomic``): a tensor every rank restores whole is read
+    by one rank, balanced by bytes (:func:`~async_ckpt.dist.replicas.read_assignment`), then
+    sent to the others (:func:`~async_ckpt.dist.replicas.send_replicas`); a failure there, once
+    targets were written, is a :class:`~async_ckpt.errors.PartlyWrittenError` on every rank.
+    """
+    if exchange.world_size == 1:
+        step_io.read_step(storage, path, state_dict, files=files, verify=verify, threads=threads,
+                          allow_pickle=allow_pickle, metadata=metadata, planner=planner, atomic=atomic, strict=strict,
+                          group=exchange.group, acquire=None if pool is None else pool.leaser(),
+                          budget=None if pool is None else pool.budget_bytes)
+        return
+
+    def agree(error: Optional[BaseException]) -> None:  # no rank writes unless every rank's reads passed
+        phase.everyone(exchange, "reading", step, error=error)
+
+    # atomic: no rank may write before every read is done and verified, which a send after
+    # the reads cannot promise; every rank then reads what it restores
+    once = planner is None and metadata is not None and not atomic and \
+        (replicated_reads == "once" or (replicated_reads == "auto" and not storage.is_local))
+    if not once:
+        exchange.dcp("reading", lambda: step_io.read_step(
+            storage, path, state_dict, files=files, verify=verify, threads=threads, allow_pickle=allow_pickle,
+            metadata=metadata, planner=planner, atomic=atomic, strict=strict, group=exchange.group, agree=agree))
+        return
+    mine = restore_items(state_dict, metadata)
+    readers = read_assignment(exchange.all_gather(list(mine)))
+    skip = {key.split("\0", 1)[0] for (key, _), r in readers.items() if r != exchange.rank}
+    exchange.dcp("reading", lambda: step_io.read_step(
+        storage, path, state_dict, files=files, verify=verify, threads=threads, allow_pickle=allow_pickle,
+        metadata=metadata, planner=None, atomic=atomic, strict=strict, group=exchange.group, agree=agree, skip=skip))
+    try:
+        problem = send_replicas(exchange.group, exchange.rank, exchange.world_size, readers, mine,
+                                exchange.collective)
+        phase.everyone(exchange, "sending restored tensors", step,
+                       error=None if problem is None else CheckpointError(problem, step=step))
+    except CheckpointError as exc:
+        raise partly_written(path, exc) from exc
 
 
 def _stateful_int_keys(metadata: Any, stateful: frozenset) -> Set[str]:
@@ -560,12 +608,10 @@ def _agree_or_undo(store: StepStore, step: int, what: str, local: Optional[BaseE
                    state_dict: Dict[str, Any], added: List[tuple]) -> None:
     """Every rank learns every rank's outcome of ``what``; on any failure, all raise and take
     out the entries this restore added to ``state_dict``."""
-    if isinstance(local, (CorruptCheckpointError, PartlyWrittenError)):
-        local.step = step
-        if isinstance(local, PartlyWrittenError) and not local.damaged_steps:
-            local.damaged_steps = (step,)
+    if isinstance(local, PartlyWrittenError) and not local.damaged_steps:
+        local = local.with_context(step=step, damaged_steps=(step,))
     try:
-        phase.everyone(store.coordinator, what, step, error=local)
+        phase.everyone(store.exchange, what, step, error=local)
     except BaseException:
         remove_created(state_dict, added)
         raise

@@ -5,7 +5,7 @@ Every rank runs the same phases on its writer thread::
     0. the host copies are complete (lazy saves: and unchanged)
     1. rank 0 opens the step (temp dir / unmarked dir)     -> broadcast of where and which step
     2. every rank is ready to write (or says why not)       -> all_gather of errors
-    3. every rank writes its files                          (the coordinator's write)
+    3. every rank writes its files                          (io.step_io.write_step)
     4. all_gather of (error, file records, sizes)
     5. rank 0 writes manifest + marker, applies retention   -> broadcast of the outcome
 
@@ -21,14 +21,15 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Set, Tuple
 
+from ..dist import phase
+from ..dist.replicas import DroppedSamples, diverged, fingerprints
 from ..errors import CheckpointError
 from ..format.manifest import CopyIdentity, FileRecord, Manifest, reduce_metrics
+from ..io import step_io
 from ..policies import RetentionPolicy
 from ..staging import HostSnapshot
 from ..stats import SaveStats
 from ..storage import StepTarget
-from . import phase
-from .replicas import DroppedSamples, diverged, fingerprints
 from .steps import StepStore, StepWrite
 
 
@@ -90,7 +91,7 @@ class _RankResult:
 def run_save(store: StepStore, job: SaveJob, *, policy: RetentionPolicy, threads: int, planner: Any) -> Optional[SaveStats]:
     """Writer thread of every rank: the phases in the module docstring. Returns the save's
     statistics once committed (None on a rank whose staging failed)."""
-    coord = store.coordinator
+    exchange = store.exchange
     step, snap = job.step, job.snap
     target: Optional[StepTarget] = None
     opened: Optional[StepWrite] = None
@@ -135,7 +136,7 @@ def run_save(store: StepStore, job: SaveJob, *, policy: RetentionPolicy, threads
                    else reduce_metrics([r.metrics for r in results], job.metrics_reduce))
         manifest = Manifest(step=step, commit_time=store.catalog.next_commit_time(job.commit_at), files=merged,
                             metrics=metrics, nbytes=sum(r.nbytes for r in results),
-                            num_tensors=sum(r.num_tensors for r in results), world_size=coord.world_size,
+                            num_tensors=sum(r.num_tensors for r in results), world_size=exchange.world_size,
                             extra={**job.manifest_extra, **({"int_keys": int_keys} if int_keys else {}),
                                    **({"diverged_keys": sorted(differ)} if differ else {})},
                             identity=job.identity)
@@ -147,21 +148,20 @@ def run_save(store: StepStore, job: SaveJob, *, policy: RetentionPolicy, threads
         # 0. every host copy done (lazy saves: and unchanged, else TornSnapshotError)
         local = job.local_error
         if snap is not None:
-            try:
+            def copied() -> None:
+                assert snap is not None
                 snap.drop_sources()  # here, not in the stall: releasing device-buffer views costs
                 snap.wait_copied()
-            except BaseException as exc:  # noqa: BLE001 - reported to every rank (KeyboardInterrupt: re-raised after)
-                if coord.world_size == 1:
-                    raise
-                local = exc
+
+            local = phase.attempt(exchange, copied)[0] or local
         tw = time.perf_counter()
 
         # 1. rank 0 opens the step; everyone learns where (or why not).
-        path, final, opened_step = phase.primary(coord, "opening the step directory", step, open_step)
-        if not coord.is_primary:
+        path, final, opened_step = phase.primary(exchange, "opening the step directory", step, open_step)
+        if not exchange.is_primary:
             target = StepTarget(step, path, final)
             if opened_step != step and local is None:  # jobs pair in order: never write into another step
-                local = CheckpointError(f"rank {coord.rank}'s save job is for step {step}, rank 0's for step "
+                local = CheckpointError(f"rank {exchange.rank}'s save job is for step {step}, rank 0's for step "
                                         f"{opened_step}: the ranks' saves are out of step; neither is committed",
                                         step=step)
         assert target is not None
@@ -169,9 +169,9 @@ def run_save(store: StepStore, job: SaveJob, *, policy: RetentionPolicy, threads
         # 2. every rank is ready to write (or says why not; a rank whose job is for another
         # step than rank 0's says so here, and nothing is committed).
         staged_here = snap is not None
-        ready = None if coord.is_primary else (lambda: store.storage.makedirs(target.path))
+        ready = None if exchange.is_primary else (lambda: store.storage.makedirs(target.path))
         try:
-            phase.everyone(coord, "staging", step, ready, error=local)
+            phase.everyone(exchange, "staging", step, ready, error=local)
         except BaseException:
             if job.local_error is not None and not staged_here:
                 raise StagingAlreadyReported() from None  # raised to this rank's training thread already
@@ -182,32 +182,37 @@ def run_save(store: StepStore, job: SaveJob, *, policy: RetentionPolicy, threads
         files: Dict[str, FileRecord] = {}
         write_error: Optional[BaseException] = None
         # read before the buffers go back to the pool (right after the write)
-        prints = fingerprints(snap.state_dict) if coord.world_size > 1 else {}
+        prints = fingerprints(snap.state_dict) if exchange.world_size > 1 else {}
         if job.samples is not None:
             prints.update(job.samples.prints())
         reuse = store.reuse
         if reuse is not None:
             store.recall_last_step()  # a new manager: what the newest committed step holds
             reuse.prepare(*job.frozen, step=step)
+        written: Optional[Dict[str, FileRecord]] = None
+
+        def write() -> Dict[str, FileRecord]:  # one process, or every rank through dcp.save over the group
+            assert snap is not None and target is not None
+            return exchange.dcp("writing", lambda: step_io.write_step(
+                store.storage, target.path, snap.state_dict, threads=threads, planner=planner, memo=store.memo,
+                reuse=reuse, group=exchange.group, several_ranks=exchange.world_size > 1))
+
         try:
-            files = coord.write(store.storage, target.path, snap.state_dict, threads=threads, planner=planner,
-                                memo=store.memo, reuse=reuse)
-        except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
-            release(failed=True)
-            if isinstance(exc, (KeyboardInterrupt, SystemExit)) or coord.world_size == 1:
-                raise  # one process: as raised (the save queue names the step)
-            write_error = exc  # reported to every rank in the next phase
+            write_error, written = phase.attempt(exchange, write)  # reported to every rank in the next phase
         finally:
-            release()  # buffers go back to the pool as soon as the data is written
+            # buffers go back to the pool as soon as the data is written; after a failed write a
+            # write of it that timed out may still read them: they are given up
+            release(failed=written is None)
+        files = written or {}
         tc = time.perf_counter()
 
         # 4. did every rank write? gather the file records for the manifest.
         mine = _RankResult(dict(files), snap.nbytes, snap.num_tensors, list(snap.int_keys), prints,
                            dict(job.metrics) if job.metrics_reduce != "rank0" else {})
-        results = phase.everyone(coord, "writing", step, lambda: mine, error=write_error)
+        results = phase.everyone(exchange, "writing", step, lambda: mine, error=write_error)
 
         # 5. rank 0 commits and applies retention; everyone learns the outcome.
-        commit_time = phase.primary(coord, "commit", step, lambda: commit(results))  # type: ignore[arg-type]
+        commit_time = phase.primary(exchange, "commit", step, lambda: commit(results))  # type: ignore[arg-type]
         td = time.perf_counter()
         changed: List[str] = []
         checks: Optional[Tuple[float, int]] = None

@@ -13,6 +13,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, List, Optional, Set
 
+from ..dist.exchange import Exchange
 from ..errors import LeaseHeldError, StepNotFoundError
 from ..format import step_names
 from ..format.dcp_layout import WriteMemo
@@ -24,7 +25,6 @@ from ..storage import StepTarget, Storage
 from ..storage.lease import writer_lease
 from ..storage.step_dirs import StepDirectories
 from .catalog import StepCatalog
-from .coordinator import Coordinator
 
 log = logging.getLogger("async_ckpt")
 
@@ -32,12 +32,12 @@ log = logging.getLogger("async_ckpt")
 class StepStore:
     """Committed, in-flight and condemned steps of one root; the lease; deletions."""
 
-    def __init__(self, storage: Storage, layout: StepDirectories, coordinator: Coordinator,
+    def __init__(self, storage: Storage, layout: StepDirectories, exchange: Exchange,
                  clock: Callable[[], float], *, keep_incomplete: bool = False, lease_timeout: float = 0.0,
                  reuse: Optional[Reuse] = None) -> None:
         self.storage = storage
         self.layout = layout
-        self.coordinator = coordinator
+        self.exchange = exchange
         self.catalog = StepCatalog(layout, clock)
         #: the last save's file layout at this root, reused by the next save of the same shape
         self.memo = WriteMemo()
@@ -46,7 +46,7 @@ class StepStore:
         self.keep_incomplete = keep_incomplete
         self.lease_timeout = lease_timeout
         # Taken at the first save (or delete): until then this store only reads.
-        self.lease = writer_lease(storage) if coordinator.is_primary else None
+        self.lease = writer_lease(storage) if exchange.is_primary else None
         self.deleter = ThreadPoolExecutor(1, thread_name_prefix="async-ckpt-delete")
         self._warned_lower = False
         self._busy = 0  # background deletions queued or running
@@ -210,7 +210,7 @@ class StepStore:
             opened = self.layout.read_committed(step)
             where, man = opened.where, opened.manifest
             md = read_metadata(self.storage, where, man.files, whole=man.whole)
-            n = reuse.recall(step, where, man.files, md, prefix=f"__{self.coordinator.rank}_")
+            n = reuse.recall(step, where, man.files, md, prefix=f"__{self.exchange.rank}_")
             if n:
                 log.info("incremental saves compare with step %d (%d tensors)", step, n)
         except Exception as exc:  # noqa: BLE001 - the first save is then whole

@@ -22,6 +22,9 @@ import uuid
 import weakref
 from typing import Any, Callable, Deque, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
+from ..dist import phase
+from ..dist.exchange import DEFAULT_TIMEOUT_S, exchange_for
+from ..dist.replicas import DroppedSamples, SaveShares
 from ..errors import (
     CheckpointError,
     FrozenTensorChangedError,
@@ -37,9 +40,6 @@ from ..format.manifest import CopyIdentity, check_metrics
 from ..gc_pause import gc_paused
 from ..io import Reuse
 from ..io.planners import load_planner_for, save_planner_for
-from ..lifecycle import phase
-from ..lifecycle.coordinator import DEFAULT_TIMEOUT_S, GroupCoordinator, coordinator_for
-from ..lifecycle.replicas import DroppedSamples, SaveShares
 from ..lifecycle.restore import candidates_of, check_key_map
 from ..lifecycle.restore import restore as _restore
 from ..lifecycle.root import LOCAL, PERSISTENT, Root
@@ -348,13 +348,13 @@ class CheckpointManager:
                                            "point (it handles SIGTERM itself); pass preemption_sync='signal' to use "
                                            "signals")
         # Collective: every rank creates the checkpoint groups, first, before anything that
-        # could fail on one rank only (a no-op coordinator in a single process).
-        self._coord = coordinator_for(opts.process_group, opts.collective_timeout_s)
-        topology = peer_topology(opts, self._coord)  # collective too (local_replicas > 1)
+        # could fail on one rank only (a no-op exchange in a single process).
+        self._exchange = exchange_for(opts.process_group, opts.collective_timeout_s)
+        topology = peer_topology(opts, self._exchange)  # collective too (local_replicas > 1)
         # names each save in both tiers' manifests (CopyIdentity.save_id): rank 0's, on every rank
         self._run_id = uuid.uuid4().hex[:12] if opts.local_dir is not None else ""
-        if opts.local_dir is not None and self._coord.world_size > 1:
-            self._run_id = self._coord.broadcast(self._run_id)
+        if opts.local_dir is not None and self._exchange.world_size > 1:
+            self._run_id = phase.primary(self._exchange, "naming the saves", None, lambda: self._run_id)
         self._saves = 0
         self.storage = Storage(opts.path, opts.storage_options, retry=opts.retry)
         self.layout = StepDirectories(self.storage, opts.commit_mode)
@@ -364,7 +364,7 @@ class CheckpointManager:
         self.write_threads = opts.write_threads
         self.on_saved = opts.on_saved
         self.lazy = opts.lazy
-        store = StepStore(self.storage, self.layout, self._coord, opts.wall_clock,
+        store = StepStore(self.storage, self.layout, self._exchange, opts.wall_clock,
                           keep_incomplete=opts.keep_incomplete, lease_timeout=opts.lease_timeout,
                           reuse=Reuse(opts.full_every, version_of) if opts.incremental else None)
         self.catalog = store.catalog
@@ -372,9 +372,7 @@ class CheckpointManager:
         # with a local tier an upload overlaps local saves on and off: keep buffers for both
         self.stager = Stager(HostBufferPool(opts.memory_budget_bytes, hold_peak=opts.local_dir is not None))
         self._frozen = FrozenTensors(opts.frozen, opts.frozen_check_every) if opts.frozen is not None else None
-        self._shares = SaveShares() if opts.replicated_saves and self._coord.world_size > 1 else None
-        if isinstance(self._coord, GroupCoordinator):
-            self._coord.replicated_reads = opts.replicated_reads
+        self._shares = SaveShares() if opts.replicated_saves and self._exchange.world_size > 1 else None
         self.stats: Deque[SaveStats] = collections.deque(maxlen=1000)
         #: with a local tier: steps whose upload to ``path`` was skipped because the previous
         #: upload was still running (``save_async`` never waits for it; the step went to the local
@@ -401,13 +399,13 @@ class CheckpointManager:
         self._writable = False  # the root was found writable (checked by the first save due there)
         try:
             if opts.local_dir is not None:
-                self._local = make_local_tier(opts, self.storage, self._coord)
+                self._local = make_local_tier(opts, self.storage, self._exchange)
                 self.roots.insert(0, self._local)
                 for r in self.roots:  # log lines name the root: "deleted step 10 from the local tier"
                     r.store.label = f" from {tier_name(r.name)}"
                 if topology is not None:
-                    self._peers = PeerCopies(topology, self._local, opts, self._coord)
-            if self._coord.is_primary:
+                    self._peers = PeerCopies(topology, self._local, opts, self._exchange)
+            if self._exchange.is_primary:
                 self._describe_root()
             # Created and checked when possible; a read-only root (an evaluation job's credential
             # or mount) opens all the same, for listing and restoring: the first save checks again.
@@ -507,7 +505,7 @@ class CheckpointManager:
         ``invalid``: this rank's step or metrics did not validate (several ranks): it decides
         nothing, says so in the exchange and raises that error; the other ranks raise a
         ``CheckpointError`` naming it."""
-        alone = self._coord.world_size == 1
+        alone = self._exchange.world_size == 1
         preempt = False
         if invalid is None and self._preemption is not None:
             preempt = self._preemption.due(step)
@@ -516,7 +514,7 @@ class CheckpointManager:
         while True:
             due = self._schedule(step, force, preempt) if invalid is None else Due(False, False, False, False)
             held = unreachable = None
-            if due.persistent and self._coord.is_primary:
+            if due.persistent and self._exchange.is_primary:
                 try:
                     self._claim_persistent(step)
                 except LeaseHeldError as exc:
@@ -576,20 +574,25 @@ class CheckpointManager:
         save raises, or its step or metrics are invalid, and which step it saves (a rank at
         another step fails the exchange): a rank raising alone would leave the others waiting.
         Returns the decision, lease and reachability, and whether any rank's ``preempt`` was set."""
-        ok = invalid is None and not any(r.writer.failed() for r in self.roots)
-        (take, take_local, rank0_preempt, lease_ok, reached), failed, signalled = self._coord.agree_signal(
-            [due.persistent, due.local, due.preempt, lease_ok, reached], ok=ok,
-            step=step if invalid is None else None, signal=preempt)
-        if failed:
-            if invalid is not None:
-                raise invalid
-            for root in self.roots:
-                root.writer.raise_if_failed()
-            raise CheckpointError(f"step {step}: not saved: rank(s) {failed} could not save it (an earlier "
-                                  f"background save failed there, its step or metrics were invalid, or it "
-                                  f"was called with another step than rank 0; see their errors)",
-                                  step=step if isinstance(step, int) else None)
+        error: Optional[BaseException] = invalid
+        if error is None and any(r.writer.failed() for r in self.roots):
+            error = phase.attempt(self._exchange, self._raise_failed_saves)[0]  # the failure a save raises here
+
+        def refused(failed: List[int]) -> CheckpointError:
+            return CheckpointError(f"step {step}: not saved: rank(s) {failed} could not save it (an earlier "
+                                   f"background save failed there, its step or metrics were invalid, or it "
+                                   f"was called with another step than rank 0; see their errors)",
+                                   step=step if isinstance(step, int) else None)
+
+        (take, take_local, rank0_preempt, lease_ok, reached), signalled = phase.agree(
+            self._exchange, [due.persistent, due.local, due.preempt, lease_ok, reached], error=error,
+            step=step if invalid is None else None, signal=preempt, refused=refused)
         return Due(take, take_local, rank0_preempt, take), lease_ok, reached, signalled
+
+    def _raise_failed_saves(self) -> None:
+        """Raise the first root's background failure a save raises (each raised once)."""
+        for root in self.roots:
+            root.writer.raise_if_failed()
 
     def reached_preemption(self, step: int) -> bool:
         """Whether the loop should stop for a preemption.
@@ -709,7 +712,7 @@ class CheckpointManager:
         staged once; each tier's writer writes the snapshot."""
         self._check_open()
         self._check_writer("save")
-        alone = self._coord.world_size == 1
+        alone = self._exchange.world_size == 1
         invalid: Optional[Exception] = None
         try:
             step = check_step(step)
@@ -742,7 +745,7 @@ class CheckpointManager:
                 except LeaseHeldError:
                     if alone:
                         raise
-                    log.exception("rank %d skips the local save of step %d", self._coord.rank, step)
+                    log.exception("rank %d skips the local save of step %d", self._exchange.rank, step)
                     take_local = False
             due = [r for r in self.roots if (take_local if r is self._local else take)]
             if not due:
@@ -787,7 +790,7 @@ class CheckpointManager:
                     planned = exc
                 if self._shares is not None and not where.local:  # a local copy holds everything
                     tx = time.perf_counter()
-                    drop = self._shares.drops(self._coord, None if planned is not None else plan)
+                    drop = self._shares.drops(self._exchange, None if planned is not None else plan)
                     exchange_s += time.perf_counter() - tx
                 if planned is not None:
                     raise planned
@@ -838,7 +841,7 @@ class CheckpointManager:
                     stats.extra[FALLBACK] = True
                 save_id = f"{self._run_id}.{self._saves}"
             if tier is self._local:
-                identity = CopyIdentity(save_id, LOCAL, self._coord.rank, self._coord.world_size, tier.home)
+                identity = CopyIdentity(save_id, LOCAL, self._exchange.rank, self._exchange.world_size, tier.home)
             else:  # what this job's retention keeps, for tools that delete by hand (async-ckpt prune)
                 identity = CopyIdentity(save_id)
                 spec = retention_spec(tier.retention)
@@ -969,7 +972,7 @@ class CheckpointManager:
         """A save that failed goes to the stats log too (``extra["failed"]``: the error), so that
         the run's record (``async-ckpt stats``, its ``--plot``) shows it. Not when the log could
         not be written either: the failure of a remote persistent root the log lives on."""
-        if self._stats_log is None or job.stats is None or not self._coord.is_primary:
+        if self._stats_log is None or job.stats is None or not self._exchange.is_primary:
             return
         if tier is self._persistent and not self.storage.is_local:
             return
@@ -981,13 +984,13 @@ class CheckpointManager:
         self.stats.append(stats)
         # a local tier's saves are logged too unless the log is remote (rewritten per save there)
         logged = stats.extra.get("tier") != LOCAL or self.storage.is_local
-        if self._stats_log is not None and self._coord.is_primary and logged:
+        if self._stats_log is not None and self._exchange.is_primary and logged:
             try:
                 self._stats_log.append(stats)
             except Exception as exc:
                 log.warning("could not append save statistics: %s", exc)
-        if self._coord.world_size > 1:
-            log.info("rank %d saved %s", self._coord.rank, stats.summary())
+        if self._exchange.world_size > 1:
+            log.info("rank %d saved %s", self._exchange.rank, stats.summary())
         else:
             log.info("saved %s", stats.summary())
         if self.on_saved is not None:
@@ -1086,15 +1089,16 @@ class CheckpointManager:
             raise invalid
         opts = dict(verify=self.verify if verify is None else verify, allow_pickle=allow_pickle,
                     threads=self.write_threads, planner=load_planner_for(state_dict, allow_pickle),
-                    atomic=atomic, strict=strict, pool=self.stager.pool, key_map=key_map)
+                    atomic=atomic, strict=strict, pool=self.stager.pool, key_map=key_map,
+                    replicated_reads=self.options.replicated_reads)
         t0 = time.perf_counter()
         if self._local is None:
             listing = functools.partial(candidates_of, self._persistent.store, step)
         else:
             if self._peers is not None:  # a rank that lost its copies gets them from its peers first
                 self._peers.fill(step)
-            listing = functools.partial(tier_candidates, self.roots, self._coord, step)
-        done, skipped = _restore(listing, state_dict, coord=self._coord, step=step, **opts)
+            listing = functools.partial(tier_candidates, self.roots, self._exchange, step)
+        done, skipped = _restore(listing, state_dict, exchange=self._exchange, step=step, **opts)
         s = done.step
         where = done.store.storage.url
         if self._local is not None:
@@ -1107,7 +1111,7 @@ class CheckpointManager:
         if log.isEnabledFor(logging.INFO):
             nbytes, count = _tensor_bytes(state_dict)
             log.info("%srestored step %d: %s in %d tensors in %s from %s",
-                     f"rank {self._coord.rank} " if self._coord.world_size > 1 else "", s, format_bytes(nbytes),
+                     f"rank {self._exchange.rank} " if self._exchange.world_size > 1 else "", s, format_bytes(nbytes),
                      count, format_seconds(time.perf_counter() - t0), where)
         return s
 
@@ -1238,7 +1242,7 @@ class CheckpointManager:
             return None, time.monotonic() >= deadline
 
         while True:
-            found, stop = phase.primary(self._coord, "listing the committed steps", None, look)
+            found, stop = phase.primary(self._exchange, "listing the committed steps", None, look)
             if stop:
                 return found
             time.sleep(max(0.0, min(poll_s, deadline - time.monotonic())))
@@ -1299,13 +1303,13 @@ class CheckpointManager:
             if local_held and local is not None:
                 local.store.become_writer()
                 local.store.delete(step)
-            if self._coord.is_primary and (not local_held or step in self.layout.committed_steps()):
+            if self._exchange.is_primary and (not local_held or step in self.layout.committed_steps()):
                 self._persistent.store.become_writer()
                 self._persistent.store.delete(step)
             if self._peers is not None:  # the copies this rank holds for others: a peer never brings it back
                 self._peers.delete_held(step)
 
-        phase.everyone(self._coord, "delete", step, delete_here)
+        phase.everyone(self._exchange, "delete", step, delete_here)
 
     def promote(self, step: int) -> List[int]:
         """Copy the local tier's committed ``step`` to ``path`` and commit it there.
@@ -1333,7 +1337,7 @@ class CheckpointManager:
         local = self._local
         if local is None:
             raise CheckpointError("promote() needs a manager with local_dir=")
-        if self._coord.world_size > 1:
+        if self._exchange.world_size > 1:
             raise CheckpointError("promote() copies one process's local step; with several ranks each local "
                                   "copy holds one rank's shards: save the step with force=True instead")
         self._settle()  # an earlier failed upload (still raised by join) is what promote repairs
@@ -1352,7 +1356,7 @@ class CheckpointManager:
         every rank raises together (a failing rank its own error, the others a
         ``CheckpointError`` naming it) instead of waiting for one that has already raised, and
         ranks that named different steps all raise."""
-        alone = self._coord.world_size == 1
+        alone = self._exchange.world_size == 1
         error: Optional[BaseException] = None if alone else invalid  # alone: raised by the caller after
         if error is None:
             try:
@@ -1363,12 +1367,12 @@ class CheckpointManager:
                     tier.writer.raise_if_failed()
             except Exception as exc:
                 error = exc
-        if self._coord.world_size > 1:
-            _, failed = self._coord.agree([], ok=error is None, step=key)
-            if error is None and failed:
-                raise CheckpointError(f"rank(s) {failed}: an earlier save failed, an argument was invalid, or "
-                                      f"another step was named (see their errors)")
-        if error is not None:
+        if self._exchange.world_size > 1:
+            phase.agree(self._exchange, [], error=error, step=key,
+                        refused=lambda failed: CheckpointError(f"rank(s) {failed}: an earlier save failed, an argument "
+                                                               f"was invalid, or another step was named (see their "
+                                                               f"errors)"))
+        elif error is not None:
             raise error
 
     def join(self) -> None:

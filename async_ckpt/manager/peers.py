@@ -10,7 +10,7 @@ rank keeps rank ``r``'s copies in ``<its local tier>/held-rank<r>/``
 the local tier is (same manifest, same atomic commit), with the local tier's retention.
 
 **When.** After the local copy of a save commits, in the background, on one replication thread
-per manager, over a gloo group of the manager's own (:mod:`async_ckpt.lifecycle.peer_transfer`:
+per manager, over a gloo group of the manager's own (:mod:`async_ckpt.dist.peer_transfer`:
 one exchange per save, files read once and verified, CRC-32C checked on arrival). The training
 thread only queues a ticket for each save due locally: the ranks agreed on that save, so every
 rank queues the same tickets in the same order and the n-th exchange of every rank is the same
@@ -44,14 +44,14 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Set, Tuple
 
+from ..dist import phase
+from ..dist.exchange import Exchange, LocalExchange, checkpoint_group
+from ..dist.peer_transfer import NOTHING_TO_SEND, Landing, Outgoing, exchange
+from ..dist.replicas import assign
 from ..errors import CheckpointError, InvalidArgumentError, warn_user
 from ..format import step_names
 from ..format.manifest import Manifest
 from ..io.sinks import copy_files
-from ..lifecycle import phase
-from ..lifecycle.coordinator import Coordinator, LocalCoordinator, checkpoint_group
-from ..lifecycle.peer_transfer import NOTHING_TO_SEND, Landing, Outgoing, exchange
-from ..lifecycle.replicas import assign
 from ..lifecycle.root import HELD, Root
 from ..lifecycle.steps import StepStore, StepWrite
 from ..options import ManagerOptions
@@ -135,13 +135,13 @@ def node_of() -> Tuple[Optional[int], str]:
     return group_rank, socket.gethostname()
 
 
-def peer_topology(options: ManagerOptions, coord: Coordinator) -> Optional[Topology]:
+def peer_topology(options: ManagerOptions, exchange: Exchange) -> Optional[Topology]:
     """The peers of this rank, and the replication group (collective, on every rank of the
     manager's group, at construction, before anything that may fail on one rank only).
 
     Args:
         options: the manager's options (``local_replicas``, ``collective_timeout_s``).
-        coord: the manager's coordinator.
+        exchange: the manager's exchange.
 
     Returns:
         The topology; None when ``local_replicas`` is 1, or the ranks are on one node (warned).
@@ -153,11 +153,11 @@ def peer_topology(options: ManagerOptions, coord: Coordinator) -> Optional[Topol
     want = options.local_replicas
     if want <= 1:
         return None
-    if coord.world_size <= 1:
+    if exchange.world_size <= 1:
         raise InvalidArgumentError(f"local_replicas={want} keeps copies of each rank's local copy on other nodes: it "
                                    f"needs several ranks (torch.distributed initialised with more than one process); "
                                    f"pass local_replicas=1 in a single process")
-    gathered = coord.gather_objects((want, *node_of()))
+    gathered = exchange.gather_objects((want, *node_of()))
     asked = sorted({g[0] for g in gathered})
     if len(asked) > 1:
         raise InvalidArgumentError(f"the ranks were given different local_replicas ({asked}): pass the same value on "
@@ -170,18 +170,18 @@ def peer_topology(options: ManagerOptions, coord: Coordinator) -> Optional[Topol
     nodes = tuple(tuple(m) for m in sorted(members.values(), key=lambda m: m[0]))
     replicas = min(want, len(nodes))
     if replicas <= 1:
-        if coord.is_primary:
-            warn_user(f"local_replicas={want}: all {coord.world_size} ranks are on one node "
+        if exchange.is_primary:
+            warn_user(f"local_replicas={want}: all {exchange.world_size} ranks are on one node "
                       f"({'GROUP_RANK' if by_group else 'host'} {keys[0]}): no peer copies are kept (a lost node "
                       f"restores from the checkpoint path)")
         return None
-    if replicas < want and coord.is_primary:
+    if replicas < want and exchange.is_primary:
         warn_user(f"local_replicas={want}: the ranks are on {len(nodes)} nodes: each local copy is kept on "
                   f"{replicas} nodes")
     group = checkpoint_group(options.process_group, options.collective_timeout_s)
     sends = ring(nodes, replicas)
-    rank = coord.rank
-    return Topology(rank, coord.world_size, nodes, replicas, tuple(sends[rank]),
+    rank = exchange.rank
+    return Topology(rank, exchange.world_size, nodes, replicas, tuple(sends[rank]),
                     tuple(sorted(r for r, ds in sends.items() if rank in ds)), group)
 
 
@@ -248,7 +248,7 @@ def complete_saves(inventories: Sequence[Sequence[Seen]], world_size: int,
 
     A rank that sees its copy on its own disk (another directory of its node's ``local_dir``)
     copies it there; otherwise a rank that holds it sends it, balanced by bytes over the ranks
-    that hold copies (:func:`~async_ckpt.lifecycle.replicas.assign`). Deterministic: every rank
+    that hold copies (:func:`~async_ckpt.dist.replicas.assign`). Deterministic: every rank
     computes the same answer from the same inventories.
 
     Args:
@@ -357,7 +357,7 @@ class Transfer:
 
 
 class _StepLanding:
-    """A received copy's :class:`~async_ckpt.lifecycle.peer_transfer.Landing`: a step being
+    """A received copy's :class:`~async_ckpt.dist.peer_transfer.Landing`: a step being
     written to a root, committed there with ``policy`` (the root's retention, or one that also
     keeps the step)."""
 
@@ -386,14 +386,14 @@ class PeerCopies:
         topology: this rank's peers (:func:`peer_topology`).
         local: the manager's local tier.
         options: the manager's options.
-        coord: the manager's coordinator.
+        exchange: the manager's exchange.
     """
 
-    def __init__(self, topology: Topology, local: Root, options: ManagerOptions, coord: Coordinator) -> None:
+    def __init__(self, topology: Topology, local: Root, options: ManagerOptions, exchange: Exchange) -> None:
         self.topology = topology
         self.local = local
         self.options = options
-        self.coord = coord
+        self.exchange = exchange
         #: the replication thread: one ticket per save due locally, in order
         self.writer = AsyncWriter(MAX_TICKETS, name="async-ckpt-peer-copies")
         #: the exchanges of this rank, oldest first (the last 1000)
@@ -523,7 +523,7 @@ class PeerCopies:
                 storage = Storage(self.local.store.storage.join(step_names.held_dir_name(owner)), None,
                                   retry=opts.retry)
                 storage.makedirs(storage.root)
-                store = StepStore(storage, StepDirectories(storage, opts.commit_mode), LocalCoordinator(),
+                store = StepStore(storage, StepDirectories(storage, opts.commit_mode), LocalExchange(),
                                   opts.wall_clock, keep_incomplete=opts.keep_incomplete,
                                   lease_timeout=opts.lease_timeout)
                 root = Root(HELD, store, self.writer, opts.local_retention, home=self.local.home)
@@ -602,19 +602,19 @@ class PeerCopies:
             step: the step the restore names (None: the newest).
         """
         idle = self.wait_idle()  # a thread still exchanging holds the group: no transfers then
-        coord, topo = self.coord, self.topology
+        exchange, topo = self.exchange, self.topology
         invs: List[Inventory] = [i or Inventory() for i in
-                                 phase.everyone(coord, "listing the peer copies", step,
+                                 phase.everyone(exchange, "listing the peer copies", step,
                                                 functools.partial(self._inventory, idle))]
         if any(i.broken for i in invs):
-            if coord.is_primary:
+            if exchange.is_primary:
                 log.warning("restore: copies are not fetched from peers: a rank's replication group is out of use "
                             "or still busy")
             return
         candidates = complete_saves([i.copies for i in invs], topo.world_size, step)
         if not candidates:
             others = sorted({w for i in invs for w in i.other_worlds})
-            if others and coord.is_primary:
+            if others and exchange.is_primary:
                 log.warning("the local tiers hold copies saved at world size %s; this job has %d ranks: they are not "
                             "restored (a restore at another world size reads the checkpoint path)",
                             others[0] if len(others) == 1 else others, topo.world_size)
@@ -622,16 +622,16 @@ class PeerCopies:
         for cand in candidates:
             if not cand.moves:
                 return  # every rank holds its copy of the newest such save in its own local tier
-            results = phase.everyone(coord, f"fetching the local copies of step {cand.step} from peers",
+            results = phase.everyone(exchange, f"fetching the local copies of step {cand.step} from peers",
                                      cand.step, functools.partial(self._fetch, cand))
             problems = [p for r in results if r for p in r[0]]
             if not problems:
-                if coord.is_primary:
+                if exchange.is_primary:
                     fetched = [m.owner for m in cand.moves]
                     log.warning("restore: the local copies of step %d of rank(s) %s were brought from their peers "
                                 "(%d bytes)", cand.step, fetched, sum(m.nbytes for m in cand.moves))
                 return
-            if coord.is_primary:
+            if exchange.is_primary:
                 log.warning("restore: the local copies of step %d could not all be brought from their peers: %s; "
                             "trying the next step every rank can get", cand.step, "; ".join(problems))
             if any(r and r[1] for r in results):

@@ -32,6 +32,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
+from ..dist import phase
+from ..dist.exchange import Exchange, rank_local_exchange
 from ..errors import (
     CheckpointError,
     CorruptCheckpointError,
@@ -46,8 +48,6 @@ from ..format import step_names
 from ..format.manifest import CopyIdentity, Manifest, copy_identity
 from ..io import Reuse
 from ..io.sinks import copy_files
-from ..lifecycle import phase
-from ..lifecycle.coordinator import Coordinator, rank_local_coordinator
 from ..lifecycle.restore import Candidate
 from ..lifecycle.root import LOCAL, PERSISTENT, Root
 from ..lifecycle.steps import StepStore
@@ -239,14 +239,14 @@ class OwnCopies:
         return apply_retention(self.policy, [c for c in checkpoints if c.step not in foreign]) | foreign
 
 
-def make_local_tier(options: ManagerOptions, persistent: Storage, coord: Coordinator) -> Root:
+def make_local_tier(options: ManagerOptions, persistent: Storage, exchange: Exchange) -> Root:
     """The local tier of a manager: ``local_dir`` itself with one process, ``<local_dir>/rank<r>``
     with several (each rank writes and reads its own shards there, on no collective).
 
     Args:
         options: the manager's validated options (``local_dir`` set).
         persistent: the storage of the manager's persistent root.
-        coord: the manager's coordinator (its rank names the directory).
+        exchange: the manager's exchange (its rank names the directory).
 
     Returns:
         The local tier's root.
@@ -259,8 +259,8 @@ def make_local_tier(options: ManagerOptions, persistent: Storage, coord: Coordin
     """
     assert options.local_dir is not None
     root = options.local_dir
-    if coord.world_size > 1:
-        root = f"{root.rstrip('/')}/{step_names.rank_dir_name(coord.rank)}"
+    if exchange.world_size > 1:
+        root = f"{root.rstrip('/')}/{step_names.rank_dir_name(exchange.rank)}"
     retry, keep = options.retry, options.local_retention
     storage = Storage(root, None, retry=retry)
     check_roots_differ(persistent, storage)
@@ -273,7 +273,7 @@ def make_local_tier(options: ManagerOptions, persistent: Storage, coord: Coordin
             raise NotACheckpointRootError(not_a_root_message("local_dir", storage, blocker)) from exc
         raise StorageError(f"local_dir {storage.url!r} cannot be written: {exc}") from exc
     store = StepStore(storage, StepDirectories(storage, options.commit_mode),
-                      rank_local_coordinator(options.collective_timeout_s), options.wall_clock,
+                      rank_local_exchange(options.collective_timeout_s), options.wall_clock,
                       keep_incomplete=options.keep_incomplete, lease_timeout=options.lease_timeout,
                       reuse=Reuse(options.full_every, version_of) if options.incremental else None)
     # a full local_dir is logged and raised by join()/close(): the bucket's saves go on meanwhile
@@ -457,7 +457,7 @@ def check_local_copy(tier: Root, step: int, rank: int, world_size: int) -> None:
                                f"this is rank {rank} of {world_size}", step=step)
 
 
-def common_local_steps(local: Root, coord: Coordinator) -> Set[int]:
+def common_local_steps(local: Root, exchange: Exchange) -> Set[int]:
     """The local steps every rank holds from one save (collective): each rank's (step, save
     id) pairs are exchanged, and a step whose copies carry different save ids on different
     ranks (a crash or a failed write between the ranks' local commits of a re-save) is left
@@ -468,11 +468,11 @@ def common_local_steps(local: Root, coord: Coordinator) -> Set[int]:
     for s in newest_first:
         info = infos.get(s) or _reread(local, s)  # a manifest that does not read: no id
         mine.append((s, "" if info is None else copy_identity(info.extra).save_id or ""))
-    gathered = [dict(pairs or ()) for pairs in phase.everyone(coord, "listing the local copies", None, lambda: mine)]
+    gathered = [dict(pairs or ()) for pairs in phase.everyone(exchange, "listing the local copies", None, lambda: mine)]
     return {s for s, sid in gathered[0].items() if all(g.get(s) == sid for g in gathered[1:])}
 
 
-def tier_candidates(tiers: Sequence[Root], coord: Coordinator, step: Optional[int]) -> List[Candidate]:
+def tier_candidates(tiers: Sequence[Root], exchange: Exchange, step: Optional[int]) -> List[Candidate]:
     """The copies a restore of ``step`` (None: the newest commit) tries over the tiers, in order:
     newest commit first, of the two copies of one save the local one first. Every rank calls
     it; rank 0 lists (with several ranks, of the steps every rank holds locally from one save:
@@ -480,7 +480,7 @@ def tier_candidates(tiers: Sequence[Root], coord: Coordinator, step: Optional[in
 
     Args:
         tiers: the manager's roots.
-        coord: the manager's coordinator.
+        exchange: the manager's exchange.
         step: the step asked for, or None.
 
     Returns:
@@ -491,18 +491,18 @@ def tier_candidates(tiers: Sequence[Root], coord: Coordinator, step: Optional[in
         StorageError: a tier could not be listed and the others do not hold ``step``.
     """
     by_name = {t.name: t for t in tiers}
-    several = coord.world_size > 1
+    several = exchange.world_size > 1
     only: Optional[Dict[str, Optional[set]]] = None
     local = by_name.get(LOCAL)
     if several and local is not None:
-        only = {LOCAL: common_local_steps(local, coord), PERSISTENT: None}
+        only = {LOCAL: common_local_steps(local, exchange), PERSISTENT: None}
     failed: List[BaseException] = []
 
     def listing() -> Tuple[List[Held], List[RankFailure]]:
         copies = held_copies(tiers, only, failed)
         return copies, [phase.failure_of(0, e) for e in failed]
 
-    held, problems = phase.primary(coord, "listing the tiers", step, listing)
+    held, problems = phase.primary(exchange, "listing the tiers", step, listing)
     if step is not None:
         held = [h for h in held if h.step == step]
         if not held:
@@ -522,7 +522,7 @@ def tier_candidates(tiers: Sequence[Root], coord: Coordinator, step: Optional[in
             out.append(Candidate(
                 tier.store, h.step, f"the {name} copy of step {h.step} ({tier.url})",
                 fallback=FALLBACK_ERRORS + ((ForeignCopyError, StepNotFoundError) if own else ()),
-                check=functools.partial(check_local_copy, tier, h.step, coord.rank, coord.world_size) if own else None,
+                check=functools.partial(check_local_copy, tier, h.step, exchange.rank, exchange.world_size) if own else None,
                 own_copy=own, copy=f"{name} copy"))
     return out
 

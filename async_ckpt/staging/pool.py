@@ -31,7 +31,7 @@ from __future__ import annotations
 import threading
 from bisect import bisect_left
 from collections import deque
-from typing import Deque, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -228,6 +228,16 @@ class HostBufferPool:
         return _BOUND * max(self._peak, leased) + _SLACK
 
     # ---- the API --------------------------------------------------------------------------------
+    def leaser(self) -> Callable[[Sequence[int]], Tuple[Sequence[torch.Tensor], Callable[[], None]]]:
+        """This pool's buffers as an atomic restore stages through them: ``acquire(sizes)`` ->
+        (one lease's buffers, the function that releases the lease)."""
+
+        def acquire(sizes: Sequence[int]) -> Tuple[Sequence[torch.Tensor], Callable[[], None]]:
+            lease = self.acquire(sizes)
+            return lease.buffers, lease.release
+
+        return acquire
+
     def acquire(self, sizes: Sequence[int], *, pinned: bool = False, timeout: Optional[float] = None) -> Lease:
         """Buffers of exactly ``sizes`` bytes each, reusing free ones where possible.
 

@@ -1,52 +1,44 @@
-"""The one thing that differs between one process and N: how ranks agree.
+"""The one thing that differs between one process and N: how ranks exchange.
 
-A save or restore runs the same phases everywhere (see ``save_job`` and ``restore``); at each
-phase boundary the ranks exchange outcomes through a :class:`Coordinator`. For one process,
-:class:`LocalCoordinator` answers every exchange with the local value. For N,
-:class:`GroupCoordinator` uses two gloo groups of its own (one for the writer thread, one for
-the training thread's agreements), created once per manager, so checkpoint traffic never
-interleaves with training collectives, and with a bounded timeout, so a rank that dies makes
-the others raise instead of waiting for gloo's 30-minute default. After a failed exchange (a
-timeout, a peer gone, a rank that left one of DCP's collectives early) the ranks' exchanges over
-those groups can no longer be paired: the coordinator is then *broken*, and every later
-exchange raises :class:`~async_ckpt.errors.CoordinationError` at once, naming the first failure.
+A save or restore runs the same phases everywhere (:mod:`.phase`); at each phase boundary the
+ranks exchange outcomes through an :class:`Exchange`. For one process, :class:`LocalExchange`
+answers every exchange with the local value. For N, :class:`GroupExchange` uses two gloo groups
+of its own (one for the writer thread, one for the training thread's agreements), created once
+per manager, so checkpoint traffic never interleaves with training collectives, and with a
+bounded timeout, so a rank that dies makes the others raise instead of waiting for gloo's
+30-minute default. After a failed exchange (a timeout, a peer gone, a rank that left one of
+DCP's collectives early) the ranks' exchanges over those groups can no longer be paired: the
+exchange is then *broken*, and every later exchange raises
+:class:`~async_ckpt.errors.CoordinationError` at once, naming the first failure. A DCP call
+over the group (:meth:`Exchange.dcp`) counts as one of its exchanges.
 
-:meth:`Coordinator.write` and :meth:`Coordinator.load` hand a step's files to the I/O layer
-(:mod:`async_ckpt.io.step_io`, which chooses the data path), with what the
-coordinator holds: the group, the write memo, and (N) the exchange of read outcomes.
+Nothing else lives here: what the ranks exchange, and what they do with it, is the phases'.
 """
 
 from __future__ import annotations
 
 import datetime
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Protocol, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 
-from ..errors import CheckpointError, CoordinationError, InvalidArgumentError
-from ..format.dcp_layout import WriteMemo
-from ..format.manifest import FileRecord
-from ..io import Reuse, step_io
-from ..io.read_targets import Acquire, partly_written
-from ..storage import Storage
-from .replicas import read_assignment, restore_items, send_replicas
-
-if TYPE_CHECKING:
-    from ..staging.pool import HostBufferPool
+from ..errors import CoordinationError, InvalidArgumentError
 
 #: How long a collective waits for the other ranks before it fails (seconds).
 DEFAULT_TIMEOUT_S = 300.0
 
-#: Steps from here on do not travel in :meth:`GroupCoordinator.agree`'s int64 row (int64's
+#: Steps from here on do not travel in :meth:`GroupExchange.agree`'s int64 row (int64's
 #: largest value marks them; their digits are exchanged instead).
 _LARGE_STEP = 2**63 - 1
 
 
-class Coordinator(Protocol):
-    """How the ranks of one manager agree. Rank 0 (``is_primary``) commits and deletes."""
+class Exchange(Protocol):
+    """How the ranks of one manager exchange. Rank 0 (``is_primary``) commits and deletes."""
 
     rank: int
     world_size: int
+    #: the process group DCP's collectives (and the writer thread's exchanges) run over
+    group: Any
 
     @property
     def is_primary(self) -> bool: ...
@@ -75,23 +67,16 @@ class Coordinator(Protocol):
     def all_gather(self, obj: Any) -> List[Any]:
         """Every rank's ``obj``, by rank."""
 
-    def write(self, storage: Storage, path: str, state_dict: Dict[str, Any], *, threads: int,
-              planner: Any, memo: Optional[WriteMemo] = None, reuse: Optional[Reuse] = None) -> Dict[str, FileRecord]:
-        """Write this rank's files of a step into ``path`` and return their records (every rank
-        calls it; ``memo``: the root's memo of the last save's file layout). Raises what the
-        write raised (several ranks: DCP reports one rank's failure on every rank)."""
+    def dcp(self, what: str, fn: Callable[[], Any]) -> Any:
+        """Run ``fn``, a ``dcp.save``/``dcp.load`` over :attr:`group`, as one of this exchange's
+        exchanges (several ranks: an error DCP did not report on every rank breaks it)."""
 
-    def load(self, storage: Storage, path: str, state_dict: Dict[str, Any], *, files: Dict[str, FileRecord],
-             verify: bool, threads: int, allow_pickle: bool, metadata: Any, planner: Any, atomic: bool = False,
-             strict: bool = True, pool: Optional[HostBufferPool] = None) -> None:
-        """Read a step into ``state_dict`` in place (``atomic``: verify every file before the
-        first write, staging through ``pool`` where that is needed; ``strict=False``: keys the
-        checkpoint lacks are skipped)."""
+    def collective(self, fn: Callable[[], None], what: str) -> None:
+        """Run ``fn``, one collective over :attr:`group`, as one of this exchange's exchanges."""
 
 
-class LocalCoordinator:
-    """One process: every exchange is the local value; files are written by async_ckpt's own
-    DCP-format writer (no DCP planner round trips)."""
+class LocalExchange:
+    """One process: every exchange is the local value."""
 
     rank = 0
     world_size = 1
@@ -125,23 +110,14 @@ class LocalCoordinator:
     def all_gather(self, obj: Any) -> List[Any]:
         return [obj]
 
-    def write(self, storage: Storage, path: str, state_dict: Dict[str, Any], *, threads: int,
-              planner: Any, memo: Optional[WriteMemo] = None, reuse: Optional[Reuse] = None) -> Dict[str, FileRecord]:
-        """:func:`~async_ckpt.io.step_io.write_step`: async_ckpt's own writer, with the memo."""
-        return step_io.write_step(storage, path, state_dict, threads=threads, planner=planner, memo=memo, reuse=reuse,
-                          group=self.group)
+    def dcp(self, what: str, fn: Callable[[], Any]) -> Any:
+        return fn()
 
-    def load(self, storage: Storage, path: str, state_dict: Dict[str, Any], *, files: Dict[str, FileRecord],
-             verify: bool, threads: int, allow_pickle: bool, metadata: Any, planner: Any, atomic: bool = False,
-             strict: bool = True, pool: Optional[HostBufferPool] = None) -> None:
-        """:func:`~async_ckpt.io.step_io.read_step` (direct, staged through ``pool``'s
-        buffers within its budget, or DCP's reader)."""
-        step_io.read_step(storage, path, state_dict, files=files, verify=verify, threads=threads, allow_pickle=allow_pickle,
-                  metadata=metadata, planner=planner, atomic=atomic, strict=strict, group=self.group,
-                  acquire=None if pool is None else _leaser(pool), budget=None if pool is None else pool.budget_bytes)
+    def collective(self, fn: Callable[[], None], what: str) -> None:
+        fn()
 
 
-class GroupCoordinator:
+class GroupExchange:
     """N processes: gloo groups of our own over the ranks of the user's process group."""
 
     def __init__(self, group: Any, control: Any, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
@@ -154,15 +130,13 @@ class GroupCoordinator:
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.timeout_s = timeout_s
-        #: who reads a tensor every rank restores: "once", "every_rank" or "auto" (see :meth:`load`)
-        self.replicated_reads = "auto"
         #: the first failed exchange (None: none yet); once set, every exchange raises at once
         self.broken: Optional[str] = None
 
     def collective(self, fn: Any, what: str) -> None:
         """Run ``fn`` (one collective over :attr:`group` or :attr:`control`) as an exchange of
-        this coordinator: at once a :class:`~async_ckpt.errors.CoordinationError` when an
-        earlier exchange failed; when ``fn`` fails, the coordinator is broken from then on.
+        this exchange: at once a :class:`~async_ckpt.errors.CoordinationError` when an
+        earlier exchange failed; when ``fn`` fails, the exchange is broken from then on.
 
         Args:
             fn: the collective.
@@ -187,7 +161,7 @@ class GroupCoordinator:
                 f"(committed steps are kept)")
 
     def _break(self, what: str, exc: BaseException) -> CoordinationError:
-        """Mark the coordinator broken by ``exc`` (the first failure is kept); the error to raise."""
+        """Mark the exchange broken by ``exc`` (the first failure is kept); the error to raise."""
         first = self.broken is None
         if first:
             self.broken = f"{what}: {type(exc).__name__}: {exc}"
@@ -197,7 +171,7 @@ class GroupCoordinator:
             + ("Every later save or restore of this manager raises at once: close it and create a new "
                "CheckpointManager on every rank" if first else f"(earlier: {self.broken})"))
 
-    def _dcp(self, what: str, fn: Any) -> Any:
+    def dcp(self, what: str, fn: Callable[[], Any]) -> Any:
         """Run ``fn``, a ``dcp.save``/``dcp.load`` over :attr:`group`: DCP reports a failure of its
         steps on every rank (a ``CheckpointException``); any other error left this rank's
         collectives out of step with the others' (or a collective failed): broken."""
@@ -277,64 +251,6 @@ class GroupCoordinator:
         self.collective(lambda: dist.all_gather_object(out, obj, group=self.group), "all_gather")
         return out
 
-    def write(self, storage: Storage, path: str, state_dict: Dict[str, Any], *, threads: int,
-              planner: Any, memo: Optional[WriteMemo] = None, reuse: Optional[Reuse] = None) -> Dict[str, FileRecord]:
-        """:func:`~async_ckpt.io.step_io.write_step` through ``dcp.save`` over the group:
-        its ``CheckpointException`` says which rank failed, on every rank."""
-        return self._dcp("writing", lambda: step_io.write_step(storage, path, state_dict, threads=threads, planner=planner,
-                                                       memo=memo, reuse=reuse, group=self.group,
-                                                       several_ranks=True))
-
-    def load(self, storage: Storage, path: str, state_dict: Dict[str, Any], *, files: Dict[str, FileRecord],
-             verify: bool, threads: int, allow_pickle: bool, metadata: Any, planner: Any, atomic: bool = False,
-             strict: bool = True, pool: Optional[HostBufferPool] = None) -> None:
-        """:func:`~async_ckpt.io.step_io.read_step` through ``dcp.load`` over the group:
-        no rank writes before every rank's reads passed, so ``atomic`` holds either way
-        (``pool`` is not used).
-
-        Read once (:attr:`replicated_reads` ``"once"``, or ``"auto"`` on storage that is not a
-        local path; never with ``atomic``): a tensor every rank restores whole is read by one rank, balanced by bytes
-        (:func:`~async_ckpt.lifecycle.replicas.read_assignment`), then sent to the others
-        (:func:`~async_ckpt.lifecycle.replicas.send_replicas`); a failure there, once targets
-        were written, is a :class:`~async_ckpt.errors.PartlyWrittenError` on every rank."""
-        mode = self.replicated_reads
-        # atomic: no rank may write before every read is done and verified, which a send after
-        # the reads cannot promise; every rank then reads what it restores
-        once = planner is None and metadata is not None and not atomic and \
-            (mode == "once" or (mode == "auto" and not storage.is_local))
-        if not once:
-            self._dcp("reading", lambda: step_io.read_step(
-                storage, path, state_dict, files=files, verify=verify, threads=threads, allow_pickle=allow_pickle,
-                metadata=metadata, planner=planner, atomic=atomic, strict=strict, group=self.group,
-                agree=self.all_gather))
-            return
-        mine = restore_items(state_dict, metadata)
-        readers = read_assignment(self.all_gather(list(mine)))
-        skip = {key.split("\0", 1)[0] for (key, _), r in readers.items() if r != self.rank}
-        self._dcp("reading", lambda: step_io.read_step(
-            storage, path, state_dict, files=files, verify=verify, threads=threads, allow_pickle=allow_pickle,
-            metadata=metadata, planner=None, atomic=atomic, strict=strict, group=self.group, agree=self.all_gather,
-            skip=skip))
-        try:
-            problem = send_replicas(self.group, self.rank, self.world_size, readers, mine, self.collective)
-            problems = [p for p in self.all_gather(problem) if p]
-            if problems:
-                raise CheckpointError("; ".join(problems))
-        except CheckpointError as exc:
-            raise partly_written(path, exc) from exc
-
-
-def _leaser(pool: "HostBufferPool") -> Acquire:
-    """``pool``'s buffers as :func:`load_staged` takes them: one lease, released by the function
-    returned with them."""
-
-    def acquire(sizes: Sequence[int]) -> Tuple[Sequence[torch.Tensor], Any]:
-        lease = pool.acquire(sizes)
-        return lease.buffers, lease.release
-
-    return acquire
-
-
 def _reported_by_dcp(exc: BaseException) -> bool:
     """Whether ``exc`` (raised out of a ``dcp.save``/``dcp.load`` call) is, or was caused by, DCP's
     ``CheckpointException``: a failure DCP gathered and raised on every rank, after the same
@@ -351,22 +267,22 @@ def _reported_by_dcp(exc: BaseException) -> bool:
     return False
 
 
-def rank_local_coordinator(timeout_s: float = DEFAULT_TIMEOUT_S) -> LocalCoordinator:
-    """A coordinator for what this rank alone writes and reads (its local tier): with other
+def rank_local_exchange(timeout_s: float = DEFAULT_TIMEOUT_S) -> LocalExchange:
+    """An exchange for what this rank alone writes and reads (its local tier): with other
     ranks, over a new gloo group of this rank only (made without the other ranks)."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() <= 1:
-        return LocalCoordinator()
+        return LocalExchange()
     group = dist.new_group(ranks=[dist.get_rank()], backend="gloo", timeout=datetime.timedelta(seconds=timeout_s),
                            use_local_synchronization=True)
-    return LocalCoordinator(group)
+    return LocalExchange(group)
 
 
-def coordinator_for(process_group: Any = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> "LocalCoordinator | GroupCoordinator":
-    """The coordinator for ``process_group`` (default: all ranks): a :class:`GroupCoordinator`
+def exchange_for(process_group: Any = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> "LocalExchange | GroupExchange":
+    """The exchange for ``process_group`` (default: all ranks): a :class:`GroupExchange`
     with two new gloo groups when ``torch.distributed`` is initialised with more than one rank,
-    else a :class:`LocalCoordinator`.
+    else a :class:`LocalExchange`.
 
     Collective when distributed: must be called on every rank of ``process_group`` (of the
     default group when it is ``None``), in the same order as other ``new_group`` calls.
@@ -374,15 +290,15 @@ def coordinator_for(process_group: Any = None, timeout_s: float = DEFAULT_TIMEOU
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
-        return LocalCoordinator()
+        return LocalExchange()
     ranks = None if process_group is None else sorted(dist.get_process_group_ranks(process_group))
     size = dist.get_world_size() if ranks is None else len(ranks)
     if size <= 1:
-        return LocalCoordinator()
+        return LocalExchange()
     group, control = checkpoint_group(process_group, timeout_s), checkpoint_group(process_group, timeout_s)
     if group is None or group == dist.GroupMember.NON_GROUP_MEMBER:
         raise InvalidArgumentError("CheckpointManager was created on a rank outside its process_group")
-    return GroupCoordinator(group, control, timeout_s)
+    return GroupExchange(group, control, timeout_s)
 
 
 def checkpoint_group(process_group: Any = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> Any:

@@ -21,7 +21,7 @@ ranks agree which rank takes each replicated item, balanced by bytes:
   the tensor, at the call from the live tensor.
 * **restore** (:func:`read_assignment`): a tensor every rank's target holds as a plain tensor,
   stored as one whole chunk, is read by one rank (balanced the same way) and sent to the others
-  (:meth:`~async_ckpt.lifecycle.coordinator.GroupCoordinator.load`).
+  (:meth:`~async_ckpt.dist.exchange.GroupExchange.load`).
 """
 
 from __future__ import annotations
@@ -144,11 +144,11 @@ class SaveShares:
         #: the first assignment found nothing several ranks hold: no exchange any more
         self.dormant = False
 
-    def drops(self, coord: Any, plan: Optional[Any]) -> Set[int]:
+    def drops(self, exchange: Any, plan: Optional[Any]) -> Set[int]:
         """The plan indices this rank does not stage (other ranks take them). Collective.
 
         Args:
-            coord: the ranks (a :class:`~async_ckpt.lifecycle.coordinator.Coordinator`).
+            exchange: the ranks (a :class:`~async_ckpt.dist.exchange.Exchange`).
             plan: this rank's staging plan; ``None`` when planning failed here (every rank then
                 stages everything, and this rank raises its error).
 
@@ -160,19 +160,19 @@ class SaveShares:
             return set()
         items = plan_items(plan) if plan is not None else []
         mine = _fingerprint([it for _, it in items]) if plan is not None else -1
-        prints = coord.gather_ints(mine)
+        prints = exchange.gather_ints(mine)
         self.last_exchanges = 1
         if any(p < 0 for p in prints):  # a rank could not plan: nothing is left out anywhere
             return set()
         if prints != self._fingerprints:
-            held = coord.gather_objects([it for _, it in items])
+            held = exchange.gather_objects([it for _, it in items])
             self.last_exchanges = 2
             self._assignment = assign(held)
             self._fingerprints = prints
             # nothing replicated (FSDP2, tensor parallel): no more exchanges for this manager; every
             # rank decides so from the same lists, and staging everything is always correct
             self.dormant = not self._assignment
-        rank = coord.rank
+        rank = exchange.rank
         return {i for i, (key, offsets, _) in items
                 if self._assignment.get((key, offsets), rank) != rank}
 
@@ -234,7 +234,7 @@ def send_replicas(group: Any, rank: int, world_size: int, readers: Dict[Tuple[st
         readers: :func:`read_assignment`'s result.
         mine: this rank's :func:`restore_items`.
         collective: runs one broadcast as an exchange of the coordinator
-            (:meth:`~async_ckpt.lifecycle.coordinator.GroupCoordinator.collective`).
+            (:meth:`~async_ckpt.dist.exchange.GroupExchange.collective`).
 
     Returns:
         ``None``, or what went wrong here (a buffer this rank could not pack, one whose CRC did

@@ -2,11 +2,18 @@
 
 A save, a restore, a deletion and the tiers' listings are sequences of phases. In a phase each
 rank runs its part (:func:`everyone`) or rank 0 alone does (:func:`primary`); the outcomes are
-exchanged through the manager's :class:`~.coordinator.Coordinator`; if any rank failed, every
-rank raises the same typed error, whose message and ``failures`` name the failures by rank (the
+exchanged through the manager's :class:`~.exchange.Exchange`; if any rank failed, every rank
+raises the same typed error, whose message and ``failures`` name the failures by rank (the
 rank that failed raises its own error, with ``failures`` filled in). Every rank reaches the same
 exchanges in the same order whatever fails, so a failure on one rank becomes an error on every
-rank instead of a hang (a rank that dies makes the others' exchange time out).
+rank instead of a hang (a rank that dies makes the others' exchange time out). The training
+thread's decisions (:func:`agree`: is a save due, did any rank see a preemption, are the ranks
+at the same step) travel as one small row on the exchange's control group.
+
+One rule for a rank's own failure before an exchange (:func:`attempt`): with several ranks it
+is kept and exchanged (a ``KeyboardInterrupt`` too, re-raised after the exchange: the other
+ranks must learn of it); with one process a ``KeyboardInterrupt`` or ``SystemExit`` is raised
+at once, anything else kept for the phase, which raises it as it was raised.
 
 With one process a phase is a plain call: the part runs and its error propagates as raised.
 """
@@ -19,7 +26,7 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple, TypeVar
 from .. import errors as _errors
 from ..errors import CheckpointError, CorruptCheckpointError, PartlyWrittenError, RankFailure
 from ..io.dcp_call import unwrap_dcp
-from .coordinator import Coordinator
+from .exchange import Exchange
 
 T = TypeVar("T")
 
@@ -30,14 +37,35 @@ class _Outcome:
     failure: Optional[RankFailure]
 
 
-def everyone(coord: Coordinator, what: str, step: Optional[int], fn: Optional[Callable[[], T]] = None, *,
+def attempt(exchange: Exchange, fn: Callable[[], T]) -> Tuple[Optional[BaseException], Optional[T]]:
+    """This rank's part before a phase, its failure kept for the phase (the module docstring).
+
+    Args:
+        exchange: the manager's exchange.
+        fn: the part.
+
+    Returns:
+        ``(None, fn's result)``, or ``(its error, None)``.
+
+    Raises:
+        KeyboardInterrupt, SystemExit: with one process, at once (no other rank to tell).
+    """
+    try:
+        return None, fn()
+    except BaseException as exc:  # noqa: BLE001 - kept for the phase, which raises it (module docstring)
+        if exchange.world_size == 1 and isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            raise
+        return exc, None
+
+
+def everyone(exchange: Exchange, what: str, step: Optional[int], fn: Optional[Callable[[], T]] = None, *,
              error: Optional[BaseException] = None) -> List[Optional[T]]:
     """Run ``fn`` on every rank and gather the results.
 
     Args:
-        coord: the manager's coordinator.
+        exchange: the manager's exchange.
         what: the phase's name, for the error message ("writing", "restore checks").
-        step: the step the phase concerns (set on the error raised).
+        step: the step the phase concerns (named by the error raised).
         fn: this rank's part; None: nothing to run (the rank only reports ``error``).
         error: a failure this rank already had before the phase: reported instead of running ``fn``.
 
@@ -48,30 +76,28 @@ def everyone(coord: Coordinator, what: str, step: Optional[int], fn: Optional[Ca
         CheckpointError: (or the failing error's own class) on every rank when any rank's part
             failed or reported ``error``.
     """
-    if coord.world_size == 1:
+    if exchange.world_size == 1:
         if error is not None:
-            _, own = unwrap_dcp(error)  # as the exchange raised it: DCP's wrapper off, the step set
-            if isinstance(own, CheckpointError) and own.step is None:
-                own.step = step
-            raise own
+            _, own = unwrap_dcp(error)  # as the exchange raised it: DCP's wrapper off, the step named
+            raise own.with_context(step=step) if isinstance(own, CheckpointError) else own
         return [fn() if fn is not None else None]
-    local, value = _run(fn, error)
-    outcome = _Outcome(value, None if local is None else failure_of(coord.rank, local))
-    outcomes: List[_Outcome] = coord.all_gather(outcome)
+    local, value = (error, None) if error is not None or fn is None else attempt(exchange, fn)
+    outcome = _Outcome(value, None if local is None else failure_of(exchange.rank, local))
+    outcomes: List[_Outcome] = exchange.all_gather(outcome)
     raise_if_failed([o.failure for o in outcomes], step, what, local)
     return [o.value for o in outcomes]
 
 
-def own(coord: Coordinator, what: str, step: Optional[int], fn: Callable[[], T]) -> T:
+def own(exchange: Exchange, what: str, step: Optional[int], fn: Callable[[], T]) -> T:
     """Run ``fn`` on every rank; each rank keeps its own result (only failures are exchanged).
 
     For user code whose result stays on its rank (a ``Stateful`` target's ``state_dict()``):
     a failure on one rank is an error on every rank, at once.
 
     Args:
-        coord: the manager's coordinator.
+        exchange: the manager's exchange.
         what: the phase's name, for the error message.
-        step: the step the phase concerns (set on the error raised).
+        step: the step the phase concerns (named by the error raised).
         fn: this rank's part.
 
     Returns:
@@ -81,20 +107,20 @@ def own(coord: Coordinator, what: str, step: Optional[int], fn: Callable[[], T])
         CheckpointError: (or the failing error's own class) on every rank when any rank's part
             failed; one process: ``fn``'s error as raised.
     """
-    if coord.world_size == 1:
+    if exchange.world_size == 1:
         return fn()
-    local, value = _run(fn, None)
-    everyone(coord, what, step, error=local)
-    return value
+    local, value = attempt(exchange, fn)
+    everyone(exchange, what, step, error=local)
+    return value  # type: ignore[return-value]  # (set: everyone raised otherwise)
 
 
-def primary(coord: Coordinator, what: str, step: Optional[int], fn: Callable[[], T]) -> T:
+def primary(exchange: Exchange, what: str, step: Optional[int], fn: Callable[[], T]) -> T:
     """Run ``fn`` on rank 0 only and hand its result to every rank.
 
     Args:
-        coord: the manager's coordinator.
+        exchange: the manager's exchange.
         what: the phase's name, for the error message ("commit").
-        step: the step the phase concerns (set on the error raised).
+        step: the step the phase concerns (named by the error raised).
         fn: rank 0's part.
 
     Returns:
@@ -103,26 +129,51 @@ def primary(coord: Coordinator, what: str, step: Optional[int], fn: Callable[[],
     Raises:
         CheckpointError: (or the failing error's own class) on every rank when rank 0's part failed.
     """
-    if coord.world_size == 1:
+    if exchange.world_size == 1:
         return fn()
     local: Optional[BaseException] = None
     out: Optional[_Outcome] = None
-    if coord.is_primary:
-        local, value = _run(fn, None)
-        out = _Outcome(value, None if local is None else failure_of(coord.rank, local))
-    out = coord.broadcast(out)
+    if exchange.is_primary:
+        local, value = attempt(exchange, fn)
+        out = _Outcome(value, None if local is None else failure_of(exchange.rank, local))
+    out = exchange.broadcast(out)
     assert out is not None
     raise_if_failed([out.failure], step, what, local)
     return out.value
 
 
-def _run(fn: Optional[Callable[[], Any]], error: Optional[BaseException]) -> Tuple[Optional[BaseException], Any]:
-    if error is not None or fn is None:
-        return error, None
-    try:
-        return None, fn()
-    except BaseException as exc:  # noqa: BLE001 - every rank learns of it; KeyboardInterrupt is re-raised after
-        return exc, None
+def agree(exchange: Exchange, flags: Sequence[bool], *, error: Optional[BaseException] = None,
+          step: Optional[int] = None, signal: bool = False,
+          refused: Callable[[List[int]], CheckpointError]) -> Tuple[List[bool], bool]:
+    """The training thread's agreement: rank 0's ``flags`` on every rank, in one small exchange on
+    the control group (no objects pickled).
+
+    Every rank says whether it has a failure it must raise (``error``), which step it is at
+    (``step``: a rank at another step than rank 0's fails the agreement) and ``signal`` (whether
+    any rank had it set is the answer's second part): a rank that raised alone would leave the
+    others waiting at their next exchange.
+
+    Args:
+        exchange: the manager's exchange.
+        flags: rank 0's decision (this rank's, on rank 0).
+        error: this rank's failure to raise, or None.
+        step: the step this rank is at (None: not compared).
+        signal: this rank's signal (a preemption it saw).
+        refused: the error the other ranks raise, given the ranks that failed.
+
+    Returns:
+        Rank 0's flags, and whether any rank's ``signal`` was set.
+
+    Raises:
+        BaseException: ``error``, on this rank, when any rank failed the agreement.
+        CheckpointError: ``refused(ranks)`` on the others.
+    """
+    agreed, failed, signalled = exchange.agree_signal(list(flags), ok=error is None, step=step, signal=signal)
+    if error is not None:
+        raise error
+    if failed:
+        raise refused(failed)
+    return agreed, signalled
 
 
 def failure_of(rank: int, exc: BaseException) -> RankFailure:
@@ -149,8 +200,9 @@ def raise_if_failed(failures: Sequence[Optional[RankFailure]], step: Optional[in
         failures: every rank's failure (None where a rank succeeded), by rank.
         step: the step of the phase.
         what: the phase's name.
-        local: this rank's own error, if it had one: it is raised (with ``step`` and ``failures``
-            set) so that its type and traceback stay; an error that is not a
+        local: this rank's own error, if it had one: raised as the error of the phase (its
+            class, message and traceback kept, ``step`` and ``failures`` named:
+            :meth:`~async_ckpt.errors.CheckpointError.with_context`); an error that is not a
             :class:`~async_ckpt.errors.CheckpointError` is wrapped in one.
 
     Raises:
@@ -175,10 +227,7 @@ def raise_if_failed(failures: Sequence[Optional[RankFailure]], step: Optional[in
         if isinstance(own, CorruptCheckpointError) and not all(damage):
             raise _rebuild(first.kind, message, step, bad) from own
         if isinstance(own, CheckpointError):
-            if own.step is None:
-                own.step = step
-            own.failures = tuple(bad)
-            raise own
+            raise own.with_context(step=step, failures=bad)
         raise CheckpointError(message, step=step, failures=bad) from own
     raise _rebuild(first.kind, message, step, bad)
 

@@ -1,0 +1,3 @@
+"""Ranks: how they exchange (:mod:`.exchange`), the one rank protocol (:mod:`.phase`), replicated
+state (:mod:`.replicas`: who stages, writes and reads what several ranks hold) and step copies
+sent between ranks (:mod:`.peer_transfer`)."""
