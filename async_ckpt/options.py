@@ -1,16 +1,21 @@
-"""``ManagerOptions``: the options of a :class:`~async_ckpt.CheckpointManager`, validated once.
+"""The options of a :class:`~async_ckpt.CheckpointManager` and of one restore, validated once.
 
-Every option keeps the name and meaning of the manager's argument (see its docstring);
-``__post_init__`` checks them and resolves the ones with several spellings (``num_of_threads``
-and ``write_threads``; ``save_interval`` and ``save_policy``; ``max_to_keep`` and
-``retention``; ints for the local tier's policy and retention) into one value each.
+``ManagerOptions``: every option keeps the name and meaning of the manager's argument (see its
+docstring), and is built from the manager's own arguments (:meth:`ManagerOptions.from_arguments`:
+spelled once, in the signature); ``__post_init__`` checks them and resolves the ones with
+several spellings (``num_of_threads`` and ``write_threads``; ``save_interval`` and
+``save_policy``; ``max_to_keep`` and ``retention``; ints for the local tier's policy and
+retention) into one value each.
+
+``RestoreOptions``: how one ``restore`` reads, handed down its chain (the candidate loop, each
+attempt, the read of a step) as one object.
 """
 
 from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Dict, Iterable, Optional, Sequence
 
 from .errors import InvalidArgumentError, warn_user
@@ -90,6 +95,22 @@ class ManagerOptions:
     read_only: bool = False
     wall_clock: Callable[[], float] = field(default=time.time)
     interval_clock: Callable[[], float] = field(default=time.monotonic)
+
+    @classmethod
+    def from_arguments(cls, arguments: Dict[str, Any]) -> "ManagerOptions":
+        """The options of a manager's call, from its arguments by name (``locals()`` of
+        ``CheckpointManager.__init__``: every field of this class is one of its parameters).
+
+        Args:
+            arguments: the call's arguments, by name (others, ``self``, are left out).
+
+        Returns:
+            The validated options.
+
+        Raises:
+            InvalidArgumentError: an option out of its range or of the wrong type.
+        """
+        return cls(**{f.name: arguments[f.name] for f in fields(cls)})
 
     def __post_init__(self) -> None:
         if self.num_of_threads is not None:  # torch_xla's name for the writer's thread count
@@ -190,3 +211,32 @@ class ManagerOptions:
         if isinstance(keep, bool) or (isinstance(keep, int) and keep < 1):
             raise InvalidArgumentError(f"local_retention as an int keeps the N newest local steps, N >= 1; got {keep!r}")
         self.local_retention = KeepLatest(keep) if isinstance(keep, int) else as_retention_policy(keep)
+
+
+@dataclass(frozen=True)
+class RestoreOptions:
+    """How one restore reads (the arguments of ``CheckpointManager.restore`` and what the
+    manager adds to them), handed down the restore's chain as one object.
+
+    Attributes:
+        verify: compare CRC-32Cs (sizes are always compared).
+        allow_pickle: unpickle saved values outside torch's ``weights_only`` safe set.
+        threads: how many reads run at once.
+        planner: a custom DCP load planner (torch_xla's for SPMD targets), or None.
+        atomic: every file read and verified into host buffers before the first write.
+        strict: every key of the target must be in the checkpoint.
+        pool: the host buffer pool that ``atomic`` stages through (None: fresh buffers).
+        key_map: checkpoint key prefix -> target key prefix, or None.
+        replicated_reads: several ranks: who reads a tensor every rank restores (``"once"``,
+            ``"every_rank"``, ``"auto"``).
+    """
+
+    verify: bool = True
+    allow_pickle: bool = False
+    threads: int = 8
+    planner: Any = None
+    atomic: bool = False
+    strict: bool = True
+    pool: Any = None
+    key_map: Optional[Dict[str, str]] = None
+    replicated_reads: str = "auto"

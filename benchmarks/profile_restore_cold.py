@@ -69,7 +69,7 @@ def main() -> None:
 
     from async_ckpt import CheckpointManager
     from async_ckpt.io import read_exec, read_targets, step_io
-    from async_ckpt.lifecycle import restore as restore_mod
+    from async_ckpt.jobs import restore_job as restore_mod
     from async_ckpt.storage import step_dirs
 
     work = os.path.join(args.work, args.size)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from async_ckpt import CheckpointError, CorruptCheckpointError
-from async_ckpt.lifecycle.catalog import StepCatalog
+from async_ckpt.jobs.catalog import StepCatalog
 from async_ckpt.dist import phase
 from async_ckpt.dist.exchange import LocalExchange
 from async_ckpt.policies import KeepLatest, as_retention_policy

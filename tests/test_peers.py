@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from async_ckpt import CheckpointManager, InvalidArgumentError
-from async_ckpt.manager.peers import Seen, complete_saves, ring
+from async_ckpt.jobs.peers import Seen, complete_saves, ring
 from async_ckpt.format import step_names
 
 

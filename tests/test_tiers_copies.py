@@ -12,7 +12,7 @@ import pytest
 
 from async_ckpt import CheckpointManager
 from async_ckpt.errors import CheckpointError, StepNotFoundError
-from async_ckpt.manager.tiered import ForeignCopyError
+from async_ckpt.jobs.roots import ForeignCopyError
 
 from .conftest import assert_bitwise_equal
 from .test_tiers import state, zeros
@@ -27,7 +27,7 @@ def test_a_re_save_within_a_second_is_a_different_save_and_the_newest_one_wins(r
     """Copies of one save are named by a save id in both tiers' manifests, not by how close
     their commit times are: a re-save of step 10 to the bucket 0.x s after a local-only save
     of it is the newer save."""
-    from async_ckpt.manager.tiered import same_save
+    from async_ckpt.jobs.roots import same_save
     from async_ckpt.policies import CheckpointInfo
 
     path, local = roots

@@ -55,9 +55,9 @@ def test_failed_uploads_do_not_stop_local_saves_and_are_raised_at_join(roots, mo
 
 
 def test_a_long_outage_keeps_a_bounded_number_of_deferred_failures():
-    from async_ckpt.save_queue import MAX_KEPT_ERRORS, AsyncWriter
+    from async_ckpt.jobs.write_queue import MAX_KEPT_ERRORS, WriteQueue
 
-    w = AsyncWriter(1, defer_errors=True)
+    w = WriteQueue(1, defer_errors=True)
 
     def fail():
         raise OSError("down")

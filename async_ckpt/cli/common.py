@@ -11,7 +11,7 @@ import time
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, TypeVar
 
 from ..errors import CheckpointError, NotACheckpointRootError, StepNotFoundError
-from ..lifecycle.catalog import StepCatalog
+from ..jobs.catalog import StepCatalog
 from ..storage.diagnosis import LIGHTNING_HINT, Finding, diagnose
 from ..storage.diagnosis import other_kinds as _other_kinds
 from ..storage.step_dirs import StepCopy, StepDirectories
@@ -350,7 +350,7 @@ def foreign_note(count: int, home: Optional[str], what: str) -> str:
 def restore_order(layout: StepDirectories) -> List[int]:
     """The committed steps in the order ``restore(None)`` tries them: those whose manifest
     does not read first (highest first), then newest commit first
-    (:meth:`~async_ckpt.lifecycle.catalog.StepCatalog.steps_newest_first`). The first that
+    (:meth:`~async_ckpt.jobs.catalog.StepCatalog.steps_newest_first`). The first that
     verifies is the one it restores.
 
     Args:
@@ -396,7 +396,7 @@ class naming_step:
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         if isinstance(exc, CheckpointError) and exc.step is None:
-            exc.step = self.step
+            raise exc.with_context(step=self.step) from exc.__cause__
 
 
 def parse_step(text: Optional[str], layout: StepDirectories) -> int:

@@ -10,7 +10,7 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 from ..addresses import byte_view
 from ..errors import CheckpointError, StepNotFoundError
 from ..format.manifest import shown
-from ..lifecycle.catalog import StepCatalog
+from ..jobs.catalog import StepCatalog
 from ..storage.lease import writer_lease
 from ..storage.step_dirs import StepDirectories
 from ..storage.storage import Storage

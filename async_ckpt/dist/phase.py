@@ -12,8 +12,9 @@ at the same step) travel as one small row on the exchange's control group.
 
 One rule for a rank's own failure before an exchange (:func:`attempt`): with several ranks it
 is kept and exchanged (a ``KeyboardInterrupt`` too, re-raised after the exchange: the other
-ranks must learn of it); with one process a ``KeyboardInterrupt`` or ``SystemExit`` is raised
-at once, anything else kept for the phase, which raises it as it was raised.
+ranks must learn of it); with one process it is raised at once, as raised (or, where the
+caller must undo something first, kept for the phase, a ``KeyboardInterrupt`` or
+``SystemExit`` still raised at once).
 
 With one process a phase is a plain call: the part runs and its error propagates as raised.
 """
@@ -37,23 +38,28 @@ class _Outcome:
     failure: Optional[RankFailure]
 
 
-def attempt(exchange: Exchange, fn: Callable[[], T]) -> Tuple[Optional[BaseException], Optional[T]]:
+def attempt(exchange: Exchange, fn: Callable[[], T], *, keep_alone: bool = False
+            ) -> Tuple[Optional[BaseException], Optional[T]]:
     """This rank's part before a phase, its failure kept for the phase (the module docstring).
 
     Args:
         exchange: the manager's exchange.
         fn: the part.
+        keep_alone: with one process too, keep the failure (the caller undoes something
+            before the phase raises it); a ``KeyboardInterrupt`` or ``SystemExit`` is still
+            raised at once.
 
     Returns:
         ``(None, fn's result)``, or ``(its error, None)``.
 
     Raises:
-        KeyboardInterrupt, SystemExit: with one process, at once (no other rank to tell).
+        BaseException: with one process, ``fn``'s error, at once, as raised (no other rank to
+            tell); with ``keep_alone`` only a ``KeyboardInterrupt`` or ``SystemExit``.
     """
     try:
         return None, fn()
     except BaseException as exc:  # noqa: BLE001 - kept for the phase, which raises it (module docstring)
-        if exchange.world_size == 1 and isinstance(exc, (KeyboardInterrupt, SystemExit)):
+        if exchange.world_size == 1 and (not keep_alone or isinstance(exc, (KeyboardInterrupt, SystemExit))):
             raise
         return exc, None
 
@@ -81,7 +87,7 @@ def everyone(exchange: Exchange, what: str, step: Optional[int], fn: Optional[Ca
             _, own = unwrap_dcp(error)  # as the exchange raised it: DCP's wrapper off, the step named
             raise own.with_context(step=step) if isinstance(own, CheckpointError) else own
         return [fn() if fn is not None else None]
-    local, value = (error, None) if error is not None or fn is None else attempt(exchange, fn)
+    local, value = (error, None) if error is not None or fn is None else attempt(exchange, fn, keep_alone=True)
     outcome = _Outcome(value, None if local is None else failure_of(exchange.rank, local))
     outcomes: List[_Outcome] = exchange.all_gather(outcome)
     raise_if_failed([o.failure for o in outcomes], step, what, local)
@@ -109,7 +115,7 @@ def own(exchange: Exchange, what: str, step: Optional[int], fn: Callable[[], T])
     """
     if exchange.world_size == 1:
         return fn()
-    local, value = attempt(exchange, fn)
+    local, value = attempt(exchange, fn, keep_alone=True)
     everyone(exchange, what, step, error=local)
     return value  # type: ignore[return-value]  # (set: everyone raised otherwise)
 
@@ -134,7 +140,7 @@ def primary(exchange: Exchange, what: str, step: Optional[int], fn: Callable[[],
     local: Optional[BaseException] = None
     out: Optional[_Outcome] = None
     if exchange.is_primary:
-        local, value = attempt(exchange, fn)
+        local, value = attempt(exchange, fn, keep_alone=True)
         out = _Outcome(value, None if local is None else failure_of(exchange.rank, local))
     out = exchange.broadcast(out)
     assert out is not None

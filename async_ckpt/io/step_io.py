@@ -26,10 +26,11 @@ from typing import AbstractSet, Any, Callable, Dict, Optional
 
 from ..format.dcp_layout import WriteMemo
 from ..format.manifest import FileRecord
+from ..options import RestoreOptions
 from ..storage.storage import Storage
 from .dcp_adapters import FsspecStorageReader, load_state_dict, safe_planner
 from .dcp_call import call_dcp, distributed, unwrap_dcp
-from .read_targets import Acquire, partly_written, plan_direct, read_direct, staged
+from .read_targets import partly_written, plan_direct, read_direct, staged
 from .reuse import Reuse
 from .write import FsspecStorageWriter, StepWriter, plan_local, save_local
 
@@ -92,10 +93,8 @@ def save_state_dict(storage: Storage, path: str, state_dict: Dict[str, Any], *, 
 
 
 def read_step(storage: Storage, path: str, state_dict: Dict[str, Any], *, files: Dict[str, FileRecord],
-              verify: bool, threads: int, allow_pickle: bool, metadata: Any, planner: Any, atomic: bool = False,
-              strict: bool = True, group: Any = None,
+              metadata: Any, opts: RestoreOptions, group: Any = None,
               agree: Optional[Callable[[Optional[BaseException]], Any]] = None,
-              acquire: Optional[Acquire] = None, budget: Optional[int] = None,
               skip: Optional[AbstractSet[str]] = None) -> None:
     """Read a step into ``state_dict`` in place, by the data path that fits (module docstring).
 
@@ -104,20 +103,15 @@ def read_step(storage: Storage, path: str, state_dict: Dict[str, Any], *, files:
         path: the step directory.
         state_dict: the target.
         files: the manifest's file records (sizes, checksums).
-        verify: compare checksums (sizes are always compared).
-        threads: how many reads run at once.
-        allow_pickle: non-tensor items may be unpickled without restrictions.
         metadata: the step's checked DCP metadata.
-        planner: a custom DCP load planner, or ``None``.
-        atomic: every file verified before the first write (one process; several ranks always
-            verify before writing).
-        strict: ``False``: keys the checkpoint lacks are skipped.
+        opts: how it reads (``verify``, ``threads``, ``allow_pickle``, a custom ``planner``,
+            ``atomic``: every file verified before the first write, one process; several ranks
+            always verify before writing; ``strict``; ``pool``: where ``atomic``'s host buffers
+            come from, within its budget).
         group: the process group DCP runs over.
         agree: several ranks: exchanges this rank's read outcome (None, or its error) with
             every rank's and raises on every rank when any rank's failed (a phase over
             ``group``); ``None`` for one process.
-        acquire: ``atomic``: where the host buffers come from (``None``: fresh ones).
-        budget: ``atomic``: the most bytes ``acquire`` may hand out.
         skip: several ranks: flattened keys this rank does not read (another rank reads them
             and sends them; see :mod:`async_ckpt.dist.replicas`).
 
@@ -126,6 +120,7 @@ def read_step(storage: Storage, path: str, state_dict: Dict[str, Any], *, files:
         StagingBudgetError: ``atomic`` over a ``budget`` too small, before anything was read.
         PartlyWrittenError: a failure after the target was written into.
     """
+    verify, threads, allow_pickle, planner = opts.verify, opts.threads, opts.allow_pickle, opts.planner
     if agree is not None:
         import torch.distributed.checkpoint as dcp
 
@@ -133,7 +128,7 @@ def read_step(storage: Storage, path: str, state_dict: Dict[str, Any], *, files:
                                      agree=agree)
         try:
             dcp.load(state_dict, storage_reader=reader, process_group=group,
-                     planner=planner or safe_planner(allow_pickle, strict, skip))
+                     planner=planner or safe_planner(allow_pickle, opts.strict, skip))
         except BaseException as exc:  # noqa: BLE001 - DCP raises CheckpointException (a BaseException)
             if not reader.touched or isinstance(exc, (KeyboardInterrupt, SystemExit)):
                 raise
@@ -142,17 +137,19 @@ def read_step(storage: Storage, path: str, state_dict: Dict[str, Any], *, files:
         return
     # one process: straight into the targets where the direct path handles them, else DCP's reader
     known = metadata is not None and files is not None
-    plan = plan_direct(state_dict, files, metadata, local=atomic or storage.is_local) \
+    plan = plan_direct(state_dict, files, metadata, local=opts.atomic or storage.is_local) \
         if planner is None and known else None
-    if atomic and known:
-        with staged(storage, path, files=files, metadata=metadata, verify=verify, threads=threads, acquire=acquire,
-                    budget=budget) as in_memory:  # every file verified before the first write
+    if opts.atomic and known:
+        pool = opts.pool
+        with staged(storage, path, files=files, metadata=metadata, verify=verify, threads=threads,
+                    acquire=None if pool is None else pool.leaser(),
+                    budget=None if pool is None else pool.budget_bytes) as in_memory:  # verified before any write
             if plan is not None:
                 read_direct(in_memory, path, state_dict, plan, files=files, verify=False, threads=threads,
                             allow_pickle=allow_pickle, staged=True)
             else:
                 load_state_dict(in_memory, path, state_dict, files=files, verify=False, threads=threads,
-                                allow_pickle=allow_pickle, metadata=metadata, planner=planner, strict=strict,
+                                allow_pickle=allow_pickle, metadata=metadata, planner=planner, strict=opts.strict,
                                 process_group=group)
         return
     if plan is not None:
@@ -160,5 +157,5 @@ def read_step(storage: Storage, path: str, state_dict: Dict[str, Any], *, files:
                     allow_pickle=allow_pickle)
         return
     load_state_dict(storage, path, state_dict, files=files, verify=verify, threads=threads,
-                    allow_pickle=allow_pickle, metadata=metadata, planner=planner, strict=strict,
+                    allow_pickle=allow_pickle, metadata=metadata, planner=planner, strict=opts.strict,
                     process_group=group)

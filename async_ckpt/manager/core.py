@@ -1,19 +1,21 @@
 """``CheckpointManager``: the façade, by composition. Its arguments become a validated
-:class:`~async_ckpt.options.ManagerOptions`; it holds a list of roots
-(:class:`~async_ckpt.lifecycle.root.Root`: the local tier, when there is one, then the
-persistent root), asks the pure save schedule (:mod:`.schedule`) where a step is due, and
-hands each due root's writer the one host snapshot.
+:class:`~async_ckpt.options.ManagerOptions` (built once, from the signature); it holds the
+roots (:class:`~async_ckpt.jobs.roots.Roots`: the local tier, when there is one, then the
+persistent root), probes them (:mod:`.probe`), agrees with the other ranks where a step is due
+(:mod:`.decide`, over the pure :mod:`.schedule`), stages the state dict once and hands each due
+root's writer thread the one host snapshot (:mod:`.persist`: the save job, then retention and
+the upload catch-up); :mod:`.checks` warns about pickled values and checks declared-frozen
+tensors.
 
 Data flows one way: state dict -> staging (host snapshot; the only blocking part) -> writer
-thread (``lifecycle.save_job``: files, manifest, commit, retention) -> storage. Restores go
-through ``lifecycle.restore``. One process and N run the same code; only the coordinator
-differs (``lifecycle.coordinator``).
+thread (``jobs.save_job``: files, manifest, commit) -> storage. Restores go through
+``jobs.restore_job`` with one :class:`~async_ckpt.options.RestoreOptions`. One process and N
+run the same code; only the exchange differs (``dist.exchange``).
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
 import functools
 import logging
 import os
@@ -27,28 +29,27 @@ from ..dist.exchange import DEFAULT_TIMEOUT_S, exchange_for
 from ..dist.replicas import DroppedSamples, SaveShares
 from ..errors import (
     CheckpointError,
-    FrozenTensorChangedError,
     InvalidArgumentError,
     InvalidStateDictError,
     LeaseHeldError,
-    NotACheckpointRootError,
-    StorageError,
-    warn_user,
 )
-from ..format import step_names
 from ..format.manifest import CopyIdentity, check_metrics
 from ..gc_pause import gc_paused
 from ..io import Reuse
-from ..io.planners import load_planner_for, save_planner_for
-from ..lifecycle.restore import candidates_of, check_key_map
-from ..lifecycle.restore import restore as _restore
-from ..lifecycle.root import LOCAL, PERSISTENT, Root
-from ..lifecycle.save_job import FROZEN_CHANGED, SaveJob, run_save
-from ..lifecycle.steps import StepStore
-from ..options import ManagerOptions
+from ..io.planners import load_planner_for
+from ..jobs.local_tier import make_local_tier
+from ..jobs.peers import PeerCopies, peer_topology
+from ..jobs.preemption import PreemptionTracker, PreemptionWatcher
+from ..jobs.promote import UploadCatchUp, promote
+from ..jobs.restore_job import check_key_map
+from ..jobs.restore_job import restore as _restore
+from ..jobs.roots import LOCAL, PERSISTENT, Root, Roots, foreign_steps
+from ..jobs.save_job import SaveJob
+from ..jobs.store import RootStore
+from ..jobs.write_queue import WriteQueue
+from ..options import ManagerOptions, RestoreOptions
 from ..policies import (
     RETENTION_KEY,
-    CheckpointInfo,
     RetentionPolicy,
     SavePolicy,
     as_retention_policy,
@@ -58,43 +59,23 @@ from ..policies import (
     find_keep_best,
     retention_spec,
 )
-from ..preemption import PreemptionTracker, PreemptionWatcher
-from ..save_queue import AsyncWriter
 from ..staging import HostBufferPool, Stager
-from ..staging.frozen import FrozenTensors, changed_keys, version_of
-from ..stats import FAILED, FALLBACK, UPLOAD_SKIPPED, SaveStats, format_bytes, format_seconds, tier_name
+from ..staging.frozen import FrozenTensors, version_of
+from ..stats import FALLBACK, UPLOAD_SKIPPED, SaveStats, format_bytes, format_seconds, tier_name
 from ..storage import RetryPolicy, Storage
 from ..storage.stats_log import StatsLog
 from ..storage.step_dirs import StepDirectories
+from .checks import PickledValues, frozen_changed_at_close
+from .decide import SaveDecision
 from .hooks import live_managers, stop_threads
-from .peers import PeerCopies, peer_topology
-from .schedule import Due, RootState, due_at
-from .tiered import (
-    UploadCatchUp,
-    commit_records,
-    foreign_steps,
-    held_steps,
-    make_local_tier,
-    make_room,
-    out_of_space,
-    promote,
-    refuse_foreign_save,
-    save_number,
-    space_needed,
-    step_metrics,
-    tier_candidates,
-)
+from .persist import Persister
+from .probe import RootProbe
 
 log = logging.getLogger("async_ckpt")
 
 #: At interpreter exit (no Ctrl-C), saves still running after this many seconds are named in a
 #: warning (the process is waiting for them); quicker ones finish without a word.
 EXIT_NOTICE_AFTER_S = 3.0
-
-
-def _state_of(root: Root) -> RootState:
-    """What the save schedule needs of ``root``."""
-    return RootState(root.policy, root.last_save_time, root.last_save_step, root.writer.pending > 0)
 
 
 def _weak_idle(mgr: "CheckpointManager") -> Callable[[], bool]:
@@ -322,20 +303,8 @@ class CheckpointManager:
         wall_clock: Callable[[], float] = time.time,
         interval_clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        opts = ManagerOptions(
-            path, save_interval, max_to_keep, max_pending_async, num_of_threads, process_group,
-            chkpt_on_preemption, storage_options=storage_options, save_policy=save_policy, retention=retention,
-            memory_budget_bytes=memory_budget_bytes, write_threads=write_threads, commit_mode=commit_mode,
-            verify=verify, keep_incomplete=keep_incomplete, retry=retry, on_saved=on_saved, stats_log=stats_log,
-            preemption_signals=preemption_signals, preemption_sync=preemption_sync, lazy=lazy,
-            lease_timeout=lease_timeout, collective_timeout_s=collective_timeout_s, local_dir=local_dir,
-            local_policy=local_policy, local_retention=local_retention, local_replicas=local_replicas,
-            incremental=incremental,
-            full_every=full_every, frozen=frozen, frozen_check_every=frozen_check_every,
-            replicated_saves=replicated_saves, replicated_reads=replicated_reads, metrics_reduce=metrics_reduce,
-            read_only=read_only, wall_clock=wall_clock, interval_clock=interval_clock)
-        #: the validated options this manager was built from
-        self.options = opts
+        #: the validated options this manager was built from (its arguments, by name)
+        self.options = opts = ManagerOptions.from_arguments(locals())
         self._preemption: Optional[PreemptionTracker] = None
         if opts.chkpt_on_preemption:  # validated now, installed once everything else is set up
             import signal as _signal
@@ -352,9 +321,10 @@ class CheckpointManager:
         self._exchange = exchange_for(opts.process_group, opts.collective_timeout_s)
         topology = peer_topology(opts, self._exchange)  # collective too (local_replicas > 1)
         # names each save in both tiers' manifests (CopyIdentity.save_id): rank 0's, on every rank
-        self._run_id = uuid.uuid4().hex[:12] if opts.local_dir is not None else ""
+        run_id = uuid.uuid4().hex[:12] if opts.local_dir is not None else ""
         if opts.local_dir is not None and self._exchange.world_size > 1:
-            self._run_id = phase.primary(self._exchange, "naming the saves", None, lambda: self._run_id)
+            run_id = phase.primary(self._exchange, "naming the saves", None, lambda: run_id)
+        self._run_id = run_id
         self._saves = 0
         self.storage = Storage(opts.path, opts.storage_options, retry=opts.retry)
         self.layout = StepDirectories(self.storage, opts.commit_mode)
@@ -364,60 +334,46 @@ class CheckpointManager:
         self.write_threads = opts.write_threads
         self.on_saved = opts.on_saved
         self.lazy = opts.lazy
-        store = StepStore(self.storage, self.layout, self._exchange, opts.wall_clock,
+        store = RootStore(self.storage, self.layout, self._exchange, opts.wall_clock,
                           keep_incomplete=opts.keep_incomplete, lease_timeout=opts.lease_timeout,
                           reuse=Reuse(opts.full_every, version_of) if opts.incremental else None)
         self.catalog = store.catalog
-        self._stats_log = StatsLog.from_option(self.storage, opts.stats_log)
         # with a local tier an upload overlaps local saves on and off: keep buffers for both
         self.stager = Stager(HostBufferPool(opts.memory_budget_bytes, hold_peak=opts.local_dir is not None))
         self._frozen = FrozenTensors(opts.frozen, opts.frozen_check_every) if opts.frozen is not None else None
         self._shares = SaveShares() if opts.replicated_saves and self._exchange.world_size > 1 else None
+        self._pickled = PickledValues()
         self.stats: Deque[SaveStats] = collections.deque(maxlen=1000)
         #: with a local tier: steps whose upload to ``path`` was skipped because the previous
         #: upload was still running (``save_async`` never waits for it; the step went to the local
         #: tier, and the next free upload slot uploads the newest of them from there)
         self.skipped_uploads: List[int] = []
         self._catch_up = UploadCatchUp() if opts.local_dir is not None else None
-        self._persistent = Root(PERSISTENT, store,
-                                AsyncWriter(opts.max_pending_async, defer_errors=opts.local_dir is not None),
-                                opts.retention, opts.save_policy)
-        self._local: Optional[Root] = None
+        persistent = Root(PERSISTENT, store, WriteQueue(opts.max_pending_async, defer_errors=opts.local_dir is not None),
+                          opts.retention, opts.save_policy)
         #: peer copies of the local tier (``local_replicas`` > 1 on several nodes)
         self._peers: Optional[PeerCopies] = None
         #: the manager's roots, nearest first: the local tier (with ``local_dir``), then the
         #: persistent root (always last). A restore tries the copies of one save in this order.
-        self.roots: List[Root] = [self._persistent]
+        self.roots = Roots(persistent)
         self._closed = False
         self._forked = False
         self._pid = os.getpid()
-        self._start_time = opts.interval_clock()
-        self._restored: Optional[int] = None  # the step this manager last restored
         self._in_flight: List[int] = []  # steps queued or being written (one entry per root's job)
-        self._pickled_seen: set = set()  # keys of pickled values already checked (see _warn_pickled)
-        self._write_problem: Optional[Exception] = None  # why the root could not be written at opening
-        self._writable = False  # the root was found writable (checked by the first save due there)
         try:
             if opts.local_dir is not None:
-                self._local = make_local_tier(opts, self.storage, self._exchange)
-                self.roots.insert(0, self._local)
+                self.roots = Roots(persistent, make_local_tier(opts, self.storage, self._exchange))
                 for r in self.roots:  # log lines name the root: "deleted step 10 from the local tier"
                     r.store.label = f" from {tier_name(r.name)}"
                 if topology is not None:
-                    self._peers = PeerCopies(topology, self._local, opts, self._exchange)
+                    assert self.roots.local is not None
+                    self._peers = PeerCopies(topology, self.roots.local, opts, self._exchange)
+            self._probe = RootProbe(self.storage, self.roots.local.url if self.roots.local is not None else None)
             if self._exchange.is_primary:
-                self._describe_root()
+                self._probe.describe()
             # Created and checked when possible; a read-only root (an evaluation job's credential
             # or mount) opens all the same, for listing and restoring: the first save checks again.
-            # A read_only manager creates and checks nothing (the root may not exist yet).
-            if opts.read_only:
-                self._refuse_a_file()
-            else:
-                self._writable = self._check_writable(quiet=True)
-                if not self._writable:
-                    self._refuse_a_file()
-                if not self._writable and self._local is None:
-                    self._check_readable()
+            self._probe.open(read_only=opts.read_only)
             if self._preemption is not None:
                 self._preemption.watcher.install()
         except BaseException:  # a refused manager leaves no thread behind
@@ -425,6 +381,11 @@ class CheckpointManager:
             if self._peers is not None:
                 self._peers.stop_threads()
             raise
+        self._decision = SaveDecision(self.roots, self._exchange, self._probe, self._preemption, opts.interval_clock)
+        self._persister = Persister(self.roots, self._exchange, threads=opts.write_threads, verify=opts.verify,
+                                    wall_clock=opts.wall_clock, stats=self.stats,
+                                    stats_log=StatsLog.from_option(self.storage, opts.stats_log),
+                                    on_saved=opts.on_saved, catch_up=self._catch_up, in_flight=self._in_flight)
         # An unclosed manager that is garbage-collected stops its threads (it has no pending
         # work then: a queued save holds a reference to it).
         for root in self.roots:
@@ -440,24 +401,24 @@ class CheckpointManager:
         """The persistent root's save policy.
 
         Assignable: a policy object or a callable ``fn(step) -> bool``."""
-        policy = self._persistent.policy
+        policy = self.roots.persistent.policy
         assert policy is not None
         return policy
 
     @save_policy.setter
     def save_policy(self, policy: Any) -> None:
-        self._persistent.policy = as_save_policy(policy)
+        self.roots.persistent.policy = as_save_policy(policy)
 
     @property
     def retention(self) -> RetentionPolicy:
         """The persistent root's retention policy.
 
         Assignable: a policy object or a callable ``fn(checkpoints) -> steps to keep``."""
-        return self._persistent.retention
+        return self.roots.persistent.retention
 
     @retention.setter
     def retention(self, policy: Any) -> None:
-        self._persistent.retention = as_retention_policy(policy)
+        self.roots.persistent.retention = as_retention_policy(policy)
 
     def _idle(self) -> bool:
         """No save queued or being written at any root; then waits (30 s at most) for the
@@ -466,13 +427,6 @@ class CheckpointManager:
                 and all(r.store.wait_idle(timeout=30.0) for r in self.roots))
 
     # ---- when to save ------------------------------------------------------------------------
-    def _schedule(self, step: int, force: bool, preempt: bool) -> Due:
-        """The save schedule's answer for ``step`` now (no I/O)."""
-        local = self._local
-        return due_at(step, force=force, preempt=preempt, now=self.options.interval_clock(),
-                      start_time=self._start_time, persistent=_state_of(self._persistent),
-                      local=None if local is None else _state_of(local))
-
     def should_save(self, step: int) -> bool:
         """Whether a checkpoint is due at ``step``.
 
@@ -488,111 +442,7 @@ class CheckpointManager:
         Raises:
             InvalidArgumentError: ``step`` is not an int >= 0.
         """
-        step = check_step(step)
-        preempt = self._preemption.due(step) if self._preemption is not None else False
-        return self._schedule(step, False, preempt).any
-
-    def _where_due(self, step: int, force: bool, invalid: Optional[Exception] = None) -> Due:
-        """Which roots a save of ``step`` goes to, the same on every rank (rank 0 decides).
-
-        When the persistent root is due, rank 0 takes its writer lease first
-        (:meth:`_claim_persistent`). With several ranks the ranks then agree
-        (:meth:`_agree_due`). A root that cannot be reached raises :class:`StorageError`
-        without a local tier; with one, that error is kept as the failure of this step's upload
-        (logged now, raised by ``join()``/``close()`` on every rank), the step goes to the local
-        tier instead, and the next step due for the root tries the lease again.
-
-        ``invalid``: this rank's step or metrics did not validate (several ranks): it decides
-        nothing, says so in the exchange and raises that error; the other ranks raise a
-        ``CheckpointError`` naming it."""
-        alone = self._exchange.world_size == 1
-        preempt = False
-        if invalid is None and self._preemption is not None:
-            preempt = self._preemption.due(step)
-        held: Optional[LeaseHeldError] = None
-        unreachable: Optional[StorageError] = None
-        while True:
-            due = self._schedule(step, force, preempt) if invalid is None else Due(False, False, False, False)
-            held = unreachable = None
-            if due.persistent and self._exchange.is_primary:
-                try:
-                    self._claim_persistent(step)
-                except LeaseHeldError as exc:
-                    if alone:
-                        raise
-                    held = exc
-                except (StorageError, OSError) as exc:
-                    unreachable = StorageError(f"step {step}: the checkpoint path {self.storage.url} cannot be "
-                                               f"reached (taking its writer lease failed): {type(exc).__name__}: "
-                                               f"{exc}", step=step)
-                    unreachable.__cause__ = exc
-                    if self._local is None and alone:
-                        raise unreachable from exc
-            reached = unreachable is None
-            if alone:
-                break
-            # one exchange per call: rank 0's decision, and whether any rank saw a preemption
-            agreed, lease_ok, reached, signalled = self._agree_due(step, due, held is None, reached, invalid,
-                                                                   preempt and invalid is None)
-            if signalled and not agreed.preempt:
-                # a preemption one rank detected (a signal to one host) is every rank's checkpoint
-                # and every rank's last step, whatever rank 0's own signal handler saw: decided
-                # again with it (a second exchange, at a preemption only)
-                if not preempt and self._preemption is not None:
-                    self._preemption.adopt(step)
-                preempt = True
-                continue
-            due = agreed
-            if due.persistent and not lease_ok:
-                raise held or LeaseHeldError(
-                    f"rank 0 could not take the writer lease of {self.storage.url}; see rank 0's error")
-            break
-        if not due.persistent or reached:
-            return due
-        if unreachable is None:
-            unreachable = StorageError(f"step {step}: rank 0 could not reach the checkpoint path "
-                                       f"{self.storage.url}; see rank 0's error", step=step)
-        if self._local is None:
-            raise unreachable
-        self._persistent.writer.add_failure(step, unreachable)  # logged now, raised by join()/close()
-        return Due(False, True, due.preempt, True)
-
-    def _claim_persistent(self, step: int) -> None:
-        """Rank 0, before a save due at the persistent root: the root is writable, its writer
-        lease is held, and a save below the highest committed step is warned about once."""
-        self._ensure_writable()  # a manager that only lists and restores needs only read access
-        store = self._persistent.store
-        store.become_writer()
-        store.warn_if_lower(step, self._restored)
-
-    def _agree_due(self, step: int, due: Due, lease_ok: bool, reached: bool,
-                   invalid: Optional[Exception], preempt: bool = False) -> "Tuple[Due, bool, bool, bool]":
-        """Several ranks: rank 0's decision, lease and reachability, taken by every rank.
-
-        Time-based policies, preemption signals and "nothing in flight" conditions can answer
-        differently per rank. Every rank also says whether its writers hold a failure the next
-        save raises, or its step or metrics are invalid, and which step it saves (a rank at
-        another step fails the exchange): a rank raising alone would leave the others waiting.
-        Returns the decision, lease and reachability, and whether any rank's ``preempt`` was set."""
-        error: Optional[BaseException] = invalid
-        if error is None and any(r.writer.failed() for r in self.roots):
-            error = phase.attempt(self._exchange, self._raise_failed_saves)[0]  # the failure a save raises here
-
-        def refused(failed: List[int]) -> CheckpointError:
-            return CheckpointError(f"step {step}: not saved: rank(s) {failed} could not save it (an earlier "
-                                   f"background save failed there, its step or metrics were invalid, or it "
-                                   f"was called with another step than rank 0; see their errors)",
-                                   step=step if isinstance(step, int) else None)
-
-        (take, take_local, rank0_preempt, lease_ok, reached), signalled = phase.agree(
-            self._exchange, [due.persistent, due.local, due.preempt, lease_ok, reached], error=error,
-            step=step if invalid is None else None, signal=preempt, refused=refused)
-        return Due(take, take_local, rank0_preempt, take), lease_ok, reached, signalled
-
-    def _raise_failed_saves(self) -> None:
-        """Raise the first root's background failure a save raises (each raised once)."""
-        for root in self.roots:
-            root.writer.raise_if_failed()
+        return self._decision.due(check_step(step))
 
     def reached_preemption(self, step: int) -> bool:
         """Whether the loop should stop for a preemption.
@@ -725,7 +575,7 @@ class CheckpointManager:
             for root in self.roots:
                 root.writer.raise_if_failed()
         tx = time.perf_counter()
-        where = self._where_due(step, force, invalid)
+        where = self._decision.where(step, force, invalid)
         exchange_s = time.perf_counter() - tx  # the agreement (one collective with several ranks)
         take, take_local, preempt = where.persistent, where.local, where.preempt
         if where.any:  # agreed: every rank counts the same saves, one id per save
@@ -734,20 +584,20 @@ class CheckpointManager:
         ticket = self._peers.expect(step) if self._peers is not None and where.local else None
         # From here on a rank that raises still queues its part of the persistent save, as a
         # failed job: the other ranks' jobs of this step fail with it (never pair with its next).
-        persistent = self._persistent
+        persistent = self.roots.persistent
         shared = persistent if take and not alone else None
         held: List[Root] = []
         skipped_upload = False
         try:
-            if take_local and self._local is not None:
+            if take_local and self.roots.local is not None:
                 try:
-                    self._local.store.become_writer()  # this rank's own local directory
+                    self.roots.local.store.become_writer()  # this rank's own local directory
                 except LeaseHeldError:
                     if alone:
                         raise
                     log.exception("rank %d skips the local save of step %d", self._exchange.rank, step)
                     take_local = False
-            due = [r for r in self.roots if (take_local if r is self._local else take)]
+            due = [r for r in self.roots if (take_local if r is self.roots.local else take)]
             if not due:
                 if ticket is not None:
                     ticket.release()
@@ -756,12 +606,12 @@ class CheckpointManager:
             if alone:
                 with gc_paused():
                     plan = self.stager.plan(state_dict)  # validates before anything is taken or written
-                self._warn_pickled(plan)
+                self._pickled.check(plan)
             # Earlier lazy copies finish and are sealed here, on the training thread: their writers
             # wait for that, so it must come before waiting for a writer slot.
             self.stager.synchronize_staging()
             for tier in list(due):
-                if alone and tier is persistent and self._local is not None and not (wait or force or preempt):
+                if alone and tier is persistent and self.roots.local is not None and not (wait or force or preempt):
                     # A busy upload never holds up the training loop while a local tier takes
                     # the step: the bucket's save of this step is skipped (logged, in stats).
                     # Not a forced or preemption save (often the last one): it waits its turn.
@@ -769,10 +619,10 @@ class CheckpointManager:
                         due.remove(tier)
                         skipped_upload = True
                         if not take_local:
-                            self._local.store.become_writer()
-                            due.insert(0, self._local)
-                            self._local.writer.wait_for_slot()
-                            held.insert(0, self._local)
+                            self.roots.local.store.become_writer()
+                            due.insert(0, self.roots.local)
+                            self.roots.local.writer.wait_for_slot()
+                            held.insert(0, self.roots.local)
                         continue
                 elif alone:
                     tier.writer.wait_for_slot()
@@ -794,7 +644,7 @@ class CheckpointManager:
                     exchange_s += time.perf_counter() - tx
                 if planned is not None:
                     raise planned
-                self._warn_pickled(plan)
+                self._pickled.check(plan)
             keep: Set[int] = set()
             seen: Dict[str, Tuple[int, int]] = {}
             if self._frozen is not None:  # declared-frozen tensors every due root holds as they are: not copied
@@ -833,14 +683,14 @@ class CheckpointManager:
                               queue_wait_s=t1 - t0, stage_s=t2 - t1, blocking_s=t2 - t0, exchange_s=exchange_s)
             extra: Dict[str, Any] = {}
             save_id: Optional[str] = None
-            if self._local is not None:
+            if self.roots.local is not None:
                 stats.extra["tier"] = tier.name
                 if skipped_upload:
                     stats.extra[UPLOAD_SKIPPED] = True
                 if where.wanted and not take:  # the checkpoint path could not be reached: local only
                     stats.extra[FALLBACK] = True
                 save_id = f"{self._run_id}.{self._saves}"
-            if tier is self._local:
+            if tier is self.roots.local:
                 identity = CopyIdentity(save_id, LOCAL, self._exchange.rank, self._exchange.world_size, tier.home)
             else:  # what this job's retention keeps, for tools that delete by hand (async-ckpt prune)
                 identity = CopyIdentity(save_id)
@@ -849,19 +699,19 @@ class CheckpointManager:
                     extra[RETENTION_KEY] = spec
             job = SaveJob(step, snap, metrics, stats, t0, manifest_extra=extra, identity=identity,
                           metrics_reduce=self.options.metrics_reduce,
-                          commit_at=taken_at if self._local is not None else None,
+                          commit_at=taken_at if self.roots.local is not None else None,
                           frozen=(seen, {plan.keys[i] for i in keep}), samples=samples)
             self._in_flight.append(step)
             run = functools.partial(self._persist, job, tier)
             try:
-                fut = tier.writer.submit(run if ticket is None or tier is not self._local else ticket.around(run),
+                fut = tier.writer.submit(run if ticket is None or tier is not self.roots.local else ticket.around(run),
                                          step=step)
             except BaseException:
                 self._in_flight.remove(step)
                 if ticket is not None:
-                    ticket.release(failed=tier is self._local)
+                    ticket.release(failed=tier is self.roots.local)
                 raise
-            if skipped_upload and tier is self._local and self._catch_up is not None:
+            if skipped_upload and tier is self.roots.local and self._catch_up is not None:
                 first = self._catch_up.skipped(step, self._saves, taken_at, t0, fut)
                 (log.warning if first else log.info)(
                     "step %d is not uploaded to %s now: an earlier upload is still running (the step "
@@ -886,119 +736,11 @@ class CheckpointManager:
                 persistent.writer.join()
         return True
 
-    def _warn_pickled(self, plan: Any) -> None:
-        """Warn once per key about saved values that a restore can unpickle only with
-        ``allow_pickle=True`` (classes outside torch's ``weights_only`` safe set and the RNG
-        states restore builds). Each value is tried once with restore's restricted unpickler
-        (:func:`~async_ckpt.format.unpickling.load_value`), which builds only those
-        classes and runs no code of the value's classes."""
-        from ..errors import UnsafeCheckpointError
-        from ..format.unpickling import load_value, refused_global
-
-        bad: List[str] = []
-        for path, obj in plan.pickled:
-            if path in self._pickled_seen:
-                continue
-            self._pickled_seen.add(path)
-            try:
-                load_value(obj.archive(), path)
-            except Exception as exc:  # noqa: BLE001 - UnsafeCheckpointError, or what a class raises when built
-                cause = exc.__cause__ if isinstance(exc, UnsafeCheckpointError) else exc
-                name = refused_global(cause) if cause is not None else None
-                bad.append(f"{path} ({name})" if name else path)
-        if bad:
-            shown = ", ".join(bad[:10]) + (f" (and {len(bad) - 10} more)" if len(bad) > 10 else "")
-            warn_user(f"saved values that restore(..., allow_pickle=True) must unpickle (their classes are "
-                      f"outside torch's weights_only safe set): {shown}; save them as plain types (dict, list, "
-                      "str, int, float, tensors) or allowlist the classes with "
-                      "torch.serialization.add_safe_globals before restoring")
-
     def _persist(self, job: SaveJob, tier: Root) -> None:
-        """Writer thread of ``tier``: the save job, then statistics and the user's callback. A
-        local save of a step another job's copy holds fails (:class:`ForeignCopyError`); one
-        that finds ``local_dir`` full first deletes the copies retention drops once it commits
-        (see :func:`~async_ckpt.manager.tiered.make_room`), and again after failing for want of
-        space. The persistent root's writer then, still in its upload slot, uploads the newest
-        local copy of the saves that skipped the upload meanwhile (:class:`UploadCatchUp`)."""
-        local, catch_up = self._local, self._catch_up
-        if tier is not self._persistent or local is None or catch_up is None:
-            self._persist_job(job, tier)
-            return
-        try:
-            self._persist_job(job, tier)
-        except Exception as exc:  # kept (and logged) now, before the failures of the uploads that follow
-            tier.writer.add_failure(job.step, exc)
-        finally:
-            catch_up.run(local, tier, verify=self.verify, threads=self.write_threads,
-                         committed=self._after_commit, failed=tier.writer.add_failure)
-
-    def _persist_job(self, job: SaveJob, tier: Root) -> None:
-        coming: Optional[CheckpointInfo] = None
-        if tier is self._local:
-            refuse_foreign_save(tier, job.step, job.snap)
-            if job.snap is not None:  # a full local_dir: drop now what retention drops after this save
-                at = job.commit_at if job.commit_at is not None else self.options.wall_clock()
-                coming = CheckpointInfo(job.step, at, dict(job.metrics), job.snap.nbytes,
-                                        {**job.manifest_extra, **job.identity.to_extra()})
-                make_room(tier, coming, space_needed(job.snap.nbytes))
-        planner = save_planner_for(job.snap) if job.snap is not None else None
-        try:
-            stats = run_save(tier.store, job, policy=tier.retention, threads=self.write_threads, planner=planner)
-        except BaseException as exc:
-            if coming is not None and out_of_space(exc):  # found full after all: the next save finds room
-                make_room(tier, coming, None)
-            if isinstance(exc, Exception):
-                self._log_failure(job, tier, exc)
-            raise
-        finally:
-            if job.snap is not None and job.step in self._in_flight:
-                self._in_flight.remove(job.step)
-        if stats is not None:
-            changed = stats.extra.pop(FROZEN_CHANGED, None)
-            if self._catch_up is not None:  # how far the bucket is behind
-                saved = save_number(job.identity.save_id)
-                if tier is self._persistent:
-                    self._catch_up.uploaded(saved, job.commit_at)
-                stats.extra.update(self._catch_up.lag(saved, job.commit_at))
-            self._after_commit(stats)
-            if changed:
-                raise FrozenTensorChangedError(
-                    f"tensors declared frozen changed: {', '.join(changed[:5])}"
-                    f"{f' and {len(changed) - 5} more' if len(changed) > 5 else ''}. Step {stats.step} holds their "
-                    "new bytes (written in full); stop declaring them frozen (frozen=), or find what changes them",
-                    keys=changed, step=stats.step)
-
-    def _log_failure(self, job: SaveJob, tier: Root, exc: BaseException) -> None:
-        """A save that failed goes to the stats log too (``extra["failed"]``: the error), so that
-        the run's record (``async-ckpt stats``, its ``--plot``) shows it. Not when the log could
-        not be written either: the failure of a remote persistent root the log lives on."""
-        if self._stats_log is None or job.stats is None or not self._exchange.is_primary:
-            return
-        if tier is self._persistent and not self.storage.is_local:
-            return
-        stats = dataclasses.replace(job.stats, extra={**job.stats.extra, FAILED: f"{type(exc).__name__}: {exc}"[:300]})
-        self._stats_log.append(stats)  # never raises
-
-    def _after_commit(self, stats: SaveStats) -> None:
-        """Statistics and the user's callback: neither can fail a committed save."""
-        self.stats.append(stats)
-        # a local tier's saves are logged too unless the log is remote (rewritten per save there)
-        logged = stats.extra.get("tier") != LOCAL or self.storage.is_local
-        if self._stats_log is not None and self._exchange.is_primary and logged:
-            try:
-                self._stats_log.append(stats)
-            except Exception as exc:
-                log.warning("could not append save statistics: %s", exc)
-        if self._exchange.world_size > 1:
-            log.info("rank %d saved %s", self._exchange.rank, stats.summary())
-        else:
-            log.info("saved %s", stats.summary())
-        if self.on_saved is not None:
-            try:
-                self.on_saved(stats)
-            except Exception:
-                log.exception("the on_saved callback raised for step %d (the step is committed)",
-                              stats.step)
+        """Writer thread: ``job`` on ``tier`` (:meth:`Persister.persist`). A queued save holds
+        the manager through this bound method: a manager with saves in flight is never collected
+        (its lease is not idle, its threads are not stopped under the save)."""
+        self._persister.persist(job, tier)
 
     @property
     def peers(self) -> Optional[PeerCopies]:
@@ -1069,6 +811,7 @@ class CheckpointManager:
         """
         self._check_process()
         invalid: Optional[Exception] = None
+        prefixes: Optional[Dict[str, str]] = None
         try:
             if not isinstance(state_dict, Mapping):
                 hint = ""
@@ -1080,32 +823,29 @@ class CheckpointManager:
             if isinstance(step, str) and step.strip().lower() == "latest":
                 step = None
             step = None if step is None else check_step(step)
-            key_map = check_key_map(key_map)
+            prefixes = check_key_map(key_map)
         except (TypeError, ValueError, CheckpointError) as exc:
             invalid = exc
         if not self._closed:  # pending saves land first (their errors surface); ranks agree on the step
             self._settle(invalid, key=None if invalid is not None else 0 if step is None else step + 1)
         if invalid is not None:
             raise invalid
-        opts = dict(verify=self.verify if verify is None else verify, allow_pickle=allow_pickle,
-                    threads=self.write_threads, planner=load_planner_for(state_dict, allow_pickle),
-                    atomic=atomic, strict=strict, pool=self.stager.pool, key_map=key_map,
-                    replicated_reads=self.options.replicated_reads)
+        opts = RestoreOptions(verify=self.verify if verify is None else verify, allow_pickle=allow_pickle,
+                              threads=self.write_threads, planner=load_planner_for(state_dict, allow_pickle),
+                              atomic=atomic, strict=strict, pool=self.stager.pool, key_map=prefixes,
+                              replicated_reads=self.options.replicated_reads)
         t0 = time.perf_counter()
-        if self._local is None:
-            listing = functools.partial(candidates_of, self._persistent.store, step)
-        else:
-            if self._peers is not None:  # a rank that lost its copies gets them from its peers first
-                self._peers.fill(step)
-            listing = functools.partial(tier_candidates, self.roots, self._exchange, step)
-        done, skipped = _restore(listing, state_dict, exchange=self._exchange, step=step, **opts)
+        if self._peers is not None:  # a rank that lost its copies gets them from its peers first
+            self._peers.fill(step)
+        done, skipped = _restore(functools.partial(self.roots.candidates, self._exchange, step), state_dict,
+                                 exchange=self._exchange, step=step, opts=opts)
         s = done.step
         where = done.store.storage.url
-        if self._local is not None:
-            where = f"the {LOCAL if done.store is self._local.store else PERSISTENT} tier ({where})"
+        if len(self.roots) > 1:
+            where = f"the {self.roots.tier_of(done.store)} tier ({where})"
             if skipped:  # an earlier copy was skipped: say which one was used
                 log.warning("restored step %d from %s", s, where)
-        self._restored = s
+        self._decision.restored = s
         for root in self.roots:  # incremental saves compare with the step just read and verified, where it was read
             root.store.note_restored(s if root.store is done.store else None)
         if log.isEnabledFor(logging.INFO):
@@ -1138,7 +878,7 @@ class CheckpointManager:
             metric = best.metric
         if mode is None:
             mode = best.mode if best is not None and best.metric == metric else "min"
-        found = best_checkpoint(commit_records(self.roots), metric, mode)
+        found = best_checkpoint(self.roots.records(), metric, mode)
         return None if found is None else found.step
 
     def all_steps(self) -> List[int]:
@@ -1151,9 +891,7 @@ class CheckpointManager:
             The steps.
         """
         self._check_process()
-        if self._local is None:
-            return self.layout.committed_steps()
-        return sorted(self.step_tiers())
+        return self.roots.steps()
 
     def step_tiers(self) -> Dict[int, Tuple[str, ...]]:
         """Which roots hold each committed step.
@@ -1163,7 +901,7 @@ class CheckpointManager:
             first. Without ``local_dir`` every step is ``("persistent",)``.
         """
         self._check_process()
-        return {h.step: h.tiers for h in held_steps(self.roots)}
+        return {h.step: h.tiers for h in self.roots.held()}
 
     def steps_in_commit_order(self) -> List[int]:
         """Committed steps, oldest commit first (the order retention sees them in).
@@ -1172,7 +910,7 @@ class CheckpointManager:
             The steps.
         """
         self._check_process()
-        return [c.step for c in commit_records(self.roots)]
+        return [c.step for c in self.roots.records()]
 
     def latest_step(self) -> Optional[int]:
         """The most recently committed step over every root.
@@ -1184,7 +922,7 @@ class CheckpointManager:
             The step, or None when there is none.
         """
         self._check_process()
-        records = commit_records(self.roots)
+        records = self.roots.records()
         if records:
             return records[-1].step
         steps = self.all_steps()  # only steps whose manifests do not read
@@ -1229,7 +967,7 @@ class CheckpointManager:
             listed = tuple(tuple(r.store.layout.committed_steps()) for r in self.roots)
             if listed != state["listed"]:
                 state["listed"] = listed
-                records = commit_records(self.roots)
+                records = self.roots.records()
                 newest = records[-1] if records else None
                 if state["first"]:
                     state["start"] = newest
@@ -1265,7 +1003,7 @@ class CheckpointManager:
             StorageError: no root that could be read holds it, and one could not be read (its
                 error).
         """
-        return step_metrics(self.roots, check_step(step))
+        return self.roots.metrics(check_step(step))
 
     # ---- explicit actions on committed steps -------------------------------------------------
     def delete(self, step: int) -> None:
@@ -1297,15 +1035,15 @@ class CheckpointManager:
             raise invalid
 
         def delete_here() -> None:  # this rank's local copy; rank 0: the persistent root's too
-            local = self._local
+            local = self.roots.local
             local_held = (local is not None and step in local.store.layout.committed_steps()
                           and not foreign_steps(local, step))  # another job's copy is not ours
             if local_held and local is not None:
                 local.store.become_writer()
                 local.store.delete(step)
             if self._exchange.is_primary and (not local_held or step in self.layout.committed_steps()):
-                self._persistent.store.become_writer()
-                self._persistent.store.delete(step)
+                self.roots.persistent.store.become_writer()
+                self.roots.persistent.store.delete(step)
             if self._peers is not None:  # the copies this rank holds for others: a peer never brings it back
                 self._peers.delete_held(step)
 
@@ -1334,15 +1072,15 @@ class CheckpointManager:
         self._check_open()
         self._check_writer("promote")
         step = check_step(step)
-        local = self._local
+        local = self.roots.local
         if local is None:
             raise CheckpointError("promote() needs a manager with local_dir=")
         if self._exchange.world_size > 1:
             raise CheckpointError("promote() copies one process's local step; with several ranks each local "
                                   "copy holds one rank's shards: save the step with force=True instead")
         self._settle()  # an earlier failed upload (still raised by join) is what promote repairs
-        self._persistent.store.become_writer()
-        _, dropped = promote(local, self._persistent, step, verify=self.verify, threads=self.write_threads)
+        self.roots.persistent.store.become_writer()
+        _, dropped = promote(local, self.roots.persistent, step, verify=self.verify, threads=self.write_threads)
         if dropped:
             log.warning("promote(%d): the retention of %s dropped steps %s", step, self.storage.url, dropped)
         return dropped
@@ -1484,18 +1222,13 @@ class CheckpointManager:
                 self._peers.close()
             except BaseException as exc:  # noqa: BLE001 - raised with the rest
                 errors.append(exc)
-        if self._frozen is not None and self._frozen.last:  # the declared-frozen tensors, checked once more
-            try:
-                changed = changed_keys(self._frozen.last, [r.store.reuse.same_bytes for r in self.roots
-                                                           if r.store.reuse is not None])
-                if changed:
-                    errors.append(FrozenTensorChangedError(
-                        f"tensors declared frozen changed after the last save: {', '.join(changed[:5])}"
-                        f"{f' and {len(changed) - 5} more' if len(changed) > 5 else ''}; the last step holds "
-                        "their bytes as they were when it was saved", keys=changed))
-            except Exception as exc:  # noqa: BLE001 - reported with the rest
-                errors.append(exc)
-            self._frozen.last = {}
+        try:  # the declared-frozen tensors, checked once more
+            changed = frozen_changed_at_close(self._frozen, [r.store.reuse.same_bytes for r in self.roots
+                                                             if r.store.reuse is not None])
+            if changed is not None:
+                errors.append(changed)
+        except Exception as exc:  # noqa: BLE001 - reported with the rest
+            errors.append(exc)
         self._finalizer.detach()
         if errors:
             _raise_all(errors)
@@ -1533,90 +1266,3 @@ class CheckpointManager:
                                   f"read_only=True: it lists and restores only (open one without read_only to "
                                   f"{what})")
 
-    def _describe_root(self) -> None:
-        """Say at INFO that the root is new or empty (a typo'd path would otherwise restart a
-        run from step 0 silently), and warn when it looks like a step directory, the parent of
-        checkpoint roots, or holds only checkpoints of another kind (the diagnosis the
-        ``async-ckpt`` command prints too: :func:`~async_ckpt.storage.diagnosis.diagnose`).
-        Reads only; a root that cannot be listed is left to the calls that need it."""
-        from ..storage.diagnosis import PARENT_OF_ROOTS, STEP_DIR, diagnose
-
-        st = self.storage
-        try:
-            entries = st.listdir(st.root)
-            findings = diagnose(st, entries)
-            has_steps = any(e.get("type") == "directory" and step_names.is_kind(e["name"], step_names.STEP)
-                            for e in entries)
-            for f in findings:
-                if f.kind in (STEP_DIR, PARENT_OF_ROOTS):
-                    warn_user(f"the checkpoint path {f.message}")
-                elif not has_steps:
-                    warn_user(f"the checkpoint path {st.url} holds no async_ckpt steps: {f.message}")
-            if not entries:
-                log.info("checkpoint root %s is new and empty: nothing to restore (check the path if a run "
-                         "should resume from it); the first save creates it", st.url)
-        except Exception as exc:  # noqa: BLE001 - advice only: listing and restoring raise their own errors
-            log.debug("could not list %s: %s", st.url, exc)
-
-    def _refuse_a_file(self) -> None:
-        """The root could not be created: raise :class:`NotACheckpointRootError` when a file is
-        in the way (the root itself, or a parent of a local root), never to be a directory."""
-        from ..storage.diagnosis import file_in_the_way, not_a_root_message
-
-        blocker = file_in_the_way(self.storage)
-        if blocker is not None:
-            raise NotACheckpointRootError(not_a_root_message("checkpoint path", self.storage, blocker)) \
-                from self._write_problem
-
-    def _check_readable(self) -> None:
-        """The root could not be written when the manager was opened: raise that error unless
-        the root can be read (a read-only mount or credential: listing and restoring work, the
-        first save raises). A root whose bucket or parent directory does not exist, or that
-        cannot be listed either (wrong credentials), raises now."""
-        problem = self._write_problem
-        if problem is None:
-            return
-        cause: Optional[BaseException] = problem
-        while cause is not None:
-            if isinstance(cause, (FileNotFoundError, NotADirectoryError, FileExistsError)):
-                raise problem
-            cause = cause.__cause__ or cause.__context__
-        try:
-            self.storage.listdir(self.storage.root)
-            readable = True
-        except Exception:  # noqa: BLE001 - neither readable: the writability error says why
-            readable = False
-        if not readable:
-            raise problem
-
-    def _ensure_writable(self) -> None:
-        """Before the first save due at the root (the primary rank): the root exists and can be
-        written; once it was, never again."""
-        if not self._writable:
-            self._writable = self._check_writable()
-
-    def _check_writable(self, quiet: bool = False) -> bool:
-        """Whether the root exists (it is created) and can be written. Otherwise raise
-        :class:`StorageError`; with a local tier log it instead; ``quiet`` (opening the
-        manager, which needs only read access): return False, logged at DEBUG."""
-        from ..errors import StorageError
-
-        try:
-            try:
-                self.storage.makedirs(self.storage.root)
-            except (OSError, StorageError) as exc:
-                raise StorageError(f"checkpoint path {self.storage.url!r} cannot be written: {exc}") from exc
-            self.storage.check_writable()  # object stores: probe object (missing bucket, bad credentials)
-            if self.storage.is_local and not os.access(self.storage.root, os.W_OK):
-                raise StorageError(f"checkpoint path {self.storage.url!r} is not writable")
-        except StorageError as exc:
-            if quiet:
-                log.debug("%s cannot be written: %s", self.storage.url, exc)
-                self._write_problem = exc
-                return False
-            if self._local is None:
-                raise
-            log.warning("%s cannot be written now (saves go to local_dir %s meanwhile): %s",
-                        self.storage.url, self._local.url, exc)
-            return False
-        return True

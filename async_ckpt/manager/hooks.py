@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, List, Tuple
 
 from ..compat import register_exit_hook
-from ..save_queue import AsyncWriter
+from ..jobs.write_queue import WriteQueue
 
 log = logging.getLogger("async_ckpt")
 
@@ -55,7 +55,7 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_mark_forked_in_child)
 
 
-def stop_threads(parts: List[Tuple[AsyncWriter, ThreadPoolExecutor, Any]], peers: Any = None) -> None:
+def stop_threads(parts: List[Tuple[WriteQueue, ThreadPoolExecutor, Any]], peers: Any = None) -> None:
     """Finalizer of a manager that was garbage-collected without ``close()``: per tier, its
     writer, its deleter and its lease; then its peer copies' thread and held roots (``peers``)."""
     for writer, deleter, lease in parts:

@@ -48,10 +48,10 @@ from ..gc_pause import gc_paused
 from ..io import step_io
 from ..io.dcp_adapters import read_metadata
 from ..io.read_targets import PARTLY_WRITTEN, partly_written
-from ..staging.pool import HostBufferPool
+from ..options import RestoreOptions
 from ..storage.step_dirs import DELETED, StepCopy
 from ..storage.storage import Storage
-from .steps import StepStore
+from .store import RootStore
 
 log = logging.getLogger("async_ckpt")
 
@@ -91,41 +91,13 @@ class Candidate:
         copy: which copy of the step it is, for messages ("local copy"; empty with one root).
     """
 
-    store: StepStore
+    store: RootStore
     step: int
     label: str
     fallback: Tuple[Type[BaseException], ...] = (CorruptCheckpointError,)
     check: Optional[Callable[[], None]] = None
     own_copy: bool = False
     copy: str = ""
-
-
-def candidates_of(store: StepStore, step: Optional[int]) -> List[Candidate]:
-    """The candidates of one root, newest commit first (rank 0's listing, on every rank).
-
-    Args:
-        store: the root.
-        step: the step asked for (None: every committed step, each falling back on damage to
-            the next older commit; a named step does not fall back).
-
-    Returns:
-        The candidates.
-
-    Raises:
-        StepNotFoundError: ``step`` (or any step, for None) is not committed.
-    """
-    steps: List[int] = phase.primary(store.exchange, "listing the committed steps", step,
-                                     store.catalog.steps_newest_first)
-    if step is not None:
-        if step not in steps:
-            listed = sorted(steps)
-            raise StepNotFoundError(
-                f"no committed checkpoint for step {step} under {store.storage.url} "
-                f"(committed: {listed if len(listed) <= 20 else listed[-20:]})", step=step)
-        return [Candidate(store, step, f"damaged step {step}", fallback=())]
-    if not steps:
-        raise StepNotFoundError(f"no committed checkpoint under {store.storage.url}")
-    return [Candidate(store, s, f"damaged step {s}") for s in steps]
 
 
 def mark_written(state_dict: Any) -> None:
@@ -161,9 +133,7 @@ def mark_written(state_dict: Any) -> None:
 
 
 def restore(listing: Callable[[], Sequence[Candidate]], state_dict: Dict[str, Any], *, exchange: Exchange,
-            step: Optional[int], verify: bool, allow_pickle: bool, threads: int, planner: Any,
-            atomic: bool = False, strict: bool = True, pool: Any = None,
-            key_map: Optional[Mapping[str, str]] = None, replicated_reads: str = "auto") -> Tuple[Candidate, bool]:
+            step: Optional[int], opts: RestoreOptions) -> Tuple[Candidate, bool]:
     """Every rank: load the first intact candidate into ``state_dict`` in place.
 
     A copy that a live writer moved, replaced or deleted while it was read is not damage: the
@@ -172,22 +142,14 @@ def restore(listing: Callable[[], Sequence[Candidate]], state_dict: Dict[str, An
     warning.
 
     Args:
-        listing: lists the copies to try, in order (see :func:`candidates_of` and, over two
-            roots, ``manager.tiered.tier_candidates``); the same list on every rank. Called
-            collectively once, and again after a writer changed a copy being read.
+        listing: lists the copies to try, in order (:meth:`~.roots.Roots.candidates`); the same
+            list on every rank. Called collectively once, and again after a writer changed a
+            copy being read.
         state_dict: the target.
         exchange: the manager's exchange.
         step: the step asked for (None: the newest commit), for the error messages.
-        verify: check CRC-32Cs (sizes are always checked).
-        allow_pickle: unpickle values outside torch's ``weights_only`` safe set.
-        threads: files read at once.
-        planner: the DCP load planner.
-        atomic: read and verify into host buffers first (a failure leaves the target as it was).
-        strict: every key of the target must be in the checkpoint.
-        pool: the host buffer pool that ``atomic`` stages through.
-        key_map: see :func:`check_key_map`.
-        replicated_reads: several ranks: who reads a tensor every rank restores (``"once"``,
-            ``"every_rank"``, ``"auto"``: see :func:`_load`).
+        opts: how it reads (``key_map``: see :func:`check_key_map`; ``replicated_reads``: see
+            :func:`_load`).
 
     Returns:
         The candidate that was restored, and whether a damaged copy was skipped before it.
@@ -208,12 +170,10 @@ def restore(listing: Callable[[], Sequence[Candidate]], state_dict: Dict[str, An
             return {**state_dict, **{k: v.state_dict() for k, v in stateful.items()}}
 
         target = phase.own(exchange, "state_dict() of the Stateful restore targets", step, targets)
-    view, back = (target, None) if not key_map else _remapped(target, key_map)
+    view, back = (target, None) if not opts.key_map else _remapped(target, opts.key_map)
     try:
-        done, skipped = _first_intact(listing, view, exchange, step, verify=verify, allow_pickle=allow_pickle,
-                             threads=threads, planner=planner, atomic=atomic, strict=strict,
-                             stateful=frozenset(stateful) if back is None else frozenset(), pool=pool,
-                             replicated_reads=replicated_reads)
+        done, skipped = _first_intact(listing, view, exchange, step, opts,
+                                      frozenset(stateful) if back is None else frozenset())
     except PartlyWrittenError:
         mark_written(target)
         raise
@@ -333,7 +293,7 @@ def _writer_changed(c: Candidate, opened: List[StepCopy], exchange: Exchange) ->
 
 
 def _first_intact(listing: Callable[[], Sequence[Candidate]], state_dict: Dict[str, Any], exchange: Exchange,
-                  step: Optional[int], **opts: Any) -> Tuple[Candidate, bool]:
+                  step: Optional[int], opts: RestoreOptions, stateful: frozenset) -> Tuple[Candidate, bool]:
     """The one "first intact candidate" loop: try each candidate in turn; one that fails with
     one of its ``fallback`` errors is skipped with a warning (its data, where it wrote some, is
     overwritten by the next attempt); the first that loads is returned, with whether a copy was
@@ -356,7 +316,7 @@ def _first_intact(listing: Callable[[], Sequence[Candidate]], state_dict: Dict[s
         covered: Set[str] = set()
         opened: List[StepCopy] = []
         try:
-            _attempt(c, state_dict, exchange, covered, opts, opened)
+            _attempt(c, state_dict, exchange, covered, opts, stateful, opened)
         except Exception as exc:
             maybe = isinstance(exc, _MAYBE_MOVED) and not isinstance(exc, StorageError)
             why = _writer_changed(c, opened, exchange) if maybe else None
@@ -429,14 +389,14 @@ def _first_intact(listing: Callable[[], Sequence[Candidate]], state_dict: Dict[s
 
 
 def _attempt(c: Candidate, state_dict: Dict[str, Any], exchange: Exchange, covered: Set[str],
-             opts: Dict[str, Any], opened: List[StepCopy]) -> None:
+             opts: RestoreOptions, stateful: frozenset, opened: List[StepCopy]) -> None:
     """Load one candidate (its check first). Own copies: every rank learns whether every
     rank's copy loaded; a rank whose copy failed raises its error, the others a
     :class:`CorruptCheckpointError` naming it (both send every rank on to the next candidate)."""
     if not c.own_copy or exchange.world_size == 1:
         if c.check is not None:
             c.check()
-        _restore_one(c.store, c.step, state_dict, covered=covered, opened=opened, **opts)
+        _restore_one(c.store, c.step, state_dict, opts, stateful, covered=covered, opened=opened)
         return
     mine: Optional[BaseException] = None
 
@@ -445,7 +405,7 @@ def _attempt(c: Candidate, state_dict: Dict[str, Any], exchange: Exchange, cover
         try:
             if c.check is not None:
                 c.check()
-            _restore_one(c.store, c.step, state_dict, covered=covered, opened=opened, **opts)
+            _restore_one(c.store, c.step, state_dict, opts, stateful, covered=covered, opened=opened)
         except c.fallback as exc:
             mine = exc
             return f"rank {exchange.rank}: {type(exc).__name__}: {exc}"
@@ -504,10 +464,8 @@ def _warn_left_over(written: Dict[str, int], covered: Set[str], step: int, copie
                   f"hold a failed attempt's data): {_keys(keys)}", RuntimeWarning)
 
 
-def _restore_one(store: StepStore, step: int, state_dict: Dict[str, Any], *, verify: bool, allow_pickle: bool,
-                 threads: int, planner: Any, atomic: bool, strict: bool, stateful: frozenset,
-                 pool: Any = None, covered: Optional[Set[str]] = None,
-                 opened: Optional[List[StepCopy]] = None, replicated_reads: str = "auto") -> None:
+def _restore_one(store: RootStore, step: int, state_dict: Dict[str, Any], opts: RestoreOptions, stateful: frozenset,
+                 *, covered: Optional[Set[str]] = None, opened: Optional[List[StepCopy]] = None) -> None:
     """Check and load ``step`` into ``state_dict``; ``covered`` gets the keys of
     ``state_dict`` the step holds (those its load writes), once they are known, and ``opened``
     the copy this rank opened."""
@@ -519,43 +477,37 @@ def _restore_one(store: StepStore, step: int, state_dict: Dict[str, Any], *, ver
         if opened is not None:
             opened.append(copy)
         manifest = copy.manifest
-        metadata = read_metadata(store.storage, copy.where, manifest.files, verify=verify, threads=threads,
+        metadata = read_metadata(store.storage, copy.where, manifest.files, verify=opts.verify, threads=opts.threads,
                                  whole=not _share_of_this_job(manifest), check_unused=True)
         int_keys = set(manifest.int_keys) | _stateful_int_keys(metadata, stateful)
-        added.extend(prepare_target(state_dict, metadata, step, int_keys, strict=strict, covered=covered))
+        added.extend(prepare_target(state_dict, metadata, step, int_keys, strict=opts.strict, covered=covered))
         return copy, metadata
 
-    local, checked = phase.attempt(exchange, check)
+    local, checked = phase.attempt(exchange, check, keep_alone=True)  # (the entries it added are taken out)
     _agree_or_undo(store, step, "restore checks", local, state_dict, added)
     assert checked is not None
     copy, metadata = checked
     local, _ = phase.attempt(exchange, lambda: _load(exchange, store.storage, copy.where, state_dict,
-                                                    files=copy.manifest.files, verify=verify, threads=threads,
-                                                    allow_pickle=allow_pickle, metadata=metadata, planner=planner,
-                                                    atomic=atomic, strict=strict, pool=pool,
-                                                    replicated_reads=replicated_reads, step=step))
+                                                    files=copy.manifest.files, metadata=metadata, opts=opts,
+                                                    step=step), keep_alone=True)
     _agree_or_undo(store, step, "restore", local, state_dict, added)
 
 
 def _load(exchange: Exchange, storage: Storage, path: str, state_dict: Dict[str, Any], *,
-          files: Dict[str, FileRecord], verify: bool, threads: int, allow_pickle: bool, metadata: Any, planner: Any,
-          atomic: bool, strict: bool, pool: Optional[HostBufferPool], replicated_reads: str, step: int) -> None:
+          files: Dict[str, FileRecord], metadata: Any, opts: RestoreOptions, step: int) -> None:
     """Read a checked step into ``state_dict`` in place (:func:`~async_ckpt.io.step_io.read_step`).
 
-    One process: straight into the target, or (``atomic``) staged through ``pool``'s buffers
+    One process: straight into the target, or (``atomic``) staged through the pool's buffers
     within its budget. Several ranks: through ``dcp.load`` over the group; no rank writes before
     every rank's reads passed (a phase inside DCP's read), so ``atomic`` holds either way
-    (``pool`` is not used). Read once (``replicated_reads`` ``"once"``, or ``"auto"`` on storage
+    (the pool is not used). Read once (``replicated_reads`` ``"once"``, or ``"auto"`` on storage
     that is not a local path; never with ``atomic``): a tensor every rank restores whole is read
     by one rank, balanced by bytes (:func:`~async_ckpt.dist.replicas.read_assignment`), then
     sent to the others (:func:`~async_ckpt.dist.replicas.send_replicas`); a failure there, once
     targets were written, is a :class:`~async_ckpt.errors.PartlyWrittenError` on every rank.
     """
     if exchange.world_size == 1:
-        step_io.read_step(storage, path, state_dict, files=files, verify=verify, threads=threads,
-                          allow_pickle=allow_pickle, metadata=metadata, planner=planner, atomic=atomic, strict=strict,
-                          group=exchange.group, acquire=None if pool is None else pool.leaser(),
-                          budget=None if pool is None else pool.budget_bytes)
+        step_io.read_step(storage, path, state_dict, files=files, metadata=metadata, opts=opts, group=exchange.group)
         return
 
     def agree(error: Optional[BaseException]) -> None:  # no rank writes unless every rank's reads passed
@@ -563,19 +515,17 @@ def _load(exchange: Exchange, storage: Storage, path: str, state_dict: Dict[str,
 
     # atomic: no rank may write before every read is done and verified, which a send after
     # the reads cannot promise; every rank then reads what it restores
-    once = planner is None and metadata is not None and not atomic and \
-        (replicated_reads == "once" or (replicated_reads == "auto" and not storage.is_local))
+    once = opts.planner is None and metadata is not None and not opts.atomic and \
+        (opts.replicated_reads == "once" or (opts.replicated_reads == "auto" and not storage.is_local))
     if not once:
-        exchange.dcp("reading", lambda: step_io.read_step(
-            storage, path, state_dict, files=files, verify=verify, threads=threads, allow_pickle=allow_pickle,
-            metadata=metadata, planner=planner, atomic=atomic, strict=strict, group=exchange.group, agree=agree))
+        exchange.dcp("reading", lambda: step_io.read_step(storage, path, state_dict, files=files, metadata=metadata,
+                                                          opts=opts, group=exchange.group, agree=agree))
         return
     mine = restore_items(state_dict, metadata)
     readers = read_assignment(exchange.all_gather(list(mine)))
     skip = {key.split("\0", 1)[0] for (key, _), r in readers.items() if r != exchange.rank}
-    exchange.dcp("reading", lambda: step_io.read_step(
-        storage, path, state_dict, files=files, verify=verify, threads=threads, allow_pickle=allow_pickle,
-        metadata=metadata, planner=None, atomic=atomic, strict=strict, group=exchange.group, agree=agree, skip=skip))
+    exchange.dcp("reading", lambda: step_io.read_step(storage, path, state_dict, files=files, metadata=metadata,
+                                                      opts=opts, group=exchange.group, agree=agree, skip=skip))
     try:
         problem = send_replicas(exchange.group, exchange.rank, exchange.world_size, readers, mine,
                                 exchange.collective)
@@ -604,7 +554,7 @@ def _stateful_int_keys(metadata: Any, stateful: frozenset) -> Set[str]:
     return out
 
 
-def _agree_or_undo(store: StepStore, step: int, what: str, local: Optional[BaseException],
+def _agree_or_undo(store: RootStore, step: int, what: str, local: Optional[BaseException],
                    state_dict: Dict[str, Any], added: List[tuple]) -> None:
     """Every rank learns every rank's outcome of ``what``; on any failure, all raise and take
     out the entries this restore added to ``state_dict``."""

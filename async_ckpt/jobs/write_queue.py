@@ -21,7 +21,7 @@ import threading
 from concurrent.futures import Future
 from typing import Any, Callable, List, Optional, Tuple
 
-from .errors import CheckpointError, InvalidArgumentError
+from ..errors import CheckpointError, InvalidArgumentError
 
 _STOP = object()
 
@@ -42,7 +42,7 @@ def _with_message(exc: CheckpointError, message: str) -> CheckpointError:
     return new
 
 
-class AsyncWriter:
+class WriteQueue:
     """Runs submitted jobs one after another on a daemon thread (see the module docstring).
 
     Args:

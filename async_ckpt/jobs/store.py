@@ -1,4 +1,4 @@
-"""``StepStore``: the steps under one root, as one manager sees and changes them.
+"""``RootStore``: the steps under one root, as one manager sees and changes them.
 
 It wires the step catalog, the root's writer lease, retention and the background deleter,
 for one process and for N (on N ranks only rank 0 holds the lease, commits and deletes; the
@@ -29,7 +29,7 @@ from .catalog import StepCatalog
 log = logging.getLogger("async_ckpt")
 
 
-class StepStore:
+class RootStore:
     """Committed, in-flight and condemned steps of one root; the lease; deletions."""
 
     def __init__(self, storage: Storage, layout: StepDirectories, exchange: Exchange,
@@ -100,8 +100,7 @@ class StepStore:
             try:
                 self.lease.check()
             except LeaseHeldError as exc:
-                exc.step = step
-                raise
+                raise exc.with_context(step=step) from exc.__cause__
 
     def warn_if_lower(self, step: int, restored: Optional[int]) -> None:
         """One warning when a save goes below the highest committed step without a restore.
@@ -223,8 +222,8 @@ class StepStore:
         except Exception as exc:  # the step is already unmarked: cleanup finishes it later
             log.warning("could not remove the files of step %d: %s", step, exc)
 
-    def open_step(self, step: int) -> "StepWrite":
-        """Begin writing ``step`` (the holder of the lease): see :class:`StepWrite`.
+    def begin_write(self, step: int) -> "PendingCommit":
+        """Begin writing ``step`` (the holder of the lease): see :class:`PendingCommit`.
 
         Args:
             step: the step.
@@ -232,7 +231,7 @@ class StepStore:
         Returns:
             The write, to commit or abort.
         """
-        return StepWrite(self, step)
+        return PendingCommit(self, step)
 
     def delete(self, step: int) -> None:
         """Delete a committed step now (the caller holds the lease)."""
@@ -281,7 +280,7 @@ class StepStore:
                 self.lease.release()
 
 
-class StepWrite:
+class PendingCommit:
     """One step being written to a root by the holder of its lease: opened (claimed in the
     catalog, its directory begun), then committed (manifest, catalog record, retention) or
     aborted. A save and a promotion commit through it alike.
@@ -294,7 +293,7 @@ class StepWrite:
         StorageError: the step's directory could not be begun (the claim is given back).
     """
 
-    def __init__(self, store: "StepStore", step: int) -> None:
+    def __init__(self, store: "RootStore", step: int) -> None:
         self.store = store
         self.step = step
         self.committed = False

@@ -30,7 +30,7 @@ from ..policies import RetentionPolicy
 from ..staging import HostSnapshot
 from ..stats import SaveStats
 from ..storage import StepTarget
-from .steps import StepStore, StepWrite
+from .store import PendingCommit, RootStore
 
 
 @dataclass
@@ -88,13 +88,13 @@ class _RankResult:
     metrics: Dict[str, float] = field(default_factory=dict)
 
 
-def run_save(store: StepStore, job: SaveJob, *, policy: RetentionPolicy, threads: int, planner: Any) -> Optional[SaveStats]:
+def run_save(store: RootStore, job: SaveJob, *, policy: RetentionPolicy, threads: int, planner: Any) -> Optional[SaveStats]:
     """Writer thread of every rank: the phases in the module docstring. Returns the save's
     statistics once committed (None on a rank whose staging failed)."""
     exchange = store.exchange
     step, snap = job.step, job.snap
     target: Optional[StepTarget] = None
-    opened: Optional[StepWrite] = None
+    opened: Optional[PendingCommit] = None
     released = False
 
     def release(failed: bool = False) -> None:  # this job's hold on the snapshot, given back once
@@ -107,7 +107,7 @@ def run_save(store: StepStore, job: SaveJob, *, policy: RetentionPolicy, threads
 
     def open_step() -> Tuple[str, str, int]:
         nonlocal opened, target
-        opened = store.open_step(step)
+        opened = store.begin_write(step)
         target = opened.target
         assert target is not None
         return target.path, target.final, step

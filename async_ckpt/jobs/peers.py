@@ -52,19 +52,14 @@ from ..errors import CheckpointError, InvalidArgumentError, warn_user
 from ..format import step_names
 from ..format.manifest import Manifest
 from ..io.sinks import copy_files
-from ..lifecycle.root import HELD, Root
-from ..lifecycle.steps import StepStore, StepWrite
 from ..options import ManagerOptions
 from ..policies import CheckpointInfo, RetentionPolicy, apply_retention, as_retention_policy
-from ..save_queue import AsyncWriter
 from ..storage import Storage
 from ..storage.step_dirs import StepDirectories
-from .tiered import (
-    OwnCopies,
-    foreign_steps,
-    make_room,
-    space_needed,
-)
+from .local_tier import OwnCopies, make_room, space_needed
+from .roots import HELD, Root, foreign_steps
+from .store import PendingCommit, RootStore
+from .write_queue import WriteQueue
 
 log = logging.getLogger("async_ckpt")
 
@@ -361,7 +356,7 @@ class _StepLanding:
     written to a root, committed there with ``policy`` (the root's retention, or one that also
     keeps the step)."""
 
-    def __init__(self, write: StepWrite, policy: RetentionPolicy) -> None:
+    def __init__(self, write: PendingCommit, policy: RetentionPolicy) -> None:
         assert write.target is not None
         self.write, self.policy = write, policy
         self.storage = write.store.storage
@@ -395,7 +390,7 @@ class PeerCopies:
         self.options = options
         self.exchange = exchange
         #: the replication thread: one ticket per save due locally, in order
-        self.writer = AsyncWriter(MAX_TICKETS, name="async-ckpt-peer-copies")
+        self.writer = WriteQueue(MAX_TICKETS, name="async-ckpt-peer-copies")
         #: the exchanges of this rank, oldest first (the last 1000)
         self.transfers: Deque[Transfer] = collections.deque(maxlen=1000)
         self._held: Dict[int, Root] = {}
@@ -505,7 +500,7 @@ class PeerCopies:
         coming = CheckpointInfo(manifest.step, manifest.commit_time, dict(manifest.metrics), manifest.nbytes,
                                 manifest.all_extra())
         make_room(root, coming, space_needed(sum(r.size for r in manifest.files.values())))
-        return _StepLanding(root.store.open_step(manifest.step), policy)
+        return _StepLanding(root.store.begin_write(manifest.step), policy)
 
     def held_root(self, owner: int) -> Root:
         """The root of the copies this rank holds for ``owner`` (made at first use).
@@ -523,7 +518,7 @@ class PeerCopies:
                 storage = Storage(self.local.store.storage.join(step_names.held_dir_name(owner)), None,
                                   retry=opts.retry)
                 storage.makedirs(storage.root)
-                store = StepStore(storage, StepDirectories(storage, opts.commit_mode), LocalExchange(),
+                store = RootStore(storage, StepDirectories(storage, opts.commit_mode), LocalExchange(),
                                   opts.wall_clock, keep_incomplete=opts.keep_incomplete,
                                   lease_timeout=opts.lease_timeout)
                 root = Root(HELD, store, self.writer, opts.local_retention, home=self.local.home)

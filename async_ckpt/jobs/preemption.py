@@ -30,8 +30,8 @@ import threading
 from types import FrameType
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
 
-from . import compat
-from .errors import CheckpointError, InvalidArgumentError
+from .. import compat
+from ..errors import CheckpointError, InvalidArgumentError
 
 log = logging.getLogger("async_ckpt")
 
