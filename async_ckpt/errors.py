@@ -83,11 +83,12 @@ class CheckpointError(RuntimeError):
 
     def with_context(self, *, step: Optional[int] = None, failures: Optional[Sequence[RankFailure]] = None,
                      **attrs: Any) -> "CheckpointError":
-        """This error as raised again by an outer layer that knows more of it: the same class,
-        message, attributes, cause and traceback, with ``step`` (where it named none),
-        ``failures`` and ``attrs`` set. A copy: an error is never changed once raised (it may
-        be held elsewhere, a writer's kept failures or a log record); itself when nothing is
-        added.
+        """This error as an outer layer that knows more of it raises it again (a copy).
+
+        The same class, message, attributes, cause and traceback, with ``step`` (where it named
+        none), ``failures`` and ``attrs`` set. A copy: an error is never changed once raised (it
+        may be held elsewhere, a writer's kept failures or a log record); itself when nothing
+        is added.
 
         Args:
             step: the step it concerns (kept where the error names one already).
@@ -194,7 +195,23 @@ class PartlyWrittenError(CheckpointError):
 class CorruptPartlyWrittenError(PartlyWrittenError, CorruptCheckpointError):
     """A :class:`PartlyWrittenError` whose cause is damaged data.
 
-    ``except CorruptCheckpointError`` catches it too, and its ``path`` is the damaged file's."""
+    ``except CorruptCheckpointError`` catches it too, and its ``path`` is the damaged file's.
+
+    Args:
+        message: what failed, and what the target holds now.
+        step: the step the restore was reading.
+        cause: the :class:`CorruptCheckpointError` (its ``path`` becomes this error's).
+        damaged_steps: the steps whose failed attempts wrote into the target.
+        keys_left: keys of the target left holding a damaged step's data.
+        failures: with several ranks, every rank's failure (see :class:`CheckpointError`).
+    """
+
+    def __init__(self, message: str, *, step: Optional[int] = None, cause: Optional[BaseException] = None,
+                 damaged_steps: Sequence[int] = (), keys_left: Sequence[str] = (),
+                 failures: Sequence[RankFailure] = ()) -> None:
+        super().__init__(message, step=step, cause=cause, damaged_steps=damaged_steps, keys_left=keys_left,
+                         failures=failures)
+        self.path = getattr(cause, "path", None)
 
 
 def partly_written_error(message: str, *, cause: BaseException, step: Optional[int] = None,
@@ -214,10 +231,8 @@ def partly_written_error(message: str, *, cause: BaseException, step: Optional[i
         :class:`PartlyWrittenError`.
     """
     if isinstance(cause, CorruptCheckpointError):
-        err: PartlyWrittenError = CorruptPartlyWrittenError(message, step=step, cause=cause,
-                                                            damaged_steps=damaged_steps, keys_left=keys_left)
-        err.path = cause.path  # type: ignore[attr-defined]
-        return err
+        return CorruptPartlyWrittenError(message, step=step, cause=cause, damaged_steps=damaged_steps,
+                                         keys_left=keys_left)
     if isinstance(cause, StorageError):
         return StoragePartlyWrittenError(message, step=step, cause=cause, damaged_steps=damaged_steps,
                                          keys_left=keys_left)

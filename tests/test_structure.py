@@ -1,9 +1,18 @@
-"""Structure rules that keep one idea in one place: no module of async_ckpt takes a ``_private``
-name (one leading underscore, not a dunder) from another module of async_ckpt.
+"""Structure rules that keep one idea in one place.
 
-Counted: ``from .x import _y`` / ``from ..x import _y`` / ``from async_ckpt.x import _y`` (at
-module level or inside a function), and ``m._y`` where ``m`` is a name the module bound to
-another async_ckpt module (``from . import m``, ``import async_ckpt.m as m``).
+- No module of async_ckpt takes a ``_private`` name (one leading underscore, not a dunder) from
+  another module of async_ckpt. Counted: ``from .x import _y`` / ``from ..x import _y`` /
+  ``from async_ckpt.x import _y`` (at module level or inside a function), and ``m._y`` where
+  ``m`` is a name the module bound to another async_ckpt module (``from . import m``,
+  ``import async_ckpt.m as m``).
+- One executor reads a step's files (``io/read_exec``): nothing above ``storage/`` opens a file
+  for reading on its own (see :func:`reads_outside_the_executor`).
+- No broad ``except`` swallows an error without a word: it re-raises, logs or warns, keeps the
+  error, or says why on its line (see :func:`silent_excepts`).
+- An error is never changed once raised: no attribute of a caught error (``except ... as e``, or
+  the error a context manager's ``__exit__`` receives) is assigned (raise
+  ``e.with_context(step=...)``, a copy; see :func:`patched_errors`).
+- ``CheckpointManager``'s arguments and ``ManagerOptions``' fields are the same list.
 """
 
 from __future__ import annotations
@@ -126,3 +135,250 @@ def test_the_scan_finds_private_names_reached_through_dotted_module_paths(tmp_pa
     (pkg / "e.py").write_text("def _own():\n    pass\n\n_own()\n")
     assert offenders(str(pkg)) == ["async_ckpt.b: async_ckpt.sub.a._p", "async_ckpt.c: async_ckpt.sub.a._p",
                                    "async_ckpt.d: async_ckpt.sub.a._p"]
+
+
+def test_the_manager_options_are_the_managers_arguments():
+    """``ManagerOptions.from_arguments(locals())`` builds the options from the manager's own
+    arguments: every parameter of ``CheckpointManager`` is a field of the same name, in the same
+    order, with the same default (the coordinator's timeout has no default in the options; the
+    signature shows it), and nothing else is."""
+    import dataclasses
+    import inspect
+
+    from async_ckpt import CheckpointManager
+    from async_ckpt.options import ManagerOptions
+
+    params = [p for p in inspect.signature(CheckpointManager.__init__).parameters.values() if p.name != "self"]
+    fields = dataclasses.fields(ManagerOptions)
+    assert [p.name for p in params] == [f.name for f in fields]
+    for p, f in zip(params, fields):
+        if f.name == "collective_timeout_s":
+            assert f.default is dataclasses.MISSING
+            continue
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        if p.default is inspect.Parameter.empty:
+            assert default is dataclasses.MISSING, f.name
+        else:
+            assert default == p.default, f.name
+
+
+# ---- one executor reads a step's files ---------------------------------------------------------
+
+#: The ranged reads of a step's data files (``Storage.open_ranges`` and its readers' ``read_into``).
+RANGED_READS = {"open_ranges", "read_into"}
+#: Whole-file reads and opens: ``Storage.read_bytes``, fsspec's ``cat*``, ``open``/``os.open``.
+WHOLE_READS = {"read_bytes", "cat_file", "cat", "cat_ranges", "open", "fromfile", "mmap"}
+#: The executor: the one module above ``storage/`` that reads a step's files.
+EXECUTOR = "async_ckpt.io.read_exec"
+#: Modules above ``storage/`` that read files that are not a step's: module -> what it reads.
+READS_OTHER_FILES = {
+    "async_ckpt.stats": "the stats log (JSON lines, not a step's file)",
+    "async_ckpt.integrations.lightning": "Lightning's own checkpoint files, handed to torch.load",
+    "async_ckpt.integrations.atomic_files": "directories opened to fsync them",
+}
+
+
+def _write_mode(call: ast.Call) -> bool:
+    """Whether an ``open(path, mode)``-like call names a mode that only writes."""
+    mode = call.args[1] if len(call.args) > 1 else next((k.value for k in call.keywords if k.arg == "mode"), None)
+    if isinstance(mode, ast.Constant) and isinstance(mode.value, str):
+        return "r" not in mode.value and "+" not in mode.value
+    if isinstance(mode, (ast.BinOp, ast.Attribute)):  # os.open's flags: O_WRONLY | O_CREAT | ...
+        names = {n.attr for n in ast.walk(mode) if isinstance(n, ast.Attribute)}
+        return "O_WRONLY" in names or ("O_RDWR" not in names and "O_RDONLY" not in names and bool(names))
+    return False
+
+
+def reads_outside_the_executor(pkg_dir: str = PKG_DIR) -> List[str]:
+    """Every read of a file by a module above ``storage/`` other than :data:`EXECUTOR`, as
+    ``"module:line: call"``, sorted.
+
+    Counted: a call of a ranged read (:data:`RANGED_READS`) anywhere but inside a function of
+    the same name (a reader that hands the executor another's reader: ``StagedFiles``), and a
+    call of a whole-file read (:data:`WHOLE_READS`, the builtin ``open`` and ``os.open`` with a
+    mode that reads) outside the modules of :data:`READS_OTHER_FILES`. ``storage/`` is the layer
+    the executor reads through (its backends, and the step directories' markers and manifests),
+    so it is not counted; a method of the module's own class named like a read is not a read of
+    a file (``self.open``, ``self._probe.open``: calls on ``self`` are skipped)."""
+    found: List[str] = []
+    for module, path in _modules(pkg_dir).items():
+        if module == EXECUTOR or module.startswith("async_ckpt.storage"):
+            continue
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read(), filename=path)
+        parents: Dict[ast.AST, ast.AST] = {}
+        for node in ast.walk(tree):
+            for child in ast.iter_child_nodes(node):
+                parents[child] = node
+
+        def inside(node: ast.AST, parents: Dict[ast.AST, ast.AST] = parents) -> Optional[str]:
+            while node in parents:
+                node = parents[node]
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    return node.name
+            return None
+
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Call):
+                continue
+            fn = node.func
+            name = fn.attr if isinstance(fn, ast.Attribute) else fn.id if isinstance(fn, ast.Name) else None
+            if name is None:
+                continue
+            owner = fn.value if isinstance(fn, ast.Attribute) else None
+            if isinstance(owner, ast.Name) and owner.id == "self":
+                continue
+            if isinstance(owner, ast.Attribute) and isinstance(owner.value, ast.Name) and owner.value.id == "self" \
+                    and owner.attr.startswith("_probe"):
+                continue
+            if name in RANGED_READS and inside(node) != name:
+                found.append(f"{module}:{node.lineno}: {name}")
+            elif name in WHOLE_READS and module not in READS_OTHER_FILES and not _write_mode(node):
+                found.append(f"{module}:{node.lineno}: {name}")
+    return sorted(found)
+
+
+def test_only_the_executor_reads_a_steps_files():
+    found = reads_outside_the_executor()
+    assert not found, ("files read outside io/read_exec (read them through read_exec.execute / read_files, "
+                       "or name the module in READS_OTHER_FILES if its files are not a step's):\n" + "\n".join(found))
+
+
+def test_the_read_scan_finds_what_it_should(tmp_path):
+    """The scanner itself: a ranged read, a read of whole bytes and opens that read are found
+    above storage/; writes, a reader that delegates, the executor and storage/ are not."""
+    pkg = tmp_path / "async_ckpt"
+    (pkg / "io").mkdir(parents=True)
+    (pkg / "storage").mkdir()
+    for d in (pkg, pkg / "io", pkg / "storage"):
+        (d / "__init__.py").write_text("")
+    (pkg / "io" / "read_exec.py").write_text("def f(st):\n    st.open_ranges('a').read_into(0, b'')\n")
+    (pkg / "storage" / "step_dirs.py").write_text("def f(st):\n    return st.read_bytes('m')\n")
+    (pkg / "io" / "sinks.py").write_text(
+        "class Staged:\n    def open_ranges(self, w):\n        return self._storage.open_ranges(w)\n")
+    (pkg / "jobs.py").write_text(
+        "import os\n\n"
+        "def f(st, fs):\n"
+        "    st.open_ranges('a')\n"  # 4
+        "    st.read_bytes('b')\n"  # 5
+        "    fs.open('c', 'rb')\n"  # 6
+        "    open('d')\n"  # 7
+        "    os.open('e', os.O_RDONLY)\n"  # 8
+        "    fs.open('w', 'wb')\n"
+        "    open('w', mode='w')\n"
+        "    os.open('w', os.O_WRONLY | os.O_CREAT)\n"
+        "    os.open('w', os.O_WRONLY)\n")
+    assert reads_outside_the_executor(str(pkg)) == [
+        "async_ckpt.jobs:4: open_ranges", "async_ckpt.jobs:5: read_bytes", "async_ckpt.jobs:6: open",
+        "async_ckpt.jobs:7: open", "async_ckpt.jobs:8: open"]
+
+
+# ---- no silent except --------------------------------------------------------------------------
+
+#: Calls that report an error (a logger's methods, ``warn_user``, ``warnings.warn``).
+REPORTS = {"exception", "error", "warning", "info", "debug", "critical", "warn", "warn_user"}
+
+
+def silent_excepts(pkg_dir: str = PKG_DIR) -> List[str]:
+    """Every ``except:``, ``except Exception`` or ``except BaseException`` (alone or in a tuple)
+    of async_ckpt whose block neither raises, reports (:data:`REPORTS`) nor uses the error it
+    bound, and whose ``except`` line has no comment saying why swallowing is safe, as
+    ``"module:line"``, sorted."""
+    found: List[str] = []
+    for module, path in _modules(pkg_dir).items():
+        with open(path, encoding="utf-8") as f:
+            src = f.read()
+        lines = src.splitlines()
+        for node in ast.walk(ast.parse(src, filename=path)):
+            if not isinstance(node, ast.ExceptHandler):
+                continue
+            kinds = [] if node.type is None else node.type.elts if isinstance(node.type, ast.Tuple) else [node.type]
+            if node.type is not None and not any(isinstance(k, ast.Name) and k.id in ("Exception", "BaseException")
+                                                 for k in kinds):
+                continue
+            if "#" in lines[node.lineno - 1]:
+                continue
+            body = [n for stmt in node.body for n in ast.walk(stmt)]
+            if any(isinstance(n, ast.Raise) for n in body):
+                continue
+            if any(isinstance(n, ast.Call) and isinstance(n.func, (ast.Attribute, ast.Name))
+                   and (n.func.attr if isinstance(n.func, ast.Attribute) else n.func.id) in REPORTS for n in body):
+                continue
+            if node.name and any(isinstance(n, ast.Name) and n.id == node.name for n in body):
+                continue
+            found.append(f"{module}:{node.lineno}")
+    return sorted(found)
+
+
+def test_no_except_swallows_an_error_without_a_word():
+    found = silent_excepts()
+    assert not found, ("broad excepts that swallow without logging, keeping the error or a comment saying why "
+                       "that is safe:\n" + "\n".join(found))
+
+
+def test_the_except_scan_finds_what_it_should(tmp_path):
+    pkg = tmp_path / "async_ckpt"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "m.py").write_text(
+        "import logging\nlog = logging.getLogger()\n\n"
+        "def f(g):\n"
+        "    try:\n        g()\n    except Exception:\n        pass\n"  # 7: silent
+        "    try:\n        g()\n    except:\n        return None\n"  # 11: silent
+        "    try:\n        g()\n    except (OSError, BaseException):\n        pass\n"  # 15: silent
+        "    try:\n        g()\n    except Exception:  # a probe: False is the answer\n        pass\n"
+        "    try:\n        g()\n    except Exception:\n        raise\n"
+        "    try:\n        g()\n    except Exception as exc:\n        log.warning('%s', exc)\n"
+        "    try:\n        g()\n    except Exception as exc:\n        kept = exc\n"
+        "    try:\n        g()\n    except OSError:\n        pass\n")
+    assert silent_excepts(str(pkg)) == ["async_ckpt.m:11", "async_ckpt.m:15", "async_ckpt.m:7"]
+
+
+# ---- an error is never patched once raised -----------------------------------------------------
+
+def patched_errors(pkg_dir: str = PKG_DIR) -> List[str]:
+    """Every assignment to an attribute of a caught error: the name an ``except ... as name``
+    binds, inside its block, or the exception parameter of an ``__exit__`` method (its third
+    argument after ``self``), as ``"module:line: name.attr"``, sorted."""
+    found: List[str] = []
+    for module, path in _modules(pkg_dir).items():
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read(), filename=path)
+        scopes: List[tuple] = []
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ExceptHandler) and node.name:
+                scopes.append((node.name, node.body))
+            elif isinstance(node, ast.FunctionDef) and node.name == "__exit__" and len(node.args.args) >= 3:
+                scopes.append((node.args.args[2].arg, node.body))
+        for name, body in scopes:
+            for n in (n for stmt in body for n in ast.walk(stmt)):
+                targets = n.targets if isinstance(n, ast.Assign) else [n.target] \
+                    if isinstance(n, (ast.AugAssign, ast.AnnAssign)) else []
+                for t in targets:
+                    if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == name:
+                        found.append(f"{module}:{n.lineno}: {name}.{t.attr}")
+                if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "setattr" and n.args \
+                        and isinstance(n.args[0], ast.Name) and n.args[0].id == name:
+                    found.append(f"{module}:{n.lineno}: setattr({name}, ...)")
+    return sorted(set(found))
+
+
+def test_no_error_is_patched_after_it_is_raised():
+    found = patched_errors()
+    assert not found, ("errors changed after they were raised (raise exc.with_context(...) instead: a copy):\n"
+                       + "\n".join(found))
+
+
+def test_the_patch_scan_finds_what_it_should(tmp_path):
+    pkg = tmp_path / "async_ckpt"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "m.py").write_text(
+        "def f(g):\n"
+        "    try:\n        g()\n    except ValueError as exc:\n        exc.step = 1\n        raise\n"  # 5
+        "    try:\n        g()\n    except ValueError as exc:\n        setattr(exc, 'step', 1)\n"  # 10
+        "    try:\n        g()\n    except ValueError as exc:\n        raise exc.with_context(step=1)\n"
+        "\n\nclass C:\n    def __exit__(self, t, e, tb):\n        e.step = 2\n"  # 19
+        "\n    def other(self, e):\n        e.step = 3\n")
+    assert patched_errors(str(pkg)) == ["async_ckpt.m:10: setattr(exc, ...)", "async_ckpt.m:19: e.step",
+                                        "async_ckpt.m:5: exc.step"]

@@ -475,7 +475,7 @@ def _host_backed() -> bool:
         import torch_xla.runtime as xr
 
         return xr.device_type() == "CPU"
-    except Exception:
+    except Exception:  # no usable torch_xla runtime: not a CPU-backed XLA device
         return False
 
 
@@ -517,7 +517,7 @@ class DeviceTargets:
             for i, (target, host) in enumerate(pairs):
                 try:
                     x = from_dlpack(to_dlpack(host))
-                except Exception:
+                except Exception:  # no DLPack view of this buffer: the copy below transfers it
                     continue  # transferred below
                 if x.device == target.device:
                     srcs[i] = x

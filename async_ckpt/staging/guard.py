@@ -45,7 +45,7 @@ def _note_needed(active: Tuple[PendingCopies, ...], keys: Iterable[StorageKey]) 
 def _donation_enabled() -> bool:
     try:
         return compat.xla_loaded() and compat.xla_alias_with_buffer_donor()
-    except Exception:
+    except Exception:  # torch_xla absent or without buffer donation: nothing to guard
         return False
 
 

@@ -199,7 +199,7 @@ def _copies(dtype: torch.dtype) -> bool:
         torch.empty_like(src).copy_(src)
         src.clone()
         return True
-    except Exception:
+    except Exception:  # the dtype cannot be copied as bytes here: the probe's answer
         return False
 
 

@@ -229,8 +229,11 @@ class HostBufferPool:
 
     # ---- the API --------------------------------------------------------------------------------
     def leaser(self) -> Callable[[Sequence[int]], Tuple[Sequence[torch.Tensor], Callable[[], None]]]:
-        """This pool's buffers as an atomic restore stages through them: ``acquire(sizes)`` ->
-        (one lease's buffers, the function that releases the lease)."""
+        """This pool's buffers as an atomic restore stages through them.
+
+        Returns:
+            ``acquire(sizes)`` -> (one lease's buffers, the function that releases the lease).
+        """
 
         def acquire(sizes: Sequence[int]) -> Tuple[Sequence[torch.Tensor], Callable[[], None]]:
             lease = self.acquire(sizes)

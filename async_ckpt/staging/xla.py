@@ -148,7 +148,7 @@ def xla_host_views(tensors: Sequence[torch.Tensor]) -> Optional[List[torch.Tenso
     try:
         to_dlpack, from_dlpack = compat.xla_to_dlpack_fn(), compat.from_dlpack
         views = [from_dlpack(to_dlpack(t)) for t in tensors]
-    except Exception:
+    except Exception:  # no DLPack view: the caller copies through the runtime instead
         return None
     if not all(v.is_cpu for v in views):
         return None
@@ -173,7 +173,7 @@ def _spmd() -> bool:
         import torch_xla.runtime as xr
 
         return bool(xr.is_spmd())
-    except Exception:
+    except Exception:  # torch_xla absent or not initialised: not SPMD
         return False
 
 
@@ -183,7 +183,7 @@ def _sharding_query() -> Optional[Tuple[Callable[[torch.Tensor], Any], Any]]:
         import torch_xla.distributed.spmd as xs
 
         return compat.xla_sharding_type_fn(), xs.ShardingType.REPLICATED
-    except Exception:
+    except Exception:  # torch_xla without SPMD sharding types
         return None
 
 
@@ -192,7 +192,7 @@ def _split(t: torch.Tensor, kind_of: Callable[[torch.Tensor], Any], replicated: 
         return False
     try:
         kind = kind_of(t)
-    except Exception:
+    except Exception:  # a tensor without a sharding: not split
         return False
     return kind is not None and kind != replicated
 
@@ -303,7 +303,7 @@ class _Layout:
 def _buffer_address_of() -> Optional[Callable[[torch.Tensor], int]]:
     try:
         return compat.xla_buffer_pointer_fn()
-    except Exception:
+    except Exception:  # torch_xla without the buffer-pointer API
         return None
 
 
@@ -311,7 +311,7 @@ def _probe_ok(t: torch.Tensor, addr: int) -> bool:
     """Whether DLPack shows ``t``'s buffer as row-major host memory starting at ``addr``."""
     try:
         v = compat.from_dlpack(compat.xla_to_dlpack_fn()(t))
-    except Exception:
+    except Exception:  # no DLPack view: the probe fails, the slower path is used
         return False
     return v.is_cpu and v.data_ptr() == addr and v.shape == t.shape and v.dtype == t.dtype and v.is_contiguous()
 

@@ -170,7 +170,7 @@ class MarkerCommit:
         st.fsync_dir(st.root)
         try:
             st.rm(f"{target.path}/{PENDING_NAME}", recursive=False)  # tidy; the marker decides
-        except Exception:
+        except Exception:  # the marker decides; the next writer's clean-up removes a leftover
             pass
         here = target.path.rstrip("/").rsplit("/", 1)[-1]
         for name in dirs.marked_copies(target.step):

@@ -121,7 +121,7 @@ class StepDirectories:
     def _commit_time(self, name: str) -> float:
         try:
             return Manifest.from_json(self.storage.read_bytes(self.storage.join(name, MANIFEST_NAME))).commit_time
-        except Exception:
+        except Exception:  # an unreadable manifest: a copy that loses to any readable one
             return float("-inf")
 
     def _choose(self, names: List[str]) -> Tuple[str, List[str]]:
@@ -221,11 +221,11 @@ class StepDirectories:
             self.storage.rm(f"{target.path}/{MARKER_NAME}", recursive=False, wait=ABORT_WAIT_S)
         except StorageTimeoutError:
             return  # not answering: the next writer's clean-up removes the step
-        except Exception:
+        except Exception:  # best effort: the next writer's clean-up removes the step
             pass
         try:
             self.storage.rm(target.path, wait=ABORT_WAIT_S)
-        except Exception:
+        except Exception:  # best effort: the next writer's clean-up removes the step
             pass
 
     def condemn(self, step: int) -> List[str]:

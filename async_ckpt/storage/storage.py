@@ -117,8 +117,10 @@ class Storage:
 
     # ---- paths -------------------------------------------------------------------------------
     def root_identity(self) -> str:
-        """The root as one string per directory, ending in ``/``: the filesystem's protocol and
-        the root path (local paths: absolute, symbolic links resolved; ``file://`` or not).
+        """The root as one string per directory: ``<protocol>://<root>/``.
+
+        The filesystem's protocol and the root path (local paths: absolute, symbolic links
+        resolved; ``file://`` or not).
 
         What a local tier's manifests record as the persistent root they were saved for.
 
@@ -538,7 +540,7 @@ class Storage:
         """Drop the filesystem's cached listings (errors are ignored)."""
         try:
             self.fs.invalidate_cache()
-        except Exception:
+        except Exception:  # a filesystem without a listing cache: nothing to drop
             pass
 
 

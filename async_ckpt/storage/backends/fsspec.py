@@ -150,10 +150,10 @@ def _discard(f: Any) -> None:
         if callable(fn):
             try:
                 fn()
-            except Exception:
+            except Exception:  # best effort on a write being abandoned: its error is raised by the caller
                 pass
             break
     try:
         f.closed = True  # fsspec buffered files: prevent close() from uploading later
-    except Exception:
+    except Exception:  # a file object without a settable `closed`: nothing to prevent
         pass
