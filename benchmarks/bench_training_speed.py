@@ -141,6 +141,13 @@ class Ours(Method):
         super().close()
 
 
+class OursThread(Ours):
+    """The writer thread instead of the writer process (``writer="thread"``)."""
+
+    name = "ours-thread"
+    kwargs = {"writer": "thread"}
+
+
 class OursLazy(Ours):
     name = "ours-lazy"
     kwargs = {"lazy": True}
@@ -311,10 +318,10 @@ class TorchSave(Method):
 
 
 METHODS: Dict[str, Callable[[str], Method]] = {
-    m.name: m for m in (Floor, Ours, OursLazy, OursIncremental, OursTiered, DcpThread, DcpProcess, DcpStager,
+    m.name: m for m in (Floor, Ours, OursThread, OursLazy, OursIncremental, OursTiered, DcpThread, DcpProcess, DcpStager,
                         TorchCheckpointing, LightningAsync, TorchSave)
 }
-LAUNCH_DEFAULT = "floor,ours,ours-lazy,ours-incremental,ours-tiered,dcp-thread,dcp-process,dcp-stager," \
+LAUNCH_DEFAULT = "floor,ours,ours-thread,ours-lazy,ours-incremental,ours-tiered,dcp-thread,dcp-process,dcp-stager," \
                  "torch-checkpointing,lightning"
 CPU_DEFAULT = "ours,ours-lazy,dcp-stager,dcp-process,torch-checkpointing,lightning,torch-save"
 
@@ -505,7 +512,7 @@ def _rank_main(rank: int, args: argparse.Namespace, root: str, store_path: str, 
 
 
 #: methods that run in every rank of ``--ranks N`` (the others are one-process only)
-RANK_METHODS = ("floor", "ours", "ours-lazy", "ours-incremental", "dcp-thread", "dcp-process")
+RANK_METHODS = ("floor", "ours", "ours-thread", "ours-lazy", "ours-incremental", "dcp-thread", "dcp-process")
 
 
 def run_launch_ranks(args: argparse.Namespace, root: str, log: Callable[[str], None]) -> Dict[str, Any]:

@@ -26,6 +26,8 @@ from ..policies import RetentionPolicy
 from ..staging import HostSnapshot
 from ..stats import SaveStats
 from ..storage import FileRecord, Manifest, StepTarget
+from ..storage.dcp.writer import executing
+from ..storage.dcp.writer_process import ProcessExecutor, WriterProcess
 from ..storage.manifest import reduce_metrics
 from . import phase
 from .replicas import DroppedSamples, diverged, fingerprints
@@ -85,9 +87,12 @@ class _RankResult:
     metrics: Dict[str, float] = field(default_factory=dict)
 
 
-def run_save(store: StepStore, job: SaveJob, *, policy: RetentionPolicy, threads: int, planner: Any) -> Optional[SaveStats]:
+def run_save(store: StepStore, job: SaveJob, *, policy: RetentionPolicy, threads: int, planner: Any,
+             writer_process: Optional[WriterProcess] = None) -> Optional[SaveStats]:
     """Writer thread of every rank: the phases in the module docstring. Returns the save's
-    statistics once committed (None on a rank whose staging failed)."""
+    statistics once committed (None on a rank whose staging failed). With ``writer_process``,
+    the files of a local root whose items live in the snapshot's shared buffers are written
+    there (see :mod:`async_ckpt.storage.dcp.writer_process`)."""
     coord = store.coordinator
     step, snap = job.step, job.snap
     target: Optional[StepTarget] = None
@@ -186,9 +191,15 @@ def run_save(store: StepStore, job: SaveJob, *, policy: RetentionPolicy, threads
         if reuse is not None:
             store.recall_last_step()  # a new manager: what the newest committed step holds
             reuse.prepare(*job.frozen, step=step)
+        executor = None
+        if writer_process is not None and store.storage.is_local:
+            blocks = [b for lease in snap.leases for b in lease.shared_blocks()]
+            if blocks:
+                executor = ProcessExecutor(writer_process, blocks)
         try:
-            files = coord.write(store.storage, target.path, snap.state_dict, threads=threads, planner=planner,
-                                memo=store.memo)
+            with executing(executor):
+                files = coord.write(store.storage, target.path, snap.state_dict, threads=threads, planner=planner,
+                                    memo=store.memo)
         except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
             release(failed=True)
             if isinstance(exc, (KeyboardInterrupt, SystemExit)) or coord.world_size == 1:

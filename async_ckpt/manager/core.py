@@ -61,7 +61,7 @@ from ..staging import HostBufferPool, Stager
 from ..staging.frozen import FrozenTensors, changed_keys, version_of
 from ..stats import FAILED, FALLBACK, UPLOAD_SKIPPED, SaveStats, format_bytes, format_seconds, tier_name
 from ..storage import CheckpointLayout, RetryPolicy, Storage
-from ..storage.dcp import Reuse
+from ..storage.dcp import Reuse, writer_process
 from ..storage.manifest import check_metrics
 from ..storage.stats_log import StatsLog
 from .hooks import live_managers, stop_threads
@@ -267,6 +267,14 @@ class CheckpointManager:
             lists no step); :meth:`wait_for_step` waits for the writer's next commit. Not with
             ``local_dir``, ``chkpt_on_preemption`` or ``stats_log`` (see docs/reliability.md,
             "Reading a live run").
+        writer: who writes a save's files after the stall. ``"process"``: a writer process
+            (one per training process, started at the first save, shared by its managers)
+            reads the staging buffers, which are then shared memory, and writes the files of
+            local paths, so the training thread never shares its GIL with a write; the
+            manifest, commit, retention, lease and the ranks' exchanges stay here. ``"thread"``:
+            this process's writer thread writes them. ``"auto"`` (default): ``$ASYNC_CKPT_WRITER``
+            if set, else ``"process"`` on Linux. Object stores are written by the thread
+            either way (see docs/design.md, "The writer process").
         wall_clock: the clock of the commit times recorded in manifests (default
             ``time.time``; commit order survives it stepping back).
         interval_clock: the clock time-based save policies measure intervals with (the times
@@ -319,6 +327,7 @@ class CheckpointManager:
         replicated_reads: str = "auto",
         metrics_reduce: str = "rank0",
         read_only: bool = False,
+        writer: str = "auto",
         wall_clock: Callable[[], float] = time.time,
         interval_clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -333,7 +342,7 @@ class CheckpointManager:
             incremental=incremental,
             full_every=full_every, frozen=frozen, frozen_check_every=frozen_check_every,
             replicated_saves=replicated_saves, replicated_reads=replicated_reads, metrics_reduce=metrics_reduce,
-            read_only=read_only, wall_clock=wall_clock, interval_clock=interval_clock)
+            read_only=read_only, writer=writer, wall_clock=wall_clock, interval_clock=interval_clock)
         #: the validated options this manager was built from
         self.options = opts
         self._preemption: Optional[PreemptionTracker] = None
@@ -370,7 +379,10 @@ class CheckpointManager:
         self.catalog = store.catalog
         self._stats_log = StatsLog.from_option(self.storage, opts.stats_log)
         # with a local tier an upload overlaps local saves on and off: keep buffers for both
-        self.stager = Stager(HostBufferPool(opts.memory_budget_bytes, hold_peak=opts.local_dir is not None))
+        self.stager = Stager(HostBufferPool(opts.memory_budget_bytes, hold_peak=opts.local_dir is not None,
+                                            shared=opts.writer == "process"))
+        #: the writer process that writes this manager's local files (``writer="process"``)
+        self.writer_process = writer_process.shared() if opts.writer == "process" else None
         self._frozen = FrozenTensors(opts.frozen, opts.frozen_check_every) if opts.frozen is not None else None
         self._shares = SaveShares() if opts.replicated_saves and self._coord.world_size > 1 else None
         if isinstance(self._coord, GroupCoordinator):
@@ -938,7 +950,8 @@ class CheckpointManager:
                 make_room(tier, coming, space_needed(job.snap.nbytes))
         planner = save_planner_for(job.snap) if job.snap is not None else None
         try:
-            stats = run_save(tier.store, job, policy=tier.retention, threads=self.write_threads, planner=planner)
+            stats = run_save(tier.store, job, policy=tier.retention, threads=self.write_threads, planner=planner,
+                             writer_process=self.writer_process)
         except BaseException as exc:
             if coming is not None and out_of_space(exc):  # found full after all: the next save finds room
                 make_room(tier, coming, None)

@@ -25,7 +25,9 @@ import io
 import pickle
 import threading
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple, cast
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Tuple, cast
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -307,21 +309,65 @@ def _item_nbytes(data: Any) -> int:
     return data.getbuffer().nbytes if isinstance(data, io.BytesIO) else 0
 
 
+#: The executor of the save being written on this thread (the writer process's, see
+#: :func:`executing`); ``None``: the files are written by this thread's writer.
+_EXECUTOR: ContextVar[Optional[Any]] = ContextVar("async_ckpt_executor", default=None)
+
+
+@contextmanager
+def executing(executor: Any) -> Iterator[None]:
+    """Write the files of the saves made inside the block through ``executor`` (a
+    :class:`~.writer_process.ProcessExecutor`; ``None``: this thread's writer)."""
+    token = _EXECUTOR.set(executor)
+    try:
+        yield
+    finally:
+        _EXECUTOR.reset(token)
+
+
 def _write_files(storage: Storage, path: str, prefix: str, buckets: List[List[Any]], hints: List[int],
                  threads: int, resolve: Callable[[Any], Any], records: bool = False
                  ) -> List[Tuple[str, FileRecord, List[int]]]:
-    """Write each bucket as one ``<prefix><k>.distcp`` file, concurrently; ``resolve(item)``
-    gives an item's data (a tensor or a BytesIO).
+    """:func:`write_buckets`, through the executor of :func:`executing` where there is one."""
+    executor = _EXECUTOR.get()
+    if executor is None or not buckets:
+        return write_buckets(storage, path, prefix, buckets, hints, threads, resolve, records)
 
-    Returns, per file, its name, its record (with ``records``, the length and CRC32C of each
-    item too) and the length of each item in order (items are contiguous, so offsets follow). ``hints[k]`` is about the data size of bucket ``k`` (lets
-    small files upload in one request).
+    def in_thread(ks: List[int]) -> List[Tuple[str, FileRecord, List[int]]]:
+        return write_buckets(storage, path, prefix, [buckets[k] for k in ks], [hints[k] for k in ks], threads,
+                             resolve, records, names=ks)
+
+    return cast(List[Tuple[str, FileRecord, List[int]]],
+                executor.write_files(storage, path, prefix, buckets, hints, threads, resolve, records, in_thread))
+
+
+def write_buckets(storage: Storage, path: str, prefix: str, buckets: List[List[Any]], hints: List[int],
+                  threads: int, resolve: Callable[[Any], Any], records: bool = False,
+                  names: Optional[List[int]] = None) -> List[Tuple[str, FileRecord, List[int]]]:
+    """Write each bucket as one ``<prefix><k>.distcp`` file, concurrently, from this process.
+
+    Args:
+        storage: the root's storage.
+        path: the step's directory.
+        prefix: the files' name prefix (``__<rank>_``).
+        buckets: the items of each file; ``resolve(item)`` gives an item's data (a tensor or a
+            ``BytesIO``).
+        hints: about the data size of each bucket (lets small files upload in one request).
+        threads: files written at once.
+        resolve: an item's data.
+        records: keep each item's length and CRC-32C in its file's record.
+        names: the number ``k`` of each bucket's file (default: its position).
+
+    Returns:
+        Per file: its name, its record (with ``records``, the length and CRC-32C of each item
+        too) and the length of each item in order (items are contiguous, so offsets follow).
     """
+    numbers = names if names is not None else list(range(len(buckets)))
 
     def write_file(k: int, jobs: List[Any]) -> Tuple[str, FileRecord, List[int]]:
         # A file is streamed, so a transient failure mid-file is retried by rewriting the
         # whole file (the host snapshot is immutable until the step commits).
-        where = f"{path}/{prefix}{k}.distcp"
+        where = f"{path}/{prefix}{numbers[k]}.distcp"
         return storage.retry.call(lambda: write_file_once(k, jobs), f"write {where}")
 
     # Runs of small items are produced by one file at a time: that is Python work, which the
@@ -331,7 +377,7 @@ def _write_files(storage: Storage, path: str, prefix: str, buckets: List[List[An
     produce_small = threading.Lock()
 
     def write_file_once(k: int, jobs: List[Any]) -> Tuple[str, FileRecord, List[int]]:
-        name = f"{prefix}{k}.distcp"
+        name = f"{prefix}{numbers[k]}.distcp"
         lengths: List[int] = []
         data_at: Dict[int, int] = {}  # record offset -> its data's offset in it (large tensors)
         with storage.open_write(f"{path}/{name}", size_hint=hints[k]) as f:

@@ -1,0 +1,508 @@
+"""The writer process: a step's files written by another process, off the training process's GIL.
+
+A training loop that dispatches work from one Python thread (as a GPU loop does) holds the
+GIL nearly all the time; a background writer *thread* then slows it, however little Python it
+runs: every time the writer thread comes back from a system call or a checksum it must take the
+GIL from the loop. ``CheckpointManager(writer="process")`` (and ``"auto"`` on local paths) moves
+the byte-moving part of a save — records rendered, CRC-32C computed, files written and
+fsynced — into a process of its own, started once per training process and shared by its
+managers; planning, the manifest, the commit, retention, the writer lease and the ranks'
+exchanges stay in the training process.
+
+Nothing is copied at the hand-off: the staging buffers are shared memory
+(:mod:`async_ckpt.shared_memory`) that the writer process maps, and a save sends it
+only a description of each item (a buffer id, an offset, dtype, shape and strides; the bytes of
+non-tensor values, pickled at the call). Items outside shared buffers (a declared-frozen tensor
+left uncopied, memory the system could not share) make their file go through the thread
+writer, in the same save.
+
+The process (:class:`WriterProcess`):
+
+* is started with :mod:`subprocess` (``python -c``), never ``fork`` of the training process
+  and never ``multiprocessing``'s spawn (which re-imports the user's main script), in a
+  session of its own, so a Ctrl-C meant for the job is decided by the training process;
+* ends by itself when the training process goes: at end-of-file on its socket, or when its
+  parent changes (checked every half second), so a ``SIGKILL``-ed job leaves no writer behind;
+* answers a job with the files' records (sizes, CRC-32Cs) or the error that ended it, raised
+  in the training process as the thread writer raises it (``OSError`` with its errno, so the
+  retry policy treats it alike); its death fails the jobs in flight with
+  :class:`~async_ckpt.errors.WriterProcessError`, and the next save starts a new process;
+* is used from one process only: after ``fork`` the child process starts its own.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import pickle
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import Future
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from ... import shared_memory
+from ...errors import StorageError, WriterProcessError
+from ..manifest import FileRecord
+from ..storage import Storage
+
+log = logging.getLogger("async_ckpt")
+
+_HEADER = struct.Struct("<QI")  # payload bytes, descriptors attached
+_MAX_FDS = 250  # descriptors per message (SCM_RIGHTS allows 253 on Linux)
+READY_TIMEOUT_S = 120.0  # the process imports torch before it answers
+
+Outs = List[Tuple[str, FileRecord, List[int]]]
+
+
+# ---- framing: pickled messages over a Unix socket, with descriptors ---------------------------
+
+def _send(sock: socket.socket, obj: Any, fds: Sequence[int] = ()) -> None:
+    """One message: header, pickle; ``fds`` ride with its first byte (SCM_RIGHTS)."""
+    payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    data = _HEADER.pack(len(payload), len(fds)) + payload
+    sent = socket.send_fds(sock, [data], list(fds)) if fds else sock.send(data)
+    if sent < len(data):
+        sock.sendall(memoryview(data)[sent:])
+
+
+def _recv_exact(sock: socket.socket, n: int, into: bytearray) -> None:
+    while len(into) < n:
+        chunk = sock.recv(min(n - len(into), 1 << 20))
+        if not chunk:
+            raise EOFError("writer process socket closed")
+        into += chunk
+
+
+def _recv(sock: socket.socket) -> Tuple[Any, List[int]]:
+    """The next message and the descriptors that came with it."""
+    msg, fds, _, _ = socket.recv_fds(sock, _HEADER.size, _MAX_FDS)
+    if not msg:
+        raise EOFError("writer process socket closed")
+    head = bytearray(msg)
+    _recv_exact(sock, _HEADER.size, head)
+    size, nfds = _HEADER.unpack(head)
+    if len(fds) != nfds:
+        for fd in fds:
+            os.close(fd)
+        raise EOFError(f"writer process message came with {len(fds)} descriptors, {nfds} sent")
+    body = bytearray()
+    _recv_exact(sock, size, body)
+    return pickle.loads(body), list(fds)
+
+
+# ---- what crosses: items described, errors carried --------------------------------------------
+
+def _describe(data: Any, blocks: Dict[int, shared_memory.SharedBlock]) -> Optional[Tuple[Any, ...]]:
+    """An item as the writer process rebuilds it: a tensor in a shared block, or bytes; ``None``
+    for a tensor outside the shared blocks (its file is written by the thread writer)."""
+    if isinstance(data, io.BytesIO):
+        return ("b", data.getvalue())
+    if type(data) is not torch.Tensor or not data.is_cpu or data.requires_grad:
+        return None
+    try:
+        base = data.untyped_storage().data_ptr()
+    except RuntimeError:
+        return None
+    blk = blocks.get(base)
+    if blk is None:
+        return None
+    offset = data.data_ptr() - base
+    if offset % data.element_size():
+        return None
+    return ("t", blk.id, offset, data.dtype, tuple(data.shape), tuple(data.stride()))
+
+
+def _error_of(exc: BaseException) -> Tuple[str, Optional[int], str, Optional[str]]:
+    if isinstance(exc, OSError):
+        return (type(exc).__name__, exc.errno, exc.strerror or str(exc), exc.filename)
+    return (type(exc).__name__, None, str(exc), None)
+
+
+def _raise_error(info: Tuple[str, Optional[int], str, Optional[str]]) -> None:
+    name, err, message, filename = info
+    if err is not None:  # as the thread writer would raise it: the retry policy reads the errno
+        raise OSError(err, message, filename) if filename else OSError(err, message)
+    if name == "StorageError":
+        raise StorageError(message)
+    raise WriterProcessError(f"the writer process failed: {name}: {message}")
+
+
+# ---- the training process's side ---------------------------------------------------------------
+
+class WriterProcess:
+    """The writer process of this training process (see the module docstring); :func:`shared`
+    gives the one instance, started at its first job."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # the process, its socket and what it knows
+        self._send_lock = threading.Lock()
+        self._proc: Optional[subprocess.Popen] = None
+        self._sock: Optional[socket.socket] = None
+        self._known: set = set()  # block ids the process has mapped
+        self._pending: Dict[int, Future] = {}
+        self._next_id = 0
+        self._dead: Optional[str] = None
+        self._owner = os.getpid()
+        self.started = 0  # processes started so far
+
+    # -- life --------------------------------------------------------------------------------------
+    def _start(self) -> None:
+        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        code = ("import sys; from async_ckpt.storage.dcp.writer_process import child_main; "
+                "child_main(int(sys.argv[1]), int(sys.argv[2]))")
+        try:
+            proc = subprocess.Popen([sys.executable, "-c", code, str(child.fileno()), str(os.getpid())],
+                                    pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL, start_new_session=True)
+        finally:
+            child.close()
+        parent.settimeout(READY_TIMEOUT_S)
+        try:
+            msg, _ = _recv(parent)
+        except (OSError, EOFError) as exc:
+            proc.kill()
+            proc.wait()
+            parent.close()
+            raise WriterProcessError(f"the writer process did not start: {exc} (exit code {proc.poll()})") from exc
+        parent.settimeout(None)
+        if msg != ("ready",):
+            proc.kill()
+            parent.close()
+            raise WriterProcessError(f"the writer process did not start: it said {msg!r}")
+        self._proc, self._sock, self._known, self._dead = proc, parent, set(), None
+        self.started += 1
+        threading.Thread(target=self._receive, args=(parent, proc), name="async-ckpt-writer-process",
+                         daemon=True).start()
+
+    def _ensure(self) -> socket.socket:
+        if os.getpid() != self._owner:
+            raise WriterProcessError("a writer process belongs to the process that started it (this one was forked)")
+        if self._sock is None or self._dead is not None:
+            self._stop()
+            self._start()
+        assert self._sock is not None
+        return self._sock
+
+    def _receive(self, sock: socket.socket, proc: subprocess.Popen) -> None:
+        why = "its socket closed"
+        try:
+            while True:
+                msg, _ = _recv(sock)
+                with self._lock:
+                    fut = self._pending.pop(msg[1], None)
+                if fut is None:
+                    continue
+                if msg[0] == "done":
+                    fut.set_result(msg[2])
+                else:
+                    fut.set_exception(_error_from(msg[2]))
+        except (OSError, EOFError, pickle.UnpicklingError) as exc:
+            why = str(exc)
+        code = proc.poll()
+        if code is None:
+            try:
+                code = proc.wait(timeout=2.0)
+            except subprocess.TimeoutExpired:
+                code = None
+        with self._lock:
+            if self._sock is sock:
+                self._dead = (f"the writer process (pid {proc.pid}) ended "
+                              + (f"with {_exit_text(code)}" if code is not None else f"({why})"))
+            dead = self._dead or "the writer process ended"
+            pending, self._pending = self._pending, {}
+        for fut in pending.values():
+            if not fut.done():
+                fut.set_exception(WriterProcessError(f"{dead} while writing; the next save starts a new one"))
+
+    def _stop(self) -> None:
+        sock, proc = self._sock, self._proc
+        self._sock, self._proc = None, None
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass  # already gone: closed below
+            sock.close()
+        if proc is not None and proc.poll() is None:
+            try:
+                proc.wait(timeout=5.0)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+    def close(self) -> None:
+        """Stop the process (it finishes nothing more; jobs in flight fail)."""
+        with self._lock:
+            if os.getpid() == self._owner:
+                self._stop()
+
+    def kill(self) -> None:
+        """End the process at once (``SIGKILL``): for a job that must not read its buffers any
+        more, and for tests."""
+        with self._lock:
+            if self._proc is not None and self._proc.poll() is None:
+                self._proc.kill()
+
+    @property
+    def pid(self) -> Optional[int]:
+        """The running process's pid (None before the first job)."""
+        return self._proc.pid if self._proc is not None and self._proc.poll() is None else None
+
+    # -- jobs --------------------------------------------------------------------------------------
+    def submit(self, job: Dict[str, Any], blocks: Sequence[shared_memory.SharedBlock]) -> "Future[Outs]":
+        """Send a write job; ``blocks``: the shared blocks its items live in.
+
+        Returns:
+            The future of its files' ``(name, record, item lengths)``.
+
+        Raises:
+            WriterProcessError: the process could not be started or reached.
+        """
+        with self._lock:
+            sock = self._ensure()
+            fut: "Future[Outs]" = Future()
+            self._next_id += 1
+            job_id = self._next_id
+            self._pending[job_id] = fut
+            try:
+                with self._send_lock:
+                    gone = shared_memory.take_closed()
+                    if gone:
+                        self._known -= set(gone)
+                        _send(sock, ("forget", gone))
+                    new = [b for b in blocks if b.id not in self._known and b.fd >= 0]
+                    for k in range(0, len(new), _MAX_FDS):
+                        part = new[k:k + _MAX_FDS]
+                        _send(sock, ("blocks", [(b.id, b.nbytes) for b in part]), [b.fd for b in part])
+                        self._known.update(b.id for b in part)
+                    _send(sock, ("write", job_id, job))
+            except OSError as exc:
+                self._pending.pop(job_id, None)
+                self._dead = f"the writer process could not be reached ({exc})"
+                raise WriterProcessError(f"{self._dead}; the next save starts a new one") from exc
+        return fut
+
+
+def _exit_text(code: int) -> str:
+    if code < 0:
+        import signal
+
+        try:
+            return f"signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"signal {-code}"
+    return f"exit code {code}"
+
+
+def _error_from(info: Any) -> BaseException:
+    try:
+        _raise_error(info)
+    except BaseException as exc:  # noqa: BLE001 - built to be set on a future
+        return exc
+    return WriterProcessError("the writer process failed")
+
+
+_SHARED: Optional[WriterProcess] = None
+_SHARED_LOCK = threading.Lock()
+
+
+def shared() -> WriterProcess:
+    """This process's writer process handle (one per process: after ``fork`` a new one)."""
+    global _SHARED
+    with _SHARED_LOCK:
+        if _SHARED is None or _SHARED._owner != os.getpid():
+            _SHARED = WriterProcess()
+        return _SHARED
+
+
+def close_shared() -> None:
+    """Stop this process's writer process, if it started one (at interpreter exit)."""
+    with _SHARED_LOCK:
+        if _SHARED is not None and _SHARED._owner == os.getpid():
+            _SHARED.close()
+
+
+class ProcessExecutor:
+    """Writes a save's files through the writer process, those of its items that live in the
+    snapshot's shared buffers; :meth:`write_files` has the contract of the thread writer's.
+
+    Args:
+        process: the writer process.
+        blocks: the snapshot's shared-memory blocks.
+        timeout_s: the longest a job may go without finishing once the process has it (then
+            the process is killed, so it reads the buffers no more, and the save fails); None:
+            no bound (local files, as the thread writer's).
+    """
+
+    def __init__(self, process: WriterProcess, blocks: Sequence[shared_memory.SharedBlock],
+                 timeout_s: Optional[float] = None) -> None:
+        self.process = process
+        self.blocks = {b.address: b for b in blocks}
+        self.timeout_s = timeout_s
+
+    def write_files(self, storage: Storage, path: str, prefix: str, buckets: List[List[Any]], hints: List[int],
+                    threads: int, resolve: Callable[[Any], Any], records: bool,
+                    in_thread: Callable[[List[int]], Outs]) -> Outs:
+        """Each bucket as one ``<prefix><k>.distcp`` file: in the writer process where every item
+        of it can be described, else by ``in_thread`` (the thread writer, given bucket numbers).
+
+        Returns:
+            Per bucket, in order: its file's name, record and item lengths.
+
+        Raises:
+            WriterProcessError: the process died or could not be reached.
+            OSError, StorageError: as the thread writer raises them.
+        """
+        described: Dict[int, List[Tuple[Any, ...]]] = {}
+        others: List[int] = []
+        by_id = {b.id: b for b in self.blocks.values()}
+        used: Dict[int, shared_memory.SharedBlock] = {}
+        for k, bucket in enumerate(buckets):
+            items: List[Tuple[Any, ...]] = []
+            for job in bucket:
+                d = _describe(resolve(job), self.blocks)
+                if d is None:
+                    break
+                items.append(d)
+                if d[0] == "t":
+                    used[d[1]] = by_id[d[1]]
+            if len(items) == len(bucket):
+                described[k] = items
+            else:
+                others.append(k)
+        outs: Dict[int, Tuple[str, FileRecord, List[int]]] = {}
+        fut: Optional[Future] = None
+        if described:
+            job = {"root": storage.url, "retry": storage.retry, "path": path, "prefix": prefix,
+                   "files": [(k, described[k], hints[k]) for k in sorted(described)], "threads": threads,
+                   "records": records}
+            fut = self.process.submit(job, list(used.values()))
+        try:
+            if others:
+                for k, out in zip(others, in_thread(others)):
+                    outs[k] = out
+        finally:
+            if fut is not None:
+                for k, out in _wait(fut, self.process, self.timeout_s):
+                    outs[k] = out
+        return [outs[k] for k in range(len(buckets))]
+
+
+def _wait(fut: "Future[Any]", process: WriterProcess, timeout_s: Optional[float]) -> Any:
+    """The job's result; past ``timeout_s`` the process is killed (it reads the buffers no more)
+    and the job fails."""
+    start = time.monotonic()
+    while True:
+        try:
+            return fut.result(timeout=1.0)
+        except TimeoutError:
+            if timeout_s is not None and time.monotonic() - start > timeout_s:
+                process.kill()
+                raise StorageError(f"the writer process did not finish writing within {timeout_s:.0f} s; "
+                                   "it was stopped, and the next save starts a new one") from None
+
+
+# ---- the writer process's side -----------------------------------------------------------------
+
+def child_main(fd: int, parent_pid: int) -> None:
+    """The writer process: map the shared blocks it is given, run write jobs (each on a thread
+    of its own), answer each; end with the training process (see the module docstring)."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the training process decides what a Ctrl-C ends
+    sock = socket.socket(fileno=fd)
+
+    def watch_parent() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(0.5)
+        os._exit(0)
+
+    threading.Thread(target=watch_parent, name="parent-watch", daemon=True).start()
+    blocks: Dict[int, torch.Tensor] = {}
+    storages: Dict[Tuple[str, str], Storage] = {}
+    send_lock = threading.Lock()
+
+    def reply(msg: Any) -> None:
+        with send_lock:
+            _send(sock, msg)
+
+    def run(job_id: int, job: Dict[str, Any]) -> None:
+        try:
+            reply(("done", job_id, _run_job(job, blocks, storages)))
+        except BaseException as exc:  # noqa: BLE001 - answered to the training process, which raises it
+            reply(("failed", job_id, _error_of(exc)))
+
+    reply(("ready",))
+    try:
+        while True:
+            msg, fds = _recv(sock)
+            if msg[0] == "blocks":
+                import mmap
+
+                for (block_id, nbytes), bfd in zip(msg[1], fds):
+                    try:
+                        blocks[block_id] = torch.frombuffer(mmap.mmap(bfd, nbytes), dtype=torch.uint8)
+                    finally:
+                        os.close(bfd)
+            elif msg[0] == "forget":
+                for block_id in msg[1]:
+                    blocks.pop(block_id, None)
+            elif msg[0] == "write":
+                threading.Thread(target=run, args=(msg[1], msg[2]), name=f"job-{msg[1]}", daemon=True).start()
+            elif msg[0] == "exit":
+                break
+    except (EOFError, OSError):
+        pass  # the training process went: nothing more to write for it
+    os._exit(0)
+
+
+def _run_job(job: Dict[str, Any], blocks: Dict[int, torch.Tensor],
+             storages: Dict[Tuple[str, str], Storage]) -> List[Tuple[int, Tuple[str, FileRecord, List[int]]]]:
+    from .writer import write_buckets
+
+    key = (job["root"], repr(job["retry"]))
+    storage = storages.get(key)
+    if storage is None:
+        storage = storages[key] = Storage(job["root"], None, retry=job["retry"])
+    files = job["files"]
+    buckets = [[_rebuild(d, blocks) for d in items] for _, items, _ in files]
+    outs = write_buckets(storage, job["path"], job["prefix"], buckets, [h for _, _, h in files], job["threads"],
+                         lambda x: x, job["records"], names=[k for k, _, _ in files])
+    return [(k, out) for (k, _, _), out in zip(files, outs)]
+
+
+def _rebuild(d: Tuple[Any, ...], blocks: Dict[int, torch.Tensor]) -> Any:
+    if d[0] == "b":
+        return io.BytesIO(d[1])
+    _, block_id, offset, dtype, shape, stride = d
+    block = blocks.get(block_id)
+    if block is None:
+        raise WriterProcessError(f"shared block {block_id} is unknown to the writer process")
+    t = torch.empty(0, dtype=dtype)
+    t.set_(block.untyped_storage(), offset // t.element_size(), shape, stride)
+    return t
+
+
+def _forget_after_fork() -> None:
+    """In a forked child: drop the parent's handle without touching the connection it shares
+    (closing only this process's descriptor; a shutdown would end the parent's too)."""
+    global _SHARED
+    proc = _SHARED
+    _SHARED = None
+    if proc is not None and proc._sock is not None:
+        try:
+            os.close(proc._sock.detach())
+        except OSError:
+            pass  # not open in this process: nothing to drop
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_after_fork)
+
+__all__ = ["ProcessExecutor", "WriterProcess", "child_main", "close_shared", "shared"]
