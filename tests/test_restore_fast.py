@@ -13,7 +13,7 @@ import torch
 from async_ckpt import CheckpointManager
 from async_ckpt.errors import CorruptCheckpointError, PartlyWrittenError, StateDictMismatchError
 from async_ckpt.storage.dcp import direct, step_io
-from async_ckpt.storage.dcp.crc import crc32c_combine, crc32c_concat
+from async_ckpt.storage.crc import crc32c_combine, crc32c_concat
 from async_ckpt.storage.dcp.unpickling import load_metadata
 from async_ckpt.storage.manifest import MANIFEST_NAME, Manifest, crc32c
 

@@ -32,8 +32,8 @@ import torch
 
 from ...addresses import byte_view
 from ...errors import CorruptCheckpointError, StorageError
+from ..crc import crc32c_concat
 from ..manifest import FileRecord, check_file_name, crc32c
-from .crc import crc32c_concat
 
 #: Ranges of whole-file reads are about this large (a bigger file is read as several, in parallel).
 CHUNK_BYTES = 16 * 2**20

@@ -20,7 +20,6 @@ DCP's own fsspec writer is the I/O path:
 from __future__ import annotations
 
 import dataclasses
-import errno
 import io
 import pickle
 import threading
@@ -46,11 +45,11 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from ... import compat
-from ...addresses import address_of, byte_view
-from ..manifest import FileRecord, crc32c, raw_crc32c
+from ...addresses import byte_view
+from ..manifest import FileRecord, crc32c
+from ..record_stream import DATA_AT_MIN_BYTES, RecordStream, write_record_file
 from ..storage import Storage
-from ..torch_record import PickledObject, RecordBatch, RecordTemplate, RecordTemplates
-from .crc import crc32c_combine
+from ..torch_record import RECORDS, PickledObject, RecordBatch, RecordTemplate
 from .dcp_call import METADATA_NAME, call_dcp, distributed, world_size
 from .file_assignment import (
     FileLayout,
@@ -103,88 +102,15 @@ def _balance(items: List[Any], sizes: List[int], buckets: int,
     return [b for b in out if b]
 
 
-_RECORDS = RecordTemplates()  # shared by every save in the process: templates depend on torch only
+_RECORDS = RECORDS  # shared by every save in the process: templates depend on torch only
 
-_COALESCE_BYTES = 4 * 2**20  # small records are gathered into writes of about this size
+_COALESCE_BYTES = 4 * 2**20  # as record_stream's: small records are gathered into writes of about this size
 _SMALL_ITEM_BYTES = 64 * 2**10  # runs of items up to this size are produced one file at a time
 _BATCH_MIN = 16  # runs of at least this many records of one template are rendered together
-_COMBINE_BYTES = 2**20  # a write at least this big is checksummed once for its record and its file
-DATA_AT_MIN_BYTES = 64 * 2**10  # tensor records with this much data have their data's place kept
 
 
-class _RecordStream:
-    """Write-through stream that counts bytes and computes CRC32C as data passes, gathering
-    small writes into large ones (fewer syscalls/requests).
-
-    With ``records``, each record's length and CRC32C are kept too (:attr:`records`): the
-    writer calls :meth:`end_record` after each item, and :meth:`append_records` keeps its own.
-    A record's bytes are checksummed as they come in; where the file's CRC would take a second
-    pass over a big write (at least ``_COMBINE_BYTES``), the write is checksummed once and
-    that CRC combined into both (:func:`~.crc.crc32c_combine`).
-    """
-
-    def __init__(self, f: Any, records: bool = False) -> None:
-        self._f = f
-        self.size = 0  # bytes passed on to ``f``
-        self.crc = 0
-        self.error: Optional[BaseException] = None  # torch.save hides it behind a RuntimeError
-        self._pending = bytearray()
-        self.records: Optional[List[Tuple[int, int]]] = [] if records else None  # (length, crc32c)
-        self._rec_crc = 0  # of the record being written
-        self._rec_start = 0
-        self.expect: Optional[Tuple[int, int]] = None  # (address, nbytes) of a tensor's data to be written
-        self.found = -1  # where in the file a write of exactly ``expect`` went
-
-    def _write_through(self, b: Any, crc: Optional[int] = None) -> int:
-        """Pass ``b`` on to the file; ``crc``: its CRC32C, already computed."""
-        mv = memoryview(b).cast("B")
-        self.crc = crc32c(mv, self.crc) if crc is None else crc32c_combine(self.crc, crc, mv.nbytes)
-        try:
-            self._f.write(mv)
-        except BaseException as exc:
-            self.error = exc
-            raise
-        self.size += mv.nbytes
-        return mv.nbytes
-
-    def write(self, b: Any) -> int:
-        n = memoryview(b).nbytes
-        if n >= 65536:
-            if self.expect is not None and n == self.expect[1] and address_of(b) == self.expect[0]:
-                self.found = self.tell()
-            self.flush_pending()
-            if self.records is None:
-                return self._write_through(b)
-            if n < _COMBINE_BYTES:
-                self._rec_crc = crc32c(b, self._rec_crc)
-                return self._write_through(b)
-            crc = crc32c(b)
-            self._rec_crc = crc32c_combine(self._rec_crc, crc, n)
-            return self._write_through(b, crc)
-        if self.records is not None:
-            self._rec_crc = crc32c(b, self._rec_crc)
-        self._pending += b  # no cast: a memoryview cast costs more than the copy of a small record
-        if len(self._pending) >= _COALESCE_BYTES:
-            self.flush_pending()
-        return n
-
-    def end_record(self) -> None:
-        """The bytes written since the last record end one (with ``records``)."""
-        records = self.records
-        if records is not None:
-            end = self.size + len(self._pending)
-            records.append((end - self._rec_start, self._rec_crc))
-            self._rec_crc, self._rec_start = 0, end
-
-    def _end_tail_records(self, n: int, count: int) -> None:
-        """End the last ``count`` records of ``n`` bytes each, whole records just appended to
-        the pending buffer (with ``records``)."""
-        records = self.records
-        if records is not None:
-            end = len(self._pending)
-            with memoryview(self._pending) as mv:  # released: the buffer grows later
-                records += [(n, raw_crc32c(mv[k:k + n])) for k in range(end - n * count, end, n)]
-            self._rec_start += n * count
+class _RecordStream(RecordStream):
+    """:class:`~..record_stream.RecordStream` with tensors' records appended from their templates."""
 
     def append_record(self, t: torch.Tensor) -> int:
         """Write the record of ``t`` from its template (see :mod:`..torch_record`): a small one
@@ -227,23 +153,6 @@ class _RecordStream:
             self._end_tail_records(tpl.length, len(chunk))
             if len(self._pending) >= _COALESCE_BYTES:
                 self.flush_pending()
-
-    def tell(self) -> int:
-        return self.size + len(self._pending)
-
-    def flush_pending(self) -> None:
-        if self._pending:
-            data, self._pending = self._pending, bytearray()
-            self._write_through(data)
-
-    def flush(self) -> None:
-        pass
-
-    def writable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return False
 
 
 def _write_item(stream: _RecordStream, data: Any) -> int:
@@ -377,11 +286,8 @@ def write_buckets(storage: Storage, path: str, prefix: str, buckets: List[List[A
     produce_small = threading.Lock()
 
     def write_file_once(k: int, jobs: List[Any]) -> Tuple[str, FileRecord, List[int]]:
-        name = f"{prefix}{numbers[k]}.distcp"
-        lengths: List[int] = []
-        data_at: Dict[int, int] = {}  # record offset -> its data's offset in it (large tensors)
-        with storage.open_write(f"{path}/{name}", size_hint=hints[k]) as f:
-            stream = _RecordStream(f, records)
+        def produce(rs: RecordStream, lengths: List[int], data_at: Dict[int, int]) -> None:
+            stream = cast(_RecordStream, rs)
             held = False
             run: List[torch.Tensor] = []  # consecutive tensors of one record template
             run_tpl: Optional[RecordTemplate] = None
@@ -422,18 +328,9 @@ def write_buckets(storage: Storage, path: str, prefix: str, buckets: List[List[A
             finally:
                 if held:
                     produce_small.release()
-        # A silently short write (a full or flaky disk, a FUSE mount) fails the attempt with
-        # EIO, which is transient, so the file is redone. Storage whose uploads the service
-        # length-checks (gs://, s3://) needs no check.
-        stored = stream.size if getattr(storage, "length_checked_writes", False) else storage.size(f"{path}/{name}")
-        if stored != stream.size:
-            raise OSError(errno.EIO, f"short write: {stream.size} bytes written, storage holds {stored}",
-                          f"{path}/{name}")
-        kept = stream.records
-        if kept is not None and [n for n, _ in kept] != lengths:
-            kept = None  # never list records that are not the items: the file is then checked whole
-        return name, FileRecord(stream.size, stream.crc, None if kept is None else tuple(kept),
-                                data_at or None), lengths
+
+        return write_record_file(storage, path, f"{prefix}{numbers[k]}.distcp", hints[k], records, produce,
+                          stream_type=_RecordStream)
 
     if not buckets:  # nothing to write on this rank (e.g. every item de-duplicated to another)
         return []

@@ -37,7 +37,6 @@ import logging
 import os
 import pickle
 import socket
-import struct
 import subprocess
 import sys
 import threading
@@ -47,65 +46,36 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ... import shared_memory
+from ... import compat, shared_memory
 from ...errors import StorageError, WriterProcessError
+from .. import writer_child
 from ..manifest import FileRecord
 from ..storage import Storage
+from ..torch_record import RECORDS
 
 log = logging.getLogger("async_ckpt")
 
-_HEADER = struct.Struct("<QI")  # payload bytes, descriptors attached
-_MAX_FDS = 250  # descriptors per message (SCM_RIGHTS allows 253 on Linux)
-READY_TIMEOUT_S = 120.0  # the process imports torch before it answers
+READY_TIMEOUT_S = 60.0  # the process answers once it can serve (its imports done)
 
 Outs = List[Tuple[str, FileRecord, List[int]]]
 
 
-# ---- framing: pickled messages over a Unix socket, with descriptors ---------------------------
-
-def _send(sock: socket.socket, obj: Any, fds: Sequence[int] = ()) -> None:
-    """One message: header, pickle; ``fds`` ride with its first byte (SCM_RIGHTS)."""
-    payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    data = _HEADER.pack(len(payload), len(fds)) + payload
-    sent = socket.send_fds(sock, [data], list(fds)) if fds else sock.send(data)
-    if sent < len(data):
-        sock.sendall(memoryview(data)[sent:])
-
-
-def _recv_exact(sock: socket.socket, n: int, into: bytearray) -> None:
-    while len(into) < n:
-        chunk = sock.recv(min(n - len(into), 1 << 20))
-        if not chunk:
-            raise EOFError("writer process socket closed")
-        into += chunk
-
-
-def _recv(sock: socket.socket) -> Tuple[Any, List[int]]:
-    """The next message and the descriptors that came with it."""
-    msg, fds, _, _ = socket.recv_fds(sock, _HEADER.size, _MAX_FDS)
-    if not msg:
-        raise EOFError("writer process socket closed")
-    head = bytearray(msg)
-    _recv_exact(sock, _HEADER.size, head)
-    size, nfds = _HEADER.unpack(head)
-    if len(fds) != nfds:
-        for fd in fds:
-            os.close(fd)
-        raise EOFError(f"writer process message came with {len(fds)} descriptors, {nfds} sent")
-    body = bytearray()
-    _recv_exact(sock, size, body)
-    return pickle.loads(body), list(fds)
-
-
 # ---- what crosses: items described, errors carried --------------------------------------------
 
-def _describe(data: Any, blocks: Dict[int, shared_memory.SharedBlock]) -> Optional[Tuple[Any, ...]]:
-    """An item as the writer process rebuilds it: a tensor in a shared block, or bytes; ``None``
-    for a tensor outside the shared blocks (its file is written by the thread writer)."""
+def _describe(data: Any, blocks: Dict[int, shared_memory.SharedBlock], templates: Dict[int, Any]
+              ) -> Optional[Tuple[Any, ...]]:
+    """An item as the writer process writes it: a template's head and tail around a range of a
+    shared block, or its record's bytes; ``None`` for a tensor outside the shared blocks (its
+    file is written by the thread writer). ``templates`` gathers the templates used, by id."""
     if isinstance(data, io.BytesIO):
         return ("b", data.getvalue())
-    if type(data) is not torch.Tensor or not data.is_cpu or data.requires_grad:
+    if type(data) is not torch.Tensor or not data.is_cpu:
         return None
+    tpl = RECORDS.template(data)
+    if tpl is None:  # e.g. an empty tensor: its few bytes, rendered here
+        buf = io.BytesIO()
+        compat.torch_save_without_crc(data.detach(), buf)
+        return ("b", buf.getvalue())
     try:
         base = data.untyped_storage().data_ptr()
     except RuntimeError:
@@ -113,25 +83,27 @@ def _describe(data: Any, blocks: Dict[int, shared_memory.SharedBlock]) -> Option
     blk = blocks.get(base)
     if blk is None:
         return None
-    offset = data.data_ptr() - base
-    if offset % data.element_size():
-        return None
-    return ("t", blk.id, offset, data.dtype, tuple(data.shape), tuple(data.stride()))
+    templates[id(tpl)] = tpl
+    return ("r", id(tpl), blk.id, data.data_ptr() - base, tpl.nbytes)
 
 
-def _error_of(exc: BaseException) -> Tuple[str, Optional[int], str, Optional[str]]:
-    if isinstance(exc, OSError):
-        return (type(exc).__name__, exc.errno, exc.strerror or str(exc), exc.filename)
-    return (type(exc).__name__, None, str(exc), None)
-
-
-def _raise_error(info: Tuple[str, Optional[int], str, Optional[str]]) -> None:
-    name, err, message, filename = info
-    if err is not None:  # as the thread writer would raise it: the retry policy reads the errno
-        raise OSError(err, message, filename) if filename else OSError(err, message)
-    if name == "StorageError":
-        raise StorageError(message)
-    raise WriterProcessError(f"the writer process failed: {name}: {message}")
+def _error_from(chain: List[Tuple[Optional[bytes], str, str]]) -> BaseException:
+    """The error :func:`~..writer_child.error_chain` sent, rebuilt with its causes (what cannot be rebuilt
+    becomes a :class:`WriterProcessError` naming it)."""
+    built: List[BaseException] = []
+    for blob, name, message in chain:
+        err: Any = None
+        if blob is not None:
+            try:
+                err = pickle.loads(blob)  # from the writer process this process started
+            except Exception:  # noqa: BLE001 - rebuilt by name and message below
+                err = None
+        if not isinstance(err, BaseException):
+            err = WriterProcessError(f"the writer process failed: {name}: {message}")
+        built.append(err)
+    for outer, inner in zip(built, built[1:]):
+        outer.__cause__ = inner
+    return built[0] if built else WriterProcessError("the writer process failed")
 
 
 # ---- the training process's side ---------------------------------------------------------------
@@ -146,6 +118,7 @@ class WriterProcess:
         self._proc: Optional[subprocess.Popen] = None
         self._sock: Optional[socket.socket] = None
         self._known: set = set()  # block ids the process has mapped
+        self._templates: set = set()  # template ids the process has
         self._pending: Dict[int, Future] = {}
         self._next_id = 0
         self._dead: Optional[str] = None
@@ -155,27 +128,28 @@ class WriterProcess:
     # -- life --------------------------------------------------------------------------------------
     def _start(self) -> None:
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        code = ("import sys; from async_ckpt.storage.dcp.writer_process import child_main; "
-                "child_main(int(sys.argv[1]), int(sys.argv[2]))")
+        package = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         try:
-            proc = subprocess.Popen([sys.executable, "-c", code, str(child.fileno()), str(os.getpid())],
-                                    pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL, start_new_session=True)
+            proc = subprocess.Popen([sys.executable, "-c", writer_child.BOOTSTRAP, package, str(child.fileno()),
+                                     str(os.getpid())], pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL,
+                                    start_new_session=True)
         finally:
             child.close()
         parent.settimeout(READY_TIMEOUT_S)
         try:
-            msg, _ = _recv(parent)
+            msg, _ = writer_child.recv(parent)
         except (OSError, EOFError) as exc:
             proc.kill()
             proc.wait()
             parent.close()
             raise WriterProcessError(f"the writer process did not start: {exc} (exit code {proc.poll()})") from exc
         parent.settimeout(None)
-        if msg != ("ready",):
+        if not (isinstance(msg, tuple) and msg[:1] == ("ready",)):
             proc.kill()
             parent.close()
             raise WriterProcessError(f"the writer process did not start: it said {msg!r}")
         self._proc, self._sock, self._known, self._dead = proc, parent, set(), None
+        self._templates = set()
         self.started += 1
         threading.Thread(target=self._receive, args=(parent, proc), name="async-ckpt-writer-process",
                          daemon=True).start()
@@ -193,7 +167,7 @@ class WriterProcess:
         why = "its socket closed"
         try:
             while True:
-                msg, _ = _recv(sock)
+                msg, _ = writer_child.recv(sock)
                 with self._lock:
                     fut = self._pending.pop(msg[1], None)
                 if fut is None:
@@ -255,8 +229,10 @@ class WriterProcess:
         return self._proc.pid if self._proc is not None and self._proc.poll() is None else None
 
     # -- jobs --------------------------------------------------------------------------------------
-    def submit(self, job: Dict[str, Any], blocks: Sequence[shared_memory.SharedBlock]) -> "Future[Outs]":
-        """Send a write job; ``blocks``: the shared blocks its items live in.
+    def submit(self, job: Dict[str, Any], blocks: Sequence[shared_memory.SharedBlock],
+               templates: Dict[int, Any]) -> "Future[Any]":
+        """Send a write job; ``blocks``: the shared blocks its items live in; ``templates``:
+        the record templates its items name, by id.
 
         Returns:
             The future of its files' ``(name, record, item lengths)``.
@@ -275,13 +251,16 @@ class WriterProcess:
                     gone = shared_memory.take_closed()
                     if gone:
                         self._known -= set(gone)
-                        _send(sock, ("forget", gone))
+                        writer_child.send(sock, ("forget", gone))
                     new = [b for b in blocks if b.id not in self._known and b.fd >= 0]
-                    for k in range(0, len(new), _MAX_FDS):
-                        part = new[k:k + _MAX_FDS]
-                        _send(sock, ("blocks", [(b.id, b.nbytes) for b in part]), [b.fd for b in part])
+                    for k in range(0, len(new), writer_child.MAX_FDS):
+                        part = new[k:k + writer_child.MAX_FDS]
+                        writer_child.send(sock, ("blocks", [(b.id, b.nbytes) for b in part]), [b.fd for b in part])
                         self._known.update(b.id for b in part)
-                    _send(sock, ("write", job_id, job))
+                    job = dict(job, templates={t: (tpl.head, tpl.tail) for t, tpl in templates.items()
+                                               if t not in self._templates})
+                    writer_child.send(sock, ("write", job_id, job))
+                    self._templates.update(templates)
             except OSError as exc:
                 self._pending.pop(job_id, None)
                 self._dead = f"the writer process could not be reached ({exc})"
@@ -298,14 +277,6 @@ def _exit_text(code: int) -> str:
         except ValueError:
             return f"signal {-code}"
     return f"exit code {code}"
-
-
-def _error_from(info: Any) -> BaseException:
-    try:
-        _raise_error(info)
-    except BaseException as exc:  # noqa: BLE001 - built to be set on a future
-        return exc
-    return WriterProcessError("the writer process failed")
 
 
 _SHARED: Optional[WriterProcess] = None
@@ -363,15 +334,16 @@ class ProcessExecutor:
         others: List[int] = []
         by_id = {b.id: b for b in self.blocks.values()}
         used: Dict[int, shared_memory.SharedBlock] = {}
+        templates: Dict[int, Any] = {}
         for k, bucket in enumerate(buckets):
             items: List[Tuple[Any, ...]] = []
             for job in bucket:
-                d = _describe(resolve(job), self.blocks)
+                d = _describe(resolve(job), self.blocks, templates)
                 if d is None:
                     break
                 items.append(d)
-                if d[0] == "t":
-                    used[d[1]] = by_id[d[1]]
+                if d[0] == "r":
+                    used[d[2]] = by_id[d[2]]
             if len(items) == len(bucket):
                 described[k] = items
             else:
@@ -382,7 +354,7 @@ class ProcessExecutor:
             job = {"root": storage.url, "retry": storage.retry, "path": path, "prefix": prefix,
                    "files": [(k, described[k], hints[k]) for k in sorted(described)], "threads": threads,
                    "records": records}
-            fut = self.process.submit(job, list(used.values()))
+            fut = self.process.submit(job, list(used.values()), templates)
         try:
             if others:
                 for k, out in zip(others, in_thread(others)):
@@ -408,87 +380,6 @@ def _wait(fut: "Future[Any]", process: WriterProcess, timeout_s: Optional[float]
                                    "it was stopped, and the next save starts a new one") from None
 
 
-# ---- the writer process's side -----------------------------------------------------------------
-
-def child_main(fd: int, parent_pid: int) -> None:
-    """The writer process: map the shared blocks it is given, run write jobs (each on a thread
-    of its own), answer each; end with the training process (see the module docstring)."""
-    import signal
-
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the training process decides what a Ctrl-C ends
-    sock = socket.socket(fileno=fd)
-
-    def watch_parent() -> None:
-        while os.getppid() == parent_pid:
-            time.sleep(0.5)
-        os._exit(0)
-
-    threading.Thread(target=watch_parent, name="parent-watch", daemon=True).start()
-    blocks: Dict[int, torch.Tensor] = {}
-    storages: Dict[Tuple[str, str], Storage] = {}
-    send_lock = threading.Lock()
-
-    def reply(msg: Any) -> None:
-        with send_lock:
-            _send(sock, msg)
-
-    def run(job_id: int, job: Dict[str, Any]) -> None:
-        try:
-            reply(("done", job_id, _run_job(job, blocks, storages)))
-        except BaseException as exc:  # noqa: BLE001 - answered to the training process, which raises it
-            reply(("failed", job_id, _error_of(exc)))
-
-    reply(("ready",))
-    try:
-        while True:
-            msg, fds = _recv(sock)
-            if msg[0] == "blocks":
-                import mmap
-
-                for (block_id, nbytes), bfd in zip(msg[1], fds):
-                    try:
-                        blocks[block_id] = torch.frombuffer(mmap.mmap(bfd, nbytes), dtype=torch.uint8)
-                    finally:
-                        os.close(bfd)
-            elif msg[0] == "forget":
-                for block_id in msg[1]:
-                    blocks.pop(block_id, None)
-            elif msg[0] == "write":
-                threading.Thread(target=run, args=(msg[1], msg[2]), name=f"job-{msg[1]}", daemon=True).start()
-            elif msg[0] == "exit":
-                break
-    except (EOFError, OSError):
-        pass  # the training process went: nothing more to write for it
-    os._exit(0)
-
-
-def _run_job(job: Dict[str, Any], blocks: Dict[int, torch.Tensor],
-             storages: Dict[Tuple[str, str], Storage]) -> List[Tuple[int, Tuple[str, FileRecord, List[int]]]]:
-    from .writer import write_buckets
-
-    key = (job["root"], repr(job["retry"]))
-    storage = storages.get(key)
-    if storage is None:
-        storage = storages[key] = Storage(job["root"], None, retry=job["retry"])
-    files = job["files"]
-    buckets = [[_rebuild(d, blocks) for d in items] for _, items, _ in files]
-    outs = write_buckets(storage, job["path"], job["prefix"], buckets, [h for _, _, h in files], job["threads"],
-                         lambda x: x, job["records"], names=[k for k, _, _ in files])
-    return [(k, out) for (k, _, _), out in zip(files, outs)]
-
-
-def _rebuild(d: Tuple[Any, ...], blocks: Dict[int, torch.Tensor]) -> Any:
-    if d[0] == "b":
-        return io.BytesIO(d[1])
-    _, block_id, offset, dtype, shape, stride = d
-    block = blocks.get(block_id)
-    if block is None:
-        raise WriterProcessError(f"shared block {block_id} is unknown to the writer process")
-    t = torch.empty(0, dtype=dtype)
-    t.set_(block.untyped_storage(), offset // t.element_size(), shape, stride)
-    return t
-
-
 def _forget_after_fork() -> None:
     """In a forked child: drop the parent's handle without touching the connection it shares
     (closing only this process's descriptor; a shutdown would end the parent's too)."""
@@ -505,4 +396,4 @@ def _forget_after_fork() -> None:
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_after_fork)
 
-__all__ = ["ProcessExecutor", "WriterProcess", "child_main", "close_shared", "shared"]
+__all__ = ["ProcessExecutor", "WriterProcess", "close_shared", "shared"]
