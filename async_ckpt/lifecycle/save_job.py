@@ -61,6 +61,8 @@ class SaveJob:
 
 #: ``SaveStats.extra`` key: the declared-frozen tensors this save found changed (and wrote in full)
 FROZEN_CHANGED = "frozen_changed"
+#: ``SaveStats.extra`` key: the data files of this rank the writer process wrote (``writer="process"``)
+WRITER_PROCESS_FILES = "writer_process_files"
 #: ``SaveStats.extra`` keys of incremental saves: seconds spent verifying the files taken from the
 #: last step (and looking at the files written, for the next save's check), and the bytes read
 #: back to do it (0 where the storage vouched for every file)
@@ -144,6 +146,7 @@ def run_save(store: StepStore, job: SaveJob, *, policy: RetentionPolicy, threads
         opened.commit(manifest, policy)  # retention decided (markers gone) before save()/join() return
         return manifest.commit_time
 
+    executor: Optional[ProcessExecutor] = None
     store.forget_step(step)  # a re-save: the files under the step's name are going
     try:
         # 0. every host copy done (lazy saves: and unchanged, else TornSnapshotError)
@@ -191,7 +194,6 @@ def run_save(store: StepStore, job: SaveJob, *, policy: RetentionPolicy, threads
         if reuse is not None:
             store.recall_last_step()  # a new manager: what the newest committed step holds
             reuse.prepare(*job.frozen, step=step)
-        executor = None
         if writer_process is not None and store.storage.is_local:
             blocks = [b for lease in snap.leases for b in lease.shared_blocks()]
             if blocks:
@@ -236,6 +238,8 @@ def run_save(store: StepStore, job: SaveJob, *, policy: RetentionPolicy, threads
         return None
     stats.write_s, stats.commit_s, stats.durable_s = tc - tw, td - tc, td - job.t0
     stats.files = len(files)
+    if executor is not None:
+        stats.extra[WRITER_PROCESS_FILES] = executor.files_written
     stats.referred_bytes = sum(r.size for r in files.values() if r.ref is not None)
     stats.written_bytes = sum(r.size for r in files.values()) - stats.referred_bytes
     stats.commit_time = commit_time

@@ -316,6 +316,8 @@ class ProcessExecutor:
         self.process = process
         self.blocks = {b.address: b for b in blocks}
         self.timeout_s = timeout_s
+        #: files the writer process wrote so far (the others: the thread writer)
+        self.files_written = 0
 
     def write_files(self, storage: Storage, path: str, prefix: str, buckets: List[List[Any]], hints: List[int],
                     threads: int, resolve: Callable[[Any], Any], records: bool,
@@ -363,6 +365,7 @@ class ProcessExecutor:
             if fut is not None:
                 for k, out in _wait(fut, self.process, self.timeout_s):
                     outs[k] = out
+                    self.files_written += 1
         return [outs[k] for k in range(len(buckets))]
 
 
