@@ -242,12 +242,16 @@ def _write_files(storage: Storage, path: str, prefix: str, buckets: List[List[An
     if executor is None or not buckets:
         return write_buckets(storage, path, prefix, buckets, hints, threads, resolve, records)
 
-    def in_thread(ks: List[int]) -> List[Tuple[str, FileRecord, List[int]]]:
-        return write_buckets(storage, path, prefix, [buckets[k] for k in ks], [hints[k] for k in ks], threads,
-                             resolve, records, names=ks)
+    def in_thread(ks: List[int], datas: List[List[Any]]) -> List[Tuple[str, FileRecord, List[int]]]:
+        return write_buckets(storage, path, prefix, datas, [hints[k] for k in ks], threads, _same, records,
+                             names=ks)
 
     return cast(List[Tuple[str, FileRecord, List[int]]],
                 executor.write_files(storage, path, prefix, buckets, hints, threads, resolve, records, in_thread))
+
+
+def _same(item: Any) -> Any:
+    return item
 
 
 def write_buckets(storage: Storage, path: str, prefix: str, buckets: List[List[Any]], hints: List[int],

@@ -321,9 +321,10 @@ class ProcessExecutor:
 
     def write_files(self, storage: Storage, path: str, prefix: str, buckets: List[List[Any]], hints: List[int],
                     threads: int, resolve: Callable[[Any], Any], records: bool,
-                    in_thread: Callable[[List[int]], Outs]) -> Outs:
+                    in_thread: Callable[[List[int], List[List[Any]]], Outs]) -> Outs:
         """Each bucket as one ``<prefix><k>.distcp`` file: in the writer process where every item
-        of it can be described, else by ``in_thread`` (the thread writer, given bucket numbers).
+        of it can be described, else by ``in_thread`` (the thread writer, given the bucket
+        numbers and their items' data, resolved once here).
 
         Returns:
             Per bucket, in order: its file's name, record and item lengths.
@@ -332,15 +333,18 @@ class ProcessExecutor:
             WriterProcessError: the process died or could not be reached.
             OSError, StorageError: as the thread writer raises them.
         """
+        # Each item is resolved once (a planner may refuse a second resolve of an item): a file
+        # left to the thread writer gets its items' data as resolved here.
+        datas = [[resolve(job) for job in bucket] for bucket in buckets]
         described: Dict[int, List[Tuple[Any, ...]]] = {}
         others: List[int] = []
         by_id = {b.id: b for b in self.blocks.values()}
         used: Dict[int, shared_memory.SharedBlock] = {}
         templates: Dict[int, Any] = {}
-        for k, bucket in enumerate(buckets):
+        for k, bucket in enumerate(datas):
             items: List[Tuple[Any, ...]] = []
-            for job in bucket:
-                d = _describe(resolve(job), self.blocks, templates)
+            for data in bucket:
+                d = _describe(data, self.blocks, templates)
                 if d is None:
                     break
                 items.append(d)
@@ -359,7 +363,7 @@ class ProcessExecutor:
             fut = self.process.submit(job, list(used.values()), templates)
         try:
             if others:
-                for k, out in zip(others, in_thread(others)):
+                for k, out in zip(others, in_thread(others, [datas[k] for k in others])):
                     outs[k] = out
         finally:
             if fut is not None:
