@@ -220,3 +220,23 @@ def test_writer_option_is_checked():
 
     with pytest.raises(InvalidArgumentError, match="writer must be one of"):
         CheckpointManager("unused", writer="fork")
+
+
+def test_incremental_saves_share_the_same_files_whichever_process_hashes(tmp_path):
+    """Incremental saves: the writer process hashes the staged tensors (XXH3-128, off the
+    training process's GIL); the shares, the bytes written and the files are those of the
+    thread writer, which hashes them itself."""
+    g = torch.Generator().manual_seed(2)
+    base = {f"p{i}": torch.randn(128, 256, generator=g) for i in range(6)}
+    steps = {}
+    for writer in ("process", "thread"):
+        sd = {"model": {k: v.clone() for k, v in base.items()}}
+        with CheckpointManager(str(tmp_path / writer), writer=writer, incremental=True) as mgr:
+            for step in range(4):
+                sd["model"][f"p{step}"].add_(1.0)
+                mgr.save(step, sd)
+            steps[writer] = [(s.written_bytes, s.referred_bytes) for s in list(mgr.stats)[-4:]]
+            assert steps[writer][-1][1] > 0  # later steps share what did not change
+            assert (mgr.stats[-1].extra.get(FILES_KEY, 0) > 0) == (writer == "process")
+    assert steps["process"] == steps["thread"]
+    assert _files(str(tmp_path / "process" / "3")) == _files(str(tmp_path / "thread" / "3"))

@@ -26,8 +26,7 @@ from ..policies import RetentionPolicy
 from ..staging import HostSnapshot
 from ..stats import SaveStats
 from ..storage import FileRecord, Manifest, StepTarget
-from ..storage.dcp.writer import executing
-from ..storage.dcp.writer_process import ProcessExecutor, WriterProcess
+from ..storage.dcp.writer_process import ProcessExecutor, WriterProcess, executing
 from ..storage.manifest import reduce_metrics
 from . import phase
 from .replicas import DroppedSamples, diverged, fingerprints

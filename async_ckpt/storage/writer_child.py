@@ -7,7 +7,9 @@ makes ``async_ckpt`` and ``async_ckpt.storage`` importable without running their
 ``__init__`` (which import torch), then calls :func:`child_main`.
 
 What it does: it maps the shared-memory staging blocks it is sent (their descriptors come
-with the message, ``SCM_RIGHTS``), and writes data files from descriptions of their records
+with the message, ``SCM_RIGHTS``), hashes ranges of them (XXH3-128, for incremental saves:
+:func:`~async_ckpt.storage.dcp.reuse.content_hash`'s hash), and writes data files from
+descriptions of their records
 — a template's head and tail around a range of a block, or bytes — through the same
 :func:`~.record_stream.write_record_file` as the training process's writer thread, so a file
 and its record (sizes, CRC-32Cs) are the same whichever process wrote it. Each job runs on a
@@ -222,6 +224,16 @@ def child_main(fd: int, parent_pid: int) -> None:
         else:
             reply(("done", job_id, out))
 
+    def run_hash(job_id: int, job: Dict[str, Any]) -> None:
+        try:
+            import xxhash  # only incremental saves hash
+
+            out = [xxhash.xxh3_128_intdigest(blocks.get(b)[off:off + n]) for b, off, n in job["items"]]
+        except BaseException as exc:  # noqa: BLE001 - answered: the training process raises it
+            reply(("failed", job_id, error_chain(exc)))
+        else:
+            reply(("done", job_id, out))
+
     reply(("ready", os.getpid()))
     try:
         while True:
@@ -233,6 +245,8 @@ def child_main(fd: int, parent_pid: int) -> None:
                 blocks.forget(msg[1])
             elif msg[0] == "write":
                 threading.Thread(target=run, args=(msg[1], msg[2]), name=f"job-{msg[1]}", daemon=True).start()
+            elif msg[0] == "hash":
+                threading.Thread(target=run_hash, args=(msg[1], msg[2]), name=f"hash-{msg[1]}", daemon=True).start()
             elif msg[0] == "exit":
                 break
     except (EOFError, OSError):

@@ -24,9 +24,7 @@ import io
 import pickle
 import threading
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
-from contextlib import contextmanager
-from contextvars import ContextVar
-from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Tuple, cast
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple, cast
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -63,6 +61,7 @@ from .file_assignment import (
     signature,
 )
 from .reuse import Key, Reuse, Shared, item_key, placed_items
+from .writer_process import current_executor
 
 if TYPE_CHECKING:  # the classes compat returns, named for the type checker
     from torch.distributed.checkpoint.filesystem import _StorageInfo, _StoragePrefix
@@ -218,27 +217,11 @@ def _item_nbytes(data: Any) -> int:
     return data.getbuffer().nbytes if isinstance(data, io.BytesIO) else 0
 
 
-#: The executor of the save being written on this thread (the writer process's, see
-#: :func:`executing`); ``None``: the files are written by this thread's writer.
-_EXECUTOR: ContextVar[Optional[Any]] = ContextVar("async_ckpt_executor", default=None)
-
-
-@contextmanager
-def executing(executor: Any) -> Iterator[None]:
-    """Write the files of the saves made inside the block through ``executor`` (a
-    :class:`~.writer_process.ProcessExecutor`; ``None``: this thread's writer)."""
-    token = _EXECUTOR.set(executor)
-    try:
-        yield
-    finally:
-        _EXECUTOR.reset(token)
-
-
 def _write_files(storage: Storage, path: str, prefix: str, buckets: List[List[Any]], hints: List[int],
                  threads: int, resolve: Callable[[Any], Any], records: bool = False
                  ) -> List[Tuple[str, FileRecord, List[int]]]:
     """:func:`write_buckets`, through the executor of :func:`executing` where there is one."""
-    executor = _EXECUTOR.get()
+    executor = current_executor()
     if executor is None or not buckets:
         return write_buckets(storage, path, prefix, buckets, hints, threads, resolve, records)
 
@@ -246,8 +229,7 @@ def _write_files(storage: Storage, path: str, prefix: str, buckets: List[List[An
         return write_buckets(storage, path, prefix, datas, [hints[k] for k in ks], threads, _same, records,
                              names=ks)
 
-    return cast(List[Tuple[str, FileRecord, List[int]]],
-                executor.write_files(storage, path, prefix, buckets, hints, threads, resolve, records, in_thread))
+    return executor.write_files(storage, path, prefix, buckets, hints, threads, resolve, records, in_thread)
 
 
 def _same(item: Any) -> Any:

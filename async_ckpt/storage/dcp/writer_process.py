@@ -42,7 +42,9 @@ import sys
 import threading
 import time
 from concurrent.futures import Future
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -230,9 +232,9 @@ class WriterProcess:
 
     # -- jobs --------------------------------------------------------------------------------------
     def submit(self, job: Dict[str, Any], blocks: Sequence[shared_memory.SharedBlock],
-               templates: Dict[int, Any]) -> "Future[Any]":
-        """Send a write job; ``blocks``: the shared blocks its items live in; ``templates``:
-        the record templates its items name, by id.
+               templates: Dict[int, Any], op: str = "write") -> "Future[Any]":
+        """Send a job (``op``: ``"write"`` files, ``"hash"`` block ranges); ``blocks``: the
+        shared blocks its items live in; ``templates``: the record templates its items name.
 
         Returns:
             The future of its files' ``(name, record, item lengths)``.
@@ -259,7 +261,7 @@ class WriterProcess:
                         self._known.update(b.id for b in part)
                     job = dict(job, templates={t: (tpl.head, tpl.tail) for t, tpl in templates.items()
                                                if t not in self._templates})
-                    writer_child.send(sock, ("write", job_id, job))
+                    writer_child.send(sock, (op, job_id, job))
                     self._templates.update(templates)
             except OSError as exc:
                 self._pending.pop(job_id, None)
@@ -277,6 +279,27 @@ def _exit_text(code: int) -> str:
         except ValueError:
             return f"signal {-code}"
     return f"exit code {code}"
+
+
+#: The executor of the save being written on this thread (:func:`executing`); ``None``: the
+#: thread writer writes its files.
+_EXECUTOR: ContextVar[Optional["ProcessExecutor"]] = ContextVar("async_ckpt_executor", default=None)
+
+
+@contextmanager
+def executing(executor: Optional["ProcessExecutor"]) -> Iterator[None]:
+    """Write (and hash) the files of the saves made inside the block through ``executor``
+    (``None``: this thread's writer)."""
+    token = _EXECUTOR.set(executor)
+    try:
+        yield
+    finally:
+        _EXECUTOR.reset(token)
+
+
+def current_executor() -> Optional["ProcessExecutor"]:
+    """The executor of :func:`executing` on this thread, if any."""
+    return _EXECUTOR.get()
 
 
 _SHARED: Optional[WriterProcess] = None
@@ -318,6 +341,15 @@ class ProcessExecutor:
         self.timeout_s = timeout_s
         #: files the writer process wrote so far (the others: the thread writer)
         self.files_written = 0
+
+    def hashes(self, objs: List[Any], hashable: Callable[[Any], bool]) -> List[Optional[int]]:
+        """The XXH3-128 of each of ``objs`` that ``hashable`` takes and that lives in the
+        snapshot's shared blocks, computed by the writer process (``None``: the caller hashes it).
+
+        Raises:
+            WriterProcessError: the process died or could not be reached.
+        """
+        return _hash_items(self, objs, hashable)
 
     def write_files(self, storage: Storage, path: str, prefix: str, buckets: List[List[Any]], hints: List[int],
                     threads: int, resolve: Callable[[Any], Any], records: bool,
@@ -373,6 +405,33 @@ class ProcessExecutor:
         return [outs[k] for k in range(len(buckets))]
 
 
+def _hash_items(executor: "ProcessExecutor", objs: List[Any], hashable: Callable[[Any], bool]
+                ) -> List[Optional[int]]:
+    by_id = {b.id: b for b in executor.blocks.values()}
+    items: List[Tuple[int, int, int]] = []
+    where: List[int] = []
+    used: Dict[int, shared_memory.SharedBlock] = {}
+    for i, t in enumerate(objs):
+        if not hashable(t):
+            continue
+        try:
+            base = t.untyped_storage().data_ptr()
+        except RuntimeError:
+            continue
+        blk = executor.blocks.get(base)
+        if blk is None:
+            continue
+        items.append((blk.id, t.data_ptr() - base, t.numel() * t.element_size()))
+        used[blk.id] = by_id[blk.id]
+        where.append(i)
+    out: List[Optional[int]] = [None] * len(objs)
+    if items:
+        fut = executor.process.submit({"items": items}, list(used.values()), {}, op="hash")
+        for i, h in zip(where, _wait(fut, executor.process, executor.timeout_s)):
+            out[i] = h
+    return out
+
+
 def _wait(fut: "Future[Any]", process: WriterProcess, timeout_s: Optional[float]) -> Any:
     """The job's result; past ``timeout_s`` the process is killed (it reads the buffers no more)
     and the job fails."""
@@ -403,4 +462,4 @@ def _forget_after_fork() -> None:
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_after_fork)
 
-__all__ = ["ProcessExecutor", "WriterProcess", "close_shared", "shared"]
+__all__ = ["ProcessExecutor", "WriterProcess", "close_shared", "current_executor", "executing", "shared"]
