@@ -199,7 +199,6 @@ def child_main(fd: int, parent_pid: int) -> None:
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the training process decides what a Ctrl-C ends
-    os.nice(int(os.environ.get("ASYNC_CKPT_WRITER_NICE", "0")))
     sock = socket.socket(fileno=fd)
 
     def watch_parent() -> None:  # a SIGKILL-ed parent: the socket may stay open in its forks
