@@ -534,6 +534,8 @@ class Reuse:
                 v = seen.get(it.key[0])
                 if v is not None:
                     self._known[it.key] = Known(v, it.hash, it.dtype, it.shape)
+                else:  # committed without a version (none could be had): an older record is stale,
+                    self._known.pop(it.key, None)  # and its version may be a freed tensor's, reused
             names = {it.name for it in items}
             self._held = self._source = HeldBytes(step, directory, held_items,
                                                   {n: r for n, r in files.items() if n in names},
