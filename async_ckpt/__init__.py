@@ -26,6 +26,7 @@ from .errors import (
     StorageTimeoutError,
     TornSnapshotError,
     UnsafeCheckpointError,
+    WriterProcessError,
 )
 from .manager import CheckpointManager
 from .policies import (
@@ -79,6 +80,7 @@ __all__ = [
     "StorageTimeoutError",
     "TornSnapshotError",
     "UnsafeCheckpointError",
+    "WriterProcessError",
     "AnyOf",
     "AtSteps",
     "Continuous",

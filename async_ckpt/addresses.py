@@ -9,7 +9,6 @@ name is readable memory for the duration of the call; nothing else in the range 
 from __future__ import annotations
 
 import ctypes
-from typing import Any
 
 import torch
 
@@ -36,26 +35,6 @@ def host_bytes(addr: int, nbytes: int) -> torch.Tensor:
             return torch.empty(0, dtype=torch.uint8)
         return torch.frombuffer((ctypes.c_ubyte * nbytes).from_address(addr), dtype=torch.uint8)
     return torch.from_numpy(np.asarray(_AddressRange(addr, nbytes)))
-
-
-def address_of(b: Any) -> int:
-    """The address of the first byte of a contiguous buffer (a memoryview, bytes, an array),
-    or -1 where it cannot be had (without NumPy, which async_ckpt does not require).
-
-    Args:
-        b: any object with the buffer protocol.
-
-    Returns:
-        The address, or -1.
-    """
-    try:
-        import numpy as np
-    except ImportError:
-        return -1
-    try:
-        return int(np.frombuffer(b, dtype=np.uint8).ctypes.data)
-    except (TypeError, ValueError):
-        return -1
 
 
 def byte_view(t: torch.Tensor) -> memoryview:

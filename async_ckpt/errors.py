@@ -308,6 +308,14 @@ class CoordinationError(CheckpointError):
     """
 
 
+class WriterProcessError(CheckpointError):
+    """The writer process (``writer="process"``) died or could not be reached during a save.
+
+    That save is not committed (committed steps are not affected); the next save starts a new
+    writer process. The message says how the process ended (its exit code or signal).
+    """
+
+
 class StagingBudgetError(CheckpointError, MemoryError):
     """A state dict needs more host staging memory than the configured budget allows."""
 

@@ -14,6 +14,7 @@ attempt, the read of a step) as one object.
 from __future__ import annotations
 
 import os
+import socket
 import time
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Dict, Iterable, Optional, Sequence
@@ -33,6 +34,29 @@ REPLICATED_READS = ("auto", "once", "every_rank")
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+WRITERS = ("auto", "thread", "process")
+
+
+def _resolve_writer(writer: Any) -> str:
+    """``writer=``: ``"thread"`` or ``"process"``; ``"auto"`` is ``$ASYNC_CKPT_WRITER`` if set,
+    else ``"process"`` where the system can share memory with a writer process (Linux)."""
+    if writer not in WRITERS:
+        raise InvalidArgumentError(f"writer must be one of {WRITERS} (who writes a save's files: a thread of this "
+                                   f"process, or a writer process), got {writer!r}")
+    can = hasattr(os, "memfd_create") and hasattr(socket, "send_fds")
+    if writer == "auto":
+        env = os.environ.get("ASYNC_CKPT_WRITER", "")
+        if env not in ("", "thread", "process"):
+            raise InvalidArgumentError(f"ASYNC_CKPT_WRITER must be 'thread' or 'process', got {env!r}")
+        writer = env or ("process" if can else "thread")
+        if writer == "process" and not can:
+            writer = "thread"
+    elif writer == "process" and not can:
+        raise InvalidArgumentError("writer='process' needs memfd_create and descriptor passing (Linux); use "
+                                   "writer='thread' on this system")
+    return str(writer)
 
 
 def _is_seconds(value: Any) -> bool:
@@ -93,6 +117,7 @@ class ManagerOptions:
     replicated_reads: str = "auto"
     metrics_reduce: str = "rank0"
     read_only: bool = False
+    writer: str = "auto"
     wall_clock: Callable[[], float] = field(default=time.time)
     interval_clock: Callable[[], float] = field(default=time.monotonic)
 
@@ -171,6 +196,7 @@ class ManagerOptions:
                                        f"nodes: pass local_dir= too")
         if not isinstance(self.read_only, bool):
             raise InvalidArgumentError(f"read_only must be a bool, got {self.read_only!r}")
+        self.writer = _resolve_writer(self.writer)
         if self.read_only:
             for name, given in (("local_dir", self.local_dir is not None),
                                 ("chkpt_on_preemption", self.chkpt_on_preemption),

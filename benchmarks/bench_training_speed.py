@@ -141,6 +141,13 @@ class Ours(Method):
         super().close()
 
 
+class OursThread(Ours):
+    """The writer thread instead of the writer process (``writer="thread"``)."""
+
+    name = "ours-thread"
+    kwargs = {"writer": "thread"}
+
+
 class OursLazy(Ours):
     name = "ours-lazy"
     kwargs = {"lazy": True}
@@ -311,10 +318,10 @@ class TorchSave(Method):
 
 
 METHODS: Dict[str, Callable[[str], Method]] = {
-    m.name: m for m in (Floor, Ours, OursLazy, OursIncremental, OursTiered, DcpThread, DcpProcess, DcpStager,
+    m.name: m for m in (Floor, Ours, OursThread, OursLazy, OursIncremental, OursTiered, DcpThread, DcpProcess, DcpStager,
                         TorchCheckpointing, LightningAsync, TorchSave)
 }
-LAUNCH_DEFAULT = "floor,ours,ours-lazy,ours-incremental,ours-tiered,dcp-thread,dcp-process,dcp-stager," \
+LAUNCH_DEFAULT = "floor,ours,ours-thread,ours-lazy,ours-incremental,ours-tiered,dcp-thread,dcp-process,dcp-stager," \
                  "torch-checkpointing,lightning"
 CPU_DEFAULT = "ours,ours-lazy,dcp-stager,dcp-process,torch-checkpointing,lightning,torch-save"
 
@@ -376,6 +383,18 @@ def _mutate(sd: Dict[str, Any], fraction: float, i: int) -> None:
             t.add_(1.0)
 
 
+def _cached_bytes() -> int:
+    """The page cache's size (``Cached`` in /proc/meminfo), 0 where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("Cached:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
 def launch_sample(m: Method, i: int, sd: Dict[str, Any], ref_s: float, limit_s: float) -> Dict[str, float]:
     x = torch.zeros(8)
     if getattr(m, "changes", 0):
@@ -383,6 +402,7 @@ def launch_sample(m: Method, i: int, sd: Dict[str, Any], ref_s: float, limit_s: 
     gc.collect()
     time.sleep(0.05)
     rate = _spin(x, ref_s) / ref_s
+    cached = _cached_bytes()
     t0 = time.perf_counter()
     h = m.start(i, sd)
     t1 = time.perf_counter()
@@ -396,7 +416,8 @@ def launch_sample(m: Method, i: int, sd: Dict[str, Any], ref_s: float, limit_s: 
     m.finish(h)
     window = t2 - t1
     return {"stall_s": t1 - t0, "window_s": window, "lost_s": window - n / rate,
-            "speed": (n / rate) / window if window > 0 else 1.0, "ref_rate": rate}
+            "speed": (n / rate) / window if window > 0 else 1.0, "ref_rate": rate,
+            "page_cache_growth_b": float(_cached_bytes() - cached)}
 
 
 # ---- the cpu-bound loop --------------------------------------------------------------------------
@@ -460,7 +481,7 @@ def run_launch(args: argparse.Namespace, root: str, log: Callable[[str], None]) 
     out: Dict[str, Any] = {"state_mib": args.size_mib, "tensors": len(tensors_of(sd)), "methods": {}}
     for name, ss in samples.items():
         res: Dict[str, Any] = {"samples": ss}
-        for key in ("stall_s", "window_s", "lost_s", "speed"):
+        for key in ("stall_s", "window_s", "lost_s", "speed", "page_cache_growth_b"):
             res[key] = _summary([s[key] for s in ss])
         for ref in ("floor", "dcp-process"):
             if ref in samples and ref != name and len(samples[ref]) == len(ss):
@@ -505,7 +526,7 @@ def _rank_main(rank: int, args: argparse.Namespace, root: str, store_path: str, 
 
 
 #: methods that run in every rank of ``--ranks N`` (the others are one-process only)
-RANK_METHODS = ("floor", "ours", "ours-lazy", "ours-incremental", "dcp-thread", "dcp-process")
+RANK_METHODS = ("floor", "ours", "ours-thread", "ours-lazy", "ours-incremental", "dcp-thread", "dcp-process")
 
 
 def run_launch_ranks(args: argparse.Namespace, root: str, log: Callable[[str], None]) -> Dict[str, Any]:
@@ -587,13 +608,15 @@ def markdown(report: Dict[str, Any]) -> str:
     if "launch" in report:
         lr = report["launch"]
         lines += ["", f"Launch-bound loop, {lr['state_mib']} MiB state in {lr['tensors']} tensors:", "",
-                  "| method | stall | loop time lost during the write | loop speed during the write | lost / floor (paired) |",
-                  "| --- | --- | --- | --- | --- |"]
+                  "| method | stall | loop time lost during the write | loop speed during the write | lost / floor (paired) "
+                  "| page cache grown by a save |",
+                  "| --- | --- | --- | --- | --- | --- |"]
         for name, res in lr["methods"].items():
             ratio = res.get("lost_vs_floor")
             lines.append(f"| {name} | {res['stall_s']['median'] * 1e3:.1f} ms | {_ms(res['lost_s'])} | "
                          f"{res['speed']['median'] * 100:.0f}% [{res['speed']['min'] * 100:.0f}, "
-                         f"{res['speed']['max'] * 100:.0f}] | {_x(ratio)} |")
+                         f"{res['speed']['max'] * 100:.0f}] | {_x(ratio)} | "
+                         f"{res['page_cache_growth_b']['median'] / MiB:.0f} MiB |")
     if "launch_ranks" in report:
         lr = report["launch_ranks"]
         lines += ["", f"Launch-bound loop on {lr['ranks']} gloo ranks, {lr['state_mib']} MiB state in all "

@@ -99,7 +99,9 @@ def scenario_save(root: str, ref_path: str) -> None:
         os.makedirs(os.path.join(root, ".tmp-99-0123456789ab"), exist_ok=True)
     dist.barrier()
     model, optim = build(seed=0)
-    mgr = CheckpointManager(root, max_to_keep=2)
+    # writer="thread": step 2 injects a write failure into this process's storage object, which
+    # the writer thread writes through (the writer process's failures: test_writer_process.py)
+    mgr = CheckpointManager(root, max_to_keep=2, writer="thread")
     deletes = []
     real_delete = mgr.layout.condemn
     mgr.layout.condemn = lambda step: (deletes.append(step), real_delete(step))[1]

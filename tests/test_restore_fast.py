@@ -12,11 +12,11 @@ import torch
 
 from async_ckpt import CheckpointManager
 from async_ckpt.errors import CorruptCheckpointError, PartlyWrittenError, StateDictMismatchError
-from async_ckpt.io import read_targets as direct, step_io
-from async_ckpt.format.crc import crc32c_combine, crc32c_concat
-from async_ckpt.format.unpickling import load_metadata
+from async_ckpt.format.crc import crc32c, crc32c_combine, crc32c_concat
 from async_ckpt.format.manifest import MANIFEST_NAME, Manifest
-from async_ckpt.format.crc import crc32c
+from async_ckpt.format.unpickling import load_metadata
+from async_ckpt.io import read_targets as direct
+from async_ckpt.io import step_io
 
 from .tree import assert_bitwise_equal, clone_tree
 

@@ -65,7 +65,8 @@ def test_staging_imports_only_downward_and_has_no_cycle():
         for level, name in _relative_imports(src):
             top = name.split(".")[0]
             if level >= 2:
-                assert top in {"compat", "errors", "policies", "addresses", "gc_pause", "storage"}, (mod, name)
+                assert top in {"compat", "errors", "policies", "addresses", "shared_memory", "gc_pause", "storage",
+                               "format"}, (mod, name)
             elif top:
                 deps.add(top)
         graph[mod] = deps

@@ -136,3 +136,46 @@ def test_object_store_probe_names_a_missing_bucket():
     st.retry = RetryPolicy(attempts=1)
     with pytest.raises(StorageError, match="bucket does not exist"):
         st.check_writable()
+
+
+def _resident_fraction(path: str) -> float:
+    """The fraction of ``path``'s pages in the page cache (``mincore`` over a mapping of it)."""
+    import ctypes
+    import mmap
+
+    import numpy as np
+
+    size = os.path.getsize(path)
+    pages = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE
+    vec = (ctypes.c_ubyte * pages)()
+    libc = ctypes.CDLL(None, use_errno=True)
+    with open(path, "rb") as f:
+        mm = mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ)
+        arr = np.frombuffer(mm, dtype=np.uint8)
+        rc = libc.mincore(ctypes.c_void_p(arr.ctypes.data), ctypes.c_size_t(size), vec)
+        del arr
+        mm.close()
+    if rc != 0:
+        pytest.skip(f"mincore failed: errno {ctypes.get_errno()}")
+    return sum(v & 1 for v in vec) / pages
+
+
+def test_written_data_files_leave_the_page_cache_once_durable(tmp_path):
+    """A save's files are dropped from the page cache after their fsync (posix_fadvise
+    DONTNEED), so a checkpoint does not push the job's own cached data out (not on tmpfs)."""
+    import torch
+
+    from async_ckpt import CheckpointManager
+
+    with open("/proc/mounts") as f:
+        mounts = [line.split() for line in f]
+    best = max((m for m in mounts if str(tmp_path).startswith(m[1])), key=lambda m: len(m[1]))
+    if best[2] == "tmpfs":
+        pytest.skip("tmp_path is on tmpfs: its pages are the files")
+    sd = {"w": torch.randn(2**20)}  # 4 MiB
+    for writer in ("thread", "process"):
+        with CheckpointManager(str(tmp_path / writer), writer=writer) as mgr:
+            mgr.save(1, sd)
+        data = [os.path.join(tmp_path, writer, "1", n) for n in os.listdir(tmp_path / writer / "1")
+                if n.endswith(".distcp")]
+        assert data and all(_resident_fraction(p) < 0.1 for p in data), writer

@@ -41,7 +41,8 @@ from typing import Any, Callable, Dict, List, Literal, Optional, Tuple, Union
 import torch
 
 from .. import compat
-from ..addresses import address_of, gather
+from ..addresses import gather
+from .buffers import address_of
 
 TEMPLATE_MAX_BYTES = 1 << 20  # records up to this size are copied into the writer's buffer
 
@@ -210,6 +211,10 @@ class RecordTemplates:
         with self._lock:
             self._templates[key] = tpl
         return tpl
+
+
+#: The process's record templates (they depend on torch only): every writer uses these.
+RECORDS = RecordTemplates()
 
 
 # ---- non-tensor values -----------------------------------------------------------------------

@@ -48,6 +48,7 @@ from ..staging.frozen import host_copy
 from ..storage.backends import FileState
 from .read_exec import OpenFiles, Piece, execute, read_files
 from .sinks import NULL
+from .writer_process import current_executor
 
 log = logging.getLogger("async_ckpt")
 
@@ -66,13 +67,17 @@ def item_key(fqn: str, offsets: Optional[Iterable[int]]) -> Key:
     return fqn, tuple(offsets) if offsets is not None else ()
 
 
+def hashable(t: Any) -> bool:
+    """Whether :func:`content_hash` hashes ``t``: a plain contiguous CPU tensor of at least
+    :data:`MIN_SHARED_BYTES`."""
+    return type(t) is torch.Tensor and t.is_cpu and t.is_contiguous() \
+        and t.numel() * t.element_size() >= MIN_SHARED_BYTES
+
+
 def content_hash(t: Any) -> Optional[int]:
-    """XXH3-128 of a host tensor's bytes, or ``None`` where it is not hashed (not a plain
-    contiguous CPU tensor, or smaller than :data:`MIN_SHARED_BYTES`)."""
-    if type(t) is not torch.Tensor or not t.is_cpu or not t.is_contiguous():
-        return None
-    n = t.numel() * t.element_size()
-    if n < MIN_SHARED_BYTES:
+    """XXH3-128 of a host tensor's bytes, or ``None`` where it is not hashed (see :func:`hashable`).
+    The writer process hashes the same bytes the same way (``writer_child``)."""
+    if not hashable(t):
         return None
     return xxhash.xxh3_128_intdigest(byte_view(t))
 
@@ -272,6 +277,8 @@ class Reuse:
             held, source, known = self._held, self._source, dict(self._known)
         full = self.due_full()
         hashes: List[Optional[int]] = [None] * len(objs)
+        executor = current_executor()  # the writer process hashes what it can read, off this GIL
+        pre = executor.hashes(objs, hashable) if executor is not None else hashes[:]
         by_file: Dict[str, List[Tuple[int, HeldItem]]] = {}
         frozen: Dict[int, Optional[HeldItem]] = {}  # items left uncopied -> the record of their bytes
         changed: List[str] = []
@@ -286,7 +293,7 @@ class Reuse:
                 else:
                     frozen[i] = None
                 continue
-            h = hashes[i] = content_hash(o)
+            h = hashes[i] = pre[i] if pre[i] is not None else content_hash(o)
             if h is None:
                 continue
             k = known.get(key)

@@ -25,7 +25,6 @@ splice once: :meth:`~.reuse.Reuse.share`; which items go to which file; the ``.m
 from __future__ import annotations
 
 import dataclasses
-import errno
 import io
 import pickle
 import threading
@@ -47,8 +46,8 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from .. import compat
-from ..addresses import address_of, byte_view
-from ..format.crc import crc32c, crc32c_combine, raw_crc32c
+from ..addresses import byte_view
+from ..format.crc import crc32c
 from ..format.dcp_layout import (
     METADATA_NAME,
     FileLayout,
@@ -63,9 +62,11 @@ from ..format.dcp_layout import (
     signature,
 )
 from ..format.manifest import FileRecord
-from ..format.torch_record import PickledObject, RecordBatch, RecordTemplate, RecordTemplates
+from ..format.torch_record import RECORDS, PickledObject, RecordBatch, RecordTemplate
 from ..storage.storage import Storage
+from .record_stream import DATA_AT_MIN_BYTES, RecordStream, write_record_file
 from .reuse import Key, Reuse, Shared, item_key, placed_items
+from .writer_process import current_executor
 
 if TYPE_CHECKING:  # the classes compat returns, named for the type checker
     from torch.distributed.checkpoint.filesystem import _StorageInfo, _StoragePrefix
@@ -105,88 +106,15 @@ def _balance(items: List[Any], sizes: List[int], buckets: int,
     return [b for b in out if b]
 
 
-_RECORDS = RecordTemplates()  # shared by every save in the process: templates depend on torch only
+_RECORDS = RECORDS  # shared by every save in the process: templates depend on torch only
 
-_COALESCE_BYTES = 4 * 2**20  # small records are gathered into writes of about this size
+_COALESCE_BYTES = 4 * 2**20  # as record_stream's: small records are gathered into writes of about this size
 _SMALL_ITEM_BYTES = 64 * 2**10  # runs of items up to this size are produced one file at a time
 _BATCH_MIN = 16  # runs of at least this many records of one template are rendered together
-_COMBINE_BYTES = 2**20  # a write at least this big is checksummed once for its record and its file
-DATA_AT_MIN_BYTES = 64 * 2**10  # tensor records with this much data have their data's place kept
 
 
-class _RecordStream:
-    """Write-through stream that counts bytes and computes CRC32C as data passes, gathering
-    small writes into large ones (fewer syscalls/requests).
-
-    With ``records``, each record's length and CRC32C are kept too (:attr:`records`): the
-    writer calls :meth:`end_record` after each item, and :meth:`append_records` keeps its own.
-    A record's bytes are checksummed as they come in; where the file's CRC would take a second
-    pass over a big write (at least ``_COMBINE_BYTES``), the write is checksummed once and
-    that CRC combined into both (:func:`~.crc.crc32c_combine`).
-    """
-
-    def __init__(self, f: Any, records: bool = False) -> None:
-        self._f = f
-        self.size = 0  # bytes passed on to ``f``
-        self.crc = 0
-        self.error: Optional[BaseException] = None  # torch.save hides it behind a RuntimeError
-        self._pending = bytearray()
-        self.records: Optional[List[Tuple[int, int]]] = [] if records else None  # (length, crc32c)
-        self._rec_crc = 0  # of the record being written
-        self._rec_start = 0
-        self.expect: Optional[Tuple[int, int]] = None  # (address, nbytes) of a tensor's data to be written
-        self.found = -1  # where in the file a write of exactly ``expect`` went
-
-    def _write_through(self, b: Any, crc: Optional[int] = None) -> int:
-        """Pass ``b`` on to the file; ``crc``: its CRC32C, already computed."""
-        mv = memoryview(b).cast("B")
-        self.crc = crc32c(mv, self.crc) if crc is None else crc32c_combine(self.crc, crc, mv.nbytes)
-        try:
-            self._f.write(mv)
-        except BaseException as exc:
-            self.error = exc
-            raise
-        self.size += mv.nbytes
-        return mv.nbytes
-
-    def write(self, b: Any) -> int:
-        n = memoryview(b).nbytes
-        if n >= 65536:
-            if self.expect is not None and n == self.expect[1] and address_of(b) == self.expect[0]:
-                self.found = self.tell()
-            self.flush_pending()
-            if self.records is None:
-                return self._write_through(b)
-            if n < _COMBINE_BYTES:
-                self._rec_crc = crc32c(b, self._rec_crc)
-                return self._write_through(b)
-            crc = crc32c(b)
-            self._rec_crc = crc32c_combine(self._rec_crc, crc, n)
-            return self._write_through(b, crc)
-        if self.records is not None:
-            self._rec_crc = crc32c(b, self._rec_crc)
-        self._pending += b  # no cast: a memoryview cast costs more than the copy of a small record
-        if len(self._pending) >= _COALESCE_BYTES:
-            self.flush_pending()
-        return n
-
-    def end_record(self) -> None:
-        """The bytes written since the last record end one (with ``records``)."""
-        records = self.records
-        if records is not None:
-            end = self.size + len(self._pending)
-            records.append((end - self._rec_start, self._rec_crc))
-            self._rec_crc, self._rec_start = 0, end
-
-    def _end_tail_records(self, n: int, count: int) -> None:
-        """End the last ``count`` records of ``n`` bytes each, whole records just appended to
-        the pending buffer (with ``records``)."""
-        records = self.records
-        if records is not None:
-            end = len(self._pending)
-            with memoryview(self._pending) as mv:  # released: the buffer grows later
-                records += [(n, raw_crc32c(mv[k:k + n])) for k in range(end - n * count, end, n)]
-            self._rec_start += n * count
+class _RecordStream(RecordStream):
+    """:class:`~..record_stream.RecordStream` with tensors' records appended from their templates."""
 
     def append_record(self, t: torch.Tensor) -> int:
         """Write the record of ``t`` from its template (see :mod:`..torch_record`): a small one
@@ -229,23 +157,6 @@ class _RecordStream:
             self._end_tail_records(tpl.length, len(chunk))
             if len(self._pending) >= _COALESCE_BYTES:
                 self.flush_pending()
-
-    def tell(self) -> int:
-        return self.size + len(self._pending)
-
-    def flush_pending(self) -> None:
-        if self._pending:
-            data, self._pending = self._pending, bytearray()
-            self._write_through(data)
-
-    def flush(self) -> None:
-        pass
-
-    def writable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return False
 
 
 def _write_item(stream: _RecordStream, data: Any) -> int:
@@ -345,6 +256,9 @@ def write_files(storage: Storage, path: str, plans: Sequence[FilePlan], *, threa
     immutable until the step commits); the first file that fails for good ends the step: the
     files not started yet are not.
 
+    Where a save runs with the writer process (:func:`.writer_process.executing`), the files
+    whose items all live in its shared staging buffers are written there, the others here.
+
     Args:
         storage: the root's storage.
         path: the step's (temporary) directory.
@@ -360,6 +274,30 @@ def write_files(storage: Storage, path: str, plans: Sequence[FilePlan], *, threa
         StorageError: a file could not be written (after retries).
         OSError: a short write, or the storage refused the file.
     """
+    executor = current_executor()
+    if executor is None or not plans:
+        return write_files_here(storage, path, plans, threads=threads, resolve=resolve, records=records)
+
+    def in_thread(ks: List[int], datas: List[List[Any]]) -> List[Tuple[str, FileRecord, List[int]]]:
+        here = [FilePlan(plans[k].name, d, plans[k].hint) for k, d in zip(ks, datas)]
+        outs = write_files_here(storage, path, here, threads=threads, resolve=_same, records=records)
+        return [(w.name, w.record, w.lengths) for w in outs]
+
+    written = executor.write_files(storage, path, [p.name for p in plans], [p.items for p in plans],
+                                   [p.hint for p in plans], threads, resolve, records, in_thread)
+    return [WrittenFile(name, record, lengths) for name, record, lengths in written]
+
+
+def _same(item: Any) -> Any:
+    return item
+
+
+def write_files_here(storage: Storage, path: str, plans: Sequence[FilePlan], *, threads: int,
+                     resolve: Callable[[Any], Any], records: bool = False) -> List[WrittenFile]:
+    """:func:`write_files` by threads of this process (the writer process, where a save has
+    one, writes the files whose items all live in shared staging buffers: see
+    :mod:`.writer_process`); the arguments, result and errors are :func:`write_files`'s.
+    """
 
     def write_file(plan: FilePlan) -> WrittenFile:
         # A file is streamed, so a transient failure mid-file is retried by rewriting the
@@ -373,11 +311,8 @@ def write_files(storage: Storage, path: str, plans: Sequence[FilePlan], *, threa
     produce_small = threading.Lock()
 
     def write_file_once(plan: FilePlan) -> WrittenFile:
-        name = plan.name
-        lengths: List[int] = []
-        data_at: Dict[int, int] = {}  # record offset -> its data's offset in it (large tensors)
-        with storage.open_write(f"{path}/{name}", size_hint=plan.hint) as f:
-            stream = _RecordStream(f, records)
+        def produce(rs: RecordStream, lengths: List[int], data_at: Dict[int, int]) -> None:
+            stream = cast(_RecordStream, rs)
             held = False
             run: List[torch.Tensor] = []  # consecutive tensors of one record template
             run_tpl: Optional[RecordTemplate] = None
@@ -418,18 +353,10 @@ def write_files(storage: Storage, path: str, plans: Sequence[FilePlan], *, threa
             finally:
                 if held:
                     produce_small.release()
-        # A silently short write (a full or flaky disk, a FUSE mount) fails the attempt with
-        # EIO, which is transient, so the file is redone. Storage whose uploads the service
-        # length-checks (gs://, s3://) needs no check.
-        stored = stream.size if getattr(storage, "length_checked_writes", False) else storage.size(f"{path}/{name}")
-        if stored != stream.size:
-            raise OSError(errno.EIO, f"short write: {stream.size} bytes written, storage holds {stored}",
-                          f"{path}/{name}")
-        kept = stream.records
-        if kept is not None and [n for n, _ in kept] != lengths:
-            kept = None  # never list records that are not the items: the file is then checked whole
-        return WrittenFile(name, FileRecord(stream.size, stream.crc, None if kept is None else tuple(kept),
-                                            data_at or None), lengths)
+
+        name, record, lengths = write_record_file(storage, path, plan.name, plan.hint, records, produce,
+                                                  stream_type=_RecordStream)
+        return WrittenFile(name, record, lengths)
 
     if not plans:  # nothing to write on this rank (e.g. every item de-duplicated to another)
         return []

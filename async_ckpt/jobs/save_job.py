@@ -26,6 +26,7 @@ from ..dist.replicas import DroppedSamples, diverged, fingerprints
 from ..errors import CheckpointError
 from ..format.manifest import CopyIdentity, FileRecord, Manifest, reduce_metrics
 from ..io import step_io
+from ..io.writer_process import ProcessExecutor, WriterProcess, executing
 from ..policies import RetentionPolicy
 from ..staging import HostSnapshot
 from ..stats import SaveStats
@@ -62,6 +63,8 @@ class SaveJob:
 
 #: ``SaveStats.extra`` key: the declared-frozen tensors this save found changed (and wrote in full)
 FROZEN_CHANGED = "frozen_changed"
+#: ``SaveStats.extra`` key: the data files of this rank the writer process wrote (``writer="process"``)
+WRITER_PROCESS_FILES = "writer_process_files"
 #: ``SaveStats.extra`` keys of incremental saves: seconds spent verifying the files taken from the
 #: last step (and looking at the files written, for the next save's check), and the bytes read
 #: back to do it (0 where the storage vouched for every file)
@@ -88,9 +91,12 @@ class _RankResult:
     metrics: Dict[str, float] = field(default_factory=dict)
 
 
-def run_save(store: RootStore, job: SaveJob, *, policy: RetentionPolicy, threads: int, planner: Any) -> Optional[SaveStats]:
+def run_save(store: RootStore, job: SaveJob, *, policy: RetentionPolicy, threads: int, planner: Any,
+             writer_process: Optional[WriterProcess] = None) -> Optional[SaveStats]:
     """Writer thread of every rank: the phases in the module docstring. Returns the save's
-    statistics once committed (None on a rank whose staging failed)."""
+    statistics once committed (None on a rank whose staging failed). With ``writer_process``,
+    the files of a local root whose items live in the snapshot's shared buffers are written
+    there (see :mod:`async_ckpt.io.writer_process`)."""
     exchange = store.exchange
     step, snap = job.step, job.snap
     target: Optional[StepTarget] = None
@@ -143,6 +149,7 @@ def run_save(store: RootStore, job: SaveJob, *, policy: RetentionPolicy, threads
         opened.commit(manifest, policy)  # retention decided (markers gone) before save()/join() return
         return manifest.commit_time
 
+    executor: Optional[ProcessExecutor] = None
     store.forget_step(step)  # a re-save: the files under the step's name are going
     try:
         # 0. every host copy done (lazy saves: and unchanged, else TornSnapshotError)
@@ -190,6 +197,10 @@ def run_save(store: RootStore, job: SaveJob, *, policy: RetentionPolicy, threads
             store.recall_last_step()  # a new manager: what the newest committed step holds
             reuse.prepare(*job.frozen, step=step)
         written: Optional[Dict[str, FileRecord]] = None
+        if writer_process is not None and store.storage.is_local:
+            blocks = [b for lease in snap.leases for b in lease.shared_blocks()]
+            if blocks:
+                executor = ProcessExecutor(writer_process, blocks)
 
         def write() -> Dict[str, FileRecord]:  # one process, or every rank through dcp.save over the group
             assert snap is not None and target is not None
@@ -198,7 +209,8 @@ def run_save(store: RootStore, job: SaveJob, *, policy: RetentionPolicy, threads
                 reuse=reuse, group=exchange.group, several_ranks=exchange.world_size > 1))
 
         try:
-            write_error, written = phase.attempt(exchange, write)  # reported to every rank in the next phase
+            with executing(executor):  # reported to every rank in the next phase
+                write_error, written = phase.attempt(exchange, write)
         finally:
             # buffers go back to the pool as soon as the data is written; after a failed write a
             # write of it that timed out may still read them: they are given up
@@ -233,6 +245,8 @@ def run_save(store: RootStore, job: SaveJob, *, policy: RetentionPolicy, threads
         return None
     stats.write_s, stats.commit_s, stats.durable_s = tc - tw, td - tc, td - job.t0
     stats.files = len(files)
+    if executor is not None:
+        stats.extra[WRITER_PROCESS_FILES] = executor.files_written
     stats.referred_bytes = sum(r.size for r in files.values() if r.ref is not None)
     stats.written_bytes = sum(r.size for r in files.values()) - stats.referred_bytes
     stats.commit_time = commit_time

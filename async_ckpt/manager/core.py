@@ -35,7 +35,7 @@ from ..errors import (
 )
 from ..format.manifest import CopyIdentity, check_metrics
 from ..gc_pause import gc_paused
-from ..io import Reuse
+from ..io import Reuse, writer_process
 from ..io.planners import load_planner_for
 from ..jobs.local_tier import make_local_tier
 from ..jobs.peers import PeerCopies, peer_topology
@@ -248,6 +248,14 @@ class CheckpointManager:
             lists no step); :meth:`wait_for_step` waits for the writer's next commit. Not with
             ``local_dir``, ``chkpt_on_preemption`` or ``stats_log`` (see docs/reliability.md,
             "Reading a live run").
+        writer: who writes a save's files after the stall. ``"process"``: a writer process
+            (one per training process, started at the first save, shared by its managers)
+            reads the staging buffers, which are then shared memory, and writes the files of
+            local paths, so the training thread never shares its GIL with a write; the
+            manifest, commit, retention, lease and the ranks' exchanges stay here. ``"thread"``:
+            this process's writer thread writes them. ``"auto"`` (default): ``$ASYNC_CKPT_WRITER``
+            if set, else ``"process"`` on Linux. Object stores are written by the thread
+            either way (see docs/design.md, "The writer process").
         wall_clock: the clock of the commit times recorded in manifests (default
             ``time.time``; commit order survives it stepping back).
         interval_clock: the clock time-based save policies measure intervals with (the times
@@ -300,6 +308,7 @@ class CheckpointManager:
         replicated_reads: str = "auto",
         metrics_reduce: str = "rank0",
         read_only: bool = False,
+        writer: str = "auto",
         wall_clock: Callable[[], float] = time.time,
         interval_clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -339,7 +348,10 @@ class CheckpointManager:
                           reuse=Reuse(opts.full_every, version_of) if opts.incremental else None)
         self.catalog = store.catalog
         # with a local tier an upload overlaps local saves on and off: keep buffers for both
-        self.stager = Stager(HostBufferPool(opts.memory_budget_bytes, hold_peak=opts.local_dir is not None))
+        self.stager = Stager(HostBufferPool(opts.memory_budget_bytes, hold_peak=opts.local_dir is not None,
+                                            shared=opts.writer == "process"))
+        #: the writer process that writes this manager's local files (``writer="process"``)
+        self.writer_process = writer_process.shared() if opts.writer == "process" else None
         self._frozen = FrozenTensors(opts.frozen, opts.frozen_check_every) if opts.frozen is not None else None
         self._shares = SaveShares() if opts.replicated_saves and self._exchange.world_size > 1 else None
         self._pickled = PickledValues()
@@ -385,7 +397,8 @@ class CheckpointManager:
         self._persister = Persister(self.roots, self._exchange, threads=opts.write_threads, verify=opts.verify,
                                     wall_clock=opts.wall_clock, stats=self.stats,
                                     stats_log=StatsLog.from_option(self.storage, opts.stats_log),
-                                    on_saved=opts.on_saved, catch_up=self._catch_up, in_flight=self._in_flight)
+                                    on_saved=opts.on_saved, catch_up=self._catch_up, in_flight=self._in_flight,
+                                    writer_process=self.writer_process)
         # An unclosed manager that is garbage-collected stops its threads (it has no pending
         # work then: a queued save holds a reference to it).
         for root in self.roots:

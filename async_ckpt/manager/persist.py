@@ -17,6 +17,7 @@ from typing import Callable, Deque, List, Optional
 from ..dist.exchange import Exchange
 from ..errors import FrozenTensorChangedError
 from ..io.planners import save_planner_for
+from ..io.writer_process import WriterProcess
 from ..jobs.local_tier import make_room, out_of_space, refuse_foreign_save, space_needed
 from ..jobs.promote import UploadCatchUp, save_number
 from ..jobs.roots import LOCAL, Root, Roots
@@ -42,17 +43,19 @@ class Persister:
         on_saved: the user's callback, or None.
         catch_up: skipped uploads to make up for (a local tier, one process), or None.
         in_flight: the steps queued or being written (one entry per root's job).
+        writer_process: the writer process that writes local files (``writer="process"``), or None.
     """
 
     def __init__(self, roots: Roots, exchange: Exchange, *, threads: int, verify: bool,
                  wall_clock: Callable[[], float], stats: Deque[SaveStats], stats_log: Optional[StatsLog],
                  on_saved: Optional[Callable[[SaveStats], None]], catch_up: Optional[UploadCatchUp],
-                 in_flight: List[int]) -> None:
+                 in_flight: List[int], writer_process: Optional[WriterProcess] = None) -> None:
         self.roots, self.exchange = roots, exchange
         self.threads, self.verify, self.wall_clock = threads, verify, wall_clock
         self.stats, self.stats_log, self.on_saved = stats, stats_log, on_saved
         self.catch_up = catch_up
         self.in_flight = in_flight
+        self.writer_process = writer_process
 
     def persist(self, job: SaveJob, tier: Root) -> None:
         """Writer thread of ``tier``: the save job, then statistics and the user's callback. A
@@ -84,7 +87,8 @@ class Persister:
                 make_room(tier, coming, space_needed(job.snap.nbytes))
         planner = save_planner_for(job.snap) if job.snap is not None else None
         try:
-            stats = run_save(tier.store, job, policy=tier.retention, threads=self.threads, planner=planner)
+            stats = run_save(tier.store, job, policy=tier.retention, threads=self.threads, planner=planner,
+                             writer_process=self.writer_process)
         except BaseException as exc:
             if coming is not None and out_of_space(exc):  # found full after all: the next save finds room
                 make_room(tier, coming, None)

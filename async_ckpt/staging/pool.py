@@ -35,8 +35,10 @@ from typing import Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from .. import shared_memory as _shared_memory
 from ..compat import host_empty_cache
 from ..errors import InvalidArgumentError, StagingBudgetError
+from ..shared_memory import SharedBlock
 
 _HEADROOM = 16  # a buffer may be up to 1/_HEADROOM larger than the request it serves
 _BOUND = 1.1  # without a budget: held bytes <= _BOUND x the peak leased bytes + _SLACK
@@ -52,9 +54,10 @@ class _Block:
     """One pooled allocation and the view of it handed out last (kept: it carries the views
     cached by :mod:`.views`, reused while the requests keep their size)."""
 
-    __slots__ = ("tensor", "capacity", "pinned", "used", "epoch", "view", "n")
+    __slots__ = ("tensor", "capacity", "pinned", "used", "epoch", "view", "n", "shared")
 
-    def __init__(self, tensor: torch.Tensor, pinned: bool) -> None:
+    def __init__(self, tensor: torch.Tensor, pinned: bool, shared: Optional[SharedBlock] = None) -> None:
+        self.shared = shared  # the shared-memory block behind it (a pool made with shared=True)
         self.tensor = tensor
         self.capacity = tensor.numel()
         self.pinned = pinned
@@ -97,6 +100,10 @@ class Lease:
         """Bytes of the buffers (as requested, without the blocks' headroom)."""
         return sum(b.numel() for b in self.buffers)
 
+    def shared_blocks(self) -> List[SharedBlock]:
+        """The shared-memory blocks behind these buffers (those a ``shared`` pool could get)."""
+        return [b.shared for b in self._blocks if b.shared is not None]
+
     def release(self) -> None:
         """Return the buffers to the pool (idempotent)."""
         if not self._released:
@@ -131,16 +138,19 @@ class HostBufferPool:
         budget_bytes: bound on the bytes the pool holds (None: no fixed bound).
         hold_peak: keep, at quiescent moments, the buffers of the most bytes ever leased at
             once (a manager with a local tier), instead of those of the last cycle.
+        shared: allocate in memory shared with the writer process (:mod:`.shared_memory`),
+            where the system allows.
 
     Raises:
         InvalidArgumentError: ``budget_bytes`` is negative.
     """
 
-    def __init__(self, budget_bytes: Optional[int] = None, *, hold_peak: bool = False) -> None:
+    def __init__(self, budget_bytes: Optional[int] = None, *, hold_peak: bool = False, shared: bool = False) -> None:
         if budget_bytes is not None and budget_bytes < 0:
             raise InvalidArgumentError(f"budget_bytes must be >= 0 or None, got {budget_bytes}")
         self.budget_bytes = budget_bytes
         self.hold_peak = hold_peak
+        self.shared = shared
         self._free: Dict[Tuple[int, bool], Deque[_Block]] = {}  # (capacity, pinned) -> FIFO
         # sorted capacities, per pinning, of the free lists (entries whose list emptied are
         # dropped lazily, by the searches that meet them: a steady-state pop stays O(1))
@@ -221,6 +231,8 @@ class HostBufferPool:
             self._blocks -= 1
             excess -= b.capacity
             pinned = pinned or b.pinned
+            if b.shared is not None:
+                b.shared.close()
         if pinned:
             _empty_host_cache()
 
@@ -294,7 +306,7 @@ class HostBufferPool:
             for i, n in enumerate(sizes):
                 blk = blocks[i]
                 if blk is None:
-                    blk = blocks[i] = _Block(torch.empty(caps[i], dtype=torch.uint8, pin_memory=pinned), pinned)
+                    blk = blocks[i] = self._allocate(caps[i], pinned)
                     self.allocated_bytes += blk.capacity
                     self.allocations += 1
                     self._blocks += 1
@@ -307,6 +319,12 @@ class HostBufferPool:
             self._peak = max(self._peak, self._requested)
         return Lease(self, blocks, buffers, pinned)  # type: ignore[arg-type]
 
+    def _allocate(self, nbytes: int, pinned: bool) -> _Block:
+        shared = _shared_memory.allocate(nbytes, pinned) if self.shared else None
+        if shared is not None:
+            return _Block(shared.tensor, pinned, shared)
+        return _Block(torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned), pinned)
+
     def _give_back(self, blocks: List[_Block], keep: bool = True) -> None:
         with self._cond:
             for b in blocks:
@@ -317,6 +335,8 @@ class HostBufferPool:
                     self._blocks -= 1
                     if b.epoch == self._epoch:  # it was counted as taken in this epoch
                         self._in_epoch -= 1
+                    if b.shared is not None:  # its mapping lives on with whoever still reads it
+                        b.shared.close()
                 self.leased_bytes -= b.capacity
                 self._requested -= b.n
             if self.leased_bytes == 0 and self.hold_peak:

@@ -134,7 +134,8 @@ class PosixBackend:
     @contextmanager
     def open_write(self, path: str, size_hint: Optional[int], *, block_size: int,
                    pipe_max_bytes: int) -> Iterator[Any]:
-        """A plain file; flushed and fsynced on exit, its writeback started as it fills."""
+        """A plain file; flushed and fsynced on exit, its writeback started as it fills, and its
+        pages then dropped from the page cache (:func:`drop_behind`)."""
         f = os.fdopen(open_own_file(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "wb")
         try:
             w = _WritebackFile(f)
@@ -142,6 +143,7 @@ class PosixBackend:
             f.flush()
             w.start_writeback()
             os.fsync(f.fileno())
+            drop_behind(f.fileno())
         finally:
             f.close()
 
@@ -314,6 +316,24 @@ def _load_sync_file_range() -> Optional[Callable[[int, int, int], None]]:
 
 
 _sync_file_range = _load_sync_file_range()
+
+
+def drop_behind(fd: int) -> None:
+    """Drop a file's pages from the page cache once they are on disk (``fsync`` done):
+    ``posix_fadvise(POSIX_FADV_DONTNEED)``.
+
+    A checkpoint is read back seldom (a restart, a promote), while the pages the training job
+    itself reads (its data set through the loader) are read all the time: without this, every
+    save would push as many bytes of them out of the cache as the checkpoint holds, and they
+    would stay out until read from disk again. A hint only: where it is missing it does
+    nothing; on tmpfs (``/dev/shm``) the pages are the file and stay.
+    """
+    advise = getattr(os, "posix_fadvise", None)
+    if advise is not None:
+        try:
+            advise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        except OSError:
+            pass  # a hint: a filesystem that refuses it keeps the pages
 
 
 class _WritebackFile:

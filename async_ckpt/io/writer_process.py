@@ -1,0 +1,482 @@
+"""The writer process: a step's files written by another process, off the training process's GIL.
+
+A training loop that dispatches work from one Python thread (as a GPU loop does) holds the
+GIL nearly all the time; a background writer *thread* then slows it, however little Python it
+runs: every time the writer thread comes back from a system call or a checksum it must take the
+GIL from the loop. ``CheckpointManager(writer="process")`` (and ``"auto"`` on local paths) moves
+the byte-moving part of a save — records rendered, CRC-32C computed, files written and
+fsynced — into a process of its own, started once per training process and shared by its
+managers; planning, the manifest, the commit, retention, the writer lease and the ranks'
+exchanges stay in the training process.
+
+Nothing is copied at the hand-off: the staging buffers are shared memory
+(:mod:`async_ckpt.shared_memory`) that the writer process maps, and a save sends it
+only a description of each item (a buffer id, an offset, dtype, shape and strides; the bytes of
+non-tensor values, pickled at the call). Items outside shared buffers (a declared-frozen tensor
+left uncopied, memory the system could not share) make their file go through the thread
+writer, in the same save.
+
+The process (:class:`WriterProcess`):
+
+* is started with :mod:`subprocess` (``python -c``), never ``fork`` of the training process
+  and never ``multiprocessing``'s spawn (which re-imports the user's main script), in a
+  session of its own, so a Ctrl-C meant for the job is decided by the training process;
+* ends by itself when the training process goes: at end-of-file on its socket, or when its
+  parent changes (checked every half second), so a ``SIGKILL``-ed job leaves no writer behind;
+* answers a job with the files' records (sizes, CRC-32Cs) or the error that ended it, raised
+  in the training process as the thread writer raises it (``OSError`` with its errno, so the
+  retry policy treats it alike); its death fails the jobs in flight with
+  :class:`~async_ckpt.errors.WriterProcessError`, and the next save starts a new process;
+* is used from one process only: after ``fork`` the child process starts its own.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import Future
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+
+from .. import compat, shared_memory
+from ..errors import StorageError, WriterProcessError
+from ..format.manifest import FileRecord
+from ..format.torch_record import RECORDS
+from ..storage import Storage
+from . import writer_child
+
+log = logging.getLogger("async_ckpt")
+
+READY_TIMEOUT_S = 60.0  # the process answers once it can serve (its imports done)
+
+Outs = List[Tuple[str, FileRecord, List[int]]]
+
+
+# ---- what crosses: items described, errors carried --------------------------------------------
+
+def _describe(data: Any, blocks: Dict[int, shared_memory.SharedBlock], templates: Dict[int, Any]
+              ) -> Optional[Tuple[Any, ...]]:
+    """An item as the writer process writes it: a template's head and tail around a range of a
+    shared block, or its record's bytes; ``None`` for a tensor outside the shared blocks (its
+    file is written by the thread writer). ``templates`` gathers the templates used, by id."""
+    if isinstance(data, io.BytesIO):
+        return ("b", data.getvalue())
+    if type(data) is not torch.Tensor or not data.is_cpu:
+        return None
+    tpl = RECORDS.template(data)
+    if tpl is None:  # e.g. an empty tensor: its few bytes, rendered here
+        buf = io.BytesIO()
+        compat.torch_save_without_crc(data.detach(), buf)
+        return ("b", buf.getvalue())
+    try:
+        base = data.untyped_storage().data_ptr()
+    except RuntimeError:
+        return None
+    blk = blocks.get(base)
+    if blk is None:
+        return None
+    templates[id(tpl)] = tpl
+    return ("r", id(tpl), blk.id, data.data_ptr() - base, tpl.nbytes)
+
+
+def _error_from(chain: List[Tuple[Optional[bytes], str, str]]) -> BaseException:
+    """The error :func:`~..writer_child.error_chain` sent, rebuilt with its causes (what cannot be rebuilt
+    becomes a :class:`WriterProcessError` naming it)."""
+    built: List[BaseException] = []
+    for blob, name, message in chain:
+        err: Any = None
+        if blob is not None:
+            try:
+                err = pickle.loads(blob)  # from the writer process this process started
+            except Exception:  # noqa: BLE001 - rebuilt by name and message below
+                err = None
+        if not isinstance(err, BaseException):
+            err = WriterProcessError(f"the writer process failed: {name}: {message}")
+        built.append(err)
+    for outer, inner in zip(built, built[1:]):
+        outer.__cause__ = inner
+    return built[0] if built else WriterProcessError("the writer process failed")
+
+
+# ---- the training process's side ---------------------------------------------------------------
+
+class WriterProcess:
+    """The writer process of this training process (see the module docstring); :func:`shared`
+    gives the one instance, started at its first job."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # the process, its socket and what it knows
+        self._send_lock = threading.Lock()
+        self._proc: Optional[subprocess.Popen] = None
+        self._sock: Optional[socket.socket] = None
+        self._known: set = set()  # block ids the process has mapped
+        self._templates: set = set()  # template ids the process has
+        self._pending: Dict[int, Future] = {}
+        self._next_id = 0
+        self._dead: Optional[str] = None
+        self._owner = os.getpid()
+        self.started = 0  # processes started so far
+
+    # -- life --------------------------------------------------------------------------------------
+    def _start(self) -> None:
+        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # async_ckpt/
+        try:
+            proc = subprocess.Popen([sys.executable, "-c", writer_child.BOOTSTRAP, package, str(child.fileno()),
+                                     str(os.getpid())], pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL,
+                                    start_new_session=True)
+        finally:
+            child.close()
+        parent.settimeout(READY_TIMEOUT_S)
+        try:
+            msg, _ = writer_child.recv(parent)
+        except (OSError, EOFError) as exc:
+            proc.kill()
+            proc.wait()
+            parent.close()
+            raise WriterProcessError(f"the writer process did not start: {exc} (exit code {proc.poll()})") from exc
+        parent.settimeout(None)
+        if not (isinstance(msg, tuple) and msg[:1] == ("ready",)):
+            proc.kill()
+            parent.close()
+            raise WriterProcessError(f"the writer process did not start: it said {msg!r}")
+        self._proc, self._sock, self._known, self._dead = proc, parent, set(), None
+        self._templates = set()
+        self.started += 1
+        threading.Thread(target=self._receive, args=(parent, proc), name="async-ckpt-writer-process",
+                         daemon=True).start()
+
+    def _ensure(self) -> socket.socket:
+        if os.getpid() != self._owner:
+            raise WriterProcessError("a writer process belongs to the process that started it (this one was forked)")
+        if self._sock is None or self._dead is not None:
+            self._stop()
+            self._start()
+        assert self._sock is not None
+        return self._sock
+
+    def _receive(self, sock: socket.socket, proc: subprocess.Popen) -> None:
+        why = "its socket closed"
+        try:
+            while True:
+                msg, _ = writer_child.recv(sock)
+                with self._lock:
+                    fut = self._pending.pop(msg[1], None)
+                if fut is None:
+                    continue
+                if msg[0] == "done":
+                    fut.set_result(msg[2])
+                else:
+                    fut.set_exception(_error_from(msg[2]))
+        except (OSError, EOFError, pickle.UnpicklingError) as exc:
+            why = str(exc)
+        code = proc.poll()
+        if code is None:
+            try:
+                code = proc.wait(timeout=2.0)
+            except subprocess.TimeoutExpired:
+                code = None
+        with self._lock:
+            if self._sock is sock:
+                self._dead = (f"the writer process (pid {proc.pid}) ended "
+                              + (f"with {_exit_text(code)}" if code is not None else f"({why})"))
+            dead = self._dead or "the writer process ended"
+            pending, self._pending = self._pending, {}
+        for fut in pending.values():
+            if not fut.done():
+                fut.set_exception(WriterProcessError(f"{dead} while writing; the next save starts a new one"))
+
+    def _stop(self) -> None:
+        sock, proc = self._sock, self._proc
+        self._sock, self._proc = None, None
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass  # already gone: closed below
+            sock.close()
+        if proc is not None and proc.poll() is None:
+            try:
+                proc.wait(timeout=5.0)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+    def close(self) -> None:
+        """Stop the process (it finishes nothing more; jobs in flight fail)."""
+        with self._lock:
+            if os.getpid() == self._owner:
+                self._stop()
+
+    def kill(self) -> None:
+        """End the process at once (``SIGKILL``): for a job that must not read its buffers any
+        more, and for tests."""
+        with self._lock:
+            if self._proc is not None and self._proc.poll() is None:
+                self._proc.kill()
+
+    @property
+    def pid(self) -> Optional[int]:
+        """The running process's pid (None before the first job)."""
+        return self._proc.pid if self._proc is not None and self._proc.poll() is None else None
+
+    # -- jobs --------------------------------------------------------------------------------------
+    def submit(self, job: Dict[str, Any], blocks: Sequence[shared_memory.SharedBlock],
+               templates: Dict[int, Any], op: str = "write") -> "Future[Any]":
+        """Send a job (``op``: ``"write"`` files, ``"hash"`` block ranges); ``blocks``: the
+        shared blocks its items live in; ``templates``: the record templates its items name.
+
+        Returns:
+            The future of its files' ``(name, record, item lengths)``.
+
+        Raises:
+            WriterProcessError: the process could not be started or reached.
+        """
+        with self._lock:
+            sock = self._ensure()
+            fut: "Future[Outs]" = Future()
+            self._next_id += 1
+            job_id = self._next_id
+            self._pending[job_id] = fut
+            try:
+                with self._send_lock:
+                    gone = shared_memory.take_closed()
+                    if gone:
+                        self._known -= set(gone)
+                        writer_child.send(sock, ("forget", gone))
+                    new = [b for b in blocks if b.id not in self._known and b.fd >= 0]
+                    for k in range(0, len(new), writer_child.MAX_FDS):
+                        part = new[k:k + writer_child.MAX_FDS]
+                        writer_child.send(sock, ("blocks", [(b.id, b.nbytes) for b in part]), [b.fd for b in part])
+                        self._known.update(b.id for b in part)
+                    job = dict(job, templates={t: (tpl.head, tpl.tail) for t, tpl in templates.items()
+                                               if t not in self._templates})
+                    writer_child.send(sock, (op, job_id, job))
+                    self._templates.update(templates)
+            except OSError as exc:
+                self._pending.pop(job_id, None)
+                self._dead = f"the writer process could not be reached ({exc})"
+                raise WriterProcessError(f"{self._dead}; the next save starts a new one") from exc
+        return fut
+
+
+def _exit_text(code: int) -> str:
+    if code < 0:
+        import signal
+
+        try:
+            return f"signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"signal {-code}"
+    return f"exit code {code}"
+
+
+#: The executor of the save being written on this thread (:func:`executing`); ``None``: the
+#: thread writer writes its files.
+_EXECUTOR: ContextVar[Optional["ProcessExecutor"]] = ContextVar("async_ckpt_executor", default=None)
+
+
+@contextmanager
+def executing(executor: Optional["ProcessExecutor"]) -> Iterator[None]:
+    """Write (and hash) the files of the saves made inside the block through ``executor``
+    (``None``: this thread's writer)."""
+    token = _EXECUTOR.set(executor)
+    try:
+        yield
+    finally:
+        _EXECUTOR.reset(token)
+
+
+def current_executor() -> Optional["ProcessExecutor"]:
+    """The executor of :func:`executing` on this thread, if any."""
+    return _EXECUTOR.get()
+
+
+#: cores per file the writer process writes at once (local files): one per this many cores
+CORES_PER_WRITING_FILE = 8
+
+
+def files_at_once(threads: int) -> int:
+    """How many local files the writer process writes at once: one per
+    :data:`CORES_PER_WRITING_FILE` cores of the machine, at least one, at most ``threads``.
+
+    Each file being written keeps a core busy (its CRC-32C and the copy into the page cache);
+    the writer leaves the others to training: on this project's 2-core machine a launch-bound
+    loop lost about 4x as much time to 8 files written at once as to one, while one file at a
+    time made the save durable only ~10% later (early writeback overlaps a file's disk writes
+    with the next one's copy). The files a save is cut into do not change.
+    """
+    return max(1, min(threads, (os.cpu_count() or 1) // CORES_PER_WRITING_FILE))
+
+
+_SHARED: Optional[WriterProcess] = None
+_SHARED_LOCK = threading.Lock()
+
+
+def shared() -> WriterProcess:
+    """This process's writer process handle (one per process: after ``fork`` a new one)."""
+    global _SHARED
+    with _SHARED_LOCK:
+        if _SHARED is None or _SHARED._owner != os.getpid():
+            _SHARED = WriterProcess()
+        return _SHARED
+
+
+def close_shared() -> None:
+    """Stop this process's writer process, if it started one (at interpreter exit)."""
+    with _SHARED_LOCK:
+        if _SHARED is not None and _SHARED._owner == os.getpid():
+            _SHARED.close()
+
+
+class ProcessExecutor:
+    """Writes a save's files through the writer process, those of its items that live in the
+    snapshot's shared buffers; :meth:`write_files` has the contract of the thread writer's.
+
+    Args:
+        process: the writer process.
+        blocks: the snapshot's shared-memory blocks.
+        timeout_s: the longest a job may go without finishing once the process has it (then
+            the process is killed, so it reads the buffers no more, and the save fails); None:
+            no bound (local files, as the thread writer's).
+    """
+
+    def __init__(self, process: WriterProcess, blocks: Sequence[shared_memory.SharedBlock],
+                 timeout_s: Optional[float] = None) -> None:
+        self.process = process
+        self.blocks = {b.address: b for b in blocks}
+        self.timeout_s = timeout_s
+        #: files the writer process wrote so far (the others: the thread writer)
+        self.files_written = 0
+
+    def hashes(self, objs: List[Any], hashable: Callable[[Any], bool]) -> List[Optional[int]]:
+        """The XXH3-128 of each of ``objs`` that ``hashable`` takes and that lives in the
+        snapshot's shared blocks, computed by the writer process (``None``: the caller hashes it).
+
+        Raises:
+            WriterProcessError: the process died or could not be reached.
+        """
+        return _hash_items(self, objs, hashable)
+
+    def write_files(self, storage: Storage, path: str, names: List[str], buckets: List[List[Any]], hints: List[int],
+                    threads: int, resolve: Callable[[Any], Any], records: bool,
+                    in_thread: Callable[[List[int], List[List[Any]]], Outs]) -> Outs:
+        """Each bucket as one file (named by ``names``): in the writer process where every item
+        of it can be described, else by ``in_thread`` (the thread writer, given the bucket
+        numbers and their items' data, resolved once here).
+
+        Returns:
+            Per bucket, in order: its file's name, record and item lengths.
+
+        Raises:
+            WriterProcessError: the process died or could not be reached.
+            OSError, StorageError: as the thread writer raises them.
+        """
+        # Each item is resolved once (a planner may refuse a second resolve of an item): a file
+        # left to the thread writer gets its items' data as resolved here.
+        datas = [[resolve(job) for job in bucket] for bucket in buckets]
+        described: Dict[int, List[Tuple[Any, ...]]] = {}
+        others: List[int] = []
+        by_id = {b.id: b for b in self.blocks.values()}
+        used: Dict[int, shared_memory.SharedBlock] = {}
+        templates: Dict[int, Any] = {}
+        for k, bucket in enumerate(datas):
+            items: List[Tuple[Any, ...]] = []
+            for data in bucket:
+                d = _describe(data, self.blocks, templates)
+                if d is None:
+                    break
+                items.append(d)
+                if d[0] == "r":
+                    used[d[2]] = by_id[d[2]]
+            if len(items) == len(bucket):
+                described[k] = items
+            else:
+                others.append(k)
+        outs: Dict[int, Tuple[str, FileRecord, List[int]]] = {}
+        fut: Optional[Future] = None
+        if described:
+            job = {"root": storage.url, "retry": storage.retry, "path": path,
+                   "files": [(k, names[k], described[k], hints[k]) for k in sorted(described)],
+                   "threads": files_at_once(threads), "records": records}
+            fut = self.process.submit(job, list(used.values()), templates)
+        try:
+            if others:
+                for k, out in zip(others, in_thread(others, [datas[k] for k in others])):
+                    outs[k] = out
+        finally:
+            if fut is not None:
+                for k, out in _wait(fut, self.process, self.timeout_s):
+                    outs[k] = out
+                    self.files_written += 1
+        return [outs[k] for k in range(len(buckets))]
+
+
+def _hash_items(executor: "ProcessExecutor", objs: List[Any], hashable: Callable[[Any], bool]
+                ) -> List[Optional[int]]:
+    by_id = {b.id: b for b in executor.blocks.values()}
+    items: List[Tuple[int, int, int]] = []
+    where: List[int] = []
+    used: Dict[int, shared_memory.SharedBlock] = {}
+    for i, t in enumerate(objs):
+        if not hashable(t):
+            continue
+        try:
+            base = t.untyped_storage().data_ptr()
+        except RuntimeError:
+            continue
+        blk = executor.blocks.get(base)
+        if blk is None:
+            continue
+        items.append((blk.id, t.data_ptr() - base, t.numel() * t.element_size()))
+        used[blk.id] = by_id[blk.id]
+        where.append(i)
+    out: List[Optional[int]] = [None] * len(objs)
+    if items:
+        fut = executor.process.submit({"items": items}, list(used.values()), {}, op="hash")
+        for i, h in zip(where, _wait(fut, executor.process, executor.timeout_s)):
+            out[i] = h
+    return out
+
+
+def _wait(fut: "Future[Any]", process: WriterProcess, timeout_s: Optional[float]) -> Any:
+    """The job's result; past ``timeout_s`` the process is killed (it reads the buffers no more)
+    and the job fails."""
+    start = time.monotonic()
+    while True:
+        try:
+            return fut.result(timeout=1.0)
+        except TimeoutError:
+            if timeout_s is not None and time.monotonic() - start > timeout_s:
+                process.kill()
+                raise StorageError(f"the writer process did not finish writing within {timeout_s:.0f} s; "
+                                   "it was stopped, and the next save starts a new one") from None
+
+
+def _forget_after_fork() -> None:
+    """In a forked child: drop the parent's handle without touching the connection it shares
+    (closing only this process's descriptor; a shutdown would end the parent's too)."""
+    global _SHARED
+    proc = _SHARED
+    _SHARED = None
+    if proc is not None and proc._sock is not None:
+        try:
+            os.close(proc._sock.detach())
+        except OSError:
+            pass  # not open in this process: nothing to drop
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_after_fork)
+
+__all__ = ["ProcessExecutor", "WriterProcess", "close_shared", "current_executor", "executing", "shared"]
