@@ -21,6 +21,7 @@ from async_ckpt import CheckpointManager
 from async_ckpt.dist.exchange import LocalExchange, exchange_for
 
 from .conftest import assert_bitwise_equal
+from .launch import torchrun, worker_env
 
 pytestmark = pytest.mark.slow
 
@@ -29,18 +30,11 @@ TIMEOUT = 240  # per job; the workers dump their stacks and exit after DIST_WORK
 
 
 def _env(**extra: str) -> dict:
-    env = dict(os.environ)
-    env.update({"OMP_NUM_THREADS": "1", "PJRT_DEVICE": "CPU", "DIST_WORKER_TIMEOUT": "180",
-                "PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), env.get("PYTHONPATH", "")])})
-    env.update(extra)
-    return env
+    return worker_env(**{"DIST_WORKER_TIMEOUT": "180", **extra})
 
 
 def _torchrun(nproc: int, *args: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           os.path.join(HERE, "dist_worker.py"), *args]
-    return subprocess.run(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          timeout=TIMEOUT)
+    return torchrun(nproc, "dist_worker.py", *args, env={"DIST_WORKER_TIMEOUT": "180"}, timeout=TIMEOUT)
 
 
 @pytest.fixture(scope="module")
@@ -150,10 +144,8 @@ def test_xla_spmd_local_shards_restore_into_another_mesh(jobs):
 def ranks_job(tmp_path_factory):
     """tests/dist_worker.py ``ranks``: one small 2-rank launch for the checks below."""
     base = tmp_path_factory.mktemp("ranks")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           os.path.join(HERE, "dist_worker.py"), "ranks", str(base / "ck"), "-"]
-    return subprocess.run(cmd, env=_env(DIST_WORKER_TIMEOUT="90"), stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True, timeout=TIMEOUT)
+    return torchrun(2, "dist_worker.py", "ranks", str(base / "ck"), "-", env={"DIST_WORKER_TIMEOUT": "90"},
+                    timeout=TIMEOUT)
 
 
 def test_two_ranks_save_and_restore_steps_past_int64_as_one_process(ranks_job):

@@ -12,6 +12,7 @@ from async_ckpt import CheckpointManager
 from async_ckpt.errors import PartlyWrittenError, StorageError
 
 from .conftest import assert_bitwise_equal
+from .launch import torchrun
 
 
 def big(v: float) -> dict:
@@ -107,16 +108,7 @@ def test_a_keyboard_interrupt_on_one_rank_in_a_restore_is_reported_to_the_others
 
 
 def _two_ranks(root: str, scenario: str) -> None:
-    import os
-    import subprocess
-    import sys
-
-    here = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, OMP_NUM_THREADS="1", PJRT_DEVICE="CPU", DIST_WORKER_TIMEOUT="150",
-               PYTHONPATH=os.pathsep.join([os.path.dirname(here), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                           os.path.join(here, "failure_worker.py"), root, scenario],
-                          env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=240)
+    proc = torchrun(2, "failure_worker.py", root, scenario, env={"DIST_WORKER_TIMEOUT": "150"}, timeout=240)
     assert proc.returncode == 0 and "RANK 0 OK" in proc.stdout and "RANK 1 OK" in proc.stdout, proc.stdout[-4000:]
 
 

@@ -30,6 +30,7 @@ from async_ckpt.integrations.lightning import AsyncCkptIO  # noqa: E402
 
 from .conftest import flip_byte  # noqa: E402
 from .integration_worker import lit_model_class  # noqa: E402
+from .launch import torchrun_command  # noqa: E402
 
 LitModel = lit_model_class()
 LitModel.__module__, LitModel.__qualname__ = __name__, "LitModel"  # picklable by name (torch.save(trainer))
@@ -460,12 +461,10 @@ def test_lightning_plugin_and_hf_callback_pickle_and_the_copy_saves(tmp_path):
 def _hf(out, max_steps, resume, log, *extra, nproc=0, env=None):
     """One HF run of integration_worker.py ``hf``; ``nproc`` > 0: under torchrun (DDP, gloo)."""
     pytest.importorskip("transformers")
-    launch = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-              if nproc else [sys.executable])
-    r = subprocess.run([*launch, WORKER, "hf", str(out), str(max_steps), "1" if resume else "0", str(log),
-                        *map(str, extra)], env=_env(USE_TORCH_XLA="0", TOKENIZERS_PARALLELISM="false",
-                                                    OMP_NUM_THREADS="1", **(env or {})),
-                       capture_output=True, text=True, timeout=300)
+    args = ["hf", str(out), str(max_steps), "1" if resume else "0", str(log), *map(str, extra)]
+    cmd = torchrun_command(nproc, WORKER, *args) if nproc else [sys.executable, WORKER, *args]
+    r = subprocess.run(cmd, env=_env(USE_TORCH_XLA="0", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1",
+                                     **(env or {})), capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     return json.loads(Path(log).read_text())
 

@@ -15,6 +15,7 @@ import os
 import socket
 import subprocess
 import sys
+import textwrap
 from typing import Dict, List
 
 import pytest
@@ -24,6 +25,7 @@ import torch.distributed.checkpoint as dcp
 from async_ckpt import CheckpointManager, InvalidArgumentError
 
 from .conftest import assert_bitwise_equal
+from .launch import torchrun, worker_env
 from .replicated_worker import (
     DEATH_TIMEOUT_S,
     blank,
@@ -40,18 +42,11 @@ TIMEOUT = 300  # per job; the workers dump their stacks and exit after DIST_WORK
 
 
 def _env(**extra: str) -> dict:
-    env = dict(os.environ)
-    env.update({"OMP_NUM_THREADS": "1", "PJRT_DEVICE": "CPU", "DIST_WORKER_TIMEOUT": "240",
-                "PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), env.get("PYTHONPATH", "")])})
-    env.update(extra)
-    return env
+    return worker_env(**{"DIST_WORKER_TIMEOUT": "240", **extra})
 
 
 def _torchrun(nproc: int, what: str, base: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           os.path.join(HERE, "replicated_worker.py"), what, base]
-    return subprocess.run(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          timeout=TIMEOUT)
+    return torchrun(nproc, "replicated_worker.py", what, base, env={"DIST_WORKER_TIMEOUT": "240"}, timeout=TIMEOUT)
 
 
 def _start_death(how: str, base: str) -> List[subprocess.Popen]:
@@ -364,3 +359,33 @@ def test_one_process_saves_and_restores_bitwise_with_every_option(tmp_path, save
         target = blank(ddp_state(0, 0))
         assert mgr.restore(1, target) == 1
         assert_bitwise_equal(target, ddp_state(1, 0))
+
+
+_EQUAL_SMALL_WORKER = textwrap.dedent("""
+    import sys
+    import torch
+    import torch.distributed as dist
+    from async_ckpt import CheckpointManager
+    dist.init_process_group("gloo")
+    # "small" is the same tensor on every rank (a replicated value under 64 KiB)
+    with CheckpointManager(sys.argv[1]) as mgr:
+        mgr.save(0, {"small": torch.arange(10.0), f"own{dist.get_rank()}": torch.ones(3)})
+    dist.destroy_process_group()
+""")
+
+
+def test_equal_small_replicated_tensors_are_not_reported_as_differing_between_ranks(tmp_path):
+    # replicas.fingerprints mixes in Python's hash() of the dtype's name, which differs between
+    # processes (PYTHONHASHSEED): every small tensor all ranks hold looks diverged
+    worker = tmp_path / "worker.py"
+    worker.write_text(_EQUAL_SMALL_WORKER)
+    root = str(tmp_path / "ck")
+    out = torchrun(2, str(worker), root, env={"TMPDIR": str(tmp_path)},  # torchrun's own temp dirs
+                   drop=["PYTHONHASHSEED"], timeout=240)
+    assert out.returncode == 0, out.stdout[-3000:]
+    assert "differ between the ranks" not in out.stdout
+    with CheckpointManager(root) as mgr:
+        assert "diverged_keys" not in mgr.layout.read_manifest(0).extra
+        got = {"small": torch.zeros(10), "own0": torch.zeros(3), "own1": torch.zeros(3)}
+        mgr.restore(0, got)
+    assert_bitwise_equal(got, {"small": torch.arange(10.0), "own0": torch.ones(3), "own1": torch.ones(3)})

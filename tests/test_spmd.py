@@ -19,6 +19,8 @@ import sys
 
 import pytest
 
+from .launch import torchrun
+
 pytestmark = [pytest.mark.xla,
               pytest.mark.skipif(importlib.util.find_spec("torch_xla") is None, reason="torch_xla is not installed")]
 
@@ -78,10 +80,6 @@ def test_two_processes_of_two_devices_save_and_restore_together(tmp_path):
     """torchrun, 2 processes x 2 virtual devices over gloo. torch_xla 2.9's PJRT CPU client
     cannot make one mesh of several processes' devices (each process sees only its own), so each
     process shards a whole replica over its 2 devices; the step is saved and restored by both."""
-    env = dict(os.environ)
-    env.update({"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "2", "OMP_NUM_THREADS": "1",
-                "PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), env.get("PYTHONPATH", "")])})
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                           os.path.join(HERE, "spmd_worker.py"), "two_processes", str(tmp_path / "ckpt")], env=env,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=TIMEOUT)
+    proc = torchrun(2, "spmd_worker.py", "two_processes", str(tmp_path / "ckpt"), env={"CPU_NUM_DEVICES": "2"},
+                    timeout=TIMEOUT)
     assert proc.returncode == 0 and proc.stdout.count("two_processes OK") == 2, proc.stdout[-6000:]

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 
 import pytest
+
+from .launch import torchrun
 
 pytestmark = pytest.mark.slow
 
@@ -15,12 +16,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def _run(tmp_path, only: str = "") -> subprocess.CompletedProcess:
-    env = dict(os.environ)
-    env.update({"OMP_NUM_THREADS": "1", "PJRT_DEVICE": "CPU", "TIER_WORKER_ONLY": only,
-                "PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), env.get("PYTHONPATH", "")])})
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           os.path.join(HERE, "tier_worker.py"), str(tmp_path / "bucket"), str(tmp_path / "local"), str(tmp_path)]
-    proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
+    proc = torchrun(2, "tier_worker.py", str(tmp_path / "bucket"), str(tmp_path / "local"), str(tmp_path),
+                    env={"TIER_WORKER_ONLY": only}, timeout=300)
     key = [ln for ln in proc.stdout.splitlines() if "Error" in ln or "RANK" in ln]
     assert proc.returncode == 0, "\n".join(key[-30:]) + "\n----\n" + proc.stdout[-3000:]
     for r in range(2):

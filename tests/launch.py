@@ -1,0 +1,52 @@
+"""The one way the tests start workers in processes of their own: ``torchrun`` over gloo, or
+plain Python, with the environment every worker needs (this checkout importable, PJRT on CPU,
+one OpenMP thread per rank on a 2-core machine)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from typing import List, Optional, Sequence
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def worker_env(**extra: str) -> dict:
+    """This process's environment with the checkout on ``PYTHONPATH``, ``PJRT_DEVICE=CPU`` and
+    ``OMP_NUM_THREADS=1``; ``extra`` on top (a value of ``""`` is kept as the empty string)."""
+    env = dict(os.environ)
+    env.update({"OMP_NUM_THREADS": "1", "PJRT_DEVICE": "CPU",
+                "PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), env.get("PYTHONPATH", "")])})
+    env.update(extra)
+    return env
+
+
+def torchrun_command(nproc: int, script: str, *args: str) -> List[str]:
+    """``python -m torch.distributed.run --standalone --nproc-per-node=nproc script args...``
+    (``script``: a path, or a file name under tests/)."""
+    path = script if os.path.isabs(script) else os.path.join(HERE, script)
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", path,
+            *map(str, args)]
+
+
+def torchrun(nproc: int, script: str, *args: str, env: Optional[dict] = None, timeout: float = 300,
+             drop: Sequence[str] = ()) -> subprocess.CompletedProcess:
+    """Run ``script`` on ``nproc`` ranks under torchrun and wait (at most ``timeout`` seconds).
+
+    Args:
+        nproc: ranks.
+        script: the worker (a path, or a file name under tests/).
+        args: its arguments.
+        env: extra environment variables (on top of :func:`worker_env`'s).
+        timeout: seconds before the launch is killed (``subprocess.TimeoutExpired``).
+        drop: environment variables to remove (e.g. ``PYTHONHASHSEED``).
+
+    Returns:
+        The finished process, its stderr merged into ``stdout`` (text).
+    """
+    full = worker_env(**(env or {}))
+    for name in drop:
+        full.pop(name, None)
+    return subprocess.run(torchrun_command(nproc, script, *args), env=full, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=timeout)
