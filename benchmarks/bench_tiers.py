@@ -110,7 +110,7 @@ def raw_readinto(path: str, views: List[memoryview]) -> float:
 def wait_deleter(mgr: Any) -> None:
     """Wait until the local tier's background deletions (retention) are done: its deleter is a
     one-thread executor, so a no-op submitted now runs after them."""
-    mgr._local.store.deleter.submit(lambda: None).result()
+    mgr.roots.local.store.deleter.submit(lambda: None).result()
 
 
 def log(msg: str) -> None:

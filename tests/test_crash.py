@@ -255,13 +255,13 @@ def test_sigkill_with_a_local_tier_on_dev_shm_restores_from_ram(fork_server, tmp
                 tiers = mgr.step_tiers()
                 for s, held in tiers.items():  # every copy of every listed step restores bitwise
                     for tier in held:
-                        root = mgr.roots[0] if tier == "local" else mgr.roots[-1]
+                        held_root = mgr.roots[0] if tier == "local" else mgr.roots[-1]
                         from async_ckpt.jobs.restore_job import restore as restore_from
                         from async_ckpt.jobs.roots import Roots
                         from async_ckpt.options import RestoreOptions
                         t = empty_like_state()
-                        exchange = root.store.exchange
-                        restore_from(lambda: Roots(root).candidates(exchange, s), t, exchange=exchange, step=s,
+                        exchange = held_root.store.exchange
+                        restore_from(lambda: Roots(held_root).candidates(exchange, s), t, exchange=exchange, step=s,
                                      opts=RestoreOptions(verify=True, allow_pickle=False, threads=2))
                         assert states_equal(t, make_state(s)), f"{what}: {tier} copy of {s} restored wrong"
             newest_seen = max(newest_seen, got)

@@ -19,6 +19,7 @@ from async_ckpt.io import load_state_dict, save_state_dict
 from async_ckpt.io.read_exec import read_files
 from async_ckpt.io.sinks import FRESH, NULL, IntoBuffers
 from async_ckpt.io.step_io import read_step
+from async_ckpt.options import RestoreOptions
 
 from .conftest import assert_bitwise_equal
 
@@ -70,15 +71,14 @@ def load_direct(storage, path, target, *, files, metadata):
     from async_ckpt.io.read_targets import plan_direct
 
     applies = plan_direct(_empty_like(_state()), files, metadata, local=True) is not None
-    read_step(storage, path, target, files=files, verify=True, threads=8, allow_pickle=False, metadata=metadata,
-              planner=None)
+    read_step(storage, path, target, files=files, metadata=metadata, opts=RestoreOptions(verify=True, threads=8))
     return applies
 
 
 def load_staged(storage, path, target, *, files, metadata):
     """``restore(..., atomic=True)``'s read: every file verified into host buffers first."""
-    read_step(storage, path, target, files=files, verify=True, threads=8, allow_pickle=False, metadata=metadata,
-              planner=None, atomic=True)
+    read_step(storage, path, target, files=files, metadata=metadata,
+              opts=RestoreOptions(verify=True, threads=8, atomic=True))
 
 
 def _whole_files(files):

@@ -175,6 +175,8 @@ READS_OTHER_FILES = {
     "async_ckpt.stats": "the stats log (JSON lines, not a step's file)",
     "async_ckpt.integrations.lightning": "Lightning's own checkpoint files, handed to torch.load",
     "async_ckpt.integrations.atomic_files": "directories opened to fsync them",
+    "async_ckpt.shared_memory": "staging buffers mapped from memfd (shared memory, not a step's file)",
+    "async_ckpt.io.writer_child": "the staging buffers the writer process maps (shared memory, not a step's file)",
 }
 
 

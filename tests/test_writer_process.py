@@ -42,6 +42,9 @@ def _state(seed: int = 0):
         "scalar": torch.tensor(2.5),
         "view": torch.arange(100.0)[10:20],
         "transposed": torch.randn(40, 30, generator=g).t(),
+        # views of more or less than a storage's bytes, without a record template (torch.save renders them)
+        "expanded": torch.randn(1, 50, generator=g, dtype=torch.float64).to(torch.complex128).expand(3, 50),
+        "every_other": torch.arange(100.0)[::2],
         "nested": [torch.ones(3), {"k": torch.zeros(2, dtype=torch.int32)}],
         "step": 7, "name": "run", "cfg": {"lr": 0.1, "betas": (0.9, 0.99)},
     }

@@ -71,6 +71,17 @@ def member_data_offset(header: Any, header_offset: int = 0) -> Optional[int]:
     return header_offset + LOCAL_HEADER_BYTES + name_len + extra_len
 
 
+def own_bytes(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as its record holds it when ``torch.save`` renders it (no template fits): a view of
+    part of a bigger storage (a slice, an ``expand``) cloned, because ``torch.save`` writes a
+    tensor's whole storage while a record holds the view's own ``numel * element_size`` bytes,
+    as the DCP metadata says and every reader expects. Both writers (the thread and the writer
+    process) render such a tensor from this."""
+    if t.untyped_storage().nbytes() != t.numel() * t.element_size():
+        return t.clone()
+    return t
+
+
 class RecordTemplate:
     """One (dtype, shape)'s record: ``head + data + tail``, with ``head`` and ``tail`` fixed."""
 

@@ -62,7 +62,7 @@ from ..format.dcp_layout import (
     signature,
 )
 from ..format.manifest import FileRecord
-from ..format.torch_record import RECORDS, PickledObject, RecordBatch, RecordTemplate
+from ..format.torch_record import RECORDS, PickledObject, RecordBatch, RecordTemplate, own_bytes
 from ..storage.storage import Storage
 from .record_stream import DATA_AT_MIN_BYTES, RecordStream, write_record_file
 from .reuse import Key, Reuse, Shared, item_key, placed_items
@@ -179,9 +179,8 @@ def _write_item(stream: _RecordStream, data: Any) -> int:
         n = _append_template(stream, t)
         if n >= 0:
             return n
+    t = own_bytes(t)
     nbytes = t.numel() * t.element_size()
-    if t.untyped_storage().nbytes() != nbytes:
-        t = t.clone()  # torch.save writes whole storages: keep only this view
     if nbytes >= DATA_AT_MIN_BYTES and t.is_contiguous():
         stream.expect = (t.data_ptr(), nbytes)  # torch.save hands the storage's memory to write()
     try:

@@ -51,7 +51,7 @@ import torch
 from .. import compat, shared_memory
 from ..errors import StorageError, WriterProcessError
 from ..format.manifest import FileRecord
-from ..format.torch_record import RECORDS
+from ..format.torch_record import RECORDS, own_bytes
 from ..storage import Storage
 from . import writer_child
 
@@ -74,9 +74,9 @@ def _describe(data: Any, blocks: Dict[int, shared_memory.SharedBlock], templates
     if type(data) is not torch.Tensor or not data.is_cpu:
         return None
     tpl = RECORDS.template(data)
-    if tpl is None:  # e.g. an empty tensor: its few bytes, rendered here
+    if tpl is None:  # e.g. an empty tensor or an expanded view: its record, rendered here
         buf = io.BytesIO()
-        compat.torch_save_without_crc(data.detach(), buf)
+        compat.torch_save_without_crc(own_bytes(data.detach()), buf)
         return ("b", buf.getvalue())
     try:
         base = data.untyped_storage().data_ptr()
