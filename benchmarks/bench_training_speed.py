@@ -49,7 +49,7 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_save import machine_info, tensors_of, transformer_state  # noqa: E402
+from bench_save import machine_info, parse_size, small_state, tensors_of, transformer_state  # noqa: E402
 
 MiB = 2**20
 
@@ -376,7 +376,7 @@ def _spin(x: torch.Tensor, seconds: float) -> int:
 
 
 def _mutate(sd: Dict[str, Any], fraction: float, i: int) -> None:
-    ts = [t for t in tensors_of(sd) if t.numel() > 1024]
+    ts = [t for t in tensors_of(sd) if t.numel() > 1024] or tensors_of(sd)  # a state of small tensors: all
     k = max(1, int(len(ts) * fraction))
     with torch.no_grad():
         for t in ts[(i * k) % len(ts):][:k]:
@@ -461,8 +461,13 @@ def _summary(vals: List[float]) -> Dict[str, float]:
 
 
 def run_launch(args: argparse.Namespace, root: str, log: Callable[[str], None]) -> Dict[str, Any]:
-    sd = transformer_state(args.size_mib * MiB)
-    log(f"launch-bound loop, state {args.size_mib} MiB in {len(tensors_of(sd))} tensors")
+    if args.tensors:  # many small tensors instead (e.g. 10000x4K)
+        _, total, count = parse_size(args.tensors)
+        sd = small_state(count, total // count)
+    else:
+        sd = transformer_state(args.size_mib * MiB)
+    log(f"launch-bound loop, state {sum(t.nbytes for t in tensors_of(sd)) / MiB:.0f} MiB in "
+        f"{len(tensors_of(sd))} tensors")
     methods = available([n for n in args.methods_launch.split(",") if n and n != "torch-save"], root, log)
     samples: Dict[str, List[Dict[str, float]]] = {m.name: [] for m in methods}
     try:
@@ -478,7 +483,8 @@ def run_launch(args: argparse.Namespace, root: str, log: Callable[[str], None]) 
     finally:
         for m in methods:
             m.close()
-    out: Dict[str, Any] = {"state_mib": args.size_mib, "tensors": len(tensors_of(sd)), "methods": {}}
+    out: Dict[str, Any] = {"state_mib": sum(t.nbytes for t in tensors_of(sd)) / MiB, "tensors": len(tensors_of(sd)),
+                           "methods": {}}
     for name, ss in samples.items():
         res: Dict[str, Any] = {"samples": ss}
         for key in ("stall_s", "window_s", "lost_s", "speed", "page_cache_growth_b"):
@@ -607,7 +613,7 @@ def markdown(report: Dict[str, Any]) -> str:
                  "methods interleaved in each; median [min, max].")
     if "launch" in report:
         lr = report["launch"]
-        lines += ["", f"Launch-bound loop, {lr['state_mib']} MiB state in {lr['tensors']} tensors:", "",
+        lines += ["", f"Launch-bound loop, {lr['state_mib']:.0f} MiB state in {lr['tensors']} tensors:", "",
                   "| method | stall | loop time lost during the write | loop speed during the write | lost / floor (paired) "
                   "| page cache grown by a save |",
                   "| --- | --- | --- | --- | --- | --- |"]
@@ -674,6 +680,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--loop", choices=["launch", "cpu", "both"], default="both")
     p.add_argument("--size-mib", type=int, default=512)
+    p.add_argument("--tensors", default=None,
+                   help="launch-bound: a state of small tensors instead of --size-mib's, e.g. 10000x4K")
     p.add_argument("--samples", type=int, default=5)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--ref-s", type=float, default=0.5, help="launch-bound: reference window before each save")
