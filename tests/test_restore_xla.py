@@ -13,36 +13,11 @@ from async_ckpt import CheckpointManager
 from async_ckpt import compat as compat_mod
 from async_ckpt.errors import CorruptCheckpointError, StateDictMismatchError
 from async_ckpt.io import sinks as xla_targets
-from async_ckpt.io import step_io
 
-from .test_restore_fast import _flip_in_record
+from .test_restore_fast import _flip_in_record, direct_calls  # noqa: F401 - the fixture, shared
 from .tree import assert_bitwise_equal
 
 pytestmark = pytest.mark.xla
-
-
-@pytest.fixture
-def direct_calls(monkeypatch):
-    """One entry per one-process restore that is not atomic (without a custom planner): True
-    when the direct path read the step itself, False when DCP's reader did."""
-    from async_ckpt.io.sinks import StagedFiles
-
-    calls = []
-    real_direct, real_dcp = step_io.read_direct, step_io.load_state_dict
-
-    def direct(*a, **k):
-        if not k.get("staged"):
-            calls.append(True)
-        return real_direct(*a, **k)
-
-    def dcp_reader(storage, *a, **k):
-        if not isinstance(storage, StagedFiles) and k.get("planner") is None:
-            calls.append(False)
-        return real_dcp(storage, *a, **k)
-
-    monkeypatch.setattr(step_io, "read_direct", direct)
-    monkeypatch.setattr(step_io, "load_state_dict", dcp_reader)
-    return calls
 
 
 def saved_state(seed: int) -> dict:
