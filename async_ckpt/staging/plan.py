@@ -478,7 +478,7 @@ def _rng_copy(value: Any) -> Any:
     a ``random.Random``; :data:`_NOT_RNG` for anything else.
 
     Such a value is saved as itself, not pickled at the call: restore builds these classes
-    without ``allow_pickle`` (``RNG_GLOBALS`` in ``storage.dcp.unpickling``), and inside a list
+    without ``allow_pickle`` (``RNG_GLOBALS`` in ``format.unpickling``), and inside a list
     or tuple (one item, ``torch.save``-d whole) a pickled value could come back only through
     ``pickle.loads``."""
     if type(value) is random.Random:
