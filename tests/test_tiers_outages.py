@@ -24,18 +24,11 @@ def roots(tmp_path):
     return str(tmp_path / "bucket"), str(tmp_path / "local")
 
 
-def test_failed_uploads_do_not_stop_local_saves_and_are_raised_at_join(roots, monkeypatch, caplog):
+def test_failed_uploads_do_not_stop_local_saves_and_are_raised_at_join(roots, caplog):
     path, local = roots
-    real = step_io.write_step
-    down = {"on": True}
-
-    def flaky(storage, p, sd, **kw):
-        if down["on"] and not p.startswith(local):
-            raise OSError("bucket unreachable")
-        return real(storage, p, sd, **kw)
-
-    monkeypatch.setattr(step_io, "write_step", flaky)
+    path = "faulty://" + path  # the bucket: every data file upload refused while it is "down"
     mgr = CheckpointManager(path, save_interval=2, local_dir=local, local_policy=1, local_retention=10)
+    mgr.storage.fs.inject("write", "*.distcp", "http403")
     with caplog.at_level(logging.ERROR, logger="async_ckpt"):
         for s in range(1, 6):
             assert mgr.save_async(s, state(s))  # the failed uploads of 2 and 4 are not raised here
@@ -46,7 +39,7 @@ def test_failed_uploads_do_not_stop_local_saves_and_are_raised_at_join(roots, mo
     with pytest.raises(CheckpointError, match="step 2") as ei:
         mgr.join()
     assert ei.value.step == 2
-    down["on"] = False
+    mgr.storage.fs.clear()
     mgr.save(6, state(6))  # the bucket is back: the next upload goes through
     assert mgr.step_tiers()[6] == ("local", "persistent")
     mgr.close()
@@ -92,25 +85,18 @@ def test_join_and_close_raise_every_tier_s_failure_not_only_the_first(roots, mon
     mgr.close()
 
 
-def test_after_a_failed_upload_restore_and_promote_work_and_join_still_raises(roots, monkeypatch):
+def test_after_a_failed_upload_restore_and_promote_work_and_join_still_raises(roots):
     path, local = roots
-    real = step_io.write_step
-
-    def no_bucket(storage, p, sd, **kw):
-        if not p.startswith(local):
-            raise OSError("bucket unreachable")
-        return real(storage, p, sd, **kw)
-
-    monkeypatch.setattr(step_io, "write_step", no_bucket)
-    mgr = CheckpointManager(path, local_dir=local)
+    mgr = CheckpointManager("faulty://" + path, local_dir=local)
+    mgr.storage.fs.inject("write", "*.distcp", "http403")  # the bucket refuses the upload
     mgr.save_async(1, state(1))
     out = zeros()
     assert mgr.restore(None, out) == 1  # the failed upload is not the restore's error
     assert_bitwise_equal(out, state(1))
-    monkeypatch.setattr(step_io, "write_step", real)
+    mgr.storage.fs.clear()
     mgr.promote(1)  # the repair: the local copy goes up
     assert mgr.step_tiers() == {1: ("local", "persistent")}
-    with pytest.raises(CheckpointError, match="bucket unreachable"):
+    with pytest.raises(CheckpointError, match="Forbidden"):
         mgr.join()
     mgr.close()
 
@@ -168,19 +154,16 @@ def test_without_a_local_tier_an_unreachable_bucket_raises_a_storage_error_namin
     mgr.close()
 
 
-def test_bucket_that_cannot_be_listed_restores_from_local_with_a_warning(roots, monkeypatch):
+def test_bucket_that_cannot_be_listed_restores_from_local_with_a_warning(roots):
     from async_ckpt.errors import StorageError
 
     path, local = roots
+    path = "faulty://" + path
     with CheckpointManager(path, save_interval=2, local_dir=local, local_policy=1) as mgr:
         for s in range(1, 4):
             mgr.save(s, state(s))
     mgr = CheckpointManager(path, save_interval=2, local_dir=local, local_policy=1)
-
-    def down():
-        raise StorageError(f"{path}: connection refused")
-
-    monkeypatch.setattr(mgr.layout, "committed_steps", down)  # what listing an unreachable bucket raises
+    mgr.storage.fs.inject("ls", "*", "http403")  # listing the bucket is refused
     out = zeros()
     with pytest.warns(RuntimeWarning, match=r"persistent tier .* cannot be listed"):
         assert mgr.restore(None, out) == 3
@@ -190,41 +173,38 @@ def test_bucket_that_cannot_be_listed_restores_from_local_with_a_warning(roots, 
     # a named step only the unlistable bucket might hold: the bucket's error, not "not found"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        with pytest.raises(StorageError, match="connection refused"):
+        with pytest.raises(StorageError, match="Forbidden"):
             mgr.restore(1, zeros())
-    monkeypatch.undo()
+    mgr.storage.fs.clear()
     mgr.close()
     # without a local tier to fall back on, the listing error is raised
     plain = CheckpointManager(path)
-    monkeypatch.setattr(plain.layout, "committed_steps", down)
-    with pytest.raises(StorageError, match="connection refused"):
+    plain.storage.fs.inject("ls", "*", "http403")
+    with pytest.raises(StorageError, match="Forbidden"):
         plain.restore(None, zeros())
-    monkeypatch.undo()
+    plain.storage.fs.clear()
     plain.close()
 
 
-def test_an_unlistable_bucket_and_an_empty_local_tier_raise_the_listing_error(roots, monkeypatch):
+def test_an_unlistable_bucket_and_an_empty_local_tier_raise_the_listing_error(roots):
     """A fresh node (empty local_dir) and a bucket that is down: 'no checkpoint' would make the
     job start from scratch (and its saves' retention later drop the bucket's real steps)."""
     path, local = roots
+    path = "faulty://" + path
     with CheckpointManager(path) as plain:
         plain.save(1, state(1))
     mgr = CheckpointManager(path, local_dir=local)
-
-    def down():
-        raise StorageError(f"{path}: connection refused")
-
-    monkeypatch.setattr(mgr.layout, "committed_steps", down)
+    mgr.storage.fs.inject("ls", "*", "http403")  # the client's HTTP error, as gcsfs raises one
     with pytest.warns(RuntimeWarning, match="cannot be listed"):
-        with pytest.raises(StorageError, match="connection refused"):
+        with pytest.raises(StorageError, match="Forbidden"):
             mgr.restore(None, zeros())
     with pytest.warns(RuntimeWarning, match="cannot be listed"):
-        with pytest.raises(StorageError, match="connection refused"):
+        with pytest.raises(StorageError, match="Forbidden"):
             mgr.latest_step()
     with pytest.warns(RuntimeWarning, match="cannot be listed"):
-        with pytest.raises(StorageError, match="connection refused"):
+        with pytest.raises(StorageError, match="Forbidden"):
             mgr.all_steps()
-    monkeypatch.undo()
+    mgr.storage.fs.clear()
     out = zeros()
     assert mgr.restore(None, out) == 1
     assert_bitwise_equal(out, state(1))

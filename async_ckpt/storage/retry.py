@@ -35,8 +35,8 @@ def is_transient(exc: BaseException) -> bool:
     """
     if isinstance(exc, (TimeoutError, ConnectionError)):
         return True
-    status = getattr(exc, "code", None) or getattr(exc, "status", None) or getattr(exc, "status_code", None)
-    if isinstance(status, int):
+    status = http_status(exc)
+    if status is not None:
         return status in (408, 429) or 500 <= status < 600
     if isinstance(exc, OSError) and exc.errno is not None:
         if exc.errno in _PERMANENT_ERRNO:
@@ -47,6 +47,20 @@ def is_transient(exc: BaseException) -> bool:
                 "ConnectTimeoutError", "EndpointConnectionError", "RemoteDisconnected", "IncompleteRead"}:
         return True
     return _is_transient_cloud(exc)
+
+
+def http_status(exc: BaseException) -> Optional[int]:
+    """The HTTP status an error of a storage client carries (``code``, ``status`` or
+    ``status_code``: gcsfs's ``HttpError``, aiohttp's, requests'), or None.
+
+    Args:
+        exc: the error a storage call raised.
+
+    Returns:
+        The status, or None for an error without one.
+    """
+    status = getattr(exc, "code", None) or getattr(exc, "status", None) or getattr(exc, "status_code", None)
+    return status if isinstance(status, int) and not isinstance(status, bool) else None
 
 
 # Base classes (by name, so that neither aiohttp nor botocore need be imported) whose every
@@ -151,8 +165,9 @@ class RetryPolicy:
 
         Raises:
             StorageTimeoutError: a bounded call did not finish within ``deadline``.
-            StorageError: an ``OSError`` that is permanent or outlasted the attempts (a
-                ``StorageError`` ``fn`` raised is raised as it is).
+            StorageError: an ``OSError`` or an HTTP error of a storage client (one with a
+                status) that is permanent or outlasted the attempts (a ``StorageError`` ``fn``
+                raised is raised as it is).
             FileNotFoundError: ``fn`` raised it (never retried).
         """
         delay = self.initial_delay
@@ -170,7 +185,7 @@ class RetryPolicy:
                         or (self.bounded and time.monotonic() + pause >= end)):
                     if isinstance(exc, (FileNotFoundError, StorageError)):
                         raise
-                    if isinstance(exc, OSError):
+                    if isinstance(exc, OSError) or http_status(exc) is not None:  # an HTTP error of a client
                         raise StorageError(f"{what} failed: {exc}") from exc
                     raise
                 log.warning("%s failed (%s: %s); retry %d/%d in %.2fs", what,
