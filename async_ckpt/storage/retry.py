@@ -50,8 +50,10 @@ def is_transient(exc: BaseException) -> bool:
 
 
 def http_status(exc: BaseException) -> Optional[int]:
-    """The HTTP status an error of a storage client carries (``code``, ``status`` or
-    ``status_code``: gcsfs's ``HttpError``, aiohttp's, requests'), or None.
+    """The HTTP status a storage client's error carries, or None.
+
+    Read from ``code``, ``status`` or ``status_code`` (gcsfs's ``HttpError``, aiohttp's,
+    requests').
 
     Args:
         exc: the error a storage call raised.
