@@ -329,6 +329,11 @@ def test_lightning_logs_each_save_s_figures_to_the_trainer_s_logger(tmp_path):
     assert durable and {s for s, _ in durable} <= {4, 6}
     assert all(any(v == pytest.approx(s.durable_s, rel=1e-6) for s in io.stats) for _, v in durable)
     assert "train_loss" in scalars  # beside the user's own figures
+    # a save outside a run (fit is over) logs nothing: a logger would make its own directory
+    trainer.save_checkpoint(str(tmp_path / "after.ckpt"))
+    io.writer.wait(str(tmp_path / "after.ckpt"))
+    logger.experiment.flush()
+    assert [s for s, _ in _tb_scalars(tmp_path / "tb")["checkpoint/blocking_s"]] == [2, 4, 6]
 
 
 @pytest.mark.slow

@@ -91,6 +91,12 @@ def _called_by_checkpoint_callback(depth: int = 40) -> bool:
     return False
 
 
+def _running(trainer: Any) -> bool:
+    """Whether ``trainer`` is running a stage (``trainer.state.status`` is ``"running"``)."""
+    status = getattr(getattr(trainer, "state", None), "status", None)
+    return getattr(status, "value", status) == "running"
+
+
 def _calling_trainer(depth: int = 40) -> Any:
     """The Lightning ``Trainer`` on the calling stack (its ``save_checkpoint``), or None."""
     import importlib
@@ -271,7 +277,9 @@ class AsyncCkptIO(*_bases):  # type: ignore[misc]
             self.writer.wait(path)  # durable on return; raises this write's error
             stats.blocking_s = time.perf_counter() - t0
         trainer = _calling_trainer() if self.log_stats else None
-        if trainer is not None and trainer.loggers:
+        # only while the trainer runs (fit, validate, ...): a save outside a run logs nothing, so
+        # a logger makes no directory of its own (a default TensorBoard logger: ./lightning_logs)
+        if trainer is not None and trainer.loggers and _running(trainer):
             def sink(figures: Dict[str, float]) -> None:
                 for logger in trainer.loggers:
                     logger.log_metrics(figures, step=trainer.global_step)
