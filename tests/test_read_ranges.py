@@ -17,7 +17,7 @@ from async_ckpt.storage import Storage
 from async_ckpt.format.dcp_layout import METADATA_NAME
 from async_ckpt.format.unpickling import load_metadata
 from async_ckpt.io import load_state_dict, save_state_dict
-from async_ckpt.io import write as dcp_writer
+from async_ckpt.io import write
 from async_ckpt.format.crc import crc32c
 
 from .conftest import assert_bitwise_equal
@@ -86,7 +86,7 @@ def _zeros(tree):
 
 def _save(tmp_path, monkeypatch, sd=None):
     """Save through DCP's planner (what every multi-process save runs), several files."""
-    monkeypatch.setattr(dcp_writer, "MIN_FILE_BYTES", 2**20)
+    monkeypatch.setattr(write, "MIN_FILE_BYTES", 2**20)
     path = str(tmp_path / "ck")
     storage = Storage(path)
     storage.makedirs(path)
@@ -221,7 +221,7 @@ def test_remote_storage_reads_only_the_needed_records(monkeypatch):
     """fsspec's memory:// (ranged requests, the file's size unknown until read): the same."""
     import random
 
-    monkeypatch.setattr(dcp_writer, "MIN_FILE_BYTES", 2**20)
+    monkeypatch.setattr(write, "MIN_FILE_BYTES", 2**20)
     url = f"memory://read-ranges-{random.getrandbits(32):x}"
     sd = _state()
     files = save_state_dict(Storage(url), url, sd, planner=DefaultSavePlanner(), threads=3)

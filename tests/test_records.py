@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from async_ckpt.format import torch_record as records
 from async_ckpt.io import save_state_dict
-from async_ckpt.io import write as dcp_writer
+from async_ckpt.io import write
 from async_ckpt.storage.storage import Storage
 from async_ckpt.format.torch_record import RecordTemplates
 
@@ -33,11 +33,11 @@ SHAPES = [(), (1,), (7,), (3, 5), (2, 1, 4), (1024,)]
 def _save_local(storage, path, sd, *, threads, memo=None):
     """The planner-free single-process save (its file records), or ``None`` where DCP's planner
     must write the state dict."""
-    memo = memo if memo is not None else dcp_writer.WriteMemo()
-    plan = dcp_writer.plan_local(storage, sd, threads=threads, memo=memo)
+    memo = memo if memo is not None else write.WriteMemo()
+    plan = write.plan_local(storage, sd, threads=threads, memo=memo)
     if plan is None:
         return None
-    return dcp_writer.save_local(dcp_writer.StepWriter(storage, path, threads=threads), plan, memo)
+    return write.save_local(write.StepWriter(storage, path, threads=threads), plan, memo)
 
 
 @contextlib.contextmanager
@@ -140,7 +140,7 @@ def test_a_template_that_fails_its_check_falls_back_to_torch_save(monkeypatch, t
     monkeypatch.setattr(records.compat, "torch_save_without_crc", split_data)
     tpl = RecordTemplates()
     assert _record(tpl, torch.randn(16)) is None
-    monkeypatch.setattr(dcp_writer, "_RECORDS", tpl)
+    monkeypatch.setattr(write, "_RECORDS", tpl)
     sd = {"w": torch.randn(16), "b": torch.randn(3)}
     storage = Storage(str(tmp_path))
     storage.makedirs(str(tmp_path / "s"))
@@ -262,7 +262,7 @@ def test_repeated_layout_reuses_metadata_and_stays_exact(tmp_path):
              ("d", state(12, shape=(8, 8))),  # new shapes
              ("e", state(13, extra=torch.ones(2)))]  # a new key
     metas = {}
-    memo = dcp_writer.WriteMemo()
+    memo = write.WriteMemo()
     for name, sd in cases:
         d = str(tmp_path / name)
         storage.makedirs(d)
@@ -358,10 +358,10 @@ def test_flatten_matches_dcp(case):
         expected = flatten_state_dict(sd)
     except ValueError as exc:
         with pytest.raises(ValueError, match="duplicated flatten key"):
-            dcp_writer.flatten(sd)
+            write.flatten(sd)
         assert "duplicated" in str(exc)
         return
-    flat, mappings = dcp_writer.flatten(sd)
+    flat, mappings = write.flatten(sd)
     assert list(flat) == list(expected[0]), "same keys, same order"
     assert all(flat[k] is expected[0][k] for k in flat), "the same objects"
     assert mappings == expected[1] and list(mappings) == list(expected[1])
@@ -374,7 +374,7 @@ def test_files_of_small_items_are_produced_in_turns(tmp_path, monkeypatch):
     import time
 
     order = []
-    real, real_run = dcp_writer._write_item, dcp_writer._RecordStream.append_records
+    real, real_run = write._write_item, write._RecordStream.append_records
 
     def on_item(hook):  # items are written one by one, or as runs of templated records
         def item(stream, data):
@@ -386,8 +386,8 @@ def test_files_of_small_items_are_produced_in_turns(tmp_path, monkeypatch):
                 hook(stream, t)
             return real_run(stream, tpl, ts)
 
-        monkeypatch.setattr(dcp_writer, "_write_item", item)
-        monkeypatch.setattr(dcp_writer._RecordStream, "append_records", run)
+        monkeypatch.setattr(write, "_write_item", item)
+        monkeypatch.setattr(write._RecordStream, "append_records", run)
 
     def traced(stream, data):
         order.append((stream, getattr(data, "nbytes", 0)))  # the stream itself: ids get reused
@@ -395,13 +395,13 @@ def test_files_of_small_items_are_produced_in_turns(tmp_path, monkeypatch):
             time.sleep(0.01)  # big items: give the other threads a chance to interleave
 
     on_item(traced)
-    monkeypatch.setattr(dcp_writer, "MIN_FILE_BYTES", 64 * 1024)  # four files of this little data
+    monkeypatch.setattr(write, "MIN_FILE_BYTES", 64 * 1024)  # four files of this little data
     storage = Storage(str(tmp_path))
     small = {f"p{i}": torch.full((64,), float(i)) for i in range(2000)}
     storage.makedirs(str(tmp_path / "small"))
     # Item by item (no templates, so no batched runs): an interleaving would show.
     with monkeypatch.context() as m:
-        m.setattr(dcp_writer, "_RECORDS", RecordTemplates(max_bytes=0))
+        m.setattr(write, "_RECORDS", RecordTemplates(max_bytes=0))
         _save_local(storage, str(tmp_path / "small"), small, threads=4)
     streams = [id(s) for s, _ in order]
     runs = 1 + sum(a != b for a, b in zip(streams, streams[1:]))
@@ -438,16 +438,16 @@ def test_a_repeated_save_keeps_nothing_per_item_alive_while_writing(tmp_path, mo
     import gc
 
     counts = []
-    real = dcp_writer.write_files
+    real = write.write_files
 
     def counting(*args, **kwargs):
         counts.append(len(gc.get_objects(0)))  # with the collector off, everything new is here
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(dcp_writer, "write_files", counting)
+    monkeypatch.setattr(write, "write_files", counting)
     storage = Storage(str(tmp_path))
     sd = {"model": {f"layers.{i // 10}.p{i % 10}": torch.randn(16) for i in range(3000)}, "step": 1}
-    memo = dcp_writer.WriteMemo()
+    memo = write.WriteMemo()
     for k in range(3):
         os.makedirs(tmp_path / str(k))
         gc.collect()

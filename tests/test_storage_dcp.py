@@ -16,7 +16,7 @@ from async_ckpt import CheckpointManager
 from async_ckpt.io import dcp_call as dcp_common
 from async_ckpt.io import load_state_dict
 from async_ckpt.io import save_state_dict
-from async_ckpt.io import write as dcp_writer
+from async_ckpt.io import write
 from async_ckpt.storage.storage import Storage
 
 from .conftest import assert_bitwise_equal, target_like
@@ -42,8 +42,8 @@ def test_two_managers_alternating_saves_each_keep_their_layout(tmp_path, monkeyp
     dicts reuse each one's file assignment (no re-balancing after the first save of each),
     and every step restores bit for bit."""
     balanced = []
-    real = dcp_writer._balance
-    monkeypatch.setattr(dcp_writer, "_balance", lambda *a, **k: balanced.append(1) or real(*a, **k))
+    real = write._balance
+    monkeypatch.setattr(write, "_balance", lambda *a, **k: balanced.append(1) or real(*a, **k))
     a = CheckpointManager(str(tmp_path / "a"))
     b = CheckpointManager(str(tmp_path / "b"))
     try:
@@ -67,10 +67,10 @@ def test_two_managers_alternating_saves_each_keep_their_layout(tmp_path, monkeyp
 def test_save_state_dict_without_a_memo_remembers_nothing(tmp_path, monkeypatch):
     """No process-global memo: without ``memo=``, a save neither reuses nor leaves a layout."""
     balanced = []
-    real = dcp_writer._balance
-    monkeypatch.setattr(dcp_writer, "_balance", lambda *a, **k: balanced.append(1) or real(*a, **k))
+    real = write._balance
+    monkeypatch.setattr(write, "_balance", lambda *a, **k: balanced.append(1) or real(*a, **k))
     storage = Storage(str(tmp_path))
-    memo = dcp_writer.WriteMemo()
+    memo = write.WriteMemo()
     for k in range(2):
         storage.makedirs(str(tmp_path / f"plain{k}"))
         save_state_dict(storage, str(tmp_path / f"plain{k}"), _model_state(1))

@@ -18,7 +18,11 @@
 from __future__ import annotations
 
 import ast
+import importlib
+import inspect
 import os
+import re
+import sys
 from typing import Dict, List, Optional, Set
 
 import async_ckpt
@@ -384,3 +388,100 @@ def test_the_patch_scan_finds_what_it_should(tmp_path):
         "\n    def other(self, e):\n        e.step = 3\n")
     assert patched_errors(str(pkg)) == ["async_ckpt.m:10: setattr(exc, ...)", "async_ckpt.m:19: e.step",
                                         "async_ckpt.m:5: exc.step"]
+
+
+# ---- docstring references: every :mod:/:func:/:class:/:meth:/:attr:/:exc: names something that exists
+
+_ROLE = re.compile(r":(mod|func|class|meth|attr|exc|data|obj):`([^`]+)`")
+_OUTSIDE = ("torch", "torch_xla", "fsspec", "gcsfs", "s3fs", "lightning", "pytorch_lightning", "transformers",
+            "accelerate", "peft", "torchtitan", "safetensors", "numpy", "botocore", "aiohttp", "crc32c", "xxhash")
+
+
+def _lookup(dotted: str) -> bool:
+    """Whether ``dotted`` names an importable module or an attribute chain below one."""
+    parts = dotted.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        for p in parts[i:]:
+            if not hasattr(obj, p):
+                return False
+            obj = getattr(obj, p)
+        return True
+    return False
+
+
+def _resolves(module: str, is_package: bool, target: str, source: str) -> bool:
+    t = target.strip().lstrip("~").rstrip("()")
+    if "<" in t:  # "text <target>"
+        t = t[t.index("<") + 1:].rstrip(">")
+    if t.startswith("."):  # relative to the module's package, as an import would resolve it
+        dots = len(t) - len(t.lstrip("."))
+        base = module.split(".") if is_package else module.split(".")[:-1]
+        return _lookup(".".join(base[: len(base) - (dots - 1)] + [t.lstrip(".")]))
+    first, *rest = t.split(".")
+    if first in _OUTSIDE or first in sys.stdlib_module_names:
+        return True
+    if first == "async_ckpt":
+        return _lookup(t)
+    mod = importlib.import_module(module)
+    if hasattr(mod, first):  # a name the module defines or imports
+        obj = getattr(mod, first)
+        for p in rest:
+            if not hasattr(obj, p):
+                return False
+            obj = getattr(obj, p)
+        return True
+    if not rest:  # a method or attribute of a class of the module (the docstring's own class)
+        for _name, cls in inspect.getmembers(mod, inspect.isclass):
+            if hasattr(cls, first) or first in getattr(cls, "__dataclass_fields__", {}) \
+                    or first in getattr(cls, "__annotations__", {}):
+                return True
+        if re.search(r"self\.%s\b" % re.escape(first), source):
+            return True
+    return _lookup(f"async_ckpt.{t}")
+
+
+def stale_references(pkg_dir: str = PKG_DIR) -> List[str]:
+    """Every Sphinx role in a docstring of async_ckpt that names nothing that exists, as
+    ``"module: :role:`target`"``."""
+    found: List[str] = []
+    for module, path in sorted(_modules(pkg_dir).items()):
+        if module.endswith("__main__"):
+            continue
+        importlib.import_module(module)
+        with open(path, encoding="utf-8") as f:
+            source = f.read()
+        for node in ast.walk(ast.parse(source, filename=path)):
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                for role, target in _ROLE.findall(ast.get_docstring(node, clean=False) or ""):
+                    if not _resolves(module, path.endswith("__init__.py"), target, source):
+                        found.append(f"{module}: :{role}:`{target}`")
+    return found
+
+
+def test_every_docstring_reference_names_something_that_exists():
+    found = stale_references()
+    assert not found, "docstrings name modules or names that do not exist (a move left them behind):\n" \
+        + "\n".join(found)
+
+
+def test_the_reference_scan_finds_what_it_should(tmp_path, monkeypatch):
+    pkg = tmp_path / "async_ckpt"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "sub" / "a.py").write_text("def f():\n    pass\n\n\nclass C:\n    def m(self):\n        pass\n")
+    (pkg / "sub" / "b.py").write_text(
+        '"""See :func:`~.a.f`, :meth:`.a.C.m`, :class:`C`, :meth:`m`, :mod:`.a` and :class:`torch.Tensor`;\n'
+        'gone: :func:`~.a.g`, :mod:`.tiered`, :class:`~..storage.Gone`, :meth:`C.nope`, :func:`old_name`."""\n'
+        "from .a import C\n")
+    for name in [m for m in sys.modules if m == "async_ckpt" or m.startswith("async_ckpt.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert stale_references(str(pkg)) == [
+        "async_ckpt.sub.b: :func:`~.a.g`", "async_ckpt.sub.b: :mod:`.tiered`",
+        "async_ckpt.sub.b: :class:`~..storage.Gone`", "async_ckpt.sub.b: :meth:`C.nope`",
+        "async_ckpt.sub.b: :func:`old_name`"]

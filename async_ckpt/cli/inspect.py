@@ -38,7 +38,7 @@ def _step_entry(storage: Storage, layout: StepDirectories, name: str, locations:
                 home: Optional[str] = None) -> Dict[str, Any]:
     """What ``ls`` reports for one directory under the root (read only, contents never read).
 
-    ``listed``: committed, and :meth:`StepDirectories.check_step` passes (the marker vouches
+    ``listed``: committed, and the step check passes (the marker vouches
     for the manifest; every file it lists is a regular file in the step directory, of the
     listed size); ``damaged``: committed, but that check fails; ``superseded``: an older
     committed copy of a step that a newer copy replaced (a crash interrupted the re-save; the

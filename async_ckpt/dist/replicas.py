@@ -21,7 +21,7 @@ ranks agree which rank takes each replicated item, balanced by bytes:
   the tensor, at the call from the live tensor.
 * **restore** (:func:`read_assignment`): a tensor every rank's target holds as a plain tensor,
   stored as one whole chunk, is read by one rank (balanced the same way) and sent to the others
-  (:meth:`~async_ckpt.dist.exchange.GroupExchange.load`).
+  (:meth:`~async_ckpt.dist.exchange.GroupExchange.broadcast`).
 """
 
 from __future__ import annotations

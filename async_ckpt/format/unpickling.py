@@ -225,7 +225,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 
     def set_up_planner(self, state_dict: Any, metadata: Any = None, is_coordinator: bool = False) -> None:
         """DCP's, with the target flattened in the checkpoint's key layout
-        (:func:`~.file_assignment.flatten_target`)."""
+        (:func:`~.dcp_layout.flatten_target`)."""
         super().set_up_planner(state_dict, metadata, is_coordinator)
         if self.flatten_state_dict and metadata is not None:
             self.state_dict, self.mappings = flatten_target(self.original_state_dict, metadata,

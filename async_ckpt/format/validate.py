@@ -1,6 +1,6 @@
 """The one check of a step's DCP metadata against itself and its manifest, before any use.
 
-:func:`check_step_metadata` is what restore (through :class:`~.reader.FsspecStorageReader`),
+:func:`check_step_metadata` is what restore (through DCP's reader (:mod:`async_ckpt.io.dcp_adapters`)),
 ``export``, ``show`` and ``verify`` run on a step's ``.metadata`` once it is unpickled: a step
 whose metadata passes can be planned, allocated and read without meeting a value that makes
 no sense (a negative shape, a chunk outside its tensor, an item past the end of its file, a
@@ -75,7 +75,7 @@ def check_step_metadata(md: Any, files: Optional[Dict[str, FileRecord]], *, wher
         where: the ``.metadata`` file, for messages.
         whole: whether the copy holds every element of every tensor (the default). ``False``
             for one rank's share of a several-rank save (a local tier's copy,
-            :attr:`~..manifest.Manifest.whole`): its chunks must still lie inside their tensors
+            :attr:`~.manifest.Manifest.whole`): its chunks must still lie inside their tensors
             and not overlap, but need not cover them.
 
     Returns:

@@ -3,7 +3,7 @@
 What the load plan needs is read concurrently and checked against the manifest before the
 target state dict is touched (with several ranks, before any rank touches its own: they
 exchange their outcomes first), so a failed restore leaves it untouched: of a file whose
-manifest entry lists its records (:class:`~..manifest.FileRecord`), only the records the plan's
+manifest entry lists its records (:class:`~async_ckpt.format.manifest.FileRecord`), only the records the plan's
 items lie in, adjacent ones in one request, each checked against its CRC32C; any other file
 whole (a big one as concurrent ranged reads), checked against its size and CRC32C. A tensor item stored as one plain ``torch.save`` storage is
 copied straight from the read buffer into its target (:func:`stored_bytes`); anything else
@@ -100,12 +100,6 @@ class FsspecStorageReader(StorageReader):
             raise CorruptCheckpointError(f"{where}: not listed in the manifest; refusing to read it unchecked",
                                          path=where)
         return {n: self.files[n] for n in names}
-
-    def read_file(self, name: str) -> bytes:
-        """The whole file ``name``, read and verified (:func:`~.read_exec.read_files`)."""
-        buf = read_files(self.storage, self.path, self._records([name]), FRESH, verify=self._verifies,
-                         chunk=READ_RANGE_BYTES)[name]
-        return bytes(byte_view(buf)) if buf.numel() else b""
 
     @property
     def _verifies(self) -> bool:

@@ -40,7 +40,7 @@ BUFFER_CHUNK_BYTES = 8 * 2**20
 
 
 class Unsupported(Exception):
-    """The checkpoint or target is not one :func:`load_direct` handles (nothing touched yet)."""
+    """The checkpoint or target is not one :func:`plan_records` handles (nothing touched yet)."""
 
 
 @dataclass

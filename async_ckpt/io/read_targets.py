@@ -352,22 +352,3 @@ def staged(storage: StepFiles, path: str, *, files: Dict[str, FileRecord], metad
     finally:
         release()
 
-
-def load_staged(storage: StepFiles, path: str, state_dict: Dict[str, Any], *, files: Dict[str, FileRecord],
-                metadata: Metadata, verify: bool = True, threads: int = 8, allow_pickle: bool = False,
-                acquire: Optional[Acquire] = None, budget: Optional[int] = None) -> None:
-    """``restore(..., atomic=True)`` of a target the direct restore handles: :func:`staged`,
-    then :func:`read_direct` over the staged files (the target is untouched on any failure)."""
-    plan = plan_direct(state_dict, files, metadata, local=True)
-    if plan is None:
-        from .dcp_adapters import load_state_dict
-
-        with staged(storage, path, files=files, metadata=metadata, verify=verify, threads=threads, acquire=acquire,
-                    budget=budget) as files_in_memory:
-            load_state_dict(files_in_memory, path, state_dict, files=files, verify=False, threads=threads,
-                            allow_pickle=allow_pickle, metadata=metadata)
-        return
-    with staged(storage, path, files=files, metadata=metadata, verify=verify, threads=threads, acquire=acquire,
-                budget=budget) as files_in_memory:
-        read_direct(files_in_memory, path, state_dict, plan, files=files, verify=False, threads=threads,
-                    allow_pickle=allow_pickle, staged=True)

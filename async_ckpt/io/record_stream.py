@@ -31,7 +31,7 @@ class RecordStream:
     appended whole).
     A record's bytes are checksummed as they come in; where the file's CRC would take a second
     pass over a big write (at least ``_COMBINE_BYTES``), the write is checksummed once and
-    that CRC combined into both (:func:`~.crc.crc32c_combine`).
+    that CRC combined into both (:func:`~async_ckpt.format.crc.crc32c_combine`).
     """
 
     def __init__(self, f: Any, records: bool = False) -> None:

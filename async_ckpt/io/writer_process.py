@@ -90,7 +90,7 @@ def _describe(data: Any, blocks: Dict[int, shared_memory.SharedBlock], templates
 
 
 def _error_from(chain: List[Tuple[Optional[bytes], str, str]]) -> BaseException:
-    """The error :func:`~..writer_child.error_chain` sent, rebuilt with its causes (what cannot be rebuilt
+    """The error :func:`~.writer_child.error_chain` sent, rebuilt with its causes (what cannot be rebuilt
     becomes a :class:`WriterProcessError` naming it)."""
     built: List[BaseException] = []
     for blob, name, message in chain:

@@ -583,8 +583,8 @@ class CheckpointManager:
         except (TypeError, ValueError) as exc:
             if alone:
                 raise
-            invalid = exc  # raised by _due on every rank together
-        if alone:  # with several ranks, _where_due raises on every rank together
+            invalid = exc  # raised by the decision (where) on every rank together
+        if alone:  # with several ranks, the decision (where) raises on every rank together
             for root in self.roots:
                 root.writer.raise_if_failed()
         tx = time.perf_counter()

@@ -1,7 +1,7 @@
 """State dict -> staging plan: a template of the nested structure plus a flat list of tensors.
 
 The plan walks the user's state dict once, validates every leaf and records where each tensor
-sits. Non-tensor leaves are pickled at the call, once (:func:`~..storage.torch_record.pickle_value`:
+sits. Non-tensor leaves are pickled at the call, once (:func:`~async_ckpt.format.torch_record.pickle_value`:
 this also proves that they can be saved), and the snapshot keeps those bytes, so a later
 mutation by the training loop cannot leak into the checkpoint and no value is ever unpickled
 while saving; a random number generator state -- a NumPy array or scalar, a NumPy generator,

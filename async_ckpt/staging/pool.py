@@ -138,7 +138,7 @@ class HostBufferPool:
         budget_bytes: bound on the bytes the pool holds (None: no fixed bound).
         hold_peak: keep, at quiescent moments, the buffers of the most bytes ever leased at
             once (a manager with a local tier), instead of those of the last cycle.
-        shared: allocate in memory shared with the writer process (:mod:`.shared_memory`),
+        shared: allocate in memory shared with the writer process (:mod:`async_ckpt.shared_memory`),
             where the system allows.
 
     Raises:

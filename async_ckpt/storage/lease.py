@@ -22,7 +22,7 @@ import threading
 import time
 import uuid
 import weakref
-from typing import Any, Callable, Dict, Optional, Protocol
+from typing import Any, Callable, Dict, Optional
 
 from ..errors import InvalidArgumentError, LeaseHeldError
 from .backends.posix import open_own_file
@@ -107,34 +107,6 @@ class _ProcessLocal:
             ref = _here.get(self.key)
             if ref is not None and ref() in (None, self):
                 del _here[self.key]
-
-
-class WriterLease(Protocol):
-    """What the manager needs of a lease."""
-
-    @property
-    def held(self) -> bool:
-        """Whether this holder holds the lease now."""
-        ...
-
-    def acquire(self, timeout: float = 0.0) -> None:
-        """Take the lease (a no-op when held already).
-
-        Args:
-            timeout: seconds to wait at most while another live writer holds it.
-
-        Raises:
-            LeaseHeldError: another live writer still holds it after ``timeout``, or a newer
-                manager of this process took this one's lease over.
-        """
-
-    def check(self) -> None:
-        """Raise :class:`LeaseHeldError` unless this holder can prove it still holds the lease.
-
-        Called right before every commit and every delete."""
-
-    def release(self) -> None:
-        """Give the lease up (a no-op when not held)."""
 
 
 class PosixLease(_ProcessLocal):

@@ -89,9 +89,6 @@ class StepDirectories:
         """The canonical directory of ``step`` (``<root>/<step>``)."""
         return self.storage.join(step_names.step_name(step))
 
-    def marker_path(self, step: int) -> str:
-        return self.storage.join(step_names.step_name(step), MARKER_NAME)
-
     @staticmethod
     def step_of(path: str) -> Optional[int]:
         """The step a step, re-save, temp or trash directory belongs to (None for other names);

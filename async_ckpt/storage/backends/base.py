@@ -102,7 +102,7 @@ class RangeReader(Protocol):
 class Backend(Protocol):
     """One kind of storage, on one fsspec filesystem ``fs``.
 
-    Every method makes one attempt and raises the storage's own errors: :class:`Storage` alone
+    Every method makes one attempt and raises the storage's own errors: :class:`~async_ckpt.storage.storage.Storage` alone
     retries them and bounds their time (:class:`~async_ckpt.storage.retry.RetryPolicy`).
     """
 
