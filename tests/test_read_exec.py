@@ -192,3 +192,41 @@ def test_overlapping_items_are_found_in_any_order(step):
                 check_step_metadata(md, files, where=where)
         finally:
             second.offset = saved
+
+
+@pytest.mark.parametrize("sub", [0, 1, 5, 64, 4096])
+@pytest.mark.parametrize("length", [0, 1, 777, 5000])
+def test_checksumming_each_read_as_it_arrives_equals_checksumming_the_whole_read(sub, length):
+    """The fast path of a local read (``read_checked``: the CRC-32C of each run taken right after
+    each small read, while its bytes are in cache) gives the bytes and the CRC-32Cs of one read
+    followed by one CRC-32C per run: runs split anywhere, the file ending early, one byte more."""
+    from async_ckpt.format.crc import crc32c
+    from async_ckpt.io.read_exec import read_checked
+
+    g = torch.Generator().manual_seed(length + sub)
+    blob = bytes(torch.randint(0, 256, (6000,), dtype=torch.uint8, generator=g).tolist())
+    start = 1500 if length == 5000 else 123  # 5000: the file ends 10 bytes early
+
+    def read_into(at, out):
+        data = blob[at:at + len(out)]
+        out[:len(data)] = data
+        return len(data)
+
+    n = min(length, len(blob) - start + 10)  # some runs ask past the file's end: a short read
+    cuts_options = [None, [start, start + n]]
+    if n > 3:
+        inner = sorted(set(torch.randint(start + 1, start + n, (3,), generator=g).tolist()))
+        cuts_options.append([start, *inner, start + n])
+    for cuts in cuts_options:
+        for extra in (0, 1):
+            view = memoryview(bytearray(n + extra))
+            got, parts = read_checked(read_into, start, view, n, cuts, sub)
+            want_bytes = blob[start:start + n + extra]
+            assert got == len(want_bytes) and bytes(view[:got]) == want_bytes
+            if cuts is None:
+                assert parts == []
+                continue
+            arrived = start + min(got, n)
+            want = [(lo, crc32c(blob[lo:min(hi, arrived)]), min(hi, arrived) - lo)
+                    for lo, hi in zip(cuts, cuts[1:]) if lo < arrived]
+            assert parts == want
