@@ -177,6 +177,7 @@ EXECUTOR = "async_ckpt.io.read_exec"
 #: Modules above ``storage/`` that read files that are not a step's: module -> what it reads.
 READS_OTHER_FILES = {
     "async_ckpt.stats": "the stats log (JSON lines, not a step's file)",
+    "async_ckpt.io.hf": "Hugging Face safetensors shards and their index (not a step's files)",
     "async_ckpt.integrations.lightning": "Lightning's own checkpoint files, handed to torch.load",
     "async_ckpt.integrations.atomic_files": "directories opened to fsync them",
     "async_ckpt.shared_memory": "staging buffers mapped from memfd (shared memory, not a step's file)",

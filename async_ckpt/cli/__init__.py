@@ -167,12 +167,21 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("steps", metavar="STEP", nargs="+", help="committed steps to delete")
     s.set_defaults(fn=cmd_rm)
 
-    s = sub.add_parser("export", parents=[common], help="write a step as one .pt or .safetensors file",
+    s = sub.add_parser("export", parents=[common],
+                       help="write a step as one .pt or .safetensors file, or a Hugging Face directory",
                        description="Read a committed step (verified) and write it, or the subtree --key "
-                                   "selects, as one torch.save (.pt/.pth) or safetensors file. Writes only "
-                                   "OUT.")
+                                   "selects, as one torch.save (.pt/.pth) or safetensors file, or (--format "
+                                   "hf) as a Hugging Face checkpoint directory: sharded safetensors and "
+                                   "model.safetensors.index.json, as save_pretrained writes them. Writes "
+                                   "only OUT (in a directory: only the files it names).")
     s.add_argument("step", metavar="STEP", help="a step, or 'latest'")
-    s.add_argument("out", metavar="OUT", help="output file (.pt/.pth: torch.save; .safetensors: tensors only)")
+    s.add_argument("out", metavar="OUT", help="output file (.pt/.pth: torch.save; .safetensors: tensors only), "
+                                              "or directory (--format hf)")
+    s.add_argument("--format", dest="fmt", choices=["auto", "hf"], default="auto",
+                   help="auto: by OUT's extension; hf: a Hugging Face directory (tensors only)")
+    s.add_argument("--max-shard-size", metavar="SIZE", default="5GB",
+                   help="--format hf: the most bytes per shard file, e.g. 5GB, 500MB, 2GiB (default 5GB)")
+    s.add_argument("--dtype", metavar="DTYPE", help="--format hf: cast floating-point tensors, e.g. bfloat16")
     s.add_argument("--key", metavar="PREFIX", help="export only this subtree, e.g. 'model'")
     s.add_argument("--allow-pickle", action="store_true",
                    help="unpickle non-tensor entries outside torch's safe set (only for trusted checkpoints)")

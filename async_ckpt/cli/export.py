@@ -1,4 +1,5 @@
-"""``export`` (a step to one torch.save or safetensors file) and ``stats`` (the save log)."""
+"""``export`` (a step to one torch.save or safetensors file, or a Hugging Face directory) and
+``stats`` (the save log)."""
 
 from __future__ import annotations
 
@@ -180,9 +181,12 @@ def cmd_export(args: argparse.Namespace) -> int:
     import torch
 
     out = args.out
+    if getattr(args, "fmt", "auto") == "hf":
+        return _export_hf(args)
     ext = out.rsplit(".", 1)[-1].lower() if "." in out.rsplit("/", 1)[-1] else ""
     if ext not in ("pt", "pth", "safetensors"):
-        raise ValueError(f"OUT must end in .pt, .pth or .safetensors, got {out!r}")
+        raise ValueError(f"OUT must end in .pt, .pth or .safetensors (or pass --format hf for a Hugging Face "
+                         f"directory), got {out!r}")
     options = parse_options(args.storage_option)
     storage, layout = open_root(args)
     out_fs, out_path = _out_fs(out, args.path, options)
@@ -226,6 +230,73 @@ def cmd_export(args: argparse.Namespace) -> int:
               f"{f', {len(flat) - len(tensors)} other entries' if len(flat) != len(tensors) else ''}) to {out}"
               + (" (latest: the newest intact step, what restore(None) takes"
                  + (f"; newer, damaged, skipped: {', '.join(map(str, skipped))})" if skipped else ")") if latest else ""))
+    return EXIT_OK
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """A byte count written as ``save_pretrained``'s ``max_shard_size`` is: ``5GB`` (10^9),
+    ``2GiB`` (2^30), ``500MB``, or a plain number of bytes.
+
+    Args:
+        text: the size.
+
+    Returns:
+        The bytes.
+
+    Raises:
+        ValueError: not a positive size.
+    """
+    import re
+
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = m.group(2).lower() if m else ""
+    if m is None or unit not in _UNITS or float(m.group(1)) * _UNITS[unit] < 1:
+        raise ValueError(f"not a size: {text!r} (write e.g. 5GB, 500MB, 2GiB or a number of bytes)")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+def _export_hf(args: argparse.Namespace) -> int:
+    """``export --format hf``: the step's tensors as sharded safetensors and their index."""
+    import torch
+
+    from ..io.hf import INDEX_NAME, save_hf
+
+    max_shard = parse_size(args.max_shard_size)
+    dtype = None
+    if args.dtype:
+        dtype = getattr(torch, args.dtype.replace("torch.", ""), None)
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise ValueError(f"--dtype must name a floating-point dtype such as bfloat16 or float16, got {args.dtype!r}")
+    options = parse_options(args.storage_option)
+    storage, layout = open_root(args)
+    out_fs, out_path = _out_fs(args.out, args.path, options)
+    if not args.force and out_fs.exists(out_path) and out_fs.ls(out_path):  # checked before reading anything
+        raise FileExistsError(f"OUT {args.out} exists and is not empty: pass --force to write into it (only the "
+                              f"shard files and {INDEX_NAME} are replaced; other files stay)")
+    latest = args.step == "latest"
+    step, state, skipped = read_newest(storage, layout, None if latest else parse_step(args.step, layout),
+                                       key=args.key, allow_pickle=args.allow_pickle)
+    flat = flatten(state)
+    others = sorted(k for k, v in flat.items() if not isinstance(v, torch.Tensor))
+    if others:
+        raise ValueError(f"a Hugging Face checkpoint holds tensors only, but step {step} also has {len(others)} "
+                         f"other entries ({', '.join(others[:5])}{' ...' if len(others) > 5 else ''}); pick a "
+                         f"tensors-only subtree with --key")
+    same = "://" in args.out and args.out.split("://", 1)[0] == (args.path.split("://", 1)[0] if "://" in args.path else "")
+    files = save_hf(flat, args.out, max_shard_bytes=max_shard, dtype=dtype, storage_options=options if same else None,
+                    metadata={"async_ckpt_step": str(step)})
+    nbytes = sum(t.numel() * (t.element_size() if dtype is None or not t.is_floating_point() else
+                              torch.empty((), dtype=dtype).element_size()) for t in flat.values())
+    if args.json:
+        print_json({"step": step, "out": args.out, "format": "hf", "files": files, "tensors": len(flat),
+                    "tensor_bytes": nbytes, "latest": latest, **({"newer_damaged": skipped} if latest else {})})
+    else:
+        print(f"exported step {step} ({len(flat)} tensor{'s' if len(flat) != 1 else ''}, {human_bytes(nbytes)}) "
+              f"to {args.out}: {len(files) - 1} shard{'s' if len(files) != 2 else ''} and {INDEX_NAME}")
     return EXIT_OK
 
 
