@@ -62,9 +62,9 @@ from ..format.dcp_layout import (
     signature,
 )
 from ..format.manifest import FileRecord
-from ..format.torch_record import RECORDS, PickledObject, RecordBatch, RecordTemplate, own_bytes
+from ..format.torch_record import RECORDS, PickledObject, RecordBatch, RecordTemplate, save_record
 from ..storage.storage import Storage
-from .record_stream import DATA_AT_MIN_BYTES, RecordStream, write_record_file
+from .record_stream import DATA_AT_MIN_BYTES, RecordStream, keep_data_at, write_record_file
 from .reuse import Key, Reuse, Shared, item_key, placed_items
 from .writer_process import current_executor
 
@@ -159,13 +159,11 @@ class _RecordStream(RecordStream):
                 self.flush_pending()
 
 
-def _write_item(stream: _RecordStream, data: Any) -> int:
+def _write_item(stream: _RecordStream, data: Any, data_at: Dict[int, int]) -> int:
     """Append one DCP item: a ``BytesIO``'s bytes, or a tensor as ``torch.save`` writes it.
-    Returns its length; ``stream.found`` is then where in the file the tensor's data went, for
-    a tensor of at least ``DATA_AT_MIN_BYTES`` whose data was seen written (else -1)."""
-    stream.found = -1
+    Returns its length; where a large tensor's data starts goes into ``data_at``."""
     if type(data) is torch.Tensor:  # the common case: a staged host tensor
-        n = _append_template(stream, data)
+        n = _append_template(stream, data, data_at)
         if n >= 0:
             return n
     start = stream.tell()
@@ -176,32 +174,26 @@ def _write_item(stream: _RecordStream, data: Any) -> int:
     if not t.is_cpu:
         t = t.cpu()
     if t is not data and type(t) is torch.Tensor:  # now a plain host tensor: a template may fit
-        n = _append_template(stream, t)
+        n = _append_template(stream, t, data_at)
         if n >= 0:
             return n
-    t = own_bytes(t)
-    nbytes = t.numel() * t.element_size()
-    if nbytes >= DATA_AT_MIN_BYTES and t.is_contiguous():
-        stream.expect = (t.data_ptr(), nbytes)  # torch.save hands the storage's memory to write()
     try:
-        compat.torch_save_without_crc(t, stream)  # as the templates write it (see ..torch_record)
+        keep_data_at(data_at, start, save_record(t, stream), t.numel() * t.element_size())
     except RuntimeError:
         if stream.error is not None:  # the storage's own error decides retrying
             raise stream.error from None
         raise
-    finally:
-        stream.expect = None
     return stream.tell() - start
 
 
-def _append_template(stream: _RecordStream, t: torch.Tensor) -> int:
-    """``stream.append_record(t)``, setting ``stream.found`` for a large tensor."""
+def _append_template(stream: _RecordStream, t: torch.Tensor, data_at: Dict[int, int]) -> int:
+    """``stream.append_record(t)``, noting where a large tensor's data starts in ``data_at``."""
     at = stream.tell()
     n = stream.append_record(t)
-    if n >= 0 and t.numel() * t.element_size() >= DATA_AT_MIN_BYTES:
+    if n >= 0:
         tpl = _RECORDS.template(t)
         if tpl is not None and tpl.length == n:
-            stream.found = at + len(tpl.head)
+            keep_data_at(data_at, at, len(tpl.head), tpl.nbytes)
     return n
 
 
@@ -210,8 +202,8 @@ def _append_run(stream: _RecordStream, tpl: RecordTemplate, ts: List[torch.Tenso
     for a template of at least ``DATA_AT_MIN_BYTES`` of data."""
     at = stream.tell()
     stream.append_records(tpl, ts)
-    if tpl.nbytes >= DATA_AT_MIN_BYTES:
-        data_at.update((at + k * tpl.length, len(tpl.head)) for k in range(len(ts)))
+    for k in range(len(ts)) if tpl.nbytes >= DATA_AT_MIN_BYTES else ():
+        keep_data_at(data_at, at + k * tpl.length, len(tpl.head), tpl.nbytes)
 
 
 def _item_nbytes(data: Any) -> int:
@@ -339,10 +331,7 @@ def write_files_here(storage: Storage, path: str, plans: Sequence[FilePlan], *, 
                     if tpl is not None:
                         run, run_tpl = [data], tpl
                     else:
-                        at = stream.tell()
-                        lengths.append(_write_item(stream, data))
-                        if stream.found >= 0:
-                            data_at[at] = stream.found - at
+                        lengths.append(_write_item(stream, data, data_at))
                         if records:
                             stream.end_record()
                 if run:

@@ -30,7 +30,7 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ..storage.storage import Storage
-from .record_stream import DATA_AT_MIN_BYTES, RecordStream, write_record_file
+from .record_stream import RecordStream, keep_data_at, write_record_file
 
 _HEADER = struct.Struct("<QI")  # payload bytes, descriptors attached
 MAX_FDS = 250  # descriptors per message (SCM_RIGHTS allows 253 on Linux)
@@ -151,12 +151,13 @@ def _produce(items: List[Tuple[Any, ...]], templates: Dict[int, Tuple[bytes, byt
                 stream.write(head)
                 stream.write(blocks.get(block_id)[offset:offset + nbytes])
                 stream.write(tail)
-                if nbytes >= DATA_AT_MIN_BYTES:
-                    data_at[at] = len(head)
+                keep_data_at(data_at, at, len(head), nbytes)
                 lengths.append(len(head) + nbytes + len(tail))
-            else:  # the record's bytes
-                stream.write(item[1])
-                lengths.append(len(item[1]))
+            else:  # the record's bytes, and where a tensor's data starts in them
+                _, record, data_offset, nbytes = item
+                keep_data_at(data_at, stream.tell(), data_offset, nbytes)
+                stream.write(record)
+                lengths.append(len(record))
             if records:
                 stream.end_record()
 
@@ -165,7 +166,8 @@ def _produce(items: List[Tuple[Any, ...]], templates: Dict[int, Tuple[bytes, byt
 
 def run_job(job: Dict[str, Any], templates: Dict[int, Tuple[bytes, bytes]], blocks: _Blocks,
             storages: Dict[Tuple[str, str], Storage]) -> List[Tuple[int, Tuple[Any, ...]]]:
-    """Write a job's files, ``threads`` at a time (the first failure ends the job).
+    """Write a job's files, ``threads`` at a time (the first failure ends the job); ``templates``:
+    the heads and tails of the record templates, by serial (the job's own added already).
 
     Returns:
         Per file: its number and ``(name, record, item lengths)``.
@@ -174,7 +176,6 @@ def run_job(job: Dict[str, Any], templates: Dict[int, Tuple[bytes, bytes]], bloc
     storage = storages.get(key)
     if storage is None:
         storage = storages[key] = Storage(job["root"], None, retry=job["retry"])
-    templates.update(job["templates"])
     path, records = job["path"], job["records"]
 
     def one(name: str, items: List[Tuple[Any, ...]], hint: int) -> Tuple[Any, ...]:
@@ -244,6 +245,8 @@ def child_main(fd: int, parent_pid: int) -> None:
             elif msg[0] == "forget":
                 blocks.forget(msg[1])
             elif msg[0] == "write":
+                # known before the job's thread starts: a later job may name them without sending them
+                templates.update(msg[2]["templates"])
                 threading.Thread(target=run, args=(msg[1], msg[2]), name=f"job-{msg[1]}", daemon=True).start()
             elif msg[0] == "hash":
                 threading.Thread(target=run_hash, args=(msg[1], msg[2]), name=f"hash-{msg[1]}", daemon=True).start()

@@ -51,7 +51,7 @@ import torch
 from .. import compat, shared_memory
 from ..errors import StorageError, WriterProcessError
 from ..format.manifest import FileRecord
-from ..format.torch_record import RECORDS, own_bytes
+from ..format.torch_record import RECORDS, RecordTemplate, save_record
 from ..storage import Storage
 from . import writer_child
 
@@ -64,20 +64,23 @@ Outs = List[Tuple[str, FileRecord, List[int]]]
 
 # ---- what crosses: items described, errors carried --------------------------------------------
 
-def _describe(data: Any, blocks: Dict[int, shared_memory.SharedBlock], templates: Dict[int, Any]
+def _describe(data: Any, blocks: Dict[int, shared_memory.SharedBlock], templates: Dict[int, RecordTemplate]
               ) -> Optional[Tuple[Any, ...]]:
     """An item as the writer process writes it: a template's head and tail around a range of a
-    shared block, or its record's bytes; ``None`` for a tensor outside the shared blocks (its
-    file is written by the thread writer). ``templates`` gathers the templates used, by id."""
+    shared block (``("r", serial, block id, offset, nbytes)``), or its record's bytes with where
+    a tensor's data starts in them (``("b", bytes, data offset or -1, data bytes)``); ``None``
+    for a tensor outside the shared blocks (its file is written by the thread writer).
+    ``templates`` gathers the templates used, by serial."""
     if isinstance(data, io.BytesIO):
-        return ("b", data.getvalue())
+        return ("b", data.getvalue(), -1, 0)
     if type(data) is not torch.Tensor or not data.is_cpu:
         return None
     tpl = RECORDS.template(data)
     if tpl is None:  # e.g. an empty tensor or an expanded view: its record, rendered here
         buf = io.BytesIO()
-        compat.torch_save_without_crc(own_bytes(data.detach()), buf)
-        return ("b", buf.getvalue())
+        t = data.detach()
+        at = save_record(t, buf)
+        return ("b", buf.getvalue(), at, t.numel() * t.element_size())
     try:
         base = data.untyped_storage().data_ptr()
     except RuntimeError:
@@ -85,8 +88,52 @@ def _describe(data: Any, blocks: Dict[int, shared_memory.SharedBlock], templates
     blk = blocks.get(base)
     if blk is None:
         return None
-    templates[id(tpl)] = tpl
-    return ("r", id(tpl), blk.id, data.data_ptr() - base, tpl.nbytes)
+    templates[tpl.serial] = tpl
+    return ("r", tpl.serial, blk.id, data.data_ptr() - base, tpl.nbytes)
+
+
+CHECK_READ_BYTES = 4 * 2**20  # the check reads runs of small records in reads of about this size
+
+
+def _check_rendered(storage: Storage, path: str, name: str, items: List[Tuple[Any, ...]], lengths: List[int],
+                    templates: Dict[int, RecordTemplate]) -> None:
+    """Before the step commits: each record the writer process rendered from a template starts
+    with that template's head and ends with its tail in the file written (read back, the data
+    left out), the head a reader takes for a record of the tensor's dtype and shape (checked
+    when the template was made: :meth:`~..format.torch_record.RecordTemplate.reads_as`). A
+    checksum over what was written cannot catch a record rendered from the wrong template.
+
+    Raises:
+        WriterProcessError: a record differs.
+    """
+    spans: List[Tuple[int, int, bytes]] = []  # (file offset, end, the bytes expected there)
+    at = 0
+    for item, length in zip(items, lengths):
+        if item[0] == "r":
+            tpl = templates[item[1]]
+            if length != tpl.length:
+                raise WriterProcessError(f"the writer process wrote a record of {length} bytes in {path}/{name} "
+                                         f"at {at}, its template makes {tpl.length}")
+            spans.append((at, at + len(tpl.head), tpl.head))
+            spans.append((at + tpl.length - len(tpl.tail), at + tpl.length, tpl.tail))
+        at += length
+    if not spans:
+        return
+    with storage.open_ranges(f"{path}/{name}") as f:
+        k = 0
+        while k < len(spans):  # runs of nearby spans in one read
+            lo, hi, j = spans[k][0], spans[k][1], k + 1
+            while j < len(spans) and spans[j][1] - lo <= CHECK_READ_BYTES:
+                hi, j = spans[j][1], j + 1
+            got = bytearray(hi - lo)
+            f.read_into(lo, memoryview(got))
+            for a, b, want in spans[k:j]:
+                if got[a - lo:b - lo] != want:
+                    raise WriterProcessError(
+                        f"the writer process wrote bytes {a}..{b} of {path}/{name} other than its record's template "
+                        "(a record a reader would refuse): the step is not committed; the next save starts a new "
+                        "writer process")
+            k = j
 
 
 def _error_from(chain: List[Tuple[Optional[bytes], str, str]]) -> BaseException:
@@ -120,8 +167,8 @@ class WriterProcess:
         self._proc: Optional[subprocess.Popen] = None
         self._sock: Optional[socket.socket] = None
         self._known: set = set()  # block ids the process has mapped
-        self._templates: set = set()  # template ids the process has
-        self._pending: Dict[int, Future] = {}
+        self._templates: set = set()  # serials of the record templates the process has
+        self._pending: Dict[int, Tuple[Future, socket.socket]] = {}  # job id -> its future, its process's socket
         self._next_id = 0
         self._dead: Optional[str] = None
         self._owner = os.getpid()
@@ -171,7 +218,7 @@ class WriterProcess:
             while True:
                 msg, _ = writer_child.recv(sock)
                 with self._lock:
-                    fut = self._pending.pop(msg[1], None)
+                    fut, _ = self._pending.pop(msg[1], (None, None))
                 if fut is None:
                     continue
                 if msg[0] == "done":
@@ -186,12 +233,14 @@ class WriterProcess:
                 code = proc.wait(timeout=2.0)
             except subprocess.TimeoutExpired:
                 code = None
+        dead = (f"the writer process (pid {proc.pid}) ended "
+                + (f"with {_exit_text(code)}" if code is not None else f"({why})"))
         with self._lock:
             if self._sock is sock:
-                self._dead = (f"the writer process (pid {proc.pid}) ended "
-                              + (f"with {_exit_text(code)}" if code is not None else f"({why})"))
-            dead = self._dead or "the writer process ended"
-            pending, self._pending = self._pending, {}
+                self._dead = dead
+            pending = {k: fut for k, (fut, s) in self._pending.items() if s is sock}  # not a newer process's
+            for k in pending:
+                del self._pending[k]
         for fut in pending.values():
             if not fut.done():
                 fut.set_exception(WriterProcessError(f"{dead} while writing; the next save starts a new one"))
@@ -224,6 +273,7 @@ class WriterProcess:
         with self._lock:
             if self._proc is not None and self._proc.poll() is None:
                 self._proc.kill()
+                self._dead = f"the writer process (pid {self._proc.pid}) was stopped"
 
     @property
     def pid(self) -> Optional[int]:
@@ -232,7 +282,7 @@ class WriterProcess:
 
     # -- jobs --------------------------------------------------------------------------------------
     def submit(self, job: Dict[str, Any], blocks: Sequence[shared_memory.SharedBlock],
-               templates: Dict[int, Any], op: str = "write") -> "Future[Any]":
+               templates: Dict[int, RecordTemplate], op: str = "write") -> "Future[Any]":
         """Send a job (``op``: ``"write"`` files, ``"hash"`` block ranges); ``blocks``: the
         shared blocks its items live in; ``templates``: the record templates its items name.
 
@@ -243,31 +293,41 @@ class WriterProcess:
             WriterProcessError: the process could not be started or reached.
         """
         with self._lock:
-            sock = self._ensure()
-            fut: "Future[Outs]" = Future()
-            self._next_id += 1
-            job_id = self._next_id
-            self._pending[job_id] = fut
-            try:
-                with self._send_lock:
-                    gone = shared_memory.take_closed()
-                    if gone:
-                        self._known -= set(gone)
-                        writer_child.send(sock, ("forget", gone))
-                    new = [b for b in blocks if b.id not in self._known and b.fd >= 0]
-                    for k in range(0, len(new), writer_child.MAX_FDS):
-                        part = new[k:k + writer_child.MAX_FDS]
-                        writer_child.send(sock, ("blocks", [(b.id, b.nbytes) for b in part]), [b.fd for b in part])
-                        self._known.update(b.id for b in part)
-                    job = dict(job, templates={t: (tpl.head, tpl.tail) for t, tpl in templates.items()
-                                               if t not in self._templates})
-                    writer_child.send(sock, (op, job_id, job))
-                    self._templates.update(templates)
-            except OSError as exc:
-                self._pending.pop(job_id, None)
-                self._dead = f"the writer process could not be reached ({exc})"
-                raise WriterProcessError(f"{self._dead}; the next save starts a new one") from exc
-        return fut
+            # A process found gone at the send (it died between saves, unnoticed yet) has none
+            # of this job: it is sent once more, to a new process.
+            for attempt in (0, 1):
+                sock = self._ensure()
+                fut: "Future[Outs]" = Future()
+                self._next_id += 1
+                job_id = self._next_id
+                self._pending[job_id] = (fut, sock)
+                try:
+                    self._send(sock, op, job_id, job, blocks, templates)
+                    return fut
+                except OSError as exc:
+                    self._pending.pop(job_id, None)
+                    self._dead = f"the writer process could not be reached ({exc})"
+                    if attempt:
+                        raise WriterProcessError(f"{self._dead}; the next save starts a new one") from exc
+        raise AssertionError("unreachable")
+
+    def _send(self, sock: socket.socket, op: str, job_id: int, job: Dict[str, Any],
+              blocks: Sequence[shared_memory.SharedBlock], templates: Dict[int, RecordTemplate]) -> None:
+        """Send a job with the blocks and templates the process does not have yet (under ``_lock``)."""
+        with self._send_lock:
+            gone = shared_memory.take_closed()
+            if gone:
+                self._known -= set(gone)
+                writer_child.send(sock, ("forget", gone))
+            new = [b for b in blocks if b.id not in self._known and b.fd >= 0]
+            for k in range(0, len(new), writer_child.MAX_FDS):
+                part = new[k:k + writer_child.MAX_FDS]
+                writer_child.send(sock, ("blocks", [(b.id, b.nbytes) for b in part]), [b.fd for b in part])
+                self._known.update(b.id for b in part)
+            job = dict(job, templates={t: (tpl.head, tpl.tail) for t, tpl in templates.items()
+                                       if t not in self._templates})
+            writer_child.send(sock, (op, job_id, job))
+            self._templates.update(templates)
 
 
 def _exit_text(code: int) -> str:
@@ -389,7 +449,7 @@ class ProcessExecutor:
         others: List[int] = []
         by_id = {b.id: b for b in self.blocks.values()}
         used: Dict[int, shared_memory.SharedBlock] = {}
-        templates: Dict[int, Any] = {}
+        templates: Dict[int, RecordTemplate] = {}
         for k, bucket in enumerate(datas):
             items: List[Tuple[Any, ...]] = []
             for data in bucket:
@@ -419,6 +479,12 @@ class ProcessExecutor:
                 for k, out in _wait(fut, self.process, self.timeout_s):
                     outs[k] = out
                     self.files_written += 1
+        for k, items in described.items():
+            try:
+                _check_rendered(storage, path, names[k], items, outs[k][2], templates)
+            except WriterProcessError:
+                self.process.kill()  # what it knows is not what this process sent: a new one next save
+                raise
         return [outs[k] for k in range(len(buckets))]
 
 
