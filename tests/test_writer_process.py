@@ -243,3 +243,35 @@ def test_incremental_saves_share_the_same_files_whichever_process_hashes(tmp_pat
             assert (mgr.stats[-1].extra.get(FILES_KEY, 0) > 0) == (writer == "process")
     assert steps["process"] == steps["thread"]
     assert _files(str(tmp_path / "process" / "3")) == _files(str(tmp_path / "thread" / "3"))
+
+
+_IN_HOSTILE_CWD = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, sys.argv[1])  # this checkout (python -I: no PYTHONPATH, no working directory)
+    import torch
+    from async_ckpt import CheckpointManager
+    sd = {"w": torch.arange(50000, dtype=torch.float32), "n": 3}
+    with CheckpointManager(sys.argv[2], writer="process") as mgr:
+        mgr.save(1, sd)
+        written = mgr.stats[-1].extra.get("writer_process_files", 0)
+        target = {"w": torch.zeros(50000), "n": 0}
+        mgr.restore(1, target)
+    assert torch.equal(target["w"], sd["w"]) and target["n"] == 3 and written >= 1, written
+    print("ok")
+""")
+
+
+def test_the_writer_process_imports_nothing_from_the_job_s_working_directory(tmp_path):
+    """A ``random.py``, ``queue.py`` ... beside the job (run with ``python -I``) is never
+    executed by the writer process: the save is written there and restores."""
+    cwd = tmp_path / "job"
+    cwd.mkdir()
+    marker = tmp_path / "imported"
+    for name in ("random", "queue", "signal", "copy", "uuid", "platform", "struct", "threading", "mmap"):
+        (cwd / f"{name}.py").write_text(f"open({str(marker)!r}, 'a').write('{name} ')\n"
+                                        f"raise ImportError('the job directory\\'s {name}.py was imported')\n")
+    checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-I", "-c", _IN_HOSTILE_CWD, checkout, str(tmp_path / "c")], cwd=str(cwd),
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+    assert not marker.exists(), marker.read_text()

@@ -35,12 +35,17 @@ from .record_stream import RecordStream, keep_data_at, write_record_file
 _HEADER = struct.Struct("<QI")  # payload bytes, descriptors attached
 MAX_FDS = 250  # descriptors per message (SCM_RIGHTS allows 253 on Linux)
 
-#: ``python -c`` code that starts the writer process: ``argv``: the package directory, the
-#: socket's descriptor, the parent's pid. The packages it imports from are stood in for by empty
-#: modules with the package's path, so that importing this module runs no ``__init__`` of
-#: theirs (they import torch).
+#: ``python -I -c`` code that starts the writer process: ``argv``: the package directory, the
+#: socket's descriptor, the parent's pid, then the directories its third-party modules
+#: (``crc32c``, ``xxhash``) were found in by the training process. Isolated (``-I``): neither the
+#: working directory nor ``PYTHON*`` variables nor the user's site directory reach its
+#: ``sys.path``, so a ``random.py`` or ``queue.py`` beside the job is never run; the directories
+#: named are appended after the standard library. The packages it imports from are stood in for
+#: by empty modules with the package's path, so that importing this module runs no
+#: ``__init__`` of theirs (they import torch).
 BOOTSTRAP = (
     "import sys, types\n"
+    "sys.path += [p for p in sys.argv[4:] if p not in sys.path]\n"
     "pkg = sys.argv[1]\n"
     "for name, sub in (('async_ckpt', ''), ('async_ckpt.format', '/format'), ('async_ckpt.storage', '/storage'),\n"
     "                  ('async_ckpt.io', '/io')):\n"
@@ -48,6 +53,9 @@ BOOTSTRAP = (
     "from async_ckpt.io.writer_child import child_main\n"
     "child_main(int(sys.argv[2]), int(sys.argv[3]))\n"
 )
+
+#: the third-party modules the writer process imports (``xxhash`` only for incremental saves)
+NEEDS = ("crc32c", "xxhash")
 
 
 # ---- framing: pickled messages over a Unix socket, with descriptors ---------------------------

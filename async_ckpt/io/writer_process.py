@@ -18,7 +18,8 @@ writer, in the same save.
 
 The process (:class:`WriterProcess`):
 
-* is started with :mod:`subprocess` (``python -c``), never ``fork`` of the training process
+* is started with :mod:`subprocess` (``python -I -c``: isolated, nothing of the job's working
+  directory or environment on its ``sys.path``), never ``fork`` of the training process
   and never ``multiprocessing``'s spawn (which re-imports the user's main script), in a
   session of its own, so a Ctrl-C meant for the job is decided by the training process;
 * ends by itself when the training process goes: at end-of-file on its socket, or when its
@@ -179,9 +180,9 @@ class WriterProcess:
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # async_ckpt/
         try:
-            proc = subprocess.Popen([sys.executable, "-c", writer_child.BOOTSTRAP, package, str(child.fileno()),
-                                     str(os.getpid())], pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL,
-                                    start_new_session=True)
+            proc = subprocess.Popen([sys.executable, "-I", "-c", writer_child.BOOTSTRAP, package, str(child.fileno()),
+                                     str(os.getpid()), *_module_dirs(writer_child.NEEDS)],
+                                    pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL, start_new_session=True)
         finally:
             child.close()
         parent.settimeout(READY_TIMEOUT_S)
@@ -328,6 +329,27 @@ class WriterProcess:
                                        if t not in self._templates})
             writer_child.send(sock, (op, job_id, job))
             self._templates.update(templates)
+
+
+def _module_dirs(names: Sequence[str]) -> List[str]:
+    """The ``sys.path`` directories the modules ``names`` are imported from in this process
+    (the isolated writer process is given exactly these; a module not found is left out)."""
+    import importlib.util
+
+    out: List[str] = []
+    for name in names:
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            continue
+        if spec is None or not spec.origin or not os.path.isabs(spec.origin):
+            continue
+        where = os.path.dirname(spec.origin)
+        if spec.submodule_search_locations is not None:  # a package: its directory's parent
+            where = os.path.dirname(where)
+        if where not in out:
+            out.append(where)
+    return out
 
 
 def _exit_text(code: int) -> str:
