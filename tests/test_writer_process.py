@@ -275,3 +275,39 @@ def test_the_writer_process_imports_nothing_from_the_job_s_working_directory(tmp
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
     assert not marker.exists(), marker.read_text()
+
+
+def test_a_job_wide_preemption_signal_leaves_the_writer_process_writing(tmp_path):
+    """Slurm and systemd signal every process of a job: the writer process (a process group of
+    its own) ignores SIGTERM, SIGUSR1, SIGUSR2, SIGHUP and SIGINT, sent while it writes; the save
+    in flight and the next (the preemption checkpoint) both commit, by the same process."""
+    g = torch.Generator().manual_seed(5)
+    sd = {f"w{i}": torch.randn(512, 1024, generator=g) for i in range(16)}  # 32 MiB: a while to write
+    with CheckpointManager(str(tmp_path / "c"), writer="process") as mgr:
+        mgr.save(1, {"w": torch.ones(10)})
+        pid = mgr.writer_process.pid
+        mgr.save_async(2, sd)
+        for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP, signal.SIGINT):
+            os.killpg(pid, sig)  # its whole process group, as a scheduler does
+        mgr.save_async(3, sd)
+        mgr.join()
+        assert _alive(pid) and mgr.writer_process.pid == pid
+        assert mgr.all_steps() == [1, 2, 3]
+        for step in (2, 3):
+            target = {k: torch.zeros_like(v) for k, v in sd.items()}
+            mgr.restore(step, target)
+            assert_bitwise_equal(target, sd)
+
+
+def test_a_writer_process_that_died_between_saves_costs_no_save(tmp_path):
+    """A writer process killed after a save, before anyone noticed: the next save is sent to a
+    new process and commits (none of it had reached the dead one)."""
+    sd = {"w": torch.randn(300, 300)}
+    with CheckpointManager(str(tmp_path / "c"), writer="process") as mgr:
+        for step in range(1, 6):
+            mgr.save(step, sd)
+            os.kill(mgr.writer_process.pid, signal.SIGKILL)
+        assert mgr.all_steps() == [1, 2, 3, 4, 5]
+        target = {"w": torch.zeros(300, 300)}
+        mgr.restore(5, target)
+        assert_bitwise_equal(target, sd)

@@ -40,11 +40,15 @@ MAX_FDS = 250  # descriptors per message (SCM_RIGHTS allows 253 on Linux)
 #: (``crc32c``, ``xxhash``) were found in by the training process. Isolated (``-I``): neither the
 #: working directory nor ``PYTHON*`` variables nor the user's site directory reach its
 #: ``sys.path``, so a ``random.py`` or ``queue.py`` beside the job is never run; the directories
-#: named are appended after the standard library. The packages it imports from are stood in for
+#: named are appended after the standard library. It ignores the signals a scheduler sends every
+#: process of a job (``SIGTERM``, ``SIGUSR1``... of Slurm and systemd, a Ctrl-C's ``SIGINT``):
+#: the training process decides what they end, and the writer ends with it. The packages it imports from are stood in for
 #: by empty modules with the package's path, so that importing this module runs no
 #: ``__init__`` of theirs (they import torch).
 BOOTSTRAP = (
-    "import sys, types\n"
+    "import signal, sys, types\n"
+    "for s in ('SIGINT', 'SIGTERM', 'SIGHUP', 'SIGUSR1', 'SIGUSR2'):\n"
+    "    signal.signal(getattr(signal, s), signal.SIG_IGN)\n"
     "sys.path += [p for p in sys.argv[4:] if p not in sys.path]\n"
     "pkg = sys.argv[1]\n"
     "for name, sub in (('async_ckpt', ''), ('async_ckpt.format', '/format'), ('async_ckpt.storage', '/storage'),\n"
@@ -205,10 +209,7 @@ def run_job(job: Dict[str, Any], templates: Dict[int, Tuple[bytes, bytes]], bloc
 
 def child_main(fd: int, parent_pid: int) -> None:
     """The writer process: serve the training process on socket ``fd`` until it goes."""
-    import signal
-
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the training process decides what a Ctrl-C ends
-    sock = socket.socket(fileno=fd)
+    sock = socket.socket(fileno=fd)  # signals: ignored from the start (BOOTSTRAP)
 
     def watch_parent() -> None:  # a SIGKILL-ed parent: the socket may stay open in its forks
         while os.getppid() == parent_pid:

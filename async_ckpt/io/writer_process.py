@@ -21,7 +21,8 @@ The process (:class:`WriterProcess`):
 * is started with :mod:`subprocess` (``python -I -c``: isolated, nothing of the job's working
   directory or environment on its ``sys.path``), never ``fork`` of the training process
   and never ``multiprocessing``'s spawn (which re-imports the user's main script), in a
-  session of its own, so a Ctrl-C meant for the job is decided by the training process;
+  session of its own, ignoring the signals a scheduler sends every process of the job
+  (``SIGTERM``, ``SIGUSR1``, ``SIGINT``...): what they end is decided by the training process;
 * ends by itself when the training process goes: at end-of-file on its socket, or when its
   parent changes (checked every half second), so a ``SIGKILL``-ed job leaves no writer behind;
 * answers a job with the files' records (sizes, CRC-32Cs) or the error that ended it, raised
