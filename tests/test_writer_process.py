@@ -11,6 +11,7 @@ thread in the same save; shared buffers are freed with the pool.
 
 from __future__ import annotations
 
+import ast
 import gc
 import os
 import signal
@@ -311,3 +312,38 @@ def test_a_writer_process_that_died_between_saves_costs_no_save(tmp_path):
         target = {"w": torch.zeros(300, 300)}
         mgr.restore(5, target)
         assert_bitwise_equal(target, sd)
+
+
+_PYTHON_GONE = textwrap.dedent("""
+    import logging, sys
+    sys.path.insert(0, sys.argv[1])
+    import torch
+    from async_ckpt import CheckpointManager
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("async_ckpt").addHandler(handler)
+    sys.executable = sys.argv[3]  # the virtualenv rebuilt under a long run: its python is gone
+    sd = {"w": torch.arange(50000, dtype=torch.float32)}
+    with CheckpointManager(sys.argv[2], writer="process") as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, sd)
+        target = {"w": torch.zeros(50000)}
+        mgr.restore(3, target)
+        assert torch.equal(target["w"], sd["w"]) and mgr.all_steps() == [1, 2, 3]
+        assert mgr.writer_process.pid is None
+    warned = [r.getMessage() for r in records if r.levelno >= logging.WARNING]
+    print(repr(warned))
+""")
+
+
+def test_a_writer_process_that_cannot_start_leaves_saves_to_the_thread_writer_with_one_warning(tmp_path):
+    checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    gone = str(tmp_path / "venv" / "bin" / "python")
+    out = subprocess.run([sys.executable, "-c", _PYTHON_GONE, checkout, str(tmp_path / "c"), gone],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    warned = ast.literal_eval(out.stdout.strip().splitlines()[-1])
+    assert len(warned) == 1, warned
+    assert "the writer process cannot be started" in warned[0] and gone in warned[0]
+    assert "writer thread" in warned[0]

@@ -173,6 +173,7 @@ class WriterProcess:
         self._pending: Dict[int, Tuple[Future, socket.socket]] = {}  # job id -> its future, its process's socket
         self._next_id = 0
         self._dead: Optional[str] = None
+        self._cannot_start: Optional[str] = None  # why a process cannot be started at all
         self._owner = os.getpid()
         self.started = 0  # processes started so far
 
@@ -180,10 +181,16 @@ class WriterProcess:
     def _start(self) -> None:
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # async_ckpt/
+        python = sys.executable
         try:
-            proc = subprocess.Popen([sys.executable, "-I", "-c", writer_child.BOOTSTRAP, package, str(child.fileno()),
+            proc = subprocess.Popen([python, "-I", "-c", writer_child.BOOTSTRAP, package, str(child.fileno()),
                                      str(os.getpid()), *_module_dirs(writer_child.NEEDS)],
                                     pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL, start_new_session=True)
+        except OSError as exc:  # no python to run it (a virtualenv rebuilt under a long run...)
+            parent.close()
+            self._cannot_start = (f"the writer process cannot be started: its Python, {python!r}, cannot be run "
+                                  f"({exc.strerror or exc})")
+            raise WriterProcessError(self._cannot_start) from exc
         finally:
             child.close()
         parent.settimeout(READY_TIMEOUT_S)
@@ -276,6 +283,23 @@ class WriterProcess:
             if self._proc is not None and self._proc.poll() is None:
                 self._proc.kill()
                 self._dead = f"the writer process (pid {self._proc.pid}) was stopped"
+
+    def usable(self) -> bool:
+        """Whether jobs can be sent: the process runs or starts now. False (and one warning,
+        the first time) where it cannot be started at all, as when the Python that runs it is
+        gone: saves are then written by the training process's writer thread. A process that
+        started but did not answer is tried again by the job (whose save it fails).
+        """
+        with self._lock:
+            if self._cannot_start is None:
+                try:
+                    self._ensure()
+                except WriterProcessError:
+                    if self._cannot_start is None:
+                        return True  # the job's own start raises it, in its phase
+                    log.warning("%s; saves are written by the training process's writer thread instead",
+                                self._cannot_start)
+            return self._cannot_start is None
 
     @property
     def pid(self) -> Optional[int]:
