@@ -206,7 +206,8 @@ def test_shared_staging_buffers_are_freed_with_the_pool():
     lease = pool.acquire([1000, 3 << 20])
     blocks = lease.shared_blocks()
     assert len(blocks) == 2
-    fds = [b.fd for b in blocks]
+    fds = [b.segment.fd for b in blocks]
+    assert len(set(fds)) == 1  # both in one segment
     lease.buffers[1][:10] = 7
     del blocks
     lease.release()
@@ -347,3 +348,38 @@ def test_a_writer_process_that_cannot_start_leaves_saves_to_the_thread_writer_wi
     assert len(warned) == 1, warned
     assert "the writer process cannot be started" in warned[0] and gone in warned[0]
     assert "writer thread" in warned[0]
+
+
+_MANY_TENSORS = textwrap.dedent("""
+    import os, resource, sys
+    sys.path.insert(0, sys.argv[1])
+    resource.setrlimit(resource.RLIMIT_NOFILE, (1024, 1024))
+    import torch
+    from async_ckpt import CheckpointManager, shared_memory
+    g = torch.Generator().manual_seed(0)
+    sd = {f"t{i}": torch.randn(32768, generator=g) for i in range(5000)}  # 5,000 tensors of 128 KiB
+    with CheckpointManager(sys.argv[2], writer="process") as mgr:
+        for step in (1, 2):
+            mgr.save(step, sd)
+        assert mgr.stats[-1].extra.get("writer_process_files", 0) >= 1
+        open_fds = len(os.listdir("/proc/self/fd"))
+        files = [open(os.devnull) for _ in range(200)]  # the user can still open files
+        for f in files:
+            f.close()
+        target = {k: torch.zeros(32768) for k in sd}
+        mgr.restore(2, target)
+        assert all(torch.equal(target[k], sd[k]) for k in sd)
+        print(open_fds, shared_memory.segments())
+""")
+
+
+def test_thousands_of_staged_tensors_take_a_few_descriptors(tmp_path):
+    """5,000 tensors of 128 KiB under ``ulimit -n 1024``: the saves go through the writer
+    process, and the process keeps descriptors to open files (staging memory is a few shared
+    segments, not one memfd per buffer)."""
+    checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", _MANY_TENSORS, checkout, str(tmp_path / "c")],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    open_fds, segments = map(int, out.stdout.split()[-2:])
+    assert segments <= 16 and open_fds < 200, (open_fds, segments)

@@ -125,7 +125,7 @@ def error_chain(exc: BaseException) -> List[Tuple[Optional[bytes], str, str]]:
 # ---- the writer process ----------------------------------------------------------------------
 
 class _Blocks:
-    """The shared blocks mapped here, by id."""
+    """The shared segments (:class:`~async_ckpt.shared_memory.Segment`) mapped here, by id."""
 
     def __init__(self) -> None:
         self._views: Dict[int, memoryview] = {}

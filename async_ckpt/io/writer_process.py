@@ -69,7 +69,7 @@ Outs = List[Tuple[str, FileRecord, List[int]]]
 def _describe(data: Any, blocks: Dict[int, shared_memory.SharedBlock], templates: Dict[int, RecordTemplate]
               ) -> Optional[Tuple[Any, ...]]:
     """An item as the writer process writes it: a template's head and tail around a range of a
-    shared block (``("r", serial, block id, offset, nbytes)``), or its record's bytes with where
+    shared segment (``("r", serial, segment id, offset, nbytes)``), or its record's bytes with where
     a tensor's data starts in them (``("b", bytes, data offset or -1, data bytes)``); ``None``
     for a tensor outside the shared blocks (its file is written by the thread writer).
     ``templates`` gathers the templates used, by serial."""
@@ -91,7 +91,7 @@ def _describe(data: Any, blocks: Dict[int, shared_memory.SharedBlock], templates
     if blk is None:
         return None
     templates[tpl.serial] = tpl
-    return ("r", tpl.serial, blk.id, data.data_ptr() - base, tpl.nbytes)
+    return ("r", tpl.serial, blk.segment.id, blk.offset + data.data_ptr() - base, tpl.nbytes)
 
 
 CHECK_READ_BYTES = 4 * 2**20  # the check reads runs of small records in reads of about this size
@@ -168,7 +168,7 @@ class WriterProcess:
         self._send_lock = threading.Lock()
         self._proc: Optional[subprocess.Popen] = None
         self._sock: Optional[socket.socket] = None
-        self._known: set = set()  # block ids the process has mapped
+        self._known: set = set()  # ids of the shared segments the process has mapped
         self._templates: set = set()  # serials of the record templates the process has
         self._pending: Dict[int, Tuple[Future, socket.socket]] = {}  # job id -> its future, its process's socket
         self._next_id = 0
@@ -307,10 +307,11 @@ class WriterProcess:
         return self._proc.pid if self._proc is not None and self._proc.poll() is None else None
 
     # -- jobs --------------------------------------------------------------------------------------
-    def submit(self, job: Dict[str, Any], blocks: Sequence[shared_memory.SharedBlock],
+    def submit(self, job: Dict[str, Any], blocks: Sequence[shared_memory.Segment],
                templates: Dict[int, RecordTemplate], op: str = "write") -> "Future[Any]":
         """Send a job (``op``: ``"write"`` files, ``"hash"`` block ranges); ``blocks``: the
-        shared blocks its items live in; ``templates``: the record templates its items name.
+        shared segments its items live in; ``templates``: the record templates its items name,
+        by serial.
 
         Returns:
             The future of its files' ``(name, record, item lengths)``.
@@ -338,7 +339,7 @@ class WriterProcess:
         raise AssertionError("unreachable")
 
     def _send(self, sock: socket.socket, op: str, job_id: int, job: Dict[str, Any],
-              blocks: Sequence[shared_memory.SharedBlock], templates: Dict[int, RecordTemplate]) -> None:
+              blocks: Sequence[shared_memory.Segment], templates: Dict[int, RecordTemplate]) -> None:
         """Send a job with the blocks and templates the process does not have yet (under ``_lock``)."""
         with self._send_lock:
             gone = shared_memory.take_closed()
@@ -462,6 +463,7 @@ class ProcessExecutor:
                  timeout_s: Optional[float] = None) -> None:
         self.process = process
         self.blocks = {b.address: b for b in blocks}
+        self.segments = {b.segment.id: b.segment for b in blocks}
         self.timeout_s = timeout_s
         #: files the writer process wrote so far (the others: the thread writer)
         self.files_written = 0
@@ -494,8 +496,7 @@ class ProcessExecutor:
         datas = [[resolve(job) for job in bucket] for bucket in buckets]
         described: Dict[int, List[Tuple[Any, ...]]] = {}
         others: List[int] = []
-        by_id = {b.id: b for b in self.blocks.values()}
-        used: Dict[int, shared_memory.SharedBlock] = {}
+        used: Dict[int, shared_memory.Segment] = {}
         templates: Dict[int, RecordTemplate] = {}
         for k, bucket in enumerate(datas):
             items: List[Tuple[Any, ...]] = []
@@ -505,7 +506,7 @@ class ProcessExecutor:
                     break
                 items.append(d)
                 if d[0] == "r":
-                    used[d[2]] = by_id[d[2]]
+                    used[d[2]] = self.segments[d[2]]
             if len(items) == len(bucket):
                 described[k] = items
             else:
@@ -537,10 +538,9 @@ class ProcessExecutor:
 
 def _hash_items(executor: "ProcessExecutor", objs: List[Any], hashable: Callable[[Any], bool]
                 ) -> List[Optional[int]]:
-    by_id = {b.id: b for b in executor.blocks.values()}
     items: List[Tuple[int, int, int]] = []
     where: List[int] = []
-    used: Dict[int, shared_memory.SharedBlock] = {}
+    used: Dict[int, shared_memory.Segment] = {}
     for i, t in enumerate(objs):
         if not hashable(t):
             continue
@@ -551,8 +551,8 @@ def _hash_items(executor: "ProcessExecutor", objs: List[Any], hashable: Callable
         blk = executor.blocks.get(base)
         if blk is None:
             continue
-        items.append((blk.id, t.data_ptr() - base, t.numel() * t.element_size()))
-        used[blk.id] = by_id[blk.id]
+        items.append((blk.segment.id, blk.offset + t.data_ptr() - base, t.numel() * t.element_size()))
+        used[blk.segment.id] = blk.segment
         where.append(i)
     out: List[Optional[int]] = [None] * len(objs)
     if items:
