@@ -131,7 +131,7 @@ def test_a_record_rendered_from_another_template_is_refused_before_the_step_comm
         with pytest.raises(CheckpointError) as ei:
             mgr.save(2, sd)
         assert isinstance(ei.value.__cause__, WriterProcessError), ei.value
-        assert "other than its record's template" in str(ei.value.__cause__)
+        assert "other than their templates" in str(ei.value.__cause__)
         assert mgr.all_steps() == [1]
         mgr.save(3, sd)
         assert proc.started == started + 1

@@ -47,6 +47,7 @@ from torch.futures import Future
 
 from .. import compat
 from ..addresses import byte_view
+from ..errors import WriterProcessError
 from ..format.crc import crc32c
 from ..format.dcp_layout import (
     METADATA_NAME,
@@ -64,6 +65,7 @@ from ..format.dcp_layout import (
 from ..format.manifest import FileRecord
 from ..format.torch_record import RECORDS, PickledObject, RecordBatch, RecordTemplate, save_record
 from ..storage.storage import Storage
+from .read_exec import OpenFiles, Piece, execute
 from .record_stream import DATA_AT_MIN_BYTES, RecordStream, keep_data_at, write_record_file
 from .reuse import Key, Reuse, Shared, item_key, placed_items
 from .writer_process import current_executor
@@ -276,7 +278,49 @@ def write_files(storage: Storage, path: str, plans: Sequence[FilePlan], *, threa
 
     written = executor.write_files(storage, path, [p.name for p in plans], [p.items for p in plans],
                                    [p.hint for p in plans], threads, resolve, records, in_thread)
+    try:
+        check_rendered(storage, path, {name: record for name, record, _ in written}, executor.rendered)
+    except WriterProcessError:
+        executor.process.kill()  # what it holds is not what this process sent: a new one at the next save
+        raise
     return [WrittenFile(name, record, lengths) for name, record, lengths in written]
+
+
+def check_rendered(storage: Storage, path: str, files: Dict[str, FileRecord], rendered: Dict[str, Dict[int, bytes]]
+                   ) -> None:
+    """Before a step commits: the bytes of ``rendered`` (per file, by offset: the heads and tails
+    of the records the writer process rendered from templates) are where they must be in the
+    files written, read back through the one verified read (the records' data left out). Each
+    head is one a reader takes for its tensor's dtype and shape (checked when its template was
+    made: :meth:`~..format.torch_record.RecordTemplate.reads_as`); a checksum over what was
+    written cannot catch a record rendered from the wrong template.
+
+    Raises:
+        WriterProcessError: a record's head or tail differs.
+    """
+    todo = {name: want for name, want in rendered.items() if want and name in files}
+    if not todo:
+        return
+    wrong: List[str] = []
+
+    class Compare:
+        def writing(self, piece: Piece) -> None:
+            pass
+
+        def arrived(self, piece: Piece, buf: torch.Tensor, data: memoryview) -> None:
+            if data[:piece.end - piece.start] != todo[piece.name][piece.start]:
+                wrong.append(f"{piece.name}@{piece.start}")
+
+        def finished(self, name: str, error: Optional[BaseException]) -> None:
+            pass
+
+    pieces = [Piece(name, at, at + len(b)) for name, want in todo.items() for at, b in want.items()]
+    with OpenFiles(storage, path, {name: files[name] for name in todo}) as opened:
+        execute(opened, pieces, records={name: [] for name in todo}, consumer=Compare(), threads=1)
+    if wrong:
+        raise WriterProcessError(
+            f"the writer process wrote records in {path} other than their templates ({', '.join(sorted(wrong)[:4])}: "
+            "records a reader would refuse): the step is not committed; the next save starts a new writer process")
 
 
 def _same(item: Any) -> Any:

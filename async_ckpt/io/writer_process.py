@@ -50,7 +50,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 
 import torch
 
-from .. import compat, shared_memory
+from .. import shared_memory
 from ..errors import StorageError, WriterProcessError
 from ..format.manifest import FileRecord
 from ..format.torch_record import RECORDS, RecordTemplate, save_record
@@ -94,48 +94,26 @@ def _describe(data: Any, blocks: Dict[int, shared_memory.SharedBlock], templates
     return ("r", tpl.serial, blk.segment.id, blk.offset + data.data_ptr() - base, tpl.nbytes)
 
 
-CHECK_READ_BYTES = 4 * 2**20  # the check reads runs of small records in reads of about this size
-
-
-def _check_rendered(storage: Storage, path: str, name: str, items: List[Tuple[Any, ...]], lengths: List[int],
-                    templates: Dict[int, RecordTemplate]) -> None:
-    """Before the step commits: each record the writer process rendered from a template starts
-    with that template's head and ends with its tail in the file written (read back, the data
-    left out), the head a reader takes for a record of the tensor's dtype and shape (checked
-    when the template was made: :meth:`~..format.torch_record.RecordTemplate.reads_as`). A
-    checksum over what was written cannot catch a record rendered from the wrong template.
+def _rendered(items: List[Tuple[Any, ...]], lengths: List[int], templates: Dict[int, RecordTemplate]
+              ) -> Dict[int, bytes]:
+    """What must be where in a file the writer process rendered: each template-rendered
+    record's head and tail, by file offset.
 
     Raises:
-        WriterProcessError: a record differs.
+        WriterProcessError: a record's length is not its template's.
     """
-    spans: List[Tuple[int, int, bytes]] = []  # (file offset, end, the bytes expected there)
+    want: Dict[int, bytes] = {}
     at = 0
     for item, length in zip(items, lengths):
         if item[0] == "r":
             tpl = templates[item[1]]
             if length != tpl.length:
-                raise WriterProcessError(f"the writer process wrote a record of {length} bytes in {path}/{name} "
-                                         f"at {at}, its template makes {tpl.length}")
-            spans.append((at, at + len(tpl.head), tpl.head))
-            spans.append((at + tpl.length - len(tpl.tail), at + tpl.length, tpl.tail))
+                raise WriterProcessError(f"the writer process wrote a record of {length} bytes at {at}, its "
+                                         f"template makes {tpl.length}")
+            want[at] = tpl.head
+            want[at + tpl.length - len(tpl.tail)] = tpl.tail
         at += length
-    if not spans:
-        return
-    with storage.open_ranges(f"{path}/{name}") as f:
-        k = 0
-        while k < len(spans):  # runs of nearby spans in one read
-            lo, hi, j = spans[k][0], spans[k][1], k + 1
-            while j < len(spans) and spans[j][1] - lo <= CHECK_READ_BYTES:
-                hi, j = spans[j][1], j + 1
-            got = bytearray(hi - lo)
-            f.read_into(lo, memoryview(got))
-            for a, b, want in spans[k:j]:
-                if got[a - lo:b - lo] != want:
-                    raise WriterProcessError(
-                        f"the writer process wrote bytes {a}..{b} of {path}/{name} other than its record's template "
-                        "(a record a reader would refuse): the step is not committed; the next save starts a new "
-                        "writer process")
-            k = j
+    return want
 
 
 def _error_from(chain: List[Tuple[Optional[bytes], str, str]]) -> BaseException:
@@ -467,6 +445,9 @@ class ProcessExecutor:
         self.timeout_s = timeout_s
         #: files the writer process wrote so far (the others: the thread writer)
         self.files_written = 0
+        #: per file it wrote, the bytes its records' heads and tails must be, by file offset:
+        #: checked before the step commits (:func:`.write.write_files`)
+        self.rendered: Dict[str, Dict[int, bytes]] = {}
 
     def hashes(self, objs: List[Any], hashable: Callable[[Any], bool]) -> List[Optional[int]]:
         """The XXH3-128 of each of ``objs`` that ``hashable`` takes and that lives in the
@@ -528,11 +509,7 @@ class ProcessExecutor:
                     outs[k] = out
                     self.files_written += 1
         for k, items in described.items():
-            try:
-                _check_rendered(storage, path, names[k], items, outs[k][2], templates)
-            except WriterProcessError:
-                self.process.kill()  # what it knows is not what this process sent: a new one next save
-                raise
+            self.rendered[names[k]] = _rendered(items, outs[k][2], templates)
         return [outs[k] for k in range(len(buckets))]
 
 
