@@ -196,6 +196,11 @@ _BAD = {
     "int_vs_str_key": ({"s": {0: torch.ones(1), "0": torch.zeros(1)}}, r"^s\.0: two entries"),
     "objects_collide": ({"a.b": 1, "a": {"b": 2}}, r"^a\.b: two entries"),
     "tuple_collides": ({"a.b": (1, 2), "a": {"b": torch.ones(1)}}, r"^a\.b: two entries"),
+    "lazy_module": ({"model": torch.nn.LazyLinear(4).state_dict()}, r"^model\.weight: an uninitialized parameter"),
+    "lazy_buffer": ({"w": torch.ones(2), "b": torch.nn.parameter.UninitializedBuffer()}, r"^b: an uninitialized"),
+    "lazy_in_list": ({"l": [torch.ones(2), torch.nn.parameter.UninitializedParameter()]}, r"^l\.1: an uninitialized"),
+    "named": ({"m": {"w": torch.zeros(2, 3, names=("N", "C"))}}, r"^m\.w: named tensors"),
+    "named_among_plain": ({"m": {"a": torch.ones(3), "w": torch.zeros(70000, names=("N",))}}, r"^m\.w: named tensors"),
 }
 
 

@@ -377,9 +377,9 @@ def test_files_of_small_items_are_produced_in_turns(tmp_path, monkeypatch):
     real, real_run = write._write_item, write._RecordStream.append_records
 
     def on_item(hook):  # items are written one by one, or as runs of templated records
-        def item(stream, data):
+        def item(stream, data, data_at):
             hook(stream, data)
-            return real(stream, data)
+            return real(stream, data, data_at)
 
         def run(stream, tpl, ts):
             for t in ts:

@@ -11,6 +11,7 @@ thread in the same save; shared buffers are freed with the pool.
 
 from __future__ import annotations
 
+import ast
 import gc
 import os
 import signal
@@ -205,7 +206,8 @@ def test_shared_staging_buffers_are_freed_with_the_pool():
     lease = pool.acquire([1000, 3 << 20])
     blocks = lease.shared_blocks()
     assert len(blocks) == 2
-    fds = [b.fd for b in blocks]
+    fds = [b.segment.fd for b in blocks]
+    assert len(set(fds)) == 1  # both in one segment
     lease.buffers[1][:10] = 7
     del blocks
     lease.release()
@@ -243,3 +245,141 @@ def test_incremental_saves_share_the_same_files_whichever_process_hashes(tmp_pat
             assert (mgr.stats[-1].extra.get(FILES_KEY, 0) > 0) == (writer == "process")
     assert steps["process"] == steps["thread"]
     assert _files(str(tmp_path / "process" / "3")) == _files(str(tmp_path / "thread" / "3"))
+
+
+_IN_HOSTILE_CWD = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, sys.argv[1])  # this checkout (python -I: no PYTHONPATH, no working directory)
+    import torch
+    from async_ckpt import CheckpointManager
+    sd = {"w": torch.arange(50000, dtype=torch.float32), "n": 3}
+    with CheckpointManager(sys.argv[2], writer="process") as mgr:
+        mgr.save(1, sd)
+        written = mgr.stats[-1].extra.get("writer_process_files", 0)
+        target = {"w": torch.zeros(50000), "n": 0}
+        mgr.restore(1, target)
+    assert torch.equal(target["w"], sd["w"]) and target["n"] == 3 and written >= 1, written
+    print("ok")
+""")
+
+
+def test_the_writer_process_imports_nothing_from_the_job_s_working_directory(tmp_path):
+    """A ``random.py``, ``queue.py`` ... beside the job (run with ``python -I``) is never
+    executed by the writer process: the save is written there and restores."""
+    cwd = tmp_path / "job"
+    cwd.mkdir()
+    marker = tmp_path / "imported"
+    for name in ("random", "queue", "signal", "copy", "uuid", "platform", "struct", "threading", "mmap"):
+        (cwd / f"{name}.py").write_text(f"open({str(marker)!r}, 'a').write('{name} ')\n"
+                                        f"raise ImportError('the job directory\\'s {name}.py was imported')\n")
+    checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-I", "-c", _IN_HOSTILE_CWD, checkout, str(tmp_path / "c")], cwd=str(cwd),
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+    assert not marker.exists(), marker.read_text()
+
+
+def test_a_job_wide_preemption_signal_leaves_the_writer_process_writing(tmp_path):
+    """Slurm and systemd signal every process of a job: the writer process (a process group of
+    its own) ignores SIGTERM, SIGUSR1, SIGUSR2, SIGHUP and SIGINT, sent while it writes; the save
+    in flight and the next (the preemption checkpoint) both commit, by the same process."""
+    g = torch.Generator().manual_seed(5)
+    sd = {f"w{i}": torch.randn(512, 1024, generator=g) for i in range(16)}  # 32 MiB: a while to write
+    with CheckpointManager(str(tmp_path / "c"), writer="process") as mgr:
+        mgr.save(1, {"w": torch.ones(10)})
+        pid = mgr.writer_process.pid
+        mgr.save_async(2, sd)
+        for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP, signal.SIGINT):
+            os.killpg(pid, sig)  # its whole process group, as a scheduler does
+        mgr.save_async(3, sd)
+        mgr.join()
+        assert _alive(pid) and mgr.writer_process.pid == pid
+        assert mgr.all_steps() == [1, 2, 3]
+        for step in (2, 3):
+            target = {k: torch.zeros_like(v) for k, v in sd.items()}
+            mgr.restore(step, target)
+            assert_bitwise_equal(target, sd)
+
+
+def test_a_writer_process_that_died_between_saves_costs_no_save(tmp_path):
+    """A writer process killed after a save, before anyone noticed: the next save is sent to a
+    new process and commits (none of it had reached the dead one)."""
+    sd = {"w": torch.randn(300, 300)}
+    with CheckpointManager(str(tmp_path / "c"), writer="process") as mgr:
+        for step in range(1, 6):
+            mgr.save(step, sd)
+            os.kill(mgr.writer_process.pid, signal.SIGKILL)
+        assert mgr.all_steps() == [1, 2, 3, 4, 5]
+        target = {"w": torch.zeros(300, 300)}
+        mgr.restore(5, target)
+        assert_bitwise_equal(target, sd)
+
+
+_PYTHON_GONE = textwrap.dedent("""
+    import logging, sys
+    sys.path.insert(0, sys.argv[1])
+    import torch
+    from async_ckpt import CheckpointManager
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("async_ckpt").addHandler(handler)
+    sys.executable = sys.argv[3]  # the virtualenv rebuilt under a long run: its python is gone
+    sd = {"w": torch.arange(50000, dtype=torch.float32)}
+    with CheckpointManager(sys.argv[2], writer="process") as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, sd)
+        target = {"w": torch.zeros(50000)}
+        mgr.restore(3, target)
+        assert torch.equal(target["w"], sd["w"]) and mgr.all_steps() == [1, 2, 3]
+        assert mgr.writer_process.pid is None
+    warned = [r.getMessage() for r in records if r.levelno >= logging.WARNING]
+    print(repr(warned))
+""")
+
+
+def test_a_writer_process_that_cannot_start_leaves_saves_to_the_thread_writer_with_one_warning(tmp_path):
+    checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    gone = str(tmp_path / "venv" / "bin" / "python")
+    out = subprocess.run([sys.executable, "-c", _PYTHON_GONE, checkout, str(tmp_path / "c"), gone],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    warned = ast.literal_eval(out.stdout.strip().splitlines()[-1])
+    assert len(warned) == 1, warned
+    assert "the writer process cannot be started" in warned[0] and gone in warned[0]
+    assert "writer thread" in warned[0]
+
+
+_MANY_TENSORS = textwrap.dedent("""
+    import os, resource, sys
+    sys.path.insert(0, sys.argv[1])
+    resource.setrlimit(resource.RLIMIT_NOFILE, (1024, 1024))
+    import torch
+    from async_ckpt import CheckpointManager, shared_memory
+    g = torch.Generator().manual_seed(0)
+    sd = {f"t{i}": torch.randn(32768, generator=g) for i in range(5000)}  # 5,000 tensors of 128 KiB
+    with CheckpointManager(sys.argv[2], writer="process") as mgr:
+        for step in (1, 2):
+            mgr.save(step, sd)
+        assert mgr.stats[-1].extra.get("writer_process_files", 0) >= 1
+        open_fds = len(os.listdir("/proc/self/fd"))
+        files = [open(os.devnull) for _ in range(200)]  # the user can still open files
+        for f in files:
+            f.close()
+        target = {k: torch.zeros(32768) for k in sd}
+        mgr.restore(2, target)
+        assert all(torch.equal(target[k], sd[k]) for k in sd)
+        print(open_fds, shared_memory.segments())
+""")
+
+
+def test_thousands_of_staged_tensors_take_a_few_descriptors(tmp_path):
+    """5,000 tensors of 128 KiB under ``ulimit -n 1024``: the saves go through the writer
+    process, and the process keeps descriptors to open files (staging memory is a few shared
+    segments, not one memfd per buffer)."""
+    checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", _MANY_TENSORS, checkout, str(tmp_path / "c")],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    open_fds, segments = map(int, out.stdout.split()[-2:])
+    assert segments <= 16 and open_fds < 200, (open_fds, segments)

@@ -30,6 +30,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import io
+import itertools
 import pickle
 import struct
 import sys
@@ -82,12 +83,18 @@ def own_bytes(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-class RecordTemplate:
-    """One (dtype, shape)'s record: ``head + data + tail``, with ``head`` and ``tail`` fixed."""
+_serials = itertools.count(1)
 
-    __slots__ = ("strides", "head", "tail", "nbytes", "length", "ctype")
+
+class RecordTemplate:
+    """One (dtype, shape)'s record: ``head + data + tail``, with ``head`` and ``tail`` fixed.
+    ``serial`` names it for as long as the process lives (never reused, unlike ``id()``): the
+    writer process knows templates by it."""
+
+    __slots__ = ("serial", "strides", "head", "tail", "nbytes", "length", "ctype")
 
     def __init__(self, head: bytes, tail: bytes, nbytes: int, strides: Tuple[int, ...]) -> None:
+        self.serial = next(_serials)
         self.strides = strides  # the (contiguous) strides the archive's pickle records
         self.head = head
         self.tail = tail
@@ -101,6 +108,21 @@ class RecordTemplate:
         out += data
         out += self.tail
         return self.length
+
+    def reads_as(self, dtype: torch.dtype, shape: Tuple[int, ...]) -> bool:
+        """Whether a reader takes ``head + data + tail`` for a record of ``dtype`` and ``shape``
+        with its data right after ``head`` (:func:`data_start`, reading only the head and tail)."""
+        head, tail, n = self.head, self.tail, self.nbytes
+
+        def get(lo: int, hi: int) -> bytes:  # the record with its data left out (zeros if asked)
+            out = bytearray(hi - lo)
+            for start, part in ((0, head), (len(head) + n, tail)):
+                a, b = max(lo, start), min(hi, start + len(part))
+                if a < b:
+                    out[a - lo:b - lo] = part[a - start:b - start]
+            return bytes(out)
+
+        return data_start(get, self.length, dtype, shape) == len(head)
 
 
 class _Capture:
@@ -132,6 +154,56 @@ def _capture(t: torch.Tensor) -> Optional[Tuple[bytes, bytes]]:
     if cap.at < 0:
         return None
     return bytes(cap.buf[:cap.at]), bytes(cap.buf[cap.at:])
+
+
+class _Spot:
+    """A file for ``torch.save`` that passes every write on to ``f`` and notes where the one
+    handing over ``nbytes`` bytes at ``address`` (the tensor's data) went."""
+
+    def __init__(self, f: Any, address: int, nbytes: int) -> None:
+        self.f, self.address, self.nbytes = f, address, nbytes
+        self.size = 0
+        self.at = -1
+
+    def write(self, b: Any) -> int:
+        mv = memoryview(b)
+        n = mv.nbytes
+        if self.at < 0 and n == self.nbytes and address_of(mv) == self.address:
+            self.at = self.size
+        self.f.write(b)
+        self.size += n
+        return n
+
+    def flush(self) -> None:
+        pass
+
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return False
+
+
+def save_record(t: torch.Tensor, f: Any) -> int:
+    """Write the record of ``t`` to ``f`` as ``torch.save`` writes it (zip CRC-32s off, as the
+    templates are; a view as its own bytes, :func:`own_bytes`): the record of a tensor no
+    template fits, whichever writer renders it.
+
+    Args:
+        t: a CPU tensor (detached).
+        f: a file-like object (``write``).
+
+    Returns:
+        Where in the record the tensor's data starts, or ``-1`` where it is not plain
+        contiguous data written as one piece (a reader then parses the record).
+    """
+    t = own_bytes(t)
+    if not t.is_contiguous():
+        compat.torch_save_without_crc(t, f)
+        return -1
+    spot = _Spot(f, t.data_ptr(), t.numel() * t.element_size())
+    compat.torch_save_without_crc(t, spot)
+    return spot.at
 
 
 class RecordBatch:
@@ -178,12 +250,17 @@ class RecordTemplates:
         self._lock = threading.Lock()
 
     def template(self, t: torch.Tensor) -> Optional[RecordTemplate]:
-        """The checked template for ``t``, or ``None`` when ``t`` must go through ``torch.save``."""
+        """The checked template for ``t``, or ``None`` when ``t`` must go through ``torch.save``.
+        One (dtype, shape) has one template for the life of the process (built once, under the
+        lock: every caller gets the same object)."""
         tpl: Union[RecordTemplate, None, Literal[False]] = self._templates.get((t.dtype, t.shape), False)
         if tpl is False:
             if not self._eligible(t):
                 return None
-            tpl = self._build(t)
+            with self._lock:
+                tpl = self._templates.get((t.dtype, t.shape), False)
+                if tpl is False:
+                    tpl = self._templates[(t.dtype, tuple(t.shape))] = self._build(t)
         # The exact strides, not is_contiguous(): that ignores the stride of a size-1 dimension,
         # which torch.save records.
         if tpl is None or type(t) is not torch.Tensor or not t.is_cpu or t.requires_grad \
@@ -205,23 +282,23 @@ class RecordTemplates:
             and t.is_cpu and not t.is_quantized
 
     def _build(self, t: torch.Tensor) -> Optional[RecordTemplate]:
-        key = (t.dtype, tuple(t.shape))
-        tpl: Optional[RecordTemplate] = None
+        """``t``'s template (called under the lock), or ``None`` where torch.save must write it."""
         try:
             # Two tensors of the shape (allocated, never read: no CRC is computed, and the
             # capture skips the data): the template holds only if both give the same bytes
-            # around their data, each written as one piece straight from its memory.
+            # around their data, each written as one piece straight from its memory, and a
+            # reader takes the record for one of this dtype and shape.
             nbytes = t.numel() * t.element_size()
             # made as bytes: creating a complex32 tensor directly warns that it is experimental
             probe, check = (torch.empty(nbytes, dtype=torch.uint8).view(t.dtype).view(t.shape) for _ in range(2))
             first, second = _capture(probe), _capture(check)
             if first is not None and first == second:
                 tpl = RecordTemplate(first[0], first[1], nbytes, probe.stride())
+                if tpl.reads_as(t.dtype, tuple(t.shape)):
+                    return tpl
         except Exception:  # noqa: BLE001 - an unusual dtype or a changed archive layout: torch.save writes it
-            tpl = None
-        with self._lock:
-            self._templates[key] = tpl
-        return tpl
+            pass
+        return None
 
 
 #: The process's record templates (they depend on torch only): every writer uses these.

@@ -11,7 +11,6 @@ from __future__ import annotations
 import errno
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from ..format.buffers import address_of
 from ..format.crc import crc32c, crc32c_combine, raw_crc32c
 from ..format.manifest import FileRecord
 from ..storage.storage import Storage
@@ -43,8 +42,6 @@ class RecordStream:
         self.records: Optional[List[Tuple[int, int]]] = [] if records else None  # (length, crc32c)
         self._rec_crc = 0  # of the record being written
         self._rec_start = 0
-        self.expect: Optional[Tuple[int, int]] = None  # (address, nbytes) of a tensor's data to be written
-        self.found = -1  # where in the file a write of exactly ``expect`` went
 
     def _write_through(self, b: Any, crc: Optional[int] = None) -> int:
         """Pass ``b`` on to the file; ``crc``: its CRC32C, already computed."""
@@ -61,8 +58,6 @@ class RecordStream:
     def write(self, b: Any) -> int:
         n = memoryview(b).nbytes
         if n >= 65536:
-            if self.expect is not None and n == self.expect[1] and address_of(b) == self.expect[0]:
-                self.found = self.tell()
             self.flush_pending()
             if self.records is None:
                 return self._write_through(b)
@@ -113,6 +108,20 @@ class RecordStream:
 
     def seekable(self) -> bool:
         return False
+
+
+def keep_data_at(data_at: Dict[int, int], record_at: int, data_offset: int, nbytes: int) -> None:
+    """Note where a tensor's data starts in its record, for the manifest (``FileRecord.data_at``):
+    the one rule both writers (the thread and the writer process) follow.
+
+    Args:
+        data_at: the file's offsets so far (record offset -> data offset in the record).
+        record_at: where the record starts in the file.
+        data_offset: where the data starts in the record (``-1``: not known, nothing noted).
+        nbytes: the tensor's data bytes (noted from :data:`DATA_AT_MIN_BYTES` up).
+    """
+    if data_offset >= 0 and nbytes >= DATA_AT_MIN_BYTES:
+        data_at[record_at] = data_offset
 
 
 #: writes the records of one file into the stream; keeps each item's length in ``lengths`` and,

@@ -10,7 +10,7 @@ DCP's own fsspec writer is the I/O path:
 * each file's size and CRC32C are computed while writing, for the manifest; through
   DCP's planner (:class:`FsspecStorageWriter`, every multi-process save) each item's length
   and CRC32C too, so that a rank restoring only some items reads and checks only those;
-* tensors are written from record templates (:mod:`async_ckpt.format.torch_record`) where one fits; where each
+* tensors are written from record templates (:mod:`..records`) where one fits; where each
   large tensor's data starts in its file is kept for the manifest (``FileRecord.data_at``);
 * a single-process save of plain tensors and objects skips DCP's planner
   (:func:`plan_local`, :func:`save_local`), and a :class:`WriteMemo` lets the next save of the
@@ -47,6 +47,7 @@ from torch.futures import Future
 
 from .. import compat
 from ..addresses import byte_view
+from ..errors import WriterProcessError
 from ..format.crc import crc32c
 from ..format.dcp_layout import (
     METADATA_NAME,
@@ -62,9 +63,10 @@ from ..format.dcp_layout import (
     signature,
 )
 from ..format.manifest import FileRecord
-from ..format.torch_record import RECORDS, PickledObject, RecordBatch, RecordTemplate, own_bytes
+from ..format.torch_record import RECORDS, PickledObject, RecordBatch, RecordTemplate, save_record
 from ..storage.storage import Storage
-from .record_stream import DATA_AT_MIN_BYTES, RecordStream, write_record_file
+from .read_exec import OpenFiles, Piece, execute
+from .record_stream import DATA_AT_MIN_BYTES, RecordStream, keep_data_at, write_record_file
 from .reuse import Key, Reuse, Shared, item_key, placed_items
 from .writer_process import current_executor
 
@@ -114,10 +116,10 @@ _BATCH_MIN = 16  # runs of at least this many records of one template are render
 
 
 class _RecordStream(RecordStream):
-    """:class:`~.record_stream.RecordStream` with tensors' records appended from their templates."""
+    """:class:`~..record_stream.RecordStream` with tensors' records appended from their templates."""
 
     def append_record(self, t: torch.Tensor) -> int:
-        """Write the record of ``t`` from its template (see :mod:`async_ckpt.format.torch_record`): a small one
+        """Write the record of ``t`` from its template (see :mod:`..torch_record`): a small one
         copied into the pending buffer, a large one as its head, the tensor's memory itself (no
         copy) and its tail. Returns the record's length, or ``-1`` (nothing written) if ``t``
         has no template."""
@@ -141,7 +143,7 @@ class _RecordStream(RecordStream):
 
     def append_records(self, tpl: Any, ts: List[torch.Tensor]) -> None:
         """Append the records of ``ts``, every one eligible for template ``tpl`` (see
-        :meth:`~async_ckpt.format.torch_record.RecordTemplates.template`): short runs one by one, long ones in batches."""
+        :meth:`RecordTemplates.template`): short runs one by one, long ones in batches."""
         if len(ts) < _BATCH_MIN:
             for t in ts:
                 tpl.append_to(self._pending, tpl.ctype.from_address(t.data_ptr()))
@@ -159,13 +161,11 @@ class _RecordStream(RecordStream):
                 self.flush_pending()
 
 
-def _write_item(stream: _RecordStream, data: Any) -> int:
+def _write_item(stream: _RecordStream, data: Any, data_at: Dict[int, int]) -> int:
     """Append one DCP item: a ``BytesIO``'s bytes, or a tensor as ``torch.save`` writes it.
-    Returns its length; ``stream.found`` is then where in the file the tensor's data went, for
-    a tensor of at least ``DATA_AT_MIN_BYTES`` whose data was seen written (else -1)."""
-    stream.found = -1
+    Returns its length; where a large tensor's data starts goes into ``data_at``."""
     if type(data) is torch.Tensor:  # the common case: a staged host tensor
-        n = _append_template(stream, data)
+        n = _append_template(stream, data, data_at)
         if n >= 0:
             return n
     start = stream.tell()
@@ -176,32 +176,26 @@ def _write_item(stream: _RecordStream, data: Any) -> int:
     if not t.is_cpu:
         t = t.cpu()
     if t is not data and type(t) is torch.Tensor:  # now a plain host tensor: a template may fit
-        n = _append_template(stream, t)
+        n = _append_template(stream, t, data_at)
         if n >= 0:
             return n
-    t = own_bytes(t)
-    nbytes = t.numel() * t.element_size()
-    if nbytes >= DATA_AT_MIN_BYTES and t.is_contiguous():
-        stream.expect = (t.data_ptr(), nbytes)  # torch.save hands the storage's memory to write()
     try:
-        compat.torch_save_without_crc(t, stream)  # as the templates write it (see format/torch_record)
+        keep_data_at(data_at, start, save_record(t, stream), t.numel() * t.element_size())
     except RuntimeError:
         if stream.error is not None:  # the storage's own error decides retrying
             raise stream.error from None
         raise
-    finally:
-        stream.expect = None
     return stream.tell() - start
 
 
-def _append_template(stream: _RecordStream, t: torch.Tensor) -> int:
-    """``stream.append_record(t)``, setting ``stream.found`` for a large tensor."""
+def _append_template(stream: _RecordStream, t: torch.Tensor, data_at: Dict[int, int]) -> int:
+    """``stream.append_record(t)``, noting where a large tensor's data starts in ``data_at``."""
     at = stream.tell()
     n = stream.append_record(t)
-    if n >= 0 and t.numel() * t.element_size() >= DATA_AT_MIN_BYTES:
+    if n >= 0:
         tpl = _RECORDS.template(t)
         if tpl is not None and tpl.length == n:
-            stream.found = at + len(tpl.head)
+            keep_data_at(data_at, at, len(tpl.head), tpl.nbytes)
     return n
 
 
@@ -210,8 +204,8 @@ def _append_run(stream: _RecordStream, tpl: RecordTemplate, ts: List[torch.Tenso
     for a template of at least ``DATA_AT_MIN_BYTES`` of data."""
     at = stream.tell()
     stream.append_records(tpl, ts)
-    if tpl.nbytes >= DATA_AT_MIN_BYTES:
-        data_at.update((at + k * tpl.length, len(tpl.head)) for k in range(len(ts)))
+    for k in range(len(ts)) if tpl.nbytes >= DATA_AT_MIN_BYTES else ():
+        keep_data_at(data_at, at + k * tpl.length, len(tpl.head), tpl.nbytes)
 
 
 def _item_nbytes(data: Any) -> int:
@@ -284,7 +278,49 @@ def write_files(storage: Storage, path: str, plans: Sequence[FilePlan], *, threa
 
     written = executor.write_files(storage, path, [p.name for p in plans], [p.items for p in plans],
                                    [p.hint for p in plans], threads, resolve, records, in_thread)
+    try:
+        check_rendered(storage, path, {name: record for name, record, _ in written}, executor.rendered)
+    except WriterProcessError:
+        executor.process.kill()  # what it holds is not what this process sent: a new one at the next save
+        raise
     return [WrittenFile(name, record, lengths) for name, record, lengths in written]
+
+
+def check_rendered(storage: Storage, path: str, files: Dict[str, FileRecord], rendered: Dict[str, Dict[int, bytes]]
+                   ) -> None:
+    """Before a step commits: the bytes of ``rendered`` (per file, by offset: the heads and tails
+    of the records the writer process rendered from templates) are where they must be in the
+    files written, read back through the one verified read (the records' data left out). Each
+    head is one a reader takes for its tensor's dtype and shape (checked when its template was
+    made: :meth:`~..format.torch_record.RecordTemplate.reads_as`); a checksum over what was
+    written cannot catch a record rendered from the wrong template.
+
+    Raises:
+        WriterProcessError: a record's head or tail differs.
+    """
+    todo = {name: want for name, want in rendered.items() if want and name in files}
+    if not todo:
+        return
+    wrong: List[str] = []
+
+    class Compare:
+        def writing(self, piece: Piece) -> None:
+            pass
+
+        def arrived(self, piece: Piece, buf: torch.Tensor, data: memoryview) -> None:
+            if data[:piece.end - piece.start] != todo[piece.name][piece.start]:
+                wrong.append(f"{piece.name}@{piece.start}")
+
+        def finished(self, name: str, error: Optional[BaseException]) -> None:
+            pass
+
+    pieces = [Piece(name, at, at + len(b)) for name, want in todo.items() for at, b in want.items()]
+    with OpenFiles(storage, path, {name: files[name] for name in todo}) as opened:
+        execute(opened, pieces, records={name: [] for name in todo}, consumer=Compare(), threads=1)
+    if wrong:
+        raise WriterProcessError(
+            f"the writer process wrote records in {path} other than their templates ({', '.join(sorted(wrong)[:4])}: "
+            "records a reader would refuse): the step is not committed; the next save starts a new writer process")
 
 
 def _same(item: Any) -> Any:
@@ -339,10 +375,7 @@ def write_files_here(storage: Storage, path: str, plans: Sequence[FilePlan], *, 
                     if tpl is not None:
                         run, run_tpl = [data], tpl
                     else:
-                        at = stream.tell()
-                        lengths.append(_write_item(stream, data))
-                        if stream.found >= 0:
-                            data_at[at] = stream.found - at
+                        lengths.append(_write_item(stream, data, data_at))
                         if records:
                             stream.end_record()
                 if run:

@@ -30,17 +30,26 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ..storage.storage import Storage
-from .record_stream import DATA_AT_MIN_BYTES, RecordStream, write_record_file
+from .record_stream import RecordStream, keep_data_at, write_record_file
 
 _HEADER = struct.Struct("<QI")  # payload bytes, descriptors attached
 MAX_FDS = 250  # descriptors per message (SCM_RIGHTS allows 253 on Linux)
 
-#: ``python -c`` code that starts the writer process: ``argv``: the package directory, the
-#: socket's descriptor, the parent's pid. The packages it imports from are stood in for by empty
-#: modules with the package's path, so that importing this module runs no ``__init__`` of
-#: theirs (they import torch).
+#: ``python -I -c`` code that starts the writer process: ``argv``: the package directory, the
+#: socket's descriptor, the parent's pid, then the directories its third-party modules
+#: (``crc32c``, ``xxhash``) were found in by the training process. Isolated (``-I``): neither the
+#: working directory nor ``PYTHON*`` variables nor the user's site directory reach its
+#: ``sys.path``, so a ``random.py`` or ``queue.py`` beside the job is never run; the directories
+#: named are appended after the standard library. It ignores the signals a scheduler sends every
+#: process of a job (``SIGTERM``, ``SIGUSR1``... of Slurm and systemd, a Ctrl-C's ``SIGINT``):
+#: the training process decides what they end, and the writer ends with it. The packages it imports from are stood in for
+#: by empty modules with the package's path, so that importing this module runs no
+#: ``__init__`` of theirs (they import torch).
 BOOTSTRAP = (
-    "import sys, types\n"
+    "import signal, sys, types\n"
+    "for s in ('SIGINT', 'SIGTERM', 'SIGHUP', 'SIGUSR1', 'SIGUSR2'):\n"
+    "    signal.signal(getattr(signal, s), signal.SIG_IGN)\n"
+    "sys.path += [p for p in sys.argv[4:] if p not in sys.path]\n"
     "pkg = sys.argv[1]\n"
     "for name, sub in (('async_ckpt', ''), ('async_ckpt.format', '/format'), ('async_ckpt.storage', '/storage'),\n"
     "                  ('async_ckpt.io', '/io')):\n"
@@ -48,6 +57,9 @@ BOOTSTRAP = (
     "from async_ckpt.io.writer_child import child_main\n"
     "child_main(int(sys.argv[2]), int(sys.argv[3]))\n"
 )
+
+#: the third-party modules the writer process imports (``xxhash`` only for incremental saves)
+NEEDS = ("crc32c", "xxhash")
 
 
 # ---- framing: pickled messages over a Unix socket, with descriptors ---------------------------
@@ -113,7 +125,7 @@ def error_chain(exc: BaseException) -> List[Tuple[Optional[bytes], str, str]]:
 # ---- the writer process ----------------------------------------------------------------------
 
 class _Blocks:
-    """The shared blocks mapped here, by id."""
+    """The shared segments (:class:`~async_ckpt.shared_memory.Segment`) mapped here, by id."""
 
     def __init__(self) -> None:
         self._views: Dict[int, memoryview] = {}
@@ -151,12 +163,13 @@ def _produce(items: List[Tuple[Any, ...]], templates: Dict[int, Tuple[bytes, byt
                 stream.write(head)
                 stream.write(blocks.get(block_id)[offset:offset + nbytes])
                 stream.write(tail)
-                if nbytes >= DATA_AT_MIN_BYTES:
-                    data_at[at] = len(head)
+                keep_data_at(data_at, at, len(head), nbytes)
                 lengths.append(len(head) + nbytes + len(tail))
-            else:  # the record's bytes
-                stream.write(item[1])
-                lengths.append(len(item[1]))
+            else:  # the record's bytes, and where a tensor's data starts in them
+                _, record, data_offset, nbytes = item
+                keep_data_at(data_at, stream.tell(), data_offset, nbytes)
+                stream.write(record)
+                lengths.append(len(record))
             if records:
                 stream.end_record()
 
@@ -165,7 +178,8 @@ def _produce(items: List[Tuple[Any, ...]], templates: Dict[int, Tuple[bytes, byt
 
 def run_job(job: Dict[str, Any], templates: Dict[int, Tuple[bytes, bytes]], blocks: _Blocks,
             storages: Dict[Tuple[str, str], Storage]) -> List[Tuple[int, Tuple[Any, ...]]]:
-    """Write a job's files, ``threads`` at a time (the first failure ends the job).
+    """Write a job's files, ``threads`` at a time (the first failure ends the job); ``templates``:
+    the heads and tails of the record templates, by serial (the job's own added already).
 
     Returns:
         Per file: its number and ``(name, record, item lengths)``.
@@ -174,7 +188,6 @@ def run_job(job: Dict[str, Any], templates: Dict[int, Tuple[bytes, bytes]], bloc
     storage = storages.get(key)
     if storage is None:
         storage = storages[key] = Storage(job["root"], None, retry=job["retry"])
-    templates.update(job["templates"])
     path, records = job["path"], job["records"]
 
     def one(name: str, items: List[Tuple[Any, ...]], hint: int) -> Tuple[Any, ...]:
@@ -196,10 +209,7 @@ def run_job(job: Dict[str, Any], templates: Dict[int, Tuple[bytes, bytes]], bloc
 
 def child_main(fd: int, parent_pid: int) -> None:
     """The writer process: serve the training process on socket ``fd`` until it goes."""
-    import signal
-
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the training process decides what a Ctrl-C ends
-    sock = socket.socket(fileno=fd)
+    sock = socket.socket(fileno=fd)  # signals: ignored from the start (BOOTSTRAP)
 
     def watch_parent() -> None:  # a SIGKILL-ed parent: the socket may stay open in its forks
         while os.getppid() == parent_pid:
@@ -244,6 +254,8 @@ def child_main(fd: int, parent_pid: int) -> None:
             elif msg[0] == "forget":
                 blocks.forget(msg[1])
             elif msg[0] == "write":
+                # known before the job's thread starts: a later job may name them without sending them
+                templates.update(msg[2]["templates"])
                 threading.Thread(target=run, args=(msg[1], msg[2]), name=f"job-{msg[1]}", daemon=True).start()
             elif msg[0] == "hash":
                 threading.Thread(target=run_hash, args=(msg[1], msg[2]), name=f"hash-{msg[1]}", daemon=True).start()

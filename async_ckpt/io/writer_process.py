@@ -18,9 +18,11 @@ writer, in the same save.
 
 The process (:class:`WriterProcess`):
 
-* is started with :mod:`subprocess` (``python -c``), never ``fork`` of the training process
+* is started with :mod:`subprocess` (``python -I -c``: isolated, nothing of the job's working
+  directory or environment on its ``sys.path``), never ``fork`` of the training process
   and never ``multiprocessing``'s spawn (which re-imports the user's main script), in a
-  session of its own, so a Ctrl-C meant for the job is decided by the training process;
+  session of its own, ignoring the signals a scheduler sends every process of the job
+  (``SIGTERM``, ``SIGUSR1``, ``SIGINT``...): what they end is decided by the training process;
 * ends by itself when the training process goes: at end-of-file on its socket, or when its
   parent changes (checked every half second), so a ``SIGKILL``-ed job leaves no writer behind;
 * answers a job with the files' records (sizes, CRC-32Cs) or the error that ended it, raised
@@ -48,10 +50,10 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 
 import torch
 
-from .. import compat, shared_memory
+from .. import shared_memory
 from ..errors import StorageError, WriterProcessError
 from ..format.manifest import FileRecord
-from ..format.torch_record import RECORDS, own_bytes
+from ..format.torch_record import RECORDS, RecordTemplate, save_record
 from ..storage import Storage
 from . import writer_child
 
@@ -64,20 +66,23 @@ Outs = List[Tuple[str, FileRecord, List[int]]]
 
 # ---- what crosses: items described, errors carried --------------------------------------------
 
-def _describe(data: Any, blocks: Dict[int, shared_memory.SharedBlock], templates: Dict[int, Any]
+def _describe(data: Any, blocks: Dict[int, shared_memory.SharedBlock], templates: Dict[int, RecordTemplate]
               ) -> Optional[Tuple[Any, ...]]:
     """An item as the writer process writes it: a template's head and tail around a range of a
-    shared block, or its record's bytes; ``None`` for a tensor outside the shared blocks (its
-    file is written by the thread writer). ``templates`` gathers the templates used, by id."""
+    shared segment (``("r", serial, segment id, offset, nbytes)``), or its record's bytes with where
+    a tensor's data starts in them (``("b", bytes, data offset or -1, data bytes)``); ``None``
+    for a tensor outside the shared blocks (its file is written by the thread writer).
+    ``templates`` gathers the templates used, by serial."""
     if isinstance(data, io.BytesIO):
-        return ("b", data.getvalue())
+        return ("b", data.getvalue(), -1, 0)
     if type(data) is not torch.Tensor or not data.is_cpu:
         return None
     tpl = RECORDS.template(data)
     if tpl is None:  # e.g. an empty tensor or an expanded view: its record, rendered here
         buf = io.BytesIO()
-        compat.torch_save_without_crc(own_bytes(data.detach()), buf)
-        return ("b", buf.getvalue())
+        t = data.detach()
+        at = save_record(t, buf)
+        return ("b", buf.getvalue(), at, t.numel() * t.element_size())
     try:
         base = data.untyped_storage().data_ptr()
     except RuntimeError:
@@ -85,8 +90,30 @@ def _describe(data: Any, blocks: Dict[int, shared_memory.SharedBlock], templates
     blk = blocks.get(base)
     if blk is None:
         return None
-    templates[id(tpl)] = tpl
-    return ("r", id(tpl), blk.id, data.data_ptr() - base, tpl.nbytes)
+    templates[tpl.serial] = tpl
+    return ("r", tpl.serial, blk.segment.id, blk.offset + data.data_ptr() - base, tpl.nbytes)
+
+
+def _rendered(items: List[Tuple[Any, ...]], lengths: List[int], templates: Dict[int, RecordTemplate]
+              ) -> Dict[int, bytes]:
+    """What must be where in a file the writer process rendered: each template-rendered
+    record's head and tail, by file offset.
+
+    Raises:
+        WriterProcessError: a record's length is not its template's.
+    """
+    want: Dict[int, bytes] = {}
+    at = 0
+    for item, length in zip(items, lengths):
+        if item[0] == "r":
+            tpl = templates[item[1]]
+            if length != tpl.length:
+                raise WriterProcessError(f"the writer process wrote a record of {length} bytes at {at}, its "
+                                         f"template makes {tpl.length}")
+            want[at] = tpl.head
+            want[at + tpl.length - len(tpl.tail)] = tpl.tail
+        at += length
+    return want
 
 
 def _error_from(chain: List[Tuple[Optional[bytes], str, str]]) -> BaseException:
@@ -119,11 +146,12 @@ class WriterProcess:
         self._send_lock = threading.Lock()
         self._proc: Optional[subprocess.Popen] = None
         self._sock: Optional[socket.socket] = None
-        self._known: set = set()  # block ids the process has mapped
-        self._templates: set = set()  # template ids the process has
-        self._pending: Dict[int, Future] = {}
+        self._known: set = set()  # ids of the shared segments the process has mapped
+        self._templates: set = set()  # serials of the record templates the process has
+        self._pending: Dict[int, Tuple[Future, socket.socket]] = {}  # job id -> its future, its process's socket
         self._next_id = 0
         self._dead: Optional[str] = None
+        self._cannot_start: Optional[str] = None  # why a process cannot be started at all
         self._owner = os.getpid()
         self.started = 0  # processes started so far
 
@@ -131,10 +159,16 @@ class WriterProcess:
     def _start(self) -> None:
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # async_ckpt/
+        python = sys.executable
         try:
-            proc = subprocess.Popen([sys.executable, "-c", writer_child.BOOTSTRAP, package, str(child.fileno()),
-                                     str(os.getpid())], pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL,
-                                    start_new_session=True)
+            proc = subprocess.Popen([python, "-I", "-c", writer_child.BOOTSTRAP, package, str(child.fileno()),
+                                     str(os.getpid()), *_module_dirs(writer_child.NEEDS)],
+                                    pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL, start_new_session=True)
+        except OSError as exc:  # no python to run it (a virtualenv rebuilt under a long run...)
+            parent.close()
+            self._cannot_start = (f"the writer process cannot be started: its Python, {python!r}, cannot be run "
+                                  f"({exc.strerror or exc})")
+            raise WriterProcessError(self._cannot_start) from exc
         finally:
             child.close()
         parent.settimeout(READY_TIMEOUT_S)
@@ -171,7 +205,7 @@ class WriterProcess:
             while True:
                 msg, _ = writer_child.recv(sock)
                 with self._lock:
-                    fut = self._pending.pop(msg[1], None)
+                    fut, _ = self._pending.pop(msg[1], (None, None))
                 if fut is None:
                     continue
                 if msg[0] == "done":
@@ -186,12 +220,14 @@ class WriterProcess:
                 code = proc.wait(timeout=2.0)
             except subprocess.TimeoutExpired:
                 code = None
+        dead = (f"the writer process (pid {proc.pid}) ended "
+                + (f"with {_exit_text(code)}" if code is not None else f"({why})"))
         with self._lock:
             if self._sock is sock:
-                self._dead = (f"the writer process (pid {proc.pid}) ended "
-                              + (f"with {_exit_text(code)}" if code is not None else f"({why})"))
-            dead = self._dead or "the writer process ended"
-            pending, self._pending = self._pending, {}
+                self._dead = dead
+            pending = {k: fut for k, (fut, s) in self._pending.items() if s is sock}  # not a newer process's
+            for k in pending:
+                del self._pending[k]
         for fut in pending.values():
             if not fut.done():
                 fut.set_exception(WriterProcessError(f"{dead} while writing; the next save starts a new one"))
@@ -224,6 +260,24 @@ class WriterProcess:
         with self._lock:
             if self._proc is not None and self._proc.poll() is None:
                 self._proc.kill()
+                self._dead = f"the writer process (pid {self._proc.pid}) was stopped"
+
+    def usable(self) -> bool:
+        """Whether jobs can be sent: the process runs or starts now. False (and one warning,
+        the first time) where it cannot be started at all, as when the Python that runs it is
+        gone: saves are then written by the training process's writer thread. A process that
+        started but did not answer is tried again by the job (whose save it fails).
+        """
+        with self._lock:
+            if self._cannot_start is None:
+                try:
+                    self._ensure()
+                except WriterProcessError:
+                    if self._cannot_start is None:
+                        return True  # the job's own start raises it, in its phase
+                    log.warning("%s; saves are written by the training process's writer thread instead",
+                                self._cannot_start)
+            return self._cannot_start is None
 
     @property
     def pid(self) -> Optional[int]:
@@ -231,10 +285,11 @@ class WriterProcess:
         return self._proc.pid if self._proc is not None and self._proc.poll() is None else None
 
     # -- jobs --------------------------------------------------------------------------------------
-    def submit(self, job: Dict[str, Any], blocks: Sequence[shared_memory.SharedBlock],
-               templates: Dict[int, Any], op: str = "write") -> "Future[Any]":
+    def submit(self, job: Dict[str, Any], blocks: Sequence[shared_memory.Segment],
+               templates: Dict[int, RecordTemplate], op: str = "write") -> "Future[Any]":
         """Send a job (``op``: ``"write"`` files, ``"hash"`` block ranges); ``blocks``: the
-        shared blocks its items live in; ``templates``: the record templates its items name.
+        shared segments its items live in; ``templates``: the record templates its items name,
+        by serial.
 
         Returns:
             The future of its files' ``(name, record, item lengths)``.
@@ -243,31 +298,62 @@ class WriterProcess:
             WriterProcessError: the process could not be started or reached.
         """
         with self._lock:
-            sock = self._ensure()
-            fut: "Future[Outs]" = Future()
-            self._next_id += 1
-            job_id = self._next_id
-            self._pending[job_id] = fut
-            try:
-                with self._send_lock:
-                    gone = shared_memory.take_closed()
-                    if gone:
-                        self._known -= set(gone)
-                        writer_child.send(sock, ("forget", gone))
-                    new = [b for b in blocks if b.id not in self._known and b.fd >= 0]
-                    for k in range(0, len(new), writer_child.MAX_FDS):
-                        part = new[k:k + writer_child.MAX_FDS]
-                        writer_child.send(sock, ("blocks", [(b.id, b.nbytes) for b in part]), [b.fd for b in part])
-                        self._known.update(b.id for b in part)
-                    job = dict(job, templates={t: (tpl.head, tpl.tail) for t, tpl in templates.items()
-                                               if t not in self._templates})
-                    writer_child.send(sock, (op, job_id, job))
-                    self._templates.update(templates)
-            except OSError as exc:
-                self._pending.pop(job_id, None)
-                self._dead = f"the writer process could not be reached ({exc})"
-                raise WriterProcessError(f"{self._dead}; the next save starts a new one") from exc
-        return fut
+            # A process found gone at the send (it died between saves, unnoticed yet) has none
+            # of this job: it is sent once more, to a new process.
+            for attempt in (0, 1):
+                sock = self._ensure()
+                fut: "Future[Outs]" = Future()
+                self._next_id += 1
+                job_id = self._next_id
+                self._pending[job_id] = (fut, sock)
+                try:
+                    self._send(sock, op, job_id, job, blocks, templates)
+                    return fut
+                except OSError as exc:
+                    self._pending.pop(job_id, None)
+                    self._dead = f"the writer process could not be reached ({exc})"
+                    if attempt:
+                        raise WriterProcessError(f"{self._dead}; the next save starts a new one") from exc
+        raise AssertionError("unreachable")
+
+    def _send(self, sock: socket.socket, op: str, job_id: int, job: Dict[str, Any],
+              blocks: Sequence[shared_memory.Segment], templates: Dict[int, RecordTemplate]) -> None:
+        """Send a job with the blocks and templates the process does not have yet (under ``_lock``)."""
+        with self._send_lock:
+            gone = shared_memory.take_closed()
+            if gone:
+                self._known -= set(gone)
+                writer_child.send(sock, ("forget", gone))
+            new = [b for b in blocks if b.id not in self._known and b.fd >= 0]
+            for k in range(0, len(new), writer_child.MAX_FDS):
+                part = new[k:k + writer_child.MAX_FDS]
+                writer_child.send(sock, ("blocks", [(b.id, b.nbytes) for b in part]), [b.fd for b in part])
+                self._known.update(b.id for b in part)
+            job = dict(job, templates={t: (tpl.head, tpl.tail) for t, tpl in templates.items()
+                                       if t not in self._templates})
+            writer_child.send(sock, (op, job_id, job))
+            self._templates.update(templates)
+
+
+def _module_dirs(names: Sequence[str]) -> List[str]:
+    """The ``sys.path`` directories the modules ``names`` are imported from in this process
+    (the isolated writer process is given exactly these; a module not found is left out)."""
+    import importlib.util
+
+    out: List[str] = []
+    for name in names:
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            continue
+        if spec is None or not spec.origin or not os.path.isabs(spec.origin):
+            continue
+        where = os.path.dirname(spec.origin)
+        if spec.submodule_search_locations is not None:  # a package: its directory's parent
+            where = os.path.dirname(where)
+        if where not in out:
+            out.append(where)
+    return out
 
 
 def _exit_text(code: int) -> str:
@@ -355,9 +441,13 @@ class ProcessExecutor:
                  timeout_s: Optional[float] = None) -> None:
         self.process = process
         self.blocks = {b.address: b for b in blocks}
+        self.segments = {b.segment.id: b.segment for b in blocks}
         self.timeout_s = timeout_s
         #: files the writer process wrote so far (the others: the thread writer)
         self.files_written = 0
+        #: per file it wrote, the bytes its records' heads and tails must be, by file offset:
+        #: checked before the step commits (:func:`.write.write_files`)
+        self.rendered: Dict[str, Dict[int, bytes]] = {}
 
     def hashes(self, objs: List[Any], hashable: Callable[[Any], bool]) -> List[Optional[int]]:
         """The XXH3-128 of each of ``objs`` that ``hashable`` takes and that lives in the
@@ -387,9 +477,8 @@ class ProcessExecutor:
         datas = [[resolve(job) for job in bucket] for bucket in buckets]
         described: Dict[int, List[Tuple[Any, ...]]] = {}
         others: List[int] = []
-        by_id = {b.id: b for b in self.blocks.values()}
-        used: Dict[int, shared_memory.SharedBlock] = {}
-        templates: Dict[int, Any] = {}
+        used: Dict[int, shared_memory.Segment] = {}
+        templates: Dict[int, RecordTemplate] = {}
         for k, bucket in enumerate(datas):
             items: List[Tuple[Any, ...]] = []
             for data in bucket:
@@ -398,7 +487,7 @@ class ProcessExecutor:
                     break
                 items.append(d)
                 if d[0] == "r":
-                    used[d[2]] = by_id[d[2]]
+                    used[d[2]] = self.segments[d[2]]
             if len(items) == len(bucket):
                 described[k] = items
             else:
@@ -419,15 +508,16 @@ class ProcessExecutor:
                 for k, out in _wait(fut, self.process, self.timeout_s):
                     outs[k] = out
                     self.files_written += 1
+        for k, items in described.items():
+            self.rendered[names[k]] = _rendered(items, outs[k][2], templates)
         return [outs[k] for k in range(len(buckets))]
 
 
 def _hash_items(executor: "ProcessExecutor", objs: List[Any], hashable: Callable[[Any], bool]
                 ) -> List[Optional[int]]:
-    by_id = {b.id: b for b in executor.blocks.values()}
     items: List[Tuple[int, int, int]] = []
     where: List[int] = []
-    used: Dict[int, shared_memory.SharedBlock] = {}
+    used: Dict[int, shared_memory.Segment] = {}
     for i, t in enumerate(objs):
         if not hashable(t):
             continue
@@ -438,8 +528,8 @@ def _hash_items(executor: "ProcessExecutor", objs: List[Any], hashable: Callable
         blk = executor.blocks.get(base)
         if blk is None:
             continue
-        items.append((blk.id, t.data_ptr() - base, t.numel() * t.element_size()))
-        used[blk.id] = by_id[blk.id]
+        items.append((blk.segment.id, blk.offset + t.data_ptr() - base, t.numel() * t.element_size()))
+        used[blk.segment.id] = blk.segment
         where.append(i)
     out: List[Optional[int]] = [None] * len(objs)
     if items:

@@ -199,7 +199,7 @@ def run_save(store: RootStore, job: SaveJob, *, policy: RetentionPolicy, threads
         written: Optional[Dict[str, FileRecord]] = None
         if writer_process is not None and store.storage.is_local:
             blocks = [b for lease in snap.leases for b in lease.shared_blocks()]
-            if blocks:
+            if blocks and writer_process.usable():  # else (it cannot start): the thread writer
                 executor = ProcessExecutor(writer_process, blocks)
 
         def write() -> Dict[str, FileRecord]:  # one process, or every rank through dcp.save over the group

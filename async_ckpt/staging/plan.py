@@ -23,6 +23,7 @@ from operator import attrgetter
 from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
 
 import torch
+from torch.nn.parameter import is_lazy
 
 from ..compat import dcp_flatten_state_dict
 from ..errors import CheckpointError, InvalidStateDictError
@@ -215,8 +216,17 @@ UNCOPYABLE_DTYPES = frozenset(
     if isinstance(d, torch.dtype) and (n in _QUANTIZED or not _copies(d)))
 
 
+_LAZY = ("an uninitialized parameter (a LazyModule's, before its first forward) has no data to save: run a "
+         "forward pass first, or leave it out of the state dict")
+_NAMED = "named tensors cannot be saved: save t.rename(None) (and the names, if you need them, as a list of str)"
+
+
 def unsupported_tensor(t: torch.Tensor) -> Optional[str]:
     """Why ``t`` cannot be saved, or ``None`` if it can."""
+    if is_lazy(t):
+        return _LAZY
+    if t.has_names():
+        return _NAMED
     if t.is_meta:
         return "a meta tensor has no data to save"
     if t.is_nested:
@@ -281,7 +291,8 @@ def make_plan(state_dict: Any, memo: Optional[PlanMemo] = None) -> StagingPlan:
     Raises:
         InvalidStateDictError: ``state_dict`` is not a mapping, a key is not a string (or an
             int below the top level), a leaf cannot be pickled, the nesting is too deep to
-            walk, or two entries' flattened names (``a.b`` for ``{"a": {"b": x}}``) are equal.
+            walk, two entries' flattened names (``a.b`` for ``{"a": {"b": x}}``) are equal, a
+            tensor is named or a LazyModule's uninitialized parameter.
         CheckpointError: a top-level ``Stateful`` value's ``state_dict()`` raised (chained).
     """
     if not isinstance(state_dict, Mapping):
@@ -301,6 +312,8 @@ def make_plan(state_dict: Any, memo: Optional[PlanMemo] = None) -> StagingPlan:
         raise InvalidStateDictError(
             f"{where}: the state dict is nested {depth} levels deep, too deep to save") from None
     _check_names(state_dict, plan, memo)
+    if any(map(_has_names, plan.tensors)):  # a C-level loop; staging (lazy: later) would fail without the key
+        plan.check_tensors()
     if memo is not None:
         memo.seen = seen  # type: ignore[assignment]  # only what this state dict still has
     return plan
@@ -350,6 +363,7 @@ def _deepest(state_dict: Mapping) -> Tuple[int, str]:
 
 
 _type, _layout, _requires_grad = type, attrgetter("layout"), attrgetter("requires_grad")
+_has_names = torch.Tensor.has_names
 
 
 def _plain_tensors(vals: List[Any]) -> Optional[List[torch.Tensor]]:
@@ -442,6 +456,8 @@ def _walk(value: Any, path: str, plan: StagingPlan, old: Optional[Dict[Optional[
         plan.keys.append(path)
         return _DSlot(len(plan.tensors) - 1, value._spec)
     if isinstance(value, torch.Tensor):
+        if is_lazy(value):  # any use of it raises torch's own error, without the key
+            raise InvalidStateDictError(f"{path}: {_LAZY}")
         if value.is_sparse or value.layout != torch.strided:
             raise InvalidStateDictError(f"{path}: only strided (dense) tensors can be saved, got {value.layout}")
         plan.tensors.append(value.detach() if value.requires_grad else value)
