@@ -43,7 +43,7 @@ from ..jobs.preemption import PreemptionTracker, PreemptionWatcher
 from ..jobs.promote import UploadCatchUp, promote
 from ..jobs.restore_job import check_key_map
 from ..jobs.restore_job import restore as _restore
-from ..jobs.roots import LOCAL, PERSISTENT, Root, Roots, foreign_steps
+from ..jobs.roots import LOCAL, PERSISTENT, Root, Roots, agree_local_listing, foreign_steps
 from ..jobs.save_job import SaveJob
 from ..jobs.store import RootStore
 from ..jobs.write_queue import WriteQueue
@@ -374,7 +374,12 @@ class CheckpointManager:
         self._in_flight: List[int] = []  # steps queued or being written (one entry per root's job)
         try:
             if opts.local_dir is not None:
-                self.roots = Roots(persistent, make_local_tier(opts, self.storage, self._exchange))
+                local_error, local = phase.attempt(self._exchange,
+                                                   lambda: make_local_tier(opts, self.storage, self._exchange))
+                if local is not None:
+                    self.roots = Roots(persistent, local)
+                if self._exchange.world_size > 1:  # every rank lists the steps every rank committed
+                    agree_local_listing(local, self._exchange, local_error)
                 for r in self.roots:  # log lines name the root: "deleted step 10 from the local tier"
                     r.store.label = f" from {tier_name(r.name)}"
                 if topology is not None:
@@ -684,7 +689,7 @@ class CheckpointManager:
                 failed = SaveJob(step, None, metrics, None, time.perf_counter(), local_error=exc)
                 shared.writer.submit(functools.partial(self._persist, failed, shared), step=step)
                 if wait and isinstance(exc, Exception):
-                    self._settle(exc)  # the others' save() settles too (below): raises exc
+                    self._settle("save", exc)  # the others' save() settles too (below): raises exc
             raise
         t2 = time.perf_counter()
         if skipped_upload:
@@ -740,7 +745,7 @@ class CheckpointManager:
                 self._preemption.mark_saved(step)
         if wait:
             if shared is not None:  # a failure one rank recorded after the agreement: all raise it together
-                self._settle()
+                self._settle("save")
             for tier in due:  # every tier's copy has landed before one's failure is raised
                 tier.writer.wait_idle()
             for tier in due:
@@ -840,7 +845,7 @@ class CheckpointManager:
         except (TypeError, ValueError, CheckpointError) as exc:
             invalid = exc
         if not self._closed:  # pending saves land first (their errors surface); ranks agree on the step
-            self._settle(invalid, key=None if invalid is not None else 0 if step is None else step + 1)
+            self._settle("restore", invalid, key=None if invalid is not None else 0 if step is None else step + 1)
         if invalid is not None:
             raise invalid
         opts = RestoreOptions(verify=self.verify if verify is None else verify, allow_pickle=allow_pickle,
@@ -1043,7 +1048,7 @@ class CheckpointManager:
             step = check_step(step)
         except (TypeError, ValueError, CheckpointError) as exc:
             invalid = exc
-        self._settle(invalid, key=None if invalid is not None else step + 1)  # every rank names the same step
+        self._settle("delete", invalid, key=None if invalid is not None else step + 1)  # every rank names the same step
         if invalid is not None:
             raise invalid
 
@@ -1091,7 +1096,7 @@ class CheckpointManager:
         if self._exchange.world_size > 1:
             raise CheckpointError("promote() copies one process's local step; with several ranks each local "
                                   "copy holds one rank's shards: save the step with force=True instead")
-        self._settle()  # an earlier failed upload (still raised by join) is what promote repairs
+        self._settle("promote")  # an earlier failed upload (still raised by join) is what promote repairs
         self.roots.persistent.store.become_writer()
         _, dropped = promote(local, self.roots.persistent, step, verify=self.verify, threads=self.write_threads)
         if dropped:
@@ -1099,14 +1104,15 @@ class CheckpointManager:
         return dropped
 
     # ---- lifecycle ---------------------------------------------------------------------------
-    def _settle(self, invalid: Optional[Exception] = None, key: Optional[int] = None) -> None:
+    def _settle(self, what: str, invalid: Optional[Exception] = None, key: Optional[int] = None) -> None:
         """Wait for every pending save; raise the failures a save would raise (with a local
         tier, failed writes to ``path`` stay for :meth:`join`/:meth:`close`). With several
         ranks the ranks then exchange, before any collective of the caller, whether one holds
         such a failure or an ``invalid`` argument, and ``key`` (which step the caller named):
         every rank raises together (a failing rank its own error, the others a
         ``CheckpointError`` naming it) instead of waiting for one that has already raised, and
-        ranks that named different steps all raise."""
+        ranks that named different steps all raise; ranks in different calls (``what``: "restore"
+        on one, a save on another) all raise a ``CoordinationError`` naming them."""
         alone = self._exchange.world_size == 1
         error: Optional[BaseException] = None if alone else invalid  # alone: raised by the caller after
         if error is None:
@@ -1119,7 +1125,7 @@ class CheckpointManager:
             except Exception as exc:
                 error = exc
         if self._exchange.world_size > 1:
-            phase.agree(self._exchange, [], error=error, step=key,
+            phase.agree(self._exchange, what, [], error=error, step=key,
                         refused=lambda failed: CheckpointError(f"rank(s) {failed}: an earlier save failed, an argument "
                                                                f"was invalid, or another step was named (see their "
                                                                f"errors)"))
