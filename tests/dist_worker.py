@@ -617,7 +617,8 @@ def collective_timeout_checks(root: str) -> None:
 def coordination_checks(root: str) -> None:
     """2 ranks, each check printing its own marker (tests/test_distributed.py ``coordination_job``)."""
     failed = []
-    for name, check in (("DIFFERENT CALLS", different_calls_checks), ("FAILED LOCAL SAVE", failed_local_save_checks)):
+    for name, check in (("DIFFERENT CALLS", different_calls_checks), ("FAILED LOCAL SAVE", failed_local_save_checks),
+                        ("SHARED LOCAL DIR", shared_local_dir_checks)):
         try:
             check(root + "_" + name.lower().replace(" ", "_"))
             print(f"{name} RANK {dist.get_rank()} OK", flush=True)
@@ -690,6 +691,42 @@ def failed_local_save_checks(root: str) -> None:
         assert_bitwise_equal(out, sd)
         assert again.save(12, sd)  # a later local save is listed everywhere
         assert again.all_steps() == [10, 12], again.all_steps()
+
+
+def shared_local_dir_checks(root: str) -> None:
+    """Another job holds rank 0's local directory (its writer lease, as that job's rank 0 does):
+    this job's manager is refused at construction on both ranks (LeaseHeldError on rank 0),
+    instead of skipping every local save with a log line; once the other job ends, it opens."""
+    import subprocess
+
+    from async_ckpt import LeaseHeldError
+    from async_ckpt.format.step_names import rank_dir_name
+
+    rank = dist.get_rank()
+    bucket, local = root + "_bucket", root + "_local"
+    other = None
+    if rank == 0:
+        mine = os.path.join(local, rank_dir_name(0))
+        os.makedirs(mine)
+        hold = ("import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT); "
+                "fcntl.flock(fd, fcntl.LOCK_EX); print('held', flush=True); sys.stdin.read()")
+        other = subprocess.Popen([sys.executable, "-c", hold, os.path.join(mine, ".async_ckpt.lock")],
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert other.stdout.readline().strip() == "held"
+    dist.barrier()
+    opts = dict(local_dir=local, collective_timeout_s=60)
+    exc = expect_error(lambda: CheckpointManager(bucket, **opts), CheckpointError, "rank0", "live writer")
+    assert isinstance(exc, LeaseHeldError) or rank != 0, exc
+    assert [f.rank for f in exc.failures] == [0], exc.failures
+    dist.barrier()
+    if other is not None:
+        other.stdin.close()
+        other.wait(30)
+    dist.barrier()
+    with CheckpointManager(bucket, **opts) as mgr:
+        sd = {"w": torch.ones(8)}
+        assert mgr.save(1, sd)
+        assert mgr.step_tiers() == {1: ("local", "persistent")}, mgr.step_tiers()
 
 
 def main() -> None:

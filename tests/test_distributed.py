@@ -205,6 +205,14 @@ def test_a_local_save_that_failed_on_one_rank_is_listed_on_no_rank(coordination_
     rank 0's copy of it, and restore(latest_step()) works on both."""
     for r in range(2):
         assert f"FAILED LOCAL SAVE RANK {r} OK" in coordination_job.stdout, coordination_job.stdout[-4000:]
+
+
+def test_a_local_dir_another_job_holds_is_refused_at_construction_on_every_rank(coordination_job):
+    """Another job holds rank 0's local directory: the manager is refused at construction on both
+    ranks (LeaseHeldError on rank 0), not a log line per save and no local copy; it opens once
+    the other job is gone."""
+    for r in range(2):
+        assert f"SHARED LOCAL DIR RANK {r} OK" in coordination_job.stdout, coordination_job.stdout[-4000:]
     _ok(coordination_job, 2)
 
 

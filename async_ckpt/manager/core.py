@@ -374,8 +374,7 @@ class CheckpointManager:
         self._in_flight: List[int] = []  # steps queued or being written (one entry per root's job)
         try:
             if opts.local_dir is not None:
-                local_error, local = phase.attempt(self._exchange,
-                                                   lambda: make_local_tier(opts, self.storage, self._exchange))
+                local_error, local = phase.attempt(self._exchange, lambda: self._open_local_tier(opts))
                 if local is not None:
                     self.roots = Roots(persistent, local)
                 if self._exchange.world_size > 1:  # every rank lists the steps every rank committed
@@ -394,7 +393,7 @@ class CheckpointManager:
             if self._preemption is not None:
                 self._preemption.watcher.install()
         except BaseException:  # a refused manager leaves no thread behind
-            stop_threads([(r.writer, r.store.deleter, None) for r in self.roots])
+            stop_threads([(r.writer, r.store.deleter, r.store.lease) for r in self.roots])
             if self._peers is not None:
                 self._peers.stop_threads()
             raise
@@ -413,6 +412,19 @@ class CheckpointManager:
                                            [(r.writer, r.store.deleter, r.store.lease) for r in self.roots],
                                            self._peers)
         live_managers.add(self)
+
+    def _open_local_tier(self, opts: ManagerOptions) -> Root:
+        """This rank's local tier, with its writer lease taken: a manager with ``local_dir`` writes
+        there, and a second job whose ranks share the directory is refused here, not at a save."""
+        tier = make_local_tier(opts, self.storage, self._exchange)
+        try:
+            if tier.store.lease is not None:  # an idle manager of this process holding it is taken over
+                tier.store.lease.idle = _weak_idle(self)
+            tier.store.become_writer()
+        except BaseException:
+            stop_threads([(tier.writer, tier.store.deleter, tier.store.lease)])
+            raise
+        return tier
 
     @property
     def save_policy(self) -> SavePolicy:
@@ -608,13 +620,7 @@ class CheckpointManager:
         skipped_upload = False
         try:
             if take_local and self.roots.local is not None:
-                try:
-                    self.roots.local.store.become_writer()  # this rank's own local directory
-                except LeaseHeldError:
-                    if alone:
-                        raise
-                    log.exception("rank %d skips the local save of step %d", self._exchange.rank, step)
-                    take_local = False
+                self.roots.local.store.become_writer()  # this rank's own local directory (taken when opened)
             due = [r for r in self.roots if (take_local if r is self.roots.local else take)]
             if not due:
                 if ticket is not None:
