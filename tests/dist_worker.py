@@ -618,7 +618,7 @@ def coordination_checks(root: str) -> None:
     """2 ranks, each check printing its own marker (tests/test_distributed.py ``coordination_job``)."""
     failed = []
     for name, check in (("DIFFERENT CALLS", different_calls_checks), ("FAILED LOCAL SAVE", failed_local_save_checks),
-                        ("SHARED LOCAL DIR", shared_local_dir_checks)):
+                        ("SHARED LOCAL DIR", shared_local_dir_checks), ("LATE RANK", late_rank_checks)):
         try:
             check(root + "_" + name.lower().replace(" ", "_"))
             print(f"{name} RANK {dist.get_rank()} OK", flush=True)
@@ -727,6 +727,24 @@ def shared_local_dir_checks(root: str) -> None:
         sd = {"w": torch.ones(8)}
         assert mgr.save(1, sd)
         assert mgr.step_tiers() == {1: ("local", "persistent")}, mgr.step_tiers()
+
+
+def late_rank_checks(root: str) -> None:
+    """Rank 1 creates its manager more than collective_timeout_s after rank 0: both raise a
+    CoordinationError naming collective_timeout_s (not torch's DistStoreError), and managers
+    created together afterwards work."""
+    import time
+
+    from async_ckpt import CoordinationError
+
+    rank = dist.get_rank()
+    if rank == 1:
+        time.sleep(5)
+    expect_error(lambda: CheckpointManager(root, collective_timeout_s=2), CoordinationError,
+                 "collective_timeout_s=2", "CheckpointManager")
+    dist.barrier()
+    with CheckpointManager(root, collective_timeout_s=60) as mgr:
+        assert mgr.save(1, {"w": torch.ones(8)})
 
 
 def main() -> None:

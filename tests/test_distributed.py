@@ -216,6 +216,13 @@ def test_a_local_dir_another_job_holds_is_refused_at_construction_on_every_rank(
     _ok(coordination_job, 2)
 
 
+def test_a_manager_created_too_late_on_one_rank_raises_coordination_error(coordination_job):
+    """Rank 1 creates its manager more than collective_timeout_s after rank 0: both raise a
+    CoordinationError naming the timeout (was torch's DistStoreError); later managers work."""
+    for r in range(2):
+        assert f"LATE RANK RANK {r} OK" in coordination_job.stdout, coordination_job.stdout[-4000:]
+
+
 def test_single_process_has_a_local_coordinator():
     assert isinstance(exchange_for(), LocalExchange)
 

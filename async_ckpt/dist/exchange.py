@@ -363,6 +363,10 @@ def exchange_for(process_group: Any = None, timeout_s: float = DEFAULT_TIMEOUT_S
 
     Collective when distributed: must be called on every rank of ``process_group`` (of the
     default group when it is ``None``), in the same order as other ``new_group`` calls.
+
+    Raises:
+        CoordinationError: the ranks did not all call it within ``timeout_s``.
+        InvalidArgumentError: this rank is not in ``process_group``.
     """
     import torch.distributed as dist
 
@@ -372,7 +376,14 @@ def exchange_for(process_group: Any = None, timeout_s: float = DEFAULT_TIMEOUT_S
     size = dist.get_world_size() if ranks is None else len(ranks)
     if size <= 1:
         return LocalExchange()
-    group, control = checkpoint_group(process_group, timeout_s), checkpoint_group(process_group, timeout_s)
+    try:
+        group, control = checkpoint_group(process_group, timeout_s), checkpoint_group(process_group, timeout_s)
+    except Exception as exc:  # torch's DistStoreError (a rank came late), gloo's RuntimeError (it left)
+        raise CoordinationError(
+            f"creating the checkpoint manager's process groups failed: the ranks did not all create their "
+            f"CheckpointManager within collective_timeout_s={timeout_s:g} s of each other ({type(exc).__name__}: "
+            f"{exc}). Create the CheckpointManager at the same point on every rank (it is collective), or pass a "
+            f"larger collective_timeout_s") from exc
     if group is None or group == dist.GroupMember.NON_GROUP_MEMBER:
         raise InvalidArgumentError("CheckpointManager was created on a rank outside its process_group")
     return GroupExchange(group, control, timeout_s)
