@@ -180,6 +180,25 @@ def restore_counted(base: str, rank: int, expect: int, bucket_reads: bool = Fals
         assert reads == [0, 0, 0, 0], f"bytes read from the bucket's data files by rank: {reads}"
 
 
+def claim_size(step_dir: str, size: int) -> None:
+    """Make a committed copy claim ``size`` bytes for its first data file: its manifest says so,
+    and its commit marker vouches for that manifest (a peer that lies about a copy)."""
+    import json
+
+    from async_ckpt.format.manifest import marker_bytes
+
+    path = os.path.join(step_dir, "manifest.json")
+    with open(path) as f:
+        m = json.load(f)
+    name = sorted(n for n in m["files"] if n.endswith(".distcp"))[0]
+    m["files"][name] = {"crc32c": m["files"][name]["crc32c"], "size": size}
+    raw = json.dumps(m, indent=1, sort_keys=True).encode()
+    with open(path, "wb") as f:
+        f.write(raw)
+    with open(os.path.join(step_dir, "COMMITTED"), "wb") as f:
+        f.write(marker_bytes(int(m["step"]), raw))
+
+
 def run_check(name: str, fn: Any) -> bool:
     rank = dist.get_rank()
     try:
@@ -263,8 +282,23 @@ def lost(base: str) -> None:
         assert 14 not in committed(held_dir(base, peer_of(rank), rank)) and 14 not in committed(mine)
         restore_counted(base, rank, 13)  # a deleted step never comes back from a peer
 
+    def oversized_held() -> None:
+        with manager(base, rank) as mgr:
+            save_steps(mgr, rank, [16], each=True)
+        lose_node(base, rank, 1)
+        if rank == 0:  # the copy of rank 2's step 16 that rank 0 holds claims a 1 TiB file
+            claim_size(os.path.join(held_dir(base, 0, 2), "16"), 2**40)
+        t0 = time.monotonic()
+        restore_counted(base, rank, 13)  # refused at once: 16 is not complete, 13 is (from the peers)
+        assert time.monotonic() - t0 < 60, time.monotonic() - t0
+        if rank == 2:  # nothing of the refused copy is left in its local tier
+            mine = os.path.join(node_dir(base, 1), "rank2")
+            assert all(n.isdigit() or n.startswith(".async_ckpt") for n in os.listdir(mine)), os.listdir(mine)
+            assert 16 not in committed(mine), committed(mine)
+
     checks = [("SAVED", saved), ("NODE1 LOST", node1_lost), ("NODE0 LOST", node0_lost), ("DAMAGED HELD", damaged_held),
-              ("NOTHING COMPLETE", nothing_complete), ("OTHER RANKS", other_ranks), ("DELETED", deleted)]
+              ("NOTHING COMPLETE", nothing_complete), ("OTHER RANKS", other_ranks), ("DELETED", deleted),
+              ("OVERSIZED HELD", oversized_held)]
     for name, fn in checks:
         if not run_check(name, fn):
             break

@@ -56,7 +56,7 @@ from ..options import ManagerOptions
 from ..policies import CheckpointInfo, RetentionPolicy, apply_retention, as_retention_policy
 from ..storage import Storage
 from ..storage.step_dirs import StepDirectories
-from .local_tier import OwnCopies, make_room, space_needed
+from .local_tier import OwnCopies, droppable, free_bytes, make_room, space_needed
 from .roots import HELD, Root, foreign_steps
 from .store import PendingCommit, RootStore
 from .write_queue import WriteQueue
@@ -495,11 +495,28 @@ class PeerCopies:
             raise CheckpointError(f"{root.url} holds another job's copy of step {step}")
         return self._landing(root, manifest, root.retention)
 
-    def _landing(self, root: Root, manifest: Manifest, policy: RetentionPolicy) -> Landing:
+    def _landing(self, root: Root, manifest: Manifest, policy: RetentionPolicy,
+                 announced: Optional[int] = None) -> Landing:
+        """Where a copy announced with ``manifest`` is written under ``root``, after making room
+        as a local save does. Refused at once (before anything is deleted or written) when its
+        files add up to more than ``announced`` (the bytes its sender listed for it) or than
+        the disk can hold (free, with what retention drops to make room)."""
+        total = sum(r.size for r in manifest.files.values())
+        if announced is not None and total != announced:
+            raise CheckpointError(f"the copy of step {manifest.step} lists {total} bytes of files, its sender "
+                                  f"announced {announced}: refused")
         root.store.become_writer()
         coming = CheckpointInfo(manifest.step, manifest.commit_time, dict(manifest.metrics), manifest.nbytes,
                                 manifest.all_extra())
-        make_room(root, coming, space_needed(sum(r.size for r in manifest.files.values())))
+        need = space_needed(total)
+        free = free_bytes(root)
+        if free is not None and free < need:
+            infos = root.store.catalog.infos()
+            room = free + sum(infos[s].nbytes for s in droppable(root, coming) if s in infos)
+            if room < need:
+                raise CheckpointError(f"the copy of step {manifest.step} needs {need} bytes, {root.url} can hold "
+                                      f"{room} (free, and what retention drops to make room): refused")
+        make_room(root, coming, need)
         return _StepLanding(root.store.begin_write(manifest.step), policy)
 
     def held_root(self, owner: int) -> Root:
@@ -697,7 +714,7 @@ class PeerCopies:
                     opened[mv.where] = self._open(mv.where, cand)
                 sends[mv.owner] = opened[mv.where]
             elif mv.owner == me and mv.sender != me:
-                recvs[mv.sender] = functools.partial(self._home, cand)
+                recvs[mv.sender] = functools.partial(self._home, cand, mv.nbytes)
         out = None
         if sends or recvs:
             try:
@@ -740,15 +757,16 @@ class PeerCopies:
                         where, exc)
             return None
 
-    def _home(self, cand: Complete, manifest: Manifest) -> Landing:
-        """Where this rank's own copy of ``cand`` goes: its own local tier (raises to refuse)."""
+    def _home(self, cand: Complete, announced: int, manifest: Manifest) -> Landing:
+        """Where this rank's own copy of ``cand`` goes: its own local tier (raises to refuse;
+        ``announced``: the bytes of its files the sender listed in its inventory)."""
         self._check_copy(manifest, self.topology.rank)
         if manifest.step != cand.step or manifest.identity.save_id != cand.save_id:
             raise CheckpointError(f"expected step {cand.step} of save {cand.save_id}, got step {manifest.step} of "
                                   f"save {manifest.identity.save_id}")
         if foreign_steps(self.local, cand.step):
             raise CheckpointError(f"{self.local.url} holds another job's copy of step {cand.step}")
-        return self._landing(self.local, manifest, _keeping(self.local.retention, cand.step))
+        return self._landing(self.local, manifest, _keeping(self.local.retention, cand.step), announced)
 
     def _copy_home(self, cand: Complete, mv: Move) -> Optional[str]:
         """This rank's own copy, seen elsewhere on its disk, copied (verified) into its local tier."""
@@ -757,7 +775,7 @@ class PeerCopies:
             return f"its copy in {mv.where} cannot be read"
         landing: Optional[Landing] = None
         try:
-            landing = self._home(cand, src.manifest)
+            landing = self._home(cand, mv.nbytes, src.manifest)
             copy_files(src.storage, src.path, src.manifest.files, landing.storage, landing.path,
                        verify=self.options.verify)
             landing.commit(src.manifest)

@@ -63,8 +63,9 @@ class Root:
             for another root is another job's. None for the persistent root.
         unshared: a local tier of several ranks: this rank's copies, as (step, save id), of
             saves that not every rank committed (a save that failed on another rank), found
-            when the ranks compared their copies (:func:`agree_local_listing`): not listed, so
-            every rank lists the same steps (retention still drops them in turn).
+            when the ranks last compared their copies: not listed, so
+            every rank lists the same steps (retention still drops them in turn; see
+            :func:`common_local_steps`).
     """
 
     name: str
@@ -150,10 +151,11 @@ class Held:
     tiers: Tuple[str, ...]
 
 
-def _infos(tier: Root, others: int, failed: Optional[List[BaseException]] = None
+def _infos(tier: Root, others: int, failed: Optional[List[BaseException]] = None, unshared: bool = False
            ) -> Tuple[Dict[int, CheckpointInfo], List[int]]:
     """(records, steps newest first) of one tier, without another job's local copies (see
-    :func:`foreign_root`: skipped with a warning). With other tiers to fall back on, a tier
+    :func:`foreign_root`: skipped with a warning) and, unless ``unshared``, without the copies of
+    saves not every rank holds (``tier.unshared``). With other tiers to fall back on, a tier
     that cannot be listed (a bucket that is down) counts as empty, with a warning (and its
     error is added to ``failed``)."""
     try:
@@ -170,7 +172,7 @@ def _infos(tier: Root, others: int, failed: Optional[List[BaseException]] = None
     foreign = {s: r for s, info in infos.items() for r in [foreign_root(tier, info.extra)] if r is not None}
     if foreign:
         warn_foreign(tier, foreign)
-    hidden = set(foreign) | {s for s, info in infos.items() if (s, _save_id(info)) in tier.unshared}
+    hidden = set(foreign) | {s for s, info in infos.items() if not unshared and (s, _save_id(info)) in tier.unshared}
     if hidden:
         infos = {s: info for s, info in infos.items() if s not in hidden}
         newest_first = [s for s in newest_first if s not in hidden]
@@ -324,8 +326,8 @@ def check_local_copy(tier: Root, step: int, rank: int, world_size: int) -> None:
 
 def own_local_copies(local: Root) -> List[Tuple[int, str]]:
     """This rank's local copies as (step, save id), newest commit first (a copy whose manifest
-    does not read counts with no id)."""
-    infos, newest_first = _infos(local, 1)
+    does not read counts with no id), those of ``local.unshared`` too."""
+    infos, newest_first = _infos(local, 1, unshared=True)
     return [(s, _save_id(infos.get(s) or _reread(local, s))) for s in newest_first]
 
 
@@ -335,36 +337,39 @@ def _common(gathered: Sequence[Optional[Sequence[Tuple[int, str]]]]) -> Set[int]
     return {s for s, sid in by_rank[0].items() if all(g.get(s) == sid for g in by_rank[1:])}
 
 
-def common_local_steps(local: Root, exchange: Exchange) -> Set[int]:
+def common_local_steps(local: Optional[Root], exchange: Exchange, error: Optional[BaseException] = None) -> Set[int]:
     """The local steps every rank holds from one save (collective): each rank's (step, save
     id) pairs are exchanged, and a step whose copies carry different save ids on different
     ranks (a crash or a failed write between the ranks' local commits of a re-save) is left
     out: restoring it would mix two saves' shards. A copy whose manifest does not read counts
-    with no id (every rank's such copy: tried, and reported, by the restore)."""
-    return _common(phase.everyone(exchange, "listing the local copies", None, lambda: own_local_copies(local)))
+    with no id (every rank's such copy: tried, and reported, by the restore).
 
-
-def agree_local_listing(local: Optional[Root], exchange: Exchange, error: Optional[BaseException] = None) -> None:
-    """Several ranks, as a manager opens its local tier (collective): the ranks compare their
-    local copies, and each rank's copies of saves that not every rank committed (a save that
-    failed on another rank) become ``local.unshared``, so that every rank lists the same steps.
+    Each rank's other copies (a save that failed on another rank, or whose copies another
+    rank lost) become ``local.unshared``: not listed, so that every rank lists the same steps.
+    The ranks compare as a manager opens its local tier and at each restore (after peers
+    brought lost copies home).
 
     Args:
         local: this rank's local tier (None where opening it failed: ``error``).
         exchange: the manager's exchange.
         error: this rank's failure to open its local tier, reported to every rank.
 
+    Returns:
+        The steps.
+
     Raises:
         CheckpointError: on every rank, when a rank could not open or list its local tier.
     """
-    gathered = phase.everyone(exchange, "opening the local tier", None,
+    gathered = phase.everyone(exchange, "listing the local copies", None,
                               None if local is None else (lambda: own_local_copies(local)), error=error)
     assert local is not None  # (everyone raised otherwise)
     common = _common(gathered)
-    local.unshared = {(s, sid) for s, sid in gathered[exchange.rank] or () if s not in common}
-    if local.unshared:
-        log.info("%s: local copies of step(s) %s are not listed: not every rank committed them (a save that "
-                 "failed on another rank)", local.url, sorted(s for s, _ in local.unshared))
+    unshared = {(s, sid) for s, sid in gathered[exchange.rank] or () if s not in common}
+    if unshared - local.unshared:
+        log.info("%s: local copies of step(s) %s are not listed: not every rank holds them (a save that "
+                 "failed on another rank, or a lost disk)", local.url, sorted({s for s, _ in unshared - local.unshared}))
+    local.unshared = unshared
+    return common
 
 
 def tier_candidates(tiers: Sequence[Root], exchange: Exchange, step: Optional[int]) -> List[Candidate]:

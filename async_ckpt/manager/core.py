@@ -43,7 +43,7 @@ from ..jobs.preemption import PreemptionTracker, PreemptionWatcher
 from ..jobs.promote import UploadCatchUp, promote
 from ..jobs.restore_job import check_key_map
 from ..jobs.restore_job import restore as _restore
-from ..jobs.roots import LOCAL, PERSISTENT, Root, Roots, agree_local_listing, foreign_steps
+from ..jobs.roots import LOCAL, PERSISTENT, Root, Roots, common_local_steps, foreign_steps
 from ..jobs.save_job import SaveJob
 from ..jobs.store import RootStore
 from ..jobs.write_queue import WriteQueue
@@ -378,7 +378,7 @@ class CheckpointManager:
                 if local is not None:
                     self.roots = Roots(persistent, local)
                 if self._exchange.world_size > 1:  # every rank lists the steps every rank committed
-                    agree_local_listing(local, self._exchange, local_error)
+                    common_local_steps(local, self._exchange, local_error)
                 for r in self.roots:  # log lines name the root: "deleted step 10 from the local tier"
                     r.store.label = f" from {tier_name(r.name)}"
                 if topology is not None:
