@@ -35,6 +35,8 @@ never sent (the restore reads the bucket, and says so).
 from __future__ import annotations
 
 import collections
+import contextlib
+import datetime
 import functools
 import logging
 import os
@@ -46,7 +48,7 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Set, Tu
 
 from ..dist import phase
 from ..dist.exchange import Exchange, LocalExchange, checkpoint_group
-from ..dist.peer_transfer import NOTHING_TO_SEND, Landing, Outgoing, exchange
+from ..dist.peer_transfer import NOTHING_TO_SEND, Landing, Outcome, Outgoing, exchange
 from ..dist.replicas import assign
 from ..errors import CheckpointError, InvalidArgumentError, warn_user
 from ..format import step_names
@@ -297,11 +299,15 @@ class Ticket:
     thread go on); a ticket whose save queued no local job is released by :meth:`release`.
     """
 
-    def __init__(self, seq: int, step: int) -> None:
+    def __init__(self, seq: int, step: int, hold: Optional[Callable[[int], Any]] = None) -> None:
         self.seq = seq
         self.step = step
         self._ended = threading.Event()
         self._handed = False
+        self._hold = hold
+        self._lock = threading.Lock()
+        self._kept: Optional[contextlib.ExitStack] = None
+        self._done = False
 
     def around(self, job: Callable[[], Any]) -> Callable[[], Any]:
         """``job`` (the local tier's save of this step), telling the ticket when it ends.
@@ -316,10 +322,28 @@ class Ticket:
 
         def run() -> Any:
             try:
-                return job()
+                out = job()
+                self._keep()  # committed: retention keeps it until it is replicated (or skipped)
+                return out
             finally:
                 self._ended.set()
         return run
+
+    def _keep(self) -> None:
+        with self._lock:
+            if self._hold is not None and not self._done:
+                stack = contextlib.ExitStack()
+                stack.enter_context(self._hold(self.step))
+                self._kept = stack
+
+    def handed_over(self) -> Optional[contextlib.ExitStack]:
+        """Replication thread, done with the ticket: the hold on the committed step (None: none
+        was taken; a local job ending later takes none); the caller releases it (``close()``)
+        or keeps it."""
+        with self._lock:
+            self._done = True
+            kept, self._kept = self._kept, None
+            return kept
 
     def release(self, *, failed: bool = False) -> None:
         """No local job of this save will end the ticket: it ends now (``failed``: also when a
@@ -398,6 +422,10 @@ class PeerCopies:
         self._seq = 0
         self._newest = 0
         self._broken: Optional[str] = None
+        #: the hold on this rank's newest copy every peer took: retention keeps it until a newer one is
+        self._replicated: Optional[contextlib.ExitStack] = None
+        #: the step of that copy
+        self.replicated_step: Optional[int] = None
 
     @property
     def broken(self) -> Optional[str]:
@@ -416,19 +444,60 @@ class PeerCopies:
             The ticket, for the local tier's job (:meth:`Ticket.around`) or :meth:`Ticket.release`.
         """
         self._seq += 1
-        ticket = Ticket(self._seq, step)
+        ticket = Ticket(self._seq, step, self.local.store.catalog.hold)
         self._newest = ticket.seq
         self.writer.take_slot()
         self.writer.submit(functools.partial(self._replicate, ticket), step=step)
         return ticket
 
     def _replicate(self, ticket: Ticket) -> None:
-        """Replication thread: the exchange of one ticket with every peer. Never raises."""
-        if self._broken is not None:
-            return
-        copy: Optional[Outgoing] = None
-        if ticket.seq == self._newest and ticket.wait(TICKET_WAIT_S) and ticket.seq == self._newest:
-            copy = self._own_copy(ticket.step)
+        """Replication thread: the exchange of one ticket with every peer. Never raises.
+
+        The committed step is held (the local tier's retention keeps it) from its commit until
+        it is sent; once every peer took it, it stays held until a newer copy is taken, so the
+        owner keeps the copy its peers hold. Every rank sends the same saves: a ticket is
+        skipped on every rank when every rank has a newer one queued."""
+        ready = self._broken is None and ticket.wait(TICKET_WAIT_S)
+        hold = ticket.handed_over()
+        try:
+            if self._broken is not None or self._newer_everywhere(ticket):
+                return
+            copy = self._own_copy(ticket.step) if ready and hold is not None else None
+            out = self._send(ticket, copy)
+            if out is not None and copy is not None and all(out.sent.get(d) is None for d in self.topology.dests):
+                old, self._replicated, self.replicated_step = self._replicated, hold, ticket.step
+                hold = None  # kept: released when a newer copy is taken, or at close
+                if old is not None:
+                    old.close()
+        except Exception:  # noqa: BLE001 - replication must never fail a save
+            log.exception("rank %d: peer copies of step %d", self.topology.rank, ticket.step)
+        finally:
+            if hold is not None:
+                hold.close()
+
+    def _newer_everywhere(self, ticket: Ticket) -> bool:
+        """Whether every rank has a ticket newer than ``ticket`` queued (one small all-gather over
+        the replication group; the peers may come to it much later: their local write of the
+        save is still running)."""
+        import torch
+        import torch.distributed as dist
+
+        mine = torch.tensor([self._newest], dtype=torch.int64)
+        out = [torch.zeros(1, dtype=torch.int64) for _ in range(self.topology.world_size)]
+        bound = max(TICKET_WAIT_S, self.options.collective_timeout_s)
+        try:
+            work = dist.all_gather(out, mine, group=self.topology.group, async_op=True)
+            if work is not None and work.wait(datetime.timedelta(seconds=bound)) is False:
+                raise RuntimeError(f"timed out after {bound:g} s")
+        except Exception as exc:  # noqa: BLE001 - replication must never fail a save
+            self._broken = f"{type(exc).__name__}: {exc}"
+            log.error("rank %d: peer copies stopped at step %d (local saves and the checkpoint path go on; a lost "
+                      "node restores from the checkpoint path): %s", self.topology.rank, ticket.step, exc)
+            return True
+        return min(int(t) for t in out) > ticket.seq
+
+    def _send(self, ticket: Ticket, copy: Optional[Outgoing]) -> Optional[Outcome]:
+        """The exchange of ``ticket`` with the peers (None: it failed, replication stopped)."""
         t0 = time.perf_counter()
         recvs = {s: functools.partial(self._hold, s) for s in self.topology.sources}
         try:
@@ -441,11 +510,11 @@ class PeerCopies:
             self._broken = str(exc)
             log.error("rank %d: peer copies stopped at step %d (local saves and the checkpoint path go on; a lost "
                       "node restores from the checkpoint path): %s", self.topology.rank, ticket.step, exc)
-            return
+            return None
         except Exception as exc:  # noqa: BLE001 - replication must never fail a save
             self._broken = f"{type(exc).__name__}: {exc}"
             log.exception("rank %d: peer copies stopped at step %d", self.topology.rank, ticket.step)
-            return
+            return None
         problems = [f"to rank {d}: {p}" for d, p in out.sent.items() if p not in (None, NOTHING_TO_SEND)]
         problems += [f"from rank {s}: {g.problem}" for s, g in out.received.items() if g.problem is not None]
         if copy is not None or any(g.manifest is not None for g in out.received.values()):
@@ -455,6 +524,7 @@ class PeerCopies:
         for p in problems:
             log.warning("rank %d: peer copy of step %d not kept %s (the next save is replicated again)",
                         self.topology.rank, ticket.step, p)
+        return out
 
     def _own_copy(self, step: int) -> Optional[Outgoing]:
         """This rank's committed local copy of ``step``, to send (None: there is none, or it is
@@ -579,6 +649,9 @@ class PeerCopies:
                             self.topology.rank)
             self.writer.close(timeout=0)
         finally:
+            kept, self._replicated = self._replicated, None
+            if kept is not None:
+                kept.close()
             for root in list(self._held.values()):
                 root.store.close()
 
