@@ -290,6 +290,21 @@ def complete_saves(inventories: Sequence[Sequence[Seen]], world_size: int,
     return sorted(out, key=lambda c: (c.commit_time, c.step), reverse=True)
 
 
+def _missing(invs: Sequence[Inventory], world_size: int, step: Optional[int],
+             candidates: Sequence[Complete]) -> Optional[str]:
+    """Why the newest local save (of ``step``, when named) is not among ``candidates``: which
+    ranks' copies of it no rank sees (None: it is the first candidate, or there is no local save)."""
+    seen = [c for i in invs for c in i.copies if step is None or c.step == step]
+    if not seen:
+        return None
+    newest = max(seen, key=lambda c: (c.commit_time, c.step))
+    if candidates and candidates[0].save_id == newest.save_id:
+        return None
+    have = {c.owner for c in seen if c.save_id == newest.save_id}
+    return (f"no disk holds the local copies of step {newest.step} of rank(s) "
+            f"{[r for r in range(world_size) if r not in have]}")
+
+
 # ---- the save side: tickets ----------------------------------------------------------------------
 
 class Ticket:
@@ -426,6 +441,9 @@ class PeerCopies:
         self._replicated: Optional[contextlib.ExitStack] = None
         #: the step of that copy
         self.replicated_step: Optional[int] = None
+        #: after :meth:`fill`: which ranks' copies of the newest local save no disk held, or which
+        #: transfer failed (None: the newest local save was complete); rank 0 logs it with the step restored
+        self.missing: Optional[str] = None
 
     @property
     def broken(self) -> Optional[str]:
@@ -697,6 +715,7 @@ class PeerCopies:
                             "or still busy")
             return
         candidates = complete_saves([i.copies for i in invs], topo.world_size, step)
+        self.missing = _missing(invs, topo.world_size, step, candidates)
         if not candidates:
             others = sorted({w for i in invs for w in i.other_worlds})
             if others and exchange.is_primary:
@@ -719,6 +738,8 @@ class PeerCopies:
             if exchange.is_primary:
                 log.warning("restore: the local copies of step %d could not all be brought from their peers: %s; "
                             "trying the next step every rank can get", cand.step, "; ".join(problems))
+            if self.missing is None:
+                self.missing = f"the copies of step {cand.step} could not all be brought from their peers"
             if any(r and r[1] for r in results):
                 return  # a replication group out of use: no more transfers
 

@@ -867,6 +867,9 @@ class CheckpointManager:
         where = done.store.storage.url
         if len(self.roots) > 1:
             where = f"the {self.roots.tier_of(done.store)} tier ({where})"
+        if self._peers is not None and self._peers.missing is not None and self._exchange.is_primary:
+            log.warning("restore: peer copies could not supply the newest local save (%s); restored step %d from %s",
+                        self._peers.missing, s, where)
             if skipped:  # an earlier copy was skipped: say which one was used
                 log.warning("restored step %d from %s", s, where)
         self._decision.restored = s
