@@ -101,6 +101,13 @@ def test_a_held_copy_claiming_more_bytes_than_the_disk_holds_is_refused_at_once(
     _passed(jobs, "lost", "OVERSIZED HELD")
 
 
+def test_under_back_to_back_saves_a_lost_node_always_has_a_whole_save_on_the_other(jobs):
+    """Saves back to back, 16 MiB per rank: after each, whichever node is lost, the other node's
+    disks hold some save whole (before: the ranks replicated different saves and the owners'
+    retention dropped what the peers held, so none ever was)."""
+    _passed(jobs, "lost", "BACK TO BACK")
+
+
 def test_a_peer_killed_mid_transfer_leaves_nothing_committed_and_the_next_save_replicates(jobs):
     rc, text = jobs["kill"][1]
     assert rc == DIE_STATUS, f"rank 1 did not die mid-transfer (exit {rc}):\n{text[-4000:]}"

@@ -486,7 +486,8 @@ class PeerCopies:
                 old, self._replicated, self.replicated_step = self._replicated, hold, ticket.step
                 hold = None  # kept: released when a newer copy is taken, or at close
                 if old is not None:
-                    old.close()
+                    old.close()  # the local tier's retention drops it now if it would have before
+                    self.local.store.apply_retention(self.local.retention)
         except Exception:  # noqa: BLE001 - replication must never fail a save
             log.exception("rank %d: peer copies of step %d", self.topology.rank, ticket.step)
         finally:
