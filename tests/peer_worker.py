@@ -306,7 +306,8 @@ def lost(base: str) -> None:
     def back_to_back() -> None:
         """Saves back to back (16 MiB per rank): after each one, whichever node is lost, some save
         is whole on the other node's disks (its own copies and the copies it holds), without
-        waiting for replication (before: none ever was, so every restart read the bucket)."""
+        waiting for replication (before: none ever was, so every restart read the bucket); and no
+        transfer failed (retention deleting a step while it was sent)."""
         fresh = os.path.join(base, "back-to-back")
         big = {f"rank{rank}": torch.zeros(4 * 2**20)}
         missed = []
@@ -323,6 +324,10 @@ def lost(base: str) -> None:
                         if not whole:
                             missed.append((s, node))
                 dist.barrier()
+            mgr.join()
+            # no copy failed: the owner's retention never deleted a step while it was being sent
+            failed = [t for t in mgr.peers.transfers if t.problems]
+            assert not failed, failed
         assert not missed, f"(save, lost node) with no save whole on the other node: {missed}"
 
     checks = [("SAVED", saved), ("NODE1 LOST", node1_lost), ("NODE0 LOST", node0_lost), ("DAMAGED HELD", damaged_held),

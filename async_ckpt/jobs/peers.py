@@ -441,6 +441,8 @@ class PeerCopies:
         self._replicated: Optional[contextlib.ExitStack] = None
         #: the step of that copy
         self.replicated_step: Optional[int] = None
+        #: the last ticket exchanged: (seq, step, its hold, whether this rank sent and received it whole)
+        self._pending: Optional[Tuple[int, int, Optional[contextlib.ExitStack], bool]] = None
         #: after :meth:`fill`: which ranks' copies of the newest local save no disk held, or which
         #: transfer failed (None: the newest local save was complete); rank 0 logs it with the step restored
         self.missing: Optional[str] = None
@@ -471,49 +473,67 @@ class PeerCopies:
     def _replicate(self, ticket: Ticket) -> None:
         """Replication thread: the exchange of one ticket with every peer. Never raises.
 
-        The committed step is held (the local tier's retention keeps it) from its commit until
-        it is sent; once every peer took it, it stays held until a newer copy is taken, so the
-        owner keeps the copy its peers hold. Every rank sends the same saves: a ticket is
-        skipped on every rank when every rank has a newer one queued."""
+        Every rank sends the same saves: before each ticket the ranks gather (one small
+        all-gather over the replication group) the number of their newest queued ticket, and
+        whether the last ticket they exchanged was sent and received whole; a ticket is skipped
+        on every rank when every rank has a newer one queued. The committed step is held (the
+        local tier's retention keeps it) from its commit until it is sent, then until the next
+        gather says whether every rank's copies of it were taken: if so it becomes the copy the
+        owner keeps (the one held before is released, and retention drops it), else it is
+        released. So the owners keep the newest save their peers hold for every rank."""
         ready = self._broken is None and ticket.wait(TICKET_WAIT_S)
         hold = ticket.handed_over()
         try:
-            if self._broken is not None or self._newer_everywhere(ticket):
+            if self._broken is not None:
+                return
+            skip = self._gather(ticket)
+            if skip:
                 return
             copy = self._own_copy(ticket.step) if ready and hold is not None else None
             out = self._send(ticket, copy)
-            if out is not None and copy is not None and all(out.sent.get(d) is None for d in self.topology.dests):
-                old, self._replicated, self.replicated_step = self._replicated, hold, ticket.step
-                hold = None  # kept: released when a newer copy is taken, or at close
-                if old is not None:
-                    old.close()  # the local tier's retention drops it now if it would have before
-                    self.local.store.apply_retention(self.local.retention)
+            whole = out is not None and copy is not None and \
+                all(out.sent.get(d) is None for d in self.topology.dests) and \
+                all(g.committed for g in out.received.values())
+            self._pending = (ticket.seq, ticket.step, hold if whole else None, whole)
+            if whole:
+                hold = None  # until the next gather
         except Exception:  # noqa: BLE001 - replication must never fail a save
             log.exception("rank %d: peer copies of step %d", self.topology.rank, ticket.step)
         finally:
             if hold is not None:
                 hold.close()
 
-    def _newer_everywhere(self, ticket: Ticket) -> bool:
-        """Whether every rank has a ticket newer than ``ticket`` queued (one small all-gather over
-        the replication group; the peers may come to it much later: their local write of the
-        save is still running)."""
+    def _gather(self, ticket: Ticket) -> bool:
+        """The gather before ``ticket`` (see :meth:`_replicate`); whether to skip it. The peers
+        may come to it much later (their local write of the save is still running)."""
         import torch
         import torch.distributed as dist
 
-        mine = torch.tensor([self._newest], dtype=torch.int64)
-        out = [torch.zeros(1, dtype=torch.int64) for _ in range(self.topology.world_size)]
+        seq, step, held, whole = self._pending if self._pending is not None else (0, None, None, False)
+        self._pending = None
+        mine = torch.tensor([self._newest, seq if whole else -1], dtype=torch.int64)
+        out = [torch.zeros(2, dtype=torch.int64) for _ in range(self.topology.world_size)]
         bound = max(TICKET_WAIT_S, self.options.collective_timeout_s)
         try:
             work = dist.all_gather(out, mine, group=self.topology.group, async_op=True)
             if work is not None and work.wait(datetime.timedelta(seconds=bound)) is False:
                 raise RuntimeError(f"timed out after {bound:g} s")
         except Exception as exc:  # noqa: BLE001 - replication must never fail a save
+            if held is not None:
+                held.close()
             self._broken = f"{type(exc).__name__}: {exc}"
             log.error("rank %d: peer copies stopped at step %d (local saves and the checkpoint path go on; a lost "
                       "node restores from the checkpoint path): %s", self.topology.rank, ticket.step, exc)
             return True
-        return min(int(t) for t in out) > ticket.seq
+        rows = [t.tolist() for t in out]
+        if seq and all(r[1] == seq for r in rows):  # every rank's copies of it are held by its peers
+            old, self._replicated, self.replicated_step = self._replicated, held, step
+            if old is not None:
+                old.close()
+                self.local.store.apply_retention(self.local.retention)  # drops it now if it would have before
+        elif held is not None:
+            held.close()
+        return min(r[0] for r in rows) > ticket.seq
 
     def _send(self, ticket: Ticket, copy: Optional[Outgoing]) -> Optional[Outcome]:
         """The exchange of ``ticket`` with the peers (None: it failed, replication stopped)."""
@@ -668,9 +688,12 @@ class PeerCopies:
                             self.topology.rank)
             self.writer.close(timeout=0)
         finally:
-            kept, self._replicated = self._replicated, None
-            if kept is not None:
-                kept.close()
+            pending, self._pending = self._pending, None
+            for kept in (self._replicated, pending[2] if pending is not None else None):
+                if kept is not None:
+                    kept.close()
+            self._replicated = None
+            self.local.store.apply_retention(self.local.retention)  # what the holds kept beyond it
             for root in list(self._held.values()):
                 root.store.close()
 
