@@ -31,7 +31,6 @@ from ..errors import (
     CheckpointError,
     InvalidArgumentError,
     InvalidStateDictError,
-    LeaseHeldError,
 )
 from ..format.manifest import CopyIdentity, check_metrics
 from ..gc_pause import gc_paused
