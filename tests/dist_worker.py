@@ -6,6 +6,8 @@
     torchrun --standalone --nproc-per-node 2 tests/dist_worker.py peer    <root> -   (that check alone)
     torchrun --standalone --nproc-per-node 2 tests/dist_worker.py ranks   <root> -   (steps past int64,
                                                                                  a failing load_state_dict)
+    torchrun --standalone --nproc-per-node 2 tests/dist_worker.py coordination <root> -  (ranks in
+                                                      different calls, a local save failed on one rank)
 
 ``save`` runs several checks in one launch (a torchrun start costs 6-16 s): sharded async saves
 from every rank, retention agreed by every rank with deletions by rank 0 only, a rank that
@@ -612,6 +614,139 @@ def collective_timeout_checks(root: str) -> None:
         assert_bitwise_equal(out, sd)
 
 
+def coordination_checks(root: str) -> None:
+    """2 ranks, each check printing its own marker (tests/test_distributed.py ``coordination_job``)."""
+    failed = []
+    for name, check in (("DIFFERENT CALLS", different_calls_checks), ("FAILED LOCAL SAVE", failed_local_save_checks),
+                        ("SHARED LOCAL DIR", shared_local_dir_checks), ("LATE RANK", late_rank_checks)):
+        try:
+            check(root + "_" + name.lower().replace(" ", "_"))
+            print(f"{name} RANK {dist.get_rank()} OK", flush=True)
+        except Exception as exc:  # noqa: BLE001 - reported, then the next check
+            print(f"{name} RANK {dist.get_rank()} FAILED: {type(exc).__name__}: {exc}", flush=True)
+            failed.append(name)
+        dist.barrier()
+    assert not failed, failed
+
+
+def different_calls_checks(root: str) -> None:
+    """Rank 0 restores while rank 1 saves (and the other way round): both raise a
+    CoordinationError naming both calls (gloo aborted the process before), and the manager then
+    saves and restores on both ranks."""
+    from async_ckpt import CoordinationError
+
+    rank = dist.get_rank()
+    sd = {"w": torch.arange(64, dtype=torch.float32)}
+    with CheckpointManager(root, collective_timeout_s=60) as mgr:
+        assert mgr.save(1, sd)
+        for restorer in (0, 1):
+            if rank == restorer:
+                call = lambda: mgr.restore(1, {"w": torch.zeros(64)})  # noqa: E731
+            else:
+                call = lambda: (mgr.save_async(2, sd), mgr.join())  # noqa: E731
+            expect_error(call, CoordinationError, f"rank {restorer}: restore", f"rank {1 - restorer}: save_async")
+        assert mgr.all_steps() == [1], mgr.all_steps()
+        assert mgr.save(3, sd)
+        out = {"w": torch.zeros(64)}
+        assert mgr.restore(None, out) == 3
+        assert_bitwise_equal(out, sd)
+
+
+def failed_local_save_checks(root: str) -> None:
+    """A local save that fails on rank 1 only (its local directory replaced by a file): a new
+    manager lists the same steps on both ranks (not rank 0's copy of the failed save), and
+    restore(latest_step()) works on both."""
+    from async_ckpt.format.step_names import rank_dir_name
+
+    rank = dist.get_rank()
+    bucket, local = root + "_bucket", root + "_local"
+    sd = {"w": torch.full((64,), float(rank))}
+    opts = dict(save_interval=10, local_dir=local, local_policy=1, collective_timeout_s=60)
+    mgr = CheckpointManager(bucket, **opts)
+    assert mgr.save(10, sd)
+    mine = os.path.join(local, rank_dir_name(rank))
+    if rank == 1:
+        os.rename(mine, mine + ".away")
+        open(mine, "w").close()
+    try:
+        mgr.save_async(11, {"w": torch.full((64,), 11.0 + rank)})  # due for the local tier only
+        mgr.join()
+    except CheckpointError:
+        pass
+    try:
+        mgr.close()
+    except CheckpointError:
+        pass
+    if rank == 1:
+        os.remove(mine)
+        os.rename(mine + ".away", mine)
+    dist.barrier()
+    assert ("11" in os.listdir(mine)) == (rank == 0), os.listdir(mine)  # rank 0 committed its copy
+    with CheckpointManager(bucket, **opts) as again:
+        steps = again.all_steps()
+        agree(steps, "all_steps")
+        assert steps == [10] and again.latest_step() == 10, steps
+        out = {"w": torch.zeros(64)}
+        assert again.restore(again.latest_step(), out) == 10
+        assert_bitwise_equal(out, sd)
+        assert again.save(12, sd)  # a later local save is listed everywhere
+        assert again.all_steps() == [10, 12], again.all_steps()
+
+
+def shared_local_dir_checks(root: str) -> None:
+    """Another job holds rank 0's local directory (its writer lease, as that job's rank 0 does):
+    this job's manager is refused at construction on both ranks (LeaseHeldError on rank 0),
+    instead of skipping every local save with a log line; once the other job ends, it opens."""
+    import subprocess
+
+    from async_ckpt import LeaseHeldError
+    from async_ckpt.format.step_names import rank_dir_name
+
+    rank = dist.get_rank()
+    bucket, local = root + "_bucket", root + "_local"
+    other = None
+    if rank == 0:
+        mine = os.path.join(local, rank_dir_name(0))
+        os.makedirs(mine)
+        hold = ("import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT); "
+                "fcntl.flock(fd, fcntl.LOCK_EX); print('held', flush=True); sys.stdin.read()")
+        other = subprocess.Popen([sys.executable, "-c", hold, os.path.join(mine, ".async_ckpt.lock")],
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert other.stdout.readline().strip() == "held"
+    dist.barrier()
+    opts = dict(local_dir=local, collective_timeout_s=60)
+    exc = expect_error(lambda: CheckpointManager(bucket, **opts), CheckpointError, "rank0", "live writer")
+    assert isinstance(exc, LeaseHeldError) or rank != 0, exc
+    assert [f.rank for f in exc.failures] == [0], exc.failures
+    dist.barrier()
+    if other is not None:
+        other.stdin.close()
+        other.wait(30)
+    dist.barrier()
+    with CheckpointManager(bucket, **opts) as mgr:
+        sd = {"w": torch.ones(8)}
+        assert mgr.save(1, sd)
+        assert mgr.step_tiers() == {1: ("local", "persistent")}, mgr.step_tiers()
+
+
+def late_rank_checks(root: str) -> None:
+    """Rank 1 creates its manager more than collective_timeout_s after rank 0: both raise a
+    CoordinationError naming collective_timeout_s (not torch's DistStoreError), and managers
+    created together afterwards work."""
+    import time
+
+    from async_ckpt import CoordinationError
+
+    rank = dist.get_rank()
+    if rank == 1:
+        time.sleep(5)
+    expect_error(lambda: CheckpointManager(root, collective_timeout_s=2), CoordinationError,
+                 "collective_timeout_s=2", "CheckpointManager")
+    dist.barrier()
+    with CheckpointManager(root, collective_timeout_s=60) as mgr:
+        assert mgr.save(1, {"w": torch.ones(8)})
+
+
 def main() -> None:
     import faulthandler
     import time
@@ -625,7 +760,8 @@ def main() -> None:
         {"save": scenario_save, "restore": scenario_restore,
          "ranges": lambda root, _ref: ranges_checks(root),
          "peer": lambda root, _ref: damaged_peer_checks(root),
-         "ranks": lambda root, _ref: ranks_checks(root)}[what](root, ref)
+         "ranks": lambda root, _ref: ranks_checks(root),
+         "coordination": lambda root, _ref: coordination_checks(root)}[what](root, ref)
         dist.barrier()
         print(f"RANK {dist.get_rank()} OK ({time.time() - t0:.1f} s after init)", flush=True)
     finally:

@@ -180,6 +180,32 @@ def restore_counted(base: str, rank: int, expect: int, bucket_reads: bool = Fals
         assert reads == [0, 0, 0, 0], f"bytes read from the bucket's data files by rank: {reads}"
 
 
+def whole_after_losing(base: str, node: int) -> List[int]:
+    """The saves the other node's disks hold whole (every rank's copy: its own, or held for it)."""
+    own = [set(committed(os.path.join(node_dir(base, r // 2), f"rank{r}"))) for r in range(4)]
+    held = [set(committed(held_dir(base, peer_of(r), r))) for r in range(4)]
+    return sorted(set.intersection(*[(held[r] if r // 2 == node else own[r]) for r in range(4)]))
+
+
+def claim_size(step_dir: str, size: int) -> None:
+    """Make a committed copy claim ``size`` bytes for its first data file: its manifest says so,
+    and its commit marker vouches for that manifest (a peer that lies about a copy)."""
+    import json
+
+    from async_ckpt.format.manifest import marker_bytes
+
+    path = os.path.join(step_dir, "manifest.json")
+    with open(path) as f:
+        m = json.load(f)
+    name = sorted(n for n in m["files"] if n.endswith(".distcp"))[0]
+    m["files"][name] = {"crc32c": m["files"][name]["crc32c"], "size": size}
+    raw = json.dumps(m, indent=1, sort_keys=True).encode()
+    with open(path, "wb") as f:
+        f.write(raw)
+    with open(os.path.join(step_dir, "COMMITTED"), "wb") as f:
+        f.write(marker_bytes(int(m["step"]), raw))
+
+
 def run_check(name: str, fn: Any) -> bool:
     rank = dist.get_rank()
     try:
@@ -263,8 +289,50 @@ def lost(base: str) -> None:
         assert 14 not in committed(held_dir(base, peer_of(rank), rank)) and 14 not in committed(mine)
         restore_counted(base, rank, 13)  # a deleted step never comes back from a peer
 
+    def oversized_held() -> None:
+        with manager(base, rank) as mgr:
+            save_steps(mgr, rank, [16], each=True)
+        lose_node(base, rank, 1)
+        if rank == 0:  # the copy of rank 2's step 16 that rank 0 holds claims a 1 TiB file
+            claim_size(os.path.join(held_dir(base, 0, 2), "16"), 2**40)
+        t0 = time.monotonic()
+        restore_counted(base, rank, 13)  # refused at once: 16 is not complete, 13 is (from the peers)
+        assert time.monotonic() - t0 < 60, time.monotonic() - t0
+        if rank == 2:  # nothing of the refused copy is left in its local tier
+            mine = os.path.join(node_dir(base, 1), "rank2")
+            assert all(n.isdigit() or n.startswith(".async_ckpt") for n in os.listdir(mine)), os.listdir(mine)
+            assert 16 not in committed(mine), committed(mine)
+
+    def back_to_back() -> None:
+        """Saves back to back (16 MiB per rank): after each one, whichever node is lost, some save
+        is whole on the other node's disks (its own copies and the copies it holds), without
+        waiting for replication (before: none ever was, so every restart read the bucket); and no
+        transfer failed (retention deleting a step while it was sent)."""
+        fresh = os.path.join(base, "back-to-back")
+        big = {f"rank{rank}": torch.zeros(4 * 2**20)}
+        missed = []
+        with manager(fresh, rank, save_interval=1000) as mgr:
+            assert mgr.save_async(1, big)
+            mgr.join()  # the first save is replicated
+            for s in range(2, 10):
+                big[f"rank{rank}"].fill_(s)
+                assert mgr.save_async(s, big)
+                dist.barrier()
+                if rank == 0:
+                    for node in (0, 1):
+                        whole = whole_after_losing(fresh, node)
+                        if not whole:
+                            missed.append((s, node))
+                dist.barrier()
+            mgr.join()
+            # no copy failed: the owner's retention never deleted a step while it was being sent
+            failed = [t for t in mgr.peers.transfers if t.problems]
+            assert not failed, failed
+        assert not missed, f"(save, lost node) with no save whole on the other node: {missed}"
+
     checks = [("SAVED", saved), ("NODE1 LOST", node1_lost), ("NODE0 LOST", node0_lost), ("DAMAGED HELD", damaged_held),
-              ("NOTHING COMPLETE", nothing_complete), ("OTHER RANKS", other_ranks), ("DELETED", deleted)]
+              ("NOTHING COMPLETE", nothing_complete), ("OTHER RANKS", other_ranks), ("DELETED", deleted),
+              ("OVERSIZED HELD", oversized_held), ("BACK TO BACK", back_to_back)]
     for name, fn in checks:
         if not run_check(name, fn):
             break

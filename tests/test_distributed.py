@@ -185,6 +185,44 @@ def test_after_a_collective_timeout_later_calls_fail_at_once_and_a_new_manager_w
         assert f"TIMEOUT RANK {r} OK" in ranks_job.stdout, ranks_job.stdout[-4000:]
 
 
+@pytest.fixture(scope="module")
+def coordination_job(tmp_path_factory):
+    """tests/dist_worker.py ``coordination``: one small 2-rank launch for the checks below."""
+    base = tmp_path_factory.mktemp("coordination")
+    return torchrun(2, "dist_worker.py", "coordination", str(base / "ck"), "-", env={"DIST_WORKER_TIMEOUT": "120"},
+                    timeout=TIMEOUT)
+
+
+def test_ranks_in_different_calls_raise_coordination_error_on_every_rank(coordination_job):
+    """Rank 0 restores while rank 1 saves, and the other way round: every rank raises a
+    CoordinationError naming both calls (no gloo abort), and the manager then saves and restores."""
+    for r in range(2):
+        assert f"DIFFERENT CALLS RANK {r} OK" in coordination_job.stdout, coordination_job.stdout[-4000:]
+
+
+def test_a_local_save_that_failed_on_one_rank_is_listed_on_no_rank(coordination_job):
+    """A local save failed on rank 1 only: a new manager lists the same steps on both ranks, without
+    rank 0's copy of it, and restore(latest_step()) works on both."""
+    for r in range(2):
+        assert f"FAILED LOCAL SAVE RANK {r} OK" in coordination_job.stdout, coordination_job.stdout[-4000:]
+
+
+def test_a_local_dir_another_job_holds_is_refused_at_construction_on_every_rank(coordination_job):
+    """Another job holds rank 0's local directory: the manager is refused at construction on both
+    ranks (LeaseHeldError on rank 0), not a log line per save and no local copy; it opens once
+    the other job is gone."""
+    for r in range(2):
+        assert f"SHARED LOCAL DIR RANK {r} OK" in coordination_job.stdout, coordination_job.stdout[-4000:]
+    _ok(coordination_job, 2)
+
+
+def test_a_manager_created_too_late_on_one_rank_raises_coordination_error(coordination_job):
+    """Rank 1 creates its manager more than collective_timeout_s after rank 0: both raise a
+    CoordinationError naming the timeout (was torch's DistStoreError); later managers work."""
+    for r in range(2):
+        assert f"LATE RANK RANK {r} OK" in coordination_job.stdout, coordination_job.stdout[-4000:]
+
+
 def test_single_process_has_a_local_coordinator():
     assert isinstance(exchange_for(), LocalExchange)
 

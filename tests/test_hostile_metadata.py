@@ -218,3 +218,18 @@ def test_a_share_claimed_by_a_forged_world_size_is_still_damage_in_one_process(r
         with pytest.raises(CorruptCheckpointError, match="chunks hold"):
             mgr.restore(3, fresh)
         assert fresh == {}
+
+
+@pytest.mark.parametrize("name", ["manifest.json", "COMMITTED", ".async_ckpt_pending"])
+def test_a_manifest_listing_a_name_async_ckpt_writes_itself_is_refused(name):
+    """A manifest (a peer's copy, a damaged step) that lists the manifest, the commit marker or
+    the pending mark as one of its data files is refused as it is read: its copy would be
+    committed with our own files overwritten by its data."""
+    from async_ckpt.format.manifest import Manifest
+
+    good = {"format_version": 1, "step": 3, "commit_time": 1.0, "nbytes": 4, "num_tensors": 1, "world_size": 1,
+            "metrics": {}, "extra": {}, "files": {"__0_0.distcp": {"size": 4, "crc32c": 0}}}
+    assert Manifest.from_json(json.dumps(good).encode()).step == 3
+    bad = dict(good, files={**good["files"], name: {"size": 4, "crc32c": 0}})
+    with pytest.raises(CorruptCheckpointError, match=name.replace(".", r"\.")):
+        Manifest.from_json(json.dumps(bad).encode(), where="rank 1's manifest")

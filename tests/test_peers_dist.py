@@ -94,6 +94,20 @@ def test_a_damaged_held_copy_falls_back_to_the_next_step_every_rank_can_get_then
     _passed(jobs, "lost", "NOTHING COMPLETE")
 
 
+def test_a_held_copy_claiming_more_bytes_than_the_disk_holds_is_refused_at_once(jobs):
+    """A peer's copy whose manifest claims a 1 TiB file: the receiver refuses it at once (it wrote
+    zeros until close() gave up), leaves nothing behind, and the restore falls back to the newest
+    step every rank can get (13, from the peers)."""
+    _passed(jobs, "lost", "OVERSIZED HELD")
+
+
+def test_under_back_to_back_saves_a_lost_node_always_has_a_whole_save_on_the_other(jobs):
+    """Saves back to back, 16 MiB per rank: after each, whichever node is lost, the other node's
+    disks hold some save whole (before: the ranks replicated different saves and the owners'
+    retention dropped what the peers held, so none ever was)."""
+    _passed(jobs, "lost", "BACK TO BACK")
+
+
 def test_a_peer_killed_mid_transfer_leaves_nothing_committed_and_the_next_save_replicates(jobs):
     rc, text = jobs["kill"][1]
     assert rc == DIE_STATUS, f"rank 1 did not die mid-transfer (exit {rc}):\n{text[-4000:]}"

@@ -236,7 +236,8 @@ def out_of_step(rank: int, ref_dir: str) -> None:
             assert "rank(s) [1]" in str(exc), exc
         dist.barrier()
         real = m._exchange.agree_signal  # the agreement of save_async (with every rank's preemption flag)
-        m._exchange.agree_signal = lambda flags, ok=True, step=None, signal=False: real(flags, ok, None, signal)
+        m._exchange.agree_signal = lambda flags, ok=True, step=None, signal=False, what="agree": real(
+            flags, ok, None, signal, what=what)
         assert m.save_async(3 if rank == 1 else 2, small(rank, 2))  # no step in the exchange
         try:
             m.join()

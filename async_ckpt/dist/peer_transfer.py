@@ -9,8 +9,9 @@ so sends and receives pair up whatever each rank sends:
 1. header, every pair (the sequence number both ends must share, whether a copy follows, the
    length of its manifest);
 2. manifest, where a copy follows: its JSON;
-3. accept, receiver to sender: the receiver checked the manifest (every name a plain file name)
-   and opened where the copy goes, or refuses it (the sender then sends that rank nothing more);
+3. accept, receiver to sender: the receiver checked the manifest (every name a plain file name,
+   none of the names async_ckpt writes itself; a size the receiver's ``Accept`` allows) and
+   opened where the copy goes, or refuses it (the sender then sends that rank nothing more);
 4. data: the files in name order, in chunks of :data:`CHUNK_BYTES`; the sender reads each chunk
    once for every receiver of the copy, through the one verified read
    (:class:`~async_ckpt.io.read_exec.FileStream`: size, CRC-32C); the receiver writes
@@ -48,6 +49,9 @@ CHUNK_BYTES = 16 * 2**20
 
 #: the header of each pair: [sequence number, 1 when a copy follows, manifest bytes, 0]
 _HEADER = 4
+
+#: the longest manifest a peer may announce (bytes): a longer one ends the exchange at once
+MAX_MANIFEST_BYTES = 256 * 2**20
 
 #: :attr:`Outcome.sent` of a receiving rank this rank had no copy for (not a failure)
 NOTHING_TO_SEND = "nothing to send"
@@ -319,6 +323,9 @@ def exchange(group: Any, seq: int, sends: Mapping[int, Optional[Outgoing]], recv
         for s, h in heads.items():
             if int(h[0]) != seq:
                 raise CheckpointError(f"rank {s} is out of step: exchange {int(h[0])}, this rank's {seq}")
+            if int(h[1]) == 1 and not 0 < int(h[2]) <= MAX_MANIFEST_BYTES:
+                raise CheckpointError(f"rank {s} announced a manifest of {int(h[2])} bytes (at most "
+                                      f"{MAX_MANIFEST_BYTES}): refused, and this exchange ends")
         # 2. manifests
         texts = {s: torch.empty(int(h[2]), dtype=torch.uint8) for s, h in heads.items() if int(h[1]) == 1}
         link.round([(d, torch.frombuffer(bytearray(b), dtype=torch.uint8)) for d, b in mbytes.items()],

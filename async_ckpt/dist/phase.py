@@ -89,7 +89,7 @@ def everyone(exchange: Exchange, what: str, step: Optional[int], fn: Optional[Ca
         return [fn() if fn is not None else None]
     local, value = (error, None) if error is not None or fn is None else attempt(exchange, fn, keep_alone=True)
     outcome = _Outcome(value, None if local is None else failure_of(exchange.rank, local))
-    outcomes: List[_Outcome] = exchange.all_gather(outcome)
+    outcomes: List[_Outcome] = exchange.all_gather(outcome, what, step)
     raise_if_failed([o.failure for o in outcomes], step, what, local)
     return [o.value for o in outcomes]
 
@@ -142,13 +142,13 @@ def primary(exchange: Exchange, what: str, step: Optional[int], fn: Callable[[],
     if exchange.is_primary:
         local, value = attempt(exchange, fn, keep_alone=True)
         out = _Outcome(value, None if local is None else failure_of(exchange.rank, local))
-    out = exchange.broadcast(out)
+    out = exchange.broadcast(out, what, step)
     assert out is not None
     raise_if_failed([out.failure], step, what, local)
     return out.value
 
 
-def agree(exchange: Exchange, flags: Sequence[bool], *, error: Optional[BaseException] = None,
+def agree(exchange: Exchange, what: str, flags: Sequence[bool], *, error: Optional[BaseException] = None,
           step: Optional[int] = None, signal: bool = False,
           refused: Callable[[List[int]], CheckpointError]) -> Tuple[List[bool], bool]:
     """The training thread's agreement: rank 0's ``flags`` on every rank, in one small exchange on
@@ -161,6 +161,8 @@ def agree(exchange: Exchange, flags: Sequence[bool], *, error: Optional[BaseExce
 
     Args:
         exchange: the manager's exchange.
+        what: the operation agreed on ("save_async", "restore"): ranks at different operations
+            raise :class:`~async_ckpt.errors.CoordinationError` naming both.
         flags: rank 0's decision (this rank's, on rank 0).
         error: this rank's failure to raise, or None.
         step: the step this rank is at (None: not compared).
@@ -174,7 +176,8 @@ def agree(exchange: Exchange, flags: Sequence[bool], *, error: Optional[BaseExce
         BaseException: ``error``, on this rank, when any rank failed the agreement.
         CheckpointError: ``refused(ranks)`` on the others.
     """
-    agreed, failed, signalled = exchange.agree_signal(list(flags), ok=error is None, step=step, signal=signal)
+    agreed, failed, signalled = exchange.agree_signal(list(flags), ok=error is None, step=step, signal=signal,
+                                                      what=what)
     if error is not None:
         raise error
     if failed:

@@ -31,6 +31,8 @@ FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 MARKER_NAME = "COMMITTED"
 PENDING_NAME = ".async_ckpt_pending"  # in an unmarked <step>/ that async_ckpt is writing or deleting
+#: names in a step directory that async_ckpt writes itself: never one of a step's data files
+RESERVED_NAMES = frozenset({MANIFEST_NAME, MARKER_NAME, PENDING_NAME})
 
 
 def shown(text: Any) -> str:
@@ -390,6 +392,10 @@ class Manifest:
                          "an object (whose \"int_keys\" lists key paths that end in an integer)")
         for name in d["files"]:
             check_file_name(name, where=where)
+            if name in RESERVED_NAMES:
+                raise CorruptCheckpointError(
+                    f"{where}: lists {name!r} as a data file, a name async_ckpt writes itself (the manifest, "
+                    f"the commit marker, the pending mark); refusing it", path=where)
         extra = dict(extra or {})
         identity = copy_identity(extra, where=where)
         for key in _IDENTITY_KEYS.values():

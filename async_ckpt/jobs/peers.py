@@ -35,6 +35,8 @@ never sent (the restore reads the bucket, and says so).
 from __future__ import annotations
 
 import collections
+import contextlib
+import datetime
 import functools
 import logging
 import os
@@ -46,7 +48,7 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Set, Tu
 
 from ..dist import phase
 from ..dist.exchange import Exchange, LocalExchange, checkpoint_group
-from ..dist.peer_transfer import NOTHING_TO_SEND, Landing, Outgoing, exchange
+from ..dist.peer_transfer import NOTHING_TO_SEND, Landing, Outcome, Outgoing, exchange
 from ..dist.replicas import assign
 from ..errors import CheckpointError, InvalidArgumentError, warn_user
 from ..format import step_names
@@ -56,7 +58,7 @@ from ..options import ManagerOptions
 from ..policies import CheckpointInfo, RetentionPolicy, apply_retention, as_retention_policy
 from ..storage import Storage
 from ..storage.step_dirs import StepDirectories
-from .local_tier import OwnCopies, make_room, space_needed
+from .local_tier import OwnCopies, droppable, free_bytes, make_room, space_needed
 from .roots import HELD, Root, foreign_steps
 from .store import PendingCommit, RootStore
 from .write_queue import WriteQueue
@@ -288,6 +290,21 @@ def complete_saves(inventories: Sequence[Sequence[Seen]], world_size: int,
     return sorted(out, key=lambda c: (c.commit_time, c.step), reverse=True)
 
 
+def _missing(invs: Sequence[Inventory], world_size: int, step: Optional[int],
+             candidates: Sequence[Complete]) -> Optional[str]:
+    """Why the newest local save (of ``step``, when named) is not among ``candidates``: which
+    ranks' copies of it no rank sees (None: it is the first candidate, or there is no local save)."""
+    seen = [c for i in invs for c in i.copies if step is None or c.step == step]
+    if not seen:
+        return None
+    newest = max(seen, key=lambda c: (c.commit_time, c.step))
+    if candidates and candidates[0].save_id == newest.save_id:
+        return None
+    have = {c.owner for c in seen if c.save_id == newest.save_id}
+    return (f"no disk holds the local copies of step {newest.step} of rank(s) "
+            f"{[r for r in range(world_size) if r not in have]}")
+
+
 # ---- the save side: tickets ----------------------------------------------------------------------
 
 class Ticket:
@@ -297,11 +314,15 @@ class Ticket:
     thread go on); a ticket whose save queued no local job is released by :meth:`release`.
     """
 
-    def __init__(self, seq: int, step: int) -> None:
+    def __init__(self, seq: int, step: int, hold: Optional[Callable[[int], Any]] = None) -> None:
         self.seq = seq
         self.step = step
         self._ended = threading.Event()
         self._handed = False
+        self._hold = hold
+        self._lock = threading.Lock()
+        self._kept: Optional[contextlib.ExitStack] = None
+        self._done = False
 
     def around(self, job: Callable[[], Any]) -> Callable[[], Any]:
         """``job`` (the local tier's save of this step), telling the ticket when it ends.
@@ -316,10 +337,28 @@ class Ticket:
 
         def run() -> Any:
             try:
-                return job()
+                out = job()
+                self._keep()  # committed: retention keeps it until it is replicated (or skipped)
+                return out
             finally:
                 self._ended.set()
         return run
+
+    def _keep(self) -> None:
+        with self._lock:
+            if self._hold is not None and not self._done:
+                stack = contextlib.ExitStack()
+                stack.enter_context(self._hold(self.step))
+                self._kept = stack
+
+    def handed_over(self) -> Optional[contextlib.ExitStack]:
+        """Replication thread, done with the ticket: the hold on the committed step (None: none
+        was taken; a local job ending later takes none); the caller releases it (``close()``)
+        or keeps it."""
+        with self._lock:
+            self._done = True
+            kept, self._kept = self._kept, None
+            return kept
 
     def release(self, *, failed: bool = False) -> None:
         """No local job of this save will end the ticket: it ends now (``failed``: also when a
@@ -398,6 +437,15 @@ class PeerCopies:
         self._seq = 0
         self._newest = 0
         self._broken: Optional[str] = None
+        #: the hold on this rank's newest copy every peer took: retention keeps it until a newer one is
+        self._replicated: Optional[contextlib.ExitStack] = None
+        #: the step of that copy
+        self.replicated_step: Optional[int] = None
+        #: the last ticket exchanged: (seq, step, its hold, whether this rank sent and received it whole)
+        self._pending: Optional[Tuple[int, int, Optional[contextlib.ExitStack], bool]] = None
+        #: after :meth:`fill`: which ranks' copies of the newest local save no disk held, or which
+        #: transfer failed (None: the newest local save was complete); rank 0 logs it with the step restored
+        self.missing: Optional[str] = None
 
     @property
     def broken(self) -> Optional[str]:
@@ -416,19 +464,79 @@ class PeerCopies:
             The ticket, for the local tier's job (:meth:`Ticket.around`) or :meth:`Ticket.release`.
         """
         self._seq += 1
-        ticket = Ticket(self._seq, step)
+        ticket = Ticket(self._seq, step, self.local.store.catalog.hold)
         self._newest = ticket.seq
         self.writer.take_slot()
         self.writer.submit(functools.partial(self._replicate, ticket), step=step)
         return ticket
 
     def _replicate(self, ticket: Ticket) -> None:
-        """Replication thread: the exchange of one ticket with every peer. Never raises."""
-        if self._broken is not None:
-            return
-        copy: Optional[Outgoing] = None
-        if ticket.seq == self._newest and ticket.wait(TICKET_WAIT_S) and ticket.seq == self._newest:
-            copy = self._own_copy(ticket.step)
+        """Replication thread: the exchange of one ticket with every peer. Never raises.
+
+        Every rank sends the same saves: before each ticket the ranks gather (one small
+        all-gather over the replication group) the number of their newest queued ticket, and
+        whether the last ticket they exchanged was sent and received whole; a ticket is skipped
+        on every rank when every rank has a newer one queued. The committed step is held (the
+        local tier's retention keeps it) from its commit until it is sent, then until the next
+        gather says whether every rank's copies of it were taken: if so it becomes the copy the
+        owner keeps (the one held before is released, and retention drops it), else it is
+        released. So the owners keep the newest save their peers hold for every rank."""
+        ready = self._broken is None and ticket.wait(TICKET_WAIT_S)
+        hold = ticket.handed_over()
+        try:
+            if self._broken is not None:
+                return
+            skip = self._gather(ticket)
+            if skip:
+                return
+            copy = self._own_copy(ticket.step) if ready and hold is not None else None
+            out = self._send(ticket, copy)
+            whole = out is not None and copy is not None and \
+                all(out.sent.get(d) is None for d in self.topology.dests) and \
+                all(g.committed for g in out.received.values())
+            self._pending = (ticket.seq, ticket.step, hold if whole else None, whole)
+            if whole:
+                hold = None  # until the next gather
+        except Exception:  # noqa: BLE001 - replication must never fail a save
+            log.exception("rank %d: peer copies of step %d", self.topology.rank, ticket.step)
+        finally:
+            if hold is not None:
+                hold.close()
+
+    def _gather(self, ticket: Ticket) -> bool:
+        """The gather before ``ticket`` (see :meth:`_replicate`); whether to skip it. The peers
+        may come to it much later (their local write of the save is still running)."""
+        import torch
+        import torch.distributed as dist
+
+        seq, step, held, whole = self._pending if self._pending is not None else (0, None, None, False)
+        self._pending = None
+        mine = torch.tensor([self._newest, seq if whole else -1], dtype=torch.int64)
+        out = [torch.zeros(2, dtype=torch.int64) for _ in range(self.topology.world_size)]
+        bound = max(TICKET_WAIT_S, self.options.collective_timeout_s)
+        try:
+            work = dist.all_gather(out, mine, group=self.topology.group, async_op=True)
+            if work is not None and work.wait(datetime.timedelta(seconds=bound)) is False:
+                raise RuntimeError(f"timed out after {bound:g} s")
+        except Exception as exc:  # noqa: BLE001 - replication must never fail a save
+            if held is not None:
+                held.close()
+            self._broken = f"{type(exc).__name__}: {exc}"
+            log.error("rank %d: peer copies stopped at step %d (local saves and the checkpoint path go on; a lost "
+                      "node restores from the checkpoint path): %s", self.topology.rank, ticket.step, exc)
+            return True
+        rows = [t.tolist() for t in out]
+        if seq and all(r[1] == seq for r in rows):  # every rank's copies of it are held by its peers
+            old, self._replicated, self.replicated_step = self._replicated, held, step
+            if old is not None:
+                old.close()
+                self.local.store.apply_retention(self.local.retention)  # drops it now if it would have before
+        elif held is not None:
+            held.close()
+        return min(r[0] for r in rows) > ticket.seq
+
+    def _send(self, ticket: Ticket, copy: Optional[Outgoing]) -> Optional[Outcome]:
+        """The exchange of ``ticket`` with the peers (None: it failed, replication stopped)."""
         t0 = time.perf_counter()
         recvs = {s: functools.partial(self._hold, s) for s in self.topology.sources}
         try:
@@ -441,11 +549,11 @@ class PeerCopies:
             self._broken = str(exc)
             log.error("rank %d: peer copies stopped at step %d (local saves and the checkpoint path go on; a lost "
                       "node restores from the checkpoint path): %s", self.topology.rank, ticket.step, exc)
-            return
+            return None
         except Exception as exc:  # noqa: BLE001 - replication must never fail a save
             self._broken = f"{type(exc).__name__}: {exc}"
             log.exception("rank %d: peer copies stopped at step %d", self.topology.rank, ticket.step)
-            return
+            return None
         problems = [f"to rank {d}: {p}" for d, p in out.sent.items() if p not in (None, NOTHING_TO_SEND)]
         problems += [f"from rank {s}: {g.problem}" for s, g in out.received.items() if g.problem is not None]
         if copy is not None or any(g.manifest is not None for g in out.received.values()):
@@ -455,6 +563,7 @@ class PeerCopies:
         for p in problems:
             log.warning("rank %d: peer copy of step %d not kept %s (the next save is replicated again)",
                         self.topology.rank, ticket.step, p)
+        return out
 
     def _own_copy(self, step: int) -> Optional[Outgoing]:
         """This rank's committed local copy of ``step``, to send (None: there is none, or it is
@@ -495,11 +604,28 @@ class PeerCopies:
             raise CheckpointError(f"{root.url} holds another job's copy of step {step}")
         return self._landing(root, manifest, root.retention)
 
-    def _landing(self, root: Root, manifest: Manifest, policy: RetentionPolicy) -> Landing:
+    def _landing(self, root: Root, manifest: Manifest, policy: RetentionPolicy,
+                 announced: Optional[int] = None) -> Landing:
+        """Where a copy announced with ``manifest`` is written under ``root``, after making room
+        as a local save does. Refused at once (before anything is deleted or written) when its
+        files add up to more than ``announced`` (the bytes its sender listed for it) or than
+        the disk can hold (free, with what retention drops to make room)."""
+        total = sum(r.size for r in manifest.files.values())
+        if announced is not None and total != announced:
+            raise CheckpointError(f"the copy of step {manifest.step} lists {total} bytes of files, its sender "
+                                  f"announced {announced}: refused")
         root.store.become_writer()
         coming = CheckpointInfo(manifest.step, manifest.commit_time, dict(manifest.metrics), manifest.nbytes,
                                 manifest.all_extra())
-        make_room(root, coming, space_needed(sum(r.size for r in manifest.files.values())))
+        need = space_needed(total)
+        free = free_bytes(root)
+        if free is not None and free < need:
+            infos = root.store.catalog.infos()
+            room = free + sum(infos[s].nbytes for s in droppable(root, coming) if s in infos)
+            if room < need:
+                raise CheckpointError(f"the copy of step {manifest.step} needs {need} bytes, {root.url} can hold "
+                                      f"{room} (free, and what retention drops to make room): refused")
+        make_room(root, coming, need)
         return _StepLanding(root.store.begin_write(manifest.step), policy)
 
     def held_root(self, owner: int) -> Root:
@@ -562,6 +688,12 @@ class PeerCopies:
                             self.topology.rank)
             self.writer.close(timeout=0)
         finally:
+            pending, self._pending = self._pending, None
+            for kept in (self._replicated, pending[2] if pending is not None else None):
+                if kept is not None:
+                    kept.close()
+            self._replicated = None
+            self.local.store.apply_retention(self.local.retention)  # what the holds kept beyond it
             for root in list(self._held.values()):
                 root.store.close()
 
@@ -607,6 +739,7 @@ class PeerCopies:
                             "or still busy")
             return
         candidates = complete_saves([i.copies for i in invs], topo.world_size, step)
+        self.missing = _missing(invs, topo.world_size, step, candidates)
         if not candidates:
             others = sorted({w for i in invs for w in i.other_worlds})
             if others and exchange.is_primary:
@@ -629,6 +762,8 @@ class PeerCopies:
             if exchange.is_primary:
                 log.warning("restore: the local copies of step %d could not all be brought from their peers: %s; "
                             "trying the next step every rank can get", cand.step, "; ".join(problems))
+            if self.missing is None:
+                self.missing = f"the copies of step {cand.step} could not all be brought from their peers"
             if any(r and r[1] for r in results):
                 return  # a replication group out of use: no more transfers
 
@@ -697,7 +832,7 @@ class PeerCopies:
                     opened[mv.where] = self._open(mv.where, cand)
                 sends[mv.owner] = opened[mv.where]
             elif mv.owner == me and mv.sender != me:
-                recvs[mv.sender] = functools.partial(self._home, cand)
+                recvs[mv.sender] = functools.partial(self._home, cand, mv.nbytes)
         out = None
         if sends or recvs:
             try:
@@ -740,15 +875,16 @@ class PeerCopies:
                         where, exc)
             return None
 
-    def _home(self, cand: Complete, manifest: Manifest) -> Landing:
-        """Where this rank's own copy of ``cand`` goes: its own local tier (raises to refuse)."""
+    def _home(self, cand: Complete, announced: int, manifest: Manifest) -> Landing:
+        """Where this rank's own copy of ``cand`` goes: its own local tier (raises to refuse;
+        ``announced``: the bytes of its files the sender listed in its inventory)."""
         self._check_copy(manifest, self.topology.rank)
         if manifest.step != cand.step or manifest.identity.save_id != cand.save_id:
             raise CheckpointError(f"expected step {cand.step} of save {cand.save_id}, got step {manifest.step} of "
                                   f"save {manifest.identity.save_id}")
         if foreign_steps(self.local, cand.step):
             raise CheckpointError(f"{self.local.url} holds another job's copy of step {cand.step}")
-        return self._landing(self.local, manifest, _keeping(self.local.retention, cand.step))
+        return self._landing(self.local, manifest, _keeping(self.local.retention, cand.step), announced)
 
     def _copy_home(self, cand: Complete, mv: Move) -> Optional[str]:
         """This rank's own copy, seen elsewhere on its disk, copied (verified) into its local tier."""
@@ -757,7 +893,7 @@ class PeerCopies:
             return f"its copy in {mv.where} cannot be read"
         landing: Optional[Landing] = None
         try:
-            landing = self._home(cand, src.manifest)
+            landing = self._home(cand, mv.nbytes, src.manifest)
             copy_files(src.storage, src.path, src.manifest.files, landing.storage, landing.path,
                        verify=self.options.verify)
             landing.commit(src.manifest)

@@ -411,7 +411,9 @@ def _attempt(c: Candidate, state_dict: Dict[str, Any], exchange: Exchange, cover
             return f"rank {exchange.rank}: {type(exc).__name__}: {exc}"
         return None
 
-    unusable = [u for u in phase.everyone(exchange, f"restore of {c.label}", c.step, load) if u]
+    # the phase's name is the same on every rank (a label naming a rank's own directory is not)
+    what = f"restore of the {c.copy} of step {c.step}" if c.own_copy else f"restore of {c.label}"
+    unusable = [u for u in phase.everyone(exchange, what, c.step, load) if u]
     if mine is not None:
         raise mine
     if unusable:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Set, Tuple
 
 from ..dist import phase
@@ -61,6 +61,11 @@ class Root:
         last_save_step: the step of that save.
         home: a local tier's persistent root (``root_identity`` of it): a local copy saved
             for another root is another job's. None for the persistent root.
+        unshared: a local tier of several ranks: this rank's copies, as (step, save id), of
+            saves that not every rank committed (a save that failed on another rank), found
+            when the ranks last compared their copies: not listed, so
+            every rank lists the same steps (retention still drops them in turn; see
+            :func:`common_local_steps`).
     """
 
     name: str
@@ -71,6 +76,7 @@ class Root:
     last_save_time: Optional[float] = None
     last_save_step: Optional[int] = None
     home: Optional[str] = None
+    unshared: Set[Tuple[int, str]] = field(default_factory=set)
 
     @property
     def url(self) -> str:
@@ -145,10 +151,11 @@ class Held:
     tiers: Tuple[str, ...]
 
 
-def _infos(tier: Root, others: int, failed: Optional[List[BaseException]] = None
+def _infos(tier: Root, others: int, failed: Optional[List[BaseException]] = None, unshared: bool = False
            ) -> Tuple[Dict[int, CheckpointInfo], List[int]]:
     """(records, steps newest first) of one tier, without another job's local copies (see
-    :func:`foreign_root`: skipped with a warning). With other tiers to fall back on, a tier
+    :func:`foreign_root`: skipped with a warning) and, unless ``unshared``, without the copies of
+    saves not every rank holds (``tier.unshared``). With other tiers to fall back on, a tier
     that cannot be listed (a bucket that is down) counts as empty, with a warning (and its
     error is added to ``failed``)."""
     try:
@@ -165,9 +172,16 @@ def _infos(tier: Root, others: int, failed: Optional[List[BaseException]] = None
     foreign = {s: r for s, info in infos.items() for r in [foreign_root(tier, info.extra)] if r is not None}
     if foreign:
         warn_foreign(tier, foreign)
-        infos = {s: info for s, info in infos.items() if s not in foreign}
-        newest_first = [s for s in newest_first if s not in foreign]
+    hidden = set(foreign) | {s for s, info in infos.items() if not unshared and (s, _save_id(info)) in tier.unshared}
+    if hidden:
+        infos = {s: info for s, info in infos.items() if s not in hidden}
+        newest_first = [s for s in newest_first if s not in hidden]
     return infos, newest_first
+
+
+def _save_id(info: Optional[CheckpointInfo]) -> str:
+    """The save id of a copy ("" when its manifest does not read, or it has none)."""
+    return "" if info is None else copy_identity(info.extra).save_id or ""
 
 
 def _nothing_listed(failed: List[BaseException]) -> None:
@@ -310,19 +324,52 @@ def check_local_copy(tier: Root, step: int, rank: int, world_size: int) -> None:
                                f"this is rank {rank} of {world_size}", step=step)
 
 
-def common_local_steps(local: Root, exchange: Exchange) -> Set[int]:
+def own_local_copies(local: Root) -> List[Tuple[int, str]]:
+    """This rank's local copies as (step, save id), newest commit first (a copy whose manifest
+    does not read counts with no id), those of ``local.unshared`` too."""
+    infos, newest_first = _infos(local, 1, unshared=True)
+    return [(s, _save_id(infos.get(s) or _reread(local, s))) for s in newest_first]
+
+
+def _common(gathered: Sequence[Optional[Sequence[Tuple[int, str]]]]) -> Set[int]:
+    """The steps every rank's listing holds with one save id."""
+    by_rank = [dict(pairs or ()) for pairs in gathered]
+    return {s for s, sid in by_rank[0].items() if all(g.get(s) == sid for g in by_rank[1:])}
+
+
+def common_local_steps(local: Optional[Root], exchange: Exchange, error: Optional[BaseException] = None) -> Set[int]:
     """The local steps every rank holds from one save (collective): each rank's (step, save
     id) pairs are exchanged, and a step whose copies carry different save ids on different
     ranks (a crash or a failed write between the ranks' local commits of a re-save) is left
     out: restoring it would mix two saves' shards. A copy whose manifest does not read counts
-    with no id (every rank's such copy: tried, and reported, by the restore)."""
-    infos, newest_first = _infos(local, 1)
-    mine = []
-    for s in newest_first:
-        info = infos.get(s) or _reread(local, s)  # a manifest that does not read: no id
-        mine.append((s, "" if info is None else copy_identity(info.extra).save_id or ""))
-    gathered = [dict(pairs or ()) for pairs in phase.everyone(exchange, "listing the local copies", None, lambda: mine)]
-    return {s for s, sid in gathered[0].items() if all(g.get(s) == sid for g in gathered[1:])}
+    with no id (every rank's such copy: tried, and reported, by the restore).
+
+    Each rank's other copies (a save that failed on another rank, or whose copies another
+    rank lost) become ``local.unshared``: not listed, so that every rank lists the same steps.
+    The ranks compare as a manager opens its local tier and at each restore (after peers
+    brought lost copies home).
+
+    Args:
+        local: this rank's local tier (None where opening it failed: ``error``).
+        exchange: the manager's exchange.
+        error: this rank's failure to open its local tier, reported to every rank.
+
+    Returns:
+        The steps.
+
+    Raises:
+        CheckpointError: on every rank, when a rank could not open or list its local tier.
+    """
+    gathered = phase.everyone(exchange, "listing the local copies", None,
+                              None if local is None else (lambda: own_local_copies(local)), error=error)
+    assert local is not None  # (everyone raised otherwise)
+    common = _common(gathered)
+    unshared = {(s, sid) for s, sid in gathered[exchange.rank] or () if s not in common}
+    if unshared - local.unshared:
+        log.info("%s: local copies of step(s) %s are not listed: not every rank holds them (a save that "
+                 "failed on another rank, or a lost disk)", local.url, sorted({s for s, _ in unshared - local.unshared}))
+    local.unshared = unshared
+    return common
 
 
 def tier_candidates(tiers: Sequence[Root], exchange: Exchange, step: Optional[int]) -> List[Candidate]:

@@ -31,7 +31,6 @@ from ..errors import (
     CheckpointError,
     InvalidArgumentError,
     InvalidStateDictError,
-    LeaseHeldError,
 )
 from ..format.manifest import CopyIdentity, check_metrics
 from ..gc_pause import gc_paused
@@ -43,7 +42,7 @@ from ..jobs.preemption import PreemptionTracker, PreemptionWatcher
 from ..jobs.promote import UploadCatchUp, promote
 from ..jobs.restore_job import check_key_map
 from ..jobs.restore_job import restore as _restore
-from ..jobs.roots import LOCAL, PERSISTENT, Root, Roots, foreign_steps
+from ..jobs.roots import LOCAL, PERSISTENT, Root, Roots, common_local_steps, foreign_steps
 from ..jobs.save_job import SaveJob
 from ..jobs.store import RootStore
 from ..jobs.write_queue import WriteQueue
@@ -374,7 +373,11 @@ class CheckpointManager:
         self._in_flight: List[int] = []  # steps queued or being written (one entry per root's job)
         try:
             if opts.local_dir is not None:
-                self.roots = Roots(persistent, make_local_tier(opts, self.storage, self._exchange))
+                local_error, local = phase.attempt(self._exchange, lambda: self._open_local_tier(opts))
+                if local is not None:
+                    self.roots = Roots(persistent, local)
+                if self._exchange.world_size > 1:  # every rank lists the steps every rank committed
+                    common_local_steps(local, self._exchange, local_error)
                 for r in self.roots:  # log lines name the root: "deleted step 10 from the local tier"
                     r.store.label = f" from {tier_name(r.name)}"
                 if topology is not None:
@@ -389,7 +392,7 @@ class CheckpointManager:
             if self._preemption is not None:
                 self._preemption.watcher.install()
         except BaseException:  # a refused manager leaves no thread behind
-            stop_threads([(r.writer, r.store.deleter, None) for r in self.roots])
+            stop_threads([(r.writer, r.store.deleter, r.store.lease) for r in self.roots])
             if self._peers is not None:
                 self._peers.stop_threads()
             raise
@@ -408,6 +411,19 @@ class CheckpointManager:
                                            [(r.writer, r.store.deleter, r.store.lease) for r in self.roots],
                                            self._peers)
         live_managers.add(self)
+
+    def _open_local_tier(self, opts: ManagerOptions) -> Root:
+        """This rank's local tier, with its writer lease taken: a manager with ``local_dir`` writes
+        there, and a second job whose ranks share the directory is refused here, not at a save."""
+        tier = make_local_tier(opts, self.storage, self._exchange)
+        try:
+            if tier.store.lease is not None:  # an idle manager of this process holding it is taken over
+                tier.store.lease.idle = _weak_idle(self)
+            tier.store.become_writer()
+        except BaseException:
+            stop_threads([(tier.writer, tier.store.deleter, tier.store.lease)])
+            raise
+        return tier
 
     @property
     def save_policy(self) -> SavePolicy:
@@ -603,13 +619,7 @@ class CheckpointManager:
         skipped_upload = False
         try:
             if take_local and self.roots.local is not None:
-                try:
-                    self.roots.local.store.become_writer()  # this rank's own local directory
-                except LeaseHeldError:
-                    if alone:
-                        raise
-                    log.exception("rank %d skips the local save of step %d", self._exchange.rank, step)
-                    take_local = False
+                self.roots.local.store.become_writer()  # this rank's own local directory (taken when opened)
             due = [r for r in self.roots if (take_local if r is self.roots.local else take)]
             if not due:
                 if ticket is not None:
@@ -684,7 +694,7 @@ class CheckpointManager:
                 failed = SaveJob(step, None, metrics, None, time.perf_counter(), local_error=exc)
                 shared.writer.submit(functools.partial(self._persist, failed, shared), step=step)
                 if wait and isinstance(exc, Exception):
-                    self._settle(exc)  # the others' save() settles too (below): raises exc
+                    self._settle("save", exc)  # the others' save() settles too (below): raises exc
             raise
         t2 = time.perf_counter()
         if skipped_upload:
@@ -740,7 +750,7 @@ class CheckpointManager:
                 self._preemption.mark_saved(step)
         if wait:
             if shared is not None:  # a failure one rank recorded after the agreement: all raise it together
-                self._settle()
+                self._settle("save")
             for tier in due:  # every tier's copy has landed before one's failure is raised
                 tier.writer.wait_idle()
             for tier in due:
@@ -840,7 +850,7 @@ class CheckpointManager:
         except (TypeError, ValueError, CheckpointError) as exc:
             invalid = exc
         if not self._closed:  # pending saves land first (their errors surface); ranks agree on the step
-            self._settle(invalid, key=None if invalid is not None else 0 if step is None else step + 1)
+            self._settle("restore", invalid, key=None if invalid is not None else 0 if step is None else step + 1)
         if invalid is not None:
             raise invalid
         opts = RestoreOptions(verify=self.verify if verify is None else verify, allow_pickle=allow_pickle,
@@ -856,6 +866,9 @@ class CheckpointManager:
         where = done.store.storage.url
         if len(self.roots) > 1:
             where = f"the {self.roots.tier_of(done.store)} tier ({where})"
+        if self._peers is not None and self._peers.missing is not None and self._exchange.is_primary:
+            log.warning("restore: peer copies could not supply the newest local save (%s); restored step %d from %s",
+                        self._peers.missing, s, where)
             if skipped:  # an earlier copy was skipped: say which one was used
                 log.warning("restored step %d from %s", s, where)
         self._decision.restored = s
@@ -1043,7 +1056,7 @@ class CheckpointManager:
             step = check_step(step)
         except (TypeError, ValueError, CheckpointError) as exc:
             invalid = exc
-        self._settle(invalid, key=None if invalid is not None else step + 1)  # every rank names the same step
+        self._settle("delete", invalid, key=None if invalid is not None else step + 1)  # every rank names the same step
         if invalid is not None:
             raise invalid
 
@@ -1091,7 +1104,7 @@ class CheckpointManager:
         if self._exchange.world_size > 1:
             raise CheckpointError("promote() copies one process's local step; with several ranks each local "
                                   "copy holds one rank's shards: save the step with force=True instead")
-        self._settle()  # an earlier failed upload (still raised by join) is what promote repairs
+        self._settle("promote")  # an earlier failed upload (still raised by join) is what promote repairs
         self.roots.persistent.store.become_writer()
         _, dropped = promote(local, self.roots.persistent, step, verify=self.verify, threads=self.write_threads)
         if dropped:
@@ -1099,14 +1112,15 @@ class CheckpointManager:
         return dropped
 
     # ---- lifecycle ---------------------------------------------------------------------------
-    def _settle(self, invalid: Optional[Exception] = None, key: Optional[int] = None) -> None:
+    def _settle(self, what: str, invalid: Optional[Exception] = None, key: Optional[int] = None) -> None:
         """Wait for every pending save; raise the failures a save would raise (with a local
         tier, failed writes to ``path`` stay for :meth:`join`/:meth:`close`). With several
         ranks the ranks then exchange, before any collective of the caller, whether one holds
         such a failure or an ``invalid`` argument, and ``key`` (which step the caller named):
         every rank raises together (a failing rank its own error, the others a
         ``CheckpointError`` naming it) instead of waiting for one that has already raised, and
-        ranks that named different steps all raise."""
+        ranks that named different steps all raise; ranks in different calls (``what``: "restore"
+        on one, a save on another) all raise a ``CoordinationError`` naming them."""
         alone = self._exchange.world_size == 1
         error: Optional[BaseException] = None if alone else invalid  # alone: raised by the caller after
         if error is None:
@@ -1119,7 +1133,7 @@ class CheckpointManager:
             except Exception as exc:
                 error = exc
         if self._exchange.world_size > 1:
-            phase.agree(self._exchange, [], error=error, step=key,
+            phase.agree(self._exchange, what, [], error=error, step=key,
                         refused=lambda failed: CheckpointError(f"rank(s) {failed}: an earlier save failed, an argument "
                                                                f"was invalid, or another step was named (see their "
                                                                f"errors)"))

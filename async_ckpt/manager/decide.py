@@ -166,7 +166,7 @@ class SaveDecision:
                                    step=step if isinstance(step, int) else None)
 
         (take, take_local, rank0_preempt, lease_ok, reached), signalled = phase.agree(
-            self.exchange, [due.persistent, due.local, due.preempt, lease_ok, reached], error=error,
+            self.exchange, "save_async", [due.persistent, due.local, due.preempt, lease_ok, reached], error=error,
             step=step if invalid is None else None, signal=preempt, refused=refused)
         return Due(take, take_local, rank0_preempt, take), lease_ok, reached, signalled
 
