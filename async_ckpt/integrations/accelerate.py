@@ -85,7 +85,8 @@ class AsyncSaveState:
             the oldest when the bound is reached.
         memory_budget_bytes: bound on the host staging pool (``None``: the pool keeps what
             recent saves used).
-        fsync: fsync every file and directory before a checkpoint counts as committed.
+        fsync: fsync the checkpoint directory once its files are committed (each file is
+            always fsynced before its rename).
         log_stats: log each save's figures through ``accelerator.log`` (its trackers:
             TensorBoard, W&B, ...; nothing without ``init_trackers``) at the save's ``step``:
             ``checkpoint/blocking_s``, ``checkpoint/stage_s``, ``checkpoint/nbytes``, and the
@@ -342,7 +343,8 @@ def attach(accelerator: Any, max_pending: int = 2, memory_budget_bytes: Optional
             objects it holds at each ``save_state`` are saved).
         max_pending: checkpoints queued or being written at most.
         memory_budget_bytes: bound on the host staging pool (``None``: unbounded).
-        fsync: fsync every file and directory before a checkpoint counts as committed.
+        fsync: fsync the checkpoint directory once its files are committed (each file is
+            always fsynced before its rename).
         log_stats: log each save's figures to the accelerator's trackers (see
             :class:`AsyncSaveState`).
 
