@@ -161,7 +161,8 @@ class AsyncCkptCallback(TrainerCallback):
                               "call callback.attach(trainer)")
 
     def attach(self, trainer: Trainer) -> None:
-        """Bind to ``trainer``: its ``_save_checkpoint`` becomes the asynchronous save.
+        """Bind to ``trainer``: its ``_save_checkpoint`` becomes the asynchronous save, and its
+        ``_load_from_checkpoint`` (a resume) first waits for the pending writes.
 
         Done automatically at the first event; a no-op for the trainer bound already.
 
@@ -184,6 +185,14 @@ class AsyncCkptCallback(TrainerCallback):
             self._save(trainer, original, model, trial)
 
         trainer._save_checkpoint = _save_checkpoint  # type: ignore[method-assign]
+        if getattr(type(trainer), "_load_from_checkpoint", None) is getattr(Trainer, "_load_from_checkpoint", None):
+            load = trainer._load_from_checkpoint
+
+            def _load_from_checkpoint(*args: Any, **kwargs: Any) -> Any:
+                self.writer.wait_all()  # a resume reads what we may still be writing
+                return load(*args, **kwargs)
+
+            trainer._load_from_checkpoint = _load_from_checkpoint  # type: ignore[method-assign]
 
     def on_init_end(self, args, state, control, **kwargs):
         """Bind to the ``Trainer`` that is calling (found from the calling frames).
