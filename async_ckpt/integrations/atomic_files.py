@@ -9,23 +9,26 @@ through a link); :func:`remove_stale_tmps` removes what an interrupted write of 
 from __future__ import annotations
 
 import os
+import uuid
 from typing import Any, Callable
 
 from ..errors import CorruptCheckpointError
-from ..storage.backends.base import TEMP_INFIX, temp_name
+from ..storage.backends.base import TEMP_INFIX
 from ..storage.commit import FileCommit
 
 
 def tmp_name(path: str) -> str:
-    """The hidden temporary name a file is written under before its rename (storage's).
+    """A hidden temporary name next to ``path`` for an upload moved into place afterwards
+    (remote paths): ``.<name>.<random>.async-ckpt-tmp``.
 
     Args:
         path: the file the temporary stands in for.
 
     Returns:
-        ``.<name>.tmp-<pid>-<random>`` beside ``path``.
+        The temporary's path.
     """
-    return temp_name(path)
+    d, base = os.path.split(path)
+    return os.path.join(d, f".{base}.{uuid.uuid4().hex[:12]}.async-ckpt-tmp")
 
 
 def remove_stale_tmps(path: str) -> None:

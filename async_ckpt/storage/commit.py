@@ -20,6 +20,7 @@ the root's other step directories through :class:`Directories`; names come from
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import uuid
@@ -265,7 +266,7 @@ class FileCommit:
                 for f in sorted(files):
                     src = os.path.join(d, f)
                     rel = os.path.relpath(src, private).replace(os.sep, "/")
-                    self.write(rel, lambda tmp, src=src: os.replace(src, tmp))
+                    self.write(rel, functools.partial(os.replace, src))  # into the temporary
                     names.append(rel)
             return names
         finally:
