@@ -18,8 +18,9 @@ from ..storage.commit import FileCommit
 
 
 def tmp_name(path: str) -> str:
-    """A hidden temporary name next to ``path`` for an upload moved into place afterwards
-    (remote paths): ``.<name>.<random>.async-ckpt-tmp``.
+    """A hidden temporary name next to ``path``: ``.<name>.<random>.async-ckpt-tmp``.
+
+    For an upload moved into place afterwards (remote paths).
 
     Args:
         path: the file the temporary stands in for.

@@ -161,8 +161,10 @@ class AsyncCkptCallback(TrainerCallback):
                               "call callback.attach(trainer)")
 
     def attach(self, trainer: Trainer) -> None:
-        """Bind to ``trainer``: its ``_save_checkpoint`` becomes the asynchronous save, and its
-        ``_load_from_checkpoint`` (a resume) first waits for the pending writes.
+        """Bind to ``trainer``: its ``_save_checkpoint`` becomes the asynchronous save.
+
+        Its ``_load_from_checkpoint`` (a resume) then first waits for the pending writes. A
+        subclass that overrides a method of the save keeps HF's own save (one warning).
 
         Done automatically at the first event; a no-op for the trainer bound already.
 

@@ -276,10 +276,9 @@ class Storage:
         self.retry.call(lambda: self._backend.replace(tmp, path), f"rename {tmp}")
 
     def write_file_atomic(self, path: str, write_to: Callable[[str], None]) -> int:
-        """Write one file by a writer that takes a path, so that ``path`` is the old file or the
-        complete new one, never torn (local paths).
+        """Write one file atomically (local paths) by a writer that takes a path.
 
-        The writer (``torch.save``, safetensors' ``save_file``, a framework's own save) writes
+        ``path`` is the old file or the complete new one, never torn. The writer (``torch.save``, safetensors' ``save_file``, a framework's own save) writes
         a temporary file beside ``path`` that this call first creates empty (a regular file with
         one name, never through a link: :func:`~.backends.posix.open_own_file`); the file is
         then fsynced and renamed over ``path``. A symbolic link or a directory at ``path`` is
