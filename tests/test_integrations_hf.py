@@ -180,3 +180,22 @@ def test_hf_trainer_subclass_save_override_runs(tmp_path):
     for step in (2, 4):
         assert (tmp_path / "out" / f"checkpoint-{step}" / "my_save_ran.txt").read_text() == "yes"
     assert "MyTrainer overrides the Trainer's _save" in r.stderr, r.stderr[-3000:]
+
+
+def test_manager_save_failing_at_exit_is_printed_and_exits_non_zero(tmp_path):
+    """The exit hook the integrations share: a manager's save still pending at exit (no
+    ``close()``) that fails is printed with its step and error, and the exit status is 1 (it
+    was logged and the script exited 0)."""
+    r = _run("""
+    import sys, torch
+    from tests import faulty_fs  # noqa: F401  (registers faulty://)
+    from async_ckpt import CheckpointManager
+
+    mgr = CheckpointManager("faulty://" + sys.argv[1])
+    mgr.storage.fs.inject("write", "*.distcp", "enospc")
+    mgr.save_async(7, {"w": torch.ones(1024)})
+    print("RETURNED", flush=True)
+    """, ROOT, str(tmp_path / "root"), ok=False)
+    assert "RETURNED" in r.stdout
+    assert r.returncode == 1, (r.returncode, r.stderr[-3000:])
+    assert "No space left" in r.stderr and "7" in r.stderr, r.stderr[-3000:]
