@@ -123,7 +123,8 @@ class FaultyFileSystem(AbstractFileSystem):
         """The first matching fault that is still armed (and consume one use of it)."""
         # A file written under a temporary name and renamed into place (the commit marker) is
         # matched by its final name: a fault on "COMMITTED" hits the write of its temporary.
-        name = re.sub(r"\.tmp-\d+-[0-9a-f]+$", "", path.rstrip("/").rsplit("/", 1)[-1])
+        # (".COMMITTED.tmp-<pid>-<hex>": the temporary is hidden, its final name is not).
+        name = re.sub(r"^\.?(.*)\.tmp-\d+-[0-9a-f]+$", r"\1", path.rstrip("/").rsplit("/", 1)[-1])
         with self._lock:
             for f in self.faults:
                 if f.op != op or f.kind not in kinds or not fnmatch.fnmatch(name, f.pattern):

@@ -103,7 +103,7 @@ def test_generic_fsspec_atomic_write_renames_a_temporary_file():
     st.makedirs(st.root)
     st.write_bytes_atomic(st.join("m.json"), b"{}")
     (put,), (mv,) = [c for c in spy.calls if c[0] == "pipe_file"], [c for c in spy.calls if c[0] == "mv"]
-    assert put[1].startswith(st.join("m.json.tmp-")) and mv[1:] == (put[1], st.join("m.json"))
+    assert put[1].startswith(st.join(".m.json.tmp-")) and mv[1:] == (put[1], st.join("m.json"))
     assert [e["name"] for e in st.listdir(st.root)] == ["m.json"] and st.read_bytes(st.join("m.json")) == b"{}"
     assert st.fs is spy and st._backend.fs is spy
 
@@ -124,6 +124,43 @@ def test_posix_backend_keeps_links_out_of_deletes_and_reads(tmp_path):
     assert sorted(os.listdir(st.root)) == ["a", "link"], "no temporary file left behind"
     buf = bytearray(2)
     assert st.read_into(st.join("a"), 1, memoryview(buf)) == 2 and bytes(buf) == b"bc"
+
+
+def test_file_commit_writes_into_a_directory_it_does_not_own(tmp_path):
+    """A framework's directory: each file is written under a hidden temporary name, renamed
+    over its own name; nothing else there is touched; a link or a directory at a name is never
+    replaced, and a failed write leaves no temporary."""
+    from async_ckpt.storage.commit import FileCommit
+
+    target = tmp_path / "disk" / "ckpt"
+    target.mkdir(parents=True)
+    (target / "users.txt").write_text("mine")
+    (target / "old.bin").write_bytes(b"old")
+    os.symlink(target, tmp_path / "ckpt")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.write_bytes(b"keep")
+    os.symlink(elsewhere, target / "linked.bin")
+    (target / "adir").mkdir()
+
+    commit = FileCommit(str(tmp_path / "ckpt"))
+    commit.begin()
+    commit.write("old.bin", lambda p: open(p, "wb").write(b"new"))
+    names = commit.write_tree(lambda d: [open(os.path.join(d, n), "w").write(n) for n in ("a.json", "b.json")])
+    for name in ("linked.bin", "adir"):
+        with pytest.raises(StorageError, match="refusing to replace"):
+            commit.write(name, lambda p: open(p, "wb").write(b"x"))
+
+    def fails(p):
+        open(p, "wb").write(b"half")
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(StorageError, match="No space left"):
+        commit.write("c.bin", fails)
+    commit.finish()
+    assert names == ["a.json", "b.json"] and commit.files == {"old.bin": 3, "a.json": 6, "b.json": 6}
+    assert os.path.islink(tmp_path / "ckpt") and elsewhere.read_bytes() == b"keep"
+    assert sorted(os.listdir(target)) == ["a.json", "adir", "b.json", "linked.bin", "old.bin", "users.txt"]
+    assert (target / "old.bin").read_bytes() == b"new" and (target / "users.txt").read_text() == "mine"
 
 
 def test_object_store_probe_names_a_missing_bucket():

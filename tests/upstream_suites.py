@@ -1,10 +1,11 @@
-"""Lightning's and accelerate's own checkpoint tests, run against async_ckpt's integrations.
+"""Lightning's, accelerate's and transformers' own checkpoint tests, run against async_ckpt's integrations.
 
 Not collected by pytest and not part of CI: the frameworks' test files are not vendored. Run it
 by hand with a clone of the framework at (or near) the installed version::
 
     python -m tests.upstream_suites lightning SRC [--rev REV] [-- PYTEST_ARGS...]
     python -m tests.upstream_suites accelerate SRC [--rev REV] [-- PYTEST_ARGS...]
+    python -m tests.upstream_suites transformers SRC [-- PYTEST_ARGS...]
 
 Their test dependencies must be importable (Lightning: ``cloudpickle``, ``jsonargparse``,
 ``tensorboardX``; accelerate: ``parameterized``), for example installed with
@@ -23,6 +24,15 @@ assertion is theirs:
   plugin) becomes ``AsyncCkptIO``, and the base plugin its ``AsyncCheckpointIO`` wraps too.
 * accelerate (``tests/test_state_checkpointing.py``): every ``Accelerator`` is ``attach``-ed
   as it is made.
+* transformers (``tests/trainer/test_trainer_checkpointing.py`` and its
+  ``trainer_test_utils.py``, at the installed version; the repository is too large to clone, so
+  ``SRC`` may be a directory holding just those two files under ``tests/trainer/``): every
+  ``Trainer`` made without an ``AsyncCkptCallback`` gets one (a ``conftest.py`` wraps
+  ``Trainer.__init__``). Set ``USE_TORCH_XLA=0`` (the runner does).
+
+Each run ends with a line saying how many of the framework's objects got the integration
+(accelerate: how many Accelerators were attached; transformers: how many Trainers got the callback, were bound to
+it, and those that saved asynchronously through it).
 
 ``--wait`` adds, before each assertion that reads a file the test has just saved (in the
 background, here), a wait for the pending writes, as the integrations' docs ask of code that
@@ -133,12 +143,57 @@ from async_ckpt.integrations.accelerate import attach as _attach
 _accelerator_init = _accelerate.Accelerator.__init__
 
 
+_savers = []
+
+
 def _init_attached(self, *args, **kwargs):
     _accelerator_init(self, *args, **kwargs)
-    _attach(self)
+    _savers.append(_attach(self))
 
 
 _accelerate.Accelerator.__init__ = _init_attached
+
+
+def pytest_terminal_summary(terminalreporter):
+    saved = sum(1 for s in _savers if s.stats)
+    terminalreporter.write_line(f"async_ckpt: {len(_savers)} Accelerators attached, "
+                                f"{saved} saved asynchronously through attach")
+'''
+
+
+TRANSFORMERS_FILES = ["tests/trainer/test_trainer_checkpointing.py", "tests/trainer/trainer_test_utils.py"]
+
+TRANSFORMERS_CONFTEST = '''
+# ---- async_ckpt: every Trainer made without the callback gets AsyncCkptCallback -----------------
+import inspect as _inspect
+
+import transformers as _transformers
+
+from async_ckpt.integrations.transformers import AsyncCkptCallback as _AsyncCkptCallback
+
+_trainer_init = _transformers.Trainer.__init__
+_signature = _inspect.signature(_trainer_init)
+_callbacks = []
+
+
+def _init_with_async_ckpt(self, *args, **kwargs):
+    bound = _signature.bind(self, *args, **kwargs)
+    callbacks = list(bound.arguments.get("callbacks") or [])
+    if not any(isinstance(c, _AsyncCkptCallback) for c in callbacks):
+        cb = _AsyncCkptCallback()
+        _callbacks.append(cb)
+        bound.arguments["callbacks"] = callbacks + [cb]
+    _trainer_init(*bound.args, **bound.kwargs)
+
+
+_transformers.Trainer.__init__ = _init_with_async_ckpt
+
+
+def pytest_terminal_summary(terminalreporter):
+    bound = sum(1 for cb in _callbacks if cb.trainer is not None)
+    saved = sum(1 for cb in _callbacks if cb.stats)
+    terminalreporter.write_line(f"async_ckpt: {len(_callbacks)} Trainers got AsyncCkptCallback, {bound} bound to "
+                                f"it, {saved} saved asynchronously through it")
 '''
 
 
@@ -172,7 +227,7 @@ def patch(dest: str, patches: Dict[str, List[tuple]], conftest: str, addition: s
 
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("framework", choices=["lightning", "accelerate"])
+    parser.add_argument("framework", choices=["lightning", "accelerate", "transformers"])
     parser.add_argument("src", help="a checkout or bare repository of the framework")
     parser.add_argument("--rev", help="the revision to read (git archive); default: the working tree")
     parser.add_argument("--keep", action="store_true", help="keep the temporary directory")
@@ -192,11 +247,19 @@ def main(argv: Optional[List[str]] = None) -> int:
                 patches = {**LIGHTNING_PATCHES, **(LIGHTNING_WAITS if args.wait else {})}
                 patch(dest, patches, "tests/tests_pytorch/conftest.py", LIGHTNING_CONFTEST)
             root = os.path.join(dest, "tests")
-        else:
+        elif args.framework == "accelerate":
             files = ACCELERATE_FILES
             extract(args.src, args.rev, files, dest)
             if not args.baseline:
                 patch(dest, ACCELERATE_WAITS if args.wait else {}, "tests/conftest.py", ACCELERATE_CONFTEST)
+            root = dest
+        else:
+            files = TRANSFORMERS_FILES
+            extract(args.src, args.rev, files, dest)
+            for pkg in ("tests/__init__.py", "tests/trainer/__init__.py"):  # for their relative import
+                open(os.path.join(dest, pkg), "a").close()
+            if not args.baseline:
+                patch(dest, {}, "tests/trainer/conftest.py", TRANSFORMERS_CONFTEST)
             root = dest
         tests = [os.path.join(dest, f) for f in files if os.path.basename(f).startswith("test_")]
         # PJRT_DYNAMIC_PLUGINS: importing torch_xla (where it is installed) sets it, which

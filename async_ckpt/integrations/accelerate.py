@@ -8,23 +8,28 @@ Accelerate's save hooks (``register_save_state_pre_hook``) run *inside* a synchr
 instance's ``save_state`` and ``load_state`` instead (as the HF Trainer callback replaces
 ``_save_checkpoint``). ``save_state`` then:
 
-1. at the call, collects everything accelerate's ``save_state`` saves, in its order -- each
-   model's ``get_state_dict(model, unwrap=False)``, the optimizers', schedulers' and gradient
-   scaler's state dicts, the seedable samplers and stateful-dataloader states, the RNG states
-   with ``accelerator.step`` and the ``register_for_checkpointing`` objects' state dicts -- and
-   copies their tensors to pooled host buffers in one batched copy; registered save-state
-   pre-hooks run at the call with the hidden directory described below (what they write there
-   is committed with the rest);
+1. at the call, as accelerate: applies ``total_limit`` (automatic naming: the oldest
+   directories go, each after its pending write), makes the checkpoint directory and runs the
+   registered save-state pre-hooks with it; collects everything accelerate's ``save_state``
+   saves, in its order -- each model's ``get_state_dict(model, unwrap=False)``, the
+   optimizers', schedulers' and gradient scaler's state dicts, the seedable samplers and
+   stateful-dataloader states, the RNG states with ``accelerator.step`` and the
+   ``register_for_checkpointing`` objects' state dicts -- and copies their tensors to pooled
+   host buffers in one batched copy;
 2. returns the checkpoint directory (as accelerate does), so training goes on after the copy;
 3. in a writer thread, writes accelerate's own files (``model.safetensors`` /
    ``pytorch_model.bin``, ``optimizer.bin``, ``scheduler.bin``, ``sampler.bin``,
    ``dl_state_dict.bin``, ``scaler.pt``, ``random_states_0.pkl``, ``custom_checkpoint_N.pkl``;
-   ``_i`` suffixes for further objects) with accelerate's own ``save`` into a hidden
-   ``.NAME.async-ckpt-tmp`` next to the directory, fsyncs them, renames the directory into
-   place and fsyncs its parent. With ``automatic_checkpoint_naming`` the hidden directory is
-   in ``project_dir`` (not in ``checkpoints/``, which accelerate lists to find the newest), and
-   ``total_limit`` is applied after each commit, oldest first, as accelerate would have before
-   the next save.
+   ``_i`` suffixes for further objects) with accelerate's own ``save`` into that directory,
+   each committed by itself (:class:`~async_ckpt.storage.commit.FileCommit`: a hidden
+   temporary name beside it, fsync, rename; then the directory is fsynced). Nothing else in
+   the directory is touched: a user's files stay, a symbolic link to the directory is written
+   through, and saving a directory again replaces only these files.
+
+Until the write is done the directory holds the files of an earlier save of it, or not all
+of them: read them through ``load_state`` (which waits) or after :meth:`AsyncSaveState.wait`.
+A write that fails is raised by the next call; one still pending at interpreter exit is
+finished, and a failure then is printed and makes the exit status non-zero.
 
 ``load_state`` waits for every pending write first and raises a background error. The files
 are the ones accelerate writes, so a plain ``Accelerator`` (without :func:`attach`) loads them.
@@ -43,7 +48,6 @@ import random
 import re
 import shutil
 import time
-from pathlib import Path
 from typing import Any, Deque, Dict, List, Optional
 
 import numpy as np
@@ -51,7 +55,7 @@ import torch
 
 from ..errors import CheckpointError
 from ..stats import SaveStats
-from .atomic_files import TMP_SUFFIX, fsync_dir, fsync_tree
+from ..storage.commit import FileCommit
 from .background_writer import BackgroundWriter
 from .object_snapshot import Snapshotter
 from .save_figures import SaveFigures
@@ -81,7 +85,8 @@ class AsyncSaveState:
             the oldest when the bound is reached.
         memory_budget_bytes: bound on the host staging pool (``None``: the pool keeps what
             recent saves used).
-        fsync: fsync every file and directory before a checkpoint counts as committed.
+        fsync: fsync the checkpoint directory once its files are committed (each file is
+            always fsynced before its rename).
         log_stats: log each save's figures through ``accelerator.log`` (its trackers:
             TensorBoard, W&B, ...; nothing without ``init_trackers``) at the save's ``step``:
             ``checkpoint/blocking_s``, ``checkpoint/stage_s``, ``checkpoint/nbytes``, and the
@@ -118,7 +123,7 @@ class AsyncSaveState:
 
     # ---- public ---------------------------------------------------------------------------------
     def save_state(self, output_dir: Optional[str] = None, safe_serialization: bool = True,
-                   **save_model_func_kwargs: Any) -> Path:
+                   **save_model_func_kwargs: Any) -> str:
         """``Accelerator.save_state``, returning once the state is copied to host memory.
 
         Args:
@@ -130,8 +135,8 @@ class AsyncSaveState:
                 (DeepSpeed and the other synchronous cases).
 
         Returns:
-            The directory the checkpoint is committed to (it exists once the write is done:
-            :meth:`wait`).
+            The checkpoint directory, as accelerate returns it (made at the call; its files are
+            all there once the write is done: :meth:`wait`).
 
         Raises:
             CheckpointError: a previous background write failed, or the state cannot be
@@ -148,35 +153,33 @@ class AsyncSaveState:
                 log.warning("%s: saving synchronously with accelerate's own save_state", why)
                 self._warned = True
             self.writer.wait_all()
-            return Path(self._original_save(output_dir, safe_serialization=safe_serialization,
-                                            **save_model_func_kwargs))
+            return self._original_save(output_dir, safe_serialization=safe_serialization,
+                                       **save_model_func_kwargs)
         cfg = acc.project_configuration
         if cfg.automatic_checkpoint_naming:
             parent = os.path.join(acc.project_dir, "checkpoints")
             os.makedirs(parent, exist_ok=True)
-            final = os.path.join(parent, f"checkpoint_{acc.save_iteration}")
-            if os.path.exists(final) or self.writer.pending(final):
+            self._apply_total_limit(parent, cfg.total_limit)
+            output_dir = os.path.join(parent, f"checkpoint_{acc.save_iteration}")
+            if os.path.exists(output_dir):
                 raise ValueError(
-                    f"Checkpoint directory {final} ({acc.save_iteration}) already exists. Please manually override "
-                    "`self.save_iteration` with what iteration to start with.")
-            tmp = os.path.join(acc.project_dir, f".checkpoint_{acc.save_iteration}{TMP_SUFFIX}")
-        else:
-            if output_dir is None:
-                raise TypeError("save_state() needs output_dir unless automatic_checkpoint_naming is on")
-            final = os.path.abspath(os.path.expanduser(os.fspath(output_dir)))
-            parent = os.path.dirname(final)
-            os.makedirs(parent, exist_ok=True)
-            tmp = os.path.join(parent, f".{os.path.basename(final)}{TMP_SUFFIX}")
-        self.writer.wait(final)  # the same directory saved again: its hidden directory is reused
-        if os.path.lexists(tmp):
-            shutil.rmtree(tmp)  # left by an interrupted write
-        os.makedirs(tmp)
+                    f"Checkpoint directory {output_dir} ({acc.save_iteration}) already exists. Please manually "
+                    "override `self.save_iteration` with what iteration to start with.")
+        elif output_dir is None:
+            raise TypeError("save_state() needs output_dir unless automatic_checkpoint_naming is on")
+        output_dir = os.fspath(output_dir)
+        final = os.path.abspath(os.path.expanduser(output_dir))
+        self.writer.wait(final)  # the same directory saved again: its earlier write lands first
+        # As accelerate: the directory exists at the call (its hooks and the caller may write
+        # there); the files land in it one by one, each atomically, and nothing else there is touched.
+        commit = FileCommit(final, fsync=self.fsync)
+        commit.begin()
 
         from accelerate.data_loader import IterableDatasetShard, SeedableRandomSampler
 
         weights = [acc.get_state_dict(model, unwrap=False) for model in acc._models]
         for hook in acc._save_model_state_pre_hook.values():
-            hook(acc._models, weights, tmp)  # as accelerate: hooks may write files or drop weights
+            hook(acc._models, weights, output_dir)  # as accelerate: hooks may write files or drop weights
         model_name = "model.safetensors" if safe_serialization else "pytorch_model.bin"
         files: List[Any] = []  # (file name, object, safetensors?)
         for i, sd in enumerate(weights):
@@ -198,16 +201,11 @@ class AsyncSaveState:
         for i, obj in enumerate(acc._custom_objects):
             files.append((f"custom_checkpoint_{i}.pkl", obj.state_dict(), False))
 
-        try:
-            copy = self.snapshotter.take([f[1] for f in files], what=f"accelerate state {final}")
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+        copy = self.snapshotter.take([f[1] for f in files], what=f"accelerate state {final}")
         t1 = time.perf_counter()
         stats = SaveStats(step=cfg.iteration, nbytes=copy.nbytes, num_tensors=copy.num_tensors, stage_s=t1 - t0,
                           extra={"path": final})
         names = [(f[0], f[2]) for f in files]
-        limit = cfg.total_limit if cfg.automatic_checkpoint_naming else None
         save_on_each_node = cfg.save_on_each_node
 
         def job() -> None:
@@ -217,21 +215,21 @@ class AsyncSaveState:
             try:
                 objs = copy.materialize()
                 for (name, safe), obj in zip(names, objs):
-                    path = os.path.join(tmp, name)
                     if safe is None:  # accelerate writes these with plain torch.save
-                        torch.save(obj, path)
+                        commit.write(name, lambda tmp, obj=obj: torch.save(obj, tmp))
                     else:
-                        save(obj, path, save_on_each_node=save_on_each_node, safe_serialization=safe)
+                        commit.write(name, lambda tmp, obj=obj, safe=safe: save(
+                            obj, tmp, save_on_each_node=save_on_each_node, safe_serialization=safe))
                 del objs, obj
             finally:
                 copy.release()
             w1 = time.perf_counter()
-            on_disk = [e for e in os.scandir(tmp) if e.is_file(follow_symlinks=False)]
-            stats.files, stats.written_bytes = len(on_disk), sum(e.stat(follow_symlinks=False).st_size for e in on_disk)
-            self._commit(tmp, final, parent, limit)
+            commit.finish()
             done = time.perf_counter()
+            stats.files, stats.written_bytes = len(commit.files), sum(commit.files.values())
             stats.write_s, stats.commit_s = w1 - w0, done - w1
             stats.durable_s, stats.commit_time = done - t0, time.time()
+            log.debug("committed %s", final)
 
         self.writer.submit(final, job, on_drop=copy.release)
         stats.queue_wait_s = time.perf_counter() - t1
@@ -240,7 +238,7 @@ class AsyncSaveState:
         if self.log_stats:
             self._figures.report(stats, self.stats, lambda figures: acc.log(figures, step=stats.step))
         cfg.iteration += 1
-        return Path(final)
+        return output_dir
 
     def load_state(self, input_dir: Optional[str] = None, **kwargs: Any) -> Any:
         """``Accelerator.load_state`` after every pending write is committed.
@@ -324,27 +322,17 @@ class AsyncSaveState:
             states["torch_cuda_manual_seed"] = torch.cuda.get_rng_state_all()
         return states
 
-    def _commit(self, tmp: str, final: str, parent: str, limit: Optional[int]) -> None:
-        if self.fsync:
-            fsync_tree(tmp)
-        old = None
-        if os.path.lexists(final):  # the same directory saved again: replace it
-            old = os.path.join(os.path.dirname(tmp), f".{os.path.basename(final)}.old{TMP_SUFFIX}")
-            if os.path.lexists(old):
-                shutil.rmtree(old)
-            os.rename(final, old)
-        os.rename(tmp, final)
-        if self.fsync:
-            fsync_dir(parent)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-        if limit is not None:
-            folders = [n for n in os.listdir(parent) if re.search(r"[0-9]+", n)]
-            folders.sort(key=lambda n: int(re.findall(r"([0-9]+)(?=[^/]*$)", n)[0]))
-            for n in folders[: max(0, len(folders) - limit)]:
-                shutil.rmtree(os.path.join(parent, n), ignore_errors=True)
-        log.debug("committed %s", final)
-
+    def _apply_total_limit(self, parent: str, limit: Optional[int]) -> None:
+        """accelerate's ``total_limit``, applied as accelerate does before a new automatically
+        named save: the oldest directories in ``parent`` go (each after its pending write)."""
+        folders = [os.path.join(parent, folder) for folder in os.listdir(parent)]
+        if limit is None or len(folders) + 1 <= limit or not self.accelerator.is_main_process:
+            return
+        folders.sort(key=lambda folder: list(map(int, re.findall(r"[\/]?([0-9]+)(?=[^\/]*$)", folder)))[0])
+        log.warning("Deleting %d checkpoints to make room for new checkpoint.", len(folders) + 1 - limit)
+        for folder in folders[: len(folders) + 1 - limit]:
+            self.writer.wait(os.path.abspath(folder))
+            shutil.rmtree(folder)
 
 def attach(accelerator: Any, max_pending: int = 2, memory_budget_bytes: Optional[int] = None,
            fsync: bool = True, log_stats: bool = True) -> AsyncSaveState:
@@ -355,7 +343,8 @@ def attach(accelerator: Any, max_pending: int = 2, memory_budget_bytes: Optional
             objects it holds at each ``save_state`` are saved).
         max_pending: checkpoints queued or being written at most.
         memory_budget_bytes: bound on the host staging pool (``None``: unbounded).
-        fsync: fsync every file and directory before a checkpoint counts as committed.
+        fsync: fsync the checkpoint directory once its files are committed (each file is
+            always fsynced before its rename).
         log_stats: log each save's figures to the accelerator's trackers (see
             :class:`AsyncSaveState`).
 

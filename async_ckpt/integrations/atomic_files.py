@@ -1,9 +1,9 @@
-"""The files the framework integrations write: atomic, durable, and checked before loading.
+"""Single files of the framework integrations, written and checked through storage/.
 
-A file is written to a hidden temporary name next to it (:func:`tmp_name`, ending in
-:data:`TMP_SUFFIX`), fsynced, then renamed into place (:func:`write_file`); what an interrupted
-write left is removed by :func:`remove_stale_tmps`. :func:`verify_torch_file` checks a
-``torch.save`` file before it is loaded.
+:func:`write_file` writes one file atomically by :class:`~async_ckpt.storage.commit.FileCommit`
+(the commit of every framework save: a temporary name beside the file, fsync, rename; never
+through a link); :func:`remove_stale_tmps` removes what an interrupted write of a file left;
+:func:`verify_torch_file` checks a ``torch.save`` file before it is loaded.
 """
 
 from __future__ import annotations
@@ -13,50 +13,14 @@ import uuid
 from typing import Any, Callable
 
 from ..errors import CorruptCheckpointError
-
-TMP_SUFFIX = ".async-ckpt-tmp"
-
-
-def fsync_dir(path: str) -> None:
-    """Make a rename or a new entry in directory ``path`` durable.
-
-    Best effort where the OS cannot open or fsync directories (errors are ignored).
-
-    Args:
-        path: the directory.
-    """
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def fsync_tree(root: str) -> None:
-    """fsync every file under ``root``, then each directory.
-
-    So a rename of ``root`` that follows publishes durable contents.
-
-    Args:
-        root: the directory tree.
-    """
-    for d, _, files in os.walk(root):
-        for name in files:
-            fd = os.open(os.path.join(d, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        fsync_dir(d)
+from ..storage.backends.base import TEMP_INFIX
+from ..storage.commit import FileCommit
 
 
 def tmp_name(path: str) -> str:
     """A hidden temporary name next to ``path``: ``.<name>.<random>.async-ckpt-tmp``.
+
+    For an upload moved into place afterwards (remote paths).
 
     Args:
         path: the file the temporary stands in for.
@@ -65,23 +29,23 @@ def tmp_name(path: str) -> str:
         The temporary's path.
     """
     d, base = os.path.split(path)
-    return os.path.join(d, f".{base}.{uuid.uuid4().hex[:12]}{TMP_SUFFIX}")
+    return os.path.join(d, f".{base}.{uuid.uuid4().hex[:12]}.async-ckpt-tmp")
 
 
 def remove_stale_tmps(path: str) -> None:
     """Delete temporary files of ``path`` left by an interrupted write (errors are ignored).
 
     Args:
-        path: the file whose temporaries (:func:`tmp_name`) are removed.
+        path: the file whose temporaries (``.<name>.tmp-...``) are removed.
     """
     d, base = os.path.split(path)
     try:
         names = os.listdir(d or ".")
     except OSError:
         return
-    prefix = f".{base}."
+    prefix = f".{base}{TEMP_INFIX}"
     for n in names:
-        if n.startswith(prefix) and n.endswith(TMP_SUFFIX):
+        if n.startswith(prefix):
             try:
                 os.remove(os.path.join(d, n))
             except OSError:
@@ -91,35 +55,26 @@ def remove_stale_tmps(path: str) -> None:
 def write_file(path: str, write: Callable[[Any], None], *, fsync: bool = True) -> None:
     """Write a file atomically: to a temporary name, fsynced, then renamed to ``path``.
 
-    On POSIX ``path`` is the old file or the complete new one, never torn; the temporary is
-    removed if the write fails.
+    ``path`` is the old file or the complete new one, never torn; the temporary is removed if
+    the write fails; a symbolic link or a directory at ``path`` is never replaced.
 
     Args:
         path: the file (its directory is created if missing).
         write: writes the content into the binary file object it is given.
-        fsync: fsync the file and then its directory.
+        fsync: also fsync the directory (the file itself always is).
 
     Raises:
-        OSError: the file cannot be written or renamed (what ``write`` raises passes through).
+        StorageError: the file cannot be written or renamed, or a link is at ``path``.
     """
-    d = os.path.dirname(path) or "."
-    os.makedirs(d, exist_ok=True)
-    tmp = tmp_name(path)
-    try:
+    commit = FileCommit(os.path.dirname(os.path.abspath(path)), fsync=fsync)
+    commit.begin()
+
+    def write_to(tmp: str) -> None:
         with open(tmp, "wb") as f:
             write(f)
-            f.flush()
-            if fsync:
-                os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.remove(tmp)
-        except OSError:
-            pass
-        raise
-    if fsync:
-        fsync_dir(d)
+
+    commit.write(os.path.basename(path), write_to)
+    commit.finish()
 
 
 def verify_torch_file(f: Any, name: str) -> None:

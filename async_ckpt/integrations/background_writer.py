@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import collections
+import os
 import threading
 from concurrent.futures import Future
 from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 from ..errors import CheckpointError, InvalidArgumentError
+from ..manager.hooks import finish_at_exit
 
 
 class BackgroundWriter:
@@ -16,8 +18,10 @@ class BackgroundWriter:
     The thread exists only while jobs are queued or running: it is started by the first
     :meth:`submit` and ends once the queue is empty, so nothing is left behind by a framework
     that never calls the integration's teardown (Lightning's ``AsyncCheckpointIO`` wrapping a
-    plugin, a script saving outside ``fit``). It is not a daemon: at interpreter exit, the
-    queued writes are finished first.
+    plugin, a script saving outside ``fit``). At interpreter exit the queued writes are
+    finished first (the exit hook of :mod:`async_ckpt.manager.hooks`, which the managers' saves
+    share); a failure never raised to the caller is then printed to stderr, naming the
+    checkpoint and the error, and the process exits with status 1.
 
     A job's error is kept and raised, as :class:`CheckpointError` with the original chained,
     by the next :meth:`check` (which callers make at each entry point), :meth:`wait` or
@@ -46,6 +50,7 @@ class BackgroundWriter:
         self._jobs: List[Tuple[str, Future]] = []
         self._errors: List[Tuple[str, BaseException]] = []
         self._lock = threading.Lock()
+        self._pid = os.getpid()
 
     def __getstate__(self) -> Dict[str, Any]:
         return {"name": self.name, "max_pending": self.max_pending}
@@ -78,6 +83,8 @@ class BackgroundWriter:
             with self._lock:
                 self._queue.append((fn, fut))
                 self._jobs.append((key, fut))
+                self._pid = os.getpid()
+                finish_at_exit(self, True)
                 if self._thread is None:
                     self._thread = threading.Thread(target=self._run, name=self.name)
                     self._thread.start()
@@ -110,6 +117,28 @@ class BackgroundWriter:
             else:
                 keep.append((key, fut))
         self._jobs = keep
+        finish_at_exit(self, bool(self._jobs or self._errors))
+
+    def finish_at_exit(self) -> List[str]:
+        """At interpreter exit: wait for every job; the failures never raised by :meth:`check`.
+
+        A forked child's copy (its jobs are its parent's) waits for nothing.
+
+        Returns:
+            One line per failed job, naming its key (the checkpoint) and the error.
+        """
+        if os.getpid() != self._pid:
+            return []
+        with self._lock:
+            futs = [f for _, f in self._jobs]
+        for f in futs:
+            f.exception()
+        with self._lock:
+            self._reap()
+            errors, self._errors = self._errors, []
+            finish_at_exit(self, False)
+        return [f"the background write of checkpoint {key} failed: {type(exc).__name__}: {exc}"
+                for key, exc in errors]
 
     def pending(self, key: Optional[str] = None) -> List[str]:
         """Keys of the jobs queued or running.
@@ -135,6 +164,7 @@ class BackgroundWriter:
             if not self._errors:
                 return
             key, exc = self._errors.pop(0)
+            finish_at_exit(self, bool(self._jobs or self._errors))
         raise CheckpointError(f"background checkpoint write of {key} failed: {type(exc).__name__}: {exc}") from exc
 
     def wait(self, key: str) -> None:

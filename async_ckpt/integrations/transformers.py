@@ -9,28 +9,39 @@ evaluation and the best-metric bookkeeping of that step -- with one that:
    scheduler and gradient-scaler state dicts and the RNG states (as ``_save_rng_state``
    collects them) are snapshotted to pooled host buffers in one batched copy; the
    ``TrainerState`` (stateful callbacks updated as HF does) is rendered to its JSON text and
-   the ``TrainingArguments`` to their ``torch.save`` bytes;
+   the ``TrainingArguments`` to their ``torch.save`` bytes; as HF, ``checkpoint-N`` exists
+   when the call returns (an ``on_save`` callback writes into it);
 2. returns, so training resumes after the host copy;
-3. in a writer thread, writes HF's own layout into a hidden ``.checkpoint-N.async-ckpt-tmp``
-   directory in HF's order -- ``model.safetensors`` (and ``config.json``,
-   ``generation_config.json``) through the model's own ``save_pretrained``, the tokenizer /
-   processor, ``training_args.bin``, ``optimizer.pt``, ``scheduler.pt``, ``scaler.pt``,
-   ``rng_state.pth``, and ``trainer_state.json`` last -- fsyncs every file, renames the
-   directory to ``checkpoint-N`` and fsyncs the output directory; then applies HF's own
-   ``rotate_checkpoints`` (``save_total_limit``, keeping the newest and the best checkpoint).
+3. in a writer thread, writes HF's own files into ``checkpoint-N`` in HF's order --
+   ``model.safetensors`` (and ``config.json``, ``generation_config.json``) through the model's
+   own ``save_pretrained``, the tokenizer / processor, ``training_args.bin``,
+   ``optimizer.pt``, ``scheduler.pt``, ``scaler.pt``, ``rng_state.pth``, and
+   ``trainer_state.json`` last -- each committed by itself
+   (:class:`~async_ckpt.storage.commit.FileCommit`: a hidden temporary name beside it, fsync,
+   rename; then the directory is fsynced); then applies HF's ``save_total_limit`` rotation
+   (keeping the newest and the best checkpoint) to the committed checkpoints.
 
-A directory in flight is hidden (its name starts with ``.``), so neither HF's rotation nor
-``get_last_checkpoint`` (``resume_from_checkpoint=True``) ever sees one. All pending writes are
-waited for before the trainer's end-of-training steps (``load_best_model_at_end``, the
-``save_total_limit=1`` clean-up) and at ``on_train_end``, which raises a background error.
+Nothing else in ``checkpoint-N`` is touched: what an ``on_save`` callback wrote there stays,
+and saving a step again replaces only these files. A checkpoint whose write is pending is
+never counted nor removed by the rotation. All pending writes are waited for before the
+trainer's end-of-training steps (``load_best_model_at_end``, the ``save_total_limit=1``
+clean-up) and at ``on_train_end``, which raises a background error; one still pending at
+interpreter exit is finished, and a failure then is printed and makes the exit status
+non-zero.
+
+A ``Trainer`` subclass that overrides a method of the save (``_save_checkpoint``,
+``save_model``, ``_save``, ``_save_optimizer_and_scheduler``, ``_save_scaler``,
+``_save_rng_state``) keeps HF's synchronous save, which calls its override, with one warning
+naming it. The figures of each save (``log_stats``) go to the reporting callbacks only
+(``report_to``: TensorBoard, W&B, ...), never into ``state.log_history``.
 
 Several processes (DDP, or any ``torch.distributed`` run that HF saves from its ``should_save``
 process): the save step does, on every rank, what needs the group -- ``store_flos`` (a
-collective), a barrier once the writer has created the hidden directory, each rank's
+collective), a barrier once the writer has made ``checkpoint-N``, each rank's
 ``rng_state_{process_index}.pth`` written into it (a few KB, synchronously, fsynced), a second
 barrier -- and only the writer snapshots the model, optimizer and scheduler and writes them in
-the background, renaming the directory once everything is in it. The waits at the end of
-training are followed by a barrier, so no rank goes on before the writer has committed.
+the background. The waits at the end of training are followed by a barrier, so no rank goes
+on before the writer has committed.
 
 PEFT models are written through ``PeftModel.save_pretrained`` (``adapter_model.safetensors`` and
 ``adapter_config.json``), as HF does.
@@ -57,6 +68,7 @@ import shutil
 import sys
 import threading
 import time
+from pathlib import Path
 from types import FrameType
 from typing import Any, Deque, Dict, Optional, cast
 
@@ -66,7 +78,7 @@ from transformers import Trainer, TrainerCallback
 
 from ..errors import CheckpointError
 from ..stats import SaveStats
-from .atomic_files import TMP_SUFFIX, fsync_dir, fsync_tree
+from ..storage.commit import FileCommit
 from .background_writer import BackgroundWriter
 from .object_snapshot import HostCopy, Snapshotter
 from .save_figures import SaveFigures
@@ -90,12 +102,14 @@ class AsyncCkptCallback(TrainerCallback):
             oldest when the bound is reached.
         memory_budget_bytes: bound on the host staging pool (``None``: the pool keeps what
             recent saves used).
-        fsync: fsync every file and directory before a checkpoint counts as committed.
-        log_stats: log each save's figures through the ``Trainer``'s ``log()`` (so its
-            TensorBoard, W&B... callbacks and ``state.log_history`` get them):
-            ``checkpoint/blocking_s``, ``checkpoint/stage_s``, ``checkpoint/nbytes``, and the
-            newest committed earlier save's ``checkpoint/durable_s`` and ``checkpoint/write_s``
-            (see :mod:`async_ckpt.integrations.save_figures`).
+        fsync: fsync the checkpoint directory once its files are committed (each file is
+            always fsynced before its rename).
+        log_stats: send each save's figures to the Trainer's reporting callbacks (``report_to``:
+            TensorBoard, W&B, ...; not into ``state.log_history``, so the checkpointed state
+            is the one a run without this callback has): ``checkpoint/blocking_s``,
+            ``checkpoint/stage_s``, ``checkpoint/nbytes``, and the newest committed earlier
+            save's ``checkpoint/durable_s`` and ``checkpoint/write_s`` (see
+            :mod:`async_ckpt.integrations.save_figures`).
 
     ``stats`` holds a :class:`~async_ckpt.SaveStats` per save (``step`` is the
     ``global_step``; ``blocking_s``, ``queue_wait_s``, ``stage_s``, ``nbytes``,
@@ -149,6 +163,9 @@ class AsyncCkptCallback(TrainerCallback):
     def attach(self, trainer: Trainer) -> None:
         """Bind to ``trainer``: its ``_save_checkpoint`` becomes the asynchronous save.
 
+        Its ``_load_from_checkpoint`` (a resume) then first waits for the pending writes. A
+        subclass that overrides a method of the save keeps HF's own save (one warning).
+
         Done automatically at the first event; a no-op for the trainer bound already.
 
         Args:
@@ -157,12 +174,27 @@ class AsyncCkptCallback(TrainerCallback):
         if self.trainer is trainer:
             return
         self.trainer = trainer
+        overrides = _save_overrides(type(trainer))
+        if overrides:
+            # The subclass's own save must run: HF's synchronous save (which calls it) is kept.
+            log.warning("AsyncCkptCallback: %s overrides the Trainer's %s; its checkpoints are saved "
+                        "synchronously by its own code (async_ckpt cannot stage what the override writes)",
+                        type(trainer).__qualname__, ", ".join(overrides))
+            return
         original = trainer._save_checkpoint
 
         def _save_checkpoint(model: Any, trial: Any) -> None:
             self._save(trainer, original, model, trial)
 
         trainer._save_checkpoint = _save_checkpoint  # type: ignore[method-assign]
+        if getattr(type(trainer), "_load_from_checkpoint", None) is getattr(Trainer, "_load_from_checkpoint", None):
+            load = trainer._load_from_checkpoint
+
+            def _load_from_checkpoint(*args: Any, **kwargs: Any) -> Any:
+                self.writer.wait_all()  # a resume reads what we may still be writing
+                return load(*args, **kwargs)
+
+            trainer._load_from_checkpoint = _load_from_checkpoint  # type: ignore[method-assign]
 
     def on_init_end(self, args, state, control, **kwargs):
         """Bind to the ``Trainer`` that is calling (found from the calling frames).
@@ -304,38 +336,29 @@ class AsyncCkptCallback(TrainerCallback):
             trainer.store_flos()  # a collective under DDP: every rank, as HF does
         run_dir = trainer._get_output_dir(trial=trial)
         output_dir = os.path.join(run_dir, folder)
-        tmp = os.path.join(run_dir, f".{folder}{TMP_SUFFIX}")
         multi = self._distributed(trainer)
         writes = args.should_save
 
+        # The same step saved again: its earlier write lands first. As HF, the directory
+        # exists at the call (an ``on_save`` callback writes into it); the files land in it
+        # one by one, each atomically, and nothing else there is touched.
+        self.writer.wait(os.path.abspath(output_dir))
+        commit = FileCommit(output_dir, fsync=self.fsync)
+        if writes or multi:
+            commit.begin()
         if multi:
-            # The same step saved again: its hidden directory is reused, so its write goes first.
-            self.writer.wait(output_dir)
-            if writes:
-                if os.path.lexists(tmp):
-                    shutil.rmtree(tmp)  # left by an interrupted write
-                os.makedirs(tmp)
             torch.distributed.barrier()  # the directory exists for every rank
 
         if args.save_strategy in [SaveStrategy.STEPS, SaveStrategy.EPOCH, SaveStrategy.BEST] and state.best_global_step:
-            best = f"{PREFIX}-{state.best_global_step}"
-            best_dir = os.path.join(run_dir, best)
-            # HF checks that the directory exists after writing this step's model: the current
-            # one, a committed one, or one still being written all count (a rank that does not
-            # write sees the writer's hidden directory: checked before the final name, which a
-            # rename in between makes exist).
-            if (best_dir == output_dir or self.writer.pending(best_dir)
-                    or os.path.exists(os.path.join(run_dir, f".{best}{TMP_SUFFIX}")) or os.path.exists(best_dir)):
+            best_dir = os.path.join(run_dir, f"{PREFIX}-{state.best_global_step}")
+            if os.path.exists(best_dir):  # as HF (the directory is made at the call)
                 state.best_model_checkpoint = best_dir
 
         if multi and not args.save_only_model:
-            # Each rank's RNG state, as HF names it; small, so written here (fsynced).
-            rng_path = os.path.join(tmp, f"rng_state_{args.process_index}.pth")
-            with open(rng_path, "wb") as f:
-                torch.save(self._rng_states(trainer), f)
-                f.flush()
-                if self.fsync:
-                    os.fsync(f.fileno())
+            # Each rank's RNG state, as HF names it; small, so written here.
+            rng = self._rng_states(trainer)
+            commit.write(f"rng_state_{args.process_index}.pth", lambda tmp: torch.save(rng, tmp))
+            commit.finish()
         if multi:
             torch.distributed.barrier()  # every rank's file is in the directory
             if not writes:
@@ -372,18 +395,18 @@ class AsyncCkptCallback(TrainerCallback):
         t1 = time.perf_counter()
         stats = SaveStats(step=state.global_step, nbytes=copy.nbytes, num_tensors=copy.num_tensors, stage_s=t1 - t0,
                           extra={"path": output_dir})
-        job = _Job(self, trainer, unwrapped, run_dir, output_dir, copy, state_json, args_bytes.getvalue(),
-                   best=state.best_model_checkpoint, limit=args.save_total_limit, prepared=multi, stats=stats, t0=t0)
-        self.writer.submit(output_dir, job.run, on_drop=copy.release)
+        job = _Job(self, trainer, unwrapped, run_dir, commit, copy, state_json, args_bytes.getvalue(),
+                   best=state.best_model_checkpoint, limit=args.save_total_limit, stats=stats, t0=t0)
+        self.writer.submit(commit.directory, job.run, on_drop=copy.release)
         stats.queue_wait_s = time.perf_counter() - t1
         stats.blocking_s = time.perf_counter() - t0
         self._record(trainer, stats)
 
     def _record(self, trainer: Trainer, stats: SaveStats) -> None:
-        """Keep a save's statistics; log its figures through the Trainer's ``log()``."""
+        """Keep a save's statistics; send its figures to the Trainer's reporting callbacks."""
         self.stats.append(stats)
         if self.log_stats:
-            self._figures.report(stats, self.stats, trainer.log)
+            self._figures.report(stats, self.stats, lambda figures: _to_trackers(trainer, figures))
 
     @staticmethod
     def _rng_states(trainer: Trainer) -> Dict[str, Any]:
@@ -406,22 +429,48 @@ class AsyncCkptCallback(TrainerCallback):
         return states
 
 
+#: the Trainer methods a checkpoint save runs; a subclass overriding one keeps HF's own save
+SAVE_METHODS = ("_save_checkpoint", "save_model", "_save", "_save_optimizer_and_scheduler", "_save_scaler",
+                "_save_rng_state")
+
+
+def _save_overrides(cls: type) -> list:
+    """The names of :data:`SAVE_METHODS` that ``cls`` (a ``Trainer`` subclass) overrides."""
+    return [name for name in SAVE_METHODS
+            if getattr(cls, name, None) is not getattr(Trainer, name, None)]
+
+
+def _to_trackers(trainer: Trainer, figures: Dict[str, float]) -> None:
+    """Send ``figures`` to the Trainer's reporting callbacks (``report_to``: TensorBoard, W&B,
+    ...) as an ``on_log`` event, and to nothing else: neither ``state.log_history`` (the state
+    a checkpoint holds, so a resumed run's equals an uninterrupted one's) nor the user's own
+    callbacks see them."""
+    from transformers.integrations import INTEGRATION_TO_CALLBACK
+
+    trackers = tuple(INTEGRATION_TO_CALLBACK.values())
+    handler = trainer.callback_handler
+    for cb in handler.callbacks:
+        if isinstance(cb, trackers):
+            cb.on_log(trainer.args, trainer.state, trainer.control, logs=dict(figures), model=handler.model,
+                      processing_class=handler.processing_class, optimizer=handler.optimizer,
+                      lr_scheduler=handler.lr_scheduler, train_dataloader=handler.train_dataloader,
+                      eval_dataloader=handler.eval_dataloader)
+
+
 class _Job:
     """One checkpoint's background write (see the module docstring for the order)."""
 
-    def __init__(self, cb: AsyncCkptCallback, trainer: Trainer, model: Any, run_dir: str, output_dir: str,
+    def __init__(self, cb: AsyncCkptCallback, trainer: Trainer, model: Any, run_dir: str, commit: FileCommit,
                  copy: HostCopy, state_json: str, args_bytes: bytes, best: Optional[str], limit: Optional[int],
-                 prepared: bool = False, stats: Optional[SaveStats] = None, t0: float = 0.0) -> None:
+                 stats: Optional[SaveStats] = None, t0: float = 0.0) -> None:
         self.cb, self.trainer, self.model = cb, trainer, model
         self.stats, self.t0 = stats, t0
-        self.prepared = prepared  # the hidden directory exists already (the other ranks' files are in it)
-        self.run_dir, self.output_dir = run_dir, output_dir
+        self.run_dir, self.commit = run_dir, commit
         self.copy, self.state_json, self.args_bytes = copy, state_json, args_bytes
         self.best, self.limit = best, limit
 
     def run(self) -> None:
         from transformers import PreTrainedModel
-        from transformers.trainer_utils import rotate_checkpoints
 
         supported: tuple = (PreTrainedModel,)
         try:
@@ -431,59 +480,73 @@ class _Job:
         except ImportError:
             pass
 
-        name = os.path.basename(self.output_dir)
-        tmp = os.path.join(self.run_dir, f".{name}{TMP_SUFFIX}")
+        commit = self.commit
         w0 = time.perf_counter()
         try:
-            if not self.prepared:
-                if os.path.lexists(tmp):
-                    shutil.rmtree(tmp)  # left by an interrupted write
-                os.makedirs(tmp)
             obj = self.copy.materialize()
-            if isinstance(self.model, supported):
-                self.model.save_pretrained(tmp, state_dict=obj["model"])
-            else:
+            tr = self.trainer
+            tokenizer = tr.processing_class
+            if tokenizer is None:
+                tokenizer = getattr(tr.data_collator, "tokenizer", None)
+            if isinstance(self.model, supported) or tokenizer is not None:
+                def write_dir(d: str) -> None:  # as HF's Trainer._save
+                    if isinstance(self.model, supported):
+                        self.model.save_pretrained(d, state_dict=obj["model"])
+                    if tokenizer is not None:
+                        tokenizer.save_pretrained(d)
+
+                commit.write_tree(write_dir)
+            if not isinstance(self.model, supported):
                 import safetensors.torch
 
-                safetensors.torch.save_file(obj["model"], os.path.join(tmp, "model.safetensors"),
-                                            metadata={"format": "pt"})
-            tr = self.trainer
-            if tr.processing_class is not None:
-                tr.processing_class.save_pretrained(tmp)
-            elif (tokenizer := getattr(tr.data_collator, "tokenizer", None)) is not None:
-                tokenizer.save_pretrained(tmp)
-            with open(os.path.join(tmp, TRAINING_ARGS_NAME), "wb") as f:
-                f.write(self.args_bytes)
+                commit.write("model.safetensors", lambda tmp: safetensors.torch.save_file(
+                    obj["model"], tmp, metadata={"format": "pt"}))
+            commit.write(TRAINING_ARGS_NAME, lambda tmp: _write_bytes(tmp, self.args_bytes))
             for key, fname in (("optimizer", OPTIMIZER_NAME), ("scheduler", SCHEDULER_NAME),
                                ("scaler", SCALER_NAME), ("rng", RNG_NAME)):
                 if key in obj:
-                    torch.save(obj[key], os.path.join(tmp, fname))
-            del obj
+                    commit.write(fname, lambda tmp, v=obj[key]: torch.save(v, tmp))
+            obj = None  # the materialised copy goes before the buffers are released
         finally:
             self.copy.release()
-        with open(os.path.join(tmp, TRAINER_STATE_NAME), "w", encoding="utf-8") as f:
-            f.write(self.state_json)
+        commit.write(TRAINER_STATE_NAME, lambda tmp: _write_bytes(tmp, self.state_json.encode("utf-8")))
         w1 = time.perf_counter()
-        if self.cb.fsync:
-            fsync_tree(tmp)
-        old = None
-        if os.path.lexists(self.output_dir):  # the same step saved again: replace it
-            old = os.path.join(self.run_dir, f".{name}.old{TMP_SUFFIX}")
-            if os.path.lexists(old):
-                shutil.rmtree(old)
-            os.rename(self.output_dir, old)
-        os.rename(tmp, self.output_dir)
-        if self.cb.fsync:
-            fsync_dir(self.run_dir)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        commit.finish()
         done = time.perf_counter()
         if self.stats is not None:
             st = self.stats
-            files = [e for e in os.scandir(self.output_dir) if e.is_file(follow_symlinks=False)]
-            st.files, st.written_bytes = len(files), sum(e.stat(follow_symlinks=False).st_size for e in files)
+            st.files, st.written_bytes = len(commit.files), sum(commit.files.values())
             st.write_s, st.commit_s = w1 - w0, done - w1
             st.durable_s, st.commit_time = done - self.t0, time.time()
-        rotate_checkpoints(output_dir=self.run_dir, save_total_limit=self.limit,
-                           best_model_checkpoint=self.best, use_mtime=True)
-        log.debug("committed %s", self.output_dir)
+        self._rotate()
+        log.debug("committed %s", commit.directory)
+
+    def _rotate(self) -> None:
+        """HF's ``rotate_checkpoints`` (``save_total_limit``, keeping the newest and the best
+        checkpoint) over the committed checkpoints: one whose write is still pending is
+        neither counted nor removed (HF, saving synchronously, never sees one)."""
+        from transformers.trainer_utils import sort_checkpoints
+
+        if self.limit is None or self.limit <= 0:
+            return
+        pending = set(self.cb.writer.pending()) - {self.commit.directory}
+        checkpoints = [c for c in sort_checkpoints(self.run_dir, PREFIX, use_mtime=True)
+                       if os.path.abspath(c) not in pending]
+        if len(checkpoints) <= self.limit:
+            return
+        protected = {checkpoints[-1]}
+        if self.best is not None:
+            protected.add(str(Path(self.best)))
+        keep = max(self.limit, len(protected))
+        remaining = len(checkpoints)
+        for checkpoint in checkpoints:
+            if remaining <= keep:
+                break
+            if checkpoint not in protected:
+                shutil.rmtree(checkpoint, ignore_errors=True)
+                remaining -= 1
+
+
+def _write_bytes(path: str, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)

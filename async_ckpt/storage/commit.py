@@ -1,4 +1,5 @@
-"""The two commit protocols (Orbax's ``AtomicRenameTemporaryPath`` / ``CommitFileTemporaryPath``).
+"""The commit protocols: a step's directory (Orbax's ``AtomicRenameTemporaryPath`` /
+``CommitFileTemporaryPath``), and a framework save's files one by one (:class:`FileCommit`).
 
 Both write data files, then ``manifest.json``, then the ``COMMITTED`` marker (which vouches for
 the manifest); they differ in where a step is written and how it takes its place:
@@ -19,9 +20,12 @@ the root's other step directories through :class:`Directories`; names come from
 
 from __future__ import annotations
 
+import functools
 import logging
+import os
+import uuid
 from dataclasses import dataclass
-from typing import List, Protocol
+from typing import Callable, Dict, List, Protocol
 
 from ..format import step_names
 from ..format.manifest import MANIFEST_NAME, MARKER_NAME, PENDING_NAME, Manifest, marker_bytes
@@ -179,3 +183,100 @@ class MarkerCommit:
 
     def settle(self, dirs: Directories, step: int, winner: str, losers: List[str]) -> bool:
         return False  # nothing to move: the newest marked copy is the step wherever it is
+
+
+class FileCommit:
+    """The files of one framework save, each committed by itself into a directory that is not ours.
+
+    A framework names the directory of its save (``checkpoint-N``, ``save_state(dir)``, the
+    working directory even), and that directory may hold other files: the user's, what a
+    callback wrote, or be a symbolic link to a bigger disk. Nothing there is renamed, replaced
+    or removed except the files this save writes: each is written under a temporary name
+    beside it, fsynced and renamed over its name (:meth:`Storage.write_file_atomic`, which
+    never replaces a link or a directory); :meth:`finish` fsyncs the directory once. A writer
+    that fills a directory (``save_pretrained``) writes into a fresh private directory inside
+    it, whose files are each committed the same way (:meth:`write_tree`).
+
+    Args:
+        directory: the framework's directory (a local path; a symbolic link is written through).
+        fsync: fsync the directory (and its parent, for a directory this save made) in
+            :meth:`finish`; the files themselves are always fsynced before their rename.
+    """
+
+    def __init__(self, directory: str, *, fsync: bool = True) -> None:
+        self.storage = Storage(directory)
+        self.fsync = fsync
+        #: name -> size of each file committed so far
+        self.files: Dict[str, int] = {}
+        self._made = False
+
+    @property
+    def directory(self) -> str:
+        """The directory (absolute)."""
+        return self.storage.root
+
+    def begin(self) -> None:
+        """Make the directory (and its parents) if it does not exist; nothing in it is touched.
+
+        Raises:
+            StorageError: the directory cannot be made.
+        """
+        if not os.path.isdir(self.directory):
+            self.storage.makedirs(self.directory)
+            self._made = True
+
+    def write(self, name: str, write_to: Callable[[str], None]) -> None:
+        """Commit the file ``name``: ``write_to`` writes it whole at the temporary path it is given.
+
+        Args:
+            name: the file's name in the directory (``/`` for a subdirectory, made if missing).
+            write_to: the writer (``torch.save``, safetensors' ``save_file``, ...).
+
+        Raises:
+            StorageError: a link or a directory is at the name, or the write failed (after
+                retries of transient errors).
+        """
+        path = self.storage.join(name)
+        if "/" in name.strip("/"):
+            self.storage.makedirs(os.path.dirname(path))
+        self.files[name] = self.storage.write_file_atomic(path, write_to)
+
+    def write_tree(self, write_dir: Callable[[str], None]) -> List[str]:
+        """Commit every file a writer puts in a directory (``model.save_pretrained(dir)``).
+
+        The writer fills a fresh private directory inside this one; each of its files is then
+        committed under the same name here (:meth:`write`: files already here with other names
+        stay), and the private directory is removed.
+
+        Args:
+            write_dir: writes its files into the directory it is given.
+
+        Returns:
+            The names committed, in the order written.
+
+        Raises:
+            StorageError: a write or a rename failed.
+        """
+        private = self.storage.join(f".async-ckpt-{uuid.uuid4().hex[:12]}")
+        os.mkdir(private, 0o700)
+        try:
+            write_dir(private)
+            names = []
+            for d, _, files in os.walk(private):
+                for f in sorted(files):
+                    src = os.path.join(d, f)
+                    rel = os.path.relpath(src, private).replace(os.sep, "/")
+                    self.write(rel, functools.partial(os.replace, src))  # into the temporary
+                    names.append(rel)
+            return names
+        finally:
+            self.storage.rm(private)
+
+    def finish(self) -> None:
+        """Make the committed files' names durable: fsync the directory (and its parent when
+        :meth:`begin` made it)."""
+        if not self.fsync:
+            return
+        self.storage.fsync_dir(self.directory)
+        if self._made:
+            self.storage.fsync_dir(os.path.dirname(self.directory))

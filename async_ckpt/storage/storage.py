@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from contextlib import AbstractContextManager, contextmanager
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import fsspec
 
@@ -274,6 +274,34 @@ class Storage:
         tmp = temp_name(path)
         self.write_bytes(tmp, data)
         self.retry.call(lambda: self._backend.replace(tmp, path), f"rename {tmp}")
+
+    def write_file_atomic(self, path: str, write_to: Callable[[str], None]) -> int:
+        """Write one file atomically (local paths) by a writer that takes a path.
+
+        ``path`` is the old file or the complete new one, never torn. The writer (``torch.save``, safetensors' ``save_file``, a framework's own save) writes
+        a temporary file beside ``path`` that this call first creates empty (a regular file with
+        one name, never through a link: :func:`~.backends.posix.open_own_file`); the file is
+        then fsynced and renamed over ``path``. A symbolic link or a directory at ``path`` is
+        never replaced. The whole write is retried on transient errors; a failed one leaves no
+        temporary behind. The directory is not fsynced here (:meth:`fsync_dir`, once for
+        several files).
+
+        Args:
+            path: the file.
+            write_to: writes the whole file at the path it is given.
+
+        Returns:
+            The file's size in bytes.
+
+        Raises:
+            CheckpointError: the storage was abandoned (:meth:`abandon`).
+            StorageError: a symbolic link or a directory is at ``path``, the storage is not
+                local, or it refused the write (after retries of transient errors).
+        """
+        self._check_abandoned(path)
+        if not self.is_local:
+            raise StorageError(f"cannot write {path} through a writer that takes a path: not a local path")
+        return self.retry.call(lambda: self._backend.write_file_atomic(path, write_to), f"write {path}")
 
     def fsync_dir(self, path: str) -> None:
         """Make directory ``path``'s entries durable (local paths; nothing elsewhere).

@@ -9,7 +9,7 @@ import os
 import uuid
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Protocol, Tuple
+from typing import Any, Callable, Dict, List, Optional, Protocol, Tuple
 
 MISSING = "file is missing"  # what ``file_problem`` says of a file that is not there
 
@@ -80,9 +80,15 @@ def info_state(info: Dict[str, Any]) -> FileState:
     return FileState(int(info["size"]), crc, ident or None)
 
 
+#: what every temporary name of a file (:func:`temp_name`) has after the file's own name
+TEMP_INFIX = ".tmp-"
+
+
 def temp_name(path: str) -> str:
-    """A name next to ``path`` for writing it before it is renamed into place."""
-    return f"{path}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    """A hidden name next to ``path`` for writing it before it is renamed into place:
+    ``.<name>.tmp-<pid>-<random>``."""
+    d, base = os.path.split(path)
+    return os.path.join(d, f".{base}{TEMP_INFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}")
 
 
 class RangeReader(Protocol):
@@ -143,6 +149,10 @@ class Backend(Protocol):
     def replace(self, src: str, dst: str) -> None:
         """Put the file ``src`` in the place of ``dst`` (a small file written under a temporary
         name, where :attr:`atomic_puts` is false)."""
+
+    def write_file_atomic(self, path: str, write_to: Callable[[str], None]) -> int:
+        """Local paths: ``write_to`` writes a fresh temporary beside ``path``, which is then
+        fsynced and renamed over ``path`` (never over a link or a directory); its size."""
 
     def remove_file(self, path: str) -> None:
         """Remove the file ``path``."""

@@ -4,7 +4,7 @@ filesystems, ...): fsspec calls throughout, streamed writes, rename by ``mv``.""
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 from ..retry import caller_memory
 from .base import FileState, info_state
@@ -53,6 +53,9 @@ class FsspecBackend:
 
     def replace(self, src: str, dst: str) -> None:
         self.fs.mv(src, dst)
+
+    def write_file_atomic(self, path: str, write_to: Callable[[str], None]) -> int:
+        raise AssertionError("writers that take a path write local files only")
 
     def remove_file(self, path: str) -> None:
         self.fs.rm_file(path)

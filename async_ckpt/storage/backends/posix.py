@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
 from ...errors import StorageError
-from .base import MISSING, FileState
+from .base import MISSING, FileState, temp_name
 
 WRITEBACK_BYTES = 8 * 2**20  # local files: disk writes start after every this many bytes
 
@@ -108,6 +108,21 @@ def open_own_file(path: str, flags: int, mode: int = 0o644, *, dir_fd: Optional[
     return fd
 
 
+def refuse_replacing(path: str) -> None:
+    """Raise :class:`StorageError` if a symbolic link or a directory is at ``path``: a file
+    written by its name replaces only a file there, never what a link or a directory holds."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if stat.S_ISLNK(st.st_mode):
+        raise StorageError(f"refusing to replace {path}: it is a symbolic link, and async_ckpt never replaces "
+                           "one it did not write (remove the link, or save to another directory)")
+    if stat.S_ISDIR(st.st_mode):
+        raise StorageError(f"refusing to replace {path}: a directory is at that name (remove it, or save to "
+                           "another directory)")
+
+
 class PosixBackend:
     """A local filesystem (see :class:`~.base.Backend`)."""
 
@@ -153,6 +168,31 @@ class PosixBackend:
 
     def replace(self, src: str, dst: str) -> None:
         os.replace(src, dst)
+
+    def write_file_atomic(self, path: str, write_to: Callable[[str], None]) -> int:
+        """A fresh temporary file beside ``path`` (created empty here: a regular file of one
+        name), written by ``write_to``, fsynced, then renamed over ``path`` unless a link or a
+        directory is there; the temporary is removed if anything fails."""
+        refuse_replacing(path)
+        tmp = temp_name(path)
+        os.close(open_own_file(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL))
+        try:
+            write_to(tmp)
+            fd = open_own_file(tmp, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                size = os.fstat(fd).st_size
+            finally:
+                os.close(fd)
+            refuse_replacing(path)
+            os.replace(tmp, path)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+        return size
 
     def remove_file(self, path: str) -> None:
         os.unlink(path)
