@@ -326,15 +326,13 @@ class AsyncCkptIO(*_bases):  # type: ignore[misc]
                t0: float, reserved: bool) -> None:
         w0 = time.perf_counter()
         try:
-            obj = copy.materialize()
             if _is_local(path):
                 local = _local(path)
                 remove_stale_tmps(local)
-                write_file(local, lambda f: torch.save(obj, f), fsync=self.fsync)
+                write_file(local, copy.save, fsync=self.fsync)
                 w1 = time.perf_counter()
             else:
-                w1 = self._write_remote(path, obj, options)
-            obj = None  # the materialised copy goes before the buffers are released
+                w1 = self._write_remote(path, copy, options)
         except BaseException:
             if reserved:
                 self._unreserve(path, options)
@@ -346,7 +344,7 @@ class AsyncCkptIO(*_bases):  # type: ignore[misc]
         stats.durable_s, stats.commit_time = done - t0, time.time()
         log.debug("saved checkpoint %s", path)
 
-    def _write_remote(self, path: str, obj: Any, options: Optional[Dict[str, Any]]) -> float:
+    def _write_remote(self, path: str, copy: HostCopy, options: Optional[Dict[str, Any]]) -> float:
         """Write to a hidden temporary object next to ``path``, then move it into place: a
         failure mid-upload (whose partial object fsspec still publishes when the file is
         closed) never replaces the previous file. Returns when the data write ended."""
@@ -357,7 +355,7 @@ class AsyncCkptIO(*_bases):  # type: ignore[misc]
             fs.makedirs(parent, exist_ok=True)
         try:
             with fs.open(tmp, "wb") as f:
-                torch.save(obj, f)
+                copy.save(f)
             written = time.perf_counter()
             fs.mv(tmp, path)
         except BaseException:
