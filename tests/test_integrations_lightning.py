@@ -215,3 +215,76 @@ def test_lightning_what_torch_save_refuses_is_refused_at_the_call(tmp_path):
         io_.save_checkpoint(ck, tmp_path / "x.ckpt")
     io_.teardown()
     assert not (tmp_path / "x.ckpt").exists()
+
+
+def _held_write(io_, tmp_path, name):
+    """A save whose background write is held until the returned fault's ``release`` is set."""
+    from . import faulty_fs  # noqa: F401  (registers faulty://)
+
+    url = f"faulty://{tmp_path}/{name}"
+    stuck = io_.filesystem(url).inject("write", f".{name}.*", "hang", times=1)
+    ck = {"state_dict": {"w": torch.nn.Parameter(torch.arange(6.0))}, "global_step": 2}
+    io_.save_checkpoint(ck, url)
+    assert stuck.reached.wait(60)  # the write is in flight, held
+    return url, stuck, ck
+
+
+def test_lightning_load_checkpoint_right_after_an_async_save_finishes_the_write_first(tmp_path):
+    import threading
+
+    io_ = AsyncCkptIO(log_stats=False, sync_explicit=False)
+    url, stuck, ck = _held_write(io_, tmp_path, "x.ckpt")
+    out = {}
+    reader = threading.Thread(target=lambda: out.setdefault("ck", io_.load_checkpoint(url)))
+    reader.start()
+    reader.join(1.0)
+    assert reader.is_alive() and "ck" not in out  # waits for the write in flight
+    stuck.release.set()
+    reader.join(60)
+    io_.teardown()
+    w = out["ck"]["state_dict"]["w"]
+    assert isinstance(w, torch.nn.Parameter) and torch.equal(w, ck["state_dict"]["w"])
+
+
+def test_lightning_plain_torch_load_of_a_file_in_flight_names_wait(tmp_path):
+    """``torch.load`` of a new name whose write is in flight raises an error naming ``wait()``
+    (was: ``EOFError`` on the empty file that held the name)."""
+    io_ = AsyncCkptIO(log_stats=False, sync_explicit=False)
+    url, stuck, _ = _held_write(io_, tmp_path, "x.ckpt")
+    with pytest.raises(CheckpointError, match=r"wait\(\)"):
+        torch.load(tmp_path / "x.ckpt", weights_only=False)
+    with pytest.raises(Exception, match="still_being_written"):  # weights_only: torch names the global
+        torch.load(tmp_path / "x.ckpt", weights_only=True)
+    stuck.release.set()
+    io_.wait()
+    assert torch.load(tmp_path / "x.ckpt", weights_only=False)["global_step"] == 2
+    io_.teardown()
+
+
+def test_lightning_load_checkpoint_refuses_a_placeholder_whose_write_never_committed(tmp_path):
+    from async_ckpt import CorruptCheckpointError
+    from async_ckpt.integrations.lightning import PLACEHOLDER
+
+    (tmp_path / "x.ckpt").write_bytes(PLACEHOLDER)  # what a process killed mid-write leaves
+    io_ = AsyncCkptIO(log_stats=False)
+    with pytest.raises(CorruptCheckpointError, match="placeholder.*never committed"):
+        io_.load_checkpoint(tmp_path / "x.ckpt")
+    io_.teardown()
+
+
+def test_lightning_inside_lightning_s_async_checkpoint_io_says_once_it_is_synchronous(tmp_path):
+    from lightning.pytorch.plugins.io import AsyncCheckpointIO
+
+    inner = AsyncCkptIO(log_stats=False)
+    outer = AsyncCheckpointIO(inner)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i in range(3):
+            outer.save_checkpoint({"w": torch.full((3,), float(i))}, tmp_path / f"{i}.ckpt")
+        outer.teardown()
+    said = [w for w in caught if "AsyncCheckpointIO" in str(w.message)]
+    assert len(said) == 1 and "synchronous" in str(said[0].message), [str(w.message) for w in caught]
+    assert [s.extra["synchronous"] for s in inner.stats] == [True] * 3
+    for i in range(3):  # committed when the outer plugin's teardown returns
+        assert torch.equal(torch.load(tmp_path / f"{i}.ckpt")["w"], torch.full((3,), float(i)))
+    inner.teardown()
