@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import collections
 import io
-import logging
-import os
 import warnings
 
 import pytest
@@ -288,3 +286,19 @@ def test_lightning_inside_lightning_s_async_checkpoint_io_says_once_it_is_synchr
     for i in range(3):  # committed when the outer plugin's teardown returns
         assert torch.equal(torch.load(tmp_path / f"{i}.ckpt")["w"], torch.full((3,), float(i)))
     inner.teardown()
+
+
+def test_lightning_each_save_calls_torch_save_once_as_torch_checkpoint_io_does(tmp_path):
+    """Lightning's own tests count ``torch.save`` calls through a mock (``test_top_k``,
+    ``test_model_checkpoint_no_extraneous_invocations``): one per save, as ``TorchCheckpointIO``;
+    taking the snapshot at the call does not go through ``torch.save``."""
+    from unittest import mock
+
+    io_ = AsyncCkptIO(log_stats=False)
+    with mock.patch("torch.save", wraps=torch.save) as save:
+        for i in range(3):
+            io_.save_checkpoint({"w": torch.nn.Parameter(torch.full((2,), float(i)))}, tmp_path / f"{i}.ckpt")
+        io_.wait()
+        assert save.call_count == 3
+    io_.teardown()
+    assert torch.equal(torch.load(tmp_path / "2.ckpt", weights_only=False)["w"], torch.full((2,), 2.0))

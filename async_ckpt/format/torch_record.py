@@ -338,7 +338,7 @@ def _untyped(obj: Any) -> torch.UntypedStorage:
 def pickle_archive(obj: Any) -> Tuple[bytes, List[torch.UntypedStorage], int]:
     """``obj``'s ``data.pkl`` as ``torch.save`` writes it, and the storages its records hold.
 
-    ``torch.save`` itself pickles ``obj`` (its own pickler and storage ids: the locations,
+    ``torch.save``'s own code pickles ``obj`` (its pickler and storage ids: the locations,
     storage types and keys of the originals), handed a pickler base that keeps the bytes and
     each storage by key and stops before any data is written. So every tensor is reduced
     exactly as ``torch.save`` reduces it -- class, ``requires_grad``, subclass and attributes,
@@ -381,11 +381,10 @@ def pickle_archive(obj: Any) -> Tuple[bytes, List[torch.UntypedStorage], int]:
             raise _Stop
 
     try:
-        torch.save(obj, io.BytesIO(), pickle_module=types.SimpleNamespace(
-            __name__="async_ckpt_capture_pickle", Pickler=_Capture))
+        compat.torch_save_pickle(obj, types.SimpleNamespace(__name__="async_ckpt_capture_pickle", Pickler=_Capture))
     except _Stop:
         return out["data"], out["storages"], out["refs"]
-    raise RuntimeError("torch.save did not pickle through the given pickle_module")  # pragma: no cover
+    raise RuntimeError("torch.save's pickling did not go through the given pickler")  # pragma: no cover
 
 
 class _ArchivePickler:
