@@ -70,6 +70,10 @@ def _catalogue():
         "nested tensor": torch.nested.nested_tensor([torch.ones(2), torch.zeros(3)]),
         "plain values": {"lr": 0.1, "name": "x", "none": None, "steps": [1, 2]},
     }
+    if torch.cuda.is_available():  # staged by the batched CUDA copy; recorded location cuda:0
+        g = torch.randn(4, 4, device="cuda")
+        items["CUDA parameter and views"] = {"p": torch.nn.Parameter(g), "row": g[1], "t": g.t()}
+        items["CUDA sparse"] = dense.cuda().to_sparse()
     return items
 
 

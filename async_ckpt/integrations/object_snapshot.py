@@ -88,8 +88,9 @@ class HostCopy:
         return [_bytes_span(sd[str(i)]) for i in range(len(self._sizes))]
 
     def save(self, f: Any) -> None:
-        """Write the ``torch.save`` file of the object copied, byte for byte what ``torch.save``
-        writes for the original.
+        """Write the ``torch.save`` file of the object copied.
+
+        Byte for byte what ``torch.save`` writes for the original.
 
         Args:
             f: a writable binary file object or a path.
