@@ -52,6 +52,23 @@ def torch_save_without_crc(obj: Any, f: Any) -> None:
     writer.write_end_of_file()
 
 
+def torch_save_pickle(obj: Any, pickle_module: Any) -> None:
+    """Run ``torch.save``'s pickling of ``obj`` (``torch.serialization._save``) with no zip writer.
+
+    ``pickle_module.Pickler`` is the base of ``torch.save``'s own pickler (its storage ids);
+    its ``dump`` must end the call by raising, before any record would be written. Not
+    through ``torch.save`` itself, so code that counts or replaces ``torch.save`` (a test's
+    mock) sees only the file writes.
+
+    Args:
+        obj: what ``torch.save`` would save.
+        pickle_module: a module-like object with a ``Pickler`` class.
+    """
+    import torch.serialization as ser
+
+    ser._save(obj, None, pickle_module, ser.DEFAULT_PROTOCOL, False)
+
+
 def host_empty_cache() -> None:
     """Return cached pinned host memory to the system (``torch._C._host_emptyCache``)."""
     fn = getattr(torch._C, "_host_emptyCache", None)

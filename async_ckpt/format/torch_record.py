@@ -404,6 +404,100 @@ def pickle_value(value: Any) -> PickledObject:
     return PickledObject(buf.getvalue())
 
 
+class _Stop(Exception):
+    """Ends :func:`pickle_archive`'s ``torch.save`` once its ``data.pkl`` is made: no storage is written."""
+
+
+def _untyped(obj: Any) -> torch.UntypedStorage:
+    return obj._untyped_storage if isinstance(obj, torch.storage.TypedStorage) else obj
+
+
+def pickle_archive(obj: Any) -> Tuple[bytes, List[torch.UntypedStorage], int]:
+    """``obj``'s ``data.pkl`` as ``torch.save`` writes it, and the storages its records hold.
+
+    ``torch.save``'s own code pickles ``obj`` (its pickler and storage ids: the locations,
+    storage types and keys of the originals), handed a pickler base that keeps the bytes and
+    each storage by key and stops before any data is written. So every tensor is reduced
+    exactly as ``torch.save`` reduces it -- class, ``requires_grad``, subclass and attributes,
+    views of one storage, conj/neg bits, sparse, quantized, meta -- and whatever ``torch.save``
+    refuses is refused here, at the call.
+
+    Args:
+        obj: any object ``torch.save`` accepts.
+
+    Returns:
+        ``(data, storages, refs)``: the pickle; the untyped storage of record ``data/<i>`` at
+        index ``i`` (the originals: copy them before they change); how many references to
+        storages the pickle holds (one per tensor with data).
+
+    Raises:
+        Exception: what ``torch.save`` raises for ``obj``.
+    """
+    out: Dict[str, Any] = {"storages": [], "refs": 0}
+
+    class _Capture(pickle.Pickler):
+        def __init__(self, file: Any, protocol: Any = None, **kwargs: Any) -> None:
+            torch_pid = self.persistent_id  # torch.save's own (its subclass of this class)
+            storages: List[torch.UntypedStorage] = out["storages"]
+
+            def persistent_id(o: Any) -> Any:
+                pid = torch_pid(o)
+                if pid is not None:
+                    out["refs"] += 1
+                if pid is not None and int(pid[2]) == len(storages):  # a storage met first
+                    storages.append(_untyped(o))
+                return pid
+
+            self.persistent_id = persistent_id  # type: ignore[method-assign]  # read by __init__
+            super().__init__(file, protocol, **kwargs)
+            self._file = file
+
+        def dump(self, value: Any) -> None:
+            super().dump(value)
+            out["data"] = self._file.getvalue()
+            raise _Stop
+
+    try:
+        compat.torch_save_pickle(obj, types.SimpleNamespace(__name__="async_ckpt_capture_pickle", Pickler=_Capture))
+    except _Stop:
+        return out["data"], out["storages"], out["refs"]
+    raise RuntimeError("torch.save's pickling did not go through the given pickler")  # pragma: no cover
+
+
+class _ArchivePickler:
+    """Stands in for a pickler inside ``torch.save``: ``dump`` writes a :func:`pickle_archive`
+    ``data.pkl`` unchanged and hands ``torch.save`` the storages of its records, in key order."""
+
+    def __init__(self, file: Any, protocol: Any = None, **kwargs: Any) -> None:
+        self._file = file
+
+    def dump(self, parts: Tuple[bytes, List[torch.UntypedStorage]]) -> None:
+        data, storages = parts
+        for i, s in enumerate(storages):  # torch.save keys them "0", "1", ... as it meets them
+            pid = self.persistent_id(s)  # type: ignore[attr-defined]  # torch.save's subclass has it
+            if pid[2] != str(i):
+                raise RuntimeError(f"storage {i} was keyed {pid[2]!r} by torch.save")
+        self._file.write(data)
+
+
+_ARCHIVE = types.SimpleNamespace(__name__="async_ckpt_archive_pickle", Pickler=_ArchivePickler)
+
+
+def save_archive(data: bytes, storages: List[torch.UntypedStorage], f: Any) -> None:
+    """Write the ``torch.save`` archive of a :func:`pickle_archive` result to ``f``.
+
+    The file is the one ``torch.save`` writes for the original object: its ``data.pkl`` is
+    ``data``, record ``data/<i>`` the bytes of ``storages[i]`` (host copies of the originals,
+    each of exactly the original's size).
+
+    Args:
+        data: the ``data.pkl`` bytes.
+        storages: the storages' host copies, by record index.
+        f: a writable binary file object or a path.
+    """
+    torch.save((data, storages), f, pickle_module=_ARCHIVE)
+
+
 # ---- parsing -----------------------------------------------------------------------------------
 
 class RecordFile(io.RawIOBase):

@@ -8,11 +8,13 @@ filesystem), fsyncs it (local) and renames it into place (``fs.mv`` remotely: a 
 on object stores, which publishes the object at once). ``path`` is therefore always the
 previous complete file or the new complete file, and plain ``torch.load`` /
 ``LightningModule.load_from_checkpoint`` read it without the plugin -- except for a name that
-did not exist: ``save_checkpoint`` takes it at the call with an empty file, so that
+did not exist: ``save_checkpoint`` takes it at the call with a small placeholder file
+(:data:`PLACEHOLDER`: ``torch.load(weights_only=False)`` of it raises an error naming
+``wait()``, see :func:`still_being_written`), so that
 ``ModelCheckpoint`` (which gives a name a version suffix only when the name exists) never
 gives one name to two saves while the first is being written. A failed write removes that
-empty file; a process killed before the write committed leaves it, and ``load_checkpoint``
-refuses it as empty. ``load_checkpoint`` first waits for a pending write of that path, then
+placeholder; a process killed before the write committed leaves it, and ``load_checkpoint``
+refuses it. ``load_checkpoint`` first waits for a pending write of that path, then
 checks the file (zip structure and the CRC-32 of every record) before loading it.
 
 Saves made by a ``Checkpoint`` callback (``ModelCheckpoint`` and its subclasses) return once
@@ -27,17 +29,19 @@ The class subclasses the ``CheckpointIO`` of ``lightning`` and, where it is inst
 from __future__ import annotations
 
 import collections
+import io
 import logging
 import os
 import sys
 import threading
 import time
+import warnings
 from types import FrameType
 from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 import torch
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, CorruptCheckpointError
 from ..stats import SaveStats
 from .atomic_files import remove_stale_tmps, tmp_name, verify_torch_file, write_file
 from .background_writer import BackgroundWriter
@@ -89,6 +93,60 @@ def _called_by_checkpoint_callback(depth: int = 40) -> bool:
             return True
         frame = frame.f_back
     return False
+
+
+def _outer_async_plugin(depth: int = 40) -> Any:
+    """Lightning's own ``AsyncCheckpointIO`` (of either package) calling from its thread, or None."""
+    import importlib
+
+    classes: List[type] = []
+    for mod in ("lightning.pytorch.plugins.io", "pytorch_lightning.plugins.io"):
+        try:
+            classes.append(importlib.import_module(mod).AsyncCheckpointIO)
+        except (ImportError, AttributeError):
+            pass
+    frame: Optional[FrameType] = sys._getframe(2)
+    for _ in range(depth):
+        if frame is None or not classes:
+            return None
+        obj = frame.f_locals.get("self")
+        if isinstance(obj, tuple(classes)):
+            return obj
+        frame = frame.f_back
+    return None
+
+
+def still_being_written() -> None:
+    """What unpickling the placeholder of a checkpoint still being written calls.
+
+    ``save_checkpoint`` takes a new name at the call with a small placeholder file (see the
+    module docstring); ``torch.load(path, weights_only=False)`` of it, before the write commits,
+    raises this error instead of an ``EOFError`` (with ``weights_only=True``, torch refuses the
+    placeholder naming this function as an unsupported global).
+
+    Raises:
+        CheckpointError: always, naming ``wait()``.
+    """
+    raise CheckpointError(
+        "this checkpoint file is AsyncCkptIO's placeholder: its write is still in flight in the "
+        "background (or the process ended before it committed). Call wait() on the plugin "
+        "(trainer.strategy.checkpoint_io.wait()) before reading it other than through the "
+        "plugin's load_checkpoint, which waits by itself")
+
+
+class _Placeholder:
+    def __reduce__(self) -> Tuple[Any, ...]:
+        return still_being_written, ()
+
+
+def _placeholder_bytes() -> bytes:
+    buf = io.BytesIO()
+    torch.save(_Placeholder(), buf)
+    return buf.getvalue()
+
+
+#: what a name taken for a write in flight holds until the write commits
+PLACEHOLDER = _placeholder_bytes()
 
 
 def _running(trainer: Any) -> bool:
@@ -186,6 +244,7 @@ class AsyncCkptIO(*_bases):  # type: ignore[misc]
         self._figures = SaveFigures()
         self._filesystems: Dict[Tuple[str, str], Any] = {}
         self._fs_lock = threading.Lock()
+        self._warned_nested = False
 
     def __getstate__(self) -> Dict[str, Any]:
         state = self.__dict__.copy()
@@ -194,6 +253,7 @@ class AsyncCkptIO(*_bases):  # type: ignore[misc]
         return state  # the snapshotter and the writer pickle as new ones
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
+        self._warned_nested = False
         self.__dict__.update(state)
         self._fs_lock = threading.Lock()
 
@@ -235,7 +295,7 @@ class AsyncCkptIO(*_bases):  # type: ignore[misc]
         """Copy the tensors of ``checkpoint`` to host memory and write the file in the background.
 
         The file at ``path`` is written, fsynced and renamed into place by the writer thread;
-        a ``path`` that does not exist is created empty before the call returns (see the
+        a ``path`` that does not exist is created as a placeholder before the call returns (see the
         module docstring).
 
         Args:
@@ -253,6 +313,16 @@ class AsyncCkptIO(*_bases):  # type: ignore[misc]
         path = os.fspath(path)
         options = self._check_options(storage_options, f"{type(self).__name__}.save_checkpoint({path!r})")
         explicit = self.sync_explicit and not _called_by_checkpoint_callback()
+        if _outer_async_plugin() is not None:
+            explicit = True  # on the outer plugin's thread: its errors reach it through this call
+            if not self._warned_nested:
+                self._warned_nested = True
+                warnings.warn(
+                    "AsyncCkptIO is wrapped in Lightning's AsyncCheckpointIO, which makes its saves synchronous: "
+                    "the outer plugin clones every tensor on the training thread and calls save_checkpoint "
+                    "from its own thread, where AsyncCkptIO waits for each write to commit. AsyncCkptIO is "
+                    "asynchronous by itself: pass it directly (Trainer(plugins=[AsyncCkptIO()])).",
+                    UserWarning, stacklevel=2)
         self.writer.check()
         copy = self.snapshotter.take(checkpoint, what=f"checkpoint {path}")
         t1 = time.perf_counter()
@@ -287,12 +357,16 @@ class AsyncCkptIO(*_bases):  # type: ignore[misc]
             self._figures.report(stats, self.stats, sink)
 
     def _reserve(self, path: str, options: Optional[Dict[str, Any]]) -> bool:
-        """Take the name ``path`` with an empty file if nothing is there; whether it did."""
+        """Take the name ``path`` with :data:`PLACEHOLDER` if nothing is there; whether it did."""
         try:
             if _is_local(path):
                 local = _local(path)
                 os.makedirs(os.path.dirname(local) or ".", exist_ok=True)
-                os.close(os.open(local, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+                fd = os.open(local, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+                try:
+                    os.write(fd, PLACEHOLDER)
+                finally:
+                    os.close(fd)
                 return True
             fs = self.filesystem(path, options)
             if fs.exists(path):
@@ -300,7 +374,7 @@ class AsyncCkptIO(*_bases):  # type: ignore[misc]
             parent = os.path.dirname(path)
             if parent and not parent.endswith("://"):
                 fs.makedirs(parent, exist_ok=True)
-            fs.pipe_file(path, b"")
+            fs.pipe_file(path, PLACEHOLDER)
             return True
         except FileExistsError:
             return False
@@ -309,32 +383,33 @@ class AsyncCkptIO(*_bases):  # type: ignore[misc]
             return False
 
     def _unreserve(self, path: str, options: Optional[Dict[str, Any]]) -> None:
-        """Remove the empty file :meth:`_reserve` made (a write of ``path`` failed)."""
+        """Remove the placeholder :meth:`_reserve` made (a write of ``path`` failed)."""
         try:
             if _is_local(path):
                 local = _local(path)
-                if os.path.getsize(local) == 0:
-                    os.remove(local)
+                if os.path.getsize(local) in (0, len(PLACEHOLDER)):
+                    with open(local, "rb") as f:
+                        if f.read() in (b"", PLACEHOLDER):
+                            os.remove(local)
             else:
                 fs = self.filesystem(path, options)
-                if fs.exists(path) and fs.size(path) == 0:
+                if fs.exists(path) and fs.size(path) in (0, len(PLACEHOLDER)) and fs.cat_file(path) in (
+                        b"", PLACEHOLDER):
                     fs.rm(path)
         except Exception as exc:  # noqa: BLE001 - the write's error is the one that matters
-            log.warning("could not remove the empty file %s left by its failed write: %s", path, exc)
+            log.warning("could not remove the placeholder %s left by its failed write: %s", path, exc)
 
     def _write(self, path: str, copy: HostCopy, options: Optional[Dict[str, Any]], stats: SaveStats,
                t0: float, reserved: bool) -> None:
         w0 = time.perf_counter()
         try:
-            obj = copy.materialize()
             if _is_local(path):
                 local = _local(path)
                 remove_stale_tmps(local)
-                write_file(local, lambda f: torch.save(obj, f), fsync=self.fsync)
+                write_file(local, copy.save, fsync=self.fsync)
                 w1 = time.perf_counter()
             else:
-                w1 = self._write_remote(path, obj, options)
-            obj = None  # the materialised copy goes before the buffers are released
+                w1 = self._write_remote(path, copy, options)
         except BaseException:
             if reserved:
                 self._unreserve(path, options)
@@ -346,7 +421,7 @@ class AsyncCkptIO(*_bases):  # type: ignore[misc]
         stats.durable_s, stats.commit_time = done - t0, time.time()
         log.debug("saved checkpoint %s", path)
 
-    def _write_remote(self, path: str, obj: Any, options: Optional[Dict[str, Any]]) -> float:
+    def _write_remote(self, path: str, copy: HostCopy, options: Optional[Dict[str, Any]]) -> float:
         """Write to a hidden temporary object next to ``path``, then move it into place: a
         failure mid-upload (whose partial object fsspec still publishes when the file is
         closed) never replaces the previous file. Returns when the data write ended."""
@@ -357,7 +432,7 @@ class AsyncCkptIO(*_bases):  # type: ignore[misc]
             fs.makedirs(parent, exist_ok=True)
         try:
             with fs.open(tmp, "wb") as f:
-                torch.save(obj, f)
+                copy.save(f)
             written = time.perf_counter()
             fs.mv(tmp, path)
         except BaseException:
@@ -384,7 +459,8 @@ class AsyncCkptIO(*_bases):  # type: ignore[misc]
 
         Raises:
             FileNotFoundError: there is no file at ``path`` (as Lightning's ``TorchCheckpointIO``).
-            CorruptCheckpointError: the file is empty, its zip structure is incomplete or a
+            CorruptCheckpointError: the file is empty or a placeholder whose write never committed,
+                its zip structure is incomplete or a
                 record fails its CRC-32 check.
             CheckpointError: a background write failed.
         """
@@ -395,6 +471,11 @@ class AsyncCkptIO(*_bases):  # type: ignore[misc]
         if not fs.exists(path):
             raise FileNotFoundError(f"Checkpoint file not found: {path}")
         with fs.open(path, "rb") as f:
+            if fs.size(path) == len(PLACEHOLDER) and f.read() == PLACEHOLDER:
+                raise CorruptCheckpointError(
+                    f"{path}: the file is the placeholder AsyncCkptIO takes a name with; its write never "
+                    f"committed (the process ended before it)")
+            f.seek(0)
             verify_torch_file(f, path)
             return torch.load(f, map_location=map_location, weights_only=weights_only)
 

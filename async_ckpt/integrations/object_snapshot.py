@@ -1,85 +1,107 @@
 """Host snapshots of arbitrary checkpoint objects, for the framework integrations.
 
 A framework's checkpoint is a nested object (dicts, lists, tuples, ``OrderedDict`` state dicts
-with their ``_metadata``, hyper-parameter containers, NumPy RNG states, ...) with tensors
-anywhere inside. :class:`Snapshotter` takes it apart at the call: one pickle of the object in
-which every tensor is replaced by a reference (so the non-tensor parts are copied, with their
-exact types, and a later mutation cannot reach the checkpoint), and the tensors themselves
-staged to host memory by :class:`~async_ckpt.staging.Stager` through one reused
-:class:`~async_ckpt.staging.HostBufferPool` (one batched copy; no fresh host allocation per
-save in steady state). :meth:`HostCopy.materialize` rebuilds the object around the host copies
-in the background, each tensor on a storage of exactly its own bytes, so ``torch.save`` writes
-what it would have written for the original (storage sharing between tensors kept).
+with their ``_metadata``, hyper-parameter containers, modules, NumPy RNG states, ...) with
+tensors anywhere inside. :class:`Snapshotter` takes it apart at the call as ``torch.save``
+does (:func:`~async_ckpt.format.torch_record.pickle_archive`): ``torch.save``'s own pickle of
+the object, in which every tensor is reduced as ``torch.save`` reduces it (its class,
+``requires_grad``, subclass and attributes, conj/neg bits, sparse, quantized and meta layouts)
+and refers to its *storage* by key; and the storages themselves, each staged once (views of
+one storage stay views of one storage) by :class:`~async_ckpt.staging.Stager` through one
+reused :class:`~async_ckpt.staging.HostBufferPool` (one batched copy per device type; no fresh
+host allocation per save in steady state). A later mutation cannot reach the checkpoint.
+
+:meth:`HostCopy.save` writes the file ``torch.save`` would have written for the original,
+byte for byte (``data.pkl`` and every storage record; locations are the originals', so
+``torch.load`` puts each tensor back on its device). :meth:`HostCopy.materialize` rebuilds the
+object around the host copies, as ``torch.load`` of that file with every storage kept on the
+host would.
 """
 
 from __future__ import annotations
 
 import io
 import pickle
-from typing import Any, Dict, List, Optional, Tuple, cast
+from typing import Any, Dict, List, Optional
 
 import torch
 
 from ..errors import CheckpointError, InvalidStateDictError
+from ..format.torch_record import pickle_archive, save_archive
 from ..staging import HostBufferPool, Stager
 
 
-class _RefPickler(pickle.Pickler):
-    """Pickles an object with every tensor replaced by its index in ``tensors``."""
+class _HostUnpickler(pickle.Unpickler):
+    """Unpickles a :func:`pickle_archive` ``data.pkl`` around host storages, as ``torch.load``
+    resolves its storage ids (every storage left on the host)."""
 
-    def __init__(self, file: Any, tensors: List[torch.Tensor]) -> None:
-        super().__init__(file, protocol=2)  # torch.save's protocol: what pickles here, saves there
-        self.tensors = tensors
-        self._index: Dict[int, int] = {}
-
-    def persistent_id(self, obj: Any) -> Any:
-        if isinstance(obj, torch.Tensor):
-            k = self._index.get(id(obj))
-            if k is None:
-                k = self._index[id(obj)] = len(self.tensors)
-                self.tensors.append(obj)
-            return k
-        if isinstance(obj, torch.storage.TypedStorage) or torch.is_storage(obj):
-            raise pickle.PicklingError("a bare tensor storage cannot be checkpointed asynchronously")
-        return None
-
-
-class _RefUnpickler(pickle.Unpickler):
-    def __init__(self, file: Any, tensors: List[torch.Tensor]) -> None:
+    def __init__(self, file: Any, storages: List[torch.UntypedStorage]) -> None:
         super().__init__(file)
-        self.tensors = tensors
+        self.storages = storages
+        self._typed: Dict[str, torch.storage.TypedStorage] = {}
 
     def persistent_load(self, pid: Any) -> Any:
-        return self.tensors[pid]
+        _, storage_type, key, _location, _numel = pid
+        typed = self._typed.get(key)
+        if typed is None:
+            dtype = torch.uint8 if storage_type is torch.UntypedStorage else storage_type.dtype
+            typed = self._typed[key] = torch.storage.TypedStorage(
+                wrap_storage=self.storages[int(key)], dtype=dtype, _internal=True)
+        return typed
 
 
 class HostCopy:
-    """One checkpoint object at the moment of the call: its skeleton and its tensors' host copies.
+    """One checkpoint object at the moment of the call: its pickle and its storages' host copies.
 
     The host copies live in pooled buffers, given back by :meth:`release`. Made by
     :meth:`Snapshotter.take`.
 
     Args:
-        skeleton: the object pickled with every tensor replaced by a reference.
-        snapshot: the staged host copies of the tensors (a ``HostSnapshot``).
-        groups: per tensor, the id of the original storage it viewed (tensors of one storage
-            share one storage again in :meth:`materialize`).
-        nbytes: tensor bytes copied.
+        data: the object's ``data.pkl`` as ``torch.save`` writes it.
+        snapshot: the staged host copies of the storages (a ``HostSnapshot``; entry ``str(i)``
+            holds the bytes of storage ``i``).
+        sizes: per storage, its size in bytes.
+        num_tensors: tensors that refer to the storages.
     """
 
-    def __init__(self, skeleton: bytes, snapshot: Any, groups: List[int], nbytes: int) -> None:
-        self._skeleton = skeleton
+    def __init__(self, data: bytes, snapshot: Any, sizes: List[int], num_tensors: int) -> None:
+        self._data = data
         self._snapshot = snapshot
-        self._groups = groups  # per tensor: the original storage's group id
-        self.nbytes = nbytes
+        self._sizes = sizes
+        self.num_tensors = num_tensors
+        self.nbytes = sum(sizes)
 
-    @property
-    def num_tensors(self) -> int:
-        """How many tensors the snapshot holds."""
-        return len(self._groups)
+    def storages(self) -> List[torch.UntypedStorage]:
+        """The host copies of the storages, each exactly the size of its original.
+
+        Valid until :meth:`release`.
+
+        Returns:
+            The storage of record ``data/<i>`` at index ``i``.
+
+        Raises:
+            CheckpointError: the host copy was released already.
+        """
+        if self._snapshot is None:
+            raise CheckpointError("the host copy was already released")
+        sd = self._snapshot.state_dict
+        return [_bytes_span(sd[str(i)]) for i in range(len(self._sizes))]
+
+    def save(self, f: Any) -> None:
+        """Write the ``torch.save`` file of the object copied.
+
+        Byte for byte what ``torch.save`` writes for the original.
+
+        Args:
+            f: a writable binary file object or a path.
+
+        Raises:
+            CheckpointError: the host copy was released already.
+        """
+        save_archive(self._data, self.storages(), f)
 
     def materialize(self) -> Any:
-        """The checkpoint object, its tensors replaced by compact host tensors.
+        """The checkpoint object, rebuilt around the host copies (as ``torch.load`` rebuilds it).
 
         Valid until :meth:`release`.
 
@@ -89,11 +111,7 @@ class HostCopy:
         Raises:
             CheckpointError: the host copy was released already.
         """
-        if self._snapshot is None:
-            raise CheckpointError("the host copy was already released")
-        sd = self._snapshot.state_dict
-        host = [sd[str(i)] for i in range(len(self._groups))]
-        return _RefUnpickler(io.BytesIO(self._skeleton), _compact(host, self._groups)).load()
+        return _HostUnpickler(io.BytesIO(self._data), self.storages()).load()
 
     def release(self) -> None:
         """Give the host buffers back to the pool (idempotent)."""
@@ -102,53 +120,17 @@ class HostCopy:
             self._snapshot = None
 
 
-def _bytes_span(storage: torch.UntypedStorage, lo: int, hi: int) -> torch.UntypedStorage:
-    """A storage of exactly the bytes ``[lo, hi)`` of ``storage``, sharing its memory (no copy)."""
-    span = torch.empty(0, dtype=torch.uint8).set_(storage, lo, (hi - lo,), (1,))
-    return torch.from_numpy(span.numpy()).untyped_storage()
+def _bytes_span(host: torch.Tensor) -> torch.UntypedStorage:
+    """A storage of exactly the bytes of the flat ``uint8`` tensor ``host``, sharing its memory
+    (the pool may have placed it inside a larger buffer)."""
+    if host.numel() == 0:
+        return torch.UntypedStorage(0)
+    return torch.from_numpy(host.numpy()).untyped_storage()
 
 
-def _extent(t: torch.Tensor) -> Tuple[int, int]:
-    es = t.element_size()
-    lo = cast(int, t.storage_offset()) * es  # typed int | SymInt (symbolic shapes); host tensors have ints
-    return lo, lo + (1 + sum((s - 1) * st for s, st in zip(t.size(), t.stride()))) * es
-
-
-def _compact(host: List[torch.Tensor], groups: List[int]) -> List[torch.Tensor]:
-    """Host tensors on storages of their own bytes: the tensors of one original storage (tied
-    weights, views) share one storage spanning what they use; other tensors share nothing, even
-    where the pool coalesced them into one buffer."""
-    out: List[Optional[torch.Tensor]] = [None] * len(host)
-    by_group: Dict[Tuple[int, int], List[int]] = {}
-    for i, (h, g) in enumerate(zip(host, groups)):
-        if h.numel() == 0:
-            out[i] = torch.empty(h.shape, dtype=h.dtype)
-        else:
-            by_group.setdefault((g, h.untyped_storage().data_ptr()), []).append(i)
-    for members in by_group.values():
-        if len(members) == 1:
-            h = host[members[0]]
-            if h.is_contiguous():
-                es = h.element_size()
-                lo = cast(int, h.storage_offset()) * es  # an int on a host tensor (typed int | SymInt)
-                st = _bytes_span(h.untyped_storage(), lo, lo + h.numel() * es)
-                out[members[0]] = torch.empty(0, dtype=h.dtype).set_(st, 0, h.size(), h.stride())
-                continue
-        extents = [_extent(host[i]) for i in members]
-        lo, hi = min(e[0] for e in extents), max(e[1] for e in extents)
-        if any((e[0] - lo) % host[i].element_size() for i, e in zip(members, extents)):
-            for i in members:  # mixed dtypes at odd offsets: each on its own
-                out[i] = host[i].clone()
-            continue
-        st = _bytes_span(host[members[0]].untyped_storage(), lo, hi)
-        done: Dict[int, torch.Tensor] = {}
-        for i in members:
-            h = host[i]
-            if id(h) not in done:
-                done[id(h)] = torch.empty(0, dtype=h.dtype).set_(
-                    st, h.storage_offset() - lo // h.element_size(), h.size(), h.stride())
-            out[i] = done[id(h)]
-    return out  # type: ignore[return-value]
+def _flat_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
+    """The bytes of ``storage`` as a flat ``uint8`` tensor on its device (no copy)."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
 
 class Snapshotter:
@@ -190,23 +172,13 @@ class Snapshotter:
             InvalidStateDictError: ``obj`` cannot be pickled, or a tensor cannot be staged.
             StagingBudgetError: the tensors need more host memory than the pool's budget.
         """
-        tensors: List[torch.Tensor] = []
-        buf = io.BytesIO()
         try:
-            _RefPickler(buf, tensors).dump(obj)
+            data, storages, refs = pickle_archive(obj)
         except Exception as exc:
             raise InvalidStateDictError(f"{what}: cannot be saved ({type(exc).__name__}: {exc})") from exc
-        groups: List[int] = []
-        gid: Dict[Tuple[str, int], int] = {}
-        for t in tensors:
-            try:
-                key: Tuple[str, int] = (t.device.type, t.untyped_storage().data_ptr())
-            except Exception:  # no addressable storage (XLA, meta, sparse): a group of its own
-                key = ("", id(t))
-            groups.append(gid.setdefault(key, len(gid)))
-        flat = {str(i): t for i, t in enumerate(tensors)}
+        flat = {str(i): _flat_bytes(s) for i, s in enumerate(storages)}
         try:
             snap = self.stager.stage(flat, self.stager.plan(flat))
         except InvalidStateDictError as exc:
-            raise InvalidStateDictError(f"{what}: tensor #{exc}") from exc
-        return HostCopy(buf.getvalue(), snap, groups, snap.nbytes)
+            raise InvalidStateDictError(f"{what}: storage #{exc}") from exc
+        return HostCopy(data, snap, [s.nbytes() for s in storages], refs)
