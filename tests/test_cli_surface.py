@@ -61,8 +61,9 @@ def test_unreachable_bucket_is_one_line_within_the_connect_timeout():
     proc = cli("ls", "gs://no-such-bucket/run", "--connect-timeout", "2", env=env, timeout=120)
     elapsed = time.monotonic() - t0
     line = _one_line(proc)
-    assert "no answer from the storage of gs://no-such-bucket/run within 2 s" in line
-    assert "--connect-timeout" in line
+    assert "checkpoint path gs://no-such-bucket/run cannot be reached: the endpoint " in line
+    assert "refuses connections" in line
+    assert "pass --connect-timeout SECONDS (now 2 s)" in line and "RetryPolicy" not in line
     assert elapsed < 60, elapsed  # gcsfs alone retries a refused connection for minutes
     # the same endpoint given as a storage option, --json: one JSON object on stdout
     proc = cli("verify", "gs://no-such-bucket/run", "--json", "--connect-timeout", "2",
@@ -71,6 +72,23 @@ def test_unreachable_bucket_is_one_line_within_the_connect_timeout():
     assert proc.returncode == 2 and proc.stderr == "", proc.stderr
     err = json.loads(proc.stdout)["error"]
     assert err["type"] == "StorageUnreachableError" and err["exit_code"] == 2
+
+
+def test_a_storage_client_error_is_one_line_not_unexpected(tmp_path):
+    """botocore's errors are async_ckpt's StorageError: one line, never "please report it"."""
+    for path in ("s3://bucket/run", "gs://bucket/run"):
+        proc = cli("ls", path, "-o", "endpoint_url=http://nonexistent.invalid", "-o", "key=k", "-o", "secret=s",
+                   *(["-o", "token=anon"] if path.startswith("gs") else []),
+                   env={"GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}, timeout=120)
+        line = _one_line(proc)
+        assert "unexpected" not in line and "please report" not in line, line
+        assert "host nonexistent.invalid does not resolve" in line, line
+
+
+def test_a_url_with_one_slash_is_refused(tmp_path):
+    proc = cli("ls", "gs:/bucket/run", cwd=str(tmp_path))
+    line = _one_line(proc)
+    assert "did you mean 'gs://bucket/run'?" in line
 
 
 def test_json_errors_are_json_objects(tmp_path):

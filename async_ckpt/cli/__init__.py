@@ -23,15 +23,15 @@ import sys
 import traceback
 from typing import Any, List, NoReturn, Optional, Sequence
 
-from ..errors import CheckpointError, CorruptCheckpointError, LeaseHeldError
+from ..errors import CheckpointError, CorruptCheckpointError, LeaseHeldError, StorageUnreachableError
 from ..storage.lease import LEASE_WAIT_HINT
-from . import common
 from .common import (
     DEFAULT_CONNECT_TIMEOUT,
     EXIT_DAMAGED,
     EXIT_ERROR,
     EXIT_OK,
     cell_text,
+    cli_unreachable_message,
 )
 from .export import cmd_export, cmd_stats, load_step
 from .inspect import cmd_ls, cmd_show
@@ -237,6 +237,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return _fail(exc, EXIT_DAMAGED, as_json, verbose, hint=_damage_hint(args))
         except LeaseHeldError as exc:
             return _fail(exc, EXIT_ERROR, as_json, verbose, text=cli_lease_message(exc))
+        except StorageUnreachableError as exc:
+            return _fail(exc, EXIT_ERROR, as_json, verbose, text=cli_unreachable_message(exc))
         except (CheckpointError, OSError, ValueError, ImportError) as exc:
             return _fail(exc, EXIT_ERROR, as_json, verbose)
         except Exception as exc:  # noqa: BLE001 - a bug or an unexpected storage error: still one line
@@ -301,8 +303,7 @@ _RETRY_RE = re.compile(r"; retry \d+/\d+ in ")
 
 class _LogSink(logging.Handler):
     """The CLI's log handler: the storage clients (gcsfs, aiohttp, botocore, ...) log retries
-    with tracebacks; the command prints one line instead. Keeps the newest warning of a storage
-    retry for the unreachable-storage message; with ``--verbose`` prints every record."""
+    with tracebacks; the command prints one line instead; with ``--verbose`` prints every record."""
 
     def __init__(self, verbose: bool) -> None:
         super().__init__(logging.DEBUG if verbose else logging.WARNING)
@@ -312,8 +313,6 @@ class _LogSink(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         try:
             ours = record.name.split(".")[0] == "async_ckpt" and record.levelno >= logging.WARNING
-            if ours:
-                common.LAST_PROBLEM[:] = [record.getMessage()[:300]]
             if self.verbose:
                 sys.stderr.write(self.format(record) + "\n")
             elif ours and not _RETRY_RE.search(record.getMessage()):  # a retry is summed up by the error
@@ -336,7 +335,6 @@ class _quiet_logs:
         root.handlers = [self.sink]
         root.setLevel(self.sink.level)
         logging.lastResort = None
-        common.LAST_PROBLEM.clear()
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -32,6 +32,7 @@ from ..errors import (
     InvalidArgumentError,
     InvalidStateDictError,
     LeaseHeldError,
+    StorageError,
 )
 from ..format.manifest import CopyIdentity, check_metrics
 from ..gc_pause import gc_paused
@@ -160,7 +161,11 @@ class CheckpointManager:
         commit_mode: ``"auto"`` (rename on POSIX, marker on object stores), ``"rename"``, ``"marker"``.
         verify: check checksums on restore (sizes are always checked).
         keep_incomplete: keep steps that never committed instead of cleaning them up.
-        retry: backoff for transient storage errors (default: ``RetryPolicy()``, 5 attempts).
+        retry: backoff for transient storage errors and the time bounds of storage calls
+            (default: ``RetryPolicy()``, 5 attempts). Its ``connect_timeout`` (30 s) bounds the
+            first request at opening: a remote root that does not answer by then raises
+            :class:`~async_ckpt.errors.StorageUnreachableError` (with ``local_dir``: logged,
+            saves go to the local tier meanwhile).
         on_saved: called with the :class:`SaveStats` of each committed save (writer thread).
         stats_log: append each save's :class:`SaveStats` as a JSON line to a file under the root:
             ``True`` for ``<path>/save_stats.jsonl``, or a path relative to ``path`` (see
@@ -336,6 +341,12 @@ class CheckpointManager:
         self._run_id = run_id
         self._saves = 0
         self.storage = Storage(opts.path, opts.storage_options, retry=opts.retry)
+        try:  # the first request, bounded: a wrong bucket, endpoint or network fails here, in one line
+            self.storage.probe()
+        except StorageError as exc:
+            if opts.local_dir is None:
+                raise
+            log.warning("%s (saves go to local_dir %s meanwhile)", exc, opts.local_dir)
         self.layout = StepDirectories(self.storage, opts.commit_mode)
         self.process_group = opts.process_group
         self.chkpt_on_preemption = opts.chkpt_on_preemption
