@@ -442,3 +442,47 @@ def test_rm_and_prune_wait_lease_timeout_then_refuse(tmp_path):
     proc = cli("rm", root, "1", "--lease-timeout", "5")
     assert proc.returncode == 0, proc.stderr
     assert sorted(n for n in os.listdir(root) if n.isdigit()) == ["2", "7"]
+
+
+def test_incomplete_steps_are_removed_by_rm_incomplete_only_while_no_writer_holds_the_lease(tmp_path):
+    root, saved = _root(tmp_path, steps=(1, 2))
+    writer = subprocess.Popen([sys.executable, "-c", WRITER, root], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True, env={**os.environ, "PYTHONPATH": ROOT_DIR, "PJRT_DEVICE": "CPU"})
+    stale = f"{root}/.tmp-6-0123456789ab"  # a killed save's directory (made after the writer's clean-up)
+    try:
+        assert writer.stdout.readline().strip() == "ready"
+        os.makedirs(stale)
+        open(f"{stale}/__0_0.distcp", "wb").write(b"x" * 10)
+        proc = cli("ls", root)
+        assert proc.returncode == 0, proc.stderr
+        host = socket.gethostname()
+        assert (f"incomplete: the writer lease is held by pid {writer.pid} on {host}, which is running: a save may "
+                f"be in progress; `async-ckpt rm {root} --incomplete` deletes the steps that never committed "
+                f"(refused while a writer holds the lease)") in proc.stdout
+        assert json.loads(cli("ls", root, "--json").stdout)["writer_lease"]["live"] is True
+        proc = cli("rm", root, "--incomplete")
+        assert "has a live writer" in _one_line(proc)
+        assert os.path.isdir(stale)
+    finally:
+        writer.communicate("\n", timeout=60)
+    proc = cli("ls", root)
+    assert (f"incomplete: the writer lease is free (last held by pid {writer.pid} on {socket.gethostname()}, "
+            f"no longer running): no save is in progress") in proc.stdout
+    # by name: refused, naming the command that removes it
+    line = _one_line(cli("rm", root, "6"))
+    assert (f"step(s) 6 never committed (incomplete): `async-ckpt rm {root} --incomplete` deletes the steps that "
+            f"never committed; nothing deleted") in line
+    # rm of another step deletes that step only
+    proc = cli("rm", root, "7")
+    assert proc.returncode == 0, proc.stderr
+    assert os.path.isdir(stale)
+    proc = cli("rm", root, "--incomplete")
+    assert proc.returncode == 0, proc.stderr
+    assert f"deleted 1 incomplete step directory from {root}: .tmp-6-0123456789ab" in proc.stdout
+    assert not os.path.exists(stale)
+    with CheckpointManager(root) as mgr:
+        assert mgr.all_steps() == [1, 2]
+        target = target_like(small_state(0))
+        mgr.restore(2, target)
+        assert_bitwise_equal(target, saved[2])
+    assert "give the STEPs to delete, or --incomplete" in cli("rm", root).stderr

@@ -161,10 +161,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(fn=cmd_promote)
 
     s = sub.add_parser("rm", parents=[common, lease],
-                       help="delete committed steps, as CheckpointManager.delete does (takes the writer lease)",
-                       description="Delete the given committed steps, as CheckpointManager.delete does. "
-                                   "Takes PATH's writer lease.")
-    s.add_argument("steps", metavar="STEP", nargs="+", help="committed steps to delete")
+                       help="delete committed steps, as CheckpointManager.delete does, or incomplete ones "
+                            "(takes the writer lease)",
+                       description="Delete the given committed steps, as CheckpointManager.delete does (only "
+                                   "those), or with --incomplete the steps that never committed (a killed "
+                                   "save's). Takes PATH's writer lease, so it refuses while a writer holds it.")
+    s.add_argument("steps", metavar="STEP", nargs="*", help="committed steps to delete")
+    s.add_argument("--incomplete", action="store_true",
+                   help="delete the steps that never committed (ls: INCOMPLETE); refused while a writer holds "
+                        "the lease (a save may be in progress)")
     s.set_defaults(fn=cmd_rm)
 
     s = sub.add_parser("export", parents=[common], help="write a step as one .pt or .safetensors file",
@@ -221,6 +226,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 getattr(args, "_parser", parser).error(f"unrecognized arguments: {' '.join(extra)}")
             if args.command == "prune" and args.keep_last is None and args.keep_best is None:
                 args._parser.error("one of the arguments --keep-last --keep-best is required")
+            if args.command == "rm" and not args.steps and not args.incomplete:
+                args._parser.error("give the STEPs to delete, or --incomplete")
         except UsageError as exc:
             return _usage_error(exc, as_json)
         try:

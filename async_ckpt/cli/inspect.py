@@ -12,6 +12,7 @@ from ..format import step_names
 from ..format.manifest import MARKER_NAME, CopyIdentity, shown
 from ..io.read_exec import check_sizes
 from ..storage.diagnosis import DCP_HINT, PARENT_OF_ROOTS, STEP_DIR
+from ..storage.lease import lease_holder
 from ..storage.step_dirs import StepDirectories
 from ..storage.storage import Storage
 from .common import (
@@ -174,8 +175,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
     findings = path_findings(roots[-1][1], args.path)
     others = [{"kind": f.kind, "names": list(f.names), "hint": f.message} for f in findings
               if f.kind not in (STEP_DIR, PARENT_OF_ROOTS)]
+    incomplete = [e for e in entries if e["status"] == "incomplete"]
+    holder = lease_holder(roots[-1][1]) if incomplete or args.json else None
     if args.json:
-        print_json({"path": args.path, "steps": entries, "latest": latest,
+        print_json({"path": args.path, "steps": entries, "latest": latest, "writer_lease": holder,
                      "commit_order": [step for _, step in saves], "newer_damaged": skipped,
                      "verified": bool(args.verify), "other_checkpoints": others,
                      "diagnosis": [f.to_dict() for f in findings]})
@@ -223,6 +226,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
     for e in bad:
         where = f"{e['tier']} {e['name']}" if tiered else e["name"]
         print(f"  step {e['step']} ({where}): {e['status']}: {e['problem']}")
+    if incomplete:
+        state = holder["text"] if holder is not None else "no writer ever took the writer lease"
+        print(f"incomplete: {state}; `async-ckpt rm {args.path} --incomplete` deletes the steps that never "
+              f"committed (refused while a writer holds the lease)")
     nother = sum("saved_for" in e for e in entries)
     if nother:
         print(foreign_note(nother, home, "FOREIGN, left out of the commit order and latest"))

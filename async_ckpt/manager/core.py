@@ -33,6 +33,7 @@ from ..errors import (
     InvalidStateDictError,
     LeaseHeldError,
     StorageError,
+    StorageUnreachableError,
 )
 from ..format.manifest import CopyIdentity, check_metrics
 from ..gc_pause import gc_paused
@@ -341,12 +342,14 @@ class CheckpointManager:
         self._run_id = run_id
         self._saves = 0
         self.storage = Storage(opts.path, opts.storage_options, retry=opts.retry)
-        try:  # the first request, bounded: a wrong bucket, endpoint or network fails here, in one line
+        try:  # the first request, bounded: a wrong endpoint or network fails here, in one line
             self.storage.probe()
-        except StorageError as exc:
+        except StorageUnreachableError as exc:
             if opts.local_dir is None:
                 raise
             log.warning("%s (saves go to local_dir %s meanwhile)", exc, opts.local_dir)
+        except StorageError:
+            pass  # it answered: opening checks the root and says what is wrong (RootProbe.open)
         self.layout = StepDirectories(self.storage, opts.commit_mode)
         self.process_group = opts.process_group
         self.chkpt_on_preemption = opts.chkpt_on_preemption
