@@ -433,3 +433,33 @@ def test_a_dropped_manager_and_a_plain_exit_raise_no_false_alarm(tmp_path, hold_
     notice = "still finishing the save of step 1 before exiting; Ctrl-C to abandon it"
     assert out.stderr.count("finishing") == out.stderr.count(notice) == (0 if hold_s < 1 else 1), out.stderr[-3000:]
     assert CheckpointManager(a).all_steps() == [1, 2] and CheckpointManager(b).all_steps() == [1]
+
+
+def test_ctrl_c_while_closing_with_no_save_pending_says_no_save_was_lost(tmp_path, caplog):
+    """Close waits for a retention deletion (held by the storage); a Ctrl-C then abandons no
+    save: the message must not say a save was abandoned."""
+    import _thread
+    import logging
+    import threading
+
+    from .faulty_fs import FaultyFileSystem  # noqa: F401 - registers faulty://
+
+    root = str(tmp_path / "faulty")
+    mgr = CheckpointManager("faulty://" + root, max_to_keep=1)
+    fs = mgr.storage.fs
+    mgr.save(1, {"w": torch.ones(8)})
+    stuck = fs.inject("rm", "*.distcp", "hang", times=1)
+    mgr.save(2, {"w": torch.ones(8) * 2})  # retention deletes step 1 in the background: held
+    assert stuck.reached.wait(30)
+    threading.Timer(0.5, _thread.interrupt_main).start()
+    with caplog.at_level(logging.WARNING, logger="async_ckpt"):
+        try:
+            mgr.close()
+        except KeyboardInterrupt:
+            pass
+        finally:
+            stuck.release.set()
+    text = caplog.text
+    assert "abandoned the save" not in text, text
+    assert "closing interrupted (Ctrl-C): no save was being written; committed steps are kept" in text, text
+    assert CheckpointManager(root).all_steps() == [2]

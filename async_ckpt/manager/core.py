@@ -1224,8 +1224,19 @@ class CheckpointManager:
                 pass
         self._finalizer.detach()
         live_managers.discard(self)
-        log.warning("abandoned the save of step %s: not committed (committed steps are kept)",
-                    ", ".join(map(str, pending)) or "-")
+        try:  # what the saves it waited for became: only those that did not commit were abandoned
+            committed = set(self.catalog.infos())
+        except Exception:  # noqa: BLE001 - cannot tell: all of them are named as not committed
+            committed = set()
+        lost = [s for s in pending if s not in committed]
+        done = [s for s in pending if s in committed]
+        if lost:
+            log.warning("abandoned the save of step %s: not committed (committed steps are kept)",
+                        ", ".join(map(str, lost)))
+        if not pending or done:
+            log.warning("closing interrupted (Ctrl-C): %s; committed steps are kept",
+                        f"the save of step {', '.join(map(str, done))} had committed" if done
+                        else "no save was being written")
 
     def _close_now(self) -> None:
         self._closed = True
