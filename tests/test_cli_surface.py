@@ -157,6 +157,15 @@ def test_ls_latest_is_the_step_restore_none_takes(tmp_path, capsys):
     assert any(line.strip().startswith("2  2 latest") for line in text.splitlines()), text
     assert "newest intact step (what restore(None) takes): 2 (by ls's checks, contents not read: ls --verify or " \
            "verify checksums it); newer, damaged, skipped: 3" in text
+    for args in (["show", root], ["show", root, "latest"]):  # latest: what restore(None) takes, as ls says
+        assert main(args) == 0
+        text = capsys.readouterr().out
+        assert text.startswith("step 2 "), text
+        assert "newest intact step (what restore(None) takes): 2 (by its files' sizes, contents not read: ls " \
+               "--verify or verify checksums it); newer, damaged, skipped: 3" in text
+    assert main(["show", root, "latest", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["step"] == 2 and out["newer_damaged"] == [3]
     target = target_like(small_state(0))
     with CheckpointManager(root) as mgr:
         assert mgr.restore(None, target) == 2
@@ -173,7 +182,7 @@ def test_which_step_is_safe_ls_verify_export_name_the_newest_intact_step(tmp_pat
     assert ("newest intact step (what restore(None) takes): 800 (by ls's checks, contents not read: ls --verify or "
             "verify checksums it)") in proc.stdout
     proc = cli("ls", root, "--verify")
-    assert proc.returncode == 0, proc.stderr
+    assert proc.returncode == 1, proc.stderr  # verify's exit rule: a step it read on the way is damaged
     rows = {line.split()[0]: line for line in proc.stdout.split("\n\n")[0].splitlines()[1:]}
     assert "DAMAGED" in rows["800"] and " verified " in rows["700"] and "latest" in rows["700"]
     assert " listed " in rows["600"]  # older: not read (restore(None) stops at 700)
@@ -194,6 +203,11 @@ def test_which_step_is_safe_ls_verify_export_name_the_newest_intact_step(tmp_pat
     assert proc.stdout.startswith("exported step 700 ") and "newer, damaged, skipped: 800" in proc.stdout
     assert "async-ckpt: warning: skipping damaged step 800" in proc.stderr and "checksum mismatch" in proc.stderr
     assert_bitwise_equal(torch.load(out_file, weights_only=True), saved[700])
+    proc = cli("export", root, "latest", str(tmp_path / "nope.pt"), "--key", "nope")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert "warning: skipping damaged step 800" in proc.stderr  # the step it read is named, not 800
+    assert proc.stderr.strip().splitlines()[-1] == ("async-ckpt: error: step 700 has no entry 'nope' (top-level "
+                                                    "keys: w, b, opt)"), proc.stderr
     target = target_like(small_state(0))
     with CheckpointManager(root) as mgr:
         assert mgr.restore(None, target) == 700  # what every command named

@@ -326,13 +326,14 @@ def restore_order(layout: StepDirectories) -> List[int]:
     return StepCatalog(layout, time.time).steps_newest_first()
 
 
-def intact_line(step: Optional[int], skipped: Sequence[int], verified: bool) -> str:
+def intact_line(step: Optional[int], skipped: Sequence[int], verified: bool, checks: str = "ls's checks") -> str:
     """The line naming the step ``restore(None)`` takes (``ls``, ``verify``, ``export``).
 
     Args:
         step: The newest intact step, or None.
         skipped: Newer committed steps found damaged (restore(None) skips them).
         verified: Whether ``step``'s files were read and checksummed.
+        checks: What found it intact when not ``verified``.
 
     Returns:
         ``newest intact step (what restore(None) takes): N; newer, damaged, skipped: ...``.
@@ -342,7 +343,7 @@ def intact_line(step: Optional[int], skipped: Sequence[int], verified: bool) -> 
     else:
         text = f"newest intact step (what restore(None) takes): {step}"
         if not verified:
-            text += " (by ls's checks, contents not read: ls --verify or verify checksums it)"
+            text += f" (by {checks}, contents not read: ls --verify or verify checksums it)"
     if skipped:
         text += f"; newer, damaged, skipped: {', '.join(map(str, skipped))}"
     return text
@@ -363,11 +364,38 @@ class naming_step:
             raise exc.with_context(step=self.step) from exc.__cause__
 
 
+def latest_intact(layout: StepDirectories) -> Tuple[Optional[int], List[int]]:
+    """The step ``restore(None)`` takes, by the checks that read no data (``ls``'s): the first
+    of :func:`restore_order` whose manifest reads and whose files have their listed sizes.
+
+    Args:
+        layout: The root's step layout.
+
+    Returns:
+        ``(step, skipped)``: that step (None when every committed step fails) and the newer
+        committed steps that fail these checks (restore(None) skips them).
+    """
+    from ..io.read_exec import check_sizes
+
+    skipped: List[int] = []
+    for step in restore_order(layout):
+        try:
+            copy = layout.read_committed(step)
+            bad = check_sizes(layout.storage, copy.where, copy.manifest.files)
+        except CheckpointError:
+            bad = {"manifest": "damaged"}
+        if not bad:
+            return step, skipped
+        skipped.append(step)
+    return None, skipped
+
+
 def parse_step(text: Optional[str], layout: StepDirectories) -> int:
     """The STEP argument of a command.
 
     Args:
-        text: A step number, ``latest`` or None (the most recently committed step).
+        text: A step number, ``latest`` or None: the step ``restore(None)`` takes
+            (:func:`latest_intact`; the newest committed one when none passes, to report it).
         layout: The root's step layout.
 
     Returns:
@@ -378,13 +406,13 @@ def parse_step(text: Optional[str], layout: StepDirectories) -> int:
         ValueError: ``text`` is neither a non-negative integer nor ``latest``.
     """
     if text is None or text == "latest":
-        latest = StepCatalog(layout, time.time).latest()
+        latest, skipped = latest_intact(layout)
         if latest is None:
-            steps = layout.committed_steps()  # none whose manifest reads: the highest, to report it
+            steps = skipped or layout.committed_steps()  # none passes: the newest, to report it
             if not steps:
                 raise StepNotFoundError(no_checkpoint_message(layout.storage,
                                                        f"no committed checkpoint under {layout.storage.url}"))
-            return steps[-1]
+            return steps[0] if skipped else steps[-1]
         return latest
     if not text.isdigit():
         raise ValueError(f"STEP must be a non-negative integer or 'latest', got {text!r}")

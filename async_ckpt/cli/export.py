@@ -63,6 +63,10 @@ def load_step(path: str, step: Optional[int] = None, *, key: Optional[str] = Non
     return step, state
 
 
+class NoSuchKeyError(ValueError):
+    """``--key`` names no entry of the step."""
+
+
 def read_newest(storage: Storage, layout: StepDirectories, step: Optional[int], *, key: Optional[str] = None,
                 verify: bool = True, allow_pickle: bool = False) -> Tuple[int, Any, List[int]]:
     """:func:`load_step` on an open root; also returns the damaged newer steps it skipped.
@@ -93,6 +97,16 @@ def read_newest(storage: Storage, layout: StepDirectories, step: Optional[int], 
     for s in order:
         try:
             return s, _read_step(storage, layout, s, key, verify, allow_pickle), skipped
+        except NoSuchKeyError:  # found in the metadata alone: said of the step restore(None) takes
+            from .verify import verify_step
+
+            problems = verify_step(storage, layout, s, progress_bar(0, "", False))["problems"]
+            if not problems:
+                raise
+            damaged = CorruptCheckpointError(f"step {s} is damaged: {'; '.join(problems)}", step=s)
+            log.warning("skipping damaged step %d (restore(None) skips it too): %s", s, damaged)
+            skipped.append(s)
+            last = damaged
         except CorruptCheckpointError as exc:
             log.warning("skipping damaged step %d (restore(None) skips it too): %s", s, exc)
             skipped.append(s)
@@ -121,7 +135,8 @@ def _read_step(storage: Storage, layout: StepDirectories, step: int, key: Option
                                  f"{'.'.join(names[:i])!r}; select it whole")
             k: Any = name if name in node else (int(name) if name.isdigit() and int(name) in node else None)
             if k is None:
-                raise ValueError(f"step {step} has no entry {key!r} (top-level keys: {', '.join(map(str, full))})")
+                raise NoSuchKeyError(f"step {step} has no entry {key!r} (top-level keys: "
+                                     f"{', '.join(map(str, full))})")
             parts.append(k)
             node = node[k]
             if i == len(names) - 1:
