@@ -500,3 +500,16 @@ def test_incomplete_steps_are_removed_by_rm_incomplete_only_while_no_writer_hold
         mgr.restore(2, target)
         assert_bitwise_equal(target, saved[2])
     assert "give the STEPs to delete, or --incomplete" in cli("rm", root).stderr
+
+
+def test_the_safetensors_refusal_suggests_keys_the_step_has(tmp_path, capsys):
+    root = str(tmp_path / "ckpt")
+    with CheckpointManager(root) as mgr:
+        mgr.save(1, {"net": {"w": torch.ones(2)}, "optim": {"lr": 0.1, "m": torch.zeros(2)}, "step": 1})
+    assert main(["export", root, "1", str(tmp_path / "x.safetensors")]) == 2
+    err = capsys.readouterr().err
+    assert ("safetensors holds tensors only, but step 1 also has 2 other entries (optim.lr, step); export to "
+            ".pt, or pick a tensors-only subtree with --key (--key net)") in err, err
+    assert "--key model" not in err
+    assert main(["export", root, "1", str(tmp_path / "n.safetensors"), "--key", "net"]) == 0
+    assert "exported step 1 (1 tensor, " in capsys.readouterr().out

@@ -10,6 +10,7 @@ import uuid
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 from ..errors import CorruptCheckpointError
+from ..stats import format_count
 from ..storage.step_dirs import StepDirectories
 from ..storage.storage import Storage
 from .common import (
@@ -212,10 +213,15 @@ def cmd_export(args: argparse.Namespace) -> int:
     if ext == "safetensors":
         others = sorted(k for k, v in flat.items() if not isinstance(v, torch.Tensor))
         if others:
+            prefix = f"{args.key}." if args.key else ""
+            subtrees = sorted({k[len(prefix):].split(".", 1)[0] for k in flat if "." in k[len(prefix):]})
+            pure = [f"{prefix}{t}" for t in subtrees
+                    if not any(o[len(prefix):].split(".", 1)[0] == t for o in others)]
+            pick = (f", or pick a tensors-only subtree with --key ({', '.join(f'--key {t}' for t in pure[:5])})"
+                    if pure else " (no subtree holds tensors only)")
             raise ValueError(
-                f"safetensors holds tensors only, but step {step} also has {len(others)} other entries "
-                f"({', '.join(others[:5])}{' ...' if len(others) > 5 else ''}); export to .pt, or pick a "
-                f"tensors-only subtree with --key (e.g. --key model)")
+                f"safetensors holds tensors only, but step {step} also has {len(others)} other entr{'y' if len(others) == 1 else 'ies'} "
+                f"({', '.join(others[:5])}{' ...' if len(others) > 5 else ''}); export to .pt{pick}")
         try:
             from safetensors.torch import save as st_save
         except ImportError:
@@ -237,7 +243,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         print_json({"step": step, "out": out, "format": ext, "tensors": len(tensors), "tensor_bytes": nbytes,
                      "entries": len(flat), "latest": latest, **({"newer_damaged": skipped} if latest else {})})
     else:
-        print(f"exported step {step} ({len(tensors)} tensors, {human_bytes(nbytes)}"
+        print(f"exported step {step} ({format_count(len(tensors), 'tensor')}, {human_bytes(nbytes)}"
               f"{f', {len(flat) - len(tensors)} other entries' if len(flat) != len(tensors) else ''}) to {out}"
               + (" (latest: the newest intact step, what restore(None) takes"
                  + (f"; newer, damaged, skipped: {', '.join(map(str, skipped))})" if skipped else ")") if latest else ""))

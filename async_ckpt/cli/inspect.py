@@ -11,6 +11,7 @@ from ..errors import CheckpointError
 from ..format import step_names
 from ..format.manifest import MARKER_NAME, CopyIdentity, shown
 from ..io.read_exec import check_sizes
+from ..stats import format_count
 from ..storage.diagnosis import DCP_HINT, PARENT_OF_ROOTS, STEP_DIR
 from ..storage.lease import lease_holder
 from ..storage.step_dirs import StepDirectories
@@ -326,7 +327,7 @@ def cmd_show(args: argparse.Namespace) -> int:
                      "entries": leaves, "latest": latest,
                      **({"newer_damaged": skipped} if latest else {})})
         return EXIT_OK
-    print(f"step {step}  committed {fmt_time(man.commit_time)}  {len(tensors)} tensors, "
+    print(f"step {step}  committed {fmt_time(man.commit_time)}  {format_count(len(tensors), 'tensor')}, "
           f"{human_bytes(sum(x['bytes'] for x in tensors))}  "
           f"({len(man.files)} files, {human_bytes(sum(r.size for r in man.files.values()))} on storage)")
     if latest:

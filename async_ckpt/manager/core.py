@@ -63,7 +63,7 @@ from ..policies import (
 )
 from ..staging import HostBufferPool, Stager
 from ..staging.frozen import FrozenTensors, version_of
-from ..stats import FALLBACK, UPLOAD_SKIPPED, SaveStats, format_bytes, format_seconds, tier_name
+from ..stats import FALLBACK, UPLOAD_SKIPPED, SaveStats, format_bytes, format_count, format_seconds, tier_name
 from ..storage import RetryPolicy, Storage
 from ..storage.stats_log import StatsLog
 from ..storage.step_dirs import StepDirectories
@@ -877,9 +877,9 @@ class CheckpointManager:
             root.store.note_restored(s if root.store is done.store else None)
         if log.isEnabledFor(logging.INFO):
             nbytes, count = _tensor_bytes(state_dict)
-            log.info("%srestored step %d: %s in %d tensors in %s from %s",
+            log.info("%srestored step %d: %s in %s in %s from %s",
                      f"rank {self._exchange.rank} " if self._exchange.world_size > 1 else "", s, format_bytes(nbytes),
-                     count, format_seconds(time.perf_counter() - t0), where)
+                     format_count(count, "tensor"), format_seconds(time.perf_counter() - t0), where)
         return s
 
     # ---- listing -----------------------------------------------------------------------------
