@@ -531,7 +531,8 @@ def lease_holder(storage: Storage) -> Optional[Dict[str, Any]]:
     if live is True:
         text = f"the writer lease is held by {who}, which is running: a save may be in progress"
     elif live is False:
-        how = {False: ", no longer running", True: ", which released it"}.get(_running(info), "")
+        running = _running(info)
+        how = "" if running is None else (", which released it" if running else ", no longer running")
         text = f"the writer lease is free (last held by {who}{how}): no save is in progress"
     else:
         text = f"the writer lease is held by {who}, whose liveness cannot be checked from this host"
