@@ -256,6 +256,13 @@ class StorageTimeoutError(StorageError):
     The storage stopped answering (a network black hole, a hung mount)."""
 
 
+class StorageUnreachableError(StorageTimeoutError):
+    """A checkpoint root's storage did not answer when it was opened.
+
+    Within ``RetryPolicy.connect_timeout`` (the ``async-ckpt`` command's ``--connect-timeout``),
+    or its endpoint could not be resolved or connected to: a wrong bucket, endpoint or network."""
+
+
 class StoragePartlyWrittenError(PartlyWrittenError, StorageError):
     """A :class:`PartlyWrittenError` whose cause is a :class:`StorageError`.
 

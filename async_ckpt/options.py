@@ -145,7 +145,8 @@ class ManagerOptions:
         if not _is_int(self.write_threads) or self.write_threads < 1:
             raise InvalidArgumentError(f"write_threads must be an int >= 1, got {self.write_threads!r}")
         if self.max_to_keep is not None and (not isinstance(self.max_to_keep, int) or self.max_to_keep < 0):
-            raise InvalidArgumentError(f"max_to_keep must be an int >= 0 or None, got {self.max_to_keep!r}")
+            raise InvalidArgumentError(f"max_to_keep must be an int >= 0 or None, got {self.max_to_keep!r}: "
+                                       "pass None (or 0) to keep every step, N > 0 to keep the N newest")
         if not _is_seconds(self.lease_timeout) or self.lease_timeout < 0:
             raise InvalidArgumentError(f"lease_timeout must be a number of seconds >= 0, got {self.lease_timeout!r}")
         self.lease_timeout = float(self.lease_timeout)

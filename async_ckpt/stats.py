@@ -122,11 +122,11 @@ class SaveStats:
         tier = self.extra.get("tier")
         return (
             f"step {self.step}{f' to {tier_name(tier)}' if tier else ''}: {format_bytes(self.nbytes)} in "
-            f"{self.num_tensors} tensors, "
+            f"{format_count(self.num_tensors, 'tensor')}, "
             f"blocked {format_seconds(self.blocking_s)} (slot wait {format_seconds(self.queue_wait_s)}, "
             f"host copy {format_seconds(self.stage_s)}, {format_rate(self.nbytes, self.stage_s)}), "
             f"write {format_seconds(self.write_s)} ({format_rate(self.nbytes, self.write_s)}), "
-            f"commit {format_seconds(self.commit_s)}, durable after {durable}, {self.files} files"
+            f"commit {format_seconds(self.commit_s)}, durable after {durable}, {format_count(self.files, 'file')}"
             + (f" ({format_bytes(self.written_bytes)} written, {format_bytes(self.referred_bytes)} taken from "
                "the last step)" if self.referred_bytes else "")
         )
@@ -178,8 +178,22 @@ def format_seconds(s: float) -> str:
     return f"{s:.2f} s"
 
 
+def format_count(n: int, noun: str) -> str:
+    """A count with its noun in the number it takes: ``"1 tensor"``, ``"3 tensors"``.
+
+    Args:
+        n: how many.
+        noun: the singular noun (its plural adds an ``s``).
+
+    Returns:
+        The text.
+    """
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
 def format_rate(nbytes: float, seconds: float) -> str:
-    """A bandwidth in the decimal unit that fits it: ``"350 kB/s"``, ``"2.41 GB/s"``.
+    """A bandwidth in the binary unit that fits it (as sizes are: ``KiB``, ``MiB``, ``GiB``):
+    ``"350.00 KiB/s"``, ``"2.41 GiB/s"``.
 
     ``"-"`` when nothing was timed.
 
@@ -193,7 +207,7 @@ def format_rate(nbytes: float, seconds: float) -> str:
     if seconds <= 0:
         return "-"
     rate = nbytes / seconds
-    for unit, scale in (("GB/s", 1e9), ("MB/s", 1e6), ("kB/s", 1e3)):
+    for unit, scale in (("TiB/s", 2.0**40), ("GiB/s", 2.0**30), ("MiB/s", 2.0**20), ("KiB/s", 2.0**10)):
         if rate >= scale:
             return f"{rate / scale:.2f} {unit}"
     return f"{rate:.0f} B/s"

@@ -340,7 +340,7 @@ def test_save_stats_roundtrip_and_truncated_log(tmp_path):
     d = s.to_dict()
     assert d["host_copy_gbps"] == pytest.approx(0.5) and d["write_gbps"] == pytest.approx(0.004)
     assert SaveStats.from_dict(json.loads(s.to_json())) == s
-    assert "write 500.0 ms (4.00 MB/s)" in s.summary() and "1.9 MiB in 3 tensors" in s.summary()
+    assert "write 500.0 ms (3.81 MiB/s)" in s.summary() and "1.9 MiB in 3 tensors" in s.summary()
     p = tmp_path / "log.jsonl"
     p.write_text(s.to_json() + "\n" + s.to_json()[:20])  # a crash mid-write leaves half a line
     assert [r.step for r in read_stats_log(str(p))] == [7]
@@ -691,3 +691,27 @@ def test_stats_watch_reprints_as_saves_come_until_ctrl_c(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_stats_plot_legend_covers_no_bar(tmp_path):
+    """Equal bars: each is drawn whole (the legend used to lie over the newest ones)."""
+    np = pytest.importorskip("numpy")
+    mpimg = pytest.importorskip("matplotlib.image")
+    from async_ckpt.cli.plot import plot_run
+
+    recs = [SaveStats(step=s, nbytes=2**20, written_bytes=2**20, blocking_s=0.01, stage_s=0.001, write_s=0.1,
+                      durable_s=0.2, commit_time=float(s)) for s in range(10, 110, 10)]
+    out = str(tmp_path / "p.png")
+    plot_run(recs, out, "run")
+    img = mpimg.imread(out)[..., :3]
+    blue = np.all(np.abs(img - np.array([0x1F, 0x77, 0xB4]) / 255) < 0.02, axis=-1)[int(img.shape[0] * 0.55):]
+    cols = blue.sum(axis=0)
+    heights, start = [], None
+    for x, on in enumerate(list(cols > 5) + [False]):
+        if on and start is None:
+            start = x
+        elif not on and start is not None:
+            if x - start > 3 and cols[(start + x) // 2] > 50:  # a bar, not the legend's handle
+                heights.append(int(cols[(start + x) // 2]))
+            start = None
+    assert len(heights) >= 10 and len(set(heights)) == 1, heights

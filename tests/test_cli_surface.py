@@ -61,8 +61,9 @@ def test_unreachable_bucket_is_one_line_within_the_connect_timeout():
     proc = cli("ls", "gs://no-such-bucket/run", "--connect-timeout", "2", env=env, timeout=120)
     elapsed = time.monotonic() - t0
     line = _one_line(proc)
-    assert "no answer from the storage of gs://no-such-bucket/run within 2 s" in line
-    assert "--connect-timeout" in line
+    assert "checkpoint path gs://no-such-bucket/run cannot be reached: the endpoint " in line
+    assert "refuses connections" in line
+    assert "pass --connect-timeout SECONDS (now 2 s)" in line and "RetryPolicy" not in line
     assert elapsed < 60, elapsed  # gcsfs alone retries a refused connection for minutes
     # the same endpoint given as a storage option, --json: one JSON object on stdout
     proc = cli("verify", "gs://no-such-bucket/run", "--json", "--connect-timeout", "2",
@@ -71,6 +72,23 @@ def test_unreachable_bucket_is_one_line_within_the_connect_timeout():
     assert proc.returncode == 2 and proc.stderr == "", proc.stderr
     err = json.loads(proc.stdout)["error"]
     assert err["type"] == "StorageUnreachableError" and err["exit_code"] == 2
+
+
+def test_a_storage_client_error_is_one_line_not_unexpected(tmp_path):
+    """botocore's errors are async_ckpt's StorageError: one line, never "please report it"."""
+    for path in ("s3://bucket/run", "gs://bucket/run"):
+        proc = cli("ls", path, "-o", "endpoint_url=http://nonexistent.invalid", "-o", "key=k", "-o", "secret=s",
+                   *(["-o", "token=anon"] if path.startswith("gs") else []),
+                   env={"GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}, timeout=120)
+        line = _one_line(proc)
+        assert "unexpected" not in line and "please report" not in line, line
+        assert "host nonexistent.invalid does not resolve" in line, line
+
+
+def test_a_url_with_one_slash_is_refused(tmp_path):
+    proc = cli("ls", "gs:/bucket/run", cwd=str(tmp_path))
+    line = _one_line(proc)
+    assert "did you mean 'gs://bucket/run'?" in line
 
 
 def test_json_errors_are_json_objects(tmp_path):
@@ -139,6 +157,15 @@ def test_ls_latest_is_the_step_restore_none_takes(tmp_path, capsys):
     assert any(line.strip().startswith("2  2 latest") for line in text.splitlines()), text
     assert "newest intact step (what restore(None) takes): 2 (by ls's checks, contents not read: ls --verify or " \
            "verify checksums it); newer, damaged, skipped: 3" in text
+    for args in (["show", root], ["show", root, "latest"]):  # latest: what restore(None) takes, as ls says
+        assert main(args) == 0
+        text = capsys.readouterr().out
+        assert text.startswith("step 2 "), text
+        assert "newest intact step (what restore(None) takes): 2 (by its files' sizes, contents not read: ls " \
+               "--verify or verify checksums it); newer, damaged, skipped: 3" in text
+    assert main(["show", root, "latest", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["step"] == 2 and out["newer_damaged"] == [3]
     target = target_like(small_state(0))
     with CheckpointManager(root) as mgr:
         assert mgr.restore(None, target) == 2
@@ -155,7 +182,7 @@ def test_which_step_is_safe_ls_verify_export_name_the_newest_intact_step(tmp_pat
     assert ("newest intact step (what restore(None) takes): 800 (by ls's checks, contents not read: ls --verify or "
             "verify checksums it)") in proc.stdout
     proc = cli("ls", root, "--verify")
-    assert proc.returncode == 0, proc.stderr
+    assert proc.returncode == 1, proc.stderr  # verify's exit rule: a step it read on the way is damaged
     rows = {line.split()[0]: line for line in proc.stdout.split("\n\n")[0].splitlines()[1:]}
     assert "DAMAGED" in rows["800"] and " verified " in rows["700"] and "latest" in rows["700"]
     assert " listed " in rows["600"]  # older: not read (restore(None) stops at 700)
@@ -176,6 +203,11 @@ def test_which_step_is_safe_ls_verify_export_name_the_newest_intact_step(tmp_pat
     assert proc.stdout.startswith("exported step 700 ") and "newer, damaged, skipped: 800" in proc.stdout
     assert "async-ckpt: warning: skipping damaged step 800" in proc.stderr and "checksum mismatch" in proc.stderr
     assert_bitwise_equal(torch.load(out_file, weights_only=True), saved[700])
+    proc = cli("export", root, "latest", str(tmp_path / "nope.pt"), "--key", "nope")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert "warning: skipping damaged step 800" in proc.stderr  # the step it read is named, not 800
+    assert proc.stderr.strip().splitlines()[-1] == ("async-ckpt: error: step 700 has no entry 'nope' (top-level "
+                                                    "keys: w, b, opt)"), proc.stderr
     target = target_like(small_state(0))
     with CheckpointManager(root) as mgr:
         assert mgr.restore(None, target) == 700  # what every command named
@@ -424,3 +456,60 @@ def test_rm_and_prune_wait_lease_timeout_then_refuse(tmp_path):
     proc = cli("rm", root, "1", "--lease-timeout", "5")
     assert proc.returncode == 0, proc.stderr
     assert sorted(n for n in os.listdir(root) if n.isdigit()) == ["2", "7"]
+
+
+def test_incomplete_steps_are_removed_by_rm_incomplete_only_while_no_writer_holds_the_lease(tmp_path):
+    root, saved = _root(tmp_path, steps=(1, 2))
+    writer = subprocess.Popen([sys.executable, "-c", WRITER, root], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True, env={**os.environ, "PYTHONPATH": ROOT_DIR, "PJRT_DEVICE": "CPU"})
+    stale = f"{root}/.tmp-6-0123456789ab"  # a killed save's directory (made after the writer's clean-up)
+    try:
+        assert writer.stdout.readline().strip() == "ready"
+        os.makedirs(stale)
+        open(f"{stale}/__0_0.distcp", "wb").write(b"x" * 10)
+        proc = cli("ls", root)
+        assert proc.returncode == 0, proc.stderr
+        host = socket.gethostname()
+        assert (f"incomplete: the writer lease is held by pid {writer.pid} on {host}, which is running: a save may "
+                f"be in progress; `async-ckpt rm {root} --incomplete` deletes the steps that never committed "
+                f"(refused while a writer holds the lease)") in proc.stdout
+        assert json.loads(cli("ls", root, "--json").stdout)["writer_lease"]["live"] is True
+        proc = cli("rm", root, "--incomplete")
+        assert "has a live writer" in _one_line(proc)
+        assert os.path.isdir(stale)
+    finally:
+        writer.communicate("\n", timeout=60)
+    proc = cli("ls", root)
+    assert (f"incomplete: the writer lease is free (last held by pid {writer.pid} on {socket.gethostname()}, "
+            f"no longer running): no save is in progress") in proc.stdout
+    # by name: refused, naming the command that removes it
+    line = _one_line(cli("rm", root, "6"))
+    assert (f"step(s) 6 never committed (incomplete): `async-ckpt rm {root} --incomplete` deletes the steps that "
+            f"never committed; nothing deleted") in line
+    # rm of another step deletes that step only
+    proc = cli("rm", root, "7")
+    assert proc.returncode == 0, proc.stderr
+    assert os.path.isdir(stale)
+    proc = cli("rm", root, "--incomplete")
+    assert proc.returncode == 0, proc.stderr
+    assert f"deleted 1 incomplete step directory from {root}: .tmp-6-0123456789ab" in proc.stdout
+    assert not os.path.exists(stale)
+    with CheckpointManager(root) as mgr:
+        assert mgr.all_steps() == [1, 2]
+        target = target_like(small_state(0))
+        mgr.restore(2, target)
+        assert_bitwise_equal(target, saved[2])
+    assert "give the STEPs to delete, or --incomplete" in cli("rm", root).stderr
+
+
+def test_the_safetensors_refusal_suggests_keys_the_step_has(tmp_path, capsys):
+    root = str(tmp_path / "ckpt")
+    with CheckpointManager(root) as mgr:
+        mgr.save(1, {"net": {"w": torch.ones(2)}, "optim": {"lr": 0.1, "m": torch.zeros(2)}, "step": 1})
+    assert main(["export", root, "1", str(tmp_path / "x.safetensors")]) == 2
+    err = capsys.readouterr().err
+    assert ("safetensors holds tensors only, but step 1 also has 2 other entries (optim.lr, step); export to "
+            ".pt, or pick a tensors-only subtree with --key (--key net)") in err, err
+    assert "--key model" not in err
+    assert main(["export", root, "1", str(tmp_path / "n.safetensors"), "--key", "net"]) == 0
+    assert "exported step 1 (1 tensor, " in capsys.readouterr().out

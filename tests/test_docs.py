@@ -201,3 +201,21 @@ def test_api_reference_names_every_export():
     text = api.read_text()
     missing = [n for n in async_ckpt.__all__ if n != "__version__" and f"`{n}" not in text]
     assert not missing, f"docs/api.md does not document: {', '.join(missing)}"
+
+
+def test_the_docs_tell_one_truth_about_the_writer_extras_and_defaults():
+    """docs/index.md and the README say who writes alike; the quickstart's install table names
+    every extra its commands need (``stats --plot``: ``[plot]``, as pyproject declares); the
+    README's drop-in claim names the default that differs from torch_xla's; the restore's INFO
+    line is said to need logging configured."""
+    index = (ROOT / "docs" / "index.md").read_text()
+    readme = (ROOT / "README.md").read_text()
+    quick = (ROOT / "docs" / "quickstart.md").read_text()
+    assert "a writer process" in readme and "a writer process of its own writes" in index
+    assert "then a background thread writes a standard" not in index
+    assert 'plot = ["matplotlib' in (ROOT / "pyproject.toml").read_text()
+    assert "| `[plot]` | `matplotlib>=3.7` | `async-ckpt stats --plot`" in quick
+    drop_in = readme[readme.index("A drop-in for torch_xla's `CheckpointManager`"):]
+    assert "`chkpt_on_preemption` is off here, on in torch_xla" in drop_in[:400]
+    line = quick[quick.index("Each restore logs one INFO line"):][:300]
+    assert "logging.basicConfig(level=logging.INFO)" in line

@@ -181,10 +181,12 @@ def test_log_lines_have_one_prefix_fitting_units_and_a_restore_line(tmp_path, ca
     lines = [fmt.format(r) for r in caplog.records if r.name.startswith("async_ckpt")]
     assert lines and not any("async_ckpt:async_ckpt" in ln for ln in lines), lines
     saved = [ln for ln in lines if "saved step 3" in ln]
-    assert saved and saved[0].startswith("INFO:async_ckpt:saved step 3: 3.9 KiB in 1 tensors"), saved
+    assert saved and saved[0].startswith("INFO:async_ckpt:saved step 3: 3.9 KiB in 1 tensor, "), saved
+    assert "iB/s" in saved[0], saved
+    assert not any(u in saved[0] for u in (" kB/s", " MB/s", " GB/s")), saved  # binary units, as the sizes
     assert "0.0 MiB" not in saved[0] and "0.00 GB/s" not in saved[0], saved
     restored = [ln for ln in lines if "restored step 3" in ln]
-    assert len(restored) == 1 and "3.9 KiB in 1 tensors" in restored[0] and root in restored[0], lines
+    assert len(restored) == 1 and "3.9 KiB in 1 tensor in " in restored[0] and root in restored[0], lines
 
 
 def test_format_helpers_pick_units():
@@ -192,7 +194,9 @@ def test_format_helpers_pick_units():
 
     assert format_bytes(512) == "512 B" and format_bytes(4000) == "3.9 KiB" and format_bytes(3 * 2**30) == "3.0 GiB"
     assert format_seconds(35e-6) == "35 us" and format_seconds(0.0012) == "1.2 ms" and format_seconds(3.4) == "3.40 s"
-    assert format_rate(4000, 0.001) == "4.00 MB/s" and format_rate(10, 0) == "-" and format_rate(5, 1) == "5 B/s"
+    assert format_rate(4000, 0.001) == "3.81 MiB/s" and format_rate(10, 0) == "-" and format_rate(5, 1) == "5 B/s"
+    # binary units throughout, as sizes are: no "kB/s" beside "25.5 KiB"
+    assert format_rate(26_240, 1) == "25.62 KiB/s" and format_rate(3 * 2**30, 2) == "1.50 GiB/s"
 
 
 def test_a_fallback_that_succeeded_does_not_say_the_target_must_not_be_used(tmp_path):
@@ -433,3 +437,40 @@ def test_a_dropped_manager_and_a_plain_exit_raise_no_false_alarm(tmp_path, hold_
     notice = "still finishing the save of step 1 before exiting; Ctrl-C to abandon it"
     assert out.stderr.count("finishing") == out.stderr.count(notice) == (0 if hold_s < 1 else 1), out.stderr[-3000:]
     assert CheckpointManager(a).all_steps() == [1, 2] and CheckpointManager(b).all_steps() == [1]
+
+
+def test_ctrl_c_while_closing_with_no_save_pending_says_no_save_was_lost(tmp_path, caplog):
+    """Close waits for a retention deletion (held by the storage); a Ctrl-C then abandons no
+    save: the message must not say a save was abandoned."""
+    import _thread
+    import logging
+    import threading
+
+    from .faulty_fs import FaultyFileSystem  # noqa: F401 - registers faulty://
+
+    root = str(tmp_path / "faulty")
+    mgr = CheckpointManager("faulty://" + root, max_to_keep=1)
+    fs = mgr.storage.fs
+    mgr.save(1, {"w": torch.ones(8)})
+    stuck = fs.inject("rm", "*.distcp", "hang", times=1)
+    mgr.save(2, {"w": torch.ones(8) * 2})  # retention deletes step 1 in the background: held
+    assert stuck.reached.wait(30)
+    threading.Timer(0.5, _thread.interrupt_main).start()
+    with caplog.at_level(logging.WARNING, logger="async_ckpt"):
+        try:
+            mgr.close()
+        except KeyboardInterrupt:
+            pass
+        finally:
+            stuck.release.set()
+    text = caplog.text
+    assert "abandoned the save" not in text, text
+    assert "closing interrupted (Ctrl-C): no save was being written; committed steps are kept" in text, text
+    assert CheckpointManager(root).all_steps() == [2]
+
+
+def test_a_negative_max_to_keep_says_none_keeps_every_step(tmp_path):
+    with pytest.raises(InvalidArgumentError) as ei:  # Lightning's save_top_k=-1 habit
+        CheckpointManager(str(tmp_path / "ckpt"), max_to_keep=-1)
+    assert str(ei.value) == ("max_to_keep must be an int >= 0 or None, got -1: pass None (or 0) to keep every "
+                             "step, N > 0 to keep the N newest")

@@ -23,15 +23,15 @@ import sys
 import traceback
 from typing import Any, List, NoReturn, Optional, Sequence
 
-from ..errors import CheckpointError, CorruptCheckpointError, LeaseHeldError
+from ..errors import CheckpointError, CorruptCheckpointError, LeaseHeldError, StorageUnreachableError
 from ..storage.lease import LEASE_WAIT_HINT
-from . import common
 from .common import (
     DEFAULT_CONNECT_TIMEOUT,
     EXIT_DAMAGED,
     EXIT_ERROR,
     EXIT_OK,
     cell_text,
+    cli_unreachable_message,
 )
 from .export import cmd_export, cmd_stats, load_step
 from .inspect import cmd_ls, cmd_show
@@ -161,10 +161,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(fn=cmd_promote)
 
     s = sub.add_parser("rm", parents=[common, lease],
-                       help="delete committed steps, as CheckpointManager.delete does (takes the writer lease)",
-                       description="Delete the given committed steps, as CheckpointManager.delete does. "
-                                   "Takes PATH's writer lease.")
-    s.add_argument("steps", metavar="STEP", nargs="+", help="committed steps to delete")
+                       help="delete committed steps, as CheckpointManager.delete does, or incomplete ones "
+                            "(takes the writer lease)",
+                       description="Delete the given committed steps, as CheckpointManager.delete does (only "
+                                   "those), or with --incomplete the steps that never committed (a killed "
+                                   "save's). Takes PATH's writer lease, so it refuses while a writer holds it.")
+    s.add_argument("steps", metavar="STEP", nargs="*", help="committed steps to delete")
+    s.add_argument("--incomplete", action="store_true",
+                   help="delete the steps that never committed (ls: INCOMPLETE); refused while a writer holds "
+                        "the lease (a save may be in progress)")
     s.set_defaults(fn=cmd_rm)
 
     s = sub.add_parser("export", parents=[common],
@@ -230,6 +235,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 getattr(args, "_parser", parser).error(f"unrecognized arguments: {' '.join(extra)}")
             if args.command == "prune" and args.keep_last is None and args.keep_best is None:
                 args._parser.error("one of the arguments --keep-last --keep-best is required")
+            if args.command == "rm" and not args.steps and not args.incomplete:
+                args._parser.error("give the STEPs to delete, or --incomplete")
         except UsageError as exc:
             return _usage_error(exc, as_json)
         try:
@@ -246,6 +253,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return _fail(exc, EXIT_DAMAGED, as_json, verbose, hint=_damage_hint(args))
         except LeaseHeldError as exc:
             return _fail(exc, EXIT_ERROR, as_json, verbose, text=cli_lease_message(exc))
+        except StorageUnreachableError as exc:
+            return _fail(exc, EXIT_ERROR, as_json, verbose, text=cli_unreachable_message(exc))
         except (CheckpointError, OSError, ValueError, ImportError) as exc:
             return _fail(exc, EXIT_ERROR, as_json, verbose)
         except Exception as exc:  # noqa: BLE001 - a bug or an unexpected storage error: still one line
@@ -310,8 +319,7 @@ _RETRY_RE = re.compile(r"; retry \d+/\d+ in ")
 
 class _LogSink(logging.Handler):
     """The CLI's log handler: the storage clients (gcsfs, aiohttp, botocore, ...) log retries
-    with tracebacks; the command prints one line instead. Keeps the newest warning of a storage
-    retry for the unreachable-storage message; with ``--verbose`` prints every record."""
+    with tracebacks; the command prints one line instead; with ``--verbose`` prints every record."""
 
     def __init__(self, verbose: bool) -> None:
         super().__init__(logging.DEBUG if verbose else logging.WARNING)
@@ -321,8 +329,6 @@ class _LogSink(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         try:
             ours = record.name.split(".")[0] == "async_ckpt" and record.levelno >= logging.WARNING
-            if ours:
-                common.LAST_PROBLEM[:] = [record.getMessage()[:300]]
             if self.verbose:
                 sys.stderr.write(self.format(record) + "\n")
             elif ours and not _RETRY_RE.search(record.getMessage()):  # a retry is summed up by the error
@@ -345,7 +351,6 @@ class _quiet_logs:
         root.handlers = [self.sink]
         root.setLevel(self.sink.level)
         logging.lastResort = None
-        common.LAST_PROBLEM.clear()
         return self
 
     def __exit__(self, *exc: Any) -> None:

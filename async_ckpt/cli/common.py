@@ -6,26 +6,21 @@ import argparse
 import json
 import math
 import sys
-import threading
 import time
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, TypeVar
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
-from ..errors import CheckpointError, NotACheckpointRootError, StepNotFoundError
+from ..errors import CheckpointError, NotACheckpointRootError, StepNotFoundError, StorageUnreachableError
 from ..jobs.catalog import StepCatalog
 from ..storage.diagnosis import LIGHTNING_HINT, Finding, diagnose
 from ..storage.diagnosis import other_kinds as _other_kinds
+from ..storage.retry import RetryPolicy
 from ..storage.step_dirs import StepCopy, StepDirectories
-from ..storage.storage import Storage
+from ..storage.storage import CONNECT_TIMEOUT_HINT, Storage
 
 EXIT_OK, EXIT_DAMAGED, EXIT_ERROR = 0, 1, 2
 #: bytes read per call when a command reads a data file chunk by chunk
 CHUNK_BYTES = 8 * 2**20
-DEFAULT_CONNECT_TIMEOUT = 30.0
-T = TypeVar("T")
-
-
-class StorageUnreachableError(CheckpointError):
-    """The checkpoint root's storage did not answer the first request within ``--connect-timeout``."""
+DEFAULT_CONNECT_TIMEOUT = RetryPolicy.connect_timeout
 
 
 # ---- formatting ------------------------------------------------------------------------------
@@ -188,46 +183,20 @@ def parse_options(pairs: Optional[List[str]]) -> Dict[str, Any]:
     return out
 
 
-def _reach(fn: Callable[[], T], url: str, timeout: Optional[float]) -> T:
-    """``fn()`` (the first request to a remote root), given up after ``timeout`` seconds.
-
-    fsspec clients retry an endpoint that refuses connections for minutes; the command says
-    in one line that the storage cannot be reached instead. Local paths are called directly.
-    """
-    if timeout is None or "://" not in url or url.startswith("file://"):
-        return fn()
-    box: Dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            box["value"] = fn()
-        except BaseException as exc:  # noqa: BLE001 - raised in the caller's thread
-            box["error"] = exc
-
-    worker = threading.Thread(target=run, name="async-ckpt-connect", daemon=True)
-    worker.start()
-    worker.join(timeout)
-    if worker.is_alive():  # left behind: a daemon thread, gone when the command exits
-        seen = f" (last error: {LAST_PROBLEM[0]})" if LAST_PROBLEM else ""
-        raise StorageUnreachableError(
-            f"no answer from the storage of {url} within {timeout:g} s{seen}: check the endpoint and "
-            f"credentials (-o KEY=VALUE storage options, or the emulator's environment), or give it "
-            f"longer with --connect-timeout SECONDS")
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
-
-
-#: The newest storage problem a library logger reported (kept for the unreachable-storage
-#: message; the loggers themselves are quiet unless --verbose): set by the CLI's log handler.
-LAST_PROBLEM: List[str] = []
-
-
-def _connect_timeout(args: argparse.Namespace) -> Optional[float]:
+def _retry(args: argparse.Namespace) -> RetryPolicy:
+    """The retry policy of the command's storage: ``--connect-timeout`` bounds the first request."""
     t = getattr(args, "connect_timeout", DEFAULT_CONNECT_TIMEOUT)
-    if t is not None and (not math.isfinite(t) or t <= 0):
+    if t is None:
+        return RetryPolicy()
+    if not math.isfinite(t) or t <= 0:
         raise ValueError(f"--connect-timeout must be a number of seconds > 0, got {t}")
-    return t
+    return RetryPolicy(connect_timeout=t)
+
+
+def cli_unreachable_message(exc: StorageUnreachableError) -> str:
+    """The unreachable-storage error with the command's option, ``--connect-timeout SECONDS``,
+    instead of the Python setting (which the message names in the API)."""
+    return str(exc).replace(CONNECT_TIMEOUT_HINT, "pass --connect-timeout SECONDS")
 
 
 def open_root(args: argparse.Namespace) -> Tuple[Storage, StepDirectories]:
@@ -242,16 +211,12 @@ def open_root(args: argparse.Namespace) -> Tuple[Storage, StepDirectories]:
     Raises:
         FileNotFoundError: PATH does not exist.
         NotACheckpointRootError: PATH is a file.
-        StorageUnreachableError: The storage did not answer within ``--connect-timeout``.
+        StorageUnreachableError: The storage did not answer within ``--connect-timeout``
+            (:meth:`~async_ckpt.storage.storage.Storage.probe`).
     """
-    options = parse_options(args.storage_option)
-
-    def probe() -> Tuple[Storage, bool, bool]:
-        st = Storage(args.path, options)
-        there = st.exists(st.root)
-        return st, there, there and not st.fs.isdir(st.root)
-
-    storage, exists, is_file = _reach(probe, args.path, _connect_timeout(args))
+    storage = Storage(args.path, parse_options(args.storage_option), retry=_retry(args))
+    exists = storage.probe()
+    is_file = exists and not storage.fs.isdir(storage.root)
     if not exists:
         raise FileNotFoundError(f"no such checkpoint directory: {args.path}")
     if is_file:
@@ -311,9 +276,8 @@ def open_roots(args: argparse.Namespace) -> List[Tuple[str, Storage, StepDirecto
     roots = [("persistent", storage, layout)]
     local = getattr(args, "local_dir", None)
     if local:
-        lstorage, there = _reach(lambda: (lambda st: (st, st.exists(st.root)))(Storage(local)), local,
-                                 _connect_timeout(args))
-        if not there:
+        lstorage = Storage(local, retry=_retry(args))
+        if not lstorage.probe():
             raise FileNotFoundError(f"no such local checkpoint directory: {local}")
         roots.insert(0, ("local", lstorage, StepDirectories(lstorage, "auto")))
     return roots
@@ -362,13 +326,14 @@ def restore_order(layout: StepDirectories) -> List[int]:
     return StepCatalog(layout, time.time).steps_newest_first()
 
 
-def intact_line(step: Optional[int], skipped: Sequence[int], verified: bool) -> str:
+def intact_line(step: Optional[int], skipped: Sequence[int], verified: bool, checks: str = "ls's checks") -> str:
     """The line naming the step ``restore(None)`` takes (``ls``, ``verify``, ``export``).
 
     Args:
         step: The newest intact step, or None.
         skipped: Newer committed steps found damaged (restore(None) skips them).
         verified: Whether ``step``'s files were read and checksummed.
+        checks: What found it intact when not ``verified``.
 
     Returns:
         ``newest intact step (what restore(None) takes): N; newer, damaged, skipped: ...``.
@@ -378,7 +343,7 @@ def intact_line(step: Optional[int], skipped: Sequence[int], verified: bool) -> 
     else:
         text = f"newest intact step (what restore(None) takes): {step}"
         if not verified:
-            text += " (by ls's checks, contents not read: ls --verify or verify checksums it)"
+            text += f" (by {checks}, contents not read: ls --verify or verify checksums it)"
     if skipped:
         text += f"; newer, damaged, skipped: {', '.join(map(str, skipped))}"
     return text
@@ -399,11 +364,38 @@ class naming_step:
             raise exc.with_context(step=self.step) from exc.__cause__
 
 
+def latest_intact(layout: StepDirectories) -> Tuple[Optional[int], List[int]]:
+    """The step ``restore(None)`` takes, by the checks that read no data (``ls``'s): the first
+    of :func:`restore_order` whose manifest reads and whose files have their listed sizes.
+
+    Args:
+        layout: The root's step layout.
+
+    Returns:
+        ``(step, skipped)``: that step (None when every committed step fails) and the newer
+        committed steps that fail these checks (restore(None) skips them).
+    """
+    from ..io.read_exec import check_sizes
+
+    skipped: List[int] = []
+    for step in restore_order(layout):
+        try:
+            copy = layout.read_committed(step)
+            bad = check_sizes(layout.storage, copy.where, copy.manifest.files)
+        except CheckpointError:
+            bad = {"manifest": "damaged"}
+        if not bad:
+            return step, skipped
+        skipped.append(step)
+    return None, skipped
+
+
 def parse_step(text: Optional[str], layout: StepDirectories) -> int:
     """The STEP argument of a command.
 
     Args:
-        text: A step number, ``latest`` or None (the most recently committed step).
+        text: A step number, ``latest`` or None: the step ``restore(None)`` takes
+            (:func:`latest_intact`; the newest committed one when none passes, to report it).
         layout: The root's step layout.
 
     Returns:
@@ -414,13 +406,13 @@ def parse_step(text: Optional[str], layout: StepDirectories) -> int:
         ValueError: ``text`` is neither a non-negative integer nor ``latest``.
     """
     if text is None or text == "latest":
-        latest = StepCatalog(layout, time.time).latest()
+        latest, skipped = latest_intact(layout)
         if latest is None:
-            steps = layout.committed_steps()  # none whose manifest reads: the highest, to report it
+            steps = skipped or layout.committed_steps()  # none passes: the newest, to report it
             if not steps:
                 raise StepNotFoundError(no_checkpoint_message(layout.storage,
                                                        f"no committed checkpoint under {layout.storage.url}"))
-            return steps[-1]
+            return steps[0] if skipped else steps[-1]
         return latest
     if not text.isdigit():
         raise ValueError(f"STEP must be a non-negative integer or 'latest', got {text!r}")

@@ -11,6 +11,7 @@ import uuid
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 from ..errors import CorruptCheckpointError
+from ..stats import format_count
 from ..storage.step_dirs import StepDirectories
 from ..storage.storage import Storage
 from .common import (
@@ -64,6 +65,10 @@ def load_step(path: str, step: Optional[int] = None, *, key: Optional[str] = Non
     return step, state
 
 
+class NoSuchKeyError(ValueError):
+    """``--key`` names no entry of the step."""
+
+
 def read_newest(storage: Storage, layout: StepDirectories, step: Optional[int], *, key: Optional[str] = None,
                 verify: bool = True, allow_pickle: bool = False) -> Tuple[int, Any, List[int]]:
     """:func:`load_step` on an open root; also returns the damaged newer steps it skipped.
@@ -94,6 +99,16 @@ def read_newest(storage: Storage, layout: StepDirectories, step: Optional[int], 
     for s in order:
         try:
             return s, _read_step(storage, layout, s, key, verify, allow_pickle), skipped
+        except NoSuchKeyError:  # found in the metadata alone: said of the step restore(None) takes
+            from .verify import verify_step
+
+            problems = verify_step(storage, layout, s, progress_bar(0, "", False))["problems"]
+            if not problems:
+                raise
+            damaged = CorruptCheckpointError(f"step {s} is damaged: {'; '.join(problems)}", step=s)
+            log.warning("skipping damaged step %d (restore(None) skips it too): %s", s, damaged)
+            skipped.append(s)
+            last = damaged
         except CorruptCheckpointError as exc:
             log.warning("skipping damaged step %d (restore(None) skips it too): %s", s, exc)
             skipped.append(s)
@@ -122,7 +137,8 @@ def _read_step(storage: Storage, layout: StepDirectories, step: int, key: Option
                                  f"{'.'.join(names[:i])!r}; select it whole")
             k: Any = name if name in node else (int(name) if name.isdigit() and int(name) in node else None)
             if k is None:
-                raise ValueError(f"step {step} has no entry {key!r} (top-level keys: {', '.join(map(str, full))})")
+                raise NoSuchKeyError(f"step {step} has no entry {key!r} (top-level keys: "
+                                     f"{', '.join(map(str, full))})")
             parts.append(k)
             node = node[k]
             if i == len(names) - 1:
@@ -201,10 +217,15 @@ def cmd_export(args: argparse.Namespace) -> int:
     if ext == "safetensors":
         others = sorted(k for k, v in flat.items() if not isinstance(v, torch.Tensor))
         if others:
+            prefix = f"{args.key}." if args.key else ""
+            subtrees = sorted({k[len(prefix):].split(".", 1)[0] for k in flat if "." in k[len(prefix):]})
+            pure = [f"{prefix}{t}" for t in subtrees
+                    if not any(o[len(prefix):].split(".", 1)[0] == t for o in others)]
+            pick = (f", or pick a tensors-only subtree with --key ({', '.join(f'--key {t}' for t in pure[:5])})"
+                    if pure else " (no subtree holds tensors only)")
             raise ValueError(
-                f"safetensors holds tensors only, but step {step} also has {len(others)} other entries "
-                f"({', '.join(others[:5])}{' ...' if len(others) > 5 else ''}); export to .pt, or pick a "
-                f"tensors-only subtree with --key (e.g. --key model)")
+                f"safetensors holds tensors only, but step {step} also has {len(others)} other entr{'y' if len(others) == 1 else 'ies'} "
+                f"({', '.join(others[:5])}{' ...' if len(others) > 5 else ''}); export to .pt{pick}")
         try:
             from safetensors.torch import save as st_save
         except ImportError:
@@ -226,7 +247,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         print_json({"step": step, "out": out, "format": ext, "tensors": len(tensors), "tensor_bytes": nbytes,
                      "entries": len(flat), "latest": latest, **({"newer_damaged": skipped} if latest else {})})
     else:
-        print(f"exported step {step} ({len(tensors)} tensors, {human_bytes(nbytes)}"
+        print(f"exported step {step} ({format_count(len(tensors), 'tensor')}, {human_bytes(nbytes)}"
               f"{f', {len(flat) - len(tensors)} other entries' if len(flat) != len(tensors) else ''}) to {out}"
               + (" (latest: the newest intact step, what restore(None) takes"
                  + (f"; newer, damaged, skipped: {', '.join(map(str, skipped))})" if skipped else ")") if latest else ""))

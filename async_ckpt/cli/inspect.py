@@ -11,10 +11,13 @@ from ..errors import CheckpointError
 from ..format import step_names
 from ..format.manifest import MARKER_NAME, CopyIdentity, shown
 from ..io.read_exec import check_sizes
+from ..stats import format_count
 from ..storage.diagnosis import DCP_HINT, PARENT_OF_ROOTS, STEP_DIR
+from ..storage.lease import lease_holder
 from ..storage.step_dirs import StepDirectories
 from ..storage.storage import Storage
 from .common import (
+    EXIT_DAMAGED,
     EXIT_OK,
     fmt_metrics,
     fmt_time,
@@ -22,6 +25,7 @@ from .common import (
     home_identity,
     human_bytes,
     intact_line,
+    latest_intact,
     open_root,
     open_roots,
     parse_step,
@@ -171,15 +175,20 @@ def cmd_ls(args: argparse.Namespace) -> int:
     latest_order = max((e["commit_order"] for e in intact), default=None)
     latest = next((e["step"] for e in intact if e["commit_order"] == latest_order), None)
     skipped = [step for order, step in saves if latest_order is None or order > latest_order]
+    # --verify: verify's exit rule; a step it had to read (restore(None)'s order, newest first,
+    # until one verifies) is damaged: 1
+    code = EXIT_DAMAGED if args.verify and skipped else EXIT_OK
     findings = path_findings(roots[-1][1], args.path)
     others = [{"kind": f.kind, "names": list(f.names), "hint": f.message} for f in findings
               if f.kind not in (STEP_DIR, PARENT_OF_ROOTS)]
+    incomplete = [e for e in entries if e["status"] == "incomplete"]
+    holder = lease_holder(roots[-1][1]) if incomplete or args.json else None
     if args.json:
-        print_json({"path": args.path, "steps": entries, "latest": latest,
+        print_json({"path": args.path, "steps": entries, "latest": latest, "writer_lease": holder,
                      "commit_order": [step for _, step in saves], "newer_damaged": skipped,
                      "verified": bool(args.verify), "other_checkpoints": others,
                      "diagnosis": [f.to_dict() for f in findings]})
-        return EXIT_OK
+        return code
     if not entries:
         print(f"no checkpoints under {args.path}")
         for f in findings:
@@ -223,12 +232,16 @@ def cmd_ls(args: argparse.Namespace) -> int:
     for e in bad:
         where = f"{e['tier']} {e['name']}" if tiered else e["name"]
         print(f"  step {e['step']} ({where}): {e['status']}: {e['problem']}")
+    if incomplete:
+        state = holder["text"] if holder is not None else "no writer ever took the writer lease"
+        print(f"incomplete: {state}; `async-ckpt rm {args.path} --incomplete` deletes the steps that never "
+              f"committed (refused while a writer holds the lease)")
     nother = sum("saved_for" in e for e in entries)
     if nother:
         print(foreign_note(nother, home, "FOREIGN, left out of the commit order and latest"))
     for f in findings:
         print(f.message)
-    return EXIT_OK
+    return code
 
 
 # ---- show ------------------------------------------------------------------------------------
@@ -296,6 +309,8 @@ def _read_values(storage: Storage, where: str, files: Dict[str, Any], metadata: 
 
 def cmd_show(args: argparse.Namespace) -> int:
     storage, layout = open_root(args)
+    latest = args.step in (None, "latest")
+    intact, skipped = latest_intact(layout) if latest else (None, [])
     step = parse_step(args.step, layout)
     copy, metadata = read_step_metadata(storage, layout, step)
     man = copy.manifest
@@ -309,11 +324,14 @@ def cmd_show(args: argparse.Namespace) -> int:
                      "written_bytes": man.written_bytes, "referred_bytes": man.referred_bytes,
                      "shared_files": {k: {"size": v.size, "ref": v.ref} for k, v in sorted(man.files.items())
                                       if v.ref is not None},
-                     "entries": leaves})
+                     "entries": leaves, "latest": latest,
+                     **({"newer_damaged": skipped} if latest else {})})
         return EXIT_OK
-    print(f"step {step}  committed {fmt_time(man.commit_time)}  {len(tensors)} tensors, "
+    print(f"step {step}  committed {fmt_time(man.commit_time)}  {format_count(len(tensors), 'tensor')}, "
           f"{human_bytes(sum(x['bytes'] for x in tensors))}  "
           f"({len(man.files)} files, {human_bytes(sum(r.size for r in man.files.values()))} on storage)")
+    if latest:
+        print(intact_line(intact, skipped, verified=False, checks="its files' sizes"))
     if man.metrics:
         print(f"metrics: {fmt_metrics(man.metrics)}")
     # Build the tree, with the size and tensor count of every inner node.

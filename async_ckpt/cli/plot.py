@@ -118,7 +118,9 @@ def plot_run(records: Sequence[SaveStats], out: Any, title: str) -> Tuple[int, i
                    label=f"taken from earlier steps ({unit})")
     bottom.set_ylabel(f"bytes ({unit})")
     bottom.set_xlabel("step")
-    bottom.legend(loc="best", fontsize=8, framealpha=0.8)
+    # above the bars, never over them (loc="best" covered the newest bar of a full plot)
+    bottom.legend(loc="lower left", bbox_to_anchor=(0.0, 1.0), ncol=2, fontsize=8, frameon=False,
+                  borderaxespad=0.2)
     bottom.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(out, dpi=DPI)

@@ -9,7 +9,8 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 
 from ..addresses import byte_view
 from ..errors import CheckpointError, StepNotFoundError
-from ..format.manifest import shown
+from ..format import step_names
+from ..format.manifest import MARKER_NAME, shown
 from ..jobs.catalog import StepCatalog
 from ..storage.lease import writer_lease
 from ..storage.step_dirs import StepDirectories
@@ -441,22 +442,52 @@ def cmd_rm(args: argparse.Namespace) -> int:
             raise ValueError(f"STEP must be a non-negative integer, got {text!r}")
         if int(text) not in steps:
             steps.append(int(text))
-    _, layout = open_root(args)
+    storage, layout = open_root(args)
     committed = layout.committed_steps()
     missing = [s for s in steps if s not in committed]
     if missing:
         shown_steps = committed if len(committed) <= 20 else ["..."] + committed[-20:]
+        unfinished = {layout.step_of(p) for p in layout.incomplete()}
+        hint = ("; step(s) " + ", ".join(str(s) for s in missing if s in unfinished) + " never committed "
+                f"(incomplete): `async-ckpt rm {args.path} --incomplete` deletes the steps that never committed"
+                if any(s in unfinished for s in missing) else "")
         raise StepNotFoundError(f"no committed checkpoint for step{'s' if len(missing) > 1 else ''} "
                                 f"{', '.join(map(str, missing))} under {layout.storage.url} (committed: "
-                                f"{', '.join(map(str, shown_steps)) or 'none'}); nothing deleted", step=missing[0])
+                                f"{', '.join(map(str, shown_steps)) or 'none'}){hint}; nothing deleted",
+                                step=missing[0])
     deleted: List[int] = []
-    with CheckpointManager(args.path, storage_options=parse_options(args.storage_option), max_to_keep=0,
-                           lease_timeout=args.lease_timeout) as mgr:
-        for s in steps:
-            mgr.delete(s)  # takes the writer lease at the first: LeaseHeldError deletes nothing
-            deleted.append(s)
+    if steps:  # only these: keep_incomplete, so that the lease's clean-up removes nothing unasked
+        with CheckpointManager(args.path, storage_options=parse_options(args.storage_option), max_to_keep=0,
+                               keep_incomplete=True, lease_timeout=args.lease_timeout) as mgr:
+            for s in steps:
+                mgr.delete(s)  # takes the writer lease at the first: LeaseHeldError deletes nothing
+                deleted.append(s)
+    removed = _rm_incomplete(storage, layout, args.lease_timeout) if args.incomplete else []
     if args.json:
-        print_json({"path": args.path, "deleted": deleted})
-    else:
+        print_json({"path": args.path, "deleted": deleted, "deleted_incomplete": removed})
+        return EXIT_OK
+    if deleted:
         print(f"deleted step{'s' if len(deleted) > 1 else ''} {', '.join(map(str, deleted))} from {args.path}")
+    if args.incomplete:
+        print(f"deleted {len(removed)} incomplete step director{'y' if len(removed) == 1 else 'ies'} from "
+              f"{args.path}" + (f": {', '.join(removed)}" if removed else ""))
     return EXIT_OK
+
+
+def _rm_incomplete(storage: Storage, layout: StepDirectories, lease_timeout: float) -> List[str]:
+    """Delete what never committed under the root (what a writer's clean-up removes when it takes
+    the lease), holding the writer lease: :class:`LeaseHeldError` while a writer holds it (a save
+    may be in progress), and nothing is deleted. Returns the directory names deleted."""
+    lease = writer_lease(storage)
+    lease.acquire(lease_timeout)
+    removed: List[str] = []
+    try:
+        for path in layout.incomplete():
+            if not step_names.is_kind(path, step_names.TRASH) and storage.exists(f"{path}/{MARKER_NAME}"):
+                continue  # committed since it was listed (cannot be, under the lease: never deleted)
+            lease.check()  # proven before every deletion (an object store's lease may lapse meanwhile)
+            layout.remove(layout.condemn_dir(path))
+            removed.append(path.rsplit("/", 1)[-1])
+    finally:
+        lease.release()
+    return removed

@@ -31,6 +31,8 @@ from ..errors import (
     CheckpointError,
     InvalidArgumentError,
     InvalidStateDictError,
+    StorageError,
+    StorageUnreachableError,
 )
 from ..format.manifest import CopyIdentity, check_metrics
 from ..gc_pause import gc_paused
@@ -60,7 +62,7 @@ from ..policies import (
 )
 from ..staging import HostBufferPool, Stager
 from ..staging.frozen import FrozenTensors, version_of
-from ..stats import FALLBACK, UPLOAD_SKIPPED, SaveStats, format_bytes, format_seconds, tier_name
+from ..stats import FALLBACK, UPLOAD_SKIPPED, SaveStats, format_bytes, format_count, format_seconds, tier_name
 from ..storage import RetryPolicy, Storage
 from ..storage.stats_log import StatsLog
 from ..storage.step_dirs import StepDirectories
@@ -159,7 +161,11 @@ class CheckpointManager:
         commit_mode: ``"auto"`` (rename on POSIX, marker on object stores), ``"rename"``, ``"marker"``.
         verify: check checksums on restore (sizes are always checked).
         keep_incomplete: keep steps that never committed instead of cleaning them up.
-        retry: backoff for transient storage errors (default: ``RetryPolicy()``, 5 attempts).
+        retry: backoff for transient storage errors and the time bounds of storage calls
+            (default: ``RetryPolicy()``, 5 attempts). Its ``connect_timeout`` (30 s) bounds the
+            first request at opening: a remote root that does not answer by then raises
+            :class:`~async_ckpt.errors.StorageUnreachableError` (with ``local_dir``: logged,
+            saves go to the local tier meanwhile).
         on_saved: called with the :class:`SaveStats` of each committed save (writer thread).
         stats_log: append each save's :class:`SaveStats` as a JSON line to a file under the root:
             ``True`` for ``<path>/save_stats.jsonl``, or a path relative to ``path`` (see
@@ -335,6 +341,14 @@ class CheckpointManager:
         self._run_id = run_id
         self._saves = 0
         self.storage = Storage(opts.path, opts.storage_options, retry=opts.retry)
+        try:  # the first request, bounded: a wrong endpoint or network fails here, in one line
+            self.storage.probe()
+        except StorageUnreachableError as exc:
+            if opts.local_dir is None:
+                raise
+            log.warning("%s (saves go to local_dir %s meanwhile)", exc, opts.local_dir)
+        except StorageError:
+            pass  # it answered: opening checks the root and says what is wrong (RootProbe.open)
         self.layout = StepDirectories(self.storage, opts.commit_mode)
         self.process_group = opts.process_group
         self.chkpt_on_preemption = opts.chkpt_on_preemption
@@ -876,9 +890,9 @@ class CheckpointManager:
             root.store.note_restored(s if root.store is done.store else None)
         if log.isEnabledFor(logging.INFO):
             nbytes, count = _tensor_bytes(state_dict)
-            log.info("%srestored step %d: %s in %d tensors in %s from %s",
+            log.info("%srestored step %d: %s in %s in %s from %s",
                      f"rank {self._exchange.rank} " if self._exchange.world_size > 1 else "", s, format_bytes(nbytes),
-                     count, format_seconds(time.perf_counter() - t0), where)
+                     format_count(count, "tensor"), format_seconds(time.perf_counter() - t0), where)
         return s
 
     # ---- listing -----------------------------------------------------------------------------
@@ -1224,8 +1238,19 @@ class CheckpointManager:
                 pass
         self._finalizer.detach()
         live_managers.discard(self)
-        log.warning("abandoned the save of step %s: not committed (committed steps are kept)",
-                    ", ".join(map(str, pending)) or "-")
+        try:  # what the saves it waited for became: only those that did not commit were abandoned
+            committed = set(self.catalog.infos())
+        except Exception:  # noqa: BLE001 - cannot tell: all of them are named as not committed
+            committed = set()
+        lost = [s for s in pending if s not in committed]
+        done = [s for s in pending if s in committed]
+        if lost:
+            log.warning("abandoned the save of step %s: not committed (committed steps are kept)",
+                        ", ".join(map(str, lost)))
+        if not pending or done:
+            log.warning("closing interrupted (Ctrl-C): %s; committed steps are kept",
+                        f"the save of step {', '.join(map(str, done))} had committed" if done
+                        else "no save was being written")
 
     def _close_now(self) -> None:
         self._closed = True

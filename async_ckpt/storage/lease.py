@@ -425,3 +425,87 @@ def writer_lease(storage: Storage) -> "PosixLease | ObjectStoreLease":
         A :class:`PosixLease` (``flock``) on local paths, an :class:`ObjectStoreLease` elsewhere.
     """
     return PosixLease(storage.root) if storage.is_local else ObjectStoreLease(storage)
+
+
+def _flocked(st: os.stat_result) -> Optional[bool]:
+    """Whether some process holds a ``flock`` on the file of ``st`` (Linux ``/proc/locks``,
+    read without locking anything); None where that cannot be told."""
+    try:
+        with open("/proc/locks") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    want = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    for line in lines:
+        fields = line.split()
+        if "->" in fields:  # a waiter, not a holder
+            continue
+        if len(fields) >= 6 and fields[1] == "FLOCK" and fields[5] == want:
+            return True
+    return False
+
+
+def _running(info: Dict[str, Any]) -> Optional[bool]:
+    """Whether the process ``info`` names is running: known only on this host."""
+    if info.get("host") != socket.gethostname() or not isinstance(info.get("pid"), int):
+        return None
+    try:
+        os.kill(info["pid"], 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
+def lease_holder(storage: Storage) -> Optional[Dict[str, Any]]:
+    """Who holds, or last held, a root's writer lease, and whether that writer is alive; read
+    without taking the lease (a listing never gets in a writer's way).
+
+    Args:
+        storage: the checkpoint root.
+
+    Returns:
+        None when no writer ever took the lease; else ``host`` and ``pid`` of the last
+        holder, ``live`` (True: it holds the lease now, False: the lease is free, None:
+        cannot be told from here: another host's process) and ``text``, one sentence.
+
+    Raises:
+        StorageError: the lease could not be read.
+    """
+    if storage.is_local:
+        path = os.path.join(storage.root, LOCK_NAME)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        except OSError:  # a link in its place: never read through
+            return None
+        try:
+            info = PosixLease._read_holder(fd) or {}
+            live = _flocked(os.fstat(fd))
+        finally:
+            os.close(fd)
+        if live is None:
+            live = _running(info)
+    else:
+        cur = ObjectStoreLease(storage)._read()
+        if cur is None:
+            return None
+        info = cur
+        try:
+            expired = float(cur.get("expires", 0)) < time.time()
+        except (TypeError, ValueError):
+            expired = True
+        running = _running(info)
+        live = False if expired or running is False else (True if running else None)
+    who = _describe(info)
+    if live is True:
+        text = f"the writer lease is held by {who}, which is running: a save may be in progress"
+    elif live is False:
+        running = _running(info)
+        how = "" if running is None else (", which released it" if running else ", no longer running")
+        text = f"the writer lease is free (last held by {who}{how}): no save is in progress"
+    else:
+        text = f"the writer lease is held by {who}, whose liveness cannot be checked from this host"
+    return {"host": info.get("host"), "pid": info.get("pid"), "live": live, "text": text}

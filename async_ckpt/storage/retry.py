@@ -74,6 +74,26 @@ _TRANSIENT_BASES = {("aiohttp.client_exceptions", "ClientConnectionError"),
                     ("requests.exceptions", "ConnectionError"), ("requests.exceptions", "Timeout")}
 
 
+#: the packages of storage clients: an error of theirs is a storage error, whatever its class
+_CLIENT_PACKAGES = frozenset({"botocore", "aiobotocore", "boto3", "s3fs", "gcsfs", "google", "aiohttp", "requests",
+                              "urllib3", "fsspec", "adlfs", "azure", "ocifs", "huggingface_hub"})
+
+
+def is_client_error(exc: BaseException) -> bool:
+    """Whether an error comes from storage: an ``OSError``, an HTTP error (one with a status),
+    or any error of a storage client's package (botocore, gcsfs, aiohttp, fsspec, ...).
+
+    Args:
+        exc: the error a storage call raised.
+
+    Returns:
+        True for those; False for anything else (a bug, one of async_ckpt's own errors).
+    """
+    if isinstance(exc, OSError) or http_status(exc) is not None:
+        return True
+    return any(c.__module__.split(".", 1)[0] in _CLIENT_PACKAGES for c in type(exc).__mro__)
+
+
 def _is_transient_cloud(exc: BaseException) -> bool:
     """gcsfs/s3fs errors: network failures by class; HTTP status of a botocore ``ClientError``
     (s3fs chains it as ``__cause__`` of the ``OSError`` it raises)."""
@@ -109,6 +129,11 @@ class RetryPolicy:
             answer, passed to the client library (gcsfs ``requests_timeout``, s3fs
             ``config_kwargs`` ``connect_timeout``/``read_timeout``) unless ``storage_options``
             sets them. A bucket that stops answering fails each request after this long.
+        connect_timeout: seconds the first request to a remote root may take when the root
+            is opened (:meth:`~async_ckpt.storage.storage.Storage.probe`): a wrong bucket,
+            endpoint or network then fails within this time with
+            :class:`~async_ckpt.errors.StorageUnreachableError` instead of after the client's
+            retries. Raise it for a store that is slow to answer its first request.
         deadline: seconds one storage call on a remote filesystem may take with all its
             retries (ours and the client's); then it fails with
             :class:`~async_ckpt.errors.StorageTimeoutError`. Enforced by waiting at most this
@@ -127,18 +152,19 @@ class RetryPolicy:
     initial_delay: float = 0.2
     max_delay: float = 5.0
     request_timeout: float = 60.0
+    connect_timeout: float = 30.0
     deadline: float = 600.0
     bounded: bool = field(default=False, repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.attempts, int) or isinstance(self.attempts, bool) or self.attempts < 1:
             raise InvalidArgumentError(f"RetryPolicy.attempts must be an int >= 1, got {self.attempts!r}")
-        for name in ("initial_delay", "max_delay", "request_timeout", "deadline"):
+        positive = ("request_timeout", "connect_timeout", "deadline")
+        for name in ("initial_delay", "max_delay", *positive):
             v = getattr(self, name)
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0 or (v == 0 and name in (
-                    "request_timeout", "deadline")):
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0 or (v == 0 and name in positive):
                 raise InvalidArgumentError(f"RetryPolicy.{name} must be a number of seconds "
-                                 f"{'> 0' if name in ('request_timeout', 'deadline') else '>= 0'}, got {v!r}")
+                                           f"{'> 0' if name in positive else '>= 0'}, got {v!r}")
 
     def for_storage(self, *, remote: bool, client_retries: bool) -> "RetryPolicy":
         """The policy a storage applies.
@@ -167,9 +193,10 @@ class RetryPolicy:
 
         Raises:
             StorageTimeoutError: a bounded call did not finish within ``deadline``.
-            StorageError: an ``OSError`` or an HTTP error of a storage client (one with a
-                status) that is permanent or outlasted the attempts (a ``StorageError`` ``fn``
-                raised is raised as it is).
+            StorageError: an error of the storage (:func:`is_client_error`: an ``OSError``,
+                an HTTP error, any error of a storage client such as botocore's or aiohttp's)
+                that is permanent or outlasted the attempts (a ``StorageError`` ``fn`` raised is
+                raised as it is).
             FileNotFoundError: ``fn`` raised it (never retried).
         """
         delay = self.initial_delay
@@ -187,8 +214,8 @@ class RetryPolicy:
                         or (self.bounded and time.monotonic() + pause >= end)):
                     if isinstance(exc, (FileNotFoundError, StorageError)):
                         raise
-                    if isinstance(exc, OSError) or http_status(exc) is not None:  # an HTTP error of a client
-                        raise StorageError(f"{what} failed: {exc}") from exc
+                    if is_client_error(exc):
+                        raise StorageError(f"{what} failed: {_describe(exc)}") from exc
                     raise
                 log.warning("%s failed (%s: %s); retry %d/%d in %.2fs", what,
                             type(exc).__name__, exc, attempt, self.attempts - 1, pause)
@@ -302,3 +329,10 @@ def _run_bounded(fn: Callable[[], T], end: float, what: str, deadline: float) ->
         finally:
             del exc
     return result.pop()
+
+
+def _describe(exc: BaseException) -> str:
+    """An error as one line: its message; a client's error (not an ``OSError``) with its class's
+    name, which its message alone may not say (``EndpointConnectionError``)."""
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text if isinstance(exc, OSError) else f"{type(exc).__name__}: {text}"

@@ -9,17 +9,27 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
+import socket
+import threading
+import urllib.parse
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import fsspec
 
-from ..errors import CheckpointError, InvalidArgumentError, StorageError
+from ..errors import (
+    CheckpointError,
+    InvalidArgumentError,
+    StorageError,
+    StorageTimeoutError,
+    StorageUnreachableError,
+)
 from .backends import MISSING, Backend, FileState, backend_for
 from .backends.base import temp_name
-from .retry import RetryPolicy, check_abandoned
+from .retry import RetryPolicy, check_abandoned, is_client_error
 
-__all__ = ["DEFAULT_BLOCK_SIZE", "MISSING", "FileState", "PIPE_MAX_BYTES", "READ_RANGE_BYTES", "Storage"]
+__all__ = ["CONNECT_TIMEOUT_HINT", "DEFAULT_BLOCK_SIZE", "MISSING", "FileState", "PIPE_MAX_BYTES", "READ_RANGE_BYTES", "Storage"]
 
 DEFAULT_BLOCK_SIZE = 64 * 2**20  # upload chunk for object stores; gcsfs's 5 MiB is far too small
 # Object stores: a data file up to this size is serialised in memory and uploaded in one call
@@ -29,6 +39,9 @@ PIPE_MAX_BYTES = 256 * 2**20
 # Reads into host buffers: files bigger than twice this are fetched as concurrent ranged reads
 # of about this size.
 READ_RANGE_BYTES = 32 * 2**20
+#: what :meth:`Storage.probe`'s message says to do for a store that is only slow (the
+#: ``async-ckpt`` command says its ``--connect-timeout`` instead)
+CONNECT_TIMEOUT_HINT = "raise RetryPolicy(connect_timeout=SECONDS)"
 
 
 class Storage:
@@ -46,8 +59,10 @@ class Storage:
         retry: the retry policy of every call (default: ``RetryPolicy()``).
 
     Raises:
-        InvalidArgumentError: ``url`` is empty or not a str / ``os.PathLike``.
-        StorageError: fsspec cannot open ``url`` (unknown protocol, its package missing).
+        InvalidArgumentError: ``url`` is empty or not a str / ``os.PathLike``, or begins like
+            a URL with one slash (``gs:/bucket``: a typo, or a ``pathlib.Path`` of a URL).
+        StorageError: fsspec cannot open ``url`` (unknown protocol, its package missing, the
+            client refused its options).
     """
 
     def __init__(
@@ -63,11 +78,14 @@ class Storage:
         url = os.fspath(url)
         if not url:
             raise InvalidArgumentError("path must not be empty")
+        _refuse_one_slash_url(url)
         policy = retry if retry is not None else RetryPolicy()
         try:
             fs, root = fsspec.core.url_to_fs(url, **client_timeouts(url, storage_options, policy.request_timeout))
-        except (ImportError, ValueError) as exc:
-            raise StorageError(f"cannot open checkpoint path {url!r}: {exc}") from exc
+        except Exception as exc:
+            if not isinstance(exc, (ImportError, ValueError, TypeError)) and not is_client_error(exc):
+                raise
+            raise StorageError(f"cannot open checkpoint path {url!r}: {type(exc).__name__}: {exc}") from exc
         self.url = url
         self._backend: Backend = backend_for(fs)
         self.pipe_max_bytes = PIPE_MAX_BYTES
@@ -76,6 +94,47 @@ class Storage:
         self.block_size = block_size
         self.retry = policy
         self._abandoned = False
+
+    def probe(self) -> bool:
+        """Whether the root exists: the first request to the storage, bounded in time.
+
+        On remote storage the request must be answered within ``retry.connect_timeout``
+        seconds, and an object store's endpoint, where its client names it, is first resolved
+        and connected to (so that a wrong host or port fails at once, with its cause): a wrong
+        bucket, endpoint or network fails here in one line instead of after the client's
+        retries. Local paths: one ``exists``.
+
+        Returns:
+            True when the root exists.
+
+        Raises:
+            StorageUnreachableError: the endpoint does not resolve or refuses connections, or
+                no answer came within ``retry.connect_timeout`` (the message names the URL, the
+                cause, what to check and the setting to raise).
+            StorageError: the storage refused the request (wrong credentials, no such bucket).
+        """
+        if self.is_local:
+            return self.exists(self.root)
+        seconds = self.retry.connect_timeout
+        endpoint = self._backend.endpoint()
+        problem = endpoint_problem(endpoint, seconds) if endpoint else None
+        if problem is not None:
+            raise StorageUnreachableError(self._unreachable(problem))
+        policy = dataclasses.replace(self.retry, attempts=1, deadline=min(seconds, self.retry.deadline))
+        try:
+            return bool(policy.call(lambda: self.fs.exists(self.root), f"stat {self.root}"))
+        except StorageTimeoutError as exc:
+            raise StorageUnreachableError(self._unreachable(
+                f"no answer within {seconds:g} s" + (f" from {endpoint}" if endpoint else ""))) from exc
+        except StorageError as exc:
+            cause = " ".join(str(exc.__cause__ or exc).split())
+            raise StorageError(f"checkpoint path {self.url} cannot be read ({type(exc.__cause__ or exc).__name__}: "
+                               f"{cause}); check the credentials, endpoint and bucket in storage_options") from exc
+
+    def _unreachable(self, cause: str) -> str:
+        return (f"checkpoint path {self.url} cannot be reached: {cause}; check the endpoint, bucket and "
+                f"credentials (storage_options) and the network, or {CONNECT_TIMEOUT_HINT} "
+                f"(now {self.retry.connect_timeout:g} s) for a store that is only slow to answer")
 
     @property
     def retry(self) -> RetryPolicy:
@@ -570,6 +629,67 @@ class Storage:
             self.fs.invalidate_cache()
         except Exception:  # a filesystem without a listing cache: nothing to drop
             pass
+
+
+_ONE_SLASH = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+):/(?!/)")
+
+
+def _refuse_one_slash_url(url: str) -> None:
+    """A path whose first component is a known protocol followed by one slash (``gs:/bucket``)
+    is a mistyped URL, or a URL that went through ``pathlib.Path`` (which folds ``//``): never
+    a local directory named ``gs:``."""
+    m = _ONE_SLASH.match(url)
+    if m is None or m.group(1).lower() not in fsspec.available_protocols():
+        return
+    likely = f"{m.group(1)}://{url[m.end():]}"
+    raise InvalidArgumentError(
+        f"checkpoint path {url!r} looks like a URL with one slash after {m.group(1)}: (it would be saved "
+        f"to the local directory {m.group(1)}:); did you mean {likely!r}? Pass the URL as a str "
+        f"(pathlib.Path folds '//' into '/'), or ./{url} for a local directory")
+
+
+def endpoint_problem(endpoint: str, timeout: float) -> Optional[str]:
+    """Why ``endpoint`` cannot be connected to: its host does not resolve, or a TCP connection
+    to it is refused or times out; None when it connects, or when a proxy is configured
+    (``HTTP(S)_PROXY``, ``ALL_PROXY``: the client may reach it only through the proxy).
+
+    Args:
+        endpoint: an ``http(s)://host[:port]`` URL.
+        timeout: seconds for the name lookup and the connection, each.
+
+    Returns:
+        The problem in a few words, or None.
+    """
+    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy",
+                                       "ALL_PROXY", "all_proxy")):
+        return None
+    try:
+        parts = urllib.parse.urlsplit(endpoint if "://" in endpoint else f"http://{endpoint}")
+        host, port = parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError:
+        return None
+    if not host:
+        return None
+    box: List[Any] = []
+
+    def lookup() -> None:
+        try:
+            box.append(socket.getaddrinfo(host, port, type=socket.SOCK_STREAM))
+        except OSError as exc:
+            box.append(exc)
+
+    worker = threading.Thread(target=lookup, name="async-ckpt-resolve", daemon=True)
+    worker.start()
+    worker.join(timeout)
+    if not box:
+        return f"the endpoint {endpoint}'s host {host} did not resolve within {timeout:g} s"
+    if isinstance(box[0], OSError):
+        return f"the endpoint {endpoint}'s host {host} does not resolve ({box[0].strerror or box[0]})"
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+    except OSError as exc:
+        return f"the endpoint {endpoint} refuses connections ({exc.strerror or type(exc).__name__})"
+    return None
 
 
 #: gcsfs/s3fs storage options that bound one request, per protocol

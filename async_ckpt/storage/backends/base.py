@@ -135,6 +135,9 @@ class Backend(Protocol):
     def url_of(self, path: str) -> str:
         """A URL that fsspec (and so DCP) can open for ``path``."""
 
+    def endpoint(self) -> Optional[str]:
+        """The URL of the service the client connects to, where known (object stores), else None."""
+
     def makedirs(self, path: str) -> None:
         """Make ``path`` and its parents a directory, where the storage has directories."""
 

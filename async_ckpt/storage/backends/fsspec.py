@@ -31,6 +31,9 @@ class FsspecBackend:
     def url_of(self, path: str) -> str:
         return self.fs.unstrip_protocol(path)
 
+    def endpoint(self) -> Optional[str]:
+        return None  # not known: only the bounded first request tells
+
     def makedirs(self, path: str) -> None:
         self.fs.makedirs(path, exist_ok=True)
 

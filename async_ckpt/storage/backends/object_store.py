@@ -3,6 +3,7 @@ PUT of an object is atomic, and the service checks each upload's length."""
 
 from __future__ import annotations
 
+import os
 from contextlib import contextmanager
 from typing import Any, Iterator, Optional
 
@@ -38,6 +39,21 @@ class ObjectStoreBackend(FsspecBackend):
         # gcsfs retries every request (6 tries, backoff to 32 s), s3fs/botocore too
         self.client_retries = any(p in RETRYING_CLIENTS for p in protocols)
         self.keeps_crc32c = any(p in CRC32C_KEEPERS for p in protocols)
+
+    def endpoint(self) -> Optional[str]:
+        """The URL the client sends its requests to, where the client says it (gcsfs: its
+        endpoint, the emulator's or Google's; s3fs: an ``endpoint_url`` given, or botocore's
+        ``AWS_ENDPOINT_URL*`` variables); else None."""
+        fs = self.fs
+        location = getattr(fs, "_location", None)  # gcsfs
+        if isinstance(location, str):
+            return location
+        kwargs = getattr(fs, "client_kwargs", None) or {}
+        for url in (getattr(fs, "endpoint_url", None), kwargs.get("endpoint_url"),
+                    os.environ.get("AWS_ENDPOINT_URL_S3"), os.environ.get("AWS_ENDPOINT_URL")):
+            if isinstance(url, str) and url:
+                return url
+        return None
 
     def makedirs(self, path: str) -> None:
         pass  # no directories; and gcsfs/s3fs makedirs would silently create a missing bucket

@@ -140,6 +140,9 @@ class PosixBackend:
     def normalize_root(self, root: str) -> str:
         return os.path.abspath(root)
 
+    def endpoint(self) -> Optional[str]:
+        return None
+
     def url_of(self, path: str) -> str:
         return path
 
