@@ -357,9 +357,10 @@ def defer_spmd(items: _Items, host: List[Optional[torch.Tensor]], deferred: List
     entry: Dict[int, Any] = {}
     cpu_shards = compat.xla_cpu_shards()[0]
     for k, (t, ref) in enumerate(zip(srcs, refs)):
-        if ref is None:
-            _tell_once("ref", "async_ckpt: an XLA tensor without device data of its own (host data, say) "
-                       "is transferred while save_async waits")
+        if ref is None:  # host data (handed back without a transfer) or data that cannot be referenced
+            if _has_device_data(t):
+                _tell_once("ref", "async_ckpt: an XLA tensor whose device data cannot be referenced (no "
+                           "sharding annotation) is transferred while save_async waits")
             now.add(k)
             continue
         try:
