@@ -481,7 +481,6 @@ def deferred(root: str) -> None:
     import time
 
     import torch_xla.core.xla_model as xm
-
     from torch.utils._pytree import tree_map_only
 
     from async_ckpt.testing import hold_copies
@@ -513,7 +512,15 @@ def deferred(root: str) -> None:
         marked.__name__ = f"donated_{mutate.__name__}"
         return marked
 
-    paths = [optimizer_sync, add_mark_step, donated(optimizer_sync), donated(add_mark_step)]
+    def unheld(mutate: Callable[[], None]) -> Callable[[], None]:
+        def concurrent() -> None:
+            mutate()
+        concurrent.__name__ = f"unheld_{mutate.__name__}"
+        return concurrent
+
+    # the last ones with the copier running: the transfers race the steps
+    paths = [optimizer_sync, add_mark_step, donated(optimizer_sync), donated(add_mark_step),
+             unheld(optimizer_sync), unheld(add_mark_step)]
     with CheckpointManager(root, max_to_keep=0) as mgr:
         for step, mutate in enumerate(paths):
             train_step(model, optim)  # fresh buffers, as a training loop saves them
@@ -521,7 +528,9 @@ def deferred(root: str) -> None:
             if mutate.__name__.startswith("donated"):
                 for t in xla_tensors():
                     torch_xla._XLAC._set_buffer_donation(t, True)
-            with hold_copies():
+            with hold_copies() as hold:
+                if mutate.__name__.startswith("unheld"):
+                    hold.release()
                 assert mgr.save_async(step, state())
                 # the values at the call (read after it, before any change; CPU tensors such
                 # as AdamW's step counters cloned: .cpu() would return the live tensor)

@@ -281,7 +281,8 @@ class PendingCopies:
         self.sealed.wait()
         for c in self.chunks:
             if c.error is not None:
-                raise CheckpointError(f"lazy host copy failed: {type(c.error).__name__}: {c.error}",
+                raise CheckpointError(f"{'deferred XLA transfer' if c.xla else 'lazy host copy'} failed: "
+                                      f"{type(c.error).__name__}: {c.error}",
                                       step=self.step) from c.error
         freed = [n for c in self.chunks for n in c.freed]
         if freed:

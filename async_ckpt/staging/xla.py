@@ -418,7 +418,10 @@ def _whole_transfer(pairs: List[Tuple[torch.Tensor, torch.Tensor]]) -> Callable[
         got = compat.xla_get_cpu_tensors([ref for ref, _ in pairs])
         with torch.no_grad():
             for (_, ph), g in zip(pairs, got):
-                ph.set_(g.detach())
+                if g.dtype != ph.dtype or g.shape != ph.shape:
+                    raise RuntimeError(f"torch_xla transferred a {g.dtype} {tuple(g.shape)} tensor for a "
+                                       f"{ph.dtype} {tuple(ph.shape)} one")
+                ph.set_(g.untyped_storage(), g.storage_offset(), g.size(), g.stride())  # no copy
         pairs.clear()
 
     return run
