@@ -218,7 +218,14 @@ def xla_buffer_donation_fn() -> Callable[[torch.Tensor], bool]:
 
 
 def xla_tensor_debug_info(t: torch.Tensor) -> str:
-    """``_get_xla_tensor_debug_info``: what an XLA tensor holds (IR, device data, host data)."""
+    """``_get_xla_tensor_debug_info``: what an XLA tensor holds (IR, device data, host data).
+
+    Args:
+        t: an XLA tensor.
+
+    Returns:
+        torch_xla's description (``XLAData: None`` when it has no device data).
+    """
     return str(xlac()._get_xla_tensor_debug_info(t))
 
 
