@@ -219,6 +219,33 @@ def xla_alias_with_buffer_donor() -> bool:
     return bool(xlac()._xla_get_enable_alias_with_buffer_donor_config())
 
 
+def xla_device_data_refs_fn() -> Callable[[List[torch.Tensor], List[torch.Tensor]], Any]:
+    """``_get_tensors_xla_device_data_node``: new XLA tensors over the device data a graph reads (no copy)."""
+    return xlac()._get_tensors_xla_device_data_node
+
+
+def xla_sharding_spec_fn() -> Callable[[torch.Tensor], str]:
+    """``_get_xla_sharding_spec``: an XLA tensor's sharding annotation ("" when none)."""
+    return xlac()._get_xla_sharding_spec
+
+
+def xla_buffer_donation_fn() -> Callable[[torch.Tensor], bool]:
+    """``_get_buffer_donation``: whether an XLA tensor's buffer is marked for donation."""
+    return xlac()._get_buffer_donation
+
+
+def xla_tensor_debug_info(t: torch.Tensor) -> str:
+    """``_get_xla_tensor_debug_info``: what an XLA tensor holds (IR, device data, host data).
+
+    Args:
+        t: an XLA tensor.
+
+    Returns:
+        torch_xla's description (``XLAData: None`` when it has no device data).
+    """
+    return str(xlac()._get_xla_tensor_debug_info(t))
+
+
 def xla_sharding_type_fn() -> Callable[[torch.Tensor], Any]:
     """``_get_xla_sharding_type``: an XLA tensor's SPMD sharding type (None when unsharded)."""
     return xlac()._get_xla_sharding_type

@@ -16,6 +16,13 @@ timed right before the next (same moment, same machine state):
 * ``async_ckpt save_async``: until it returns (the snapshot is then on the host); then
   ``join()``, whose time is reported as ``durable``.
 
+With ``--loop K`` (issue 46), each sample also measures the training time a save costs: K
+training steps right before with no save (the reference), then, for each manager, its
+``save_async`` followed at once by K steps (the save's transfers and write run meanwhile),
+then ``join()``. *lost* = that window minus the reference: the stall plus what the background
+work slowed the steps by (on a CPU host the "device" shares the cores with the background).
+Choose K so that the steps outlast the save.
+
 Reported per sample: async_ckpt / torch_xla's manager and async_ckpt / the batched call; the
 medians of those paired ratios with their min-max, and the medians of the absolute times
 (issue 34's targets: <= 0.25x the manager, <= 1.0x the batched call).
@@ -93,6 +100,34 @@ def training_step(sd: Dict[str, Any]) -> None:
     torch_xla._XLAC._xla_wait_device_ops([])
 
 
+LOOP_KEYS = ("loop_ref_s", f"lost_s {OURS}", f"lost_s {TXLA}")
+
+
+def loop_lost(steps: int, sd: Dict[str, Any], txla: Any, ours: Any, i: int, txla_dir: str,
+              ours_dir: str) -> Dict[str, float]:
+    """The training time one save of each manager costs a loop of ``steps`` steps (see the module docstring)."""
+    def loop() -> float:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            training_step(sd)
+        return time.perf_counter() - t0
+
+    gc.collect()
+    ref = loop()
+    out = {"loop_ref_s": ref}
+    for name, mgr, d in ((OURS, ours, ours_dir), (TXLA, txla, txla_dir)):
+        step = 10_000 + i
+        gc.collect()
+        t0 = time.perf_counter()
+        mgr.save_async(step, sd)
+        for _ in range(steps):
+            training_step(sd)
+        out[f"lost_s {name}"] = time.perf_counter() - t0 - ref
+        mgr.join()
+        shutil.rmtree(os.path.join(d, str(step)), ignore_errors=True)
+    return out
+
+
 def run(args: argparse.Namespace) -> Dict[str, Any]:
     import torch_xla
     import torch_xla.runtime as xr
@@ -140,6 +175,8 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
             assert st is not None and st.step == i
             shutil.rmtree(os.path.join(ours_dir, str(i)), ignore_errors=True)
             s = {TXLA: t1 - t0, BATCHED: t3 - t2, OURS: t5 - t4, "durable_s": t6 - t4, "stage_s": st.stage_s}
+            if args.loop:
+                s.update(loop_lost(args.loop, sd, txla, ours, i, txla_dir, ours_dir))
             if i >= args.warmup:
                 samples.append(s)
             if not args.quiet:
@@ -150,6 +187,8 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         report["samples"] = samples
         report["blocking"] = {m: spread([s[m] for s in samples]) for m in (OURS, TXLA, BATCHED)}
         report["durable"] = spread([s["durable_s"] for s in samples])
+        if args.loop:
+            report["loop"] = {"steps": args.loop, **{k: spread([s[k] for s in samples]) for k in LOOP_KEYS}}
         report["ratios"] = [{"name": f"async_ckpt / {ref}, paired", "target": tgt,
                              **spread([s[OURS] / s[ref] for s in samples])} for ref, tgt in TARGETS.items()]
         for r in report["ratios"]:
@@ -171,6 +210,14 @@ def markdown(report: Dict[str, Any]) -> str:
         lines.append(f"| {m} | {_ms(v['median'])} ({_ms(v['min'])}-{_ms(v['max'])}) |")
     d = report["durable"]
     lines.append(f"| async_ckpt save_async + join (durable) | {_ms(d['median'])} ({_ms(d['min'])}-{_ms(d['max'])}) |")
+    if "loop" in report:
+        lp = report["loop"]
+        lines += ["", f"training time lost per save, {lp['steps']} steps after the call "
+                  f"(reference {_ms(lp['loop_ref_s']['median'])} without a save)", "",
+                  "| method | lost per save, median (min-max) |", "| --- | --- |"]
+        for k in LOOP_KEYS[1:]:
+            v = lp[k]
+            lines.append(f"| {k.split(' ', 1)[1]} | {_ms(v['median'])} ({_ms(v['min'])}-{_ms(v['max'])}) |")
     lines += ["", "| paired ratio | median (min-max) | target | result |", "| --- | --- | --- | --- |"]
     for r in report["ratios"]:
         lines.append(f"| {r['name']} | {r['median']:.2f}x ({r['min']:.2f}-{r['max']:.2f}) | <= {r['target']:g}x | "
@@ -187,6 +234,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--dir", default=None, help="where the checkpoints go (default: /tmp)")
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"), help="directory for bench_spmd.json")
     p.add_argument("--smoke", action="store_true", help="4 MiB, 1 sample: checks the script works (seconds)")
+    p.add_argument("--loop", type=int, default=0, metavar="K",
+                   help="also measure the training time lost per save over K steps after the call (0: off)")
     p.add_argument("--quiet", action="store_true")
     args = p.parse_args(argv)
     if args.smoke:

@@ -470,9 +470,90 @@ def two_processes(root: str) -> None:
     dist.barrier()
 
 
+def deferred(root: str) -> None:
+    """Issue 46: ``save_async`` takes references to the device data and transfers it later, on
+    the copier thread. The copier is held while the state changes, twice, right after the call,
+    through each path that gives the tensors new buffers or could donate the old ones
+    (``optimizer.step()`` + ``torch_xla.sync()``, in-place ``add_`` + ``xm.mark_step()``, and
+    both again after the buffers were marked for donation, which is transferred at the call);
+    the step written holds the values at the call, bitwise. Run with and without
+    ``XLA_ENABLE_PARAM_ALIASING`` (tests/test_spmd.py)."""
+    import time
+
+    import torch_xla.core.xla_model as xm
+    from torch.utils._pytree import tree_map_only
+
+    from async_ckpt.testing import hold_copies
+
+    model, optim = model_and_optimizer(torch.optim.AdamW)
+    train_step(model, optim)
+
+    def state() -> Dict[str, Any]:
+        return {"model": model.state_dict(), "optim": optim.state_dict()}
+
+    def xla_tensors() -> list:
+        out = list(model.parameters())
+        for st in optim.state.values():
+            out += [v for v in st.values() if isinstance(v, torch.Tensor) and v.device.type == "xla"]
+        return out
+
+    def optimizer_sync() -> None:
+        train_step(model, optim)
+
+    def add_mark_step() -> None:
+        with torch.no_grad():
+            for t in xla_tensors():
+                t.add_(1.0)
+        xm.mark_step()
+
+    def donated(mutate: Callable[[], None]) -> Callable[[], None]:
+        def marked() -> None:
+            mutate()
+        marked.__name__ = f"donated_{mutate.__name__}"
+        return marked
+
+    def unheld(mutate: Callable[[], None]) -> Callable[[], None]:
+        def concurrent() -> None:
+            mutate()
+        concurrent.__name__ = f"unheld_{mutate.__name__}"
+        return concurrent
+
+    # the last ones with the copier running: the transfers race the steps
+    paths = [optimizer_sync, add_mark_step, donated(optimizer_sync), donated(add_mark_step),
+             unheld(optimizer_sync), unheld(add_mark_step)]
+    with CheckpointManager(root, max_to_keep=0) as mgr:
+        for step, mutate in enumerate(paths):
+            train_step(model, optim)  # fresh buffers, as a training loop saves them
+            torch_xla._XLAC._xla_wait_device_ops([])
+            if mutate.__name__.startswith("donated"):
+                for t in xla_tensors():
+                    torch_xla._XLAC._set_buffer_donation(t, True)
+            with hold_copies() as hold:
+                if mutate.__name__.startswith("unheld"):
+                    hold.release()
+                assert mgr.save_async(step, state())
+                # the values at the call (read after it, before any change; CPU tensors such
+                # as AdamW's step counters cloned: .cpu() would return the live tensor)
+                want = tree_map_only(torch.Tensor, torch.clone, host_tree(state()))
+                for _ in range(2):
+                    mutate()
+                    torch_xla._XLAC._xla_wait_device_ops([])
+                changed = host_tree(state())
+                assert not torch.equal(changed["model"]["fc1.weight"], want["model"]["fc1.weight"]), mutate.__name__
+                if step == 0:  # the transfer is really deferred: nothing is written while the copier is held
+                    time.sleep(2.0)
+                    assert step not in mgr.all_steps(), "the save was written before its transfer was let run"
+            mgr.join()
+            fresh_model, fresh_optim = model_and_optimizer(torch.optim.AdamW)
+            fresh = {"model": fresh_model.state_dict(), "optim": fresh_optim.state_dict()}
+            CheckpointManager(root).restore(step, fresh)
+            assert_bitwise_equal(host_tree(fresh), want, f"{mutate.__name__}: step {step}")
+            print(f"deferred {mutate.__name__} ok", flush=True)
+
+
 SCENARIOS: Dict[str, Callable[[str], None]] = {f.__name__: f for f in (
     manager_checkpointing, manager_step_tracking, manager_max_to_keep, manager_async, manager_async_step_tracking,
-    sgd, adamw, unsynced_save, states, optim_interop, two_processes)}
+    sgd, adamw, unsynced_save, states, optim_interop, two_processes, deferred)}
 #: the scenarios of torch_xla's CheckpointManagerTest: run with its process group and coordinator
 MANAGER_TESTS = {"manager_checkpointing", "manager_step_tracking", "manager_max_to_keep", "manager_async",
                  "manager_async_step_tracking"}

@@ -5,8 +5,9 @@ Each scenario of tests/spmd_scenarios.py runs in its own process (``tests/spmd_w
 hide the others. torch_xla 2.9's own ``CheckpointManagerTest`` and ``OptimizerCheckpointTest``
 (``manager_*``, ``sgd``, ``adamw``), the abort of issue 34 (``unsynced_save``), every state a
 torch_xla user can hand to a save (``states``), optimizer state between async_ckpt,
-``dcp.load`` with ``SPMDLoadPlanner`` and torch_xla's manager (``optim_interop``), and two
-processes saving together under torchrun (``two_processes``).
+``dcp.load`` with ``SPMDLoadPlanner`` and torch_xla's manager (``optim_interop``), two
+processes saving together under torchrun (``two_processes``), and the transfer left to the
+copier thread while the state changes (``deferred``, issue 46).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import os
 import socket
 import subprocess
 import sys
+from typing import Dict, Optional
 
 import pytest
 
@@ -34,8 +36,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_scenario(name: str, root: str, devices: int = 4) -> subprocess.CompletedProcess:
+def run_scenario(name: str, root: str, devices: int = 4, extra_env: Optional[Dict[str, str]] = None,
+                 ) -> subprocess.CompletedProcess:
     env = dict(os.environ)
+    env.update(extra_env or {})
     env.update({"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(devices), "OMP_NUM_THREADS": "1",
                 "XLA_COORDINATOR_PORT": str(_free_port()),
                 "PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), env.get("PYTHONPATH", "")])})
@@ -73,6 +77,16 @@ def test_every_spmd_state_is_staged_and_saved_bitwise(tmp_path):
 
 def test_optimizer_state_between_async_ckpt_dcp_and_torch_xla(tmp_path):
     _check("optim_interop", run_scenario("optim_interop", str(tmp_path / "ckpt")))
+
+
+@pytest.mark.parametrize("aliasing", ["1", "0"])
+def test_deferred_spmd_transfer_holds_the_values_at_the_call(aliasing, tmp_path):
+    """Issue 46: under SPMD ``save_async`` transfers on the copier thread from references taken
+    at the call; changing the state right after the call (optimizer step + sync, ``add_`` +
+    ``mark_step``, buffers marked for donation), with and without
+    ``XLA_ENABLE_PARAM_ALIASING``, leaves the step written with the values at the call."""
+    proc = run_scenario("deferred", str(tmp_path / "ckpt"), extra_env={"XLA_ENABLE_PARAM_ALIASING": aliasing})
+    _check("deferred", proc)
 
 
 @pytest.mark.slow

@@ -9,7 +9,7 @@ reported as :class:`~async_ckpt.errors.InvalidStateDictError` naming it.
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Set, Tuple
+from typing import Any, Callable, List, Optional, Set, Tuple
 
 import torch
 
@@ -26,7 +26,7 @@ class StagingJob:
     """What one stage fills in: a host tensor per plan tensor, the leases holding them, and
     what the snapshot reports about its sources."""
 
-    __slots__ = ("host", "leases", "sources", "xla_shards", "xla_spmd")
+    __slots__ = ("host", "leases", "sources", "xla_shards", "xla_spmd", "deferred")
 
     def __init__(self, plan: StagingPlan) -> None:
         self.host: List[Optional[torch.Tensor]] = [None] * len(plan.tensors)
@@ -35,6 +35,8 @@ class StagingJob:
         self.sources: Optional[List[torch.Tensor]] = None
         self.xla_shards = False
         self.xla_spmd = False
+        #: transfers left to another thread (SPMD: from references to immutable device data)
+        self.deferred: List[Callable[[], None]] = []
 
 
 class BaseStager:

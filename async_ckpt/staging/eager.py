@@ -4,6 +4,10 @@ The tensors are laid out in pooled buffers (:mod:`.buffer_layout`; storages shar
 tensors copied once) and copied with one batched transfer per device type: CPU
 (:mod:`.cpu`), CUDA (:mod:`.cuda`), XLA (:mod:`.xla`). When ``stage`` returns, the snapshot
 owns host copies of every tensor and the training loop may mutate its tensors freely.
+
+One exception, invisible to the training loop: under SPMD the XLA transfers read references
+to the (immutable) device data taken at the call, on the copier thread
+(:func:`~.xla.defer_spmd`); ``snapshot.pending`` tracks them and ``wait_copied()`` waits.
 """
 
 from __future__ import annotations
@@ -12,12 +16,15 @@ from typing import List, Optional, Tuple
 
 import torch
 
+from . import guard
 from .base import BaseStager, StagingJob
 from .buffer_layout import BufferLayoutMemo
 from .cpu import copy_cpu
 from .cuda import CudaTransfer
+from .lazy_copies import deferred_chunks, start
 from .plan import PlanMemo
 from .pool import HostBufferPool
+from .snapshot import HostSnapshot
 from .xla import XlaStaging, stage_batched, with_buffers, xla_host_views
 
 _Items = List[Tuple[int, torch.Tensor]]
@@ -42,11 +49,16 @@ class EagerStager(BaseStager):
         self.copy_now(items, job, cuda)
 
     def _stage_xla(self, items: _Items, job: StagingJob) -> None:
-        rest, shards, spmd = self.xla.stage_direct(self.pool, items, job.host, job.leases)
+        rest, shards, spmd = self.xla.stage_direct(self.pool, items, job.host, job.leases, job.deferred)
         job.xla_shards = job.xla_shards or shards
         job.xla_spmd = job.xla_spmd or spmd
         if rest:
             self.copy_xla_now(rest, job)
+
+    def _finish(self, snap: HostSnapshot, job: StagingJob) -> None:
+        if job.deferred:  # SPMD: the transfers run on the copier thread; the writer waits for them
+            snap.pending = start(deferred_chunks(job.deferred), self.cuda.stream)
+            guard.install()
 
     def copy_now(self, items: _Items, job: StagingJob, cuda: bool = True, source: str = "local") -> None:
         """Copy CPU/CUDA tensors into pooled buffers before returning.

@@ -32,7 +32,7 @@ from .base import BaseStager, StagingJob
 from .buffer_layout import SMALL_TENSOR_BYTES, lay_out, unique
 from .cpu import copy_cpu
 from .eager import EagerStager
-from .lazy_copies import NeedOrder, PendingCopies, build_chunks, start
+from .lazy_copies import NeedOrder, PendingCopies, build_chunks, deferred_chunks, start
 from .plan import StagingPlan
 from .snapshot import HostSnapshot
 from .xla import XlaStaging, stage_batched, with_buffers, xla_host_views
@@ -101,7 +101,7 @@ class LazyStager(BaseStager):
         self._lay_out(items, job.host, job, xla=False)  # type: ignore[arg-type]
 
     def _stage_xla(self, items: _Items, job: StagingJob) -> None:
-        rest, shards, spmd = self.xla.stage_direct(self.pool, items, job.host, job.leases)
+        rest, shards, spmd = self.xla.stage_direct(self.pool, items, job.host, job.leases, job.deferred)
         job.xla_shards = job.xla_shards or shards
         job.xla_spmd = job.xla_spmd or spmd
         rest, other = with_buffers(rest)
@@ -140,7 +140,8 @@ class LazyStager(BaseStager):
 
     def _finish(self, snap: HostSnapshot, job: StagingJob) -> None:
         # XLA views and small tensors first, then big tensors in the learned order.
-        pending = start(build_chunks(job.pairs, CHUNK_BYTES), self.eager.cuda.stream, self.order)  # type: ignore[attr-defined]
+        chunks = deferred_chunks(job.deferred) + build_chunks(job.pairs, CHUNK_BYTES)  # type: ignore[attr-defined]
+        pending = start(chunks, self.eager.cuda.stream, self.order)
         guard.install()
         snap.pending = pending
         self._outstanding = [pc for pc in self._outstanding if not pc.done]

@@ -71,7 +71,7 @@ class Chunk:
     """One batched copy and the user tensors it reads."""
 
     __slots__ = ("dsts", "srcs", "members", "versions", "keys", "nbytes", "xla", "done", "fenced",
-                 "sealed", "event", "device", "lock", "error", "torn", "claimed", "storages", "freed")
+                 "sealed", "event", "device", "lock", "error", "torn", "claimed", "storages", "freed", "fn")
 
     def __init__(self, xla: bool = False) -> None:
         self.dsts: List[torch.Tensor] = []
@@ -94,6 +94,9 @@ class Chunk:
         #: recorded at the call and compared before (and after) the copy reads them
         self.storages: List[Tuple[str, torch.Tensor, int, int]] = []
         self.freed: List[str] = []  # tensors whose storage was freed, resized or replaced
+        #: a deferred transfer (SPMD: from references to immutable device data) run instead
+        #: of a copy; it reads no user tensor, so nothing is checked
+        self.fn: Optional[Callable[[], None]] = None
 
     def claim(self) -> bool:
         """Take this CPU copy for the calling thread (False if another thread has it)."""
@@ -130,6 +133,8 @@ class Chunk:
         try:
             if self.event is not None:
                 self.event.synchronize()
+            elif self.fn is not None:
+                self.fn()
             elif self.dsts:
                 bad = self.storage_changed()
                 if not bad:
@@ -140,6 +145,7 @@ class Chunk:
         except BaseException as exc:  # noqa: BLE001 - reported by result()
             self.error = exc
         self.dsts, self.srcs = [], []  # copied: drop the references to the user's tensors
+        self.fn = None
         if self.event is None:
             self.storages = []
         self.done.set()
@@ -185,6 +191,8 @@ class PendingCopies:
             for k in c.keys:
                 self.by_key.setdefault(k, []).append(c)
         self.has_xla = any(c.xla for c in chunks)
+        #: no chunk has anything to check (device buffers only): any thread may seal them
+        self.checkless = all(c.xla for c in chunks)
         self.finished = threading.Event()  # every copy has run
         self.sealed = threading.Event()  # every chunk has been version-checked
         self._pos = 0  # chunks before it are sealed
@@ -267,10 +275,14 @@ class PendingCopies:
         source changed before it was copied."""
         if threading.get_ident() == self.owner:
             self.wait_all()
+        elif self.checkless:
+            self.finished.wait()
+            self._advance()
         self.sealed.wait()
         for c in self.chunks:
             if c.error is not None:
-                raise CheckpointError(f"lazy host copy failed: {type(c.error).__name__}: {c.error}",
+                raise CheckpointError(f"{'deferred XLA transfer' if c.xla else 'lazy host copy'} failed: "
+                                      f"{type(c.error).__name__}: {c.error}",
                                       step=self.step) from c.error
         freed = [n for c in self.chunks for n in c.freed]
         if freed:
@@ -456,6 +468,17 @@ def build_chunks(pairs: Sequence[Tuple[torch.Tensor, torch.Tensor, List[Tuple[st
             s = _storage_of(src)
             if s is not None:
                 cur.storages.append((members[0][0], src, s.data_ptr(), s.nbytes()))
+    return chunks
+
+
+def deferred_chunks(fns: Sequence[Callable[[], None]]) -> List[Chunk]:
+    """One chunk per deferred transfer (run by the copier like a CPU copy, or stolen by the
+    training thread when a guard waits for it)."""
+    chunks: List[Chunk] = []
+    for fn in fns:
+        c = Chunk(xla=True)
+        c.fn = fn
+        chunks.append(c)
     return chunks
 
 

@@ -55,6 +55,7 @@ Small tensors by address
 
 from __future__ import annotations
 
+import logging
 from operator import attrgetter
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -67,6 +68,8 @@ from .pool import HostBufferPool, Lease
 from .views import slab_views
 
 _Items = List[Tuple[int, torch.Tensor]]
+
+log = logging.getLogger("async_ckpt")
 
 # ---- waiting for buffers -------------------------------------------------------------------
 
@@ -220,7 +223,8 @@ def xla_sharded(items: _Items) -> _Items:
     return [(i, t) for i, t in items if _split(t, kind_of, replicated)]
 
 
-def stage_spmd(items: _Items, host: List[Optional[torch.Tensor]]) -> bool:
+def stage_spmd(items: _Items, host: List[Optional[torch.Tensor]],
+               deferred: Optional[List[Callable[[], None]]] = None) -> bool:
     """Stage every XLA tensor of ``items`` into ``host`` in SPMD mode; return whether any was
     split over devices (then ``host`` holds torch_xla's ``_CpuShards`` for it).
 
@@ -231,8 +235,14 @@ def stage_spmd(items: _Items, host: List[Optional[torch.Tensor]]) -> bool:
     every other tensor (torch_xla's batched transfer; a tensor whose data is still on the host
     is handed back as it is, without a transfer). No per-tensor transfer or sync, and no
     DLPack: under SPMD no device tensor has a PJRT buffer of its own.
+
+    With ``deferred`` (a list), the tensors :func:`defer_spmd` can take are not transferred
+    here: their host entries are placeholders, and the transfers that fill them are appended
+    to ``deferred``, to run on another thread.
     """
     xla_sync([t for _, t in items])
+    if deferred is not None:
+        items = defer_spmd(items, host, deferred)
     sharded = xla_sharded(items)
     if sharded:
         srcs, index = unique(sharded)
@@ -259,6 +269,162 @@ def stage_xla_shards(tensors: List[torch.Tensor]) -> List[Any]:
         uniq = [s for s in cs.shards if s.replica_id == 0]
         out.append(cpu_shards(shards=uniq, global_shape=cs.global_shape))
     return out
+
+
+# ---- SPMD: transfers off the training thread ------------------------------------------------
+
+#: the bytes of local shards one deferred transfer reads (``_get_local_shards`` holds the GIL
+#: while it runs: the training thread waits at most about this long for it)
+DEFER_CHUNK_BYTES = 8 * 2**20
+
+_told: set = set()
+
+
+def _tell_once(key: str, msg: str, *args: Any) -> None:
+    if key not in _told:
+        _told.add(key)
+        log.info(msg, *args)
+
+
+def _has_device_data(t: torch.Tensor) -> bool:
+    """Whether ``t``'s value is a device buffer (not host data awaiting a sync), read without
+    side effects: asking for a data handle would upload host data."""
+    try:
+        return "XLAData: None" not in compat.xla_tensor_debug_info(t)
+    except Exception:  # no debug info: treat as not device data (transferred at the call)
+        return False
+
+
+def data_references(tensors: Sequence[torch.Tensor]) -> List[Optional[torch.Tensor]]:
+    """New XLA tensors over the same device data as ``tensors`` (no copy), or None for each
+    one that cannot be referenced safely (see :func:`defer_spmd`).
+
+    The reference is made by ``_get_tensors_xla_device_data_node``: it gives the user's
+    tensor its device-data IR node first (so a later use of it never re-creates one), then
+    makes the reference, whose sharding annotation (every device data has one under SPMD)
+    makes a device-data node of its own, which tags the shared data with the reference's
+    tensor id. torch_xla donates a buffer at a step barrier only if its tag is the id of a
+    tensor being updated, so the user's in-place updates and optimizer steps no longer donate
+    it. A reference without a sharding annotation would not have retagged the data: None.
+    """
+    refs_of = compat.xla_device_data_refs_fn()
+    spec = compat.xla_sharding_spec_fn()
+    out: List[Optional[torch.Tensor]] = []
+    for t in tensors:
+        ref: Optional[torch.Tensor] = None
+        if _has_device_data(t):
+            try:
+                found = refs_of([t], [])[1]
+                if len(found) == 1 and spec(found[0]):
+                    ref = found[0]
+            except Exception:  # noqa: BLE001 - not referenced: transferred at the call
+                ref = None
+        out.append(ref)
+    return out
+
+
+def defer_spmd(items: _Items, host: List[Optional[torch.Tensor]], deferred: List[Callable[[], None]]) -> _Items:
+    """Take references to the device data of ``items`` (after :func:`xla_sync`: no pending
+    work) and put the transfers that read them into ``deferred``; return the items that must
+    be transferred now.
+
+    XLA device buffers are immutable: an in-place update, an optimizer step or a sync gives a
+    tensor a new buffer, and a reference keeps the old one alive, so what a deferred transfer
+    reads is the state at the call. The one thing that could take the buffer meanwhile is
+    donation (input/output aliasing), which the reference rules out for step-barrier donation
+    (``XLA_ENABLE_PARAM_ALIASING``; see :func:`data_references`). A buffer a user marked for
+    donation (``_set_buffer_donation``) is donated whatever its tag: such a tensor, one still
+    holding host data, and one that cannot be referenced are transferred at the call (told
+    once, at INFO).
+
+    Host entries: a split tensor gets a ``_CpuShards`` whose shard list the transfer fills
+    (one replica of each local shard, as :func:`stage_xla_shards`), any other an empty host
+    tensor of its shape that the transfer points at the transferred data. Nothing may read
+    them before the transfers ran.
+    """
+    if not items:
+        return items
+    srcs, index = unique(items)
+    refs = data_references(srcs)
+    donation = compat.xla_buffer_donation_fn()
+    query = _sharding_query()
+    if query is None:
+        return items
+    kind_of, replicated = query
+    now: set = set()
+    split: List[Tuple[torch.Tensor, Any]] = []
+    whole: List[Tuple[torch.Tensor, torch.Tensor]] = []
+    entry: Dict[int, Any] = {}
+    cpu_shards = compat.xla_cpu_shards()[0]
+    for k, (t, ref) in enumerate(zip(srcs, refs)):
+        if ref is None:  # host data (handed back without a transfer) or data that cannot be referenced
+            if _has_device_data(t):
+                _tell_once("ref", "async_ckpt: an XLA tensor whose device data cannot be referenced (no "
+                           "sharding annotation) is transferred while save_async waits")
+            now.add(k)
+            continue
+        try:
+            donated = bool(donation(ref))
+        except Exception:  # noqa: BLE001 - unknown: take the safe side
+            donated = True
+        if donated:
+            _tell_once("donation", "async_ckpt: XLA tensors marked for buffer donation (_set_buffer_donation) "
+                       "are transferred while save_async waits: a donated buffer cannot be read later")
+            now.add(k)
+            continue
+        if _split(ref, kind_of, replicated):
+            cs = cpu_shards(shards=[], global_shape=t.shape)
+            split.append((ref, cs))
+            entry[k] = cs
+        else:
+            ph = torch.empty(t.shape, dtype=t.dtype)
+            whole.append((ref, ph))
+            entry[k] = ph
+    if split:
+        chunk: List[Tuple[torch.Tensor, Any]] = []
+        size = 0
+        for ref, cs in split:
+            chunk.append((ref, cs))
+            size += ref.nbytes
+            if size >= DEFER_CHUNK_BYTES:
+                deferred.append(_shards_transfer(chunk))
+                chunk, size = [], 0
+        if chunk:
+            deferred.append(_shards_transfer(chunk))
+    if whole:
+        deferred.append(_whole_transfer(whole))
+    rest: _Items = []
+    for i, t in items:
+        k = index[id(t)]
+        if k in now:
+            rest.append((i, t))
+        else:
+            host[i] = entry[k]
+    return rest
+
+
+def _shards_transfer(pairs: List[Tuple[torch.Tensor, Any]]) -> Callable[[], None]:
+    def run() -> None:
+        got = stage_xla_shards([ref for ref, _ in pairs])
+        for (_, cs), g in zip(pairs, got):
+            cs.shards[:] = g.shards
+        pairs.clear()  # drop the references: their buffers can go
+
+    return run
+
+
+def _whole_transfer(pairs: List[Tuple[torch.Tensor, torch.Tensor]]) -> Callable[[], None]:
+    def run() -> None:
+        got = compat.xla_get_cpu_tensors([ref for ref, _ in pairs])
+        with torch.no_grad():
+            for (_, ph), g in zip(pairs, got):
+                if g.dtype != ph.dtype or g.shape != ph.shape:
+                    raise RuntimeError(f"torch_xla transferred a {g.dtype} {tuple(g.shape)} tensor for a "
+                                       f"{ph.dtype} {tuple(ph.shape)} one")
+                ph.set_(g.untyped_storage(), g.storage_offset(), g.size(), g.stride())  # no copy
+        pairs.clear()
+
+    return run
 
 
 # ---- small tensors by buffer address -------------------------------------------------------
@@ -409,9 +575,12 @@ class XlaStaging:
         return gather_.stage(pool, items, host, leases)
 
     def stage_direct(self, pool: HostBufferPool, items: _Items, host: List[Optional[torch.Tensor]],
-                     leases: List[Lease]) -> Tuple[_Items, bool, bool]:
+                     leases: List[Lease], deferred: Optional[List[Callable[[], None]]] = None,
+                     ) -> Tuple[_Items, bool, bool]:
         """Wait for launched executions, then stage into ``host`` what is copied at once: in
         SPMD mode everything (:func:`stage_spmd`), otherwise small tensors by address.
+
+        ``deferred``: see :func:`stage_spmd` (SPMD mode only).
 
         Returns:
             ``(rest, shards, spmd)``: the tensors left (none in SPMD mode; pending work done),
@@ -419,5 +588,5 @@ class XlaStaging:
         """
         xla_wait()
         if _spmd():
-            return [], stage_spmd(items, host), True
+            return [], stage_spmd(items, host, deferred), True
         return self.small_first(pool, items, host, leases), False, False
