@@ -41,7 +41,7 @@ from ..jobs.local_tier import make_local_tier
 from ..jobs.peers import PeerCopies, peer_topology
 from ..jobs.preemption import PreemptionTracker, PreemptionWatcher
 from ..jobs.promote import UploadCatchUp, promote
-from ..jobs.restore_job import check_key_map
+from ..jobs.restore_job import check_key_list, check_key_map
 from ..jobs.restore_job import restore as _restore
 from ..jobs.roots import LOCAL, PERSISTENT, Root, Roots, foreign_steps
 from ..jobs.save_job import SaveJob
@@ -783,7 +783,8 @@ class CheckpointManager:
     # ---- restoring ---------------------------------------------------------------------------
     def restore(self, step: Any, state_dict: Dict[str, Any], *, verify: Optional[bool] = None,
                 allow_pickle: bool = False, atomic: bool = False, strict: bool = True,
-                key_map: Optional[Mapping[str, str]] = None) -> int:
+                key_map: Optional[Mapping[str, str]] = None, cast: bool = False,
+                keys: Optional[Sequence[str]] = None, exclude: Optional[Sequence[str]] = None) -> int:
         """Load a committed step into ``state_dict`` in place and return the step.
 
         ``step=None`` (or ``"latest"``, as the CLI spells it) picks the most recently committed step (see :meth:`latest_step`); if it
@@ -824,6 +825,13 @@ class CheckpointManager:
             atomic: read and verify everything into host buffers first.
             strict: every key of ``state_dict`` must be in the checkpoint.
             key_map: checkpoint key prefix -> target key prefix.
+            cast: a target tensor of another dtype than the checkpoint's is cast into, as
+                ``dcp.load`` does (a bf16 step into an fp32 model); default: a mismatch.
+            keys: restore only these checkpoint keys and what lies under them (flattened,
+                dotted: ``["model"]`` is the model's part of ``{"model": ..., "optim": ...}``);
+                the target's other keys are left as they are, and neither they nor the
+                checkpoint's other keys are warned about. None: every key.
+            exclude: leave out these keys and what lies under them (e.g. ``["optim"]``).
 
         Returns:
             The step restored.
@@ -838,6 +846,8 @@ class CheckpointManager:
         self._check_process()
         invalid: Optional[Exception] = None
         prefixes: Optional[Dict[str, str]] = None
+        selected: Optional[Tuple[str, ...]] = None
+        excluded: Tuple[str, ...] = ()
         try:
             if not isinstance(state_dict, Mapping):
                 hint = ""
@@ -850,6 +860,10 @@ class CheckpointManager:
                 step = None
             step = None if step is None else check_step(step)
             prefixes = check_key_map(key_map)
+            selected = check_key_list("keys", keys)
+            excluded = check_key_list("exclude", exclude) or ()
+            if not isinstance(cast, bool):
+                raise InvalidArgumentError(f"cast must be a bool, got {cast!r}")
         except (TypeError, ValueError, CheckpointError) as exc:
             invalid = exc
         if not self._closed:  # pending saves land first (their errors surface); ranks agree on the step
@@ -859,7 +873,8 @@ class CheckpointManager:
         opts = RestoreOptions(verify=self.verify if verify is None else verify, allow_pickle=allow_pickle,
                               threads=self.write_threads, planner=load_planner_for(state_dict, allow_pickle),
                               atomic=atomic, strict=strict, pool=self.stager.pool, key_map=prefixes,
-                              replicated_reads=self.options.replicated_reads)
+                              replicated_reads=self.options.replicated_reads, cast=cast, keys=selected,
+                              exclude=excluded)
         t0 = time.perf_counter()
         if self._peers is not None:  # a rank that lost its copies gets them from its peers first
             self._peers.fill(step)
