@@ -138,3 +138,39 @@ def test_overwrite_false_refuses_to_save_an_existing_step(ckpt_dir):
         assert torch.equal(target["w"], torch.ones(2))
     with CheckpointManager(ckpt_dir) as mgr:  # the default replaces it, as torch_xla's manager does
         mgr.save(1, {"w": torch.zeros(2)}, force=True)
+
+
+def test_metadata_user_metadata_and_saving_in_progress(ckpt_dir):
+    """Orbax parity: metadata(step) without the tensors' bytes, user metadata per save (JSON),
+    is_saving_in_progress()."""
+    from async_ckpt import InvalidArgumentError
+
+    mgr = CheckpointManager(ckpt_dir)
+    gate = threading.Event()
+    begin = mgr.layout.begin
+
+    def held_begin(*args, **kwargs):
+        gate.wait(30)
+        return begin(*args, **kwargs)
+
+    sd = {"model": {"w": torch.ones(4, 2, dtype=torch.bfloat16)}, "step": 7}
+    assert not mgr.is_saving_in_progress()
+    with mock.patch.object(mgr.layout, "begin", held_begin):
+        assert mgr.save_async(3, sd, force=True, metrics={"loss": 0.5}, metadata={"run": "a", "tokens": [1, 2]}) is True
+        assert mgr.is_saving_in_progress()
+        gate.set()
+        mgr.join()
+    assert not mgr.is_saving_in_progress()
+    with pytest.raises(InvalidArgumentError, match="JSON"):
+        mgr.save(4, sd, force=True, metadata={"bad": object()})
+    mgr.close()
+    # every data file removed: metadata() reads the manifest and .metadata only
+    where = os.path.join(ckpt_dir, "3")
+    for n in os.listdir(where):
+        if n.endswith(".distcp"):
+            os.remove(os.path.join(where, n))
+    md = CheckpointManager(ckpt_dir).metadata(3)
+    assert md.step == 3 and md.metrics == {"loss": 0.5} and md.user_metadata == {"run": "a", "tokens": [1, 2]}
+    assert md.tensors == {"model.w": ((4, 2), "bfloat16")} and md.values == ("step",)
+    with pytest.raises(StepNotFoundError):
+        CheckpointManager(ckpt_dir).metadata(9)

@@ -33,7 +33,7 @@ from ..errors import (
     InvalidStateDictError,
     LeaseHeldError,
 )
-from ..format.manifest import CopyIdentity, check_metrics
+from ..format.manifest import USER_METADATA_KEY, CopyIdentity, check_metrics
 from ..gc_pause import gc_paused
 from ..io import Reuse, writer_process
 from ..io.planners import load_planner_for
@@ -43,7 +43,7 @@ from ..jobs.preemption import PreemptionTracker, PreemptionWatcher
 from ..jobs.promote import UploadCatchUp, promote
 from ..jobs.restore_job import check_key_list, check_key_map
 from ..jobs.restore_job import restore as _restore
-from ..jobs.roots import LOCAL, PERSISTENT, Root, Roots, foreign_steps
+from ..jobs.roots import LOCAL, PERSISTENT, Root, Roots, StepMetadata, foreign_steps
 from ..jobs.save_job import SaveJob
 from ..jobs.store import RootStore
 from ..jobs.write_queue import WriteQueue
@@ -65,7 +65,7 @@ from ..stats import FALLBACK, UPLOAD_SKIPPED, SaveStats, format_bytes, format_se
 from ..storage import RetryPolicy, Storage
 from ..storage.stats_log import StatsLog
 from ..storage.step_dirs import StepDirectories
-from .checks import PickledValues, frozen_changed_at_close
+from .checks import PickledValues, check_user_metadata, frozen_changed_at_close
 from .decide import SaveDecision
 from .hooks import live_managers, stop_threads
 from .persist import Persister
@@ -497,7 +497,8 @@ class CheckpointManager:
         self._preemption.watcher.trigger()
 
     def save_async(self, step: int, state_dict: Mapping[str, Any], force: bool = False,
-                   metrics: Optional[Dict[str, float]] = None, *, lazy: Optional[bool] = None) -> bool:
+                   metrics: Optional[Dict[str, float]] = None, *, lazy: Optional[bool] = None,
+                   metadata: Optional[Mapping[str, Any]] = None) -> bool:
         """Snapshot ``state_dict`` to host memory and write it in the background.
 
         Returns once host copies of every tensor exist (the training loop may then mutate its
@@ -521,6 +522,8 @@ class CheckpointManager:
             force: save even when no save policy wants this step.
             metrics: numbers stored with the step (see :meth:`best_step` and ``KeepBest``).
             lazy: return once the copies are issued; None: the manager's ``lazy``.
+            metadata: the user's metadata of this save, a dict of JSON values (stored in the
+                manifest as JSON, never pickled; read back by :meth:`metadata`).
 
         Returns:
             True when a save was taken; False when none was due.
@@ -535,7 +538,8 @@ class CheckpointManager:
                 state dict cannot be staged, another rank could not save the step, or the
                 manager is ``read_only``.
         """
-        return self._save(step, state_dict, force, metrics, wait=False, lazy=self.lazy if lazy is None else lazy)
+        return self._save(step, state_dict, force, metrics, wait=False, lazy=self.lazy if lazy is None else lazy,
+                          user_metadata=metadata)
 
     def wait_for_staging(self) -> None:
         """Wait until the host copies of every lazy save of this manager are done.
@@ -549,7 +553,7 @@ class CheckpointManager:
         self.stager.synchronize_staging()
 
     def save(self, step: int, state_dict: Mapping[str, Any], force: bool = False,
-             metrics: Optional[Dict[str, float]] = None) -> bool:
+             metrics: Optional[Dict[str, float]] = None, *, metadata: Optional[Mapping[str, Any]] = None) -> bool:
         """Like :meth:`save_async`, but returns only once the step is committed.
 
         Args:
@@ -558,6 +562,7 @@ class CheckpointManager:
                 values (saved through their ``state_dict()``) and plain values.
             force: save even when no save policy wants this step.
             metrics: numbers stored with the step (see :meth:`best_step` and ``KeepBest``).
+            metadata: the user's metadata of this save, a dict of JSON values (see :meth:`metadata`).
 
         Returns:
             True once the step is committed; False when no save was due.
@@ -572,10 +577,10 @@ class CheckpointManager:
                 state dict cannot be staged, another rank could not save the step, or the
                 manager is ``read_only``.
         """
-        return self._save(step, state_dict, force, metrics, wait=True)
+        return self._save(step, state_dict, force, metrics, wait=True, user_metadata=metadata)
 
     def _save(self, step: Any, state_dict: Mapping[str, Any], force: bool, metrics: Any, wait: bool,
-              lazy: bool = False) -> bool:
+              lazy: bool = False, user_metadata: Any = None) -> bool:
         """Training thread of every rank. With several ranks every rank must call it with the
         same step; rank 0's decision (policy, ``force``, preemption) is taken by every rank,
         and a rank that raises after that agreement (staging, a writer slot, its local lock)
@@ -591,6 +596,7 @@ class CheckpointManager:
         try:
             step = check_step(step)
             metrics = check_metrics(metrics)
+            user_metadata = check_user_metadata(user_metadata)
         except (TypeError, ValueError) as exc:
             if alone:
                 raise
@@ -705,7 +711,7 @@ class CheckpointManager:
         for tier in due:
             stats = SaveStats(step=step, nbytes=snap.nbytes - kept_bytes, num_tensors=snap.num_tensors,
                               queue_wait_s=t1 - t0, stage_s=t2 - t1, blocking_s=t2 - t0, exchange_s=exchange_s)
-            extra: Dict[str, Any] = {}
+            extra: Dict[str, Any] = {} if user_metadata is None else {USER_METADATA_KEY: user_metadata}
             save_id: Optional[str] = None
             if self.roots.local is not None:
                 stats.extra["tier"] = tier.name
@@ -933,6 +939,33 @@ class CheckpointManager:
         """
         self._check_process()
         return self.roots.steps()
+
+    def metadata(self, step: int) -> StepMetadata:
+        """What a committed step holds, without reading its tensors' bytes: its keys, shapes and
+        dtypes (from DCP's ``.metadata``, checked against the manifest), metrics, commit time,
+        size and the user metadata its save was given (``save(..., metadata=)``). Of its newest
+        save, over the roots.
+
+        Args:
+            step: the step.
+
+        Returns:
+            The step's :class:`StepMetadata`.
+
+        Raises:
+            StepNotFoundError: no root holds the step.
+            CorruptCheckpointError: its marker, manifest or ``.metadata`` is damaged.
+        """
+        self._check_process()
+        return self.roots.step_metadata(check_step(step), threads=self.write_threads)
+
+    def is_saving_in_progress(self) -> bool:
+        """Whether a save of this manager is staged, queued or being written at any root.
+
+        Returns:
+            True until every save taken so far has committed or failed (:meth:`join` waits for that).
+        """
+        return any(r.writer.pending > 0 for r in self.roots)
 
     def foreign_steps(self) -> Dict[int, str]:
         """Step directories under ``path`` that another program wrote (plain ``dcp.save``,
