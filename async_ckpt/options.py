@@ -119,6 +119,8 @@ class ManagerOptions:
     read_only: bool = False
     writer: str = "auto"
     overwrite: bool = True
+    step_prefix: Optional[str] = None
+    step_width: Optional[int] = None
     wall_clock: Callable[[], float] = field(default=time.time)
     interval_clock: Callable[[], float] = field(default=time.monotonic)
 

@@ -34,6 +34,7 @@ from ..errors import (
     LeaseHeldError,
 )
 from ..format.manifest import USER_METADATA_KEY, CopyIdentity, check_metrics
+from ..format.step_names import StepNaming
 from ..gc_pause import gc_paused
 from ..io import Reuse, writer_process
 from ..io.planners import load_planner_for
@@ -261,6 +262,14 @@ class CheckpointManager:
             :class:`~async_ckpt.errors.StepAlreadyExistsError` at the call instead (Orbax's
             behaviour). A step directory another program wrote (plain DCP) is never replaced
             either way: its save raises :class:`~async_ckpt.errors.ForeignStepError`.
+        step_prefix: how step directories are named: ``<step_prefix><step>`` (``"step-"``:
+            torchtitan's ``step-100``; ``"ckpt_"``: Orbax's ``step_prefix="ckpt"``). Recorded in
+            the root at the first save (``.async_ckpt_naming.json``), so later managers, readers
+            and the CLI find the steps without being told; None (default): the root's recorded
+            naming, else ``<step>``. A naming other than the root's raises
+            :class:`~async_ckpt.errors.InvalidArgumentError`. See docs/concepts.md.
+        step_width: zero-pad the step number to this many digits (``8``: ``00000100``, Orbax's
+            ``step_format_fixed_length``); None: the root's, else not padded.
         wall_clock: the clock of the commit times recorded in manifests (default
             ``time.time``; commit order survives it stepping back).
         interval_clock: the clock time-based save policies measure intervals with (the times
@@ -315,6 +324,8 @@ class CheckpointManager:
         read_only: bool = False,
         writer: str = "auto",
         overwrite: bool = True,
+        step_prefix: Optional[str] = None,
+        step_width: Optional[int] = None,
         wall_clock: Callable[[], float] = time.time,
         interval_clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -342,7 +353,9 @@ class CheckpointManager:
         self._run_id = run_id
         self._saves = 0
         self.storage = Storage(opts.path, opts.storage_options, retry=opts.retry)
-        self.layout = StepDirectories(self.storage, opts.commit_mode)
+        naming = None if opts.step_prefix is None and opts.step_width is None else \
+            StepNaming(opts.step_prefix or "", opts.step_width or 0)
+        self.layout = StepDirectories(self.storage, opts.commit_mode, naming)
         self.process_group = opts.process_group
         self.chkpt_on_preemption = opts.chkpt_on_preemption
         self.verify = opts.verify
@@ -392,6 +405,8 @@ class CheckpointManager:
             # Created and checked when possible; a read-only root (an evaluation job's credential
             # or mount) opens all the same, for listing and restoring: the first save checks again.
             self._probe.open(read_only=opts.read_only)
+            if naming is not None:
+                self.layout.naming  # noqa: B018 - a naming that is not the root's is refused here
             if self._preemption is not None:
                 self._preemption.watcher.install()
         except BaseException:  # a refused manager leaves no thread behind
