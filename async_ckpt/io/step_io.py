@@ -137,7 +137,12 @@ def read_step(storage: Storage, path: str, state_dict: Dict[str, Any], *, files:
             raise partly_written(path, err) from exc
         return
     # one process: straight into the targets where the direct path handles them, else DCP's reader
-    known = metadata is not None and files is not None
+    if files is None:  # a plain DCP checkpoint (another program's): DCP's reader reads every file before a write
+        load_state_dict(storage, path, state_dict, files=None, verify=verify, threads=threads,
+                        allow_pickle=allow_pickle, metadata=metadata, planner=planner, strict=opts.strict,
+                        process_group=group)
+        return
+    known = metadata is not None
     plan = plan_direct(state_dict, files, metadata, local=opts.atomic or storage.is_local, cast=opts.cast) \
         if planner is None and known else None
     if opts.atomic and known:
