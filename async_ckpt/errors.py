@@ -132,8 +132,10 @@ class StepNotFoundError(CheckpointError, FileNotFoundError):
 
 
 class StepAlreadyExistsError(CheckpointError):
-    """A save of a step that already exists, refused: the manager was created with
-    ``overwrite=False`` (see :class:`ForeignStepError` for a directory another program wrote).
+    """A save of a step that already exists, refused.
+
+    The manager was created with ``overwrite=False``; see :class:`ForeignStepError` for a
+    directory another program wrote.
 
     Args:
         message: what was refused, and what to do instead.
@@ -147,10 +149,10 @@ class StepAlreadyExistsError(CheckpointError):
 
 
 class ForeignStepError(StepAlreadyExistsError):
-    """A save of a step whose directory another program wrote (plain ``dcp.save``, torch_xla's or
-    torchtitan's checkpointer: no ``COMMITTED`` marker of async_ckpt's), refused.
+    """A save of a step whose directory another program wrote, refused.
 
-    async_ckpt never replaces or deletes a directory it did not write. ``restore(step, ...)``
+    That program: plain ``dcp.save``, torch_xla's or torchtitan's checkpointer (no
+    ``COMMITTED`` marker of async_ckpt's). async_ckpt never replaces or deletes a directory it did not write. ``restore(step, ...)``
     reads such a step; save it under another root, or save another step."""
 
 

@@ -956,10 +956,11 @@ class CheckpointManager:
         return self.roots.steps()
 
     def metadata(self, step: int) -> StepMetadata:
-        """What a committed step holds, without reading its tensors' bytes: its keys, shapes and
-        dtypes (from DCP's ``.metadata``, checked against the manifest), metrics, commit time,
-        size and the user metadata its save was given (``save(..., metadata=)``). Of its newest
-        save, over the roots.
+        """What a committed step holds, without reading its tensors' bytes.
+
+        Its keys, shapes and dtypes (from DCP's ``.metadata``, checked against the manifest),
+        metrics, commit time, size and the user metadata its save was given
+        (``save(..., metadata=)``). Of its newest save, over the roots.
 
         Args:
             step: the step.
@@ -983,10 +984,10 @@ class CheckpointManager:
         return any(r.writer.pending > 0 for r in self.roots)
 
     def foreign_steps(self) -> Dict[int, str]:
-        """Step directories under ``path`` that another program wrote (plain ``dcp.save``,
-        torch_xla's or torchtitan's checkpointer: no ``COMMITTED`` marker of ours).
+        """Step directories under ``path`` that another program wrote.
 
-        They are read-only here: not in :meth:`all_steps`, never taken by ``restore(None)``,
+        That is plain ``dcp.save``, torch_xla's or torchtitan's checkpointer (no ``COMMITTED``
+        marker of ours). They are read-only here: not in :meth:`all_steps`, never taken by ``restore(None)``,
         replaced by a save (:class:`~async_ckpt.errors.ForeignStepError`), deleted by retention,
         :meth:`delete` or the cleanup of incomplete steps; ``restore(step, ...)`` reads one.
 
