@@ -221,3 +221,22 @@ def test_torchtitan_step_directories_are_foreign_under_its_naming(ckpt_dir):
         mgr.save(1, {"w": torch.ones(1)})
     with pytest.raises(InvalidArgumentError, match="would hide them"):
         CheckpointManager(other, step_prefix="step-")
+
+
+def test_import_saves_a_plain_dcp_directory_as_a_step(tmp_path):
+    """`async-ckpt import` (CheckpointManager.import_step) reads another program's DCP step and
+    commits it as a step of ours; the source is only read."""
+    model, opt = make_state(0)
+    saved = {"model": model.state_dict(), "optim": opt.state_dict(), "note": "hi"}
+    src = str(tmp_path / "old" / "100")
+    dcp.save(saved, checkpoint_id=src, no_dist=True)
+    before = _digest(src)
+    new = str(tmp_path / "new")
+    assert cli_main(["import", new, src, "100"]) == 0
+    assert _digest(src) == before
+    with CheckpointManager(new) as mgr:
+        assert mgr.all_steps() == [100]
+        m2, o2 = make_state(1)
+        target = {"model": m2.state_dict(), "optim": o2.state_dict(), "note": None}
+        mgr.restore(100, target)
+    assert_bitwise_equal(saved, target)

@@ -573,6 +573,31 @@ def _load(exchange: Exchange, storage: Storage, path: str, state_dict: Dict[str,
         raise partly_written(path, exc) from exc
 
 
+def read_plain_dcp(storage: Storage, path: str, *, threads: int = 8, allow_pickle: bool = False) -> Dict[str, Any]:
+    """Everything a plain DCP checkpoint (another program's: no manifest) holds, as a new state
+    dict: its ``.metadata`` read and checked, then every file read by the one read (sizes
+    checked against ``.metadata``; there are no checksums).
+
+    Args:
+        storage: the checkpoint's storage.
+        path: its directory.
+        threads: how many reads run at once.
+        allow_pickle: unpickle values outside torch's ``weights_only`` safe set.
+
+    Returns:
+        The state dict (nested as it was saved).
+
+    Raises:
+        CorruptCheckpointError: its ``.metadata`` or a file is damaged or missing.
+    """
+    metadata = read_metadata(storage, path, None, threads=threads)
+    target: Dict[str, Any] = {}
+    prepare_target(target, metadata, 0, set())  # an empty target takes every entry
+    step_io.read_step(storage, path, target, files=None, metadata=metadata,
+                      opts=RestoreOptions(threads=threads, allow_pickle=allow_pickle))
+    return target
+
+
 def _stateful_int_keys(metadata: Any, stateful: frozenset) -> Set[str]:
     """Dict keys inside ``Stateful`` values that were ints: a checkpoint that DCP wrote through
     the value's ``state_dict()`` (``dcp.save``; async_ckpt before it planned that state dict

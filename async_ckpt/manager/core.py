@@ -42,7 +42,7 @@ from ..jobs.local_tier import make_local_tier
 from ..jobs.peers import PeerCopies, peer_topology
 from ..jobs.preemption import PreemptionTracker, PreemptionWatcher
 from ..jobs.promote import UploadCatchUp, promote
-from ..jobs.restore_job import check_key_list, check_key_map
+from ..jobs.restore_job import check_key_list, check_key_map, read_plain_dcp
 from ..jobs.restore_job import restore as _restore
 from ..jobs.roots import LOCAL, PERSISTENT, Root, Roots, StepMetadata, foreign_steps
 from ..jobs.save_job import SaveJob
@@ -974,6 +974,32 @@ class CheckpointManager:
         """
         self._check_process()
         return self.roots.step_metadata(check_step(step), threads=self.write_threads)
+
+    def import_step(self, source: str, step: int, *, storage_options: Optional[Dict[str, Any]] = None,
+                    allow_pickle: bool = False) -> None:
+        """Save a plain DCP checkpoint directory (another program's) as ``step`` of this root.
+
+        ``source`` (torch_xla's, torchtitan's or ``dcp.save``'s step directory, a local path or
+        an fsspec URL) is read whole into host memory, then saved as a committed, checksummed
+        step here (``save(step, ..., force=True)``); ``source`` is only read.
+
+        Args:
+            source: the DCP checkpoint's directory.
+            step: the step to save it as.
+            storage_options: fsspec options of ``source``'s storage.
+            allow_pickle: unpickle values outside torch's ``weights_only`` safe set.
+
+        Raises:
+            CorruptCheckpointError: ``source`` is damaged (or not a DCP checkpoint).
+            ForeignStepError: another program's directory holds ``step`` here.
+            CheckpointError: as :meth:`save`.
+        """
+        self._check_open()
+        self._check_writer("import")
+        step = check_step(step)
+        src = Storage(source, storage_options)
+        state = read_plain_dcp(src, src.root, threads=self.write_threads, allow_pickle=allow_pickle)
+        self.save(step, state, force=True)
 
     def is_saving_in_progress(self) -> bool:
         """Whether a save of this manager is staged, queued or being written at any root.

@@ -272,8 +272,9 @@ class StepDirectories:
             raise ForeignStepError(
                 f"step {step}: refusing to save: {path} holds a checkpoint async_ckpt did not write (no "
                 f"COMMITTED marker: plain dcp.save, torch_xla's or torchtitan's checkpointer), and async_ckpt never "
-                f"replaces or deletes such a directory. restore({step}, state_dict) reads it; save it under "
-                f"another root to import it (`async-ckpt import {path} NEW_ROOT`), or save another step",
+                f"replaces or deletes such a directory. restore({step}, state_dict) reads it; import it into "
+                f"another root (CheckpointManager(NEW_ROOT).import_step({path!r}, {step}), or "
+                f"`async-ckpt import NEW_ROOT {path} {step}`), or save another step",
                 step=step, path=path)
 
     @staticmethod
