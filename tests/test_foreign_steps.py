@@ -70,7 +70,10 @@ def test_a_foreign_step_written_after_the_call_is_refused_by_the_writer(ckpt_dir
         assert mgr.save_async(5, {"w": torch.ones(6)}, force=True)
         sd = _foreign(ckpt_dir, 5)
         before = _digest(os.path.join(ckpt_dir, "5"))
+        fut = mgr.last_save_future()
         gate.set()
+        with pytest.raises(ForeignStepError):  # the save's future raises its failure
+            fut.result(timeout=30)
         with pytest.raises(ForeignStepError):
             mgr.join()
     mgr.close()
@@ -154,13 +157,14 @@ def test_metadata_user_metadata_and_saving_in_progress(ckpt_dir):
         return begin(*args, **kwargs)
 
     sd = {"model": {"w": torch.ones(4, 2, dtype=torch.bfloat16)}, "step": 7}
-    assert not mgr.is_saving_in_progress()
+    assert not mgr.is_saving_in_progress() and mgr.last_save_future() is None
     with mock.patch.object(mgr.layout, "begin", held_begin):
         assert mgr.save_async(3, sd, force=True, metrics={"loss": 0.5}, metadata={"run": "a", "tokens": [1, 2]}) is True
-        assert mgr.is_saving_in_progress()
+        assert mgr.is_saving_in_progress() and not mgr.last_save_future().done()
         gate.set()
         mgr.join()
     assert not mgr.is_saving_in_progress()
+    assert mgr.last_save_future().result(timeout=30) == 3
     with pytest.raises(InvalidArgumentError, match="JSON"):
         mgr.save(4, sd, force=True, metadata={"bad": object()})
     mgr.close()

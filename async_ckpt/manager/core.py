@@ -22,6 +22,7 @@ import os
 import time
 import uuid
 import weakref
+from concurrent.futures import Future
 from typing import Any, Callable, Deque, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 from ..dist import phase
@@ -47,7 +48,7 @@ from ..jobs.restore_job import restore as _restore
 from ..jobs.roots import LOCAL, PERSISTENT, Root, Roots, StepMetadata, foreign_steps
 from ..jobs.save_job import SaveJob
 from ..jobs.store import RootStore
-from ..jobs.write_queue import WriteQueue
+from ..jobs.write_queue import WriteQueue, all_done
 from ..options import ManagerOptions, RestoreOptions
 from ..policies import (
     RETENTION_KEY,
@@ -391,6 +392,7 @@ class CheckpointManager:
         self._forked = False
         self._pid = os.getpid()
         self._in_flight: List[int] = []  # steps queued or being written (one entry per root's job)
+        self._last_future: Optional["Future[int]"] = None  # of the last save taken (last_save_future)
         try:
             if opts.local_dir is not None:
                 self.roots = Roots(persistent, make_local_tier(opts, self.storage, self._exchange))
@@ -723,6 +725,7 @@ class CheckpointManager:
             self.skipped_uploads.append(step)
         snap.share(len(due))
         taken_at = self.options.wall_clock()  # the commit time of this save in every tier (see SaveJob.commit_at)
+        futures: List["Future[Any]"] = []
         for tier in due:
             stats = SaveStats(step=step, nbytes=snap.nbytes - kept_bytes, num_tensors=snap.num_tensors,
                               queue_wait_s=t1 - t0, stage_s=t2 - t1, blocking_s=t2 - t0, exchange_s=exchange_s)
@@ -756,6 +759,7 @@ class CheckpointManager:
                 if ticket is not None:
                     ticket.release(failed=tier is self.roots.local)
                 raise
+            futures.append(fut)
             if skipped_upload and tier is self.roots.local and self._catch_up is not None:
                 first = self._catch_up.skipped(step, self._saves, taken_at, t0, fut)
                 (log.warning if first else log.info)(
@@ -764,6 +768,7 @@ class CheckpointManager:
                     "see CheckpointManager.skipped_uploads)", step, self.storage.url)
             if tier is not persistent:  # the persistent root's save is recorded when wanted (below)
                 tier.record_save(step, self.options.interval_clock())
+        self._last_future = all_done(futures, step)
         if ticket is not None:
             ticket.release()  # no local job of this save was queued on this rank
         if where.wanted:
@@ -1000,6 +1005,16 @@ class CheckpointManager:
         src = Storage(source, storage_options)
         state = read_plain_dcp(src, src.root, threads=self.write_threads, allow_pickle=allow_pickle)
         self.save(step, state, force=True)
+
+    def last_save_future(self) -> Optional["Future[int]"]:
+        """The future of the most recent save that was taken (``save_async``'s bool stays).
+
+        Returns:
+            A ``concurrent.futures.Future`` that gives the step once every root's write of that
+            save committed, or raises its failure (which the next ``save``/``join`` raises too);
+            None before the first save.
+        """
+        return self._last_future
 
     def is_saving_in_progress(self) -> bool:
         """Whether a save of this manager is staged, queued or being written at any root.
