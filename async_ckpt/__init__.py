@@ -10,6 +10,7 @@ from .errors import (
     CoordinationError,
     CorruptCheckpointError,
     CorruptPartlyWrittenError,
+    ForeignStepError,
     FrozenTensorChangedError,
     InvalidArgumentError,
     InvalidStateDictError,
@@ -20,6 +21,7 @@ from .errors import (
     RankFailure,
     StagingBudgetError,
     StateDictMismatchError,
+    StepAlreadyExistsError,
     StepNotFoundError,
     StorageError,
     StoragePartlyWrittenError,
@@ -29,6 +31,7 @@ from .errors import (
     UnsafeCheckpointError,
     WriterProcessError,
 )
+from .jobs.roots import StepMetadata
 from .manager import CheckpointManager
 from .policies import (
     AnyOf,
@@ -59,6 +62,7 @@ __all__ = [
     "CheckpointManager",
     "CorruptCheckpointError",
     "CorruptPartlyWrittenError",
+    "ForeignStepError",
     "FrozenTensorChangedError",
     "InvalidArgumentError",
     "EveryNSteps",
@@ -75,6 +79,8 @@ __all__ = [
     "SaveStats",
     "StagingBudgetError",
     "StateDictMismatchError",
+    "StepAlreadyExistsError",
+    "StepMetadata",
     "StepNotFoundError",
     "StorageError",
     "StoragePartlyWrittenError",

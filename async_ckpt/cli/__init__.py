@@ -35,7 +35,7 @@ from .common import (
 )
 from .export import cmd_export, cmd_stats, load_step
 from .inspect import cmd_ls, cmd_show
-from .verify import cmd_promote, cmd_prune, cmd_rm, cmd_verify
+from .verify import cmd_import, cmd_promote, cmd_prune, cmd_rm, cmd_verify
 
 __all__ = ["EXIT_DAMAGED", "EXIT_ERROR", "EXIT_OK", "build_parser", "load_step", "main"]
 
@@ -171,6 +171,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="delete the steps that never committed (ls: INCOMPLETE); refused while a writer holds "
                         "the lease (a save may be in progress)")
     s.set_defaults(fn=cmd_rm)
+
+    s = sub.add_parser("import", parents=[common, lease],
+                       help="save a plain DCP checkpoint directory (torch_xla's, torchtitan's) as a step of PATH",
+                       description="Read SOURCE, a DCP checkpoint directory another program wrote (no "
+                                   "COMMITTED marker), and save it as STEP of PATH, committed and "
+                                   "checksummed. SOURCE is only read. Takes PATH's writer lease.")
+    s.add_argument("source", metavar="SOURCE", help="the DCP checkpoint directory (a local path or fsspec URL)")
+    s.add_argument("step", metavar="STEP", help="the step to save it as")
+    s.add_argument("--allow-pickle", action="store_true",
+                   help="unpickle non-tensor entries outside torch's safe set (only for trusted checkpoints)")
+    s.set_defaults(fn=cmd_import)
 
     s = sub.add_parser("export", parents=[common],
                        help="write a step as one .pt or .safetensors file, or a Hugging Face directory",

@@ -52,7 +52,7 @@ def _step_entry(storage: Storage, layout: StepDirectories, name: str, locations:
     ``saved_for`` names that path).
     """
     path = storage.join(name)
-    parsed = step_names.parse(name)
+    parsed = layout.naming.parse(name)
     step_of = parsed.step if parsed is not None else None
     kind = parsed.kind if parsed is not None else None
     if layout.is_foreign_link(name):
@@ -78,6 +78,12 @@ def _step_entry(storage: Storage, layout: StepDirectories, name: str, locations:
                              "files": len(listing), "metrics": {}, "problem": None}
     if MARKER_NAME not in listing:
         entry["status"] = "incomplete"
+        if kind == step_names.STEP and layout.is_foreign(path):  # another program's: listed, never touched
+            entry["status"] = "foreign"
+            entry["problem"] = (f"written by another program ({'plain DCP' if '.metadata' in listing else 'not DCP'}: "
+                                f"no COMMITTED marker): read-only, never replaced or deleted; restore({step}, ...) "
+                                f"reads it")
+            return entry
         if ".metadata" in listing and "manifest.json" not in listing:
             entry["problem"] = DCP_HINT  # dcp.save's or torch_xla's: no hint otherwise what to do
         else:
@@ -109,7 +115,7 @@ def _step_entry(storage: Storage, layout: StepDirectories, name: str, locations:
 def _entries(storage: Storage, layout: StepDirectories, home: Optional[str] = None) -> List[Dict[str, Any]]:
     names = [e["name"] for e in storage.listdir(storage.root)
              if (e.get("type") == "directory" or e.get("islink"))
-             and step_names.parse(e["name"]) is not None]
+             and layout.naming.parse(e["name"]) is not None]
     locations = layout.locations()
     with ThreadPoolExecutor(max(1, min(16, len(names)))) as pool:
         return list(pool.map(lambda n: _step_entry(storage, layout, n, locations, home), names))

@@ -491,3 +491,23 @@ def _rm_incomplete(storage: Storage, layout: StepDirectories, lease_timeout: flo
     finally:
         lease.release()
     return removed
+
+
+def cmd_import(args: argparse.Namespace) -> int:
+    """Save SOURCE, a plain DCP checkpoint directory, as STEP of PATH
+    (:meth:`CheckpointManager.import_step`)."""
+    from ..manager import CheckpointManager
+    from .common import parse_options
+
+    if not args.step.isdigit():
+        raise ValueError(f"STEP must be a non-negative integer, got {args.step!r}")
+    step = int(args.step)
+    options = parse_options(args.storage_option)
+    with CheckpointManager(args.path, storage_options=options, max_to_keep=0,
+                           lease_timeout=args.lease_timeout) as mgr:
+        mgr.import_step(args.source, step, storage_options=options, allow_pickle=args.allow_pickle)
+    if args.json:
+        print_json({"path": args.path, "source": args.source, "step": step})
+    else:
+        print(f"imported {args.source} as step {step} of {args.path}")
+    return EXIT_OK

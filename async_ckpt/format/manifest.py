@@ -33,6 +33,8 @@ MARKER_NAME = "COMMITTED"
 PENDING_NAME = ".async_ckpt_pending"  # in an unmarked <step>/ that async_ckpt is writing or deleting
 #: names in a step directory that async_ckpt writes itself: never one of a step's data files
 RESERVED_NAMES = frozenset({MANIFEST_NAME, MARKER_NAME, PENDING_NAME})
+#: where a manifest's ``"extra"`` holds the user metadata of the save (``save(..., metadata=)``), JSON
+USER_METADATA_KEY = "user_metadata"
 
 
 def shown(text: Any) -> str:

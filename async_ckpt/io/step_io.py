@@ -92,7 +92,7 @@ def save_state_dict(storage: Storage, path: str, state_dict: Dict[str, Any], *, 
                       group=process_group)
 
 
-def read_step(storage: Storage, path: str, state_dict: Dict[str, Any], *, files: Dict[str, FileRecord],
+def read_step(storage: Storage, path: str, state_dict: Dict[str, Any], *, files: Optional[Dict[str, FileRecord]],
               metadata: Any, opts: RestoreOptions, group: Any = None,
               agree: Optional[Callable[[Optional[BaseException]], Any]] = None,
               skip: Optional[AbstractSet[str]] = None) -> None:
@@ -102,7 +102,8 @@ def read_step(storage: Storage, path: str, state_dict: Dict[str, Any], *, files:
         storage: the root's storage.
         path: the step directory.
         state_dict: the target.
-        files: the manifest's file records (sizes, checksums).
+        files: the manifest's file records (sizes, checksums); None for a plain DCP checkpoint
+            (another program's: read through DCP's reader, sizes checked against ``.metadata``).
         metadata: the step's checked DCP metadata.
         opts: how it reads (``verify``, ``threads``, ``allow_pickle``, a custom ``planner``,
             ``atomic``: every file verified before the first write, one process; several ranks
@@ -136,8 +137,13 @@ def read_step(storage: Storage, path: str, state_dict: Dict[str, Any], *, files:
             raise partly_written(path, err) from exc
         return
     # one process: straight into the targets where the direct path handles them, else DCP's reader
-    known = metadata is not None and files is not None
-    plan = plan_direct(state_dict, files, metadata, local=opts.atomic or storage.is_local) \
+    if files is None:  # a plain DCP checkpoint (another program's): DCP's reader reads every file before a write
+        load_state_dict(storage, path, state_dict, files=None, verify=verify, threads=threads,
+                        allow_pickle=allow_pickle, metadata=metadata, planner=planner, strict=opts.strict,
+                        process_group=group)
+        return
+    known = metadata is not None
+    plan = plan_direct(state_dict, files, metadata, local=opts.atomic or storage.is_local, cast=opts.cast) \
         if planner is None and known else None
     if opts.atomic and known:
         pool = opts.pool

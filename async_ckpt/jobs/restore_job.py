@@ -89,6 +89,9 @@ class Candidate:
             a store of its own: the ranks exchange whether every copy loaded, and one rank's
             unusable copy sends every rank on to the next candidate.
         copy: which copy of the step it is, for messages ("local copy"; empty with one root).
+        foreign: the step's directory was written by another program (plain DCP: no marker, no
+            manifest); it is read through the same reader, its sizes checked against DCP's
+            ``.metadata`` (there are no checksums to compare).
     """
 
     store: RootStore
@@ -98,6 +101,7 @@ class Candidate:
     check: Optional[Callable[[], None]] = None
     own_copy: bool = False
     copy: str = ""
+    foreign: bool = False
 
 
 def mark_written(state_dict: Any) -> None:
@@ -170,7 +174,8 @@ def restore(listing: Callable[[], Sequence[Candidate]], state_dict: Dict[str, An
             return {**state_dict, **{k: v.state_dict() for k, v in stateful.items()}}
 
         target = phase.own(exchange, "state_dict() of the Stateful restore targets", step, targets)
-    view, back = (target, None) if not opts.key_map else _remapped(target, opts.key_map)
+    view, back = (target, None) if not opts.key_map and opts.selects_all() else \
+        _remapped(target, opts.key_map or {}, opts.selects)
     try:
         done, skipped = _first_intact(listing, view, exchange, step, opts,
                                       frozenset(stateful) if back is None else frozenset())
@@ -241,11 +246,35 @@ def check_key_map(key_map: Any) -> Optional[Dict[str, str]]:
     return dict(key_map) or None
 
 
-def _remapped(target: Dict[str, Any], key_map: Mapping[str, str]) -> Tuple[Dict[str, Any], Callable[[], None]]:
+def check_key_list(name: str, keys: Any) -> Optional[Tuple[str, ...]]:
+    """Validate ``restore(..., keys=)`` / ``exclude=``: flattened, dotted checkpoint keys (as
+    ``async-ckpt show`` prints them), each selecting itself and what lies under it.
+
+    Args:
+        name: the argument's name, for the message.
+        keys: a sequence of str, or None.
+
+    Returns:
+        The keys as a tuple (None for None).
+
+    Raises:
+        InvalidArgumentError: a single str, or not a sequence of non-empty str.
+    """
+    if keys is None:
+        return None
+    if isinstance(keys, (str, bytes)) or not isinstance(keys, (list, tuple, set, frozenset)) or \
+            not all(isinstance(k, str) and k for k in keys):
+        raise InvalidArgumentError(f"{name} must be a list of checkpoint keys (flattened, dotted, e.g. "
+                                   f"['model'] or ['optim.state']), got {keys!r}")
+    return tuple(keys)
+
+
+def _remapped(target: Dict[str, Any], key_map: Mapping[str, str],
+              selects: Callable[[str], bool] = lambda key: True) -> Tuple[Dict[str, Any], Callable[[], None]]:
     """A flat view of ``target`` keyed by the checkpoint's keys (``key_map`` applied backwards
-    to each flattened key of ``target``), and a function that puts the values a restore
-    assigned in the view (non-tensor values; tensors are written in place) back into
-    ``target``."""
+    to each flattened key of ``target``), holding only the keys ``selects`` (``keys=`` /
+    ``exclude=``), and a function that puts the values a restore assigned in the view
+    (non-tensor values; tensors are written in place) back into ``target``."""
     from ..format.dcp_layout import flatten
 
     flat, paths = flatten(target)
@@ -254,6 +283,8 @@ def _remapped(target: Dict[str, Any], key_map: Mapping[str, str]) -> Tuple[Dict[
     origin: Dict[str, str] = {}
     for k, v in flat.items():
         ck = next((src + k[len(dst):] for dst, src in rules if k.startswith(dst)), k)
+        if not selects(ck):
+            continue
         if ck in view:
             raise InvalidArgumentError(f"key_map={dict(key_map)!r} maps the keys {origin[ck]!r} and {k!r} of "
                                        f"state_dict to the same checkpoint key {ck!r}")
@@ -396,7 +427,7 @@ def _attempt(c: Candidate, state_dict: Dict[str, Any], exchange: Exchange, cover
     if not c.own_copy or exchange.world_size == 1:
         if c.check is not None:
             c.check()
-        _restore_one(c.store, c.step, state_dict, opts, stateful, covered=covered, opened=opened)
+        _restore_one(c.store, c.step, state_dict, opts, stateful, covered=covered, opened=opened, foreign=c.foreign)
         return
     mine: Optional[BaseException] = None
 
@@ -467,36 +498,43 @@ def _warn_left_over(written: Dict[str, int], covered: Set[str], step: int, copie
 
 
 def _restore_one(store: RootStore, step: int, state_dict: Dict[str, Any], opts: RestoreOptions, stateful: frozenset,
-                 *, covered: Optional[Set[str]] = None, opened: Optional[List[StepCopy]] = None) -> None:
+                 *, covered: Optional[Set[str]] = None, opened: Optional[List[StepCopy]] = None,
+                 foreign: bool = False) -> None:
     """Check and load ``step`` into ``state_dict``; ``covered`` gets the keys of
     ``state_dict`` the step holds (those its load writes), once they are known, and ``opened``
-    the copy this rank opened."""
+    the copy this rank opened. ``foreign``: the step's directory is another program's (plain
+    DCP), read without a manifest."""
     exchange = store.exchange
     added: List[tuple] = []
 
-    def check() -> Tuple[StepCopy, Any]:
-        copy = store.layout.read_committed(step)
-        if opened is not None:
-            opened.append(copy)
-        manifest = copy.manifest
-        metadata = read_metadata(store.storage, copy.where, manifest.files, verify=opts.verify, threads=opts.threads,
-                                 whole=not _share_of_this_job(manifest), check_unused=True)
-        int_keys = set(manifest.int_keys) | _stateful_int_keys(metadata, stateful)
-        added.extend(prepare_target(state_dict, metadata, step, int_keys, strict=opts.strict, covered=covered))
-        return copy, metadata
+    def check() -> Tuple[str, Optional[Dict[str, FileRecord]], Any]:
+        if foreign:
+            where, files, int_keys = store.layout.step_dir(step), None, set()
+            metadata = read_metadata(store.storage, where, None, threads=opts.threads)
+        else:
+            copy = store.layout.read_committed(step)
+            if opened is not None:
+                opened.append(copy)
+            where, files, int_keys = copy.where, copy.manifest.files, set(copy.manifest.int_keys)
+            metadata = read_metadata(store.storage, where, files, verify=opts.verify, threads=opts.threads,
+                                     whole=not _share_of_this_job(copy.manifest), check_unused=True)
+        int_keys |= _stateful_int_keys(metadata, stateful)
+        added.extend(prepare_target(state_dict, metadata, step, int_keys, strict=opts.strict, covered=covered,
+                                    cast=opts.cast, selects=None if opts.selects_all() else opts.selects))
+        return where, files, metadata
 
     local, checked = phase.attempt(exchange, check, keep_alone=True)  # (the entries it added are taken out)
     _agree_or_undo(store, step, "restore checks", local, state_dict, added)
     assert checked is not None
-    copy, metadata = checked
-    local, _ = phase.attempt(exchange, lambda: _load(exchange, store.storage, copy.where, state_dict,
-                                                    files=copy.manifest.files, metadata=metadata, opts=opts,
+    where, files, metadata = checked
+    local, _ = phase.attempt(exchange, lambda: _load(exchange, store.storage, where, state_dict,
+                                                    files=files, metadata=metadata, opts=opts,
                                                     step=step), keep_alone=True)
     _agree_or_undo(store, step, "restore", local, state_dict, added)
 
 
 def _load(exchange: Exchange, storage: Storage, path: str, state_dict: Dict[str, Any], *,
-          files: Dict[str, FileRecord], metadata: Any, opts: RestoreOptions, step: int) -> None:
+          files: Optional[Dict[str, FileRecord]], metadata: Any, opts: RestoreOptions, step: int) -> None:
     """Read a checked step into ``state_dict`` in place (:func:`~async_ckpt.io.step_io.read_step`).
 
     One process: straight into the target, or (``atomic``) staged through the pool's buffers
@@ -537,6 +575,31 @@ def _load(exchange: Exchange, storage: Storage, path: str, state_dict: Dict[str,
         raise partly_written(path, exc) from exc
 
 
+def read_plain_dcp(storage: Storage, path: str, *, threads: int = 8, allow_pickle: bool = False) -> Dict[str, Any]:
+    """Everything a plain DCP checkpoint (another program's: no manifest) holds, as a new state
+    dict: its ``.metadata`` read and checked, then every file read by the one read (sizes
+    checked against ``.metadata``; there are no checksums).
+
+    Args:
+        storage: the checkpoint's storage.
+        path: its directory.
+        threads: how many reads run at once.
+        allow_pickle: unpickle values outside torch's ``weights_only`` safe set.
+
+    Returns:
+        The state dict (nested as it was saved).
+
+    Raises:
+        CorruptCheckpointError: its ``.metadata`` or a file is damaged or missing.
+    """
+    metadata = read_metadata(storage, path, None, threads=threads)
+    target: Dict[str, Any] = {}
+    prepare_target(target, metadata, 0, set())  # an empty target takes every entry
+    step_io.read_step(storage, path, target, files=None, metadata=metadata,
+                      opts=RestoreOptions(threads=threads, allow_pickle=allow_pickle))
+    return target
+
+
 def _stateful_int_keys(metadata: Any, stateful: frozenset) -> Set[str]:
     """Dict keys inside ``Stateful`` values that were ints: a checkpoint that DCP wrote through
     the value's ``state_dict()`` (``dcp.save``; async_ckpt before it planned that state dict
@@ -575,7 +638,8 @@ def _keys(keys: List[str]) -> str:
 
 
 def prepare_target(state_dict: Dict[str, Any], metadata: Any, step: int, int_keys: Set[str], *,
-                   strict: bool = True, covered: Optional[Set[str]] = None) -> List[tuple]:
+                   strict: bool = True, covered: Optional[Set[str]] = None, cast: bool = False,
+                   selects: Optional[Callable[[str], bool]] = None) -> List[tuple]:
     """Check ``state_dict`` against a checkpoint's DCP metadata; add entries it lacks.
 
     Keys of ``state_dict`` the checkpoint lacks raise :class:`StateDictMismatchError` naming
@@ -586,16 +650,22 @@ def prepare_target(state_dict: Dict[str, Any], metadata: Any, step: int, int_key
     or everything for an empty target); with ``strict=False`` only the intersection is loaded
     and those keys are listed in a warning instead.
 
+    ``cast``: a tensor of another dtype is no mismatch (the read casts, as ``dcp.load``).
+    ``selects``: only the checkpoint's keys it selects are restored (``keys=`` / ``exclude=``):
+    the others are neither added nor warned about.
+
     Returns the paths added, so that a failed restore can take them out again; ``covered``
     gets the keys of ``state_dict`` the checkpoint holds. The cyclic garbage collector is
     paused meanwhile (one pass over every item).
     """
     with gc_paused():
-        return _prepare_target(state_dict, metadata, step, int_keys, strict=strict, covered=covered)
+        return _prepare_target(state_dict, metadata, step, int_keys, strict=strict, covered=covered, cast=cast,
+                               selects=selects)
 
 
 def _prepare_target(state_dict: Dict[str, Any], metadata: Any, step: int, int_keys: Set[str], *,
-                    strict: bool, covered: Optional[Set[str]] = None) -> List[tuple]:
+                    strict: bool, covered: Optional[Set[str]] = None, cast: bool = False,
+                    selects: Optional[Callable[[str], bool]] = None) -> List[tuple]:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     from ..format.dcp_layout import flatten_target
@@ -613,7 +683,7 @@ def _prepare_target(state_dict: Dict[str, Any], metadata: Any, step: int, int_ke
                 problems.append(f"{k}: checkpoint has a tensor, state_dict has {type(v).__name__}")
             elif tuple(v.shape) != tuple(m.size):
                 problems.append(f"{k}: shape {tuple(v.shape)} in state_dict vs {tuple(m.size)} in checkpoint")
-            elif v.dtype != m.properties.dtype:
+            elif v.dtype != m.properties.dtype and not cast:
                 problems.append(f"{k}: dtype {v.dtype} in state_dict vs {m.properties.dtype} in checkpoint")
             else:
                 unwritable = _unwritable(v)
@@ -621,7 +691,8 @@ def _prepare_target(state_dict: Dict[str, Any], metadata: Any, step: int, int_ke
                     problems.append(f"{k}: {unwritable}")
         elif isinstance(v, torch.Tensor):
             problems.append(f"{k}: state_dict has a tensor, checkpoint has a non-tensor value")
-    unmatched = [k for k in md if k not in flat and k in (metadata.planner_data or {})]
+    unmatched = [k for k in md if k not in flat and k in (metadata.planner_data or {})
+                 and (selects is None or selects(k))]
     if (missing and strict) or problems:
         lines = [f"state_dict keys missing from checkpoint: {_keys(missing)}"] if missing and strict else []
         lines += problems[:SHOWN_KEYS]

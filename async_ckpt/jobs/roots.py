@@ -309,6 +309,68 @@ def step_metrics(tiers: Sequence[Root], step: int) -> Dict[str, float]:
     return dict(max(copies, key=lambda m: m.commit_time).metrics)
 
 
+@dataclass(frozen=True)
+class StepMetadata:
+    """What a committed step holds, read without its tensors' bytes (:meth:`CheckpointManager.metadata`).
+
+    Attributes:
+        step: the step.
+        commit_time: when it was committed (the wall clock's seconds).
+        nbytes: the bytes of its files.
+        metrics: the metrics saved with it.
+        user_metadata: what its save was given as ``metadata=`` (JSON values; empty if none).
+        tensors: flattened, dotted key -> ``(shape, dtype name)`` of every tensor (``"float32"``).
+        values: flattened keys of its non-tensor values.
+    """
+
+    step: int
+    commit_time: float
+    nbytes: int
+    metrics: Dict[str, float]
+    user_metadata: Dict[str, Any]
+    tensors: Dict[str, Tuple[Tuple[int, ...], str]]
+    values: Tuple[str, ...]
+
+
+def step_metadata(tiers: Sequence[Root], step: int, threads: int = 8) -> StepMetadata:
+    """The :class:`StepMetadata` of ``step``'s newest committed copy over ``tiers`` (its
+    ``.metadata`` read through the one verified read: that file only).
+
+    Args:
+        tiers: the manager's roots.
+        step: the step.
+        threads: how many reads run at once.
+
+    Returns:
+        The step's metadata.
+
+    Raises:
+        StepNotFoundError: no tier holds the step.
+    """
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from ..format.manifest import USER_METADATA_KEY
+    from ..io.dcp_adapters import read_metadata
+
+    found = [(t, t.store.layout.read_committed(step)) for t in tiers if step in t.store.layout.committed_steps()]
+    if not found:
+        raise StepNotFoundError(f"no committed checkpoint for step {step} under "
+                                f"{' or '.join(t.url for t in tiers)}", step=step)
+    tier, copy = max(found, key=lambda f: f[1].manifest.commit_time)
+    m = copy.manifest
+    md = read_metadata(tier.store.storage, copy.where, m.files, threads=threads, whole=m.whole)
+    tensors: Dict[str, Tuple[Tuple[int, ...], str]] = {}
+    values: List[str] = []
+    for key, item in md.state_dict_metadata.items():
+        if isinstance(item, TensorStorageMetadata):
+            tensors[key] = (tuple(item.size), str(item.properties.dtype).replace("torch.", ""))
+        else:
+            values.append(key)
+    user = m.extra.get(USER_METADATA_KEY)
+    return StepMetadata(step, m.commit_time, m.nbytes, dict(m.metrics), dict(user) if isinstance(user, dict) else {},
+                        tensors, tuple(values))
+
+
 def check_local_copy(tier: Root, step: int, rank: int, world_size: int) -> None:
     """Raise :class:`ForeignCopyError` when the local copy of ``step`` was saved for another
     persistent root, holds another rank's shards or was saved at another world size (only
@@ -372,6 +434,19 @@ def common_local_steps(local: Optional[Root], exchange: Exchange, error: Optiona
     return common
 
 
+def is_foreign_step(store: RootStore, step: Optional[int], listed: Sequence[int]) -> bool:
+    """Whether a restore of ``step`` reads another program's directory under ``store``'s root:
+    a named step that no root lists (``listed``) whose directory is foreign
+    (:meth:`~async_ckpt.storage.step_dirs.StepDirectories.is_foreign`)."""
+    return step is not None and step not in listed and store.layout.is_foreign(store.layout.step_dir(step))
+
+
+def foreign_candidate(store: RootStore, step: int) -> Candidate:
+    """The one candidate of a restore of another program's step (plain DCP), read as it is."""
+    return Candidate(store, step, f"step {step} ({store.layout.step_dir(step)}, written by another program)",
+                     fallback=(), foreign=True)
+
+
 def tier_candidates(tiers: Sequence[Root], exchange: Exchange, step: Optional[int]) -> List[Candidate]:
     """The copies a restore of ``step`` (None: the newest commit) tries over the tiers, in order:
     newest commit first, of the two copies of one save the local one first. Every rank calls
@@ -384,7 +459,9 @@ def tier_candidates(tiers: Sequence[Root], exchange: Exchange, step: Optional[in
         step: the step asked for, or None.
 
     Returns:
-        The candidates for :func:`~async_ckpt.jobs.restore_job.restore`.
+        The candidates for :func:`~async_ckpt.jobs.restore_job.restore`. A named step no root
+        holds a committed copy of, whose directory under the persistent root another program
+        wrote (plain DCP), is one foreign candidate.
 
     Raises:
         StepNotFoundError: no tier holds ``step`` (or any step).
@@ -398,11 +475,17 @@ def tier_candidates(tiers: Sequence[Root], exchange: Exchange, step: Optional[in
         only = {LOCAL: common_local_steps(local, exchange), PERSISTENT: None}
     failed: List[BaseException] = []
 
-    def listing() -> Tuple[List[Held], List[RankFailure]]:
-        copies = held_copies(tiers, only, failed)
-        return copies, [phase.failure_of(0, e) for e in failed]
+    persistent = by_name[PERSISTENT]
 
-    held, problems = phase.primary(exchange, "listing the tiers", step, listing)
+    def listing() -> Tuple[List[Held], List[RankFailure], bool]:
+        copies = held_copies(tiers, only, failed)
+        foreign = is_foreign_step(persistent.store, step, [h.step for h in copies])
+        return copies, [phase.failure_of(0, e) for e in failed], foreign
+
+    held, problems, foreign = phase.primary(exchange, "listing the tiers", step, listing)
+    if foreign:
+        assert step is not None
+        return [foreign_candidate(persistent.store, step)]
     if step is not None:
         held = [h for h in held if h.step == step]
         if not held:
@@ -466,6 +549,10 @@ class Roots(Sequence[Root]):
         """Records of every committed step, oldest commit first (:func:`commit_records`)."""
         return commit_records(self._all)
 
+    def step_metadata(self, step: int, threads: int = 8) -> StepMetadata:
+        """:func:`step_metadata` over these roots."""
+        return step_metadata(self._all, step, threads)
+
     def metrics(self, step: int) -> Dict[str, float]:
         """The metrics stored with ``step``'s newest save (:func:`step_metrics`)."""
         return step_metrics(self._all, step)
@@ -481,6 +568,7 @@ class Roots(Sequence[Root]):
         One root: its steps newest commit first, after those whose manifest does not read
         (highest first: a restore tries them first and says why it skips them); damage sends a
         restore of ``None`` on to the next older commit, a named step does not fall back.
+        A named step only another program's directory holds: :func:`foreign_candidate`.
         Several: :func:`tier_candidates` (a copy that cannot be listed now comes after every
         copy whose time is known, and a storage that fails sends the restore to the other root).
 
@@ -498,8 +586,15 @@ class Roots(Sequence[Root]):
         if len(self._all) > 1:
             return tier_candidates(self._all, exchange, step)
         store = self.persistent.store
-        steps: List[int] = phase.primary(store.exchange, "listing the committed steps", step,
-                                         store.catalog.steps_newest_first)
+
+        def listing() -> Tuple[List[int], bool]:
+            steps = store.catalog.steps_newest_first()
+            return steps, is_foreign_step(store, step, steps)
+
+        steps, foreign = phase.primary(store.exchange, "listing the committed steps", step, listing)
+        if foreign:
+            assert step is not None
+            return [foreign_candidate(store, step)]
         if step is not None:
             if step not in steps:
                 listed = sorted(steps)

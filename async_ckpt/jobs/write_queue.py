@@ -19,7 +19,7 @@ import logging
 import queue
 import threading
 from concurrent.futures import Future
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 from ..errors import CheckpointError, InvalidArgumentError
 
@@ -281,3 +281,36 @@ class WriteQueue:
                 with self._idle:
                     self._pending -= 1
                     self._idle.notify_all()
+
+
+def all_done(futures: Sequence["Future[Any]"], result: Any) -> "Future[Any]":
+    """One future for several writers' jobs (one save at several roots).
+
+    Args:
+        futures: the jobs' futures (:meth:`WriteQueue.submit`).
+        result: what the future gives once every job succeeded.
+
+    Returns:
+        A future that gives ``result`` once every job ended well, or raises the first
+        failure (in the order of ``futures``) once every job ended.
+    """
+    out: "Future[Any]" = Future()
+    lock = threading.Lock()
+    left = [len(futures)]
+
+    def one_done(_: "Future[Any]") -> None:
+        with lock:
+            left[0] -= 1
+            if left[0]:
+                return
+        errors = [f.exception() for f in futures if not f.cancelled() and f.exception() is not None]
+        if errors:
+            out.set_exception(errors[0])
+        else:
+            out.set_result(result)
+
+    if not futures:
+        out.set_result(result)
+    for f in futures:
+        f.add_done_callback(one_done)
+    return out

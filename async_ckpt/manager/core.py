@@ -22,6 +22,7 @@ import os
 import time
 import uuid
 import weakref
+from concurrent.futures import Future
 from typing import Any, Callable, Deque, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 from ..dist import phase
@@ -34,7 +35,8 @@ from ..errors import (
     StorageError,
     StorageUnreachableError,
 )
-from ..format.manifest import CopyIdentity, check_metrics
+from ..format.manifest import USER_METADATA_KEY, CopyIdentity, check_metrics
+from ..format.step_names import StepNaming
 from ..gc_pause import gc_paused
 from ..io import Reuse, writer_process
 from ..io.planners import load_planner_for
@@ -42,12 +44,12 @@ from ..jobs.local_tier import make_local_tier
 from ..jobs.peers import PeerCopies, peer_topology
 from ..jobs.preemption import PreemptionTracker, PreemptionWatcher
 from ..jobs.promote import UploadCatchUp, promote
-from ..jobs.restore_job import check_key_map
+from ..jobs.restore_job import check_key_list, check_key_map, read_plain_dcp
 from ..jobs.restore_job import restore as _restore
-from ..jobs.roots import LOCAL, PERSISTENT, Root, Roots, common_local_steps, foreign_steps
+from ..jobs.roots import LOCAL, PERSISTENT, Root, Roots, StepMetadata, common_local_steps, foreign_steps
 from ..jobs.save_job import SaveJob
 from ..jobs.store import RootStore
-from ..jobs.write_queue import WriteQueue
+from ..jobs.write_queue import WriteQueue, all_done
 from ..options import ManagerOptions, RestoreOptions
 from ..policies import (
     RETENTION_KEY,
@@ -66,7 +68,7 @@ from ..stats import FALLBACK, UPLOAD_SKIPPED, SaveStats, format_bytes, format_co
 from ..storage import RetryPolicy, Storage
 from ..storage.stats_log import StatsLog
 from ..storage.step_dirs import StepDirectories
-from .checks import PickledValues, frozen_changed_at_close
+from .checks import PickledValues, check_user_metadata, frozen_changed_at_close
 from .decide import SaveDecision
 from .hooks import live_managers, stop_threads
 from .persist import Persister
@@ -261,6 +263,19 @@ class CheckpointManager:
             this process's writer thread writes them. ``"auto"`` (default): ``$ASYNC_CKPT_WRITER``
             if set, else ``"process"`` on Linux. Object stores are written by the thread
             either way (see docs/design.md, "The writer process").
+        overwrite: whether a save of a step that is already committed (or being written) replaces
+            it, atomically (default True, as torch_xla's manager); False raises
+            :class:`~async_ckpt.errors.StepAlreadyExistsError` at the call instead (Orbax's
+            behaviour). A step directory another program wrote (plain DCP) is never replaced
+            either way: its save raises :class:`~async_ckpt.errors.ForeignStepError`.
+        step_prefix: how step directories are named: ``<step_prefix><step>`` (``"step-"``:
+            torchtitan's ``step-100``; ``"ckpt_"``: Orbax's ``step_prefix="ckpt"``). Recorded in
+            the root at the first save (``.async_ckpt_naming.json``), so later managers, readers
+            and the CLI find the steps without being told; None (default): the root's recorded
+            naming, else ``<step>``. A naming other than the root's raises
+            :class:`~async_ckpt.errors.InvalidArgumentError`. See docs/concepts.md.
+        step_width: zero-pad the step number to this many digits (``8``: ``00000100``, Orbax's
+            ``step_format_fixed_length``); None: the root's, else not padded.
         wall_clock: the clock of the commit times recorded in manifests (default
             ``time.time``; commit order survives it stepping back).
         interval_clock: the clock time-based save policies measure intervals with (the times
@@ -314,6 +329,9 @@ class CheckpointManager:
         metrics_reduce: str = "rank0",
         read_only: bool = False,
         writer: str = "auto",
+        overwrite: bool = True,
+        step_prefix: Optional[str] = None,
+        step_width: Optional[int] = None,
         wall_clock: Callable[[], float] = time.time,
         interval_clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -349,7 +367,9 @@ class CheckpointManager:
             log.warning("%s (saves go to local_dir %s meanwhile)", exc, opts.local_dir)
         except StorageError:
             pass  # it answered: opening checks the root and says what is wrong (RootProbe.open)
-        self.layout = StepDirectories(self.storage, opts.commit_mode)
+        naming = None if opts.step_prefix is None and opts.step_width is None else \
+            StepNaming(opts.step_prefix or "", opts.step_width or 0)
+        self.layout = StepDirectories(self.storage, opts.commit_mode, naming)
         self.process_group = opts.process_group
         self.chkpt_on_preemption = opts.chkpt_on_preemption
         self.verify = opts.verify
@@ -385,6 +405,7 @@ class CheckpointManager:
         self._forked = False
         self._pid = os.getpid()
         self._in_flight: List[int] = []  # steps queued or being written (one entry per root's job)
+        self._last_future: Optional["Future[int]"] = None  # of the last save taken (last_save_future)
         try:
             if opts.local_dir is not None:
                 local_error, local = phase.attempt(self._exchange, lambda: self._open_local_tier(opts))
@@ -403,6 +424,8 @@ class CheckpointManager:
             # Created and checked when possible; a read-only root (an evaluation job's credential
             # or mount) opens all the same, for listing and restoring: the first save checks again.
             self._probe.open(read_only=opts.read_only)
+            if naming is not None:
+                self.layout.naming  # noqa: B018 - a naming that is not the root's is refused here
             if self._preemption is not None:
                 self._preemption.watcher.install()
         except BaseException:  # a refused manager leaves no thread behind
@@ -411,6 +434,7 @@ class CheckpointManager:
                 self._peers.stop_threads()
             raise
         self._decision = SaveDecision(self.roots, self._exchange, self._probe, self._preemption, opts.interval_clock)
+        self._decision.overwrite = opts.overwrite
         self._persister = Persister(self.roots, self._exchange, threads=opts.write_threads, verify=opts.verify,
                                     wall_clock=opts.wall_clock, stats=self.stats,
                                     stats_log=StatsLog.from_option(self.storage, opts.stats_log),
@@ -520,7 +544,8 @@ class CheckpointManager:
         self._preemption.watcher.trigger()
 
     def save_async(self, step: int, state_dict: Mapping[str, Any], force: bool = False,
-                   metrics: Optional[Dict[str, float]] = None, *, lazy: Optional[bool] = None) -> bool:
+                   metrics: Optional[Dict[str, float]] = None, *, lazy: Optional[bool] = None,
+                   metadata: Optional[Mapping[str, Any]] = None) -> bool:
         """Snapshot ``state_dict`` to host memory and write it in the background.
 
         Returns once host copies of every tensor exist (the training loop may then mutate its
@@ -544,19 +569,24 @@ class CheckpointManager:
             force: save even when no save policy wants this step.
             metrics: numbers stored with the step (see :meth:`best_step` and ``KeepBest``).
             lazy: return once the copies are issued; None: the manager's ``lazy``.
+            metadata: the user's metadata of this save, a dict of JSON values (stored in the
+                manifest as JSON, never pickled; read back by :meth:`metadata`).
 
         Returns:
             True when a save was taken; False when none was due.
 
         Raises:
             InvalidArgumentError: ``step`` or ``metrics`` is invalid.
+            ForeignStepError: another program's directory holds the step (never replaced).
+            StepAlreadyExistsError: ``overwrite=False`` and the step exists.
             LeaseHeldError: another live writer holds the root's writer lease.
             StorageError: the root cannot be reached (without a local tier).
             CheckpointError: an earlier background save failed (its error, raised once), the
                 state dict cannot be staged, another rank could not save the step, or the
                 manager is ``read_only``.
         """
-        return self._save(step, state_dict, force, metrics, wait=False, lazy=self.lazy if lazy is None else lazy)
+        return self._save(step, state_dict, force, metrics, wait=False, lazy=self.lazy if lazy is None else lazy,
+                          user_metadata=metadata)
 
     def wait_for_staging(self) -> None:
         """Wait until the host copies of every lazy save of this manager are done.
@@ -570,7 +600,7 @@ class CheckpointManager:
         self.stager.synchronize_staging()
 
     def save(self, step: int, state_dict: Mapping[str, Any], force: bool = False,
-             metrics: Optional[Dict[str, float]] = None) -> bool:
+             metrics: Optional[Dict[str, float]] = None, *, metadata: Optional[Mapping[str, Any]] = None) -> bool:
         """Like :meth:`save_async`, but returns only once the step is committed.
 
         Args:
@@ -579,22 +609,25 @@ class CheckpointManager:
                 values (saved through their ``state_dict()``) and plain values.
             force: save even when no save policy wants this step.
             metrics: numbers stored with the step (see :meth:`best_step` and ``KeepBest``).
+            metadata: the user's metadata of this save, a dict of JSON values (see :meth:`metadata`).
 
         Returns:
             True once the step is committed; False when no save was due.
 
         Raises:
             InvalidArgumentError: ``step`` or ``metrics`` is invalid.
+            ForeignStepError: another program's directory holds the step (never replaced).
+            StepAlreadyExistsError: ``overwrite=False`` and the step exists.
             LeaseHeldError: another live writer holds the root's writer lease.
             StorageError: the root cannot be reached (without a local tier).
             CheckpointError: an earlier background save failed (its error, raised once), the
                 state dict cannot be staged, another rank could not save the step, or the
                 manager is ``read_only``.
         """
-        return self._save(step, state_dict, force, metrics, wait=True)
+        return self._save(step, state_dict, force, metrics, wait=True, user_metadata=metadata)
 
     def _save(self, step: Any, state_dict: Mapping[str, Any], force: bool, metrics: Any, wait: bool,
-              lazy: bool = False) -> bool:
+              lazy: bool = False, user_metadata: Any = None) -> bool:
         """Training thread of every rank. With several ranks every rank must call it with the
         same step; rank 0's decision (policy, ``force``, preemption) is taken by every rank,
         and a rank that raises after that agreement (staging, a writer slot, its local lock)
@@ -610,6 +643,7 @@ class CheckpointManager:
         try:
             step = check_step(step)
             metrics = check_metrics(metrics)
+            user_metadata = check_user_metadata(user_metadata)
         except (TypeError, ValueError) as exc:
             if alone:
                 raise
@@ -715,10 +749,11 @@ class CheckpointManager:
             self.skipped_uploads.append(step)
         snap.share(len(due))
         taken_at = self.options.wall_clock()  # the commit time of this save in every tier (see SaveJob.commit_at)
+        futures: List["Future[Any]"] = []
         for tier in due:
             stats = SaveStats(step=step, nbytes=snap.nbytes - kept_bytes, num_tensors=snap.num_tensors,
                               queue_wait_s=t1 - t0, stage_s=t2 - t1, blocking_s=t2 - t0, exchange_s=exchange_s)
-            extra: Dict[str, Any] = {}
+            extra: Dict[str, Any] = {} if user_metadata is None else {USER_METADATA_KEY: user_metadata}
             save_id: Optional[str] = None
             if self.roots.local is not None:
                 stats.extra["tier"] = tier.name
@@ -748,6 +783,7 @@ class CheckpointManager:
                 if ticket is not None:
                     ticket.release(failed=tier is self.roots.local)
                 raise
+            futures.append(fut)
             if skipped_upload and tier is self.roots.local and self._catch_up is not None:
                 first = self._catch_up.skipped(step, self._saves, taken_at, t0, fut)
                 (log.warning if first else log.info)(
@@ -756,6 +792,7 @@ class CheckpointManager:
                     "see CheckpointManager.skipped_uploads)", step, self.storage.url)
             if tier is not persistent:  # the persistent root's save is recorded when wanted (below)
                 tier.record_save(step, self.options.interval_clock())
+        self._last_future = all_done(futures, step)
         if ticket is not None:
             ticket.release()  # no local job of this save was queued on this rank
         if where.wanted:
@@ -796,14 +833,17 @@ class CheckpointManager:
     # ---- restoring ---------------------------------------------------------------------------
     def restore(self, step: Any, state_dict: Dict[str, Any], *, verify: Optional[bool] = None,
                 allow_pickle: bool = False, atomic: bool = False, strict: bool = True,
-                key_map: Optional[Mapping[str, str]] = None) -> int:
+                key_map: Optional[Mapping[str, str]] = None, cast: bool = False,
+                keys: Optional[Sequence[str]] = None, exclude: Optional[Sequence[str]] = None) -> int:
         """Load a committed step into ``state_dict`` in place and return the step.
 
         ``step=None`` (or ``"latest"``, as the CLI spells it) picks the most recently committed step (see :meth:`latest_step`); if it
         fails verification, the next older commit that verifies is used, with a warning naming
         the skipped step, and its data overwrites everything again. A named step that is
         damaged raises :class:`CorruptCheckpointError`. With ``local_dir`` the local copy of a
-        step is tried first, then the one under ``path`` (see docs/tiers.md).
+        step is tried first, then the one under ``path`` (see docs/tiers.md). A named step that
+        only another program's directory holds (plain DCP: :meth:`foreign_steps`) is read as it
+        is, read-only (sizes checked against its ``.metadata``; it has no checksums).
 
         One process reads the files straight into the target tensors, checking sizes and
         CRC-32Cs (``verify``) as the data arrives. When a restore fails after its first write,
@@ -835,6 +875,13 @@ class CheckpointManager:
             atomic: read and verify everything into host buffers first.
             strict: every key of ``state_dict`` must be in the checkpoint.
             key_map: checkpoint key prefix -> target key prefix.
+            cast: a target tensor of another dtype than the checkpoint's is cast into, as
+                ``dcp.load`` does (a bf16 step into an fp32 model); default: a mismatch.
+            keys: restore only these checkpoint keys and what lies under them (flattened,
+                dotted: ``["model"]`` is the model's part of ``{"model": ..., "optim": ...}``);
+                the target's other keys are left as they are, and neither they nor the
+                checkpoint's other keys are warned about. None: every key.
+            exclude: leave out these keys and what lies under them (e.g. ``["optim"]``).
 
         Returns:
             The step restored.
@@ -849,6 +896,8 @@ class CheckpointManager:
         self._check_process()
         invalid: Optional[Exception] = None
         prefixes: Optional[Dict[str, str]] = None
+        selected: Optional[Tuple[str, ...]] = None
+        excluded: Tuple[str, ...] = ()
         try:
             if not isinstance(state_dict, Mapping):
                 hint = ""
@@ -861,6 +910,10 @@ class CheckpointManager:
                 step = None
             step = None if step is None else check_step(step)
             prefixes = check_key_map(key_map)
+            selected = check_key_list("keys", keys)
+            excluded = check_key_list("exclude", exclude) or ()
+            if not isinstance(cast, bool):
+                raise InvalidArgumentError(f"cast must be a bool, got {cast!r}")
         except (TypeError, ValueError, CheckpointError) as exc:
             invalid = exc
         if not self._closed:  # pending saves land first (their errors surface); ranks agree on the step
@@ -870,7 +923,8 @@ class CheckpointManager:
         opts = RestoreOptions(verify=self.verify if verify is None else verify, allow_pickle=allow_pickle,
                               threads=self.write_threads, planner=load_planner_for(state_dict, allow_pickle),
                               atomic=atomic, strict=strict, pool=self.stager.pool, key_map=prefixes,
-                              replicated_reads=self.options.replicated_reads)
+                              replicated_reads=self.options.replicated_reads, cast=cast, keys=selected,
+                              exclude=excluded)
         t0 = time.perf_counter()
         if self._peers is not None:  # a rank that lost its copies gets them from its peers first
             self._peers.fill(step)
@@ -932,6 +986,84 @@ class CheckpointManager:
         """
         self._check_process()
         return self.roots.steps()
+
+    def metadata(self, step: int) -> StepMetadata:
+        """What a committed step holds, without reading its tensors' bytes.
+
+        Its keys, shapes and dtypes (from DCP's ``.metadata``, checked against the manifest),
+        metrics, commit time, size and the user metadata its save was given
+        (``save(..., metadata=)``). Of its newest save, over the roots.
+
+        Args:
+            step: the step.
+
+        Returns:
+            The step's :class:`StepMetadata`.
+
+        Raises:
+            StepNotFoundError: no root holds the step.
+            CorruptCheckpointError: its marker, manifest or ``.metadata`` is damaged.
+        """
+        self._check_process()
+        return self.roots.step_metadata(check_step(step), threads=self.write_threads)
+
+    def import_step(self, source: str, step: int, *, storage_options: Optional[Dict[str, Any]] = None,
+                    allow_pickle: bool = False) -> None:
+        """Save a plain DCP checkpoint directory (another program's) as ``step`` of this root.
+
+        ``source`` (torch_xla's, torchtitan's or ``dcp.save``'s step directory, a local path or
+        an fsspec URL) is read whole into host memory, then saved as a committed, checksummed
+        step here (``save(step, ..., force=True)``); ``source`` is only read.
+
+        Args:
+            source: the DCP checkpoint's directory.
+            step: the step to save it as.
+            storage_options: fsspec options of ``source``'s storage.
+            allow_pickle: unpickle values outside torch's ``weights_only`` safe set.
+
+        Raises:
+            CorruptCheckpointError: ``source`` is damaged (or not a DCP checkpoint).
+            ForeignStepError: another program's directory holds ``step`` here.
+            CheckpointError: as :meth:`save`.
+        """
+        self._check_open()
+        self._check_writer("import")
+        step = check_step(step)
+        src = Storage(source, storage_options)
+        state = read_plain_dcp(src, src.root, threads=self.write_threads, allow_pickle=allow_pickle)
+        self.save(step, state, force=True)
+
+    def last_save_future(self) -> Optional["Future[int]"]:
+        """The future of the most recent save that was taken (``save_async``'s bool stays).
+
+        Returns:
+            A ``concurrent.futures.Future`` that gives the step once every root's write of that
+            save committed, or raises its failure (which the next ``save``/``join`` raises too);
+            None before the first save.
+        """
+        return self._last_future
+
+    def is_saving_in_progress(self) -> bool:
+        """Whether a save of this manager is staged, queued or being written at any root.
+
+        Returns:
+            True until every save taken so far has committed or failed (:meth:`join` waits for that).
+        """
+        return any(r.writer.pending > 0 for r in self.roots)
+
+    def foreign_steps(self) -> Dict[int, str]:
+        """Step directories under ``path`` that another program wrote.
+
+        That is plain ``dcp.save``, torch_xla's or torchtitan's checkpointer (no ``COMMITTED``
+        marker of ours). They are read-only here: not in :meth:`all_steps`, never taken by ``restore(None)``,
+        replaced by a save (:class:`~async_ckpt.errors.ForeignStepError`), deleted by retention,
+        :meth:`delete` or the cleanup of incomplete steps; ``restore(step, ...)`` reads one.
+
+        Returns:
+            step -> the directory's path, ascending.
+        """
+        self._check_process()
+        return self.layout.foreign_steps()
 
     def step_tiers(self) -> Dict[int, Tuple[str, ...]]:
         """Which roots hold each committed step.

@@ -6,7 +6,8 @@ the manifest); they differ in where a step is written and how it takes its place
 
 * :class:`RenameCommit` (POSIX paths): written under ``.tmp-<step>-<token>/``, then renamed to
   ``<step>/`` (an older copy of the step is first renamed out of the way, marker and all) and
-  the parent directory is fsynced.
+  the parent directory is fsynced. A directory another program wrote there is never moved: the
+  commit raises :class:`~async_ckpt.errors.ForeignStepError` instead.
 * :class:`MarkerCommit` (object stores, which have no rename): written in place under
   ``<step>/`` (or beside an existing copy, as ``<step>.<token>/``); the marker, written last,
   alone decides that it exists, and an older copy is removed once the new marker is written.
@@ -49,6 +50,10 @@ class Directories(Protocol):
 
     storage: Storage
 
+    @property
+    def naming(self) -> step_names.StepNaming:
+        """How the root names its step directories."""
+
     def step_dir(self, step: int) -> str:
         """The canonical directory of ``step``."""
 
@@ -60,6 +65,10 @@ class Directories(Protocol):
 
     def refuse_link(self, path: str, what: str) -> None:
         """Raise :class:`~async_ckpt.errors.StorageError` if ``path`` is a symbolic link."""
+
+    def refuse_foreign(self, step: int) -> None:
+        """Raise :class:`~async_ckpt.errors.ForeignStepError` if another program's directory
+        holds ``step``'s canonical name."""
 
     def condemn_dir(self, path: str) -> str:
         """Unmark one step directory; return its path."""
@@ -121,6 +130,7 @@ class RenameCommit:
         _write_manifest_and_marker(dirs, target, manifest, sync_entries=False)
         trash = None
         dirs.refuse_link(target.final, f"commit step {target.step}")
+        dirs.refuse_foreign(target.step)  # written there since begin(): never moved out of the way
         if st.exists(target.final):
             # The old copy keeps its marker until it is out of the way: a crash between the two
             # renames leaves the new copy committed under its temporary name.
@@ -143,11 +153,11 @@ class RenameCommit:
         tmp = st.join(winner)
         final = dirs.step_dir(step)
         if st.exists(final):
-            if step_names.step_name(step) not in losers and not dirs.is_ours_incomplete(final):
+            if dirs.naming.name(step) not in losers and not dirs.is_ours_incomplete(final):
                 return False  # a foreign directory holds the name: leave both alone
             st.rename(final, st.join(step_names.trash_name(step, step_names.new_token())))
-            if step_names.step_name(step) in losers:
-                losers.remove(step_names.step_name(step))  # moved to trash: the cleanup removes it
+            if dirs.naming.name(step) in losers:
+                losers.remove(dirs.naming.name(step))  # moved to trash: the cleanup removes it
         st.rename(tmp, final)
         st.fsync_dir(st.root)
         return True
@@ -161,7 +171,7 @@ class MarkerCommit:
     def begin(self, dirs: Directories, step: int, token: str) -> StepTarget:
         st = dirs.storage
         final = dirs.step_dir(step)
-        path = final if not st.exists(final) else st.join(step_names.resave_name(step, token))
+        path = final if not st.exists(final) else st.join(dirs.naming.resave_name(step, token))
         st.makedirs(path)
         # Before any data: marks the unmarked directory as ours, so that cleanup may remove it
         # if this save never commits (a foreign directory without it is never touched).
