@@ -141,9 +141,16 @@ def test_file_commit_writes_into_a_directory_it_does_not_own(tmp_path):
     elsewhere.write_bytes(b"keep")
     os.symlink(elsewhere, target / "linked.bin")
     (target / "adir").mkdir()
+    dead = 2**22 + 1  # above any pid_max: a process that is gone
+    (target / f".old.bin.tmp-{dead}-abcdef12").write_bytes(b"torn")  # what killed writes left
+    (target / f".async-ckpt-{dead}-0123456789ab").mkdir()
+    live = target / f".old.bin.tmp-{os.getpid()}-abcdef12"  # a write in progress: kept
+    live.write_bytes(b"")
 
     commit = FileCommit(str(tmp_path / "ckpt"))
     commit.begin()
+    assert sorted(n for n in os.listdir(target) if n.startswith(".")) == [live.name]
+    live.unlink()
     commit.write("old.bin", lambda p: open(p, "wb").write(b"new"))
     names = commit.write_tree(lambda d: [open(os.path.join(d, n), "w").write(n) for n in ("a.json", "b.json")])
     for name in ("linked.bin", "adir"):

@@ -42,6 +42,7 @@ pending writes), with one warning.
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import os
 import random
@@ -216,10 +217,10 @@ class AsyncSaveState:
                 objs = copy.materialize()
                 for (name, safe), obj in zip(names, objs):
                     if safe is None:  # accelerate writes these with plain torch.save
-                        commit.write(name, lambda tmp, obj=obj: torch.save(obj, tmp))
+                        commit.write(name, functools.partial(torch.save, obj))
                     else:
-                        commit.write(name, lambda tmp, obj=obj, safe=safe: save(
-                            obj, tmp, save_on_each_node=save_on_each_node, safe_serialization=safe))
+                        commit.write(name, functools.partial(save, obj, save_on_each_node=save_on_each_node,
+                                                             safe_serialization=safe))
                 del objs, obj
             finally:
                 copy.release()

@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import io
 import json
 import logging
@@ -451,7 +452,7 @@ def _to_trackers(trainer: Trainer, figures: Dict[str, float]) -> None:
     handler = trainer.callback_handler
     for cb in handler.callbacks:
         if isinstance(cb, trackers):
-            cb.on_log(trainer.args, trainer.state, trainer.control, logs=dict(figures), model=handler.model,
+            cast(Any, cb).on_log(trainer.args, trainer.state, trainer.control, logs=dict(figures), model=handler.model,
                       processing_class=handler.processing_class, optimizer=handler.optimizer,
                       lr_scheduler=handler.lr_scheduler, train_dataloader=handler.train_dataloader,
                       eval_dataloader=handler.eval_dataloader)
@@ -505,7 +506,7 @@ class _Job:
             for key, fname in (("optimizer", OPTIMIZER_NAME), ("scheduler", SCHEDULER_NAME),
                                ("scaler", SCALER_NAME), ("rng", RNG_NAME)):
                 if key in obj:
-                    commit.write(fname, lambda tmp, v=obj[key]: torch.save(v, tmp))
+                    commit.write(fname, functools.partial(torch.save, obj[key]))
             obj = None  # the materialised copy goes before the buffers are released
         finally:
             self.copy.release()

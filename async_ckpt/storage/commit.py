@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import re
 import uuid
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Protocol
@@ -195,6 +196,20 @@ class MarkerCommit:
         return False  # nothing to move: the newest marked copy is the step wherever it is
 
 
+#: a temporary of :class:`FileCommit` (a file's, or a private directory's); group 1: its writer's pid
+_LEFT_BEHIND = re.compile(r"^\..+\.tmp-(\d+)-[0-9a-f]{8}$|^\.async-ckpt-(\d+)-[0-9a-f]{12}$")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process: alive
+        return True
+    return True
+
+
 class FileCommit:
     """The files of one framework save, each committed by itself into a directory that is not ours.
 
@@ -226,7 +241,10 @@ class FileCommit:
         return self.storage.root
 
     def begin(self) -> None:
-        """Make the directory (and its parents) if it does not exist; nothing in it is touched.
+        """Make the directory (and its parents) if it does not exist.
+
+        Nothing in it is touched but the temporaries that a killed write of ours left (their
+        names carry the writer's process id: those of a process that is gone).
 
         Raises:
             StorageError: the directory cannot be made.
@@ -234,6 +252,14 @@ class FileCommit:
         if not os.path.isdir(self.directory):
             self.storage.makedirs(self.directory)
             self._made = True
+            return
+        for name in os.listdir(self.directory):  # what a killed earlier write left
+            m = _LEFT_BEHIND.match(name)
+            if m is not None and not _alive(int(m.group(1) or m.group(2))):
+                try:
+                    self.storage.rm(self.storage.join(name))
+                except Exception as exc:  # noqa: BLE001 - tidying only
+                    log.warning("could not remove %s, left by an interrupted write: %s", name, exc)
 
     def write(self, name: str, write_to: Callable[[str], None]) -> None:
         """Commit the file ``name``: ``write_to`` writes it whole at the temporary path it is given.
@@ -267,7 +293,7 @@ class FileCommit:
         Raises:
             StorageError: a write or a rename failed.
         """
-        private = self.storage.join(f".async-ckpt-{uuid.uuid4().hex[:12]}")
+        private = self.storage.join(f".async-ckpt-{os.getpid()}-{uuid.uuid4().hex[:12]}")
         os.mkdir(private, 0o700)
         try:
             write_dir(private)
