@@ -225,7 +225,7 @@ def unsupported_tensor(t: torch.Tensor) -> Optional[str]:
     """Why ``t`` cannot be saved, or ``None`` if it can."""
     if is_lazy(t):
         return _LAZY
-    if t.has_names():
+    if _has_names is not None and _has_names(t):
         return _NAMED
     if t.is_meta:
         return "a meta tensor has no data to save"
@@ -312,7 +312,7 @@ def make_plan(state_dict: Any, memo: Optional[PlanMemo] = None) -> StagingPlan:
         raise InvalidStateDictError(
             f"{where}: the state dict is nested {depth} levels deep, too deep to save") from None
     _check_names(state_dict, plan, memo)
-    if any(map(_has_names, plan.tensors)):  # a C-level loop; staging (lazy: later) would fail without the key
+    if _has_names is not None and any(map(_has_names, plan.tensors)):  # a C-level loop; staging (lazy: later) would fail without the key
         plan.check_tensors()
     if memo is not None:
         memo.seen = seen  # type: ignore[assignment]  # only what this state dict still has
@@ -363,7 +363,7 @@ def _deepest(state_dict: Mapping) -> Tuple[int, str]:
 
 
 _type, _layout, _requires_grad = type, attrgetter("layout"), attrgetter("requires_grad")
-_has_names = torch.Tensor.has_names
+_has_names = getattr(torch.Tensor, "has_names", None)  # named tensors: gone from newer torch
 
 
 def _plain_tensors(vals: List[Any]) -> Optional[List[torch.Tensor]]:
