@@ -131,6 +131,29 @@ class StepNotFoundError(CheckpointError, FileNotFoundError):
     """Restore of a step that has no committed checkpoint."""
 
 
+class StepAlreadyExistsError(CheckpointError):
+    """A save of a step that already exists, refused: the manager was created with
+    ``overwrite=False`` (see :class:`ForeignStepError` for a directory another program wrote).
+
+    Args:
+        message: what was refused, and what to do instead.
+        step: the step (``step`` attribute).
+        path: the step's existing directory (``path`` attribute), or None.
+    """
+
+    def __init__(self, message: str, *, step: Optional[int] = None, path: Optional[str] = None) -> None:
+        super().__init__(message, step=step)
+        self.path = path
+
+
+class ForeignStepError(StepAlreadyExistsError):
+    """A save of a step whose directory another program wrote (plain ``dcp.save``, torch_xla's or
+    torchtitan's checkpointer: no ``COMMITTED`` marker of async_ckpt's), refused.
+
+    async_ckpt never replaces or deletes a directory it did not write. ``restore(step, ...)``
+    reads such a step; save it under another root, or save another step."""
+
+
 class StateDictMismatchError(CheckpointError, ValueError):
     """A restore target that does not fit the checkpoint.
 

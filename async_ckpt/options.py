@@ -118,6 +118,7 @@ class ManagerOptions:
     metrics_reduce: str = "rank0"
     read_only: bool = False
     writer: str = "auto"
+    overwrite: bool = True
     wall_clock: Callable[[], float] = field(default=time.time)
     interval_clock: Callable[[], float] = field(default=time.monotonic)
 
@@ -196,6 +197,8 @@ class ManagerOptions:
                                        f"nodes: pass local_dir= too")
         if not isinstance(self.read_only, bool):
             raise InvalidArgumentError(f"read_only must be a bool, got {self.read_only!r}")
+        if not isinstance(self.overwrite, bool):
+            raise InvalidArgumentError(f"overwrite must be a bool, got {self.overwrite!r}")
         self.writer = _resolve_writer(self.writer)
         if self.read_only:
             for name, given in (("local_dir", self.local_dir is not None),

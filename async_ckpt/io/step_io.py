@@ -92,7 +92,7 @@ def save_state_dict(storage: Storage, path: str, state_dict: Dict[str, Any], *, 
                       group=process_group)
 
 
-def read_step(storage: Storage, path: str, state_dict: Dict[str, Any], *, files: Dict[str, FileRecord],
+def read_step(storage: Storage, path: str, state_dict: Dict[str, Any], *, files: Optional[Dict[str, FileRecord]],
               metadata: Any, opts: RestoreOptions, group: Any = None,
               agree: Optional[Callable[[Optional[BaseException]], Any]] = None,
               skip: Optional[AbstractSet[str]] = None) -> None:
@@ -102,7 +102,8 @@ def read_step(storage: Storage, path: str, state_dict: Dict[str, Any], *, files:
         storage: the root's storage.
         path: the step directory.
         state_dict: the target.
-        files: the manifest's file records (sizes, checksums).
+        files: the manifest's file records (sizes, checksums); None for a plain DCP checkpoint
+            (another program's: read through DCP's reader, sizes checked against ``.metadata``).
         metadata: the step's checked DCP metadata.
         opts: how it reads (``verify``, ``threads``, ``allow_pickle``, a custom ``planner``,
             ``atomic``: every file verified before the first write, one process; several ranks

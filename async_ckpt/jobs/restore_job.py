@@ -89,6 +89,9 @@ class Candidate:
             a store of its own: the ranks exchange whether every copy loaded, and one rank's
             unusable copy sends every rank on to the next candidate.
         copy: which copy of the step it is, for messages ("local copy"; empty with one root).
+        foreign: the step's directory was written by another program (plain DCP: no marker, no
+            manifest); it is read through the same reader, its sizes checked against DCP's
+            ``.metadata`` (there are no checksums to compare).
     """
 
     store: RootStore
@@ -98,6 +101,7 @@ class Candidate:
     check: Optional[Callable[[], None]] = None
     own_copy: bool = False
     copy: str = ""
+    foreign: bool = False
 
 
 def mark_written(state_dict: Any) -> None:
@@ -396,7 +400,7 @@ def _attempt(c: Candidate, state_dict: Dict[str, Any], exchange: Exchange, cover
     if not c.own_copy or exchange.world_size == 1:
         if c.check is not None:
             c.check()
-        _restore_one(c.store, c.step, state_dict, opts, stateful, covered=covered, opened=opened)
+        _restore_one(c.store, c.step, state_dict, opts, stateful, covered=covered, opened=opened, foreign=c.foreign)
         return
     mine: Optional[BaseException] = None
 
@@ -465,36 +469,42 @@ def _warn_left_over(written: Dict[str, int], covered: Set[str], step: int, copie
 
 
 def _restore_one(store: RootStore, step: int, state_dict: Dict[str, Any], opts: RestoreOptions, stateful: frozenset,
-                 *, covered: Optional[Set[str]] = None, opened: Optional[List[StepCopy]] = None) -> None:
+                 *, covered: Optional[Set[str]] = None, opened: Optional[List[StepCopy]] = None,
+                 foreign: bool = False) -> None:
     """Check and load ``step`` into ``state_dict``; ``covered`` gets the keys of
     ``state_dict`` the step holds (those its load writes), once they are known, and ``opened``
-    the copy this rank opened."""
+    the copy this rank opened. ``foreign``: the step's directory is another program's (plain
+    DCP), read without a manifest."""
     exchange = store.exchange
     added: List[tuple] = []
 
-    def check() -> Tuple[StepCopy, Any]:
-        copy = store.layout.read_committed(step)
-        if opened is not None:
-            opened.append(copy)
-        manifest = copy.manifest
-        metadata = read_metadata(store.storage, copy.where, manifest.files, verify=opts.verify, threads=opts.threads,
-                                 whole=not _share_of_this_job(manifest), check_unused=True)
-        int_keys = set(manifest.int_keys) | _stateful_int_keys(metadata, stateful)
+    def check() -> Tuple[str, Optional[Dict[str, FileRecord]], Any]:
+        if foreign:
+            where, files, int_keys = store.layout.step_dir(step), None, set()
+            metadata = read_metadata(store.storage, where, None, threads=opts.threads)
+        else:
+            copy = store.layout.read_committed(step)
+            if opened is not None:
+                opened.append(copy)
+            where, files, int_keys = copy.where, copy.manifest.files, set(copy.manifest.int_keys)
+            metadata = read_metadata(store.storage, where, files, verify=opts.verify, threads=opts.threads,
+                                     whole=not _share_of_this_job(copy.manifest), check_unused=True)
+        int_keys |= _stateful_int_keys(metadata, stateful)
         added.extend(prepare_target(state_dict, metadata, step, int_keys, strict=opts.strict, covered=covered))
-        return copy, metadata
+        return where, files, metadata
 
     local, checked = phase.attempt(exchange, check, keep_alone=True)  # (the entries it added are taken out)
     _agree_or_undo(store, step, "restore checks", local, state_dict, added)
     assert checked is not None
-    copy, metadata = checked
-    local, _ = phase.attempt(exchange, lambda: _load(exchange, store.storage, copy.where, state_dict,
-                                                    files=copy.manifest.files, metadata=metadata, opts=opts,
+    where, files, metadata = checked
+    local, _ = phase.attempt(exchange, lambda: _load(exchange, store.storage, where, state_dict,
+                                                    files=files, metadata=metadata, opts=opts,
                                                     step=step), keep_alone=True)
     _agree_or_undo(store, step, "restore", local, state_dict, added)
 
 
 def _load(exchange: Exchange, storage: Storage, path: str, state_dict: Dict[str, Any], *,
-          files: Dict[str, FileRecord], metadata: Any, opts: RestoreOptions, step: int) -> None:
+          files: Optional[Dict[str, FileRecord]], metadata: Any, opts: RestoreOptions, step: int) -> None:
     """Read a checked step into ``state_dict`` in place (:func:`~async_ckpt.io.step_io.read_step`).
 
     One process: straight into the target, or (``atomic``) staged through the pool's buffers

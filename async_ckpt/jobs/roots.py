@@ -325,6 +325,19 @@ def common_local_steps(local: Root, exchange: Exchange) -> Set[int]:
     return {s for s, sid in gathered[0].items() if all(g.get(s) == sid for g in gathered[1:])}
 
 
+def is_foreign_step(store: RootStore, step: Optional[int], listed: Sequence[int]) -> bool:
+    """Whether a restore of ``step`` reads another program's directory under ``store``'s root:
+    a named step that no root lists (``listed``) whose directory is foreign
+    (:meth:`~async_ckpt.storage.step_dirs.StepDirectories.is_foreign`)."""
+    return step is not None and step not in listed and store.layout.is_foreign(store.layout.step_dir(step))
+
+
+def foreign_candidate(store: RootStore, step: int) -> Candidate:
+    """The one candidate of a restore of another program's step (plain DCP), read as it is."""
+    return Candidate(store, step, f"step {step} ({store.layout.step_dir(step)}, written by another program)",
+                     fallback=(), foreign=True)
+
+
 def tier_candidates(tiers: Sequence[Root], exchange: Exchange, step: Optional[int]) -> List[Candidate]:
     """The copies a restore of ``step`` (None: the newest commit) tries over the tiers, in order:
     newest commit first, of the two copies of one save the local one first. Every rank calls
@@ -337,7 +350,9 @@ def tier_candidates(tiers: Sequence[Root], exchange: Exchange, step: Optional[in
         step: the step asked for, or None.
 
     Returns:
-        The candidates for :func:`~async_ckpt.jobs.restore_job.restore`.
+        The candidates for :func:`~async_ckpt.jobs.restore_job.restore`. A named step no root
+        holds a committed copy of, whose directory under the persistent root another program
+        wrote (plain DCP), is one foreign candidate.
 
     Raises:
         StepNotFoundError: no tier holds ``step`` (or any step).
@@ -351,11 +366,17 @@ def tier_candidates(tiers: Sequence[Root], exchange: Exchange, step: Optional[in
         only = {LOCAL: common_local_steps(local, exchange), PERSISTENT: None}
     failed: List[BaseException] = []
 
-    def listing() -> Tuple[List[Held], List[RankFailure]]:
-        copies = held_copies(tiers, only, failed)
-        return copies, [phase.failure_of(0, e) for e in failed]
+    persistent = by_name[PERSISTENT]
 
-    held, problems = phase.primary(exchange, "listing the tiers", step, listing)
+    def listing() -> Tuple[List[Held], List[RankFailure], bool]:
+        copies = held_copies(tiers, only, failed)
+        foreign = is_foreign_step(persistent.store, step, [h.step for h in copies])
+        return copies, [phase.failure_of(0, e) for e in failed], foreign
+
+    held, problems, foreign = phase.primary(exchange, "listing the tiers", step, listing)
+    if foreign:
+        assert step is not None
+        return [foreign_candidate(persistent.store, step)]
     if step is not None:
         held = [h for h in held if h.step == step]
         if not held:
@@ -434,6 +455,7 @@ class Roots(Sequence[Root]):
         One root: its steps newest commit first, after those whose manifest does not read
         (highest first: a restore tries them first and says why it skips them); damage sends a
         restore of ``None`` on to the next older commit, a named step does not fall back.
+        A named step only another program's directory holds: :func:`foreign_candidate`.
         Several: :func:`tier_candidates` (a copy that cannot be listed now comes after every
         copy whose time is known, and a storage that fails sends the restore to the other root).
 
@@ -451,8 +473,15 @@ class Roots(Sequence[Root]):
         if len(self._all) > 1:
             return tier_candidates(self._all, exchange, step)
         store = self.persistent.store
-        steps: List[int] = phase.primary(store.exchange, "listing the committed steps", step,
-                                         store.catalog.steps_newest_first)
+
+        def listing() -> Tuple[List[int], bool]:
+            steps = store.catalog.steps_newest_first()
+            return steps, is_foreign_step(store, step, steps)
+
+        steps, foreign = phase.primary(store.exchange, "listing the committed steps", step, listing)
+        if foreign:
+            assert step is not None
+            return [foreign_candidate(store, step)]
         if step is not None:
             if step not in steps:
                 listed = sorted(steps)

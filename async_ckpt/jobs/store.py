@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, List, Optional, Set
 
 from ..dist.exchange import Exchange
-from ..errors import LeaseHeldError, StepNotFoundError
+from ..errors import LeaseHeldError, StepAlreadyExistsError, StepNotFoundError
 from ..format import step_names
 from ..format.dcp_layout import WriteMemo
 from ..format.manifest import MARKER_NAME, Manifest
@@ -52,6 +52,7 @@ class RootStore:
         self._busy = 0  # background deletions queued or running
         self._busy_cond = threading.Condition()
         self._top: Optional[int] = None  # highest step committed or saved, once listed
+        self._foreign: Optional[Set[int]] = None  # steps other programs' directories hold, once listed
         self._recalled = False  # recall_last_step() ran
         self._recall_step: Optional[int] = None  # the step a restore read from this root
         #: several ranks: keys whose values differed between ranks (warned about once)
@@ -91,6 +92,7 @@ class RootStore:
             reuse.forget()
         self._recall_step, self._recalled = None, True
         self._top = None
+        self._foreign = None
 
     def check_lease(self, step: Optional[int] = None) -> None:
         """Right before a commit or a delete: raise :class:`LeaseHeldError` (of ``step``)
@@ -119,6 +121,33 @@ class RootStore:
             "retention by commit order will delete the older run's steps as this run goes on. "
             "Restore a step first to continue from it, or save to another directory.",
             step, self.storage.url, top, step)
+
+    def refuse_existing(self, step: int, overwrite: bool = True) -> None:
+        """Before a save of ``step`` here (the holder of the lease): refuse one that would take
+        the place of another program's directory, or (``overwrite=False``) of a step that exists.
+        The root is listed for foreign directories once (at the first save); a step found there
+        is checked again directly, so a directory removed since does not refuse its step (one
+        written since is refused by the commit itself).
+
+        Args:
+            step: the step about to be saved.
+            overwrite: whether a save may replace a committed (or queued) step of ours.
+
+        Raises:
+            ForeignStepError: another program's directory holds the step's name.
+            StepAlreadyExistsError: ``overwrite=False`` and the step is committed or being saved.
+        """
+        if self._foreign is None:
+            self._foreign = set(self.layout.foreign_steps())
+        if step in self._foreign:
+            self.layout.refuse_foreign(step)
+            self._foreign.discard(step)
+        if not overwrite and (step in self.catalog.infos() or step in self.catalog.in_flight()):
+            raise StepAlreadyExistsError(
+                f"step {step} already exists under {self.storage.url} and this manager was created with "
+                f"overwrite=False: save another step, delete({step}) it first, or create the manager with "
+                f"overwrite=True (a re-save replaces a step atomically)", step=step,
+                path=self.layout.step_dir(step))
 
     # ---- retention and deletion --------------------------------------------------------------
     def in_background(self, fn: Callable[[], None]) -> None:

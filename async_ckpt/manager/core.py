@@ -256,6 +256,11 @@ class CheckpointManager:
             this process's writer thread writes them. ``"auto"`` (default): ``$ASYNC_CKPT_WRITER``
             if set, else ``"process"`` on Linux. Object stores are written by the thread
             either way (see docs/design.md, "The writer process").
+        overwrite: whether a save of a step that is already committed (or being written) replaces
+            it, atomically (default True, as torch_xla's manager); False raises
+            :class:`~async_ckpt.errors.StepAlreadyExistsError` at the call instead (Orbax's
+            behaviour). A step directory another program wrote (plain DCP) is never replaced
+            either way: its save raises :class:`~async_ckpt.errors.ForeignStepError`.
         wall_clock: the clock of the commit times recorded in manifests (default
             ``time.time``; commit order survives it stepping back).
         interval_clock: the clock time-based save policies measure intervals with (the times
@@ -309,6 +314,7 @@ class CheckpointManager:
         metrics_reduce: str = "rank0",
         read_only: bool = False,
         writer: str = "auto",
+        overwrite: bool = True,
         wall_clock: Callable[[], float] = time.time,
         interval_clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -394,6 +400,7 @@ class CheckpointManager:
                 self._peers.stop_threads()
             raise
         self._decision = SaveDecision(self.roots, self._exchange, self._probe, self._preemption, opts.interval_clock)
+        self._decision.overwrite = opts.overwrite
         self._persister = Persister(self.roots, self._exchange, threads=opts.write_threads, verify=opts.verify,
                                     wall_clock=opts.wall_clock, stats=self.stats,
                                     stats_log=StatsLog.from_option(self.storage, opts.stats_log),
@@ -520,6 +527,8 @@ class CheckpointManager:
 
         Raises:
             InvalidArgumentError: ``step`` or ``metrics`` is invalid.
+            ForeignStepError: another program's directory holds the step (never replaced).
+            StepAlreadyExistsError: ``overwrite=False`` and the step exists.
             LeaseHeldError: another live writer holds the root's writer lease.
             StorageError: the root cannot be reached (without a local tier).
             CheckpointError: an earlier background save failed (its error, raised once), the
@@ -555,6 +564,8 @@ class CheckpointManager:
 
         Raises:
             InvalidArgumentError: ``step`` or ``metrics`` is invalid.
+            ForeignStepError: another program's directory holds the step (never replaced).
+            StepAlreadyExistsError: ``overwrite=False`` and the step exists.
             LeaseHeldError: another live writer holds the root's writer lease.
             StorageError: the root cannot be reached (without a local tier).
             CheckpointError: an earlier background save failed (its error, raised once), the
@@ -779,7 +790,9 @@ class CheckpointManager:
         fails verification, the next older commit that verifies is used, with a warning naming
         the skipped step, and its data overwrites everything again. A named step that is
         damaged raises :class:`CorruptCheckpointError`. With ``local_dir`` the local copy of a
-        step is tried first, then the one under ``path`` (see docs/tiers.md).
+        step is tried first, then the one under ``path`` (see docs/tiers.md). A named step that
+        only another program's directory holds (plain DCP: :meth:`foreign_steps`) is read as it
+        is, read-only (sizes checked against its ``.metadata``; it has no checksums).
 
         One process reads the files straight into the target tensors, checking sizes and
         CRC-32Cs (``verify``) as the data arrives. When a restore fails after its first write,
@@ -905,6 +918,20 @@ class CheckpointManager:
         """
         self._check_process()
         return self.roots.steps()
+
+    def foreign_steps(self) -> Dict[int, str]:
+        """Step directories under ``path`` that another program wrote (plain ``dcp.save``,
+        torch_xla's or torchtitan's checkpointer: no ``COMMITTED`` marker of ours).
+
+        They are read-only here: not in :meth:`all_steps`, never taken by ``restore(None)``,
+        replaced by a save (:class:`~async_ckpt.errors.ForeignStepError`), deleted by retention,
+        :meth:`delete` or the cleanup of incomplete steps; ``restore(step, ...)`` reads one.
+
+        Returns:
+            step -> the directory's path, ascending.
+        """
+        self._check_process()
+        return self.layout.foreign_steps()
 
     def step_tiers(self) -> Dict[int, Tuple[str, ...]]:
         """Which roots hold each committed step.

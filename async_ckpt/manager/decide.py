@@ -14,7 +14,7 @@ from typing import Callable, List, Optional, Tuple
 
 from ..dist import phase
 from ..dist.exchange import Exchange
-from ..errors import CheckpointError, LeaseHeldError, StorageError
+from ..errors import CheckpointError, LeaseHeldError, StepAlreadyExistsError, StorageError
 from ..jobs.preemption import PreemptionTracker
 from ..jobs.roots import Root, Roots
 from .probe import RootProbe
@@ -48,6 +48,8 @@ class SaveDecision:
         self.interval_clock = interval_clock
         self.start_time = interval_clock()
         self.restored: Optional[int] = None
+        #: whether a save may replace an existing step (the manager's ``overwrite``)
+        self.overwrite = True
 
     def schedule(self, step: int, force: bool, preempt: bool) -> Due:
         """The save schedule's answer for ``step`` now (no I/O)."""
@@ -83,6 +85,8 @@ class SaveDecision:
         Raises:
             LeaseHeldError: another live writer holds the persistent root's lease.
             StorageError: the root cannot be reached (without a local tier).
+            StepAlreadyExistsError: the step may not be written there (another program's directory,
+                :class:`~async_ckpt.errors.ForeignStepError`; an existing step, ``overwrite=False``).
             CheckpointError: another rank could not save the step.
         """
         alone = self.exchange.world_size == 1
@@ -98,6 +102,10 @@ class SaveDecision:
             if due.persistent and self.exchange.is_primary:
                 try:
                     self.claim_persistent(step)
+                except StepAlreadyExistsError as exc:  # the caller's to fix: never a fallback to the local tier
+                    if alone:
+                        raise
+                    invalid, due = exc, Due(False, False, False, False)
                 except LeaseHeldError as exc:
                     if alone:
                         raise
@@ -140,10 +148,13 @@ class SaveDecision:
 
     def claim_persistent(self, step: int) -> None:
         """Rank 0, before a save due at the persistent root: the root is writable, its writer
-        lease is held, and a save below the highest committed step is warned about once."""
+        lease is held, the step may be written there (not another program's directory; with
+        ``overwrite=False``, not an existing step) and a save below the highest committed step
+        is warned about once."""
         self.probe.ensure_writable()  # a manager that only lists and restores needs only read access
         store = self.roots.persistent.store
         store.become_writer()
+        store.refuse_existing(step, self.overwrite)
         store.warn_if_lower(step, self.restored)
 
     def _agree(self, step: int, due: Due, lease_ok: bool, reached: bool, invalid: Optional[Exception],

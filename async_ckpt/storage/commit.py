@@ -5,7 +5,8 @@ the manifest); they differ in where a step is written and how it takes its place
 
 * :class:`RenameCommit` (POSIX paths): written under ``.tmp-<step>-<token>/``, then renamed to
   ``<step>/`` (an older copy of the step is first renamed out of the way, marker and all) and
-  the parent directory is fsynced.
+  the parent directory is fsynced. A directory another program wrote there is never moved: the
+  commit raises :class:`~async_ckpt.errors.ForeignStepError` instead.
 * :class:`MarkerCommit` (object stores, which have no rename): written in place under
   ``<step>/`` (or beside an existing copy, as ``<step>.<token>/``); the marker, written last,
   alone decides that it exists, and an older copy is removed once the new marker is written.
@@ -56,6 +57,10 @@ class Directories(Protocol):
 
     def refuse_link(self, path: str, what: str) -> None:
         """Raise :class:`~async_ckpt.errors.StorageError` if ``path`` is a symbolic link."""
+
+    def refuse_foreign(self, step: int) -> None:
+        """Raise :class:`~async_ckpt.errors.ForeignStepError` if another program's directory
+        holds ``step``'s canonical name."""
 
     def condemn_dir(self, path: str) -> str:
         """Unmark one step directory; return its path."""
@@ -117,6 +122,7 @@ class RenameCommit:
         _write_manifest_and_marker(dirs, target, manifest, sync_entries=False)
         trash = None
         dirs.refuse_link(target.final, f"commit step {target.step}")
+        dirs.refuse_foreign(target.step)  # written there since begin(): never moved out of the way
         if st.exists(target.final):
             # The old copy keeps its marker until it is out of the way: a crash between the two
             # renames leaves the new copy committed under its temporary name.

@@ -29,6 +29,7 @@ from typing import Dict, Iterable, List, Optional, Set, Tuple
 
 from ..errors import (
     CorruptCheckpointError,
+    ForeignStepError,
     InvalidArgumentError,
     StepNotFoundError,
     StorageError,
@@ -163,6 +164,61 @@ class StepDirectories:
         """Names of the directories that hold a committed copy of ``step``."""
         return list(self._marked().get(step, []))
 
+    def foreign_steps(self) -> Dict[int, str]:
+        """Step directories another program wrote (see :meth:`is_foreign`), by step.
+
+        Returns:
+            step -> the directory's path, for every ``<root>/<step>`` that holds no marker and
+            that async_ckpt did not write (a plain DCP checkpoint, say); never a symbolic link.
+        """
+        marked = self._marked()
+        out: Dict[int, str] = {}
+        for name in self._dir_names():
+            parsed = step_names.parse(name)
+            if parsed is None or parsed.kind != step_names.STEP or name in marked.get(parsed.step, ()):
+                continue
+            path = self.storage.join(name)
+            if self.is_foreign(path):
+                out[parsed.step] = path
+        return dict(sorted(out.items()))
+
+    def is_foreign(self, path: str) -> bool:
+        """Whether ``path`` is a directory another program wrote: it exists, is no symbolic link
+        (those are refused on their own), holds no marker and is not an incomplete step of ours
+        (:meth:`is_ours_incomplete`).
+
+        Args:
+            path: a step directory's path.
+
+        Returns:
+            True for a foreign directory.
+        """
+        st = self.storage
+        try:
+            if st.is_link(path) or not st.exists(path) or st.exists(f"{path}/{MARKER_NAME}"):
+                return False
+        except FileNotFoundError:
+            return False
+        return not self.is_ours_incomplete(path)
+
+    def refuse_foreign(self, step: int) -> None:
+        """Raise :class:`ForeignStepError` if another program's directory holds ``step``'s name.
+
+        Args:
+            step: the step about to be written.
+
+        Raises:
+            ForeignStepError: ``<root>/<step>`` is foreign (:meth:`is_foreign`).
+        """
+        path = self.step_dir(step)
+        if self.is_foreign(path):
+            raise ForeignStepError(
+                f"step {step}: refusing to save: {path} holds a checkpoint async_ckpt did not write (no "
+                f"COMMITTED marker: plain dcp.save, torch_xla's or torchtitan's checkpointer), and async_ckpt never "
+                f"replaces or deletes such a directory. restore({step}, state_dict) reads it; save it under "
+                f"another root to import it (`async-ckpt import {path} NEW_ROOT`), or save another step",
+                step=step, path=path)
+
     @staticmethod
     def new_token() -> str:
         """A fresh token for one save's directory names (:func:`~async_ckpt.format.step_names.new_token`)."""
@@ -173,9 +229,11 @@ class StepDirectories:
         """Prepare an empty place to write ``step`` into. ``token`` must match across ranks.
 
         Nothing committed is touched: an existing copy of the step stays restorable until the
-        new one is committed.
+        new one is committed. A directory another program wrote under the step's name raises
+        :class:`ForeignStepError` (:meth:`refuse_foreign`).
         """
         self.refuse_link(self.step_dir(step), f"write step {step}")
+        self.refuse_foreign(step)
         return self.protocol.begin(self, step, token or step_names.new_token())
 
     def commit(self, target: StepTarget, manifest: Manifest) -> None:
