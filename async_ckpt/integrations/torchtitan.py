@@ -121,8 +121,8 @@ class CheckpointManager(BaseCheckpointManager):
     def __init__(self, config: "CheckpointManager.Config", *, dataloader: Any, model_parts: List[torch.nn.Module],
                  optimizers: Any, lr_schedulers: Any, states: Dict[str, Any], sd_adapter: Any,
                  base_folder: str = "") -> None:
-        self.enable = config.enable
-        if not self.enable:
+        self.enable = False  # until everything below exists: close() is then a no-op
+        if not config.enable:
             return
         self.folder = filesystem.join(base_folder, config.folder)
         self.interval = config.interval
@@ -146,7 +146,8 @@ class CheckpointManager(BaseCheckpointManager):
                                        "model needs a state-dict adapter to be saved in HF format")
         self.async_mode = AsyncMode(config.async_mode)
         self.save_future = None
-        #: torchtitan's name; this backend stages at the call (see ``maybe_wait_for_staging``)
+        #: ``async_with_pinned_mem``: set by a save whose host copies were issued, completed by
+        #: ``maybe_wait_for_staging`` once they are done
         self.staging_future: Optional[Future] = None
         self._lock = threading.Lock()
         self._pending: Dict[int, Future] = {}  # step -> the future its commit completes
@@ -158,6 +159,7 @@ class CheckpointManager(BaseCheckpointManager):
             read_only=self.load_only,
             on_saved=self._committed,
         )
+        self.enable = True
         log.info("Checkpointing active (async_ckpt). Checkpoints will be loaded from and saved to %s", self.folder)
 
     def __del__(self) -> None:
@@ -208,6 +210,8 @@ class CheckpointManager(BaseCheckpointManager):
                     self._pending.pop(curr_step, None)
                 raise
             self.save_future = fut
+            if self.async_mode == AsyncMode.ASYNC_WITH_PINNED_MEM:  # copies issued, finished by the wait
+                self.staging_future = Future()
         log.info("%s step %d in %.2f seconds", "Saved" if self.async_mode == AsyncMode.DISABLED or last_step
                  else "Staged", curr_step, time.monotonic() - begin)
         return True
@@ -233,6 +237,9 @@ class CheckpointManager(BaseCheckpointManager):
 
     def _maybe_wait_for_staging(self) -> None:
         self.manager.wait_for_staging()
+        if self.staging_future is not None:
+            self.staging_future.set_result(None)
+            self.staging_future = None
 
     def _wait_for_saving(self) -> None:
         fut = self.save_future
