@@ -30,6 +30,7 @@ from .errors import (
     UnsafeCheckpointError,
     WriterProcessError,
 )
+from .jobs.roots import StepMetadata
 from .manager import CheckpointManager
 from .policies import (
     AnyOf,
@@ -78,6 +79,7 @@ __all__ = [
     "StagingBudgetError",
     "StateDictMismatchError",
     "StepAlreadyExistsError",
+    "StepMetadata",
     "StepNotFoundError",
     "StorageError",
     "StoragePartlyWrittenError",

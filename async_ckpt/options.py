@@ -17,7 +17,7 @@ import os
 import socket
 import time
 from dataclasses import dataclass, field, fields
-from typing import Any, Callable, Dict, Iterable, Optional, Sequence
+from typing import Any, Callable, Dict, Iterable, Optional, Sequence, Tuple
 
 from .errors import InvalidArgumentError, warn_user
 from .policies import (
@@ -119,6 +119,8 @@ class ManagerOptions:
     read_only: bool = False
     writer: str = "auto"
     overwrite: bool = True
+    step_prefix: Optional[str] = None
+    step_width: Optional[int] = None
     wall_clock: Callable[[], float] = field(default=time.time)
     interval_clock: Callable[[], float] = field(default=time.monotonic)
 
@@ -258,6 +260,11 @@ class RestoreOptions:
         key_map: checkpoint key prefix -> target key prefix, or None.
         replicated_reads: several ranks: who reads a tensor every rank restores (``"once"``,
             ``"every_rank"``, ``"auto"``).
+        cast: a target tensor of another dtype than the checkpoint's is cast into, as
+            ``dcp.load`` does (False: a dtype that differs is a mismatch).
+        keys: restore only these checkpoint keys and what lies under them (flattened, dotted
+            keys: ``"model"`` selects ``"model.w"``); None: every key.
+        exclude: leave out these keys and what lies under them.
     """
 
     verify: bool = True
@@ -269,3 +276,24 @@ class RestoreOptions:
     pool: Any = None
     key_map: Optional[Dict[str, str]] = None
     replicated_reads: str = "auto"
+    cast: bool = False
+    keys: Optional[Tuple[str, ...]] = None
+    exclude: Tuple[str, ...] = ()
+
+    def selects_all(self) -> bool:
+        """Whether every key is restored (no ``keys``, no ``exclude``)."""
+        return self.keys is None and not self.exclude
+
+    def selects(self, key: str) -> bool:
+        """Whether the checkpoint's (flattened, dotted) ``key`` is restored.
+
+        Args:
+            key: a flattened checkpoint key.
+
+        Returns:
+            True when ``keys`` (if given) holds it or a prefix of it, and ``exclude`` does not.
+        """
+        def under(prefixes: Tuple[str, ...]) -> bool:
+            return any(key == p or key.startswith(p + ".") for p in prefixes)
+
+        return (self.keys is None or under(self.keys)) and not under(self.exclude)

@@ -138,3 +138,86 @@ def test_overwrite_false_refuses_to_save_an_existing_step(ckpt_dir):
         assert torch.equal(target["w"], torch.ones(2))
     with CheckpointManager(ckpt_dir) as mgr:  # the default replaces it, as torch_xla's manager does
         mgr.save(1, {"w": torch.zeros(2)}, force=True)
+
+
+def test_metadata_user_metadata_and_saving_in_progress(ckpt_dir):
+    """Orbax parity: metadata(step) without the tensors' bytes, user metadata per save (JSON),
+    is_saving_in_progress()."""
+    from async_ckpt import InvalidArgumentError
+
+    mgr = CheckpointManager(ckpt_dir)
+    gate = threading.Event()
+    begin = mgr.layout.begin
+
+    def held_begin(*args, **kwargs):
+        gate.wait(30)
+        return begin(*args, **kwargs)
+
+    sd = {"model": {"w": torch.ones(4, 2, dtype=torch.bfloat16)}, "step": 7}
+    assert not mgr.is_saving_in_progress()
+    with mock.patch.object(mgr.layout, "begin", held_begin):
+        assert mgr.save_async(3, sd, force=True, metrics={"loss": 0.5}, metadata={"run": "a", "tokens": [1, 2]}) is True
+        assert mgr.is_saving_in_progress()
+        gate.set()
+        mgr.join()
+    assert not mgr.is_saving_in_progress()
+    with pytest.raises(InvalidArgumentError, match="JSON"):
+        mgr.save(4, sd, force=True, metadata={"bad": object()})
+    mgr.close()
+    # every data file removed: metadata() reads the manifest and .metadata only
+    where = os.path.join(ckpt_dir, "3")
+    for n in os.listdir(where):
+        if n.endswith(".distcp"):
+            os.remove(os.path.join(where, n))
+    md = CheckpointManager(ckpt_dir).metadata(3)
+    assert md.step == 3 and md.metrics == {"loss": 0.5} and md.user_metadata == {"run": "a", "tokens": [1, 2]}
+    assert md.tensors == {"model.w": ((4, 2), "bfloat16")} and md.values == ("step",)
+    with pytest.raises(StepNotFoundError):
+        CheckpointManager(ckpt_dir).metadata(9)
+
+
+@pytest.mark.parametrize("prefix,width,name", [("step-", None, "step-20"), (None, 8, "00000020"),
+                                               ("ckpt_", 4, "ckpt_0020")])
+def test_step_naming_is_recorded_and_found_unprompted(ckpt_dir, prefix, width, name, capsys):
+    from async_ckpt import InvalidArgumentError
+
+    with CheckpointManager(ckpt_dir, step_prefix=prefix, step_width=width) as mgr:
+        mgr.save(10, {"w": torch.zeros(2)})
+        mgr.save(20, {"w": torch.ones(2)})
+        assert mgr.layout.step_dir(20) == os.path.join(ckpt_dir, name)
+    assert name in os.listdir(ckpt_dir) and "20" not in os.listdir(ckpt_dir)
+    mgr = CheckpointManager(ckpt_dir)  # not told: the root's record says
+    assert mgr.all_steps() == [10, 20]
+    target = {"w": torch.zeros(2)}
+    assert mgr.restore(None, target) == 20 and torch.equal(target["w"], torch.ones(2))
+    mgr.close()
+    capsys.readouterr()
+    assert cli_main(["ls", ckpt_dir, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert sorted(e["step"] for e in out["steps"] if e["status"] == "listed") == [10, 20]
+    with pytest.raises(InvalidArgumentError, match="names its steps"):
+        CheckpointManager(ckpt_dir, step_prefix="other-")
+
+
+def test_torchtitan_step_directories_are_foreign_under_its_naming(ckpt_dir):
+    """torchtitan's layout: <folder>/step-N holding plain DCP. With step_prefix="step-" they are
+    listed as foreign, restorable, and never replaced; a root of <step> names refuses the naming."""
+    from async_ckpt import InvalidArgumentError
+
+    os.makedirs(ckpt_dir)
+    sd = _foreign(ckpt_dir, 0)
+    os.rename(os.path.join(ckpt_dir, "0"), os.path.join(ckpt_dir, "step-5"))
+    with CheckpointManager(ckpt_dir, step_prefix="step-") as mgr:
+        assert mgr.foreign_steps() == {5: os.path.join(ckpt_dir, "step-5")}
+        target = {"w": torch.zeros(6), "b": torch.zeros(3, dtype=torch.int64)}
+        mgr.restore(5, target)
+        assert_bitwise_equal(sd, target)
+        with pytest.raises(ForeignStepError):
+            mgr.save(5, target, force=True)
+        mgr.save(10, target)
+    assert sorted(n for n in os.listdir(ckpt_dir) if not n.startswith(".")) == ["step-10", "step-5"]
+    other = os.path.join(ckpt_dir, "..", "plain")
+    with CheckpointManager(other) as mgr:
+        mgr.save(1, {"w": torch.ones(1)})
+    with pytest.raises(InvalidArgumentError, match="would hide them"):
+        CheckpointManager(other, step_prefix="step-")

@@ -48,7 +48,7 @@ def _step_entry(storage: Storage, layout: StepDirectories, name: str, locations:
     ``saved_for`` names that path).
     """
     path = storage.join(name)
-    parsed = step_names.parse(name)
+    parsed = layout.naming.parse(name)
     step_of = parsed.step if parsed is not None else None
     kind = parsed.kind if parsed is not None else None
     if layout.is_foreign_link(name):
@@ -111,7 +111,7 @@ def _step_entry(storage: Storage, layout: StepDirectories, name: str, locations:
 def _entries(storage: Storage, layout: StepDirectories, home: Optional[str] = None) -> List[Dict[str, Any]]:
     names = [e["name"] for e in storage.listdir(storage.root)
              if (e.get("type") == "directory" or e.get("islink"))
-             and step_names.parse(e["name"]) is not None]
+             and layout.naming.parse(e["name"]) is not None]
     locations = layout.locations()
     with ThreadPoolExecutor(max(1, min(16, len(names)))) as pool:
         return list(pool.map(lambda n: _step_entry(storage, layout, n, locations, home), names))

@@ -31,6 +31,8 @@ FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 MARKER_NAME = "COMMITTED"
 PENDING_NAME = ".async_ckpt_pending"  # in an unmarked <step>/ that async_ckpt is writing or deleting
+#: where a manifest's ``"extra"`` holds the user metadata of the save (``save(..., metadata=)``), JSON
+USER_METADATA_KEY = "user_metadata"
 
 
 def shown(text: Any) -> str:

@@ -11,6 +11,13 @@ A root holds four kinds of step directory:
 ``<token>`` is :func:`new_token`'s twelve hex digits (one per save, the same on every rank).
 Any other name under the root is not a step directory.
 
+A root may name its steps otherwise (:class:`StepNaming`: a prefix and a fixed width, e.g.
+torchtitan's ``step-<step>``, Orbax's ``<prefix>_<step>`` or zero-padded ``00000100``): then
+``<name>/`` and ``<name>.<token>/`` replace ``<step>/`` and ``<step>.<token>/``; temp and trash
+directories keep their names. The naming is recorded in the root (:data:`NAMING_FILE`), so that
+readers and the CLI find the steps without being told; the module-level functions are those of
+the default naming.
+
 A local tier (``local_dir``) shared by several ranks holds one root per rank, ``rank<r>/``
 (:func:`rank_dir_name`), and inside a rank's root, one root per rank whose copies it holds for
 it (peer copies, ``local_replicas=``), ``held-rank<r>/`` (:func:`held_dir_name`); neither
@@ -19,10 +26,13 @@ parses as a step directory, so a root's own listing never sees them.
 
 from __future__ import annotations
 
+import json
 import re
 import uuid
 from dataclasses import dataclass
 from typing import Optional
+
+from ..errors import InvalidArgumentError
 
 STEP = "step"
 RESAVE = "resave"
@@ -32,9 +42,8 @@ TRASH = "trash"
 _RANK_DIR = re.compile(r"^rank(\d+)$")
 _HELD_DIR = re.compile(r"^held-rank(\d+)$")
 
+#: the names every naming shares (a step's and a re-save's are the naming's: :meth:`StepNaming.parse`)
 _PATTERNS = (
-    (STEP, re.compile(r"^(\d+)$")),
-    (RESAVE, re.compile(r"^(\d+)\.[0-9a-f]{12}$")),
     (TMP, re.compile(r"^\.tmp-(\d+)-[0-9a-f]+$")),
     (TRASH, re.compile(r"^\.trash-(\d+)-[0-9a-f]+$")),
 )
@@ -48,6 +57,121 @@ class StepDirName:
 
     step: int
     kind: str  # STEP, RESAVE, TMP or TRASH
+
+
+#: the file, directly under a root, that records its :class:`StepNaming` (absent: the default)
+NAMING_FILE = ".async_ckpt_naming.json"
+#: the widest fixed width of a step number
+MAX_WIDTH = 20
+
+
+@dataclass(frozen=True)
+class StepNaming:
+    """How a root names its step directories: ``<prefix><step>``, the step zero-padded to
+    ``width`` digits (0: not padded). The default (``""``, 0) is ``<step>``; torchtitan's is
+    ``StepNaming("step-")``; Orbax's ``step_prefix="ckpt"`` is ``StepNaming("ckpt_")`` and its
+    ``step_format_fixed_length=8`` is ``width=8``.
+
+    Args:
+        prefix: what comes before the number: letters, digits, ``_``, ``-`` (not ending with a
+            digit, not starting with ``.``).
+        width: the number's fixed width (0..20).
+
+    Raises:
+        InvalidArgumentError: a prefix or width out of that range.
+    """
+
+    prefix: str = ""
+    width: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.prefix, str) or not re.fullmatch(r"([A-Za-z0-9_-]*[A-Za-z_-])?", self.prefix):
+            raise InvalidArgumentError(f"step_prefix must be letters, digits, '_' or '-' not ending with a digit "
+                                       f"(e.g. 'step-' or 'ckpt_'), got {self.prefix!r}")
+        if isinstance(self.width, bool) or not isinstance(self.width, int) or not 0 <= self.width <= MAX_WIDTH:
+            raise InvalidArgumentError(f"step_width must be an int from 0 (not padded) to {MAX_WIDTH}, "
+                                       f"got {self.width!r}")
+
+    def name(self, step: int) -> str:
+        """The canonical directory name of ``step``.
+
+        Args:
+            step: the step number.
+
+        Returns:
+            ``"<prefix><step>"``, the step zero-padded to the width.
+        """
+        return f"{self.prefix}{step:0{self.width}d}"
+
+    def resave_name(self, step: int, token: str) -> str:
+        """The directory name of a re-save of ``step`` written beside its existing copy.
+
+        Args:
+            step: the step number.
+            token: the save's token (:func:`new_token`).
+
+        Returns:
+            ``"<name>.<token>"``.
+        """
+        return f"{self.name(step)}.{token}"
+
+    def parse(self, name: str) -> Optional[StepDirName]:
+        """What a directory name under a root is.
+
+        Args:
+            name: a directory name or path; only its last component counts.
+
+        Returns:
+            The step and kind of a step directory name, or None for any other name (a step
+            name of another naming included).
+        """
+        base = name.rstrip("/").rsplit("/", 1)[-1]
+        for kind, pattern in _PATTERNS:
+            m = pattern.match(base)
+            if m:
+                return StepDirName(int(m.group(1)), kind)
+        m = re.match(rf"^{re.escape(self.prefix)}(\d+)(\.[0-9a-f]{{12}})?$", base)
+        if m is None:
+            return None
+        step = int(m.group(1))
+        if m.group(1) != f"{step:0{self.width}d}":  # one spelling per step: "007" is not step 7 unpadded
+            return None
+        return StepDirName(step, RESAVE if m.group(2) else STEP)
+
+    def to_json(self) -> bytes:
+        """The record of this naming (:data:`NAMING_FILE`).
+
+        Returns:
+            JSON bytes.
+        """
+        return json.dumps({"step_prefix": self.prefix, "step_width": self.width}).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> "StepNaming":
+        """A naming from its record.
+
+        Args:
+            data: the bytes of :data:`NAMING_FILE`.
+
+        Returns:
+            The naming.
+
+        Raises:
+            InvalidArgumentError: the record is not a naming's.
+        """
+        try:
+            obj = json.loads(data)
+            return cls(str(obj["step_prefix"]), int(obj["step_width"]))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise InvalidArgumentError(f"{NAMING_FILE}: not a step naming record ({exc})") from None
+
+    def describe(self) -> str:
+        """How the names look, for messages (``"step-<step>"``)."""
+        return f"{self.prefix}<step>" + (f" zero-padded to {self.width} digits" if self.width else "")
+
+
+#: the default naming: ``<step>``
+DEFAULT = StepNaming()
 
 
 def new_token() -> str:
@@ -68,7 +192,7 @@ def step_name(step: int) -> str:
     Returns:
         ``"<step>"``.
     """
-    return str(step)
+    return DEFAULT.name(step)
 
 
 def resave_name(step: int, token: str) -> str:
@@ -81,7 +205,7 @@ def resave_name(step: int, token: str) -> str:
     Returns:
         ``"<step>.<token>"``.
     """
-    return f"{step}.{token}"
+    return DEFAULT.resave_name(step, token)
 
 
 def tmp_name(step: int, token: str) -> str:
@@ -111,7 +235,7 @@ def trash_name(step: int, token: str) -> str:
 
 
 def parse(name: str) -> Optional[StepDirName]:
-    """What a directory name under a root is.
+    """What a directory name under a root of the default naming is (:meth:`StepNaming.parse`).
 
     Args:
         name: A directory name or path; only its last component counts.
@@ -119,12 +243,7 @@ def parse(name: str) -> Optional[StepDirName]:
     Returns:
         The step and kind of a step directory name, or None for any other name.
     """
-    base = name.rstrip("/").rsplit("/", 1)[-1]
-    for kind, pattern in _PATTERNS:
-        m = pattern.match(base)
-        if m:
-            return StepDirName(int(m.group(1)), kind)
-    return None
+    return DEFAULT.parse(name)
 
 
 def step_of(name: str) -> Optional[int]:

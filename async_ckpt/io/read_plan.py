@@ -141,7 +141,7 @@ def _overlapping(flat: Dict[str, Any], md: Dict[str, Any]) -> Set[str]:
 
 
 def plan_records(state_dict: Dict[str, Any], files: Dict[str, FileRecord], metadata: Metadata, direct_min: int,
-                 devices: Any) -> Tuple[Dict[str, List[RecordRead]], Dict[str, Any], Dict[str, Any]]:
+                 devices: Any, cast: bool = False) -> Tuple[Dict[str, List[RecordRead]], Dict[str, Any], Dict[str, Any]]:
     """The records per data file that the targets in ``state_dict`` are read from.
 
     Args:
@@ -150,6 +150,9 @@ def plan_records(state_dict: Dict[str, Any], files: Dict[str, FileRecord], metad
         metadata: the step's checked DCP metadata.
         direct_min: tensors of at least this many bytes are read straight into their targets.
         devices: XLA/CUDA targets get host stand-ins here (:class:`~.sinks.DeviceTargets`).
+        cast: a target of another dtype than the checkpoint's is read into a private tensor of
+            the checkpoint's dtype, copied (cast) into the target once the reads are done, as
+            ``dcp.load`` does (which casts one item at a time).
 
     Returns:
         ``(records per file in file order, the flattened targets, their key mappings)``.
@@ -198,7 +201,7 @@ def plan_records(state_dict: Dict[str, Any], files: Dict[str, FileRecord], metad
             if not (device_supported(value) if on_device else _plain_target(value)):
                 raise Unsupported(fqn)
             if len(m.chunks) != 1 or any(m.chunks[0].offsets) or tuple(m.chunks[0].sizes) != tuple(m.size) \
-                    or tuple(value.shape) != tuple(m.size) or value.dtype != m.properties.dtype:
+                    or tuple(value.shape) != tuple(m.size) or (value.dtype != m.properties.dtype and not cast):
                 raise Unsupported(fqn)
             offsets = m.chunks[0].offsets
             info = lookup(fqn, offsets if type(offsets) is torch.Size else torch.Size(offsets))
@@ -213,12 +216,15 @@ def plan_records(state_dict: Dict[str, Any], files: Dict[str, FileRecord], metad
             else:
                 t = value.detach() if type(value) is not torch.Tensor or value.requires_grad else value
             into = None
-            if fqn in tied or again:  # read into private memory, so that what lands there (and is checked) is its own
-                into, t = t, torch.empty(tuple(value.shape), dtype=value.dtype)
+            if fqn in tied or again or value.dtype != m.properties.dtype:
+                # read into private memory, so that what lands there (and is checked) is its own;
+                # of the checkpoint's dtype: copied into the target (cast) once the reads are done
+                into, t = t, torch.empty(tuple(value.shape), dtype=m.properties.dtype)
+                nbytes = t.numel() * t.element_size()
             fb = _contiguous_bytes(t)
             kind = "slow" if fb is None else ("direct" if nbytes >= direct_min else "small")
             rec = RecordRead(fqn, info.offset, info.length, kind, t, fb, own=not on_device and into is None, into=into,
-                       order=order)
+                             order=order)
         else:
             raise Unsupported(fqn)
         per_file.setdefault(info.relative_path, []).append(rec)

@@ -123,7 +123,7 @@ class DirectPlan:
 
 
 def plan_direct(state_dict: Dict[str, Any], files: Dict[str, FileRecord], metadata: Metadata, *,
-                local: bool) -> Optional[DirectPlan]:
+                local: bool, cast: bool = False) -> Optional[DirectPlan]:
     """The direct restore of ``state_dict`` from the step that ``metadata`` (checked) and
     ``files`` (its manifest's records) describe, or ``None`` when it does not apply (nothing
     read, nothing touched: DCP's reader loads it).
@@ -134,6 +134,8 @@ def plan_direct(state_dict: Dict[str, Any], files: Dict[str, FileRecord], metada
         metadata: the step's checked DCP metadata.
         local: reads are cheap (local files, or staged in memory): smaller records are read
             straight into their targets.
+        cast: targets of another dtype are cast into, as ``dcp.load`` does (see
+            :func:`~.read_plan.plan_records`).
 
     Returns:
         The plan, or ``None``.
@@ -141,7 +143,7 @@ def plan_direct(state_dict: Dict[str, Any], files: Dict[str, FileRecord], metada
     devices = DeviceTargets()
     try:
         per_file, flat, mappings = plan_records(state_dict, files, metadata,
-                                                DIRECT_MIN_BYTES if local else REMOTE_DIRECT_MIN_BYTES, devices)
+                                                DIRECT_MIN_BYTES if local else REMOTE_DIRECT_MIN_BYTES, devices, cast)
     except Unsupported:
         return None
     return DirectPlan(per_file, flat, mappings, devices)

@@ -138,7 +138,7 @@ def read_step(storage: Storage, path: str, state_dict: Dict[str, Any], *, files:
         return
     # one process: straight into the targets where the direct path handles them, else DCP's reader
     known = metadata is not None and files is not None
-    plan = plan_direct(state_dict, files, metadata, local=opts.atomic or storage.is_local) \
+    plan = plan_direct(state_dict, files, metadata, local=opts.atomic or storage.is_local, cast=opts.cast) \
         if planner is None and known else None
     if opts.atomic and known:
         pool = opts.pool

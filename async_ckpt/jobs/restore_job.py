@@ -174,7 +174,8 @@ def restore(listing: Callable[[], Sequence[Candidate]], state_dict: Dict[str, An
             return {**state_dict, **{k: v.state_dict() for k, v in stateful.items()}}
 
         target = phase.own(exchange, "state_dict() of the Stateful restore targets", step, targets)
-    view, back = (target, None) if not opts.key_map else _remapped(target, opts.key_map)
+    view, back = (target, None) if not opts.key_map and opts.selects_all() else \
+        _remapped(target, opts.key_map or {}, opts.selects)
     try:
         done, skipped = _first_intact(listing, view, exchange, step, opts,
                                       frozenset(stateful) if back is None else frozenset())
@@ -245,11 +246,35 @@ def check_key_map(key_map: Any) -> Optional[Dict[str, str]]:
     return dict(key_map) or None
 
 
-def _remapped(target: Dict[str, Any], key_map: Mapping[str, str]) -> Tuple[Dict[str, Any], Callable[[], None]]:
+def check_key_list(name: str, keys: Any) -> Optional[Tuple[str, ...]]:
+    """Validate ``restore(..., keys=)`` / ``exclude=``: flattened, dotted checkpoint keys (as
+    ``async-ckpt show`` prints them), each selecting itself and what lies under it.
+
+    Args:
+        name: the argument's name, for the message.
+        keys: a sequence of str, or None.
+
+    Returns:
+        The keys as a tuple (None for None).
+
+    Raises:
+        InvalidArgumentError: a single str, or not a sequence of non-empty str.
+    """
+    if keys is None:
+        return None
+    if isinstance(keys, (str, bytes)) or not isinstance(keys, (list, tuple, set, frozenset)) or \
+            not all(isinstance(k, str) and k for k in keys):
+        raise InvalidArgumentError(f"{name} must be a list of checkpoint keys (flattened, dotted, e.g. "
+                                   f"['model'] or ['optim.state']), got {keys!r}")
+    return tuple(keys)
+
+
+def _remapped(target: Dict[str, Any], key_map: Mapping[str, str],
+              selects: Callable[[str], bool] = lambda key: True) -> Tuple[Dict[str, Any], Callable[[], None]]:
     """A flat view of ``target`` keyed by the checkpoint's keys (``key_map`` applied backwards
-    to each flattened key of ``target``), and a function that puts the values a restore
-    assigned in the view (non-tensor values; tensors are written in place) back into
-    ``target``."""
+    to each flattened key of ``target``), holding only the keys ``selects`` (``keys=`` /
+    ``exclude=``), and a function that puts the values a restore assigned in the view
+    (non-tensor values; tensors are written in place) back into ``target``."""
     from ..format.dcp_layout import flatten
 
     flat, paths = flatten(target)
@@ -258,6 +283,8 @@ def _remapped(target: Dict[str, Any], key_map: Mapping[str, str]) -> Tuple[Dict[
     origin: Dict[str, str] = {}
     for k, v in flat.items():
         ck = next((src + k[len(dst):] for dst, src in rules if k.startswith(dst)), k)
+        if not selects(ck):
+            continue
         if ck in view:
             raise InvalidArgumentError(f"key_map={dict(key_map)!r} maps the keys {origin[ck]!r} and {k!r} of "
                                        f"state_dict to the same checkpoint key {ck!r}")
@@ -490,7 +517,8 @@ def _restore_one(store: RootStore, step: int, state_dict: Dict[str, Any], opts: 
             metadata = read_metadata(store.storage, where, files, verify=opts.verify, threads=opts.threads,
                                      whole=not _share_of_this_job(copy.manifest), check_unused=True)
         int_keys |= _stateful_int_keys(metadata, stateful)
-        added.extend(prepare_target(state_dict, metadata, step, int_keys, strict=opts.strict, covered=covered))
+        added.extend(prepare_target(state_dict, metadata, step, int_keys, strict=opts.strict, covered=covered,
+                                    cast=opts.cast, selects=None if opts.selects_all() else opts.selects))
         return where, files, metadata
 
     local, checked = phase.attempt(exchange, check, keep_alone=True)  # (the entries it added are taken out)
@@ -583,7 +611,8 @@ def _keys(keys: List[str]) -> str:
 
 
 def prepare_target(state_dict: Dict[str, Any], metadata: Any, step: int, int_keys: Set[str], *,
-                   strict: bool = True, covered: Optional[Set[str]] = None) -> List[tuple]:
+                   strict: bool = True, covered: Optional[Set[str]] = None, cast: bool = False,
+                   selects: Optional[Callable[[str], bool]] = None) -> List[tuple]:
     """Check ``state_dict`` against a checkpoint's DCP metadata; add entries it lacks.
 
     Keys of ``state_dict`` the checkpoint lacks raise :class:`StateDictMismatchError` naming
@@ -594,16 +623,22 @@ def prepare_target(state_dict: Dict[str, Any], metadata: Any, step: int, int_key
     or everything for an empty target); with ``strict=False`` only the intersection is loaded
     and those keys are listed in a warning instead.
 
+    ``cast``: a tensor of another dtype is no mismatch (the read casts, as ``dcp.load``).
+    ``selects``: only the checkpoint's keys it selects are restored (``keys=`` / ``exclude=``):
+    the others are neither added nor warned about.
+
     Returns the paths added, so that a failed restore can take them out again; ``covered``
     gets the keys of ``state_dict`` the checkpoint holds. The cyclic garbage collector is
     paused meanwhile (one pass over every item).
     """
     with gc_paused():
-        return _prepare_target(state_dict, metadata, step, int_keys, strict=strict, covered=covered)
+        return _prepare_target(state_dict, metadata, step, int_keys, strict=strict, covered=covered, cast=cast,
+                               selects=selects)
 
 
 def _prepare_target(state_dict: Dict[str, Any], metadata: Any, step: int, int_keys: Set[str], *,
-                    strict: bool, covered: Optional[Set[str]] = None) -> List[tuple]:
+                    strict: bool, covered: Optional[Set[str]] = None, cast: bool = False,
+                    selects: Optional[Callable[[str], bool]] = None) -> List[tuple]:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     from ..format.dcp_layout import flatten_target
@@ -621,7 +656,7 @@ def _prepare_target(state_dict: Dict[str, Any], metadata: Any, step: int, int_ke
                 problems.append(f"{k}: checkpoint has a tensor, state_dict has {type(v).__name__}")
             elif tuple(v.shape) != tuple(m.size):
                 problems.append(f"{k}: shape {tuple(v.shape)} in state_dict vs {tuple(m.size)} in checkpoint")
-            elif v.dtype != m.properties.dtype:
+            elif v.dtype != m.properties.dtype and not cast:
                 problems.append(f"{k}: dtype {v.dtype} in state_dict vs {m.properties.dtype} in checkpoint")
             else:
                 unwritable = _unwritable(v)
@@ -629,7 +664,8 @@ def _prepare_target(state_dict: Dict[str, Any], metadata: Any, step: int, int_ke
                     problems.append(f"{k}: {unwritable}")
         elif isinstance(v, torch.Tensor):
             problems.append(f"{k}: state_dict has a tensor, checkpoint has a non-tensor value")
-    unmatched = [k for k in md if k not in flat and k in (metadata.planner_data or {})]
+    unmatched = [k for k in md if k not in flat and k in (metadata.planner_data or {})
+                 and (selects is None or selects(k))]
     if (missing and strict) or problems:
         lines = [f"state_dict keys missing from checkpoint: {_keys(missing)}"] if missing and strict else []
         lines += problems[:SHOWN_KEYS]

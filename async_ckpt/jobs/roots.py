@@ -295,6 +295,68 @@ def step_metrics(tiers: Sequence[Root], step: int) -> Dict[str, float]:
     return dict(max(copies, key=lambda m: m.commit_time).metrics)
 
 
+@dataclass(frozen=True)
+class StepMetadata:
+    """What a committed step holds, read without its tensors' bytes (:meth:`CheckpointManager.metadata`).
+
+    Attributes:
+        step: the step.
+        commit_time: when it was committed (the wall clock's seconds).
+        nbytes: the bytes of its files.
+        metrics: the metrics saved with it.
+        user_metadata: what its save was given as ``metadata=`` (JSON values; empty if none).
+        tensors: flattened, dotted key -> ``(shape, dtype name)`` of every tensor (``"float32"``).
+        values: flattened keys of its non-tensor values.
+    """
+
+    step: int
+    commit_time: float
+    nbytes: int
+    metrics: Dict[str, float]
+    user_metadata: Dict[str, Any]
+    tensors: Dict[str, Tuple[Tuple[int, ...], str]]
+    values: Tuple[str, ...]
+
+
+def step_metadata(tiers: Sequence[Root], step: int, threads: int = 8) -> StepMetadata:
+    """The :class:`StepMetadata` of ``step``'s newest committed copy over ``tiers`` (its
+    ``.metadata`` read through the one verified read: that file only).
+
+    Args:
+        tiers: the manager's roots.
+        step: the step.
+        threads: how many reads run at once.
+
+    Returns:
+        The step's metadata.
+
+    Raises:
+        StepNotFoundError: no tier holds the step.
+    """
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from ..format.manifest import USER_METADATA_KEY
+    from ..io.dcp_adapters import read_metadata
+
+    found = [(t, t.store.layout.read_committed(step)) for t in tiers if step in t.store.layout.committed_steps()]
+    if not found:
+        raise StepNotFoundError(f"no committed checkpoint for step {step} under "
+                                f"{' or '.join(t.url for t in tiers)}", step=step)
+    tier, copy = max(found, key=lambda f: f[1].manifest.commit_time)
+    m = copy.manifest
+    md = read_metadata(tier.store.storage, copy.where, m.files, threads=threads, whole=m.whole)
+    tensors: Dict[str, Tuple[Tuple[int, ...], str]] = {}
+    values: List[str] = []
+    for key, item in md.state_dict_metadata.items():
+        if isinstance(item, TensorStorageMetadata):
+            tensors[key] = (tuple(item.size), str(item.properties.dtype).replace("torch.", ""))
+        else:
+            values.append(key)
+    user = m.extra.get(USER_METADATA_KEY)
+    return StepMetadata(step, m.commit_time, m.nbytes, dict(m.metrics), dict(user) if isinstance(user, dict) else {},
+                        tensors, tuple(values))
+
+
 def check_local_copy(tier: Root, step: int, rank: int, world_size: int) -> None:
     """Raise :class:`ForeignCopyError` when the local copy of ``step`` was saved for another
     persistent root, holds another rank's shards or was saved at another world size (only
@@ -439,6 +501,10 @@ class Roots(Sequence[Root]):
     def records(self) -> List[CheckpointInfo]:
         """Records of every committed step, oldest commit first (:func:`commit_records`)."""
         return commit_records(self._all)
+
+    def step_metadata(self, step: int, threads: int = 8) -> StepMetadata:
+        """:func:`step_metadata` over these roots."""
+        return step_metadata(self._all, step, threads)
 
     def metrics(self, step: int) -> Dict[str, float]:
         """The metrics stored with ``step``'s newest save (:func:`step_metrics`)."""

@@ -4,9 +4,10 @@ changed behind their version counters (checked once more at ``close()``)."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional, Sequence, Set
+import json
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set
 
-from ..errors import FrozenTensorChangedError, UnsafeCheckpointError, warn_user
+from ..errors import FrozenTensorChangedError, InvalidArgumentError, UnsafeCheckpointError, warn_user
 from ..format.unpickling import load_value, refused_global
 from ..staging.frozen import FrozenTensors, changed_keys
 
@@ -71,3 +72,27 @@ def frozen_changed_at_close(frozen: Optional[FrozenTensors], same_bytes: Sequenc
         f"tensors declared frozen changed after the last save: {', '.join(changed[:5])}"
         f"{f' and {len(changed) - 5} more' if len(changed) > 5 else ''}; the last step holds "
         "their bytes as they were when it was saved", keys=changed)
+
+
+def check_user_metadata(metadata: Any) -> Optional[Dict[str, Any]]:
+    """Validate ``save(..., metadata=)``: a mapping with str keys that JSON holds as it is (no
+    pickle: numbers, strings, bools, None, lists and dicts of them; no NaN).
+
+    Args:
+        metadata: the mapping, or None.
+
+    Returns:
+        A copy as read back from its JSON (None for None).
+
+    Raises:
+        InvalidArgumentError: not a mapping with str keys, or not JSON.
+    """
+    if metadata is None:
+        return None
+    if not isinstance(metadata, Mapping) or not all(isinstance(k, str) for k in metadata):
+        raise InvalidArgumentError(f"metadata must be a dict with str keys (stored as JSON), got {type(metadata).__name__}")
+    try:
+        return dict(json.loads(json.dumps(dict(metadata), allow_nan=False)))
+    except (TypeError, ValueError) as exc:
+        raise InvalidArgumentError(f"metadata must hold only JSON values (numbers, strings, bools, None, lists, "
+                                   f"dicts with str keys; no NaN): {exc}") from None

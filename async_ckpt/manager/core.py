@@ -33,7 +33,8 @@ from ..errors import (
     InvalidStateDictError,
     LeaseHeldError,
 )
-from ..format.manifest import CopyIdentity, check_metrics
+from ..format.manifest import USER_METADATA_KEY, CopyIdentity, check_metrics
+from ..format.step_names import StepNaming
 from ..gc_pause import gc_paused
 from ..io import Reuse, writer_process
 from ..io.planners import load_planner_for
@@ -41,9 +42,9 @@ from ..jobs.local_tier import make_local_tier
 from ..jobs.peers import PeerCopies, peer_topology
 from ..jobs.preemption import PreemptionTracker, PreemptionWatcher
 from ..jobs.promote import UploadCatchUp, promote
-from ..jobs.restore_job import check_key_map
+from ..jobs.restore_job import check_key_list, check_key_map
 from ..jobs.restore_job import restore as _restore
-from ..jobs.roots import LOCAL, PERSISTENT, Root, Roots, foreign_steps
+from ..jobs.roots import LOCAL, PERSISTENT, Root, Roots, StepMetadata, foreign_steps
 from ..jobs.save_job import SaveJob
 from ..jobs.store import RootStore
 from ..jobs.write_queue import WriteQueue
@@ -65,7 +66,7 @@ from ..stats import FALLBACK, UPLOAD_SKIPPED, SaveStats, format_bytes, format_se
 from ..storage import RetryPolicy, Storage
 from ..storage.stats_log import StatsLog
 from ..storage.step_dirs import StepDirectories
-from .checks import PickledValues, frozen_changed_at_close
+from .checks import PickledValues, check_user_metadata, frozen_changed_at_close
 from .decide import SaveDecision
 from .hooks import live_managers, stop_threads
 from .persist import Persister
@@ -261,6 +262,14 @@ class CheckpointManager:
             :class:`~async_ckpt.errors.StepAlreadyExistsError` at the call instead (Orbax's
             behaviour). A step directory another program wrote (plain DCP) is never replaced
             either way: its save raises :class:`~async_ckpt.errors.ForeignStepError`.
+        step_prefix: how step directories are named: ``<step_prefix><step>`` (``"step-"``:
+            torchtitan's ``step-100``; ``"ckpt_"``: Orbax's ``step_prefix="ckpt"``). Recorded in
+            the root at the first save (``.async_ckpt_naming.json``), so later managers, readers
+            and the CLI find the steps without being told; None (default): the root's recorded
+            naming, else ``<step>``. A naming other than the root's raises
+            :class:`~async_ckpt.errors.InvalidArgumentError`. See docs/concepts.md.
+        step_width: zero-pad the step number to this many digits (``8``: ``00000100``, Orbax's
+            ``step_format_fixed_length``); None: the root's, else not padded.
         wall_clock: the clock of the commit times recorded in manifests (default
             ``time.time``; commit order survives it stepping back).
         interval_clock: the clock time-based save policies measure intervals with (the times
@@ -315,6 +324,8 @@ class CheckpointManager:
         read_only: bool = False,
         writer: str = "auto",
         overwrite: bool = True,
+        step_prefix: Optional[str] = None,
+        step_width: Optional[int] = None,
         wall_clock: Callable[[], float] = time.time,
         interval_clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -342,7 +353,9 @@ class CheckpointManager:
         self._run_id = run_id
         self._saves = 0
         self.storage = Storage(opts.path, opts.storage_options, retry=opts.retry)
-        self.layout = StepDirectories(self.storage, opts.commit_mode)
+        naming = None if opts.step_prefix is None and opts.step_width is None else \
+            StepNaming(opts.step_prefix or "", opts.step_width or 0)
+        self.layout = StepDirectories(self.storage, opts.commit_mode, naming)
         self.process_group = opts.process_group
         self.chkpt_on_preemption = opts.chkpt_on_preemption
         self.verify = opts.verify
@@ -392,6 +405,8 @@ class CheckpointManager:
             # Created and checked when possible; a read-only root (an evaluation job's credential
             # or mount) opens all the same, for listing and restoring: the first save checks again.
             self._probe.open(read_only=opts.read_only)
+            if naming is not None:
+                self.layout.naming  # noqa: B018 - a naming that is not the root's is refused here
             if self._preemption is not None:
                 self._preemption.watcher.install()
         except BaseException:  # a refused manager leaves no thread behind
@@ -497,7 +512,8 @@ class CheckpointManager:
         self._preemption.watcher.trigger()
 
     def save_async(self, step: int, state_dict: Mapping[str, Any], force: bool = False,
-                   metrics: Optional[Dict[str, float]] = None, *, lazy: Optional[bool] = None) -> bool:
+                   metrics: Optional[Dict[str, float]] = None, *, lazy: Optional[bool] = None,
+                   metadata: Optional[Mapping[str, Any]] = None) -> bool:
         """Snapshot ``state_dict`` to host memory and write it in the background.
 
         Returns once host copies of every tensor exist (the training loop may then mutate its
@@ -521,6 +537,8 @@ class CheckpointManager:
             force: save even when no save policy wants this step.
             metrics: numbers stored with the step (see :meth:`best_step` and ``KeepBest``).
             lazy: return once the copies are issued; None: the manager's ``lazy``.
+            metadata: the user's metadata of this save, a dict of JSON values (stored in the
+                manifest as JSON, never pickled; read back by :meth:`metadata`).
 
         Returns:
             True when a save was taken; False when none was due.
@@ -535,7 +553,8 @@ class CheckpointManager:
                 state dict cannot be staged, another rank could not save the step, or the
                 manager is ``read_only``.
         """
-        return self._save(step, state_dict, force, metrics, wait=False, lazy=self.lazy if lazy is None else lazy)
+        return self._save(step, state_dict, force, metrics, wait=False, lazy=self.lazy if lazy is None else lazy,
+                          user_metadata=metadata)
 
     def wait_for_staging(self) -> None:
         """Wait until the host copies of every lazy save of this manager are done.
@@ -549,7 +568,7 @@ class CheckpointManager:
         self.stager.synchronize_staging()
 
     def save(self, step: int, state_dict: Mapping[str, Any], force: bool = False,
-             metrics: Optional[Dict[str, float]] = None) -> bool:
+             metrics: Optional[Dict[str, float]] = None, *, metadata: Optional[Mapping[str, Any]] = None) -> bool:
         """Like :meth:`save_async`, but returns only once the step is committed.
 
         Args:
@@ -558,6 +577,7 @@ class CheckpointManager:
                 values (saved through their ``state_dict()``) and plain values.
             force: save even when no save policy wants this step.
             metrics: numbers stored with the step (see :meth:`best_step` and ``KeepBest``).
+            metadata: the user's metadata of this save, a dict of JSON values (see :meth:`metadata`).
 
         Returns:
             True once the step is committed; False when no save was due.
@@ -572,10 +592,10 @@ class CheckpointManager:
                 state dict cannot be staged, another rank could not save the step, or the
                 manager is ``read_only``.
         """
-        return self._save(step, state_dict, force, metrics, wait=True)
+        return self._save(step, state_dict, force, metrics, wait=True, user_metadata=metadata)
 
     def _save(self, step: Any, state_dict: Mapping[str, Any], force: bool, metrics: Any, wait: bool,
-              lazy: bool = False) -> bool:
+              lazy: bool = False, user_metadata: Any = None) -> bool:
         """Training thread of every rank. With several ranks every rank must call it with the
         same step; rank 0's decision (policy, ``force``, preemption) is taken by every rank,
         and a rank that raises after that agreement (staging, a writer slot, its local lock)
@@ -591,6 +611,7 @@ class CheckpointManager:
         try:
             step = check_step(step)
             metrics = check_metrics(metrics)
+            user_metadata = check_user_metadata(user_metadata)
         except (TypeError, ValueError) as exc:
             if alone:
                 raise
@@ -705,7 +726,7 @@ class CheckpointManager:
         for tier in due:
             stats = SaveStats(step=step, nbytes=snap.nbytes - kept_bytes, num_tensors=snap.num_tensors,
                               queue_wait_s=t1 - t0, stage_s=t2 - t1, blocking_s=t2 - t0, exchange_s=exchange_s)
-            extra: Dict[str, Any] = {}
+            extra: Dict[str, Any] = {} if user_metadata is None else {USER_METADATA_KEY: user_metadata}
             save_id: Optional[str] = None
             if self.roots.local is not None:
                 stats.extra["tier"] = tier.name
@@ -783,7 +804,8 @@ class CheckpointManager:
     # ---- restoring ---------------------------------------------------------------------------
     def restore(self, step: Any, state_dict: Dict[str, Any], *, verify: Optional[bool] = None,
                 allow_pickle: bool = False, atomic: bool = False, strict: bool = True,
-                key_map: Optional[Mapping[str, str]] = None) -> int:
+                key_map: Optional[Mapping[str, str]] = None, cast: bool = False,
+                keys: Optional[Sequence[str]] = None, exclude: Optional[Sequence[str]] = None) -> int:
         """Load a committed step into ``state_dict`` in place and return the step.
 
         ``step=None`` (or ``"latest"``, as the CLI spells it) picks the most recently committed step (see :meth:`latest_step`); if it
@@ -824,6 +846,13 @@ class CheckpointManager:
             atomic: read and verify everything into host buffers first.
             strict: every key of ``state_dict`` must be in the checkpoint.
             key_map: checkpoint key prefix -> target key prefix.
+            cast: a target tensor of another dtype than the checkpoint's is cast into, as
+                ``dcp.load`` does (a bf16 step into an fp32 model); default: a mismatch.
+            keys: restore only these checkpoint keys and what lies under them (flattened,
+                dotted: ``["model"]`` is the model's part of ``{"model": ..., "optim": ...}``);
+                the target's other keys are left as they are, and neither they nor the
+                checkpoint's other keys are warned about. None: every key.
+            exclude: leave out these keys and what lies under them (e.g. ``["optim"]``).
 
         Returns:
             The step restored.
@@ -838,6 +867,8 @@ class CheckpointManager:
         self._check_process()
         invalid: Optional[Exception] = None
         prefixes: Optional[Dict[str, str]] = None
+        selected: Optional[Tuple[str, ...]] = None
+        excluded: Tuple[str, ...] = ()
         try:
             if not isinstance(state_dict, Mapping):
                 hint = ""
@@ -850,6 +881,10 @@ class CheckpointManager:
                 step = None
             step = None if step is None else check_step(step)
             prefixes = check_key_map(key_map)
+            selected = check_key_list("keys", keys)
+            excluded = check_key_list("exclude", exclude) or ()
+            if not isinstance(cast, bool):
+                raise InvalidArgumentError(f"cast must be a bool, got {cast!r}")
         except (TypeError, ValueError, CheckpointError) as exc:
             invalid = exc
         if not self._closed:  # pending saves land first (their errors surface); ranks agree on the step
@@ -859,7 +894,8 @@ class CheckpointManager:
         opts = RestoreOptions(verify=self.verify if verify is None else verify, allow_pickle=allow_pickle,
                               threads=self.write_threads, planner=load_planner_for(state_dict, allow_pickle),
                               atomic=atomic, strict=strict, pool=self.stager.pool, key_map=prefixes,
-                              replicated_reads=self.options.replicated_reads)
+                              replicated_reads=self.options.replicated_reads, cast=cast, keys=selected,
+                              exclude=excluded)
         t0 = time.perf_counter()
         if self._peers is not None:  # a rank that lost its copies gets them from its peers first
             self._peers.fill(step)
@@ -918,6 +954,33 @@ class CheckpointManager:
         """
         self._check_process()
         return self.roots.steps()
+
+    def metadata(self, step: int) -> StepMetadata:
+        """What a committed step holds, without reading its tensors' bytes: its keys, shapes and
+        dtypes (from DCP's ``.metadata``, checked against the manifest), metrics, commit time,
+        size and the user metadata its save was given (``save(..., metadata=)``). Of its newest
+        save, over the roots.
+
+        Args:
+            step: the step.
+
+        Returns:
+            The step's :class:`StepMetadata`.
+
+        Raises:
+            StepNotFoundError: no root holds the step.
+            CorruptCheckpointError: its marker, manifest or ``.metadata`` is damaged.
+        """
+        self._check_process()
+        return self.roots.step_metadata(check_step(step), threads=self.write_threads)
+
+    def is_saving_in_progress(self) -> bool:
+        """Whether a save of this manager is staged, queued or being written at any root.
+
+        Returns:
+            True until every save taken so far has committed or failed (:meth:`join` waits for that).
+        """
+        return any(r.writer.pending > 0 for r in self.roots)
 
     def foreign_steps(self) -> Dict[int, str]:
         """Step directories under ``path`` that another program wrote (plain ``dcp.save``,

@@ -46,6 +46,10 @@ class Directories(Protocol):
 
     storage: Storage
 
+    @property
+    def naming(self) -> step_names.StepNaming:
+        """How the root names its step directories."""
+
     def step_dir(self, step: int) -> str:
         """The canonical directory of ``step``."""
 
@@ -145,11 +149,11 @@ class RenameCommit:
         tmp = st.join(winner)
         final = dirs.step_dir(step)
         if st.exists(final):
-            if step_names.step_name(step) not in losers and not dirs.is_ours_incomplete(final):
+            if dirs.naming.name(step) not in losers and not dirs.is_ours_incomplete(final):
                 return False  # a foreign directory holds the name: leave both alone
             st.rename(final, st.join(step_names.trash_name(step, step_names.new_token())))
-            if step_names.step_name(step) in losers:
-                losers.remove(step_names.step_name(step))  # moved to trash: the cleanup removes it
+            if dirs.naming.name(step) in losers:
+                losers.remove(dirs.naming.name(step))  # moved to trash: the cleanup removes it
         st.rename(tmp, final)
         st.fsync_dir(st.root)
         return True
@@ -163,7 +167,7 @@ class MarkerCommit:
     def begin(self, dirs: Directories, step: int, token: str) -> StepTarget:
         st = dirs.storage
         final = dirs.step_dir(step)
-        path = final if not st.exists(final) else st.join(step_names.resave_name(step, token))
+        path = final if not st.exists(final) else st.join(dirs.naming.resave_name(step, token))
         st.makedirs(path)
         # Before any data: marks the unmarked directory as ours, so that cleanup may remove it
         # if this save never commits (a foreign directory without it is never touched).

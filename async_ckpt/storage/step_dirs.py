@@ -37,6 +37,7 @@ from ..errors import (
 )
 from ..format import step_names
 from ..format.manifest import MANIFEST_NAME, MARKER_NAME, PENDING_NAME, Manifest, check_marker
+from ..format.step_names import StepNaming
 from .commit import CommitProtocol, MarkerCommit, RenameCommit, StepTarget
 from .storage import MISSING, Storage
 
@@ -71,7 +72,7 @@ class StepCopy:
 class StepDirectories:
     """Step directories under one root, and the commit protocol for them."""
 
-    def __init__(self, storage: Storage, commit_mode: str = "auto") -> None:
+    def __init__(self, storage: Storage, commit_mode: str = "auto", naming: Optional[StepNaming] = None) -> None:
         if commit_mode not in COMMIT_MODES:
             raise InvalidArgumentError(f"commit_mode must be one of {COMMIT_MODES}, got {commit_mode!r}")
         if commit_mode == "rename" and not storage.is_local:
@@ -79,6 +80,54 @@ class StepDirectories:
         self.storage = storage
         mode = ("rename" if storage.is_local else "marker") if commit_mode == "auto" else commit_mode
         self.protocol: CommitProtocol = RenameCommit() if mode == "rename" else MarkerCommit()
+        self._asked = naming  # the naming the caller asked for (None: as the root records it)
+        self._naming: Optional[StepNaming] = None  # resolved at first use (one read of the record)
+        self._recorded = False  # the root's record holds the naming
+
+    @property
+    def naming(self) -> StepNaming:
+        """How the root names its steps: as :data:`~async_ckpt.format.step_names.NAMING_FILE`
+        records it (read once), or the default when it records none. A naming asked for at
+        construction must be the recorded one; a root without a record takes it (recorded at
+        the first write) unless it holds committed steps of the default naming.
+
+        Raises:
+            InvalidArgumentError: the naming asked for is not the root's.
+        """
+        if self._naming is None:
+            self._naming = self._resolve_naming()
+        return self._naming
+
+    def _resolve_naming(self) -> StepNaming:
+        st = self.storage
+        try:
+            recorded: Optional[StepNaming] = StepNaming.from_json(st.read_bytes(st.join(step_names.NAMING_FILE)))
+        except FileNotFoundError:
+            recorded = None
+        self._recorded = recorded is not None
+        asked = self._asked
+        if asked is None or asked == recorded:
+            return recorded or step_names.DEFAULT
+        if recorded is not None:
+            raise InvalidArgumentError(f"{st.url} names its steps {recorded.describe()} (recorded in "
+                                       f"{step_names.NAMING_FILE}), not {asked.describe()}: drop step_prefix=/"
+                                       f"step_width= to use its naming, or save to another path")
+        if asked != step_names.DEFAULT:
+            ours = [n for n in st.marked_dirs(MARKER_NAME) if step_names.DEFAULT.parse(n) is not None]
+            if ours:
+                raise InvalidArgumentError(f"{st.url} holds steps named <step> ({', '.join(sorted(ours)[:5])}); "
+                                           f"naming new ones {asked.describe()} would hide them: drop step_prefix=/"
+                                           f"step_width=, or save to another path")
+        return asked
+
+    def record_naming(self) -> None:
+        """Before the first write (the holder of the lease): record a naming other than the
+        default in the root, so that readers find its steps unprompted."""
+        naming = self.naming
+        if self._recorded or naming == step_names.DEFAULT:
+            return
+        self.storage.write_bytes_atomic(self.storage.join(step_names.NAMING_FILE), naming.to_json())
+        self._recorded = True
 
     @property
     def mode(self) -> str:
@@ -87,14 +136,21 @@ class StepDirectories:
 
     # ---- names -------------------------------------------------------------------------------
     def step_dir(self, step: int) -> str:
-        """The canonical directory of ``step`` (``<root>/<step>``)."""
-        return self.storage.join(step_names.step_name(step))
+        """The canonical directory of ``step`` (``<root>/<step>``, or as the root's naming says)."""
+        return self.storage.join(self.naming.name(step))
 
-    @staticmethod
-    def step_of(path: str) -> Optional[int]:
-        """The step a step, re-save, temp or trash directory belongs to (None for other names);
-        see :func:`~async_ckpt.format.step_names.step_of`."""
-        return step_names.step_of(path)
+    def marker_path(self, step: int) -> str:
+        return self.storage.join(self.naming.name(step), MARKER_NAME)
+
+    def step_of(self, path: str) -> Optional[int]:
+        """The step a step, re-save, temp or trash directory belongs to (None for other names),
+        in the root's naming (:meth:`~async_ckpt.format.step_names.StepNaming.parse`)."""
+        parsed = self.naming.parse(path)
+        return parsed.step if parsed is not None else None
+
+    def _is_step_name(self, name: str) -> bool:
+        parsed = self.naming.parse(name)
+        return parsed is not None and parsed.kind == step_names.STEP
 
     # ---- listing -----------------------------------------------------------------------------
     def _dir_names(self) -> List[str]:
@@ -109,11 +165,12 @@ class StepDirectories:
         """step -> names of its directories that hold a commit marker (canonical name first)."""
         out: Dict[int, List[str]] = {}
         for n in self.storage.marked_dirs(MARKER_NAME):
-            step = step_names.committable_step(n)
+            parsed = self.naming.parse(n)
+            step = parsed.step if parsed is not None and parsed.kind in step_names.COMMITTABLE else None
             if step is not None and n not in out.get(step, []):
                 out.setdefault(step, []).append(n)
         for names in out.values():
-            names.sort(key=lambda n: (not step_names.is_kind(n, step_names.STEP), n))
+            names.sort(key=lambda n: (not self._is_step_name(n), n))
         return out
 
     def _commit_time(self, name: str) -> float:
@@ -128,7 +185,7 @@ class StepDirectories:
             return names[0], []
         # The latest commit wins; on a tie, the copy that is not the canonical directory (a
         # re-save written beside it).
-        ranked = sorted(names, key=lambda n: (self._commit_time(n), not step_names.is_kind(n, step_names.STEP)))
+        ranked = sorted(names, key=lambda n: (self._commit_time(n), not self._is_step_name(n)))
         return ranked[-1], ranked[:-1]
 
     def locations(self) -> Dict[int, str]:
@@ -150,7 +207,7 @@ class StepDirectories:
         st = self.storage
         final = self.step_dir(step)
         if st.is_local and not st.is_link(final) and st.exists(f"{final}/{MARKER_NAME}"):
-            return [step_names.step_name(step)]
+            return [self.naming.name(step)]
         return []
 
     def locate(self, step: int) -> str:
@@ -174,7 +231,7 @@ class StepDirectories:
         marked = self._marked()
         out: Dict[int, str] = {}
         for name in self._dir_names():
-            parsed = step_names.parse(name)
+            parsed = self.naming.parse(name)
             if parsed is None or parsed.kind != step_names.STEP or name in marked.get(parsed.step, ()):
                 continue
             path = self.storage.join(name)
@@ -234,6 +291,7 @@ class StepDirectories:
         """
         self.refuse_link(self.step_dir(step), f"write step {step}")
         self.refuse_foreign(step)
+        self.record_naming()
         return self.protocol.begin(self, step, token or step_names.new_token())
 
     def commit(self, target: StepTarget, manifest: Manifest) -> None:
@@ -255,7 +313,7 @@ class StepDirectories:
                 continue  # foreign: never moved, never written through
             try:
                 winner, losers = self._choose(names)
-                if losers or winner != step_names.step_name(step):
+                if losers or winner != self.naming.name(step):
                     # the copy that counts must vouch for itself before anything older goes
                     where = st.join(winner)
                     check_marker(st.read_bytes(f"{where}/{MARKER_NAME}"), st.read_bytes(f"{where}/{MANIFEST_NAME}"),
@@ -479,7 +537,7 @@ class StepDirectories:
             path = self.storage.join(name)
             if path in skip or self.storage.is_link(path):
                 continue
-            parsed = step_names.parse(name)
+            parsed = self.naming.parse(name)
             if parsed is None:
                 continue
             if parsed.kind == step_names.TRASH:
