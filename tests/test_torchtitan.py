@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import warnings
 from concurrent.futures import Future
 
 import pytest
@@ -164,7 +165,7 @@ def test_last_step_is_the_model_only_in_export_dtype(tmp_path):
     assert r.ckpt.save(3, last_step=True)
     r.ckpt.close()
     assert _steps(folder) == [3]
-    meta = dcp.FileSystemReader(os.path.join(folder, "3")).read_metadata().state_dict_metadata
+    meta = dcp.FileSystemReader(os.path.join(folder, "step-3")).read_metadata().state_dict_metadata
     assert set(meta) == set(r.model.state_dict())
     assert {m.properties.dtype for m in meta.values()} == {torch.bfloat16}
     m = AsyncManager(folder, read_only=True)
@@ -184,7 +185,9 @@ def test_exclude_from_loading_keeps_the_excluded_state(tmp_path):
     b = Run(folder, seed=1, exclude_from_loading=["optimizer", "lr_scheduler"])
     b.train(1)
     optimizer_before = clone_tree(b.optimizers.state_dict())
-    assert b.ckpt.load()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the steps' other keys are not warned about
+        assert b.ckpt.load()
     assert_bitwise_equal(b.model.state_dict(), saved_model)
     assert_bitwise_equal(b.optimizers.state_dict(), optimizer_before)
     assert b.train_state.step == 2
@@ -205,26 +208,46 @@ def test_load_step_and_config_errors(tmp_path):
         Run(str(tmp_path / "hf"), last_save_in_hf=True, last_save_model_only=True)
 
 
-def test_a_plain_dcp_step_is_resumed_from_and_never_replaced(tmp_path):
-    """A run that switches to this backend on a folder holding a plain ``dcp.save`` step (what
-    torchtitan's DCP backend writes) resumes from it and never overwrites it."""
-    folder = str(tmp_path / "ck")
-    a = Run(folder)
-    a.train(4)
-    flat = {**a.model.state_dict(), "optimizer": a.optimizers.state_dict(),
-            "lr_scheduler": a.lr_schedulers.state_dict(), "train_state": a.train_state.state_dict()}
-    dcp.save(flat, checkpoint_id=os.path.join(folder, "4"), no_dist=True)
-    expected = clone_tree(a.everything())
-    a.ckpt.close()
-    foreign = _digest(os.path.join(folder, "4"))
+def _titan_dcp(run: Run, folder: str):
+    """torchtitan's own DCP backend over the same run's states."""
+    from torchtitan.components.checkpointer import CheckpointManager as DCPManager
 
-    b = Run(folder, seed=1)
+    return DCPManager.Config(enable=True, folder=folder, interval=1, keep_latest_k=0,
+                             last_save_model_only=False).build(
+        dataloader=None, model_parts=[run.model], optimizers=run.optimizers, lr_schedulers=run.lr_schedulers,
+        states={"train_state": run.train_state}, sd_adapter=None, base_folder="")
+
+
+def test_a_run_switches_between_torchtitans_dcp_backend_and_this_one(tmp_path):
+    """A folder torchtitan's DCP backend wrote (``step-4``) is resumed from, read-only: never
+    replaced nor deleted; torchtitan's backend then resumes from this backend's ``step-5``."""
+    folder = str(tmp_path / "ck")
+    a = Run(str(tmp_path / "unused"))
+    a.ckpt.close()
+    a.train(4)
+    theirs = _titan_dcp(a, folder)
+    assert theirs.save(4)
+    theirs.close()
+    expected = clone_tree(a.everything())
+    foreign = _digest(os.path.join(folder, "step-4"))
+
+    b = Run(folder, seed=1, keep_latest_k=2)
     assert b.ckpt.load()
     assert_bitwise_equal(b.everything(), expected)
     with pytest.raises(ForeignStepError, match="async-ckpt import"):
         b.ckpt.save(4)
-    b.train()
-    assert b.ckpt.save(5)
+    for step in (5, 6, 7):
+        b.train()
+        assert b.ckpt.save(step)
+    expected = clone_tree(b.everything())
     b.ckpt.close()
-    assert _digest(os.path.join(folder, "4")) == foreign
-    assert _steps(folder) == [5]
+    assert _digest(os.path.join(folder, "step-4")) == foreign  # retention kept 6, 7 and never touched it
+    assert _steps(folder) == [6, 7]
+
+    c = Run(str(tmp_path / "unused2"), seed=2)
+    c.ckpt.close()
+    c.train(1)
+    theirs = _titan_dcp(c, folder)
+    assert theirs.load()  # torchtitan finds step-7 (it holds DCP's .metadata) and dcp.load reads it
+    assert_bitwise_equal(c.everything(), expected)
+    theirs.close()

@@ -68,7 +68,10 @@ from ..stats import SaveStats
 
 log = logging.getLogger("async_ckpt.integrations.torchtitan")
 
-__all__ = ["AsyncMode", "CheckpointManager"]
+__all__ = ["AsyncMode", "CheckpointManager", "STEP_PREFIX"]
+
+#: torchtitan's step directory names: ``<folder>/step-<N>``
+STEP_PREFIX = "step-"
 
 
 class CheckpointManager(BaseCheckpointManager):
@@ -153,6 +156,7 @@ class CheckpointManager(BaseCheckpointManager):
         self._pending: Dict[int, Future] = {}  # step -> the future its commit completes
         self.manager = AsyncCheckpointManager(
             self.folder,
+            step_prefix=STEP_PREFIX,
             max_to_keep=self.keep_latest_k,
             writer="process" if self.async_mode == AsyncMode.ASYNC_WITH_PINNED_MEM else "thread",
             lazy=self.async_mode == AsyncMode.ASYNC_WITH_PINNED_MEM,
@@ -176,9 +180,9 @@ class CheckpointManager(BaseCheckpointManager):
 
     def _flattened_model_states_sd(self, states: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
         """torchtitan's flattening: the model's keys at the top level, the other states by name
-        (a ``None`` dataloader is left out: it has nothing to save or load)."""
+        (a ``None`` dataloader too, as torchtitan's backend saves it: each reads the other's steps)."""
         states = self.states if states is None else states
-        sd = {k: v for k, v in states.items() if k != MODEL and v is not None}
+        sd = {k: v for k, v in states.items() if k != MODEL}
         if MODEL in states:
             sd.update(states[MODEL].state_dict())
         return sd
@@ -233,7 +237,7 @@ class CheckpointManager(BaseCheckpointManager):
         self.manager.save(curr_step, states, force=True)
 
     def _hf_export_dir(self, step: int) -> str:
-        return filesystem.join(self.folder, f"step-{step}")
+        return filesystem.join(self.folder, f"{STEP_PREFIX}{step}")
 
     def _maybe_wait_for_staging(self) -> None:
         self.manager.wait_for_staging()
@@ -296,7 +300,9 @@ class CheckpointManager(BaseCheckpointManager):
         if load_step == -1:
             return self._initial_load()
         states = self._states_to_load(model_only=load_step == 0)
-        self.manager.restore(load_step, states)
+        # what dcp.load does: exactly the keys asked for (the rest of the step is not read nor
+        # warned about), a tensor of another dtype (an export_dtype step) cast into the target
+        self.manager.restore(load_step, states, keys=list(states), cast=True)
         self.states[MODEL].load_state_dict(states)
         log.info("Loaded step %d from %s in %.2f seconds", load_step, self.folder, time.monotonic() - begin)
         return True
