@@ -251,3 +251,25 @@ def test_a_run_switches_between_torchtitans_dcp_backend_and_this_one(tmp_path):
     assert theirs.load()  # torchtitan finds step-7 (it holds DCP's .metadata) and dcp.load reads it
     assert_bitwise_equal(c.everything(), expected)
     theirs.close()
+
+
+@pytest.mark.slow
+def test_a_killed_two_rank_llama_run_resumes_bitwise(tmp_path):
+    """torchtitan's llama3 debugmodel on 2 gloo ranks, ``async_with_pinned_mem``: SIGKILLed after
+    step 5 (step 4 committed, 5 lost), restarted: its final weights, optimizer and schedule are
+    bitwise those of a run that was never interrupted."""
+    from .launch import torchrun
+
+    mode = "async_with_pinned_mem"
+    full = torchrun(2, "torchtitan_worker.py", str(tmp_path / "full"), "8", "-1", mode, str(tmp_path / "full.txt"),
+                    timeout=600)
+    assert full.returncode == 0, full.stdout[-3000:]
+    killed = torchrun(2, "torchtitan_worker.py", str(tmp_path / "split"), "8", "5", mode, str(tmp_path / "split.txt"),
+                      timeout=600)
+    assert killed.returncode != 0 and "killed after step 5" in killed.stdout, killed.stdout[-3000:]
+    assert _steps(str(tmp_path / "split")) == [2, 4]
+    resumed = torchrun(2, "torchtitan_worker.py", str(tmp_path / "split"), "8", "-1", mode,
+                       str(tmp_path / "split.txt"), timeout=600)
+    assert resumed.returncode == 0 and "starting at step 5" in resumed.stdout, resumed.stdout[-3000:]
+    assert (tmp_path / "split.txt").read_text() == (tmp_path / "full.txt").read_text()
+    assert _steps(str(tmp_path / "split")) == [6, 8]
