@@ -253,6 +253,37 @@ def test_a_run_switches_between_torchtitans_dcp_backend_and_this_one(tmp_path):
     theirs.close()
 
 
+def test_initial_load_path_when_the_folder_holds_no_step(tmp_path):
+    """``initial_load_path`` (another run's DCP step, here torchtitan's backend's) is read when
+    the folder holds no step: the model only (``initial_load_model_only``) or everything."""
+    a = Run(str(tmp_path / "unused"))
+    a.ckpt.close()
+    a.train(3)
+    theirs = _titan_dcp(a, str(tmp_path / "seed"))
+    assert theirs.save(3)
+    theirs.close()
+    seed = str(tmp_path / "seed" / "step-3")
+
+    b = Run(str(tmp_path / "ck"), seed=1, initial_load_path=seed, initial_load_model_only=True)
+    b.train(1)
+    optimizer_before = clone_tree(b.optimizers.state_dict())
+    assert b.ckpt.load()
+    assert_bitwise_equal(b.model.state_dict(), a.model.state_dict())
+    assert_bitwise_equal(b.optimizers.state_dict(), optimizer_before)
+    assert b.train_state.step == 1
+    b.ckpt.close()
+
+    c = Run(str(tmp_path / "ck2"), seed=2, initial_load_path=seed, initial_load_model_only=False)
+    assert c.ckpt.load()
+    assert_bitwise_equal(c.everything(), a.everything())
+    c.train()
+    assert c.ckpt.save(4)  # the run goes on in its own folder; the seed is not touched
+    c.ckpt.close()
+    assert _steps(str(tmp_path / "ck2")) == [4]
+    d = Run(str(tmp_path / "ck2"), seed=3, initial_load_path=seed)
+    assert d.ckpt.load() and d.train_state.step == 4  # the folder's step wins over initial_load_path
+    d.ckpt.close()
+
 @pytest.mark.slow
 def test_a_killed_two_rank_llama_run_resumes_bitwise(tmp_path):
     """torchtitan's llama3 debugmodel on 2 gloo ranks, ``async_with_pinned_mem``: SIGKILLed after
