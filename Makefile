@@ -26,11 +26,12 @@ test: $(STAMP) lint
 	PJRT_DEVICE=CPU $(PY) -m pytest -q -ra $(PYTEST_ARGS)
 
 # The same suite on the newest torch the registry serves (constraints-newest.txt), without
-# torch_xla (it pins torch 2.9.0): XLA tests skip. CI runs it after `make test`.
+# torch_xla (it pins torch 2.9.0): XLA tests skip; with torchtitan (it needs torch >= 2.11: the
+# torch 2.9 leg skips tests/test_torchtitan.py). CI runs it after `make test`.
 $(NEWEST_STAMP): pyproject.toml constraints-newest.txt
 	$(PYTHON) -m venv $(NEWEST)
 	$(NEWEST)/bin/python -m pip install -q --upgrade pip
-	$(NEWEST)/bin/python -m pip install -q -c constraints-newest.txt -e ".[gcs,s3,dev]"
+	$(NEWEST)/bin/python -m pip install -q -c constraints-newest.txt -e ".[gcs,s3,dev,torchtitan]"
 	touch $(NEWEST_STAMP)
 
 test-newest: $(NEWEST_STAMP)

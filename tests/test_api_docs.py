@@ -43,6 +43,7 @@ INTEGRATIONS = [
     ("async_ckpt.integrations.lightning", "lightning"),
     ("async_ckpt.integrations.transformers", "transformers"),
     ("async_ckpt.integrations.accelerate", "accelerate"),
+    ("async_ckpt.integrations.torchtitan", "torchtitan"),
     ("async_ckpt.integrations.object_snapshot", "torch"),
     ("async_ckpt.integrations.atomic_files", "torch"),
     ("async_ckpt.integrations.background_writer", "torch"),

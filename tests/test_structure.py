@@ -452,7 +452,12 @@ def stale_references(pkg_dir: str = PKG_DIR) -> List[str]:
     for module, path in sorted(_modules(pkg_dir).items()):
         if module.endswith("__main__"):
             continue
-        importlib.import_module(module)
+        try:
+            importlib.import_module(module)
+        except ModuleNotFoundError as e:  # an integration whose framework is not installed here
+            if (e.name or "").split(".")[0] not in _OUTSIDE:
+                raise
+            continue
         with open(path, encoding="utf-8") as f:
             source = f.read()
         for node in ast.walk(ast.parse(source, filename=path)):

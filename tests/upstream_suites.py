@@ -1,4 +1,4 @@
-"""Lightning's, accelerate's and transformers' own checkpoint tests, run against async_ckpt's integrations.
+"""Lightning's, accelerate's, transformers' and torchtitan's own checkpoint tests, run against async_ckpt's integrations.
 
 Not collected by pytest and not part of CI: the frameworks' test files are not vendored. Run it
 by hand with a clone of the framework at (or near) the installed version::
@@ -6,6 +6,7 @@ by hand with a clone of the framework at (or near) the installed version::
     python -m tests.upstream_suites lightning SRC [--rev REV] [-- PYTEST_ARGS...]
     python -m tests.upstream_suites accelerate SRC [--rev REV] [-- PYTEST_ARGS...]
     python -m tests.upstream_suites transformers SRC [-- PYTEST_ARGS...]
+    python -m tests.upstream_suites torchtitan SRC [--rev REV] [-- PYTEST_ARGS...]
 
 Their test dependencies must be importable (Lightning: ``cloudpickle``, ``jsonargparse``,
 ``tensorboardX``; accelerate: ``parameterized``), for example installed with
@@ -33,6 +34,9 @@ assertion is theirs:
 Each run ends with a line saying how many of the framework's objects got the integration
 (accelerate: how many Accelerators were attached; transformers: how many Trainers got the callback, were bound to
 it, and those that saved asynchronously through it).
+* torchtitan (``tests/unit_tests/test_checkpoint.py``, 0.3.0: ``release/0.3``; needs torch >=
+  2.11): the test file imports ``CheckpointManager`` and ``AsyncMode`` from
+  ``async_ckpt.integrations.torchtitan`` instead of torchtitan's DCP backend.
 
 ``--wait`` adds, before each assertion that reads a file the test has just saved (in the
 background, here), a wait for the pending writes, as the integrations' docs ask of code that
@@ -134,6 +138,15 @@ ACCELERATE_WAITS: Dict[str, List[tuple]] = {
     ],
 }
 
+TORCHTITAN_FILES = ["tests/__init__.py", "tests/unit_tests/__init__.py", "tests/unit_tests/test_checkpoint.py"]
+
+TORCHTITAN_PATCHES: Dict[str, List[tuple]] = {
+    "tests/unit_tests/test_checkpoint.py": [
+        ("from torchtitan.components.checkpointer.dcp import AsyncMode, CheckpointManager\n",
+         "from async_ckpt.integrations.torchtitan import AsyncMode, CheckpointManager\n"),
+    ],
+}
+
 ACCELERATE_CONFTEST = '''
 # ---- async_ckpt: every Accelerator is attached as it is made -----------------------------------
 import accelerate as _accelerate
@@ -210,8 +223,9 @@ def extract(src: str, rev: Optional[str], paths: List[str], dest: str) -> None:
         (shutil.copytree if os.path.isdir(s) else shutil.copy)(s, d)
 
 
-def patch(dest: str, patches: Dict[str, List[tuple]], conftest: str, addition: str) -> None:
-    """Apply the text patches (each must match once) and append ``addition`` to ``conftest``."""
+def patch(dest: str, patches: Dict[str, List[tuple]], conftest: Optional[str], addition: str = "") -> None:
+    """Apply the text patches (each must match once) and append ``addition`` to ``conftest``
+    (None: no conftest)."""
     for rel, edits in patches.items():
         path = os.path.join(dest, rel)
         text = open(path).read()
@@ -221,13 +235,14 @@ def patch(dest: str, patches: Dict[str, List[tuple]], conftest: str, addition: s
             text = text.replace(theirs, ours)
         with open(path, "w") as f:
             f.write(text)
-    with open(os.path.join(dest, conftest), "a") as f:
-        f.write(addition)
+    if conftest is not None:
+        with open(os.path.join(dest, conftest), "a") as f:
+            f.write(addition)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("framework", choices=["lightning", "accelerate", "transformers"])
+    parser.add_argument("framework", choices=["lightning", "accelerate", "transformers", "torchtitan"])
     parser.add_argument("src", help="a checkout or bare repository of the framework")
     parser.add_argument("--rev", help="the revision to read (git archive); default: the working tree")
     parser.add_argument("--keep", action="store_true", help="keep the temporary directory")
@@ -247,6 +262,12 @@ def main(argv: Optional[List[str]] = None) -> int:
                 patches = {**LIGHTNING_PATCHES, **(LIGHTNING_WAITS if args.wait else {})}
                 patch(dest, patches, "tests/tests_pytorch/conftest.py", LIGHTNING_CONFTEST)
             root = os.path.join(dest, "tests")
+        elif args.framework == "torchtitan":
+            files = TORCHTITAN_FILES
+            extract(args.src, args.rev, files, dest)
+            if not args.baseline:
+                patch(dest, TORCHTITAN_PATCHES, None)
+            root = dest
         elif args.framework == "accelerate":
             files = ACCELERATE_FILES
             extract(args.src, args.rev, files, dest)
