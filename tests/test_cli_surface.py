@@ -246,7 +246,7 @@ def test_ls_points_a_plain_dcp_checkpoint_at_the_migration_guide(tmp_path, capsy
         dcp.save({"w": torch.ones(3)}, checkpoint_id=f"{root}/7")
     assert main(["ls", root]) == 0
     out = capsys.readouterr().out
-    assert "step 7 (7): incomplete: a torch.distributed.checkpoint (DCP) checkpoint not written by async_ckpt" in out
+    assert "step 7 (7): foreign: a torch.distributed.checkpoint (DCP) checkpoint not written by async_ckpt" in out
     assert "see docs/migration.md" in out
     assert os.path.isdir(f"{root}/7")  # left alone
 

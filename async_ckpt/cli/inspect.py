@@ -80,9 +80,8 @@ def _step_entry(storage: Storage, layout: StepDirectories, name: str, locations:
         entry["status"] = "incomplete"
         if kind == step_names.STEP and layout.is_foreign(path):  # another program's: listed, never touched
             entry["status"] = "foreign"
-            entry["problem"] = (f"written by another program ({'plain DCP' if '.metadata' in listing else 'not DCP'}: "
-                                f"no COMMITTED marker): read-only, never replaced or deleted; restore({step}, ...) "
-                                f"reads it")
+            what = DCP_HINT if ".metadata" in listing else "written by another program (no COMMITTED marker)"
+            entry["problem"] = f"{what}; read-only: never replaced or deleted, restore({step}, ...) reads it"
             return entry
         if ".metadata" in listing and "manifest.json" not in listing:
             entry["problem"] = DCP_HINT  # dcp.save's or torch_xla's: no hint otherwise what to do
