@@ -192,7 +192,7 @@ class GroupExchange:
         if any(lab != labels[0] for lab in labels):
             where = "; ".join(f"rank {r}: {label_text(lab)}" for r, lab in enumerate(labels))
             raise CoordinationError(
-                f"the ranks are at different checkpoint operations ({where}): every rank must call the "
+                f"the ranks are out of step, at different checkpoint operations ({where}): every rank must call the "
                 f"manager's save/save_async, restore, delete, join and close in the same order with the same "
                 f"step. Every rank raised this at the same exchange, so the manager can still be used once the "
                 f"ranks call it in step")
