@@ -30,7 +30,7 @@ reported as the median over (rank, sample) pairs with their min-max.
   replicated): stall (``blocking_s`` and the wall time of ``save_async``) and durable time with
   ``replicated_saves=True`` vs ``False`` timed right before it (target: no regression, <= 1.1x).
 * ``divergence check``: what finding values that differ between ranks under one key costs
-  (``async_ckpt.dist.replicas``: a sample of each large replicated tensor, taken at the call
+  (``async_ckpt.ranks.replicas``: a sample of each large replicated tensor, taken at the call
   by the ranks that leave it to another, and from the host copy on the writer thread by the
   rank that stages it; fingerprints ride in the write's outcome). Stall, ``save_async`` wall
   time and durable time of a save with it vs the same save with ``replicas.SAMPLE_RUNS = 0``
@@ -200,7 +200,7 @@ class Rank:
         import torch.distributed.checkpoint as dcp
 
         from async_ckpt import CheckpointManager
-        from async_ckpt.dist import replicas
+        from async_ckpt.ranks import replicas
 
         samples, warmup = self.cfg["samples"], self.cfg["warmup"]
         src = tensors_of(self.sd)

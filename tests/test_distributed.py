@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from async_ckpt import CheckpointManager
-from async_ckpt.dist.exchange import LocalExchange, exchange_for
+from async_ckpt.ranks.exchange import LocalExchange, exchange_for
 
 from .conftest import assert_bitwise_equal
 from .launch import torchrun, worker_env

@@ -29,13 +29,12 @@ from async_ckpt import (
     StorageError,
     UnsafeCheckpointError,
 )
-from async_ckpt.format.manifest import Manifest
-from async_ckpt.storage import RetryPolicy
-from async_ckpt.format.dcp_layout import METADATA_NAME
-from async_ckpt.io import save_state_dict
-from async_ckpt.storage.lease import LOCK_NAME
-from async_ckpt.format.manifest import MANIFEST_NAME, MARKER_NAME, PENDING_NAME, marker_bytes
 from async_ckpt.format.crc import crc32c
+from async_ckpt.format.dcp_layout import METADATA_NAME
+from async_ckpt.format.manifest import MANIFEST_NAME, MARKER_NAME, PENDING_NAME, Manifest, marker_bytes
+from async_ckpt.io import save_state_dict
+from async_ckpt.storage import RetryPolicy
+from async_ckpt.storage.lease import LOCK_NAME
 
 from .conftest import assert_bitwise_equal, clone_tree, data_files, flip_byte, medium_state, target_like
 

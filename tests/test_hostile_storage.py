@@ -15,11 +15,11 @@ import pytest
 from async_ckpt import CheckpointManager
 from async_ckpt.cli import main
 from async_ckpt.errors import CorruptCheckpointError, StepNotFoundError, StorageError, UnsafeCheckpointError
+from async_ckpt.format.crc import crc32c
 from async_ckpt.format.dcp_layout import METADATA_NAME
+from async_ckpt.format.manifest import MANIFEST_NAME, MARKER_NAME, marker_bytes
 from async_ckpt.format.unpickling import load_metadata
 from async_ckpt.storage.step_dirs import StepDirectories
-from async_ckpt.format.manifest import MANIFEST_NAME, MARKER_NAME, marker_bytes
-from async_ckpt.format.crc import crc32c
 from async_ckpt.storage.storage import Storage
 
 from .conftest import assert_bitwise_equal, clone_tree, data_files, flip_byte, small_state, target_like

@@ -10,15 +10,14 @@ import pytest
 import torch
 
 from async_ckpt import CheckpointError, CorruptCheckpointError
+from async_ckpt.format.manifest import MARKER_NAME, Manifest
 from async_ckpt.jobs.catalog import StepCatalog
-from async_ckpt.dist import phase
-from async_ckpt.dist.exchange import LocalExchange
 from async_ckpt.policies import KeepLatest, as_retention_policy
-from async_ckpt.storage.step_dirs import StepDirectories
+from async_ckpt.ranks import phase
+from async_ckpt.ranks.exchange import LocalExchange
 from async_ckpt.storage import Storage
-from async_ckpt.format.manifest import Manifest
 from async_ckpt.storage.commit import MarkerCommit, RenameCommit
-from async_ckpt.format.manifest import MARKER_NAME
+from async_ckpt.storage.step_dirs import StepDirectories
 
 
 def _layout(tmp_path, mode="rename"):

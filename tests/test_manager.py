@@ -124,8 +124,8 @@ def test_dcp_interop_both_ways(ckpt_dir, tmp_path):
     # we read a checkpoint written by plain DCP once it is adopted as a committed step:
     # dcp.save output is a directory of DCP files; our restore reads any DCP dir through
     # the same reader (used by the CLI and migration docs)
-    from async_ckpt.storage import Storage
     from async_ckpt.io import load_state_dict
+    from async_ckpt.storage import Storage
 
     other = str(tmp_path / "plain_dcp")
     dcp.save(sd, checkpoint_id=other)

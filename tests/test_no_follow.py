@@ -13,8 +13,8 @@ import os
 import pytest
 
 from async_ckpt import CheckpointManager, StorageError
-from async_ckpt.storage.lease import LOCK_NAME
 from async_ckpt.format.manifest import PENDING_NAME
+from async_ckpt.storage.lease import LOCK_NAME
 
 from .conftest import assert_bitwise_equal, small_state, target_like
 

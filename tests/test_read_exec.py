@@ -11,15 +11,15 @@ import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from async_ckpt import CorruptCheckpointError
-from async_ckpt.format.manifest import FileRecord
-from async_ckpt.storage import Storage
 from async_ckpt.format.dcp_layout import METADATA_NAME
+from async_ckpt.format.manifest import FileRecord
 from async_ckpt.format.unpickling import load_metadata
 from async_ckpt.io import load_state_dict, save_state_dict
 from async_ckpt.io.read_exec import read_files
 from async_ckpt.io.sinks import FRESH, NULL, IntoBuffers
 from async_ckpt.io.step_io import read_step
 from async_ckpt.options import RestoreOptions
+from async_ckpt.storage import Storage
 
 from .conftest import assert_bitwise_equal
 

@@ -12,13 +12,12 @@ import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from async_ckpt import CorruptCheckpointError
-from async_ckpt.format.manifest import FileRecord, Manifest
-from async_ckpt.storage import Storage
-from async_ckpt.format.dcp_layout import METADATA_NAME
-from async_ckpt.format.unpickling import load_metadata
-from async_ckpt.io import load_state_dict, save_state_dict
-from async_ckpt.io import write
 from async_ckpt.format.crc import crc32c
+from async_ckpt.format.dcp_layout import METADATA_NAME
+from async_ckpt.format.manifest import FileRecord, Manifest
+from async_ckpt.format.unpickling import load_metadata
+from async_ckpt.io import load_state_dict, save_state_dict, write
+from async_ckpt.storage import Storage
 
 from .conftest import assert_bitwise_equal
 

@@ -18,10 +18,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from async_ckpt.format import torch_record as records
-from async_ckpt.io import save_state_dict
-from async_ckpt.io import write
-from async_ckpt.storage.storage import Storage
 from async_ckpt.format.torch_record import RecordTemplates
+from async_ckpt.io import save_state_dict, write
+from async_ckpt.storage.storage import Storage
 
 from .conftest import assert_bitwise_equal
 

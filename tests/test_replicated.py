@@ -278,7 +278,7 @@ def test_large_tensor_fingerprints_follow_values_not_strides_and_taken_samples_m
     their strides, taken from the live tensor at the call (a rank that leaves it to another) or
     from a host copy on the writer thread (the rank that stages it); it differs for other values
     (BatchNorm-like statistics, a permutation, another dtype of equal bytes)."""
-    from async_ckpt.dist.replicas import DroppedSamples, fingerprints
+    from async_ckpt.ranks.replicas import DroppedSamples, fingerprints
     from async_ckpt.staging import make_plan
 
     g = torch.Generator().manual_seed(0)

@@ -10,10 +10,10 @@ import torch
 
 from async_ckpt import CheckpointManager
 from async_ckpt.errors import CorruptCheckpointError, PartlyWrittenError, StagingBudgetError
+from async_ckpt.format.crc import crc32c
+from async_ckpt.format.unpickling import load_metadata
 from async_ckpt.io import step_io
 from async_ckpt.io.sinks import StagedFiles
-from async_ckpt.format.unpickling import load_metadata
-from async_ckpt.format.crc import crc32c
 
 from .test_durability import rewrite_manifest
 from .test_restore_data_at import _shift, big_state

@@ -16,9 +16,9 @@ import torch
 from async_ckpt import CheckpointManager
 from async_ckpt.errors import CorruptCheckpointError, PartlyWrittenError
 from async_ckpt.format import torch_record
-from async_ckpt.io import read_targets as direct
-from async_ckpt.format.unpickling import load_metadata
 from async_ckpt.format.manifest import MANIFEST_NAME, FileRecord, Manifest
+from async_ckpt.format.unpickling import load_metadata
+from async_ckpt.io import read_targets as direct
 
 from .test_durability import rewrite_manifest
 from .test_restore_fast import fresh_like, mixed_state

@@ -14,9 +14,7 @@ import torch
 
 from async_ckpt import CheckpointManager
 from async_ckpt.io import dcp_call as dcp_common
-from async_ckpt.io import load_state_dict
-from async_ckpt.io import save_state_dict
-from async_ckpt.io import write
+from async_ckpt.io import load_state_dict, save_state_dict, write
 from async_ckpt.storage.storage import Storage
 
 from .conftest import assert_bitwise_equal, target_like

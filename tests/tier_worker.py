@@ -142,11 +142,10 @@ def fails_after_agreement(rank: int, ref_dir: str) -> None:
     rank raises it there (it would leave the others' step 2 without rank 1's part); step 2
     commits with every rank's step-2 data, the failure is raised by the next agreement on every
     rank together (step 3: not saved), and step 4 commits."""
+    import threading
     import time
 
     from async_ckpt.errors import CheckpointError
-
-    import threading
 
     bucket, local = os.path.join(ref_dir, "bucket7"), os.path.join(ref_dir, "local7")
     m = CheckpointManager(bucket, save_interval=1, local_dir=local, local_policy=1, collective_timeout_s=30)

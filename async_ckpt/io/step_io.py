@@ -114,7 +114,7 @@ def read_step(storage: Storage, path: str, state_dict: Dict[str, Any], *, files:
             every rank's and raises on every rank when any rank's failed (a phase over
             ``group``); ``None`` for one process.
         skip: several ranks: flattened keys this rank does not read (another rank reads them
-            and sends them; see :mod:`async_ckpt.dist.replicas`).
+            and sends them; see :mod:`async_ckpt.ranks.replicas`).
 
     Raises:
         CorruptCheckpointError: damaged data, found before anything was written.

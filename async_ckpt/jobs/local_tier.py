@@ -17,7 +17,6 @@ import shutil
 from dataclasses import dataclass
 from typing import Any, List, Optional, Sequence, Set
 
-from ..dist.exchange import Exchange, rank_local_exchange
 from ..errors import (
     InvalidArgumentError,
     NotACheckpointRootError,
@@ -27,6 +26,7 @@ from ..format import step_names
 from ..io import Reuse
 from ..options import ManagerOptions
 from ..policies import CheckpointInfo, RetentionPolicy, apply_retention
+from ..ranks.exchange import Exchange, rank_local_exchange
 from ..staging.frozen import version_of
 from ..storage import Storage
 from ..storage.diagnosis import file_in_the_way, not_a_root_message

@@ -10,7 +10,7 @@ rank keeps rank ``r``'s copies in ``<its local tier>/held-rank<r>/``
 the local tier is (same manifest, same atomic commit), with the local tier's retention.
 
 **When.** After the local copy of a save commits, in the background, on one replication thread
-per manager, over a gloo group of the manager's own (:mod:`async_ckpt.dist.peer_transfer`:
+per manager, over a gloo group of the manager's own (:mod:`async_ckpt.ranks.peer_transfer`:
 one exchange per save, files read once and verified, CRC-32C checked on arrival). The training
 thread only queues a ticket for each save due locally: the ranks agreed on that save, so every
 rank queues the same tickets in the same order and the n-th exchange of every rank is the same
@@ -46,16 +46,16 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Set, Tuple
 
-from ..dist import phase
-from ..dist.exchange import Exchange, LocalExchange, checkpoint_group
-from ..dist.peer_transfer import NOTHING_TO_SEND, Landing, Outcome, Outgoing, exchange
-from ..dist.replicas import assign
 from ..errors import CheckpointError, InvalidArgumentError, warn_user
 from ..format import step_names
 from ..format.manifest import Manifest
 from ..io.sinks import copy_files
 from ..options import ManagerOptions
 from ..policies import CheckpointInfo, RetentionPolicy, apply_retention, as_retention_policy
+from ..ranks import phase
+from ..ranks.exchange import Exchange, LocalExchange, checkpoint_group
+from ..ranks.peer_transfer import NOTHING_TO_SEND, Landing, Outcome, Outgoing, exchange
+from ..ranks.replicas import assign
 from ..storage import Storage
 from ..storage.step_dirs import StepDirectories
 from .local_tier import OwnCopies, droppable, free_bytes, make_room, space_needed
@@ -245,7 +245,7 @@ def complete_saves(inventories: Sequence[Sequence[Seen]], world_size: int,
 
     A rank that sees its copy on its own disk (another directory of its node's ``local_dir``)
     copies it there; otherwise a rank that holds it sends it, balanced by bytes over the ranks
-    that hold copies (:func:`~async_ckpt.dist.replicas.assign`). Deterministic: every rank
+    that hold copies (:func:`~async_ckpt.ranks.replicas.assign`). Deterministic: every rank
     computes the same answer from the same inventories.
 
     Args:
@@ -391,7 +391,7 @@ class Transfer:
 
 
 class _StepLanding:
-    """A received copy's :class:`~async_ckpt.dist.peer_transfer.Landing`: a step being
+    """A received copy's :class:`~async_ckpt.ranks.peer_transfer.Landing`: a step being
     written to a root, committed there with ``policy`` (the root's retention, or one that also
     keeps the step)."""
 

@@ -28,9 +28,6 @@ from typing import AbstractSet, Any, Callable, Dict, List, Mapping, Optional, Se
 
 import torch
 
-from ..dist import phase
-from ..dist.exchange import Exchange
-from ..dist.replicas import read_assignment, restore_items, send_replicas
 from ..errors import (
     CheckpointError,
     CorruptCheckpointError,
@@ -49,6 +46,9 @@ from ..io import step_io
 from ..io.dcp_adapters import read_metadata
 from ..io.read_targets import PARTLY_WRITTEN, partly_written
 from ..options import RestoreOptions
+from ..ranks import phase
+from ..ranks.exchange import Exchange
+from ..ranks.replicas import read_assignment, restore_items, send_replicas
 from ..storage.step_dirs import DELETED, StepCopy
 from ..storage.storage import Storage
 from .store import RootStore
@@ -542,8 +542,8 @@ def _load(exchange: Exchange, storage: Storage, path: str, state_dict: Dict[str,
     every rank's reads passed (a phase inside DCP's read), so ``atomic`` holds either way
     (the pool is not used). Read once (``replicated_reads`` ``"once"``, or ``"auto"`` on storage
     that is not a local path; never with ``atomic``): a tensor every rank restores whole is read
-    by one rank, balanced by bytes (:func:`~async_ckpt.dist.replicas.read_assignment`), then
-    sent to the others (:func:`~async_ckpt.dist.replicas.send_replicas`); a failure there, once
+    by one rank, balanced by bytes (:func:`~async_ckpt.ranks.replicas.read_assignment`), then
+    sent to the others (:func:`~async_ckpt.ranks.replicas.send_replicas`); a failure there, once
     targets were written, is a :class:`~async_ckpt.errors.PartlyWrittenError` on every rank.
     """
     if exchange.world_size == 1:

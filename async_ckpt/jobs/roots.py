@@ -27,11 +27,11 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Set, Tuple
 
-from ..dist import phase
-from ..dist.exchange import Exchange
 from ..errors import CheckpointError, CorruptCheckpointError, RankFailure, StepNotFoundError, StorageError, warn_user
 from ..format.manifest import Manifest, copy_identity
 from ..policies import CheckpointInfo, RetentionPolicy, SavePolicy
+from ..ranks import phase
+from ..ranks.exchange import Exchange
 from .restore_job import Candidate
 from .store import RootStore
 from .write_queue import WriteQueue

@@ -21,13 +21,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Set, Tuple
 
-from ..dist import phase
-from ..dist.replicas import DroppedSamples, diverged, fingerprints
 from ..errors import CheckpointError
 from ..format.manifest import CopyIdentity, FileRecord, Manifest, reduce_metrics
 from ..io import step_io
 from ..io.writer_process import ProcessExecutor, WriterProcess, executing
 from ..policies import RetentionPolicy
+from ..ranks import phase
+from ..ranks.replicas import DroppedSamples, diverged, fingerprints
 from ..staging import HostSnapshot
 from ..stats import SaveStats
 from ..storage import StepTarget

@@ -13,7 +13,6 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, List, Optional, Set
 
-from ..dist.exchange import Exchange
 from ..errors import LeaseHeldError, StepAlreadyExistsError, StepNotFoundError
 from ..format import step_names
 from ..format.dcp_layout import WriteMemo
@@ -21,6 +20,7 @@ from ..format.manifest import MARKER_NAME, Manifest
 from ..io import Reuse
 from ..io.dcp_adapters import read_metadata
 from ..policies import CheckpointInfo, RetentionPolicy
+from ..ranks.exchange import Exchange
 from ..storage import StepTarget, Storage
 from ..storage.lease import writer_lease
 from ..storage.step_dirs import StepDirectories

@@ -10,7 +10,7 @@ tensors.
 Data flows one way: state dict -> staging (host snapshot; the only blocking part) -> writer
 thread (``jobs.save_job``: files, manifest, commit) -> storage. Restores go through
 ``jobs.restore_job`` with one :class:`~async_ckpt.options.RestoreOptions`. One process and N
-run the same code; only the exchange differs (``dist.exchange``).
+run the same code; only the exchange differs (``ranks.exchange``).
 """
 
 from __future__ import annotations
@@ -25,9 +25,6 @@ import weakref
 from concurrent.futures import Future
 from typing import Any, Callable, Deque, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
-from ..dist import phase
-from ..dist.exchange import DEFAULT_TIMEOUT_S, exchange_for
-from ..dist.replicas import DroppedSamples, SaveShares
 from ..errors import (
     CheckpointError,
     InvalidArgumentError,
@@ -62,6 +59,9 @@ from ..policies import (
     find_keep_best,
     retention_spec,
 )
+from ..ranks import phase
+from ..ranks.exchange import DEFAULT_TIMEOUT_S, exchange_for
+from ..ranks.replicas import DroppedSamples, SaveShares
 from ..staging import HostBufferPool, Stager
 from ..staging.frozen import FrozenTensors, version_of
 from ..stats import FALLBACK, UPLOAD_SKIPPED, SaveStats, format_bytes, format_count, format_seconds, tier_name

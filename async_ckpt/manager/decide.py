@@ -4,7 +4,7 @@ The pure schedule (:mod:`.schedule`) answers from the roots' policies, clocks an
 :class:`SaveDecision` adds what needs I/O or the other ranks: rank 0 takes the persistent root's
 writer lease before a save due there (a root it cannot reach sends the step to the local tier,
 when there is one), and with several ranks every rank takes rank 0's decision in one small
-exchange (:func:`~async_ckpt.dist.phase.agree`), together with whether any rank saw a
+exchange (:func:`~async_ckpt.ranks.phase.agree`), together with whether any rank saw a
 preemption, whether any rank has a failure to raise, and whether every rank is at the same step.
 """
 
@@ -12,11 +12,11 @@ from __future__ import annotations
 
 from typing import Callable, List, Optional, Tuple
 
-from ..dist import phase
-from ..dist.exchange import Exchange
 from ..errors import CheckpointError, LeaseHeldError, StepAlreadyExistsError, StorageError
 from ..jobs.preemption import PreemptionTracker
 from ..jobs.roots import Root, Roots
+from ..ranks import phase
+from ..ranks.exchange import Exchange
 from .probe import RootProbe
 from .schedule import Due, RootState, due_at
 

@@ -14,7 +14,6 @@ import dataclasses
 import logging
 from typing import Callable, Deque, List, Optional
 
-from ..dist.exchange import Exchange
 from ..errors import FrozenTensorChangedError
 from ..io.planners import save_planner_for
 from ..io.writer_process import WriterProcess
@@ -23,6 +22,7 @@ from ..jobs.promote import UploadCatchUp, save_number
 from ..jobs.roots import LOCAL, Root, Roots
 from ..jobs.save_job import FROZEN_CHANGED, SaveJob, run_save
 from ..policies import CheckpointInfo
+from ..ranks.exchange import Exchange
 from ..stats import FAILED, SaveStats
 from ..storage.stats_log import StatsLog
 

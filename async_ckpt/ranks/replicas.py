@@ -21,7 +21,7 @@ ranks agree which rank takes each replicated item, balanced by bytes:
   the tensor, at the call from the live tensor.
 * **restore** (:func:`read_assignment`): a tensor every rank's target holds as a plain tensor,
   stored as one whole chunk, is read by one rank (balanced the same way) and sent to the others
-  (:meth:`~async_ckpt.dist.exchange.GroupExchange.broadcast`).
+  (:meth:`~async_ckpt.ranks.exchange.GroupExchange.broadcast`).
 """
 
 from __future__ import annotations
@@ -148,7 +148,7 @@ class SaveShares:
         """The plan indices this rank does not stage (other ranks take them). Collective.
 
         Args:
-            exchange: the ranks (a :class:`~async_ckpt.dist.exchange.Exchange`).
+            exchange: the ranks (a :class:`~async_ckpt.ranks.exchange.Exchange`).
             plan: this rank's staging plan; ``None`` when planning failed here (every rank then
                 stages everything, and this rank raises its error).
 
@@ -234,7 +234,7 @@ def send_replicas(group: Any, rank: int, world_size: int, readers: Dict[Tuple[st
         readers: :func:`read_assignment`'s result.
         mine: this rank's :func:`restore_items`.
         collective: runs one broadcast as an exchange of the coordinator
-            (:meth:`~async_ckpt.dist.exchange.GroupExchange.collective`).
+            (:meth:`~async_ckpt.ranks.exchange.GroupExchange.collective`).
 
     Returns:
         ``None``, or what went wrong here (a buffer this rank could not pack, one whose CRC did
