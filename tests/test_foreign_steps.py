@@ -130,6 +130,22 @@ def test_foreign_steps_are_listed_read_only_and_restorable(ckpt_dir, capsys):
     assert entries[100]["status"] == "foreign" and entries[200]["status"] == "listed"
 
 
+def test_a_damaged_foreign_step_is_reported_as_damage_not_as_deleted(ckpt_dir):
+    """A foreign step's unreadable ``.metadata`` is that directory's damage: restoring it names
+    the damage (it was reported as deleted by a live writer while being restored)."""
+    from async_ckpt import CorruptCheckpointError
+
+    os.makedirs(ckpt_dir)
+    _foreign(ckpt_dir, 5, {"w": torch.ones(4)})
+    with open(os.path.join(ckpt_dir, "5", ".metadata"), "r+b") as f:
+        f.truncate(7)
+    with CheckpointManager(ckpt_dir) as mgr:
+        assert 5 in mgr.foreign_steps()
+        with pytest.raises(CorruptCheckpointError):
+            mgr.restore(5, {"w": torch.zeros(4)})
+    assert os.path.exists(os.path.join(ckpt_dir, "5", ".metadata"))  # never touched
+
+
 def test_overwrite_false_refuses_to_save_an_existing_step(ckpt_dir):
     with CheckpointManager(ckpt_dir, overwrite=False) as mgr:
         mgr.save(1, {"w": torch.ones(2)})

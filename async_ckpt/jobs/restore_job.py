@@ -310,6 +310,9 @@ def _writer_changed(c: Candidate, opened: List[StepCopy], exchange: Exchange) ->
     """Every rank, after a failed attempt of ``c``: whether a writer moved, replaced or deleted
     the copy this rank opened (or, where it opened none, the step), by any rank's look; None:
     no rank saw a change (the failure stands). A look that fails counts as no change."""
+    if c.foreign:  # no writer of ours moves or deletes another program's directory: its failure stands
+        return None
+
     def look() -> Optional[str]:
         return c.store.layout.copy_changed(c.step, opened[0] if opened else None)
 
