@@ -578,7 +578,7 @@ def test_stats_table_names_the_tier_with_rates_in_units_and_durable_time(tmp_pat
     assert sorted(tiers) == sorted([(str(s), "local") for s in range(1, 7)] + [(str(s), "persistent") for s in (2, 4, 6)])
     col = table[0].split().index("WRITE_RATE")
     rates = [re.split(r"\s{2,}", ln.strip())[col] for ln in table[1:]]  # in a unit that fits
-    assert all(re.fullmatch(r"[1-9]\d*(\.\d\d)? (B|kB|MB|GB)/s", r) for r in rates), rates
+    assert all(re.fullmatch(r"[1-9]\d*(\.\d\d)? (B|KiB|MiB|GiB|TiB)/s", r) for r in rates), rates
     summary = out.split("\n\n")[1]
     assert summary.startswith("6 saves (9 records: one per tier); blocked median ")
     assert "durable (local) median " in summary and "durable (persistent) median " in summary
