@@ -192,8 +192,9 @@ def format_count(n: int, noun: str) -> str:
 
 
 def format_rate(nbytes: float, seconds: float) -> str:
-    """A bandwidth in the binary unit that fits it (as sizes are: ``KiB``, ``MiB``, ``GiB``):
-    ``"350.00 KiB/s"``, ``"2.41 GiB/s"``.
+    """A bandwidth in the binary unit that fits it: ``"350.00 KiB/s"``, ``"2.41 GiB/s"``.
+
+    Binary as the sizes are (``KiB``, ``MiB``, ``GiB``).
 
     ``"-"`` when nothing was timed.
 

@@ -87,10 +87,9 @@ def test_ls_marks_damaged_and_incomplete_steps(damaged_dir):
     # ls says "listed" (its cheap checks pass), never "ok".
     assert " listed " in lines["20"] and " ok " not in proc.stdout
     assert "DAMAGED" in lines["30"]
-    # 40: empty (ours: cleaned up); 50: data without our sentinel, another program's (never touched)
-    assert "INCOMPLETE" in lines["40"] and "FOREIGN" in lines["50"]
+    assert "INCOMPLETE" in lines["40"] and "INCOMPLETE" in lines["50"]
     assert "manifest is missing" in proc.stdout or "manifest.json" in proc.stdout
-    assert "3 committed (1 damaged), 1 incomplete, 1 foreign" in proc.stdout
+    assert "3 committed (1 damaged), 2 incomplete" in proc.stdout
 
 
 def test_verify_all_finds_the_flipped_byte_and_exits_1(damaged_dir):
@@ -579,7 +578,7 @@ def test_stats_table_names_the_tier_with_rates_in_units_and_durable_time(tmp_pat
     assert sorted(tiers) == sorted([(str(s), "local") for s in range(1, 7)] + [(str(s), "persistent") for s in (2, 4, 6)])
     col = table[0].split().index("WRITE_RATE")
     rates = [re.split(r"\s{2,}", ln.strip())[col] for ln in table[1:]]  # in a unit that fits
-    assert all(re.fullmatch(r"[1-9]\d*(\.\d\d)? (B|KiB|MiB|GiB)/s", r) for r in rates), rates
+    assert all(re.fullmatch(r"[1-9]\d*(\.\d\d)? (B|KiB|MiB|GiB|TiB)/s", r) for r in rates), rates
     summary = out.split("\n\n")[1]
     assert summary.startswith("6 saves (9 records: one per tier); blocked median ")
     assert "durable (local) median " in summary and "durable (persistent) median " in summary

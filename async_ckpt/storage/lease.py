@@ -459,8 +459,9 @@ def _running(info: Dict[str, Any]) -> Optional[bool]:
 
 
 def lease_holder(storage: Storage) -> Optional[Dict[str, Any]]:
-    """Who holds, or last held, a root's writer lease, and whether that writer is alive; read
-    without taking the lease (a listing never gets in a writer's way).
+    """Who holds, or last held, a root's writer lease, and whether that writer is alive.
+
+    Read without taking the lease (a listing never gets in a writer's way).
 
     Args:
         storage: the checkpoint root.

@@ -80,8 +80,10 @@ _CLIENT_PACKAGES = frozenset({"botocore", "aiobotocore", "boto3", "s3fs", "gcsfs
 
 
 def is_client_error(exc: BaseException) -> bool:
-    """Whether an error comes from storage: an ``OSError``, an HTTP error (one with a status),
-    or any error of a storage client's package (botocore, gcsfs, aiohttp, fsspec, ...).
+    """Whether an error comes from storage (an ``OSError``, an HTTP error, a client's error).
+
+    An HTTP error is one with a status; a client's error is any error of a storage client's
+    package (botocore, gcsfs, aiohttp, fsspec, ...).
 
     Args:
         exc: the error a storage call raised.
