@@ -87,9 +87,10 @@ def test_ls_marks_damaged_and_incomplete_steps(damaged_dir):
     # ls says "listed" (its cheap checks pass), never "ok".
     assert " listed " in lines["20"] and " ok " not in proc.stdout
     assert "DAMAGED" in lines["30"]
-    assert "INCOMPLETE" in lines["40"] and "INCOMPLETE" in lines["50"]
+    # 40: empty (ours: cleaned up); 50: data without our sentinel, another program's (never touched)
+    assert "INCOMPLETE" in lines["40"] and "FOREIGN" in lines["50"]
     assert "manifest is missing" in proc.stdout or "manifest.json" in proc.stdout
-    assert "3 committed (1 damaged), 2 incomplete" in proc.stdout
+    assert "3 committed (1 damaged), 1 incomplete, 1 foreign" in proc.stdout
 
 
 def test_verify_all_finds_the_flipped_byte_and_exits_1(damaged_dir):
