@@ -182,6 +182,86 @@ def test_hf_trainer_subclass_save_override_runs(tmp_path):
     assert "MyTrainer overrides the Trainer's _save" in r.stderr, r.stderr[-3000:]
 
 
+ROTATION = """
+    import json, os, sys, threading, time, torch
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+    from transformers.trainer_callback import ExportableState
+    from async_ckpt.integrations.transformers import AsyncCkptCallback
+
+    out = sys.argv[1]
+    go = threading.Event()
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(2, 1)
+
+        def forward(self, x, labels=None):
+            y = self.lin(x).squeeze(-1)
+            return {"loss": torch.nn.functional.mse_loss(y, labels), "logits": y}
+
+    class DS(torch.utils.data.Dataset):
+        def __len__(self):
+            return 16
+
+        def __getitem__(self, i):
+            return {"x": torch.tensor([float(i), 1.0]), "labels": torch.tensor(float(i))}
+
+    class Tokenizer:  # its save_pretrained (run by the background write) ends when the next save is under way
+        def save_pretrained(self, d):
+            with open(os.path.join(d, "tokenizer.txt"), "w") as f:
+                f.write("tok")
+            go.wait(10)
+            go.clear()
+            time.sleep(1.1)  # its directory's mtime then differs from the next one's (HF orders by mtime)
+
+    ours = AsyncCkptCallback()
+
+    class Gate(TrainerCallback, ExportableState):
+        # HF asks an ExportableState callback for its state during each save, once checkpoint-N exists:
+        # let the previous checkpoint's write (and its save_total_limit rotation) finish right then
+        def state(self):
+            if ours.trainer is None or not ours.trainer.state.global_step:  # not a save
+                return {"args": {}, "attributes": {}}
+            go.set()
+            ours.wait()
+            step = ours.trainer.state.global_step  # the previous, committed checkpoint is still there
+            previous = os.path.join(out, f"checkpoint-{step - 1}", "trainer_state.json")
+            print(json.dumps({"step": step, "previous": step == 1 or os.path.exists(previous)}), flush=True)
+            return {"args": {}, "attributes": {}}
+
+        def on_log(self, args, state, control, logs=None, **kw):
+            if logs and "train_runtime" in logs:
+                go.set()  # the last write
+
+    args = TrainingArguments(output_dir=out, max_steps=4, per_device_train_batch_size=4, learning_rate=1e-3,
+                             save_steps=1, save_total_limit=1, report_to=[], use_cpu=True, seed=0,
+                             disable_tqdm=True, dataloader_num_workers=0)
+    trainer = Trainer(model=Model(), args=args, train_dataset=DS(), processing_class=Tokenizer(),
+                      callbacks=[Gate(), ours])
+    trainer.train()
+"""
+
+
+@pytest.mark.slow
+def test_hf_save_total_limit_rotation_spares_the_checkpoint_being_saved(tmp_path):
+    """With ``save_total_limit``, the rotation after a background write (in the writer thread)
+    counted the directory of the next save, made at its call but not yet queued: as the newest
+    it removed the checkpoint just committed (none complete left until the next commits), or,
+    ordered by mtime, removed that directory, whose write then failed (``FileNotFoundError``)
+    and the next save raised.
+    transformers' own ``test_best_model_checkpoint_behavior`` (``save_total_limit=1``, a save
+    every step) failed so with us and passed without."""
+    pytest.importorskip("transformers")
+    r = _run(ROTATION, tmp_path, str(tmp_path / "out"))
+    seen = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{\"step\"")]
+    assert seen == [{"step": n, "previous": True} for n in (1, 2, 3, 4)]
+    assert os.listdir(tmp_path / "out") == ["checkpoint-4"]
+    ck = tmp_path / "out" / "checkpoint-4"
+    assert {"model.safetensors", "optimizer.pt", "tokenizer.txt", "trainer_state.json"} <= set(os.listdir(ck))
+    assert json.loads((ck / "trainer_state.json").read_text())["global_step"] == 4
+
+
 def test_manager_save_failing_at_exit_is_printed_and_exits_non_zero(tmp_path):
     """The exit hook the integrations share: a manager's save still pending at exit (no
     ``close()``) that fails is printed with its step and error, and the exit status is 1 (it

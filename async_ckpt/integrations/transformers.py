@@ -134,10 +134,13 @@ class AsyncCkptCallback(TrainerCallback):
         self._figures = SaveFigures()
         self._warned = False
         self._lock = threading.Lock()
+        #: checkpoint directories a save step has made and not yet queued (under ``_lock``)
+        self._saving: set = set()
 
     def __getstate__(self) -> Dict[str, Any]:
         state = self.__dict__.copy()
         del state["_lock"]
+        state["_saving"] = set()
         state["trainer"] = None  # the copy binds again (the trainer's patched method is this one's)
         return state  # the snapshotter and the writer pickle as new ones
 
@@ -345,63 +348,71 @@ class AsyncCkptCallback(TrainerCallback):
         # one by one, each atomically, and nothing else there is touched.
         self.writer.wait(os.path.abspath(output_dir))
         commit = FileCommit(output_dir, fsync=self.fsync)
-        if writes or multi:
-            commit.begin()
-        if multi:
-            torch.distributed.barrier()  # the directory exists for every rank
+        # Not yet queued, so not pending: the rotation after an earlier write must neither count
+        # this directory (made now) as a checkpoint nor remove it.
+        with self._lock:
+            self._saving.add(commit.directory)
+        try:
+            if writes or multi:
+                commit.begin()
+            if multi:
+                torch.distributed.barrier()  # the directory exists for every rank
 
-        if args.save_strategy in [SaveStrategy.STEPS, SaveStrategy.EPOCH, SaveStrategy.BEST] and state.best_global_step:
-            best_dir = os.path.join(run_dir, f"{PREFIX}-{state.best_global_step}")
-            if os.path.exists(best_dir):  # as HF (the directory is made at the call)
-                state.best_model_checkpoint = best_dir
+            if args.save_strategy in [SaveStrategy.STEPS, SaveStrategy.EPOCH, SaveStrategy.BEST] and state.best_global_step:
+                best_dir = os.path.join(run_dir, f"{PREFIX}-{state.best_global_step}")
+                if os.path.exists(best_dir):  # as HF (the directory is made at the call)
+                    state.best_model_checkpoint = best_dir
 
-        if multi and not args.save_only_model:
-            # Each rank's RNG state, as HF names it; small, so written here.
-            rng = self._rng_states(trainer)
-            commit.write(f"rng_state_{args.process_index}.pth", lambda tmp: torch.save(rng, tmp))
-            commit.finish()
-        if multi:
-            torch.distributed.barrier()  # every rank's file is in the directory
-            if not writes:
-                took = time.perf_counter() - t0
-                self._record(trainer, SaveStats(step=state.global_step, blocking_s=took, stage_s=took,
-                                                extra={"path": output_dir, "writer": False}))
-                return
+            if multi and not args.save_only_model:
+                # Each rank's RNG state, as HF names it; small, so written here.
+                rng = self._rng_states(trainer)
+                commit.write(f"rng_state_{args.process_index}.pth", lambda tmp: torch.save(rng, tmp))
+                commit.finish()
+            if multi:
+                torch.distributed.barrier()  # every rank's file is in the directory
+                if not writes:
+                    took = time.perf_counter() - t0
+                    self._record(trainer, SaveStats(step=state.global_step, blocking_s=took, stage_s=took,
+                                                    extra={"path": output_dir, "writer": False}))
+                    return
 
-        unwrapped = trainer.accelerator.unwrap_model(trainer.model, keep_torch_compile=False)
-        # transformers types these Optional; a Trainer that is saving has all three.
-        payload: Dict[str, Any] = {"model": cast(torch.nn.Module, trainer.model).state_dict()}
-        if not args.save_only_model:
-            payload["optimizer"] = cast(torch.optim.Optimizer, trainer.optimizer).state_dict()
-            payload["scheduler"] = cast(torch.optim.lr_scheduler.LRScheduler, trainer.lr_scheduler).state_dict()
-            scaler = getattr(trainer.accelerator, "scaler", None)
-            if scaler is not None:
-                payload["scaler"] = scaler.state_dict()
-            if not multi:
-                payload["rng"] = self._rng_states(trainer)
+            unwrapped = trainer.accelerator.unwrap_model(trainer.model, keep_torch_compile=False)
+            # transformers types these Optional; a Trainer that is saving has all three.
+            payload: Dict[str, Any] = {"model": cast(torch.nn.Module, trainer.model).state_dict()}
+            if not args.save_only_model:
+                payload["optimizer"] = cast(torch.optim.Optimizer, trainer.optimizer).state_dict()
+                payload["scheduler"] = cast(torch.optim.lr_scheduler.LRScheduler, trainer.lr_scheduler).state_dict()
+                scaler = getattr(trainer.accelerator, "scaler", None)
+                if scaler is not None:
+                    payload["scaler"] = scaler.state_dict()
+                if not multi:
+                    payload["rng"] = self._rng_states(trainer)
 
-        for cb in [c for c in trainer.callback_handler.callbacks + [trainer.control] if isinstance(c, ExportableState)]:
-            name = cb.__class__.__name__
-            # transformers annotates a list; TrainerState.__post_init__ makes it a dict by name.
-            stateful = cast(Dict[str, Any], state.stateful_callbacks)
-            if isinstance(stateful[name], list):
-                stateful[name].append(cb.state())
-            else:
-                stateful[name] = cb.state()
-        state_json = json.dumps(dataclasses.asdict(state), indent=2, sort_keys=True) + "\n"
-        args_bytes = io.BytesIO()
-        torch.save(args, args_bytes)
+            for cb in [c for c in trainer.callback_handler.callbacks + [trainer.control] if isinstance(c, ExportableState)]:
+                name = cb.__class__.__name__
+                # transformers annotates a list; TrainerState.__post_init__ makes it a dict by name.
+                stateful = cast(Dict[str, Any], state.stateful_callbacks)
+                if isinstance(stateful[name], list):
+                    stateful[name].append(cb.state())
+                else:
+                    stateful[name] = cb.state()
+            state_json = json.dumps(dataclasses.asdict(state), indent=2, sort_keys=True) + "\n"
+            args_bytes = io.BytesIO()
+            torch.save(args, args_bytes)
 
-        copy = self.snapshotter.take(payload, what=f"checkpoint {output_dir}")
-        t1 = time.perf_counter()
-        stats = SaveStats(step=state.global_step, nbytes=copy.nbytes, num_tensors=copy.num_tensors, stage_s=t1 - t0,
-                          extra={"path": output_dir})
-        job = _Job(self, trainer, unwrapped, run_dir, commit, copy, state_json, args_bytes.getvalue(),
-                   best=state.best_model_checkpoint, limit=args.save_total_limit, stats=stats, t0=t0)
-        self.writer.submit(commit.directory, job.run, on_drop=copy.release)
-        stats.queue_wait_s = time.perf_counter() - t1
-        stats.blocking_s = time.perf_counter() - t0
-        self._record(trainer, stats)
+            copy = self.snapshotter.take(payload, what=f"checkpoint {output_dir}")
+            t1 = time.perf_counter()
+            stats = SaveStats(step=state.global_step, nbytes=copy.nbytes, num_tensors=copy.num_tensors, stage_s=t1 - t0,
+                              extra={"path": output_dir})
+            job = _Job(self, trainer, unwrapped, run_dir, commit, copy, state_json, args_bytes.getvalue(),
+                       best=state.best_model_checkpoint, limit=args.save_total_limit, stats=stats, t0=t0)
+            self.writer.submit(commit.directory, job.run, on_drop=copy.release)
+            stats.queue_wait_s = time.perf_counter() - t1
+            stats.blocking_s = time.perf_counter() - t0
+            self._record(trainer, stats)
+        finally:
+            with self._lock:
+                self._saving.discard(commit.directory)
 
     def _record(self, trainer: Trainer, stats: SaveStats) -> None:
         """Keep a save's statistics; send its figures to the Trainer's reporting callbacks."""
@@ -524,28 +535,32 @@ class _Job:
 
     def _rotate(self) -> None:
         """HF's ``rotate_checkpoints`` (``save_total_limit``, keeping the newest and the best
-        checkpoint) over the committed checkpoints: one whose write is still pending is
-        neither counted nor removed (HF, saving synchronously, never sees one)."""
+        checkpoint) over the committed checkpoints: one whose write is still pending, or whose
+        save step has made its directory and not yet queued it, is neither counted nor removed
+        (HF, saving synchronously, never sees one)."""
         from transformers.trainer_utils import sort_checkpoints
 
         if self.limit is None or self.limit <= 0:
             return
-        pending = set(self.cb.writer.pending()) - {self.commit.directory}
-        checkpoints = [c for c in sort_checkpoints(self.run_dir, PREFIX, use_mtime=True)
-                       if os.path.abspath(c) not in pending]
-        if len(checkpoints) <= self.limit:
-            return
-        protected = {checkpoints[-1]}
-        if self.best is not None:
-            protected.add(str(Path(self.best)))
-        keep = max(self.limit, len(protected))
-        remaining = len(checkpoints)
-        for checkpoint in checkpoints:
-            if remaining <= keep:
-                break
-            if checkpoint not in protected:
-                shutil.rmtree(checkpoint, ignore_errors=True)
-                remaining -= 1
+        # Under the callback's lock: a save step's directory is registered before it is made and
+        # until it is queued, so it is in ``_saving`` or pending, or not made yet, when listed here.
+        with self.cb._lock:
+            skip = (set(self.cb.writer.pending()) | self.cb._saving) - {self.commit.directory}
+            checkpoints = [c for c in sort_checkpoints(self.run_dir, PREFIX, use_mtime=True)
+                           if os.path.abspath(c) not in skip]
+            if len(checkpoints) <= self.limit:
+                return
+            protected = {checkpoints[-1]}
+            if self.best is not None:
+                protected.add(str(Path(self.best)))
+            keep = max(self.limit, len(protected))
+            remaining = len(checkpoints)
+            for checkpoint in checkpoints:
+                if remaining <= keep:
+                    break
+                if checkpoint not in protected:
+                    shutil.rmtree(checkpoint, ignore_errors=True)
+                    remaining -= 1
 
 
 def _write_bytes(path: str, data: bytes) -> None:
