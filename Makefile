@@ -32,10 +32,11 @@ $(NEWEST_STAMP): pyproject.toml constraints-newest.txt
 	$(PYTHON) -m venv $(NEWEST)
 	$(NEWEST)/bin/python -m pip install -q --upgrade pip
 	$(NEWEST)/bin/python -m pip install -q -c constraints-newest.txt -e ".[gcs,s3,dev]"
-	# torchtitan without its dependencies: its datasets<4.8 pin would hold fsspec, gcsfs and s3fs back
-	# (2026.2.0); what its checkpointer, optimizers and models import is added by name.
-	$(NEWEST)/bin/python -m pip install -q -c constraints-newest.txt --no-deps torchtitan==0.3.0 spmd_types==0.2.3
-	$(NEWEST)/bin/python -m pip install -q -c constraints-newest.txt "tyro>=0.9"
+	# torchtitan and datasets without their dependencies: datasets 4.7's pins would hold fsspec, gcsfs
+	# and s3fs back (2026.2.0); what torchtitan's trainer, checkpointer and models import is added by name.
+	$(NEWEST)/bin/python -m pip install -q -c constraints-newest.txt --no-deps torchtitan==0.3.0 spmd_types==0.2.3 datasets==4.7.0
+	$(NEWEST)/bin/python -m pip install -q -c constraints-newest.txt "tyro>=0.9" torchdata "pyarrow>=21.0.0" \
+		"dill>=0.3.0,<0.4.1" "multiprocess<0.70.19" pandas xxhash "httpx<1.0.0"
 	touch $(NEWEST_STAMP)
 
 test-newest: $(NEWEST_STAMP)
