@@ -95,17 +95,18 @@ def _called_by_checkpoint_callback(depth: int = 40) -> bool:
     return False
 
 
-def _outer_async_plugin(depth: int = 40) -> Any:
-    """Lightning's own ``AsyncCheckpointIO`` (of either package) calling from its thread, or None."""
+def _caller_of(modules: Tuple[str, ...], name: str, depth: int = 40) -> Any:
+    """The nearest ``self`` on the calling stack (above our caller's caller) that is an instance of
+    the class ``name`` of one of ``modules`` (Lightning's two packages), or None."""
     import importlib
 
     classes: List[type] = []
-    for mod in ("lightning.pytorch.plugins.io", "pytorch_lightning.plugins.io"):
+    for mod in modules:
         try:
-            classes.append(importlib.import_module(mod).AsyncCheckpointIO)
+            classes.append(getattr(importlib.import_module(mod), name))
         except (ImportError, AttributeError):
             pass
-    frame: Optional[FrameType] = sys._getframe(2)
+    frame: Optional[FrameType] = sys._getframe(3)
     for _ in range(depth):
         if frame is None or not classes:
             return None
@@ -114,6 +115,11 @@ def _outer_async_plugin(depth: int = 40) -> Any:
             return obj
         frame = frame.f_back
     return None
+
+
+def _outer_async_plugin() -> Any:
+    """Lightning's own ``AsyncCheckpointIO`` (of either package) calling from its thread, or None."""
+    return _caller_of(("lightning.pytorch.plugins.io", "pytorch_lightning.plugins.io"), "AsyncCheckpointIO")
 
 
 def still_being_written() -> None:
@@ -155,25 +161,9 @@ def _running(trainer: Any) -> bool:
     return getattr(status, "value", status) == "running"
 
 
-def _calling_trainer(depth: int = 40) -> Any:
+def _calling_trainer() -> Any:
     """The Lightning ``Trainer`` on the calling stack (its ``save_checkpoint``), or None."""
-    import importlib
-
-    classes: List[type] = []
-    for mod in ("lightning.pytorch", "pytorch_lightning"):
-        try:
-            classes.append(importlib.import_module(mod).Trainer)
-        except (ImportError, AttributeError):
-            pass
-    frame: Optional[FrameType] = sys._getframe(2)
-    for _ in range(depth):
-        if frame is None or not classes:
-            return None
-        obj = frame.f_locals.get("self")
-        if isinstance(obj, tuple(classes)):
-            return obj
-        frame = frame.f_back
-    return None
+    return _caller_of(("lightning.pytorch", "pytorch_lightning"), "Trainer")
 
 
 def _is_local(path: str) -> bool:
