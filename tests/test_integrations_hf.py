@@ -262,6 +262,60 @@ def test_hf_save_total_limit_rotation_spares_the_checkpoint_being_saved(tmp_path
     assert json.loads((ck / "trainer_state.json").read_text())["global_step"] == 4
 
 
+JIT = """
+    import json, os, sys, time, torch
+    from transformers import Trainer, TrainingArguments
+    from transformers.trainer_jit_checkpoint import CheckpointManager
+    from async_ckpt.integrations.transformers import AsyncCkptCallback
+
+    out = sys.argv[1]
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(2, 1)
+
+        def forward(self, x, labels=None):
+            y = self.lin(x).squeeze(-1)
+            return {"loss": torch.nn.functional.mse_loss(y, labels), "logits": y}
+
+    class DS(torch.utils.data.Dataset):
+        def __len__(self):
+            return 8
+
+        def __getitem__(self, i):
+            return {"x": torch.tensor([float(i), 1.0]), "labels": torch.tensor(float(i))}
+
+    class Tokenizer:  # the background write takes a while
+        def save_pretrained(self, d):
+            time.sleep(1.0)
+            with open(os.path.join(d, "tokenizer.txt"), "w") as f:
+                f.write("tok")
+
+    args = TrainingArguments(output_dir=out, max_steps=2, per_device_train_batch_size=4, save_strategy="no",
+                             report_to=[], use_cpu=True, seed=0, disable_tqdm=True, dataloader_num_workers=0)
+    ours = AsyncCkptCallback()
+    trainer = Trainer(model=Model(), args=args, train_dataset=DS(), processing_class=Tokenizer(), callbacks=[ours])
+    trainer.train()
+    CheckpointManager(trainer).execute_jit_checkpoint()  # what HF runs on SIGTERM
+    ck = os.path.join(out, "checkpoint-2")
+    print(json.dumps(sorted(os.listdir(ck))), flush=True)  # right when it returned
+    ours.wait()
+"""
+
+
+def test_hf_jit_checkpoint_returns_once_its_files_are_written(tmp_path):
+    """HF's just-in-time (preemption) checkpoint marks ``checkpoint-N`` incomplete, calls
+    ``_save_checkpoint`` and removes the mark when it returns: with an asynchronous save the mark
+    went while the files were still being written, so a kill right after left a checkpoint that
+    nothing marks as incomplete. A JIT save returns once its files are written."""
+    pytest.importorskip("transformers.trainer_jit_checkpoint")
+    r = _run(JIT, tmp_path, str(tmp_path / "out"))
+    listed = json.loads([line for line in r.stdout.splitlines() if line.startswith("[")][-1])
+    assert {"model.safetensors", "tokenizer.txt", "trainer_state.json"} <= set(listed), listed
+    assert "checkpoint-is-incomplete.txt" not in listed
+
+
 def test_manager_save_failing_at_exit_is_printed_and_exits_non_zero(tmp_path):
     """The exit hook the integrations share: a manager's save still pending at exit (no
     ``close()``) that fails is printed with its step and error, and the exit status is 1 (it

@@ -407,6 +407,11 @@ class AsyncCkptCallback(TrainerCallback):
             job = _Job(self, trainer, unwrapped, run_dir, commit, copy, state_json, args_bytes.getvalue(),
                        best=state.best_model_checkpoint, limit=args.save_total_limit, stats=stats, t0=t0)
             self.writer.submit(commit.directory, job.run, on_drop=copy.release)
+            if os.path.exists(os.path.join(output_dir, JIT_SENTINEL)):
+                # HF's just-in-time checkpoint (a preemption: SIGTERM) marks the directory
+                # incomplete and removes the mark once _save_checkpoint returns: return once
+                # the files are written, or the mark would go first.
+                self.writer.wait(commit.directory)
             stats.queue_wait_s = time.perf_counter() - t1
             stats.blocking_s = time.perf_counter() - t0
             self._record(trainer, stats)
@@ -445,6 +450,9 @@ class AsyncCkptCallback(TrainerCallback):
 SAVE_METHODS = ("_save_checkpoint", "save_model", "_save", "_save_optimizer_and_scheduler", "_save_scaler",
                 "_save_rng_state")
 
+
+#: The file HF's just-in-time checkpoint (``execute_jit_checkpoint``) puts in the directory while it saves.
+JIT_SENTINEL = "checkpoint-is-incomplete.txt"
 
 def _save_overrides(cls: type) -> list:
     """The names of :data:`SAVE_METHODS` that ``cls`` (a ``Trainer`` subclass) overrides."""
