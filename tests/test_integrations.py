@@ -607,7 +607,7 @@ def test_accelerate_save_state_is_asynchronous_and_loads_bitwise(tmp_path):
 
 def test_docs_install_extras_exist_for_every_integration():
     """docs/integrations.md installs each framework through an extra that pyproject.toml
-    defines and that pulls that framework in (lightning, transformers + peft, accelerate)."""
+    defines and that pulls that framework in (lightning, transformers + peft, accelerate, torchtitan)."""
     import re
 
     import tomllib
@@ -615,12 +615,12 @@ def test_docs_install_extras_exist_for_every_integration():
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     text = (ROOT / "docs" / "integrations.md").read_text()
     named = set(re.findall(r'pip install -e "\.\[([a-z_-]+)\]"', text))
-    assert named == {"lightning", "transformers", "accelerate"}, named
+    assert named == {"lightning", "transformers", "accelerate", "torchtitan"}, named
     assert not re.findall(r"async_ckpt\[", text)  # the package is installed from a checkout
     for name in named:
         assert name in extras, f"docs install the extra {name!r}, which pyproject.toml does not define"
     need = {"lightning": {"lightning"}, "transformers": {"transformers", "accelerate", "peft"},
-            "accelerate": {"accelerate"}}
+            "accelerate": {"accelerate"}, "torchtitan": {"torchtitan"}}
     for name, pkgs in need.items():
         have = {re.split(r"[<>=\[ ]", req, maxsplit=1)[0] for req in extras[name]}
         assert pkgs <= have, (name, have)

@@ -10,7 +10,7 @@ DCP's own fsspec writer is the I/O path:
 * each file's size and CRC32C are computed while writing, for the manifest; through
   DCP's planner (:class:`FsspecStorageWriter`, every multi-process save) each item's length
   and CRC32C too, so that a rank restoring only some items reads and checks only those;
-* tensors are written from record templates (:mod:`..records`) where one fits; where each
+* tensors are written from record templates (:mod:`async_ckpt.format.torch_record`) where one fits; where each
   large tensor's data starts in its file is kept for the manifest (``FileRecord.data_at``);
 * a single-process save of plain tensors and objects skips DCP's planner
   (:func:`plan_local`, :func:`save_local`), and a :class:`WriteMemo` lets the next save of the
@@ -116,10 +116,10 @@ _BATCH_MIN = 16  # runs of at least this many records of one template are render
 
 
 class _RecordStream(RecordStream):
-    """:class:`~..record_stream.RecordStream` with tensors' records appended from their templates."""
+    """:class:`~.record_stream.RecordStream` with tensors' records appended from their templates."""
 
     def append_record(self, t: torch.Tensor) -> int:
-        """Write the record of ``t`` from its template (see :mod:`..torch_record`): a small one
+        """Write the record of ``t`` from its template (see :mod:`async_ckpt.format.torch_record`): a small one
         copied into the pending buffer, a large one as its head, the tensor's memory itself (no
         copy) and its tail. Returns the record's length, or ``-1`` (nothing written) if ``t``
         has no template."""
@@ -143,7 +143,7 @@ class _RecordStream(RecordStream):
 
     def append_records(self, tpl: Any, ts: List[torch.Tensor]) -> None:
         """Append the records of ``ts``, every one eligible for template ``tpl`` (see
-        :meth:`RecordTemplates.template`): short runs one by one, long ones in batches."""
+        :meth:`~async_ckpt.format.torch_record.RecordTemplates.template`): short runs one by one, long ones in batches."""
         if len(ts) < _BATCH_MIN:
             for t in ts:
                 tpl.append_to(self._pending, tpl.ctype.from_address(t.data_ptr()))

@@ -23,6 +23,11 @@ _TRANSIENT_ERRNO = {errno.ETIMEDOUT, errno.ECONNRESET, errno.ECONNREFUSED, errno
                     errno.EAGAIN, errno.EIO, errno.EHOSTUNREACH, errno.ENETUNREACH}
 
 
+#: the backoff's jitter: a generator of its own, so a storage call never moves the training
+#: job's global ``random`` state (a run that seeds it draws the same numbers with or without us)
+_JITTER = random.Random()
+
+
 def is_transient(exc: BaseException) -> bool:
     """Whether an error is worth retrying: timeouts, connection resets, HTTP 408/429/5xx.
 
@@ -211,7 +216,7 @@ class RetryPolicy:
             except StorageTimeoutError:
                 raise
             except Exception as exc:
-                pause = delay * (0.5 + random.random() / 2)
+                pause = delay * (0.5 + _JITTER.random() / 2)
                 if (attempt == self.attempts or not is_transient(exc)
                         or (self.bounded and time.monotonic() + pause >= end)):
                     if isinstance(exc, (FileNotFoundError, StorageError)):
