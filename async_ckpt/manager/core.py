@@ -937,8 +937,8 @@ class CheckpointManager:
         if self._peers is not None and self._peers.missing is not None and self._exchange.is_primary:
             log.warning("restore: peer copies could not supply the newest local save (%s); restored step %d from %s",
                         self._peers.missing, s, where)
-            if skipped:  # an earlier copy was skipped: say which one was used
-                log.warning("restored step %d from %s", s, where)
+        elif skipped:  # an earlier copy was skipped: say which one was used
+            log.warning("restored step %d from %s", s, where)
         self._decision.restored = s
         for root in self.roots:  # incremental saves compare with the step just read and verified, where it was read
             root.store.note_restored(s if root.store is done.store else None)
