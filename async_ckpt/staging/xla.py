@@ -241,9 +241,11 @@ def stage_spmd(items: _Items, host: List[Optional[torch.Tensor]],
     to ``deferred``, to run on another thread.
     """
     xla_sync([t for _, t in items])
+    split = xla_sharded(items)  # deferred or not, the snapshot then holds shards
     if deferred is not None:
         items = defer_spmd(items, host, deferred)
-    sharded = xla_sharded(items)
+    left = {i for i, _ in items}
+    sharded = [(i, t) for i, t in split if i in left]
     if sharded:
         srcs, index = unique(sharded)
         shards = stage_xla_shards(srcs)
@@ -252,7 +254,7 @@ def stage_spmd(items: _Items, host: List[Optional[torch.Tensor]],
     rest = [(i, t) for i, t in items if host[i] is None]
     if rest:
         stage_batched(rest, host)
-    return bool(sharded)
+    return bool(split)
 
 
 def stage_xla_shards(tensors: List[torch.Tensor]) -> List[Any]:
