@@ -48,9 +48,6 @@ from ..format.manifest import FileRecord, check_file_name
 #: Ranges of whole-file reads are about this large (a bigger file is read as several, in parallel).
 CHUNK_BYTES = 16 * 2**20
 
-#: A local read is taken this many bytes at a time, each checksummed while in the CPU's cache.
-SUB_READ_BYTES = 256 * 2**10
-
 #: What :meth:`StepFiles.file_problem` says of a file that is not there.
 MISSING = "file is missing"
 
@@ -424,29 +421,22 @@ class _File:
             if rec.records is not None:
                 self.starts = [0, *itertools.accumulate(n for n, _ in rec.records)]
 
-    def cuts(self, piece: Piece, verify: bool) -> Optional[List[int]]:
-        """Where the CRC-32Cs of ``piece`` split it (file offsets, its ends included): whole, or
-        at each record boundary inside it; ``None``: nothing of it is checksummed."""
-        if not verify or (self.records is not None and not self.records):
-            return None
-        if self.records is None:
-            return [piece.start, piece.end]
-        starts = self.starts
-        k = max(0, bisect.bisect_right(starts, piece.start) - 1)
-        inner = starts[k + 1:bisect.bisect_left(starts, piece.end, lo=k + 1)]
-        return [piece.start, *inner, piece.end]
-
-    def read(self, piece: Piece, got: int, parts: Sequence[Tuple[int, int, int]]) -> Tuple[int, int, int, int]:
-        """The outcome of ``piece``: ``got`` bytes read, ``parts`` the CRC-32Cs (start, crc,
-        length) of its runs between :meth:`cuts` (empty when nothing is checksummed)."""
+    def read(self, piece: Piece, got: int, data: memoryview, verify: bool) -> Tuple[int, int, int, int]:
+        """The outcome of ``piece`` (``data``: its bytes read, at most its length)."""
         n = piece.end - piece.start
         if self.records is None:
-            return piece.start, piece.end, got, (parts[0][1] if parts else 0)
+            return piece.start, piece.end, got, (crc32c(data) if verify else 0)
         if got < n:
             raise short_error(self.where, piece.end)
-        for lo, crc, length in parts:  # the CRC-32C of each record's part in the piece
-            k = bisect.bisect_right(self.starts, lo) - 1
-            self.record_parts.setdefault(k, []).append((lo, crc, length))
+        if verify and self.records:  # the CRC-32C of each record's part in the piece
+            starts = self.starts
+            k = max(0, bisect.bisect_right(starts, piece.start) - 1)
+            while k < len(starts) - 1 and starts[k] < piece.end:
+                lo, hi = max(piece.start, starts[k]), min(piece.end, starts[k + 1])
+                if lo < hi:
+                    self.record_parts.setdefault(k, []).append((lo, crc32c(data[lo - piece.start:hi - piece.start]),
+                                                                hi - lo))
+                k += 1
         return piece.start, piece.end, got, 0
 
     def check(self, verify: bool) -> None:
@@ -466,49 +456,6 @@ class _File:
             want = self.rec.records[k][1]
             if at != hi or crc != want:
                 raise checksum_error(self.where, crc, want, (lo, hi))
-
-
-def read_checked(read_into: Callable[[int, memoryview], int], start: int, view: memoryview, n: int,
-                 cuts: Optional[Sequence[int]], sub: int = 0) -> Tuple[int, List[Tuple[int, int, int]]]:
-    """Read ``view`` (``n`` bytes, or one more) from ``start`` and the CRC-32C of each run of its
-    first ``n`` bytes between ``cuts``, ``sub`` bytes at a time: each run's CRC-32C goes on right
-    after the read that brought its bytes, while they are in the CPU's cache (a warm restore then
-    costs about one pass over the bytes, not a read and a second pass); ``sub`` 0: one read.
-
-    Args:
-        read_into: reads ``len(out)`` bytes at a file offset into ``out`` (fewer at its end).
-        start: the file offset of ``view[0]``.
-        view: where the bytes go.
-        n: the bytes checksummed (``view`` may be one longer: it catches a longer file).
-        cuts: file offsets from ``start`` to ``start + n`` splitting the CRC-32Cs; ``None``: none.
-        sub: the bytes of one read (0: ``view`` at once).
-
-    Returns:
-        The bytes read, and ``(start, crc, length)`` of each run read (a short read ends with
-        the part of its run that arrived).
-    """
-    total = len(view)
-    step = sub if 0 < sub < total else total
-    got, parts, i, crc = 0, [], 0, 0
-    while got < total:
-        want = min(step, total - got)
-        k = read_into(start + got, view[got:got + want]) if want else 0
-        if cuts is not None:
-            a, b = got, min(got + k, n)
-            while a < b:
-                end = cuts[i + 1] - start
-                e = min(b, end)
-                crc = crc32c(view[a:e], crc)
-                a = e
-                if a == end:
-                    parts.append((cuts[i], crc, end - (cuts[i] - start)))
-                    crc, i = 0, i + 1
-        got += k
-        if k < want or not want:
-            break
-    if cuts is not None and i < len(cuts) - 1 and start + min(got, n) > cuts[i]:
-        parts.append((cuts[i], crc, start + min(got, n) - cuts[i]))
-    return got, parts
 
 
 def execute(opened: OpenFiles, pieces: Sequence[Piece], *, verify: bool = True, threads: int = 8,
@@ -554,24 +501,24 @@ def execute(opened: OpenFiles, pieces: Sequence[Piece], *, verify: bool = True, 
         files[name] = _File(opened, name, (records or {}).get(name))
     scratch = _Scratch()
     lock = threading.Lock()
-    sub = SUB_READ_BYTES if opened.storage.is_local else 0  # a remote read is one request
 
     def read(f: _File, piece: Piece, last: bool) -> Tuple[int, int, int, int]:
         n = piece.end - piece.start
         extra = int(last and f.records is None and not opened.size_known(f.name))  # catches a longer file
         dest = piece.dest
-        buf: Optional[torch.Tensor] = None
         if dest is not None:
             if consumer is not None and piece.own:
                 consumer.writing(piece)
             view = dest[:n + extra] if len(dest) >= n + extra else dest[:n]
+            got = opened.read_into(f.name, piece.start, view) if n + extra else 0
+            data = dest[:min(got, n)]
+            buf: Optional[torch.Tensor] = None
         else:
             buf = scratch.get(max(n + extra, scratch_bytes))
             view = byte_view(buf)[:n + extra]
-        got, parts = read_checked(functools.partial(opened.read_into, f.name), piece.start, view, n,
-                                  f.cuts(piece, verify), sub)
-        data = view[:min(got, n)]
-        out = f.read(piece, got, parts)
+            got = opened.read_into(f.name, piece.start, view) if n + extra else 0
+            data = view[:min(got, n)]
+        out = f.read(piece, got, data, verify)
         if progress is not None and got:
             with lock:
                 progress(min(got, n))
