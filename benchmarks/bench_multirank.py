@@ -284,7 +284,7 @@ class Rank:
     # -- bytes read at restore, counted
     def reads(self) -> None:
         from async_ckpt import CheckpointManager
-        from tests import replicated_worker as counting  # registers countfs://
+        from tests.workers import replicated_worker as counting  # registers countfs://
 
         local = self.path("counted")
         root = "countfs://" + local
@@ -539,7 +539,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         if not args.skip_gcs:
             try:
-                from tests.storage_servers import FakeGCSServer
+                from tests.support.storage_servers import FakeGCSServer
 
                 server = FakeGCSServer().start()
                 bucket = server.new_bucket("bench-multirank")

@@ -306,7 +306,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         if not args.skip_gcs:
             try:
-                from tests.storage_servers import FakeGCSServer
+                from tests.support.storage_servers import FakeGCSServer
 
                 server = FakeGCSServer().start()
                 bucket = server.new_bucket("bench-peer")

@@ -50,7 +50,7 @@ from async_ckpt.io import load_state_dict, save_state_dict  # noqa: E402
 from async_ckpt.io.read_exec import read_files  # noqa: E402
 from async_ckpt.io.sinks import NULL  # noqa: E402
 from async_ckpt.storage.storage import READ_RANGE_BYTES, Storage  # noqa: E402
-from tests.storage_servers import S3_KEY, S3_SECRET, FakeGCSServer, _http_ok, _wait, free_port  # noqa: E402
+from tests.support.storage_servers import S3_KEY, S3_SECRET, FakeGCSServer, _http_ok, _wait, free_port  # noqa: E402
 
 warnings.filterwarnings("ignore")
 MiB = 2**20

@@ -257,7 +257,7 @@ def bench_loop(sd: Any, base: str, rounds: int, interval: int, compute_s: Option
     other saves of the segment run while that upload does; the configurations alternate
     segment by segment (a round: one segment of each)."""
     from async_ckpt import CheckpointManager
-    from tests.storage_servers import FakeGCSServer
+    from tests.support.storage_servers import FakeGCSServer
 
     steps = interval
     server = FakeGCSServer().start()

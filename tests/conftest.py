@@ -18,9 +18,9 @@ import fsspec
 import pytest
 import torch
 
-from . import faulty_fs  # noqa: F401  (registers faulty:// for every test)
-from .damage import data_files, flip_byte, flip_data_byte, flip_metadata_byte  # noqa: F401  (re-exported)
-from .tree import assert_bitwise_equal, clone_tree  # noqa: F401  (re-exported for the tests)
+from .support import faulty_fs  # noqa: F401  (registers faulty:// for every test)
+from .support.damage import data_files, flip_byte, flip_data_byte, flip_metadata_byte  # noqa: F401  (re-exported)
+from .support.tree import assert_bitwise_equal, clone_tree  # noqa: F401  (re-exported for the tests)
 
 os.environ.setdefault("PJRT_DEVICE", "CPU")
 
@@ -144,4 +144,4 @@ def make_state(seed: int = 0, scale: int = 1):
 
 
 # Real GCS/S3 servers on loopback for the cloud tests (fixtures gcs_bucket, s3_bucket, ...).
-pytest_plugins = ["tests.storage_servers"]
+pytest_plugins = ["tests.support.storage_servers"]

@@ -6,8 +6,9 @@ import json
 import os
 import subprocess
 import sys
+from ..support.paths import REPO
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = REPO
 
 
 def test_bench_ab_smoke(tmp_path):

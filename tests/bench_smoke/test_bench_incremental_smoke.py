@@ -12,8 +12,9 @@ import math
 import os
 import subprocess
 import sys
+from ..support.paths import REPO
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = REPO
 SCRIPT = os.path.join(ROOT, "benchmarks", "bench_incremental.py")
 
 METRICS = {"written_vs_changed", "durable_vs_raw_write", "storage_vs_bound", "stall_vs_floor",

@@ -16,8 +16,9 @@ import subprocess
 import sys
 
 import pytest
+from ..support.paths import REPO
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = REPO
 SCRIPT = os.path.join(ROOT, "benchmarks", "bench_multirank.py")
 
 pytestmark = pytest.mark.slow

@@ -10,11 +10,12 @@ import subprocess
 import sys
 
 import pytest
+from ..support.paths import REPO
 
 pytestmark = [pytest.mark.xla,
               pytest.mark.skipif(importlib.util.find_spec("torch_xla") is None, reason="torch_xla is not installed")]
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = REPO
 
 
 def test_bench_spmd_smoke(tmp_path):

@@ -14,8 +14,9 @@ import subprocess
 import sys
 
 import pytest
+from ..support.paths import REPO
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = REPO
 SCRIPT = os.path.join(ROOT, "benchmarks", "bench_tiers.py")
 CASES = {"local save (tmpfs), durable": 1.3, "local restore (tmpfs, warm)": 1.5,
          "training-loop stall, tiers vs local only": 1.1}

@@ -8,8 +8,9 @@ import subprocess
 import sys
 
 import pytest
+from ..support.paths import REPO
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = REPO
 
 
 @pytest.mark.slow

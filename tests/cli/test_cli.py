@@ -21,7 +21,7 @@ from async_ckpt.cli.common import human_bytes
 from async_ckpt.stats import read_stats_log
 from async_ckpt.storage.stats_log import StatsLog
 
-from .conftest import assert_bitwise_equal, clone_tree, flip_data_byte, make_state
+from ..conftest import assert_bitwise_equal, clone_tree, flip_data_byte, make_state
 
 STEPS = (10, 20, 30)
 

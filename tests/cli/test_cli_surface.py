@@ -18,9 +18,10 @@ import torch
 from async_ckpt import CheckpointManager
 from async_ckpt.cli import main
 
-from .conftest import assert_bitwise_equal, clone_tree, data_files, flip_data_byte, small_state, target_like
+from ..conftest import assert_bitwise_equal, clone_tree, data_files, flip_data_byte, small_state, target_like
+from ..support.paths import REPO
 
-ROOT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT_DIR = REPO
 
 
 def _root(tmp_path, steps=(1, 2, 3), name="ckpt"):

@@ -8,7 +8,7 @@ import torch
 from async_ckpt import CheckpointManager
 from async_ckpt.staging import Stager
 
-from .conftest import assert_bitwise_equal, flip_data_byte
+from ..conftest import assert_bitwise_equal, flip_data_byte
 
 pytestmark = [
     pytest.mark.cuda,

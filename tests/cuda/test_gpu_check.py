@@ -16,8 +16,9 @@ import subprocess
 import sys
 
 import pytest
+from ..support.paths import REPO
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = REPO
 BENCH = os.path.join(ROOT, "benchmarks", "bench_cuda.py")
 CHECK = os.path.join(ROOT, "benchmarks", "gpu_check.sh")
 RATIOS = {

@@ -34,10 +34,10 @@ import pytest
 
 from async_ckpt import CheckpointManager
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-import faulty_fs  # noqa: E402,F401  (registers faulty://)
-from crash_worker import MAX_TO_KEEP, empty_like_state, make_state, resave_value, states_equal  # noqa: E402
+from ..support.paths import WORKERS
+
+from ..support import faulty_fs  # noqa: F401  (registers faulty://)
+from ..workers.crash_worker import MAX_TO_KEEP, empty_like_state, make_state, resave_value, states_equal
 
 TRIALS = 36
 
@@ -92,8 +92,8 @@ def _verify(root: str, mode: str, newest: "set[int]", floor: int, what: str, rng
 @pytest.fixture
 def fork_server(tmp_path):
     err = open(tmp_path / "worker.stderr", "w")
-    proc = subprocess.Popen([sys.executable, os.path.join(HERE, "crash_worker.py")], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=err, text=True, cwd=HERE)
+    proc = subprocess.Popen([sys.executable, os.path.join(WORKERS, "crash_worker.py")], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=err, text=True, cwd=WORKERS)
 
     def ask(spec):
         proc.stdin.write(json.dumps(spec) + "\n")

@@ -36,7 +36,7 @@ from async_ckpt.io import save_state_dict
 from async_ckpt.storage import RetryPolicy
 from async_ckpt.storage.lease import LOCK_NAME
 
-from .conftest import assert_bitwise_equal, clone_tree, data_files, flip_byte, medium_state, target_like
+from ..conftest import assert_bitwise_equal, clone_tree, data_files, flip_byte, medium_state, target_like
 
 FAST = RetryPolicy(attempts=3, initial_delay=0.001, max_delay=0.005)
 

@@ -11,8 +11,8 @@ import torch
 from async_ckpt import CheckpointManager
 from async_ckpt.errors import PartlyWrittenError, StorageError
 
-from .conftest import assert_bitwise_equal
-from .launch import torchrun
+from ..conftest import assert_bitwise_equal
+from ..support.launch import torchrun
 
 
 def big(v: float) -> dict:
@@ -125,7 +125,7 @@ def test_a_partly_written_error_after_a_damaged_step_names_both_steps_once(tmp_p
     the message says "must not be used as is" once (it was said twice, naming step 2 only)."""
     import os
 
-    from .test_restore_fast import _flip_near_end
+    from ..restore_paths.test_restore_fast import _flip_near_end
 
     root = str(tmp_path / "c")
     with CheckpointManager(root) as mgr:

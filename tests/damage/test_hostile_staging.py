@@ -13,16 +13,15 @@ import os
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
 
 from async_ckpt.staging import Stager
 
-from .conftest import assert_bitwise_equal
+from ..conftest import assert_bitwise_equal
+from ..support.paths import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 SLACK = 64 * 1024  # the pool's small constant above 1.1x the need
 
 _WORKER = textwrap.dedent(r"""
@@ -86,7 +85,7 @@ _WORKER = textwrap.dedent(r"""
 def test_lazy_save_of_freed_or_swapped_storage_fails_typed(tmp_path, mode, name):
     script = tmp_path / "worker.py"
     script.write_text(_WORKER)
-    env = dict(os.environ, PYTHONPATH=str(REPO), PJRT_DEVICE="CPU")
+    env = dict(os.environ, PYTHONPATH=REPO, PJRT_DEVICE="CPU")
     proc = subprocess.run([sys.executable, str(script), mode, str(tmp_path / "ckpt")], env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"worker died (rc {proc.returncode}): {proc.stderr[-3000:]}"

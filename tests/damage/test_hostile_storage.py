@@ -22,7 +22,7 @@ from async_ckpt.format.unpickling import load_metadata
 from async_ckpt.storage.step_dirs import StepDirectories
 from async_ckpt.storage.storage import Storage
 
-from .conftest import assert_bitwise_equal, clone_tree, data_files, flip_byte, small_state, target_like
+from ..conftest import assert_bitwise_equal, clone_tree, data_files, flip_byte, small_state, target_like
 
 
 def make_root(root: str, steps=(1, 2, 3), **kw):

@@ -16,7 +16,7 @@ from async_ckpt import CheckpointManager, StorageError
 from async_ckpt.format.manifest import PENDING_NAME
 from async_ckpt.storage.lease import LOCK_NAME
 
-from .conftest import assert_bitwise_equal, small_state, target_like
+from ..conftest import assert_bitwise_equal, small_state, target_like
 
 VICTIM = b"precious: owned by the user whose job writes checkpoints\n"
 

@@ -21,6 +21,7 @@ import sys
 from typing import Any, Iterator, List, Optional, Set, Tuple
 
 import pytest
+from ..support.paths import REPO
 
 #: modules whose public names (``__all__``, else the public names they define) are checked
 MODULES = [
@@ -239,7 +240,7 @@ def test_api_md_lists_every_save_stats_field():
 
     from async_ckpt import SaveStats
 
-    text = (Path(__file__).resolve().parent.parent / "docs" / "api.md").read_text()
+    text = (Path(REPO) / "docs" / "api.md").read_text()
     section = text.split("### `SaveStats`", 1)[1].split("\n### ", 1)[0]
     listed = re.findall(r"^\| `(\w+)` \|", section, re.M)
     assert listed == [f.name for f in dataclasses.fields(SaveStats)], listed

@@ -25,8 +25,9 @@ from pathlib import Path
 from typing import List, Tuple
 
 import pytest
+from ..support.paths import REPO
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(REPO)
 NO_TEST = "<!-- no-test -->"
 _OPEN = re.compile(r"^```python\s*$")
 _CLOSE = re.compile(r"^```\s*$")

@@ -10,7 +10,8 @@ import torch
 import async_ckpt
 from async_ckpt import CheckpointError, CheckpointManager, InvalidArgumentError
 
-from .conftest import assert_bitwise_equal, clone_tree, data_files, flip_byte
+from ..conftest import assert_bitwise_equal, clone_tree, data_files, flip_byte
+from ..support.paths import REPO
 
 
 # ---- invalid arguments are CheckpointErrors ------------------------------------------------------
@@ -351,7 +352,7 @@ def test_ctrl_c_twice_during_a_save_says_so_and_leaves_no_partial_step(tmp_path)
     root = str(tmp_path / "ckpt")  # the worker saves to <tmp_path>/ckpt through a slow filesystem
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd()] + sys.path))
     proc = subprocess.Popen([sys.executable, "-m", "tests.sigint_worker", str(tmp_path)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env, cwd=os.path.dirname(os.path.dirname(__file__)))
+                            stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
     try:
         assert proc.stdout.readline().strip() == "SAVING"
         proc.send_signal(signal.SIGINT)
@@ -380,7 +381,7 @@ def test_the_example_loop_saves_its_last_steps(tmp_path):
     import subprocess
     import sys
 
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    repo = REPO
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([repo] + sys.path), PJRT_DEVICE="CPU")
     out = subprocess.run([sys.executable, os.path.join(repo, "examples", "train.py"), "--steps", "7",
                           "--save-interval", "5", "--ckpt-dir", str(tmp_path / "ckpt")],
@@ -394,7 +395,7 @@ _DROPPED_AND_EXIT = """
 import sys, threading, weakref
 import torch
 from async_ckpt import CheckpointManager
-from tests import faulty_fs  # noqa: F401  (faulty://)
+from tests.support import faulty_fs  # noqa: F401  (faulty://)
 
 # A manager dropped without close() while two saves are pending: collected on its writer thread.
 mgr = CheckpointManager(sys.argv[1])
@@ -428,7 +429,7 @@ def test_a_dropped_manager_and_a_plain_exit_raise_no_false_alarm(tmp_path, hold_
     import subprocess
     import sys
 
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    repo = REPO
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
     out = subprocess.run([sys.executable, "-c", _DROPPED_AND_EXIT, a, b, str(hold_s)], capture_output=True, text=True,
                          env=dict(os.environ, PYTHONPATH=repo, PJRT_DEVICE="CPU"), cwd=repo, timeout=300)
@@ -446,7 +447,7 @@ def test_ctrl_c_while_closing_with_no_save_pending_says_no_save_was_lost(tmp_pat
     import logging
     import threading
 
-    from .faulty_fs import FaultyFileSystem  # noqa: F401 - registers faulty://
+    from ..support.faulty_fs import FaultyFileSystem  # noqa: F401 - registers faulty://
 
     root = str(tmp_path / "faulty")
     mgr = CheckpointManager("faulty://" + root, max_to_keep=1)

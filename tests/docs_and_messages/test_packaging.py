@@ -7,8 +7,9 @@ import subprocess
 import sys
 import zipfile
 from pathlib import Path
+from ..support.paths import REPO
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(REPO)
 
 
 def test_wheel_ships_py_typed_and_license(tmp_path: Path) -> None:

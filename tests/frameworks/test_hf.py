@@ -15,7 +15,7 @@ from async_ckpt import CheckpointManager, InvalidStateDictError, StateDictMismat
 from async_ckpt.cli import main
 from async_ckpt.io.hf import INDEX_NAME, load_hf, save_hf, shard_files
 
-from .conftest import assert_bitwise_equal
+from ..conftest import assert_bitwise_equal
 
 
 def _tensors():

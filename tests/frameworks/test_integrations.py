@@ -19,18 +19,19 @@ import pytest
 import torch
 
 from async_ckpt import CheckpointError, CorruptCheckpointError, InvalidStateDictError
+from ..support.paths import REPO, WORKERS
 
-ROOT = Path(__file__).resolve().parent.parent
-WORKER = str(Path(__file__).with_name("integration_worker.py"))
+ROOT = Path(REPO)
+WORKER = os.path.join(WORKERS, "integration_worker.py")
 
 L = pytest.importorskip("lightning")
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 
 from async_ckpt.integrations.lightning import AsyncCkptIO  # noqa: E402
 
-from .conftest import flip_byte  # noqa: E402
-from .integration_worker import lit_model_class  # noqa: E402
-from .launch import torchrun_command  # noqa: E402
+from ..conftest import flip_byte  # noqa: E402
+from ..workers.integration_worker import lit_model_class  # noqa: E402
+from ..support.launch import torchrun_command  # noqa: E402
 
 LitModel = lit_model_class()
 LitModel.__module__, LitModel.__qualname__ = __name__, "LitModel"  # picklable by name (torch.save(trainer))
@@ -266,7 +267,7 @@ def test_lightning_remote_storage_options_and_atomic_remote_writes(tmp_path):
     mid-upload leaves the previous file intact (it goes to a temporary object first)."""
     import fsspec
 
-    from . import faulty_fs  # noqa: F401  (registers faulty://)
+    from ..support import faulty_fs  # noqa: F401  (registers faulty://)
 
     mem = fsspec.filesystem("memory")
     io = AsyncCkptIO(storage_options={"target_protocol": "memory"})
@@ -373,7 +374,7 @@ def test_lightning_versioned_names_are_taken_while_their_writes_are_in_flight(tm
     synchronous plugin."""
     from lightning.pytorch.callbacks import Callback
 
-    from . import faulty_fs  # noqa: F401  (registers faulty://)
+    from ..support import faulty_fs  # noqa: F401  (registers faulty://)
 
     io = AsyncCkptIO(max_pending=8)
     url = f"faulty://{tmp_path}/ck"
@@ -407,7 +408,7 @@ def test_lightning_a_failed_first_write_leaves_no_file_and_an_interrupted_one_is
     (tmp_path / "a.ckpt").write_bytes(b"")  # what a kill mid-write leaves of a first write
     with pytest.raises(CorruptCheckpointError, match="a.ckpt.*empty"):
         io.load_checkpoint(tmp_path / "a.ckpt")
-    from . import faulty_fs  # noqa: F401  (registers faulty://)
+    from ..support import faulty_fs  # noqa: F401  (registers faulty://)
 
     url = f"faulty://{tmp_path}/b.ckpt"
     io.filesystem(url).inject("write", ".b.ckpt.*", "eio", times=1)

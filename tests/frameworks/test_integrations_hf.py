@@ -16,8 +16,9 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from ..support.paths import REPO
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(REPO)
 
 
 def _run(script: str, cwd: Path, *args: str, ok: bool = True) -> subprocess.CompletedProcess:
@@ -322,7 +323,7 @@ def test_manager_save_failing_at_exit_is_printed_and_exits_non_zero(tmp_path):
     was logged and the script exited 0)."""
     r = _run("""
     import sys, torch
-    from tests import faulty_fs  # noqa: F401  (registers faulty://)
+    from tests.support import faulty_fs  # noqa: F401  (registers faulty://)
     from async_ckpt import CheckpointManager
 
     mgr = CheckpointManager("faulty://" + sys.argv[1])

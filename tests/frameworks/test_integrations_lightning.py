@@ -221,7 +221,7 @@ def test_lightning_what_torch_save_refuses_is_refused_at_the_call(tmp_path):
 
 def _held_write(io_, tmp_path, name):
     """A save whose background write is held until the returned fault's ``release`` is set."""
-    from . import faulty_fs  # noqa: F401  (registers faulty://)
+    from ..support import faulty_fs  # noqa: F401  (registers faulty://)
 
     url = f"faulty://{tmp_path}/{name}"
     stuck = io_.filesystem(url).inject("write", f".{name}.*", "hang", times=1)

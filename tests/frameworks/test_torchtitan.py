@@ -25,7 +25,7 @@ from async_ckpt import ForeignStepError, InvalidArgumentError  # noqa: E402
 from async_ckpt.integrations.torchtitan import CheckpointManager  # noqa: E402
 from async_ckpt.stats import SaveStats  # noqa: E402
 
-from .tree import assert_bitwise_equal, clone_tree  # noqa: E402
+from ..support.tree import assert_bitwise_equal, clone_tree  # noqa: E402
 
 
 class TrainState:
@@ -289,7 +289,7 @@ def test_a_killed_two_rank_llama_run_resumes_bitwise(tmp_path):
     """torchtitan's llama3 debugmodel on 2 gloo ranks, ``async_with_pinned_mem``: SIGKILLed after
     step 5 (step 4 committed, 5 lost), restarted: its final weights, optimizer and schedule are
     bitwise those of a run that was never interrupted."""
-    from .launch import torchrun
+    from ..support.launch import torchrun
 
     mode = "async_with_pinned_mem"
     full = torchrun(2, "torchtitan_worker.py", str(tmp_path / "full"), "8", "-1", mode, str(tmp_path / "full.txt"),

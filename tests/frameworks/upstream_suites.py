@@ -57,7 +57,7 @@ import sys
 import tempfile
 from typing import Dict, List, Optional
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 LIGHTNING_FILES = [
     "tests/tests_pytorch/__init__.py",

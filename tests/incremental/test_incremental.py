@@ -38,8 +38,8 @@ from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 from async_ckpt import CheckpointError, CheckpointManager
 from async_ckpt.errors import CorruptCheckpointError
 
-from .conftest import assert_bitwise_equal, clone_tree, flip_byte, target_like
-from .incremental_worker import (
+from ..conftest import assert_bitwise_equal, clone_tree, flip_byte, target_like
+from ..workers.incremental_worker import (
     BIG,
     FILE_BYTES,
     WORLD,
@@ -52,7 +52,8 @@ from .incremental_worker import (
     nbytes,
     states_equal,
 )
-from .launch import torchrun
+from ..support.launch import torchrun
+from ..support.paths import REPO, WORKERS
 
 KiB = 2**10
 
@@ -525,7 +526,7 @@ def object_bucket(request, tmp_path, monkeypatch):
         except Exception as exc:  # noqa: BLE001 - moto is missing
             pytest.skip(f"s3 server unavailable: {exc}")
         return
-    from .storage_servers import FakeGCSServer
+    from ..support.storage_servers import FakeGCSServer
 
     monkeypatch.setenv("TMPDIR", str(tmp_path))  # fake-gcs-server writes bucket metadata there
     try:
@@ -588,16 +589,15 @@ def test_local_tier_incremental_each_root_shares_its_own_files(tmp_path):
 
 # ---- 3. SIGKILL trials -----------------------------------------------------------------------
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 @pytest.fixture
 def crash_server(tmp_path):
     err = open(tmp_path / "worker.stderr", "w")
     env = dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=str(tmp_path),
-               PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.Popen([sys.executable, os.path.join(HERE, "incremental_worker.py"), "crash"],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True, cwd=HERE, env=env)
+               PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.Popen([sys.executable, os.path.join(WORKERS, "incremental_worker.py"), "crash"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True, cwd=WORKERS, env=env)
 
     def ask(spec):
         proc.stdin.write(json.dumps(spec) + "\n")

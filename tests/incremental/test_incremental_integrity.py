@@ -31,8 +31,8 @@ import torch
 from async_ckpt import CheckpointManager, FrozenTensorChangedError
 from async_ckpt.cli import main
 
-from .conftest import clone_tree, flip_byte
-from .incremental_worker import BIG, make_state
+from ..conftest import clone_tree, flip_byte
+from ..workers.incremental_worker import BIG, make_state
 from .test_incremental import (  # noqa: F401  (object_bucket: a fixture)
     FROZEN,
     Adapted,

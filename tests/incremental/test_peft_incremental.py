@@ -18,15 +18,16 @@ import sys
 
 import pytest
 import torch
+from ..support.paths import REPO
 
 pytest.importorskip("peft")
 pytest.importorskip("transformers")
 
 from async_ckpt import CheckpointManager  # noqa: E402
 
-from .tree import assert_bitwise_equal  # noqa: E402
+from ..support.tree import assert_bitwise_equal  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = REPO
 MIN_SHARED = 64 * 2**10  # tensors smaller than this are always written (docs/incremental.md)
 
 

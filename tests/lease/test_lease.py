@@ -22,9 +22,9 @@ from async_ckpt import CheckpointManager, LeaseHeldError
 from async_ckpt.storage import Storage
 from async_ckpt.storage.lease import LEASE_NAME, ObjectStoreLease
 
-from .conftest import assert_bitwise_equal, small_state, target_like
+from ..conftest import assert_bitwise_equal, small_state, target_like
+from ..support.paths import REPO
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def test_a_second_writer_is_refused_naming_the_holder(root):
@@ -157,7 +157,7 @@ def test_readers_opening_a_live_root_never_fail_its_writer(tmp_path, mode):
     (max_to_keep=2): no save of A fails and every committed step restores."""
     root, stop = str(tmp_path / "ckpt"), str(tmp_path / "stop")
     os.makedirs(root)
-    reader = subprocess.Popen([sys.executable, "-c", _READER, root, stop, os.path.dirname(HERE), mode],
+    reader = subprocess.Popen([sys.executable, "-c", _READER, root, stop, REPO, mode],
                               stdout=subprocess.PIPE, text=True, env={**os.environ, "PJRT_DEVICE": "CPU"})
     try:
         deadline = time.time() + 120
@@ -215,7 +215,7 @@ _FORK = textwrap.dedent("""
 
 
 def test_a_manager_used_in_a_forked_child_raises(tmp_path):
-    out = subprocess.run([sys.executable, "-c", _FORK, str(tmp_path / "ckpt"), os.path.dirname(HERE)],
+    out = subprocess.run([sys.executable, "-c", _FORK, str(tmp_path / "ckpt"), REPO],
                          capture_output=True, text=True, timeout=120, env={**os.environ, "PJRT_DEVICE": "CPU"})
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.split()

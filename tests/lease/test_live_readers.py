@@ -27,9 +27,9 @@ import torch
 
 from async_ckpt import CheckpointError, CheckpointManager, InvalidArgumentError, InvalidStepError, StepNotFoundError
 
-from .conftest import assert_bitwise_equal
+from ..conftest import assert_bitwise_equal
+from ..support.paths import REPO
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def state(step: int) -> dict:
@@ -172,7 +172,7 @@ def test_a_reader_follows_a_live_writer(tmp_path, caplog, kind, steps):
     no warning, no error, every restore bit for bit the commit of the step it returned."""
     root = str(tmp_path / "ckpt")
     url = root if kind == "file" else f"faulty://{root}"
-    writer = subprocess.Popen([sys.executable, "-c", WRITER.format(repo=os.path.dirname(HERE)), url, str(steps)],
+    writer = subprocess.Popen([sys.executable, "-c", WRITER.format(repo=REPO), url, str(steps)],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     reader = CheckpointManager(url, read_only=True)
     restored = []

@@ -30,7 +30,7 @@ from async_ckpt import (
 )
 from async_ckpt.policies import apply_retention, as_retention_policy, as_save_policy, decide_save
 
-from .conftest import assert_bitwise_equal, small_state, target_like
+from ..conftest import assert_bitwise_equal, small_state, target_like
 
 
 class FakeClock:

@@ -20,12 +20,12 @@ import torch
 from async_ckpt import CheckpointManager
 from async_ckpt.ranks.exchange import LocalExchange, exchange_for
 
-from .conftest import assert_bitwise_equal
-from .launch import torchrun, worker_env
+from ..conftest import assert_bitwise_equal
+from ..support.launch import torchrun, worker_env
+from ..support.paths import WORKERS
 
 pytestmark = pytest.mark.slow
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 TIMEOUT = 240  # per job; the workers dump their stacks and exit after DIST_WORKER_TIMEOUT
 
 
@@ -43,7 +43,7 @@ def jobs(tmp_path_factory):
     root, ref = str(base / "ckpt"), str(base / "ref.pt")
     spmd = None
     if importlib.util.find_spec("torch_xla") is not None:
-        spmd = subprocess.Popen([sys.executable, os.path.join(HERE, "spmd_worker.py"), str(base / "spmd")],
+        spmd = subprocess.Popen([sys.executable, os.path.join(WORKERS, "spmd_worker.py"), str(base / "spmd")],
                                 env=_env(CPU_NUM_DEVICES="4"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True)
     spmd_out = None
@@ -236,7 +236,7 @@ def test_a_rank_that_dies_mid_save_makes_the_other_raise_within_the_timeout(tmp_
     procs = []
     for rank in (0, 1):
         env = _env(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        procs.append(subprocess.Popen([sys.executable, os.path.join(HERE, "dist_death_worker.py"), str(tmp_path / "ck")],
+        procs.append(subprocess.Popen([sys.executable, os.path.join(WORKERS, "dist_death_worker.py"), str(tmp_path / "ck")],
                                       env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     out0, _ = procs[0].communicate(timeout=TIMEOUT)
     procs[1].communicate(timeout=60)

@@ -24,9 +24,9 @@ import torch.distributed.checkpoint as dcp
 
 from async_ckpt import CheckpointManager, InvalidArgumentError
 
-from .conftest import assert_bitwise_equal
-from .launch import torchrun, worker_env
-from .replicated_worker import (
+from ..conftest import assert_bitwise_equal
+from ..support.launch import torchrun, worker_env
+from ..workers.replicated_worker import (
     DEATH_TIMEOUT_S,
     blank,
     ddp_model,
@@ -34,10 +34,10 @@ from .replicated_worker import (
     hsdp_full,
     own,
 )
+from ..support.paths import WORKERS
 
 pytestmark = pytest.mark.slow
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 TIMEOUT = 300  # per job; the workers dump their stacks and exit after DIST_WORKER_TIMEOUT
 
 
@@ -54,7 +54,7 @@ def _start_death(how: str, base: str) -> List[subprocess.Popen]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    return [subprocess.Popen([sys.executable, os.path.join(HERE, "replicated_worker.py"), f"death-{how}", base],
+    return [subprocess.Popen([sys.executable, os.path.join(WORKERS, "replicated_worker.py"), f"death-{how}", base],
                              env=_env(RANK=str(r), WORLD_SIZE="3", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)),
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             for r in range(3)]

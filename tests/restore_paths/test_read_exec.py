@@ -21,7 +21,7 @@ from async_ckpt.io.step_io import read_step
 from async_ckpt.options import RestoreOptions
 from async_ckpt.storage import Storage
 
-from .conftest import assert_bitwise_equal
+from ..conftest import assert_bitwise_equal
 
 
 def _state():

@@ -19,7 +19,7 @@ from async_ckpt.format.unpickling import load_metadata
 from async_ckpt.io import load_state_dict, save_state_dict, write
 from async_ckpt.storage import Storage
 
-from .conftest import assert_bitwise_equal
+from ..conftest import assert_bitwise_equal
 
 
 class CountingStorage(Storage):

@@ -20,9 +20,9 @@ from async_ckpt.format.manifest import MANIFEST_NAME, FileRecord, Manifest
 from async_ckpt.format.unpickling import load_metadata
 from async_ckpt.io import read_targets as direct
 
-from .test_durability import rewrite_manifest
+from ..damage.test_durability import rewrite_manifest
 from .test_restore_fast import fresh_like, mixed_state
-from .tree import assert_bitwise_equal
+from ..support.tree import assert_bitwise_equal
 
 
 def big_state(seed: int) -> dict:

@@ -18,7 +18,7 @@ from async_ckpt.format.unpickling import load_metadata
 from async_ckpt.io import read_targets as direct
 from async_ckpt.io import step_io
 
-from .tree import assert_bitwise_equal, clone_tree
+from ..support.tree import assert_bitwise_equal, clone_tree
 
 
 @pytest.fixture

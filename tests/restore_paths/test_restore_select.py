@@ -11,7 +11,7 @@ import torch.distributed.checkpoint as dcp
 
 from async_ckpt import CheckpointManager, InvalidArgumentError, StateDictMismatchError
 
-from .conftest import make_state
+from ..conftest import make_state
 
 
 def _bf16_step(root: str):

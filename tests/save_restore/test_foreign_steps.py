@@ -16,7 +16,7 @@ import torch.distributed.checkpoint as dcp
 from async_ckpt import CheckpointManager, ForeignStepError, StepAlreadyExistsError, StepNotFoundError
 from async_ckpt.cli import main as cli_main
 
-from .conftest import assert_bitwise_equal, make_state
+from ..conftest import assert_bitwise_equal, make_state
 
 
 def _foreign(root: str, step: int, sd=None) -> dict:

@@ -21,7 +21,7 @@ from async_ckpt.staging import Stager
 from async_ckpt.staging import lazy as lazy_mod
 from async_ckpt.testing import hold_copies
 
-from .conftest import assert_bitwise_equal, clone_tree
+from ..conftest import assert_bitwise_equal, clone_tree
 
 
 class Net:

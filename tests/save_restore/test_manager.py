@@ -21,7 +21,7 @@ from async_ckpt import (
 )
 from async_ckpt.storage.lease import LOCK_NAME
 
-from .conftest import assert_bitwise_equal, clone_tree, make_state
+from ..conftest import assert_bitwise_equal, clone_tree, make_state
 
 
 def full_state(model, opt, step=0):

@@ -19,7 +19,7 @@ import torch
 from async_ckpt import CheckpointError, CheckpointManager, WriterProcessError
 from async_ckpt.format.torch_record import RecordTemplates
 
-from .tree import assert_bitwise_equal
+from ..support.tree import assert_bitwise_equal
 
 needs_process = pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="the writer process needs Linux")
 

@@ -22,7 +22,8 @@ from async_ckpt.format.torch_record import RecordTemplates
 from async_ckpt.io import save_state_dict, write
 from async_ckpt.storage.storage import Storage
 
-from .conftest import assert_bitwise_equal
+from ..conftest import assert_bitwise_equal
+from ..support.paths import REPO
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int8,
           torch.uint8, torch.bool, torch.complex64, torch.float8_e4m3fn]
@@ -305,7 +306,7 @@ def test_one_rank_process_group_takes_the_fast_path(tmp_path):
         print("OK")
     """)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
-                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+                          cwd=REPO)
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
 
 

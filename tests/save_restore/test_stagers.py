@@ -11,9 +11,10 @@ from async_ckpt import CheckpointManager
 from async_ckpt.staging import EagerStager, LazyStager, SnapshotStager, Stager
 from async_ckpt.testing import hold_copies
 
-from .conftest import assert_bitwise_equal, clone_tree
+from ..conftest import assert_bitwise_equal, clone_tree
+from ..support.paths import REPO
 
-STAGING = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "async_ckpt", "staging")
+STAGING = os.path.join(REPO, "async_ckpt", "staging")
 
 
 def _staging_modules():

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from async_ckpt import InvalidStateDictError, StagingBudgetError
 from async_ckpt.staging import HostBufferPool, Stager, make_plan
 
-from .conftest import assert_bitwise_equal
+from ..conftest import assert_bitwise_equal
 
 
 def test_steady_state_saves_allocate_nothing():

@@ -16,6 +16,7 @@ import torch.distributed.checkpoint as dcp
 
 from async_ckpt import CheckpointManager
 from async_ckpt.format.torch_record import PickledObject
+from ..support.paths import REPO
 
 
 def _assert_same(a, b, path="root"):
@@ -284,7 +285,7 @@ def test_import_cli_save_and_restore_without_numpy(tmp_path):
         assert sys.modules["numpy"] is None
         print("NO-NUMPY-OK")
     """)
-    env = {**os.environ, "PJRT_DEVICE": "CPU", "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "PYTHONPATH": REPO}
     proc = subprocess.run([sys.executable, "-c", code, "--help"], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0 and "NO-NUMPY-OK" in proc.stdout, proc.stderr[-3000:]
     assert "usage: async-ckpt" in proc.stdout

@@ -26,7 +26,8 @@ import torch
 from async_ckpt import CheckpointError, CheckpointManager, WriterProcessError
 from async_ckpt.staging.pool import HostBufferPool
 
-from .conftest import assert_bitwise_equal
+from ..conftest import assert_bitwise_equal
+from ..support.paths import REPO
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="the writer process needs Linux")
 
@@ -272,7 +273,7 @@ def test_the_writer_process_imports_nothing_from_the_job_s_working_directory(tmp
     for name in ("random", "queue", "signal", "copy", "uuid", "platform", "struct", "threading", "mmap"):
         (cwd / f"{name}.py").write_text(f"open({str(marker)!r}, 'a').write('{name} ')\n"
                                         f"raise ImportError('the job directory\\'s {name}.py was imported')\n")
-    checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    checkout = REPO
     out = subprocess.run([sys.executable, "-I", "-c", _IN_HOSTILE_CWD, checkout, str(tmp_path / "c")], cwd=str(cwd),
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
@@ -342,7 +343,7 @@ _PYTHON_GONE = textwrap.dedent("""
 
 
 def test_a_writer_process_that_cannot_start_leaves_saves_to_the_thread_writer_with_one_warning(tmp_path):
-    checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    checkout = REPO
     gone = str(tmp_path / "venv" / "bin" / "python")
     out = subprocess.run([sys.executable, "-c", _PYTHON_GONE, checkout, str(tmp_path / "c"), gone],
                          capture_output=True, text=True, timeout=300)
@@ -380,7 +381,7 @@ def test_thousands_of_staged_tensors_take_a_few_descriptors(tmp_path):
     """5,000 tensors of 128 KiB under ``ulimit -n 1024``: the saves go through the writer
     process, and the process keeps descriptors to open files (staging memory is a few shared
     segments, not one memfd per buffer)."""
-    checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    checkout = REPO
     out = subprocess.run([sys.executable, "-c", _MANY_TENSORS, checkout, str(tmp_path / "c")],
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]

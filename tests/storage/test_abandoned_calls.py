@@ -21,7 +21,7 @@ import torch
 from async_ckpt import CheckpointError, CheckpointManager
 from async_ckpt.storage import RetryPolicy
 
-from .conftest import assert_bitwise_equal
+from ..conftest import assert_bitwise_equal
 
 N = 1 << 20  # 4 MiB of float32: read into and written from the tensors themselves (no record template)
 

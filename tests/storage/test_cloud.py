@@ -20,8 +20,8 @@ from async_ckpt.errors import CheckpointError, StorageError
 from async_ckpt.storage import RetryPolicy
 from async_ckpt.storage.retry import is_transient
 
-from .conftest import assert_bitwise_equal, make_state, target_like
-from .storage_servers import Bucket, MotoS3Server
+from ..conftest import assert_bitwise_equal, make_state, target_like
+from ..support.storage_servers import Bucket, MotoS3Server
 
 MiB = 2**20
 

@@ -16,7 +16,7 @@ from async_ckpt.storage.backends.object_store import OBJECT_FILE_BYTES
 from async_ckpt.storage.retry import RetryPolicy
 from async_ckpt.storage.storage import Storage
 
-from . import faulty_fs  # noqa: F401 - registers faulty://
+from ..support import faulty_fs  # noqa: F401 - registers faulty://
 
 
 def test_backend_is_picked_by_the_filesystem(tmp_path, memory_root):

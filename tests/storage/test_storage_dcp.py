@@ -3,7 +3,6 @@ only around DCP's own calls, without touching the process's warning filters."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
@@ -17,9 +16,10 @@ from async_ckpt.io import dcp_call as dcp_common
 from async_ckpt.io import load_state_dict, save_state_dict, write
 from async_ckpt.storage.storage import Storage
 
-from .conftest import assert_bitwise_equal, target_like
+from ..conftest import assert_bitwise_equal, target_like
+from ..support.paths import REPO
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = REPO
 DCP_WARNING = "torch.distributed is disabled, unavailable or uninitialized"
 
 

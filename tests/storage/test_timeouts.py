@@ -20,9 +20,9 @@ from async_ckpt.errors import CheckpointError, StorageTimeoutError
 from async_ckpt.storage import RetryPolicy
 from async_ckpt.storage.step_dirs import ABORT_WAIT_S
 
-from .conftest import assert_bitwise_equal
-from .storage_servers import FakeGCSServer
-from .test_tiers import state, zeros
+from ..conftest import assert_bitwise_equal
+from ..support.storage_servers import FakeGCSServer
+from ..tiers.test_tiers import state, zeros
 
 
 def finishes_within(seconds: float, fn: Callable[[], Any]) -> tuple:

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from typing import List, Optional, Sequence
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+from .paths import REPO, WORKERS
 
 
 def worker_env(**extra: str) -> dict:
@@ -17,15 +17,15 @@ def worker_env(**extra: str) -> dict:
     ``OMP_NUM_THREADS=1``; ``extra`` on top (a value of ``""`` is kept as the empty string)."""
     env = dict(os.environ)
     env.update({"OMP_NUM_THREADS": "1", "PJRT_DEVICE": "CPU",
-                "PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), env.get("PYTHONPATH", "")])})
+                "PYTHONPATH": os.pathsep.join([REPO, env.get("PYTHONPATH", "")])})
     env.update(extra)
     return env
 
 
 def torchrun_command(nproc: int, script: str, *args: str) -> List[str]:
     """``python -m torch.distributed.run --standalone --nproc-per-node=nproc script args...``
-    (``script``: a path, or a file name under tests/)."""
-    path = script if os.path.isabs(script) else os.path.join(HERE, script)
+    (``script``: a path, or a file name under tests/workers/)."""
+    path = script if os.path.isabs(script) else os.path.join(WORKERS, script)
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", path,
             *map(str, args)]
 
@@ -36,7 +36,7 @@ def torchrun(nproc: int, script: str, *args: str, env: Optional[dict] = None, ti
 
     Args:
         nproc: ranks.
-        script: the worker (a path, or a file name under tests/).
+        script: the worker (a path, or a file name under tests/workers/).
         args: its arguments.
         env: extra environment variables (on top of :func:`worker_env`'s).
         timeout: seconds before the launch is killed (``subprocess.TimeoutExpired``).

@@ -17,11 +17,11 @@ from typing import Dict, List, Optional, Tuple
 
 import pytest
 
-from .faulty_fs import DIE_STATUS
+from ..support.faulty_fs import DIE_STATUS
+from ..support.paths import REPO, WORKERS
 
 pytestmark = pytest.mark.slow
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 TIMEOUT = 300
 
 
@@ -37,9 +37,9 @@ def _job(mode: str, base: str, env: Optional[Dict[int, Dict[str, str]]] = None) 
         e.update({"RANK": str(r), "WORLD_SIZE": "4", "LOCAL_RANK": str(r % 2), "LOCAL_WORLD_SIZE": "2",
                   "GROUP_RANK": str(r // 2), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                   "OMP_NUM_THREADS": "1", "PJRT_DEVICE": "CPU", "DIST_WORKER_TIMEOUT": "240",
-                  "PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), e.get("PYTHONPATH", "")])})
+                  "PYTHONPATH": os.pathsep.join([REPO, e.get("PYTHONPATH", "")])})
         e.update((env or {}).get(r, {}))
-        procs.append(subprocess.Popen([sys.executable, os.path.join(HERE, "peer_worker.py"), mode, base], env=e,
+        procs.append(subprocess.Popen([sys.executable, os.path.join(WORKERS, "peer_worker.py"), mode, base], env=e,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     out = []
     for p in procs:

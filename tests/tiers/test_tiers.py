@@ -27,7 +27,7 @@ from async_ckpt.errors import (
 )
 from async_ckpt.io import step_io
 
-from .conftest import assert_bitwise_equal, clone_tree
+from ..conftest import assert_bitwise_equal, clone_tree
 
 
 def state(seed: int) -> dict:

@@ -14,7 +14,7 @@ from async_ckpt import CheckpointManager
 from async_ckpt.errors import CheckpointError, StepNotFoundError
 from async_ckpt.jobs.roots import ForeignCopyError
 
-from .conftest import assert_bitwise_equal
+from ..conftest import assert_bitwise_equal
 from .test_tiers import state, zeros
 
 

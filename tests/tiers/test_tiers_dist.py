@@ -8,11 +8,10 @@ import subprocess
 
 import pytest
 
-from .launch import torchrun
+from ..support.launch import torchrun
 
 pytestmark = pytest.mark.slow
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def _run(tmp_path, only: str = "") -> subprocess.CompletedProcess:

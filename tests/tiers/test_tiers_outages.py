@@ -15,7 +15,7 @@ from async_ckpt import CheckpointManager
 from async_ckpt.errors import CheckpointError, StorageError
 from async_ckpt.io import step_io
 
-from .conftest import assert_bitwise_equal
+from ..conftest import assert_bitwise_equal
 from .test_tiers import state, zeros
 
 

@@ -16,7 +16,7 @@ import torch
 from async_ckpt import CheckpointManager
 from async_ckpt.errors import CheckpointError
 
-from .conftest import assert_bitwise_equal, clone_tree
+from ..conftest import assert_bitwise_equal, clone_tree
 
 #: one local copy of ``state()`` on tmpfs: 256 KiB of data, its metadata and manifest (~280 KiB)
 COPY_KIB = 280

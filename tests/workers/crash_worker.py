@@ -160,7 +160,8 @@ def main() -> None:
     # Single-threaded ops, and every thread joined again, so that forking stays safe.
     import tempfile
 
-    import faulty_fs  # noqa: F401  (registers faulty://, for trials on the fsspec code path)
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+    from tests.support import faulty_fs  # noqa: F401  (registers faulty://, for trials on the fsspec code path)
 
     from async_ckpt import CheckpointManager
 

@@ -15,9 +15,9 @@ import time
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 from async_ckpt import CheckpointError, CheckpointManager  # noqa: E402
-from tests import faulty_fs  # noqa: E402,F401  (registers faulty://)
+from tests.support import faulty_fs  # noqa: E402,F401  (registers faulty://)
 
 
 def main() -> None:

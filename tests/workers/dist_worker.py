@@ -33,11 +33,11 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 from async_ckpt import CheckpointError, CheckpointManager, InvalidStateDictError, PartlyWrittenError  # noqa: E402
 from async_ckpt.format.unpickling import load_metadata
-from tests.damage import flip_byte  # noqa: E402
-from tests.tree import assert_bitwise_equal  # noqa: E402
+from tests.support.damage import flip_byte  # noqa: E402
+from tests.support.tree import assert_bitwise_equal  # noqa: E402
 
 
 def build(seed: int):

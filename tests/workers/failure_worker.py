@@ -15,7 +15,7 @@ import time
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 from async_ckpt import CheckpointError, CheckpointManager  # noqa: E402
 
 TIMEOUT_S = 30.0  # the collective timeout: a rank left waiting fails only after it

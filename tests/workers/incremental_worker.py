@@ -257,7 +257,7 @@ def crash_server() -> None:
 def dist_main(root: str) -> None:
     import torch.distributed as dist
 
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
     from async_ckpt import CheckpointManager
 
     dist.init_process_group("gloo")

@@ -34,7 +34,7 @@ import torch_xla.runtime as xr
 xr.use_spmd()  # before any XLA tensor exists
 
 from async_ckpt import CheckpointManager  # noqa: E402  (the one line torch_xla's test changes)
-from tests.tree import assert_bitwise_equal  # noqa: E402
+from tests.support.tree import assert_bitwise_equal  # noqa: E402
 
 # ---- torch_xla's test fixtures, as there ------------------------------------------------------
 

@@ -24,7 +24,7 @@ import sys
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
 
 def mesh(root: str) -> None:
@@ -108,6 +108,6 @@ if __name__ == "__main__":
     if len(sys.argv) == 2:
         mesh(sys.argv[1])
     else:
-        from tests.spmd_scenarios import run
+        from tests.workers.spmd_scenarios import run
 
         run(sys.argv[1], sys.argv[2])

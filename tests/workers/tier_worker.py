@@ -32,11 +32,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 from async_ckpt import CheckpointManager  # noqa: E402
 from async_ckpt.io import step_io
-from tests.dist_worker import build, train  # noqa: E402
-from tests.tree import assert_bitwise_equal, clone_tree  # noqa: E402
+from tests.workers.dist_worker import build, train  # noqa: E402
+from tests.support.tree import assert_bitwise_equal, clone_tree  # noqa: E402
 
 
 def state(model, optim, step: int):

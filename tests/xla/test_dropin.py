@@ -17,7 +17,7 @@ import torch
 
 from async_ckpt import CheckpointManager, LeaseHeldError, StepNotFoundError
 
-from .conftest import assert_bitwise_equal, small_state, target_like
+from ..conftest import assert_bitwise_equal, small_state, target_like
 
 # ---- torch_xla's CheckpointManagerTest ------------------------------------------------------
 

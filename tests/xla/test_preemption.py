@@ -15,9 +15,9 @@ import torch
 
 from async_ckpt import CheckpointError, CheckpointManager
 
-from .conftest import assert_bitwise_equal
+from ..conftest import assert_bitwise_equal
+from ..support.paths import REPO
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def sd(step: int):

@@ -14,8 +14,8 @@ from async_ckpt import compat as compat_mod
 from async_ckpt.errors import CorruptCheckpointError, StateDictMismatchError
 from async_ckpt.io import sinks
 
-from .test_restore_fast import _flip_in_record, direct_calls  # noqa: F401 - the fixture, shared
-from .tree import assert_bitwise_equal
+from ..restore_paths.test_restore_fast import _flip_in_record, direct_calls  # noqa: F401 - the fixture, shared
+from ..support.tree import assert_bitwise_equal
 
 pytestmark = pytest.mark.xla
 

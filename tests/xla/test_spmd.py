@@ -21,12 +21,12 @@ from typing import Dict, Optional
 
 import pytest
 
-from .launch import torchrun
+from ..support.launch import torchrun
+from ..support.paths import REPO, WORKERS
 
 pytestmark = [pytest.mark.xla,
               pytest.mark.skipif(importlib.util.find_spec("torch_xla") is None, reason="torch_xla is not installed")]
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 TIMEOUT = 300
 
 
@@ -42,8 +42,8 @@ def run_scenario(name: str, root: str, devices: int = 4, extra_env: Optional[Dic
     env.update(extra_env or {})
     env.update({"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(devices), "OMP_NUM_THREADS": "1",
                 "XLA_COORDINATOR_PORT": str(_free_port()),
-                "PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), env.get("PYTHONPATH", "")])})
-    return subprocess.run([sys.executable, os.path.join(HERE, "spmd_worker.py"), name, root], env=env,
+                "PYTHONPATH": os.pathsep.join([REPO, env.get("PYTHONPATH", "")])})
+    return subprocess.run([sys.executable, os.path.join(WORKERS, "spmd_worker.py"), name, root], env=env,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=TIMEOUT)
 
 

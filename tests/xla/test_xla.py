@@ -9,7 +9,7 @@ from async_ckpt import CheckpointManager
 from async_ckpt.staging import Stager
 from async_ckpt.staging import xla as backends
 
-from .conftest import assert_bitwise_equal
+from ..conftest import assert_bitwise_equal
 
 pytestmark = pytest.mark.xla
 

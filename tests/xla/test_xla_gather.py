@@ -9,7 +9,7 @@ from async_ckpt.staging import Stager
 from async_ckpt.staging import eager as stager_mod
 from async_ckpt.staging import xla as xla_gather
 
-from .conftest import assert_bitwise_equal
+from ..conftest import assert_bitwise_equal
 
 xla = pytest.mark.xla
 
