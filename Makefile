@@ -27,7 +27,7 @@ test: $(STAMP) lint
 
 # The same suite on the newest torch the registry serves (constraints-newest.txt), without
 # torch_xla (it pins torch 2.9.0): XLA tests skip; with torchtitan (it needs torch >= 2.11: the
-# torch 2.9 leg skips tests/test_torchtitan.py). CI runs it after `make test`.
+# torch 2.9 leg skips tests/frameworks/test_torchtitan.py). CI runs it after `make test`.
 $(NEWEST_STAMP): pyproject.toml constraints-newest.txt
 	$(PYTHON) -m venv $(NEWEST)
 	$(NEWEST)/bin/python -m pip install -q --upgrade pip

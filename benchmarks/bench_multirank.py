@@ -19,7 +19,7 @@ reported as the median over (rank, sample) pairs with their min-max.
 * ``bytes written``: the ranks' ``SaveStats.written_bytes`` summed / the state's tensor bytes
   (each byte once: target 1.0x; DCP's framing and the metadata add a little).
 * ``bytes read``: a restore from a root on a counting fsspec filesystem over a local dir
-  (``countfs://``, tests/replicated_worker.py): the ``*.distcp`` bytes read by all ranks /
+  (``countfs://``, tests/workers/replicated_worker.py): the ``*.distcp`` bytes read by all ranks /
   the checkpoint's ``*.distcp`` bytes, with ``replicated_reads="once"`` (target <= 1.05x) and
   ``"every_rank"`` (about 4x).
 * ``GCS restore``: restore time from a loopback fake-gcs-server bucket, ``once`` vs

@@ -2,13 +2,13 @@
 # The CUDA check of issue 29, as one command for a lent GPU machine (no network, its own python3).
 #
 #   bash benchmarks/gpu_check.sh                      # on the GPU machine, from the repo root
-#   GPU_CHECK_DRY_RUN=1 OUT=/tmp/o bash benchmarks/gpu_check.sh   # CPU dry run (tests/test_gpu_check.py)
+#   GPU_CHECK_DRY_RUN=1 OUT=/tmp/o bash benchmarks/gpu_check.sh   # CPU dry run (tests/cuda/test_gpu_check.py)
 #
 # Steps, each bounded by `timeout`, 470 s at most in all (GPU_CHECK_TOTAL):
 #   0. async_ckpt importable without installing (PYTHONPATH=repo root); crc32c, which the image
 #      lacks, installed from the wheels benchmarks/gpu_prepare.sh put in .device/wheels (carried);
 #   1. versions and nvidia-smi                         -> $OUT/env.log
-#   2. the CUDA tests (tests/test_cuda.py + the cuda tests of test_lazy.py and test_hostile_staging.py)
+#   2. the CUDA tests (tests/cuda/test_cuda.py + the cuda tests of test_lazy.py and test_hostile_staging.py)
 #                                                      -> $OUT/cuda_tests.log
 #   3. benchmarks/bench_cuda.py (2 GiB state on the GPU) -> $OUT/bench_cuda.json, $OUT/bench_cuda.log
 #   4. what ran, what was skipped and why, exit codes  -> $OUT/gpu_check.json
@@ -91,7 +91,7 @@ EOF
 TESTS_RC=skipped
 if [ "$OURS" = 1 ]; then
     timeout -k 5 "$TEST_TIMEOUT" "$PY" -m pytest -q -p no:cacheprovider -rs -k cuda \
-        tests/test_cuda.py tests/test_lazy.py tests/test_hostile_staging.py 2>&1 | tee "$OUT/cuda_tests.log"
+        tests/cuda/test_cuda.py tests/save_restore/test_lazy.py tests/damage/test_hostile_staging.py 2>&1 | tee "$OUT/cuda_tests.log"
     TESTS_RC=$?
     [ "$TESTS_RC" = 124 ] && note "CUDA tests stopped after ${TEST_TIMEOUT}s"
 else

@@ -1,11 +1,11 @@
 """Shared fixtures and helpers. XLA runs for real on PJRT CPU (set by the Makefile: PJRT_DEVICE=CPU).
 
 Roots: ``ckpt_dir`` (a local path), ``memory_root`` (``memory://``), ``root`` (both, parametrized
-``file`` / ``memory``); ``faulty://`` (tests/faulty_fs.py) is registered for every test.
+``file`` / ``memory``); ``faulty://`` (tests/support/faulty_fs.py) is registered for every test.
 State dicts: ``small_state(step)``, ``medium_state(step)``, ``make_state(seed)`` (a model and
 its Adam optimizer), and ``target_like(tree)`` for a restore target. Damage: ``data_files``,
-``flip_byte``, ``flip_data_byte``, ``flip_metadata_byte`` (tests/damage.py). Comparison:
-``assert_bitwise_equal``, ``clone_tree`` (tests/tree.py).
+``flip_byte``, ``flip_data_byte``, ``flip_metadata_byte`` (tests/support/damage.py). Comparison:
+``assert_bitwise_equal``, ``clone_tree`` (tests/support/tree.py).
 """
 
 from __future__ import annotations

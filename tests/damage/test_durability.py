@@ -1,7 +1,7 @@
 """Durability and integrity: nothing committed is lost, nothing damaged or unsafe is loaded.
 
 Everything here runs on real files: local paths (both commit protocols), and ``faulty://``
-(tests/faulty_fs.py), a wrapping fsspec filesystem over a local directory that injects
+(tests/support/faulty_fs.py), a wrapping fsspec filesystem over a local directory that injects
 transient errors, permanent errors (ENOSPC, EACCES) and silently truncated writes on the
 object-store code path (marker commit, fsspec I/O, no rename).
 """

@@ -351,7 +351,7 @@ def test_ctrl_c_twice_during_a_save_says_so_and_leaves_no_partial_step(tmp_path)
 
     root = str(tmp_path / "ckpt")  # the worker saves to <tmp_path>/ckpt through a slow filesystem
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd()] + sys.path))
-    proc = subprocess.Popen([sys.executable, "-m", "tests.sigint_worker", str(tmp_path)], stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-m", "tests.workers.sigint_worker", str(tmp_path)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
     try:
         assert proc.stdout.readline().strip() == "SAVING"

@@ -12,7 +12,7 @@
 * A restore in between does not turn off the frozen check.
 * ``promote`` lists every file of the persistent copy as written there.
 
-Helpers and states are tests/test_incremental.py's (and tests/incremental_worker.py's).
+Helpers and states are tests/incremental/test_incremental.py's (and tests/workers/incremental_worker.py's).
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ KiB = 2**10
 
 
 def steady_state(step: int) -> Dict[str, Any]:
-    """The state of tests/incremental_worker.py with only optim.m changing: every other large
+    """The state of tests/workers/incremental_worker.py with only optim.m changing: every other large
     tensor's file is taken by every save."""
     return make_state(step, {**{k: 0 for k in BIG}, ("optim", "m"): step})
 

@@ -1,6 +1,6 @@
 """Per-record CRCs: the DCP writer lists each item's length and CRC-32C in the manifest, and the
 reader then fetches and checks only the records a load plan touches (the multi-process restore
-path; tests/test_distributed.py runs it with 2 ranks)."""
+path; tests/ranks/test_distributed.py runs it with 2 ranks)."""
 
 from __future__ import annotations
 

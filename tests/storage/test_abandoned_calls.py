@@ -4,7 +4,7 @@ bucket). What that thread may still do must never reach memory the caller has gi
 a timed-out read must not write into the caller's tensors or into host buffers the pool hands to
 the next save, and a timed-out write must not read buffers the next save staged into.
 
-Faults through ``faulty://`` (tests/faulty_fs.py): a read or write held (``hang``) past the
+Faults through ``faulty://`` (tests/support/faulty_fs.py): a read or write held (``hang``) past the
 retry deadline, then let go.
 """
 

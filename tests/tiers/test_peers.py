@@ -1,6 +1,6 @@
 """Peer copies of the local tier (issue 38), in one process: the option's checks, who sends to
 whom, and which save a restore brings home from where. The exchanges between ranks are in
-tests/test_peers_dist.py."""
+tests/tiers/test_peers_dist.py."""
 
 from __future__ import annotations
 

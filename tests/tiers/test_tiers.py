@@ -1,9 +1,9 @@
 """Two tiers: a local copy (``local_dir``) often, the persistent root less often; restore from
 the nearest intact copy. One process here: where steps go, restores and their fallbacks,
 promote, delete, the arguments and the CLI. The bucket away (failed uploads, an unreachable or
-unlistable bucket) is in tests/test_tiers_outages.py; which copies are one save, and whose, in
-tests/test_tiers_copies.py; 2 ranks in tests/test_tiers_dist.py, the loopback GCS server and
-/dev/shm crash trials in tests/test_tiers_cloud.py and tests/test_crash.py."""
+unlistable bucket) is in tests/tiers/test_tiers_outages.py; which copies are one save, and whose, in
+tests/tiers/test_tiers_copies.py; 2 ranks in tests/tiers/test_tiers_dist.py, the loopback GCS server and
+/dev/shm crash trials in tests/tiers/test_tiers_cloud.py and tests/damage/test_crash.py."""
 
 from __future__ import annotations
 

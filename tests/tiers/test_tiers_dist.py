@@ -1,5 +1,5 @@
 """Two tiers with 2 ranks (torchrun, gloo, FSDP2): each rank's local copies, and the ranks'
-agreement on the step they restore (the scenarios are in tests/tier_worker.py)."""
+agreement on the step they restore (the scenarios are in tests/workers/tier_worker.py)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def _run(tmp_path, only: str = "") -> subprocess.CompletedProcess:
     return proc
 
 
-#: scenarios of ranks that fail apart (tests/tier_worker.py): every rank fails the step together
+#: scenarios of ranks that fail apart (tests/workers/tier_worker.py): every rank fails the step together
 ONE_RANK_FAILS = ["fails_after_agreement", "invalid_on_one_rank", "out_of_step",
                   "resave_on_one_rank", "settle_on_one_rank", "saves_resume_after_one_failure",
                   "restore_named_steps_differ", "preemption_on_one_rank",

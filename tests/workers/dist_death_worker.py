@@ -1,4 +1,4 @@
-"""Worker for tests/test_distributed.py: rank 1 dies in the middle of a save; rank 0 must raise
+"""Worker for tests/ranks/test_distributed.py: rank 1 dies in the middle of a save; rank 0 must raise
 within the manager's collective timeout instead of hanging.
 
     RANK=r WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=p python dist_death_worker.py <root>

@@ -1,12 +1,12 @@
-"""Worker script for tests/test_distributed.py, launched with torchrun (gloo, CPU, FSDP2).
+"""Worker script for tests/ranks/test_distributed.py, launched with torchrun (gloo, CPU, FSDP2).
 
-    torchrun --standalone --nproc-per-node 4 tests/dist_worker.py save   <root> <ref.pt>
-    torchrun --standalone --nproc-per-node 2 tests/dist_worker.py restore <root> <ref.pt>
-    torchrun --standalone --nproc-per-node 2 tests/dist_worker.py ranges  <root> -   (that check alone)
-    torchrun --standalone --nproc-per-node 2 tests/dist_worker.py peer    <root> -   (that check alone)
-    torchrun --standalone --nproc-per-node 2 tests/dist_worker.py ranks   <root> -   (steps past int64,
+    torchrun --standalone --nproc-per-node 4 tests/workers/dist_worker.py save   <root> <ref.pt>
+    torchrun --standalone --nproc-per-node 2 tests/workers/dist_worker.py restore <root> <ref.pt>
+    torchrun --standalone --nproc-per-node 2 tests/workers/dist_worker.py ranges  <root> -   (that check alone)
+    torchrun --standalone --nproc-per-node 2 tests/workers/dist_worker.py peer    <root> -   (that check alone)
+    torchrun --standalone --nproc-per-node 2 tests/workers/dist_worker.py ranks   <root> -   (steps past int64,
                                                                                  a failing load_state_dict)
-    torchrun --standalone --nproc-per-node 2 tests/dist_worker.py coordination <root> -  (ranks in
+    torchrun --standalone --nproc-per-node 2 tests/workers/dist_worker.py coordination <root> -  (ranks in
                                                       different calls, a local save failed on one rank)
 
 ``save`` runs several checks in one launch (a torchrun start costs 6-16 s): sharded async saves
@@ -615,7 +615,7 @@ def collective_timeout_checks(root: str) -> None:
 
 
 def coordination_checks(root: str) -> None:
-    """2 ranks, each check printing its own marker (tests/test_distributed.py ``coordination_job``)."""
+    """2 ranks, each check printing its own marker (tests/ranks/test_distributed.py ``coordination_job``)."""
     failed = []
     for name, check in (("DIFFERENT CALLS", different_calls_checks), ("FAILED LOCAL SAVE", failed_local_save_checks),
                         ("SHARED LOCAL DIR", shared_local_dir_checks), ("LATE RANK", late_rank_checks)):

@@ -1,7 +1,7 @@
-"""Worker for tests/test_failure_reporting.py (torchrun, 2 gloo ranks): one rank's
+"""Worker for tests/damage/test_failure_reporting.py (torchrun, 2 gloo ranks): one rank's
 KeyboardInterrupt during a restore or a Stateful load_state_dict.
 
-    torchrun --standalone --nproc-per-node 2 tests/failure_worker.py <root> [interrupt|apply]
+    torchrun --standalone --nproc-per-node 2 tests/workers/failure_worker.py <root> [interrupt|apply]
 
 Each rank prints ``RANK <r> OK`` at the end; a failed check raises (non-zero exit).
 """

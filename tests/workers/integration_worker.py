@@ -1,4 +1,4 @@
-"""Training scenarios for tests/test_integrations.py, run in subprocesses.
+"""Training scenarios for tests/frameworks/test_integrations.py, run in subprocesses.
 
 ``hf OUT_DIR MAX_STEPS RESUME LOG_JSON [LIMIT]``: a tiny GPT-2 trained by the Hugging Face
 ``Trainer`` with :class:`AsyncCkptCallback` (``USE_TORCH_XLA=0`` must be set by the caller);

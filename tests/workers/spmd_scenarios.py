@@ -1,4 +1,4 @@
-"""Scenarios for tests/test_spmd.py, each run alone by ``tests/spmd_worker.py <scenario> <root>``
+"""Scenarios for tests/xla/test_spmd.py, each run alone by ``tests/workers/spmd_worker.py <scenario> <root>``
 under ``PJRT_DEVICE=CPU CPU_NUM_DEVICES=4`` (torch_xla's SPMD mode on 4 virtual devices).
 
 ``manager_*``, ``sgd``, ``adamw``: torch_xla 2.9's ``CheckpointManagerTest`` and
@@ -477,7 +477,7 @@ def deferred(root: str) -> None:
     (``optimizer.step()`` + ``torch_xla.sync()``, in-place ``add_`` + ``xm.mark_step()``, and
     both again after the buffers were marked for donation, which is transferred at the call);
     the step written holds the values at the call, bitwise. Run with and without
-    ``XLA_ENABLE_PARAM_ALIASING`` (tests/test_spmd.py)."""
+    ``XLA_ENABLE_PARAM_ALIASING`` (tests/xla/test_spmd.py)."""
     import time
 
     import torch_xla.core.xla_model as xm

@@ -1,14 +1,14 @@
 """PyTorch/XLA SPMD scenarios on PJRT CPU (4 virtual devices), one per process.
 
-    PJRT_DEVICE=CPU CPU_NUM_DEVICES=4 python tests/spmd_worker.py <root>             # mesh
-    PJRT_DEVICE=CPU CPU_NUM_DEVICES=4 python tests/spmd_worker.py <scenario> <root>
+    PJRT_DEVICE=CPU CPU_NUM_DEVICES=4 python tests/workers/spmd_worker.py <root>             # mesh
+    PJRT_DEVICE=CPU CPU_NUM_DEVICES=4 python tests/workers/spmd_worker.py <scenario> <root>
 
-``mesh`` (tests/test_distributed.py): saves tensors sharded with ``mark_sharding`` on a (4, 1)
+``mesh`` (tests/ranks/test_distributed.py): saves tensors sharded with ``mark_sharding`` on a (4, 1)
 mesh through CheckpointManager (each shard staged once, written as its own DCP chunk), then
 restores into a (2, 2) mesh with other partition specs, and into plain CPU tensors without XLA;
 all bitwise. Prints ``SPMD OK``.
 
-The others (tests/test_spmd.py) are the scenarios of torch_xla 2.9's own
+The others (tests/xla/test_spmd.py) are the scenarios of torch_xla 2.9's own
 ``test/spmd/test_xla_distributed_checkpoint.py`` (``CheckpointManagerTest``,
 ``OptimizerCheckpointTest``) written afresh against ``async_ckpt.CheckpointManager``, their
 assertions kept, and the states and interoperability cases issue 34 lists. Each prints

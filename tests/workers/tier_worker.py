@@ -1,6 +1,6 @@
-"""Worker for tests/test_tiers_dist.py, launched with torchrun (gloo, CPU, FSDP2).
+"""Worker for tests/tiers/test_tiers_dist.py, launched with torchrun (gloo, CPU, FSDP2).
 
-    torchrun --standalone --nproc-per-node 2 tests/tier_worker.py <bucket> <local_dir> <ref_dir>
+    torchrun --standalone --nproc-per-node 2 tests/workers/tier_worker.py <bucket> <local_dir> <ref_dir>
 
 A sharded model saves steps 1..4 locally (every rank to its own ``<local_dir>/rank<r>``) and
 every third step to the bucket. Then, with fresh managers each time:
@@ -114,7 +114,7 @@ def fail_first_local_commit(m, after_s: float, gate=None) -> None:
     """This rank's first local commit fails (EROFS) ``after_s`` seconds in (the others pass), or,
     with ``gate`` (a ``threading.Event``), once the gate is set (at most 60 s). Not ENOSPC: a full
     local_dir is logged and raised by join()/close(), not by the next save
-    (tests/test_tiers_space.py); every other local failure is raised by the next agreement."""
+    (tests/tiers/test_tiers_space.py); every other local failure is raised by the next agreement."""
     import errno
     import time
 

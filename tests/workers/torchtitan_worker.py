@@ -1,5 +1,5 @@
 """A torchtitan training run on CPU ranks (gloo) with async_ckpt's torchtitan checkpointer
-(tests/test_torchtitan.py). torchtitan's llama3 ``debugmodel`` built from its config (inner
+(tests/frameworks/test_torchtitan.py). torchtitan's llama3 ``debugmodel`` built from its config (inner
 attention SDPA: FlexAttention has no CPU backward), torchtitan's AdamW and LR-scheduler
 containers; gradients all-reduced over the ranks; each step's batch a function of the step and
 rank. ``argv``: folder, steps, the step after which to SIGKILL every rank (-1: none),

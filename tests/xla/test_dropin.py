@@ -298,7 +298,7 @@ def _layout(entries):
 def test_a_restore_target_is_flattened_in_the_checkpoints_key_layout():
     """torch_xla's ``SPMDSavePlanner`` (its manager; async_ckpt under SPMD) stores a dict or list
     holding no tensor as one item; DCP's default, every value on its own. The target is read in
-    the layout of the checkpoint (tests/test_spmd.py restores such steps for real)."""
+    the layout of the checkpoint (tests/xla/test_spmd.py restores such steps for real)."""
     from async_ckpt.format.dcp_layout import flatten, flatten_target
 
     w = torch.zeros(2)

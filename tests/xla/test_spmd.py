@@ -1,6 +1,6 @@
 """The torch_xla drop-in under SPMD (issue 34): PJRT CPU with 4 virtual devices, ``xr.use_spmd()``.
 
-Each scenario of tests/spmd_scenarios.py runs in its own process (``tests/spmd_worker.py
+Each scenario of tests/workers/spmd_scenarios.py runs in its own process (``tests/workers/spmd_worker.py
 <scenario> <root>``): an abort in torch_xla's C++ ends that process only, so one crash cannot
 hide the others. torch_xla 2.9's own ``CheckpointManagerTest`` and ``OptimizerCheckpointTest``
 (``manager_*``, ``sgd``, ``adamw``), the abort of issue 34 (``unsynced_save``), every state a
