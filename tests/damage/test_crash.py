@@ -1,7 +1,7 @@
 """Crash consistency: training processes SIGKILLed at random moments never lose or corrupt a
 committed step.
 
-One fork server (tests/crash_worker.py) imports torch once; each trial forks a real process
+One fork server (tests/workers/crash_worker.py) imports torch once; each trial forks a real process
 that resumes from the newest committed step and saves every step with ``save_async`` (with
 retention, so deletions get interrupted too) until it is SIGKILLed after a random delay.
 After every kill a fresh manager in this process must:
@@ -13,7 +13,7 @@ After every kill a fresh manager in this process must:
 
 A third of the trials use the POSIX rename commit, a third the object-store marker commit on
 local files, and a third the marker commit through fsspec (``faulty://`` from
-tests/faulty_fs.py with no fault injected: the code path of gs:// and s3://, over local files).
+tests/support/faulty_fs.py with no fault injected: the code path of gs:// and s3://, over local files).
 Some trials roll back to an older step first (re-saving steps that exist), and half of them
 leave the debris for the next process's startup cleanup, which then runs while that process
 saves. Seeds are printed (``-s`` or on failure); set ASYNC_CKPT_CRASH_SEED to
@@ -22,21 +22,17 @@ replay a sequence of delays.
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import re
-import subprocess
-import sys
 import warnings
 
 import pytest
 
 from async_ckpt import CheckpointManager
 
-from ..support.paths import WORKERS
-
 from ..support import faulty_fs  # noqa: F401  (registers faulty://)
+from ..support import fork_trials
 from ..workers.crash_worker import MAX_TO_KEEP, empty_like_state, make_state, resave_value, states_equal
 
 TRIALS = 36
@@ -91,23 +87,8 @@ def _verify(root: str, mode: str, newest: "set[int]", floor: int, what: str, rng
 
 @pytest.fixture
 def fork_server(tmp_path):
-    err = open(tmp_path / "worker.stderr", "w")
-    proc = subprocess.Popen([sys.executable, os.path.join(WORKERS, "crash_worker.py")], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=err, text=True, cwd=WORKERS)
-
-    def ask(spec):
-        proc.stdin.write(json.dumps(spec) + "\n")
-        proc.stdin.flush()
-        line = proc.stdout.readline()
-        assert line, f"crash worker died; stderr:\n{open(tmp_path / 'worker.stderr').read()[-4000:]}"
-        return json.loads(line)
-
-    ready = proc.stdout.readline()
-    assert ready.startswith('{"ready"'), f"crash worker failed to start:\n{open(tmp_path / 'worker.stderr').read()[-4000:]}"
-    yield ask
-    proc.stdin.close()
-    proc.wait(timeout=60)
-    err.close()
+    with fork_trials.fork_server(tmp_path, "crash_worker.py") as ask:
+        yield ask
 
 
 def test_sigkill_at_random_moments_never_loses_a_committed_step(fork_server, tmp_path):

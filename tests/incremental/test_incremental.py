@@ -12,7 +12,7 @@ manager, a fresh manager, and plain ``torch.distributed.checkpoint.load``), the 
 ``export``, and what damage, re-saves, deletions, restarts, promote, two ranks, the local tier,
 object stores, declared-frozen tensors (``frozen=``) and SIGKILLs do to that. Slow ones (the
 SIGKILL trials, the torchrun job) are marked ``slow``; their states and workers are in
-tests/incremental_worker.py.
+tests/workers/incremental_worker.py.
 
 States use ``mgr.storage.max_file_bytes`` (docs/storage.md) of 64 KiB so that each large
 tensor gets a data file of its own: sharing is decided per file, and a 1 MiB state would
@@ -23,11 +23,8 @@ from __future__ import annotations
 
 import contextlib
 import io
-import json
 import os
 import random
-import subprocess
-import sys
 from typing import Any, Dict, List, Optional
 
 import pytest
@@ -52,12 +49,12 @@ from ..workers.incremental_worker import (
     nbytes,
     states_equal,
 )
+from ..support.fork_trials import fork_server
 from ..support.launch import torchrun
-from ..support.paths import REPO, WORKERS
 
 KiB = 2**10
 
-# ---- the state (tests/incremental_worker.py) --------------------------------------------------
+# ---- the state (tests/workers/incremental_worker.py) --------------------------------------------------
 
 #: which large tensors change at each step (step 0 writes all); emb changes at 3 and changes back
 #: (to version 0) at 4
@@ -518,7 +515,7 @@ def test_memory_root_incremental_sequence_server_side_copies(memory_root):
 @pytest.fixture(params=["gcs", "s3"])
 def object_bucket(request, tmp_path, monkeypatch):
     """A fresh bucket on a loopback fake-gcs-server (this test's own, whose bucket metadata files
-    go to tmp_path, not /tmp) or moto S3 server (tests/storage_servers.py); the test is skipped
+    go to tmp_path, not /tmp) or moto S3 server (tests/support/storage_servers.py); the test is skipped
     where the server cannot be started here."""
     if request.param == "s3":
         try:
@@ -593,25 +590,8 @@ def test_local_tier_incremental_each_root_shares_its_own_files(tmp_path):
 
 @pytest.fixture
 def crash_server(tmp_path):
-    err = open(tmp_path / "worker.stderr", "w")
-    env = dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=str(tmp_path),
-               PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.Popen([sys.executable, os.path.join(WORKERS, "incremental_worker.py"), "crash"],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True, cwd=WORKERS, env=env)
-
-    def ask(spec):
-        proc.stdin.write(json.dumps(spec) + "\n")
-        proc.stdin.flush()
-        line = proc.stdout.readline()
-        assert line, f"worker died; stderr:\n{open(tmp_path / 'worker.stderr').read()[-4000:]}"
-        return json.loads(line)
-
-    ready = proc.stdout.readline()
-    assert ready.startswith('{"ready"'), f"worker failed to start:\n{open(tmp_path / 'worker.stderr').read()[-4000:]}"
-    yield ask
-    proc.stdin.close()
-    proc.wait(timeout=60)
-    err.close()
+    with fork_server(tmp_path, "incremental_worker.py", "crash", TMPDIR=str(tmp_path)) as ask:
+        yield ask
 
 
 def check_after_kill(root: str, what: str) -> List[int]:

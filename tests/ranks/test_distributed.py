@@ -1,9 +1,9 @@
 """Multi-process checkpoints on CPU: real torchrun jobs (gloo, FSDP2) and XLA SPMD on PJRT CPU.
 
 One module fixture launches everything once (a torchrun start costs 6-16 s, more on a loaded
-machine): a 4-rank job that saves and runs the failure checks (tests/dist_worker.py ``save``),
+machine): a 4-rank job that saves and runs the failure checks (tests/workers/dist_worker.py ``save``),
 then a 2-rank job that restores its checkpoint (``restore``); an SPMD job with 4 virtual XLA
-devices runs at the same time (tests/spmd_worker.py). The tests below read their outcomes, and
+devices runs at the same time (tests/workers/spmd_worker.py). The tests below read their outcomes, and
 restore the 4-rank checkpoint in this process, without any process group.
 """
 
@@ -21,7 +21,7 @@ from async_ckpt import CheckpointManager
 from async_ckpt.ranks.exchange import LocalExchange, exchange_for
 
 from ..conftest import assert_bitwise_equal
-from ..support.launch import torchrun, worker_env
+from ..support.launch import finish, start_ranks, torchrun, worker_env
 from ..support.paths import WORKERS
 
 pytestmark = pytest.mark.slow
@@ -82,7 +82,7 @@ def test_restore_with_two_ranks_reshards_bitwise(jobs):
 
 
 def test_two_ranks_restore_of_a_step_damaged_in_one_ranks_shard_writes_neither_target(jobs):
-    """tests/dist_worker.py ``damaged_peer_checks``: a record only rank 1 reads is damaged;
+    """tests/workers/dist_worker.py ``damaged_peer_checks``: a record only rank 1 reads is damaged;
     restore raises on both ranks, atomic=True or not, and neither rank's target changes;
     restore(None) falls back to the older step with nothing of the damaged one left."""
     assert jobs["restore"] is not None, "the 4-rank save job failed"
@@ -142,7 +142,7 @@ def test_xla_spmd_local_shards_restore_into_another_mesh(jobs):
 
 @pytest.fixture(scope="module")
 def ranks_job(tmp_path_factory):
-    """tests/dist_worker.py ``ranks``: one small 2-rank launch for the checks below."""
+    """tests/workers/dist_worker.py ``ranks``: one small 2-rank launch for the checks below."""
     base = tmp_path_factory.mktemp("ranks")
     return torchrun(2, "dist_worker.py", "ranks", str(base / "ck"), "-", env={"DIST_WORKER_TIMEOUT": "90"},
                     timeout=TIMEOUT)
@@ -187,7 +187,7 @@ def test_after_a_collective_timeout_later_calls_fail_at_once_and_a_new_manager_w
 
 @pytest.fixture(scope="module")
 def coordination_job(tmp_path_factory):
-    """tests/dist_worker.py ``coordination``: one small 2-rank launch for the checks below."""
+    """tests/workers/dist_worker.py ``coordination``: one small 2-rank launch for the checks below."""
     base = tmp_path_factory.mktemp("coordination")
     return torchrun(2, "dist_worker.py", "coordination", str(base / "ck"), "-", env={"DIST_WORKER_TIMEOUT": "120"},
                     timeout=TIMEOUT)
@@ -228,18 +228,9 @@ def test_single_process_has_a_local_coordinator():
 
 
 def test_a_rank_that_dies_mid_save_makes_the_other_raise_within_the_timeout(tmp_path):
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = []
-    for rank in (0, 1):
-        env = _env(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        procs.append(subprocess.Popen([sys.executable, os.path.join(WORKERS, "dist_death_worker.py"), str(tmp_path / "ck")],
-                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    out0, _ = procs[0].communicate(timeout=TIMEOUT)
-    procs[1].communicate(timeout=60)
+    procs = start_ranks(2, "dist_death_worker.py", str(tmp_path / "ck"), env={"DIST_WORKER_TIMEOUT": "180"})
+    _, out0 = finish(procs[0], TIMEOUT)
+    finish(procs[1], 60)
     assert procs[1].returncode == 17  # rank 1 really died mid-write (faulty_fs.DIE_STATUS)
     assert procs[0].returncode == 0, out0[-4000:]
     line = next(ln for ln in out0.splitlines() if ln.startswith("RAISED"))

@@ -1,7 +1,7 @@
 """Replicated state across ranks (issue 28): each replicated byte staged once, written once, read
 once; checkpoints that restore bitwise at any world size.
 
-One module fixture launches the torchrun jobs of tests/replicated_worker.py once, in order (each
+One module fixture launches the torchrun jobs of tests/workers/replicated_worker.py once, in order (each
 restores the previous one's checkpoints): ``save2`` (2 ranks), ``main4`` (4 ranks), ``restore2``
 (2 ranks); two 3-rank jobs in which a rank dies before a save's exchange run alongside the first.
 The tests read the jobs' per-check markers, and restore their checkpoints in this process
@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
-import sys
 import textwrap
 from typing import Dict, List
 
@@ -25,7 +23,7 @@ import torch.distributed.checkpoint as dcp
 from async_ckpt import CheckpointManager, InvalidArgumentError
 
 from ..conftest import assert_bitwise_equal
-from ..support.launch import torchrun, worker_env
+from ..support.launch import finish, start_ranks, torchrun
 from ..workers.replicated_worker import (
     DEATH_TIMEOUT_S,
     blank,
@@ -34,15 +32,10 @@ from ..workers.replicated_worker import (
     hsdp_full,
     own,
 )
-from ..support.paths import WORKERS
 
 pytestmark = pytest.mark.slow
 
 TIMEOUT = 300  # per job; the workers dump their stacks and exit after DIST_WORKER_TIMEOUT
-
-
-def _env(**extra: str) -> dict:
-    return worker_env(**{"DIST_WORKER_TIMEOUT": "240", **extra})
 
 
 def _torchrun(nproc: int, what: str, base: str) -> subprocess.CompletedProcess:
@@ -51,13 +44,7 @@ def _torchrun(nproc: int, what: str, base: str) -> subprocess.CompletedProcess:
 
 def _start_death(how: str, base: str) -> List[subprocess.Popen]:
     """3 ranks without torchrun (which would end the others when one dies)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return [subprocess.Popen([sys.executable, os.path.join(WORKERS, "replicated_worker.py"), f"death-{how}", base],
-                             env=_env(RANK=str(r), WORLD_SIZE="3", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)),
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-            for r in range(3)]
+    return start_ranks(3, "replicated_worker.py", f"death-{how}", base, env={"DIST_WORKER_TIMEOUT": "240"})
 
 
 @pytest.fixture(scope="module")
@@ -70,15 +57,7 @@ def jobs(tmp_path_factory) -> Dict[str, object]:
         out["main4"] = _torchrun(4, "main4", str(base))
         out["restore2"] = _torchrun(2, "restore2", str(base))
         for how, procs in deaths.items():
-            outs = []
-            for p in procs:
-                try:
-                    text, _ = p.communicate(timeout=TIMEOUT)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    text, _ = p.communicate()
-                outs.append((p.returncode, text))
-            out[f"death-{how}"] = outs
+            out[f"death-{how}"] = [finish(p, TIMEOUT) for p in procs]
     finally:
         for procs in deaths.values():
             for p in procs:
@@ -117,7 +96,7 @@ def _stats(jobs, job: str, name: str):
 def test_ddp_state_each_replicated_byte_staged_once_balanced_and_restored_bitwise(jobs, job, ranks):
     """4 replicated tensors of 256 KiB + 16 KiB per rank: the ranks' SaveStats.nbytes sum to the
     state's bytes (within 5%), max/min within 2x; the data files hold it once; restores at the
-    same world size (auto / once / every_rank) are bitwise (tests/replicated_worker.py ddp_save)."""
+    same world size (auto / once / every_rank) are bitwise (tests/workers/replicated_worker.py ddp_save)."""
     _passed(jobs, job, "DDP SAVE", ranks)
     shares = _stats(jobs, job, f"ddp{ranks}.step2")["nbytes"]
     assert len(shares) == ranks and all(s > 0 for s in shares), shares
@@ -220,7 +199,7 @@ def test_hsdp_checkpoint_restores_at_two_ranks_and_in_one_process(jobs):
 def test_replicated_tensors_of_odd_byte_counts_and_mixed_dtypes_restore_bitwise_when_read_once(jobs):
     """float32/float64/bool/complex64/float16/int16/uint8/int64 tensors >= 64 KiB whose byte
     counts are not multiples of 8, read once and sent (packed into one buffer per reading
-    rank): bitwise on every rank (tests/replicated_worker.py odd_sizes)."""
+    rank): bitwise on every rank (tests/workers/replicated_worker.py odd_sizes)."""
     _passed(jobs, "main4", "ODD SIZES", 4)
 
 
@@ -266,7 +245,7 @@ def test_a_replicated_key_changing_dtype_and_shape_between_saves_restores_bitwis
 # ---- reads, damage, tiers, failures -----------------------------------------------------------------
 
 def test_large_values_that_differ_between_ranks_under_one_key_are_reported_once_and_recorded(jobs):
-    """tests/replicated_worker.py ``divergence``: a per-rank buffer, BatchNorm-like statistics and
+    """tests/workers/replicated_worker.py ``divergence``: a per-rank buffer, BatchNorm-like statistics and
     float32/int32 of equal bytes under one key (all >= 64 KiB, staged by one rank): rank 0 warns
     once per key, both steps' manifests list them in ``diverged_keys``, the checkpoint holds one
     rank's value of each (bitwise), with replicated_saves True and False."""

@@ -152,9 +152,12 @@ class FaultyFileSystem(AbstractFileSystem):
 
     @classmethod
     def _strip_protocol(cls, path: Any) -> str:
+        """``<protocol>://abs/path`` -> ``/abs/path`` (this class's ``protocol``: subclasses that
+        wrap local files under a name of their own inherit it)."""
         path = str(path)
-        if path.startswith("faulty://"):
-            path = path[len("faulty://"):]
+        prefix = f"{cls.protocol}://"
+        if path.startswith(prefix):
+            path = path[len(prefix):]
         return path.rstrip("/") or "/"
 
     # ---- delegated operations ------------------------------------------------------------

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from typing import List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from .paths import REPO, WORKERS
 
@@ -50,3 +50,35 @@ def torchrun(nproc: int, script: str, *args: str, env: Optional[dict] = None, ti
         full.pop(name, None)
     return subprocess.run(torchrun_command(nproc, script, *args), env=full, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, timeout=timeout)
+
+
+def start_ranks(world: int, script: str, *args: str, env: Optional[Dict[str, str]] = None,
+                rank_env: Optional[Callable[[int], Dict[str, str]]] = None) -> List[subprocess.Popen]:
+    """Start ``world`` ranks of ``script`` by hand, without torchrun (which would end the others
+    when one dies): each with :func:`worker_env`, ``RANK``, ``WORLD_SIZE`` and ``MASTER_ADDR`` /
+    ``MASTER_PORT`` (a free port), then ``env`` and ``rank_env(rank)`` on top; stderr merged into
+    stdout (text). Collect each with :func:`finish`."""
+    from .storage_servers import free_port
+
+    port = str(free_port())
+    procs = []
+    for rank in range(world):
+        full = worker_env(**{"RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
+                             "MASTER_PORT": port, **(env or {}), **(rank_env(rank) if rank_env else {})})
+        procs.append(subprocess.Popen([sys.executable, os.path.join(WORKERS, script), *map(str, args)], env=full,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    return procs
+
+
+def finish(proc: subprocess.Popen, timeout: float) -> Tuple[int, str]:
+    """Wait at most ``timeout`` seconds for ``proc`` (stdout piped, text) and kill it past that.
+
+    Returns:
+        Its exit status (negative: the signal that ended it) and its whole output.
+    """
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+    return proc.returncode, out or ""

@@ -1,5 +1,5 @@
 """Peer copies of the local tier (issue 38) with 4 ranks as 2 nodes of 2: a lost node restores
-from its peers, not the bucket (the scenarios are in tests/peer_worker.py).
+from its peers, not the bucket (the scenarios are in tests/workers/peer_worker.py).
 
 One module fixture runs the workers' jobs once: ``lost`` (one job of 4 ranks, each scenario with
 fresh managers, as after a restart), then ``kill`` (rank 1 dies mid-transfer) and ``after-kill``
@@ -9,16 +9,12 @@ dies), with torchrun's environment: ``LOCAL_WORLD_SIZE=2`` and ``GROUP_RANK`` = 
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
 from typing import Dict, List, Optional, Tuple
 
 import pytest
 
 from ..support.faulty_fs import DIE_STATUS
-from ..support.paths import REPO, WORKERS
+from ..support.launch import finish, start_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -28,28 +24,10 @@ TIMEOUT = 300
 def _job(mode: str, base: str, env: Optional[Dict[int, Dict[str, str]]] = None) -> List[Tuple[int, str]]:
     """Run ``mode`` on 4 ranks (ranks 2r and 2r+1 on node r, ``env``: more variables by rank);
     each rank's (exit status, output)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = []
-    for r in range(4):
-        e = dict(os.environ)
-        e.update({"RANK": str(r), "WORLD_SIZE": "4", "LOCAL_RANK": str(r % 2), "LOCAL_WORLD_SIZE": "2",
-                  "GROUP_RANK": str(r // 2), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                  "OMP_NUM_THREADS": "1", "PJRT_DEVICE": "CPU", "DIST_WORKER_TIMEOUT": "240",
-                  "PYTHONPATH": os.pathsep.join([REPO, e.get("PYTHONPATH", "")])})
-        e.update((env or {}).get(r, {}))
-        procs.append(subprocess.Popen([sys.executable, os.path.join(WORKERS, "peer_worker.py"), mode, base], env=e,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    out = []
-    for p in procs:
-        try:
-            text, _ = p.communicate(timeout=TIMEOUT)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            text, _ = p.communicate()
-        out.append((p.returncode, text))
-    return out
+    procs = start_ranks(4, "peer_worker.py", mode, base, env={"DIST_WORKER_TIMEOUT": "240"},
+                        rank_env=lambda r: {"LOCAL_RANK": str(r % 2), "LOCAL_WORLD_SIZE": "2",
+                                            "GROUP_RANK": str(r // 2), **(env or {}).get(r, {})})
+    return [finish(p, TIMEOUT) for p in procs]
 
 
 @pytest.fixture(scope="module")

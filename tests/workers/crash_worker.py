@@ -1,10 +1,11 @@
-"""Crash-trial worker for tests/test_crash.py: a fork server for "training" processes.
+"""Crash-trial worker for tests/damage/test_crash.py: a fork server for "training" processes.
 
 Importing torch costs seconds, so this process imports torch and async_ckpt once and then, for
 each trial read from stdin (one JSON object a line), forks a child that resumes from the
 newest committed step and saves every step with ``save_async`` until it is SIGKILLed. The
 server itself sleeps the trial's delay, sends SIGKILL, reaps the child and answers one JSON
-line on stdout with what the child reported through a pipe before it died:
+line on stdout with what the child reported through a pipe before it died (the harness:
+tests/support/fork_trials.py):
 
     {"status": "killed", "committed": [...], "started": [...], "resumed": step|null,
      "resume_ok": bool|null, "error": str|null}
@@ -18,15 +19,14 @@ a ``faulty://`` URL: the fsspec code path of object stores, over local files, wi
 
 from __future__ import annotations
 
-import json
 import os
-import signal
 import sys
-import time
-import traceback
 from typing import Any, Dict
 
 import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+from tests.support.fork_trials import Report, serve  # noqa: E402
 
 MAX_TO_KEEP = 3
 
@@ -76,82 +76,37 @@ def states_equal(a: Any, b: Any) -> bool:
     return type(a) is type(b) and a == b
 
 
-def _child(spec: Dict[str, Any], w: int) -> None:
+def _child(spec: Dict[str, Any], report: Report) -> None:
     """The training process: resume (or roll back), then save every step until killed."""
     from async_ckpt import CheckpointManager
 
-    def report(*fields: Any) -> None:
-        os.write(w, (" ".join(map(str, fields)) + "\n").encode())  # < PIPE_BUF: atomic
-
-    try:
-        torch.set_num_threads(1)
-        if spec.get("resave") is not None:
-            # re-save one existing step over and over, alternating two states, until killed
-            k = int(spec["resave"])
-            mgr = CheckpointManager(spec["dir"], commit_mode=spec["mode"])
-            for i in range(100000):
-                report("s", i)
-                mgr.save(k, make_state(resave_value(k, i)))
-                report("c", i)
-        tiers: Dict[str, Any] = {}
-        if spec.get("local_dir"):  # two tiers: every step locally, every save_interval-th to "dir"
-            tiers = dict(local_dir=spec["local_dir"], local_policy=1, local_retention=2,
-                         save_interval=int(spec["save_interval"]))
-        mgr = CheckpointManager(spec["dir"], max_to_keep=MAX_TO_KEEP, commit_mode=spec["mode"],
-                                on_saved=lambda st: report("c", st.step), **tiers)
-        steps = mgr.all_steps()
-        start = 0
-        if steps:
-            target = empty_like_state()
-            # replay: roll back to an older step and train on from there (re-saving steps that
-            # exist: each re-save replaces its step atomically); else resume from the newest.
-            got = mgr.restore(steps[max(0, len(steps) - 3)] if spec.get("replay") else None, target)
-            report("r", got, int(states_equal(target, make_state(got))))
-            start = got + 1
-        for step in range(start, start + 100000):
-            report("s", step)
-            mgr.save_async(step, make_state(step))
-    except BaseException:
-        report("e", json.dumps(traceback.format_exc()))
-        os._exit(3)
-    os._exit(0)
-
-
-def _trial(spec: Dict[str, Any]) -> Dict[str, Any]:
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # child
-        os.close(r)
-        try:
-            _child(spec, w)
-        finally:
-            os._exit(4)
-    os.close(w)
-    time.sleep(float(spec["delay"]))
-    os.kill(pid, signal.SIGKILL)
-    _, status = os.waitpid(pid, 0)
-    chunks = []
-    while True:
-        b = os.read(r, 1 << 16)
-        if not b:
-            break
-        chunks.append(b)
-    os.close(r)
-    out: Dict[str, Any] = {"committed": [], "started": [], "resumed": None, "resume_ok": None, "error": None}
-    for line in b"".join(chunks).decode().splitlines():
-        kind, _, rest = line.partition(" ")
-        if kind == "c":
-            out["committed"].append(int(rest))
-        elif kind == "s":
-            out["started"].append(int(rest))
-        elif kind == "r":
-            step, ok = rest.split()
-            out["resumed"], out["resume_ok"] = int(step), bool(int(ok))
-        elif kind == "e":
-            out["error"] = json.loads(rest)
-    killed = os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
-    out["status"] = "killed" if killed else f"exited {os.waitstatus_to_exitcode(status)}"
-    return out
+    torch.set_num_threads(1)
+    if spec.get("resave") is not None:
+        # re-save one existing step over and over, alternating two states, until killed
+        k = int(spec["resave"])
+        mgr = CheckpointManager(spec["dir"], commit_mode=spec["mode"])
+        for i in range(100000):
+            report("s", i)
+            mgr.save(k, make_state(resave_value(k, i)))
+            report("c", i)
+    tiers: Dict[str, Any] = {}
+    if spec.get("local_dir"):  # two tiers: every step locally, every save_interval-th to "dir"
+        tiers = dict(local_dir=spec["local_dir"], local_policy=1, local_retention=2,
+                     save_interval=int(spec["save_interval"]))
+    mgr = CheckpointManager(spec["dir"], max_to_keep=MAX_TO_KEEP, commit_mode=spec["mode"],
+                            on_saved=lambda st: report("c", st.step), **tiers)
+    steps = mgr.all_steps()
+    start = 0
+    if steps:
+        target = empty_like_state()
+        # replay: roll back to an older step and train on from there (re-saving steps that
+        # exist: each re-save replaces its step atomically); else resume from the newest.
+        got = mgr.restore(steps[max(0, len(steps) - 3)] if spec.get("replay") else None, target)
+        report("r", got, int(states_equal(target, make_state(got))))
+        start = got + 1
+    for step in range(start, start + 100000):
+        report("s", step)
+        mgr.save_async(step, make_state(step))
 
 
 def main() -> None:
@@ -160,7 +115,6 @@ def main() -> None:
     # Single-threaded ops, and every thread joined again, so that forking stays safe.
     import tempfile
 
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
     from tests.support import faulty_fs  # noqa: F401  (registers faulty://, for trials on the fsspec code path)
 
     from async_ckpt import CheckpointManager
@@ -173,11 +127,7 @@ def main() -> None:
         mgr.restore(0, state)
         mgr.close()
 
-    print(json.dumps({"ready": os.getpid()}), flush=True)
-    for line in sys.stdin:
-        if not line.strip():
-            continue
-        print(json.dumps(_trial(json.loads(line))), flush=True)
+    serve(_child)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,10 @@
-"""States and subprocess workers for tests/test_incremental.py (incremental saves).
+"""States and subprocess workers for tests/incremental/test_incremental.py (incremental saves).
 
 Importable (``from .incremental_worker import ...``: the deterministic states the tests compare
 with) and runnable:
 
     python incremental_worker.py crash
-        A fork server (as tests/crash_worker.py): imports torch once, then for each trial read
+        A fork server (tests/support/fork_trials.py, as tests/workers/crash_worker.py): imports torch once, then for each trial read
         from stdin (one JSON object a line: ``{"dir": ..., "delay": s, "full_every": N|null,
         "sync": bool}``) forks a child that resumes from the newest committed step (checking it
         bitwise) and saves every following step incrementally, with retention, until the server
@@ -25,16 +25,15 @@ The state saved at step ``s`` is a function of ``s`` only (:func:`crash_state`,
 
 from __future__ import annotations
 
-import json
 import os
-import signal
 import sys
-import time
-import traceback
 import zlib
 from typing import Any, Dict, Optional
 
 import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+from tests.support.fork_trials import Report, serve  # noqa: E402
 
 KiB = 2**10
 FILE_BYTES = 64 * KiB  # mgr.storage.max_file_bytes: one data file per large tensor
@@ -172,66 +171,21 @@ def crash_manager(root: str, full_every: Optional[int] = None, **kw: Any):
     return mgr
 
 
-def _child(spec: Dict[str, Any], w: int) -> None:
-    def report(*fields: Any) -> None:
-        os.write(w, (" ".join(map(str, fields)) + "\n").encode())  # < PIPE_BUF: atomic
-
-    try:
-        torch.set_num_threads(1)
-        mgr = crash_manager(spec["dir"], spec.get("full_every"), on_saved=lambda st: report("c", st.step))
-        start = 0
-        if mgr.all_steps():
-            target = empty_like(crash_state(0))
-            got = mgr.restore(None, target)
-            report("r", got, int(states_equal(target, crash_state(got))))
-            start = got + 1
-        for step in range(start, start + 100000):
-            report("s", step)
-            if spec.get("sync"):
-                mgr.save(step, crash_state(step))
-            else:
-                mgr.save_async(step, crash_state(step))
-    except BaseException:
-        report("e", json.dumps(traceback.format_exc()))
-        os._exit(3)
-    os._exit(0)
-
-
-def _trial(spec: Dict[str, Any]) -> Dict[str, Any]:
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # child
-        os.close(r)
-        try:
-            _child(spec, w)
-        finally:
-            os._exit(4)
-    os.close(w)
-    time.sleep(float(spec["delay"]))
-    os.kill(pid, signal.SIGKILL)
-    _, status = os.waitpid(pid, 0)
-    chunks = []
-    while True:
-        b = os.read(r, 1 << 16)
-        if not b:
-            break
-        chunks.append(b)
-    os.close(r)
-    out: Dict[str, Any] = {"committed": [], "started": [], "resumed": None, "resume_ok": None, "error": None}
-    for line in b"".join(chunks).decode().splitlines():
-        kind, _, rest = line.partition(" ")
-        if kind == "c":
-            out["committed"].append(int(rest))
-        elif kind == "s":
-            out["started"].append(int(rest))
-        elif kind == "r":
-            step, ok = rest.split()
-            out["resumed"], out["resume_ok"] = int(step), bool(int(ok))
-        elif kind == "e":
-            out["error"] = json.loads(rest)
-    killed = os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
-    out["status"] = "killed" if killed else f"exited {os.waitstatus_to_exitcode(status)}"
-    return out
+def _child(spec: Dict[str, Any], report: Report) -> None:
+    torch.set_num_threads(1)
+    mgr = crash_manager(spec["dir"], spec.get("full_every"), on_saved=lambda st: report("c", st.step))
+    start = 0
+    if mgr.all_steps():
+        target = empty_like(crash_state(0))
+        got = mgr.restore(None, target)
+        report("r", got, int(states_equal(target, crash_state(got))))
+        start = got + 1
+    for step in range(start, start + 100000):
+        report("s", step)
+        if spec.get("sync"):
+            mgr.save(step, crash_state(step))
+        else:
+            mgr.save_async(step, crash_state(step))
 
 
 def crash_server() -> None:
@@ -246,10 +200,7 @@ def crash_server() -> None:
             mgr.save(s, crash_state(s))
         mgr.restore(1, crash_state(0))
         mgr.close()
-    print(json.dumps({"ready": os.getpid()}), flush=True)
-    for line in sys.stdin:
-        if line.strip():
-            print(json.dumps(_trial(json.loads(line))), flush=True)
+    serve(_child)
 
 
 # ---- two ranks -------------------------------------------------------------------------------
@@ -257,7 +208,6 @@ def crash_server() -> None:
 def dist_main(root: str) -> None:
     import torch.distributed as dist
 
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
     from async_ckpt import CheckpointManager
 
     dist.init_process_group("gloo")

@@ -1,9 +1,9 @@
-"""Worker for tests/test_peers_dist.py: peer copies of the local tier (issue 38), 4 ranks as 2
+"""Worker for tests/tiers/test_peers_dist.py: peer copies of the local tier (issue 38), 4 ranks as 2
 "nodes" of 2, launched without torchrun with torchrun's environment (``RANK``, ``WORLD_SIZE``,
 ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE=2``, ``GROUP_RANK`` = the node), so that one rank may die
 without the launcher ending the others:
 
-    RANK=r ... GROUP_RANK=r//2 python tests/peer_worker.py <mode> <base>
+    RANK=r ... GROUP_RANK=r//2 python tests/workers/peer_worker.py <mode> <base>
 
 Node ``n``'s ranks share the local_dir ``<base>/n<n>``; the bucket is ``countfs://<base>/bucket``
 (every byte read from its data files is counted). Modes:
@@ -81,13 +81,6 @@ class DyingFileSystem(FaultyFileSystem):
 
     protocol = "dyingfs"
     opened = 0
-
-    @classmethod
-    def _strip_protocol(cls, path: Any) -> str:
-        path = str(path)
-        if path.startswith("dyingfs://"):
-            path = path[len("dyingfs://"):]
-        return path.rstrip("/") or "/"
 
     @staticmethod
     def _read(path: str) -> None:

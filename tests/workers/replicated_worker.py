@@ -1,9 +1,9 @@
-"""Worker for tests/test_replicated.py (issue 28: replicated state staged, written and read once),
+"""Worker for tests/ranks/test_replicated.py (issue 28: replicated state staged, written and read once),
 launched with torchrun (gloo, CPU):
 
-    torchrun --standalone --nproc-per-node 2 tests/replicated_worker.py save2    <base>
-    torchrun --standalone --nproc-per-node 4 tests/replicated_worker.py main4    <base>
-    torchrun --standalone --nproc-per-node 2 tests/replicated_worker.py restore2 <base>
+    torchrun --standalone --nproc-per-node 2 tests/workers/replicated_worker.py save2    <base>
+    torchrun --standalone --nproc-per-node 4 tests/workers/replicated_worker.py main4    <base>
+    torchrun --standalone --nproc-per-node 2 tests/workers/replicated_worker.py restore2 <base>
 
 and, without torchrun (a rank that dies must not take the others down with it):
 
@@ -86,13 +86,6 @@ class CountingFileSystem(FaultyFileSystem):
     :data:`READS` every byte a read returns."""
 
     protocol = "countfs"
-
-    @classmethod
-    def _strip_protocol(cls, path: Any) -> str:
-        path = str(path)
-        if path.startswith("countfs://"):
-            path = path[len("countfs://"):]
-        return path.rstrip("/") or "/"
 
     def cat_file(self, path: str, start: Any = None, end: Any = None, **kwargs: Any) -> bytes:
         data = super().cat_file(path, start=start, end=end, **kwargs)
