@@ -130,6 +130,7 @@ def test_flipped_byte_leaves_the_target_untouched_and_falls_back(tmp_path, fqn, 
     with pytest.warns(RuntimeWarning, match="skipping damaged step 2"):
         assert mgr.restore(None, target, atomic=True) == 1
     assert_bitwise_equal(target, mixed_state(1))
+    assert writes, "control: the spy sees the copy into the target where one is made"
     assert len(leases) == 3 and mgr.stager.pool.leased_bytes == 0
     mgr.close()
 

@@ -341,30 +341,23 @@ def test_cli_ls_verify_promote_understand_both_tiers(roots, capsys):
     assert "step 4 (local): DAMAGED" in text and "step 4 (persistent): ok" in text
 
 
-def test_a_lagging_upload_does_not_make_its_older_step_the_newest(roots, monkeypatch):
+def test_a_lagging_upload_does_not_make_its_older_step_the_newest(roots):
     """Step 10 goes to both tiers, its upload finishes after local steps 11 and 12, and local
     retention then drops step 10's local copy: 12 stays the newest (save order), not 10."""
-    import threading
-
     path, local = roots
-    real = step_io.write_step
-    gate = threading.Event()
-
-    def slow_bucket(storage, p, sd, **kw):
-        if not p.startswith(local):
-            assert gate.wait(30)
-        return real(storage, p, sd, **kw)
-
-    monkeypatch.setattr(step_io, "write_step", slow_bucket)
-    with CheckpointManager(path, save_interval=10, local_dir=local, local_policy=1, local_retention=2) as mgr:
+    bucket = "faulty://" + path
+    with CheckpointManager(bucket, save_interval=10, local_dir=local, local_policy=1, local_retention=2) as mgr:
+        upload = mgr.storage.fs.inject("write", "*.distcp", "hang")  # the upload is held here
         for s in (10, 11, 12):
             mgr.save_async(s, state(s))
             mgr.roots[0].writer.join()
-        gate.set()
+        assert upload.reached.wait(30)
+        assert "persistent" not in mgr.step_tiers().get(10, ()), "the upload of step 10 lags"
+        upload.release.set()
         mgr.join()
         assert mgr.step_tiers() == {12: ("local",), 11: ("local",), 10: ("persistent",)}
         assert mgr.steps_in_commit_order() == [10, 11, 12] and mgr.latest_step() == 12
-    with CheckpointManager(path, save_interval=10, local_dir=local, local_policy=1, local_retention=2) as mgr:
+    with CheckpointManager(bucket, save_interval=10, local_dir=local, local_policy=1, local_retention=2) as mgr:
         out = zeros()
         assert mgr.restore(None, out) == 12
     assert_bitwise_equal(out, state(12))

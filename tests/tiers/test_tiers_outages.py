@@ -13,7 +13,6 @@ import pytest
 
 from async_ckpt import CheckpointManager
 from async_ckpt.errors import CheckpointError, StorageError
-from async_ckpt.io import step_io
 
 from ..conftest import assert_bitwise_equal
 from .test_tiers import state, zeros
@@ -66,22 +65,19 @@ def test_a_long_outage_keeps_a_bounded_number_of_deferred_failures():
 
 
 @pytest.mark.parametrize("end", ["join", "close"])
-def test_join_and_close_raise_every_tier_s_failure_not_only_the_first(roots, monkeypatch, end):
+def test_join_and_close_raise_every_tier_s_failure_not_only_the_first(roots, end):
     """Both tiers' writes of a step fail: the bucket's failure must not be dropped when the
     local one is raised (a second join() would then pass as if the upload had worked)."""
     from async_ckpt.errors import CheckpointError
 
     path, local = roots
-
-    def broken(storage, p, sd, **kw):
-        raise OSError("local disk full" if p.startswith(local) else "bucket unreachable")
-
-    monkeypatch.setattr(step_io, "write_step", broken)
-    mgr = CheckpointManager(path, local_dir=local)
+    mgr = CheckpointManager("faulty://" + path, local_dir="faulty://" + local)
+    mgr.roots[0].store.storage.fs.inject("write", "*.distcp", "enospc")  # the local disk is full
+    mgr.storage.fs.inject("write", "*.distcp", "http403")  # the bucket refuses the upload
     mgr.save_async(1, state(1))
     with pytest.raises(CheckpointError) as info:
         getattr(mgr, end)()
-    assert "local disk full" in str(info.value) and "bucket unreachable" in str(info.value)
+    assert "No space left on device" in str(info.value) and "403 injected: Forbidden" in str(info.value)
     mgr.close()
 
 
