@@ -207,23 +207,21 @@ def test_an_unlistable_bucket_and_an_empty_local_tier_raise_the_listing_error(ro
     mgr.close()
 
 
-def test_metrics_while_the_bucket_is_down_come_from_the_local_tier(roots, monkeypatch):
+def test_metrics_while_the_bucket_is_down_come_from_the_local_tier(roots):
     path, local = roots
-    with CheckpointManager(path, save_interval=2, local_dir=local, local_policy=1) as mgr:
+    bucket = "faulty://" + path
+    with CheckpointManager(bucket, save_interval=2, local_dir=local, local_policy=1) as mgr:
         for s in range(1, 4):
             mgr.save(s, state(s), metrics={"loss": float(s)})
-    mgr = CheckpointManager(path, save_interval=2, local_dir=local, local_policy=1)
-
-    def down(*a, **k):
-        raise StorageError(f"{path}: connection refused")
-
-    monkeypatch.setattr(mgr.layout, "committed_steps", down)
+    mgr = CheckpointManager(bucket, save_interval=2, local_dir=local, local_policy=1)
+    for op in ("ls", "read"):  # the bucket is down
+        mgr.storage.fs.inject(op, "*", "reset")
     with pytest.warns(RuntimeWarning, match=r"persistent tier .* cannot be read"):
         assert mgr.metrics(3) == {"loss": 3.0}
     with pytest.warns(RuntimeWarning, match="cannot be read"):
-        with pytest.raises(StorageError, match="connection refused"):
+        with pytest.raises(StorageError, match="connection reset"):
             mgr.metrics(1)  # only the bucket may hold it: its error, not "not found"
-    monkeypatch.undo()
+    mgr.storage.fs.clear()
     mgr.close()
 
 
