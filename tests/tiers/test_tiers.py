@@ -113,32 +113,29 @@ def test_a_step_due_for_both_tiers_is_staged_once_and_written_to_both(roots, mon
         assert_bitwise_equal(out, state(5))
 
 
-def test_restore_prefers_the_local_copy_and_falls_back_to_the_persistent_one(roots, monkeypatch):
+def test_restore_prefers_the_local_copy_and_falls_back_to_the_persistent_one(roots):
     path, local = roots
-    with CheckpointManager(path, local_dir=local) as mgr:
+    bucket = "faulty://" + path
+    with CheckpointManager(bucket, local_dir=local) as mgr:
         mgr.save(1, state(1))
         mgr.save(2, state(2))
-    used = []
-    real = step_io.read_step
-
-    def spy(storage, p, sd, **kw):
-        used.append(storage.url)
-        return real(storage, p, sd, **kw)
-
-    monkeypatch.setattr(step_io, "read_step", spy)
-    with CheckpointManager(path, local_dir=local) as mgr:
+    with CheckpointManager(bucket, local_dir=local) as mgr:
+        # a probe on the bucket's data files: a hold released before it is reached, so every read
+        # of them goes through and is recorded in fs.hits
+        mgr.storage.fs.inject("read", "*.distcp", "hang").release.set()
         out = zeros()
-        assert mgr.restore(None, out) == 2
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert mgr.restore(None, out) == 2
         assert_bitwise_equal(out, state(2))
-        assert used == [mgr.roots[0].url]
+        assert mgr.storage.fs.hits == [], "the local copy is read, not the bucket's"
         # a damaged local copy: the persistent copy of the same step, with a warning naming the tier
         flip_byte(data_files(local, 2)[0])
-        used.clear()
         out = zeros()
         with pytest.warns(RuntimeWarning, match=r"skipping the local copy of step 2"):
             assert mgr.restore(None, out) == 2
         assert_bitwise_equal(out, state(2))
-        assert used == [mgr.roots[0].url, mgr.storage.url]
+        assert mgr.storage.fs.hits, "the bucket's copy is read (and the probe sees it)"
         # a named step too
         out = zeros()
         with pytest.warns(RuntimeWarning, match="local copy of step 2"):
