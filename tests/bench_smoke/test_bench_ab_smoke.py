@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+
 from ..support.paths import REPO
 
 ROOT = REPO

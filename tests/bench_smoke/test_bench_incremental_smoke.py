@@ -12,6 +12,7 @@ import math
 import os
 import subprocess
 import sys
+
 from ..support.paths import REPO
 
 ROOT = REPO

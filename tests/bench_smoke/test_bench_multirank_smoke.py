@@ -16,6 +16,7 @@ import subprocess
 import sys
 
 import pytest
+
 from ..support.paths import REPO
 
 ROOT = REPO

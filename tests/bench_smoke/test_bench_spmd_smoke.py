@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+
 from ..support.paths import REPO
 
 pytestmark = [pytest.mark.xla,

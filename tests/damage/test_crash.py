@@ -31,8 +31,7 @@ import pytest
 
 from async_ckpt import CheckpointManager
 
-from ..support import faulty_fs  # noqa: F401  (registers faulty://)
-from ..support import fork_trials
+from ..support import faulty_fs, fork_trials  # noqa: F401  (faulty_fs registers faulty://)
 from ..workers.crash_worker import MAX_TO_KEEP, empty_like_state, make_state, resave_value, states_equal
 
 TRIALS = 36

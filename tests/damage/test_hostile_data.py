@@ -18,8 +18,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from async_ckpt import CheckpointError, CheckpointManager, InvalidStateDictError
-from ..support.paths import REPO
 
+from ..support.paths import REPO
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

@@ -19,8 +19,8 @@ from async_ckpt.cli import main
 from async_ckpt.errors import CorruptCheckpointError
 from async_ckpt.format.dcp_layout import METADATA_NAME
 
-from ..conftest import assert_bitwise_equal, small_state, target_like
 from ..cli.test_cli import run_cli
+from ..conftest import assert_bitwise_equal, small_state, target_like
 from .test_hostile_storage import (
     data_file,
     make_root,

@@ -21,6 +21,7 @@ import sys
 from typing import Any, Iterator, List, Optional, Set, Tuple
 
 import pytest
+
 from ..support.paths import REPO
 
 #: modules whose public names (``__all__``, else the public names they define) are checked

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import List, Tuple
 
 import pytest
+
 from ..support.paths import REPO
 
 ROOT = Path(REPO)

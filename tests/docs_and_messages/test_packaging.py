@@ -7,6 +7,7 @@ import subprocess
 import sys
 import zipfile
 from pathlib import Path
+
 from ..support.paths import REPO
 
 ROOT = Path(REPO)

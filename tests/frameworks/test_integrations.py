@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from async_ckpt import CheckpointError, CorruptCheckpointError, InvalidStateDictError
+
 from ..support.paths import REPO, WORKERS
 
 ROOT = Path(REPO)
@@ -30,8 +31,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from async_ckpt.integrations.lightning import AsyncCkptIO  # noqa: E402
 
 from ..conftest import flip_byte  # noqa: E402
-from ..workers.integration_worker import lit_model_class  # noqa: E402
 from ..support.launch import torchrun_command  # noqa: E402
+from ..workers.integration_worker import lit_model_class  # noqa: E402
 
 LitModel = lit_model_class()
 LitModel.__module__, LitModel.__qualname__ = __name__, "LitModel"  # picklable by name (torch.save(trainer))

@@ -16,6 +16,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+
 from ..support.paths import REPO
 
 ROOT = Path(REPO)

@@ -36,6 +36,8 @@ from async_ckpt import CheckpointError, CheckpointManager
 from async_ckpt.errors import CorruptCheckpointError
 
 from ..conftest import assert_bitwise_equal, clone_tree, flip_byte, target_like
+from ..support.fork_trials import fork_server
+from ..support.launch import torchrun
 from ..workers.incremental_worker import (
     BIG,
     FILE_BYTES,
@@ -49,8 +51,6 @@ from ..workers.incremental_worker import (
     nbytes,
     states_equal,
 )
-from ..support.fork_trials import fork_server
-from ..support.launch import torchrun
 
 KiB = 2**10
 

@@ -18,6 +18,7 @@ import sys
 
 import pytest
 import torch
+
 from ..support.paths import REPO
 
 pytest.importorskip("peft")

@@ -26,7 +26,6 @@ from ..conftest import assert_bitwise_equal, small_state, target_like
 from ..support.paths import REPO
 
 
-
 def test_a_second_writer_is_refused_naming_the_holder(root):
     # the holder is busy (a save in flight): an idle manager of this process would be taken over
     committed, gate = threading.Event(), threading.Event()

@@ -31,7 +31,6 @@ from ..conftest import assert_bitwise_equal
 from ..support.paths import REPO
 
 
-
 def state(step: int) -> dict:
     """What the writer saves at ``step``: every value says which step it is."""
     return {"w": torch.full((4096,), float(step)), "b": torch.arange(64, dtype=torch.int64) + step, "step": step}

@@ -16,9 +16,9 @@ from async_ckpt.io import step_io
 from async_ckpt.io.sinks import StagedFiles
 
 from ..damage.test_durability import rewrite_manifest
+from ..support.tree import assert_bitwise_equal, clone_tree
 from .test_restore_data_at import _shift, big_state
 from .test_restore_fast import _data_files, _flip_in_record, fresh_like, mixed_state
-from ..support.tree import assert_bitwise_equal, clone_tree
 
 
 def _files_bytes(step_dir: str) -> int:

@@ -21,8 +21,8 @@ from async_ckpt.format.unpickling import load_metadata
 from async_ckpt.io import read_targets as direct
 
 from ..damage.test_durability import rewrite_manifest
-from .test_restore_fast import fresh_like, mixed_state
 from ..support.tree import assert_bitwise_equal
+from .test_restore_fast import fresh_like, mixed_state
 
 
 def big_state(seed: int) -> dict:

@@ -16,6 +16,7 @@ import torch.distributed.checkpoint as dcp
 
 from async_ckpt import CheckpointManager
 from async_ckpt.format.torch_record import PickledObject
+
 from ..support.paths import REPO
 
 

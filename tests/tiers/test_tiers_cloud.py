@@ -12,8 +12,8 @@ from async_ckpt.errors import CheckpointError
 from async_ckpt.storage import RetryPolicy
 
 from ..conftest import assert_bitwise_equal, target_like
-from ..support.storage_servers import FakeGCSServer
 from ..storage.test_cloud import MiB, _PausingFS, big_state
+from ..support.storage_servers import FakeGCSServer
 
 
 @pytest.mark.slow  # gcsfs retries a refused connection for ~30 s before it gives up

@@ -115,9 +115,8 @@ def main() -> None:
     # Single-threaded ops, and every thread joined again, so that forking stays safe.
     import tempfile
 
-    from tests.support import faulty_fs  # noqa: F401  (registers faulty://, for trials on the fsspec code path)
-
     from async_ckpt import CheckpointManager
+    from tests.support import faulty_fs  # noqa: F401  (registers faulty://, for trials on the fsspec code path)
 
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as d:

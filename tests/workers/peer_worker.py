@@ -49,8 +49,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from async_ckpt import CheckpointError, CheckpointManager  # noqa: E402
 from tests.support.damage import flip_data_byte  # noqa: E402
 from tests.support.faulty_fs import DIE_STATUS, FaultyFileSystem  # noqa: E402
-from tests.workers.replicated_worker import READS, data_read  # noqa: E402  (registers countfs://)
 from tests.support.tree import assert_bitwise_equal  # noqa: E402
+from tests.workers.replicated_worker import READS, data_read  # noqa: E402  (registers countfs://)
 
 KIB = 1024
 

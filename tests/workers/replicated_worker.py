@@ -38,9 +38,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from async_ckpt import CheckpointError, CheckpointManager, CorruptCheckpointError  # noqa: E402
 from async_ckpt.format.unpickling import load_metadata
 from tests.support.damage import flip_byte  # noqa: E402
-from tests.workers.dist_worker import build, full, train  # noqa: E402
 from tests.support.faulty_fs import FaultyFileSystem  # noqa: E402
 from tests.support.tree import assert_bitwise_equal  # noqa: E402
+from tests.workers.dist_worker import build, full, train  # noqa: E402
 
 KIB = 1024
 #: each of the 4 replicated model tensors: 256 KiB (float32, bfloat16, float64, int64)

@@ -35,8 +35,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 from async_ckpt import CheckpointManager  # noqa: E402
 from async_ckpt.io import step_io
-from tests.workers.dist_worker import build, train  # noqa: E402
 from tests.support.tree import assert_bitwise_equal, clone_tree  # noqa: E402
+from tests.workers.dist_worker import build, train  # noqa: E402
 
 
 def state(model, optim, step: int):

@@ -19,7 +19,6 @@ from ..conftest import assert_bitwise_equal
 from ..support.paths import REPO
 
 
-
 def sd(step: int):
     return {"w": torch.arange(256, dtype=torch.float32) * step, "step": torch.tensor(step)}
 
