@@ -3,10 +3,10 @@
 Not collected by pytest and not part of CI: the frameworks' test files are not vendored. Run it
 by hand with a clone of the framework at (or near) the installed version::
 
-    python -m tests.upstream_suites lightning SRC [--rev REV] [-- PYTEST_ARGS...]
-    python -m tests.upstream_suites accelerate SRC [--rev REV] [-- PYTEST_ARGS...]
-    python -m tests.upstream_suites transformers SRC [-- PYTEST_ARGS...]
-    python -m tests.upstream_suites torchtitan SRC [--rev REV] [-- PYTEST_ARGS...]
+    python -m tests.frameworks.upstream_suites lightning SRC [--rev REV] [-- PYTEST_ARGS...]
+    python -m tests.frameworks.upstream_suites accelerate SRC [--rev REV] [-- PYTEST_ARGS...]
+    python -m tests.frameworks.upstream_suites transformers SRC [-- PYTEST_ARGS...]
+    python -m tests.frameworks.upstream_suites torchtitan SRC [--rev REV] [-- PYTEST_ARGS...]
 
 Their test dependencies must be importable (Lightning: ``cloudpickle``, ``jsonargparse``,
 ``tensorboardX``; accelerate: ``parameterized``), for example installed with

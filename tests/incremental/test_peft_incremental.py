@@ -195,7 +195,7 @@ def test_hf_trainer_with_an_incremental_manager(tmp_path):
     os.makedirs(out)
     env = {**os.environ, "USE_TORCH_XLA": "0", "PJRT_DEVICE": "CPU", "OMP_NUM_THREADS": "1",
            "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
-    code = ("import sys; from tests.test_peft_incremental import _hf_worker; "
+    code = ("import sys; from tests.incremental.test_peft_incremental import _hf_worker; "
             "_hf_worker(sys.argv[1], sys.argv[2], int(sys.argv[3]))")
     r = subprocess.run([sys.executable, "-c", code, root, out, "6"], env=env, cwd=ROOT, capture_output=True,
                        text=True, timeout=300)
@@ -256,7 +256,7 @@ def test_hf_async_callback_with_a_peft_model_writes_only_what_changes(tmp_path):
     os.makedirs(out)
     env = {**os.environ, "USE_TORCH_XLA": "0", "PJRT_DEVICE": "CPU", "OMP_NUM_THREADS": "1",
            "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
-    code = ("import sys; from tests.test_peft_incremental import _hf_async_worker; "
+    code = ("import sys; from tests.incremental.test_peft_incremental import _hf_async_worker; "
             "_hf_async_worker(sys.argv[1], int(sys.argv[2]))")
     r = subprocess.run([sys.executable, "-c", code, out, "4"], env=env, cwd=ROOT, capture_output=True,
                        text=True, timeout=300)

@@ -152,7 +152,7 @@ WRITER = textwrap.dedent("""
     import sys
     sys.path.insert(0, {repo!r})
     import torch
-    import tests.faulty_fs  # noqa: F401  (registers faulty://)
+    import tests.support.faulty_fs  # noqa: F401  (registers faulty://)
     from async_ckpt import CheckpointManager
 
     url, steps = sys.argv[1], int(sys.argv[2])
