@@ -28,7 +28,7 @@ from typing import Callable, Deque, Dict, List, Optional, Tuple
 
 from ..errors import CheckpointError
 from ..format.manifest import Manifest
-from ..io.sinks import copy_files
+from ..io.copies import copy_files
 from ..options import ManagerOptions
 from ..policies import keeping
 from ..ranks import phase

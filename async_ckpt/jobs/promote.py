@@ -16,7 +16,7 @@ from ..errors import (
     StepNotFoundError,
 )
 from ..format.manifest import CopyIdentity, Manifest
-from ..io.sinks import copy_files
+from ..io.copies import copy_files
 from ..policies import keeping
 from ..stats import SaveStats
 from .roots import PERSISTENT, Root
