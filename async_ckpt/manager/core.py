@@ -38,7 +38,7 @@ from ..gc_pause import gc_paused
 from ..io import Reuse, writer_process
 from ..io.planners import load_planner_for
 from ..jobs.local_tier import make_local_tier
-from ..jobs.peers import PeerCopies, peer_topology
+from ..jobs.peers import PeerCopies
 from ..jobs.preemption import PreemptionTracker, PreemptionWatcher
 from ..jobs.promote import UploadCatchUp, promote
 from ..jobs.restore_job import check_key_list, check_key_map, read_plain_dcp
@@ -62,6 +62,7 @@ from ..policies import (
 from ..ranks import phase
 from ..ranks.exchange import DEFAULT_TIMEOUT_S, exchange_for
 from ..ranks.replicas import DroppedSamples, SaveShares
+from ..ranks.topology import peer_topology
 from ..staging import HostBufferPool, Stager
 from ..staging.frozen import FrozenTensors, version_of
 from ..stats import FALLBACK, UPLOAD_SKIPPED, SaveStats, format_bytes, format_count, format_seconds, tier_name
