@@ -50,7 +50,7 @@ from ..errors import CheckpointError, InvalidArgumentError, warn_user
 from ..format import step_names
 from ..format.manifest import Manifest
 from ..io.sinks import copy_files
-from ..options import ManagerOptions
+from ..options import PeerOptions
 from ..policies import CheckpointInfo, RetentionPolicy, apply_retention, as_retention_policy
 from ..ranks import phase
 from ..ranks.exchange import Exchange, LocalExchange, checkpoint_group
@@ -58,9 +58,9 @@ from ..ranks.peer_transfer import NOTHING_TO_SEND, Landing, Outcome, Outgoing, e
 from ..ranks.replicas import assign
 from ..storage import Storage
 from ..storage.step_dirs import StepDirectories
-from .local_tier import OwnCopies, droppable, free_bytes, make_room, space_needed
-from .roots import HELD, Root, foreign_steps
-from .store import PendingCommit, RootStore
+from .local_tier import droppable, free_bytes, make_room, space_needed
+from .roots import HELD, Root, foreign_steps, open_root
+from .store import PendingCommit
 from .write_queue import WriteQueue
 
 log = logging.getLogger("async_ckpt")
@@ -132,12 +132,12 @@ def node_of() -> Tuple[Optional[int], str]:
     return group_rank, socket.gethostname()
 
 
-def peer_topology(options: ManagerOptions, exchange: Exchange) -> Optional[Topology]:
+def peer_topology(options: PeerOptions, exchange: Exchange) -> Optional[Topology]:
     """The peers of this rank, and the replication group (collective, on every rank of the
     manager's group, at construction, before anything that may fail on one rank only).
 
     Args:
-        options: the manager's options (``local_replicas``, ``collective_timeout_s``).
+        options: the peer copies' options (``local_replicas``, ``process_group``, ``collective_timeout_s``).
         exchange: the manager's exchange.
 
     Returns:
@@ -419,11 +419,11 @@ class PeerCopies:
     Args:
         topology: this rank's peers (:func:`peer_topology`).
         local: the manager's local tier.
-        options: the manager's options.
+        options: the peer copies' options (``verify``, ``collective_timeout_s``, the held copies' store).
         exchange: the manager's exchange.
     """
 
-    def __init__(self, topology: Topology, local: Root, options: ManagerOptions, exchange: Exchange) -> None:
+    def __init__(self, topology: Topology, local: Root, options: PeerOptions, exchange: Exchange) -> None:
         self.topology = topology
         self.local = local
         self.options = options
@@ -642,13 +642,10 @@ class PeerCopies:
             if root is None:
                 opts = self.options
                 storage = Storage(self.local.store.storage.join(step_names.held_dir_name(owner)), None,
-                                  retry=opts.retry)
+                                  retry=opts.store.retry)
                 storage.makedirs(storage.root)
-                store = RootStore(storage, StepDirectories(storage, opts.commit_mode), LocalExchange(),
-                                  opts.wall_clock, keep_incomplete=opts.keep_incomplete,
-                                  lease_timeout=opts.lease_timeout)
-                root = Root(HELD, store, self.writer, opts.local_retention, home=self.local.home)
-                root.retention = OwnCopies(opts.local_retention, root)
+                root = open_root(HELD, storage, opts.store, exchange=LocalExchange(), writer=lambda: self.writer,
+                                 retention=opts.local_retention, home=self.local.home)
                 self._held[owner] = root
             return root
 
@@ -776,7 +773,7 @@ class PeerCopies:
         assert self.options.local_dir is not None
         mine = self.local.store.storage.root.rstrip("/")
         try:
-            top = Storage(self.options.local_dir, None, retry=self.options.retry)
+            top = Storage(self.options.local_dir, None, retry=self.options.store.retry)
             roots: List[Tuple[str, int]] = []
             for e in top.listdir(top.root):
                 q = step_names.rank_of_dir(e["name"])
@@ -784,7 +781,7 @@ class PeerCopies:
                     continue
                 path = top.join(step_names.rank_dir_name(q))
                 roots.append((path, q))
-                held = Storage(path, None, retry=self.options.retry)
+                held = Storage(path, None, retry=self.options.store.retry)
                 for h in held.listdir(held.root):
                     r = step_names.rank_of_held_dir(h["name"])
                     if r is not None and h.get("type") == "directory":
@@ -795,7 +792,7 @@ class PeerCopies:
             return Inventory(broken=self._broken is not None or not idle)
         for path, owner in roots:
             try:
-                storage = Storage(path, None, retry=self.options.retry)
+                storage = Storage(path, None, retry=self.options.store.retry)
                 layout = StepDirectories(storage)
                 for s in layout.committed_steps():
                     try:
@@ -864,7 +861,7 @@ class PeerCopies:
         """The copy of ``cand`` under the root ``where`` on this rank's disk, to send (None,
         logged, when it cannot be opened: the receiver is told there is nothing)."""
         try:
-            storage = Storage(where, None, retry=self.options.retry)
+            storage = Storage(where, None, retry=self.options.store.retry)
             opened = StepDirectories(storage).read_committed(cand.step)
             path, manifest = opened.where, opened.manifest
             if manifest.identity.save_id != cand.save_id:

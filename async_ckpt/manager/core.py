@@ -35,7 +35,7 @@ from ..errors import (
 from ..format.manifest import USER_METADATA_KEY, CopyIdentity, check_metrics
 from ..format.step_names import StepNaming
 from ..gc_pause import gc_paused
-from ..io import Reuse, writer_process
+from ..io import writer_process
 from ..io.planners import load_planner_for
 from ..jobs.local_tier import make_local_tier
 from ..jobs.peers import PeerCopies, peer_topology
@@ -43,9 +43,8 @@ from ..jobs.preemption import PreemptionTracker, PreemptionWatcher
 from ..jobs.promote import UploadCatchUp, promote
 from ..jobs.restore_job import check_key_list, check_key_map, read_plain_dcp
 from ..jobs.restore_job import restore as _restore
-from ..jobs.roots import LOCAL, PERSISTENT, Root, Roots, StepMetadata, common_local_steps, foreign_steps
+from ..jobs.roots import LOCAL, PERSISTENT, Root, Roots, StepMetadata, common_local_steps, foreign_steps, open_root
 from ..jobs.save_job import SaveJob
-from ..jobs.store import RootStore
 from ..jobs.write_queue import WriteQueue, all_done
 from ..options import ManagerOptions, RestoreOptions
 from ..policies import (
@@ -63,11 +62,10 @@ from ..ranks import phase
 from ..ranks.exchange import DEFAULT_TIMEOUT_S, exchange_for
 from ..ranks.replicas import DroppedSamples, SaveShares
 from ..staging import HostBufferPool, Stager
-from ..staging.frozen import FrozenTensors, version_of
+from ..staging.frozen import FrozenTensors
 from ..stats import FALLBACK, UPLOAD_SKIPPED, SaveStats, format_bytes, format_count, format_seconds, tier_name
 from ..storage import RetryPolicy, Storage
 from ..storage.stats_log import StatsLog
-from ..storage.step_dirs import StepDirectories
 from .checks import PickledValues, check_user_metadata, frozen_changed_at_close
 from .decide import SaveDecision
 from .hooks import live_managers, stop_threads
@@ -351,7 +349,7 @@ class CheckpointManager:
         # Collective: every rank creates the checkpoint groups, first, before anything that
         # could fail on one rank only (a no-op exchange in a single process).
         self._exchange = exchange_for(opts.process_group, opts.collective_timeout_s)
-        topology = peer_topology(opts, self._exchange)  # collective too (local_replicas > 1)
+        topology = peer_topology(opts.peer_options(), self._exchange)  # collective too (local_replicas > 1)
         # names each save in both tiers' manifests (CopyIdentity.save_id): rank 0's, on every rank
         run_id = uuid.uuid4().hex[:12] if opts.local_dir is not None else ""
         if opts.local_dir is not None and self._exchange.world_size > 1:
@@ -369,17 +367,12 @@ class CheckpointManager:
             pass  # it answered: opening checks the root and says what is wrong (RootProbe.open)
         naming = None if opts.step_prefix is None and opts.step_width is None else \
             StepNaming(opts.step_prefix or "", opts.step_width or 0)
-        self.layout = StepDirectories(self.storage, opts.commit_mode, naming)
         self.process_group = opts.process_group
         self.chkpt_on_preemption = opts.chkpt_on_preemption
         self.verify = opts.verify
         self.write_threads = opts.write_threads
         self.on_saved = opts.on_saved
         self.lazy = opts.lazy
-        store = RootStore(self.storage, self.layout, self._exchange, opts.wall_clock,
-                          keep_incomplete=opts.keep_incomplete, lease_timeout=opts.lease_timeout,
-                          reuse=Reuse(opts.full_every, version_of) if opts.incremental else None)
-        self.catalog = store.catalog
         # with a local tier an upload overlaps local saves on and off: keep buffers for both
         self.stager = Stager(HostBufferPool(opts.memory_budget_bytes, hold_peak=opts.local_dir is not None,
                                             shared=opts.writer == "process"))
@@ -394,8 +387,12 @@ class CheckpointManager:
         #: tier, and the next free upload slot uploads the newest of them from there)
         self.skipped_uploads: List[int] = []
         self._catch_up = UploadCatchUp() if opts.local_dir is not None else None
-        persistent = Root(PERSISTENT, store, WriteQueue(opts.max_pending_async, defer_errors=opts.local_dir is not None),
-                          opts.retention, opts.save_policy)
+        # with a local tier, failed uploads are raised by join()/close(), not by the next save
+        upload_writer = functools.partial(WriteQueue, opts.max_pending_async, defer_errors=opts.local_dir is not None)
+        persistent = open_root(PERSISTENT, self.storage, opts.store_options(), exchange=self._exchange,
+                               writer=upload_writer, retention=opts.retention, policy=opts.save_policy, naming=naming)
+        self.layout = persistent.store.layout
+        self.catalog = persistent.store.catalog
         #: peer copies of the local tier (``local_replicas`` > 1 on several nodes)
         self._peers: Optional[PeerCopies] = None
         #: the manager's roots, nearest first: the local tier (with ``local_dir``), then the
@@ -417,7 +414,7 @@ class CheckpointManager:
                     r.store.label = f" from {tier_name(r.name)}"
                 if topology is not None:
                     assert self.roots.local is not None
-                    self._peers = PeerCopies(topology, self.roots.local, opts, self._exchange)
+                    self._peers = PeerCopies(topology, self.roots.local, opts.peer_options(), self._exchange)
             self._probe = RootProbe(self.storage, self.roots.local.url if self.roots.local is not None else None)
             if self._exchange.is_primary:
                 self._probe.describe()
@@ -453,7 +450,7 @@ class CheckpointManager:
     def _open_local_tier(self, opts: ManagerOptions) -> Root:
         """This rank's local tier, with its writer lease taken: a manager with ``local_dir`` writes
         there, and a second job whose ranks share the directory is refused here, not at a save."""
-        tier = make_local_tier(opts, self.storage, self._exchange)
+        tier = make_local_tier(opts.local_tier_options(), self.storage, self._exchange)
         try:
             if tier.store.lease is not None:  # an idle manager of this process holding it is taken over
                 tier.store.lease.idle = _weak_idle(self)
