@@ -165,8 +165,8 @@ class OwnCopies:
 
 
 def open_root(name: str, storage: Storage, options: StoreOptions, *, exchange: Exchange,
-              writer: Callable[[], WriteQueue], retention: RetentionPolicy, policy: Optional[SavePolicy] = None, home: Optional[str] = None,
-              naming: Optional[StepNaming] = None) -> Root:
+              writer: Callable[[], WriteQueue], retention: RetentionPolicy, policy: Optional[SavePolicy] = None,
+              home: Optional[str] = None, naming: Optional[StepNaming] = None) -> Root:
     """One root over ``storage``, the persistent root, the local tier and a peer's held copies
     alike: its step directories, its store (writer lease, catalog, deletions; what the last step
     holds, for incremental saves), the writer given, its retention and save policy.

@@ -1,11 +1,13 @@
-"""``CheckpointManager``: the façade, by composition. Its arguments become a validated
-:class:`~async_ckpt.options.ManagerOptions` (built once, from the signature); it holds the
-roots (:class:`~async_ckpt.jobs.roots.Roots`: the local tier, when there is one, then the
-persistent root), probes them (:mod:`.probe`), agrees with the other ranks where a step is due
-(:mod:`.decide`, over the pure :mod:`.schedule`), stages the state dict once and hands each due
-root's writer thread the one host snapshot (:mod:`.persist`: the save job, then retention and
-the upload catch-up); :mod:`.checks` warns about pickled values and checks declared-frozen
-tensors.
+"""``CheckpointManager``: the façade, by composition: the public API and the wiring. Its
+arguments become a validated :class:`~async_ckpt.options.ManagerOptions` (built once, from the
+signature), and each part gets the option group it uses (``store_options``,
+``local_tier_options``, ``peer_options``). It holds the roots
+(:class:`~async_ckpt.jobs.roots.Roots`: the local tier, when there is one, then the persistent
+root), probes them (:mod:`.probe`), agrees with the other ranks where a step is due
+(:mod:`.decide`, over the pure :mod:`.schedule`) and submits the save (:mod:`.submission`: the
+state dict staged once, the one host snapshot handed to each due root's writer thread, where
+:mod:`.persist` runs the save job, then retention and the upload catch-up); :mod:`.checks` warns
+about pickled values and checks declared-frozen tensors.
 
 Data flows one way: state dict -> staging (host snapshot; the only blocking part) -> writer
 thread (``jobs.save_job``: files, manifest, commit) -> storage. Restores go through
@@ -748,7 +750,8 @@ class CheckpointManager:
         except (TypeError, ValueError, CheckpointError) as exc:
             invalid = exc
         if not self._closed:  # pending saves land first (their errors surface); ranks agree on the step
-            self._settle("restore", invalid, key=None if invalid is not None else 0 if step is None else step + 1)
+            self._submitter.settle("restore", invalid,
+                                   key=None if invalid is not None else 0 if step is None else step + 1)
         if invalid is not None:
             raise invalid
         opts = RestoreOptions(verify=self.verify if verify is None else verify, allow_pickle=allow_pickle,
@@ -1041,7 +1044,8 @@ class CheckpointManager:
             step = check_step(step)
         except (TypeError, ValueError, CheckpointError) as exc:
             invalid = exc
-        self._settle("delete", invalid, key=None if invalid is not None else step + 1)  # every rank names the same step
+        # every rank names the same step
+        self._submitter.settle("delete", invalid, key=None if invalid is not None else step + 1)
         if invalid is not None:
             raise invalid
 
@@ -1089,7 +1093,7 @@ class CheckpointManager:
         if self._exchange.world_size > 1:
             raise CheckpointError("promote() copies one process's local step; with several ranks each local "
                                   "copy holds one rank's shards: save the step with force=True instead")
-        self._settle("promote")  # an earlier failed upload (still raised by join) is what promote repairs
+        self._submitter.settle("promote")  # an earlier failed upload (still raised by join) is what promote repairs
         self.roots.persistent.store.become_writer()
         _, dropped = promote(local, self.roots.persistent, step, verify=self.verify, threads=self.write_threads)
         if dropped:
@@ -1097,11 +1101,6 @@ class CheckpointManager:
         return dropped
 
     # ---- lifecycle ---------------------------------------------------------------------------
-    def _settle(self, what: str, invalid: Optional[Exception] = None, key: Optional[int] = None) -> None:
-        """Pending saves land first; their failures (or, with several ranks, any rank's, or an
-        ``invalid`` argument) are raised on every rank together (:meth:`Submitter.settle`)."""
-        self._submitter.settle(what, invalid, key)
-
     def join(self) -> None:
         """Wait for every pending save to commit (and retention's decision after it).
 
