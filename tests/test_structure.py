@@ -12,7 +12,8 @@
 - An error is never changed once raised: no attribute of a caught error (``except ... as e``, or
   the error a context manager's ``__exit__`` receives) is assigned (raise
   ``e.with_context(step=...)``, a copy; see :func:`patched_errors`).
-- ``CheckpointManager``'s arguments and ``ManagerOptions``' fields are the same list.
+- ``CheckpointManager``'s arguments and ``ManagerOptions``' fields are the same list, and
+  nothing below the manager's façade imports ``ManagerOptions`` (each layer gets its option group).
 """
 
 from __future__ import annotations
