@@ -17,15 +17,14 @@ from typing import Dict, List, Optional
 from ..errors import CheckpointError
 from ..format import step_names
 from ..format.manifest import Manifest
-from ..options import ManagerOptions
+from ..options import PeerOptions
 from ..policies import CheckpointInfo, RetentionPolicy
 from ..ranks.exchange import LocalExchange
 from ..ranks.peer_transfer import Landing
 from ..storage import Storage
-from ..storage.step_dirs import StepDirectories
-from .local_tier import OwnCopies, droppable, free_bytes, make_room, space_needed
-from .roots import HELD, Root, foreign_steps
-from .store import PendingCommit, RootStore
+from .local_tier import droppable, free_bytes, make_room, space_needed
+from .roots import HELD, Root, foreign_steps, open_root
+from .store import PendingCommit
 from .write_queue import WriteQueue
 
 
@@ -114,12 +113,12 @@ class HeldCopies:
 
     Args:
         local: the manager's local tier (the held roots are directories inside it).
-        options: the manager's options (how a root is opened; the local tier's retention).
+        options: the peer copies' options (the held copies' store; the local tier's retention).
         writer: the replication thread (the held roots' writer).
         world_size: the ranks of the job.
     """
 
-    def __init__(self, local: Root, options: ManagerOptions, writer: WriteQueue, world_size: int) -> None:
+    def __init__(self, local: Root, options: PeerOptions, writer: WriteQueue, world_size: int) -> None:
         self.local = local
         self.options = options
         self.writer = writer
@@ -141,13 +140,10 @@ class HeldCopies:
             if root is None:
                 opts = self.options
                 storage = Storage(self.local.store.storage.join(step_names.held_dir_name(owner)), None,
-                                  retry=opts.retry)
+                                  retry=opts.store.retry)
                 storage.makedirs(storage.root)
-                store = RootStore(storage, StepDirectories(storage, opts.commit_mode), LocalExchange(),
-                                  opts.wall_clock, keep_incomplete=opts.keep_incomplete,
-                                  lease_timeout=opts.lease_timeout)
-                root = Root(HELD, store, self.writer, opts.local_retention, home=self.local.home)
-                root.retention = OwnCopies(opts.local_retention, root)
+                root = open_root(HELD, storage, opts.store, exchange=LocalExchange(), writer=lambda: self.writer,
+                                 retention=opts.local_retention, home=self.local.home)
                 self._held[owner] = root
             return root
 

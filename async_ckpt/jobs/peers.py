@@ -29,7 +29,7 @@ from typing import Callable, Deque, Dict, List, Optional, Tuple
 from ..errors import CheckpointError
 from ..format.manifest import Manifest
 from ..io.copies import copy_files
-from ..options import ManagerOptions
+from ..options import PeerOptions
 from ..policies import keeping
 from ..ranks import phase
 from ..ranks.exchange import Exchange
@@ -55,11 +55,11 @@ class PeerCopies:
     Args:
         topology: this rank's peers (:func:`~async_ckpt.ranks.topology.peer_topology`).
         local: the manager's local tier.
-        options: the manager's options.
+        options: the peer copies' options (``verify``, ``collective_timeout_s``, the held copies' store).
         exchange: the manager's exchange.
     """
 
-    def __init__(self, topology: Topology, local: Root, options: ManagerOptions, exchange: Exchange) -> None:
+    def __init__(self, topology: Topology, local: Root, options: PeerOptions, exchange: Exchange) -> None:
         self.topology = topology
         self.local = local
         self.options = options
@@ -199,7 +199,7 @@ class PeerCopies:
         reported out of use). Never raises."""
         assert self.options.local_dir is not None
         return inventory(self.options.local_dir, self.local.store.storage.root, self.local.home, self.topology.rank,
-                         self.topology.world_size, retry=self.options.retry,
+                         self.topology.world_size, retry=self.options.store.retry,
                          broken=self.replication.broken is not None or not idle)
 
     def _fetch(self, cand: Complete) -> Tuple[List[str], bool]:
@@ -251,7 +251,7 @@ class PeerCopies:
         """The copy of ``cand`` under the root ``where`` on this rank's disk, to send (None,
         logged, when it cannot be opened: the receiver is told there is nothing)."""
         try:
-            storage = Storage(where, None, retry=self.options.retry)
+            storage = Storage(where, None, retry=self.options.store.retry)
             opened = StepDirectories(storage).read_committed(cand.step)
             path, manifest = opened.where, opened.manifest
             if manifest.identity.save_id != cand.save_id:

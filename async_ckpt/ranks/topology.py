@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ..errors import InvalidArgumentError, warn_user
-from ..options import ManagerOptions
+from ..options import PeerOptions
 from .exchange import Exchange, checkpoint_group
 
 
@@ -77,12 +77,12 @@ def node_of() -> Tuple[Optional[int], str]:
     return group_rank, socket.gethostname()
 
 
-def peer_topology(options: ManagerOptions, exchange: Exchange) -> Optional[Topology]:
+def peer_topology(options: PeerOptions, exchange: Exchange) -> Optional[Topology]:
     """The peers of this rank, and the replication group (collective, on every rank of the
     manager's group, at construction, before anything that may fail on one rank only).
 
     Args:
-        options: the manager's options (``local_replicas``, ``collective_timeout_s``).
+        options: the peer copies' options (``local_replicas``, ``process_group``, ``collective_timeout_s``).
         exchange: the manager's exchange.
 
     Returns:
