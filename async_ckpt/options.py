@@ -244,7 +244,7 @@ class ManagerOptions:
         """The peer copies' options (``local_replicas``; the held copies' store).
 
         Returns:
-            The options of :func:`~async_ckpt.jobs.peers.peer_topology` and
+            The options of :func:`~async_ckpt.ranks.topology.peer_topology` and
             :class:`~async_ckpt.jobs.peers.PeerCopies`.
         """
         # a held copy is landed whole from a peer, never saved incrementally
