@@ -301,18 +301,40 @@ SAMPLE_RUN = 32
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
+def _sample_bytes(t: torch.Tensor) -> Optional[torch.Tensor]:
+    """The bytes of ``t`` that :func:`sample` copies, as a ``uint8`` view of ``t`` (no copy): the
+    whole tensor when it is small, else :data:`SAMPLE_RUNS` runs of :data:`SAMPLE_RUN` elements
+    evenly spaced over it (first and last element included). ``None`` when ``t`` is not
+    contiguous or has no byte view (then :func:`sample` gathers its elements)."""
+    if not t.is_contiguous():
+        return None
+    n, size = t.numel(), t.element_size()
+    runs, run = max(2, SAMPLE_RUNS), SAMPLE_RUN
+    try:
+        raw = t.detach().view(torch.uint8) if t.dim() else t.detach().view(1).view(torch.uint8)
+    except Exception:  # noqa: BLE001 - a dtype without a byte view (quantized, say)
+        return None
+    if n <= runs * run:
+        return raw.as_strided((n * size,), (1,))
+    step = (n - run) // (runs - 1)
+    return raw.as_strided((runs, run * size), (step * size, 1))
+
+
 def sample(t: torch.Tensor) -> torch.Tensor:
     """The elements of ``t`` that its fingerprint covers, in a new tensor on ``t``'s device:
     :data:`SAMPLE_RUNS` runs of :data:`SAMPLE_RUN` elements evenly spaced in its element order
     (all of it when it is smaller). The same for equal tensors whatever their strides; bits are
-    copied as they are (an integer view of the same size where there is one).
+    copied as they are.
 
     Args:
         t: a plain tensor.
 
     Returns:
-        The sample (contiguous).
+        The sample (contiguous: its bytes are the sampled elements' bytes in element order).
     """
+    taken = _sample_bytes(t)
+    if taken is not None:
+        return taken.clone().view(-1)
     kind = _INT_OF_SIZE.get(t.element_size())
     v = t.detach()
     if kind is not None and v.dtype != kind and not v.is_complex():
@@ -320,17 +342,17 @@ def sample(t: torch.Tensor) -> torch.Tensor:
     n = v.numel()
     runs, run = max(2, SAMPLE_RUNS), SAMPLE_RUN
     if n <= runs * run:
-        return v.reshape(-1).clone()
-    step = (n - run) // (runs - 1)
-    if v.is_contiguous():  # one strided copy
-        flat = v.view(-1)
-        return flat.as_strided((runs, run), (step, 1)).clone().view(-1)
-    index = (torch.arange(runs, device=v.device)[:, None] * step + torch.arange(run, device=v.device)[None, :]).view(-1)
-    return torch.take(v, index)
+        out = v.reshape(-1).clone()
+    else:
+        step = (n - run) // (runs - 1)
+        index = (torch.arange(runs, device=v.device)[:, None] * step
+                 + torch.arange(run, device=v.device)[None, :]).view(-1)
+        out = torch.take(v, index)
+    return out
 
 
-def _header(t: torch.Tensor) -> bytes:
-    return f"{t.dtype}{tuple(t.shape)}".encode()
+def _header(dtype: torch.dtype, shape: Sequence[int]) -> bytes:
+    return f"{dtype}{tuple(shape)}".encode()
 
 
 def _print_of(header: bytes, taken: torch.Tensor) -> int:
@@ -363,11 +385,11 @@ def fingerprints(state_dict: Any) -> Dict[str, int]:
                 if not SAMPLE_RUNS:
                     continue
                 try:
-                    out[fqn] = _print_of(_header(v), sample(v))
+                    out[fqn] = _print_of(_header(v.dtype, v.shape), sample(v))
                 except Exception:  # noqa: BLE001 - a dtype without a copy kernel: not compared, never a failed save
                     continue
             elif v.is_contiguous():
-                out[fqn] = _print_of(_header(v), v)
+                out[fqn] = _print_of(_header(v.dtype, v.shape), v)
         elif type(v) in (int, float, str, bytes, bool) or v is None:  # not pickles: a set's differs per process
             out[fqn] = xxhash.xxh3_64_intdigest(repr(v).encode())
     return out
@@ -375,10 +397,12 @@ def fingerprints(state_dict: Any) -> Dict[str, int]:
 
 class DroppedSamples:
     """Samples (:func:`sample`) of the plain tensors this rank leaves to other ranks (their
-    holders stage them): taken at the call, on the training thread, from the live tensors (a CUDA
-    tensor's sample is copied to the host on its stream, without waiting), so that the writer
-    thread can fingerprint them as of the call, as its peers fingerprint their host copies.
-    XLA tensors are not sampled (their values are not compared).
+    holders stage them): taken at the call, on the training thread, from the live tensors, so
+    that the writer thread can fingerprint them as of the call, as its peers fingerprint their
+    host copies. All the samples of one device are gathered by one batched copy into one buffer
+    (one ``_foreach_copy_`` of byte views; a CUDA device's buffer then goes to the host in one
+    copy on its stream, without waiting): the call costs a few views per tensor, not a copy
+    each. XLA tensors are not sampled (their values are not compared).
 
     Args:
         plan: this rank's staging plan.
@@ -388,28 +412,41 @@ class DroppedSamples:
     def __init__(self, plan: Any, drop: Set[int]) -> None:
         drop = drop if SAMPLE_RUNS else set()
         specs = plan.dtensor_specs() if drop else {}
-        self._taken: List[Tuple[str, bytes, torch.Tensor]] = []  # key, dtype and shape, sample on the host
-        self._device: List[torch.Tensor] = []  # device samples, alive until their copies are done
+        #: key, dtype, shape, (device's buffer index, start, end) of its sample's bytes
+        self._taken: List[Tuple[str, torch.dtype, torch.Size, int, int, int]] = []
+        self._buffers: List[torch.Tensor] = []  # on the host (a CUDA one: once its copy is done)
+        self._device: List[torch.Tensor] = []  # device buffers, alive until their copies are done
         self._events: List[Any] = []
         self._prints: Optional[Dict[str, int]] = None
-        cuda: Dict[Any, None] = {}
+        by_device: Dict[int, List[Tuple[str, torch.dtype, torch.Size, torch.Tensor]]] = {}  # CPU: -1
         for i in sorted(drop):
             t = plan.tensors[i]
             if i in specs or type(t) is not torch.Tensor or not (t.is_cpu or t.is_cuda):
                 continue  # a DTensor shard (ranks hold different ones), XLA: not compared
-            try:
-                s = sample(t)
-                if t.is_cuda:
-                    self._device.append(s)
-                    s = s.to("cpu", non_blocking=True)
-                    cuda[t.device] = None
-            except Exception:  # noqa: BLE001 - a dtype without a copy kernel: not compared, never a failed save
-                continue
-            self._taken.append((plan.keys[i], _header(t), s))
-        for dev in cuda:  # the copies are queued on each device's current stream: one event each
-            ev = torch.cuda.Event()
-            ev.record(torch.cuda.current_stream(dev))
-            self._events.append(ev)
+            src = _sample_bytes(t)
+            if src is None:  # not contiguous: its elements gathered on their own
+                try:
+                    src = sample(t).view(-1).view(torch.uint8)
+                except Exception:  # noqa: BLE001 - a dtype without a copy kernel: not compared, never a failed save
+                    continue
+            by_device.setdefault(t.get_device(), []).append((plan.keys[i], t.dtype, t.shape, src))
+        for dev, taken in by_device.items():
+            sizes = [src.numel() for _, _, _, src in taken]
+            buf = torch.empty(sum(sizes), dtype=torch.uint8, device=taken[0][3].device)
+            dsts = [d.view(src.shape) for d, (_, _, _, src) in zip(buf.split(sizes), taken)]
+            with torch.no_grad():
+                compat.foreach_copy_(dsts, [src for _, _, _, src in taken])
+            if dev >= 0:  # CUDA: one copy to the host on the current stream, waited for by prints()
+                self._device.append(buf)
+                buf = buf.to("cpu", non_blocking=True)
+                ev = torch.cuda.Event()
+                ev.record(torch.cuda.current_stream(dev))
+                self._events.append(ev)
+            at = 0
+            for (key, dtype, shape, _), n in zip(taken, sizes):
+                self._taken.append((key, dtype, shape, len(self._buffers), at, at + n))
+                at += n
+            self._buffers.append(buf)
 
     def prints(self) -> Dict[str, int]:
         """The samples' fingerprints, by key (writer thread; waits for the CUDA copies).
@@ -420,8 +457,10 @@ class DroppedSamples:
         if self._prints is None:
             for ev in self._events:
                 ev.synchronize()
-            self._prints = {key: _print_of(header, s) for key, header, s in self._taken}
+            self._prints = {key: _print_of(_header(dtype, shape), self._buffers[b][start:end])
+                            for key, dtype, shape, b, start, end in self._taken}
             self._device.clear()
+            self._buffers.clear()
             self._taken.clear()
         return dict(self._prints)
 
