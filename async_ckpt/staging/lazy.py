@@ -125,8 +125,8 @@ class LazyStager(BaseStager):
     def _stage_local(self, items: _Items, job: StagingJob, cuda: bool) -> None:
         if not _cpu_lazily:  # CPU tensors: copied now, as the eager stager copies them
             host = [it for it in items if not it[1].is_cuda] if cuda else items
-            if host:
-                self.eager.copy_now(host, job, cuda=False)
+            if host:  # a mixed state dict's CPU part: a layout of its own, not the eager one's
+                self.eager.copy_now(host, job, cuda=False, source="cpu" if cuda else "local")
             items = [it for it in items if it[1].is_cuda] if cuda else []
             if not items:
                 return
