@@ -399,10 +399,11 @@ class DroppedSamples:
     """Samples (:func:`sample`) of the plain tensors this rank leaves to other ranks (their
     holders stage them): taken at the call, on the training thread, from the live tensors, so
     that the writer thread can fingerprint them as of the call, as its peers fingerprint their
-    host copies. All the samples of one device are gathered by one batched copy into one buffer
-    (one ``_foreach_copy_`` of byte views; a CUDA device's buffer then goes to the host in one
-    copy on its stream, without waiting): the call costs a few views per tensor, not a copy
-    each. XLA tensors are not sampled (their values are not compared).
+    host copies. The samples of the contiguous tensors of one device and dtype are gathered by
+    one batched copy (a strided view of each tensor, stacked into the rows of one buffer; a CUDA
+    device's buffers then go to the host in one copy each on its stream, without waiting): the
+    call costs one view per tensor. Others are sampled one by one. XLA tensors are
+    not sampled (their values are not compared).
 
     Args:
         plan: this rank's staging plan.
@@ -412,41 +413,60 @@ class DroppedSamples:
     def __init__(self, plan: Any, drop: Set[int]) -> None:
         drop = drop if SAMPLE_RUNS else set()
         specs = plan.dtensor_specs() if drop else {}
-        #: key, dtype, shape, (device's buffer index, start, end) of its sample's bytes
-        self._taken: List[Tuple[str, torch.dtype, torch.Size, int, int, int]] = []
-        self._buffers: List[torch.Tensor] = []  # on the host (a CUDA one: once its copy is done)
+        #: per buffer: the keys, dtypes and shapes of the tensors whose samples are its rows
+        self._taken: List[Tuple[List[str], List[Tuple[torch.dtype, torch.Size]], torch.Tensor]] = []
         self._device: List[torch.Tensor] = []  # device buffers, alive until their copies are done
         self._events: List[Any] = []
         self._prints: Optional[Dict[str, int]] = None
-        by_device: Dict[int, List[Tuple[str, torch.dtype, torch.Size, torch.Tensor]]] = {}  # CPU: -1
-        for i in sorted(drop):
-            t = plan.tensors[i]
-            if i in specs or type(t) is not torch.Tensor or not (t.is_cpu or t.is_cuda):
-                continue  # a DTensor shard (ranks hold different ones), XLA: not compared
-            src = _sample_bytes(t)
-            if src is None:  # not contiguous: its elements gathered on their own
+        runs, run = max(2, SAMPLE_RUNS), SAMPLE_RUN
+        tensors, keys = plan.tensors, plan.keys
+        # (device index (-1: CPU), dtype) -> keys, (dtype, shape) and sample views of its tensors
+        batched: Dict[Tuple[int, torch.dtype], Tuple[List[str], List[Tuple[torch.dtype, torch.Size]],
+                                                     List[torch.Tensor]]] = {}
+        alone: List[Tuple[str, torch.Tensor]] = []
+        with torch.no_grad():
+            for i in sorted(drop):
+                t = tensors[i]
+                if i in specs or type(t) is not torch.Tensor or not (t.is_cpu or t.is_cuda):
+                    continue  # a DTensor shard (ranks hold different ones), XLA: not compared
+                n = t.numel()
+                if n <= runs * run or not t.is_contiguous():
+                    alone.append((keys[i], t))
+                    continue
+                group = batched.get((t.get_device(), t.dtype))
+                if group is None:
+                    group = batched[(t.get_device(), t.dtype)] = ([], [], [])
+                group[0].append(keys[i])
+                group[1].append((t.dtype, t.shape))
+                group[2].append(t.detach().as_strided((runs, run), ((n - run) // (runs - 1), 1)))
+            events: Dict[int, None] = {}
+            for (dev, dtype), (names, kinds, srcs) in batched.items():
+                buf = torch.empty((len(srcs), runs, run), dtype=dtype, device=srcs[0].device)
                 try:
-                    src = sample(t).view(-1).view(torch.uint8)
+                    torch.stack(srcs, out=buf)
+                except Exception:  # noqa: BLE001 - a dtype without a stack kernel: one by one
+                    alone += [(key, src) for key, src in zip(names, srcs)]
+                    continue
+                self._add(names, kinds, buf, dev, events)
+            for key, t in alone:
+                try:
+                    s = sample(t).view(1, -1)
                 except Exception:  # noqa: BLE001 - a dtype without a copy kernel: not compared, never a failed save
                     continue
-            by_device.setdefault(t.get_device(), []).append((plan.keys[i], t.dtype, t.shape, src))
-        for dev, taken in by_device.items():
-            sizes = [src.numel() for _, _, _, src in taken]
-            buf = torch.empty(sum(sizes), dtype=torch.uint8, device=taken[0][3].device)
-            dsts = [d.view(src.shape) for d, (_, _, _, src) in zip(buf.split(sizes), taken)]
-            with torch.no_grad():
-                compat.foreach_copy_(dsts, [src for _, _, _, src in taken])
-            if dev >= 0:  # CUDA: one copy to the host on the current stream, waited for by prints()
-                self._device.append(buf)
-                buf = buf.to("cpu", non_blocking=True)
-                ev = torch.cuda.Event()
-                ev.record(torch.cuda.current_stream(dev))
-                self._events.append(ev)
-            at = 0
-            for (key, dtype, shape, _), n in zip(taken, sizes):
-                self._taken.append((key, dtype, shape, len(self._buffers), at, at + n))
-                at += n
-            self._buffers.append(buf)
+                self._add([key], [(t.dtype, t.shape)], s, t.get_device(), events)
+        for dev in events:  # the copies are queued on each device's current stream: one event each
+            ev = torch.cuda.Event()
+            ev.record(torch.cuda.current_stream(dev))
+            self._events.append(ev)
+
+    def _add(self, names: List[str], kinds: List[Tuple[torch.dtype, torch.Size]], buf: torch.Tensor, dev: int,
+             events: Dict[int, None]) -> None:
+        """Keep ``buf`` (row ``k``: the sample of ``names[k]``), sent to the host if on CUDA."""
+        if dev >= 0:
+            self._device.append(buf)
+            buf = buf.to("cpu", non_blocking=True)
+            events[dev] = None
+        self._taken.append((names, kinds, buf))
 
     def prints(self) -> Dict[str, int]:
         """The samples' fingerprints, by key (writer thread; waits for the CUDA copies).
@@ -457,10 +477,9 @@ class DroppedSamples:
         if self._prints is None:
             for ev in self._events:
                 ev.synchronize()
-            self._prints = {key: _print_of(_header(dtype, shape), self._buffers[b][start:end])
-                            for key, dtype, shape, b, start, end in self._taken}
+            self._prints = {key: _print_of(_header(*kind), buf[k])
+                            for names, kinds, buf in self._taken for k, (key, kind) in enumerate(zip(names, kinds))}
             self._device.clear()
-            self._buffers.clear()
             self._taken.clear()
         return dict(self._prints)
 
