@@ -82,8 +82,9 @@ class _LazyJob(StagingJob):
 
 
 class LazyStager(BaseStager):
-    """Makes :class:`HostSnapshot` objects whose copies of device tensors are still in flight
-    (CPU tensors: copied before :meth:`stage` returns, see the module docstring).
+    """Makes :class:`HostSnapshot` objects whose copies of device tensors are still in flight.
+
+    CPU tensors are copied before :meth:`stage` returns (see the module docstring).
 
     Shares the pool, the plan memo, the CUDA side streams and the XLA state of ``eager``,
     which also stages what cannot be staged lazily. A snapshot's buffers must not be read
