@@ -172,9 +172,10 @@ class CheckpointManager:
             ``True`` for ``<path>/save_stats.jsonl``, or a path relative to ``path`` (see
             :class:`async_ckpt.storage.stats_log.StatsLog`; on object stores the file is
             rewritten per save).
-        lazy: default of ``save_async(..., lazy=)``: return once the host copies are issued;
-            a guard waits for them right before an optimizer step or module forward would
-            change the tensors (see :meth:`save_async` and docs/design.md).
+        lazy: default of ``save_async(..., lazy=)``: return once the host copies of device
+            tensors (CUDA, XLA) are issued (CPU tensors are copied at the call, as in an eager
+            save); a guard waits for them right before an optimizer step or module forward
+            would change the tensors (see :meth:`save_async` and docs/design.md).
         lease_timeout: seconds the first save waits for the root's writer lease when another
             live writer holds it (default 0: raise :class:`LeaseHeldError` at once).
         collective_timeout_s: multi-process: how long a rank waits for the others at each
@@ -547,9 +548,12 @@ class CheckpointManager:
         tensors freely); returns ``False`` without doing anything when no save is due and
         ``force`` is not set. Raises the error of an earlier failed background save.
 
-        With ``lazy=True`` (default: the manager's ``lazy``) it returns once the copies are
-        *issued* (tensors up to 64 KiB are already copied: cheaper than guarding them): the
-        others run in the background, and a guard waits for the outstanding copies of
+        With ``lazy=True`` (default: the manager's ``lazy``) it returns once the copies of
+        device tensors (CUDA, XLA) are *issued*: CPU tensors are copied before it returns, as in
+        an eager save (a background copy would take the training loop's own cores and memory
+        bandwidth; ``async_ckpt.testing.lazy_cpu_copies`` stages them lazily for tests), and so
+        are tensors up to 64 KiB (cheaper than guarding them). The others are copied in the
+        background, and a guard waits for the outstanding copies of
         exactly the tensors about to change, right before ``optimizer.step()`` (params and
         optimizer state) or a module's forward (its buffers). Other in-place writes must come
         after :meth:`wait_for_staging`; one that bumps ``_version`` before its copy finished
@@ -563,7 +567,8 @@ class CheckpointManager:
                 values (saved through their ``state_dict()``) and plain values.
             force: save even when no save policy wants this step.
             metrics: numbers stored with the step (see :meth:`best_step` and ``KeepBest``).
-            lazy: return once the copies are issued; None: the manager's ``lazy``.
+            lazy: return once the copies of device tensors are issued (CPU tensors are copied
+                at the call); None: the manager's ``lazy``.
             metadata: the user's metadata of this save, a dict of JSON values (stored in the
                 manifest as JSON, never pickled; read back by :meth:`metadata`).
 
