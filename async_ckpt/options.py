@@ -7,6 +7,13 @@ several spellings (``num_of_threads`` and ``write_threads``; ``save_interval`` a
 ``save_policy``; ``max_to_keep`` and ``retention``; ints for the local tier's policy and
 retention) into one value each.
 
+Each layer below the manager gets the option group it uses, not the whole ``ManagerOptions``
+(the fields keep the manager's argument names, so a parameter reads the same from the signature
+to its use): :class:`StoreOptions` (how every root keeps its steps:
+:func:`~async_ckpt.jobs.roots.open_root`), :class:`LocalTierOptions`
+(:func:`~async_ckpt.jobs.local_tier.make_local_tier`) and :class:`PeerOptions` (the peer copies,
+:mod:`async_ckpt.jobs.peers`), each made by a method of ``ManagerOptions``.
+
 ``RestoreOptions``: how one ``restore`` reads, handed down its chain (the candidate loop, each
 attempt, the read of a step) as one object.
 """
@@ -16,7 +23,7 @@ from __future__ import annotations
 import os
 import socket
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Callable, Dict, Iterable, Optional, Sequence, Tuple
 
 from .errors import InvalidArgumentError, warn_user
@@ -211,6 +218,41 @@ class ManagerOptions:
                     raise InvalidArgumentError(f"read_only=True: a manager that only lists and restores takes no "
                                                f"{name}= (it saves nothing); drop {name}= or read_only=")
 
+    def store_options(self) -> "StoreOptions":
+        """How every root of this manager keeps its steps (the persistent root, the local tier,
+        the copies held for a peer).
+
+        Returns:
+            The options of :func:`~async_ckpt.jobs.roots.open_root`.
+        """
+        return StoreOptions(commit_mode=self.commit_mode, keep_incomplete=self.keep_incomplete,
+                            lease_timeout=self.lease_timeout, retry=self.retry, wall_clock=self.wall_clock,
+                            incremental=self.incremental, full_every=self.full_every)
+
+    def local_tier_options(self) -> "LocalTierOptions":
+        """The local tier's options (``local_dir`` set).
+
+        Returns:
+            The options of :func:`~async_ckpt.jobs.local_tier.make_local_tier`.
+        """
+        assert self.local_dir is not None
+        return LocalTierOptions(local_dir=self.local_dir, local_policy=self.local_policy,
+                                local_retention=self.local_retention, max_pending_async=self.max_pending_async,
+                                collective_timeout_s=self.collective_timeout_s, store=self.store_options())
+
+    def peer_options(self) -> "PeerOptions":
+        """The peer copies' options (``local_replicas``; the held copies' store).
+
+        Returns:
+            The options of :func:`~async_ckpt.ranks.topology.peer_topology` and
+            :class:`~async_ckpt.jobs.peers.PeerCopies`.
+        """
+        # a held copy is landed whole from a peer, never saved incrementally
+        store = replace(self.store_options(), incremental=False, full_every=None)
+        return PeerOptions(local_replicas=self.local_replicas, local_dir=self.local_dir,
+                           local_retention=self.local_retention, process_group=self.process_group,
+                           collective_timeout_s=self.collective_timeout_s, verify=self.verify, store=store)
+
     def _check_frozen(self) -> None:
         """``frozen``: keys (strings) or a callable on a key, with ``incremental``."""
         if not self.incremental:
@@ -243,6 +285,75 @@ class ManagerOptions:
         if isinstance(keep, bool) or (isinstance(keep, int) and keep < 1):
             raise InvalidArgumentError(f"local_retention as an int keeps the N newest local steps, N >= 1; got {keep!r}")
         self.local_retention = KeepLatest(keep) if isinstance(keep, int) else as_retention_policy(keep)
+
+
+@dataclass(frozen=True)
+class StoreOptions:
+    """How a root keeps its steps: every root of a manager (the persistent root, the local tier,
+    the copies held for a peer) is opened with these (:func:`~async_ckpt.jobs.roots.open_root`).
+    Each keeps the name and meaning of the manager's argument.
+
+    Attributes:
+        commit_mode: ``"auto"``, ``"rename"`` or ``"marker"``.
+        keep_incomplete: keep steps that never committed instead of cleaning them up.
+        lease_timeout: seconds the first save waits for the root's writer lease.
+        retry: backoff and time bounds of storage calls (a ``RetryPolicy``; None: the default).
+        wall_clock: the clock of commit times.
+        incremental: saves write only the tensors that changed since the root's last step.
+        full_every: with ``incremental``: every N-th save writes everything (None: no bound).
+    """
+
+    commit_mode: str = "auto"
+    keep_incomplete: bool = False
+    lease_timeout: float = 0.0
+    retry: Any = None
+    wall_clock: Callable[[], float] = time.time
+    incremental: bool = False
+    full_every: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class LocalTierOptions:
+    """The local tier's options (``local_dir=``; see ``CheckpointManager``).
+
+    Attributes:
+        local_dir: the local tier's directory (each rank's ``rank<r>`` under it with several).
+        local_policy: when a save is due there (None: whenever the persistent root's is).
+        local_retention: which local copies stay (a retention policy).
+        max_pending_async: saves in flight at once at the tier.
+        collective_timeout_s: the bound of the tier's (rank-local) exchanges.
+        store: how the tier keeps its steps.
+    """
+
+    local_dir: str
+    local_policy: Any
+    local_retention: Any
+    max_pending_async: int
+    collective_timeout_s: float
+    store: StoreOptions
+
+
+@dataclass(frozen=True)
+class PeerOptions:
+    """The peer copies' options (``local_replicas=``; see ``CheckpointManager``).
+
+    Attributes:
+        local_replicas: the nodes that keep each rank's local copy, its own included.
+        local_dir: the local tier's directory (listed at a restore for every rank's copies).
+        local_retention: the retention of the copies held for a peer (the local tier's).
+        process_group: the group the replication group is made from.
+        collective_timeout_s: how long a transfer waits for a peer.
+        verify: check CRC-32Cs of what is sent and received.
+        store: how the held copies are kept (never incremental: a held copy lands whole).
+    """
+
+    local_replicas: int
+    local_dir: Optional[str]
+    local_retention: Any
+    process_group: Any
+    collective_timeout_s: float
+    verify: bool
+    store: StoreOptions
 
 
 @dataclass(frozen=True)

@@ -679,6 +679,19 @@ def apply_retention(policy: RetentionPolicy, checkpoints: Sequence[CheckpointInf
     return _steps_from(policy.keep(checkpoints), policy)
 
 
+def keeping(policy: RetentionPolicy, step: int) -> RetentionPolicy:
+    """``policy``, keeping ``step`` too (a step an explicit request or a restore just put there).
+
+    Args:
+        policy: a retention policy as returned by :func:`as_retention_policy`.
+        step: the step kept whatever ``policy`` says.
+
+    Returns:
+        The policy that keeps what ``policy`` keeps and ``step``.
+    """
+    return as_retention_policy(lambda cps: apply_retention(policy, cps) | {step})
+
+
 # ---- composition --------------------------------------------------------------------------------
 class AnyOf:
     """Union of policies.

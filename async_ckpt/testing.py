@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import threading
-from typing import Any, Optional
+from typing import Any, ContextManager, Optional
 
+from .staging.lazy import cpu_lazily
 from .staging.lazy_copies import copier
 
-__all__ = ["hold_copies"]
+__all__ = ["hold_copies", "lazy_cpu_copies"]
 
 
 class hold_copies:
@@ -41,3 +42,19 @@ class hold_copies:
         self._barrier.set()
         if self._timer is not None:
             self._timer.cancel()
+
+
+def lazy_cpu_copies() -> ContextManager[None]:
+    """Context manager within which lazy saves stage CPU tensors lazily too.
+
+    A lazy save copies CPU tensors before ``save_async`` returns, as an eager save does (a
+    background copy would take the same cores as the training loop); CUDA and XLA tensors are
+    copied in the background. Inside this context CPU tensors take the lazy path as well:
+    their copies run in the background and the guard waits for them, so that the lazy
+    machinery can be tested and debugged on a machine without an accelerator. Process-wide;
+    nestable.
+
+    Returns:
+        The context manager.
+    """
+    return cpu_lazily()

@@ -11,8 +11,11 @@ reported as the median over (rank, sample) pairs with their min-max.
   vs the host-copy floor of the rank's *full* state (``copy_`` into preallocated tensors on that
   rank; target <= 0.4x: each rank copies about 1/4 of the replicated bytes) and vs the stall of
   ``dcp.async_save`` of the same state in the same sample (target <= 0.5x). Per sample the
-  order is: floor, ``dcp.async_save`` (waited for), async_ckpt (joined), async_ckpt with
-  ``replicated_saves=False`` (today's behaviour, for the table; joined). ``blocking_s`` leaves
+  order is: floor, ``dcp.async_save`` (waited for), async_ckpt with and without the divergence
+  check (below; which of the two goes first alternates from sample to sample), async_ckpt with
+  ``replicated_saves=False`` (today's behaviour, for the table); each async_ckpt save is joined
+  and its step deleted (``delete()``, synchronous) before the next one starts, so that no
+  method's save overlaps the background deletion of another's step. ``blocking_s`` leaves
   out the ranks' agreement on the save (a collective inside ``save_async``), so the same ratios
   are also reported for the wall time of the ``save_async`` call (what the training thread
   really waits; ``dcp.async_save``'s stall is its call's wall time too).
@@ -34,8 +37,8 @@ reported as the median over (rank, sample) pairs with their min-max.
   by the ranks that leave it to another, and from the host copy on the writer thread by the
   rank that stages it; fingerprints ride in the write's outcome). Stall, ``save_async`` wall
   time and durable time of a save with it vs the same save with ``replicas.SAMPLE_RUNS = 0``
-  (large tensors not compared) timed right before it, in the ``stall`` samples; the added
-  milliseconds are in the table too (target: <= 1.05x).
+  (large tensors not compared) timed right before or right after it (alternating), in the
+  ``stall`` samples; the added milliseconds are in the table too (target: <= 1.05x).
 
 Prints a markdown table (metric, measured, target, verdict) and writes
 ``bench_multirank.json`` to ``--out``.
@@ -205,11 +208,32 @@ class Rank:
         samples, warmup = self.cfg["samples"], self.cfg["warmup"]
         src = tensors_of(self.sd)
         dst = [torch.empty_like(t) for t in src]
-        ours = CheckpointManager(self.path("ours"), max_to_keep=1)
-        legacy = CheckpointManager(self.path("legacy"), max_to_keep=1, replicated_saves=False)
-        unchecked = CheckpointManager(self.path("unchecked"), max_to_keep=1)
+        # every step kept by retention and deleted by the benchmark after its join (delete() returns
+        # once the files are gone): retention would delete the last step in the background, over
+        # the next method's save, which then pays for it and its predecessor does not
+        ours = CheckpointManager(self.path("ours"), max_to_keep=0)
+        legacy = CheckpointManager(self.path("legacy"), max_to_keep=0, replicated_saves=False)
+        unchecked = CheckpointManager(self.path("unchecked"), max_to_keep=0)
         runs = replicas.SAMPLE_RUNS
         pairs: List[Dict[str, Any]] = []
+
+        def timed(mgr: Any, step: int, check: bool = True) -> Any:
+            """``save_async`` (its wall time), ``join()``, the step deleted; with ``check=False``
+            the divergence check leaves large tensors out (``SAMPLE_RUNS = 0``)."""
+            free_memory()
+            self.barrier()
+            replicas.SAMPLE_RUNS = runs if check else 0
+            try:
+                t0 = time.perf_counter()
+                assert mgr.save_async(step, self.sd)
+                wall = time.perf_counter() - t0
+                mgr.join()
+            finally:
+                replicas.SAMPLE_RUNS = runs
+            stats = mgr.stats[-1]
+            mgr.delete(step)
+            return wall, stats
+
         try:
             for i in range(warmup + samples):
                 step = i + 1
@@ -224,31 +248,14 @@ class Rank:
                 fut.result()
                 dcp_durable = time.perf_counter() - t0
                 self.rm_shared(self.path("dcp"))
-                free_memory()
-                self.barrier()
-                replicas.SAMPLE_RUNS = 0  # the reference of the divergence check: large tensors not compared
-                try:
-                    t0 = time.perf_counter()
-                    assert unchecked.save_async(step, self.sd)
-                    unchecked_wall = time.perf_counter() - t0
-                    unchecked.join()
-                finally:
-                    replicas.SAMPLE_RUNS = runs
-                ut = unchecked.stats[-1]
-                free_memory()
-                self.barrier()
-                t0 = time.perf_counter()
-                assert ours.save_async(step, self.sd)
-                ours_wall = time.perf_counter() - t0
-                ours.join()
-                st = ours.stats[-1]
-                free_memory()
-                self.barrier()
-                t0 = time.perf_counter()
-                assert legacy.save_async(step, self.sd)
-                legacy_wall = time.perf_counter() - t0
-                legacy.join()
-                lt = legacy.stats[-1]
+                # the divergence check with and without, in alternating order (neither always second)
+                if i % 2:
+                    ours_wall, st = timed(ours, step)
+                    unchecked_wall, ut = timed(unchecked, step, check=False)
+                else:
+                    unchecked_wall, ut = timed(unchecked, step, check=False)
+                    ours_wall, st = timed(ours, step)
+                legacy_wall, lt = timed(legacy, step)
                 if i < warmup:
                     continue
                 pairs.append({"step": step, "floor_s": floor, "dcp_stall_s": dcp_stall, "dcp_durable_s": dcp_durable,
@@ -423,7 +430,7 @@ def aggregate(ranks: List[Dict[str, Any]], cfg: Dict[str, Any]) -> Dict[str, Any
     m[WALL_DCP] = ratio("save_async_wall_s", "dcp_stall_s", "dcp.async_save stall, same sample")
     m[LEGACY_FLOOR] = ratio("legacy_stall_s", "floor_s", "copy_ of the rank's full state into allocated tensors")
     m[LEGACY_DCP] = ratio("legacy_stall_s", "dcp_stall_s", "dcp.async_save stall, same sample")
-    unchecked = "the same save with replicas.SAMPLE_RUNS = 0 (large tensors not compared), timed right before"
+    unchecked = "the same save with replicas.SAMPLE_RUNS = 0 (large tensors not compared), timed right before or after"
     for name, key in ((CHECK_STALL, "stall_s"), (CHECK_WALL, "save_async_wall_s"), (CHECK_DURABLE, "durable_s")):
         m[name] = ratio(key, f"unchecked_{key}", unchecked)
         m[name]["added_median_s"] = statistics.median(p[key] - p[f"unchecked_{key}"] for _, p in saves)

@@ -16,12 +16,16 @@ timed right before the next (same moment, same machine state):
 * ``async_ckpt save_async``: until it returns (the snapshot is then on the host); then
   ``join()``, whose time is reported as ``durable``.
 
-With ``--loop K`` (issue 46), each sample also measures the training time a save costs: K
-training steps right before with no save (the reference), then, for each manager, its
-``save_async`` followed at once by K steps (the save's transfers and write run meanwhile),
-then ``join()``. *lost* = that window minus the reference: the stall plus what the background
-work slowed the steps by (on a CPU host the "device" shares the cores with the background).
-Choose K so that the steps outlast the save.
+With ``--loop K`` (issue 46), each sample also measures the training time a save costs, as
+bench_training_speed.py does for CPU: for each manager (which goes first alternates from sample
+to sample), K training steps with no save, timed right before (the reference time per step),
+then its ``save_async`` followed at once by training steps, at least K and on until the save is
+durable (the save's transfers and write run meanwhile), then ``join()``. *lost* = that window
+minus its steps at the reference time per step: the stall plus what the background work slowed
+the steps by (on a CPU host the "device" shares the cores with the background). Reported: lost
+per save for each manager, and the paired difference and ratio async_ckpt vs torch_xla's
+manager (median and min-max over the samples; the ratio is noise where the manager's lost time
+is near 0: a state small against a step).
 
 Reported per sample: async_ckpt / torch_xla's manager and async_ckpt / the batched call; the
 medians of those paired ratios with their min-max, and the medians of the absolute times
@@ -29,6 +33,7 @@ medians of those paired ratios with their min-max, and the medians of the absolu
 
     PJRT_DEVICE=CPU CPU_NUM_DEVICES=4 .venv/bin/python benchmarks/bench_spmd.py               # 256 MiB, 7 samples
     PJRT_DEVICE=CPU CPU_NUM_DEVICES=4 .venv/bin/python benchmarks/bench_spmd.py --smoke --out /tmp/b   # seconds
+    PJRT_DEVICE=CPU CPU_NUM_DEVICES=4 .venv/bin/python benchmarks/bench_spmd.py --size 64M --loop 8   # time lost
 """
 
 from __future__ import annotations
@@ -100,29 +105,42 @@ def training_step(sd: Dict[str, Any]) -> None:
     torch_xla._XLAC._xla_wait_device_ops([])
 
 
-LOOP_KEYS = ("loop_ref_s", f"lost_s {OURS}", f"lost_s {TXLA}")
+LOOP_KEYS = (f"ref_step_s {OURS}", f"ref_step_s {TXLA}", f"lost_s {OURS}", f"lost_s {TXLA}",
+             f"steps {OURS}", f"steps {TXLA}")
 
 
 def loop_lost(steps: int, sd: Dict[str, Any], txla: Any, ours: Any, i: int, txla_dir: str,
               ours_dir: str) -> Dict[str, float]:
-    """The training time one save of each manager costs a loop of ``steps`` steps (see the module docstring)."""
-    def loop() -> float:
-        t0 = time.perf_counter()
-        for _ in range(steps):
+    """The training time one save of each manager costs (see the module docstring): for each,
+    ``steps`` steps without a save (its reference: their median time per step), then its ``save_async``
+    and steps until ``steps`` are done and the save is durable; *lost* = that window minus the
+    steps in it at the reference's time per step. Which manager goes first alternates with ``i``."""
+    def step_time(n: int) -> float:  # the median step: a one-off (a compilation, a page fault) is no save's cost
+        times = []
+        for _ in range(n):
+            t0 = time.perf_counter()
             training_step(sd)
-        return time.perf_counter() - t0
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
 
-    gc.collect()
-    ref = loop()
-    out = {"loop_ref_s": ref}
-    for name, mgr, d in ((OURS, ours, ours_dir), (TXLA, txla, txla_dir)):
+    durable = {OURS: lambda: ours.last_save_future().done(),
+               TXLA: lambda: all(f.done() for f in txla._async_futures)}
+    managers = [(OURS, ours, ours_dir), (TXLA, txla, txla_dir)]
+    out: Dict[str, float] = {}
+    for name, mgr, d in managers if i % 2 == 0 else managers[::-1]:
         step = 10_000 + i
+        gc.collect()
+        ref = step_time(steps)
         gc.collect()
         t0 = time.perf_counter()
         mgr.save_async(step, sd)
-        for _ in range(steps):
+        n = 0
+        while n < steps or (not durable[name]() and n < 100 * steps):
             training_step(sd)
-        out[f"lost_s {name}"] = time.perf_counter() - t0 - ref
+            n += 1
+        out[f"lost_s {name}"] = time.perf_counter() - t0 - n * ref
+        out[f"ref_step_s {name}"] = ref
+        out[f"steps {name}"] = n
         mgr.join()
         shutil.rmtree(os.path.join(d, str(step)), ignore_errors=True)
     return out
@@ -181,14 +199,18 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
                 samples.append(s)
             if not args.quiet:
                 print(f"  sample {i}{' (warm-up)' if i < args.warmup else ''}: " +
-                      ", ".join(f"{k} {_ms(v)}" for k, v in s.items()), flush=True)
+                      ", ".join(f"{k} {v:g}" if k.startswith("steps") else f"{k} {_ms(v)}" for k, v in s.items()), flush=True)
         ours.close()
         txla._async_worker_pool.shutdown(wait=True)
         report["samples"] = samples
         report["blocking"] = {m: spread([s[m] for s in samples]) for m in (OURS, TXLA, BATCHED)}
         report["durable"] = spread([s["durable_s"] for s in samples])
         if args.loop:
-            report["loop"] = {"steps": args.loop, **{k: spread([s[k] for s in samples]) for k in LOOP_KEYS}}
+            report["loop"] = {"steps": args.loop, **{k: spread([s[k] for s in samples]) for k in LOOP_KEYS},
+                              "lost, async_ckpt / torch_xla's manager, paired":
+                                  spread([s[f"lost_s {OURS}"] / max(s[f"lost_s {TXLA}"], 1e-4) for s in samples]),
+                              "lost, async_ckpt - torch_xla's manager, paired":
+                                  spread([s[f"lost_s {OURS}"] - s[f"lost_s {TXLA}"] for s in samples])}
         report["ratios"] = [{"name": f"async_ckpt / {ref}, paired", "target": tgt,
                              **spread([s[OURS] / s[ref] for s in samples])} for ref, tgt in TARGETS.items()]
         for r in report["ratios"]:
@@ -212,12 +234,20 @@ def markdown(report: Dict[str, Any]) -> str:
     lines.append(f"| async_ckpt save_async + join (durable) | {_ms(d['median'])} ({_ms(d['min'])}-{_ms(d['max'])}) |")
     if "loop" in report:
         lp = report["loop"]
-        lines += ["", f"training time lost per save, {lp['steps']} steps after the call "
-                  f"(reference {_ms(lp['loop_ref_s']['median'])} without a save)", "",
-                  "| method | lost per save, median (min-max) |", "| --- | --- |"]
-        for k in LOOP_KEYS[1:]:
-            v = lp[k]
-            lines.append(f"| {k.split(' ', 1)[1]} | {_ms(v['median'])} ({_ms(v['min'])}-{_ms(v['max'])}) |")
+        lines += ["", f"training time lost per save: at least {lp['steps']} steps after the call, until the save is "
+                  "durable, minus those steps at the time per step measured right before (paired)", "",
+                  "| method | lost per save, median (min-max) | time per step without a save | steps in the window |",
+                  "| --- | --- | --- | --- |"]
+        for m in (OURS, TXLA):
+            v, r, n = lp[f"lost_s {m}"], lp[f"ref_step_s {m}"], lp[f"steps {m}"]
+            lines.append(f"| {m} | {_ms(v['median'])} ({_ms(v['min'])}-{_ms(v['max'])}) | {_ms(r['median'])} | "
+                         f"{n['median']:g} ({n['min']:g}-{n['max']:g}) |")
+        d = lp["lost, async_ckpt - torch_xla's manager, paired"]
+        lines.append(f"| lost, async_ckpt - torch_xla's manager, paired | {_ms(d['median'])} ({_ms(d['min'])} to "
+                     f"{_ms(d['max'])}) | | |")
+        r = lp["lost, async_ckpt / torch_xla's manager, paired"]
+        lines.append(f"| lost, async_ckpt / torch_xla's manager, paired (noise when the latter is near 0) | "
+                     f"{r['median']:.2f}x ({r['min']:.2f}-{r['max']:.2f}) | | |")
     lines += ["", "| paired ratio | median (min-max) | target | result |", "| --- | --- | --- | --- |"]
     for r in report["ratios"]:
         lines.append(f"| {r['name']} | {r['median']:.2f}x ({r['min']:.2f}-{r['max']:.2f}) | <= {r['target']:g}x | "

@@ -281,14 +281,14 @@ _MAX_VALUE_BYTES = 64 * 1024
 def _read_values(storage: Storage, where: str, files: Dict[str, Any], metadata: Any,
                  leaves: List[Dict[str, Any]]) -> None:
     """Add ``value`` (a short repr) to the small non-tensor leaves, read by byte range through
-    the one verified read (:func:`~async_ckpt.io.sinks.read_ranges`)."""
+    the one verified read (:func:`~async_ckpt.io.ranges.read_ranges`)."""
     import io
 
     from torch.distributed.checkpoint.metadata import MetadataIndex
 
     from ..errors import CheckpointError
     from ..format.unpickling import load_value
-    from ..io.sinks import read_ranges
+    from ..io.ranges import read_ranges
 
     by_file: Dict[str, List[Tuple[Dict[str, Any], Any]]] = {}
     for leaf in leaves:

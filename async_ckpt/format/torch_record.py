@@ -22,6 +22,8 @@ module is the one place that knows that archive's layout:
   first against :data:`HEADS` (the bytes before the data, per dtype and shape, as async_ckpt
   and as ``torch.save`` with its default options write them), then by parsing.
   :func:`member_data_offset` is the zip arithmetic both halves share.
+  :func:`stored_bytes` / :func:`aligned_copy`: a single-tensor record's data into its target,
+  straight from the read buffer (every reader: the direct restore and DCP's reader).
   :class:`TensorDescUnpickler` reads a record's ``data.pkl`` as a description only.
 """
 
@@ -36,6 +38,7 @@ import struct
 import sys
 import threading
 import types
+import warnings
 import zipfile
 from typing import Any, Callable, Dict, List, Literal, Optional, Tuple, Union
 
@@ -727,3 +730,55 @@ def plain_data_start(item: Any, dtype: torch.dtype, shape: Tuple[int, ...]) -> O
         if length == len(item) and item[:len(head)] == head:
             return len(head)
     return data_start(lambda a, b: bytes(item[a:b]), len(item), dtype, shape)
+
+
+# ---- a tensor record's data into its target -------------------------------------------------------
+
+def stored_bytes(item: memoryview, req: Any, target: torch.Tensor) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+    """The copy that puts a ``torch.save``-serialised tensor's raw data into its target.
+
+    The data sits in the file wherever the records before it ended, so its address need not
+    be a multiple of the dtype's size, and kernels for wide dtypes (complex128) may fault on
+    a misaligned source. ``src`` is therefore the data viewed as ``target``'s dtype only where
+    it is aligned; otherwise it stays bytes (see :func:`aligned_copy`).
+
+    Args:
+        item: the record's bytes, straight from the read buffer.
+        req: the read item (its ``storage_offsets`` and ``lengths``).
+        target: the tensor the item goes into.
+
+    Returns:
+        ``(dst, src)``: copying ``src`` into ``dst`` fills ``target``; ``None`` unless the item
+        is the plain case (one little-endian, uncompressed storage of exactly ``target``'s size
+        and shape, read whole, see :func:`~async_ckpt.format.torch_record.plain_data_start`),
+        where ``torch.load`` is used.
+    """
+    nbytes = target.numel() * target.element_size()
+    if nbytes == 0 or any(req.storage_offsets) or list(req.lengths) != list(target.size()):
+        return None
+    start = plain_data_start(item, target.dtype, tuple(target.shape))
+    if start is None:
+        return None
+    with warnings.catch_warnings():  # a read-only buffer (bytes) is fine: it is only copied from
+        warnings.simplefilter("ignore", UserWarning)
+        raw = torch.frombuffer(item, dtype=torch.uint8, count=nbytes, offset=start)
+    return aligned_copy(raw, target)
+
+
+def aligned_copy(raw: torch.Tensor, target: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(dst, src)`` that copy the bytes ``raw`` (flat uint8, ``target``'s size) into ``target``
+    without ever reading ``raw`` as a wider type at an address that type is not aligned to.
+
+    Aligned: ``raw`` viewed as ``target``'s dtype and shape. Misaligned, into a contiguous CPU
+    or CUDA target without a conjugate or negative bit: ``target``'s bytes (a uint8 view) take
+    ``raw`` as bytes (still one copy). Otherwise ``raw`` is first copied into a fresh (aligned)
+    buffer, which is then viewed as ``target``'s dtype.
+    """
+    itemsize = target.element_size()
+    if raw.data_ptr() % itemsize == 0:
+        return target, raw.view(target.dtype).view(target.shape)
+    if target.device.type in ("cpu", "cuda") and target.layout == torch.strided and target.is_contiguous() \
+            and not target.is_conj() and not target.is_neg() and not target.is_quantized:
+        # as_strided, not view(-1): a one-element target may have any stride (w[:, 0] of a (1, N) matrix)
+        return target.as_strided((target.numel(),), (1,)).view(torch.uint8), raw
+    return target, raw.clone().view(target.dtype).view(target.shape)

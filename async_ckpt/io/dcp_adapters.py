@@ -1,49 +1,169 @@
-"""Restore: reading a DCP checkpoint through :class:`~async_ckpt.storage.storage.Storage`.
+"""DCP's two storage protocols over async_ckpt's one writer and one verified read: the
+``StorageWriter`` (:class:`FsspecStorageWriter`, over :class:`~.write.StepWriter`) and the
+``StorageReader`` (:class:`FsspecStorageReader`, over :func:`~.read_exec.execute`), through
+:class:`~async_ckpt.storage.storage.Storage`.
 
-What the load plan needs is read concurrently and checked against the manifest before the
-target state dict is touched (with several ranks, before any rank touches its own: they
+Save: every save through DCP's planner (several ranks, or a custom planner) hands its items to
+the one :class:`~.write.StepWriter`; each file's record lists its items' lengths and CRC-32Cs,
+so that a rank restoring only some items reads and checks only those.
+
+Restore: what the load plan needs is read concurrently and checked against the manifest before
+the target state dict is touched (with several ranks, before any rank touches its own: they
 exchange their outcomes first), so a failed restore leaves it untouched: of a file whose
-manifest entry lists its records (:class:`~async_ckpt.format.manifest.FileRecord`), only the records the plan's
-items lie in, adjacent ones in one request, each checked against its CRC32C; any other file
-whole (a big one as concurrent ranged reads), checked against its size and CRC32C. A tensor item stored as one plain ``torch.save`` storage is
-copied straight from the read buffer into its target (:func:`stored_bytes`); anything else
-goes through ``torch.load(weights_only=True)``.
+manifest entry lists its records (:class:`~async_ckpt.format.manifest.FileRecord`), only the
+records the plan's items lie in, adjacent ones in one request, each checked against its CRC32C;
+any other file whole (a big one as concurrent ranged reads), checked against its size and
+CRC32C. A tensor item stored as one plain ``torch.save`` storage is copied straight from the
+read buffer into its target
+(:func:`~async_ckpt.format.torch_record.stored_bytes`); anything else goes through
+``torch.load(weights_only=True)``.
 """
 
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import io
+import pickle
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, AbstractSet, Any, Callable, Dict, List, Optional, Protocol, Tuple, cast
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
-from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
-from torch.distributed.checkpoint.storage import StorageReader
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    SavePlan,
+    SavePlanner,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
 from .. import compat
 from ..addresses import byte_view
 from ..errors import CorruptCheckpointError
-from ..format.dcp_layout import METADATA_NAME
+from ..format.dcp_layout import METADATA_NAME, own_storages, saved_bytes
 from ..format.manifest import FileRecord, check_file_name, shown
+from ..format.torch_record import PickledObject, stored_bytes
 from ..format.unpickling import SafeLoadPlanner, load_metadata
 from ..format.validate import check_step_metadata
-from ..storage.storage import READ_RANGE_BYTES
+from ..storage.storage import READ_RANGE_BYTES, Storage
 from .dcp_call import call_dcp, distributed
 from .read_exec import OpenFiles, StepFiles, execute, read_files, whole_pieces
 from .read_plan import record_pieces
-from .sinks import FRESH, NULL, stored_bytes
+from .reuse import Key, Reuse, item_key
+from .sinks import FRESH, NULL
+from .write import StepWriter
 
-if TYPE_CHECKING:  # the class compat returns, named for the type checker
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
+if TYPE_CHECKING:  # the classes compat returns, named for the type checker
+    from torch.distributed.checkpoint.filesystem import _StorageInfo, _StoragePrefix
 else:
-    _StorageInfo, _ = compat.dcp_storage_info()
+    _StorageInfo, _StoragePrefix = compat.dcp_storage_info()
 narrow_tensor_by_index = compat.narrow_tensor_by_index()
 
+
+# ---- save: DCP's StorageWriter -----------------------------------------------------------------
+
+def _item_bytes(item: Any) -> int:
+    if item.type == WriteItemType.BYTE_IO:
+        return 1024
+    return item.tensor_data.size.numel() * item.tensor_data.properties.dtype.itemsize if item.tensor_data else 0
+
+
+def _resolver(planner: SavePlanner) -> Callable[[Any], Any]:
+    """``planner.resolve_data``, except that a :class:`PickledObject` (a snapshot's non-tensor
+    value, pickled at the call) is written as its archive, not ``torch.save``-d again as an
+    object, and a tuple or list holding views of staging buffers is saved with copies of its
+    own (see :func:`~async_ckpt.format.dcp_layout.own_storages`). Planners without
+    ``lookup_object`` (DCP's and torch_xla's have it) resolve alone."""
+    lookup = getattr(planner, "lookup_object", None)
+    if lookup is None:
+        return planner.resolve_data
+
+    def resolve(item: Any) -> Any:
+        if item.type == WriteItemType.BYTE_IO:
+            obj = lookup(item.index)
+            if type(obj) is PickledObject:
+                return obj.archive()
+            own = own_storages(obj)
+            if own is not obj:  # a tuple or list holding views of staging buffers: as DCP's, but copied
+                return saved_bytes(own)
+        return planner.resolve_data(item)
+
+    return resolve
+
+
+class FsspecStorageWriter(StorageWriter):
+    """DCP's ``StorageWriter`` over a :class:`StepWriter` (every save through DCP's planner:
+    several ranks, or a custom planner); each file's record in :attr:`files` lists its items'
+    lengths and CRC-32Cs."""
+
+    def __init__(self, storage: Storage, path: str, *, threads: int = 8, reuse: Optional[Reuse] = None) -> None:
+        super().__init__()
+        self.writer = StepWriter(storage, path, threads=threads, reuse=reuse)
+        self.files: Dict[str, FileRecord] = {}
+        self.rank = 0
+        self.is_coordinator = True
+
+    def reset(self, checkpoint_id: Any = None) -> None:
+        self.files = {}
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.is_coordinator = is_coordinator
+        self.rank = int(kwargs.get("rank", 0) or 0)
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: List[SavePlan]) -> List[SavePlan]:
+        return [dataclasses.replace(p, storage_data=_StoragePrefix(f"__{i}_")) for i, p in enumerate(plans)]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
+        resolve = _resolver(planner)
+        items = plan.items
+        keys: Optional[List[Key]] = None
+        objs: Optional[List[Any]] = None
+        if self.writer.reuse is not None:  # incremental: the tensors, hashed and compared with the last step's
+            keys = [item_key(it.index.fqn, it.index.offset) for it in items]
+            objs = [resolve(it) if it.type != WriteItemType.BYTE_IO else None for it in items]
+        held = objs
+
+        def data(k: int) -> Any:  # a declared-frozen tensor's bytes at the call, where the splice put them
+            o = held[k] if held is not None else None
+            return resolve(items[k]) if o is None else o
+
+        out = self.writer.write_items(plan.storage_data.prefix, len(items), [_item_bytes(it) for it in items], data,
+                                      keys=keys, objs=objs, records=True)
+        self.files.update(out.files)
+        fut: Future = Future()
+        fut.set_result([WriteResult(index=items[k].index, size_in_bytes=length,
+                                    storage_data=_StorageInfo(name, offset, length))
+                        for k, (name, offset, length) in sorted(out.placed.items())])
+        return fut
+
+    def finish(self, metadata: Metadata, results: List[List[WriteResult]]) -> None:
+        storage_md = {}
+        for wr_list in results:
+            storage_md.update({wr.index: wr.storage_data for wr in wr_list})
+        metadata.storage_data = storage_md
+        metadata.storage_meta = self.storage_meta()
+        self.files[METADATA_NAME] = self.writer.write_metadata(pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL))
+
+    def storage_meta(self) -> Optional[StorageMeta]:
+        # No checkpoint_id: the path written to is a temporary directory renamed at commit,
+        # and a step directory may be copied or exported; the id would be stale either way.
+        return StorageMeta(checkpoint_id=None, save_id="")
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+        return True
+
+
+# ---- restore: DCP's StorageReader --------------------------------------------------------------
 
 class _BytesDecoder(Protocol):
     """A load planner that decodes a non-tensor item apart from setting it (``SafeLoadPlanner``)."""

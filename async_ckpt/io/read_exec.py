@@ -383,7 +383,8 @@ class Piece:
 
 
 class Consumer(Protocol):
-    """What becomes of the bytes :func:`execute` reads (a sink of :mod:`.sinks`)."""
+    """What becomes of the bytes :func:`execute` reads (a sink of :mod:`.sinks`, or
+    :class:`~.copies.CopyTo`)."""
 
     def writing(self, piece: Piece) -> None:
         """The read of ``piece`` into its ``dest`` (the caller's memory) starts."""

@@ -73,7 +73,7 @@ class RangeRead(Piece):
 
 
 def is_device(t: torch.Tensor) -> bool:
-    """A target read through a host stand-in (:class:`~.sinks.DeviceTargets`): an XLA or CUDA tensor."""
+    """A target read through a host stand-in (:class:`~.device_targets.DeviceTargets`): an XLA or CUDA tensor."""
     return t.device.type in ("xla", "cuda")
 
 
@@ -149,7 +149,7 @@ def plan_records(state_dict: Dict[str, Any], files: Dict[str, FileRecord], metad
         files: the manifest's file records.
         metadata: the step's checked DCP metadata.
         direct_min: tensors of at least this many bytes are read straight into their targets.
-        devices: XLA/CUDA targets get host stand-ins here (:class:`~.sinks.DeviceTargets`).
+        devices: XLA/CUDA targets get host stand-ins here (:class:`~.device_targets.DeviceTargets`).
         cast: a target of another dtype than the checkpoint's is read into a private tensor of
             the checkpoint's dtype, copied (cast) into the target once the reads are done, as
             ``dcp.load`` does (which casts one item at a time).

@@ -41,7 +41,7 @@ path does not handle (sharded checkpoints, DTensors, devices other than the CPU,
 makes :func:`plan_direct` answer ``None`` before anything is read, for DCP's reader.
 
 XLA and CUDA targets are read into host stand-ins the same way and put on their devices once
-every file is verified (:class:`~.sinks.DeviceTargets`), so a failure before that leaves them
+every file is verified (:class:`~.device_targets.DeviceTargets`), so a failure before that leaves them
 untouched.
 
 :func:`staged` is ``restore(..., atomic=True)``'s first half: every data file the metadata
@@ -72,6 +72,7 @@ from ..format.manifest import FileRecord, shown
 from ..format.torch_record import data_start
 from ..format.unpickling import load_value
 from ..gc_pause import gc_paused
+from .device_targets import DeviceTargets
 from .read_exec import OpenFiles, StepFiles, execute, read_files, run_all, short_error, whole_pieces
 from .read_plan import (
     BUFFER_CHUNK_BYTES,
@@ -84,7 +85,7 @@ from .read_plan import (
     file_ranges,
     plan_records,
 )
-from .sinks import DeviceTargets, IntoBuffers, StagedFiles, TargetSink, check_slow, copy_into, copy_slow
+from .sinks import IntoBuffers, StagedFiles, TargetSink, check_slow, copy_into, copy_slow
 
 #: A tensor record at least this large (local files) has its data read straight into the
 #: target; smaller ones are read with their neighbours and scattered.

@@ -28,11 +28,11 @@ from ..format.dcp_layout import WriteMemo
 from ..format.manifest import FileRecord
 from ..options import RestoreOptions
 from ..storage.storage import Storage
-from .dcp_adapters import FsspecStorageReader, load_state_dict, safe_planner
+from .dcp_adapters import FsspecStorageReader, FsspecStorageWriter, load_state_dict, safe_planner
 from .dcp_call import call_dcp, distributed, unwrap_dcp
 from .read_targets import partly_written, plan_direct, read_direct, staged
 from .reuse import Reuse
-from .write import FsspecStorageWriter, StepWriter, plan_local, save_local
+from .write import StepWriter, plan_local, save_local
 
 
 def write_step(storage: Storage, path: str, state_dict: Dict[str, Any], *, threads: int, planner: Any,

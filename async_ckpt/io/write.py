@@ -8,8 +8,9 @@ DCP's own fsspec writer is the I/O path:
 * files of one rank are written concurrently (``threads``), balanced by size, with large
   upload blocks on object stores and ``fsync`` per file on POSIX, never ``os.sync()``;
 * each file's size and CRC32C are computed while writing, for the manifest; through
-  DCP's planner (:class:`FsspecStorageWriter`, every multi-process save) each item's length
-  and CRC32C too, so that a rank restoring only some items reads and checks only those;
+  DCP's planner (:class:`~.dcp_adapters.FsspecStorageWriter`, every multi-process save) each
+  item's length and CRC32C too, so that a rank restoring only some items reads and checks only
+  those;
 * tensors are written from record templates (:mod:`async_ckpt.format.torch_record`) where one fits; where each
   large tensor's data starts in its file is kept for the manifest (``FileRecord.data_at``);
 * a single-process save of plain tensors and objects skips DCP's planner
@@ -41,9 +42,6 @@ from torch.distributed.checkpoint.metadata import (
     TensorProperties,
     TensorStorageMetadata,
 )
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
-from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
-from torch.futures import Future
 
 from .. import compat
 from ..addresses import byte_view
@@ -58,28 +56,20 @@ from ..format.dcp_layout import (
     is_stateful,
     local_data,
     metadata_index,
-    own_storages,
-    saved_bytes,
     signature,
 )
 from ..format.manifest import FileRecord
-from ..format.torch_record import RECORDS, PickledObject, RecordBatch, RecordTemplate, save_record
+from ..format.torch_record import RECORDS, RecordBatch, RecordTemplate, save_record
 from ..storage.storage import Storage
 from .read_exec import OpenFiles, Piece, execute
 from .record_stream import DATA_AT_MIN_BYTES, RecordStream, keep_data_at, write_record_file
 from .reuse import Key, Reuse, Shared, item_key, placed_items
 from .writer_process import current_executor
 
-if TYPE_CHECKING:  # the classes compat returns, named for the type checker
-    from torch.distributed.checkpoint.filesystem import _StorageInfo, _StoragePrefix
+if TYPE_CHECKING:  # the class compat returns, named for the type checker
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
 else:
-    _StorageInfo, _StoragePrefix = compat.dcp_storage_info()
-
-
-def _item_bytes(item: Any) -> int:
-    if item.type == WriteItemType.BYTE_IO:
-        return 1024
-    return item.tensor_data.size.numel() * item.tensor_data.properties.dtype.itemsize if item.tensor_data else 0
+    _StorageInfo, _ = compat.dcp_storage_info()
 
 
 MIN_FILE_BYTES = 16 * 2**20  # below this, more files cost more than they parallelise
@@ -425,7 +415,7 @@ class StepWriter:
     """One rank's files of one step: what goes in which file, and the writing of them.
 
     The one writer of every save, one process or several (DCP's ``StorageWriter``,
-    :class:`FsspecStorageWriter`, is a thin adapter over it). :meth:`write_items` plans
+    :class:`~.dcp_adapters.FsspecStorageWriter`, is a thin adapter over it). :meth:`write_items` plans
     (the incremental splice: the items the last step holds unchanged are taken with its files,
     :meth:`~.reuse.Reuse.share`; the others balanced over files by size) and hands the files to
     the executor (:func:`write_files`, the one place bytes are moved); :meth:`write_metadata`
@@ -500,95 +490,6 @@ class StepWriter:
         return record if record is not None else FileRecord(len(data), crc32c(data))
 
 
-def _resolver(planner: SavePlanner) -> Callable[[Any], Any]:
-    """``planner.resolve_data``, except that a :class:`PickledObject` (a snapshot's non-tensor
-    value, pickled at the call) is written as its archive, not ``torch.save``-d again as an
-    object, and a tuple or list holding views of staging buffers is saved with copies of its
-    own (see :func:`~async_ckpt.format.dcp_layout.own_storages`). Planners without
-    ``lookup_object`` (DCP's and torch_xla's have it) resolve alone."""
-    lookup = getattr(planner, "lookup_object", None)
-    if lookup is None:
-        return planner.resolve_data
-
-    def resolve(item: Any) -> Any:
-        if item.type == WriteItemType.BYTE_IO:
-            obj = lookup(item.index)
-            if type(obj) is PickledObject:
-                return obj.archive()
-            own = own_storages(obj)
-            if own is not obj:  # a tuple or list holding views of staging buffers: as DCP's, but copied
-                return saved_bytes(own)
-        return planner.resolve_data(item)
-
-    return resolve
-
-
-class FsspecStorageWriter(StorageWriter):
-    """DCP's ``StorageWriter`` over a :class:`StepWriter` (every save through DCP's planner:
-    several ranks, or a custom planner); each file's record in :attr:`files` lists its items'
-    lengths and CRC-32Cs."""
-
-    def __init__(self, storage: Storage, path: str, *, threads: int = 8, reuse: Optional[Reuse] = None) -> None:
-        super().__init__()
-        self.writer = StepWriter(storage, path, threads=threads, reuse=reuse)
-        self.files: Dict[str, FileRecord] = {}
-        self.rank = 0
-        self.is_coordinator = True
-
-    def reset(self, checkpoint_id: Any = None) -> None:
-        self.files = {}
-
-    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        self.is_coordinator = is_coordinator
-        self.rank = int(kwargs.get("rank", 0) or 0)
-
-    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        return plan
-
-    def prepare_global_plan(self, plans: List[SavePlan]) -> List[SavePlan]:
-        return [dataclasses.replace(p, storage_data=_StoragePrefix(f"__{i}_")) for i, p in enumerate(plans)]
-
-    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
-        resolve = _resolver(planner)
-        items = plan.items
-        keys: Optional[List[Key]] = None
-        objs: Optional[List[Any]] = None
-        if self.writer.reuse is not None:  # incremental: the tensors, hashed and compared with the last step's
-            keys = [item_key(it.index.fqn, it.index.offset) for it in items]
-            objs = [resolve(it) if it.type != WriteItemType.BYTE_IO else None for it in items]
-        held = objs
-
-        def data(k: int) -> Any:  # a declared-frozen tensor's bytes at the call, where the splice put them
-            o = held[k] if held is not None else None
-            return resolve(items[k]) if o is None else o
-
-        out = self.writer.write_items(plan.storage_data.prefix, len(items), [_item_bytes(it) for it in items], data,
-                                      keys=keys, objs=objs, records=True)
-        self.files.update(out.files)
-        fut: Future = Future()
-        fut.set_result([WriteResult(index=items[k].index, size_in_bytes=length,
-                                    storage_data=_StorageInfo(name, offset, length))
-                        for k, (name, offset, length) in sorted(out.placed.items())])
-        return fut
-
-    def finish(self, metadata: Metadata, results: List[List[WriteResult]]) -> None:
-        storage_md = {}
-        for wr_list in results:
-            storage_md.update({wr.index: wr.storage_data for wr in wr_list})
-        metadata.storage_data = storage_md
-        metadata.storage_meta = self.storage_meta()
-        self.files[METADATA_NAME] = self.writer.write_metadata(pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL))
-
-    def storage_meta(self) -> Optional[StorageMeta]:
-        # No checkpoint_id: the path written to is a temporary directory renamed at commit,
-        # and a step directory may be copied or exported; the id would be stale either way.
-        return StorageMeta(checkpoint_id=None, save_id="")
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
-        return True
-
-
 # ---- the planner-free single-process save -------------------------------------------------------
 
 @dataclasses.dataclass
@@ -640,7 +541,7 @@ def plan_local(storage: Storage, state_dict: Dict[str, Any], *, threads: int, me
 
 def save_local(writer: StepWriter, plan: LocalSave, memo: WriteMemo) -> Dict[str, FileRecord]:
     """Write ``plan`` (:func:`plan_local`): what ``dcp.save`` with ``DefaultSavePlanner`` and
-    :class:`FsspecStorageWriter` writes — the same flattened keys, the same ``Metadata`` (equal
+    :class:`~.dcp_adapters.FsspecStorageWriter` writes — the same flattened keys, the same ``Metadata`` (equal
     field by field), the same item bytes — at a fraction of the per-item cost: DCP's local and
     global planning, plan validation and per-item ``dataclasses.replace`` are a fixed cost per
     item, which dominates a state dict of many small tensors. Equal objects inside the metadata

@@ -14,8 +14,7 @@ import dataclasses
 import errno
 import logging
 import shutil
-from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence, Set
+from typing import Any, List, Optional, Set
 
 from ..errors import (
     InvalidArgumentError,
@@ -23,16 +22,12 @@ from ..errors import (
     StorageError,
 )
 from ..format import step_names
-from ..io import Reuse
-from ..options import ManagerOptions
-from ..policies import CheckpointInfo, RetentionPolicy, apply_retention
+from ..options import LocalTierOptions
+from ..policies import CheckpointInfo, apply_retention
 from ..ranks.exchange import Exchange, rank_local_exchange
-from ..staging.frozen import version_of
 from ..storage import Storage
 from ..storage.diagnosis import file_in_the_way, not_a_root_message
-from ..storage.step_dirs import StepDirectories
-from .roots import LOCAL, ForeignCopyError, Root, foreign_root, foreign_steps
-from .store import RootStore
+from .roots import LOCAL, ForeignCopyError, Root, foreign_steps, open_root
 from .write_queue import WriteQueue
 
 log = logging.getLogger("async_ckpt")
@@ -103,7 +98,7 @@ def droppable(tier: Root, coming: CheckpointInfo) -> List[int]:
     """The committed copies of ``tier`` that its retention drops once the save ``coming`` (its
     record: step, commit time, metrics) commits, oldest commit first: never the newest
     committed copy (the save may still fail), never a step being written, never the step of
-    ``coming`` itself, never another job's copy (see :class:`OwnCopies`)."""
+    ``coming`` itself, never another job's copy (see :class:`~.roots.OwnCopies`)."""
     store = tier.store
     ordered = sorted(store.catalog.infos().values(), key=lambda c: (c.commit_time, c.step))
     if not ordered:
@@ -153,25 +148,13 @@ def make_room(tier: Root, coming: CheckpointInfo, need: Optional[int]) -> List[i
         return []
 
 
-@dataclass
-class OwnCopies:
-    """The local tier's retention: ``policy`` over this job's copies only; copies another job
-    saved (see :func:`foreign_root`) are kept: never this job's to delete."""
-
-    policy: RetentionPolicy
-    tier: Root
-
-    def keep(self, checkpoints: Sequence[CheckpointInfo]) -> Set[int]:
-        foreign = {c.step for c in checkpoints if foreign_root(self.tier, c.extra) is not None}
-        return apply_retention(self.policy, [c for c in checkpoints if c.step not in foreign]) | foreign
-
-
-def make_local_tier(options: ManagerOptions, persistent: Storage, exchange: Exchange) -> Root:
+def make_local_tier(options: LocalTierOptions, persistent: Storage, exchange: Exchange) -> Root:
     """The local tier of a manager: ``local_dir`` itself with one process, ``<local_dir>/rank<r>``
     with several (each rank writes and reads its own shards there, on no collective).
 
     Args:
-        options: the manager's validated options (``local_dir`` set).
+        options: the local tier's options (``local_dir``, ``local_policy``, ``local_retention``,
+            ``max_pending_async``, its store's).
         persistent: the storage of the manager's persistent root.
         exchange: the manager's exchange (its rank names the directory).
 
@@ -184,12 +167,10 @@ def make_local_tier(options: ManagerOptions, persistent: Storage, exchange: Exch
         NotACheckpointRootError: ``local_dir`` (or a parent of it) is a file.
         StorageError: ``local_dir`` cannot be created or written.
     """
-    assert options.local_dir is not None
     root = options.local_dir
     if exchange.world_size > 1:
         root = f"{root.rstrip('/')}/{step_names.rank_dir_name(exchange.rank)}"
-    retry, keep = options.retry, options.local_retention
-    storage = Storage(root, None, retry=retry)
+    storage = Storage(root, None, retry=options.store.retry)
     check_roots_differ(persistent, storage)
     try:
         storage.makedirs(storage.root)
@@ -199,14 +180,8 @@ def make_local_tier(options: ManagerOptions, persistent: Storage, exchange: Exch
         if blocker is not None:
             raise NotACheckpointRootError(not_a_root_message("local_dir", storage, blocker)) from exc
         raise StorageError(f"local_dir {storage.url!r} cannot be written: {exc}") from exc
-    store = RootStore(storage, StepDirectories(storage, options.commit_mode),
-                      rank_local_exchange(options.collective_timeout_s), options.wall_clock,
-                      keep_incomplete=options.keep_incomplete, lease_timeout=options.lease_timeout,
-                      reuse=Reuse(options.full_every, version_of) if options.incremental else None)
-    # a full local_dir is logged and raised by join()/close(): the bucket's saves go on meanwhile
-    writer = WriteQueue(options.max_pending_async, name="async-ckpt-local-writer", defer_if=out_of_space)
-    tier = Root(LOCAL, store, writer, keep, options.local_policy, home=persistent.root_identity())
-    tier.retention = OwnCopies(keep, tier)
-    return tier
-
-
+    return open_root(LOCAL, storage, options.store, exchange=rank_local_exchange(options.collective_timeout_s),
+                     # a full local_dir is logged and raised by join()/close(): the bucket's saves go on meanwhile
+                     writer=lambda: WriteQueue(options.max_pending_async, name="async-ckpt-local-writer",
+                                               defer_if=out_of_space),
+                     retention=options.local_retention, policy=options.local_policy, home=persistent.root_identity())

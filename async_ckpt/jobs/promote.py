@@ -16,8 +16,8 @@ from ..errors import (
     StepNotFoundError,
 )
 from ..format.manifest import CopyIdentity, Manifest
-from ..io.sinks import copy_files
-from ..policies import apply_retention, as_retention_policy
+from ..io.copies import copy_files
+from ..policies import keeping
 from ..stats import SaveStats
 from .roots import PERSISTENT, Root
 
@@ -72,7 +72,7 @@ def promote(local: Root, persistent: Root, step: int, *, verify: bool = True,
                  for name, rec in manifest.files.items()}
         new = dataclasses.replace(manifest, files=files, identity=CopyIdentity(save_id=identity.save_id))
         policy = persistent.retention
-        dropped = write.commit(new, as_retention_policy(lambda cps: apply_retention(policy, cps) | {step}))
+        dropped = write.commit(new, keeping(policy, step))
         return new, dropped
     finally:
         write.abort()  # nothing once committed

@@ -3,7 +3,9 @@ alike) and ``Roots`` (all of them, nearest first), one root being the case N=1.
 
 A root is where steps go (its :class:`~.store.RootStore`: catalog, writer lease, deletions),
 the background writer that writes them, the retention that drops them, the save policy that
-says when a step is due there, and when this manager last took a save for it.
+says when a step is due there, and when this manager last took a save for it. Every root (the
+persistent root, the local tier, the copies held for a peer) is made by :func:`open_root` from
+its :class:`~async_ckpt.options.StoreOptions`.
 
 :class:`Roots` lists, merges and orders what the roots hold. Listing merges them by commit
 time. A save written to both tiers is stamped, in both, with the time it was taken (or just
@@ -25,13 +27,19 @@ import dataclasses
 import functools
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Set, Tuple
 
 from ..errors import CheckpointError, CorruptCheckpointError, RankFailure, StepNotFoundError, StorageError, warn_user
 from ..format.manifest import Manifest, copy_identity
-from ..policies import CheckpointInfo, RetentionPolicy, SavePolicy
+from ..format.step_names import StepNaming
+from ..io import Reuse
+from ..options import StoreOptions
+from ..policies import CheckpointInfo, RetentionPolicy, SavePolicy, apply_retention
 from ..ranks import phase
 from ..ranks.exchange import Exchange
+from ..staging.frozen import version_of
+from ..storage import Storage
+from ..storage.step_dirs import StepDirectories
 from .restore_job import Candidate
 from .store import RootStore
 from .write_queue import WriteQueue
@@ -140,6 +148,55 @@ def foreign_steps(tier: Root, step: Optional[int] = None) -> Dict[int, str]:
     infos = tier.store.catalog.infos()
     return {s: r for s, info in infos.items() if (step is None or s == step)
             for r in [foreign_root(tier, info.extra)] if r is not None}
+
+
+@dataclass
+class OwnCopies:
+    """The retention of a root with a ``home`` (the local tier, copies held for a peer):
+    ``policy`` over this job's copies only; copies another job saved (see :func:`foreign_root`)
+    are kept: never this job's to delete."""
+
+    policy: RetentionPolicy
+    tier: Root
+
+    def keep(self, checkpoints: Sequence[CheckpointInfo]) -> Set[int]:
+        foreign = {c.step for c in checkpoints if foreign_root(self.tier, c.extra) is not None}
+        return apply_retention(self.policy, [c for c in checkpoints if c.step not in foreign]) | foreign
+
+
+def open_root(name: str, storage: Storage, options: StoreOptions, *, exchange: Exchange,
+              writer: Callable[[], WriteQueue], retention: RetentionPolicy, policy: Optional[SavePolicy] = None,
+              home: Optional[str] = None, naming: Optional[StepNaming] = None) -> Root:
+    """One root over ``storage``, the persistent root, the local tier and a peer's held copies
+    alike: its step directories, its store (writer lease, catalog, deletions; what the last step
+    holds, for incremental saves), the writer given, its retention and save policy.
+
+    Args:
+        name: :data:`PERSISTENT`, :data:`LOCAL` or :data:`HELD`.
+        storage: the root's storage (made, and checked where the caller needs, by the caller).
+        options: how the root keeps its steps (``commit_mode``, ``incremental``, ...).
+        exchange: the exchange of the root's saves (the manager's, or a rank-local one).
+        writer: makes the background writer of its saves (called once the store is made: a
+            root refused here leaves no thread behind).
+        retention: which committed steps stay; with a ``home``, of this job's copies only
+            (:class:`OwnCopies`: another job's copies are never this job's to delete).
+        policy: when a save is due there (None: whenever one is due at the persistent root).
+        home: a local root's persistent root (``root_identity`` of it); None for the persistent root.
+        naming: how step directories are named (None: the root's recorded naming, else the default).
+
+    Returns:
+        The root.
+
+    Raises:
+        InvalidArgumentError: ``commit_mode`` does not fit the storage (``"rename"`` off POSIX).
+    """
+    store = RootStore(storage, StepDirectories(storage, options.commit_mode, naming), exchange, options.wall_clock,
+                      keep_incomplete=options.keep_incomplete, lease_timeout=options.lease_timeout,
+                      reuse=Reuse(options.full_every, version_of) if options.incremental else None)
+    root = Root(name, store, writer(), retention, policy, home=home)
+    if home is not None:
+        root.retention = OwnCopies(retention, root)
+    return root
 
 
 @dataclass(frozen=True)

@@ -1,11 +1,13 @@
-"""``CheckpointManager``: the façade, by composition. Its arguments become a validated
-:class:`~async_ckpt.options.ManagerOptions` (built once, from the signature); it holds the
-roots (:class:`~async_ckpt.jobs.roots.Roots`: the local tier, when there is one, then the
-persistent root), probes them (:mod:`.probe`), agrees with the other ranks where a step is due
-(:mod:`.decide`, over the pure :mod:`.schedule`), stages the state dict once and hands each due
-root's writer thread the one host snapshot (:mod:`.persist`: the save job, then retention and
-the upload catch-up); :mod:`.checks` warns about pickled values and checks declared-frozen
-tensors.
+"""``CheckpointManager``: the façade, by composition: the public API and the wiring. Its
+arguments become a validated :class:`~async_ckpt.options.ManagerOptions` (built once, from the
+signature), and each part gets the option group it uses (``store_options``,
+``local_tier_options``, ``peer_options``). It holds the roots
+(:class:`~async_ckpt.jobs.roots.Roots`: the local tier, when there is one, then the persistent
+root), probes them (:mod:`.probe`), agrees with the other ranks where a step is due
+(:mod:`.decide`, over the pure :mod:`.schedule`) and submits the save (:mod:`.submission`: the
+state dict staged once, the one host snapshot handed to each due root's writer thread, where
+:mod:`.persist` runs the save job, then retention and the upload catch-up); :mod:`.checks` warns
+about pickled values and checks declared-frozen tensors.
 
 Data flows one way: state dict -> staging (host snapshot; the only blocking part) -> writer
 thread (``jobs.save_job``: files, manifest, commit) -> storage. Restores go through
@@ -23,7 +25,7 @@ import time
 import uuid
 import weakref
 from concurrent.futures import Future
-from typing import Any, Callable, Deque, Dict, List, Mapping, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Deque, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from ..errors import (
     CheckpointError,
@@ -32,24 +34,21 @@ from ..errors import (
     StorageError,
     StorageUnreachableError,
 )
-from ..format.manifest import USER_METADATA_KEY, CopyIdentity, check_metrics
+from ..format.manifest import check_metrics
 from ..format.step_names import StepNaming
-from ..gc_pause import gc_paused
-from ..io import Reuse, writer_process
+from ..io import writer_process
 from ..io.planners import load_planner_for
 from ..jobs.local_tier import make_local_tier
-from ..jobs.peers import PeerCopies, peer_topology
+from ..jobs.peers import PeerCopies
 from ..jobs.preemption import PreemptionTracker, PreemptionWatcher
 from ..jobs.promote import UploadCatchUp, promote
 from ..jobs.restore_job import check_key_list, check_key_map, read_plain_dcp
 from ..jobs.restore_job import restore as _restore
-from ..jobs.roots import LOCAL, PERSISTENT, Root, Roots, StepMetadata, common_local_steps, foreign_steps
+from ..jobs.roots import PERSISTENT, Root, Roots, StepMetadata, common_local_steps, foreign_steps, open_root
 from ..jobs.save_job import SaveJob
-from ..jobs.store import RootStore
-from ..jobs.write_queue import WriteQueue, all_done
+from ..jobs.write_queue import WriteQueue
 from ..options import ManagerOptions, RestoreOptions
 from ..policies import (
-    RETENTION_KEY,
     RetentionPolicy,
     SavePolicy,
     as_retention_policy,
@@ -57,22 +56,22 @@ from ..policies import (
     best_checkpoint,
     check_step,
     find_keep_best,
-    retention_spec,
 )
 from ..ranks import phase
 from ..ranks.exchange import DEFAULT_TIMEOUT_S, exchange_for
-from ..ranks.replicas import DroppedSamples, SaveShares
+from ..ranks.replicas import SaveShares
+from ..ranks.topology import peer_topology
 from ..staging import HostBufferPool, Stager
-from ..staging.frozen import FrozenTensors, version_of
-from ..stats import FALLBACK, UPLOAD_SKIPPED, SaveStats, format_bytes, format_count, format_seconds, tier_name
+from ..staging.frozen import FrozenTensors
+from ..stats import SaveStats, format_bytes, format_count, format_seconds, tier_name
 from ..storage import RetryPolicy, Storage
 from ..storage.stats_log import StatsLog
-from ..storage.step_dirs import StepDirectories
-from .checks import PickledValues, check_user_metadata, frozen_changed_at_close
+from .checks import check_user_metadata, frozen_changed_at_close
 from .decide import SaveDecision
 from .hooks import live_managers, stop_threads
 from .persist import Persister
 from .probe import RootProbe
+from .submission import Submitter
 
 log = logging.getLogger("async_ckpt")
 
@@ -173,9 +172,10 @@ class CheckpointManager:
             ``True`` for ``<path>/save_stats.jsonl``, or a path relative to ``path`` (see
             :class:`async_ckpt.storage.stats_log.StatsLog`; on object stores the file is
             rewritten per save).
-        lazy: default of ``save_async(..., lazy=)``: return once the host copies are issued;
-            a guard waits for them right before an optimizer step or module forward would
-            change the tensors (see :meth:`save_async` and docs/design.md).
+        lazy: default of ``save_async(..., lazy=)``: return once the host copies of device
+            tensors (CUDA, XLA) are issued (CPU tensors are copied at the call, as in an eager
+            save); a guard waits for them right before an optimizer step or module forward
+            would change the tensors (see :meth:`save_async` and docs/design.md).
         lease_timeout: seconds the first save waits for the root's writer lease when another
             live writer holds it (default 0: raise :class:`LeaseHeldError` at once).
         collective_timeout_s: multi-process: how long a rank waits for the others at each
@@ -351,13 +351,12 @@ class CheckpointManager:
         # Collective: every rank creates the checkpoint groups, first, before anything that
         # could fail on one rank only (a no-op exchange in a single process).
         self._exchange = exchange_for(opts.process_group, opts.collective_timeout_s)
-        topology = peer_topology(opts, self._exchange)  # collective too (local_replicas > 1)
+        peer_options = opts.peer_options()
+        topology = peer_topology(peer_options, self._exchange)  # collective too (local_replicas > 1)
         # names each save in both tiers' manifests (CopyIdentity.save_id): rank 0's, on every rank
         run_id = uuid.uuid4().hex[:12] if opts.local_dir is not None else ""
         if opts.local_dir is not None and self._exchange.world_size > 1:
             run_id = phase.primary(self._exchange, "naming the saves", None, lambda: run_id)
-        self._run_id = run_id
-        self._saves = 0
         self.storage = Storage(opts.path, opts.storage_options, retry=opts.retry)
         try:  # the first request, bounded: a wrong endpoint or network fails here, in one line
             self.storage.probe()
@@ -369,33 +368,24 @@ class CheckpointManager:
             pass  # it answered: opening checks the root and says what is wrong (RootProbe.open)
         naming = None if opts.step_prefix is None and opts.step_width is None else \
             StepNaming(opts.step_prefix or "", opts.step_width or 0)
-        self.layout = StepDirectories(self.storage, opts.commit_mode, naming)
         self.process_group = opts.process_group
         self.chkpt_on_preemption = opts.chkpt_on_preemption
         self.verify = opts.verify
         self.write_threads = opts.write_threads
         self.on_saved = opts.on_saved
         self.lazy = opts.lazy
-        store = RootStore(self.storage, self.layout, self._exchange, opts.wall_clock,
-                          keep_incomplete=opts.keep_incomplete, lease_timeout=opts.lease_timeout,
-                          reuse=Reuse(opts.full_every, version_of) if opts.incremental else None)
-        self.catalog = store.catalog
         # with a local tier an upload overlaps local saves on and off: keep buffers for both
         self.stager = Stager(HostBufferPool(opts.memory_budget_bytes, hold_peak=opts.local_dir is not None,
                                             shared=opts.writer == "process"))
         #: the writer process that writes this manager's local files (``writer="process"``)
         self.writer_process = writer_process.shared() if opts.writer == "process" else None
-        self._frozen = FrozenTensors(opts.frozen, opts.frozen_check_every) if opts.frozen is not None else None
-        self._shares = SaveShares() if opts.replicated_saves and self._exchange.world_size > 1 else None
-        self._pickled = PickledValues()
         self.stats: Deque[SaveStats] = collections.deque(maxlen=1000)
-        #: with a local tier: steps whose upload to ``path`` was skipped because the previous
-        #: upload was still running (``save_async`` never waits for it; the step went to the local
-        #: tier, and the next free upload slot uploads the newest of them from there)
-        self.skipped_uploads: List[int] = []
-        self._catch_up = UploadCatchUp() if opts.local_dir is not None else None
-        persistent = Root(PERSISTENT, store, WriteQueue(opts.max_pending_async, defer_errors=opts.local_dir is not None),
-                          opts.retention, opts.save_policy)
+        # with a local tier, failed uploads are raised by join()/close(), not by the next save
+        upload_writer = functools.partial(WriteQueue, opts.max_pending_async, defer_errors=opts.local_dir is not None)
+        persistent = open_root(PERSISTENT, self.storage, opts.store_options(), exchange=self._exchange,
+                               writer=upload_writer, retention=opts.retention, policy=opts.save_policy, naming=naming)
+        self.layout = persistent.store.layout
+        self.catalog = persistent.store.catalog
         #: peer copies of the local tier (``local_replicas`` > 1 on several nodes)
         self._peers: Optional[PeerCopies] = None
         #: the manager's roots, nearest first: the local tier (with ``local_dir``), then the
@@ -405,7 +395,6 @@ class CheckpointManager:
         self._forked = False
         self._pid = os.getpid()
         self._in_flight: List[int] = []  # steps queued or being written (one entry per root's job)
-        self._last_future: Optional["Future[int]"] = None  # of the last save taken (last_save_future)
         try:
             if opts.local_dir is not None:
                 local_error, local = phase.attempt(self._exchange, lambda: self._open_local_tier(opts))
@@ -417,7 +406,7 @@ class CheckpointManager:
                     r.store.label = f" from {tier_name(r.name)}"
                 if topology is not None:
                     assert self.roots.local is not None
-                    self._peers = PeerCopies(topology, self.roots.local, opts, self._exchange)
+                    self._peers = PeerCopies(topology, self.roots.local, peer_options, self._exchange)
             self._probe = RootProbe(self.storage, self.roots.local.url if self.roots.local is not None else None)
             if self._exchange.is_primary:
                 self._probe.describe()
@@ -435,11 +424,18 @@ class CheckpointManager:
             raise
         self._decision = SaveDecision(self.roots, self._exchange, self._probe, self._preemption, opts.interval_clock)
         self._decision.overwrite = opts.overwrite
+        catch_up = UploadCatchUp() if opts.local_dir is not None else None
         self._persister = Persister(self.roots, self._exchange, threads=opts.write_threads, verify=opts.verify,
                                     wall_clock=opts.wall_clock, stats=self.stats,
                                     stats_log=StatsLog.from_option(self.storage, opts.stats_log),
-                                    on_saved=opts.on_saved, catch_up=self._catch_up, in_flight=self._in_flight,
+                                    on_saved=opts.on_saved, catch_up=catch_up, in_flight=self._in_flight,
                                     writer_process=self.writer_process)
+        self._submitter = Submitter(
+            self.roots, self._exchange, self.stager, run_id=run_id,
+            frozen=FrozenTensors(opts.frozen, opts.frozen_check_every) if opts.frozen is not None else None,
+            shares=SaveShares() if opts.replicated_saves and self._exchange.world_size > 1 else None,
+            peers=self._peers, catch_up=catch_up, preemption=self._preemption, in_flight=self._in_flight,
+            wall_clock=opts.wall_clock, interval_clock=opts.interval_clock, metrics_reduce=opts.metrics_reduce)
         # An unclosed manager that is garbage-collected stops its threads (it has no pending
         # work then: a queued save holds a reference to it).
         for root in self.roots:
@@ -453,7 +449,7 @@ class CheckpointManager:
     def _open_local_tier(self, opts: ManagerOptions) -> Root:
         """This rank's local tier, with its writer lease taken: a manager with ``local_dir`` writes
         there, and a second job whose ranks share the directory is refused here, not at a save."""
-        tier = make_local_tier(opts, self.storage, self._exchange)
+        tier = make_local_tier(opts.local_tier_options(), self.storage, self._exchange)
         try:
             if tier.store.lease is not None:  # an idle manager of this process holding it is taken over
                 tier.store.lease.idle = _weak_idle(self)
@@ -552,9 +548,12 @@ class CheckpointManager:
         tensors freely); returns ``False`` without doing anything when no save is due and
         ``force`` is not set. Raises the error of an earlier failed background save.
 
-        With ``lazy=True`` (default: the manager's ``lazy``) it returns once the copies are
-        *issued* (tensors up to 64 KiB are already copied: cheaper than guarding them): the
-        others run in the background, and a guard waits for the outstanding copies of
+        With ``lazy=True`` (default: the manager's ``lazy``) it returns once the copies of
+        device tensors (CUDA, XLA) are *issued*: CPU tensors are copied before it returns, as in
+        an eager save (a background copy would take the training loop's own cores and memory
+        bandwidth; ``async_ckpt.testing.lazy_cpu_copies`` stages them lazily for tests), and so
+        are tensors up to 64 KiB (cheaper than guarding them). The others are copied in the
+        background, and a guard waits for the outstanding copies of
         exactly the tensors about to change, right before ``optimizer.step()`` (params and
         optimizer state) or a module's forward (its buffers). Other in-place writes must come
         after :meth:`wait_for_staging`; one that bumps ``_version`` before its copy finished
@@ -568,7 +567,8 @@ class CheckpointManager:
                 values (saved through their ``state_dict()``) and plain values.
             force: save even when no save policy wants this step.
             metrics: numbers stored with the step (see :meth:`best_step` and ``KeepBest``).
-            lazy: return once the copies are issued; None: the manager's ``lazy``.
+            lazy: return once the copies of device tensors are issued (CPU tensors are copied
+                at the call); None: the manager's ``lazy``.
             metadata: the user's metadata of this save, a dict of JSON values (stored in the
                 manifest as JSON, never pickled; read back by :meth:`metadata`).
 
@@ -629,186 +629,25 @@ class CheckpointManager:
     def _save(self, step: Any, state_dict: Mapping[str, Any], force: bool, metrics: Any, wait: bool,
               lazy: bool = False, user_metadata: Any = None) -> bool:
         """Training thread of every rank. With several ranks every rank must call it with the
-        same step; rank 0's decision (policy, ``force``, preemption) is taken by every rank,
-        and a rank that raises after that agreement (staging, a writer slot, its local lock)
-        still queues its part of the save to the root as a failed job, so the other ranks'
-        saves of that step fail too instead of waiting for it or pairing with its next step. A
-        rank whose step or metrics are invalid says so in the agreement: it raises its own
-        error, the others a ``CheckpointError`` naming it. A step due for several tiers is
-        staged once; each tier's writer writes the snapshot."""
+        same step; rank 0's decision (policy, ``force``, preemption) is taken by every rank
+        (:meth:`SaveDecision.where`), then the save is submitted to the roots it is due at
+        (:meth:`Submitter.submit`: a rank that raises after the agreement still queues its part
+        of the save as a failed job). A rank whose step or metrics are invalid says so in the
+        agreement: it raises its own error, the others a ``CheckpointError`` naming it."""
         self._check_open()
         self._check_writer("save")
-        alone = self._exchange.world_size == 1
         invalid: Optional[Exception] = None
         try:
             step = check_step(step)
             metrics = check_metrics(metrics)
             user_metadata = check_user_metadata(user_metadata)
         except (TypeError, ValueError) as exc:
-            if alone:
-                raise
-            invalid = exc  # raised by the decision (where) on every rank together
-        if alone:  # with several ranks, the decision (where) raises on every rank together
-            for root in self.roots:
-                root.writer.raise_if_failed()
+            invalid = exc  # raised by the decision (at once in one process, on every rank together with several)
         tx = time.perf_counter()
         where = self._decision.where(step, force, invalid)
         exchange_s = time.perf_counter() - tx  # the agreement (one collective with several ranks)
-        take, take_local, preempt = where.persistent, where.local, where.preempt
-        if where.any:  # agreed: every rank counts the same saves, one id per save
-            self._saves += 1
-        # every rank queues the same replication tickets, in the same order (peer copies)
-        ticket = self._peers.expect(step) if self._peers is not None and where.local else None
-        # From here on a rank that raises still queues its part of the persistent save, as a
-        # failed job: the other ranks' jobs of this step fail with it (never pair with its next).
-        persistent = self.roots.persistent
-        shared = persistent if take and not alone else None
-        held: List[Root] = []
-        skipped_upload = False
-        try:
-            if take_local and self.roots.local is not None:
-                self.roots.local.store.become_writer()  # this rank's own local directory (taken when opened)
-            due = [r for r in self.roots if (take_local if r is self.roots.local else take)]
-            if not due:
-                if ticket is not None:
-                    ticket.release()
-                return False
-            t0 = time.perf_counter()
-            if alone:
-                with gc_paused():
-                    plan = self.stager.plan(state_dict)  # validates before anything is taken or written
-                self._pickled.check(plan)
-            # Earlier lazy copies finish and are sealed here, on the training thread: their writers
-            # wait for that, so it must come before waiting for a writer slot.
-            self.stager.synchronize_staging()
-            for tier in list(due):
-                if alone and tier is persistent and self.roots.local is not None and not (wait or force or preempt):
-                    # A busy upload never holds up the training loop while a local tier takes
-                    # the step: the bucket's save of this step is skipped (logged, in stats).
-                    # Not a forced or preemption save (often the last one): it waits its turn.
-                    if not tier.writer.try_slot():
-                        due.remove(tier)
-                        skipped_upload = True
-                        if not take_local:
-                            self.roots.local.store.become_writer()
-                            due.insert(0, self.roots.local)
-                            self.roots.local.writer.wait_for_slot()
-                            held.insert(0, self.roots.local)
-                        continue
-                elif alone:
-                    tier.writer.wait_for_slot()
-                else:  # earlier failures are raised by the next agreement, on every rank together:
-                    tier.writer.take_slot()  # raised here, on one rank, they would fail this step too
-                held.append(tier)
-            t1 = time.perf_counter()
-            drop: Set[int] = set()
-            if not alone:  # every rank queues its part of the save, even if planning fails here
-                planned: Optional[Exception] = None
-                try:
-                    with gc_paused():
-                        plan = self.stager.plan(state_dict)
-                except Exception as exc:  # noqa: BLE001 - the exchange below first, then raised
-                    planned = exc
-                if self._shares is not None and not where.local:  # a local copy holds everything
-                    tx = time.perf_counter()
-                    drop = self._shares.drops(self._exchange, None if planned is not None else plan)
-                    exchange_s += time.perf_counter() - tx
-                if planned is not None:
-                    raise planned
-                self._pickled.check(plan)
-            keep: Set[int] = set()
-            seen: Dict[str, Tuple[int, int]] = {}
-            if self._frozen is not None:  # declared-frozen tensors every due root holds as they are: not copied
-                reuses = [r.store.reuse for r in due]
-                keep, seen = self._frozen.choose(
-                    plan, lambda key, t, v: all(x is not None and x.holds(key, t, v) for x in reuses))
-            stager = self.stager.lazy if lazy and not wait else self.stager.eager
-            keep -= drop
-            snap = stager.stage(state_dict, plan, keep, drop)
-            # what this rank leaves to the others, as of the call: its values are compared too
-            samples = DroppedSamples(plan, drop) if drop else None
-            kept_bytes = sum(plan.tensors[i].nbytes for i in keep)  # in the snapshot, not copied
-            if snap.pending is not None:
-                snap.pending.step = step
-        except BaseException as exc:
-            if ticket is not None:
-                ticket.release()
-            for tier in held:
-                if tier is not shared:
-                    tier.writer.release_slot()
-            if shared is not None:  # the job takes the slot and tells the other ranks
-                if shared not in held:
-                    shared.writer.take_slot()
-                failed = SaveJob(step, None, metrics, None, time.perf_counter(), local_error=exc)
-                shared.writer.submit(functools.partial(self._persist, failed, shared), step=step)
-                if wait and isinstance(exc, Exception):
-                    self._settle("save", exc)  # the others' save() settles too (below): raises exc
-            raise
-        t2 = time.perf_counter()
-        if skipped_upload:
-            self.skipped_uploads.append(step)
-        snap.share(len(due))
-        taken_at = self.options.wall_clock()  # the commit time of this save in every tier (see SaveJob.commit_at)
-        futures: List["Future[Any]"] = []
-        for tier in due:
-            stats = SaveStats(step=step, nbytes=snap.nbytes - kept_bytes, num_tensors=snap.num_tensors,
-                              queue_wait_s=t1 - t0, stage_s=t2 - t1, blocking_s=t2 - t0, exchange_s=exchange_s)
-            extra: Dict[str, Any] = {} if user_metadata is None else {USER_METADATA_KEY: user_metadata}
-            save_id: Optional[str] = None
-            if self.roots.local is not None:
-                stats.extra["tier"] = tier.name
-                if skipped_upload:
-                    stats.extra[UPLOAD_SKIPPED] = True
-                if where.wanted and not take:  # the checkpoint path could not be reached: local only
-                    stats.extra[FALLBACK] = True
-                save_id = f"{self._run_id}.{self._saves}"
-            if tier is self.roots.local:
-                identity = CopyIdentity(save_id, LOCAL, self._exchange.rank, self._exchange.world_size, tier.home)
-            else:  # what this job's retention keeps, for tools that delete by hand (async-ckpt prune)
-                identity = CopyIdentity(save_id)
-                spec = retention_spec(tier.retention)
-                if spec is not None:
-                    extra[RETENTION_KEY] = spec
-            job = SaveJob(step, snap, metrics, stats, t0, manifest_extra=extra, identity=identity,
-                          metrics_reduce=self.options.metrics_reduce,
-                          commit_at=taken_at if self.roots.local is not None else None,
-                          frozen=(seen, {plan.keys[i] for i in keep}), samples=samples)
-            self._in_flight.append(step)
-            run = functools.partial(self._persist, job, tier)
-            try:
-                fut = tier.writer.submit(run if ticket is None or tier is not self.roots.local else ticket.around(run),
-                                         step=step)
-            except BaseException:
-                self._in_flight.remove(step)
-                if ticket is not None:
-                    ticket.release(failed=tier is self.roots.local)
-                raise
-            futures.append(fut)
-            if skipped_upload and tier is self.roots.local and self._catch_up is not None:
-                first = self._catch_up.skipped(step, self._saves, taken_at, t0, fut)
-                (log.warning if first else log.info)(
-                    "step %d is not uploaded to %s now: an earlier upload is still running (the step "
-                    "is saved to the local tier; the next free upload slot uploads the newest such local copy; "
-                    "see CheckpointManager.skipped_uploads)", step, self.storage.url)
-            if tier is not persistent:  # the persistent root's save is recorded when wanted (below)
-                tier.record_save(step, self.options.interval_clock())
-        self._last_future = all_done(futures, step)
-        if ticket is not None:
-            ticket.release()  # no local job of this save was queued on this rank
-        if where.wanted:
-            persistent.record_save(step, self.options.interval_clock())
-            if preempt and self._preemption is not None:
-                self._preemption.mark_saved(step)
-        if wait:
-            if shared is not None:  # a failure one rank recorded after the agreement: all raise it together
-                self._settle("save")
-            for tier in due:  # every tier's copy has landed before one's failure is raised
-                tier.writer.wait_idle()
-            for tier in due:
-                tier.writer.join()
-            if where.wanted and not take:  # the root could not be reached: raised as a failed upload is
-                persistent.writer.join()
-        return True
+        return self._submitter.submit(step, state_dict, where, run=self._persist, force=force, wait=wait, lazy=lazy,
+                                      metrics=metrics, user_metadata=user_metadata, exchange_s=exchange_s)
 
     def _persist(self, job: SaveJob, tier: Root) -> None:
         """Writer thread: ``job`` on ``tier`` (:meth:`Persister.persist`). A queued save holds
@@ -917,7 +756,8 @@ class CheckpointManager:
         except (TypeError, ValueError, CheckpointError) as exc:
             invalid = exc
         if not self._closed:  # pending saves land first (their errors surface); ranks agree on the step
-            self._settle("restore", invalid, key=None if invalid is not None else 0 if step is None else step + 1)
+            self._submitter.settle("restore", invalid,
+                                   key=None if invalid is not None else 0 if step is None else step + 1)
         if invalid is not None:
             raise invalid
         opts = RestoreOptions(verify=self.verify if verify is None else verify, allow_pickle=allow_pickle,
@@ -1041,7 +881,15 @@ class CheckpointManager:
             save committed, or raises its failure (which the next ``save``/``join`` raises too);
             None before the first save.
         """
-        return self._last_future
+        return self._submitter.last_future
+
+    @property
+    def skipped_uploads(self) -> List[int]:
+        """With a local tier: the steps whose upload to ``path`` was skipped (one still running).
+
+        ``save_async`` never waits for the previous upload: the step went to the local tier, and
+        the next free upload slot uploads the newest of them from there."""
+        return self._submitter.skipped_uploads
 
     def is_saving_in_progress(self) -> bool:
         """Whether a save of this manager is staged, queued or being written at any root.
@@ -1202,7 +1050,8 @@ class CheckpointManager:
             step = check_step(step)
         except (TypeError, ValueError, CheckpointError) as exc:
             invalid = exc
-        self._settle("delete", invalid, key=None if invalid is not None else step + 1)  # every rank names the same step
+        # every rank names the same step
+        self._submitter.settle("delete", invalid, key=None if invalid is not None else step + 1)
         if invalid is not None:
             raise invalid
 
@@ -1250,7 +1099,7 @@ class CheckpointManager:
         if self._exchange.world_size > 1:
             raise CheckpointError("promote() copies one process's local step; with several ranks each local "
                                   "copy holds one rank's shards: save the step with force=True instead")
-        self._settle("promote")  # an earlier failed upload (still raised by join) is what promote repairs
+        self._submitter.settle("promote")  # an earlier failed upload (still raised by join) is what promote repairs
         self.roots.persistent.store.become_writer()
         _, dropped = promote(local, self.roots.persistent, step, verify=self.verify, threads=self.write_threads)
         if dropped:
@@ -1258,34 +1107,6 @@ class CheckpointManager:
         return dropped
 
     # ---- lifecycle ---------------------------------------------------------------------------
-    def _settle(self, what: str, invalid: Optional[Exception] = None, key: Optional[int] = None) -> None:
-        """Wait for every pending save; raise the failures a save would raise (with a local
-        tier, failed writes to ``path`` stay for :meth:`join`/:meth:`close`). With several
-        ranks the ranks then exchange, before any collective of the caller, whether one holds
-        such a failure or an ``invalid`` argument, and ``key`` (which step the caller named):
-        every rank raises together (a failing rank its own error, the others a
-        ``CheckpointError`` naming it) instead of waiting for one that has already raised, and
-        ranks that named different steps all raise; ranks in different calls (``what``: "restore"
-        on one, a save on another) all raise a ``CoordinationError`` naming them."""
-        alone = self._exchange.world_size == 1
-        error: Optional[BaseException] = None if alone else invalid  # alone: raised by the caller after
-        if error is None:
-            try:
-                self.wait_for_staging()
-                for tier in self.roots:
-                    tier.writer.wait_idle()
-                for tier in self.roots:
-                    tier.writer.raise_if_failed()
-            except Exception as exc:
-                error = exc
-        if self._exchange.world_size > 1:
-            phase.agree(self._exchange, what, [], error=error, step=key,
-                        refused=lambda failed: CheckpointError(f"rank(s) {failed}: an earlier save failed, an argument "
-                                                               f"was invalid, or another step was named (see their "
-                                                               f"errors)"))
-        elif error is not None:
-            raise error
-
     def join(self) -> None:
         """Wait for every pending save to commit (and retention's decision after it).
 
@@ -1407,7 +1228,7 @@ class CheckpointManager:
             except BaseException as exc:  # noqa: BLE001 - raised with the rest
                 errors.append(exc)
         try:  # the declared-frozen tensors, checked once more
-            changed = frozen_changed_at_close(self._frozen, [r.store.reuse.same_bytes for r in self.roots
+            changed = frozen_changed_at_close(self._submitter.frozen, [r.store.reuse.same_bytes for r in self.roots
                                                              if r.store.reuse is not None])
             if changed is not None:
                 errors.append(changed)

@@ -75,21 +75,28 @@ class SaveDecision:
         Args:
             step: the step.
             force: save whatever the policies say.
-            invalid: this rank's step or metrics did not validate (several ranks): it decides
-                nothing, says so in the exchange and raises that error; the other ranks raise a
-                ``CheckpointError`` naming it.
+            invalid: this rank's step or metrics did not validate: raised at once in one process;
+                with several ranks this rank decides nothing, says so in the exchange and raises
+                that error, the other ranks a ``CheckpointError`` naming it.
 
         Returns:
             Where the save goes.
 
         Raises:
+            InvalidArgumentError: ``invalid`` (raised as it is; several ranks: after the agreement).
+            CheckpointError: an earlier background save failed (each root's failure is raised once;
+                several ranks: on every rank together, by the agreement), or another rank could
+                not save the step.
             LeaseHeldError: another live writer holds the persistent root's lease.
             StorageError: the root cannot be reached (without a local tier).
             StepAlreadyExistsError: the step may not be written there (another program's directory,
                 :class:`~async_ckpt.errors.ForeignStepError`; an existing step, ``overwrite=False``).
-            CheckpointError: another rank could not save the step.
         """
         alone = self.exchange.world_size == 1
+        if alone:  # with several ranks the agreement raises these, on every rank together
+            if invalid is not None:
+                raise invalid
+            self.raise_failed_saves()
         storage = self.roots.persistent.store.storage
         preempt = False
         if invalid is None and self.preemption is not None:

@@ -301,18 +301,40 @@ SAMPLE_RUN = 32
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
+def _sample_bytes(t: torch.Tensor) -> Optional[torch.Tensor]:
+    """The bytes of ``t`` that :func:`sample` copies, as a ``uint8`` view of ``t`` (no copy): the
+    whole tensor when it is small, else :data:`SAMPLE_RUNS` runs of :data:`SAMPLE_RUN` elements
+    evenly spaced over it (first and last element included). ``None`` when ``t`` is not
+    contiguous or has no byte view (then :func:`sample` gathers its elements)."""
+    if not t.is_contiguous():
+        return None
+    n, size = t.numel(), t.element_size()
+    runs, run = max(2, SAMPLE_RUNS), SAMPLE_RUN
+    try:
+        raw = t.detach().view(torch.uint8) if t.dim() else t.detach().view(1).view(torch.uint8)
+    except Exception:  # noqa: BLE001 - a dtype without a byte view (quantized, say)
+        return None
+    if n <= runs * run:
+        return raw.as_strided((n * size,), (1,))
+    step = (n - run) // (runs - 1)
+    return raw.as_strided((runs, run * size), (step * size, 1))
+
+
 def sample(t: torch.Tensor) -> torch.Tensor:
     """The elements of ``t`` that its fingerprint covers, in a new tensor on ``t``'s device:
     :data:`SAMPLE_RUNS` runs of :data:`SAMPLE_RUN` elements evenly spaced in its element order
     (all of it when it is smaller). The same for equal tensors whatever their strides; bits are
-    copied as they are (an integer view of the same size where there is one).
+    copied as they are.
 
     Args:
         t: a plain tensor.
 
     Returns:
-        The sample (contiguous).
+        The sample (contiguous: its bytes are the sampled elements' bytes in element order).
     """
+    taken = _sample_bytes(t)
+    if taken is not None:
+        return taken.clone().view(-1)
     kind = _INT_OF_SIZE.get(t.element_size())
     v = t.detach()
     if kind is not None and v.dtype != kind and not v.is_complex():
@@ -320,17 +342,17 @@ def sample(t: torch.Tensor) -> torch.Tensor:
     n = v.numel()
     runs, run = max(2, SAMPLE_RUNS), SAMPLE_RUN
     if n <= runs * run:
-        return v.reshape(-1).clone()
-    step = (n - run) // (runs - 1)
-    if v.is_contiguous():  # one strided copy
-        flat = v.view(-1)
-        return flat.as_strided((runs, run), (step, 1)).clone().view(-1)
-    index = (torch.arange(runs, device=v.device)[:, None] * step + torch.arange(run, device=v.device)[None, :]).view(-1)
-    return torch.take(v, index)
+        out = v.reshape(-1).clone()
+    else:
+        step = (n - run) // (runs - 1)
+        index = (torch.arange(runs, device=v.device)[:, None] * step
+                 + torch.arange(run, device=v.device)[None, :]).view(-1)
+        out = torch.take(v, index)
+    return out
 
 
-def _header(t: torch.Tensor) -> bytes:
-    return f"{t.dtype}{tuple(t.shape)}".encode()
+def _header(dtype: torch.dtype, shape: Sequence[int]) -> bytes:
+    return f"{dtype}{tuple(shape)}".encode()
 
 
 def _print_of(header: bytes, taken: torch.Tensor) -> int:
@@ -363,11 +385,11 @@ def fingerprints(state_dict: Any) -> Dict[str, int]:
                 if not SAMPLE_RUNS:
                     continue
                 try:
-                    out[fqn] = _print_of(_header(v), sample(v))
+                    out[fqn] = _print_of(_header(v.dtype, v.shape), sample(v))
                 except Exception:  # noqa: BLE001 - a dtype without a copy kernel: not compared, never a failed save
                     continue
             elif v.is_contiguous():
-                out[fqn] = _print_of(_header(v), v)
+                out[fqn] = _print_of(_header(v.dtype, v.shape), v)
         elif type(v) in (int, float, str, bytes, bool) or v is None:  # not pickles: a set's differs per process
             out[fqn] = xxhash.xxh3_64_intdigest(repr(v).encode())
     return out
@@ -375,10 +397,13 @@ def fingerprints(state_dict: Any) -> Dict[str, int]:
 
 class DroppedSamples:
     """Samples (:func:`sample`) of the plain tensors this rank leaves to other ranks (their
-    holders stage them): taken at the call, on the training thread, from the live tensors (a CUDA
-    tensor's sample is copied to the host on its stream, without waiting), so that the writer
-    thread can fingerprint them as of the call, as its peers fingerprint their host copies.
-    XLA tensors are not sampled (their values are not compared).
+    holders stage them): taken at the call, on the training thread, from the live tensors, so
+    that the writer thread can fingerprint them as of the call, as its peers fingerprint their
+    host copies. The samples of the contiguous tensors of one device and dtype are gathered by
+    one batched copy (a strided view of each tensor, stacked into the rows of one buffer; a CUDA
+    device's buffers then go to the host in one copy each on its stream, without waiting): the
+    call costs one view per tensor. Others are sampled one by one. XLA tensors are
+    not sampled (their values are not compared).
 
     Args:
         plan: this rank's staging plan.
@@ -388,28 +413,60 @@ class DroppedSamples:
     def __init__(self, plan: Any, drop: Set[int]) -> None:
         drop = drop if SAMPLE_RUNS else set()
         specs = plan.dtensor_specs() if drop else {}
-        self._taken: List[Tuple[str, bytes, torch.Tensor]] = []  # key, dtype and shape, sample on the host
-        self._device: List[torch.Tensor] = []  # device samples, alive until their copies are done
+        #: per buffer: the keys, dtypes and shapes of the tensors whose samples are its rows
+        self._taken: List[Tuple[List[str], List[Tuple[torch.dtype, torch.Size]], torch.Tensor]] = []
+        self._device: List[torch.Tensor] = []  # device buffers, alive until their copies are done
         self._events: List[Any] = []
         self._prints: Optional[Dict[str, int]] = None
-        cuda: Dict[Any, None] = {}
-        for i in sorted(drop):
-            t = plan.tensors[i]
-            if i in specs or type(t) is not torch.Tensor or not (t.is_cpu or t.is_cuda):
-                continue  # a DTensor shard (ranks hold different ones), XLA: not compared
-            try:
-                s = sample(t)
-                if t.is_cuda:
-                    self._device.append(s)
-                    s = s.to("cpu", non_blocking=True)
-                    cuda[t.device] = None
-            except Exception:  # noqa: BLE001 - a dtype without a copy kernel: not compared, never a failed save
-                continue
-            self._taken.append((plan.keys[i], _header(t), s))
-        for dev in cuda:  # the copies are queued on each device's current stream: one event each
+        runs, run = max(2, SAMPLE_RUNS), SAMPLE_RUN
+        tensors, keys = plan.tensors, plan.keys
+        # (device index (-1: CPU), dtype) -> keys, (dtype, shape) and sample views of its tensors
+        batched: Dict[Tuple[int, torch.dtype], Tuple[List[str], List[Tuple[torch.dtype, torch.Size]],
+                                                     List[torch.Tensor]]] = {}
+        alone: List[Tuple[str, torch.Tensor]] = []
+        with torch.no_grad():
+            for i in sorted(drop):
+                t = tensors[i]
+                if i in specs or type(t) is not torch.Tensor or not (t.is_cpu or t.is_cuda):
+                    continue  # a DTensor shard (ranks hold different ones), XLA: not compared
+                n = t.numel()
+                if n <= runs * run or not t.is_contiguous():
+                    alone.append((keys[i], t))
+                    continue
+                group = batched.get((t.get_device(), t.dtype))
+                if group is None:
+                    group = batched[(t.get_device(), t.dtype)] = ([], [], [])
+                group[0].append(keys[i])
+                group[1].append((t.dtype, t.shape))
+                group[2].append(t.detach().as_strided((runs, run), ((n - run) // (runs - 1), 1)))
+            events: Dict[int, None] = {}
+            for (dev, dtype), (names, kinds, srcs) in batched.items():
+                buf = torch.empty((len(srcs), runs, run), dtype=dtype, device=srcs[0].device)
+                try:
+                    torch.stack(srcs, out=buf)
+                except Exception:  # noqa: BLE001 - a dtype without a stack kernel: one by one
+                    alone += [(key, src) for key, src in zip(names, srcs)]
+                    continue
+                self._add(names, kinds, buf, dev, events)
+            for key, t in alone:
+                try:
+                    s = sample(t).view(1, -1)
+                except Exception:  # noqa: BLE001 - a dtype without a copy kernel: not compared, never a failed save
+                    continue
+                self._add([key], [(t.dtype, t.shape)], s, t.get_device(), events)
+        for dev in events:  # the copies are queued on each device's current stream: one event each
             ev = torch.cuda.Event()
             ev.record(torch.cuda.current_stream(dev))
             self._events.append(ev)
+
+    def _add(self, names: List[str], kinds: List[Tuple[torch.dtype, torch.Size]], buf: torch.Tensor, dev: int,
+             events: Dict[int, None]) -> None:
+        """Keep ``buf`` (row ``k``: the sample of ``names[k]``), sent to the host if on CUDA."""
+        if dev >= 0:
+            self._device.append(buf)
+            buf = buf.to("cpu", non_blocking=True)
+            events[dev] = None
+        self._taken.append((names, kinds, buf))
 
     def prints(self) -> Dict[str, int]:
         """The samples' fingerprints, by key (writer thread; waits for the CUDA copies).
@@ -420,7 +477,8 @@ class DroppedSamples:
         if self._prints is None:
             for ev in self._events:
                 ev.synchronize()
-            self._prints = {key: _print_of(header, s) for key, header, s in self._taken}
+            self._prints = {key: _print_of(_header(*kind), buf[k])
+                            for names, kinds, buf in self._taken for k, (key, kind) in enumerate(zip(names, kinds))}
             self._device.clear()
             self._taken.clear()
         return dict(self._prints)

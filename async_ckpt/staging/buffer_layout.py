@@ -231,8 +231,8 @@ def _redo(memo: _Remembered, pool: HostBufferPool, items: List[Tuple[int, torch.
 
 class BufferLayoutMemo:
     """:func:`lay_out` for copies made at once, remembering the last simple layout of each
-    source (``"local"``: CPU/CUDA tensors, ``"xla"``: host views of XLA buffers). One per
-    eager stager."""
+    source (``"local"``: CPU/CUDA tensors, ``"cpu"``: the CPU tensors of a lazy stage that also
+    holds CUDA ones, ``"xla"``: host views of XLA buffers). One per eager stager."""
 
     __slots__ = ("_last",)
 

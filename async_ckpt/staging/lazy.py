@@ -8,8 +8,13 @@ flight and whose ``pending`` field is a :class:`~.lazy_copies.PendingCopies`; th
 until the copies are done (see there).
 
 What is copied when
-    CPU: small tensors (the slab's) are copied before ``stage`` returns: copying them costs
-    less than tracking them for the guard. The others are copied on the background thread, one
+    CPU: every tensor is copied before ``stage`` returns, as the eager stager copies it: on a
+    CPU host a copy in the background takes the same cores and memory bandwidth as the
+    training loop it would overlap, and the guard's waits come on top, so deferring it saves
+    the loop nothing (a lazy save of CPU tensors cost a CPU-bound loop more than an eager
+    one). Inside :func:`cpu_lazily` (``async_ckpt.testing.lazy_cpu_copies``: the tests of
+    the lazy machinery on CPU-only machines) they are staged lazily instead: small tensors
+    (the slab's) copied before ``stage`` returns, the others on the background thread, one
     batched copy per chunk of about :data:`CHUNK_BYTES`, in the order the guard needed them
     last time (:class:`~.lazy_copies.NeedOrder`, one per lazy stager).
     CUDA: ``non_blocking`` copies on a side stream, one event per chunk; waiting for a chunk
@@ -23,7 +28,9 @@ What is copied when
 
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+import contextlib
+import threading
+from typing import Iterator, List, Optional, Tuple
 
 import torch
 
@@ -37,9 +44,27 @@ from .plan import StagingPlan
 from .snapshot import HostSnapshot
 from .xla import XlaStaging, stage_batched, with_buffers, xla_host_views
 
-__all__ = ["CHUNK_BYTES", "LazyStager", "PendingCopies"]
+__all__ = ["CHUNK_BYTES", "LazyStager", "PendingCopies", "cpu_lazily"]
 
 CHUNK_BYTES = 8 * 2**20  # copies are grouped into batches of about this size (one wait unit)
+
+_cpu_lazily = 0  # open cpu_lazily() contexts
+_cpu_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def cpu_lazily() -> Iterator[None]:
+    """Within it, lazy stages copy CPU tensors in the background too, as they copy CUDA and XLA
+    tensors, instead of before ``stage`` returns (see the module docstring). Process-wide,
+    nestable; for tests of the lazy machinery on CPU-only machines."""
+    global _cpu_lazily
+    with _cpu_lock:
+        _cpu_lazily += 1
+    try:
+        yield
+    finally:
+        with _cpu_lock:
+            _cpu_lazily -= 1
 
 _Items = List[Tuple[int, torch.Tensor]]
 _Pair = Tuple[torch.Tensor, torch.Tensor, List[Tuple[str, torch.Tensor]], bool]
@@ -57,7 +82,9 @@ class _LazyJob(StagingJob):
 
 
 class LazyStager(BaseStager):
-    """Makes :class:`HostSnapshot` objects whose copies are still in flight.
+    """Makes :class:`HostSnapshot` objects whose copies of device tensors are still in flight.
+
+    CPU tensors are copied before :meth:`stage` returns (see the module docstring).
 
     Shares the pool, the plan memo, the CUDA side streams and the XLA state of ``eager``,
     which also stages what cannot be staged lazily. A snapshot's buffers must not be read
@@ -98,6 +125,13 @@ class LazyStager(BaseStager):
         return _LazyJob(plan)
 
     def _stage_local(self, items: _Items, job: StagingJob, cuda: bool) -> None:
+        if not _cpu_lazily:  # CPU tensors: copied now, as the eager stager copies them
+            host = [it for it in items if not it[1].is_cuda] if cuda else items
+            if host:  # a mixed state dict's CPU part: a layout of its own, not the eager one's
+                self.eager.copy_now(host, job, cuda=False, source="cpu" if cuda else "local")
+            items = [it for it in items if it[1].is_cuda] if cuda else []
+            if not items:
+                return
         self._lay_out(items, job.host, job, xla=False)  # type: ignore[arg-type]
 
     def _stage_xla(self, items: _Items, job: StagingJob) -> None:

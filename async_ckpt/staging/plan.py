@@ -110,6 +110,8 @@ class StagingPlan:
     odd_keys: bool = False
     pickled: List[Tuple[str, Any]] = field(default_factory=list)
     stateful: Dict[str, Any] = field(default_factory=dict)
+    #: :meth:`dtensor_specs`, found once per plan (the template does not change once planned)
+    _dtensor_specs: Optional[Dict[int, Any]] = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def nbytes(self) -> int:
@@ -146,8 +148,11 @@ class StagingPlan:
         """Tensor index -> DTensor spec (mesh, placements, global shape), for DTensor shards.
 
         Returns:
-            The spec of each tensor that is a DTensor's local shard, by its index.
+            The spec of each tensor that is a DTensor's local shard, by its index (one dict per
+            plan, walked once: not to be changed).
         """
+        if self._dtensor_specs is not None:
+            return self._dtensor_specs
         out: Dict[int, Any] = {}
 
         def walk(t: Any) -> None:
@@ -161,6 +166,7 @@ class StagingPlan:
                     walk(v)
 
         walk(self.template)
+        self._dtensor_specs = out
         return out
 
     def in_sequence(self) -> Set[str]:

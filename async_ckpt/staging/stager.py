@@ -52,8 +52,9 @@ class Stager:
         Args:
             state_dict: the state dict to copy.
             plan: its plan (default: planned here).
-            lazy: return once the copies are issued: ``snapshot.pending`` tracks them and the
-                guard of :mod:`.guard` protects the sources until they are done.
+            lazy: return once the copies of device tensors are issued (CPU tensors are copied
+                now, see :mod:`.lazy`): ``snapshot.pending`` tracks them and the guard of
+                :mod:`.guard` protects the sources until they are done.
             keep: plan indices of tensors not to copy (the snapshot holds them as they are).
             drop: plan indices of tensors another rank stages (left out of the snapshot).
 

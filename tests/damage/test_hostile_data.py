@@ -100,7 +100,7 @@ def test_stored_bytes_never_reads_a_misaligned_wide_dtype():
     ``stored_bytes`` sets up reads it aligned (or as bytes) and puts the exact bytes in."""
     _run_child("""
         import io, types, torch
-        from async_ckpt.io.sinks import stored_bytes
+        from async_ckpt.format.torch_record import stored_bytes
         from async_ckpt.compat import storage_type_dtypes
         _STORAGE_DTYPES = storage_type_dtypes()
 

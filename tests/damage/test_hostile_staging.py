@@ -2,8 +2,9 @@
 
 A lazy save whose source storage is freed (``untyped_storage().resize_(0)``, as FSDP does with
 unsharded parameters) or replaced (``set_()``) before its background copy runs must fail that
-save with ``TornSnapshotError``, never read freed memory. Each case runs in a subprocess: a
-segfault there fails the test instead of killing pytest.
+save with ``TornSnapshotError``, never read freed memory (CPU tensors, staged lazily through
+``lazy_cpu_copies``: a lazy save otherwise copies them at the call). Each case runs in a
+subprocess: a segfault there fails the test instead of killing pytest.
 """
 
 from __future__ import annotations
@@ -29,8 +30,10 @@ _WORKER = textwrap.dedent(r"""
     import torch
     from async_ckpt import CheckpointManager
     from async_ckpt.errors import TornSnapshotError
-    from async_ckpt.testing import hold_copies
+    from async_ckpt.testing import hold_copies, lazy_cpu_copies
 
+    LAZY_CPU = lazy_cpu_copies()
+    LAZY_CPU.__enter__()  # CPU tensors staged lazily for the whole run (kept referenced: entered until exit)
     mode, root = sys.argv[1], sys.argv[2]
     out = {}
 

@@ -274,6 +274,35 @@ def test_large_tensor_fingerprints_follow_values_not_strides_and_taken_samples_m
     assert all(other[k] != host[k] for k in other), (other, host)
 
 
+def test_samples_taken_at_the_call_hold_the_values_at_the_call_for_every_dtype_and_layout():
+    """The samples a rank takes of the tensors it leaves to others (one batched copy per device)
+    fingerprint as the host copies of the same tensors do, for dtypes of every element size
+    (bool, int8, bfloat16, float64, complex64), a transposed tensor, a small one and a view at an
+    offset; and they are the values at the call: the tensors changed in place right after it
+    (before the writer fingerprints the samples) do not change what is compared."""
+    from async_ckpt.ranks.replicas import DroppedSamples, fingerprints
+    from async_ckpt.staging import make_plan
+
+    g = torch.Generator().manual_seed(3)
+    base = torch.randn(40000, generator=g)
+    live = {"bool": torch.rand(70000, generator=g) > 0.5,
+            "int8": torch.randint(-128, 127, (70000,), dtype=torch.int8, generator=g),
+            "bf16": torch.randn(300, 200, generator=g).to(torch.bfloat16),
+            "f64": torch.randn(9000, generator=g, dtype=torch.float64),
+            "c64": torch.randn(9000, generator=g, dtype=torch.complex64),
+            "t": torch.randn(256, 512, generator=g).t(),
+            "small": torch.randn(100, generator=g),
+            "offset": base[7:40000]}
+    plan = make_plan(live)
+    at_call = fingerprints({k: v.clone() for k, v in live.items()})
+    taken = DroppedSamples(plan, set(range(len(plan.tensors))))
+    with torch.no_grad():  # the next training step, before the writer thread looks at the samples
+        for v in live.values():
+            v.copy_(torch.zeros_like(v) if v.dtype == torch.bool else v * 2 + 1)
+    assert taken.prints() == at_call and set(at_call) == set(live)
+    assert fingerprints({k: v.clone() for k, v in live.items()}) != at_call
+
+
 def test_replicated_reads_once_reads_each_byte_once_across_ranks(jobs):
     """A counting fsspec filesystem over a local dir: with ``once`` (and ``auto``: not a local
     POSIX path) the 4 ranks read <= 1.05x the checkpoint's data bytes; with ``every_rank`` each

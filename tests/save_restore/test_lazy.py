@@ -3,7 +3,9 @@
 The copies of a lazy save run in the background; the guard (optimizer pre-step hook, module
 forward pre-hook) waits for them before the tensors change, and a mutation nothing sees makes
 the save fail with TornSnapshotError rather than commit a torn checkpoint. ``hold_copies``
-keeps the copies in flight so the mutations really race them.
+keeps the copies in flight so the mutations really race them. A lazy save copies CPU tensors
+at the call (as an eager save does); ``lazy_cpu_copies`` makes it stage them lazily here, so
+that these tests exercise the lazy machinery on a machine without an accelerator.
 """
 
 from __future__ import annotations
@@ -19,9 +21,15 @@ from async_ckpt import CheckpointManager
 from async_ckpt.errors import CheckpointError, TornSnapshotError
 from async_ckpt.staging import Stager
 from async_ckpt.staging import lazy as lazy_mod
-from async_ckpt.testing import hold_copies
+from async_ckpt.testing import hold_copies, lazy_cpu_copies
 
 from ..conftest import assert_bitwise_equal, clone_tree
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _cpu_tensors_staged_lazily():
+    with lazy_cpu_copies():
+        yield
 
 
 class Net:

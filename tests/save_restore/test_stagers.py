@@ -9,7 +9,7 @@ import torch
 
 from async_ckpt import CheckpointManager
 from async_ckpt.staging import EagerStager, LazyStager, SnapshotStager, Stager
-from async_ckpt.testing import hold_copies
+from async_ckpt.testing import hold_copies, lazy_cpu_copies
 
 from ..conftest import assert_bitwise_equal, clone_tree
 from ..support.paths import REPO
@@ -128,7 +128,7 @@ def test_two_managers_alternate_lazy_saves_and_keep_their_own_state(tmp_path):
     try:
         for step in range(1, 7):
             order = (0, 1) if step % 2 else (1, 0)  # alternate which manager saves first
-            with hold_copies(release_after=0.05):
+            with lazy_cpu_copies(), hold_copies(release_after=0.05):
                 for k in order:
                     sd = {"model": nets[k].state_dict(), "optim": opts[k].state_dict()}
                     saved[k, step] = clone_tree(sd)
@@ -154,3 +154,32 @@ def test_two_managers_alternate_lazy_saves_and_keep_their_own_state(tmp_path):
     finally:
         for m in mgrs:
             m.close()
+
+
+def test_a_lazy_save_copies_cpu_tensors_at_the_call_and_device_tensors_later(ckpt_dir, xla_device):
+    """``lazy=True`` chooses per device: CPU tensors are copied before ``save_async`` returns
+    (as an eager save copies them: a background copy would take the training loop's own cores),
+    so the loop may change them at once, outside any optimizer step, and the step restores the
+    values at the call; XLA tensors of the same save are still copied in the background
+    (``lazy_cpu_copies`` stages CPU tensors lazily too, for the tests of the lazy machinery)."""
+    g = torch.Generator().manual_seed(0)
+    big, small = torch.randn(2_000_000, generator=g), torch.arange(10.0)  # 8 MB: a background copy if lazy
+    dev = torch.randn(1_000_000, generator=g).to(xla_device)
+    sd = {"big": big, "small": small, "dev": dev}
+    ref = {"big": big.clone(), "small": small.clone(), "dev": dev.cpu()}
+    with CheckpointManager(ckpt_dir, lazy=True) as mgr:
+        with hold_copies():
+            assert mgr.save_async(1, sd)
+            pending = mgr.stager.lazy.pending[-1]
+            assert not pending.done  # the XLA tensor's copy waits behind the hold
+            with torch.no_grad():
+                big.add_(1.0)  # no guard sees these: fine, their copies were made at the call
+                small.mul_(3.0)
+        mgr.join()
+        target = {"big": torch.zeros_like(big), "small": torch.zeros_like(small), "dev": torch.zeros(1_000_000)}
+        assert mgr.restore(1, target) == 1
+        assert_bitwise_equal(target, ref)
+        with lazy_cpu_copies(), hold_copies():  # the testing seam: CPU tensors lazily, a change tears the save
+            assert mgr.save_async(2, {"big": big, "small": small})
+            assert not mgr.stager.lazy.pending[-1].done
+        mgr.join()

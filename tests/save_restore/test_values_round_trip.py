@@ -195,7 +195,7 @@ def test_a_misaligned_record_into_a_one_element_target_of_odd_stride():
     one-element float64 target of stride 7, its record at every byte offset 0..7."""
     import io
 
-    from async_ckpt.io.dcp_adapters import stored_bytes
+    from async_ckpt.format.torch_record import stored_bytes
 
     src = torch.tensor([[3.25]], dtype=torch.float64)
     buf = io.BytesIO()

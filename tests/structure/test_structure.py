@@ -12,7 +12,8 @@
 - An error is never changed once raised: no attribute of a caught error (``except ... as e``, or
   the error a context manager's ``__exit__`` receives) is assigned (raise
   ``e.with_context(step=...)``, a copy; see :func:`patched_errors`).
-- ``CheckpointManager``'s arguments and ``ManagerOptions``' fields are the same list.
+- ``CheckpointManager``'s arguments and ``ManagerOptions``' fields are the same list, and
+  nothing below the manager's façade imports ``ManagerOptions`` (each layer gets its option group).
 """
 
 from __future__ import annotations
@@ -164,6 +165,29 @@ def test_the_manager_options_are_the_managers_arguments():
             assert default is dataclasses.MISSING, f.name
         else:
             assert default == p.default, f.name
+
+
+def takers_of_the_options_bag(pkg_dir: str = PKG_DIR) -> List[str]:
+    """The modules of async_ckpt other than the manager's façade (``manager.core``) and
+    ``options`` itself that import ``ManagerOptions``, sorted: a layer below the façade gets the
+    option group it uses (``StoreOptions``, ``LocalTierOptions``, ``PeerOptions``), not the bag."""
+    found: Set[str] = set()
+    for module, path in _modules(pkg_dir).items():
+        if module in ("async_ckpt.options", "async_ckpt.manager.core"):
+            continue
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read(), filename=path)
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.ImportFrom) and _resolve(module, path.endswith("__init__.py"), node)
+                    == "async_ckpt.options" and any(a.name == "ManagerOptions" for a in node.names)):
+                found.add(module)
+    return sorted(found)
+
+
+def test_only_the_facade_takes_the_options_bag():
+    """Following an option from ``CheckpointManager``'s signature to its use goes through one
+    narrow group per layer: nothing below the façade imports ``ManagerOptions``."""
+    assert takers_of_the_options_bag() == []
 
 
 # ---- one executor reads a step's files ---------------------------------------------------------

@@ -8,7 +8,8 @@ import pytest
 
 from async_ckpt import CheckpointManager, InvalidArgumentError
 from async_ckpt.format import step_names
-from async_ckpt.jobs.peers import Seen, complete_saves, ring
+from async_ckpt.jobs.peer_inventory import Seen, complete_saves
+from async_ckpt.ranks.topology import ring
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, "2", True, None])

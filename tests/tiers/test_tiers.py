@@ -435,19 +435,19 @@ def test_cli_ls_numbers_the_two_copies_of_one_save_once(roots, capsys):
 def test_promote_refuses_one_rank_s_local_copy_of_a_multi_rank_job(roots, monkeypatch, capsys):
     """``<local_dir>/rank<r>`` holds one rank's shards: committed to the bucket as a step it
     would be listed and restored as if it were the whole job's checkpoint."""
-    import async_ckpt.manager.core as core
+    import async_ckpt.manager.submission as submission
     from async_ckpt.cli import EXIT_OK, main
     from async_ckpt.errors import CheckpointError
 
     path, local = roots
-    real = core.SaveJob
+    real = submission.SaveJob
 
     def rank1_of_2(*a, identity=None, **kw):  # what rank 1 of a 2-rank job records locally
         if identity is not None and identity.tier == "local":
             identity = dataclasses.replace(identity, rank=1, world_size=2)
         return real(*a, **kw) if identity is None else real(*a, identity=identity, **kw)
 
-    monkeypatch.setattr(core, "SaveJob", rank1_of_2)
+    monkeypatch.setattr(submission, "SaveJob", rank1_of_2)
     with CheckpointManager(path, save_interval=10, local_dir=local, local_policy=1) as mgr:
         mgr.save(3, state(3))
         with pytest.raises(CheckpointError, match="rank 1 of 2"):

@@ -36,6 +36,7 @@ from torch.distributed.fsdp import fully_shard
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 from async_ckpt import CheckpointError, CheckpointManager, InvalidStateDictError, PartlyWrittenError  # noqa: E402
 from async_ckpt.format.unpickling import load_metadata
+from async_ckpt.testing import lazy_cpu_copies  # noqa: E402
 from tests.support.damage import flip_byte  # noqa: E402
 from tests.support.tree import assert_bitwise_equal  # noqa: E402
 
@@ -402,11 +403,12 @@ def dropin_checks(root: str) -> None:
     expect_error(lambda: mgr.delete(20), StepNotFoundError, "step 20")
     mgr.close()
 
-    # lazy=True with 2 ranks: each rank's copies run in the background (tensors > 64 KiB)
+    # lazy=True with 2 ranks: each rank's copies run in the background (tensors > 64 KiB; CPU
+    # tensors staged lazily through the testing seam, as a lazy save stages device tensors)
     def big(v: float):
         return {"x": torch.full((32768,), float(v)), "mine": {f"r{rank}": torch.full((20000,), float(v + rank))}}
 
-    with CheckpointManager(root + "_lazy", lazy=True) as lm:
+    with lazy_cpu_copies(), CheckpointManager(root + "_lazy", lazy=True) as lm:
         for s in (1, 2):
             assert lm.save_async(s, big(100 + s))
         lm.join()

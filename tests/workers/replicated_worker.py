@@ -37,6 +37,7 @@ from torch.distributed.device_mesh import init_device_mesh
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 from async_ckpt import CheckpointError, CheckpointManager, CorruptCheckpointError  # noqa: E402
 from async_ckpt.format.unpickling import load_metadata
+from async_ckpt.testing import lazy_cpu_copies  # noqa: E402
 from tests.support.damage import flip_byte  # noqa: E402
 from tests.support.faulty_fs import FaultyFileSystem  # noqa: E402
 from tests.support.tree import assert_bitwise_equal  # noqa: E402
@@ -537,9 +538,10 @@ def threshold(base: str) -> None:
 def lazy_saves(base: str) -> None:
     """``lazy=True`` (copies issued in the background): each replicated byte staged once, every
     step restores bitwise (the state changes in place after save_async returns: the copies
-    must have been taken by then or be of the saved values)."""
+    must have been taken by then or be of the saved values). CPU tensors staged lazily through
+    the testing seam (a lazy save otherwise copies them at the call)."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    with CheckpointManager(os.path.join(base, f"lazy{world}"), lazy=True) as mgr:
+    with lazy_cpu_copies(), CheckpointManager(os.path.join(base, f"lazy{world}"), lazy=True) as mgr:
         live = ddp_state(1, rank)
         for step in (1, 2, 3):
             fresh = ddp_state(step, rank)

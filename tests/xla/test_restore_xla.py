@@ -12,7 +12,7 @@ import torch
 from async_ckpt import CheckpointManager
 from async_ckpt import compat as compat_mod
 from async_ckpt.errors import CorruptCheckpointError, StateDictMismatchError
-from async_ckpt.io import sinks
+from async_ckpt.io import device_targets
 
 from ..restore_paths.test_restore_fast import _flip_in_record, direct_calls  # noqa: F401 - the fixture, shared
 from ..support.tree import assert_bitwise_equal
@@ -61,7 +61,7 @@ def ids(tree: dict) -> dict:
 
 @pytest.mark.parametrize("host_backed", [True, False], ids=["dlpack", "batched"])
 def test_xla_restore_is_direct_bitwise_and_in_place(tmp_path, xla_device, direct_calls, monkeypatch, host_backed):
-    monkeypatch.setattr(sinks, "HOST_BACKED", host_backed)
+    monkeypatch.setattr(device_targets, "HOST_BACKED", host_backed)
     transfers = []
     real_batched = compat_mod.xla_tensors_from_aten
 
