@@ -152,3 +152,26 @@ def test_the_stats_log_is_never_appended_through_a_hard_link(tmp_path, victim, c
     mgr.close()
     assert victim.read_bytes() == VICTIM
     assert any("stats log" in r.getMessage() and "hard link" in r.getMessage() for r in caplog.records)
+
+
+def test_a_file_removed_while_it_is_opened_for_writing_is_not_called_a_hard_link(tmp_path, monkeypatch):
+    """A file another program removes between async_ckpt's open and its check (a user's cleanup
+    deleting a directory while a save is pending) has no name left: that is said as it is, a
+    FileNotFoundError naming the path, not a refusal of a hard link with "0 names"."""
+    from async_ckpt.storage.backends.posix import open_own_file
+
+    path = tmp_path / "model.bin"
+    real_fstat = os.fstat
+
+    def removed_first(fd, *a, **k):
+        if os.path.exists(path):
+            os.unlink(path)  # the other program's rm, right after our open
+        return real_fstat(fd, *a, **k)
+
+    monkeypatch.setattr(os, "fstat", removed_first)
+    with pytest.raises(FileNotFoundError, match="removed by another program") as err:
+        open_own_file(str(path), os.O_WRONLY | os.O_CREAT, 0o644)
+    assert err.value.filename == str(path)
+    monkeypatch.setattr(os, "fstat", real_fstat)
+    fd = open_own_file(str(path), os.O_WRONLY | os.O_CREAT, 0o644)  # no race: opens
+    os.close(fd)

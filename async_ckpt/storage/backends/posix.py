@@ -76,6 +76,7 @@ def open_own_file(path: str, flags: int, mode: int = 0o644, *, dir_fd: Optional[
     Raises:
         StorageError: ``path`` is a symbolic link, a hard link (more than one name), or not a
             regular file (nothing was written).
+        FileNotFoundError: ``path`` was removed by another program while it was being opened.
         OSError: any other failure of ``os.open``.
     """
     import fcntl
@@ -93,6 +94,11 @@ def open_own_file(path: str, flags: int, mode: int = 0o644, *, dir_fd: Optional[
             raise StorageError(f"refusing to write {path}: it is not a regular file, and async_ckpt writes only "
                                "its own files under a checkpoint root (remove it, or use a directory that only "
                                "this job can write)")
+        if st.st_nlink == 0:
+            # No name left: another program removed the file (or its directory) since it was opened.
+            raise FileNotFoundError(errno.ENOENT, "removed by another program while async_ckpt opened it to write "
+                                    "(was its directory deleted while a save was pending? wait() before removing it)",
+                                    path)
         if st.st_nlink != 1:
             raise StorageError(f"refusing to write {path}: it is a hard link to another file ({st.st_nlink} names), "
                                "and async_ckpt never writes in place through one: that would change the file "
