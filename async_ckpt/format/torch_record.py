@@ -461,7 +461,10 @@ def pickle_archive(obj: Any) -> Tuple[bytes, List[torch.UntypedStorage], int]:
             raise _Stop
 
     try:
-        compat.torch_save_pickle(obj, types.SimpleNamespace(__name__="async_ckpt_capture_pickle", Pickler=_Capture))
+        # torch.save itself (the save's one call, at the call, as TorchCheckpointIO makes it); its
+        # zip writer only ever gets the end of an empty archive: the pickler stops first.
+        torch.save(obj, io.BytesIO(), pickle_module=types.SimpleNamespace(__name__="async_ckpt_capture_pickle",
+                                                                         Pickler=_Capture))
     except _Stop:
         return out["data"], out["storages"], out["refs"]
     raise RuntimeError("torch.save's pickling did not go through the given pickler")  # pragma: no cover
@@ -498,7 +501,7 @@ def save_archive(data: bytes, storages: List[torch.UntypedStorage], f: Any) -> N
         storages: the storages' host copies, by record index.
         f: a writable binary file object or a path.
     """
-    torch.save((data, storages), f, pickle_module=_ARCHIVE)
+    compat.torch_save_file((data, storages), f, _ARCHIVE)
 
 
 # ---- parsing -----------------------------------------------------------------------------------

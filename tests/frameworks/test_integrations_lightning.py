@@ -22,6 +22,8 @@ from lightning.fabric.plugins import TorchCheckpointIO  # noqa: E402
 from async_ckpt import CheckpointError  # noqa: E402
 from async_ckpt.integrations.lightning import AsyncCkptIO  # noqa: E402
 
+from ..support.tree import assert_bitwise_equal  # noqa: E402
+
 
 class TaggedTensor(torch.Tensor):
     """A tensor subclass (module level: ``torch.load`` finds it by name)."""
@@ -294,15 +296,36 @@ def test_lightning_inside_lightning_s_async_checkpoint_io_says_once_it_is_synchr
 
 def test_lightning_each_save_calls_torch_save_once_as_torch_checkpoint_io_does(tmp_path):
     """Lightning's own tests count ``torch.save`` calls through a mock (``test_top_k``,
-    ``test_model_checkpoint_no_extraneous_invocations``): one per save, as ``TorchCheckpointIO``;
-    taking the snapshot at the call does not go through ``torch.save``."""
+    ``test_model_checkpoint_no_extraneous_invocations``): one per save, as ``TorchCheckpointIO``,
+    made by the time ``save_checkpoint`` returns (``on_train_end`` counts them while the last
+    write may be pending); the background write does not go through ``torch.save``."""
     from unittest import mock
 
     io_ = AsyncCkptIO(log_stats=False)
     with mock.patch("torch.save", wraps=torch.save) as save:
         for i in range(3):
             io_.save_checkpoint({"w": torch.nn.Parameter(torch.full((2,), float(i)))}, tmp_path / f"{i}.ckpt")
+            assert save.call_count == i + 1  # at the call, whatever the writer has done
         io_.wait()
-        assert save.call_count == 3
+        assert save.call_count == 3  # and none from the writes
     io_.teardown()
     assert torch.equal(torch.load(tmp_path / "2.ckpt", weights_only=False)["w"], torch.full((2,), 2.0))
+
+
+def test_lightning_torch_save_is_called_at_the_call_not_by_the_background_write(tmp_path):
+    """``on_train_end`` of Lightning's ``test_model_checkpoint_no_extraneous_invocations`` counts
+    ``torch.save`` calls while the last write may still be pending: the count is made by the time
+    ``save_checkpoint`` returns, even with the write held, and the write adds none."""
+    from unittest import mock
+
+    io_ = AsyncCkptIO(log_stats=False, sync_explicit=False, max_pending=2)
+    with mock.patch("torch.save", wraps=torch.save) as save:
+        url, stuck, ck = _held_write(io_, tmp_path, "held.ckpt")
+        assert save.call_count == 1  # the held save's call was made before its write
+        io_.save_checkpoint({"w": torch.nn.Parameter(torch.ones(2))}, tmp_path / "next.ckpt")
+        assert save.call_count == 2  # queued behind the held write: counted all the same
+        stuck.release.set()
+        io_.wait()
+        assert save.call_count == 2
+    io_.teardown()
+    assert_bitwise_equal(torch.load(tmp_path / "next.ckpt", weights_only=False), {"w": torch.ones(2)})
