@@ -52,14 +52,30 @@ def torch_save_without_crc(obj: Any, f: Any) -> None:
     writer.write_end_of_file()
 
 
+def torch_save_pickle(obj: Any, pickle_module: Any) -> None:
+    """Run ``torch.save``'s pickling of ``obj`` (``torch.serialization._save``) with no zip writer.
+
+    ``pickle_module.Pickler`` is the base of ``torch.save``'s own pickler (its storage ids);
+    its ``dump`` must end the call by raising, before any record would be written. For when
+    ``torch.save`` itself does not pickle (a test replaced it with a mock).
+
+    Args:
+        obj: what ``torch.save`` would save.
+        pickle_module: a module-like object with a ``Pickler`` class.
+    """
+    import torch.serialization as ser
+
+    ser._save(obj, None, pickle_module, ser.DEFAULT_PROTOCOL, False)
+
+
 def torch_save_file(obj: Any, f: Any, pickle_module: Any) -> None:
     """Write ``torch.save``'s file of ``obj`` to ``f`` as ``torch.save`` does (its zip writer and
     ``torch.serialization._save``), not through the ``torch.save`` name.
 
     The save's one call of ``torch.save`` is at the call, where the object is pickled
     (:func:`~async_ckpt.format.torch_record.pickle_archive`), as ``TorchCheckpointIO`` calls it
-    once per save before it returns: code that counts or wraps ``torch.save`` (a test's mock)
-    sees one call per save, made by then, and none from the background write.
+    once per save before it returns: code that counts, wraps or replaces ``torch.save`` (a test's
+    mock) sees one call per save, made by then, and none from the background write.
 
     Args:
         obj: what ``torch.save`` would save.

@@ -460,11 +460,14 @@ def pickle_archive(obj: Any) -> Tuple[bytes, List[torch.UntypedStorage], int]:
             out["data"] = self._file.getvalue()
             raise _Stop
 
+    capture = types.SimpleNamespace(__name__="async_ckpt_capture_pickle", Pickler=_Capture)
     try:
-        # torch.save itself (the save's one call, at the call, as TorchCheckpointIO makes it); its
-        # zip writer only ever gets the end of an empty archive: the pickler stops first.
-        torch.save(obj, io.BytesIO(), pickle_module=types.SimpleNamespace(__name__="async_ckpt_capture_pickle",
-                                                                         Pickler=_Capture))
+        # torch.save itself: the save's one call of it, at the call, as TorchCheckpointIO makes it
+        # (its zip writer only gets the end of an empty archive: the pickler stops first)
+        torch.save(obj, io.BytesIO(), pickle_module=capture)
+        # torch.save returned without pickling: it was replaced (a test's mock); torch's own
+        # pickling, without the name
+        compat.torch_save_pickle(obj, capture)
     except _Stop:
         return out["data"], out["storages"], out["refs"]
     raise RuntimeError("torch.save's pickling did not go through the given pickler")  # pragma: no cover

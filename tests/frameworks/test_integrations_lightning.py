@@ -329,3 +329,22 @@ def test_lightning_torch_save_is_called_at_the_call_not_by_the_background_write(
         assert save.call_count == 2
     io_.teardown()
     assert_bitwise_equal(torch.load(tmp_path / "next.ckpt", weights_only=False), {"w": torch.ones(2)})
+
+
+def test_lightning_torch_save_replaced_by_a_mock_is_called_once_per_save_and_the_file_is_written(tmp_path):
+    """Lightning's ``test_top_k`` replaces ``torch.save`` by a plain mock (it pickles nothing) and
+    counts its calls: one per save, at the call; the snapshot is still taken with torch's own
+    pickling and the file written whole."""
+    from unittest import mock
+
+    io_ = AsyncCkptIO(log_stats=False, sync_explicit=False)
+    states = [{"w": torch.nn.Parameter(torch.full((3,), float(i))), "step": i} for i in range(3)]
+    with mock.patch("torch.save") as save:
+        for i, st in enumerate(states):
+            io_.save_checkpoint(st, tmp_path / f"{i}.ckpt")
+            assert save.call_count == i + 1
+        io_.wait()
+        assert save.call_count == 3
+    io_.teardown()
+    for i, st in enumerate(states):
+        assert_bitwise_equal(torch.load(tmp_path / f"{i}.ckpt", weights_only=False), st)
