@@ -69,9 +69,9 @@ def torch_save_pickle(obj: Any, pickle_module: Any) -> None:
 
 
 def torch_save_file(obj: Any, f: Any, pickle_module: Any) -> None:
-    """Write ``torch.save``'s file of ``obj`` to ``f`` as ``torch.save`` does (its zip writer and
-    ``torch.serialization._save``), not through the ``torch.save`` name.
+    """Write ``torch.save``'s file of ``obj`` to ``f`` without going through the ``torch.save`` name.
 
+    As ``torch.save`` does it: its zip writer and ``torch.serialization._save``.
     The save's one call of ``torch.save`` is at the call, where the object is pickled
     (:func:`~async_ckpt.format.torch_record.pickle_archive`), as ``TorchCheckpointIO`` calls it
     once per save before it returns: code that counts, wraps or replaces ``torch.save`` (a test's
